@@ -1,0 +1,151 @@
+// ---------------------------------------------------------------------------------------------------------
+// config: config.json (llama, qwen2, qwen3, qwen3_vl), quantization_config, and one descriptor per Linear.
+// ---------------------------------------------------------------------------------------------------------
+#pragma once
+
+namespace kvlite {
+
+enum class Arch { llama, qwen2, qwen3, qwen3_vl };
+const char* arch_name(Arch arch);
+
+// Rotary embedding parameters, from either key layout: classic (`rope_theta` + `rope_scaling`) or the one
+// newer transformers write (`rope_parameters` = {rope_type, rope_theta, ...}).
+struct RopeConfig {
+  std::string type = "default";  // "default" | "llama3" (others are refused as unsupported)
+  double theta = 10000.0;
+  // llama3 scaling
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 0;
+  // Qwen3-VL multimodal RoPE: sections of the rotary half (t, h, w), e.g. [24, 20, 20]
+  std::vector<int> mrope_section;
+  bool mrope_interleaved = false;
+};
+
+struct TextConfig {
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;  // explicit `head_dim` if given, else hidden_size / num_heads
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // q/k/v biases (qwen2: always true)
+  bool qk_norm = false;         // per-head RMSNorm of q and k before RoPE (qwen3, qwen3_vl)
+  std::string hidden_act = "silu";
+  DType dtype = DType::BF16;  // torch_dtype / dtype of the unquantized weights
+  RopeConfig rope;
+  std::vector<int64_t> bos_token_ids;
+  std::vector<int64_t> eos_token_ids;
+};
+
+struct VisionConfig {
+  bool present = false;
+  int64_t depth = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_heads = 0;
+  int64_t in_channels = 3;
+  int64_t patch_size = 16;
+  int64_t temporal_patch_size = 2;
+  int64_t spatial_merge_size = 2;
+  int64_t out_hidden_size = 0;
+  int64_t num_position_embeddings = 0;
+  std::vector<int64_t> deepstack_visual_indexes;
+  std::string hidden_act = "gelu_pytorch_tanh";
+};
+
+// How a group of Linears is quantized (compressed-tensors `config_groups.*.weights`, or Qwen's fp8).
+enum class QuantMethod { none, compressed_tensors, fp8 };
+enum class WeightFormat { dense, fp8, int4 };
+enum class ScaleGranularity { none, tensor, channel, group, block };
+const char* weight_format_name(WeightFormat format);
+const char* scale_granularity_name(ScaleGranularity granularity);
+
+struct QuantScheme {
+  std::vector<std::string> targets;  // "Linear", exact module names, or "re:<regex>"
+  WeightFormat format = WeightFormat::dense;
+  int num_bits = 16;
+  bool symmetric = true;
+  ScaleGranularity granularity = ScaleGranularity::none;
+  int64_t group_size = 0;               // group strategy
+  int64_t block_n = 0, block_k = 0;     // block strategy (e.g. 128 x 128)
+  bool actorder = false;                // g_idx present (actorder "group"/"dynamic")
+  bool dynamic_activations = false;     // activations quantized per token at run time
+};
+
+struct QuantConfig {
+  QuantMethod method = QuantMethod::none;
+  std::string format;                   // "pack-quantized", "float-quantized", "naive-quantized", "fp8", ...
+  std::vector<QuantScheme> schemes;     // compressed-tensors config_groups, in order; fp8: one block scheme
+  std::vector<std::string> ignore;      // compressed-tensors `ignore`: exact names or "re:<regex>"
+  std::vector<std::string> modules_to_not_convert;  // Qwen fp8: a module stays dense if a listed key is a substring
+};
+
+struct ModelConfig {
+  std::string model_type;  // as written in config.json
+  Arch arch = Arch::llama;
+  TextConfig text;
+  VisionConfig vision;
+  QuantConfig quant;
+  int64_t image_token_id = -1, video_token_id = -1, vision_start_token_id = -1, vision_end_token_id = -1;
+  // Image budget from preprocessor_config.json (min/max pixel counts), when the directory has one.
+  int64_t min_pixels = 0, max_pixels = 0;
+  std::string origin;  // the config.json path, for messages
+
+  // Weight-name prefix of the language model: "model." or, for qwen3_vl, "model.language_model.".
+  std::string text_prefix() const;
+  // KV bytes per token over all layers: 2 x layers x kv_heads x head_dim x element bytes.
+  uint64_t kv_bytes_per_token(int kv_element_bytes) const;
+};
+
+// Parses a config.json text. `origin` names it in errors. Refuses unknown model types, missing or
+// non-positive sizes, unknown rope or quantization methods, with the key named.
+Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin);
+// Reads MODEL_DIR/config.json (and preprocessor_config.json if present).
+Result<ModelConfig> load_config(const std::string& model_dir);
+
+// One Linear layer as it is on disk.
+struct LinearDesc {
+  std::string name;  // module name, e.g. "model.layers.0.self_attn.q_proj"
+  int64_t out_features = 0, in_features = 0;  // N, K
+  WeightFormat format = WeightFormat::dense;
+  DType weight_dtype = DType::BF16;  // BF16/F16/F32 (dense), F8_E4M3 (fp8), I32 (int4 packed)
+  ScaleGranularity granularity = ScaleGranularity::none;
+  DType scale_dtype = DType::BF16;
+  std::string scale_name;             // "weight_scale" or "weight_scale_inv"
+  int64_t group_size = 0;             // int4 group (K for channel)
+  int64_t block_n = 0, block_k = 0;   // fp8 block
+  bool symmetric = true;
+  bool has_g_idx = false;
+  bool has_bias = false;
+  bool vision = false;   // part of the vision tower
+  uint64_t bytes = 0;    // exact bytes of all its tensors on disk (weight, scales, zeros, g_idx, shape, bias)
+  bool exact = false;    // true: from the safetensors headers; false: estimated from config.json
+};
+
+class TensorStore;
+// Every Linear of the model with its format and bytes. With a non-empty store the format is decided per
+// tensor from the headers and the config together (exact bytes; bad shapes are errors naming the tensor);
+// with an empty store (or nullptr) everything is estimated from config.json.
+Result<std::vector<LinearDesc>> describe_linears(const ModelConfig& config, const TensorStore* store);
+
+// Is this module excluded from quantization by `ignore` / `modules_to_not_convert`?
+bool quant_ignores(const QuantConfig& quant, const std::string& module_name);
+
+// What the weights weigh, for the planner.
+struct WeightsSummary {
+  uint64_t total_bytes = 0;     // everything the model reads
+  uint64_t text_bytes = 0;      // language model, embeddings and lm_head
+  uint64_t vision_bytes = 0;    // vision tower and mergers
+  uint64_t embedding_bytes = 0; // input embedding table (+ lm_head when untied)
+  bool exact = false;           // "headers" when true, "config" when estimated
+  std::vector<LinearDesc> linears;
+};
+Result<WeightsSummary> summarize_weights(const ModelConfig& config, const TensorStore* store);
+
+}  // namespace kvlite

@@ -1,0 +1,22 @@
+// The root of kvlite's header parts. tools/amalgamate.sh inlines every `#include "..."` below (once each,
+// in this order) into the single kvlite.hpp at the top of the repository. Edit the parts, never kvlite.hpp.
+#include "manual.txt"
+#ifndef KVLITE_HPP_INCLUDED
+#define KVLITE_HPP_INCLUDED
+#include "base.hpp"
+#include "safetensors.hpp"
+#include "config.hpp"
+#include "device.hpp"
+#include "plan.hpp"
+#include "arena.hpp"
+#endif  // KVLITE_HPP_INCLUDED
+
+#if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
+#define KVLITE_IMPLEMENTATION_INCLUDED
+#include "base.inl"
+#include "safetensors.inl"
+#include "config.inl"
+#include "device.inl"
+#include "plan.inl"
+#include "arena.inl"
+#endif  // KVLITE_IMPLEMENTATION

@@ -1,0 +1,75 @@
+// ---------------------------------------------------------------------------------------------------------
+// safetensors: memory-mapped, validated reading of single and sharded checkpoints.
+// ---------------------------------------------------------------------------------------------------------
+#pragma once
+#include <map>
+
+namespace kvlite {
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  int file_index = 0;   // index into TensorStore::files()
+  uint64_t offset = 0;  // absolute byte offset of the first element inside its file
+  uint64_t nbytes = 0;  // exact byte span (== numel * element size, validated)
+  uint64_t numel() const {
+    uint64_t n = 1;
+    for (int64_t d : shape) n *= uint64_t(d);
+    return n;
+  }
+};
+
+// The parsed header of one .safetensors file. Validation matches the reference reader: header length
+// <= 100,000,000 bytes and inside the file, valid JSON object, known dtype, non-negative shape, byte span ==
+// numel x element size, spans inside the data buffer, no overlaps, no holes, no duplicate names,
+// __metadata__ a string-to-string map. Errors name the file (origin) and the tensor.
+struct SafetensorsHeader {
+  std::vector<TensorInfo> tensors;  // in data order
+  std::map<std::string, std::string> metadata;
+  uint64_t data_start = 0;  // 8 + header length
+};
+Result<SafetensorsHeader> parse_safetensors_header(const uint8_t* data, uint64_t size, const std::string& origin);
+
+// A read-only mmap of a whole file.
+class MappedFile {
+ public:
+  static Result<std::shared_ptr<MappedFile>> open(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  MappedFile() = default;
+  const uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+  std::string path_;
+};
+
+// All tensors of a model directory: `model.safetensors`, or the shards named by
+// `model.safetensors.index.json` (each listed tensor must be in the shard the index names), or, with neither,
+// every `*.safetensors` file. A directory with no weights gives an empty store (planning from config alone).
+class TensorStore {
+ public:
+  static Result<TensorStore> open_dir(const std::string& model_dir);
+  static Result<TensorStore> open_files(const std::vector<std::string>& paths);
+  bool empty() const { return tensors_.empty(); }
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  const TensorInfo* find(const std::string& name) const;
+  const std::vector<std::string>& files() const { return paths_; }
+  const uint8_t* data(const TensorInfo& tensor) const;  // into the mmap; valid while the store lives
+  uint64_t total_bytes() const;                          // sum of all tensors' byte spans
+  // missing_tensor error listing every absent name (not just the first).
+  Status require(const std::vector<std::string>& names) const;
+
+ private:
+  std::vector<std::shared_ptr<MappedFile>> files_;
+  std::vector<std::string> paths_;
+  std::vector<TensorInfo> tensors_;
+  std::map<std::string, size_t> index_;
+};
+
+}  // namespace kvlite

@@ -1,0 +1,61 @@
+// Test helper: writes .safetensors files (and sharded directories) from in-memory tensors, so tests can
+// make good and deliberately broken checkpoints without Python. Not part of the library.
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+#include <nlohmann/json.hpp>
+
+namespace testing_safetensors {
+
+struct Tensor {
+  std::string name;
+  std::string dtype;               // "BF16", "F32", "I32", "F8_E4M3", ...
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;      // raw little-endian data
+};
+
+inline std::vector<uint8_t> bytes_of_f32(const std::vector<float>& values) {
+  std::vector<uint8_t> out(values.size() * 4);
+  memcpy(out.data(), values.data(), out.size());
+  return out;
+}
+
+// Writes the header JSON padded with spaces to a multiple of 8, then the data in order.
+// `header_override`, when non-empty, replaces the generated header text (for malformed-header tests).
+inline void write_file(const std::string& path, const std::vector<Tensor>& tensors,
+                       const std::map<std::string, std::string>& metadata = {},
+                       const std::string& header_override = "") {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes.size()}}};
+    offset += t.bytes.size();
+  }
+  std::string text = header_override.empty() ? header.dump() : header_override;
+  while (text.size() % 8) text += ' ';
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  uint64_t n = text.size();
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out.write(text.data(), std::streamsize(text.size()));
+  for (const auto& t : tensors) out.write(reinterpret_cast<const char*>(t.bytes.data()), std::streamsize(t.bytes.size()));
+}
+
+// A fresh empty directory under the build tree's temp area, unique per name.
+inline std::string temp_dir(const std::string& name) {
+  std::string dir = std::string(KVLITE_BINARY_DIR) + "/test-tmp/" + name;
+  std::string cmd = "rm -rf '" + dir + "' && mkdir -p '" + dir + "'";
+  if (std::system(cmd.c_str()) != 0) throw std::runtime_error("cannot make " + dir);
+  return dir;
+}
+
+inline void write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+}
+
+}  // namespace testing_safetensors

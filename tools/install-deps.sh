@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs kvlite's build dependencies from Debian packages, only those missing. Idempotent and quiet when
+# everything is present. Uses sudo when not root.
+#   cmake g++ make pkg-config   the build
+#   doctest-dev                 tests
+#   nlohmann-json3-dev          config.json, tokenizer.json, safetensors headers
+#   libstb-dev                  image decoding (stb_image)
+#   libpcre2-dev                the tokenizers' pre-tokenizer regexes (Unicode properties)
+set -euo pipefail
+need=()
+have_header() { [ -f "/usr/include/$1" ] || [ -f "/usr/local/include/$1" ]; }
+command -v cmake >/dev/null || need+=(cmake)
+command -v g++ >/dev/null || need+=(g++)
+command -v make >/dev/null || need+=(make)
+command -v pkg-config >/dev/null || need+=(pkg-config)
+have_header doctest/doctest.h || need+=(doctest-dev)
+have_header nlohmann/json.hpp || need+=(nlohmann-json3-dev)
+have_header stb/stb_image.h || need+=(libstb-dev)
+have_header pcre2.h || need+=(libpcre2-dev)
+[ ${#need[@]} -eq 0 ] && exit 0
+echo "kvlite: installing missing Debian packages: ${need[*]}"
+sudo=""
+if [ "$(id -u)" != 0 ]; then
+  command -v sudo >/dev/null || { echo "kvlite: need root or sudo to install: ${need[*]}" >&2; exit 1; }
+  sudo=sudo
+fi
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
