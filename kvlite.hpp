@@ -642,6 +642,12 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
 // arena: the one reservation, its regions, and the KV page pool carved from its last region.
+//
+//   base_ ──► | weights | repack | activations | ... | graphs | kv: page 0 | page 1 | ... | page P-1 |
+//             each region 256-byte aligned, in the plan's item order; the KV region is kv_pages x kv_page_bytes
+//
+// Every byte of arena and page-pool memory is acquired through detail::acquire_arena_memory, which counts
+// acquisitions made after an Arena finished create(): Arena::allocations_after_start() must stay 0.
 // ---------------------------------------------------------------------------------------------------------
 
 namespace kvlite {
@@ -652,14 +658,46 @@ namespace kvlite {
 struct KVPageLayout {
   int64_t layers = 0, page_tokens = 0, kv_heads = 0, head_dim = 0;
   KVLITE_HD int64_t page_elements() const { return layers * 2 * page_tokens * kv_heads * head_dim; }
+  // Element offset of head_dim[0] of (page, layer, kv, token_in_page, kv_head) from the KV region's start.
   KVLITE_HD int64_t offset(int64_t page, int64_t layer, int64_t kv, int64_t token_in_page, int64_t kv_head) const {
     return (((page * layers + layer) * 2 + kv) * page_tokens + token_in_page) * kv_heads * head_dim + kv_head * head_dim;
   }
 };
 
+namespace detail {
+// The one door for arena and page-pool memory: `backend` cpu is an aligned host allocation, cuda the
+// device reservation (cuda::allocate_arena). Counts the acquisition in Arena::allocations_after_start()
+// when an Arena is live and this thread is not inside Arena::create(). Throws Error (out_of_memory with the
+// numbers, or the CUDA entry point's error) naming `what`.
+void* acquire_arena_memory(BackendKind backend, uint64_t bytes, uint64_t alignment, const char* what);
+void release_arena_memory(BackendKind backend, void* pointer) noexcept;
+
+// std::allocator for the page pool's tables, routed through acquire_arena_memory so that any growth after
+// start shows up in the counter.
+template <class T>
+struct ArenaAllocator {
+  using value_type = T;
+  ArenaAllocator() = default;
+  template <class U>
+  ArenaAllocator(const ArenaAllocator<U>&) {}  // NOLINT: rebinding, as the standard allocators do
+  T* allocate(size_t count) {
+    return static_cast<T*>(acquire_arena_memory(BackendKind::cpu, uint64_t(count) * sizeof(T), alignof(T),
+                                                 "the KV page pool's tables"));
+  }
+  void deallocate(T* pointer, size_t) noexcept { release_arena_memory(BackendKind::cpu, pointer); }
+  template <class U>
+  bool operator==(const ArenaAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const ArenaAllocator<U>&) const { return false; }
+};
+template <class T>
+using ArenaVector = std::vector<T, ArenaAllocator<T>>;
+}  // namespace detail
+
 // Fixed-size pages with O(1) alloc/free (a free stack), reference counts (for prefix sharing), and one
 // block table per sequence slot: a preallocated [max_seqs, max_pages_per_seq] int32 matrix, the form
-// attention kernels read. No allocation happens after construction.
+// attention kernels read. No allocation happens after construction: every table is sized once and indexed
+// with explicit counts, never push_back.
 class KVPagePool {
  public:
   struct Stats {
@@ -669,27 +707,33 @@ class KVPagePool {
     int64_t tokens_stored = 0;   // sum of live sequences' lengths
     int64_t token_capacity = 0;  // used_pages x page_tokens
   };
-  KVPagePool() = default;
-  KVPagePool(int64_t num_pages, int64_t page_tokens, int64_t max_seqs, int64_t max_pages_per_seq);
+  KVPagePool() = default;  // empty: no pages, no slots
+  // num_pages in [0, 2^31), page_tokens, max_seqs and max_pages_per_seq > 0; invalid_argument otherwise.
+  static Result<KVPagePool> create(int64_t num_pages, int64_t page_tokens, int64_t max_seqs,
+                                   int64_t max_pages_per_seq);
 
+  int64_t num_pages() const { return int64_t(refcount_.size()); }
   int64_t page_tokens() const { return page_tokens_; }
   int64_t max_seqs() const { return max_seqs_; }
   int64_t max_pages_per_seq() const { return max_pages_per_seq_; }
+  // Host bytes of the pool's tables (their capacities): fixed at construction.
+  uint64_t metadata_bytes() const;
 
-  // Pages. alloc_page returns -1 when none is free.
+  // Pages. alloc_page returns -1 when none is free; the new page has refcount 1.
   int32_t alloc_page();
-  void retain_page(int32_t page);
-  void release_page(int32_t page);  // frees the page when its count reaches zero
-  int32_t page_refcount(int32_t page) const;
+  Status retain_page(int32_t page);   // invalid_argument for a page that is not allocated
+  Status release_page(int32_t page);  // frees the page when its count reaches zero
+  int32_t page_refcount(int32_t page) const;  // 0 for a free page, -1 for an id out of range
 
   // Sequences. seq_create returns a slot id or -1 when all max_seqs slots are live.
   int32_t seq_create();
-  // Grows the sequence to hold `tokens` tokens, taking pages as needed. All or nothing: on failure nothing
-  // changes (out_of_memory when pages run out, does_not_fit past max_pages_per_seq), with the numbers.
+  // Grows the sequence to hold `tokens` tokens, taking pages as needed (a smaller count changes nothing).
+  // All or nothing: on failure nothing changes (out_of_memory when pages run out, does_not_fit past
+  // max_pages_per_seq), with the numbers.
   Status seq_reserve(int32_t seq, int64_t tokens);
-  void seq_free(int32_t seq);  // releases its pages and the slot
-  int64_t seq_tokens(int32_t seq) const;
-  int64_t seq_pages(int32_t seq) const;
+  Status seq_free(int32_t seq);  // releases its pages (each frees at refcount zero) and the slot
+  int64_t seq_tokens(int32_t seq) const;  // -1 for a slot that is not live
+  int64_t seq_pages(int32_t seq) const;   // 0 for a slot that is not live
   const int32_t* block_table(int32_t seq) const;  // row of max_pages_per_seq entries; -1 past seq_pages
   const int32_t* block_tables() const { return tables_.data(); }  // [max_seqs, max_pages_per_seq]
   // Pages needed for `tokens` tokens.
@@ -698,13 +742,17 @@ class KVPagePool {
   Stats stats() const;
 
  private:
+  bool live(int32_t seq) const;
   int64_t page_tokens_ = 16, max_seqs_ = 0, max_pages_per_seq_ = 0;
-  std::vector<int32_t> free_stack_;   // capacity num_pages, never grows
-  std::vector<int32_t> refcount_;     // [num_pages]
-  std::vector<int32_t> tables_;       // [max_seqs * max_pages_per_seq]
-  std::vector<int64_t> seq_tokens_;   // [max_seqs], -1 when the slot is free
-  std::vector<int64_t> seq_pages_;    // [max_seqs]
-  std::vector<int32_t> free_slots_;   // capacity max_seqs
+  detail::ArenaVector<int32_t> free_stack_;  // [num_pages]; entries [0, free_pages_) are free page ids
+  int64_t free_pages_ = 0;
+  detail::ArenaVector<int32_t> refcount_;    // [num_pages]
+  detail::ArenaVector<int32_t> tables_;      // [max_seqs * max_pages_per_seq], -1 where unused
+  detail::ArenaVector<int64_t> seq_tokens_;  // [max_seqs], -1 when the slot is free
+  detail::ArenaVector<int64_t> seq_pages_;   // [max_seqs]
+  detail::ArenaVector<int32_t> free_slots_;  // [max_seqs]; entries [0, free_slot_count_) are free slots
+  int64_t free_slot_count_ = 0;
+  int64_t tokens_stored_ = 0;
   int64_t peak_used_ = 0;
   uint64_t allocs_ = 0, frees_ = 0;
 };
@@ -715,26 +763,46 @@ struct ArenaRegion {
   uint64_t bytes = 0;
 };
 
+namespace detail {
+// Alignment of every region's offset: what cudaMalloc guarantees for the base, and enough for any vector load.
+constexpr uint64_t kArenaRegionAlignment = 256;
+// Alignment of the CPU backend's host reservation (a page).
+constexpr uint64_t kArenaHostAlignment = 4096;
+struct ArenaLayout {
+  std::vector<ArenaRegion> regions;  // the plan's in_arena items in order, then "kv"
+  uint64_t total_bytes = 0;          // the one reservation: the end of the "kv" region
+};
+// The regions carved from `plan`: each in_arena item in order at a kArenaRegionAlignment offset, then "kv"
+// of kv_pages x kv_page_bytes. Plan::arena_bytes() is this total. Throws invalid_argument for a duplicate
+// key (the plan must not list "kv" among its items) or sizes that overflow 64 bits.
+ArenaLayout arena_layout(const Plan& plan);
+}  // namespace detail
+
 // The one reservation of plan.arena_bytes(): one aligned host allocation for the CPU backend, one
-// cudaMalloc for CUDA. Regions follow the plan's in_arena items in order, each 256-byte aligned (the plan
-// rounds every item up to that), then the KV pages.
+// cudaMalloc for CUDA (plan.device.backend decides). Regions follow the plan's in_arena items in order,
+// each 256-byte aligned (the plan rounds every item up to that), then the KV pages.
 class Arena {
  public:
+  // Fails with does_not_fit when the plan does not fit, invalid_argument when the plan and config disagree
+  // (KV page bytes vs the model's KV shape), out_of_memory when the reservation fails, unsupported for a
+  // CUDA plan in a build without CUDA.
   static Result<std::unique_ptr<Arena>> create(const Plan& plan, const ModelConfig& config);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
   BackendKind backend() const { return backend_; }
-  uint8_t* base() const { return base_; }
+  uint8_t* base() const { return base_; }  // device memory for the CUDA backend
   uint64_t size() const { return size_; }
   const std::vector<ArenaRegion>& regions() const { return regions_; }
-  const ArenaRegion* region(const std::string& key) const;
-  uint8_t* region_data(const std::string& key) const;  // nullptr when absent
+  const ArenaRegion* region(const std::string& key) const;  // nullptr when absent
+  uint8_t* region_data(const std::string& key) const;       // nullptr when absent
   KVPagePool& kv() { return kv_; }
+  const KVPagePool& kv() const { return kv_; }
   const KVPageLayout& kv_layout() const { return kv_layout_; }
-  // System (host or device) allocations made for the arena's memory after create() returned. kvlite's
-  // promise is that this stays 0; tests assert it.
+  int kv_element_bytes() const { return kv_element_bytes_; }  // 1 (fp8), 2 (bf16, f16) or 4 (f32)
+  // System (host or device) allocations made for arena and page-pool memory after an Arena finished
+  // create(), process-wide and monotonic. kvlite's promise is that this stays 0; tests assert it.
   static uint64_t allocations_after_start();
 
  private:
@@ -742,9 +810,11 @@ class Arena {
   BackendKind backend_ = BackendKind::cpu;
   uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
+  bool started_ = false;  // counted among the live arenas that switch the allocation counter on
   std::vector<ArenaRegion> regions_;
   KVPagePool kv_;
   KVPageLayout kv_layout_;
+  int kv_element_bytes_ = 0;
 };
 
 }  // namespace kvlite
@@ -1031,6 +1101,366 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 }  // namespace kvlite
 // plan: implementation.
 // arena: implementation.
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <limits>
+
+namespace kvlite {
+
+// ---- the one door for arena memory ---------------------------------------------------------------------
+namespace detail {
+// The counter is on while at least one Arena is live (finished create() and not yet destroyed). The thread
+// inside Arena::create() is exempt while it builds that arena: those are the allocations kvlite plans.
+static std::atomic<int64_t> g_live_arenas{0};
+static std::atomic<uint64_t> g_allocations_after_start{0};
+static thread_local int g_creating_arena = 0;
+
+struct CreatingArenaScope {
+  CreatingArenaScope() { g_creating_arena++; }
+  ~CreatingArenaScope() { g_creating_arena--; }
+  CreatingArenaScope(const CreatingArenaScope&) = delete;
+  CreatingArenaScope& operator=(const CreatingArenaScope&) = delete;
+};
+
+void* acquire_arena_memory(BackendKind backend, uint64_t bytes, uint64_t alignment, const char* what) {
+  // An attempt counts whether or not it succeeds: asking the system for memory after start is the failure.
+  if (g_live_arenas.load(std::memory_order_relaxed) > 0 && g_creating_arena == 0)
+    g_allocations_after_start.fetch_add(1, std::memory_order_relaxed);
+  if (backend == BackendKind::cuda) {
+    Result<void*> pointer = cuda::allocate_arena(bytes);
+    if (!pointer) fail(pointer.error().code, format("%s: %s", what, pointer.error().message.c_str()));
+    return *pointer;
+  }
+  // posix_memalign wants a power-of-two multiple of sizeof(void*); a zero-byte request still gets a pointer.
+  alignment = std::max<uint64_t>(alignment, sizeof(void*));
+  void* pointer = nullptr;
+  int status = bytes > std::numeric_limits<size_t>::max()
+                   ? ENOMEM
+                   : posix_memalign(&pointer, size_t(alignment), size_t(std::max<uint64_t>(bytes, 1)));
+  if (status != 0)
+    fail(ErrorCode::out_of_memory,
+         format("cannot allocate %s (%llu bytes) of host memory for %s: %s; plan for less memory "
+                "(--device-mem, --utilization) or a shorter --max-model-len",
+                format_bytes(bytes).c_str(), (unsigned long long)bytes, what, strerror(status)));
+  return pointer;
+}
+
+void release_arena_memory(BackendKind backend, void* pointer) noexcept {
+  if (!pointer) return;
+  if (backend == BackendKind::cuda) {
+    // A failed cudaFree at teardown leaves nothing to undo (the context is broken or going away), and a
+    // destructor must not throw: the status is dropped on purpose.
+    (void)cuda::free_arena(pointer);
+    return;
+  }
+  free(pointer);
+}
+
+ArenaLayout arena_layout(const Plan& plan) {
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  ArenaLayout layout;
+  uint64_t end = 0;
+  auto add = [&](const std::string& key, uint64_t bytes) {
+    if (key.empty()) fail(ErrorCode::invalid_argument, "a plan item in the arena has no key; every region needs one");
+    for (const ArenaRegion& region : layout.regions)
+      if (region.key == key)
+        fail(ErrorCode::invalid_argument,
+             format("the plan lists the arena region '%s' twice; every in_arena item needs its own key (the "
+                    "\"kv\" region is added by the arena from kv_pages, not listed among plan.items)",
+                    key.c_str()));
+    if (end > kMax - (kArenaRegionAlignment - 1) || bytes > kMax - align_up(end, kArenaRegionAlignment))
+      fail(ErrorCode::invalid_argument,
+           format("the arena overflows 64 bits at region '%s' (%llu bytes after %llu): the plan is corrupt",
+                  key.c_str(), (unsigned long long)bytes, (unsigned long long)end));
+    uint64_t offset = align_up(end, kArenaRegionAlignment);
+    layout.regions.push_back(ArenaRegion{key, offset, bytes});
+    end = offset + bytes;
+  };
+  for (const PlanItem& item : plan.items)
+    if (item.in_arena) add(item.key, item.bytes);
+  if (plan.kv_page_bytes != 0 && plan.kv_pages > kMax / plan.kv_page_bytes)
+    fail(ErrorCode::invalid_argument, format("the KV region overflows 64 bits (%llu pages of %llu bytes): the plan is corrupt",
+                                             (unsigned long long)plan.kv_pages, (unsigned long long)plan.kv_page_bytes));
+  add("kv", plan.kv_pages * plan.kv_page_bytes);
+  layout.total_bytes = end;
+  return layout;
+}
+}  // namespace detail
+
+// ---- KVPagePool --------------------------------------------------------------------------------------------
+Result<KVPagePool> KVPagePool::create(int64_t num_pages, int64_t page_tokens, int64_t max_seqs,
+                                      int64_t max_pages_per_seq) {
+  return detail::guard([&]() -> KVPagePool {
+    constexpr int64_t kMaxId = std::numeric_limits<int32_t>::max();
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    auto bad = [](const char* name, int64_t value, const char* range) {
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("KV page pool: %s %lld is out of range %s", name, (long long)value, range));
+    };
+    if (num_pages < 0 || num_pages > kMaxId) bad("num_pages", num_pages, "[0, 2^31) (block tables hold int32 page ids)");
+    if (page_tokens <= 0) bad("page_tokens", page_tokens, "(0, ...)");
+    if (max_seqs <= 0 || max_seqs > kMaxId) bad("max_seqs", max_seqs, "(0, 2^31)");
+    if (max_pages_per_seq <= 0 || max_pages_per_seq > kMaxId) bad("max_pages_per_seq", max_pages_per_seq, "(0, 2^31)");
+    if (max_seqs > kMax / 4 / max_pages_per_seq || page_tokens > kMax / max_pages_per_seq)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("KV page pool: %lld sequences x %lld pages of %lld tokens overflows 64 bits",
+                                  (long long)max_seqs, (long long)max_pages_per_seq, (long long)page_tokens));
+    KVPagePool pool;
+    pool.page_tokens_ = page_tokens;
+    pool.max_seqs_ = max_seqs;
+    pool.max_pages_per_seq_ = max_pages_per_seq;
+    // Stacks pop from the end: fill them in reverse so page 0 and slot 0 come out first.
+    pool.free_stack_ = detail::ArenaVector<int32_t>(size_t(num_pages));
+    for (int64_t i = 0; i < num_pages; i++) pool.free_stack_[size_t(i)] = int32_t(num_pages - 1 - i);
+    pool.free_pages_ = num_pages;
+    pool.refcount_ = detail::ArenaVector<int32_t>(size_t(num_pages), 0);
+    pool.tables_ = detail::ArenaVector<int32_t>(size_t(max_seqs * max_pages_per_seq), -1);
+    pool.seq_tokens_ = detail::ArenaVector<int64_t>(size_t(max_seqs), -1);
+    pool.seq_pages_ = detail::ArenaVector<int64_t>(size_t(max_seqs), 0);
+    pool.free_slots_ = detail::ArenaVector<int32_t>(size_t(max_seqs));
+    for (int64_t i = 0; i < max_seqs; i++) pool.free_slots_[size_t(i)] = int32_t(max_seqs - 1 - i);
+    pool.free_slot_count_ = max_seqs;
+    return pool;
+  });
+}
+
+uint64_t KVPagePool::metadata_bytes() const {
+  return free_stack_.capacity() * sizeof(int32_t) + refcount_.capacity() * sizeof(int32_t) +
+         tables_.capacity() * sizeof(int32_t) + seq_tokens_.capacity() * sizeof(int64_t) +
+         seq_pages_.capacity() * sizeof(int64_t) + free_slots_.capacity() * sizeof(int32_t);
+}
+
+int32_t KVPagePool::alloc_page() {
+  if (free_pages_ == 0) return -1;
+  int32_t page = free_stack_[size_t(--free_pages_)];
+  refcount_[size_t(page)] = 1;
+  allocs_++;
+  peak_used_ = std::max(peak_used_, num_pages() - free_pages_);
+  return page;
+}
+
+Status KVPagePool::retain_page(int32_t page) {
+  return detail::guard([&] {
+    if (page_refcount(page) <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("retain_page: page %d is not allocated (pool of %lld pages); retain a page that "
+                                  "alloc_page or a block table gave you",
+                                  page, (long long)num_pages()));
+    if (refcount_[size_t(page)] == std::numeric_limits<int32_t>::max())
+      detail::fail(ErrorCode::invalid_argument, detail::format("retain_page: page %d's reference count is at its maximum", page));
+    refcount_[size_t(page)]++;
+  });
+}
+
+Status KVPagePool::release_page(int32_t page) {
+  return detail::guard([&] {
+    if (page_refcount(page) <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("release_page: page %d is not allocated (pool of %lld pages): a release without a "
+                                  "matching alloc_page or retain_page",
+                                  page, (long long)num_pages()));
+    if (--refcount_[size_t(page)] == 0) {
+      free_stack_[size_t(free_pages_++)] = page;
+      frees_++;
+    }
+  });
+}
+
+int32_t KVPagePool::page_refcount(int32_t page) const {
+  if (page < 0 || page >= num_pages()) return -1;
+  return refcount_[size_t(page)];
+}
+
+bool KVPagePool::live(int32_t seq) const { return seq >= 0 && seq < max_seqs_ && seq_tokens_[size_t(seq)] >= 0; }
+
+int32_t KVPagePool::seq_create() {
+  if (free_slot_count_ == 0) return -1;
+  int32_t seq = free_slots_[size_t(--free_slot_count_)];
+  seq_tokens_[size_t(seq)] = 0;
+  seq_pages_[size_t(seq)] = 0;
+  return seq;
+}
+
+Status KVPagePool::seq_reserve(int32_t seq, int64_t tokens) {
+  return detail::guard([&] {
+    if (!live(seq))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("seq_reserve: sequence slot %d is not live (slots 0..%lld; seq_create one first)", seq,
+                                  (long long)max_seqs_ - 1));
+    if (tokens < 0)
+      detail::fail(ErrorCode::invalid_argument, detail::format("seq_reserve: sequence %d asked for %lld tokens", seq, (long long)tokens));
+    int64_t& length = seq_tokens_[size_t(seq)];
+    if (tokens <= length) return;
+    int64_t limit_tokens = max_pages_per_seq_ * page_tokens_;
+    if (tokens > limit_tokens)
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("sequence %d cannot grow to %lld tokens: that needs %llu pages of %lld tokens, past "
+                                  "the %lld pages a sequence may hold (%lld tokens, from max_model_len); raise "
+                                  "--max-model-len or shorten the request",
+                                  seq, (long long)tokens, (unsigned long long)ceil_div(uint64_t(tokens), uint64_t(page_tokens_)),
+                                  (long long)page_tokens_, (long long)max_pages_per_seq_, (long long)limit_tokens));
+    int64_t& pages = seq_pages_[size_t(seq)];
+    int64_t needed = pages_for(tokens) - pages;
+    if (needed > free_pages_)
+      detail::fail(ErrorCode::out_of_memory,
+                   detail::format("KV cache full: sequence %d needs %lld more pages, %lld free of %lld (growing from %lld "
+                                  "to %lld tokens, %lld tokens per page); finish or preempt a sequence, or plan more "
+                                  "KV memory",
+                                  seq, (long long)needed, (long long)free_pages_, (long long)num_pages(),
+                                  (long long)length, (long long)tokens, (long long)page_tokens_));
+    int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
+    for (int64_t i = 0; i < needed; i++) {
+      int32_t page = free_stack_[size_t(--free_pages_)];
+      refcount_[size_t(page)] = 1;
+      row[pages + i] = page;
+    }
+    pages += needed;
+    allocs_ += uint64_t(needed);
+    tokens_stored_ += tokens - length;
+    length = tokens;
+    peak_used_ = std::max(peak_used_, num_pages() - free_pages_);
+  });
+}
+
+Status KVPagePool::seq_free(int32_t seq) {
+  return detail::guard([&] {
+    if (!live(seq))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("seq_free: sequence slot %d is not live (freed twice, or never created)", seq));
+    int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
+    int64_t pages = seq_pages_[size_t(seq)];
+    // Check the whole row before touching anything, so a corrupt table leaves the pool as it was.
+    for (int64_t i = 0; i < pages; i++)
+      if (refcount_[size_t(row[i])] <= 0)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("seq_free: page %d in sequence %d's block table is already free (released "
+                                    "through release_page while the sequence held it)",
+                                    row[i], seq));
+    for (int64_t i = 0; i < pages; i++) {
+      int32_t page = row[i];
+      if (--refcount_[size_t(page)] == 0) {
+        free_stack_[size_t(free_pages_++)] = page;
+        frees_++;
+      }
+      row[i] = -1;
+    }
+    tokens_stored_ -= seq_tokens_[size_t(seq)];
+    seq_tokens_[size_t(seq)] = -1;
+    seq_pages_[size_t(seq)] = 0;
+    free_slots_[size_t(free_slot_count_++)] = seq;
+  });
+}
+
+int64_t KVPagePool::seq_tokens(int32_t seq) const { return live(seq) ? seq_tokens_[size_t(seq)] : -1; }
+int64_t KVPagePool::seq_pages(int32_t seq) const { return live(seq) ? seq_pages_[size_t(seq)] : 0; }
+
+const int32_t* KVPagePool::block_table(int32_t seq) const {
+  if (seq < 0 || seq >= max_seqs_) return nullptr;
+  return &tables_[size_t(seq * max_pages_per_seq_)];
+}
+
+KVPagePool::Stats KVPagePool::stats() const {
+  Stats stats;
+  stats.total_pages = num_pages();
+  stats.free_pages = free_pages_;
+  stats.used_pages = num_pages() - free_pages_;
+  stats.peak_used_pages = peak_used_;
+  stats.live_sequences = max_seqs_ - free_slot_count_;
+  stats.page_allocs = allocs_;
+  stats.page_frees = frees_;
+  stats.tokens_stored = tokens_stored_;
+  stats.token_capacity = stats.used_pages * page_tokens_;
+  return stats;
+}
+
+// ---- Arena -------------------------------------------------------------------------------------------------
+Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig& config) {
+  return detail::guard([&]() -> std::unique_ptr<Arena> {
+    if (!plan.fits)
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("the plan for '%s' does not fit: it needs %s more memory%s%s; run `kvlite plan` "
+                                  "to see where every byte goes and what would fit",
+                                  plan.model_name.c_str(), format_bytes_signed(plan.shortfall_bytes).c_str(),
+                                  plan.advice.empty() ? "" : ". ", plan.advice.empty() ? "" : plan.advice[0].c_str()));
+    if (plan.kv_pages == 0 || plan.kv_page_tokens == 0 || plan.kv_page_bytes == 0)
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("the plan for '%s' has no KV cache (%llu pages of %llu tokens, %llu bytes each); "
+                                  "run `kvlite plan` to see what would fit",
+                                  plan.model_name.c_str(), (unsigned long long)plan.kv_pages,
+                                  (unsigned long long)plan.kv_page_tokens, (unsigned long long)plan.kv_page_bytes));
+    if (plan.options.max_seqs <= 0 || plan.max_model_len <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("the plan has max_seqs %lld and max_model_len %lld; both must be > 0 (make_plan "
+                                  "resolves them)",
+                                  (long long)plan.options.max_seqs, (long long)plan.max_model_len));
+    const TextConfig& text = config.text;
+    if (text.num_layers <= 0 || text.num_kv_heads <= 0 || text.head_dim <= 0 ||
+        plan.kv_page_tokens > uint64_t(std::numeric_limits<int32_t>::max()))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("%s: the KV cache needs num_hidden_layers, num_key_value_heads, head_dim and "
+                                  "page tokens > 0 (got %lld, %lld, %lld, %llu)",
+                                  config.origin.c_str(), (long long)text.num_layers, (long long)text.num_kv_heads,
+                                  (long long)text.head_dim, (unsigned long long)plan.kv_page_tokens));
+    KVPageLayout kv_layout{text.num_layers, int64_t(plan.kv_page_tokens), text.num_kv_heads, text.head_dim};
+    // The plan's page bytes come from its KV dtype; the page's element count from the model: they must agree
+    // on a whole element size, or the kernels would index a different cache than the one reserved.
+    uint64_t page_elements = uint64_t(kv_layout.page_elements());
+    uint64_t element_bytes = plan.kv_page_bytes / page_elements;
+    if (plan.kv_page_bytes % page_elements != 0 || (element_bytes != 1 && element_bytes != 2 && element_bytes != 4))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("the plan's KV page of %llu bytes does not match %s: %lld layers x 2 x %llu tokens "
+                                  "x %lld KV heads x %lld head_dim = %llu elements, not 1, 2 or 4 bytes each; make "
+                                  "the plan from the same config",
+                                  (unsigned long long)plan.kv_page_bytes,
+                                  config.origin.empty() ? "the model's KV shape" : config.origin.c_str(),
+                                  (long long)text.num_layers, (unsigned long long)plan.kv_page_tokens,
+                                  (long long)text.num_kv_heads, (long long)text.head_dim,
+                                  (unsigned long long)page_elements));
+
+    detail::ArenaLayout layout = detail::arena_layout(plan);
+    detail::CreatingArenaScope creating;
+    std::unique_ptr<Arena> arena(new Arena());
+    arena->backend_ = plan.device.backend;
+    // From here a failure frees what was taken: ~Arena releases base_ (started_ is still false).
+    arena->base_ = static_cast<uint8_t*>(
+        detail::acquire_arena_memory(arena->backend_, layout.total_bytes, detail::kArenaHostAlignment, "the arena"));
+    arena->size_ = layout.total_bytes;
+    arena->regions_ = std::move(layout.regions);
+    int64_t max_pages_per_seq = int64_t(ceil_div(uint64_t(plan.max_model_len), plan.kv_page_tokens));
+    Result<KVPagePool> pool =
+        KVPagePool::create(int64_t(std::min<uint64_t>(plan.kv_pages, uint64_t(std::numeric_limits<int64_t>::max()))),
+                           int64_t(plan.kv_page_tokens), plan.options.max_seqs, max_pages_per_seq);
+    if (!pool) throw pool.error();
+    arena->kv_ = std::move(*pool);
+    arena->kv_layout_ = kv_layout;
+    arena->kv_element_bytes_ = int(element_bytes);
+    arena->started_ = true;
+    detail::g_live_arenas.fetch_add(1, std::memory_order_relaxed);
+    return arena;
+  });
+}
+
+Arena::~Arena() {
+  if (started_) detail::g_live_arenas.fetch_sub(1, std::memory_order_relaxed);
+  detail::release_arena_memory(backend_, base_);
+}
+
+const ArenaRegion* Arena::region(const std::string& key) const {
+  for (const ArenaRegion& r : regions_)
+    if (r.key == key) return &r;
+  return nullptr;
+}
+
+uint8_t* Arena::region_data(const std::string& key) const {
+  const ArenaRegion* r = region(key);
+  return r ? base_ + r->offset : nullptr;
+}
+
+uint64_t Arena::allocations_after_start() { return detail::g_allocations_after_start.load(std::memory_order_relaxed); }
+
+}  // namespace kvlite
 // sampler: implementation.
 #include <algorithm>
 #include <cmath>
