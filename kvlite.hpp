@@ -34,6 +34,17 @@
       - Reserves one arena of the planned size; KV lives in fixed-size pages carved from it; nothing is
         allocated afterwards.
 
+   ARCHITECTURE (each floor uses only those below it)
+      api / engine     requests, continuous batching, KV page ownership, sampling, scoring, cancel
+      model            the forward pass, written once against Backend, shape comments throughout
+      backend          Backend interface; CPU implementation here, CUDA in kernels.cu
+      arena            the one reservation, its regions, the KV page pool and block tables
+      plan             the byte budget: a pure function of config, headers, device and options
+      config, tokenizer, safetensors   model directory readers
+      base             errors, dtypes and bit-exact conversions (host and device)
+   The planner runs twice with the same inputs: for `kvlite plan` (no GPU) and when the arena is made,
+   so the plan is what actually happens.
+
    ERRORS
       Every fallible call returns kvlite::Result<T> (or kvlite::Status): a value, or an Error with a stable
       ErrorCode and a message that carries the numbers and what to change. The library never throws past its
