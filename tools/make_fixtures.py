@@ -622,6 +622,16 @@ def tokenizer_cases(family, directory):
             "decoded_skip_special": tok.decode(ids, skip_special_tokens=True),
             "roundtrip": decoded == text,
         })
+    # Decoding id runs that cut a character's UTF-8 bytes apart, as a streaming detokenizer sees them: each
+    # maximal invalid byte run becomes one U+FFFD.
+    decode_cases = []
+    for text in ["😀", "机器学习", "I love it 😂🚀", "Größe"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        for begin, end in [(0, 1), (1, len(ids)), (0, len(ids) - 1), (len(ids) - 1, len(ids))]:
+            if 0 <= begin < end <= len(ids) and (begin, end) != (0, len(ids)):
+                piece = ids[begin:end]
+                decode_cases.append({"from_text": text, "ids": piece,
+                                     "decoded": tok.decode(piece, skip_special_tokens=False)})
     chats = []
     for name, messages in CHAT_CONVERSATIONS:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -644,10 +654,12 @@ def tokenizer_cases(family, directory):
             "ids: tokenizer.encode(text, add_special_tokens=False); ids_with_special: add_special_tokens=True.",
             "decoded / decoded_skip_special: tokenizer.decode(ids, skip_special_tokens=False / True).",
             "roundtrip: decoded == text (false where the normalizer changed the text, e.g. NFC).",
+            "decode_cases: tokenizer.decode(ids) of slices of encode(from_text) that split UTF-8 sequences.",
             "chat.text: apply_chat_template(messages, tokenize=False, add_generation_prompt=True); "
             "chat.ids: the same with tokenize=True (== encode(text, add_special_tokens=False)).",
         ],
         "cases": cases,
+        "decode_cases": decode_cases,
         "chat": chats,
     }
 
@@ -671,12 +683,311 @@ def make_tokenizers():
         print(f"wrote {directory.relative_to(REPO_ROOT)}")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Step 2: tiny random models and their float32 reference outputs
+# ---------------------------------------------------------------------------------------------------------
+
+# Each model is stored in a different dtype so that kvlite's BF16, F32 and F16 loaders all read a real file.
+# Shapes are tiny but not degenerate: GQA (4 query heads over 2 KV heads), an intermediate size that is not a
+# power of two, and for qwen3 a head_dim (32) that is not hidden_size / num_attention_heads (16).
+MODELS = {
+    "tiny-llama3": {
+        "family": "llama3",
+        "dtype": "bfloat16",
+        "seed": 1001,
+        "config": dict(
+            hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            # Llama-3.1's scaling with original_max_position_embeddings shrunk to 64, so that at head_dim 16
+            # the fixture's short prompts see all three regimes: high frequencies kept, low ones divided by
+            # factor, and the smoothed band between (wavelengths 16..64).
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 64}),
+        # Llama-3.1-Instruct: eos is any of end_of_text, eom_id, eot_id.
+        "bos": "<|begin_of_text|>", "eos": ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], "pad": None,
+    },
+    "tiny-qwen2": {
+        "family": "qwen2",
+        "dtype": "float32",
+        "seed": 1002,
+        "config": dict(
+            hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        # Qwen2.5-Instruct: config eos is im_end; generation stops on im_end or endoftext.
+        "bos": "<|endoftext|>", "eos": ["<|im_end|>"], "generation_eos": ["<|im_end|>", "<|endoftext|>"],
+        "pad": "<|endoftext|>",
+    },
+    "tiny-qwen3": {
+        "family": "qwen2",
+        "dtype": "float16",
+        "seed": 1003,
+        "config": dict(
+            hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+            tie_word_embeddings=True, use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        "bos": "<|endoftext|>", "eos": ["<|im_end|>"], "generation_eos": ["<|im_end|>", "<|endoftext|>"],
+        "pad": "<|endoftext|>",
+    },
+}
+
+PLAIN_PROMPTS = [
+    ("plain_short", "The quick brown fox jumps over the lazy dog."),
+    ("plain_mixed", "It's 4.7% café! 🚀"),
+]
+CHAT_PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+GREEDY_NEW_TOKENS = 16
+
+# About 300 tokens for the perplexity guide's sliding window (context 64, stride 32: 9-10 windows).
+PERPLEXITY_TEXT = """\
+The harbour was quiet when the fishing boats came home. Each evening the keeper lit the lamp, wrote the \
+weather in the logbook and counted the ships that passed: twelve on Monday, nine on Tuesday, and only three \
+when the storm arrived. "We'll wait," he said. "The sea doesn't care about our plans."
+def mean(values):
+    return sum(values) / len(values) if values else 0.0
+Memory is the scarce resource: weights, activations and the key-value cache all compete for it, and every \
+request needs its own pages. When a request finishes, its pages go back to the pool. In the town, the \
+baker mixed 250 g of flour with water, salt and yeast at four in the morning. Le café est très bon. Привет, мир! 机器学习 😀
+"""
+PERPLEXITY_CONTEXT = 64
+PERPLEXITY_STRIDE = 32
+
+
+def randomize_weights(model, seed):
+    """Seeded weights large enough that logits are far from flat (transformers' init uses std 0.02).
+
+    Norm gains and biases are random too (not 1 and 0), so a runtime that skips one of them gets different
+    numbers.
+    """
+    import torch
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
+            noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                parameter.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                parameter.copy_(0.2 * noise)
+            else:  # embeddings (also the tied lm_head of the qwen models) and every projection
+                parameter.copy_(0.25 * noise)
+
+
+def build_model(name, directory):
+    """Create the model with transformers' own class, randomize it and save it in its on-disk dtype."""
+    import torch
+    from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
+
+    spec = MODELS[name]
+    tokenizer_dir = FIXTURES / "tokenizers" / spec["family"]
+    vocab = json.loads((tokenizer_dir / "cases.json").read_text(encoding="utf-8"))["vocab_size"]
+    token_ids = {t["content"]: t["id"] for t in
+                 json.loads((tokenizer_dir / "cases.json").read_text(encoding="utf-8"))["added_tokens"]}
+    eos = [token_ids[t] for t in spec["eos"]]
+    config_class, model_class = {
+        "tiny-llama3": (LlamaConfig, LlamaForCausalLM),
+        "tiny-qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "tiny-qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[name]
+    config = config_class(vocab_size=vocab, bos_token_id=token_ids[spec["bos"]],
+                          eos_token_id=eos if len(eos) > 1 else eos[0],
+                          pad_token_id=token_ids[spec["pad"]] if spec["pad"] else None, **spec["config"])
+    torch.manual_seed(spec["seed"])
+    model = model_class(config)
+    randomize_weights(model, spec["seed"])
+    generation_eos = [token_ids[t] for t in spec.get("generation_eos", spec["eos"])]
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=generation_eos,
+        pad_token_id=config.pad_token_id)
+    model = model.to(getattr(torch, spec["dtype"]))
+    if directory.exists():
+        shutil.rmtree(directory)
+    model.save_pretrained(str(directory))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer_dir / file, directory / file)
+
+
+def greedy_without_cache(model, input_ids, new_tokens, eos_ids):
+    """Argmax decoding with a full forward per step: a cross-check of generate() and the top-1 margins."""
+    import torch
+    ids = input_ids.clone()
+    margins = []
+    for _ in range(new_tokens):
+        with torch.no_grad():
+            last = model(ids).logits[0, -1]
+        top = torch.topk(last, 2)
+        margins.append(float(top.values[0] - top.values[1]))
+        next_id = int(top.indices[0])
+        ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+        if next_id in eos_ids:
+            break
+    return ids[0, input_ids.shape[1]:].tolist(), margins
+
+
+def perplexity_guide(model, input_ids):
+    """The loop of transformers' guide "Perplexity of fixed-length models", with the exact NLL beside it.
+
+    The guide weights each window's mean loss by (valid labels - 1) because of the label shift; that is right
+    for the first window only (later windows' first target is not the window's first token), so its average
+    is slightly off. The exact figure scores every token after the first exactly once, with the context its
+    window gives it.
+    """
+    import torch
+    seq_len = input_ids.size(1)
+    nll_sum = 0.0
+    n_tokens = 0
+    prev_end_loc = 0
+    windows = []
+    token_nll = [None] * seq_len
+    for begin_loc in range(0, seq_len, PERPLEXITY_STRIDE):
+        end_loc = min(begin_loc + PERPLEXITY_CONTEXT, seq_len)
+        trg_len = end_loc - prev_end_loc
+        window_ids = input_ids[:, begin_loc:end_loc]
+        target_ids = window_ids.clone()
+        target_ids[:, :-trg_len] = -100
+        with torch.no_grad():
+            outputs = model(window_ids, labels=target_ids)
+            neg_log_likelihood = outputs.loss
+        num_valid_tokens = (target_ids != -100).sum().item()
+        batch_size = target_ids.size(0)
+        num_loss_tokens = num_valid_tokens - batch_size
+        nll_sum += neg_log_likelihood * num_loss_tokens
+        n_tokens += num_loss_tokens
+
+        # Exact: the positions whose label survives the shift, each scored once.
+        log_probs = torch.log_softmax(outputs.logits[0].float(), dim=-1)
+        first_scored = max(1, window_ids.size(1) - trg_len)
+        window_nll = 0.0
+        for j in range(first_scored, window_ids.size(1)):
+            value = -float(log_probs[j - 1, window_ids[0, j]])
+            token_nll[begin_loc + j] = value
+            window_nll += value
+        windows.append({"begin": begin_loc, "end": end_loc, "trg_len": trg_len,
+                        "loss": float(neg_log_likelihood), "guide_weight": num_loss_tokens,
+                        "scored_from": begin_loc + first_scored,
+                        "scored_tokens": window_ids.size(1) - first_scored, "nll_sum": window_nll})
+        prev_end_loc = end_loc
+        if end_loc == seq_len:
+            break
+    avg_nll = nll_sum / n_tokens
+    ppl = torch.exp(avg_nll)
+    assert all(v is not None for v in token_nll[1:]), "every token after the first is scored once"
+    exact_sum = sum(token_nll[1:])
+    return {
+        "context_length": PERPLEXITY_CONTEXT, "stride": PERPLEXITY_STRIDE,
+        "guide_avg_nll": float(avg_nll), "guide_ppl": float(ppl), "guide_tokens": n_tokens,
+        "exact_avg_nll": exact_sum / (seq_len - 1), "exact_ppl": float(torch.exp(torch.tensor(exact_sum / (seq_len - 1), dtype=torch.float64))),
+        "exact_tokens": seq_len - 1,
+        "windows": windows,
+        "token_nll": token_nll,
+    }
+
+
+def reference_outputs(name, directory):
+    """Load the saved model in float32 and record its outputs; logits go to logits_<k>.npy."""
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = MODELS[name]
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
+                                                 attn_implementation="eager")
+    model.eval()
+    eos_ids = set(model.generation_config.eos_token_id)
+
+    prompts = []
+    inputs = [(n, "text", t, tok.encode(t, add_special_tokens=True)) for n, t in PLAIN_PROMPTS]
+    chat_ids = tok.apply_chat_template(CHAT_PROMPT, tokenize=True, add_generation_prompt=True, return_dict=False)
+    inputs.append(("chat", "chat", tok.apply_chat_template(CHAT_PROMPT, tokenize=False, add_generation_prompt=True),
+                   chat_ids))
+    for k, (prompt_name, kind, text, ids) in enumerate(inputs):
+        input_ids = torch.tensor([ids])
+        with torch.no_grad():
+            logits = model(input_ids).logits[0].float()  # [T, vocab]
+        np.save(directory / f"logits_{k}.npy", logits.numpy().astype(np.float32), allow_pickle=False)
+        log_probs = torch.log_softmax(logits, dim=-1)
+        prompt_logprobs = [float(log_probs[t - 1, ids[t]]) for t in range(1, len(ids))]
+        with torch.no_grad():
+            generated = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                       max_new_tokens=GREEDY_NEW_TOKENS)
+        new_ids = generated[0, len(ids):].tolist()
+        check_ids, margins = greedy_without_cache(model, input_ids, GREEDY_NEW_TOKENS, eos_ids)
+        assert check_ids == new_ids, (name, prompt_name, new_ids, check_ids)
+        entry = {"name": prompt_name, "kind": kind, "text": text}
+        if kind == "chat":
+            entry["messages"] = CHAT_PROMPT
+            entry["how"] = "apply_chat_template(messages, add_generation_prompt=True)"
+        else:
+            entry["how"] = "tokenizer.encode(text, add_special_tokens=True)"
+        entry.update({
+            "input_ids": ids,
+            "logits_file": f"logits_{k}.npy",
+            "logits_shape": list(logits.shape),
+            "prompt_logprobs": prompt_logprobs,
+            "greedy": {"max_new_tokens": GREEDY_NEW_TOKENS, "new_ids": new_ids,
+                       "stopped_at_eos": bool(new_ids) and new_ids[-1] in eos_ids,
+                       "text": tok.decode(new_ids, skip_special_tokens=False),
+                       "top1_margins": margins},
+        })
+        prompts.append(entry)
+
+    encodings = tok(PERPLEXITY_TEXT, return_tensors="pt")
+    perplexity = perplexity_guide(model, encodings.input_ids)
+    perplexity = {"text": PERPLEXITY_TEXT, "how": "tokenizer(text) (add_special_tokens=True)",
+                  "input_ids": encodings.input_ids[0].tolist(), **perplexity}
+    return {
+        "model": name,
+        "generator": "tools/make_fixtures.py",
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "numpy_version": np.__version__,
+        "dtype_on_disk": spec["dtype"],
+        "reference_dtype": "float32",
+        "attn_implementation": "eager",
+        "vocab_size": model.config.vocab_size,
+        "eos_token_ids": sorted(eos_ids),
+        "notes": [
+            "Outputs of AutoModelForCausalLM.from_pretrained(dir, dtype=float32, attn_implementation='eager'): "
+            "the on-disk weights widened to float32, computed on CPU.",
+            "logits_<k>.npy: float32 [T, vocab], row t = logits after input_ids[0..t].",
+            "prompt_logprobs[t-1] = log_softmax(logits[t-1])[input_ids[t]] for t = 1..T-1.",
+            "greedy: model.generate(do_sample=False, max_new_tokens=16), stopping at eos_token_ids; "
+            "top1_margins: logit(top1) - logit(top2) at each step (small margins = fragile argmax).",
+            "perplexity: transformers' guide loop (guide_*) and the exact token-weighted NLL (exact_*); "
+            "token_nll[p] = -log p(input_ids[p] | window context), null for p = 0.",
+        ],
+        "prompts": prompts,
+        "perplexity": perplexity,
+    }
+
+
+def make_models():
+    import torch
+    import transformers
+    torch.set_num_threads(1)  # one reduction order, so reruns give the same bits
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    for name in MODELS:
+        directory = FIXTURES / "models" / name
+        build_model(name, directory)
+        write_json(directory / "reference.json", reference_outputs(name, directory))
+        print(f"wrote {directory.relative_to(REPO_ROOT)}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("steps", nargs="*", choices=["tokenizers", "models"], default=[],
+    parser.add_argument("steps", nargs="*", metavar="{tokenizers,models}",
                         help="what to make (default: everything)")
     args = parser.parse_args()
     steps = args.steps or ["tokenizers", "models"]
+    unknown = set(steps) - {"tokenizers", "models"}
+    if unknown:
+        parser.error(f"unknown step(s) {sorted(unknown)}; choose from tokenizers, models")
     if "tokenizers" in steps:
         make_tokenizers()
     if "models" in steps:
