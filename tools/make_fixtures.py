@@ -22,13 +22,11 @@ Everything is seeded; running the script twice gives byte-identical files.
 
 import argparse
 import copy
-import hashlib
 import json
+import math
 import random
 import shutil
 import sys
-import tempfile
-import unicodedata
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -411,7 +409,8 @@ MERGELESS_WORDS = ["Ġxylophones", "Ġquizzical", "zebra"]
 
 def train_tokenizer(family):
     """Train the family's byte-level BPE and return its tokenizer.json text with the real settings."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers,
+                            trainers)
 
     spec = FAMILIES[family]
     pattern = LLAMA3_PATTERN if family == "llama3" else QWEN2_PATTERN
@@ -445,7 +444,6 @@ def train_tokenizer(family):
     data["added_tokens"] = []
     tokenizer = Tokenizer.from_str(json.dumps(data))
 
-    from tokenizers import AddedToken
     for content, special in spec["added_tokens"]:
         token = AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False,
                            special=special)
@@ -750,7 +748,8 @@ def mean(values):
     return sum(values) / len(values) if values else 0.0
 Memory is the scarce resource: weights, activations and the key-value cache all compete for it, and every \
 request needs its own pages. When a request finishes, its pages go back to the pool. In the town, the \
-baker mixed 250 g of flour with water, salt and yeast at four in the morning. Le café est très bon. Привет, мир! 机器学习 😀
+baker mixed 250 g of flour with water, salt and yeast at four in the morning. \
+Le café est très bon. Привет, мир! 机器学习 😀
 """
 PERPLEXITY_CONTEXT = 64
 PERPLEXITY_STRIDE = 32
@@ -875,11 +874,11 @@ def perplexity_guide(model, input_ids):
     avg_nll = nll_sum / n_tokens
     ppl = torch.exp(avg_nll)
     assert all(v is not None for v in token_nll[1:]), "every token after the first is scored once"
-    exact_sum = sum(token_nll[1:])
+    exact_avg_nll = sum(token_nll[1:]) / (seq_len - 1)
     return {
         "context_length": PERPLEXITY_CONTEXT, "stride": PERPLEXITY_STRIDE,
         "guide_avg_nll": float(avg_nll), "guide_ppl": float(ppl), "guide_tokens": n_tokens,
-        "exact_avg_nll": exact_sum / (seq_len - 1), "exact_ppl": float(torch.exp(torch.tensor(exact_sum / (seq_len - 1), dtype=torch.float64))),
+        "exact_avg_nll": exact_avg_nll, "exact_ppl": math.exp(exact_avg_nll),
         "exact_tokens": seq_len - 1,
         "windows": windows,
         "token_nll": token_nll,
@@ -902,9 +901,9 @@ def reference_outputs(name, directory):
 
     prompts = []
     inputs = [(n, "text", t, tok.encode(t, add_special_tokens=True)) for n, t in PLAIN_PROMPTS]
+    chat_text = tok.apply_chat_template(CHAT_PROMPT, tokenize=False, add_generation_prompt=True)
     chat_ids = tok.apply_chat_template(CHAT_PROMPT, tokenize=True, add_generation_prompt=True, return_dict=False)
-    inputs.append(("chat", "chat", tok.apply_chat_template(CHAT_PROMPT, tokenize=False, add_generation_prompt=True),
-                   chat_ids))
+    inputs.append(("chat", "chat", chat_text, chat_ids))
     for k, (prompt_name, kind, text, ids) in enumerate(inputs):
         input_ids = torch.tensor([ids])
         with torch.no_grad():
