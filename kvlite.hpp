@@ -296,7 +296,7 @@ struct TensorInfo {
   int file_index = 0;   // index into TensorStore::files()
   uint64_t offset = 0;  // absolute byte offset of the first element inside its file
   uint64_t nbytes = 0;  // exact byte span (== numel * element size, validated)
-  uint64_t numel() const {
+  uint64_t numel() const {  // cannot overflow: the reader rejected shapes whose count does
     uint64_t n = 1;
     for (int64_t d : shape) n *= uint64_t(d);
     return n;
@@ -305,8 +305,10 @@ struct TensorInfo {
 
 // The parsed header of one .safetensors file. Validation matches the reference reader: header length
 // <= 100,000,000 bytes and inside the file, valid JSON object, known dtype, non-negative shape, byte span ==
-// numel x element size, spans inside the data buffer, no overlaps, no holes, no duplicate names,
-// __metadata__ a string-to-string map. Errors name the file (origin) and the tensor.
+// numel x element size (sub-byte dtypes ending on a whole byte), spans tiling the data buffer exactly (no
+// overlap, no hole, nothing after the last tensor), __metadata__ a string-to-string map (or null); stricter
+// than the reference, a name twice in the JSON is rejected instead of silently keeping the last. `data`/`size`
+// is the whole file. Errors: bad_format (unsupported for an unknown dtype), naming the file (origin) and tensor.
 struct SafetensorsHeader {
   std::vector<TensorInfo> tensors;  // in data order
   std::map<std::string, std::string> metadata;
@@ -314,7 +316,8 @@ struct SafetensorsHeader {
 };
 Result<SafetensorsHeader> parse_safetensors_header(const uint8_t* data, uint64_t size, const std::string& origin);
 
-// A read-only mmap of a whole file.
+// A read-only mmap of a whole file (MAP_PRIVATE). An empty file maps to data() == nullptr, size() == 0; its
+// reader judges it (parse_safetensors_header reports it truncated). Errors: io_error naming the path and errno.
 class MappedFile {
  public:
   static Result<std::shared_ptr<MappedFile>> open(const std::string& path);
@@ -334,7 +337,9 @@ class MappedFile {
 
 // All tensors of a model directory: `model.safetensors`, or the shards named by
 // `model.safetensors.index.json` (each listed tensor must be in the shard the index names), or, with neither,
-// every `*.safetensors` file. A directory with no weights gives an empty store (planning from config alone).
+// every `*.safetensors` file in name order. A directory with no weights gives an empty store (planning from
+// config alone); a missing directory is an io_error. A tensor in two files is bad_format; an index entry whose
+// shard lacks it is missing_tensor. find() is O(log n).
 class TensorStore {
  public:
   static Result<TensorStore> open_dir(const std::string& model_dir);
@@ -343,8 +348,9 @@ class TensorStore {
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   const TensorInfo* find(const std::string& name) const;
   const std::vector<std::string>& files() const { return paths_; }
-  const uint8_t* data(const TensorInfo& tensor) const;  // into the mmap; valid while the store lives
-  uint64_t total_bytes() const;                          // sum of all tensors' byte spans
+  // Into the mmap; valid while the store lives. Aligned only to what the writer chose: copy with memcpy.
+  const uint8_t* data(const TensorInfo& tensor) const;
+  uint64_t total_bytes() const;  // sum of all tensors' byte spans
   // missing_tensor error listing every absent name (not just the first).
   Status require(const std::vector<std::string>& names) const;
 
@@ -664,6 +670,12 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
 // arena: the one reservation, its regions, and the KV page pool carved from its last region.
+//
+//   base_ ──► | weights | repack | activations | ... | graphs | kv: page 0 | page 1 | ... | page P-1 |
+//             each region 256-byte aligned, in the plan's item order; the KV region is kv_pages x kv_page_bytes
+//
+// Every byte of arena and page-pool memory is acquired through detail::acquire_arena_memory, which counts
+// acquisitions made after an Arena finished create(): Arena::allocations_after_start() must stay 0.
 // ---------------------------------------------------------------------------------------------------------
 
 namespace kvlite {
@@ -674,14 +686,46 @@ namespace kvlite {
 struct KVPageLayout {
   int64_t layers = 0, page_tokens = 0, kv_heads = 0, head_dim = 0;
   KVLITE_HD int64_t page_elements() const { return layers * 2 * page_tokens * kv_heads * head_dim; }
+  // Element offset of head_dim[0] of (page, layer, kv, token_in_page, kv_head) from the KV region's start.
   KVLITE_HD int64_t offset(int64_t page, int64_t layer, int64_t kv, int64_t token_in_page, int64_t kv_head) const {
     return (((page * layers + layer) * 2 + kv) * page_tokens + token_in_page) * kv_heads * head_dim + kv_head * head_dim;
   }
 };
 
+namespace detail {
+// The one door for arena and page-pool memory: `backend` cpu is an aligned host allocation, cuda the
+// device reservation (cuda::allocate_arena). Counts the acquisition in Arena::allocations_after_start()
+// when an Arena is live and this thread is not inside Arena::create(). Throws Error (out_of_memory with the
+// numbers, or the CUDA entry point's error) naming `what`.
+void* acquire_arena_memory(BackendKind backend, uint64_t bytes, uint64_t alignment, const char* what);
+void release_arena_memory(BackendKind backend, void* pointer) noexcept;
+
+// std::allocator for the page pool's tables, routed through acquire_arena_memory so that any growth after
+// start shows up in the counter.
+template <class T>
+struct ArenaAllocator {
+  using value_type = T;
+  ArenaAllocator() = default;
+  template <class U>
+  ArenaAllocator(const ArenaAllocator<U>&) {}  // NOLINT: rebinding, as the standard allocators do
+  T* allocate(size_t count) {
+    return static_cast<T*>(acquire_arena_memory(BackendKind::cpu, uint64_t(count) * sizeof(T), alignof(T),
+                                                 "the KV page pool's tables"));
+  }
+  void deallocate(T* pointer, size_t) noexcept { release_arena_memory(BackendKind::cpu, pointer); }
+  template <class U>
+  bool operator==(const ArenaAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const ArenaAllocator<U>&) const { return false; }
+};
+template <class T>
+using ArenaVector = std::vector<T, ArenaAllocator<T>>;
+}  // namespace detail
+
 // Fixed-size pages with O(1) alloc/free (a free stack), reference counts (for prefix sharing), and one
 // block table per sequence slot: a preallocated [max_seqs, max_pages_per_seq] int32 matrix, the form
-// attention kernels read. No allocation happens after construction.
+// attention kernels read. No allocation happens after construction: every table is sized once and indexed
+// with explicit counts, never push_back.
 class KVPagePool {
  public:
   struct Stats {
@@ -691,27 +735,33 @@ class KVPagePool {
     int64_t tokens_stored = 0;   // sum of live sequences' lengths
     int64_t token_capacity = 0;  // used_pages x page_tokens
   };
-  KVPagePool() = default;
-  KVPagePool(int64_t num_pages, int64_t page_tokens, int64_t max_seqs, int64_t max_pages_per_seq);
+  KVPagePool() = default;  // empty: no pages, no slots
+  // num_pages in [0, 2^31), page_tokens, max_seqs and max_pages_per_seq > 0; invalid_argument otherwise.
+  static Result<KVPagePool> create(int64_t num_pages, int64_t page_tokens, int64_t max_seqs,
+                                   int64_t max_pages_per_seq);
 
+  int64_t num_pages() const { return int64_t(refcount_.size()); }
   int64_t page_tokens() const { return page_tokens_; }
   int64_t max_seqs() const { return max_seqs_; }
   int64_t max_pages_per_seq() const { return max_pages_per_seq_; }
+  // Host bytes of the pool's tables (their capacities): fixed at construction.
+  uint64_t metadata_bytes() const;
 
-  // Pages. alloc_page returns -1 when none is free.
+  // Pages. alloc_page returns -1 when none is free; the new page has refcount 1.
   int32_t alloc_page();
-  void retain_page(int32_t page);
-  void release_page(int32_t page);  // frees the page when its count reaches zero
-  int32_t page_refcount(int32_t page) const;
+  Status retain_page(int32_t page);   // invalid_argument for a page that is not allocated
+  Status release_page(int32_t page);  // frees the page when its count reaches zero
+  int32_t page_refcount(int32_t page) const;  // 0 for a free page, -1 for an id out of range
 
   // Sequences. seq_create returns a slot id or -1 when all max_seqs slots are live.
   int32_t seq_create();
-  // Grows the sequence to hold `tokens` tokens, taking pages as needed. All or nothing: on failure nothing
-  // changes (out_of_memory when pages run out, does_not_fit past max_pages_per_seq), with the numbers.
+  // Grows the sequence to hold `tokens` tokens, taking pages as needed (a smaller count changes nothing).
+  // All or nothing: on failure nothing changes (out_of_memory when pages run out, does_not_fit past
+  // max_pages_per_seq), with the numbers.
   Status seq_reserve(int32_t seq, int64_t tokens);
-  void seq_free(int32_t seq);  // releases its pages and the slot
-  int64_t seq_tokens(int32_t seq) const;
-  int64_t seq_pages(int32_t seq) const;
+  Status seq_free(int32_t seq);  // releases its pages (each frees at refcount zero) and the slot
+  int64_t seq_tokens(int32_t seq) const;  // -1 for a slot that is not live
+  int64_t seq_pages(int32_t seq) const;   // 0 for a slot that is not live
   const int32_t* block_table(int32_t seq) const;  // row of max_pages_per_seq entries; -1 past seq_pages
   const int32_t* block_tables() const { return tables_.data(); }  // [max_seqs, max_pages_per_seq]
   // Pages needed for `tokens` tokens.
@@ -720,13 +770,17 @@ class KVPagePool {
   Stats stats() const;
 
  private:
+  bool live(int32_t seq) const;
   int64_t page_tokens_ = 16, max_seqs_ = 0, max_pages_per_seq_ = 0;
-  std::vector<int32_t> free_stack_;   // capacity num_pages, never grows
-  std::vector<int32_t> refcount_;     // [num_pages]
-  std::vector<int32_t> tables_;       // [max_seqs * max_pages_per_seq]
-  std::vector<int64_t> seq_tokens_;   // [max_seqs], -1 when the slot is free
-  std::vector<int64_t> seq_pages_;    // [max_seqs]
-  std::vector<int32_t> free_slots_;   // capacity max_seqs
+  detail::ArenaVector<int32_t> free_stack_;  // [num_pages]; entries [0, free_pages_) are free page ids
+  int64_t free_pages_ = 0;
+  detail::ArenaVector<int32_t> refcount_;    // [num_pages]
+  detail::ArenaVector<int32_t> tables_;      // [max_seqs * max_pages_per_seq], -1 where unused
+  detail::ArenaVector<int64_t> seq_tokens_;  // [max_seqs], -1 when the slot is free
+  detail::ArenaVector<int64_t> seq_pages_;   // [max_seqs]
+  detail::ArenaVector<int32_t> free_slots_;  // [max_seqs]; entries [0, free_slot_count_) are free slots
+  int64_t free_slot_count_ = 0;
+  int64_t tokens_stored_ = 0;
   int64_t peak_used_ = 0;
   uint64_t allocs_ = 0, frees_ = 0;
 };
@@ -737,26 +791,46 @@ struct ArenaRegion {
   uint64_t bytes = 0;
 };
 
+namespace detail {
+// Alignment of every region's offset: what cudaMalloc guarantees for the base, and enough for any vector load.
+constexpr uint64_t kArenaRegionAlignment = 256;
+// Alignment of the CPU backend's host reservation (a page).
+constexpr uint64_t kArenaHostAlignment = 4096;
+struct ArenaLayout {
+  std::vector<ArenaRegion> regions;  // the plan's in_arena items in order, then "kv"
+  uint64_t total_bytes = 0;          // the one reservation: the end of the "kv" region
+};
+// The regions carved from `plan`: each in_arena item in order at a kArenaRegionAlignment offset, then "kv"
+// of kv_pages x kv_page_bytes. Plan::arena_bytes() is this total. Throws invalid_argument for a duplicate
+// key (the plan must not list "kv" among its items) or sizes that overflow 64 bits.
+ArenaLayout arena_layout(const Plan& plan);
+}  // namespace detail
+
 // The one reservation of plan.arena_bytes(): one aligned host allocation for the CPU backend, one
-// cudaMalloc for CUDA. Regions follow the plan's in_arena items in order, each 256-byte aligned (the plan
-// rounds every item up to that), then the KV pages.
+// cudaMalloc for CUDA (plan.device.backend decides). Regions follow the plan's in_arena items in order,
+// each 256-byte aligned (the plan rounds every item up to that), then the KV pages.
 class Arena {
  public:
+  // Fails with does_not_fit when the plan does not fit, invalid_argument when the plan and config disagree
+  // (KV page bytes vs the model's KV shape), out_of_memory when the reservation fails, unsupported for a
+  // CUDA plan in a build without CUDA.
   static Result<std::unique_ptr<Arena>> create(const Plan& plan, const ModelConfig& config);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
   BackendKind backend() const { return backend_; }
-  uint8_t* base() const { return base_; }
+  uint8_t* base() const { return base_; }  // device memory for the CUDA backend
   uint64_t size() const { return size_; }
   const std::vector<ArenaRegion>& regions() const { return regions_; }
-  const ArenaRegion* region(const std::string& key) const;
-  uint8_t* region_data(const std::string& key) const;  // nullptr when absent
+  const ArenaRegion* region(const std::string& key) const;  // nullptr when absent
+  uint8_t* region_data(const std::string& key) const;       // nullptr when absent
   KVPagePool& kv() { return kv_; }
+  const KVPagePool& kv() const { return kv_; }
   const KVPageLayout& kv_layout() const { return kv_layout_; }
-  // System (host or device) allocations made for the arena's memory after create() returned. kvlite's
-  // promise is that this stays 0; tests assert it.
+  int kv_element_bytes() const { return kv_element_bytes_; }  // 1 (fp8), 2 (bf16, f16) or 4 (f32)
+  // System (host or device) allocations made for arena and page-pool memory after an Arena finished
+  // create(), process-wide and monotonic. kvlite's promise is that this stays 0; tests assert it.
   static uint64_t allocations_after_start();
 
  private:
@@ -764,10 +838,65 @@ class Arena {
   BackendKind backend_ = BackendKind::cpu;
   uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
+  bool started_ = false;  // counted among the live arenas that switch the allocation counter on
   std::vector<ArenaRegion> regions_;
   KVPagePool kv_;
   KVPageLayout kv_layout_;
+  int kv_element_bytes_ = 0;
 };
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// sampler: turning one row of logits into the next token, and the sliding-window schedule of scoring.
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+
+struct SamplingParams {
+  float temperature = 0.0f;         // 0: greedy (argmax; ties go to the lowest id, as torch.argmax)
+  int64_t top_k = 0;                // 0: off
+  float top_p = 1.0f;               // 1: off
+  float min_p = 0.0f;               // 0: off
+  float repetition_penalty = 1.0f;  // 1: off; > 1 discourages tokens already in the prompt or output
+  uint64_t seed = 0;                // same seed, same prompt, same tokens
+  int64_t max_tokens = 256;
+  std::vector<int32_t> stop_tokens;       // added to the tokenizer's end-of-turn tokens
+  std::vector<std::string> stop_strings;  // generation ends when the text ends with one (it is cut off)
+};
+Status validate(const SamplingParams& params);
+
+// A small, fast, seedable generator (xoshiro256**, seeded through splitmix64): reproducible on every
+// platform, unlike std::uniform_real_distribution.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed = 0);
+  uint64_t next_u64();
+  float next_float();  // uniform in [0, 1), 24 random bits
+
+ private:
+  uint64_t state_[4];
+};
+
+// Samples from one row of logits, in transformers' order: repetition penalty on the logits (positive
+// logits divided, negative multiplied, once per distinct previous token), temperature, top-k, top-p
+// (smallest set of most likely tokens whose probability reaches top_p, at least one), min-p (drop tokens
+// below min_p x the top probability), then a draw. `logits` is modified in place. The scratch arrays hold
+// `vocab` entries each and are the caller's (the arena's sampling region): nothing is allocated.
+int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                     int64_t history_len, Rng& rng, float* prob_scratch, int32_t* index_scratch);
+int32_t argmax(const float* values, int64_t count);
+// log_softmax(logits)[token], computed stably in double.
+double token_logprob(const float* logits, int64_t vocab, int32_t token);
+
+// One window of the transformers perplexity recipe ("Perplexity of fixed-length models"): the model reads
+// tokens [begin, end) and is scored on the targets in [first_target, end) (positions before first_target
+// were scored by an earlier window and only give context). Each target t is predicted from position t-1.
+struct ScoreWindow {
+  int64_t begin = 0, end = 0, first_target = 0;
+};
+// Windows of `context` tokens every `stride` tokens, exactly as the guide's loop: trg_len = end - prev_end,
+// the first window's first token has no prediction (it is never a target).
+Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t context, int64_t stride);
 
 }  // namespace kvlite
 #endif  // KVLITE_HPP_INCLUDED
@@ -929,6 +1058,441 @@ std::string path_join(const std::string& dir, const std::string& name) {
 
 }  // namespace kvlite
 // safetensors: implementation.
+#include <algorithm>
+#include <cerrno>
+#include <dirent.h>
+#include <fcntl.h>
+#include <set>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <nlohmann/json.hpp>
+
+namespace kvlite {
+
+namespace detail {
+// The reference reader's limit on the JSON header (safetensors/src/tensor.rs, MAX_HEADER_SIZE).
+constexpr uint64_t kSafetensorsMaxHeaderBytes = 100000000ull;
+// How many offending names a missing-tensor message spells out before it only counts the rest.
+constexpr size_t kMaxNamesListed = 10;
+
+inline bool multiply_overflows(uint64_t a, uint64_t b, uint64_t* product) {
+  return __builtin_mul_overflow(a, b, product);
+}
+
+inline std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); i++) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+inline std::string known_dtype_names() {
+  std::string names;
+  for (const auto& info : kDTypes) names += (names.empty() ? "" : ", ") + std::string(info.name);
+  return names;
+}
+
+// Reads a JSON value that must be a non-negative integer fitting in `limit` (serde's usize in the reference
+// reader: negative numbers, fractions and strings are all rejected).
+inline std::optional<uint64_t> json_to_count(const nlohmann::json& value, uint64_t limit) {
+  if (value.is_number_unsigned()) {
+    uint64_t n = value.get<uint64_t>();
+    if (n <= limit) return n;
+    return std::nullopt;
+  }
+  if (value.is_number_integer() && value.get<int64_t>() >= 0 && uint64_t(value.get<int64_t>()) <= limit)
+    return uint64_t(value.get<int64_t>());
+  return std::nullopt;
+}
+
+// Parses JSON text, failing with bad_format (naming `origin` and the parser's position) on a syntax error or a
+// key that appears twice in one object. nlohmann keeps the last of duplicate keys silently, so two entries
+// for one tensor would otherwise hide one of them; a callback sees every key and tracks each open object's.
+// `what` names the document ("header"), `entry` what its top-level keys are ("tensor").
+inline nlohmann::json parse_json_strict(const char* begin, const char* end, const std::string& origin,
+                                        const char* what, const char* entry) {
+  std::vector<std::set<std::string>> open_objects;  // the keys seen so far in each enclosing object
+  std::vector<std::string> key_path;                // the key under which each open object was opened
+  std::string last_key, duplicate, duplicate_where;
+  auto on_event = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (event == Event::object_start) {
+      key_path.push_back(open_objects.empty() ? "" : last_key);
+      open_objects.emplace_back();
+    } else if (event == Event::object_end) {
+      open_objects.pop_back();
+      key_path.pop_back();
+    } else if (event == Event::key) {
+      last_key = parsed.get<std::string>();
+      if (!open_objects.back().insert(last_key).second && duplicate.empty()) {
+        duplicate = last_key;
+        for (const auto& key : key_path)
+          if (!key.empty()) duplicate_where += (duplicate_where.empty() ? "" : " > ") + key;
+      }
+    }
+    return true;
+  };
+  nlohmann::json value;
+  try {
+    value = nlohmann::json::parse(begin, end, on_event);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail(ErrorCode::bad_format, format("%s: the %s is not valid JSON (near byte %zu of it): %s", origin.c_str(),
+                                       what, e.byte, e.what()));
+  }
+  if (!duplicate.empty()) {
+    if (duplicate_where.empty())
+      fail(ErrorCode::bad_format,
+           format("%s: %s '%s' appears twice in the %s; JSON readers would silently keep only the last entry",
+                  origin.c_str(), entry, duplicate.c_str(), what));
+    fail(ErrorCode::bad_format, format("%s: key '%s' appears twice inside '%s' in the %s", origin.c_str(),
+                                       duplicate.c_str(), duplicate_where.c_str(), what));
+  }
+  return value;
+}
+
+// One header entry turned into a TensorInfo with `offset` relative to the data buffer, every per-entry rule
+// checked (the rules between entries are checked after sorting by offset).
+inline TensorInfo parse_tensor_entry(const std::string& name, const nlohmann::json& entry, const std::string& origin) {
+  const char* file = origin.c_str();
+  const char* tensor = name.c_str();
+  if (!entry.is_object())
+    fail(ErrorCode::bad_format, format("%s: the entry of tensor '%s' is a JSON %s, not an object with dtype, shape "
+                                       "and data_offsets", file, tensor, entry.type_name()));
+  for (const char* field : {"dtype", "shape", "data_offsets"})
+    if (!entry.contains(field))
+      fail(ErrorCode::bad_format, format("%s: tensor '%s' has no \"%s\"", file, tensor, field));
+
+  TensorInfo info;
+  info.name = name;
+  const auto& dtype = entry["dtype"];
+  if (!dtype.is_string())
+    fail(ErrorCode::bad_format, format("%s: tensor '%s' has dtype %s; it must be a string such as \"BF16\"", file,
+                                       tensor, dtype.dump().c_str()));
+  auto known = dtype_from_name(dtype.get<std::string>());
+  if (!known)
+    fail(ErrorCode::unsupported, format("%s: tensor '%s' has dtype '%s', which is not a safetensors dtype (known: %s)",
+                                        file, tensor, dtype.get<std::string>().c_str(), known_dtype_names().c_str()));
+  info.dtype = *known;
+
+  const auto& shape = entry["shape"];
+  if (!shape.is_array())
+    fail(ErrorCode::bad_format, format("%s: tensor '%s' has shape %s; it must be an array of non-negative integers",
+                                       file, tensor, shape.dump().c_str()));
+  uint64_t numel = 1;
+  for (const auto& dim : shape) {
+    auto extent = json_to_count(dim, uint64_t(INT64_MAX));
+    if (!extent) {
+      bool too_large = dim.is_number_unsigned();
+      fail(ErrorCode::bad_format, format("%s: tensor '%s' has shape %s; %s", file, tensor, shape.dump().c_str(),
+                                         too_large ? "a dimension that large overflows 64-bit sizes"
+                                                   : "every dimension must be a non-negative integer"));
+    }
+    info.shape.push_back(int64_t(*extent));
+    if (multiply_overflows(numel, *extent, &numel))
+      fail(ErrorCode::bad_format, format("%s: tensor '%s' has shape %s, whose element count overflows 64 bits", file,
+                                         tensor, shape.dump().c_str()));
+  }
+
+  const auto& offsets = entry["data_offsets"];
+  std::optional<uint64_t> begin, end;
+  if (offsets.is_array() && offsets.size() == 2) {
+    begin = json_to_count(offsets[0], UINT64_MAX);
+    end = json_to_count(offsets[1], UINT64_MAX);
+  }
+  if (!begin || !end)
+    fail(ErrorCode::bad_format, format("%s: tensor '%s' has data_offsets %s; they must be [begin, end], two "
+                                       "non-negative integers", file, tensor, offsets.dump().c_str()));
+  if (*begin > *end)
+    fail(ErrorCode::bad_format, format("%s: tensor '%s' has data_offsets [%llu, %llu], which end before they begin",
+                                       file, tensor, (unsigned long long)*begin, (unsigned long long)*end));
+
+  // Sub-byte dtypes (F4, F6_*) pack densely; the reference reader rejects a tensor that ends mid-byte.
+  uint64_t bits = 0;
+  if (multiply_overflows(numel, uint64_t(dtype_bits(info.dtype)), &bits))
+    fail(ErrorCode::bad_format, format("%s: tensor '%s' (%s %s) has a byte size that overflows 64 bits", file,
+                                       tensor, dtype_name(info.dtype), shape_text(info.shape).c_str()));
+  if (bits % 8 != 0)
+    fail(ErrorCode::bad_format, format("%s: tensor '%s' (%s %s) holds %llu bits, not a whole number of bytes", file,
+                                       tensor, dtype_name(info.dtype), shape_text(info.shape).c_str(),
+                                       (unsigned long long)bits));
+  uint64_t expected_bytes = bits / 8, actual_bytes = *end - *begin;
+  if (actual_bytes != expected_bytes)
+    fail(ErrorCode::bad_format,
+         format("%s: tensor '%s' (%s %s) needs %llu bytes but its data_offsets [%llu, %llu] span %llu bytes", file,
+                tensor, dtype_name(info.dtype), shape_text(info.shape).c_str(), (unsigned long long)expected_bytes,
+                (unsigned long long)*begin, (unsigned long long)*end, (unsigned long long)actual_bytes));
+  info.offset = *begin;
+  info.nbytes = actual_bytes;
+  return info;
+}
+}  // namespace detail
+
+Result<SafetensorsHeader> parse_safetensors_header(const uint8_t* data, uint64_t size, const std::string& origin) {
+  return detail::guard([&]() -> SafetensorsHeader {
+    using detail::fail;
+    using detail::format;
+    using ull = unsigned long long;
+    const char* file = origin.c_str();
+    if (size < 8)
+      fail(ErrorCode::bad_format, format("%s: truncated: %llu bytes, fewer than the 8-byte header length that "
+                                         "starts every safetensors file", file, (ull)size));
+    uint64_t header_bytes = 0;
+    for (int i = 7; i >= 0; i--) header_bytes = (header_bytes << 8) | data[i];  // little-endian u64
+    if (header_bytes > detail::kSafetensorsMaxHeaderBytes)
+      fail(ErrorCode::bad_format, format("%s: header of %llu bytes exceeds the %llu-byte limit (a corrupt length "
+                                         "prefix, or not a safetensors file)", file, (ull)header_bytes,
+                                         (ull)detail::kSafetensorsMaxHeaderBytes));
+    if (header_bytes > size - 8)
+      fail(ErrorCode::bad_format, format("%s: truncated: the header length says %llu bytes but only %llu bytes "
+                                         "follow it", file, (ull)header_bytes, (ull)(size - 8)));
+
+    SafetensorsHeader header;
+    header.data_start = 8 + header_bytes;
+    const uint64_t data_bytes = size - header.data_start;
+    // nlohmann's lexer rejects ill-formed UTF-8, so a successful parse also proves the header is UTF-8.
+    const char* text = reinterpret_cast<const char*>(data) + 8;
+    nlohmann::json root = detail::parse_json_strict(text, text + header_bytes, origin, "header", "tensor");
+    if (!root.is_object())
+      fail(ErrorCode::bad_format, format("%s: the header is a JSON %s, not an object of tensors", file,
+                                         root.type_name()));
+
+    for (const auto& [name, entry] : root.items()) {
+      if (name == "__metadata__") {
+        if (entry.is_null()) continue;  // the reference reader reads null as "no metadata"
+        if (!entry.is_object())
+          fail(ErrorCode::bad_format, format("%s: __metadata__ is a JSON %s; it must map strings to strings", file,
+                                             entry.type_name()));
+        for (const auto& [key, value] : entry.items()) {
+          if (!value.is_string())
+            fail(ErrorCode::bad_format, format("%s: __metadata__ must map strings to strings, but '%s' holds the %s "
+                                               "%s", file, key.c_str(), value.type_name(), value.dump().c_str()));
+          header.metadata[key] = value.get<std::string>();
+        }
+        continue;
+      }
+      header.tensors.push_back(detail::parse_tensor_entry(name, entry, origin));
+    }
+
+    // As the reference reader does: order by (begin, end), then the spans must tile the data buffer exactly,
+    // from 0 to its last byte, with no overlap, no hole and nothing after the last tensor.
+    std::sort(header.tensors.begin(), header.tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
+      if (a.offset != b.offset) return a.offset < b.offset;
+      if (a.nbytes != b.nbytes) return a.nbytes < b.nbytes;
+      return a.name < b.name;
+    });
+    uint64_t covered = 0;  // bytes [0, covered) of the data buffer belong to the tensors seen so far
+    const TensorInfo* previous = nullptr;
+    for (const TensorInfo& t : header.tensors) {
+      const uint64_t begin = t.offset, end = t.offset + t.nbytes;
+      if (begin < covered)
+        fail(ErrorCode::bad_format, format("%s: tensor '%s' (bytes [%llu, %llu) of the data buffer) overlaps tensor "
+                                           "'%s' (bytes [%llu, %llu))", file, t.name.c_str(), (ull)begin, (ull)end,
+                                           previous->name.c_str(), (ull)previous->offset,
+                                           (ull)(previous->offset + previous->nbytes)));
+      if (begin > covered) {
+        std::string after = previous ? format("tensor '%s' (ends at byte %llu)", previous->name.c_str(), (ull)covered)
+                                     : std::string("the start of the data buffer");
+        fail(ErrorCode::bad_format, format("%s: the data buffer has a hole: %llu unused bytes between %s and tensor "
+                                           "'%s' (begins at byte %llu)", file, (ull)(begin - covered), after.c_str(),
+                                           t.name.c_str(), (ull)begin));
+      }
+      if (end > data_bytes)
+        fail(ErrorCode::bad_format, format("%s: tensor '%s' ends at byte %llu of the data buffer, beyond its %llu "
+                                           "bytes (the file is truncated or the offsets are wrong)", file,
+                                           t.name.c_str(), (ull)end, (ull)data_bytes));
+      covered = end;
+      previous = &t;
+    }
+    if (covered != data_bytes) {
+      std::string last = previous ? format("the last tensor '%s' ends at byte %llu", previous->name.c_str(),
+                                           (ull)covered)
+                                  : std::string("the header lists no tensors");
+      fail(ErrorCode::bad_format, format("%s: %llu bytes of data follow the tensors (%s; the data buffer has %llu "
+                                         "bytes)", file, (ull)(data_bytes - covered), last.c_str(), (ull)data_bytes));
+    }
+    for (TensorInfo& t : header.tensors) t.offset += header.data_start;
+    return header;
+  });
+}
+
+// ---- MappedFile -----------------------------------------------------------------------------------------
+Result<std::shared_ptr<MappedFile>> MappedFile::open(const std::string& path) {
+  return detail::guard([&]() -> std::shared_ptr<MappedFile> {
+    using detail::fail;
+    using detail::format;
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) fail(ErrorCode::io_error, format("cannot open %s: %s", path.c_str(), strerror(errno)));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+      int error = errno;
+      ::close(fd);
+      fail(ErrorCode::io_error, format("cannot stat %s: %s", path.c_str(), strerror(error)));
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      fail(ErrorCode::io_error, format("cannot map %s: not a regular file", path.c_str()));
+    }
+    std::shared_ptr<MappedFile> file(new MappedFile());
+    file->path_ = path;
+    file->size_ = uint64_t(st.st_size);
+    // mmap rejects a zero length; an empty file is a valid (empty) mapping and its readers judge it.
+    if (file->size_ > 0) {
+      void* map = mmap(nullptr, size_t(file->size_), PROT_READ, MAP_PRIVATE, fd, 0);
+      if (map == MAP_FAILED) {
+        int error = errno;
+        ::close(fd);
+        fail(ErrorCode::io_error, format("cannot mmap %s (%llu bytes): %s", path.c_str(),
+                                         (unsigned long long)file->size_, strerror(error)));
+      }
+      file->data_ = static_cast<const uint8_t*>(map);
+    }
+    ::close(fd);  // the mapping keeps the file alive
+    return file;
+  });
+}
+
+MappedFile::~MappedFile() {
+  if (data_) munmap(const_cast<uint8_t*>(data_), size_t(size_));
+}
+
+// ---- TensorStore ----------------------------------------------------------------------------------------
+Result<TensorStore> TensorStore::open_files(const std::vector<std::string>& paths) {
+  return detail::guard([&]() -> TensorStore {
+    TensorStore store;
+    for (const std::string& path : paths) {
+      std::shared_ptr<MappedFile> file = MappedFile::open(path).value();
+      SafetensorsHeader header = parse_safetensors_header(file->data(), file->size(), path).value();
+      const int file_index = int(store.files_.size());
+      store.files_.push_back(file);
+      store.paths_.push_back(path);
+      for (TensorInfo& t : header.tensors) {
+        auto [it, inserted] = store.index_.emplace(t.name, store.tensors_.size());
+        if (!inserted) {
+          const std::string& first_path = store.paths_[size_t(store.tensors_[it->second].file_index)];
+          detail::fail(ErrorCode::bad_format,
+                       detail::format("tensor '%s' is in both %s and %s; a checkpoint must hold each tensor once",
+                                      t.name.c_str(), first_path.c_str(), path.c_str()));
+        }
+        t.file_index = file_index;
+        store.tensors_.push_back(std::move(t));
+      }
+    }
+    return store;
+  });
+}
+
+Result<TensorStore> TensorStore::open_dir(const std::string& model_dir) {
+  return detail::guard([&]() -> TensorStore {
+    using detail::fail;
+    using detail::format;
+    struct stat st;
+    if (stat(model_dir.c_str(), &st) != 0)
+      fail(ErrorCode::io_error, format("cannot open model directory %s: %s", model_dir.c_str(), strerror(errno)));
+    if (!S_ISDIR(st.st_mode))
+      fail(ErrorCode::io_error, format("model directory %s is not a directory", model_dir.c_str()));
+
+    const std::string index_path = detail::path_join(model_dir, "model.safetensors.index.json");
+    if (detail::file_exists(index_path)) {
+      const std::string text = detail::read_text_file(index_path);
+      nlohmann::json index =
+          detail::parse_json_strict(text.data(), text.data() + text.size(), index_path, "index", "key");
+      if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+        fail(ErrorCode::bad_format, format("%s: expected an object with a \"weight_map\" object (tensor name -> shard "
+                                           "file)", index_path.c_str()));
+      const auto& weight_map = index["weight_map"];
+      if (weight_map.empty())
+        fail(ErrorCode::bad_format, format("%s: the weight_map names no tensors", index_path.c_str()));
+      std::vector<std::pair<std::string, std::string>> expected;  // (tensor, shard file name as the index has it)
+      std::set<std::string> shard_names;
+      for (const auto& [name, shard] : weight_map.items()) {
+        if (!shard.is_string() || shard.get<std::string>().empty())
+          fail(ErrorCode::bad_format, format("%s: weight_map entry '%s' is %s; it must name a shard file",
+                                             index_path.c_str(), name.c_str(), shard.dump().c_str()));
+        shard_names.insert(shard.get<std::string>());
+        expected.emplace_back(name, shard.get<std::string>());
+      }
+      std::vector<std::string> shard_paths;
+      for (const std::string& shard : shard_names) shard_paths.push_back(detail::path_join(model_dir, shard));
+      TensorStore store = open_files(shard_paths).value();
+
+      std::vector<std::string> missing;  // "'name' (not in shard)" for each index entry its shard lacks
+      for (const auto& [name, shard] : expected) {
+        const TensorInfo* found = store.find(name);
+        const std::string shard_path = detail::path_join(model_dir, shard);
+        if (!found)
+          missing.push_back(format("'%s' (not in %s)", name.c_str(), shard.c_str()));
+        else if (store.paths_[size_t(found->file_index)] != shard_path)
+          missing.push_back(format("'%s' (not in %s but in %s)", name.c_str(), shard.c_str(),
+                                   store.paths_[size_t(found->file_index)].c_str()));
+      }
+      if (!missing.empty()) {
+        std::string listed;
+        for (size_t i = 0; i < missing.size() && i < detail::kMaxNamesListed; i++)
+          listed += (i ? ", " : "") + missing[i];
+        if (missing.size() > detail::kMaxNamesListed)
+          listed += format(" and %zu more", missing.size() - detail::kMaxNamesListed);
+        fail(ErrorCode::missing_tensor, format("%s names %zu tensor(s) that are not in the shard it names: %s",
+                                               index_path.c_str(), missing.size(), listed.c_str()));
+      }
+      return store;
+    }
+
+    const std::string single_path = detail::path_join(model_dir, "model.safetensors");
+    if (detail::file_exists(single_path)) return open_files({single_path}).value();
+
+    // Neither: every *.safetensors file, in name order (a directory without weights gives an empty store).
+    std::vector<std::string> found;
+    DIR* dir = opendir(model_dir.c_str());
+    if (!dir)
+      fail(ErrorCode::io_error, format("cannot list model directory %s: %s", model_dir.c_str(), strerror(errno)));
+    const std::string suffix = ".safetensors";
+    while (const dirent* item = readdir(dir)) {
+      std::string name = item->d_name;
+      if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+          detail::file_exists(detail::path_join(model_dir, name)))
+        found.push_back(detail::path_join(model_dir, name));
+    }
+    closedir(dir);
+    std::sort(found.begin(), found.end());
+    return open_files(found).value();
+  });
+}
+
+const TensorInfo* TensorStore::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+const uint8_t* TensorStore::data(const TensorInfo& tensor) const {
+  return files_[size_t(tensor.file_index)]->data() + tensor.offset;
+}
+
+uint64_t TensorStore::total_bytes() const {
+  uint64_t total = 0;
+  for (const TensorInfo& t : tensors_) total += t.nbytes;
+  return total;
+}
+
+Status TensorStore::require(const std::vector<std::string>& names) const {
+  return detail::guard([&] {
+    std::vector<std::string> missing;
+    for (const std::string& name : names)
+      if (!find(name) && std::find(missing.begin(), missing.end(), name) == missing.end()) missing.push_back(name);
+    if (missing.empty()) return;
+    std::string listed;
+    for (const std::string& name : missing) listed += (listed.empty() ? "'" : ", '") + name + "'";
+    std::string where = paths_.empty() ? std::string("the model has no safetensors files")
+                        : paths_.size() == 1
+                            ? detail::format("not in %s", paths_[0].c_str())
+                            : detail::format("in none of the %zu safetensors files (%s ... %s)", paths_.size(),
+                                             paths_.front().c_str(), paths_.back().c_str());
+    detail::fail(ErrorCode::missing_tensor,
+                 detail::format("%zu of %zu required tensors are missing (%s): %s", missing.size(), names.size(),
+                                where.c_str(), listed.c_str()));
+  });
+}
+
+}  // namespace kvlite
 // config: implementation.
 #include <algorithm>
 #include <cmath>
@@ -1989,4 +2553,507 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 }  // namespace kvlite
 // plan: implementation.
 // arena: implementation.
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <limits>
+
+namespace kvlite {
+
+// ---- the one door for arena memory ---------------------------------------------------------------------
+namespace detail {
+// The counter is on while at least one Arena is live (finished create() and not yet destroyed). The thread
+// inside Arena::create() is exempt while it builds that arena: those are the allocations kvlite plans.
+static std::atomic<int64_t> g_live_arenas{0};
+static std::atomic<uint64_t> g_allocations_after_start{0};
+static thread_local int g_creating_arena = 0;
+
+struct CreatingArenaScope {
+  CreatingArenaScope() { g_creating_arena++; }
+  ~CreatingArenaScope() { g_creating_arena--; }
+  CreatingArenaScope(const CreatingArenaScope&) = delete;
+  CreatingArenaScope& operator=(const CreatingArenaScope&) = delete;
+};
+
+void* acquire_arena_memory(BackendKind backend, uint64_t bytes, uint64_t alignment, const char* what) {
+  // An attempt counts whether or not it succeeds: asking the system for memory after start is the failure.
+  if (g_live_arenas.load(std::memory_order_relaxed) > 0 && g_creating_arena == 0)
+    g_allocations_after_start.fetch_add(1, std::memory_order_relaxed);
+  if (backend == BackendKind::cuda) {
+    Result<void*> pointer = cuda::allocate_arena(bytes);
+    if (!pointer) fail(pointer.error().code, format("%s: %s", what, pointer.error().message.c_str()));
+    return *pointer;
+  }
+  // posix_memalign wants a power-of-two multiple of sizeof(void*); a zero-byte request still gets a pointer.
+  alignment = std::max<uint64_t>(alignment, sizeof(void*));
+  void* pointer = nullptr;
+  int status = bytes > std::numeric_limits<size_t>::max()
+                   ? ENOMEM
+                   : posix_memalign(&pointer, size_t(alignment), size_t(std::max<uint64_t>(bytes, 1)));
+  if (status != 0)
+    fail(ErrorCode::out_of_memory,
+         format("cannot allocate %s (%llu bytes) of host memory for %s: %s; plan for less memory "
+                "(--device-mem, --utilization) or a shorter --max-model-len",
+                format_bytes(bytes).c_str(), (unsigned long long)bytes, what, strerror(status)));
+  return pointer;
+}
+
+void release_arena_memory(BackendKind backend, void* pointer) noexcept {
+  if (!pointer) return;
+  if (backend == BackendKind::cuda) {
+    // A failed cudaFree at teardown leaves nothing to undo (the context is broken or going away), and a
+    // destructor must not throw: the status is dropped on purpose.
+    (void)cuda::free_arena(pointer);
+    return;
+  }
+  free(pointer);
+}
+
+ArenaLayout arena_layout(const Plan& plan) {
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  ArenaLayout layout;
+  uint64_t end = 0;
+  auto add = [&](const std::string& key, uint64_t bytes) {
+    if (key.empty()) fail(ErrorCode::invalid_argument, "a plan item in the arena has no key; every region needs one");
+    for (const ArenaRegion& region : layout.regions)
+      if (region.key == key)
+        fail(ErrorCode::invalid_argument,
+             format("the plan lists the arena region '%s' twice; every in_arena item needs its own key (the "
+                    "\"kv\" region is added by the arena from kv_pages, not listed among plan.items)",
+                    key.c_str()));
+    if (end > kMax - (kArenaRegionAlignment - 1) || bytes > kMax - align_up(end, kArenaRegionAlignment))
+      fail(ErrorCode::invalid_argument,
+           format("the arena overflows 64 bits at region '%s' (%llu bytes after %llu): the plan is corrupt",
+                  key.c_str(), (unsigned long long)bytes, (unsigned long long)end));
+    uint64_t offset = align_up(end, kArenaRegionAlignment);
+    layout.regions.push_back(ArenaRegion{key, offset, bytes});
+    end = offset + bytes;
+  };
+  for (const PlanItem& item : plan.items)
+    if (item.in_arena) add(item.key, item.bytes);
+  if (plan.kv_page_bytes != 0 && plan.kv_pages > kMax / plan.kv_page_bytes)
+    fail(ErrorCode::invalid_argument, format("the KV region overflows 64 bits (%llu pages of %llu bytes): the plan is corrupt",
+                                             (unsigned long long)plan.kv_pages, (unsigned long long)plan.kv_page_bytes));
+  add("kv", plan.kv_pages * plan.kv_page_bytes);
+  layout.total_bytes = end;
+  return layout;
+}
+}  // namespace detail
+
+// ---- KVPagePool --------------------------------------------------------------------------------------------
+Result<KVPagePool> KVPagePool::create(int64_t num_pages, int64_t page_tokens, int64_t max_seqs,
+                                      int64_t max_pages_per_seq) {
+  return detail::guard([&]() -> KVPagePool {
+    constexpr int64_t kMaxId = std::numeric_limits<int32_t>::max();
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    auto bad = [](const char* name, int64_t value, const char* range) {
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("KV page pool: %s %lld is out of range %s", name, (long long)value, range));
+    };
+    if (num_pages < 0 || num_pages > kMaxId) bad("num_pages", num_pages, "[0, 2^31) (block tables hold int32 page ids)");
+    if (page_tokens <= 0) bad("page_tokens", page_tokens, "(0, ...)");
+    if (max_seqs <= 0 || max_seqs > kMaxId) bad("max_seqs", max_seqs, "(0, 2^31)");
+    if (max_pages_per_seq <= 0 || max_pages_per_seq > kMaxId) bad("max_pages_per_seq", max_pages_per_seq, "(0, 2^31)");
+    if (max_seqs > kMax / 4 / max_pages_per_seq || page_tokens > kMax / max_pages_per_seq)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("KV page pool: %lld sequences x %lld pages of %lld tokens overflows 64 bits",
+                                  (long long)max_seqs, (long long)max_pages_per_seq, (long long)page_tokens));
+    KVPagePool pool;
+    pool.page_tokens_ = page_tokens;
+    pool.max_seqs_ = max_seqs;
+    pool.max_pages_per_seq_ = max_pages_per_seq;
+    // Stacks pop from the end: fill them in reverse so page 0 and slot 0 come out first.
+    pool.free_stack_ = detail::ArenaVector<int32_t>(size_t(num_pages));
+    for (int64_t i = 0; i < num_pages; i++) pool.free_stack_[size_t(i)] = int32_t(num_pages - 1 - i);
+    pool.free_pages_ = num_pages;
+    pool.refcount_ = detail::ArenaVector<int32_t>(size_t(num_pages), 0);
+    pool.tables_ = detail::ArenaVector<int32_t>(size_t(max_seqs * max_pages_per_seq), -1);
+    pool.seq_tokens_ = detail::ArenaVector<int64_t>(size_t(max_seqs), -1);
+    pool.seq_pages_ = detail::ArenaVector<int64_t>(size_t(max_seqs), 0);
+    pool.free_slots_ = detail::ArenaVector<int32_t>(size_t(max_seqs));
+    for (int64_t i = 0; i < max_seqs; i++) pool.free_slots_[size_t(i)] = int32_t(max_seqs - 1 - i);
+    pool.free_slot_count_ = max_seqs;
+    return pool;
+  });
+}
+
+uint64_t KVPagePool::metadata_bytes() const {
+  return free_stack_.capacity() * sizeof(int32_t) + refcount_.capacity() * sizeof(int32_t) +
+         tables_.capacity() * sizeof(int32_t) + seq_tokens_.capacity() * sizeof(int64_t) +
+         seq_pages_.capacity() * sizeof(int64_t) + free_slots_.capacity() * sizeof(int32_t);
+}
+
+int32_t KVPagePool::alloc_page() {
+  if (free_pages_ == 0) return -1;
+  int32_t page = free_stack_[size_t(--free_pages_)];
+  refcount_[size_t(page)] = 1;
+  allocs_++;
+  peak_used_ = std::max(peak_used_, num_pages() - free_pages_);
+  return page;
+}
+
+Status KVPagePool::retain_page(int32_t page) {
+  return detail::guard([&] {
+    if (page_refcount(page) <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("retain_page: page %d is not allocated (pool of %lld pages); retain a page that "
+                                  "alloc_page or a block table gave you",
+                                  page, (long long)num_pages()));
+    if (refcount_[size_t(page)] == std::numeric_limits<int32_t>::max())
+      detail::fail(ErrorCode::invalid_argument, detail::format("retain_page: page %d's reference count is at its maximum", page));
+    refcount_[size_t(page)]++;
+  });
+}
+
+Status KVPagePool::release_page(int32_t page) {
+  return detail::guard([&] {
+    if (page_refcount(page) <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("release_page: page %d is not allocated (pool of %lld pages): a release without a "
+                                  "matching alloc_page or retain_page",
+                                  page, (long long)num_pages()));
+    if (--refcount_[size_t(page)] == 0) {
+      free_stack_[size_t(free_pages_++)] = page;
+      frees_++;
+    }
+  });
+}
+
+int32_t KVPagePool::page_refcount(int32_t page) const {
+  if (page < 0 || page >= num_pages()) return -1;
+  return refcount_[size_t(page)];
+}
+
+bool KVPagePool::live(int32_t seq) const { return seq >= 0 && seq < max_seqs_ && seq_tokens_[size_t(seq)] >= 0; }
+
+int32_t KVPagePool::seq_create() {
+  if (free_slot_count_ == 0) return -1;
+  int32_t seq = free_slots_[size_t(--free_slot_count_)];
+  seq_tokens_[size_t(seq)] = 0;
+  seq_pages_[size_t(seq)] = 0;
+  return seq;
+}
+
+Status KVPagePool::seq_reserve(int32_t seq, int64_t tokens) {
+  return detail::guard([&] {
+    if (!live(seq))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("seq_reserve: sequence slot %d is not live (slots 0..%lld; seq_create one first)", seq,
+                                  (long long)max_seqs_ - 1));
+    if (tokens < 0)
+      detail::fail(ErrorCode::invalid_argument, detail::format("seq_reserve: sequence %d asked for %lld tokens", seq, (long long)tokens));
+    int64_t& length = seq_tokens_[size_t(seq)];
+    if (tokens <= length) return;
+    int64_t limit_tokens = max_pages_per_seq_ * page_tokens_;
+    if (tokens > limit_tokens)
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("sequence %d cannot grow to %lld tokens: that needs %llu pages of %lld tokens, past "
+                                  "the %lld pages a sequence may hold (%lld tokens, from max_model_len); raise "
+                                  "--max-model-len or shorten the request",
+                                  seq, (long long)tokens, (unsigned long long)ceil_div(uint64_t(tokens), uint64_t(page_tokens_)),
+                                  (long long)page_tokens_, (long long)max_pages_per_seq_, (long long)limit_tokens));
+    int64_t& pages = seq_pages_[size_t(seq)];
+    int64_t needed = pages_for(tokens) - pages;
+    if (needed > free_pages_)
+      detail::fail(ErrorCode::out_of_memory,
+                   detail::format("KV cache full: sequence %d needs %lld more pages, %lld free of %lld (growing from %lld "
+                                  "to %lld tokens, %lld tokens per page); finish or preempt a sequence, or plan more "
+                                  "KV memory",
+                                  seq, (long long)needed, (long long)free_pages_, (long long)num_pages(),
+                                  (long long)length, (long long)tokens, (long long)page_tokens_));
+    int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
+    for (int64_t i = 0; i < needed; i++) {
+      int32_t page = free_stack_[size_t(--free_pages_)];
+      refcount_[size_t(page)] = 1;
+      row[pages + i] = page;
+    }
+    pages += needed;
+    allocs_ += uint64_t(needed);
+    tokens_stored_ += tokens - length;
+    length = tokens;
+    peak_used_ = std::max(peak_used_, num_pages() - free_pages_);
+  });
+}
+
+Status KVPagePool::seq_free(int32_t seq) {
+  return detail::guard([&] {
+    if (!live(seq))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("seq_free: sequence slot %d is not live (freed twice, or never created)", seq));
+    int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
+    int64_t pages = seq_pages_[size_t(seq)];
+    // Check the whole row before touching anything, so a corrupt table leaves the pool as it was.
+    for (int64_t i = 0; i < pages; i++)
+      if (refcount_[size_t(row[i])] <= 0)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("seq_free: page %d in sequence %d's block table is already free (released "
+                                    "through release_page while the sequence held it)",
+                                    row[i], seq));
+    for (int64_t i = 0; i < pages; i++) {
+      int32_t page = row[i];
+      if (--refcount_[size_t(page)] == 0) {
+        free_stack_[size_t(free_pages_++)] = page;
+        frees_++;
+      }
+      row[i] = -1;
+    }
+    tokens_stored_ -= seq_tokens_[size_t(seq)];
+    seq_tokens_[size_t(seq)] = -1;
+    seq_pages_[size_t(seq)] = 0;
+    free_slots_[size_t(free_slot_count_++)] = seq;
+  });
+}
+
+int64_t KVPagePool::seq_tokens(int32_t seq) const { return live(seq) ? seq_tokens_[size_t(seq)] : -1; }
+int64_t KVPagePool::seq_pages(int32_t seq) const { return live(seq) ? seq_pages_[size_t(seq)] : 0; }
+
+const int32_t* KVPagePool::block_table(int32_t seq) const {
+  if (seq < 0 || seq >= max_seqs_) return nullptr;
+  return &tables_[size_t(seq * max_pages_per_seq_)];
+}
+
+KVPagePool::Stats KVPagePool::stats() const {
+  Stats stats;
+  stats.total_pages = num_pages();
+  stats.free_pages = free_pages_;
+  stats.used_pages = num_pages() - free_pages_;
+  stats.peak_used_pages = peak_used_;
+  stats.live_sequences = max_seqs_ - free_slot_count_;
+  stats.page_allocs = allocs_;
+  stats.page_frees = frees_;
+  stats.tokens_stored = tokens_stored_;
+  stats.token_capacity = stats.used_pages * page_tokens_;
+  return stats;
+}
+
+// ---- Arena -------------------------------------------------------------------------------------------------
+Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig& config) {
+  return detail::guard([&]() -> std::unique_ptr<Arena> {
+    if (!plan.fits)
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("the plan for '%s' does not fit: it needs %s more memory%s%s; run `kvlite plan` "
+                                  "to see where every byte goes and what would fit",
+                                  plan.model_name.c_str(), format_bytes_signed(plan.shortfall_bytes).c_str(),
+                                  plan.advice.empty() ? "" : ". ", plan.advice.empty() ? "" : plan.advice[0].c_str()));
+    if (plan.kv_pages == 0 || plan.kv_page_tokens == 0 || plan.kv_page_bytes == 0)
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("the plan for '%s' has no KV cache (%llu pages of %llu tokens, %llu bytes each); "
+                                  "run `kvlite plan` to see what would fit",
+                                  plan.model_name.c_str(), (unsigned long long)plan.kv_pages,
+                                  (unsigned long long)plan.kv_page_tokens, (unsigned long long)plan.kv_page_bytes));
+    if (plan.options.max_seqs <= 0 || plan.max_model_len <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("the plan has max_seqs %lld and max_model_len %lld; both must be > 0 (make_plan "
+                                  "resolves them)",
+                                  (long long)plan.options.max_seqs, (long long)plan.max_model_len));
+    const TextConfig& text = config.text;
+    if (text.num_layers <= 0 || text.num_kv_heads <= 0 || text.head_dim <= 0 ||
+        plan.kv_page_tokens > uint64_t(std::numeric_limits<int32_t>::max()))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("%s: the KV cache needs num_hidden_layers, num_key_value_heads, head_dim and "
+                                  "page tokens > 0 (got %lld, %lld, %lld, %llu)",
+                                  config.origin.c_str(), (long long)text.num_layers, (long long)text.num_kv_heads,
+                                  (long long)text.head_dim, (unsigned long long)plan.kv_page_tokens));
+    KVPageLayout kv_layout{text.num_layers, int64_t(plan.kv_page_tokens), text.num_kv_heads, text.head_dim};
+    // The plan's page bytes come from its KV dtype; the page's element count from the model: they must agree
+    // on a whole element size, or the kernels would index a different cache than the one reserved.
+    uint64_t page_elements = uint64_t(kv_layout.page_elements());
+    uint64_t element_bytes = plan.kv_page_bytes / page_elements;
+    if (plan.kv_page_bytes % page_elements != 0 || (element_bytes != 1 && element_bytes != 2 && element_bytes != 4))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("the plan's KV page of %llu bytes does not match %s: %lld layers x 2 x %llu tokens "
+                                  "x %lld KV heads x %lld head_dim = %llu elements, not 1, 2 or 4 bytes each; make "
+                                  "the plan from the same config",
+                                  (unsigned long long)plan.kv_page_bytes,
+                                  config.origin.empty() ? "the model's KV shape" : config.origin.c_str(),
+                                  (long long)text.num_layers, (unsigned long long)plan.kv_page_tokens,
+                                  (long long)text.num_kv_heads, (long long)text.head_dim,
+                                  (unsigned long long)page_elements));
+
+    detail::ArenaLayout layout = detail::arena_layout(plan);
+    detail::CreatingArenaScope creating;
+    std::unique_ptr<Arena> arena(new Arena());
+    arena->backend_ = plan.device.backend;
+    // From here a failure frees what was taken: ~Arena releases base_ (started_ is still false).
+    arena->base_ = static_cast<uint8_t*>(
+        detail::acquire_arena_memory(arena->backend_, layout.total_bytes, detail::kArenaHostAlignment, "the arena"));
+    arena->size_ = layout.total_bytes;
+    arena->regions_ = std::move(layout.regions);
+    int64_t max_pages_per_seq = int64_t(ceil_div(uint64_t(plan.max_model_len), plan.kv_page_tokens));
+    Result<KVPagePool> pool =
+        KVPagePool::create(int64_t(std::min<uint64_t>(plan.kv_pages, uint64_t(std::numeric_limits<int64_t>::max()))),
+                           int64_t(plan.kv_page_tokens), plan.options.max_seqs, max_pages_per_seq);
+    if (!pool) throw pool.error();
+    arena->kv_ = std::move(*pool);
+    arena->kv_layout_ = kv_layout;
+    arena->kv_element_bytes_ = int(element_bytes);
+    arena->started_ = true;
+    detail::g_live_arenas.fetch_add(1, std::memory_order_relaxed);
+    return arena;
+  });
+}
+
+Arena::~Arena() {
+  if (started_) detail::g_live_arenas.fetch_sub(1, std::memory_order_relaxed);
+  detail::release_arena_memory(backend_, base_);
+}
+
+const ArenaRegion* Arena::region(const std::string& key) const {
+  for (const ArenaRegion& r : regions_)
+    if (r.key == key) return &r;
+  return nullptr;
+}
+
+uint8_t* Arena::region_data(const std::string& key) const {
+  const ArenaRegion* r = region(key);
+  return r ? base_ + r->offset : nullptr;
+}
+
+uint64_t Arena::allocations_after_start() { return detail::g_allocations_after_start.load(std::memory_order_relaxed); }
+
+}  // namespace kvlite
+// sampler: implementation.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace kvlite {
+
+Status validate(const SamplingParams& p) {
+  return detail::guard([&] {
+    auto bad = [](const std::string& what) { detail::fail(ErrorCode::invalid_argument, what); };
+    if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
+      bad(detail::format("temperature must be >= 0 (0 = greedy), got %g", p.temperature));
+    if (p.top_k < 0) bad(detail::format("top_k must be >= 0 (0 = off), got %lld", (long long)p.top_k));
+    if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) bad(detail::format("top_p must be in (0, 1], got %g", p.top_p));
+    if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) bad(detail::format("min_p must be in [0, 1], got %g", p.min_p));
+    if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty))
+      bad(detail::format("repetition_penalty must be > 0 (1 = off), got %g", p.repetition_penalty));
+    if (p.max_tokens <= 0) bad(detail::format("max_tokens must be > 0, got %lld", (long long)p.max_tokens));
+    for (const auto& s : p.stop_strings)
+      if (s.empty()) bad("stop strings must not be empty");
+  });
+}
+
+// ---- Rng: xoshiro256** (Blackman and Vigna), state seeded by splitmix64 ----------------------------------
+Rng::Rng(uint64_t seed) {
+  uint64_t x = seed;
+  for (auto& s : state_) {
+    x += 0x9e3779b97f4a7c15ull;
+    uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    s = z ^ (z >> 31);
+  }
+}
+uint64_t Rng::next_u64() {
+  auto rotl = [](uint64_t v, int k) { return (v << k) | (v >> (64 - k)); };
+  uint64_t result = rotl(state_[1] * 5, 7) * 9, t = state_[1] << 17;
+  state_[2] ^= state_[0];
+  state_[3] ^= state_[1];
+  state_[1] ^= state_[2];
+  state_[0] ^= state_[3];
+  state_[2] ^= t;
+  state_[3] = rotl(state_[3], 45);
+  return result;
+}
+float Rng::next_float() { return float(next_u64() >> 40) * (1.0f / 16777216.0f); }
+
+int32_t argmax(const float* values, int64_t count) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < count; i++)
+    if (values[i] > values[best]) best = i;
+  return int32_t(best);
+}
+
+double token_logprob(const float* logits, int64_t vocab, int32_t token) {
+  double max_logit = logits[argmax(logits, vocab)], sum = 0.0;
+  for (int64_t i = 0; i < vocab; i++) sum += std::exp(double(logits[i]) - max_logit);
+  return double(logits[token]) - max_logit - std::log(sum);
+}
+
+int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                     int64_t history_len, Rng& rng, float* prob_scratch, int32_t* index_scratch) {
+  // Repetition penalty (CTRL, as transformers' RepetitionPenaltyLogitsProcessor): once per distinct token.
+  if (params.repetition_penalty != 1.0f) {
+    float* seen = prob_scratch;  // marks tokens already penalized
+    std::fill(seen, seen + vocab, 0.0f);
+    for (int64_t i = 0; i < history_len; i++) {
+      int32_t t = history[i];
+      if (t < 0 || t >= vocab || seen[t] == 1.0f) continue;
+      seen[t] = 1.0f;
+      logits[t] = logits[t] > 0 ? logits[t] / params.repetition_penalty : logits[t] * params.repetition_penalty;
+    }
+  }
+  if (params.temperature == 0.0f) return argmax(logits, vocab);
+
+  // Temperature, then probabilities in scratch[0, vocab), candidate ids sorted by probability.
+  float* probs = prob_scratch;
+  int32_t* order = index_scratch;
+  float max_logit = logits[argmax(logits, vocab)];
+  for (int64_t i = 0; i < vocab; i++) probs[i] = (logits[i] - max_logit) / params.temperature;
+  int64_t candidates = vocab;
+  for (int64_t i = 0; i < vocab; i++) order[i] = int32_t(i);
+  auto by_probability = [&](int32_t a, int32_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); };
+  if (params.top_k > 0 && params.top_k < vocab) {
+    std::partial_sort(order, order + params.top_k, order + vocab, by_probability);
+    candidates = params.top_k;
+  } else {
+    std::sort(order, order + vocab, by_probability);
+  }
+  // Softmax over the candidates (the rest have probability 0).
+  double sum = 0.0;
+  for (int64_t i = 0; i < candidates; i++) sum += std::exp(double(probs[order[i]]));
+  for (int64_t i = 0; i < candidates; i++) probs[order[i]] = float(std::exp(double(probs[order[i]])) / sum);
+  if (params.top_p < 1.0f) {
+    double cumulative = 0.0;
+    int64_t keep = 0;
+    while (keep < candidates) {
+      cumulative += probs[order[keep]];
+      keep++;
+      if (cumulative >= double(params.top_p)) break;
+    }
+    candidates = keep;
+  }
+  if (params.min_p > 0.0f) {
+    float threshold = params.min_p * probs[order[0]];
+    int64_t keep = 1;
+    while (keep < candidates && probs[order[keep]] >= threshold) keep++;
+    candidates = keep;
+  }
+  double total = 0.0;
+  for (int64_t i = 0; i < candidates; i++) total += probs[order[i]];
+  double draw = double(rng.next_float()) * total, running = 0.0;
+  for (int64_t i = 0; i < candidates; i++) {
+    running += probs[order[i]];
+    if (draw < running) return order[i];
+  }
+  return order[candidates - 1];
+}
+
+Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t context, int64_t stride) {
+  return detail::guard([&] {
+    if (context < 2) detail::fail(ErrorCode::invalid_argument, detail::format("context length must be >= 2, got %lld", (long long)context));
+    if (stride < 1 || stride > context)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("stride must be in 1..context length (%lld), got %lld", (long long)context, (long long)stride));
+    if (num_tokens < 2)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("scoring needs at least 2 tokens, the text has %lld", (long long)num_tokens));
+    std::vector<ScoreWindow> windows;
+    int64_t prev_end = 0;
+    for (int64_t begin = 0; begin < num_tokens; begin += stride) {
+      int64_t end = std::min(begin + context, num_tokens);
+      // The guide labels [prev_end, end); the first token of the text has nothing before it.
+      windows.push_back({begin, end, std::max(prev_end, begin + 1)});
+      prev_end = end;
+      if (end == num_tokens) break;
+    }
+    return windows;
+  });
+}
+
+}  // namespace kvlite
 #endif  // KVLITE_IMPLEMENTATION

@@ -1,5 +1,11 @@
 // ---------------------------------------------------------------------------------------------------------
 // arena: the one reservation, its regions, and the KV page pool carved from its last region.
+//
+//   base_ ──► | weights | repack | activations | ... | graphs | kv: page 0 | page 1 | ... | page P-1 |
+//             each region 256-byte aligned, in the plan's item order; the KV region is kv_pages x kv_page_bytes
+//
+// Every byte of arena and page-pool memory is acquired through detail::acquire_arena_memory, which counts
+// acquisitions made after an Arena finished create(): Arena::allocations_after_start() must stay 0.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 
@@ -11,14 +17,46 @@ namespace kvlite {
 struct KVPageLayout {
   int64_t layers = 0, page_tokens = 0, kv_heads = 0, head_dim = 0;
   KVLITE_HD int64_t page_elements() const { return layers * 2 * page_tokens * kv_heads * head_dim; }
+  // Element offset of head_dim[0] of (page, layer, kv, token_in_page, kv_head) from the KV region's start.
   KVLITE_HD int64_t offset(int64_t page, int64_t layer, int64_t kv, int64_t token_in_page, int64_t kv_head) const {
     return (((page * layers + layer) * 2 + kv) * page_tokens + token_in_page) * kv_heads * head_dim + kv_head * head_dim;
   }
 };
 
+namespace detail {
+// The one door for arena and page-pool memory: `backend` cpu is an aligned host allocation, cuda the
+// device reservation (cuda::allocate_arena). Counts the acquisition in Arena::allocations_after_start()
+// when an Arena is live and this thread is not inside Arena::create(). Throws Error (out_of_memory with the
+// numbers, or the CUDA entry point's error) naming `what`.
+void* acquire_arena_memory(BackendKind backend, uint64_t bytes, uint64_t alignment, const char* what);
+void release_arena_memory(BackendKind backend, void* pointer) noexcept;
+
+// std::allocator for the page pool's tables, routed through acquire_arena_memory so that any growth after
+// start shows up in the counter.
+template <class T>
+struct ArenaAllocator {
+  using value_type = T;
+  ArenaAllocator() = default;
+  template <class U>
+  ArenaAllocator(const ArenaAllocator<U>&) {}  // NOLINT: rebinding, as the standard allocators do
+  T* allocate(size_t count) {
+    return static_cast<T*>(acquire_arena_memory(BackendKind::cpu, uint64_t(count) * sizeof(T), alignof(T),
+                                                 "the KV page pool's tables"));
+  }
+  void deallocate(T* pointer, size_t) noexcept { release_arena_memory(BackendKind::cpu, pointer); }
+  template <class U>
+  bool operator==(const ArenaAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const ArenaAllocator<U>&) const { return false; }
+};
+template <class T>
+using ArenaVector = std::vector<T, ArenaAllocator<T>>;
+}  // namespace detail
+
 // Fixed-size pages with O(1) alloc/free (a free stack), reference counts (for prefix sharing), and one
 // block table per sequence slot: a preallocated [max_seqs, max_pages_per_seq] int32 matrix, the form
-// attention kernels read. No allocation happens after construction.
+// attention kernels read. No allocation happens after construction: every table is sized once and indexed
+// with explicit counts, never push_back.
 class KVPagePool {
  public:
   struct Stats {
@@ -28,27 +66,33 @@ class KVPagePool {
     int64_t tokens_stored = 0;   // sum of live sequences' lengths
     int64_t token_capacity = 0;  // used_pages x page_tokens
   };
-  KVPagePool() = default;
-  KVPagePool(int64_t num_pages, int64_t page_tokens, int64_t max_seqs, int64_t max_pages_per_seq);
+  KVPagePool() = default;  // empty: no pages, no slots
+  // num_pages in [0, 2^31), page_tokens, max_seqs and max_pages_per_seq > 0; invalid_argument otherwise.
+  static Result<KVPagePool> create(int64_t num_pages, int64_t page_tokens, int64_t max_seqs,
+                                   int64_t max_pages_per_seq);
 
+  int64_t num_pages() const { return int64_t(refcount_.size()); }
   int64_t page_tokens() const { return page_tokens_; }
   int64_t max_seqs() const { return max_seqs_; }
   int64_t max_pages_per_seq() const { return max_pages_per_seq_; }
+  // Host bytes of the pool's tables (their capacities): fixed at construction.
+  uint64_t metadata_bytes() const;
 
-  // Pages. alloc_page returns -1 when none is free.
+  // Pages. alloc_page returns -1 when none is free; the new page has refcount 1.
   int32_t alloc_page();
-  void retain_page(int32_t page);
-  void release_page(int32_t page);  // frees the page when its count reaches zero
-  int32_t page_refcount(int32_t page) const;
+  Status retain_page(int32_t page);   // invalid_argument for a page that is not allocated
+  Status release_page(int32_t page);  // frees the page when its count reaches zero
+  int32_t page_refcount(int32_t page) const;  // 0 for a free page, -1 for an id out of range
 
   // Sequences. seq_create returns a slot id or -1 when all max_seqs slots are live.
   int32_t seq_create();
-  // Grows the sequence to hold `tokens` tokens, taking pages as needed. All or nothing: on failure nothing
-  // changes (out_of_memory when pages run out, does_not_fit past max_pages_per_seq), with the numbers.
+  // Grows the sequence to hold `tokens` tokens, taking pages as needed (a smaller count changes nothing).
+  // All or nothing: on failure nothing changes (out_of_memory when pages run out, does_not_fit past
+  // max_pages_per_seq), with the numbers.
   Status seq_reserve(int32_t seq, int64_t tokens);
-  void seq_free(int32_t seq);  // releases its pages and the slot
-  int64_t seq_tokens(int32_t seq) const;
-  int64_t seq_pages(int32_t seq) const;
+  Status seq_free(int32_t seq);  // releases its pages (each frees at refcount zero) and the slot
+  int64_t seq_tokens(int32_t seq) const;  // -1 for a slot that is not live
+  int64_t seq_pages(int32_t seq) const;   // 0 for a slot that is not live
   const int32_t* block_table(int32_t seq) const;  // row of max_pages_per_seq entries; -1 past seq_pages
   const int32_t* block_tables() const { return tables_.data(); }  // [max_seqs, max_pages_per_seq]
   // Pages needed for `tokens` tokens.
@@ -57,13 +101,17 @@ class KVPagePool {
   Stats stats() const;
 
  private:
+  bool live(int32_t seq) const;
   int64_t page_tokens_ = 16, max_seqs_ = 0, max_pages_per_seq_ = 0;
-  std::vector<int32_t> free_stack_;   // capacity num_pages, never grows
-  std::vector<int32_t> refcount_;     // [num_pages]
-  std::vector<int32_t> tables_;       // [max_seqs * max_pages_per_seq]
-  std::vector<int64_t> seq_tokens_;   // [max_seqs], -1 when the slot is free
-  std::vector<int64_t> seq_pages_;    // [max_seqs]
-  std::vector<int32_t> free_slots_;   // capacity max_seqs
+  detail::ArenaVector<int32_t> free_stack_;  // [num_pages]; entries [0, free_pages_) are free page ids
+  int64_t free_pages_ = 0;
+  detail::ArenaVector<int32_t> refcount_;    // [num_pages]
+  detail::ArenaVector<int32_t> tables_;      // [max_seqs * max_pages_per_seq], -1 where unused
+  detail::ArenaVector<int64_t> seq_tokens_;  // [max_seqs], -1 when the slot is free
+  detail::ArenaVector<int64_t> seq_pages_;   // [max_seqs]
+  detail::ArenaVector<int32_t> free_slots_;  // [max_seqs]; entries [0, free_slot_count_) are free slots
+  int64_t free_slot_count_ = 0;
+  int64_t tokens_stored_ = 0;
   int64_t peak_used_ = 0;
   uint64_t allocs_ = 0, frees_ = 0;
 };
@@ -74,26 +122,46 @@ struct ArenaRegion {
   uint64_t bytes = 0;
 };
 
+namespace detail {
+// Alignment of every region's offset: what cudaMalloc guarantees for the base, and enough for any vector load.
+constexpr uint64_t kArenaRegionAlignment = 256;
+// Alignment of the CPU backend's host reservation (a page).
+constexpr uint64_t kArenaHostAlignment = 4096;
+struct ArenaLayout {
+  std::vector<ArenaRegion> regions;  // the plan's in_arena items in order, then "kv"
+  uint64_t total_bytes = 0;          // the one reservation: the end of the "kv" region
+};
+// The regions carved from `plan`: each in_arena item in order at a kArenaRegionAlignment offset, then "kv"
+// of kv_pages x kv_page_bytes. Plan::arena_bytes() is this total. Throws invalid_argument for a duplicate
+// key (the plan must not list "kv" among its items) or sizes that overflow 64 bits.
+ArenaLayout arena_layout(const Plan& plan);
+}  // namespace detail
+
 // The one reservation of plan.arena_bytes(): one aligned host allocation for the CPU backend, one
-// cudaMalloc for CUDA. Regions follow the plan's in_arena items in order, each 256-byte aligned (the plan
-// rounds every item up to that), then the KV pages.
+// cudaMalloc for CUDA (plan.device.backend decides). Regions follow the plan's in_arena items in order,
+// each 256-byte aligned (the plan rounds every item up to that), then the KV pages.
 class Arena {
  public:
+  // Fails with does_not_fit when the plan does not fit, invalid_argument when the plan and config disagree
+  // (KV page bytes vs the model's KV shape), out_of_memory when the reservation fails, unsupported for a
+  // CUDA plan in a build without CUDA.
   static Result<std::unique_ptr<Arena>> create(const Plan& plan, const ModelConfig& config);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
   BackendKind backend() const { return backend_; }
-  uint8_t* base() const { return base_; }
+  uint8_t* base() const { return base_; }  // device memory for the CUDA backend
   uint64_t size() const { return size_; }
   const std::vector<ArenaRegion>& regions() const { return regions_; }
-  const ArenaRegion* region(const std::string& key) const;
-  uint8_t* region_data(const std::string& key) const;  // nullptr when absent
+  const ArenaRegion* region(const std::string& key) const;  // nullptr when absent
+  uint8_t* region_data(const std::string& key) const;       // nullptr when absent
   KVPagePool& kv() { return kv_; }
+  const KVPagePool& kv() const { return kv_; }
   const KVPageLayout& kv_layout() const { return kv_layout_; }
-  // System (host or device) allocations made for the arena's memory after create() returned. kvlite's
-  // promise is that this stays 0; tests assert it.
+  int kv_element_bytes() const { return kv_element_bytes_; }  // 1 (fp8), 2 (bf16, f16) or 4 (f32)
+  // System (host or device) allocations made for arena and page-pool memory after an Arena finished
+  // create(), process-wide and monotonic. kvlite's promise is that this stays 0; tests assert it.
   static uint64_t allocations_after_start();
 
  private:
@@ -101,9 +169,11 @@ class Arena {
   BackendKind backend_ = BackendKind::cpu;
   uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
+  bool started_ = false;  // counted among the live arenas that switch the allocation counter on
   std::vector<ArenaRegion> regions_;
   KVPagePool kv_;
   KVPageLayout kv_layout_;
+  int kv_element_bytes_ = 0;
 };
 
 }  // namespace kvlite

@@ -9,6 +9,7 @@
 #include "device.hpp"
 #include "plan.hpp"
 #include "arena.hpp"
+#include "sampler.hpp"
 #endif  // KVLITE_HPP_INCLUDED
 
 #if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
@@ -19,4 +20,5 @@
 #include "device.inl"
 #include "plan.inl"
 #include "arena.inl"
+#include "sampler.inl"
 #endif  // KVLITE_IMPLEMENTATION

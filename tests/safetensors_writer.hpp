@@ -3,7 +3,10 @@
 #pragma once
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <stdexcept>
 #include <map>
 #include <string>
 #include <vector>
@@ -43,6 +46,29 @@ inline void write_file(const std::string& path, const std::vector<Tensor>& tenso
   out.write(reinterpret_cast<const char*>(&n), 8);
   out.write(text.data(), std::streamsize(text.size()));
   for (const auto& t : tensors) out.write(reinterpret_cast<const char*>(t.bytes.data()), std::streamsize(t.bytes.size()));
+}
+
+// Writes `bytes` as the whole file: for files whose length prefix does not match what follows.
+inline void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+}
+
+// The 8-byte little-endian length prefix of a safetensors file.
+inline std::vector<uint8_t> length_prefix(uint64_t header_bytes) {
+  std::vector<uint8_t> out(8);
+  for (int i = 0; i < 8; i++) out[size_t(i)] = uint8_t(header_bytes >> (8 * i));
+  return out;
+}
+
+// Writes `header` (any text, padded with spaces to a multiple of 8 and measured honestly) and then `data`:
+// for headers whose offsets, dtypes or structure are deliberately wrong.
+inline void write_with_header(const std::string& path, std::string header, const std::vector<uint8_t>& data) {
+  while (header.size() % 8) header += ' ';
+  std::vector<uint8_t> bytes = length_prefix(header.size());
+  bytes.insert(bytes.end(), header.begin(), header.end());
+  bytes.insert(bytes.end(), data.begin(), data.end());
+  write_bytes(path, bytes);
 }
 
 // A fresh empty directory under the build tree's temp area, unique per name.

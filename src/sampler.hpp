@@ -1,0 +1,54 @@
+// ---------------------------------------------------------------------------------------------------------
+// sampler: turning one row of logits into the next token, and the sliding-window schedule of scoring.
+// ---------------------------------------------------------------------------------------------------------
+#pragma once
+
+namespace kvlite {
+
+struct SamplingParams {
+  float temperature = 0.0f;         // 0: greedy (argmax; ties go to the lowest id, as torch.argmax)
+  int64_t top_k = 0;                // 0: off
+  float top_p = 1.0f;               // 1: off
+  float min_p = 0.0f;               // 0: off
+  float repetition_penalty = 1.0f;  // 1: off; > 1 discourages tokens already in the prompt or output
+  uint64_t seed = 0;                // same seed, same prompt, same tokens
+  int64_t max_tokens = 256;
+  std::vector<int32_t> stop_tokens;       // added to the tokenizer's end-of-turn tokens
+  std::vector<std::string> stop_strings;  // generation ends when the text ends with one (it is cut off)
+};
+Status validate(const SamplingParams& params);
+
+// A small, fast, seedable generator (xoshiro256**, seeded through splitmix64): reproducible on every
+// platform, unlike std::uniform_real_distribution.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed = 0);
+  uint64_t next_u64();
+  float next_float();  // uniform in [0, 1), 24 random bits
+
+ private:
+  uint64_t state_[4];
+};
+
+// Samples from one row of logits, in transformers' order: repetition penalty on the logits (positive
+// logits divided, negative multiplied, once per distinct previous token), temperature, top-k, top-p
+// (smallest set of most likely tokens whose probability reaches top_p, at least one), min-p (drop tokens
+// below min_p x the top probability), then a draw. `logits` is modified in place. The scratch arrays hold
+// `vocab` entries each and are the caller's (the arena's sampling region): nothing is allocated.
+int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                     int64_t history_len, Rng& rng, float* prob_scratch, int32_t* index_scratch);
+int32_t argmax(const float* values, int64_t count);
+// log_softmax(logits)[token], computed stably in double.
+double token_logprob(const float* logits, int64_t vocab, int32_t token);
+
+// One window of the transformers perplexity recipe ("Perplexity of fixed-length models"): the model reads
+// tokens [begin, end) and is scored on the targets in [first_target, end) (positions before first_target
+// were scored by an earlier window and only give context). Each target t is predicted from position t-1.
+struct ScoreWindow {
+  int64_t begin = 0, end = 0, first_target = 0;
+};
+// Windows of `context` tokens every `stride` tokens, exactly as the guide's loop: trg_len = end - prev_end,
+// the first window's first token has no prediction (it is never a target).
+Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t context, int64_t stride);
+
+}  // namespace kvlite

@@ -1,0 +1,143 @@
+// sampler: implementation.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace kvlite {
+
+Status validate(const SamplingParams& p) {
+  return detail::guard([&] {
+    auto bad = [](const std::string& what) { detail::fail(ErrorCode::invalid_argument, what); };
+    if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
+      bad(detail::format("temperature must be >= 0 (0 = greedy), got %g", p.temperature));
+    if (p.top_k < 0) bad(detail::format("top_k must be >= 0 (0 = off), got %lld", (long long)p.top_k));
+    if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) bad(detail::format("top_p must be in (0, 1], got %g", p.top_p));
+    if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) bad(detail::format("min_p must be in [0, 1], got %g", p.min_p));
+    if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty))
+      bad(detail::format("repetition_penalty must be > 0 (1 = off), got %g", p.repetition_penalty));
+    if (p.max_tokens <= 0) bad(detail::format("max_tokens must be > 0, got %lld", (long long)p.max_tokens));
+    for (const auto& s : p.stop_strings)
+      if (s.empty()) bad("stop strings must not be empty");
+  });
+}
+
+// ---- Rng: xoshiro256** (Blackman and Vigna), state seeded by splitmix64 ----------------------------------
+Rng::Rng(uint64_t seed) {
+  uint64_t x = seed;
+  for (auto& s : state_) {
+    x += 0x9e3779b97f4a7c15ull;
+    uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    s = z ^ (z >> 31);
+  }
+}
+uint64_t Rng::next_u64() {
+  auto rotl = [](uint64_t v, int k) { return (v << k) | (v >> (64 - k)); };
+  uint64_t result = rotl(state_[1] * 5, 7) * 9, t = state_[1] << 17;
+  state_[2] ^= state_[0];
+  state_[3] ^= state_[1];
+  state_[1] ^= state_[2];
+  state_[0] ^= state_[3];
+  state_[2] ^= t;
+  state_[3] = rotl(state_[3], 45);
+  return result;
+}
+float Rng::next_float() { return float(next_u64() >> 40) * (1.0f / 16777216.0f); }
+
+int32_t argmax(const float* values, int64_t count) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < count; i++)
+    if (values[i] > values[best]) best = i;
+  return int32_t(best);
+}
+
+double token_logprob(const float* logits, int64_t vocab, int32_t token) {
+  double max_logit = logits[argmax(logits, vocab)], sum = 0.0;
+  for (int64_t i = 0; i < vocab; i++) sum += std::exp(double(logits[i]) - max_logit);
+  return double(logits[token]) - max_logit - std::log(sum);
+}
+
+int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                     int64_t history_len, Rng& rng, float* prob_scratch, int32_t* index_scratch) {
+  // Repetition penalty (CTRL, as transformers' RepetitionPenaltyLogitsProcessor): once per distinct token.
+  if (params.repetition_penalty != 1.0f) {
+    float* seen = prob_scratch;  // marks tokens already penalized
+    std::fill(seen, seen + vocab, 0.0f);
+    for (int64_t i = 0; i < history_len; i++) {
+      int32_t t = history[i];
+      if (t < 0 || t >= vocab || seen[t] == 1.0f) continue;
+      seen[t] = 1.0f;
+      logits[t] = logits[t] > 0 ? logits[t] / params.repetition_penalty : logits[t] * params.repetition_penalty;
+    }
+  }
+  if (params.temperature == 0.0f) return argmax(logits, vocab);
+
+  // Temperature, then probabilities in scratch[0, vocab), candidate ids sorted by probability.
+  float* probs = prob_scratch;
+  int32_t* order = index_scratch;
+  float max_logit = logits[argmax(logits, vocab)];
+  for (int64_t i = 0; i < vocab; i++) probs[i] = (logits[i] - max_logit) / params.temperature;
+  int64_t candidates = vocab;
+  for (int64_t i = 0; i < vocab; i++) order[i] = int32_t(i);
+  auto by_probability = [&](int32_t a, int32_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); };
+  if (params.top_k > 0 && params.top_k < vocab) {
+    std::partial_sort(order, order + params.top_k, order + vocab, by_probability);
+    candidates = params.top_k;
+  } else {
+    std::sort(order, order + vocab, by_probability);
+  }
+  // Softmax over the candidates (the rest have probability 0).
+  double sum = 0.0;
+  for (int64_t i = 0; i < candidates; i++) sum += std::exp(double(probs[order[i]]));
+  for (int64_t i = 0; i < candidates; i++) probs[order[i]] = float(std::exp(double(probs[order[i]])) / sum);
+  if (params.top_p < 1.0f) {
+    double cumulative = 0.0;
+    int64_t keep = 0;
+    while (keep < candidates) {
+      cumulative += probs[order[keep]];
+      keep++;
+      if (cumulative >= double(params.top_p)) break;
+    }
+    candidates = keep;
+  }
+  if (params.min_p > 0.0f) {
+    float threshold = params.min_p * probs[order[0]];
+    int64_t keep = 1;
+    while (keep < candidates && probs[order[keep]] >= threshold) keep++;
+    candidates = keep;
+  }
+  double total = 0.0;
+  for (int64_t i = 0; i < candidates; i++) total += probs[order[i]];
+  double draw = double(rng.next_float()) * total, running = 0.0;
+  for (int64_t i = 0; i < candidates; i++) {
+    running += probs[order[i]];
+    if (draw < running) return order[i];
+  }
+  return order[candidates - 1];
+}
+
+Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t context, int64_t stride) {
+  return detail::guard([&] {
+    if (context < 2) detail::fail(ErrorCode::invalid_argument, detail::format("context length must be >= 2, got %lld", (long long)context));
+    if (stride < 1 || stride > context)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("stride must be in 1..context length (%lld), got %lld", (long long)context, (long long)stride));
+    if (num_tokens < 2)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("scoring needs at least 2 tokens, the text has %lld", (long long)num_tokens));
+    std::vector<ScoreWindow> windows;
+    int64_t prev_end = 0;
+    for (int64_t begin = 0; begin < num_tokens; begin += stride) {
+      int64_t end = std::min(begin + context, num_tokens);
+      // The guide labels [prev_end, end); the first token of the text has nothing before it.
+      windows.push_back({begin, end, std::max(prev_end, begin + 1)});
+      prev_end = end;
+      if (end == num_tokens) break;
+    }
+    return windows;
+  });
+}
+
+}  // namespace kvlite
