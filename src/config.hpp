@@ -94,6 +94,7 @@ struct ModelConfig {
   TextConfig text;
   VisionConfig vision;
   QuantConfig quant;
+  // qwen3_vl special tokens (transformers' defaults when absent); -1 for text-only models.
   int64_t image_token_id = -1, video_token_id = -1, vision_start_token_id = -1, vision_end_token_id = -1;
   // Image budget from preprocessor_config.json (min/max pixel counts), when the directory has one.
   int64_t min_pixels = 0, max_pixels = 0;
@@ -108,7 +109,8 @@ struct ModelConfig {
 // Parses a config.json text. `origin` names it in errors. Refuses unknown model types, missing or
 // non-positive sizes, unknown rope or quantization methods, with the key named.
 Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin);
-// Reads MODEL_DIR/config.json (and preprocessor_config.json if present).
+// Reads MODEL_DIR/config.json, and preprocessor_config.json if present: `size` {shortest_edge, longest_edge}
+// are the min/max PIXEL COUNTS; top-level min_pixels / max_pixels (older files) override them.
 Result<ModelConfig> load_config(const std::string& model_dir);
 
 // One Linear layer as it is on disk.
@@ -126,7 +128,7 @@ struct LinearDesc {
   bool has_g_idx = false;
   bool has_bias = false;
   bool vision = false;   // part of the vision tower
-  uint64_t bytes = 0;    // exact bytes of all its tensors on disk (weight, scales, zeros, g_idx, shape, bias)
+  uint64_t bytes = 0;    // bytes of all its tensors on disk (weight, scales, zeros, g_idx, shape, input_scale, bias)
   bool exact = false;    // true: from the safetensors headers; false: estimated from config.json
 };
 

@@ -562,7 +562,7 @@ TEST_CASE("headers: fp8 with tensor, channel and block scales, scale_inv in F32 
   CHECK(linear(linears, "model.layers.1.self_attn.q_proj").format == WeightFormat::dense);
 }
 
-TEST_CASE("headers: int4 symmetric and asymmetric groups, channel scales, g_idx; bytes match the estimate") {
+TEST_CASE("headers: int4 symmetric and asymmetric groups, channel scales, g_idx, with bytes matching the estimate") {
   json doc = tiny_llama();
   doc["quantization_config"] = int4_group(64);
   ModelConfig c = parse(doc);
