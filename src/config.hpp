@@ -35,6 +35,8 @@ struct TextConfig {
   double rms_norm_eps = 1e-6;
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v biases (qwen2: always true)
+  bool o_proj_bias = false;     // o_proj bias (llama, qwen3: = attention_bias; qwen2: never)
+  bool mlp_bias = false;        // gate/up/down biases (llama `mlp_bias`)
   bool qk_norm = false;         // per-head RMSNorm of q and k before RoPE (qwen3, qwen3_vl)
   std::string hidden_act = "silu";
   DType dtype = DType::BF16;  // torch_dtype / dtype of the unquantized weights
@@ -134,7 +136,10 @@ class TensorStore;
 // with an empty store (or nullptr) everything is estimated from config.json.
 Result<std::vector<LinearDesc>> describe_linears(const ModelConfig& config, const TensorStore* store);
 
-// Is this module excluded from quantization by `ignore` / `modules_to_not_convert`?
+// Is this module excluded from quantization by `ignore` / `modules_to_not_convert`? compressed-tensors `ignore`:
+// an entry equal to the name, the class name "Linear", or "re:<regex>" matching at the start of the name
+// (Python re.match). Qwen fp8 `modules_to_not_convert`: an entry that is a substring of the name
+// (transformers 4.x) or, when it has regex syntax, a regex matching at the start (transformers 5).
 bool quant_ignores(const QuantConfig& quant, const std::string& module_name);
 
 // What the weights weigh, for the planner.
@@ -147,5 +152,22 @@ struct WeightsSummary {
   std::vector<LinearDesc> linears;
 };
 Result<WeightsSummary> summarize_weights(const ModelConfig& config, const TensorStore* store);
+
+namespace detail {
+// The same decisions over any source of tensor headers, so they can be tested with in-memory lists.
+// `lookup` returns the header of a tensor or nullptr; `data` returns a pointer to its bytes, or nullptr when
+// only headers are at hand (may be empty). These throw kvlite::Error (the public calls above guard them).
+using TensorLookup = std::function<const TensorInfo*(const std::string& name)>;
+using TensorData = std::function<const uint8_t*(const TensorInfo& tensor)>;
+std::vector<LinearDesc> describe_linears_from(const ModelConfig& config, const TensorLookup& lookup,
+                                              const TensorData& data);
+std::vector<LinearDesc> estimate_linears(const ModelConfig& config);
+WeightsSummary summarize_weights_from(const ModelConfig& config, const std::vector<TensorInfo>& tensors,
+                                      const TensorData& data);
+WeightsSummary estimate_weights(const ModelConfig& config);
+// The scheme that quantizes this Linear per config.json (nullptr: it stays dense). compressed-tensors order:
+// an exact name target wins over a "re:" target, which wins over the class target "Linear".
+const QuantScheme* quant_scheme_for(const QuantConfig& quant, const std::string& module_name);
+}  // namespace detail
 
 }  // namespace kvlite
