@@ -9,6 +9,7 @@
 #include "device.hpp"
 #include "plan.hpp"
 #include "arena.hpp"
+#include "backend.hpp"
 #endif  // KVLITE_HPP_INCLUDED
 
 #if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
@@ -19,4 +20,6 @@
 #include "device.inl"
 #include "plan.inl"
 #include "arena.inl"
+#include "backend.inl"
+#include "backend_cpu.inl"
 #endif  // KVLITE_IMPLEMENTATION
