@@ -1050,6 +1050,202 @@ struct ScoreWindow {
 Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t context, int64_t stride);
 
 }  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// backend: the operations a forward pass runs, on tensors that live where the backend computes (host memory
+// for the CPU, device memory for CUDA). The model is written once against this interface; the CPU backend is
+// the reference every CUDA kernel is checked against.
+//
+// Conventions shared by every op:
+//   - Tensors are 2-D views [rows, cols]: activations are [tokens, features]; a linear weight is
+//     [out_features, in_features] as PyTorch stores it. Views may be row or column slices of larger buffers
+//     (q, k and v are column slices of one fused qkv buffer), so every op honours row_stride.
+//   - A "vector of n" (norm weight, bias, token ids, slots...) is a contiguous tensor of n elements in
+//     either orientation ([1, n] or [n, 1]).
+//   - Activations have the backend's activation_dtype() (F32 on the CPU); index vectors are I32.
+//   - Ops never allocate: every output is a caller-owned buffer (the arena's activation region). Scratch is
+//     sized when the backend is made.
+//   - Ops validate shapes and dtypes here, once for every backend, and return invalid_argument (or
+//     unsupported, when supports() says no) with the shapes in the message. A backend may run asynchronously:
+//     errors found on the device surface at synchronize().
+//   - One caller at a time: a backend is not safe to call from two threads at once.
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+
+// A view of `rows` x `cols` elements of `dtype`; row r starts r * row_stride elements after `data`.
+// Never owns memory.
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::F32;
+  int64_t rows = 0, cols = 0;
+  int64_t row_stride = 0;  // elements between the starts of consecutive rows, >= cols
+
+  // A dense [rows, cols] view.
+  static Tensor matrix(void* data, DType dtype, int64_t rows, int64_t cols) {
+    return Tensor{data, dtype, rows, cols, cols};
+  }
+  // A vector of n elements, as [n, 1].
+  static Tensor vector(void* data, DType dtype, int64_t n) { return Tensor{data, dtype, n, 1, 1}; }
+
+  int64_t elements() const { return rows * cols; }
+  int64_t element_bytes() const { return int64_t(dtype_bytes(dtype, 1)); }
+  // True when the elements are one run of memory (vectors must be).
+  bool contiguous() const { return rows <= 1 || row_stride == cols; }
+  // Rows [first, first + count).
+  Tensor slice_rows(int64_t first, int64_t count) const {
+    return Tensor{static_cast<uint8_t*>(data) + first * row_stride * element_bytes(), dtype, count, cols, row_stride};
+  }
+  // Columns [first, first + count) of every row (q, k or v inside a fused qkv buffer; one head).
+  Tensor slice_cols(int64_t first, int64_t count) const {
+    return Tensor{static_cast<uint8_t*>(data) + first * element_bytes(), dtype, rows, count, row_stride};
+  }
+};
+
+// The paged KV cache as kernels see it: the base of the KV pages and their layout (see KVPageLayout).
+struct KVCacheView {
+  void* pages = nullptr;      // page 0; page p starts p * layout.page_elements() elements later
+  DType dtype = DType::BF16;  // element type of K and V (the CPU stores F32, BF16 or F16)
+  KVPageLayout layout;
+  int64_t num_pages = 0;
+};
+
+// The sequences of one attention call. Sequence s owns the query rows [query_starts[s], query_starts[s+1])
+// and n_s = query_starts[s+1] - query_starts[s] of them. Its queries are the LAST n_s tokens of its context:
+// query j (0-based) sits at cache index context_lens[s] - n_s + j and attends causally to cache indices
+// 0 .. that index. So one call mixes chunked prefill (n_s > 1, earlier chunks already cached) and decode
+// (n_s = 1). Their K/V must already be written (kv_write) before attention runs.
+struct AttentionBatch {
+  Tensor query_starts;      // I32 vector [seqs + 1]; query_starts[0] = 0, last = query tokens
+  Tensor context_lens;      // I32 vector [seqs]: cached tokens of each sequence, this step's included
+  Tensor block_tables;      // I32 [seqs, max_pages_per_seq]: row s lists sequence s's pages in order
+  int64_t max_context = 0;  // >= every context_lens[s] (lets a GPU size its work without reading them)
+};
+
+// Every op of the interface, for supports() and for messages.
+enum class Op {
+  gather_rows, rms_norm, add_rms_norm, rope, linear, silu_mul, add, copy, kv_write, attention,
+};
+const char* op_name(Op op);
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // ---- identity and capabilities ---------------------------------------------------------------------
+  virtual BackendKind kind() const = 0;
+  virtual std::string name() const = 0;  // for logs: "cpu (8 threads)"
+  // The dtype of every activation tensor the ops read and write (F32 on the CPU).
+  virtual DType activation_dtype() const = 0;
+  // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows), the weight
+  // (rms_norm, add_rms_norm, linear), the K/V element (kv_write, attention), the destination (copy); for
+  // the others (rope, silu_mul, add) the activation dtype.
+  virtual bool supports(Op op, DType dtype) const = 0;
+
+  // ---- memory movement ---------------------------------------------------------------------------------
+  // dst <- src, where src holds dst.rows x dst.cols elements of dst.dtype, row after row, on the host.
+  Status copy_from_host(const void* src, const Tensor& dst);
+  // dst (host, dense rows) <- src.
+  Status copy_to_host(const Tensor& src, void* dst);
+  // Waits for queued work; reports the first error a queued op met.
+  Status synchronize();
+
+  // ---- ops -------------------------------------------------------------------------------------------
+  // out[t, :] = table[ids[t], :], converted to the activation dtype. Embedding lookup (table
+  // [vocab, hidden], BF16/F16/F32) and row selection (e.g. the last token of each sequence before the
+  // lm_head). table [V, H]; ids I32 vector [T], each in [0, V); out [T, H].
+  Status gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out);
+
+  // RMSNorm in groups: each row of x is split into x.cols / W groups of W = weight's length, and each group
+  // is normalised on its own: out = weight * (x * rsqrt(mean(x^2) + eps)), in fp32 (LlamaRMSNorm).
+  // W = x.cols is the layer norm; W = head_dim is Qwen3's per-head q_norm / k_norm over [T, heads * D].
+  // x, out [T, C]; weight vector [W], C % W == 0. out may be x.
+  Status rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out);
+
+  // The pre-norm residual step fused: residual += x; out = rms_norm(residual) (weight over the whole row).
+  // This is transformers' `hidden = residual + hidden; residual = hidden; hidden = norm(hidden)`.
+  // x, residual, out [T, H]; weight vector [H]. out may be x, never residual.
+  Status add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                      const Tensor& out);
+
+  // Rotary embedding in place, rotate_half convention (Llama/Qwen; not GPT-J's interleaved pairs): for each
+  // head and each frequency i < R/2, with a = x[i], b = x[i + R/2], c = cos[t, i], s = sin[t, i]:
+  //   x[i] = a*c - b*s;  x[i + R/2] = b*c + a*s      (x*cos + rotate_half(x)*sin, since emb = cat(f, f))
+  // Dimensions R .. head_dim-1 are left alone (partial rotary). Build cos/sin with rope_tables().
+  // x [T, heads * head_dim]; cos, sin F32 [T, R/2] with R <= head_dim.
+  Status rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim);
+
+  // out = x @ weight^T (+ bias): nn.Linear. x [T, K]; weight [N, K] (BF16/F16/F32); bias vector [N] or
+  // none (bias.data == nullptr); out [T, N]. out must not overlap x.
+  Status linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out);
+
+  // SwiGLU's gate: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). gate, up, out [T, I] (gate and up
+  // may be the two halves of one fused gate_up buffer). out may be gate or up.
+  Status silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out);
+
+  // out = a + b. a, b, out [T, H]. out may be a or b.
+  Status add(const Tensor& a, const Tensor& b, const Tensor& out);
+
+  // dst = src, converting between F32, BF16 and F16 (round to nearest even). Same shape; no overlap.
+  Status copy(const Tensor& src, const Tensor& dst);
+
+  // Stores layer `layer`'s K and V rows of T tokens into the KV pages. slots I32 vector [T]: token t goes
+  // to page slots[t] / page_tokens at offset slots[t] % page_tokens; a negative slot skips the token
+  // (padding). k, v [T, kv_heads * head_dim]. Converted to cache.dtype (round to nearest even).
+  Status kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots);
+
+  // Causal paged attention for a batch of sequences (see AttentionBatch), grouped-query: query head h reads
+  // KV head h / (heads / kv_heads). Per query head: softmax(scale * q.K^T) @ V over its visible tokens,
+  // in fp32 with the running maximum subtracted; no [T, context] matrix is formed.
+  // q, out [T, heads * head_dim] with head_dim = cache.layout.head_dim; scale usually 1/sqrt(head_dim).
+  Status attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                   float scale, const Tensor& out);
+
+ protected:
+  // The backend's work, called after the shared validation above has passed. They may throw kvlite::Error
+  // (detail::fail) for what only they can check (e.g. values of index vectors on the CPU).
+  virtual void impl_copy_from_host(const void* src, const Tensor& dst) = 0;
+  virtual void impl_copy_to_host(const Tensor& src, void* dst) = 0;
+  virtual void impl_synchronize() = 0;
+  virtual void impl_gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) = 0;
+  virtual void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) = 0;
+  virtual void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                                 const Tensor& out) = 0;
+  virtual void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) = 0;
+  virtual void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) = 0;
+  virtual void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
+  virtual void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  virtual void impl_copy(const Tensor& src, const Tensor& dst) = 0;
+  virtual void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                             const Tensor& slots) = 0;
+  virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
+                              const AttentionBatch& batch, float scale, const Tensor& out) = 0;
+};
+
+// ---- the CPU backend ------------------------------------------------------------------------------------
+struct CpuBackendOptions {
+  int threads = 0;             // worker threads, the caller included; 0: one per hardware thread
+  int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
+};
+// Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
+// element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
+Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options = {});
+
+// ---- rotary tables (host helpers, shared by every backend) ----------------------------------------------
+// inv_freq[i], i < rotary_dim / 2, exactly as transformers' rope init computes it in float32:
+// "default": 1 / theta^(2i / rotary_dim); "llama3": then rescaled by wavelength band
+// (_compute_llama3_parameters in modeling_rope_utils.py). Other types are unsupported.
+Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim);
+
+// cos/sin tables [tokens, half] for rope(), half = inv_freq.size(): angle = float(inv_freq[i] * position)
+// in float32 as transformers forms it, then its cos and sin.
+// positions I32 [position_rows, tokens] (transformers' position_ids layout): 1 row for plain RoPE; 3 rows
+// (t, h, w) for Qwen3-VL's interleaved M-RoPE, where frequency i takes row h when i % 3 == 1 and
+// i < 3 * mrope_section[1], row w when i % 3 == 2 and i < 3 * mrope_section[2], else row t.
+// cos, sin: host arrays of tokens * half floats.
+Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
+                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin);
+
+}  // namespace kvlite
 #endif  // KVLITE_HPP_INCLUDED
 
 #if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
@@ -6213,6 +6409,947 @@ Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t conte
       if (end == num_tokens) break;
     }
     return windows;
+  });
+}
+
+}  // namespace kvlite
+// backend: the validation every backend shares, and the rotary-table helpers.
+#include <cmath>
+
+namespace kvlite {
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::gather_rows: return "gather_rows";
+    case Op::rms_norm: return "rms_norm";
+    case Op::add_rms_norm: return "add_rms_norm";
+    case Op::rope: return "rope";
+    case Op::linear: return "linear";
+    case Op::silu_mul: return "silu_mul";
+    case Op::add: return "add";
+    case Op::copy: return "copy";
+    case Op::kv_write: return "kv_write";
+    case Op::attention: return "attention";
+  }
+  return "?";
+}
+
+namespace detail {
+
+// "[3, 64] F32" (plus the stride when rows are not packed).
+inline std::string describe(const Tensor& t) {
+  std::string text = format("[%lld, %lld] %s", (long long)t.rows, (long long)t.cols, dtype_name(t.dtype));
+  if (t.rows > 1 && t.row_stride != t.cols) text += format(" (row stride %lld)", (long long)t.row_stride);
+  return text;
+}
+
+// Checks what every tensor argument must satisfy; `op` and `name` make the message.
+inline void check_view(const char* op, const char* name, const Tensor& t) {
+  if (t.rows < 0 || t.cols < 0)
+    fail(ErrorCode::invalid_argument, format("%s: %s has a negative shape %s", op, name, describe(t).c_str()));
+  if (dtype_bits(t.dtype) < 8)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s has dtype %s, which packs several elements per byte; views need whole-byte elements",
+                op, name, dtype_name(t.dtype)));
+  if (t.rows > 1 && t.row_stride < t.cols)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s with row stride %lld, smaller than its %lld columns (rows would overlap)", op, name,
+                describe(t).c_str(), (long long)t.row_stride, (long long)t.cols));
+  if (t.elements() > 0 && t.data == nullptr)
+    fail(ErrorCode::invalid_argument, format("%s: %s is %s but its data pointer is null", op, name, describe(t).c_str()));
+}
+
+inline void check_dtype(const char* op, const char* name, const Tensor& t, DType dtype) {
+  check_view(op, name, t);
+  if (t.dtype != dtype)
+    fail(ErrorCode::invalid_argument, format("%s: %s is %s; it must be %s", op, name, describe(t).c_str(), dtype_name(dtype)));
+}
+
+inline void check_shape(const char* op, const char* name, const Tensor& t, int64_t rows, int64_t cols) {
+  if (t.rows != rows || t.cols != cols)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s; it must be [%lld, %lld]", op, name, describe(t).c_str(), (long long)rows, (long long)cols));
+}
+
+// A contiguous vector of n elements of `dtype`, [1, n] or [n, 1].
+inline void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, DType dtype) {
+  check_dtype(op, name, t, dtype);
+  if ((t.rows != 1 && t.cols != 1) || t.elements() != n || !t.contiguous())
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s; it must be a contiguous vector of %lld elements ([1, %lld] or [%lld, 1])", op, name,
+                describe(t).c_str(), (long long)n, (long long)n, (long long)n));
+}
+
+inline void check_supported(const Backend& backend, Op op, DType dtype, const char* operand) {
+  if (!backend.supports(op, dtype))
+    fail(ErrorCode::unsupported, format("%s: the %s backend does not support %s %s", op_name(op),
+                                        backend.name().c_str(), operand, dtype_name(dtype)));
+}
+
+// Two views overlap when their byte ranges intersect (a conservative test on the spans).
+inline bool views_overlap(const Tensor& a, const Tensor& b) {
+  if (a.elements() == 0 || b.elements() == 0) return false;
+  auto span = [](const Tensor& t) {
+    const uint8_t* begin = static_cast<const uint8_t*>(t.data);
+    return std::make_pair(begin, begin + ((t.rows - 1) * t.row_stride + t.cols) * t.element_bytes());
+  };
+  auto sa = span(a), sb = span(b);
+  return sa.first < sb.second && sb.first < sa.second;
+}
+
+inline bool same_view(const Tensor& a, const Tensor& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.rows == b.rows && a.cols == b.cols &&
+         (a.rows <= 1 || a.row_stride == b.row_stride);
+}
+
+// `out` may be `input` itself, never a partial overlap of it.
+inline void check_alias(const char* op, const char* out_name, const Tensor& out, const char* in_name,
+                        const Tensor& in, bool may_be_same) {
+  if (views_overlap(out, in) && !(may_be_same && same_view(out, in)))
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s overlaps %s; %s", op, out_name, in_name,
+                may_be_same ? "it may be the same view or a separate buffer" : "it must be a separate buffer"));
+}
+
+inline void check_kv_cache(const char* op, const KVCacheView& cache, int64_t layer) {
+  const KVPageLayout& l = cache.layout;
+  if (l.layers <= 0 || l.page_tokens <= 0 || l.kv_heads <= 0 || l.head_dim <= 0 || cache.num_pages <= 0)
+    fail(ErrorCode::invalid_argument,
+         format("%s: the KV cache layout is empty or negative (layers %lld, page_tokens %lld, kv_heads %lld, "
+                "head_dim %lld, pages %lld)", op, (long long)l.layers, (long long)l.page_tokens,
+                (long long)l.kv_heads, (long long)l.head_dim, (long long)cache.num_pages));
+  if (cache.pages == nullptr) fail(ErrorCode::invalid_argument, format("%s: the KV cache's pages pointer is null", op));
+  if (layer < 0 || layer >= l.layers)
+    fail(ErrorCode::invalid_argument,
+         format("%s: layer %lld is outside the KV cache's %lld layers", op, (long long)layer, (long long)l.layers));
+}
+
+}  // namespace detail
+
+Status Backend::copy_from_host(const void* src, const Tensor& dst) {
+  return detail::guard([&] {
+    detail::check_view("copy_from_host", "dst", dst);
+    if (dst.elements() > 0 && src == nullptr)
+      detail::fail(ErrorCode::invalid_argument, "copy_from_host: the host source pointer is null");
+    impl_copy_from_host(src, dst);
+  });
+}
+
+Status Backend::copy_to_host(const Tensor& src, void* dst) {
+  return detail::guard([&] {
+    detail::check_view("copy_to_host", "src", src);
+    if (src.elements() > 0 && dst == nullptr)
+      detail::fail(ErrorCode::invalid_argument, "copy_to_host: the host destination pointer is null");
+    impl_copy_to_host(src, dst);
+  });
+}
+
+Status Backend::synchronize() {
+  return detail::guard([&] { impl_synchronize(); });
+}
+
+Status Backend::gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "gather_rows";
+    detail::check_view(op, "table", table);
+    detail::check_supported(*this, Op::gather_rows, table.dtype, "table dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_vector(op, "ids", ids, ids.elements(), DType::I32);
+    detail::check_shape(op, "out", out, ids.elements(), table.cols);
+    detail::check_alias(op, "out", out, "table", table, false);
+    impl_gather_rows(table, ids, out);
+  });
+}
+
+Status Backend::rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "rms_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::rms_norm, weight.dtype, "weight dtype");
+    int64_t group = weight.elements();
+    detail::check_vector(op, "weight", weight, group, weight.dtype);
+    if (group == 0 || x.cols % group != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rms_norm: x is %s but weight has %lld elements; x's columns must be a multiple "
+                                  "of the weight's length (the row, or head_dim for per-head norms)",
+                                  detail::describe(x).c_str(), (long long)group));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (!(eps >= 0.0f)) detail::fail(ErrorCode::invalid_argument, detail::format("rms_norm: eps %g must be >= 0", eps));
+    impl_rms_norm(x, weight, eps, out);
+  });
+}
+
+Status Backend::add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                             const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "add_rms_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_dtype(op, "residual", residual, activation_dtype());
+    detail::check_shape(op, "residual", residual, x.rows, x.cols);
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::add_rms_norm, weight.dtype, "weight dtype");
+    detail::check_vector(op, "weight", weight, x.cols, weight.dtype);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "residual", residual, "x", x, false);
+    detail::check_alias(op, "out", out, "x", x, true);
+    detail::check_alias(op, "out", out, "residual", residual, false);
+    if (!(eps >= 0.0f))
+      detail::fail(ErrorCode::invalid_argument, detail::format("add_rms_norm: eps %g must be >= 0", eps));
+    impl_add_rms_norm(x, residual, weight, eps, out);
+  });
+}
+
+Status Backend::rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) {
+  return detail::guard([&] {
+    const char* op = "rope";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_supported(*this, Op::rope, x.dtype, "x dtype");
+    detail::check_dtype(op, "cos", cos, DType::F32);
+    detail::check_dtype(op, "sin", sin, DType::F32);
+    if (head_dim <= 0 || x.cols % head_dim != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope: x is %s, not a whole number of heads of head_dim %lld",
+                                  detail::describe(x).c_str(), (long long)head_dim));
+    if (cos.cols == 0 || 2 * cos.cols > head_dim)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope: cos is %s; it needs 1 .. head_dim/2 = %lld columns (one per frequency)",
+                                  detail::describe(cos).c_str(), (long long)(head_dim / 2)));
+    detail::check_shape(op, "cos", cos, x.rows, cos.cols);
+    detail::check_shape(op, "sin", sin, x.rows, cos.cols);
+    impl_rope(x, cos, sin, head_dim);
+  });
+}
+
+Status Backend::linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "linear";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::linear, weight.dtype, "weight dtype");
+    if (weight.cols != x.cols)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("linear: weight is %s but x is %s; weight must be [out_features, in_features] "
+                                  "with in_features = x's %lld columns",
+                                  detail::describe(weight).c_str(), detail::describe(x).c_str(), (long long)x.cols));
+    if (bias.data != nullptr) {
+      detail::check_view(op, "bias", bias);
+      detail::check_supported(*this, Op::linear, bias.dtype, "bias dtype");
+      detail::check_vector(op, "bias", bias, weight.rows, bias.dtype);
+    }
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, weight.rows);
+    detail::check_alias(op, "out", out, "x", x, false);
+    detail::check_alias(op, "out", out, "weight", weight, false);
+    impl_linear(x, weight, bias, out);
+  });
+}
+
+Status Backend::silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "silu_mul";
+    detail::check_dtype(op, "gate", gate, activation_dtype());
+    detail::check_supported(*this, Op::silu_mul, gate.dtype, "activation dtype");
+    detail::check_dtype(op, "up", up, activation_dtype());
+    detail::check_shape(op, "up", up, gate.rows, gate.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, gate.rows, gate.cols);
+    detail::check_alias(op, "out", out, "gate", gate, true);
+    detail::check_alias(op, "out", out, "up", up, true);
+    impl_silu_mul(gate, up, out);
+  });
+}
+
+Status Backend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "add";
+    detail::check_dtype(op, "a", a, activation_dtype());
+    detail::check_supported(*this, Op::add, a.dtype, "activation dtype");
+    detail::check_dtype(op, "b", b, activation_dtype());
+    detail::check_shape(op, "b", b, a.rows, a.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, a.rows, a.cols);
+    detail::check_alias(op, "out", out, "a", a, true);
+    detail::check_alias(op, "out", out, "b", b, true);
+    impl_add(a, b, out);
+  });
+}
+
+Status Backend::copy(const Tensor& src, const Tensor& dst) {
+  return detail::guard([&] {
+    const char* op = "copy";
+    detail::check_view(op, "src", src);
+    detail::check_view(op, "dst", dst);
+    detail::check_supported(*this, Op::copy, src.dtype, "source dtype");
+    detail::check_supported(*this, Op::copy, dst.dtype, "destination dtype");
+    detail::check_shape(op, "dst", dst, src.rows, src.cols);
+    detail::check_alias(op, "dst", dst, "src", src, false);
+    impl_copy(src, dst);
+  });
+}
+
+Status Backend::kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                         const Tensor& slots) {
+  return detail::guard([&] {
+    const char* op = "kv_write";
+    detail::check_kv_cache(op, cache, layer);
+    detail::check_supported(*this, Op::kv_write, cache.dtype, "KV dtype");
+    int64_t width = cache.layout.kv_heads * cache.layout.head_dim;
+    detail::check_dtype(op, "k", k, activation_dtype());
+    detail::check_dtype(op, "v", v, activation_dtype());
+    detail::check_shape(op, "k", k, k.rows, width);
+    detail::check_shape(op, "v", v, k.rows, width);
+    detail::check_vector(op, "slots", slots, k.rows, DType::I32);
+    impl_kv_write(cache, layer, k, v, slots);
+  });
+}
+
+Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                          float scale, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "attention";
+    detail::check_kv_cache(op, cache, layer);
+    detail::check_supported(*this, Op::attention, cache.dtype, "KV dtype");
+    const int64_t head_dim = cache.layout.head_dim, kv_heads = cache.layout.kv_heads;
+    detail::check_dtype(op, "q", q, activation_dtype());
+    if (q.cols % head_dim != 0 || (q.cols / head_dim) % kv_heads != 0 || q.cols == 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: q is %s; it must hold heads x head_dim %lld columns with heads a "
+                                  "positive multiple of the cache's %lld KV heads",
+                                  detail::describe(q).c_str(), (long long)head_dim, (long long)kv_heads));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, q.rows, q.cols);
+    detail::check_alias(op, "out", out, "q", q, false);
+    int64_t seqs = batch.context_lens.elements();
+    detail::check_vector(op, "context_lens", batch.context_lens, seqs, DType::I32);
+    detail::check_vector(op, "query_starts", batch.query_starts, seqs + 1, DType::I32);
+    detail::check_dtype(op, "block_tables", batch.block_tables, DType::I32);
+    if (batch.block_tables.rows != seqs)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: block_tables is %s but there are %lld sequences (context_lens); it "
+                                  "needs one row per sequence", detail::describe(batch.block_tables).c_str(),
+                                  (long long)seqs));
+    if (batch.max_context < 0 || batch.max_context > batch.block_tables.cols * cache.layout.page_tokens)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: max_context %lld is negative or more than block_tables' %lld pages "
+                                  "of %lld tokens hold", (long long)batch.max_context,
+                                  (long long)batch.block_tables.cols, (long long)cache.layout.page_tokens));
+    if (!(scale > 0.0f) || !std::isfinite(scale))
+      detail::fail(ErrorCode::invalid_argument, detail::format("attention: scale %g must be positive and finite", scale));
+    impl_attention(q, cache, layer, batch, scale, out);
+  });
+}
+
+// ---- rotary tables ----------------------------------------------------------------------------------------
+
+Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim) {
+  return detail::guard([&]() -> std::vector<float> {
+    if (rotary_dim <= 0 || rotary_dim % 2 != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_inv_freq: rotary_dim %lld must be positive and even", (long long)rotary_dim));
+    if (!(rope.theta > 0))
+      detail::fail(ErrorCode::invalid_argument, detail::format("rope_inv_freq: rope_theta %g must be positive", rope.theta));
+    if (rope.type != "default" && rope.type != "llama3")
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("rope_inv_freq: rope type '%s' is not supported (kvlite runs 'default' and 'llama3')",
+                                  rope.type.c_str()));
+    // Each step is one float32 operation, in transformers' order, so the values match torch's:
+    //   inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    // The power is taken in double and rounded once (torch's float pow is within an ulp of that).
+    const int64_t half = rotary_dim / 2;
+    const float base = float(rope.theta);
+    std::vector<float> inv_freq(static_cast<size_t>(half));
+    for (int64_t i = 0; i < half; i++) {
+      float exponent = float(2 * i) / float(rotary_dim);
+      float power = float(std::pow(double(base), double(exponent)));
+      inv_freq[size_t(i)] = 1.0f / power;
+    }
+    if (rope.type == "default") return inv_freq;
+
+    if (!(rope.factor > 0) || !(rope.high_freq_factor > rope.low_freq_factor) || rope.low_freq_factor <= 0 ||
+        rope.original_max_position_embeddings <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_inv_freq: llama3 scaling needs factor > 0, 0 < low_freq_factor < "
+                                  "high_freq_factor and original_max_position_embeddings > 0 (got %g, %g, %g, %lld)",
+                                  rope.factor, rope.low_freq_factor, rope.high_freq_factor,
+                                  (long long)rope.original_max_position_embeddings));
+    // _compute_llama3_parameters. A Python scalar meeting a float32 tensor becomes a float32 operand, and
+    // `scalar / tensor` is tensor.reciprocal() * scalar, hence the reciprocals below.
+    const float factor = float(rope.factor), low = float(rope.low_freq_factor);
+    const double old_context = double(rope.original_max_position_embeddings);
+    const float low_freq_wavelen = float(old_context / rope.low_freq_factor);
+    const float high_freq_wavelen = float(old_context / rope.high_freq_factor);
+    const float two_pi = float(6.283185307179586);  // 2 * math.pi
+    const float band = float(rope.high_freq_factor - rope.low_freq_factor);
+    for (float& f : inv_freq) {
+      float wavelen = (1.0f / f) * two_pi;
+      // wavelen < high_freq_wavelen: unchanged; wavelen > low_freq_wavelen: divided by factor
+      float scaled = wavelen > low_freq_wavelen ? f / factor : f;
+      bool medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+      if (medium) {
+        // smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        float smooth = ((1.0f / wavelen) * float(old_context) - low) / band;
+        // (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = (1.0f - smooth) * scaled / factor + smooth * scaled;
+      }
+      f = scaled;
+    }
+    return inv_freq;
+  });
+}
+
+Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
+                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin) {
+  return detail::guard([&] {
+    const int64_t half = int64_t(inv_freq.size());
+    if (position_rows != 1 && position_rows != 3)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_tables: %lld position rows; use 1 (RoPE) or 3 (t, h, w: M-RoPE)",
+                                  (long long)position_rows));
+    if (position_rows == 3 && mrope_section.size() != 3)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_tables: 3 position rows need a 3-entry mrope_section (t, h, w), got %zu entries",
+                                  mrope_section.size()));
+    if (tokens < 0 || (tokens > 0 && (positions == nullptr || cos == nullptr || sin == nullptr)))
+      detail::fail(ErrorCode::invalid_argument, "rope_tables: null positions or tables, or negative tokens");
+    for (int64_t t = 0; t < tokens; t++) {
+      for (int64_t i = 0; i < half; i++) {
+        // Qwen3-VL's apply_interleaved_mrope: h overwrites slots 1, 4, 7, ... below 3 * section[1],
+        // w overwrites 2, 5, 8, ... below 3 * section[2]; the rest keep t.
+        int64_t row = 0;
+        if (position_rows == 3) {
+          if (i % 3 == 1 && i < 3 * int64_t(mrope_section[1])) row = 1;
+          else if (i % 3 == 2 && i < 3 * int64_t(mrope_section[2])) row = 2;
+        }
+        // freqs = inv_freq @ position_ids.float(): one float32 product
+        float angle = inv_freq[size_t(i)] * float(positions[row * tokens + t]);
+        cos[t * half + i] = float(std::cos(double(angle)));
+        sin[t * half + i] = float(std::sin(double(angle)));
+      }
+    }
+  });
+}
+
+}  // namespace kvlite
+// backend_cpu: the reference implementation of Backend, on host memory with a fixed pool of threads.
+//
+// Determinism: every output element is computed by exactly one thread, by the same code in the same order
+// whichever thread it is and however many there are (work is split into items at fixed boundaries and the
+// items' results never depend on each other), so results are identical for any thread count.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+namespace kvlite {
+namespace detail {
+
+// ---- a fixed pool of threads ------------------------------------------------------------------------------
+// run(items, body) calls body(item, worker) once for every item in [0, items), spread over the pool; the
+// caller is worker 0 and works too. Items are handed out one at a time (an atomic counter), which balances
+// load without affecting results. No allocation per run: the body is passed as a pointer to the caller's
+// callable. Bodies must not throw (ops validate everything before they run).
+class ThreadPool {
+ public:
+  explicit ThreadPool(int threads) {
+    workers_.reserve(size_t(std::max(threads - 1, 0)));
+    try {
+      for (int worker = 1; worker < threads; worker++) workers_.emplace_back([this, worker] { worker_loop(worker); });
+    } catch (...) {  // the system refused a thread: stop the ones started (no destructor runs for us)
+      stop_and_join();
+      throw;
+    }
+  }
+  ~ThreadPool() { stop_and_join(); }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int threads() const { return int(workers_.size()) + 1; }
+
+  template <class Body>
+  void run(int64_t items, Body& body) {
+    if (items <= 0) return;
+    if (workers_.empty() || items == 1) {  // not worth waking anyone
+      for (int64_t item = 0; item < items; item++) body(item, 0);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      call_ = [](void* callable, int64_t item, int worker) { (*static_cast<Body*>(callable))(item, worker); };
+      body_ = &body;
+      items_ = items;
+      next_.store(0);
+      busy_ = int(workers_.size());
+      generation_++;
+    }
+    start_.notify_all();
+    work(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return busy_ == 0; });
+  }
+
+ private:
+  void stop_and_join() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    start_.notify_all();
+    for (auto& thread : workers_) thread.join();
+  }
+  void work(int worker) {
+    for (int64_t item = next_.fetch_add(1); item < items_; item = next_.fetch_add(1)) call_(body_, item, worker);
+  }
+  void worker_loop(int worker) {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      work(worker);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--busy_ == 0) done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable start_, done_;
+  uint64_t generation_ = 0;  // bumped once per run; workers wake on a change
+  bool stop_ = false;
+  int busy_ = 0;             // workers that have not finished the current run
+  void (*call_)(void*, int64_t, int) = nullptr;
+  void* body_ = nullptr;
+  int64_t items_ = 0;
+  std::atomic<int64_t> next_{0};  // the next item to hand out
+};
+
+// ---- element types ----------------------------------------------------------------------------------------
+// Storage types for the 16-bit floats, so templates can tell them apart.
+struct Bf16 { uint16_t bits; };
+struct Half { uint16_t bits; };
+inline float to_float(float v) { return v; }
+inline float to_float(Bf16 v) { return bf16_to_float(v.bits); }
+inline float to_float(Half v) { return f16_to_float(v.bits); }
+template <class T> T from_float(float v);
+template <> inline float from_float<float>(float v) { return v; }
+template <> inline Bf16 from_float<Bf16>(float v) { return Bf16{float_to_bf16(v)}; }
+template <> inline Half from_float<Half>(float v) { return Half{float_to_f16(v)}; }
+
+inline bool is_cpu_float(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16; }
+
+// Calls f(T{}) with T the storage type of `dtype` (F32, BF16 or F16; supports() guarantees one of them).
+template <class F>
+void with_float_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F32: f(float{}); return;
+    case DType::BF16: f(Bf16{}); return;
+    case DType::F16: f(Half{}); return;
+    default: fail(ErrorCode::internal, format("CPU backend: no float storage for %s", dtype_name(dtype)));
+  }
+}
+
+template <class T>
+T* row_of(const Tensor& t, int64_t row) {
+  return static_cast<T*>(t.data) + row * t.row_stride;
+}
+inline uint8_t* row_bytes_of(const Tensor& t, int64_t row) {
+  return static_cast<uint8_t*>(t.data) + row * t.row_stride * t.element_bytes();
+}
+inline const int32_t* ints(const Tensor& t) { return static_cast<const int32_t*>(t.data); }
+
+// ---- dot products -----------------------------------------------------------------------------------------
+// Every dot product keeps kLanes partial sums (element k goes to lane k % kLanes) over the largest multiple
+// of kLanes, reduces them in a fixed tree, then adds the tail in order. Fixed, so results do not depend on
+// which tile or thread computes them; several sums, so the compiler can vectorise without reassociating.
+constexpr int kLanes = 8;
+inline float reduce_lanes(const float* acc) {
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {};
+  const int64_t main = n - n % kLanes;
+  for (int64_t k = 0; k < main; k += kLanes)
+    for (int l = 0; l < kLanes; l++) acc[l] += a[k + l] * b[k + l];
+  float sum = reduce_lanes(acc);
+  for (int64_t k = main; k < n; k++) sum += a[k] * b[k];
+  return sum;
+}
+
+// out[i][j] = x row i . w row j for a TOKENS x ROWS tile, each weight element converted once per tile.
+template <int TOKENS, int ROWS, class W>
+inline void linear_tile(const float* x, int64_t x_stride, const W* w, int64_t w_stride, int64_t k_size,
+                        float (&out)[TOKENS][ROWS]) {
+  float acc[TOKENS][ROWS][kLanes] = {};
+  const int64_t main = k_size - k_size % kLanes;
+  for (int64_t k = 0; k < main; k += kLanes) {
+    float wk[ROWS][kLanes];
+    for (int j = 0; j < ROWS; j++)
+      for (int l = 0; l < kLanes; l++) wk[j][l] = to_float(w[j * w_stride + k + l]);
+    for (int i = 0; i < TOKENS; i++)
+      for (int j = 0; j < ROWS; j++)
+        for (int l = 0; l < kLanes; l++) acc[i][j][l] += x[i * x_stride + k + l] * wk[j][l];
+  }
+  for (int i = 0; i < TOKENS; i++)
+    for (int j = 0; j < ROWS; j++) {
+      float sum = reduce_lanes(acc[i][j]);
+      for (int64_t k = main; k < k_size; k++) sum += x[i * x_stride + k] * to_float(w[j * w_stride + k]);
+      out[i][j] = sum;
+    }
+}
+
+// ---- the backend ------------------------------------------------------------------------------------------
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const CpuBackendOptions& options)
+      : max_head_dim_(options.max_head_dim),
+        // whole 64-byte lines per thread, so two threads never write the same cache line
+        scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
+        pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
+    scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
+  }
+
+  BackendKind kind() const override { return BackendKind::cpu; }
+  std::string name() const override {
+    return format("cpu (%d thread%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s");
+  }
+  DType activation_dtype() const override { return DType::F32; }
+  bool supports(Op op, DType dtype) const override {
+    switch (op) {
+      case Op::rope: case Op::silu_mul: case Op::add: return dtype == DType::F32;
+      case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
+      case Op::kv_write: case Op::attention: return is_cpu_float(dtype);
+    }
+    return false;
+  }
+
+ protected:
+  void impl_copy_from_host(const void* src, const Tensor& dst) override {
+    const int64_t row_bytes = dst.cols * dst.element_bytes();
+    for (int64_t r = 0; r < dst.rows; r++)
+      memcpy(row_bytes_of(dst, r), static_cast<const uint8_t*>(src) + r * row_bytes, size_t(row_bytes));
+  }
+  void impl_copy_to_host(const Tensor& src, void* dst) override {
+    const int64_t row_bytes = src.cols * src.element_bytes();
+    for (int64_t r = 0; r < src.rows; r++)
+      memcpy(static_cast<uint8_t*>(dst) + r * row_bytes, row_bytes_of(src, r), size_t(row_bytes));
+  }
+  void impl_synchronize() override {}  // every op has finished when it returns
+
+  void impl_gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) override {
+    const int32_t* id = ints(ids);
+    for (int64_t t = 0; t < out.rows; t++)
+      if (id[t] < 0 || id[t] >= table.rows)
+        fail(ErrorCode::invalid_argument, format("gather_rows: ids[%lld] = %d is outside the table's %lld rows",
+                                                 (long long)t, id[t], (long long)table.rows));
+    with_float_type(table.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      auto body = [&](int64_t t, int) {
+        const T* src = row_of<const T>(table, id[t]);
+        float* dst = row_of<float>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = to_float(src[c]);
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      const W* w = static_cast<const W*>(weight.data);
+      const int64_t group = weight.elements();
+      auto body = [&](int64_t t, int) {
+        const float* in = row_of<const float>(x, t);
+        float* dst = row_of<float>(out, t);
+        for (int64_t g = 0; g < x.cols; g += group) normalize(in + g, w, group, eps, dst + g);
+      };
+      pool_.run(x.rows, body);
+    });
+  }
+
+  void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                         const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      const W* w = static_cast<const W*>(weight.data);
+      auto body = [&](int64_t t, int) {
+        const float* in = row_of<const float>(x, t);
+        float* res = row_of<float>(residual, t);
+        for (int64_t c = 0; c < x.cols; c++) res[c] = res[c] + in[c];  // hidden = residual + hidden
+        normalize(res, w, x.cols, eps, row_of<float>(out, t));
+      };
+      pool_.run(x.rows, body);
+    });
+  }
+
+  void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) override {
+    const int64_t half = cos.cols, heads = x.cols / head_dim;
+    auto body = [&](int64_t t, int) {
+      const float* c = row_of<const float>(cos, t);
+      const float* s = row_of<const float>(sin, t);
+      for (int64_t h = 0; h < heads; h++) {
+        float* v = row_of<float>(x, t) + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+          const float a = v[i], b = v[i + half];
+          // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1)
+          v[i] = a * c[i] - b * s[i];
+          v[i + half] = b * c[i] + a * s[i];
+        }
+      }
+    };
+    pool_.run(x.rows, body);
+  }
+
+  void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      // Work items are blocks of kTokenBlock tokens x kRowBlock weight rows; inside one, tiles of kTileTokens
+      // x kTileRows reuse each converted weight element kTileTokens times. Block edges are multiples of the
+      // tile sizes, so which tile shape computes an output depends only on its position.
+      const int64_t T = x.rows, N = weight.rows, K = x.cols;
+      const int64_t token_blocks = int64_t(ceil_div(uint64_t(T), kTokenBlock));
+      const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), kRowBlock));
+      auto body = [&](int64_t item, int) {
+        const int64_t t0 = (item / row_blocks) * kTokenBlock, n0 = (item % row_blocks) * kRowBlock;
+        const int64_t t1 = std::min<int64_t>(t0 + kTokenBlock, T), n1 = std::min<int64_t>(n0 + kRowBlock, N);
+        int64_t t = t0;
+        for (; t + kTileTokens <= t1; t += kTileTokens) linear_rows<kTileTokens, W>(x, weight, out, t, n0, n1, K);
+        for (; t < t1; t++) linear_rows<1, W>(x, weight, out, t, n0, n1, K);
+      };
+      pool_.run(token_blocks * row_blocks, body);
+    });
+    if (bias.data == nullptr) return;
+    with_float_type(bias.dtype, [&](auto tag) {
+      using B = decltype(tag);
+      const B* b = static_cast<const B*>(bias.data);
+      auto body = [&](int64_t t, int) {
+        float* dst = row_of<float>(out, t);
+        for (int64_t n = 0; n < out.cols; n++) dst[n] = dst[n] + to_float(b[n]);
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) override {
+    auto body = [&](int64_t t, int) {
+      const float* g = row_of<const float>(gate, t);
+      const float* u = row_of<const float>(up, t);
+      float* dst = row_of<float>(out, t);
+      for (int64_t c = 0; c < out.cols; c++) dst[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];
+    };
+    pool_.run(out.rows, body);
+  }
+
+  void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) override {
+    auto body = [&](int64_t t, int) {
+      const float* pa = row_of<const float>(a, t);
+      const float* pb = row_of<const float>(b, t);
+      float* dst = row_of<float>(out, t);
+      for (int64_t c = 0; c < out.cols; c++) dst[c] = pa[c] + pb[c];
+    };
+    pool_.run(out.rows, body);
+  }
+
+  void impl_copy(const Tensor& src, const Tensor& dst) override {
+    with_float_type(src.dtype, [&](auto src_tag) {
+      with_float_type(dst.dtype, [&](auto dst_tag) {
+        using S = decltype(src_tag);
+        using D = decltype(dst_tag);
+        auto body = [&](int64_t r, int) {
+          const S* from = row_of<const S>(src, r);
+          D* to = row_of<D>(dst, r);
+          for (int64_t c = 0; c < src.cols; c++) to[c] = from_float<D>(to_float(from[c]));
+        };
+        pool_.run(src.rows, body);
+      });
+    });
+  }
+
+  void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                     const Tensor& slots) override {
+    const KVPageLayout& layout = cache.layout;
+    const int32_t* slot = ints(slots);
+    for (int64_t t = 0; t < k.rows; t++)
+      if (slot[t] >= 0 && slot[t] / layout.page_tokens >= cache.num_pages)
+        fail(ErrorCode::invalid_argument,
+             format("kv_write: slots[%lld] = %d is page %lld, past the cache's %lld pages of %lld tokens",
+                    (long long)t, slot[t], (long long)(slot[t] / layout.page_tokens), (long long)cache.num_pages,
+                    (long long)layout.page_tokens));
+    with_float_type(cache.dtype, [&](auto tag) {
+      using E = decltype(tag);
+      auto body = [&](int64_t t, int) {
+        if (slot[t] < 0) return;
+        const int64_t page = slot[t] / layout.page_tokens, offset = slot[t] % layout.page_tokens;
+        for (int kv = 0; kv < 2; kv++) {
+          const float* src = row_of<const float>(kv == 0 ? k : v, t);
+          // kv_heads consecutive heads of head_dim: one run of kv_heads * head_dim elements
+          E* dst = static_cast<E*>(cache.pages) + layout.offset(page, layer, kv, offset, 0);
+          for (int64_t c = 0; c < k.cols; c++) dst[c] = from_float<E>(src[c]);
+        }
+      };
+      pool_.run(k.rows, body);
+    });
+  }
+
+  void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                      float scale, const Tensor& out) override {
+    const KVPageLayout& layout = cache.layout;
+    const int64_t head_dim = layout.head_dim, kv_heads = layout.kv_heads;
+    if (head_dim > max_head_dim_)
+      fail(ErrorCode::invalid_argument,
+           format("attention: head_dim %lld is larger than the CPU backend's max_head_dim %lld; make the backend "
+                  "with CpuBackendOptions::max_head_dim >= %lld", (long long)head_dim, (long long)max_head_dim_,
+                  (long long)head_dim));
+    const int64_t seqs = batch.context_lens.elements();
+    const int32_t* starts = ints(batch.query_starts);
+    const int32_t* context = ints(batch.context_lens);
+    check_attention_batch(q, cache, batch);
+
+    with_float_type(cache.dtype, [&](auto tag) {
+      using E = decltype(tag);
+      const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
+      // Item = (query token, KV head): the KV head's rows are converted once and used by its whole group.
+      auto body = [&](int64_t item, int worker) {
+        const int64_t t = item / kv_heads, kv_head = item % kv_heads;
+        const int64_t s = int64_t(std::upper_bound(starts, starts + seqs + 1, int32_t(t)) - starts) - 1;
+        const int64_t queries = starts[s + 1] - starts[s];
+        const int64_t last = context[s] - queries + (t - starts[s]);  // the last cache index t may see
+        const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
+        float* key = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
+        float* value = key + max_head_dim_;                           // [head_dim]
+        float* acc = value + max_head_dim_;                           // [kHeadsPerPass, max_head_dim]
+        for (int64_t h0 = 0; h0 < group; h0 += kHeadsPerPass) {
+          const int64_t pass = std::min<int64_t>(kHeadsPerPass, group - h0);
+          const int64_t first_head = kv_head * group + h0;
+          float running_max[kHeadsPerPass], running_sum[kHeadsPerPass];
+          for (int64_t h = 0; h < pass; h++) {
+            running_max[h] = -INFINITY;
+            running_sum[h] = 0.0f;
+            std::fill(acc + h * max_head_dim_, acc + h * max_head_dim_ + head_dim, 0.0f);
+          }
+          for (int64_t c = 0; c <= last; c++) {
+            const int64_t page = pages[c / layout.page_tokens], offset = c % layout.page_tokens;
+            const E* k_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 0, offset, kv_head);
+            const E* v_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 1, offset, kv_head);
+            for (int64_t d = 0; d < head_dim; d++) key[d] = to_float(k_src[d]);
+            for (int64_t d = 0; d < head_dim; d++) value[d] = to_float(v_src[d]);
+            for (int64_t h = 0; h < pass; h++) {
+              const float* query = row_of<const float>(q, t) + (first_head + h) * head_dim;
+              float* a = acc + h * max_head_dim_;
+              const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+              // Online softmax: rescale what is summed only when the maximum grows.
+              if (score > running_max[h]) {
+                const float correction = std::exp(running_max[h] - score);  // exp(-inf) = 0 at the start
+                running_sum[h] *= correction;
+                for (int64_t d = 0; d < head_dim; d++) a[d] *= correction;
+                running_max[h] = score;
+              }
+              const float p = std::exp(score - running_max[h]);
+              running_sum[h] += p;
+              for (int64_t d = 0; d < head_dim; d++) a[d] += p * value[d];
+            }
+          }
+          for (int64_t h = 0; h < pass; h++) {
+            float* dst = row_of<float>(out, t) + (first_head + h) * head_dim;
+            const float* a = acc + h * max_head_dim_;
+            // a query sees at least its own token, so running_sum >= 1
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = a[d] / running_sum[h];
+          }
+        }
+      };
+      pool_.run(q.rows * kv_heads, body);
+    });
+  }
+
+ private:
+  static constexpr uint64_t kTokenBlock = 32, kRowBlock = 16;  // linear work item
+  static constexpr int kTileTokens = 4, kTileRows = 2;          // linear register tile
+  static constexpr int64_t kHeadsPerPass = 8;                   // attention: query heads summed together
+  static_assert(kTokenBlock % kTileTokens == 0 && kRowBlock % kTileRows == 0, "blocks must hold whole tiles");
+
+  // LlamaRMSNorm in float32: variance = mean(x^2); x * rsqrt(variance + eps); weight * that.
+  // The sum of squares is taken in double, so the variance is the correctly rounded mean.
+  template <class W>
+  static void normalize(const float* x, const W* weight, int64_t n, float eps, float* out) {
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += double(x[i]) * double(x[i]);
+    const float variance = float(sum / double(n));
+    const float inv_rms = 1.0f / std::sqrt(variance + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = to_float(weight[i]) * (x[i] * inv_rms);
+  }
+
+  // Output rows [n0, n1) for tokens [t, t + TOKENS).
+  template <int TOKENS, class W>
+  static void linear_rows(const Tensor& x, const Tensor& weight, const Tensor& out, int64_t t, int64_t n0,
+                          int64_t n1, int64_t k_size) {
+    const float* xs = row_of<const float>(x, t);
+    int64_t n = n0;
+    for (; n + kTileRows <= n1; n += kTileRows) {
+      float tile[TOKENS][kTileRows];
+      linear_tile<TOKENS, kTileRows>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
+      for (int i = 0; i < TOKENS; i++)
+        for (int j = 0; j < kTileRows; j++) row_of<float>(out, t + i)[n + j] = tile[i][j];
+    }
+    for (; n < n1; n++) {
+      float tile[TOKENS][1];
+      linear_tile<TOKENS, 1>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
+      for (int i = 0; i < TOKENS; i++) row_of<float>(out, t + i)[n] = tile[i][0];
+    }
+  }
+
+  // What only the CPU can check cheaply: the values of the index vectors.
+  static void check_attention_batch(const Tensor& q, const KVCacheView& cache, const AttentionBatch& batch) {
+    const int64_t seqs = batch.context_lens.elements(), page_tokens = cache.layout.page_tokens;
+    const int32_t* starts = ints(batch.query_starts);
+    const int32_t* context = ints(batch.context_lens);
+    if (starts[0] != 0 || starts[seqs] != q.rows)
+      fail(ErrorCode::invalid_argument,
+           format("attention: query_starts must run from 0 to q's %lld rows; it runs from %d to %d",
+                  (long long)q.rows, starts[0], starts[seqs]));
+    for (int64_t s = 0; s < seqs; s++) {
+      const int64_t queries = int64_t(starts[s + 1]) - starts[s];
+      if (queries < 0)
+        fail(ErrorCode::invalid_argument, format("attention: query_starts decreases at sequence %lld (%d then %d)",
+                                                 (long long)s, starts[s], starts[s + 1]));
+      if (context[s] < queries || context[s] > batch.max_context)
+        fail(ErrorCode::invalid_argument,
+             format("attention: sequence %lld has context_lens %d; it must be at least its %lld queries (they are "
+                    "the last tokens of its context) and at most max_context %lld",
+                    (long long)s, context[s], (long long)queries, (long long)batch.max_context));
+      const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
+      for (int64_t p = 0; p < int64_t(ceil_div(uint64_t(context[s]), uint64_t(page_tokens))); p++)
+        if (pages[p] < 0 || pages[p] >= cache.num_pages)
+          fail(ErrorCode::invalid_argument,
+               format("attention: block_tables[%lld][%lld] = %d is not a page of the cache (%lld pages) but "
+                      "sequence %lld's context of %d tokens needs it",
+                      (long long)s, (long long)p, pages[p], (long long)cache.num_pages, (long long)s, context[s]));
+    }
+  }
+
+  int64_t max_head_dim_;
+  int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
+  std::vector<float> scratch_;  // [threads, scratch_per_thread_]
+  ThreadPool pool_;
+};
+
+}  // namespace detail
+
+Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options) {
+  return detail::guard([&]() -> std::unique_ptr<Backend> {
+    if (options.threads < 0 || options.max_head_dim <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread) and "
+                                  "max_head_dim %lld positive", options.threads, (long long)options.max_head_dim));
+    return std::make_unique<detail::CpuBackend>(options);
   });
 }
 

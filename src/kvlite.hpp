@@ -11,6 +11,7 @@
 #include "plan.hpp"
 #include "arena.hpp"
 #include "sampler.hpp"
+#include "backend.hpp"
 #endif  // KVLITE_HPP_INCLUDED
 
 #if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
@@ -23,4 +24,6 @@
 #include "plan.inl"
 #include "arena.inl"
 #include "sampler.inl"
+#include "backend.inl"
+#include "backend_cpu.inl"
 #endif  // KVLITE_IMPLEMENTATION
