@@ -32,9 +32,9 @@ void encode(DType dtype, float value, uint8_t* p) {
   }
 }
 
-struct Rng {
+struct OpsRng {
   std::mt19937_64 engine;
-  explicit Rng(uint64_t seed) : engine(seed) {}
+  explicit OpsRng(uint64_t seed) : engine(seed) {}
   // Uniform in [-scale, scale], never within scale/1000 of zero.
   float value(float scale = 1.0f) {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -63,7 +63,7 @@ struct Matrix {
   void poison() {
     for (size_t i = 0; i < bytes.size() / size_t(element_bytes()); i++) encode(dtype, NAN, &bytes[i * size_t(element_bytes())]);
   }
-  void randomize(Rng& rng, float scale = 1.0f) {
+  void randomize(OpsRng& rng, float scale = 1.0f) {
     for (int64_t r = 0; r < rows; r++)
       for (int64_t c = 0; c < cols; c++) set(r, c, rng.value(scale));
   }
@@ -125,7 +125,7 @@ bool same_bits(const Matrix& a, const Matrix& b) { return a.bytes == b.bytes; }
 
 TEST_CASE("gather_rows copies table rows of BF16/F16/F32 into F32 activations") {
   auto backend = cpu(3);
-  Rng rng(11);
+  OpsRng rng(11);
   for (DType dtype : kWeightTypes)
     for (int64_t hidden : {7, 64, 129})
       for (int64_t tokens : {1, 3, 17}) {
@@ -146,7 +146,7 @@ TEST_CASE("gather_rows copies table rows of BF16/F16/F32 into F32 activations") 
 
 TEST_CASE("gather_rows refuses an id outside the table, naming it") {
   auto backend = cpu(1);
-  Rng rng(12);
+  OpsRng rng(12);
   Matrix table(DType::BF16, 5, 8);
   table.randomize(rng);
   std::vector<int32_t> ids = {2, 5, 1};
@@ -171,7 +171,7 @@ static void reference_rms_norm(const Matrix& x, int64_t t, int64_t first, int64_
 
 TEST_CASE("rms_norm matches LlamaRMSNorm over whole rows and per head (Qwen3 q/k norm)") {
   auto backend = cpu(3);
-  Rng rng(21);
+  OpsRng rng(21);
   struct Shape { int64_t cols, group; };
   const Shape shapes[] = {{7, 7}, {64, 64}, {129, 129}, {4 * 16, 16}, {6 * 32, 32}, {8 * 64, 64}};
   for (DType dtype : kWeightTypes)
@@ -198,7 +198,7 @@ TEST_CASE("rms_norm matches LlamaRMSNorm over whole rows and per head (Qwen3 q/k
 
 TEST_CASE("rms_norm works in place on a column slice (q inside a fused qkv buffer)") {
   auto backend = cpu(2);
-  Rng rng(22);
+  OpsRng rng(22);
   const int64_t tokens = 5, heads = 6, kv_heads = 3, head_dim = 16, width = (heads + 2 * kv_heads) * head_dim;
   Matrix qkv(DType::F32, tokens, width), before(DType::F32, tokens, width), weight(DType::BF16, 1, head_dim);
   qkv.randomize(rng);
@@ -220,7 +220,7 @@ TEST_CASE("rms_norm works in place on a column slice (q inside a fused qkv buffe
 
 TEST_CASE("add_rms_norm adds x into the residual, then normalises the residual") {
   auto backend = cpu(3);
-  Rng rng(23);
+  OpsRng rng(23);
   for (DType dtype : kWeightTypes)
     for (int64_t hidden : {7, 64, 129})
       for (int64_t tokens : {1, 3, 17}) {
@@ -329,7 +329,7 @@ TEST_CASE("rope_inv_freq refuses rope types it does not implement") {
 }
 
 TEST_CASE("rope_tables: one position row, and Qwen3-VL's interleaved M-RoPE rows") {
-  Rng rng(31);
+  OpsRng rng(31);
   RopeConfig rope;
   rope.theta = 5000000.0;
   for (int64_t dim : {12, 128}) {
@@ -375,7 +375,7 @@ TEST_CASE("rope_tables: one position row, and Qwen3-VL's interleaved M-RoPE rows
 
 TEST_CASE("rope rotates each head's halves: x*cos + rotate_half(x)*sin") {
   auto backend = cpu(3);
-  Rng rng(32);
+  OpsRng rng(32);
   RopeConfig rope;
   rope.theta = 1000000.0;
   for (int64_t head_dim : {16, 32, 64})
@@ -417,7 +417,7 @@ TEST_CASE("rope rotates each head's halves: x*cos + rotate_half(x)*sin") {
 
 TEST_CASE("linear matches a double dot product for BF16/F16/F32 weights, with and without bias") {
   auto backend = cpu(3);
-  Rng rng(41);
+  OpsRng rng(41);
   for (DType dtype : kWeightTypes)
     for (int64_t k : {7, 64, 129})
       for (int64_t n : {1, 5, 33, 70})
@@ -449,7 +449,7 @@ TEST_CASE("linear matches a double dot product for BF16/F16/F32 weights, with an
 
 TEST_CASE("threaded ops give the same bits as one thread") {
   auto one = cpu(1), four = cpu(4);
-  Rng rng(42);
+  OpsRng rng(42);
   // Shapes that cut tiles and work items unevenly: tokens not a multiple of 4 or 32, rows not of 2 or 16.
   const int64_t tokens = 67, k = 129, n = 83;
   Matrix x(DType::F32, tokens, k, 1), weight(DType::BF16, n, k), bias(DType::F32, 1, n);
@@ -472,7 +472,7 @@ TEST_CASE("threaded ops give the same bits as one thread") {
 
 TEST_CASE("silu_mul, add and copy") {
   auto backend = cpu(3);
-  Rng rng(51);
+  OpsRng rng(51);
   for (int64_t cols : {7, 64, 129})
     for (int64_t tokens : {1, 3, 17}) {
       CAPTURE(cols); CAPTURE(tokens);
@@ -521,7 +521,7 @@ TEST_CASE("silu_mul, add and copy") {
 
 TEST_CASE("copy_from_host and copy_to_host move dense host rows in and out of a strided view") {
   auto backend = cpu(1);
-  Rng rng(52);
+  OpsRng rng(52);
   Matrix device(DType::BF16, 5, 9, 4);
   std::vector<uint16_t> host(45), back(45, 0);
   for (auto& h : host) h = float_to_bf16(rng.value());
@@ -549,7 +549,7 @@ struct PagedFixture {
   int64_t max_pages_per_seq;
 
   PagedFixture(int64_t heads_, int64_t kv_heads_, int64_t head_dim_, int64_t page_tokens_, DType kv_dtype_,
-               const std::vector<int64_t>& contexts, Rng& rng)
+               const std::vector<int64_t>& contexts, OpsRng& rng)
       : heads(heads_), kv_heads(kv_heads_), head_dim(head_dim_), page_tokens(page_tokens_), kv_dtype(kv_dtype_) {
     layout = KVPageLayout{2, page_tokens, kv_heads, head_dim};
     max_pages_per_seq = 0;
@@ -665,7 +665,7 @@ std::vector<double> reference_attention(const PagedFixture& fx, const Matrix& q,
 }
 
 // Random q, k, v for every position of every sequence; q scaled up so the softmax is peaked, not flat.
-void make_qkv(const PagedFixture& fx, const std::vector<int64_t>& contexts, Rng& rng, std::vector<Matrix>& q,
+void make_qkv(const PagedFixture& fx, const std::vector<int64_t>& contexts, OpsRng& rng, std::vector<Matrix>& q,
               std::vector<Matrix>& k, std::vector<Matrix>& v) {
   for (int64_t c : contexts) {
     q.emplace_back(DType::F32, c, fx.heads * fx.head_dim);
@@ -681,7 +681,7 @@ void make_qkv(const PagedFixture& fx, const std::vector<int64_t>& contexts, Rng&
 
 TEST_CASE("kv_write stores each token's K and V at its slot in the page layout and skips negative slots") {
   auto backend = cpu(2);
-  Rng rng(61);
+  OpsRng rng(61);
   for (DType kv_dtype : kWeightTypes)
     for (int64_t page_tokens : {1, 5, 16}) {
       CAPTURE(std::string(dtype_name(kv_dtype))); CAPTURE(page_tokens);
@@ -713,7 +713,7 @@ TEST_CASE("kv_write stores each token's K and V at its slot in the page layout a
 
 TEST_CASE("attention matches a naive full softmax over contiguous K/V (GQA, paged, several sequences)") {
   auto backend = cpu(3);
-  Rng rng(62);
+  OpsRng rng(62);
   struct Heads { int64_t heads, kv_heads; };
   const Heads head_configs[] = {{4, 2}, {6, 3}, {8, 1}, {16, 1}};  // 16/1: more query heads than one pass holds
   const std::vector<int64_t> contexts = {1, 23, 40};
@@ -742,7 +742,7 @@ TEST_CASE("attention matches a naive full softmax over contiguous K/V (GQA, page
 }
 
 TEST_CASE("attention: chunked prefill (10 then 7) and decode steps give the bits of one prefill") {
-  Rng rng(63);
+  OpsRng rng(63);
   for (int64_t page_tokens : {1, 5, 16})
     for (DType kv_dtype : {DType::BF16, DType::F32}) {
       CAPTURE(page_tokens); CAPTURE(std::string(dtype_name(kv_dtype)));
@@ -776,7 +776,7 @@ TEST_CASE("attention: chunked prefill (10 then 7) and decode steps give the bits
 }
 
 TEST_CASE("attention: a batch mixing prefill chunks and decodes matches the reference, same bits at any thread count") {
-  Rng rng(64);
+  OpsRng rng(64);
   const std::vector<int64_t> contexts = {30, 9, 41};
   PagedFixture fx_one(8, 2, 64, 5, DType::BF16, contexts, rng);
   PagedFixture fx_four = fx_one;
@@ -808,7 +808,7 @@ TEST_CASE("attention: a batch mixing prefill chunks and decodes matches the refe
 
 TEST_CASE("ops refuse bad shapes, unsupported dtypes and impossible batches with the numbers") {
   auto backend = cpu(2);
-  Rng rng(71);
+  OpsRng rng(71);
   Matrix x(DType::F32, 3, 64), weight(DType::BF16, 10, 65), out(DType::F32, 3, 10);
   x.randomize(rng);
   weight.randomize(rng);
