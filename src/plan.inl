@@ -252,15 +252,19 @@ struct Inputs {
 };
 
 PlanItem weights_item(const Inputs& in) {
-  PlanItem item{"weights", "", align_up(in.weights.total_bytes, kPlanAlignment), "", true};
+  // On the CPU the weights are read in place from the memory-mapped safetensors files (the OS page cache
+  // holds them): they count against the budget but are not copied into the arena.
+  bool in_arena = in.device.backend == BackendKind::cuda;
+  PlanItem item{"weights", "", align_up(in.weights.total_bytes, kPlanAlignment), "", in_arena};
   uint64_t linear_bytes = 0;
   for (const auto& linear : in.weights.linears) linear_bytes += linear.bytes;
   if (in.weights.exact) {
     item.label = in.tensor_count ? format("weights (exact, %llu tensors)", (unsigned long long)in.tensor_count)
                                  : std::string("weights (exact, from headers)");
-    item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s",
+    item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s%s",
                       in.weights.linears.size(), format_bytes(linear_bytes).c_str(),
-                      format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str());
+                      format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str(),
+                      in_arena ? "" : "; memory-mapped, not copied (CPU)");
   } else {
     item.label = "weights (estimated from config.json)";
     item.why = format("no safetensors in the directory: shapes from config.json, formats from quantization_config "
@@ -416,6 +420,12 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   for (const auto& item : plan.items) plan.fixed_bytes += item.bytes;
   plan.kv_available_bytes = int64_t(plan.budget_bytes) - int64_t(plan.fixed_bytes);
   plan.kv_pages = plan.kv_available_bytes > 0 ? uint64_t(plan.kv_available_bytes) / plan.kv_page_bytes : 0;
+  if (in.device.backend == BackendKind::cpu) {
+    // The CPU shares its memory with everything else on the machine: take only the pages that max_seqs
+    // sequences of max_model_len can use, not the whole budget.
+    uint64_t pages_per_seq = ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
+    plan.kv_pages = std::min(plan.kv_pages, uint64_t(o.max_seqs) * pages_per_seq);
+  }
   plan.kv_arena_bytes = plan.kv_pages * plan.kv_page_bytes;
   plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
   plan.max_model_len = o.max_model_len;
@@ -641,8 +651,11 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
   plan.max_model_len_rule = rule;
   plan.max_image_pixels_rule = image_rule;
 
-  // What would fit, whatever the verdict.
-  plan.max_model_len_that_fits = std::min<int64_t>(int64_t(plan.kv_tokens), limits.max_position);
+  // What would fit, whatever the verdict (from the bytes left, not the pages taken: the CPU caps those).
+  auto tokens_that_fit = [](const Plan& p) {
+    return p.kv_available_bytes > 0 ? int64_t(uint64_t(p.kv_available_bytes) / p.kv_page_bytes * p.kv_page_tokens) : 0;
+  };
+  plan.max_model_len_that_fits = std::min<int64_t>(tokens_that_fit(plan), limits.max_position);
   uint64_t total_needed = plan.fixed_bytes + kv_bytes_for(plan, plan.max_model_len);
   plan.utilization_needed = utilization_for(total_needed, device.total_bytes);
   if (o.kv_dtype == KVDType::fp8) {
@@ -650,7 +663,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
   } else {
     PlanOptions fp8 = o;
     fp8.kv_dtype = KVDType::fp8;
-    plan.max_model_len_that_fits_fp8_kv = std::min<int64_t>(int64_t(assemble(in, fp8).kv_tokens), limits.max_position);
+    plan.max_model_len_that_fits_fp8_kv = std::min<int64_t>(tokens_that_fit(assemble(in, fp8)), limits.max_position);
   }
   if (config.vision.present) {
     // The largest image budget (whole merge windows) at which max_model_len fits: binary search, since the

@@ -429,8 +429,20 @@ TEST_CASE("invariants over models, cards, ratios, KV dtypes and backends") {
             CHECK(p.kv_arena_bytes == p.kv_pages * p.kv_page_bytes);
             CHECK(p.kv_tokens == p.kv_pages * p.kv_page_tokens);
             CHECK(int64_t(p.kv_arena_bytes) <= std::max<int64_t>(p.kv_available_bytes, 0));
-            if (p.kv_available_bytes > 0) CHECK(int64_t(p.kv_arena_bytes + p.kv_page_bytes) > p.kv_available_bytes);
-            CHECK(p.arena_bytes() + p.item("context")->bytes == p.fixed_bytes + p.kv_arena_bytes);
+            if (p.device.backend == BackendKind::cuda) {
+              // A GPU takes every whole page the budget leaves.
+              if (p.kv_available_bytes > 0) CHECK(int64_t(p.kv_arena_bytes + p.kv_page_bytes) > p.kv_available_bytes);
+            } else {
+              // The CPU takes only what max_seqs sequences of max_model_len can use.
+              uint64_t cap = uint64_t(p.options.max_seqs) * ((uint64_t(p.max_model_len) + p.kv_page_tokens - 1) / p.kv_page_tokens);
+              CHECK(p.kv_pages <= cap);
+              if (p.kv_available_bytes > 0)
+                CHECK((p.kv_pages == cap || int64_t(p.kv_arena_bytes + p.kv_page_bytes) > p.kv_available_bytes));
+              CHECK_FALSE(p.item("weights")->in_arena);  // read from the mmap in place
+            }
+            uint64_t outside_arena = 0;
+            for (const auto& item : p.items) outside_arena += item.in_arena ? 0 : item.bytes;
+            CHECK(p.arena_bytes() + outside_arena == p.fixed_bytes + p.kv_arena_bytes);
             CHECK(detail::arena_layout(p).total_bytes == p.arena_bytes());  // what the arena will reserve
             CHECK(p.fits == (p.kv_available_bytes > 0 && p.kv_tokens >= uint64_t(p.max_model_len)));
             CHECK(p.shortfall_bytes == (p.fits ? 0 : int64_t(kv_for(p, p.max_model_len)) - p.kv_available_bytes));
