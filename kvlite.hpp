@@ -34,6 +34,17 @@
       - Reserves one arena of the planned size; KV lives in fixed-size pages carved from it; nothing is
         allocated afterwards.
 
+   ARCHITECTURE (each floor uses only those below it)
+      api / engine     requests, continuous batching, KV page ownership, sampling, scoring, cancel
+      model            the forward pass, written once against Backend, shape comments throughout
+      backend          Backend interface; CPU implementation here, CUDA in kernels.cu
+      arena            the one reservation, its regions, the KV page pool and block tables
+      plan             the byte budget: a pure function of config, headers, device and options
+      config, tokenizer, safetensors   model directory readers
+      base             errors, dtypes and bit-exact conversions (host and device)
+   The planner runs twice with the same inputs: for `kvlite plan` (no GPU) and when the arena is made,
+   so the plan is what actually happens.
+
    ERRORS
       Every fallible call returns kvlite::Result<T> (or kvlite::Status): a value, or an Error with a stable
       ErrorCode and a message that carries the numbers and what to change. The library never throws past its
@@ -398,6 +409,8 @@ struct TextConfig {
   double rms_norm_eps = 1e-6;
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v biases (qwen2: always true)
+  bool o_proj_bias = false;     // o_proj bias (llama, qwen3: = attention_bias; qwen2: never)
+  bool mlp_bias = false;        // gate/up/down biases (llama `mlp_bias`)
   bool qk_norm = false;         // per-head RMSNorm of q and k before RoPE (qwen3, qwen3_vl)
   std::string hidden_act = "silu";
   DType dtype = DType::BF16;  // torch_dtype / dtype of the unquantized weights
@@ -455,6 +468,7 @@ struct ModelConfig {
   TextConfig text;
   VisionConfig vision;
   QuantConfig quant;
+  // qwen3_vl special tokens (transformers' defaults when absent); -1 for text-only models.
   int64_t image_token_id = -1, video_token_id = -1, vision_start_token_id = -1, vision_end_token_id = -1;
   // Image budget from preprocessor_config.json (min/max pixel counts), when the directory has one.
   int64_t min_pixels = 0, max_pixels = 0;
@@ -469,7 +483,8 @@ struct ModelConfig {
 // Parses a config.json text. `origin` names it in errors. Refuses unknown model types, missing or
 // non-positive sizes, unknown rope or quantization methods, with the key named.
 Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin);
-// Reads MODEL_DIR/config.json (and preprocessor_config.json if present).
+// Reads MODEL_DIR/config.json, and preprocessor_config.json if present: `size` {shortest_edge, longest_edge}
+// are the min/max PIXEL COUNTS; top-level min_pixels / max_pixels (older files) override them.
 Result<ModelConfig> load_config(const std::string& model_dir);
 
 // One Linear layer as it is on disk.
@@ -487,7 +502,7 @@ struct LinearDesc {
   bool has_g_idx = false;
   bool has_bias = false;
   bool vision = false;   // part of the vision tower
-  uint64_t bytes = 0;    // exact bytes of all its tensors on disk (weight, scales, zeros, g_idx, shape, bias)
+  uint64_t bytes = 0;    // bytes of all its tensors on disk (weight, scales, zeros, g_idx, shape, input_scale, bias)
   bool exact = false;    // true: from the safetensors headers; false: estimated from config.json
 };
 
@@ -497,7 +512,10 @@ class TensorStore;
 // with an empty store (or nullptr) everything is estimated from config.json.
 Result<std::vector<LinearDesc>> describe_linears(const ModelConfig& config, const TensorStore* store);
 
-// Is this module excluded from quantization by `ignore` / `modules_to_not_convert`?
+// Is this module excluded from quantization by `ignore` / `modules_to_not_convert`? compressed-tensors `ignore`:
+// an entry equal to the name, the class name "Linear", or "re:<regex>" matching at the start of the name
+// (Python re.match). Qwen fp8 `modules_to_not_convert`: an entry that is a substring of the name
+// (transformers 4.x) or, when it has regex syntax, a regex matching at the start (transformers 5).
 bool quant_ignores(const QuantConfig& quant, const std::string& module_name);
 
 // What the weights weigh, for the planner.
@@ -510,6 +528,23 @@ struct WeightsSummary {
   std::vector<LinearDesc> linears;
 };
 Result<WeightsSummary> summarize_weights(const ModelConfig& config, const TensorStore* store);
+
+namespace detail {
+// The same decisions over any source of tensor headers, so they can be tested with in-memory lists.
+// `lookup` returns the header of a tensor or nullptr; `data` returns a pointer to its bytes, or nullptr when
+// only headers are at hand (may be empty). These throw kvlite::Error (the public calls above guard them).
+using TensorLookup = std::function<const TensorInfo*(const std::string& name)>;
+using TensorData = std::function<const uint8_t*(const TensorInfo& tensor)>;
+std::vector<LinearDesc> describe_linears_from(const ModelConfig& config, const TensorLookup& lookup,
+                                              const TensorData& data);
+std::vector<LinearDesc> estimate_linears(const ModelConfig& config);
+WeightsSummary summarize_weights_from(const ModelConfig& config, const std::vector<TensorInfo>& tensors,
+                                      const TensorData& data);
+WeightsSummary estimate_weights(const ModelConfig& config);
+// The scheme that quantizes this Linear per config.json (nullptr: it stays dense). compressed-tensors order:
+// an exact name target wins over a "re:" target, which wins over the class target "Linear".
+const QuantScheme* quant_scheme_for(const QuantConfig& quant, const std::string& module_name);
+}  // namespace detail
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
@@ -1472,6 +1507,995 @@ Status TensorStore::require(const std::vector<std::string>& names) const {
 
 }  // namespace kvlite
 // config: implementation.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <nlohmann/json.hpp>
+#ifndef PCRE2_CODE_UNIT_WIDTH
+#define PCRE2_CODE_UNIT_WIDTH 8
+#endif
+#include <pcre2.h>
+
+namespace kvlite {
+
+const char* arch_name(Arch arch) {
+  switch (arch) {
+    case Arch::llama: return "llama";
+    case Arch::qwen2: return "qwen2";
+    case Arch::qwen3: return "qwen3";
+    case Arch::qwen3_vl: return "qwen3_vl";
+  }
+  return "?";
+}
+const char* weight_format_name(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::dense: return "dense";
+    case WeightFormat::fp8: return "fp8";
+    case WeightFormat::int4: return "int4";
+  }
+  return "?";
+}
+const char* scale_granularity_name(ScaleGranularity granularity) {
+  switch (granularity) {
+    case ScaleGranularity::none: return "none";
+    case ScaleGranularity::tensor: return "tensor";
+    case ScaleGranularity::channel: return "channel";
+    case ScaleGranularity::group: return "group";
+    case ScaleGranularity::block: return "block";
+  }
+  return "?";
+}
+
+std::string ModelConfig::text_prefix() const { return arch == Arch::qwen3_vl ? "model.language_model." : "model."; }
+
+uint64_t ModelConfig::kv_bytes_per_token(int kv_element_bytes) const {
+  return 2ull * uint64_t(text.num_layers) * uint64_t(text.num_kv_heads) * uint64_t(text.head_dim) *
+         uint64_t(kv_element_bytes);
+}
+
+namespace detail {
+namespace cfg {
+using json = nlohmann::json;
+
+// ---- regular expressions (Python re.match semantics: anchored at the start, not at the end) ----------------
+// Returns false and sets *valid = false when the pattern does not compile.
+inline bool regex_matches_start(const std::string& pattern, const std::string& subject, bool* valid = nullptr) {
+  int error_code = 0;
+  PCRE2_SIZE error_offset = 0;
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.c_str()), pattern.size(), 0, &error_code,
+                                   &error_offset, nullptr);
+  if (valid) *valid = code != nullptr;
+  if (!code) return false;
+  pcre2_match_data* match = pcre2_match_data_create_from_pattern(code, nullptr);
+  int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(subject.c_str()), subject.size(), 0, PCRE2_ANCHORED, match,
+                       nullptr);
+  pcre2_match_data_free(match);
+  pcre2_code_free(code);
+  return rc >= 0;
+}
+inline bool regex_compiles(const std::string& pattern) {
+  bool valid = false;
+  regex_matches_start(pattern, "", &valid);
+  return valid;
+}
+// Characters that make a modules_to_not_convert key behave differently as a regex than as a substring.
+// '.' is left out on purpose: every dotted module name contains it and it matches itself either way.
+inline bool has_regex_syntax(const std::string& key) { return key.find_first_of("*+?[](){}|^$\\") != std::string::npos; }
+
+// compressed-tensors match_name: "re:<regex>" matches from the start of the name, anything else exactly.
+inline bool ct_name_matches(const std::string& name, const std::string& target) {
+  if (target.compare(0, 3, "re:") == 0) return regex_matches_start(target.substr(3), name);
+  return target == name;
+}
+
+// ---- reading JSON with the key path in every message ----------------------------------------------------
+// A JSON object and the dotted path that names it ("text_config", "quantization_config.config_groups.group_0").
+struct Node {
+  const json* value = nullptr;
+  std::string path;
+  std::string origin;  // the file, for messages
+
+  std::string key_path(const std::string& key) const { return path.empty() ? key : path + "." + key; }
+  // JSON null counts as absent, as transformers treats it (`"head_dim": null`, `"rope_scaling": null`).
+  const json* find(const std::string& key) const {
+    auto it = value->find(key);
+    return it == value->end() || it->is_null() ? nullptr : &*it;
+  }
+  bool has(const std::string& key) const { return find(key) != nullptr; }
+
+  [[noreturn]] void fail_key(ErrorCode code, const std::string& key, const std::string& why) const {
+    fail(code, format("%s: %s %s", origin.c_str(), key_path(key).c_str(), why.c_str()));
+  }
+
+  Node child(const std::string& key) const {
+    const json* v = find(key);
+    if (!v) fail_key(ErrorCode::bad_format, key, "is missing");
+    if (!v->is_object()) fail_key(ErrorCode::bad_format, key, "must be a JSON object");
+    return Node{v, key_path(key), origin};
+  }
+  std::optional<Node> optional_child(const std::string& key) const {
+    if (!has(key)) return std::nullopt;
+    return child(key);
+  }
+
+  static bool integral(const json& v, int64_t* out) {
+    if (v.is_number_integer()) {
+      *out = v.get<int64_t>();
+      return true;
+    }
+    if (v.is_number_float()) {
+      double d = v.get<double>();
+      if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e18) {
+        *out = int64_t(d);
+        return true;
+      }
+    }
+    return false;
+  }
+  std::optional<int64_t> optional_int(const std::string& key) const {
+    const json* v = find(key);
+    if (!v) return std::nullopt;
+    int64_t out = 0;
+    if (!integral(*v, &out)) fail_key(ErrorCode::bad_format, key, format("must be an integer, not %s", v->dump().c_str()));
+    return out;
+  }
+  int64_t positive(const std::string& key) const {
+    std::optional<int64_t> v = optional_int(key);
+    if (!v) fail_key(ErrorCode::bad_format, key, "is missing; kvlite needs it to size the model");
+    if (*v <= 0) fail_key(ErrorCode::bad_format, key, format("must be positive, not %lld", (long long)*v));
+    return *v;
+  }
+  int64_t positive_or(const std::string& key, int64_t fallback) const { return has(key) ? positive(key) : fallback; }
+  double number_or(const std::string& key, double fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_number()) fail_key(ErrorCode::bad_format, key, format("must be a number, not %s", v->dump().c_str()));
+    return v->get<double>();
+  }
+  double required_number(const std::string& key) const {
+    if (!has(key)) fail_key(ErrorCode::bad_format, key, "is missing");
+    return number_or(key, 0);
+  }
+  bool bool_or(const std::string& key, bool fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_boolean()) fail_key(ErrorCode::bad_format, key, format("must be true or false, not %s", v->dump().c_str()));
+    return v->get<bool>();
+  }
+  std::optional<std::string> optional_string(const std::string& key) const {
+    const json* v = find(key);
+    if (!v) return std::nullopt;
+    if (!v->is_string()) fail_key(ErrorCode::bad_format, key, format("must be a string, not %s", v->dump().c_str()));
+    return v->get<std::string>();
+  }
+  std::string string_or(const std::string& key, const std::string& fallback) const {
+    return optional_string(key).value_or(fallback);
+  }
+  std::vector<std::string> string_list(const std::string& key) const {
+    std::vector<std::string> out;
+    const json* v = find(key);
+    if (!v) return out;
+    if (!v->is_array()) fail_key(ErrorCode::bad_format, key, "must be a list of strings");
+    for (const json& item : *v) {
+      if (!item.is_string()) fail_key(ErrorCode::bad_format, key, format("must hold only strings, not %s", item.dump().c_str()));
+      out.push_back(item.get<std::string>());
+    }
+    return out;
+  }
+  std::vector<int64_t> int_list(const std::string& key) const {
+    std::vector<int64_t> out;
+    const json* v = find(key);
+    if (!v) return out;
+    if (!v->is_array()) fail_key(ErrorCode::bad_format, key, format("must be a list of integers, not %s", v->dump().c_str()));
+    for (const json& item : *v) {
+      int64_t x = 0;
+      if (!integral(item, &x)) fail_key(ErrorCode::bad_format, key, format("must hold only integers, not %s", item.dump().c_str()));
+      out.push_back(x);
+    }
+    return out;
+  }
+  // An id or a list of ids (`eos_token_id: 151645` or `[128001, 128008, 128009]`).
+  std::vector<int64_t> ids(const std::string& key) const {
+    const json* v = find(key);
+    if (!v) return {};
+    if (v->is_array()) return int_list(key);
+    int64_t x = 0;
+    if (!integral(*v, &x)) fail_key(ErrorCode::bad_format, key, format("must be an id or a list of ids, not %s", v->dump().c_str()));
+    return {x};
+  }
+};
+
+inline json parse_json(const std::string& text, const std::string& origin) {
+  try {
+    json doc = json::parse(text);
+    if (!doc.is_object()) fail(ErrorCode::bad_format, format("%s: the top level must be a JSON object", origin.c_str()));
+    return doc;
+  } catch (const json::parse_error& e) {
+    fail(ErrorCode::bad_format, format("%s is not valid JSON: %s", origin.c_str(), e.what()));
+  }
+}
+
+inline std::string join(const std::vector<std::string>& items, const char* separator = ", ") {
+  std::string out;
+  for (size_t i = 0; i < items.size(); i++) out += (i ? separator : "") + items[i];
+  return out;
+}
+
+// ---- model parts ----------------------------------------------------------------------------------------
+inline DType parse_dtype(const Node& node, const std::string& key, DType fallback) {
+  std::optional<std::string> name = node.optional_string(key);
+  if (!name) return fallback;
+  if (*name == "bfloat16") return DType::BF16;
+  if (*name == "float16") return DType::F16;
+  if (*name == "float32") return DType::F32;
+  node.fail_key(ErrorCode::unsupported, key, format("'%s' is not supported; supported: bfloat16, float16, float32", name->c_str()));
+}
+
+// Rotary parameters from the classic keys (`rope_theta` + `rope_scaling`) or the newer `rope_parameters`.
+inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim) {
+  RopeConfig rope;
+  // transformers' class defaults when the key is absent.
+  rope.theta = arch == Arch::qwen3_vl ? 5000000.0 : 10000.0;
+  std::optional<Node> params;
+  if (text.has("rope_parameters")) {
+    params = text.child("rope_parameters");
+    for (const char* layer_type : {"full_attention", "sliding_attention"})
+      if (params->has(layer_type))
+        params->fail_key(ErrorCode::unsupported, layer_type, "(rope parameters per layer type) is not supported");
+    rope.theta = params->number_or("rope_theta", text.number_or("rope_theta", rope.theta));
+  } else {
+    rope.theta = text.number_or("rope_theta", rope.theta);
+    params = text.optional_child("rope_scaling");
+  }
+  if (!(rope.theta > 0)) text.fail_key(ErrorCode::bad_format, "rope_theta", "must be positive");
+  if (!params) return rope;
+
+  const char* type_key = params->has("rope_type") ? "rope_type" : "type";
+  std::string type = params->string_or(type_key, "default");
+  if (type == "mrope") type = "default";  // the older name of Qwen's multimodal default rope
+  if (type == "default") {
+    rope.type = "default";
+  } else if (type == "llama3") {
+    rope.type = "llama3";
+    rope.factor = params->required_number("factor");
+    rope.low_freq_factor = params->required_number("low_freq_factor");
+    rope.high_freq_factor = params->required_number("high_freq_factor");
+    rope.original_max_position_embeddings = params->positive("original_max_position_embeddings");
+    if (!(rope.factor > 0)) params->fail_key(ErrorCode::bad_format, "factor", "must be positive");
+    if (!(rope.high_freq_factor > rope.low_freq_factor))
+      params->fail_key(ErrorCode::bad_format, "high_freq_factor",
+                       format("(%g) must be greater than low_freq_factor (%g)", rope.high_freq_factor, rope.low_freq_factor));
+  } else {
+    params->fail_key(ErrorCode::unsupported, type_key,
+                     format("'%s' is not supported; supported: default, llama3", type.c_str()));
+  }
+  for (int64_t section : params->int_list("mrope_section")) {
+    if (section <= 0) params->fail_key(ErrorCode::bad_format, "mrope_section", "must hold positive sizes");
+    rope.mrope_section.push_back(int(section));
+  }
+  rope.mrope_interleaved = params->bool_or("mrope_interleaved", false);
+  if (arch == Arch::qwen3_vl) {
+    if (rope.mrope_section.empty()) rope.mrope_section = {24, 20, 20};  // what the rotary code falls back to
+    int64_t sum = 0;
+    for (int s : rope.mrope_section) sum += s;
+    if (rope.mrope_section.size() != 3 || sum * 2 != head_dim)
+      params->fail_key(ErrorCode::bad_format, "mrope_section",
+                       format("must be 3 sizes (t, h, w) adding up to head_dim / 2 = %lld", (long long)(head_dim / 2)));
+  }
+  return rope;
+}
+
+inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
+  TextConfig t;
+  t.hidden_size = text.positive("hidden_size");
+  t.intermediate_size = text.positive("intermediate_size");
+  t.num_layers = text.positive("num_hidden_layers");
+  t.num_heads = text.positive("num_attention_heads");
+  t.num_kv_heads = text.positive_or("num_key_value_heads", t.num_heads);
+  t.vocab_size = text.positive("vocab_size");
+  t.max_position_embeddings = text.positive("max_position_embeddings");
+  if (text.has("head_dim")) {
+    t.head_dim = text.positive("head_dim");
+  } else {
+    if (t.hidden_size % t.num_heads != 0)
+      text.fail_key(ErrorCode::bad_format, "head_dim",
+                    format("is missing and hidden_size %lld is not a multiple of num_attention_heads %lld",
+                           (long long)t.hidden_size, (long long)t.num_heads));
+    t.head_dim = t.hidden_size / t.num_heads;
+  }
+  if (t.num_heads % t.num_kv_heads != 0)
+    text.fail_key(ErrorCode::bad_format, "num_key_value_heads",
+                  format("(%lld) must divide num_attention_heads (%lld)", (long long)t.num_kv_heads, (long long)t.num_heads));
+  t.rms_norm_eps = text.number_or("rms_norm_eps", 1e-6);
+  if (!(t.rms_norm_eps > 0)) text.fail_key(ErrorCode::bad_format, "rms_norm_eps", "must be positive");
+  t.hidden_act = text.string_or("hidden_act", "silu");
+
+  // qwen3_vl: transformers 4.x ties by text_config's flag, 5.x writes it at the top level.
+  if (text.has("tie_word_embeddings")) t.tie_word_embeddings = text.bool_or("tie_word_embeddings", false);
+  else t.tie_word_embeddings = root.bool_or("tie_word_embeddings", false);
+
+  bool attention_bias = text.bool_or("attention_bias", false);
+  switch (arch) {
+    case Arch::llama:
+      t.attention_bias = t.o_proj_bias = attention_bias;
+      t.mlp_bias = text.bool_or("mlp_bias", false);
+      break;
+    case Arch::qwen2:  // Qwen2Attention: q/k/v always have biases, o_proj never
+      t.attention_bias = true;
+      t.o_proj_bias = false;
+      break;
+    case Arch::qwen3:
+    case Arch::qwen3_vl:
+      t.attention_bias = t.o_proj_bias = attention_bias;
+      t.qk_norm = true;
+      break;
+  }
+
+  const char* dtype_key = text.has("torch_dtype") ? "torch_dtype" : "dtype";
+  if (text.has(dtype_key)) t.dtype = parse_dtype(text, dtype_key, DType::BF16);
+  else t.dtype = parse_dtype(root, root.has("torch_dtype") ? "torch_dtype" : "dtype", DType::BF16);
+
+  // Rotary keys live with the text model; very old qwen3_vl files had them only at the top level.
+  bool text_has_rope = text.has("rope_parameters") || text.has("rope_scaling") || text.has("rope_theta");
+  t.rope = parse_rope(text_has_rope ? text : root, arch, t.head_dim);
+
+  t.bos_token_ids = text.has("bos_token_id") ? text.ids("bos_token_id") : root.ids("bos_token_id");
+  t.eos_token_ids = text.has("eos_token_id") ? text.ids("eos_token_id") : root.ids("eos_token_id");
+  return t;
+}
+
+inline VisionConfig parse_vision(const Node& vision) {
+  VisionConfig v;
+  v.present = true;
+  v.depth = vision.positive("depth");
+  v.hidden_size = vision.positive("hidden_size");
+  v.intermediate_size = vision.positive("intermediate_size");
+  v.num_heads = vision.positive("num_heads");
+  v.out_hidden_size = vision.positive("out_hidden_size");
+  // transformers' Qwen3VLVisionConfig defaults for the rest
+  v.in_channels = vision.positive_or("in_channels", 3);
+  v.patch_size = vision.positive_or("patch_size", 16);
+  v.temporal_patch_size = vision.positive_or("temporal_patch_size", 2);
+  v.spatial_merge_size = vision.positive_or("spatial_merge_size", 2);
+  v.num_position_embeddings = vision.positive_or("num_position_embeddings", 2304);
+  v.deepstack_visual_indexes = vision.has("deepstack_visual_indexes") ? vision.int_list("deepstack_visual_indexes")
+                                                                        : std::vector<int64_t>{8, 16, 24};
+  v.hidden_act = vision.string_or("hidden_act", "gelu_pytorch_tanh");
+  if (v.hidden_size % v.num_heads != 0)
+    vision.fail_key(ErrorCode::bad_format, "num_heads",
+                    format("(%lld) must divide hidden_size (%lld)", (long long)v.num_heads, (long long)v.hidden_size));
+  for (int64_t index : v.deepstack_visual_indexes)
+    if (index < 0 || index >= v.depth)
+      vision.fail_key(ErrorCode::bad_format, "deepstack_visual_indexes",
+                      format("holds block %lld, outside 0..%lld (depth %lld)", (long long)index, (long long)(v.depth - 1),
+                             (long long)v.depth));
+  return v;
+}
+
+// ---- quantization_config --------------------------------------------------------------------------------
+inline void check_patterns(const Node& node, const std::string& key, const std::vector<std::string>& patterns) {
+  for (size_t i = 0; i < patterns.size(); i++)
+    if (patterns[i].compare(0, 3, "re:") == 0 && !regex_compiles(patterns[i].substr(3)))
+      node.fail_key(ErrorCode::bad_format, format("%s[%zu]", key.c_str(), i),
+                    format("'%s' is not a valid regular expression", patterns[i].c_str()));
+}
+
+inline QuantScheme parse_ct_group(const Node& group, const std::string& top_format) {
+  QuantScheme s;
+  s.targets = group.string_list("targets");
+  if (s.targets.empty()) group.fail_key(ErrorCode::bad_format, "targets", "is missing or empty");
+  check_patterns(group, "targets", s.targets);
+  if (!group.has("weights"))
+    group.fail_key(ErrorCode::unsupported, "weights",
+                   "is null: a group that quantizes only activations is not supported (kvlite runs quantized weights)");
+  Node weights = group.child("weights");
+  std::string format_key = group.has("format") ? group.key_path("format") : "quantization_config.format";
+  std::string fmt = group.string_or("format", top_format);
+  if (fmt.empty() || fmt == "mixed-precision")
+    group.fail_key(ErrorCode::bad_format, "format",
+                   "is missing: a group needs its own format when quantization_config.format is absent or mixed-precision");
+
+  std::string type = weights.string_or("type", "int");
+  s.num_bits = int(weights.positive_or("num_bits", 8));
+  if (type == "int") {
+    if (s.num_bits != 4)
+      weights.fail_key(ErrorCode::unsupported, "num_bits",
+                       format("= %d with type int is not supported; supported: 4 (type int, pack-quantized) or 8 "
+                              "(type float)", s.num_bits));
+    if (fmt != "pack-quantized")
+      fail(ErrorCode::unsupported, format("%s: %s '%s' is not supported for 4-bit int weights; supported: pack-quantized",
+                                          group.origin.c_str(), format_key.c_str(), fmt.c_str()));
+    s.format = WeightFormat::int4;
+  } else if (type == "float") {
+    if (s.num_bits != 8)
+      weights.fail_key(ErrorCode::unsupported, "num_bits",
+                       format("= %d with type float is not supported; supported: 8 (type float) or 4 (type int, "
+                              "pack-quantized)", s.num_bits));
+    if (fmt != "float-quantized" && fmt != "naive-quantized")
+      fail(ErrorCode::unsupported,
+           format("%s: %s '%s' is not supported for 8-bit float weights; supported: float-quantized, naive-quantized",
+                  group.origin.c_str(), format_key.c_str(), fmt.c_str()));
+    s.format = WeightFormat::fp8;
+  } else {
+    weights.fail_key(ErrorCode::unsupported, "type", format("'%s' is not supported; supported: int, float", type.c_str()));
+  }
+  s.symmetric = weights.bool_or("symmetric", true);
+  if (s.format == WeightFormat::fp8 && !s.symmetric)
+    weights.fail_key(ErrorCode::unsupported, "symmetric", "= false is not supported for float weights");
+  if (weights.bool_or("dynamic", false))
+    weights.fail_key(ErrorCode::unsupported, "dynamic", "= true (weights quantized at run time) is not supported");
+
+  std::string strategy = weights.string_or("strategy", "tensor");
+  if (strategy == "group" && s.format == WeightFormat::int4) {
+    s.granularity = ScaleGranularity::group;
+    s.group_size = weights.positive("group_size");
+  } else if (strategy == "channel") {
+    s.granularity = ScaleGranularity::channel;
+  } else if (strategy == "tensor" && s.format == WeightFormat::fp8) {
+    s.granularity = ScaleGranularity::tensor;
+  } else if (strategy == "block" && s.format == WeightFormat::fp8) {
+    s.granularity = ScaleGranularity::block;
+    std::vector<int64_t> block = weights.int_list("block_structure");
+    if (block.size() != 2 || block[0] <= 0 || block[1] <= 0)
+      weights.fail_key(ErrorCode::bad_format, "block_structure", "must be [rows, cols] of positive sizes, e.g. [128, 128]");
+    s.block_n = block[0];
+    s.block_k = block[1];
+  } else {
+    weights.fail_key(ErrorCode::unsupported, "strategy",
+                     format("'%s' is not supported for %s weights; supported: %s", strategy.c_str(),
+                            s.format == WeightFormat::int4 ? "4-bit int" : "8-bit float",
+                            s.format == WeightFormat::int4 ? "group, channel" : "tensor, channel, block"));
+  }
+  // actorder: "group"/"dynamic" (or true) store weight_g_idx; "weight"/"static" reorder offline and store none.
+  if (const json* actorder = weights.find("actorder")) {
+    if (actorder->is_boolean()) s.actorder = actorder->get<bool>();
+    else if (actorder->is_string()) {
+      std::string order = actorder->get<std::string>();
+      if (order == "group" || order == "dynamic") s.actorder = true;
+      else if (order != "weight" && order != "static")
+        weights.fail_key(ErrorCode::unsupported, "actorder",
+                         format("'%s' is not supported; supported: group, dynamic, weight, static", order.c_str()));
+    } else {
+      weights.fail_key(ErrorCode::bad_format, "actorder", "must be a string, true, false or null");
+    }
+  }
+  if (std::optional<Node> inputs = group.optional_child("input_activations"))
+    s.dynamic_activations = inputs->bool_or("dynamic", false);
+  return s;
+}
+
+inline QuantConfig parse_quant(const Node& q) {
+  QuantConfig quant;
+  std::optional<std::string> method = q.optional_string("quant_method");
+  if (!method) q.fail_key(ErrorCode::bad_format, "quant_method", "is missing");
+  if (*method == "compressed-tensors") {
+    quant.method = QuantMethod::compressed_tensors;
+    quant.format = q.string_or("format", "");
+    static const char* const kFormats[] = {"pack-quantized", "float-quantized", "naive-quantized", "mixed-precision"};
+    if (!quant.format.empty() &&
+        std::find(std::begin(kFormats), std::end(kFormats), quant.format) == std::end(kFormats))
+      q.fail_key(ErrorCode::unsupported, "format",
+                 format("'%s' is not supported; supported: pack-quantized (int4), float-quantized and naive-quantized "
+                        "(fp8), mixed-precision of those",
+                        quant.format.c_str()));
+    Node groups = q.child("config_groups");
+    if (groups.value->empty()) q.fail_key(ErrorCode::bad_format, "config_groups", "is empty");
+    for (auto it = groups.value->begin(); it != groups.value->end(); ++it) quant.schemes.push_back(parse_ct_group(groups.child(it.key()), quant.format));
+    quant.ignore = q.string_list("ignore");
+    check_patterns(q, "ignore", quant.ignore);
+  } else if (*method == "fp8") {
+    quant.method = QuantMethod::fp8;
+    quant.format = "fp8";
+    std::string fmt = q.string_or("fmt", "e4m3");
+    if (fmt != "e4m3") q.fail_key(ErrorCode::unsupported, "fmt", format("'%s' is not supported; supported: e4m3", fmt.c_str()));
+    std::string activations = q.string_or("activation_scheme", "dynamic");
+    if (activations != "dynamic")
+      q.fail_key(ErrorCode::unsupported, "activation_scheme",
+                 format("'%s' is not supported; supported: dynamic", activations.c_str()));
+    QuantScheme s;
+    s.targets = {"Linear"};
+    s.format = WeightFormat::fp8;
+    s.num_bits = 8;
+    s.granularity = ScaleGranularity::block;
+    s.block_n = s.block_k = 128;  // transformers' FineGrainedFP8Config default
+    if (const json* block = q.find("weight_block_size")) {
+      std::vector<int64_t> sizes = q.int_list("weight_block_size");
+      if (sizes.size() != 2 || sizes[0] <= 0 || sizes[1] <= 0)
+        q.fail_key(ErrorCode::bad_format, "weight_block_size",
+                   format("must be [rows, cols] of positive sizes, not %s", block->dump().c_str()));
+      s.block_n = sizes[0];
+      s.block_k = sizes[1];
+    }
+    s.dynamic_activations = true;
+    quant.schemes.push_back(s);
+    quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+  } else {
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               format("'%s' is not supported; supported: compressed-tensors, fp8", method->c_str()));
+  }
+  return quant;
+}
+
+}  // namespace cfg
+}  // namespace detail
+
+bool quant_ignores(const QuantConfig& quant, const std::string& module_name) {
+  for (const std::string& entry : quant.ignore)
+    if (entry == "Linear" || detail::cfg::ct_name_matches(module_name, entry)) return true;
+  for (const std::string& key : quant.modules_to_not_convert) {
+    if (!key.empty() && module_name.find(key) != std::string::npos) return true;
+    if (detail::cfg::has_regex_syntax(key) && detail::cfg::regex_matches_start(key, module_name)) return true;
+  }
+  return false;
+}
+
+namespace detail {
+const QuantScheme* quant_scheme_for(const QuantConfig& quant, const std::string& module_name) {
+  if (quant.method == QuantMethod::none || quant_ignores(quant, module_name)) return nullptr;
+  const QuantScheme* best = nullptr;
+  int best_rank = 3;  // 0 exact name, 1 regex, 2 class "Linear"
+  for (const QuantScheme& scheme : quant.schemes)
+    for (const std::string& target : scheme.targets) {
+      int rank = 3;
+      if (target == "Linear") rank = 2;
+      else if (target.compare(0, 3, "re:") == 0) rank = cfg::regex_matches_start(target.substr(3), module_name) ? 1 : 3;
+      else if (target == module_name) rank = 0;
+      if (rank < best_rank) {
+        best = &scheme;
+        best_rank = rank;
+      }
+    }
+  return best;
+}
+}  // namespace detail
+
+Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin) {
+  return detail::guard([&]() -> ModelConfig {
+    using detail::cfg::Node;
+    nlohmann::json doc = detail::cfg::parse_json(json_text, origin);
+    Node root{&doc, "", origin};
+    ModelConfig config;
+    config.origin = origin;
+    std::optional<std::string> model_type = root.optional_string("model_type");
+    if (!model_type) root.fail_key(ErrorCode::bad_format, "model_type", "is missing");
+    config.model_type = *model_type;
+    if (*model_type == "llama") config.arch = Arch::llama;
+    else if (*model_type == "qwen2") config.arch = Arch::qwen2;
+    else if (*model_type == "qwen3") config.arch = Arch::qwen3;
+    else if (*model_type == "qwen3_vl") config.arch = Arch::qwen3_vl;
+    else
+      root.fail_key(ErrorCode::unsupported, "model_type",
+                    detail::format("'%s' is not supported; supported: llama, qwen2, qwen3, qwen3_vl", model_type->c_str()));
+
+    if (config.arch == Arch::qwen3_vl) {
+      config.text = detail::cfg::parse_text(root.child("text_config"), root, config.arch);
+      config.vision = detail::cfg::parse_vision(root.child("vision_config"));
+      // transformers' Qwen3VLConfig defaults
+      config.image_token_id = root.optional_int("image_token_id").value_or(151655);
+      config.video_token_id = root.optional_int("video_token_id").value_or(151656);
+      config.vision_start_token_id = root.optional_int("vision_start_token_id").value_or(151652);
+      config.vision_end_token_id = root.optional_int("vision_end_token_id").value_or(151653);
+    } else {
+      config.text = detail::cfg::parse_text(root, root, config.arch);
+    }
+
+    // Early compressed-tensors checkpoints wrote `compression_config`; some VLMs nest it in text_config.
+    std::optional<Node> quant = root.optional_child("quantization_config");
+    if (!quant) quant = root.optional_child("compression_config");
+    if (!quant && root.has("text_config")) quant = root.child("text_config").optional_child("quantization_config");
+    if (quant) config.quant = detail::cfg::parse_quant(*quant);
+    return config;
+  });
+}
+
+Result<ModelConfig> load_config(const std::string& model_dir) {
+  return detail::guard([&]() -> ModelConfig {
+    std::string path = detail::path_join(model_dir, "config.json");
+    if (!detail::file_exists(path))
+      detail::fail(ErrorCode::io_error,
+                   detail::format("%s not found: a model directory needs the config.json its checkpoint was published with",
+                                  path.c_str()));
+    ModelConfig config = parse_config(detail::read_text_file(path), path).value();
+
+    std::string processor_path = detail::path_join(model_dir, "preprocessor_config.json");
+    if (detail::file_exists(processor_path)) {
+      using detail::cfg::Node;
+      nlohmann::json doc = detail::cfg::parse_json(detail::read_text_file(processor_path), processor_path);
+      Node root{&doc, "", processor_path};
+      // Qwen2VLImageProcessor: `size` = {shortest_edge, longest_edge} are MIN and MAX PIXEL COUNTS; top-level
+      // min_pixels / max_pixels (older files) override them, as its __init__ does.
+      if (std::optional<Node> size = root.optional_child("size")) {
+        config.min_pixels = size->positive_or("shortest_edge", size->positive_or("min_pixels", 0));
+        config.max_pixels = size->positive_or("longest_edge", size->positive_or("max_pixels", 0));
+      }
+      config.min_pixels = root.positive_or("min_pixels", config.min_pixels);
+      config.max_pixels = root.positive_or("max_pixels", config.max_pixels);
+      if (config.min_pixels && config.max_pixels && config.min_pixels > config.max_pixels)
+        detail::fail(ErrorCode::bad_format,
+                     detail::format("%s: the minimum pixel count %lld is larger than the maximum %lld",
+                                    processor_path.c_str(), (long long)config.min_pixels, (long long)config.max_pixels));
+    }
+    return config;
+  });
+}
+
+// ---- Linears ----------------------------------------------------------------------------------------------
+namespace detail {
+namespace cfg {
+
+// A Linear as config.json says it must be.
+struct LinearSpec {
+  std::string name;
+  int64_t n = 0, k = 0;  // out_features, in_features
+  bool bias = false;
+  bool vision = false;
+};
+
+inline std::vector<LinearSpec> linear_specs(const ModelConfig& c) {
+  std::vector<LinearSpec> specs;
+  const TextConfig& t = c.text;
+  const int64_t q_out = t.num_heads * t.head_dim, kv_out = t.num_kv_heads * t.head_dim;
+  const std::string prefix = c.text_prefix();
+  for (int64_t i = 0; i < t.num_layers; i++) {
+    std::string layer = prefix + format("layers.%lld.", (long long)i);
+    specs.push_back({layer + "self_attn.q_proj", q_out, t.hidden_size, t.attention_bias, false});
+    specs.push_back({layer + "self_attn.k_proj", kv_out, t.hidden_size, t.attention_bias, false});
+    specs.push_back({layer + "self_attn.v_proj", kv_out, t.hidden_size, t.attention_bias, false});
+    specs.push_back({layer + "self_attn.o_proj", t.hidden_size, q_out, t.o_proj_bias, false});
+    specs.push_back({layer + "mlp.gate_proj", t.intermediate_size, t.hidden_size, t.mlp_bias, false});
+    specs.push_back({layer + "mlp.up_proj", t.intermediate_size, t.hidden_size, t.mlp_bias, false});
+    specs.push_back({layer + "mlp.down_proj", t.hidden_size, t.intermediate_size, t.mlp_bias, false});
+  }
+  if (!t.tie_word_embeddings) specs.push_back({"lm_head", t.vocab_size, t.hidden_size, false, false});
+  if (c.vision.present) {
+    const VisionConfig& v = c.vision;
+    const int64_t merged = v.hidden_size * v.spatial_merge_size * v.spatial_merge_size;  // 2x2 patches per row
+    for (int64_t i = 0; i < v.depth; i++) {
+      std::string block = format("model.visual.blocks.%lld.", (long long)i);
+      specs.push_back({block + "attn.qkv", 3 * v.hidden_size, v.hidden_size, true, true});
+      specs.push_back({block + "attn.proj", v.hidden_size, v.hidden_size, true, true});
+      specs.push_back({block + "mlp.linear_fc1", v.intermediate_size, v.hidden_size, true, true});
+      specs.push_back({block + "mlp.linear_fc2", v.hidden_size, v.intermediate_size, true, true});
+    }
+    auto merger = [&](const std::string& name) {
+      specs.push_back({name + ".linear_fc1", merged, merged, true, true});
+      specs.push_back({name + ".linear_fc2", v.out_hidden_size, merged, true, true});
+    };
+    merger("model.visual.merger");
+    for (size_t j = 0; j < v.deepstack_visual_indexes.size(); j++) merger(format("model.visual.deepstack_merger_list.%zu", j));
+  }
+  return specs;
+}
+
+inline std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); i++) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+inline DType fp8_scale_dtype(const ModelConfig& c) {
+  // transformers' FP8Linear holds weight_scale_inv in float32; compressed-tensors scales follow the model dtype.
+  return c.quant.method == QuantMethod::fp8 ? DType::F32 : c.text.dtype;
+}
+
+inline LinearDesc estimate_linear(const ModelConfig& c, const LinearSpec& spec) {
+  LinearDesc d;
+  d.name = spec.name;
+  d.out_features = spec.n;
+  d.in_features = spec.k;
+  d.has_bias = spec.bias;
+  d.vision = spec.vision;
+  d.exact = false;
+  const DType dtype = c.text.dtype;
+  const uint64_t n = uint64_t(spec.n), k = uint64_t(spec.k);
+  uint64_t bytes = spec.bias ? dtype_bytes(dtype, n) : 0;
+  const QuantScheme* scheme = quant_scheme_for(c.quant, spec.name);
+  if (!scheme || scheme->format == WeightFormat::dense) {
+    d.format = WeightFormat::dense;
+    d.weight_dtype = dtype;
+    d.scale_dtype = dtype;
+    bytes += dtype_bytes(dtype, n * k);
+  } else if (scheme->format == WeightFormat::int4) {
+    d.format = WeightFormat::int4;
+    d.weight_dtype = DType::I32;
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : spec.k;
+    d.scale_dtype = dtype;
+    d.scale_name = "weight_scale";
+    d.symmetric = scheme->symmetric;
+    d.has_g_idx = scheme->actorder;
+    const uint64_t groups = ceil_div(k, uint64_t(d.group_size));
+    bytes += n * ceil_div(k, 8) * 4;           // weight_packed (N, K/8) I32
+    bytes += dtype_bytes(dtype, n * groups);   // weight_scale (N, groups)
+    bytes += 2 * 8;                            // weight_shape (2,) I64
+    if (!d.symmetric) bytes += ceil_div(n, 8) * groups * 4;  // weight_zero_point (N/8, groups) I32
+    if (d.has_g_idx) bytes += k * 4;                         // weight_g_idx (K,) I32
+  } else {
+    d.format = WeightFormat::fp8;
+    d.weight_dtype = DType::F8_E4M3;
+    d.granularity = scheme->granularity;
+    d.block_n = scheme->block_n;
+    d.block_k = scheme->block_k;
+    d.scale_dtype = fp8_scale_dtype(c);
+    d.scale_name = c.quant.method == QuantMethod::fp8 ? "weight_scale_inv" : "weight_scale";
+    uint64_t scales = 1;
+    if (d.granularity == ScaleGranularity::channel) scales = n;
+    if (d.granularity == ScaleGranularity::block) scales = ceil_div(n, uint64_t(d.block_n)) * ceil_div(k, uint64_t(d.block_k));
+    bytes += n * k + dtype_bytes(d.scale_dtype, scales);
+    if (!scheme->dynamic_activations) bytes += dtype_bytes(DType::F32, 1);  // static input_scale (1,)
+  }
+  d.bytes = bytes;
+  return d;
+}
+
+// Every tensor name a Linear may own on disk; its bytes are the sum of those present.
+static const char* const kLinearTensorSuffixes[] = {"weight",      "weight_packed",     "weight_shape",
+                                                    "weight_scale", "weight_scale_inv", "weight_zero_point",
+                                                    "weight_g_idx", "input_scale",      "bias"};
+
+struct HeaderReader {
+  const TensorLookup& lookup;
+  const TensorData& data;
+  const TensorInfo* find(const std::string& name) const { return lookup(name); }
+  [[noreturn]] void bad_shape(const TensorInfo& t, const std::vector<int64_t>& expected, const std::string& why) const {
+    fail(ErrorCode::bad_format, format("%s has shape %s but %s expects %s", t.name.c_str(), shape_text(t.shape).c_str(),
+                                       why.c_str(), shape_text(expected).c_str()));
+  }
+  void expect_dtype(const TensorInfo& t, DType dtype) const {
+    if (t.dtype != dtype)
+      fail(ErrorCode::bad_format, format("%s has dtype %s; this format stores it as %s", t.name.c_str(), dtype_name(t.dtype),
+                                         dtype_name(dtype)));
+  }
+  void expect_scale_dtype(const TensorInfo& t) const {
+    if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16)
+      fail(ErrorCode::unsupported, format("%s has dtype %s; scales are supported as F32, BF16 or F16", t.name.c_str(),
+                                          dtype_name(t.dtype)));
+  }
+};
+
+inline void describe_int4(const ModelConfig& c, const LinearSpec& spec, const HeaderReader& h, const TensorInfo& packed,
+                          LinearDesc& d) {
+  const std::string& p = spec.name;
+  const int64_t n = spec.n, k = spec.k;
+  h.expect_dtype(packed, DType::I32);
+  if (const TensorInfo* shape = h.find(p + ".weight_shape")) {
+    h.expect_dtype(*shape, DType::I64);
+    if (shape->shape != std::vector<int64_t>{2}) h.bad_shape(*shape, {2}, "pack-quantized");
+    if (const uint8_t* bytes = h.data ? h.data(*shape) : nullptr) {
+      int64_t stored[2];
+      memcpy(stored, bytes, sizeof stored);  // little-endian I64, as safetensors stores it
+      if (stored[0] != n || stored[1] != k)
+        fail(ErrorCode::bad_format,
+             format("%s holds %s but config.json gives this Linear [%lld, %lld] (out, in)", shape->name.c_str(),
+                    shape_text({stored[0], stored[1]}).c_str(), (long long)n, (long long)k));
+    }
+  }
+  const std::vector<int64_t> packed_shape{n, int64_t(ceil_div(uint64_t(k), 8))};
+  if (packed.shape != packed_shape)
+    h.bad_shape(packed, packed_shape, format("[out %lld, in %lld] packed 8 per I32", (long long)n, (long long)k));
+
+  const TensorInfo* scale = h.find(p + ".weight_scale");
+  if (!scale)
+    fail(ErrorCode::missing_tensor, format("%s.weight_scale is missing: %s.weight_packed needs its scales", p.c_str(), p.c_str()));
+  h.expect_scale_dtype(*scale);
+  const QuantScheme* scheme = quant_scheme_for(c.quant, p);
+  if (scheme && scheme->format == WeightFormat::int4) {
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : k;
+    if (d.granularity == ScaleGranularity::group && k % d.group_size != 0)
+      fail(ErrorCode::bad_format,
+           format("%s: group_size %lld does not divide in_features %lld; int4 kernels need whole groups",
+                  packed.name.c_str(), (long long)d.group_size, (long long)k));
+    const std::vector<int64_t> expected{n, d.granularity == ScaleGranularity::group ? k / d.group_size : 1};
+    if (scale->shape != expected)
+      h.bad_shape(*scale, expected,
+                  format("strategy %s%s", scale_granularity_name(d.granularity),
+                         d.granularity == ScaleGranularity::group ? format(" (group_size %lld)", (long long)d.group_size).c_str() : ""));
+  } else {  // the config does not say (the module is not targeted): read the layout off the scale
+    if (scale->shape.size() != 2 || scale->shape[0] != n || scale->shape[1] <= 0 || k % scale->shape[1] != 0)
+      h.bad_shape(*scale, {n, 1}, "a channel scale, or [out, in / group_size] for groups,");
+    d.granularity = scale->shape[1] == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+    d.group_size = k / scale->shape[1];
+  }
+  const int64_t groups = scale->shape[1];
+  d.scale_dtype = scale->dtype;
+  d.scale_name = "weight_scale";
+  if (const TensorInfo* zero = h.find(p + ".weight_zero_point")) {
+    h.expect_dtype(*zero, DType::I32);
+    const std::vector<int64_t> expected{int64_t(ceil_div(uint64_t(n), 8)), groups};
+    if (zero->shape != expected) h.bad_shape(*zero, expected, "an asymmetric zero point packed 8 per I32 along out");
+    d.symmetric = false;
+  }
+  if (const TensorInfo* g_idx = h.find(p + ".weight_g_idx")) {
+    h.expect_dtype(*g_idx, DType::I32);
+    if (g_idx->shape != std::vector<int64_t>{k}) h.bad_shape(*g_idx, {k}, "one group index per input column");
+    d.has_g_idx = true;
+  }
+  d.format = WeightFormat::int4;
+  d.weight_dtype = DType::I32;
+}
+
+inline void describe_fp8(const ModelConfig& c, const LinearSpec& spec, const HeaderReader& h, const TensorInfo& weight,
+                         LinearDesc& d) {
+  const std::string& p = spec.name;
+  const int64_t n = spec.n, k = spec.k;
+  if (weight.shape != std::vector<int64_t>{n, k}) h.bad_shape(weight, {n, k}, "config.json [out, in]");
+  const TensorInfo* scale = h.find(p + ".weight_scale_inv");
+  d.scale_name = "weight_scale_inv";
+  if (!scale) {
+    scale = h.find(p + ".weight_scale");
+    d.scale_name = "weight_scale";
+  }
+  if (!scale)
+    fail(ErrorCode::missing_tensor, format("%s is F8_E4M3 but neither %s.weight_scale_inv nor %s.weight_scale exists",
+                                           weight.name.c_str(), p.c_str(), p.c_str()));
+  h.expect_scale_dtype(*scale);
+  d.scale_dtype = scale->dtype;
+  // Block sizes: the config's, else the 128 x 128 every published block-fp8 checkpoint uses.
+  const QuantScheme* scheme = quant_scheme_for(c.quant, p);
+  int64_t bn = 128, bk = 128;
+  if (scheme && scheme->granularity == ScaleGranularity::block) {
+    bn = scheme->block_n;
+    bk = scheme->block_k;
+  }
+  const std::vector<int64_t> block_shape{int64_t(ceil_div(uint64_t(n), uint64_t(bn))), int64_t(ceil_div(uint64_t(k), uint64_t(bk)))};
+  const bool block_expected = scheme && scheme->granularity == ScaleGranularity::block;
+  if (scale->shape == block_shape && (block_expected || scale->shape != std::vector<int64_t>{n, 1})) {
+    d.granularity = ScaleGranularity::block;
+    d.block_n = bn;
+    d.block_k = bk;
+  } else if (scale->shape == std::vector<int64_t>{n, 1}) {
+    d.granularity = ScaleGranularity::channel;
+  } else if (scale->shape.size() <= 1 && scale->numel() == 1) {
+    d.granularity = ScaleGranularity::tensor;
+  } else {
+    fail(ErrorCode::bad_format,
+         format("%s has shape %s; for a [%lld, %lld] fp8 weight expected [1] (tensor), [%lld, 1] (channel) or %s "
+                "(%lld x %lld blocks)",
+                scale->name.c_str(), shape_text(scale->shape).c_str(), (long long)n, (long long)k, (long long)n,
+                shape_text(block_shape).c_str(), (long long)bn, (long long)bk));
+  }
+  d.format = WeightFormat::fp8;
+  d.weight_dtype = DType::F8_E4M3;
+}
+
+inline LinearDesc describe_linear(const ModelConfig& c, const LinearSpec& spec, const HeaderReader& h) {
+  LinearDesc d;
+  d.name = spec.name;
+  d.out_features = spec.n;
+  d.in_features = spec.k;
+  d.vision = spec.vision;
+  d.exact = true;
+  const std::string& p = spec.name;
+  if (const TensorInfo* packed = h.find(p + ".weight_packed")) {
+    describe_int4(c, spec, h, *packed, d);
+  } else if (const TensorInfo* weight = h.find(p + ".weight")) {
+    if (weight->dtype == DType::F8_E4M3) {
+      describe_fp8(c, spec, h, *weight, d);
+    } else if (weight->dtype == DType::BF16 || weight->dtype == DType::F16 || weight->dtype == DType::F32) {
+      if (weight->shape != std::vector<int64_t>{spec.n, spec.k}) h.bad_shape(*weight, {spec.n, spec.k}, "config.json [out, in]");
+      d.format = WeightFormat::dense;
+      d.weight_dtype = d.scale_dtype = weight->dtype;
+    } else {
+      fail(ErrorCode::unsupported,
+           format("%s has dtype %s; Linear weights are supported as BF16/F16/F32, F8_E4M3 with scales, or "
+                  "compressed-tensors pack-quantized int4",
+                  weight->name.c_str(), dtype_name(weight->dtype)));
+    }
+  } else {
+    fail(ErrorCode::missing_tensor,
+         format("%s.weight (or %s.weight_packed) is not in the checkpoint, but config.json (model_type %s) has this Linear",
+                p.c_str(), p.c_str(), c.model_type.c_str()));
+  }
+  if (const TensorInfo* bias = h.find(p + ".bias")) {
+    if (bias->shape != std::vector<int64_t>{spec.n}) h.bad_shape(*bias, {spec.n}, "one bias per output");
+    d.has_bias = true;
+  }
+  for (const char* suffix : kLinearTensorSuffixes)
+    if (const TensorInfo* t = h.find(p + "." + suffix)) d.bytes += t->nbytes;
+  return d;
+}
+
+inline bool is_vision_tensor(const std::string& name) {
+  return name.compare(0, 13, "model.visual.") == 0 || name.compare(0, 7, "visual.") == 0;
+}
+
+}  // namespace cfg
+
+std::vector<LinearDesc> estimate_linears(const ModelConfig& config) {
+  std::vector<LinearDesc> out;
+  for (const cfg::LinearSpec& spec : cfg::linear_specs(config)) out.push_back(cfg::estimate_linear(config, spec));
+  return out;
+}
+
+std::vector<LinearDesc> describe_linears_from(const ModelConfig& config, const TensorLookup& lookup, const TensorData& data) {
+  cfg::HeaderReader reader{lookup, data};
+  std::vector<LinearDesc> out;
+  for (const cfg::LinearSpec& spec : cfg::linear_specs(config)) out.push_back(cfg::describe_linear(config, spec, reader));
+  return out;
+}
+
+WeightsSummary summarize_weights_from(const ModelConfig& config, const std::vector<TensorInfo>& tensors, const TensorData& data) {
+  std::map<std::string, const TensorInfo*> by_name;
+  for (const TensorInfo& t : tensors) by_name[t.name] = &t;
+  TensorLookup lookup = [&](const std::string& name) -> const TensorInfo* {
+    auto it = by_name.find(name);
+    return it == by_name.end() ? nullptr : it->second;
+  };
+  WeightsSummary s;
+  s.exact = true;
+  s.linears = describe_linears_from(config, lookup, data);
+  for (const TensorInfo& t : tensors) {
+    s.total_bytes += t.nbytes;
+    if (cfg::is_vision_tensor(t.name)) s.vision_bytes += t.nbytes;
+  }
+  s.text_bytes = s.total_bytes - s.vision_bytes;
+  const std::string embed = config.text_prefix() + "embed_tokens.weight";
+  const TensorInfo* table = lookup(embed);
+  if (!table)
+    fail(ErrorCode::missing_tensor, format("%s (the input embedding table) is not in the checkpoint", embed.c_str()));
+  s.embedding_bytes = table->nbytes;
+  for (const LinearDesc& linear : s.linears)
+    if (linear.name == "lm_head") s.embedding_bytes += linear.bytes;
+  return s;
+}
+
+WeightsSummary estimate_weights(const ModelConfig& config) {
+  WeightsSummary s;
+  s.exact = false;
+  s.linears = estimate_linears(config);
+  const TextConfig& t = config.text;
+  const DType dtype = t.dtype;
+  const uint64_t hidden = uint64_t(t.hidden_size), layers = uint64_t(t.num_layers);
+  const uint64_t embedding = dtype_bytes(dtype, uint64_t(t.vocab_size) * hidden);
+  uint64_t norms = layers * 2 * dtype_bytes(dtype, hidden) + dtype_bytes(dtype, hidden);  // input/post-attention + final
+  if (t.qk_norm) norms += layers * 2 * dtype_bytes(dtype, uint64_t(t.head_dim));
+  uint64_t text_linears = 0, vision_linears = 0, lm_head = 0;
+  for (const LinearDesc& linear : s.linears) {
+    (linear.vision ? vision_linears : text_linears) += linear.bytes;
+    if (linear.name == "lm_head") lm_head = linear.bytes;
+  }
+  s.embedding_bytes = embedding + lm_head;
+  s.text_bytes = embedding + norms + text_linears;
+  if (config.vision.present) {
+    const VisionConfig& v = config.vision;
+    const uint64_t vh = uint64_t(v.hidden_size), merged = vh * uint64_t(v.spatial_merge_size * v.spatial_merge_size);
+    auto layer_norm = [&](uint64_t dim) { return 2 * dtype_bytes(dtype, dim); };  // weight + bias
+    uint64_t vision = vision_linears;
+    // patch_embed: Conv3d(in_channels -> hidden, kernel (temporal, patch, patch)) with bias
+    vision += dtype_bytes(dtype, vh * uint64_t(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size)) +
+              dtype_bytes(dtype, vh);
+    vision += dtype_bytes(dtype, uint64_t(v.num_position_embeddings) * vh);  // pos_embed table
+    vision += uint64_t(v.depth) * 2 * layer_norm(vh);                       // norm1, norm2 per block
+    vision += layer_norm(vh);                                               // merger.norm (before the shuffle)
+    vision += uint64_t(v.deepstack_visual_indexes.size()) * layer_norm(merged);  // post-shuffle norms
+    s.vision_bytes = vision;
+  }
+  s.total_bytes = s.text_bytes + s.vision_bytes;
+  return s;
+}
+
+}  // namespace detail
+
+Result<std::vector<LinearDesc>> describe_linears(const ModelConfig& config, const TensorStore* store) {
+  return detail::guard([&]() -> std::vector<LinearDesc> {
+    if (!store || store->empty()) return detail::estimate_linears(config);
+    return detail::describe_linears_from(
+        config, [store](const std::string& name) { return store->find(name); },
+        [store](const TensorInfo& tensor) { return store->data(tensor); });
+  });
+}
+
+Result<WeightsSummary> summarize_weights(const ModelConfig& config, const TensorStore* store) {
+  return detail::guard([&]() -> WeightsSummary {
+    if (!store || store->empty()) return detail::estimate_weights(config);
+    return detail::summarize_weights_from(config, store->tensors(),
+                                          [store](const TensorInfo& tensor) { return store->data(tensor); });
+  });
+}
+
+}  // namespace kvlite
 // device: implementation (the CUDA entry points live in kernels.cu when built with CUDA).
 #include <unistd.h>
 

@@ -35,6 +35,8 @@ struct TextConfig {
   double rms_norm_eps = 1e-6;
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v biases (qwen2: always true)
+  bool o_proj_bias = false;     // o_proj bias (llama, qwen3: = attention_bias; qwen2: never)
+  bool mlp_bias = false;        // gate/up/down biases (llama `mlp_bias`)
   bool qk_norm = false;         // per-head RMSNorm of q and k before RoPE (qwen3, qwen3_vl)
   std::string hidden_act = "silu";
   DType dtype = DType::BF16;  // torch_dtype / dtype of the unquantized weights
@@ -92,6 +94,7 @@ struct ModelConfig {
   TextConfig text;
   VisionConfig vision;
   QuantConfig quant;
+  // qwen3_vl special tokens (transformers' defaults when absent); -1 for text-only models.
   int64_t image_token_id = -1, video_token_id = -1, vision_start_token_id = -1, vision_end_token_id = -1;
   // Image budget from preprocessor_config.json (min/max pixel counts), when the directory has one.
   int64_t min_pixels = 0, max_pixels = 0;
@@ -106,7 +109,8 @@ struct ModelConfig {
 // Parses a config.json text. `origin` names it in errors. Refuses unknown model types, missing or
 // non-positive sizes, unknown rope or quantization methods, with the key named.
 Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin);
-// Reads MODEL_DIR/config.json (and preprocessor_config.json if present).
+// Reads MODEL_DIR/config.json, and preprocessor_config.json if present: `size` {shortest_edge, longest_edge}
+// are the min/max PIXEL COUNTS; top-level min_pixels / max_pixels (older files) override them.
 Result<ModelConfig> load_config(const std::string& model_dir);
 
 // One Linear layer as it is on disk.
@@ -124,7 +128,7 @@ struct LinearDesc {
   bool has_g_idx = false;
   bool has_bias = false;
   bool vision = false;   // part of the vision tower
-  uint64_t bytes = 0;    // exact bytes of all its tensors on disk (weight, scales, zeros, g_idx, shape, bias)
+  uint64_t bytes = 0;    // bytes of all its tensors on disk (weight, scales, zeros, g_idx, shape, input_scale, bias)
   bool exact = false;    // true: from the safetensors headers; false: estimated from config.json
 };
 
@@ -134,7 +138,10 @@ class TensorStore;
 // with an empty store (or nullptr) everything is estimated from config.json.
 Result<std::vector<LinearDesc>> describe_linears(const ModelConfig& config, const TensorStore* store);
 
-// Is this module excluded from quantization by `ignore` / `modules_to_not_convert`?
+// Is this module excluded from quantization by `ignore` / `modules_to_not_convert`? compressed-tensors `ignore`:
+// an entry equal to the name, the class name "Linear", or "re:<regex>" matching at the start of the name
+// (Python re.match). Qwen fp8 `modules_to_not_convert`: an entry that is a substring of the name
+// (transformers 4.x) or, when it has regex syntax, a regex matching at the start (transformers 5).
 bool quant_ignores(const QuantConfig& quant, const std::string& module_name);
 
 // What the weights weigh, for the planner.
@@ -147,5 +154,22 @@ struct WeightsSummary {
   std::vector<LinearDesc> linears;
 };
 Result<WeightsSummary> summarize_weights(const ModelConfig& config, const TensorStore* store);
+
+namespace detail {
+// The same decisions over any source of tensor headers, so they can be tested with in-memory lists.
+// `lookup` returns the header of a tensor or nullptr; `data` returns a pointer to its bytes, or nullptr when
+// only headers are at hand (may be empty). These throw kvlite::Error (the public calls above guard them).
+using TensorLookup = std::function<const TensorInfo*(const std::string& name)>;
+using TensorData = std::function<const uint8_t*(const TensorInfo& tensor)>;
+std::vector<LinearDesc> describe_linears_from(const ModelConfig& config, const TensorLookup& lookup,
+                                              const TensorData& data);
+std::vector<LinearDesc> estimate_linears(const ModelConfig& config);
+WeightsSummary summarize_weights_from(const ModelConfig& config, const std::vector<TensorInfo>& tensors,
+                                      const TensorData& data);
+WeightsSummary estimate_weights(const ModelConfig& config);
+// The scheme that quantizes this Linear per config.json (nullptr: it stays dense). compressed-tensors order:
+// an exact name target wins over a "re:" target, which wins over the class target "Linear".
+const QuantScheme* quant_scheme_for(const QuantConfig& quant, const std::string& module_name);
+}  // namespace detail
 
 }  // namespace kvlite
