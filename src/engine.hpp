@@ -23,7 +23,8 @@
 //
 // Threads: one caller at a time, except cancel(), which any thread may call: the running call (generate,
 // run, step, score, logits) stops at its next step and returns ErrorCode::cancelled, dropping every request in
-// flight. A cancel() made while nothing runs cancels the next call's first step.
+// flight. A cancel() made while nothing runs cancels the next call's first step. Callbacks run inside the
+// engine's step: they may call cancel() but no other Engine function.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 

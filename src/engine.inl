@@ -58,7 +58,6 @@ struct EngineRequest {
 }  // namespace detail
 
 struct Engine::Impl {
-  std::string model_dir;
   ModelConfig config;
   TensorStore store;  // keeps the mmap the weight views point into
   Plan plan;
@@ -106,14 +105,13 @@ struct Engine::Impl {
 
   // The sequence could never be held: refuse it now rather than let it wait forever. (max_model_len is at
   // most the whole KV arena: Arena::create refuses a plan where one such sequence does not fit.)
-  void check_fits(int64_t kv_tokens, const std::string& what, const char* advice) const {
+  void check_fits(int64_t kv_tokens, const std::string& what, const std::string& advice) const {
     if (kv_tokens > max_model_len())
       detail::fail(ErrorCode::does_not_fit,
-                   detail::format("%s needs %lld tokens of KV but the engine's max_model_len is %lld (%lld pages of "
-                                  "%lld tokens; the whole KV arena has %lld pages); %s",
+                   detail::format("%s needs %lld tokens of KV but the engine's max_model_len is %lld (its KV arena "
+                                  "holds %lld tokens); %s",
                                   what.c_str(), (long long)kv_tokens, (long long)max_model_len(),
-                                  (long long)arena->kv().pages_for(kv_tokens), (long long)arena->kv().page_tokens(),
-                                  (long long)arena->kv().num_pages(), advice));
+                                  (long long)plan.kv_tokens, advice.c_str()));
   }
 
   detail::EngineRequest& add_request(detail::RequestKind kind, std::vector<int32_t> tokens) {
@@ -131,12 +129,17 @@ struct Engine::Impl {
     check_ids(prompt, "generate");
     Status valid = validate(params);
     if (!valid) throw valid.error();
-    int64_t prompt_len = int64_t(prompt.size());
-    check_fits(prompt_len + params.max_tokens,
+    const int64_t prompt_len = int64_t(prompt.size());
+    const int64_t room = max_model_len() - prompt_len;  // tokens left for the output
+    const int64_t needed = params.max_tokens > std::numeric_limits<int64_t>::max() - prompt_len
+                               ? std::numeric_limits<int64_t>::max()
+                               : prompt_len + params.max_tokens;
+    check_fits(needed,
                detail::format("a request of %lld prompt tokens + max_tokens %lld", (long long)prompt_len,
                               (long long)params.max_tokens),
-               detail::format("lower max_tokens to at most %lld or open the engine with a larger plan.max_model_len",
-                              (long long)std::max<int64_t>(0, max_model_len() - prompt_len)).c_str());
+               (room > 0 ? detail::format("lower max_tokens to at most %lld", (long long)room)
+                         : detail::format("shorten the prompt below %lld tokens", (long long)max_model_len())) +
+                   " or raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
     detail::EngineRequest& r = add_request(detail::RequestKind::generate, prompt);
     r.params = params;
     r.rng = Rng(params.seed);
@@ -160,16 +163,9 @@ struct Engine::Impl {
     return !r.on_token || r.on_token(piece, id);
   }
 
-  void finish(detail::EngineRequest& r, FinishReason reason) {
+  // Takes r out of the queues and gives its slot and pages back.
+  void retire(detail::EngineRequest& r) {
     r.finished = true;
-    if (r.kind == detail::RequestKind::generate) {
-      r.result.finish_reason = reason;
-      if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens) {
-        // Whatever was held back (a potential stop string's start, an incomplete character) is final now.
-        r.text += r.decoder->flush();
-        if (r.emitted < r.text.size()) emit(r, r.text.size(), -1);
-      }
-    }
     if (r.slot >= 0) {
       Status freed = pool().seq_free(r.slot);
       if (!freed) throw freed.error();
@@ -177,6 +173,16 @@ struct Engine::Impl {
     }
     running.erase(std::remove(running.begin(), running.end(), &r), running.end());
     waiting.erase(std::remove(waiting.begin(), waiting.end(), &r), waiting.end());
+  }
+
+  void finish(detail::EngineRequest& r, FinishReason reason) {
+    retire(r);
+    r.result.finish_reason = reason;
+    if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens) {
+      // Whatever was held back (a potential stop string's start, an incomplete character) is final now.
+      r.text += r.decoder->flush();
+      if (r.emitted < r.text.size()) emit(r, r.text.size(), -1);
+    }
   }
 
   // A generated id: record it, stream its text, and decide whether the request goes on.
@@ -213,7 +219,13 @@ struct Engine::Impl {
   void abort_all() {
     std::vector<detail::EngineRequest*> live(running.begin(), running.end());
     live.insert(live.end(), waiting.begin(), waiting.end());
-    for (detail::EngineRequest* r : live) finish(*r, FinishReason::cancelled);
+    for (detail::EngineRequest* r : live) {
+      if (r->kind == detail::RequestKind::generate) {
+        finish(*r, FinishReason::cancelled);
+      } else {
+        retire(*r);
+      }
+    }
   }
 
   // ---- the step ----------------------------------------------------------------------------------------
@@ -390,7 +402,7 @@ struct Engine::Impl {
     for (const Scheduled& s : scheduled) {
       detail::EngineRequest& r = *s.request;
       if (r.kind != detail::RequestKind::generate && !r.finished && r.computed == int64_t(r.tokens.size()))
-        finish(r, FinishReason::running);
+        retire(r);
     }
   }
 
@@ -455,7 +467,6 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     using detail::format;
     std::unique_ptr<Engine> engine(new Engine());
     Impl& e = *engine->impl_;
-    e.model_dir = model_dir;
     Result<ModelConfig> config = load_config(model_dir);
     if (!config) throw config.error();
     e.config = std::move(*config);
@@ -613,7 +624,7 @@ Result<ScoreResult> Engine::score(const std::vector<int32_t>& ids, int64_t conte
     e.check_ids(ids, "score");
     const int64_t longest = std::min<int64_t>(context_length, int64_t(ids.size()));
     e.check_fits(longest, detail::format("scoring with context length %lld", (long long)context_length),
-                 "open the engine with plan.max_model_len >= the context length (kvlite score does)");
+                 "raise max_model_len to the context length (EngineOptions::plan.max_model_len; kvlite score does)");
 
     ScoreResult result;
     result.context_length = context_length;
@@ -680,7 +691,7 @@ Result<Logits> Engine::logits(const std::vector<int32_t>& ids) {
     Impl& e = *impl_;
     e.check_ids(ids, "logits");
     e.check_fits(int64_t(ids.size()), detail::format("a logits request of %zu tokens", ids.size()),
-                 "open the engine with a larger plan.max_model_len");
+                 "raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
     Logits out;
     out.tokens = int64_t(ids.size());
     out.vocab = e.config.text.vocab_size;

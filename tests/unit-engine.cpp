@@ -41,6 +41,16 @@ void check_pool_empty(const Engine& engine) {
   CHECK(stats.live_sequences == 0);
 }
 
+// An engine whose KV arena has exactly `pages` pages: the whole budget minus the plan's fixed items.
+std::unique_ptr<Engine> open_with_pages(const std::string& name, EngineOptions options, uint64_t pages) {
+  options.plan.utilization = 1.0;
+  const Plan probe = fx::open(name, options)->plan();
+  options.plan.device_mem = probe.fixed_bytes + pages * probe.kv_page_bytes;
+  auto engine = fx::open(name, options);
+  REQUIRE(engine->plan().kv_pages == pages);
+  return engine;
+}
+
 }  // namespace
 
 TEST_CASE("batched generation of several prompts equals each alone") {
@@ -80,35 +90,37 @@ TEST_CASE("batched generation of several prompts equals each alone") {
 
 TEST_CASE("under page pressure the newest request is preempted and recomputed with the same tokens") {
   const std::string name = "tiny-llama3";
-  // Size the KV arena to exactly one max_model_len sequence: 8 pages of 16 tokens.
-  EngineOptions options;
-  options.plan.max_model_len = 128;
-  options.plan.utilization = 1.0;
-  const uint64_t fixed = fx::open(name, options)->plan().fixed_bytes;
-  const uint64_t page_bytes = fx::open(name, options)->plan().kv_page_bytes;
-  options.plan.device_mem = fixed + 8 * page_bytes;
-  auto engine = fx::open(name, options);
-  REQUIRE(engine->plan().kv_pages == 8);
-
-  // chat (82 prompt tokens) + plain_short (11) + plain_mixed (16), 16 new tokens each: 98 + 27 + 32 tokens
-  // need 7 + 2 + 2 pages at the end, more than the 8 there are.
   std::vector<Prompt> list = prompts(name);
-  std::vector<size_t> order = {2, 0, 1};
-  std::vector<RequestId> ids;
-  for (size_t i : order) {
-    auto id = engine->submit(list[i].ids, greedy());
-    REQUIRE_MESSAGE(id, id.error().message);
-    ids.push_back(*id);
+  // Whole prompts in one step, and prompts prefilled 24 tokens at a time (the two short ones start while the
+  // long one is still in its last chunk).
+  for (int64_t batched_tokens : {128, 24}) {
+    CAPTURE(batched_tokens);
+    // The KV arena holds exactly one max_model_len sequence: 8 pages of 16 tokens.
+    EngineOptions options;
+    options.plan.max_model_len = 128;
+    options.plan.max_batched_tokens = batched_tokens;
+    auto engine = open_with_pages(name, options, 8);
+
+    // chat (82 prompt tokens) + plain_short (11) + plain_mixed (16), 16 new tokens each: 98 + 27 + 32 tokens
+    // need 7 + 2 + 2 pages at the end, more than the 8 there are.
+    std::vector<size_t> order = {2, 0, 1};
+    std::vector<RequestId> ids;
+    for (size_t i : order) {
+      auto id = engine->submit(list[i].ids, greedy());
+      REQUIRE_MESSAGE(id, id.error().message);
+      ids.push_back(*id);
+    }
+    REQUIRE(engine->run());
+    CHECK(engine->stats().preemptions > 0);
+    CHECK(engine->stats().peak_running == 3);
+    for (size_t k = 0; k < order.size(); k++) {
+      CAPTURE(order[k]);
+      auto generation = engine->result(ids[k]);
+      REQUIRE(generation);
+      CHECK(generation->ids == list[order[k]].greedy);
+    }
+    check_pool_empty(*engine);
   }
-  REQUIRE(engine->run());
-  CHECK(engine->stats().preemptions > 0);
-  for (size_t k = 0; k < order.size(); k++) {
-    CAPTURE(order[k]);
-    auto generation = engine->result(ids[k]);
-    REQUIRE(generation);
-    CHECK(generation->ids == list[order[k]].greedy);
-  }
-  check_pool_empty(*engine);
 }
 
 TEST_CASE("a request that cannot fit is refused up front with the numbers") {
