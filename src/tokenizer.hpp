@@ -1,0 +1,108 @@
+// ---------------------------------------------------------------------------------------------------------
+// tokenizer: byte-level BPE read from a Hugging Face tokenizer.json (+ tokenizer_config.json), encoding and
+// decoding exactly as the `tokenizers` library does; a streaming detokenizer; ChatML and Llama-3 prompts.
+// ---------------------------------------------------------------------------------------------------------
+#pragma once
+#include <string_view>
+
+namespace kvlite {
+
+namespace detail {
+struct TokenizerData;
+// NFC of valid UTF-8, from tables generated out of Python's unicodedata (what the NFC normalizer runs; the
+// tests check it case by case).
+std::string unicode_nfc(std::string_view valid_utf8);
+const char* unicode_nfc_version();  // the Unicode version of those tables, e.g. "14.0.0"
+}  // namespace detail
+
+struct ChatMessage {
+  std::string role;  // "system", "user", "assistant" (passed through as written)
+  std::string content;
+};
+
+// The prompt layout format_chat writes, chosen at load from the tokenizer's special tokens (and the
+// chat_template in tokenizer_config.json when both families' tokens are present).
+enum class ChatFormat {
+  none,    // neither family's tokens: format_chat refuses
+  chatml,  // Qwen: <|im_start|>role\ncontent<|im_end|>\n ... <|im_start|>assistant\n
+  llama3,  // <|begin_of_text|><|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> ...
+};
+const char* chat_format_name(ChatFormat format);
+
+// A loaded tokenizer. Immutable after load (its word cache is internally locked): copies are cheap handles
+// to the same data, and encode/decode may run concurrently from many threads.
+//
+// What it reads from tokenizer.json (anything else is refused as unsupported, naming the type):
+//   model         BPE with vocab + merges ("a b" strings or ["a", "b"] pairs), ignore_merges, unk_token,
+//                 fuse_unk, byte_fallback
+//   normalizer    null, NFC, or a Sequence of those
+//   pre_tokenizer ByteLevel, or a Sequence of Split (Regex or String pattern; any behavior; invert) steps
+//                 ending with ByteLevel; regexes run on PCRE2 with Unicode properties
+//   post_processor null, ByteLevel, TemplateProcessing, or a Sequence of those
+//   decoder       ByteLevel
+//   added_tokens  matched before pre-tokenization, leftmost-longest, honouring lstrip, rstrip,
+//                 single_word, normalized and special
+class Tokenizer {
+ public:
+  // Reads <model_dir>/tokenizer.json and, when present, <model_dir>/tokenizer_config.json (bos/eos tokens,
+  // chat_template).
+  static Result<Tokenizer> load(const std::string& model_dir);
+  // The same from the two files' text (tokenizer_config_json may be empty).
+  static Result<Tokenizer> from_json(const std::string& tokenizer_json, const std::string& tokenizer_config_json);
+
+  // Text (valid UTF-8, else invalid_argument naming the byte offset) to ids. add_special_tokens applies the
+  // post-processor's template (Llama-3 prepends <|begin_of_text|>; Qwen adds nothing). Special tokens
+  // written in the text are always recognised, as HF does.
+  Result<std::vector<int32_t>> encode(std::string_view text, bool add_special_tokens) const;
+  // Ids to text; bytes that do not form UTF-8 become U+FFFD, as HF's lossy decoding does. An id with no
+  // token is invalid_argument. skip_special_tokens drops added tokens marked special.
+  Result<std::string> decode(const int32_t* ids, size_t count, bool skip_special_tokens) const;
+  Result<std::string> decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
+    return decode(ids.data(), ids.size(), skip_special_tokens);
+  }
+
+  // The id of a token as written in the vocabulary ("Ġthe", "<|im_end|>"), or -1.
+  int32_t token_id(std::string_view token) const;
+  // The vocabulary string of an id ("Ġthe"), or "" for an id with no token.
+  std::string token_text(int32_t id) const;
+  // The bytes an id decodes to (" the"); "" for an id with no token.
+  std::string token_bytes(int32_t id) const;
+  // One past the largest id (model vocabulary and added tokens together).
+  size_t vocab_size() const;
+  // tokenizer_config.json's bos_token / eos_token, or -1 when it names none.
+  int32_t bos_id() const;
+  int32_t eos_id() const;
+  // An added token marked special (skipped by skip_special_tokens).
+  bool is_special(int32_t id) const;
+
+  ChatFormat chat_format() const;
+  // The prompt for `messages` in this tokenizer's chat format; add_generation_prompt opens an assistant turn.
+  // The text already holds the special tokens (Llama-3's <|begin_of_text|> included): encode it with
+  // add_special_tokens = false. Unsupported when chat_format() is none.
+  Result<std::string> format_chat(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
+
+ private:
+  friend class StreamingDecoder;
+  Tokenizer() = default;
+  std::shared_ptr<const detail::TokenizerData> data_;
+};
+
+// Turns ids into text one at a time for streaming output. A UTF-8 character whose bytes are split across
+// tokens is held back until its last byte arrives; the concatenation of every push() and the final flush()
+// equals tokenizer.decode(all ids).
+class StreamingDecoder {
+ public:
+  explicit StreamingDecoder(const Tokenizer& tokenizer, bool skip_special_tokens = false);
+  // The text that became complete with this id (often "", e.g. mid-character). invalid_argument for an id
+  // with no token.
+  Result<std::string> push(int32_t id);
+  // Whatever is held back (an incomplete character becomes U+FFFD); the decoder is then empty.
+  std::string flush();
+
+ private:
+  Tokenizer tokenizer_;
+  bool skip_special_tokens_;
+  std::string pending_;  // the bytes of an incomplete trailing UTF-8 character
+};
+
+}  // namespace kvlite
