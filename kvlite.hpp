@@ -655,6 +655,106 @@ class StreamingDecoder {
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
+// image: decoding (stb_image, compiled privately), and Qwen2-VL / Qwen3-VL preprocessing exactly as
+// transformers' default image processor does it: smart_resize, torchvision's antialiased bicubic resize
+// (ATen's integer uint8 kernel, reproduced bit for bit), rescale + normalize, and patchify into the rows
+// the vision encoder reads.
+//
+//    auto image = kvlite::load_image("cat.jpg");                       // RGB, EXIF orientation applied
+//    auto input = kvlite::preprocess_image(*image, kvlite::preprocess_options(config));
+//    // input->pixel_values: (grid_t*grid_h*grid_w, 1536) floats; input->grid.image_tokens placeholders
+// ---------------------------------------------------------------------------------------------------------
+#include <array>
+
+namespace kvlite {
+
+// An 8-bit RGB image: rows top to bottom, pixels packed R, G, B.
+struct Image {
+  int64_t width = 0, height = 0;
+  std::vector<uint8_t> rgb;  // (height, width, 3)
+};
+
+// What becomes of an alpha channel. transformers does both, depending on how the image arrives.
+enum class AlphaMode {
+  drop,             // keep R, G, B as stored: its loaders for a path/URL (PIL .convert("RGB"); torchvision
+                    // decode_image(mode=RGB)) - the default for files and bytes
+  composite_white,  // blend onto white, c*a + (1-a) in float32 then truncated as torchvision's to_dtype: its
+                    // convert_to_rgb for an RGBA array or tensor - the default for raw pixels
+};
+
+struct DecodeOptions {
+  // Refuse images with more pixels than this BEFORE decoding them (a small file can claim 100000 x 100000
+  // and make the decoder allocate tens of GiB). 64 Mi pixels ~ 8192 x 8192; the decoded RGB costs 3 bytes each.
+  int64_t max_pixels = int64_t(64) << 20;
+  uint64_t max_file_bytes = uint64_t(256) << 20;  // load_image refuses larger files without reading them
+  bool exif_orientation = true;  // apply EXIF Orientation (JPEG APP1, PNG eXIf), as transformers' loaders do
+  AlphaMode alpha = AlphaMode::drop;
+};
+
+// Decodes JPEG (baseline, progressive), PNG (gray, palette, alpha, 16-bit: high byte kept), BMP, TGA,
+// GIF (first frame) and PNM (P5/P6) to RGB. Refuses with a clear error, naming the file: unsupported
+// formats (WebP, TIFF, HEIF/AVIF, ... : `unsupported`), corrupt or truncated data (`bad_format`, with the
+// decoder's reason), images over options.max_pixels (`invalid_argument`, before any pixel is decoded).
+Result<Image> load_image(const std::string& path, const DecodeOptions& options = {});
+// The same from bytes in memory; `name` stands for them in messages.
+Result<Image> decode_image(const uint8_t* data, size_t size, const DecodeOptions& options = {},
+                           const std::string& name = "image");
+
+// Raw pixels as a camera or a GUI hands them over. stride_bytes: bytes from one row to the next (0: packed).
+enum class PixelFormat { rgb8, bgr8, rgba8, bgra8, gray8 };
+Result<Image> image_from_pixels(const uint8_t* pixels, int64_t width, int64_t height, PixelFormat format,
+                                int64_t stride_bytes = 0, AlphaMode alpha = AlphaMode::composite_white);
+
+// ---- Qwen2-VL / Qwen3-VL preprocessing ------------------------------------------------------------------
+// transformers' smart_resize: both sides multiples of `factor` (patch x merge: 32 for Qwen3-VL, 28 for
+// Qwen2/2.5-VL), pixel count brought into [min_pixels, max_pixels] keeping the aspect ratio, Python's
+// half-to-even rounding. Aspect ratio over 200 is an error, as there. Returns {height, width}.
+Result<std::pair<int64_t, int64_t>> smart_resize(int64_t height, int64_t width, int64_t factor,
+                                                 int64_t min_pixels, int64_t max_pixels);
+
+// torchvision.transforms.v2.functional.resize(uint8 image, [height, width], BICUBIC, antialias=True) as it
+// runs on a CPU (ATen upsample_bicubic2d_aa, uint8: Keys cubic a = -0.5 with support 2 x max(1, in/out),
+// weights normalized, then quantized to int16; horizontal pass, rounded to uint8, then vertical pass).
+// Bit-exact. The same size returns a copy.
+Result<Image> resize_bicubic_aa(const Image& image, int64_t height, int64_t width);
+
+struct PreprocessOptions {
+  int64_t min_pixels = 65536;     // preprocessor_config.json size.shortest_edge (Qwen3-VL's published value)
+  int64_t max_pixels = 16777216;  // size.longest_edge
+  int64_t patch_size = 16;
+  int64_t merge_size = 2;           // 2 x 2 patches become one LLM token
+  int64_t temporal_patch_size = 2;  // a still image is repeated into this many frames
+  double rescale_factor = 1.0 / 255.0;
+  std::array<double, 3> image_mean{{0.5, 0.5, 0.5}};
+  std::array<double, 3> image_std{{0.5, 0.5, 0.5}};
+};
+// The model's options: pixel budget from preprocessor_config.json when the directory had one, patch and
+// merge sizes from the vision config; the rest are Qwen3-VL's values.
+PreprocessOptions preprocess_options(const ModelConfig& config);
+
+struct ImageGrid {
+  int64_t resized_height = 0, resized_width = 0;  // after smart_resize
+  int64_t grid_t = 0, grid_h = 0, grid_w = 0;     // in patches (image_grid_thw)
+  int64_t image_tokens = 0;                       // grid_t * grid_h * grid_w / merge_size^2
+};
+// What preprocessing an image of this size will give, without touching pixels (prompt building, planning).
+Result<ImageGrid> image_grid(int64_t height, int64_t width, const PreprocessOptions& options);
+
+struct VisionInput {
+  ImageGrid grid;
+  int64_t row_size = 0;  // 3 * temporal_patch_size * patch_size^2 (1536)
+  // (grid_t * grid_h * grid_w, row_size): rows in 2 x 2 merge-window order (windows in raster order, then
+  // (0,0), (0,1), (1,0), (1,1) inside), each row ordered (channel, frame, y, x); values (x - mean) / std
+  // on the 0..1 scale, float32 exactly as transformers computes them.
+  std::vector<float> pixel_values;
+  int64_t rows() const { return row_size ? int64_t(pixel_values.size()) / row_size : 0; }
+};
+// smart_resize -> resize_bicubic_aa -> rescale and normalize -> patchify; transformers' pixel_values and
+// image_grid_thw for one image.
+Result<VisionInput> preprocess_image(const Image& image, const PreprocessOptions& options);
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
 // device: what we plan for (a CUDA GPU, a planned-for card, or the CPU) and the few CUDA entry points the
 // header's host code calls in kernels.cu. Without KVLITE_WITH_CUDA those entry points report "not built".
 // ---------------------------------------------------------------------------------------------------------
@@ -1048,6 +1148,202 @@ struct ScoreWindow {
 // Windows of `context` tokens every `stride` tokens, exactly as the guide's loop: trg_len = end - prev_end,
 // the first window's first token has no prediction (it is never a target).
 Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t context, int64_t stride);
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// backend: the operations a forward pass runs, on tensors that live where the backend computes (host memory
+// for the CPU, device memory for CUDA). The model is written once against this interface; the CPU backend is
+// the reference every CUDA kernel is checked against.
+//
+// Conventions shared by every op:
+//   - Tensors are 2-D views [rows, cols]: activations are [tokens, features]; a linear weight is
+//     [out_features, in_features] as PyTorch stores it. Views may be row or column slices of larger buffers
+//     (q, k and v are column slices of one fused qkv buffer), so every op honours row_stride.
+//   - A "vector of n" (norm weight, bias, token ids, slots...) is a contiguous tensor of n elements in
+//     either orientation ([1, n] or [n, 1]).
+//   - Activations have the backend's activation_dtype() (F32 on the CPU); index vectors are I32.
+//   - Ops never allocate: every output is a caller-owned buffer (the arena's activation region). Scratch is
+//     sized when the backend is made.
+//   - Ops validate shapes and dtypes here, once for every backend, and return invalid_argument (or
+//     unsupported, when supports() says no) with the shapes in the message. A backend may run asynchronously:
+//     errors found on the device surface at synchronize().
+//   - One caller at a time: a backend is not safe to call from two threads at once.
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+
+// A view of `rows` x `cols` elements of `dtype`; row r starts r * row_stride elements after `data`.
+// Never owns memory.
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::F32;
+  int64_t rows = 0, cols = 0;
+  int64_t row_stride = 0;  // elements between the starts of consecutive rows, >= cols
+
+  // A dense [rows, cols] view.
+  static Tensor matrix(void* data, DType dtype, int64_t rows, int64_t cols) {
+    return Tensor{data, dtype, rows, cols, cols};
+  }
+  // A vector of n elements, as [n, 1].
+  static Tensor vector(void* data, DType dtype, int64_t n) { return Tensor{data, dtype, n, 1, 1}; }
+
+  int64_t elements() const { return rows * cols; }
+  int64_t element_bytes() const { return int64_t(dtype_bytes(dtype, 1)); }
+  // True when the elements are one run of memory (vectors must be).
+  bool contiguous() const { return rows <= 1 || row_stride == cols; }
+  // Rows [first, first + count).
+  Tensor slice_rows(int64_t first, int64_t count) const {
+    return Tensor{static_cast<uint8_t*>(data) + first * row_stride * element_bytes(), dtype, count, cols, row_stride};
+  }
+  // Columns [first, first + count) of every row (q, k or v inside a fused qkv buffer; one head).
+  Tensor slice_cols(int64_t first, int64_t count) const {
+    return Tensor{static_cast<uint8_t*>(data) + first * element_bytes(), dtype, rows, count, row_stride};
+  }
+};
+
+// The paged KV cache as kernels see it: the base of the KV pages and their layout (see KVPageLayout).
+struct KVCacheView {
+  void* pages = nullptr;      // page 0; page p starts p * layout.page_elements() elements later
+  DType dtype = DType::BF16;  // element type of K and V (the CPU stores F32, BF16 or F16)
+  KVPageLayout layout;
+  int64_t num_pages = 0;
+};
+
+// The sequences of one attention call. Sequence s owns the query rows [query_starts[s], query_starts[s+1])
+// and n_s = query_starts[s+1] - query_starts[s] of them. Its queries are the LAST n_s tokens of its context:
+// query j (0-based) sits at cache index context_lens[s] - n_s + j and attends causally to cache indices
+// 0 .. that index. So one call mixes chunked prefill (n_s > 1, earlier chunks already cached) and decode
+// (n_s = 1). Their K/V must already be written (kv_write) before attention runs.
+struct AttentionBatch {
+  Tensor query_starts;      // I32 vector [seqs + 1]; query_starts[0] = 0, last = query tokens
+  Tensor context_lens;      // I32 vector [seqs]: cached tokens of each sequence, this step's included
+  Tensor block_tables;      // I32 [seqs, max_pages_per_seq]: row s lists sequence s's pages in order
+  int64_t max_context = 0;  // >= every context_lens[s] (lets a GPU size its work without reading them)
+};
+
+// Every op of the interface, for supports() and for messages.
+enum class Op {
+  gather_rows, rms_norm, add_rms_norm, rope, linear, silu_mul, add, copy, kv_write, attention,
+};
+const char* op_name(Op op);
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // ---- identity and capabilities ---------------------------------------------------------------------
+  virtual BackendKind kind() const = 0;
+  virtual std::string name() const = 0;  // for logs: "cpu (8 threads)"
+  // The dtype of every activation tensor the ops read and write (F32 on the CPU).
+  virtual DType activation_dtype() const = 0;
+  // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows), the weight
+  // (rms_norm, add_rms_norm, linear), the K/V element (kv_write, attention), the destination (copy); for
+  // the others (rope, silu_mul, add) the activation dtype.
+  virtual bool supports(Op op, DType dtype) const = 0;
+
+  // ---- memory movement ---------------------------------------------------------------------------------
+  // dst <- src, where src holds dst.rows x dst.cols elements of dst.dtype, row after row, on the host.
+  Status copy_from_host(const void* src, const Tensor& dst);
+  // dst (host, dense rows) <- src.
+  Status copy_to_host(const Tensor& src, void* dst);
+  // Waits for queued work; reports the first error a queued op met.
+  Status synchronize();
+
+  // ---- ops -------------------------------------------------------------------------------------------
+  // out[t, :] = table[ids[t], :], converted to the activation dtype. Embedding lookup (table
+  // [vocab, hidden], BF16/F16/F32) and row selection (e.g. the last token of each sequence before the
+  // lm_head). table [V, H]; ids I32 vector [T], each in [0, V); out [T, H].
+  Status gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out);
+
+  // RMSNorm in groups: each row of x is split into x.cols / W groups of W = weight's length, and each group
+  // is normalised on its own: out = weight * (x * rsqrt(mean(x^2) + eps)), in fp32 (LlamaRMSNorm).
+  // W = x.cols is the layer norm; W = head_dim is Qwen3's per-head q_norm / k_norm over [T, heads * D].
+  // x, out [T, C]; weight vector [W], C % W == 0. out may be x.
+  Status rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out);
+
+  // The pre-norm residual step fused: residual += x; out = rms_norm(residual) (weight over the whole row).
+  // This is transformers' `hidden = residual + hidden; residual = hidden; hidden = norm(hidden)`.
+  // x, residual, out [T, H]; weight vector [H]. out may be x, never residual.
+  Status add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                      const Tensor& out);
+
+  // Rotary embedding in place, rotate_half convention (Llama/Qwen; not GPT-J's interleaved pairs): for each
+  // head and each frequency i < R/2, with a = x[i], b = x[i + R/2], c = cos[t, i], s = sin[t, i]:
+  //   x[i] = a*c - b*s;  x[i + R/2] = b*c + a*s      (x*cos + rotate_half(x)*sin, since emb = cat(f, f))
+  // Dimensions R .. head_dim-1 are left alone (partial rotary). Build cos/sin with rope_tables().
+  // x [T, heads * head_dim]; cos, sin F32 [T, R/2] with R <= head_dim.
+  Status rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim);
+
+  // out = x @ weight^T (+ bias): nn.Linear. x [T, K]; weight [N, K] (BF16/F16/F32); bias vector [N] or
+  // none (bias.data == nullptr); out [T, N]. out must not overlap x.
+  Status linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out);
+
+  // SwiGLU's gate: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). gate, up, out [T, I] (gate and up
+  // may be the two halves of one fused gate_up buffer). out may be gate or up.
+  Status silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out);
+
+  // out = a + b. a, b, out [T, H]. out may be a or b.
+  Status add(const Tensor& a, const Tensor& b, const Tensor& out);
+
+  // dst = src, converting between F32, BF16 and F16 (round to nearest even). Same shape; no overlap.
+  Status copy(const Tensor& src, const Tensor& dst);
+
+  // Stores layer `layer`'s K and V rows of T tokens into the KV pages. slots I32 vector [T]: token t goes
+  // to page slots[t] / page_tokens at offset slots[t] % page_tokens; a negative slot skips the token
+  // (padding). k, v [T, kv_heads * head_dim]. Converted to cache.dtype (round to nearest even).
+  Status kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots);
+
+  // Causal paged attention for a batch of sequences (see AttentionBatch), grouped-query: query head h reads
+  // KV head h / (heads / kv_heads). Per query head: softmax(scale * q.K^T) @ V over its visible tokens,
+  // in fp32 with the running maximum subtracted; no [T, context] matrix is formed.
+  // q, out [T, heads * head_dim] with head_dim = cache.layout.head_dim; scale usually 1/sqrt(head_dim).
+  Status attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                   float scale, const Tensor& out);
+
+ protected:
+  // The backend's work, called after the shared validation above has passed. They may throw kvlite::Error
+  // (detail::fail) for what only they can check (e.g. values of index vectors on the CPU).
+  virtual void impl_copy_from_host(const void* src, const Tensor& dst) = 0;
+  virtual void impl_copy_to_host(const Tensor& src, void* dst) = 0;
+  virtual void impl_synchronize() = 0;
+  virtual void impl_gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) = 0;
+  virtual void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) = 0;
+  virtual void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                                 const Tensor& out) = 0;
+  virtual void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) = 0;
+  virtual void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) = 0;
+  virtual void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
+  virtual void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  virtual void impl_copy(const Tensor& src, const Tensor& dst) = 0;
+  virtual void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                             const Tensor& slots) = 0;
+  virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
+                              const AttentionBatch& batch, float scale, const Tensor& out) = 0;
+};
+
+// ---- the CPU backend ------------------------------------------------------------------------------------
+struct CpuBackendOptions {
+  int threads = 0;             // worker threads, the caller included; 0: one per hardware thread
+  int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
+};
+// Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
+// element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
+Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options = {});
+
+// ---- rotary tables (host helpers, shared by every backend) ----------------------------------------------
+// inv_freq[i], i < rotary_dim / 2, exactly as transformers' rope init computes it in float32:
+// "default": 1 / theta^(2i / rotary_dim); "llama3": then rescaled by wavelength band
+// (_compute_llama3_parameters in modeling_rope_utils.py). Other types are unsupported.
+Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim);
+
+// cos/sin tables [tokens, half] for rope(), half = inv_freq.size(): angle = float(inv_freq[i] * position)
+// in float32 as transformers forms it, then its cos and sin.
+// positions I32 [position_rows, tokens] (transformers' position_ids layout): 1 row for plain RoPE; 3 rows
+// (t, h, w) for Qwen3-VL's interleaved M-RoPE, where frequency i takes row h when i % 3 == 1 and
+// i < 3 * mrope_section[1], row w when i % 3 == 2 and i < 3 * mrope_section[2], else row t.
+// cos, sin: host arrays of tokens * half floats.
+Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
+                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin);
 
 }  // namespace kvlite
 #endif  // KVLITE_HPP_INCLUDED
@@ -4702,6 +4998,658 @@ std::string StreamingDecoder::flush() {
 }
 
 }  // namespace kvlite
+// image: implementation.
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <fstream>
+#include <sys/stat.h>
+
+// stb_image, compiled here with internal linkage so that it cannot clash with an application's own copy,
+// and only for the formats kvlite accepts (less code facing untrusted bytes). Its warnings are its own.
+// An application that implements stb_image itself must do it in another file than KVLITE_IMPLEMENTATION.
+#if defined(STBI_INCLUDE_STB_IMAGE_H)
+#error "stb_image.h was included before kvlite's implementation in this file; include it after, or elsewhere"
+#endif
+#define STB_IMAGE_STATIC
+#define STB_IMAGE_IMPLEMENTATION
+#define STBI_NO_STDIO  // kvlite reads files itself, to name them in errors and cap their size
+#define STBI_NO_LINEAR
+#define STBI_NO_HDR
+#define STBI_ONLY_JPEG
+#define STBI_ONLY_PNG
+#define STBI_ONLY_BMP
+#define STBI_ONLY_TGA
+#define STBI_ONLY_GIF
+#define STBI_ONLY_PNM
+#if defined(__clang__)
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wunused-function"
+#pragma clang diagnostic ignored "-Wunused-parameter"
+#pragma clang diagnostic ignored "-Wsign-compare"
+#pragma clang diagnostic ignored "-Wimplicit-fallthrough"
+#pragma clang diagnostic ignored "-Wmissing-field-initializers"
+#elif defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#pragma GCC diagnostic ignored "-Wunused-but-set-variable"
+#pragma GCC diagnostic ignored "-Wsign-compare"
+#pragma GCC diagnostic ignored "-Wimplicit-fallthrough"
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wtype-limits"
+#endif
+#include <stb/stb_image.h>
+#if defined(__clang__)
+#pragma clang diagnostic pop
+#elif defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#undef STB_IMAGE_IMPLEMENTATION
+
+namespace kvlite {
+
+namespace detail {
+namespace img {
+
+constexpr const char* kSupportedFormats = "JPEG, PNG, BMP, TGA, GIF, PNM";
+
+inline uint16_t read_be16(const uint8_t* p) { return uint16_t(p[0] << 8 | p[1]); }
+inline uint32_t read_be32(const uint8_t* p) {
+  return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | uint32_t(p[3]);
+}
+// Does data[at..] begin with the literal `magic` (which may hold NUL bytes)?
+template <size_t N>
+bool starts_with(const uint8_t* data, size_t size, const char (&magic)[N], size_t at = 0) {
+  return size >= at + N - 1 && memcmp(data + at, magic, N - 1) == 0;
+}
+
+// The format by its magic bytes: a supported one, a known unsupported one, or nullptr (TGA has no magic;
+// stb_image decides).
+struct Sniffed {
+  const char* name = nullptr;
+  bool supported = false;
+};
+inline Sniffed sniff_format(const uint8_t* d, size_t n) {
+  if (n >= 3 && d[0] == 0xFF && d[1] == 0xD8 && d[2] == 0xFF) return {"JPEG", true};
+  if (starts_with(d, n, "\x89PNG\r\n\x1a\n")) return {"PNG", true};
+  if (starts_with(d, n, "GIF87a") || starts_with(d, n, "GIF89a")) return {"GIF", true};
+  if (starts_with(d, n, "BM")) return {"BMP", true};
+  if (n >= 2 && d[0] == 'P' && (d[1] == '5' || d[1] == '6')) return {"PNM", true};
+  if (n >= 2 && d[0] == 'P' && d[1] >= '1' && d[1] <= '7') return {"ASCII or PAM PNM (only binary P5/P6 is)", false};
+  if (starts_with(d, n, "RIFF") && starts_with(d, n, "WEBP", 8)) return {"WebP", false};
+  if (starts_with(d, n, "ftyp", 4)) return {"HEIF/AVIF", false};
+  if (starts_with(d, n, "II*") || starts_with(d, n, "MM\0*")) return {"TIFF", false};
+  if (starts_with(d, n, "8BPS")) return {"PSD", false};
+  if (starts_with(d, n, "#?RADIANCE") || starts_with(d, n, "#?RGBE")) return {"Radiance HDR", false};
+  if (starts_with(d, n, "\0\0\0\x0cJXL ") || starts_with(d, n, "\xff\x0a")) return {"JPEG XL", false};
+  if (starts_with(d, n, "\0\0\0\x0cjP  ")) return {"JPEG 2000", false};
+  if (starts_with(d, n, "%PDF")) return {"PDF", false};
+  if (starts_with(d, n, "<svg") || starts_with(d, n, "<?xml")) return {"SVG/XML", false};
+  return {};
+}
+
+// Width and height as the header states them, read without stb_image, so that a header it refuses (stb_image
+// has its own size limits) is still reported with the numbers it claims. {0, 0} when unknown.
+inline std::pair<int64_t, int64_t> header_dimensions(const char* format_name, const uint8_t* d, size_t n) {
+  auto le16 = [&](size_t at) { return int64_t(d[at] | d[at + 1] << 8); };
+  auto le32 = [&](size_t at) { return int64_t(int32_t(uint32_t(le16(at)) | uint32_t(le16(at + 2)) << 16)); };
+  const std::string f = format_name;
+  if (f == "PNG" && n >= 24 && memcmp(d + 12, "IHDR", 4) == 0) return {read_be32(d + 16), read_be32(d + 20)};
+  if (f == "GIF" && n >= 10) return {le16(6), le16(8)};
+  if (f == "BMP" && n >= 26) return {le32(18), std::abs(le32(22))};  // negative height: top-down rows
+  if (f == "JPEG") {  // the first start-of-frame segment: C0..CF except DHT (C4), JPG (C8), DAC (CC)
+    for (size_t pos = 2; pos + 9 <= n && d[pos] == 0xFF;) {
+      uint8_t marker = d[pos + 1];
+      if (marker == 0xFF) { pos++; continue; }
+      if (marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC)
+        return {read_be16(d + pos + 7), read_be16(d + pos + 5)};
+      if (marker == 0xD9 || marker == 0xDA) break;
+      pos += 2 + read_be16(d + pos + 2);
+    }
+  }
+  return {0, 0};
+}
+
+// EXIF Orientation (tag 0x0112) from a TIFF block: 1..8, or 1 when absent or malformed. Only IFD0 is read,
+// as libjpeg/libpng-based loaders do.
+inline int tiff_orientation(const uint8_t* t, size_t n) {
+  if (n < 8) return 1;
+  bool little = t[0] == 'I' && t[1] == 'I', big = t[0] == 'M' && t[1] == 'M';
+  if (!little && !big) return 1;
+  auto u16 = [&](size_t at) { return little ? uint16_t(t[at] | t[at + 1] << 8) : read_be16(t + at); };
+  auto u32 = [&](size_t at) {
+    return little ? uint32_t(t[at]) | uint32_t(t[at + 1]) << 8 | uint32_t(t[at + 2]) << 16 | uint32_t(t[at + 3]) << 24
+                  : read_be32(t + at);
+  };
+  if (u16(2) != 42) return 1;
+  size_t ifd = u32(4);
+  if (ifd + 2 > n) return 1;
+  size_t entries = u16(ifd);
+  for (size_t i = 0; i < entries; i++) {
+    size_t e = ifd + 2 + 12 * i;
+    if (e + 12 > n) break;
+    if (u16(e) == 0x0112) {
+      int value = u16(e + 2) == 3 /* SHORT */ ? u16(e + 8) : 1;
+      return value >= 1 && value <= 8 ? value : 1;
+    }
+  }
+  return 1;
+}
+
+// What kvlite needs to know about a JPEG beyond stb_image: the EXIF orientation (first APP1 "Exif" segment
+// before the scan) and whether an end-of-image marker follows the scan data. stb_image decodes a truncated
+// JPEG without complaint (missing data reads as zeros); kvlite refuses it instead. Inside entropy-coded
+// data 0xFF is always stuffed (FF 00) or a restart marker (FF D0-D7), so FF D9 there is the real EOI.
+struct JpegFacts {
+  int orientation = 1;
+  bool has_end = false;
+};
+inline JpegFacts jpeg_facts(const uint8_t* d, size_t n) {
+  JpegFacts facts;
+  bool orientation_seen = false;
+  size_t pos = 2;  // after SOI
+  while (pos + 4 <= n) {
+    if (d[pos] != 0xFF) return facts;  // not at a marker: corrupt; stb_image reports it
+    uint8_t marker = d[pos + 1];
+    if (marker == 0xFF) { pos++; continue; }  // fill byte
+    if (marker == 0x01 || (marker >= 0xD0 && marker <= 0xD8)) { pos += 2; continue; }  // no length
+    if (marker == 0xD9) return facts;  // EOI before any scan
+    size_t length = read_be16(d + pos + 2);
+    if (length < 2) return facts;
+    if (marker == 0xE1 && !orientation_seen && length >= 8 && pos + 2 + length <= n &&
+        memcmp(d + pos + 4, "Exif\0\0", 6) == 0) {
+      facts.orientation = tiff_orientation(d + pos + 10, length - 8);
+      orientation_seen = true;
+    }
+    if (marker == 0xDA) {  // start of scan: the entropy-coded data follows its header
+      for (size_t i = pos + 2 + length; i + 1 < n; i++)
+        if (d[i] == 0xFF && d[i + 1] == 0xD9) { facts.has_end = true; break; }
+      return facts;
+    }
+    pos += 2 + length;
+  }
+  return facts;
+}
+
+// The EXIF orientation of a PNG: an eXIf chunk before the first IDAT (where libpng reads it).
+inline int png_orientation(const uint8_t* d, size_t n) {
+  size_t pos = 8;
+  while (pos + 12 <= n) {
+    size_t length = read_be32(d + pos);
+    const uint8_t* type = d + pos + 4;
+    if (memcmp(type, "IDAT", 4) == 0 || memcmp(type, "IEND", 4) == 0) break;
+    if (length > n - pos - 12) break;
+    if (memcmp(type, "eXIf", 4) == 0) return tiff_orientation(d + pos + 8, length);
+    pos += 12 + length;
+  }
+  return 1;
+}
+
+// Applies EXIF orientation o (1..8) as torchvision's decode_image(apply_exif_orientation=True) does:
+// 2 mirror left-right, 3 rotate 180, 4 mirror top-bottom, 5 transpose, 6 rotate 90 clockwise,
+// 7 transverse, 8 rotate 90 counter-clockwise.
+inline Image apply_orientation(Image in, int o) {
+  if (o <= 1 || o > 8) return in;
+  const int64_t W = in.width, H = in.height;
+  const bool swap = o >= 5;
+  Image out;
+  out.width = swap ? H : W;
+  out.height = swap ? W : H;
+  out.rgb.resize(in.rgb.size());
+  for (int64_t y = 0; y < out.height; y++) {
+    for (int64_t x = 0; x < out.width; x++) {
+      int64_t sx = x, sy = y;  // source pixel of output (x, y)
+      switch (o) {
+        case 2: sx = W - 1 - x; break;
+        case 3: sx = W - 1 - x; sy = H - 1 - y; break;
+        case 4: sy = H - 1 - y; break;
+        case 5: sx = y; sy = x; break;
+        case 6: sx = y; sy = H - 1 - x; break;
+        case 7: sx = W - 1 - y; sy = H - 1 - x; break;
+        case 8: sx = W - 1 - y; sy = x; break;
+      }
+      memcpy(&out.rgb[size_t((y * out.width + x) * 3)], &in.rgb[size_t((sy * W + sx) * 3)], 3);
+    }
+  }
+  return out;
+}
+
+// RGBA -> RGB onto white as the processor's convert_to_rgb computes it in float32:
+// to_dtype(uint8 -> float): v * float(1/255); c*a + (1 - a); to_dtype(float -> uint8): trunc(v * float(255.999)).
+inline uint8_t composite_on_white(uint8_t color, uint8_t alpha) {
+  const float to_unit = float(1.0 / 255.0), to_byte = float(255.0 + 1.0 - 1e-3);
+  float c = float(color) * to_unit, a = float(alpha) * to_unit;
+  float blended = c * a;
+  blended = blended + (1.0f - a);
+  float scaled = blended * to_byte;
+  return uint8_t(scaled);
+}
+
+inline std::string megapixels(int64_t pixels) { return format("%.1f megapixels", double(pixels) / 1e6); }
+
+inline void require_positive(int64_t value, const char* what) {
+  if (value <= 0) fail(ErrorCode::invalid_argument, format("%s must be positive, got %lld", what, (long long)value));
+}
+
+// Python's round() on a float: to nearest, ties to even.
+inline double round_half_even(double x) {
+  double below = std::floor(x), fraction = x - below;
+  if (fraction > 0.5) return below + 1.0;
+  if (fraction < 0.5) return below;
+  return std::fmod(below, 2.0) == 0.0 ? below : below + 1.0;
+}
+
+// ---- the resize kernel ----------------------------------------------------------------------------------
+// One axis of ATen's antialiased bicubic uint8 resize (UpSampleKernel.cpp, HelperInterpCubic with
+// _compute_index_ranges_int16_weights): for each output index, the first input index, the tap count and
+// int16 weights at `precision` fractional bits. The arithmetic below is theirs, in the same order and types
+// (double), so the int16 weights are identical. (Built with -std=gnu++17 for an FMA target, a compiler may
+// fuse multiply-adds here; a weight could then land one int16 step off in a rare tie. -std=c++17 does not.)
+struct AxisTaps {
+  int64_t max_taps = 0;                  // weights per output index (row stride of `weights`)
+  int precision = 0;                     // fractional bits of the int16 weights
+  std::vector<int64_t> first, count;     // (out)
+  std::vector<int16_t> weights;          // (out, max_taps)
+};
+
+inline double keys_cubic(double x) {  // a = -0.5 (PIL and torch with antialias)
+  const double a = -0.5;
+  x = std::fabs(x);
+  if (x < 1.0) return ((a + 2) * x - (a + 3)) * x * x + 1;
+  if (x < 2.0) return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a;
+  return 0.0;
+}
+
+inline AxisTaps bicubic_aa_taps(int64_t in_size, int64_t out_size) {
+  const double scale = double(in_size) / double(out_size);  // area_pixel_compute_scale, align_corners=False
+  const double support = scale >= 1.0 ? (4 * 0.5) * scale : 4 * 0.5;
+  const double invscale = scale >= 1.0 ? 1.0 / scale : 1.0;
+  AxisTaps taps;
+  taps.max_taps = int64_t(std::ceil(support)) * 2 + 1;
+  taps.first.resize(size_t(out_size));
+  taps.count.resize(size_t(out_size));
+  std::vector<double> weights(size_t(out_size * taps.max_taps), 0.0);  // (out, max_taps)
+  double largest = 0.0;
+  for (int64_t i = 0; i < out_size; i++) {
+    const double center = scale * (double(i) + 0.5);
+    const int64_t first = std::max(int64_t(center - support + 0.5), int64_t(0));
+    const int64_t count =
+        std::clamp(std::min(int64_t(center + support + 0.5), in_size) - first, int64_t(0), taps.max_taps);
+    double* w = &weights[size_t(i * taps.max_taps)];
+    double total = 0.0;
+    for (int64_t j = 0; j < count; j++) {
+      w[j] = keys_cubic((double(j + first) - center + 0.5) * invscale);
+      total += w[j];
+    }
+    if (total != 0.0) {
+      for (int64_t j = 0; j < count; j++) {
+        w[j] /= total;
+        largest = std::max(largest, w[j]);
+      }
+    }
+    taps.first[size_t(i)] = first;
+    taps.count[size_t(i)] = count;
+  }
+  // The most fractional bits (at most 22) for which the largest weight still fits in an int16.
+  int precision = 0;
+  for (; precision < 22; precision++)
+    if (int(0.5 + largest * double(1 << (precision + 1))) >= (1 << 15)) break;
+  taps.precision = precision;
+  taps.weights.resize(weights.size());
+  for (size_t k = 0; k < weights.size(); k++) {
+    double v = weights[k] * double(1 << precision);
+    taps.weights[k] = int16_t(v < 0 ? int(-0.5 + v) : int(0.5 + v));
+  }
+  return taps;
+}
+
+// out[o] = clamp((2^(p-1) + sum_j in[first+j] * w[j]) >> p, 0, 255) for each of the 3 channels, along one
+// axis: `in_step` / `out_step` are the byte distances between neighbours along it, `lines` the lines across
+// it (`in_line` / `out_line` apart). Negative sums shift to negative values and clamp to 0 whatever the
+// shift rounds to, so the result is that of ATen's arithmetic shift.
+inline void resample_axis(const uint8_t* in, int64_t in_step, int64_t in_line, uint8_t* out, int64_t out_step,
+                          int64_t out_line, int64_t lines, const AxisTaps& taps) {
+  const int64_t out_size = int64_t(taps.first.size());
+  const int32_t rounding = int32_t(1) << (taps.precision - 1);
+  for (int64_t line = 0; line < lines; line++) {
+    const uint8_t* src = in + line * in_line;
+    uint8_t* dst = out + line * out_line;
+    for (int64_t i = 0; i < out_size; i++) {
+      const int16_t* w = &taps.weights[size_t(i * taps.max_taps)];
+      const uint8_t* first = src + taps.first[size_t(i)] * in_step;
+      int32_t sum[3] = {rounding, rounding, rounding};
+      for (int64_t j = 0; j < taps.count[size_t(i)]; j++)
+        for (int c = 0; c < 3; c++) sum[c] += int32_t(first[j * in_step + c]) * w[j];
+      for (int c = 0; c < 3; c++) dst[i * out_step + c] = uint8_t(std::clamp(sum[c] >> taps.precision, 0, 255));
+    }
+  }
+}
+
+inline void check_options(const PreprocessOptions& o) {
+  require_positive(o.patch_size, "PreprocessOptions::patch_size");
+  require_positive(o.merge_size, "PreprocessOptions::merge_size");
+  require_positive(o.temporal_patch_size, "PreprocessOptions::temporal_patch_size");
+  if (!(o.rescale_factor > 0.0) || !std::isfinite(o.rescale_factor))
+    fail(ErrorCode::invalid_argument,
+         format("PreprocessOptions::rescale_factor must be positive, got %g", o.rescale_factor));
+  for (size_t c = 0; c < 3; c++) {
+    const double mean = o.image_mean[c], std = o.image_std[c];
+    if (std == 0.0 || !std::isfinite(std) || !std::isfinite(mean))
+      fail(ErrorCode::invalid_argument,
+           format("PreprocessOptions: image_mean[%zu] = %g, image_std[%zu] = %g: std must be finite and non-zero", c,
+                  mean, c, std));
+  }
+}
+
+inline void check_image(const Image& image, const char* what) {
+  if (image.width <= 0 || image.height <= 0)
+    fail(ErrorCode::invalid_argument,
+         format("%s: the image is %lld x %lld; both sides must be positive", what, (long long)image.width,
+                (long long)image.height));
+  if (uint64_t(image.rgb.size()) != uint64_t(image.width) * uint64_t(image.height) * 3)
+    fail(ErrorCode::invalid_argument,
+         format("%s: Image::rgb holds %llu bytes, but %lld x %lld RGB needs %llu", what,
+                (unsigned long long)image.rgb.size(), (long long)image.width, (long long)image.height,
+                (unsigned long long)(uint64_t(image.width) * uint64_t(image.height) * 3)));
+}
+
+inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& options, const std::string& name) {
+  if (!data || size == 0) fail(ErrorCode::bad_format, format("%s: no image data (0 bytes)", name.c_str()));
+  if (options.max_pixels <= 0)
+    fail(ErrorCode::invalid_argument,
+         format("DecodeOptions::max_pixels must be positive, got %lld", (long long)options.max_pixels));
+  if (size > size_t(INT_MAX))
+    fail(ErrorCode::unsupported, format("%s: %s of encoded data is over the decoder's 2 GiB limit", name.c_str(),
+                                        format_bytes(size).c_str()));
+  const Sniffed sniffed = sniff_format(data, size);
+  if (sniffed.name && !sniffed.supported)
+    fail(ErrorCode::unsupported, format("%s: %s images are not supported (kvlite decodes %s); convert it first",
+                                        name.c_str(), sniffed.name, kSupportedFormats));
+
+  // Dimensions from the header alone, then the size limit, before a single pixel is decoded.
+  const char* format_name = sniffed.name ? sniffed.name : "TGA";
+  int stb_width = 0, stb_height = 0, channels = 0;
+  const bool header_ok = stbi_info_from_memory(data, int(size), &stb_width, &stb_height, &channels) != 0;
+  const char* reason = stbi_failure_reason() && *stbi_failure_reason() ? stbi_failure_reason() : "unreadable";
+  if (!header_ok && !sniffed.name)
+    fail(ErrorCode::unsupported, format("%s: not an image kvlite can read (it decodes %s): %s", name.c_str(),
+                                        kSupportedFormats, reason));
+  const auto claimed = header_ok ? std::make_pair(int64_t(stb_width), int64_t(stb_height))
+                                 : header_dimensions(format_name, data, size);
+  const int64_t width = claimed.first, height = claimed.second;
+  if (width > 0 && height > 0 && width * height > options.max_pixels)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s of %lld x %lld = %s is over the decode limit of %s (DecodeOptions::max_pixels = %lld); "
+                "refused before decoding. Downscale it, or raise the limit if the image is genuine",
+                name.c_str(), format_name, (long long)width, (long long)height, megapixels(width * height).c_str(),
+                megapixels(options.max_pixels).c_str(), (long long)options.max_pixels));
+  if (!header_ok)
+    fail(ErrorCode::bad_format,
+         width > 0 && height > 0
+             ? format("%s: the %s header claims %lld x %lld pixels: corrupt, or beyond the decoder's limits "
+                      "(a decompression bomb?) (stb_image: %s)", name.c_str(), format_name, (long long)width,
+                      (long long)height, reason)
+             : format("%s: corrupt %s header (stb_image: %s)", name.c_str(), format_name, reason));
+  if (width <= 0 || height <= 0)
+    fail(ErrorCode::bad_format, format("%s: %s header gives %lld x %lld pixels", name.c_str(), format_name,
+                                       (long long)width, (long long)height));
+
+  int orientation = 1;
+  if (strcmp(format_name, "JPEG") == 0) {
+    JpegFacts facts = jpeg_facts(data, size);
+    if (!facts.has_end)
+      fail(ErrorCode::bad_format, format("%s: truncated or corrupt JPEG: no end-of-image marker after the image data "
+                                         "(%s read)", name.c_str(), format_bytes(size).c_str()));
+    orientation = facts.orientation;
+  } else if (strcmp(format_name, "PNG") == 0) {
+    orientation = png_orientation(data, size);
+  } else if (strcmp(format_name, "BMP") == 0 && size >= 6) {
+    uint32_t declared = uint32_t(data[2]) | uint32_t(data[3]) << 8 | uint32_t(data[4]) << 16 | uint32_t(data[5]) << 24;
+    if (declared > size)  // bfSize: writers that leave it 0 are not checked
+      fail(ErrorCode::bad_format, format("%s: truncated BMP: the header says %u bytes, the data has %zu", name.c_str(),
+                                         declared, size));
+  }
+
+  const bool composite = options.alpha == AlphaMode::composite_white;
+  const int wanted = composite ? 4 : 3;
+  int w = 0, h = 0, in_file = 0;
+  stbi_uc* decoded = stbi_load_from_memory(data, int(size), &w, &h, &in_file, wanted);
+  if (!decoded) {
+    const char* why = stbi_failure_reason() && *stbi_failure_reason() ? stbi_failure_reason() : "unreadable data";
+    fail(strcmp(why, "outofmem") == 0 ? ErrorCode::out_of_memory : ErrorCode::bad_format,
+         format("%s: corrupt or truncated %s (%lld x %lld): %s", name.c_str(), format_name, (long long)width,
+                (long long)height, why));
+  }
+  std::unique_ptr<stbi_uc, void (*)(void*)> owner(decoded, stbi_image_free);
+  Image image;
+  image.width = w;
+  image.height = h;
+  image.rgb.resize(size_t(w) * size_t(h) * 3);
+  if (!composite) {
+    memcpy(image.rgb.data(), decoded, image.rgb.size());
+  } else {
+    for (size_t p = 0, n = size_t(w) * size_t(h); p < n; p++)
+      for (size_t c = 0; c < 3; c++) image.rgb[p * 3 + c] = composite_on_white(decoded[p * 4 + c], decoded[p * 4 + 3]);
+  }
+  if (options.exif_orientation) image = apply_orientation(std::move(image), orientation);
+  return image;
+}
+
+}  // namespace img
+}  // namespace detail
+
+// ---- decoding ---------------------------------------------------------------------------------------------
+Result<Image> decode_image(const uint8_t* data, size_t size, const DecodeOptions& options, const std::string& name) {
+  return detail::guard([&] { return detail::img::decode(data, size, options, name); });
+}
+
+Result<Image> load_image(const std::string& path, const DecodeOptions& options) {
+  return detail::guard([&] {
+    using detail::fail;
+    using detail::format;
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0)
+      fail(ErrorCode::io_error, format("cannot open image %s: %s", path.c_str(), strerror(errno)));
+    if (!S_ISREG(st.st_mode)) fail(ErrorCode::io_error, format("image %s is not a regular file", path.c_str()));
+    if (uint64_t(st.st_size) > options.max_file_bytes)
+      fail(ErrorCode::invalid_argument,
+           format("image %s is %s, over the %s limit (DecodeOptions::max_file_bytes)", path.c_str(),
+                  format_bytes(uint64_t(st.st_size)).c_str(), format_bytes(options.max_file_bytes).c_str()));
+    std::ifstream in(path, std::ios::binary);
+    if (!in) fail(ErrorCode::io_error, format("cannot open image %s: %s", path.c_str(), strerror(errno)));
+    std::vector<uint8_t> bytes(size_t(st.st_size));
+    if (!bytes.empty() && !in.read(reinterpret_cast<char*>(bytes.data()), std::streamsize(bytes.size())))
+      fail(ErrorCode::io_error, format("cannot read image %s", path.c_str()));
+    return detail::img::decode(bytes.data(), bytes.size(), options, path);
+  });
+}
+
+Result<Image> image_from_pixels(const uint8_t* pixels, int64_t width, int64_t height, PixelFormat format,
+                                int64_t stride_bytes, AlphaMode alpha) {
+  return detail::guard([&] {
+    using detail::fail;
+    int channels = 3, r = 0, g = 1, b = 2;
+    switch (format) {
+      case PixelFormat::rgb8: break;
+      case PixelFormat::bgr8: r = 2; b = 0; break;
+      case PixelFormat::rgba8: channels = 4; break;
+      case PixelFormat::bgra8: channels = 4; r = 2; b = 0; break;
+      case PixelFormat::gray8: channels = 1; g = b = 0; break;
+    }
+    if (width <= 0 || height <= 0 || width > (int64_t(1) << 24) || height > (int64_t(1) << 24))
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: %lld x %lld pixels; both sides must be in 1..16777216", (long long)width,
+                          (long long)height));
+    if (!pixels) fail(ErrorCode::invalid_argument, "image_from_pixels: pixels is null");
+    const int64_t row_bytes = width * channels;
+    if (stride_bytes == 0) stride_bytes = row_bytes;
+    if (stride_bytes < row_bytes)
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: stride of %lld bytes is shorter than a row of %lld pixels x %d bytes",
+                          (long long)stride_bytes, (long long)width, channels));
+    Image image;
+    image.width = width;
+    image.height = height;
+    image.rgb.resize(size_t(width * height * 3));
+    for (int64_t y = 0; y < height; y++) {
+      const uint8_t* src = pixels + y * stride_bytes;
+      uint8_t* dst = &image.rgb[size_t(y * width * 3)];
+      for (int64_t x = 0; x < width; x++, src += channels, dst += 3) {
+        const bool blend = channels == 4 && alpha == AlphaMode::composite_white;
+        dst[0] = blend ? detail::img::composite_on_white(src[r], src[3]) : src[r];
+        dst[1] = blend ? detail::img::composite_on_white(src[g], src[3]) : src[g];
+        dst[2] = blend ? detail::img::composite_on_white(src[b], src[3]) : src[b];
+      }
+    }
+    return image;
+  });
+}
+
+// ---- preprocessing ----------------------------------------------------------------------------------------
+Result<std::pair<int64_t, int64_t>> smart_resize(int64_t height, int64_t width, int64_t factor, int64_t min_pixels,
+                                                 int64_t max_pixels) {
+  return detail::guard([&] {
+    using detail::fail;
+    using detail::format;
+    detail::img::require_positive(height, "smart_resize: height");
+    detail::img::require_positive(width, "smart_resize: width");
+    detail::img::require_positive(factor, "smart_resize: factor");
+    detail::img::require_positive(min_pixels, "smart_resize: min_pixels");
+    if (max_pixels < min_pixels)
+      fail(ErrorCode::invalid_argument, format("smart_resize: max_pixels (%lld) is below min_pixels (%lld)",
+                                               (long long)max_pixels, (long long)min_pixels));
+    if (height > (int64_t(1) << 31) || width > (int64_t(1) << 31))
+      fail(ErrorCode::invalid_argument, format("smart_resize: %lld x %lld is beyond any image", (long long)height,
+                                               (long long)width));
+    // transformers' code, line by line (Python floats are doubles; int / int is a correctly rounded division).
+    const double ratio = double(std::max(height, width)) / double(std::min(height, width));
+    if (ratio > 200)
+      fail(ErrorCode::invalid_argument,
+           format("image of %lld x %lld pixels has aspect ratio %g; Qwen2-VL/Qwen3-VL preprocessing refuses ratios "
+                  "over 200: crop or pad it", (long long)width, (long long)height, ratio));
+    const double f = double(factor), h = double(height), w = double(width);
+    int64_t h_bar = int64_t(detail::img::round_half_even(h / f)) * factor;
+    int64_t w_bar = int64_t(detail::img::round_half_even(w / f)) * factor;
+    if (h_bar * w_bar > max_pixels) {
+      const double beta = std::sqrt(double(height * width) / double(max_pixels));
+      h_bar = std::max(factor, int64_t(std::floor(h / beta / f)) * factor);
+      w_bar = std::max(factor, int64_t(std::floor(w / beta / f)) * factor);
+    } else if (h_bar * w_bar < min_pixels) {
+      const double beta = std::sqrt(double(min_pixels) / double(height * width));
+      h_bar = int64_t(std::ceil(h * beta / f)) * factor;
+      w_bar = int64_t(std::ceil(w * beta / f)) * factor;
+    }
+    return std::make_pair(h_bar, w_bar);
+  });
+}
+
+Result<Image> resize_bicubic_aa(const Image& image, int64_t height, int64_t width) {
+  return detail::guard([&] {
+    detail::img::check_image(image, "resize_bicubic_aa");
+    if (height <= 0 || width <= 0 || height > (int64_t(1) << 24) || width > (int64_t(1) << 24))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("resize_bicubic_aa: target %lld x %lld; both sides must be in 1..16777216",
+                                  (long long)width, (long long)height));
+    if (height == image.height && width == image.width) return image;
+    // Horizontal pass first (when the width changes), rounded to uint8, then the vertical pass: ATen's order.
+    Image current = image;
+    if (width != image.width) {
+      const detail::img::AxisTaps taps = detail::img::bicubic_aa_taps(image.width, width);
+      Image next;
+      next.width = width;
+      next.height = current.height;
+      next.rgb.resize(size_t(width * current.height * 3));  // (height, new width, 3)
+      detail::img::resample_axis(current.rgb.data(), 3, current.width * 3, next.rgb.data(), 3, width * 3,
+                                 current.height, taps);
+      current = std::move(next);
+    }
+    if (height != image.height) {
+      const detail::img::AxisTaps taps = detail::img::bicubic_aa_taps(image.height, height);
+      Image next;
+      next.width = current.width;
+      next.height = height;
+      next.rgb.resize(size_t(current.width * height * 3));  // (new height, width, 3)
+      const int64_t row = current.width * 3;
+      detail::img::resample_axis(current.rgb.data(), row, 3, next.rgb.data(), row, 3, current.width, taps);
+      current = std::move(next);
+    }
+    return current;
+  });
+}
+
+PreprocessOptions preprocess_options(const ModelConfig& config) {
+  PreprocessOptions options;
+  if (config.min_pixels > 0) options.min_pixels = config.min_pixels;
+  if (config.max_pixels > 0) options.max_pixels = config.max_pixels;
+  if (config.vision.present) {
+    options.patch_size = config.vision.patch_size;
+    options.merge_size = config.vision.spatial_merge_size;
+    options.temporal_patch_size = config.vision.temporal_patch_size;
+  }
+  return options;
+}
+
+Result<ImageGrid> image_grid(int64_t height, int64_t width, const PreprocessOptions& options) {
+  return detail::guard([&] {
+    detail::img::check_options(options);
+    const int64_t factor = options.patch_size * options.merge_size;
+    const auto resized = smart_resize(height, width, factor, options.min_pixels, options.max_pixels).value();
+    ImageGrid grid;
+    grid.resized_height = resized.first;
+    grid.resized_width = resized.second;
+    grid.grid_t = 1;  // one still image: its frame repeated temporal_patch_size times fills one temporal patch
+    grid.grid_h = resized.first / options.patch_size;
+    grid.grid_w = resized.second / options.patch_size;
+    grid.image_tokens = grid.grid_t * grid.grid_h * grid.grid_w / (options.merge_size * options.merge_size);
+    return grid;
+  });
+}
+
+Result<VisionInput> preprocess_image(const Image& image, const PreprocessOptions& options) {
+  return detail::guard([&] {
+    detail::img::check_image(image, "preprocess_image");
+    VisionInput input;
+    input.grid = image_grid(image.height, image.width, options).value();
+    const Image resized = resize_bicubic_aa(image, input.grid.resized_height, input.grid.resized_width).value();
+
+    // Rescale and normalize fused as the processor does: (x - mean/rescale) / (std/rescale) in float32, with
+    // mean and std made float32 first, then scaled by float(1 / rescale_factor). One table per channel.
+    const float inverse_rescale = float(1.0 / options.rescale_factor);
+    float normalized[3][256];
+    for (int c = 0; c < 3; c++) {
+      const float mean = float(options.image_mean[size_t(c)]) * inverse_rescale;
+      const float std = float(options.image_std[size_t(c)]) * inverse_rescale;
+      for (int v = 0; v < 256; v++) normalized[c][v] = (float(v) - mean) / std;
+    }
+
+    // Patchify: row = merge window (raster order) x position in the window; inside a row (c, t, y, x).
+    const int64_t P = options.patch_size, M = options.merge_size, T = options.temporal_patch_size;
+    const int64_t grid_h = input.grid.grid_h, grid_w = input.grid.grid_w;
+    input.row_size = 3 * T * P * P;
+    input.pixel_values.resize(size_t(grid_h * grid_w * input.row_size));  // (grid_h * grid_w, row_size)
+    float* out = input.pixel_values.data();
+    for (int64_t window_row = 0; window_row < grid_h / M; window_row++)
+      for (int64_t window_col = 0; window_col < grid_w / M; window_col++)
+        for (int64_t in_row = 0; in_row < M; in_row++)
+          for (int64_t in_col = 0; in_col < M; in_col++) {
+            const int64_t y0 = (window_row * M + in_row) * P, x0 = (window_col * M + in_col) * P;
+            for (int c = 0; c < 3; c++) {
+              float* frame0 = out;
+              for (int64_t y = 0; y < P; y++) {
+                const uint8_t* src = &resized.rgb[size_t(((y0 + y) * resized.width + x0) * 3 + c)];
+                for (int64_t x = 0; x < P; x++) *out++ = normalized[c][src[x * 3]];
+              }
+              for (int64_t t = 1; t < T; t++, out += P * P) memcpy(out, frame0, size_t(P * P) * sizeof(float));
+            }
+          }
+    return input;
+  });
+}
+
+}  // namespace kvlite
 // device: implementation (the CUDA entry points live in kernels.cu when built with CUDA).
 #include <unistd.h>
 
@@ -6213,6 +7161,947 @@ Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t conte
       if (end == num_tokens) break;
     }
     return windows;
+  });
+}
+
+}  // namespace kvlite
+// backend: the validation every backend shares, and the rotary-table helpers.
+#include <cmath>
+
+namespace kvlite {
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::gather_rows: return "gather_rows";
+    case Op::rms_norm: return "rms_norm";
+    case Op::add_rms_norm: return "add_rms_norm";
+    case Op::rope: return "rope";
+    case Op::linear: return "linear";
+    case Op::silu_mul: return "silu_mul";
+    case Op::add: return "add";
+    case Op::copy: return "copy";
+    case Op::kv_write: return "kv_write";
+    case Op::attention: return "attention";
+  }
+  return "?";
+}
+
+namespace detail {
+
+// "[3, 64] F32" (plus the stride when rows are not packed).
+inline std::string describe(const Tensor& t) {
+  std::string text = format("[%lld, %lld] %s", (long long)t.rows, (long long)t.cols, dtype_name(t.dtype));
+  if (t.rows > 1 && t.row_stride != t.cols) text += format(" (row stride %lld)", (long long)t.row_stride);
+  return text;
+}
+
+// Checks what every tensor argument must satisfy; `op` and `name` make the message.
+inline void check_view(const char* op, const char* name, const Tensor& t) {
+  if (t.rows < 0 || t.cols < 0)
+    fail(ErrorCode::invalid_argument, format("%s: %s has a negative shape %s", op, name, describe(t).c_str()));
+  if (dtype_bits(t.dtype) < 8)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s has dtype %s, which packs several elements per byte; views need whole-byte elements",
+                op, name, dtype_name(t.dtype)));
+  if (t.rows > 1 && t.row_stride < t.cols)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s with row stride %lld, smaller than its %lld columns (rows would overlap)", op, name,
+                describe(t).c_str(), (long long)t.row_stride, (long long)t.cols));
+  if (t.elements() > 0 && t.data == nullptr)
+    fail(ErrorCode::invalid_argument, format("%s: %s is %s but its data pointer is null", op, name, describe(t).c_str()));
+}
+
+inline void check_dtype(const char* op, const char* name, const Tensor& t, DType dtype) {
+  check_view(op, name, t);
+  if (t.dtype != dtype)
+    fail(ErrorCode::invalid_argument, format("%s: %s is %s; it must be %s", op, name, describe(t).c_str(), dtype_name(dtype)));
+}
+
+inline void check_shape(const char* op, const char* name, const Tensor& t, int64_t rows, int64_t cols) {
+  if (t.rows != rows || t.cols != cols)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s; it must be [%lld, %lld]", op, name, describe(t).c_str(), (long long)rows, (long long)cols));
+}
+
+// A contiguous vector of n elements of `dtype`, [1, n] or [n, 1].
+inline void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, DType dtype) {
+  check_dtype(op, name, t, dtype);
+  if ((t.rows != 1 && t.cols != 1) || t.elements() != n || !t.contiguous())
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s; it must be a contiguous vector of %lld elements ([1, %lld] or [%lld, 1])", op, name,
+                describe(t).c_str(), (long long)n, (long long)n, (long long)n));
+}
+
+inline void check_supported(const Backend& backend, Op op, DType dtype, const char* operand) {
+  if (!backend.supports(op, dtype))
+    fail(ErrorCode::unsupported, format("%s: the %s backend does not support %s %s", op_name(op),
+                                        backend.name().c_str(), operand, dtype_name(dtype)));
+}
+
+// Two views overlap when their byte ranges intersect (a conservative test on the spans).
+inline bool views_overlap(const Tensor& a, const Tensor& b) {
+  if (a.elements() == 0 || b.elements() == 0) return false;
+  auto span = [](const Tensor& t) {
+    const uint8_t* begin = static_cast<const uint8_t*>(t.data);
+    return std::make_pair(begin, begin + ((t.rows - 1) * t.row_stride + t.cols) * t.element_bytes());
+  };
+  auto sa = span(a), sb = span(b);
+  return sa.first < sb.second && sb.first < sa.second;
+}
+
+inline bool same_view(const Tensor& a, const Tensor& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.rows == b.rows && a.cols == b.cols &&
+         (a.rows <= 1 || a.row_stride == b.row_stride);
+}
+
+// `out` may be `input` itself, never a partial overlap of it.
+inline void check_alias(const char* op, const char* out_name, const Tensor& out, const char* in_name,
+                        const Tensor& in, bool may_be_same) {
+  if (views_overlap(out, in) && !(may_be_same && same_view(out, in)))
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s overlaps %s; %s", op, out_name, in_name,
+                may_be_same ? "it may be the same view or a separate buffer" : "it must be a separate buffer"));
+}
+
+inline void check_kv_cache(const char* op, const KVCacheView& cache, int64_t layer) {
+  const KVPageLayout& l = cache.layout;
+  if (l.layers <= 0 || l.page_tokens <= 0 || l.kv_heads <= 0 || l.head_dim <= 0 || cache.num_pages <= 0)
+    fail(ErrorCode::invalid_argument,
+         format("%s: the KV cache layout is empty or negative (layers %lld, page_tokens %lld, kv_heads %lld, "
+                "head_dim %lld, pages %lld)", op, (long long)l.layers, (long long)l.page_tokens,
+                (long long)l.kv_heads, (long long)l.head_dim, (long long)cache.num_pages));
+  if (cache.pages == nullptr) fail(ErrorCode::invalid_argument, format("%s: the KV cache's pages pointer is null", op));
+  if (layer < 0 || layer >= l.layers)
+    fail(ErrorCode::invalid_argument,
+         format("%s: layer %lld is outside the KV cache's %lld layers", op, (long long)layer, (long long)l.layers));
+}
+
+}  // namespace detail
+
+Status Backend::copy_from_host(const void* src, const Tensor& dst) {
+  return detail::guard([&] {
+    detail::check_view("copy_from_host", "dst", dst);
+    if (dst.elements() > 0 && src == nullptr)
+      detail::fail(ErrorCode::invalid_argument, "copy_from_host: the host source pointer is null");
+    impl_copy_from_host(src, dst);
+  });
+}
+
+Status Backend::copy_to_host(const Tensor& src, void* dst) {
+  return detail::guard([&] {
+    detail::check_view("copy_to_host", "src", src);
+    if (src.elements() > 0 && dst == nullptr)
+      detail::fail(ErrorCode::invalid_argument, "copy_to_host: the host destination pointer is null");
+    impl_copy_to_host(src, dst);
+  });
+}
+
+Status Backend::synchronize() {
+  return detail::guard([&] { impl_synchronize(); });
+}
+
+Status Backend::gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "gather_rows";
+    detail::check_view(op, "table", table);
+    detail::check_supported(*this, Op::gather_rows, table.dtype, "table dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_vector(op, "ids", ids, ids.elements(), DType::I32);
+    detail::check_shape(op, "out", out, ids.elements(), table.cols);
+    detail::check_alias(op, "out", out, "table", table, false);
+    impl_gather_rows(table, ids, out);
+  });
+}
+
+Status Backend::rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "rms_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::rms_norm, weight.dtype, "weight dtype");
+    int64_t group = weight.elements();
+    detail::check_vector(op, "weight", weight, group, weight.dtype);
+    if (group == 0 || x.cols % group != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rms_norm: x is %s but weight has %lld elements; x's columns must be a multiple "
+                                  "of the weight's length (the row, or head_dim for per-head norms)",
+                                  detail::describe(x).c_str(), (long long)group));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (!(eps >= 0.0f)) detail::fail(ErrorCode::invalid_argument, detail::format("rms_norm: eps %g must be >= 0", eps));
+    impl_rms_norm(x, weight, eps, out);
+  });
+}
+
+Status Backend::add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                             const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "add_rms_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_dtype(op, "residual", residual, activation_dtype());
+    detail::check_shape(op, "residual", residual, x.rows, x.cols);
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::add_rms_norm, weight.dtype, "weight dtype");
+    detail::check_vector(op, "weight", weight, x.cols, weight.dtype);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "residual", residual, "x", x, false);
+    detail::check_alias(op, "out", out, "x", x, true);
+    detail::check_alias(op, "out", out, "residual", residual, false);
+    if (!(eps >= 0.0f))
+      detail::fail(ErrorCode::invalid_argument, detail::format("add_rms_norm: eps %g must be >= 0", eps));
+    impl_add_rms_norm(x, residual, weight, eps, out);
+  });
+}
+
+Status Backend::rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) {
+  return detail::guard([&] {
+    const char* op = "rope";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_supported(*this, Op::rope, x.dtype, "x dtype");
+    detail::check_dtype(op, "cos", cos, DType::F32);
+    detail::check_dtype(op, "sin", sin, DType::F32);
+    if (head_dim <= 0 || x.cols % head_dim != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope: x is %s, not a whole number of heads of head_dim %lld",
+                                  detail::describe(x).c_str(), (long long)head_dim));
+    if (cos.cols == 0 || 2 * cos.cols > head_dim)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope: cos is %s; it needs 1 .. head_dim/2 = %lld columns (one per frequency)",
+                                  detail::describe(cos).c_str(), (long long)(head_dim / 2)));
+    detail::check_shape(op, "cos", cos, x.rows, cos.cols);
+    detail::check_shape(op, "sin", sin, x.rows, cos.cols);
+    impl_rope(x, cos, sin, head_dim);
+  });
+}
+
+Status Backend::linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "linear";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::linear, weight.dtype, "weight dtype");
+    if (weight.cols != x.cols)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("linear: weight is %s but x is %s; weight must be [out_features, in_features] "
+                                  "with in_features = x's %lld columns",
+                                  detail::describe(weight).c_str(), detail::describe(x).c_str(), (long long)x.cols));
+    if (bias.data != nullptr) {
+      detail::check_view(op, "bias", bias);
+      detail::check_supported(*this, Op::linear, bias.dtype, "bias dtype");
+      detail::check_vector(op, "bias", bias, weight.rows, bias.dtype);
+    }
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, weight.rows);
+    detail::check_alias(op, "out", out, "x", x, false);
+    detail::check_alias(op, "out", out, "weight", weight, false);
+    impl_linear(x, weight, bias, out);
+  });
+}
+
+Status Backend::silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "silu_mul";
+    detail::check_dtype(op, "gate", gate, activation_dtype());
+    detail::check_supported(*this, Op::silu_mul, gate.dtype, "activation dtype");
+    detail::check_dtype(op, "up", up, activation_dtype());
+    detail::check_shape(op, "up", up, gate.rows, gate.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, gate.rows, gate.cols);
+    detail::check_alias(op, "out", out, "gate", gate, true);
+    detail::check_alias(op, "out", out, "up", up, true);
+    impl_silu_mul(gate, up, out);
+  });
+}
+
+Status Backend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "add";
+    detail::check_dtype(op, "a", a, activation_dtype());
+    detail::check_supported(*this, Op::add, a.dtype, "activation dtype");
+    detail::check_dtype(op, "b", b, activation_dtype());
+    detail::check_shape(op, "b", b, a.rows, a.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, a.rows, a.cols);
+    detail::check_alias(op, "out", out, "a", a, true);
+    detail::check_alias(op, "out", out, "b", b, true);
+    impl_add(a, b, out);
+  });
+}
+
+Status Backend::copy(const Tensor& src, const Tensor& dst) {
+  return detail::guard([&] {
+    const char* op = "copy";
+    detail::check_view(op, "src", src);
+    detail::check_view(op, "dst", dst);
+    detail::check_supported(*this, Op::copy, src.dtype, "source dtype");
+    detail::check_supported(*this, Op::copy, dst.dtype, "destination dtype");
+    detail::check_shape(op, "dst", dst, src.rows, src.cols);
+    detail::check_alias(op, "dst", dst, "src", src, false);
+    impl_copy(src, dst);
+  });
+}
+
+Status Backend::kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                         const Tensor& slots) {
+  return detail::guard([&] {
+    const char* op = "kv_write";
+    detail::check_kv_cache(op, cache, layer);
+    detail::check_supported(*this, Op::kv_write, cache.dtype, "KV dtype");
+    int64_t width = cache.layout.kv_heads * cache.layout.head_dim;
+    detail::check_dtype(op, "k", k, activation_dtype());
+    detail::check_dtype(op, "v", v, activation_dtype());
+    detail::check_shape(op, "k", k, k.rows, width);
+    detail::check_shape(op, "v", v, k.rows, width);
+    detail::check_vector(op, "slots", slots, k.rows, DType::I32);
+    impl_kv_write(cache, layer, k, v, slots);
+  });
+}
+
+Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                          float scale, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "attention";
+    detail::check_kv_cache(op, cache, layer);
+    detail::check_supported(*this, Op::attention, cache.dtype, "KV dtype");
+    const int64_t head_dim = cache.layout.head_dim, kv_heads = cache.layout.kv_heads;
+    detail::check_dtype(op, "q", q, activation_dtype());
+    if (q.cols % head_dim != 0 || (q.cols / head_dim) % kv_heads != 0 || q.cols == 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: q is %s; it must hold heads x head_dim %lld columns with heads a "
+                                  "positive multiple of the cache's %lld KV heads",
+                                  detail::describe(q).c_str(), (long long)head_dim, (long long)kv_heads));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, q.rows, q.cols);
+    detail::check_alias(op, "out", out, "q", q, false);
+    int64_t seqs = batch.context_lens.elements();
+    detail::check_vector(op, "context_lens", batch.context_lens, seqs, DType::I32);
+    detail::check_vector(op, "query_starts", batch.query_starts, seqs + 1, DType::I32);
+    detail::check_dtype(op, "block_tables", batch.block_tables, DType::I32);
+    if (batch.block_tables.rows != seqs)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: block_tables is %s but there are %lld sequences (context_lens); it "
+                                  "needs one row per sequence", detail::describe(batch.block_tables).c_str(),
+                                  (long long)seqs));
+    if (batch.max_context < 0 || batch.max_context > batch.block_tables.cols * cache.layout.page_tokens)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: max_context %lld is negative or more than block_tables' %lld pages "
+                                  "of %lld tokens hold", (long long)batch.max_context,
+                                  (long long)batch.block_tables.cols, (long long)cache.layout.page_tokens));
+    if (!(scale > 0.0f) || !std::isfinite(scale))
+      detail::fail(ErrorCode::invalid_argument, detail::format("attention: scale %g must be positive and finite", scale));
+    impl_attention(q, cache, layer, batch, scale, out);
+  });
+}
+
+// ---- rotary tables ----------------------------------------------------------------------------------------
+
+Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim) {
+  return detail::guard([&]() -> std::vector<float> {
+    if (rotary_dim <= 0 || rotary_dim % 2 != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_inv_freq: rotary_dim %lld must be positive and even", (long long)rotary_dim));
+    if (!(rope.theta > 0))
+      detail::fail(ErrorCode::invalid_argument, detail::format("rope_inv_freq: rope_theta %g must be positive", rope.theta));
+    if (rope.type != "default" && rope.type != "llama3")
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("rope_inv_freq: rope type '%s' is not supported (kvlite runs 'default' and 'llama3')",
+                                  rope.type.c_str()));
+    // Each step is one float32 operation, in transformers' order, so the values match torch's:
+    //   inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    // The power is taken in double and rounded once (torch's float pow is within an ulp of that).
+    const int64_t half = rotary_dim / 2;
+    const float base = float(rope.theta);
+    std::vector<float> inv_freq(static_cast<size_t>(half));
+    for (int64_t i = 0; i < half; i++) {
+      float exponent = float(2 * i) / float(rotary_dim);
+      float power = float(std::pow(double(base), double(exponent)));
+      inv_freq[size_t(i)] = 1.0f / power;
+    }
+    if (rope.type == "default") return inv_freq;
+
+    if (!(rope.factor > 0) || !(rope.high_freq_factor > rope.low_freq_factor) || rope.low_freq_factor <= 0 ||
+        rope.original_max_position_embeddings <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_inv_freq: llama3 scaling needs factor > 0, 0 < low_freq_factor < "
+                                  "high_freq_factor and original_max_position_embeddings > 0 (got %g, %g, %g, %lld)",
+                                  rope.factor, rope.low_freq_factor, rope.high_freq_factor,
+                                  (long long)rope.original_max_position_embeddings));
+    // _compute_llama3_parameters. A Python scalar meeting a float32 tensor becomes a float32 operand, and
+    // `scalar / tensor` is tensor.reciprocal() * scalar, hence the reciprocals below.
+    const float factor = float(rope.factor), low = float(rope.low_freq_factor);
+    const double old_context = double(rope.original_max_position_embeddings);
+    const float low_freq_wavelen = float(old_context / rope.low_freq_factor);
+    const float high_freq_wavelen = float(old_context / rope.high_freq_factor);
+    const float two_pi = float(6.283185307179586);  // 2 * math.pi
+    const float band = float(rope.high_freq_factor - rope.low_freq_factor);
+    for (float& f : inv_freq) {
+      float wavelen = (1.0f / f) * two_pi;
+      // wavelen < high_freq_wavelen: unchanged; wavelen > low_freq_wavelen: divided by factor
+      float scaled = wavelen > low_freq_wavelen ? f / factor : f;
+      bool medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+      if (medium) {
+        // smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        float smooth = ((1.0f / wavelen) * float(old_context) - low) / band;
+        // (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = (1.0f - smooth) * scaled / factor + smooth * scaled;
+      }
+      f = scaled;
+    }
+    return inv_freq;
+  });
+}
+
+Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
+                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin) {
+  return detail::guard([&] {
+    const int64_t half = int64_t(inv_freq.size());
+    if (position_rows != 1 && position_rows != 3)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_tables: %lld position rows; use 1 (RoPE) or 3 (t, h, w: M-RoPE)",
+                                  (long long)position_rows));
+    if (position_rows == 3 && mrope_section.size() != 3)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_tables: 3 position rows need a 3-entry mrope_section (t, h, w), got %zu entries",
+                                  mrope_section.size()));
+    if (tokens < 0 || (tokens > 0 && (positions == nullptr || cos == nullptr || sin == nullptr)))
+      detail::fail(ErrorCode::invalid_argument, "rope_tables: null positions or tables, or negative tokens");
+    for (int64_t t = 0; t < tokens; t++) {
+      for (int64_t i = 0; i < half; i++) {
+        // Qwen3-VL's apply_interleaved_mrope: h overwrites slots 1, 4, 7, ... below 3 * section[1],
+        // w overwrites 2, 5, 8, ... below 3 * section[2]; the rest keep t.
+        int64_t row = 0;
+        if (position_rows == 3) {
+          if (i % 3 == 1 && i < 3 * int64_t(mrope_section[1])) row = 1;
+          else if (i % 3 == 2 && i < 3 * int64_t(mrope_section[2])) row = 2;
+        }
+        // freqs = inv_freq @ position_ids.float(): one float32 product
+        float angle = inv_freq[size_t(i)] * float(positions[row * tokens + t]);
+        cos[t * half + i] = float(std::cos(double(angle)));
+        sin[t * half + i] = float(std::sin(double(angle)));
+      }
+    }
+  });
+}
+
+}  // namespace kvlite
+// backend_cpu: the reference implementation of Backend, on host memory with a fixed pool of threads.
+//
+// Determinism: every output element is computed by exactly one thread, by the same code in the same order
+// whichever thread it is and however many there are (work is split into items at fixed boundaries and the
+// items' results never depend on each other), so results are identical for any thread count.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+namespace kvlite {
+namespace detail {
+
+// ---- a fixed pool of threads ------------------------------------------------------------------------------
+// run(items, body) calls body(item, worker) once for every item in [0, items), spread over the pool; the
+// caller is worker 0 and works too. Items are handed out one at a time (an atomic counter), which balances
+// load without affecting results. No allocation per run: the body is passed as a pointer to the caller's
+// callable. Bodies must not throw (ops validate everything before they run).
+class ThreadPool {
+ public:
+  explicit ThreadPool(int threads) {
+    workers_.reserve(size_t(std::max(threads - 1, 0)));
+    try {
+      for (int worker = 1; worker < threads; worker++) workers_.emplace_back([this, worker] { worker_loop(worker); });
+    } catch (...) {  // the system refused a thread: stop the ones started (no destructor runs for us)
+      stop_and_join();
+      throw;
+    }
+  }
+  ~ThreadPool() { stop_and_join(); }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int threads() const { return int(workers_.size()) + 1; }
+
+  template <class Body>
+  void run(int64_t items, Body& body) {
+    if (items <= 0) return;
+    if (workers_.empty() || items == 1) {  // not worth waking anyone
+      for (int64_t item = 0; item < items; item++) body(item, 0);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      call_ = [](void* callable, int64_t item, int worker) { (*static_cast<Body*>(callable))(item, worker); };
+      body_ = &body;
+      items_ = items;
+      next_.store(0);
+      busy_ = int(workers_.size());
+      generation_++;
+    }
+    start_.notify_all();
+    work(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return busy_ == 0; });
+  }
+
+ private:
+  void stop_and_join() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    start_.notify_all();
+    for (auto& thread : workers_) thread.join();
+  }
+  void work(int worker) {
+    for (int64_t item = next_.fetch_add(1); item < items_; item = next_.fetch_add(1)) call_(body_, item, worker);
+  }
+  void worker_loop(int worker) {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      work(worker);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--busy_ == 0) done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable start_, done_;
+  uint64_t generation_ = 0;  // bumped once per run; workers wake on a change
+  bool stop_ = false;
+  int busy_ = 0;             // workers that have not finished the current run
+  void (*call_)(void*, int64_t, int) = nullptr;
+  void* body_ = nullptr;
+  int64_t items_ = 0;
+  std::atomic<int64_t> next_{0};  // the next item to hand out
+};
+
+// ---- element types ----------------------------------------------------------------------------------------
+// Storage types for the 16-bit floats, so templates can tell them apart.
+struct Bf16 { uint16_t bits; };
+struct Half { uint16_t bits; };
+inline float to_float(float v) { return v; }
+inline float to_float(Bf16 v) { return bf16_to_float(v.bits); }
+inline float to_float(Half v) { return f16_to_float(v.bits); }
+template <class T> T from_float(float v);
+template <> inline float from_float<float>(float v) { return v; }
+template <> inline Bf16 from_float<Bf16>(float v) { return Bf16{float_to_bf16(v)}; }
+template <> inline Half from_float<Half>(float v) { return Half{float_to_f16(v)}; }
+
+inline bool is_cpu_float(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16; }
+
+// Calls f(T{}) with T the storage type of `dtype` (F32, BF16 or F16; supports() guarantees one of them).
+template <class F>
+void with_float_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F32: f(float{}); return;
+    case DType::BF16: f(Bf16{}); return;
+    case DType::F16: f(Half{}); return;
+    default: fail(ErrorCode::internal, format("CPU backend: no float storage for %s", dtype_name(dtype)));
+  }
+}
+
+template <class T>
+T* row_of(const Tensor& t, int64_t row) {
+  return static_cast<T*>(t.data) + row * t.row_stride;
+}
+inline uint8_t* row_bytes_of(const Tensor& t, int64_t row) {
+  return static_cast<uint8_t*>(t.data) + row * t.row_stride * t.element_bytes();
+}
+inline const int32_t* ints(const Tensor& t) { return static_cast<const int32_t*>(t.data); }
+
+// ---- dot products -----------------------------------------------------------------------------------------
+// Every dot product keeps kLanes partial sums (element k goes to lane k % kLanes) over the largest multiple
+// of kLanes, reduces them in a fixed tree, then adds the tail in order. Fixed, so results do not depend on
+// which tile or thread computes them; several sums, so the compiler can vectorise without reassociating.
+constexpr int kLanes = 8;
+inline float reduce_lanes(const float* acc) {
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {};
+  const int64_t main = n - n % kLanes;
+  for (int64_t k = 0; k < main; k += kLanes)
+    for (int l = 0; l < kLanes; l++) acc[l] += a[k + l] * b[k + l];
+  float sum = reduce_lanes(acc);
+  for (int64_t k = main; k < n; k++) sum += a[k] * b[k];
+  return sum;
+}
+
+// out[i][j] = x row i . w row j for a TOKENS x ROWS tile, each weight element converted once per tile.
+template <int TOKENS, int ROWS, class W>
+inline void linear_tile(const float* x, int64_t x_stride, const W* w, int64_t w_stride, int64_t k_size,
+                        float (&out)[TOKENS][ROWS]) {
+  float acc[TOKENS][ROWS][kLanes] = {};
+  const int64_t main = k_size - k_size % kLanes;
+  for (int64_t k = 0; k < main; k += kLanes) {
+    float wk[ROWS][kLanes];
+    for (int j = 0; j < ROWS; j++)
+      for (int l = 0; l < kLanes; l++) wk[j][l] = to_float(w[j * w_stride + k + l]);
+    for (int i = 0; i < TOKENS; i++)
+      for (int j = 0; j < ROWS; j++)
+        for (int l = 0; l < kLanes; l++) acc[i][j][l] += x[i * x_stride + k + l] * wk[j][l];
+  }
+  for (int i = 0; i < TOKENS; i++)
+    for (int j = 0; j < ROWS; j++) {
+      float sum = reduce_lanes(acc[i][j]);
+      for (int64_t k = main; k < k_size; k++) sum += x[i * x_stride + k] * to_float(w[j * w_stride + k]);
+      out[i][j] = sum;
+    }
+}
+
+// ---- the backend ------------------------------------------------------------------------------------------
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const CpuBackendOptions& options)
+      : max_head_dim_(options.max_head_dim),
+        // whole 64-byte lines per thread, so two threads never write the same cache line
+        scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
+        pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
+    scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
+  }
+
+  BackendKind kind() const override { return BackendKind::cpu; }
+  std::string name() const override {
+    return format("cpu (%d thread%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s");
+  }
+  DType activation_dtype() const override { return DType::F32; }
+  bool supports(Op op, DType dtype) const override {
+    switch (op) {
+      case Op::rope: case Op::silu_mul: case Op::add: return dtype == DType::F32;
+      case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
+      case Op::kv_write: case Op::attention: return is_cpu_float(dtype);
+    }
+    return false;
+  }
+
+ protected:
+  void impl_copy_from_host(const void* src, const Tensor& dst) override {
+    const int64_t row_bytes = dst.cols * dst.element_bytes();
+    for (int64_t r = 0; r < dst.rows; r++)
+      memcpy(row_bytes_of(dst, r), static_cast<const uint8_t*>(src) + r * row_bytes, size_t(row_bytes));
+  }
+  void impl_copy_to_host(const Tensor& src, void* dst) override {
+    const int64_t row_bytes = src.cols * src.element_bytes();
+    for (int64_t r = 0; r < src.rows; r++)
+      memcpy(static_cast<uint8_t*>(dst) + r * row_bytes, row_bytes_of(src, r), size_t(row_bytes));
+  }
+  void impl_synchronize() override {}  // every op has finished when it returns
+
+  void impl_gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) override {
+    const int32_t* id = ints(ids);
+    for (int64_t t = 0; t < out.rows; t++)
+      if (id[t] < 0 || id[t] >= table.rows)
+        fail(ErrorCode::invalid_argument, format("gather_rows: ids[%lld] = %d is outside the table's %lld rows",
+                                                 (long long)t, id[t], (long long)table.rows));
+    with_float_type(table.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      auto body = [&](int64_t t, int) {
+        const T* src = row_of<const T>(table, id[t]);
+        float* dst = row_of<float>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = to_float(src[c]);
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      const W* w = static_cast<const W*>(weight.data);
+      const int64_t group = weight.elements();
+      auto body = [&](int64_t t, int) {
+        const float* in = row_of<const float>(x, t);
+        float* dst = row_of<float>(out, t);
+        for (int64_t g = 0; g < x.cols; g += group) normalize(in + g, w, group, eps, dst + g);
+      };
+      pool_.run(x.rows, body);
+    });
+  }
+
+  void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                         const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      const W* w = static_cast<const W*>(weight.data);
+      auto body = [&](int64_t t, int) {
+        const float* in = row_of<const float>(x, t);
+        float* res = row_of<float>(residual, t);
+        for (int64_t c = 0; c < x.cols; c++) res[c] = res[c] + in[c];  // hidden = residual + hidden
+        normalize(res, w, x.cols, eps, row_of<float>(out, t));
+      };
+      pool_.run(x.rows, body);
+    });
+  }
+
+  void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) override {
+    const int64_t half = cos.cols, heads = x.cols / head_dim;
+    auto body = [&](int64_t t, int) {
+      const float* c = row_of<const float>(cos, t);
+      const float* s = row_of<const float>(sin, t);
+      for (int64_t h = 0; h < heads; h++) {
+        float* v = row_of<float>(x, t) + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+          const float a = v[i], b = v[i + half];
+          // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1)
+          v[i] = a * c[i] - b * s[i];
+          v[i + half] = b * c[i] + a * s[i];
+        }
+      }
+    };
+    pool_.run(x.rows, body);
+  }
+
+  void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      // Work items are blocks of kTokenBlock tokens x kRowBlock weight rows; inside one, tiles of kTileTokens
+      // x kTileRows reuse each converted weight element kTileTokens times. Block edges are multiples of the
+      // tile sizes, so which tile shape computes an output depends only on its position.
+      const int64_t T = x.rows, N = weight.rows, K = x.cols;
+      const int64_t token_blocks = int64_t(ceil_div(uint64_t(T), kTokenBlock));
+      const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), kRowBlock));
+      auto body = [&](int64_t item, int) {
+        const int64_t t0 = (item / row_blocks) * kTokenBlock, n0 = (item % row_blocks) * kRowBlock;
+        const int64_t t1 = std::min<int64_t>(t0 + kTokenBlock, T), n1 = std::min<int64_t>(n0 + kRowBlock, N);
+        int64_t t = t0;
+        for (; t + kTileTokens <= t1; t += kTileTokens) linear_rows<kTileTokens, W>(x, weight, out, t, n0, n1, K);
+        for (; t < t1; t++) linear_rows<1, W>(x, weight, out, t, n0, n1, K);
+      };
+      pool_.run(token_blocks * row_blocks, body);
+    });
+    if (bias.data == nullptr) return;
+    with_float_type(bias.dtype, [&](auto tag) {
+      using B = decltype(tag);
+      const B* b = static_cast<const B*>(bias.data);
+      auto body = [&](int64_t t, int) {
+        float* dst = row_of<float>(out, t);
+        for (int64_t n = 0; n < out.cols; n++) dst[n] = dst[n] + to_float(b[n]);
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) override {
+    auto body = [&](int64_t t, int) {
+      const float* g = row_of<const float>(gate, t);
+      const float* u = row_of<const float>(up, t);
+      float* dst = row_of<float>(out, t);
+      for (int64_t c = 0; c < out.cols; c++) dst[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];
+    };
+    pool_.run(out.rows, body);
+  }
+
+  void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) override {
+    auto body = [&](int64_t t, int) {
+      const float* pa = row_of<const float>(a, t);
+      const float* pb = row_of<const float>(b, t);
+      float* dst = row_of<float>(out, t);
+      for (int64_t c = 0; c < out.cols; c++) dst[c] = pa[c] + pb[c];
+    };
+    pool_.run(out.rows, body);
+  }
+
+  void impl_copy(const Tensor& src, const Tensor& dst) override {
+    with_float_type(src.dtype, [&](auto src_tag) {
+      with_float_type(dst.dtype, [&](auto dst_tag) {
+        using S = decltype(src_tag);
+        using D = decltype(dst_tag);
+        auto body = [&](int64_t r, int) {
+          const S* from = row_of<const S>(src, r);
+          D* to = row_of<D>(dst, r);
+          for (int64_t c = 0; c < src.cols; c++) to[c] = from_float<D>(to_float(from[c]));
+        };
+        pool_.run(src.rows, body);
+      });
+    });
+  }
+
+  void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                     const Tensor& slots) override {
+    const KVPageLayout& layout = cache.layout;
+    const int32_t* slot = ints(slots);
+    for (int64_t t = 0; t < k.rows; t++)
+      if (slot[t] >= 0 && slot[t] / layout.page_tokens >= cache.num_pages)
+        fail(ErrorCode::invalid_argument,
+             format("kv_write: slots[%lld] = %d is page %lld, past the cache's %lld pages of %lld tokens",
+                    (long long)t, slot[t], (long long)(slot[t] / layout.page_tokens), (long long)cache.num_pages,
+                    (long long)layout.page_tokens));
+    with_float_type(cache.dtype, [&](auto tag) {
+      using E = decltype(tag);
+      auto body = [&](int64_t t, int) {
+        if (slot[t] < 0) return;
+        const int64_t page = slot[t] / layout.page_tokens, offset = slot[t] % layout.page_tokens;
+        for (int kv = 0; kv < 2; kv++) {
+          const float* src = row_of<const float>(kv == 0 ? k : v, t);
+          // kv_heads consecutive heads of head_dim: one run of kv_heads * head_dim elements
+          E* dst = static_cast<E*>(cache.pages) + layout.offset(page, layer, kv, offset, 0);
+          for (int64_t c = 0; c < k.cols; c++) dst[c] = from_float<E>(src[c]);
+        }
+      };
+      pool_.run(k.rows, body);
+    });
+  }
+
+  void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                      float scale, const Tensor& out) override {
+    const KVPageLayout& layout = cache.layout;
+    const int64_t head_dim = layout.head_dim, kv_heads = layout.kv_heads;
+    if (head_dim > max_head_dim_)
+      fail(ErrorCode::invalid_argument,
+           format("attention: head_dim %lld is larger than the CPU backend's max_head_dim %lld; make the backend "
+                  "with CpuBackendOptions::max_head_dim >= %lld", (long long)head_dim, (long long)max_head_dim_,
+                  (long long)head_dim));
+    const int64_t seqs = batch.context_lens.elements();
+    const int32_t* starts = ints(batch.query_starts);
+    const int32_t* context = ints(batch.context_lens);
+    check_attention_batch(q, cache, batch);
+
+    with_float_type(cache.dtype, [&](auto tag) {
+      using E = decltype(tag);
+      const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
+      // Item = (query token, KV head): the KV head's rows are converted once and used by its whole group.
+      auto body = [&](int64_t item, int worker) {
+        const int64_t t = item / kv_heads, kv_head = item % kv_heads;
+        const int64_t s = int64_t(std::upper_bound(starts, starts + seqs + 1, int32_t(t)) - starts) - 1;
+        const int64_t queries = starts[s + 1] - starts[s];
+        const int64_t last = context[s] - queries + (t - starts[s]);  // the last cache index t may see
+        const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
+        float* key = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
+        float* value = key + max_head_dim_;                           // [head_dim]
+        float* acc = value + max_head_dim_;                           // [kHeadsPerPass, max_head_dim]
+        for (int64_t h0 = 0; h0 < group; h0 += kHeadsPerPass) {
+          const int64_t pass = std::min<int64_t>(kHeadsPerPass, group - h0);
+          const int64_t first_head = kv_head * group + h0;
+          float running_max[kHeadsPerPass], running_sum[kHeadsPerPass];
+          for (int64_t h = 0; h < pass; h++) {
+            running_max[h] = -INFINITY;
+            running_sum[h] = 0.0f;
+            std::fill(acc + h * max_head_dim_, acc + h * max_head_dim_ + head_dim, 0.0f);
+          }
+          for (int64_t c = 0; c <= last; c++) {
+            const int64_t page = pages[c / layout.page_tokens], offset = c % layout.page_tokens;
+            const E* k_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 0, offset, kv_head);
+            const E* v_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 1, offset, kv_head);
+            for (int64_t d = 0; d < head_dim; d++) key[d] = to_float(k_src[d]);
+            for (int64_t d = 0; d < head_dim; d++) value[d] = to_float(v_src[d]);
+            for (int64_t h = 0; h < pass; h++) {
+              const float* query = row_of<const float>(q, t) + (first_head + h) * head_dim;
+              float* a = acc + h * max_head_dim_;
+              const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+              // Online softmax: rescale what is summed only when the maximum grows.
+              if (score > running_max[h]) {
+                const float correction = std::exp(running_max[h] - score);  // exp(-inf) = 0 at the start
+                running_sum[h] *= correction;
+                for (int64_t d = 0; d < head_dim; d++) a[d] *= correction;
+                running_max[h] = score;
+              }
+              const float p = std::exp(score - running_max[h]);
+              running_sum[h] += p;
+              for (int64_t d = 0; d < head_dim; d++) a[d] += p * value[d];
+            }
+          }
+          for (int64_t h = 0; h < pass; h++) {
+            float* dst = row_of<float>(out, t) + (first_head + h) * head_dim;
+            const float* a = acc + h * max_head_dim_;
+            // a query sees at least its own token, so running_sum >= 1
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = a[d] / running_sum[h];
+          }
+        }
+      };
+      pool_.run(q.rows * kv_heads, body);
+    });
+  }
+
+ private:
+  static constexpr uint64_t kTokenBlock = 32, kRowBlock = 16;  // linear work item
+  static constexpr int kTileTokens = 4, kTileRows = 2;          // linear register tile
+  static constexpr int64_t kHeadsPerPass = 8;                   // attention: query heads summed together
+  static_assert(kTokenBlock % kTileTokens == 0 && kRowBlock % kTileRows == 0, "blocks must hold whole tiles");
+
+  // LlamaRMSNorm in float32: variance = mean(x^2); x * rsqrt(variance + eps); weight * that.
+  // The sum of squares is taken in double, so the variance is the correctly rounded mean.
+  template <class W>
+  static void normalize(const float* x, const W* weight, int64_t n, float eps, float* out) {
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += double(x[i]) * double(x[i]);
+    const float variance = float(sum / double(n));
+    const float inv_rms = 1.0f / std::sqrt(variance + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = to_float(weight[i]) * (x[i] * inv_rms);
+  }
+
+  // Output rows [n0, n1) for tokens [t, t + TOKENS).
+  template <int TOKENS, class W>
+  static void linear_rows(const Tensor& x, const Tensor& weight, const Tensor& out, int64_t t, int64_t n0,
+                          int64_t n1, int64_t k_size) {
+    const float* xs = row_of<const float>(x, t);
+    int64_t n = n0;
+    for (; n + kTileRows <= n1; n += kTileRows) {
+      float tile[TOKENS][kTileRows];
+      linear_tile<TOKENS, kTileRows>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
+      for (int i = 0; i < TOKENS; i++)
+        for (int j = 0; j < kTileRows; j++) row_of<float>(out, t + i)[n + j] = tile[i][j];
+    }
+    for (; n < n1; n++) {
+      float tile[TOKENS][1];
+      linear_tile<TOKENS, 1>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
+      for (int i = 0; i < TOKENS; i++) row_of<float>(out, t + i)[n] = tile[i][0];
+    }
+  }
+
+  // What only the CPU can check cheaply: the values of the index vectors.
+  static void check_attention_batch(const Tensor& q, const KVCacheView& cache, const AttentionBatch& batch) {
+    const int64_t seqs = batch.context_lens.elements(), page_tokens = cache.layout.page_tokens;
+    const int32_t* starts = ints(batch.query_starts);
+    const int32_t* context = ints(batch.context_lens);
+    if (starts[0] != 0 || starts[seqs] != q.rows)
+      fail(ErrorCode::invalid_argument,
+           format("attention: query_starts must run from 0 to q's %lld rows; it runs from %d to %d",
+                  (long long)q.rows, starts[0], starts[seqs]));
+    for (int64_t s = 0; s < seqs; s++) {
+      const int64_t queries = int64_t(starts[s + 1]) - starts[s];
+      if (queries < 0)
+        fail(ErrorCode::invalid_argument, format("attention: query_starts decreases at sequence %lld (%d then %d)",
+                                                 (long long)s, starts[s], starts[s + 1]));
+      if (context[s] < queries || context[s] > batch.max_context)
+        fail(ErrorCode::invalid_argument,
+             format("attention: sequence %lld has context_lens %d; it must be at least its %lld queries (they are "
+                    "the last tokens of its context) and at most max_context %lld",
+                    (long long)s, context[s], (long long)queries, (long long)batch.max_context));
+      const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
+      for (int64_t p = 0; p < int64_t(ceil_div(uint64_t(context[s]), uint64_t(page_tokens))); p++)
+        if (pages[p] < 0 || pages[p] >= cache.num_pages)
+          fail(ErrorCode::invalid_argument,
+               format("attention: block_tables[%lld][%lld] = %d is not a page of the cache (%lld pages) but "
+                      "sequence %lld's context of %d tokens needs it",
+                      (long long)s, (long long)p, pages[p], (long long)cache.num_pages, (long long)s, context[s]));
+    }
+  }
+
+  int64_t max_head_dim_;
+  int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
+  std::vector<float> scratch_;  // [threads, scratch_per_thread_]
+  ThreadPool pool_;
+};
+
+}  // namespace detail
+
+Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options) {
+  return detail::guard([&]() -> std::unique_ptr<Backend> {
+    if (options.threads < 0 || options.max_head_dim <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread) and "
+                                  "max_head_dim %lld positive", options.threads, (long long)options.max_head_dim));
+    return std::make_unique<detail::CpuBackend>(options);
   });
 }
 

@@ -7,10 +7,12 @@
 #include "safetensors.hpp"
 #include "config.hpp"
 #include "tokenizer.hpp"
+#include "image.hpp"
 #include "device.hpp"
 #include "plan.hpp"
 #include "arena.hpp"
 #include "sampler.hpp"
+#include "backend.hpp"
 #endif  // KVLITE_HPP_INCLUDED
 
 #if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
@@ -19,8 +21,11 @@
 #include "safetensors.inl"
 #include "config.inl"
 #include "tokenizer.inl"
+#include "image.inl"
 #include "device.inl"
 #include "plan.inl"
 #include "arena.inl"
 #include "sampler.inl"
+#include "backend.inl"
+#include "backend_cpu.inl"
 #endif  // KVLITE_IMPLEMENTATION
