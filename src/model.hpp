@@ -85,9 +85,6 @@ class TextModel {
   float* sampling_probs(int64_t seq);   // [V]
   int32_t* sampling_order(int64_t seq);  // [V]
 
-  const ModelConfig& config() const { return config_; }
-  int64_t vocab_size() const { return config_.text.vocab_size; }
-
  private:
   KVCacheView kv_cache() const;
 

@@ -301,7 +301,8 @@ Tensor TextModel::logits(int64_t first, int64_t count) {
                                                      (long long)first, (long long)count, (long long)max_logit_rows_));
   // logits = self.lm_head(hidden_states[:, slice_indices, :]), for the wanted rows only (RMSNorm is per row,
   // so normalising all rows and then selecting is the same as transformers' select-last-then-project).
-  // hidden is dead after the final norm: it holds the gathered rows.          gathered [count, H]
+  // hidden is dead after the final norm: it holds the gathered rows (fp32, which is also the CPU's activation
+  // dtype; a bf16 backend would gather into a buffer of its own dtype).          gathered [count, H]
   Tensor gathered = hidden_.slice_rows(0, count);
   check(backend_.gather_rows(normed_.slice_rows(0, step_tokens_), logit_rows_.slice_rows(first, count), gathered));
   Tensor out = logits_.slice_rows(0, count);  // [count, V] fp32
