@@ -35,6 +35,7 @@ const char* kv_dtype_name(KVDType dtype) {
     case KVDType::bf16: return "bf16";
     case KVDType::f16: return "f16";
     case KVDType::fp8: return "fp8";
+    case KVDType::f32: return "f32";
   }
   return "?";
 }
@@ -45,12 +46,13 @@ Result<KVDType> parse_kv_dtype(const std::string& text) {
     if (text == "bf16" || text == "bfloat16") return KVDType::bf16;
     if (text == "f16" || text == "fp16" || text == "float16") return KVDType::f16;
     if (text == "fp8" || text == "fp8_e4m3") return KVDType::fp8;
+    if (text == "f32" || text == "fp32" || text == "float32") return KVDType::f32;
     detail::fail(ErrorCode::invalid_argument,
-                 detail::format("unknown KV dtype '%s': use auto, bf16, f16 or fp8", text.c_str()));
+                 detail::format("unknown KV dtype '%s': use auto, bf16, f16, fp8 or f32", text.c_str()));
   });
 }
 
-int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : 2; }
+int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : dtype == KVDType::f32 ? 4 : 2; }
 
 namespace detail {
 namespace planning {
@@ -315,7 +317,7 @@ PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
   const char* dtype = activation_dtype(in.device.backend);
   return {"activations", "activations", buffers_bytes(buffers),
           format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual (T,H) fp32; normed, qkv, "
-                 "attn_out, gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; 4 int32 index arrays",
+                 "attn_out, gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,D/2) fp32; int32 index arrays",
                  (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits),
           true};
 }
@@ -550,6 +552,12 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       mrope ? buffer("positions", {3, T}, 4, "(3, T)", "int32") : buffer("positions", {T}, 4, "(T)", "int32"),
       buffer("slot_mapping", {T}, 4, "(T)", "int32"),  // KV slot (page x page_tokens + offset) each token writes
       buffer("seq_index", {T}, 4, "(T)", "int32"),     // which sequence of the batch each token belongs to
+      // RoPE cos/sin of each token's position, computed on the host (rope_tables) and copied in.
+      buffer("rope_cos", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
+      buffer("rope_sin", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
+      buffer("query_starts", {S + 1}, 4, "(S + 1)", "int32"),  // attention batch: first token of each sequence
+      buffer("context_lens", {S}, 4, "(S)", "int32"),          // attention batch: cached tokens of each sequence
+      buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
   return buffers;
 }
@@ -587,6 +595,7 @@ std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_se
   return {
       buffer("logits", {R, V}, 4, "(max(S, 32), V)", "fp32"),
       buffer("sampling_probs", {S, V}, 4, "(S, V)", "fp32"),
+      buffer("sampling_order", {S, V}, 4, "(S, V)", "int32"),  // the sampler's sort order scratch
       buffer("sampled_ids", {S}, 4, "(S)", "int32"),
       buffer("target_ids", {R}, 4, "(max(S, 32))", "int32"),  // scoring: the next tokens whose log-probs are read
       buffer("row_logprobs", {R}, 4, "(max(S, 32))", "fp32"),
@@ -609,7 +618,10 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
   PlanOptions o = requested;
   o.wsl2 = device.wsl2;
-  if (o.kv_dtype == KVDType::auto_) o.kv_dtype = config.text.dtype == DType::F16 ? KVDType::f16 : KVDType::bf16;
+  if (o.kv_dtype == KVDType::auto_)
+    o.kv_dtype = device.backend == BackendKind::cpu ? KVDType::f32
+                 : config.text.dtype == DType::F16  ? KVDType::f16
+                                                    : KVDType::bf16;
   if (o.max_seqs == 0) o.max_seqs = kDefaultMaxSeqs;
 
   std::string image_rule;
