@@ -12,16 +12,22 @@
    The implementation needs nlohmann/json, PCRE2 and stb_image (Debian: nlohmann-json3-dev, libpcre2-dev,
    libstb-dev). The declarations need only the C++17 standard library.
 
-   EXAMPLE: plan before you load
+   EXAMPLE: plan, then generate and score
 
-      kvlite::PlanOptions options;
-      options.device_mem = 8ull << 30;          // plan for an 8 GiB card, whatever this machine has
-      options.utilization = 0.80;
-      options.max_model_len = 4096;
-      auto plan = kvlite::plan_model_dir("models/qwen3-vl-4b-instruct-fp8", options);
-      if (!plan) { fprintf(stderr, "%s\n", plan.error().message.c_str()); return 1; }
-      printf("%s", plan->table().c_str());       // where every byte goes
-      if (!plan->fits) for (auto& line : plan->advice) printf("%s\n", line.c_str());
+      kvlite::PlanOptions plan_options;
+      plan_options.device_mem = 8ull << 30;     // plan for an 8 GiB card, whatever this machine has
+      plan_options.max_model_len = 4096;
+      auto plan = kvlite::plan_model_dir("models/qwen3-vl-4b-instruct-fp8", plan_options);
+      if (plan) printf("%s", plan->table().c_str());   // where every byte goes, and what would fit
+
+      kvlite::EngineOptions options;             // the CPU reference engine (CUDA: being built)
+      options.plan.max_model_len = 2048;
+      auto engine = kvlite::Engine::open("path/to/Qwen3-4B", options);   // plan, one arena, mmap'd weights
+      if (!engine) { fprintf(stderr, "%s\n", engine.error().message.c_str()); return 1; }
+      kvlite::SamplingParams params;            // greedy; set temperature/top_p/top_k/seed to sample
+      (*engine)->generate("The capital of France is", params,
+                          [](const std::string& piece, int32_t) { fputs(piece.c_str(), stdout); return true; });
+      auto ppl = (*engine)->score(text, 2048, 512);   // context 2048, stride 512: ppl->perplexity
 
    WHAT IT DOES
       - Reads a Hugging Face model directory as it is: config.json (llama, qwen2, qwen3, qwen3_vl; classic
@@ -33,6 +39,10 @@
         how much and what would (largest context, ratio needed, fp8 KV, smaller image budget).
       - Reserves one arena of the planned size; KV lives in fixed-size pages carved from it; nothing is
         allocated afterwards.
+      - Tokenizes as Hugging Face tokenizers do (byte-level BPE, PCRE2 regexes, NFC, chat formats for ChatML
+        and Llama-3), generates with continuous batching over the paged KV cache, samples (greedy,
+        temperature, top-k, top-p, min-p, repetition penalty, seed) and scores perplexity with sliding windows.
+      - Decodes images with stb_image and preprocesses them exactly as Qwen's image processor does.
 
    ARCHITECTURE (each floor uses only those below it)
       api / engine     requests, continuous batching, KV page ownership, sampling, scoring, cancel
@@ -51,7 +61,9 @@
       boundary, never aborts and never exits.
 
    LIMITATIONS (v0.1)
-      - Generation, tokenizer, CUDA kernels and the vision path are being built (see README.md).
+      - Generation runs on the CPU reference backend; the CUDA backend in kernels.cu compiles but is not wired.
+      - FP8 and W4A16 checkpoints are read and planned, not yet computed; Qwen3-VL images are preprocessed,
+        the vision encoder is being built.
       - Linux (including WSL2) only: uses mmap and sysconf.
 
    CONFIGURATION
