@@ -257,8 +257,18 @@ void dequantize_rows_unchecked(const QuantWeight& w, int64_t row0, int64_t rows,
         for (int64_t g = 0; g < w.scale_cols; g++) {
           const float scale = scale_at(w.scales, w.scale_dtype, scale_row + g);
           const int zero = w.zero_points ? int4_zero_point_at(w.zero_points, w.scale_cols, n, g) : 0;
-          for (int64_t k = g * w.group_size; k < (g + 1) * w.group_size; k++)
-            dst[k] = dequantize_value(float(int4_packed_at(packed_row, k) - zero), scale, w.scale_dtype, w.rounding);
+          // A group has only 16 distinct weights: dequantize each once, then look the nibbles up.
+          float table[16];
+          for (int u = 0; u < 16; u++) table[u] = dequantize_value(float(u - 8 - zero), scale, w.scale_dtype, w.rounding);
+          const int64_t k0 = g * w.group_size, k1 = k0 + w.group_size;
+          if (w.group_size % 8 == 0) {  // whole words (every group size checkpoints use)
+            for (int64_t word_index = k0 / 8; word_index < k1 / 8; word_index++) {
+              const uint32_t word = load_u32_le(packed_row + 4 * word_index);
+              for (int i = 0; i < 8; i++) dst[8 * word_index + i] = table[(word >> (4 * i)) & 0xfu];
+            }
+          } else {
+            for (int64_t k = k0; k < k1; k++) dst[k] = table[int4_packed_at(packed_row, k) + 8];
+          }
         }
       }
     } else {

@@ -28,9 +28,12 @@ Needs tests/fixtures/tokenizers/qwen2 (tools/make_fixtures.py tokenizers).
 """
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
+
+os.environ.setdefault("TQDM_DISABLE", "1")  # compressed-tensors' progress bars
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_fixtures as base  # noqa: E402  (shares the seeded init, prompts and greedy cross-check)
