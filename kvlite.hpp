@@ -795,6 +795,106 @@ class StreamingDecoder {
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
+// image: decoding (stb_image, compiled privately), and Qwen2-VL / Qwen3-VL preprocessing exactly as
+// transformers' default image processor does it: smart_resize, torchvision's antialiased bicubic resize
+// (ATen's integer uint8 kernel, reproduced bit for bit), rescale + normalize, and patchify into the rows
+// the vision encoder reads.
+//
+//    auto image = kvlite::load_image("cat.jpg");                       // RGB, EXIF orientation applied
+//    auto input = kvlite::preprocess_image(*image, kvlite::preprocess_options(config));
+//    // input->pixel_values: (grid_t*grid_h*grid_w, 1536) floats; input->grid.image_tokens placeholders
+// ---------------------------------------------------------------------------------------------------------
+#include <array>
+
+namespace kvlite {
+
+// An 8-bit RGB image: rows top to bottom, pixels packed R, G, B.
+struct Image {
+  int64_t width = 0, height = 0;
+  std::vector<uint8_t> rgb;  // (height, width, 3)
+};
+
+// What becomes of an alpha channel. transformers does both, depending on how the image arrives.
+enum class AlphaMode {
+  drop,             // keep R, G, B as stored: its loaders for a path/URL (PIL .convert("RGB"); torchvision
+                    // decode_image(mode=RGB)) - the default for files and bytes
+  composite_white,  // blend onto white, c*a + (1-a) in float32 then truncated as torchvision's to_dtype: its
+                    // convert_to_rgb for an RGBA array or tensor - the default for raw pixels
+};
+
+struct DecodeOptions {
+  // Refuse images with more pixels than this BEFORE decoding them (a small file can claim 100000 x 100000
+  // and make the decoder allocate tens of GiB). 64 Mi pixels ~ 8192 x 8192; the decoded RGB costs 3 bytes each.
+  int64_t max_pixels = int64_t(64) << 20;
+  uint64_t max_file_bytes = uint64_t(256) << 20;  // load_image refuses larger files without reading them
+  bool exif_orientation = true;  // apply EXIF Orientation (JPEG APP1, PNG eXIf), as transformers' loaders do
+  AlphaMode alpha = AlphaMode::drop;
+};
+
+// Decodes JPEG (baseline, progressive), PNG (gray, palette, alpha, 16-bit: high byte kept), BMP, TGA,
+// GIF (first frame) and PNM (P5/P6) to RGB. Refuses with a clear error, naming the file: unsupported
+// formats (WebP, TIFF, HEIF/AVIF, ... : `unsupported`), corrupt or truncated data (`bad_format`, with the
+// decoder's reason), images over options.max_pixels (`invalid_argument`, before any pixel is decoded).
+Result<Image> load_image(const std::string& path, const DecodeOptions& options = {});
+// The same from bytes in memory; `name` stands for them in messages.
+Result<Image> decode_image(const uint8_t* data, size_t size, const DecodeOptions& options = {},
+                           const std::string& name = "image");
+
+// Raw pixels as a camera or a GUI hands them over. stride_bytes: bytes from one row to the next (0: packed).
+enum class PixelFormat { rgb8, bgr8, rgba8, bgra8, gray8 };
+Result<Image> image_from_pixels(const uint8_t* pixels, int64_t width, int64_t height, PixelFormat format,
+                                int64_t stride_bytes = 0, AlphaMode alpha = AlphaMode::composite_white);
+
+// ---- Qwen2-VL / Qwen3-VL preprocessing ------------------------------------------------------------------
+// transformers' smart_resize: both sides multiples of `factor` (patch x merge: 32 for Qwen3-VL, 28 for
+// Qwen2/2.5-VL), pixel count brought into [min_pixels, max_pixels] keeping the aspect ratio, Python's
+// half-to-even rounding. Aspect ratio over 200 is an error, as there. Returns {height, width}.
+Result<std::pair<int64_t, int64_t>> smart_resize(int64_t height, int64_t width, int64_t factor,
+                                                 int64_t min_pixels, int64_t max_pixels);
+
+// torchvision.transforms.v2.functional.resize(uint8 image, [height, width], BICUBIC, antialias=True) as it
+// runs on a CPU (ATen upsample_bicubic2d_aa, uint8: Keys cubic a = -0.5 with support 2 x max(1, in/out),
+// weights normalized, then quantized to int16; horizontal pass, rounded to uint8, then vertical pass).
+// Bit-exact. The same size returns a copy.
+Result<Image> resize_bicubic_aa(const Image& image, int64_t height, int64_t width);
+
+struct PreprocessOptions {
+  int64_t min_pixels = 65536;     // preprocessor_config.json size.shortest_edge (Qwen3-VL's published value)
+  int64_t max_pixels = 16777216;  // size.longest_edge
+  int64_t patch_size = 16;
+  int64_t merge_size = 2;           // 2 x 2 patches become one LLM token
+  int64_t temporal_patch_size = 2;  // a still image is repeated into this many frames
+  double rescale_factor = 1.0 / 255.0;
+  std::array<double, 3> image_mean{{0.5, 0.5, 0.5}};
+  std::array<double, 3> image_std{{0.5, 0.5, 0.5}};
+};
+// The model's options: pixel budget from preprocessor_config.json when the directory had one, patch and
+// merge sizes from the vision config; the rest are Qwen3-VL's values.
+PreprocessOptions preprocess_options(const ModelConfig& config);
+
+struct ImageGrid {
+  int64_t resized_height = 0, resized_width = 0;  // after smart_resize
+  int64_t grid_t = 0, grid_h = 0, grid_w = 0;     // in patches (image_grid_thw)
+  int64_t image_tokens = 0;                       // grid_t * grid_h * grid_w / merge_size^2
+};
+// What preprocessing an image of this size will give, without touching pixels (prompt building, planning).
+Result<ImageGrid> image_grid(int64_t height, int64_t width, const PreprocessOptions& options);
+
+struct VisionInput {
+  ImageGrid grid;
+  int64_t row_size = 0;  // 3 * temporal_patch_size * patch_size^2 (1536)
+  // (grid_t * grid_h * grid_w, row_size): rows in 2 x 2 merge-window order (windows in raster order, then
+  // (0,0), (0,1), (1,0), (1,1) inside), each row ordered (channel, frame, y, x); values (x - mean) / std
+  // on the 0..1 scale, float32 exactly as transformers computes them.
+  std::vector<float> pixel_values;
+  int64_t rows() const { return row_size ? int64_t(pixel_values.size()) / row_size : 0; }
+};
+// smart_resize -> resize_bicubic_aa -> rescale and normalize -> patchify; transformers' pixel_values and
+// image_grid_thw for one image.
+Result<VisionInput> preprocess_image(const Image& image, const PreprocessOptions& options);
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
 // device: what we plan for (a CUDA GPU, a planned-for card, or the CPU) and the few CUDA entry points the
 // header's host code calls in kernels.cu. Without KVLITE_WITH_CUDA those entry points report "not built".
 // ---------------------------------------------------------------------------------------------------------
@@ -848,34 +948,46 @@ namespace kvlite {
 enum class KVDType { auto_, bf16, f16, fp8 };  // auto: the model's dtype (bf16 or f16); fp8: e4m3
 const char* kv_dtype_name(KVDType dtype);
 Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8"
+int kv_dtype_bytes(KVDType dtype);                         // 2, or 1 for fp8 (auto must be resolved first)
 
 struct PlanOptions {
-  std::optional<uint64_t> device_mem;  // plan for a card of this size instead of the one present
+  // Plan for a card of this size instead of the one present. Read by plan_model_dir (through
+  // detect_device); make_plan plans for the DeviceSpec it is given.
+  std::optional<uint64_t> device_mem;
   double utilization = 0.90;           // fraction of device memory kvlite may use, (0, 1]
   int64_t max_model_len = 0;           // 0: the default rule (see Plan::max_model_len_rule)
   int64_t max_seqs = 0;                // 0: default 8; sequences decoded together
   int64_t max_batched_tokens = 0;      // 0: default min(2048, max_model_len); tokens in one forward step
   KVDType kv_dtype = KVDType::auto_;
-  int64_t max_image_pixels = 0;        // vision models; 0: preprocessor_config.json's max, else the model default
+  int64_t max_image_pixels = 0;        // vision models; 0: kvlite's default, min(processor max, 1024 x 1024)
   int64_t max_images = 1;              // images encoded in one step (vision models)
   int64_t kv_page_tokens = 16;         // tokens per KV page
   std::optional<bool> wsl2;            // override WSL2 detection
 };
 
+// Limits on options (beyond them the planner's products would stop meaning anything).
+constexpr int64_t kMaxPlanSeqs = 65536;
+constexpr int64_t kMaxPlanBatchedTokens = 1 << 20;
+constexpr int64_t kMaxPlanPageTokens = 1024;
+constexpr int64_t kMaxPlanImages = 1024;
+constexpr int64_t kMaxPlanImagePixels = int64_t(1) << 28;  // 16384 x 16384
+// Every planned region starts on this boundary: each buffer and item is rounded up to it.
+constexpr uint64_t kPlanAlignment = 256;
+
 // One line of the plan table. Items with in_arena == true are regions of the one reservation, carved in
 // this order; the others (CUDA context) are memory the device spends that kvlite does not allocate.
 struct PlanItem {
   std::string key;    // stable identifier: "weights", "repack", "context", "activations", "vision",
-                      // "logits", "workspace", "graphs", "kv"
-  std::string label;  // for the table: "weights (exact, 4.45 GiB in 398 tensors)"
+                      // "logits", "workspace", "graphs"
+  std::string label;  // for the table: "weights (exact, 398 tensors)"
   uint64_t bytes = 0;
   std::string why;    // one line: how the number was computed
   bool in_arena = true;
 };
 
 struct Plan {
-  DeviceSpec device;
-  PlanOptions options;  // resolved: every 0 replaced by the value used
+  DeviceSpec device;    // as planned for (wsl2 as resolved from options)
+  PlanOptions options;  // resolved: every 0 / auto replaced by the value used
   std::string model_name;
   Arch arch = Arch::llama;
 
@@ -885,14 +997,15 @@ struct Plan {
   uint64_t kv_bytes_per_token = 0;
   uint64_t kv_page_tokens = 0;
   uint64_t kv_page_bytes = 0;   // kv_page_tokens x kv_bytes_per_token (all layers)
-  uint64_t budget_bytes = 0;    // utilization x device memory
+  uint64_t budget_bytes = 0;    // floor(utilization x device memory)
   uint64_t fixed_bytes = 0;     // sum of items (what must fit before any KV)
   int64_t kv_available_bytes = 0;  // budget - fixed; negative when even that does not fit
   uint64_t kv_arena_bytes = 0;  // whole pages only
   uint64_t kv_pages = 0;
   uint64_t kv_tokens = 0;       // kv_pages x kv_page_tokens
   int64_t max_model_len = 0;
-  std::string max_model_len_rule;  // why this max_model_len ("requested", "default: ...")
+  std::string max_model_len_rule;    // why this max_model_len ("requested", "default: ...")
+  std::string max_image_pixels_rule; // vision models: why this image budget; empty otherwise
   double concurrency = 0;       // kv_tokens / max_model_len
   bool fits = false;            // one sequence of max_model_len fits
   int64_t shortfall_bytes = 0;  // how much more memory a fit needs (0 when it fits)
@@ -904,28 +1017,46 @@ struct Plan {
   std::vector<std::string> advice;             // sentences for people, most useful first
 
   uint64_t arena_bytes() const;  // sum of in_arena items + kv_arena_bytes: the one reservation
+  const PlanItem* item(const std::string& key) const;  // nullptr when the plan has no such item
   std::string table() const;     // the human table
   std::string json() const;      // the machine form (byte counts as integers)
-  std::string svg() const;       // a stacked bar of the budget
+  std::string svg() const;       // a stacked bar of the budget, a standalone SVG document
 };
 
-// The planner. Never touches the GPU and never reads tensor data (headers only).
+// The planner. Never touches the GPU and never reads tensor data (headers only). Option errors are
+// invalid_argument and carry the value; a plan that does not fit is NOT an error (see Plan::fits).
 Result<Plan> make_plan(const ModelConfig& config, const WeightsSummary& weights, const DeviceSpec& device,
                        const PlanOptions& options);
-// Convenience: reads MODEL_DIR's config.json and safetensors headers (if any), detects the device, plans.
+
+// What plan_model_dir reads from a model directory, kept so a caller can re-plan without reading it again
+// (`kvlite plan --sweep`).
+struct PlanInputs {
+  ModelConfig config;
+  WeightsSummary weights;
+  uint64_t tensor_count = 0;  // tensors in the safetensors headers (0: none, weights estimated from config.json)
+};
+Result<PlanInputs> read_plan_inputs(const std::string& model_dir);  // config.json + safetensors headers
+Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const PlanOptions& options);
+// Convenience: read_plan_inputs + detect_device(options.device_mem, options.wsl2) + make_plan.
 Result<Plan> plan_model_dir(const std::string& model_dir, const PlanOptions& options);
 
-// The activation buffers of one forward step of `tokens` tokens (and the vision encoder for `image_pixels`),
-// each a named region with its bytes: the planner sums them and the engine carves them, so the two agree.
+// The buffers of one forward step, each a named region with its bytes (rounded up to kPlanAlignment): the
+// planner sums them and the engine carves them, so the two agree. Shapes name config sizes:
+// T tokens, H hidden, Hq/Hkv heads, D head_dim, I intermediate, S sequences, V vocab, N patches.
 struct BufferSpec {
   std::string name;   // "hidden", "qkv", ...
   uint64_t bytes = 0;
-  std::string shape;  // "(tokens, hidden)"
+  std::string shape;  // "(T, H) fp32"
 };
+// Language model, one step of `tokens` tokens from up to `max_seqs` sequences.
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
                                            BackendKind backend);
+// Vision encoder, `images` images of at most `image_pixels` pixels each (empty for text-only models).
 std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
                                        BackendKind backend);
+// Logits and sampling for up to `max_seqs` sequences (scoring reuses the same rows, 32 at a time).
+std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_seqs);
+uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers);  // their sum
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
@@ -1157,6 +1288,202 @@ struct ScoreWindow {
 // Windows of `context` tokens every `stride` tokens, exactly as the guide's loop: trg_len = end - prev_end,
 // the first window's first token has no prediction (it is never a target).
 Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t context, int64_t stride);
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// backend: the operations a forward pass runs, on tensors that live where the backend computes (host memory
+// for the CPU, device memory for CUDA). The model is written once against this interface; the CPU backend is
+// the reference every CUDA kernel is checked against.
+//
+// Conventions shared by every op:
+//   - Tensors are 2-D views [rows, cols]: activations are [tokens, features]; a linear weight is
+//     [out_features, in_features] as PyTorch stores it. Views may be row or column slices of larger buffers
+//     (q, k and v are column slices of one fused qkv buffer), so every op honours row_stride.
+//   - A "vector of n" (norm weight, bias, token ids, slots...) is a contiguous tensor of n elements in
+//     either orientation ([1, n] or [n, 1]).
+//   - Activations have the backend's activation_dtype() (F32 on the CPU); index vectors are I32.
+//   - Ops never allocate: every output is a caller-owned buffer (the arena's activation region). Scratch is
+//     sized when the backend is made.
+//   - Ops validate shapes and dtypes here, once for every backend, and return invalid_argument (or
+//     unsupported, when supports() says no) with the shapes in the message. A backend may run asynchronously:
+//     errors found on the device surface at synchronize().
+//   - One caller at a time: a backend is not safe to call from two threads at once.
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+
+// A view of `rows` x `cols` elements of `dtype`; row r starts r * row_stride elements after `data`.
+// Never owns memory.
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::F32;
+  int64_t rows = 0, cols = 0;
+  int64_t row_stride = 0;  // elements between the starts of consecutive rows, >= cols
+
+  // A dense [rows, cols] view.
+  static Tensor matrix(void* data, DType dtype, int64_t rows, int64_t cols) {
+    return Tensor{data, dtype, rows, cols, cols};
+  }
+  // A vector of n elements, as [n, 1].
+  static Tensor vector(void* data, DType dtype, int64_t n) { return Tensor{data, dtype, n, 1, 1}; }
+
+  int64_t elements() const { return rows * cols; }
+  int64_t element_bytes() const { return int64_t(dtype_bytes(dtype, 1)); }
+  // True when the elements are one run of memory (vectors must be).
+  bool contiguous() const { return rows <= 1 || row_stride == cols; }
+  // Rows [first, first + count).
+  Tensor slice_rows(int64_t first, int64_t count) const {
+    return Tensor{static_cast<uint8_t*>(data) + first * row_stride * element_bytes(), dtype, count, cols, row_stride};
+  }
+  // Columns [first, first + count) of every row (q, k or v inside a fused qkv buffer; one head).
+  Tensor slice_cols(int64_t first, int64_t count) const {
+    return Tensor{static_cast<uint8_t*>(data) + first * element_bytes(), dtype, rows, count, row_stride};
+  }
+};
+
+// The paged KV cache as kernels see it: the base of the KV pages and their layout (see KVPageLayout).
+struct KVCacheView {
+  void* pages = nullptr;      // page 0; page p starts p * layout.page_elements() elements later
+  DType dtype = DType::BF16;  // element type of K and V (the CPU stores F32, BF16 or F16)
+  KVPageLayout layout;
+  int64_t num_pages = 0;
+};
+
+// The sequences of one attention call. Sequence s owns the query rows [query_starts[s], query_starts[s+1])
+// and n_s = query_starts[s+1] - query_starts[s] of them. Its queries are the LAST n_s tokens of its context:
+// query j (0-based) sits at cache index context_lens[s] - n_s + j and attends causally to cache indices
+// 0 .. that index. So one call mixes chunked prefill (n_s > 1, earlier chunks already cached) and decode
+// (n_s = 1). Their K/V must already be written (kv_write) before attention runs.
+struct AttentionBatch {
+  Tensor query_starts;      // I32 vector [seqs + 1]; query_starts[0] = 0, last = query tokens
+  Tensor context_lens;      // I32 vector [seqs]: cached tokens of each sequence, this step's included
+  Tensor block_tables;      // I32 [seqs, max_pages_per_seq]: row s lists sequence s's pages in order
+  int64_t max_context = 0;  // >= every context_lens[s] (lets a GPU size its work without reading them)
+};
+
+// Every op of the interface, for supports() and for messages.
+enum class Op {
+  gather_rows, rms_norm, add_rms_norm, rope, linear, silu_mul, add, copy, kv_write, attention,
+};
+const char* op_name(Op op);
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // ---- identity and capabilities ---------------------------------------------------------------------
+  virtual BackendKind kind() const = 0;
+  virtual std::string name() const = 0;  // for logs: "cpu (8 threads)"
+  // The dtype of every activation tensor the ops read and write (F32 on the CPU).
+  virtual DType activation_dtype() const = 0;
+  // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows), the weight
+  // (rms_norm, add_rms_norm, linear), the K/V element (kv_write, attention), the destination (copy); for
+  // the others (rope, silu_mul, add) the activation dtype.
+  virtual bool supports(Op op, DType dtype) const = 0;
+
+  // ---- memory movement ---------------------------------------------------------------------------------
+  // dst <- src, where src holds dst.rows x dst.cols elements of dst.dtype, row after row, on the host.
+  Status copy_from_host(const void* src, const Tensor& dst);
+  // dst (host, dense rows) <- src.
+  Status copy_to_host(const Tensor& src, void* dst);
+  // Waits for queued work; reports the first error a queued op met.
+  Status synchronize();
+
+  // ---- ops -------------------------------------------------------------------------------------------
+  // out[t, :] = table[ids[t], :], converted to the activation dtype. Embedding lookup (table
+  // [vocab, hidden], BF16/F16/F32) and row selection (e.g. the last token of each sequence before the
+  // lm_head). table [V, H]; ids I32 vector [T], each in [0, V); out [T, H].
+  Status gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out);
+
+  // RMSNorm in groups: each row of x is split into x.cols / W groups of W = weight's length, and each group
+  // is normalised on its own: out = weight * (x * rsqrt(mean(x^2) + eps)), in fp32 (LlamaRMSNorm).
+  // W = x.cols is the layer norm; W = head_dim is Qwen3's per-head q_norm / k_norm over [T, heads * D].
+  // x, out [T, C]; weight vector [W], C % W == 0. out may be x.
+  Status rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out);
+
+  // The pre-norm residual step fused: residual += x; out = rms_norm(residual) (weight over the whole row).
+  // This is transformers' `hidden = residual + hidden; residual = hidden; hidden = norm(hidden)`.
+  // x, residual, out [T, H]; weight vector [H]. out may be x, never residual.
+  Status add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                      const Tensor& out);
+
+  // Rotary embedding in place, rotate_half convention (Llama/Qwen; not GPT-J's interleaved pairs): for each
+  // head and each frequency i < R/2, with a = x[i], b = x[i + R/2], c = cos[t, i], s = sin[t, i]:
+  //   x[i] = a*c - b*s;  x[i + R/2] = b*c + a*s      (x*cos + rotate_half(x)*sin, since emb = cat(f, f))
+  // Dimensions R .. head_dim-1 are left alone (partial rotary). Build cos/sin with rope_tables().
+  // x [T, heads * head_dim]; cos, sin F32 [T, R/2] with R <= head_dim.
+  Status rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim);
+
+  // out = x @ weight^T (+ bias): nn.Linear. x [T, K]; weight [N, K] (BF16/F16/F32); bias vector [N] or
+  // none (bias.data == nullptr); out [T, N]. out must not overlap x.
+  Status linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out);
+
+  // SwiGLU's gate: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). gate, up, out [T, I] (gate and up
+  // may be the two halves of one fused gate_up buffer). out may be gate or up.
+  Status silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out);
+
+  // out = a + b. a, b, out [T, H]. out may be a or b.
+  Status add(const Tensor& a, const Tensor& b, const Tensor& out);
+
+  // dst = src, converting between F32, BF16 and F16 (round to nearest even). Same shape; no overlap.
+  Status copy(const Tensor& src, const Tensor& dst);
+
+  // Stores layer `layer`'s K and V rows of T tokens into the KV pages. slots I32 vector [T]: token t goes
+  // to page slots[t] / page_tokens at offset slots[t] % page_tokens; a negative slot skips the token
+  // (padding). k, v [T, kv_heads * head_dim]. Converted to cache.dtype (round to nearest even).
+  Status kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots);
+
+  // Causal paged attention for a batch of sequences (see AttentionBatch), grouped-query: query head h reads
+  // KV head h / (heads / kv_heads). Per query head: softmax(scale * q.K^T) @ V over its visible tokens,
+  // in fp32 with the running maximum subtracted; no [T, context] matrix is formed.
+  // q, out [T, heads * head_dim] with head_dim = cache.layout.head_dim; scale usually 1/sqrt(head_dim).
+  Status attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                   float scale, const Tensor& out);
+
+ protected:
+  // The backend's work, called after the shared validation above has passed. They may throw kvlite::Error
+  // (detail::fail) for what only they can check (e.g. values of index vectors on the CPU).
+  virtual void impl_copy_from_host(const void* src, const Tensor& dst) = 0;
+  virtual void impl_copy_to_host(const Tensor& src, void* dst) = 0;
+  virtual void impl_synchronize() = 0;
+  virtual void impl_gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) = 0;
+  virtual void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) = 0;
+  virtual void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                                 const Tensor& out) = 0;
+  virtual void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) = 0;
+  virtual void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) = 0;
+  virtual void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
+  virtual void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  virtual void impl_copy(const Tensor& src, const Tensor& dst) = 0;
+  virtual void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                             const Tensor& slots) = 0;
+  virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
+                              const AttentionBatch& batch, float scale, const Tensor& out) = 0;
+};
+
+// ---- the CPU backend ------------------------------------------------------------------------------------
+struct CpuBackendOptions {
+  int threads = 0;             // worker threads, the caller included; 0: one per hardware thread
+  int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
+};
+// Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
+// element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
+Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options = {});
+
+// ---- rotary tables (host helpers, shared by every backend) ----------------------------------------------
+// inv_freq[i], i < rotary_dim / 2, exactly as transformers' rope init computes it in float32:
+// "default": 1 / theta^(2i / rotary_dim); "llama3": then rescaled by wavelength band
+// (_compute_llama3_parameters in modeling_rope_utils.py). Other types are unsupported.
+Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim);
+
+// cos/sin tables [tokens, half] for rope(), half = inv_freq.size(): angle = float(inv_freq[i] * position)
+// in float32 as transformers forms it, then its cos and sin.
+// positions I32 [position_rows, tokens] (transformers' position_ids layout): 1 row for plain RoPE; 3 rows
+// (t, h, w) for Qwen3-VL's interleaved M-RoPE, where frequency i takes row h when i % 3 == 1 and
+// i < 3 * mrope_section[1], row w when i % 3 == 2 and i < 3 * mrope_section[2], else row t.
+// cos, sin: host arrays of tokens * half floats.
+Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
+                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin);
 
 }  // namespace kvlite
 #endif  // KVLITE_HPP_INCLUDED
@@ -5253,6 +5580,658 @@ std::string StreamingDecoder::flush() {
 }
 
 }  // namespace kvlite
+// image: implementation.
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <fstream>
+#include <sys/stat.h>
+
+// stb_image, compiled here with internal linkage so that it cannot clash with an application's own copy,
+// and only for the formats kvlite accepts (less code facing untrusted bytes). Its warnings are its own.
+// An application that implements stb_image itself must do it in another file than KVLITE_IMPLEMENTATION.
+#if defined(STBI_INCLUDE_STB_IMAGE_H)
+#error "stb_image.h was included before kvlite's implementation in this file; include it after, or elsewhere"
+#endif
+#define STB_IMAGE_STATIC
+#define STB_IMAGE_IMPLEMENTATION
+#define STBI_NO_STDIO  // kvlite reads files itself, to name them in errors and cap their size
+#define STBI_NO_LINEAR
+#define STBI_NO_HDR
+#define STBI_ONLY_JPEG
+#define STBI_ONLY_PNG
+#define STBI_ONLY_BMP
+#define STBI_ONLY_TGA
+#define STBI_ONLY_GIF
+#define STBI_ONLY_PNM
+#if defined(__clang__)
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wunused-function"
+#pragma clang diagnostic ignored "-Wunused-parameter"
+#pragma clang diagnostic ignored "-Wsign-compare"
+#pragma clang diagnostic ignored "-Wimplicit-fallthrough"
+#pragma clang diagnostic ignored "-Wmissing-field-initializers"
+#elif defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#pragma GCC diagnostic ignored "-Wunused-but-set-variable"
+#pragma GCC diagnostic ignored "-Wsign-compare"
+#pragma GCC diagnostic ignored "-Wimplicit-fallthrough"
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wtype-limits"
+#endif
+#include <stb/stb_image.h>
+#if defined(__clang__)
+#pragma clang diagnostic pop
+#elif defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#undef STB_IMAGE_IMPLEMENTATION
+
+namespace kvlite {
+
+namespace detail {
+namespace img {
+
+constexpr const char* kSupportedFormats = "JPEG, PNG, BMP, TGA, GIF, PNM";
+
+inline uint16_t read_be16(const uint8_t* p) { return uint16_t(p[0] << 8 | p[1]); }
+inline uint32_t read_be32(const uint8_t* p) {
+  return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | uint32_t(p[3]);
+}
+// Does data[at..] begin with the literal `magic` (which may hold NUL bytes)?
+template <size_t N>
+bool starts_with(const uint8_t* data, size_t size, const char (&magic)[N], size_t at = 0) {
+  return size >= at + N - 1 && memcmp(data + at, magic, N - 1) == 0;
+}
+
+// The format by its magic bytes: a supported one, a known unsupported one, or nullptr (TGA has no magic;
+// stb_image decides).
+struct Sniffed {
+  const char* name = nullptr;
+  bool supported = false;
+};
+inline Sniffed sniff_format(const uint8_t* d, size_t n) {
+  if (n >= 3 && d[0] == 0xFF && d[1] == 0xD8 && d[2] == 0xFF) return {"JPEG", true};
+  if (starts_with(d, n, "\x89PNG\r\n\x1a\n")) return {"PNG", true};
+  if (starts_with(d, n, "GIF87a") || starts_with(d, n, "GIF89a")) return {"GIF", true};
+  if (starts_with(d, n, "BM")) return {"BMP", true};
+  if (n >= 2 && d[0] == 'P' && (d[1] == '5' || d[1] == '6')) return {"PNM", true};
+  if (n >= 2 && d[0] == 'P' && d[1] >= '1' && d[1] <= '7') return {"ASCII or PAM PNM (only binary P5/P6 is)", false};
+  if (starts_with(d, n, "RIFF") && starts_with(d, n, "WEBP", 8)) return {"WebP", false};
+  if (starts_with(d, n, "ftyp", 4)) return {"HEIF/AVIF", false};
+  if (starts_with(d, n, "II*") || starts_with(d, n, "MM\0*")) return {"TIFF", false};
+  if (starts_with(d, n, "8BPS")) return {"PSD", false};
+  if (starts_with(d, n, "#?RADIANCE") || starts_with(d, n, "#?RGBE")) return {"Radiance HDR", false};
+  if (starts_with(d, n, "\0\0\0\x0cJXL ") || starts_with(d, n, "\xff\x0a")) return {"JPEG XL", false};
+  if (starts_with(d, n, "\0\0\0\x0cjP  ")) return {"JPEG 2000", false};
+  if (starts_with(d, n, "%PDF")) return {"PDF", false};
+  if (starts_with(d, n, "<svg") || starts_with(d, n, "<?xml")) return {"SVG/XML", false};
+  return {};
+}
+
+// Width and height as the header states them, read without stb_image, so that a header it refuses (stb_image
+// has its own size limits) is still reported with the numbers it claims. {0, 0} when unknown.
+inline std::pair<int64_t, int64_t> header_dimensions(const char* format_name, const uint8_t* d, size_t n) {
+  auto le16 = [&](size_t at) { return int64_t(d[at] | d[at + 1] << 8); };
+  auto le32 = [&](size_t at) { return int64_t(int32_t(uint32_t(le16(at)) | uint32_t(le16(at + 2)) << 16)); };
+  const std::string f = format_name;
+  if (f == "PNG" && n >= 24 && memcmp(d + 12, "IHDR", 4) == 0) return {read_be32(d + 16), read_be32(d + 20)};
+  if (f == "GIF" && n >= 10) return {le16(6), le16(8)};
+  if (f == "BMP" && n >= 26) return {le32(18), std::abs(le32(22))};  // negative height: top-down rows
+  if (f == "JPEG") {  // the first start-of-frame segment: C0..CF except DHT (C4), JPG (C8), DAC (CC)
+    for (size_t pos = 2; pos + 9 <= n && d[pos] == 0xFF;) {
+      uint8_t marker = d[pos + 1];
+      if (marker == 0xFF) { pos++; continue; }
+      if (marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC)
+        return {read_be16(d + pos + 7), read_be16(d + pos + 5)};
+      if (marker == 0xD9 || marker == 0xDA) break;
+      pos += 2 + read_be16(d + pos + 2);
+    }
+  }
+  return {0, 0};
+}
+
+// EXIF Orientation (tag 0x0112) from a TIFF block: 1..8, or 1 when absent or malformed. Only IFD0 is read,
+// as libjpeg/libpng-based loaders do.
+inline int tiff_orientation(const uint8_t* t, size_t n) {
+  if (n < 8) return 1;
+  bool little = t[0] == 'I' && t[1] == 'I', big = t[0] == 'M' && t[1] == 'M';
+  if (!little && !big) return 1;
+  auto u16 = [&](size_t at) { return little ? uint16_t(t[at] | t[at + 1] << 8) : read_be16(t + at); };
+  auto u32 = [&](size_t at) {
+    return little ? uint32_t(t[at]) | uint32_t(t[at + 1]) << 8 | uint32_t(t[at + 2]) << 16 | uint32_t(t[at + 3]) << 24
+                  : read_be32(t + at);
+  };
+  if (u16(2) != 42) return 1;
+  size_t ifd = u32(4);
+  if (ifd + 2 > n) return 1;
+  size_t entries = u16(ifd);
+  for (size_t i = 0; i < entries; i++) {
+    size_t e = ifd + 2 + 12 * i;
+    if (e + 12 > n) break;
+    if (u16(e) == 0x0112) {
+      int value = u16(e + 2) == 3 /* SHORT */ ? u16(e + 8) : 1;
+      return value >= 1 && value <= 8 ? value : 1;
+    }
+  }
+  return 1;
+}
+
+// What kvlite needs to know about a JPEG beyond stb_image: the EXIF orientation (first APP1 "Exif" segment
+// before the scan) and whether an end-of-image marker follows the scan data. stb_image decodes a truncated
+// JPEG without complaint (missing data reads as zeros); kvlite refuses it instead. Inside entropy-coded
+// data 0xFF is always stuffed (FF 00) or a restart marker (FF D0-D7), so FF D9 there is the real EOI.
+struct JpegFacts {
+  int orientation = 1;
+  bool has_end = false;
+};
+inline JpegFacts jpeg_facts(const uint8_t* d, size_t n) {
+  JpegFacts facts;
+  bool orientation_seen = false;
+  size_t pos = 2;  // after SOI
+  while (pos + 4 <= n) {
+    if (d[pos] != 0xFF) return facts;  // not at a marker: corrupt; stb_image reports it
+    uint8_t marker = d[pos + 1];
+    if (marker == 0xFF) { pos++; continue; }  // fill byte
+    if (marker == 0x01 || (marker >= 0xD0 && marker <= 0xD8)) { pos += 2; continue; }  // no length
+    if (marker == 0xD9) return facts;  // EOI before any scan
+    size_t length = read_be16(d + pos + 2);
+    if (length < 2) return facts;
+    if (marker == 0xE1 && !orientation_seen && length >= 8 && pos + 2 + length <= n &&
+        memcmp(d + pos + 4, "Exif\0\0", 6) == 0) {
+      facts.orientation = tiff_orientation(d + pos + 10, length - 8);
+      orientation_seen = true;
+    }
+    if (marker == 0xDA) {  // start of scan: the entropy-coded data follows its header
+      for (size_t i = pos + 2 + length; i + 1 < n; i++)
+        if (d[i] == 0xFF && d[i + 1] == 0xD9) { facts.has_end = true; break; }
+      return facts;
+    }
+    pos += 2 + length;
+  }
+  return facts;
+}
+
+// The EXIF orientation of a PNG: an eXIf chunk before the first IDAT (where libpng reads it).
+inline int png_orientation(const uint8_t* d, size_t n) {
+  size_t pos = 8;
+  while (pos + 12 <= n) {
+    size_t length = read_be32(d + pos);
+    const uint8_t* type = d + pos + 4;
+    if (memcmp(type, "IDAT", 4) == 0 || memcmp(type, "IEND", 4) == 0) break;
+    if (length > n - pos - 12) break;
+    if (memcmp(type, "eXIf", 4) == 0) return tiff_orientation(d + pos + 8, length);
+    pos += 12 + length;
+  }
+  return 1;
+}
+
+// Applies EXIF orientation o (1..8) as torchvision's decode_image(apply_exif_orientation=True) does:
+// 2 mirror left-right, 3 rotate 180, 4 mirror top-bottom, 5 transpose, 6 rotate 90 clockwise,
+// 7 transverse, 8 rotate 90 counter-clockwise.
+inline Image apply_orientation(Image in, int o) {
+  if (o <= 1 || o > 8) return in;
+  const int64_t W = in.width, H = in.height;
+  const bool swap = o >= 5;
+  Image out;
+  out.width = swap ? H : W;
+  out.height = swap ? W : H;
+  out.rgb.resize(in.rgb.size());
+  for (int64_t y = 0; y < out.height; y++) {
+    for (int64_t x = 0; x < out.width; x++) {
+      int64_t sx = x, sy = y;  // source pixel of output (x, y)
+      switch (o) {
+        case 2: sx = W - 1 - x; break;
+        case 3: sx = W - 1 - x; sy = H - 1 - y; break;
+        case 4: sy = H - 1 - y; break;
+        case 5: sx = y; sy = x; break;
+        case 6: sx = y; sy = H - 1 - x; break;
+        case 7: sx = W - 1 - y; sy = H - 1 - x; break;
+        case 8: sx = W - 1 - y; sy = x; break;
+      }
+      memcpy(&out.rgb[size_t((y * out.width + x) * 3)], &in.rgb[size_t((sy * W + sx) * 3)], 3);
+    }
+  }
+  return out;
+}
+
+// RGBA -> RGB onto white as the processor's convert_to_rgb computes it in float32:
+// to_dtype(uint8 -> float): v * float(1/255); c*a + (1 - a); to_dtype(float -> uint8): trunc(v * float(255.999)).
+inline uint8_t composite_on_white(uint8_t color, uint8_t alpha) {
+  const float to_unit = float(1.0 / 255.0), to_byte = float(255.0 + 1.0 - 1e-3);
+  float c = float(color) * to_unit, a = float(alpha) * to_unit;
+  float blended = c * a;
+  blended = blended + (1.0f - a);
+  float scaled = blended * to_byte;
+  return uint8_t(scaled);
+}
+
+inline std::string megapixels(int64_t pixels) { return format("%.1f megapixels", double(pixels) / 1e6); }
+
+inline void require_positive(int64_t value, const char* what) {
+  if (value <= 0) fail(ErrorCode::invalid_argument, format("%s must be positive, got %lld", what, (long long)value));
+}
+
+// Python's round() on a float: to nearest, ties to even.
+inline double round_half_even(double x) {
+  double below = std::floor(x), fraction = x - below;
+  if (fraction > 0.5) return below + 1.0;
+  if (fraction < 0.5) return below;
+  return std::fmod(below, 2.0) == 0.0 ? below : below + 1.0;
+}
+
+// ---- the resize kernel ----------------------------------------------------------------------------------
+// One axis of ATen's antialiased bicubic uint8 resize (UpSampleKernel.cpp, HelperInterpCubic with
+// _compute_index_ranges_int16_weights): for each output index, the first input index, the tap count and
+// int16 weights at `precision` fractional bits. The arithmetic below is theirs, in the same order and types
+// (double), so the int16 weights are identical. (Built with -std=gnu++17 for an FMA target, a compiler may
+// fuse multiply-adds here; a weight could then land one int16 step off in a rare tie. -std=c++17 does not.)
+struct AxisTaps {
+  int64_t max_taps = 0;                  // weights per output index (row stride of `weights`)
+  int precision = 0;                     // fractional bits of the int16 weights
+  std::vector<int64_t> first, count;     // (out)
+  std::vector<int16_t> weights;          // (out, max_taps)
+};
+
+inline double keys_cubic(double x) {  // a = -0.5 (PIL and torch with antialias)
+  const double a = -0.5;
+  x = std::fabs(x);
+  if (x < 1.0) return ((a + 2) * x - (a + 3)) * x * x + 1;
+  if (x < 2.0) return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a;
+  return 0.0;
+}
+
+inline AxisTaps bicubic_aa_taps(int64_t in_size, int64_t out_size) {
+  const double scale = double(in_size) / double(out_size);  // area_pixel_compute_scale, align_corners=False
+  const double support = scale >= 1.0 ? (4 * 0.5) * scale : 4 * 0.5;
+  const double invscale = scale >= 1.0 ? 1.0 / scale : 1.0;
+  AxisTaps taps;
+  taps.max_taps = int64_t(std::ceil(support)) * 2 + 1;
+  taps.first.resize(size_t(out_size));
+  taps.count.resize(size_t(out_size));
+  std::vector<double> weights(size_t(out_size * taps.max_taps), 0.0);  // (out, max_taps)
+  double largest = 0.0;
+  for (int64_t i = 0; i < out_size; i++) {
+    const double center = scale * (double(i) + 0.5);
+    const int64_t first = std::max(int64_t(center - support + 0.5), int64_t(0));
+    const int64_t count =
+        std::clamp(std::min(int64_t(center + support + 0.5), in_size) - first, int64_t(0), taps.max_taps);
+    double* w = &weights[size_t(i * taps.max_taps)];
+    double total = 0.0;
+    for (int64_t j = 0; j < count; j++) {
+      w[j] = keys_cubic((double(j + first) - center + 0.5) * invscale);
+      total += w[j];
+    }
+    if (total != 0.0) {
+      for (int64_t j = 0; j < count; j++) {
+        w[j] /= total;
+        largest = std::max(largest, w[j]);
+      }
+    }
+    taps.first[size_t(i)] = first;
+    taps.count[size_t(i)] = count;
+  }
+  // The most fractional bits (at most 22) for which the largest weight still fits in an int16.
+  int precision = 0;
+  for (; precision < 22; precision++)
+    if (int(0.5 + largest * double(1 << (precision + 1))) >= (1 << 15)) break;
+  taps.precision = precision;
+  taps.weights.resize(weights.size());
+  for (size_t k = 0; k < weights.size(); k++) {
+    double v = weights[k] * double(1 << precision);
+    taps.weights[k] = int16_t(v < 0 ? int(-0.5 + v) : int(0.5 + v));
+  }
+  return taps;
+}
+
+// out[o] = clamp((2^(p-1) + sum_j in[first+j] * w[j]) >> p, 0, 255) for each of the 3 channels, along one
+// axis: `in_step` / `out_step` are the byte distances between neighbours along it, `lines` the lines across
+// it (`in_line` / `out_line` apart). Negative sums shift to negative values and clamp to 0 whatever the
+// shift rounds to, so the result is that of ATen's arithmetic shift.
+inline void resample_axis(const uint8_t* in, int64_t in_step, int64_t in_line, uint8_t* out, int64_t out_step,
+                          int64_t out_line, int64_t lines, const AxisTaps& taps) {
+  const int64_t out_size = int64_t(taps.first.size());
+  const int32_t rounding = int32_t(1) << (taps.precision - 1);
+  for (int64_t line = 0; line < lines; line++) {
+    const uint8_t* src = in + line * in_line;
+    uint8_t* dst = out + line * out_line;
+    for (int64_t i = 0; i < out_size; i++) {
+      const int16_t* w = &taps.weights[size_t(i * taps.max_taps)];
+      const uint8_t* first = src + taps.first[size_t(i)] * in_step;
+      int32_t sum[3] = {rounding, rounding, rounding};
+      for (int64_t j = 0; j < taps.count[size_t(i)]; j++)
+        for (int c = 0; c < 3; c++) sum[c] += int32_t(first[j * in_step + c]) * w[j];
+      for (int c = 0; c < 3; c++) dst[i * out_step + c] = uint8_t(std::clamp(sum[c] >> taps.precision, 0, 255));
+    }
+  }
+}
+
+inline void check_options(const PreprocessOptions& o) {
+  require_positive(o.patch_size, "PreprocessOptions::patch_size");
+  require_positive(o.merge_size, "PreprocessOptions::merge_size");
+  require_positive(o.temporal_patch_size, "PreprocessOptions::temporal_patch_size");
+  if (!(o.rescale_factor > 0.0) || !std::isfinite(o.rescale_factor))
+    fail(ErrorCode::invalid_argument,
+         format("PreprocessOptions::rescale_factor must be positive, got %g", o.rescale_factor));
+  for (size_t c = 0; c < 3; c++) {
+    const double mean = o.image_mean[c], std = o.image_std[c];
+    if (std == 0.0 || !std::isfinite(std) || !std::isfinite(mean))
+      fail(ErrorCode::invalid_argument,
+           format("PreprocessOptions: image_mean[%zu] = %g, image_std[%zu] = %g: std must be finite and non-zero", c,
+                  mean, c, std));
+  }
+}
+
+inline void check_image(const Image& image, const char* what) {
+  if (image.width <= 0 || image.height <= 0)
+    fail(ErrorCode::invalid_argument,
+         format("%s: the image is %lld x %lld; both sides must be positive", what, (long long)image.width,
+                (long long)image.height));
+  if (uint64_t(image.rgb.size()) != uint64_t(image.width) * uint64_t(image.height) * 3)
+    fail(ErrorCode::invalid_argument,
+         format("%s: Image::rgb holds %llu bytes, but %lld x %lld RGB needs %llu", what,
+                (unsigned long long)image.rgb.size(), (long long)image.width, (long long)image.height,
+                (unsigned long long)(uint64_t(image.width) * uint64_t(image.height) * 3)));
+}
+
+inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& options, const std::string& name) {
+  if (!data || size == 0) fail(ErrorCode::bad_format, format("%s: no image data (0 bytes)", name.c_str()));
+  if (options.max_pixels <= 0)
+    fail(ErrorCode::invalid_argument,
+         format("DecodeOptions::max_pixels must be positive, got %lld", (long long)options.max_pixels));
+  if (size > size_t(INT_MAX))
+    fail(ErrorCode::unsupported, format("%s: %s of encoded data is over the decoder's 2 GiB limit", name.c_str(),
+                                        format_bytes(size).c_str()));
+  const Sniffed sniffed = sniff_format(data, size);
+  if (sniffed.name && !sniffed.supported)
+    fail(ErrorCode::unsupported, format("%s: %s images are not supported (kvlite decodes %s); convert it first",
+                                        name.c_str(), sniffed.name, kSupportedFormats));
+
+  // Dimensions from the header alone, then the size limit, before a single pixel is decoded.
+  const char* format_name = sniffed.name ? sniffed.name : "TGA";
+  int stb_width = 0, stb_height = 0, channels = 0;
+  const bool header_ok = stbi_info_from_memory(data, int(size), &stb_width, &stb_height, &channels) != 0;
+  const char* reason = stbi_failure_reason() && *stbi_failure_reason() ? stbi_failure_reason() : "unreadable";
+  if (!header_ok && !sniffed.name)
+    fail(ErrorCode::unsupported, format("%s: not an image kvlite can read (it decodes %s): %s", name.c_str(),
+                                        kSupportedFormats, reason));
+  const auto claimed = header_ok ? std::make_pair(int64_t(stb_width), int64_t(stb_height))
+                                 : header_dimensions(format_name, data, size);
+  const int64_t width = claimed.first, height = claimed.second;
+  if (width > 0 && height > 0 && width * height > options.max_pixels)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s of %lld x %lld = %s is over the decode limit of %s (DecodeOptions::max_pixels = %lld); "
+                "refused before decoding. Downscale it, or raise the limit if the image is genuine",
+                name.c_str(), format_name, (long long)width, (long long)height, megapixels(width * height).c_str(),
+                megapixels(options.max_pixels).c_str(), (long long)options.max_pixels));
+  if (!header_ok)
+    fail(ErrorCode::bad_format,
+         width > 0 && height > 0
+             ? format("%s: the %s header claims %lld x %lld pixels: corrupt, or beyond the decoder's limits "
+                      "(a decompression bomb?) (stb_image: %s)", name.c_str(), format_name, (long long)width,
+                      (long long)height, reason)
+             : format("%s: corrupt %s header (stb_image: %s)", name.c_str(), format_name, reason));
+  if (width <= 0 || height <= 0)
+    fail(ErrorCode::bad_format, format("%s: %s header gives %lld x %lld pixels", name.c_str(), format_name,
+                                       (long long)width, (long long)height));
+
+  int orientation = 1;
+  if (strcmp(format_name, "JPEG") == 0) {
+    JpegFacts facts = jpeg_facts(data, size);
+    if (!facts.has_end)
+      fail(ErrorCode::bad_format, format("%s: truncated or corrupt JPEG: no end-of-image marker after the image data "
+                                         "(%s read)", name.c_str(), format_bytes(size).c_str()));
+    orientation = facts.orientation;
+  } else if (strcmp(format_name, "PNG") == 0) {
+    orientation = png_orientation(data, size);
+  } else if (strcmp(format_name, "BMP") == 0 && size >= 6) {
+    uint32_t declared = uint32_t(data[2]) | uint32_t(data[3]) << 8 | uint32_t(data[4]) << 16 | uint32_t(data[5]) << 24;
+    if (declared > size)  // bfSize: writers that leave it 0 are not checked
+      fail(ErrorCode::bad_format, format("%s: truncated BMP: the header says %u bytes, the data has %zu", name.c_str(),
+                                         declared, size));
+  }
+
+  const bool composite = options.alpha == AlphaMode::composite_white;
+  const int wanted = composite ? 4 : 3;
+  int w = 0, h = 0, in_file = 0;
+  stbi_uc* decoded = stbi_load_from_memory(data, int(size), &w, &h, &in_file, wanted);
+  if (!decoded) {
+    const char* why = stbi_failure_reason() && *stbi_failure_reason() ? stbi_failure_reason() : "unreadable data";
+    fail(strcmp(why, "outofmem") == 0 ? ErrorCode::out_of_memory : ErrorCode::bad_format,
+         format("%s: corrupt or truncated %s (%lld x %lld): %s", name.c_str(), format_name, (long long)width,
+                (long long)height, why));
+  }
+  std::unique_ptr<stbi_uc, void (*)(void*)> owner(decoded, stbi_image_free);
+  Image image;
+  image.width = w;
+  image.height = h;
+  image.rgb.resize(size_t(w) * size_t(h) * 3);
+  if (!composite) {
+    memcpy(image.rgb.data(), decoded, image.rgb.size());
+  } else {
+    for (size_t p = 0, n = size_t(w) * size_t(h); p < n; p++)
+      for (size_t c = 0; c < 3; c++) image.rgb[p * 3 + c] = composite_on_white(decoded[p * 4 + c], decoded[p * 4 + 3]);
+  }
+  if (options.exif_orientation) image = apply_orientation(std::move(image), orientation);
+  return image;
+}
+
+}  // namespace img
+}  // namespace detail
+
+// ---- decoding ---------------------------------------------------------------------------------------------
+Result<Image> decode_image(const uint8_t* data, size_t size, const DecodeOptions& options, const std::string& name) {
+  return detail::guard([&] { return detail::img::decode(data, size, options, name); });
+}
+
+Result<Image> load_image(const std::string& path, const DecodeOptions& options) {
+  return detail::guard([&] {
+    using detail::fail;
+    using detail::format;
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0)
+      fail(ErrorCode::io_error, format("cannot open image %s: %s", path.c_str(), strerror(errno)));
+    if (!S_ISREG(st.st_mode)) fail(ErrorCode::io_error, format("image %s is not a regular file", path.c_str()));
+    if (uint64_t(st.st_size) > options.max_file_bytes)
+      fail(ErrorCode::invalid_argument,
+           format("image %s is %s, over the %s limit (DecodeOptions::max_file_bytes)", path.c_str(),
+                  format_bytes(uint64_t(st.st_size)).c_str(), format_bytes(options.max_file_bytes).c_str()));
+    std::ifstream in(path, std::ios::binary);
+    if (!in) fail(ErrorCode::io_error, format("cannot open image %s: %s", path.c_str(), strerror(errno)));
+    std::vector<uint8_t> bytes(size_t(st.st_size));
+    if (!bytes.empty() && !in.read(reinterpret_cast<char*>(bytes.data()), std::streamsize(bytes.size())))
+      fail(ErrorCode::io_error, format("cannot read image %s", path.c_str()));
+    return detail::img::decode(bytes.data(), bytes.size(), options, path);
+  });
+}
+
+Result<Image> image_from_pixels(const uint8_t* pixels, int64_t width, int64_t height, PixelFormat format,
+                                int64_t stride_bytes, AlphaMode alpha) {
+  return detail::guard([&] {
+    using detail::fail;
+    int channels = 3, r = 0, g = 1, b = 2;
+    switch (format) {
+      case PixelFormat::rgb8: break;
+      case PixelFormat::bgr8: r = 2; b = 0; break;
+      case PixelFormat::rgba8: channels = 4; break;
+      case PixelFormat::bgra8: channels = 4; r = 2; b = 0; break;
+      case PixelFormat::gray8: channels = 1; g = b = 0; break;
+    }
+    if (width <= 0 || height <= 0 || width > (int64_t(1) << 24) || height > (int64_t(1) << 24))
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: %lld x %lld pixels; both sides must be in 1..16777216", (long long)width,
+                          (long long)height));
+    if (!pixels) fail(ErrorCode::invalid_argument, "image_from_pixels: pixels is null");
+    const int64_t row_bytes = width * channels;
+    if (stride_bytes == 0) stride_bytes = row_bytes;
+    if (stride_bytes < row_bytes)
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: stride of %lld bytes is shorter than a row of %lld pixels x %d bytes",
+                          (long long)stride_bytes, (long long)width, channels));
+    Image image;
+    image.width = width;
+    image.height = height;
+    image.rgb.resize(size_t(width * height * 3));
+    for (int64_t y = 0; y < height; y++) {
+      const uint8_t* src = pixels + y * stride_bytes;
+      uint8_t* dst = &image.rgb[size_t(y * width * 3)];
+      for (int64_t x = 0; x < width; x++, src += channels, dst += 3) {
+        const bool blend = channels == 4 && alpha == AlphaMode::composite_white;
+        dst[0] = blend ? detail::img::composite_on_white(src[r], src[3]) : src[r];
+        dst[1] = blend ? detail::img::composite_on_white(src[g], src[3]) : src[g];
+        dst[2] = blend ? detail::img::composite_on_white(src[b], src[3]) : src[b];
+      }
+    }
+    return image;
+  });
+}
+
+// ---- preprocessing ----------------------------------------------------------------------------------------
+Result<std::pair<int64_t, int64_t>> smart_resize(int64_t height, int64_t width, int64_t factor, int64_t min_pixels,
+                                                 int64_t max_pixels) {
+  return detail::guard([&] {
+    using detail::fail;
+    using detail::format;
+    detail::img::require_positive(height, "smart_resize: height");
+    detail::img::require_positive(width, "smart_resize: width");
+    detail::img::require_positive(factor, "smart_resize: factor");
+    detail::img::require_positive(min_pixels, "smart_resize: min_pixels");
+    if (max_pixels < min_pixels)
+      fail(ErrorCode::invalid_argument, format("smart_resize: max_pixels (%lld) is below min_pixels (%lld)",
+                                               (long long)max_pixels, (long long)min_pixels));
+    if (height > (int64_t(1) << 31) || width > (int64_t(1) << 31))
+      fail(ErrorCode::invalid_argument, format("smart_resize: %lld x %lld is beyond any image", (long long)height,
+                                               (long long)width));
+    // transformers' code, line by line (Python floats are doubles; int / int is a correctly rounded division).
+    const double ratio = double(std::max(height, width)) / double(std::min(height, width));
+    if (ratio > 200)
+      fail(ErrorCode::invalid_argument,
+           format("image of %lld x %lld pixels has aspect ratio %g; Qwen2-VL/Qwen3-VL preprocessing refuses ratios "
+                  "over 200: crop or pad it", (long long)width, (long long)height, ratio));
+    const double f = double(factor), h = double(height), w = double(width);
+    int64_t h_bar = int64_t(detail::img::round_half_even(h / f)) * factor;
+    int64_t w_bar = int64_t(detail::img::round_half_even(w / f)) * factor;
+    if (h_bar * w_bar > max_pixels) {
+      const double beta = std::sqrt(double(height * width) / double(max_pixels));
+      h_bar = std::max(factor, int64_t(std::floor(h / beta / f)) * factor);
+      w_bar = std::max(factor, int64_t(std::floor(w / beta / f)) * factor);
+    } else if (h_bar * w_bar < min_pixels) {
+      const double beta = std::sqrt(double(min_pixels) / double(height * width));
+      h_bar = int64_t(std::ceil(h * beta / f)) * factor;
+      w_bar = int64_t(std::ceil(w * beta / f)) * factor;
+    }
+    return std::make_pair(h_bar, w_bar);
+  });
+}
+
+Result<Image> resize_bicubic_aa(const Image& image, int64_t height, int64_t width) {
+  return detail::guard([&] {
+    detail::img::check_image(image, "resize_bicubic_aa");
+    if (height <= 0 || width <= 0 || height > (int64_t(1) << 24) || width > (int64_t(1) << 24))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("resize_bicubic_aa: target %lld x %lld; both sides must be in 1..16777216",
+                                  (long long)width, (long long)height));
+    if (height == image.height && width == image.width) return image;
+    // Horizontal pass first (when the width changes), rounded to uint8, then the vertical pass: ATen's order.
+    Image current = image;
+    if (width != image.width) {
+      const detail::img::AxisTaps taps = detail::img::bicubic_aa_taps(image.width, width);
+      Image next;
+      next.width = width;
+      next.height = current.height;
+      next.rgb.resize(size_t(width * current.height * 3));  // (height, new width, 3)
+      detail::img::resample_axis(current.rgb.data(), 3, current.width * 3, next.rgb.data(), 3, width * 3,
+                                 current.height, taps);
+      current = std::move(next);
+    }
+    if (height != image.height) {
+      const detail::img::AxisTaps taps = detail::img::bicubic_aa_taps(image.height, height);
+      Image next;
+      next.width = current.width;
+      next.height = height;
+      next.rgb.resize(size_t(current.width * height * 3));  // (new height, width, 3)
+      const int64_t row = current.width * 3;
+      detail::img::resample_axis(current.rgb.data(), row, 3, next.rgb.data(), row, 3, current.width, taps);
+      current = std::move(next);
+    }
+    return current;
+  });
+}
+
+PreprocessOptions preprocess_options(const ModelConfig& config) {
+  PreprocessOptions options;
+  if (config.min_pixels > 0) options.min_pixels = config.min_pixels;
+  if (config.max_pixels > 0) options.max_pixels = config.max_pixels;
+  if (config.vision.present) {
+    options.patch_size = config.vision.patch_size;
+    options.merge_size = config.vision.spatial_merge_size;
+    options.temporal_patch_size = config.vision.temporal_patch_size;
+  }
+  return options;
+}
+
+Result<ImageGrid> image_grid(int64_t height, int64_t width, const PreprocessOptions& options) {
+  return detail::guard([&] {
+    detail::img::check_options(options);
+    const int64_t factor = options.patch_size * options.merge_size;
+    const auto resized = smart_resize(height, width, factor, options.min_pixels, options.max_pixels).value();
+    ImageGrid grid;
+    grid.resized_height = resized.first;
+    grid.resized_width = resized.second;
+    grid.grid_t = 1;  // one still image: its frame repeated temporal_patch_size times fills one temporal patch
+    grid.grid_h = resized.first / options.patch_size;
+    grid.grid_w = resized.second / options.patch_size;
+    grid.image_tokens = grid.grid_t * grid.grid_h * grid.grid_w / (options.merge_size * options.merge_size);
+    return grid;
+  });
+}
+
+Result<VisionInput> preprocess_image(const Image& image, const PreprocessOptions& options) {
+  return detail::guard([&] {
+    detail::img::check_image(image, "preprocess_image");
+    VisionInput input;
+    input.grid = image_grid(image.height, image.width, options).value();
+    const Image resized = resize_bicubic_aa(image, input.grid.resized_height, input.grid.resized_width).value();
+
+    // Rescale and normalize fused as the processor does: (x - mean/rescale) / (std/rescale) in float32, with
+    // mean and std made float32 first, then scaled by float(1 / rescale_factor). One table per channel.
+    const float inverse_rescale = float(1.0 / options.rescale_factor);
+    float normalized[3][256];
+    for (int c = 0; c < 3; c++) {
+      const float mean = float(options.image_mean[size_t(c)]) * inverse_rescale;
+      const float std = float(options.image_std[size_t(c)]) * inverse_rescale;
+      for (int v = 0; v < 256; v++) normalized[c][v] = (float(v) - mean) / std;
+    }
+
+    // Patchify: row = merge window (raster order) x position in the window; inside a row (c, t, y, x).
+    const int64_t P = options.patch_size, M = options.merge_size, T = options.temporal_patch_size;
+    const int64_t grid_h = input.grid.grid_h, grid_w = input.grid.grid_w;
+    input.row_size = 3 * T * P * P;
+    input.pixel_values.resize(size_t(grid_h * grid_w * input.row_size));  // (grid_h * grid_w, row_size)
+    float* out = input.pixel_values.data();
+    for (int64_t window_row = 0; window_row < grid_h / M; window_row++)
+      for (int64_t window_col = 0; window_col < grid_w / M; window_col++)
+        for (int64_t in_row = 0; in_row < M; in_row++)
+          for (int64_t in_col = 0; in_col < M; in_col++) {
+            const int64_t y0 = (window_row * M + in_row) * P, x0 = (window_col * M + in_col) * P;
+            for (int c = 0; c < 3; c++) {
+              float* frame0 = out;
+              for (int64_t y = 0; y < P; y++) {
+                const uint8_t* src = &resized.rgb[size_t(((y0 + y) * resized.width + x0) * 3 + c)];
+                for (int64_t x = 0; x < P; x++) *out++ = normalized[c][src[x * 3]];
+              }
+              for (int64_t t = 1; t < T; t++, out += P * P) memcpy(out, frame0, size_t(P * P) * sizeof(float));
+            }
+          }
+    return input;
+  });
+}
+
+}  // namespace kvlite
 // device: implementation (the CUDA entry points live in kernels.cu when built with CUDA).
 #include <unistd.h>
 
@@ -5322,6 +6301,948 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 
 }  // namespace kvlite
 // plan: implementation.
+//
+// The rules, one per table row (each also spelled out in that row's `why`). Every buffer and item is rounded
+// up to kPlanAlignment (256 B), the boundary every arena region starts on.
+//   weights      WeightsSummary.total_bytes: exact from the safetensors headers, or estimated from config.json
+//                when the directory has no weights.
+//   repack       CUDA only: extra bytes the GPU layout needs over the on-disk one. FP8 Linears whose scales are
+//                16-bit get fp32 scales (cuBLASLt's scale modes take fp32 only): scale elements x 2 B extra.
+//                W4A16 is repacked in place (0). CPU: 0, it runs the on-disk layout. The row is always shown.
+//   context      CUDA context + cuBLAS handles + driver, which the device spends outside kvlite's arena:
+//                384 MiB on native Linux, 1024 MiB under WSL2 (its paravirtualized driver reserves more, and
+//                pinned host memory is limited there: vLLM disables it). CPU: 0.
+//   activations  activation_buffers(config, max_batched_tokens, max_seqs, backend): the engine carves exactly
+//                these, so plan and arena agree.
+//   vision       vision models: vision_buffers(config, max_image_pixels, max_images, backend). The default
+//                image budget is min(processor max, 1024 x 1024 pixels), not the processor's own 16777216:
+//                planning for the largest image a processor allows is how VLMs swallow small cards.
+//   logits       logits_buffers(config, max_seqs): scoring computes log-probs 32 rows at a time.
+//   workspace    CUDA: 32 MiB GEMM workspace + repack scratch as large as the largest single Linear.
+//                CPU: 64 KiB of dequantization tiles per hardware thread.
+//   graphs       CUDA: decode graph pool, 16 MiB + 2 MiB per batch bucket (1, 2, 4, ..., max_seqs): an
+//                estimate until measured on a GPU. CPU: 0.
+//   KV           budget = floor(utilization x device memory); fixed = sum of the rows above;
+//                KV gets whole pages of what is left: pages = floor(max(0, budget - fixed) / page_bytes).
+#include <algorithm>
+#include <cmath>
+#include <thread>
+#include <nlohmann/json.hpp>
+
+namespace kvlite {
+
+const char* kv_dtype_name(KVDType dtype) {
+  switch (dtype) {
+    case KVDType::auto_: return "auto";
+    case KVDType::bf16: return "bf16";
+    case KVDType::f16: return "f16";
+    case KVDType::fp8: return "fp8";
+  }
+  return "?";
+}
+
+Result<KVDType> parse_kv_dtype(const std::string& text) {
+  return detail::guard([&]() -> KVDType {
+    if (text == "auto") return KVDType::auto_;
+    if (text == "bf16" || text == "bfloat16") return KVDType::bf16;
+    if (text == "f16" || text == "fp16" || text == "float16") return KVDType::f16;
+    if (text == "fp8" || text == "fp8_e4m3") return KVDType::fp8;
+    detail::fail(ErrorCode::invalid_argument,
+                 detail::format("unknown KV dtype '%s': use auto, bf16, f16 or fp8", text.c_str()));
+  });
+}
+
+int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : 2; }
+
+namespace detail {
+namespace planning {
+
+constexpr uint64_t kDecodeSplits = 16;          // split-KV decode: partial results per (sequence, head)
+constexpr int64_t kScoringRows = 32;            // log-prob rows computed at once when scoring
+constexpr int64_t kDefaultMaxSeqs = 8;
+constexpr int64_t kDefaultBatchedTokens = 2048;
+constexpr int64_t kDefaultMaxModelLen = 32768;  // the default rule's cap
+constexpr int64_t kMinDefaultMaxModelLen = 2048;  // the default rule halves down to this, no further
+constexpr int64_t kProcessorDefaultMaxPixels = 16777216;  // Qwen's processor when preprocessor_config is absent
+constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
+constexpr uint64_t kContextNative = 384 * MiB;
+constexpr uint64_t kContextWsl2 = 1024 * MiB;
+constexpr uint64_t kGemmWorkspace = 32 * MiB;
+constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
+constexpr uint64_t kGraphPoolBase = 16 * MiB;
+constexpr uint64_t kGraphPoolPerBucket = 2 * MiB;
+
+std::string ull(uint64_t v) { return format("%llu", (unsigned long long)v); }
+std::string ll(int64_t v) { return format("%lld", (long long)v); }
+
+BufferSpec buffer(const char* name, std::vector<uint64_t> dims, uint64_t element_bytes, const char* symbols,
+                  const char* dtype) {
+  uint64_t elements = 1;
+  std::string numbers;
+  for (uint64_t d : dims) {
+    elements *= d;
+    numbers += (numbers.empty() ? "" : ", ") + ull(d);
+  }
+  return {name, align_up(elements * element_bytes, kPlanAlignment),
+          format("%s = (%s) %s", symbols, numbers.c_str(), dtype)};
+}
+
+// Activations are bf16 on the GPU and fp32 on the CPU (the CPU path is the fp32 reference).
+uint64_t activation_bytes(BackendKind backend) { return backend == BackendKind::cuda ? 2 : 4; }
+const char* activation_dtype(BackendKind backend) { return backend == BackendKind::cuda ? "bf16" : "fp32"; }
+
+// Patches per image for an image budget: the processor resizes to whole merge windows (patch x merge
+// pixels on a side) with at most `image_pixels` pixels, so a budget holds floor(pixels / window^2) windows.
+uint64_t merge_windows(const VisionConfig& vision, int64_t image_pixels) {
+  uint64_t side = uint64_t(vision.patch_size * vision.spatial_merge_size);
+  return uint64_t(image_pixels) / (side * side);
+}
+uint64_t window_pixels(const VisionConfig& vision) {
+  uint64_t side = uint64_t(vision.patch_size * vision.spatial_merge_size);
+  return side * side;
+}
+
+// Scale elements one Linear stores on disk (compressed-tensors / Qwen FP8 layouts).
+uint64_t scale_elements(const LinearDesc& linear) {
+  uint64_t n = uint64_t(linear.out_features), k = uint64_t(linear.in_features);
+  switch (linear.granularity) {
+    case ScaleGranularity::none: return 0;
+    case ScaleGranularity::tensor: return 1;
+    case ScaleGranularity::channel: return n;
+    case ScaleGranularity::group: return n * ceil_div(k, uint64_t(linear.group_size > 0 ? linear.group_size : int64_t(k)));
+    case ScaleGranularity::block:
+      return ceil_div(n, uint64_t(linear.block_n > 0 ? linear.block_n : 128)) *
+             ceil_div(k, uint64_t(linear.block_k > 0 ? linear.block_k : 128));
+  }
+  return 0;
+}
+
+// The smallest image budget worth planning: the processor resizes every image up to min_pixels, and no image
+// is smaller than one merge window.
+int64_t smallest_image_pixels(const ModelConfig& config) {
+  uint64_t window = window_pixels(config.vision);
+  return int64_t(std::max<uint64_t>(1, ceil_div(uint64_t(std::max<int64_t>(config.min_pixels, 0)), window)) * window);
+}
+
+// floor(utilization x total): the one place the budget is computed, so utilization_needed can be checked
+// against exactly what a re-plan will compute.
+uint64_t budget_for(double utilization, uint64_t total) {
+  return uint64_t(std::floor((long double)utilization * (long double)total));
+}
+
+std::string format_ratio(double ratio) {
+  std::string text = format("%.4f", ratio);
+  while (text.size() > 4 && text.back() == '0') text.pop_back();  // keep at least two decimals: "0.80"
+  return text;
+}
+
+std::string format_count(uint64_t v) {  // 1048576 -> "1,048,576"
+  std::string digits = ull(v), out;
+  for (size_t i = 0; i < digits.size(); i++) {
+    if (i && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+std::string model_name_of(const ModelConfig& config) {
+  // origin is ".../<model dir>/config.json": the directory names the model.
+  std::string path = config.origin;
+  size_t slash = path.find_last_of('/');
+  if (slash != std::string::npos) {
+    std::string dir = path.substr(0, slash);
+    while (!dir.empty() && dir.back() == '/') dir.pop_back();
+    size_t start = dir.find_last_of('/');
+    std::string name = start == std::string::npos ? dir : dir.substr(start + 1);
+    if (!name.empty() && name != ".") return name;
+  }
+  return config.model_type.empty() ? std::string(arch_name(config.arch)) : config.model_type;
+}
+
+struct ModelLimits {
+  int64_t max_position = 0;       // config's max_position_embeddings
+  int64_t processor_max_pixels = 0;  // vision: preprocessor max, or the processor's default
+};
+
+ModelLimits model_limits(const ModelConfig& config) {
+  ModelLimits limits;
+  limits.max_position = config.text.max_position_embeddings;
+  if (config.vision.present)
+    limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : kProcessorDefaultMaxPixels;
+  return limits;
+}
+
+void check_config(const ModelConfig& config) {
+  const TextConfig& t = config.text;
+  auto need = [&](int64_t value, const char* key) {
+    if (value <= 0)
+      fail(ErrorCode::bad_format, format("%s: %s is %lld; the planner needs it positive",
+                                         config.origin.empty() ? "config" : config.origin.c_str(), key, (long long)value));
+  };
+  need(t.hidden_size, "hidden_size");
+  need(t.intermediate_size, "intermediate_size");
+  need(t.num_layers, "num_hidden_layers");
+  need(t.num_heads, "num_attention_heads");
+  need(t.num_kv_heads, "num_key_value_heads");
+  need(t.head_dim, "head_dim");
+  need(t.vocab_size, "vocab_size");
+  need(t.max_position_embeddings, "max_position_embeddings");
+  if (config.vision.present) {
+    const VisionConfig& v = config.vision;
+    need(v.hidden_size, "vision_config.hidden_size");
+    need(v.intermediate_size, "vision_config.intermediate_size");
+    need(v.patch_size, "vision_config.patch_size");
+    need(v.spatial_merge_size, "vision_config.spatial_merge_size");
+    need(v.temporal_patch_size, "vision_config.temporal_patch_size");
+    need(v.in_channels, "vision_config.in_channels");
+    need(v.out_hidden_size, "vision_config.out_hidden_size");
+  }
+}
+
+// Every option error names the option and carries the value.
+void check_options(const ModelConfig& config, const DeviceSpec& device, const PlanOptions& o) {
+  auto bad = [](std::string message) { fail(ErrorCode::invalid_argument, std::move(message)); };
+  if (device.total_bytes == 0)
+    bad(format("device '%s' reports 0 bytes of memory: pass --device-mem (e.g. 8GiB) to plan for a card",
+               device.name.c_str()));
+  if (!(o.utilization > 0.0 && o.utilization <= 1.0))
+    bad(format("utilization %g is outside (0, 1]: it is the fraction of device memory kvlite may use, e.g. 0.90",
+               o.utilization));
+  int64_t max_position = config.text.max_position_embeddings;
+  if (o.max_model_len < 0)
+    bad(format("max_model_len %lld must be positive (or 0 for the default rule)", (long long)o.max_model_len));
+  if (o.max_model_len > max_position)
+    bad(format("max_model_len %lld is more than the model's max_position_embeddings %lld (%s)",
+               (long long)o.max_model_len, (long long)max_position, config.origin.c_str()));
+  if (o.max_seqs < 0 || o.max_seqs > kMaxPlanSeqs)
+    bad(format("max_seqs %lld is outside 1..%lld (or 0 for the default %lld)", (long long)o.max_seqs,
+               (long long)kMaxPlanSeqs, (long long)kDefaultMaxSeqs));
+  if (o.max_batched_tokens < 0 || o.max_batched_tokens > kMaxPlanBatchedTokens)
+    bad(format("max_batched_tokens %lld is outside 1..%lld (or 0 for the default min(2048, max_model_len))",
+               (long long)o.max_batched_tokens, (long long)kMaxPlanBatchedTokens));
+  if (o.kv_page_tokens < 1 || o.kv_page_tokens > kMaxPlanPageTokens)
+    bad(format("kv_page_tokens %lld is outside 1..%lld", (long long)o.kv_page_tokens, (long long)kMaxPlanPageTokens));
+  if (o.max_images < 1 || o.max_images > kMaxPlanImages)
+    bad(format("max_images %lld is outside 1..%lld", (long long)o.max_images, (long long)kMaxPlanImages));
+  if (o.max_image_pixels < 0)
+    bad(format("max_image_pixels %lld must be positive (or 0 for the default)", (long long)o.max_image_pixels));
+  if (o.max_image_pixels > 0) {
+    if (!config.vision.present)
+      bad(format("max_image_pixels %lld was given but %s has no vision tower (model_type %s)",
+                 (long long)o.max_image_pixels, model_name_of(config).c_str(), config.model_type.c_str()));
+    uint64_t window = window_pixels(config.vision);
+    if (uint64_t(o.max_image_pixels) < window)
+      bad(format("max_image_pixels %lld is less than one merge window (%llu pixels = %lld x %lld): no image fits",
+                 (long long)o.max_image_pixels, (unsigned long long)window,
+                 (long long)(config.vision.patch_size * config.vision.spatial_merge_size),
+                 (long long)(config.vision.patch_size * config.vision.spatial_merge_size)));
+    if (o.max_image_pixels < config.min_pixels)
+      bad(format("max_image_pixels %lld is less than the processor's min_pixels %lld (every image is resized up "
+                 "to at least that): use at least %lld",
+                 (long long)o.max_image_pixels, (long long)config.min_pixels, (long long)config.min_pixels));
+    if (o.max_image_pixels > kMaxPlanImagePixels)
+      bad(format("max_image_pixels %lld is more than %lld (16384 x 16384)", (long long)o.max_image_pixels,
+                 (long long)kMaxPlanImagePixels));
+  }
+}
+
+struct Inputs {
+  const ModelConfig& config;
+  const WeightsSummary& weights;
+  uint64_t tensor_count;
+  const DeviceSpec& device;  // wsl2 resolved
+};
+
+PlanItem weights_item(const Inputs& in) {
+  PlanItem item{"weights", "", align_up(in.weights.total_bytes, kPlanAlignment), "", true};
+  uint64_t linear_bytes = 0;
+  for (const auto& linear : in.weights.linears) linear_bytes += linear.bytes;
+  if (in.weights.exact) {
+    item.label = in.tensor_count ? format("weights (exact, %llu tensors)", (unsigned long long)in.tensor_count)
+                                 : std::string("weights (exact, from headers)");
+    item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s",
+                      in.weights.linears.size(), format_bytes(linear_bytes).c_str(),
+                      format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str());
+  } else {
+    item.label = "weights (estimated from config.json)";
+    item.why = format("no safetensors in the directory: shapes from config.json, formats from quantization_config "
+                      "(%zu Linears %s)", in.weights.linears.size(), format_bytes(linear_bytes).c_str());
+  }
+  return item;
+}
+
+PlanItem repack_item(const Inputs& in) {
+  PlanItem item{"repack", "repack", 0, "", true};
+  if (in.device.backend != BackendKind::cuda) {
+    item.why = "CPU backend runs the on-disk layout: nothing to repack";
+    return item;
+  }
+  uint64_t widened = 0, widened_elements = 0, int4 = 0;
+  for (const auto& linear : in.weights.linears) {
+    if (linear.format == WeightFormat::fp8 && dtype_bits(linear.scale_dtype) == 16) {
+      widened++;
+      widened_elements += scale_elements(linear);
+    }
+    if (linear.format == WeightFormat::int4) int4++;
+  }
+  item.bytes = align_up(widened_elements * 2, kPlanAlignment);
+  std::string fp8 = widened ? format("%llu FP8 Linears with 16-bit scales get fp32 scales: %s scale elements x 2 B",
+                                     (unsigned long long)widened, format_count(widened_elements).c_str())
+                            : std::string("no FP8 Linear with 16-bit scales");
+  item.why = int4 ? fp8 + format("; %llu W4A16 Linears repacked in place (0 B)", (unsigned long long)int4) : fp8;
+  return item;
+}
+
+PlanItem context_item(const Inputs& in) {
+  PlanItem item{"context", "context (outside the arena)", 0, "", false};
+  if (in.device.backend != BackendKind::cuda) {
+    item.why = "CPU backend: no device context";
+  } else if (in.device.wsl2) {
+    item.bytes = kContextWsl2;
+    item.why = "CUDA context + cuBLAS handles + driver: 1024 MiB under WSL2 (its paravirtualized driver reserves "
+               "more; pinned memory is limited, vLLM disables it)";
+  } else {
+    item.bytes = kContextNative;
+    item.why = "CUDA context + cuBLAS handles + driver: 384 MiB on native Linux";
+  }
+  return item;
+}
+
+PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
+  auto buffers = activation_buffers(in.config, o.max_batched_tokens, o.max_seqs, in.device.backend);
+  const char* dtype = activation_dtype(in.device.backend);
+  return {"activations", "activations", buffers_bytes(buffers),
+          format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual (T,H) fp32; normed, qkv, "
+                 "attn_out, gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; 4 int32 index arrays",
+                 (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits),
+          true};
+}
+
+PlanItem vision_item(const Inputs& in, const PlanOptions& o) {
+  const VisionConfig& v = in.config.vision;
+  auto buffers = vision_buffers(in.config, o.max_image_pixels, o.max_images, in.device.backend);
+  uint64_t windows = merge_windows(v, o.max_image_pixels);
+  uint64_t patches = windows * uint64_t(v.spatial_merge_size * v.spatial_merge_size);
+  return {"vision", format("vision (%lld image%s)", (long long)o.max_images, o.max_images == 1 ? "" : "s"),
+          buffers_bytes(buffers),
+          format("encoder for %lld x %s pixels = %s patches (%s tokens) each: patches, hidden, qkv, mlp, merger "
+                 "outputs x %zu (1 + DeepStack)",
+                 (long long)o.max_images, format_count(uint64_t(o.max_image_pixels)).c_str(),
+                 format_count(patches).c_str(), format_count(windows).c_str(),
+                 1 + v.deepstack_visual_indexes.size()),
+          true};
+}
+
+PlanItem logits_item(const Inputs& in, const PlanOptions& o) {
+  auto buffers = logits_buffers(in.config, o.max_seqs);
+  int64_t rows = std::max(o.max_seqs, kScoringRows);
+  return {"logits", "logits", buffers_bytes(buffers),
+          format("scoring computes log-probs %lld rows at a time: (%lld, V=%lld) fp32 + sampling (%lld, V) fp32 + ids",
+                 (long long)kScoringRows, (long long)rows, (long long)in.config.text.vocab_size,
+                 (long long)o.max_seqs),
+          true};
+}
+
+PlanItem workspace_item(const Inputs& in) {
+  PlanItem item{"workspace", "workspace", 0, "", true};
+  if (in.device.backend == BackendKind::cuda) {
+    // Repacking goes through a scratch copy of one Linear at a time; dense Linears are used as stored, so only
+    // quantized ones count (an untied bf16 lm_head would otherwise reserve a second copy of itself).
+    const LinearDesc* largest = nullptr;
+    for (const auto& linear : in.weights.linears)
+      if (linear.format != WeightFormat::dense && (!largest || linear.bytes > largest->bytes)) largest = &linear;
+    uint64_t scratch = largest ? largest->bytes : 0;
+    item.bytes = align_up(kGemmWorkspace + scratch, kPlanAlignment);
+    item.why = largest ? format("32 MiB GEMM workspace + repack scratch the size of the largest quantized Linear (%s, %s)",
+                                largest->name.c_str(), format_bytes(scratch).c_str())
+                       : std::string("32 MiB GEMM workspace (no quantized Linear: no repack scratch)");
+  } else {
+    uint64_t threads = std::max(1u, std::thread::hardware_concurrency());
+    item.bytes = align_up(kCpuTileBytesPerThread * threads, kPlanAlignment);
+    item.why = format("64 KiB of dequantization tiles x %llu hardware threads", (unsigned long long)threads);
+  }
+  return item;
+}
+
+PlanItem graphs_item(const Inputs& in, const PlanOptions& o) {
+  PlanItem item{"graphs", "graphs", 0, "", true};
+  if (in.device.backend != BackendKind::cuda) {
+    item.why = "CPU backend: no CUDA graphs";
+    return item;
+  }
+  // Decode batch buckets: powers of two below max_seqs, and max_seqs itself.
+  std::string buckets;
+  uint64_t count = 0;
+  for (int64_t b = 1;; b *= 2) {
+    int64_t bucket = std::min(b, o.max_seqs);
+    buckets += (count ? "," : "") + ll(bucket);
+    count++;
+    if (bucket == o.max_seqs) break;
+  }
+  if (count > 6) {  // keep the line short: 1,2,4,...,256
+    buckets = "1,2,4,...," + ll(o.max_seqs);
+  }
+  item.bytes = align_up(kGraphPoolBase + kGraphPoolPerBucket * count, kPlanAlignment);
+  item.why = format("decode graph pool: 16 MiB + 2 MiB x %llu batch buckets (%s); estimate until measured on a GPU",
+                    (unsigned long long)count, buckets.c_str());
+  return item;
+}
+
+// KV bytes one sequence of `tokens` tokens takes, in whole pages.
+uint64_t kv_bytes_for(const Plan& plan, int64_t tokens) {
+  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * plan.kv_page_bytes;
+}
+
+// The plan for fully resolved options: items, budget, KV arena and the verdict (no what-if analysis).
+Plan assemble(const Inputs& in, const PlanOptions& o) {
+  Plan plan;
+  plan.device = in.device;
+  plan.options = o;
+  plan.model_name = model_name_of(in.config);
+  plan.arch = in.config.arch;
+  plan.items.push_back(weights_item(in));
+  plan.items.push_back(repack_item(in));
+  plan.items.push_back(context_item(in));
+  plan.items.push_back(activations_item(in, o));
+  if (in.config.vision.present) plan.items.push_back(vision_item(in, o));
+  plan.items.push_back(logits_item(in, o));
+  plan.items.push_back(workspace_item(in));
+  plan.items.push_back(graphs_item(in, o));
+
+  plan.weights_bytes = in.weights.total_bytes;
+  plan.weights_source = in.weights.exact ? "headers" : "config";
+  plan.kv_bytes_per_token = in.config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
+  plan.kv_page_tokens = uint64_t(o.kv_page_tokens);
+  plan.kv_page_bytes = plan.kv_page_tokens * plan.kv_bytes_per_token;
+  plan.budget_bytes = budget_for(o.utilization, in.device.total_bytes);
+  for (const auto& item : plan.items) plan.fixed_bytes += item.bytes;
+  plan.kv_available_bytes = int64_t(plan.budget_bytes) - int64_t(plan.fixed_bytes);
+  plan.kv_pages = plan.kv_available_bytes > 0 ? uint64_t(plan.kv_available_bytes) / plan.kv_page_bytes : 0;
+  plan.kv_arena_bytes = plan.kv_pages * plan.kv_page_bytes;
+  plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
+  plan.max_model_len = o.max_model_len;
+  plan.concurrency = double(plan.kv_tokens) / double(o.max_model_len);
+  plan.fits = plan.kv_available_bytes > 0 && plan.kv_tokens >= uint64_t(o.max_model_len);
+  plan.shortfall_bytes = plan.fits ? 0 : int64_t(kv_bytes_for(plan, o.max_model_len)) - plan.kv_available_bytes;
+  return plan;
+}
+
+// With options fully resolved for `max_model_len`; max_batched_tokens follows it unless the caller set it.
+PlanOptions with_max_model_len(PlanOptions o, const PlanOptions& requested, int64_t max_model_len) {
+  o.max_model_len = max_model_len;
+  o.max_batched_tokens = requested.max_batched_tokens > 0 ? requested.max_batched_tokens
+                                                          : std::min(kDefaultBatchedTokens, max_model_len);
+  return o;
+}
+
+// The smallest utilization whose budget (as budget_for computes it) holds `bytes`.
+double utilization_for(uint64_t bytes, uint64_t total) {
+  double u = double(bytes) / double(total);
+  while (budget_for(u, total) < bytes) u = std::nextafter(u, 2.0);
+  return u;
+}
+
+// The utilization to print: two decimals, rounded up, and checked to be enough.
+double printable_utilization(double needed, uint64_t bytes, uint64_t total) {
+  double u = std::ceil(needed * 100.0) / 100.0;
+  while (budget_for(u, total) < bytes) u += 0.01;
+  return u;
+}
+
+void write_advice(const Inputs& in, Plan& plan) {
+  const PlanOptions& o = plan.options;
+  std::string ratio = format_ratio(o.utilization);
+  if (plan.fits) {
+    plan.advice.push_back(format("KV holds %s tokens: %.1f sequences of %lld.", format_count(plan.kv_tokens).c_str(),
+                                 plan.concurrency, (long long)plan.max_model_len));
+    return;
+  }
+  uint64_t needed = kv_bytes_for(plan, plan.max_model_len);
+  plan.advice.push_back(format("Does not fit: KV needs %s for one %lld-token sequence but only %s is left (short by %s).",
+                               format_bytes(needed).c_str(), (long long)plan.max_model_len,
+                               format_bytes_signed(plan.kv_available_bytes).c_str(),
+                               format_bytes(uint64_t(plan.shortfall_bytes)).c_str()));
+  if (plan.max_model_len_that_fits > 0)
+    plan.advice.push_back(format("Largest max_model_len at utilization %s: %lld (--max-model-len %lld).", ratio.c_str(),
+                                 (long long)plan.max_model_len_that_fits, (long long)plan.max_model_len_that_fits));
+  else
+    plan.advice.push_back(format("No max_model_len fits at utilization %s: the fixed items need %s of the %s budget.",
+                                 ratio.c_str(), format_bytes(plan.fixed_bytes).c_str(),
+                                 format_bytes(plan.budget_bytes).c_str()));
+  uint64_t total_needed = plan.fixed_bytes + needed;
+  if (plan.utilization_needed <= 1.0) {
+    double shown = printable_utilization(plan.utilization_needed, total_needed, in.device.total_bytes);
+    plan.advice.push_back(format("Utilization needed for max_model_len %lld: %.2f (--utilization %.2f).",
+                                 (long long)plan.max_model_len, shown, shown));
+  } else {
+    plan.advice.push_back(format("max_model_len %lld does not fit at any utilization: needs %s more than the whole %s card.",
+                                 (long long)plan.max_model_len,
+                                 format_bytes(total_needed - in.device.total_bytes).c_str(),
+                                 format_bytes(in.device.total_bytes).c_str()));
+  }
+  if (o.kv_dtype != KVDType::fp8 && plan.max_model_len_that_fits_fp8_kv > plan.max_model_len_that_fits)
+    plan.advice.push_back(format("With --kv-dtype fp8: max_model_len up to %lld (KV %s per token instead of %s)%s.",
+                                 (long long)plan.max_model_len_that_fits_fp8_kv,
+                                 format_bytes(plan.kv_bytes_per_token / 2).c_str(),
+                                 format_bytes(plan.kv_bytes_per_token).c_str(),
+                                 plan.max_model_len_that_fits_fp8_kv >= plan.max_model_len ? ", which fits" : ""));
+  if (in.config.vision.present) {
+    if (plan.image_pixels_that_fit > 0)
+      plan.advice.push_back(format("With --max-image-pixels %lld: fits (%s image tokens per image instead of %s).",
+                                   (long long)plan.image_pixels_that_fit,
+                                   format_count(merge_windows(in.config.vision, plan.image_pixels_that_fit)).c_str(),
+                                   format_count(merge_windows(in.config.vision, o.max_image_pixels)).c_str()));
+    else
+      plan.advice.push_back(format("No image budget makes max_model_len %lld fit: even the smallest (%s pixels) leaves "
+                                   "too little for KV.", (long long)plan.max_model_len,
+                                   format_count(smallest_image_pixels(in.config)).c_str()));
+  }
+  if (plan.weights_bytes >= plan.budget_bytes)
+    plan.advice.push_back(format("The weights alone (%s) exceed the %s budget: use a quantized checkpoint (W4A16 or "
+                                 "FP8) or a larger card.", format_bytes(plan.weights_bytes).c_str(),
+                                 format_bytes(plan.budget_bytes).c_str()));
+  if (in.device.backend == BackendKind::cuda && in.device.wsl2)
+    plan.advice.push_back(format("WSL2: the CUDA context is planned at 1024 MiB instead of 384 MiB (the paravirtualized "
+                                 "driver reserves more, and pinned host memory is limited); native Linux leaves %s "
+                                 "more for KV.", format_bytes(kContextWsl2 - kContextNative).c_str()));
+}
+
+}  // namespace planning
+}  // namespace detail
+
+// ---- buffers ----------------------------------------------------------------------------------------------
+
+uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers) {
+  uint64_t sum = 0;
+  for (const auto& b : buffers) sum += b.bytes;
+  return sum;
+}
+
+std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
+                                           BackendKind backend) {
+  using detail::planning::buffer;
+  const TextConfig& t = config.text;
+  uint64_t T = uint64_t(std::max<int64_t>(tokens, 0)), S = uint64_t(std::max<int64_t>(max_seqs, 0));
+  uint64_t H = uint64_t(t.hidden_size), Hq = uint64_t(t.num_heads), Hkv = uint64_t(t.num_kv_heads);
+  uint64_t D = uint64_t(t.head_dim), I = uint64_t(t.intermediate_size);
+  uint64_t E = detail::planning::activation_bytes(backend);
+  const char* act = detail::planning::activation_dtype(backend);
+  // M-RoPE models carry three position rows (t, h, w) per token.
+  bool mrope = !t.rope.mrope_section.empty() || config.arch == Arch::qwen3_vl;
+  std::vector<BufferSpec> buffers = {
+      buffer("hidden", {T, H}, 4, "(T, H)", "fp32"),  // the residual stream stays fp32
+      buffer("normed", {T, H}, E, "(T, H)", act),     // RMSNorm output, input of q/k/v and gate/up
+      buffer("qkv", {T, (Hq + 2 * Hkv) * D}, E, "(T, (Hq + 2 Hkv) D)", act),
+      buffer("attn_out", {T, Hq * D}, E, "(T, Hq D)", act),
+      buffer("gate_up", {T, 2 * I}, E, "(T, 2 I)", act),
+      buffer("mlp_act", {T, I}, E, "(T, I)", act),  // silu(gate) * up, input of down_proj
+      // Split-KV decode: each (sequence, head, split) writes D outputs + its running max and sum.
+      buffer("attn_partials", {S, Hq, detail::planning::kDecodeSplits, D + 2}, 4, "(S, Hq, splits, D + 2)", "fp32"),
+      buffer("token_ids", {T}, 4, "(T)", "int32"),
+      mrope ? buffer("positions", {3, T}, 4, "(3, T)", "int32") : buffer("positions", {T}, 4, "(T)", "int32"),
+      buffer("slot_mapping", {T}, 4, "(T)", "int32"),  // KV slot (page x page_tokens + offset) each token writes
+      buffer("seq_index", {T}, 4, "(T)", "int32"),     // which sequence of the batch each token belongs to
+  };
+  return buffers;
+}
+
+std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
+                                       BackendKind backend) {
+  using detail::planning::buffer;
+  const VisionConfig& v = config.vision;
+  if (!v.present || image_pixels <= 0 || images <= 0) return {};
+  uint64_t merge = uint64_t(v.spatial_merge_size * v.spatial_merge_size);  // patches per merge window
+  uint64_t N = detail::planning::merge_windows(v, image_pixels) * merge * uint64_t(images);
+  uint64_t patch_values = uint64_t(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size);
+  uint64_t vh = uint64_t(v.hidden_size), vI = uint64_t(v.intermediate_size), out = uint64_t(v.out_hidden_size);
+  uint64_t E = detail::planning::activation_bytes(backend);
+  const char* act = detail::planning::activation_dtype(backend);
+  uint64_t mergers = 1 + v.deepstack_visual_indexes.size();
+  return {
+      buffer("pixel_patches", {N, patch_values}, E, "(N, C x frames x patch x patch)", act),
+      buffer("vision_hidden", {N, vh}, 4, "(N, vh)", "fp32"),
+      buffer("vision_normed", {N, vh}, E, "(N, vh)", act),
+      buffer("vision_qkv", {N, 3 * vh}, E, "(N, 3 vh)", act),
+      buffer("vision_attn_out", {N, vh}, E, "(N, vh)", act),
+      buffer("vision_mlp", {N, vI}, E, "(N, vI)", act),
+      buffer("merger_in", {N / merge, merge * vh}, E, "(N / 4, 4 vh)", act),
+      // The final merger's output plus one per DeepStack level, kept until the language model splices them.
+      buffer("merged", {mergers, N / merge, out}, 4, "(1 + deepstack, N / 4, out)", "fp32"),
+  };
+}
+
+std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_seqs) {
+  using detail::planning::buffer;
+  uint64_t S = uint64_t(std::max<int64_t>(max_seqs, 0));
+  uint64_t R = std::max<uint64_t>(S, uint64_t(detail::planning::kScoringRows));
+  uint64_t V = uint64_t(config.text.vocab_size);
+  return {
+      buffer("logits", {R, V}, 4, "(max(S, 32), V)", "fp32"),
+      buffer("sampling_probs", {S, V}, 4, "(S, V)", "fp32"),
+      buffer("sampled_ids", {S}, 4, "(S)", "int32"),
+      buffer("target_ids", {R}, 4, "(max(S, 32))", "int32"),  // scoring: the next tokens whose log-probs are read
+      buffer("row_logprobs", {R}, 4, "(max(S, 32))", "fp32"),
+  };
+}
+
+// ---- the planner ------------------------------------------------------------------------------------------
+
+namespace detail {
+namespace planning {
+
+Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t tensor_count, const DeviceSpec& device_in,
+          const PlanOptions& requested) {
+  check_config(config);
+  check_options(config, device_in, requested);
+  DeviceSpec device = device_in;
+  if (requested.wsl2) device.wsl2 = *requested.wsl2;
+  Inputs in{config, weights, tensor_count, device};
+  ModelLimits limits = model_limits(config);
+
+  PlanOptions o = requested;
+  o.wsl2 = device.wsl2;
+  if (o.kv_dtype == KVDType::auto_) o.kv_dtype = config.text.dtype == DType::F16 ? KVDType::f16 : KVDType::bf16;
+  if (o.max_seqs == 0) o.max_seqs = kDefaultMaxSeqs;
+
+  std::string image_rule;
+  if (!config.vision.present) {
+    o.max_image_pixels = 0;
+  } else if (requested.max_image_pixels > 0) {
+    image_rule = "requested (--max-image-pixels)";
+  } else {
+    o.max_image_pixels = std::min(limits.processor_max_pixels, kDefaultImagePixels);
+    image_rule = format("kvlite default: min(processor max %s%s, 1024 x 1024) = %s pixels; the processor's max would "
+                        "reserve for %s image tokens; --max-image-pixels overrides",
+                        format_count(uint64_t(limits.processor_max_pixels)).c_str(),
+                        config.max_pixels > 0 ? "" : " (model default)",
+                        format_count(uint64_t(o.max_image_pixels)).c_str(),
+                        format_count(merge_windows(config.vision, limits.processor_max_pixels)).c_str());
+  }
+
+  // max_model_len: as requested, or min(model max, 32768) halved (down to 2048) until it fits.
+  std::string rule;
+  if (requested.max_model_len > 0) {
+    o = with_max_model_len(o, requested, requested.max_model_len);
+    rule = "requested";
+  } else {
+    int64_t start = std::min(limits.max_position, kDefaultMaxModelLen);
+    int64_t length = start;
+    o = with_max_model_len(o, requested, length);
+    while (!assemble(in, o).fits && length > kMinDefaultMaxModelLen) {
+      length = std::max(length / 2, kMinDefaultMaxModelLen);
+      o = with_max_model_len(o, requested, length);
+    }
+    rule = limits.max_position > kDefaultMaxModelLen
+               ? format("default: model max %lld capped at %lld", (long long)limits.max_position, (long long)start)
+               : format("default: model max %lld", (long long)start);
+    if (length != start) rule += format(", halved to %lld to fit", (long long)length);
+    if (!assemble(in, o).fits) rule += length != start ? " (and still does not)" : " (does not fit)";
+  }
+
+  Plan plan = assemble(in, o);
+  plan.max_model_len_rule = rule;
+  plan.max_image_pixels_rule = image_rule;
+
+  // What would fit, whatever the verdict.
+  plan.max_model_len_that_fits = std::min<int64_t>(int64_t(plan.kv_tokens), limits.max_position);
+  uint64_t total_needed = plan.fixed_bytes + kv_bytes_for(plan, plan.max_model_len);
+  plan.utilization_needed = utilization_for(total_needed, device.total_bytes);
+  if (o.kv_dtype == KVDType::fp8) {
+    plan.max_model_len_that_fits_fp8_kv = plan.max_model_len_that_fits;
+  } else {
+    PlanOptions fp8 = o;
+    fp8.kv_dtype = KVDType::fp8;
+    plan.max_model_len_that_fits_fp8_kv = std::min<int64_t>(int64_t(assemble(in, fp8).kv_tokens), limits.max_position);
+  }
+  if (config.vision.present) {
+    // The largest image budget (whole merge windows) at which max_model_len fits: binary search, since the
+    // vision buffers only grow with the budget.
+    uint64_t window = window_pixels(config.vision);
+    uint64_t lo = uint64_t(smallest_image_pixels(config)) / window;
+    uint64_t hi = uint64_t(limits.processor_max_pixels) / window;
+    auto fits_with = [&](uint64_t windows) {
+      PlanOptions trial = o;
+      trial.max_image_pixels = int64_t(windows * window);
+      return assemble(in, trial).fits;
+    };
+    if (lo <= hi && fits_with(lo)) {
+      while (lo < hi) {  // invariant: fits_with(lo)
+        uint64_t mid = lo + (hi - lo + 1) / 2;
+        if (fits_with(mid)) lo = mid; else hi = mid - 1;
+      }
+      plan.image_pixels_that_fit = int64_t(lo * window);
+    }
+  }
+  write_advice(in, plan);
+  return plan;
+}
+
+}  // namespace planning
+}  // namespace detail
+
+Result<Plan> make_plan(const ModelConfig& config, const WeightsSummary& weights, const DeviceSpec& device,
+                       const PlanOptions& options) {
+  return detail::guard([&] { return detail::planning::make(config, weights, 0, device, options); });
+}
+
+Result<PlanInputs> read_plan_inputs(const std::string& model_dir) {
+  return detail::guard([&]() -> PlanInputs {
+    PlanInputs inputs;
+    auto config = load_config(model_dir);
+    if (!config) throw config.error();
+    auto store = TensorStore::open_dir(model_dir);
+    if (!store) throw store.error();
+    auto weights = summarize_weights(*config, store->empty() ? nullptr : &*store);
+    if (!weights) throw weights.error();
+    inputs.config = std::move(*config);
+    inputs.weights = std::move(*weights);
+    inputs.tensor_count = store->tensors().size();
+    return inputs;
+  });
+}
+
+Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const PlanOptions& options) {
+  return detail::guard(
+      [&] { return detail::planning::make(inputs.config, inputs.weights, inputs.tensor_count, device, options); });
+}
+
+Result<Plan> plan_model_dir(const std::string& model_dir, const PlanOptions& options) {
+  return detail::guard([&]() -> Plan {
+    auto inputs = read_plan_inputs(model_dir);
+    if (!inputs) throw inputs.error();
+    auto device = detect_device(options.device_mem, options.wsl2);
+    if (!device) throw device.error();
+    auto plan = make_plan(*inputs, *device, options);
+    if (!plan) throw plan.error();
+    return std::move(*plan);
+  });
+}
+
+// ---- presentation -----------------------------------------------------------------------------------------
+
+uint64_t Plan::arena_bytes() const {
+  uint64_t sum = kv_arena_bytes;
+  for (const auto& item : items)
+    if (item.in_arena) sum += item.bytes;
+  return sum;
+}
+
+const PlanItem* Plan::item(const std::string& key) const {
+  for (const auto& it : items)
+    if (it.key == key) return &it;
+  return nullptr;
+}
+
+std::string Plan::table() const {
+  using namespace detail::planning;
+  using detail::format;
+  struct Row { std::string component, bytes, why; };
+  std::vector<Row> rows;
+  for (const auto& it : items) rows.push_back({it.label, format_bytes(it.bytes), it.why});
+  rows.push_back({"fixed", format_bytes(fixed_bytes), "sum of the rows above: needed before any KV"});
+  rows.push_back({"budget", format_bytes(budget_bytes),
+                  format("budget = %s x %s = %s", format_ratio(options.utilization).c_str(),
+                         format_bytes(device.total_bytes).c_str(), format_bytes(budget_bytes).c_str())});
+  std::string kv_why = format("%s pages x %llu tokens = %s tokens, %s per token (%s)",
+                              format_count(kv_pages).c_str(), (unsigned long long)kv_page_tokens,
+                              format_count(kv_tokens).c_str(), format_bytes(kv_bytes_per_token).c_str(),
+                              kv_dtype_name(options.kv_dtype));
+  if (kv_available_bytes <= 0)
+    kv_why = format("nothing left: budget - fixed = %s; %s per token (%s)",
+                    format_bytes_signed(kv_available_bytes).c_str(), format_bytes(kv_bytes_per_token).c_str(),
+                    kv_dtype_name(options.kv_dtype));
+  rows.push_back({"KV arena", format_bytes(kv_arena_bytes), kv_why});
+  rows.push_back({"max_model_len", ll(max_model_len), max_model_len_rule});
+  if (!max_image_pixels_rule.empty())
+    rows.push_back({"max_image_pixels", ll(options.max_image_pixels), max_image_pixels_rule});
+  rows.push_back({"concurrency", format("%.2f", concurrency),
+                  format("sequences of %lld tokens the KV arena holds at once", (long long)max_model_len)});
+  rows.push_back({"verdict", fits ? "FITS" : "DOES NOT FIT",
+                  fits ? format("arena %s + context %s", format_bytes(arena_bytes()).c_str(),
+                                format_bytes(fixed_bytes + kv_arena_bytes - arena_bytes()).c_str())
+                       : format("short by %s", format_bytes(uint64_t(shortfall_bytes)).c_str())});
+
+  size_t width0 = std::string("component").size(), width1 = std::string("bytes").size();
+  for (const auto& r : rows) {
+    width0 = std::max(width0, r.component.size());
+    width1 = std::max(width1, r.bytes.size());
+  }
+  std::string out = format("model %s (%s) | device %s | WSL2 %s | backend %s\n", model_name.c_str(), arch_name(arch),
+                           device.name.c_str(), device.wsl2 ? "yes" : "no", backend_name(device.backend));
+  auto line = [&](const std::string& a, const std::string& b, const std::string& c) {
+    out += a + std::string(width0 - a.size() + 2, ' ') + std::string(width1 - b.size(), ' ') + b + "  " + c + "\n";
+  };
+  std::string rule(width0 + width1 + 4 + 40, '-');
+  line("component", "bytes", "why");
+  out += rule + "\n";
+  for (size_t i = 0; i < rows.size(); i++) {
+    if (i == items.size() || i == items.size() + 3) out += rule + "\n";
+    line(rows[i].component, rows[i].bytes, rows[i].why);
+  }
+  if (!advice.empty()) {
+    out += "advice:\n";
+    for (const auto& a : advice) out += "  " + a + "\n";
+  }
+  return out;
+}
+
+std::string Plan::json() const {
+  nlohmann::ordered_json j;
+  j["model"] = model_name;
+  j["arch"] = arch_name(arch);
+  j["device"] = {{"name", device.name},        {"backend", backend_name(device.backend)},
+                 {"total_bytes", device.total_bytes}, {"free_bytes", device.free_bytes},
+                 {"sm", device.sm},             {"wsl2", device.wsl2},
+                 {"queried", device.queried}};
+  nlohmann::ordered_json opts;
+  if (options.device_mem) opts["device_mem"] = *options.device_mem; else opts["device_mem"] = nullptr;
+  opts["utilization"] = options.utilization;
+  opts["max_model_len"] = options.max_model_len;
+  opts["max_seqs"] = options.max_seqs;
+  opts["max_batched_tokens"] = options.max_batched_tokens;
+  opts["kv_dtype"] = kv_dtype_name(options.kv_dtype);
+  opts["max_image_pixels"] = options.max_image_pixels;
+  opts["max_images"] = options.max_images;
+  opts["kv_page_tokens"] = options.kv_page_tokens;
+  opts["wsl2"] = options.wsl2.value_or(device.wsl2);
+  j["options"] = opts;
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  for (const auto& it : items)
+    list.push_back({{"key", it.key}, {"label", it.label}, {"bytes", it.bytes}, {"why", it.why}, {"in_arena", it.in_arena}});
+  j["items"] = list;
+  j["weights_bytes"] = weights_bytes;
+  j["weights_source"] = weights_source;
+  j["kv_dtype"] = kv_dtype_name(options.kv_dtype);
+  j["kv_bytes_per_token"] = kv_bytes_per_token;
+  j["kv_page_tokens"] = kv_page_tokens;
+  j["kv_page_bytes"] = kv_page_bytes;
+  j["budget_bytes"] = budget_bytes;
+  j["fixed_bytes"] = fixed_bytes;
+  j["kv_available_bytes"] = kv_available_bytes;
+  j["kv_arena_bytes"] = kv_arena_bytes;
+  j["kv_pages"] = kv_pages;
+  j["kv_tokens"] = kv_tokens;
+  j["arena_bytes"] = arena_bytes();
+  j["max_model_len"] = max_model_len;
+  j["max_model_len_rule"] = max_model_len_rule;
+  j["max_image_pixels_rule"] = max_image_pixels_rule;
+  j["concurrency"] = concurrency;
+  j["fits"] = fits;
+  j["shortfall_bytes"] = shortfall_bytes;
+  j["max_model_len_that_fits"] = max_model_len_that_fits;
+  j["utilization_needed"] = utilization_needed;
+  j["max_model_len_that_fits_fp8_kv"] = max_model_len_that_fits_fp8_kv;
+  j["image_pixels_that_fit"] = image_pixels_that_fit;
+  j["advice"] = advice;
+  return j.dump(2) + "\n";
+}
+
+namespace detail {
+namespace planning {
+std::string xml_escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+const char* item_colour(const std::string& key) {
+  if (key == "weights") return "#4e79a7";
+  if (key == "repack") return "#76b7b2";
+  if (key == "context") return "#9c9c9c";
+  if (key == "activations") return "#f28e2b";
+  if (key == "vision") return "#b07aa1";
+  if (key == "logits") return "#edc948";
+  if (key == "workspace") return "#ff9da7";
+  if (key == "graphs") return "#9c755f";
+  return "#bab0ac";
+}
+}  // namespace planning
+}  // namespace detail
+
+std::string Plan::svg() const {
+  using namespace detail::planning;
+  using detail::format;
+  // Layout: one bar, left to right in table order, then KV. The scale covers the whole card, or more when the
+  // plan overflows it, so the red overflow stays visible.
+  const double left = 20, bar_width = 860, bar_y = 60, bar_height = 44, width = 900;
+  uint64_t kv_shown = fits ? kv_arena_bytes : kv_bytes_for(*this, max_model_len);
+  uint64_t extent = std::max<uint64_t>(device.total_bytes, fixed_bytes + kv_shown);
+  auto x_of = [&](uint64_t bytes) { return left + bar_width * double(bytes) / double(extent); };
+  size_t legend_rows = items.size() + 2;
+  double height = bar_y + bar_height + 50 + 18.0 * double(legend_rows) + 20;
+
+  std::string out = format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
+                           "font-family=\"sans-serif\" font-size=\"12\">\n", width, height, width, height);
+  out += format("<rect x=\"0\" y=\"0\" width=\"%.0f\" height=\"%.0f\" fill=\"white\"/>\n", width, height);
+  out += format("<text x=\"%.0f\" y=\"22\" font-size=\"15\" font-weight=\"bold\">%s</text>\n", left,
+                xml_escape(format("%s on %s: %s", model_name.c_str(), device.name.c_str(),
+                                  fits ? "FITS" : "DOES NOT FIT")).c_str());
+  out += format("<text x=\"%.0f\" y=\"40\">%s</text>\n", left,
+                xml_escape(format("max_model_len %lld, KV %s (%s tokens), budget %s x %s = %s", (long long)max_model_len,
+                                  format_bytes(kv_arena_bytes).c_str(), format_count(kv_tokens).c_str(),
+                                  format_ratio(options.utilization).c_str(), format_bytes(device.total_bytes).c_str(),
+                                  format_bytes(budget_bytes).c_str())).c_str());
+  // The whole card, as an outline.
+  out += format("<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"#f4f4f4\" stroke=\"#666\"/>\n", left,
+                bar_y, x_of(device.total_bytes) - left, bar_height);
+  uint64_t offset = 0;
+  // Each segment: a rectangle with a tooltip, and its name written inside when there is room for it.
+  auto segment = [&](uint64_t bytes, const char* colour, const std::string& name, const std::string& title) {
+    if (bytes == 0) return;
+    double x = x_of(offset), w = x_of(offset + bytes) - x;
+    out += format("<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\"><title>%s</title></rect>\n",
+                  x, bar_y, w, bar_height, colour, xml_escape(title).c_str());
+    if (w >= 7.0 * double(name.size()) + 6)
+      out += format("<text x=\"%.2f\" y=\"%.2f\" text-anchor=\"middle\" fill=\"white\">%s</text>\n", x + w / 2,
+                    bar_y + bar_height / 2 + 4, xml_escape(name).c_str());
+    offset += bytes;
+  };
+  for (const auto& it : items) segment(it.bytes, item_colour(it.key), it.key, it.label + ": " + format_bytes(it.bytes));
+  if (fits) {
+    segment(kv_arena_bytes, "#59a14f", "KV", "KV arena: " + format_bytes(kv_arena_bytes));
+  } else {
+    // KV one sequence needs, hatched in red past the budget.
+    uint64_t start = offset;
+    segment(kv_shown, "#8cd17d", "KV", format("KV for one %lld-token sequence: %s", (long long)max_model_len,
+                                              format_bytes(kv_shown).c_str()));
+    uint64_t overflow_from = std::max(start, budget_bytes);
+    if (offset > overflow_from)
+      out += format("<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"#e15759\" fill-opacity=\"0.85\">"
+                    "<title>%s</title></rect>\n",
+                    x_of(overflow_from), bar_y, x_of(offset) - x_of(overflow_from), bar_height,
+                    xml_escape("over the budget by " + format_bytes(offset - overflow_from)).c_str());
+  }
+  double budget_x = x_of(budget_bytes);
+  out += format("<line x1=\"%.2f\" y1=\"%.2f\" x2=\"%.2f\" y2=\"%.2f\" stroke=\"black\" stroke-width=\"2\" "
+                "stroke-dasharray=\"5,3\"/>\n", budget_x, bar_y - 8, budget_x, bar_y + bar_height + 8);
+  out += format("<text x=\"%.2f\" y=\"%.2f\" text-anchor=\"%s\">%s</text>\n", budget_x, bar_y + bar_height + 22,
+                budget_x > width / 2 ? "end" : "start",
+                xml_escape("budget " + format_bytes(budget_bytes)).c_str());
+  // Legend.
+  double y = bar_y + bar_height + 46;
+  auto legend = [&](const char* colour, const std::string& text) {
+    out += format("<rect x=\"%.0f\" y=\"%.0f\" width=\"12\" height=\"12\" fill=\"%s\"/>", left, y - 10, colour);
+    out += format("<text x=\"%.0f\" y=\"%.0f\">%s</text>\n", left + 18, y, xml_escape(text).c_str());
+    y += 18;
+  };
+  for (const auto& it : items) legend(item_colour(it.key), it.label + "  " + format_bytes(it.bytes));
+  if (fits)
+    legend("#59a14f", "KV arena  " + format_bytes(kv_arena_bytes) + " (" + format_count(kv_tokens) + " tokens)");
+  else
+    legend("#8cd17d", format("KV for one %lld-token sequence  %s", (long long)max_model_len, format_bytes(kv_shown).c_str()));
+  if (!fits) legend("#e15759", "over the budget: short by " + format_bytes(uint64_t(shortfall_bytes)));
+  out += "</svg>\n";
+  return out;
+}
+
+}  // namespace kvlite
 // arena: implementation.
 #include <algorithm>
 #include <atomic>
@@ -5822,6 +7743,947 @@ Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t conte
       if (end == num_tokens) break;
     }
     return windows;
+  });
+}
+
+}  // namespace kvlite
+// backend: the validation every backend shares, and the rotary-table helpers.
+#include <cmath>
+
+namespace kvlite {
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::gather_rows: return "gather_rows";
+    case Op::rms_norm: return "rms_norm";
+    case Op::add_rms_norm: return "add_rms_norm";
+    case Op::rope: return "rope";
+    case Op::linear: return "linear";
+    case Op::silu_mul: return "silu_mul";
+    case Op::add: return "add";
+    case Op::copy: return "copy";
+    case Op::kv_write: return "kv_write";
+    case Op::attention: return "attention";
+  }
+  return "?";
+}
+
+namespace detail {
+
+// "[3, 64] F32" (plus the stride when rows are not packed).
+inline std::string describe(const Tensor& t) {
+  std::string text = format("[%lld, %lld] %s", (long long)t.rows, (long long)t.cols, dtype_name(t.dtype));
+  if (t.rows > 1 && t.row_stride != t.cols) text += format(" (row stride %lld)", (long long)t.row_stride);
+  return text;
+}
+
+// Checks what every tensor argument must satisfy; `op` and `name` make the message.
+inline void check_view(const char* op, const char* name, const Tensor& t) {
+  if (t.rows < 0 || t.cols < 0)
+    fail(ErrorCode::invalid_argument, format("%s: %s has a negative shape %s", op, name, describe(t).c_str()));
+  if (dtype_bits(t.dtype) < 8)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s has dtype %s, which packs several elements per byte; views need whole-byte elements",
+                op, name, dtype_name(t.dtype)));
+  if (t.rows > 1 && t.row_stride < t.cols)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s with row stride %lld, smaller than its %lld columns (rows would overlap)", op, name,
+                describe(t).c_str(), (long long)t.row_stride, (long long)t.cols));
+  if (t.elements() > 0 && t.data == nullptr)
+    fail(ErrorCode::invalid_argument, format("%s: %s is %s but its data pointer is null", op, name, describe(t).c_str()));
+}
+
+inline void check_dtype(const char* op, const char* name, const Tensor& t, DType dtype) {
+  check_view(op, name, t);
+  if (t.dtype != dtype)
+    fail(ErrorCode::invalid_argument, format("%s: %s is %s; it must be %s", op, name, describe(t).c_str(), dtype_name(dtype)));
+}
+
+inline void check_shape(const char* op, const char* name, const Tensor& t, int64_t rows, int64_t cols) {
+  if (t.rows != rows || t.cols != cols)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s; it must be [%lld, %lld]", op, name, describe(t).c_str(), (long long)rows, (long long)cols));
+}
+
+// A contiguous vector of n elements of `dtype`, [1, n] or [n, 1].
+inline void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, DType dtype) {
+  check_dtype(op, name, t, dtype);
+  if ((t.rows != 1 && t.cols != 1) || t.elements() != n || !t.contiguous())
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s; it must be a contiguous vector of %lld elements ([1, %lld] or [%lld, 1])", op, name,
+                describe(t).c_str(), (long long)n, (long long)n, (long long)n));
+}
+
+inline void check_supported(const Backend& backend, Op op, DType dtype, const char* operand) {
+  if (!backend.supports(op, dtype))
+    fail(ErrorCode::unsupported, format("%s: the %s backend does not support %s %s", op_name(op),
+                                        backend.name().c_str(), operand, dtype_name(dtype)));
+}
+
+// Two views overlap when their byte ranges intersect (a conservative test on the spans).
+inline bool views_overlap(const Tensor& a, const Tensor& b) {
+  if (a.elements() == 0 || b.elements() == 0) return false;
+  auto span = [](const Tensor& t) {
+    const uint8_t* begin = static_cast<const uint8_t*>(t.data);
+    return std::make_pair(begin, begin + ((t.rows - 1) * t.row_stride + t.cols) * t.element_bytes());
+  };
+  auto sa = span(a), sb = span(b);
+  return sa.first < sb.second && sb.first < sa.second;
+}
+
+inline bool same_view(const Tensor& a, const Tensor& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.rows == b.rows && a.cols == b.cols &&
+         (a.rows <= 1 || a.row_stride == b.row_stride);
+}
+
+// `out` may be `input` itself, never a partial overlap of it.
+inline void check_alias(const char* op, const char* out_name, const Tensor& out, const char* in_name,
+                        const Tensor& in, bool may_be_same) {
+  if (views_overlap(out, in) && !(may_be_same && same_view(out, in)))
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s overlaps %s; %s", op, out_name, in_name,
+                may_be_same ? "it may be the same view or a separate buffer" : "it must be a separate buffer"));
+}
+
+inline void check_kv_cache(const char* op, const KVCacheView& cache, int64_t layer) {
+  const KVPageLayout& l = cache.layout;
+  if (l.layers <= 0 || l.page_tokens <= 0 || l.kv_heads <= 0 || l.head_dim <= 0 || cache.num_pages <= 0)
+    fail(ErrorCode::invalid_argument,
+         format("%s: the KV cache layout is empty or negative (layers %lld, page_tokens %lld, kv_heads %lld, "
+                "head_dim %lld, pages %lld)", op, (long long)l.layers, (long long)l.page_tokens,
+                (long long)l.kv_heads, (long long)l.head_dim, (long long)cache.num_pages));
+  if (cache.pages == nullptr) fail(ErrorCode::invalid_argument, format("%s: the KV cache's pages pointer is null", op));
+  if (layer < 0 || layer >= l.layers)
+    fail(ErrorCode::invalid_argument,
+         format("%s: layer %lld is outside the KV cache's %lld layers", op, (long long)layer, (long long)l.layers));
+}
+
+}  // namespace detail
+
+Status Backend::copy_from_host(const void* src, const Tensor& dst) {
+  return detail::guard([&] {
+    detail::check_view("copy_from_host", "dst", dst);
+    if (dst.elements() > 0 && src == nullptr)
+      detail::fail(ErrorCode::invalid_argument, "copy_from_host: the host source pointer is null");
+    impl_copy_from_host(src, dst);
+  });
+}
+
+Status Backend::copy_to_host(const Tensor& src, void* dst) {
+  return detail::guard([&] {
+    detail::check_view("copy_to_host", "src", src);
+    if (src.elements() > 0 && dst == nullptr)
+      detail::fail(ErrorCode::invalid_argument, "copy_to_host: the host destination pointer is null");
+    impl_copy_to_host(src, dst);
+  });
+}
+
+Status Backend::synchronize() {
+  return detail::guard([&] { impl_synchronize(); });
+}
+
+Status Backend::gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "gather_rows";
+    detail::check_view(op, "table", table);
+    detail::check_supported(*this, Op::gather_rows, table.dtype, "table dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_vector(op, "ids", ids, ids.elements(), DType::I32);
+    detail::check_shape(op, "out", out, ids.elements(), table.cols);
+    detail::check_alias(op, "out", out, "table", table, false);
+    impl_gather_rows(table, ids, out);
+  });
+}
+
+Status Backend::rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "rms_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::rms_norm, weight.dtype, "weight dtype");
+    int64_t group = weight.elements();
+    detail::check_vector(op, "weight", weight, group, weight.dtype);
+    if (group == 0 || x.cols % group != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rms_norm: x is %s but weight has %lld elements; x's columns must be a multiple "
+                                  "of the weight's length (the row, or head_dim for per-head norms)",
+                                  detail::describe(x).c_str(), (long long)group));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (!(eps >= 0.0f)) detail::fail(ErrorCode::invalid_argument, detail::format("rms_norm: eps %g must be >= 0", eps));
+    impl_rms_norm(x, weight, eps, out);
+  });
+}
+
+Status Backend::add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                             const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "add_rms_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_dtype(op, "residual", residual, activation_dtype());
+    detail::check_shape(op, "residual", residual, x.rows, x.cols);
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::add_rms_norm, weight.dtype, "weight dtype");
+    detail::check_vector(op, "weight", weight, x.cols, weight.dtype);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "residual", residual, "x", x, false);
+    detail::check_alias(op, "out", out, "x", x, true);
+    detail::check_alias(op, "out", out, "residual", residual, false);
+    if (!(eps >= 0.0f))
+      detail::fail(ErrorCode::invalid_argument, detail::format("add_rms_norm: eps %g must be >= 0", eps));
+    impl_add_rms_norm(x, residual, weight, eps, out);
+  });
+}
+
+Status Backend::rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) {
+  return detail::guard([&] {
+    const char* op = "rope";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_supported(*this, Op::rope, x.dtype, "x dtype");
+    detail::check_dtype(op, "cos", cos, DType::F32);
+    detail::check_dtype(op, "sin", sin, DType::F32);
+    if (head_dim <= 0 || x.cols % head_dim != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope: x is %s, not a whole number of heads of head_dim %lld",
+                                  detail::describe(x).c_str(), (long long)head_dim));
+    if (cos.cols == 0 || 2 * cos.cols > head_dim)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope: cos is %s; it needs 1 .. head_dim/2 = %lld columns (one per frequency)",
+                                  detail::describe(cos).c_str(), (long long)(head_dim / 2)));
+    detail::check_shape(op, "cos", cos, x.rows, cos.cols);
+    detail::check_shape(op, "sin", sin, x.rows, cos.cols);
+    impl_rope(x, cos, sin, head_dim);
+  });
+}
+
+Status Backend::linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "linear";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::linear, weight.dtype, "weight dtype");
+    if (weight.cols != x.cols)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("linear: weight is %s but x is %s; weight must be [out_features, in_features] "
+                                  "with in_features = x's %lld columns",
+                                  detail::describe(weight).c_str(), detail::describe(x).c_str(), (long long)x.cols));
+    if (bias.data != nullptr) {
+      detail::check_view(op, "bias", bias);
+      detail::check_supported(*this, Op::linear, bias.dtype, "bias dtype");
+      detail::check_vector(op, "bias", bias, weight.rows, bias.dtype);
+    }
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, weight.rows);
+    detail::check_alias(op, "out", out, "x", x, false);
+    detail::check_alias(op, "out", out, "weight", weight, false);
+    impl_linear(x, weight, bias, out);
+  });
+}
+
+Status Backend::silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "silu_mul";
+    detail::check_dtype(op, "gate", gate, activation_dtype());
+    detail::check_supported(*this, Op::silu_mul, gate.dtype, "activation dtype");
+    detail::check_dtype(op, "up", up, activation_dtype());
+    detail::check_shape(op, "up", up, gate.rows, gate.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, gate.rows, gate.cols);
+    detail::check_alias(op, "out", out, "gate", gate, true);
+    detail::check_alias(op, "out", out, "up", up, true);
+    impl_silu_mul(gate, up, out);
+  });
+}
+
+Status Backend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "add";
+    detail::check_dtype(op, "a", a, activation_dtype());
+    detail::check_supported(*this, Op::add, a.dtype, "activation dtype");
+    detail::check_dtype(op, "b", b, activation_dtype());
+    detail::check_shape(op, "b", b, a.rows, a.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, a.rows, a.cols);
+    detail::check_alias(op, "out", out, "a", a, true);
+    detail::check_alias(op, "out", out, "b", b, true);
+    impl_add(a, b, out);
+  });
+}
+
+Status Backend::copy(const Tensor& src, const Tensor& dst) {
+  return detail::guard([&] {
+    const char* op = "copy";
+    detail::check_view(op, "src", src);
+    detail::check_view(op, "dst", dst);
+    detail::check_supported(*this, Op::copy, src.dtype, "source dtype");
+    detail::check_supported(*this, Op::copy, dst.dtype, "destination dtype");
+    detail::check_shape(op, "dst", dst, src.rows, src.cols);
+    detail::check_alias(op, "dst", dst, "src", src, false);
+    impl_copy(src, dst);
+  });
+}
+
+Status Backend::kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                         const Tensor& slots) {
+  return detail::guard([&] {
+    const char* op = "kv_write";
+    detail::check_kv_cache(op, cache, layer);
+    detail::check_supported(*this, Op::kv_write, cache.dtype, "KV dtype");
+    int64_t width = cache.layout.kv_heads * cache.layout.head_dim;
+    detail::check_dtype(op, "k", k, activation_dtype());
+    detail::check_dtype(op, "v", v, activation_dtype());
+    detail::check_shape(op, "k", k, k.rows, width);
+    detail::check_shape(op, "v", v, k.rows, width);
+    detail::check_vector(op, "slots", slots, k.rows, DType::I32);
+    impl_kv_write(cache, layer, k, v, slots);
+  });
+}
+
+Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                          float scale, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "attention";
+    detail::check_kv_cache(op, cache, layer);
+    detail::check_supported(*this, Op::attention, cache.dtype, "KV dtype");
+    const int64_t head_dim = cache.layout.head_dim, kv_heads = cache.layout.kv_heads;
+    detail::check_dtype(op, "q", q, activation_dtype());
+    if (q.cols % head_dim != 0 || (q.cols / head_dim) % kv_heads != 0 || q.cols == 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: q is %s; it must hold heads x head_dim %lld columns with heads a "
+                                  "positive multiple of the cache's %lld KV heads",
+                                  detail::describe(q).c_str(), (long long)head_dim, (long long)kv_heads));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, q.rows, q.cols);
+    detail::check_alias(op, "out", out, "q", q, false);
+    int64_t seqs = batch.context_lens.elements();
+    detail::check_vector(op, "context_lens", batch.context_lens, seqs, DType::I32);
+    detail::check_vector(op, "query_starts", batch.query_starts, seqs + 1, DType::I32);
+    detail::check_dtype(op, "block_tables", batch.block_tables, DType::I32);
+    if (batch.block_tables.rows != seqs)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: block_tables is %s but there are %lld sequences (context_lens); it "
+                                  "needs one row per sequence", detail::describe(batch.block_tables).c_str(),
+                                  (long long)seqs));
+    if (batch.max_context < 0 || batch.max_context > batch.block_tables.cols * cache.layout.page_tokens)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: max_context %lld is negative or more than block_tables' %lld pages "
+                                  "of %lld tokens hold", (long long)batch.max_context,
+                                  (long long)batch.block_tables.cols, (long long)cache.layout.page_tokens));
+    if (!(scale > 0.0f) || !std::isfinite(scale))
+      detail::fail(ErrorCode::invalid_argument, detail::format("attention: scale %g must be positive and finite", scale));
+    impl_attention(q, cache, layer, batch, scale, out);
+  });
+}
+
+// ---- rotary tables ----------------------------------------------------------------------------------------
+
+Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim) {
+  return detail::guard([&]() -> std::vector<float> {
+    if (rotary_dim <= 0 || rotary_dim % 2 != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_inv_freq: rotary_dim %lld must be positive and even", (long long)rotary_dim));
+    if (!(rope.theta > 0))
+      detail::fail(ErrorCode::invalid_argument, detail::format("rope_inv_freq: rope_theta %g must be positive", rope.theta));
+    if (rope.type != "default" && rope.type != "llama3")
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("rope_inv_freq: rope type '%s' is not supported (kvlite runs 'default' and 'llama3')",
+                                  rope.type.c_str()));
+    // Each step is one float32 operation, in transformers' order, so the values match torch's:
+    //   inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    // The power is taken in double and rounded once (torch's float pow is within an ulp of that).
+    const int64_t half = rotary_dim / 2;
+    const float base = float(rope.theta);
+    std::vector<float> inv_freq(static_cast<size_t>(half));
+    for (int64_t i = 0; i < half; i++) {
+      float exponent = float(2 * i) / float(rotary_dim);
+      float power = float(std::pow(double(base), double(exponent)));
+      inv_freq[size_t(i)] = 1.0f / power;
+    }
+    if (rope.type == "default") return inv_freq;
+
+    if (!(rope.factor > 0) || !(rope.high_freq_factor > rope.low_freq_factor) || rope.low_freq_factor <= 0 ||
+        rope.original_max_position_embeddings <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_inv_freq: llama3 scaling needs factor > 0, 0 < low_freq_factor < "
+                                  "high_freq_factor and original_max_position_embeddings > 0 (got %g, %g, %g, %lld)",
+                                  rope.factor, rope.low_freq_factor, rope.high_freq_factor,
+                                  (long long)rope.original_max_position_embeddings));
+    // _compute_llama3_parameters. A Python scalar meeting a float32 tensor becomes a float32 operand, and
+    // `scalar / tensor` is tensor.reciprocal() * scalar, hence the reciprocals below.
+    const float factor = float(rope.factor), low = float(rope.low_freq_factor);
+    const double old_context = double(rope.original_max_position_embeddings);
+    const float low_freq_wavelen = float(old_context / rope.low_freq_factor);
+    const float high_freq_wavelen = float(old_context / rope.high_freq_factor);
+    const float two_pi = float(6.283185307179586);  // 2 * math.pi
+    const float band = float(rope.high_freq_factor - rope.low_freq_factor);
+    for (float& f : inv_freq) {
+      float wavelen = (1.0f / f) * two_pi;
+      // wavelen < high_freq_wavelen: unchanged; wavelen > low_freq_wavelen: divided by factor
+      float scaled = wavelen > low_freq_wavelen ? f / factor : f;
+      bool medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+      if (medium) {
+        // smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        float smooth = ((1.0f / wavelen) * float(old_context) - low) / band;
+        // (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = (1.0f - smooth) * scaled / factor + smooth * scaled;
+      }
+      f = scaled;
+    }
+    return inv_freq;
+  });
+}
+
+Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
+                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin) {
+  return detail::guard([&] {
+    const int64_t half = int64_t(inv_freq.size());
+    if (position_rows != 1 && position_rows != 3)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_tables: %lld position rows; use 1 (RoPE) or 3 (t, h, w: M-RoPE)",
+                                  (long long)position_rows));
+    if (position_rows == 3 && mrope_section.size() != 3)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_tables: 3 position rows need a 3-entry mrope_section (t, h, w), got %zu entries",
+                                  mrope_section.size()));
+    if (tokens < 0 || (tokens > 0 && (positions == nullptr || cos == nullptr || sin == nullptr)))
+      detail::fail(ErrorCode::invalid_argument, "rope_tables: null positions or tables, or negative tokens");
+    for (int64_t t = 0; t < tokens; t++) {
+      for (int64_t i = 0; i < half; i++) {
+        // Qwen3-VL's apply_interleaved_mrope: h overwrites slots 1, 4, 7, ... below 3 * section[1],
+        // w overwrites 2, 5, 8, ... below 3 * section[2]; the rest keep t.
+        int64_t row = 0;
+        if (position_rows == 3) {
+          if (i % 3 == 1 && i < 3 * int64_t(mrope_section[1])) row = 1;
+          else if (i % 3 == 2 && i < 3 * int64_t(mrope_section[2])) row = 2;
+        }
+        // freqs = inv_freq @ position_ids.float(): one float32 product
+        float angle = inv_freq[size_t(i)] * float(positions[row * tokens + t]);
+        cos[t * half + i] = float(std::cos(double(angle)));
+        sin[t * half + i] = float(std::sin(double(angle)));
+      }
+    }
+  });
+}
+
+}  // namespace kvlite
+// backend_cpu: the reference implementation of Backend, on host memory with a fixed pool of threads.
+//
+// Determinism: every output element is computed by exactly one thread, by the same code in the same order
+// whichever thread it is and however many there are (work is split into items at fixed boundaries and the
+// items' results never depend on each other), so results are identical for any thread count.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+namespace kvlite {
+namespace detail {
+
+// ---- a fixed pool of threads ------------------------------------------------------------------------------
+// run(items, body) calls body(item, worker) once for every item in [0, items), spread over the pool; the
+// caller is worker 0 and works too. Items are handed out one at a time (an atomic counter), which balances
+// load without affecting results. No allocation per run: the body is passed as a pointer to the caller's
+// callable. Bodies must not throw (ops validate everything before they run).
+class ThreadPool {
+ public:
+  explicit ThreadPool(int threads) {
+    workers_.reserve(size_t(std::max(threads - 1, 0)));
+    try {
+      for (int worker = 1; worker < threads; worker++) workers_.emplace_back([this, worker] { worker_loop(worker); });
+    } catch (...) {  // the system refused a thread: stop the ones started (no destructor runs for us)
+      stop_and_join();
+      throw;
+    }
+  }
+  ~ThreadPool() { stop_and_join(); }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int threads() const { return int(workers_.size()) + 1; }
+
+  template <class Body>
+  void run(int64_t items, Body& body) {
+    if (items <= 0) return;
+    if (workers_.empty() || items == 1) {  // not worth waking anyone
+      for (int64_t item = 0; item < items; item++) body(item, 0);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      call_ = [](void* callable, int64_t item, int worker) { (*static_cast<Body*>(callable))(item, worker); };
+      body_ = &body;
+      items_ = items;
+      next_.store(0);
+      busy_ = int(workers_.size());
+      generation_++;
+    }
+    start_.notify_all();
+    work(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return busy_ == 0; });
+  }
+
+ private:
+  void stop_and_join() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    start_.notify_all();
+    for (auto& thread : workers_) thread.join();
+  }
+  void work(int worker) {
+    for (int64_t item = next_.fetch_add(1); item < items_; item = next_.fetch_add(1)) call_(body_, item, worker);
+  }
+  void worker_loop(int worker) {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      work(worker);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--busy_ == 0) done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable start_, done_;
+  uint64_t generation_ = 0;  // bumped once per run; workers wake on a change
+  bool stop_ = false;
+  int busy_ = 0;             // workers that have not finished the current run
+  void (*call_)(void*, int64_t, int) = nullptr;
+  void* body_ = nullptr;
+  int64_t items_ = 0;
+  std::atomic<int64_t> next_{0};  // the next item to hand out
+};
+
+// ---- element types ----------------------------------------------------------------------------------------
+// Storage types for the 16-bit floats, so templates can tell them apart.
+struct Bf16 { uint16_t bits; };
+struct Half { uint16_t bits; };
+inline float to_float(float v) { return v; }
+inline float to_float(Bf16 v) { return bf16_to_float(v.bits); }
+inline float to_float(Half v) { return f16_to_float(v.bits); }
+template <class T> T from_float(float v);
+template <> inline float from_float<float>(float v) { return v; }
+template <> inline Bf16 from_float<Bf16>(float v) { return Bf16{float_to_bf16(v)}; }
+template <> inline Half from_float<Half>(float v) { return Half{float_to_f16(v)}; }
+
+inline bool is_cpu_float(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16; }
+
+// Calls f(T{}) with T the storage type of `dtype` (F32, BF16 or F16; supports() guarantees one of them).
+template <class F>
+void with_float_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F32: f(float{}); return;
+    case DType::BF16: f(Bf16{}); return;
+    case DType::F16: f(Half{}); return;
+    default: fail(ErrorCode::internal, format("CPU backend: no float storage for %s", dtype_name(dtype)));
+  }
+}
+
+template <class T>
+T* row_of(const Tensor& t, int64_t row) {
+  return static_cast<T*>(t.data) + row * t.row_stride;
+}
+inline uint8_t* row_bytes_of(const Tensor& t, int64_t row) {
+  return static_cast<uint8_t*>(t.data) + row * t.row_stride * t.element_bytes();
+}
+inline const int32_t* ints(const Tensor& t) { return static_cast<const int32_t*>(t.data); }
+
+// ---- dot products -----------------------------------------------------------------------------------------
+// Every dot product keeps kLanes partial sums (element k goes to lane k % kLanes) over the largest multiple
+// of kLanes, reduces them in a fixed tree, then adds the tail in order. Fixed, so results do not depend on
+// which tile or thread computes them; several sums, so the compiler can vectorise without reassociating.
+constexpr int kLanes = 8;
+inline float reduce_lanes(const float* acc) {
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {};
+  const int64_t main = n - n % kLanes;
+  for (int64_t k = 0; k < main; k += kLanes)
+    for (int l = 0; l < kLanes; l++) acc[l] += a[k + l] * b[k + l];
+  float sum = reduce_lanes(acc);
+  for (int64_t k = main; k < n; k++) sum += a[k] * b[k];
+  return sum;
+}
+
+// out[i][j] = x row i . w row j for a TOKENS x ROWS tile, each weight element converted once per tile.
+template <int TOKENS, int ROWS, class W>
+inline void linear_tile(const float* x, int64_t x_stride, const W* w, int64_t w_stride, int64_t k_size,
+                        float (&out)[TOKENS][ROWS]) {
+  float acc[TOKENS][ROWS][kLanes] = {};
+  const int64_t main = k_size - k_size % kLanes;
+  for (int64_t k = 0; k < main; k += kLanes) {
+    float wk[ROWS][kLanes];
+    for (int j = 0; j < ROWS; j++)
+      for (int l = 0; l < kLanes; l++) wk[j][l] = to_float(w[j * w_stride + k + l]);
+    for (int i = 0; i < TOKENS; i++)
+      for (int j = 0; j < ROWS; j++)
+        for (int l = 0; l < kLanes; l++) acc[i][j][l] += x[i * x_stride + k + l] * wk[j][l];
+  }
+  for (int i = 0; i < TOKENS; i++)
+    for (int j = 0; j < ROWS; j++) {
+      float sum = reduce_lanes(acc[i][j]);
+      for (int64_t k = main; k < k_size; k++) sum += x[i * x_stride + k] * to_float(w[j * w_stride + k]);
+      out[i][j] = sum;
+    }
+}
+
+// ---- the backend ------------------------------------------------------------------------------------------
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const CpuBackendOptions& options)
+      : max_head_dim_(options.max_head_dim),
+        // whole 64-byte lines per thread, so two threads never write the same cache line
+        scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
+        pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
+    scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
+  }
+
+  BackendKind kind() const override { return BackendKind::cpu; }
+  std::string name() const override {
+    return format("cpu (%d thread%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s");
+  }
+  DType activation_dtype() const override { return DType::F32; }
+  bool supports(Op op, DType dtype) const override {
+    switch (op) {
+      case Op::rope: case Op::silu_mul: case Op::add: return dtype == DType::F32;
+      case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
+      case Op::kv_write: case Op::attention: return is_cpu_float(dtype);
+    }
+    return false;
+  }
+
+ protected:
+  void impl_copy_from_host(const void* src, const Tensor& dst) override {
+    const int64_t row_bytes = dst.cols * dst.element_bytes();
+    for (int64_t r = 0; r < dst.rows; r++)
+      memcpy(row_bytes_of(dst, r), static_cast<const uint8_t*>(src) + r * row_bytes, size_t(row_bytes));
+  }
+  void impl_copy_to_host(const Tensor& src, void* dst) override {
+    const int64_t row_bytes = src.cols * src.element_bytes();
+    for (int64_t r = 0; r < src.rows; r++)
+      memcpy(static_cast<uint8_t*>(dst) + r * row_bytes, row_bytes_of(src, r), size_t(row_bytes));
+  }
+  void impl_synchronize() override {}  // every op has finished when it returns
+
+  void impl_gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) override {
+    const int32_t* id = ints(ids);
+    for (int64_t t = 0; t < out.rows; t++)
+      if (id[t] < 0 || id[t] >= table.rows)
+        fail(ErrorCode::invalid_argument, format("gather_rows: ids[%lld] = %d is outside the table's %lld rows",
+                                                 (long long)t, id[t], (long long)table.rows));
+    with_float_type(table.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      auto body = [&](int64_t t, int) {
+        const T* src = row_of<const T>(table, id[t]);
+        float* dst = row_of<float>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = to_float(src[c]);
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      const W* w = static_cast<const W*>(weight.data);
+      const int64_t group = weight.elements();
+      auto body = [&](int64_t t, int) {
+        const float* in = row_of<const float>(x, t);
+        float* dst = row_of<float>(out, t);
+        for (int64_t g = 0; g < x.cols; g += group) normalize(in + g, w, group, eps, dst + g);
+      };
+      pool_.run(x.rows, body);
+    });
+  }
+
+  void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                         const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      const W* w = static_cast<const W*>(weight.data);
+      auto body = [&](int64_t t, int) {
+        const float* in = row_of<const float>(x, t);
+        float* res = row_of<float>(residual, t);
+        for (int64_t c = 0; c < x.cols; c++) res[c] = res[c] + in[c];  // hidden = residual + hidden
+        normalize(res, w, x.cols, eps, row_of<float>(out, t));
+      };
+      pool_.run(x.rows, body);
+    });
+  }
+
+  void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) override {
+    const int64_t half = cos.cols, heads = x.cols / head_dim;
+    auto body = [&](int64_t t, int) {
+      const float* c = row_of<const float>(cos, t);
+      const float* s = row_of<const float>(sin, t);
+      for (int64_t h = 0; h < heads; h++) {
+        float* v = row_of<float>(x, t) + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+          const float a = v[i], b = v[i + half];
+          // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1)
+          v[i] = a * c[i] - b * s[i];
+          v[i + half] = b * c[i] + a * s[i];
+        }
+      }
+    };
+    pool_.run(x.rows, body);
+  }
+
+  void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      // Work items are blocks of kTokenBlock tokens x kRowBlock weight rows; inside one, tiles of kTileTokens
+      // x kTileRows reuse each converted weight element kTileTokens times. Block edges are multiples of the
+      // tile sizes, so which tile shape computes an output depends only on its position.
+      const int64_t T = x.rows, N = weight.rows, K = x.cols;
+      const int64_t token_blocks = int64_t(ceil_div(uint64_t(T), kTokenBlock));
+      const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), kRowBlock));
+      auto body = [&](int64_t item, int) {
+        const int64_t t0 = (item / row_blocks) * kTokenBlock, n0 = (item % row_blocks) * kRowBlock;
+        const int64_t t1 = std::min<int64_t>(t0 + kTokenBlock, T), n1 = std::min<int64_t>(n0 + kRowBlock, N);
+        int64_t t = t0;
+        for (; t + kTileTokens <= t1; t += kTileTokens) linear_rows<kTileTokens, W>(x, weight, out, t, n0, n1, K);
+        for (; t < t1; t++) linear_rows<1, W>(x, weight, out, t, n0, n1, K);
+      };
+      pool_.run(token_blocks * row_blocks, body);
+    });
+    if (bias.data == nullptr) return;
+    with_float_type(bias.dtype, [&](auto tag) {
+      using B = decltype(tag);
+      const B* b = static_cast<const B*>(bias.data);
+      auto body = [&](int64_t t, int) {
+        float* dst = row_of<float>(out, t);
+        for (int64_t n = 0; n < out.cols; n++) dst[n] = dst[n] + to_float(b[n]);
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) override {
+    auto body = [&](int64_t t, int) {
+      const float* g = row_of<const float>(gate, t);
+      const float* u = row_of<const float>(up, t);
+      float* dst = row_of<float>(out, t);
+      for (int64_t c = 0; c < out.cols; c++) dst[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];
+    };
+    pool_.run(out.rows, body);
+  }
+
+  void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) override {
+    auto body = [&](int64_t t, int) {
+      const float* pa = row_of<const float>(a, t);
+      const float* pb = row_of<const float>(b, t);
+      float* dst = row_of<float>(out, t);
+      for (int64_t c = 0; c < out.cols; c++) dst[c] = pa[c] + pb[c];
+    };
+    pool_.run(out.rows, body);
+  }
+
+  void impl_copy(const Tensor& src, const Tensor& dst) override {
+    with_float_type(src.dtype, [&](auto src_tag) {
+      with_float_type(dst.dtype, [&](auto dst_tag) {
+        using S = decltype(src_tag);
+        using D = decltype(dst_tag);
+        auto body = [&](int64_t r, int) {
+          const S* from = row_of<const S>(src, r);
+          D* to = row_of<D>(dst, r);
+          for (int64_t c = 0; c < src.cols; c++) to[c] = from_float<D>(to_float(from[c]));
+        };
+        pool_.run(src.rows, body);
+      });
+    });
+  }
+
+  void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                     const Tensor& slots) override {
+    const KVPageLayout& layout = cache.layout;
+    const int32_t* slot = ints(slots);
+    for (int64_t t = 0; t < k.rows; t++)
+      if (slot[t] >= 0 && slot[t] / layout.page_tokens >= cache.num_pages)
+        fail(ErrorCode::invalid_argument,
+             format("kv_write: slots[%lld] = %d is page %lld, past the cache's %lld pages of %lld tokens",
+                    (long long)t, slot[t], (long long)(slot[t] / layout.page_tokens), (long long)cache.num_pages,
+                    (long long)layout.page_tokens));
+    with_float_type(cache.dtype, [&](auto tag) {
+      using E = decltype(tag);
+      auto body = [&](int64_t t, int) {
+        if (slot[t] < 0) return;
+        const int64_t page = slot[t] / layout.page_tokens, offset = slot[t] % layout.page_tokens;
+        for (int kv = 0; kv < 2; kv++) {
+          const float* src = row_of<const float>(kv == 0 ? k : v, t);
+          // kv_heads consecutive heads of head_dim: one run of kv_heads * head_dim elements
+          E* dst = static_cast<E*>(cache.pages) + layout.offset(page, layer, kv, offset, 0);
+          for (int64_t c = 0; c < k.cols; c++) dst[c] = from_float<E>(src[c]);
+        }
+      };
+      pool_.run(k.rows, body);
+    });
+  }
+
+  void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                      float scale, const Tensor& out) override {
+    const KVPageLayout& layout = cache.layout;
+    const int64_t head_dim = layout.head_dim, kv_heads = layout.kv_heads;
+    if (head_dim > max_head_dim_)
+      fail(ErrorCode::invalid_argument,
+           format("attention: head_dim %lld is larger than the CPU backend's max_head_dim %lld; make the backend "
+                  "with CpuBackendOptions::max_head_dim >= %lld", (long long)head_dim, (long long)max_head_dim_,
+                  (long long)head_dim));
+    const int64_t seqs = batch.context_lens.elements();
+    const int32_t* starts = ints(batch.query_starts);
+    const int32_t* context = ints(batch.context_lens);
+    check_attention_batch(q, cache, batch);
+
+    with_float_type(cache.dtype, [&](auto tag) {
+      using E = decltype(tag);
+      const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
+      // Item = (query token, KV head): the KV head's rows are converted once and used by its whole group.
+      auto body = [&](int64_t item, int worker) {
+        const int64_t t = item / kv_heads, kv_head = item % kv_heads;
+        const int64_t s = int64_t(std::upper_bound(starts, starts + seqs + 1, int32_t(t)) - starts) - 1;
+        const int64_t queries = starts[s + 1] - starts[s];
+        const int64_t last = context[s] - queries + (t - starts[s]);  // the last cache index t may see
+        const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
+        float* key = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
+        float* value = key + max_head_dim_;                           // [head_dim]
+        float* acc = value + max_head_dim_;                           // [kHeadsPerPass, max_head_dim]
+        for (int64_t h0 = 0; h0 < group; h0 += kHeadsPerPass) {
+          const int64_t pass = std::min<int64_t>(kHeadsPerPass, group - h0);
+          const int64_t first_head = kv_head * group + h0;
+          float running_max[kHeadsPerPass], running_sum[kHeadsPerPass];
+          for (int64_t h = 0; h < pass; h++) {
+            running_max[h] = -INFINITY;
+            running_sum[h] = 0.0f;
+            std::fill(acc + h * max_head_dim_, acc + h * max_head_dim_ + head_dim, 0.0f);
+          }
+          for (int64_t c = 0; c <= last; c++) {
+            const int64_t page = pages[c / layout.page_tokens], offset = c % layout.page_tokens;
+            const E* k_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 0, offset, kv_head);
+            const E* v_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 1, offset, kv_head);
+            for (int64_t d = 0; d < head_dim; d++) key[d] = to_float(k_src[d]);
+            for (int64_t d = 0; d < head_dim; d++) value[d] = to_float(v_src[d]);
+            for (int64_t h = 0; h < pass; h++) {
+              const float* query = row_of<const float>(q, t) + (first_head + h) * head_dim;
+              float* a = acc + h * max_head_dim_;
+              const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+              // Online softmax: rescale what is summed only when the maximum grows.
+              if (score > running_max[h]) {
+                const float correction = std::exp(running_max[h] - score);  // exp(-inf) = 0 at the start
+                running_sum[h] *= correction;
+                for (int64_t d = 0; d < head_dim; d++) a[d] *= correction;
+                running_max[h] = score;
+              }
+              const float p = std::exp(score - running_max[h]);
+              running_sum[h] += p;
+              for (int64_t d = 0; d < head_dim; d++) a[d] += p * value[d];
+            }
+          }
+          for (int64_t h = 0; h < pass; h++) {
+            float* dst = row_of<float>(out, t) + (first_head + h) * head_dim;
+            const float* a = acc + h * max_head_dim_;
+            // a query sees at least its own token, so running_sum >= 1
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = a[d] / running_sum[h];
+          }
+        }
+      };
+      pool_.run(q.rows * kv_heads, body);
+    });
+  }
+
+ private:
+  static constexpr uint64_t kTokenBlock = 32, kRowBlock = 16;  // linear work item
+  static constexpr int kTileTokens = 4, kTileRows = 2;          // linear register tile
+  static constexpr int64_t kHeadsPerPass = 8;                   // attention: query heads summed together
+  static_assert(kTokenBlock % kTileTokens == 0 && kRowBlock % kTileRows == 0, "blocks must hold whole tiles");
+
+  // LlamaRMSNorm in float32: variance = mean(x^2); x * rsqrt(variance + eps); weight * that.
+  // The sum of squares is taken in double, so the variance is the correctly rounded mean.
+  template <class W>
+  static void normalize(const float* x, const W* weight, int64_t n, float eps, float* out) {
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += double(x[i]) * double(x[i]);
+    const float variance = float(sum / double(n));
+    const float inv_rms = 1.0f / std::sqrt(variance + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = to_float(weight[i]) * (x[i] * inv_rms);
+  }
+
+  // Output rows [n0, n1) for tokens [t, t + TOKENS).
+  template <int TOKENS, class W>
+  static void linear_rows(const Tensor& x, const Tensor& weight, const Tensor& out, int64_t t, int64_t n0,
+                          int64_t n1, int64_t k_size) {
+    const float* xs = row_of<const float>(x, t);
+    int64_t n = n0;
+    for (; n + kTileRows <= n1; n += kTileRows) {
+      float tile[TOKENS][kTileRows];
+      linear_tile<TOKENS, kTileRows>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
+      for (int i = 0; i < TOKENS; i++)
+        for (int j = 0; j < kTileRows; j++) row_of<float>(out, t + i)[n + j] = tile[i][j];
+    }
+    for (; n < n1; n++) {
+      float tile[TOKENS][1];
+      linear_tile<TOKENS, 1>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
+      for (int i = 0; i < TOKENS; i++) row_of<float>(out, t + i)[n] = tile[i][0];
+    }
+  }
+
+  // What only the CPU can check cheaply: the values of the index vectors.
+  static void check_attention_batch(const Tensor& q, const KVCacheView& cache, const AttentionBatch& batch) {
+    const int64_t seqs = batch.context_lens.elements(), page_tokens = cache.layout.page_tokens;
+    const int32_t* starts = ints(batch.query_starts);
+    const int32_t* context = ints(batch.context_lens);
+    if (starts[0] != 0 || starts[seqs] != q.rows)
+      fail(ErrorCode::invalid_argument,
+           format("attention: query_starts must run from 0 to q's %lld rows; it runs from %d to %d",
+                  (long long)q.rows, starts[0], starts[seqs]));
+    for (int64_t s = 0; s < seqs; s++) {
+      const int64_t queries = int64_t(starts[s + 1]) - starts[s];
+      if (queries < 0)
+        fail(ErrorCode::invalid_argument, format("attention: query_starts decreases at sequence %lld (%d then %d)",
+                                                 (long long)s, starts[s], starts[s + 1]));
+      if (context[s] < queries || context[s] > batch.max_context)
+        fail(ErrorCode::invalid_argument,
+             format("attention: sequence %lld has context_lens %d; it must be at least its %lld queries (they are "
+                    "the last tokens of its context) and at most max_context %lld",
+                    (long long)s, context[s], (long long)queries, (long long)batch.max_context));
+      const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
+      for (int64_t p = 0; p < int64_t(ceil_div(uint64_t(context[s]), uint64_t(page_tokens))); p++)
+        if (pages[p] < 0 || pages[p] >= cache.num_pages)
+          fail(ErrorCode::invalid_argument,
+               format("attention: block_tables[%lld][%lld] = %d is not a page of the cache (%lld pages) but "
+                      "sequence %lld's context of %d tokens needs it",
+                      (long long)s, (long long)p, pages[p], (long long)cache.num_pages, (long long)s, context[s]));
+    }
+  }
+
+  int64_t max_head_dim_;
+  int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
+  std::vector<float> scratch_;  // [threads, scratch_per_thread_]
+  ThreadPool pool_;
+};
+
+}  // namespace detail
+
+Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options) {
+  return detail::guard([&]() -> std::unique_ptr<Backend> {
+    if (options.threads < 0 || options.max_head_dim <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread) and "
+                                  "max_head_dim %lld positive", options.threads, (long long)options.max_head_dim));
+    return std::make_unique<detail::CpuBackend>(options);
   });
 }
 

@@ -8,10 +8,12 @@
 #include "config.hpp"
 #include "quant.hpp"
 #include "tokenizer.hpp"
+#include "image.hpp"
 #include "device.hpp"
 #include "plan.hpp"
 #include "arena.hpp"
 #include "sampler.hpp"
+#include "backend.hpp"
 #endif  // KVLITE_HPP_INCLUDED
 
 #if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
@@ -21,8 +23,11 @@
 #include "config.inl"
 #include "quant.inl"
 #include "tokenizer.inl"
+#include "image.inl"
 #include "device.inl"
 #include "plan.inl"
 #include "arena.inl"
 #include "sampler.inl"
+#include "backend.inl"
+#include "backend_cpu.inl"
 #endif  // KVLITE_IMPLEMENTATION

@@ -9,34 +9,46 @@ namespace kvlite {
 enum class KVDType { auto_, bf16, f16, fp8 };  // auto: the model's dtype (bf16 or f16); fp8: e4m3
 const char* kv_dtype_name(KVDType dtype);
 Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8"
+int kv_dtype_bytes(KVDType dtype);                         // 2, or 1 for fp8 (auto must be resolved first)
 
 struct PlanOptions {
-  std::optional<uint64_t> device_mem;  // plan for a card of this size instead of the one present
+  // Plan for a card of this size instead of the one present. Read by plan_model_dir (through
+  // detect_device); make_plan plans for the DeviceSpec it is given.
+  std::optional<uint64_t> device_mem;
   double utilization = 0.90;           // fraction of device memory kvlite may use, (0, 1]
   int64_t max_model_len = 0;           // 0: the default rule (see Plan::max_model_len_rule)
   int64_t max_seqs = 0;                // 0: default 8; sequences decoded together
   int64_t max_batched_tokens = 0;      // 0: default min(2048, max_model_len); tokens in one forward step
   KVDType kv_dtype = KVDType::auto_;
-  int64_t max_image_pixels = 0;        // vision models; 0: preprocessor_config.json's max, else the model default
+  int64_t max_image_pixels = 0;        // vision models; 0: kvlite's default, min(processor max, 1024 x 1024)
   int64_t max_images = 1;              // images encoded in one step (vision models)
   int64_t kv_page_tokens = 16;         // tokens per KV page
   std::optional<bool> wsl2;            // override WSL2 detection
 };
 
+// Limits on options (beyond them the planner's products would stop meaning anything).
+constexpr int64_t kMaxPlanSeqs = 65536;
+constexpr int64_t kMaxPlanBatchedTokens = 1 << 20;
+constexpr int64_t kMaxPlanPageTokens = 1024;
+constexpr int64_t kMaxPlanImages = 1024;
+constexpr int64_t kMaxPlanImagePixels = int64_t(1) << 28;  // 16384 x 16384
+// Every planned region starts on this boundary: each buffer and item is rounded up to it.
+constexpr uint64_t kPlanAlignment = 256;
+
 // One line of the plan table. Items with in_arena == true are regions of the one reservation, carved in
 // this order; the others (CUDA context) are memory the device spends that kvlite does not allocate.
 struct PlanItem {
   std::string key;    // stable identifier: "weights", "repack", "context", "activations", "vision",
-                      // "logits", "workspace", "graphs", "kv"
-  std::string label;  // for the table: "weights (exact, 4.45 GiB in 398 tensors)"
+                      // "logits", "workspace", "graphs"
+  std::string label;  // for the table: "weights (exact, 398 tensors)"
   uint64_t bytes = 0;
   std::string why;    // one line: how the number was computed
   bool in_arena = true;
 };
 
 struct Plan {
-  DeviceSpec device;
-  PlanOptions options;  // resolved: every 0 replaced by the value used
+  DeviceSpec device;    // as planned for (wsl2 as resolved from options)
+  PlanOptions options;  // resolved: every 0 / auto replaced by the value used
   std::string model_name;
   Arch arch = Arch::llama;
 
@@ -46,14 +58,15 @@ struct Plan {
   uint64_t kv_bytes_per_token = 0;
   uint64_t kv_page_tokens = 0;
   uint64_t kv_page_bytes = 0;   // kv_page_tokens x kv_bytes_per_token (all layers)
-  uint64_t budget_bytes = 0;    // utilization x device memory
+  uint64_t budget_bytes = 0;    // floor(utilization x device memory)
   uint64_t fixed_bytes = 0;     // sum of items (what must fit before any KV)
   int64_t kv_available_bytes = 0;  // budget - fixed; negative when even that does not fit
   uint64_t kv_arena_bytes = 0;  // whole pages only
   uint64_t kv_pages = 0;
   uint64_t kv_tokens = 0;       // kv_pages x kv_page_tokens
   int64_t max_model_len = 0;
-  std::string max_model_len_rule;  // why this max_model_len ("requested", "default: ...")
+  std::string max_model_len_rule;    // why this max_model_len ("requested", "default: ...")
+  std::string max_image_pixels_rule; // vision models: why this image budget; empty otherwise
   double concurrency = 0;       // kv_tokens / max_model_len
   bool fits = false;            // one sequence of max_model_len fits
   int64_t shortfall_bytes = 0;  // how much more memory a fit needs (0 when it fits)
@@ -65,27 +78,45 @@ struct Plan {
   std::vector<std::string> advice;             // sentences for people, most useful first
 
   uint64_t arena_bytes() const;  // sum of in_arena items + kv_arena_bytes: the one reservation
+  const PlanItem* item(const std::string& key) const;  // nullptr when the plan has no such item
   std::string table() const;     // the human table
   std::string json() const;      // the machine form (byte counts as integers)
-  std::string svg() const;       // a stacked bar of the budget
+  std::string svg() const;       // a stacked bar of the budget, a standalone SVG document
 };
 
-// The planner. Never touches the GPU and never reads tensor data (headers only).
+// The planner. Never touches the GPU and never reads tensor data (headers only). Option errors are
+// invalid_argument and carry the value; a plan that does not fit is NOT an error (see Plan::fits).
 Result<Plan> make_plan(const ModelConfig& config, const WeightsSummary& weights, const DeviceSpec& device,
                        const PlanOptions& options);
-// Convenience: reads MODEL_DIR's config.json and safetensors headers (if any), detects the device, plans.
+
+// What plan_model_dir reads from a model directory, kept so a caller can re-plan without reading it again
+// (`kvlite plan --sweep`).
+struct PlanInputs {
+  ModelConfig config;
+  WeightsSummary weights;
+  uint64_t tensor_count = 0;  // tensors in the safetensors headers (0: none, weights estimated from config.json)
+};
+Result<PlanInputs> read_plan_inputs(const std::string& model_dir);  // config.json + safetensors headers
+Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const PlanOptions& options);
+// Convenience: read_plan_inputs + detect_device(options.device_mem, options.wsl2) + make_plan.
 Result<Plan> plan_model_dir(const std::string& model_dir, const PlanOptions& options);
 
-// The activation buffers of one forward step of `tokens` tokens (and the vision encoder for `image_pixels`),
-// each a named region with its bytes: the planner sums them and the engine carves them, so the two agree.
+// The buffers of one forward step, each a named region with its bytes (rounded up to kPlanAlignment): the
+// planner sums them and the engine carves them, so the two agree. Shapes name config sizes:
+// T tokens, H hidden, Hq/Hkv heads, D head_dim, I intermediate, S sequences, V vocab, N patches.
 struct BufferSpec {
   std::string name;   // "hidden", "qkv", ...
   uint64_t bytes = 0;
-  std::string shape;  // "(tokens, hidden)"
+  std::string shape;  // "(T, H) fp32"
 };
+// Language model, one step of `tokens` tokens from up to `max_seqs` sequences.
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
                                            BackendKind backend);
+// Vision encoder, `images` images of at most `image_pixels` pixels each (empty for text-only models).
 std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
                                        BackendKind backend);
+// Logits and sampling for up to `max_seqs` sequences (scoring reuses the same rows, 32 at a time).
+std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_seqs);
+uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers);  // their sum
 
 }  // namespace kvlite

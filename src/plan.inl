@@ -1,1 +1,943 @@
 // plan: implementation.
+//
+// The rules, one per table row (each also spelled out in that row's `why`). Every buffer and item is rounded
+// up to kPlanAlignment (256 B), the boundary every arena region starts on.
+//   weights      WeightsSummary.total_bytes: exact from the safetensors headers, or estimated from config.json
+//                when the directory has no weights.
+//   repack       CUDA only: extra bytes the GPU layout needs over the on-disk one. FP8 Linears whose scales are
+//                16-bit get fp32 scales (cuBLASLt's scale modes take fp32 only): scale elements x 2 B extra.
+//                W4A16 is repacked in place (0). CPU: 0, it runs the on-disk layout. The row is always shown.
+//   context      CUDA context + cuBLAS handles + driver, which the device spends outside kvlite's arena:
+//                384 MiB on native Linux, 1024 MiB under WSL2 (its paravirtualized driver reserves more, and
+//                pinned host memory is limited there: vLLM disables it). CPU: 0.
+//   activations  activation_buffers(config, max_batched_tokens, max_seqs, backend): the engine carves exactly
+//                these, so plan and arena agree.
+//   vision       vision models: vision_buffers(config, max_image_pixels, max_images, backend). The default
+//                image budget is min(processor max, 1024 x 1024 pixels), not the processor's own 16777216:
+//                planning for the largest image a processor allows is how VLMs swallow small cards.
+//   logits       logits_buffers(config, max_seqs): scoring computes log-probs 32 rows at a time.
+//   workspace    CUDA: 32 MiB GEMM workspace + repack scratch as large as the largest single Linear.
+//                CPU: 64 KiB of dequantization tiles per hardware thread.
+//   graphs       CUDA: decode graph pool, 16 MiB + 2 MiB per batch bucket (1, 2, 4, ..., max_seqs): an
+//                estimate until measured on a GPU. CPU: 0.
+//   KV           budget = floor(utilization x device memory); fixed = sum of the rows above;
+//                KV gets whole pages of what is left: pages = floor(max(0, budget - fixed) / page_bytes).
+#include <algorithm>
+#include <cmath>
+#include <thread>
+#include <nlohmann/json.hpp>
+
+namespace kvlite {
+
+const char* kv_dtype_name(KVDType dtype) {
+  switch (dtype) {
+    case KVDType::auto_: return "auto";
+    case KVDType::bf16: return "bf16";
+    case KVDType::f16: return "f16";
+    case KVDType::fp8: return "fp8";
+  }
+  return "?";
+}
+
+Result<KVDType> parse_kv_dtype(const std::string& text) {
+  return detail::guard([&]() -> KVDType {
+    if (text == "auto") return KVDType::auto_;
+    if (text == "bf16" || text == "bfloat16") return KVDType::bf16;
+    if (text == "f16" || text == "fp16" || text == "float16") return KVDType::f16;
+    if (text == "fp8" || text == "fp8_e4m3") return KVDType::fp8;
+    detail::fail(ErrorCode::invalid_argument,
+                 detail::format("unknown KV dtype '%s': use auto, bf16, f16 or fp8", text.c_str()));
+  });
+}
+
+int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : 2; }
+
+namespace detail {
+namespace planning {
+
+constexpr uint64_t kDecodeSplits = 16;          // split-KV decode: partial results per (sequence, head)
+constexpr int64_t kScoringRows = 32;            // log-prob rows computed at once when scoring
+constexpr int64_t kDefaultMaxSeqs = 8;
+constexpr int64_t kDefaultBatchedTokens = 2048;
+constexpr int64_t kDefaultMaxModelLen = 32768;  // the default rule's cap
+constexpr int64_t kMinDefaultMaxModelLen = 2048;  // the default rule halves down to this, no further
+constexpr int64_t kProcessorDefaultMaxPixels = 16777216;  // Qwen's processor when preprocessor_config is absent
+constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
+constexpr uint64_t kContextNative = 384 * MiB;
+constexpr uint64_t kContextWsl2 = 1024 * MiB;
+constexpr uint64_t kGemmWorkspace = 32 * MiB;
+constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
+constexpr uint64_t kGraphPoolBase = 16 * MiB;
+constexpr uint64_t kGraphPoolPerBucket = 2 * MiB;
+
+std::string ull(uint64_t v) { return format("%llu", (unsigned long long)v); }
+std::string ll(int64_t v) { return format("%lld", (long long)v); }
+
+BufferSpec buffer(const char* name, std::vector<uint64_t> dims, uint64_t element_bytes, const char* symbols,
+                  const char* dtype) {
+  uint64_t elements = 1;
+  std::string numbers;
+  for (uint64_t d : dims) {
+    elements *= d;
+    numbers += (numbers.empty() ? "" : ", ") + ull(d);
+  }
+  return {name, align_up(elements * element_bytes, kPlanAlignment),
+          format("%s = (%s) %s", symbols, numbers.c_str(), dtype)};
+}
+
+// Activations are bf16 on the GPU and fp32 on the CPU (the CPU path is the fp32 reference).
+uint64_t activation_bytes(BackendKind backend) { return backend == BackendKind::cuda ? 2 : 4; }
+const char* activation_dtype(BackendKind backend) { return backend == BackendKind::cuda ? "bf16" : "fp32"; }
+
+// Patches per image for an image budget: the processor resizes to whole merge windows (patch x merge
+// pixels on a side) with at most `image_pixels` pixels, so a budget holds floor(pixels / window^2) windows.
+uint64_t merge_windows(const VisionConfig& vision, int64_t image_pixels) {
+  uint64_t side = uint64_t(vision.patch_size * vision.spatial_merge_size);
+  return uint64_t(image_pixels) / (side * side);
+}
+uint64_t window_pixels(const VisionConfig& vision) {
+  uint64_t side = uint64_t(vision.patch_size * vision.spatial_merge_size);
+  return side * side;
+}
+
+// Scale elements one Linear stores on disk (compressed-tensors / Qwen FP8 layouts).
+uint64_t scale_elements(const LinearDesc& linear) {
+  uint64_t n = uint64_t(linear.out_features), k = uint64_t(linear.in_features);
+  switch (linear.granularity) {
+    case ScaleGranularity::none: return 0;
+    case ScaleGranularity::tensor: return 1;
+    case ScaleGranularity::channel: return n;
+    case ScaleGranularity::group: return n * ceil_div(k, uint64_t(linear.group_size > 0 ? linear.group_size : int64_t(k)));
+    case ScaleGranularity::block:
+      return ceil_div(n, uint64_t(linear.block_n > 0 ? linear.block_n : 128)) *
+             ceil_div(k, uint64_t(linear.block_k > 0 ? linear.block_k : 128));
+  }
+  return 0;
+}
+
+// The smallest image budget worth planning: the processor resizes every image up to min_pixels, and no image
+// is smaller than one merge window.
+int64_t smallest_image_pixels(const ModelConfig& config) {
+  uint64_t window = window_pixels(config.vision);
+  return int64_t(std::max<uint64_t>(1, ceil_div(uint64_t(std::max<int64_t>(config.min_pixels, 0)), window)) * window);
+}
+
+// floor(utilization x total): the one place the budget is computed, so utilization_needed can be checked
+// against exactly what a re-plan will compute.
+uint64_t budget_for(double utilization, uint64_t total) {
+  return uint64_t(std::floor((long double)utilization * (long double)total));
+}
+
+std::string format_ratio(double ratio) {
+  std::string text = format("%.4f", ratio);
+  while (text.size() > 4 && text.back() == '0') text.pop_back();  // keep at least two decimals: "0.80"
+  return text;
+}
+
+std::string format_count(uint64_t v) {  // 1048576 -> "1,048,576"
+  std::string digits = ull(v), out;
+  for (size_t i = 0; i < digits.size(); i++) {
+    if (i && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+std::string model_name_of(const ModelConfig& config) {
+  // origin is ".../<model dir>/config.json": the directory names the model.
+  std::string path = config.origin;
+  size_t slash = path.find_last_of('/');
+  if (slash != std::string::npos) {
+    std::string dir = path.substr(0, slash);
+    while (!dir.empty() && dir.back() == '/') dir.pop_back();
+    size_t start = dir.find_last_of('/');
+    std::string name = start == std::string::npos ? dir : dir.substr(start + 1);
+    if (!name.empty() && name != ".") return name;
+  }
+  return config.model_type.empty() ? std::string(arch_name(config.arch)) : config.model_type;
+}
+
+struct ModelLimits {
+  int64_t max_position = 0;       // config's max_position_embeddings
+  int64_t processor_max_pixels = 0;  // vision: preprocessor max, or the processor's default
+};
+
+ModelLimits model_limits(const ModelConfig& config) {
+  ModelLimits limits;
+  limits.max_position = config.text.max_position_embeddings;
+  if (config.vision.present)
+    limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : kProcessorDefaultMaxPixels;
+  return limits;
+}
+
+void check_config(const ModelConfig& config) {
+  const TextConfig& t = config.text;
+  auto need = [&](int64_t value, const char* key) {
+    if (value <= 0)
+      fail(ErrorCode::bad_format, format("%s: %s is %lld; the planner needs it positive",
+                                         config.origin.empty() ? "config" : config.origin.c_str(), key, (long long)value));
+  };
+  need(t.hidden_size, "hidden_size");
+  need(t.intermediate_size, "intermediate_size");
+  need(t.num_layers, "num_hidden_layers");
+  need(t.num_heads, "num_attention_heads");
+  need(t.num_kv_heads, "num_key_value_heads");
+  need(t.head_dim, "head_dim");
+  need(t.vocab_size, "vocab_size");
+  need(t.max_position_embeddings, "max_position_embeddings");
+  if (config.vision.present) {
+    const VisionConfig& v = config.vision;
+    need(v.hidden_size, "vision_config.hidden_size");
+    need(v.intermediate_size, "vision_config.intermediate_size");
+    need(v.patch_size, "vision_config.patch_size");
+    need(v.spatial_merge_size, "vision_config.spatial_merge_size");
+    need(v.temporal_patch_size, "vision_config.temporal_patch_size");
+    need(v.in_channels, "vision_config.in_channels");
+    need(v.out_hidden_size, "vision_config.out_hidden_size");
+  }
+}
+
+// Every option error names the option and carries the value.
+void check_options(const ModelConfig& config, const DeviceSpec& device, const PlanOptions& o) {
+  auto bad = [](std::string message) { fail(ErrorCode::invalid_argument, std::move(message)); };
+  if (device.total_bytes == 0)
+    bad(format("device '%s' reports 0 bytes of memory: pass --device-mem (e.g. 8GiB) to plan for a card",
+               device.name.c_str()));
+  if (!(o.utilization > 0.0 && o.utilization <= 1.0))
+    bad(format("utilization %g is outside (0, 1]: it is the fraction of device memory kvlite may use, e.g. 0.90",
+               o.utilization));
+  int64_t max_position = config.text.max_position_embeddings;
+  if (o.max_model_len < 0)
+    bad(format("max_model_len %lld must be positive (or 0 for the default rule)", (long long)o.max_model_len));
+  if (o.max_model_len > max_position)
+    bad(format("max_model_len %lld is more than the model's max_position_embeddings %lld (%s)",
+               (long long)o.max_model_len, (long long)max_position, config.origin.c_str()));
+  if (o.max_seqs < 0 || o.max_seqs > kMaxPlanSeqs)
+    bad(format("max_seqs %lld is outside 1..%lld (or 0 for the default %lld)", (long long)o.max_seqs,
+               (long long)kMaxPlanSeqs, (long long)kDefaultMaxSeqs));
+  if (o.max_batched_tokens < 0 || o.max_batched_tokens > kMaxPlanBatchedTokens)
+    bad(format("max_batched_tokens %lld is outside 1..%lld (or 0 for the default min(2048, max_model_len))",
+               (long long)o.max_batched_tokens, (long long)kMaxPlanBatchedTokens));
+  if (o.kv_page_tokens < 1 || o.kv_page_tokens > kMaxPlanPageTokens)
+    bad(format("kv_page_tokens %lld is outside 1..%lld", (long long)o.kv_page_tokens, (long long)kMaxPlanPageTokens));
+  if (o.max_images < 1 || o.max_images > kMaxPlanImages)
+    bad(format("max_images %lld is outside 1..%lld", (long long)o.max_images, (long long)kMaxPlanImages));
+  if (o.max_image_pixels < 0)
+    bad(format("max_image_pixels %lld must be positive (or 0 for the default)", (long long)o.max_image_pixels));
+  if (o.max_image_pixels > 0) {
+    if (!config.vision.present)
+      bad(format("max_image_pixels %lld was given but %s has no vision tower (model_type %s)",
+                 (long long)o.max_image_pixels, model_name_of(config).c_str(), config.model_type.c_str()));
+    uint64_t window = window_pixels(config.vision);
+    if (uint64_t(o.max_image_pixels) < window)
+      bad(format("max_image_pixels %lld is less than one merge window (%llu pixels = %lld x %lld): no image fits",
+                 (long long)o.max_image_pixels, (unsigned long long)window,
+                 (long long)(config.vision.patch_size * config.vision.spatial_merge_size),
+                 (long long)(config.vision.patch_size * config.vision.spatial_merge_size)));
+    if (o.max_image_pixels < config.min_pixels)
+      bad(format("max_image_pixels %lld is less than the processor's min_pixels %lld (every image is resized up "
+                 "to at least that): use at least %lld",
+                 (long long)o.max_image_pixels, (long long)config.min_pixels, (long long)config.min_pixels));
+    if (o.max_image_pixels > kMaxPlanImagePixels)
+      bad(format("max_image_pixels %lld is more than %lld (16384 x 16384)", (long long)o.max_image_pixels,
+                 (long long)kMaxPlanImagePixels));
+  }
+}
+
+struct Inputs {
+  const ModelConfig& config;
+  const WeightsSummary& weights;
+  uint64_t tensor_count;
+  const DeviceSpec& device;  // wsl2 resolved
+};
+
+PlanItem weights_item(const Inputs& in) {
+  PlanItem item{"weights", "", align_up(in.weights.total_bytes, kPlanAlignment), "", true};
+  uint64_t linear_bytes = 0;
+  for (const auto& linear : in.weights.linears) linear_bytes += linear.bytes;
+  if (in.weights.exact) {
+    item.label = in.tensor_count ? format("weights (exact, %llu tensors)", (unsigned long long)in.tensor_count)
+                                 : std::string("weights (exact, from headers)");
+    item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s",
+                      in.weights.linears.size(), format_bytes(linear_bytes).c_str(),
+                      format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str());
+  } else {
+    item.label = "weights (estimated from config.json)";
+    item.why = format("no safetensors in the directory: shapes from config.json, formats from quantization_config "
+                      "(%zu Linears %s)", in.weights.linears.size(), format_bytes(linear_bytes).c_str());
+  }
+  return item;
+}
+
+PlanItem repack_item(const Inputs& in) {
+  PlanItem item{"repack", "repack", 0, "", true};
+  if (in.device.backend != BackendKind::cuda) {
+    item.why = "CPU backend runs the on-disk layout: nothing to repack";
+    return item;
+  }
+  uint64_t widened = 0, widened_elements = 0, int4 = 0;
+  for (const auto& linear : in.weights.linears) {
+    if (linear.format == WeightFormat::fp8 && dtype_bits(linear.scale_dtype) == 16) {
+      widened++;
+      widened_elements += scale_elements(linear);
+    }
+    if (linear.format == WeightFormat::int4) int4++;
+  }
+  item.bytes = align_up(widened_elements * 2, kPlanAlignment);
+  std::string fp8 = widened ? format("%llu FP8 Linears with 16-bit scales get fp32 scales: %s scale elements x 2 B",
+                                     (unsigned long long)widened, format_count(widened_elements).c_str())
+                            : std::string("no FP8 Linear with 16-bit scales");
+  item.why = int4 ? fp8 + format("; %llu W4A16 Linears repacked in place (0 B)", (unsigned long long)int4) : fp8;
+  return item;
+}
+
+PlanItem context_item(const Inputs& in) {
+  PlanItem item{"context", "context (outside the arena)", 0, "", false};
+  if (in.device.backend != BackendKind::cuda) {
+    item.why = "CPU backend: no device context";
+  } else if (in.device.wsl2) {
+    item.bytes = kContextWsl2;
+    item.why = "CUDA context + cuBLAS handles + driver: 1024 MiB under WSL2 (its paravirtualized driver reserves "
+               "more; pinned memory is limited, vLLM disables it)";
+  } else {
+    item.bytes = kContextNative;
+    item.why = "CUDA context + cuBLAS handles + driver: 384 MiB on native Linux";
+  }
+  return item;
+}
+
+PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
+  auto buffers = activation_buffers(in.config, o.max_batched_tokens, o.max_seqs, in.device.backend);
+  const char* dtype = activation_dtype(in.device.backend);
+  return {"activations", "activations", buffers_bytes(buffers),
+          format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual (T,H) fp32; normed, qkv, "
+                 "attn_out, gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; 4 int32 index arrays",
+                 (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits),
+          true};
+}
+
+PlanItem vision_item(const Inputs& in, const PlanOptions& o) {
+  const VisionConfig& v = in.config.vision;
+  auto buffers = vision_buffers(in.config, o.max_image_pixels, o.max_images, in.device.backend);
+  uint64_t windows = merge_windows(v, o.max_image_pixels);
+  uint64_t patches = windows * uint64_t(v.spatial_merge_size * v.spatial_merge_size);
+  return {"vision", format("vision (%lld image%s)", (long long)o.max_images, o.max_images == 1 ? "" : "s"),
+          buffers_bytes(buffers),
+          format("encoder for %lld x %s pixels = %s patches (%s tokens) each: patches, hidden, qkv, mlp, merger "
+                 "outputs x %zu (1 + DeepStack)",
+                 (long long)o.max_images, format_count(uint64_t(o.max_image_pixels)).c_str(),
+                 format_count(patches).c_str(), format_count(windows).c_str(),
+                 1 + v.deepstack_visual_indexes.size()),
+          true};
+}
+
+PlanItem logits_item(const Inputs& in, const PlanOptions& o) {
+  auto buffers = logits_buffers(in.config, o.max_seqs);
+  int64_t rows = std::max(o.max_seqs, kScoringRows);
+  return {"logits", "logits", buffers_bytes(buffers),
+          format("scoring computes log-probs %lld rows at a time: (%lld, V=%lld) fp32 + sampling (%lld, V) fp32 + ids",
+                 (long long)kScoringRows, (long long)rows, (long long)in.config.text.vocab_size,
+                 (long long)o.max_seqs),
+          true};
+}
+
+PlanItem workspace_item(const Inputs& in) {
+  PlanItem item{"workspace", "workspace", 0, "", true};
+  if (in.device.backend == BackendKind::cuda) {
+    // Repacking goes through a scratch copy of one Linear at a time; dense Linears are used as stored, so only
+    // quantized ones count (an untied bf16 lm_head would otherwise reserve a second copy of itself).
+    const LinearDesc* largest = nullptr;
+    for (const auto& linear : in.weights.linears)
+      if (linear.format != WeightFormat::dense && (!largest || linear.bytes > largest->bytes)) largest = &linear;
+    uint64_t scratch = largest ? largest->bytes : 0;
+    item.bytes = align_up(kGemmWorkspace + scratch, kPlanAlignment);
+    item.why = largest ? format("32 MiB GEMM workspace + repack scratch the size of the largest quantized Linear (%s, %s)",
+                                largest->name.c_str(), format_bytes(scratch).c_str())
+                       : std::string("32 MiB GEMM workspace (no quantized Linear: no repack scratch)");
+  } else {
+    uint64_t threads = std::max(1u, std::thread::hardware_concurrency());
+    item.bytes = align_up(kCpuTileBytesPerThread * threads, kPlanAlignment);
+    item.why = format("64 KiB of dequantization tiles x %llu hardware threads", (unsigned long long)threads);
+  }
+  return item;
+}
+
+PlanItem graphs_item(const Inputs& in, const PlanOptions& o) {
+  PlanItem item{"graphs", "graphs", 0, "", true};
+  if (in.device.backend != BackendKind::cuda) {
+    item.why = "CPU backend: no CUDA graphs";
+    return item;
+  }
+  // Decode batch buckets: powers of two below max_seqs, and max_seqs itself.
+  std::string buckets;
+  uint64_t count = 0;
+  for (int64_t b = 1;; b *= 2) {
+    int64_t bucket = std::min(b, o.max_seqs);
+    buckets += (count ? "," : "") + ll(bucket);
+    count++;
+    if (bucket == o.max_seqs) break;
+  }
+  if (count > 6) {  // keep the line short: 1,2,4,...,256
+    buckets = "1,2,4,...," + ll(o.max_seqs);
+  }
+  item.bytes = align_up(kGraphPoolBase + kGraphPoolPerBucket * count, kPlanAlignment);
+  item.why = format("decode graph pool: 16 MiB + 2 MiB x %llu batch buckets (%s); estimate until measured on a GPU",
+                    (unsigned long long)count, buckets.c_str());
+  return item;
+}
+
+// KV bytes one sequence of `tokens` tokens takes, in whole pages.
+uint64_t kv_bytes_for(const Plan& plan, int64_t tokens) {
+  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * plan.kv_page_bytes;
+}
+
+// The plan for fully resolved options: items, budget, KV arena and the verdict (no what-if analysis).
+Plan assemble(const Inputs& in, const PlanOptions& o) {
+  Plan plan;
+  plan.device = in.device;
+  plan.options = o;
+  plan.model_name = model_name_of(in.config);
+  plan.arch = in.config.arch;
+  plan.items.push_back(weights_item(in));
+  plan.items.push_back(repack_item(in));
+  plan.items.push_back(context_item(in));
+  plan.items.push_back(activations_item(in, o));
+  if (in.config.vision.present) plan.items.push_back(vision_item(in, o));
+  plan.items.push_back(logits_item(in, o));
+  plan.items.push_back(workspace_item(in));
+  plan.items.push_back(graphs_item(in, o));
+
+  plan.weights_bytes = in.weights.total_bytes;
+  plan.weights_source = in.weights.exact ? "headers" : "config";
+  plan.kv_bytes_per_token = in.config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
+  plan.kv_page_tokens = uint64_t(o.kv_page_tokens);
+  plan.kv_page_bytes = plan.kv_page_tokens * plan.kv_bytes_per_token;
+  plan.budget_bytes = budget_for(o.utilization, in.device.total_bytes);
+  for (const auto& item : plan.items) plan.fixed_bytes += item.bytes;
+  plan.kv_available_bytes = int64_t(plan.budget_bytes) - int64_t(plan.fixed_bytes);
+  plan.kv_pages = plan.kv_available_bytes > 0 ? uint64_t(plan.kv_available_bytes) / plan.kv_page_bytes : 0;
+  plan.kv_arena_bytes = plan.kv_pages * plan.kv_page_bytes;
+  plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
+  plan.max_model_len = o.max_model_len;
+  plan.concurrency = double(plan.kv_tokens) / double(o.max_model_len);
+  plan.fits = plan.kv_available_bytes > 0 && plan.kv_tokens >= uint64_t(o.max_model_len);
+  plan.shortfall_bytes = plan.fits ? 0 : int64_t(kv_bytes_for(plan, o.max_model_len)) - plan.kv_available_bytes;
+  return plan;
+}
+
+// With options fully resolved for `max_model_len`; max_batched_tokens follows it unless the caller set it.
+PlanOptions with_max_model_len(PlanOptions o, const PlanOptions& requested, int64_t max_model_len) {
+  o.max_model_len = max_model_len;
+  o.max_batched_tokens = requested.max_batched_tokens > 0 ? requested.max_batched_tokens
+                                                          : std::min(kDefaultBatchedTokens, max_model_len);
+  return o;
+}
+
+// The smallest utilization whose budget (as budget_for computes it) holds `bytes`.
+double utilization_for(uint64_t bytes, uint64_t total) {
+  double u = double(bytes) / double(total);
+  while (budget_for(u, total) < bytes) u = std::nextafter(u, 2.0);
+  return u;
+}
+
+// The utilization to print: two decimals, rounded up, and checked to be enough.
+double printable_utilization(double needed, uint64_t bytes, uint64_t total) {
+  double u = std::ceil(needed * 100.0) / 100.0;
+  while (budget_for(u, total) < bytes) u += 0.01;
+  return u;
+}
+
+void write_advice(const Inputs& in, Plan& plan) {
+  const PlanOptions& o = plan.options;
+  std::string ratio = format_ratio(o.utilization);
+  if (plan.fits) {
+    plan.advice.push_back(format("KV holds %s tokens: %.1f sequences of %lld.", format_count(plan.kv_tokens).c_str(),
+                                 plan.concurrency, (long long)plan.max_model_len));
+    return;
+  }
+  uint64_t needed = kv_bytes_for(plan, plan.max_model_len);
+  plan.advice.push_back(format("Does not fit: KV needs %s for one %lld-token sequence but only %s is left (short by %s).",
+                               format_bytes(needed).c_str(), (long long)plan.max_model_len,
+                               format_bytes_signed(plan.kv_available_bytes).c_str(),
+                               format_bytes(uint64_t(plan.shortfall_bytes)).c_str()));
+  if (plan.max_model_len_that_fits > 0)
+    plan.advice.push_back(format("Largest max_model_len at utilization %s: %lld (--max-model-len %lld).", ratio.c_str(),
+                                 (long long)plan.max_model_len_that_fits, (long long)plan.max_model_len_that_fits));
+  else
+    plan.advice.push_back(format("No max_model_len fits at utilization %s: the fixed items need %s of the %s budget.",
+                                 ratio.c_str(), format_bytes(plan.fixed_bytes).c_str(),
+                                 format_bytes(plan.budget_bytes).c_str()));
+  uint64_t total_needed = plan.fixed_bytes + needed;
+  if (plan.utilization_needed <= 1.0) {
+    double shown = printable_utilization(plan.utilization_needed, total_needed, in.device.total_bytes);
+    plan.advice.push_back(format("Utilization needed for max_model_len %lld: %.2f (--utilization %.2f).",
+                                 (long long)plan.max_model_len, shown, shown));
+  } else {
+    plan.advice.push_back(format("max_model_len %lld does not fit at any utilization: needs %s more than the whole %s card.",
+                                 (long long)plan.max_model_len,
+                                 format_bytes(total_needed - in.device.total_bytes).c_str(),
+                                 format_bytes(in.device.total_bytes).c_str()));
+  }
+  if (o.kv_dtype != KVDType::fp8 && plan.max_model_len_that_fits_fp8_kv > plan.max_model_len_that_fits)
+    plan.advice.push_back(format("With --kv-dtype fp8: max_model_len up to %lld (KV %s per token instead of %s)%s.",
+                                 (long long)plan.max_model_len_that_fits_fp8_kv,
+                                 format_bytes(plan.kv_bytes_per_token / 2).c_str(),
+                                 format_bytes(plan.kv_bytes_per_token).c_str(),
+                                 plan.max_model_len_that_fits_fp8_kv >= plan.max_model_len ? ", which fits" : ""));
+  if (in.config.vision.present) {
+    if (plan.image_pixels_that_fit > 0)
+      plan.advice.push_back(format("With --max-image-pixels %lld: fits (%s image tokens per image instead of %s).",
+                                   (long long)plan.image_pixels_that_fit,
+                                   format_count(merge_windows(in.config.vision, plan.image_pixels_that_fit)).c_str(),
+                                   format_count(merge_windows(in.config.vision, o.max_image_pixels)).c_str()));
+    else
+      plan.advice.push_back(format("No image budget makes max_model_len %lld fit: even the smallest (%s pixels) leaves "
+                                   "too little for KV.", (long long)plan.max_model_len,
+                                   format_count(smallest_image_pixels(in.config)).c_str()));
+  }
+  if (plan.weights_bytes >= plan.budget_bytes)
+    plan.advice.push_back(format("The weights alone (%s) exceed the %s budget: use a quantized checkpoint (W4A16 or "
+                                 "FP8) or a larger card.", format_bytes(plan.weights_bytes).c_str(),
+                                 format_bytes(plan.budget_bytes).c_str()));
+  if (in.device.backend == BackendKind::cuda && in.device.wsl2)
+    plan.advice.push_back(format("WSL2: the CUDA context is planned at 1024 MiB instead of 384 MiB (the paravirtualized "
+                                 "driver reserves more, and pinned host memory is limited); native Linux leaves %s "
+                                 "more for KV.", format_bytes(kContextWsl2 - kContextNative).c_str()));
+}
+
+}  // namespace planning
+}  // namespace detail
+
+// ---- buffers ----------------------------------------------------------------------------------------------
+
+uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers) {
+  uint64_t sum = 0;
+  for (const auto& b : buffers) sum += b.bytes;
+  return sum;
+}
+
+std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
+                                           BackendKind backend) {
+  using detail::planning::buffer;
+  const TextConfig& t = config.text;
+  uint64_t T = uint64_t(std::max<int64_t>(tokens, 0)), S = uint64_t(std::max<int64_t>(max_seqs, 0));
+  uint64_t H = uint64_t(t.hidden_size), Hq = uint64_t(t.num_heads), Hkv = uint64_t(t.num_kv_heads);
+  uint64_t D = uint64_t(t.head_dim), I = uint64_t(t.intermediate_size);
+  uint64_t E = detail::planning::activation_bytes(backend);
+  const char* act = detail::planning::activation_dtype(backend);
+  // M-RoPE models carry three position rows (t, h, w) per token.
+  bool mrope = !t.rope.mrope_section.empty() || config.arch == Arch::qwen3_vl;
+  std::vector<BufferSpec> buffers = {
+      buffer("hidden", {T, H}, 4, "(T, H)", "fp32"),  // the residual stream stays fp32
+      buffer("normed", {T, H}, E, "(T, H)", act),     // RMSNorm output, input of q/k/v and gate/up
+      buffer("qkv", {T, (Hq + 2 * Hkv) * D}, E, "(T, (Hq + 2 Hkv) D)", act),
+      buffer("attn_out", {T, Hq * D}, E, "(T, Hq D)", act),
+      buffer("gate_up", {T, 2 * I}, E, "(T, 2 I)", act),
+      buffer("mlp_act", {T, I}, E, "(T, I)", act),  // silu(gate) * up, input of down_proj
+      // Split-KV decode: each (sequence, head, split) writes D outputs + its running max and sum.
+      buffer("attn_partials", {S, Hq, detail::planning::kDecodeSplits, D + 2}, 4, "(S, Hq, splits, D + 2)", "fp32"),
+      buffer("token_ids", {T}, 4, "(T)", "int32"),
+      mrope ? buffer("positions", {3, T}, 4, "(3, T)", "int32") : buffer("positions", {T}, 4, "(T)", "int32"),
+      buffer("slot_mapping", {T}, 4, "(T)", "int32"),  // KV slot (page x page_tokens + offset) each token writes
+      buffer("seq_index", {T}, 4, "(T)", "int32"),     // which sequence of the batch each token belongs to
+  };
+  return buffers;
+}
+
+std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
+                                       BackendKind backend) {
+  using detail::planning::buffer;
+  const VisionConfig& v = config.vision;
+  if (!v.present || image_pixels <= 0 || images <= 0) return {};
+  uint64_t merge = uint64_t(v.spatial_merge_size * v.spatial_merge_size);  // patches per merge window
+  uint64_t N = detail::planning::merge_windows(v, image_pixels) * merge * uint64_t(images);
+  uint64_t patch_values = uint64_t(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size);
+  uint64_t vh = uint64_t(v.hidden_size), vI = uint64_t(v.intermediate_size), out = uint64_t(v.out_hidden_size);
+  uint64_t E = detail::planning::activation_bytes(backend);
+  const char* act = detail::planning::activation_dtype(backend);
+  uint64_t mergers = 1 + v.deepstack_visual_indexes.size();
+  return {
+      buffer("pixel_patches", {N, patch_values}, E, "(N, C x frames x patch x patch)", act),
+      buffer("vision_hidden", {N, vh}, 4, "(N, vh)", "fp32"),
+      buffer("vision_normed", {N, vh}, E, "(N, vh)", act),
+      buffer("vision_qkv", {N, 3 * vh}, E, "(N, 3 vh)", act),
+      buffer("vision_attn_out", {N, vh}, E, "(N, vh)", act),
+      buffer("vision_mlp", {N, vI}, E, "(N, vI)", act),
+      buffer("merger_in", {N / merge, merge * vh}, E, "(N / 4, 4 vh)", act),
+      // The final merger's output plus one per DeepStack level, kept until the language model splices them.
+      buffer("merged", {mergers, N / merge, out}, 4, "(1 + deepstack, N / 4, out)", "fp32"),
+  };
+}
+
+std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_seqs) {
+  using detail::planning::buffer;
+  uint64_t S = uint64_t(std::max<int64_t>(max_seqs, 0));
+  uint64_t R = std::max<uint64_t>(S, uint64_t(detail::planning::kScoringRows));
+  uint64_t V = uint64_t(config.text.vocab_size);
+  return {
+      buffer("logits", {R, V}, 4, "(max(S, 32), V)", "fp32"),
+      buffer("sampling_probs", {S, V}, 4, "(S, V)", "fp32"),
+      buffer("sampled_ids", {S}, 4, "(S)", "int32"),
+      buffer("target_ids", {R}, 4, "(max(S, 32))", "int32"),  // scoring: the next tokens whose log-probs are read
+      buffer("row_logprobs", {R}, 4, "(max(S, 32))", "fp32"),
+  };
+}
+
+// ---- the planner ------------------------------------------------------------------------------------------
+
+namespace detail {
+namespace planning {
+
+Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t tensor_count, const DeviceSpec& device_in,
+          const PlanOptions& requested) {
+  check_config(config);
+  check_options(config, device_in, requested);
+  DeviceSpec device = device_in;
+  if (requested.wsl2) device.wsl2 = *requested.wsl2;
+  Inputs in{config, weights, tensor_count, device};
+  ModelLimits limits = model_limits(config);
+
+  PlanOptions o = requested;
+  o.wsl2 = device.wsl2;
+  if (o.kv_dtype == KVDType::auto_) o.kv_dtype = config.text.dtype == DType::F16 ? KVDType::f16 : KVDType::bf16;
+  if (o.max_seqs == 0) o.max_seqs = kDefaultMaxSeqs;
+
+  std::string image_rule;
+  if (!config.vision.present) {
+    o.max_image_pixels = 0;
+  } else if (requested.max_image_pixels > 0) {
+    image_rule = "requested (--max-image-pixels)";
+  } else {
+    o.max_image_pixels = std::min(limits.processor_max_pixels, kDefaultImagePixels);
+    image_rule = format("kvlite default: min(processor max %s%s, 1024 x 1024) = %s pixels; the processor's max would "
+                        "reserve for %s image tokens; --max-image-pixels overrides",
+                        format_count(uint64_t(limits.processor_max_pixels)).c_str(),
+                        config.max_pixels > 0 ? "" : " (model default)",
+                        format_count(uint64_t(o.max_image_pixels)).c_str(),
+                        format_count(merge_windows(config.vision, limits.processor_max_pixels)).c_str());
+  }
+
+  // max_model_len: as requested, or min(model max, 32768) halved (down to 2048) until it fits.
+  std::string rule;
+  if (requested.max_model_len > 0) {
+    o = with_max_model_len(o, requested, requested.max_model_len);
+    rule = "requested";
+  } else {
+    int64_t start = std::min(limits.max_position, kDefaultMaxModelLen);
+    int64_t length = start;
+    o = with_max_model_len(o, requested, length);
+    while (!assemble(in, o).fits && length > kMinDefaultMaxModelLen) {
+      length = std::max(length / 2, kMinDefaultMaxModelLen);
+      o = with_max_model_len(o, requested, length);
+    }
+    rule = limits.max_position > kDefaultMaxModelLen
+               ? format("default: model max %lld capped at %lld", (long long)limits.max_position, (long long)start)
+               : format("default: model max %lld", (long long)start);
+    if (length != start) rule += format(", halved to %lld to fit", (long long)length);
+    if (!assemble(in, o).fits) rule += length != start ? " (and still does not)" : " (does not fit)";
+  }
+
+  Plan plan = assemble(in, o);
+  plan.max_model_len_rule = rule;
+  plan.max_image_pixels_rule = image_rule;
+
+  // What would fit, whatever the verdict.
+  plan.max_model_len_that_fits = std::min<int64_t>(int64_t(plan.kv_tokens), limits.max_position);
+  uint64_t total_needed = plan.fixed_bytes + kv_bytes_for(plan, plan.max_model_len);
+  plan.utilization_needed = utilization_for(total_needed, device.total_bytes);
+  if (o.kv_dtype == KVDType::fp8) {
+    plan.max_model_len_that_fits_fp8_kv = plan.max_model_len_that_fits;
+  } else {
+    PlanOptions fp8 = o;
+    fp8.kv_dtype = KVDType::fp8;
+    plan.max_model_len_that_fits_fp8_kv = std::min<int64_t>(int64_t(assemble(in, fp8).kv_tokens), limits.max_position);
+  }
+  if (config.vision.present) {
+    // The largest image budget (whole merge windows) at which max_model_len fits: binary search, since the
+    // vision buffers only grow with the budget.
+    uint64_t window = window_pixels(config.vision);
+    uint64_t lo = uint64_t(smallest_image_pixels(config)) / window;
+    uint64_t hi = uint64_t(limits.processor_max_pixels) / window;
+    auto fits_with = [&](uint64_t windows) {
+      PlanOptions trial = o;
+      trial.max_image_pixels = int64_t(windows * window);
+      return assemble(in, trial).fits;
+    };
+    if (lo <= hi && fits_with(lo)) {
+      while (lo < hi) {  // invariant: fits_with(lo)
+        uint64_t mid = lo + (hi - lo + 1) / 2;
+        if (fits_with(mid)) lo = mid; else hi = mid - 1;
+      }
+      plan.image_pixels_that_fit = int64_t(lo * window);
+    }
+  }
+  write_advice(in, plan);
+  return plan;
+}
+
+}  // namespace planning
+}  // namespace detail
+
+Result<Plan> make_plan(const ModelConfig& config, const WeightsSummary& weights, const DeviceSpec& device,
+                       const PlanOptions& options) {
+  return detail::guard([&] { return detail::planning::make(config, weights, 0, device, options); });
+}
+
+Result<PlanInputs> read_plan_inputs(const std::string& model_dir) {
+  return detail::guard([&]() -> PlanInputs {
+    PlanInputs inputs;
+    auto config = load_config(model_dir);
+    if (!config) throw config.error();
+    auto store = TensorStore::open_dir(model_dir);
+    if (!store) throw store.error();
+    auto weights = summarize_weights(*config, store->empty() ? nullptr : &*store);
+    if (!weights) throw weights.error();
+    inputs.config = std::move(*config);
+    inputs.weights = std::move(*weights);
+    inputs.tensor_count = store->tensors().size();
+    return inputs;
+  });
+}
+
+Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const PlanOptions& options) {
+  return detail::guard(
+      [&] { return detail::planning::make(inputs.config, inputs.weights, inputs.tensor_count, device, options); });
+}
+
+Result<Plan> plan_model_dir(const std::string& model_dir, const PlanOptions& options) {
+  return detail::guard([&]() -> Plan {
+    auto inputs = read_plan_inputs(model_dir);
+    if (!inputs) throw inputs.error();
+    auto device = detect_device(options.device_mem, options.wsl2);
+    if (!device) throw device.error();
+    auto plan = make_plan(*inputs, *device, options);
+    if (!plan) throw plan.error();
+    return std::move(*plan);
+  });
+}
+
+// ---- presentation -----------------------------------------------------------------------------------------
+
+uint64_t Plan::arena_bytes() const {
+  uint64_t sum = kv_arena_bytes;
+  for (const auto& item : items)
+    if (item.in_arena) sum += item.bytes;
+  return sum;
+}
+
+const PlanItem* Plan::item(const std::string& key) const {
+  for (const auto& it : items)
+    if (it.key == key) return &it;
+  return nullptr;
+}
+
+std::string Plan::table() const {
+  using namespace detail::planning;
+  using detail::format;
+  struct Row { std::string component, bytes, why; };
+  std::vector<Row> rows;
+  for (const auto& it : items) rows.push_back({it.label, format_bytes(it.bytes), it.why});
+  rows.push_back({"fixed", format_bytes(fixed_bytes), "sum of the rows above: needed before any KV"});
+  rows.push_back({"budget", format_bytes(budget_bytes),
+                  format("budget = %s x %s = %s", format_ratio(options.utilization).c_str(),
+                         format_bytes(device.total_bytes).c_str(), format_bytes(budget_bytes).c_str())});
+  std::string kv_why = format("%s pages x %llu tokens = %s tokens, %s per token (%s)",
+                              format_count(kv_pages).c_str(), (unsigned long long)kv_page_tokens,
+                              format_count(kv_tokens).c_str(), format_bytes(kv_bytes_per_token).c_str(),
+                              kv_dtype_name(options.kv_dtype));
+  if (kv_available_bytes <= 0)
+    kv_why = format("nothing left: budget - fixed = %s; %s per token (%s)",
+                    format_bytes_signed(kv_available_bytes).c_str(), format_bytes(kv_bytes_per_token).c_str(),
+                    kv_dtype_name(options.kv_dtype));
+  rows.push_back({"KV arena", format_bytes(kv_arena_bytes), kv_why});
+  rows.push_back({"max_model_len", ll(max_model_len), max_model_len_rule});
+  if (!max_image_pixels_rule.empty())
+    rows.push_back({"max_image_pixels", ll(options.max_image_pixels), max_image_pixels_rule});
+  rows.push_back({"concurrency", format("%.2f", concurrency),
+                  format("sequences of %lld tokens the KV arena holds at once", (long long)max_model_len)});
+  rows.push_back({"verdict", fits ? "FITS" : "DOES NOT FIT",
+                  fits ? format("arena %s + context %s", format_bytes(arena_bytes()).c_str(),
+                                format_bytes(fixed_bytes + kv_arena_bytes - arena_bytes()).c_str())
+                       : format("short by %s", format_bytes(uint64_t(shortfall_bytes)).c_str())});
+
+  size_t width0 = std::string("component").size(), width1 = std::string("bytes").size();
+  for (const auto& r : rows) {
+    width0 = std::max(width0, r.component.size());
+    width1 = std::max(width1, r.bytes.size());
+  }
+  std::string out = format("model %s (%s) | device %s | WSL2 %s | backend %s\n", model_name.c_str(), arch_name(arch),
+                           device.name.c_str(), device.wsl2 ? "yes" : "no", backend_name(device.backend));
+  auto line = [&](const std::string& a, const std::string& b, const std::string& c) {
+    out += a + std::string(width0 - a.size() + 2, ' ') + std::string(width1 - b.size(), ' ') + b + "  " + c + "\n";
+  };
+  std::string rule(width0 + width1 + 4 + 40, '-');
+  line("component", "bytes", "why");
+  out += rule + "\n";
+  for (size_t i = 0; i < rows.size(); i++) {
+    if (i == items.size() || i == items.size() + 3) out += rule + "\n";
+    line(rows[i].component, rows[i].bytes, rows[i].why);
+  }
+  if (!advice.empty()) {
+    out += "advice:\n";
+    for (const auto& a : advice) out += "  " + a + "\n";
+  }
+  return out;
+}
+
+std::string Plan::json() const {
+  nlohmann::ordered_json j;
+  j["model"] = model_name;
+  j["arch"] = arch_name(arch);
+  j["device"] = {{"name", device.name},        {"backend", backend_name(device.backend)},
+                 {"total_bytes", device.total_bytes}, {"free_bytes", device.free_bytes},
+                 {"sm", device.sm},             {"wsl2", device.wsl2},
+                 {"queried", device.queried}};
+  nlohmann::ordered_json opts;
+  if (options.device_mem) opts["device_mem"] = *options.device_mem; else opts["device_mem"] = nullptr;
+  opts["utilization"] = options.utilization;
+  opts["max_model_len"] = options.max_model_len;
+  opts["max_seqs"] = options.max_seqs;
+  opts["max_batched_tokens"] = options.max_batched_tokens;
+  opts["kv_dtype"] = kv_dtype_name(options.kv_dtype);
+  opts["max_image_pixels"] = options.max_image_pixels;
+  opts["max_images"] = options.max_images;
+  opts["kv_page_tokens"] = options.kv_page_tokens;
+  opts["wsl2"] = options.wsl2.value_or(device.wsl2);
+  j["options"] = opts;
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  for (const auto& it : items)
+    list.push_back({{"key", it.key}, {"label", it.label}, {"bytes", it.bytes}, {"why", it.why}, {"in_arena", it.in_arena}});
+  j["items"] = list;
+  j["weights_bytes"] = weights_bytes;
+  j["weights_source"] = weights_source;
+  j["kv_dtype"] = kv_dtype_name(options.kv_dtype);
+  j["kv_bytes_per_token"] = kv_bytes_per_token;
+  j["kv_page_tokens"] = kv_page_tokens;
+  j["kv_page_bytes"] = kv_page_bytes;
+  j["budget_bytes"] = budget_bytes;
+  j["fixed_bytes"] = fixed_bytes;
+  j["kv_available_bytes"] = kv_available_bytes;
+  j["kv_arena_bytes"] = kv_arena_bytes;
+  j["kv_pages"] = kv_pages;
+  j["kv_tokens"] = kv_tokens;
+  j["arena_bytes"] = arena_bytes();
+  j["max_model_len"] = max_model_len;
+  j["max_model_len_rule"] = max_model_len_rule;
+  j["max_image_pixels_rule"] = max_image_pixels_rule;
+  j["concurrency"] = concurrency;
+  j["fits"] = fits;
+  j["shortfall_bytes"] = shortfall_bytes;
+  j["max_model_len_that_fits"] = max_model_len_that_fits;
+  j["utilization_needed"] = utilization_needed;
+  j["max_model_len_that_fits_fp8_kv"] = max_model_len_that_fits_fp8_kv;
+  j["image_pixels_that_fit"] = image_pixels_that_fit;
+  j["advice"] = advice;
+  return j.dump(2) + "\n";
+}
+
+namespace detail {
+namespace planning {
+std::string xml_escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+const char* item_colour(const std::string& key) {
+  if (key == "weights") return "#4e79a7";
+  if (key == "repack") return "#76b7b2";
+  if (key == "context") return "#9c9c9c";
+  if (key == "activations") return "#f28e2b";
+  if (key == "vision") return "#b07aa1";
+  if (key == "logits") return "#edc948";
+  if (key == "workspace") return "#ff9da7";
+  if (key == "graphs") return "#9c755f";
+  return "#bab0ac";
+}
+}  // namespace planning
+}  // namespace detail
+
+std::string Plan::svg() const {
+  using namespace detail::planning;
+  using detail::format;
+  // Layout: one bar, left to right in table order, then KV. The scale covers the whole card, or more when the
+  // plan overflows it, so the red overflow stays visible.
+  const double left = 20, bar_width = 860, bar_y = 60, bar_height = 44, width = 900;
+  uint64_t kv_shown = fits ? kv_arena_bytes : kv_bytes_for(*this, max_model_len);
+  uint64_t extent = std::max<uint64_t>(device.total_bytes, fixed_bytes + kv_shown);
+  auto x_of = [&](uint64_t bytes) { return left + bar_width * double(bytes) / double(extent); };
+  size_t legend_rows = items.size() + 2;
+  double height = bar_y + bar_height + 50 + 18.0 * double(legend_rows) + 20;
+
+  std::string out = format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
+                           "font-family=\"sans-serif\" font-size=\"12\">\n", width, height, width, height);
+  out += format("<rect x=\"0\" y=\"0\" width=\"%.0f\" height=\"%.0f\" fill=\"white\"/>\n", width, height);
+  out += format("<text x=\"%.0f\" y=\"22\" font-size=\"15\" font-weight=\"bold\">%s</text>\n", left,
+                xml_escape(format("%s on %s: %s", model_name.c_str(), device.name.c_str(),
+                                  fits ? "FITS" : "DOES NOT FIT")).c_str());
+  out += format("<text x=\"%.0f\" y=\"40\">%s</text>\n", left,
+                xml_escape(format("max_model_len %lld, KV %s (%s tokens), budget %s x %s = %s", (long long)max_model_len,
+                                  format_bytes(kv_arena_bytes).c_str(), format_count(kv_tokens).c_str(),
+                                  format_ratio(options.utilization).c_str(), format_bytes(device.total_bytes).c_str(),
+                                  format_bytes(budget_bytes).c_str())).c_str());
+  // The whole card, as an outline.
+  out += format("<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"#f4f4f4\" stroke=\"#666\"/>\n", left,
+                bar_y, x_of(device.total_bytes) - left, bar_height);
+  uint64_t offset = 0;
+  // Each segment: a rectangle with a tooltip, and its name written inside when there is room for it.
+  auto segment = [&](uint64_t bytes, const char* colour, const std::string& name, const std::string& title) {
+    if (bytes == 0) return;
+    double x = x_of(offset), w = x_of(offset + bytes) - x;
+    out += format("<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\"><title>%s</title></rect>\n",
+                  x, bar_y, w, bar_height, colour, xml_escape(title).c_str());
+    if (w >= 7.0 * double(name.size()) + 6)
+      out += format("<text x=\"%.2f\" y=\"%.2f\" text-anchor=\"middle\" fill=\"white\">%s</text>\n", x + w / 2,
+                    bar_y + bar_height / 2 + 4, xml_escape(name).c_str());
+    offset += bytes;
+  };
+  for (const auto& it : items) segment(it.bytes, item_colour(it.key), it.key, it.label + ": " + format_bytes(it.bytes));
+  if (fits) {
+    segment(kv_arena_bytes, "#59a14f", "KV", "KV arena: " + format_bytes(kv_arena_bytes));
+  } else {
+    // KV one sequence needs, hatched in red past the budget.
+    uint64_t start = offset;
+    segment(kv_shown, "#8cd17d", "KV", format("KV for one %lld-token sequence: %s", (long long)max_model_len,
+                                              format_bytes(kv_shown).c_str()));
+    uint64_t overflow_from = std::max(start, budget_bytes);
+    if (offset > overflow_from)
+      out += format("<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"#e15759\" fill-opacity=\"0.85\">"
+                    "<title>%s</title></rect>\n",
+                    x_of(overflow_from), bar_y, x_of(offset) - x_of(overflow_from), bar_height,
+                    xml_escape("over the budget by " + format_bytes(offset - overflow_from)).c_str());
+  }
+  double budget_x = x_of(budget_bytes);
+  out += format("<line x1=\"%.2f\" y1=\"%.2f\" x2=\"%.2f\" y2=\"%.2f\" stroke=\"black\" stroke-width=\"2\" "
+                "stroke-dasharray=\"5,3\"/>\n", budget_x, bar_y - 8, budget_x, bar_y + bar_height + 8);
+  out += format("<text x=\"%.2f\" y=\"%.2f\" text-anchor=\"%s\">%s</text>\n", budget_x, bar_y + bar_height + 22,
+                budget_x > width / 2 ? "end" : "start",
+                xml_escape("budget " + format_bytes(budget_bytes)).c_str());
+  // Legend.
+  double y = bar_y + bar_height + 46;
+  auto legend = [&](const char* colour, const std::string& text) {
+    out += format("<rect x=\"%.0f\" y=\"%.0f\" width=\"12\" height=\"12\" fill=\"%s\"/>", left, y - 10, colour);
+    out += format("<text x=\"%.0f\" y=\"%.0f\">%s</text>\n", left + 18, y, xml_escape(text).c_str());
+    y += 18;
+  };
+  for (const auto& it : items) legend(item_colour(it.key), it.label + "  " + format_bytes(it.bytes));
+  if (fits)
+    legend("#59a14f", "KV arena  " + format_bytes(kv_arena_bytes) + " (" + format_count(kv_tokens) + " tokens)");
+  else
+    legend("#8cd17d", format("KV for one %lld-token sequence  %s", (long long)max_model_len, format_bytes(kv_shown).c_str()));
+  if (!fits) legend("#e15759", "over the budget: short by " + format_bytes(uint64_t(shortfall_bytes)));
+  out += "</svg>\n";
+  return out;
+}
+
+}  // namespace kvlite

@@ -1,0 +1,197 @@
+// ---------------------------------------------------------------------------------------------------------
+// backend: the operations a forward pass runs, on tensors that live where the backend computes (host memory
+// for the CPU, device memory for CUDA). The model is written once against this interface; the CPU backend is
+// the reference every CUDA kernel is checked against.
+//
+// Conventions shared by every op:
+//   - Tensors are 2-D views [rows, cols]: activations are [tokens, features]; a linear weight is
+//     [out_features, in_features] as PyTorch stores it. Views may be row or column slices of larger buffers
+//     (q, k and v are column slices of one fused qkv buffer), so every op honours row_stride.
+//   - A "vector of n" (norm weight, bias, token ids, slots...) is a contiguous tensor of n elements in
+//     either orientation ([1, n] or [n, 1]).
+//   - Activations have the backend's activation_dtype() (F32 on the CPU); index vectors are I32.
+//   - Ops never allocate: every output is a caller-owned buffer (the arena's activation region). Scratch is
+//     sized when the backend is made.
+//   - Ops validate shapes and dtypes here, once for every backend, and return invalid_argument (or
+//     unsupported, when supports() says no) with the shapes in the message. A backend may run asynchronously:
+//     errors found on the device surface at synchronize().
+//   - One caller at a time: a backend is not safe to call from two threads at once.
+// ---------------------------------------------------------------------------------------------------------
+#pragma once
+
+namespace kvlite {
+
+// A view of `rows` x `cols` elements of `dtype`; row r starts r * row_stride elements after `data`.
+// Never owns memory.
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::F32;
+  int64_t rows = 0, cols = 0;
+  int64_t row_stride = 0;  // elements between the starts of consecutive rows, >= cols
+
+  // A dense [rows, cols] view.
+  static Tensor matrix(void* data, DType dtype, int64_t rows, int64_t cols) {
+    return Tensor{data, dtype, rows, cols, cols};
+  }
+  // A vector of n elements, as [n, 1].
+  static Tensor vector(void* data, DType dtype, int64_t n) { return Tensor{data, dtype, n, 1, 1}; }
+
+  int64_t elements() const { return rows * cols; }
+  int64_t element_bytes() const { return int64_t(dtype_bytes(dtype, 1)); }
+  // True when the elements are one run of memory (vectors must be).
+  bool contiguous() const { return rows <= 1 || row_stride == cols; }
+  // Rows [first, first + count).
+  Tensor slice_rows(int64_t first, int64_t count) const {
+    return Tensor{static_cast<uint8_t*>(data) + first * row_stride * element_bytes(), dtype, count, cols, row_stride};
+  }
+  // Columns [first, first + count) of every row (q, k or v inside a fused qkv buffer; one head).
+  Tensor slice_cols(int64_t first, int64_t count) const {
+    return Tensor{static_cast<uint8_t*>(data) + first * element_bytes(), dtype, rows, count, row_stride};
+  }
+};
+
+// The paged KV cache as kernels see it: the base of the KV pages and their layout (see KVPageLayout).
+struct KVCacheView {
+  void* pages = nullptr;      // page 0; page p starts p * layout.page_elements() elements later
+  DType dtype = DType::BF16;  // element type of K and V (the CPU stores F32, BF16 or F16)
+  KVPageLayout layout;
+  int64_t num_pages = 0;
+};
+
+// The sequences of one attention call. Sequence s owns the query rows [query_starts[s], query_starts[s+1])
+// and n_s = query_starts[s+1] - query_starts[s] of them. Its queries are the LAST n_s tokens of its context:
+// query j (0-based) sits at cache index context_lens[s] - n_s + j and attends causally to cache indices
+// 0 .. that index. So one call mixes chunked prefill (n_s > 1, earlier chunks already cached) and decode
+// (n_s = 1). Their K/V must already be written (kv_write) before attention runs.
+struct AttentionBatch {
+  Tensor query_starts;      // I32 vector [seqs + 1]; query_starts[0] = 0, last = query tokens
+  Tensor context_lens;      // I32 vector [seqs]: cached tokens of each sequence, this step's included
+  Tensor block_tables;      // I32 [seqs, max_pages_per_seq]: row s lists sequence s's pages in order
+  int64_t max_context = 0;  // >= every context_lens[s] (lets a GPU size its work without reading them)
+};
+
+// Every op of the interface, for supports() and for messages.
+enum class Op {
+  gather_rows, rms_norm, add_rms_norm, rope, linear, silu_mul, add, copy, kv_write, attention,
+};
+const char* op_name(Op op);
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // ---- identity and capabilities ---------------------------------------------------------------------
+  virtual BackendKind kind() const = 0;
+  virtual std::string name() const = 0;  // for logs: "cpu (8 threads)"
+  // The dtype of every activation tensor the ops read and write (F32 on the CPU).
+  virtual DType activation_dtype() const = 0;
+  // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows), the weight
+  // (rms_norm, add_rms_norm, linear), the K/V element (kv_write, attention), the destination (copy); for
+  // the others (rope, silu_mul, add) the activation dtype.
+  virtual bool supports(Op op, DType dtype) const = 0;
+
+  // ---- memory movement ---------------------------------------------------------------------------------
+  // dst <- src, where src holds dst.rows x dst.cols elements of dst.dtype, row after row, on the host.
+  Status copy_from_host(const void* src, const Tensor& dst);
+  // dst (host, dense rows) <- src.
+  Status copy_to_host(const Tensor& src, void* dst);
+  // Waits for queued work; reports the first error a queued op met.
+  Status synchronize();
+
+  // ---- ops -------------------------------------------------------------------------------------------
+  // out[t, :] = table[ids[t], :], converted to the activation dtype. Embedding lookup (table
+  // [vocab, hidden], BF16/F16/F32) and row selection (e.g. the last token of each sequence before the
+  // lm_head). table [V, H]; ids I32 vector [T], each in [0, V); out [T, H].
+  Status gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out);
+
+  // RMSNorm in groups: each row of x is split into x.cols / W groups of W = weight's length, and each group
+  // is normalised on its own: out = weight * (x * rsqrt(mean(x^2) + eps)), in fp32 (LlamaRMSNorm).
+  // W = x.cols is the layer norm; W = head_dim is Qwen3's per-head q_norm / k_norm over [T, heads * D].
+  // x, out [T, C]; weight vector [W], C % W == 0. out may be x.
+  Status rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out);
+
+  // The pre-norm residual step fused: residual += x; out = rms_norm(residual) (weight over the whole row).
+  // This is transformers' `hidden = residual + hidden; residual = hidden; hidden = norm(hidden)`.
+  // x, residual, out [T, H]; weight vector [H]. out may be x, never residual.
+  Status add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                      const Tensor& out);
+
+  // Rotary embedding in place, rotate_half convention (Llama/Qwen; not GPT-J's interleaved pairs): for each
+  // head and each frequency i < R/2, with a = x[i], b = x[i + R/2], c = cos[t, i], s = sin[t, i]:
+  //   x[i] = a*c - b*s;  x[i + R/2] = b*c + a*s      (x*cos + rotate_half(x)*sin, since emb = cat(f, f))
+  // Dimensions R .. head_dim-1 are left alone (partial rotary). Build cos/sin with rope_tables().
+  // x [T, heads * head_dim]; cos, sin F32 [T, R/2] with R <= head_dim.
+  Status rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim);
+
+  // out = x @ weight^T (+ bias): nn.Linear. x [T, K]; weight [N, K] (BF16/F16/F32); bias vector [N] or
+  // none (bias.data == nullptr); out [T, N]. out must not overlap x.
+  Status linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out);
+
+  // SwiGLU's gate: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). gate, up, out [T, I] (gate and up
+  // may be the two halves of one fused gate_up buffer). out may be gate or up.
+  Status silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out);
+
+  // out = a + b. a, b, out [T, H]. out may be a or b.
+  Status add(const Tensor& a, const Tensor& b, const Tensor& out);
+
+  // dst = src, converting between F32, BF16 and F16 (round to nearest even). Same shape; no overlap.
+  Status copy(const Tensor& src, const Tensor& dst);
+
+  // Stores layer `layer`'s K and V rows of T tokens into the KV pages. slots I32 vector [T]: token t goes
+  // to page slots[t] / page_tokens at offset slots[t] % page_tokens; a negative slot skips the token
+  // (padding). k, v [T, kv_heads * head_dim]. Converted to cache.dtype (round to nearest even).
+  Status kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots);
+
+  // Causal paged attention for a batch of sequences (see AttentionBatch), grouped-query: query head h reads
+  // KV head h / (heads / kv_heads). Per query head: softmax(scale * q.K^T) @ V over its visible tokens,
+  // in fp32 with the running maximum subtracted; no [T, context] matrix is formed.
+  // q, out [T, heads * head_dim] with head_dim = cache.layout.head_dim; scale usually 1/sqrt(head_dim).
+  Status attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                   float scale, const Tensor& out);
+
+ protected:
+  // The backend's work, called after the shared validation above has passed. They may throw kvlite::Error
+  // (detail::fail) for what only they can check (e.g. values of index vectors on the CPU).
+  virtual void impl_copy_from_host(const void* src, const Tensor& dst) = 0;
+  virtual void impl_copy_to_host(const Tensor& src, void* dst) = 0;
+  virtual void impl_synchronize() = 0;
+  virtual void impl_gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) = 0;
+  virtual void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) = 0;
+  virtual void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                                 const Tensor& out) = 0;
+  virtual void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) = 0;
+  virtual void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) = 0;
+  virtual void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
+  virtual void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  virtual void impl_copy(const Tensor& src, const Tensor& dst) = 0;
+  virtual void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                             const Tensor& slots) = 0;
+  virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
+                              const AttentionBatch& batch, float scale, const Tensor& out) = 0;
+};
+
+// ---- the CPU backend ------------------------------------------------------------------------------------
+struct CpuBackendOptions {
+  int threads = 0;             // worker threads, the caller included; 0: one per hardware thread
+  int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
+};
+// Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
+// element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
+Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options = {});
+
+// ---- rotary tables (host helpers, shared by every backend) ----------------------------------------------
+// inv_freq[i], i < rotary_dim / 2, exactly as transformers' rope init computes it in float32:
+// "default": 1 / theta^(2i / rotary_dim); "llama3": then rescaled by wavelength band
+// (_compute_llama3_parameters in modeling_rope_utils.py). Other types are unsupported.
+Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim);
+
+// cos/sin tables [tokens, half] for rope(), half = inv_freq.size(): angle = float(inv_freq[i] * position)
+// in float32 as transformers forms it, then its cos and sin.
+// positions I32 [position_rows, tokens] (transformers' position_ids layout): 1 row for plain RoPE; 3 rows
+// (t, h, w) for Qwen3-VL's interleaved M-RoPE, where frequency i takes row h when i % 3 == 1 and
+// i < 3 * mrope_section[1], row w when i % 3 == 2 and i < 3 * mrope_section[2], else row t.
+// cos, sin: host arrays of tokens * half floats.
+Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
+                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin);
+
+}  // namespace kvlite

@@ -1,0 +1,421 @@
+// backend: the validation every backend shares, and the rotary-table helpers.
+#include <cmath>
+
+namespace kvlite {
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::gather_rows: return "gather_rows";
+    case Op::rms_norm: return "rms_norm";
+    case Op::add_rms_norm: return "add_rms_norm";
+    case Op::rope: return "rope";
+    case Op::linear: return "linear";
+    case Op::silu_mul: return "silu_mul";
+    case Op::add: return "add";
+    case Op::copy: return "copy";
+    case Op::kv_write: return "kv_write";
+    case Op::attention: return "attention";
+  }
+  return "?";
+}
+
+namespace detail {
+
+// "[3, 64] F32" (plus the stride when rows are not packed).
+inline std::string describe(const Tensor& t) {
+  std::string text = format("[%lld, %lld] %s", (long long)t.rows, (long long)t.cols, dtype_name(t.dtype));
+  if (t.rows > 1 && t.row_stride != t.cols) text += format(" (row stride %lld)", (long long)t.row_stride);
+  return text;
+}
+
+// Checks what every tensor argument must satisfy; `op` and `name` make the message.
+inline void check_view(const char* op, const char* name, const Tensor& t) {
+  if (t.rows < 0 || t.cols < 0)
+    fail(ErrorCode::invalid_argument, format("%s: %s has a negative shape %s", op, name, describe(t).c_str()));
+  if (dtype_bits(t.dtype) < 8)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s has dtype %s, which packs several elements per byte; views need whole-byte elements",
+                op, name, dtype_name(t.dtype)));
+  if (t.rows > 1 && t.row_stride < t.cols)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s with row stride %lld, smaller than its %lld columns (rows would overlap)", op, name,
+                describe(t).c_str(), (long long)t.row_stride, (long long)t.cols));
+  if (t.elements() > 0 && t.data == nullptr)
+    fail(ErrorCode::invalid_argument, format("%s: %s is %s but its data pointer is null", op, name, describe(t).c_str()));
+}
+
+inline void check_dtype(const char* op, const char* name, const Tensor& t, DType dtype) {
+  check_view(op, name, t);
+  if (t.dtype != dtype)
+    fail(ErrorCode::invalid_argument, format("%s: %s is %s; it must be %s", op, name, describe(t).c_str(), dtype_name(dtype)));
+}
+
+inline void check_shape(const char* op, const char* name, const Tensor& t, int64_t rows, int64_t cols) {
+  if (t.rows != rows || t.cols != cols)
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s; it must be [%lld, %lld]", op, name, describe(t).c_str(), (long long)rows, (long long)cols));
+}
+
+// A contiguous vector of n elements of `dtype`, [1, n] or [n, 1].
+inline void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, DType dtype) {
+  check_dtype(op, name, t, dtype);
+  if ((t.rows != 1 && t.cols != 1) || t.elements() != n || !t.contiguous())
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s is %s; it must be a contiguous vector of %lld elements ([1, %lld] or [%lld, 1])", op, name,
+                describe(t).c_str(), (long long)n, (long long)n, (long long)n));
+}
+
+inline void check_supported(const Backend& backend, Op op, DType dtype, const char* operand) {
+  if (!backend.supports(op, dtype))
+    fail(ErrorCode::unsupported, format("%s: the %s backend does not support %s %s", op_name(op),
+                                        backend.name().c_str(), operand, dtype_name(dtype)));
+}
+
+// Two views overlap when their byte ranges intersect (a conservative test on the spans).
+inline bool views_overlap(const Tensor& a, const Tensor& b) {
+  if (a.elements() == 0 || b.elements() == 0) return false;
+  auto span = [](const Tensor& t) {
+    const uint8_t* begin = static_cast<const uint8_t*>(t.data);
+    return std::make_pair(begin, begin + ((t.rows - 1) * t.row_stride + t.cols) * t.element_bytes());
+  };
+  auto sa = span(a), sb = span(b);
+  return sa.first < sb.second && sb.first < sa.second;
+}
+
+inline bool same_view(const Tensor& a, const Tensor& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.rows == b.rows && a.cols == b.cols &&
+         (a.rows <= 1 || a.row_stride == b.row_stride);
+}
+
+// `out` may be `input` itself, never a partial overlap of it.
+inline void check_alias(const char* op, const char* out_name, const Tensor& out, const char* in_name,
+                        const Tensor& in, bool may_be_same) {
+  if (views_overlap(out, in) && !(may_be_same && same_view(out, in)))
+    fail(ErrorCode::invalid_argument,
+         format("%s: %s overlaps %s; %s", op, out_name, in_name,
+                may_be_same ? "it may be the same view or a separate buffer" : "it must be a separate buffer"));
+}
+
+inline void check_kv_cache(const char* op, const KVCacheView& cache, int64_t layer) {
+  const KVPageLayout& l = cache.layout;
+  if (l.layers <= 0 || l.page_tokens <= 0 || l.kv_heads <= 0 || l.head_dim <= 0 || cache.num_pages <= 0)
+    fail(ErrorCode::invalid_argument,
+         format("%s: the KV cache layout is empty or negative (layers %lld, page_tokens %lld, kv_heads %lld, "
+                "head_dim %lld, pages %lld)", op, (long long)l.layers, (long long)l.page_tokens,
+                (long long)l.kv_heads, (long long)l.head_dim, (long long)cache.num_pages));
+  if (cache.pages == nullptr) fail(ErrorCode::invalid_argument, format("%s: the KV cache's pages pointer is null", op));
+  if (layer < 0 || layer >= l.layers)
+    fail(ErrorCode::invalid_argument,
+         format("%s: layer %lld is outside the KV cache's %lld layers", op, (long long)layer, (long long)l.layers));
+}
+
+}  // namespace detail
+
+Status Backend::copy_from_host(const void* src, const Tensor& dst) {
+  return detail::guard([&] {
+    detail::check_view("copy_from_host", "dst", dst);
+    if (dst.elements() > 0 && src == nullptr)
+      detail::fail(ErrorCode::invalid_argument, "copy_from_host: the host source pointer is null");
+    impl_copy_from_host(src, dst);
+  });
+}
+
+Status Backend::copy_to_host(const Tensor& src, void* dst) {
+  return detail::guard([&] {
+    detail::check_view("copy_to_host", "src", src);
+    if (src.elements() > 0 && dst == nullptr)
+      detail::fail(ErrorCode::invalid_argument, "copy_to_host: the host destination pointer is null");
+    impl_copy_to_host(src, dst);
+  });
+}
+
+Status Backend::synchronize() {
+  return detail::guard([&] { impl_synchronize(); });
+}
+
+Status Backend::gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "gather_rows";
+    detail::check_view(op, "table", table);
+    detail::check_supported(*this, Op::gather_rows, table.dtype, "table dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_vector(op, "ids", ids, ids.elements(), DType::I32);
+    detail::check_shape(op, "out", out, ids.elements(), table.cols);
+    detail::check_alias(op, "out", out, "table", table, false);
+    impl_gather_rows(table, ids, out);
+  });
+}
+
+Status Backend::rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "rms_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::rms_norm, weight.dtype, "weight dtype");
+    int64_t group = weight.elements();
+    detail::check_vector(op, "weight", weight, group, weight.dtype);
+    if (group == 0 || x.cols % group != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rms_norm: x is %s but weight has %lld elements; x's columns must be a multiple "
+                                  "of the weight's length (the row, or head_dim for per-head norms)",
+                                  detail::describe(x).c_str(), (long long)group));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (!(eps >= 0.0f)) detail::fail(ErrorCode::invalid_argument, detail::format("rms_norm: eps %g must be >= 0", eps));
+    impl_rms_norm(x, weight, eps, out);
+  });
+}
+
+Status Backend::add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                             const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "add_rms_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_dtype(op, "residual", residual, activation_dtype());
+    detail::check_shape(op, "residual", residual, x.rows, x.cols);
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::add_rms_norm, weight.dtype, "weight dtype");
+    detail::check_vector(op, "weight", weight, x.cols, weight.dtype);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "residual", residual, "x", x, false);
+    detail::check_alias(op, "out", out, "x", x, true);
+    detail::check_alias(op, "out", out, "residual", residual, false);
+    if (!(eps >= 0.0f))
+      detail::fail(ErrorCode::invalid_argument, detail::format("add_rms_norm: eps %g must be >= 0", eps));
+    impl_add_rms_norm(x, residual, weight, eps, out);
+  });
+}
+
+Status Backend::rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) {
+  return detail::guard([&] {
+    const char* op = "rope";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_supported(*this, Op::rope, x.dtype, "x dtype");
+    detail::check_dtype(op, "cos", cos, DType::F32);
+    detail::check_dtype(op, "sin", sin, DType::F32);
+    if (head_dim <= 0 || x.cols % head_dim != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope: x is %s, not a whole number of heads of head_dim %lld",
+                                  detail::describe(x).c_str(), (long long)head_dim));
+    if (cos.cols == 0 || 2 * cos.cols > head_dim)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope: cos is %s; it needs 1 .. head_dim/2 = %lld columns (one per frequency)",
+                                  detail::describe(cos).c_str(), (long long)(head_dim / 2)));
+    detail::check_shape(op, "cos", cos, x.rows, cos.cols);
+    detail::check_shape(op, "sin", sin, x.rows, cos.cols);
+    impl_rope(x, cos, sin, head_dim);
+  });
+}
+
+Status Backend::linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "linear";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::linear, weight.dtype, "weight dtype");
+    if (weight.cols != x.cols)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("linear: weight is %s but x is %s; weight must be [out_features, in_features] "
+                                  "with in_features = x's %lld columns",
+                                  detail::describe(weight).c_str(), detail::describe(x).c_str(), (long long)x.cols));
+    if (bias.data != nullptr) {
+      detail::check_view(op, "bias", bias);
+      detail::check_supported(*this, Op::linear, bias.dtype, "bias dtype");
+      detail::check_vector(op, "bias", bias, weight.rows, bias.dtype);
+    }
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, weight.rows);
+    detail::check_alias(op, "out", out, "x", x, false);
+    detail::check_alias(op, "out", out, "weight", weight, false);
+    impl_linear(x, weight, bias, out);
+  });
+}
+
+Status Backend::silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "silu_mul";
+    detail::check_dtype(op, "gate", gate, activation_dtype());
+    detail::check_supported(*this, Op::silu_mul, gate.dtype, "activation dtype");
+    detail::check_dtype(op, "up", up, activation_dtype());
+    detail::check_shape(op, "up", up, gate.rows, gate.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, gate.rows, gate.cols);
+    detail::check_alias(op, "out", out, "gate", gate, true);
+    detail::check_alias(op, "out", out, "up", up, true);
+    impl_silu_mul(gate, up, out);
+  });
+}
+
+Status Backend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "add";
+    detail::check_dtype(op, "a", a, activation_dtype());
+    detail::check_supported(*this, Op::add, a.dtype, "activation dtype");
+    detail::check_dtype(op, "b", b, activation_dtype());
+    detail::check_shape(op, "b", b, a.rows, a.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, a.rows, a.cols);
+    detail::check_alias(op, "out", out, "a", a, true);
+    detail::check_alias(op, "out", out, "b", b, true);
+    impl_add(a, b, out);
+  });
+}
+
+Status Backend::copy(const Tensor& src, const Tensor& dst) {
+  return detail::guard([&] {
+    const char* op = "copy";
+    detail::check_view(op, "src", src);
+    detail::check_view(op, "dst", dst);
+    detail::check_supported(*this, Op::copy, src.dtype, "source dtype");
+    detail::check_supported(*this, Op::copy, dst.dtype, "destination dtype");
+    detail::check_shape(op, "dst", dst, src.rows, src.cols);
+    detail::check_alias(op, "dst", dst, "src", src, false);
+    impl_copy(src, dst);
+  });
+}
+
+Status Backend::kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                         const Tensor& slots) {
+  return detail::guard([&] {
+    const char* op = "kv_write";
+    detail::check_kv_cache(op, cache, layer);
+    detail::check_supported(*this, Op::kv_write, cache.dtype, "KV dtype");
+    int64_t width = cache.layout.kv_heads * cache.layout.head_dim;
+    detail::check_dtype(op, "k", k, activation_dtype());
+    detail::check_dtype(op, "v", v, activation_dtype());
+    detail::check_shape(op, "k", k, k.rows, width);
+    detail::check_shape(op, "v", v, k.rows, width);
+    detail::check_vector(op, "slots", slots, k.rows, DType::I32);
+    impl_kv_write(cache, layer, k, v, slots);
+  });
+}
+
+Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                          float scale, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "attention";
+    detail::check_kv_cache(op, cache, layer);
+    detail::check_supported(*this, Op::attention, cache.dtype, "KV dtype");
+    const int64_t head_dim = cache.layout.head_dim, kv_heads = cache.layout.kv_heads;
+    detail::check_dtype(op, "q", q, activation_dtype());
+    if (q.cols % head_dim != 0 || (q.cols / head_dim) % kv_heads != 0 || q.cols == 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: q is %s; it must hold heads x head_dim %lld columns with heads a "
+                                  "positive multiple of the cache's %lld KV heads",
+                                  detail::describe(q).c_str(), (long long)head_dim, (long long)kv_heads));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, q.rows, q.cols);
+    detail::check_alias(op, "out", out, "q", q, false);
+    int64_t seqs = batch.context_lens.elements();
+    detail::check_vector(op, "context_lens", batch.context_lens, seqs, DType::I32);
+    detail::check_vector(op, "query_starts", batch.query_starts, seqs + 1, DType::I32);
+    detail::check_dtype(op, "block_tables", batch.block_tables, DType::I32);
+    if (batch.block_tables.rows != seqs)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: block_tables is %s but there are %lld sequences (context_lens); it "
+                                  "needs one row per sequence", detail::describe(batch.block_tables).c_str(),
+                                  (long long)seqs));
+    if (batch.max_context < 0 || batch.max_context > batch.block_tables.cols * cache.layout.page_tokens)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: max_context %lld is negative or more than block_tables' %lld pages "
+                                  "of %lld tokens hold", (long long)batch.max_context,
+                                  (long long)batch.block_tables.cols, (long long)cache.layout.page_tokens));
+    if (!(scale > 0.0f) || !std::isfinite(scale))
+      detail::fail(ErrorCode::invalid_argument, detail::format("attention: scale %g must be positive and finite", scale));
+    impl_attention(q, cache, layer, batch, scale, out);
+  });
+}
+
+// ---- rotary tables ----------------------------------------------------------------------------------------
+
+Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim) {
+  return detail::guard([&]() -> std::vector<float> {
+    if (rotary_dim <= 0 || rotary_dim % 2 != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_inv_freq: rotary_dim %lld must be positive and even", (long long)rotary_dim));
+    if (!(rope.theta > 0))
+      detail::fail(ErrorCode::invalid_argument, detail::format("rope_inv_freq: rope_theta %g must be positive", rope.theta));
+    if (rope.type != "default" && rope.type != "llama3")
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("rope_inv_freq: rope type '%s' is not supported (kvlite runs 'default' and 'llama3')",
+                                  rope.type.c_str()));
+    // Each step is one float32 operation, in transformers' order, so the values match torch's:
+    //   inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    // The power is taken in double and rounded once (torch's float pow is within an ulp of that).
+    const int64_t half = rotary_dim / 2;
+    const float base = float(rope.theta);
+    std::vector<float> inv_freq(static_cast<size_t>(half));
+    for (int64_t i = 0; i < half; i++) {
+      float exponent = float(2 * i) / float(rotary_dim);
+      float power = float(std::pow(double(base), double(exponent)));
+      inv_freq[size_t(i)] = 1.0f / power;
+    }
+    if (rope.type == "default") return inv_freq;
+
+    if (!(rope.factor > 0) || !(rope.high_freq_factor > rope.low_freq_factor) || rope.low_freq_factor <= 0 ||
+        rope.original_max_position_embeddings <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_inv_freq: llama3 scaling needs factor > 0, 0 < low_freq_factor < "
+                                  "high_freq_factor and original_max_position_embeddings > 0 (got %g, %g, %g, %lld)",
+                                  rope.factor, rope.low_freq_factor, rope.high_freq_factor,
+                                  (long long)rope.original_max_position_embeddings));
+    // _compute_llama3_parameters. A Python scalar meeting a float32 tensor becomes a float32 operand, and
+    // `scalar / tensor` is tensor.reciprocal() * scalar, hence the reciprocals below.
+    const float factor = float(rope.factor), low = float(rope.low_freq_factor);
+    const double old_context = double(rope.original_max_position_embeddings);
+    const float low_freq_wavelen = float(old_context / rope.low_freq_factor);
+    const float high_freq_wavelen = float(old_context / rope.high_freq_factor);
+    const float two_pi = float(6.283185307179586);  // 2 * math.pi
+    const float band = float(rope.high_freq_factor - rope.low_freq_factor);
+    for (float& f : inv_freq) {
+      float wavelen = (1.0f / f) * two_pi;
+      // wavelen < high_freq_wavelen: unchanged; wavelen > low_freq_wavelen: divided by factor
+      float scaled = wavelen > low_freq_wavelen ? f / factor : f;
+      bool medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+      if (medium) {
+        // smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        float smooth = ((1.0f / wavelen) * float(old_context) - low) / band;
+        // (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = (1.0f - smooth) * scaled / factor + smooth * scaled;
+      }
+      f = scaled;
+    }
+    return inv_freq;
+  });
+}
+
+Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
+                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin) {
+  return detail::guard([&] {
+    const int64_t half = int64_t(inv_freq.size());
+    if (position_rows != 1 && position_rows != 3)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_tables: %lld position rows; use 1 (RoPE) or 3 (t, h, w: M-RoPE)",
+                                  (long long)position_rows));
+    if (position_rows == 3 && mrope_section.size() != 3)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_tables: 3 position rows need a 3-entry mrope_section (t, h, w), got %zu entries",
+                                  mrope_section.size()));
+    if (tokens < 0 || (tokens > 0 && (positions == nullptr || cos == nullptr || sin == nullptr)))
+      detail::fail(ErrorCode::invalid_argument, "rope_tables: null positions or tables, or negative tokens");
+    for (int64_t t = 0; t < tokens; t++) {
+      for (int64_t i = 0; i < half; i++) {
+        // Qwen3-VL's apply_interleaved_mrope: h overwrites slots 1, 4, 7, ... below 3 * section[1],
+        // w overwrites 2, 5, 8, ... below 3 * section[2]; the rest keep t.
+        int64_t row = 0;
+        if (position_rows == 3) {
+          if (i % 3 == 1 && i < 3 * int64_t(mrope_section[1])) row = 1;
+          else if (i % 3 == 2 && i < 3 * int64_t(mrope_section[2])) row = 2;
+        }
+        // freqs = inv_freq @ position_ids.float(): one float32 product
+        float angle = inv_freq[size_t(i)] * float(positions[row * tokens + t]);
+        cos[t * half + i] = float(std::cos(double(angle)));
+        sin[t * half + i] = float(std::sin(double(angle)));
+      }
+    }
+  });
+}
+
+}  // namespace kvlite

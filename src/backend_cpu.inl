@@ -1,0 +1,520 @@
+// backend_cpu: the reference implementation of Backend, on host memory with a fixed pool of threads.
+//
+// Determinism: every output element is computed by exactly one thread, by the same code in the same order
+// whichever thread it is and however many there are (work is split into items at fixed boundaries and the
+// items' results never depend on each other), so results are identical for any thread count.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+namespace kvlite {
+namespace detail {
+
+// ---- a fixed pool of threads ------------------------------------------------------------------------------
+// run(items, body) calls body(item, worker) once for every item in [0, items), spread over the pool; the
+// caller is worker 0 and works too. Items are handed out one at a time (an atomic counter), which balances
+// load without affecting results. No allocation per run: the body is passed as a pointer to the caller's
+// callable. Bodies must not throw (ops validate everything before they run).
+class ThreadPool {
+ public:
+  explicit ThreadPool(int threads) {
+    workers_.reserve(size_t(std::max(threads - 1, 0)));
+    try {
+      for (int worker = 1; worker < threads; worker++) workers_.emplace_back([this, worker] { worker_loop(worker); });
+    } catch (...) {  // the system refused a thread: stop the ones started (no destructor runs for us)
+      stop_and_join();
+      throw;
+    }
+  }
+  ~ThreadPool() { stop_and_join(); }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int threads() const { return int(workers_.size()) + 1; }
+
+  template <class Body>
+  void run(int64_t items, Body& body) {
+    if (items <= 0) return;
+    if (workers_.empty() || items == 1) {  // not worth waking anyone
+      for (int64_t item = 0; item < items; item++) body(item, 0);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      call_ = [](void* callable, int64_t item, int worker) { (*static_cast<Body*>(callable))(item, worker); };
+      body_ = &body;
+      items_ = items;
+      next_.store(0);
+      busy_ = int(workers_.size());
+      generation_++;
+    }
+    start_.notify_all();
+    work(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return busy_ == 0; });
+  }
+
+ private:
+  void stop_and_join() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    start_.notify_all();
+    for (auto& thread : workers_) thread.join();
+  }
+  void work(int worker) {
+    for (int64_t item = next_.fetch_add(1); item < items_; item = next_.fetch_add(1)) call_(body_, item, worker);
+  }
+  void worker_loop(int worker) {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      work(worker);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--busy_ == 0) done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable start_, done_;
+  uint64_t generation_ = 0;  // bumped once per run; workers wake on a change
+  bool stop_ = false;
+  int busy_ = 0;             // workers that have not finished the current run
+  void (*call_)(void*, int64_t, int) = nullptr;
+  void* body_ = nullptr;
+  int64_t items_ = 0;
+  std::atomic<int64_t> next_{0};  // the next item to hand out
+};
+
+// ---- element types ----------------------------------------------------------------------------------------
+// Storage types for the 16-bit floats, so templates can tell them apart.
+struct Bf16 { uint16_t bits; };
+struct Half { uint16_t bits; };
+inline float to_float(float v) { return v; }
+inline float to_float(Bf16 v) { return bf16_to_float(v.bits); }
+inline float to_float(Half v) { return f16_to_float(v.bits); }
+template <class T> T from_float(float v);
+template <> inline float from_float<float>(float v) { return v; }
+template <> inline Bf16 from_float<Bf16>(float v) { return Bf16{float_to_bf16(v)}; }
+template <> inline Half from_float<Half>(float v) { return Half{float_to_f16(v)}; }
+
+inline bool is_cpu_float(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16; }
+
+// Calls f(T{}) with T the storage type of `dtype` (F32, BF16 or F16; supports() guarantees one of them).
+template <class F>
+void with_float_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F32: f(float{}); return;
+    case DType::BF16: f(Bf16{}); return;
+    case DType::F16: f(Half{}); return;
+    default: fail(ErrorCode::internal, format("CPU backend: no float storage for %s", dtype_name(dtype)));
+  }
+}
+
+template <class T>
+T* row_of(const Tensor& t, int64_t row) {
+  return static_cast<T*>(t.data) + row * t.row_stride;
+}
+inline uint8_t* row_bytes_of(const Tensor& t, int64_t row) {
+  return static_cast<uint8_t*>(t.data) + row * t.row_stride * t.element_bytes();
+}
+inline const int32_t* ints(const Tensor& t) { return static_cast<const int32_t*>(t.data); }
+
+// ---- dot products -----------------------------------------------------------------------------------------
+// Every dot product keeps kLanes partial sums (element k goes to lane k % kLanes) over the largest multiple
+// of kLanes, reduces them in a fixed tree, then adds the tail in order. Fixed, so results do not depend on
+// which tile or thread computes them; several sums, so the compiler can vectorise without reassociating.
+constexpr int kLanes = 8;
+inline float reduce_lanes(const float* acc) {
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {};
+  const int64_t main = n - n % kLanes;
+  for (int64_t k = 0; k < main; k += kLanes)
+    for (int l = 0; l < kLanes; l++) acc[l] += a[k + l] * b[k + l];
+  float sum = reduce_lanes(acc);
+  for (int64_t k = main; k < n; k++) sum += a[k] * b[k];
+  return sum;
+}
+
+// out[i][j] = x row i . w row j for a TOKENS x ROWS tile, each weight element converted once per tile.
+template <int TOKENS, int ROWS, class W>
+inline void linear_tile(const float* x, int64_t x_stride, const W* w, int64_t w_stride, int64_t k_size,
+                        float (&out)[TOKENS][ROWS]) {
+  float acc[TOKENS][ROWS][kLanes] = {};
+  const int64_t main = k_size - k_size % kLanes;
+  for (int64_t k = 0; k < main; k += kLanes) {
+    float wk[ROWS][kLanes];
+    for (int j = 0; j < ROWS; j++)
+      for (int l = 0; l < kLanes; l++) wk[j][l] = to_float(w[j * w_stride + k + l]);
+    for (int i = 0; i < TOKENS; i++)
+      for (int j = 0; j < ROWS; j++)
+        for (int l = 0; l < kLanes; l++) acc[i][j][l] += x[i * x_stride + k + l] * wk[j][l];
+  }
+  for (int i = 0; i < TOKENS; i++)
+    for (int j = 0; j < ROWS; j++) {
+      float sum = reduce_lanes(acc[i][j]);
+      for (int64_t k = main; k < k_size; k++) sum += x[i * x_stride + k] * to_float(w[j * w_stride + k]);
+      out[i][j] = sum;
+    }
+}
+
+// ---- the backend ------------------------------------------------------------------------------------------
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const CpuBackendOptions& options)
+      : max_head_dim_(options.max_head_dim),
+        // whole 64-byte lines per thread, so two threads never write the same cache line
+        scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
+        pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
+    scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
+  }
+
+  BackendKind kind() const override { return BackendKind::cpu; }
+  std::string name() const override {
+    return format("cpu (%d thread%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s");
+  }
+  DType activation_dtype() const override { return DType::F32; }
+  bool supports(Op op, DType dtype) const override {
+    switch (op) {
+      case Op::rope: case Op::silu_mul: case Op::add: return dtype == DType::F32;
+      case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
+      case Op::kv_write: case Op::attention: return is_cpu_float(dtype);
+    }
+    return false;
+  }
+
+ protected:
+  void impl_copy_from_host(const void* src, const Tensor& dst) override {
+    const int64_t row_bytes = dst.cols * dst.element_bytes();
+    for (int64_t r = 0; r < dst.rows; r++)
+      memcpy(row_bytes_of(dst, r), static_cast<const uint8_t*>(src) + r * row_bytes, size_t(row_bytes));
+  }
+  void impl_copy_to_host(const Tensor& src, void* dst) override {
+    const int64_t row_bytes = src.cols * src.element_bytes();
+    for (int64_t r = 0; r < src.rows; r++)
+      memcpy(static_cast<uint8_t*>(dst) + r * row_bytes, row_bytes_of(src, r), size_t(row_bytes));
+  }
+  void impl_synchronize() override {}  // every op has finished when it returns
+
+  void impl_gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) override {
+    const int32_t* id = ints(ids);
+    for (int64_t t = 0; t < out.rows; t++)
+      if (id[t] < 0 || id[t] >= table.rows)
+        fail(ErrorCode::invalid_argument, format("gather_rows: ids[%lld] = %d is outside the table's %lld rows",
+                                                 (long long)t, id[t], (long long)table.rows));
+    with_float_type(table.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      auto body = [&](int64_t t, int) {
+        const T* src = row_of<const T>(table, id[t]);
+        float* dst = row_of<float>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = to_float(src[c]);
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      const W* w = static_cast<const W*>(weight.data);
+      const int64_t group = weight.elements();
+      auto body = [&](int64_t t, int) {
+        const float* in = row_of<const float>(x, t);
+        float* dst = row_of<float>(out, t);
+        for (int64_t g = 0; g < x.cols; g += group) normalize(in + g, w, group, eps, dst + g);
+      };
+      pool_.run(x.rows, body);
+    });
+  }
+
+  void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                         const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      const W* w = static_cast<const W*>(weight.data);
+      auto body = [&](int64_t t, int) {
+        const float* in = row_of<const float>(x, t);
+        float* res = row_of<float>(residual, t);
+        for (int64_t c = 0; c < x.cols; c++) res[c] = res[c] + in[c];  // hidden = residual + hidden
+        normalize(res, w, x.cols, eps, row_of<float>(out, t));
+      };
+      pool_.run(x.rows, body);
+    });
+  }
+
+  void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) override {
+    const int64_t half = cos.cols, heads = x.cols / head_dim;
+    auto body = [&](int64_t t, int) {
+      const float* c = row_of<const float>(cos, t);
+      const float* s = row_of<const float>(sin, t);
+      for (int64_t h = 0; h < heads; h++) {
+        float* v = row_of<float>(x, t) + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+          const float a = v[i], b = v[i + half];
+          // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1)
+          v[i] = a * c[i] - b * s[i];
+          v[i + half] = b * c[i] + a * s[i];
+        }
+      }
+    };
+    pool_.run(x.rows, body);
+  }
+
+  void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      // Work items are blocks of kTokenBlock tokens x kRowBlock weight rows; inside one, tiles of kTileTokens
+      // x kTileRows reuse each converted weight element kTileTokens times. Block edges are multiples of the
+      // tile sizes, so which tile shape computes an output depends only on its position.
+      const int64_t T = x.rows, N = weight.rows, K = x.cols;
+      const int64_t token_blocks = int64_t(ceil_div(uint64_t(T), kTokenBlock));
+      const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), kRowBlock));
+      auto body = [&](int64_t item, int) {
+        const int64_t t0 = (item / row_blocks) * kTokenBlock, n0 = (item % row_blocks) * kRowBlock;
+        const int64_t t1 = std::min<int64_t>(t0 + kTokenBlock, T), n1 = std::min<int64_t>(n0 + kRowBlock, N);
+        int64_t t = t0;
+        for (; t + kTileTokens <= t1; t += kTileTokens) linear_rows<kTileTokens, W>(x, weight, out, t, n0, n1, K);
+        for (; t < t1; t++) linear_rows<1, W>(x, weight, out, t, n0, n1, K);
+      };
+      pool_.run(token_blocks * row_blocks, body);
+    });
+    if (bias.data == nullptr) return;
+    with_float_type(bias.dtype, [&](auto tag) {
+      using B = decltype(tag);
+      const B* b = static_cast<const B*>(bias.data);
+      auto body = [&](int64_t t, int) {
+        float* dst = row_of<float>(out, t);
+        for (int64_t n = 0; n < out.cols; n++) dst[n] = dst[n] + to_float(b[n]);
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) override {
+    auto body = [&](int64_t t, int) {
+      const float* g = row_of<const float>(gate, t);
+      const float* u = row_of<const float>(up, t);
+      float* dst = row_of<float>(out, t);
+      for (int64_t c = 0; c < out.cols; c++) dst[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];
+    };
+    pool_.run(out.rows, body);
+  }
+
+  void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) override {
+    auto body = [&](int64_t t, int) {
+      const float* pa = row_of<const float>(a, t);
+      const float* pb = row_of<const float>(b, t);
+      float* dst = row_of<float>(out, t);
+      for (int64_t c = 0; c < out.cols; c++) dst[c] = pa[c] + pb[c];
+    };
+    pool_.run(out.rows, body);
+  }
+
+  void impl_copy(const Tensor& src, const Tensor& dst) override {
+    with_float_type(src.dtype, [&](auto src_tag) {
+      with_float_type(dst.dtype, [&](auto dst_tag) {
+        using S = decltype(src_tag);
+        using D = decltype(dst_tag);
+        auto body = [&](int64_t r, int) {
+          const S* from = row_of<const S>(src, r);
+          D* to = row_of<D>(dst, r);
+          for (int64_t c = 0; c < src.cols; c++) to[c] = from_float<D>(to_float(from[c]));
+        };
+        pool_.run(src.rows, body);
+      });
+    });
+  }
+
+  void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                     const Tensor& slots) override {
+    const KVPageLayout& layout = cache.layout;
+    const int32_t* slot = ints(slots);
+    for (int64_t t = 0; t < k.rows; t++)
+      if (slot[t] >= 0 && slot[t] / layout.page_tokens >= cache.num_pages)
+        fail(ErrorCode::invalid_argument,
+             format("kv_write: slots[%lld] = %d is page %lld, past the cache's %lld pages of %lld tokens",
+                    (long long)t, slot[t], (long long)(slot[t] / layout.page_tokens), (long long)cache.num_pages,
+                    (long long)layout.page_tokens));
+    with_float_type(cache.dtype, [&](auto tag) {
+      using E = decltype(tag);
+      auto body = [&](int64_t t, int) {
+        if (slot[t] < 0) return;
+        const int64_t page = slot[t] / layout.page_tokens, offset = slot[t] % layout.page_tokens;
+        for (int kv = 0; kv < 2; kv++) {
+          const float* src = row_of<const float>(kv == 0 ? k : v, t);
+          // kv_heads consecutive heads of head_dim: one run of kv_heads * head_dim elements
+          E* dst = static_cast<E*>(cache.pages) + layout.offset(page, layer, kv, offset, 0);
+          for (int64_t c = 0; c < k.cols; c++) dst[c] = from_float<E>(src[c]);
+        }
+      };
+      pool_.run(k.rows, body);
+    });
+  }
+
+  void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                      float scale, const Tensor& out) override {
+    const KVPageLayout& layout = cache.layout;
+    const int64_t head_dim = layout.head_dim, kv_heads = layout.kv_heads;
+    if (head_dim > max_head_dim_)
+      fail(ErrorCode::invalid_argument,
+           format("attention: head_dim %lld is larger than the CPU backend's max_head_dim %lld; make the backend "
+                  "with CpuBackendOptions::max_head_dim >= %lld", (long long)head_dim, (long long)max_head_dim_,
+                  (long long)head_dim));
+    const int64_t seqs = batch.context_lens.elements();
+    const int32_t* starts = ints(batch.query_starts);
+    const int32_t* context = ints(batch.context_lens);
+    check_attention_batch(q, cache, batch);
+
+    with_float_type(cache.dtype, [&](auto tag) {
+      using E = decltype(tag);
+      const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
+      // Item = (query token, KV head): the KV head's rows are converted once and used by its whole group.
+      auto body = [&](int64_t item, int worker) {
+        const int64_t t = item / kv_heads, kv_head = item % kv_heads;
+        const int64_t s = int64_t(std::upper_bound(starts, starts + seqs + 1, int32_t(t)) - starts) - 1;
+        const int64_t queries = starts[s + 1] - starts[s];
+        const int64_t last = context[s] - queries + (t - starts[s]);  // the last cache index t may see
+        const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
+        float* key = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
+        float* value = key + max_head_dim_;                           // [head_dim]
+        float* acc = value + max_head_dim_;                           // [kHeadsPerPass, max_head_dim]
+        for (int64_t h0 = 0; h0 < group; h0 += kHeadsPerPass) {
+          const int64_t pass = std::min<int64_t>(kHeadsPerPass, group - h0);
+          const int64_t first_head = kv_head * group + h0;
+          float running_max[kHeadsPerPass], running_sum[kHeadsPerPass];
+          for (int64_t h = 0; h < pass; h++) {
+            running_max[h] = -INFINITY;
+            running_sum[h] = 0.0f;
+            std::fill(acc + h * max_head_dim_, acc + h * max_head_dim_ + head_dim, 0.0f);
+          }
+          for (int64_t c = 0; c <= last; c++) {
+            const int64_t page = pages[c / layout.page_tokens], offset = c % layout.page_tokens;
+            const E* k_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 0, offset, kv_head);
+            const E* v_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 1, offset, kv_head);
+            for (int64_t d = 0; d < head_dim; d++) key[d] = to_float(k_src[d]);
+            for (int64_t d = 0; d < head_dim; d++) value[d] = to_float(v_src[d]);
+            for (int64_t h = 0; h < pass; h++) {
+              const float* query = row_of<const float>(q, t) + (first_head + h) * head_dim;
+              float* a = acc + h * max_head_dim_;
+              const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+              // Online softmax: rescale what is summed only when the maximum grows.
+              if (score > running_max[h]) {
+                const float correction = std::exp(running_max[h] - score);  // exp(-inf) = 0 at the start
+                running_sum[h] *= correction;
+                for (int64_t d = 0; d < head_dim; d++) a[d] *= correction;
+                running_max[h] = score;
+              }
+              const float p = std::exp(score - running_max[h]);
+              running_sum[h] += p;
+              for (int64_t d = 0; d < head_dim; d++) a[d] += p * value[d];
+            }
+          }
+          for (int64_t h = 0; h < pass; h++) {
+            float* dst = row_of<float>(out, t) + (first_head + h) * head_dim;
+            const float* a = acc + h * max_head_dim_;
+            // a query sees at least its own token, so running_sum >= 1
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = a[d] / running_sum[h];
+          }
+        }
+      };
+      pool_.run(q.rows * kv_heads, body);
+    });
+  }
+
+ private:
+  static constexpr uint64_t kTokenBlock = 32, kRowBlock = 16;  // linear work item
+  static constexpr int kTileTokens = 4, kTileRows = 2;          // linear register tile
+  static constexpr int64_t kHeadsPerPass = 8;                   // attention: query heads summed together
+  static_assert(kTokenBlock % kTileTokens == 0 && kRowBlock % kTileRows == 0, "blocks must hold whole tiles");
+
+  // LlamaRMSNorm in float32: variance = mean(x^2); x * rsqrt(variance + eps); weight * that.
+  // The sum of squares is taken in double, so the variance is the correctly rounded mean.
+  template <class W>
+  static void normalize(const float* x, const W* weight, int64_t n, float eps, float* out) {
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += double(x[i]) * double(x[i]);
+    const float variance = float(sum / double(n));
+    const float inv_rms = 1.0f / std::sqrt(variance + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = to_float(weight[i]) * (x[i] * inv_rms);
+  }
+
+  // Output rows [n0, n1) for tokens [t, t + TOKENS).
+  template <int TOKENS, class W>
+  static void linear_rows(const Tensor& x, const Tensor& weight, const Tensor& out, int64_t t, int64_t n0,
+                          int64_t n1, int64_t k_size) {
+    const float* xs = row_of<const float>(x, t);
+    int64_t n = n0;
+    for (; n + kTileRows <= n1; n += kTileRows) {
+      float tile[TOKENS][kTileRows];
+      linear_tile<TOKENS, kTileRows>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
+      for (int i = 0; i < TOKENS; i++)
+        for (int j = 0; j < kTileRows; j++) row_of<float>(out, t + i)[n + j] = tile[i][j];
+    }
+    for (; n < n1; n++) {
+      float tile[TOKENS][1];
+      linear_tile<TOKENS, 1>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
+      for (int i = 0; i < TOKENS; i++) row_of<float>(out, t + i)[n] = tile[i][0];
+    }
+  }
+
+  // What only the CPU can check cheaply: the values of the index vectors.
+  static void check_attention_batch(const Tensor& q, const KVCacheView& cache, const AttentionBatch& batch) {
+    const int64_t seqs = batch.context_lens.elements(), page_tokens = cache.layout.page_tokens;
+    const int32_t* starts = ints(batch.query_starts);
+    const int32_t* context = ints(batch.context_lens);
+    if (starts[0] != 0 || starts[seqs] != q.rows)
+      fail(ErrorCode::invalid_argument,
+           format("attention: query_starts must run from 0 to q's %lld rows; it runs from %d to %d",
+                  (long long)q.rows, starts[0], starts[seqs]));
+    for (int64_t s = 0; s < seqs; s++) {
+      const int64_t queries = int64_t(starts[s + 1]) - starts[s];
+      if (queries < 0)
+        fail(ErrorCode::invalid_argument, format("attention: query_starts decreases at sequence %lld (%d then %d)",
+                                                 (long long)s, starts[s], starts[s + 1]));
+      if (context[s] < queries || context[s] > batch.max_context)
+        fail(ErrorCode::invalid_argument,
+             format("attention: sequence %lld has context_lens %d; it must be at least its %lld queries (they are "
+                    "the last tokens of its context) and at most max_context %lld",
+                    (long long)s, context[s], (long long)queries, (long long)batch.max_context));
+      const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
+      for (int64_t p = 0; p < int64_t(ceil_div(uint64_t(context[s]), uint64_t(page_tokens))); p++)
+        if (pages[p] < 0 || pages[p] >= cache.num_pages)
+          fail(ErrorCode::invalid_argument,
+               format("attention: block_tables[%lld][%lld] = %d is not a page of the cache (%lld pages) but "
+                      "sequence %lld's context of %d tokens needs it",
+                      (long long)s, (long long)p, pages[p], (long long)cache.num_pages, (long long)s, context[s]));
+    }
+  }
+
+  int64_t max_head_dim_;
+  int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
+  std::vector<float> scratch_;  // [threads, scratch_per_thread_]
+  ThreadPool pool_;
+};
+
+}  // namespace detail
+
+Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options) {
+  return detail::guard([&]() -> std::unique_ptr<Backend> {
+    if (options.threads < 0 || options.max_head_dim <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread) and "
+                                  "max_head_dim %lld positive", options.threads, (long long)options.max_head_dim));
+    return std::make_unique<detail::CpuBackend>(options);
+  });
+}
+
+}  // namespace kvlite

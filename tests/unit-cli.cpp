@@ -1,0 +1,193 @@
+// cli: the kvlite command-line tool, run as a program (build/kvlite): exit codes 0 fits / 1 does not fit /
+// 2 usage or input error, one message on stderr, never a crash; plan output as table, JSON, SVG and CSV.
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+#include <nlohmann/json.hpp>
+#include "kvlite.hpp"
+#include "safetensors_writer.hpp"
+
+namespace {
+
+struct Run {
+  int status = -1;  // exit status; -1 when it did not exit normally (a crash)
+  std::string out, err;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string quote(const std::string& arg) {
+  std::string out = "'";
+  for (char c : arg) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// Runs build/kvlite with these arguments; stdout through a pipe, stderr through a file.
+Run run_kvlite(const std::vector<std::string>& args) {
+  static const std::string err_path = testing_safetensors::temp_dir("cli-stderr") + "/stderr";
+  std::string command = quote(std::string(KVLITE_BINARY_DIR) + "/kvlite");
+  for (const auto& a : args) command += " " + quote(a);
+  command += " 2>" + quote(err_path);
+  Run run;
+  FILE* pipe = popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) run.out.append(buffer, n);
+  int status = pclose(pipe);
+  run.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  run.err = read_file(err_path);
+  return run;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+const std::string kQwenVL = std::string(KVLITE_SOURCE_DIR) + "/models/qwen3-vl-4b-instruct-fp8";
+const std::string kLlama = std::string(KVLITE_SOURCE_DIR) + "/models/llama-3.1-8b-instruct-w4a16";
+
+}  // namespace
+
+TEST_CASE("--version and --help exit 0 on stdout") {
+  Run version = run_kvlite({"--version"});
+  CHECK(version.status == 0);
+  CHECK(version.out == std::string("kvlite ") + KVLITE_VERSION_STRING + "\n");
+  Run help = run_kvlite({"--help"});
+  CHECK(help.status == 0);
+  CHECK(contains(help.out, "plan"));
+  CHECK(help.err.empty());
+  for (const auto& args : std::vector<std::vector<std::string>>{{"plan", "--help"}, {"help", "plan"}, {"plan", "-h"}}) {
+    Run plan_help = run_kvlite(args);
+    CHECK(plan_help.status == 0);
+    for (const char* option : {"--device-mem", "--utilization", "--max-model-len", "--max-seqs", "--max-batched-tokens",
+                               "--kv-dtype", "--max-image-pixels", "--wsl2", "--no-wsl2", "--json", "--sweep", "--svg"})
+      CHECK_MESSAGE(contains(plan_help.out, option), option);
+  }
+}
+
+TEST_CASE("usage errors exit 2 with one message on stderr naming the problem") {
+  struct Case {
+    std::vector<std::string> args;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {{}, "usage: kvlite COMMAND"},
+      {{"plna"}, "did you mean plan?"},
+      {{"help", "nope"}, "unknown command 'nope'"},
+      {{"plan"}, "MODEL_DIR is missing"},
+      {{"plan", "a", "b"}, "'b' is extra"},
+      {{"plan", "a", "--max-model-lenn", "5"}, "did you mean --max-model-len?"},
+      {{"plan", "a", "--device-mem", "8XB"}, "'8XB'"},
+      {{"plan", "a", "--utilization", "abc"}, "'abc'"},
+      {{"plan", "a", "--max-model-len", "0"}, "--max-model-len 0 is outside 1.."},
+      {{"plan", "a", "--max-seqs", "-3"}, "--max-seqs -3"},
+      {{"plan", "a", "--max-batched-tokens", "2k"}, "'2k'"},
+      {{"plan", "a", "--kv-dtype", "int8"}, "'int8'"},
+      {{"plan", "a", "--wsl2", "--no-wsl2"}, "contradict"},
+      {{"plan", "a", "--json", "--json"}, "given twice"},
+      {{"plan", "a", "--max-seqs"}, "needs a value"},
+      {{"plan", "a", "--json=1"}, "takes no value"},
+      {{"plan", "a", "--sweep", "foo=1"}, "unknown key 'foo'"},
+      {{"plan", "a", "--sweep", "max-model-len=1,x"}, "'x'"},
+      {{"plan", "a", "--sweep", "max-model-len=1", "--json"}, "CSV only"},
+      {{"plan", "/nonexistent/kvlite-model"}, "/nonexistent/kvlite-model"},
+  };
+  for (const auto& c : cases) {
+    std::string joined;
+    for (const auto& a : c.args) joined += a + " ";
+    CAPTURE(joined);
+    Run run = run_kvlite(c.args);
+    CHECK(run.status == 2);
+    CHECK(run.out.empty());
+    CHECK_MESSAGE(contains(run.err, c.needle), run.err);
+  }
+}
+
+TEST_CASE("plan on the shipped Qwen3-VL-4B FP8 config: 8 GiB under WSL2 at 0.80 x 4096 does not fit (exit 1)") {
+  Run run = run_kvlite({"plan", kQwenVL, "--device-mem", "8GiB", "--wsl2", "--utilization", "0.80", "--max-model-len", "4096"});
+  CHECK(run.status == 1);
+  CHECK(run.err.empty());
+  CHECK(contains(run.out, "budget = 0.80 x 8.00 GiB = 6.40 GiB"));
+  CHECK(contains(run.out, "DOES NOT FIT"));
+  CHECK(contains(run.out, "Does not fit: KV needs 576.0 MiB for one 4096-token sequence"));
+  CHECK(contains(run.out, "weights (estimated from config.json)"));
+  CHECK(contains(run.out, "WSL2"));
+}
+
+TEST_CASE("plan on the shipped Llama-3.1-8B W4A16 config: 2048 fits (exit 0), 131072 does not (exit 1)") {
+  Run fits = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--no-wsl2", "--max-model-len", "2048"});
+  CHECK(fits.status == 0);
+  CHECK(contains(fits.out, "FITS"));
+  CHECK(contains(fits.out, "128.0 KiB per token (bf16)"));
+  Run full = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--no-wsl2", "--max-model-len", "131072"});
+  CHECK(full.status == 1);
+  CHECK(contains(full.out, "KV needs 16.00 GiB for one 131072-token sequence"));
+  CHECK(contains(full.out, "does not fit at any utilization"));
+}
+
+TEST_CASE("plan options the model refuses exit 2 with the value") {
+  Run too_long = run_kvlite({"plan", kQwenVL, "--device-mem", "8GiB", "--max-model-len", "300000"});
+  CHECK(too_long.status == 2);
+  CHECK(contains(too_long.err, "300000"));
+  CHECK(contains(too_long.err, "262144"));
+  Run ratio = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--utilization", "1.5"});
+  CHECK(ratio.status == 2);
+  CHECK(contains(ratio.err, "utilization 1.5"));
+  Run no_vision = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--max-image-pixels", "1048576"});
+  CHECK(no_vision.status == 2);
+  CHECK(contains(no_vision.err, "no vision tower"));
+}
+
+TEST_CASE("plan --json is one JSON document whose verdict matches the exit status") {
+  for (const char* length : {"2048", "131072"}) {
+    Run run = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--no-wsl2", "--max-model-len", length, "--json"});
+    CAPTURE(length);
+    REQUIRE(run.status <= 1);
+    auto j = nlohmann::json::parse(run.out);
+    CHECK(j["fits"].get<bool>() == (run.status == 0));
+    CHECK(j["kv_bytes_per_token"].get<uint64_t>() == 131072);
+    CHECK(j["weights_source"] == "config");
+    CHECK(j["max_model_len"].get<int64_t>() == std::stoll(length));
+    CHECK(j["budget_bytes"].is_number_integer());
+  }
+}
+
+TEST_CASE("plan --svg writes a standalone SVG next to the table") {
+  std::string path = testing_safetensors::temp_dir("cli-svg") + "/plan.svg";
+  Run run = run_kvlite({"plan", kQwenVL, "--device-mem", "8GiB", "--svg", path});
+  CHECK(run.status <= 1);
+  CHECK(contains(run.out, "budget ="));
+  std::string svg = read_file(path);
+  CHECK(svg.rfind("<svg", 0) == 0);
+  CHECK(contains(svg, "</svg>"));
+  Run unwritable = run_kvlite({"plan", kQwenVL, "--device-mem", "8GiB", "--svg", "/nonexistent/dir/plan.svg"});
+  CHECK(unwritable.status == 2);
+  CHECK(contains(unwritable.err, "/nonexistent/dir/plan.svg"));
+}
+
+TEST_CASE("plan --sweep prints CSV for each value and exits 0") {
+  Run run = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--no-wsl2", "--sweep", "max-model-len=512,2048,131072"});
+  CHECK(run.status == 0);
+  std::vector<std::string> lines;
+  std::istringstream in(run.out);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  REQUIRE(lines.size() == 4);
+  CHECK(lines[0] == "max_model_len,total_bytes,kv_bytes,concurrency,fits");
+  CHECK(lines[1].rfind("512,", 0) == 0);
+  CHECK(contains(lines[1], ",67108864,"));  // 512 x 128 KiB
+  CHECK(contains(lines[2], ",268435456,"));  // 2048 x 128 KiB
+  CHECK(lines[2].substr(lines[2].size() - 5) == ",true");
+  CHECK(contains(lines[3], ",17179869184,"));  // 131072 x 128 KiB = 16 GiB
+  CHECK(lines[3].substr(lines[3].size() - 6) == ",false");
+  Run by_card = run_kvlite({"plan", kLlama, "--max-model-len", "4096", "--sweep", "device-mem=6GiB,24GiB"});
+  CHECK(by_card.status == 0);
+  CHECK(by_card.out.rfind("device_mem,max_model_len,total_bytes,kv_bytes,concurrency,fits\n6GiB,4096,", 0) == 0);
+}

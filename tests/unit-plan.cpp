@@ -1,0 +1,844 @@
+// plan: the memory planner. Until config.inl lands, the two reference models are hand-built below from their
+// published config.json values (Llama-3.1-8B-Instruct; Qwen3-VL-4B-Instruct, shared notes qwen3-vl.md) and the
+// on-disk formats of their quantized checkpoints (compressed-tensors W4A16 group 128; Qwen block FP8), tensor
+// by tensor, the way summarize_weights reports them from safetensors headers.
+#include <doctest/doctest.h>
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <vector>
+#include <nlohmann/json.hpp>
+#include "kvlite.hpp"
+
+namespace plan_models {
+using namespace kvlite;
+
+inline uint64_t bf16_bytes(uint64_t elements) { return elements * 2; }
+
+inline LinearDesc dense_linear(const std::string& name, int64_t n, int64_t k, bool bias, bool vision) {
+  LinearDesc d;
+  d.name = name;
+  d.out_features = n;
+  d.in_features = k;
+  d.format = WeightFormat::dense;
+  d.weight_dtype = DType::BF16;
+  d.has_bias = bias;
+  d.vision = vision;
+  d.bytes = bf16_bytes(uint64_t(n * k)) + (bias ? bf16_bytes(uint64_t(n)) : 0);
+  d.exact = true;
+  return d;
+}
+
+// compressed-tensors pack-quantized, symmetric, group 128: weight_packed I32 [N, K/8], weight_scale bf16
+// [N, K/128], weight_shape I64 [2].
+inline LinearDesc w4a16_linear(const std::string& name, int64_t n, int64_t k) {
+  LinearDesc d;
+  d.name = name;
+  d.out_features = n;
+  d.in_features = k;
+  d.format = WeightFormat::int4;
+  d.weight_dtype = DType::I32;
+  d.granularity = ScaleGranularity::group;
+  d.scale_dtype = DType::BF16;
+  d.scale_name = "weight_scale";
+  d.group_size = 128;
+  d.bytes = uint64_t(n) * uint64_t(k / 8) * 4 + bf16_bytes(uint64_t(n) * uint64_t((k + 127) / 128)) + 16;
+  d.exact = true;
+  return d;
+}
+
+// Qwen block FP8: weight F8_E4M3 [N, K], weight_scale_inv [ceil(N/128), ceil(K/128)]. Checkpoints store the
+// scales as F32, BF16 or F16 (read from the headers); bf16 here, so the repack row has work to plan.
+inline LinearDesc fp8_block_linear(const std::string& name, int64_t n, int64_t k) {
+  LinearDesc d;
+  d.name = name;
+  d.out_features = n;
+  d.in_features = k;
+  d.format = WeightFormat::fp8;
+  d.weight_dtype = DType::F8_E4M3;
+  d.granularity = ScaleGranularity::block;
+  d.scale_dtype = DType::BF16;
+  d.scale_name = "weight_scale_inv";
+  d.block_n = 128;
+  d.block_k = 128;
+  d.bytes = uint64_t(n) * uint64_t(k) + bf16_bytes(uint64_t((n + 127) / 128) * uint64_t((k + 127) / 128));
+  d.exact = true;
+  return d;
+}
+
+inline ModelConfig llama31_8b() {
+  ModelConfig c;
+  c.model_type = "llama";
+  c.arch = Arch::llama;
+  c.origin = "models/Llama-3.1-8B-Instruct-W4A16/config.json";
+  TextConfig& t = c.text;
+  t.hidden_size = 4096;
+  t.intermediate_size = 14336;
+  t.num_layers = 32;
+  t.num_heads = 32;
+  t.num_kv_heads = 8;
+  t.head_dim = 128;
+  t.vocab_size = 128256;
+  t.max_position_embeddings = 131072;
+  t.rms_norm_eps = 1e-5;
+  t.dtype = DType::BF16;
+  t.rope.type = "llama3";
+  t.rope.theta = 500000.0;
+  t.rope.factor = 8.0;
+  t.rope.original_max_position_embeddings = 8192;
+  c.quant.method = QuantMethod::compressed_tensors;
+  c.quant.format = "pack-quantized";
+  c.quant.ignore = {"lm_head"};
+  return c;
+}
+
+// Llama-3.1-8B W4A16: every decoder Linear int4; embed_tokens and lm_head (untied) bf16; RMSNorm weights bf16.
+inline WeightsSummary llama31_8b_w4a16(const ModelConfig& c) {
+  WeightsSummary w;
+  const TextConfig& t = c.text;
+  int64_t q = t.num_heads * t.head_dim, kv = t.num_kv_heads * t.head_dim, h = t.hidden_size, i = t.intermediate_size;
+  for (int64_t layer = 0; layer < t.num_layers; layer++) {
+    std::string p = "model.layers." + std::to_string(layer) + ".";
+    w.linears.push_back(w4a16_linear(p + "self_attn.q_proj", q, h));
+    w.linears.push_back(w4a16_linear(p + "self_attn.k_proj", kv, h));
+    w.linears.push_back(w4a16_linear(p + "self_attn.v_proj", kv, h));
+    w.linears.push_back(w4a16_linear(p + "self_attn.o_proj", h, q));
+    w.linears.push_back(w4a16_linear(p + "mlp.gate_proj", i, h));
+    w.linears.push_back(w4a16_linear(p + "mlp.up_proj", i, h));
+    w.linears.push_back(w4a16_linear(p + "mlp.down_proj", h, i));
+  }
+  w.linears.push_back(dense_linear("lm_head", t.vocab_size, h, false, false));
+  uint64_t embed = bf16_bytes(uint64_t(t.vocab_size * h));
+  uint64_t norms = bf16_bytes(uint64_t((2 * t.num_layers + 1) * h));
+  for (const auto& l : w.linears) w.total_bytes += l.bytes;
+  w.total_bytes += embed + norms;
+  w.text_bytes = w.total_bytes;
+  w.embedding_bytes = embed + bf16_bytes(uint64_t(t.vocab_size * h));
+  w.exact = true;
+  return w;
+}
+
+inline ModelConfig qwen3_vl_4b() {
+  ModelConfig c;
+  c.model_type = "qwen3_vl";
+  c.arch = Arch::qwen3_vl;
+  c.origin = "models/Qwen3-VL-4B-Instruct-FP8/config.json";
+  TextConfig& t = c.text;
+  t.hidden_size = 2560;
+  t.intermediate_size = 9728;
+  t.num_layers = 36;
+  t.num_heads = 32;
+  t.num_kv_heads = 8;
+  t.head_dim = 128;
+  t.vocab_size = 151936;
+  t.max_position_embeddings = 262144;
+  t.tie_word_embeddings = true;
+  t.qk_norm = true;
+  t.dtype = DType::BF16;
+  t.rope.theta = 5000000.0;
+  t.rope.mrope_section = {24, 20, 20};
+  t.rope.mrope_interleaved = true;
+  VisionConfig& v = c.vision;
+  v.present = true;
+  v.depth = 24;
+  v.hidden_size = 1024;
+  v.intermediate_size = 4096;
+  v.num_heads = 16;
+  v.patch_size = 16;
+  v.temporal_patch_size = 2;
+  v.spatial_merge_size = 2;
+  v.out_hidden_size = 2560;
+  v.num_position_embeddings = 2304;
+  v.deepstack_visual_indexes = {5, 11, 17};
+  c.quant.method = QuantMethod::fp8;
+  c.quant.format = "fp8";
+  c.image_token_id = 151655;
+  c.min_pixels = 65536;      // preprocessor size.shortest_edge
+  c.max_pixels = 16777216;   // preprocessor size.longest_edge
+  return c;
+}
+
+// Qwen3-VL-4B FP8: language-model Linears block FP8; the vision tower, mergers, embeddings and norms bf16.
+inline WeightsSummary qwen3_vl_4b_fp8(const ModelConfig& c) {
+  WeightsSummary w;
+  const TextConfig& t = c.text;
+  const VisionConfig& v = c.vision;
+  int64_t q = t.num_heads * t.head_dim, kv = t.num_kv_heads * t.head_dim, h = t.hidden_size, i = t.intermediate_size;
+  uint64_t text = 0, vision = 0;
+  for (int64_t layer = 0; layer < t.num_layers; layer++) {
+    std::string p = "model.language_model.layers." + std::to_string(layer) + ".";
+    w.linears.push_back(fp8_block_linear(p + "self_attn.q_proj", q, h));
+    w.linears.push_back(fp8_block_linear(p + "self_attn.k_proj", kv, h));
+    w.linears.push_back(fp8_block_linear(p + "self_attn.v_proj", kv, h));
+    w.linears.push_back(fp8_block_linear(p + "self_attn.o_proj", h, q));
+    w.linears.push_back(fp8_block_linear(p + "mlp.gate_proj", i, h));
+    w.linears.push_back(fp8_block_linear(p + "mlp.up_proj", i, h));
+    w.linears.push_back(fp8_block_linear(p + "mlp.down_proj", h, i));
+  }
+  for (int64_t block = 0; block < v.depth; block++) {
+    std::string p = "model.visual.blocks." + std::to_string(block) + ".";
+    w.linears.push_back(dense_linear(p + "attn.qkv", 3 * v.hidden_size, v.hidden_size, true, true));
+    w.linears.push_back(dense_linear(p + "attn.proj", v.hidden_size, v.hidden_size, true, true));
+    w.linears.push_back(dense_linear(p + "mlp.linear_fc1", v.intermediate_size, v.hidden_size, true, true));
+    w.linears.push_back(dense_linear(p + "mlp.linear_fc2", v.hidden_size, v.intermediate_size, true, true));
+  }
+  int64_t merged = 4 * v.hidden_size;
+  for (size_t m = 0; m <= v.deepstack_visual_indexes.size(); m++) {
+    std::string p = m == 0 ? std::string("model.visual.merger.")
+                           : "model.visual.deepstack_merger_list." + std::to_string(m - 1) + ".";
+    w.linears.push_back(dense_linear(p + "linear_fc1", merged, merged, true, true));
+    w.linears.push_back(dense_linear(p + "linear_fc2", v.out_hidden_size, merged, true, true));
+    vision += bf16_bytes(uint64_t(2 * (m == 0 ? v.hidden_size : merged)));  // LayerNorm weight + bias
+  }
+  for (const auto& l : w.linears) (l.vision ? vision : text) += l.bytes;
+  uint64_t embed = bf16_bytes(uint64_t(t.vocab_size * h));  // tied: also the lm_head
+  text += embed + bf16_bytes(uint64_t((2 * t.num_layers + 1) * h + 2 * t.num_layers * t.head_dim));
+  vision += bf16_bytes(uint64_t(v.hidden_size * 1536 + v.hidden_size));           // patch_embed
+  vision += bf16_bytes(uint64_t(v.num_position_embeddings * v.hidden_size));      // pos_embed
+  vision += bf16_bytes(uint64_t(v.depth * 4 * v.hidden_size));                    // norm1, norm2 (w + b)
+  w.text_bytes = text;
+  w.vision_bytes = vision;
+  w.total_bytes = text + vision;
+  w.embedding_bytes = embed;
+  w.exact = true;
+  return w;
+}
+
+inline DeviceSpec planned_card(uint64_t bytes, bool wsl2) {
+  DeviceSpec d;
+  d.backend = BackendKind::cuda;
+  d.name = "planned " + format_bytes(bytes) + " card";
+  d.total_bytes = bytes;
+  d.wsl2 = wsl2;
+  return d;
+}
+
+}  // namespace plan_models
+
+using namespace kvlite;
+using namespace plan_models;
+
+namespace {
+
+struct Model {
+  ModelConfig config;
+  WeightsSummary weights;
+};
+Model llama() {
+  Model m{llama31_8b(), {}};
+  m.weights = llama31_8b_w4a16(m.config);
+  return m;
+}
+Model qwen() {
+  Model m{qwen3_vl_4b(), {}};
+  m.weights = qwen3_vl_4b_fp8(m.config);
+  return m;
+}
+
+Plan plan_for(const Model& m, const DeviceSpec& device, const PlanOptions& options) {
+  auto plan = make_plan(m.config, m.weights, device, options);
+  REQUIRE_MESSAGE(plan.ok(), plan.error().message);
+  return *plan;
+}
+
+PlanOptions options_with(double utilization, int64_t max_model_len) {
+  PlanOptions o;
+  o.utilization = utilization;
+  o.max_model_len = max_model_len;
+  return o;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+bool any_contains(const std::vector<std::string>& lines, const std::string& part) {
+  for (const auto& l : lines)
+    if (contains(l, part)) return true;
+  return false;
+}
+
+uint64_t kv_for(const Plan& plan, int64_t tokens) {
+  return (uint64_t(tokens) + plan.kv_page_tokens - 1) / plan.kv_page_tokens * plan.kv_page_bytes;
+}
+
+const BufferSpec& named(const std::vector<BufferSpec>& buffers, const std::string& name) {
+  for (const auto& b : buffers)
+    if (b.name == name) return b;
+  FAIL("no buffer named " << name);
+  return buffers.front();
+}
+
+}  // namespace
+
+TEST_CASE("KV bytes per token: Llama-3.1-8B 131072, Qwen3-VL-4B 147456, half with fp8") {
+  Model l = llama(), q = qwen();
+  DeviceSpec card = planned_card(24 * GiB, false);
+  PlanOptions o = options_with(0.9, 2048);
+  CHECK(plan_for(l, card, o).kv_bytes_per_token == 131072);
+  CHECK(plan_for(q, card, o).kv_bytes_per_token == 147456);
+  o.kv_dtype = KVDType::fp8;
+  CHECK(plan_for(l, card, o).kv_bytes_per_token == 65536);
+  CHECK(plan_for(q, card, o).kv_bytes_per_token == 73728);
+  o.kv_dtype = KVDType::bf16;
+  Plan p = plan_for(q, card, o);
+  CHECK(p.kv_page_bytes == 16 * 147456);
+  // 2048 tokens of Qwen3-VL-4B KV = 288 MiB; 4096 = 576 MiB (notes: memory-planning.md).
+  CHECK(kv_for(p, 2048) == 288 * MiB);
+  CHECK(kv_for(p, 4096) == 576 * MiB);
+}
+
+TEST_CASE("Llama-3.1-8B W4A16 perplexity on an 8 GiB card: 2048 fits, 131072 cannot (its KV alone is 16 GiB)") {
+  Model l = llama();
+  DeviceSpec card = planned_card(8 * GiB, false);
+  Plan short_context = plan_for(l, card, options_with(0.9, 2048));
+  CHECK(short_context.fits);
+  CHECK(short_context.shortfall_bytes == 0);
+  CHECK(short_context.concurrency == doctest::Approx(double(short_context.kv_tokens) / 2048));
+  CHECK(contains(short_context.advice.at(0), "KV holds"));
+
+  Plan full = plan_for(l, card, options_with(0.9, 131072));
+  CHECK_FALSE(full.fits);
+  CHECK(kv_for(full, 131072) == 16 * GiB);
+  CHECK(full.shortfall_bytes == int64_t(16 * GiB) - full.kv_available_bytes);
+  CHECK(contains(full.advice.at(0), "Does not fit: KV needs 16.00 GiB for one 131072-token sequence"));
+  // No ratio of an 8 GiB card holds 5+ GiB of weights and 16 GiB of KV.
+  CHECK(full.utilization_needed > 1.0);
+  CHECK(any_contains(full.advice, "does not fit at any utilization: needs"));
+  // Its suggestion fits when re-planned, and so does the fp8-KV one, which holds twice the tokens.
+  REQUIRE(full.max_model_len_that_fits > 0);
+  CHECK(full.max_model_len_that_fits == int64_t(full.kv_tokens));
+  CHECK(any_contains(full.advice, "--max-model-len " + std::to_string(full.max_model_len_that_fits)));
+  CHECK(plan_for(l, card, options_with(0.9, full.max_model_len_that_fits)).fits);
+  CHECK(full.max_model_len_that_fits_fp8_kv >= 2 * full.max_model_len_that_fits);
+  PlanOptions fp8 = options_with(0.9, full.max_model_len_that_fits_fp8_kv);
+  fp8.kv_dtype = KVDType::fp8;
+  CHECK(plan_for(l, card, fp8).fits);
+  // The fixed items are the same whatever max_model_len (max_batched_tokens 2048 both times).
+  CHECK(full.fixed_bytes == short_context.fixed_bytes);
+}
+
+TEST_CASE("Qwen3-VL-4B FP8 on an 8 GiB card under WSL2: 0.80 x 4096 and 0.70 x 2048") {
+  Model q = qwen();
+  DeviceSpec wsl2_card = planned_card(8 * GiB, true);
+  Plan a = plan_for(q, wsl2_card, options_with(0.80, 4096));
+  CHECK(a.budget_bytes == uint64_t(std::floor(0.80 * double(8 * GiB))));
+  CHECK(a.item("context")->bytes == 1024 * MiB);
+  CHECK_FALSE(a.item("context")->in_arena);
+  CHECK_FALSE(a.fits);
+  CHECK(contains(a.advice.at(0), "KV needs 576.0 MiB for one 4096-token sequence"));
+  CHECK(any_contains(a.advice, "WSL2"));
+  // What would fit, each re-planned.
+  REQUIRE(a.utilization_needed > 0.80);
+  REQUIRE(a.utilization_needed <= 1.0);
+  CHECK(plan_for(q, wsl2_card, options_with(a.utilization_needed, 4096)).fits);
+  REQUIRE(a.max_model_len_that_fits > 0);
+  CHECK(a.max_model_len_that_fits < 4096);
+  CHECK(plan_for(q, wsl2_card, options_with(0.80, a.max_model_len_that_fits)).fits);
+  // Native Linux: the same plan with 640 MiB less context, all of it KV.
+  Plan native = plan_for(q, planned_card(8 * GiB, false), options_with(0.80, 4096));
+  CHECK(native.kv_available_bytes - a.kv_available_bytes == int64_t(640 * MiB));
+  CHECK_FALSE(any_contains(native.advice, "WSL2"));
+
+  // Less utilization and half the context: the budget shrinks more than the KV need does.
+  Plan b = plan_for(q, wsl2_card, options_with(0.70, 2048));
+  CHECK_FALSE(b.fits);
+  CHECK(b.fixed_bytes == a.fixed_bytes);
+  CHECK(a.kv_available_bytes - b.kv_available_bytes == int64_t(a.budget_bytes - b.budget_bytes));
+  CHECK(b.kv_available_bytes < 0);
+  CHECK(b.max_model_len_that_fits == 0);
+  CHECK(b.kv_arena_bytes == 0);
+  CHECK(any_contains(b.advice, "No max_model_len fits at utilization 0.70"));
+  CHECK(contains(b.advice.at(0), "only -"));  // the negative number is said, never alone
+  CHECK(plan_for(q, wsl2_card, options_with(b.utilization_needed, 2048)).fits);
+}
+
+TEST_CASE("a smaller image budget is suggested when it makes the context fit") {
+  Model q = qwen();
+  DeviceSpec card = planned_card(8 * GiB, true);
+  Plan p = plan_for(q, card, options_with(0.85, 4096));
+  REQUIRE_FALSE(p.fits);
+  REQUIRE(p.image_pixels_that_fit > 0);
+  CHECK(p.image_pixels_that_fit < p.options.max_image_pixels);
+  CHECK(p.image_pixels_that_fit % (32 * 32) == 0);
+  CHECK(any_contains(p.advice, "With --max-image-pixels " + std::to_string(p.image_pixels_that_fit) + ": fits"));
+  PlanOptions o = options_with(0.85, 4096);
+  o.max_image_pixels = p.image_pixels_that_fit;
+  CHECK(plan_for(q, card, o).fits);
+  o.max_image_pixels = p.image_pixels_that_fit + 32 * 32;
+  CHECK_FALSE(plan_for(q, card, o).fits);
+}
+
+TEST_CASE("default max_model_len: model max capped at 32768, halved to fit, never below 2048") {
+  Model q = qwen();
+  Plan big = plan_for(q, planned_card(24 * GiB, false), PlanOptions{});
+  CHECK(big.max_model_len == 32768);
+  CHECK(big.max_model_len_rule == "default: model max 262144 capped at 32768");
+  CHECK(big.fits);
+  CHECK(big.options.max_batched_tokens == 2048);
+  CHECK(big.options.max_seqs == 8);
+
+  Plan eight = plan_for(q, planned_card(8 * GiB, false), PlanOptions{});
+  CHECK(eight.max_model_len == 8192);
+  CHECK(eight.max_model_len_rule == "default: model max 262144 capped at 32768, halved to 8192 to fit");
+  CHECK(eight.fits);
+  CHECK_FALSE(plan_for(q, planned_card(8 * GiB, false), options_with(0.9, 16384)).fits);
+
+  Plan tiny = plan_for(q, planned_card(6 * GiB, false), PlanOptions{});
+  CHECK(tiny.max_model_len == 2048);
+  CHECK_FALSE(tiny.fits);
+  CHECK(contains(tiny.max_model_len_rule, "halved to 2048 to fit (and still does not)"));
+
+  Model small = llama();
+  small.config.text.max_position_embeddings = 1000;
+  Plan short_model = plan_for(small, planned_card(24 * GiB, false), PlanOptions{});
+  CHECK(short_model.max_model_len == 1000);
+  CHECK(short_model.max_model_len_rule == "default: model max 1000");
+  CHECK(short_model.options.max_batched_tokens == 1000);  // min(2048, max_model_len)
+}
+
+TEST_CASE("invariants over models, cards, ratios, KV dtypes and backends") {
+  std::vector<Model> models = {llama(), qwen()};
+  std::vector<DeviceSpec> devices;
+  for (uint64_t gib : {4, 8, 24}) {
+    devices.push_back(planned_card(gib * GiB, false));
+    devices.push_back(planned_card(gib * GiB, true));
+  }
+  DeviceSpec cpu;
+  cpu.name = "CPU";
+  cpu.total_bytes = 16 * GiB + 12345;  // odd sizes too
+  devices.push_back(cpu);
+  int checked = 0;
+  for (const auto& m : models)
+    for (const auto& device : devices)
+      for (double utilization : {0.6, 0.85, 1.0})
+        for (KVDType dtype : {KVDType::auto_, KVDType::fp8})
+          for (int64_t length : {0, 1000, 4096}) {
+            PlanOptions o = options_with(utilization, length);
+            o.kv_dtype = dtype;
+            Plan p = plan_for(m, device, o);
+            CAPTURE(p.model_name);
+            CAPTURE(device.name);
+            CAPTURE(device.wsl2);
+            CAPTURE(utilization);
+            CAPTURE(length);
+            uint64_t sum = 0;
+            for (const auto& item : p.items) {
+              CHECK(item.bytes % kPlanAlignment == 0);
+              sum += item.bytes;
+            }
+            CHECK(p.fixed_bytes == sum);
+            CHECK(int64_t(p.budget_bytes) == int64_t(p.fixed_bytes) + p.kv_available_bytes);
+            CHECK(p.kv_arena_bytes == p.kv_pages * p.kv_page_bytes);
+            CHECK(p.kv_tokens == p.kv_pages * p.kv_page_tokens);
+            CHECK(int64_t(p.kv_arena_bytes) <= std::max<int64_t>(p.kv_available_bytes, 0));
+            if (p.kv_available_bytes > 0) CHECK(int64_t(p.kv_arena_bytes + p.kv_page_bytes) > p.kv_available_bytes);
+            CHECK(p.arena_bytes() + p.item("context")->bytes == p.fixed_bytes + p.kv_arena_bytes);
+            CHECK(detail::arena_layout(p).total_bytes == p.arena_bytes());  // what the arena will reserve
+            CHECK(p.fits == (p.kv_available_bytes > 0 && p.kv_tokens >= uint64_t(p.max_model_len)));
+            CHECK(p.shortfall_bytes == (p.fits ? 0 : int64_t(kv_for(p, p.max_model_len)) - p.kv_available_bytes));
+            CHECK(p.concurrency == doctest::Approx(double(p.kv_tokens) / double(p.max_model_len)));
+            REQUIRE_FALSE(p.advice.empty());
+            CHECK(contains(p.advice[0], p.fits ? "KV holds" : "Does not fit: KV needs"));
+
+            // Re-planned with the resolved options, the suggestions fit, and one page more does not.
+            int64_t model_max = m.config.text.max_position_embeddings;
+            if (p.max_model_len_that_fits > 0) {
+              PlanOptions again = p.options;
+              again.max_model_len = p.max_model_len_that_fits;
+              CHECK(plan_for(m, device, again).fits);
+              again.max_model_len = p.max_model_len_that_fits + int64_t(p.kv_page_tokens);
+              if (again.max_model_len <= model_max) CHECK_FALSE(plan_for(m, device, again).fits);
+            } else {
+              CHECK(p.kv_tokens == 0);
+            }
+            if (p.utilization_needed <= 1.0) {
+              PlanOptions again = p.options;
+              again.utilization = p.utilization_needed;
+              CHECK(plan_for(m, device, again).fits);
+              again.utilization = p.utilization_needed * (1 - 1e-6);
+              CHECK_FALSE(plan_for(m, device, again).fits);
+            }
+            if (p.max_model_len_that_fits_fp8_kv > 0) {
+              PlanOptions again = p.options;
+              again.kv_dtype = KVDType::fp8;
+              again.max_model_len = p.max_model_len_that_fits_fp8_kv;
+              CHECK(plan_for(m, device, again).fits);
+            }
+            if (m.config.vision.present && p.image_pixels_that_fit > 0) {
+              PlanOptions again = p.options;
+              again.max_image_pixels = p.image_pixels_that_fit;
+              CHECK(plan_for(m, device, again).fits);
+              again.max_image_pixels += 32 * 32;
+              if (again.max_image_pixels <= m.config.max_pixels) CHECK_FALSE(plan_for(m, device, again).fits);
+            }
+            checked++;
+          }
+  CHECK(checked == 2 * 7 * 3 * 2 * 3);
+}
+
+TEST_CASE("every option error is invalid_argument and carries its value") {
+  Model l = llama(), q = qwen();
+  DeviceSpec card = planned_card(8 * GiB, false);
+  auto error_of = [&](const Model& m, const PlanOptions& o, const DeviceSpec& d) -> Error {
+    auto plan = make_plan(m.config, m.weights, d, o);
+    REQUIRE_FALSE(plan.ok());
+    CHECK(plan.error().code == ErrorCode::invalid_argument);
+    return plan.error();
+  };
+  struct Case {
+    const char* what;
+    std::function<void(PlanOptions&)> set;
+    bool vision;
+    const char* needle;
+  };
+  std::vector<Case> cases = {
+      {"utilization 0", [](PlanOptions& o) { o.utilization = 0; }, false, "utilization 0 "},
+      {"utilization negative", [](PlanOptions& o) { o.utilization = -0.5; }, false, "utilization -0.5"},
+      {"utilization over 1", [](PlanOptions& o) { o.utilization = 1.5; }, false, "utilization 1.5"},
+      {"utilization NaN", [](PlanOptions& o) { o.utilization = std::nan(""); }, false, "utilization nan"},
+      {"max_model_len negative", [](PlanOptions& o) { o.max_model_len = -5; }, false, "max_model_len -5"},
+      {"max_model_len over the model", [](PlanOptions& o) { o.max_model_len = 131073; }, false, "131073"},
+      {"max_seqs negative", [](PlanOptions& o) { o.max_seqs = -1; }, false, "max_seqs -1"},
+      {"max_seqs huge", [](PlanOptions& o) { o.max_seqs = kMaxPlanSeqs + 1; }, false, "max_seqs 65537"},
+      {"max_batched_tokens negative", [](PlanOptions& o) { o.max_batched_tokens = -3; }, false, "max_batched_tokens -3"},
+      {"kv_page_tokens 0", [](PlanOptions& o) { o.kv_page_tokens = 0; }, false, "kv_page_tokens 0"},
+      {"kv_page_tokens 1025", [](PlanOptions& o) { o.kv_page_tokens = 1025; }, false, "kv_page_tokens 1025"},
+      {"max_images 0", [](PlanOptions& o) { o.max_images = 0; }, true, "max_images 0"},
+      {"max_image_pixels negative", [](PlanOptions& o) { o.max_image_pixels = -7; }, true, "max_image_pixels -7"},
+      {"max_image_pixels below a merge window", [](PlanOptions& o) { o.max_image_pixels = 1000; }, true, "1000"},
+      {"max_image_pixels below min_pixels", [](PlanOptions& o) { o.max_image_pixels = 32768; }, true, "65536"},
+      {"max_image_pixels huge", [](PlanOptions& o) { o.max_image_pixels = kMaxPlanImagePixels + 1024; }, true, "268436480"},
+      {"max_image_pixels without a vision tower", [](PlanOptions& o) { o.max_image_pixels = 1048576; }, false, "no vision tower"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.what);
+    PlanOptions o;
+    c.set(o);
+    Error e = error_of(c.vision ? q : l, o, card);
+    CHECK_MESSAGE(contains(e.message, c.needle), e.message);
+  }
+  DeviceSpec empty = card;
+  empty.total_bytes = 0;
+  CHECK(contains(error_of(l, PlanOptions{}, empty).message, "--device-mem"));
+  auto dtype = parse_kv_dtype("int8");
+  REQUIRE_FALSE(dtype.ok());
+  CHECK(dtype.error().code == ErrorCode::invalid_argument);
+  CHECK(contains(dtype.error().message, "'int8'"));
+  CHECK(parse_kv_dtype("fp8").value() == KVDType::fp8);
+  CHECK(parse_kv_dtype("auto").value() == KVDType::auto_);
+  CHECK(parse_kv_dtype("bf16").value() == KVDType::bf16);
+  CHECK(parse_kv_dtype("f16").value() == KVDType::f16);
+}
+
+TEST_CASE("activation buffers follow the config's shapes, bf16 on CUDA and fp32 on the CPU") {
+  ModelConfig c = llama31_8b();
+  const int64_t T = 2047, S = 7;  // odd on purpose
+  auto gpu = activation_buffers(c, T, S, BackendKind::cuda);
+  auto cpu = activation_buffers(c, T, S, BackendKind::cpu);
+  auto rounded = [](uint64_t bytes) { return (bytes + 255) / 256 * 256; };
+  CHECK(named(gpu, "hidden").bytes == rounded(uint64_t(T) * 4096 * 4));
+  CHECK(named(gpu, "normed").bytes == rounded(uint64_t(T) * 4096 * 2));
+  CHECK(named(gpu, "qkv").bytes == rounded(uint64_t(T) * (32 + 2 * 8) * 128 * 2));
+  CHECK(named(gpu, "attn_out").bytes == rounded(uint64_t(T) * 32 * 128 * 2));
+  CHECK(named(gpu, "gate_up").bytes == rounded(uint64_t(T) * 2 * 14336 * 2));
+  CHECK(named(gpu, "mlp_act").bytes == rounded(uint64_t(T) * 14336 * 2));
+  CHECK(named(gpu, "attn_partials").bytes == rounded(uint64_t(S) * 32 * 16 * (128 + 2) * 4));
+  CHECK(named(gpu, "positions").bytes == rounded(uint64_t(T) * 4));
+  CHECK(named(cpu, "qkv").bytes == rounded(uint64_t(T) * (32 + 2 * 8) * 128 * 4));
+  CHECK(named(cpu, "hidden").bytes == named(gpu, "hidden").bytes);
+  for (const auto& b : gpu) CHECK(b.bytes % kPlanAlignment == 0);
+  CHECK(gpu.size() == 11);
+  // M-RoPE: three position rows per token.
+  CHECK(named(activation_buffers(qwen3_vl_4b(), T, S, BackendKind::cuda), "positions").bytes == rounded(3 * uint64_t(T) * 4));
+  // The planner's activations row is exactly their sum.
+  Model l = llama();
+  Plan p = plan_for(l, planned_card(8 * GiB, false), options_with(0.9, 4096));
+  CHECK(p.item("activations")->bytes == buffers_bytes(activation_buffers(c, 2048, 8, BackendKind::cuda)));
+  CHECK(p.item("logits")->bytes == buffers_bytes(logits_buffers(c, 8)));
+}
+
+TEST_CASE("vision buffers: a 1024 x 768 budget is 48 x 64 patches and 768 image tokens") {
+  ModelConfig c = qwen3_vl_4b();
+  auto buffers = vision_buffers(c, 1024 * 768, 1, BackendKind::cuda);
+  const uint64_t patches = 48 * 64, tokens = 768;
+  CHECK(named(buffers, "pixel_patches").bytes == patches * 1536 * 2);
+  CHECK(named(buffers, "vision_hidden").bytes == patches * 1024 * 4);
+  CHECK(named(buffers, "vision_qkv").bytes == patches * 3 * 1024 * 2);
+  CHECK(named(buffers, "vision_mlp").bytes == patches * 4096 * 2);
+  CHECK(named(buffers, "merger_in").bytes == tokens * 4 * 1024 * 2);
+  CHECK(named(buffers, "merged").bytes == 4 * tokens * 2560 * 4);  // final merger + 3 DeepStack levels
+  // A budget that is not a whole number of 32 x 32 windows plans the windows it holds; two images double it.
+  CHECK(buffers_bytes(vision_buffers(c, 1024 * 768 + 1000, 1, BackendKind::cuda)) == buffers_bytes(buffers));
+  CHECK(named(vision_buffers(c, 1024 * 768, 2, BackendKind::cuda), "merged").bytes == 2 * 4 * tokens * 2560 * 4);
+  CHECK(vision_buffers(llama31_8b(), 1024 * 768, 1, BackendKind::cuda).empty());
+  // The plan's default image budget is 1024 x 1024, not the processor's 16777216, and it says why.
+  Model q = qwen();
+  Plan p = plan_for(q, planned_card(24 * GiB, false), PlanOptions{});
+  CHECK(p.options.max_image_pixels == 1024 * 1024);
+  CHECK(contains(p.max_image_pixels_rule, "16,384 image tokens"));
+  CHECK(p.item("vision")->bytes == buffers_bytes(vision_buffers(c, 1024 * 1024, 1, BackendKind::cuda)));
+  CHECK(plan_for(llama(), planned_card(24 * GiB, false), PlanOptions{}).item("vision") == nullptr);
+}
+
+TEST_CASE("logits: 32 rows at a time for scoring, more when more sequences decode") {
+  ModelConfig c = qwen3_vl_4b();
+  CHECK(named(logits_buffers(c, 8), "logits").bytes == (32ull * 151936 * 4 + 255) / 256 * 256);
+  CHECK(named(logits_buffers(c, 8), "sampling_probs").bytes == (8ull * 151936 * 4 + 255) / 256 * 256);
+  CHECK(named(logits_buffers(c, 100), "logits").bytes == (100ull * 151936 * 4 + 255) / 256 * 256);
+}
+
+TEST_CASE("CUDA-only rows (repack of 16-bit FP8 scales, context, graphs) are zero on the CPU") {
+  Model q = qwen();
+  DeviceSpec card = planned_card(16 * GiB, false);
+  Plan p = plan_for(q, card, options_with(0.9, 4096));
+  // 128 x 128 blocks per layer: q 32x20, k 8x20, v 8x20, o 20x32, gate 76x20, up 76x20, down 20x76 = 6160.
+  CHECK(p.item("repack")->bytes == (36ull * 6160 * 2 + 255) / 256 * 256);
+  Model q32 = q;
+  for (auto& linear : q32.weights.linears) linear.scale_dtype = DType::F32;
+  CHECK(plan_for(q32, card, options_with(0.9, 4096)).item("repack")->bytes == 0);
+  CHECK(plan_for(llama(), card, options_with(0.9, 4096)).item("repack")->bytes == 0);  // W4A16: in place
+  CHECK(p.item("context")->bytes == 384 * MiB);
+  // Graph pool: 16 MiB + 2 MiB per decode bucket.
+  auto graphs = [&](int64_t seqs) {
+    PlanOptions o = options_with(0.9, 4096);
+    o.max_seqs = seqs;
+    return plan_for(q, card, o).item("graphs")->bytes;
+  };
+  CHECK(graphs(1) == 18 * MiB);   // 1
+  CHECK(graphs(6) == 24 * MiB);   // 1,2,4,6
+  CHECK(graphs(8) == 24 * MiB);   // 1,2,4,8
+  CHECK(graphs(9) == 26 * MiB);   // 1,2,4,8,9
+  CHECK(graphs(256) == 34 * MiB); // 1..256: 9 buckets
+  // Workspace: 32 MiB + the largest quantized Linear (the bf16 lm_head is used as stored, never repacked).
+  Model l = llama();
+  uint64_t gate = 14336ull * 4096 / 2 + 14336ull * 32 * 2 + 16;
+  CHECK(plan_for(l, card, options_with(0.9, 4096)).item("workspace")->bytes == (32 * MiB + gate + 255) / 256 * 256);
+
+  DeviceSpec cpu;
+  cpu.name = "CPU";
+  cpu.total_bytes = 64 * GiB;
+  Plan c = plan_for(q, cpu, options_with(0.9, 4096));
+  CHECK(c.item("repack")->bytes == 0);
+  CHECK(c.item("context")->bytes == 0);
+  CHECK(c.item("graphs")->bytes == 0);
+  CHECK(c.item("workspace")->bytes % (64 * KiB) == 0);
+  CHECK(c.item("activations")->bytes > p.item("activations")->bytes);  // fp32 on the CPU
+  CHECK(c.kv_bytes_per_token == 147456);
+}
+
+TEST_CASE("--wsl2 overrides the device's detection") {
+  Model q = qwen();
+  PlanOptions o = options_with(0.8, 4096);
+  o.wsl2 = true;
+  Plan forced = plan_for(q, planned_card(8 * GiB, false), o);
+  CHECK(forced.device.wsl2);
+  CHECK(forced.options.wsl2 == std::optional<bool>(true));
+  CHECK(forced.item("context")->bytes == 1024 * MiB);
+  o.wsl2 = false;
+  CHECK(plan_for(q, planned_card(8 * GiB, true), o).item("context")->bytes == 384 * MiB);
+}
+
+TEST_CASE("weights estimated from config.json say so") {
+  Model l = llama();
+  l.weights.exact = false;
+  Plan p = plan_for(l, planned_card(8 * GiB, false), options_with(0.9, 2048));
+  CHECK(p.weights_source == "config");
+  CHECK(contains(p.item("weights")->label, "estimated from config.json"));
+  CHECK(p.weights_bytes == l.weights.total_bytes);
+  Plan exact = plan_for(llama(), planned_card(8 * GiB, false), options_with(0.9, 2048));
+  CHECK(exact.weights_source == "headers");
+  CHECK(contains(exact.item("weights")->label, "exact"));
+  CHECK(exact.item("weights")->bytes == (l.weights.total_bytes + 255) / 256 * 256);
+}
+
+TEST_CASE("json: every key present, byte counts are integers") {
+  Model q = qwen();
+  for (double utilization : {0.70, 0.95}) {
+    Plan p = plan_for(q, planned_card(8 * GiB, true), options_with(utilization, 4096));
+    auto j = nlohmann::json::parse(p.json());
+    for (const char* key : {"weights_bytes", "kv_bytes_per_token", "kv_page_tokens", "kv_page_bytes", "kv_arena_bytes",
+                            "kv_tokens", "kv_pages", "budget_bytes", "fixed_bytes", "arena_bytes", "max_model_len",
+                            "max_model_len_that_fits", "max_model_len_that_fits_fp8_kv", "image_pixels_that_fit",
+                            "kv_available_bytes", "shortfall_bytes"}) {
+      CAPTURE(key);
+      REQUIRE(j.contains(key));
+      CHECK(j[key].is_number_integer());
+    }
+    CHECK(j["weights_source"] == "headers");
+    CHECK(j["fits"].is_boolean());
+    CHECK(j["fits"].get<bool>() == p.fits);
+    CHECK(j["utilization_needed"].is_number());
+    CHECK(j["kv_bytes_per_token"].get<uint64_t>() == 147456);
+    CHECK(j["budget_bytes"].get<uint64_t>() == p.budget_bytes);
+    CHECK(j["kv_available_bytes"].get<int64_t>() == p.kv_available_bytes);
+    REQUIRE(j["items"].is_array());
+    CHECK(j["items"].size() == p.items.size());
+    for (const auto& item : j["items"]) {
+      CHECK(item["bytes"].is_number_integer());
+      CHECK(item["key"].is_string());
+      CHECK(item["why"].is_string());
+    }
+    CHECK(j["device"]["total_bytes"].get<uint64_t>() == 8 * GiB);
+    CHECK(j["device"]["wsl2"].get<bool>());
+    CHECK(j["options"]["max_model_len"].get<int64_t>() == 4096);
+    CHECK(j["options"]["kv_dtype"] == "bf16");
+    CHECK(j["advice"].is_array());
+    CHECK(j["advice"].size() == p.advice.size());
+  }
+}
+
+TEST_CASE("svg: one standalone document with red overflow only when it does not fit") {
+  Model q = qwen();
+  Plan fits = plan_for(q, planned_card(16 * GiB, false), options_with(0.9, 4096));
+  Plan short_of = plan_for(q, planned_card(8 * GiB, true), options_with(0.8, 4096));
+  REQUIRE(fits.fits);
+  REQUIRE_FALSE(short_of.fits);
+  for (const Plan* p : {&fits, &short_of}) {
+    std::string svg = p->svg();
+    CHECK(svg.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0) == 0);
+    CHECK(svg.size() > 7);
+    CHECK(svg.substr(svg.size() - 7) == "</svg>\n");
+    // Every element closes: as many opening tags as closing ones and self-closed ones.
+    size_t opened = 0, closed = 0;
+    for (size_t i = 0; i + 1 < svg.size(); i++) {
+      if (svg[i] == '<' && svg[i + 1] != '/') opened++;
+      if (svg[i] == '<' && svg[i + 1] == '/') closed++;
+      if (svg[i] == '/' && svg[i + 1] == '>') closed++;
+    }
+    CHECK(opened == closed);
+    CHECK(contains(svg, "budget " + format_bytes(p->budget_bytes)));
+    for (const auto& item : p->items)
+      if (item.bytes) CHECK(contains(svg, item.label));
+  }
+  CHECK(contains(fits.svg(), "KV arena"));
+  CHECK_FALSE(contains(fits.svg(), "#e15759"));
+  CHECK(contains(short_of.svg(), "#e15759"));
+  CHECK(contains(short_of.svg(), "short by " + format_bytes(uint64_t(short_of.shortfall_bytes))));
+}
+
+TEST_CASE("table: header, one row per item, budget, KV arena, verdict and advice") {
+  Model q = qwen();
+  Plan p = plan_for(q, planned_card(8 * GiB, true), options_with(0.80, 4096));
+  std::string t = p.table();
+  CHECK(contains(t, "model Qwen3-VL-4B-Instruct-FP8 (qwen3_vl) | device planned 8.00 GiB card | WSL2 yes | backend cuda"));
+  for (const auto& item : p.items) CHECK(contains(t, item.label));
+  CHECK(contains(t, "budget = 0.80 x 8.00 GiB = 6.40 GiB"));
+  CHECK(contains(t, "144.0 KiB per token (bf16)"));
+  CHECK(contains(t, "DOES NOT FIT"));
+  CHECK(contains(t, "short by " + format_bytes(uint64_t(p.shortfall_bytes))));
+  for (const auto& line : p.advice) CHECK(contains(t, line));
+  Plan ok = plan_for(q, planned_card(16 * GiB, false), options_with(0.9, 4096));
+  CHECK(contains(ok.table(), "FITS"));
+  CHECK_FALSE(contains(ok.table(), "DOES NOT FIT"));
+}
+
+TEST_CASE("planning takes milliseconds") {
+  Model q = qwen();
+  DeviceSpec card = planned_card(8 * GiB, true);
+  auto start = std::chrono::steady_clock::now();
+  const int plans = 50;
+  for (int i = 0; i < plans; i++) plan_for(q, card, options_with(0.8, 1024 + 64 * i));
+  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / plans;
+  MESSAGE("one plan with its what-fits search: " << ms << " ms");
+  CHECK(ms < 20.0);
+}
+
+// ---- the shipped configs under models/ (config.json only: weights estimated) ------------------------------
+
+namespace {
+const std::string kShippedQwenVL = std::string(KVLITE_SOURCE_DIR) + "/models/qwen3-vl-4b-instruct-fp8";
+const std::string kShippedLlama = std::string(KVLITE_SOURCE_DIR) + "/models/llama-3.1-8b-instruct-w4a16";
+
+PlanInputs shipped(const std::string& dir) {
+  auto inputs = read_plan_inputs(dir);
+  REQUIRE_MESSAGE(inputs.ok(), inputs.error().message);
+  return *inputs;
+}
+Plan plan_for(const PlanInputs& inputs, const DeviceSpec& device, const PlanOptions& options) {
+  auto plan = make_plan(inputs, device, options);
+  REQUIRE_MESSAGE(plan.ok(), plan.error().message);
+  return *plan;
+}
+}  // namespace
+
+TEST_CASE("the hand-built reference models agree with the shipped config.json files") {
+  for (const auto& pair : {std::make_pair(llama31_8b(), kShippedLlama), std::make_pair(qwen3_vl_4b(), kShippedQwenVL)}) {
+    const ModelConfig& hand = pair.first;
+    ModelConfig parsed = shipped(pair.second).config;
+    CAPTURE(pair.second);
+    CHECK(parsed.arch == hand.arch);
+    CHECK(parsed.text.hidden_size == hand.text.hidden_size);
+    CHECK(parsed.text.intermediate_size == hand.text.intermediate_size);
+    CHECK(parsed.text.num_layers == hand.text.num_layers);
+    CHECK(parsed.text.num_heads == hand.text.num_heads);
+    CHECK(parsed.text.num_kv_heads == hand.text.num_kv_heads);
+    CHECK(parsed.text.head_dim == hand.text.head_dim);
+    CHECK(parsed.text.vocab_size == hand.text.vocab_size);
+    CHECK(parsed.text.max_position_embeddings == hand.text.max_position_embeddings);
+    CHECK(parsed.text.tie_word_embeddings == hand.text.tie_word_embeddings);
+    CHECK(parsed.vision.present == hand.vision.present);
+    CHECK(parsed.vision.hidden_size == hand.vision.hidden_size);
+    CHECK(parsed.vision.intermediate_size == hand.vision.intermediate_size);
+    CHECK(parsed.vision.out_hidden_size == hand.vision.out_hidden_size);
+    CHECK(parsed.vision.deepstack_visual_indexes == hand.vision.deepstack_visual_indexes);
+    CHECK(parsed.min_pixels == hand.min_pixels);
+    CHECK(parsed.max_pixels == hand.max_pixels);
+  }
+  // W4A16 bytes estimated from config.json are the hand-counted bytes of the checkpoint's tensors.
+  PlanInputs llama_inputs = shipped(kShippedLlama);
+  CHECK_FALSE(llama_inputs.weights.exact);
+  CHECK(llama_inputs.weights.total_bytes == llama31_8b_w4a16(llama31_8b()).total_bytes);
+}
+
+TEST_CASE("shipped Qwen3-VL-4B FP8 on an 8 GiB card: WSL2 at 0.80 x 4096 and 0.70 x 2048 do not fit, native 0.80 does") {
+  PlanInputs q = shipped(kShippedQwenVL);
+  DeviceSpec wsl2 = planned_card(8 * GiB, true);
+  Plan a = plan_for(q, wsl2, options_with(0.80, 4096));
+  CHECK(a.weights_source == "config");
+  CHECK(a.kv_bytes_per_token == 147456);
+  CHECK_FALSE(a.fits);
+  CHECK(a.shortfall_bytes == int64_t(576 * MiB) - a.kv_available_bytes);
+  REQUIRE(a.utilization_needed <= 1.0);
+  CHECK(plan_for(q, wsl2, options_with(a.utilization_needed, 4096)).fits);
+  if (a.max_model_len_that_fits > 0) CHECK(plan_for(q, wsl2, options_with(0.80, a.max_model_len_that_fits)).fits);
+
+  Plan b = plan_for(q, wsl2, options_with(0.70, 2048));
+  CHECK_FALSE(b.fits);
+  CHECK(b.kv_available_bytes < 0);  // less budget than the fixed items: no context length helps
+  CHECK(b.max_model_len_that_fits == 0);
+  CHECK(plan_for(q, wsl2, options_with(b.utilization_needed, 2048)).fits);
+
+  // The 640 MiB WSL2 costs are the difference: native Linux fits 4096 at the same ratio.
+  Plan native = plan_for(q, planned_card(8 * GiB, false), options_with(0.80, 4096));
+  CHECK(native.fits);
+  CHECK(native.kv_available_bytes - a.kv_available_bytes == int64_t(640 * MiB));
+}
+
+TEST_CASE("shipped Llama-3.1-8B W4A16 perplexity on 8 GiB: 2048 fits, 131072 needs 16 GiB of KV and cannot") {
+  PlanInputs l = shipped(kShippedLlama);
+  DeviceSpec card = planned_card(8 * GiB, false);
+  Plan short_context = plan_for(l, card, options_with(0.90, 2048));
+  CHECK(short_context.fits);
+  CHECK(short_context.kv_bytes_per_token == 131072);
+  Plan full = plan_for(l, card, options_with(0.90, 131072));
+  CHECK_FALSE(full.fits);
+  CHECK(full.shortfall_bytes == int64_t(16 * GiB) - full.kv_available_bytes);
+  CHECK(full.utilization_needed > 1.0);
+  REQUIRE(full.max_model_len_that_fits >= 2048);
+  CHECK(plan_for(l, card, options_with(0.90, full.max_model_len_that_fits)).fits);
+}
+
+TEST_CASE("plan_model_dir is read_plan_inputs + detect_device + make_plan") {
+  PlanOptions o = options_with(0.8, 4096);
+  o.device_mem = 8 * GiB;
+  o.wsl2 = true;
+  auto direct = plan_model_dir(kShippedQwenVL, o);
+  REQUIRE_MESSAGE(direct.ok(), direct.error().message);
+  CHECK(direct->model_name == "qwen3-vl-4b-instruct-fp8");
+  CHECK(direct->device.backend == BackendKind::cuda);
+  CHECK(direct->device.total_bytes == 8 * GiB);
+  auto device = detect_device(o.device_mem, o.wsl2);
+  REQUIRE(device.ok());
+  CHECK(direct->json() == plan_for(shipped(kShippedQwenVL), *device, o).json());
+  auto missing = plan_model_dir("/nonexistent/kvlite-model", o);
+  REQUIRE_FALSE(missing.ok());
+  CHECK(contains(missing.error().message, "/nonexistent/kvlite-model"));
+}
