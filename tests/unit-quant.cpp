@@ -221,6 +221,35 @@ TEST_CASE("quant_linear equals a float32 matmul over the dequantized weight, for
   }
 }
 
+TEST_CASE("quant_linear equals the CPU backend's linear over the dequantized weight, bit for bit") {
+  // The engine may run a quantized Linear either way; both must give the same logits.
+  std::unique_ptr<Backend> backend = make_cpu_backend({2, 64}).value();
+  const json doc = json::parse(detail::read_text_file(fixture("odd-linears/linears.json")));
+  TensorStore store = open_file(fixture("odd-linears/model.safetensors"));
+  std::mt19937 rng(2024);
+  for (const json& entry : doc["linears"]) {
+    const LinearDesc desc = odd_linear_desc(entry);
+    QuantWeight weight = quant_weight(desc, store).value();
+    std::vector<float> w = dequantized(weight);
+    const int64_t n = desc.out_features, k = desc.in_features;
+    std::vector<float> bias = random_floats(rng, size_t(n));
+    weight.bias = reinterpret_cast<const uint8_t*>(bias.data());
+    weight.bias_dtype = DType::F32;
+    for (int64_t tokens : {1, 5, 37}) {
+      CAPTURE(desc.name);
+      CAPTURE(tokens);
+      std::vector<float> x = random_floats(rng, size_t(tokens * k));
+      std::vector<float> got(size_t(tokens * n)), want(size_t(tokens * n));
+      REQUIRE(quant_linear(x.data(), k, tokens, weight, got.data(), n, {2, false}).ok());
+      REQUIRE(backend
+                  ->linear(Tensor::matrix(x.data(), DType::F32, tokens, k), Tensor::matrix(w.data(), DType::F32, n, k),
+                           Tensor::vector(bias.data(), DType::F32, n), Tensor::matrix(want.data(), DType::F32, tokens, n))
+                  .ok());
+      check_same_bits(got, want, desc.name, n);
+    }
+  }
+}
+
 TEST_CASE("quant_linear adds the bias after the dot product") {
   TensorStore store = open_file(fixture("odd-linears/model.safetensors"));
   const json doc = json::parse(detail::read_text_file(fixture("odd-linears/linears.json")));
