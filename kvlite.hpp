@@ -945,10 +945,12 @@ Result<std::pair<uint64_t, uint64_t>> memory_info();
 
 namespace kvlite {
 
-enum class KVDType { auto_, bf16, f16, fp8 };  // auto: the model's dtype (bf16 or f16); fp8: e4m3
+// auto: f32 on the CPU (its reference matches transformers' float32), else the model's dtype (bf16 or f16);
+// fp8: e4m3.
+enum class KVDType { auto_, bf16, f16, fp8, f32 };
 const char* kv_dtype_name(KVDType dtype);
-Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8"
-int kv_dtype_bytes(KVDType dtype);                         // 2, or 1 for fp8 (auto must be resolved first)
+Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8" | "f32"
+int kv_dtype_bytes(KVDType dtype);  // 2, 1 for fp8, 4 for f32 (auto must be resolved first)
 
 struct PlanOptions {
   // Plan for a card of this size instead of the one present. Read by plan_model_dir (through
@@ -1484,6 +1486,292 @@ Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_
 // cos, sin: host arrays of tokens * half floats.
 Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
                    int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin);
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// model: the decoder-only text transformer of Llama-3, Qwen2 and Qwen3, written once against Backend.
+//
+//   token ids ─► embed_tokens ─► [ RMSNorm ─► q,k,v (+bias) ─► q/k RMSNorm (qwen3) ─► RoPE ─► paged KV
+//                                   ─► causal attention ─► o_proj ─► + ─► RMSNorm ─► SwiGLU MLP ─► + ] x L
+//                              ─► final RMSNorm ─► rows whose logits are wanted ─► lm_head ─► logits
+//
+// The engine (engine.hpp) owns the scheduling: it packs the tokens of one step (chunked prefill and decode of
+// several sequences mixed) into a StepInput; TextModel runs them and then produces logits for the requested
+// rows, a chunk of rows at a time. Every buffer is a view carved from the arena's "activations" and "logits"
+// regions by the names the planner lists (activation_buffers, logits_buffers): plan and engine agree by
+// construction, and nothing is allocated per step.
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+
+// An nn.Linear as stored: weight [out_features, in_features], bias [out_features] or none (data == nullptr).
+struct LinearWeights {
+  Tensor weight;
+  Tensor bias;
+};
+
+// One decoder layer (LlamaDecoderLayer / Qwen2DecoderLayer / Qwen3DecoderLayer), every view in its on-disk
+// dtype. Shapes: H hidden, Hq/Hkv heads, D head_dim, I intermediate.
+struct DecoderLayerWeights {
+  Tensor input_layernorm;                 // [H]
+  LinearWeights q_proj, k_proj, v_proj;   // [Hq D, H], [Hkv D, H], [Hkv D, H]; biases for qwen2
+  Tensor q_norm, k_norm;                  // [D] each (qwen3); empty otherwise
+  LinearWeights o_proj;                   // [H, Hq D]
+  Tensor post_attention_layernorm;        // [H]
+  LinearWeights gate_proj, up_proj;       // [I, H]
+  LinearWeights down_proj;                // [H, I]
+};
+
+struct TextModelWeights {
+  Tensor embed_tokens;                     // [V, H]
+  std::vector<DecoderLayerWeights> layers;  // [L]
+  Tensor norm;                             // [H]
+  Tensor lm_head;                          // [V, H]; the embed_tokens view when tie_word_embeddings
+};
+
+// Binds every weight of the text model by its transformers name as a view into the store's mmap (BF16, F16
+// or F32, used as stored). All absent tensors are reported at once (missing_tensor, listing the names); a
+// tensor of the wrong shape or dtype is bad_format naming it, its shape and the expected one. Quantized
+// checkpoints and Qwen3-VL are unsupported here (the CPU reference engine runs dense text models).
+Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const TensorStore& store);
+
+// The tokens of one forward step, in host memory, as the engine packed them. Tokens are grouped by sequence
+// and sequences follow the order of the attention batch: sequence s is KV-pool slot s, so the pool's block
+// tables serve as the batch's without a copy; a slot with no tokens this step has 0 queries and 0 context.
+struct StepInput {
+  int64_t tokens = 0;                     // T, 1 <= T <= max_batched_tokens
+  const int32_t* token_ids = nullptr;     // [T]
+  const int32_t* positions = nullptr;     // [T] position of each token in its sequence (0-based)
+  const int32_t* slots = nullptr;         // [T] KV slot: page * page_tokens + position % page_tokens
+  int64_t seqs = 0;                       // S, the attention batch's sequences (pool slots 0 .. S-1)
+  const int32_t* query_starts = nullptr;  // [S + 1] first token of each sequence in this step; last = T
+  const int32_t* context_lens = nullptr;  // [S] tokens cached for each sequence, this step's included
+  int64_t max_context = 0;                // max over context_lens
+  Tensor block_tables;                    // I32 [>= S, max_pages_per_seq]: the pool's tables (host memory)
+  int64_t logit_rows = 0;                 // R, rows of this step whose logits will be asked for
+  const int32_t* logit_row_ids = nullptr;  // [R] token indices in [0, T)
+};
+
+// The forward pass over a Backend, with its buffers carved from the arena. Not thread-safe (one step at a
+// time, like the backend).
+class TextModel {
+ public:
+  // Carves the buffers of plan's activation_buffers() and logits_buffers() from the arena regions
+  // "activations" and "logits" (internal error if the arena's regions do not hold exactly those), and
+  // prepares the RoPE frequencies. kv_dtype is the element type of the arena's KV pages.
+  TextModel(const ModelConfig& config, TextModelWeights weights, Backend& backend, Arena& arena, const Plan& plan,
+            DType kv_dtype);
+
+  // Runs every layer over the step's tokens, writing their K/V into the cache, and keeps the final hidden
+  // states for logits(). Throws kvlite::Error (the engine guards it).
+  void forward(const StepInput& step);
+  // Logits of the rows step.logit_row_ids[first, first + count), count <= max_logit_rows(), into the logits
+  // buffer: F32 [count, V]. On the CPU backend the view is host memory the caller reads directly.
+  Tensor logits(int64_t first, int64_t count);
+  int64_t max_logit_rows() const { return max_logit_rows_; }
+
+  // Host scratch for the sampler, one row of V per sequence slot (the plan's sampling buffers).
+  float* sampling_probs(int64_t seq);   // [V]
+  int32_t* sampling_order(int64_t seq);  // [V]
+
+ private:
+  KVCacheView kv_cache() const;
+
+  ModelConfig config_;
+  TextModelWeights weights_;
+  Backend& backend_;
+  Arena& arena_;
+  DType kv_dtype_;
+  int64_t max_tokens_ = 0;      // Tmax = max_batched_tokens: rows of every activation buffer
+  int64_t max_seqs_ = 0;        // Smax: rows of the per-sequence buffers
+  int64_t max_logit_rows_ = 0;  // rows one logits() call computes: min(logits buffer rows, Tmax)
+  int64_t step_tokens_ = 0;     // T of the last forward()
+  float attention_scale_ = 1.0f;  // head_dim ** -0.5
+  std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
+  std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
+
+  // Views of the arena's buffers (planner names in quotes), full size; forward() slices the first T rows.
+  Tensor hidden_;         // "hidden"       [Tmax, H] fp32: the residual stream
+  Tensor normed_;         // "normed"       [Tmax, H]: RMSNorm outputs, and o_proj / down_proj outputs
+  Tensor qkv_;            // "qkv"          [Tmax, (Hq + 2 Hkv) D]: q | k | v column blocks
+  Tensor attn_out_;       // "attn_out"     [Tmax, Hq D]
+  Tensor gate_up_;        // "gate_up"      [Tmax, 2 I]: gate | up column blocks
+  Tensor mlp_act_;        // "mlp_act"      [Tmax, I]
+  Tensor rope_cos_;       // "rope_cos"     [Tmax, D / 2] fp32
+  Tensor rope_sin_;       // "rope_sin"     [Tmax, D / 2] fp32
+  Tensor token_ids_;      // "token_ids"    [Tmax] int32
+  Tensor slot_mapping_;   // "slot_mapping" [Tmax] int32
+  Tensor query_starts_;   // "query_starts" [Smax + 1] int32
+  Tensor context_lens_;   // "context_lens" [Smax] int32
+  Tensor logit_rows_;     // "logit_rows"   [Tmax] int32
+  Tensor logits_;         // "logits"       [max(Smax, 32), V] fp32
+  Tensor sampling_probs_;  // "sampling_probs" [Smax, V] fp32
+  Tensor sampling_order_;  // "sampling_order" [Smax, V] int32
+  AttentionBatch batch_;  // of the last forward()
+};
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// engine: the public API. Opens a model directory into one arena, then generates text (streaming, several
+// requests batched continuously over the paged KV cache), scores text (perplexity) and returns logits.
+//
+//   #include "kvlite.hpp"   // in one .cpp: #define KVLITE_IMPLEMENTATION first
+//   kvlite::EngineOptions options;
+//   options.plan.max_model_len = 4096;                                  // what the KV arena is sized for
+//   auto engine = kvlite::Engine::open("models/Qwen3-4B", options);    // plan, arena, weights, tokenizer
+//   if (!engine) { fprintf(stderr, "%s\n", engine.error().message.c_str()); return 1; }
+//   kvlite::SamplingParams params;                                      // greedy; temperature > 0 samples
+//   params.max_tokens = 200;
+//   auto out = (*engine)->generate("The capital of France is", params,
+//                                  [](const std::string& piece, int32_t) { fputs(piece.c_str(), stdout); return true; });
+//   auto ppl = (*engine)->score(text, /*context_length=*/2048, /*stride=*/512);  // ppl->perplexity
+//
+// Requests. generate() runs one request to its end (and advances any others submitted before). For many
+// at once: submit() each, then run() (or step() in your own loop) and take each result(). Each step packs the
+// next token of every decoding sequence plus prefill chunks of the others, up to max_batched_tokens. KV pages
+// are taken as tokens arrive and returned when a sequence ends. When pages run out, new requests wait and,
+// if a running one cannot grow, the most recently started one is preempted: its pages are freed and it is
+// recomputed from its tokens later, giving the same tokens. A request that could never fit (prompt +
+// max_tokens > max_model_len, or more pages than the whole arena) is refused up front with does_not_fit.
+//
+// Threads: one caller at a time, except cancel(), which any thread may call: the running call (generate,
+// run, step, score, logits) stops at its next step and returns ErrorCode::cancelled, dropping every request in
+// flight. A cancel() made while nothing runs cancels the next call's first step. Callbacks run inside the
+// engine's step: they may call cancel() but no other Engine function.
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+
+struct EngineOptions {
+  PlanOptions plan;  // the memory plan (computed for the CPU: device_mem, when set, is the budget's base)
+  int threads = 0;   // CPU worker threads; 0: one per hardware thread
+};
+
+// Why a generation ended.
+enum class FinishReason {
+  running,      // not finished yet
+  stop_token,   // an end-of-turn token (the tokenizer's eos, <|im_end|>, <|eot_id|>, generation_config's
+                // eos_token_id, or SamplingParams::stop_tokens); it is the last id, its text is not emitted
+  stop_string,  // the text reached one of SamplingParams::stop_strings; the text stops before it
+  max_tokens,   // SamplingParams::max_tokens ids were generated
+  callback,     // the token callback returned false
+  cancelled,    // Engine::cancel()
+};
+const char* finish_reason_name(FinishReason reason);
+
+// Called with each piece of text as it becomes final and the id that completed it. Pieces are whole UTF-8
+// characters (a character split across tokens arrives with its last token, so a piece may be ""), and text
+// that may turn out to start a stop string is held back until it does not. Text still held when generation
+// ends arrives in a last call with id -1. Return false to end this request (FinishReason::callback).
+using TokenCallback = std::function<bool(const std::string& piece, int32_t id)>;
+
+struct Generation {
+  std::vector<int32_t> prompt_ids;
+  std::vector<int32_t> ids;  // generated ids, the stop token included when one ended it (as transformers)
+  std::string text;          // the text streamed to the callback: without the stop token or stop string
+  FinishReason finish_reason = FinishReason::running;
+};
+
+// Perplexity of a token sequence with transformers' sliding-window recipe (score_windows): each window is
+// read on its own, and each token after the first is scored once with the context its window gives it.
+struct ScoreResult {
+  double perplexity = 0;         // exp(nll_sum / tokens)
+  double nll_sum = 0;            // sum of -log p(token | context) over the scored tokens
+  int64_t tokens = 0;            // scored tokens: all but the first
+  std::vector<double> logprobs;  // [n]: logprobs[p] = log p(ids[p] | window context); logprobs[0] = NaN
+  // The figure transformers' guide prints: each window's mean loss weighted by (its target count - 1). It
+  // differs slightly from `perplexity` when stride < context (the guide's weights are off by one there).
+  double guide_perplexity = 0;
+  int64_t windows = 0;
+  int64_t context_length = 0, stride = 0;
+};
+// Called after each window is scored.
+using ScoreProgress = std::function<void(int64_t windows_done, int64_t windows_total)>;
+
+// Logits of every position: values[t * vocab + j] = logit of token j after ids[0..t].
+struct Logits {
+  int64_t tokens = 0, vocab = 0;
+  std::vector<float> values;  // [tokens, vocab] float32
+};
+
+using RequestId = int64_t;
+
+// Counters since open().
+struct EngineStats {
+  int64_t steps = 0;             // forward steps
+  int64_t tokens_computed = 0;   // tokens through the model (prefill and decode, recomputation included)
+  int64_t tokens_generated = 0;  // ids sampled
+  int64_t preemptions = 0;       // running requests preempted for KV pages (and recomputed later)
+  int64_t peak_running = 0;      // most sequences in one step
+};
+
+// Writes a float32 [rows, cols] array as a NumPy .npy file (format 1.0, little-endian, C order), byte for
+// byte what numpy.save writes. io_error naming the path when it cannot be written.
+Status write_npy(const std::string& path, const float* values, int64_t rows, int64_t cols);
+
+class Engine {
+ public:
+  // Loads config.json and the safetensors headers, plans for the CPU (options.plan), reserves the one arena,
+  // binds the weights as views into the mmap (BF16/F16/F32 as on disk; absent tensors are missing_tensor,
+  // listing them), makes the CPU backend and loads the tokenizer. Errors: whatever those steps report, e.g.
+  // does_not_fit with the plan's advice when the memory budget is too small.
+  static Result<std::unique_ptr<Engine>> open(const std::string& model_dir, const EngineOptions& options = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const Plan& plan() const;
+  const ModelConfig& config() const;
+  const Tokenizer& tokenizer() const;
+  const Arena& arena() const;
+  // The ids generation stops at unless SamplingParams adds more (sorted).
+  const std::vector<int32_t>& stop_token_ids() const;
+
+  Result<std::vector<int32_t>> tokenize(const std::string& text, bool add_special_tokens = true) const;
+  Result<std::string> detokenize(const std::vector<int32_t>& ids, bool skip_special_tokens = false) const;
+
+  // One request to its end. The text is encoded with the tokenizer's special tokens (Llama-3 prepends
+  // <|begin_of_text|>); generate_chat formats the messages in the model's chat format with an open
+  // assistant turn.
+  Result<Generation> generate(const std::string& prompt, const SamplingParams& params,
+                              const TokenCallback& on_token = nullptr);
+  Result<Generation> generate(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
+                              const TokenCallback& on_token = nullptr);
+  Result<Generation> generate_chat(const std::vector<ChatMessage>& messages, const SamplingParams& params,
+                                   const TokenCallback& on_token = nullptr);
+
+  // Continuous batching. submit() validates and queues a request (does_not_fit when it could never fit);
+  // step() runs one forward step over everything runnable and returns whether requests remain unfinished;
+  // run() steps until none does. result() hands over a finished request's Generation (once; invalid_argument
+  // for an unknown id or one still running).
+  Result<RequestId> submit(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
+                           const TokenCallback& on_token = nullptr);
+  Result<bool> step();
+  Status run();
+  bool finished(RequestId id) const;
+  Result<Generation> result(RequestId id);
+
+  // Perplexity over `ids` (or the encoding of `text`, with special tokens) in windows of context_length
+  // tokens every `stride` tokens. Windows are batched like requests; each needs context_length <=
+  // max_model_len.
+  Result<ScoreResult> score(const std::vector<int32_t>& ids, int64_t context_length, int64_t stride,
+                            const ScoreProgress& progress = nullptr);
+  Result<ScoreResult> score(const std::string& text, int64_t context_length, int64_t stride,
+                            const ScoreProgress& progress = nullptr);
+
+  // The logits of every position of one sequence of at most max_model_len tokens.
+  Result<Logits> logits(const std::vector<int32_t>& ids);
+
+  // Thread-safe: stop the running call (see the top of this section).
+  void cancel();
+
+  EngineStats stats() const;
+
+ private:
+  Engine();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace kvlite
 #endif  // KVLITE_HPP_INCLUDED
@@ -6337,6 +6625,7 @@ const char* kv_dtype_name(KVDType dtype) {
     case KVDType::bf16: return "bf16";
     case KVDType::f16: return "f16";
     case KVDType::fp8: return "fp8";
+    case KVDType::f32: return "f32";
   }
   return "?";
 }
@@ -6347,12 +6636,13 @@ Result<KVDType> parse_kv_dtype(const std::string& text) {
     if (text == "bf16" || text == "bfloat16") return KVDType::bf16;
     if (text == "f16" || text == "fp16" || text == "float16") return KVDType::f16;
     if (text == "fp8" || text == "fp8_e4m3") return KVDType::fp8;
+    if (text == "f32" || text == "fp32" || text == "float32") return KVDType::f32;
     detail::fail(ErrorCode::invalid_argument,
-                 detail::format("unknown KV dtype '%s': use auto, bf16, f16 or fp8", text.c_str()));
+                 detail::format("unknown KV dtype '%s': use auto, bf16, f16, fp8 or f32", text.c_str()));
   });
 }
 
-int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : 2; }
+int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : dtype == KVDType::f32 ? 4 : 2; }
 
 namespace detail {
 namespace planning {
@@ -6554,15 +6844,19 @@ struct Inputs {
 };
 
 PlanItem weights_item(const Inputs& in) {
-  PlanItem item{"weights", "", align_up(in.weights.total_bytes, kPlanAlignment), "", true};
+  // On the CPU the weights are read in place from the memory-mapped safetensors files (the OS page cache
+  // holds them): they count against the budget but are not copied into the arena.
+  bool in_arena = in.device.backend == BackendKind::cuda;
+  PlanItem item{"weights", "", align_up(in.weights.total_bytes, kPlanAlignment), "", in_arena};
   uint64_t linear_bytes = 0;
   for (const auto& linear : in.weights.linears) linear_bytes += linear.bytes;
   if (in.weights.exact) {
     item.label = in.tensor_count ? format("weights (exact, %llu tensors)", (unsigned long long)in.tensor_count)
                                  : std::string("weights (exact, from headers)");
-    item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s",
+    item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s%s",
                       in.weights.linears.size(), format_bytes(linear_bytes).c_str(),
-                      format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str());
+                      format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str(),
+                      in_arena ? "" : "; memory-mapped, not copied (CPU)");
   } else {
     item.label = "weights (estimated from config.json)";
     item.why = format("no safetensors in the directory: shapes from config.json, formats from quantization_config "
@@ -6613,7 +6907,7 @@ PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
   const char* dtype = activation_dtype(in.device.backend);
   return {"activations", "activations", buffers_bytes(buffers),
           format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual (T,H) fp32; normed, qkv, "
-                 "attn_out, gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; 4 int32 index arrays",
+                 "attn_out, gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,D/2) fp32; int32 index arrays",
                  (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits),
           true};
 }
@@ -6718,6 +7012,12 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   for (const auto& item : plan.items) plan.fixed_bytes += item.bytes;
   plan.kv_available_bytes = int64_t(plan.budget_bytes) - int64_t(plan.fixed_bytes);
   plan.kv_pages = plan.kv_available_bytes > 0 ? uint64_t(plan.kv_available_bytes) / plan.kv_page_bytes : 0;
+  if (in.device.backend == BackendKind::cpu) {
+    // The CPU shares its memory with everything else on the machine: take only the pages that max_seqs
+    // sequences of max_model_len can use, not the whole budget.
+    uint64_t pages_per_seq = ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
+    plan.kv_pages = std::min(plan.kv_pages, uint64_t(o.max_seqs) * pages_per_seq);
+  }
   plan.kv_arena_bytes = plan.kv_pages * plan.kv_page_bytes;
   plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
   plan.max_model_len = o.max_model_len;
@@ -6842,6 +7142,12 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       mrope ? buffer("positions", {3, T}, 4, "(3, T)", "int32") : buffer("positions", {T}, 4, "(T)", "int32"),
       buffer("slot_mapping", {T}, 4, "(T)", "int32"),  // KV slot (page x page_tokens + offset) each token writes
       buffer("seq_index", {T}, 4, "(T)", "int32"),     // which sequence of the batch each token belongs to
+      // RoPE cos/sin of each token's position, computed on the host (rope_tables) and copied in.
+      buffer("rope_cos", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
+      buffer("rope_sin", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
+      buffer("query_starts", {S + 1}, 4, "(S + 1)", "int32"),  // attention batch: first token of each sequence
+      buffer("context_lens", {S}, 4, "(S)", "int32"),          // attention batch: cached tokens of each sequence
+      buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
   return buffers;
 }
@@ -6879,6 +7185,7 @@ std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_se
   return {
       buffer("logits", {R, V}, 4, "(max(S, 32), V)", "fp32"),
       buffer("sampling_probs", {S, V}, 4, "(S, V)", "fp32"),
+      buffer("sampling_order", {S, V}, 4, "(S, V)", "int32"),  // the sampler's sort order scratch
       buffer("sampled_ids", {S}, 4, "(S)", "int32"),
       buffer("target_ids", {R}, 4, "(max(S, 32))", "int32"),  // scoring: the next tokens whose log-probs are read
       buffer("row_logprobs", {R}, 4, "(max(S, 32))", "fp32"),
@@ -6901,7 +7208,10 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
   PlanOptions o = requested;
   o.wsl2 = device.wsl2;
-  if (o.kv_dtype == KVDType::auto_) o.kv_dtype = config.text.dtype == DType::F16 ? KVDType::f16 : KVDType::bf16;
+  if (o.kv_dtype == KVDType::auto_)
+    o.kv_dtype = device.backend == BackendKind::cpu ? KVDType::f32
+                 : config.text.dtype == DType::F16  ? KVDType::f16
+                                                    : KVDType::bf16;
   if (o.max_seqs == 0) o.max_seqs = kDefaultMaxSeqs;
 
   std::string image_rule;
@@ -6943,8 +7253,11 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
   plan.max_model_len_rule = rule;
   plan.max_image_pixels_rule = image_rule;
 
-  // What would fit, whatever the verdict.
-  plan.max_model_len_that_fits = std::min<int64_t>(int64_t(plan.kv_tokens), limits.max_position);
+  // What would fit, whatever the verdict (from the bytes left, not the pages taken: the CPU caps those).
+  auto tokens_that_fit = [](const Plan& p) {
+    return p.kv_available_bytes > 0 ? int64_t(uint64_t(p.kv_available_bytes) / p.kv_page_bytes * p.kv_page_tokens) : 0;
+  };
+  plan.max_model_len_that_fits = std::min<int64_t>(tokens_that_fit(plan), limits.max_position);
   uint64_t total_needed = plan.fixed_bytes + kv_bytes_for(plan, plan.max_model_len);
   plan.utilization_needed = utilization_for(total_needed, device.total_bytes);
   if (o.kv_dtype == KVDType::fp8) {
@@ -6952,7 +7265,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
   } else {
     PlanOptions fp8 = o;
     fp8.kv_dtype = KVDType::fp8;
-    plan.max_model_len_that_fits_fp8_kv = std::min<int64_t>(int64_t(assemble(in, fp8).kv_tokens), limits.max_position);
+    plan.max_model_len_that_fits_fp8_kv = std::min<int64_t>(tokens_that_fit(assemble(in, fp8)), limits.max_position);
   }
   if (config.vision.present) {
     // The largest image budget (whole merge windows) at which max_model_len fits: binary search, since the
@@ -8684,6 +8997,1071 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& optio
                    detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread) and "
                                   "max_head_dim %lld positive", options.threads, (long long)options.max_head_dim));
     return std::make_unique<detail::CpuBackend>(options);
+  });
+}
+
+}  // namespace kvlite
+// model: implementation. The forward pass mirrors transformers' modeling_llama.py / modeling_qwen2.py /
+// modeling_qwen3.py line by line; the PyTorch line is in the comment above each call.
+#include <cmath>
+
+namespace kvlite {
+
+namespace detail {
+namespace model {
+
+// Throws the error of a failed backend call (forward() runs inside the engine's guard).
+inline void check(const Status& status) {
+  if (!status) throw status.error();
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); i++) text += (i ? ", " : "") + format("%lld", (long long)shape[i]);
+  return text + "]";
+}
+
+// Looks tensors up by name, collecting the absent ones so that one error lists them all.
+class WeightBinder {
+ public:
+  explicit WeightBinder(const TensorStore& store) : store_(store) {}
+
+  // A view of `name` as [rows, cols] (a 1-D tensor of n elements is [n, 1], Tensor::vector's form).
+  Tensor bind(const std::string& name, std::vector<int64_t> shape) {
+    const TensorInfo* info = store_.find(name);
+    if (!info) {
+      missing_.push_back(name);
+      return {};
+    }
+    if (info->dtype != DType::BF16 && info->dtype != DType::F16 && info->dtype != DType::F32)
+      fail(ErrorCode::unsupported,
+           format("tensor '%s' is %s; the CPU engine reads BF16, F16 and F32 weights", name.c_str(),
+                  dtype_name(info->dtype)));
+    if (info->shape != shape)
+      fail(ErrorCode::bad_format,
+           format("tensor '%s' has shape %s; the config (%s) makes it %s", name.c_str(), shape_text(info->shape).c_str(),
+                  origin_.c_str(), shape_text(shape).c_str()));
+    void* data = const_cast<uint8_t*>(store_.data(*info));  // read-only mmap: the ops never write weights
+    if (shape.size() == 1) return Tensor::vector(data, info->dtype, shape[0]);
+    return Tensor::matrix(data, info->dtype, shape[0], shape[1]);
+  }
+  LinearWeights linear(const std::string& module, int64_t out_features, int64_t in_features, bool bias) {
+    LinearWeights weights;
+    weights.weight = bind(module + ".weight", {out_features, in_features});
+    if (bias) weights.bias = bind(module + ".bias", {out_features});
+    return weights;
+  }
+  void set_origin(std::string origin) { origin_ = std::move(origin); }
+  void finish() const {
+    if (missing_.empty()) return;
+    std::string list;
+    for (size_t i = 0; i < missing_.size(); i++) list += (i ? ", " : "") + missing_[i];
+    fail(ErrorCode::missing_tensor,
+         format("the checkpoint (%s) lacks %zu tensor%s the model needs: %s", files_text().c_str(), missing_.size(),
+                missing_.size() == 1 ? "" : "s", list.c_str()));
+  }
+
+ private:
+  std::string files_text() const {
+    if (store_.files().empty()) return "no safetensors files";
+    if (store_.files().size() == 1) return store_.files()[0];
+    return format("%zu safetensors files", store_.files().size());
+  }
+  const TensorStore& store_;
+  std::string origin_;
+  std::vector<std::string> missing_;
+};
+
+}  // namespace model
+}  // namespace detail
+
+Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const TensorStore& store) {
+  return detail::guard([&] {
+    using detail::fail;
+    using detail::format;
+    const TextConfig& c = config.text;
+    if (config.arch != Arch::llama && config.arch != Arch::qwen2 && config.arch != Arch::qwen3)
+      fail(ErrorCode::unsupported,
+           format("%s: model_type '%s' (%s) is not a text model the CPU engine runs (llama, qwen2, qwen3)",
+                  config.origin.c_str(), config.model_type.c_str(), arch_name(config.arch)));
+    if (config.quant.method != QuantMethod::none)
+      fail(ErrorCode::unsupported,
+           format("%s: the checkpoint is quantized (%s); the CPU engine runs dense BF16/F16/F32 weights",
+                  config.origin.c_str(), config.quant.format.c_str()));
+    if (c.hidden_act != "silu")
+      fail(ErrorCode::unsupported,
+           format("%s: hidden_act '%s' is not supported (the MLP is SwiGLU with silu)", config.origin.c_str(),
+                  c.hidden_act.c_str()));
+    const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size, V = c.vocab_size;
+    const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
+    const std::string prefix = config.text_prefix();
+
+    detail::model::WeightBinder bind(store);
+    bind.set_origin(config.origin);
+    TextModelWeights w;
+    w.embed_tokens = bind.bind(prefix + "embed_tokens.weight", {V, H});
+    w.layers.resize(size_t(c.num_layers));
+    for (int64_t l = 0; l < c.num_layers; l++) {
+      const std::string layer = prefix + format("layers.%lld.", (long long)l);
+      DecoderLayerWeights& lw = w.layers[size_t(l)];
+      lw.input_layernorm = bind.bind(layer + "input_layernorm.weight", {H});
+      lw.q_proj = bind.linear(layer + "self_attn.q_proj", q_width, H, c.attention_bias);
+      lw.k_proj = bind.linear(layer + "self_attn.k_proj", kv_width, H, c.attention_bias);
+      lw.v_proj = bind.linear(layer + "self_attn.v_proj", kv_width, H, c.attention_bias);
+      if (c.qk_norm) {
+        lw.q_norm = bind.bind(layer + "self_attn.q_norm.weight", {D});
+        lw.k_norm = bind.bind(layer + "self_attn.k_norm.weight", {D});
+      }
+      lw.o_proj = bind.linear(layer + "self_attn.o_proj", H, q_width, c.o_proj_bias);
+      lw.post_attention_layernorm = bind.bind(layer + "post_attention_layernorm.weight", {H});
+      lw.gate_proj = bind.linear(layer + "mlp.gate_proj", I, H, c.mlp_bias);
+      lw.up_proj = bind.linear(layer + "mlp.up_proj", I, H, c.mlp_bias);
+      lw.down_proj = bind.linear(layer + "mlp.down_proj", H, I, c.mlp_bias);
+    }
+    w.norm = bind.bind(prefix + "norm.weight", {H});
+    // Tied: transformers points lm_head at embed_tokens (and save_pretrained drops lm_head.weight).
+    w.lm_head = c.tie_word_embeddings ? w.embed_tokens : bind.bind("lm_head.weight", {V, H});
+    bind.finish();
+    return w;
+  });
+}
+
+// ---- TextModel --------------------------------------------------------------------------------------------
+
+TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backend& backend, Arena& arena,
+                     const Plan& plan, DType kv_dtype)
+    : config_(config), weights_(std::move(weights)), backend_(backend), arena_(arena), kv_dtype_(kv_dtype) {
+  using detail::fail;
+  using detail::format;
+  const TextConfig& c = config_.text;
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size, V = c.vocab_size;
+  const int64_t half = D / 2;
+  max_tokens_ = plan.options.max_batched_tokens;
+  max_seqs_ = plan.options.max_seqs;
+  const DType act = backend_.activation_dtype();
+
+  // Carve `region` into the planned buffers, in the planner's order, and check the two agree.
+  std::map<std::string, std::pair<uint8_t*, uint64_t>> carved;  // name -> (start, bytes)
+  auto carve = [&](const char* region, const std::vector<BufferSpec>& specs) {
+    const ArenaRegion* r = arena_.region(region);
+    uint64_t total = buffers_bytes(specs);
+    if (!r || r->bytes != total)
+      fail(ErrorCode::internal,
+           format("the arena's '%s' region holds %llu bytes but the planner's buffers for it sum to %llu: the plan "
+                  "and the model disagree",
+                  region, (unsigned long long)(r ? r->bytes : 0), (unsigned long long)total));
+    uint8_t* next = arena_.base() + r->offset;
+    for (const BufferSpec& spec : specs) {
+      carved[spec.name] = {next, spec.bytes};
+      next += spec.bytes;
+    }
+  };
+  carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, backend_.kind()));
+  carve("logits", logits_buffers(config_, max_seqs_));
+  // A view of a planned buffer; the model's idea of its size must fit the planner's.
+  auto view = [&](const char* name, DType dtype, int64_t rows, int64_t cols) {
+    auto it = carved.find(name);
+    uint64_t needed = dtype_bytes(dtype, uint64_t(rows * cols));
+    if (it == carved.end() || it->second.second < needed)
+      fail(ErrorCode::internal,
+           format("the model needs a buffer '%s' of %llu bytes ([%lld, %lld] %s) but the plan %s", name,
+                  (unsigned long long)needed, (long long)rows, (long long)cols, dtype_name(dtype),
+                  it == carved.end() ? "has none" : format("gives it %llu", (unsigned long long)it->second.second).c_str()));
+    return Tensor::matrix(it->second.first, dtype, rows, cols);
+  };
+  hidden_ = view("hidden", DType::F32, max_tokens_, H);
+  normed_ = view("normed", act, max_tokens_, H);
+  qkv_ = view("qkv", act, max_tokens_, (c.num_heads + 2 * c.num_kv_heads) * D);
+  attn_out_ = view("attn_out", act, max_tokens_, c.num_heads * D);
+  gate_up_ = view("gate_up", act, max_tokens_, 2 * I);
+  mlp_act_ = view("mlp_act", act, max_tokens_, I);
+  rope_cos_ = view("rope_cos", DType::F32, max_tokens_, half);
+  rope_sin_ = view("rope_sin", DType::F32, max_tokens_, half);
+  token_ids_ = view("token_ids", DType::I32, max_tokens_, 1);
+  slot_mapping_ = view("slot_mapping", DType::I32, max_tokens_, 1);
+  query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1, 1);
+  context_lens_ = view("context_lens", DType::I32, max_seqs_, 1);
+  logit_rows_ = view("logit_rows", DType::I32, max_tokens_, 1);
+  const int64_t logits_buffer_rows = int64_t(carved.count("logits") ? carved["logits"].second / uint64_t(V * 4) : 0);
+  logits_ = view("logits", DType::F32, logits_buffer_rows, V);
+  sampling_probs_ = view("sampling_probs", DType::F32, max_seqs_, V);
+  sampling_order_ = view("sampling_order", DType::I32, max_seqs_, V);
+  // The gathered rows go through hidden_ (free after the final norm), so a call takes at most Tmax rows.
+  max_logit_rows_ = std::min(logits_buffer_rows, max_tokens_);
+
+  Result<std::vector<float>> inv_freq = rope_inv_freq(c.rope, D);
+  if (!inv_freq) throw inv_freq.error();
+  inv_freq_ = std::move(*inv_freq);
+  cos_host_.resize(size_t(max_tokens_ * half));
+  sin_host_.resize(size_t(max_tokens_ * half));
+  // self.scaling = self.head_dim ** -0.5
+  attention_scale_ = float(std::pow(double(D), -0.5));
+}
+
+KVCacheView TextModel::kv_cache() const {
+  KVCacheView cache;
+  cache.pages = arena_.region_data("kv");
+  cache.dtype = kv_dtype_;
+  cache.layout = arena_.kv_layout();
+  cache.num_pages = arena_.kv().num_pages();
+  return cache;
+}
+
+void TextModel::forward(const StepInput& step) {
+  using detail::fail;
+  using detail::format;
+  using detail::model::check;
+  const TextConfig& c = config_.text;
+  const int64_t T = step.tokens, D = c.head_dim, I = c.intermediate_size;
+  const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
+  const float eps = float(c.rms_norm_eps);
+  if (T < 1 || T > max_tokens_ || step.seqs < 1 || step.seqs > max_seqs_ || step.logit_rows < 0 ||
+      step.logit_rows > T)
+    fail(ErrorCode::internal,
+         format("forward: a step of %lld tokens, %lld sequences and %lld logit rows is outside the plan's %lld "
+                "tokens and %lld sequences",
+                (long long)T, (long long)step.seqs, (long long)step.logit_rows, (long long)max_tokens_,
+                (long long)max_seqs_));
+  step_tokens_ = T;
+
+  // The step's indices and RoPE tables, from the host.
+  Tensor ids = token_ids_.slice_rows(0, T), slots = slot_mapping_.slice_rows(0, T);
+  check(backend_.copy_from_host(step.token_ids, ids));
+  check(backend_.copy_from_host(step.slots, slots));
+  check(backend_.copy_from_host(step.query_starts, query_starts_.slice_rows(0, step.seqs + 1)));
+  check(backend_.copy_from_host(step.context_lens, context_lens_.slice_rows(0, step.seqs)));
+  if (step.logit_rows > 0) check(backend_.copy_from_host(step.logit_row_ids, logit_rows_.slice_rows(0, step.logit_rows)));
+  // cos, sin = self.rotary_emb(hidden_states, position_ids)                  cos, sin [T, D / 2]
+  check(rope_tables(inv_freq_, step.positions, 1, T, {}, cos_host_.data(), sin_host_.data()));
+  Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
+  check(backend_.copy_from_host(cos_host_.data(), cos));
+  check(backend_.copy_from_host(sin_host_.data(), sin));
+  batch_.query_starts = query_starts_.slice_rows(0, step.seqs + 1);
+  batch_.context_lens = context_lens_.slice_rows(0, step.seqs);
+  batch_.block_tables = step.block_tables.slice_rows(0, step.seqs);
+  batch_.max_context = step.max_context;
+  const KVCacheView cache = kv_cache();
+
+  Tensor hidden = hidden_.slice_rows(0, T);    // [T, H] fp32, the residual stream
+  Tensor normed = normed_.slice_rows(0, T);    // [T, H]
+  Tensor qkv = qkv_.slice_rows(0, T);          // [T, (Hq + 2 Hkv) D]
+  Tensor q = qkv.slice_cols(0, q_width);       // [T, Hq D]
+  Tensor k = qkv.slice_cols(q_width, kv_width);             // [T, Hkv D]
+  Tensor v = qkv.slice_cols(q_width + kv_width, kv_width);  // [T, Hkv D]
+  Tensor attn = attn_out_.slice_rows(0, T);    // [T, Hq D]
+  Tensor gate = gate_up_.slice_rows(0, T).slice_cols(0, I);  // [T, I]
+  Tensor up = gate_up_.slice_rows(0, T).slice_cols(I, I);    // [T, I]
+  Tensor act = mlp_act_.slice_rows(0, T);      // [T, I]
+
+  // inputs_embeds = self.embed_tokens(input_ids)
+  check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
+  for (int64_t l = 0; l < c.num_layers; l++) {
+    const DecoderLayerWeights& w = weights_.layers[size_t(l)];
+    // residual = hidden_states; hidden_states = self.input_layernorm(hidden_states)
+    // (from layer 1 on, the previous layer's `hidden_states = residual + hidden_states` is fused in: normed
+    // holds that layer's MLP output)
+    if (l == 0) {
+      check(backend_.rms_norm(hidden, w.input_layernorm, eps, normed));
+    } else {
+      check(backend_.add_rms_norm(normed, hidden, w.input_layernorm, eps, normed));
+    }
+
+    // query_states = self.q_proj(hidden_states); key_states = ...; value_states = ...   (+ bias: qwen2)
+    check(backend_.linear(normed, w.q_proj.weight, w.q_proj.bias, q));
+    check(backend_.linear(normed, w.k_proj.weight, w.k_proj.bias, k));
+    check(backend_.linear(normed, w.v_proj.weight, w.v_proj.bias, v));
+    if (c.qk_norm) {
+      // qwen3: query_states = self.q_norm(query_states.view(hidden_shape)); the same for keys (per head, over D)
+      check(backend_.rms_norm(q, w.q_norm, eps, q));
+      check(backend_.rms_norm(k, w.k_norm, eps, k));
+    }
+    // query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    check(backend_.rope(q, cos, sin, D));
+    check(backend_.rope(k, cos, sin, D));
+    // key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    check(backend_.kv_write(cache, l, k, v, slots));
+    // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
+    check(backend_.attention(q, cache, l, batch_, attention_scale_, attn));
+    // attn_output = self.o_proj(attn_output)                                  normed [T, H]
+    check(backend_.linear(attn, w.o_proj.weight, w.o_proj.bias, normed));
+    // hidden_states = residual + hidden_states; residual = hidden_states
+    // hidden_states = self.post_attention_layernorm(hidden_states)
+    check(backend_.add_rms_norm(normed, hidden, w.post_attention_layernorm, eps, normed));
+    // down_proj(act_fn(gate_proj(x)) * up_proj(x))                            normed [T, H]
+    check(backend_.linear(normed, w.gate_proj.weight, w.gate_proj.bias, gate));
+    check(backend_.linear(normed, w.up_proj.weight, w.up_proj.bias, up));
+    check(backend_.silu_mul(gate, up, act));
+    check(backend_.linear(act, w.down_proj.weight, w.down_proj.bias, normed));
+  }
+  // hidden_states = residual + hidden_states (last layer); hidden_states = self.norm(hidden_states)
+  check(backend_.add_rms_norm(normed, hidden, weights_.norm, eps, normed));
+}
+
+Tensor TextModel::logits(int64_t first, int64_t count) {
+  using detail::model::check;
+  if (first < 0 || count < 1 || count > max_logit_rows_)
+    detail::fail(ErrorCode::internal, detail::format("logits: rows [%lld, +%lld) outside one call's %lld rows",
+                                                     (long long)first, (long long)count, (long long)max_logit_rows_));
+  // logits = self.lm_head(hidden_states[:, slice_indices, :]), for the wanted rows only (RMSNorm is per row,
+  // so normalising all rows and then selecting is the same as transformers' select-last-then-project).
+  // hidden is dead after the final norm: it holds the gathered rows (fp32, which is also the CPU's activation
+  // dtype; a bf16 backend would gather into a buffer of its own dtype).          gathered [count, H]
+  Tensor gathered = hidden_.slice_rows(0, count);
+  check(backend_.gather_rows(normed_.slice_rows(0, step_tokens_), logit_rows_.slice_rows(first, count), gathered));
+  Tensor out = logits_.slice_rows(0, count);  // [count, V] fp32
+  check(backend_.linear(gathered, weights_.lm_head, Tensor{}, out));
+  check(backend_.synchronize());
+  return out;
+}
+
+float* TextModel::sampling_probs(int64_t seq) { return static_cast<float*>(sampling_probs_.slice_rows(seq, 1).data); }
+int32_t* TextModel::sampling_order(int64_t seq) {
+  return static_cast<int32_t*>(sampling_order_.slice_rows(seq, 1).data);
+}
+
+}  // namespace kvlite
+// engine: implementation. The scheduler in one paragraph: requests wait in a FIFO queue and run in start
+// order; every step first gives each running request its next tokens (one when decoding, a chunk when
+// prefilling), preempting the most recently started one when the KV pages run out, then admits waiting
+// requests while slots, pages and the step's token budget last. The step's tokens go through the model in
+// one forward pass; the rows whose logits someone wants (the last row of a generating sequence, every target
+// of a scoring window, every row of a logits request) are projected a chunk at a time and handed out.
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <deque>
+#include <limits>
+#include <set>
+#include <nlohmann/json.hpp>
+
+namespace kvlite {
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::running: return "running";
+    case FinishReason::stop_token: return "stop_token";
+    case FinishReason::stop_string: return "stop_string";
+    case FinishReason::max_tokens: return "max_tokens";
+    case FinishReason::callback: return "callback";
+    case FinishReason::cancelled: return "cancelled";
+  }
+  return "?";
+}
+
+namespace detail {
+
+enum class RequestKind { generate, score, logits };
+
+struct EngineRequest {
+  RequestId id = 0;
+  RequestKind kind = RequestKind::generate;
+  std::vector<int32_t> tokens;  // what the model reads: the prompt (or window), then each generated id
+  int64_t computed = 0;         // tokens whose K/V are in the cache (0 again after a preemption)
+  int32_t slot = -1;            // KV pool slot while running
+  bool finished = false;
+
+  // generate
+  SamplingParams params;
+  Rng rng;
+  TokenCallback on_token;
+  std::optional<StreamingDecoder> decoder;
+  std::string text;    // decoded so far (cut at a stop string)
+  size_t emitted = 0;  // bytes of `text` handed to on_token
+  Generation result;
+
+  // score and logits: rows [want_begin, want_end) of `tokens` have their logits consumed
+  int64_t want_begin = 0, want_end = 0;
+  double* logprobs = nullptr;  // score: logprobs[p + 1] = log p(tokens[p + 1] | tokens[0..p])
+  float* logits = nullptr;     // logits: [tokens, V]
+};
+
+}  // namespace detail
+
+struct Engine::Impl {
+  ModelConfig config;
+  TensorStore store;  // keeps the mmap the weight views point into
+  Plan plan;
+  std::unique_ptr<Arena> arena;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<TextModel> model;
+  std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
+  std::vector<int32_t> stop_ids;  // sorted
+  std::atomic<bool> cancel_requested{false};
+  EngineStats stats;
+
+  RequestId next_id = 1;
+  std::map<RequestId, std::unique_ptr<detail::EngineRequest>> requests;
+  std::deque<detail::EngineRequest*> waiting;  // FIFO; preempted requests go back to the front
+  std::vector<detail::EngineRequest*> running;  // in start order: the last one is preempted first
+
+  // Host staging of one step, sized once (Tmax tokens, Smax sequences).
+  struct Scheduled {
+    detail::EngineRequest* request;
+    int64_t tokens;
+  };
+  struct RowOwner {
+    detail::EngineRequest* request;
+    int64_t position;  // index into request->tokens
+  };
+  std::vector<Scheduled> scheduled;           // capacity Smax
+  std::vector<int32_t> token_ids, positions, slots, logit_row_ids;  // [Tmax]
+  std::vector<int32_t> query_starts;          // [Smax + 1]
+  std::vector<int32_t> context_lens;          // [Smax]
+  std::vector<RowOwner> row_owners;           // [Tmax]
+
+  KVPagePool& pool() { return arena->kv(); }
+  int64_t max_model_len() const { return plan.max_model_len; }
+
+  // ---- requests ----------------------------------------------------------------------------------------
+
+  void check_ids(const std::vector<int32_t>& ids, const char* what) const {
+    if (ids.empty()) detail::fail(ErrorCode::invalid_argument, detail::format("%s: no tokens", what));
+    for (size_t i = 0; i < ids.size(); i++)
+      if (ids[i] < 0 || ids[i] >= config.text.vocab_size)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("%s: token %zu is %d, outside the model's vocabulary [0, %lld)", what, i, ids[i],
+                                    (long long)config.text.vocab_size));
+  }
+
+  // The sequence could never be held: refuse it now rather than let it wait forever. (max_model_len is at
+  // most the whole KV arena: Arena::create refuses a plan where one such sequence does not fit.)
+  void check_fits(int64_t kv_tokens, const std::string& what, const std::string& advice) const {
+    if (kv_tokens > max_model_len())
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("%s needs %lld tokens of KV but the engine's max_model_len is %lld (its KV arena "
+                                  "holds %lld tokens); %s",
+                                  what.c_str(), (long long)kv_tokens, (long long)max_model_len(),
+                                  (long long)plan.kv_tokens, advice.c_str()));
+  }
+
+  detail::EngineRequest& add_request(detail::RequestKind kind, std::vector<int32_t> tokens) {
+    auto request = std::make_unique<detail::EngineRequest>();
+    request->id = next_id++;
+    request->kind = kind;
+    request->tokens = std::move(tokens);
+    detail::EngineRequest& r = *request;
+    requests[r.id] = std::move(request);
+    waiting.push_back(&r);
+    return r;
+  }
+
+  RequestId submit(const std::vector<int32_t>& prompt, const SamplingParams& params, const TokenCallback& on_token) {
+    check_ids(prompt, "generate");
+    Status valid = validate(params);
+    if (!valid) throw valid.error();
+    const int64_t prompt_len = int64_t(prompt.size());
+    const int64_t room = max_model_len() - prompt_len;  // tokens left for the output
+    const int64_t needed = params.max_tokens > std::numeric_limits<int64_t>::max() - prompt_len
+                               ? std::numeric_limits<int64_t>::max()
+                               : prompt_len + params.max_tokens;
+    check_fits(needed,
+               detail::format("a request of %lld prompt tokens + max_tokens %lld", (long long)prompt_len,
+                              (long long)params.max_tokens),
+               (room > 0 ? detail::format("lower max_tokens to at most %lld", (long long)room)
+                         : detail::format("shorten the prompt below %lld tokens", (long long)max_model_len())) +
+                   " or raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
+    detail::EngineRequest& r = add_request(detail::RequestKind::generate, prompt);
+    r.params = params;
+    r.rng = Rng(params.seed);
+    r.on_token = on_token;
+    r.decoder.emplace(*tokenizer, false);
+    r.result.prompt_ids = prompt;
+    r.tokens.reserve(size_t(prompt_len + params.max_tokens));
+    return r.id;
+  }
+
+  bool is_stop_token(const detail::EngineRequest& r, int32_t id) const {
+    return std::binary_search(stop_ids.begin(), stop_ids.end(), id) ||
+           std::find(r.params.stop_tokens.begin(), r.params.stop_tokens.end(), id) != r.params.stop_tokens.end();
+  }
+
+  // Hands text[emitted, end) to the callback with `id`; false when the callback asks to stop.
+  bool emit(detail::EngineRequest& r, size_t end, int32_t id) {
+    std::string piece = r.text.substr(r.emitted, end - r.emitted);
+    r.emitted = end;
+    r.result.text += piece;
+    return !r.on_token || r.on_token(piece, id);
+  }
+
+  // Takes r out of the queues and gives its slot and pages back.
+  void retire(detail::EngineRequest& r) {
+    r.finished = true;
+    if (r.slot >= 0) {
+      Status freed = pool().seq_free(r.slot);
+      if (!freed) throw freed.error();
+      r.slot = -1;
+    }
+    running.erase(std::remove(running.begin(), running.end(), &r), running.end());
+    waiting.erase(std::remove(waiting.begin(), waiting.end(), &r), waiting.end());
+  }
+
+  void finish(detail::EngineRequest& r, FinishReason reason) {
+    retire(r);
+    r.result.finish_reason = reason;
+    if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens) {
+      // Whatever was held back (a potential stop string's start, an incomplete character) is final now.
+      r.text += r.decoder->flush();
+      if (r.emitted < r.text.size()) emit(r, r.text.size(), -1);
+    }
+  }
+
+  // A generated id: record it, stream its text, and decide whether the request goes on.
+  void accept_token(detail::EngineRequest& r, int32_t id) {
+    stats.tokens_generated++;
+    r.tokens.push_back(id);
+    r.result.ids.push_back(id);
+    if (is_stop_token(r, id)) return finish(r, FinishReason::stop_token);
+    Result<std::string> piece = r.decoder->push(id);
+    if (!piece) throw piece.error();
+    const size_t searched_from = r.emitted;
+    r.text += *piece;
+    // The earliest stop string in the text not yet emitted ends the request, cut before it.
+    size_t stop_at = std::string::npos;
+    for (const std::string& stop : r.params.stop_strings) stop_at = std::min(stop_at, r.text.find(stop, searched_from));
+    if (stop_at != std::string::npos) {
+      r.text.resize(stop_at);
+      emit(r, stop_at, id);
+      return finish(r, FinishReason::stop_string);
+    }
+    // Hold back the longest tail that could still grow into a stop string.
+    size_t hold = 0;
+    for (const std::string& stop : r.params.stop_strings)
+      for (size_t len = std::min(stop.size() - 1, r.text.size() - r.emitted); len > hold; len--)
+        if (r.text.compare(r.text.size() - len, len, stop, 0, len) == 0) {
+          hold = len;
+          break;
+        }
+    if (!emit(r, r.text.size() - hold, id)) return finish(r, FinishReason::callback);
+    if (int64_t(r.result.ids.size()) >= r.params.max_tokens) return finish(r, FinishReason::max_tokens);
+  }
+
+  // Every unfinished request ends (cancel, or an error mid-step): pages and slots go back to the pool.
+  void abort_all() {
+    std::vector<detail::EngineRequest*> live(running.begin(), running.end());
+    live.insert(live.end(), waiting.begin(), waiting.end());
+    for (detail::EngineRequest* r : live) {
+      if (r->kind == detail::RequestKind::generate) {
+        finish(*r, FinishReason::cancelled);
+      } else {
+        retire(*r);
+      }
+    }
+  }
+
+  // ---- the step ----------------------------------------------------------------------------------------
+
+  void preempt(detail::EngineRequest& r) {
+    Status freed = pool().seq_free(r.slot);
+    if (!freed) throw freed.error();
+    r.slot = -1;
+    r.computed = 0;
+    running.erase(std::remove(running.begin(), running.end(), &r), running.end());
+    waiting.push_front(&r);
+  }
+
+  // Grows r's KV to `tokens`; false when the pool is out of pages.
+  bool reserve(detail::EngineRequest& r, int64_t tokens) {
+    Status grown = pool().seq_reserve(r.slot, tokens);
+    if (grown) return true;
+    if (grown.error().code != ErrorCode::out_of_memory) throw grown.error();
+    return false;
+  }
+
+  void schedule() {
+    scheduled.clear();
+    int64_t budget = plan.options.max_batched_tokens;
+    bool preempted = false;
+    // Running requests, oldest first: the next token, or the next prefill chunk.
+    for (size_t i = 0; i < running.size() && budget > 0;) {
+      detail::EngineRequest& r = *running[i];
+      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
+      bool kept = true;
+      while (!reserve(r, r.computed + n)) {
+        detail::EngineRequest& victim = *running.back();
+        preempt(victim);
+        preempted = true;
+        stats.preemptions++;
+        if (&victim == &r) {
+          kept = false;
+          break;
+        }
+      }
+      if (!kept) break;  // r was the newest: nothing after it is left to schedule
+      scheduled.push_back({&r, n});
+      budget -= n;
+      i++;
+    }
+    // Waiting requests, in order, while slots and pages last (not in a step that had to preempt).
+    while (!preempted && budget > 0 && !waiting.empty()) {
+      detail::EngineRequest& r = *waiting.front();
+      int32_t slot = pool().seq_create();
+      if (slot < 0) break;
+      r.slot = slot;
+      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()), budget);
+      if (!reserve(r, n)) {
+        Status freed = pool().seq_free(slot);
+        if (!freed) throw freed.error();
+        r.slot = -1;
+        break;
+      }
+      waiting.pop_front();
+      running.push_back(&r);
+      scheduled.push_back({&r, n});
+      budget -= n;
+    }
+  }
+
+  // The positions of r whose logits are wanted among [first, first + count).
+  std::pair<int64_t, int64_t> wanted_rows(const detail::EngineRequest& r, int64_t first, int64_t count) const {
+    int64_t begin = r.want_begin, end = r.want_end;
+    if (r.kind == detail::RequestKind::generate) {  // the last token's row, once the whole sequence is in
+      end = int64_t(r.tokens.size());
+      begin = end - 1;
+    }
+    return {std::max(begin, first), std::min(end, first + count)};
+  }
+
+  void consume_row(const RowOwner& owner, float* row) {
+    detail::EngineRequest& r = *owner.request;
+    const int64_t vocab = config.text.vocab_size;
+    switch (r.kind) {
+      case detail::RequestKind::generate: {
+        const int32_t id = sample_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng,
+                                        model->sampling_probs(r.slot), model->sampling_order(r.slot));
+        accept_token(r, id);
+        break;
+      }
+      case detail::RequestKind::score:
+        r.logprobs[owner.position + 1] = token_logprob(row, vocab, r.tokens[size_t(owner.position + 1)]);
+        break;
+      case detail::RequestKind::logits:
+        std::copy(row, row + vocab, r.logits + owner.position * vocab);
+        break;
+    }
+  }
+
+  // One forward step. Returns whether unfinished requests remain.
+  bool step() {
+    if (cancel_requested.exchange(false)) {
+      abort_all();
+      detail::fail(ErrorCode::cancelled, "cancelled by Engine::cancel()");
+    }
+    if (running.empty() && waiting.empty()) return false;
+    try {
+      run_step();
+    } catch (...) {
+      abort_all();  // leave the engine usable: no request holds pages it will never release
+      throw;
+    }
+    return !running.empty() || !waiting.empty();
+  }
+
+  void run_step() {
+    schedule();
+    if (scheduled.empty())
+      detail::fail(ErrorCode::internal,
+                   detail::format("the scheduler found nothing to run with %zu requests waiting and %zu running",
+                                  waiting.size(), running.size()));
+    // Sequence s of the attention batch is pool slot s: pack tokens in slot order.
+    std::sort(scheduled.begin(), scheduled.end(),
+              [](const Scheduled& a, const Scheduled& b) { return a.request->slot < b.request->slot; });
+    const KVPagePool& kv = pool();
+    const int64_t page_tokens = kv.page_tokens();
+    const int64_t seqs = scheduled.back().request->slot + 1;
+    std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
+    int64_t t = 0, rows = 0, max_context = 0;
+    size_t next = 0;
+    for (int64_t s = 0; s < seqs; s++) {
+      query_starts[size_t(s)] = int32_t(t);
+      if (next == scheduled.size() || scheduled[next].request->slot != s) continue;
+      detail::EngineRequest& r = *scheduled[next].request;
+      const int64_t n = scheduled[next++].tokens;
+      const int32_t* pages = kv.block_table(r.slot);
+      auto want = wanted_rows(r, r.computed, n);
+      for (int64_t p = r.computed; p < r.computed + n; p++, t++) {
+        token_ids[size_t(t)] = r.tokens[size_t(p)];
+        positions[size_t(t)] = int32_t(p);
+        slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
+        if (p >= want.first && p < want.second) {
+          logit_row_ids[size_t(rows)] = int32_t(t);
+          row_owners[size_t(rows++)] = {&r, p};
+        }
+      }
+      context_lens[size_t(s)] = int32_t(r.computed + n);
+      max_context = std::max(max_context, r.computed + n);
+    }
+    query_starts[size_t(seqs)] = int32_t(t);
+
+    StepInput input;
+    input.tokens = t;
+    input.token_ids = token_ids.data();
+    input.positions = positions.data();
+    input.slots = slots.data();
+    input.seqs = seqs;
+    input.query_starts = query_starts.data();
+    input.context_lens = context_lens.data();
+    input.max_context = max_context;
+    input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
+                                        kv.max_pages_per_seq());
+    input.logit_rows = rows;
+    input.logit_row_ids = logit_row_ids.data();
+    model->forward(input);
+    for (const Scheduled& s : scheduled) s.request->computed += s.tokens;
+    stats.steps++;
+    stats.tokens_computed += t;
+    stats.peak_running = std::max(stats.peak_running, int64_t(scheduled.size()));
+
+    const int64_t vocab = config.text.vocab_size;
+    for (int64_t first = 0; first < rows; first += model->max_logit_rows()) {
+      const int64_t count = std::min(model->max_logit_rows(), rows - first);
+      Tensor logits = model->logits(first, count);
+      for (int64_t i = 0; i < count; i++)
+        consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
+    }
+    // Prefill-only requests end once every token is in.
+    for (const Scheduled& s : scheduled) {
+      detail::EngineRequest& r = *s.request;
+      if (r.kind != detail::RequestKind::generate && !r.finished && r.computed == int64_t(r.tokens.size()))
+        retire(r);
+    }
+  }
+
+  // Steps until done() holds (the caller's requests finished).
+  template <class Done>
+  void run_until(Done done) {
+    while (!done())
+      if (!step() && !done()) detail::fail(ErrorCode::internal, "the engine ran out of work before the request finished");
+  }
+
+  void erase(RequestId id) { requests.erase(id); }
+};
+
+// ---- Engine -------------------------------------------------------------------------------------------------
+
+namespace detail {
+namespace engine {
+
+// generation_config.json's eos_token_id (an id or a list), which is what transformers' generate() stops at.
+std::vector<int64_t> generation_eos_ids(const std::string& model_dir) {
+  const std::string path = path_join(model_dir, "generation_config.json");
+  if (!file_exists(path)) return {};
+  nlohmann::json json = nlohmann::json::parse(read_text_file(path), nullptr, false);
+  if (json.is_discarded() || !json.is_object())
+    fail(ErrorCode::bad_format, format("%s is not a JSON object", path.c_str()));
+  std::vector<int64_t> ids;
+  auto eos = json.find("eos_token_id");
+  if (eos == json.end() || eos->is_null()) return ids;
+  auto add = [&](const nlohmann::json& value) {
+    if (!value.is_number_integer())
+      fail(ErrorCode::bad_format, format("%s: eos_token_id must be an integer or a list of integers", path.c_str()));
+    ids.push_back(value.get<int64_t>());
+  };
+  if (eos->is_array()) {
+    for (const auto& value : *eos) add(value);
+  } else {
+    add(*eos);
+  }
+  return ids;
+}
+
+DType kv_element_dtype(KVDType kv_dtype) {
+  switch (kv_dtype) {
+    case KVDType::f32: return DType::F32;
+    case KVDType::bf16: return DType::BF16;
+    case KVDType::f16: return DType::F16;
+    case KVDType::fp8: return DType::F8_E4M3;
+    case KVDType::auto_: break;
+  }
+  fail(ErrorCode::internal, "the plan left the KV dtype unresolved");
+}
+
+}  // namespace engine
+}  // namespace detail
+
+Engine::Engine() : impl_(new Impl()) {}
+Engine::~Engine() = default;
+
+Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const EngineOptions& options) {
+  return detail::guard([&] {
+    using detail::fail;
+    using detail::format;
+    std::unique_ptr<Engine> engine(new Engine());
+    Impl& e = *engine->impl_;
+    Result<ModelConfig> config = load_config(model_dir);
+    if (!config) throw config.error();
+    e.config = std::move(*config);
+    Result<TensorStore> store = TensorStore::open_dir(model_dir);
+    if (!store) throw store.error();
+    e.store = std::move(*store);
+    if (e.store.empty())
+      fail(ErrorCode::missing_tensor, format("%s has no safetensors weights (model.safetensors, an index, or "
+                                             "*.safetensors)", model_dir.c_str()));
+    Result<WeightsSummary> weights = summarize_weights(e.config, &e.store);
+    if (!weights) throw weights.error();
+
+    // The CPU is the device: its memory (or device_mem, when given) is what the plan divides.
+    DeviceSpec device;
+    device.backend = BackendKind::cpu;
+    device.name = "CPU";
+    device.total_bytes = options.plan.device_mem ? *options.plan.device_mem : system_memory_bytes();
+    device.wsl2 = options.plan.wsl2 ? *options.plan.wsl2 : running_under_wsl2();
+    Result<Plan> plan = make_plan(e.config, *weights, device, options.plan);
+    if (!plan) throw plan.error();
+    e.plan = std::move(*plan);
+
+    Result<TextModelWeights> bound = bind_text_weights(e.config, e.store);
+    if (!bound) throw bound.error();
+    CpuBackendOptions backend_options;
+    backend_options.threads = options.threads;
+    backend_options.max_head_dim = e.config.text.head_dim;
+    Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
+    if (!backend) throw backend.error();
+    e.backend = std::move(*backend);
+    const DType kv_dtype = detail::engine::kv_element_dtype(e.plan.options.kv_dtype);
+    if (!e.backend->supports(Op::kv_write, kv_dtype) || !e.backend->supports(Op::attention, kv_dtype))
+      fail(ErrorCode::unsupported, format("the %s backend does not store the KV cache as %s; choose another KV dtype "
+                                          "(f32, bf16 or f16)",
+                                          e.backend->name().c_str(), kv_dtype_name(e.plan.options.kv_dtype)));
+
+    Result<std::unique_ptr<Arena>> arena = Arena::create(e.plan, e.config);
+    if (!arena) throw arena.error();
+    e.arena = std::move(*arena);
+    e.model = std::make_unique<TextModel>(e.config, std::move(*bound), *e.backend, *e.arena, e.plan, kv_dtype);
+
+    Result<Tokenizer> tokenizer = Tokenizer::load(model_dir);
+    if (!tokenizer) throw tokenizer.error();
+    e.tokenizer = std::move(*tokenizer);
+    const Tokenizer& tok = *e.tokenizer;
+
+    // Stop ids: config.json's and generation_config.json's eos, the tokenizer's eos, and the end-of-turn
+    // tokens of the chat formats kvlite writes.
+    std::set<int32_t> stops;
+    auto add_stop = [&](int64_t id) {
+      if (id >= 0 && id < e.config.text.vocab_size) stops.insert(int32_t(id));
+    };
+    for (int64_t id : e.config.text.eos_token_ids) add_stop(id);
+    for (int64_t id : detail::engine::generation_eos_ids(model_dir)) add_stop(id);
+    add_stop(tok.eos_id());
+    add_stop(tok.token_id("<|im_end|>"));
+    add_stop(tok.token_id("<|eot_id|>"));
+    e.stop_ids.assign(stops.begin(), stops.end());
+
+    const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
+    e.scheduled.reserve(max_seqs);
+    for (auto* v : {&e.token_ids, &e.positions, &e.slots, &e.logit_row_ids}) v->assign(max_tokens, 0);
+    e.query_starts.assign(max_seqs + 1, 0);
+    e.context_lens.assign(max_seqs, 0);
+    e.row_owners.assign(max_tokens, {nullptr, 0});
+    return engine;
+  });
+}
+
+const Plan& Engine::plan() const { return impl_->plan; }
+const ModelConfig& Engine::config() const { return impl_->config; }
+const Tokenizer& Engine::tokenizer() const { return *impl_->tokenizer; }
+const Arena& Engine::arena() const { return *impl_->arena; }
+const std::vector<int32_t>& Engine::stop_token_ids() const { return impl_->stop_ids; }
+
+Result<std::vector<int32_t>> Engine::tokenize(const std::string& text, bool add_special_tokens) const {
+  return impl_->tokenizer->encode(text, add_special_tokens);
+}
+
+Result<std::string> Engine::detokenize(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
+  return impl_->tokenizer->decode(ids, skip_special_tokens);
+}
+
+Result<RequestId> Engine::submit(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
+                                 const TokenCallback& on_token) {
+  return detail::guard([&] { return impl_->submit(prompt_ids, params, on_token); });
+}
+
+Result<bool> Engine::step() {
+  return detail::guard([&] { return impl_->step(); });
+}
+
+Status Engine::run() {
+  return detail::guard([&] { impl_->run_until([&] { return impl_->running.empty() && impl_->waiting.empty(); }); });
+}
+
+bool Engine::finished(RequestId id) const {
+  auto it = impl_->requests.find(id);
+  return it != impl_->requests.end() && it->second->finished;
+}
+
+Result<Generation> Engine::result(RequestId id) {
+  return detail::guard([&] {
+    auto it = impl_->requests.find(id);
+    if (it == impl_->requests.end() || it->second->kind != detail::RequestKind::generate)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("no request %lld (unknown, or its result was already taken)", (long long)id));
+    if (!it->second->finished)
+      detail::fail(ErrorCode::invalid_argument, detail::format("request %lld is still running", (long long)id));
+    Generation generation = std::move(it->second->result);
+    impl_->requests.erase(it);
+    return generation;
+  });
+}
+
+Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
+                                    const TokenCallback& on_token) {
+  return detail::guard([&] {
+    RequestId id = impl_->submit(prompt_ids, params, on_token);
+    try {
+      impl_->run_until([&] { return impl_->requests.at(id)->finished; });
+    } catch (...) {
+      impl_->erase(id);
+      throw;
+    }
+    Generation generation = std::move(impl_->requests.at(id)->result);
+    impl_->erase(id);
+    return generation;
+  });
+}
+
+Result<Generation> Engine::generate(const std::string& prompt, const SamplingParams& params,
+                                    const TokenCallback& on_token) {
+  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(prompt, true);
+  if (!ids) return ids.error();
+  return generate(*ids, params, on_token);
+}
+
+Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& messages, const SamplingParams& params,
+                                         const TokenCallback& on_token) {
+  Result<std::string> prompt = impl_->tokenizer->format_chat(messages, true);
+  if (!prompt) return prompt.error();
+  // The formatted prompt already holds its special tokens (Llama-3's <|begin_of_text|> included).
+  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(*prompt, false);
+  if (!ids) return ids.error();
+  return generate(*ids, params, on_token);
+}
+
+Result<ScoreResult> Engine::score(const std::vector<int32_t>& ids, int64_t context_length, int64_t stride,
+                                  const ScoreProgress& progress) {
+  return detail::guard([&] {
+    Impl& e = *impl_;
+    Result<std::vector<ScoreWindow>> windows = score_windows(int64_t(ids.size()), context_length, stride);
+    if (!windows) throw windows.error();
+    e.check_ids(ids, "score");
+    const int64_t longest = std::min<int64_t>(context_length, int64_t(ids.size()));
+    e.check_fits(longest, detail::format("scoring with context length %lld", (long long)context_length),
+                 "raise max_model_len to the context length (EngineOptions::plan.max_model_len; kvlite score does)");
+
+    ScoreResult result;
+    result.context_length = context_length;
+    result.stride = stride;
+    result.windows = int64_t(windows->size());
+    result.logprobs.assign(ids.size(), std::numeric_limits<double>::quiet_NaN());
+    std::vector<RequestId> window_ids;
+    for (const ScoreWindow& w : *windows) {
+      detail::EngineRequest& r = e.add_request(
+          detail::RequestKind::score, std::vector<int32_t>(ids.begin() + w.begin, ids.begin() + w.end));
+      // Row p predicts tokens[p + 1]: targets [first_target, end) are rows [first_target - 1, end - 1).
+      r.want_begin = w.first_target - 1 - w.begin;
+      r.want_end = w.end - 1 - w.begin;
+      r.logprobs = result.logprobs.data() + w.begin;
+      window_ids.push_back(r.id);
+    }
+    auto windows_done = [&] {
+      int64_t done = 0;
+      for (RequestId id : window_ids) done += e.requests.at(id)->finished ? 1 : 0;
+      return done;
+    };
+    try {
+      int64_t reported = 0;
+      e.run_until([&] {
+        int64_t done = windows_done();
+        if (progress && done != reported) progress(reported = done, int64_t(window_ids.size()));
+        return done == int64_t(window_ids.size());
+      });
+    } catch (...) {
+      for (RequestId id : window_ids) e.erase(id);
+      throw;
+    }
+    for (RequestId id : window_ids) e.erase(id);
+
+    // Exact: every token after the first, once.
+    for (size_t p = 1; p < ids.size(); p++) result.nll_sum -= result.logprobs[p];
+    result.tokens = int64_t(ids.size()) - 1;
+    result.perplexity = std::exp(result.nll_sum / double(result.tokens));
+    // The guide: window mean losses weighted by trg_len - 1, trg_len = end - previous end.
+    double weighted = 0, weights = 0;
+    int64_t previous_end = 0;
+    for (const ScoreWindow& w : *windows) {
+      double window_nll = 0;
+      for (int64_t p = w.first_target; p < w.end; p++) window_nll -= result.logprobs[size_t(p)];
+      const double weight = double(w.end - previous_end - 1);
+      weighted += window_nll / double(w.end - w.first_target) * weight;
+      weights += weight;
+      previous_end = w.end;
+    }
+    result.guide_perplexity = weights > 0 ? std::exp(weighted / weights) : std::numeric_limits<double>::quiet_NaN();
+    return result;
+  });
+}
+
+Result<ScoreResult> Engine::score(const std::string& text, int64_t context_length, int64_t stride,
+                                  const ScoreProgress& progress) {
+  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(text, true);
+  if (!ids) return ids.error();
+  return score(*ids, context_length, stride, progress);
+}
+
+Result<Logits> Engine::logits(const std::vector<int32_t>& ids) {
+  return detail::guard([&] {
+    Impl& e = *impl_;
+    e.check_ids(ids, "logits");
+    e.check_fits(int64_t(ids.size()), detail::format("a logits request of %zu tokens", ids.size()),
+                 "raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
+    Logits out;
+    out.tokens = int64_t(ids.size());
+    out.vocab = e.config.text.vocab_size;
+    out.values.assign(size_t(out.tokens * out.vocab), 0.0f);
+    detail::EngineRequest& r = e.add_request(detail::RequestKind::logits, ids);
+    r.want_begin = 0;
+    r.want_end = out.tokens;
+    r.logits = out.values.data();
+    const RequestId id = r.id;
+    try {
+      e.run_until([&] { return e.requests.at(id)->finished; });
+    } catch (...) {
+      e.erase(id);
+      throw;
+    }
+    e.erase(id);
+    return out;
+  });
+}
+
+void Engine::cancel() { impl_->cancel_requested.store(true); }
+
+EngineStats Engine::stats() const { return impl_->stats; }
+
+Status write_npy(const std::string& path, const float* values, int64_t rows, int64_t cols) {
+  return detail::guard([&] {
+    if (rows < 0 || cols < 0 || (rows * cols > 0 && values == nullptr))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("write_npy: shape [%lld, %lld] is negative or the values are null", (long long)rows,
+                                  (long long)cols));
+    // numpy.lib.format: the dict, spare spaces so the first axis can grow to 21 digits in place, then spaces
+    // and a newline up to a multiple of 64 bytes counted from the file's start (10 bytes of magic + length).
+    std::string rows_text = detail::format("%lld", (long long)rows);
+    std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': (" + rows_text + ", " +
+                         detail::format("%lld", (long long)cols) + "), }";
+    header += std::string(rows_text.size() < 21 ? 21 - rows_text.size() : 0, ' ');
+    header += std::string(63 - (10 + header.size()) % 64, ' ') + "\n";
+    std::string prefix = std::string("\x93NUMPY\x01\x00", 8);
+    prefix += char(header.size() & 0xff);
+    prefix += char(header.size() >> 8);
+    FILE* file = fopen(path.c_str(), "wb");
+    if (!file) detail::fail(ErrorCode::io_error, detail::format("cannot write %s: %s", path.c_str(), strerror(errno)));
+    const size_t count = size_t(rows * cols);
+    bool written = fwrite(prefix.data(), 1, prefix.size(), file) == prefix.size() &&
+                   fwrite(header.data(), 1, header.size(), file) == header.size() &&
+                   fwrite(values, sizeof(float), count, file) == count;  // little-endian hosts only, as kvlite
+    if (fclose(file) != 0) written = false;
+    if (!written) detail::fail(ErrorCode::io_error, detail::format("cannot write %s (disk full?)", path.c_str()));
   });
 }
 

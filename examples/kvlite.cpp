@@ -1,18 +1,25 @@
 // kvlite: the command-line tool. Uses the public API only.
 //
 //   kvlite plan MODEL_DIR [options]   where every byte of device memory goes, before anything is loaded
+//   kvlite generate MODEL_DIR --prompt TEXT [--chat] [...]   text, streamed to stdout
+//   kvlite score MODEL_DIR --text-file F --context-length N --stride S   sliding-window perplexity
+//   kvlite tokenize MODEL_DIR --text TEXT                  token ids as a JSON array
+//   kvlite logits MODEL_DIR --tokens 1,2,3 --out FILE.npy  float32 [n_tokens, vocab] logits
 //   kvlite --help | --version | help COMMAND
 //
-// Exit status: 0 success (for `plan`: it fits), 1 the plan does not fit (the table and advice are still
-// printed), 2 a usage or input error (one message on stderr; never a crash).
+// Exit status: 0 success (for `plan`: it fits), 1 the plan or a request does not fit (`plan` still prints the
+// table and advice), 2 a usage or input error (one message on stderr; never a crash).
 //
 // Layout: a small argument parser (Args) with typed getters that throw UsageError; a table of commands, each
 // with its options and a run function. More commands (generate, score, tokenize, logits, bench) are one more
 // row in commands() and one more run_* function.
 #include "kvlite.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -323,6 +330,172 @@ int run_plan(const Args& args) {
   return plan.fits ? kExitOk : kExitDoesNotFit;
 }
 
+// ---- kvlite generate / score / tokenize / logits ------------------------------------------------------------
+
+// Options of every command that opens an engine (the plan is computed for the CPU).
+std::vector<OptionSpec> engine_option_specs() {
+  return {
+      {"--device-mem", "SIZE", "memory the CPU plan divides (8GiB, 512MiB); default: this machine's memory"},
+      {"--utilization", "R", "fraction of that memory kvlite may use, (0, 1]; default 0.90"},
+      {"--max-model-len", "N", "longest sequence (prompt + output)"},
+      {"--max-seqs", "N", "sequences decoded together; default 8"},
+      {"--max-batched-tokens", "N", "tokens in one forward step; default min(2048, max_model_len)"},
+      {"--kv-dtype", "T", "auto | f32 | bf16 | f16; default auto (f32 on the CPU)"},
+      {"--threads", "N", "CPU threads; default one per hardware thread"},
+  };
+}
+
+std::vector<OptionSpec> with_engine_options(std::vector<OptionSpec> specs) {
+  for (auto& spec : engine_option_specs()) specs.push_back(spec);
+  return specs;
+}
+
+kvlite::EngineOptions engine_options(const Args& args) {
+  kvlite::EngineOptions options;
+  if (args.has("--device-mem")) options.plan.device_mem = args.size("--device-mem");
+  if (args.has("--utilization")) options.plan.utilization = args.number("--utilization");
+  if (args.has("--max-model-len")) options.plan.max_model_len = args.integer("--max-model-len", 1, INT64_MAX);
+  if (args.has("--max-seqs")) options.plan.max_seqs = args.integer("--max-seqs", 1, INT64_MAX);
+  if (args.has("--max-batched-tokens"))
+    options.plan.max_batched_tokens = args.integer("--max-batched-tokens", 1, INT64_MAX);
+  if (args.has("--kv-dtype")) {
+    auto dtype = kvlite::parse_kv_dtype(args.text("--kv-dtype"));
+    if (!dtype) throw UsageError{"--kv-dtype: " + dtype.error().message};
+    options.plan.kv_dtype = *dtype;
+  }
+  if (args.has("--threads")) options.threads = int(args.integer("--threads", 1, 4096));
+  return options;
+}
+
+// The one positional argument of the engine commands.
+const std::string& model_dir_argument(const Args& args) {
+  if (args.positionals().size() != 1)
+    throw UsageError{args.positionals().empty() ? "MODEL_DIR is missing"
+                                                : "expected one MODEL_DIR, got " + std::to_string(args.positionals().size()) +
+                                                      " arguments ('" + args.positionals()[1] + "' is extra)"};
+  return args.positionals()[0];
+}
+
+const std::string& required(const Args& args, const std::string& name) {
+  if (!args.has(name)) throw UsageError{name + " is required"};
+  return args.text(name);
+}
+
+// A library error as the exit status says: 1 when it does not fit, 2 otherwise.
+struct DoesNotFit {
+  std::string message;
+};
+[[noreturn]] void library_error(const kvlite::Error& error) {
+  if (error.code == kvlite::ErrorCode::does_not_fit) throw DoesNotFit{error.message};
+  throw InputError{error.message};
+}
+
+std::unique_ptr<kvlite::Engine> open_engine(const std::string& model_dir, const kvlite::EngineOptions& options) {
+  auto engine = kvlite::Engine::open(model_dir, options);
+  if (!engine) library_error(engine.error());
+  return std::move(*engine);
+}
+
+int run_generate(const Args& args) {
+  const std::string& model_dir = model_dir_argument(args);
+  const std::string& prompt = required(args, "--prompt");
+  kvlite::SamplingParams params;
+  if (args.has("--max-tokens")) params.max_tokens = args.integer("--max-tokens", 1, INT64_MAX);
+  if (args.has("--temperature")) params.temperature = float(args.number("--temperature"));
+  if (args.has("--top-p")) params.top_p = float(args.number("--top-p"));
+  if (args.has("--top-k")) params.top_k = args.integer("--top-k", 0, INT64_MAX);
+  if (args.has("--min-p")) params.min_p = float(args.number("--min-p"));
+  if (args.has("--repetition-penalty")) params.repetition_penalty = float(args.number("--repetition-penalty"));
+  if (args.has("--seed")) params.seed = uint64_t(args.integer("--seed", 0, INT64_MAX));
+  if (args.has("--stop")) params.stop_strings = {args.text("--stop")};
+  if (args.has("--system") && !args.has("--chat")) throw UsageError{"--system needs --chat"};
+  auto checked = kvlite::validate(params);
+  if (!checked) throw UsageError{checked.error().message};
+
+  auto engine = open_engine(model_dir, engine_options(args));
+  auto print = [](const std::string& piece, int32_t) {
+    fputs(piece.c_str(), stdout);
+    fflush(stdout);
+    return true;
+  };
+  const auto start = std::chrono::steady_clock::now();
+  kvlite::Result<kvlite::Generation> generation = kvlite::Error();
+  if (args.has("--chat")) {
+    std::vector<kvlite::ChatMessage> messages;
+    if (args.has("--system")) messages.push_back({"system", args.text("--system")});
+    messages.push_back({"user", prompt});
+    generation = engine->generate_chat(messages, params, print);
+  } else {
+    generation = engine->generate(prompt, params, print);
+  }
+  if (!generation) library_error(generation.error());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fputs("\n", stdout);
+  fprintf(stderr, "kvlite generate: %zu prompt + %zu generated tokens in %.2f s (%s)\n",
+          generation->prompt_ids.size(), generation->ids.size(), seconds,
+          kvlite::finish_reason_name(generation->finish_reason));
+  return kExitOk;
+}
+
+int run_score(const Args& args) {
+  const std::string& model_dir = model_dir_argument(args);
+  const std::string& path = required(args, "--text-file");
+  const int64_t context = Args::parse_integer("--context-length", required(args, "--context-length"), 2, INT64_MAX);
+  const int64_t stride = Args::parse_integer("--stride", required(args, "--stride"), 1, INT64_MAX);
+  if (stride > context) throw UsageError{"--stride must not exceed --context-length"};
+  std::ifstream file(path, std::ios::binary);
+  if (!file) throw InputError{"cannot read " + path};
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+
+  kvlite::EngineOptions options = engine_options(args);
+  // Each window is its own sequence: the KV arena is sized for one window, not the model's maximum.
+  if (!args.has("--max-model-len")) options.plan.max_model_len = context;
+  auto engine = open_engine(model_dir, options);
+  const bool show_progress = isatty(fileno(stderr));
+  auto progress = [&](int64_t done, int64_t total) {
+    if (show_progress) fprintf(stderr, "\rscoring: window %lld of %lld", (long long)done, (long long)total);
+  };
+  auto scored = engine->score(text, context, stride, progress);
+  if (show_progress) fputs("\n", stderr);
+  if (!scored) library_error(scored.error());
+  printf("perplexity: %.6f\n", scored->perplexity);
+  printf("tokens: %lld scored (windows: %lld of %lld tokens, stride %lld)\n", (long long)scored->tokens,
+         (long long)scored->windows, (long long)context, (long long)stride);
+  printf("mean nll: %.6f\n", scored->nll_sum / double(scored->tokens));
+  printf("guide perplexity: %.6f (transformers' guide weighting)\n", scored->guide_perplexity);
+  return kExitOk;
+}
+
+int run_tokenize(const Args& args) {
+  const std::string& model_dir = model_dir_argument(args);
+  const std::string& text = required(args, "--text");
+  auto tokenizer = kvlite::Tokenizer::load(model_dir);
+  if (!tokenizer) library_error(tokenizer.error());
+  auto ids = tokenizer->encode(text, !args.has("--no-special-tokens"));
+  if (!ids) library_error(ids.error());
+  std::string json = "[";
+  for (size_t i = 0; i < ids->size(); i++) json += (i ? ", " : "") + std::to_string((*ids)[i]);
+  printf("%s]\n", json.c_str());
+  return kExitOk;
+}
+
+int run_logits(const Args& args) {
+  const std::string& model_dir = model_dir_argument(args);
+  std::vector<int32_t> ids;
+  for (const std::string& part : split(required(args, "--tokens"), ','))
+    ids.push_back(int32_t(Args::parse_integer("--tokens", part, 0, INT32_MAX)));
+  const std::string& out = required(args, "--out");
+  kvlite::EngineOptions options = engine_options(args);
+  if (!args.has("--max-model-len")) options.plan.max_model_len = int64_t(ids.size());
+  auto engine = open_engine(model_dir, options);
+  auto logits = engine->logits(ids);
+  if (!logits) library_error(logits.error());
+  auto written = kvlite::write_npy(out, logits->values.data(), logits->tokens, logits->vocab);
+  if (!written) library_error(written.error());
+  printf("wrote %s: float32 [%lld, %lld]\n", out.c_str(), (long long)logits->tokens, (long long)logits->vocab);
+  return kExitOk;
+}
+
 const std::vector<Command>& commands() {
   static const std::vector<Command> list = {
       {"plan", "where every byte of device memory goes, and what would fit",
@@ -343,7 +516,7 @@ const std::vector<Command>& commands() {
            {"--max-model-len", "N", "longest sequence (prompt + output); default: see below"},
            {"--max-seqs", "N", "sequences decoded together; default 8"},
            {"--max-batched-tokens", "N", "tokens in one forward step; default min(2048, max_model_len)"},
-           {"--kv-dtype", "T", "auto | bf16 | f16 | fp8 (e4m3, halves KV); default auto (the model's dtype)"},
+           {"--kv-dtype", "T", "auto | bf16 | f16 | fp8 (e4m3, halves KV) | f32; default auto (the model's dtype; f32 on the CPU)"},
            {"--kv-page-tokens", "N", "tokens per KV page, 1..1024; default 16"},
            {"--max-image-pixels", "N", "vision models: image budget in pixels; default min(processor max, 1048576)"},
            {"--max-images", "N", "vision models: images encoded in one step; default 1"},
@@ -354,6 +527,60 @@ const std::vector<Command>& commands() {
            {"--sweep", "KEY=V1,V2,...", "print CSV for each value instead of one plan (see below)"},
        },
        run_plan},
+      {"generate", "generate text from a prompt, streamed to stdout",
+       "Generate text with the CPU reference engine (Llama-3, Qwen2, Qwen3; BF16/F16/F32 weights). The text\n"
+       "streams to stdout as it is generated; a summary line goes to stderr.",
+       "kvlite generate MODEL_DIR --prompt TEXT [--chat] [options]",
+       "Generation stops at the model's end-of-turn tokens, at --stop, or after --max-tokens tokens.\n"
+       "prompt + max-tokens must fit in max_model_len (otherwise: exit 1, with the numbers).\n"
+       "\nexit status: 0 done, 1 does not fit, 2 usage or input error.\n",
+       with_engine_options({
+           {"--prompt", "TEXT", "the prompt (plain text, encoded with the tokenizer's special tokens)"},
+           {"--chat", "", "send --prompt as a user message in the model's chat format"},
+           {"--system", "TEXT", "with --chat: a system message before it"},
+           {"--max-tokens", "N", "generate at most N tokens; default 256"},
+           {"--temperature", "T", "0 = greedy (default); > 0 samples"},
+           {"--top-p", "P", "nucleus sampling, (0, 1]; default 1 (off)"},
+           {"--top-k", "K", "sample among the K most likely; default 0 (off)"},
+           {"--min-p", "P", "drop tokens below P x the top probability; default 0 (off)"},
+           {"--repetition-penalty", "R", "> 1 discourages repeating tokens; default 1 (off)"},
+           {"--seed", "S", "sampling seed (same seed, same text); default 0"},
+           {"--stop", "TEXT", "stop when the text reaches TEXT (which is not printed)"},
+       }),
+       run_generate},
+      {"score", "perplexity of a text file with a sliding window",
+       "Perplexity with transformers' sliding-window recipe (\"Perplexity of fixed-length models\"): windows of\n"
+       "--context-length tokens every --stride tokens; every token after the first is scored once, with the\n"
+       "context its window gives it. Progress goes to stderr when it is a terminal.",
+       "kvlite score MODEL_DIR --text-file F --context-length N --stride S [options]",
+       "Prints perplexity = exp(mean NLL over the scored tokens), then the guide's own weighting of window\n"
+       "means for comparison. The KV arena is sized for one window (max_model_len = context length).\n"
+       "\nexit status: 0 done, 1 does not fit, 2 usage or input error.\n",
+       with_engine_options({
+           {"--text-file", "F", "the text to score (UTF-8), encoded with the tokenizer's special tokens"},
+           {"--context-length", "N", "tokens per window (e.g. 2048)"},
+           {"--stride", "S", "tokens between window starts, 1..N (e.g. 512)"},
+       }),
+       run_score},
+      {"tokenize", "print the token ids of a text as a JSON array",
+       "Encode a text with the model directory's tokenizer.json, as Hugging Face tokenizers does.",
+       "kvlite tokenize MODEL_DIR --text TEXT [--no-special-tokens]",
+       "",
+       {
+           {"--text", "TEXT", "the text to encode"},
+           {"--no-special-tokens", "", "do not add the tokenizer's special tokens (e.g. Llama-3's <|begin_of_text|>)"},
+       },
+       run_tokenize},
+      {"logits", "write the logits of a token sequence as a .npy file",
+       "Run one sequence through the model and write the logits of every position: float32 [n_tokens, vocab]\n"
+       "in NumPy's .npy format (row t = the logits after tokens 0..t).",
+       "kvlite logits MODEL_DIR --tokens 1,2,3 --out FILE.npy [options]",
+       "\nexit status: 0 done, 1 does not fit, 2 usage or input error.\n",
+       with_engine_options({
+           {"--tokens", "IDS", "comma-separated token ids"},
+           {"--out", "FILE", "the .npy file to write"},
+       }),
+       run_logits},
   };
   return list;
 }
@@ -425,6 +652,9 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     fprintf(stderr, "kvlite %s: error: %s\nRun 'kvlite %s --help' for usage.\n", command->name.c_str(),
             e.message.c_str(), command->name.c_str());
+  } catch (const DoesNotFit& e) {
+    fprintf(stderr, "kvlite %s: error: %s\n", command->name.c_str(), e.message.c_str());
+    return kExitDoesNotFit;
   } catch (const InputError& e) {
     fprintf(stderr, "kvlite %s: error: %s\n", command->name.c_str(), e.message.c_str());
   } catch (const std::exception& e) {

@@ -14,6 +14,8 @@
 #include "arena.hpp"
 #include "sampler.hpp"
 #include "backend.hpp"
+#include "model.hpp"
+#include "engine.hpp"
 #endif  // KVLITE_HPP_INCLUDED
 
 #if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
@@ -30,4 +32,6 @@
 #include "sampler.inl"
 #include "backend.inl"
 #include "backend_cpu.inl"
+#include "model.inl"
+#include "engine.inl"
 #endif  // KVLITE_IMPLEMENTATION

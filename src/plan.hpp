@@ -6,10 +6,12 @@
 
 namespace kvlite {
 
-enum class KVDType { auto_, bf16, f16, fp8 };  // auto: the model's dtype (bf16 or f16); fp8: e4m3
+// auto: f32 on the CPU (its reference matches transformers' float32), else the model's dtype (bf16 or f16);
+// fp8: e4m3.
+enum class KVDType { auto_, bf16, f16, fp8, f32 };
 const char* kv_dtype_name(KVDType dtype);
-Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8"
-int kv_dtype_bytes(KVDType dtype);                         // 2, or 1 for fp8 (auto must be resolved first)
+Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8" | "f32"
+int kv_dtype_bytes(KVDType dtype);  // 2, 1 for fp8, 4 for f32 (auto must be resolved first)
 
 struct PlanOptions {
   // Plan for a card of this size instead of the one present. Read by plan_model_dir (through

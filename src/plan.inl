@@ -35,6 +35,7 @@ const char* kv_dtype_name(KVDType dtype) {
     case KVDType::bf16: return "bf16";
     case KVDType::f16: return "f16";
     case KVDType::fp8: return "fp8";
+    case KVDType::f32: return "f32";
   }
   return "?";
 }
@@ -45,12 +46,13 @@ Result<KVDType> parse_kv_dtype(const std::string& text) {
     if (text == "bf16" || text == "bfloat16") return KVDType::bf16;
     if (text == "f16" || text == "fp16" || text == "float16") return KVDType::f16;
     if (text == "fp8" || text == "fp8_e4m3") return KVDType::fp8;
+    if (text == "f32" || text == "fp32" || text == "float32") return KVDType::f32;
     detail::fail(ErrorCode::invalid_argument,
-                 detail::format("unknown KV dtype '%s': use auto, bf16, f16 or fp8", text.c_str()));
+                 detail::format("unknown KV dtype '%s': use auto, bf16, f16, fp8 or f32", text.c_str()));
   });
 }
 
-int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : 2; }
+int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : dtype == KVDType::f32 ? 4 : 2; }
 
 namespace detail {
 namespace planning {
@@ -252,15 +254,19 @@ struct Inputs {
 };
 
 PlanItem weights_item(const Inputs& in) {
-  PlanItem item{"weights", "", align_up(in.weights.total_bytes, kPlanAlignment), "", true};
+  // On the CPU the weights are read in place from the memory-mapped safetensors files (the OS page cache
+  // holds them): they count against the budget but are not copied into the arena.
+  bool in_arena = in.device.backend == BackendKind::cuda;
+  PlanItem item{"weights", "", align_up(in.weights.total_bytes, kPlanAlignment), "", in_arena};
   uint64_t linear_bytes = 0;
   for (const auto& linear : in.weights.linears) linear_bytes += linear.bytes;
   if (in.weights.exact) {
     item.label = in.tensor_count ? format("weights (exact, %llu tensors)", (unsigned long long)in.tensor_count)
                                  : std::string("weights (exact, from headers)");
-    item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s",
+    item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s%s",
                       in.weights.linears.size(), format_bytes(linear_bytes).c_str(),
-                      format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str());
+                      format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str(),
+                      in_arena ? "" : "; memory-mapped, not copied (CPU)");
   } else {
     item.label = "weights (estimated from config.json)";
     item.why = format("no safetensors in the directory: shapes from config.json, formats from quantization_config "
@@ -311,7 +317,7 @@ PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
   const char* dtype = activation_dtype(in.device.backend);
   return {"activations", "activations", buffers_bytes(buffers),
           format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual (T,H) fp32; normed, qkv, "
-                 "attn_out, gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; 4 int32 index arrays",
+                 "attn_out, gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,D/2) fp32; int32 index arrays",
                  (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits),
           true};
 }
@@ -416,6 +422,12 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   for (const auto& item : plan.items) plan.fixed_bytes += item.bytes;
   plan.kv_available_bytes = int64_t(plan.budget_bytes) - int64_t(plan.fixed_bytes);
   plan.kv_pages = plan.kv_available_bytes > 0 ? uint64_t(plan.kv_available_bytes) / plan.kv_page_bytes : 0;
+  if (in.device.backend == BackendKind::cpu) {
+    // The CPU shares its memory with everything else on the machine: take only the pages that max_seqs
+    // sequences of max_model_len can use, not the whole budget.
+    uint64_t pages_per_seq = ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
+    plan.kv_pages = std::min(plan.kv_pages, uint64_t(o.max_seqs) * pages_per_seq);
+  }
   plan.kv_arena_bytes = plan.kv_pages * plan.kv_page_bytes;
   plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
   plan.max_model_len = o.max_model_len;
@@ -540,6 +552,12 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       mrope ? buffer("positions", {3, T}, 4, "(3, T)", "int32") : buffer("positions", {T}, 4, "(T)", "int32"),
       buffer("slot_mapping", {T}, 4, "(T)", "int32"),  // KV slot (page x page_tokens + offset) each token writes
       buffer("seq_index", {T}, 4, "(T)", "int32"),     // which sequence of the batch each token belongs to
+      // RoPE cos/sin of each token's position, computed on the host (rope_tables) and copied in.
+      buffer("rope_cos", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
+      buffer("rope_sin", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
+      buffer("query_starts", {S + 1}, 4, "(S + 1)", "int32"),  // attention batch: first token of each sequence
+      buffer("context_lens", {S}, 4, "(S)", "int32"),          // attention batch: cached tokens of each sequence
+      buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
   return buffers;
 }
@@ -577,6 +595,7 @@ std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_se
   return {
       buffer("logits", {R, V}, 4, "(max(S, 32), V)", "fp32"),
       buffer("sampling_probs", {S, V}, 4, "(S, V)", "fp32"),
+      buffer("sampling_order", {S, V}, 4, "(S, V)", "int32"),  // the sampler's sort order scratch
       buffer("sampled_ids", {S}, 4, "(S)", "int32"),
       buffer("target_ids", {R}, 4, "(max(S, 32))", "int32"),  // scoring: the next tokens whose log-probs are read
       buffer("row_logprobs", {R}, 4, "(max(S, 32))", "fp32"),
@@ -599,7 +618,10 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
   PlanOptions o = requested;
   o.wsl2 = device.wsl2;
-  if (o.kv_dtype == KVDType::auto_) o.kv_dtype = config.text.dtype == DType::F16 ? KVDType::f16 : KVDType::bf16;
+  if (o.kv_dtype == KVDType::auto_)
+    o.kv_dtype = device.backend == BackendKind::cpu ? KVDType::f32
+                 : config.text.dtype == DType::F16  ? KVDType::f16
+                                                    : KVDType::bf16;
   if (o.max_seqs == 0) o.max_seqs = kDefaultMaxSeqs;
 
   std::string image_rule;
@@ -641,8 +663,11 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
   plan.max_model_len_rule = rule;
   plan.max_image_pixels_rule = image_rule;
 
-  // What would fit, whatever the verdict.
-  plan.max_model_len_that_fits = std::min<int64_t>(int64_t(plan.kv_tokens), limits.max_position);
+  // What would fit, whatever the verdict (from the bytes left, not the pages taken: the CPU caps those).
+  auto tokens_that_fit = [](const Plan& p) {
+    return p.kv_available_bytes > 0 ? int64_t(uint64_t(p.kv_available_bytes) / p.kv_page_bytes * p.kv_page_tokens) : 0;
+  };
+  plan.max_model_len_that_fits = std::min<int64_t>(tokens_that_fit(plan), limits.max_position);
   uint64_t total_needed = plan.fixed_bytes + kv_bytes_for(plan, plan.max_model_len);
   plan.utilization_needed = utilization_for(total_needed, device.total_bytes);
   if (o.kv_dtype == KVDType::fp8) {
@@ -650,7 +675,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
   } else {
     PlanOptions fp8 = o;
     fp8.kv_dtype = KVDType::fp8;
-    plan.max_model_len_that_fits_fp8_kv = std::min<int64_t>(int64_t(assemble(in, fp8).kv_tokens), limits.max_position);
+    plan.max_model_len_that_fits_fp8_kv = std::min<int64_t>(tokens_that_fit(assemble(in, fp8)), limits.max_position);
   }
   if (config.vision.present) {
     // The largest image budget (whole merge windows) at which max_model_len fits: binary search, since the

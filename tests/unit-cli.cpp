@@ -9,6 +9,7 @@
 #include <vector>
 #include <nlohmann/json.hpp>
 #include "kvlite.hpp"
+#include "model_fixtures.hpp"
 #include "safetensors_writer.hpp"
 
 namespace {
@@ -190,4 +191,100 @@ TEST_CASE("plan --sweep prints CSV for each value and exits 0") {
   Run by_card = run_kvlite({"plan", kLlama, "--max-model-len", "4096", "--sweep", "device-mem=6GiB,24GiB"});
   CHECK(by_card.status == 0);
   CHECK(by_card.out.rfind("device_mem,max_model_len,total_bytes,kv_bytes,concurrency,fits\n6GiB,4096,", 0) == 0);
+}
+
+// ---- the engine commands, on the tiny fixture models (tests/fixtures/models, references from transformers) ----
+
+TEST_CASE("tokenize prints the ids transformers' tokenizer gives, as a JSON array") {
+  const nlohmann::json reference = model_fixtures::reference("tiny-llama3");
+  const auto& prompt = reference["prompts"][1];
+  Run run = run_kvlite({"tokenize", model_fixtures::dir("tiny-llama3"), "--text", prompt["text"].get<std::string>()});
+  CHECK(run.status == 0);
+  CHECK(run.err.empty());
+  CHECK(nlohmann::json::parse(run.out) == prompt["input_ids"]);  // <|begin_of_text|> first, as encode(add_special_tokens=True)
+  Run plain = run_kvlite({"tokenize", model_fixtures::dir("tiny-llama3"), "--text", prompt["text"].get<std::string>(),
+                          "--no-special-tokens"});
+  CHECK(plain.status == 0);
+  nlohmann::json without_bos = prompt["input_ids"];
+  without_bos.erase(without_bos.begin());
+  CHECK(nlohmann::json::parse(plain.out) == without_bos);
+}
+
+TEST_CASE("generate streams transformers' greedy continuation to stdout") {
+  for (const std::string& name : {"tiny-llama3", "tiny-qwen3"}) {
+    CAPTURE(name);
+    const nlohmann::json reference = model_fixtures::reference(name);
+    const auto& prompt = reference["prompts"][0];
+    Run run = run_kvlite({"generate", model_fixtures::dir(name), "--prompt", prompt["text"].get<std::string>(),
+                          "--max-tokens", "16", "--device-mem", "64MiB", "--threads", "1"});
+    CHECK(run.status == 0);
+    CHECK(run.out == prompt["greedy"]["text"].get<std::string>() + "\n");
+    CHECK_MESSAGE(contains(run.err, "16 generated tokens"), run.err);
+  }
+}
+
+TEST_CASE("generate --chat formats the prompt in the model's chat format") {
+  const nlohmann::json reference = model_fixtures::reference("tiny-qwen2");
+  const auto& chat = reference["prompts"][2];
+  Run run = run_kvlite({"generate", model_fixtures::dir("tiny-qwen2"), "--chat", "--system",
+                        chat["messages"][0]["content"].get<std::string>(), "--prompt",
+                        chat["messages"][1]["content"].get<std::string>(), "--max-tokens", "16", "--device-mem", "64MiB"});
+  CHECK(run.status == 0);
+  CHECK(run.out == chat["greedy"]["text"].get<std::string>() + "\n");
+  CHECK_MESSAGE(contains(run.err, std::to_string(chat["input_ids"].size()) + " prompt"), run.err);
+}
+
+TEST_CASE("generate refuses what cannot fit (exit 1) and bad sampling options (exit 2)") {
+  const std::string dir = model_fixtures::dir("tiny-qwen3");
+  Run too_long = run_kvlite({"generate", dir, "--prompt", "hi", "--max-tokens", "100", "--max-model-len", "64",
+                             "--device-mem", "64MiB"});
+  CHECK(too_long.status == 1);
+  CHECK(too_long.out.empty());
+  CHECK_MESSAGE(contains(too_long.err, "max_model_len is 64"), too_long.err);
+  Run bad = run_kvlite({"generate", dir, "--prompt", "hi", "--top-p", "1.5"});
+  CHECK(bad.status == 2);
+  CHECK_MESSAGE(contains(bad.err, "top_p"), bad.err);
+  Run missing = run_kvlite({"generate", dir});
+  CHECK(missing.status == 2);
+  CHECK_MESSAGE(contains(missing.err, "--prompt is required"), missing.err);
+}
+
+TEST_CASE("score prints the sliding-window perplexity transformers' guide computes") {
+  const nlohmann::json reference = model_fixtures::reference("tiny-qwen2")["perplexity"];
+  const std::string text_file = testing_safetensors::temp_dir("cli-score") + "/text.txt";
+  std::ofstream(text_file, std::ios::binary) << reference["text"].get<std::string>();
+  Run run = run_kvlite({"score", model_fixtures::dir("tiny-qwen2"), "--text-file", text_file, "--context-length",
+                        std::to_string(reference["context_length"].get<int64_t>()), "--stride",
+                        std::to_string(reference["stride"].get<int64_t>()), "--device-mem", "64MiB"});
+  CHECK(run.status == 0);
+  CHECK(run.err.empty());  // progress only when stderr is a terminal
+  double perplexity = 0, guide = 0;
+  REQUIRE(sscanf(run.out.c_str(), "perplexity: %lf", &perplexity) == 1);
+  REQUIRE(contains(run.out, "guide perplexity: "));
+  REQUIRE(sscanf(run.out.c_str() + run.out.find("guide perplexity: "), "guide perplexity: %lf", &guide) == 1);
+  const double exact = reference["exact_ppl"].get<double>(), guide_reference = reference["guide_ppl"].get<double>();
+  CHECK(std::fabs(perplexity - exact) <= 1e-4 * exact);
+  CHECK(std::fabs(guide - guide_reference) <= 1e-4 * guide_reference);
+  CHECK(contains(run.out, "tokens: " + std::to_string(reference["exact_tokens"].get<int64_t>()) + " scored"));
+}
+
+TEST_CASE("logits writes transformers' logits as a float32 .npy") {
+  const nlohmann::json reference = model_fixtures::reference("tiny-qwen3");
+  const auto& prompt = reference["prompts"][1];
+  std::string tokens;
+  for (const auto& id : prompt["input_ids"]) tokens += (tokens.empty() ? "" : ",") + std::to_string(id.get<int>());
+  const std::string out = testing_safetensors::temp_dir("cli-logits") + "/logits.npy";
+  Run run = run_kvlite({"logits", model_fixtures::dir("tiny-qwen3"), "--tokens", tokens, "--out", out,
+                        "--device-mem", "64MiB"});
+  CHECK(run.status == 0);
+  CHECK(run.err.empty());
+  model_fixtures::Npy written = model_fixtures::read_npy(out);
+  model_fixtures::Npy expected =
+      model_fixtures::read_npy(model_fixtures::dir("tiny-qwen3") + "/" + prompt["logits_file"].get<std::string>());
+  REQUIRE(written.rows == expected.rows);
+  REQUIRE(written.cols == expected.cols);
+  CHECK(model_fixtures::relative_max_diff(written.values, expected.values) <= 1e-4);
+  Run bad = run_kvlite({"logits", model_fixtures::dir("tiny-qwen3"), "--tokens", "1,x", "--out", out});
+  CHECK(bad.status == 2);
+  CHECK_MESSAGE(contains(bad.err, "'x'"), bad.err);
 }

@@ -429,8 +429,20 @@ TEST_CASE("invariants over models, cards, ratios, KV dtypes and backends") {
             CHECK(p.kv_arena_bytes == p.kv_pages * p.kv_page_bytes);
             CHECK(p.kv_tokens == p.kv_pages * p.kv_page_tokens);
             CHECK(int64_t(p.kv_arena_bytes) <= std::max<int64_t>(p.kv_available_bytes, 0));
-            if (p.kv_available_bytes > 0) CHECK(int64_t(p.kv_arena_bytes + p.kv_page_bytes) > p.kv_available_bytes);
-            CHECK(p.arena_bytes() + p.item("context")->bytes == p.fixed_bytes + p.kv_arena_bytes);
+            if (p.device.backend == BackendKind::cuda) {
+              // A GPU takes every whole page the budget leaves.
+              if (p.kv_available_bytes > 0) CHECK(int64_t(p.kv_arena_bytes + p.kv_page_bytes) > p.kv_available_bytes);
+            } else {
+              // The CPU takes only what max_seqs sequences of max_model_len can use.
+              uint64_t cap = uint64_t(p.options.max_seqs) * ((uint64_t(p.max_model_len) + p.kv_page_tokens - 1) / p.kv_page_tokens);
+              CHECK(p.kv_pages <= cap);
+              if (p.kv_available_bytes > 0)
+                CHECK((p.kv_pages == cap || int64_t(p.kv_arena_bytes + p.kv_page_bytes) > p.kv_available_bytes));
+              CHECK_FALSE(p.item("weights")->in_arena);  // read from the mmap in place
+            }
+            uint64_t outside_arena = 0;
+            for (const auto& item : p.items) outside_arena += item.in_arena ? 0 : item.bytes;
+            CHECK(p.arena_bytes() + outside_arena == p.fixed_bytes + p.kv_arena_bytes);
             CHECK(detail::arena_layout(p).total_bytes == p.arena_bytes());  // what the arena will reserve
             CHECK(p.fits == (p.kv_available_bytes > 0 && p.kv_tokens >= uint64_t(p.max_model_len)));
             CHECK(p.shortfall_bytes == (p.fits ? 0 : int64_t(kv_for(p, p.max_model_len)) - p.kv_available_bytes));
@@ -526,6 +538,7 @@ TEST_CASE("every option error is invalid_argument and carries its value") {
   CHECK(parse_kv_dtype("auto").value() == KVDType::auto_);
   CHECK(parse_kv_dtype("bf16").value() == KVDType::bf16);
   CHECK(parse_kv_dtype("f16").value() == KVDType::f16);
+  CHECK(parse_kv_dtype("f32").value() == KVDType::f32);
 }
 
 TEST_CASE("activation buffers follow the config's shapes, bf16 on CUDA and fp32 on the CPU") {
@@ -545,7 +558,10 @@ TEST_CASE("activation buffers follow the config's shapes, bf16 on CUDA and fp32 
   CHECK(named(cpu, "qkv").bytes == rounded(uint64_t(T) * (32 + 2 * 8) * 128 * 4));
   CHECK(named(cpu, "hidden").bytes == named(gpu, "hidden").bytes);
   for (const auto& b : gpu) CHECK(b.bytes % kPlanAlignment == 0);
-  CHECK(gpu.size() == 11);
+  CHECK(named(gpu, "rope_cos").bytes == rounded(uint64_t(T) * 64 * 4));
+  CHECK(named(gpu, "query_starts").bytes == rounded(uint64_t(S + 1) * 4));
+  CHECK(named(gpu, "logit_rows").bytes == rounded(uint64_t(T) * 4));
+  CHECK(gpu.size() == 16);
   // M-RoPE: three position rows per token.
   CHECK(named(activation_buffers(qwen3_vl_4b(), T, S, BackendKind::cuda), "positions").bytes == rounded(3 * uint64_t(T) * 4));
   // The planner's activations row is exactly their sum.
@@ -582,6 +598,7 @@ TEST_CASE("logits: 32 rows at a time for scoring, more when more sequences decod
   ModelConfig c = qwen3_vl_4b();
   CHECK(named(logits_buffers(c, 8), "logits").bytes == (32ull * 151936 * 4 + 255) / 256 * 256);
   CHECK(named(logits_buffers(c, 8), "sampling_probs").bytes == (8ull * 151936 * 4 + 255) / 256 * 256);
+  CHECK(named(logits_buffers(c, 8), "sampling_order").bytes == (8ull * 151936 * 4 + 255) / 256 * 256);
   CHECK(named(logits_buffers(c, 100), "logits").bytes == (100ull * 151936 * 4 + 255) / 256 * 256);
 }
 
@@ -621,7 +638,9 @@ TEST_CASE("CUDA-only rows (repack of 16-bit FP8 scales, context, graphs) are zer
   CHECK(c.item("graphs")->bytes == 0);
   CHECK(c.item("workspace")->bytes % (64 * KiB) == 0);
   CHECK(c.item("activations")->bytes > p.item("activations")->bytes);  // fp32 on the CPU
-  CHECK(c.kv_bytes_per_token == 147456);
+  // KV auto is f32 on the CPU (the reference matches transformers' float32): twice the bf16 bytes.
+  CHECK(c.options.kv_dtype == KVDType::f32);
+  CHECK(c.kv_bytes_per_token == 2 * 147456);
 }
 
 TEST_CASE("--wsl2 overrides the device's detection") {

@@ -1,0 +1,164 @@
+// ---------------------------------------------------------------------------------------------------------
+// engine: the public API. Opens a model directory into one arena, then generates text (streaming, several
+// requests batched continuously over the paged KV cache), scores text (perplexity) and returns logits.
+//
+//   #include "kvlite.hpp"   // in one .cpp: #define KVLITE_IMPLEMENTATION first
+//   kvlite::EngineOptions options;
+//   options.plan.max_model_len = 4096;                                  // what the KV arena is sized for
+//   auto engine = kvlite::Engine::open("models/Qwen3-4B", options);    // plan, arena, weights, tokenizer
+//   if (!engine) { fprintf(stderr, "%s\n", engine.error().message.c_str()); return 1; }
+//   kvlite::SamplingParams params;                                      // greedy; temperature > 0 samples
+//   params.max_tokens = 200;
+//   auto out = (*engine)->generate("The capital of France is", params,
+//                                  [](const std::string& piece, int32_t) { fputs(piece.c_str(), stdout); return true; });
+//   auto ppl = (*engine)->score(text, /*context_length=*/2048, /*stride=*/512);  // ppl->perplexity
+//
+// Requests. generate() runs one request to its end (and advances any others submitted before). For many
+// at once: submit() each, then run() (or step() in your own loop) and take each result(). Each step packs the
+// next token of every decoding sequence plus prefill chunks of the others, up to max_batched_tokens. KV pages
+// are taken as tokens arrive and returned when a sequence ends. When pages run out, new requests wait and,
+// if a running one cannot grow, the most recently started one is preempted: its pages are freed and it is
+// recomputed from its tokens later, giving the same tokens. A request that could never fit (prompt +
+// max_tokens > max_model_len, or more pages than the whole arena) is refused up front with does_not_fit.
+//
+// Threads: one caller at a time, except cancel(), which any thread may call: the running call (generate,
+// run, step, score, logits) stops at its next step and returns ErrorCode::cancelled, dropping every request in
+// flight. A cancel() made while nothing runs cancels the next call's first step. Callbacks run inside the
+// engine's step: they may call cancel() but no other Engine function.
+// ---------------------------------------------------------------------------------------------------------
+#pragma once
+
+namespace kvlite {
+
+struct EngineOptions {
+  PlanOptions plan;  // the memory plan (computed for the CPU: device_mem, when set, is the budget's base)
+  int threads = 0;   // CPU worker threads; 0: one per hardware thread
+};
+
+// Why a generation ended.
+enum class FinishReason {
+  running,      // not finished yet
+  stop_token,   // an end-of-turn token (the tokenizer's eos, <|im_end|>, <|eot_id|>, generation_config's
+                // eos_token_id, or SamplingParams::stop_tokens); it is the last id, its text is not emitted
+  stop_string,  // the text reached one of SamplingParams::stop_strings; the text stops before it
+  max_tokens,   // SamplingParams::max_tokens ids were generated
+  callback,     // the token callback returned false
+  cancelled,    // Engine::cancel()
+};
+const char* finish_reason_name(FinishReason reason);
+
+// Called with each piece of text as it becomes final and the id that completed it. Pieces are whole UTF-8
+// characters (a character split across tokens arrives with its last token, so a piece may be ""), and text
+// that may turn out to start a stop string is held back until it does not. Text still held when generation
+// ends arrives in a last call with id -1. Return false to end this request (FinishReason::callback).
+using TokenCallback = std::function<bool(const std::string& piece, int32_t id)>;
+
+struct Generation {
+  std::vector<int32_t> prompt_ids;
+  std::vector<int32_t> ids;  // generated ids, the stop token included when one ended it (as transformers)
+  std::string text;          // the text streamed to the callback: without the stop token or stop string
+  FinishReason finish_reason = FinishReason::running;
+};
+
+// Perplexity of a token sequence with transformers' sliding-window recipe (score_windows): each window is
+// read on its own, and each token after the first is scored once with the context its window gives it.
+struct ScoreResult {
+  double perplexity = 0;         // exp(nll_sum / tokens)
+  double nll_sum = 0;            // sum of -log p(token | context) over the scored tokens
+  int64_t tokens = 0;            // scored tokens: all but the first
+  std::vector<double> logprobs;  // [n]: logprobs[p] = log p(ids[p] | window context); logprobs[0] = NaN
+  // The figure transformers' guide prints: each window's mean loss weighted by (its target count - 1). It
+  // differs slightly from `perplexity` when stride < context (the guide's weights are off by one there).
+  double guide_perplexity = 0;
+  int64_t windows = 0;
+  int64_t context_length = 0, stride = 0;
+};
+// Called after each window is scored.
+using ScoreProgress = std::function<void(int64_t windows_done, int64_t windows_total)>;
+
+// Logits of every position: values[t * vocab + j] = logit of token j after ids[0..t].
+struct Logits {
+  int64_t tokens = 0, vocab = 0;
+  std::vector<float> values;  // [tokens, vocab] float32
+};
+
+using RequestId = int64_t;
+
+// Counters since open().
+struct EngineStats {
+  int64_t steps = 0;             // forward steps
+  int64_t tokens_computed = 0;   // tokens through the model (prefill and decode, recomputation included)
+  int64_t tokens_generated = 0;  // ids sampled
+  int64_t preemptions = 0;       // running requests preempted for KV pages (and recomputed later)
+  int64_t peak_running = 0;      // most sequences in one step
+};
+
+// Writes a float32 [rows, cols] array as a NumPy .npy file (format 1.0, little-endian, C order), byte for
+// byte what numpy.save writes. io_error naming the path when it cannot be written.
+Status write_npy(const std::string& path, const float* values, int64_t rows, int64_t cols);
+
+class Engine {
+ public:
+  // Loads config.json and the safetensors headers, plans for the CPU (options.plan), reserves the one arena,
+  // binds the weights as views into the mmap (BF16/F16/F32 as on disk; absent tensors are missing_tensor,
+  // listing them), makes the CPU backend and loads the tokenizer. Errors: whatever those steps report, e.g.
+  // does_not_fit with the plan's advice when the memory budget is too small.
+  static Result<std::unique_ptr<Engine>> open(const std::string& model_dir, const EngineOptions& options = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const Plan& plan() const;
+  const ModelConfig& config() const;
+  const Tokenizer& tokenizer() const;
+  const Arena& arena() const;
+  // The ids generation stops at unless SamplingParams adds more (sorted).
+  const std::vector<int32_t>& stop_token_ids() const;
+
+  Result<std::vector<int32_t>> tokenize(const std::string& text, bool add_special_tokens = true) const;
+  Result<std::string> detokenize(const std::vector<int32_t>& ids, bool skip_special_tokens = false) const;
+
+  // One request to its end. The text is encoded with the tokenizer's special tokens (Llama-3 prepends
+  // <|begin_of_text|>); generate_chat formats the messages in the model's chat format with an open
+  // assistant turn.
+  Result<Generation> generate(const std::string& prompt, const SamplingParams& params,
+                              const TokenCallback& on_token = nullptr);
+  Result<Generation> generate(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
+                              const TokenCallback& on_token = nullptr);
+  Result<Generation> generate_chat(const std::vector<ChatMessage>& messages, const SamplingParams& params,
+                                   const TokenCallback& on_token = nullptr);
+
+  // Continuous batching. submit() validates and queues a request (does_not_fit when it could never fit);
+  // step() runs one forward step over everything runnable and returns whether requests remain unfinished;
+  // run() steps until none does. result() hands over a finished request's Generation (once; invalid_argument
+  // for an unknown id or one still running).
+  Result<RequestId> submit(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
+                           const TokenCallback& on_token = nullptr);
+  Result<bool> step();
+  Status run();
+  bool finished(RequestId id) const;
+  Result<Generation> result(RequestId id);
+
+  // Perplexity over `ids` (or the encoding of `text`, with special tokens) in windows of context_length
+  // tokens every `stride` tokens. Windows are batched like requests; each needs context_length <=
+  // max_model_len.
+  Result<ScoreResult> score(const std::vector<int32_t>& ids, int64_t context_length, int64_t stride,
+                            const ScoreProgress& progress = nullptr);
+  Result<ScoreResult> score(const std::string& text, int64_t context_length, int64_t stride,
+                            const ScoreProgress& progress = nullptr);
+
+  // The logits of every position of one sequence of at most max_model_len tokens.
+  Result<Logits> logits(const std::vector<int32_t>& ids);
+
+  // Thread-safe: stop the running call (see the top of this section).
+  void cancel();
+
+  EngineStats stats() const;
+
+ private:
+  Engine();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvlite

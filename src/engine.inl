@@ -1,0 +1,746 @@
+// engine: implementation. The scheduler in one paragraph: requests wait in a FIFO queue and run in start
+// order; every step first gives each running request its next tokens (one when decoding, a chunk when
+// prefilling), preempting the most recently started one when the KV pages run out, then admits waiting
+// requests while slots, pages and the step's token budget last. The step's tokens go through the model in
+// one forward pass; the rows whose logits someone wants (the last row of a generating sequence, every target
+// of a scoring window, every row of a logits request) are projected a chunk at a time and handed out.
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <deque>
+#include <limits>
+#include <set>
+#include <nlohmann/json.hpp>
+
+namespace kvlite {
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::running: return "running";
+    case FinishReason::stop_token: return "stop_token";
+    case FinishReason::stop_string: return "stop_string";
+    case FinishReason::max_tokens: return "max_tokens";
+    case FinishReason::callback: return "callback";
+    case FinishReason::cancelled: return "cancelled";
+  }
+  return "?";
+}
+
+namespace detail {
+
+enum class RequestKind { generate, score, logits };
+
+struct EngineRequest {
+  RequestId id = 0;
+  RequestKind kind = RequestKind::generate;
+  std::vector<int32_t> tokens;  // what the model reads: the prompt (or window), then each generated id
+  int64_t computed = 0;         // tokens whose K/V are in the cache (0 again after a preemption)
+  int32_t slot = -1;            // KV pool slot while running
+  bool finished = false;
+
+  // generate
+  SamplingParams params;
+  Rng rng;
+  TokenCallback on_token;
+  std::optional<StreamingDecoder> decoder;
+  std::string text;    // decoded so far (cut at a stop string)
+  size_t emitted = 0;  // bytes of `text` handed to on_token
+  Generation result;
+
+  // score and logits: rows [want_begin, want_end) of `tokens` have their logits consumed
+  int64_t want_begin = 0, want_end = 0;
+  double* logprobs = nullptr;  // score: logprobs[p + 1] = log p(tokens[p + 1] | tokens[0..p])
+  float* logits = nullptr;     // logits: [tokens, V]
+};
+
+}  // namespace detail
+
+struct Engine::Impl {
+  ModelConfig config;
+  TensorStore store;  // keeps the mmap the weight views point into
+  Plan plan;
+  std::unique_ptr<Arena> arena;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<TextModel> model;
+  std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
+  std::vector<int32_t> stop_ids;  // sorted
+  std::atomic<bool> cancel_requested{false};
+  EngineStats stats;
+
+  RequestId next_id = 1;
+  std::map<RequestId, std::unique_ptr<detail::EngineRequest>> requests;
+  std::deque<detail::EngineRequest*> waiting;  // FIFO; preempted requests go back to the front
+  std::vector<detail::EngineRequest*> running;  // in start order: the last one is preempted first
+
+  // Host staging of one step, sized once (Tmax tokens, Smax sequences).
+  struct Scheduled {
+    detail::EngineRequest* request;
+    int64_t tokens;
+  };
+  struct RowOwner {
+    detail::EngineRequest* request;
+    int64_t position;  // index into request->tokens
+  };
+  std::vector<Scheduled> scheduled;           // capacity Smax
+  std::vector<int32_t> token_ids, positions, slots, logit_row_ids;  // [Tmax]
+  std::vector<int32_t> query_starts;          // [Smax + 1]
+  std::vector<int32_t> context_lens;          // [Smax]
+  std::vector<RowOwner> row_owners;           // [Tmax]
+
+  KVPagePool& pool() { return arena->kv(); }
+  int64_t max_model_len() const { return plan.max_model_len; }
+
+  // ---- requests ----------------------------------------------------------------------------------------
+
+  void check_ids(const std::vector<int32_t>& ids, const char* what) const {
+    if (ids.empty()) detail::fail(ErrorCode::invalid_argument, detail::format("%s: no tokens", what));
+    for (size_t i = 0; i < ids.size(); i++)
+      if (ids[i] < 0 || ids[i] >= config.text.vocab_size)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("%s: token %zu is %d, outside the model's vocabulary [0, %lld)", what, i, ids[i],
+                                    (long long)config.text.vocab_size));
+  }
+
+  // The sequence could never be held: refuse it now rather than let it wait forever. (max_model_len is at
+  // most the whole KV arena: Arena::create refuses a plan where one such sequence does not fit.)
+  void check_fits(int64_t kv_tokens, const std::string& what, const std::string& advice) const {
+    if (kv_tokens > max_model_len())
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("%s needs %lld tokens of KV but the engine's max_model_len is %lld (its KV arena "
+                                  "holds %lld tokens); %s",
+                                  what.c_str(), (long long)kv_tokens, (long long)max_model_len(),
+                                  (long long)plan.kv_tokens, advice.c_str()));
+  }
+
+  detail::EngineRequest& add_request(detail::RequestKind kind, std::vector<int32_t> tokens) {
+    auto request = std::make_unique<detail::EngineRequest>();
+    request->id = next_id++;
+    request->kind = kind;
+    request->tokens = std::move(tokens);
+    detail::EngineRequest& r = *request;
+    requests[r.id] = std::move(request);
+    waiting.push_back(&r);
+    return r;
+  }
+
+  RequestId submit(const std::vector<int32_t>& prompt, const SamplingParams& params, const TokenCallback& on_token) {
+    check_ids(prompt, "generate");
+    Status valid = validate(params);
+    if (!valid) throw valid.error();
+    const int64_t prompt_len = int64_t(prompt.size());
+    const int64_t room = max_model_len() - prompt_len;  // tokens left for the output
+    const int64_t needed = params.max_tokens > std::numeric_limits<int64_t>::max() - prompt_len
+                               ? std::numeric_limits<int64_t>::max()
+                               : prompt_len + params.max_tokens;
+    check_fits(needed,
+               detail::format("a request of %lld prompt tokens + max_tokens %lld", (long long)prompt_len,
+                              (long long)params.max_tokens),
+               (room > 0 ? detail::format("lower max_tokens to at most %lld", (long long)room)
+                         : detail::format("shorten the prompt below %lld tokens", (long long)max_model_len())) +
+                   " or raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
+    detail::EngineRequest& r = add_request(detail::RequestKind::generate, prompt);
+    r.params = params;
+    r.rng = Rng(params.seed);
+    r.on_token = on_token;
+    r.decoder.emplace(*tokenizer, false);
+    r.result.prompt_ids = prompt;
+    r.tokens.reserve(size_t(prompt_len + params.max_tokens));
+    return r.id;
+  }
+
+  bool is_stop_token(const detail::EngineRequest& r, int32_t id) const {
+    return std::binary_search(stop_ids.begin(), stop_ids.end(), id) ||
+           std::find(r.params.stop_tokens.begin(), r.params.stop_tokens.end(), id) != r.params.stop_tokens.end();
+  }
+
+  // Hands text[emitted, end) to the callback with `id`; false when the callback asks to stop.
+  bool emit(detail::EngineRequest& r, size_t end, int32_t id) {
+    std::string piece = r.text.substr(r.emitted, end - r.emitted);
+    r.emitted = end;
+    r.result.text += piece;
+    return !r.on_token || r.on_token(piece, id);
+  }
+
+  // Takes r out of the queues and gives its slot and pages back.
+  void retire(detail::EngineRequest& r) {
+    r.finished = true;
+    if (r.slot >= 0) {
+      Status freed = pool().seq_free(r.slot);
+      if (!freed) throw freed.error();
+      r.slot = -1;
+    }
+    running.erase(std::remove(running.begin(), running.end(), &r), running.end());
+    waiting.erase(std::remove(waiting.begin(), waiting.end(), &r), waiting.end());
+  }
+
+  void finish(detail::EngineRequest& r, FinishReason reason) {
+    retire(r);
+    r.result.finish_reason = reason;
+    if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens) {
+      // Whatever was held back (a potential stop string's start, an incomplete character) is final now.
+      r.text += r.decoder->flush();
+      if (r.emitted < r.text.size()) emit(r, r.text.size(), -1);
+    }
+  }
+
+  // A generated id: record it, stream its text, and decide whether the request goes on.
+  void accept_token(detail::EngineRequest& r, int32_t id) {
+    stats.tokens_generated++;
+    r.tokens.push_back(id);
+    r.result.ids.push_back(id);
+    if (is_stop_token(r, id)) return finish(r, FinishReason::stop_token);
+    Result<std::string> piece = r.decoder->push(id);
+    if (!piece) throw piece.error();
+    const size_t searched_from = r.emitted;
+    r.text += *piece;
+    // The earliest stop string in the text not yet emitted ends the request, cut before it.
+    size_t stop_at = std::string::npos;
+    for (const std::string& stop : r.params.stop_strings) stop_at = std::min(stop_at, r.text.find(stop, searched_from));
+    if (stop_at != std::string::npos) {
+      r.text.resize(stop_at);
+      emit(r, stop_at, id);
+      return finish(r, FinishReason::stop_string);
+    }
+    // Hold back the longest tail that could still grow into a stop string.
+    size_t hold = 0;
+    for (const std::string& stop : r.params.stop_strings)
+      for (size_t len = std::min(stop.size() - 1, r.text.size() - r.emitted); len > hold; len--)
+        if (r.text.compare(r.text.size() - len, len, stop, 0, len) == 0) {
+          hold = len;
+          break;
+        }
+    if (!emit(r, r.text.size() - hold, id)) return finish(r, FinishReason::callback);
+    if (int64_t(r.result.ids.size()) >= r.params.max_tokens) return finish(r, FinishReason::max_tokens);
+  }
+
+  // Every unfinished request ends (cancel, or an error mid-step): pages and slots go back to the pool.
+  void abort_all() {
+    std::vector<detail::EngineRequest*> live(running.begin(), running.end());
+    live.insert(live.end(), waiting.begin(), waiting.end());
+    for (detail::EngineRequest* r : live) {
+      if (r->kind == detail::RequestKind::generate) {
+        finish(*r, FinishReason::cancelled);
+      } else {
+        retire(*r);
+      }
+    }
+  }
+
+  // ---- the step ----------------------------------------------------------------------------------------
+
+  void preempt(detail::EngineRequest& r) {
+    Status freed = pool().seq_free(r.slot);
+    if (!freed) throw freed.error();
+    r.slot = -1;
+    r.computed = 0;
+    running.erase(std::remove(running.begin(), running.end(), &r), running.end());
+    waiting.push_front(&r);
+  }
+
+  // Grows r's KV to `tokens`; false when the pool is out of pages.
+  bool reserve(detail::EngineRequest& r, int64_t tokens) {
+    Status grown = pool().seq_reserve(r.slot, tokens);
+    if (grown) return true;
+    if (grown.error().code != ErrorCode::out_of_memory) throw grown.error();
+    return false;
+  }
+
+  void schedule() {
+    scheduled.clear();
+    int64_t budget = plan.options.max_batched_tokens;
+    bool preempted = false;
+    // Running requests, oldest first: the next token, or the next prefill chunk.
+    for (size_t i = 0; i < running.size() && budget > 0;) {
+      detail::EngineRequest& r = *running[i];
+      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
+      bool kept = true;
+      while (!reserve(r, r.computed + n)) {
+        detail::EngineRequest& victim = *running.back();
+        preempt(victim);
+        preempted = true;
+        stats.preemptions++;
+        if (&victim == &r) {
+          kept = false;
+          break;
+        }
+      }
+      if (!kept) break;  // r was the newest: nothing after it is left to schedule
+      scheduled.push_back({&r, n});
+      budget -= n;
+      i++;
+    }
+    // Waiting requests, in order, while slots and pages last (not in a step that had to preempt).
+    while (!preempted && budget > 0 && !waiting.empty()) {
+      detail::EngineRequest& r = *waiting.front();
+      int32_t slot = pool().seq_create();
+      if (slot < 0) break;
+      r.slot = slot;
+      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()), budget);
+      if (!reserve(r, n)) {
+        Status freed = pool().seq_free(slot);
+        if (!freed) throw freed.error();
+        r.slot = -1;
+        break;
+      }
+      waiting.pop_front();
+      running.push_back(&r);
+      scheduled.push_back({&r, n});
+      budget -= n;
+    }
+  }
+
+  // The positions of r whose logits are wanted among [first, first + count).
+  std::pair<int64_t, int64_t> wanted_rows(const detail::EngineRequest& r, int64_t first, int64_t count) const {
+    int64_t begin = r.want_begin, end = r.want_end;
+    if (r.kind == detail::RequestKind::generate) {  // the last token's row, once the whole sequence is in
+      end = int64_t(r.tokens.size());
+      begin = end - 1;
+    }
+    return {std::max(begin, first), std::min(end, first + count)};
+  }
+
+  void consume_row(const RowOwner& owner, float* row) {
+    detail::EngineRequest& r = *owner.request;
+    const int64_t vocab = config.text.vocab_size;
+    switch (r.kind) {
+      case detail::RequestKind::generate: {
+        const int32_t id = sample_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng,
+                                        model->sampling_probs(r.slot), model->sampling_order(r.slot));
+        accept_token(r, id);
+        break;
+      }
+      case detail::RequestKind::score:
+        r.logprobs[owner.position + 1] = token_logprob(row, vocab, r.tokens[size_t(owner.position + 1)]);
+        break;
+      case detail::RequestKind::logits:
+        std::copy(row, row + vocab, r.logits + owner.position * vocab);
+        break;
+    }
+  }
+
+  // One forward step. Returns whether unfinished requests remain.
+  bool step() {
+    if (cancel_requested.exchange(false)) {
+      abort_all();
+      detail::fail(ErrorCode::cancelled, "cancelled by Engine::cancel()");
+    }
+    if (running.empty() && waiting.empty()) return false;
+    try {
+      run_step();
+    } catch (...) {
+      abort_all();  // leave the engine usable: no request holds pages it will never release
+      throw;
+    }
+    return !running.empty() || !waiting.empty();
+  }
+
+  void run_step() {
+    schedule();
+    if (scheduled.empty())
+      detail::fail(ErrorCode::internal,
+                   detail::format("the scheduler found nothing to run with %zu requests waiting and %zu running",
+                                  waiting.size(), running.size()));
+    // Sequence s of the attention batch is pool slot s: pack tokens in slot order.
+    std::sort(scheduled.begin(), scheduled.end(),
+              [](const Scheduled& a, const Scheduled& b) { return a.request->slot < b.request->slot; });
+    const KVPagePool& kv = pool();
+    const int64_t page_tokens = kv.page_tokens();
+    const int64_t seqs = scheduled.back().request->slot + 1;
+    std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
+    int64_t t = 0, rows = 0, max_context = 0;
+    size_t next = 0;
+    for (int64_t s = 0; s < seqs; s++) {
+      query_starts[size_t(s)] = int32_t(t);
+      if (next == scheduled.size() || scheduled[next].request->slot != s) continue;
+      detail::EngineRequest& r = *scheduled[next].request;
+      const int64_t n = scheduled[next++].tokens;
+      const int32_t* pages = kv.block_table(r.slot);
+      auto want = wanted_rows(r, r.computed, n);
+      for (int64_t p = r.computed; p < r.computed + n; p++, t++) {
+        token_ids[size_t(t)] = r.tokens[size_t(p)];
+        positions[size_t(t)] = int32_t(p);
+        slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
+        if (p >= want.first && p < want.second) {
+          logit_row_ids[size_t(rows)] = int32_t(t);
+          row_owners[size_t(rows++)] = {&r, p};
+        }
+      }
+      context_lens[size_t(s)] = int32_t(r.computed + n);
+      max_context = std::max(max_context, r.computed + n);
+    }
+    query_starts[size_t(seqs)] = int32_t(t);
+
+    StepInput input;
+    input.tokens = t;
+    input.token_ids = token_ids.data();
+    input.positions = positions.data();
+    input.slots = slots.data();
+    input.seqs = seqs;
+    input.query_starts = query_starts.data();
+    input.context_lens = context_lens.data();
+    input.max_context = max_context;
+    input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
+                                        kv.max_pages_per_seq());
+    input.logit_rows = rows;
+    input.logit_row_ids = logit_row_ids.data();
+    model->forward(input);
+    for (const Scheduled& s : scheduled) s.request->computed += s.tokens;
+    stats.steps++;
+    stats.tokens_computed += t;
+    stats.peak_running = std::max(stats.peak_running, int64_t(scheduled.size()));
+
+    const int64_t vocab = config.text.vocab_size;
+    for (int64_t first = 0; first < rows; first += model->max_logit_rows()) {
+      const int64_t count = std::min(model->max_logit_rows(), rows - first);
+      Tensor logits = model->logits(first, count);
+      for (int64_t i = 0; i < count; i++)
+        consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
+    }
+    // Prefill-only requests end once every token is in.
+    for (const Scheduled& s : scheduled) {
+      detail::EngineRequest& r = *s.request;
+      if (r.kind != detail::RequestKind::generate && !r.finished && r.computed == int64_t(r.tokens.size()))
+        retire(r);
+    }
+  }
+
+  // Steps until done() holds (the caller's requests finished).
+  template <class Done>
+  void run_until(Done done) {
+    while (!done())
+      if (!step() && !done()) detail::fail(ErrorCode::internal, "the engine ran out of work before the request finished");
+  }
+
+  void erase(RequestId id) { requests.erase(id); }
+};
+
+// ---- Engine -------------------------------------------------------------------------------------------------
+
+namespace detail {
+namespace engine {
+
+// generation_config.json's eos_token_id (an id or a list), which is what transformers' generate() stops at.
+std::vector<int64_t> generation_eos_ids(const std::string& model_dir) {
+  const std::string path = path_join(model_dir, "generation_config.json");
+  if (!file_exists(path)) return {};
+  nlohmann::json json = nlohmann::json::parse(read_text_file(path), nullptr, false);
+  if (json.is_discarded() || !json.is_object())
+    fail(ErrorCode::bad_format, format("%s is not a JSON object", path.c_str()));
+  std::vector<int64_t> ids;
+  auto eos = json.find("eos_token_id");
+  if (eos == json.end() || eos->is_null()) return ids;
+  auto add = [&](const nlohmann::json& value) {
+    if (!value.is_number_integer())
+      fail(ErrorCode::bad_format, format("%s: eos_token_id must be an integer or a list of integers", path.c_str()));
+    ids.push_back(value.get<int64_t>());
+  };
+  if (eos->is_array()) {
+    for (const auto& value : *eos) add(value);
+  } else {
+    add(*eos);
+  }
+  return ids;
+}
+
+DType kv_element_dtype(KVDType kv_dtype) {
+  switch (kv_dtype) {
+    case KVDType::f32: return DType::F32;
+    case KVDType::bf16: return DType::BF16;
+    case KVDType::f16: return DType::F16;
+    case KVDType::fp8: return DType::F8_E4M3;
+    case KVDType::auto_: break;
+  }
+  fail(ErrorCode::internal, "the plan left the KV dtype unresolved");
+}
+
+}  // namespace engine
+}  // namespace detail
+
+Engine::Engine() : impl_(new Impl()) {}
+Engine::~Engine() = default;
+
+Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const EngineOptions& options) {
+  return detail::guard([&] {
+    using detail::fail;
+    using detail::format;
+    std::unique_ptr<Engine> engine(new Engine());
+    Impl& e = *engine->impl_;
+    Result<ModelConfig> config = load_config(model_dir);
+    if (!config) throw config.error();
+    e.config = std::move(*config);
+    Result<TensorStore> store = TensorStore::open_dir(model_dir);
+    if (!store) throw store.error();
+    e.store = std::move(*store);
+    if (e.store.empty())
+      fail(ErrorCode::missing_tensor, format("%s has no safetensors weights (model.safetensors, an index, or "
+                                             "*.safetensors)", model_dir.c_str()));
+    Result<WeightsSummary> weights = summarize_weights(e.config, &e.store);
+    if (!weights) throw weights.error();
+
+    // The CPU is the device: its memory (or device_mem, when given) is what the plan divides.
+    DeviceSpec device;
+    device.backend = BackendKind::cpu;
+    device.name = "CPU";
+    device.total_bytes = options.plan.device_mem ? *options.plan.device_mem : system_memory_bytes();
+    device.wsl2 = options.plan.wsl2 ? *options.plan.wsl2 : running_under_wsl2();
+    Result<Plan> plan = make_plan(e.config, *weights, device, options.plan);
+    if (!plan) throw plan.error();
+    e.plan = std::move(*plan);
+
+    Result<TextModelWeights> bound = bind_text_weights(e.config, e.store);
+    if (!bound) throw bound.error();
+    CpuBackendOptions backend_options;
+    backend_options.threads = options.threads;
+    backend_options.max_head_dim = e.config.text.head_dim;
+    Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
+    if (!backend) throw backend.error();
+    e.backend = std::move(*backend);
+    const DType kv_dtype = detail::engine::kv_element_dtype(e.plan.options.kv_dtype);
+    if (!e.backend->supports(Op::kv_write, kv_dtype) || !e.backend->supports(Op::attention, kv_dtype))
+      fail(ErrorCode::unsupported, format("the %s backend does not store the KV cache as %s; choose another KV dtype "
+                                          "(f32, bf16 or f16)",
+                                          e.backend->name().c_str(), kv_dtype_name(e.plan.options.kv_dtype)));
+
+    Result<std::unique_ptr<Arena>> arena = Arena::create(e.plan, e.config);
+    if (!arena) throw arena.error();
+    e.arena = std::move(*arena);
+    e.model = std::make_unique<TextModel>(e.config, std::move(*bound), *e.backend, *e.arena, e.plan, kv_dtype);
+
+    Result<Tokenizer> tokenizer = Tokenizer::load(model_dir);
+    if (!tokenizer) throw tokenizer.error();
+    e.tokenizer = std::move(*tokenizer);
+    const Tokenizer& tok = *e.tokenizer;
+
+    // Stop ids: config.json's and generation_config.json's eos, the tokenizer's eos, and the end-of-turn
+    // tokens of the chat formats kvlite writes.
+    std::set<int32_t> stops;
+    auto add_stop = [&](int64_t id) {
+      if (id >= 0 && id < e.config.text.vocab_size) stops.insert(int32_t(id));
+    };
+    for (int64_t id : e.config.text.eos_token_ids) add_stop(id);
+    for (int64_t id : detail::engine::generation_eos_ids(model_dir)) add_stop(id);
+    add_stop(tok.eos_id());
+    add_stop(tok.token_id("<|im_end|>"));
+    add_stop(tok.token_id("<|eot_id|>"));
+    e.stop_ids.assign(stops.begin(), stops.end());
+
+    const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
+    e.scheduled.reserve(max_seqs);
+    for (auto* v : {&e.token_ids, &e.positions, &e.slots, &e.logit_row_ids}) v->assign(max_tokens, 0);
+    e.query_starts.assign(max_seqs + 1, 0);
+    e.context_lens.assign(max_seqs, 0);
+    e.row_owners.assign(max_tokens, {nullptr, 0});
+    return engine;
+  });
+}
+
+const Plan& Engine::plan() const { return impl_->plan; }
+const ModelConfig& Engine::config() const { return impl_->config; }
+const Tokenizer& Engine::tokenizer() const { return *impl_->tokenizer; }
+const Arena& Engine::arena() const { return *impl_->arena; }
+const std::vector<int32_t>& Engine::stop_token_ids() const { return impl_->stop_ids; }
+
+Result<std::vector<int32_t>> Engine::tokenize(const std::string& text, bool add_special_tokens) const {
+  return impl_->tokenizer->encode(text, add_special_tokens);
+}
+
+Result<std::string> Engine::detokenize(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
+  return impl_->tokenizer->decode(ids, skip_special_tokens);
+}
+
+Result<RequestId> Engine::submit(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
+                                 const TokenCallback& on_token) {
+  return detail::guard([&] { return impl_->submit(prompt_ids, params, on_token); });
+}
+
+Result<bool> Engine::step() {
+  return detail::guard([&] { return impl_->step(); });
+}
+
+Status Engine::run() {
+  return detail::guard([&] { impl_->run_until([&] { return impl_->running.empty() && impl_->waiting.empty(); }); });
+}
+
+bool Engine::finished(RequestId id) const {
+  auto it = impl_->requests.find(id);
+  return it != impl_->requests.end() && it->second->finished;
+}
+
+Result<Generation> Engine::result(RequestId id) {
+  return detail::guard([&] {
+    auto it = impl_->requests.find(id);
+    if (it == impl_->requests.end() || it->second->kind != detail::RequestKind::generate)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("no request %lld (unknown, or its result was already taken)", (long long)id));
+    if (!it->second->finished)
+      detail::fail(ErrorCode::invalid_argument, detail::format("request %lld is still running", (long long)id));
+    Generation generation = std::move(it->second->result);
+    impl_->requests.erase(it);
+    return generation;
+  });
+}
+
+Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
+                                    const TokenCallback& on_token) {
+  return detail::guard([&] {
+    RequestId id = impl_->submit(prompt_ids, params, on_token);
+    try {
+      impl_->run_until([&] { return impl_->requests.at(id)->finished; });
+    } catch (...) {
+      impl_->erase(id);
+      throw;
+    }
+    Generation generation = std::move(impl_->requests.at(id)->result);
+    impl_->erase(id);
+    return generation;
+  });
+}
+
+Result<Generation> Engine::generate(const std::string& prompt, const SamplingParams& params,
+                                    const TokenCallback& on_token) {
+  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(prompt, true);
+  if (!ids) return ids.error();
+  return generate(*ids, params, on_token);
+}
+
+Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& messages, const SamplingParams& params,
+                                         const TokenCallback& on_token) {
+  Result<std::string> prompt = impl_->tokenizer->format_chat(messages, true);
+  if (!prompt) return prompt.error();
+  // The formatted prompt already holds its special tokens (Llama-3's <|begin_of_text|> included).
+  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(*prompt, false);
+  if (!ids) return ids.error();
+  return generate(*ids, params, on_token);
+}
+
+Result<ScoreResult> Engine::score(const std::vector<int32_t>& ids, int64_t context_length, int64_t stride,
+                                  const ScoreProgress& progress) {
+  return detail::guard([&] {
+    Impl& e = *impl_;
+    Result<std::vector<ScoreWindow>> windows = score_windows(int64_t(ids.size()), context_length, stride);
+    if (!windows) throw windows.error();
+    e.check_ids(ids, "score");
+    const int64_t longest = std::min<int64_t>(context_length, int64_t(ids.size()));
+    e.check_fits(longest, detail::format("scoring with context length %lld", (long long)context_length),
+                 "raise max_model_len to the context length (EngineOptions::plan.max_model_len; kvlite score does)");
+
+    ScoreResult result;
+    result.context_length = context_length;
+    result.stride = stride;
+    result.windows = int64_t(windows->size());
+    result.logprobs.assign(ids.size(), std::numeric_limits<double>::quiet_NaN());
+    std::vector<RequestId> window_ids;
+    for (const ScoreWindow& w : *windows) {
+      detail::EngineRequest& r = e.add_request(
+          detail::RequestKind::score, std::vector<int32_t>(ids.begin() + w.begin, ids.begin() + w.end));
+      // Row p predicts tokens[p + 1]: targets [first_target, end) are rows [first_target - 1, end - 1).
+      r.want_begin = w.first_target - 1 - w.begin;
+      r.want_end = w.end - 1 - w.begin;
+      r.logprobs = result.logprobs.data() + w.begin;
+      window_ids.push_back(r.id);
+    }
+    auto windows_done = [&] {
+      int64_t done = 0;
+      for (RequestId id : window_ids) done += e.requests.at(id)->finished ? 1 : 0;
+      return done;
+    };
+    try {
+      int64_t reported = 0;
+      e.run_until([&] {
+        int64_t done = windows_done();
+        if (progress && done != reported) progress(reported = done, int64_t(window_ids.size()));
+        return done == int64_t(window_ids.size());
+      });
+    } catch (...) {
+      for (RequestId id : window_ids) e.erase(id);
+      throw;
+    }
+    for (RequestId id : window_ids) e.erase(id);
+
+    // Exact: every token after the first, once.
+    for (size_t p = 1; p < ids.size(); p++) result.nll_sum -= result.logprobs[p];
+    result.tokens = int64_t(ids.size()) - 1;
+    result.perplexity = std::exp(result.nll_sum / double(result.tokens));
+    // The guide: window mean losses weighted by trg_len - 1, trg_len = end - previous end.
+    double weighted = 0, weights = 0;
+    int64_t previous_end = 0;
+    for (const ScoreWindow& w : *windows) {
+      double window_nll = 0;
+      for (int64_t p = w.first_target; p < w.end; p++) window_nll -= result.logprobs[size_t(p)];
+      const double weight = double(w.end - previous_end - 1);
+      weighted += window_nll / double(w.end - w.first_target) * weight;
+      weights += weight;
+      previous_end = w.end;
+    }
+    result.guide_perplexity = weights > 0 ? std::exp(weighted / weights) : std::numeric_limits<double>::quiet_NaN();
+    return result;
+  });
+}
+
+Result<ScoreResult> Engine::score(const std::string& text, int64_t context_length, int64_t stride,
+                                  const ScoreProgress& progress) {
+  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(text, true);
+  if (!ids) return ids.error();
+  return score(*ids, context_length, stride, progress);
+}
+
+Result<Logits> Engine::logits(const std::vector<int32_t>& ids) {
+  return detail::guard([&] {
+    Impl& e = *impl_;
+    e.check_ids(ids, "logits");
+    e.check_fits(int64_t(ids.size()), detail::format("a logits request of %zu tokens", ids.size()),
+                 "raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
+    Logits out;
+    out.tokens = int64_t(ids.size());
+    out.vocab = e.config.text.vocab_size;
+    out.values.assign(size_t(out.tokens * out.vocab), 0.0f);
+    detail::EngineRequest& r = e.add_request(detail::RequestKind::logits, ids);
+    r.want_begin = 0;
+    r.want_end = out.tokens;
+    r.logits = out.values.data();
+    const RequestId id = r.id;
+    try {
+      e.run_until([&] { return e.requests.at(id)->finished; });
+    } catch (...) {
+      e.erase(id);
+      throw;
+    }
+    e.erase(id);
+    return out;
+  });
+}
+
+void Engine::cancel() { impl_->cancel_requested.store(true); }
+
+EngineStats Engine::stats() const { return impl_->stats; }
+
+Status write_npy(const std::string& path, const float* values, int64_t rows, int64_t cols) {
+  return detail::guard([&] {
+    if (rows < 0 || cols < 0 || (rows * cols > 0 && values == nullptr))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("write_npy: shape [%lld, %lld] is negative or the values are null", (long long)rows,
+                                  (long long)cols));
+    // numpy.lib.format: the dict, spare spaces so the first axis can grow to 21 digits in place, then spaces
+    // and a newline up to a multiple of 64 bytes counted from the file's start (10 bytes of magic + length).
+    std::string rows_text = detail::format("%lld", (long long)rows);
+    std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': (" + rows_text + ", " +
+                         detail::format("%lld", (long long)cols) + "), }";
+    header += std::string(rows_text.size() < 21 ? 21 - rows_text.size() : 0, ' ');
+    header += std::string(63 - (10 + header.size()) % 64, ' ') + "\n";
+    std::string prefix = std::string("\x93NUMPY\x01\x00", 8);
+    prefix += char(header.size() & 0xff);
+    prefix += char(header.size() >> 8);
+    FILE* file = fopen(path.c_str(), "wb");
+    if (!file) detail::fail(ErrorCode::io_error, detail::format("cannot write %s: %s", path.c_str(), strerror(errno)));
+    const size_t count = size_t(rows * cols);
+    bool written = fwrite(prefix.data(), 1, prefix.size(), file) == prefix.size() &&
+                   fwrite(header.data(), 1, header.size(), file) == header.size() &&
+                   fwrite(values, sizeof(float), count, file) == count;  // little-endian hosts only, as kvlite
+    if (fclose(file) != 0) written = false;
+    if (!written) detail::fail(ErrorCode::io_error, detail::format("cannot write %s (disk full?)", path.c_str()));
+  });
+}
+
+}  // namespace kvlite

@@ -1,0 +1,124 @@
+// ---------------------------------------------------------------------------------------------------------
+// model: the decoder-only text transformer of Llama-3, Qwen2 and Qwen3, written once against Backend.
+//
+//   token ids ─► embed_tokens ─► [ RMSNorm ─► q,k,v (+bias) ─► q/k RMSNorm (qwen3) ─► RoPE ─► paged KV
+//                                   ─► causal attention ─► o_proj ─► + ─► RMSNorm ─► SwiGLU MLP ─► + ] x L
+//                              ─► final RMSNorm ─► rows whose logits are wanted ─► lm_head ─► logits
+//
+// The engine (engine.hpp) owns the scheduling: it packs the tokens of one step (chunked prefill and decode of
+// several sequences mixed) into a StepInput; TextModel runs them and then produces logits for the requested
+// rows, a chunk of rows at a time. Every buffer is a view carved from the arena's "activations" and "logits"
+// regions by the names the planner lists (activation_buffers, logits_buffers): plan and engine agree by
+// construction, and nothing is allocated per step.
+// ---------------------------------------------------------------------------------------------------------
+#pragma once
+
+namespace kvlite {
+
+// An nn.Linear as stored: weight [out_features, in_features], bias [out_features] or none (data == nullptr).
+struct LinearWeights {
+  Tensor weight;
+  Tensor bias;
+};
+
+// One decoder layer (LlamaDecoderLayer / Qwen2DecoderLayer / Qwen3DecoderLayer), every view in its on-disk
+// dtype. Shapes: H hidden, Hq/Hkv heads, D head_dim, I intermediate.
+struct DecoderLayerWeights {
+  Tensor input_layernorm;                 // [H]
+  LinearWeights q_proj, k_proj, v_proj;   // [Hq D, H], [Hkv D, H], [Hkv D, H]; biases for qwen2
+  Tensor q_norm, k_norm;                  // [D] each (qwen3); empty otherwise
+  LinearWeights o_proj;                   // [H, Hq D]
+  Tensor post_attention_layernorm;        // [H]
+  LinearWeights gate_proj, up_proj;       // [I, H]
+  LinearWeights down_proj;                // [H, I]
+};
+
+struct TextModelWeights {
+  Tensor embed_tokens;                     // [V, H]
+  std::vector<DecoderLayerWeights> layers;  // [L]
+  Tensor norm;                             // [H]
+  Tensor lm_head;                          // [V, H]; the embed_tokens view when tie_word_embeddings
+};
+
+// Binds every weight of the text model by its transformers name as a view into the store's mmap (BF16, F16
+// or F32, used as stored). All absent tensors are reported at once (missing_tensor, listing the names); a
+// tensor of the wrong shape or dtype is bad_format naming it, its shape and the expected one. Quantized
+// checkpoints and Qwen3-VL are unsupported here (the CPU reference engine runs dense text models).
+Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const TensorStore& store);
+
+// The tokens of one forward step, in host memory, as the engine packed them. Tokens are grouped by sequence
+// and sequences follow the order of the attention batch: sequence s is KV-pool slot s, so the pool's block
+// tables serve as the batch's without a copy; a slot with no tokens this step has 0 queries and 0 context.
+struct StepInput {
+  int64_t tokens = 0;                     // T, 1 <= T <= max_batched_tokens
+  const int32_t* token_ids = nullptr;     // [T]
+  const int32_t* positions = nullptr;     // [T] position of each token in its sequence (0-based)
+  const int32_t* slots = nullptr;         // [T] KV slot: page * page_tokens + position % page_tokens
+  int64_t seqs = 0;                       // S, the attention batch's sequences (pool slots 0 .. S-1)
+  const int32_t* query_starts = nullptr;  // [S + 1] first token of each sequence in this step; last = T
+  const int32_t* context_lens = nullptr;  // [S] tokens cached for each sequence, this step's included
+  int64_t max_context = 0;                // max over context_lens
+  Tensor block_tables;                    // I32 [>= S, max_pages_per_seq]: the pool's tables (host memory)
+  int64_t logit_rows = 0;                 // R, rows of this step whose logits will be asked for
+  const int32_t* logit_row_ids = nullptr;  // [R] token indices in [0, T)
+};
+
+// The forward pass over a Backend, with its buffers carved from the arena. Not thread-safe (one step at a
+// time, like the backend).
+class TextModel {
+ public:
+  // Carves the buffers of plan's activation_buffers() and logits_buffers() from the arena regions
+  // "activations" and "logits" (internal error if the arena's regions do not hold exactly those), and
+  // prepares the RoPE frequencies. kv_dtype is the element type of the arena's KV pages.
+  TextModel(const ModelConfig& config, TextModelWeights weights, Backend& backend, Arena& arena, const Plan& plan,
+            DType kv_dtype);
+
+  // Runs every layer over the step's tokens, writing their K/V into the cache, and keeps the final hidden
+  // states for logits(). Throws kvlite::Error (the engine guards it).
+  void forward(const StepInput& step);
+  // Logits of the rows step.logit_row_ids[first, first + count), count <= max_logit_rows(), into the logits
+  // buffer: F32 [count, V]. On the CPU backend the view is host memory the caller reads directly.
+  Tensor logits(int64_t first, int64_t count);
+  int64_t max_logit_rows() const { return max_logit_rows_; }
+
+  // Host scratch for the sampler, one row of V per sequence slot (the plan's sampling buffers).
+  float* sampling_probs(int64_t seq);   // [V]
+  int32_t* sampling_order(int64_t seq);  // [V]
+
+ private:
+  KVCacheView kv_cache() const;
+
+  ModelConfig config_;
+  TextModelWeights weights_;
+  Backend& backend_;
+  Arena& arena_;
+  DType kv_dtype_;
+  int64_t max_tokens_ = 0;      // Tmax = max_batched_tokens: rows of every activation buffer
+  int64_t max_seqs_ = 0;        // Smax: rows of the per-sequence buffers
+  int64_t max_logit_rows_ = 0;  // rows one logits() call computes: min(logits buffer rows, Tmax)
+  int64_t step_tokens_ = 0;     // T of the last forward()
+  float attention_scale_ = 1.0f;  // head_dim ** -0.5
+  std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
+  std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
+
+  // Views of the arena's buffers (planner names in quotes), full size; forward() slices the first T rows.
+  Tensor hidden_;         // "hidden"       [Tmax, H] fp32: the residual stream
+  Tensor normed_;         // "normed"       [Tmax, H]: RMSNorm outputs, and o_proj / down_proj outputs
+  Tensor qkv_;            // "qkv"          [Tmax, (Hq + 2 Hkv) D]: q | k | v column blocks
+  Tensor attn_out_;       // "attn_out"     [Tmax, Hq D]
+  Tensor gate_up_;        // "gate_up"      [Tmax, 2 I]: gate | up column blocks
+  Tensor mlp_act_;        // "mlp_act"      [Tmax, I]
+  Tensor rope_cos_;       // "rope_cos"     [Tmax, D / 2] fp32
+  Tensor rope_sin_;       // "rope_sin"     [Tmax, D / 2] fp32
+  Tensor token_ids_;      // "token_ids"    [Tmax] int32
+  Tensor slot_mapping_;   // "slot_mapping" [Tmax] int32
+  Tensor query_starts_;   // "query_starts" [Smax + 1] int32
+  Tensor context_lens_;   // "context_lens" [Smax] int32
+  Tensor logit_rows_;     // "logit_rows"   [Tmax] int32
+  Tensor logits_;         // "logits"       [max(Smax, 32), V] fp32
+  Tensor sampling_probs_;  // "sampling_probs" [Smax, V] fp32
+  Tensor sampling_order_;  // "sampling_order" [Smax, V] int32
+  AttentionBatch batch_;  // of the last forward()
+};
+
+}  // namespace kvlite

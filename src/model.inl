@@ -1,0 +1,319 @@
+// model: implementation. The forward pass mirrors transformers' modeling_llama.py / modeling_qwen2.py /
+// modeling_qwen3.py line by line; the PyTorch line is in the comment above each call.
+#include <cmath>
+
+namespace kvlite {
+
+namespace detail {
+namespace model {
+
+// Throws the error of a failed backend call (forward() runs inside the engine's guard).
+inline void check(const Status& status) {
+  if (!status) throw status.error();
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); i++) text += (i ? ", " : "") + format("%lld", (long long)shape[i]);
+  return text + "]";
+}
+
+// Looks tensors up by name, collecting the absent ones so that one error lists them all.
+class WeightBinder {
+ public:
+  explicit WeightBinder(const TensorStore& store) : store_(store) {}
+
+  // A view of `name` as [rows, cols] (a 1-D tensor of n elements is [n, 1], Tensor::vector's form).
+  Tensor bind(const std::string& name, std::vector<int64_t> shape) {
+    const TensorInfo* info = store_.find(name);
+    if (!info) {
+      missing_.push_back(name);
+      return {};
+    }
+    if (info->dtype != DType::BF16 && info->dtype != DType::F16 && info->dtype != DType::F32)
+      fail(ErrorCode::unsupported,
+           format("tensor '%s' is %s; the CPU engine reads BF16, F16 and F32 weights", name.c_str(),
+                  dtype_name(info->dtype)));
+    if (info->shape != shape)
+      fail(ErrorCode::bad_format,
+           format("tensor '%s' has shape %s; the config (%s) makes it %s", name.c_str(), shape_text(info->shape).c_str(),
+                  origin_.c_str(), shape_text(shape).c_str()));
+    void* data = const_cast<uint8_t*>(store_.data(*info));  // read-only mmap: the ops never write weights
+    if (shape.size() == 1) return Tensor::vector(data, info->dtype, shape[0]);
+    return Tensor::matrix(data, info->dtype, shape[0], shape[1]);
+  }
+  LinearWeights linear(const std::string& module, int64_t out_features, int64_t in_features, bool bias) {
+    LinearWeights weights;
+    weights.weight = bind(module + ".weight", {out_features, in_features});
+    if (bias) weights.bias = bind(module + ".bias", {out_features});
+    return weights;
+  }
+  void set_origin(std::string origin) { origin_ = std::move(origin); }
+  void finish() const {
+    if (missing_.empty()) return;
+    std::string list;
+    for (size_t i = 0; i < missing_.size(); i++) list += (i ? ", " : "") + missing_[i];
+    fail(ErrorCode::missing_tensor,
+         format("the checkpoint (%s) lacks %zu tensor%s the model needs: %s", files_text().c_str(), missing_.size(),
+                missing_.size() == 1 ? "" : "s", list.c_str()));
+  }
+
+ private:
+  std::string files_text() const {
+    if (store_.files().empty()) return "no safetensors files";
+    if (store_.files().size() == 1) return store_.files()[0];
+    return format("%zu safetensors files", store_.files().size());
+  }
+  const TensorStore& store_;
+  std::string origin_;
+  std::vector<std::string> missing_;
+};
+
+}  // namespace model
+}  // namespace detail
+
+Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const TensorStore& store) {
+  return detail::guard([&] {
+    using detail::fail;
+    using detail::format;
+    const TextConfig& c = config.text;
+    if (config.arch != Arch::llama && config.arch != Arch::qwen2 && config.arch != Arch::qwen3)
+      fail(ErrorCode::unsupported,
+           format("%s: model_type '%s' (%s) is not a text model the CPU engine runs (llama, qwen2, qwen3)",
+                  config.origin.c_str(), config.model_type.c_str(), arch_name(config.arch)));
+    if (config.quant.method != QuantMethod::none)
+      fail(ErrorCode::unsupported,
+           format("%s: the checkpoint is quantized (%s); the CPU engine runs dense BF16/F16/F32 weights",
+                  config.origin.c_str(), config.quant.format.c_str()));
+    if (c.hidden_act != "silu")
+      fail(ErrorCode::unsupported,
+           format("%s: hidden_act '%s' is not supported (the MLP is SwiGLU with silu)", config.origin.c_str(),
+                  c.hidden_act.c_str()));
+    const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size, V = c.vocab_size;
+    const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
+    const std::string prefix = config.text_prefix();
+
+    detail::model::WeightBinder bind(store);
+    bind.set_origin(config.origin);
+    TextModelWeights w;
+    w.embed_tokens = bind.bind(prefix + "embed_tokens.weight", {V, H});
+    w.layers.resize(size_t(c.num_layers));
+    for (int64_t l = 0; l < c.num_layers; l++) {
+      const std::string layer = prefix + format("layers.%lld.", (long long)l);
+      DecoderLayerWeights& lw = w.layers[size_t(l)];
+      lw.input_layernorm = bind.bind(layer + "input_layernorm.weight", {H});
+      lw.q_proj = bind.linear(layer + "self_attn.q_proj", q_width, H, c.attention_bias);
+      lw.k_proj = bind.linear(layer + "self_attn.k_proj", kv_width, H, c.attention_bias);
+      lw.v_proj = bind.linear(layer + "self_attn.v_proj", kv_width, H, c.attention_bias);
+      if (c.qk_norm) {
+        lw.q_norm = bind.bind(layer + "self_attn.q_norm.weight", {D});
+        lw.k_norm = bind.bind(layer + "self_attn.k_norm.weight", {D});
+      }
+      lw.o_proj = bind.linear(layer + "self_attn.o_proj", H, q_width, c.o_proj_bias);
+      lw.post_attention_layernorm = bind.bind(layer + "post_attention_layernorm.weight", {H});
+      lw.gate_proj = bind.linear(layer + "mlp.gate_proj", I, H, c.mlp_bias);
+      lw.up_proj = bind.linear(layer + "mlp.up_proj", I, H, c.mlp_bias);
+      lw.down_proj = bind.linear(layer + "mlp.down_proj", H, I, c.mlp_bias);
+    }
+    w.norm = bind.bind(prefix + "norm.weight", {H});
+    // Tied: transformers points lm_head at embed_tokens (and save_pretrained drops lm_head.weight).
+    w.lm_head = c.tie_word_embeddings ? w.embed_tokens : bind.bind("lm_head.weight", {V, H});
+    bind.finish();
+    return w;
+  });
+}
+
+// ---- TextModel --------------------------------------------------------------------------------------------
+
+TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backend& backend, Arena& arena,
+                     const Plan& plan, DType kv_dtype)
+    : config_(config), weights_(std::move(weights)), backend_(backend), arena_(arena), kv_dtype_(kv_dtype) {
+  using detail::fail;
+  using detail::format;
+  const TextConfig& c = config_.text;
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size, V = c.vocab_size;
+  const int64_t half = D / 2;
+  max_tokens_ = plan.options.max_batched_tokens;
+  max_seqs_ = plan.options.max_seqs;
+  const DType act = backend_.activation_dtype();
+
+  // Carve `region` into the planned buffers, in the planner's order, and check the two agree.
+  std::map<std::string, std::pair<uint8_t*, uint64_t>> carved;  // name -> (start, bytes)
+  auto carve = [&](const char* region, const std::vector<BufferSpec>& specs) {
+    const ArenaRegion* r = arena_.region(region);
+    uint64_t total = buffers_bytes(specs);
+    if (!r || r->bytes != total)
+      fail(ErrorCode::internal,
+           format("the arena's '%s' region holds %llu bytes but the planner's buffers for it sum to %llu: the plan "
+                  "and the model disagree",
+                  region, (unsigned long long)(r ? r->bytes : 0), (unsigned long long)total));
+    uint8_t* next = arena_.base() + r->offset;
+    for (const BufferSpec& spec : specs) {
+      carved[spec.name] = {next, spec.bytes};
+      next += spec.bytes;
+    }
+  };
+  carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, backend_.kind()));
+  carve("logits", logits_buffers(config_, max_seqs_));
+  // A view of a planned buffer; the model's idea of its size must fit the planner's.
+  auto view = [&](const char* name, DType dtype, int64_t rows, int64_t cols) {
+    auto it = carved.find(name);
+    uint64_t needed = dtype_bytes(dtype, uint64_t(rows * cols));
+    if (it == carved.end() || it->second.second < needed)
+      fail(ErrorCode::internal,
+           format("the model needs a buffer '%s' of %llu bytes ([%lld, %lld] %s) but the plan %s", name,
+                  (unsigned long long)needed, (long long)rows, (long long)cols, dtype_name(dtype),
+                  it == carved.end() ? "has none" : format("gives it %llu", (unsigned long long)it->second.second).c_str()));
+    return Tensor::matrix(it->second.first, dtype, rows, cols);
+  };
+  hidden_ = view("hidden", DType::F32, max_tokens_, H);
+  normed_ = view("normed", act, max_tokens_, H);
+  qkv_ = view("qkv", act, max_tokens_, (c.num_heads + 2 * c.num_kv_heads) * D);
+  attn_out_ = view("attn_out", act, max_tokens_, c.num_heads * D);
+  gate_up_ = view("gate_up", act, max_tokens_, 2 * I);
+  mlp_act_ = view("mlp_act", act, max_tokens_, I);
+  rope_cos_ = view("rope_cos", DType::F32, max_tokens_, half);
+  rope_sin_ = view("rope_sin", DType::F32, max_tokens_, half);
+  token_ids_ = view("token_ids", DType::I32, max_tokens_, 1);
+  slot_mapping_ = view("slot_mapping", DType::I32, max_tokens_, 1);
+  query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1, 1);
+  context_lens_ = view("context_lens", DType::I32, max_seqs_, 1);
+  logit_rows_ = view("logit_rows", DType::I32, max_tokens_, 1);
+  const int64_t logits_buffer_rows = int64_t(carved.count("logits") ? carved["logits"].second / uint64_t(V * 4) : 0);
+  logits_ = view("logits", DType::F32, logits_buffer_rows, V);
+  sampling_probs_ = view("sampling_probs", DType::F32, max_seqs_, V);
+  sampling_order_ = view("sampling_order", DType::I32, max_seqs_, V);
+  // The gathered rows go through hidden_ (free after the final norm), so a call takes at most Tmax rows.
+  max_logit_rows_ = std::min(logits_buffer_rows, max_tokens_);
+
+  Result<std::vector<float>> inv_freq = rope_inv_freq(c.rope, D);
+  if (!inv_freq) throw inv_freq.error();
+  inv_freq_ = std::move(*inv_freq);
+  cos_host_.resize(size_t(max_tokens_ * half));
+  sin_host_.resize(size_t(max_tokens_ * half));
+  // self.scaling = self.head_dim ** -0.5
+  attention_scale_ = float(std::pow(double(D), -0.5));
+}
+
+KVCacheView TextModel::kv_cache() const {
+  KVCacheView cache;
+  cache.pages = arena_.region_data("kv");
+  cache.dtype = kv_dtype_;
+  cache.layout = arena_.kv_layout();
+  cache.num_pages = arena_.kv().num_pages();
+  return cache;
+}
+
+void TextModel::forward(const StepInput& step) {
+  using detail::fail;
+  using detail::format;
+  using detail::model::check;
+  const TextConfig& c = config_.text;
+  const int64_t T = step.tokens, D = c.head_dim, I = c.intermediate_size;
+  const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
+  const float eps = float(c.rms_norm_eps);
+  if (T < 1 || T > max_tokens_ || step.seqs < 1 || step.seqs > max_seqs_ || step.logit_rows < 0 ||
+      step.logit_rows > T)
+    fail(ErrorCode::internal,
+         format("forward: a step of %lld tokens, %lld sequences and %lld logit rows is outside the plan's %lld "
+                "tokens and %lld sequences",
+                (long long)T, (long long)step.seqs, (long long)step.logit_rows, (long long)max_tokens_,
+                (long long)max_seqs_));
+  step_tokens_ = T;
+
+  // The step's indices and RoPE tables, from the host.
+  Tensor ids = token_ids_.slice_rows(0, T), slots = slot_mapping_.slice_rows(0, T);
+  check(backend_.copy_from_host(step.token_ids, ids));
+  check(backend_.copy_from_host(step.slots, slots));
+  check(backend_.copy_from_host(step.query_starts, query_starts_.slice_rows(0, step.seqs + 1)));
+  check(backend_.copy_from_host(step.context_lens, context_lens_.slice_rows(0, step.seqs)));
+  if (step.logit_rows > 0) check(backend_.copy_from_host(step.logit_row_ids, logit_rows_.slice_rows(0, step.logit_rows)));
+  // cos, sin = self.rotary_emb(hidden_states, position_ids)                  cos, sin [T, D / 2]
+  check(rope_tables(inv_freq_, step.positions, 1, T, {}, cos_host_.data(), sin_host_.data()));
+  Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
+  check(backend_.copy_from_host(cos_host_.data(), cos));
+  check(backend_.copy_from_host(sin_host_.data(), sin));
+  batch_.query_starts = query_starts_.slice_rows(0, step.seqs + 1);
+  batch_.context_lens = context_lens_.slice_rows(0, step.seqs);
+  batch_.block_tables = step.block_tables.slice_rows(0, step.seqs);
+  batch_.max_context = step.max_context;
+  const KVCacheView cache = kv_cache();
+
+  Tensor hidden = hidden_.slice_rows(0, T);    // [T, H] fp32, the residual stream
+  Tensor normed = normed_.slice_rows(0, T);    // [T, H]
+  Tensor qkv = qkv_.slice_rows(0, T);          // [T, (Hq + 2 Hkv) D]
+  Tensor q = qkv.slice_cols(0, q_width);       // [T, Hq D]
+  Tensor k = qkv.slice_cols(q_width, kv_width);             // [T, Hkv D]
+  Tensor v = qkv.slice_cols(q_width + kv_width, kv_width);  // [T, Hkv D]
+  Tensor attn = attn_out_.slice_rows(0, T);    // [T, Hq D]
+  Tensor gate = gate_up_.slice_rows(0, T).slice_cols(0, I);  // [T, I]
+  Tensor up = gate_up_.slice_rows(0, T).slice_cols(I, I);    // [T, I]
+  Tensor act = mlp_act_.slice_rows(0, T);      // [T, I]
+
+  // inputs_embeds = self.embed_tokens(input_ids)
+  check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
+  for (int64_t l = 0; l < c.num_layers; l++) {
+    const DecoderLayerWeights& w = weights_.layers[size_t(l)];
+    // residual = hidden_states; hidden_states = self.input_layernorm(hidden_states)
+    // (from layer 1 on, the previous layer's `hidden_states = residual + hidden_states` is fused in: normed
+    // holds that layer's MLP output)
+    if (l == 0) {
+      check(backend_.rms_norm(hidden, w.input_layernorm, eps, normed));
+    } else {
+      check(backend_.add_rms_norm(normed, hidden, w.input_layernorm, eps, normed));
+    }
+
+    // query_states = self.q_proj(hidden_states); key_states = ...; value_states = ...   (+ bias: qwen2)
+    check(backend_.linear(normed, w.q_proj.weight, w.q_proj.bias, q));
+    check(backend_.linear(normed, w.k_proj.weight, w.k_proj.bias, k));
+    check(backend_.linear(normed, w.v_proj.weight, w.v_proj.bias, v));
+    if (c.qk_norm) {
+      // qwen3: query_states = self.q_norm(query_states.view(hidden_shape)); the same for keys (per head, over D)
+      check(backend_.rms_norm(q, w.q_norm, eps, q));
+      check(backend_.rms_norm(k, w.k_norm, eps, k));
+    }
+    // query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    check(backend_.rope(q, cos, sin, D));
+    check(backend_.rope(k, cos, sin, D));
+    // key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    check(backend_.kv_write(cache, l, k, v, slots));
+    // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
+    check(backend_.attention(q, cache, l, batch_, attention_scale_, attn));
+    // attn_output = self.o_proj(attn_output)                                  normed [T, H]
+    check(backend_.linear(attn, w.o_proj.weight, w.o_proj.bias, normed));
+    // hidden_states = residual + hidden_states; residual = hidden_states
+    // hidden_states = self.post_attention_layernorm(hidden_states)
+    check(backend_.add_rms_norm(normed, hidden, w.post_attention_layernorm, eps, normed));
+    // down_proj(act_fn(gate_proj(x)) * up_proj(x))                            normed [T, H]
+    check(backend_.linear(normed, w.gate_proj.weight, w.gate_proj.bias, gate));
+    check(backend_.linear(normed, w.up_proj.weight, w.up_proj.bias, up));
+    check(backend_.silu_mul(gate, up, act));
+    check(backend_.linear(act, w.down_proj.weight, w.down_proj.bias, normed));
+  }
+  // hidden_states = residual + hidden_states (last layer); hidden_states = self.norm(hidden_states)
+  check(backend_.add_rms_norm(normed, hidden, weights_.norm, eps, normed));
+}
+
+Tensor TextModel::logits(int64_t first, int64_t count) {
+  using detail::model::check;
+  if (first < 0 || count < 1 || count > max_logit_rows_)
+    detail::fail(ErrorCode::internal, detail::format("logits: rows [%lld, +%lld) outside one call's %lld rows",
+                                                     (long long)first, (long long)count, (long long)max_logit_rows_));
+  // logits = self.lm_head(hidden_states[:, slice_indices, :]), for the wanted rows only (RMSNorm is per row,
+  // so normalising all rows and then selecting is the same as transformers' select-last-then-project).
+  // hidden is dead after the final norm: it holds the gathered rows (fp32, which is also the CPU's activation
+  // dtype; a bf16 backend would gather into a buffer of its own dtype).          gathered [count, H]
+  Tensor gathered = hidden_.slice_rows(0, count);
+  check(backend_.gather_rows(normed_.slice_rows(0, step_tokens_), logit_rows_.slice_rows(first, count), gathered));
+  Tensor out = logits_.slice_rows(0, count);  // [count, V] fp32
+  check(backend_.linear(gathered, weights_.lm_head, Tensor{}, out));
+  check(backend_.synchronize());
+  return out;
+}
+
+float* TextModel::sampling_probs(int64_t seq) { return static_cast<float*>(sampling_probs_.slice_rows(seq, 1).data); }
+int32_t* TextModel::sampling_order(int64_t seq) {
+  return static_cast<int32_t*>(sampling_order_.slice_rows(seq, 1).data);
+}
+
+}  // namespace kvlite

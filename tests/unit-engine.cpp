@@ -1,0 +1,357 @@
+// engine: continuous batching (batched equals alone, preemption under page pressure), refusing what cannot
+// fit, cancellation, stop tokens and strings, seeded sampling, streaming, the .npy writer, and the promise of
+// no arena allocation after start.
+#include <doctest/doctest.h>
+#include <algorithm>
+#include <atomic>
+#include <future>
+#include <thread>
+#include "kvlite.hpp"
+#include "model_fixtures.hpp"
+#include "safetensors_writer.hpp"
+using namespace kvlite;
+namespace fx = model_fixtures;
+
+namespace {
+
+struct Prompt {
+  std::vector<int32_t> ids;
+  std::vector<int32_t> greedy;  // transformers' 16 greedy ids
+  std::string greedy_text;
+};
+
+std::vector<Prompt> prompts(const std::string& name) {
+  std::vector<Prompt> list;
+  const nlohmann::json reference = fx::reference(name);
+  for (const auto& p : reference["prompts"])
+    list.push_back({fx::ids_of(p["input_ids"]), fx::ids_of(p["greedy"]["new_ids"]), p["greedy"]["text"].get<std::string>()});
+  return list;
+}
+
+SamplingParams greedy(int64_t max_tokens = 16) {
+  SamplingParams params;
+  params.max_tokens = max_tokens;
+  return params;
+}
+
+// Every page back in the pool: nothing leaked by finished, preempted or cancelled requests.
+void check_pool_empty(const Engine& engine) {
+  KVPagePool::Stats stats = engine.arena().kv().stats();
+  CHECK(stats.used_pages == 0);
+  CHECK(stats.live_sequences == 0);
+}
+
+// An engine whose KV arena has exactly `pages` pages: the whole budget minus the plan's fixed items.
+std::unique_ptr<Engine> open_with_pages(const std::string& name, EngineOptions options, uint64_t pages) {
+  options.plan.utilization = 1.0;
+  const Plan probe = fx::open(name, options)->plan();
+  options.plan.device_mem = probe.fixed_bytes + pages * probe.kv_page_bytes;
+  auto engine = fx::open(name, options);
+  REQUIRE(engine->plan().kv_pages == pages);
+  return engine;
+}
+
+}  // namespace
+
+TEST_CASE("batched generation of several prompts equals each alone") {
+  for (const std::string& name : fx::names()) {
+    CAPTURE(name);
+    auto engine = fx::open(name);
+    std::vector<Prompt> list = prompts(name);
+    std::vector<RequestId> ids;
+    std::vector<std::string> streamed(list.size());
+    for (size_t i = 0; i < list.size(); i++) {
+      auto id = engine->submit(list[i].ids, greedy(), [&streamed, i](const std::string& piece, int32_t) {
+        streamed[i] += piece;
+        return true;
+      });
+      REQUIRE_MESSAGE(id, id.error().message);
+      ids.push_back(*id);
+    }
+    REQUIRE(engine->run());
+    CHECK(engine->stats().peak_running == int64_t(list.size()));  // they really shared steps
+    for (size_t i = 0; i < list.size(); i++) {
+      CAPTURE(i);
+      CHECK(engine->finished(ids[i]));
+      auto generation = engine->result(ids[i]);
+      REQUIRE(generation);
+      CHECK(generation->ids == list[i].greedy);  // transformers, one prompt at a time
+      CHECK(generation->finish_reason == FinishReason::max_tokens);
+      // Streaming: whole characters, adding up to what decode gives for all ids at once.
+      CHECK(streamed[i] == generation->text);
+      CHECK(generation->text == list[i].greedy_text);
+    }
+    auto again = engine->result(ids[0]);
+    REQUIRE_FALSE(again);
+    CHECK(again.error().code == ErrorCode::invalid_argument);
+    check_pool_empty(*engine);
+  }
+}
+
+TEST_CASE("under page pressure the newest request is preempted and recomputed with the same tokens") {
+  const std::string name = "tiny-llama3";
+  std::vector<Prompt> list = prompts(name);
+  // Whole prompts in one step, and prompts prefilled 24 tokens at a time (the two short ones start while the
+  // long one is still in its last chunk).
+  for (int64_t batched_tokens : {128, 24}) {
+    CAPTURE(batched_tokens);
+    // The KV arena holds exactly one max_model_len sequence: 8 pages of 16 tokens.
+    EngineOptions options;
+    options.plan.max_model_len = 128;
+    options.plan.max_batched_tokens = batched_tokens;
+    auto engine = open_with_pages(name, options, 8);
+
+    // chat, plain_short and plain_mixed with 16 new tokens each need more pages at the end than the 8 there
+    // are (82 + 16 tokens alone take 7).
+    std::vector<size_t> order = {2, 0, 1};
+    int64_t pages_needed = 0;
+    for (size_t i : order) pages_needed += engine->arena().kv().pages_for(int64_t(list[i].ids.size()) + 16);
+    REQUIRE(pages_needed > 8);
+    std::vector<RequestId> ids;
+    for (size_t i : order) {
+      auto id = engine->submit(list[i].ids, greedy());
+      REQUIRE_MESSAGE(id, id.error().message);
+      ids.push_back(*id);
+    }
+    REQUIRE(engine->run());
+    CHECK(engine->stats().preemptions > 0);
+    CHECK(engine->stats().peak_running >= 2);
+    for (size_t k = 0; k < order.size(); k++) {
+      CAPTURE(order[k]);
+      auto generation = engine->result(ids[k]);
+      REQUIRE(generation);
+      CHECK(generation->ids == list[order[k]].greedy);
+    }
+    check_pool_empty(*engine);
+  }
+}
+
+TEST_CASE("a request that cannot fit is refused up front with the numbers") {
+  EngineOptions options;
+  options.plan.max_model_len = 64;
+  auto engine = fx::open("tiny-qwen2", options);
+  std::vector<int32_t> prompt = prompts("tiny-qwen2")[2].ids;  // 38 tokens
+  REQUIRE(prompt.size() == 38);
+
+  auto refused = engine->submit(prompt, greedy(27));  // 38 + 27 = 65 > 64
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().code == ErrorCode::does_not_fit);
+  const std::string& message = refused.error().message;
+  CHECK(message.find("38 prompt tokens") != std::string::npos);
+  CHECK(message.find("max_tokens 27") != std::string::npos);
+  CHECK(message.find("max_model_len is 64") != std::string::npos);
+  CHECK(message.find("at most 26") != std::string::npos);
+  CHECK(engine->submit(prompt, greedy(26)));  // 64: fits
+
+  auto generation = engine->generate(prompt, greedy(27));
+  REQUIRE_FALSE(generation);
+  CHECK(generation.error().code == ErrorCode::does_not_fit);
+
+  std::vector<int32_t> long_ids(65, prompt[0]);
+  auto logits = engine->logits(long_ids);
+  REQUIRE_FALSE(logits);
+  CHECK(logits.error().code == ErrorCode::does_not_fit);
+  CHECK(logits.error().message.find("65 tokens") != std::string::npos);
+  auto scored = engine->score(long_ids, 65, 32);
+  REQUIRE_FALSE(scored);
+  CHECK(scored.error().code == ErrorCode::does_not_fit);
+  CHECK(scored.error().message.find("context length 65") != std::string::npos);
+  CHECK(engine->score(long_ids, 64, 32));  // windows of 64 fit
+}
+
+TEST_CASE("invalid requests are refused") {
+  auto engine = fx::open("tiny-qwen3");
+  auto empty = engine->submit({}, greedy());
+  REQUIRE_FALSE(empty);
+  CHECK(empty.error().code == ErrorCode::invalid_argument);
+  auto outside = engine->submit({5, int32_t(engine->config().text.vocab_size)}, greedy());
+  REQUIRE_FALSE(outside);
+  CHECK(outside.error().code == ErrorCode::invalid_argument);
+  SamplingParams bad = greedy();
+  bad.top_p = 0.0f;
+  auto invalid = engine->generate(prompts("tiny-qwen3")[0].ids, bad);
+  REQUIRE_FALSE(invalid);
+  CHECK(invalid.error().code == ErrorCode::invalid_argument);
+  auto unknown = engine->result(12345);
+  REQUIRE_FALSE(unknown);
+  CHECK(unknown.error().code == ErrorCode::invalid_argument);
+}
+
+TEST_CASE("cancel() stops the running call, from the callback or another thread") {
+  auto engine = fx::open("tiny-qwen2");
+  std::vector<Prompt> list = prompts("tiny-qwen2");
+
+  SUBCASE("from the token callback") {
+    int tokens = 0;
+    auto generation = engine->generate(list[0].ids, greedy(), [&](const std::string&, int32_t) {
+      if (++tokens == 3) engine->cancel();
+      return true;
+    });
+    REQUIRE_FALSE(generation);
+    CHECK(generation.error().code == ErrorCode::cancelled);
+    CHECK(tokens == 3);
+  }
+  SUBCASE("from another thread, dropping every request in flight") {
+    auto other = engine->submit(list[1].ids, greedy());
+    REQUIRE(other);
+    std::promise<void> second_token;
+    std::promise<void> cancelled;
+    std::thread canceller([&] {
+      second_token.get_future().wait();
+      engine->cancel();
+      cancelled.set_value();
+    });
+    int tokens = 0;
+    auto generation = engine->generate(list[0].ids, greedy(), [&](const std::string&, int32_t) {
+      if (++tokens == 2) {
+        second_token.set_value();
+        cancelled.get_future().wait();
+      }
+      return true;
+    });
+    canceller.join();
+    REQUIRE_FALSE(generation);
+    CHECK(generation.error().code == ErrorCode::cancelled);
+    CHECK(engine->finished(*other));
+    auto dropped = engine->result(*other);
+    REQUIRE(dropped);
+    CHECK(dropped->finish_reason == FinishReason::cancelled);
+  }
+  check_pool_empty(*engine);
+  // The engine goes on as if nothing happened.
+  auto generation = engine->generate(list[0].ids, greedy());
+  REQUIRE(generation);
+  CHECK(generation->ids == list[0].greedy);
+}
+
+TEST_CASE("a token callback returning false ends its request") {
+  auto engine = fx::open("tiny-qwen3");
+  Prompt prompt = prompts("tiny-qwen3")[1];
+  int calls = 0;
+  auto generation = engine->generate(prompt.ids, greedy(), [&](const std::string&, int32_t) { return ++calls < 4; });
+  REQUIRE(generation);
+  CHECK(calls == 4);
+  CHECK(generation->finish_reason == FinishReason::callback);
+  CHECK(generation->ids == std::vector<int32_t>(prompt.greedy.begin(), prompt.greedy.begin() + 4));
+  check_pool_empty(*engine);
+}
+
+TEST_CASE("stop tokens end generation and are the last id") {
+  auto engine = fx::open("tiny-llama3");
+  Prompt prompt = prompts("tiny-llama3")[0];
+  // The engine's own stop ids include generation_config.json's eos_token_id list.
+  for (int32_t id : {1504, 1507, 1508})
+    CHECK(std::binary_search(engine->stop_token_ids().begin(), engine->stop_token_ids().end(), id));
+  SamplingParams params = greedy();
+  params.stop_tokens = {prompt.greedy[5]};
+  std::string streamed;
+  auto generation = engine->generate(prompt.ids, params, [&](const std::string& piece, int32_t id) {
+    CHECK(id != prompt.greedy[5]);  // the stop token's text is not streamed
+    streamed += piece;
+    return true;
+  });
+  REQUIRE(generation);
+  CHECK(generation->finish_reason == FinishReason::stop_token);
+  CHECK(generation->ids == std::vector<int32_t>(prompt.greedy.begin(), prompt.greedy.begin() + 6));
+  auto without_stop = engine->detokenize(std::vector<int32_t>(prompt.greedy.begin(), prompt.greedy.begin() + 5));
+  REQUIRE(without_stop);
+  CHECK(generation->text == *without_stop);
+  CHECK(streamed == generation->text);
+}
+
+TEST_CASE("stop strings end generation before the string, which is never streamed") {
+  for (const std::string& name : fx::names()) {
+    CAPTURE(name);
+    auto engine = fx::open(name);
+    Prompt prompt = prompts(name)[0];
+    // A stop string from the middle of transformers' greedy text, spanning a token boundary or not.
+    auto head = engine->detokenize(std::vector<int32_t>(prompt.greedy.begin(), prompt.greedy.begin() + 6));
+    auto tail = engine->detokenize(std::vector<int32_t>(prompt.greedy.begin(), prompt.greedy.begin() + 9));
+    REQUIRE(head);
+    REQUIRE(tail);
+    std::string stop = tail->substr(head->size() - 1, 3);
+    size_t at = prompt.greedy_text.find(stop);
+    REQUIRE(at != std::string::npos);
+    SamplingParams params = greedy();
+    params.stop_strings = {"never appears \xe2\x9c\x93", stop};
+    std::string streamed;
+    auto generation = engine->generate(prompt.ids, params, [&](const std::string& piece, int32_t) {
+      streamed += piece;
+      return true;
+    });
+    REQUIRE(generation);
+    CHECK(generation->finish_reason == FinishReason::stop_string);
+    CHECK(generation->text == prompt.greedy_text.substr(0, at));
+    CHECK(streamed == generation->text);
+    CHECK(generation->ids.size() < prompt.greedy.size());
+    CHECK(std::equal(generation->ids.begin(), generation->ids.end(), prompt.greedy.begin()));
+  }
+}
+
+TEST_CASE("seeded sampling is reproducible, alone or batched") {
+  auto engine = fx::open("tiny-qwen2");
+  std::vector<Prompt> list = prompts("tiny-qwen2");
+  SamplingParams params = greedy(24);
+  params.temperature = 0.9f;
+  params.top_p = 0.95f;
+  params.top_k = 50;
+  params.seed = 1234;
+  auto first = engine->generate(list[0].ids, params);
+  auto second = engine->generate(list[0].ids, params);
+  REQUIRE(first);
+  REQUIRE(second);
+  CHECK(first->ids.size() == 24);
+  CHECK(first->ids == second->ids);
+  CHECK(first->ids != list[0].greedy);  // it did sample
+  params.seed = 1235;
+  auto other_seed = engine->generate(list[0].ids, params);
+  REQUIRE(other_seed);
+  CHECK(other_seed->ids != first->ids);
+  // Batched with others, each request keeps its own generator.
+  params.seed = 1234;
+  auto a = engine->submit(list[2].ids, params);
+  auto b = engine->submit(list[0].ids, params);
+  auto c = engine->submit(list[1].ids, params);
+  REQUIRE((a && b && c));
+  REQUIRE(engine->run());
+  auto batched = engine->result(*b);
+  REQUIRE(batched);
+  CHECK(batched->ids == first->ids);
+}
+
+TEST_CASE("chat generation formats the messages in the model's chat format") {
+  auto engine = fx::open("tiny-qwen2");
+  const nlohmann::json chat = fx::reference("tiny-qwen2")["prompts"][2];
+  std::vector<ChatMessage> messages;
+  for (const auto& m : chat["messages"]) messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+  auto generation = engine->generate_chat(messages, greedy());
+  REQUIRE_MESSAGE(generation, generation.error().message);
+  CHECK(generation->prompt_ids == fx::ids_of(chat["input_ids"]));  // apply_chat_template(add_generation_prompt)
+  CHECK(generation->ids == fx::ids_of(chat["greedy"]["new_ids"]));
+}
+
+TEST_CASE("write_npy writes what numpy.save wrote") {
+  for (const char* file : {"logits_0.npy", "logits_2.npy"}) {
+    const std::string path = fx::dir("tiny-qwen3") + "/" + file;
+    fx::Npy npy = fx::read_npy(path);
+    const std::string out = testing_safetensors::temp_dir("engine-npy") + "/" + file;
+    REQUIRE(write_npy(out, npy.values.data(), npy.rows, npy.cols));
+    CHECK(fx::read_file(out) == fx::read_file(path));  // byte for byte, header padding included
+  }
+  auto unwritable = write_npy("/nonexistent-dir/x.npy", nullptr, 0, 3);
+  REQUIRE_FALSE(unwritable);
+  CHECK(unwritable.error().code == ErrorCode::io_error);
+  CHECK(unwritable.error().message.find("/nonexistent-dir/x.npy") != std::string::npos);
+}
+
+TEST_CASE("nothing is allocated from the arena's memory after start") {
+  auto engine = fx::open("tiny-llama3");
+  std::vector<Prompt> list = prompts("tiny-llama3");
+  for (const Prompt& p : list) REQUIRE(engine->submit(p.ids, greedy()));
+  REQUIRE(engine->run());
+  REQUIRE(engine->logits(list[0].ids));
+  const nlohmann::json perplexity = fx::reference("tiny-llama3")["perplexity"];
+  REQUIRE(engine->score(fx::ids_of(perplexity["input_ids"]), 64, 32));
+  CHECK(engine->stats().steps > 0);
+  CHECK(Arena::allocations_after_start() == 0);
+}
