@@ -76,11 +76,10 @@ struct QuantLinearOptions {
 };
 
 // out = x @ W^T (+ weight.bias): x [T, K] float (row stride x_stride), out [T, N] (row stride out_stride), not
-// overlapping x. Rows of W
-// are dequantized 16 at a time into a per-thread buffer, never the whole matrix. Every output element is
-// one dot product over K in a fixed order (8 interleaved partial sums reduced in a fixed tree, then the
-// remainder, then + bias): the CPU backend's linear order, so it equals a float32 linear over the
-// dequantized weight bit for bit, whatever `threads`.
+// overlapping x. Rows of W are dequantized 16 at a time into a per-thread buffer, never the whole matrix.
+// Every output element is one dot product over K in a fixed order (8 interleaved partial sums reduced in a
+// fixed tree, then the remainder, then + bias): the CPU backend's linear order, so it equals a float32 linear
+// over the dequantized weight bit for bit, whatever `threads`.
 Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight, float* out,
                     int64_t out_stride, const QuantLinearOptions& options = {});
 
