@@ -13,6 +13,7 @@
 #include "arena.hpp"
 #include "sampler.hpp"
 #include "backend.hpp"
+#include "backend_cuda.hpp"
 #endif  // KVLITE_HPP_INCLUDED
 
 #if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
@@ -28,4 +29,5 @@
 #include "sampler.inl"
 #include "backend.inl"
 #include "backend_cpu.inl"
+#include "backend_cuda.inl"
 #endif  // KVLITE_IMPLEMENTATION
