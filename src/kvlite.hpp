@@ -16,6 +16,7 @@
 #include "backend.hpp"
 #include "model.hpp"
 #include "engine.hpp"
+#include "backend_cuda.hpp"
 #endif  // KVLITE_HPP_INCLUDED
 
 #if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
@@ -34,4 +35,5 @@
 #include "backend_cpu.inl"
 #include "model.inl"
 #include "engine.inl"
+#include "backend_cuda.inl"
 #endif  // KVLITE_IMPLEMENTATION
