@@ -1226,7 +1226,12 @@ struct AttentionBatch {
 // Every op of the interface, for supports() and for messages.
 enum class Op {
   gather_rows, rms_norm, add_rms_norm, rope, linear, silu_mul, add, copy, kv_write, attention,
+  // the vision encoder's (Qwen3-VL)
+  embedding_bag, layer_norm, gelu, segment_attention,
 };
+
+// GELU's two forms: nn.GELU() / "gelu" (exact, with erf) and "gelu_pytorch_tanh" (the tanh approximation).
+enum class GeluApprox { none, tanh };
 const char* op_name(Op op);
 
 class Backend {
@@ -1238,9 +1243,10 @@ class Backend {
   virtual std::string name() const = 0;  // for logs: "cpu (8 threads)"
   // The dtype of every activation tensor the ops read and write (F32 on the CPU).
   virtual DType activation_dtype() const = 0;
-  // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows), the weight
-  // (rms_norm, add_rms_norm, linear), the K/V element (kv_write, attention), the destination (copy); for
-  // the others (rope, silu_mul, add) the activation dtype.
+  // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows,
+  // embedding_bag), the weight (rms_norm, add_rms_norm, linear, layer_norm), the K/V element (kv_write,
+  // attention), the destination (copy); for the others (rope, silu_mul, add, gelu, segment_attention) the
+  // activation dtype.
   virtual bool supports(Op op, DType dtype) const = 0;
 
   // ---- memory movement ---------------------------------------------------------------------------------
@@ -1290,6 +1296,31 @@ class Backend {
   // dst = src, converting between F32, BF16 and F16 (round to nearest even). Same shape; no overlap.
   Status copy(const Tensor& src, const Tensor& dst);
 
+  // out[t, :] = sum over j of weights[t, j] * table[indices[t, j], :], each product in fp32 and the sum taken in
+  // order j = 0, 1, ...: F.embedding_bag(mode="sum", per_sample_weights) - the bilinear resampling of a learned
+  // position table (4 taps per row). table [V, H] (BF16/F16/F32); indices I32 [T, J], each in [0, V); weights
+  // F32 [T, J]; out [T, H].
+  Status embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights, const Tensor& out);
+
+  // nn.LayerNorm over each row, in fp32: out = (x - mean) / sqrt(var + eps) * weight + bias, var the biased
+  // variance. x, out [T, C]; weight, bias vectors [C] (BF16/F16/F32, the same dtype). out may be x.
+  Status layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& out);
+
+  // out = gelu(x): 0.5 x (1 + erf(x / sqrt 2)) (GeluApprox::none), or 0.5 x (1 + tanh(sqrt(2 / pi) (x +
+  // 0.044715 x^3))) (GeluApprox::tanh). x, out [T, C]. out may be x.
+  Status gelu(const Tensor& x, GeluApprox approx, const Tensor& out);
+
+  // Non-causal attention within segments of contiguous rows (a vision encoder's images: cu_seqlens): segment
+  // s is rows [segment_starts[s], segment_starts[s+1]), and each of its queries attends to all of its keys,
+  // never to another segment's. Per query head, softmax(scale * q.K^T) @ V in fp32 with the running maximum
+  // subtracted; grouped-query: query head h reads KV head h / (heads / kv_heads).
+  // q, out [N, heads * head_dim]; k, v [N, kv_heads * head_dim] (q, k and v may be column slices of one
+  // fused qkv buffer); segment_starts I32 vector [segments + 1], from 0 to N, non-decreasing; max_segment >=
+  // every segment's length (lets a GPU size its work without reading segment_starts). out must not overlap
+  // q, k or v.
+  Status segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
+                           int64_t max_segment, int64_t head_dim, float scale, const Tensor& out);
+
   // Stores layer `layer`'s K and V rows of T tokens into the KV pages. slots I32 vector [T]: token t goes
   // to page slots[t] / page_tokens at offset slots[t] % page_tokens; a negative slot skips the token
   // (padding). k, v [T, kv_heads * head_dim]. Converted to cache.dtype (round to nearest even).
@@ -1317,6 +1348,14 @@ class Backend {
   virtual void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
   virtual void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
   virtual void impl_copy(const Tensor& src, const Tensor& dst) = 0;
+  virtual void impl_embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
+                                  const Tensor& out) = 0;
+  virtual void impl_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                               const Tensor& out) = 0;
+  virtual void impl_gelu(const Tensor& x, GeluApprox approx, const Tensor& out) = 0;
+  virtual void impl_segment_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const Tensor& segment_starts, int64_t max_segment, int64_t head_dim,
+                                      float scale, const Tensor& out) = 0;
   virtual void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
                              const Tensor& slots) = 0;
   virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
@@ -7495,6 +7534,10 @@ const char* op_name(Op op) {
     case Op::copy: return "copy";
     case Op::kv_write: return "kv_write";
     case Op::attention: return "attention";
+    case Op::embedding_bag: return "embedding_bag";
+    case Op::layer_norm: return "layer_norm";
+    case Op::gelu: return "gelu";
+    case Op::segment_attention: return "segment_attention";
   }
   return "?";
 }
@@ -7753,6 +7796,91 @@ Status Backend::copy(const Tensor& src, const Tensor& dst) {
     detail::check_shape(op, "dst", dst, src.rows, src.cols);
     detail::check_alias(op, "dst", dst, "src", src, false);
     impl_copy(src, dst);
+  });
+}
+
+Status Backend::embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
+                              const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "embedding_bag";
+    detail::check_view(op, "table", table);
+    detail::check_supported(*this, Op::embedding_bag, table.dtype, "table dtype");
+    detail::check_dtype(op, "indices", indices, DType::I32);
+    detail::check_dtype(op, "weights", weights, DType::F32);
+    detail::check_shape(op, "weights", weights, indices.rows, indices.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, indices.rows, table.cols);
+    detail::check_alias(op, "out", out, "table", table, false);
+    detail::check_alias(op, "out", out, "weights", weights, false);
+    impl_embedding_bag(table, indices, weights, out);
+  });
+}
+
+Status Backend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "layer_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::layer_norm, weight.dtype, "weight dtype");
+    detail::check_vector(op, "weight", weight, x.cols, weight.dtype);
+    detail::check_vector(op, "bias", bias, x.cols, weight.dtype);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (!(eps >= 0.0f)) detail::fail(ErrorCode::invalid_argument, detail::format("layer_norm: eps %g must be >= 0", eps));
+    impl_layer_norm(x, weight, bias, eps, out);
+  });
+}
+
+Status Backend::gelu(const Tensor& x, GeluApprox approx, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "gelu";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_supported(*this, Op::gelu, x.dtype, "activation dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (approx != GeluApprox::none && approx != GeluApprox::tanh)
+      detail::fail(ErrorCode::invalid_argument, detail::format("gelu: unknown approximation %d", int(approx)));
+    impl_gelu(x, approx, out);
+  });
+}
+
+Status Backend::segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
+                                  int64_t max_segment, int64_t head_dim, float scale, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "segment_attention";
+    detail::check_dtype(op, "q", q, activation_dtype());
+    detail::check_supported(*this, Op::segment_attention, q.dtype, "activation dtype");
+    detail::check_dtype(op, "k", k, activation_dtype());
+    detail::check_dtype(op, "v", v, activation_dtype());
+    if (head_dim <= 0 || q.cols == 0 || q.cols % head_dim != 0 || k.cols == 0 || k.cols % head_dim != 0 ||
+        (q.cols / head_dim) % (k.cols / head_dim) != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: q is %s and k is %s; with head_dim %lld they must hold whole "
+                                  "heads, the query heads a multiple of the KV heads",
+                                  detail::describe(q).c_str(), detail::describe(k).c_str(), (long long)head_dim));
+    detail::check_shape(op, "k", k, q.rows, k.cols);
+    detail::check_shape(op, "v", v, q.rows, k.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, q.rows, q.cols);
+    detail::check_alias(op, "out", out, "q", q, false);
+    detail::check_alias(op, "out", out, "k", k, false);
+    detail::check_alias(op, "out", out, "v", v, false);
+    int64_t segments = segment_starts.elements() - 1;
+    if (segments < 1)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: segment_starts is %s; it needs segments + 1 >= 2 elements",
+                                  detail::describe(segment_starts).c_str()));
+    detail::check_vector(op, "segment_starts", segment_starts, segments + 1, DType::I32);
+    if (max_segment < 0 || max_segment > q.rows)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: max_segment %lld must be in [0, %lld] (q's rows)",
+                                  (long long)max_segment, (long long)q.rows));
+    if (!(scale > 0.0f) || !std::isfinite(scale))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: scale %g must be positive and finite", scale));
+    impl_segment_attention(q, k, v, segment_starts, max_segment, head_dim, scale, out);
   });
 }
 
@@ -8090,9 +8218,11 @@ class CpuBackend final : public Backend {
   DType activation_dtype() const override { return DType::F32; }
   bool supports(Op op, DType dtype) const override {
     switch (op) {
-      case Op::rope: case Op::silu_mul: case Op::add: return dtype == DType::F32;
+      case Op::rope: case Op::silu_mul: case Op::add: case Op::gelu: case Op::segment_attention:
+        return dtype == DType::F32;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
-      case Op::kv_write: case Op::attention: return is_cpu_float(dtype);
+      case Op::kv_write: case Op::attention: case Op::embedding_bag: case Op::layer_norm:
+        return is_cpu_float(dtype);
     }
     return false;
   }
@@ -8237,6 +8367,131 @@ class CpuBackend final : public Backend {
         pool_.run(src.rows, body);
       });
     });
+  }
+
+  void impl_embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
+                          const Tensor& out) override {
+    for (int64_t t = 0; t < indices.rows; t++)
+      for (int64_t j = 0; j < indices.cols; j++) {
+        const int32_t index = row_of<const int32_t>(indices, t)[j];
+        if (index < 0 || index >= table.rows)
+          fail(ErrorCode::invalid_argument,
+               format("embedding_bag: indices[%lld][%lld] = %d is outside the table's %lld rows", (long long)t,
+                      (long long)j, index, (long long)table.rows));
+      }
+    with_float_type(table.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      auto body = [&](int64_t t, int) {
+        const int32_t* index = row_of<const int32_t>(indices, t);
+        const float* weight = row_of<const float>(weights, t);
+        float* dst = row_of<float>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) {
+          // (embedding(indices) * weights[..., None]).sum(1): products rounded, then summed in order
+          float sum = 0.0f;
+          for (int64_t j = 0; j < indices.cols; j++) {
+            const float product = to_float(row_of<const T>(table, index[j])[c]) * weight[j];
+            sum += product;
+          }
+          dst[c] = sum;
+        }
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                       const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      const W* w = static_cast<const W*>(weight.data);
+      const W* b = static_cast<const W*>(bias.data);
+      const int64_t n = x.cols;
+      auto body = [&](int64_t t, int) {
+        const float* in = row_of<const float>(x, t);
+        float* dst = row_of<float>(out, t);
+        // The moments in double (two passes), so mean and biased variance are the correctly rounded values.
+        double sum = 0;
+        for (int64_t i = 0; i < n; i++) sum += double(in[i]);
+        const double mean = sum / double(n);
+        double squares = 0;
+        for (int64_t i = 0; i < n; i++) squares += (double(in[i]) - mean) * (double(in[i]) - mean);
+        const float mean_f = float(mean);
+        const float inv_std = 1.0f / std::sqrt(float(squares / double(n)) + eps);
+        for (int64_t i = 0; i < n; i++) dst[i] = (in[i] - mean_f) * inv_std * to_float(w[i]) + to_float(b[i]);
+      };
+      pool_.run(x.rows, body);
+    });
+  }
+
+  void impl_gelu(const Tensor& x, GeluApprox approx, const Tensor& out) override {
+    auto body = [&](int64_t t, int) {
+      const float* in = row_of<const float>(x, t);
+      float* dst = row_of<float>(out, t);
+      if (approx == GeluApprox::tanh) {
+        // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+        const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+        for (int64_t c = 0; c < out.cols; c++) {
+          const float v = in[c];
+          dst[c] = 0.5f * v * (1.0f + std::tanh(beta * (v + kappa * v * v * v)));
+        }
+      } else {
+        // ATen's GeluType::None: x * 0.5 (1 + erf(x / sqrt 2))
+        for (int64_t c = 0; c < out.cols; c++) {
+          const float v = in[c];
+          dst[c] = v * 0.5f * (1.0f + std::erf(v * float(M_SQRT1_2)));
+        }
+      }
+    };
+    pool_.run(out.rows, body);
+  }
+
+  void impl_segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
+                              int64_t max_segment, int64_t head_dim, float scale, const Tensor& out) override {
+    if (head_dim > max_head_dim_)
+      fail(ErrorCode::invalid_argument,
+           format("segment_attention: head_dim %lld is larger than the CPU backend's max_head_dim %lld; make the "
+                  "backend with CpuBackendOptions::max_head_dim >= %lld", (long long)head_dim,
+                  (long long)max_head_dim_, (long long)head_dim));
+    const int64_t segments = segment_starts.elements() - 1;
+    const int32_t* starts = ints(segment_starts);
+    if (starts[0] != 0 || starts[segments] != q.rows)
+      fail(ErrorCode::invalid_argument,
+           format("segment_attention: segment_starts must run from 0 to q's %lld rows; it runs from %d to %d",
+                  (long long)q.rows, starts[0], starts[segments]));
+    for (int64_t s = 0; s < segments; s++)
+      if (starts[s + 1] < starts[s] || starts[s + 1] - starts[s] > max_segment)
+        fail(ErrorCode::invalid_argument,
+             format("segment_attention: segment %lld runs from row %d to %d; segments must not run backwards nor "
+                    "be longer than max_segment %lld", (long long)s, starts[s], starts[s + 1],
+                    (long long)max_segment));
+    const int64_t heads = q.cols / head_dim, group = heads / (k.cols / head_dim);
+    // Item = (query row, query head); the KV rows are fp32 activations, read in place.
+    auto body = [&](int64_t item, int worker) {
+      const int64_t t = item / heads, head = item % heads, kv_head = head / group;
+      const int64_t s = int64_t(std::upper_bound(starts, starts + segments + 1, int32_t(t)) - starts) - 1;
+      const float* query = row_of<const float>(q, t) + head * head_dim;
+      float* acc = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
+      std::fill(acc, acc + head_dim, 0.0f);
+      float running_max = -INFINITY, running_sum = 0.0f;
+      for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
+        const float* key = row_of<const float>(k, r) + kv_head * head_dim;
+        const float* value = row_of<const float>(v, r) + kv_head * head_dim;
+        const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+        if (score > running_max) {  // online softmax: rescale only when the maximum grows
+          const float correction = std::exp(running_max - score);
+          running_sum *= correction;
+          for (int64_t d = 0; d < head_dim; d++) acc[d] *= correction;
+          running_max = score;
+        }
+        const float p = std::exp(score - running_max);
+        running_sum += p;
+        for (int64_t d = 0; d < head_dim; d++) acc[d] += p * value[d];
+      }
+      float* dst = row_of<float>(out, t) + head * head_dim;
+      // a row's segment holds at least the row itself, so running_sum >= 1
+      for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[d] / running_sum;
+    };
+    pool_.run(q.rows * heads, body);
   }
 
   void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
