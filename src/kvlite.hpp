@@ -14,6 +14,7 @@
 #include "sampler.hpp"
 #include "backend.hpp"
 #include "model.hpp"
+#include "vision.hpp"
 #include "engine.hpp"
 #endif  // KVLITE_HPP_INCLUDED
 
@@ -31,5 +32,6 @@
 #include "backend.inl"
 #include "backend_cpu.inl"
 #include "model.inl"
+#include "vision.inl"
 #include "engine.inl"
 #endif  // KVLITE_IMPLEMENTATION
