@@ -2,8 +2,10 @@
 // tests/fixtures/vl (tools/make_vl_fixtures.py): preprocessing, the vision tower and its DeepStack features,
 // M-RoPE positions, fused prefill logits and greedy decoding, with and without chunked prefill and batching.
 #include <doctest/doctest.h>
+#include <sys/wait.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include "kvlite.hpp"
 #include "model_fixtures.hpp"
 using namespace kvlite;
@@ -58,6 +60,20 @@ Image load_fixture_image(const nlohmann::json& image) {
   auto loaded = load_image(fixtures_dir() + image["file"].get<std::string>());
   REQUIRE_MESSAGE(loaded, loaded.error().message);
   return std::move(*loaded);
+}
+
+// Runs a built program with these arguments (no shell quoting needed: the paths are the repository's);
+// returns its stdout, and its exit status through `status`.
+std::string run_program(const std::string& command_line, int& status) {
+  FILE* pipe = popen((command_line + " 2>/dev/null").c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string out;
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) out.append(buffer, n);
+  const int raw = pclose(pipe);
+  status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  return out;
 }
 
 }  // namespace
@@ -276,6 +292,39 @@ TEST_CASE("requests with images batched in one step decode as they do alone, tex
   CHECK(batched_text->ids == alone->ids);
 }
 
+TEST_CASE("under page pressure a request with images is preempted and recomputed with the same tokens") {
+  const nlohmann::json ref = reference();
+  const int32_t pad = ref["image_token_id"].get<int32_t>();
+  for (int64_t batched_tokens : {128, 24}) {  // whole prompts, and chunks that cut through the images
+    CAPTURE(batched_tokens);
+    EngineOptions options;
+    options.plan.max_model_len = 96;
+    options.plan.max_batched_tokens = batched_tokens;
+    options.plan.utilization = 1.0;
+    const Plan probe = open_model(options)->plan();
+    // 6 pages of 16 tokens: the two prompts with 8 new tokens each (39 and 72 tokens) need 3 + 5.
+    options.plan.device_mem = probe.fixed_bytes + 6 * probe.kv_page_bytes;
+    auto engine = open_model(options);
+    REQUIRE(engine->plan().kv_pages == 6);
+    SamplingParams params;
+    params.max_tokens = 8;
+    std::vector<RequestId> ids;
+    for (const auto& prompt : ref["prompts"]) {
+      auto id = engine->submit(collapsed_ids(prompt, pad), fixture_images(prompt), params);
+      REQUIRE_MESSAGE(id, id.error().message);
+      ids.push_back(*id);
+    }
+    REQUIRE(engine->run());
+    CHECK(engine->stats().preemptions > 0);
+    for (size_t k = 0; k < ids.size(); k++) {
+      auto generation = engine->result(ids[k]);
+      REQUIRE(generation);
+      CHECK(generation->ids == fx::ids_of(ref["prompts"][k]["greedy"]["new_ids"]));
+    }
+    CHECK(engine->arena().kv().stats().used_pages == 0);
+  }
+}
+
 TEST_CASE("images are refused by a text model and must match the placeholders in number") {
   auto text_model = fx::open("tiny-qwen3");
   const nlohmann::json ref = reference();
@@ -296,4 +345,34 @@ TEST_CASE("images are refused by a text model and must match the placeholders in
   auto none = engine->logits(collapsed_ids(prompt, pad), {});
   REQUIRE_FALSE(none);
   CHECK(none.error().message.find("0 images were given") != std::string::npos);
+}
+
+TEST_CASE("examples/caption_image and kvlite generate --image stream what generate_chat gives") {
+  const nlohmann::json ref = reference();
+  const std::string image_path = fixtures_dir() + ref["prompts"][0]["images"][0]["file"].get<std::string>();
+  auto engine = open_model();
+  SamplingParams params;
+  params.max_tokens = 8;
+  auto expected = engine->generate_chat({{"user", std::string(kImagePlaceholder) + "What is it?"}},
+                                        {load_fixture_image(ref["prompts"][0]["images"][0])}, params);
+  REQUIRE(expected);
+  REQUIRE(expected->ids.size() == 8);
+  int status = -1;
+  const std::string caption = run_program(std::string(KVLITE_BINARY_DIR) + "/caption_image " + model_dir() + " " +
+                                               image_path + " --prompt 'What is it?' --max-tokens 8 --device-mem 64MiB",
+                                           status);
+  CHECK(status == 0);
+  CHECK(caption == expected->text + "\n");
+  const std::string cli = run_program(std::string(KVLITE_BINARY_DIR) + "/kvlite generate " + model_dir() +
+                                          " --chat --prompt 'What is it?' --image " + image_path +
+                                          " --max-tokens 8 --device-mem 64MiB",
+                                      status);
+  CHECK(status == 0);
+  CHECK(cli == expected->text + "\n");
+  run_program(std::string(KVLITE_BINARY_DIR) + "/caption_image " + model_dir(), status);
+  CHECK(status == 2);
+  run_program(std::string(KVLITE_BINARY_DIR) + "/caption_image " + fx::dir("tiny-qwen3") + " " + image_path +
+                  " --device-mem 64MiB",
+              status);
+  CHECK(status == 1);
 }
