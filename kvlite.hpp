@@ -445,6 +445,7 @@ struct VisionConfig {
   int64_t num_position_embeddings = 0;
   std::vector<int64_t> deepstack_visual_indexes;
   std::string hidden_act = "gelu_pytorch_tanh";
+  double rope_theta = 10000.0;  // the 2-D RoPE's base (rope_parameters.rope_theta)
 };
 
 // How a group of Linears is quantized (compressed-tensors `config_groups.*.weights`, or Qwen's fp8).
@@ -1378,7 +1379,12 @@ struct AttentionBatch {
 // Every op of the interface, for supports() and for messages.
 enum class Op {
   gather_rows, rms_norm, add_rms_norm, rope, linear, silu_mul, add, copy, kv_write, attention,
+  // the vision encoder's (Qwen3-VL)
+  embedding_bag, layer_norm, gelu, segment_attention,
 };
+
+// GELU's two forms: nn.GELU() / "gelu" (exact, with erf) and "gelu_pytorch_tanh" (the tanh approximation).
+enum class GeluApprox { none, tanh };
 const char* op_name(Op op);
 
 class Backend {
@@ -1390,9 +1396,10 @@ class Backend {
   virtual std::string name() const = 0;  // for logs: "cpu (8 threads)"
   // The dtype of every activation tensor the ops read and write (F32 on the CPU).
   virtual DType activation_dtype() const = 0;
-  // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows), the weight
-  // (rms_norm, add_rms_norm, linear), the K/V element (kv_write, attention), the destination (copy); for
-  // the others (rope, silu_mul, add) the activation dtype.
+  // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows,
+  // embedding_bag), the weight (rms_norm, add_rms_norm, linear, layer_norm), the K/V element (kv_write,
+  // attention), the destination (copy); for the others (rope, silu_mul, add, gelu, segment_attention) the
+  // activation dtype.
   virtual bool supports(Op op, DType dtype) const = 0;
 
   // ---- memory movement ---------------------------------------------------------------------------------
@@ -1442,6 +1449,31 @@ class Backend {
   // dst = src, converting between F32, BF16 and F16 (round to nearest even). Same shape; no overlap.
   Status copy(const Tensor& src, const Tensor& dst);
 
+  // out[t, :] = sum over j of weights[t, j] * table[indices[t, j], :], each product in fp32 and the sum taken in
+  // order j = 0, 1, ...: F.embedding_bag(mode="sum", per_sample_weights) - the bilinear resampling of a learned
+  // position table (4 taps per row). table [V, H] (BF16/F16/F32); indices I32 [T, J], each in [0, V); weights
+  // F32 [T, J]; out [T, H].
+  Status embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights, const Tensor& out);
+
+  // nn.LayerNorm over each row, in fp32: out = (x - mean) / sqrt(var + eps) * weight + bias, var the biased
+  // variance. x, out [T, C]; weight, bias vectors [C] (BF16/F16/F32, the same dtype). out may be x.
+  Status layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& out);
+
+  // out = gelu(x): 0.5 x (1 + erf(x / sqrt 2)) (GeluApprox::none), or 0.5 x (1 + tanh(sqrt(2 / pi) (x +
+  // 0.044715 x^3))) (GeluApprox::tanh). x, out [T, C]. out may be x.
+  Status gelu(const Tensor& x, GeluApprox approx, const Tensor& out);
+
+  // Non-causal attention within segments of contiguous rows (a vision encoder's images: cu_seqlens): segment
+  // s is rows [segment_starts[s], segment_starts[s+1]), and each of its queries attends to all of its keys,
+  // never to another segment's. Per query head, softmax(scale * q.K^T) @ V in fp32 with the running maximum
+  // subtracted; grouped-query: query head h reads KV head h / (heads / kv_heads).
+  // q, out [N, heads * head_dim]; k, v [N, kv_heads * head_dim] (q, k and v may be column slices of one
+  // fused qkv buffer); segment_starts I32 vector [segments + 1], from 0 to N, non-decreasing; max_segment >=
+  // every segment's length (lets a GPU size its work without reading segment_starts). out must not overlap
+  // q, k or v.
+  Status segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
+                           int64_t max_segment, int64_t head_dim, float scale, const Tensor& out);
+
   // Stores layer `layer`'s K and V rows of T tokens into the KV pages. slots I32 vector [T]: token t goes
   // to page slots[t] / page_tokens at offset slots[t] % page_tokens; a negative slot skips the token
   // (padding). k, v [T, kv_heads * head_dim]. Converted to cache.dtype (round to nearest even).
@@ -1469,6 +1501,14 @@ class Backend {
   virtual void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
   virtual void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
   virtual void impl_copy(const Tensor& src, const Tensor& dst) = 0;
+  virtual void impl_embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
+                                  const Tensor& out) = 0;
+  virtual void impl_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                               const Tensor& out) = 0;
+  virtual void impl_gelu(const Tensor& x, GeluApprox approx, const Tensor& out) = 0;
+  virtual void impl_segment_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const Tensor& segment_starts, int64_t max_segment, int64_t head_dim,
+                                      float scale, const Tensor& out) = 0;
   virtual void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
                              const Tensor& slots) = 0;
   virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
@@ -1544,8 +1584,19 @@ struct TextModelWeights {
 // Binds every weight of the text model by its transformers name as a view into the store's mmap (BF16, F16
 // or F32, used as stored). All absent tensors are reported at once (missing_tensor, listing the names); a
 // tensor of the wrong shape or dtype is bad_format naming it, its shape and the expected one. Quantized
-// checkpoints and Qwen3-VL are unsupported here (the CPU reference engine runs dense text models).
+// checkpoints are unsupported here (the CPU reference engine runs dense models); for Qwen3-VL this is the
+// language model (model.language_model.*; the vision tower is bind_vision_weights').
 Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const TensorStore& store);
+
+// Image tokens of a step whose rows come from the vision tower rather than the embedding table: step rows
+// [token, token + count), the run's rows of the image's host features. Level 0 (the merger's output) replaces
+// the rows' token embeddings; level 1 + j (DeepStack) is added to them after decoder layer j.
+struct ImageRun {
+  int64_t token = 0;            // first row of the run in the step
+  int64_t count = 0;
+  const float* rows = nullptr;  // [count, H] level 0; level l starts l * level_stride floats later
+  int64_t level_stride = 0;
+};
 
 // The tokens of one forward step, in host memory, as the engine packed them. Tokens are grouped by sequence
 // and sequences follow the order of the attention batch: sequence s is KV-pool slot s, so the pool's block
@@ -1553,7 +1604,8 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
 struct StepInput {
   int64_t tokens = 0;                     // T, 1 <= T <= max_batched_tokens
   const int32_t* token_ids = nullptr;     // [T]
-  const int32_t* positions = nullptr;     // [T] position of each token in its sequence (0-based)
+  const int32_t* positions = nullptr;     // [position_rows, T] position of each token (0-based)
+  int64_t position_rows = 1;              // 1, or 3 for M-RoPE (qwen3_vl: rows t, h, w)
   const int32_t* slots = nullptr;         // [T] KV slot: page * page_tokens + position % page_tokens
   int64_t seqs = 0;                       // S, the attention batch's sequences (pool slots 0 .. S-1)
   const int32_t* query_starts = nullptr;  // [S + 1] first token of each sequence in this step; last = T
@@ -1562,6 +1614,8 @@ struct StepInput {
   Tensor block_tables;                    // I32 [>= S, max_pages_per_seq]: the pool's tables (host memory)
   int64_t logit_rows = 0;                 // R, rows of this step whose logits will be asked for
   const int32_t* logit_row_ids = nullptr;  // [R] token indices in [0, T)
+  int64_t image_runs = 0;                  // qwen3_vl: runs of image tokens in this step
+  const ImageRun* image_run_list = nullptr;  // [image_runs]
 };
 
 // The forward pass over a Backend, with its buffers carved from the arena. Not thread-safe (one step at a
@@ -1601,6 +1655,7 @@ class TextModel {
   float attention_scale_ = 1.0f;  // head_dim ** -0.5
   std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
   std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
+  int64_t deepstack_levels_ = 0;            // qwen3_vl: DeepStack features added after layers 0 .. levels - 1
 
   // Views of the arena's buffers (planner names in quotes), full size; forward() slices the first T rows.
   Tensor hidden_;         // "hidden"       [Tmax, H] fp32: the residual stream
@@ -1616,10 +1671,138 @@ class TextModel {
   Tensor query_starts_;   // "query_starts" [Smax + 1] int32
   Tensor context_lens_;   // "context_lens" [Smax] int32
   Tensor logit_rows_;     // "logit_rows"   [Tmax] int32
+  Tensor deepstack_rows_;  // "deepstack_rows" [Tmax, H] fp32 (vision models): a step's DeepStack rows
   Tensor logits_;         // "logits"       [max(Smax, 32), V] fp32
   Tensor sampling_probs_;  // "sampling_probs" [Smax, V] fp32
   Tensor sampling_order_;  // "sampling_order" [Smax, V] int32
   AttentionBatch batch_;  // of the last forward()
+};
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// vision: Qwen3-VL's vision tower written once against Backend, and the multimodal RoPE positions of a
+// prompt with images (transformers' modeling_qwen3_vl.py: Qwen3VLVisionModel, get_rope_index).
+//
+//   pixel rows (N, 3 x 2 x 16 x 16) ─► patch embed (the Conv3d as a Linear) + bilinear position table
+//     ─► [ LayerNorm ─► qkv ─► 2-D RoPE ─► attention within each image ─► proj ─► + ─► LayerNorm ─►
+//          fc1 ─► GELU (tanh) ─► fc2 ─► + ] x depth
+//            └─ after the blocks in deepstack_visual_indexes: 2 x 2 shuffle ─► LayerNorm ─► fc1 ─► GELU ─► fc2
+//               ─► DeepStack feature j (N / 4, out), added to the LLM's hidden states after decoder layer j
+//     ─► LayerNorm ─► 2 x 2 shuffle ─► fc1 ─► GELU ─► fc2 ─► merged embeddings (N / 4, out): one per
+//        <|image_pad|> token, replacing its embedding
+//
+// Patches arrive in 2 x 2 merge-window order (preprocess_image's rows), so "shuffling" a window's four
+// patches into one row of 4 x hidden is a reshape of contiguous rows, free.
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+
+// nn.LayerNorm's parameters: weight and bias [C].
+struct LayerNormWeights {
+  Tensor weight;
+  Tensor bias;
+};
+
+// Qwen3VLVisionBlock. vh hidden, vI intermediate.
+struct VisionBlockWeights {
+  LayerNormWeights norm1, norm2;  // [vh]
+  LinearWeights qkv;              // [3 vh, vh] + bias: q | k | v rows
+  LinearWeights proj;             // [vh, vh] + bias
+  LinearWeights fc1;              // mlp.linear_fc1 [vI, vh] + bias
+  LinearWeights fc2;              // mlp.linear_fc2 [vh, vI] + bias
+};
+
+// Qwen3VLVisionPatchMerger: norm over vh per patch (the final merger) or over 4 vh after the shuffle
+// (DeepStack's), then fc1 [4 vh, 4 vh] -> GELU (erf) -> fc2 [out, 4 vh], all with biases.
+struct PatchMergerWeights {
+  LayerNormWeights norm;
+  LinearWeights fc1, fc2;
+  bool norm_after_shuffle = false;
+};
+
+struct VisionWeights {
+  LinearWeights patch_embed;  // the Conv3d kernel [vh, C, T, P, P] viewed as [vh, C T P P] (c, t, y, x order)
+  Tensor pos_embed;           // [side^2, vh], the learned side x side position table
+  std::vector<VisionBlockWeights> blocks;          // [depth]
+  PatchMergerWeights merger;                       // model.visual.merger
+  std::vector<PatchMergerWeights> deepstack;       // model.visual.deepstack_merger_list, one per tap
+};
+
+// Binds model.visual.* of a qwen3_vl checkpoint as views into the store's mmap (BF16, F16 or F32). Absent
+// tensors are listed together (missing_tensor); a wrong shape or dtype is bad_format naming the tensor.
+Result<VisionWeights> bind_vision_weights(const ModelConfig& config, const TensorStore& store);
+
+// ---- multimodal RoPE positions ---------------------------------------------------------------------------
+// Qwen3-VL's get_rope_index for one sequence: positions [3, S] (rows t, h, w) and rope_delta.
+//   - a run of text tokens continues from the current position on all three rows;
+//   - image k's tokens (a contiguous run of image_token_id, grids[k].image_tokens of them) are its
+//     (grid_t, grid_h / merge, grid_w / merge) token grid in t-major, row-major order at (p + t, p + i, p + j)
+//     where p is the current position; the current position then advances by max(grid_h, grid_w) / merge.
+//   - rope_delta = max position + 1 - S: a token decoded at cache index c has position c + rope_delta on all
+//     three rows.
+struct MropePositions {
+  std::vector<int32_t> positions;  // [3, S]: positions[r * S + s]
+  int64_t rope_delta = 0;
+};
+// invalid_argument when the image tokens do not form one run per grid of exactly its image_tokens.
+Result<MropePositions> mrope_positions(const std::vector<int32_t>& ids, int32_t image_token_id,
+                                       const std::vector<ImageGrid>& grids, int64_t spatial_merge_size);
+
+// ---- the vision tower --------------------------------------------------------------------------------------
+// The encoder over a Backend, its buffers carved from the arena region "vision" by the names of the plan's
+// vision_buffers(). Not thread-safe (one encode at a time, like the backend).
+class VisionModel {
+ public:
+  VisionModel(const ModelConfig& config, VisionWeights weights, Backend& backend, Arena& arena, const Plan& plan);
+
+  // Patches one encode() call holds (summed over its images) and images it holds.
+  int64_t max_patches() const { return max_patches_; }
+  int64_t max_images() const { return max_images_; }
+  // Output levels: 0 the final merger, 1 + j DeepStack tap j.
+  int64_t levels() const { return levels_; }
+
+  // Runs the tower over `images` (preprocess_image's outputs, at most max_images() of them with at most
+  // max_patches() rows together; each frame attends only to itself). Afterwards output(level) holds the
+  // images' tokens in order. Throws kvlite::Error (callers guard).
+  void encode(const std::vector<const VisionInput*>& images);
+  // F32 [tokens of the last encode, out_hidden_size], in the backend's memory.
+  Tensor output(int64_t level) const;
+
+ private:
+  void run_merger(const PatchMergerWeights& merger, const Tensor& hidden, int64_t level);
+
+  ModelConfig config_;
+  VisionWeights weights_;
+  Backend& backend_;
+  int64_t max_patches_ = 0, max_images_ = 0, levels_ = 0;
+  int64_t side_ = 0;  // the position table is side x side
+  int64_t head_dim_ = 0;
+  float attention_scale_ = 1.0f;
+  GeluApprox block_gelu_ = GeluApprox::tanh;
+  std::vector<float> rope_inv_freq_;  // [head_dim / 4]
+  int64_t tokens_ = 0;                // of the last encode
+
+  // host staging, sized once
+  std::vector<int32_t> pos_indices_host_;   // [N, 4]
+  std::vector<float> pos_weights_host_;     // [N, 4]
+  std::vector<float> cos_host_, sin_host_;  // [N, head_dim / 2]
+  std::vector<int32_t> segments_host_;      // [frames + 1]
+  std::vector<uint16_t> pixels_16bit_;      // [N, patch values] when activations are 16-bit
+
+  // Views of the planned buffers (names in quotes), full size.
+  Tensor pixel_patches_;  // "pixel_patches"      [N, C T P P]
+  Tensor hidden_;         // "vision_hidden"      [N, vh] fp32: the residual stream
+  Tensor normed_;         // "vision_normed"      [N, vh]: LayerNorm outputs, proj / fc2 outputs, pos embeds
+  Tensor qkv_;            // "vision_qkv"         [N, 3 vh]
+  Tensor attn_out_;       // "vision_attn_out"    [N, vh]; as [N / 4, 4 vh] the mergers' fc1 output
+  Tensor mlp_;            // "vision_mlp"         [N, vI]
+  Tensor merger_in_;      // "merger_in"          [N / 4, 4 vh]: the mergers' LayerNorm output
+  Tensor merged_;         // "merged"             [levels, N / 4, out] fp32 (as [levels * N / 4, out])
+  Tensor pos_indices_;    // "vision_pos_indices" [N, 4] int32
+  Tensor pos_weights_;    // "vision_pos_weights" [N, 4] fp32
+  Tensor rope_cos_;       // "vision_rope_cos"    [N, head_dim / 2] fp32
+  Tensor rope_sin_;       // "vision_rope_sin"    [N, head_dim / 2] fp32
+  Tensor segments_;       // "vision_segments"    [frames + 1] int32
 };
 
 }  // namespace kvlite
@@ -1706,6 +1889,17 @@ struct Logits {
   std::vector<float> values;  // [tokens, vocab] float32
 };
 
+// The vision tower's outputs for some images (transformers' get_image_features), one row per image token in
+// order: level 0 the merger's embedding (it replaces the token's embedding), level 1 + j the DeepStack
+// feature added to the token's hidden state after decoder layer j.
+struct ImageFeatures {
+  int64_t levels = 0, tokens = 0, hidden = 0;
+  std::vector<float> values;  // [levels, tokens, hidden]
+};
+
+// How a Qwen3-VL prompt places an image: the engine expands the <|image_pad|> to the image's tokens.
+constexpr const char* kImagePlaceholder = "<|vision_start|><|image_pad|><|vision_end|>";
+
 using RequestId = int64_t;
 
 // Counters since open().
@@ -1752,12 +1946,36 @@ class Engine {
   Result<Generation> generate_chat(const std::vector<ChatMessage>& messages, const SamplingParams& params,
                                    const TokenCallback& on_token = nullptr);
 
+  // Vision models (qwen3_vl): prompts with images. The prompt holds one <|image_pad|> per image, in order
+  // (kImagePlaceholder, wrapped in <|vision_start|> ... <|vision_end|> as Qwen's chat template writes it);
+  // the engine expands each to its image's tokens (Generation::prompt_ids shows the expanded ids), runs the
+  // vision tower when the request is submitted, and gives the image tokens their M-RoPE positions. Images are
+  // preprocessed with preprocess(). Errors: unsupported for a model without a vision tower; invalid_argument
+  // when placeholders and images differ in number.
+  //   auto image = kvlite::load_image("cat.jpg");
+  //   auto out = engine->generate_chat({{"user", std::string(kvlite::kImagePlaceholder) + "Describe it."}},
+  //                                    {*image}, params, on_token);
+  Result<Generation> generate(const std::string& prompt, const std::vector<Image>& images,
+                              const SamplingParams& params, const TokenCallback& on_token = nullptr);
+  Result<Generation> generate_chat(const std::vector<ChatMessage>& messages, const std::vector<Image>& images,
+                                   const SamplingParams& params, const TokenCallback& on_token = nullptr);
+  Result<Generation> generate(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
+                              const SamplingParams& params, const TokenCallback& on_token = nullptr);
+  // preprocess_image with the model's options: the processor's (preprocessor_config.json) with its pixel
+  // budget capped at the plan's max_image_pixels (larger images are scaled down to fit the vision buffers).
+  Result<VisionInput> preprocess(const Image& image) const;
+  // The vision tower alone (transformers' get_image_features): the images' merged embeddings and DeepStack
+  // features, one row per image token.
+  Result<ImageFeatures> encode_images(const std::vector<VisionInput>& images);
+
   // Continuous batching. submit() validates and queues a request (does_not_fit when it could never fit);
   // step() runs one forward step over everything runnable and returns whether requests remain unfinished;
   // run() steps until none does. result() hands over a finished request's Generation (once; invalid_argument
   // for an unknown id or one still running).
   Result<RequestId> submit(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
                            const TokenCallback& on_token = nullptr);
+  Result<RequestId> submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
+                           const SamplingParams& params, const TokenCallback& on_token = nullptr);
   Result<bool> step();
   Status run();
   bool finished(RequestId id) const;
@@ -1771,8 +1989,10 @@ class Engine {
   Result<ScoreResult> score(const std::string& text, int64_t context_length, int64_t stride,
                             const ScoreProgress& progress = nullptr);
 
-  // The logits of every position of one sequence of at most max_model_len tokens.
+  // The logits of every position of one sequence of at most max_model_len tokens. With images (vision
+  // models), `ids` holds one <|image_pad|> per image and the result covers the expanded sequence.
   Result<Logits> logits(const std::vector<int32_t>& ids);
+  Result<Logits> logits(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images);
 
   // Thread-safe: stop the running call (see the top of this section).
   void cancel();
@@ -2928,6 +3148,10 @@ inline VisionConfig parse_vision(const Node& vision) {
   v.deepstack_visual_indexes = vision.has("deepstack_visual_indexes") ? vision.int_list("deepstack_visual_indexes")
                                                                         : std::vector<int64_t>{8, 16, 24};
   v.hidden_act = vision.string_or("hidden_act", "gelu_pytorch_tanh");
+  // The 2-D RoPE's base: rope_parameters {rope_type: "axial", rope_theta}, 10000 when absent.
+  if (std::optional<Node> rope = vision.optional_child("rope_parameters"))
+    v.rope_theta = rope->number_or("rope_theta", v.rope_theta);
+  if (!(v.rope_theta > 0)) vision.fail_key(ErrorCode::bad_format, "rope_parameters.rope_theta", "must be positive");
   if (v.hidden_size % v.num_heads != 0)
     vision.fail_key(ErrorCode::bad_format, "num_heads",
                     format("(%lld) must divide hidden_size (%lld)", (long long)v.num_heads, (long long)v.hidden_size));
@@ -7353,6 +7577,8 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       buffer("context_lens", {S}, 4, "(S)", "int32"),          // attention batch: cached tokens of each sequence
       buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
+  // Vision models: a step's DeepStack rows, staged from the host and added to the image tokens' hidden states.
+  if (config.vision.present) buffers.push_back(buffer("deepstack_rows", {T, H}, 4, "(T, H)", "fp32"));
   return buffers;
 }
 
@@ -7365,6 +7591,7 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
   uint64_t N = detail::planning::merge_windows(v, image_pixels) * merge * uint64_t(images);
   uint64_t patch_values = uint64_t(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size);
   uint64_t vh = uint64_t(v.hidden_size), vI = uint64_t(v.intermediate_size), out = uint64_t(v.out_hidden_size);
+  uint64_t vD = v.num_heads > 0 ? vh / uint64_t(v.num_heads) : 0;  // vision head_dim
   uint64_t E = detail::planning::activation_bytes(backend);
   const char* act = detail::planning::activation_dtype(backend);
   uint64_t mergers = 1 + v.deepstack_visual_indexes.size();
@@ -7378,6 +7605,13 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
       buffer("merger_in", {N / merge, merge * vh}, E, "(N / 4, 4 vh)", act),
       // The final merger's output plus one per DeepStack level, kept until the language model splices them.
       buffer("merged", {mergers, N / merge, out}, 4, "(1 + deepstack, N / 4, out)", "fp32"),
+      // Bilinear resampling of the learned position table: 4 table rows and their weights per patch.
+      buffer("vision_pos_indices", {N, 4}, 4, "(N, 4)", "int32"),
+      buffer("vision_pos_weights", {N, 4}, 4, "(N, 4)", "fp32"),
+      // 2-D RoPE of each patch (row and column frequencies), computed on the host and copied in.
+      buffer("vision_rope_cos", {N, vD / 2}, 4, "(N, vD / 2)", "fp32"),
+      buffer("vision_rope_sin", {N, vD / 2}, 4, "(N, vD / 2)", "fp32"),
+      buffer("vision_segments", {uint64_t(images) + 1}, 4, "(images + 1)", "int32"),  // attention within each image
   };
 }
 
@@ -8281,6 +8515,10 @@ const char* op_name(Op op) {
     case Op::copy: return "copy";
     case Op::kv_write: return "kv_write";
     case Op::attention: return "attention";
+    case Op::embedding_bag: return "embedding_bag";
+    case Op::layer_norm: return "layer_norm";
+    case Op::gelu: return "gelu";
+    case Op::segment_attention: return "segment_attention";
   }
   return "?";
 }
@@ -8539,6 +8777,91 @@ Status Backend::copy(const Tensor& src, const Tensor& dst) {
     detail::check_shape(op, "dst", dst, src.rows, src.cols);
     detail::check_alias(op, "dst", dst, "src", src, false);
     impl_copy(src, dst);
+  });
+}
+
+Status Backend::embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
+                              const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "embedding_bag";
+    detail::check_view(op, "table", table);
+    detail::check_supported(*this, Op::embedding_bag, table.dtype, "table dtype");
+    detail::check_dtype(op, "indices", indices, DType::I32);
+    detail::check_dtype(op, "weights", weights, DType::F32);
+    detail::check_shape(op, "weights", weights, indices.rows, indices.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, indices.rows, table.cols);
+    detail::check_alias(op, "out", out, "table", table, false);
+    detail::check_alias(op, "out", out, "weights", weights, false);
+    impl_embedding_bag(table, indices, weights, out);
+  });
+}
+
+Status Backend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "layer_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::layer_norm, weight.dtype, "weight dtype");
+    detail::check_vector(op, "weight", weight, x.cols, weight.dtype);
+    detail::check_vector(op, "bias", bias, x.cols, weight.dtype);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (!(eps >= 0.0f)) detail::fail(ErrorCode::invalid_argument, detail::format("layer_norm: eps %g must be >= 0", eps));
+    impl_layer_norm(x, weight, bias, eps, out);
+  });
+}
+
+Status Backend::gelu(const Tensor& x, GeluApprox approx, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "gelu";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_supported(*this, Op::gelu, x.dtype, "activation dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (approx != GeluApprox::none && approx != GeluApprox::tanh)
+      detail::fail(ErrorCode::invalid_argument, detail::format("gelu: unknown approximation %d", int(approx)));
+    impl_gelu(x, approx, out);
+  });
+}
+
+Status Backend::segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
+                                  int64_t max_segment, int64_t head_dim, float scale, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "segment_attention";
+    detail::check_dtype(op, "q", q, activation_dtype());
+    detail::check_supported(*this, Op::segment_attention, q.dtype, "activation dtype");
+    detail::check_dtype(op, "k", k, activation_dtype());
+    detail::check_dtype(op, "v", v, activation_dtype());
+    if (head_dim <= 0 || q.cols == 0 || q.cols % head_dim != 0 || k.cols == 0 || k.cols % head_dim != 0 ||
+        (q.cols / head_dim) % (k.cols / head_dim) != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: q is %s and k is %s; with head_dim %lld they must hold whole "
+                                  "heads, the query heads a multiple of the KV heads",
+                                  detail::describe(q).c_str(), detail::describe(k).c_str(), (long long)head_dim));
+    detail::check_shape(op, "k", k, q.rows, k.cols);
+    detail::check_shape(op, "v", v, q.rows, k.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, q.rows, q.cols);
+    detail::check_alias(op, "out", out, "q", q, false);
+    detail::check_alias(op, "out", out, "k", k, false);
+    detail::check_alias(op, "out", out, "v", v, false);
+    int64_t segments = segment_starts.elements() - 1;
+    if (segments < 1)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: segment_starts is %s; it needs segments + 1 >= 2 elements",
+                                  detail::describe(segment_starts).c_str()));
+    detail::check_vector(op, "segment_starts", segment_starts, segments + 1, DType::I32);
+    if (max_segment < 0 || max_segment > q.rows)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: max_segment %lld must be in [0, %lld] (q's rows)",
+                                  (long long)max_segment, (long long)q.rows));
+    if (!(scale > 0.0f) || !std::isfinite(scale))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: scale %g must be positive and finite", scale));
+    impl_segment_attention(q, k, v, segment_starts, max_segment, head_dim, scale, out);
   });
 }
 
@@ -8876,9 +9199,11 @@ class CpuBackend final : public Backend {
   DType activation_dtype() const override { return DType::F32; }
   bool supports(Op op, DType dtype) const override {
     switch (op) {
-      case Op::rope: case Op::silu_mul: case Op::add: return dtype == DType::F32;
+      case Op::rope: case Op::silu_mul: case Op::add: case Op::gelu: case Op::segment_attention:
+        return dtype == DType::F32;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
-      case Op::kv_write: case Op::attention: return is_cpu_float(dtype);
+      case Op::kv_write: case Op::attention: case Op::embedding_bag: case Op::layer_norm:
+        return is_cpu_float(dtype);
     }
     return false;
   }
@@ -9023,6 +9348,131 @@ class CpuBackend final : public Backend {
         pool_.run(src.rows, body);
       });
     });
+  }
+
+  void impl_embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
+                          const Tensor& out) override {
+    for (int64_t t = 0; t < indices.rows; t++)
+      for (int64_t j = 0; j < indices.cols; j++) {
+        const int32_t index = row_of<const int32_t>(indices, t)[j];
+        if (index < 0 || index >= table.rows)
+          fail(ErrorCode::invalid_argument,
+               format("embedding_bag: indices[%lld][%lld] = %d is outside the table's %lld rows", (long long)t,
+                      (long long)j, index, (long long)table.rows));
+      }
+    with_float_type(table.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      auto body = [&](int64_t t, int) {
+        const int32_t* index = row_of<const int32_t>(indices, t);
+        const float* weight = row_of<const float>(weights, t);
+        float* dst = row_of<float>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) {
+          // (embedding(indices) * weights[..., None]).sum(1): products rounded, then summed in order
+          float sum = 0.0f;
+          for (int64_t j = 0; j < indices.cols; j++) {
+            const float product = to_float(row_of<const T>(table, index[j])[c]) * weight[j];
+            sum += product;
+          }
+          dst[c] = sum;
+        }
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                       const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      const W* w = static_cast<const W*>(weight.data);
+      const W* b = static_cast<const W*>(bias.data);
+      const int64_t n = x.cols;
+      auto body = [&](int64_t t, int) {
+        const float* in = row_of<const float>(x, t);
+        float* dst = row_of<float>(out, t);
+        // The moments in double (two passes), so mean and biased variance are the correctly rounded values.
+        double sum = 0;
+        for (int64_t i = 0; i < n; i++) sum += double(in[i]);
+        const double mean = sum / double(n);
+        double squares = 0;
+        for (int64_t i = 0; i < n; i++) squares += (double(in[i]) - mean) * (double(in[i]) - mean);
+        const float mean_f = float(mean);
+        const float inv_std = 1.0f / std::sqrt(float(squares / double(n)) + eps);
+        for (int64_t i = 0; i < n; i++) dst[i] = (in[i] - mean_f) * inv_std * to_float(w[i]) + to_float(b[i]);
+      };
+      pool_.run(x.rows, body);
+    });
+  }
+
+  void impl_gelu(const Tensor& x, GeluApprox approx, const Tensor& out) override {
+    auto body = [&](int64_t t, int) {
+      const float* in = row_of<const float>(x, t);
+      float* dst = row_of<float>(out, t);
+      if (approx == GeluApprox::tanh) {
+        // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+        const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+        for (int64_t c = 0; c < out.cols; c++) {
+          const float v = in[c];
+          dst[c] = 0.5f * v * (1.0f + std::tanh(beta * (v + kappa * v * v * v)));
+        }
+      } else {
+        // ATen's GeluType::None: x * 0.5 (1 + erf(x / sqrt 2))
+        for (int64_t c = 0; c < out.cols; c++) {
+          const float v = in[c];
+          dst[c] = v * 0.5f * (1.0f + std::erf(v * float(M_SQRT1_2)));
+        }
+      }
+    };
+    pool_.run(out.rows, body);
+  }
+
+  void impl_segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
+                              int64_t max_segment, int64_t head_dim, float scale, const Tensor& out) override {
+    if (head_dim > max_head_dim_)
+      fail(ErrorCode::invalid_argument,
+           format("segment_attention: head_dim %lld is larger than the CPU backend's max_head_dim %lld; make the "
+                  "backend with CpuBackendOptions::max_head_dim >= %lld", (long long)head_dim,
+                  (long long)max_head_dim_, (long long)head_dim));
+    const int64_t segments = segment_starts.elements() - 1;
+    const int32_t* starts = ints(segment_starts);
+    if (starts[0] != 0 || starts[segments] != q.rows)
+      fail(ErrorCode::invalid_argument,
+           format("segment_attention: segment_starts must run from 0 to q's %lld rows; it runs from %d to %d",
+                  (long long)q.rows, starts[0], starts[segments]));
+    for (int64_t s = 0; s < segments; s++)
+      if (starts[s + 1] < starts[s] || starts[s + 1] - starts[s] > max_segment)
+        fail(ErrorCode::invalid_argument,
+             format("segment_attention: segment %lld runs from row %d to %d; segments must not run backwards nor "
+                    "be longer than max_segment %lld", (long long)s, starts[s], starts[s + 1],
+                    (long long)max_segment));
+    const int64_t heads = q.cols / head_dim, group = heads / (k.cols / head_dim);
+    // Item = (query row, query head); the KV rows are fp32 activations, read in place.
+    auto body = [&](int64_t item, int worker) {
+      const int64_t t = item / heads, head = item % heads, kv_head = head / group;
+      const int64_t s = int64_t(std::upper_bound(starts, starts + segments + 1, int32_t(t)) - starts) - 1;
+      const float* query = row_of<const float>(q, t) + head * head_dim;
+      float* acc = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
+      std::fill(acc, acc + head_dim, 0.0f);
+      float running_max = -INFINITY, running_sum = 0.0f;
+      for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
+        const float* key = row_of<const float>(k, r) + kv_head * head_dim;
+        const float* value = row_of<const float>(v, r) + kv_head * head_dim;
+        const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+        if (score > running_max) {  // online softmax: rescale only when the maximum grows
+          const float correction = std::exp(running_max - score);
+          running_sum *= correction;
+          for (int64_t d = 0; d < head_dim; d++) acc[d] *= correction;
+          running_max = score;
+        }
+        const float p = std::exp(score - running_max);
+        running_sum += p;
+        for (int64_t d = 0; d < head_dim; d++) acc[d] += p * value[d];
+      }
+      float* dst = row_of<float>(out, t) + head * head_dim;
+      // a row's segment holds at least the row itself, so running_sum >= 1
+      for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[d] / running_sum;
+    };
+    pool_.run(q.rows * heads, body);
   }
 
   void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
@@ -9232,6 +9682,12 @@ class WeightBinder {
 
   // A view of `name` as [rows, cols] (a 1-D tensor of n elements is [n, 1], Tensor::vector's form).
   Tensor bind(const std::string& name, std::vector<int64_t> shape) {
+    if (shape.size() == 1) return bind_as(name, shape, shape[0], 1);
+    return bind_as(name, shape, shape[0], shape[1]);
+  }
+  // A view of `name`, of on-disk `shape`, as [rows, cols] holding all its elements: a vector as [n, 1], a
+  // Conv3d kernel [out, C, T, P, P] as the [out, C T P P] weight of the equivalent Linear.
+  Tensor bind_as(const std::string& name, const std::vector<int64_t>& shape, int64_t rows, int64_t cols) {
     const TensorInfo* info = store_.find(name);
     if (!info) {
       missing_.push_back(name);
@@ -9246,8 +9702,8 @@ class WeightBinder {
            format("tensor '%s' has shape %s; the config (%s) makes it %s", name.c_str(), shape_text(info->shape).c_str(),
                   origin_.c_str(), shape_text(shape).c_str()));
     void* data = const_cast<uint8_t*>(store_.data(*info));  // read-only mmap: the ops never write weights
-    if (shape.size() == 1) return Tensor::vector(data, info->dtype, shape[0]);
-    return Tensor::matrix(data, info->dtype, shape[0], shape[1]);
+    if (cols == 1) return Tensor::vector(data, info->dtype, rows);
+    return Tensor::matrix(data, info->dtype, rows, cols);
   }
   LinearWeights linear(const std::string& module, int64_t out_features, int64_t in_features, bool bias) {
     LinearWeights weights;
@@ -9276,6 +9732,49 @@ class WeightBinder {
   std::vector<std::string> missing_;
 };
 
+
+// The planned buffers of arena regions, carved in the planner's order and handed out as views by name, so
+// that the plan and the model agree by construction.
+class BufferCarver {
+ public:
+  explicit BufferCarver(Arena& arena) : arena_(arena) {}
+
+  // Internal error unless the arena's `region` holds exactly `specs`.
+  void carve(const char* region, const std::vector<BufferSpec>& specs) {
+    const ArenaRegion* r = arena_.region(region);
+    uint64_t total = buffers_bytes(specs);
+    if (!r || r->bytes != total)
+      fail(ErrorCode::internal,
+           format("the arena's '%s' region holds %llu bytes but the planner's buffers for it sum to %llu: the plan "
+                  "and the model disagree",
+                  region, (unsigned long long)(r ? r->bytes : 0), (unsigned long long)total));
+    uint8_t* next = arena_.base() + r->offset;
+    for (const BufferSpec& spec : specs) {
+      carved_[spec.name] = {next, spec.bytes};
+      next += spec.bytes;
+    }
+  }
+  // A view of a planned buffer; the model's idea of its size must fit the planner's.
+  Tensor view(const char* name, DType dtype, int64_t rows, int64_t cols) const {
+    auto it = carved_.find(name);
+    uint64_t needed = dtype_bytes(dtype, uint64_t(rows * cols));
+    if (it == carved_.end() || it->second.second < needed)
+      fail(ErrorCode::internal,
+           format("the model needs a buffer '%s' of %llu bytes ([%lld, %lld] %s) but the plan %s", name,
+                  (unsigned long long)needed, (long long)rows, (long long)cols, dtype_name(dtype),
+                  it == carved_.end() ? "has none" : format("gives it %llu", (unsigned long long)it->second.second).c_str()));
+    return Tensor::matrix(it->second.first, dtype, rows, cols);
+  }
+  uint64_t bytes(const char* name) const {  // 0 when the plan has no such buffer
+    auto it = carved_.find(name);
+    return it == carved_.end() ? 0 : it->second.second;
+  }
+
+ private:
+  Arena& arena_;
+  std::map<std::string, std::pair<uint8_t*, uint64_t>> carved_;  // name -> (start, bytes)
+};
+
 }  // namespace model
 }  // namespace detail
 
@@ -9284,9 +9783,10 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
     using detail::fail;
     using detail::format;
     const TextConfig& c = config.text;
-    if (config.arch != Arch::llama && config.arch != Arch::qwen2 && config.arch != Arch::qwen3)
+    if (config.arch != Arch::llama && config.arch != Arch::qwen2 && config.arch != Arch::qwen3 &&
+        config.arch != Arch::qwen3_vl)
       fail(ErrorCode::unsupported,
-           format("%s: model_type '%s' (%s) is not a text model the CPU engine runs (llama, qwen2, qwen3)",
+           format("%s: model_type '%s' (%s) is not a model the CPU engine runs (llama, qwen2, qwen3, qwen3_vl)",
                   config.origin.c_str(), config.model_type.c_str(), arch_name(config.arch)));
     if (config.quant.method != QuantMethod::none)
       fail(ErrorCode::unsupported,
@@ -9344,34 +9844,11 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   max_seqs_ = plan.options.max_seqs;
   const DType act = backend_.activation_dtype();
 
-  // Carve `region` into the planned buffers, in the planner's order, and check the two agree.
-  std::map<std::string, std::pair<uint8_t*, uint64_t>> carved;  // name -> (start, bytes)
-  auto carve = [&](const char* region, const std::vector<BufferSpec>& specs) {
-    const ArenaRegion* r = arena_.region(region);
-    uint64_t total = buffers_bytes(specs);
-    if (!r || r->bytes != total)
-      fail(ErrorCode::internal,
-           format("the arena's '%s' region holds %llu bytes but the planner's buffers for it sum to %llu: the plan "
-                  "and the model disagree",
-                  region, (unsigned long long)(r ? r->bytes : 0), (unsigned long long)total));
-    uint8_t* next = arena_.base() + r->offset;
-    for (const BufferSpec& spec : specs) {
-      carved[spec.name] = {next, spec.bytes};
-      next += spec.bytes;
-    }
-  };
-  carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, backend_.kind()));
-  carve("logits", logits_buffers(config_, max_seqs_));
-  // A view of a planned buffer; the model's idea of its size must fit the planner's.
+  detail::model::BufferCarver buffers(arena_);
+  buffers.carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, backend_.kind()));
+  buffers.carve("logits", logits_buffers(config_, max_seqs_));
   auto view = [&](const char* name, DType dtype, int64_t rows, int64_t cols) {
-    auto it = carved.find(name);
-    uint64_t needed = dtype_bytes(dtype, uint64_t(rows * cols));
-    if (it == carved.end() || it->second.second < needed)
-      fail(ErrorCode::internal,
-           format("the model needs a buffer '%s' of %llu bytes ([%lld, %lld] %s) but the plan %s", name,
-                  (unsigned long long)needed, (long long)rows, (long long)cols, dtype_name(dtype),
-                  it == carved.end() ? "has none" : format("gives it %llu", (unsigned long long)it->second.second).c_str()));
-    return Tensor::matrix(it->second.first, dtype, rows, cols);
+    return buffers.view(name, dtype, rows, cols);
   };
   hidden_ = view("hidden", DType::F32, max_tokens_, H);
   normed_ = view("normed", act, max_tokens_, H);
@@ -9386,7 +9863,11 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1, 1);
   context_lens_ = view("context_lens", DType::I32, max_seqs_, 1);
   logit_rows_ = view("logit_rows", DType::I32, max_tokens_, 1);
-  const int64_t logits_buffer_rows = int64_t(carved.count("logits") ? carved["logits"].second / uint64_t(V * 4) : 0);
+  if (config_.vision.present) {
+    deepstack_levels_ = int64_t(config_.vision.deepstack_visual_indexes.size());
+    deepstack_rows_ = view("deepstack_rows", DType::F32, max_tokens_, H);
+  }
+  const int64_t logits_buffer_rows = int64_t(buffers.bytes("logits") / uint64_t(V * 4));
   logits_ = view("logits", DType::F32, logits_buffer_rows, V);
   sampling_probs_ = view("sampling_probs", DType::F32, max_seqs_, V);
   sampling_order_ = view("sampling_order", DType::I32, max_seqs_, V);
@@ -9436,7 +9917,9 @@ void TextModel::forward(const StepInput& step) {
   check(backend_.copy_from_host(step.context_lens, context_lens_.slice_rows(0, step.seqs)));
   if (step.logit_rows > 0) check(backend_.copy_from_host(step.logit_row_ids, logit_rows_.slice_rows(0, step.logit_rows)));
   // cos, sin = self.rotary_emb(hidden_states, position_ids)                  cos, sin [T, D / 2]
-  check(rope_tables(inv_freq_, step.positions, 1, T, {}, cos_host_.data(), sin_host_.data()));
+  // (qwen3_vl: three position rows, interleaved by mrope_section)
+  check(rope_tables(inv_freq_, step.positions, step.position_rows, T, c.rope.mrope_section, cos_host_.data(),
+                    sin_host_.data()));
   Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
   check(backend_.copy_from_host(cos_host_.data(), cos));
   check(backend_.copy_from_host(sin_host_.data(), sin));
@@ -9459,12 +9942,20 @@ void TextModel::forward(const StepInput& step) {
 
   // inputs_embeds = self.embed_tokens(input_ids)
   check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
+  // qwen3_vl: inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
+  for (int64_t r = 0; r < step.image_runs; r++) {
+    const ImageRun& run = step.image_run_list[r];
+    check(backend_.copy_from_host(run.rows, hidden.slice_rows(run.token, run.count)));
+  }
+  // Whether `hidden` already holds the previous layer's output (normally its MLP output waits in `normed` and
+  // the residual add is fused into the next norm).
+  bool layer_output_in_hidden = true;
   for (int64_t l = 0; l < c.num_layers; l++) {
     const DecoderLayerWeights& w = weights_.layers[size_t(l)];
     // residual = hidden_states; hidden_states = self.input_layernorm(hidden_states)
     // (from layer 1 on, the previous layer's `hidden_states = residual + hidden_states` is fused in: normed
     // holds that layer's MLP output)
-    if (l == 0) {
+    if (layer_output_in_hidden) {
       check(backend_.rms_norm(hidden, w.input_layernorm, eps, normed));
     } else {
       check(backend_.add_rms_norm(normed, hidden, w.input_layernorm, eps, normed));
@@ -9496,9 +9987,27 @@ void TextModel::forward(const StepInput& step) {
     check(backend_.linear(normed, w.up_proj.weight, w.up_proj.bias, up));
     check(backend_.silu_mul(gate, up, act));
     check(backend_.linear(act, w.down_proj.weight, w.down_proj.bias, normed));
+    layer_output_in_hidden = false;
+    if (l < deepstack_levels_ && step.image_runs > 0) {
+      // hidden_states = residual + hidden_states (the layer's output), then qwen3_vl's _deepstack_process:
+      // hidden_states[visual_pos_masks, :] = hidden_states[visual_pos_masks, :] + deepstack_visual_embeds[l]
+      check(backend_.add(hidden, normed, hidden));
+      layer_output_in_hidden = true;
+      for (int64_t r = 0; r < step.image_runs; r++) {
+        const ImageRun& run = step.image_run_list[r];
+        Tensor staged = deepstack_rows_.slice_rows(0, run.count);  // [count, H]
+        Tensor rows = hidden.slice_rows(run.token, run.count);
+        check(backend_.copy_from_host(run.rows + (l + 1) * run.level_stride, staged));
+        check(backend_.add(rows, staged, rows));
+      }
+    }
   }
   // hidden_states = residual + hidden_states (last layer); hidden_states = self.norm(hidden_states)
-  check(backend_.add_rms_norm(normed, hidden, weights_.norm, eps, normed));
+  if (layer_output_in_hidden) {
+    check(backend_.rms_norm(hidden, weights_.norm, eps, normed));
+  } else {
+    check(backend_.add_rms_norm(normed, hidden, weights_.norm, eps, normed));
+  }
 }
 
 Tensor TextModel::logits(int64_t first, int64_t count) {
@@ -9521,6 +10030,394 @@ Tensor TextModel::logits(int64_t first, int64_t count) {
 float* TextModel::sampling_probs(int64_t seq) { return static_cast<float*>(sampling_probs_.slice_rows(seq, 1).data); }
 int32_t* TextModel::sampling_order(int64_t seq) {
   return static_cast<int32_t*>(sampling_order_.slice_rows(seq, 1).data);
+}
+
+}  // namespace kvlite
+// vision: implementation. The encoder mirrors transformers' Qwen3VLVisionModel.forward (modeling_qwen3_vl.py)
+// and the index helpers of vision_utils.py; the PyTorch line is in the comment above each call.
+#include <algorithm>
+#include <cmath>
+
+namespace kvlite {
+
+Result<VisionWeights> bind_vision_weights(const ModelConfig& config, const TensorStore& store) {
+  return detail::guard([&] {
+    using detail::fail;
+    using detail::format;
+    const VisionConfig& v = config.vision;
+    if (config.arch != Arch::qwen3_vl || !v.present)
+      fail(ErrorCode::unsupported,
+           format("%s: model_type '%s' has no Qwen3-VL vision tower", config.origin.c_str(), config.model_type.c_str()));
+    const int64_t vh = v.hidden_size, vI = v.intermediate_size, out = v.out_hidden_size;
+    const int64_t merged = vh * v.spatial_merge_size * v.spatial_merge_size;
+    const int64_t patch_values = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
+
+    detail::model::WeightBinder bind(store);
+    bind.set_origin(config.origin);
+    auto layer_norm = [&](const std::string& module, int64_t n) {
+      return LayerNormWeights{bind.bind(module + ".weight", {n}), bind.bind(module + ".bias", {n})};
+    };
+    auto patch_merger = [&](const std::string& module, bool norm_after_shuffle) {
+      PatchMergerWeights m;
+      m.norm = layer_norm(module + ".norm", norm_after_shuffle ? merged : vh);
+      m.fc1 = bind.linear(module + ".linear_fc1", merged, merged, true);
+      m.fc2 = bind.linear(module + ".linear_fc2", out, merged, true);
+      m.norm_after_shuffle = norm_after_shuffle;
+      return m;
+    };
+    VisionWeights w;
+    // nn.Conv3d(C, vh, kernel = stride = (T, P, P)): each patch meets the kernel once, so it is a Linear over
+    // the patch's C x T x P x P values in the kernel's own (c, t, y, x) order - preprocess_image's row order.
+    w.patch_embed.weight = bind.bind_as("model.visual.patch_embed.proj.weight",
+                                        {vh, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size}, vh,
+                                        patch_values);
+    w.patch_embed.bias = bind.bind("model.visual.patch_embed.proj.bias", {vh});
+    w.pos_embed = bind.bind("model.visual.pos_embed.weight", {v.num_position_embeddings, vh});
+    w.blocks.resize(size_t(v.depth));
+    for (int64_t b = 0; b < v.depth; b++) {
+      const std::string block = format("model.visual.blocks.%lld.", (long long)b);
+      VisionBlockWeights& bw = w.blocks[size_t(b)];
+      bw.norm1 = layer_norm(block + "norm1", vh);
+      bw.norm2 = layer_norm(block + "norm2", vh);
+      bw.qkv = bind.linear(block + "attn.qkv", 3 * vh, vh, true);
+      bw.proj = bind.linear(block + "attn.proj", vh, vh, true);
+      bw.fc1 = bind.linear(block + "mlp.linear_fc1", vI, vh, true);
+      bw.fc2 = bind.linear(block + "mlp.linear_fc2", vh, vI, true);
+    }
+    w.merger = patch_merger("model.visual.merger", false);
+    for (size_t j = 0; j < v.deepstack_visual_indexes.size(); j++)
+      w.deepstack.push_back(patch_merger(format("model.visual.deepstack_merger_list.%zu", j), true));
+    bind.finish();
+    return w;
+  });
+}
+
+// ---- multimodal RoPE positions ---------------------------------------------------------------------------
+
+Result<MropePositions> mrope_positions(const std::vector<int32_t>& ids, int32_t image_token_id,
+                                       const std::vector<ImageGrid>& grids, int64_t spatial_merge_size) {
+  return detail::guard([&] {
+    using detail::fail;
+    using detail::format;
+    if (spatial_merge_size <= 0)
+      fail(ErrorCode::invalid_argument, format("mrope_positions: spatial_merge_size %lld must be positive",
+                                               (long long)spatial_merge_size));
+    const int64_t S = int64_t(ids.size());
+    MropePositions result;
+    result.positions.assign(size_t(3 * S), 0);
+    int32_t* t_row = result.positions.data();
+    int32_t* h_row = t_row + S;
+    int32_t* w_row = h_row + S;
+    int64_t current = 0, max_position = -1;  // current_pos in get_rope_index
+    size_t image = 0;
+    for (int64_t s = 0; s < S;) {
+      if (ids[size_t(s)] != image_token_id) {
+        // text: torch.arange(text_len).view(1, -1).expand(3, -1) + current_pos
+        t_row[s] = h_row[s] = w_row[s] = int32_t(current);
+        max_position = std::max(max_position, current);
+        current++;
+        s++;
+        continue;
+      }
+      int64_t run = 0;
+      while (s + run < S && ids[size_t(s + run)] == image_token_id) run++;
+      if (image >= grids.size())
+        fail(ErrorCode::invalid_argument,
+             format("mrope_positions: image tokens at %lld..%lld but only %zu image grid%s were given",
+                    (long long)s, (long long)(s + run - 1), grids.size(), grids.size() == 1 ? "" : "s"));
+      const ImageGrid& g = grids[image];
+      // get_vision_position_ids(current_pos, grid_thw, 1, spatial_merge_size)
+      const int64_t gt = g.grid_t, gh = g.grid_h / spatial_merge_size, gw = g.grid_w / spatial_merge_size;
+      if (gt <= 0 || gh <= 0 || gw <= 0 || run != gt * gh * gw)
+        fail(ErrorCode::invalid_argument,
+             format("mrope_positions: image %zu has %lld tokens (%lld..%lld) but its grid %lld x %lld x %lld with "
+                    "merge %lld makes %lld; each image's <|image_pad|> run must hold exactly its tokens",
+                    image, (long long)run, (long long)s, (long long)(s + run - 1), (long long)g.grid_t,
+                    (long long)g.grid_h, (long long)g.grid_w, (long long)spatial_merge_size,
+                    (long long)(std::max<int64_t>(gt, 0) * std::max<int64_t>(gh, 0) * std::max<int64_t>(gw, 0))));
+      for (int64_t ti = 0; ti < gt; ti++)
+        for (int64_t i = 0; i < gh; i++)
+          for (int64_t j = 0; j < gw; j++, s++) {
+            t_row[s] = int32_t(current + ti);
+            h_row[s] = int32_t(current + i);
+            w_row[s] = int32_t(current + j);
+          }
+      max_position = std::max(max_position, current + std::max(gt - 1, std::max(gh - 1, gw - 1)));
+      // current_pos += max(grid_thw[1], grid_thw[2]) // spatial_merge_size
+      current += std::max(g.grid_h, g.grid_w) / spatial_merge_size;
+      image++;
+    }
+    if (image != grids.size())
+      fail(ErrorCode::invalid_argument,
+           format("mrope_positions: %zu image grid%s given but the ids hold %zu image%s (runs of <|image_pad|>)",
+                  grids.size(), grids.size() == 1 ? "" : "s", image, image == 1 ? "" : "s"));
+    // mrope_position_deltas = llm_positions.max() + 1 - len(input_ids)
+    result.rope_delta = max_position + 1 - S;
+    return result;
+  });
+}
+
+// ---- the vision tower --------------------------------------------------------------------------------------
+
+namespace detail {
+namespace vision {
+
+inline void check(const Status& status) {
+  if (!status) throw status.error();
+}
+
+// One axis of get_vision_interpolation_indices_and_weights(mode="bilinear", align_corners=True): the two
+// table rows a patch coordinate falls between and their weights, in float32 as torch computes them:
+//   src = index * (side - 1) / clamp(size - 1, min=1); taps floor, floor + 1 (clamped to the table);
+//   weight = clamp(1 - |src - floor - offset|, min=0)
+struct AxisTaps {
+  int64_t tap[2];
+  float weight[2];
+};
+inline AxisTaps axis_taps(int64_t index, int64_t size, int64_t side) {
+  const float src = float(index) * float(side - 1) / float(std::max<int64_t>(size - 1, 1));
+  const float floor = std::floor(src);
+  AxisTaps taps;
+  for (int offset = 0; offset < 2; offset++) {
+    taps.tap[offset] = std::min<int64_t>(std::max<int64_t>(int64_t(floor) + offset, 0), side - 1);
+    const float distance = std::fabs(src - floor - float(offset));
+    taps.weight[offset] = std::max(1.0f - distance, 0.0f);
+  }
+  return taps;
+}
+
+}  // namespace vision
+}  // namespace detail
+
+VisionModel::VisionModel(const ModelConfig& config, VisionWeights weights, Backend& backend, Arena& arena,
+                         const Plan& plan)
+    : config_(config), weights_(std::move(weights)), backend_(backend) {
+  using detail::fail;
+  using detail::format;
+  const VisionConfig& v = config_.vision;
+  const int64_t vh = v.hidden_size, vI = v.intermediate_size, merge = v.spatial_merge_size * v.spatial_merge_size;
+  head_dim_ = vh / v.num_heads;
+  levels_ = 1 + int64_t(v.deepstack_visual_indexes.size());
+  max_images_ = plan.options.max_images;
+  // The planner's patch budget: whole merge windows of max_image_pixels, per image.
+  const int64_t window = v.patch_size * v.spatial_merge_size;
+  max_patches_ = plan.options.max_image_pixels / (window * window) * merge * max_images_;
+  side_ = int64_t(std::llround(std::sqrt(double(v.num_position_embeddings))));
+  if (side_ * side_ != v.num_position_embeddings)
+    fail(ErrorCode::unsupported,
+         format("%s: vision_config.num_position_embeddings %lld is not a square; the position table is side x side",
+                config_.origin.c_str(), (long long)v.num_position_embeddings));
+  if (head_dim_ % 4 != 0)
+    fail(ErrorCode::unsupported,
+         format("%s: the vision head_dim %lld is not a multiple of 4 (its 2-D RoPE splits each half into row and "
+                "column frequencies)", config_.origin.c_str(), (long long)head_dim_));
+  if (v.hidden_act == "gelu_pytorch_tanh") {
+    block_gelu_ = GeluApprox::tanh;
+  } else if (v.hidden_act == "gelu") {
+    block_gelu_ = GeluApprox::none;
+  } else {
+    fail(ErrorCode::unsupported, format("%s: vision_config.hidden_act '%s' is not supported (gelu_pytorch_tanh, gelu)",
+                                        config_.origin.c_str(), v.hidden_act.c_str()));
+  }
+  // self.scaling = self.head_dim ** -0.5
+  attention_scale_ = float(std::pow(double(head_dim_), -0.5));
+  // Qwen3VLVisionRotaryEmbedding: inv_freq = 1 / base ** (arange(0, spatial_dim, 2) / spatial_dim),
+  // spatial_dim = head_dim / 2: rope_inv_freq's "default" at rotary_dim = head_dim / 2.
+  RopeConfig rope;
+  rope.theta = v.rope_theta;
+  Result<std::vector<float>> inv_freq = rope_inv_freq(rope, head_dim_ / 2);
+  if (!inv_freq) throw inv_freq.error();
+  rope_inv_freq_ = std::move(*inv_freq);
+
+  const int64_t N = max_patches_, tokens = N / merge;
+  const int64_t patch_values = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
+  const DType act = backend_.activation_dtype();
+  detail::model::BufferCarver buffers(arena);
+  buffers.carve("vision", vision_buffers(config_, plan.options.max_image_pixels, max_images_, backend_.kind()));
+  pixel_patches_ = buffers.view("pixel_patches", act, N, patch_values);
+  hidden_ = buffers.view("vision_hidden", DType::F32, N, vh);
+  normed_ = buffers.view("vision_normed", act, N, vh);
+  qkv_ = buffers.view("vision_qkv", act, N, 3 * vh);
+  attn_out_ = buffers.view("vision_attn_out", act, N, vh);
+  mlp_ = buffers.view("vision_mlp", act, N, vI);
+  merger_in_ = buffers.view("merger_in", act, tokens, merge * vh);
+  merged_ = buffers.view("merged", DType::F32, levels_ * tokens, v.out_hidden_size);
+  pos_indices_ = buffers.view("vision_pos_indices", DType::I32, N, 4);
+  pos_weights_ = buffers.view("vision_pos_weights", DType::F32, N, 4);
+  rope_cos_ = buffers.view("vision_rope_cos", DType::F32, N, head_dim_ / 2);
+  rope_sin_ = buffers.view("vision_rope_sin", DType::F32, N, head_dim_ / 2);
+  segments_ = buffers.view("vision_segments", DType::I32, max_images_ + 1, 1);
+
+  pos_indices_host_.resize(size_t(N * 4));
+  pos_weights_host_.resize(size_t(N * 4));
+  cos_host_.resize(size_t(N * head_dim_ / 2));
+  sin_host_.resize(size_t(N * head_dim_ / 2));
+  segments_host_.resize(size_t(max_images_ + 1));
+  if (act != DType::F32) pixels_16bit_.resize(size_t(N * patch_values));
+}
+
+Tensor VisionModel::output(int64_t level) const {
+  const int64_t tokens_per_level = merged_.rows / levels_;
+  return merged_.slice_rows(level * tokens_per_level, tokens_);
+}
+
+void VisionModel::encode(const std::vector<const VisionInput*>& images) {
+  using detail::fail;
+  using detail::format;
+  using detail::vision::check;
+  const VisionConfig& v = config_.vision;
+  const int64_t merge_side = v.spatial_merge_size, merge = merge_side * merge_side;
+  const int64_t patch_values = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
+  const int64_t half = head_dim_ / 2, quarter = head_dim_ / 4;
+
+  // ---- host side: the images' rows, position taps, RoPE tables and segments (get_vision_* helpers) ----
+  if (images.empty() || int64_t(images.size()) > max_images_)
+    fail(ErrorCode::internal, format("vision encode: %zu images; one call takes 1..%lld", images.size(),
+                                     (long long)max_images_));
+  int64_t N = 0, longest = 0;
+  for (const VisionInput* image : images) {
+    const ImageGrid& g = image->grid;
+    if (image->row_size != patch_values || g.grid_t != 1 || g.grid_h % merge_side != 0 ||
+        g.grid_w % merge_side != 0 || image->rows() != g.grid_h * g.grid_w)
+      fail(ErrorCode::invalid_argument,
+           format("vision encode: an image of grid %lld x %lld x %lld with %lld rows of %lld values does not fit "
+                  "this vision tower (one frame, sides multiples of the merge size %lld, rows of %lld values)",
+                  (long long)g.grid_t, (long long)g.grid_h, (long long)g.grid_w, (long long)image->rows(),
+                  (long long)image->row_size, (long long)merge_side, (long long)patch_values));
+    N += image->rows();
+    longest = std::max(longest, image->rows());
+  }
+  if (N > max_patches_)
+    fail(ErrorCode::invalid_argument,
+         format("vision encode: %lld patches; the plan's vision buffers hold %lld (max_images %lld of at most "
+                "max_image_pixels each): raise max_image_pixels or encode fewer images at once",
+                (long long)N, (long long)max_patches_, (long long)max_images_));
+  tokens_ = N / merge;
+  int64_t row = 0;
+  segments_host_[0] = 0;
+  for (size_t k = 0; k < images.size(); k++) {
+    const ImageGrid& g = images[k]->grid;
+    // Row r of an image is merge window r / 4 (windows in raster order) at (r / 2 % 2, r % 2) inside it.
+    const int64_t windows_w = g.grid_w / merge_side;
+    for (int64_t within = 0; within < g.grid_h * g.grid_w; within++, row++) {
+      const int64_t in_col = within % merge_side, in_row = within / merge_side % merge_side;
+      const int64_t block_col = within / merge % windows_w, block_row = within / (merge * windows_w);
+      const int64_t patch_row = block_row * merge_side + in_row, patch_col = block_col * merge_side + in_col;
+      // indices = h_taps * side + w_taps (outer product), weights = h_weights * w_weights
+      const detail::vision::AxisTaps h = detail::vision::axis_taps(patch_row, g.grid_h, side_);
+      const detail::vision::AxisTaps w = detail::vision::axis_taps(patch_col, g.grid_w, side_);
+      for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++) {
+          pos_indices_host_[size_t(row * 4 + a * 2 + b)] = int32_t(h.tap[a] * side_ + w.tap[b]);
+          pos_weights_host_[size_t(row * 4 + a * 2 + b)] = h.weight[a] * w.weight[b];
+        }
+      // Qwen3VLVisionRotaryEmbedding: freqs = position_ids[..., None].float() * inv_freq (float32), then
+      // cos/sin laid out as [row frequencies | column frequencies], the half that rope() rotates with.
+      for (int64_t i = 0; i < quarter; i++) {
+        const float row_angle = float(patch_row) * rope_inv_freq_[size_t(i)];
+        const float col_angle = float(patch_col) * rope_inv_freq_[size_t(i)];
+        cos_host_[size_t(row * half + i)] = float(std::cos(double(row_angle)));
+        sin_host_[size_t(row * half + i)] = float(std::sin(double(row_angle)));
+        cos_host_[size_t(row * half + quarter + i)] = float(std::cos(double(col_angle)));
+        sin_host_[size_t(row * half + quarter + i)] = float(std::sin(double(col_angle)));
+      }
+    }
+    // cu_seqlens: one segment per image (per frame)
+    segments_host_[k + 1] = int32_t(row);
+  }
+
+  Tensor pixels = pixel_patches_.slice_rows(0, N);  // [N, C T P P]
+  if (pixels.dtype == DType::F32) {
+    int64_t at = 0;
+    for (const VisionInput* image : images) {
+      check(backend_.copy_from_host(image->pixel_values.data(), pixels.slice_rows(at, image->rows())));
+      at += image->rows();
+    }
+  } else {  // pixel_values.type(self.visual.dtype): rounded to the 16-bit activations on the host
+    size_t at = 0;
+    for (const VisionInput* image : images)
+      for (float value : image->pixel_values)
+        pixels_16bit_[at++] = pixels.dtype == DType::BF16 ? float_to_bf16(value) : float_to_f16(value);
+    check(backend_.copy_from_host(pixels_16bit_.data(), pixels));
+  }
+  check(backend_.copy_from_host(pos_indices_host_.data(), pos_indices_.slice_rows(0, N)));
+  check(backend_.copy_from_host(pos_weights_host_.data(), pos_weights_.slice_rows(0, N)));
+  Tensor cos = rope_cos_.slice_rows(0, N), sin = rope_sin_.slice_rows(0, N);  // [N, head_dim / 2]
+  check(backend_.copy_from_host(cos_host_.data(), cos));
+  check(backend_.copy_from_host(sin_host_.data(), sin));
+  Tensor segments = segments_.slice_rows(0, int64_t(images.size()) + 1);
+  check(backend_.copy_from_host(segments_host_.data(), segments));
+
+  // ---- the tower ----
+  const int64_t vh = v.hidden_size;
+  Tensor hidden = hidden_.slice_rows(0, N);      // [N, vh] fp32, the residual stream
+  Tensor normed = normed_.slice_rows(0, N);      // [N, vh]
+  Tensor qkv = qkv_.slice_rows(0, N);            // [N, 3 vh]
+  Tensor q = qkv.slice_cols(0, vh);              // [N, vh]: reshape(N, 3, heads, head_dim) -> q | k | v
+  Tensor k = qkv.slice_cols(vh, vh);
+  Tensor val = qkv.slice_cols(2 * vh, vh);
+  Tensor attn = attn_out_.slice_rows(0, N);      // [N, vh]
+  Tensor mlp = mlp_.slice_rows(0, N);            // [N, vI]
+
+  // hidden_states = self.patch_embed(hidden_states)
+  check(backend_.linear(pixels, weights_.patch_embed.weight, weights_.patch_embed.bias, hidden));
+  // pos_embeds = (self.pos_embed(interp_indices) * interp_weights[:, :, None]).sum(1)
+  check(backend_.embedding_bag(weights_.pos_embed, pos_indices_.slice_rows(0, N), pos_weights_.slice_rows(0, N),
+                               normed));
+  // hidden_states = hidden_states + pos_embeds
+  check(backend_.add(hidden, normed, hidden));
+  for (int64_t b = 0; b < v.depth; b++) {
+    const VisionBlockWeights& w = weights_.blocks[size_t(b)];
+    // self.attn(self.norm1(hidden_states), ...)
+    check(backend_.layer_norm(hidden, w.norm1.weight, w.norm1.bias, 1e-6f, normed));
+    // query_states, key_states, value_states = self.qkv(hidden_states).reshape(N, 3, heads, -1)...
+    check(backend_.linear(normed, w.qkv.weight, w.qkv.bias, qkv));
+    // apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
+    check(backend_.rope(q, cos, sin, head_dim_));
+    check(backend_.rope(k, cos, sin, head_dim_));
+    // non-causal attention within each image (cu_seqlens), scaling head_dim ** -0.5
+    check(backend_.segment_attention(q, k, val, segments, longest, head_dim_, attention_scale_, attn));
+    // attn_output = self.proj(attn_output); hidden_states = hidden_states + attn_output
+    check(backend_.linear(attn, w.proj.weight, w.proj.bias, normed));
+    check(backend_.add(hidden, normed, hidden));
+    // hidden_states = hidden_states + self.mlp(self.norm2(hidden_states)): fc2(act(fc1(x)))
+    check(backend_.layer_norm(hidden, w.norm2.weight, w.norm2.bias, 1e-6f, normed));
+    check(backend_.linear(normed, w.fc1.weight, w.fc1.bias, mlp));
+    check(backend_.gelu(mlp, block_gelu_, mlp));
+    check(backend_.linear(mlp, w.fc2.weight, w.fc2.bias, normed));
+    check(backend_.add(hidden, normed, hidden));
+    // if layer_num in self.deepstack_visual_indexes: deepstack_merger_list[index](hidden_states)
+    for (size_t j = 0; j < v.deepstack_visual_indexes.size(); j++)
+      if (v.deepstack_visual_indexes[j] == b) run_merger(weights_.deepstack[j], hidden, 1 + int64_t(j));
+  }
+  // merged_hidden_states = self.merger(hidden_states)
+  run_merger(weights_.merger, hidden, 0);
+  check(backend_.synchronize());
+}
+
+void VisionModel::run_merger(const PatchMergerWeights& merger, const Tensor& hidden, int64_t level) {
+  using detail::vision::check;
+  const int64_t merge = config_.vision.spatial_merge_size * config_.vision.spatial_merge_size;
+  const int64_t N = hidden.rows, vh = hidden.cols;
+  const int64_t tokens = N / merge, width = merge * vh;
+  // x.view(-1, 4 vh): the 4 patches of a merge window are consecutive rows, so the view is a reshape
+  auto shuffled = [&](const Tensor& t) { return Tensor::matrix(t.data, t.dtype, tokens, width); };
+  Tensor normed = merger_in_.slice_rows(0, tokens);  // [N / 4, 4 vh]
+  if (merger.norm_after_shuffle) {
+    // self.norm(x.view(-1, self.hidden_size))
+    check(backend_.layer_norm(shuffled(hidden), merger.norm.weight, merger.norm.bias, 1e-6f, normed));
+  } else {
+    // self.norm(x).view(-1, self.hidden_size): per patch, written as [N, vh] into the same rows
+    check(backend_.layer_norm(hidden, merger.norm.weight, merger.norm.bias, 1e-6f,
+                              Tensor::matrix(normed.data, normed.dtype, N, vh)));
+  }
+  // self.linear_fc2(self.act_fn(self.linear_fc1(x))), act_fn = nn.GELU() (erf)
+  Tensor fc1_out = shuffled(attn_out_);  // [N / 4, 4 vh]
+  check(backend_.linear(normed, merger.fc1.weight, merger.fc1.bias, fc1_out));
+  check(backend_.gelu(fc1_out, GeluApprox::none, fc1_out));
+  const int64_t tokens_per_level = merged_.rows / levels_;
+  Tensor out = merged_.slice_rows(level * tokens_per_level, tokens);  // [N / 4, out]
+  check(backend_.linear(fc1_out, merger.fc2.weight, merger.fc2.bias, out));
 }
 
 }  // namespace kvlite
@@ -9558,6 +10455,20 @@ namespace detail {
 
 enum class RequestKind { generate, score, logits };
 
+// A run of one image's tokens in a request: tokens [first, first + count) take feature rows [feature_row, +count).
+struct ImageSpan {
+  int64_t first = 0, count = 0, feature_row = 0;
+};
+
+// A prompt whose <|image_pad|> placeholders are expanded, with what the model needs for its images.
+struct VisionPrompt {
+  std::vector<int32_t> ids;
+  std::vector<int32_t> mrope;  // [3, ids] (empty without images)
+  int64_t rope_delta = 0;
+  std::vector<ImageSpan> image_spans;
+  ImageFeatures features;
+};
+
 struct EngineRequest {
   RequestId id = 0;
   RequestKind kind = RequestKind::generate;
@@ -9579,6 +10490,12 @@ struct EngineRequest {
   int64_t want_begin = 0, want_end = 0;
   double* logprobs = nullptr;  // score: logprobs[p + 1] = log p(tokens[p + 1] | tokens[0..p])
   float* logits = nullptr;     // logits: [tokens, V]
+
+  // A vision model's prompt (qwen3_vl). Tokens past the prompt's positions have index + rope_delta.
+  std::vector<int32_t> mrope;   // [3, prompt tokens]: rows t, h, w (get_rope_index); empty: position = index
+  int64_t rope_delta = 0;
+  std::vector<ImageSpan> image_spans;  // runs of image tokens in `tokens`
+  ImageFeatures features;              // their rows, in token order
 };
 
 }  // namespace detail
@@ -9590,6 +10507,8 @@ struct Engine::Impl {
   std::unique_ptr<Arena> arena;
   std::unique_ptr<Backend> backend;
   std::unique_ptr<TextModel> model;
+  std::unique_ptr<VisionModel> vision;  // qwen3_vl
+  PreprocessOptions preprocess;         // qwen3_vl: the processor's, with the plan's image budget
   std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
   std::vector<int32_t> stop_ids;  // sorted
   std::atomic<bool> cancel_requested{false};
@@ -9610,7 +10529,10 @@ struct Engine::Impl {
     int64_t position;  // index into request->tokens
   };
   std::vector<Scheduled> scheduled;           // capacity Smax
-  std::vector<int32_t> token_ids, positions, slots, logit_row_ids;  // [Tmax]
+  std::vector<int32_t> token_ids, slots, logit_row_ids;  // [Tmax]
+  std::vector<int32_t> positions;             // [position_rows, Tmax] (packed to [position_rows, T] per step)
+  int64_t position_rows = 1;                  // 3 for M-RoPE (qwen3_vl)
+  std::vector<ImageRun> image_runs;           // of the current step
   std::vector<int32_t> query_starts;          // [Smax + 1]
   std::vector<int32_t> context_lens;          // [Smax]
   std::vector<RowOwner> row_owners;           // [Tmax]
@@ -9651,10 +10573,104 @@ struct Engine::Impl {
     return r;
   }
 
-  RequestId submit(const std::vector<int32_t>& prompt, const SamplingParams& params, const TokenCallback& on_token) {
-    check_ids(prompt, "generate");
+  // ---- images --------------------------------------------------------------------------------------------
+
+  // The vision tower over `images`, in groups that fit its buffers: levels x tokens rows on the host.
+  ImageFeatures encode_images(const std::vector<const VisionInput*>& images) {
+    if (!vision)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("%s (model_type %s) has no vision tower; it takes no images", config.origin.c_str(),
+                                  config.model_type.c_str()));
+    ImageFeatures out;
+    out.levels = vision->levels();
+    out.hidden = config.vision.out_hidden_size;
+    for (const VisionInput* image : images) out.tokens += image->grid.image_tokens;
+    out.values.assign(size_t(out.levels * out.tokens * out.hidden), 0.0f);
+    int64_t token = 0;
+    for (size_t first = 0; first < images.size();) {
+      // The next group: as many images as one encode holds.
+      std::vector<const VisionInput*> group;
+      int64_t patches = 0;
+      while (first + group.size() < images.size() && int64_t(group.size()) < vision->max_images() &&
+             patches + images[first + group.size()]->rows() <= vision->max_patches())
+        patches += images[first + group.size()]->rows(), group.push_back(images[first + group.size()]);
+      if (group.empty()) group.push_back(images[first]);  // too large: encode() says why
+      vision->encode(group);
+      const int64_t tokens = patches / (config.vision.spatial_merge_size * config.vision.spatial_merge_size);
+      for (int64_t level = 0; level < out.levels; level++) {
+        Status copied = backend->copy_to_host(vision->output(level),
+                                              out.values.data() + (level * out.tokens + token) * out.hidden);
+        if (!copied) throw copied.error();
+      }
+      token += tokens;
+      first += group.size();
+    }
+    return out;
+  }
+
+  // `ids` with one image_token_id per image (the processor's input form): each placeholder becomes its image's
+  // tokens, their features are computed, and the prompt's M-RoPE positions with them.
+  detail::VisionPrompt prepare_prompt(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images,
+                                      const char* what) {
+    detail::VisionPrompt prompt;
+    const int32_t pad = int32_t(config.image_token_id);
+    const int64_t placeholders = pad < 0 ? 0 : int64_t(std::count(ids.begin(), ids.end(), pad));
+    if (images.empty() && placeholders == 0) {
+      prompt.ids = ids;
+      return prompt;
+    }
+    if (!vision)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("%s: %zu image%s given but %s (model_type %s) has no vision tower", what,
+                                  images.size(), images.size() == 1 ? "" : "s", config.origin.c_str(),
+                                  config.model_type.c_str()));
+    if (placeholders != int64_t(images.size()))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("%s: the prompt holds %lld image placeholder%s (<|image_pad|>, id %d) but %zu "
+                                  "image%s given; put one %s in the prompt per image, in order",
+                                  what, (long long)placeholders, placeholders == 1 ? "" : "s", pad, images.size(),
+                                  images.size() == 1 ? " was" : "s were", kImagePlaceholder));
+    std::vector<const VisionInput*> inputs;
+    std::vector<ImageGrid> grids;
+    for (const VisionInput& image : images) {
+      inputs.push_back(&image);
+      grids.push_back(image.grid);
+    }
+    prompt.features = encode_images(inputs);
+    size_t image = 0;
+    int64_t feature_row = 0;
+    for (int32_t id : ids) {
+      if (id != pad) {
+        prompt.ids.push_back(id);
+        continue;
+      }
+      // processor: text.replace(image_token, image_token * num_image_tokens)
+      const int64_t count = images[image++].grid.image_tokens;
+      prompt.image_spans.push_back({int64_t(prompt.ids.size()), count, feature_row});
+      prompt.ids.insert(prompt.ids.end(), size_t(count), pad);
+      feature_row += count;
+    }
+    Result<MropePositions> positions = mrope_positions(prompt.ids, pad, grids, config.vision.spatial_merge_size);
+    if (!positions) throw positions.error();
+    prompt.mrope = std::move(positions->positions);
+    prompt.rope_delta = positions->rope_delta;
+    return prompt;
+  }
+
+  static void attach(detail::EngineRequest& r, detail::VisionPrompt&& prompt) {
+    r.mrope = std::move(prompt.mrope);
+    r.rope_delta = prompt.rope_delta;
+    r.image_spans = std::move(prompt.image_spans);
+    r.features = std::move(prompt.features);
+  }
+
+  RequestId submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
+                   const SamplingParams& params, const TokenCallback& on_token) {
+    check_ids(prompt_ids, "generate");
     Status valid = validate(params);
     if (!valid) throw valid.error();
+    detail::VisionPrompt vision_prompt = prepare_prompt(prompt_ids, images, "generate");
+    const std::vector<int32_t>& prompt = vision_prompt.ids;
     const int64_t prompt_len = int64_t(prompt.size());
     const int64_t room = max_model_len() - prompt_len;  // tokens left for the output
     const int64_t needed = params.max_tokens > std::numeric_limits<int64_t>::max() - prompt_len
@@ -9667,6 +10683,7 @@ struct Engine::Impl {
                          : detail::format("shorten the prompt below %lld tokens", (long long)max_model_len())) +
                    " or raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
     detail::EngineRequest& r = add_request(detail::RequestKind::generate, prompt);
+    attach(r, std::move(vision_prompt));
     r.params = params;
     r.rng = Rng(params.seed);
     r.on_token = on_token;
@@ -9877,6 +10894,8 @@ struct Engine::Impl {
     std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
     int64_t t = 0, rows = 0, max_context = 0;
     size_t next = 0;
+    const int64_t max_tokens = int64_t(token_ids.size());
+    image_runs.clear();
     for (int64_t s = 0; s < seqs; s++) {
       query_starts[size_t(s)] = int32_t(t);
       if (next == scheduled.size() || scheduled[next].request->slot != s) continue;
@@ -9884,9 +10903,23 @@ struct Engine::Impl {
       const int64_t n = scheduled[next++].tokens;
       const int32_t* pages = kv.block_table(r.slot);
       auto want = wanted_rows(r, r.computed, n);
+      const int64_t prompt_positions = int64_t(r.mrope.size()) / 3;
+      for (const detail::ImageSpan& span : r.image_spans) {  // the image tokens among [computed, computed + n)
+        const int64_t begin = std::max(span.first, r.computed), end = std::min(span.first + span.count, r.computed + n);
+        if (begin >= end) continue;
+        ImageRun run;
+        run.token = t + begin - r.computed;
+        run.count = end - begin;
+        run.rows = r.features.values.data() + (span.feature_row + begin - span.first) * r.features.hidden;
+        run.level_stride = r.features.tokens * r.features.hidden;
+        image_runs.push_back(run);
+      }
       for (int64_t p = r.computed; p < r.computed + n; p++, t++) {
         token_ids[size_t(t)] = r.tokens[size_t(p)];
-        positions[size_t(t)] = int32_t(p);
+        // a prompt token's (t, h, w) from get_rope_index; any other token index + rope_delta on every row
+        for (int64_t row = 0; row < position_rows; row++)
+          positions[size_t(row * max_tokens + t)] =
+              p < prompt_positions ? r.mrope[size_t(row * prompt_positions + p)] : int32_t(p + r.rope_delta);
         slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
         if (p >= want.first && p < want.second) {
           logit_row_ids[size_t(rows)] = int32_t(t);
@@ -9897,11 +10930,15 @@ struct Engine::Impl {
       max_context = std::max(max_context, r.computed + n);
     }
     query_starts[size_t(seqs)] = int32_t(t);
+    // Rows of positions packed to [position_rows, t], as rope_tables reads them (each moves to a lower index).
+    for (int64_t row = 1; row < position_rows; row++)
+      memmove(positions.data() + row * t, positions.data() + row * max_tokens, size_t(t) * sizeof(int32_t));
 
     StepInput input;
     input.tokens = t;
     input.token_ids = token_ids.data();
     input.positions = positions.data();
+    input.position_rows = position_rows;
     input.slots = slots.data();
     input.seqs = seqs;
     input.query_starts = query_starts.data();
@@ -9911,6 +10948,8 @@ struct Engine::Impl {
                                         kv.max_pages_per_seq());
     input.logit_rows = rows;
     input.logit_row_ids = logit_row_ids.data();
+    input.image_runs = int64_t(image_runs.size());
+    input.image_run_list = image_runs.data();
     model->forward(input);
     for (const Scheduled& s : scheduled) s.request->computed += s.tokens;
     stats.steps++;
@@ -10017,9 +11056,23 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
 
     Result<TextModelWeights> bound = bind_text_weights(e.config, e.store);
     if (!bound) throw bound.error();
+    std::optional<VisionWeights> vision_weights;
+    if (e.config.vision.present) {
+      if (e.config.vision.out_hidden_size != e.config.text.hidden_size)
+        fail(ErrorCode::bad_format,
+             format("%s: vision_config.out_hidden_size %lld differs from the language model's hidden_size %lld; the "
+                    "image embeddings replace token embeddings, so they must match", e.config.origin.c_str(),
+                    (long long)e.config.vision.out_hidden_size, (long long)e.config.text.hidden_size));
+      Result<VisionWeights> bound_vision = bind_vision_weights(e.config, e.store);
+      if (!bound_vision) throw bound_vision.error();
+      vision_weights = std::move(*bound_vision);
+    }
     CpuBackendOptions backend_options;
     backend_options.threads = options.threads;
     backend_options.max_head_dim = e.config.text.head_dim;
+    if (e.config.vision.present)
+      backend_options.max_head_dim =
+          std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);
     Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
     if (!backend) throw backend.error();
     e.backend = std::move(*backend);
@@ -10033,6 +11086,13 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     if (!arena) throw arena.error();
     e.arena = std::move(*arena);
     e.model = std::make_unique<TextModel>(e.config, std::move(*bound), *e.backend, *e.arena, e.plan, kv_dtype);
+    if (vision_weights) {
+      e.vision = std::make_unique<VisionModel>(e.config, std::move(*vision_weights), *e.backend, *e.arena, e.plan);
+      // The processor's options, with the plan's image budget: the vision buffers hold no larger image.
+      e.preprocess = preprocess_options(e.config);
+      e.preprocess.max_pixels = std::min(e.preprocess.max_pixels, e.plan.options.max_image_pixels);
+      e.preprocess.min_pixels = std::min(e.preprocess.min_pixels, e.preprocess.max_pixels);
+    }
 
     Result<Tokenizer> tokenizer = Tokenizer::load(model_dir);
     if (!tokenizer) throw tokenizer.error();
@@ -10054,7 +11114,9 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
 
     const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
     e.scheduled.reserve(max_seqs);
-    for (auto* v : {&e.token_ids, &e.positions, &e.slots, &e.logit_row_ids}) v->assign(max_tokens, 0);
+    for (auto* v : {&e.token_ids, &e.slots, &e.logit_row_ids}) v->assign(max_tokens, 0);
+    e.position_rows = e.config.arch == Arch::qwen3_vl ? 3 : 1;
+    e.positions.assign(size_t(e.position_rows) * max_tokens, 0);
     e.query_starts.assign(max_seqs + 1, 0);
     e.context_lens.assign(max_seqs, 0);
     e.row_owners.assign(max_tokens, {nullptr, 0});
@@ -10078,7 +11140,27 @@ Result<std::string> Engine::detokenize(const std::vector<int32_t>& ids, bool ski
 
 Result<RequestId> Engine::submit(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
                                  const TokenCallback& on_token) {
-  return detail::guard([&] { return impl_->submit(prompt_ids, params, on_token); });
+  return detail::guard([&] { return impl_->submit(prompt_ids, {}, params, on_token); });
+}
+
+Result<RequestId> Engine::submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
+                                 const SamplingParams& params, const TokenCallback& on_token) {
+  return detail::guard([&] { return impl_->submit(prompt_ids, images, params, on_token); });
+}
+
+Result<VisionInput> Engine::preprocess(const Image& image) const {
+  if (!impl_->vision)
+    return Error(ErrorCode::unsupported, detail::format("%s (model_type %s) has no vision tower; it takes no images",
+                                                        impl_->config.origin.c_str(), impl_->config.model_type.c_str()));
+  return preprocess_image(image, impl_->preprocess);
+}
+
+Result<ImageFeatures> Engine::encode_images(const std::vector<VisionInput>& images) {
+  return detail::guard([&] {
+    std::vector<const VisionInput*> inputs;
+    for (const VisionInput& image : images) inputs.push_back(&image);
+    return impl_->encode_images(inputs);
+  });
 }
 
 Result<bool> Engine::step() {
@@ -10110,8 +11192,13 @@ Result<Generation> Engine::result(RequestId id) {
 
 Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
                                     const TokenCallback& on_token) {
+  return generate(prompt_ids, std::vector<VisionInput>{}, params, on_token);
+}
+
+Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
+                                    const SamplingParams& params, const TokenCallback& on_token) {
   return detail::guard([&] {
-    RequestId id = impl_->submit(prompt_ids, params, on_token);
+    RequestId id = impl_->submit(prompt_ids, images, params, on_token);
     try {
       impl_->run_until([&] { return impl_->requests.at(id)->finished; });
     } catch (...) {
@@ -10131,14 +11218,39 @@ Result<Generation> Engine::generate(const std::string& prompt, const SamplingPar
   return generate(*ids, params, on_token);
 }
 
+Result<Generation> Engine::generate(const std::string& prompt, const std::vector<Image>& images,
+                                    const SamplingParams& params, const TokenCallback& on_token) {
+  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(prompt, true);
+  if (!ids) return ids.error();
+  std::vector<VisionInput> inputs;
+  for (const Image& image : images) {
+    Result<VisionInput> input = preprocess(image);
+    if (!input) return input.error();
+    inputs.push_back(std::move(*input));
+  }
+  return generate(*ids, inputs, params, on_token);
+}
+
 Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& messages, const SamplingParams& params,
                                          const TokenCallback& on_token) {
+  return generate_chat(messages, std::vector<Image>{}, params, on_token);
+}
+
+Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& messages, const std::vector<Image>& images,
+                                         const SamplingParams& params, const TokenCallback& on_token) {
   Result<std::string> prompt = impl_->tokenizer->format_chat(messages, true);
   if (!prompt) return prompt.error();
-  // The formatted prompt already holds its special tokens (Llama-3's <|begin_of_text|> included).
+  // The formatted prompt already holds its special tokens (Llama-3's <|begin_of_text|> included), so it is
+  // encoded without adding more.
   Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(*prompt, false);
   if (!ids) return ids.error();
-  return generate(*ids, params, on_token);
+  std::vector<VisionInput> inputs;
+  for (const Image& image : images) {
+    Result<VisionInput> input = preprocess(image);
+    if (!input) return input.error();
+    inputs.push_back(std::move(*input));
+  }
+  return generate(*ids, inputs, params, on_token);
 }
 
 Result<ScoreResult> Engine::score(const std::vector<int32_t>& ids, int64_t context_length, int64_t stride,
@@ -10212,10 +11324,14 @@ Result<ScoreResult> Engine::score(const std::string& text, int64_t context_lengt
   return score(*ids, context_length, stride, progress);
 }
 
-Result<Logits> Engine::logits(const std::vector<int32_t>& ids) {
+Result<Logits> Engine::logits(const std::vector<int32_t>& ids) { return logits(ids, std::vector<VisionInput>{}); }
+
+Result<Logits> Engine::logits(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images) {
   return detail::guard([&] {
     Impl& e = *impl_;
-    e.check_ids(ids, "logits");
+    e.check_ids(prompt_ids, "logits");
+    detail::VisionPrompt prompt = e.prepare_prompt(prompt_ids, images, "logits");
+    const std::vector<int32_t>& ids = prompt.ids;
     e.check_fits(int64_t(ids.size()), detail::format("a logits request of %zu tokens", ids.size()),
                  "raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
     Logits out;
@@ -10223,6 +11339,7 @@ Result<Logits> Engine::logits(const std::vector<int32_t>& ids) {
     out.vocab = e.config.text.vocab_size;
     out.values.assign(size_t(out.tokens * out.vocab), 0.0f);
     detail::EngineRequest& r = e.add_request(detail::RequestKind::logits, ids);
+    Impl::attach(r, std::move(prompt));
     r.want_begin = 0;
     r.want_end = out.tokens;
     r.logits = out.values.data();

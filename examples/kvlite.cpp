@@ -411,6 +411,14 @@ int run_generate(const Args& args) {
   if (args.has("--system") && !args.has("--chat")) throw UsageError{"--system needs --chat"};
   auto checked = kvlite::validate(params);
   if (!checked) throw UsageError{checked.error().message};
+  // --image: the image's placeholder goes before the prompt (vision models).
+  std::vector<kvlite::Image> images;
+  if (args.has("--image")) {
+    auto image = kvlite::load_image(args.text("--image"));
+    if (!image) throw InputError{image.error().message};
+    images.push_back(std::move(*image));
+  }
+  const std::string text = images.empty() ? prompt : std::string(kvlite::kImagePlaceholder) + prompt;
 
   auto engine = open_engine(model_dir, engine_options(args));
   auto print = [](const std::string& piece, int32_t) {
@@ -423,10 +431,10 @@ int run_generate(const Args& args) {
   if (args.has("--chat")) {
     std::vector<kvlite::ChatMessage> messages;
     if (args.has("--system")) messages.push_back({"system", args.text("--system")});
-    messages.push_back({"user", prompt});
-    generation = engine->generate_chat(messages, params, print);
+    messages.push_back({"user", text});
+    generation = engine->generate_chat(messages, images, params, print);
   } else {
-    generation = engine->generate(prompt, params, print);
+    generation = engine->generate(text, images, params, print);
   }
   if (!generation) library_error(generation.error());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -538,6 +546,7 @@ const std::vector<Command>& commands() {
            {"--prompt", "TEXT", "the prompt (plain text, encoded with the tokenizer's special tokens)"},
            {"--chat", "", "send --prompt as a user message in the model's chat format"},
            {"--system", "TEXT", "with --chat: a system message before it"},
+           {"--image", "PATH", "vision models (Qwen3-VL): an image (JPEG, PNG, ...) placed before the prompt"},
            {"--max-tokens", "N", "generate at most N tokens; default 256"},
            {"--temperature", "T", "0 = greedy (default); > 0 samples"},
            {"--top-p", "P", "nucleus sampling, (0, 1]; default 1 (off)"},

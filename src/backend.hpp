@@ -73,7 +73,12 @@ struct AttentionBatch {
 // Every op of the interface, for supports() and for messages.
 enum class Op {
   gather_rows, rms_norm, add_rms_norm, rope, linear, silu_mul, add, copy, kv_write, attention,
+  // the vision encoder's (Qwen3-VL)
+  embedding_bag, layer_norm, gelu, segment_attention,
 };
+
+// GELU's two forms: nn.GELU() / "gelu" (exact, with erf) and "gelu_pytorch_tanh" (the tanh approximation).
+enum class GeluApprox { none, tanh };
 const char* op_name(Op op);
 
 class Backend {
@@ -85,9 +90,10 @@ class Backend {
   virtual std::string name() const = 0;  // for logs: "cpu (8 threads)"
   // The dtype of every activation tensor the ops read and write (F32 on the CPU).
   virtual DType activation_dtype() const = 0;
-  // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows), the weight
-  // (rms_norm, add_rms_norm, linear), the K/V element (kv_write, attention), the destination (copy); for
-  // the others (rope, silu_mul, add) the activation dtype.
+  // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows,
+  // embedding_bag), the weight (rms_norm, add_rms_norm, linear, layer_norm), the K/V element (kv_write,
+  // attention), the destination (copy); for the others (rope, silu_mul, add, gelu, segment_attention) the
+  // activation dtype.
   virtual bool supports(Op op, DType dtype) const = 0;
 
   // ---- memory movement ---------------------------------------------------------------------------------
@@ -137,6 +143,31 @@ class Backend {
   // dst = src, converting between F32, BF16 and F16 (round to nearest even). Same shape; no overlap.
   Status copy(const Tensor& src, const Tensor& dst);
 
+  // out[t, :] = sum over j of weights[t, j] * table[indices[t, j], :], each product in fp32 and the sum taken in
+  // order j = 0, 1, ...: F.embedding_bag(mode="sum", per_sample_weights) - the bilinear resampling of a learned
+  // position table (4 taps per row). table [V, H] (BF16/F16/F32); indices I32 [T, J], each in [0, V); weights
+  // F32 [T, J]; out [T, H].
+  Status embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights, const Tensor& out);
+
+  // nn.LayerNorm over each row, in fp32: out = (x - mean) / sqrt(var + eps) * weight + bias, var the biased
+  // variance. x, out [T, C]; weight, bias vectors [C] (BF16/F16/F32, the same dtype). out may be x.
+  Status layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& out);
+
+  // out = gelu(x): 0.5 x (1 + erf(x / sqrt 2)) (GeluApprox::none), or 0.5 x (1 + tanh(sqrt(2 / pi) (x +
+  // 0.044715 x^3))) (GeluApprox::tanh). x, out [T, C]. out may be x.
+  Status gelu(const Tensor& x, GeluApprox approx, const Tensor& out);
+
+  // Non-causal attention within segments of contiguous rows (a vision encoder's images: cu_seqlens): segment
+  // s is rows [segment_starts[s], segment_starts[s+1]), and each of its queries attends to all of its keys,
+  // never to another segment's. Per query head, softmax(scale * q.K^T) @ V in fp32 with the running maximum
+  // subtracted; grouped-query: query head h reads KV head h / (heads / kv_heads).
+  // q, out [N, heads * head_dim]; k, v [N, kv_heads * head_dim] (q, k and v may be column slices of one
+  // fused qkv buffer); segment_starts I32 vector [segments + 1], from 0 to N, non-decreasing; max_segment >=
+  // every segment's length (lets a GPU size its work without reading segment_starts). out must not overlap
+  // q, k or v.
+  Status segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
+                           int64_t max_segment, int64_t head_dim, float scale, const Tensor& out);
+
   // Stores layer `layer`'s K and V rows of T tokens into the KV pages. slots I32 vector [T]: token t goes
   // to page slots[t] / page_tokens at offset slots[t] % page_tokens; a negative slot skips the token
   // (padding). k, v [T, kv_heads * head_dim]. Converted to cache.dtype (round to nearest even).
@@ -164,6 +195,14 @@ class Backend {
   virtual void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
   virtual void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
   virtual void impl_copy(const Tensor& src, const Tensor& dst) = 0;
+  virtual void impl_embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
+                                  const Tensor& out) = 0;
+  virtual void impl_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                               const Tensor& out) = 0;
+  virtual void impl_gelu(const Tensor& x, GeluApprox approx, const Tensor& out) = 0;
+  virtual void impl_segment_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const Tensor& segment_starts, int64_t max_segment, int64_t head_dim,
+                                      float scale, const Tensor& out) = 0;
   virtual void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
                              const Tensor& slots) = 0;
   virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,

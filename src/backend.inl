@@ -15,6 +15,10 @@ const char* op_name(Op op) {
     case Op::copy: return "copy";
     case Op::kv_write: return "kv_write";
     case Op::attention: return "attention";
+    case Op::embedding_bag: return "embedding_bag";
+    case Op::layer_norm: return "layer_norm";
+    case Op::gelu: return "gelu";
+    case Op::segment_attention: return "segment_attention";
   }
   return "?";
 }
@@ -273,6 +277,91 @@ Status Backend::copy(const Tensor& src, const Tensor& dst) {
     detail::check_shape(op, "dst", dst, src.rows, src.cols);
     detail::check_alias(op, "dst", dst, "src", src, false);
     impl_copy(src, dst);
+  });
+}
+
+Status Backend::embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
+                              const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "embedding_bag";
+    detail::check_view(op, "table", table);
+    detail::check_supported(*this, Op::embedding_bag, table.dtype, "table dtype");
+    detail::check_dtype(op, "indices", indices, DType::I32);
+    detail::check_dtype(op, "weights", weights, DType::F32);
+    detail::check_shape(op, "weights", weights, indices.rows, indices.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, indices.rows, table.cols);
+    detail::check_alias(op, "out", out, "table", table, false);
+    detail::check_alias(op, "out", out, "weights", weights, false);
+    impl_embedding_bag(table, indices, weights, out);
+  });
+}
+
+Status Backend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "layer_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::layer_norm, weight.dtype, "weight dtype");
+    detail::check_vector(op, "weight", weight, x.cols, weight.dtype);
+    detail::check_vector(op, "bias", bias, x.cols, weight.dtype);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (!(eps >= 0.0f)) detail::fail(ErrorCode::invalid_argument, detail::format("layer_norm: eps %g must be >= 0", eps));
+    impl_layer_norm(x, weight, bias, eps, out);
+  });
+}
+
+Status Backend::gelu(const Tensor& x, GeluApprox approx, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "gelu";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_supported(*this, Op::gelu, x.dtype, "activation dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (approx != GeluApprox::none && approx != GeluApprox::tanh)
+      detail::fail(ErrorCode::invalid_argument, detail::format("gelu: unknown approximation %d", int(approx)));
+    impl_gelu(x, approx, out);
+  });
+}
+
+Status Backend::segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
+                                  int64_t max_segment, int64_t head_dim, float scale, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "segment_attention";
+    detail::check_dtype(op, "q", q, activation_dtype());
+    detail::check_supported(*this, Op::segment_attention, q.dtype, "activation dtype");
+    detail::check_dtype(op, "k", k, activation_dtype());
+    detail::check_dtype(op, "v", v, activation_dtype());
+    if (head_dim <= 0 || q.cols == 0 || q.cols % head_dim != 0 || k.cols == 0 || k.cols % head_dim != 0 ||
+        (q.cols / head_dim) % (k.cols / head_dim) != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: q is %s and k is %s; with head_dim %lld they must hold whole "
+                                  "heads, the query heads a multiple of the KV heads",
+                                  detail::describe(q).c_str(), detail::describe(k).c_str(), (long long)head_dim));
+    detail::check_shape(op, "k", k, q.rows, k.cols);
+    detail::check_shape(op, "v", v, q.rows, k.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, q.rows, q.cols);
+    detail::check_alias(op, "out", out, "q", q, false);
+    detail::check_alias(op, "out", out, "k", k, false);
+    detail::check_alias(op, "out", out, "v", v, false);
+    int64_t segments = segment_starts.elements() - 1;
+    if (segments < 1)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: segment_starts is %s; it needs segments + 1 >= 2 elements",
+                                  detail::describe(segment_starts).c_str()));
+    detail::check_vector(op, "segment_starts", segment_starts, segments + 1, DType::I32);
+    if (max_segment < 0 || max_segment > q.rows)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: max_segment %lld must be in [0, %lld] (q's rows)",
+                                  (long long)max_segment, (long long)q.rows));
+    if (!(scale > 0.0f) || !std::isfinite(scale))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("segment_attention: scale %g must be positive and finite", scale));
+    impl_segment_attention(q, k, v, segment_starts, max_segment, head_dim, scale, out);
   });
 }
 

@@ -189,9 +189,11 @@ class CpuBackend final : public Backend {
   DType activation_dtype() const override { return DType::F32; }
   bool supports(Op op, DType dtype) const override {
     switch (op) {
-      case Op::rope: case Op::silu_mul: case Op::add: return dtype == DType::F32;
+      case Op::rope: case Op::silu_mul: case Op::add: case Op::gelu: case Op::segment_attention:
+        return dtype == DType::F32;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
-      case Op::kv_write: case Op::attention: return is_cpu_float(dtype);
+      case Op::kv_write: case Op::attention: case Op::embedding_bag: case Op::layer_norm:
+        return is_cpu_float(dtype);
     }
     return false;
   }
@@ -336,6 +338,131 @@ class CpuBackend final : public Backend {
         pool_.run(src.rows, body);
       });
     });
+  }
+
+  void impl_embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
+                          const Tensor& out) override {
+    for (int64_t t = 0; t < indices.rows; t++)
+      for (int64_t j = 0; j < indices.cols; j++) {
+        const int32_t index = row_of<const int32_t>(indices, t)[j];
+        if (index < 0 || index >= table.rows)
+          fail(ErrorCode::invalid_argument,
+               format("embedding_bag: indices[%lld][%lld] = %d is outside the table's %lld rows", (long long)t,
+                      (long long)j, index, (long long)table.rows));
+      }
+    with_float_type(table.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      auto body = [&](int64_t t, int) {
+        const int32_t* index = row_of<const int32_t>(indices, t);
+        const float* weight = row_of<const float>(weights, t);
+        float* dst = row_of<float>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) {
+          // (embedding(indices) * weights[..., None]).sum(1): products rounded, then summed in order
+          float sum = 0.0f;
+          for (int64_t j = 0; j < indices.cols; j++) {
+            const float product = to_float(row_of<const T>(table, index[j])[c]) * weight[j];
+            sum += product;
+          }
+          dst[c] = sum;
+        }
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                       const Tensor& out) override {
+    with_float_type(weight.dtype, [&](auto tag) {
+      using W = decltype(tag);
+      const W* w = static_cast<const W*>(weight.data);
+      const W* b = static_cast<const W*>(bias.data);
+      const int64_t n = x.cols;
+      auto body = [&](int64_t t, int) {
+        const float* in = row_of<const float>(x, t);
+        float* dst = row_of<float>(out, t);
+        // The moments in double (two passes), so mean and biased variance are the correctly rounded values.
+        double sum = 0;
+        for (int64_t i = 0; i < n; i++) sum += double(in[i]);
+        const double mean = sum / double(n);
+        double squares = 0;
+        for (int64_t i = 0; i < n; i++) squares += (double(in[i]) - mean) * (double(in[i]) - mean);
+        const float mean_f = float(mean);
+        const float inv_std = 1.0f / std::sqrt(float(squares / double(n)) + eps);
+        for (int64_t i = 0; i < n; i++) dst[i] = (in[i] - mean_f) * inv_std * to_float(w[i]) + to_float(b[i]);
+      };
+      pool_.run(x.rows, body);
+    });
+  }
+
+  void impl_gelu(const Tensor& x, GeluApprox approx, const Tensor& out) override {
+    auto body = [&](int64_t t, int) {
+      const float* in = row_of<const float>(x, t);
+      float* dst = row_of<float>(out, t);
+      if (approx == GeluApprox::tanh) {
+        // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+        const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+        for (int64_t c = 0; c < out.cols; c++) {
+          const float v = in[c];
+          dst[c] = 0.5f * v * (1.0f + std::tanh(beta * (v + kappa * v * v * v)));
+        }
+      } else {
+        // ATen's GeluType::None: x * 0.5 (1 + erf(x / sqrt 2))
+        for (int64_t c = 0; c < out.cols; c++) {
+          const float v = in[c];
+          dst[c] = v * 0.5f * (1.0f + std::erf(v * float(M_SQRT1_2)));
+        }
+      }
+    };
+    pool_.run(out.rows, body);
+  }
+
+  void impl_segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
+                              int64_t max_segment, int64_t head_dim, float scale, const Tensor& out) override {
+    if (head_dim > max_head_dim_)
+      fail(ErrorCode::invalid_argument,
+           format("segment_attention: head_dim %lld is larger than the CPU backend's max_head_dim %lld; make the "
+                  "backend with CpuBackendOptions::max_head_dim >= %lld", (long long)head_dim,
+                  (long long)max_head_dim_, (long long)head_dim));
+    const int64_t segments = segment_starts.elements() - 1;
+    const int32_t* starts = ints(segment_starts);
+    if (starts[0] != 0 || starts[segments] != q.rows)
+      fail(ErrorCode::invalid_argument,
+           format("segment_attention: segment_starts must run from 0 to q's %lld rows; it runs from %d to %d",
+                  (long long)q.rows, starts[0], starts[segments]));
+    for (int64_t s = 0; s < segments; s++)
+      if (starts[s + 1] < starts[s] || starts[s + 1] - starts[s] > max_segment)
+        fail(ErrorCode::invalid_argument,
+             format("segment_attention: segment %lld runs from row %d to %d; segments must not run backwards nor "
+                    "be longer than max_segment %lld", (long long)s, starts[s], starts[s + 1],
+                    (long long)max_segment));
+    const int64_t heads = q.cols / head_dim, group = heads / (k.cols / head_dim);
+    // Item = (query row, query head); the KV rows are fp32 activations, read in place.
+    auto body = [&](int64_t item, int worker) {
+      const int64_t t = item / heads, head = item % heads, kv_head = head / group;
+      const int64_t s = int64_t(std::upper_bound(starts, starts + segments + 1, int32_t(t)) - starts) - 1;
+      const float* query = row_of<const float>(q, t) + head * head_dim;
+      float* acc = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
+      std::fill(acc, acc + head_dim, 0.0f);
+      float running_max = -INFINITY, running_sum = 0.0f;
+      for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
+        const float* key = row_of<const float>(k, r) + kv_head * head_dim;
+        const float* value = row_of<const float>(v, r) + kv_head * head_dim;
+        const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+        if (score > running_max) {  // online softmax: rescale only when the maximum grows
+          const float correction = std::exp(running_max - score);
+          running_sum *= correction;
+          for (int64_t d = 0; d < head_dim; d++) acc[d] *= correction;
+          running_max = score;
+        }
+        const float p = std::exp(score - running_max);
+        running_sum += p;
+        for (int64_t d = 0; d < head_dim; d++) acc[d] += p * value[d];
+      }
+      float* dst = row_of<float>(out, t) + head * head_dim;
+      // a row's segment holds at least the row itself, so running_sum >= 1
+      for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[d] / running_sum;
+    };
+    pool_.run(q.rows * heads, body);
   }
 
   void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,

@@ -59,6 +59,7 @@ struct VisionConfig {
   int64_t num_position_embeddings = 0;
   std::vector<int64_t> deepstack_visual_indexes;
   std::string hidden_act = "gelu_pytorch_tanh";
+  double rope_theta = 10000.0;  // the 2-D RoPE's base (rope_parameters.rope_theta)
 };
 
 // How a group of Linears is quantized (compressed-tensors `config_groups.*.weights`, or Qwen's fp8).

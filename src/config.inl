@@ -354,6 +354,10 @@ inline VisionConfig parse_vision(const Node& vision) {
   v.deepstack_visual_indexes = vision.has("deepstack_visual_indexes") ? vision.int_list("deepstack_visual_indexes")
                                                                         : std::vector<int64_t>{8, 16, 24};
   v.hidden_act = vision.string_or("hidden_act", "gelu_pytorch_tanh");
+  // The 2-D RoPE's base: rope_parameters {rope_type: "axial", rope_theta}, 10000 when absent.
+  if (std::optional<Node> rope = vision.optional_child("rope_parameters"))
+    v.rope_theta = rope->number_or("rope_theta", v.rope_theta);
+  if (!(v.rope_theta > 0)) vision.fail_key(ErrorCode::bad_format, "rope_parameters.rope_theta", "must be positive");
   if (v.hidden_size % v.num_heads != 0)
     vision.fail_key(ErrorCode::bad_format, "num_heads",
                     format("(%lld) must divide hidden_size (%lld)", (long long)v.num_heads, (long long)v.hidden_size));

@@ -82,6 +82,17 @@ struct Logits {
   std::vector<float> values;  // [tokens, vocab] float32
 };
 
+// The vision tower's outputs for some images (transformers' get_image_features), one row per image token in
+// order: level 0 the merger's embedding (it replaces the token's embedding), level 1 + j the DeepStack
+// feature added to the token's hidden state after decoder layer j.
+struct ImageFeatures {
+  int64_t levels = 0, tokens = 0, hidden = 0;
+  std::vector<float> values;  // [levels, tokens, hidden]
+};
+
+// How a Qwen3-VL prompt places an image: the engine expands the <|image_pad|> to the image's tokens.
+constexpr const char* kImagePlaceholder = "<|vision_start|><|image_pad|><|vision_end|>";
+
 using RequestId = int64_t;
 
 // Counters since open().
@@ -128,12 +139,36 @@ class Engine {
   Result<Generation> generate_chat(const std::vector<ChatMessage>& messages, const SamplingParams& params,
                                    const TokenCallback& on_token = nullptr);
 
+  // Vision models (qwen3_vl): prompts with images. The prompt holds one <|image_pad|> per image, in order
+  // (kImagePlaceholder, wrapped in <|vision_start|> ... <|vision_end|> as Qwen's chat template writes it);
+  // the engine expands each to its image's tokens (Generation::prompt_ids shows the expanded ids), runs the
+  // vision tower when the request is submitted, and gives the image tokens their M-RoPE positions. Images are
+  // preprocessed with preprocess(). Errors: unsupported for a model without a vision tower; invalid_argument
+  // when placeholders and images differ in number.
+  //   auto image = kvlite::load_image("cat.jpg");
+  //   auto out = engine->generate_chat({{"user", std::string(kvlite::kImagePlaceholder) + "Describe it."}},
+  //                                    {*image}, params, on_token);
+  Result<Generation> generate(const std::string& prompt, const std::vector<Image>& images,
+                              const SamplingParams& params, const TokenCallback& on_token = nullptr);
+  Result<Generation> generate_chat(const std::vector<ChatMessage>& messages, const std::vector<Image>& images,
+                                   const SamplingParams& params, const TokenCallback& on_token = nullptr);
+  Result<Generation> generate(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
+                              const SamplingParams& params, const TokenCallback& on_token = nullptr);
+  // preprocess_image with the model's options: the processor's (preprocessor_config.json) with its pixel
+  // budget capped at the plan's max_image_pixels (larger images are scaled down to fit the vision buffers).
+  Result<VisionInput> preprocess(const Image& image) const;
+  // The vision tower alone (transformers' get_image_features): the images' merged embeddings and DeepStack
+  // features, one row per image token.
+  Result<ImageFeatures> encode_images(const std::vector<VisionInput>& images);
+
   // Continuous batching. submit() validates and queues a request (does_not_fit when it could never fit);
   // step() runs one forward step over everything runnable and returns whether requests remain unfinished;
   // run() steps until none does. result() hands over a finished request's Generation (once; invalid_argument
   // for an unknown id or one still running).
   Result<RequestId> submit(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
                            const TokenCallback& on_token = nullptr);
+  Result<RequestId> submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
+                           const SamplingParams& params, const TokenCallback& on_token = nullptr);
   Result<bool> step();
   Status run();
   bool finished(RequestId id) const;
@@ -147,8 +182,10 @@ class Engine {
   Result<ScoreResult> score(const std::string& text, int64_t context_length, int64_t stride,
                             const ScoreProgress& progress = nullptr);
 
-  // The logits of every position of one sequence of at most max_model_len tokens.
+  // The logits of every position of one sequence of at most max_model_len tokens. With images (vision
+  // models), `ids` holds one <|image_pad|> per image and the result covers the expanded sequence.
   Result<Logits> logits(const std::vector<int32_t>& ids);
+  Result<Logits> logits(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images);
 
   // Thread-safe: stop the running call (see the top of this section).
   void cancel();

@@ -32,6 +32,20 @@ namespace detail {
 
 enum class RequestKind { generate, score, logits };
 
+// A run of one image's tokens in a request: tokens [first, first + count) take feature rows [feature_row, +count).
+struct ImageSpan {
+  int64_t first = 0, count = 0, feature_row = 0;
+};
+
+// A prompt whose <|image_pad|> placeholders are expanded, with what the model needs for its images.
+struct VisionPrompt {
+  std::vector<int32_t> ids;
+  std::vector<int32_t> mrope;  // [3, ids] (empty without images)
+  int64_t rope_delta = 0;
+  std::vector<ImageSpan> image_spans;
+  ImageFeatures features;
+};
+
 struct EngineRequest {
   RequestId id = 0;
   RequestKind kind = RequestKind::generate;
@@ -53,6 +67,12 @@ struct EngineRequest {
   int64_t want_begin = 0, want_end = 0;
   double* logprobs = nullptr;  // score: logprobs[p + 1] = log p(tokens[p + 1] | tokens[0..p])
   float* logits = nullptr;     // logits: [tokens, V]
+
+  // A vision model's prompt (qwen3_vl). Tokens past the prompt's positions have index + rope_delta.
+  std::vector<int32_t> mrope;   // [3, prompt tokens]: rows t, h, w (get_rope_index); empty: position = index
+  int64_t rope_delta = 0;
+  std::vector<ImageSpan> image_spans;  // runs of image tokens in `tokens`
+  ImageFeatures features;              // their rows, in token order
 };
 
 }  // namespace detail
@@ -64,6 +84,8 @@ struct Engine::Impl {
   std::unique_ptr<Arena> arena;
   std::unique_ptr<Backend> backend;
   std::unique_ptr<TextModel> model;
+  std::unique_ptr<VisionModel> vision;  // qwen3_vl
+  PreprocessOptions preprocess;         // qwen3_vl: the processor's, with the plan's image budget
   std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
   std::vector<int32_t> stop_ids;  // sorted
   std::atomic<bool> cancel_requested{false};
@@ -84,7 +106,10 @@ struct Engine::Impl {
     int64_t position;  // index into request->tokens
   };
   std::vector<Scheduled> scheduled;           // capacity Smax
-  std::vector<int32_t> token_ids, positions, slots, logit_row_ids;  // [Tmax]
+  std::vector<int32_t> token_ids, slots, logit_row_ids;  // [Tmax]
+  std::vector<int32_t> positions;             // [position_rows, Tmax] (packed to [position_rows, T] per step)
+  int64_t position_rows = 1;                  // 3 for M-RoPE (qwen3_vl)
+  std::vector<ImageRun> image_runs;           // of the current step
   std::vector<int32_t> query_starts;          // [Smax + 1]
   std::vector<int32_t> context_lens;          // [Smax]
   std::vector<RowOwner> row_owners;           // [Tmax]
@@ -125,10 +150,104 @@ struct Engine::Impl {
     return r;
   }
 
-  RequestId submit(const std::vector<int32_t>& prompt, const SamplingParams& params, const TokenCallback& on_token) {
-    check_ids(prompt, "generate");
+  // ---- images --------------------------------------------------------------------------------------------
+
+  // The vision tower over `images`, in groups that fit its buffers: levels x tokens rows on the host.
+  ImageFeatures encode_images(const std::vector<const VisionInput*>& images) {
+    if (!vision)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("%s (model_type %s) has no vision tower; it takes no images", config.origin.c_str(),
+                                  config.model_type.c_str()));
+    ImageFeatures out;
+    out.levels = vision->levels();
+    out.hidden = config.vision.out_hidden_size;
+    for (const VisionInput* image : images) out.tokens += image->grid.image_tokens;
+    out.values.assign(size_t(out.levels * out.tokens * out.hidden), 0.0f);
+    int64_t token = 0;
+    for (size_t first = 0; first < images.size();) {
+      // The next group: as many images as one encode holds.
+      std::vector<const VisionInput*> group;
+      int64_t patches = 0;
+      while (first + group.size() < images.size() && int64_t(group.size()) < vision->max_images() &&
+             patches + images[first + group.size()]->rows() <= vision->max_patches())
+        patches += images[first + group.size()]->rows(), group.push_back(images[first + group.size()]);
+      if (group.empty()) group.push_back(images[first]);  // too large: encode() says why
+      vision->encode(group);
+      const int64_t tokens = patches / (config.vision.spatial_merge_size * config.vision.spatial_merge_size);
+      for (int64_t level = 0; level < out.levels; level++) {
+        Status copied = backend->copy_to_host(vision->output(level),
+                                              out.values.data() + (level * out.tokens + token) * out.hidden);
+        if (!copied) throw copied.error();
+      }
+      token += tokens;
+      first += group.size();
+    }
+    return out;
+  }
+
+  // `ids` with one image_token_id per image (the processor's input form): each placeholder becomes its image's
+  // tokens, their features are computed, and the prompt's M-RoPE positions with them.
+  detail::VisionPrompt prepare_prompt(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images,
+                                      const char* what) {
+    detail::VisionPrompt prompt;
+    const int32_t pad = int32_t(config.image_token_id);
+    const int64_t placeholders = pad < 0 ? 0 : int64_t(std::count(ids.begin(), ids.end(), pad));
+    if (images.empty() && placeholders == 0) {
+      prompt.ids = ids;
+      return prompt;
+    }
+    if (!vision)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("%s: %zu image%s given but %s (model_type %s) has no vision tower", what,
+                                  images.size(), images.size() == 1 ? "" : "s", config.origin.c_str(),
+                                  config.model_type.c_str()));
+    if (placeholders != int64_t(images.size()))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("%s: the prompt holds %lld image placeholder%s (<|image_pad|>, id %d) but %zu "
+                                  "image%s given; put one %s in the prompt per image, in order",
+                                  what, (long long)placeholders, placeholders == 1 ? "" : "s", pad, images.size(),
+                                  images.size() == 1 ? " was" : "s were", kImagePlaceholder));
+    std::vector<const VisionInput*> inputs;
+    std::vector<ImageGrid> grids;
+    for (const VisionInput& image : images) {
+      inputs.push_back(&image);
+      grids.push_back(image.grid);
+    }
+    prompt.features = encode_images(inputs);
+    size_t image = 0;
+    int64_t feature_row = 0;
+    for (int32_t id : ids) {
+      if (id != pad) {
+        prompt.ids.push_back(id);
+        continue;
+      }
+      // processor: text.replace(image_token, image_token * num_image_tokens)
+      const int64_t count = images[image++].grid.image_tokens;
+      prompt.image_spans.push_back({int64_t(prompt.ids.size()), count, feature_row});
+      prompt.ids.insert(prompt.ids.end(), size_t(count), pad);
+      feature_row += count;
+    }
+    Result<MropePositions> positions = mrope_positions(prompt.ids, pad, grids, config.vision.spatial_merge_size);
+    if (!positions) throw positions.error();
+    prompt.mrope = std::move(positions->positions);
+    prompt.rope_delta = positions->rope_delta;
+    return prompt;
+  }
+
+  static void attach(detail::EngineRequest& r, detail::VisionPrompt&& prompt) {
+    r.mrope = std::move(prompt.mrope);
+    r.rope_delta = prompt.rope_delta;
+    r.image_spans = std::move(prompt.image_spans);
+    r.features = std::move(prompt.features);
+  }
+
+  RequestId submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
+                   const SamplingParams& params, const TokenCallback& on_token) {
+    check_ids(prompt_ids, "generate");
     Status valid = validate(params);
     if (!valid) throw valid.error();
+    detail::VisionPrompt vision_prompt = prepare_prompt(prompt_ids, images, "generate");
+    const std::vector<int32_t>& prompt = vision_prompt.ids;
     const int64_t prompt_len = int64_t(prompt.size());
     const int64_t room = max_model_len() - prompt_len;  // tokens left for the output
     const int64_t needed = params.max_tokens > std::numeric_limits<int64_t>::max() - prompt_len
@@ -141,6 +260,7 @@ struct Engine::Impl {
                          : detail::format("shorten the prompt below %lld tokens", (long long)max_model_len())) +
                    " or raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
     detail::EngineRequest& r = add_request(detail::RequestKind::generate, prompt);
+    attach(r, std::move(vision_prompt));
     r.params = params;
     r.rng = Rng(params.seed);
     r.on_token = on_token;
@@ -351,6 +471,8 @@ struct Engine::Impl {
     std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
     int64_t t = 0, rows = 0, max_context = 0;
     size_t next = 0;
+    const int64_t max_tokens = int64_t(token_ids.size());
+    image_runs.clear();
     for (int64_t s = 0; s < seqs; s++) {
       query_starts[size_t(s)] = int32_t(t);
       if (next == scheduled.size() || scheduled[next].request->slot != s) continue;
@@ -358,9 +480,23 @@ struct Engine::Impl {
       const int64_t n = scheduled[next++].tokens;
       const int32_t* pages = kv.block_table(r.slot);
       auto want = wanted_rows(r, r.computed, n);
+      const int64_t prompt_positions = int64_t(r.mrope.size()) / 3;
+      for (const detail::ImageSpan& span : r.image_spans) {  // the image tokens among [computed, computed + n)
+        const int64_t begin = std::max(span.first, r.computed), end = std::min(span.first + span.count, r.computed + n);
+        if (begin >= end) continue;
+        ImageRun run;
+        run.token = t + begin - r.computed;
+        run.count = end - begin;
+        run.rows = r.features.values.data() + (span.feature_row + begin - span.first) * r.features.hidden;
+        run.level_stride = r.features.tokens * r.features.hidden;
+        image_runs.push_back(run);
+      }
       for (int64_t p = r.computed; p < r.computed + n; p++, t++) {
         token_ids[size_t(t)] = r.tokens[size_t(p)];
-        positions[size_t(t)] = int32_t(p);
+        // a prompt token's (t, h, w) from get_rope_index; any other token index + rope_delta on every row
+        for (int64_t row = 0; row < position_rows; row++)
+          positions[size_t(row * max_tokens + t)] =
+              p < prompt_positions ? r.mrope[size_t(row * prompt_positions + p)] : int32_t(p + r.rope_delta);
         slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
         if (p >= want.first && p < want.second) {
           logit_row_ids[size_t(rows)] = int32_t(t);
@@ -371,11 +507,15 @@ struct Engine::Impl {
       max_context = std::max(max_context, r.computed + n);
     }
     query_starts[size_t(seqs)] = int32_t(t);
+    // Rows of positions packed to [position_rows, t], as rope_tables reads them (each moves to a lower index).
+    for (int64_t row = 1; row < position_rows; row++)
+      memmove(positions.data() + row * t, positions.data() + row * max_tokens, size_t(t) * sizeof(int32_t));
 
     StepInput input;
     input.tokens = t;
     input.token_ids = token_ids.data();
     input.positions = positions.data();
+    input.position_rows = position_rows;
     input.slots = slots.data();
     input.seqs = seqs;
     input.query_starts = query_starts.data();
@@ -385,6 +525,8 @@ struct Engine::Impl {
                                         kv.max_pages_per_seq());
     input.logit_rows = rows;
     input.logit_row_ids = logit_row_ids.data();
+    input.image_runs = int64_t(image_runs.size());
+    input.image_run_list = image_runs.data();
     model->forward(input);
     for (const Scheduled& s : scheduled) s.request->computed += s.tokens;
     stats.steps++;
@@ -491,9 +633,23 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
 
     Result<TextModelWeights> bound = bind_text_weights(e.config, e.store);
     if (!bound) throw bound.error();
+    std::optional<VisionWeights> vision_weights;
+    if (e.config.vision.present) {
+      if (e.config.vision.out_hidden_size != e.config.text.hidden_size)
+        fail(ErrorCode::bad_format,
+             format("%s: vision_config.out_hidden_size %lld differs from the language model's hidden_size %lld; the "
+                    "image embeddings replace token embeddings, so they must match", e.config.origin.c_str(),
+                    (long long)e.config.vision.out_hidden_size, (long long)e.config.text.hidden_size));
+      Result<VisionWeights> bound_vision = bind_vision_weights(e.config, e.store);
+      if (!bound_vision) throw bound_vision.error();
+      vision_weights = std::move(*bound_vision);
+    }
     CpuBackendOptions backend_options;
     backend_options.threads = options.threads;
     backend_options.max_head_dim = e.config.text.head_dim;
+    if (e.config.vision.present)
+      backend_options.max_head_dim =
+          std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);
     Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
     if (!backend) throw backend.error();
     e.backend = std::move(*backend);
@@ -507,6 +663,13 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     if (!arena) throw arena.error();
     e.arena = std::move(*arena);
     e.model = std::make_unique<TextModel>(e.config, std::move(*bound), *e.backend, *e.arena, e.plan, kv_dtype);
+    if (vision_weights) {
+      e.vision = std::make_unique<VisionModel>(e.config, std::move(*vision_weights), *e.backend, *e.arena, e.plan);
+      // The processor's options, with the plan's image budget: the vision buffers hold no larger image.
+      e.preprocess = preprocess_options(e.config);
+      e.preprocess.max_pixels = std::min(e.preprocess.max_pixels, e.plan.options.max_image_pixels);
+      e.preprocess.min_pixels = std::min(e.preprocess.min_pixels, e.preprocess.max_pixels);
+    }
 
     Result<Tokenizer> tokenizer = Tokenizer::load(model_dir);
     if (!tokenizer) throw tokenizer.error();
@@ -528,7 +691,9 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
 
     const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
     e.scheduled.reserve(max_seqs);
-    for (auto* v : {&e.token_ids, &e.positions, &e.slots, &e.logit_row_ids}) v->assign(max_tokens, 0);
+    for (auto* v : {&e.token_ids, &e.slots, &e.logit_row_ids}) v->assign(max_tokens, 0);
+    e.position_rows = e.config.arch == Arch::qwen3_vl ? 3 : 1;
+    e.positions.assign(size_t(e.position_rows) * max_tokens, 0);
     e.query_starts.assign(max_seqs + 1, 0);
     e.context_lens.assign(max_seqs, 0);
     e.row_owners.assign(max_tokens, {nullptr, 0});
@@ -552,7 +717,27 @@ Result<std::string> Engine::detokenize(const std::vector<int32_t>& ids, bool ski
 
 Result<RequestId> Engine::submit(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
                                  const TokenCallback& on_token) {
-  return detail::guard([&] { return impl_->submit(prompt_ids, params, on_token); });
+  return detail::guard([&] { return impl_->submit(prompt_ids, {}, params, on_token); });
+}
+
+Result<RequestId> Engine::submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
+                                 const SamplingParams& params, const TokenCallback& on_token) {
+  return detail::guard([&] { return impl_->submit(prompt_ids, images, params, on_token); });
+}
+
+Result<VisionInput> Engine::preprocess(const Image& image) const {
+  if (!impl_->vision)
+    return Error(ErrorCode::unsupported, detail::format("%s (model_type %s) has no vision tower; it takes no images",
+                                                        impl_->config.origin.c_str(), impl_->config.model_type.c_str()));
+  return preprocess_image(image, impl_->preprocess);
+}
+
+Result<ImageFeatures> Engine::encode_images(const std::vector<VisionInput>& images) {
+  return detail::guard([&] {
+    std::vector<const VisionInput*> inputs;
+    for (const VisionInput& image : images) inputs.push_back(&image);
+    return impl_->encode_images(inputs);
+  });
 }
 
 Result<bool> Engine::step() {
@@ -584,8 +769,13 @@ Result<Generation> Engine::result(RequestId id) {
 
 Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
                                     const TokenCallback& on_token) {
+  return generate(prompt_ids, std::vector<VisionInput>{}, params, on_token);
+}
+
+Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
+                                    const SamplingParams& params, const TokenCallback& on_token) {
   return detail::guard([&] {
-    RequestId id = impl_->submit(prompt_ids, params, on_token);
+    RequestId id = impl_->submit(prompt_ids, images, params, on_token);
     try {
       impl_->run_until([&] { return impl_->requests.at(id)->finished; });
     } catch (...) {
@@ -605,14 +795,39 @@ Result<Generation> Engine::generate(const std::string& prompt, const SamplingPar
   return generate(*ids, params, on_token);
 }
 
+Result<Generation> Engine::generate(const std::string& prompt, const std::vector<Image>& images,
+                                    const SamplingParams& params, const TokenCallback& on_token) {
+  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(prompt, true);
+  if (!ids) return ids.error();
+  std::vector<VisionInput> inputs;
+  for (const Image& image : images) {
+    Result<VisionInput> input = preprocess(image);
+    if (!input) return input.error();
+    inputs.push_back(std::move(*input));
+  }
+  return generate(*ids, inputs, params, on_token);
+}
+
 Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& messages, const SamplingParams& params,
                                          const TokenCallback& on_token) {
+  return generate_chat(messages, std::vector<Image>{}, params, on_token);
+}
+
+Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& messages, const std::vector<Image>& images,
+                                         const SamplingParams& params, const TokenCallback& on_token) {
   Result<std::string> prompt = impl_->tokenizer->format_chat(messages, true);
   if (!prompt) return prompt.error();
-  // The formatted prompt already holds its special tokens (Llama-3's <|begin_of_text|> included).
+  // The formatted prompt already holds its special tokens (Llama-3's <|begin_of_text|> included), so it is
+  // encoded without adding more.
   Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(*prompt, false);
   if (!ids) return ids.error();
-  return generate(*ids, params, on_token);
+  std::vector<VisionInput> inputs;
+  for (const Image& image : images) {
+    Result<VisionInput> input = preprocess(image);
+    if (!input) return input.error();
+    inputs.push_back(std::move(*input));
+  }
+  return generate(*ids, inputs, params, on_token);
 }
 
 Result<ScoreResult> Engine::score(const std::vector<int32_t>& ids, int64_t context_length, int64_t stride,
@@ -686,10 +901,14 @@ Result<ScoreResult> Engine::score(const std::string& text, int64_t context_lengt
   return score(*ids, context_length, stride, progress);
 }
 
-Result<Logits> Engine::logits(const std::vector<int32_t>& ids) {
+Result<Logits> Engine::logits(const std::vector<int32_t>& ids) { return logits(ids, std::vector<VisionInput>{}); }
+
+Result<Logits> Engine::logits(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images) {
   return detail::guard([&] {
     Impl& e = *impl_;
-    e.check_ids(ids, "logits");
+    e.check_ids(prompt_ids, "logits");
+    detail::VisionPrompt prompt = e.prepare_prompt(prompt_ids, images, "logits");
+    const std::vector<int32_t>& ids = prompt.ids;
     e.check_fits(int64_t(ids.size()), detail::format("a logits request of %zu tokens", ids.size()),
                  "raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
     Logits out;
@@ -697,6 +916,7 @@ Result<Logits> Engine::logits(const std::vector<int32_t>& ids) {
     out.vocab = e.config.text.vocab_size;
     out.values.assign(size_t(out.tokens * out.vocab), 0.0f);
     detail::EngineRequest& r = e.add_request(detail::RequestKind::logits, ids);
+    Impl::attach(r, std::move(prompt));
     r.want_begin = 0;
     r.want_end = out.tokens;
     r.logits = out.values.data();

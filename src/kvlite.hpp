@@ -15,6 +15,7 @@
 #include "sampler.hpp"
 #include "backend.hpp"
 #include "model.hpp"
+#include "vision.hpp"
 #include "engine.hpp"
 #include "backend_cuda.hpp"
 #endif  // KVLITE_HPP_INCLUDED
@@ -34,6 +35,7 @@
 #include "backend.inl"
 #include "backend_cpu.inl"
 #include "model.inl"
+#include "vision.inl"
 #include "engine.inl"
 #include "backend_cuda.inl"
 #endif  // KVLITE_IMPLEMENTATION

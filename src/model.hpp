@@ -43,8 +43,19 @@ struct TextModelWeights {
 // Binds every weight of the text model by its transformers name as a view into the store's mmap (BF16, F16
 // or F32, used as stored). All absent tensors are reported at once (missing_tensor, listing the names); a
 // tensor of the wrong shape or dtype is bad_format naming it, its shape and the expected one. Quantized
-// checkpoints and Qwen3-VL are unsupported here (the CPU reference engine runs dense text models).
+// checkpoints are unsupported here (the CPU reference engine runs dense models); for Qwen3-VL this is the
+// language model (model.language_model.*; the vision tower is bind_vision_weights').
 Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const TensorStore& store);
+
+// Image tokens of a step whose rows come from the vision tower rather than the embedding table: step rows
+// [token, token + count), the run's rows of the image's host features. Level 0 (the merger's output) replaces
+// the rows' token embeddings; level 1 + j (DeepStack) is added to them after decoder layer j.
+struct ImageRun {
+  int64_t token = 0;            // first row of the run in the step
+  int64_t count = 0;
+  const float* rows = nullptr;  // [count, H] level 0; level l starts l * level_stride floats later
+  int64_t level_stride = 0;
+};
 
 // The tokens of one forward step, in host memory, as the engine packed them. Tokens are grouped by sequence
 // and sequences follow the order of the attention batch: sequence s is KV-pool slot s, so the pool's block
@@ -52,7 +63,8 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
 struct StepInput {
   int64_t tokens = 0;                     // T, 1 <= T <= max_batched_tokens
   const int32_t* token_ids = nullptr;     // [T]
-  const int32_t* positions = nullptr;     // [T] position of each token in its sequence (0-based)
+  const int32_t* positions = nullptr;     // [position_rows, T] position of each token (0-based)
+  int64_t position_rows = 1;              // 1, or 3 for M-RoPE (qwen3_vl: rows t, h, w)
   const int32_t* slots = nullptr;         // [T] KV slot: page * page_tokens + position % page_tokens
   int64_t seqs = 0;                       // S, the attention batch's sequences (pool slots 0 .. S-1)
   const int32_t* query_starts = nullptr;  // [S + 1] first token of each sequence in this step; last = T
@@ -61,6 +73,8 @@ struct StepInput {
   Tensor block_tables;                    // I32 [>= S, max_pages_per_seq]: the pool's tables (host memory)
   int64_t logit_rows = 0;                 // R, rows of this step whose logits will be asked for
   const int32_t* logit_row_ids = nullptr;  // [R] token indices in [0, T)
+  int64_t image_runs = 0;                  // qwen3_vl: runs of image tokens in this step
+  const ImageRun* image_run_list = nullptr;  // [image_runs]
 };
 
 // The forward pass over a Backend, with its buffers carved from the arena. Not thread-safe (one step at a
@@ -100,6 +114,7 @@ class TextModel {
   float attention_scale_ = 1.0f;  // head_dim ** -0.5
   std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
   std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
+  int64_t deepstack_levels_ = 0;            // qwen3_vl: DeepStack features added after layers 0 .. levels - 1
 
   // Views of the arena's buffers (planner names in quotes), full size; forward() slices the first T rows.
   Tensor hidden_;         // "hidden"       [Tmax, H] fp32: the residual stream
@@ -115,6 +130,7 @@ class TextModel {
   Tensor query_starts_;   // "query_starts" [Smax + 1] int32
   Tensor context_lens_;   // "context_lens" [Smax] int32
   Tensor logit_rows_;     // "logit_rows"   [Tmax] int32
+  Tensor deepstack_rows_;  // "deepstack_rows" [Tmax, H] fp32 (vision models): a step's DeepStack rows
   Tensor logits_;         // "logits"       [max(Smax, 32), V] fp32
   Tensor sampling_probs_;  // "sampling_probs" [Smax, V] fp32
   Tensor sampling_order_;  // "sampling_order" [Smax, V] int32

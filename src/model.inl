@@ -25,6 +25,12 @@ class WeightBinder {
 
   // A view of `name` as [rows, cols] (a 1-D tensor of n elements is [n, 1], Tensor::vector's form).
   Tensor bind(const std::string& name, std::vector<int64_t> shape) {
+    if (shape.size() == 1) return bind_as(name, shape, shape[0], 1);
+    return bind_as(name, shape, shape[0], shape[1]);
+  }
+  // A view of `name`, of on-disk `shape`, as [rows, cols] holding all its elements: a vector as [n, 1], a
+  // Conv3d kernel [out, C, T, P, P] as the [out, C T P P] weight of the equivalent Linear.
+  Tensor bind_as(const std::string& name, const std::vector<int64_t>& shape, int64_t rows, int64_t cols) {
     const TensorInfo* info = store_.find(name);
     if (!info) {
       missing_.push_back(name);
@@ -39,8 +45,8 @@ class WeightBinder {
            format("tensor '%s' has shape %s; the config (%s) makes it %s", name.c_str(), shape_text(info->shape).c_str(),
                   origin_.c_str(), shape_text(shape).c_str()));
     void* data = const_cast<uint8_t*>(store_.data(*info));  // read-only mmap: the ops never write weights
-    if (shape.size() == 1) return Tensor::vector(data, info->dtype, shape[0]);
-    return Tensor::matrix(data, info->dtype, shape[0], shape[1]);
+    if (cols == 1) return Tensor::vector(data, info->dtype, rows);
+    return Tensor::matrix(data, info->dtype, rows, cols);
   }
   LinearWeights linear(const std::string& module, int64_t out_features, int64_t in_features, bool bias) {
     LinearWeights weights;
@@ -69,6 +75,49 @@ class WeightBinder {
   std::vector<std::string> missing_;
 };
 
+
+// The planned buffers of arena regions, carved in the planner's order and handed out as views by name, so
+// that the plan and the model agree by construction.
+class BufferCarver {
+ public:
+  explicit BufferCarver(Arena& arena) : arena_(arena) {}
+
+  // Internal error unless the arena's `region` holds exactly `specs`.
+  void carve(const char* region, const std::vector<BufferSpec>& specs) {
+    const ArenaRegion* r = arena_.region(region);
+    uint64_t total = buffers_bytes(specs);
+    if (!r || r->bytes != total)
+      fail(ErrorCode::internal,
+           format("the arena's '%s' region holds %llu bytes but the planner's buffers for it sum to %llu: the plan "
+                  "and the model disagree",
+                  region, (unsigned long long)(r ? r->bytes : 0), (unsigned long long)total));
+    uint8_t* next = arena_.base() + r->offset;
+    for (const BufferSpec& spec : specs) {
+      carved_[spec.name] = {next, spec.bytes};
+      next += spec.bytes;
+    }
+  }
+  // A view of a planned buffer; the model's idea of its size must fit the planner's.
+  Tensor view(const char* name, DType dtype, int64_t rows, int64_t cols) const {
+    auto it = carved_.find(name);
+    uint64_t needed = dtype_bytes(dtype, uint64_t(rows * cols));
+    if (it == carved_.end() || it->second.second < needed)
+      fail(ErrorCode::internal,
+           format("the model needs a buffer '%s' of %llu bytes ([%lld, %lld] %s) but the plan %s", name,
+                  (unsigned long long)needed, (long long)rows, (long long)cols, dtype_name(dtype),
+                  it == carved_.end() ? "has none" : format("gives it %llu", (unsigned long long)it->second.second).c_str()));
+    return Tensor::matrix(it->second.first, dtype, rows, cols);
+  }
+  uint64_t bytes(const char* name) const {  // 0 when the plan has no such buffer
+    auto it = carved_.find(name);
+    return it == carved_.end() ? 0 : it->second.second;
+  }
+
+ private:
+  Arena& arena_;
+  std::map<std::string, std::pair<uint8_t*, uint64_t>> carved_;  // name -> (start, bytes)
+};
+
 }  // namespace model
 }  // namespace detail
 
@@ -77,9 +126,10 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
     using detail::fail;
     using detail::format;
     const TextConfig& c = config.text;
-    if (config.arch != Arch::llama && config.arch != Arch::qwen2 && config.arch != Arch::qwen3)
+    if (config.arch != Arch::llama && config.arch != Arch::qwen2 && config.arch != Arch::qwen3 &&
+        config.arch != Arch::qwen3_vl)
       fail(ErrorCode::unsupported,
-           format("%s: model_type '%s' (%s) is not a text model the CPU engine runs (llama, qwen2, qwen3)",
+           format("%s: model_type '%s' (%s) is not a model the CPU engine runs (llama, qwen2, qwen3, qwen3_vl)",
                   config.origin.c_str(), config.model_type.c_str(), arch_name(config.arch)));
     if (config.quant.method != QuantMethod::none)
       fail(ErrorCode::unsupported,
@@ -137,34 +187,11 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   max_seqs_ = plan.options.max_seqs;
   const DType act = backend_.activation_dtype();
 
-  // Carve `region` into the planned buffers, in the planner's order, and check the two agree.
-  std::map<std::string, std::pair<uint8_t*, uint64_t>> carved;  // name -> (start, bytes)
-  auto carve = [&](const char* region, const std::vector<BufferSpec>& specs) {
-    const ArenaRegion* r = arena_.region(region);
-    uint64_t total = buffers_bytes(specs);
-    if (!r || r->bytes != total)
-      fail(ErrorCode::internal,
-           format("the arena's '%s' region holds %llu bytes but the planner's buffers for it sum to %llu: the plan "
-                  "and the model disagree",
-                  region, (unsigned long long)(r ? r->bytes : 0), (unsigned long long)total));
-    uint8_t* next = arena_.base() + r->offset;
-    for (const BufferSpec& spec : specs) {
-      carved[spec.name] = {next, spec.bytes};
-      next += spec.bytes;
-    }
-  };
-  carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, backend_.kind()));
-  carve("logits", logits_buffers(config_, max_seqs_));
-  // A view of a planned buffer; the model's idea of its size must fit the planner's.
+  detail::model::BufferCarver buffers(arena_);
+  buffers.carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, backend_.kind()));
+  buffers.carve("logits", logits_buffers(config_, max_seqs_));
   auto view = [&](const char* name, DType dtype, int64_t rows, int64_t cols) {
-    auto it = carved.find(name);
-    uint64_t needed = dtype_bytes(dtype, uint64_t(rows * cols));
-    if (it == carved.end() || it->second.second < needed)
-      fail(ErrorCode::internal,
-           format("the model needs a buffer '%s' of %llu bytes ([%lld, %lld] %s) but the plan %s", name,
-                  (unsigned long long)needed, (long long)rows, (long long)cols, dtype_name(dtype),
-                  it == carved.end() ? "has none" : format("gives it %llu", (unsigned long long)it->second.second).c_str()));
-    return Tensor::matrix(it->second.first, dtype, rows, cols);
+    return buffers.view(name, dtype, rows, cols);
   };
   hidden_ = view("hidden", DType::F32, max_tokens_, H);
   normed_ = view("normed", act, max_tokens_, H);
@@ -179,7 +206,11 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1, 1);
   context_lens_ = view("context_lens", DType::I32, max_seqs_, 1);
   logit_rows_ = view("logit_rows", DType::I32, max_tokens_, 1);
-  const int64_t logits_buffer_rows = int64_t(carved.count("logits") ? carved["logits"].second / uint64_t(V * 4) : 0);
+  if (config_.vision.present) {
+    deepstack_levels_ = int64_t(config_.vision.deepstack_visual_indexes.size());
+    deepstack_rows_ = view("deepstack_rows", DType::F32, max_tokens_, H);
+  }
+  const int64_t logits_buffer_rows = int64_t(buffers.bytes("logits") / uint64_t(V * 4));
   logits_ = view("logits", DType::F32, logits_buffer_rows, V);
   sampling_probs_ = view("sampling_probs", DType::F32, max_seqs_, V);
   sampling_order_ = view("sampling_order", DType::I32, max_seqs_, V);
@@ -229,7 +260,9 @@ void TextModel::forward(const StepInput& step) {
   check(backend_.copy_from_host(step.context_lens, context_lens_.slice_rows(0, step.seqs)));
   if (step.logit_rows > 0) check(backend_.copy_from_host(step.logit_row_ids, logit_rows_.slice_rows(0, step.logit_rows)));
   // cos, sin = self.rotary_emb(hidden_states, position_ids)                  cos, sin [T, D / 2]
-  check(rope_tables(inv_freq_, step.positions, 1, T, {}, cos_host_.data(), sin_host_.data()));
+  // (qwen3_vl: three position rows, interleaved by mrope_section)
+  check(rope_tables(inv_freq_, step.positions, step.position_rows, T, c.rope.mrope_section, cos_host_.data(),
+                    sin_host_.data()));
   Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
   check(backend_.copy_from_host(cos_host_.data(), cos));
   check(backend_.copy_from_host(sin_host_.data(), sin));
@@ -252,12 +285,20 @@ void TextModel::forward(const StepInput& step) {
 
   // inputs_embeds = self.embed_tokens(input_ids)
   check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
+  // qwen3_vl: inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
+  for (int64_t r = 0; r < step.image_runs; r++) {
+    const ImageRun& run = step.image_run_list[r];
+    check(backend_.copy_from_host(run.rows, hidden.slice_rows(run.token, run.count)));
+  }
+  // Whether `hidden` already holds the previous layer's output (normally its MLP output waits in `normed` and
+  // the residual add is fused into the next norm).
+  bool layer_output_in_hidden = true;
   for (int64_t l = 0; l < c.num_layers; l++) {
     const DecoderLayerWeights& w = weights_.layers[size_t(l)];
     // residual = hidden_states; hidden_states = self.input_layernorm(hidden_states)
     // (from layer 1 on, the previous layer's `hidden_states = residual + hidden_states` is fused in: normed
     // holds that layer's MLP output)
-    if (l == 0) {
+    if (layer_output_in_hidden) {
       check(backend_.rms_norm(hidden, w.input_layernorm, eps, normed));
     } else {
       check(backend_.add_rms_norm(normed, hidden, w.input_layernorm, eps, normed));
@@ -289,9 +330,27 @@ void TextModel::forward(const StepInput& step) {
     check(backend_.linear(normed, w.up_proj.weight, w.up_proj.bias, up));
     check(backend_.silu_mul(gate, up, act));
     check(backend_.linear(act, w.down_proj.weight, w.down_proj.bias, normed));
+    layer_output_in_hidden = false;
+    if (l < deepstack_levels_ && step.image_runs > 0) {
+      // hidden_states = residual + hidden_states (the layer's output), then qwen3_vl's _deepstack_process:
+      // hidden_states[visual_pos_masks, :] = hidden_states[visual_pos_masks, :] + deepstack_visual_embeds[l]
+      check(backend_.add(hidden, normed, hidden));
+      layer_output_in_hidden = true;
+      for (int64_t r = 0; r < step.image_runs; r++) {
+        const ImageRun& run = step.image_run_list[r];
+        Tensor staged = deepstack_rows_.slice_rows(0, run.count);  // [count, H]
+        Tensor rows = hidden.slice_rows(run.token, run.count);
+        check(backend_.copy_from_host(run.rows + (l + 1) * run.level_stride, staged));
+        check(backend_.add(rows, staged, rows));
+      }
+    }
   }
   // hidden_states = residual + hidden_states (last layer); hidden_states = self.norm(hidden_states)
-  check(backend_.add_rms_norm(normed, hidden, weights_.norm, eps, normed));
+  if (layer_output_in_hidden) {
+    check(backend_.rms_norm(hidden, weights_.norm, eps, normed));
+  } else {
+    check(backend_.add_rms_norm(normed, hidden, weights_.norm, eps, normed));
+  }
 }
 
 Tensor TextModel::logits(int64_t first, int64_t count) {

@@ -559,6 +559,8 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       buffer("context_lens", {S}, 4, "(S)", "int32"),          // attention batch: cached tokens of each sequence
       buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
+  // Vision models: a step's DeepStack rows, staged from the host and added to the image tokens' hidden states.
+  if (config.vision.present) buffers.push_back(buffer("deepstack_rows", {T, H}, 4, "(T, H)", "fp32"));
   return buffers;
 }
 
@@ -571,6 +573,7 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
   uint64_t N = detail::planning::merge_windows(v, image_pixels) * merge * uint64_t(images);
   uint64_t patch_values = uint64_t(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size);
   uint64_t vh = uint64_t(v.hidden_size), vI = uint64_t(v.intermediate_size), out = uint64_t(v.out_hidden_size);
+  uint64_t vD = v.num_heads > 0 ? vh / uint64_t(v.num_heads) : 0;  // vision head_dim
   uint64_t E = detail::planning::activation_bytes(backend);
   const char* act = detail::planning::activation_dtype(backend);
   uint64_t mergers = 1 + v.deepstack_visual_indexes.size();
@@ -584,6 +587,13 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
       buffer("merger_in", {N / merge, merge * vh}, E, "(N / 4, 4 vh)", act),
       // The final merger's output plus one per DeepStack level, kept until the language model splices them.
       buffer("merged", {mergers, N / merge, out}, 4, "(1 + deepstack, N / 4, out)", "fp32"),
+      // Bilinear resampling of the learned position table: 4 table rows and their weights per patch.
+      buffer("vision_pos_indices", {N, 4}, 4, "(N, 4)", "int32"),
+      buffer("vision_pos_weights", {N, 4}, 4, "(N, 4)", "fp32"),
+      // 2-D RoPE of each patch (row and column frequencies), computed on the host and copied in.
+      buffer("vision_rope_cos", {N, vD / 2}, 4, "(N, vD / 2)", "fp32"),
+      buffer("vision_rope_sin", {N, vD / 2}, 4, "(N, vD / 2)", "fp32"),
+      buffer("vision_segments", {uint64_t(images) + 1}, 4, "(images + 1)", "int32"),  // attention within each image
   };
 }
 

@@ -804,6 +804,210 @@ TEST_CASE("attention: a batch mixing prefill chunks and decodes matches the refe
   CHECK_COMPARE(cmp);
 }
 
+// ---- the vision encoder's ops -------------------------------------------------------------------------------
+
+TEST_CASE("embedding_bag sums weighted table rows in order (bilinear position resampling)") {
+  auto backend = cpu(3);
+  OpsRng rng(81);
+  for (DType dtype : kWeightTypes)
+    for (int64_t hidden : {7, 32, 129})
+      for (int64_t taps : {1, 4, 5})
+        for (int64_t tokens : {1, 3, 17}) {
+          CAPTURE(std::string(dtype_name(dtype))); CAPTURE(hidden); CAPTURE(taps); CAPTURE(tokens);
+          Matrix table(dtype, 31, hidden, 2), weights(DType::F32, tokens, taps, 1), out(DType::F32, tokens, hidden, 3);
+          table.randomize(rng, 4.0f);
+          weights.randomize(rng);
+          std::vector<int32_t> indices(size_t(tokens * (taps + 2)), -7);  // 2 padding entries per row
+          for (int64_t t = 0; t < tokens; t++)
+            for (int64_t j = 0; j < taps; j++) indices[size_t(t * (taps + 2) + j)] = int32_t(rng.below(31));
+          Tensor index_view{indices.data(), DType::I32, tokens, taps, taps + 2};
+          REQUIRE(backend->embedding_bag(table.view(), index_view, weights.view(), out.view()).ok());
+          Compare cmp{0, 0};
+          for (int64_t t = 0; t < tokens; t++)
+            for (int64_t c = 0; c < hidden; c++) {
+              double sum = 0, magnitude = 0;
+              for (int64_t j = 0; j < taps; j++) {
+                double term = double(table.get(indices[size_t(t * (taps + 2) + j)], c)) * weights.get(t, j);
+                sum += term;
+                magnitude += std::fabs(term);
+              }
+              // each product and each addition rounds once in float32
+              cmp(out.get(t, c), sum, t, c, double(2 * taps) * 0x1p-24 * magnitude);
+            }
+          CHECK_COMPARE(cmp);
+          CHECK(out.padding_untouched());
+        }
+}
+
+TEST_CASE("embedding_bag refuses an index outside the table, naming it") {
+  auto backend = cpu(1);
+  OpsRng rng(82);
+  Matrix table(DType::BF16, 9, 8), weights(DType::F32, 2, 4), out(DType::F32, 2, 8);
+  table.randomize(rng);
+  weights.randomize(rng);
+  std::vector<int32_t> indices = {0, 1, 2, 3, 4, 5, 9, 7};
+  Status status = backend->embedding_bag(table.view(), Tensor::matrix(indices.data(), DType::I32, 2, 4), weights.view(),
+                                         out.view());
+  REQUIRE_FALSE(status.ok());
+  CHECK(status.error().code == ErrorCode::invalid_argument);
+  CHECK(status.error().message.find("indices[1][2] = 9") != std::string::npos);
+}
+
+TEST_CASE("layer_norm matches nn.LayerNorm (biased variance, weight and bias), also in place") {
+  auto backend = cpu(3);
+  OpsRng rng(83);
+  for (DType dtype : kWeightTypes)
+    for (int64_t cols : {7, 32, 129, 4 * 32})
+      for (int64_t tokens : {1, 3, 17})
+        for (float offset : {0.0f, 20.0f}) {  // a mean far from 0 tests the centring
+          CAPTURE(std::string(dtype_name(dtype))); CAPTURE(cols); CAPTURE(tokens); CAPTURE(offset);
+          Matrix x(DType::F32, tokens, cols, 3), weight(dtype, 1, cols), bias(dtype, 1, cols);
+          Matrix out(DType::F32, tokens, cols, 1);
+          x.randomize(rng, 2.0f);
+          for (int64_t t = 0; t < tokens; t++)
+            for (int64_t c = 0; c < cols; c++) x.set(t, c, x.get(t, c) + offset);
+          weight.randomize(rng);
+          bias.randomize(rng);
+          Matrix in_place = x;
+          REQUIRE(backend->layer_norm(x.view(), weight.view(), bias.view(), 1e-6f, out.view()).ok());
+          REQUIRE(backend->layer_norm(in_place.view(), weight.view(), bias.view(), 1e-6f, in_place.view()).ok());
+          Compare cmp{2e-6, 2e-6};
+          for (int64_t t = 0; t < tokens; t++) {
+            double mean = 0, var = 0;
+            for (int64_t c = 0; c < cols; c++) mean += x.get(t, c);
+            mean /= double(cols);
+            for (int64_t c = 0; c < cols; c++) var += (x.get(t, c) - mean) * (x.get(t, c) - mean);
+            var /= double(cols);
+            for (int64_t c = 0; c < cols; c++) {
+              double expected = (x.get(t, c) - mean) / std::sqrt(var + 1e-6) * weight.get(0, c) + bias.get(0, c);
+              cmp(out.get(t, c), expected, t, c);
+            }
+          }
+          CHECK_COMPARE(cmp);
+          for (int64_t t = 0; t < tokens; t++)
+            for (int64_t c = 0; c < cols; c++) CHECK(in_place.get(t, c) == out.get(t, c));
+          CHECK(out.padding_untouched());
+          CHECK(in_place.padding_untouched());
+        }
+}
+
+TEST_CASE("gelu: exact (erf) and the tanh approximation") {
+  auto backend = cpu(3);
+  OpsRng rng(84);
+  for (GeluApprox approx : {GeluApprox::none, GeluApprox::tanh})
+    for (int64_t cols : {7, 64, 129})
+      for (int64_t tokens : {1, 3, 17}) {
+        CAPTURE(int(approx)); CAPTURE(cols); CAPTURE(tokens);
+        Matrix x(DType::F32, tokens, cols, 2), out(DType::F32, tokens, cols, 1);
+        x.randomize(rng, 5.0f);
+        REQUIRE(backend->gelu(x.view(), approx, out.view()).ok());
+        Compare cmp{1e-6, 1e-6};
+        for (int64_t t = 0; t < tokens; t++)
+          for (int64_t c = 0; c < cols; c++) {
+            double v = x.get(t, c);
+            double expected = approx == GeluApprox::tanh
+                                  ? 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)))
+                                  : 0.5 * v * (1 + std::erf(v / std::sqrt(2.0)));
+            cmp(out.get(t, c), expected, t, c);
+          }
+        CHECK_COMPARE(cmp);
+        CHECK(out.padding_untouched());
+        Matrix in_place = x;
+        REQUIRE(backend->gelu(in_place.view(), approx, in_place.view()).ok());
+        for (int64_t t = 0; t < tokens; t++)
+          for (int64_t c = 0; c < cols; c++) CHECK(in_place.get(t, c) == out.get(t, c));
+      }
+  // The two forms differ (by 4e-4 at x = 3), so a mix-up shows.
+  Matrix x(DType::F32, 1, 1), exact(DType::F32, 1, 1), tanh_form(DType::F32, 1, 1);
+  x.set(0, 0, 3.0f);
+  REQUIRE(backend->gelu(x.view(), GeluApprox::none, exact.view()).ok());
+  REQUIRE(backend->gelu(x.view(), GeluApprox::tanh, tanh_form.view()).ok());
+  CHECK(std::fabs(exact.get(0, 0) - tanh_form.get(0, 0)) > 3e-4);
+}
+
+namespace {
+
+// Naive non-causal attention in double over rows [begin, end) for query row t.
+std::vector<double> reference_segment_attention(const Matrix& qkv, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                                double scale, int64_t t, int64_t begin, int64_t end) {
+  const int64_t group = heads / kv_heads, k0 = heads * head_dim, v0 = k0 + kv_heads * head_dim;
+  std::vector<double> out(size_t(heads * head_dim), 0.0), scores(size_t(end - begin));
+  for (int64_t h = 0; h < heads; h++) {
+    const int64_t kv = h / group;
+    double max_score = -INFINITY, total = 0;
+    for (int64_t r = begin; r < end; r++) {
+      double dot = 0;
+      for (int64_t d = 0; d < head_dim; d++) dot += double(qkv.get(t, h * head_dim + d)) * qkv.get(r, k0 + kv * head_dim + d);
+      scores[size_t(r - begin)] = dot * scale;
+      max_score = std::max(max_score, scores[size_t(r - begin)]);
+    }
+    for (double s : scores) total += std::exp(s - max_score);
+    for (int64_t r = begin; r < end; r++) {
+      double p = std::exp(scores[size_t(r - begin)] - max_score) / total;
+      for (int64_t d = 0; d < head_dim; d++) out[size_t(h * head_dim + d)] += p * qkv.get(r, v0 + kv * head_dim + d);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("segment_attention: full attention inside each segment, none across (vision cu_seqlens)") {
+  OpsRng rng(85);
+  struct Heads { int64_t heads, kv_heads; };
+  for (Heads hc : {Heads{2, 2}, Heads{6, 3}, Heads{4, 1}})
+    for (int64_t head_dim : {16, 64})
+      for (const std::vector<int32_t>& starts : {std::vector<int32_t>{0, 1}, std::vector<int32_t>{0, 24},
+                                                 std::vector<int32_t>{0, 13, 13, 50}}) {  // an empty segment too
+        CAPTURE(hc.heads); CAPTURE(hc.kv_heads); CAPTURE(head_dim); CAPTURE(starts.size());
+        const int64_t rows = starts.back(), segments = int64_t(starts.size()) - 1;
+        const int64_t width = (hc.heads + 2 * hc.kv_heads) * head_dim;
+        int64_t longest = 0;
+        for (int64_t s = 0; s < segments; s++) longest = std::max<int64_t>(longest, starts[size_t(s + 1)] - starts[size_t(s)]);
+        Matrix qkv(DType::F32, rows, width, 2);
+        qkv.randomize(rng, 2.0f);  // peaked enough that a wrong key set changes the output
+        const float scale = 1.0f / std::sqrt(float(head_dim));
+        Tensor q = qkv.view().slice_cols(0, hc.heads * head_dim);
+        Tensor k = qkv.view().slice_cols(hc.heads * head_dim, hc.kv_heads * head_dim);
+        Tensor v = qkv.view().slice_cols((hc.heads + hc.kv_heads) * head_dim, hc.kv_heads * head_dim);
+        Tensor segment_view = Tensor::vector(const_cast<int32_t*>(starts.data()), DType::I32, segments + 1);
+        Matrix out_one(DType::F32, rows, hc.heads * head_dim, 1), out_four(DType::F32, rows, hc.heads * head_dim, 1);
+        REQUIRE(cpu(1)->segment_attention(q, k, v, segment_view, longest, head_dim, scale, out_one.view()).ok());
+        REQUIRE(cpu(4)->segment_attention(q, k, v, segment_view, longest, head_dim, scale, out_four.view()).ok());
+        CHECK(same_bits(out_one, out_four));
+        Compare cmp{2e-6, 2e-6};
+        for (int64_t s = 0; s < segments; s++)
+          for (int64_t t = starts[size_t(s)]; t < starts[size_t(s + 1)]; t++) {
+            std::vector<double> ref = reference_segment_attention(qkv, hc.heads, hc.kv_heads, head_dim, scale, t,
+                                                                  starts[size_t(s)], starts[size_t(s + 1)]);
+            for (int64_t c = 0; c < hc.heads * head_dim; c++) cmp(out_one.get(t, c), ref[size_t(c)], t, c);
+          }
+        CHECK_COMPARE(cmp);
+        CHECK(out_one.padding_untouched());
+      }
+}
+
+TEST_CASE("segment_attention refuses segments that do not cover the rows or exceed max_segment") {
+  auto backend = cpu(2);
+  OpsRng rng(86);
+  Matrix qkv(DType::F32, 10, 3 * 32), out(DType::F32, 10, 32);
+  qkv.randomize(rng);
+  Tensor q = qkv.view().slice_cols(0, 32), k = qkv.view().slice_cols(32, 32), v = qkv.view().slice_cols(64, 32);
+  std::vector<int32_t> short_of_rows = {0, 4, 9};
+  Status status = backend->segment_attention(q, k, v, Tensor::vector(short_of_rows.data(), DType::I32, 3), 10, 16,
+                                             0.25f, out.view());
+  REQUIRE_FALSE(status.ok());
+  CHECK(status.error().message.find("from 0 to 9") != std::string::npos);
+  std::vector<int32_t> starts = {0, 3, 10};
+  status = backend->segment_attention(q, k, v, Tensor::vector(starts.data(), DType::I32, 3), 5, 16, 0.25f, out.view());
+  REQUIRE_FALSE(status.ok());
+  CHECK(status.error().message.find("segment 1 runs from row 3 to 10") != std::string::npos);
+  status = backend->segment_attention(q, k, v, Tensor::vector(starts.data(), DType::I32, 3), 7, 12, 0.25f, out.view());
+  REQUIRE_FALSE(status.ok());
+  CHECK(status.error().message.find("head_dim 12") != std::string::npos);
+  CHECK(backend->segment_attention(q, k, v, Tensor::vector(starts.data(), DType::I32, 3), 7, 16, 0.25f, out.view()).ok());
+}
+
 // ---- refusals and capabilities ------------------------------------------------------------------------------
 
 TEST_CASE("ops refuse bad shapes, unsupported dtypes and impossible batches with the numbers") {
@@ -888,13 +1092,14 @@ TEST_CASE("supports() says what the CPU backend runs") {
   CHECK(backend->kind() == BackendKind::cpu);
   CHECK(backend->activation_dtype() == DType::F32);
   CHECK(backend->name() == "cpu (1 thread)");
-  for (Op op : {Op::gather_rows, Op::rms_norm, Op::add_rms_norm, Op::linear, Op::copy, Op::kv_write, Op::attention}) {
+  for (Op op : {Op::gather_rows, Op::rms_norm, Op::add_rms_norm, Op::linear, Op::copy, Op::kv_write, Op::attention,
+                Op::embedding_bag, Op::layer_norm}) {
     CAPTURE(op_name(op));
     for (DType dtype : kWeightTypes) CHECK(backend->supports(op, dtype));
     CHECK_FALSE(backend->supports(op, DType::F8_E4M3));
     CHECK_FALSE(backend->supports(op, DType::I32));
   }
-  for (Op op : {Op::rope, Op::silu_mul, Op::add}) {
+  for (Op op : {Op::rope, Op::silu_mul, Op::add, Op::gelu, Op::segment_attention}) {
     CHECK(backend->supports(op, DType::F32));
     CHECK_FALSE(backend->supports(op, DType::BF16));
   }
