@@ -693,6 +693,8 @@ class CudaBackend final : public Backend {
       case Op::rope: case Op::silu_mul: case Op::add: case Op::linear: return dtype == act_;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::copy: case Op::kv_write:
       case Op::attention: return is_float_dtype(dtype);
+      // The vision encoder's ops run on the CPU backend only so far (issue: vision on the GPU).
+      case Op::embedding_bag: case Op::layer_norm: case Op::gelu: case Op::segment_attention: return false;
     }
     return false;
   }
@@ -870,6 +872,18 @@ class CudaBackend final : public Backend {
         check_launch("copy_kernel");
       });
     });
+  }
+
+  // Not yet on the GPU: supports() says so, so the shared validation refuses these before they get here.
+  [[noreturn]] static void not_on_gpu(const char* op) {
+    detail::fail(ErrorCode::unsupported, detail::format("%s is not implemented on the CUDA backend yet", op));
+  }
+  void impl_embedding_bag(const Tensor&, const Tensor&, const Tensor&, const Tensor&) override { not_on_gpu("embedding_bag"); }
+  void impl_layer_norm(const Tensor&, const Tensor&, const Tensor&, float, const Tensor&) override { not_on_gpu("layer_norm"); }
+  void impl_gelu(const Tensor&, GeluApprox, const Tensor&) override { not_on_gpu("gelu"); }
+  void impl_segment_attention(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, float,
+                              const Tensor&) override {
+    not_on_gpu("segment_attention");
   }
 
   void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
