@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 #include <vector>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 namespace testing_safetensors {
@@ -71,9 +72,10 @@ inline void write_with_header(const std::string& path, std::string header, const
   write_bytes(path, bytes);
 }
 
-// A fresh empty directory under the build tree's temp area, unique per name.
+// A fresh empty directory under the build tree's temp area, unique per name and per process: ctest runs test
+// cases of one file as separate processes in parallel, and they must not remove each other's files.
 inline std::string temp_dir(const std::string& name) {
-  std::string dir = std::string(KVLITE_BINARY_DIR) + "/test-tmp/" + name;
+  std::string dir = std::string(KVLITE_BINARY_DIR) + "/test-tmp/" + std::to_string(getpid()) + "/" + name;
   std::string cmd = "rm -rf '" + dir + "' && mkdir -p '" + dir + "'";
   if (std::system(cmd.c_str()) != 0) throw std::runtime_error("cannot make " + dir);
   return dir;
