@@ -1,26 +1,1076 @@
 // kernels.cu - kvlite's CUDA backend: the one CUDA file an app compiles next to kvlite.hpp.
 //
-// Device code and the thin host entry points declared in kvlite.hpp (namespace kvlite::cuda). Every CUDA call's
-// status is checked and turned into a kvlite::Error naming the call; nothing here aborts or exits.
-// Targets: sm_80, sm_86, sm_87 (Jetson Orin), sm_89, sm_90, sm_120, plus PTX for newer GPUs.
+// What is here, in order:
+//   1. errors: every CUDA / cuBLAS call's status checked and turned into a kvlite::Error naming the call;
+//      every launch checked with cudaGetLastError. Nothing here aborts or exits.
+//   2. device helpers: one small function per instruction or idiom, each with why it is used.
+//   3. kernels, one per Backend op (their CPU twins are in backend_cpu.inl; tests/unit-cuda-ops.cpp compares
+//      the two on every op), each kernel's body a sequence of named phases.
+//   4. CudaBackend: the host side (dtype dispatch, launch geometry, cuBLAS), then the entry points declared
+//      in device.hpp and backend_cuda.hpp.
+// Index math shared with the host (sequence_of_row, online_softmax_step, split_key_range, ...) is in
+// backend_cuda.hpp as __host__ __device__ functions, unit-tested on the CPU.
+//
+// Targets: sm_80, sm_86, sm_87 (Jetson Orin), sm_89, sm_90, sm_120, plus PTX for newer GPUs. Nothing here
+// needs more than sm_80 (the bf16 conversions); no sm_90a-only instruction is used.
+//
+// These are first versions, written for correctness: row kernels use scalar loads, and attention runs on
+// the CUDA cores, one query row per block (prefill re-reads K/V per row through L2). Next, measured on a
+// GPU: 16-byte vector loads, tensor-core (mma.sync) flash attention for prefill, fused QKV/gate-up, graphs.
 #include "kvlite.hpp"
 
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <atomic>
 
 namespace kvlite {
 namespace cuda {
 namespace {
+
+// ==== 1. errors ============================================================================================
+
 // Turns a failed CUDA call into an Error that names the call and the driver's words.
 Error cuda_error(cudaError_t status, const char* call) {
   return Error(ErrorCode::device_error,
                detail::format("%s failed: %s (%s)", call, cudaGetErrorString(status), cudaGetErrorName(status)));
 }
-#define KVLITE_CUDA_TRY(call)                                      \
-  do {                                                             \
-    cudaError_t kvlite_status_ = (call);                           \
+#define KVLITE_CUDA_TRY(call)                                                    \
+  do {                                                                           \
+    cudaError_t kvlite_status_ = (call);                                         \
     if (kvlite_status_ != cudaSuccess) return cuda_error(kvlite_status_, #call); \
   } while (0)
+
+// The throwing forms, for code under detail::guard (the backend's ops).
+void check_cuda(cudaError_t status, const char* call) {
+  if (status != cudaSuccess) throw cuda_error(status, call);
+}
+#define KVLITE_CUDA_CHECK(call) check_cuda((call), #call)
+void check_cublas(cublasStatus_t status, const char* call) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    detail::fail(ErrorCode::device_error, detail::format("%s failed: %s (%s)", call, cublasGetStatusString(status),
+                                                         cublasGetStatusName(status)));
+}
+#define KVLITE_CUBLAS_CHECK(call) check_cublas((call), #call)
+// A launch reports a bad configuration (grid too large, too much shared memory) at once; faults while the
+// kernel runs surface at the next synchronizing call.
+void check_launch(const char* kernel) {
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess)
+    detail::fail(ErrorCode::device_error, detail::format("launching %s failed: %s (%s)", kernel,
+                                                         cudaGetErrorString(status), cudaGetErrorName(status)));
+}
+
+// Every device allocation kvlite makes goes through here, so tests can count them (the arena is the one).
+std::atomic<uint64_t> g_device_allocations{0};
+cudaError_t counted_cuda_malloc(void** pointer, uint64_t bytes) {
+  g_device_allocations.fetch_add(1);
+  return cudaMalloc(pointer, bytes);
+}
+
+// ==== 2. device helpers ====================================================================================
+
+// Storage <-> fp32. bf16 is the top half of an fp32, so widening is a shift (exact); narrowing is
+// cvt.rn.bf16.f32 on sm_80+: round to nearest even in one instruction, as torch's .to(bfloat16) and
+// base.hpp's float_to_bf16. fp16 narrowing is cvt.rn.f16.f32 (overflow to inf, as float_to_f16).
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <class T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// ld.global.nc: the read-only data path. For K/V pages and weights, which no thread writes during the
+// kernel, it lets loads bypass L1 coherence and be reordered freely.
+template <class T>
+__device__ __forceinline__ T load_readonly(const T* p) { return __ldg(p); }
+
+// A quiet NaN: what an output becomes when its inputs were invalid (the fault record says why).
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
+
+// shfl.sync.bfly: a butterfly over the 32 lanes leaves the same total in every lane (each step adds the same
+// two operands in both partners, and fp32 addition commutes), so warp-uniform branches can use it at once.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over a team of TEAM threads (a warp, or the whole block when TEAM > 32): warps first, then the warp
+// totals through `shared` (32 floats). Every thread of the team returns the same value.
+template <int TEAM>
+__device__ __forceinline__ float team_sum(float v, float* shared) {
+  v = warp_sum(v);
+  if constexpr (TEAM > 32) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = warp_sum(lane < TEAM / 32 ? shared[lane] : 0.0f);
+    __syncthreads();  // `shared` may be reused after this
+  }
+  return v;
+}
+
+// The fault record: the first invalid index value a kernel met (atom.cas keeps the first writer; the
+// others see a non-zero kind and leave it). The host reads it at the next synchronizing call.
+enum FaultKind : int {
+  fault_none = 0,
+  fault_gather_id,           // index: row t; value: ids[t]; limit: table rows
+  fault_kv_slot,             // index: token t; value: slots[t]; limit: pages; extra: page
+  fault_attention_row,       // index: query row; limit: query rows
+  fault_attention_context,   // index: sequence; value: context_lens; limit: max_context; extra: queries
+  fault_attention_page,      // index: sequence; value: page id; limit: pages; extra: block table column
+};
+struct DeviceFault {
+  int kind;  // FaultKind
+  int unused;
+  long long index, value, limit, extra;
+};
+static_assert(sizeof(DeviceFault) <= 256, "the workspace holds 256 bytes for the fault record");
+
+__device__ void report_fault(DeviceFault* fault, int kind, long long index, long long value, long long limit,
+                             long long extra) {
+  if (atomicCAS(&fault->kind, int(fault_none), kind) == int(fault_none)) {
+    fault->index = index;
+    fault->value = value;
+    fault->limit = limit;
+    fault->extra = extra;
+  }
+}
+
+// ==== 3. kernels ===========================================================================================
+// Row kernels: one block per row (grid.x = rows), the block's threads striding over the columns, so every
+// view's row stride is honoured and any width works.
+
+// out[t, :] = table[ids[t], :].
+//   T: table element type; A: activation type.
+template <class T, class A>
+__global__ void gather_rows_kernel(const T* table,         // [table_rows, cols], row stride table_stride
+                                   int64_t table_stride, int64_t table_rows,
+                                   const int32_t* ids,     // [rows]
+                                   A* out,                 // [rows, cols], row stride out_stride
+                                   int64_t out_stride, int64_t cols, DeviceFault* fault) {
+  const int64_t row = blockIdx.x;
+  const int64_t id = ids[row];
+  A* dst = out + row * out_stride;
+  if (id < 0 || id >= table_rows) {
+    if (threadIdx.x == 0) report_fault(fault, fault_gather_id, row, id, table_rows, 0);
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = from_float<A>(quiet_nan());
+    return;
+  }
+  const T* src = table + id * table_stride;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = from_float<A>(to_float(load_readonly(src + c)));
+}
+
+// RMSNorm of groups of `group` columns (LlamaRMSNorm in fp32): out = w * (x * rsqrt(mean(x^2) + eps)).
+//   A: activation type; W: weight type;
+//   TEAM: threads normalising one group: 32 (a warp; a block holds blockDim / 32 groups) or blockDim (one
+//   group per block, for wide rows).
+// Phases: sum of squares (team reduction) -> scale and store. out may be x: every element is read by the
+// thread that later writes it, and all reads of phase 1 finish before the reduction returns.
+template <class A, class W, int TEAM>
+__global__ void rms_norm_kernel(const A* x, int64_t x_stride,  // [rows, groups_per_row * group]
+                                const W* weight,               // [group]
+                                int64_t group, int64_t groups_per_row, int64_t rows, float eps,
+                                A* out, int64_t out_stride) {  // like x
+  __shared__ float team_partials[32];
+  const int64_t team = int64_t(blockIdx.x) * (blockDim.x / TEAM) + threadIdx.x / TEAM;
+  const int member = threadIdx.x % TEAM;
+  if (team >= rows * groups_per_row) return;  // whole idle warps only (TEAM == 32), never inside a team
+  const int64_t row = team / groups_per_row, first = (team % groups_per_row) * group;
+  const A* in = x + row * x_stride + first;
+  A* dst = out + row * out_stride + first;
+
+  // ---- phase 1: mean of squares
+  float squares = 0.0f;
+  for (int64_t c = member; c < group; c += TEAM) {
+    const float v = to_float(in[c]);
+    squares += v * v;
+  }
+  const float variance = team_sum<TEAM>(squares, team_partials) / float(group);
+  const float inv_rms = 1.0f / sqrtf(variance + eps);  // IEEE sqrt and division, as the CPU's 1 / std::sqrt
+
+  // ---- phase 2: scale and store
+  for (int64_t c = member; c < group; c += TEAM)
+    dst[c] = from_float<A>(to_float(load_readonly(weight + c)) * (to_float(in[c]) * inv_rms));
+}
+
+// residual += x; out = rms_norm(residual) over the whole row. The new residual is rounded to A when stored
+// (as transformers' `hidden = residual + hidden` in the model dtype) and the norm reads what was stored.
+//   A: activation type; W: weight type; TEAM: as rms_norm_kernel (one row per team).
+template <class A, class W, int TEAM>
+__global__ void add_rms_norm_kernel(const A* x, int64_t x_stride,  // [rows, cols]
+                                    A* residual, int64_t residual_stride,  // [rows, cols], updated
+                                    const W* weight,               // [cols]
+                                    int64_t rows, int64_t cols, float eps, A* out, int64_t out_stride) {
+  __shared__ float team_partials[32];
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / TEAM) + threadIdx.x / TEAM;
+  const int member = threadIdx.x % TEAM;
+  if (row >= rows) return;
+  const A* in = x + row * x_stride;
+  A* res = residual + row * residual_stride;
+  A* dst = out + row * out_stride;
+
+  // ---- phase 1: residual += x, and the sum of squares of what was stored
+  float squares = 0.0f;
+  for (int64_t c = member; c < cols; c += TEAM) {
+    const A sum = from_float<A>(to_float(res[c]) + to_float(in[c]));
+    res[c] = sum;
+    const float v = to_float(sum);
+    squares += v * v;
+  }
+  const float variance = team_sum<TEAM>(squares, team_partials) / float(cols);
+  const float inv_rms = 1.0f / sqrtf(variance + eps);
+
+  // ---- phase 2: scale and store (each thread re-reads the residual elements it wrote)
+  for (int64_t c = member; c < cols; c += TEAM)
+    dst[c] = from_float<A>(to_float(load_readonly(weight + c)) * (to_float(res[c]) * inv_rms));
+}
+
+// Rotary embedding in place, rotate_half convention: x[i], x[i + half] of every head turned by the angle
+// whose cos/sin are in row t of the tables. Dimensions from 2 * half to head_dim are left alone.
+//   A: activation type.
+template <class A>
+__global__ void rope_kernel(A* x, int64_t x_stride,  // [rows, heads * head_dim]
+                            int64_t heads, int64_t head_dim,
+                            const float* cos, int64_t cos_stride,  // [rows, half]
+                            const float* sin, int64_t sin_stride,  // [rows, half]
+                            int64_t half) {
+  const int64_t row = blockIdx.x;
+  A* v = x + row * x_stride;
+  const float* c = cos + row * cos_stride;
+  const float* s = sin + row * sin_stride;
+  for (int64_t pair = threadIdx.x; pair < heads * half; pair += blockDim.x) {
+    const int64_t head = pair / half, i = pair % half;
+    A* h = v + head * head_dim;
+    const float a = to_float(h[i]), b = to_float(h[i + half]);
+    h[i] = from_float<A>(a * c[i] - b * s[i]);
+    h[i + half] = from_float<A>(b * c[i] + a * s[i]);
+  }
+}
+
+// out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). out may be gate or up (same element, same thread).
+//   A: activation type.
+template <class A>
+__global__ void silu_mul_kernel(const A* gate, int64_t gate_stride, const A* up, int64_t up_stride,  // [rows, cols]
+                                A* out, int64_t out_stride, int64_t cols) {
+  const int64_t row = blockIdx.x;
+  const A* g = gate + row * gate_stride;
+  const A* u = up + row * up_stride;
+  A* dst = out + row * out_stride;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float gv = to_float(g[c]);
+    dst[c] = from_float<A>(gv / (1.0f + expf(-gv)) * to_float(u[c]));
+  }
+}
+
+// out = a + b. out may be a or b.
+//   A: activation type.
+template <class A>
+__global__ void add_kernel(const A* a, int64_t a_stride, const A* b, int64_t b_stride,  // [rows, cols]
+                           A* out, int64_t out_stride, int64_t cols) {
+  const int64_t row = blockIdx.x;
+  const A* pa = a + row * a_stride;
+  const A* pb = b + row * b_stride;
+  A* dst = out + row * out_stride;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = from_float<A>(to_float(pa[c]) + to_float(pb[c]));
+}
+
+// dst = src converted (round to nearest even).
+//   S: source type; D: destination type.
+template <class S, class D>
+__global__ void copy_kernel(const S* src, int64_t src_stride, D* dst, int64_t dst_stride, int64_t cols) {
+  const int64_t row = blockIdx.x;
+  const S* from = src + row * src_stride;
+  D* to = dst + row * dst_stride;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) to[c] = from_float<D>(to_float(from[c]));
+}
+
+// Every row of out = bias (or 0 when bias is null): the C that linear's GEMM then adds x @ w^T to (beta 1).
+//   B: bias type; A: activation type.
+template <class B, class A>
+__global__ void fill_rows_kernel(const B* bias,  // [cols] or null
+                                 A* out, int64_t out_stride, int64_t cols) {
+  A* dst = out + int64_t(blockIdx.x) * out_stride;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    dst[c] = from_float<A>(bias != nullptr ? to_float(load_readonly(bias + c)) : 0.0f);
+}
+
+// Stores token t's K and V rows at slot slots[t] of layer `layer` (page slot / page_tokens, position
+// slot % page_tokens); a negative slot skips the token.
+//   A: activation type; E: KV element type.
+template <class A, class E>
+__global__ void kv_write_kernel(const A* k, int64_t k_stride, const A* v, int64_t v_stride,  // [rows, width]
+                                const int32_t* slots,  // [rows]
+                                E* pages, KVPageLayout layout, int64_t layer, int64_t num_pages, int64_t width,
+                                DeviceFault* fault) {
+  const int64_t row = blockIdx.x;
+  const int64_t slot = slots[row];
+  if (slot < 0) return;
+  const int64_t page = slot / layout.page_tokens, position = slot % layout.page_tokens;
+  if (page >= num_pages) {
+    if (threadIdx.x == 0) report_fault(fault, fault_kv_slot, row, slot, num_pages, page);
+    return;
+  }
+  // kv_heads consecutive heads of head_dim: one run of `width` elements for K, one for V
+  E* k_dst = pages + layout.offset(page, layer, 0, position, 0);
+  E* v_dst = pages + layout.offset(page, layer, 1, position, 0);
+  const A* k_src = k + row * k_stride;
+  const A* v_src = v + row * v_stride;
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
+    k_dst[c] = from_float<E>(to_float(k_src[c]));
+    v_dst[c] = from_float<E>(to_float(v_src[c]));
+  }
+}
+
+// ---- paged attention -------------------------------------------------------------------------------------
+// One block per (query row, KV head, head pass, split):
+//
+//   grid.x = query rows       grid.y = KV heads x head passes       grid.z = splits of the context
+//   block  = 4 warps; warp w takes keys begin + w, begin + w + 4, ... of its split's chunk
+//   lanes  = head dimensions: lane l holds dims l, l + 32, ... (DIMS of them) of q, K, V and the output
+//
+//   context of one query:  | chunk 0 (split 0) | chunk 1 (split 1) | ... | last |  (causal: keys 0 .. last)
+//
+// The block serves HEADS query heads that share one KV head (GQA), so every K/V row it loads is used HEADS
+// times. Each warp keeps an online softmax per head; the block merges its warps in shared memory; with one
+// split it writes the output, with several it writes a partial (max, sum, unnormalised acc) and
+// attention_combine_kernel merges the splits. Decode (one query, long context) gets its parallelism from
+// the splits; prefill chunks from their rows.
+constexpr int kAttentionWarps = 4;
+
+struct AttentionArgs {
+  const void* q;  // [rows, heads * head_dim], activation type
+  int64_t q_stride;
+  void* out;  // [rows, heads * head_dim], activation type
+  int64_t out_stride;
+  const void* pages;  // KV pages, KV element type
+  KVPageLayout layout;
+  int64_t layer, num_pages;
+  const int32_t* query_starts;  // [seqs + 1]
+  const int32_t* context_lens;  // [seqs]
+  const int32_t* block_tables;  // [seqs, block_table_stride]
+  int64_t block_table_stride;
+  int64_t seqs, rows, max_context;
+  int64_t heads, group, head_passes;  // query heads; query heads per KV head; blocks per KV head
+  float scale;
+  int64_t splits, chunk;  // see AttentionSplit
+  float* partial_acc;  // [rows, heads, splits, head_dim] unnormalised sums of p * v (splits > 1)
+  float* partial_max;  // [rows, heads, splits]
+  float* partial_sum;  // [rows, heads, splits]
+  DeviceFault* fault;
+};
+
+//   A: activation type (q, out); E: KV element type;
+//   DIMS: head dimensions per lane (head_dim <= 32 * DIMS; attention_dims_per_lane);
+//   HEADS: query heads per block (attention_heads_per_block(DIMS)); a group larger than that takes
+//   several head passes (grid.y).
+template <class A, class E, int DIMS, int HEADS>
+__global__ void __launch_bounds__(kAttentionWarps * 32) paged_attention_kernel(const AttentionArgs args) {
+  constexpr int kPadded = DIMS * 32;  // head_dim rounded up to whole lanes
+  __shared__ float warp_max[kAttentionWarps][HEADS];
+  __shared__ float warp_total[kAttentionWarps][HEADS];
+  __shared__ float warp_acc[kAttentionWarps][HEADS][kPadded];
+
+  const int64_t row = blockIdx.x, split = blockIdx.z;
+  const int64_t kv_head = blockIdx.y / args.head_passes;
+  const int64_t first_head = kv_head * args.group + (blockIdx.y % args.head_passes) * HEADS;
+  const int64_t group_left = (kv_head + 1) * args.group - first_head;  // heads of this KV head from first_head on
+  const int heads_here = group_left < HEADS ? int(group_left) : HEADS;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t head_dim = args.layout.head_dim, page_tokens = args.layout.page_tokens;
+
+  // ---- phase 1: locate the query: its sequence and the last cache index it sees (-1: none, malformed)
+  const bool reporter = threadIdx.x == 0 && blockIdx.y == 0 && split == 0;
+  const int64_t seq = sequence_of_row(args.query_starts, args.seqs, row);
+  int64_t last = -1;
+  if (seq < 0) {
+    if (reporter) report_fault(args.fault, fault_attention_row, row, 0, args.rows, 0);
+  } else {
+    const int64_t first_row = args.query_starts[seq], queries = args.query_starts[seq + 1] - first_row;
+    const int64_t context = args.context_lens[seq];
+    if (context < queries || context > args.max_context) {
+      if (reporter) report_fault(args.fault, fault_attention_context, seq, context, args.max_context, queries);
+    } else {
+      last = context - queries + (row - first_row);
+    }
+  }
+
+  // ---- phase 2: this block's query heads into registers
+  const A* q_row = static_cast<const A*>(args.q) + row * args.q_stride;
+  float q[HEADS][DIMS];
+#pragma unroll
+  for (int h = 0; h < HEADS; h++)
+#pragma unroll
+    for (int i = 0; i < DIMS; i++) {
+      const int64_t d = lane + 32 * i;
+      q[h][i] = (h < heads_here && d < head_dim) ? to_float(q_row[(first_head + h) * head_dim + d]) : 0.0f;
+    }
+
+  // ---- phase 3: the split's keys, each warp every kAttentionWarps-th, online softmax per head
+  float running_max[HEADS], running_sum[HEADS], acc[HEADS][DIMS];
+#pragma unroll
+  for (int h = 0; h < HEADS; h++) {
+    running_max[h] = -INFINITY;
+    running_sum[h] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DIMS; i++) acc[h][i] = 0.0f;
+  }
+  int64_t key_begin, key_end;
+  split_key_range(split, args.chunk, last, &key_begin, &key_end);
+  const int32_t* seq_pages = args.block_tables + (seq < 0 ? 0 : seq) * args.block_table_stride;
+  const E* cache = static_cast<const E*>(args.pages);
+  for (int64_t key = key_begin + warp; key < key_end; key += kAttentionWarps) {
+    const int64_t column = key / page_tokens, page = seq_pages[column];
+    if (page < 0 || page >= args.num_pages) {  // the same for the whole warp: a uniform branch
+      if (lane == 0) report_fault(args.fault, fault_attention_page, seq, page, args.num_pages, column);
+#pragma unroll
+      for (int h = 0; h < HEADS; h++) running_sum[h] = quiet_nan();  // poisons this query's output
+      continue;
+    }
+    const E* k_row = cache + args.layout.offset(page, args.layer, 0, key % page_tokens, kv_head);
+    const E* v_row = cache + args.layout.offset(page, args.layer, 1, key % page_tokens, kv_head);
+    float k[DIMS], v[DIMS];
+#pragma unroll
+    for (int i = 0; i < DIMS; i++) {
+      const int64_t d = lane + 32 * i;
+      k[i] = d < head_dim ? to_float(load_readonly(k_row + d)) : 0.0f;
+      v[i] = d < head_dim ? to_float(load_readonly(v_row + d)) : 0.0f;
+    }
+#pragma unroll
+    for (int h = 0; h < HEADS; h++) {
+      if (h >= heads_here) break;  // uniform across the block
+      float partial = 0.0f;
+#pragma unroll
+      for (int i = 0; i < DIMS; i++) partial += q[h][i] * k[i];
+      const float score = warp_sum(partial) * args.scale;  // (q @ k^T) * scaling, the same in every lane
+      const SoftmaxStep step = online_softmax_step(score, running_max[h], running_sum[h]);
+#pragma unroll
+      for (int i = 0; i < DIMS; i++) acc[h][i] = acc[h][i] * step.rescale + step.weight * v[i];
+    }
+  }
+
+  // ---- phase 4: merge the warps' softmax partials in shared memory
+#pragma unroll
+  for (int h = 0; h < HEADS; h++) {
+    if (lane == 0) {
+      warp_max[warp][h] = running_max[h];
+      warp_total[warp][h] = running_sum[h];
+    }
+#pragma unroll
+    for (int i = 0; i < DIMS; i++) warp_acc[warp][h][lane + 32 * i] = acc[h][i];
+  }
+  __syncthreads();
+
+  // ---- phase 5: write the output (one split) or this split's partial (several)
+  A* out_row = static_cast<A*>(args.out) + row * args.out_stride;
+  for (int index = threadIdx.x; index < HEADS * kPadded; index += blockDim.x) {
+    const int h = index / kPadded, d = index % kPadded;
+    if (h >= heads_here || d >= head_dim) continue;
+    float total_max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kAttentionWarps; w++) total_max = fmaxf(total_max, warp_max[w][h]);
+    float total_sum = 0.0f, total_acc = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kAttentionWarps; w++) {
+      const float factor = softmax_partial_factor(warp_max[w][h], total_max);
+      total_sum += warp_total[w][h] * factor;
+      total_acc += warp_acc[w][h][d] * factor;
+    }
+    const int64_t head = first_head + h;
+    if (args.splits == 1) {
+      out_row[head * head_dim + d] = from_float<A>(total_acc / total_sum);  // 0 / 0 = NaN when nothing was seen
+    } else {
+      const int64_t partial = (row * args.heads + head) * args.splits + split;
+      args.partial_acc[partial * head_dim + d] = total_acc;
+      if (d == 0) {
+        args.partial_max[partial] = total_max;
+        args.partial_sum[partial] = total_sum;
+      }
+    }
+  }
+}
+
+// Merges the splits of paged_attention_kernel: grid (rows, heads), threads over head dims.
+//   A: activation type.
+template <class A>
+__global__ void attention_combine_kernel(const AttentionArgs args) {
+  const int64_t row = blockIdx.x, head = blockIdx.y, head_dim = args.layout.head_dim;
+  const int64_t first = (row * args.heads + head) * args.splits;
+  float total_max = -INFINITY;
+  for (int64_t s = 0; s < args.splits; s++) total_max = fmaxf(total_max, args.partial_max[first + s]);
+  A* dst = static_cast<A*>(args.out) + row * args.out_stride + head * head_dim;
+  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float total_sum = 0.0f, total_acc = 0.0f;
+    for (int64_t s = 0; s < args.splits; s++) {
+      const float factor = softmax_partial_factor(args.partial_max[first + s], total_max);
+      total_sum += args.partial_sum[first + s] * factor;
+      total_acc += args.partial_acc[(first + s) * head_dim + d] * factor;
+    }
+    dst[d] = from_float<A>(total_acc / total_sum);
+  }
+}
+
+// ids[t] = argmax of logits row t: each thread scans a stride of the row, then warps and the block reduce
+// with argmax_better (larger wins, ties to the lower column, NaN never wins).
+//   A: activation type.
+constexpr int kArgmaxThreads = 512;
+template <class A>
+__global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const A* logits, int64_t stride,  // [rows, cols]
+                                                                 int64_t cols, int32_t* ids) {      // [rows]
+  __shared__ float warp_value[kArgmaxThreads / 32];
+  __shared__ int32_t warp_index[kArgmaxThreads / 32];
+  const A* values = logits + int64_t(blockIdx.x) * stride;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  // ---- phase 1: each thread's best over its stride
+  float best_value = -INFINITY;
+  int32_t best_index = INT_MAX;  // "none yet": loses every tie
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = to_float(values[c]);
+    if (argmax_better(v, int32_t(c), best_value, best_index)) {
+      best_value = v;
+      best_index = int32_t(c);
+    }
+  }
+  // ---- phase 2: warp butterfly, then the warps' winners through shared memory
+  auto reduce_warp = [&] {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float other_value = __shfl_xor_sync(0xffffffffu, best_value, offset);
+      const int32_t other_index = __shfl_xor_sync(0xffffffffu, best_index, offset);
+      if (argmax_better(other_value, other_index, best_value, best_index)) {
+        best_value = other_value;
+        best_index = other_index;
+      }
+    }
+  };
+  reduce_warp();
+  if (lane == 0) {
+    warp_value[warp] = best_value;
+    warp_index[warp] = best_index;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  best_value = lane < int(blockDim.x / 32) ? warp_value[lane] : -INFINITY;
+  best_index = lane < int(blockDim.x / 32) ? warp_index[lane] : INT_MAX;
+  reduce_warp();
+  if (lane == 0) ids[blockIdx.x] = best_index == INT_MAX ? 0 : best_index;
+}
+
+// ==== 4. the backend =======================================================================================
+
+bool is_float_dtype(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16; }
+
+// Calls f(T{}) with T the device storage type of `dtype` (F32, BF16 or F16; the ops' validation and
+// supports() guarantee one of them).
+template <class F>
+void with_float_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F32: f(float{}); return;
+    case DType::BF16: f(__nv_bfloat16{}); return;
+    case DType::F16: f(__half{}); return;
+    default:
+      detail::fail(ErrorCode::internal, detail::format("CUDA backend: no kernel for dtype %s", dtype_name(dtype)));
+  }
+}
+
+cudaDataType cuda_data_type(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F16: return CUDA_R_16F;
+    default:
+      detail::fail(ErrorCode::internal, detail::format("CUDA backend: no cuBLAS type for dtype %s", dtype_name(dtype)));
+  }
+}
+
+// Threads for a row kernel: whole warps covering the row, at most 256 (the rest stride).
+unsigned row_threads(int64_t cols) {
+  const int64_t warps = std::min<int64_t>(8, std::max<int64_t>(1, (cols + 31) / 32));
+  return unsigned(warps * 32);
+}
+// A grid dimension x must be < 2^31 (y and z < 2^16).
+void check_grid_rows(const char* op, int64_t rows) {
+  if (rows > INT_MAX)
+    detail::fail(ErrorCode::unsupported,
+                 detail::format("%s: %lld rows are more than one launch covers (%d); split the call", op,
+                                (long long)rows, INT_MAX));
+}
+
+template <class T>
+T* typed(const Tensor& t) { return static_cast<T*>(t.data); }
+template <class T>
+const T* typed_const(const Tensor& t) { return static_cast<const T*>(t.data); }
+
+class CudaBackend final : public Backend {
+ public:
+  // Throws Error; see make_cuda_backend.
+  explicit CudaBackend(const CudaBackendOptions& options) : device_(options.device), act_(options.activation_dtype) {
+    if (!is_float_dtype(act_))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cuda_backend: activation_dtype %s; use BF16, F16 or F32", dtype_name(act_)));
+    if (options.workspace == nullptr || reinterpret_cast<uintptr_t>(options.workspace) % 256 != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cuda_backend: the workspace pointer %p is null or not 256-byte aligned; pass "
+                                  "device memory from the arena's workspace region", options.workspace));
+    CudaWorkspaceLayout layout;
+    if (!cuda_workspace_layout(options.workspace_bytes, options.cublas_workspace_bytes, &layout))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cuda_backend: the workspace of %s holds neither the cuBLAS workspace of %s "
+                                  "plus %s of scratch; give at least %s (kCudaWorkspaceBytes: %s)",
+                                  format_bytes(options.workspace_bytes).c_str(),
+                                  format_bytes(options.cublas_workspace_bytes).c_str(),
+                                  format_bytes(kCudaMinScratchBytes + 256).c_str(),
+                                  format_bytes(options.cublas_workspace_bytes + kCudaMinScratchBytes + 256).c_str(),
+                                  format_bytes(kCudaWorkspaceBytes).c_str()));
+    int devices = 0;
+    const cudaError_t counted = cudaGetDeviceCount(&devices);
+    if (counted != cudaSuccess || devices == 0) {
+      cudaGetLastError();  // clear the status: no GPU is an answer, not a broken context
+      detail::fail(ErrorCode::device_error,
+                   detail::format("make_cuda_backend: no CUDA device is available (cudaGetDeviceCount: %s)",
+                                  counted != cudaSuccess ? cudaGetErrorString(counted) : "0 devices"));
+    }
+    if (options.device < 0 || options.device >= devices)
+      detail::fail(ErrorCode::invalid_argument, detail::format("make_cuda_backend: device %d does not exist; there %s "
+                                                               "%d CUDA device%s", options.device,
+                                                               devices == 1 ? "is" : "are", devices,
+                                                               devices == 1 ? "" : "s"));
+    KVLITE_CUDA_CHECK(cudaSetDevice(device_));
+    cudaDeviceProp prop;
+    KVLITE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+    device_name_ = prop.name;
+    sm_ = prop.major * 10 + prop.minor;
+    sm_count_ = prop.multiProcessorCount;
+    if (sm_ < 80)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("make_cuda_backend: %s has compute capability %d.%d; kvlite's kernels need 8.0 or "
+                                  "newer (Ampere, Ada, Hopper, Blackwell)", prop.name, prop.major, prop.minor));
+    cudaPointerAttributes attributes;
+    KVLITE_CUDA_CHECK(cudaPointerGetAttributes(&attributes, options.workspace));
+    if (attributes.type != cudaMemoryTypeDevice || attributes.device != device_)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cuda_backend: the workspace %p is not device memory of device %d; pass the "
+                                  "arena's workspace region", options.workspace, device_));
+    uint8_t* base = static_cast<uint8_t*>(options.workspace);
+    fault_ = reinterpret_cast<DeviceFault*>(base + layout.fault_offset);
+    scratch_ = base + layout.scratch_offset;
+    scratch_bytes_ = layout.scratch_bytes;
+
+    try {
+      KVLITE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      KVLITE_CUBLAS_CHECK(cublasCreate(&cublas_));
+      // cublasSetStream resets the workspace to cuBLAS's own pool, so the stream comes first.
+      KVLITE_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
+      KVLITE_CUBLAS_CHECK(cublasSetWorkspace(cublas_, base + layout.cublas_offset, layout.cublas_bytes));
+      // fp32 accumulation everywhere, split-K reductions included (no 16-bit partial sums), and no TF32.
+      KVLITE_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+      KVLITE_CUDA_CHECK(cudaMemsetAsync(fault_, 0, sizeof(DeviceFault), stream_));
+      KVLITE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    } catch (...) {
+      release();  // the destructor does not run for a constructor that throws
+      throw;
+    }
+  }
+
+  ~CudaBackend() override { release(); }
+
+  BackendKind kind() const override { return BackendKind::cuda; }
+  std::string name() const override {
+    return detail::format("cuda (%s, sm_%d, %s activations)", device_name_.c_str(), sm_, dtype_name(act_));
+  }
+  DType activation_dtype() const override { return act_; }
+  bool supports(Op op, DType dtype) const override {
+    switch (op) {
+      case Op::rope: case Op::silu_mul: case Op::add: case Op::linear: return dtype == act_;
+      case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::copy: case Op::kv_write:
+      case Op::attention: return is_float_dtype(dtype);
+      // The vision encoder's ops run on the CPU backend only so far (issue: vision on the GPU).
+      case Op::embedding_bag: case Op::layer_norm: case Op::gelu: case Op::segment_attention: return false;
+    }
+    return false;
+  }
+
+  // See cuda::argmax.
+  void argmax(const Tensor& logits, const Tensor& ids) {
+    activate();
+    const int64_t rows = logits.rows;
+    if (rows == 0) return;
+    check_grid_rows("argmax", rows);
+    with_float_type(act_, [&](auto tag) {
+      using A = decltype(tag);
+      argmax_kernel<A><<<unsigned(rows), kArgmaxThreads, 0, stream_>>>(typed_const<A>(logits), logits.row_stride,
+                                                                        logits.cols, typed<int32_t>(ids));
+      check_launch("argmax_kernel");
+    });
+  }
+
+ protected:
+  void impl_copy_from_host(const void* src, const Tensor& dst) override {
+    activate();
+    if (dst.elements() == 0) return;
+    const size_t row_bytes = size_t(dst.cols * dst.element_bytes());
+    KVLITE_CUDA_CHECK(cudaMemcpy2DAsync(dst.data, size_t(leading_dimension(dst) * dst.element_bytes()), src, row_bytes,
+                                        row_bytes, size_t(dst.rows), cudaMemcpyHostToDevice, stream_));
+    // `src` may be reused as soon as this returns, also when it is pinned memory.
+    synchronize_and_report();
+  }
+  void impl_copy_to_host(const Tensor& src, void* dst) override {
+    activate();
+    if (src.elements() > 0) {
+      const size_t row_bytes = size_t(src.cols * src.element_bytes());
+      KVLITE_CUDA_CHECK(cudaMemcpy2DAsync(dst, row_bytes, src.data, size_t(leading_dimension(src) * src.element_bytes()),
+                                          row_bytes, size_t(src.rows), cudaMemcpyDeviceToHost, stream_));
+    }
+    synchronize_and_report();
+  }
+  void impl_synchronize() override {
+    activate();
+    synchronize_and_report();
+  }
+
+  void impl_gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) override {
+    activate();
+    if (out.rows == 0) return;
+    check_grid_rows("gather_rows", out.rows);
+    with_float_type(table.dtype, [&](auto table_tag) {
+      with_float_type(act_, [&](auto act_tag) {
+        using T = decltype(table_tag);
+        using A = decltype(act_tag);
+        gather_rows_kernel<T, A><<<unsigned(out.rows), row_threads(out.cols), 0, stream_>>>(
+            typed_const<T>(table), table.row_stride, table.rows, typed_const<int32_t>(ids), typed<A>(out),
+            out.row_stride, out.cols, fault_);
+        check_launch("gather_rows_kernel");
+      });
+    });
+  }
+
+  void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override {
+    activate();
+    const int64_t group = weight.elements(), groups_per_row = x.cols / group;
+    launch_norm("rms_norm", x.rows * groups_per_row, group, [&](auto team, unsigned blocks, unsigned threads) {
+      constexpr int kTeam = decltype(team)::value;
+      with_float_type(weight.dtype, [&](auto weight_tag) {
+        with_float_type(act_, [&](auto act_tag) {
+          using W = decltype(weight_tag);
+          using A = decltype(act_tag);
+          rms_norm_kernel<A, W, kTeam><<<blocks, threads, 0, stream_>>>(
+              typed_const<A>(x), x.row_stride, typed_const<W>(weight), group, groups_per_row, x.rows, eps,
+              typed<A>(out), out.row_stride);
+          check_launch("rms_norm_kernel");
+        });
+      });
+    });
+  }
+
+  void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                         const Tensor& out) override {
+    activate();
+    launch_norm("add_rms_norm", x.rows, x.cols, [&](auto team, unsigned blocks, unsigned threads) {
+      constexpr int kTeam = decltype(team)::value;
+      with_float_type(weight.dtype, [&](auto weight_tag) {
+        with_float_type(act_, [&](auto act_tag) {
+          using W = decltype(weight_tag);
+          using A = decltype(act_tag);
+          add_rms_norm_kernel<A, W, kTeam><<<blocks, threads, 0, stream_>>>(
+              typed_const<A>(x), x.row_stride, typed<A>(residual), residual.row_stride, typed_const<W>(weight),
+              x.rows, x.cols, eps, typed<A>(out), out.row_stride);
+          check_launch("add_rms_norm_kernel");
+        });
+      });
+    });
+  }
+
+  void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) override {
+    activate();
+    if (x.rows == 0) return;
+    check_grid_rows("rope", x.rows);
+    const int64_t heads = x.cols / head_dim, half = cos.cols;
+    with_float_type(act_, [&](auto tag) {
+      using A = decltype(tag);
+      rope_kernel<A><<<unsigned(x.rows), row_threads(heads * half), 0, stream_>>>(
+          typed<A>(x), x.row_stride, heads, head_dim, typed_const<float>(cos), leading_dimension(cos),
+          typed_const<float>(sin), leading_dimension(sin), half);
+      check_launch("rope_kernel");
+    });
+  }
+
+  void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
+    activate();
+    GemmShape shape;
+    if (!linear_gemm_shape(x, weight, out, &shape))
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("linear: x [%lld, %lld] @ weight [%lld, %lld]^T has a size or stride past cuBLAS's "
+                                  "32-bit int; split the call", (long long)x.rows, (long long)x.cols,
+                                  (long long)weight.rows, (long long)weight.cols));
+    if (out.elements() == 0) return;
+    check_grid_rows("linear", out.rows);
+    // C starts as the bias (beta = 1) or, when K = 0, as the whole answer (bias or zeros).
+    const bool has_bias = bias.data != nullptr;
+    if (has_bias || shape.k == 0) {
+      with_float_type(has_bias ? bias.dtype : act_, [&](auto bias_tag) {
+        with_float_type(act_, [&](auto act_tag) {
+          using B = decltype(bias_tag);
+          using A = decltype(act_tag);
+          fill_rows_kernel<B, A><<<unsigned(out.rows), row_threads(out.cols), 0, stream_>>>(
+              has_bias ? typed_const<B>(bias) : nullptr, typed<A>(out), out.row_stride, out.cols);
+          check_launch("fill_rows_kernel");
+        });
+      });
+    }
+    if (shape.k == 0) return;
+    const float alpha = 1.0f, beta = has_bias ? 1.0f : 0.0f;
+    const cudaDataType type = cuda_data_type(act_);  // weight, x and out share it (supports(linear))
+    KVLITE_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, shape.m, shape.n, shape.k, &alpha,
+                                     weight.data, type, shape.lda, x.data, type, shape.ldb, &beta, out.data, type,
+                                     shape.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+
+  void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) override {
+    activate();
+    if (out.elements() == 0) return;
+    check_grid_rows("silu_mul", out.rows);
+    with_float_type(act_, [&](auto tag) {
+      using A = decltype(tag);
+      silu_mul_kernel<A><<<unsigned(out.rows), row_threads(out.cols), 0, stream_>>>(
+          typed_const<A>(gate), gate.row_stride, typed_const<A>(up), up.row_stride, typed<A>(out), out.row_stride,
+          out.cols);
+      check_launch("silu_mul_kernel");
+    });
+  }
+
+  void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) override {
+    activate();
+    if (out.elements() == 0) return;
+    check_grid_rows("add", out.rows);
+    with_float_type(act_, [&](auto tag) {
+      using A = decltype(tag);
+      add_kernel<A><<<unsigned(out.rows), row_threads(out.cols), 0, stream_>>>(
+          typed_const<A>(a), a.row_stride, typed_const<A>(b), b.row_stride, typed<A>(out), out.row_stride, out.cols);
+      check_launch("add_kernel");
+    });
+  }
+
+  void impl_copy(const Tensor& src, const Tensor& dst) override {
+    activate();
+    if (dst.elements() == 0) return;
+    check_grid_rows("copy", dst.rows);
+    with_float_type(src.dtype, [&](auto src_tag) {
+      with_float_type(dst.dtype, [&](auto dst_tag) {
+        using S = decltype(src_tag);
+        using D = decltype(dst_tag);
+        copy_kernel<S, D><<<unsigned(dst.rows), row_threads(dst.cols), 0, stream_>>>(
+            typed_const<S>(src), src.row_stride, typed<D>(dst), dst.row_stride, dst.cols);
+        check_launch("copy_kernel");
+      });
+    });
+  }
+
+  // Not yet on the GPU: supports() says so, so the shared validation refuses these before they get here.
+  [[noreturn]] static void not_on_gpu(const char* op) {
+    detail::fail(ErrorCode::unsupported, detail::format("%s is not implemented on the CUDA backend yet", op));
+  }
+  void impl_embedding_bag(const Tensor&, const Tensor&, const Tensor&, const Tensor&) override { not_on_gpu("embedding_bag"); }
+  void impl_layer_norm(const Tensor&, const Tensor&, const Tensor&, float, const Tensor&) override { not_on_gpu("layer_norm"); }
+  void impl_gelu(const Tensor&, GeluApprox, const Tensor&) override { not_on_gpu("gelu"); }
+  void impl_segment_attention(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, float,
+                              const Tensor&) override {
+    not_on_gpu("segment_attention");
+  }
+
+  void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                     const Tensor& slots) override {
+    activate();
+    if (k.rows == 0) return;
+    check_grid_rows("kv_write", k.rows);
+    with_float_type(act_, [&](auto act_tag) {
+      with_float_type(cache.dtype, [&](auto kv_tag) {
+        using A = decltype(act_tag);
+        using E = decltype(kv_tag);
+        kv_write_kernel<A, E><<<unsigned(k.rows), row_threads(k.cols), 0, stream_>>>(
+            typed_const<A>(k), k.row_stride, typed_const<A>(v), v.row_stride, typed_const<int32_t>(slots),
+            static_cast<E*>(cache.pages), cache.layout, layer, cache.num_pages, k.cols, fault_);
+        check_launch("kv_write_kernel");
+      });
+    });
+  }
+
+  void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                      float scale, const Tensor& out) override {
+    activate();
+    const int64_t head_dim = cache.layout.head_dim, kv_heads = cache.layout.kv_heads;
+    const int dims = attention_dims_per_lane(head_dim);
+    if (dims == 0)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("attention: head_dim %lld is larger than the CUDA kernels' %lld", (long long)head_dim,
+                                  (long long)kCudaMaxHeadDim));
+    if (q.rows == 0) return;
+    check_grid_rows("attention", q.rows);
+    AttentionArgs args{};
+    args.q = q.data;
+    args.q_stride = q.row_stride;
+    args.out = out.data;
+    args.out_stride = out.row_stride;
+    args.pages = cache.pages;
+    args.layout = cache.layout;
+    args.layer = layer;
+    args.num_pages = cache.num_pages;
+    args.query_starts = typed_const<int32_t>(batch.query_starts);
+    args.context_lens = typed_const<int32_t>(batch.context_lens);
+    args.block_tables = typed_const<int32_t>(batch.block_tables);
+    args.block_table_stride = leading_dimension(batch.block_tables);
+    args.seqs = batch.context_lens.elements();
+    args.rows = q.rows;
+    args.max_context = batch.max_context;
+    args.heads = q.cols / head_dim;
+    args.group = args.heads / kv_heads;
+    const int heads_per_block = attention_heads_per_block(dims);
+    args.head_passes = (args.group + heads_per_block - 1) / heads_per_block;
+    if (kv_heads * args.head_passes > 65535)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("attention: %lld KV heads x %lld head passes exceed a launch's 65535 blocks in y",
+                                  (long long)kv_heads, (long long)args.head_passes));
+    args.scale = scale;
+    const AttentionSplit split = plan_attention_split(
+        q.rows * kv_heads * args.head_passes, batch.max_context, int64_t(kAttentionBlocksPerSm) * sm_count_,
+        uint64_t(q.rows) * uint64_t(args.heads) * uint64_t(head_dim + 2) * sizeof(float), scratch_bytes_);
+    args.splits = split.splits;
+    args.chunk = split.chunk;
+    if (split.splits > 1) {
+      const uint64_t partials = uint64_t(q.rows) * uint64_t(args.heads) * uint64_t(split.splits);
+      args.partial_acc = reinterpret_cast<float*>(scratch_);   // [rows, heads, splits, head_dim]
+      args.partial_max = args.partial_acc + partials * uint64_t(head_dim);  // [rows, heads, splits]
+      args.partial_sum = args.partial_max + partials;                        // [rows, heads, splits]
+    }
+    args.fault = fault_;
+    const dim3 grid(unsigned(q.rows), unsigned(kv_heads * args.head_passes), unsigned(split.splits));
+    with_float_type(act_, [&](auto act_tag) {
+      with_float_type(cache.dtype, [&](auto kv_tag) {
+        using A = decltype(act_tag);
+        using E = decltype(kv_tag);
+        switch (dims) {
+          case 1: launch_attention<A, E, 1>(grid, args); break;
+          case 2: launch_attention<A, E, 2>(grid, args); break;
+          case 3: launch_attention<A, E, 3>(grid, args); break;
+          case 4: launch_attention<A, E, 4>(grid, args); break;
+          case 6: launch_attention<A, E, 6>(grid, args); break;
+          case 8: launch_attention<A, E, 8>(grid, args); break;
+          default: detail::fail(ErrorCode::internal, detail::format("attention: no kernel for %d dims per lane", dims));
+        }
+        if (split.splits > 1) {
+          attention_combine_kernel<A><<<dim3(unsigned(q.rows), unsigned(args.heads)), row_threads(head_dim), 0,
+                                        stream_>>>(args);
+          check_launch("attention_combine_kernel");
+        }
+      });
+    });
+  }
+
+ private:
+  // Blocks per SM the attention grid aims for before it splits contexts (4 warps each, so 16 warps an SM).
+  static constexpr int kAttentionBlocksPerSm = 4;
+  // Groups this wide or narrower get a warp each; wider ones a block of kNormBlockThreads.
+  static constexpr int64_t kNormWarpGroupMax = 256;
+  static constexpr int kNormBlockThreads = 256;
+
+  // Teardown has no one to report to: a failure here means the context is already broken or going away.
+  void release() noexcept {
+    cudaSetDevice(device_);
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    if (cublas_ != nullptr) cublasDestroy(cublas_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    cublas_ = nullptr;
+    stream_ = nullptr;
+  }
+
+  // CUDA's current device is per host thread: each op makes it ours (cheap when it already is).
+  void activate() { KVLITE_CUDA_CHECK(cudaSetDevice(device_)); }
+
+  // Calls launch(std::integral_constant<int, TEAM>, blocks, threads) for `teams` groups of `width` columns.
+  template <class Launch>
+  void launch_norm(const char* op, int64_t teams, int64_t width, Launch&& launch) {
+    if (teams == 0) return;
+    if (width <= kNormWarpGroupMax) {
+      const int64_t teams_per_block = kNormBlockThreads / 32;
+      const int64_t blocks = (teams + teams_per_block - 1) / teams_per_block;
+      check_grid_rows(op, blocks);
+      launch(std::integral_constant<int, 32>(), unsigned(blocks), unsigned(kNormBlockThreads));
+    } else {
+      check_grid_rows(op, teams);
+      launch(std::integral_constant<int, kNormBlockThreads>(), unsigned(teams), unsigned(kNormBlockThreads));
+    }
+  }
+
+  template <class A, class E, int DIMS>
+  void launch_attention(dim3 grid, const AttentionArgs& args) {
+    constexpr int kHeads = attention_heads_per_block(DIMS);
+    paged_attention_kernel<A, E, DIMS, kHeads><<<grid, kAttentionWarps * 32, 0, stream_>>>(args);
+    check_launch("paged_attention_kernel");
+  }
+
+  // Waits for the stream and reports, in this order: a CUDA error the queued work met, then the first
+  // invalid index a kernel recorded (clearing the record, so the next call starts clean).
+  void synchronize_and_report() {
+    KVLITE_CUDA_CHECK(cudaMemcpyAsync(&host_fault_, fault_, sizeof(DeviceFault), cudaMemcpyDeviceToHost, stream_));
+    KVLITE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (host_fault_.kind == fault_none) return;
+    const DeviceFault f = host_fault_;
+    KVLITE_CUDA_CHECK(cudaMemsetAsync(fault_, 0, sizeof(DeviceFault), stream_));
+    KVLITE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::string message;
+    switch (f.kind) {
+      case fault_gather_id:
+        message = detail::format("gather_rows: ids[%lld] = %lld is outside the table's %lld rows (found on the "
+                                 "device; that output row is NaN)", f.index, f.value, f.limit);
+        break;
+      case fault_kv_slot:
+        message = detail::format("kv_write: slots[%lld] = %lld is page %lld, past the cache's %lld pages (found on "
+                                 "the device; that token was not stored)", f.index, f.value, f.extra, f.limit);
+        break;
+      case fault_attention_row:
+        message = detail::format("attention: query row %lld belongs to no sequence; query_starts must rise from 0 "
+                                 "to the %lld query rows", f.index, f.limit);
+        break;
+      case fault_attention_context:
+        message = detail::format("attention: sequence %lld has context_lens %lld; it must be at least its %lld "
+                                 "queries (they are the last tokens of its context) and at most max_context %lld",
+                                 f.index, f.value, f.extra, f.limit);
+        break;
+      case fault_attention_page:
+        message = detail::format("attention: block_tables[%lld][%lld] = %lld is not a page of the cache (%lld pages) "
+                                 "but sequence %lld's context needs it", f.index, f.extra, f.value, f.limit, f.index);
+        break;
+      default:
+        message = detail::format("a kernel left an unknown fault record (kind %d)", f.kind);
+        detail::fail(ErrorCode::internal, message);
+    }
+    if (f.kind >= fault_attention_row) message += " (found on the device; the query rows it affects are NaN)";
+    detail::fail(ErrorCode::invalid_argument, message);
+  }
+
+  int device_;
+  DType act_;
+  std::string device_name_;
+  int sm_ = 0, sm_count_ = 1;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  DeviceFault* fault_ = nullptr;  // in the workspace
+  DeviceFault host_fault_{};      // its copy, read at synchronizing calls
+  uint8_t* scratch_ = nullptr;    // in the workspace: split attention's partials
+  uint64_t scratch_bytes_ = 0;
+};
+
 }  // namespace
+
+// ---- entry points (device.hpp) ------------------------------------------------------------------------------
 
 bool built_with_cuda() { return true; }
 
@@ -51,7 +1101,7 @@ Result<DeviceSpec> query_device(int index) {
 
 Result<void*> allocate_arena(uint64_t bytes) {
   void* pointer = nullptr;
-  cudaError_t status = cudaMalloc(&pointer, bytes);
+  cudaError_t status = counted_cuda_malloc(&pointer, bytes);
   if (status != cudaSuccess) {
     cudaGetLastError();
     size_t free_bytes = 0, total_bytes = 0;
@@ -76,5 +1126,38 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() {
   return std::pair<uint64_t, uint64_t>(free_bytes, total_bytes);
 }
 
+// ---- entry points (backend_cuda.hpp) -----------------------------------------------------------------------
+
+Status argmax(Backend& backend, const Tensor& logits, const Tensor& ids) {
+  return detail::guard([&] {
+    auto* cuda_backend = dynamic_cast<CudaBackend*>(&backend);
+    if (cuda_backend == nullptr)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("cuda::argmax: the backend is %s, not a CUDA backend", backend.name().c_str()));
+    const DType act = backend.activation_dtype();
+    if (logits.dtype != act || logits.rows < 0 || logits.cols <= 0 || logits.cols > INT_MAX ||
+        (logits.rows > 1 && logits.row_stride < logits.cols) || logits.data == nullptr)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("cuda::argmax: logits are [%lld, %lld] %s (row stride %lld); they must be %s with 1 "
+                                  "to %d columns and a stride of at least the columns", (long long)logits.rows,
+                                  (long long)logits.cols, dtype_name(logits.dtype), (long long)logits.row_stride,
+                                  dtype_name(act), INT_MAX));
+    if (ids.dtype != DType::I32 || ids.elements() != logits.rows || (ids.rows != 1 && ids.cols != 1) ||
+        !ids.contiguous() || (ids.elements() > 0 && ids.data == nullptr))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("cuda::argmax: ids are [%lld, %lld] %s; they must be a contiguous I32 vector of the "
+                                  "%lld logits rows", (long long)ids.rows, (long long)ids.cols, dtype_name(ids.dtype),
+                                  (long long)logits.rows));
+    cuda_backend->argmax(logits, ids);
+  });
+}
+
+uint64_t device_allocations() { return g_device_allocations.load(); }
+
 }  // namespace cuda
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options) {
+  return detail::guard([&]() -> std::unique_ptr<Backend> { return std::make_unique<cuda::CudaBackend>(options); });
+}
+
 }  // namespace kvlite

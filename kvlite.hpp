@@ -12,16 +12,22 @@
    The implementation needs nlohmann/json, PCRE2 and stb_image (Debian: nlohmann-json3-dev, libpcre2-dev,
    libstb-dev). The declarations need only the C++17 standard library.
 
-   EXAMPLE: plan before you load
+   EXAMPLE: plan, then generate and score
 
-      kvlite::PlanOptions options;
-      options.device_mem = 8ull << 30;          // plan for an 8 GiB card, whatever this machine has
-      options.utilization = 0.80;
-      options.max_model_len = 4096;
-      auto plan = kvlite::plan_model_dir("models/qwen3-vl-4b-instruct-fp8", options);
-      if (!plan) { fprintf(stderr, "%s\n", plan.error().message.c_str()); return 1; }
-      printf("%s", plan->table().c_str());       // where every byte goes
-      if (!plan->fits) for (auto& line : plan->advice) printf("%s\n", line.c_str());
+      kvlite::PlanOptions plan_options;
+      plan_options.device_mem = 8ull << 30;     // plan for an 8 GiB card, whatever this machine has
+      plan_options.max_model_len = 4096;
+      auto plan = kvlite::plan_model_dir("models/qwen3-vl-4b-instruct-fp8", plan_options);
+      if (plan) printf("%s", plan->table().c_str());   // where every byte goes, and what would fit
+
+      kvlite::EngineOptions options;             // the CPU reference engine (CUDA: being built)
+      options.plan.max_model_len = 2048;
+      auto engine = kvlite::Engine::open("path/to/Qwen3-4B", options);   // plan, one arena, mmap'd weights
+      if (!engine) { fprintf(stderr, "%s\n", engine.error().message.c_str()); return 1; }
+      kvlite::SamplingParams params;            // greedy; set temperature/top_p/top_k/seed to sample
+      (*engine)->generate("The capital of France is", params,
+                          [](const std::string& piece, int32_t) { fputs(piece.c_str(), stdout); return true; });
+      auto ppl = (*engine)->score(text, 2048, 512);   // context 2048, stride 512: ppl->perplexity
 
    WHAT IT DOES
       - Reads a Hugging Face model directory as it is: config.json (llama, qwen2, qwen3, qwen3_vl; classic
@@ -33,6 +39,10 @@
         how much and what would (largest context, ratio needed, fp8 KV, smaller image budget).
       - Reserves one arena of the planned size; KV lives in fixed-size pages carved from it; nothing is
         allocated afterwards.
+      - Tokenizes as Hugging Face tokenizers do (byte-level BPE, PCRE2 regexes, NFC, chat formats for ChatML
+        and Llama-3), generates with continuous batching over the paged KV cache, samples (greedy,
+        temperature, top-k, top-p, min-p, repetition penalty, seed) and scores perplexity with sliding windows.
+      - Decodes images with stb_image and preprocesses them exactly as Qwen's image processor does.
 
    ARCHITECTURE (each floor uses only those below it)
       api / engine     requests, continuous batching, KV page ownership, sampling, scoring, cancel
@@ -51,7 +61,9 @@
       boundary, never aborts and never exits.
 
    LIMITATIONS (v0.1)
-      - Generation, tokenizer, CUDA kernels and the vision path are being built (see README.md).
+      - Generation runs on the CPU reference backend; the CUDA backend in kernels.cu compiles but is not wired.
+      - FP8 and W4A16 checkpoints are read and planned, not yet computed; Qwen3-VL images are preprocessed,
+        the vision encoder is being built.
       - Linux (including WSL2) only: uses mmap and sysconf.
 
    CONFIGURATION
@@ -545,6 +557,146 @@ WeightsSummary estimate_weights(const ModelConfig& config);
 // The scheme that quantizes this Linear per config.json (nullptr: it stays dense). compressed-tensors order:
 // an exact name target wins over a "re:" target, which wins over the class target "Linear".
 const QuantScheme* quant_scheme_for(const QuantConfig& quant, const std::string& module_name);
+}  // namespace detail
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// quant: quantized Linear weights as checkpoints store them, their bit-exact dequantization, and the CPU
+// reference matmul that dequantizes a few rows at a time.
+//
+// Formats (N = out_features, K = in_features; full notes in tests/fixtures/quant/README.md):
+//   int4  compressed-tensors "pack-quantized": weight_packed I32 [N, ceil(K/8)], column k in bits 4*(k%8)..
+//         of word k/8 (lowest nibble first) holding q + 8, q in [-8, 7]; weight_scale [N, K/G] (group) or
+//         [N, 1] (channel); weight_zero_point I32 [ceil(N/8), K/G] packed the same way along N (asymmetric
+//         only); weight_g_idx I32 [K] (actorder "group": column k uses group g_idx[k]).
+//   fp8   e4m3 weight [N, K] with weight_scale (compressed-tensors: tensor [1], channel [N, 1],
+//         block [ceil(N/bn), ceil(K/bk)]) or weight_scale_inv (Qwen / transformers fine-grained fp8, blocks;
+//         despite the name a multiplier).
+// Dequantization, bit for bit as the reference computes it:
+//   weight_scale      w = (q - zero) * scale in the scale's dtype: the exact product rounded to BF16 / F16
+//                     (F32 scales: the float32 product). compressed-tensors' dequantize.
+//   weight_scale_inv  w = float32(q) * float32(scale_inv), rounded to float32. transformers' Fp8Dequantize.
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+
+// How the product q * scale is rounded (see the table above).
+enum class DequantRounding : uint8_t {
+  scale_dtype,  // to the scale's dtype (compressed-tensors)
+  f32,          // to float32 (transformers' fine-grained fp8)
+};
+
+// A view of one quantized Linear's tensors inside a TensorStore (valid while the store lives). Tensors are
+// read through byte pointers because safetensors guarantees no alignment. Make it with quant_weight().
+struct QuantWeight {
+  std::string name;  // module name, for messages
+  int64_t out_features = 0, in_features = 0;  // N, K
+  WeightFormat format = WeightFormat::int4;   // int4 or fp8
+  ScaleGranularity granularity = ScaleGranularity::channel;  // int4: group, channel; fp8: tensor, channel, block
+
+  // int4
+  const uint8_t* packed = nullptr;       // I32 [N, packed_cols]
+  int64_t packed_cols = 0;               // ceil(K / 8)
+  const uint8_t* zero_points = nullptr;  // I32 [ceil(N / 8), scale_cols], or nullptr (symmetric: zero 0)
+  const uint8_t* g_idx = nullptr;        // I32 [K], or nullptr: column k is in group k / group_size
+  int64_t group_size = 0;                // columns per scale (channel: K)
+
+  // fp8
+  const uint8_t* fp8 = nullptr;      // F8_E4M3 [N, K]
+  int64_t block_n = 0, block_k = 0;  // rows x columns per scale (block granularity)
+
+  // scales: int4 [N, K / group_size]; fp8 tensor [1, 1], channel [N, 1], block [ceil(N/bn), ceil(K/bk)]
+  const uint8_t* scales = nullptr;
+  DType scale_dtype = DType::F32;  // F32, BF16 or F16
+  int64_t scale_rows = 0, scale_cols = 0;
+  DequantRounding rounding = DequantRounding::scale_dtype;
+
+  const uint8_t* bias = nullptr;  // [N] or nullptr
+  DType bias_dtype = DType::F32;  // F32, BF16 or F16
+};
+
+// Builds the view of `linear` (a Linear of format int4 or fp8 from describe_linears, or made by hand) over
+// `store`, validating every tensor against the descriptor: dtypes; weight_packed [N, ceil(K/8)] (another
+// width is reported as the bit width it implies), weight_shape == [N, K]; the scale's shape for the
+// granularity; group_size dividing K; the zero points' packed shape; g_idx's shape and values (each group in
+// range and holding exactly group_size columns, as the reference requires). Errors name the tensor and both
+// shapes: bad_format, missing_tensor, or unsupported (bit widths other than 4, fp8 zero points).
+Result<QuantWeight> quant_weight(const LinearDesc& linear, const TensorStore& store);
+
+// out[r, k] = the dequantized weight of row row0 + r, column k, for r < rows: out [rows, K] floats, holding
+// exactly the values the reference produces (see the table above). invalid_argument for rows outside [0, N).
+Status dequantize_rows(const QuantWeight& weight, int64_t row0, int64_t rows, float* out);
+
+// ---- the CPU matmul --------------------------------------------------------------------------------------
+struct QuantLinearOptions {
+  int threads = 1;  // >= 1; the result does not depend on it
+  // W8A8 as the GPU runs fp8 weights: each activation row is quantized to fp8 and back before the matmul
+  // (quantize_fp8_activations, in groups of block_k columns for block weights, else the whole row), the
+  // quantize-dequantize compressed-tensors' forward applies. fp8 weights only.
+  bool fp8_activations = false;
+};
+
+// out = x @ W^T (+ weight.bias): x [T, K] float (row stride x_stride), out [T, N] (row stride out_stride), not
+// overlapping x. Rows of W are dequantized 16 at a time into a per-thread buffer, never the whole matrix.
+// Every output element is one dot product over K in a fixed order (8 interleaved partial sums reduced in a
+// fixed tree, then the remainder, then + bias): the CPU backend's linear order, so it equals a float32 linear
+// over the dequantized weight bit for bit, whatever `threads`.
+Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight, float* out,
+                    int64_t out_stride, const QuantLinearOptions& options = {});
+
+// Dynamic fp8 e4m3 activation quantization as compressed-tensors computes it: for each row of x and each run
+// of `group` columns (the last run may be shorter; group = cols: one scale per token),
+//   scale = max|x| / 448 (float32 epsilon when that is 0),  q = e4m3(x / scale + 0)  (saturating, nearest even;
+//   the + 0 turns -0 into +0 as the reference's zero-point addition does).
+// x [rows, cols] with row stride x_stride; q [rows, cols] e4m3 bytes; scales [rows, ceil(cols / group)].
+Status quantize_fp8_activations(const float* x, int64_t rows, int64_t cols, int64_t x_stride, int64_t group,
+                                uint8_t* q, float* scales);
+
+// ---- bit-level helpers (host and device) ------------------------------------------------------------------
+// A little-endian 32-bit word at any alignment.
+KVLITE_HD uint32_t load_u32_le(const uint8_t* bytes) {
+  uint32_t word;
+  memcpy(&word, bytes, 4);  // kvlite runs on little-endian hosts and devices only
+  return word;
+}
+// The signed 4-bit value at nibble `index` (0 = lowest bits) of a pack-quantized word: stored value - 8.
+KVLITE_HD int int4_from_word(uint32_t word, int index) { return int((word >> (4 * index)) & 0xfu) - 8; }
+// q of column k in one packed row (I32 [ceil(K/8)]).
+KVLITE_HD int int4_packed_at(const uint8_t* packed_row, int64_t k) {
+  return int4_from_word(load_u32_le(packed_row + 4 * (k / 8)), int(k % 8));
+}
+// The zero point of row n, scale column g, from weight_zero_point I32 [ceil(N/8), scale_cols] packed along N.
+KVLITE_HD int int4_zero_point_at(const uint8_t* zero_points, int64_t scale_cols, int64_t n, int64_t g) {
+  return int4_from_word(load_u32_le(zero_points + 4 * ((n / 8) * scale_cols + g)), int(n % 8));
+}
+// Element `index` of a scale tensor of dtype F32, BF16 or F16, widened to float (exact).
+KVLITE_HD float scale_at(const uint8_t* scales, DType dtype, int64_t index) {
+  if (dtype == DType::F32) return bits_to_float(load_u32_le(scales + 4 * index));
+  uint16_t half;
+  memcpy(&half, scales + 2 * index, 2);
+  return dtype == DType::BF16 ? bf16_to_float(half) : f16_to_float(half);
+}
+// value rounded to `dtype` (BF16 or F16, nearest even) and widened back; F32 leaves it alone.
+KVLITE_HD float round_to_dtype(float value, DType dtype) {
+  if (dtype == DType::BF16) return bf16_to_float(float_to_bf16(value));
+  if (dtype == DType::F16) return f16_to_float(float_to_f16(value));
+  return value;
+}
+// One dequantized weight: q (an int4 value minus its zero point, or a decoded e4m3) times its scale. The
+// float32 product is exact for int4 and e4m3 times BF16/F16 scales, so rounding it once is the reference's
+// single rounding in the scale's dtype.
+KVLITE_HD float dequantize_value(float q, float scale, DType scale_dtype, DequantRounding rounding) {
+  float product = q * scale;
+  return rounding == DequantRounding::scale_dtype ? round_to_dtype(product, scale_dtype) : product;
+}
+
+namespace detail {
+// For a backend's own thread pool: out[t, n0 .. n0 + rows) for every token t, rows <= kQuantRowBlock, using
+// scratch >= rows * K floats. Arguments are not checked (quant_linear checks them).
+constexpr int64_t kQuantRowBlock = 16;
+void quant_linear_block(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight, int64_t n0,
+                        int64_t rows, float* scratch, float* out, int64_t out_stride);
+void dequantize_rows_unchecked(const QuantWeight& weight, int64_t row0, int64_t rows, float* out);
 }  // namespace detail
 
 }  // namespace kvlite
@@ -1857,6 +2009,198 @@ class Engine {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// backend_cuda: the CUDA implementation of Backend (its code is in kernels.cu), its options, two CUDA-only
+// extras, and the index math its kernels share with the host (__host__ __device__, unit-tested on the CPU in
+// tests/unit-cuda-host.cpp).
+//
+// Activations: BF16 by default (CudaBackendOptions::activation_dtype; F16 for F16 checkpoints, F32 to match
+// the CPU reference closely). Every op computes in fp32 and rounds once when it stores.
+// Linear: cuBLAS (cublasGemmEx) with the weight in the activation dtype and fp32 accumulation (split-K
+// reductions in fp32 too); the loader converts other weight dtypes when it uploads them (copy).
+// Memory: the backend allocates no device memory of its own. Its workspace comes from the caller (the arena's
+// "workspace" region) and is carved once:
+//
+//   workspace ──► | cuBLAS workspace (cublas_workspace_bytes) | fault record (256 B) | scratch ... |
+//
+// cuBLAS is handed the first part with cublasSetWorkspace, so it never allocates while running; the scratch
+// holds split attention's partial results. Index vectors (ids, slots, query_starts, context_lens,
+// block_tables) live on the device, so their values are checked by the kernels: the first bad value is kept
+// in the fault record and reported as invalid_argument by the next synchronize(), copy_to_host() or
+// copy_from_host(); the output rows it affects are NaN (kv_write: the token is not stored).
+// ---------------------------------------------------------------------------------------------------------
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+namespace kvlite {
+
+// What cuBLAS asks for on Hopper (4 MiB suffice on older GPUs); the planner reserves kCudaWorkspaceBytes.
+constexpr uint64_t kCudaCublasWorkspaceBytes = 32 * MiB;
+// Scratch for split attention: [rows, heads, splits, head_dim + 2] floats. Decode of 64 sequences x 64
+// heads x head_dim 128 split 8 ways needs 16 MiB; less scratch only means fewer splits.
+constexpr uint64_t kCudaScratchBytes = 32 * MiB;
+constexpr uint64_t kCudaWorkspaceBytes = kCudaCublasWorkspaceBytes + kCudaScratchBytes;
+// The least scratch the backend starts with (the fault record and a few partials).
+constexpr uint64_t kCudaMinScratchBytes = 64 * KiB;
+// kernels.cu's attention holds head_dim / 32 (rounded up) dimensions per lane, at most 8.
+constexpr int64_t kCudaMaxHeadDim = 256;
+
+struct CudaBackendOptions {
+  int device = 0;                         // CUDA device index
+  void* workspace = nullptr;              // device memory on `device`, 256-byte aligned (the arena's region)
+  uint64_t workspace_bytes = 0;           // at least cublas_workspace_bytes + kCudaMinScratchBytes
+  uint64_t cublas_workspace_bytes = kCudaCublasWorkspaceBytes;  // the front of the workspace, cuBLAS's
+  DType activation_dtype = DType::BF16;   // BF16, F16 or F32
+};
+
+// Binds the backend to options.device: a stream of its own, a cuBLAS handle using the workspace's front.
+// invalid_argument for bad options (the numbers in the message), device_error when CUDA fails (no GPU, a
+// driver error), unsupported for GPUs older than compute capability 8.0 and in builds without CUDA.
+Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options);
+
+namespace cuda {
+// Greedy decoding on the device: ids[t] = the column of the largest logit in row t; ties go to the lowest
+// column (as torch.argmax) and NaN never wins (an all-NaN row gives 0). logits [T, V] in the backend's
+// activation dtype, V > 0; ids I32 vector [T]. invalid_argument when `backend` is not a CUDA backend.
+// (A CUDA-only extra until Backend has an argmax op.)
+Status argmax(Backend& backend, const Tensor& logits, const Tensor& ids);
+
+// Device allocations (cudaMalloc calls) kvlite has made in this process: the arena's reservation is the one
+// expected; backends make none. Monotonic; 0 in builds without CUDA.
+uint64_t device_allocations();
+
+// ---- index math shared by kernels.cu and the host --------------------------------------------------------
+
+// The sequence owning query row `row`: the s in [0, seqs) with starts[s] <= row < starts[s + 1], the last
+// such s when empty sequences repeat a start (as the CPU backend's upper_bound). -1 when no sequence holds
+// the row (query_starts not rising from 0 past it). starts has seqs + 1 entries, sorted when well formed.
+KVLITE_HD int64_t sequence_of_row(const int32_t* starts, int64_t seqs, int64_t row) {
+  if (seqs <= 0 || starts[0] > row) return -1;
+  int64_t lo = 0, hi = seqs;  // starts[lo] <= row; the answer is in [lo, hi)
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (starts[mid] <= row) lo = mid;
+    else hi = mid;
+  }
+  return row < starts[lo + 1] ? lo : -1;
+}
+
+// Online softmax, one score at a time (Milakov & Gimelshein 2018): keeps the running maximum and the sum of
+// exp(score - maximum); `rescale` is what the values already accumulated must be multiplied by (1 unless the
+// maximum grew), `weight` what the new value is accumulated with. Same steps as the CPU backend's loop.
+struct SoftmaxStep {
+  float rescale, weight;
+};
+KVLITE_HD SoftmaxStep online_softmax_step(float score, float& running_max, float& running_sum) {
+  SoftmaxStep step{1.0f, 0.0f};
+  if (score > running_max) {
+    step.rescale = expf(running_max - score);  // exp(-inf) = 0 at the first score
+    running_sum *= step.rescale;
+    running_max = score;
+  }
+  step.weight = expf(score - running_max);
+  running_sum += step.weight;
+  return step;
+}
+
+// Merging softmax partials (split attention, warps of a block): a partial with maximum m, sum l and
+// accumulated values acc joins a total with maximum `total_max` (the largest m) multiplied by this factor.
+// A partial that saw no score has m = -inf and factor 0, also when every partial is empty.
+KVLITE_HD float softmax_partial_factor(float partial_max, float total_max) {
+  return partial_max == -INFINITY ? 0.0f : expf(partial_max - total_max);
+}
+
+// Keys [*begin, *end) of split `split` for a query that sees cache indices 0 .. last: chunks of
+// `chunk` tokens, the last one cut at last + 1 (empty when the chunk starts past it).
+KVLITE_HD void split_key_range(int64_t split, int64_t chunk, int64_t last, int64_t* begin, int64_t* end) {
+  *begin = split * chunk;
+  *end = (*begin + chunk < last + 1) ? *begin + chunk : last + 1;
+  if (*end < *begin) *end = *begin;
+}
+
+// Argmax reduction order: is (value, index) better than (best_value, best_index)? Larger wins, ties go to
+// the lower index, NaN never wins. Associative and commutative, so any reduction tree gives one answer.
+KVLITE_HD bool argmax_better(float value, int32_t index, float best_value, int32_t best_index) {
+  return value > best_value || (value == best_value && index < best_index);
+}
+
+// Head dimensions each lane of a warp holds in attention (lane l holds l, l + 32, ...): the smallest of the
+// compiled counts {1, 2, 3, 4, 6, 8} covering head_dim; 0 when head_dim > kCudaMaxHeadDim.
+KVLITE_HD int attention_dims_per_lane(int64_t head_dim) {
+  const int64_t needed = (head_dim + 31) / 32;
+  if (head_dim <= 0 || needed > 8) return 0;
+  return needed <= 4 ? int(needed) : (needed <= 6 ? 6 : 8);
+}
+// Query heads one attention block serves together (they share each K/V row it loads): bounded so the
+// per-lane registers (queries and accumulators, 2 x heads x dims_per_lane floats) stay at 64.
+KVLITE_HD constexpr int attention_heads_per_block(int dims_per_lane) { return dims_per_lane <= 4 ? 8 : 4; }
+
+// How attention splits each query's keys across blocks (flash-decoding): more blocks when rows x heads alone
+// would leave SMs idle, each split a chunk of at least kMinChunk keys, partials fitting the scratch.
+struct AttentionSplit {
+  int64_t splits = 1;  // blocks per (row, head group); 1: no partials, the block writes the output
+  int64_t chunk = 1;   // keys per split (the whole max_context when splits == 1)
+};
+constexpr int64_t kAttentionMinChunk = 128;
+constexpr int64_t kAttentionMaxSplits = 256;
+// blocks: rows x KV heads x head passes (the grid without splitting); target_blocks: what fills the GPU;
+// partial_bytes: scratch bytes one split of every (row, head) needs; scratch_bytes: what there is.
+inline AttentionSplit plan_attention_split(int64_t blocks, int64_t max_context, int64_t target_blocks,
+                                           uint64_t partial_bytes, uint64_t scratch_bytes) {
+  AttentionSplit plan;
+  plan.chunk = max_context > 0 ? max_context : 1;
+  if (blocks <= 0 || blocks >= target_blocks || max_context <= kAttentionMinChunk) return plan;
+  int64_t splits = (target_blocks + blocks - 1) / blocks;
+  splits = std::min<int64_t>(splits, max_context / kAttentionMinChunk);  // so every chunk has kMinChunk keys
+  splits = std::min<int64_t>(splits, kAttentionMaxSplits);
+  if (partial_bytes > 0) splits = std::min<int64_t>(splits, int64_t(scratch_bytes / partial_bytes));
+  if (splits < 2) return plan;
+  plan.chunk = (max_context + splits - 1) / splits;
+  plan.splits = (max_context + plan.chunk - 1) / plan.chunk;  // no empty trailing split
+  return plan;
+}
+
+// out [T, N] = x [T, K] @ w[N, K]^T as cuBLAS sees it: cuBLAS is column-major, and a row-major [r, c] matrix
+// with row stride s is a column-major c x r matrix with leading dimension s. So
+//   out^T (N x T, ld out.stride) = op_T(w as K x N, ld w.stride) x (x as K x T, ld x.stride):
+// m = N, n = T, k = K, A = w with CUBLAS_OP_T, B = x with CUBLAS_OP_N. false when a size exceeds int.
+struct GemmShape {
+  int m = 0, n = 0, k = 0;
+  int lda = 0, ldb = 0, ldc = 0;
+};
+// Leading dimension of a view: its row stride, or its width when it has one row (the stride is unused).
+inline int64_t leading_dimension(const Tensor& t) {
+  return t.rows <= 1 ? std::max<int64_t>(t.cols, 1) : t.row_stride;
+}
+inline bool linear_gemm_shape(const Tensor& x, const Tensor& weight, const Tensor& out, GemmShape* shape) {
+  const int64_t values[6] = {weight.rows, x.rows, x.cols, leading_dimension(weight), leading_dimension(x),
+                             leading_dimension(out)};
+  for (int64_t v : values)
+    if (v > INT_MAX) return false;
+  *shape = GemmShape{int(values[0]), int(values[1]), int(values[2]), int(values[3]), int(values[4]), int(values[5])};
+  return true;
+}
+
+// The workspace carved once at construction (see the top of this part). false when it is too small.
+struct CudaWorkspaceLayout {
+  uint64_t cublas_offset = 0, cublas_bytes = 0;
+  uint64_t fault_offset = 0;  // 256 bytes for the fault record
+  uint64_t scratch_offset = 0, scratch_bytes = 0;
+};
+inline bool cuda_workspace_layout(uint64_t workspace_bytes, uint64_t cublas_bytes, CudaWorkspaceLayout* layout) {
+  CudaWorkspaceLayout l;
+  l.cublas_bytes = cublas_bytes / 256 * 256;  // cuBLAS wants a multiple of 256 bytes
+  l.fault_offset = l.cublas_bytes;
+  l.scratch_offset = l.fault_offset + 256;
+  if (l.scratch_offset > workspace_bytes || workspace_bytes - l.scratch_offset < kCudaMinScratchBytes) return false;
+  l.scratch_bytes = workspace_bytes - l.scratch_offset;
+  *layout = l;
+  return true;
+}
+}  // namespace cuda
 
 }  // namespace kvlite
 #endif  // KVLITE_HPP_INCLUDED
@@ -3443,6 +3787,448 @@ Result<WeightsSummary> summarize_weights(const ModelConfig& config, const Tensor
     if (!store || store->empty()) return detail::estimate_weights(config);
     return detail::summarize_weights_from(config, store->tensors(),
                                           [store](const TensorInfo& tensor) { return store->data(tensor); });
+  });
+}
+
+}  // namespace kvlite
+// quant: implementation.
+#include <algorithm>
+#include <array>
+#include <cfloat>
+#include <cmath>
+#include <thread>
+
+namespace kvlite {
+namespace detail {
+namespace quant {
+
+using cfg::shape_text;
+
+inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+[[noreturn]] inline void bad_shape(const TensorInfo& tensor, const std::vector<int64_t>& expected, const std::string& why) {
+  fail(ErrorCode::bad_format, format("%s has shape %s but %s expects %s", tensor.name.c_str(),
+                                     shape_text(tensor.shape).c_str(), why.c_str(), shape_text(expected).c_str()));
+}
+
+inline void expect_dtype(const TensorInfo& tensor, DType dtype, const char* what) {
+  if (tensor.dtype != dtype)
+    fail(ErrorCode::bad_format, format("%s has dtype %s; %s stores it as %s", tensor.name.c_str(),
+                                       dtype_name(tensor.dtype), what, dtype_name(dtype)));
+}
+
+inline void expect_float_dtype(const TensorInfo& tensor, const char* what) {
+  if (tensor.dtype != DType::F32 && tensor.dtype != DType::BF16 && tensor.dtype != DType::F16)
+    fail(ErrorCode::unsupported, format("%s has dtype %s; %s are supported as F32, BF16 or F16", tensor.name.c_str(),
+                                        dtype_name(tensor.dtype), what));
+}
+
+inline const TensorInfo& require(const TensorStore& store, const std::string& name, const std::string& why) {
+  const TensorInfo* tensor = store.find(name);
+  if (!tensor) fail(ErrorCode::missing_tensor, format("%s is missing: %s", name.c_str(), why.c_str()));
+  return *tensor;
+}
+
+// The scale tensor's elements as [rows, cols], accepting a scalar or [1] for a per-tensor scale.
+inline void set_scales(QuantWeight& w, const TensorStore& store, const TensorInfo& scale, int64_t rows, int64_t cols) {
+  w.scales = store.data(scale);
+  w.scale_dtype = scale.dtype;
+  w.scale_rows = rows;
+  w.scale_cols = cols;
+}
+
+inline void check_bias(QuantWeight& w, const TensorStore& store, const std::string& prefix) {
+  const TensorInfo* bias = store.find(prefix + "bias");
+  if (!bias) return;
+  expect_float_dtype(*bias, "biases");
+  if (bias->shape != std::vector<int64_t>{w.out_features}) bad_shape(*bias, {w.out_features}, "one bias per output");
+  w.bias = store.data(*bias);
+  w.bias_dtype = bias->dtype;
+}
+
+inline void build_int4(const LinearDesc& d, const TensorStore& store, QuantWeight& w) {
+  const std::string p = d.name + ".";
+  const int64_t n = d.out_features, k = d.in_features;
+  const TensorInfo& packed = require(store, p + "weight_packed", "a pack-quantized Linear stores its int4 weights there");
+  expect_dtype(packed, DType::I32, "pack-quantized");
+  const int64_t words = ceil_div64(k, 8);
+  if (packed.shape.size() != 2 || packed.shape[0] != n || packed.shape[1] != words) {
+    // compressed-tensors packs b-bit values densely: ceil(K * b / 32) words per row. Name the width it implies.
+    int implied_bits = 0, matches = 0;
+    if (packed.shape.size() == 2 && packed.shape[0] == n)
+      for (int bits = 1; bits <= 8; bits++)
+        if (ceil_div64(k * bits, 32) == packed.shape[1]) implied_bits = bits, matches++;
+    if (matches == 1 && implied_bits != 4)
+      fail(ErrorCode::unsupported,
+           format("%s has shape %s: for in_features %lld that is %d-bit values packed 32 / %d per I32; kvlite "
+                  "reads 4-bit int weights, shape %s",
+                  packed.name.c_str(), shape_text(packed.shape).c_str(), (long long)k, implied_bits, implied_bits,
+                  shape_text({n, words}).c_str()));
+    bad_shape(packed, {n, words}, format("[out %lld, in %lld] packed 8 per I32", (long long)n, (long long)k));
+  }
+  if (const TensorInfo* shape = store.find(p + "weight_shape")) {
+    expect_dtype(*shape, DType::I64, "pack-quantized");
+    if (shape->shape != std::vector<int64_t>{2}) bad_shape(*shape, {2}, "pack-quantized [out, in]");
+    int64_t stored[2];
+    memcpy(stored, store.data(*shape), sizeof stored);
+    if (stored[0] != n || stored[1] != k)
+      fail(ErrorCode::bad_format,
+           format("%s holds %s but %s has shape %s, which packs a [%lld, %lld] (out, in) weight", shape->name.c_str(),
+                  shape_text({stored[0], stored[1]}).c_str(), packed.name.c_str(), shape_text(packed.shape).c_str(),
+                  (long long)n, (long long)k));
+  }
+  w.packed = store.data(packed);
+  w.packed_cols = words;
+
+  if (d.granularity != ScaleGranularity::group && d.granularity != ScaleGranularity::channel)
+    fail(ErrorCode::unsupported, format("%s: int4 scales per %s are not supported; supported: group, channel",
+                                        d.name.c_str(), scale_granularity_name(d.granularity)));
+  w.granularity = d.granularity;
+  w.group_size = d.granularity == ScaleGranularity::channel ? k : d.group_size;
+  if (w.group_size <= 0 || k % w.group_size != 0)
+    fail(ErrorCode::bad_format,
+         format("%s: group_size %lld does not divide in_features %lld; groups must be whole (compressed-tensors "
+                "refuses them too)",
+                packed.name.c_str(), (long long)w.group_size, (long long)k));
+  const int64_t groups = k / w.group_size;
+  const TensorInfo& scale = require(store, p + "weight_scale", "a pack-quantized Linear needs its scales");
+  expect_float_dtype(scale, "scales");
+  const std::vector<int64_t> scale_shape{n, groups};
+  if (scale.shape != scale_shape)
+    bad_shape(scale, scale_shape,
+              d.granularity == ScaleGranularity::channel
+                  ? std::string("strategy channel")
+                  : format("strategy group with group_size %lld over in_features %lld", (long long)w.group_size,
+                           (long long)k));
+  set_scales(w, store, scale, n, groups);
+  w.rounding = DequantRounding::scale_dtype;
+
+  const TensorInfo* zero = store.find(p + "weight_zero_point");
+  if (!zero && !d.symmetric)
+    fail(ErrorCode::missing_tensor, format("%sweight_zero_point is missing: the Linear is asymmetric", p.c_str()));
+  if (zero) {
+    expect_dtype(*zero, DType::I32, "pack-quantized");
+    const std::vector<int64_t> zero_shape{ceil_div64(n, 8), groups};
+    if (zero->shape != zero_shape) bad_shape(*zero, zero_shape, "a zero point per scale, packed 8 per I32 along out");
+    w.zero_points = store.data(*zero);
+  }
+
+  const TensorInfo* g_idx = store.find(p + "weight_g_idx");
+  if (!g_idx && d.has_g_idx)
+    fail(ErrorCode::missing_tensor, format("%sweight_g_idx is missing: the Linear uses activation order", p.c_str()));
+  if (g_idx) {
+    expect_dtype(*g_idx, DType::I32, "pack-quantized");
+    if (g_idx->shape != std::vector<int64_t>{k}) bad_shape(*g_idx, {k}, "one group index per input column");
+    const uint8_t* bytes = store.data(*g_idx);
+    std::vector<int64_t> members(size_t(groups), 0);
+    bool column_order = false;
+    for (int64_t c = 0; c < k; c++) {
+      int32_t group;
+      memcpy(&group, bytes + 4 * c, 4);
+      if (group == -1) column_order = true;  // compressed-tensors' mark of an uncalibrated g_idx
+      else if (group < 0 || group >= groups)
+        fail(ErrorCode::bad_format, format("%s[%lld] = %d is not a group of %s (0..%lld)", g_idx->name.c_str(),
+                                           (long long)c, group, scale.name.c_str(), (long long)(groups - 1)));
+      else members[size_t(group)]++;
+    }
+    // compressed-tensors ignores a g_idx holding -1 (the columns keep their order); otherwise it sorts the
+    // columns by group and cuts runs of group_size, which is column k -> group g_idx[k] only when every group
+    // holds exactly group_size columns.
+    if (!column_order) {
+      for (int64_t g = 0; g < groups; g++)
+        if (members[size_t(g)] != w.group_size)
+          fail(ErrorCode::bad_format, format("%s assigns %lld columns to group %lld; each of the %lld groups must hold "
+                                             "group_size %lld",
+                                             g_idx->name.c_str(), (long long)members[size_t(g)], (long long)g,
+                                             (long long)groups, (long long)w.group_size));
+      w.g_idx = bytes;
+    }
+  }
+}
+
+inline void build_fp8(const LinearDesc& d, const TensorStore& store, QuantWeight& w) {
+  const std::string p = d.name + ".";
+  const int64_t n = d.out_features, k = d.in_features;
+  const TensorInfo& weight = require(store, p + "weight", "an fp8 Linear stores its weights there");
+  expect_dtype(weight, DType::F8_E4M3, "an fp8 Linear");
+  if (weight.shape != std::vector<int64_t>{n, k}) bad_shape(weight, {n, k}, "[out, in]");
+  w.fp8 = store.data(weight);
+  if (const TensorInfo* zero = store.find(p + "weight_zero_point"))
+    fail(ErrorCode::unsupported, format("%s: asymmetric fp8 weights are not supported", zero->name.c_str()));
+
+  std::string scale_name = d.scale_name;
+  if (scale_name.empty()) scale_name = store.find(p + "weight_scale_inv") ? "weight_scale_inv" : "weight_scale";
+  if (scale_name != "weight_scale" && scale_name != "weight_scale_inv")
+    fail(ErrorCode::bad_format, format("%s: scale name '%s' is neither weight_scale nor weight_scale_inv",
+                                       d.name.c_str(), scale_name.c_str()));
+  const TensorInfo& scale = require(store, p + scale_name, "an fp8 Linear needs its scales");
+  expect_float_dtype(scale, "scales");
+  w.rounding = scale_name == "weight_scale_inv" ? DequantRounding::f32 : DequantRounding::scale_dtype;
+  w.granularity = d.granularity;
+  switch (d.granularity) {
+    case ScaleGranularity::tensor:
+      if (scale.numel() != 1 || scale.shape.size() > 1) bad_shape(scale, {1}, "strategy tensor");
+      set_scales(w, store, scale, 1, 1);
+      break;
+    case ScaleGranularity::channel:
+      if (scale.shape != std::vector<int64_t>{n, 1}) bad_shape(scale, {n, 1}, "strategy channel");
+      set_scales(w, store, scale, n, 1);
+      break;
+    case ScaleGranularity::block: {
+      if (d.block_n <= 0 || d.block_k <= 0)
+        fail(ErrorCode::bad_format, format("%s: block %lld x %lld must be positive", d.name.c_str(),
+                                           (long long)d.block_n, (long long)d.block_k));
+      const std::vector<int64_t> blocks{ceil_div64(n, d.block_n), ceil_div64(k, d.block_k)};
+      if (scale.shape != blocks)
+        bad_shape(scale, blocks, format("%lld x %lld blocks over [%lld, %lld]", (long long)d.block_n,
+                                        (long long)d.block_k, (long long)n, (long long)k));
+      w.block_n = d.block_n;
+      w.block_k = d.block_k;
+      set_scales(w, store, scale, blocks[0], blocks[1]);
+      break;
+    }
+    default:
+      fail(ErrorCode::unsupported, format("%s: fp8 scales per %s are not supported; supported: tensor, channel, block",
+                                          d.name.c_str(), scale_granularity_name(d.granularity)));
+  }
+}
+
+// e4m3 byte -> float, from base's converter once.
+inline const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int v = 0; v < 256; v++) t[size_t(v)] = fp8_e4m3_to_float(uint8_t(v));
+    return t;
+  }();
+  return table;
+}
+
+// ---- dot products in the CPU backend's order --------------------------------------------------------------
+// 8 partial sums (element k goes to sum k % 8) over the largest multiple of 8, reduced in a fixed tree, then
+// the remaining elements in order: the same order as the CPU backend's float32 linear.
+constexpr int kLanes = 8;
+inline float reduce_lanes(const float* acc) {
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// out[i][j] = x row i . w row j for a TOKENS x ROWS tile.
+template <int TOKENS, int ROWS>
+inline void dot_tile(const float* x, int64_t x_stride, const float* w, int64_t k_size, float (&out)[TOKENS][ROWS]) {
+  float acc[TOKENS][ROWS][kLanes] = {};
+  const int64_t main = k_size - k_size % kLanes;
+  for (int64_t k = 0; k < main; k += kLanes)
+    for (int i = 0; i < TOKENS; i++)
+      for (int j = 0; j < ROWS; j++)
+        for (int l = 0; l < kLanes; l++) acc[i][j][l] += x[i * x_stride + k + l] * w[j * k_size + k + l];
+  for (int i = 0; i < TOKENS; i++)
+    for (int j = 0; j < ROWS; j++) {
+      float sum = reduce_lanes(acc[i][j]);
+      for (int64_t k = main; k < k_size; k++) sum += x[i * x_stride + k] * w[j * k_size + k];
+      out[i][j] = sum;
+    }
+}
+
+}  // namespace quant
+
+void dequantize_rows_unchecked(const QuantWeight& w, int64_t row0, int64_t rows, float* out) {
+  const int64_t k_size = w.in_features;
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t n = row0 + r;
+    float* dst = out + r * k_size;  // [K]
+    if (w.format == WeightFormat::int4) {
+      const uint8_t* packed_row = w.packed + 4 * n * w.packed_cols;
+      const int64_t scale_row = n * w.scale_cols;
+      if (w.g_idx) {  // activation order: each column names its group
+        for (int64_t k = 0; k < k_size; k++) {
+          int32_t g;
+          memcpy(&g, w.g_idx + 4 * k, 4);
+          const int zero = w.zero_points ? int4_zero_point_at(w.zero_points, w.scale_cols, n, g) : 0;
+          dst[k] = dequantize_value(float(int4_packed_at(packed_row, k) - zero),
+                                    scale_at(w.scales, w.scale_dtype, scale_row + g), w.scale_dtype, w.rounding);
+        }
+      } else {
+        for (int64_t g = 0; g < w.scale_cols; g++) {
+          const float scale = scale_at(w.scales, w.scale_dtype, scale_row + g);
+          const int zero = w.zero_points ? int4_zero_point_at(w.zero_points, w.scale_cols, n, g) : 0;
+          // A group has only 16 distinct weights: dequantize each once, then look the nibbles up.
+          float table[16];
+          for (int u = 0; u < 16; u++) table[u] = dequantize_value(float(u - 8 - zero), scale, w.scale_dtype, w.rounding);
+          const int64_t k0 = g * w.group_size, k1 = k0 + w.group_size;
+          if (w.group_size % 8 == 0) {  // whole words (every group size checkpoints use)
+            for (int64_t word_index = k0 / 8; word_index < k1 / 8; word_index++) {
+              const uint32_t word = load_u32_le(packed_row + 4 * word_index);
+              for (int i = 0; i < 8; i++) dst[8 * word_index + i] = table[(word >> (4 * i)) & 0xfu];
+            }
+          } else {
+            for (int64_t k = k0; k < k1; k++) dst[k] = table[int4_packed_at(packed_row, k) + 8];
+          }
+        }
+      }
+    } else {
+      const std::array<float, 256>& fp8 = quant::fp8_table();
+      const uint8_t* src = w.fp8 + n * k_size;
+      // Runs of columns sharing one scale: the whole row (tensor, channel) or block_k columns (block).
+      const int64_t run = w.granularity == ScaleGranularity::block ? w.block_k : k_size;
+      const int64_t scale_row = w.granularity == ScaleGranularity::tensor  ? 0
+                                : w.granularity == ScaleGranularity::block ? (n / w.block_n) * w.scale_cols
+                                                                           : n;
+      for (int64_t j = 0; j * run < k_size; j++) {
+        const float scale = scale_at(w.scales, w.scale_dtype, scale_row + j);
+        for (int64_t k = j * run; k < std::min(k_size, (j + 1) * run); k++)
+          dst[k] = dequantize_value(fp8[src[k]], scale, w.scale_dtype, w.rounding);
+      }
+    }
+  }
+}
+
+void quant_linear_block(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& w, int64_t n0,
+                        int64_t rows, float* scratch, float* out, int64_t out_stride) {
+  const int64_t k_size = w.in_features;
+  dequantize_rows_unchecked(w, n0, rows, scratch);  // scratch [rows, K]
+  constexpr int kTileTokens = 4, kTileRows = 4;
+  auto store = [&](int64_t t, int64_t n, float value) {
+    if (w.bias) value = value + scale_at(w.bias, w.bias_dtype, n);
+    out[t * out_stride + n] = value;
+  };
+  // Which tile shape computes an output changes nothing: every element sums in the same order.
+  int64_t t = 0;
+  for (; t + kTileTokens <= tokens; t += kTileTokens) {
+    int64_t r = 0;
+    for (; r + kTileRows <= rows; r += kTileRows) {
+      float tile[kTileTokens][kTileRows];
+      quant::dot_tile<kTileTokens, kTileRows>(x + t * x_stride, x_stride, scratch + r * k_size, k_size, tile);
+      for (int i = 0; i < kTileTokens; i++)
+        for (int j = 0; j < kTileRows; j++) store(t + i, n0 + r + j, tile[i][j]);
+    }
+    for (; r < rows; r++) {
+      float tile[kTileTokens][1];
+      quant::dot_tile<kTileTokens, 1>(x + t * x_stride, x_stride, scratch + r * k_size, k_size, tile);
+      for (int i = 0; i < kTileTokens; i++) store(t + i, n0 + r, tile[i][0]);
+    }
+  }
+  for (; t < tokens; t++)
+    for (int64_t r = 0; r < rows; r++) {
+      float tile[1][1];
+      quant::dot_tile<1, 1>(x + t * x_stride, x_stride, scratch + r * k_size, k_size, tile);
+      store(t, n0 + r, tile[0][0]);
+    }
+}
+
+}  // namespace detail
+
+Result<QuantWeight> quant_weight(const LinearDesc& linear, const TensorStore& store) {
+  return detail::guard([&] {
+    if (linear.out_features <= 0 || linear.in_features <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("%s: [%lld, %lld] (out, in) must be positive", linear.name.c_str(),
+                                  (long long)linear.out_features, (long long)linear.in_features));
+    QuantWeight w;
+    w.name = linear.name;
+    w.out_features = linear.out_features;
+    w.in_features = linear.in_features;
+    w.format = linear.format;
+    if (linear.format == WeightFormat::int4) detail::quant::build_int4(linear, store, w);
+    else if (linear.format == WeightFormat::fp8) detail::quant::build_fp8(linear, store, w);
+    else
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("%s is %s, not a quantized format (int4, fp8)", linear.name.c_str(),
+                                  weight_format_name(linear.format)));
+    detail::quant::check_bias(w, store, linear.name + ".");
+    return w;
+  });
+}
+
+Status dequantize_rows(const QuantWeight& weight, int64_t row0, int64_t rows, float* out) {
+  return detail::guard([&] {
+    if (row0 < 0 || rows < 0 || row0 + rows > weight.out_features)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("dequantize_rows(%s): rows [%lld, %lld) are outside [0, %lld)", weight.name.c_str(),
+                                  (long long)row0, (long long)(row0 + rows), (long long)weight.out_features));
+    if (rows > 0 && !out) detail::fail(ErrorCode::invalid_argument, "dequantize_rows: out is null");
+    detail::dequantize_rows_unchecked(weight, row0, rows, out);
+  });
+}
+
+Status quantize_fp8_activations(const float* x, int64_t rows, int64_t cols, int64_t x_stride, int64_t group,
+                                uint8_t* q, float* scales) {
+  return detail::guard([&] {
+    if (rows < 0 || cols <= 0 || group <= 0 || x_stride < cols)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quantize_fp8_activations: rows %lld, cols %lld, group %lld, x_stride %lld: need "
+                                  "cols and group positive and x_stride >= cols",
+                                  (long long)rows, (long long)cols, (long long)group, (long long)x_stride));
+    const int64_t groups = (cols + group - 1) / group;
+    for (int64_t r = 0; r < rows; r++) {
+      const float* src = x + r * x_stride;
+      for (int64_t g = 0; g < groups; g++) {
+        const int64_t k0 = g * group, k1 = std::min(cols, k0 + group);
+        float amax = 0.0f;
+        for (int64_t k = k0; k < k1; k++) amax = std::max(amax, std::fabs(src[k]));
+        float scale = amax / 448.0f;
+        if (scale == 0.0f) scale = FLT_EPSILON;  // compressed-tensors' guard against dividing by zero
+        scales[r * groups + g] = scale;
+        for (int64_t k = k0; k < k1; k++) q[r * cols + k] = float_to_fp8_e4m3(src[k] / scale + 0.0f);
+      }
+    }
+  });
+}
+
+Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight, float* out,
+                    int64_t out_stride, const QuantLinearOptions& options) {
+  return detail::guard([&] {
+    const int64_t n_size = weight.out_features, k_size = weight.in_features;
+    if (tokens < 0 || x_stride < k_size || out_stride < n_size || options.threads < 1)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quant_linear(%s): tokens %lld, x_stride %lld (>= in %lld), out_stride %lld "
+                                  "(>= out %lld), threads %d (>= 1)",
+                                  weight.name.c_str(), (long long)tokens, (long long)x_stride, (long long)k_size,
+                                  (long long)out_stride, (long long)n_size, options.threads));
+    if (tokens == 0) return;
+    if (!x || !out) detail::fail(ErrorCode::invalid_argument, "quant_linear: x or out is null");
+
+    std::vector<float> requantized;  // [T, K] when activations go through fp8
+    if (options.fp8_activations) {
+      if (weight.format != WeightFormat::fp8)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("quant_linear(%s): fp8 activations go with fp8 weights, not %s",
+                                    weight.name.c_str(), weight_format_name(weight.format)));
+      const int64_t group = weight.granularity == ScaleGranularity::block ? weight.block_k : k_size;
+      const int64_t groups = (k_size + group - 1) / group;
+      std::vector<uint8_t> q(size_t(tokens * k_size));
+      std::vector<float> scales(size_t(tokens * groups));
+      quantize_fp8_activations(x, tokens, k_size, x_stride, group, q.data(), scales.data()).value();
+      const std::array<float, 256>& fp8 = detail::quant::fp8_table();
+      requantized.resize(size_t(tokens * k_size));
+      for (int64_t t = 0; t < tokens; t++)
+        for (int64_t k = 0; k < k_size; k++)
+          requantized[size_t(t * k_size + k)] = fp8[q[size_t(t * k_size + k)]] * scales[size_t(t * groups + k / group)];
+      x = requantized.data();
+      x_stride = k_size;
+    }
+
+    // Work item b = rows [16 b, 16 b + 16); thread i takes items i, i + threads, ... (results do not depend
+    // on who computes an item).
+    const int64_t blocks = (n_size + detail::kQuantRowBlock - 1) / detail::kQuantRowBlock;
+    const int threads = int(std::min<int64_t>(options.threads, blocks));
+    const int64_t scratch_floats = detail::kQuantRowBlock * k_size;
+    std::vector<float> scratch(size_t(threads * scratch_floats));  // [threads, 16, K]
+    auto work = [&](int thread) {  // allocates nothing and cannot throw
+      for (int64_t b = thread; b < blocks; b += threads) {
+        const int64_t n0 = b * detail::kQuantRowBlock;
+        detail::quant_linear_block(x, x_stride, tokens, weight, n0, std::min(detail::kQuantRowBlock, n_size - n0),
+                                   scratch.data() + thread * scratch_floats, out, out_stride);
+      }
+    };
+    std::vector<std::thread> helpers;
+    helpers.reserve(size_t(threads - 1));
+    try {
+      for (int i = 1; i < threads; i++) helpers.emplace_back(work, i);
+    } catch (...) {  // the system refused a thread: finish the ones started before reporting it
+      for (std::thread& helper : helpers) helper.join();
+      throw;
+    }
+    work(0);
+    for (std::thread& helper : helpers) helper.join();
   });
 }
 
@@ -10612,4 +11398,23 @@ Status write_npy(const std::string& path, const float* values, int64_t rows, int
 }
 
 }  // namespace kvlite
+// backend_cuda: without KVLITE_WITH_CUDA the CUDA backend's entry points say it was not built (kernels.cu
+// defines them otherwise).
+#if !defined(KVLITE_WITH_CUDA)
+namespace kvlite {
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions&) {
+  return Error(ErrorCode::unsupported, "make_cuda_backend: kvlite was built without CUDA (no nvcc found at build "
+                                       "time); rebuild with the CUDA toolkit to use a GPU");
+}
+
+namespace cuda {
+Status argmax(Backend&, const Tensor&, const Tensor&) {
+  return Error(ErrorCode::unsupported, "cuda::argmax: kvlite was built without CUDA");
+}
+uint64_t device_allocations() { return 0; }
+}  // namespace cuda
+
+}  // namespace kvlite
+#endif  // !KVLITE_WITH_CUDA
 #endif  // KVLITE_IMPLEMENTATION

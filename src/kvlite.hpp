@@ -6,6 +6,7 @@
 #include "base.hpp"
 #include "safetensors.hpp"
 #include "config.hpp"
+#include "quant.hpp"
 #include "tokenizer.hpp"
 #include "image.hpp"
 #include "device.hpp"
@@ -16,6 +17,7 @@
 #include "model.hpp"
 #include "vision.hpp"
 #include "engine.hpp"
+#include "backend_cuda.hpp"
 #endif  // KVLITE_HPP_INCLUDED
 
 #if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
@@ -23,6 +25,7 @@
 #include "base.inl"
 #include "safetensors.inl"
 #include "config.inl"
+#include "quant.inl"
 #include "tokenizer.inl"
 #include "image.inl"
 #include "device.inl"
@@ -34,4 +37,5 @@
 #include "model.inl"
 #include "vision.inl"
 #include "engine.inl"
+#include "backend_cuda.inl"
 #endif  // KVLITE_IMPLEMENTATION

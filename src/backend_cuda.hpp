@@ -1,0 +1,193 @@
+// ---------------------------------------------------------------------------------------------------------
+// backend_cuda: the CUDA implementation of Backend (its code is in kernels.cu), its options, two CUDA-only
+// extras, and the index math its kernels share with the host (__host__ __device__, unit-tested on the CPU in
+// tests/unit-cuda-host.cpp).
+//
+// Activations: BF16 by default (CudaBackendOptions::activation_dtype; F16 for F16 checkpoints, F32 to match
+// the CPU reference closely). Every op computes in fp32 and rounds once when it stores.
+// Linear: cuBLAS (cublasGemmEx) with the weight in the activation dtype and fp32 accumulation (split-K
+// reductions in fp32 too); the loader converts other weight dtypes when it uploads them (copy).
+// Memory: the backend allocates no device memory of its own. Its workspace comes from the caller (the arena's
+// "workspace" region) and is carved once:
+//
+//   workspace ──► | cuBLAS workspace (cublas_workspace_bytes) | fault record (256 B) | scratch ... |
+//
+// cuBLAS is handed the first part with cublasSetWorkspace, so it never allocates while running; the scratch
+// holds split attention's partial results. Index vectors (ids, slots, query_starts, context_lens,
+// block_tables) live on the device, so their values are checked by the kernels: the first bad value is kept
+// in the fault record and reported as invalid_argument by the next synchronize(), copy_to_host() or
+// copy_from_host(); the output rows it affects are NaN (kv_write: the token is not stored).
+// ---------------------------------------------------------------------------------------------------------
+#pragma once
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+namespace kvlite {
+
+// What cuBLAS asks for on Hopper (4 MiB suffice on older GPUs); the planner reserves kCudaWorkspaceBytes.
+constexpr uint64_t kCudaCublasWorkspaceBytes = 32 * MiB;
+// Scratch for split attention: [rows, heads, splits, head_dim + 2] floats. Decode of 64 sequences x 64
+// heads x head_dim 128 split 8 ways needs 16 MiB; less scratch only means fewer splits.
+constexpr uint64_t kCudaScratchBytes = 32 * MiB;
+constexpr uint64_t kCudaWorkspaceBytes = kCudaCublasWorkspaceBytes + kCudaScratchBytes;
+// The least scratch the backend starts with (the fault record and a few partials).
+constexpr uint64_t kCudaMinScratchBytes = 64 * KiB;
+// kernels.cu's attention holds head_dim / 32 (rounded up) dimensions per lane, at most 8.
+constexpr int64_t kCudaMaxHeadDim = 256;
+
+struct CudaBackendOptions {
+  int device = 0;                         // CUDA device index
+  void* workspace = nullptr;              // device memory on `device`, 256-byte aligned (the arena's region)
+  uint64_t workspace_bytes = 0;           // at least cublas_workspace_bytes + kCudaMinScratchBytes
+  uint64_t cublas_workspace_bytes = kCudaCublasWorkspaceBytes;  // the front of the workspace, cuBLAS's
+  DType activation_dtype = DType::BF16;   // BF16, F16 or F32
+};
+
+// Binds the backend to options.device: a stream of its own, a cuBLAS handle using the workspace's front.
+// invalid_argument for bad options (the numbers in the message), device_error when CUDA fails (no GPU, a
+// driver error), unsupported for GPUs older than compute capability 8.0 and in builds without CUDA.
+Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options);
+
+namespace cuda {
+// Greedy decoding on the device: ids[t] = the column of the largest logit in row t; ties go to the lowest
+// column (as torch.argmax) and NaN never wins (an all-NaN row gives 0). logits [T, V] in the backend's
+// activation dtype, V > 0; ids I32 vector [T]. invalid_argument when `backend` is not a CUDA backend.
+// (A CUDA-only extra until Backend has an argmax op.)
+Status argmax(Backend& backend, const Tensor& logits, const Tensor& ids);
+
+// Device allocations (cudaMalloc calls) kvlite has made in this process: the arena's reservation is the one
+// expected; backends make none. Monotonic; 0 in builds without CUDA.
+uint64_t device_allocations();
+
+// ---- index math shared by kernels.cu and the host --------------------------------------------------------
+
+// The sequence owning query row `row`: the s in [0, seqs) with starts[s] <= row < starts[s + 1], the last
+// such s when empty sequences repeat a start (as the CPU backend's upper_bound). -1 when no sequence holds
+// the row (query_starts not rising from 0 past it). starts has seqs + 1 entries, sorted when well formed.
+KVLITE_HD int64_t sequence_of_row(const int32_t* starts, int64_t seqs, int64_t row) {
+  if (seqs <= 0 || starts[0] > row) return -1;
+  int64_t lo = 0, hi = seqs;  // starts[lo] <= row; the answer is in [lo, hi)
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (starts[mid] <= row) lo = mid;
+    else hi = mid;
+  }
+  return row < starts[lo + 1] ? lo : -1;
+}
+
+// Online softmax, one score at a time (Milakov & Gimelshein 2018): keeps the running maximum and the sum of
+// exp(score - maximum); `rescale` is what the values already accumulated must be multiplied by (1 unless the
+// maximum grew), `weight` what the new value is accumulated with. Same steps as the CPU backend's loop.
+struct SoftmaxStep {
+  float rescale, weight;
+};
+KVLITE_HD SoftmaxStep online_softmax_step(float score, float& running_max, float& running_sum) {
+  SoftmaxStep step{1.0f, 0.0f};
+  if (score > running_max) {
+    step.rescale = expf(running_max - score);  // exp(-inf) = 0 at the first score
+    running_sum *= step.rescale;
+    running_max = score;
+  }
+  step.weight = expf(score - running_max);
+  running_sum += step.weight;
+  return step;
+}
+
+// Merging softmax partials (split attention, warps of a block): a partial with maximum m, sum l and
+// accumulated values acc joins a total with maximum `total_max` (the largest m) multiplied by this factor.
+// A partial that saw no score has m = -inf and factor 0, also when every partial is empty.
+KVLITE_HD float softmax_partial_factor(float partial_max, float total_max) {
+  return partial_max == -INFINITY ? 0.0f : expf(partial_max - total_max);
+}
+
+// Keys [*begin, *end) of split `split` for a query that sees cache indices 0 .. last: chunks of
+// `chunk` tokens, the last one cut at last + 1 (empty when the chunk starts past it).
+KVLITE_HD void split_key_range(int64_t split, int64_t chunk, int64_t last, int64_t* begin, int64_t* end) {
+  *begin = split * chunk;
+  *end = (*begin + chunk < last + 1) ? *begin + chunk : last + 1;
+  if (*end < *begin) *end = *begin;
+}
+
+// Argmax reduction order: is (value, index) better than (best_value, best_index)? Larger wins, ties go to
+// the lower index, NaN never wins. Associative and commutative, so any reduction tree gives one answer.
+KVLITE_HD bool argmax_better(float value, int32_t index, float best_value, int32_t best_index) {
+  return value > best_value || (value == best_value && index < best_index);
+}
+
+// Head dimensions each lane of a warp holds in attention (lane l holds l, l + 32, ...): the smallest of the
+// compiled counts {1, 2, 3, 4, 6, 8} covering head_dim; 0 when head_dim > kCudaMaxHeadDim.
+KVLITE_HD int attention_dims_per_lane(int64_t head_dim) {
+  const int64_t needed = (head_dim + 31) / 32;
+  if (head_dim <= 0 || needed > 8) return 0;
+  return needed <= 4 ? int(needed) : (needed <= 6 ? 6 : 8);
+}
+// Query heads one attention block serves together (they share each K/V row it loads): bounded so the
+// per-lane registers (queries and accumulators, 2 x heads x dims_per_lane floats) stay at 64.
+KVLITE_HD constexpr int attention_heads_per_block(int dims_per_lane) { return dims_per_lane <= 4 ? 8 : 4; }
+
+// How attention splits each query's keys across blocks (flash-decoding): more blocks when rows x heads alone
+// would leave SMs idle, each split a chunk of at least kMinChunk keys, partials fitting the scratch.
+struct AttentionSplit {
+  int64_t splits = 1;  // blocks per (row, head group); 1: no partials, the block writes the output
+  int64_t chunk = 1;   // keys per split (the whole max_context when splits == 1)
+};
+constexpr int64_t kAttentionMinChunk = 128;
+constexpr int64_t kAttentionMaxSplits = 256;
+// blocks: rows x KV heads x head passes (the grid without splitting); target_blocks: what fills the GPU;
+// partial_bytes: scratch bytes one split of every (row, head) needs; scratch_bytes: what there is.
+inline AttentionSplit plan_attention_split(int64_t blocks, int64_t max_context, int64_t target_blocks,
+                                           uint64_t partial_bytes, uint64_t scratch_bytes) {
+  AttentionSplit plan;
+  plan.chunk = max_context > 0 ? max_context : 1;
+  if (blocks <= 0 || blocks >= target_blocks || max_context <= kAttentionMinChunk) return plan;
+  int64_t splits = (target_blocks + blocks - 1) / blocks;
+  splits = std::min<int64_t>(splits, max_context / kAttentionMinChunk);  // so every chunk has kMinChunk keys
+  splits = std::min<int64_t>(splits, kAttentionMaxSplits);
+  if (partial_bytes > 0) splits = std::min<int64_t>(splits, int64_t(scratch_bytes / partial_bytes));
+  if (splits < 2) return plan;
+  plan.chunk = (max_context + splits - 1) / splits;
+  plan.splits = (max_context + plan.chunk - 1) / plan.chunk;  // no empty trailing split
+  return plan;
+}
+
+// out [T, N] = x [T, K] @ w[N, K]^T as cuBLAS sees it: cuBLAS is column-major, and a row-major [r, c] matrix
+// with row stride s is a column-major c x r matrix with leading dimension s. So
+//   out^T (N x T, ld out.stride) = op_T(w as K x N, ld w.stride) x (x as K x T, ld x.stride):
+// m = N, n = T, k = K, A = w with CUBLAS_OP_T, B = x with CUBLAS_OP_N. false when a size exceeds int.
+struct GemmShape {
+  int m = 0, n = 0, k = 0;
+  int lda = 0, ldb = 0, ldc = 0;
+};
+// Leading dimension of a view: its row stride, or its width when it has one row (the stride is unused).
+inline int64_t leading_dimension(const Tensor& t) {
+  return t.rows <= 1 ? std::max<int64_t>(t.cols, 1) : t.row_stride;
+}
+inline bool linear_gemm_shape(const Tensor& x, const Tensor& weight, const Tensor& out, GemmShape* shape) {
+  const int64_t values[6] = {weight.rows, x.rows, x.cols, leading_dimension(weight), leading_dimension(x),
+                             leading_dimension(out)};
+  for (int64_t v : values)
+    if (v > INT_MAX) return false;
+  *shape = GemmShape{int(values[0]), int(values[1]), int(values[2]), int(values[3]), int(values[4]), int(values[5])};
+  return true;
+}
+
+// The workspace carved once at construction (see the top of this part). false when it is too small.
+struct CudaWorkspaceLayout {
+  uint64_t cublas_offset = 0, cublas_bytes = 0;
+  uint64_t fault_offset = 0;  // 256 bytes for the fault record
+  uint64_t scratch_offset = 0, scratch_bytes = 0;
+};
+inline bool cuda_workspace_layout(uint64_t workspace_bytes, uint64_t cublas_bytes, CudaWorkspaceLayout* layout) {
+  CudaWorkspaceLayout l;
+  l.cublas_bytes = cublas_bytes / 256 * 256;  // cuBLAS wants a multiple of 256 bytes
+  l.fault_offset = l.cublas_bytes;
+  l.scratch_offset = l.fault_offset + 256;
+  if (l.scratch_offset > workspace_bytes || workspace_bytes - l.scratch_offset < kCudaMinScratchBytes) return false;
+  l.scratch_bytes = workspace_bytes - l.scratch_offset;
+  *layout = l;
+  return true;
+}
+}  // namespace cuda
+
+}  // namespace kvlite

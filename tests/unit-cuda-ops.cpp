@@ -1,0 +1,865 @@
+// cuda-ops: every op of the CUDA backend against the CPU backend (the reference) on a real GPU, for each
+// activation dtype (BF16, F16, F32): fresh seeded random inputs (never zeros) at many shapes including odd
+// ones and strided views, outputs poisoned with NaN first and padded with NaN between rows (so a missed or
+// stray write shows up), results compared within the activation dtype's rounding.
+//
+// Without a CUDA GPU (or in a build without CUDA) every case says "no CUDA GPU: skipped" and passes, unless
+// KVLITE_REQUIRE_GPU=1 (tools/gpu-check.sh sets it), when it fails.
+#include <doctest/doctest.h>
+#include "kvlite.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <iterator>
+#include <numeric>
+#include <random>
+
+using namespace kvlite;
+
+namespace {
+
+// ---- the GPU, or a skip -------------------------------------------------------------------------------------
+bool gpu_required() {
+  const char* value = std::getenv("KVLITE_REQUIRE_GPU");
+  return value != nullptr && std::string(value) == "1";
+}
+bool gpu_present() { return cuda::built_with_cuda() && cuda::device_count() > 0; }
+#define GPU_OR_SKIP()                                                                                      \
+  do {                                                                                                     \
+    if (!gpu_present()) {                                                                                  \
+      if (gpu_required())                                                                                  \
+        FAIL("KVLITE_REQUIRE_GPU=1 but no CUDA GPU is usable (built with CUDA: "                           \
+             << std::string(cuda::built_with_cuda() ? "yes" : "no") << ", devices: " << cuda::device_count() << ")"); \
+      MESSAGE("no CUDA GPU: skipped");                                                                     \
+      return;                                                                                              \
+    }                                                                                                      \
+  } while (0)
+
+#define REQUIRE_OK(expr)                            \
+  do {                                              \
+    const auto& kvlite_status_ = (expr);            \
+    if (!kvlite_status_.ok()) FAIL(kvlite_status_.error().message); \
+  } while (0)
+
+// ---- host matrices of any float dtype ---------------------------------------------------------------------
+float decode(DType dtype, const uint8_t* p) {
+  uint16_t h;
+  float f;
+  switch (dtype) {
+    case DType::BF16: memcpy(&h, p, 2); return bf16_to_float(h);
+    case DType::F16: memcpy(&h, p, 2); return f16_to_float(h);
+    default: memcpy(&f, p, 4); return f;
+  }
+}
+void encode(DType dtype, float value, uint8_t* p) {
+  uint16_t h;
+  switch (dtype) {
+    case DType::BF16: h = float_to_bf16(value); memcpy(p, &h, 2); return;
+    case DType::F16: h = float_to_f16(value); memcpy(p, &h, 2); return;
+    default: memcpy(p, &value, 4); return;
+  }
+}
+float round_to(DType dtype, float value) {
+  uint8_t bytes[4];
+  encode(dtype, value, bytes);
+  return decode(dtype, bytes);
+}
+
+struct Random {
+  std::mt19937_64 engine;
+  explicit Random(uint64_t seed) : engine(seed) {}
+  // Uniform in [-scale, scale], never within scale/1000 of zero.
+  float value(float scale = 1.0f) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (;;) {
+      const float v = u(engine);
+      if (std::fabs(v) > 1e-3f) return v * scale;
+    }
+  }
+  int64_t below(int64_t n) { return int64_t(engine() % uint64_t(n)); }
+};
+
+// rows x cols elements with `pad` NaN elements after each row.
+struct Matrix {
+  DType dtype;
+  int64_t rows, cols, stride;
+  std::vector<uint8_t> bytes;
+  Matrix(DType dtype_, int64_t rows_, int64_t cols_, int64_t pad)
+      : dtype(dtype_), rows(rows_), cols(cols_), stride(cols_ + pad),
+        bytes(size_t(std::max<int64_t>(rows_ * (cols_ + pad), 1)) * dtype_bytes(dtype_, 1)) {
+    for (size_t i = 0; i < bytes.size(); i += size_t(element_bytes())) encode(dtype, NAN, &bytes[i]);
+  }
+  int64_t element_bytes() const { return int64_t(dtype_bytes(dtype, 1)); }
+  int64_t elements() const { return int64_t(bytes.size()) / element_bytes(); }
+  float get(int64_t r, int64_t c) const { return decode(dtype, &bytes[size_t((r * stride + c) * element_bytes())]); }
+  void set(int64_t r, int64_t c, float v) { encode(dtype, v, &bytes[size_t((r * stride + c) * element_bytes())]); }
+  bool padding_untouched() const {
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t c = cols; c < stride; c++)
+        if (!std::isnan(get(r, c))) return false;
+    return true;
+  }
+};
+
+// Compares got against ref within abs_tol + rel_tol * |ref| (+ an element's own allowance), keeping the worst.
+struct Compare {
+  Compare(double abs, double rel) : abs_tol(abs), rel_tol(rel) {}
+  double abs_tol, rel_tol;
+  double worst_excess = -1;
+  std::string worst;
+  int64_t nonfinite = 0, count = 0;
+  void operator()(double got, double ref, int64_t r, int64_t c, double extra = 0) {
+    count++;
+    if (std::isfinite(ref) && !std::isfinite(got)) {
+      if (nonfinite++ == 0) worst = at(got, ref, r, c);
+      return;
+    }
+    const double excess = std::fabs(got - ref) - (abs_tol + rel_tol * std::fabs(ref) + extra);
+    if (excess > worst_excess) {
+      worst_excess = excess;
+      worst = at(got, ref, r, c);
+    }
+  }
+  static std::string at(double got, double ref, int64_t r, int64_t c) {
+    char text[160];
+    snprintf(text, sizeof text, "at [%lld, %lld]: got %.9g, expected %.9g", (long long)r, (long long)c, got, ref);
+    return text;
+  }
+  bool ok() const { return count > 0 && nonfinite == 0 && worst_excess <= 0; }
+};
+#define CHECK_COMPARE(cmp) \
+  do {                     \
+    INFO((cmp).worst);     \
+    CHECK((cmp).ok());     \
+  } while (0)
+
+// One rounding step of the activation dtype, relative (an ulp at the bottom of a binade): the GPU rounds
+// each stored result once, the CPU reference keeps F32.
+double ulp(DType activation) {
+  switch (activation) {
+    case DType::BF16: return 1.0 / 128;
+    case DType::F16: return 1.0 / 1024;
+    default: return 1.0 / (1 << 20);  // F32: a few ulps of fp32 for different summation orders
+  }
+}
+
+const DType kActivations[] = {DType::BF16, DType::F16, DType::F32};
+const DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
+
+// ---- device memory and the two backends -------------------------------------------------------------------
+// One device reservation per test (cuda::allocate_arena, the library's one cudaMalloc), handed out in
+// 256-byte aligned pieces.
+class DeviceMemory {
+ public:
+  explicit DeviceMemory(uint64_t bytes) : size_(bytes) {
+    auto reserved = cuda::allocate_arena(bytes);
+    if (!reserved.ok()) FAIL(reserved.error().message);
+    base_ = static_cast<uint8_t*>(*reserved);
+  }
+  ~DeviceMemory() {
+    if (base_ != nullptr) (void)cuda::free_arena(base_);
+  }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  void* take(uint64_t bytes) {
+    const uint64_t offset = align_up(used_, 256);
+    REQUIRE(offset + bytes <= size_);
+    used_ = offset + std::max<uint64_t>(bytes, 1);
+    return base_ + offset;
+  }
+
+ private:
+  uint8_t* base_ = nullptr;
+  uint64_t size_ = 0, used_ = 0;
+};
+
+struct Gpu {
+  DType activation;
+  DeviceMemory memory;
+  std::unique_ptr<Backend> cuda, cpu;
+  explicit Gpu(DType activation_, uint64_t workspace_bytes = kCudaWorkspaceBytes,
+               uint64_t cublas_bytes = kCudaCublasWorkspaceBytes)
+      : activation(activation_), memory(512 * MiB) {
+    CudaBackendOptions options;
+    options.activation_dtype = activation;
+    options.workspace = memory.take(workspace_bytes);
+    options.workspace_bytes = workspace_bytes;
+    options.cublas_workspace_bytes = cublas_bytes;
+    auto made = make_cuda_backend(options);
+    if (!made.ok()) FAIL(made.error().message);
+    cuda = std::move(*made);
+    CHECK(cuda->activation_dtype() == activation);
+    cpu = make_cpu_backend().value();
+  }
+};
+
+// One tensor on both backends: `host` holds the bytes of the device copy (the GPU-side dtype), `ref` the CPU
+// backend's tensor (its dtype: F32 for activations). Both start as NaN, rows padded by `pad` NaNs.
+struct Twin {
+  Gpu* gpu;
+  Matrix host, ref;
+  void* device;
+  Twin(Gpu& g, DType gpu_dtype, DType cpu_dtype, int64_t rows, int64_t cols, int64_t pad = 0)
+      : gpu(&g), host(gpu_dtype, rows, cols, pad), ref(cpu_dtype, rows, cols, pad) {
+    device = g.memory.take(host.bytes.size());
+    upload();
+  }
+  // An activation: the GPU's activation dtype, F32 on the CPU.
+  static Twin activation(Gpu& g, int64_t rows, int64_t cols, int64_t pad = 0) {
+    return Twin(g, g.activation, DType::F32, rows, cols, pad);
+  }
+  // Values exactly representable on both sides (rounded to the narrower dtype), then uploaded.
+  void randomize(Random& rng, float scale = 1.0f) {
+    for (int64_t r = 0; r < host.rows; r++)
+      for (int64_t c = 0; c < host.cols; c++) set(r, c, rng.value(scale));
+    upload();
+  }
+  void set(int64_t r, int64_t c, float v) {
+    const float both = round_to(host.dtype, round_to(ref.dtype, v));
+    host.set(r, c, both);
+    ref.set(r, c, both);
+  }
+  Tensor whole() const { return Tensor::matrix(device, host.dtype, 1, host.elements()); }
+  void upload() { REQUIRE_OK(gpu->cuda->copy_from_host(host.bytes.data(), whole())); }
+  void download() { REQUIRE_OK(gpu->cuda->copy_to_host(whole(), host.bytes.data())); }
+  Tensor on_gpu() const { return Tensor{device, host.dtype, host.rows, host.cols, host.stride}; }
+  Tensor on_cpu() { return Tensor{ref.bytes.data(), ref.dtype, ref.rows, ref.cols, ref.stride}; }
+  // Downloads the GPU's result and compares it with the CPU's; the padding must still be NaN.
+  void check(double abs_tol, double rel_tol) {
+    download();
+    Compare cmp{abs_tol, rel_tol};
+    for (int64_t r = 0; r < host.rows; r++)
+      for (int64_t c = 0; c < host.cols; c++) cmp(host.get(r, c), ref.get(r, c), r, c);
+    CHECK_COMPARE(cmp);
+    CHECK(host.padding_untouched());
+  }
+};
+
+// An I32 vector on both backends.
+struct IntTwin {
+  Gpu* gpu;
+  std::vector<int32_t> values;
+  void* device;
+  IntTwin(Gpu& g, std::vector<int32_t> v) : gpu(&g), values(std::move(v)) {
+    device = g.memory.take(std::max<size_t>(values.size(), 1) * 4);
+    upload();
+  }
+  void upload() {
+    if (!values.empty()) REQUIRE_OK(gpu->cuda->copy_from_host(values.data(), on_gpu()));
+  }
+  Tensor on_gpu() const { return Tensor::matrix(device, DType::I32, 1, int64_t(values.size())); }
+  Tensor on_cpu() { return Tensor::matrix(values.data(), DType::I32, 1, int64_t(values.size())); }
+};
+
+// A Status that must fail with `code` and say `words`.
+void check_fails(const Status& status, ErrorCode code, const std::string& words) {
+  REQUIRE_FALSE(status.ok());
+  INFO(status.error().message);
+  CHECK(status.error().code == code);
+  CHECK(status.error().message.find(words) != std::string::npos);
+}
+
+}  // namespace
+
+// ---- gather_rows ----------------------------------------------------------------------------------------------
+
+TEST_CASE("gather_rows matches the CPU for BF16/F16/F32 tables") {
+  GPU_OR_SKIP();
+  Random rng(101);
+  struct Shape { int64_t vocab, hidden, tokens; };
+  const Shape shapes[] = {{50, 64, 7}, {1000, 129, 33}, {3, 1, 5}, {17, 300, 1}, {4099, 2048, 3}};
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (DType table_dtype : kFloatTypes)
+      for (const Shape& s : shapes) {
+        CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(table_dtype)); CAPTURE(s.vocab); CAPTURE(s.hidden);
+        Twin table(g, table_dtype, table_dtype, s.vocab, s.hidden, 3);
+        table.randomize(rng);
+        std::vector<int32_t> ids(size_t(s.tokens));
+        for (auto& id : ids) id = int32_t(rng.below(s.vocab));
+        IntTwin id_twin(g, ids);
+        Twin out = Twin::activation(g, s.tokens, s.hidden, 2);
+        REQUIRE_OK(g.cpu->gather_rows(table.on_cpu(), id_twin.on_cpu(), out.on_cpu()));
+        REQUIRE_OK(g.cuda->gather_rows(table.on_gpu(), id_twin.on_gpu(), out.on_gpu()));
+        out.check(0, table_dtype == activation ? 0 : ulp(activation));  // same dtype: a copy
+      }
+  }
+}
+
+TEST_CASE("gather_rows reports an id outside the table at the next synchronize, then runs clean") {
+  GPU_OR_SKIP();
+  Random rng(102);
+  Gpu g(DType::BF16);
+  Twin table(g, DType::BF16, DType::BF16, 5, 8);
+  table.randomize(rng);
+  IntTwin ids(g, {2, 5, 1});
+  Twin out = Twin::activation(g, 3, 8);
+  REQUIRE_OK(g.cuda->gather_rows(table.on_gpu(), ids.on_gpu(), out.on_gpu()));  // queued; checked on the device
+  check_fails(g.cuda->synchronize(), ErrorCode::invalid_argument, "ids[1] = 5 is outside the table's 5 rows");
+  out.download();
+  CHECK(std::isnan(out.host.get(1, 0)));
+  CHECK(out.host.get(0, 0) == table.host.get(2, 0));
+  ids.values = {-1, 0, 4};
+  ids.upload();
+  REQUIRE_OK(g.cuda->gather_rows(table.on_gpu(), ids.on_gpu(), out.on_gpu()));
+  check_fails(g.cuda->synchronize(), ErrorCode::invalid_argument, "ids[0] = -1");
+  ids.values = {4, 0, 3};
+  ids.upload();
+  REQUIRE_OK(g.cuda->gather_rows(table.on_gpu(), ids.on_gpu(), out.on_gpu()));
+  REQUIRE_OK(g.cuda->synchronize());  // the record was cleared
+}
+
+// ---- rms_norm, add_rms_norm ---------------------------------------------------------------------------------
+
+TEST_CASE("rms_norm matches the CPU: whole rows (warp and block teams) and per-head groups, in place too") {
+  GPU_OR_SKIP();
+  Random rng(103);
+  struct Shape { int64_t cols, group; };
+  const Shape shapes[] = {{64, 64},   {129, 129},  {300, 300},     {4096, 4096}, {4 * 16, 16},
+                          {32 * 128, 128}, {6 * 80, 80}, {3 * 257, 257}, {7, 7}};
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (DType weight_dtype : kFloatTypes)
+      for (const Shape& s : shapes)
+        for (int64_t tokens : {1, 5, 33}) {
+          CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(weight_dtype)); CAPTURE(s.cols); CAPTURE(s.group);
+          CAPTURE(tokens);
+          Twin x = Twin::activation(g, tokens, s.cols, 3);
+          x.randomize(rng, 3.0f);
+          Twin weight(g, weight_dtype, weight_dtype, 1, s.group);
+          weight.randomize(rng);
+          Twin out = Twin::activation(g, tokens, s.cols, 1);
+          REQUIRE_OK(g.cpu->rms_norm(x.on_cpu(), weight.on_cpu(), 1e-6f, out.on_cpu()));
+          REQUIRE_OK(g.cuda->rms_norm(x.on_gpu(), weight.on_gpu(), 1e-6f, out.on_gpu()));
+          out.check(1e-6, ulp(activation) + 1e-5);
+          // in place: out is x
+          REQUIRE_OK(g.cpu->rms_norm(x.on_cpu(), weight.on_cpu(), 1e-5f, x.on_cpu()));
+          REQUIRE_OK(g.cuda->rms_norm(x.on_gpu(), weight.on_gpu(), 1e-5f, x.on_gpu()));
+          x.check(1e-6, ulp(activation) + 1e-5);
+        }
+  }
+}
+
+TEST_CASE("add_rms_norm matches the CPU: the residual updated, then normalised, out in place too") {
+  GPU_OR_SKIP();
+  Random rng(104);
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (DType weight_dtype : kFloatTypes)
+      for (int64_t hidden : {64, 129, 256, 257, 2048, 5120})
+        for (int64_t tokens : {1, 4, 19})
+          for (bool in_place : {false, true}) {
+            CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(weight_dtype)); CAPTURE(hidden); CAPTURE(tokens);
+            CAPTURE(in_place);
+            Twin x = Twin::activation(g, tokens, hidden, 2);
+            x.randomize(rng, 2.0f);
+            Twin residual = Twin::activation(g, tokens, hidden, 5);
+            residual.randomize(rng, 4.0f);
+            Twin weight(g, weight_dtype, weight_dtype, 1, hidden);
+            weight.randomize(rng);
+            Twin out = Twin::activation(g, tokens, hidden, 1);
+            Twin& target = in_place ? x : out;
+            REQUIRE_OK(g.cpu->add_rms_norm(x.on_cpu(), residual.on_cpu(), weight.on_cpu(), 1e-6f, target.on_cpu()));
+            REQUIRE_OK(g.cuda->add_rms_norm(x.on_gpu(), residual.on_gpu(), weight.on_gpu(), 1e-6f, target.on_gpu()));
+            // the GPU stores the residual in the activation dtype and normalises what it stored
+            residual.check(1e-6, ulp(activation));
+            target.check(1e-6, 2 * ulp(activation) + 1e-5);
+          }
+  }
+}
+
+// ---- rope ---------------------------------------------------------------------------------------------------
+
+TEST_CASE("rope matches the CPU: full and partial rotary, odd head counts, strided rows") {
+  GPU_OR_SKIP();
+  Random rng(105);
+  struct Shape { int64_t heads, head_dim, half; };
+  const Shape shapes[] = {{1, 16, 8}, {3, 64, 32}, {4, 128, 64}, {2, 64, 16}, {5, 80, 40}, {2, 10, 3}, {32, 128, 64}};
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (const Shape& s : shapes)
+      for (int64_t tokens : {1, 6, 41}) {
+        CAPTURE(dtype_name(activation)); CAPTURE(s.heads); CAPTURE(s.head_dim); CAPTURE(s.half); CAPTURE(tokens);
+        Twin x = Twin::activation(g, tokens, s.heads * s.head_dim, 7);  // q inside a fused qkv row
+        x.randomize(rng);
+        Twin cos(g, DType::F32, DType::F32, tokens, s.half, 1), sin(g, DType::F32, DType::F32, tokens, s.half, 2);
+        for (int64_t t = 0; t < tokens; t++)
+          for (int64_t i = 0; i < s.half; i++) {
+            const float angle = rng.value(100.0f);
+            cos.set(t, i, std::cos(angle));
+            sin.set(t, i, std::sin(angle));
+          }
+        cos.upload();
+        sin.upload();
+        REQUIRE_OK(g.cpu->rope(x.on_cpu(), cos.on_cpu(), sin.on_cpu(), s.head_dim));
+        REQUIRE_OK(g.cuda->rope(x.on_gpu(), cos.on_gpu(), sin.on_gpu(), s.head_dim));
+        x.check(1.0 / (1 << 20), ulp(activation));  // abs: a*c - b*s may cancel; fused or not, 2^-20 covers it
+      }
+  }
+}
+
+// ---- linear -------------------------------------------------------------------------------------------------
+
+TEST_CASE("linear (cuBLAS) matches the CPU, with and without bias, on strided views and odd sizes") {
+  GPU_OR_SKIP();
+  Random rng(106);
+  struct Shape { int64_t tokens, out_features, in_features; };
+  const Shape shapes[] = {{1, 1, 1},     {1, 64, 64},    {3, 7, 5},      {17, 255, 129}, {64, 1000, 256},
+                          {130, 33, 1024}, {1, 4096, 4096}, {5, 4, 0},    {2, 1, 3000},   {257, 129, 65}};
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (const Shape& s : shapes)
+      for (bool with_bias : {false, true}) {
+        CAPTURE(dtype_name(activation)); CAPTURE(s.tokens); CAPTURE(s.out_features); CAPTURE(s.in_features);
+        CAPTURE(with_bias);
+        Twin x = Twin::activation(g, s.tokens, s.in_features, 3);
+        x.randomize(rng);
+        Twin weight(g, activation, activation, s.out_features, s.in_features, 1);  // weights in the activation dtype
+        weight.randomize(rng);
+        Twin bias(g, activation, activation, 1, s.out_features);
+        bias.randomize(rng);
+        Twin out = Twin::activation(g, s.tokens, s.out_features, 5);
+        const Tensor no_bias{};
+        REQUIRE_OK(g.cpu->linear(x.on_cpu(), weight.on_cpu(), with_bias ? bias.on_cpu() : no_bias, out.on_cpu()));
+        REQUIRE_OK(g.cuda->linear(x.on_gpu(), weight.on_gpu(), with_bias ? bias.on_gpu() : no_bias, out.on_gpu()));
+        out.download();
+        // fp32 sums in another order: within K * 2^-23 of sum |x w|; then one rounding to the activation dtype
+        Compare cmp{1e-6, ulp(activation)};
+        for (int64_t t = 0; t < s.tokens; t++)
+          for (int64_t n = 0; n < s.out_features; n++) {
+            double magnitude = 0;
+            for (int64_t k = 0; k < s.in_features; k++) magnitude += std::fabs(double(x.ref.get(t, k)) * weight.ref.get(n, k));
+            cmp(out.host.get(t, n), out.ref.get(t, n), t, n, double(s.in_features) * magnitude / (1 << 23));
+          }
+        CHECK_COMPARE(cmp);
+        CHECK(out.host.padding_untouched());
+      }
+  }
+}
+
+// ---- silu_mul, add, copy ------------------------------------------------------------------------------------
+
+TEST_CASE("silu_mul matches the CPU on the halves of a fused gate_up buffer, out in place too") {
+  GPU_OR_SKIP();
+  Random rng(107);
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (int64_t width : {1, 160, 1000, 4097})
+      for (int64_t tokens : {1, 3, 17})
+        for (bool in_place : {false, true}) {
+          CAPTURE(dtype_name(activation)); CAPTURE(width); CAPTURE(tokens); CAPTURE(in_place);
+          Twin gate_up = Twin::activation(g, tokens, 2 * width, 3);
+          gate_up.randomize(rng, 6.0f);
+          Twin out = Twin::activation(g, tokens, width, 1);
+          const Tensor gate_gpu = gate_up.on_gpu().slice_cols(0, width), up_gpu = gate_up.on_gpu().slice_cols(width, width);
+          const Tensor gate_cpu = gate_up.on_cpu().slice_cols(0, width), up_cpu = gate_up.on_cpu().slice_cols(width, width);
+          REQUIRE_OK(g.cpu->silu_mul(gate_cpu, up_cpu, in_place ? gate_cpu : out.on_cpu()));
+          REQUIRE_OK(g.cuda->silu_mul(gate_gpu, up_gpu, in_place ? gate_gpu : out.on_gpu()));
+          if (in_place) gate_up.check(1e-6, ulp(activation) + 1e-6);
+          else out.check(1e-6, ulp(activation) + 1e-6);
+        }
+  }
+}
+
+TEST_CASE("add matches the CPU, out separate or the same view as a or b") {
+  GPU_OR_SKIP();
+  Random rng(108);
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (int64_t width : {1, 64, 333, 4096})
+      for (int64_t tokens : {1, 2, 31})
+        for (int target : {0, 1, 2}) {  // out, a, b
+          CAPTURE(dtype_name(activation)); CAPTURE(width); CAPTURE(tokens); CAPTURE(target);
+          Twin a = Twin::activation(g, tokens, width, 2), b = Twin::activation(g, tokens, width, 0);
+          a.randomize(rng, 10.0f);
+          b.randomize(rng);
+          Twin out = Twin::activation(g, tokens, width, 4);
+          Twin& result = target == 0 ? out : (target == 1 ? a : b);
+          REQUIRE_OK(g.cpu->add(a.on_cpu(), b.on_cpu(), result.on_cpu()));
+          REQUIRE_OK(g.cuda->add(a.on_gpu(), b.on_gpu(), result.on_gpu()));
+          result.check(0, ulp(activation));
+        }
+  }
+}
+
+TEST_CASE("copy converts between F32, BF16 and F16 with the CPU's bits, special values included") {
+  GPU_OR_SKIP();
+  Random rng(109);
+  const float specials[] = {0.0f, -0.0f, INFINITY, -INFINITY, 65504.0f, 65519.99f, 65520.0f, -70000.0f, 1e-8f,
+                            -3e-7f, 1.4e-45f, 1.1754942e-38f, 3.0e38f, 1.00390625f /* bf16 tie to even */,
+                            1.01171875f /* bf16 tie, rounds up */, 1.00048828125f /* f16 tie */};
+  Gpu g(DType::BF16);
+  for (DType from : kFloatTypes)
+    for (DType to : kFloatTypes)
+      for (int64_t width : {1, 16, 300}) {
+        CAPTURE(dtype_name(from)); CAPTURE(dtype_name(to)); CAPTURE(width);
+        const int64_t rows = 5;
+        Twin src(g, from, from, rows, width, 3);
+        for (int64_t r = 0; r < rows; r++)
+          for (int64_t c = 0; c < width; c++) {
+            const int64_t i = r * width + c;
+            // specials first, then magnitudes from 2^-30 to 2^20
+            const float v = i < int64_t(std::size(specials))
+                                ? specials[i]
+                                : rng.value() * std::ldexp(1.0f, int(rng.below(51)) - 30);
+            src.host.set(r, c, v);  // the source's own dtype on both sides: the same bits
+            src.ref.set(r, c, v);
+          }
+        src.upload();
+        Twin dst(g, to, to, rows, width, 2);
+        REQUIRE_OK(g.cpu->copy(src.on_cpu(), dst.on_cpu()));
+        REQUIRE_OK(g.cuda->copy(src.on_gpu(), dst.on_gpu()));
+        dst.download();
+        int64_t differing = 0;
+        std::string first;
+        for (int64_t r = 0; r < rows; r++)
+          for (int64_t c = 0; c < width; c++)
+            if (memcmp(&dst.host.bytes[size_t((r * dst.host.stride + c) * dst.host.element_bytes())],
+                       &dst.ref.bytes[size_t((r * dst.ref.stride + c) * dst.ref.element_bytes())],
+                       size_t(dst.host.element_bytes())) != 0 &&
+                differing++ == 0)
+              first = Compare::at(dst.host.get(r, c), dst.ref.get(r, c), r, c) + ", from " +
+                      std::to_string(src.ref.get(r, c));
+        INFO(first);
+        CHECK(differing == 0);
+        CHECK(dst.host.padding_untouched());
+      }
+}
+
+// ---- kv_write -----------------------------------------------------------------------------------------------
+
+namespace {
+struct CacheShape {
+  int64_t layers, page_tokens, kv_heads, head_dim, pages;
+};
+// A KV cache on both backends with the same random contents (elements of `dtype`, [1, pages x page]).
+Twin make_cache(Gpu& g, DType dtype, const CacheShape& s, Random& rng, KVCacheView* gpu_view, KVCacheView* cpu_view) {
+  const KVPageLayout layout{s.layers, s.page_tokens, s.kv_heads, s.head_dim};
+  Twin cache(g, dtype, dtype, 1, s.pages * layout.page_elements());
+  cache.randomize(rng);
+  *gpu_view = KVCacheView{cache.device, dtype, layout, s.pages};
+  *cpu_view = KVCacheView{cache.ref.bytes.data(), dtype, layout, s.pages};
+  return cache;
+}
+}  // namespace
+
+TEST_CASE("kv_write stores what the CPU stores, skipping negative slots") {
+  GPU_OR_SKIP();
+  Random rng(110);
+  const CacheShape shapes[] = {{3, 5, 2, 16, 7}, {2, 16, 4, 128, 9}, {1, 1, 1, 80, 40}, {2, 3, 3, 72, 11}};
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (DType kv_dtype : kFloatTypes)
+      for (const CacheShape& s : shapes) {
+        CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(kv_dtype)); CAPTURE(s.page_tokens); CAPTURE(s.head_dim);
+        KVCacheView gpu_cache, cpu_cache;
+        Twin cache = make_cache(g, kv_dtype, s, rng, &gpu_cache, &cpu_cache);
+        const int64_t slots_total = s.pages * s.page_tokens, width = s.kv_heads * s.head_dim;
+        const int64_t tokens = std::min<int64_t>(slots_total, 13);
+        std::vector<int32_t> all(static_cast<size_t>(slots_total));
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), rng.engine);
+        std::vector<int32_t> slots(all.begin(), all.begin() + tokens);
+        slots[size_t(rng.below(tokens))] = -1;  // padding
+        IntTwin slot_twin(g, slots);
+        Twin kv = Twin::activation(g, tokens, 2 * width, 3);  // k and v: the halves of one fused row
+        kv.randomize(rng);
+        const int64_t layer = rng.below(s.layers);
+        REQUIRE_OK(g.cpu->kv_write(cpu_cache, layer, kv.on_cpu().slice_cols(0, width), kv.on_cpu().slice_cols(width, width),
+                                   slot_twin.on_cpu()));
+        REQUIRE_OK(g.cuda->kv_write(gpu_cache, layer, kv.on_gpu().slice_cols(0, width),
+                                    kv.on_gpu().slice_cols(width, width), slot_twin.on_gpu()));
+        cache.download();
+        CHECK(cache.host.bytes == cache.ref.bytes);  // same rounding (to nearest even), same places
+      }
+  }
+}
+
+TEST_CASE("kv_write reports a slot past the cache's pages at the next synchronize") {
+  GPU_OR_SKIP();
+  Random rng(111);
+  Gpu g(DType::BF16);
+  KVCacheView gpu_cache, cpu_cache;
+  Twin cache = make_cache(g, DType::BF16, {2, 4, 2, 16, 3}, rng, &gpu_cache, &cpu_cache);
+  IntTwin slots(g, {0, 12, 5});
+  Twin kv = Twin::activation(g, 3, 32);
+  kv.randomize(rng);
+  REQUIRE_OK(g.cuda->kv_write(gpu_cache, 1, kv.on_gpu(), kv.on_gpu(), slots.on_gpu()));
+  check_fails(g.cuda->synchronize(), ErrorCode::invalid_argument, "slots[1] = 12 is page 3, past the cache's 3 pages");
+}
+
+// ---- attention ----------------------------------------------------------------------------------------------
+
+namespace {
+struct AttentionCase {
+  int64_t heads, kv_heads, head_dim, page_tokens;
+  std::vector<std::pair<int64_t, int64_t>> seqs;  // (context, queries)
+};
+// Sequences with pages dealt from a shuffled pool, K/V random everywhere, q random; runs both backends.
+struct AttentionRun {
+  CacheShape shape;
+  std::vector<int32_t> starts, context, tables;
+  int64_t rows = 0, table_cols = 0, max_context = 0;
+  AttentionRun(const AttentionCase& c, Random& rng) {
+    int64_t pages = 0;
+    for (const auto& seq : c.seqs) {
+      const int64_t seq_pages = (seq.first + c.page_tokens - 1) / c.page_tokens;
+      table_cols = std::max(table_cols, seq_pages + 1);  // one column more than needed: -1
+      pages += seq_pages;
+      max_context = std::max(max_context, seq.first);
+    }
+    shape = {2, c.page_tokens, c.kv_heads, c.head_dim, pages + 3};
+    std::vector<int32_t> pool(size_t(shape.pages));
+    std::iota(pool.begin(), pool.end(), 0);
+    std::shuffle(pool.begin(), pool.end(), rng.engine);
+    tables.assign(size_t(int64_t(c.seqs.size()) * table_cols), -1);
+    starts.push_back(0);
+    size_t next = 0;
+    for (size_t s = 0; s < c.seqs.size(); s++) {
+      const auto [context_len, queries] = c.seqs[s];
+      for (int64_t p = 0; p < (context_len + c.page_tokens - 1) / c.page_tokens; p++)
+        tables[s * size_t(table_cols) + size_t(p)] = pool[next++];
+      context.push_back(int32_t(context_len));
+      starts.push_back(starts.back() + int32_t(queries));
+    }
+    rows = starts.back();
+  }
+};
+}  // namespace
+
+TEST_CASE("attention matches the CPU: decode, chunked prefill, GQA groups, paged, long split contexts") {
+  GPU_OR_SKIP();
+  Random rng(112);
+  const AttentionCase cases[] = {
+      {4, 2, 16, 5, {{7, 7}, {12, 3}, {1, 1}, {20, 1}}},  // prefill, a chunk, a first token, decode
+      {8, 8, 64, 16, {{33, 33}}},                          // MHA prefill
+      {12, 2, 80, 16, {{50, 1}, {70, 20}}},                // group 6
+      {16, 1, 128, 16, {{3000, 1}, {1500, 1}}},            // long decode: split; group 16: two head passes
+      {28, 4, 128, 16, {{200, 17}}},                       // group 7 (Qwen2.5-VL-7B)
+      {8, 2, 256, 8, {{600, 1}, {9, 4}}},                  // head_dim 256: 8 dims per lane
+      {32, 8, 128, 16, {{2500, 1}, {7, 1}, {300, 1}}},     // Llama/Qwen3 decode batch
+      {6, 3, 72, 3, {{40, 40}}},                           // 3 dims per lane
+      {2, 1, 160, 7, {{300, 2}}},                          // 5 dims rounded to 6
+  };
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (DType kv_dtype : kFloatTypes)
+      for (const AttentionCase& c : cases) {
+        CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(kv_dtype)); CAPTURE(c.heads); CAPTURE(c.kv_heads);
+        CAPTURE(c.head_dim); CAPTURE(c.page_tokens);
+        AttentionRun run(c, rng);
+        KVCacheView gpu_cache, cpu_cache;
+        Twin cache = make_cache(g, kv_dtype, run.shape, rng, &gpu_cache, &cpu_cache);
+        IntTwin starts(g, run.starts), context(g, run.context), tables(g, run.tables);
+        const int64_t seqs = int64_t(c.seqs.size());
+        const AttentionBatch gpu_batch{starts.on_gpu(), context.on_gpu(),
+                                       Tensor::matrix(tables.device, DType::I32, seqs, run.table_cols), run.max_context};
+        const AttentionBatch cpu_batch{starts.on_cpu(), context.on_cpu(),
+                                       Tensor::matrix(tables.values.data(), DType::I32, seqs, run.table_cols),
+                                       run.max_context};
+        Twin q = Twin::activation(g, run.rows, c.heads * c.head_dim, 5);
+        q.randomize(rng, 3.0f);  // peaked softmax
+        Twin out = Twin::activation(g, run.rows, c.heads * c.head_dim, 2);
+        const float scale = 1.0f / std::sqrt(float(c.head_dim));
+        REQUIRE_OK(g.cpu->attention(q.on_cpu(), cpu_cache, 1, cpu_batch, scale, out.on_cpu()));
+        REQUIRE_OK(g.cuda->attention(q.on_gpu(), gpu_cache, 1, gpu_batch, scale, out.on_gpu()));
+        out.check(1e-4, ulp(activation));  // V in [-1, 1]; fp32 sums in another order
+      }
+  }
+}
+
+TEST_CASE("attention with little scratch splits less and still matches the CPU") {
+  GPU_OR_SKIP();
+  Random rng(113);
+  // cuBLAS 512 KiB, scratch just over the minimum: at most a few splits fit
+  Gpu g(DType::BF16, 512 * KiB + 256 + kCudaMinScratchBytes, 512 * KiB);
+  const AttentionCase c{16, 2, 128, 16, {{4000, 1}, {2100, 1}, {129, 1}}};
+  AttentionRun run(c, rng);
+  KVCacheView gpu_cache, cpu_cache;
+  Twin cache = make_cache(g, DType::BF16, run.shape, rng, &gpu_cache, &cpu_cache);
+  IntTwin starts(g, run.starts), context(g, run.context), tables(g, run.tables);
+  const int64_t seqs = int64_t(c.seqs.size());
+  Twin q = Twin::activation(g, run.rows, c.heads * c.head_dim);
+  q.randomize(rng, 3.0f);
+  Twin out = Twin::activation(g, run.rows, c.heads * c.head_dim, 1);
+  REQUIRE_OK(g.cpu->attention(q.on_cpu(), cpu_cache, 0,
+                              {starts.on_cpu(), context.on_cpu(),
+                               Tensor::matrix(tables.values.data(), DType::I32, seqs, run.table_cols), run.max_context},
+                              0.125f, out.on_cpu()));
+  REQUIRE_OK(g.cuda->attention(q.on_gpu(), gpu_cache, 0,
+                               {starts.on_gpu(), context.on_gpu(),
+                                Tensor::matrix(tables.device, DType::I32, seqs, run.table_cols), run.max_context},
+                               0.125f, out.on_gpu()));
+  out.check(1e-4, ulp(DType::BF16));
+}
+
+TEST_CASE("attention reports malformed batches found on the device at the next synchronize") {
+  GPU_OR_SKIP();
+  Random rng(114);
+  Gpu g(DType::BF16);
+  const AttentionCase c{4, 2, 16, 4, {{10, 3}, {6, 1}}};
+  AttentionRun run(c, rng);
+  KVCacheView gpu_cache, cpu_cache;
+  Twin cache = make_cache(g, DType::BF16, run.shape, rng, &gpu_cache, &cpu_cache);
+  Twin q = Twin::activation(g, run.rows, c.heads * c.head_dim);
+  q.randomize(rng);
+  Twin out = Twin::activation(g, run.rows, c.heads * c.head_dim);
+  auto attempt = [&](std::vector<int32_t> starts, std::vector<int32_t> context, std::vector<int32_t> tables) {
+    IntTwin s(g, std::move(starts)), ctx(g, std::move(context)), t(g, std::move(tables));
+    REQUIRE_OK(g.cuda->attention(q.on_gpu(), gpu_cache, 0,
+                                 {s.on_gpu(), ctx.on_gpu(), Tensor::matrix(t.device, DType::I32, 2, run.table_cols),
+                                  run.max_context},
+                                 0.25f, out.on_gpu()));
+    return g.cuda->synchronize();
+  };
+  // rows 0..2 are sequence 0's queries, row 3 sequence 1's
+  SUBCASE("fewer cached tokens than queries") {
+    check_fails(attempt(run.starts, {2, 6}, run.tables), ErrorCode::invalid_argument,
+                "sequence 0 has context_lens 2; it must be at least its 3 queries");
+    out.download();
+    CHECK(std::isnan(out.host.get(0, 0)));
+    CHECK(std::isnan(out.host.get(2, 17)));
+    CHECK_FALSE(std::isnan(out.host.get(3, 0)));
+  }
+  SUBCASE("a page id outside the cache") {
+    std::vector<int32_t> tables = run.tables;
+    tables[size_t(run.table_cols)] = int32_t(run.shape.pages);  // sequence 1's first page
+    check_fails(attempt(run.starts, run.context, tables), ErrorCode::invalid_argument,
+                "block_tables[1][0] = " + std::to_string(run.shape.pages) + " is not a page of the cache");
+    out.download();
+    CHECK(std::isnan(out.host.get(3, 0)));
+    CHECK_FALSE(std::isnan(out.host.get(0, 0)));
+  }
+  SUBCASE("query_starts not starting at 0") {
+    check_fails(attempt({1, 3, 4}, run.context, run.tables), ErrorCode::invalid_argument,
+                "query row 0 belongs to no sequence");
+    out.download();
+    CHECK(std::isnan(out.host.get(0, 5)));
+  }
+  REQUIRE_OK(attempt(run.starts, run.context, run.tables));  // a good batch runs clean afterwards
+  out.download();
+  CHECK_FALSE(std::isnan(out.host.get(0, 0)));
+}
+
+// ---- argmax -------------------------------------------------------------------------------------------------
+
+TEST_CASE("cuda::argmax gives the sampler's greedy token: ties to the lowest id, NaN never wins") {
+  GPU_OR_SKIP();
+  Random rng(115);
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (int64_t vocab : {1, 7, 1000, 151936})
+      for (int64_t tokens : {1, 3, 8}) {
+        CAPTURE(dtype_name(activation)); CAPTURE(vocab); CAPTURE(tokens);
+        Twin logits = Twin::activation(g, tokens, vocab, 3);
+        logits.randomize(rng, 20.0f);
+        for (int64_t t = 0; t < tokens && vocab > 2; t++) {
+          const int64_t winner = 1 + rng.below(vocab - 1);
+          logits.set(t, winner, 30.0f);
+          if (t % 2 == 0) logits.set(t, 1 + rng.below(vocab - 1), 30.0f);  // a tie: the lower id wins
+          logits.set(t, 1 + rng.below(vocab - 1), NAN);                     // never wins
+          if (t == 2) logits.set(t, 0, -INFINITY);
+        }
+        logits.upload();
+        IntTwin ids(g, std::vector<int32_t>(size_t(tokens), -5));
+        REQUIRE_OK(cuda::argmax(*g.cuda, logits.on_gpu(), ids.on_gpu()));
+        std::vector<int32_t> got(size_t(tokens), -9);
+        REQUIRE_OK(g.cuda->copy_to_host(ids.on_gpu(), got.data()));
+        for (int64_t t = 0; t < tokens; t++) {
+          std::vector<float> row(static_cast<size_t>(vocab));
+          for (int64_t v = 0; v < vocab; v++) row[size_t(v)] = logits.ref.get(t, v);
+          CHECK(got[size_t(t)] == kvlite::argmax(row.data(), vocab));
+        }
+      }
+  }
+}
+
+// ---- memory -------------------------------------------------------------------------------------------------
+
+TEST_CASE("a whole layer's ops, run three times, make no device allocation") {
+  GPU_OR_SKIP();
+  Random rng(116);
+  Gpu g(DType::BF16);
+  const int64_t tokens = 9, hidden = 512, heads = 8, kv_heads = 2, head_dim = 64, vocab = 3000;
+  Twin table(g, DType::BF16, DType::BF16, vocab, hidden);
+  table.randomize(rng);
+  IntTwin ids(g, {1, 5, 9, 2999, 0, 7, 7, 100, 4});
+  Twin x = Twin::activation(g, tokens, hidden), residual = Twin::activation(g, tokens, hidden);
+  Twin norm_weight(g, DType::BF16, DType::BF16, 1, hidden);
+  norm_weight.randomize(rng);
+  Twin w_qkv(g, DType::BF16, DType::BF16, (heads + 2 * kv_heads) * head_dim, hidden);
+  w_qkv.randomize(rng, 0.05f);
+  Twin qkv = Twin::activation(g, tokens, (heads + 2 * kv_heads) * head_dim);
+  Twin cos(g, DType::F32, DType::F32, tokens, head_dim / 2), sin(g, DType::F32, DType::F32, tokens, head_dim / 2);
+  cos.randomize(rng);
+  sin.randomize(rng);
+  KVCacheView gpu_cache, cpu_cache;
+  Twin cache = make_cache(g, DType::BF16, {1, 16, kv_heads, head_dim, 40}, rng, &gpu_cache, &cpu_cache);
+  std::vector<int32_t> slot_values(static_cast<size_t>(tokens));
+  std::iota(slot_values.begin(), slot_values.end(), 600);  // one sequence at tokens 600..608 (pages 37, 38)
+  IntTwin slots(g, slot_values);
+  std::vector<int32_t> table_row(40);
+  std::iota(table_row.begin(), table_row.end(), 0);
+  IntTwin starts(g, {0, int32_t(tokens)}), context(g, {609}), tables(g, table_row);
+  Twin attn = Twin::activation(g, tokens, heads * head_dim);
+  Twin logits = Twin::activation(g, tokens, vocab);
+  IntTwin next(g, std::vector<int32_t>(size_t(tokens), -1));  // -1: not a token
+  const Tensor no_bias{};
+  auto pass = [&] {
+    Backend& b = *g.cuda;
+    REQUIRE_OK(b.gather_rows(table.on_gpu(), ids.on_gpu(), x.on_gpu()));
+    REQUIRE_OK(b.copy(x.on_gpu(), residual.on_gpu()));
+    REQUIRE_OK(b.add_rms_norm(x.on_gpu(), residual.on_gpu(), norm_weight.on_gpu(), 1e-6f, x.on_gpu()));
+    REQUIRE_OK(b.linear(x.on_gpu(), w_qkv.on_gpu(), no_bias, qkv.on_gpu()));
+    const Tensor q = qkv.on_gpu().slice_cols(0, heads * head_dim);
+    const Tensor k = qkv.on_gpu().slice_cols(heads * head_dim, kv_heads * head_dim);
+    const Tensor v = qkv.on_gpu().slice_cols((heads + kv_heads) * head_dim, kv_heads * head_dim);
+    REQUIRE_OK(b.rms_norm(q, norm_weight.on_gpu().slice_cols(0, head_dim), 1e-6f, q));
+    REQUIRE_OK(b.rope(q, cos.on_gpu(), sin.on_gpu(), head_dim));
+    REQUIRE_OK(b.kv_write(gpu_cache, 0, k, v, slots.on_gpu()));
+    REQUIRE_OK(b.attention(q, gpu_cache, 0, {starts.on_gpu(), context.on_gpu(),
+                                             Tensor::matrix(tables.device, DType::I32, 1, 40), 640},
+                           0.125f, attn.on_gpu()));
+    REQUIRE_OK(b.silu_mul(attn.on_gpu().slice_cols(0, 256), attn.on_gpu().slice_cols(256, 256), x.on_gpu().slice_cols(0, 256)));
+    REQUIRE_OK(b.add(x.on_gpu(), residual.on_gpu(), x.on_gpu()));
+    REQUIRE_OK(b.linear(x.on_gpu(), table.on_gpu(), no_bias, logits.on_gpu()));  // tied lm_head
+    REQUIRE_OK(cuda::argmax(b, logits.on_gpu(), next.on_gpu()));
+    REQUIRE_OK(b.synchronize());
+  };
+  // Free device memory is not compared: ctest runs other GPU tests in parallel, so it moves on its own.
+  const uint64_t allocations = cuda::device_allocations();
+  for (int i = 0; i < 3; i++) pass();
+  CHECK(cuda::device_allocations() == allocations);
+  // the pass computed something: every greedy id is a row of the table
+  std::vector<int32_t> got(static_cast<size_t>(tokens), -1);
+  REQUIRE_OK(g.cuda->copy_to_host(next.on_gpu(), got.data()));
+  for (int32_t id : got) CHECK((id >= 0 && id < vocab));
+}
+
+// ---- what the backend refuses -------------------------------------------------------------------------------
+
+TEST_CASE("the CUDA backend says what it does not run: mixed linear dtypes, head_dim over 256") {
+  GPU_OR_SKIP();
+  Random rng(117);
+  Gpu g(DType::BF16);
+  CHECK(g.cuda->kind() == BackendKind::cuda);
+  CHECK(g.cuda->supports(Op::linear, DType::BF16));
+  CHECK_FALSE(g.cuda->supports(Op::linear, DType::F16));
+  CHECK_FALSE(g.cuda->supports(Op::linear, DType::F32));
+  CHECK(g.cuda->supports(Op::kv_write, DType::F16));
+  CHECK_FALSE(g.cuda->supports(Op::attention, DType::F8_E4M3));
+  Twin x = Twin::activation(g, 2, 8);
+  x.randomize(rng);
+  Twin w(g, DType::F32, DType::F32, 3, 8), out = Twin::activation(g, 2, 3);
+  check_fails(g.cuda->linear(x.on_gpu(), w.on_gpu(), Tensor{}, out.on_gpu()), ErrorCode::unsupported,
+              "weight dtype F32");
+  KVCacheView gpu_cache, cpu_cache;
+  Twin cache = make_cache(g, DType::BF16, {1, 2, 1, 320, 2}, rng, &gpu_cache, &cpu_cache);
+  IntTwin starts(g, {0, 1}), context(g, {1}), tables(g, {0, 1});
+  Twin q = Twin::activation(g, 1, 320), attn = Twin::activation(g, 1, 320);
+  check_fails(g.cuda->attention(q.on_gpu(), gpu_cache, 0,
+                                {starts.on_gpu(), context.on_gpu(), Tensor::matrix(tables.device, DType::I32, 1, 2), 1},
+                                0.1f, attn.on_gpu()),
+              ErrorCode::unsupported, "head_dim 320");
+}
