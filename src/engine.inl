@@ -164,24 +164,27 @@ struct Engine::Impl {
     for (const VisionInput* image : images) out.tokens += image->grid.image_tokens;
     out.values.assign(size_t(out.levels * out.tokens * out.hidden), 0.0f);
     int64_t token = 0;
-    for (size_t first = 0; first < images.size();) {
-      // The next group: as many images as one encode holds.
-      std::vector<const VisionInput*> group;
-      int64_t patches = 0;
-      while (first + group.size() < images.size() && int64_t(group.size()) < vision->max_images() &&
-             patches + images[first + group.size()]->rows() <= vision->max_patches())
-        patches += images[first + group.size()]->rows(), group.push_back(images[first + group.size()]);
-      if (group.empty()) group.push_back(images[first]);  // too large: encode() says why
-      vision->encode(group);
-      const int64_t tokens = patches / (config.vision.spatial_merge_size * config.vision.spatial_merge_size);
+    std::vector<const VisionInput*> group;  // the next images, as many as one encode() holds
+    int64_t patches = 0;
+    auto encode_group = [&] {
+      vision->encode(group);  // an image too large for the buffers alone: encode() says why
       for (int64_t level = 0; level < out.levels; level++) {
         Status copied = backend->copy_to_host(vision->output(level),
                                               out.values.data() + (level * out.tokens + token) * out.hidden);
         if (!copied) throw copied.error();
       }
-      token += tokens;
-      first += group.size();
+      for (const VisionInput* image : group) token += image->grid.image_tokens;
+      group.clear();
+      patches = 0;
+    };
+    for (const VisionInput* image : images) {
+      if (!group.empty() &&
+          (int64_t(group.size()) == vision->max_images() || patches + image->rows() > vision->max_patches()))
+        encode_group();
+      group.push_back(image);
+      patches += image->rows();
     }
+    if (!group.empty()) encode_group();
     return out;
   }
 
@@ -232,6 +235,20 @@ struct Engine::Impl {
     prompt.mrope = std::move(positions->positions);
     prompt.rope_delta = positions->rope_delta;
     return prompt;
+  }
+
+  // Engine::preprocess of each image.
+  std::vector<VisionInput> preprocess_all(const std::vector<Image>& images) const {
+    std::vector<VisionInput> inputs;
+    for (const Image& image : images) {
+      if (!vision)
+        detail::fail(ErrorCode::unsupported, detail::format("%s (model_type %s) has no vision tower; it takes no images",
+                                                            config.origin.c_str(), config.model_type.c_str()));
+      Result<VisionInput> input = preprocess_image(image, preprocess);
+      if (!input) throw input.error();
+      inputs.push_back(std::move(*input));
+    }
+    return inputs;
   }
 
   static void attach(detail::EngineRequest& r, detail::VisionPrompt&& prompt) {
@@ -726,10 +743,7 @@ Result<RequestId> Engine::submit(const std::vector<int32_t>& prompt_ids, const s
 }
 
 Result<VisionInput> Engine::preprocess(const Image& image) const {
-  if (!impl_->vision)
-    return Error(ErrorCode::unsupported, detail::format("%s (model_type %s) has no vision tower; it takes no images",
-                                                        impl_->config.origin.c_str(), impl_->config.model_type.c_str()));
-  return preprocess_image(image, impl_->preprocess);
+  return detail::guard([&] { return std::move(impl_->preprocess_all({image}).front()); });
 }
 
 Result<ImageFeatures> Engine::encode_images(const std::vector<VisionInput>& images) {
@@ -799,13 +813,9 @@ Result<Generation> Engine::generate(const std::string& prompt, const std::vector
                                     const SamplingParams& params, const TokenCallback& on_token) {
   Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(prompt, true);
   if (!ids) return ids.error();
-  std::vector<VisionInput> inputs;
-  for (const Image& image : images) {
-    Result<VisionInput> input = preprocess(image);
-    if (!input) return input.error();
-    inputs.push_back(std::move(*input));
-  }
-  return generate(*ids, inputs, params, on_token);
+  Result<std::vector<VisionInput>> inputs = detail::guard([&] { return impl_->preprocess_all(images); });
+  if (!inputs) return inputs.error();
+  return generate(*ids, *inputs, params, on_token);
 }
 
 Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& messages, const SamplingParams& params,
@@ -821,13 +831,9 @@ Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& message
   // encoded without adding more.
   Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(*prompt, false);
   if (!ids) return ids.error();
-  std::vector<VisionInput> inputs;
-  for (const Image& image : images) {
-    Result<VisionInput> input = preprocess(image);
-    if (!input) return input.error();
-    inputs.push_back(std::move(*input));
-  }
-  return generate(*ids, inputs, params, on_token);
+  Result<std::vector<VisionInput>> inputs = detail::guard([&] { return impl_->preprocess_all(images); });
+  if (!inputs) return inputs.error();
+  return generate(*ids, *inputs, params, on_token);
 }
 
 Result<ScoreResult> Engine::score(const std::vector<int32_t>& ids, int64_t context_length, int64_t stride,

@@ -1,9 +1,14 @@
 // ---------------------------------------------------------------------------------------------------------
-// model: the decoder-only text transformer of Llama-3, Qwen2 and Qwen3, written once against Backend.
+// model: the decoder-only text transformer of Llama-3, Qwen2, Qwen3 and Qwen3-VL's language model, written
+// once against Backend.
 //
 //   token ids ─► embed_tokens ─► [ RMSNorm ─► q,k,v (+bias) ─► q/k RMSNorm (qwen3) ─► RoPE ─► paged KV
 //                                   ─► causal attention ─► o_proj ─► + ─► RMSNorm ─► SwiGLU MLP ─► + ] x L
 //                              ─► final RMSNorm ─► rows whose logits are wanted ─► lm_head ─► logits
+//
+// Qwen3-VL (vision.hpp computes the image features): image tokens' embeddings are replaced by the vision
+// tower's merged embeddings, its DeepStack features are added to their hidden states after decoder layers
+// 0, 1, 2, ..., and RoPE is interleaved M-RoPE over three position rows (t, h, w).
 //
 // The engine (engine.hpp) owns the scheduling: it packs the tokens of one step (chunked prefill and decode of
 // several sequences mixed) into a StepInput; TextModel runs them and then produces logits for the requested

@@ -100,24 +100,32 @@ TEST_CASE("the fixture's images preprocess to transformers' pixel_values, bit fo
 }
 
 TEST_CASE("the vision tower's merged embeddings and each DeepStack feature match transformers") {
-  auto engine = open_model();
-  const nlohmann::json ref = reference();
-  for (const auto& prompt : ref["prompts"]) {
-    CAPTURE(prompt["name"].get<std::string>());
-    auto features = engine->encode_images(fixture_images(prompt));
-    REQUIRE_MESSAGE(features, features.error().message);
-    const auto& deepstack_files = prompt["deepstack_files"];
-    REQUIRE(features->levels == 1 + int64_t(deepstack_files.size()));
-    for (int64_t level = 0; level < features->levels; level++) {
-      CAPTURE(level);
-      const std::string file = level == 0 ? prompt["vision_file"].get<std::string>()
-                                          : deepstack_files[size_t(level - 1)].get<std::string>();
-      fx::Npy expected = fx::read_npy(fixtures_dir() + "vl/" + file);
-      REQUIRE(features->tokens == expected.rows);
-      REQUIRE(features->hidden == expected.cols);
-      std::vector<float> got(features->values.begin() + level * expected.rows * expected.cols,
-                             features->values.begin() + (level + 1) * expected.rows * expected.cols);
-      CHECK(fx::relative_max_diff(got, expected.values) <= kTolerance);
+  // One image per encode (the default max_images), and both images of the second prompt in one encode, where
+  // attention must stay within each image (as transformers runs them: one call, cu_seqlens). The plan holds
+  // 8192 / 32^2 x 4 = 32 patches per image: the wide and tall images (32 each) fill one encode of two.
+  for (int64_t max_images : {1, 2}) {
+    CAPTURE(max_images);
+    EngineOptions options;
+    options.plan.max_images = max_images;
+    auto engine = open_model(options);
+    const nlohmann::json ref = reference();
+    for (const auto& prompt : ref["prompts"]) {
+      CAPTURE(prompt["name"].get<std::string>());
+      auto features = engine->encode_images(fixture_images(prompt));
+      REQUIRE_MESSAGE(features, features.error().message);
+      const auto& deepstack_files = prompt["deepstack_files"];
+      REQUIRE(features->levels == 1 + int64_t(deepstack_files.size()));
+      for (int64_t level = 0; level < features->levels; level++) {
+        CAPTURE(level);
+        const std::string file = level == 0 ? prompt["vision_file"].get<std::string>()
+                                            : deepstack_files[size_t(level - 1)].get<std::string>();
+        fx::Npy expected = fx::read_npy(fixtures_dir() + "vl/" + file);
+        REQUIRE(features->tokens == expected.rows);
+        REQUIRE(features->hidden == expected.cols);
+        std::vector<float> got(features->values.begin() + level * expected.rows * expected.cols,
+                               features->values.begin() + (level + 1) * expected.rows * expected.cols);
+        CHECK(fx::relative_max_diff(got, expected.values) <= kTolerance);
+      }
     }
   }
 }

@@ -15,7 +15,7 @@ these files record, so every expected value comes from the reference implementat
 
     /opt/kvdev/bin/python tools/make_vl_fixtures.py
 
-Needs the environment of tools/README.md (transformers, torch, torchvision, Pillow). Writes about 1.5 MB
+Needs the environment of tools/README.md (transformers, torch, torchvision, Pillow). Writes about 1.7 MB
 (layout in tests/fixtures/vl/README.md). Deterministic: seeded, byte-identical on rerun with the same package
 versions.
 """
