@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "kvlite.hpp"
+#include "model_fixtures.hpp"
 
 using namespace kvlite;
 using nlohmann::json;
@@ -91,33 +92,6 @@ Difference difference(const Image& a, const Image& b) {
   }
   d.mean = a.rgb.empty() ? 0 : total / double(a.rgb.size());
   return d;
-}
-
-// A little-endian float32 .npy file: its shape and values.
-std::vector<float> read_npy_f32(const std::string& path, std::vector<int64_t>* shape) {
-  std::vector<uint8_t> bytes = read_bytes(path);
-  REQUIRE(bytes.size() > 10);
-  REQUIRE(memcmp(bytes.data(), "\x93NUMPY", 6) == 0);
-  const bool v1 = bytes[6] == 1;
-  const size_t header_len = v1 ? size_t(bytes[8] | bytes[9] << 8)
-                               : size_t(bytes[8] | bytes[9] << 8 | bytes[10] << 16 | uint32_t(bytes[11]) << 24);
-  const size_t data_at = (v1 ? 10 : 12) + header_len;
-  const std::string header(bytes.begin() + (v1 ? 10 : 12), bytes.begin() + long(data_at));
-  REQUIRE(header.find("'descr': '<f4'") != std::string::npos);
-  REQUIRE(header.find("'fortran_order': False") != std::string::npos);
-  const size_t open = header.find('(', header.find("'shape'")), close = header.find(')', open);
-  std::stringstream dims(header.substr(open + 1, close - open - 1));
-  shape->clear();
-  int64_t count = 1;
-  for (std::string dim; std::getline(dims, dim, ',');)
-    if (dim.find_first_not_of(' ') != std::string::npos) {
-      shape->push_back(std::stoll(dim));
-      count *= shape->back();
-    }
-  REQUIRE(bytes.size() == data_at + size_t(count) * 4);
-  std::vector<float> values(static_cast<size_t>(count));
-  memcpy(values.data(), bytes.data() + data_at, values.size() * 4);
-  return values;
 }
 
 Image noise_image(uint64_t seed, int64_t height, int64_t width) {
@@ -260,9 +234,9 @@ TEST_CASE("preprocess_image matches the Qwen3-VL processor: grid, resized image 
     CHECK_MESSAGE(d.max == 0, "resized image: max difference " << d.max << ", mean " << d.mean);
 
     if (c.contains("pixel_values")) {
-      std::vector<int64_t> shape;
-      const std::vector<float> expected = read_npy_f32(kDir + c["pixel_values"].get<std::string>(), &shape);
-      REQUIRE(shape == std::vector<int64_t>{result->rows(), result->row_size});
+      const model_fixtures::Npy npy = model_fixtures::read_npy(kDir + c["pixel_values"].get<std::string>());
+      REQUIRE(std::vector<int64_t>{npy.rows, npy.cols} == std::vector<int64_t>{result->rows(), result->row_size});
+      const std::vector<float>& expected = npy.values;
       float worst = 0;
       size_t worst_at = 0;
       for (size_t i = 0; i < expected.size(); i++) {
