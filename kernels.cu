@@ -695,6 +695,8 @@ class CudaBackend final : public Backend {
       case Op::attention: return is_float_dtype(dtype);
       // The vision encoder's ops run on the CPU backend only so far (issue: vision on the GPU).
       case Op::embedding_bag: case Op::layer_norm: case Op::gelu: case Op::segment_attention: return false;
+      // Quantized weights need the W4A16 / FP8 GEMMs (issue: GPU kernels for quantized weights).
+      case Op::quant_linear: return false;
     }
     return false;
   }
@@ -878,6 +880,7 @@ class CudaBackend final : public Backend {
   [[noreturn]] static void not_on_gpu(const char* op) {
     detail::fail(ErrorCode::unsupported, detail::format("%s is not implemented on the CUDA backend yet", op));
   }
+  void impl_quant_linear(const Tensor&, const QuantWeight&, const Tensor&) override { not_on_gpu("quant_linear"); }
   void impl_embedding_bag(const Tensor&, const Tensor&, const Tensor&, const Tensor&) override { not_on_gpu("embedding_bag"); }
   void impl_layer_norm(const Tensor&, const Tensor&, const Tensor&, float, const Tensor&) override { not_on_gpu("layer_norm"); }
   void impl_gelu(const Tensor&, GeluApprox, const Tensor&) override { not_on_gpu("gelu"); }

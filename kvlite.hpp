@@ -697,6 +697,13 @@ constexpr int64_t kQuantRowBlock = 16;
 void quant_linear_block(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight, int64_t n0,
                         int64_t rows, float* scratch, float* out, int64_t out_stride);
 void dequantize_rows_unchecked(const QuantWeight& weight, int64_t row0, int64_t rows, float* out);
+// One activation row through fp8 and back (quantize_fp8_activations, then each q times its group's scale): what
+// W8A8 computes with. x, out [cols]; may be the same array.
+void fake_quantize_fp8_row(const float* x, int64_t cols, int64_t group, float* out);
+// The activation group of W8A8 for an fp8 weight: block_k for block scales, else the whole row.
+inline int64_t fp8_activation_group(const QuantWeight& weight) {
+  return weight.granularity == ScaleGranularity::block ? weight.block_k : weight.in_features;
+}
 }  // namespace detail
 
 }  // namespace kvlite
@@ -1378,9 +1385,21 @@ struct AttentionBatch {
 
 // Every op of the interface, for supports() and for messages.
 enum class Op {
-  gather_rows, rms_norm, add_rms_norm, rope, linear, silu_mul, add, copy, kv_write, attention,
+  gather_rows, rms_norm, add_rms_norm, rope, linear, quant_linear, silu_mul, add, copy, kv_write, attention,
   // the vision encoder's (Qwen3-VL)
   embedding_bag, layer_norm, gelu, segment_attention,
+};
+
+// An nn.Linear as the model binds it: dense (weight [out_features, in_features] in BF16/F16/F32, bias
+// [out_features] or none) or quantized (quant: the checkpoint's int4 / fp8 tensors and their own bias, see
+// quant.hpp; weight and bias are then empty). Backend::linear(x, LinearWeights, out) runs either.
+struct LinearWeights {
+  Tensor weight;
+  Tensor bias;
+  std::shared_ptr<const QuantWeight> quant;  // set: a quantized Linear
+
+  int64_t out_features() const { return quant ? quant->out_features : weight.rows; }
+  int64_t in_features() const { return quant ? quant->in_features : weight.cols; }
 };
 
 // GELU's two forms: nn.GELU() / "gelu" (exact, with erf) and "gelu_pytorch_tanh" (the tanh approximation).
@@ -1398,7 +1417,8 @@ class Backend {
   virtual DType activation_dtype() const = 0;
   // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows,
   // embedding_bag), the weight (rms_norm, add_rms_norm, linear, layer_norm), the K/V element (kv_write,
-  // attention), the destination (copy); for the others (rope, silu_mul, add, gelu, segment_attention) the
+  // attention), the destination (copy), the stored weight element for quant_linear (I32: pack-quantized
+  // int4, F8_E4M3: fp8); for the others (rope, silu_mul, add, gelu, segment_attention) the
   // activation dtype.
   virtual bool supports(Op op, DType dtype) const = 0;
 
@@ -1438,6 +1458,16 @@ class Backend {
   // out = x @ weight^T (+ bias): nn.Linear. x [T, K]; weight [N, K] (BF16/F16/F32); bias vector [N] or
   // none (bias.data == nullptr); out [T, N]. out must not overlap x.
   Status linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out);
+
+  // out = x @ W^T (+ W's bias) for a quantized Linear: W's int4 or fp8 values dequantized exactly as the
+  // checkpoint's reference defines them (quant.hpp), never the whole matrix at once. x [T, K]; out [T, N],
+  // not overlapping x. The weight's tensors must be where the backend computes (the CPU reads the mmap).
+  Status quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out);
+
+  // Either of the two above, as the Linear is stored.
+  Status linear(const Tensor& x, const LinearWeights& weights, const Tensor& out) {
+    return weights.quant ? quant_linear(x, *weights.quant, out) : linear(x, weights.weight, weights.bias, out);
+  }
 
   // SwiGLU's gate: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). gate, up, out [T, I] (gate and up
   // may be the two halves of one fused gate_up buffer). out may be gate or up.
@@ -1498,6 +1528,7 @@ class Backend {
                                  const Tensor& out) = 0;
   virtual void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) = 0;
   virtual void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) = 0;
+  virtual void impl_quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) = 0;
   virtual void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
   virtual void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
   virtual void impl_copy(const Tensor& src, const Tensor& dst) = 0;
@@ -1519,6 +1550,12 @@ class Backend {
 struct CpuBackendOptions {
   int threads = 0;             // worker threads, the caller included; 0: one per hardware thread
   int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
+  // Largest in_features a quant_linear will see: sizes the per-thread dequantization scratch (16 weight rows
+  // of K floats each, plus one activation chunk when fp8_activations is on).
+  int64_t max_quant_in_features = 16384;
+  // W8A8 as the GPU runs fp8 weights: quant_linear quantizes each activation row to fp8 and back first
+  // (quantize_fp8_activations, per block_k columns for block weights, else per row). For tests.
+  bool fp8_activations = false;
 };
 // Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
 // element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
@@ -1561,12 +1598,6 @@ Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions,
 
 namespace kvlite {
 
-// An nn.Linear as stored: weight [out_features, in_features], bias [out_features] or none (data == nullptr).
-struct LinearWeights {
-  Tensor weight;
-  Tensor bias;
-};
-
 // One decoder layer (LlamaDecoderLayer / Qwen2DecoderLayer / Qwen3DecoderLayer), every view in its on-disk
 // dtype. Shapes: H hidden, Hq/Hkv heads, D head_dim, I intermediate.
 struct DecoderLayerWeights {
@@ -1583,14 +1614,13 @@ struct TextModelWeights {
   Tensor embed_tokens;                     // [V, H]
   std::vector<DecoderLayerWeights> layers;  // [L]
   Tensor norm;                             // [H]
-  Tensor lm_head;                          // [V, H]; the embed_tokens view when tie_word_embeddings
+  LinearWeights lm_head;                   // [V, H], no bias; the embed_tokens view when tie_word_embeddings
 };
 
 // Binds every weight of the text model by its transformers name as a view into the store's mmap (BF16, F16
-// or F32, used as stored). All absent tensors are reported at once (missing_tensor, listing the names); a
-// tensor of the wrong shape or dtype is bad_format naming it, its shape and the expected one. Quantized
-// checkpoints are unsupported here (the CPU reference engine runs dense models); for Qwen3-VL this is the
-// language model (model.language_model.*; the vision tower is bind_vision_weights').
+// or F32, used as stored; a quantized Linear, int4 or fp8 per describe_linears, as its QuantWeight view). All
+// absent tensors are reported at once (missing_tensor, listing the names); a tensor of the wrong shape or dtype
+// is bad_format naming it, its shape and the expected one. For Qwen3-VL this is the language model (model.language_model.*; the vision tower is bind_vision_weights').
 Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const TensorStore& store);
 
 // Image tokens of a step whose rows come from the vision tower rather than the embedding table: step rows
@@ -1845,6 +1875,9 @@ namespace kvlite {
 struct EngineOptions {
   PlanOptions plan;  // the memory plan (computed for the CPU: device_mem, when set, is the budget's base)
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
+  // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
+  // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
+  bool fp8_activations = false;
 };
 
 // Why a generation ended.
@@ -4138,6 +4171,22 @@ Result<QuantWeight> quant_weight(const LinearDesc& linear, const TensorStore& st
   });
 }
 
+namespace detail {
+
+void fake_quantize_fp8_row(const float* x, int64_t cols, int64_t group, float* out) {
+  const std::array<float, 256>& fp8 = quant::fp8_table();
+  for (int64_t k0 = 0; k0 < cols; k0 += group) {
+    const int64_t k1 = std::min(cols, k0 + group);
+    float amax = 0.0f;
+    for (int64_t k = k0; k < k1; k++) amax = std::max(amax, std::fabs(x[k]));
+    float scale = amax / 448.0f;
+    if (scale == 0.0f) scale = FLT_EPSILON;  // as quantize_fp8_activations
+    for (int64_t k = k0; k < k1; k++) out[k] = fp8[float_to_fp8_e4m3(x[k] / scale + 0.0f)] * scale;
+  }
+}
+
+}  // namespace detail
+
 Status dequantize_rows(const QuantWeight& weight, int64_t row0, int64_t rows, float* out) {
   return detail::guard([&] {
     if (row0 < 0 || rows < 0 || row0 + rows > weight.out_features)
@@ -4192,16 +4241,10 @@ Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const Quan
         detail::fail(ErrorCode::invalid_argument,
                      detail::format("quant_linear(%s): fp8 activations go with fp8 weights, not %s",
                                     weight.name.c_str(), weight_format_name(weight.format)));
-      const int64_t group = weight.granularity == ScaleGranularity::block ? weight.block_k : k_size;
-      const int64_t groups = (k_size + group - 1) / group;
-      std::vector<uint8_t> q(size_t(tokens * k_size));
-      std::vector<float> scales(size_t(tokens * groups));
-      quantize_fp8_activations(x, tokens, k_size, x_stride, group, q.data(), scales.data()).value();
-      const std::array<float, 256>& fp8 = detail::quant::fp8_table();
+      const int64_t group = detail::fp8_activation_group(weight);
       requantized.resize(size_t(tokens * k_size));
       for (int64_t t = 0; t < tokens; t++)
-        for (int64_t k = 0; k < k_size; k++)
-          requantized[size_t(t * k_size + k)] = fp8[q[size_t(t * k_size + k)]] * scales[size_t(t * groups + k / group)];
+        detail::fake_quantize_fp8_row(x + t * x_stride, k_size, group, requantized.data() + t * k_size);
       x = requantized.data();
       x_stride = k_size;
     }
@@ -8515,6 +8558,7 @@ const char* op_name(Op op) {
     case Op::add_rms_norm: return "add_rms_norm";
     case Op::rope: return "rope";
     case Op::linear: return "linear";
+    case Op::quant_linear: return "quant_linear";
     case Op::silu_mul: return "silu_mul";
     case Op::add: return "add";
     case Op::copy: return "copy";
@@ -8739,6 +8783,28 @@ Status Backend::linear(const Tensor& x, const Tensor& weight, const Tensor& bias
     detail::check_alias(op, "out", out, "x", x, false);
     detail::check_alias(op, "out", out, "weight", weight, false);
     impl_linear(x, weight, bias, out);
+  });
+}
+
+Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "quant_linear";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    if (weight.format != WeightFormat::int4 && weight.format != WeightFormat::fp8)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quant_linear: %s is %s; quant_linear runs int4 and fp8 weights", weight.name.c_str(),
+                                  weight_format_name(weight.format)));
+    detail::check_supported(*this, Op::quant_linear, weight.format == WeightFormat::int4 ? DType::I32 : DType::F8_E4M3,
+                            "weight dtype");
+    if (weight.in_features != x.cols)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quant_linear: %s is [out %lld, in %lld] but x is %s; in_features must be x's %lld "
+                                  "columns", weight.name.c_str(), (long long)weight.out_features,
+                                  (long long)weight.in_features, detail::describe(x).c_str(), (long long)x.cols));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, weight.out_features);
+    detail::check_alias(op, "out", out, "x", x, false);
+    impl_quant_linear(x, weight, out);
   });
 }
 
@@ -9193,8 +9259,12 @@ class CpuBackend final : public Backend {
       : max_head_dim_(options.max_head_dim),
         // whole 64-byte lines per thread, so two threads never write the same cache line
         scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
+        max_quant_in_features_(options.max_quant_in_features),
+        fp8_activations_(options.fp8_activations),
         pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
     scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
+    dequant_scratch_.assign(size_t(pool_.threads() * kQuantRowBlock * max_quant_in_features_), 0.0f);
+    if (fp8_activations_) requantized_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
   }
 
   BackendKind kind() const override { return BackendKind::cpu; }
@@ -9209,6 +9279,7 @@ class CpuBackend final : public Backend {
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
       case Op::kv_write: case Op::attention: case Op::embedding_bag: case Op::layer_norm:
         return is_cpu_float(dtype);
+      case Op::quant_linear: return dtype == DType::I32 || dtype == DType::F8_E4M3;
     }
     return false;
   }
@@ -9318,6 +9389,42 @@ class CpuBackend final : public Backend {
       };
       pool_.run(out.rows, body);
     });
+  }
+
+  // Tokens go in chunks of kQuantTokenChunk; for each chunk, work item b dequantizes weight rows
+  // [16 b, 16 b + 16) into its thread's scratch and multiplies the chunk by them. Every output element is one
+  // dot product in quant_linear's fixed order, so chunking and threads change no bit.
+  void impl_quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) override {
+    const int64_t K = weight.in_features, N = weight.out_features;
+    if (K > max_quant_in_features_)
+      fail(ErrorCode::invalid_argument,
+           format("quant_linear: %s has %lld in_features but this CPU backend's dequantization scratch holds rows of "
+                  "%lld (raise CpuBackendOptions::max_quant_in_features)",
+                  weight.name.c_str(), (long long)K, (long long)max_quant_in_features_));
+    const bool requantize = fp8_activations_ && weight.format == WeightFormat::fp8;
+    const int64_t group = fp8_activation_group(weight);
+    const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(kQuantRowBlock)));
+    for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
+      const int64_t tokens = std::min(kQuantTokenChunk, x.rows - t0);
+      const float* chunk = row_of<const float>(x, t0);
+      int64_t chunk_stride = x.row_stride;
+      if (requantize) {  // [tokens, K]: each row through fp8 and back, as W8A8 sees it
+        auto body = [&](int64_t t, int) {
+          fake_quantize_fp8_row(chunk + t * chunk_stride, K, group, requantized_.data() + t * K);
+        };
+        pool_.run(tokens, body);
+        chunk = requantized_.data();
+        chunk_stride = K;
+      }
+      float* out_chunk = row_of<float>(out, t0);
+      auto body = [&](int64_t b, int thread) {
+        const int64_t n0 = b * kQuantRowBlock;
+        quant_linear_block(chunk, chunk_stride, tokens, weight, n0, std::min(kQuantRowBlock, N - n0),
+                           dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_, out_chunk,
+                           out.row_stride);
+      };
+      pool_.run(row_blocks, body);
+    }
   }
 
   void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) override {
@@ -9580,6 +9687,7 @@ class CpuBackend final : public Backend {
   static constexpr uint64_t kTokenBlock = 32, kRowBlock = 16;  // linear work item
   static constexpr int kTileTokens = 4, kTileRows = 2;          // linear register tile
   static constexpr int64_t kHeadsPerPass = 8;                   // attention: query heads summed together
+  static constexpr int64_t kQuantTokenChunk = 64;               // quant_linear: tokens per pass over the weight
   static_assert(kTokenBlock % kTileTokens == 0 && kRowBlock % kTileRows == 0, "blocks must hold whole tiles");
 
   // LlamaRMSNorm in float32: variance = mean(x^2); x * rsqrt(variance + eps); weight * that.
@@ -9644,6 +9752,10 @@ class CpuBackend final : public Backend {
   int64_t max_head_dim_;
   int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
   std::vector<float> scratch_;  // [threads, scratch_per_thread_]
+  int64_t max_quant_in_features_;
+  bool fp8_activations_;
+  std::vector<float> dequant_scratch_;  // [threads, kQuantRowBlock, max_quant_in_features_] dequantized rows
+  std::vector<float> requantized_;      // [kQuantTokenChunk, max_quant_in_features_] (fp8_activations only)
   ThreadPool pool_;
 };
 
@@ -9651,10 +9763,11 @@ class CpuBackend final : public Backend {
 
 Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options) {
   return detail::guard([&]() -> std::unique_ptr<Backend> {
-    if (options.threads < 0 || options.max_head_dim <= 0)
+    if (options.threads < 0 || options.max_head_dim <= 0 || options.max_quant_in_features <= 0)
       detail::fail(ErrorCode::invalid_argument,
-                   detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread) and "
-                                  "max_head_dim %lld positive", options.threads, (long long)options.max_head_dim));
+                   detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread), "
+                                  "max_head_dim %lld and max_quant_in_features %lld positive", options.threads,
+                                  (long long)options.max_head_dim, (long long)options.max_quant_in_features));
     return std::make_unique<detail::CpuBackend>(options);
   });
 }
@@ -9683,7 +9796,14 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 // Looks tensors up by name, collecting the absent ones so that one error lists them all.
 class WeightBinder {
  public:
-  explicit WeightBinder(const TensorStore& store) : store_(store) {}
+  // Quantized Linears are found from the checkpoint's headers and config together (describe_linears).
+  WeightBinder(const ModelConfig& config, const TensorStore& store) : store_(store), origin_(config.origin) {
+    if (config.quant.method == QuantMethod::none) return;
+    Result<std::vector<LinearDesc>> linears = describe_linears(config, &store);
+    if (!linears) throw linears.error();
+    for (LinearDesc& linear : *linears)
+      if (linear.format != WeightFormat::dense) quantized_.emplace(linear.name, std::move(linear));
+  }
 
   // A view of `name` as [rows, cols] (a 1-D tensor of n elements is [n, 1], Tensor::vector's form).
   Tensor bind(const std::string& name, std::vector<int64_t> shape) {
@@ -9710,13 +9830,30 @@ class WeightBinder {
     if (cols == 1) return Tensor::vector(data, info->dtype, rows);
     return Tensor::matrix(data, info->dtype, rows, cols);
   }
+  // An nn.Linear: dense views, or the view of its quantized tensors (quant_weight checks each of them).
   LinearWeights linear(const std::string& module, int64_t out_features, int64_t in_features, bool bias) {
     LinearWeights weights;
-    weights.weight = bind(module + ".weight", {out_features, in_features});
-    if (bias) weights.bias = bind(module + ".bias", {out_features});
+    auto quantized = quantized_.find(module);
+    if (quantized == quantized_.end()) {
+      weights.weight = bind(module + ".weight", {out_features, in_features});
+      if (bias) weights.bias = bind(module + ".bias", {out_features});
+      return weights;
+    }
+    const LinearDesc& desc = quantized->second;
+    if (desc.out_features != out_features || desc.in_features != in_features)
+      fail(ErrorCode::bad_format,
+           format("'%s' is stored as a %s Linear of [out %lld, in %lld]; the config (%s) makes it [%lld, %lld]",
+                  module.c_str(), weight_format_name(desc.format), (long long)desc.out_features,
+                  (long long)desc.in_features, origin_.c_str(), (long long)out_features, (long long)in_features));
+    Result<QuantWeight> weight = quant_weight(desc, store_);
+    if (!weight) throw weight.error();
+    if (bias && !weight->bias) missing_.push_back(module + ".bias");
+    if (!bias && weight->bias)
+      fail(ErrorCode::bad_format, format("'%s.bias' is in the checkpoint but the config (%s) gives that Linear no "
+                                         "bias", module.c_str(), origin_.c_str()));
+    weights.quant = std::make_shared<const QuantWeight>(std::move(*weight));
     return weights;
   }
-  void set_origin(std::string origin) { origin_ = std::move(origin); }
   void finish() const {
     if (missing_.empty()) return;
     std::string list;
@@ -9734,6 +9871,7 @@ class WeightBinder {
   }
   const TensorStore& store_;
   std::string origin_;
+  std::map<std::string, LinearDesc> quantized_;  // module name -> its int4 / fp8 descriptor
   std::vector<std::string> missing_;
 };
 
@@ -9793,10 +9931,6 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
       fail(ErrorCode::unsupported,
            format("%s: model_type '%s' (%s) is not a model the CPU engine runs (llama, qwen2, qwen3, qwen3_vl)",
                   config.origin.c_str(), config.model_type.c_str(), arch_name(config.arch)));
-    if (config.quant.method != QuantMethod::none)
-      fail(ErrorCode::unsupported,
-           format("%s: the checkpoint is quantized (%s); the CPU engine runs dense BF16/F16/F32 weights",
-                  config.origin.c_str(), config.quant.format.c_str()));
     if (c.hidden_act != "silu")
       fail(ErrorCode::unsupported,
            format("%s: hidden_act '%s' is not supported (the MLP is SwiGLU with silu)", config.origin.c_str(),
@@ -9805,8 +9939,7 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
     const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
     const std::string prefix = config.text_prefix();
 
-    detail::model::WeightBinder bind(store);
-    bind.set_origin(config.origin);
+    detail::model::WeightBinder bind(config, store);
     TextModelWeights w;
     w.embed_tokens = bind.bind(prefix + "embed_tokens.weight", {V, H});
     w.layers.resize(size_t(c.num_layers));
@@ -9829,7 +9962,8 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
     }
     w.norm = bind.bind(prefix + "norm.weight", {H});
     // Tied: transformers points lm_head at embed_tokens (and save_pretrained drops lm_head.weight).
-    w.lm_head = c.tie_word_embeddings ? w.embed_tokens : bind.bind("lm_head.weight", {V, H});
+    if (c.tie_word_embeddings) w.lm_head.weight = w.embed_tokens;
+    else w.lm_head = bind.linear("lm_head", V, H, false);
     bind.finish();
     return w;
   });
@@ -9967,9 +10101,9 @@ void TextModel::forward(const StepInput& step) {
     }
 
     // query_states = self.q_proj(hidden_states); key_states = ...; value_states = ...   (+ bias: qwen2)
-    check(backend_.linear(normed, w.q_proj.weight, w.q_proj.bias, q));
-    check(backend_.linear(normed, w.k_proj.weight, w.k_proj.bias, k));
-    check(backend_.linear(normed, w.v_proj.weight, w.v_proj.bias, v));
+    check(backend_.linear(normed, w.q_proj, q));
+    check(backend_.linear(normed, w.k_proj, k));
+    check(backend_.linear(normed, w.v_proj, v));
     if (c.qk_norm) {
       // qwen3: query_states = self.q_norm(query_states.view(hidden_shape)); the same for keys (per head, over D)
       check(backend_.rms_norm(q, w.q_norm, eps, q));
@@ -9983,15 +10117,15 @@ void TextModel::forward(const StepInput& step) {
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
     check(backend_.attention(q, cache, l, batch_, attention_scale_, attn));
     // attn_output = self.o_proj(attn_output)                                  normed [T, H]
-    check(backend_.linear(attn, w.o_proj.weight, w.o_proj.bias, normed));
+    check(backend_.linear(attn, w.o_proj, normed));
     // hidden_states = residual + hidden_states; residual = hidden_states
     // hidden_states = self.post_attention_layernorm(hidden_states)
     check(backend_.add_rms_norm(normed, hidden, w.post_attention_layernorm, eps, normed));
     // down_proj(act_fn(gate_proj(x)) * up_proj(x))                            normed [T, H]
-    check(backend_.linear(normed, w.gate_proj.weight, w.gate_proj.bias, gate));
-    check(backend_.linear(normed, w.up_proj.weight, w.up_proj.bias, up));
+    check(backend_.linear(normed, w.gate_proj, gate));
+    check(backend_.linear(normed, w.up_proj, up));
     check(backend_.silu_mul(gate, up, act));
-    check(backend_.linear(act, w.down_proj.weight, w.down_proj.bias, normed));
+    check(backend_.linear(act, w.down_proj, normed));
     layer_output_in_hidden = false;
     if (l < deepstack_levels_ && step.image_runs > 0) {
       // hidden_states = residual + hidden_states (the layer's output), then qwen3_vl's _deepstack_process:
@@ -10027,7 +10161,7 @@ Tensor TextModel::logits(int64_t first, int64_t count) {
   Tensor gathered = hidden_.slice_rows(0, count);
   check(backend_.gather_rows(normed_.slice_rows(0, step_tokens_), logit_rows_.slice_rows(first, count), gathered));
   Tensor out = logits_.slice_rows(0, count);  // [count, V] fp32
-  check(backend_.linear(gathered, weights_.lm_head, Tensor{}, out));
+  check(backend_.linear(gathered, weights_.lm_head, out));
   check(backend_.synchronize());
   return out;
 }
@@ -10057,8 +10191,7 @@ Result<VisionWeights> bind_vision_weights(const ModelConfig& config, const Tenso
     const int64_t merged = vh * v.spatial_merge_size * v.spatial_merge_size;
     const int64_t patch_values = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
 
-    detail::model::WeightBinder bind(store);
-    bind.set_origin(config.origin);
+    detail::model::WeightBinder bind(config, store);
     auto layer_norm = [&](const std::string& module, int64_t n) {
       return LayerNormWeights{bind.bind(module + ".weight", {n}), bind.bind(module + ".bias", {n})};
     };
@@ -10376,20 +10509,20 @@ void VisionModel::encode(const std::vector<const VisionInput*>& images) {
     // self.attn(self.norm1(hidden_states), ...)
     check(backend_.layer_norm(hidden, w.norm1.weight, w.norm1.bias, 1e-6f, normed));
     // query_states, key_states, value_states = self.qkv(hidden_states).reshape(N, 3, heads, -1)...
-    check(backend_.linear(normed, w.qkv.weight, w.qkv.bias, qkv));
+    check(backend_.linear(normed, w.qkv, qkv));
     // apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
     check(backend_.rope(q, cos, sin, head_dim_));
     check(backend_.rope(k, cos, sin, head_dim_));
     // non-causal attention within each image (cu_seqlens), scaling head_dim ** -0.5
     check(backend_.segment_attention(q, k, val, segments, longest, head_dim_, attention_scale_, attn));
     // attn_output = self.proj(attn_output); hidden_states = hidden_states + attn_output
-    check(backend_.linear(attn, w.proj.weight, w.proj.bias, normed));
+    check(backend_.linear(attn, w.proj, normed));
     check(backend_.add(hidden, normed, hidden));
     // hidden_states = hidden_states + self.mlp(self.norm2(hidden_states)): fc2(act(fc1(x)))
     check(backend_.layer_norm(hidden, w.norm2.weight, w.norm2.bias, 1e-6f, normed));
-    check(backend_.linear(normed, w.fc1.weight, w.fc1.bias, mlp));
+    check(backend_.linear(normed, w.fc1, mlp));
     check(backend_.gelu(mlp, block_gelu_, mlp));
-    check(backend_.linear(mlp, w.fc2.weight, w.fc2.bias, normed));
+    check(backend_.linear(mlp, w.fc2, normed));
     check(backend_.add(hidden, normed, hidden));
     // if layer_num in self.deepstack_visual_indexes: deepstack_merger_list[index](hidden_states)
     for (size_t j = 0; j < v.deepstack_visual_indexes.size(); j++)
@@ -10418,11 +10551,11 @@ void VisionModel::run_merger(const PatchMergerWeights& merger, const Tensor& hid
   }
   // self.linear_fc2(self.act_fn(self.linear_fc1(x))), act_fn = nn.GELU() (erf)
   Tensor fc1_out = shuffled(attn_out_);  // [N / 4, 4 vh]
-  check(backend_.linear(normed, merger.fc1.weight, merger.fc1.bias, fc1_out));
+  check(backend_.linear(normed, merger.fc1, fc1_out));
   check(backend_.gelu(fc1_out, GeluApprox::none, fc1_out));
   const int64_t tokens_per_level = merged_.rows / levels_;
   Tensor out = merged_.slice_rows(level * tokens_per_level, tokens);  // [N / 4, out]
-  check(backend_.linear(fc1_out, merger.fc2.weight, merger.fc2.bias, out));
+  check(backend_.linear(fc1_out, merger.fc2, out));
 }
 
 }  // namespace kvlite
@@ -11092,6 +11225,11 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     CpuBackendOptions backend_options;
     backend_options.threads = options.threads;
     backend_options.max_head_dim = e.config.text.head_dim;
+    backend_options.fp8_activations = options.fp8_activations;
+    backend_options.max_quant_in_features = 1;
+    for (const LinearDesc& linear : weights->linears)
+      if (linear.format != WeightFormat::dense)
+        backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
     if (e.config.vision.present)
       backend_options.max_head_dim =
           std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);

@@ -342,6 +342,7 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--max-batched-tokens", "N", "tokens in one forward step; default min(2048, max_model_len)"},
       {"--kv-dtype", "T", "auto | f32 | bf16 | f16; default auto (f32 on the CPU)"},
       {"--threads", "N", "CPU threads; default one per hardware thread"},
+      {"--fp8-activations", "", "fp8 checkpoints: quantize activations to fp8 per token as the GPU does (W8A8)"},
   };
 }
 
@@ -364,6 +365,7 @@ kvlite::EngineOptions engine_options(const Args& args) {
     options.plan.kv_dtype = *dtype;
   }
   if (args.has("--threads")) options.threads = int(args.integer("--threads", 1, 4096));
+  options.fp8_activations = args.has("--fp8-activations");
   return options;
 }
 

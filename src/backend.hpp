@@ -72,9 +72,21 @@ struct AttentionBatch {
 
 // Every op of the interface, for supports() and for messages.
 enum class Op {
-  gather_rows, rms_norm, add_rms_norm, rope, linear, silu_mul, add, copy, kv_write, attention,
+  gather_rows, rms_norm, add_rms_norm, rope, linear, quant_linear, silu_mul, add, copy, kv_write, attention,
   // the vision encoder's (Qwen3-VL)
   embedding_bag, layer_norm, gelu, segment_attention,
+};
+
+// An nn.Linear as the model binds it: dense (weight [out_features, in_features] in BF16/F16/F32, bias
+// [out_features] or none) or quantized (quant: the checkpoint's int4 / fp8 tensors and their own bias, see
+// quant.hpp; weight and bias are then empty). Backend::linear(x, LinearWeights, out) runs either.
+struct LinearWeights {
+  Tensor weight;
+  Tensor bias;
+  std::shared_ptr<const QuantWeight> quant;  // set: a quantized Linear
+
+  int64_t out_features() const { return quant ? quant->out_features : weight.rows; }
+  int64_t in_features() const { return quant ? quant->in_features : weight.cols; }
 };
 
 // GELU's two forms: nn.GELU() / "gelu" (exact, with erf) and "gelu_pytorch_tanh" (the tanh approximation).
@@ -92,7 +104,8 @@ class Backend {
   virtual DType activation_dtype() const = 0;
   // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows,
   // embedding_bag), the weight (rms_norm, add_rms_norm, linear, layer_norm), the K/V element (kv_write,
-  // attention), the destination (copy); for the others (rope, silu_mul, add, gelu, segment_attention) the
+  // attention), the destination (copy), the stored weight element for quant_linear (I32: pack-quantized
+  // int4, F8_E4M3: fp8); for the others (rope, silu_mul, add, gelu, segment_attention) the
   // activation dtype.
   virtual bool supports(Op op, DType dtype) const = 0;
 
@@ -132,6 +145,16 @@ class Backend {
   // out = x @ weight^T (+ bias): nn.Linear. x [T, K]; weight [N, K] (BF16/F16/F32); bias vector [N] or
   // none (bias.data == nullptr); out [T, N]. out must not overlap x.
   Status linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out);
+
+  // out = x @ W^T (+ W's bias) for a quantized Linear: W's int4 or fp8 values dequantized exactly as the
+  // checkpoint's reference defines them (quant.hpp), never the whole matrix at once. x [T, K]; out [T, N],
+  // not overlapping x. The weight's tensors must be where the backend computes (the CPU reads the mmap).
+  Status quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out);
+
+  // Either of the two above, as the Linear is stored.
+  Status linear(const Tensor& x, const LinearWeights& weights, const Tensor& out) {
+    return weights.quant ? quant_linear(x, *weights.quant, out) : linear(x, weights.weight, weights.bias, out);
+  }
 
   // SwiGLU's gate: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). gate, up, out [T, I] (gate and up
   // may be the two halves of one fused gate_up buffer). out may be gate or up.
@@ -192,6 +215,7 @@ class Backend {
                                  const Tensor& out) = 0;
   virtual void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) = 0;
   virtual void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) = 0;
+  virtual void impl_quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) = 0;
   virtual void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
   virtual void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
   virtual void impl_copy(const Tensor& src, const Tensor& dst) = 0;
@@ -213,6 +237,12 @@ class Backend {
 struct CpuBackendOptions {
   int threads = 0;             // worker threads, the caller included; 0: one per hardware thread
   int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
+  // Largest in_features a quant_linear will see: sizes the per-thread dequantization scratch (16 weight rows
+  // of K floats each, plus one activation chunk when fp8_activations is on).
+  int64_t max_quant_in_features = 16384;
+  // W8A8 as the GPU runs fp8 weights: quant_linear quantizes each activation row to fp8 and back first
+  // (quantize_fp8_activations, per block_k columns for block weights, else per row). For tests.
+  bool fp8_activations = false;
 };
 // Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
 // element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.

@@ -10,6 +10,7 @@ const char* op_name(Op op) {
     case Op::add_rms_norm: return "add_rms_norm";
     case Op::rope: return "rope";
     case Op::linear: return "linear";
+    case Op::quant_linear: return "quant_linear";
     case Op::silu_mul: return "silu_mul";
     case Op::add: return "add";
     case Op::copy: return "copy";
@@ -234,6 +235,28 @@ Status Backend::linear(const Tensor& x, const Tensor& weight, const Tensor& bias
     detail::check_alias(op, "out", out, "x", x, false);
     detail::check_alias(op, "out", out, "weight", weight, false);
     impl_linear(x, weight, bias, out);
+  });
+}
+
+Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "quant_linear";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    if (weight.format != WeightFormat::int4 && weight.format != WeightFormat::fp8)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quant_linear: %s is %s; quant_linear runs int4 and fp8 weights", weight.name.c_str(),
+                                  weight_format_name(weight.format)));
+    detail::check_supported(*this, Op::quant_linear, weight.format == WeightFormat::int4 ? DType::I32 : DType::F8_E4M3,
+                            "weight dtype");
+    if (weight.in_features != x.cols)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quant_linear: %s is [out %lld, in %lld] but x is %s; in_features must be x's %lld "
+                                  "columns", weight.name.c_str(), (long long)weight.out_features,
+                                  (long long)weight.in_features, detail::describe(x).c_str(), (long long)x.cols));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, weight.out_features);
+    detail::check_alias(op, "out", out, "x", x, false);
+    impl_quant_linear(x, weight, out);
   });
 }
 

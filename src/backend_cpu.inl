@@ -178,8 +178,12 @@ class CpuBackend final : public Backend {
       : max_head_dim_(options.max_head_dim),
         // whole 64-byte lines per thread, so two threads never write the same cache line
         scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
+        max_quant_in_features_(options.max_quant_in_features),
+        fp8_activations_(options.fp8_activations),
         pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
     scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
+    dequant_scratch_.assign(size_t(pool_.threads() * kQuantRowBlock * max_quant_in_features_), 0.0f);
+    if (fp8_activations_) requantized_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
   }
 
   BackendKind kind() const override { return BackendKind::cpu; }
@@ -194,6 +198,7 @@ class CpuBackend final : public Backend {
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
       case Op::kv_write: case Op::attention: case Op::embedding_bag: case Op::layer_norm:
         return is_cpu_float(dtype);
+      case Op::quant_linear: return dtype == DType::I32 || dtype == DType::F8_E4M3;
     }
     return false;
   }
@@ -303,6 +308,42 @@ class CpuBackend final : public Backend {
       };
       pool_.run(out.rows, body);
     });
+  }
+
+  // Tokens go in chunks of kQuantTokenChunk; for each chunk, work item b dequantizes weight rows
+  // [16 b, 16 b + 16) into its thread's scratch and multiplies the chunk by them. Every output element is one
+  // dot product in quant_linear's fixed order, so chunking and threads change no bit.
+  void impl_quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) override {
+    const int64_t K = weight.in_features, N = weight.out_features;
+    if (K > max_quant_in_features_)
+      fail(ErrorCode::invalid_argument,
+           format("quant_linear: %s has %lld in_features but this CPU backend's dequantization scratch holds rows of "
+                  "%lld (raise CpuBackendOptions::max_quant_in_features)",
+                  weight.name.c_str(), (long long)K, (long long)max_quant_in_features_));
+    const bool requantize = fp8_activations_ && weight.format == WeightFormat::fp8;
+    const int64_t group = fp8_activation_group(weight);
+    const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(kQuantRowBlock)));
+    for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
+      const int64_t tokens = std::min(kQuantTokenChunk, x.rows - t0);
+      const float* chunk = row_of<const float>(x, t0);
+      int64_t chunk_stride = x.row_stride;
+      if (requantize) {  // [tokens, K]: each row through fp8 and back, as W8A8 sees it
+        auto body = [&](int64_t t, int) {
+          fake_quantize_fp8_row(chunk + t * chunk_stride, K, group, requantized_.data() + t * K);
+        };
+        pool_.run(tokens, body);
+        chunk = requantized_.data();
+        chunk_stride = K;
+      }
+      float* out_chunk = row_of<float>(out, t0);
+      auto body = [&](int64_t b, int thread) {
+        const int64_t n0 = b * kQuantRowBlock;
+        quant_linear_block(chunk, chunk_stride, tokens, weight, n0, std::min(kQuantRowBlock, N - n0),
+                           dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_, out_chunk,
+                           out.row_stride);
+      };
+      pool_.run(row_blocks, body);
+    }
   }
 
   void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) override {
@@ -565,6 +606,7 @@ class CpuBackend final : public Backend {
   static constexpr uint64_t kTokenBlock = 32, kRowBlock = 16;  // linear work item
   static constexpr int kTileTokens = 4, kTileRows = 2;          // linear register tile
   static constexpr int64_t kHeadsPerPass = 8;                   // attention: query heads summed together
+  static constexpr int64_t kQuantTokenChunk = 64;               // quant_linear: tokens per pass over the weight
   static_assert(kTokenBlock % kTileTokens == 0 && kRowBlock % kTileRows == 0, "blocks must hold whole tiles");
 
   // LlamaRMSNorm in float32: variance = mean(x^2); x * rsqrt(variance + eps); weight * that.
@@ -629,6 +671,10 @@ class CpuBackend final : public Backend {
   int64_t max_head_dim_;
   int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
   std::vector<float> scratch_;  // [threads, scratch_per_thread_]
+  int64_t max_quant_in_features_;
+  bool fp8_activations_;
+  std::vector<float> dequant_scratch_;  // [threads, kQuantRowBlock, max_quant_in_features_] dequantized rows
+  std::vector<float> requantized_;      // [kQuantTokenChunk, max_quant_in_features_] (fp8_activations only)
   ThreadPool pool_;
 };
 
@@ -636,10 +682,11 @@ class CpuBackend final : public Backend {
 
 Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options) {
   return detail::guard([&]() -> std::unique_ptr<Backend> {
-    if (options.threads < 0 || options.max_head_dim <= 0)
+    if (options.threads < 0 || options.max_head_dim <= 0 || options.max_quant_in_features <= 0)
       detail::fail(ErrorCode::invalid_argument,
-                   detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread) and "
-                                  "max_head_dim %lld positive", options.threads, (long long)options.max_head_dim));
+                   detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread), "
+                                  "max_head_dim %lld and max_quant_in_features %lld positive", options.threads,
+                                  (long long)options.max_head_dim, (long long)options.max_quant_in_features));
     return std::make_unique<detail::CpuBackend>(options);
   });
 }

@@ -33,6 +33,9 @@ namespace kvlite {
 struct EngineOptions {
   PlanOptions plan;  // the memory plan (computed for the CPU: device_mem, when set, is the budget's base)
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
+  // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
+  // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
+  bool fp8_activations = false;
 };
 
 // Why a generation ended.

@@ -664,6 +664,11 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     CpuBackendOptions backend_options;
     backend_options.threads = options.threads;
     backend_options.max_head_dim = e.config.text.head_dim;
+    backend_options.fp8_activations = options.fp8_activations;
+    backend_options.max_quant_in_features = 1;
+    for (const LinearDesc& linear : weights->linears)
+      if (linear.format != WeightFormat::dense)
+        backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
     if (e.config.vision.present)
       backend_options.max_head_dim =
           std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);

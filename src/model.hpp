@@ -20,12 +20,6 @@
 
 namespace kvlite {
 
-// An nn.Linear as stored: weight [out_features, in_features], bias [out_features] or none (data == nullptr).
-struct LinearWeights {
-  Tensor weight;
-  Tensor bias;
-};
-
 // One decoder layer (LlamaDecoderLayer / Qwen2DecoderLayer / Qwen3DecoderLayer), every view in its on-disk
 // dtype. Shapes: H hidden, Hq/Hkv heads, D head_dim, I intermediate.
 struct DecoderLayerWeights {
@@ -42,14 +36,13 @@ struct TextModelWeights {
   Tensor embed_tokens;                     // [V, H]
   std::vector<DecoderLayerWeights> layers;  // [L]
   Tensor norm;                             // [H]
-  Tensor lm_head;                          // [V, H]; the embed_tokens view when tie_word_embeddings
+  LinearWeights lm_head;                   // [V, H], no bias; the embed_tokens view when tie_word_embeddings
 };
 
 // Binds every weight of the text model by its transformers name as a view into the store's mmap (BF16, F16
-// or F32, used as stored). All absent tensors are reported at once (missing_tensor, listing the names); a
-// tensor of the wrong shape or dtype is bad_format naming it, its shape and the expected one. Quantized
-// checkpoints are unsupported here (the CPU reference engine runs dense models); for Qwen3-VL this is the
-// language model (model.language_model.*; the vision tower is bind_vision_weights').
+// or F32, used as stored; a quantized Linear, int4 or fp8 per describe_linears, as its QuantWeight view). All
+// absent tensors are reported at once (missing_tensor, listing the names); a tensor of the wrong shape or dtype
+// is bad_format naming it, its shape and the expected one. For Qwen3-VL this is the language model (model.language_model.*; the vision tower is bind_vision_weights').
 Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const TensorStore& store);
 
 // Image tokens of a step whose rows come from the vision tower rather than the embedding table: step rows

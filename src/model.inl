@@ -21,7 +21,14 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 // Looks tensors up by name, collecting the absent ones so that one error lists them all.
 class WeightBinder {
  public:
-  explicit WeightBinder(const TensorStore& store) : store_(store) {}
+  // Quantized Linears are found from the checkpoint's headers and config together (describe_linears).
+  WeightBinder(const ModelConfig& config, const TensorStore& store) : store_(store), origin_(config.origin) {
+    if (config.quant.method == QuantMethod::none) return;
+    Result<std::vector<LinearDesc>> linears = describe_linears(config, &store);
+    if (!linears) throw linears.error();
+    for (LinearDesc& linear : *linears)
+      if (linear.format != WeightFormat::dense) quantized_.emplace(linear.name, std::move(linear));
+  }
 
   // A view of `name` as [rows, cols] (a 1-D tensor of n elements is [n, 1], Tensor::vector's form).
   Tensor bind(const std::string& name, std::vector<int64_t> shape) {
@@ -48,13 +55,30 @@ class WeightBinder {
     if (cols == 1) return Tensor::vector(data, info->dtype, rows);
     return Tensor::matrix(data, info->dtype, rows, cols);
   }
+  // An nn.Linear: dense views, or the view of its quantized tensors (quant_weight checks each of them).
   LinearWeights linear(const std::string& module, int64_t out_features, int64_t in_features, bool bias) {
     LinearWeights weights;
-    weights.weight = bind(module + ".weight", {out_features, in_features});
-    if (bias) weights.bias = bind(module + ".bias", {out_features});
+    auto quantized = quantized_.find(module);
+    if (quantized == quantized_.end()) {
+      weights.weight = bind(module + ".weight", {out_features, in_features});
+      if (bias) weights.bias = bind(module + ".bias", {out_features});
+      return weights;
+    }
+    const LinearDesc& desc = quantized->second;
+    if (desc.out_features != out_features || desc.in_features != in_features)
+      fail(ErrorCode::bad_format,
+           format("'%s' is stored as a %s Linear of [out %lld, in %lld]; the config (%s) makes it [%lld, %lld]",
+                  module.c_str(), weight_format_name(desc.format), (long long)desc.out_features,
+                  (long long)desc.in_features, origin_.c_str(), (long long)out_features, (long long)in_features));
+    Result<QuantWeight> weight = quant_weight(desc, store_);
+    if (!weight) throw weight.error();
+    if (bias && !weight->bias) missing_.push_back(module + ".bias");
+    if (!bias && weight->bias)
+      fail(ErrorCode::bad_format, format("'%s.bias' is in the checkpoint but the config (%s) gives that Linear no "
+                                         "bias", module.c_str(), origin_.c_str()));
+    weights.quant = std::make_shared<const QuantWeight>(std::move(*weight));
     return weights;
   }
-  void set_origin(std::string origin) { origin_ = std::move(origin); }
   void finish() const {
     if (missing_.empty()) return;
     std::string list;
@@ -72,6 +96,7 @@ class WeightBinder {
   }
   const TensorStore& store_;
   std::string origin_;
+  std::map<std::string, LinearDesc> quantized_;  // module name -> its int4 / fp8 descriptor
   std::vector<std::string> missing_;
 };
 
@@ -131,10 +156,6 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
       fail(ErrorCode::unsupported,
            format("%s: model_type '%s' (%s) is not a model the CPU engine runs (llama, qwen2, qwen3, qwen3_vl)",
                   config.origin.c_str(), config.model_type.c_str(), arch_name(config.arch)));
-    if (config.quant.method != QuantMethod::none)
-      fail(ErrorCode::unsupported,
-           format("%s: the checkpoint is quantized (%s); the CPU engine runs dense BF16/F16/F32 weights",
-                  config.origin.c_str(), config.quant.format.c_str()));
     if (c.hidden_act != "silu")
       fail(ErrorCode::unsupported,
            format("%s: hidden_act '%s' is not supported (the MLP is SwiGLU with silu)", config.origin.c_str(),
@@ -143,8 +164,7 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
     const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
     const std::string prefix = config.text_prefix();
 
-    detail::model::WeightBinder bind(store);
-    bind.set_origin(config.origin);
+    detail::model::WeightBinder bind(config, store);
     TextModelWeights w;
     w.embed_tokens = bind.bind(prefix + "embed_tokens.weight", {V, H});
     w.layers.resize(size_t(c.num_layers));
@@ -167,7 +187,8 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
     }
     w.norm = bind.bind(prefix + "norm.weight", {H});
     // Tied: transformers points lm_head at embed_tokens (and save_pretrained drops lm_head.weight).
-    w.lm_head = c.tie_word_embeddings ? w.embed_tokens : bind.bind("lm_head.weight", {V, H});
+    if (c.tie_word_embeddings) w.lm_head.weight = w.embed_tokens;
+    else w.lm_head = bind.linear("lm_head", V, H, false);
     bind.finish();
     return w;
   });
@@ -305,9 +326,9 @@ void TextModel::forward(const StepInput& step) {
     }
 
     // query_states = self.q_proj(hidden_states); key_states = ...; value_states = ...   (+ bias: qwen2)
-    check(backend_.linear(normed, w.q_proj.weight, w.q_proj.bias, q));
-    check(backend_.linear(normed, w.k_proj.weight, w.k_proj.bias, k));
-    check(backend_.linear(normed, w.v_proj.weight, w.v_proj.bias, v));
+    check(backend_.linear(normed, w.q_proj, q));
+    check(backend_.linear(normed, w.k_proj, k));
+    check(backend_.linear(normed, w.v_proj, v));
     if (c.qk_norm) {
       // qwen3: query_states = self.q_norm(query_states.view(hidden_shape)); the same for keys (per head, over D)
       check(backend_.rms_norm(q, w.q_norm, eps, q));
@@ -321,15 +342,15 @@ void TextModel::forward(const StepInput& step) {
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
     check(backend_.attention(q, cache, l, batch_, attention_scale_, attn));
     // attn_output = self.o_proj(attn_output)                                  normed [T, H]
-    check(backend_.linear(attn, w.o_proj.weight, w.o_proj.bias, normed));
+    check(backend_.linear(attn, w.o_proj, normed));
     // hidden_states = residual + hidden_states; residual = hidden_states
     // hidden_states = self.post_attention_layernorm(hidden_states)
     check(backend_.add_rms_norm(normed, hidden, w.post_attention_layernorm, eps, normed));
     // down_proj(act_fn(gate_proj(x)) * up_proj(x))                            normed [T, H]
-    check(backend_.linear(normed, w.gate_proj.weight, w.gate_proj.bias, gate));
-    check(backend_.linear(normed, w.up_proj.weight, w.up_proj.bias, up));
+    check(backend_.linear(normed, w.gate_proj, gate));
+    check(backend_.linear(normed, w.up_proj, up));
     check(backend_.silu_mul(gate, up, act));
-    check(backend_.linear(act, w.down_proj.weight, w.down_proj.bias, normed));
+    check(backend_.linear(act, w.down_proj, normed));
     layer_output_in_hidden = false;
     if (l < deepstack_levels_ && step.image_runs > 0) {
       // hidden_states = residual + hidden_states (the layer's output), then qwen3_vl's _deepstack_process:
@@ -365,7 +386,7 @@ Tensor TextModel::logits(int64_t first, int64_t count) {
   Tensor gathered = hidden_.slice_rows(0, count);
   check(backend_.gather_rows(normed_.slice_rows(0, step_tokens_), logit_rows_.slice_rows(first, count), gathered));
   Tensor out = logits_.slice_rows(0, count);  // [count, V] fp32
-  check(backend_.linear(gathered, weights_.lm_head, Tensor{}, out));
+  check(backend_.linear(gathered, weights_.lm_head, out));
   check(backend_.synchronize());
   return out;
 }

@@ -136,6 +136,13 @@ constexpr int64_t kQuantRowBlock = 16;
 void quant_linear_block(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight, int64_t n0,
                         int64_t rows, float* scratch, float* out, int64_t out_stride);
 void dequantize_rows_unchecked(const QuantWeight& weight, int64_t row0, int64_t rows, float* out);
+// One activation row through fp8 and back (quantize_fp8_activations, then each q times its group's scale): what
+// W8A8 computes with. x, out [cols]; may be the same array.
+void fake_quantize_fp8_row(const float* x, int64_t cols, int64_t group, float* out);
+// The activation group of W8A8 for an fp8 weight: block_k for block scales, else the whole row.
+inline int64_t fp8_activation_group(const QuantWeight& weight) {
+  return weight.granularity == ScaleGranularity::block ? weight.block_k : weight.in_features;
+}
 }  // namespace detail
 
 }  // namespace kvlite

@@ -345,6 +345,22 @@ Result<QuantWeight> quant_weight(const LinearDesc& linear, const TensorStore& st
   });
 }
 
+namespace detail {
+
+void fake_quantize_fp8_row(const float* x, int64_t cols, int64_t group, float* out) {
+  const std::array<float, 256>& fp8 = quant::fp8_table();
+  for (int64_t k0 = 0; k0 < cols; k0 += group) {
+    const int64_t k1 = std::min(cols, k0 + group);
+    float amax = 0.0f;
+    for (int64_t k = k0; k < k1; k++) amax = std::max(amax, std::fabs(x[k]));
+    float scale = amax / 448.0f;
+    if (scale == 0.0f) scale = FLT_EPSILON;  // as quantize_fp8_activations
+    for (int64_t k = k0; k < k1; k++) out[k] = fp8[float_to_fp8_e4m3(x[k] / scale + 0.0f)] * scale;
+  }
+}
+
+}  // namespace detail
+
 Status dequantize_rows(const QuantWeight& weight, int64_t row0, int64_t rows, float* out) {
   return detail::guard([&] {
     if (row0 < 0 || rows < 0 || row0 + rows > weight.out_features)
@@ -399,16 +415,10 @@ Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const Quan
         detail::fail(ErrorCode::invalid_argument,
                      detail::format("quant_linear(%s): fp8 activations go with fp8 weights, not %s",
                                     weight.name.c_str(), weight_format_name(weight.format)));
-      const int64_t group = weight.granularity == ScaleGranularity::block ? weight.block_k : k_size;
-      const int64_t groups = (k_size + group - 1) / group;
-      std::vector<uint8_t> q(size_t(tokens * k_size));
-      std::vector<float> scales(size_t(tokens * groups));
-      quantize_fp8_activations(x, tokens, k_size, x_stride, group, q.data(), scales.data()).value();
-      const std::array<float, 256>& fp8 = detail::quant::fp8_table();
+      const int64_t group = detail::fp8_activation_group(weight);
       requantized.resize(size_t(tokens * k_size));
       for (int64_t t = 0; t < tokens; t++)
-        for (int64_t k = 0; k < k_size; k++)
-          requantized[size_t(t * k_size + k)] = fp8[q[size_t(t * k_size + k)]] * scales[size_t(t * groups + k / group)];
+        detail::fake_quantize_fp8_row(x + t * x_stride, k_size, group, requantized.data() + t * k_size);
       x = requantized.data();
       x_stride = k_size;
     }

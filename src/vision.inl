@@ -17,8 +17,7 @@ Result<VisionWeights> bind_vision_weights(const ModelConfig& config, const Tenso
     const int64_t merged = vh * v.spatial_merge_size * v.spatial_merge_size;
     const int64_t patch_values = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
 
-    detail::model::WeightBinder bind(store);
-    bind.set_origin(config.origin);
+    detail::model::WeightBinder bind(config, store);
     auto layer_norm = [&](const std::string& module, int64_t n) {
       return LayerNormWeights{bind.bind(module + ".weight", {n}), bind.bind(module + ".bias", {n})};
     };
@@ -336,20 +335,20 @@ void VisionModel::encode(const std::vector<const VisionInput*>& images) {
     // self.attn(self.norm1(hidden_states), ...)
     check(backend_.layer_norm(hidden, w.norm1.weight, w.norm1.bias, 1e-6f, normed));
     // query_states, key_states, value_states = self.qkv(hidden_states).reshape(N, 3, heads, -1)...
-    check(backend_.linear(normed, w.qkv.weight, w.qkv.bias, qkv));
+    check(backend_.linear(normed, w.qkv, qkv));
     // apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
     check(backend_.rope(q, cos, sin, head_dim_));
     check(backend_.rope(k, cos, sin, head_dim_));
     // non-causal attention within each image (cu_seqlens), scaling head_dim ** -0.5
     check(backend_.segment_attention(q, k, val, segments, longest, head_dim_, attention_scale_, attn));
     // attn_output = self.proj(attn_output); hidden_states = hidden_states + attn_output
-    check(backend_.linear(attn, w.proj.weight, w.proj.bias, normed));
+    check(backend_.linear(attn, w.proj, normed));
     check(backend_.add(hidden, normed, hidden));
     // hidden_states = hidden_states + self.mlp(self.norm2(hidden_states)): fc2(act(fc1(x)))
     check(backend_.layer_norm(hidden, w.norm2.weight, w.norm2.bias, 1e-6f, normed));
-    check(backend_.linear(normed, w.fc1.weight, w.fc1.bias, mlp));
+    check(backend_.linear(normed, w.fc1, mlp));
     check(backend_.gelu(mlp, block_gelu_, mlp));
-    check(backend_.linear(mlp, w.fc2.weight, w.fc2.bias, normed));
+    check(backend_.linear(mlp, w.fc2, normed));
     check(backend_.add(hidden, normed, hidden));
     // if layer_num in self.deepstack_visual_indexes: deepstack_merger_list[index](hidden_states)
     for (size_t j = 0; j < v.deepstack_visual_indexes.size(); j++)
@@ -378,11 +377,11 @@ void VisionModel::run_merger(const PatchMergerWeights& merger, const Tensor& hid
   }
   // self.linear_fc2(self.act_fn(self.linear_fc1(x))), act_fn = nn.GELU() (erf)
   Tensor fc1_out = shuffled(attn_out_);  // [N / 4, 4 vh]
-  check(backend_.linear(normed, merger.fc1.weight, merger.fc1.bias, fc1_out));
+  check(backend_.linear(normed, merger.fc1, fc1_out));
   check(backend_.gelu(fc1_out, GeluApprox::none, fc1_out));
   const int64_t tokens_per_level = merged_.rows / levels_;
   Tensor out = merged_.slice_rows(level * tokens_per_level, tokens);  // [N / 4, out]
-  check(backend_.linear(fc1_out, merger.fc2.weight, merger.fc2.bias, out));
+  check(backend_.linear(fc1_out, merger.fc2, out));
 }
 
 }  // namespace kvlite

@@ -288,3 +288,25 @@ TEST_CASE("logits writes transformers' logits as a float32 .npy") {
   CHECK(bad.status == 2);
   CHECK_MESSAGE(contains(bad.err, "'x'"), bad.err);
 }
+
+TEST_CASE("generate and logits run the FP8 and W4A16 fixture checkpoints as stored") {
+  for (const std::string name : {"tiny-w4a16", "tiny-fp8", "tiny-fp8-qwen"}) {
+    CAPTURE(name);
+    const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant/" + name;
+    const nlohmann::json prompt = nlohmann::json::parse(read_file(dir + "/reference.json"))["prompts"][0];
+    Run generated = run_kvlite({"generate", dir, "--prompt", prompt["text"].get<std::string>(), "--max-tokens", "16",
+                                "--device-mem", "64MiB"});
+    CHECK_MESSAGE(generated.status == 0, generated.err);
+    CHECK(generated.out == prompt["greedy"]["text"].get<std::string>() + "\n");
+    std::string tokens;
+    for (const auto& id : prompt["input_ids"]) tokens += (tokens.empty() ? "" : ",") + std::to_string(id.get<int>());
+    const std::string out = testing_safetensors::temp_dir("cli-quant-logits") + "/" + name + ".npy";
+    Run logits = run_kvlite({"logits", dir, "--tokens", tokens, "--out", out, "--device-mem", "64MiB"});
+    CHECK_MESSAGE(logits.status == 0, logits.err);
+    model_fixtures::Npy written = model_fixtures::read_npy(out);
+    model_fixtures::Npy expected = model_fixtures::read_npy(dir + "/" + prompt["logits_file"].get<std::string>());
+    REQUIRE(written.rows == expected.rows);
+    REQUIRE(written.cols == expected.cols);
+    CHECK(model_fixtures::relative_max_diff(written.values, expected.values) <= 1e-4);
+  }
+}
