@@ -1157,6 +1157,12 @@ Status argmax(Backend& backend, const Tensor& logits, const Tensor& ids) {
 
 uint64_t device_allocations() { return g_device_allocations.load(); }
 
+Result<QuantWeight> upload_quant_weight(Backend&, const QuantWeight& host, void*, uint64_t) {
+  return Error(ErrorCode::unsupported,
+               detail::format("cuda::upload_quant_weight(%s): the GPU kernels for %s weights are not written yet; run "
+                              "this checkpoint on the CPU backend", host.name.c_str(), weight_format_name(host.format)));
+}
+
 }  // namespace cuda
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options) {

@@ -2105,6 +2105,17 @@ Status argmax(Backend& backend, const Tensor& logits, const Tensor& ids);
 // expected; backends make none. Monotonic; 0 in builds without CUDA.
 uint64_t device_allocations();
 
+// ---- quantized Linears on the device -----------------------------------------------------------------------
+// Bytes `host` (a QuantWeight over the checkpoint) takes on the device in the layout the GPU's quantized GEMMs
+// read (issue 6: W4A16 tiles repacked at load, fp8 with its scales); the planner counts these for CUDA plans.
+// Host-side arithmetic only: defined in every build.
+uint64_t quant_device_bytes(const QuantWeight& host);
+// Repacks and copies `host` into device memory at device_dst (capacity >= quant_device_bytes(host), 256-byte
+// aligned) through backend.copy_from_host, and returns the device view that Backend::quant_linear takes on
+// that backend. unsupported until the GPU kernels for the format exist (and in builds without CUDA).
+Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& host, void* device_dst,
+                                        uint64_t capacity);
+
 // ---- index math shared by kernels.cu and the host --------------------------------------------------------
 
 // The sequence owning query row `row`: the s in [0, seqs) with starts[s] <= row < starts[s + 1], the last
@@ -11551,8 +11562,27 @@ Status argmax(Backend&, const Tensor&, const Tensor&) {
   return Error(ErrorCode::unsupported, "cuda::argmax: kvlite was built without CUDA");
 }
 uint64_t device_allocations() { return 0; }
+Result<QuantWeight> upload_quant_weight(Backend&, const QuantWeight& host, void*, uint64_t) {
+  return Error(ErrorCode::unsupported,
+               detail::format("cuda::upload_quant_weight(%s): kvlite was built without CUDA", host.name.c_str()));
+}
 }  // namespace cuda
 
 }  // namespace kvlite
 #endif  // !KVLITE_WITH_CUDA
+
+namespace kvlite {
+namespace cuda {
+// Until the GPU kernels choose their layouts (issue 6): the checkpoint's own bytes.
+uint64_t quant_device_bytes(const QuantWeight& host) {
+  const uint64_t n = uint64_t(host.out_features), k = uint64_t(host.in_features);
+  uint64_t bytes = host.format == WeightFormat::int4 ? n * uint64_t(host.packed_cols) * 4 : n * k;
+  bytes += dtype_bytes(host.scale_dtype, uint64_t(host.scale_rows * host.scale_cols));
+  if (host.zero_points) bytes += ((n + 7) / 8) * uint64_t(host.scale_cols) * 4;
+  if (host.g_idx) bytes += k * 4;
+  if (host.bias) bytes += dtype_bytes(host.bias_dtype, n);
+  return bytes;
+}
+}  // namespace cuda
+}  // namespace kvlite
 #endif  // KVLITE_IMPLEMENTATION

@@ -60,6 +60,17 @@ Status argmax(Backend& backend, const Tensor& logits, const Tensor& ids);
 // expected; backends make none. Monotonic; 0 in builds without CUDA.
 uint64_t device_allocations();
 
+// ---- quantized Linears on the device -----------------------------------------------------------------------
+// Bytes `host` (a QuantWeight over the checkpoint) takes on the device in the layout the GPU's quantized GEMMs
+// read (issue 6: W4A16 tiles repacked at load, fp8 with its scales); the planner counts these for CUDA plans.
+// Host-side arithmetic only: defined in every build.
+uint64_t quant_device_bytes(const QuantWeight& host);
+// Repacks and copies `host` into device memory at device_dst (capacity >= quant_device_bytes(host), 256-byte
+// aligned) through backend.copy_from_host, and returns the device view that Backend::quant_linear takes on
+// that backend. unsupported until the GPU kernels for the format exist (and in builds without CUDA).
+Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& host, void* device_dst,
+                                        uint64_t capacity);
+
 // ---- index math shared by kernels.cu and the host --------------------------------------------------------
 
 // The sequence owning query row `row`: the s in [0, seqs) with starts[s] <= row < starts[s + 1], the last
