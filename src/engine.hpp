@@ -147,7 +147,8 @@ class Engine {
   // the engine expands each to its image's tokens (Generation::prompt_ids shows the expanded ids), runs the
   // vision tower when the request is submitted, and gives the image tokens their M-RoPE positions. Images are
   // preprocessed with preprocess(). Errors: unsupported for a model without a vision tower; invalid_argument
-  // when placeholders and images differ in number.
+  // when placeholders and images differ in number; does_not_fit, before any image is preprocessed, when a
+  // request carries more images than the plan's max_images (its images are encoded together).
   //   auto image = kvlite::load_image("cat.jpg");
   //   auto out = engine->generate_chat({{"user", std::string(kvlite::kImagePlaceholder) + "Describe it."}},
   //                                    {*image}, params, on_token);
@@ -161,7 +162,7 @@ class Engine {
   // budget capped at the plan's max_image_pixels (larger images are scaled down to fit the vision buffers).
   Result<VisionInput> preprocess(const Image& image) const;
   // The vision tower alone (transformers' get_image_features): the images' merged embeddings and DeepStack
-  // features, one row per image token.
+  // features, one row per image token. Any number of images: they are encoded max_images at a time.
   Result<ImageFeatures> encode_images(const std::vector<VisionInput>& images);
 
   // Continuous batching. submit() validates and queues a request (does_not_fit when it could never fit);
