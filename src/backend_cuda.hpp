@@ -73,6 +73,9 @@ uint64_t device_allocations();
 // needs no device scratch (upload_quant_weight repacks on the host, 16 MiB of host memory at a time). Host-side
 // arithmetic only: defined in every build.
 uint64_t quant_device_bytes(const QuantWeight& host);
+// The same for a Linear described by describe_linears (int4 or fp8), before loading: what the planner counts
+// per quantized Linear for CUDA plans (a g_idx counts as act-order: at most k_pad x 4 bytes over the upload).
+uint64_t quant_device_bytes(const LinearDesc& linear);
 // Repacks `host` on the host and copies it into device memory at device_dst (capacity >=
 // quant_device_bytes(host), 256-byte aligned, on the backend's device) through backend.copy_from_host, and returns
 // the device view (layout QuantLayout::cuda_tiles, its pointers into device_dst) that Backend::quant_linear takes

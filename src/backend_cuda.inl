@@ -31,5 +31,6 @@ Status set_quant_kernel(Backend&, QuantKernel) {
 namespace kvlite {
 namespace cuda {
 uint64_t quant_device_bytes(const QuantWeight& host) { return quant_gpu_layout(host).total_bytes; }
+uint64_t quant_device_bytes(const LinearDesc& linear) { return quant_gpu_layout(linear).total_bytes; }
 }  // namespace cuda
 }  // namespace kvlite

@@ -78,6 +78,9 @@ struct QuantGpuLayout {
 // Reads only host memory: for a checkpoint view it looks at g_idx to tell act-order (a non-monotonic g_idx)
 // from plain group order; a device view carries perm exactly when it is act-order.
 QuantGpuLayout quant_gpu_layout(const QuantWeight& weight);
+// The same from a descriptor (describe_linears; shapes from headers or config.json), for planning before the
+// tensors are read: a g_idx is counted as act-order (k_pad x 4 bytes more than a g_idx in column order takes).
+QuantGpuLayout quant_gpu_layout(const LinearDesc& linear);
 
 // Repacking, on the host, into the bytes that go to the device (upload_quant_weight copies them):
 // the tiles of column tiles [first_tile, first_tile + count): count * layout.tile_row_bytes() bytes.

@@ -128,36 +128,40 @@ int64_t QuantGpuLayout::table_index(int64_t group, int64_t column) const {
   return group * n_pad + column / kQuantTileN * kQuantTileN + quant_table_position(int(column % kQuantTileN));
 }
 
-QuantGpuLayout quant_gpu_layout(const QuantWeight& w) {
+namespace {
+// The layout from what decides it: format and shape, scale granularity and group/block, the int4 scale dtype,
+// zero points, act-order.
+QuantGpuLayout layout_of(WeightFormat format, int64_t n, int64_t k, ScaleGranularity granularity, int64_t group_size,
+                         int64_t block_k, DType scale_dtype, bool zeros, bool permuted) {
   QuantGpuLayout l;
-  l.format = w.format;
-  l.n = w.out_features;
-  l.k = w.in_features;
+  l.format = format;
+  l.n = n;
+  l.k = k;
   l.n_pad = round_up64(l.n, kQuantTileN);
   l.k_pad = round_up64(l.k, kQuantStageK);
   l.n_tiles = l.n_pad / kQuantTileN;
   l.stages = l.k_pad / kQuantStageK;
   uint64_t table_element = 4;
-  if (w.format == WeightFormat::int4) {
+  if (format == WeightFormat::int4) {
     l.tile_k = kInt4TileK;
     l.tile_bytes = kInt4TileBytes;
-    if (w.granularity == ScaleGranularity::channel) {
+    if (granularity == ScaleGranularity::channel) {
       l.group_size = l.k_pad;
       l.mma = true;
     } else {
-      l.group_size = w.group_size;
-      l.mma = w.group_size % kInt4TileK == 0;
+      l.group_size = group_size;
+      l.mma = group_size % kInt4TileK == 0;
     }
-    l.table_scale_dtype = w.scale_dtype;
-    table_element = dtype_bytes(w.scale_dtype, 1);
-    l.zeros = w.zero_points != nullptr;
-    l.permuted = w.g_idx != nullptr && (w.layout == QuantLayout::cuda_tiles || !g_idx_in_column_order(w));
+    l.table_scale_dtype = scale_dtype;
+    table_element = dtype_bytes(scale_dtype, 1);
+    l.zeros = zeros;
+    l.permuted = permuted;
   } else {
     l.tile_k = kFp8TileK;
     l.tile_bytes = kFp8TileBytes;
-    if (w.granularity == ScaleGranularity::block) {
-      l.group_size = w.block_k;
-      l.mma = w.block_k % kFp8TileK == 0;
+    if (granularity == ScaleGranularity::block) {
+      l.group_size = block_k;
+      l.mma = block_k % kFp8TileK == 0;
     } else {
       l.group_size = l.k_pad;
       l.mma = true;
@@ -181,6 +185,20 @@ QuantGpuLayout quant_gpu_layout(const QuantWeight& w) {
   place(uint64_t(l.n_tiles) * 4, &l.counters_offset, &l.counters_bytes);
   l.total_bytes = offset;
   return l;
+}
+}  // namespace
+
+QuantGpuLayout quant_gpu_layout(const QuantWeight& w) {
+  const bool permuted = w.format == WeightFormat::int4 && w.g_idx != nullptr &&
+                        (w.layout == QuantLayout::cuda_tiles || !g_idx_in_column_order(w));
+  return layout_of(w.format, w.out_features, w.in_features, w.granularity, w.group_size, w.block_k, w.scale_dtype,
+                   w.format == WeightFormat::int4 && w.zero_points != nullptr, permuted);
+}
+
+QuantGpuLayout quant_gpu_layout(const LinearDesc& linear) {
+  const bool int4 = linear.format == WeightFormat::int4;
+  return layout_of(linear.format, linear.out_features, linear.in_features, linear.granularity, linear.group_size,
+                   linear.block_k, linear.scale_dtype, int4 && !linear.symmetric, int4 && linear.has_g_idx);
 }
 
 Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,

@@ -497,7 +497,13 @@ TEST_CASE("fixture models: every quantized Linear through the emulated kernels e
     const std::vector<LinearDesc> linears = describe_linears(config, &store).value();
     for (const LinearDesc& desc : linears)
       if (desc.format != WeightFormat::dense) {
-        check_weight(quant_weight(desc, store).value());
+        const QuantWeight weight = quant_weight(desc, store).value();
+        check_weight(weight);
+        // the planner's count from the descriptor: the upload's, or (a g_idx in column order) the perm table more
+        const uint64_t planned = quant_device_bytes(desc), uploaded = quant_device_bytes(weight);
+        CHECK(planned >= uploaded);
+        CHECK(planned - uploaded <= align_up(uint64_t(quant_gpu_layout(weight).k_pad) * 4, 256));
+        CHECK((planned == uploaded) == (quant_gpu_layout(weight).permuted || !desc.has_g_idx));
         quantized++;
       }
     CHECK(quantized == 14);
