@@ -127,6 +127,9 @@ enum FaultKind : int {
   fault_attention_row,       // index: query row; limit: query rows
   fault_attention_context,   // index: sequence; value: context_lens; limit: max_context; extra: queries
   fault_attention_page,      // index: sequence; value: page id; limit: pages; extra: block table column
+  fault_embedding_index,     // index: row t; value: indices[t][j]; limit: table rows; extra: j
+  fault_segment_row,         // index: row; limit: rows (segment_starts do not cover it)
+  fault_segment_length,      // index: segment; value: its length; limit: max_segment
 };
 struct DeviceFault {
   int kind;  // FaultKind
@@ -518,6 +521,174 @@ __global__ void attention_combine_kernel(const AttentionArgs args) {
   }
 }
 
+// ---- the vision encoder's ops (Qwen3-VL) ------------------------------------------------------------------
+
+// out[t, c] = sum over j of table[indices[t, j], c] * weights[t, j], each product rounded to fp32 and summed in
+// order j = 0, 1, ... (the CPU's order): the bilinear resampling of the learned position table.
+//   T: table element type; A: activation type.
+template <class T, class A>
+__global__ void embedding_bag_kernel(const T* table, int64_t table_stride, int64_t table_rows,  // [V, cols]
+                                     const int32_t* indices, int64_t indices_stride,            // [rows, taps]
+                                     const float* weights, int64_t weights_stride,              // [rows, taps]
+                                     int64_t taps, A* out, int64_t out_stride, int64_t cols,    // [rows, cols]
+                                     DeviceFault* fault) {
+  const int64_t row = blockIdx.x;
+  const int32_t* index = indices + row * indices_stride;
+  const float* weight = weights + row * weights_stride;
+  A* dst = out + row * out_stride;
+  for (int64_t j = 0; j < taps; j++)
+    if (index[j] < 0 || index[j] >= table_rows) {  // the same answer in every thread: a uniform branch
+      if (threadIdx.x == 0) report_fault(fault, fault_embedding_index, row, index[j], table_rows, j);
+      for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = from_float<A>(quiet_nan());
+      return;
+    }
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < taps; j++)
+      sum += __fmul_rn(to_float(load_readonly(table + index[j] * table_stride + c)), weight[j]);  // no fma: as the CPU
+    dst[c] = from_float<A>(sum);
+  }
+}
+
+// nn.LayerNorm over each row in fp32: out = (x - mean) / sqrt(var + eps) * w + b, var the biased variance.
+// Two passes over the row (mean, then the squared deviations from it), as the CPU; out may be x.
+//   A: activation type; W: weight and bias type; TEAM: as rms_norm_kernel (one row per team).
+template <class A, class W, int TEAM>
+__global__ void layer_norm_kernel(const A* x, int64_t x_stride,              // [rows, cols]
+                                  const W* weight, const W* bias,            // [cols]
+                                  int64_t rows, int64_t cols, float eps, A* out, int64_t out_stride) {
+  __shared__ float team_partials[32];
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / TEAM) + threadIdx.x / TEAM;
+  const int member = threadIdx.x % TEAM;
+  if (row >= rows) return;
+  const A* in = x + row * x_stride;
+  A* dst = out + row * out_stride;
+
+  // ---- phase 1: the mean
+  float sum = 0.0f;
+  for (int64_t c = member; c < cols; c += TEAM) sum += to_float(in[c]);
+  const float mean = team_sum<TEAM>(sum, team_partials) / float(cols);
+  // ---- phase 2: the biased variance around it
+  float squares = 0.0f;
+  for (int64_t c = member; c < cols; c += TEAM) {
+    const float d = to_float(in[c]) - mean;
+    squares += d * d;
+  }
+  const float inv_std = 1.0f / sqrtf(team_sum<TEAM>(squares, team_partials) / float(cols) + eps);
+  // ---- phase 3: normalise, scale, shift
+  for (int64_t c = member; c < cols; c += TEAM)
+    dst[c] = from_float<A>((to_float(in[c]) - mean) * inv_std * to_float(load_readonly(weight + c)) +
+                           to_float(load_readonly(bias + c)));
+}
+
+// out = gelu(x): exact (erf) or the tanh approximation, as ATen computes them in fp32. out may be x.
+//   A: activation type.
+template <class A, bool TANH>
+__global__ void gelu_kernel(const A* x, int64_t x_stride, A* out, int64_t out_stride, int64_t cols) {
+  const A* in = x + int64_t(blockIdx.x) * x_stride;
+  A* dst = out + int64_t(blockIdx.x) * out_stride;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = to_float(in[c]);
+    if (TANH) {
+      const float beta = 0.7978845608028654f, kappa = 0.044715f;  // sqrt(2 / pi)
+      dst[c] = from_float<A>(0.5f * v * (1.0f + tanhf(beta * (v + kappa * v * v * v))));
+    } else {
+      dst[c] = from_float<A>(v * 0.5f * (1.0f + erff(v * 0.7071067811865476f)));
+    }
+  }
+}
+
+// Non-causal attention within segments of rows (the images of a vision encoder's batch). One block per
+// (query row, query head), kAttentionWarps warps taking every kAttentionWarps-th key of the row's segment,
+// lanes holding head dimensions (DIMS each, as paged attention); the warps' online softmaxes merge in
+// shared memory. Vision heads see a few thousand keys at most, so no split over the keys is needed.
+struct SegmentAttentionArgs {
+  const void* q;  // [rows, heads * head_dim], activation type (q, k, v may be column slices of one qkv)
+  const void* k;  // [rows, kv_heads * head_dim]
+  const void* v;
+  void* out;      // [rows, heads * head_dim]
+  int64_t q_stride, k_stride, v_stride, out_stride;
+  const int32_t* segment_starts;  // [segments + 1]
+  int64_t segments, rows, max_segment, head_dim, group;  // group: query heads per KV head
+  float scale;
+  DeviceFault* fault;
+};
+
+//   A: activation type; DIMS: head dimensions per lane (head_dim <= 32 * DIMS).
+template <class A, int DIMS>
+__global__ void __launch_bounds__(kAttentionWarps * 32) segment_attention_kernel(const SegmentAttentionArgs args) {
+  constexpr int kPadded = DIMS * 32;
+  __shared__ float warp_max[kAttentionWarps];
+  __shared__ float warp_total[kAttentionWarps];
+  __shared__ float warp_acc[kAttentionWarps][kPadded];
+  const int64_t row = blockIdx.x, head = blockIdx.y, kv_head = head / args.group, head_dim = args.head_dim;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  // ---- phase 1: the row's segment (an empty range when the starts are malformed)
+  const bool reporter = threadIdx.x == 0 && head == 0;
+  const int64_t segment = sequence_of_row(args.segment_starts, args.segments, row);
+  int64_t key_begin = 0, key_end = 0;
+  if (segment < 0) {
+    if (reporter) report_fault(args.fault, fault_segment_row, row, 0, args.rows, 0);
+  } else {
+    key_begin = args.segment_starts[segment];
+    key_end = args.segment_starts[segment + 1];
+    if (key_end - key_begin > args.max_segment || key_end > args.rows) {
+      if (reporter) report_fault(args.fault, fault_segment_length, segment, key_end - key_begin, args.max_segment, 0);
+      key_end = key_begin;  // the output becomes 0 / 0 = NaN
+    }
+  }
+
+  // ---- phase 2: the query head into registers; the warp's keys with an online softmax
+  const A* q_row = static_cast<const A*>(args.q) + row * args.q_stride + head * head_dim;
+  float q[DIMS], acc[DIMS];
+#pragma unroll
+  for (int i = 0; i < DIMS; i++) {
+    const int64_t d = lane + 32 * i;
+    q[i] = d < head_dim ? to_float(q_row[d]) : 0.0f;
+    acc[i] = 0.0f;
+  }
+  float running_max = -INFINITY, running_sum = 0.0f;
+  for (int64_t key = key_begin + warp; key < key_end; key += kAttentionWarps) {
+    const A* k_row = static_cast<const A*>(args.k) + key * args.k_stride + kv_head * head_dim;
+    const A* v_row = static_cast<const A*>(args.v) + key * args.v_stride + kv_head * head_dim;
+    float partial = 0.0f, v[DIMS];
+#pragma unroll
+    for (int i = 0; i < DIMS; i++) {
+      const int64_t d = lane + 32 * i;
+      partial += d < head_dim ? q[i] * to_float(k_row[d]) : 0.0f;
+      v[i] = d < head_dim ? to_float(v_row[d]) : 0.0f;
+    }
+    const float score = warp_sum(partial) * args.scale;
+    const SoftmaxStep step = online_softmax_step(score, running_max, running_sum);
+#pragma unroll
+    for (int i = 0; i < DIMS; i++) acc[i] = acc[i] * step.rescale + step.weight * v[i];
+  }
+
+  // ---- phase 3: merge the warps and store
+  if (lane == 0) {
+    warp_max[warp] = running_max;
+    warp_total[warp] = running_sum;
+  }
+#pragma unroll
+  for (int i = 0; i < DIMS; i++) warp_acc[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  float total_max = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kAttentionWarps; w++) total_max = fmaxf(total_max, warp_max[w]);
+  A* out_row = static_cast<A*>(args.out) + row * args.out_stride + head * head_dim;
+  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float total_sum = 0.0f, total_acc = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kAttentionWarps; w++) {
+      const float factor = softmax_partial_factor(warp_max[w], total_max);
+      total_sum += warp_total[w] * factor;
+      total_acc += warp_acc[w][d] * factor;
+    }
+    out_row[d] = from_float<A>(total_acc / total_sum);
+  }
+}
+
 // ids[t] = argmax of logits row t: each thread scans a stride of the row, then warps and the block reduce
 // with argmax_better (larger wins, ties to the lower column, NaN never wins).
 //   A: activation type.
@@ -631,23 +802,42 @@ struct SelectState {
 template <class KeyOf, class Weight, class Candidate>
 __device__ bool block_select(int64_t vocab, KeyOf key_of, Weight weight, Candidate candidate, uint64_t target,
                              SelectState* state, uint64_t* key) {
+  __syncthreads();  // every thread has read the previous selection's result before it is reset
   if (threadIdx.x == 0) {
     state->prefix = 0;
     state->before = 0;
     state->found = 1;
   }
+  const int lane = threadIdx.x % 32;
+  constexpr int kNoBin = kSamplingBins;
   for (int pass = 0; pass < kSamplingPasses; pass++) {
     // ---- phase a: clear the histogram
     for (int b = threadIdx.x; b < kSamplingBins; b += blockDim.x) state->bins[b] = 0;
     __syncthreads();
-    // ---- phase b: histogram of this pass's digit over the candidates under the decided prefix
+    // ---- phase b: histogram of this pass's digit over the candidates under the decided prefix. Most tokens
+    // share a few digits (logits span a few binades), so a warp first adds up the weights of its lanes that
+    // share a bin (match.any, then a 32-step shuffle sum) and one lane per bin does the atomic: far fewer
+    // collisions on the hot bins. The trip count is the same in every lane (the shuffles need the whole warp).
     const uint64_t decided = sampling_decided_mask(pass), prefix = state->prefix;
-    for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-      const uint64_t k = key_of(i);
-      if ((k & decided) == prefix && candidate(i, k)) {
-        const unsigned long long w = weight(i);
-        if (w != 0) atomicAdd(&state->bins[sampling_digit(k, pass)], w);
+    for (int64_t base = 0; base < vocab; base += blockDim.x) {
+      const int64_t i = base + threadIdx.x;
+      int bin = kNoBin;
+      unsigned long long w = 0;
+      if (i < vocab) {
+        const uint64_t k = key_of(i);
+        if ((k & decided) == prefix && candidate(i, k)) {
+          bin = sampling_digit(k, pass);
+          w = weight(i);
+        }
       }
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      unsigned long long total = 0;
+#pragma unroll
+      for (int j = 0; j < 32; j++) {
+        const unsigned long long other = __shfl_sync(0xffffffffu, w, j);
+        if ((peers >> j) & 1u) total += other;
+      }
+      if (bin != kNoBin && lane == __ffs(peers) - 1 && total != 0) atomicAdd(&state->bins[bin], total);
     }
     __syncthreads();
     // ---- phase c: one thread walks the 256 bins
@@ -868,8 +1058,8 @@ class CudaBackend final : public Backend {
       case Op::rope: case Op::silu_mul: case Op::add: case Op::linear: return dtype == act_;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::copy: case Op::kv_write:
       case Op::attention: return is_float_dtype(dtype);
-      // The vision encoder's ops run on the CPU backend only so far (issue: vision on the GPU).
-      case Op::embedding_bag: case Op::layer_norm: case Op::gelu: case Op::segment_attention: return false;
+      case Op::embedding_bag: case Op::layer_norm: return is_float_dtype(dtype);
+      case Op::gelu: case Op::segment_attention: return dtype == act_;
       // Quantized weights need the W4A16 / FP8 GEMMs (issue: GPU kernels for quantized weights).
       case Op::quant_linear: return false;
     }
@@ -1126,12 +1316,102 @@ class CudaBackend final : public Backend {
     detail::fail(ErrorCode::unsupported, detail::format("%s is not implemented on the CUDA backend yet", op));
   }
   void impl_quant_linear(const Tensor&, const QuantWeight&, const Tensor&) override { not_on_gpu("quant_linear"); }
-  void impl_embedding_bag(const Tensor&, const Tensor&, const Tensor&, const Tensor&) override { not_on_gpu("embedding_bag"); }
-  void impl_layer_norm(const Tensor&, const Tensor&, const Tensor&, float, const Tensor&) override { not_on_gpu("layer_norm"); }
-  void impl_gelu(const Tensor&, GeluApprox, const Tensor&) override { not_on_gpu("gelu"); }
-  void impl_segment_attention(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, float,
-                              const Tensor&) override {
-    not_on_gpu("segment_attention");
+
+  void impl_embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
+                          const Tensor& out) override {
+    activate();
+    if (out.rows == 0) return;
+    check_grid_rows("embedding_bag", out.rows);
+    with_float_type(table.dtype, [&](auto table_tag) {
+      with_float_type(act_, [&](auto act_tag) {
+        using T = decltype(table_tag);
+        using A = decltype(act_tag);
+        embedding_bag_kernel<T, A><<<unsigned(out.rows), row_threads(out.cols), 0, stream_>>>(
+            typed_const<T>(table), table.row_stride, table.rows, typed_const<int32_t>(indices),
+            leading_dimension(indices), typed_const<float>(weights), leading_dimension(weights), indices.cols,
+            typed<A>(out), out.row_stride, out.cols, fault_);
+        check_launch("embedding_bag_kernel");
+      });
+    });
+  }
+
+  void impl_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                       const Tensor& out) override {
+    activate();
+    launch_norm("layer_norm", x.rows, x.cols, [&](auto team, unsigned blocks, unsigned threads) {
+      constexpr int kTeam = decltype(team)::value;
+      with_float_type(weight.dtype, [&](auto weight_tag) {
+        with_float_type(act_, [&](auto act_tag) {
+          using W = decltype(weight_tag);
+          using A = decltype(act_tag);
+          layer_norm_kernel<A, W, kTeam><<<blocks, threads, 0, stream_>>>(
+              typed_const<A>(x), x.row_stride, typed_const<W>(weight), typed_const<W>(bias), x.rows, x.cols, eps,
+              typed<A>(out), out.row_stride);
+          check_launch("layer_norm_kernel");
+        });
+      });
+    });
+  }
+
+  void impl_gelu(const Tensor& x, GeluApprox approx, const Tensor& out) override {
+    activate();
+    if (out.elements() == 0) return;
+    check_grid_rows("gelu", out.rows);
+    with_float_type(act_, [&](auto tag) {
+      using A = decltype(tag);
+      if (approx == GeluApprox::tanh)
+        gelu_kernel<A, true><<<unsigned(out.rows), row_threads(out.cols), 0, stream_>>>(
+            typed_const<A>(x), x.row_stride, typed<A>(out), out.row_stride, out.cols);
+      else
+        gelu_kernel<A, false><<<unsigned(out.rows), row_threads(out.cols), 0, stream_>>>(
+            typed_const<A>(x), x.row_stride, typed<A>(out), out.row_stride, out.cols);
+      check_launch("gelu_kernel");
+    });
+  }
+
+  void impl_segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
+                              int64_t max_segment, int64_t head_dim, float scale, const Tensor& out) override {
+    activate();
+    // Lanes hold 1, 2, 4 or 8 dimensions: four kernels cover every head_dim up to 256.
+    const int dims = head_dim <= 32 ? 1 : head_dim <= 64 ? 2 : head_dim <= 128 ? 4 : head_dim <= 256 ? 8 : 0;
+    if (dims == 0)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("segment_attention: head_dim %lld is larger than the CUDA kernels' %lld",
+                                  (long long)head_dim, (long long)kCudaMaxHeadDim));
+    if (q.rows == 0) return;
+    check_grid_rows("segment_attention", q.rows);
+    SegmentAttentionArgs args{};
+    args.q = q.data;
+    args.k = k.data;
+    args.v = v.data;
+    args.out = out.data;
+    args.q_stride = q.row_stride;
+    args.k_stride = k.row_stride;
+    args.v_stride = v.row_stride;
+    args.out_stride = out.row_stride;
+    args.segment_starts = typed_const<int32_t>(segment_starts);
+    args.segments = segment_starts.elements() - 1;
+    args.rows = q.rows;
+    args.max_segment = max_segment;
+    args.head_dim = head_dim;
+    const int64_t heads = q.cols / head_dim;
+    args.group = heads / (k.cols / head_dim);
+    args.scale = scale;
+    args.fault = fault_;
+    if (heads > 65535)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("segment_attention: %lld heads exceed a launch's 65535 blocks in y", (long long)heads));
+    const dim3 grid(unsigned(q.rows), unsigned(heads));
+    with_float_type(act_, [&](auto tag) {
+      using A = decltype(tag);
+      switch (dims) {
+        case 1: segment_attention_kernel<A, 1><<<grid, kAttentionWarps * 32, 0, stream_>>>(args); break;
+        case 2: segment_attention_kernel<A, 2><<<grid, kAttentionWarps * 32, 0, stream_>>>(args); break;
+        case 4: segment_attention_kernel<A, 4><<<grid, kAttentionWarps * 32, 0, stream_>>>(args); break;
+        default: segment_attention_kernel<A, 8><<<grid, kAttentionWarps * 32, 0, stream_>>>(args); break;
+      }
+      check_launch("segment_attention_kernel");
+    });
   }
 
   void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
@@ -1296,11 +1576,25 @@ class CudaBackend final : public Backend {
         message = detail::format("attention: block_tables[%lld][%lld] = %lld is not a page of the cache (%lld pages) "
                                  "but sequence %lld's context needs it", f.index, f.extra, f.value, f.limit, f.index);
         break;
+      case fault_embedding_index:
+        message = detail::format("embedding_bag: indices[%lld][%lld] = %lld is outside the table's %lld rows (found "
+                                 "on the device; that output row is NaN)", f.index, f.extra, f.value, f.limit);
+        break;
+      case fault_segment_row:
+        message = detail::format("segment_attention: row %lld belongs to no segment; segment_starts must rise from 0 "
+                                 "to the %lld rows (found on the device; that row's output is NaN)", f.index, f.limit);
+        break;
+      case fault_segment_length:
+        message = detail::format("segment_attention: segment %lld holds %lld rows, more than max_segment %lld or past "
+                                 "the last row (found on the device; its rows' outputs are NaN)", f.index, f.value,
+                                 f.limit);
+        break;
       default:
         message = detail::format("a kernel left an unknown fault record (kind %d)", f.kind);
         detail::fail(ErrorCode::internal, message);
     }
-    if (f.kind >= fault_attention_row) message += " (found on the device; the query rows it affects are NaN)";
+    if (f.kind >= fault_attention_row && f.kind <= fault_attention_page)
+      message += " (found on the device; the query rows it affects are NaN)";
     detail::fail(ErrorCode::invalid_argument, message);
   }
 

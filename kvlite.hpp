@@ -982,7 +982,8 @@ struct PlanOptions {
   int64_t max_batched_tokens = 0;      // 0: default min(2048, max_model_len); tokens in one forward step
   KVDType kv_dtype = KVDType::auto_;
   int64_t max_image_pixels = 0;        // vision models; 0: kvlite's default, min(processor max, 1024 x 1024)
-  int64_t max_images = 1;              // images encoded in one step (vision models)
+  int64_t max_images = 1;              // vision models: images one request may carry, encoded together in one
+                                       // step; a request with more is refused (does_not_fit)
   int64_t kv_page_tokens = 16;         // tokens per KV page
   std::optional<bool> wsl2;            // override WSL2 detection
   // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
@@ -1053,6 +1054,18 @@ struct Plan {
   double utilization_needed = 0;               // for the requested max_model_len; > 1 when no ratio fits
   int64_t max_model_len_that_fits_fp8_kv = 0;  // with --kv-dtype fp8
   int64_t image_pixels_that_fit = 0;           // vision models: the largest image budget that fits
+  // Vision models: what the image budget means and costs (zeros for text models). An image over
+  // max_image_pixels is scaled down to fit (smart_resize with that maximum, as the processor does), which
+  // keeps h x w <= max: no image becomes more tokens than this. (Except where smart_resize rounds a side UP,
+  // for very thin images: a side shorter than patch x merge is raised to it, and an image under min_pixels
+  // is scaled up with sides rounded up. Such an image can overshoot a budget near min_pixels, in
+  // transformers too; the engine refuses it with the numbers.)
+  int64_t image_pixels_per_token = 0;   // (patch x merge)^2: one merged token covers this many pixels
+  int64_t image_tokens_per_image = 0;   // merged tokens of the largest image allowed: floor(max_image_pixels /
+                                        // image_pixels_per_token): its <|image_pad|> expands to as many
+  int64_t image_patches_per_image = 0;  // its patches (tokens x merge^2): the encoder's sequence length
+  uint64_t vision_weights_bytes = 0;    // vision tower and mergers (part of the weights row)
+  uint64_t vision_activation_bytes = 0; // the vision row: encoder buffers for max_images such images
   std::vector<std::string> advice;             // sentences for people, most useful first
 
   uint64_t arena_bytes() const;  // sum of in_arena items + kv_arena_bytes: the one reservation
@@ -1928,7 +1941,9 @@ class VisionModel {
 
 namespace kvlite {
 
-// Where the engine computes. auto: the CUDA GPU when kvlite was built with CUDA and one is present, else the CPU.
+// Where the engine computes. cpu: the float32 reference (the default: what every reference-checked result and
+// test assumes); cuda: the GPU (an error when kvlite has no CUDA or no GPU is visible); auto: the GPU when kvlite
+// was built with CUDA and one is present, else the CPU.
 enum class BackendChoice { auto_, cpu, cuda };
 const char* backend_choice_name(BackendChoice choice);
 Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" | "cpu" | "cuda"
@@ -1938,7 +1953,7 @@ struct EngineOptions {
   // the card to plan for, so an H200 opened with 8 GiB behaves exactly as an 8 GiB card (one reservation of the
   // plan's arena). activation_dtype: CUDA's (BF16 default, F16, F32); the CPU computes in F32.
   PlanOptions plan;
-  BackendChoice backend = BackendChoice::auto_;
+  BackendChoice backend = BackendChoice::cpu;
   int device = 0;            // CUDA device index
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
@@ -2084,7 +2099,8 @@ class Engine {
   // the engine expands each to its image's tokens (Generation::prompt_ids shows the expanded ids), runs the
   // vision tower when the request is submitted, and gives the image tokens their M-RoPE positions. Images are
   // preprocessed with preprocess(). Errors: unsupported for a model without a vision tower; invalid_argument
-  // when placeholders and images differ in number.
+  // when placeholders and images differ in number; does_not_fit, before any image is preprocessed, when a
+  // request carries more images than the plan's max_images (its images are encoded together).
   //   auto image = kvlite::load_image("cat.jpg");
   //   auto out = engine->generate_chat({{"user", std::string(kvlite::kImagePlaceholder) + "Describe it."}},
   //                                    {*image}, params, on_token);
@@ -2098,7 +2114,7 @@ class Engine {
   // budget capped at the plan's max_image_pixels (larger images are scaled down to fit the vision buffers).
   Result<VisionInput> preprocess(const Image& image) const;
   // The vision tower alone (transformers' get_image_features): the images' merged embeddings and DeepStack
-  // features, one row per image token.
+  // features, one row per image token. Any number of images: they are encoded max_images at a time.
   Result<ImageFeatures> encode_images(const std::vector<VisionInput>& images);
 
   // Continuous batching. submit() validates and queues a request (does_not_fit when it could never fit);
@@ -6658,25 +6674,26 @@ inline Sniffed sniff_format(const uint8_t* d, size_t n) {
 }
 
 // Width and height as the header states them, read without stb_image, so that a header it refuses (stb_image
-// has its own size limits) is still reported with the numbers it claims. {0, 0} when unknown.
-inline std::pair<int64_t, int64_t> header_dimensions(const char* format_name, const uint8_t* d, size_t n) {
+// has its own size limits) is still reported with the numbers it claims. nullopt when unknown.
+using Dimensions = std::pair<int64_t, int64_t>;  // width, height
+inline std::optional<Dimensions> header_dimensions(const char* format_name, const uint8_t* d, size_t n) {
   auto le16 = [&](size_t at) { return int64_t(d[at] | d[at + 1] << 8); };
   auto le32 = [&](size_t at) { return int64_t(int32_t(uint32_t(le16(at)) | uint32_t(le16(at + 2)) << 16)); };
   const std::string f = format_name;
-  if (f == "PNG" && n >= 24 && memcmp(d + 12, "IHDR", 4) == 0) return {read_be32(d + 16), read_be32(d + 20)};
-  if (f == "GIF" && n >= 10) return {le16(6), le16(8)};
-  if (f == "BMP" && n >= 26) return {le32(18), std::abs(le32(22))};  // negative height: top-down rows
+  if (f == "PNG" && n >= 24 && memcmp(d + 12, "IHDR", 4) == 0) return Dimensions{read_be32(d + 16), read_be32(d + 20)};
+  if (f == "GIF" && n >= 10) return Dimensions{le16(6), le16(8)};
+  if (f == "BMP" && n >= 26) return Dimensions{le32(18), std::abs(le32(22))};  // negative height: top-down rows
   if (f == "JPEG") {  // the first start-of-frame segment: C0..CF except DHT (C4), JPG (C8), DAC (CC)
     for (size_t pos = 2; pos + 9 <= n && d[pos] == 0xFF;) {
       uint8_t marker = d[pos + 1];
       if (marker == 0xFF) { pos++; continue; }
       if (marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC)
-        return {read_be16(d + pos + 7), read_be16(d + pos + 5)};
+        return Dimensions{read_be16(d + pos + 7), read_be16(d + pos + 5)};
       if (marker == 0xD9 || marker == 0xDA) break;
       pos += 2 + read_be16(d + pos + 2);
     }
   }
-  return {0, 0};
+  return std::nullopt;
 }
 
 // EXIF Orientation (tag 0x0112) from a TIFF block: 1..8, or 1 when absent or malformed. Only IFD0 is read,
@@ -6943,10 +6960,13 @@ inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& optio
   if (!header_ok && !sniffed.name)
     fail(ErrorCode::unsupported, format("%s: not an image kvlite can read (it decodes %s): %s", name.c_str(),
                                         kSupportedFormats, reason));
-  const auto claimed = header_ok ? std::make_pair(int64_t(stb_width), int64_t(stb_height))
-                                 : header_dimensions(format_name, data, size);
-  const int64_t width = claimed.first, height = claimed.second;
-  if (width > 0 && height > 0 && width * height > options.max_pixels)
+  const std::optional<Dimensions> claimed =
+      header_ok ? Dimensions{stb_width, stb_height} : header_dimensions(format_name, data, size);
+  const int64_t width = claimed ? claimed->first : 0, height = claimed ? claimed->second : 0;
+  if (claimed && (width <= 0 || height <= 0))
+    fail(ErrorCode::bad_format, format("%s: the %s header claims %lld x %lld pixels; an image needs at least 1 x 1",
+                                       name.c_str(), format_name, (long long)width, (long long)height));
+  if (claimed && width * height > options.max_pixels)
     fail(ErrorCode::invalid_argument,
          format("%s: %s of %lld x %lld = %s is over the decode limit of %s (DecodeOptions::max_pixels = %lld); "
                 "refused before decoding. Downscale it, or raise the limit if the image is genuine",
@@ -6954,14 +6974,11 @@ inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& optio
                 megapixels(options.max_pixels).c_str(), (long long)options.max_pixels));
   if (!header_ok)
     fail(ErrorCode::bad_format,
-         width > 0 && height > 0
+         claimed
              ? format("%s: the %s header claims %lld x %lld pixels: corrupt, or beyond the decoder's limits "
                       "(a decompression bomb?) (stb_image: %s)", name.c_str(), format_name, (long long)width,
                       (long long)height, reason)
              : format("%s: corrupt %s header (stb_image: %s)", name.c_str(), format_name, reason));
-  if (width <= 0 || height <= 0)
-    fail(ErrorCode::bad_format, format("%s: %s header gives %lld x %lld pixels", name.c_str(), format_name,
-                                       (long long)width, (long long)height));
 
   int orientation = 1;
   if (strcmp(format_name, "JPEG") == 0) {
@@ -7304,6 +7321,9 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 //   vision       vision models: vision_buffers(config, max_image_pixels, max_images, backend). The default
 //                image budget is min(processor max, 1024 x 1024 pixels), not the processor's own 16777216:
 //                planning for the largest image a processor allows is how VLMs swallow small cards.
+//                The rows under the table spell the budget out: image tokens = floor(max_image_pixels /
+//                (patch x merge)^2) per image (what the largest image allowed becomes), and image budget =
+//                this row + the vision tower's weights (which the weights row includes).
 //   logits       logits_buffers(config, max_seqs): scoring computes log-probs 32 rows at a time.
 //   workspace    CUDA: kCudaWorkspaceBytes (the backend's cuBLAS workspace + attention scratch) + repack scratch
 //                as large as the largest single quantized Linear.
@@ -7623,6 +7643,8 @@ PlanItem weights_item(const Inputs& in, DType act) {
     item.why = format("no safetensors in the directory: shapes from config.json, formats from quantization_config "
                       "(%zu Linears %s)%s", in.weights.linears.size(), format_bytes(linear_bytes).c_str(), device.c_str());
   }
+  if (in.config.vision.present)
+    item.why += format("; the vision tower %s of it", format_bytes(in.weights.vision_bytes).c_str());
   return item;
 }
 
@@ -7766,6 +7788,15 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.items.push_back(logits_item(in, o));
   plan.items.push_back(workspace_item(in));
   plan.items.push_back(graphs_item(in, o));
+
+  if (in.config.vision.present) {
+    const VisionConfig& v = in.config.vision;
+    plan.image_pixels_per_token = int64_t(window_pixels(v));
+    plan.image_tokens_per_image = int64_t(merge_windows(v, o.max_image_pixels));
+    plan.image_patches_per_image = plan.image_tokens_per_image * v.spatial_merge_size * v.spatial_merge_size;
+    plan.vision_weights_bytes = in.weights.vision_bytes;
+    plan.vision_activation_bytes = plan.item("vision")->bytes;
+  }
 
   plan.weights_bytes = in.weights.total_bytes;
   plan.weights_source = in.weights.exact ? "headers" : "config";
@@ -8175,8 +8206,24 @@ std::string Plan::table() const {
                     kv_dtype_name(options.kv_dtype));
   rows.push_back({"KV arena", format_bytes(kv_arena_bytes), kv_why});
   rows.push_back({"max_model_len", ll(max_model_len), max_model_len_rule});
-  if (!max_image_pixels_rule.empty())
+  if (!max_image_pixels_rule.empty()) {
     rows.push_back({"max_image_pixels", ll(options.max_image_pixels), max_image_pixels_rule});
+    rows.push_back({"image tokens", ll(image_tokens_per_image),
+                    format("per image, at most: floor(%s pixels / %s per token (patch x merge)^2) = %s merged tokens "
+                           "from %s patches; larger images are scaled down to fit; up to %lld image%s per request "
+                           "(--max-images)",
+                           format_count(uint64_t(options.max_image_pixels)).c_str(),
+                           format_count(uint64_t(image_pixels_per_token)).c_str(),
+                           format_count(uint64_t(image_tokens_per_image)).c_str(),
+                           format_count(uint64_t(image_patches_per_image)).c_str(), (long long)options.max_images,
+                           options.max_images == 1 ? "" : "s")});
+    rows.push_back({"image budget", format_bytes(vision_activation_bytes + vision_weights_bytes),
+                    format("what images cost: encoder activations %s (the vision row: %lld x %s patches) + vision "
+                           "weights %s (in the weights row)",
+                           format_bytes(vision_activation_bytes).c_str(), (long long)options.max_images,
+                           format_count(uint64_t(image_patches_per_image)).c_str(),
+                           format_bytes(vision_weights_bytes).c_str())});
+  }
   rows.push_back({"concurrency", format("%.2f", concurrency),
                   format("sequences of %lld tokens the KV arena holds at once", (long long)max_model_len)});
   rows.push_back({"verdict", fits ? "FITS" : "DOES NOT FIT",
@@ -8257,6 +8304,17 @@ std::string Plan::json() const {
   j["utilization_needed"] = utilization_needed;
   j["max_model_len_that_fits_fp8_kv"] = max_model_len_that_fits_fp8_kv;
   j["image_pixels_that_fit"] = image_pixels_that_fit;
+  if (max_image_pixels_rule.empty()) {
+    j["image_budget"] = nullptr;
+  } else {
+    j["image_budget"] = {{"max_image_pixels", options.max_image_pixels},
+                         {"max_images", options.max_images},
+                         {"pixels_per_token", image_pixels_per_token},
+                         {"patches_per_image", image_patches_per_image},
+                         {"tokens_per_image", image_tokens_per_image},
+                         {"encoder_activation_bytes", vision_activation_bytes},
+                         {"vision_weights_bytes", vision_weights_bytes}};
+  }
   j["advice"] = advice;
   return j.dump(2) + "\n";
 }
@@ -11157,6 +11215,18 @@ struct Engine::Impl {
     return out;
   }
 
+  // A request's images are encoded together when it is submitted, in vision buffers the plan sized for
+  // max_images of them: more are refused before any is preprocessed or encoded.
+  void check_image_count(size_t images, const char* what) const {
+    if (vision && int64_t(images) > plan.options.max_images)
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("%s: %zu images in one request, but the plan allows at most %lld (max_images); "
+                                  "raise max_images to %zu (EngineOptions::plan.max_images; kvlite plan --max-images "
+                                  "%zu shows what it costs) or send at most %lld",
+                                  what, images, (long long)plan.options.max_images, images, images,
+                                  (long long)plan.options.max_images));
+  }
+
   // `ids` with one image_token_id per image (the processor's input form): each placeholder becomes its image's
   // tokens, their features are computed, and the prompt's M-RoPE positions with them.
   detail::VisionPrompt prepare_prompt(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images,
@@ -11174,6 +11244,7 @@ struct Engine::Impl {
                    detail::format("%s: %zu image%s given but %s (model_type %s) has no vision tower", what,
                                   images.size(), images.size() == 1 ? "" : "s", config.origin.c_str(),
                                   config.model_type.c_str()));
+    check_image_count(images.size(), what);
     if (placeholders != int64_t(images.size()))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("%s: the prompt holds %lld image placeholder%s (<|image_pad|>, id %d) but %zu "
@@ -11209,6 +11280,7 @@ struct Engine::Impl {
 
   // Engine::preprocess of each image.
   std::vector<VisionInput> preprocess_all(const std::vector<Image>& images) const {
+    check_image_count(images.size(), "generate");
     std::vector<VisionInput> inputs;
     for (const Image& image : images) {
       images_need_cpu("preprocess");

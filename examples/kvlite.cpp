@@ -4,7 +4,7 @@
 //   kvlite generate MODEL_DIR --prompt TEXT [--chat] [...]   text, streamed to stdout
 //   kvlite score MODEL_DIR --text-file F --context-length N --stride S   sliding-window perplexity
 //   kvlite tokenize MODEL_DIR --text TEXT                  token ids as a JSON array
-//   kvlite logits MODEL_DIR --tokens 1,2,3 --out FILE.npy  float32 [n_tokens, vocab] logits
+//   kvlite logits MODEL_DIR --tokens 1,2,3 [--image PATH] --out FILE.npy  float32 [n_tokens, vocab] logits
 //   kvlite bench MODEL_DIR [--batch 1,8] [--prompt-tokens N] [--decode-tokens N]   speed against the roofline
 //   kvlite --help | --version | help COMMAND
 //
@@ -336,7 +336,8 @@ int run_plan(const Args& args) {
 // Options of every command that opens an engine.
 std::vector<OptionSpec> engine_option_specs() {
   return {
-      {"--backend", "B", "auto | cpu | cuda; default auto (the GPU when kvlite has CUDA and one is present)"},
+      {"--backend", "B", "cpu (default: the float32 reference) | cuda | auto (the GPU when kvlite has CUDA and one "
+                         "is present)"},
       {"--device-mem", "SIZE", "memory the plan divides (8GiB, 512MiB): on a GPU the card to behave as; default: "
                                "the device's (CPU: this machine's memory)"},
       {"--activation-dtype", "T", "CUDA: bf16 | f16 | f32; default the model's 16-bit dtype (the CPU computes in f32)"},
@@ -346,6 +347,8 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--max-seqs", "N", "sequences decoded together; default 8"},
       {"--max-batched-tokens", "N", "tokens in one forward step; default min(2048, max_model_len)"},
       {"--kv-dtype", "T", "auto | f32 | bf16 | f16; default auto (f32 on the CPU)"},
+      {"--max-image-pixels", "N", "vision models: image budget in pixels (larger images are scaled down to fit); "
+                                  "default min(processor max, 1048576)"},
       {"--threads", "N", "CPU threads; default one per hardware thread"},
       {"--fp8-activations", "", "fp8 checkpoints: quantize activations to fp8 per token as the GPU does (W8A8)"},
   };
@@ -382,6 +385,8 @@ kvlite::EngineOptions engine_options(const Args& args) {
     if (!dtype) throw UsageError{"--kv-dtype: " + dtype.error().message};
     options.plan.kv_dtype = *dtype;
   }
+  if (args.has("--max-image-pixels"))
+    options.plan.max_image_pixels = args.integer("--max-image-pixels", 1, INT64_MAX);
   if (args.has("--threads")) options.threads = int(args.integer("--threads", 1, 4096));
   options.fp8_activations = args.has("--fp8-activations");
   return options;
@@ -513,10 +518,32 @@ int run_logits(const Args& args) {
   for (const std::string& part : split(required(args, "--tokens"), ','))
     ids.push_back(int32_t(Args::parse_integer("--tokens", part, 0, INT32_MAX)));
   const std::string& out = required(args, "--out");
+  std::optional<kvlite::Image> image;
+  if (args.has("--image")) {
+    auto loaded = kvlite::load_image(args.text("--image"));
+    if (!loaded) throw InputError{loaded.error().message};
+    image = std::move(*loaded);
+  }
   kvlite::EngineOptions options = engine_options(args);
-  if (!args.has("--max-model-len")) options.plan.max_model_len = int64_t(ids.size());
+  // Text: the KV arena is sized for exactly these tokens. With an image the length is known only once the
+  // engine has preprocessed it under its image budget, so max_model_len follows the default rule, as for
+  // generate.
+  if (!args.has("--max-model-len") && !image) options.plan.max_model_len = int64_t(ids.size());
   auto engine = open_engine(model_dir, options);
-  auto logits = engine->logits(ids);
+  std::vector<kvlite::VisionInput> images;
+  if (image) {
+    auto input = engine->preprocess(*image);
+    if (!input) library_error(input.error());
+    images.push_back(std::move(*input));
+    // One <|image_pad|> among the ids marks where the image goes; without one, the whole placeholder goes
+    // before them, as generate --image puts it before the prompt. The engine expands it to the image's tokens.
+    if (std::find(ids.begin(), ids.end(), int32_t(engine->config().image_token_id)) == ids.end()) {
+      auto placeholder = engine->tokenize(kvlite::kImagePlaceholder, false);
+      if (!placeholder) library_error(placeholder.error());
+      ids.insert(ids.begin(), placeholder->begin(), placeholder->end());
+    }
+  }
+  auto logits = engine->logits(ids, images);
   if (!logits) library_error(logits.error());
   auto written = kvlite::write_npy(out, logits->values.data(), logits->tokens, logits->vocab);
   if (!written) library_error(written.error());
@@ -599,6 +626,7 @@ int run_bench(const Args& args) {
   const int64_t decode = args.has("--decode-tokens") ? args.integer("--decode-tokens", 2, 1 << 20) : 64;
   const int64_t largest = *std::max_element(batches.begin(), batches.end());
   kvlite::EngineOptions options = engine_options(args);
+  if (!args.has("--backend")) options.backend = kvlite::BackendChoice::auto_;  // measure the GPU when there is one
   if (!args.has("--max-seqs")) options.plan.max_seqs = largest;
   if (!args.has("--max-model-len")) options.plan.max_model_len = prompt + decode;
   // Every prompt of the largest batch in one prefill step when it fits the usual 2048 tokens.
@@ -735,10 +763,16 @@ const std::vector<Command>& commands() {
       {"logits", "write the logits of a token sequence as a .npy file",
        "Run one sequence through the model and write the logits of every position: float32 [n_tokens, vocab]\n"
        "in NumPy's .npy format (row t = the logits after tokens 0..t).",
-       "kvlite logits MODEL_DIR --tokens 1,2,3 --out FILE.npy [options]",
+       "kvlite logits MODEL_DIR --tokens 1,2,3 [--image PATH] --out FILE.npy [options]",
+       "With --image (vision models) the CLI inserts the image's tokens: the one <|image_pad|> id among --tokens\n"
+       "marks the image's place (e.g. ...,<|vision_start|>,<|image_pad|>,<|vision_end|>,... as the chat template\n"
+       "writes it); without one, <|vision_start|><|image_pad|><|vision_end|> goes before the tokens, as generate\n"
+       "--image does. The <|image_pad|> becomes the image's tokens (how many: the image's size under the image\n"
+       "budget), and the rows cover the expanded sequence. max_model_len then follows the default rule.\n"
        "\nexit status: 0 done, 1 does not fit, 2 usage or input error.\n",
        with_engine_options({
            {"--tokens", "IDS", "comma-separated token ids"},
+           {"--image", "PATH", "vision models (Qwen3-VL): an image (JPEG, PNG, ...) whose tokens are inserted"},
            {"--out", "FILE", "the .npy file to write"},
        }),
        run_logits},
@@ -749,7 +783,8 @@ const std::vector<Command>& commands() {
        "sequence's KV) over the copy bandwidth measured in the same run (cudaMemcpy device to device on a GPU,\n"
        "memcpy on the CPU). Random-weight checkpoints of real shapes: tools/make_random_checkpoint.py.",
        "kvlite bench MODEL_DIR [--batch 1,8] [--prompt-tokens N] [--decode-tokens N] [options]",
-       "Defaults: --max-seqs = the largest batch, --max-model-len = prompt + decode tokens.\n"
+       "Defaults: --backend auto (the GPU when there is one), --max-seqs = the largest batch, --max-model-len =\n"
+       "prompt + decode tokens, --max-batched-tokens = min(2048, largest batch x prompt tokens).\n"
        "\nexit status: 0 done, 1 does not fit, 2 usage or input error.\n",
        with_engine_options({
            {"--batch", "B1,B2,...", "batch sizes to measure; default 1,8"},

@@ -30,7 +30,9 @@
 
 namespace kvlite {
 
-// Where the engine computes. auto: the CUDA GPU when kvlite was built with CUDA and one is present, else the CPU.
+// Where the engine computes. cpu: the float32 reference (the default: what every reference-checked result and
+// test assumes); cuda: the GPU (an error when kvlite has no CUDA or no GPU is visible); auto: the GPU when kvlite
+// was built with CUDA and one is present, else the CPU.
 enum class BackendChoice { auto_, cpu, cuda };
 const char* backend_choice_name(BackendChoice choice);
 Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" | "cpu" | "cuda"
@@ -40,7 +42,7 @@ struct EngineOptions {
   // the card to plan for, so an H200 opened with 8 GiB behaves exactly as an 8 GiB card (one reservation of the
   // plan's arena). activation_dtype: CUDA's (BF16 default, F16, F32); the CPU computes in F32.
   PlanOptions plan;
-  BackendChoice backend = BackendChoice::auto_;
+  BackendChoice backend = BackendChoice::cpu;
   int device = 0;            // CUDA device index
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
@@ -186,7 +188,8 @@ class Engine {
   // the engine expands each to its image's tokens (Generation::prompt_ids shows the expanded ids), runs the
   // vision tower when the request is submitted, and gives the image tokens their M-RoPE positions. Images are
   // preprocessed with preprocess(). Errors: unsupported for a model without a vision tower; invalid_argument
-  // when placeholders and images differ in number.
+  // when placeholders and images differ in number; does_not_fit, before any image is preprocessed, when a
+  // request carries more images than the plan's max_images (its images are encoded together).
   //   auto image = kvlite::load_image("cat.jpg");
   //   auto out = engine->generate_chat({{"user", std::string(kvlite::kImagePlaceholder) + "Describe it."}},
   //                                    {*image}, params, on_token);
@@ -200,7 +203,7 @@ class Engine {
   // budget capped at the plan's max_image_pixels (larger images are scaled down to fit the vision buffers).
   Result<VisionInput> preprocess(const Image& image) const;
   // The vision tower alone (transformers' get_image_features): the images' merged embeddings and DeepStack
-  // features, one row per image token.
+  // features, one row per image token. Any number of images: they are encoded max_images at a time.
   Result<ImageFeatures> encode_images(const std::vector<VisionInput>& images);
 
   // Continuous batching. submit() validates and queues a request (does_not_fit when it could never fit);

@@ -222,6 +222,18 @@ struct Engine::Impl {
     return out;
   }
 
+  // A request's images are encoded together when it is submitted, in vision buffers the plan sized for
+  // max_images of them: more are refused before any is preprocessed or encoded.
+  void check_image_count(size_t images, const char* what) const {
+    if (vision && int64_t(images) > plan.options.max_images)
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("%s: %zu images in one request, but the plan allows at most %lld (max_images); "
+                                  "raise max_images to %zu (EngineOptions::plan.max_images; kvlite plan --max-images "
+                                  "%zu shows what it costs) or send at most %lld",
+                                  what, images, (long long)plan.options.max_images, images, images,
+                                  (long long)plan.options.max_images));
+  }
+
   // `ids` with one image_token_id per image (the processor's input form): each placeholder becomes its image's
   // tokens, their features are computed, and the prompt's M-RoPE positions with them.
   detail::VisionPrompt prepare_prompt(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images,
@@ -239,6 +251,7 @@ struct Engine::Impl {
                    detail::format("%s: %zu image%s given but %s (model_type %s) has no vision tower", what,
                                   images.size(), images.size() == 1 ? "" : "s", config.origin.c_str(),
                                   config.model_type.c_str()));
+    check_image_count(images.size(), what);
     if (placeholders != int64_t(images.size()))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("%s: the prompt holds %lld image placeholder%s (<|image_pad|>, id %d) but %zu "
@@ -274,6 +287,7 @@ struct Engine::Impl {
 
   // Engine::preprocess of each image.
   std::vector<VisionInput> preprocess_all(const std::vector<Image>& images) const {
+    check_image_count(images.size(), "generate");
     std::vector<VisionInput> inputs;
     for (const Image& image : images) {
       images_need_cpu("preprocess");

@@ -92,25 +92,26 @@ inline Sniffed sniff_format(const uint8_t* d, size_t n) {
 }
 
 // Width and height as the header states them, read without stb_image, so that a header it refuses (stb_image
-// has its own size limits) is still reported with the numbers it claims. {0, 0} when unknown.
-inline std::pair<int64_t, int64_t> header_dimensions(const char* format_name, const uint8_t* d, size_t n) {
+// has its own size limits) is still reported with the numbers it claims. nullopt when unknown.
+using Dimensions = std::pair<int64_t, int64_t>;  // width, height
+inline std::optional<Dimensions> header_dimensions(const char* format_name, const uint8_t* d, size_t n) {
   auto le16 = [&](size_t at) { return int64_t(d[at] | d[at + 1] << 8); };
   auto le32 = [&](size_t at) { return int64_t(int32_t(uint32_t(le16(at)) | uint32_t(le16(at + 2)) << 16)); };
   const std::string f = format_name;
-  if (f == "PNG" && n >= 24 && memcmp(d + 12, "IHDR", 4) == 0) return {read_be32(d + 16), read_be32(d + 20)};
-  if (f == "GIF" && n >= 10) return {le16(6), le16(8)};
-  if (f == "BMP" && n >= 26) return {le32(18), std::abs(le32(22))};  // negative height: top-down rows
+  if (f == "PNG" && n >= 24 && memcmp(d + 12, "IHDR", 4) == 0) return Dimensions{read_be32(d + 16), read_be32(d + 20)};
+  if (f == "GIF" && n >= 10) return Dimensions{le16(6), le16(8)};
+  if (f == "BMP" && n >= 26) return Dimensions{le32(18), std::abs(le32(22))};  // negative height: top-down rows
   if (f == "JPEG") {  // the first start-of-frame segment: C0..CF except DHT (C4), JPG (C8), DAC (CC)
     for (size_t pos = 2; pos + 9 <= n && d[pos] == 0xFF;) {
       uint8_t marker = d[pos + 1];
       if (marker == 0xFF) { pos++; continue; }
       if (marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC)
-        return {read_be16(d + pos + 7), read_be16(d + pos + 5)};
+        return Dimensions{read_be16(d + pos + 7), read_be16(d + pos + 5)};
       if (marker == 0xD9 || marker == 0xDA) break;
       pos += 2 + read_be16(d + pos + 2);
     }
   }
-  return {0, 0};
+  return std::nullopt;
 }
 
 // EXIF Orientation (tag 0x0112) from a TIFF block: 1..8, or 1 when absent or malformed. Only IFD0 is read,
@@ -377,10 +378,13 @@ inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& optio
   if (!header_ok && !sniffed.name)
     fail(ErrorCode::unsupported, format("%s: not an image kvlite can read (it decodes %s): %s", name.c_str(),
                                         kSupportedFormats, reason));
-  const auto claimed = header_ok ? std::make_pair(int64_t(stb_width), int64_t(stb_height))
-                                 : header_dimensions(format_name, data, size);
-  const int64_t width = claimed.first, height = claimed.second;
-  if (width > 0 && height > 0 && width * height > options.max_pixels)
+  const std::optional<Dimensions> claimed =
+      header_ok ? Dimensions{stb_width, stb_height} : header_dimensions(format_name, data, size);
+  const int64_t width = claimed ? claimed->first : 0, height = claimed ? claimed->second : 0;
+  if (claimed && (width <= 0 || height <= 0))
+    fail(ErrorCode::bad_format, format("%s: the %s header claims %lld x %lld pixels; an image needs at least 1 x 1",
+                                       name.c_str(), format_name, (long long)width, (long long)height));
+  if (claimed && width * height > options.max_pixels)
     fail(ErrorCode::invalid_argument,
          format("%s: %s of %lld x %lld = %s is over the decode limit of %s (DecodeOptions::max_pixels = %lld); "
                 "refused before decoding. Downscale it, or raise the limit if the image is genuine",
@@ -388,14 +392,11 @@ inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& optio
                 megapixels(options.max_pixels).c_str(), (long long)options.max_pixels));
   if (!header_ok)
     fail(ErrorCode::bad_format,
-         width > 0 && height > 0
+         claimed
              ? format("%s: the %s header claims %lld x %lld pixels: corrupt, or beyond the decoder's limits "
                       "(a decompression bomb?) (stb_image: %s)", name.c_str(), format_name, (long long)width,
                       (long long)height, reason)
              : format("%s: corrupt %s header (stb_image: %s)", name.c_str(), format_name, reason));
-  if (width <= 0 || height <= 0)
-    fail(ErrorCode::bad_format, format("%s: %s header gives %lld x %lld pixels", name.c_str(), format_name,
-                                       (long long)width, (long long)height));
 
   int orientation = 1;
   if (strcmp(format_name, "JPEG") == 0) {

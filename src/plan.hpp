@@ -23,7 +23,8 @@ struct PlanOptions {
   int64_t max_batched_tokens = 0;      // 0: default min(2048, max_model_len); tokens in one forward step
   KVDType kv_dtype = KVDType::auto_;
   int64_t max_image_pixels = 0;        // vision models; 0: kvlite's default, min(processor max, 1024 x 1024)
-  int64_t max_images = 1;              // images encoded in one step (vision models)
+  int64_t max_images = 1;              // vision models: images one request may carry, encoded together in one
+                                       // step; a request with more is refused (does_not_fit)
   int64_t kv_page_tokens = 16;         // tokens per KV page
   std::optional<bool> wsl2;            // override WSL2 detection
   // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
@@ -94,6 +95,18 @@ struct Plan {
   double utilization_needed = 0;               // for the requested max_model_len; > 1 when no ratio fits
   int64_t max_model_len_that_fits_fp8_kv = 0;  // with --kv-dtype fp8
   int64_t image_pixels_that_fit = 0;           // vision models: the largest image budget that fits
+  // Vision models: what the image budget means and costs (zeros for text models). An image over
+  // max_image_pixels is scaled down to fit (smart_resize with that maximum, as the processor does), which
+  // keeps h x w <= max: no image becomes more tokens than this. (Except where smart_resize rounds a side UP,
+  // for very thin images: a side shorter than patch x merge is raised to it, and an image under min_pixels
+  // is scaled up with sides rounded up. Such an image can overshoot a budget near min_pixels, in
+  // transformers too; the engine refuses it with the numbers.)
+  int64_t image_pixels_per_token = 0;   // (patch x merge)^2: one merged token covers this many pixels
+  int64_t image_tokens_per_image = 0;   // merged tokens of the largest image allowed: floor(max_image_pixels /
+                                        // image_pixels_per_token): its <|image_pad|> expands to as many
+  int64_t image_patches_per_image = 0;  // its patches (tokens x merge^2): the encoder's sequence length
+  uint64_t vision_weights_bytes = 0;    // vision tower and mergers (part of the weights row)
+  uint64_t vision_activation_bytes = 0; // the vision row: encoder buffers for max_images such images
   std::vector<std::string> advice;             // sentences for people, most useful first
 
   uint64_t arena_bytes() const;  // sum of in_arena items + kv_arena_bytes: the one reservation

@@ -18,6 +18,9 @@
 //   vision       vision models: vision_buffers(config, max_image_pixels, max_images, backend). The default
 //                image budget is min(processor max, 1024 x 1024 pixels), not the processor's own 16777216:
 //                planning for the largest image a processor allows is how VLMs swallow small cards.
+//                The rows under the table spell the budget out: image tokens = floor(max_image_pixels /
+//                (patch x merge)^2) per image (what the largest image allowed becomes), and image budget =
+//                this row + the vision tower's weights (which the weights row includes).
 //   logits       logits_buffers(config, max_seqs): scoring computes log-probs 32 rows at a time.
 //   workspace    CUDA: kCudaWorkspaceBytes (the backend's cuBLAS workspace + attention scratch) + repack scratch
 //                as large as the largest single quantized Linear.
@@ -337,6 +340,8 @@ PlanItem weights_item(const Inputs& in, DType act) {
     item.why = format("no safetensors in the directory: shapes from config.json, formats from quantization_config "
                       "(%zu Linears %s)%s", in.weights.linears.size(), format_bytes(linear_bytes).c_str(), device.c_str());
   }
+  if (in.config.vision.present)
+    item.why += format("; the vision tower %s of it", format_bytes(in.weights.vision_bytes).c_str());
   return item;
 }
 
@@ -480,6 +485,15 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.items.push_back(logits_item(in, o));
   plan.items.push_back(workspace_item(in));
   plan.items.push_back(graphs_item(in, o));
+
+  if (in.config.vision.present) {
+    const VisionConfig& v = in.config.vision;
+    plan.image_pixels_per_token = int64_t(window_pixels(v));
+    plan.image_tokens_per_image = int64_t(merge_windows(v, o.max_image_pixels));
+    plan.image_patches_per_image = plan.image_tokens_per_image * v.spatial_merge_size * v.spatial_merge_size;
+    plan.vision_weights_bytes = in.weights.vision_bytes;
+    plan.vision_activation_bytes = plan.item("vision")->bytes;
+  }
 
   plan.weights_bytes = in.weights.total_bytes;
   plan.weights_source = in.weights.exact ? "headers" : "config";
@@ -889,8 +903,24 @@ std::string Plan::table() const {
                     kv_dtype_name(options.kv_dtype));
   rows.push_back({"KV arena", format_bytes(kv_arena_bytes), kv_why});
   rows.push_back({"max_model_len", ll(max_model_len), max_model_len_rule});
-  if (!max_image_pixels_rule.empty())
+  if (!max_image_pixels_rule.empty()) {
     rows.push_back({"max_image_pixels", ll(options.max_image_pixels), max_image_pixels_rule});
+    rows.push_back({"image tokens", ll(image_tokens_per_image),
+                    format("per image, at most: floor(%s pixels / %s per token (patch x merge)^2) = %s merged tokens "
+                           "from %s patches; larger images are scaled down to fit; up to %lld image%s per request "
+                           "(--max-images)",
+                           format_count(uint64_t(options.max_image_pixels)).c_str(),
+                           format_count(uint64_t(image_pixels_per_token)).c_str(),
+                           format_count(uint64_t(image_tokens_per_image)).c_str(),
+                           format_count(uint64_t(image_patches_per_image)).c_str(), (long long)options.max_images,
+                           options.max_images == 1 ? "" : "s")});
+    rows.push_back({"image budget", format_bytes(vision_activation_bytes + vision_weights_bytes),
+                    format("what images cost: encoder activations %s (the vision row: %lld x %s patches) + vision "
+                           "weights %s (in the weights row)",
+                           format_bytes(vision_activation_bytes).c_str(), (long long)options.max_images,
+                           format_count(uint64_t(image_patches_per_image)).c_str(),
+                           format_bytes(vision_weights_bytes).c_str())});
+  }
   rows.push_back({"concurrency", format("%.2f", concurrency),
                   format("sequences of %lld tokens the KV arena holds at once", (long long)max_model_len)});
   rows.push_back({"verdict", fits ? "FITS" : "DOES NOT FIT",
@@ -971,6 +1001,17 @@ std::string Plan::json() const {
   j["utilization_needed"] = utilization_needed;
   j["max_model_len_that_fits_fp8_kv"] = max_model_len_that_fits_fp8_kv;
   j["image_pixels_that_fit"] = image_pixels_that_fit;
+  if (max_image_pixels_rule.empty()) {
+    j["image_budget"] = nullptr;
+  } else {
+    j["image_budget"] = {{"max_image_pixels", options.max_image_pixels},
+                         {"max_images", options.max_images},
+                         {"pixels_per_token", image_pixels_per_token},
+                         {"patches_per_image", image_patches_per_image},
+                         {"tokens_per_image", image_tokens_per_image},
+                         {"encoder_activation_bytes", vision_activation_bytes},
+                         {"vision_weights_bytes", vision_weights_bytes}};
+  }
   j["advice"] = advice;
   return j.dump(2) + "\n";
 }

@@ -2,6 +2,7 @@
 // 2 usage or input error, one message on stderr, never a crash; plan output as table, JSON, SVG and CSV.
 #include <doctest/doctest.h>
 #include <sys/wait.h>
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <cstdlib>
@@ -403,4 +404,164 @@ TEST_CASE("bench and --backend: usage errors exit 2 naming the problem") {
     CHECK(run.status == 2);
     CHECK(contains(run.err, kvlite::cuda::built_with_cuda() ? "no CUDA device" : "built without CUDA"));
   }
+}
+
+// ---- images: the tiny Qwen3-VL fixture (tests/fixtures/vl, references from transformers) ------------------
+
+namespace {
+
+const std::string kFixtures = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/";
+const std::string kTinyVL = kFixtures + "vl/tiny-qwen3-vl";
+
+std::string joined_ids(const std::vector<int32_t>& ids) {
+  std::string text;
+  for (int32_t id : ids) text += (text.empty() ? "" : ",") + std::to_string(id);
+  return text;
+}
+
+// The processor's input_ids with each run of <|image_pad|> back to the one placeholder a prompt holds.
+std::vector<int32_t> collapsed_ids(const nlohmann::json& prompt, int32_t pad) {
+  std::vector<int32_t> ids;
+  for (int32_t id : model_fixtures::ids_of(prompt["input_ids"]))
+    if (id != pad || ids.empty() || ids.back() != pad) ids.push_back(id);
+  return ids;
+}
+
+}  // namespace
+
+TEST_CASE("logits --image writes transformers' logits of a prompt with an image, the image tokens inserted by the CLI") {
+  const nlohmann::json reference = nlohmann::json::parse(model_fixtures::read_file(kFixtures + "vl/reference.json"));
+  const int32_t pad = reference["image_token_id"].get<int32_t>();
+  const auto& prompt = reference["prompts"][0];  // one image, after "<|im_start|>user\n"
+  REQUIRE(prompt["images"].size() == 1);
+  const std::string image = kFixtures + prompt["images"][0]["file"].get<std::string>();
+  const std::vector<int32_t> ids = collapsed_ids(prompt, pad);  // ..., <|vision_start|>, <|image_pad|>, <|vision_end|>, ...
+  const std::string dir = testing_safetensors::temp_dir("cli-logits-image");
+  Run run = run_kvlite({"logits", kTinyVL, "--image", image, "--tokens", joined_ids(ids), "--out", dir + "/vl.npy",
+                        "--device-mem", "64MiB"});
+  CHECK(run.status == 0);
+  CHECK_MESSAGE(run.err.empty(), run.err);
+  model_fixtures::Npy written = model_fixtures::read_npy(dir + "/vl.npy");
+  model_fixtures::Npy expected = model_fixtures::read_npy(kFixtures + "vl/" + prompt["logits_file"].get<std::string>());
+  REQUIRE(written.rows == expected.rows);  // the expanded sequence: 6 image tokens for the one placeholder
+  REQUIRE(written.cols == expected.cols);
+  CHECK(model_fixtures::relative_max_diff(written.values, expected.values) <= 1e-4);
+  CHECK(contains(run.out, "float32 [" + std::to_string(expected.rows) + ", " + std::to_string(expected.cols) + "]"));
+
+  // Without an <|image_pad|> among the ids, the placeholder goes before them, as generate --image puts it.
+  const std::vector<int32_t> text_ids = {9, 17, 33, 1200};
+  Run before = run_kvlite({"logits", kTinyVL, "--image", image, "--tokens", joined_ids(text_ids), "--out",
+                           dir + "/before.npy", "--device-mem", "64MiB"});
+  CHECK(before.status == 0);
+  kvlite::EngineOptions options;
+  options.plan.device_mem = 64 * kvlite::MiB;
+  auto engine = kvlite::Engine::open(kTinyVL, options);
+  REQUIRE(engine);
+  auto decoded = kvlite::load_image(image);
+  REQUIRE(decoded);
+  auto input = (*engine)->preprocess(*decoded);
+  REQUIRE(input);
+  std::vector<int32_t> placed = {reference["vision_start_token_id"].get<int32_t>(), pad,
+                                 reference["vision_end_token_id"].get<int32_t>()};
+  placed.insert(placed.end(), text_ids.begin(), text_ids.end());
+  auto library = (*engine)->logits(placed, {*input});
+  REQUIRE(library);
+  model_fixtures::Npy cli = model_fixtures::read_npy(dir + "/before.npy");
+  CHECK(cli.rows == 3 - 1 + 6 + int64_t(text_ids.size()));
+  CHECK(cli.values == library->values);
+}
+
+TEST_CASE("logits and generate --image refuse bad images and requests with one message and exit 2") {
+  const std::string dir = testing_safetensors::temp_dir("cli-bad-images");
+  const std::string out = dir + "/out.npy";
+  // Unsupported format (WebP), truncated PNG, empty file, a PNG header claiming 10000 x 10000.
+  testing_safetensors::write_text(dir + "/cat.webp", std::string("RIFF\x24\0\0\0WEBPVP8 \0\0\0\0", 20));
+  const std::string png = read_file(kFixtures + "images/photo_67x45.png");
+  testing_safetensors::write_text(dir + "/cut.png", png.substr(0, png.size() / 2));
+  testing_safetensors::write_text(dir + "/empty.png", "");
+  std::string bomb = png.substr(0, 16);  // signature, IHDR length and type
+  for (uint32_t side : {10000u, 10000u})
+    for (int shift = 24; shift >= 0; shift -= 8) bomb += char((side >> shift) & 0xff);
+  bomb += std::string("\x08\x02\0\0\0\0\0\0\0", 9);
+  testing_safetensors::write_text(dir + "/bomb.png", bomb);
+  struct Case {
+    std::string image, needle;
+  };
+  for (const Case& c : {Case{"cat.webp", "WebP images are not supported"}, Case{"cut.png", "truncated"},
+                        Case{"empty.png", "no image data (0 bytes)"}, Case{"bomb.png", "10000 x 10000"}}) {
+    CAPTURE(c.image);
+    for (const char* command : {"logits", "generate"}) {
+      CAPTURE(command);
+      Run run = std::string(command) == "logits"
+                    ? run_kvlite({"logits", kTinyVL, "--image", dir + "/" + c.image, "--tokens", "9,17", "--out", out,
+                                  "--device-mem", "64MiB"})
+                    : run_kvlite({"generate", kTinyVL, "--image", dir + "/" + c.image, "--prompt", "Hi",
+                                  "--device-mem", "64MiB"});
+      CHECK(run.status == 2);
+      CHECK(run.out.empty());
+      CHECK_MESSAGE(contains(run.err, dir + "/" + c.image), run.err);
+      CHECK_MESSAGE(contains(run.err, c.needle), run.err);
+    }
+  }
+  const std::string image = kFixtures + "images/photo_67x45.png";
+  // A text model takes no image, nor an image budget.
+  Run text_model = run_kvlite({"logits", model_fixtures::dir("tiny-qwen3"), "--image", image, "--tokens", "9,17",
+                               "--out", out, "--device-mem", "64MiB"});
+  CHECK(text_model.status == 2);
+  CHECK_MESSAGE(contains(text_model.err, "no vision tower"), text_model.err);
+  Run budget = run_kvlite({"logits", model_fixtures::dir("tiny-qwen3"), "--tokens", "9,17", "--out", out,
+                           "--device-mem", "64MiB", "--max-image-pixels", "8192"});
+  CHECK(budget.status == 2);
+  CHECK_MESSAGE(contains(budget.err, "max_image_pixels 8192 was given but"), budget.err);
+  // Two <|image_pad|> for one --image: the library's message, with both numbers.
+  Run two_pads = run_kvlite({"logits", kTinyVL, "--image", image, "--tokens", "1406,1409,1407,9,1406,1409,1407", "--out",
+                             out, "--device-mem", "64MiB"});
+  CHECK(two_pads.status == 2);
+  CHECK_MESSAGE(contains(two_pads.err, "2 image placeholders"), two_pads.err);
+  CHECK_MESSAGE(contains(two_pads.err, "1 image was given"), two_pads.err);
+}
+
+TEST_CASE("plan --max-image-pixels: image tokens per image as transformers' processor makes them, vision weights from the headers") {
+  // Derived from the fixture's files, not from the planner: patch and merge sizes from config.json, the
+  // vision tensors' bytes from the safetensors header.
+  const nlohmann::json config = nlohmann::json::parse(model_fixtures::read_file(kTinyVL + "/config.json"));
+  const int64_t side = config["vision_config"]["patch_size"].get<int64_t>() *
+                       config["vision_config"]["spatial_merge_size"].get<int64_t>();
+  const std::string safetensors = model_fixtures::read_file(kTinyVL + "/model.safetensors");
+  uint64_t header_length = 0;
+  for (int i = 7; i >= 0; i--) header_length = header_length << 8 | uint8_t(safetensors[size_t(i)]);
+  const nlohmann::json header = nlohmann::json::parse(safetensors.substr(8, header_length));
+  uint64_t vision_bytes = 0;
+  for (const auto& tensor : header.items())
+    if (tensor.key().rfind("model.visual.", 0) == 0)
+      vision_bytes += tensor.value()["data_offsets"][1].get<uint64_t>() - tensor.value()["data_offsets"][0].get<uint64_t>();
+  REQUIRE(vision_bytes > 0);
+  // The processor with max_pixels 8192 turned the recorded images into 6, 8 and 8 tokens: 8 is the most.
+  const nlohmann::json reference = nlohmann::json::parse(model_fixtures::read_file(kFixtures + "vl/reference.json"));
+  REQUIRE(reference["max_pixels"].get<int64_t>() == 8192);
+  int64_t most_tokens = 0;
+  for (const auto& prompt : reference["prompts"])
+    for (const auto& image : prompt["images"]) most_tokens = std::max(most_tokens, image["image_tokens"].get<int64_t>());
+
+  Run run = run_kvlite({"plan", kTinyVL, "--device-mem", "2GiB", "--max-image-pixels", "8192", "--max-images", "2", "--json"});
+  REQUIRE(run.status <= 1);
+  auto j = nlohmann::json::parse(run.out);
+  const auto& image_budget = j["image_budget"];
+  CHECK(image_budget["tokens_per_image"].get<int64_t>() == 8192 / (side * side));
+  CHECK(image_budget["tokens_per_image"].get<int64_t>() == most_tokens);
+  CHECK(image_budget["patches_per_image"].get<int64_t>() == 8192 / (side * side) * 4);
+  CHECK(image_budget["max_images"].get<int64_t>() == 2);
+  CHECK(image_budget["vision_weights_bytes"].get<uint64_t>() == vision_bytes);
+  uint64_t vision_row = 0;
+  for (const auto& item : j["items"])
+    if (item["key"] == "vision") vision_row = item["bytes"].get<uint64_t>();
+  CHECK(vision_row > 0);
+  CHECK(image_budget["encoder_activation_bytes"].get<uint64_t>() == vision_row);
+
+  Run table = run_kvlite({"plan", kTinyVL, "--device-mem", "2GiB", "--max-image-pixels", "8192"});
+  REQUIRE(table.status <= 1);
+  CHECK_MESSAGE(contains(table.out, "floor(8,192 pixels / 1,024 per token (patch x merge)^2) = 8 merged tokens from 32 patches"),
+                table.out);
+  CHECK(contains(table.out, "vision weights " + kvlite::format_bytes(vision_bytes) + " (in the weights row)"));
+  CHECK(contains(table.out, "the vision tower " + kvlite::format_bytes(vision_bytes) + " of it"));
 }

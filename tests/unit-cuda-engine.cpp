@@ -247,7 +247,9 @@ TEST_CASE("backend choice: names, and --backend cuda says why it cannot run here
   CHECK(std::string(backend_choice_name(BackendChoice::cuda)) == "cuda");
 
   EngineOptions options;
+  CHECK(options.backend == BackendChoice::cpu);  // the reference, unless asked otherwise
   options.plan.device_mem = 64 * MiB;
+  options.backend = BackendChoice::auto_;
   auto automatic = Engine::open(fx::dir("tiny-qwen3"), options);
   REQUIRE(automatic);
   CHECK((*automatic)->info().backend == (gpu_present() ? BackendKind::cuda : BackendKind::cpu));

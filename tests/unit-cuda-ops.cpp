@@ -839,6 +839,152 @@ TEST_CASE("a whole layer's ops, run three times, make no device allocation") {
 
 // ---- what the backend refuses -------------------------------------------------------------------------------
 
+// ---- the vision encoder's ops --------------------------------------------------------------------------------
+
+TEST_CASE("embedding_bag matches the CPU: 4-tap bilinear rows of a position table, BF16/F16/F32 tables") {
+  GPU_OR_SKIP();
+  Random rng(131);
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (DType table_dtype : kFloatTypes)
+      for (int64_t cols : {16, 72, 1024})
+        for (int64_t rows : {1, 9, 130}) {
+          CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(table_dtype)); CAPTURE(cols); CAPTURE(rows);
+          const int64_t table_rows = 144, taps = 4;
+          Twin table(g, table_dtype, table_dtype, table_rows, cols, 2);
+          table.randomize(rng);
+          std::vector<int32_t> index_values;
+          Twin weights(g, DType::F32, DType::F32, rows, taps);
+          for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < taps; j++) {
+              index_values.push_back(int32_t(rng.below(table_rows)));
+              weights.set(r, j, std::fabs(rng.value()));
+            }
+          weights.upload();
+          IntTwin indices(g, index_values);
+          const Tensor gpu_indices = Tensor::matrix(indices.device, DType::I32, rows, taps);
+          const Tensor cpu_indices = Tensor::matrix(indices.values.data(), DType::I32, rows, taps);
+          Twin out = Twin::activation(g, rows, cols, 3);
+          REQUIRE_OK(g.cpu->embedding_bag(table.on_cpu(), cpu_indices, weights.on_cpu(), out.on_cpu()));
+          REQUIRE_OK(g.cuda->embedding_bag(table.on_gpu(), gpu_indices, weights.on_gpu(), out.on_gpu()));
+          out.check(1e-6, ulp(activation));  // the same products summed in the same order: one rounding apart
+        }
+  }
+}
+
+TEST_CASE("embedding_bag reports an index outside the table at the next synchronize") {
+  GPU_OR_SKIP();
+  Random rng(137);
+  Gpu g(DType::F32);
+  Twin table(g, DType::F32, DType::F32, 10, 8);
+  table.randomize(rng);
+  IntTwin indices(g, {1, 2, 3, 4, 5, 6, 10, 7});
+  Twin weights(g, DType::F32, DType::F32, 2, 4);
+  weights.randomize(rng);
+  Twin out = Twin::activation(g, 2, 8);
+  REQUIRE_OK(g.cuda->embedding_bag(table.on_gpu(), Tensor::matrix(indices.device, DType::I32, 2, 4), weights.on_gpu(),
+                                   out.on_gpu()));
+  check_fails(g.cuda->synchronize(), ErrorCode::invalid_argument, "indices[1][2] = 10");
+  REQUIRE_OK(g.cuda->synchronize());  // the record was cleared
+}
+
+TEST_CASE("layer_norm matches the CPU: narrow and wide rows, BF16/F16/F32 weights, in place too") {
+  GPU_OR_SKIP();
+  Random rng(139);
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (DType weight_dtype : kFloatTypes)
+      for (int64_t cols : {7, 64, 257, 1152, 4096})
+        for (int64_t rows : {1, 6, 41}) {
+          CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(weight_dtype)); CAPTURE(cols); CAPTURE(rows);
+          Twin x = Twin::activation(g, rows, cols, 2);
+          for (int64_t r = 0; r < rows; r++)  // an offset per row, so subtracting the mean matters
+            for (int64_t c = 0; c < cols; c++) x.set(r, c, 2.0f + 0.5f * float(r % 3) + rng.value());
+          x.upload();
+          Twin weight(g, weight_dtype, weight_dtype, 1, cols), bias(g, weight_dtype, weight_dtype, 1, cols);
+          weight.randomize(rng);
+          bias.randomize(rng);
+          Twin out = Twin::activation(g, rows, cols, 1);
+          REQUIRE_OK(g.cpu->layer_norm(x.on_cpu(), weight.on_cpu(), bias.on_cpu(), 1e-6f, out.on_cpu()));
+          REQUIRE_OK(g.cuda->layer_norm(x.on_gpu(), weight.on_gpu(), bias.on_gpu(), 1e-6f, out.on_gpu()));
+          // fp32 moments on the GPU, double on the CPU: a few fp32 ulps of the normalised value
+          out.check(2e-5, ulp(activation) + 1e-5);
+          REQUIRE_OK(g.cpu->layer_norm(x.on_cpu(), weight.on_cpu(), bias.on_cpu(), 1e-5f, x.on_cpu()));
+          REQUIRE_OK(g.cuda->layer_norm(x.on_gpu(), weight.on_gpu(), bias.on_gpu(), 1e-5f, x.on_gpu()));
+          x.check(2e-5, ulp(activation) + 1e-5);
+        }
+  }
+}
+
+TEST_CASE("gelu matches the CPU, exact (erf) and tanh, strided and in place") {
+  GPU_OR_SKIP();
+  Random rng(149);
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (GeluApprox approx : {GeluApprox::none, GeluApprox::tanh})
+      for (int64_t cols : {1, 33, 4304}) {
+        CAPTURE(dtype_name(activation)); CAPTURE(int(approx)); CAPTURE(cols);
+        Twin x = Twin::activation(g, 5, cols, 3);
+        x.randomize(rng, 6.0f);
+        Twin out = Twin::activation(g, 5, cols, 1);
+        REQUIRE_OK(g.cpu->gelu(x.on_cpu(), approx, out.on_cpu()));
+        REQUIRE_OK(g.cuda->gelu(x.on_gpu(), approx, out.on_gpu()));
+        out.check(1e-6, ulp(activation) + 1e-6);  // CUDA's erff / tanhf are within 2 ulps of the libm ones
+        REQUIRE_OK(g.cpu->gelu(x.on_cpu(), approx, x.on_cpu()));
+        REQUIRE_OK(g.cuda->gelu(x.on_gpu(), approx, x.on_gpu()));
+        x.check(1e-6, ulp(activation) + 1e-6);
+      }
+  }
+}
+
+TEST_CASE("segment_attention matches the CPU: images of different sizes, q/k/v slices of one qkv, GQA") {
+  GPU_OR_SKIP();
+  Random rng(151);
+  struct Shape { int64_t heads, kv_heads, head_dim; std::vector<int32_t> starts; };
+  const Shape shapes[] = {
+      {2, 2, 16, {0, 16, 36}},            // the tiny test model: two images
+      {16, 16, 64, {0, 64, 64, 144}},     // Qwen3-VL-4B's vision heads; an empty segment in the middle
+      {4, 2, 80, {0, 7}},                 // GQA, head_dim 80 (not a multiple of 32)
+      {3, 1, 130, {0, 1, 40, 41}},        // head_dim over 128; one-row segments
+      {1, 1, 256, {0, 300}},              // the widest head, a long segment
+  };
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (const Shape& s : shapes) {
+      CAPTURE(dtype_name(activation)); CAPTURE(s.heads); CAPTURE(s.kv_heads); CAPTURE(s.head_dim);
+      const int64_t rows = s.starts.back(), q_width = s.heads * s.head_dim, kv_width = s.kv_heads * s.head_dim;
+      int64_t longest = 0;
+      for (size_t i = 1; i < s.starts.size(); i++) longest = std::max<int64_t>(longest, s.starts[i] - s.starts[i - 1]);
+      Twin qkv = Twin::activation(g, rows, q_width + 2 * kv_width, 2);
+      qkv.randomize(rng, 2.0f);
+      IntTwin starts(g, s.starts);
+      Twin out = Twin::activation(g, rows, q_width, 3);
+      auto run = [&](Backend& backend, Tensor fused, Tensor starts_tensor, Tensor result) {
+        return backend.segment_attention(fused.slice_cols(0, q_width), fused.slice_cols(q_width, kv_width),
+                                         fused.slice_cols(q_width + kv_width, kv_width), starts_tensor, longest,
+                                         s.head_dim, 1.0f / std::sqrt(float(s.head_dim)), result);
+      };
+      REQUIRE_OK(run(*g.cpu, qkv.on_cpu(), starts.on_cpu(), out.on_cpu()));
+      REQUIRE_OK(run(*g.cuda, qkv.on_gpu(), starts.on_gpu(), out.on_gpu()));
+      out.check(1e-5, 2 * ulp(activation) + 1e-5);
+    }
+  }
+}
+
+TEST_CASE("segment_attention reports a segment longer than max_segment at the next synchronize") {
+  GPU_OR_SKIP();
+  Random rng(157);
+  Gpu g(DType::F32);
+  Twin qkv = Twin::activation(g, 10, 3 * 32);
+  qkv.randomize(rng);
+  IntTwin starts(g, {0, 3, 10});
+  Twin out = Twin::activation(g, 10, 32);
+  const Tensor fused = qkv.on_gpu();
+  REQUIRE_OK(g.cuda->segment_attention(fused.slice_cols(0, 32), fused.slice_cols(32, 32), fused.slice_cols(64, 32),
+                                       starts.on_gpu(), 5, 32, 0.2f, out.on_gpu()));
+  check_fails(g.cuda->synchronize(), ErrorCode::invalid_argument, "segment 1 holds 7 rows, more than max_segment 5");
+}
+
 TEST_CASE("the CUDA backend says what it does not run: mixed linear dtypes, head_dim over 256") {
   GPU_OR_SKIP();
   Random rng(117);

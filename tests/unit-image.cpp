@@ -469,6 +469,40 @@ TEST_CASE("decompression bombs are refused from the header, before decoding") {
   CHECK(load_image(kDir + "photo_67x45.png", strict).ok());
 }
 
+TEST_CASE("zero-size images are refused: an empty file, headers that claim no pixels, an empty Image") {
+  const std::string path = temp_path("empty.png");
+  write_bytes(path, nullptr, 0);
+  auto empty = load_image(path);
+  std::remove(path.c_str());
+  REQUIRE_FALSE(empty.ok());
+  CHECK(empty.error().code == ErrorCode::bad_format);
+  CHECK(empty.error().message.find(path + ": no image data (0 bytes)") != std::string::npos);
+  // A PNG whose IHDR claims 0 x 13 (stb_image refuses it too) and one claiming 17 x 0.
+  for (const auto& size : {std::make_pair(0u, 13u), std::make_pair(17u, 0u)}) {
+    const std::vector<uint8_t> png = png_header_only(size.first, size.second);
+    auto refused = decode_image(png.data(), png.size(), {}, "nothing.png");
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.error().code == ErrorCode::bad_format);
+    const std::string claimed = std::to_string(size.first) + " x " + std::to_string(size.second);
+    CHECK_MESSAGE(refused.error().message.find("nothing.png: the PNG header claims " + claimed + " pixels") !=
+                      std::string::npos,
+                  refused.error().message);
+  }
+  // A BMP of width 0: the real file's header with biWidth zeroed.
+  std::vector<uint8_t> bmp = read_bytes(kDir + "tall_31x97.bmp");
+  for (size_t at = 18; at < 22; at++) bmp[at] = 0;
+  auto zero_wide = decode_image(bmp.data(), bmp.size(), {}, "zero.bmp");
+  REQUIRE_FALSE(zero_wide.ok());
+  CHECK(zero_wide.error().code == ErrorCode::bad_format);
+  CHECK_MESSAGE(zero_wide.error().message.find("0 x 97") != std::string::npos, zero_wide.error().message);
+  // Decoded images of no pixels never reach the resize.
+  auto no_pixels = preprocess_image(Image{}, PreprocessOptions{});
+  REQUIRE_FALSE(no_pixels.ok());
+  CHECK(no_pixels.error().code == ErrorCode::invalid_argument);
+  CHECK(no_pixels.error().message.find("the image is 0 x 0") != std::string::npos);
+  CHECK(image_grid(0, 5, PreprocessOptions{}).error().code == ErrorCode::invalid_argument);
+}
+
 TEST_CASE("bad raw images, sizes and options are refused with the numbers") {
   const uint8_t pixel[4] = {1, 2, 3, 4};
   auto zero = image_from_pixels(pixel, 0, 1, PixelFormat::rgb8);

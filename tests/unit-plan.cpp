@@ -605,6 +605,68 @@ TEST_CASE("vision buffers: a 1024 x 768 budget is 48 x 64 patches and 768 image 
   CHECK(plan_for(llama(), planned_card(24 * GiB, false), PlanOptions{}).item("vision") == nullptr);
 }
 
+TEST_CASE("the image budget: tokens per image and what it costs, from the config's patch and merge sizes") {
+  Model q = qwen();
+  const VisionConfig& v = q.config.vision;
+  const int64_t pixels_per_token = (v.patch_size * v.spatial_merge_size) * (v.patch_size * v.spatial_merge_size);
+  REQUIRE(pixels_per_token == 1024);  // 16 x 2 pixels a side
+  struct Case {
+    int64_t pixels, images, tokens;
+    const char* rule;  // the table's line
+  };
+  // 1024 x 1024 (the default) and 1024 x 768 hold whole 32 x 32 windows; 1000 pixels more hold none more;
+  // 65536 is the processor's min_pixels (256 x 256).
+  const Case cases[] = {
+      {0, 1, 1024, "floor(1,048,576 pixels / 1,024 per token (patch x merge)^2) = 1,024 merged tokens from 4,096 patches"},
+      {1024 * 768, 1, 768, "floor(786,432 pixels / 1,024 per token (patch x merge)^2) = 768 merged tokens from 3,072 patches"},
+      {1024 * 768 + 1000, 2, 768, "floor(787,432 pixels / 1,024 per token (patch x merge)^2) = 768 merged tokens"},
+      {65536, 3, 64, "floor(65,536 pixels / 1,024 per token (patch x merge)^2) = 64 merged tokens from 256 patches"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.pixels);
+    PlanOptions o = options_with(0.9, 4096);
+    o.max_image_pixels = c.pixels;
+    o.max_images = c.images;
+    Plan p = plan_for(q, planned_card(16 * GiB, false), o);
+    const int64_t budget = p.options.max_image_pixels;
+    CHECK(budget == (c.pixels ? c.pixels : 1024 * 1024));
+    CHECK(p.image_pixels_per_token == pixels_per_token);
+    CHECK(p.image_tokens_per_image == budget / pixels_per_token);
+    CHECK(p.image_tokens_per_image == c.tokens);
+    CHECK(p.image_patches_per_image == c.tokens * v.spatial_merge_size * v.spatial_merge_size);
+    CHECK(p.vision_weights_bytes == q.weights.vision_bytes);
+    CHECK(p.vision_activation_bytes == buffers_bytes(vision_buffers(q.config, budget, c.images, BackendKind::cuda)));
+    CHECK(p.vision_activation_bytes == p.item("vision")->bytes);
+    const std::string table = p.table();
+    CHECK(contains(table, c.rule));
+    CHECK(contains(table, std::to_string(c.images) + (c.images == 1 ? " image per request" : " images per request")));
+    const size_t budget_row = table.find("\nimage budget ");
+    REQUIRE(budget_row != std::string::npos);
+    const std::string budget_line = table.substr(budget_row + 1, table.find('\n', budget_row + 1) - budget_row - 1);
+    CHECK_MESSAGE(contains(budget_line, format_bytes(p.vision_activation_bytes + p.vision_weights_bytes) + "  what images cost"),
+                  budget_line);
+    CHECK(contains(budget_line, "encoder activations " + format_bytes(p.vision_activation_bytes)));
+    CHECK(contains(table, "vision weights " + format_bytes(q.weights.vision_bytes) + " (in the weights row)"));
+    CHECK(contains(p.item("weights")->why, "the vision tower " + format_bytes(q.weights.vision_bytes) + " of it"));
+    auto j = nlohmann::json::parse(p.json());
+    const auto& image_budget = j["image_budget"];
+    REQUIRE(image_budget.is_object());
+    CHECK(image_budget["max_image_pixels"].get<int64_t>() == budget);
+    CHECK(image_budget["max_images"].get<int64_t>() == c.images);
+    CHECK(image_budget["pixels_per_token"].get<int64_t>() == pixels_per_token);
+    CHECK(image_budget["tokens_per_image"].get<int64_t>() == c.tokens);
+    CHECK(image_budget["patches_per_image"].get<int64_t>() == 4 * c.tokens);
+    CHECK(image_budget["encoder_activation_bytes"].get<uint64_t>() == p.vision_activation_bytes);
+    CHECK(image_budget["vision_weights_bytes"].get<uint64_t>() == q.weights.vision_bytes);
+  }
+  // A text model has no image budget.
+  Plan text = plan_for(llama(), planned_card(16 * GiB, false), options_with(0.9, 4096));
+  CHECK(text.image_tokens_per_image == 0);
+  CHECK(text.vision_weights_bytes == 0);
+  CHECK_FALSE(contains(text.table(), "image tokens"));
+  CHECK(nlohmann::json::parse(text.json())["image_budget"].is_null());
+}
+
 TEST_CASE("logits: 32 rows at a time for scoring, more when more sequences decode") {
   ModelConfig c = qwen3_vl_4b();
   CHECK(named(logits_buffers(c, 8), "logits").bytes == (32ull * 151936 * 4 + 255) / 256 * 256);

@@ -6,8 +6,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <random>
 #include "kvlite.hpp"
 #include "model_fixtures.hpp"
+#include "safetensors_writer.hpp"
 using namespace kvlite;
 namespace fx = model_fixtures;
 
@@ -20,8 +23,15 @@ std::string fixtures_dir() { return std::string(KVLITE_SOURCE_DIR) + "/tests/fix
 std::string model_dir() { return fixtures_dir() + "vl/tiny-qwen3-vl"; }
 nlohmann::json reference() { return nlohmann::json::parse(fx::read_file(fixtures_dir() + "vl/reference.json")); }
 
-std::unique_ptr<Engine> open_model(EngineOptions options = {}) {
-  if (!options.plan.device_mem) options.plan.device_mem = 64 * MiB;
+// The fixture's prompts carry up to two images, and a request's images are encoded together: plan for two.
+EngineOptions fixture_options() {
+  EngineOptions options;
+  options.plan.device_mem = 64 * MiB;
+  options.plan.max_images = 2;
+  return options;
+}
+
+std::unique_ptr<Engine> open_model(const EngineOptions& options = fixture_options()) {
   auto engine = Engine::open(model_dir(), options);
   if (!engine) throw std::runtime_error("open tiny-qwen3-vl: " + engine.error().message);
   return std::move(*engine);
@@ -55,6 +65,8 @@ std::vector<int32_t> collapsed_ids(const nlohmann::json& prompt, int32_t image_t
     if (id != image_token_id || ids.empty() || ids.back() != image_token_id) ids.push_back(id);
   return ids;
 }
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 Image load_fixture_image(const nlohmann::json& image) {
   auto loaded = load_image(fixtures_dir() + image["file"].get<std::string>());
@@ -105,7 +117,7 @@ TEST_CASE("the vision tower's merged embeddings and each DeepStack feature match
   // 8192 / 32^2 x 4 = 32 patches per image: the wide and tall images (32 each) fill one encode of two.
   for (int64_t max_images : {1, 2}) {
     CAPTURE(max_images);
-    EngineOptions options;
+    EngineOptions options = fixture_options();
     options.plan.max_images = max_images;
     auto engine = open_model(options);
     const nlohmann::json ref = reference();
@@ -193,7 +205,7 @@ TEST_CASE("image logits do not depend on prefill chunks cutting through images, 
   // Chunks of 7 tokens split both prompts' images across steps: the merged embeddings and DeepStack rows of
   // an image arrive in pieces, each at the right rows.
   auto whole = open_model();
-  EngineOptions chunked_options;
+  EngineOptions chunked_options = fixture_options();
   chunked_options.plan.max_batched_tokens = 7;
   chunked_options.threads = 1;
   auto chunked = open_model(chunked_options);
@@ -305,7 +317,7 @@ TEST_CASE("under page pressure a request with images is preempted and recomputed
   const int32_t pad = ref["image_token_id"].get<int32_t>();
   for (int64_t batched_tokens : {128, 24}) {  // whole prompts, and chunks that cut through the images
     CAPTURE(batched_tokens);
-    EngineOptions options;
+    EngineOptions options = fixture_options();
     options.plan.max_model_len = 96;
     options.plan.max_batched_tokens = batched_tokens;
     options.plan.utilization = 1.0;
@@ -383,4 +395,131 @@ TEST_CASE("examples/caption_image and kvlite generate --image stream what genera
                   " --device-mem 64MiB",
               status);
   CHECK(status == 1);
+}
+
+TEST_CASE("a request with more images than the plan's max_images is refused up front, naming both numbers") {
+  EngineOptions options = fixture_options();
+  options.plan.max_images = 1;
+  auto engine = open_model(options);
+  const nlohmann::json ref = reference();
+  const int32_t pad = ref["image_token_id"].get<int32_t>();
+  const auto& two = ref["prompts"][1];
+  auto check_refused = [](const Error& error) {
+    CHECK(error.code == ErrorCode::does_not_fit);
+    CHECK_MESSAGE(contains(error.message, "2 images in one request"), error.message);
+    CHECK_MESSAGE(contains(error.message, "at most 1 (max_images)"), error.message);
+    CHECK_MESSAGE(contains(error.message, "raise max_images to 2"), error.message);
+    CHECK_MESSAGE(contains(error.message, "--max-images 2"), error.message);
+  };
+  auto logits = engine->logits(collapsed_ids(two, pad), fixture_images(two));
+  REQUIRE_FALSE(logits);
+  check_refused(logits.error());
+  auto submitted = engine->submit(collapsed_ids(two, pad), fixture_images(two), SamplingParams{});
+  REQUIRE_FALSE(submitted);
+  check_refused(submitted.error());
+  // Before any preprocessing: the second image (0 x 0) would fail there with invalid_argument.
+  const std::vector<Image> one_good_one_empty = {load_fixture_image(two["images"][0]), Image{}};
+  auto generated = engine->generate(two["text"].get<std::string>(), one_good_one_empty, SamplingParams{});
+  REQUIRE_FALSE(generated);
+  check_refused(generated.error());
+  const std::string placeholder = kImagePlaceholder;
+  auto chat = engine->generate_chat({{"user", placeholder + "and" + placeholder}}, one_good_one_empty, SamplingParams{});
+  REQUIRE_FALSE(chat);
+  check_refused(chat.error());
+  CHECK(engine->stats().steps == 0);
+  // The tower alone (get_image_features) takes any number, max_images at a time.
+  auto features = engine->encode_images(fixture_images(two));
+  REQUIRE_MESSAGE(features, features.error().message);
+  CHECK(features->tokens == 16);
+  // A plan for two takes the request.
+  auto fits = open_model()->logits(collapsed_ids(two, pad), fixture_images(two));
+  CHECK_MESSAGE(fits, fits.error().message);
+}
+
+TEST_CASE("bad images reach the engine's callers as typed errors with the numbers: zero size, aspect ratio over 200") {
+  auto engine = open_model();
+  const std::string prompt = std::string(kImagePlaceholder) + "What is it?";
+  auto empty = engine->generate(prompt, {Image{}}, SamplingParams{});
+  REQUIRE_FALSE(empty);
+  CHECK(empty.error().code == ErrorCode::invalid_argument);
+  CHECK_MESSAGE(contains(empty.error().message, "0 x 0"), empty.error().message);
+
+  std::mt19937 random(2024);
+  std::vector<uint8_t> row(201 * 3);  // 201 x 1 RGB
+  for (uint8_t& value : row) value = uint8_t(random() & 0xff);
+  auto thin = image_from_pixels(row.data(), 201, 1, PixelFormat::rgb8);
+  REQUIRE(thin);
+  auto refused = engine->generate(prompt, {*thin}, SamplingParams{});
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().code == ErrorCode::invalid_argument);
+  CHECK_MESSAGE(contains(refused.error().message, "aspect ratio 201"), refused.error().message);
+  CHECK(engine->preprocess(*thin).error().code == ErrorCode::invalid_argument);
+  // 200 is still allowed, as in transformers.
+  auto ratio_200 = image_from_pixels(row.data(), 200, 1, PixelFormat::rgb8);
+  REQUIRE(ratio_200);
+  CHECK(engine->preprocess(*ratio_200).ok());
+  CHECK(engine->stats().steps == 0);
+}
+
+TEST_CASE("an image over the plan's max_image_pixels is scaled as transformers' processor scales it with max_pixels set to that budget") {
+  // The fixture model with the published processor maximum (16777216) instead of its 8192: the plan's budget,
+  // not the processor's, is then what limits. With max_image_pixels at the budget of the processor cases in
+  // tests/fixtures/images/cases.json (min_pixels 4096 as the model's, max_pixels 8192), the engine must give
+  // exactly what the processor gave there: the same grids, the same pixel_values bit for bit.
+  const std::string dir = testing_safetensors::temp_dir("vision-budget");
+  for (const char* file : {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                           "tokenizer_config.json"})
+    std::filesystem::copy_file(model_dir() + "/" + file, dir + "/" + file);
+  nlohmann::json processor = nlohmann::json::parse(fx::read_file(model_dir() + "/preprocessor_config.json"));
+  processor["size"]["longest_edge"] = 16777216;
+  testing_safetensors::write_text(dir + "/preprocessor_config.json", processor.dump());
+
+  const nlohmann::json cases = nlohmann::json::parse(fx::read_file(fixtures_dir() + "images/cases.json"));
+  const auto& processor_cases = cases["processor_cases"];
+  REQUIRE(processor_cases.size() == 5);
+  const int64_t budget = processor_cases[0]["max_pixels"].get<int64_t>();
+  EngineOptions options = fixture_options();
+  options.plan.max_image_pixels = budget;
+  auto opened = Engine::open(dir, options);
+  REQUIRE_MESSAGE(opened, opened.error().message);
+  auto& engine = *opened;
+  REQUIRE(engine->config().max_pixels == 16777216);
+  REQUIRE(engine->config().min_pixels == processor_cases[0]["min_pixels"].get<int64_t>());
+  int scaled_down = 0, pixel_values_checked = 0;
+  for (const auto& c : processor_cases) {
+    CAPTURE(c["name"].get<std::string>());
+    REQUIRE(c["max_pixels"].get<int64_t>() == budget);
+    auto image = load_image(fixtures_dir() + "images/" + c["file"].get<std::string>());
+    REQUIRE_MESSAGE(image, image.error().message);
+    if (image->width * image->height > budget) scaled_down++;
+    auto input = engine->preprocess(*image);
+    REQUIRE_MESSAGE(input, input.error().message);
+    const auto grid = c["grid_thw"].get<std::vector<int64_t>>();
+    CHECK(input->grid.grid_t == grid[0]);
+    CHECK(input->grid.grid_h == grid[1]);
+    CHECK(input->grid.grid_w == grid[2]);
+    CHECK(input->grid.image_tokens == c["image_tokens"].get<int64_t>());
+    CHECK(input->grid.image_tokens <= engine->plan().image_tokens_per_image);
+    if (c.contains("pixel_values") && c["pixel_values"].is_string()) {
+      fx::Npy expected = fx::read_npy(fixtures_dir() + "images/" + c["pixel_values"].get<std::string>());
+      CHECK(input->pixel_values == expected.values);
+      pixel_values_checked++;
+    }
+  }
+  CHECK(scaled_down == 2);  // photo_300x200 and wide_640x64
+  CHECK(pixel_values_checked == 2);
+
+  // Without the budget (kvlite's default, min(16777216, 1024 x 1024)) the wide image keeps all its pixels:
+  // the budget is what scaled it.
+  EngineOptions default_budget = fixture_options();
+  default_budget.plan.device_mem = 256 * MiB;  // vision buffers for two 1024 x 1024 images
+  auto unbounded = Engine::open(dir, default_budget);
+  REQUIRE_MESSAGE(unbounded, unbounded.error().message);
+  auto wide = (*unbounded)->preprocess(*load_image(fixtures_dir() + "images/wide_640x64.png"));
+  REQUIRE(wide);
+  auto expected = smart_resize(64, 640, 32, 4096, 1024 * 1024);
+  REQUIRE(expected);
+  CHECK(wide->grid.resized_height == expected->first);
+  CHECK(wide->grid.resized_width == expected->second);
+  CHECK(wide->grid.image_tokens == 40);  // 64 x 640 as it is: 2 x 20 merge windows
 }

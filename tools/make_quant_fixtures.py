@@ -464,6 +464,9 @@ ODD_CT_LINEARS = [
     ("fp8_tensor", 9, 40, dict(FP8, strategy="tensor"), "float32"),
     ("fp8_channel", 33, 24, dict(FP8, strategy="channel"), "float16"),
     ("fp8_channel_bf16", 12, 72, dict(FP8, strategy="channel"), "bfloat16"),
+    # the group sizes llm-compressor's W4A16 recipes use: 64, and 128 (the common one) with zero points
+    ("int4_group64_sym", 48, 192, dict(INT4, symmetric=True, strategy="group", group_size=64), "bfloat16"),
+    ("int4_group128_asym", 72, 384, dict(INT4, symmetric=False, strategy="group", group_size=128), "float16"),
 ]
 # Qwen-style weight_scale_inv written by transformers' Fp8Quantize: (name, N, K, block, scale_inv dtype).
 ODD_QWEN_LINEARS = [
