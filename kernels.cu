@@ -739,8 +739,7 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const A* logits,
   if (lane == 0) ids[blockIdx.x] = best_index == INT_MAX ? 0 : best_index;
 }
 
-// ==== 3b. quantized GEMMs ==================================================================================
-// out [M, N] = x [M, K] @ W^T (+ bias) for quantized W in the device layout of quant_gpu.hpp (repacked at load
+// ==== 3b. quantized GEMMs ===========================================================================// out [M, N] = x [M, K] @ W^T (+ bias) for quantized W in the device layout of quant_gpu.hpp (repacked at load
 // by cuda::upload_quant_weight). Three tensor-core kernels share one skeleton (quant_gemm_kernel), and a
 // dequantize kernel feeds cuBLAS for prefill-size M, F32 activations and layouts the mma kernels cannot read:
 //
@@ -1346,6 +1345,199 @@ __global__ void __launch_bounds__(kDequantThreads) dequantize_tiles_kernel(const
     const int64_t target = args.perm != nullptr ? (k_device < args.k ? args.perm[k_device] : -1) : k_device;
     if (target >= 0) w[(int64_t(blockIdx.x) * kQuantTileN + column) * args.ldw + target] = from_float<A>(values[column][local]);
   }
+=======
+// ---- sampling ---------------------------------------------------------------------------------------------
+// sample_kernel: one block per sampled row; sample_row_reference (backend_cuda.inl) is its host twin, phase for
+// phase. No sort: every selection (the top_k-th token, the end of the top_p prefix, the drawn token) is a radix
+// select over the 64-bit keys (sampling_key: scaled logit descending, id ascending), 8 bits a pass from the most
+// significant: a 256-bin histogram of the candidates that match the digits decided so far, then thread 0 walks
+// the bins from the top to the one where the running weight reaches the target. Weights are counts (top-k) or
+// probability masses in 2^-60 units (sampling_mass), integers, so the shared-memory atomics give the same totals
+// in any order and the result does not depend on scheduling.
+//
+//   pass 0: digit 63..56 of every candidate  ->  bin b0      pass 1: digit 55..48 of keys b0:*  ->  b1  ...
+constexpr int kSampleThreads = 1024;
+constexpr int kSampleWarps = kSampleThreads / 32;
+
+// Block-wide argmax over the row (argmax_better), every thread gets the winner.
+struct BlockBest {
+  float value;
+  int32_t index;
+};
+__device__ BlockBest block_argmax(BlockBest mine, float* shared_value, int32_t* shared_index) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  auto reduce_warp = [&] {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float other_value = __shfl_xor_sync(0xffffffffu, mine.value, offset);
+      const int32_t other_index = __shfl_xor_sync(0xffffffffu, mine.index, offset);
+      if (argmax_better(other_value, other_index, mine.value, mine.index)) mine = BlockBest{other_value, other_index};
+    }
+  };
+  reduce_warp();
+  if (lane == 0) {
+    shared_value[warp] = mine.value;
+    shared_index[warp] = mine.index;
+  }
+  __syncthreads();
+  mine = lane < kSampleWarps ? BlockBest{shared_value[lane], shared_index[lane]} : BlockBest{-INFINITY, INT_MAX};
+  reduce_warp();  // every warp reduces the same 32 partials: all threads agree
+  __syncthreads();  // the shared partials may be reused after this
+  return mine;
+}
+
+// Block-wide double sum in a fixed tree (thread order, then warp order): the same bits on every run.
+__device__ double block_sum(double mine, double* shared) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, offset);
+  if (lane == 0) shared[warp] = mine;
+  __syncthreads();
+  mine = lane < kSampleWarps ? shared[lane] : 0.0;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, offset);
+  __syncthreads();
+  return mine;
+}
+
+// Shared state of one block's radix select.
+struct SelectState {
+  unsigned long long bins[kSamplingBins];
+  unsigned long long prefix, before;
+  int found;  // 1 while every pass found its bin
+};
+
+// The key of the first candidate (in key order) at which the running weight reaches `target`; false if the
+// candidates' total stays below it. key_of(i), weight(i) and candidate(i, key) are the caller's.
+template <class KeyOf, class Weight, class Candidate>
+__device__ bool block_select(int64_t vocab, KeyOf key_of, Weight weight, Candidate candidate, uint64_t target,
+                             SelectState* state, uint64_t* key) {
+  __syncthreads();  // every thread has read the previous selection's result before it is reset
+  if (threadIdx.x == 0) {
+    state->prefix = 0;
+    state->before = 0;
+    state->found = 1;
+  }
+  const int lane = threadIdx.x % 32;
+  constexpr int kNoBin = kSamplingBins;
+  for (int pass = 0; pass < kSamplingPasses; pass++) {
+    // ---- phase a: clear the histogram
+    for (int b = threadIdx.x; b < kSamplingBins; b += blockDim.x) state->bins[b] = 0;
+    __syncthreads();
+    // ---- phase b: histogram of this pass's digit over the candidates under the decided prefix. Most tokens
+    // share a few digits (logits span a few binades), so a warp first adds up the weights of its lanes that
+    // share a bin (match.any, then a 32-step shuffle sum) and one lane per bin does the atomic: far fewer
+    // collisions on the hot bins. The trip count is the same in every lane (the shuffles need the whole warp).
+    const uint64_t decided = sampling_decided_mask(pass), prefix = state->prefix;
+    for (int64_t base = 0; base < vocab; base += blockDim.x) {
+      const int64_t i = base + threadIdx.x;
+      int bin = kNoBin;
+      unsigned long long w = 0;
+      if (i < vocab) {
+        const uint64_t k = key_of(i);
+        if ((k & decided) == prefix && candidate(i, k)) {
+          bin = sampling_digit(k, pass);
+          w = weight(i);
+        }
+      }
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      unsigned long long total = 0;
+#pragma unroll
+      for (int j = 0; j < 32; j++) {
+        const unsigned long long other = __shfl_sync(0xffffffffu, w, j);
+        if ((peers >> j) & 1u) total += other;
+      }
+      if (bin != kNoBin && lane == __ffs(peers) - 1 && total != 0) atomicAdd(&state->bins[bin], total);
+    }
+    __syncthreads();
+    // ---- phase c: one thread walks the 256 bins
+    if (threadIdx.x == 0) {
+      uint64_t before = state->before;
+      const int bin = sampling_select_bin(state->bins, target, &before);
+      state->before = before;
+      if (bin < 0) state->found = 0;
+      else state->prefix |= uint64_t(bin) << (56 - kSamplingDigitBits * pass);
+    }
+    __syncthreads();
+    if (!state->found) return false;
+  }
+  *key = state->prefix;
+  return true;
+}
+
+//   A: the logits' type (the activation dtype).
+template <class A>
+__global__ void __launch_bounds__(kSampleThreads) sample_kernel(const A* logits, int64_t logits_stride,  // [R, V]
+                                                                 int64_t vocab,
+                                                                 const DeviceSamplingParams* params,  // [n]
+                                                                 float* scratch, int64_t scratch_stride,  // [n, V]
+                                                                 int32_t* ids) {                          // [n]
+  __shared__ float shared_value[kSampleWarps];
+  __shared__ int32_t shared_index[kSampleWarps];
+  __shared__ double shared_sum[kSampleWarps];
+  __shared__ SelectState state;
+  __shared__ unsigned long long shared_total;
+  const DeviceSamplingParams p = params[blockIdx.x];
+  const A* row = logits + int64_t(p.row) * logits_stride;
+  float* probs = scratch + int64_t(blockIdx.x) * scratch_stride;
+
+  // ---- phase 1: the argmax: greedy's answer, and the largest logit the others scale from
+  BlockBest best{-INFINITY, INT_MAX};
+  for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const float v = to_float(row[i]);
+    if (argmax_better(v, int32_t(i), best.value, best.index)) best = BlockBest{v, int32_t(i)};
+  }
+  best = block_argmax(best, shared_value, shared_index);
+  if (best.index == INT_MAX || p.temperature == 0.0f) {
+    if (threadIdx.x == 0) ids[blockIdx.x] = best.index == INT_MAX ? 0 : best.index;
+    return;
+  }
+  const float max_logit = best.value, temperature = p.temperature;
+  // (logits[i] - max_logit) / temperature in float, as sample_token: IEEE subtraction and division
+  auto scaled = [&](int64_t i) { return __fdiv_rn(__fsub_rn(to_float(row[i]), max_logit), temperature); };
+  auto key_of = [&](int64_t i) { return sampling_key(scaled(i), int32_t(i)); };
+  auto one = [](int64_t) { return 1ull; };
+  auto mass = [&](int64_t i) { return (unsigned long long)sampling_mass(probs[i]); };
+
+  // ---- phase 2: top-k: the candidates are the keys from the top_k-th on up
+  uint64_t cutoff = 0;
+  if (p.top_k > 0 && p.top_k < vocab)
+    block_select(vocab, key_of, one, [](int64_t, uint64_t) { return true; }, uint64_t(p.top_k), &state, &cutoff);
+
+  // ---- phase 3: softmax over the candidates, in double as sample_token (the others get 0)
+  double partial = 0.0;
+  for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x)
+    if (key_of(i) >= cutoff) partial += exp(double(scaled(i)));
+  const double sum = block_sum(partial, shared_sum);
+  for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x)
+    probs[i] = key_of(i) >= cutoff ? __double2float_rn(exp(double(scaled(i))) / sum) : 0.0f;
+  __syncthreads();  // probs are read by every thread from here on
+
+  // ---- phase 4: top-p: the shortest prefix whose mass reaches top_p (all candidates when none does)
+  if (p.top_p < 1.0f) {
+    uint64_t key;
+    const uint64_t candidates_from = cutoff;
+    if (block_select(vocab, key_of, mass, [&](int64_t, uint64_t k) { return k >= candidates_from; },
+                     top_p_target(p.top_p), &state, &key))
+      cutoff = key;
+  }
+
+  // ---- phase 5: min-p: of those, the tokens at least min_p x the first one's probability
+  const float threshold = p.min_p > 0.0f ? __fmul_rn(p.min_p, probs[best.index]) : 0.0f;
+  auto kept = [&](int64_t i, uint64_t k) { return k >= cutoff && probs[i] >= threshold; };
+
+  // ---- phase 6: the draw: total kept mass, then the token where the running mass passes u x total
+  if (threadIdx.x == 0) shared_total = 0;
+  __syncthreads();
+  unsigned long long mine = 0;
+  for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x)
+    if (kept(i, key_of(i))) mine += sampling_mass(probs[i]);
+  atomicAdd(&shared_total, mine);
+  __syncthreads();
+  const uint64_t total = shared_total;
+  uint64_t key;
+  const bool drawn = total != 0 && block_select(vocab, key_of, mass, kept, draw_target(p.draw, total), &state, &key);
+  if (threadIdx.x == 0) ids[blockIdx.x] = drawn ? sampling_key_id(key) : best.index;
 }
 
 // ==== 4. the backend =======================================================================================
@@ -1533,6 +1725,76 @@ class CudaBackend final : public Backend {
                                                                         logits.cols, typed<int32_t>(ids));
       check_launch("argmax_kernel");
     });
+  }
+
+  // See cuda::sample.
+  void sample(const Tensor& logits, const Tensor& params, const Tensor& scratch, const Tensor& ids) {
+    activate();
+    const int64_t rows = ids.elements();
+    if (rows == 0) return;
+    check_grid_rows("sample", rows);
+    with_float_type(logits.dtype, [&](auto tag) {
+      using A = decltype(tag);
+      sample_kernel<A><<<unsigned(rows), kSampleThreads, 0, stream_>>>(
+          typed_const<A>(logits), leading_dimension(logits), logits.cols,
+          static_cast<const DeviceSamplingParams*>(params.data), typed<float>(scratch), leading_dimension(scratch),
+          typed<int32_t>(ids));
+      check_launch("sample_kernel");
+    });
+  }
+
+  // See cuda::copy_bandwidth.
+  double copy_bandwidth(void* dst, const void* src, uint64_t bytes, int repeats) {
+    activate();
+    cudaEvent_t start = nullptr, stop = nullptr;
+    KVLITE_CUDA_CHECK(cudaEventCreate(&start));
+    float milliseconds = 0.0f;
+    try {
+      KVLITE_CUDA_CHECK(cudaEventCreate(&stop));
+      // one untimed copy first: the first touch of a range can cost more (TLB, clocks ramping up)
+      KVLITE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+      KVLITE_CUDA_CHECK(cudaEventRecord(start, stream_));
+      for (int i = 0; i < repeats; i++)
+        KVLITE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+      KVLITE_CUDA_CHECK(cudaEventRecord(stop, stream_));
+      KVLITE_CUDA_CHECK(cudaEventSynchronize(stop));
+      KVLITE_CUDA_CHECK(cudaEventElapsedTime(&milliseconds, start, stop));
+    } catch (...) {
+      cudaEventDestroy(start);
+      if (stop != nullptr) cudaEventDestroy(stop);
+      throw;
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    if (!(milliseconds > 0.0f))
+      detail::fail(ErrorCode::device_error, "copy_bandwidth: the CUDA events measured no time; copy more bytes");
+    return 2.0 * double(bytes) * double(repeats) / (double(milliseconds) * 1e-3);  // read + written
+  }
+
+  // See cuda::capture_graph. The stream is in capture mode only inside this call.
+  CudaGraph capture(const std::function<void()>& record) {
+    activate();
+    synchronize_and_report();  // nothing queued may leak into the graph, and no earlier fault into its blame
+    KVLITE_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    cudaGraph_t graph = nullptr;
+    try {
+      record();
+    } catch (...) {
+      if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph != nullptr) cudaGraphDestroy(graph);
+      cudaGetLastError();  // the abandoned capture's status is not the error being reported
+      throw;
+    }
+    KVLITE_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);  // the executable graph keeps what it needs
+    check_cuda(instantiated, "cudaGraphInstantiate");
+    return CudaGraph(exec);
+  }
+
+  void launch(const CudaGraph& graph) {
+    activate();
+    KVLITE_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph.handle()), stream_));
   }
 
  protected:
@@ -2353,7 +2615,84 @@ Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& hos
   });
 }
 
+namespace {
+CudaBackend& cuda_backend_of(Backend& backend, const char* call) {
+  auto* cuda_backend = dynamic_cast<CudaBackend*>(&backend);
+  if (cuda_backend == nullptr)
+    detail::fail(ErrorCode::invalid_argument,
+                 detail::format("%s: the backend is %s, not a CUDA backend", call, backend.name().c_str()));
+  return *cuda_backend;
+}
+}  // namespace
+
+Status sample(Backend& backend, const Tensor& logits, const Tensor& params, const Tensor& scratch, const Tensor& ids) {
+  return detail::guard([&] {
+    CudaBackend& cuda_backend = cuda_backend_of(backend, "cuda::sample");
+    const int64_t n = ids.elements();
+    auto bad = [&](const char* what) {
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("cuda::sample: %s (logits [%lld, %lld] %s, params [%lld, %lld] %s, scratch [%lld, "
+                                  "%lld] %s, ids %lld %s)", what, (long long)logits.rows, (long long)logits.cols,
+                                  dtype_name(logits.dtype), (long long)params.rows, (long long)params.cols,
+                                  dtype_name(params.dtype), (long long)scratch.rows, (long long)scratch.cols,
+                                  dtype_name(scratch.dtype), (long long)n, dtype_name(ids.dtype)));
+    };
+    if (!is_float_dtype(logits.dtype) || logits.cols <= 0 || logits.cols > INT_MAX || logits.data == nullptr ||
+        (logits.rows > 1 && logits.row_stride < logits.cols))
+      bad("logits must be F32, BF16 or F16 with 1 to 2^31 - 1 columns");
+    if (ids.dtype != DType::I32 || !ids.contiguous() || (ids.rows != 1 && ids.cols != 1) || (n > 0 && ids.data == nullptr))
+      bad("ids must be a contiguous I32 vector");
+    if (params.dtype != DType::I32 || params.rows != n || params.cols != kSamplingParamWords || !params.contiguous() ||
+        (n > 0 && params.data == nullptr))
+      bad("params must be I32 [ids, 6], contiguous");
+    if (scratch.dtype != DType::F32 || scratch.rows < n || scratch.cols != logits.cols ||
+        (scratch.rows > 1 && scratch.row_stride < scratch.cols) || (n > 0 && scratch.data == nullptr))
+      bad("scratch must be F32 with a row of V per id");
+    cuda_backend.sample(logits, params, scratch, ids);
+  });
+}
+
+Result<double> copy_bandwidth(Backend& backend, void* dst, const void* src, uint64_t bytes, int repeats) {
+  return detail::guard([&] {
+    CudaBackend& cuda_backend = cuda_backend_of(backend, "cuda::copy_bandwidth");
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+    const uint8_t* d = static_cast<const uint8_t*>(dst);
+    if (bytes == 0 || repeats < 1 || src == nullptr || dst == nullptr || (s < d + bytes && d < s + bytes))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("cuda::copy_bandwidth: %llu bytes x %d repeats between %p and %p: copy at least one "
+                                  "byte at least once between ranges that do not overlap",
+                                  (unsigned long long)bytes, repeats, src, dst));
+    return cuda_backend.copy_bandwidth(dst, src, bytes, repeats);
+  });
+}
+
+Result<CudaGraph> capture_graph(Backend& backend, const std::function<void()>& record) {
+  return detail::guard([&] { return cuda_backend_of(backend, "cuda::capture_graph").capture(record); });
+}
+
+Status launch_graph(Backend& backend, const CudaGraph& graph) {
+  return detail::guard([&] {
+    CudaBackend& cuda_backend = cuda_backend_of(backend, "cuda::launch_graph");
+    if (graph.empty()) detail::fail(ErrorCode::invalid_argument, "cuda::launch_graph: the graph is empty (never captured)");
+    cuda_backend.launch(graph);
+  });
+}
+
 }  // namespace cuda
+
+CudaGraph::~CudaGraph() {
+  // Teardown reports to no one: a failure here means the context is already gone.
+  if (exec_ != nullptr) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+}
+
+CudaGraph& CudaGraph::operator=(CudaGraph&& other) noexcept {
+  if (this != &other) {
+    if (exec_ != nullptr) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+    exec_ = other.exec_;
+    other.exec_ = nullptr;
+  }
+  return *this;
+}
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options) {
   return detail::guard([&]() -> std::unique_ptr<Backend> { return std::make_unique<cuda::CudaBackend>(options); });

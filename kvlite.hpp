@@ -1218,6 +1218,10 @@ struct PlanOptions {
                                        // step; a request with more is refused (does_not_fit)
   int64_t kv_page_tokens = 16;         // tokens per KV page
   std::optional<bool> wsl2;            // override WSL2 detection
+  // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
+  // float32) and accepts nothing else; CUDA: BF16, F16 or F32. Unset: F32 on the CPU; on CUDA the model's dtype
+  // (F16 for F16 checkpoints, else BF16), as KV auto. Resolved in Plan::options.
+  std::optional<DType> activation_dtype;
 };
 
 // Limits on options (beyond them the planner's products would stop meaning anything).
@@ -1228,6 +1232,18 @@ constexpr int64_t kMaxPlanImages = 1024;
 constexpr int64_t kMaxPlanImagePixels = int64_t(1) << 28;  // 16384 x 16384
 // Every planned region starts on this boundary: each buffer and item is rounded up to it.
 constexpr uint64_t kPlanAlignment = 256;
+
+// The CUDA backend's workspace (CudaBackendOptions, backend_cuda.hpp), carved from the plan's "workspace" item:
+// the one source of both numbers. cuBLAS's part is what it asks for on Hopper (4 MiB suffice on older GPUs); the
+// scratch holds split attention's partials ([rows, heads, splits, head_dim + 2] floats: decode of 64 sequences x
+// 64 heads x head_dim 128 split 8 ways needs 16 MiB; less scratch only means fewer splits).
+constexpr uint64_t kCudaCublasWorkspaceBytes = 32 * MiB;
+constexpr uint64_t kCudaScratchBytes = 32 * MiB;
+constexpr uint64_t kCudaWorkspaceBytes = kCudaCublasWorkspaceBytes + kCudaScratchBytes;
+// Weights reach the GPU in chunks of at most this many bytes, straight from the mmap (pageable memory: no pinned
+// buffer, which WSL2 limits). A chunk that needs converting to the activation dtype is staged in the KV region
+// (free until the first step) and converted there by the GPU, so staging costs no memory of its own.
+constexpr uint64_t kCudaUploadChunkBytes = 16 * MiB;
 
 // One line of the plan table. Items with in_arena == true are regions of the one reservation, carved in
 // this order; the others (CUDA context) are memory the device spends that kvlite does not allocate.
@@ -1249,6 +1265,7 @@ struct Plan {
   std::vector<PlanItem> items;  // everything but the KV arena, in table order
   uint64_t weights_bytes = 0;
   std::string weights_source;   // "headers" or "config"
+  uint64_t upload_chunk_bytes = 0;  // CUDA: weights are uploaded in chunks of at most this (kCudaUploadChunkBytes)
   uint64_t kv_bytes_per_token = 0;
   uint64_t kv_page_tokens = 0;
   uint64_t kv_page_bytes = 0;   // kv_page_tokens x kv_bytes_per_token (all layers)
@@ -1309,20 +1326,37 @@ Result<Plan> plan_model_dir(const std::string& model_dir, const PlanOptions& opt
 
 // The buffers of one forward step, each a named region with its bytes (rounded up to kPlanAlignment): the
 // planner sums them and the engine carves them, so the two agree. Shapes name config sizes:
-// T tokens, H hidden, Hq/Hkv heads, D head_dim, I intermediate, S sequences, V vocab, N patches.
+// T tokens, H hidden, Hq/Hkv heads, D head_dim, I intermediate, S sequences, V vocab, N patches, P pages of a
+// sequence.
 struct BufferSpec {
   std::string name;   // "hidden", "qkv", ...
   uint64_t bytes = 0;
   std::string shape;  // "(T, H) fp32"
 };
-// Language model, one step of `tokens` tokens from up to `max_seqs` sequences.
+// Language model, one step of `tokens` tokens from up to `max_seqs` sequences, activations in
+// `activation_dtype` (F32, BF16 or F16). With block_table_pages > 0 (a GPU: its attention reads block tables from
+// device memory) the step's block tables get a buffer "block_tables" (S + 1, P), and the attention batch room for
+// one more sequence: the spare sequence that holds a CUDA graph's padding rows. The CPU (0) reads the KV pool's
+// tables in place.
+std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
+                                           DType activation_dtype, int64_t block_table_pages);
+// The plan's buffers for a backend's default activation dtype: the CPU's (F32, no block-table buffer), or
+// CUDA's BF16 with block tables for sequences of up to max_position_embeddings tokens in pages of 16.
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
                                            BackendKind backend);
+// Pages of the block-table buffer a CUDA plan reserves per sequence: enough for the model's longest sequence
+// (max_position_embeddings), so the plan's fixed items do not depend on max_model_len.
+int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens);
 // Vision encoder, `images` images of at most `image_pixels` pixels each (empty for text-only models).
 std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
                                        BackendKind backend);
-// Logits and sampling for up to `max_seqs` sequences (scoring reuses the same rows, 32 at a time).
+// Logits and sampling for up to `max_seqs` sequences (scoring reuses the same rows, 32 at a time). The logits
+// rows are F32-sized; a GPU computing in BF16/F16 stores them in its activation dtype in the same buffer.
 std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_seqs);
+// CUDA decode graph buckets for up to max_seqs sequences: the powers of two below max_seqs, then max_seqs.
+std::vector<int64_t> decode_graph_buckets(int64_t max_seqs);
+// Words of one row of the "sampling_params" buffer (cuda::DeviceSamplingParams).
+constexpr int64_t kSamplingParamWords = 6;
 uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers);  // their sum
 
 }  // namespace kvlite
@@ -1520,6 +1554,7 @@ struct SamplingParams {
   int64_t max_tokens = 256;
   std::vector<int32_t> stop_tokens;       // added to the tokenizer's end-of-turn tokens
   std::vector<std::string> stop_strings;  // generation ends when the text ends with one (it is cut off)
+  bool ignore_eos = false;  // benchmarks: the model's end-of-turn tokens do not stop it (stop_tokens still do)
 };
 Status validate(const SamplingParams& params);
 
@@ -1880,7 +1915,8 @@ struct ImageRun {
 
 // The tokens of one forward step, in host memory, as the engine packed them. Tokens are grouped by sequence
 // and sequences follow the order of the attention batch: sequence s is KV-pool slot s, so the pool's block
-// tables serve as the batch's without a copy; a slot with no tokens this step has 0 queries and 0 context.
+// tables serve as the batch's (the CPU reads them in place, a GPU gets a copy); a slot with no tokens this step
+// has 0 queries and 0 context.
 struct StepInput {
   int64_t tokens = 0;                     // T, 1 <= T <= max_batched_tokens
   const int32_t* token_ids = nullptr;     // [T]
@@ -1909,16 +1945,32 @@ class TextModel {
             DType kv_dtype);
 
   // Runs every layer over the step's tokens, writing their K/V into the cache, and keeps the final hidden
-  // states for logits(). Throws kvlite::Error (the engine guards it).
+  // states for logits(): stage() then compute(). Throws kvlite::Error (the engine guards it).
   void forward(const StepInput& step);
+  // The step's inputs into their buffers (the backend's memory): token ids, KV slots, RoPE tables of the
+  // positions, the attention batch (query starts, context lengths, block tables) and the logit rows.
+  void stage(const StepInput& step);
+  // The layers over the staged step: only backend ops on buffers fixed at construction, with no host copy when
+  // the step has no image runs, so a GPU can capture it as a CUDA graph and replay it after each stage() of a
+  // step of the same shape (tokens, seqs; max_context at most the captured one).
+  void compute(const StepInput& step);
   // Logits of the rows step.logit_row_ids[first, first + count), count <= max_logit_rows(), into the logits
-  // buffer: F32 [count, V]. On the CPU backend the view is host memory the caller reads directly.
+  // buffer: [count, V] in the activation dtype (F32 on the CPU, where the view is host memory the caller reads
+  // directly; a GPU's stays on the device).
   Tensor logits(int64_t first, int64_t count);
   int64_t max_logit_rows() const { return max_logit_rows_; }
 
-  // Host scratch for the sampler, one row of V per sequence slot (the plan's sampling buffers).
+  // Host scratch for the CPU sampler, one row of V per sequence slot (the plan's sampling buffers); only on a
+  // backend whose memory is the host's.
   float* sampling_probs(int64_t seq);   // [V]
   int32_t* sampling_order(int64_t seq);  // [V]
+  // The same buffers as views, for a sampler that runs where the logits are (cuda::sample).
+  struct SamplingBuffers {
+    Tensor probs;   // "sampling_probs"  [Smax, V] F32 scratch
+    Tensor params;  // "sampling_params" [Smax, kSamplingParamWords] I32
+    Tensor ids;     // "sampled_ids"     [Smax] I32
+  };
+  SamplingBuffers sampling_buffers() const { return {sampling_probs_, sampling_params_, sampled_ids_}; }
 
  private:
   KVCacheView kv_cache() const;
@@ -1931,14 +1983,15 @@ class TextModel {
   int64_t max_tokens_ = 0;      // Tmax = max_batched_tokens: rows of every activation buffer
   int64_t max_seqs_ = 0;        // Smax: rows of the per-sequence buffers
   int64_t max_logit_rows_ = 0;  // rows one logits() call computes: min(logits buffer rows, Tmax)
-  int64_t step_tokens_ = 0;     // T of the last forward()
+  int64_t step_tokens_ = 0;     // T of the last stage()
   float attention_scale_ = 1.0f;  // head_dim ** -0.5
   std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
   std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
   int64_t deepstack_levels_ = 0;            // qwen3_vl: DeepStack features added after layers 0 .. levels - 1
 
   // Views of the arena's buffers (planner names in quotes), full size; forward() slices the first T rows.
-  Tensor hidden_;         // "hidden"       [Tmax, H] fp32: the residual stream
+  // Activations (act) are in the backend's activation dtype.
+  Tensor hidden_;         // "hidden"       [Tmax, H] act: the residual stream
   Tensor normed_;         // "normed"       [Tmax, H]: RMSNorm outputs, and o_proj / down_proj outputs
   Tensor qkv_;            // "qkv"          [Tmax, (Hq + 2 Hkv) D]: q | k | v column blocks
   Tensor attn_out_;       // "attn_out"     [Tmax, Hq D]
@@ -1948,14 +2001,17 @@ class TextModel {
   Tensor rope_sin_;       // "rope_sin"     [Tmax, D / 2] fp32
   Tensor token_ids_;      // "token_ids"    [Tmax] int32
   Tensor slot_mapping_;   // "slot_mapping" [Tmax] int32
-  Tensor query_starts_;   // "query_starts" [Smax + 1] int32
-  Tensor context_lens_;   // "context_lens" [Smax] int32
+  Tensor query_starts_;   // "query_starts" [Smax + 1] int32 (+ 1 for a GPU's spare sequence)
+  Tensor context_lens_;   // "context_lens" [Smax] int32 (+ 1 likewise)
+  Tensor block_tables_;   // "block_tables" [Smax + 1, max_pages_per_seq] int32 (GPU); empty on the CPU
   Tensor logit_rows_;     // "logit_rows"   [Tmax] int32
   Tensor deepstack_rows_;  // "deepstack_rows" [Tmax, H] fp32 (vision models): a step's DeepStack rows
-  Tensor logits_;         // "logits"       [max(Smax, 32), V] fp32
+  Tensor logits_;         // "logits"       [max(Smax, 32), V] act (rows sized for fp32)
   Tensor sampling_probs_;  // "sampling_probs" [Smax, V] fp32
   Tensor sampling_order_;  // "sampling_order" [Smax, V] int32
-  AttentionBatch batch_;  // of the last forward()
+  Tensor sampling_params_;  // "sampling_params" [Smax, 6] int32
+  Tensor sampled_ids_;      // "sampled_ids" [Smax] int32
+  AttentionBatch batch_;  // of the last stage()
 };
 
 }  // namespace kvlite
@@ -2117,8 +2173,21 @@ class VisionModel {
 
 namespace kvlite {
 
+// Where the engine computes. cpu: the float32 reference (the default: what every reference-checked result and
+// test assumes); cuda: the GPU (an error when kvlite has no CUDA or no GPU is visible); auto: the GPU when kvlite
+// was built with CUDA and one is present, else the CPU.
+enum class BackendChoice { auto_, cpu, cuda };
+const char* backend_choice_name(BackendChoice choice);
+Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" | "cpu" | "cuda"
+
 struct EngineOptions {
-  PlanOptions plan;  // the memory plan (computed for the CPU: device_mem, when set, is the budget's base)
+  // The memory plan. device_mem, when set, is the memory the plan divides: on the CPU the budget's base; on CUDA
+  // the card to plan for, so an H200 opened with 8 GiB behaves exactly as an 8 GiB card (one reservation of the
+  // plan's arena). activation_dtype: CUDA's (BF16 default, F16, F32); the CPU computes in F32.
+  PlanOptions plan;
+  BackendChoice backend = BackendChoice::cpu;
+  int device = 0;            // CUDA device index
+  bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
@@ -2188,10 +2257,33 @@ using RequestId = int64_t;
 // Counters since open().
 struct EngineStats {
   int64_t steps = 0;             // forward steps
+  int64_t graph_steps = 0;       // of which replayed from a CUDA graph
   int64_t tokens_computed = 0;   // tokens through the model (prefill and decode, recomputation included)
   int64_t tokens_generated = 0;  // ids sampled
   int64_t preemptions = 0;       // running requests preempted for KV pages (and recomputed later)
   int64_t peak_running = 0;      // most sequences in one step
+};
+
+// What the engine runs on, fixed at open (kvlite bench prints it).
+struct EngineInfo {
+  BackendKind backend = BackendKind::cpu;
+  std::string backend_name;             // Backend::name(): "cuda (NVIDIA H200, sm_90, BF16 activations)"
+  DType activation_dtype = DType::F32;
+  // Bytes of weights one decode step reads, as the backend stores them: every Linear of every layer, the norms
+  // and the lm_head (not the embedding table, of which a step reads a few rows unless it is the tied lm_head).
+  uint64_t decode_weight_bytes = 0;
+  std::vector<int64_t> graph_buckets;   // CUDA: batch sizes with a captured decode graph (empty: none)
+  // CUDA: device memory the captured graphs took, measured with cudaMemGetInfo around their capture (the plan's
+  // "graphs" row is an estimate of this).
+  uint64_t graph_memory_bytes = 0;
+};
+
+// Engine::measure_copy_bandwidth's result.
+struct CopyBandwidth {
+  double bytes_per_second = 0;  // bytes read + written
+  uint64_t bytes = 0;           // per copy
+  int repeats = 0;
+  std::string method;           // "cudaMemcpy device to device" or "memcpy"
 };
 
 // Writes a float32 [rows, cols] array as a NumPy .npy file (format 1.0, little-endian, C order), byte for
@@ -2200,10 +2292,15 @@ Status write_npy(const std::string& path, const float* values, int64_t rows, int
 
 class Engine {
  public:
-  // Loads config.json and the safetensors headers, plans for the CPU (options.plan), reserves the one arena,
-  // binds the weights as views into the mmap (BF16/F16/F32 as on disk; absent tensors are missing_tensor,
-  // listing them), makes the CPU backend and loads the tokenizer. Errors: whatever those steps report, e.g.
-  // does_not_fit with the plan's advice when the memory budget is too small.
+  // Loads config.json and the safetensors headers, chooses the backend (options.backend), plans for its device
+  // (options.plan), reserves the one arena (host memory, or ONE cudaMalloc on a GPU), binds the weights (CPU:
+  // views into the mmap, BF16/F16/F32 as on disk; CUDA: uploaded into the arena's weights region in chunks,
+  // Linears converted to the activation dtype; absent tensors are missing_tensor, listing them), makes the
+  // backend, captures the CUDA decode graphs and loads the tokenizer. No device allocation happens after open.
+  // Errors: whatever those steps report, e.g. does_not_fit with the plan's advice when the memory budget is too
+  // small, unsupported for --backend cuda in a build without CUDA, device_error when no GPU is usable.
+  // Qwen3-VL on CUDA: text runs on the GPU; images are refused (unsupported) because the vision encoder runs on
+  // the CPU backend only so far: open with BackendChoice::cpu for images.
   static Result<std::unique_ptr<Engine>> open(const std::string& model_dir, const EngineOptions& options = {});
   ~Engine();
   Engine(const Engine&) = delete;
@@ -2282,6 +2379,13 @@ class Engine {
   void cancel();
 
   EngineStats stats() const;
+  EngineInfo info() const;
+  // Copy bandwidth of the engine's memory, measured now, `repeats` copies of `bytes` timed together: bytes read
+  // + written per second, the ceiling of memory-bound work such as decoding. GPU: cudaMemcpy device to device
+  // from the KV region's first half onto its second (no allocation), bytes 0: min(half the region, 256 MiB).
+  // CPU: memcpy between two host buffers of `bytes` (0: 256 MiB, larger than any cache) taken for the
+  // measurement. invalid_argument while a request is in flight (the GPU's overwrites KV pages).
+  Result<CopyBandwidth> measure_copy_bandwidth(uint64_t bytes = 0, int repeats = 10);
 
  private:
   Engine();
@@ -2317,12 +2421,8 @@ class Engine {
 
 namespace kvlite {
 
-// What cuBLAS asks for on Hopper (4 MiB suffice on older GPUs); the planner reserves kCudaWorkspaceBytes.
-constexpr uint64_t kCudaCublasWorkspaceBytes = 32 * MiB;
-// Scratch for split attention: [rows, heads, splits, head_dim + 2] floats. Decode of 64 sequences x 64
-// heads x head_dim 128 split 8 ways needs 16 MiB; less scratch only means fewer splits.
-constexpr uint64_t kCudaScratchBytes = 32 * MiB;
-constexpr uint64_t kCudaWorkspaceBytes = kCudaCublasWorkspaceBytes + kCudaScratchBytes;
+// kCudaCublasWorkspaceBytes, kCudaScratchBytes and kCudaWorkspaceBytes are in plan.hpp: the planner reserves the
+// workspace the backend carves, from the same numbers.
 // The least scratch the backend starts with (the fault record and a few partials).
 constexpr uint64_t kCudaMinScratchBytes = 64 * KiB;
 // kernels.cu's attention holds head_dim / 32 (rounded up) dimensions per lane, at most 8.
@@ -2356,6 +2456,67 @@ Result<void*> backend_stream(Backend& backend);
 // Device allocations (cudaMalloc calls) kvlite has made in this process: the arena's reservation is the one
 // expected; backends make none. Monotonic; 0 in builds without CUDA.
 uint64_t device_allocations();
+
+// ---- sampling on the device --------------------------------------------------------------------------------
+// One row for cuda::sample (the plan's "sampling_params" buffer holds one per sequence).
+struct DeviceSamplingParams {
+  float temperature;  // 0: greedy
+  int32_t top_k;      // 0, or >= the vocabulary: off
+  float top_p;        // 1: off
+  float min_p;        // 0: off
+  uint32_t draw;      // the request's Rng::next_float() as the integer it is made of: u = draw / 2^24
+  int32_t row;        // the logits row to sample
+};
+static_assert(sizeof(DeviceSamplingParams) == kSamplingParamWords * 4, "one row of sampling_params");
+
+// ids[i] = the token sample_token (sampler.hpp) picks from logits row params[i].row with params[i]'s
+// temperature, top_k, top_p and min_p and the draw u = params[i].draw / 2^24 (what the request's Rng gives
+// sample_token; the caller takes it from the same Rng, so the random stream is the CPU's). Repetition penalty is
+// not applied (sample those rows on the host). The order (scaled logit descending, id ascending) and every
+// threshold are the CPU's; the sums differ in rounding only (exact integer sums of probability here, double
+// sums in sequence there), so a token differs only when the draw or top_p lands within about 1e-12 of a
+// boundary between two candidates. Greedy rows (temperature 0) are argmax, ties to the lowest id, exactly.
+// logits [R, V] in the backend's activation dtype; params [n, kSamplingParamWords] I32 holding
+// DeviceSamplingParams on the device; scratch F32 [n, V] (the probabilities); ids I32 vector [n].
+// invalid_argument when `backend` is not a CUDA backend or the shapes disagree.
+Status sample(Backend& backend, const Tensor& logits, const Tensor& params, const Tensor& scratch, const Tensor& ids);
+
+// The same algorithm on the host, one row, step for step as the kernel runs it (the CPU tests check it against
+// sample_token; the GPU tests check the kernel against it). logits [V]; scratch [V] floats.
+int32_t sample_row_reference(const float* logits, int64_t vocab, const DeviceSamplingParams& params, float* scratch);
+
+// ---- CUDA graphs ---------------------------------------------------------------------------------------------
+// Device copy bandwidth, measured: `bytes` copied from src to dst (device memory, not overlapping) `repeats`
+// times on the backend's stream, timed with CUDA events; bytes read + written per second.
+Result<double> copy_bandwidth(Backend& backend, void* dst, const void* src, uint64_t bytes, int repeats);
+}  // namespace cuda
+
+// A CUDA graph: the work some code queued on a CUDA backend's stream, captured once and replayed with whatever
+// the buffers it reads hold at replay. Move-only; destroying it frees what the driver holds for it.
+class CudaGraph {
+ public:
+  CudaGraph() = default;
+  ~CudaGraph();
+  CudaGraph(CudaGraph&& other) noexcept : exec_(other.exec_) { other.exec_ = nullptr; }
+  CudaGraph& operator=(CudaGraph&& other) noexcept;
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+  bool empty() const { return exec_ == nullptr; }
+  void* handle() const { return exec_; }  // the cudaGraphExec_t
+  explicit CudaGraph(void* exec) : exec_(exec) {}
+
+ private:
+  void* exec_ = nullptr;
+};
+
+namespace cuda {
+// Runs `record` with the backend's stream in capture mode (thread-local: a synchronizing CUDA call inside is an
+// error, not a silent sync) and instantiates what it queued. `record` must only queue work: backend ops on
+// device buffers, no copy_from_host / copy_to_host / synchronize. Errors from `record` propagate (the capture is
+// abandoned); device_error when CUDA refuses the capture.
+Result<CudaGraph> capture_graph(Backend& backend, const std::function<void()>& record);
+// Queues the graph on the backend's stream (errors surface at the next synchronize, as for any op).
+Status launch_graph(Backend& backend, const CudaGraph& graph);
 
 // ---- quantized Linears on the device -----------------------------------------------------------------------
 // Bytes `host` (a QuantWeight over the checkpoint) takes on the device in the layout the GPU's quantized GEMMs
@@ -2436,6 +2597,56 @@ KVLITE_HD void split_key_range(int64_t split, int64_t chunk, int64_t last, int64
 KVLITE_HD bool argmax_better(float value, int32_t index, float best_value, int32_t best_index) {
   return value > best_value || (value == best_value && index < best_index);
 }
+
+// ---- the sampler's order and sums (cuda::sample and sample_row_reference) ---------------------------------
+// A float's bits as an unsigned integer with the same order (negative values flipped whole, positive ones with
+// the sign bit set): -inf < ... < -0 < +0 < ... < +inf.
+KVLITE_HD uint32_t orderable_float(float value) {
+  const uint32_t bits = float_to_bits(value);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+// The sort order of sample_token as one 64-bit key: larger key first = larger scaled logit first, then the
+// lower id. Keys are unique, so "the k-th token in order" is a key.
+KVLITE_HD uint64_t sampling_key(float scaled, int32_t id) {
+  return (uint64_t(orderable_float(scaled)) << 32) | uint64_t(0xffffffffu - uint32_t(id));
+}
+KVLITE_HD int32_t sampling_key_id(uint64_t key) { return int32_t(0xffffffffu - uint32_t(key & 0xffffffffu)); }
+// Probabilities summed as integers of 2^-60: exact and independent of the order of the sum (a block's atomics
+// add in any order), and within 2^-61 of each float probability.
+KVLITE_HD uint64_t sampling_mass(float probability) {
+  return uint64_t(floor(double(probability) * 1152921504606846976.0 + 0.5));  // x 2^60
+}
+// The mass the kept prefix must reach for top_p: ceil(top_p x 2^60).
+KVLITE_HD uint64_t top_p_target(float top_p) { return uint64_t(ceil(double(top_p) * 1152921504606846976.0)); }
+// The draw: the first token whose running mass exceeds u x total, u = draw / 2^24, i.e. reaches
+// floor(draw x total / 2^24) + 1 (exact in 128 bits).
+KVLITE_HD uint64_t draw_target(uint32_t draw, uint64_t total) {
+#if defined(__CUDA_ARCH__)
+  const uint64_t high = __umul64hi(uint64_t(draw), total), low = uint64_t(draw) * total;
+#else
+  const unsigned __int128 product = (unsigned __int128)draw * total;
+  const uint64_t high = uint64_t(product >> 64), low = uint64_t(product);
+#endif
+  return ((high << 40) | (low >> 24)) + 1;
+}
+// One step of the radix select (8 bits of the key, most significant first): bins[b] holds the weight (count or
+// mass) of the candidates whose next digit is b; `before` the weight of the candidates with larger keys outside
+// this digit's range. Returns the bin holding the first candidate at which the running weight reaches
+// `target` (scanning from the largest digit down) and adds the bins above it to `before`; -1 when the total
+// never reaches it.
+constexpr int kSamplingDigitBits = 8, kSamplingBins = 256, kSamplingPasses = 8;
+KVLITE_HD int sampling_select_bin(const unsigned long long* bins, uint64_t target, uint64_t* before) {
+  for (int bin = kSamplingBins - 1; bin >= 0; bin--) {
+    if (*before + bins[bin] >= target) return bin;
+    *before += bins[bin];
+  }
+  return -1;
+}
+// The digit of `key` that pass `pass` (0..7) selects on, and the mask of the digits decided before it.
+KVLITE_HD int sampling_digit(uint64_t key, int pass) {
+  return int((key >> (56 - kSamplingDigitBits * pass)) & (kSamplingBins - 1));
+}
+KVLITE_HD uint64_t sampling_decided_mask(int pass) { return pass == 0 ? 0 : ~0ull << (64 - kSamplingDigitBits * pass); }
 
 // Head dimensions each lane of a warp holds in attention (lane l holds l, l + 32, ...): the smallest of the
 // compiled counts {1, 2, 3, 4, 6, 8} covering head_dim; 0 when head_dim > kCudaMaxHeadDim.
@@ -7720,15 +7931,18 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 // The rules, one per table row (each also spelled out in that row's `why`). Every buffer and item is rounded
 // up to kPlanAlignment (256 B), the boundary every arena region starts on.
 //   weights      WeightsSummary.total_bytes: exact from the safetensors headers, or estimated from config.json
-//                when the directory has no weights.
+//                when the directory has no weights. CUDA (in the arena): dense Linears' weights and biases are
+//                stored in the activation dtype (cuBLAS multiplies like types), so they count at its width, a
+//                tied lm_head whose table is not in that dtype gets a converted copy, and every tensor starts
+//                on a 256-byte boundary (cuda_weight_slack).
 //   repack       CUDA only: extra bytes the GPU layout needs over the on-disk one. FP8 Linears whose scales are
 //                16-bit get fp32 scales (cuBLASLt's scale modes take fp32 only): scale elements x 2 B extra.
 //                W4A16 is repacked in place (0). CPU: 0, it runs the on-disk layout. The row is always shown.
 //   context      CUDA context + cuBLAS handles + driver, which the device spends outside kvlite's arena:
 //                384 MiB on native Linux, 1024 MiB under WSL2 (its paravirtualized driver reserves more, and
 //                pinned host memory is limited there: vLLM disables it). CPU: 0.
-//   activations  activation_buffers(config, max_batched_tokens, max_seqs, backend): the engine carves exactly
-//                these, so plan and arena agree.
+//   activations  activation_buffers(config, max_batched_tokens, max_seqs, activation dtype, block table pages):
+//                the engine carves exactly these, so plan and arena agree.
 //   vision       vision models: vision_buffers(config, max_image_pixels, max_images, backend). The default
 //                image budget is min(processor max, 1024 x 1024 pixels), not the processor's own 16777216:
 //                planning for the largest image a processor allows is how VLMs swallow small cards.
@@ -7736,10 +7950,12 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 //                (patch x merge)^2) per image (what the largest image allowed becomes), and image budget =
 //                this row + the vision tower's weights (which the weights row includes).
 //   logits       logits_buffers(config, max_seqs): scoring computes log-probs 32 rows at a time.
-//   workspace    CUDA: 32 MiB GEMM workspace + repack scratch as large as the largest single Linear.
+//   workspace    CUDA: kCudaWorkspaceBytes (the backend's cuBLAS workspace + attention scratch) + repack scratch
+//                as large as the largest single quantized Linear.
 //                CPU: 64 KiB of dequantization tiles per hardware thread.
-//   graphs       CUDA: decode graph pool, 16 MiB + 2 MiB per batch bucket (1, 2, 4, ..., max_seqs): an
-//                estimate until measured on a GPU. CPU: 0.
+//   graphs       CUDA: the driver's memory for the instantiated decode graphs, one per batch bucket (1, 2, 4,
+//                ..., max_seqs): 16 MiB + 2 MiB per bucket, an estimate until measured on a GPU. Outside the
+//                arena: the graphs' buffers are the arena's, kvlite allocates nothing while capturing. CPU: 0.
 //   KV           budget = floor(utilization x device memory); fixed = sum of the rows above;
 //                KV gets whole pages of what is left: pages = floor(max(0, budget - fixed) / page_bytes).
 #include <algorithm>
@@ -7787,7 +8003,6 @@ constexpr int64_t kProcessorDefaultMaxPixels = 16777216;  // Qwen's processor wh
 constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
 constexpr uint64_t kContextNative = 384 * MiB;
 constexpr uint64_t kContextWsl2 = 1024 * MiB;
-constexpr uint64_t kGemmWorkspace = 32 * MiB;
 constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
 constexpr uint64_t kGraphPoolBase = 16 * MiB;
 constexpr uint64_t kGraphPoolPerBucket = 2 * MiB;
@@ -7807,9 +8022,12 @@ BufferSpec buffer(const char* name, std::vector<uint64_t> dims, uint64_t element
           format("%s = (%s) %s", symbols, numbers.c_str(), dtype)};
 }
 
-// Activations are bf16 on the GPU and fp32 on the CPU (the CPU path is the fp32 reference).
-uint64_t activation_bytes(BackendKind backend) { return backend == BackendKind::cuda ? 2 : 4; }
-const char* activation_dtype(BackendKind backend) { return backend == BackendKind::cuda ? "bf16" : "fp32"; }
+// Activations are bf16 on the GPU and fp32 on the CPU (the CPU path is the fp32 reference) unless the options
+// say otherwise (PlanOptions::activation_dtype).
+DType default_activation_dtype(BackendKind backend) { return backend == BackendKind::cuda ? DType::BF16 : DType::F32; }
+const char* activation_dtype_text(DType dtype) {
+  return dtype == DType::BF16 ? "bf16" : dtype == DType::F16 ? "fp16" : "fp32";
+}
 
 // Patches per image for an image budget: the processor resizes to whole merge windows (patch x merge
 // pixels on a side) with at most `image_pixels` pixels, so a budget holds floor(pixels / window^2) windows.
@@ -7942,6 +8160,14 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
                (long long)o.max_batched_tokens, (long long)kMaxPlanBatchedTokens));
   if (o.kv_page_tokens < 1 || o.kv_page_tokens > kMaxPlanPageTokens)
     bad(format("kv_page_tokens %lld is outside 1..%lld", (long long)o.kv_page_tokens, (long long)kMaxPlanPageTokens));
+  if (o.activation_dtype) {
+    const DType act = *o.activation_dtype;
+    if (device.backend == BackendKind::cpu && act != DType::F32)
+      bad(format("activation dtype %s: the CPU backend computes in F32 only (it is the float32 reference); leave it "
+                 "unset or choose F32", dtype_name(act)));
+    if (act != DType::F32 && act != DType::BF16 && act != DType::F16)
+      bad(format("activation dtype %s: activations are BF16, F16 or F32", dtype_name(act)));
+  }
   if (o.max_images < 1 || o.max_images > kMaxPlanImages)
     bad(format("max_images %lld is outside 1..%lld", (long long)o.max_images, (long long)kMaxPlanImages));
   if (o.max_image_pixels < 0)
@@ -7973,24 +8199,74 @@ struct Inputs {
   const DeviceSpec& device;  // wsl2 resolved
 };
 
-PlanItem weights_item(const Inputs& in) {
+// CUDA: what the device copy of the weights weighs beyond their bytes on disk (negative when converting
+// shrinks them), and why.
+struct WeightConversion {
+  int64_t extra_bytes = 0;
+  uint64_t converted_linears = 0;
+  bool tied_copy = false;
+};
+WeightConversion cuda_weight_conversion(const ModelConfig& config, const WeightsSummary& weights, DType act) {
+  WeightConversion c;
+  const int64_t act_bytes = int64_t(dtype_bytes(act, 1));
+  for (const LinearDesc& linear : weights.linears) {
+    if (linear.format != WeightFormat::dense || linear.vision || linear.weight_dtype == act) continue;
+    const int64_t elements = linear.out_features * linear.in_features + (linear.has_bias ? linear.out_features : 0);
+    c.extra_bytes += elements * act_bytes - int64_t(linear.bytes);
+    c.converted_linears++;
+  }
+  // A tied lm_head reads the embedding table; gather_rows takes any float table, the GEMM only act. The
+  // table's dtype is its width (4: F32) or, for 2 bytes, the checkpoint's 16-bit dtype.
+  const TextConfig& t = config.text;
+  const uint64_t table_elements = uint64_t(t.vocab_size) * uint64_t(t.hidden_size);
+  if (t.tie_word_embeddings && table_elements > 0) {
+    const uint64_t width = weights.embedding_bytes / table_elements;
+    const DType table = width == 4 ? DType::F32 : t.dtype == DType::F16 ? DType::F16 : DType::BF16;
+    if (table != act) {
+      c.extra_bytes += int64_t(table_elements) * act_bytes;
+      c.tied_copy = true;
+    }
+  }
+  return c;
+}
+
+// Room for the uploader's 256-byte alignment of every text tensor: at most 18 per layer (2 norms, q/k norms,
+// 7 Linears with weight and bias) plus the embedding table, the final norm, lm_head and a tied copy.
+uint64_t cuda_weight_slack(const ModelConfig& config) {
+  return kPlanAlignment * (4 + 18 * uint64_t(std::max<int64_t>(config.text.num_layers, 0)));
+}
+
+PlanItem weights_item(const Inputs& in, DType act) {
   // On the CPU the weights are read in place from the memory-mapped safetensors files (the OS page cache
   // holds them): they count against the budget but are not copied into the arena.
   bool in_arena = in.device.backend == BackendKind::cuda;
   PlanItem item{"weights", "", align_up(in.weights.total_bytes, kPlanAlignment), "", in_arena};
   uint64_t linear_bytes = 0;
   for (const auto& linear : in.weights.linears) linear_bytes += linear.bytes;
+  std::string device;  // CUDA: what uploading changes
+  if (in_arena) {
+    const WeightConversion c = cuda_weight_conversion(in.config, in.weights, act);
+    const int64_t bytes = std::max<int64_t>(0, int64_t(in.weights.total_bytes) + c.extra_bytes) +
+                          int64_t(cuda_weight_slack(in.config));
+    item.bytes = align_up(uint64_t(bytes), kPlanAlignment);
+    device = format("; on the GPU %s(%s): ", c.converted_linears || c.tied_copy ? "" : "as stored ",
+                    format_bytes_signed(int64_t(item.bytes) - int64_t(in.weights.total_bytes)).c_str());
+    if (c.converted_linears) device += format("%llu Linears converted to %s, ", (unsigned long long)c.converted_linears,
+                                              activation_dtype_text(act));
+    if (c.tied_copy) device += format("a %s copy of the tied lm_head, ", activation_dtype_text(act));
+    device += format("256-byte alignment; uploaded in %s chunks", format_bytes(kCudaUploadChunkBytes).c_str());
+  }
   if (in.weights.exact) {
     item.label = in.tensor_count ? format("weights (exact, %llu tensors)", (unsigned long long)in.tensor_count)
                                  : std::string("weights (exact, from headers)");
     item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s%s",
                       in.weights.linears.size(), format_bytes(linear_bytes).c_str(),
                       format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str(),
-                      in_arena ? "" : "; memory-mapped, not copied (CPU)");
+                      in_arena ? device.c_str() : "; memory-mapped, not copied (CPU)");
   } else {
     item.label = "weights (estimated from config.json)";
     item.why = format("no safetensors in the directory: shapes from config.json, formats from quantization_config "
-                      "(%zu Linears %s)", in.weights.linears.size(), format_bytes(linear_bytes).c_str());
+                      "(%zu Linears %s)%s", in.weights.linears.size(), format_bytes(linear_bytes).c_str(), device.c_str());
   }
   if (in.config.vision.present)
     item.why += format("; the vision tower %s of it", format_bytes(in.weights.vision_bytes).c_str());
@@ -8035,12 +8311,16 @@ PlanItem context_item(const Inputs& in) {
 }
 
 PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
-  auto buffers = activation_buffers(in.config, o.max_batched_tokens, o.max_seqs, in.device.backend);
-  const char* dtype = activation_dtype(in.device.backend);
+  const bool gpu = in.device.backend == BackendKind::cuda;
+  const int64_t pages = gpu ? block_table_pages(in.config, o.kv_page_tokens) : 0;
+  auto buffers = activation_buffers(in.config, o.max_batched_tokens, o.max_seqs, *o.activation_dtype, pages);
+  const char* dtype = activation_dtype_text(*o.activation_dtype);
   return {"activations", "activations", buffers_bytes(buffers),
-          format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual (T,H) fp32; normed, qkv, "
-                 "attn_out, gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,D/2) fp32; int32 index arrays",
-                 (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits),
+          format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual, normed, qkv, attn_out, "
+                 "gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,D/2) fp32; int32 index "
+                 "arrays%s",
+                 (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits,
+                 gpu ? format("; block tables (S+1,%lld) int32", (long long)pages).c_str() : ""),
           true};
 }
 
@@ -8078,10 +8358,13 @@ PlanItem workspace_item(const Inputs& in) {
     for (const auto& linear : in.weights.linears)
       if (linear.format != WeightFormat::dense && (!largest || linear.bytes > largest->bytes)) largest = &linear;
     uint64_t scratch = largest ? largest->bytes : 0;
-    item.bytes = align_up(kGemmWorkspace + scratch, kPlanAlignment);
-    item.why = largest ? format("32 MiB GEMM workspace + repack scratch the size of the largest quantized Linear (%s, %s)",
+    item.bytes = align_up(kCudaWorkspaceBytes + scratch, kPlanAlignment);
+    const std::string backend = format("%s cuBLAS workspace + %s attention scratch",
+                                       format_bytes(kCudaCublasWorkspaceBytes).c_str(),
+                                       format_bytes(kCudaScratchBytes).c_str());
+    item.why = largest ? format("%s + repack scratch the size of the largest quantized Linear (%s, %s)", backend.c_str(),
                                 largest->name.c_str(), format_bytes(scratch).c_str())
-                       : std::string("32 MiB GEMM workspace (no quantized Linear: no repack scratch)");
+                       : backend + " (no quantized Linear: no repack scratch)";
   } else {
     uint64_t threads = std::max(1u, std::thread::hardware_concurrency());
     item.bytes = align_up(kCpuTileBytesPerThread * threads, kPlanAlignment);
@@ -8091,25 +8374,21 @@ PlanItem workspace_item(const Inputs& in) {
 }
 
 PlanItem graphs_item(const Inputs& in, const PlanOptions& o) {
-  PlanItem item{"graphs", "graphs", 0, "", true};
+  PlanItem item{"graphs", "graphs (outside the arena)", 0, "", false};
   if (in.device.backend != BackendKind::cuda) {
     item.why = "CPU backend: no CUDA graphs";
     return item;
   }
-  // Decode batch buckets: powers of two below max_seqs, and max_seqs itself.
   std::string buckets;
-  uint64_t count = 0;
-  for (int64_t b = 1;; b *= 2) {
-    int64_t bucket = std::min(b, o.max_seqs);
-    buckets += (count ? "," : "") + ll(bucket);
-    count++;
-    if (bucket == o.max_seqs) break;
-  }
+  const std::vector<int64_t> list = decode_graph_buckets(o.max_seqs);
+  const uint64_t count = list.size();
+  for (int64_t bucket : list) buckets += (buckets.empty() ? "" : ",") + ll(bucket);
   if (count > 6) {  // keep the line short: 1,2,4,...,256
     buckets = "1,2,4,...," + ll(o.max_seqs);
   }
   item.bytes = align_up(kGraphPoolBase + kGraphPoolPerBucket * count, kPlanAlignment);
-  item.why = format("decode graph pool: 16 MiB + 2 MiB x %llu batch buckets (%s); estimate until measured on a GPU",
+  item.why = format("driver memory of the decode CUDA graphs: 16 MiB + 2 MiB x %llu batch buckets (%s); estimate "
+                    "until measured on a GPU (their buffers are the arena's)",
                     (unsigned long long)count, buckets.c_str());
   return item;
 }
@@ -8126,7 +8405,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.options = o;
   plan.model_name = model_name_of(in.config);
   plan.arch = in.config.arch;
-  plan.items.push_back(weights_item(in));
+  plan.items.push_back(weights_item(in, *o.activation_dtype));
   plan.items.push_back(repack_item(in));
   plan.items.push_back(context_item(in));
   plan.items.push_back(activations_item(in, o));
@@ -8146,6 +8425,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
 
   plan.weights_bytes = in.weights.total_bytes;
   plan.weights_source = in.weights.exact ? "headers" : "config";
+  plan.upload_chunk_bytes = in.device.backend == BackendKind::cuda ? kCudaUploadChunkBytes : 0;
   plan.kv_bytes_per_token = in.config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
   plan.kv_page_tokens = uint64_t(o.kv_page_tokens);
   plan.kv_page_bytes = plan.kv_page_tokens * plan.kv_bytes_per_token;
@@ -8253,25 +8533,50 @@ void write_advice(const Inputs& in, Plan& plan) {
 
 // ---- buffers ----------------------------------------------------------------------------------------------
 
+std::vector<int64_t> decode_graph_buckets(int64_t max_seqs) {
+  std::vector<int64_t> buckets;
+  for (int64_t b = 1; max_seqs > 0; b *= 2) {
+    buckets.push_back(std::min(b, max_seqs));
+    if (buckets.back() == max_seqs) break;
+  }
+  return buckets;
+}
+
 uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers) {
   uint64_t sum = 0;
   for (const auto& b : buffers) sum += b.bytes;
   return sum;
 }
 
+int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens) {
+  if (kv_page_tokens <= 0) return 0;
+  return int64_t(ceil_div(uint64_t(std::max<int64_t>(config.text.max_position_embeddings, 1)), uint64_t(kv_page_tokens)));
+}
+
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
                                            BackendKind backend) {
+  return backend == BackendKind::cuda
+             ? activation_buffers(config, tokens, max_seqs, DType::BF16, block_table_pages(config, 16))
+             : activation_buffers(config, tokens, max_seqs, DType::F32, 0);
+}
+
+std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
+                                           DType activation_dtype, int64_t block_table_pages) {
   using detail::planning::buffer;
   const TextConfig& t = config.text;
   uint64_t T = uint64_t(std::max<int64_t>(tokens, 0)), S = uint64_t(std::max<int64_t>(max_seqs, 0));
   uint64_t H = uint64_t(t.hidden_size), Hq = uint64_t(t.num_heads), Hkv = uint64_t(t.num_kv_heads);
   uint64_t D = uint64_t(t.head_dim), I = uint64_t(t.intermediate_size);
-  uint64_t E = detail::planning::activation_bytes(backend);
-  const char* act = detail::planning::activation_dtype(backend);
+  uint64_t E = dtype_bytes(activation_dtype, 1);
+  const char* act = detail::planning::activation_dtype_text(activation_dtype);
+  // A GPU's attention batch has one spare sequence: a CUDA graph's padding rows (see TextModel).
+  const uint64_t P = uint64_t(std::max<int64_t>(block_table_pages, 0)), spare = P > 0 ? 1 : 0;
   // M-RoPE models carry three position rows (t, h, w) per token.
   bool mrope = !t.rope.mrope_section.empty() || config.arch == Arch::qwen3_vl;
   std::vector<BufferSpec> buffers = {
-      buffer("hidden", {T, H}, 4, "(T, H)", "fp32"),  // the residual stream stays fp32
+      // the residual stream, in the activation dtype (as transformers keeps it: fp32 on the CPU reference,
+      // bf16 in a bf16 model)
+      buffer("hidden", {T, H}, E, "(T, H)", act),
       buffer("normed", {T, H}, E, "(T, H)", act),     // RMSNorm output, input of q/k/v and gate/up
       buffer("qkv", {T, (Hq + 2 * Hkv) * D}, E, "(T, (Hq + 2 Hkv) D)", act),
       buffer("attn_out", {T, Hq * D}, E, "(T, Hq D)", act),
@@ -8286,10 +8591,12 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       // RoPE cos/sin of each token's position, computed on the host (rope_tables) and copied in.
       buffer("rope_cos", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
       buffer("rope_sin", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
-      buffer("query_starts", {S + 1}, 4, "(S + 1)", "int32"),  // attention batch: first token of each sequence
-      buffer("context_lens", {S}, 4, "(S)", "int32"),          // attention batch: cached tokens of each sequence
+      // attention batch: first token of each sequence; cached tokens of each sequence
+      spare ? buffer("query_starts", {S + 2}, 4, "(S + 2)", "int32") : buffer("query_starts", {S + 1}, 4, "(S + 1)", "int32"),
+      spare ? buffer("context_lens", {S + 1}, 4, "(S + 1)", "int32") : buffer("context_lens", {S}, 4, "(S)", "int32"),
       buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
+  if (P > 0) buffers.push_back(buffer("block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
   // Vision models: a step's DeepStack rows, staged from the host and added to the image tokens' hidden states.
   if (config.vision.present) buffers.push_back(buffer("deepstack_rows", {T, H}, 4, "(T, H)", "fp32"));
   return buffers;
@@ -8305,8 +8612,9 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
   uint64_t patch_values = uint64_t(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size);
   uint64_t vh = uint64_t(v.hidden_size), vI = uint64_t(v.intermediate_size), out = uint64_t(v.out_hidden_size);
   uint64_t vD = v.num_heads > 0 ? vh / uint64_t(v.num_heads) : 0;  // vision head_dim
-  uint64_t E = detail::planning::activation_bytes(backend);
-  const char* act = detail::planning::activation_dtype(backend);
+  const DType act_dtype = detail::planning::default_activation_dtype(backend);
+  uint64_t E = dtype_bytes(act_dtype, 1);
+  const char* act = detail::planning::activation_dtype_text(act_dtype);
   uint64_t mergers = 1 + v.deepstack_visual_indexes.size();
   return {
       buffer("pixel_patches", {N, patch_values}, E, "(N, C x frames x patch x patch)", act),
@@ -8338,6 +8646,8 @@ std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_se
       buffer("sampling_probs", {S, V}, 4, "(S, V)", "fp32"),
       buffer("sampling_order", {S, V}, 4, "(S, V)", "int32"),  // the sampler's sort order scratch
       buffer("sampled_ids", {S}, 4, "(S)", "int32"),
+      // the GPU sampler's inputs: temperature, top_k, top_p, min_p, the draw and the logits row of each sequence
+      buffer("sampling_params", {S, uint64_t(kSamplingParamWords)}, 4, "(S, 6)", "32-bit"),
       buffer("target_ids", {R}, 4, "(max(S, 32))", "int32"),  // scoring: the next tokens whose log-probs are read
       buffer("row_logprobs", {R}, 4, "(max(S, 32))", "fp32"),
   };
@@ -8364,6 +8674,10 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
                  : config.text.dtype == DType::F16  ? KVDType::f16
                                                     : KVDType::bf16;
   if (o.max_seqs == 0) o.max_seqs = kDefaultMaxSeqs;
+  if (!o.activation_dtype)
+    o.activation_dtype = device.backend == BackendKind::cuda && config.text.dtype == DType::F16
+                             ? DType::F16
+                             : default_activation_dtype(device.backend);
 
   std::string image_rule;
   if (!config.vision.present) {
@@ -8584,6 +8898,7 @@ std::string Plan::json() const {
   opts["max_image_pixels"] = options.max_image_pixels;
   opts["max_images"] = options.max_images;
   opts["kv_page_tokens"] = options.kv_page_tokens;
+  opts["activation_dtype"] = dtype_name(options.activation_dtype.value_or(DType::F32));
   opts["wsl2"] = options.wsl2.value_or(device.wsl2);
   j["options"] = opts;
   nlohmann::ordered_json list = nlohmann::ordered_json::array();
@@ -8592,6 +8907,7 @@ std::string Plan::json() const {
   j["items"] = list;
   j["weights_bytes"] = weights_bytes;
   j["weights_source"] = weights_source;
+  j["upload_chunk_bytes"] = upload_chunk_bytes;
   j["kv_dtype"] = kv_dtype_name(options.kv_dtype);
   j["kv_bytes_per_token"] = kv_bytes_per_token;
   j["kv_page_tokens"] = kv_page_tokens;
@@ -10682,14 +10998,22 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   max_tokens_ = plan.options.max_batched_tokens;
   max_seqs_ = plan.options.max_seqs;
   const DType act = backend_.activation_dtype();
+  if (!plan.options.activation_dtype || *plan.options.activation_dtype != act)
+    fail(ErrorCode::internal, format("the plan sized activations for %s but the %s backend computes in %s",
+                                     plan.options.activation_dtype ? dtype_name(*plan.options.activation_dtype) : "(unset)",
+                                     backend_.name().c_str(), dtype_name(act)));
+  // A GPU reads the step's block tables from its own memory; the CPU reads the pool's in place (as planned).
+  const bool device_tables = backend_.kind() == BackendKind::cuda;
+  const int64_t table_pages = device_tables ? block_table_pages(config_, plan.options.kv_page_tokens) : 0;
+  const int64_t spare = device_tables ? 1 : 0;
 
   detail::model::BufferCarver buffers(arena_);
-  buffers.carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, backend_.kind()));
+  buffers.carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, act, table_pages));
   buffers.carve("logits", logits_buffers(config_, max_seqs_));
   auto view = [&](const char* name, DType dtype, int64_t rows, int64_t cols) {
     return buffers.view(name, dtype, rows, cols);
   };
-  hidden_ = view("hidden", DType::F32, max_tokens_, H);
+  hidden_ = view("hidden", act, max_tokens_, H);
   normed_ = view("normed", act, max_tokens_, H);
   qkv_ = view("qkv", act, max_tokens_, (c.num_heads + 2 * c.num_kv_heads) * D);
   attn_out_ = view("attn_out", act, max_tokens_, c.num_heads * D);
@@ -10699,17 +11023,20 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   rope_sin_ = view("rope_sin", DType::F32, max_tokens_, half);
   token_ids_ = view("token_ids", DType::I32, max_tokens_, 1);
   slot_mapping_ = view("slot_mapping", DType::I32, max_tokens_, 1);
-  query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1, 1);
-  context_lens_ = view("context_lens", DType::I32, max_seqs_, 1);
+  query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1 + spare, 1);
+  context_lens_ = view("context_lens", DType::I32, max_seqs_ + spare, 1);
+  if (device_tables) block_tables_ = view("block_tables", DType::I32, max_seqs_ + 1, arena_.kv().max_pages_per_seq());
   logit_rows_ = view("logit_rows", DType::I32, max_tokens_, 1);
   if (config_.vision.present) {
     deepstack_levels_ = int64_t(config_.vision.deepstack_visual_indexes.size());
     deepstack_rows_ = view("deepstack_rows", DType::F32, max_tokens_, H);
   }
   const int64_t logits_buffer_rows = int64_t(buffers.bytes("logits") / uint64_t(V * 4));
-  logits_ = view("logits", DType::F32, logits_buffer_rows, V);
+  logits_ = view("logits", act, logits_buffer_rows, V);
   sampling_probs_ = view("sampling_probs", DType::F32, max_seqs_, V);
   sampling_order_ = view("sampling_order", DType::I32, max_seqs_, V);
+  sampling_params_ = view("sampling_params", DType::I32, max_seqs_, kSamplingParamWords);
+  sampled_ids_ = view("sampled_ids", DType::I32, max_seqs_, 1);
   // The gathered rows go through hidden_ (free after the final norm), so a call takes at most Tmax rows.
   max_logit_rows_ = std::min(logits_buffer_rows, max_tokens_);
 
@@ -10732,20 +11059,25 @@ KVCacheView TextModel::kv_cache() const {
 }
 
 void TextModel::forward(const StepInput& step) {
+  stage(step);
+  compute(step);
+}
+
+void TextModel::stage(const StepInput& step) {
   using detail::fail;
   using detail::format;
   using detail::model::check;
   const TextConfig& c = config_.text;
-  const int64_t T = step.tokens, D = c.head_dim, I = c.intermediate_size;
-  const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
-  const float eps = float(c.rms_norm_eps);
-  if (T < 1 || T > max_tokens_ || step.seqs < 1 || step.seqs > max_seqs_ || step.logit_rows < 0 ||
+  const int64_t T = step.tokens;
+  // The attention batch's buffers hold max_seqs sequences, and a GPU's one spare (CUDA graph padding).
+  const int64_t seq_capacity = context_lens_.rows;
+  if (T < 1 || T > max_tokens_ || step.seqs < 1 || step.seqs > seq_capacity || step.logit_rows < 0 ||
       step.logit_rows > T)
     fail(ErrorCode::internal,
          format("forward: a step of %lld tokens, %lld sequences and %lld logit rows is outside the plan's %lld "
                 "tokens and %lld sequences",
                 (long long)T, (long long)step.seqs, (long long)step.logit_rows, (long long)max_tokens_,
-                (long long)max_seqs_));
+                (long long)seq_capacity));
   step_tokens_ = T;
 
   // The step's indices and RoPE tables, from the host.
@@ -10765,10 +11097,39 @@ void TextModel::forward(const StepInput& step) {
   batch_.query_starts = query_starts_.slice_rows(0, step.seqs + 1);
   batch_.context_lens = context_lens_.slice_rows(0, step.seqs);
   batch_.block_tables = step.block_tables.slice_rows(0, step.seqs);
+  if (block_tables_.data != nullptr) {
+    // [seqs, max_pages_per_seq] to the device, in the pool's layout
+    if (step.block_tables.cols != block_tables_.cols || step.seqs > block_tables_.rows)
+      fail(ErrorCode::internal, format("forward: block tables of %lld pages per sequence for %lld sequences do not fit "
+                                       "the plan's [%lld, %lld]", (long long)step.block_tables.cols,
+                                       (long long)step.seqs, (long long)block_tables_.rows,
+                                       (long long)block_tables_.cols));
+    Tensor device_tables = block_tables_.slice_rows(0, step.seqs);
+    if (step.block_tables.row_stride == step.block_tables.cols) {
+      check(backend_.copy_from_host(step.block_tables.data, device_tables));
+    } else {
+      for (int64_t s = 0; s < step.seqs; s++)
+        check(backend_.copy_from_host(step.block_tables.slice_rows(s, 1).data, device_tables.slice_rows(s, 1)));
+    }
+    batch_.block_tables = device_tables;
+  }
   batch_.max_context = step.max_context;
+}
+
+void TextModel::compute(const StepInput& step) {
+  using detail::model::check;
+  const TextConfig& c = config_.text;
+  const int64_t T = step.tokens, D = c.head_dim, I = c.intermediate_size;
+  const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
+  const float eps = float(c.rms_norm_eps);
+  if (T != step_tokens_)
+    detail::fail(ErrorCode::internal, detail::format("compute: a step of %lld tokens after stage() of %lld",
+                                                     (long long)T, (long long)step_tokens_));
+  Tensor ids = token_ids_.slice_rows(0, T), slots = slot_mapping_.slice_rows(0, T);
+  Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
   const KVCacheView cache = kv_cache();
 
-  Tensor hidden = hidden_.slice_rows(0, T);    // [T, H] fp32, the residual stream
+  Tensor hidden = hidden_.slice_rows(0, T);    // [T, H], the residual stream
   Tensor normed = normed_.slice_rows(0, T);    // [T, H]
   Tensor qkv = qkv_.slice_rows(0, T);          // [T, (Hq + 2 Hkv) D]
   Tensor q = qkv.slice_cols(0, q_width);       // [T, Hq D]
@@ -10782,6 +11143,11 @@ void TextModel::forward(const StepInput& step) {
   // inputs_embeds = self.embed_tokens(input_ids)
   check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
   // qwen3_vl: inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
+  // (image features are float32 host rows, copied as they are: F32 activations only)
+  if (step.image_runs > 0 && hidden.dtype != DType::F32)
+    detail::fail(ErrorCode::unsupported,
+                 detail::format("image tokens need F32 activations; the %s backend computes in %s",
+                                backend_.name().c_str(), dtype_name(hidden.dtype)));
   for (int64_t r = 0; r < step.image_runs; r++) {
     const ImageRun& run = step.image_run_list[r];
     check(backend_.copy_from_host(run.rows, hidden.slice_rows(run.token, run.count)));
@@ -10856,11 +11222,10 @@ Tensor TextModel::logits(int64_t first, int64_t count) {
                                                      (long long)first, (long long)count, (long long)max_logit_rows_));
   // logits = self.lm_head(hidden_states[:, slice_indices, :]), for the wanted rows only (RMSNorm is per row,
   // so normalising all rows and then selecting is the same as transformers' select-last-then-project).
-  // hidden is dead after the final norm: it holds the gathered rows (fp32, which is also the CPU's activation
-  // dtype; a bf16 backend would gather into a buffer of its own dtype).          gathered [count, H]
+  // hidden is dead after the final norm: it holds the gathered rows.                gathered [count, H]
   Tensor gathered = hidden_.slice_rows(0, count);
   check(backend_.gather_rows(normed_.slice_rows(0, step_tokens_), logit_rows_.slice_rows(first, count), gathered));
-  Tensor out = logits_.slice_rows(0, count);  // [count, V] fp32
+  Tensor out = logits_.slice_rows(0, count);  // [count, V] act (fp32 on the CPU, as transformers' .float())
   check(backend_.linear(gathered, weights_.lm_head, out));
   check(backend_.synchronize());
   return out;
@@ -11268,6 +11633,7 @@ void VisionModel::run_merger(const PatchMergerWeights& merger, const Tensor& hid
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <deque>
@@ -11351,6 +11717,7 @@ struct Engine::Impl {
   std::vector<int32_t> stop_ids;  // sorted
   std::atomic<bool> cancel_requested{false};
   EngineStats stats;
+  EngineInfo info;
 
   RequestId next_id = 1;
   std::map<RequestId, std::unique_ptr<detail::EngineRequest>> requests;
@@ -11375,8 +11742,39 @@ struct Engine::Impl {
   std::vector<int32_t> context_lens;          // [Smax]
   std::vector<RowOwner> row_owners;           // [Tmax]
 
+  // A GPU engine's host side of the logits (sized at open): a chunk as the GPU stores it and widened to float,
+  // the host sampler's scratch (rows with a repetition penalty), and the device sampler's rows.
+  std::vector<uint8_t> logits_raw;                     // [max_logit_rows, V] activation dtype
+  std::vector<float> logits_host;                      // [max_logit_rows, V]
+  std::vector<float> host_probs;                       // [V]
+  std::vector<int32_t> host_order;                     // [V]
+  std::vector<cuda::DeviceSamplingParams> device_params;  // per device-sampled row of a chunk
+  std::vector<int64_t> device_rows;                    // their rows in the chunk
+  std::vector<int32_t> sampled_ids;                    // [max_logit_rows] what the GPU sampled
+
+  // CUDA decode graphs, one per batch bucket (the keys), and the host staging of a step padded to a bucket.
+  std::map<int64_t, CudaGraph> graphs;
+  struct PaddedStep {
+    std::vector<int32_t> token_ids, slots, positions, query_starts, context_lens, block_tables;
+  } padded;
+
   KVPagePool& pool() { return arena->kv(); }
   int64_t max_model_len() const { return plan.max_model_len; }
+  bool on_gpu() const { return backend->kind() == BackendKind::cuda; }
+  static void check(const Status& status) {
+    if (!status) throw status.error();
+  }
+
+  // A vision model on a GPU engine: the text runs there, images cannot (the vision encoder's ops are the CPU
+  // backend's only, so far).
+  void images_need_cpu(const char* what) const {
+    if (!vision && config.vision.present)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("%s: images need %s's vision encoder, which runs on the CPU backend only so far; "
+                                  "this engine runs on %s. Open it with --backend cpu (EngineOptions::backend = "
+                                  "BackendChoice::cpu) for images; text-only prompts run here",
+                                  what, config.origin.c_str(), backend->name().c_str()));
+  }
 
   // ---- requests ----------------------------------------------------------------------------------------
 
@@ -11415,6 +11813,7 @@ struct Engine::Impl {
 
   // The vision tower over `images`, in groups that fit its buffers: levels x tokens rows on the host.
   ImageFeatures encode_images(const std::vector<const VisionInput*>& images) {
+    images_need_cpu("encode_images");
     if (!vision)
       detail::fail(ErrorCode::unsupported,
                    detail::format("%s (model_type %s) has no vision tower; it takes no images", config.origin.c_str(),
@@ -11472,6 +11871,7 @@ struct Engine::Impl {
       prompt.ids = ids;
       return prompt;
     }
+    images_need_cpu(what);
     if (!vision)
       detail::fail(ErrorCode::unsupported,
                    detail::format("%s: %zu image%s given but %s (model_type %s) has no vision tower", what,
@@ -11516,6 +11916,7 @@ struct Engine::Impl {
     check_image_count(images.size(), "generate");
     std::vector<VisionInput> inputs;
     for (const Image& image : images) {
+      images_need_cpu("preprocess");
       if (!vision)
         detail::fail(ErrorCode::unsupported, detail::format("%s (model_type %s) has no vision tower; it takes no images",
                                                             config.origin.c_str(), config.model_type.c_str()));
@@ -11563,7 +11964,7 @@ struct Engine::Impl {
   }
 
   bool is_stop_token(const detail::EngineRequest& r, int32_t id) const {
-    return std::binary_search(stop_ids.begin(), stop_ids.end(), id) ||
+    return (!r.params.ignore_eos && std::binary_search(stop_ids.begin(), stop_ids.end(), id)) ||
            std::find(r.params.stop_tokens.begin(), r.params.stop_tokens.end(), id) != r.params.stop_tokens.end();
   }
 
@@ -11718,8 +12119,12 @@ struct Engine::Impl {
     const int64_t vocab = config.text.vocab_size;
     switch (r.kind) {
       case detail::RequestKind::generate: {
-        const int32_t id = sample_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng,
-                                        model->sampling_probs(r.slot), model->sampling_order(r.slot));
+        // the sampler's scratch: the arena's rows on the CPU, host vectors beside a GPU's (whose rows are device
+        // memory)
+        float* probs = on_gpu() ? host_probs.data() : model->sampling_probs(r.slot);
+        int32_t* order = on_gpu() ? host_order.data() : model->sampling_order(r.slot);
+        const int32_t id =
+            sample_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng, probs, order);
         accept_token(r, id);
         break;
       }
@@ -11819,7 +12224,11 @@ struct Engine::Impl {
     input.logit_row_ids = logit_row_ids.data();
     input.image_runs = int64_t(image_runs.size());
     input.image_run_list = image_runs.data();
-    model->forward(input);
+    if (run_decode_graph(input)) {
+      stats.graph_steps++;
+    } else {
+      model->forward(input);
+    }
     for (const Scheduled& s : scheduled) s.request->computed += s.tokens;
     stats.steps++;
     stats.tokens_computed += t;
@@ -11829,8 +12238,12 @@ struct Engine::Impl {
     for (int64_t first = 0; first < rows; first += model->max_logit_rows()) {
       const int64_t count = std::min(model->max_logit_rows(), rows - first);
       Tensor logits = model->logits(first, count);
-      for (int64_t i = 0; i < count; i++)
-        consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
+      if (on_gpu()) {
+        consume_device_rows(logits, first, count);
+      } else {
+        for (int64_t i = 0; i < count; i++)
+          consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
+      }
     }
     // Prefill-only requests end once every token is in.
     for (const Scheduled& s : scheduled) {
@@ -11838,6 +12251,153 @@ struct Engine::Impl {
       if (r.kind != detail::RequestKind::generate && !r.finished && r.computed == int64_t(r.tokens.size()))
         retire(r);
     }
+  }
+
+  // A chunk of logits on the GPU (rows first .. first + count of the step's logit rows): generate rows are
+  // sampled there (cuda::sample: only their ids come back); rows whose consumer needs the whole row (scores,
+  // logits requests, a repetition penalty) come to the host, widened to float. Rows are then consumed in order.
+  void consume_device_rows(const Tensor& logits, int64_t first, int64_t count) {
+    const int64_t vocab = config.text.vocab_size;
+    device_params.clear();
+    device_rows.clear();
+    bool host_rows = false;
+    for (int64_t i = 0; i < count; i++) {
+      detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
+      if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f) {
+        host_rows = true;
+        continue;
+      }
+      cuda::DeviceSamplingParams p{};
+      p.temperature = r.params.temperature;
+      p.top_k = int32_t(std::min<int64_t>(r.params.top_k, vocab));  // >= vocab is off, as 0
+      p.top_p = r.params.top_p;
+      p.min_p = r.params.min_p;
+      // sample_token draws once per sampled token (not when greedy): the same draw from the same Rng
+      p.draw = r.params.temperature != 0.0f ? uint32_t(r.rng.next_float() * 16777216.0f) : 0;
+      p.row = int32_t(i);
+      device_params.push_back(p);
+      device_rows.push_back(i);
+    }
+    const int64_t sampled = int64_t(device_rows.size());
+    if (sampled > 0) {
+      const TextModel::SamplingBuffers buffers = model->sampling_buffers();
+      const Tensor params = buffers.params.slice_rows(0, sampled), ids = buffers.ids.slice_rows(0, sampled);
+      check(backend->copy_from_host(device_params.data(), params));
+      check(cuda::sample(*backend, logits, params, buffers.probs.slice_rows(0, sampled), ids));
+      check(backend->copy_to_host(ids, sampled_ids.data()));
+    }
+    if (host_rows) {
+      check(backend->copy_to_host(logits, logits_raw.data()));
+      const uint8_t* raw = logits_raw.data();
+      const size_t n = size_t(count * vocab);
+      switch (logits.dtype) {
+        case DType::BF16:
+          for (size_t j = 0; j < n; j++) logits_host[j] = bf16_to_float(uint16_t(raw[2 * j] | raw[2 * j + 1] << 8));
+          break;
+        case DType::F16:
+          for (size_t j = 0; j < n; j++) logits_host[j] = f16_to_float(uint16_t(raw[2 * j] | raw[2 * j + 1] << 8));
+          break;
+        default: memcpy(logits_host.data(), raw, n * sizeof(float));
+      }
+    }
+    size_t next_sampled = 0;
+    for (int64_t i = 0; i < count; i++) {
+      if (next_sampled < device_rows.size() && device_rows[next_sampled] == i) {
+        accept_token(*row_owners[size_t(first + i)].request, sampled_ids[next_sampled++]);
+      } else {
+        consume_row(row_owners[size_t(first + i)], logits_host.data() + i * vocab);
+      }
+    }
+  }
+
+  // ---- CUDA graphs -------------------------------------------------------------------------------------------
+  // A decode step of S sequences (one token each, in pool slots 0 .. S-1) replays the graph of the smallest
+  // bucket B >= S: the step is padded to B rows; rows past its tokens belong to the attention batch's spare
+  // sequence B (whose block table points at page 0 and whose context is its own rows: it reads, never writes,
+  // KV: its slots are -1), so the captured launches (B rows, B + 1 sequences) fit every step of the bucket.
+
+  // The padded form of `step` (n_real tokens of `step`, or none) for bucket B, staged.
+  void stage_padded(const StepInput* step, int64_t bucket, int64_t max_context) {
+    const int64_t real = step ? step->tokens : 0, seqs = step ? step->seqs : 0;
+    const int64_t pages = pool().max_pages_per_seq();
+    PaddedStep& p = padded;
+    std::fill(p.token_ids.begin(), p.token_ids.end(), 0);
+    std::fill(p.slots.begin(), p.slots.end(), -1);
+    std::fill(p.positions.begin(), p.positions.end(), 0);
+    std::fill(p.context_lens.begin(), p.context_lens.end(), 0);
+    if (step) {
+      std::copy(step->token_ids, step->token_ids + real, p.token_ids.begin());
+      std::copy(step->slots, step->slots + real, p.slots.begin());
+      for (int64_t row = 0; row < position_rows; row++)
+        std::copy(step->positions + row * real, step->positions + (row + 1) * real, p.positions.begin() + row * bucket);
+      std::copy(step->query_starts, step->query_starts + seqs + 1, p.query_starts.begin());
+      std::copy(step->context_lens, step->context_lens + seqs, p.context_lens.begin());
+      std::copy(pool().block_tables(), pool().block_tables() + seqs * pages, p.block_tables.begin());
+    }
+    for (int64_t s = seqs + (step ? 1 : 0); s <= bucket; s++) p.query_starts[size_t(s)] = int32_t(real);
+    p.query_starts[size_t(bucket + 1)] = int32_t(bucket);
+    p.context_lens[size_t(bucket)] = int32_t(bucket - real);  // the spare sequence: the padding rows
+    std::fill(p.block_tables.begin() + bucket * pages, p.block_tables.begin() + (bucket + 1) * pages, 0);
+    StepInput input;
+    input.tokens = bucket;
+    input.token_ids = p.token_ids.data();
+    input.positions = p.positions.data();
+    input.position_rows = position_rows;
+    input.slots = p.slots.data();
+    input.seqs = bucket + 1;
+    input.query_starts = p.query_starts.data();
+    input.context_lens = p.context_lens.data();
+    input.max_context = max_context;
+    input.block_tables = Tensor::matrix(p.block_tables.data(), DType::I32, bucket + 1, pages);
+    input.logit_rows = step ? step->logit_rows : 0;
+    input.logit_row_ids = step ? step->logit_row_ids : nullptr;
+    model->stage(input);
+  }
+
+  // The longest context a graph's attention was captured for: every step's context is at most max_model_len.
+  int64_t graph_max_context() const { return std::max<int64_t>(max_model_len(), plan.options.max_seqs); }
+
+  // At open: one graph per bucket the step buffers hold, each after an eager run of the same padded step (which
+  // loads the kernels and lets cuBLAS pick its algorithms, so capturing allocates nothing), and the device
+  // memory the graphs took, measured.
+  void capture_decode_graphs() {
+    std::vector<int64_t> buckets;
+    for (int64_t bucket : decode_graph_buckets(plan.options.max_seqs))
+      if (bucket <= plan.options.max_batched_tokens) buckets.push_back(bucket);
+    if (buckets.empty()) return;
+    const int64_t largest = buckets.back(), pages = pool().max_pages_per_seq();
+    padded.token_ids.assign(size_t(largest), 0);
+    padded.slots.assign(size_t(largest), -1);
+    padded.positions.assign(size_t(position_rows * largest), 0);
+    padded.query_starts.assign(size_t(largest + 2), 0);
+    padded.context_lens.assign(size_t(largest + 1), 0);
+    padded.block_tables.assign(size_t((largest + 1) * pages), 0);
+    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
+    if (!before) throw before.error();
+    for (int64_t bucket : buckets) {
+      StepInput shape;  // only tokens and image_runs matter to compute()
+      shape.tokens = bucket;
+      stage_padded(nullptr, bucket, graph_max_context());
+      model->compute(shape);
+      check(backend->synchronize());
+      Result<CudaGraph> graph = cuda::capture_graph(*backend, [&] { model->compute(shape); });
+      if (!graph) throw graph.error();
+      graphs.emplace(bucket, std::move(*graph));
+      info.graph_buckets.push_back(bucket);
+    }
+    Result<std::pair<uint64_t, uint64_t>> after = cuda::memory_info();
+    if (!after) throw after.error();
+    info.graph_memory_bytes = before->first > after->first ? before->first - after->first : 0;
+  }
+
+  // Runs `step` from a graph when it is a decode step a bucket holds; false otherwise (the caller runs it eagerly).
+  bool run_decode_graph(const StepInput& step) {
+    if (graphs.empty() || step.image_runs > 0 || step.tokens != int64_t(scheduled.size())) return false;
+    auto bucket = graphs.lower_bound(step.seqs);
+    if (bucket == graphs.end()) return false;
+    stage_padded(&step, bucket->first, graph_max_context());
+    check(cuda::launch_graph(*backend, bucket->second));
+    return true;
   }
 
   // Steps until done() holds (the caller's requests finished).
@@ -11878,6 +12438,157 @@ std::vector<int64_t> generation_eos_ids(const std::string& model_dir) {
   return ids;
 }
 
+// ---- weights on a GPU -------------------------------------------------------------------------------------
+// Fills a CUDA arena's weights region from the mmap, in the order the model binds them: every tensor at a
+// 256-byte boundary, copied in chunks of at most the plan's upload_chunk_bytes straight from the mapped file
+// (pageable memory: no pinned buffer). Dense Linears (weight and bias) must be in the activation dtype for
+// cuBLAS: when the checkpoint's dtype differs, each chunk is staged raw in the KV region (free until the first
+// step) and the backend's copy converts it into place. Embedding tables and norm weights stay as stored (the
+// ops read any float dtype). The planner counts exactly this (weights_item, cuda_weight_slack).
+class WeightUploader {
+ public:
+  WeightUploader(Backend& backend, const Arena& arena, uint64_t chunk_bytes)
+      : backend_(backend), act_(backend.activation_dtype()), chunk_bytes_(std::max<uint64_t>(chunk_bytes, 256)) {
+    const ArenaRegion* weights = arena.region("weights");
+    const ArenaRegion* kv = arena.region("kv");
+    if (!weights || !kv) fail(ErrorCode::internal, "the arena has no weights or kv region to upload through");
+    next_ = arena.base() + weights->offset;
+    end_ = next_ + weights->bytes;
+    staging_ = arena.base() + kv->offset;
+    staging_bytes_ = std::min(kv->bytes, chunk_bytes_);
+  }
+
+  // A dense device copy of `host` (a view into the mmap) in `dtype`.
+  Tensor tensor(const Tensor& host, DType dtype, const std::string& what) {
+    if (host.data == nullptr) return host;  // an absent optional tensor (no bias)
+    if (!host.contiguous())
+      fail(ErrorCode::internal, format("uploading %s: the host view is not contiguous", what.c_str()));
+    const uint64_t n = uint64_t(host.elements());
+    const uint64_t source_bytes = uint64_t(host.element_bytes()), target_bytes = dtype_bytes(dtype, 1);
+    uint8_t* dst = take(n * target_bytes, what);
+    const uint8_t* src = static_cast<const uint8_t*>(host.data);
+    if (dtype == host.dtype) {
+      for (uint64_t offset = 0; offset < n * source_bytes; offset += chunk_bytes_) {
+        const uint64_t bytes = std::min(chunk_bytes_, n * source_bytes - offset);
+        check(backend_.copy_from_host(src + offset, Tensor::matrix(dst + offset, DType::U8, 1, int64_t(bytes))));
+      }
+    } else {
+      // Converting rows of kRowWidth elements (the copy kernel runs a block per row) and one shorter tail.
+      constexpr uint64_t kRowWidth = 4096;
+      const uint64_t stage_elements = std::max<uint64_t>(staging_bytes_ / source_bytes, 1);
+      for (uint64_t offset = 0; offset < n;) {
+        uint64_t count = std::min(stage_elements, n - offset);
+        uint64_t rows = 1, cols = count;
+        if (count >= kRowWidth) {
+          rows = count / kRowWidth;
+          cols = kRowWidth;
+          count = rows * cols;
+        }
+        const Tensor staged = Tensor::matrix(staging_, host.dtype, int64_t(rows), int64_t(cols));
+        check(backend_.copy_from_host(src + offset * source_bytes, staged));
+        check(backend_.copy(staged, Tensor::matrix(dst + offset * target_bytes, dtype, int64_t(rows), int64_t(cols))));
+        offset += count;
+      }
+    }
+    return Tensor{dst, dtype, host.rows, host.cols, host.cols};
+  }
+
+  LinearWeights linear(const LinearWeights& host, const std::string& what) {
+    LinearWeights device;
+    if (host.quant) {
+      // The GPU layout of int4 / fp8 weights is cuda::upload_quant_weight's (issue 6): its error, if any, is
+      // the answer (unsupported until those kernels exist).
+      const uint64_t bytes = cuda::quant_device_bytes(*host.quant);
+      uint8_t* dst = take(bytes, what);
+      Result<QuantWeight> uploaded = cuda::upload_quant_weight(backend_, *host.quant, dst, bytes);
+      if (!uploaded)
+        fail(uploaded.error().code, format("%s on the GPU: %s", what.c_str(), uploaded.error().message.c_str()));
+      device.quant = std::make_shared<const QuantWeight>(std::move(*uploaded));
+      return device;
+    }
+    device.weight = tensor(host.weight, act_, what + ".weight");
+    device.bias = tensor(host.bias, act_, what + ".bias");
+    return device;
+  }
+
+  uint64_t remaining() const { return uint64_t(end_ - next_); }
+
+ private:
+  static void check(const Status& status) {
+    if (!status) throw status.error();
+  }
+  uint8_t* take(uint64_t bytes, const std::string& what) {
+    uint8_t* start = next_;
+    const uint64_t misalignment = uint64_t(reinterpret_cast<uintptr_t>(start) % kPlanAlignment);
+    if (misalignment != 0) start += kPlanAlignment - misalignment;
+    if (start > end_ || bytes > uint64_t(end_ - start))
+      fail(ErrorCode::internal,
+           format("uploading %s (%s): the plan's weights region has only %s left; the planner and the uploader "
+                  "disagree", what.c_str(), format_bytes(bytes).c_str(),
+                  format_bytes(start > end_ ? 0 : uint64_t(end_ - start)).c_str()));
+    next_ = start + bytes;
+    return start;
+  }
+
+  Backend& backend_;
+  DType act_;
+  uint64_t chunk_bytes_;
+  uint8_t* next_ = nullptr;
+  uint8_t* end_ = nullptr;
+  uint8_t* staging_ = nullptr;
+  uint64_t staging_bytes_ = 0;
+};
+
+TextModelWeights upload_text_weights(const TextModelWeights& host, Backend& backend, const Arena& arena,
+                                     uint64_t chunk_bytes) {
+  WeightUploader upload(backend, arena, chunk_bytes);
+  const DType act = backend.activation_dtype();
+  TextModelWeights device;
+  device.embed_tokens = upload.tensor(host.embed_tokens, host.embed_tokens.dtype, "embed_tokens");
+  device.layers.resize(host.layers.size());
+  for (size_t l = 0; l < host.layers.size(); l++) {
+    const DecoderLayerWeights& h = host.layers[l];
+    DecoderLayerWeights& d = device.layers[l];
+    const std::string layer = format("layers.%zu.", l);
+    d.input_layernorm = upload.tensor(h.input_layernorm, h.input_layernorm.dtype, layer + "input_layernorm");
+    d.q_proj = upload.linear(h.q_proj, layer + "self_attn.q_proj");
+    d.k_proj = upload.linear(h.k_proj, layer + "self_attn.k_proj");
+    d.v_proj = upload.linear(h.v_proj, layer + "self_attn.v_proj");
+    d.q_norm = upload.tensor(h.q_norm, h.q_norm.dtype, layer + "self_attn.q_norm");
+    d.k_norm = upload.tensor(h.k_norm, h.k_norm.dtype, layer + "self_attn.k_norm");
+    d.o_proj = upload.linear(h.o_proj, layer + "self_attn.o_proj");
+    d.post_attention_layernorm =
+        upload.tensor(h.post_attention_layernorm, h.post_attention_layernorm.dtype, layer + "post_attention_layernorm");
+    d.gate_proj = upload.linear(h.gate_proj, layer + "mlp.gate_proj");
+    d.up_proj = upload.linear(h.up_proj, layer + "mlp.up_proj");
+    d.down_proj = upload.linear(h.down_proj, layer + "mlp.down_proj");
+  }
+  device.norm = upload.tensor(host.norm, host.norm.dtype, "norm");
+  const bool tied = !host.lm_head.quant && host.lm_head.weight.data == host.embed_tokens.data;
+  if (tied && device.embed_tokens.dtype == act) {
+    device.lm_head.weight = device.embed_tokens;  // one table serves both, as on the host
+  } else if (tied) {
+    device.lm_head.weight = upload.tensor(host.embed_tokens, act, "lm_head (tied, converted)");
+  } else {
+    device.lm_head = upload.linear(host.lm_head, "lm_head");
+  }
+  return device;
+}
+
+// Bytes one decode step reads of `weights`: every Linear and norm, and the lm_head (EngineInfo).
+uint64_t decode_weight_bytes(const TextModelWeights& weights) {
+  auto bytes = [](const Tensor& t) { return t.data ? dtype_bytes(t.dtype, uint64_t(t.elements())) : 0; };
+  auto linear = [&](const LinearWeights& l) {
+    return l.quant ? cuda::quant_device_bytes(*l.quant) : bytes(l.weight) + bytes(l.bias);
+  };
+  uint64_t total = bytes(weights.norm) + linear(weights.lm_head);
+  for (const DecoderLayerWeights& w : weights.layers)
+    total += bytes(w.input_layernorm) + bytes(w.post_attention_layernorm) + bytes(w.q_norm) + bytes(w.k_norm) +
+             linear(w.q_proj) + linear(w.k_proj) + linear(w.v_proj) + linear(w.o_proj) + linear(w.gate_proj) +
+             linear(w.up_proj) + linear(w.down_proj);
+  return total;
+}
+
 DType kv_element_dtype(KVDType kv_dtype) {
   switch (kv_dtype) {
     case KVDType::f32: return DType::F32;
@@ -11894,6 +12605,77 @@ DType kv_element_dtype(KVDType kv_dtype) {
 
 Engine::Engine() : impl_(new Impl()) {}
 Engine::~Engine() = default;
+
+const char* backend_choice_name(BackendChoice choice) {
+  switch (choice) {
+    case BackendChoice::auto_: return "auto";
+    case BackendChoice::cpu: return "cpu";
+    case BackendChoice::cuda: return "cuda";
+  }
+  return "?";
+}
+
+Result<BackendChoice> parse_backend_choice(const std::string& text) {
+  return detail::guard([&]() -> BackendChoice {
+    if (text == "auto") return BackendChoice::auto_;
+    if (text == "cpu") return BackendChoice::cpu;
+    if (text == "cuda" || text == "gpu") return BackendChoice::cuda;
+    detail::fail(ErrorCode::invalid_argument, detail::format("unknown backend '%s': use auto, cpu or cuda", text.c_str()));
+  });
+}
+
+namespace detail {
+namespace engine {
+
+// The backend options.backend asks for, with the reason when it cannot be had.
+BackendKind resolve_backend(const EngineOptions& options) {
+  const bool built = cuda::built_with_cuda();
+  const int devices = built ? cuda::device_count() : 0;
+  switch (options.backend) {
+    case BackendChoice::cpu: return BackendKind::cpu;
+    case BackendChoice::auto_: return devices > 0 ? BackendKind::cuda : BackendKind::cpu;
+    case BackendChoice::cuda: break;
+  }
+  if (!built)
+    fail(ErrorCode::unsupported, "backend cuda: kvlite was built without CUDA (no nvcc at build time); rebuild with the "
+                                 "CUDA toolkit, or use --backend cpu");
+  if (devices == 0)
+    fail(ErrorCode::device_error, "backend cuda: no CUDA device is visible (no GPU, or no driver); use --backend cpu");
+  if (options.device < 0 || options.device >= devices)
+    fail(ErrorCode::invalid_argument, format("backend cuda: device %d does not exist; there %s %d CUDA device%s",
+                                             options.device, devices == 1 ? "is" : "are", devices,
+                                             devices == 1 ? "" : "s"));
+  return BackendKind::cuda;
+}
+
+// What the plan divides: this machine's memory for the CPU, the GPU's for CUDA; device_mem, when given, replaces
+// the size (a large GPU then behaves as that card).
+DeviceSpec engine_device(BackendKind backend, const EngineOptions& options) {
+  DeviceSpec device;
+  if (backend == BackendKind::cpu) {
+    device.backend = BackendKind::cpu;
+    device.name = "CPU";
+    device.total_bytes = options.plan.device_mem ? *options.plan.device_mem : system_memory_bytes();
+  } else {
+    Result<DeviceSpec> queried = cuda::query_device(options.device);
+    if (!queried) throw queried.error();
+    device = *queried;
+    if (options.plan.device_mem) {
+      if (*options.plan.device_mem > device.total_bytes)
+        fail(ErrorCode::invalid_argument,
+             format("--device-mem %s is more than the %s of %s: plan for at most the card present",
+                    format_bytes(*options.plan.device_mem).c_str(), format_bytes(device.total_bytes).c_str(),
+                    device.name.c_str()));
+      device.name = "planned " + format_bytes(*options.plan.device_mem) + " card (on " + device.name + ")";
+      device.total_bytes = *options.plan.device_mem;
+    }
+  }
+  device.wsl2 = options.plan.wsl2 ? *options.plan.wsl2 : running_under_wsl2();
+  return device;
+}
+
+}  // namespace engine
+}  // namespace detail
 
 Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const EngineOptions& options) {
   return detail::guard([&] {
@@ -11913,20 +12695,20 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     Result<WeightsSummary> weights = summarize_weights(e.config, &e.store);
     if (!weights) throw weights.error();
 
-    // The CPU is the device: its memory (or device_mem, when given) is what the plan divides.
-    DeviceSpec device;
-    device.backend = BackendKind::cpu;
-    device.name = "CPU";
-    device.total_bytes = options.plan.device_mem ? *options.plan.device_mem : system_memory_bytes();
-    device.wsl2 = options.plan.wsl2 ? *options.plan.wsl2 : running_under_wsl2();
-    Result<Plan> plan = make_plan(e.config, *weights, device, options.plan);
+    const BackendKind backend_kind = detail::engine::resolve_backend(options);
+    const bool gpu = backend_kind == BackendKind::cuda;
+    PlanInputs inputs;
+    inputs.config = e.config;
+    inputs.weights = *weights;
+    inputs.tensor_count = e.store.tensors().size();
+    Result<Plan> plan = make_plan(inputs, detail::engine::engine_device(backend_kind, options), options.plan);
     if (!plan) throw plan.error();
     e.plan = std::move(*plan);
 
     Result<TextModelWeights> bound = bind_text_weights(e.config, e.store);
     if (!bound) throw bound.error();
     std::optional<VisionWeights> vision_weights;
-    if (e.config.vision.present) {
+    if (e.config.vision.present && !gpu) {  // on CUDA images are refused (Impl::images_need_cpu)
       if (e.config.vision.out_hidden_size != e.config.text.hidden_size)
         fail(ErrorCode::bad_format,
              format("%s: vision_config.out_hidden_size %lld differs from the language model's hidden_size %lld; the "
@@ -11936,30 +12718,53 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       if (!bound_vision) throw bound_vision.error();
       vision_weights = std::move(*bound_vision);
     }
-    CpuBackendOptions backend_options;
-    backend_options.threads = options.threads;
-    backend_options.max_head_dim = e.config.text.head_dim;
-    backend_options.fp8_activations = options.fp8_activations;
-    backend_options.max_quant_in_features = 1;
-    for (const LinearDesc& linear : weights->linears)
-      if (linear.format != WeightFormat::dense)
-        backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
-    if (e.config.vision.present)
-      backend_options.max_head_dim =
-          std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);
-    Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
-    if (!backend) throw backend.error();
-    e.backend = std::move(*backend);
     const DType kv_dtype = detail::engine::kv_element_dtype(e.plan.options.kv_dtype);
+
+    // The one reservation (one cudaMalloc on a GPU): everything below is carved from it.
+    Result<std::unique_ptr<Arena>> arena = Arena::create(e.plan, e.config);
+    if (!arena) throw arena.error();
+    e.arena = std::move(*arena);
+
+    if (gpu) {
+      const ArenaRegion* workspace = e.arena->region("workspace");
+      if (!workspace) fail(ErrorCode::internal, "the CUDA plan has no workspace region");
+      CudaBackendOptions backend_options;
+      backend_options.device = options.device;
+      backend_options.workspace = e.arena->region_data("workspace");
+      backend_options.workspace_bytes = workspace->bytes;
+      backend_options.activation_dtype = *e.plan.options.activation_dtype;
+      Result<std::unique_ptr<Backend>> backend = make_cuda_backend(backend_options);
+      if (!backend) throw backend.error();
+      e.backend = std::move(*backend);
+    } else {
+      CpuBackendOptions backend_options;
+      backend_options.threads = options.threads;
+      backend_options.max_head_dim = e.config.text.head_dim;
+      backend_options.fp8_activations = options.fp8_activations;
+      backend_options.max_quant_in_features = 1;
+      for (const LinearDesc& linear : weights->linears)
+        if (linear.format != WeightFormat::dense)
+          backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
+      if (e.config.vision.present)
+        backend_options.max_head_dim =
+            std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);
+      Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
+      if (!backend) throw backend.error();
+      e.backend = std::move(*backend);
+    }
     if (!e.backend->supports(Op::kv_write, kv_dtype) || !e.backend->supports(Op::attention, kv_dtype))
       fail(ErrorCode::unsupported, format("the %s backend does not store the KV cache as %s; choose another KV dtype "
                                           "(f32, bf16 or f16)",
                                           e.backend->name().c_str(), kv_dtype_name(e.plan.options.kv_dtype)));
 
-    Result<std::unique_ptr<Arena>> arena = Arena::create(e.plan, e.config);
-    if (!arena) throw arena.error();
-    e.arena = std::move(*arena);
-    e.model = std::make_unique<TextModel>(e.config, std::move(*bound), *e.backend, *e.arena, e.plan, kv_dtype);
+    TextModelWeights text_weights = gpu ? detail::engine::upload_text_weights(*bound, *e.backend, *e.arena,
+                                                                              e.plan.upload_chunk_bytes)
+                                        : std::move(*bound);
+    e.info.backend = backend_kind;
+    e.info.backend_name = e.backend->name();
+    e.info.activation_dtype = e.backend->activation_dtype();
+    e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights);
+    e.model = std::make_unique<TextModel>(e.config, std::move(text_weights), *e.backend, *e.arena, e.plan, kv_dtype);
     if (vision_weights) {
       e.vision = std::make_unique<VisionModel>(e.config, std::move(*vision_weights), *e.backend, *e.arena, e.plan);
       // The processor's options, with the plan's image budget: the vision buffers hold no larger image.
@@ -11994,6 +12799,18 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.query_starts.assign(max_seqs + 1, 0);
     e.context_lens.assign(max_seqs, 0);
     e.row_owners.assign(max_tokens, {nullptr, 0});
+    if (gpu) {
+      // Host side of the logits: a chunk as the GPU stores it, widened to float, and the host sampler's scratch.
+      const size_t vocab = size_t(e.config.text.vocab_size), rows = size_t(e.model->max_logit_rows());
+      e.logits_raw.assign(rows * vocab * dtype_bytes(e.backend->activation_dtype(), 1), 0);
+      e.logits_host.assign(rows * vocab, 0.0f);
+      e.host_probs.assign(vocab, 0.0f);
+      e.host_order.assign(vocab, 0);
+      e.device_params.reserve(rows);
+      e.device_rows.reserve(rows);
+      e.sampled_ids.assign(rows, 0);
+      if (options.cuda_graphs) e.capture_decode_graphs();
+    }
     return engine;
   });
 }
@@ -12222,6 +13039,51 @@ void Engine::cancel() { impl_->cancel_requested.store(true); }
 
 EngineStats Engine::stats() const { return impl_->stats; }
 
+EngineInfo Engine::info() const { return impl_->info; }
+
+Result<CopyBandwidth> Engine::measure_copy_bandwidth(uint64_t bytes, int repeats) {
+  return detail::guard([&] {
+    Impl& e = *impl_;
+    if (!e.running.empty() || !e.waiting.empty())
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("measure_copy_bandwidth: wait until the %zu requests in flight finish (on a GPU "
+                                  "it copies over the KV pages)", e.running.size() + e.waiting.size()));
+    if (repeats < 1)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("measure_copy_bandwidth: repeats %d must be >= 1", repeats));
+    CopyBandwidth result;
+    result.repeats = repeats;
+    if (e.on_gpu()) {
+      const ArenaRegion* kv = e.arena->region("kv");
+      const uint64_t half = kv->bytes / 2 / 256 * 256;
+      if (bytes == 0) bytes = std::min<uint64_t>(half, 256 * MiB);
+      if (bytes == 0 || bytes > half)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("measure_copy_bandwidth: %llu bytes; the KV region (%s) holds two copies of at "
+                                    "most %s", (unsigned long long)bytes, format_bytes(kv->bytes).c_str(),
+                                    format_bytes(half).c_str()));
+      uint8_t* src = e.arena->base() + kv->offset;
+      Result<double> measured = cuda::copy_bandwidth(*e.backend, src + half, src, bytes, repeats);
+      if (!measured) throw measured.error();
+      result.bytes_per_second = *measured;
+      result.method = "cudaMemcpy device to device";
+    } else {
+      if (bytes == 0) bytes = 256 * MiB;
+      std::vector<uint8_t> src(static_cast<size_t>(bytes), 1), dst(static_cast<size_t>(bytes), 0);
+      memcpy(dst.data(), src.data(), bytes);  // untimed: the first touch of fresh pages costs page faults
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < repeats; i++) memcpy(dst.data(), src.data(), bytes);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (!(seconds > 0) || dst[bytes - 1] != 1)
+        detail::fail(ErrorCode::internal, "measure_copy_bandwidth: the copies took no time or did not happen");
+      result.bytes_per_second = 2.0 * double(bytes) * double(repeats) / seconds;  // read + written
+      result.method = "memcpy";
+    }
+    result.bytes = bytes;
+    return result;
+  });
+}
+
 Status write_npy(const std::string& path, const float* values, int64_t rows, int64_t cols) {
   return detail::guard([&] {
     if (rows < 0 || cols < 0 || (rows * cols > 0 && values == nullptr))
@@ -12275,7 +13137,26 @@ Result<QuantWeight> upload_quant_weight(Backend&, const QuantWeight& host, void*
 Status set_quant_kernel(Backend&, QuantKernel) {
   return Error(ErrorCode::unsupported, "cuda::set_quant_kernel: kvlite was built without CUDA");
 }
+Status sample(Backend&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  return Error(ErrorCode::unsupported, "cuda::sample: kvlite was built without CUDA");
+}
+Result<double> copy_bandwidth(Backend&, void*, const void*, uint64_t, int) {
+  return Error(ErrorCode::unsupported, "cuda::copy_bandwidth: kvlite was built without CUDA");
+}
+Result<CudaGraph> capture_graph(Backend&, const std::function<void()>&) {
+  return Error(ErrorCode::unsupported, "cuda::capture_graph: kvlite was built without CUDA");
+}
+Status launch_graph(Backend&, const CudaGraph&) {
+  return Error(ErrorCode::unsupported, "cuda::launch_graph: kvlite was built without CUDA");
+}
 }  // namespace cuda
+
+// Without CUDA no graph is ever captured: there is nothing to release.
+CudaGraph::~CudaGraph() = default;
+CudaGraph& CudaGraph::operator=(CudaGraph&& other) noexcept {
+  std::swap(exec_, other.exec_);
+  return *this;
+}
 
 }  // namespace kvlite
 #endif  // !KVLITE_WITH_CUDA
@@ -12284,6 +13165,68 @@ namespace kvlite {
 namespace cuda {
 uint64_t quant_device_bytes(const QuantWeight& host) { return quant_gpu_layout(host).total_bytes; }
 uint64_t quant_device_bytes(const LinearDesc& linear) { return quant_gpu_layout(linear).total_bytes; }
+
+// The host twin of kernels.cu's sample_kernel: the same phases, each a loop where the kernel has a block-wide
+// reduction or histogram (integer sums: the same totals in any order; the double sum of the softmax is taken in
+// id order here and in a fixed tree there).
+int32_t sample_row_reference(const float* logits, int64_t vocab, const DeviceSamplingParams& p, float* scratch) {
+  // ---- phase 1: the argmax (greedy's answer; the largest key's token), the largest logit
+  int32_t first = -1;
+  float max_logit = -INFINITY;
+  for (int64_t i = 0; i < vocab; i++)
+    if (argmax_better(logits[i], int32_t(i), max_logit, first < 0 ? INT32_MAX : first)) {
+      max_logit = logits[i];
+      first = int32_t(i);
+    }
+  if (first < 0) return 0;  // every logit NaN
+  if (p.temperature == 0.0f) return first;
+  auto key_of = [&](int64_t i) { return sampling_key((logits[i] - max_logit) / p.temperature, int32_t(i)); };
+  // The key of the first candidate (in order) at which the running weight reaches `target`; false if none.
+  auto select = [&](auto weight, auto candidate, uint64_t target, uint64_t* key) {
+    uint64_t prefix = 0, before = 0;
+    for (int pass = 0; pass < kSamplingPasses; pass++) {
+      unsigned long long bins[kSamplingBins] = {};
+      const uint64_t decided = sampling_decided_mask(pass);
+      for (int64_t i = 0; i < vocab; i++) {
+        const uint64_t k = key_of(i);
+        if ((k & decided) == prefix && candidate(i, k)) bins[sampling_digit(k, pass)] += weight(i);
+      }
+      const int bin = sampling_select_bin(bins, target, &before);
+      if (bin < 0) return false;
+      prefix |= uint64_t(bin) << (56 - kSamplingDigitBits * pass);
+    }
+    *key = prefix;
+    return true;
+  };
+  auto one = [](int64_t) { return 1ull; };
+  auto mass = [&](int64_t i) { return (unsigned long long)sampling_mass(scratch[i]); };
+
+  // ---- phase 2: top-k: the candidates are the keys from the top_k-th on up
+  uint64_t cutoff = 0;
+  if (p.top_k > 0 && p.top_k < vocab) select(one, [](int64_t, uint64_t) { return true; }, uint64_t(p.top_k), &cutoff);
+  // ---- phase 3: softmax over the candidates (the others get probability 0)
+  double sum = 0.0;
+  for (int64_t i = 0; i < vocab; i++)
+    if (key_of(i) >= cutoff) sum += std::exp(double((logits[i] - max_logit) / p.temperature));
+  for (int64_t i = 0; i < vocab; i++)
+    scratch[i] = key_of(i) >= cutoff ? float(std::exp(double((logits[i] - max_logit) / p.temperature)) / sum) : 0.0f;
+  // ---- phase 4: top-p: the shortest prefix whose mass reaches top_p (all candidates when none does)
+  if (p.top_p < 1.0f) {
+    uint64_t key;
+    if (select(mass, [&](int64_t, uint64_t k) { return k >= cutoff; }, top_p_target(p.top_p), &key)) cutoff = key;
+  }
+  // ---- phase 5: min-p: of those, the tokens at least min_p x the first one's probability (a prefix too)
+  const float threshold = p.min_p > 0.0f ? p.min_p * scratch[first] : 0.0f;
+  auto kept = [&](int64_t i, uint64_t k) { return k >= cutoff && scratch[i] >= threshold; };
+  // ---- phase 6: the draw
+  uint64_t total = 0;
+  for (int64_t i = 0; i < vocab; i++)
+    if (kept(i, key_of(i))) total += sampling_mass(scratch[i]);
+  uint64_t key;
+  if (total == 0 || !select(mass, kept, draw_target(p.draw, total), &key)) return first;
+  return sampling_key_id(key);
+}
+
 }  // namespace cuda
 }  // namespace kvlite
 #endif  // KVLITE_IMPLEMENTATION

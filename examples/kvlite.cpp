@@ -5,6 +5,7 @@
 //   kvlite score MODEL_DIR --text-file F --context-length N --stride S   sliding-window perplexity
 //   kvlite tokenize MODEL_DIR --text TEXT                  token ids as a JSON array
 //   kvlite logits MODEL_DIR --tokens 1,2,3 [--image PATH] --out FILE.npy  float32 [n_tokens, vocab] logits
+//   kvlite bench MODEL_DIR [--batch 1,8] [--prompt-tokens N] [--decode-tokens N]   speed against the roofline
 //   kvlite --help | --version | help COMMAND
 //
 // Exit status: 0 success (for `plan`: it fits), 1 the plan or a request does not fit (`plan` still prints the
@@ -332,10 +333,15 @@ int run_plan(const Args& args) {
 
 // ---- kvlite generate / score / tokenize / logits ------------------------------------------------------------
 
-// Options of every command that opens an engine (the plan is computed for the CPU).
+// Options of every command that opens an engine.
 std::vector<OptionSpec> engine_option_specs() {
   return {
-      {"--device-mem", "SIZE", "memory the CPU plan divides (8GiB, 512MiB); default: this machine's memory"},
+      {"--backend", "B", "cpu (default: the float32 reference) | cuda | auto (the GPU when kvlite has CUDA and one "
+                         "is present)"},
+      {"--device-mem", "SIZE", "memory the plan divides (8GiB, 512MiB): on a GPU the card to behave as; default: "
+                               "the device's (CPU: this machine's memory)"},
+      {"--activation-dtype", "T", "CUDA: bf16 | f16 | f32; default the model's 16-bit dtype (the CPU computes in f32)"},
+      {"--no-cuda-graphs", "", "CUDA: run decode steps op by op instead of replaying CUDA graphs"},
       {"--utilization", "R", "fraction of that memory kvlite may use, (0, 1]; default 0.90"},
       {"--max-model-len", "N", "longest sequence (prompt + output)"},
       {"--max-seqs", "N", "sequences decoded together; default 8"},
@@ -355,6 +361,19 @@ std::vector<OptionSpec> with_engine_options(std::vector<OptionSpec> specs) {
 
 kvlite::EngineOptions engine_options(const Args& args) {
   kvlite::EngineOptions options;
+  if (args.has("--backend")) {
+    auto backend = kvlite::parse_backend_choice(args.text("--backend"));
+    if (!backend) throw UsageError{"--backend: " + backend.error().message};
+    options.backend = *backend;
+  }
+  if (args.has("--activation-dtype")) {
+    const std::string& text = args.text("--activation-dtype");
+    if (text == "bf16" || text == "bfloat16") options.plan.activation_dtype = kvlite::DType::BF16;
+    else if (text == "f16" || text == "fp16" || text == "float16") options.plan.activation_dtype = kvlite::DType::F16;
+    else if (text == "f32" || text == "fp32" || text == "float32") options.plan.activation_dtype = kvlite::DType::F32;
+    else throw UsageError{"--activation-dtype: unknown dtype '" + text + "': use bf16, f16 or f32"};
+  }
+  options.cuda_graphs = !args.has("--no-cuda-graphs");
   if (args.has("--device-mem")) options.plan.device_mem = args.size("--device-mem");
   if (args.has("--utilization")) options.plan.utilization = args.number("--utilization");
   if (args.has("--max-model-len")) options.plan.max_model_len = args.integer("--max-model-len", 1, INT64_MAX);
@@ -532,6 +551,139 @@ int run_logits(const Args& args) {
   return kExitOk;
 }
 
+// ---- kvlite bench --------------------------------------------------------------------------------------------
+
+// Seconds since `start`.
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// One batch: `batch` requests of `prompt` tokens submitted at once, each generating exactly `decode` tokens
+// (greedy, end-of-turn tokens ignored), timed from submission.
+struct BatchTiming {
+  double ttft = 0;           // mean time to the first token, seconds
+  double decode_tok_s = 0;   // tokens after each request's first, per second, once every request is decoding
+  int64_t steps = 0, graph_steps = 0;
+};
+
+BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_t decode, uint64_t seed) {
+  const int64_t vocab = engine.config().text.vocab_size;
+  kvlite::SamplingParams params;
+  params.max_tokens = decode;
+  params.ignore_eos = true;
+  using Clock = std::chrono::steady_clock;
+  std::vector<double> first(size_t(batch), -1.0), last(size_t(batch), -1.0);
+  const kvlite::EngineStats before = engine.stats();
+  const Clock::time_point start = Clock::now();
+  for (int64_t b = 0; b < batch; b++) {
+    // Prompts of ids spread over the vocabulary (a fixed LCG: the same prompts every run), distinct per request.
+    std::vector<int32_t> ids(static_cast<size_t>(prompt));
+    uint64_t state = seed * 7919 + uint64_t(b) * 104729 + 1;
+    for (auto& id : ids) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      id = int32_t((state >> 33) % uint64_t(vocab));
+    }
+    auto on_token = [&, b](const std::string&, int32_t id) {
+      if (id < 0) return true;  // the held-back text at the end, not a token
+      const double now = seconds_since(start);
+      if (first[size_t(b)] < 0) first[size_t(b)] = now;
+      last[size_t(b)] = now;
+      return true;
+    };
+    auto submitted = engine.submit(ids, params, on_token);
+    if (!submitted) library_error(submitted.error());
+  }
+  auto ran = engine.run();
+  if (!ran) library_error(ran.error());
+  BatchTiming timing;
+  double all_first = 0, all_last = 0;
+  for (int64_t b = 0; b < batch; b++) {
+    timing.ttft += first[size_t(b)] / double(batch);
+    all_first = std::max(all_first, first[size_t(b)]);
+    all_last = std::max(all_last, last[size_t(b)]);
+  }
+  // Tokens after the first of each request, over the time from the last first token to the last token (tokens
+  // generated while a later request was still prefilling count too, which flatters a batch whose prompts do not
+  // fit one step slightly).
+  const double decode_seconds = all_last - all_first;
+  timing.decode_tok_s = decode > 1 && decode_seconds > 0 ? double(batch * (decode - 1)) / decode_seconds : 0;
+  const kvlite::EngineStats after = engine.stats();
+  timing.steps = after.steps - before.steps;
+  timing.graph_steps = after.graph_steps - before.graph_steps;
+  return timing;
+}
+
+std::vector<int64_t> parse_batches(const std::string& text) {
+  std::vector<int64_t> batches;
+  for (const std::string& part : split(text, ',')) batches.push_back(Args::parse_integer("--batch", part, 1, 65536));
+  return batches;
+}
+
+int run_bench(const Args& args) {
+  const std::string& model_dir = model_dir_argument(args);
+  const std::vector<int64_t> batches = parse_batches(args.has("--batch") ? args.text("--batch") : "1,8");
+  const int64_t prompt = args.has("--prompt-tokens") ? args.integer("--prompt-tokens", 1, 1 << 20) : 128;
+  const int64_t decode = args.has("--decode-tokens") ? args.integer("--decode-tokens", 2, 1 << 20) : 64;
+  const int64_t largest = *std::max_element(batches.begin(), batches.end());
+  kvlite::EngineOptions options = engine_options(args);
+  if (!args.has("--backend")) options.backend = kvlite::BackendChoice::auto_;  // measure the GPU when there is one
+  if (!args.has("--max-seqs")) options.plan.max_seqs = largest;
+  if (!args.has("--max-model-len")) options.plan.max_model_len = prompt + decode;
+  // Every prompt of the largest batch in one prefill step when it fits the usual 2048 tokens.
+  if (!args.has("--max-batched-tokens")) options.plan.max_batched_tokens = std::min<int64_t>(2048, largest * prompt);
+  if (options.plan.max_seqs < largest)
+    throw UsageError{"--max-seqs " + std::to_string(options.plan.max_seqs) + " is less than the largest --batch " +
+                     std::to_string(largest)};
+  auto engine = open_engine(model_dir, options);
+  const kvlite::Plan& plan = engine->plan();
+  const kvlite::EngineInfo info = engine->info();
+
+  auto bandwidth = engine->measure_copy_bandwidth();
+  if (!bandwidth) library_error(bandwidth.error());
+  printf("kvlite bench: %s on %s\n", plan.model_name.c_str(), info.backend_name.c_str());
+  printf("plan: %s, arena %s, KV %s (%llu tokens), max_batched_tokens %lld\n", plan.device.name.c_str(),
+         kvlite::format_bytes(plan.arena_bytes()).c_str(), kvlite::kv_dtype_name(plan.options.kv_dtype),
+         (unsigned long long)plan.kv_tokens, (long long)plan.options.max_batched_tokens);
+  printf("copy bandwidth: %.1f GB/s (bytes read + written; %s, %s x %d)\n", bandwidth->bytes_per_second / 1e9,
+         bandwidth->method.c_str(), kvlite::format_bytes(bandwidth->bytes).c_str(), bandwidth->repeats);
+  printf("weights read per decode step: %s; KV per token: %s\n", kvlite::format_bytes(info.decode_weight_bytes).c_str(),
+         kvlite::format_bytes(plan.kv_bytes_per_token).c_str());
+  if (info.backend == kvlite::BackendKind::cuda) {
+    std::string buckets;
+    for (int64_t b : info.graph_buckets) buckets += (buckets.empty() ? "" : ",") + std::to_string(b);
+    const kvlite::PlanItem* graphs = plan.item("graphs");
+    printf("cuda graphs: %s (measured %s; the plan's estimate %s)\n", buckets.empty() ? "none" : buckets.c_str(),
+           kvlite::format_bytes(info.graph_memory_bytes).c_str(),
+           kvlite::format_bytes(graphs ? graphs->bytes : 0).c_str());
+  }
+  // A short run first: the first steps pay for warming caches and clocks.
+  run_batch(*engine, 1, std::min<int64_t>(prompt, 8), 2, 0);
+
+  printf("\n%5s %7s %7s %10s %14s %13s %15s %12s\n", "batch", "prompt", "decode", "ttft_ms", "ttft_floor_ms",
+         "decode_tok/s", "roofline_tok/s", "of_roofline");
+  for (int64_t batch : batches) {
+    const BatchTiming t = run_batch(*engine, batch, prompt, decode, uint64_t(batch));
+    // Roofline: a decode step reads every weight once and each sequence's KV (its mean context over the run);
+    // prefill reads the weights once per step of max_batched_tokens and writes the prompts' KV.
+    const double context = double(prompt) + double(decode) / 2.0;
+    const double step_bytes =
+        double(info.decode_weight_bytes) + double(batch) * context * double(plan.kv_bytes_per_token);
+    const double roofline_tok_s = double(batch) * bandwidth->bytes_per_second / step_bytes;
+    const double prefill_steps =
+        std::ceil(double(batch * prompt) / double(std::max<int64_t>(plan.options.max_batched_tokens, 1)));
+    const double ttft_floor = (prefill_steps * double(info.decode_weight_bytes) +
+                               double(batch * prompt) * double(plan.kv_bytes_per_token)) /
+                              bandwidth->bytes_per_second;
+    printf("%5lld %7lld %7lld %10.3f %14.3f %13.2f %15.2f %11.1f%%\n", (long long)batch, (long long)prompt,
+           (long long)decode, t.ttft * 1e3, ttft_floor * 1e3, t.decode_tok_s, roofline_tok_s,
+           100.0 * t.decode_tok_s / roofline_tok_s);
+    fflush(stdout);
+  }
+  printf("\nroofline: the bytes a decode step reads (weights + each sequence's KV at its mean context) over the copy "
+         "bandwidth; ttft_floor: the weights read once per prefill step and the prompts' KV written, over it.\n");
+  return kExitOk;
+}
+
 const std::vector<Command>& commands() {
   static const std::vector<Command> list = {
       {"plan", "where every byte of device memory goes, and what would fit",
@@ -564,8 +716,8 @@ const std::vector<Command>& commands() {
        },
        run_plan},
       {"generate", "generate text from a prompt, streamed to stdout",
-       "Generate text with the CPU reference engine (Llama-3, Qwen2, Qwen3; BF16/F16/F32 weights). The text\n"
-       "streams to stdout as it is generated; a summary line goes to stderr.",
+       "Generate text (Llama-3, Qwen2, Qwen3, Qwen3-VL; BF16/F16/F32 weights) on the GPU or the CPU reference\n"
+       "engine (--backend). The text streams to stdout as it is generated; a summary line goes to stderr.",
        "kvlite generate MODEL_DIR --prompt TEXT [--chat] [options]",
        "Generation stops at the model's end-of-turn tokens, at --stop, or after --max-tokens tokens.\n"
        "prompt + max-tokens must fit in max_model_len (otherwise: exit 1, with the numbers).\n"
@@ -624,6 +776,22 @@ const std::vector<Command>& commands() {
            {"--out", "FILE", "the .npy file to write"},
        }),
        run_logits},
+      {"bench", "decode tokens/s and time to first token, beside the memory-bandwidth roofline",
+       "Measure the engine: time to first token and decode tokens/s for each --batch (that many requests of\n"
+       "--prompt-tokens tokens at once, each generating --decode-tokens tokens greedily, end-of-turn tokens\n"
+       "ignored), printed beside the roofline: the bytes a decode step reads (every weight once, plus each\n"
+       "sequence's KV) over the copy bandwidth measured in the same run (cudaMemcpy device to device on a GPU,\n"
+       "memcpy on the CPU). Random-weight checkpoints of real shapes: tools/make_random_checkpoint.py.",
+       "kvlite bench MODEL_DIR [--batch 1,8] [--prompt-tokens N] [--decode-tokens N] [options]",
+       "Defaults: --backend auto (the GPU when there is one), --max-seqs = the largest batch, --max-model-len =\n"
+       "prompt + decode tokens, --max-batched-tokens = min(2048, largest batch x prompt tokens).\n"
+       "\nexit status: 0 done, 1 does not fit, 2 usage or input error.\n",
+       with_engine_options({
+           {"--batch", "B1,B2,...", "batch sizes to measure; default 1,8"},
+           {"--prompt-tokens", "N", "prompt length of every request; default 128"},
+           {"--decode-tokens", "N", "tokens each request generates, >= 2; default 64"},
+       }),
+       run_bench},
   };
   return list;
 }

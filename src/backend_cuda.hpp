@@ -26,12 +26,8 @@
 
 namespace kvlite {
 
-// What cuBLAS asks for on Hopper (4 MiB suffice on older GPUs); the planner reserves kCudaWorkspaceBytes.
-constexpr uint64_t kCudaCublasWorkspaceBytes = 32 * MiB;
-// Scratch for split attention: [rows, heads, splits, head_dim + 2] floats. Decode of 64 sequences x 64
-// heads x head_dim 128 split 8 ways needs 16 MiB; less scratch only means fewer splits.
-constexpr uint64_t kCudaScratchBytes = 32 * MiB;
-constexpr uint64_t kCudaWorkspaceBytes = kCudaCublasWorkspaceBytes + kCudaScratchBytes;
+// kCudaCublasWorkspaceBytes, kCudaScratchBytes and kCudaWorkspaceBytes are in plan.hpp: the planner reserves the
+// workspace the backend carves, from the same numbers.
 // The least scratch the backend starts with (the fault record and a few partials).
 constexpr uint64_t kCudaMinScratchBytes = 64 * KiB;
 // kernels.cu's attention holds head_dim / 32 (rounded up) dimensions per lane, at most 8.
@@ -65,6 +61,67 @@ Result<void*> backend_stream(Backend& backend);
 // Device allocations (cudaMalloc calls) kvlite has made in this process: the arena's reservation is the one
 // expected; backends make none. Monotonic; 0 in builds without CUDA.
 uint64_t device_allocations();
+
+// ---- sampling on the device --------------------------------------------------------------------------------
+// One row for cuda::sample (the plan's "sampling_params" buffer holds one per sequence).
+struct DeviceSamplingParams {
+  float temperature;  // 0: greedy
+  int32_t top_k;      // 0, or >= the vocabulary: off
+  float top_p;        // 1: off
+  float min_p;        // 0: off
+  uint32_t draw;      // the request's Rng::next_float() as the integer it is made of: u = draw / 2^24
+  int32_t row;        // the logits row to sample
+};
+static_assert(sizeof(DeviceSamplingParams) == kSamplingParamWords * 4, "one row of sampling_params");
+
+// ids[i] = the token sample_token (sampler.hpp) picks from logits row params[i].row with params[i]'s
+// temperature, top_k, top_p and min_p and the draw u = params[i].draw / 2^24 (what the request's Rng gives
+// sample_token; the caller takes it from the same Rng, so the random stream is the CPU's). Repetition penalty is
+// not applied (sample those rows on the host). The order (scaled logit descending, id ascending) and every
+// threshold are the CPU's; the sums differ in rounding only (exact integer sums of probability here, double
+// sums in sequence there), so a token differs only when the draw or top_p lands within about 1e-12 of a
+// boundary between two candidates. Greedy rows (temperature 0) are argmax, ties to the lowest id, exactly.
+// logits [R, V] in the backend's activation dtype; params [n, kSamplingParamWords] I32 holding
+// DeviceSamplingParams on the device; scratch F32 [n, V] (the probabilities); ids I32 vector [n].
+// invalid_argument when `backend` is not a CUDA backend or the shapes disagree.
+Status sample(Backend& backend, const Tensor& logits, const Tensor& params, const Tensor& scratch, const Tensor& ids);
+
+// The same algorithm on the host, one row, step for step as the kernel runs it (the CPU tests check it against
+// sample_token; the GPU tests check the kernel against it). logits [V]; scratch [V] floats.
+int32_t sample_row_reference(const float* logits, int64_t vocab, const DeviceSamplingParams& params, float* scratch);
+
+// ---- CUDA graphs ---------------------------------------------------------------------------------------------
+// Device copy bandwidth, measured: `bytes` copied from src to dst (device memory, not overlapping) `repeats`
+// times on the backend's stream, timed with CUDA events; bytes read + written per second.
+Result<double> copy_bandwidth(Backend& backend, void* dst, const void* src, uint64_t bytes, int repeats);
+}  // namespace cuda
+
+// A CUDA graph: the work some code queued on a CUDA backend's stream, captured once and replayed with whatever
+// the buffers it reads hold at replay. Move-only; destroying it frees what the driver holds for it.
+class CudaGraph {
+ public:
+  CudaGraph() = default;
+  ~CudaGraph();
+  CudaGraph(CudaGraph&& other) noexcept : exec_(other.exec_) { other.exec_ = nullptr; }
+  CudaGraph& operator=(CudaGraph&& other) noexcept;
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+  bool empty() const { return exec_ == nullptr; }
+  void* handle() const { return exec_; }  // the cudaGraphExec_t
+  explicit CudaGraph(void* exec) : exec_(exec) {}
+
+ private:
+  void* exec_ = nullptr;
+};
+
+namespace cuda {
+// Runs `record` with the backend's stream in capture mode (thread-local: a synchronizing CUDA call inside is an
+// error, not a silent sync) and instantiates what it queued. `record` must only queue work: backend ops on
+// device buffers, no copy_from_host / copy_to_host / synchronize. Errors from `record` propagate (the capture is
+// abandoned); device_error when CUDA refuses the capture.
+Result<CudaGraph> capture_graph(Backend& backend, const std::function<void()>& record);
+// Queues the graph on the backend's stream (errors surface at the next synchronize, as for any op).
+Status launch_graph(Backend& backend, const CudaGraph& graph);
 
 // ---- quantized Linears on the device -----------------------------------------------------------------------
 // Bytes `host` (a QuantWeight over the checkpoint) takes on the device in the layout the GPU's quantized GEMMs
@@ -145,6 +202,56 @@ KVLITE_HD void split_key_range(int64_t split, int64_t chunk, int64_t last, int64
 KVLITE_HD bool argmax_better(float value, int32_t index, float best_value, int32_t best_index) {
   return value > best_value || (value == best_value && index < best_index);
 }
+
+// ---- the sampler's order and sums (cuda::sample and sample_row_reference) ---------------------------------
+// A float's bits as an unsigned integer with the same order (negative values flipped whole, positive ones with
+// the sign bit set): -inf < ... < -0 < +0 < ... < +inf.
+KVLITE_HD uint32_t orderable_float(float value) {
+  const uint32_t bits = float_to_bits(value);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+// The sort order of sample_token as one 64-bit key: larger key first = larger scaled logit first, then the
+// lower id. Keys are unique, so "the k-th token in order" is a key.
+KVLITE_HD uint64_t sampling_key(float scaled, int32_t id) {
+  return (uint64_t(orderable_float(scaled)) << 32) | uint64_t(0xffffffffu - uint32_t(id));
+}
+KVLITE_HD int32_t sampling_key_id(uint64_t key) { return int32_t(0xffffffffu - uint32_t(key & 0xffffffffu)); }
+// Probabilities summed as integers of 2^-60: exact and independent of the order of the sum (a block's atomics
+// add in any order), and within 2^-61 of each float probability.
+KVLITE_HD uint64_t sampling_mass(float probability) {
+  return uint64_t(floor(double(probability) * 1152921504606846976.0 + 0.5));  // x 2^60
+}
+// The mass the kept prefix must reach for top_p: ceil(top_p x 2^60).
+KVLITE_HD uint64_t top_p_target(float top_p) { return uint64_t(ceil(double(top_p) * 1152921504606846976.0)); }
+// The draw: the first token whose running mass exceeds u x total, u = draw / 2^24, i.e. reaches
+// floor(draw x total / 2^24) + 1 (exact in 128 bits).
+KVLITE_HD uint64_t draw_target(uint32_t draw, uint64_t total) {
+#if defined(__CUDA_ARCH__)
+  const uint64_t high = __umul64hi(uint64_t(draw), total), low = uint64_t(draw) * total;
+#else
+  const unsigned __int128 product = (unsigned __int128)draw * total;
+  const uint64_t high = uint64_t(product >> 64), low = uint64_t(product);
+#endif
+  return ((high << 40) | (low >> 24)) + 1;
+}
+// One step of the radix select (8 bits of the key, most significant first): bins[b] holds the weight (count or
+// mass) of the candidates whose next digit is b; `before` the weight of the candidates with larger keys outside
+// this digit's range. Returns the bin holding the first candidate at which the running weight reaches
+// `target` (scanning from the largest digit down) and adds the bins above it to `before`; -1 when the total
+// never reaches it.
+constexpr int kSamplingDigitBits = 8, kSamplingBins = 256, kSamplingPasses = 8;
+KVLITE_HD int sampling_select_bin(const unsigned long long* bins, uint64_t target, uint64_t* before) {
+  for (int bin = kSamplingBins - 1; bin >= 0; bin--) {
+    if (*before + bins[bin] >= target) return bin;
+    *before += bins[bin];
+  }
+  return -1;
+}
+// The digit of `key` that pass `pass` (0..7) selects on, and the mask of the digits decided before it.
+KVLITE_HD int sampling_digit(uint64_t key, int pass) {
+  return int((key >> (56 - kSamplingDigitBits * pass)) & (kSamplingBins - 1));
+}
+KVLITE_HD uint64_t sampling_decided_mask(int pass) { return pass == 0 ? 0 : ~0ull << (64 - kSamplingDigitBits * pass); }
 
 // Head dimensions each lane of a warp holds in attention (lane l holds l, l + 32, ...): the smallest of the
 // compiled counts {1, 2, 3, 4, 6, 8} covering head_dim; 0 when head_dim > kCudaMaxHeadDim.

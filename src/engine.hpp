@@ -30,8 +30,21 @@
 
 namespace kvlite {
 
+// Where the engine computes. cpu: the float32 reference (the default: what every reference-checked result and
+// test assumes); cuda: the GPU (an error when kvlite has no CUDA or no GPU is visible); auto: the GPU when kvlite
+// was built with CUDA and one is present, else the CPU.
+enum class BackendChoice { auto_, cpu, cuda };
+const char* backend_choice_name(BackendChoice choice);
+Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" | "cpu" | "cuda"
+
 struct EngineOptions {
-  PlanOptions plan;  // the memory plan (computed for the CPU: device_mem, when set, is the budget's base)
+  // The memory plan. device_mem, when set, is the memory the plan divides: on the CPU the budget's base; on CUDA
+  // the card to plan for, so an H200 opened with 8 GiB behaves exactly as an 8 GiB card (one reservation of the
+  // plan's arena). activation_dtype: CUDA's (BF16 default, F16, F32); the CPU computes in F32.
+  PlanOptions plan;
+  BackendChoice backend = BackendChoice::cpu;
+  int device = 0;            // CUDA device index
+  bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
@@ -101,10 +114,33 @@ using RequestId = int64_t;
 // Counters since open().
 struct EngineStats {
   int64_t steps = 0;             // forward steps
+  int64_t graph_steps = 0;       // of which replayed from a CUDA graph
   int64_t tokens_computed = 0;   // tokens through the model (prefill and decode, recomputation included)
   int64_t tokens_generated = 0;  // ids sampled
   int64_t preemptions = 0;       // running requests preempted for KV pages (and recomputed later)
   int64_t peak_running = 0;      // most sequences in one step
+};
+
+// What the engine runs on, fixed at open (kvlite bench prints it).
+struct EngineInfo {
+  BackendKind backend = BackendKind::cpu;
+  std::string backend_name;             // Backend::name(): "cuda (NVIDIA H200, sm_90, BF16 activations)"
+  DType activation_dtype = DType::F32;
+  // Bytes of weights one decode step reads, as the backend stores them: every Linear of every layer, the norms
+  // and the lm_head (not the embedding table, of which a step reads a few rows unless it is the tied lm_head).
+  uint64_t decode_weight_bytes = 0;
+  std::vector<int64_t> graph_buckets;   // CUDA: batch sizes with a captured decode graph (empty: none)
+  // CUDA: device memory the captured graphs took, measured with cudaMemGetInfo around their capture (the plan's
+  // "graphs" row is an estimate of this).
+  uint64_t graph_memory_bytes = 0;
+};
+
+// Engine::measure_copy_bandwidth's result.
+struct CopyBandwidth {
+  double bytes_per_second = 0;  // bytes read + written
+  uint64_t bytes = 0;           // per copy
+  int repeats = 0;
+  std::string method;           // "cudaMemcpy device to device" or "memcpy"
 };
 
 // Writes a float32 [rows, cols] array as a NumPy .npy file (format 1.0, little-endian, C order), byte for
@@ -113,10 +149,15 @@ Status write_npy(const std::string& path, const float* values, int64_t rows, int
 
 class Engine {
  public:
-  // Loads config.json and the safetensors headers, plans for the CPU (options.plan), reserves the one arena,
-  // binds the weights as views into the mmap (BF16/F16/F32 as on disk; absent tensors are missing_tensor,
-  // listing them), makes the CPU backend and loads the tokenizer. Errors: whatever those steps report, e.g.
-  // does_not_fit with the plan's advice when the memory budget is too small.
+  // Loads config.json and the safetensors headers, chooses the backend (options.backend), plans for its device
+  // (options.plan), reserves the one arena (host memory, or ONE cudaMalloc on a GPU), binds the weights (CPU:
+  // views into the mmap, BF16/F16/F32 as on disk; CUDA: uploaded into the arena's weights region in chunks,
+  // Linears converted to the activation dtype; absent tensors are missing_tensor, listing them), makes the
+  // backend, captures the CUDA decode graphs and loads the tokenizer. No device allocation happens after open.
+  // Errors: whatever those steps report, e.g. does_not_fit with the plan's advice when the memory budget is too
+  // small, unsupported for --backend cuda in a build without CUDA, device_error when no GPU is usable.
+  // Qwen3-VL on CUDA: text runs on the GPU; images are refused (unsupported) because the vision encoder runs on
+  // the CPU backend only so far: open with BackendChoice::cpu for images.
   static Result<std::unique_ptr<Engine>> open(const std::string& model_dir, const EngineOptions& options = {});
   ~Engine();
   Engine(const Engine&) = delete;
@@ -195,6 +236,13 @@ class Engine {
   void cancel();
 
   EngineStats stats() const;
+  EngineInfo info() const;
+  // Copy bandwidth of the engine's memory, measured now, `repeats` copies of `bytes` timed together: bytes read
+  // + written per second, the ceiling of memory-bound work such as decoding. GPU: cudaMemcpy device to device
+  // from the KV region's first half onto its second (no allocation), bytes 0: min(half the region, 256 MiB).
+  // CPU: memcpy between two host buffers of `bytes` (0: 256 MiB, larger than any cache) taken for the
+  // measurement. invalid_argument while a request is in flight (the GPU's overwrites KV pages).
+  Result<CopyBandwidth> measure_copy_bandwidth(uint64_t bytes = 0, int repeats = 10);
 
  private:
   Engine();

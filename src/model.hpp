@@ -57,7 +57,8 @@ struct ImageRun {
 
 // The tokens of one forward step, in host memory, as the engine packed them. Tokens are grouped by sequence
 // and sequences follow the order of the attention batch: sequence s is KV-pool slot s, so the pool's block
-// tables serve as the batch's without a copy; a slot with no tokens this step has 0 queries and 0 context.
+// tables serve as the batch's (the CPU reads them in place, a GPU gets a copy); a slot with no tokens this step
+// has 0 queries and 0 context.
 struct StepInput {
   int64_t tokens = 0;                     // T, 1 <= T <= max_batched_tokens
   const int32_t* token_ids = nullptr;     // [T]
@@ -86,16 +87,32 @@ class TextModel {
             DType kv_dtype);
 
   // Runs every layer over the step's tokens, writing their K/V into the cache, and keeps the final hidden
-  // states for logits(). Throws kvlite::Error (the engine guards it).
+  // states for logits(): stage() then compute(). Throws kvlite::Error (the engine guards it).
   void forward(const StepInput& step);
+  // The step's inputs into their buffers (the backend's memory): token ids, KV slots, RoPE tables of the
+  // positions, the attention batch (query starts, context lengths, block tables) and the logit rows.
+  void stage(const StepInput& step);
+  // The layers over the staged step: only backend ops on buffers fixed at construction, with no host copy when
+  // the step has no image runs, so a GPU can capture it as a CUDA graph and replay it after each stage() of a
+  // step of the same shape (tokens, seqs; max_context at most the captured one).
+  void compute(const StepInput& step);
   // Logits of the rows step.logit_row_ids[first, first + count), count <= max_logit_rows(), into the logits
-  // buffer: F32 [count, V]. On the CPU backend the view is host memory the caller reads directly.
+  // buffer: [count, V] in the activation dtype (F32 on the CPU, where the view is host memory the caller reads
+  // directly; a GPU's stays on the device).
   Tensor logits(int64_t first, int64_t count);
   int64_t max_logit_rows() const { return max_logit_rows_; }
 
-  // Host scratch for the sampler, one row of V per sequence slot (the plan's sampling buffers).
+  // Host scratch for the CPU sampler, one row of V per sequence slot (the plan's sampling buffers); only on a
+  // backend whose memory is the host's.
   float* sampling_probs(int64_t seq);   // [V]
   int32_t* sampling_order(int64_t seq);  // [V]
+  // The same buffers as views, for a sampler that runs where the logits are (cuda::sample).
+  struct SamplingBuffers {
+    Tensor probs;   // "sampling_probs"  [Smax, V] F32 scratch
+    Tensor params;  // "sampling_params" [Smax, kSamplingParamWords] I32
+    Tensor ids;     // "sampled_ids"     [Smax] I32
+  };
+  SamplingBuffers sampling_buffers() const { return {sampling_probs_, sampling_params_, sampled_ids_}; }
 
  private:
   KVCacheView kv_cache() const;
@@ -108,14 +125,15 @@ class TextModel {
   int64_t max_tokens_ = 0;      // Tmax = max_batched_tokens: rows of every activation buffer
   int64_t max_seqs_ = 0;        // Smax: rows of the per-sequence buffers
   int64_t max_logit_rows_ = 0;  // rows one logits() call computes: min(logits buffer rows, Tmax)
-  int64_t step_tokens_ = 0;     // T of the last forward()
+  int64_t step_tokens_ = 0;     // T of the last stage()
   float attention_scale_ = 1.0f;  // head_dim ** -0.5
   std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
   std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
   int64_t deepstack_levels_ = 0;            // qwen3_vl: DeepStack features added after layers 0 .. levels - 1
 
   // Views of the arena's buffers (planner names in quotes), full size; forward() slices the first T rows.
-  Tensor hidden_;         // "hidden"       [Tmax, H] fp32: the residual stream
+  // Activations (act) are in the backend's activation dtype.
+  Tensor hidden_;         // "hidden"       [Tmax, H] act: the residual stream
   Tensor normed_;         // "normed"       [Tmax, H]: RMSNorm outputs, and o_proj / down_proj outputs
   Tensor qkv_;            // "qkv"          [Tmax, (Hq + 2 Hkv) D]: q | k | v column blocks
   Tensor attn_out_;       // "attn_out"     [Tmax, Hq D]
@@ -125,14 +143,17 @@ class TextModel {
   Tensor rope_sin_;       // "rope_sin"     [Tmax, D / 2] fp32
   Tensor token_ids_;      // "token_ids"    [Tmax] int32
   Tensor slot_mapping_;   // "slot_mapping" [Tmax] int32
-  Tensor query_starts_;   // "query_starts" [Smax + 1] int32
-  Tensor context_lens_;   // "context_lens" [Smax] int32
+  Tensor query_starts_;   // "query_starts" [Smax + 1] int32 (+ 1 for a GPU's spare sequence)
+  Tensor context_lens_;   // "context_lens" [Smax] int32 (+ 1 likewise)
+  Tensor block_tables_;   // "block_tables" [Smax + 1, max_pages_per_seq] int32 (GPU); empty on the CPU
   Tensor logit_rows_;     // "logit_rows"   [Tmax] int32
   Tensor deepstack_rows_;  // "deepstack_rows" [Tmax, H] fp32 (vision models): a step's DeepStack rows
-  Tensor logits_;         // "logits"       [max(Smax, 32), V] fp32
+  Tensor logits_;         // "logits"       [max(Smax, 32), V] act (rows sized for fp32)
   Tensor sampling_probs_;  // "sampling_probs" [Smax, V] fp32
   Tensor sampling_order_;  // "sampling_order" [Smax, V] int32
-  AttentionBatch batch_;  // of the last forward()
+  Tensor sampling_params_;  // "sampling_params" [Smax, 6] int32
+  Tensor sampled_ids_;      // "sampled_ids" [Smax] int32
+  AttentionBatch batch_;  // of the last stage()
 };
 
 }  // namespace kvlite

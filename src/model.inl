@@ -207,14 +207,22 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   max_tokens_ = plan.options.max_batched_tokens;
   max_seqs_ = plan.options.max_seqs;
   const DType act = backend_.activation_dtype();
+  if (!plan.options.activation_dtype || *plan.options.activation_dtype != act)
+    fail(ErrorCode::internal, format("the plan sized activations for %s but the %s backend computes in %s",
+                                     plan.options.activation_dtype ? dtype_name(*plan.options.activation_dtype) : "(unset)",
+                                     backend_.name().c_str(), dtype_name(act)));
+  // A GPU reads the step's block tables from its own memory; the CPU reads the pool's in place (as planned).
+  const bool device_tables = backend_.kind() == BackendKind::cuda;
+  const int64_t table_pages = device_tables ? block_table_pages(config_, plan.options.kv_page_tokens) : 0;
+  const int64_t spare = device_tables ? 1 : 0;
 
   detail::model::BufferCarver buffers(arena_);
-  buffers.carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, backend_.kind()));
+  buffers.carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, act, table_pages));
   buffers.carve("logits", logits_buffers(config_, max_seqs_));
   auto view = [&](const char* name, DType dtype, int64_t rows, int64_t cols) {
     return buffers.view(name, dtype, rows, cols);
   };
-  hidden_ = view("hidden", DType::F32, max_tokens_, H);
+  hidden_ = view("hidden", act, max_tokens_, H);
   normed_ = view("normed", act, max_tokens_, H);
   qkv_ = view("qkv", act, max_tokens_, (c.num_heads + 2 * c.num_kv_heads) * D);
   attn_out_ = view("attn_out", act, max_tokens_, c.num_heads * D);
@@ -224,17 +232,20 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   rope_sin_ = view("rope_sin", DType::F32, max_tokens_, half);
   token_ids_ = view("token_ids", DType::I32, max_tokens_, 1);
   slot_mapping_ = view("slot_mapping", DType::I32, max_tokens_, 1);
-  query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1, 1);
-  context_lens_ = view("context_lens", DType::I32, max_seqs_, 1);
+  query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1 + spare, 1);
+  context_lens_ = view("context_lens", DType::I32, max_seqs_ + spare, 1);
+  if (device_tables) block_tables_ = view("block_tables", DType::I32, max_seqs_ + 1, arena_.kv().max_pages_per_seq());
   logit_rows_ = view("logit_rows", DType::I32, max_tokens_, 1);
   if (config_.vision.present) {
     deepstack_levels_ = int64_t(config_.vision.deepstack_visual_indexes.size());
     deepstack_rows_ = view("deepstack_rows", DType::F32, max_tokens_, H);
   }
   const int64_t logits_buffer_rows = int64_t(buffers.bytes("logits") / uint64_t(V * 4));
-  logits_ = view("logits", DType::F32, logits_buffer_rows, V);
+  logits_ = view("logits", act, logits_buffer_rows, V);
   sampling_probs_ = view("sampling_probs", DType::F32, max_seqs_, V);
   sampling_order_ = view("sampling_order", DType::I32, max_seqs_, V);
+  sampling_params_ = view("sampling_params", DType::I32, max_seqs_, kSamplingParamWords);
+  sampled_ids_ = view("sampled_ids", DType::I32, max_seqs_, 1);
   // The gathered rows go through hidden_ (free after the final norm), so a call takes at most Tmax rows.
   max_logit_rows_ = std::min(logits_buffer_rows, max_tokens_);
 
@@ -257,20 +268,25 @@ KVCacheView TextModel::kv_cache() const {
 }
 
 void TextModel::forward(const StepInput& step) {
+  stage(step);
+  compute(step);
+}
+
+void TextModel::stage(const StepInput& step) {
   using detail::fail;
   using detail::format;
   using detail::model::check;
   const TextConfig& c = config_.text;
-  const int64_t T = step.tokens, D = c.head_dim, I = c.intermediate_size;
-  const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
-  const float eps = float(c.rms_norm_eps);
-  if (T < 1 || T > max_tokens_ || step.seqs < 1 || step.seqs > max_seqs_ || step.logit_rows < 0 ||
+  const int64_t T = step.tokens;
+  // The attention batch's buffers hold max_seqs sequences, and a GPU's one spare (CUDA graph padding).
+  const int64_t seq_capacity = context_lens_.rows;
+  if (T < 1 || T > max_tokens_ || step.seqs < 1 || step.seqs > seq_capacity || step.logit_rows < 0 ||
       step.logit_rows > T)
     fail(ErrorCode::internal,
          format("forward: a step of %lld tokens, %lld sequences and %lld logit rows is outside the plan's %lld "
                 "tokens and %lld sequences",
                 (long long)T, (long long)step.seqs, (long long)step.logit_rows, (long long)max_tokens_,
-                (long long)max_seqs_));
+                (long long)seq_capacity));
   step_tokens_ = T;
 
   // The step's indices and RoPE tables, from the host.
@@ -290,10 +306,39 @@ void TextModel::forward(const StepInput& step) {
   batch_.query_starts = query_starts_.slice_rows(0, step.seqs + 1);
   batch_.context_lens = context_lens_.slice_rows(0, step.seqs);
   batch_.block_tables = step.block_tables.slice_rows(0, step.seqs);
+  if (block_tables_.data != nullptr) {
+    // [seqs, max_pages_per_seq] to the device, in the pool's layout
+    if (step.block_tables.cols != block_tables_.cols || step.seqs > block_tables_.rows)
+      fail(ErrorCode::internal, format("forward: block tables of %lld pages per sequence for %lld sequences do not fit "
+                                       "the plan's [%lld, %lld]", (long long)step.block_tables.cols,
+                                       (long long)step.seqs, (long long)block_tables_.rows,
+                                       (long long)block_tables_.cols));
+    Tensor device_tables = block_tables_.slice_rows(0, step.seqs);
+    if (step.block_tables.row_stride == step.block_tables.cols) {
+      check(backend_.copy_from_host(step.block_tables.data, device_tables));
+    } else {
+      for (int64_t s = 0; s < step.seqs; s++)
+        check(backend_.copy_from_host(step.block_tables.slice_rows(s, 1).data, device_tables.slice_rows(s, 1)));
+    }
+    batch_.block_tables = device_tables;
+  }
   batch_.max_context = step.max_context;
+}
+
+void TextModel::compute(const StepInput& step) {
+  using detail::model::check;
+  const TextConfig& c = config_.text;
+  const int64_t T = step.tokens, D = c.head_dim, I = c.intermediate_size;
+  const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
+  const float eps = float(c.rms_norm_eps);
+  if (T != step_tokens_)
+    detail::fail(ErrorCode::internal, detail::format("compute: a step of %lld tokens after stage() of %lld",
+                                                     (long long)T, (long long)step_tokens_));
+  Tensor ids = token_ids_.slice_rows(0, T), slots = slot_mapping_.slice_rows(0, T);
+  Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
   const KVCacheView cache = kv_cache();
 
-  Tensor hidden = hidden_.slice_rows(0, T);    // [T, H] fp32, the residual stream
+  Tensor hidden = hidden_.slice_rows(0, T);    // [T, H], the residual stream
   Tensor normed = normed_.slice_rows(0, T);    // [T, H]
   Tensor qkv = qkv_.slice_rows(0, T);          // [T, (Hq + 2 Hkv) D]
   Tensor q = qkv.slice_cols(0, q_width);       // [T, Hq D]
@@ -307,6 +352,11 @@ void TextModel::forward(const StepInput& step) {
   // inputs_embeds = self.embed_tokens(input_ids)
   check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
   // qwen3_vl: inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
+  // (image features are float32 host rows, copied as they are: F32 activations only)
+  if (step.image_runs > 0 && hidden.dtype != DType::F32)
+    detail::fail(ErrorCode::unsupported,
+                 detail::format("image tokens need F32 activations; the %s backend computes in %s",
+                                backend_.name().c_str(), dtype_name(hidden.dtype)));
   for (int64_t r = 0; r < step.image_runs; r++) {
     const ImageRun& run = step.image_run_list[r];
     check(backend_.copy_from_host(run.rows, hidden.slice_rows(run.token, run.count)));
@@ -381,11 +431,10 @@ Tensor TextModel::logits(int64_t first, int64_t count) {
                                                      (long long)first, (long long)count, (long long)max_logit_rows_));
   // logits = self.lm_head(hidden_states[:, slice_indices, :]), for the wanted rows only (RMSNorm is per row,
   // so normalising all rows and then selecting is the same as transformers' select-last-then-project).
-  // hidden is dead after the final norm: it holds the gathered rows (fp32, which is also the CPU's activation
-  // dtype; a bf16 backend would gather into a buffer of its own dtype).          gathered [count, H]
+  // hidden is dead after the final norm: it holds the gathered rows.                gathered [count, H]
   Tensor gathered = hidden_.slice_rows(0, count);
   check(backend_.gather_rows(normed_.slice_rows(0, step_tokens_), logit_rows_.slice_rows(first, count), gathered));
-  Tensor out = logits_.slice_rows(0, count);  // [count, V] fp32
+  Tensor out = logits_.slice_rows(0, count);  // [count, V] act (fp32 on the CPU, as transformers' .float())
   check(backend_.linear(gathered, weights_.lm_head, out));
   check(backend_.synchronize());
   return out;

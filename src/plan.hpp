@@ -27,6 +27,10 @@ struct PlanOptions {
                                        // step; a request with more is refused (does_not_fit)
   int64_t kv_page_tokens = 16;         // tokens per KV page
   std::optional<bool> wsl2;            // override WSL2 detection
+  // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
+  // float32) and accepts nothing else; CUDA: BF16, F16 or F32. Unset: F32 on the CPU; on CUDA the model's dtype
+  // (F16 for F16 checkpoints, else BF16), as KV auto. Resolved in Plan::options.
+  std::optional<DType> activation_dtype;
 };
 
 // Limits on options (beyond them the planner's products would stop meaning anything).
@@ -37,6 +41,18 @@ constexpr int64_t kMaxPlanImages = 1024;
 constexpr int64_t kMaxPlanImagePixels = int64_t(1) << 28;  // 16384 x 16384
 // Every planned region starts on this boundary: each buffer and item is rounded up to it.
 constexpr uint64_t kPlanAlignment = 256;
+
+// The CUDA backend's workspace (CudaBackendOptions, backend_cuda.hpp), carved from the plan's "workspace" item:
+// the one source of both numbers. cuBLAS's part is what it asks for on Hopper (4 MiB suffice on older GPUs); the
+// scratch holds split attention's partials ([rows, heads, splits, head_dim + 2] floats: decode of 64 sequences x
+// 64 heads x head_dim 128 split 8 ways needs 16 MiB; less scratch only means fewer splits).
+constexpr uint64_t kCudaCublasWorkspaceBytes = 32 * MiB;
+constexpr uint64_t kCudaScratchBytes = 32 * MiB;
+constexpr uint64_t kCudaWorkspaceBytes = kCudaCublasWorkspaceBytes + kCudaScratchBytes;
+// Weights reach the GPU in chunks of at most this many bytes, straight from the mmap (pageable memory: no pinned
+// buffer, which WSL2 limits). A chunk that needs converting to the activation dtype is staged in the KV region
+// (free until the first step) and converted there by the GPU, so staging costs no memory of its own.
+constexpr uint64_t kCudaUploadChunkBytes = 16 * MiB;
 
 // One line of the plan table. Items with in_arena == true are regions of the one reservation, carved in
 // this order; the others (CUDA context) are memory the device spends that kvlite does not allocate.
@@ -58,6 +74,7 @@ struct Plan {
   std::vector<PlanItem> items;  // everything but the KV arena, in table order
   uint64_t weights_bytes = 0;
   std::string weights_source;   // "headers" or "config"
+  uint64_t upload_chunk_bytes = 0;  // CUDA: weights are uploaded in chunks of at most this (kCudaUploadChunkBytes)
   uint64_t kv_bytes_per_token = 0;
   uint64_t kv_page_tokens = 0;
   uint64_t kv_page_bytes = 0;   // kv_page_tokens x kv_bytes_per_token (all layers)
@@ -118,20 +135,37 @@ Result<Plan> plan_model_dir(const std::string& model_dir, const PlanOptions& opt
 
 // The buffers of one forward step, each a named region with its bytes (rounded up to kPlanAlignment): the
 // planner sums them and the engine carves them, so the two agree. Shapes name config sizes:
-// T tokens, H hidden, Hq/Hkv heads, D head_dim, I intermediate, S sequences, V vocab, N patches.
+// T tokens, H hidden, Hq/Hkv heads, D head_dim, I intermediate, S sequences, V vocab, N patches, P pages of a
+// sequence.
 struct BufferSpec {
   std::string name;   // "hidden", "qkv", ...
   uint64_t bytes = 0;
   std::string shape;  // "(T, H) fp32"
 };
-// Language model, one step of `tokens` tokens from up to `max_seqs` sequences.
+// Language model, one step of `tokens` tokens from up to `max_seqs` sequences, activations in
+// `activation_dtype` (F32, BF16 or F16). With block_table_pages > 0 (a GPU: its attention reads block tables from
+// device memory) the step's block tables get a buffer "block_tables" (S + 1, P), and the attention batch room for
+// one more sequence: the spare sequence that holds a CUDA graph's padding rows. The CPU (0) reads the KV pool's
+// tables in place.
+std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
+                                           DType activation_dtype, int64_t block_table_pages);
+// The plan's buffers for a backend's default activation dtype: the CPU's (F32, no block-table buffer), or
+// CUDA's BF16 with block tables for sequences of up to max_position_embeddings tokens in pages of 16.
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
                                            BackendKind backend);
+// Pages of the block-table buffer a CUDA plan reserves per sequence: enough for the model's longest sequence
+// (max_position_embeddings), so the plan's fixed items do not depend on max_model_len.
+int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens);
 // Vision encoder, `images` images of at most `image_pixels` pixels each (empty for text-only models).
 std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
                                        BackendKind backend);
-// Logits and sampling for up to `max_seqs` sequences (scoring reuses the same rows, 32 at a time).
+// Logits and sampling for up to `max_seqs` sequences (scoring reuses the same rows, 32 at a time). The logits
+// rows are F32-sized; a GPU computing in BF16/F16 stores them in its activation dtype in the same buffer.
 std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_seqs);
+// CUDA decode graph buckets for up to max_seqs sequences: the powers of two below max_seqs, then max_seqs.
+std::vector<int64_t> decode_graph_buckets(int64_t max_seqs);
+// Words of one row of the "sampling_params" buffer (cuda::DeviceSamplingParams).
+constexpr int64_t kSamplingParamWords = 6;
 uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers);  // their sum
 
 }  // namespace kvlite

@@ -3,15 +3,18 @@
 // The rules, one per table row (each also spelled out in that row's `why`). Every buffer and item is rounded
 // up to kPlanAlignment (256 B), the boundary every arena region starts on.
 //   weights      WeightsSummary.total_bytes: exact from the safetensors headers, or estimated from config.json
-//                when the directory has no weights.
+//                when the directory has no weights. CUDA (in the arena): dense Linears' weights and biases are
+//                stored in the activation dtype (cuBLAS multiplies like types), so they count at its width, a
+//                tied lm_head whose table is not in that dtype gets a converted copy, and every tensor starts
+//                on a 256-byte boundary (cuda_weight_slack).
 //   repack       CUDA only: extra bytes the GPU layout needs over the on-disk one. FP8 Linears whose scales are
 //                16-bit get fp32 scales (cuBLASLt's scale modes take fp32 only): scale elements x 2 B extra.
 //                W4A16 is repacked in place (0). CPU: 0, it runs the on-disk layout. The row is always shown.
 //   context      CUDA context + cuBLAS handles + driver, which the device spends outside kvlite's arena:
 //                384 MiB on native Linux, 1024 MiB under WSL2 (its paravirtualized driver reserves more, and
 //                pinned host memory is limited there: vLLM disables it). CPU: 0.
-//   activations  activation_buffers(config, max_batched_tokens, max_seqs, backend): the engine carves exactly
-//                these, so plan and arena agree.
+//   activations  activation_buffers(config, max_batched_tokens, max_seqs, activation dtype, block table pages):
+//                the engine carves exactly these, so plan and arena agree.
 //   vision       vision models: vision_buffers(config, max_image_pixels, max_images, backend). The default
 //                image budget is min(processor max, 1024 x 1024 pixels), not the processor's own 16777216:
 //                planning for the largest image a processor allows is how VLMs swallow small cards.
@@ -19,10 +22,12 @@
 //                (patch x merge)^2) per image (what the largest image allowed becomes), and image budget =
 //                this row + the vision tower's weights (which the weights row includes).
 //   logits       logits_buffers(config, max_seqs): scoring computes log-probs 32 rows at a time.
-//   workspace    CUDA: 32 MiB GEMM workspace + repack scratch as large as the largest single Linear.
+//   workspace    CUDA: kCudaWorkspaceBytes (the backend's cuBLAS workspace + attention scratch) + repack scratch
+//                as large as the largest single quantized Linear.
 //                CPU: 64 KiB of dequantization tiles per hardware thread.
-//   graphs       CUDA: decode graph pool, 16 MiB + 2 MiB per batch bucket (1, 2, 4, ..., max_seqs): an
-//                estimate until measured on a GPU. CPU: 0.
+//   graphs       CUDA: the driver's memory for the instantiated decode graphs, one per batch bucket (1, 2, 4,
+//                ..., max_seqs): 16 MiB + 2 MiB per bucket, an estimate until measured on a GPU. Outside the
+//                arena: the graphs' buffers are the arena's, kvlite allocates nothing while capturing. CPU: 0.
 //   KV           budget = floor(utilization x device memory); fixed = sum of the rows above;
 //                KV gets whole pages of what is left: pages = floor(max(0, budget - fixed) / page_bytes).
 #include <algorithm>
@@ -70,7 +75,6 @@ constexpr int64_t kProcessorDefaultMaxPixels = 16777216;  // Qwen's processor wh
 constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
 constexpr uint64_t kContextNative = 384 * MiB;
 constexpr uint64_t kContextWsl2 = 1024 * MiB;
-constexpr uint64_t kGemmWorkspace = 32 * MiB;
 constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
 constexpr uint64_t kGraphPoolBase = 16 * MiB;
 constexpr uint64_t kGraphPoolPerBucket = 2 * MiB;
@@ -90,9 +94,12 @@ BufferSpec buffer(const char* name, std::vector<uint64_t> dims, uint64_t element
           format("%s = (%s) %s", symbols, numbers.c_str(), dtype)};
 }
 
-// Activations are bf16 on the GPU and fp32 on the CPU (the CPU path is the fp32 reference).
-uint64_t activation_bytes(BackendKind backend) { return backend == BackendKind::cuda ? 2 : 4; }
-const char* activation_dtype(BackendKind backend) { return backend == BackendKind::cuda ? "bf16" : "fp32"; }
+// Activations are bf16 on the GPU and fp32 on the CPU (the CPU path is the fp32 reference) unless the options
+// say otherwise (PlanOptions::activation_dtype).
+DType default_activation_dtype(BackendKind backend) { return backend == BackendKind::cuda ? DType::BF16 : DType::F32; }
+const char* activation_dtype_text(DType dtype) {
+  return dtype == DType::BF16 ? "bf16" : dtype == DType::F16 ? "fp16" : "fp32";
+}
 
 // Patches per image for an image budget: the processor resizes to whole merge windows (patch x merge
 // pixels on a side) with at most `image_pixels` pixels, so a budget holds floor(pixels / window^2) windows.
@@ -225,6 +232,14 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
                (long long)o.max_batched_tokens, (long long)kMaxPlanBatchedTokens));
   if (o.kv_page_tokens < 1 || o.kv_page_tokens > kMaxPlanPageTokens)
     bad(format("kv_page_tokens %lld is outside 1..%lld", (long long)o.kv_page_tokens, (long long)kMaxPlanPageTokens));
+  if (o.activation_dtype) {
+    const DType act = *o.activation_dtype;
+    if (device.backend == BackendKind::cpu && act != DType::F32)
+      bad(format("activation dtype %s: the CPU backend computes in F32 only (it is the float32 reference); leave it "
+                 "unset or choose F32", dtype_name(act)));
+    if (act != DType::F32 && act != DType::BF16 && act != DType::F16)
+      bad(format("activation dtype %s: activations are BF16, F16 or F32", dtype_name(act)));
+  }
   if (o.max_images < 1 || o.max_images > kMaxPlanImages)
     bad(format("max_images %lld is outside 1..%lld", (long long)o.max_images, (long long)kMaxPlanImages));
   if (o.max_image_pixels < 0)
@@ -256,24 +271,74 @@ struct Inputs {
   const DeviceSpec& device;  // wsl2 resolved
 };
 
-PlanItem weights_item(const Inputs& in) {
+// CUDA: what the device copy of the weights weighs beyond their bytes on disk (negative when converting
+// shrinks them), and why.
+struct WeightConversion {
+  int64_t extra_bytes = 0;
+  uint64_t converted_linears = 0;
+  bool tied_copy = false;
+};
+WeightConversion cuda_weight_conversion(const ModelConfig& config, const WeightsSummary& weights, DType act) {
+  WeightConversion c;
+  const int64_t act_bytes = int64_t(dtype_bytes(act, 1));
+  for (const LinearDesc& linear : weights.linears) {
+    if (linear.format != WeightFormat::dense || linear.vision || linear.weight_dtype == act) continue;
+    const int64_t elements = linear.out_features * linear.in_features + (linear.has_bias ? linear.out_features : 0);
+    c.extra_bytes += elements * act_bytes - int64_t(linear.bytes);
+    c.converted_linears++;
+  }
+  // A tied lm_head reads the embedding table; gather_rows takes any float table, the GEMM only act. The
+  // table's dtype is its width (4: F32) or, for 2 bytes, the checkpoint's 16-bit dtype.
+  const TextConfig& t = config.text;
+  const uint64_t table_elements = uint64_t(t.vocab_size) * uint64_t(t.hidden_size);
+  if (t.tie_word_embeddings && table_elements > 0) {
+    const uint64_t width = weights.embedding_bytes / table_elements;
+    const DType table = width == 4 ? DType::F32 : t.dtype == DType::F16 ? DType::F16 : DType::BF16;
+    if (table != act) {
+      c.extra_bytes += int64_t(table_elements) * act_bytes;
+      c.tied_copy = true;
+    }
+  }
+  return c;
+}
+
+// Room for the uploader's 256-byte alignment of every text tensor: at most 18 per layer (2 norms, q/k norms,
+// 7 Linears with weight and bias) plus the embedding table, the final norm, lm_head and a tied copy.
+uint64_t cuda_weight_slack(const ModelConfig& config) {
+  return kPlanAlignment * (4 + 18 * uint64_t(std::max<int64_t>(config.text.num_layers, 0)));
+}
+
+PlanItem weights_item(const Inputs& in, DType act) {
   // On the CPU the weights are read in place from the memory-mapped safetensors files (the OS page cache
   // holds them): they count against the budget but are not copied into the arena.
   bool in_arena = in.device.backend == BackendKind::cuda;
   PlanItem item{"weights", "", align_up(in.weights.total_bytes, kPlanAlignment), "", in_arena};
   uint64_t linear_bytes = 0;
   for (const auto& linear : in.weights.linears) linear_bytes += linear.bytes;
+  std::string device;  // CUDA: what uploading changes
+  if (in_arena) {
+    const WeightConversion c = cuda_weight_conversion(in.config, in.weights, act);
+    const int64_t bytes = std::max<int64_t>(0, int64_t(in.weights.total_bytes) + c.extra_bytes) +
+                          int64_t(cuda_weight_slack(in.config));
+    item.bytes = align_up(uint64_t(bytes), kPlanAlignment);
+    device = format("; on the GPU %s(%s): ", c.converted_linears || c.tied_copy ? "" : "as stored ",
+                    format_bytes_signed(int64_t(item.bytes) - int64_t(in.weights.total_bytes)).c_str());
+    if (c.converted_linears) device += format("%llu Linears converted to %s, ", (unsigned long long)c.converted_linears,
+                                              activation_dtype_text(act));
+    if (c.tied_copy) device += format("a %s copy of the tied lm_head, ", activation_dtype_text(act));
+    device += format("256-byte alignment; uploaded in %s chunks", format_bytes(kCudaUploadChunkBytes).c_str());
+  }
   if (in.weights.exact) {
     item.label = in.tensor_count ? format("weights (exact, %llu tensors)", (unsigned long long)in.tensor_count)
                                  : std::string("weights (exact, from headers)");
     item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s%s",
                       in.weights.linears.size(), format_bytes(linear_bytes).c_str(),
                       format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str(),
-                      in_arena ? "" : "; memory-mapped, not copied (CPU)");
+                      in_arena ? device.c_str() : "; memory-mapped, not copied (CPU)");
   } else {
     item.label = "weights (estimated from config.json)";
     item.why = format("no safetensors in the directory: shapes from config.json, formats from quantization_config "
-                      "(%zu Linears %s)", in.weights.linears.size(), format_bytes(linear_bytes).c_str());
+                      "(%zu Linears %s)%s", in.weights.linears.size(), format_bytes(linear_bytes).c_str(), device.c_str());
   }
   if (in.config.vision.present)
     item.why += format("; the vision tower %s of it", format_bytes(in.weights.vision_bytes).c_str());
@@ -318,12 +383,16 @@ PlanItem context_item(const Inputs& in) {
 }
 
 PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
-  auto buffers = activation_buffers(in.config, o.max_batched_tokens, o.max_seqs, in.device.backend);
-  const char* dtype = activation_dtype(in.device.backend);
+  const bool gpu = in.device.backend == BackendKind::cuda;
+  const int64_t pages = gpu ? block_table_pages(in.config, o.kv_page_tokens) : 0;
+  auto buffers = activation_buffers(in.config, o.max_batched_tokens, o.max_seqs, *o.activation_dtype, pages);
+  const char* dtype = activation_dtype_text(*o.activation_dtype);
   return {"activations", "activations", buffers_bytes(buffers),
-          format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual (T,H) fp32; normed, qkv, "
-                 "attn_out, gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,D/2) fp32; int32 index arrays",
-                 (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits),
+          format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual, normed, qkv, attn_out, "
+                 "gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,D/2) fp32; int32 index "
+                 "arrays%s",
+                 (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits,
+                 gpu ? format("; block tables (S+1,%lld) int32", (long long)pages).c_str() : ""),
           true};
 }
 
@@ -361,10 +430,13 @@ PlanItem workspace_item(const Inputs& in) {
     for (const auto& linear : in.weights.linears)
       if (linear.format != WeightFormat::dense && (!largest || linear.bytes > largest->bytes)) largest = &linear;
     uint64_t scratch = largest ? largest->bytes : 0;
-    item.bytes = align_up(kGemmWorkspace + scratch, kPlanAlignment);
-    item.why = largest ? format("32 MiB GEMM workspace + repack scratch the size of the largest quantized Linear (%s, %s)",
+    item.bytes = align_up(kCudaWorkspaceBytes + scratch, kPlanAlignment);
+    const std::string backend = format("%s cuBLAS workspace + %s attention scratch",
+                                       format_bytes(kCudaCublasWorkspaceBytes).c_str(),
+                                       format_bytes(kCudaScratchBytes).c_str());
+    item.why = largest ? format("%s + repack scratch the size of the largest quantized Linear (%s, %s)", backend.c_str(),
                                 largest->name.c_str(), format_bytes(scratch).c_str())
-                       : std::string("32 MiB GEMM workspace (no quantized Linear: no repack scratch)");
+                       : backend + " (no quantized Linear: no repack scratch)";
   } else {
     uint64_t threads = std::max(1u, std::thread::hardware_concurrency());
     item.bytes = align_up(kCpuTileBytesPerThread * threads, kPlanAlignment);
@@ -374,25 +446,21 @@ PlanItem workspace_item(const Inputs& in) {
 }
 
 PlanItem graphs_item(const Inputs& in, const PlanOptions& o) {
-  PlanItem item{"graphs", "graphs", 0, "", true};
+  PlanItem item{"graphs", "graphs (outside the arena)", 0, "", false};
   if (in.device.backend != BackendKind::cuda) {
     item.why = "CPU backend: no CUDA graphs";
     return item;
   }
-  // Decode batch buckets: powers of two below max_seqs, and max_seqs itself.
   std::string buckets;
-  uint64_t count = 0;
-  for (int64_t b = 1;; b *= 2) {
-    int64_t bucket = std::min(b, o.max_seqs);
-    buckets += (count ? "," : "") + ll(bucket);
-    count++;
-    if (bucket == o.max_seqs) break;
-  }
+  const std::vector<int64_t> list = decode_graph_buckets(o.max_seqs);
+  const uint64_t count = list.size();
+  for (int64_t bucket : list) buckets += (buckets.empty() ? "" : ",") + ll(bucket);
   if (count > 6) {  // keep the line short: 1,2,4,...,256
     buckets = "1,2,4,...," + ll(o.max_seqs);
   }
   item.bytes = align_up(kGraphPoolBase + kGraphPoolPerBucket * count, kPlanAlignment);
-  item.why = format("decode graph pool: 16 MiB + 2 MiB x %llu batch buckets (%s); estimate until measured on a GPU",
+  item.why = format("driver memory of the decode CUDA graphs: 16 MiB + 2 MiB x %llu batch buckets (%s); estimate "
+                    "until measured on a GPU (their buffers are the arena's)",
                     (unsigned long long)count, buckets.c_str());
   return item;
 }
@@ -409,7 +477,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.options = o;
   plan.model_name = model_name_of(in.config);
   plan.arch = in.config.arch;
-  plan.items.push_back(weights_item(in));
+  plan.items.push_back(weights_item(in, *o.activation_dtype));
   plan.items.push_back(repack_item(in));
   plan.items.push_back(context_item(in));
   plan.items.push_back(activations_item(in, o));
@@ -429,6 +497,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
 
   plan.weights_bytes = in.weights.total_bytes;
   plan.weights_source = in.weights.exact ? "headers" : "config";
+  plan.upload_chunk_bytes = in.device.backend == BackendKind::cuda ? kCudaUploadChunkBytes : 0;
   plan.kv_bytes_per_token = in.config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
   plan.kv_page_tokens = uint64_t(o.kv_page_tokens);
   plan.kv_page_bytes = plan.kv_page_tokens * plan.kv_bytes_per_token;
@@ -536,25 +605,50 @@ void write_advice(const Inputs& in, Plan& plan) {
 
 // ---- buffers ----------------------------------------------------------------------------------------------
 
+std::vector<int64_t> decode_graph_buckets(int64_t max_seqs) {
+  std::vector<int64_t> buckets;
+  for (int64_t b = 1; max_seqs > 0; b *= 2) {
+    buckets.push_back(std::min(b, max_seqs));
+    if (buckets.back() == max_seqs) break;
+  }
+  return buckets;
+}
+
 uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers) {
   uint64_t sum = 0;
   for (const auto& b : buffers) sum += b.bytes;
   return sum;
 }
 
+int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens) {
+  if (kv_page_tokens <= 0) return 0;
+  return int64_t(ceil_div(uint64_t(std::max<int64_t>(config.text.max_position_embeddings, 1)), uint64_t(kv_page_tokens)));
+}
+
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
                                            BackendKind backend) {
+  return backend == BackendKind::cuda
+             ? activation_buffers(config, tokens, max_seqs, DType::BF16, block_table_pages(config, 16))
+             : activation_buffers(config, tokens, max_seqs, DType::F32, 0);
+}
+
+std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
+                                           DType activation_dtype, int64_t block_table_pages) {
   using detail::planning::buffer;
   const TextConfig& t = config.text;
   uint64_t T = uint64_t(std::max<int64_t>(tokens, 0)), S = uint64_t(std::max<int64_t>(max_seqs, 0));
   uint64_t H = uint64_t(t.hidden_size), Hq = uint64_t(t.num_heads), Hkv = uint64_t(t.num_kv_heads);
   uint64_t D = uint64_t(t.head_dim), I = uint64_t(t.intermediate_size);
-  uint64_t E = detail::planning::activation_bytes(backend);
-  const char* act = detail::planning::activation_dtype(backend);
+  uint64_t E = dtype_bytes(activation_dtype, 1);
+  const char* act = detail::planning::activation_dtype_text(activation_dtype);
+  // A GPU's attention batch has one spare sequence: a CUDA graph's padding rows (see TextModel).
+  const uint64_t P = uint64_t(std::max<int64_t>(block_table_pages, 0)), spare = P > 0 ? 1 : 0;
   // M-RoPE models carry three position rows (t, h, w) per token.
   bool mrope = !t.rope.mrope_section.empty() || config.arch == Arch::qwen3_vl;
   std::vector<BufferSpec> buffers = {
-      buffer("hidden", {T, H}, 4, "(T, H)", "fp32"),  // the residual stream stays fp32
+      // the residual stream, in the activation dtype (as transformers keeps it: fp32 on the CPU reference,
+      // bf16 in a bf16 model)
+      buffer("hidden", {T, H}, E, "(T, H)", act),
       buffer("normed", {T, H}, E, "(T, H)", act),     // RMSNorm output, input of q/k/v and gate/up
       buffer("qkv", {T, (Hq + 2 * Hkv) * D}, E, "(T, (Hq + 2 Hkv) D)", act),
       buffer("attn_out", {T, Hq * D}, E, "(T, Hq D)", act),
@@ -569,10 +663,12 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       // RoPE cos/sin of each token's position, computed on the host (rope_tables) and copied in.
       buffer("rope_cos", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
       buffer("rope_sin", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
-      buffer("query_starts", {S + 1}, 4, "(S + 1)", "int32"),  // attention batch: first token of each sequence
-      buffer("context_lens", {S}, 4, "(S)", "int32"),          // attention batch: cached tokens of each sequence
+      // attention batch: first token of each sequence; cached tokens of each sequence
+      spare ? buffer("query_starts", {S + 2}, 4, "(S + 2)", "int32") : buffer("query_starts", {S + 1}, 4, "(S + 1)", "int32"),
+      spare ? buffer("context_lens", {S + 1}, 4, "(S + 1)", "int32") : buffer("context_lens", {S}, 4, "(S)", "int32"),
       buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
+  if (P > 0) buffers.push_back(buffer("block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
   // Vision models: a step's DeepStack rows, staged from the host and added to the image tokens' hidden states.
   if (config.vision.present) buffers.push_back(buffer("deepstack_rows", {T, H}, 4, "(T, H)", "fp32"));
   return buffers;
@@ -588,8 +684,9 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
   uint64_t patch_values = uint64_t(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size);
   uint64_t vh = uint64_t(v.hidden_size), vI = uint64_t(v.intermediate_size), out = uint64_t(v.out_hidden_size);
   uint64_t vD = v.num_heads > 0 ? vh / uint64_t(v.num_heads) : 0;  // vision head_dim
-  uint64_t E = detail::planning::activation_bytes(backend);
-  const char* act = detail::planning::activation_dtype(backend);
+  const DType act_dtype = detail::planning::default_activation_dtype(backend);
+  uint64_t E = dtype_bytes(act_dtype, 1);
+  const char* act = detail::planning::activation_dtype_text(act_dtype);
   uint64_t mergers = 1 + v.deepstack_visual_indexes.size();
   return {
       buffer("pixel_patches", {N, patch_values}, E, "(N, C x frames x patch x patch)", act),
@@ -621,6 +718,8 @@ std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_se
       buffer("sampling_probs", {S, V}, 4, "(S, V)", "fp32"),
       buffer("sampling_order", {S, V}, 4, "(S, V)", "int32"),  // the sampler's sort order scratch
       buffer("sampled_ids", {S}, 4, "(S)", "int32"),
+      // the GPU sampler's inputs: temperature, top_k, top_p, min_p, the draw and the logits row of each sequence
+      buffer("sampling_params", {S, uint64_t(kSamplingParamWords)}, 4, "(S, 6)", "32-bit"),
       buffer("target_ids", {R}, 4, "(max(S, 32))", "int32"),  // scoring: the next tokens whose log-probs are read
       buffer("row_logprobs", {R}, 4, "(max(S, 32))", "fp32"),
   };
@@ -647,6 +746,10 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
                  : config.text.dtype == DType::F16  ? KVDType::f16
                                                     : KVDType::bf16;
   if (o.max_seqs == 0) o.max_seqs = kDefaultMaxSeqs;
+  if (!o.activation_dtype)
+    o.activation_dtype = device.backend == BackendKind::cuda && config.text.dtype == DType::F16
+                             ? DType::F16
+                             : default_activation_dtype(device.backend);
 
   std::string image_rule;
   if (!config.vision.present) {
@@ -867,6 +970,7 @@ std::string Plan::json() const {
   opts["max_image_pixels"] = options.max_image_pixels;
   opts["max_images"] = options.max_images;
   opts["kv_page_tokens"] = options.kv_page_tokens;
+  opts["activation_dtype"] = dtype_name(options.activation_dtype.value_or(DType::F32));
   opts["wsl2"] = options.wsl2.value_or(device.wsl2);
   j["options"] = opts;
   nlohmann::ordered_json list = nlohmann::ordered_json::array();
@@ -875,6 +979,7 @@ std::string Plan::json() const {
   j["items"] = list;
   j["weights_bytes"] = weights_bytes;
   j["weights_source"] = weights_source;
+  j["upload_chunk_bytes"] = upload_chunk_bytes;
   j["kv_dtype"] = kv_dtype_name(options.kv_dtype);
   j["kv_bytes_per_token"] = kv_bytes_per_token;
   j["kv_page_tokens"] = kv_page_tokens;

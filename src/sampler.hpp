@@ -15,6 +15,7 @@ struct SamplingParams {
   int64_t max_tokens = 256;
   std::vector<int32_t> stop_tokens;       // added to the tokenizer's end-of-turn tokens
   std::vector<std::string> stop_strings;  // generation ends when the text ends with one (it is cut off)
+  bool ignore_eos = false;  // benchmarks: the model's end-of-turn tokens do not stop it (stop_tokens still do)
 };
 Status validate(const SamplingParams& params);
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -309,6 +310,99 @@ TEST_CASE("generate and logits run the FP8 and W4A16 fixture checkpoints as stor
     REQUIRE(written.rows == expected.rows);
     REQUIRE(written.cols == expected.cols);
     CHECK(model_fixtures::relative_max_diff(written.values, expected.values) <= 1e-4);
+  }
+}
+
+// ---- kvlite bench -------------------------------------------------------------------------------------------
+
+namespace {
+// The numbers of a line, in order (a trailing % is dropped).
+std::vector<double> numbers_of(const std::string& line) {
+  std::vector<double> out;
+  std::istringstream in(line);
+  std::string word;
+  while (in >> word) {
+    if (!word.empty() && word.back() == '%') word.pop_back();
+    char* end = nullptr;
+    const double value = std::strtod(word.c_str(), &end);
+    if (end != word.c_str() && *end == '\0') out.push_back(value);
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("bench: decode tokens/s and time to first token beside the roofline, on the CPU backend too") {
+  Run run = run_kvlite({"bench", model_fixtures::dir("tiny-qwen3"), "--backend", "cpu", "--batch", "1,3",
+                        "--prompt-tokens", "12", "--decode-tokens", "5", "--device-mem", "256MiB", "--threads", "2"});
+  INFO(run.err);
+  INFO(run.out);
+  REQUIRE(run.status == 0);
+  std::istringstream out(run.out);
+  std::string line;
+  std::vector<std::string> lines;
+  while (std::getline(out, line)) lines.push_back(line);
+  auto line_starting = [&](const std::string& prefix) {
+    for (const auto& l : lines)
+      if (l.rfind(prefix, 0) == 0) return l;
+    return std::string();
+  };
+  CHECK(contains(line_starting("kvlite bench: tiny-qwen3 on "), "cpu"));
+  const std::string bandwidth = line_starting("copy bandwidth: ");
+  REQUIRE_FALSE(bandwidth.empty());
+  CHECK(contains(bandwidth, "GB/s"));
+  CHECK(contains(bandwidth, "memcpy"));
+  REQUIRE_FALSE(numbers_of(bandwidth).empty());
+  CHECK(numbers_of(bandwidth)[0] > 0);
+  CHECK(contains(line_starting("weights read per decode step: "), "KV per token: "));
+  // The table: a header, then one row per batch size in the order given.
+  size_t header = 0;
+  while (header < lines.size() && !contains(lines[header], "ttft_ms")) header++;
+  REQUIRE(header + 2 < lines.size());
+  for (const char* column : {"batch", "prompt", "decode", "ttft_ms", "ttft_floor_ms", "decode_tok/s", "roofline_tok/s",
+                             "of_roofline"})
+    CHECK_MESSAGE(contains(lines[header], column), column);
+  const int64_t batches[] = {1, 3};
+  for (size_t i = 0; i < 2; i++) {
+    const std::vector<double> row = numbers_of(lines[header + 1 + i]);
+    CAPTURE(lines[header + 1 + i]);
+    REQUIRE(row.size() == 8);
+    CHECK(row[0] == double(batches[i]));
+    CHECK(row[1] == 12);
+    CHECK(row[2] == 5);
+    for (size_t c = 3; c < 8; c++) CHECK(row[c] > 0);  // times, rates and the fraction of the roofline
+  }
+  CHECK(contains(run.out, "roofline: "));
+}
+
+TEST_CASE("bench and --backend: usage errors exit 2 naming the problem") {
+  const std::string dir = model_fixtures::dir("tiny-qwen3");
+  struct Case {
+    std::vector<std::string> args;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {{"bench", dir, "--batch", "0"}, "--batch 0 is outside"},
+      {{"bench", dir, "--batch", "1,x"}, "--batch needs a whole number"},
+      {{"bench", dir, "--decode-tokens", "1"}, "--decode-tokens 1 is outside"},
+      {{"bench", dir, "--max-seqs", "2", "--batch", "1,4"}, "less than the largest --batch 4"},
+      {{"bench", dir, "--backend", "tpu"}, "unknown backend 'tpu'"},
+      {{"generate", dir, "--prompt", "x", "--backend", "cpu", "--activation-dtype", "f8"}, "unknown dtype 'f8'"},
+      {{"generate", dir, "--prompt", "x", "--backend", "cpu", "--activation-dtype", "bf16", "--device-mem", "64MiB"},
+       "F32 only"},
+  };
+  for (const Case& c : cases) {
+    Run run = run_kvlite(c.args);
+    CAPTURE(c.needle);
+    INFO(run.err);
+    CHECK(run.status == 2);
+    CHECK(contains(run.err, c.needle));
+    CHECK(run.out.empty());
+  }
+  if (!kvlite::cuda::built_with_cuda() || kvlite::cuda::device_count() == 0) {
+    Run run = run_kvlite({"generate", dir, "--prompt", "x", "--backend", "cuda"});
+    INFO(run.err);
+    CHECK(run.status == 2);
+    CHECK(contains(run.err, kvlite::cuda::built_with_cuda() ? "no CUDA device" : "built without CUDA"));
   }
 }
 

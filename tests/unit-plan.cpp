@@ -547,7 +547,7 @@ TEST_CASE("activation buffers follow the config's shapes, bf16 on CUDA and fp32 
   auto gpu = activation_buffers(c, T, S, BackendKind::cuda);
   auto cpu = activation_buffers(c, T, S, BackendKind::cpu);
   auto rounded = [](uint64_t bytes) { return (bytes + 255) / 256 * 256; };
-  CHECK(named(gpu, "hidden").bytes == rounded(uint64_t(T) * 4096 * 4));
+  CHECK(named(gpu, "hidden").bytes == rounded(uint64_t(T) * 4096 * 2));  // the residual in the activation dtype
   CHECK(named(gpu, "normed").bytes == rounded(uint64_t(T) * 4096 * 2));
   CHECK(named(gpu, "qkv").bytes == rounded(uint64_t(T) * (32 + 2 * 8) * 128 * 2));
   CHECK(named(gpu, "attn_out").bytes == rounded(uint64_t(T) * 32 * 128 * 2));
@@ -556,12 +556,23 @@ TEST_CASE("activation buffers follow the config's shapes, bf16 on CUDA and fp32 
   CHECK(named(gpu, "attn_partials").bytes == rounded(uint64_t(S) * 32 * 16 * (128 + 2) * 4));
   CHECK(named(gpu, "positions").bytes == rounded(uint64_t(T) * 4));
   CHECK(named(cpu, "qkv").bytes == rounded(uint64_t(T) * (32 + 2 * 8) * 128 * 4));
-  CHECK(named(cpu, "hidden").bytes == named(gpu, "hidden").bytes);
+  CHECK(named(cpu, "hidden").bytes == 2 * named(gpu, "hidden").bytes);
   for (const auto& b : gpu) CHECK(b.bytes % kPlanAlignment == 0);
   CHECK(named(gpu, "rope_cos").bytes == rounded(uint64_t(T) * 64 * 4));
-  CHECK(named(gpu, "query_starts").bytes == rounded(uint64_t(S + 1) * 4));
+  // A GPU's attention batch has a spare sequence (CUDA graph padding) and its block tables on the device, sized
+  // for the model's longest sequence (131072 tokens in pages of 16); the CPU reads the pool's tables in place.
+  CHECK(named(gpu, "query_starts").bytes == rounded(uint64_t(S + 2) * 4));
+  CHECK(named(gpu, "context_lens").bytes == rounded(uint64_t(S + 1) * 4));
+  CHECK(named(gpu, "block_tables").bytes == rounded(uint64_t(S + 1) * (131072 / 16) * 4));
+  CHECK(named(cpu, "query_starts").bytes == rounded(uint64_t(S + 1) * 4));
   CHECK(named(gpu, "logit_rows").bytes == rounded(uint64_t(T) * 4));
-  CHECK(gpu.size() == 16);
+  CHECK(gpu.size() == 17);
+  CHECK(cpu.size() == 16);
+  // F32 activations on a GPU: every activation buffer twice the bf16 bytes, the index buffers the same.
+  auto gpu32 = activation_buffers(c, T, S, DType::F32, block_table_pages(c, 16));
+  CHECK(named(gpu32, "qkv").bytes == 2 * named(gpu, "qkv").bytes);
+  CHECK(named(gpu32, "hidden").bytes == named(cpu, "hidden").bytes);
+  CHECK(named(gpu32, "block_tables").bytes == named(gpu, "block_tables").bytes);
   // M-RoPE: three position rows per token.
   CHECK(named(activation_buffers(qwen3_vl_4b(), T, S, BackendKind::cuda), "positions").bytes == rounded(3 * uint64_t(T) * 4));
   // The planner's activations row is exactly their sum.
@@ -686,10 +697,18 @@ TEST_CASE("CUDA-only rows (repack of 16-bit FP8 scales, context, graphs) are zer
   CHECK(graphs(8) == 24 * MiB);   // 1,2,4,8
   CHECK(graphs(9) == 26 * MiB);   // 1,2,4,8,9
   CHECK(graphs(256) == 34 * MiB); // 1..256: 9 buckets
-  // Workspace: 32 MiB + the largest quantized Linear (the bf16 lm_head is used as stored, never repacked).
+  // Workspace: the CUDA backend's (cuBLAS workspace + attention scratch, the same constants the backend carves)
+  // + the largest quantized Linear (the bf16 lm_head is used as stored, never repacked).
   Model l = llama();
   uint64_t gate = 14336ull * 4096 / 2 + 14336ull * 32 * 2 + 16;
-  CHECK(plan_for(l, card, options_with(0.9, 4096)).item("workspace")->bytes == (32 * MiB + gate + 255) / 256 * 256);
+  const uint64_t workspace = plan_for(l, card, options_with(0.9, 4096)).item("workspace")->bytes;
+  CHECK(workspace == (kCudaWorkspaceBytes + gate + 255) / 256 * 256);
+  CHECK(kCudaWorkspaceBytes == 64 * MiB);
+  cuda::CudaWorkspaceLayout layout;
+  REQUIRE(cuda::cuda_workspace_layout(workspace, kCudaCublasWorkspaceBytes, &layout));
+  CHECK(layout.scratch_bytes >= kCudaScratchBytes);
+  // The decode graphs' memory is the driver's, outside the arena.
+  CHECK_FALSE(p.item("graphs")->in_arena);
 
   DeviceSpec cpu;
   cpu.name = "CPU";
@@ -727,7 +746,9 @@ TEST_CASE("weights estimated from config.json say so") {
   Plan exact = plan_for(llama(), planned_card(8 * GiB, false), options_with(0.9, 2048));
   CHECK(exact.weights_source == "headers");
   CHECK(contains(exact.item("weights")->label, "exact"));
-  CHECK(exact.item("weights")->bytes == (l.weights.total_bytes + 255) / 256 * 256);
+  // On the GPU: as stored (int4 Linears and a bf16 lm_head need no conversion), plus room to start each text
+  // tensor on a 256-byte boundary (at most 4 + 18 per layer).
+  CHECK(exact.item("weights")->bytes == (l.weights.total_bytes + 256 * (4 + 18 * 32) + 255) / 256 * 256);
 }
 
 TEST_CASE("json: every key present, byte counts are integers") {
@@ -922,4 +943,72 @@ TEST_CASE("plan_model_dir is read_plan_inputs + detect_device + make_plan") {
   auto missing = plan_model_dir("/nonexistent/kvlite-model", o);
   REQUIRE_FALSE(missing.ok());
   CHECK(contains(missing.error().message, "/nonexistent/kvlite-model"));
+}
+
+TEST_CASE("activation dtype: the CPU's F32, CUDA's model dtype by default, or F32 on request") {
+  const std::string fixtures = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/models/";
+  PlanInputs bf16 = shipped(fixtures + "tiny-llama3"), f16 = shipped(fixtures + "tiny-qwen3");
+  DeviceSpec card = planned_card(1 * GiB, false);
+  DeviceSpec cpu;
+  cpu.name = "CPU";
+  cpu.total_bytes = 1 * GiB;
+  CHECK(plan_for(bf16, card, PlanOptions{}).options.activation_dtype == std::optional<DType>(DType::BF16));
+  CHECK(plan_for(f16, card, PlanOptions{}).options.activation_dtype == std::optional<DType>(DType::F16));
+  CHECK(plan_for(bf16, cpu, PlanOptions{}).options.activation_dtype == std::optional<DType>(DType::F32));
+  PlanOptions f32;
+  f32.activation_dtype = DType::F32;
+  Plan wide = plan_for(bf16, card, f32), narrow = plan_for(bf16, card, PlanOptions{});
+  CHECK(wide.item("activations")->bytes > narrow.item("activations")->bytes);
+  CHECK(nlohmann::json::parse(wide.json())["options"]["activation_dtype"] == "F32");
+  PlanOptions bad = f32;
+  bad.activation_dtype = DType::BF16;
+  auto refused = make_plan(bf16, cpu, bad);
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().code == ErrorCode::invalid_argument);
+  CHECK(contains(refused.error().message, "F32 only"));
+  bad.activation_dtype = DType::I32;
+  CHECK_FALSE(make_plan(bf16, card, bad));
+}
+
+// What the GPU uploader stores of a checkpoint, counted from its headers: dense Linears (weight and bias) in the
+// activation dtype, everything else as stored, a converted copy of a tied table not in that dtype; each tensor
+// at a 256-byte boundary.
+uint64_t device_weight_bytes(const std::string& dir, DType act) {
+  auto store = TensorStore::open_dir(dir);
+  REQUIRE(store);
+  auto config = load_config(dir);
+  REQUIRE(config);
+  uint64_t total = 0;
+  const uint64_t act_bytes = dtype_bytes(act, 1);
+  for (const TensorInfo& t : store->tensors()) {
+    const bool linear = t.name.find("_proj.") != std::string::npos || t.name.rfind("lm_head.", 0) == 0;
+    uint64_t elements = 1;
+    for (int64_t d : t.shape) elements *= uint64_t(d);
+    total += align_up(linear ? elements * act_bytes : t.nbytes, 256);
+  }
+  const TensorInfo* table = store->find("model.embed_tokens.weight");
+  REQUIRE(table != nullptr);
+  if (config->text.tie_word_embeddings && table->dtype != act) total += align_up(table->nbytes / dtype_bytes(table->dtype, 1) * act_bytes, 256);
+  return total;
+}
+
+TEST_CASE("a CUDA plan's weights region holds the checkpoint as the GPU stores it") {
+  const std::string fixtures = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/models/";
+  for (const char* name : {"tiny-llama3", "tiny-qwen2", "tiny-qwen3"}) {
+    for (DType act : {DType::BF16, DType::F16, DType::F32}) {
+      CAPTURE(name);
+      CAPTURE(dtype_name(act));
+      PlanInputs inputs = shipped(fixtures + name);
+      PlanOptions o;
+      o.activation_dtype = act;
+      Plan p = plan_for(inputs, planned_card(1 * GiB, false), o);
+      const uint64_t needed = device_weight_bytes(fixtures + name, act);
+      const uint64_t planned = p.item("weights")->bytes;
+      CHECK(planned >= needed);
+      // not more than the alignment room it may not use: 256 bytes per tensor it could hold
+      CHECK(planned - needed <= 256 * (4 + 18 * uint64_t(inputs.config.text.num_layers)) + 255);
+      CHECK(p.item("weights")->in_arena);
+      CHECK(p.upload_chunk_bytes == kCudaUploadChunkBytes);
+    }
+  }
 }

@@ -1,0 +1,656 @@
+// cuda-engine: the engine on the CUDA backend, checked against the CPU backend (the reference), and the parts of
+// it the CPU can prove on its own.
+//
+// On every machine: the GPU sampler's host twin (cuda::sample_row_reference) picks what sample_token picks, its
+// keys and integer sums; the backend choice and its errors; the weights a decode step reads (EngineInfo) against
+// the safetensors headers; the copy-bandwidth measurement; ignore_eos.
+// On a GPU (each case says "no CUDA GPU: skipped" without one, and fails under KVLITE_REQUIRE_GPU=1, which
+// tools/gpu-check.sh sets): logits against the CPU backend on the fixture models (bf16-level tolerance, F32
+// activations much tighter), greedy continuations, seeded sampling, the sampler kernel, CUDA graphs against
+// eager steps, no device allocation after open, measured device memory within 3% of the plan with a planned
+// card, Qwen3-VL text on the GPU with images refused.
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <sstream>
+
+#include "kvlite.hpp"
+#include "model_fixtures.hpp"
+#include "safetensors_writer.hpp"
+
+using namespace kvlite;
+namespace fx = model_fixtures;
+
+namespace {
+
+// ---- the GPU, or a skip -------------------------------------------------------------------------------------
+bool gpu_required() {
+  const char* value = std::getenv("KVLITE_REQUIRE_GPU");
+  return value != nullptr && std::string(value) == "1";
+}
+bool gpu_present() { return cuda::built_with_cuda() && cuda::device_count() > 0; }
+#define GPU_OR_SKIP()                                                                                      \
+  do {                                                                                                     \
+    if (!gpu_present()) {                                                                                  \
+      if (gpu_required())                                                                                  \
+        FAIL("KVLITE_REQUIRE_GPU=1 but no CUDA GPU is usable (built with CUDA: "                           \
+             << std::string(cuda::built_with_cuda() ? "yes" : "no") << ", devices: " << cuda::device_count() << ")"); \
+      MESSAGE("no CUDA GPU: skipped");                                                                     \
+      return;                                                                                              \
+    }                                                                                                      \
+  } while (0)
+
+#define REQUIRE_OK(expr)                                            \
+  do {                                                              \
+    const auto& kvlite_status_ = (expr);                            \
+    if (!kvlite_status_.ok()) FAIL(kvlite_status_.error().message); \
+  } while (0)
+
+struct Prompt {
+  std::vector<int32_t> ids;
+  std::vector<int32_t> greedy;         // transformers' 16 greedy ids
+  std::vector<double> margins;         // its top1 - top2 logit at each of them
+  std::string logits_file;
+};
+
+std::vector<Prompt> prompts(const std::string& name) {
+  std::vector<Prompt> list;
+  const nlohmann::json reference = fx::reference(name);  // kept: the loop runs over a part of it
+  for (const auto& p : reference["prompts"])
+    list.push_back({fx::ids_of(p["input_ids"]), fx::ids_of(p["greedy"]["new_ids"]),
+                    p["greedy"]["top1_margins"].get<std::vector<double>>(), p["logits_file"].get<std::string>()});
+  return list;
+}
+
+SamplingParams greedy(int64_t max_tokens = 16) {
+  SamplingParams params;
+  params.max_tokens = max_tokens;
+  return params;
+}
+
+// An engine on the CPU (the reference) or the GPU, with a small budget.
+std::unique_ptr<Engine> open_engine(const std::string& dir, BackendChoice backend,
+                                    std::optional<DType> activations = std::nullopt, bool graphs = true,
+                                    uint64_t device_mem = 1 * GiB) {
+  EngineOptions options;
+  options.backend = backend;
+  options.plan.device_mem = backend == BackendChoice::cpu ? 64 * MiB : device_mem;
+  options.plan.activation_dtype = activations;
+  options.cuda_graphs = graphs;
+  auto engine = Engine::open(dir, options);
+  if (!engine) FAIL("open " << dir << ": " << engine.error().message);
+  return std::move(*engine);
+}
+std::unique_ptr<Engine> cpu_engine(const std::string& name) { return open_engine(fx::dir(name), BackendChoice::cpu); }
+std::unique_ptr<Engine> gpu_engine(const std::string& name, std::optional<DType> activations = std::nullopt,
+                                   bool graphs = true) {
+  return open_engine(fx::dir(name), BackendChoice::cuda, activations, graphs);
+}
+
+// Logits of seeded random rows: normal with the given spread, rounded to bf16 so that ties occur (the GPU's
+// logits are bf16), a few -inf.
+std::vector<float> random_logits(std::mt19937_64& rng, int64_t vocab, float spread) {
+  std::normal_distribution<float> normal(0.0f, spread);
+  std::vector<float> row(static_cast<size_t>(vocab));
+  for (float& v : row) v = bf16_to_float(float_to_bf16(normal(rng)));
+  for (int i = 0; i < 3 && vocab > 4; i++) row[size_t(rng() % uint64_t(vocab))] = -INFINITY;
+  return row;
+}
+
+// The sampling settings both samplers are checked over: greedy, temperatures, top-k (off, 1, small, large),
+// top-p (off, loose, tight, very tight), min-p.
+std::vector<SamplingParams> sampling_grid() {
+  std::vector<SamplingParams> grid;
+  for (float temperature : {0.0f, 0.5f, 1.0f, 2.0f})
+    for (int64_t top_k : {0, 1, 5, 40})
+      for (float top_p : {1.0f, 0.95f, 0.6f, 0.1f})
+        for (float min_p : {0.0f, 0.1f}) {
+          SamplingParams p;
+          p.temperature = temperature;
+          p.top_k = top_k;
+          p.top_p = top_p;
+          p.min_p = min_p;
+          grid.push_back(p);
+        }
+  return grid;
+}
+
+// What the engine puts in a DeviceSamplingParams row, taking the draw from `rng` as sample_token would.
+cuda::DeviceSamplingParams device_params(const SamplingParams& p, int64_t vocab, Rng& rng, int32_t row) {
+  cuda::DeviceSamplingParams d{};
+  d.temperature = p.temperature;
+  d.top_k = int32_t(std::min<int64_t>(p.top_k, vocab));
+  d.top_p = p.top_p;
+  d.min_p = p.min_p;
+  d.draw = p.temperature != 0.0f ? uint32_t(rng.next_float() * 16777216.0f) : 0;
+  d.row = row;
+  return d;
+}
+
+std::string describe(const SamplingParams& p) {
+  std::ostringstream out;
+  out << "temperature " << p.temperature << ", top_k " << p.top_k << ", top_p " << p.top_p << ", min_p " << p.min_p;
+  return out.str();
+}
+
+// A copy of a fixture model directory whose generation_config.json names other end-of-turn ids.
+std::string copy_with_eos(const std::string& name, const std::vector<int32_t>& eos) {
+  const std::string dir = testing_safetensors::temp_dir("eos-" + name);
+  const std::string command = "cp -r '" + fx::dir(name) + "/.' '" + dir + "/'";
+  REQUIRE(std::system(command.c_str()) == 0);
+  nlohmann::json generation = nlohmann::json::parse(fx::read_file(dir + "/generation_config.json"));
+  generation["eos_token_id"] = eos;
+  testing_safetensors::write_text(dir + "/generation_config.json", generation.dump());
+  nlohmann::json config = nlohmann::json::parse(fx::read_file(dir + "/config.json"));
+  config["eos_token_id"] = eos;
+  testing_safetensors::write_text(dir + "/config.json", config.dump());
+  return dir;
+}
+
+}  // namespace
+
+// ============================================================================================================
+// On every machine
+// ============================================================================================================
+
+TEST_CASE("sampling keys order tokens as sample_token does: larger scaled logit first, then the lower id") {
+  std::mt19937_64 rng(11);
+  const float values[] = {-INFINITY, -1e30f, -3.5f, -1.0f, -1e-30f, 0.0f, 1e-30f, 0.5f, 2.0f, 3e38f, INFINITY};
+  std::vector<std::pair<float, int32_t>> tokens;
+  for (float v : values)
+    for (int32_t id : {0, 1, 7, 151935, INT32_MAX - 1}) tokens.push_back({v, id});
+  for (int i = 0; i < 40; i++) tokens.push_back({std::normal_distribution<float>(0, 4)(rng), int32_t(rng() % 200000)});
+  for (const auto& a : tokens) {
+    CHECK(cuda::sampling_key_id(cuda::sampling_key(a.first, a.second)) == a.second);
+    for (const auto& b : tokens) {
+      const bool before = a.first > b.first || (a.first == b.first && a.second < b.second);
+      CAPTURE(a.first);
+      CAPTURE(a.second);
+      CAPTURE(b.first);
+      CAPTURE(b.second);
+      CHECK((cuda::sampling_key(a.first, a.second) > cuda::sampling_key(b.first, b.second)) == before);
+    }
+  }
+}
+
+TEST_CASE("sampling sums: probability masses in 2^-60 units, the draw's target exact") {
+  CHECK(cuda::sampling_mass(1.0f) == (1ull << 60));
+  CHECK(cuda::sampling_mass(0.5f) == (1ull << 59));
+  CHECK(cuda::sampling_mass(0.0f) == 0);
+  CHECK(cuda::sampling_mass(std::ldexp(1.0f, -61)) == 1);  // half a unit rounds up
+  CHECK(cuda::top_p_target(1.0f) == (1ull << 60));
+  CHECK(cuda::top_p_target(0.75f) == 3ull << 58);
+  // u = draw / 2^24: the first token whose running mass exceeds u x total.
+  CHECK(cuda::draw_target(0, 12345) == 1);
+  CHECK(cuda::draw_target(1u << 23, 1ull << 61) == (1ull << 60) + 1);
+  CHECK(cuda::draw_target((1u << 24) - 1, 1u << 24) == (1u << 24) - 1 + 1);
+  CHECK(cuda::draw_target(3, 5) == 1);  // 15 / 2^24 rounds down to 0
+  // Large products stay exact: (2^24 - 1) x (2^61 + 3) / 2^24 = 2^61 - 2^37 + 3 - 3 / 2^24.
+  CHECK(cuda::draw_target((1u << 24) - 1, (1ull << 61) + 3) == (1ull << 61) - (1ull << 37) + 2 + 1);
+  // One radix step: bins scanned from the top; `before` collects the bins passed.
+  unsigned long long bins[cuda::kSamplingBins] = {};
+  bins[255] = 5;
+  bins[200] = 10;
+  bins[3] = 1;
+  uint64_t before = 0;
+  CHECK(cuda::sampling_select_bin(bins, 5, &before) == 255);
+  CHECK(before == 0);
+  CHECK(cuda::sampling_select_bin(bins, 6, &before) == 200);
+  CHECK(before == 5);
+  before = 0;
+  CHECK(cuda::sampling_select_bin(bins, 16, &before) == 3);
+  CHECK(before == 15);
+  before = 0;
+  CHECK(cuda::sampling_select_bin(bins, 17, &before) == -1);
+}
+
+TEST_CASE("the GPU sampler's host twin picks the token sample_token picks, draw for draw") {
+  std::mt19937_64 rng(2024);
+  int64_t rows = 0;
+  for (int64_t vocab : {1, 2, 17, 1415, 4099}) {
+    std::vector<float> probs(static_cast<size_t>(vocab)), scratch(static_cast<size_t>(vocab));
+    std::vector<int32_t> order(static_cast<size_t>(vocab));
+    for (const SamplingParams& params : sampling_grid()) {
+      for (int repeat = 0; repeat < 2; repeat++) {
+        const float spread = repeat == 0 ? 1.0f : 6.0f;  // flat and peaked distributions
+        std::vector<float> logits = random_logits(rng, vocab, spread);
+        std::vector<float> cpu_logits = logits;  // sample_token modifies its row
+        const uint64_t seed = rng();
+        Rng cpu_rng(seed), twin_rng(seed);
+        const int32_t cpu = sample_token(cpu_logits.data(), vocab, params, nullptr, 0, cpu_rng, probs.data(), order.data());
+        const cuda::DeviceSamplingParams d = device_params(params, vocab, twin_rng, 0);
+        const int32_t twin = cuda::sample_row_reference(logits.data(), vocab, d, scratch.data());
+        CAPTURE(vocab);
+        CAPTURE(describe(params));
+        CHECK(twin == cpu);
+        CHECK(cpu_rng.next_u64() == twin_rng.next_u64());  // both took the same number of draws
+        rows++;
+      }
+    }
+  }
+  CHECK(rows == 5 * 128 * 2);
+}
+
+TEST_CASE("backend choice: names, and --backend cuda says why it cannot run here") {
+  CHECK(parse_backend_choice("auto").value() == BackendChoice::auto_);
+  CHECK(parse_backend_choice("cpu").value() == BackendChoice::cpu);
+  CHECK(parse_backend_choice("cuda").value() == BackendChoice::cuda);
+  auto bad = parse_backend_choice("tpu");
+  REQUIRE_FALSE(bad);
+  CHECK(bad.error().code == ErrorCode::invalid_argument);
+  CHECK(bad.error().message.find("'tpu'") != std::string::npos);
+  CHECK(std::string(backend_choice_name(BackendChoice::cuda)) == "cuda");
+
+  EngineOptions options;
+  CHECK(options.backend == BackendChoice::cpu);  // the reference, unless asked otherwise
+  options.plan.device_mem = 64 * MiB;
+  options.backend = BackendChoice::auto_;
+  auto automatic = Engine::open(fx::dir("tiny-qwen3"), options);
+  REQUIRE(automatic);
+  CHECK((*automatic)->info().backend == (gpu_present() ? BackendKind::cuda : BackendKind::cpu));
+  if (gpu_present()) return;  // the refusals below need a machine without a usable GPU
+  options.backend = BackendChoice::cuda;
+  auto refused = Engine::open(fx::dir("tiny-qwen3"), options);
+  REQUIRE_FALSE(refused);
+  if (!cuda::built_with_cuda()) {
+    CHECK(refused.error().code == ErrorCode::unsupported);
+    CHECK(refused.error().message.find("built without CUDA") != std::string::npos);
+  } else {
+    CHECK(refused.error().code == ErrorCode::device_error);
+    CHECK(refused.error().message.find("no CUDA device") != std::string::npos);
+  }
+}
+
+TEST_CASE("the CPU computes in F32 and refuses another activation dtype") {
+  EngineOptions options;
+  options.backend = BackendChoice::cpu;
+  options.plan.device_mem = 64 * MiB;
+  options.plan.activation_dtype = DType::BF16;
+  auto refused = Engine::open(fx::dir("tiny-llama3"), options);
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().code == ErrorCode::invalid_argument);
+  CHECK(refused.error().message.find("F32") != std::string::npos);
+  options.plan.activation_dtype = DType::F32;
+  auto engine = Engine::open(fx::dir("tiny-llama3"), options);
+  REQUIRE(engine);
+  CHECK((*engine)->info().activation_dtype == DType::F32);
+  CHECK((*engine)->plan().options.activation_dtype == std::optional<DType>(DType::F32));
+}
+
+TEST_CASE("EngineInfo: the weights a decode step reads are every tensor but an untied embedding table") {
+  for (const std::string& name : fx::names()) {
+    CAPTURE(name);
+    auto store = TensorStore::open_dir(fx::dir(name));
+    REQUIRE(store);
+    auto engine = cpu_engine(name);
+    const TensorInfo* table = store->find("model.embed_tokens.weight");
+    REQUIRE(table != nullptr);
+    const bool tied = engine->config().text.tie_word_embeddings;
+    // On the CPU the ops read the weights as stored: the headers' byte spans are the truth.
+    CHECK(engine->info().decode_weight_bytes == store->total_bytes() - (tied ? 0 : table->nbytes));
+    CHECK(engine->info().backend == BackendKind::cpu);
+    CHECK(engine->info().graph_buckets.empty());
+  }
+}
+
+TEST_CASE("copy bandwidth is measured in the engine's memory, never under a running request") {
+  auto engine = cpu_engine("tiny-qwen3");
+  auto bandwidth = engine->measure_copy_bandwidth(1 * MiB, 3);
+  REQUIRE(bandwidth);
+  CHECK(bandwidth->bytes_per_second > 0);
+  CHECK(std::isfinite(bandwidth->bytes_per_second));
+  CHECK(bandwidth->bytes == 1 * MiB);
+  CHECK(bandwidth->repeats == 3);
+  CHECK(bandwidth->method == "memcpy");
+  REQUIRE(engine->submit(prompts("tiny-qwen3")[0].ids, greedy(2)));
+  auto refused = engine->measure_copy_bandwidth();
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().code == ErrorCode::invalid_argument);
+  REQUIRE(engine->run());
+  CHECK(engine->measure_copy_bandwidth(1 * MiB, 1));
+  auto no_repeats = engine->measure_copy_bandwidth(1 * MiB, 0);
+  REQUIRE_FALSE(no_repeats);
+  CHECK(no_repeats.error().code == ErrorCode::invalid_argument);
+}
+
+TEST_CASE("ignore_eos generates through the end-of-turn tokens, stop_tokens still stop") {
+  const Prompt p = prompts("tiny-llama3")[0];
+  // The 5th greedy token made an end-of-turn id (and the tokens before it are not that id).
+  const int32_t eos = p.greedy[4];
+  REQUIRE(std::find(p.greedy.begin(), p.greedy.begin() + 4, eos) == p.greedy.begin() + 4);
+  EngineOptions options;
+  options.backend = BackendChoice::cpu;
+  options.plan.device_mem = 64 * MiB;
+  auto engine = Engine::open(copy_with_eos("tiny-llama3", {eos}), options);
+  REQUIRE(engine);
+  auto stopped = (*engine)->generate(p.ids, greedy());
+  REQUIRE(stopped);
+  CHECK(stopped->finish_reason == FinishReason::stop_token);
+  CHECK(stopped->ids == std::vector<int32_t>(p.greedy.begin(), p.greedy.begin() + 5));
+  SamplingParams through = greedy();
+  through.ignore_eos = true;
+  auto all = (*engine)->generate(p.ids, through);
+  REQUIRE(all);
+  CHECK(all->finish_reason == FinishReason::max_tokens);
+  CHECK(all->ids == p.greedy);
+  through.stop_tokens = {eos};
+  auto explicit_stop = (*engine)->generate(p.ids, through);
+  REQUIRE(explicit_stop);
+  CHECK(explicit_stop->finish_reason == FinishReason::stop_token);
+  CHECK(explicit_stop->ids.size() == 5);
+}
+
+// ============================================================================================================
+// On a GPU
+// ============================================================================================================
+
+// The tolerance of GPU logits against the CPU's, as max |gpu - cpu| / max |cpu| over a prompt: one rounding of
+// the activation dtype per stored result, through a few layers (bf16: 8 bits of mantissa).
+double logits_tolerance(DType activations) {
+  switch (activations) {
+    case DType::BF16: return 4e-2;
+    case DType::F16: return 6e-3;
+    default: return 1e-4;
+  }
+}
+
+TEST_CASE("GPU logits match the CPU backend on every fixture, in every activation dtype") {
+  GPU_OR_SKIP();
+  for (const std::string& name : fx::names()) {
+    auto cpu = cpu_engine(name);
+    for (DType activations : {DType::BF16, DType::F16, DType::F32}) {
+      CAPTURE(name);
+      CAPTURE(dtype_name(activations));
+      auto gpu = gpu_engine(name, activations);
+      CHECK(gpu->info().backend == BackendKind::cuda);
+      CHECK(gpu->info().activation_dtype == activations);
+      for (const Prompt& p : prompts(name)) {
+        auto expected = cpu->logits(p.ids);
+        auto got = gpu->logits(p.ids);
+        REQUIRE(expected);
+        REQUIRE(got);
+        REQUIRE(got->values.size() == expected->values.size());
+        const double diff = fx::relative_max_diff(got->values, expected->values);
+        MESSAGE(name << " " << dtype_name(activations) << " prompt of " << p.ids.size()
+                     << " tokens: max |gpu - cpu| / max |cpu| = " << diff);
+        CHECK(diff <= logits_tolerance(activations));
+        // and against transformers' float32 logits, the fixture's own truth
+        const fx::Npy reference = fx::read_npy(fx::dir(name) + "/" + p.logits_file);
+        CHECK(fx::relative_max_diff(got->values, reference.values) <= logits_tolerance(activations) + 1e-4);
+      }
+    }
+  }
+}
+
+TEST_CASE("GPU greedy: F32 activations continue as transformers; 16-bit ones until the reference nearly ties") {
+  GPU_OR_SKIP();
+  for (const std::string& name : fx::names()) {
+    for (DType activations : {DType::F32, DType::BF16}) {
+      CAPTURE(name);
+      CAPTURE(dtype_name(activations));
+      auto gpu = gpu_engine(name, activations);
+      // All prompts at once (batched decode, CUDA graphs) and each alone (batch 1) give the same tokens.
+      std::vector<Prompt> list = prompts(name);
+      std::vector<RequestId> ids;
+      for (const Prompt& p : list) ids.push_back(gpu->submit(p.ids, greedy()).value());
+      REQUIRE(gpu->run());
+      for (size_t i = 0; i < list.size(); i++) {
+        const std::vector<int32_t> batched = gpu->result(ids[i]).value().ids;
+        auto alone = gpu->generate(list[i].ids, greedy());
+        REQUIRE(alone);
+        CHECK(alone->ids == batched);
+        if (activations == DType::F32) {
+          CHECK(batched == list[i].greedy);
+          continue;
+        }
+        // 16-bit: identical up to the first step where transformers' own top-2 margin is within twice what
+        // bf16 moves logits (the tolerance above, times the scale of the prompt's logits).
+        size_t same = 0;
+        while (same < batched.size() && same < list[i].greedy.size() && batched[same] == list[i].greedy[same]) same++;
+        MESSAGE(name << " bf16 greedy: " << same << " of 16 tokens as transformers");
+        const fx::Npy reference = fx::read_npy(fx::dir(name) + "/" + list[i].logits_file);
+        double scale = 0;
+        for (float v : reference.values) scale = std::max(scale, std::fabs(double(v)));
+        if (same < list[i].greedy.size()) CHECK(list[i].margins[same] < 2 * logits_tolerance(activations) * scale);
+      }
+      CHECK(gpu->stats().graph_steps > 0);
+    }
+  }
+}
+
+TEST_CASE("GPU seeded sampling draws the CPU's tokens (F32 activations), repetition penalty included") {
+  GPU_OR_SKIP();
+  const std::string name = "tiny-qwen2";
+  auto cpu = cpu_engine(name);
+  auto gpu = gpu_engine(name, DType::F32);
+  const Prompt p = prompts(name)[1];
+  int64_t same = 0, total = 0;
+  SamplingParams plain, nucleus, narrow;
+  plain.temperature = 1.0f;
+  nucleus.temperature = 0.7f;
+  nucleus.top_k = 40;
+  nucleus.top_p = 0.9f;
+  narrow.temperature = 1.5f;
+  narrow.top_p = 0.6f;
+  narrow.min_p = 0.1f;
+  for (const SamplingParams& setting : {plain, nucleus, narrow}) {
+    for (float penalty : {1.0f, 1.3f}) {
+      SamplingParams params = setting;
+      params.max_tokens = 24;
+      params.seed = 1234;
+      params.repetition_penalty = penalty;
+      CAPTURE(describe(params));
+      CAPTURE(penalty);
+      auto expected = cpu->generate(p.ids, params);
+      auto got = gpu->generate(p.ids, params);
+      REQUIRE(expected);
+      REQUIRE(got);
+      CHECK(got->ids == expected->ids);
+      total++;
+      same += got->ids == expected->ids;
+    }
+  }
+  MESSAGE("seeded sampling on the GPU: " << same << " of " << total << " generations as on the CPU");
+}
+
+TEST_CASE("the GPU sampler kernel picks what its host twin and sample_token pick") {
+  GPU_OR_SKIP();
+  for (DType activations : {DType::BF16, DType::F32}) {
+    for (int64_t vocab : {1, 1415, 151936}) {
+      CAPTURE(dtype_name(activations));
+      CAPTURE(vocab);
+      const std::vector<SamplingParams> grid = sampling_grid();
+      const int64_t rows = int64_t(grid.size());
+      const uint64_t logits_bytes = uint64_t(rows * vocab) * dtype_bytes(activations, 1);
+      const uint64_t scratch_bytes = uint64_t(rows * vocab) * 4;
+      const uint64_t reserve = kCudaWorkspaceBytes + logits_bytes + scratch_bytes + uint64_t(rows) * 64 + 4 * 4096;
+      auto memory = cuda::allocate_arena(reserve);
+      REQUIRE_OK(memory);
+      uint8_t* base = static_cast<uint8_t*>(*memory);
+      CudaBackendOptions options;
+      options.activation_dtype = activations;
+      options.workspace = base;
+      options.workspace_bytes = kCudaWorkspaceBytes;
+      auto backend = make_cuda_backend(options);
+      REQUIRE_OK(backend);
+      uint8_t* next = base + kCudaWorkspaceBytes;
+      auto take = [&](uint64_t bytes) {
+        uint8_t* p = next;
+        next += align_up(bytes, 256);
+        return p;
+      };
+      std::mt19937_64 rng(uint64_t(vocab) * 31 + uint64_t(activations));
+      std::vector<float> all;  // [rows, vocab] as the GPU holds them
+      std::vector<cuda::DeviceSamplingParams> params;
+      std::vector<int32_t> expected_cpu, expected_twin;
+      std::vector<float> probs(static_cast<size_t>(vocab)), scratch(static_cast<size_t>(vocab));
+      std::vector<int32_t> order(static_cast<size_t>(vocab));
+      for (int64_t r = 0; r < rows; r++) {
+        std::vector<float> row = random_logits(rng, vocab, r % 2 ? 6.0f : 1.0f);
+        all.insert(all.end(), row.begin(), row.end());
+        const uint64_t seed = rng();
+        Rng cpu_rng(seed), gpu_rng(seed);
+        std::vector<float> cpu_row = row;
+        expected_cpu.push_back(sample_token(cpu_row.data(), vocab, grid[size_t(r)], nullptr, 0, cpu_rng, probs.data(),
+                                            order.data()));
+        params.push_back(device_params(grid[size_t(r)], vocab, gpu_rng, int32_t(rows - 1 - r)));  // rows reversed
+        expected_twin.push_back(cuda::sample_row_reference(row.data(), vocab, params.back(), scratch.data()));
+      }
+      // The logits rows in reverse order, so the kernel must follow params.row.
+      std::vector<uint8_t> device_rows(static_cast<size_t>(logits_bytes));
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t v = 0; v < vocab; v++) {
+          const float value = all[size_t(r * vocab + v)];
+          uint8_t* at = &device_rows[size_t(((rows - 1 - r) * vocab + v) * int64_t(dtype_bytes(activations, 1)))];
+          if (activations == DType::BF16) {
+            const uint16_t bits = float_to_bf16(value);
+            memcpy(at, &bits, 2);
+          } else {
+            memcpy(at, &value, 4);
+          }
+        }
+      Tensor logits = Tensor::matrix(take(logits_bytes), activations, rows, vocab);
+      Tensor param_tensor = Tensor::matrix(take(uint64_t(rows) * 24), DType::I32, rows, kSamplingParamWords);
+      Tensor scratch_tensor = Tensor::matrix(take(scratch_bytes), DType::F32, rows, vocab);
+      Tensor ids = Tensor::vector(take(uint64_t(rows) * 4), DType::I32, rows);
+      REQUIRE_OK((*backend)->copy_from_host(device_rows.data(), logits));
+      REQUIRE_OK((*backend)->copy_from_host(params.data(), param_tensor));
+      REQUIRE_OK(cuda::sample(**backend, logits, param_tensor, scratch_tensor, ids));
+      std::vector<int32_t> got(size_t(rows), -1);
+      REQUIRE_OK((*backend)->copy_to_host(ids, got.data()));
+      for (int64_t r = 0; r < rows; r++) {
+        CAPTURE(describe(grid[size_t(r)]));
+        CHECK(got[size_t(r)] == expected_twin[size_t(r)]);
+        CHECK(got[size_t(r)] == expected_cpu[size_t(r)]);
+      }
+      backend->reset();
+      REQUIRE_OK(cuda::free_arena(base));
+    }
+  }
+}
+
+TEST_CASE("CUDA graphs replay what eager steps compute, and the graphs' memory is measured") {
+  GPU_OR_SKIP();
+  const std::string name = "tiny-qwen3";
+  auto eager = gpu_engine(name, DType::F32, false);
+  auto graphed = gpu_engine(name, DType::F32, true);
+  CHECK(eager->info().graph_buckets.empty());
+  std::vector<int64_t> expected_buckets = decode_graph_buckets(graphed->plan().options.max_seqs);
+  CHECK(graphed->info().graph_buckets == expected_buckets);
+  MESSAGE("decode graphs for buckets up to " << expected_buckets.back() << ": " << graphed->info().graph_memory_bytes
+                                             << " bytes measured; the plan's estimate "
+                                             << graphed->plan().item("graphs")->bytes);
+  // Odd batch sizes (padding rows in the graphs' spare sequence) and more sequences than one bucket.
+  std::vector<Prompt> list = prompts(name);
+  for (size_t batch : {size_t(1), size_t(3), size_t(5)}) {
+    CAPTURE(batch);
+    std::vector<RequestId> a, b;
+    for (size_t i = 0; i < batch; i++) {
+      a.push_back(eager->submit(list[i % list.size()].ids, greedy(12)).value());
+      b.push_back(graphed->submit(list[i % list.size()].ids, greedy(12)).value());
+    }
+    REQUIRE(eager->run());
+    REQUIRE(graphed->run());
+    for (size_t i = 0; i < batch; i++) CHECK(graphed->result(b[i]).value().ids == eager->result(a[i]).value().ids);
+  }
+  CHECK(eager->stats().graph_steps == 0);
+  CHECK(graphed->stats().graph_steps > 0);
+}
+
+TEST_CASE("no device allocation after open: the arena is the one cudaMalloc") {
+  GPU_OR_SKIP();
+  const uint64_t before = cuda::device_allocations();
+  auto gpu = gpu_engine("tiny-llama3");
+  CHECK(cuda::device_allocations() == before + 1);
+  const uint64_t opened = cuda::device_allocations();
+  std::vector<Prompt> list = prompts("tiny-llama3");
+  for (const Prompt& p : list) REQUIRE(gpu->submit(p.ids, greedy()));
+  REQUIRE(gpu->run());
+  SamplingParams sampled = greedy();
+  sampled.temperature = 0.8f;
+  sampled.top_p = 0.9f;
+  REQUIRE(gpu->generate(list[0].ids, sampled));
+  REQUIRE(gpu->logits(list[1].ids));
+  const nlohmann::json perplexity = fx::reference("tiny-llama3")["perplexity"];
+  REQUIRE(gpu->score(fx::ids_of(perplexity["input_ids"]), 64, 32));
+  REQUIRE(gpu->measure_copy_bandwidth());
+  CHECK(cuda::device_allocations() == opened);
+  CHECK(Arena::allocations_after_start() == 0);
+}
+
+// The whole process's device memory as nvidia-smi reports it (context included), or 0 when it cannot say.
+uint64_t process_device_bytes() {
+  FILE* pipe = popen("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null", "r");
+  if (!pipe) return 0;
+  char line[256];
+  uint64_t mib = 0;
+  const long self = long(getpid());
+  while (fgets(line, sizeof line, pipe)) {
+    long pid = 0;
+    unsigned long long used = 0;
+    if (sscanf(line, "%ld, %llu", &pid, &used) == 2 && pid == self) mib = used;
+  }
+  pclose(pipe);
+  return mib * MiB;
+}
+
+TEST_CASE("device memory measured within 3% of the plan, a large GPU behaving as an 8 GiB card") {
+  GPU_OR_SKIP();
+  auto free_before = cuda::memory_info();  // this process's context exists from here on
+  REQUIRE_OK(free_before);
+  uint64_t card = 8 * GiB;
+  if (free_before->first < card + GiB) {
+    card = std::max<uint64_t>(2, free_before->first * 8 / 10 / GiB) * GiB;
+    MESSAGE("less than 9 GiB free: planning a " << format_bytes(card) << " card instead of 8 GiB");
+  }
+  auto gpu = open_engine(fx::dir("tiny-llama3"), BackendChoice::cuda, std::nullopt, true, card);
+  const Plan& plan = gpu->plan();
+  CHECK(plan.device.total_bytes == card);
+  CHECK(gpu->arena().size() == plan.arena_bytes());
+  CHECK(plan.arena_bytes() > card / 2);  // the KV region took what the budget left, as on such a card
+  for (const Prompt& p : prompts("tiny-llama3")) REQUIRE(gpu->submit(p.ids, greedy()));
+  REQUIRE(gpu->run());
+  auto free_after = cuda::memory_info();
+  REQUIRE_OK(free_after);
+  const uint64_t planned = plan.fixed_bytes + plan.kv_arena_bytes;  // everything the plan says the device spends
+  const uint64_t context = plan.item("context")->bytes;
+  const int64_t measured = int64_t(free_before->first) - int64_t(free_after->first);  // all but the context
+  MESSAGE("plan " << planned << " bytes (context " << context << ", arena " << plan.arena_bytes() << ", graphs "
+                  << plan.item("graphs")->bytes << "); measured after the context: " << measured
+                  << " (graphs " << gpu->info().graph_memory_bytes << ")");
+  CHECK(std::llabs(measured - int64_t(planned - context)) <= int64_t(planned * 3 / 100));
+  const uint64_t whole = process_device_bytes();
+  if (whole == 0) {
+    MESSAGE("nvidia-smi gave no per-process figure: the context itself is not measured");
+  } else {
+    MESSAGE("nvidia-smi: this process holds " << whole << " bytes of device memory; the plan says " << planned);
+    CHECK(std::llabs(int64_t(whole) - int64_t(planned)) <= int64_t(planned * 3 / 100));
+  }
+}
+
+TEST_CASE("Qwen3-VL on the GPU: text as on the CPU, images refused with the way out") {
+  GPU_OR_SKIP();
+  const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/vl/tiny-qwen3-vl";
+  auto cpu = open_engine(dir, BackendChoice::cpu);
+  auto gpu = open_engine(dir, BackendChoice::cuda, DType::F32);
+  auto ids = gpu->tokenize("a picture of nothing at all");
+  REQUIRE(ids);
+  auto expected = cpu->logits(*ids);
+  auto got = gpu->logits(*ids);
+  REQUIRE(expected);
+  REQUIRE(got);
+  CHECK(fx::relative_max_diff(got->values, expected->values) <= logits_tolerance(DType::F32));
+  Image image;
+  image.width = 32;
+  image.height = 32;
+  image.rgb.assign(32 * 32 * 3, 128);
+  auto refused = gpu->generate(std::string(kImagePlaceholder) + "Describe it.", {image}, greedy(4));
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().code == ErrorCode::unsupported);
+  CHECK(refused.error().message.find("--backend cpu") != std::string::npos);
+}
