@@ -819,7 +819,8 @@ __device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const uint32_t 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // mma.m16n8k32 with e4m3 operands (sm_89+): d = a b, fp32, from zero (the caller scales it into its sum).
-__device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// (Unreferenced on older targets, where the W8A8 kernel compiles to a trap.)
+[[maybe_unused]] __device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%10,%10,%10,%10};\n"
@@ -929,7 +930,19 @@ struct QuantGemmArgs {
   uint64_t tile_row_bytes;
   int64_t splits;
   float* partials;           // [n_tiles][splits][16 M_TILES][64] when splits > 1
+  DType out_dtype;           // BF16 or F16 (W8A8 is compiled once and stores either)
 };
+
+// out[index] = value rounded to T, or for W8A8 (one instantiation for both) to args.out_dtype.
+template <QgFormat F, class T>
+__device__ __forceinline__ void qg_store(const QuantGemmArgs& args, int64_t index, float value) {
+  if (F == QgFormat::fp8_a8 && args.out_dtype == DType::F16)
+    static_cast<__half*>(args.out)[index] = from_float<__half>(value);
+  else if (F == QgFormat::fp8_a8)
+    static_cast<__nv_bfloat16*>(args.out)[index] = from_float<__nv_bfloat16>(value);
+  else
+    static_cast<T*>(args.out)[index] = from_float<T>(value);
+}
 
 // The block's part of one stage: its activation rows, the stage's tiles, and each warp's group tables.
 template <QgFormat F, int M_TILES>
@@ -1117,11 +1130,30 @@ __device__ __forceinline__ void qg_step_fp8_a8(const QuantGemmArgs&, const uint8
   }
 }
 
+// Whether the target being compiled has e4m3 tensor cores (sm_89+). The host pass (no __CUDA_ARCH__) says yes;
+// it compiles no kernel bodies.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+constexpr bool kFp8TensorCores = false;
+#else
+constexpr bool kFp8TensorCores = true;
+#endif
+
 // The skeleton: fetch -> (wait, fetch ahead, step) per stage -> sum the warps -> store or split-K fix-up.
-//   F: format; T: activation dtype (bf16/f16: the mma type for A16, the output type for W8A8);
-//   M_TILES: 16-row mma tiles per block (1, 2, 4).
+template <QgFormat F, class T, int M_TILES>
+__device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args);
+
+//   F: format; T: activation dtype (bf16/f16: the mma type for A16; W8A8 is instantiated with bf16 only and
+//   stores args.out_dtype); M_TILES: 16-row mma tiles per block (1, 2, 4).
+// W8A8 on targets without e4m3 tensor cores compiles to a trap (the host never launches it there), which keeps
+// those targets' compile time down.
 template <QgFormat F, class T, int M_TILES>
 __global__ void __launch_bounds__(QgShape<F, M_TILES>::kThreads) quant_gemm_kernel(const QuantGemmArgs args) {
+  if constexpr (F == QgFormat::fp8_a8 && !kFp8TensorCores) __trap();
+  else quant_gemm_body<F, T, M_TILES>(args);
+}
+
+template <QgFormat F, class T, int M_TILES>
+__device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
   using Shape = QgShape<F, M_TILES>;
   extern __shared__ __align__(16) uint8_t qg_smem[];
   __shared__ int last_arrival;
@@ -1202,13 +1234,12 @@ __global__ void __launch_bounds__(QgShape<F, M_TILES>::kThreads) quant_gemm_kern
   __syncthreads();
 
   // ---- phase 3: store (+ bias), or leave a partial and let the last split of the column tile store
-  T* out = static_cast<T*>(args.out);
   const int64_t n0 = n_tile * kQuantTileN;
   if (args.splits == 1) {
     for (int i = threadIdx.x; i < rows_here * kQuantTileN; i += Shape::kThreads) {
       const int r = i / int(kQuantTileN), c = i % int(kQuantTileN);
       if (n0 + c < args.n)
-        out[(m0 + r) * args.out_stride + n0 + c] = from_float<T>(tile[r * Shape::kTileStride + c] + args.bias[n0 + c]);
+        qg_store<F, T>(args, (m0 + r) * args.out_stride + n0 + c, tile[r * Shape::kTileStride + c] + args.bias[n0 + c]);
     }
     return;
   }
@@ -1230,7 +1261,7 @@ __global__ void __launch_bounds__(QgShape<F, M_TILES>::kThreads) quant_gemm_kern
     float sum = 0.0f;
     for (int64_t sp = 0; sp < args.splits; sp++)  // split order: the same sum whoever arrives last
       sum += __ldcg(args.partials + (uint64_t(n_tile * args.splits + sp) * Shape::kRows) * kQuantTileN + i);
-    out[(m0 + i / kQuantTileN) * args.out_stride + n0 + c] = from_float<T>(sum + args.bias[n0 + c]);
+    qg_store<F, T>(args, (m0 + i / kQuantTileN) * args.out_stride + n0 + c, sum + args.bias[n0 + c]);
   }
 }
 
@@ -1611,11 +1642,11 @@ QuantGemmInstance quant_gemm_instance(QgFormat format, DType activation, int m_t
   if (activation == DType::BF16) {
     if (format == QgFormat::int4_a16) return quant_gemm_instance<QgFormat::int4_a16, __nv_bfloat16>(m_tiles);
     if (format == QgFormat::fp8_a16) return quant_gemm_instance<QgFormat::fp8_a16, __nv_bfloat16>(m_tiles);
-    return quant_gemm_instance<QgFormat::fp8_a8, __nv_bfloat16>(m_tiles);
+  } else {
+    if (format == QgFormat::int4_a16) return quant_gemm_instance<QgFormat::int4_a16, __half>(m_tiles);
+    if (format == QgFormat::fp8_a16) return quant_gemm_instance<QgFormat::fp8_a16, __half>(m_tiles);
   }
-  if (format == QgFormat::int4_a16) return quant_gemm_instance<QgFormat::int4_a16, __half>(m_tiles);
-  if (format == QgFormat::fp8_a16) return quant_gemm_instance<QgFormat::fp8_a16, __half>(m_tiles);
-  return quant_gemm_instance<QgFormat::fp8_a8, __half>(m_tiles);
+  return quant_gemm_instance<QgFormat::fp8_a8, __nv_bfloat16>(m_tiles);  // stores args.out_dtype
 }
 
 class CudaBackend final : public Backend {
@@ -2250,6 +2281,7 @@ class CudaBackend final : public Backend {
     args.group_size = layout.group_size;
     args.tile_row_bytes = layout.tile_row_bytes();
     args.out_stride = leading_dimension(out);
+    args.out_dtype = act_;
     uint8_t* staged = scratch_;
     args.partials = reinterpret_cast<float*>(scratch_ + plan.x_bytes);
     for (int64_t r0 = 0; r0 < x.rows; r0 += plan.row_chunk) {

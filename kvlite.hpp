@@ -898,6 +898,10 @@ const char* quant_kernel_name(QuantKernel kernel);
 // then costs less than the tensor-core time it saves. A first guess: bench/quant_gemm.cu times both at
 // M = 512 and 2048 on each GPU.
 constexpr int64_t kQuantMmaMaxRows = 256;
+// Stages each split-K partition gets at least: more splits fill more SMs at M = 1, but each split pays the
+// block's epilogue (the warps' sum, a partial written and read back). A first guess, for bench/quant_gemm.cu to
+// settle.
+constexpr int64_t kQuantMinSplitStages = 2;
 // W8A8 runs on compute capability 8.9 and newer (the e4m3 mma); older GPUs run fp8 weights as W8A16.
 constexpr int kQuantW8A8MinSm = 89;
 
@@ -2531,7 +2535,8 @@ uint64_t quant_device_bytes(const LinearDesc& linear);
 // Repacks `host` on the host and copies it into device memory at device_dst (capacity >=
 // quant_device_bytes(host), 256-byte aligned, on the backend's device) through backend.copy_from_host, and returns
 // the device view (layout QuantLayout::cuda_tiles, its pointers into device_dst) that Backend::quant_linear takes
-// on that backend; it stays valid while device_dst does. Errors: invalid_argument (not a CUDA backend, not a
+// on that backend; it stays valid while device_dst does. One backend (one stream) runs a given device view at a
+// time: its split-K counters live in device_dst. Errors: invalid_argument (not a CUDA backend, not a
 // checkpoint view, capacity or alignment), bad_format (an fp8 weight holding the e4m3 NaN code), unsupported (fp8
 // scales too large for W8A16 on GPUs before sm_89; builds without CUDA).
 Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& host, void* device_dst,
@@ -5120,9 +5125,10 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
     p.row_chunk = std::min(chunk, rows);
     p.x_bytes = staged_bytes(layout, kernel, p.row_chunk);
   }
-  // Split-K when one block row leaves the GPU idle: as many splits as fill it once, each >= 2 stages.
+  // Split-K when one block row leaves the GPU idle: as many splits as fill it once, each of at least
+  // kQuantMinSplitStages stages.
   if (p.row_chunk <= 64 && layout.n_tiles < target_blocks) {
-    int64_t splits = std::min<int64_t>(target_blocks / layout.n_tiles, layout.stages / 2);
+    int64_t splits = std::min<int64_t>(target_blocks / layout.n_tiles, layout.stages / kQuantMinSplitStages);
     const uint64_t per_split =
         uint64_t(layout.n_tiles) * uint64_t(16 * quant_m_tiles(p.row_chunk)) * uint64_t(kQuantTileN) * 4;
     while (splits > 1 && p.x_bytes + uint64_t(splits) * per_split > scratch_bytes) splits--;

@@ -136,7 +136,8 @@ uint64_t quant_device_bytes(const LinearDesc& linear);
 // Repacks `host` on the host and copies it into device memory at device_dst (capacity >=
 // quant_device_bytes(host), 256-byte aligned, on the backend's device) through backend.copy_from_host, and returns
 // the device view (layout QuantLayout::cuda_tiles, its pointers into device_dst) that Backend::quant_linear takes
-// on that backend; it stays valid while device_dst does. Errors: invalid_argument (not a CUDA backend, not a
+// on that backend; it stays valid while device_dst does. One backend (one stream) runs a given device view at a
+// time: its split-K counters live in device_dst. Errors: invalid_argument (not a CUDA backend, not a
 // checkpoint view, capacity or alignment), bad_format (an fp8 weight holding the e4m3 NaN code), unsupported (fp8
 // scales too large for W8A16 on GPUs before sm_89; builds without CUDA).
 Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& host, void* device_dst,

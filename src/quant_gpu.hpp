@@ -183,6 +183,10 @@ const char* quant_kernel_name(QuantKernel kernel);
 // then costs less than the tensor-core time it saves. A first guess: bench/quant_gemm.cu times both at
 // M = 512 and 2048 on each GPU.
 constexpr int64_t kQuantMmaMaxRows = 256;
+// Stages each split-K partition gets at least: more splits fill more SMs at M = 1, but each split pays the
+// block's epilogue (the warps' sum, a partial written and read back). A first guess, for bench/quant_gemm.cu to
+// settle.
+constexpr int64_t kQuantMinSplitStages = 2;
 // W8A8 runs on compute capability 8.9 and newer (the e4m3 mma); older GPUs run fp8 weights as W8A16.
 constexpr int kQuantW8A8MinSm = 89;
 

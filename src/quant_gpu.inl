@@ -354,9 +354,10 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
     p.row_chunk = std::min(chunk, rows);
     p.x_bytes = staged_bytes(layout, kernel, p.row_chunk);
   }
-  // Split-K when one block row leaves the GPU idle: as many splits as fill it once, each >= 2 stages.
+  // Split-K when one block row leaves the GPU idle: as many splits as fill it once, each of at least
+  // kQuantMinSplitStages stages.
   if (p.row_chunk <= 64 && layout.n_tiles < target_blocks) {
-    int64_t splits = std::min<int64_t>(target_blocks / layout.n_tiles, layout.stages / 2);
+    int64_t splits = std::min<int64_t>(target_blocks / layout.n_tiles, layout.stages / kQuantMinSplitStages);
     const uint64_t per_split =
         uint64_t(layout.n_tiles) * uint64_t(16 * quant_m_tiles(p.row_chunk)) * uint64_t(kQuantTileN) * 4;
     while (splits > 1 && p.x_bytes + uint64_t(splits) * per_split > scratch_bytes) splits--;

@@ -139,6 +139,14 @@ struct Gpu {
 
 // How far the GPU may be from the CPU (see the top of the file).
 enum class Bound { exact_weights, rounded_weights, w8a8 };
+// For the A16 and dequantize paths: the GPU's weights are the reference's bits when the activations are F32
+// (exact dequantization) or when the reference rounds each weight to the activation dtype itself (its scale's
+// dtype, compressed-tensors' rounding); transformers' weight_scale_inv keeps the float32 product.
+Bound a16_bound(const QuantWeight& w, DType activation) {
+  const bool exact = activation == DType::F32 ||
+                     (w.scale_dtype == activation && w.rounding == DequantRounding::scale_dtype);
+  return exact ? Bound::exact_weights : Bound::rounded_weights;
+}
 
 // x [M, K] random in [-1, 1] (never near 0), exactly representable in the activation dtype; the GPU copy in
 // the activation dtype with `pad` extra elements per row (NaN) and `skew` bytes of misalignment.
@@ -298,7 +306,7 @@ TEST_CASE("W8A16 mma matches the CPU: tensor, channel and block scales, odd shap
     Gpu g(activation);
     for (const Shape& s : shapes) {
       OwnedWeight o = make_fp8(s.n, s.k, s.granularity, s.block_n, s.block_k, activation, s.rounding, rng);
-      check_rows(g, o, cuda::QuantKernel::mma_a16, Bound::exact_weights, {1, 3, 16, 31, 64, 65, 200}, rng);
+      check_rows(g, o, cuda::QuantKernel::mma_a16, a16_bound(o.weight, activation), {1, 3, 16, 31, 64, 65, 200}, rng);
     }
   }
 }
@@ -374,7 +382,7 @@ TEST_CASE("the automatic choice runs every format at decode and prefill sizes") 
     check_rows(g, int4, cuda::QuantKernel::automatic, Bound::exact_weights, {1, 4, 64, cuda::kQuantMmaMaxRows + 44},
                rng);
     OwnedWeight fp8 = make_fp8(64 * 9, 2048, ScaleGranularity::block, 128, 128, activation, DequantRounding::f32, rng);
-    check_rows(g, fp8, cuda::QuantKernel::automatic, w8a8 ? Bound::w8a8 : Bound::exact_weights,
+    check_rows(g, fp8, cuda::QuantKernel::automatic, w8a8 ? Bound::w8a8 : a16_bound(fp8.weight, activation),
                {1, 8, cuda::kQuantMmaMaxRows + 44}, rng);
   }
 }
@@ -439,11 +447,10 @@ TEST_CASE("the quantized fixture Linears run on the GPU as on the CPU") {
   const bool w8a8 = device_sm() >= cuda::kQuantW8A8MinSm;
   auto run = [&](const QuantWeight& host) {
     const QuantWeight device = g.upload(host);
-    const bool exact = host.scale_dtype == DType::BF16;
     const cuda::QuantGpuLayout layout = cuda::quant_gpu_layout(host);
     for (int64_t m : {1, 3, 70}) {
       Activations x(g, rng, m, host.in_features, 0, 0);
-      const Bound bound = exact ? Bound::exact_weights : Bound::rounded_weights;
+      const Bound bound = a16_bound(host, DType::BF16);
       check_quant_linear(g, host, device, x, cuda::QuantKernel::dequant_cublas, bound);
       if (layout.mma) check_quant_linear(g, host, device, x, cuda::QuantKernel::mma_a16, bound);
       if (layout.mma && w8a8 && host.format == WeightFormat::fp8)

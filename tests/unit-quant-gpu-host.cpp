@@ -602,14 +602,21 @@ TEST_CASE("planning: split-K fills the GPU for one block row, scratch is never e
   const QuantGpuLayout l = quant_gpu_layout(big.weight);
   QuantGemmPlan plan;
   std::string why;
-  // decode: 16 tiles on a GPU holding 396 blocks -> splits so that 16 x splits <= 396, each >= 2 stages
+  // decode: 16 tiles on a GPU holding 396 blocks -> splits so that 16 x splits <= 396, each of at least
+  // kQuantMinSplitStages of the 32 stages
   REQUIRE(plan_quant_gemm(l, QuantKernel::mma_a16, 1, false, 2, 32 * MiB, 396, &plan, &why));
-  CHECK(plan.splits == 16);  // min(396 / 16 = 24, 32 stages / 2)
+  const int64_t splits = std::min<int64_t>(396 / 16, 32 / kQuantMinSplitStages);
+  CHECK(plan.splits == splits);
   CHECK(plan.row_chunk == 1);
-  CHECK(plan.partial_bytes == uint64_t(16 * 16 * 16 * 64 * 4));
+  CHECK(plan.partial_bytes == uint64_t(splits * 16 * 16 * 64 * 4));
   CHECK_FALSE(plan.stage_x);
+  for (int64_t s = 0; s < plan.splits; s++) {
+    int64_t begin, end;
+    quant_split_range(l.stages, plan.splits, s, &begin, &end);
+    CHECK(end - begin >= kQuantMinSplitStages);
+  }
   REQUIRE(plan_quant_gemm(l, QuantKernel::mma_a16, 1, false, 2, 32 * MiB, 100, &plan, &why));
-  CHECK(plan.splits == 6);
+  CHECK(plan.splits == std::min<int64_t>(100 / 16, 32 / kQuantMinSplitStages));
   // many column tiles already fill it: no split
   REQUIRE(plan_quant_gemm(l, QuantKernel::mma_a16, 7, false, 2, 32 * MiB, 12, &plan, &why));
   CHECK(plan.splits == 1);
