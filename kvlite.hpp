@@ -11724,9 +11724,9 @@ struct Engine::Impl {
   // The longest context a graph's attention was captured for: every step's context is at most max_model_len.
   int64_t graph_max_context() const { return std::max<int64_t>(max_model_len(), plan.options.max_seqs); }
 
-  // At open: one graph per bucket the step buffers hold, each after an eager run of the same padded step (which
-  // loads the kernels and lets cuBLAS pick its algorithms, so capturing allocates nothing), and the device
-  // memory the graphs took, measured.
+  // At open: one graph per bucket the step buffers hold, after an eager run of each padded step (which loads the
+  // kernels and lets cuBLAS pick its algorithms, so capturing allocates nothing), and the device memory the
+  // graphs took, measured.
   void capture_decode_graphs() {
     std::vector<int64_t> buckets;
     for (int64_t bucket : decode_graph_buckets(plan.options.max_seqs))
@@ -11739,14 +11739,19 @@ struct Engine::Impl {
     padded.query_starts.assign(size_t(largest + 2), 0);
     padded.context_lens.assign(size_t(largest + 1), 0);
     padded.block_tables.assign(size_t((largest + 1) * pages), 0);
-    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
-    if (!before) throw before.error();
+    StepInput shape;  // only tokens and image_runs matter to compute()
     for (int64_t bucket : buckets) {
-      StepInput shape;  // only tokens and image_runs matter to compute()
       shape.tokens = bucket;
       stage_padded(nullptr, bucket, graph_max_context());
       model->compute(shape);
-      check(backend->synchronize());
+    }
+    check(backend->synchronize());
+    // Measured once everything the eager runs load (kernels, cuBLAS's state) is loaded: the graphs' own memory.
+    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
+    if (!before) throw before.error();
+    for (int64_t bucket : buckets) {
+      shape.tokens = bucket;
+      stage_padded(nullptr, bucket, graph_max_context());
       Result<CudaGraph> graph = cuda::capture_graph(*backend, [&] { model->compute(shape); });
       if (!graph) throw graph.error();
       graphs.emplace(bucket, std::move(*graph));
@@ -12035,6 +12040,7 @@ DeviceSpec engine_device(BackendKind backend, const EngineOptions& options) {
                     device.name.c_str()));
       device.name = "planned " + format_bytes(*options.plan.device_mem) + " card (on " + device.name + ")";
       device.total_bytes = *options.plan.device_mem;
+      device.free_bytes = 0;  // as detect_device says of a planned card: unknown
     }
   }
   device.wsl2 = options.plan.wsl2 ? *options.plan.wsl2 : running_under_wsl2();
