@@ -25,6 +25,9 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <thread>
+#include <cfloat>
+#include <unordered_map>
 
 namespace kvlite {
 namespace cuda {
@@ -736,6 +739,613 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const A* logits,
   if (lane == 0) ids[blockIdx.x] = best_index == INT_MAX ? 0 : best_index;
 }
 
+// ==== 3b. quantized GEMMs ===========================================================================// out [M, N] = x [M, K] @ W^T (+ bias) for quantized W in the device layout of quant_gpu.hpp (repacked at load
+// by cuda::upload_quant_weight). Three tensor-core kernels share one skeleton (quant_gemm_kernel), and a
+// dequantize kernel feeds cuBLAS for prefill-size M, F32 activations and layouts the mma kernels cannot read:
+//
+//   Int4A16  W4A16: 8 warps; a warp's k16 x n64 tile = one 16-byte load per lane, dequantized in registers
+//            (magic-number lop3, subtract magic + zero, multiply by the group scale, bf16/f16), mma.m16n8k16
+//   Fp8A16   W8A16 (any sm_80+ GPU; the fp8 path of sm_80/86/87): 4 warps; a warp's k32 x n64 tile = four
+//            16-byte loads per lane, e4m3 bits moved into bf16/f16 (prmt, shifts, masks) times the scale
+//            pre-multiplied by 2^fix, two mma.m16n8k16 steps per tile
+//   Fp8A8    W8A8 (sm_89+): the same tiles fed raw to mma.m16n8k32.e4m3, activations quantized per token
+//            (per group for block weights) by quantize_activations_fp8_kernel; each tile's fp32 product is
+//            scaled by (activation scale x weight scale) into the accumulator
+//
+// Partitioning: a block owns 16 x M_TILES rows x 64 output columns (one column tile) and a range of the K
+// stages; its warps take the stage's tiles side by side along K and sum in shared memory at the end:
+//
+//   grid = (row blocks, column tiles, splits)        K: | stage 0 | stage 1 | ... | stage S-1 |
+//   stage = 128 columns: warp w <- tile w               split 0: stages [0, S/splits), split 1: ...
+//
+// Split-K (one row block only, so that M = 1 fills the GPU): each split writes an fp32 partial [rows, 64] to
+// the backend's scratch, then bumps the column tile's counter (in the weight's own device region, zero at
+// rest); the block that arrives last sums the splits in split order (deterministic), adds the bias, stores
+// the output in the activation dtype and resets the counter. No extra launch, no memset.
+// Pipeline: kStages buffers of (activations, weight tiles, scales, zero points / activation scales), filled by
+// cp.async 16-byte copies kStages - 1 stages ahead (weights with an L2 evict-first policy: read once).
+
+// ---- PTX helpers -------------------------------------------------------------------------------------------------
+// cp.async.cg: 16 bytes global -> shared without a register round trip (sm_80+), so stages load while the
+// warps compute; src-size 0 fills zeros (rows past M, columns past K) without reading.
+__device__ __forceinline__ void cp_async_16(void* shared, const void* global, bool valid) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(valid ? 16 : 0));
+}
+// An L2 policy that evicts first: the quantized weights are read exactly once per GEMM and should not push
+// the activations, scales and split-K partials out of L2.
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ void cp_async_16_evict_first(void* shared, const void* global, uint64_t policy) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
+               "l"(policy));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N committed groups (stages) are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+// ldmatrix: four 8x8 b16 matrices from shared memory straight into an mma A fragment (rows given by lanes
+// 0-7, 8-15, 16-23, 24-31).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* shared) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+// mma.m16n8k16 with bf16 or f16 operands and fp32 accumulation: c += a b.
+// (Fragments: https://docs.nvidia.com/cuda/parallel-thread-execution/#warp-level-matrix-fragment-mma-16816-float)
+template <class T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                         uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// mma.m16n8k32 with e4m3 operands (sm_89+): d = a b, fp32, from zero (the caller scales it into its sum).
+__device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%10,%10,%10,%10};\n"
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+#else
+  // The host runs W8A8 only on sm_89+ (kQuantW8A8MinSm); older targets compile this path but never enter it.
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+  __trap();
+#endif
+}
+
+// Two 16-bit values in a 32-bit register (low half first), as bf16x2 / f16x2 arithmetic sees them. Both
+// operations round once to nearest even, as round_to_dtype does on the host.
+template <class T>
+struct Pair2;
+template <>
+struct Pair2<__nv_bfloat16> {
+  using Vector = __nv_bfloat162;
+  static constexpr bool kBf16 = true;
+};
+template <>
+struct Pair2<__half> {
+  using Vector = __half2;
+  static constexpr bool kBf16 = false;
+};
+template <class To, class From>
+__device__ __forceinline__ To bit_cast_32(From value) {
+  static_assert(sizeof(To) == 4 && sizeof(From) == 4, "32-bit casts only");
+  To to;
+  memcpy(&to, &value, 4);
+  return to;
+}
+template <class T>
+__device__ __forceinline__ uint32_t pair_sub(uint32_t a, uint32_t b) {
+  using V = typename Pair2<T>::Vector;
+  return bit_cast_32<uint32_t>(__hsub2(bit_cast_32<V>(a), bit_cast_32<V>(b)));
+}
+template <class T>
+__device__ __forceinline__ uint32_t pair_mul(uint32_t a, uint32_t b) {
+  using V = typename Pair2<T>::Vector;
+  return bit_cast_32<uint32_t>(__hmul2(bit_cast_32<V>(a), bit_cast_32<V>(b)));
+}
+// float -> T (nearest even), copied into both halves.
+template <class T>
+__device__ __forceinline__ uint32_t pair_broadcast(float value) {
+  const T narrow = from_float<T>(value);
+  uint16_t bits;
+  memcpy(&bits, &narrow, 2);
+  return uint32_t(bits) * 0x10001u;
+}
+
+// ---- the formats ---------------------------------------------------------------------------------------------------
+enum class QgFormat { int4_a16, fp8_a16, fp8_a8 };
+
+// Geometry per format and M_TILES (16-row mma tiles per block). Shared memory of one pipeline stage:
+//   A  activations [16 M_TILES rows][128 columns] (bf16/f16: 256 B rows; e4m3: 128 B), 16-byte chunks
+//      XOR-swizzled by row % 8 so that ldmatrix and the 8-byte loads hit distinct banks
+//   B  the stage's weight tiles, as in device memory (warp w's tile at w * tile bytes)
+//   S  per warp: the 64 scales of its tile's group (up to 4 bytes each; table positions, see quant_gpu.hpp)
+//   Z  int4: per warp, the 64 zero points of that group
+//   X  W8A8: per warp, the activation scales of the block's rows for that group
+template <QgFormat F, int M_TILES>
+struct QgShape {
+  static constexpr int kWarps = F == QgFormat::int4_a16 ? 8 : 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kTileK = F == QgFormat::int4_a16 ? 16 : 32;
+  static constexpr int kTileBytes = F == QgFormat::int4_a16 ? 512 : 2048;
+  static constexpr int kStages = M_TILES == 1 ? 6 : M_TILES == 2 ? 4 : 3;  // deeper when the A part is small
+  static constexpr int kRows = 16 * M_TILES;
+  static constexpr int kABytes = F == QgFormat::fp8_a8 ? 1 : 2;
+  static constexpr int kARow = int(kQuantStageK) * kABytes;
+  static constexpr int kA = kRows * kARow;
+  static constexpr int kB = kWarps * kTileBytes;
+  static constexpr int kS = kWarps * 64 * 4;
+  static constexpr int kZ = F == QgFormat::int4_a16 ? kWarps * 64 : 0;
+  static constexpr int kX = F == QgFormat::fp8_a8 ? kWarps * kRows * 4 : 0;
+  static constexpr int kStage = kA + kB + kS + kZ + kX;
+  // after the main loop the same memory holds the cross-warp sums, then the block's [rows][kTileStride] tile
+  static constexpr int kAccFloats = M_TILES * 32;  // per lane
+  static constexpr int kReduce = kWarps / 2 * kAccFloats * 32 * 4;
+  static constexpr int kTileStride = 68;  // floats; padded against bank conflicts
+  static constexpr int kTile = kRows * kTileStride * 4;
+  static constexpr int kSmem = kStages * kStage > kReduce ? (kStages * kStage > kTile ? kStages * kStage : kTile)
+                                                          : (kReduce > kTile ? kReduce : kTile);
+  static_assert(kWarps * kTileK == kQuantStageK, "a stage is one tile per warp");
+};
+
+// Everything a GEMM launch reads (device pointers into the weight's layout and the backend's scratch).
+struct QuantGemmArgs {
+  const void* x;             // [rows, x_stride]: T (A16) or e4m3 (W8A8), 16-byte aligned rows
+  int64_t x_stride;          // elements
+  int64_t k_valid;           // columns of x holding data; the rest of k_pad is read as 0
+  const float* x_scales;     // W8A8: [groups][x_scales_stride], the activation scale of each row
+  int64_t x_scales_stride;
+  void* out;                 // [rows, n], activation dtype
+  int64_t out_stride;
+  int64_t rows, n;
+  const uint8_t* tiles;      // layout tiles
+  const uint8_t* scales;     // [groups][n_pad]
+  const uint8_t* zeros;      // [groups][n_pad] or null (symmetric)
+  const float* bias;         // [n_pad]
+  unsigned* counters;        // [n_tiles]
+  int scale_bytes;           // table element: 2 or 4
+  DType scale_dtype;         // table dtype (int4: F32, BF16 or F16; fp8: F32)
+  int64_t n_pad, stages, group_size;
+  uint64_t tile_row_bytes;
+  int64_t splits;
+  float* partials;           // [n_tiles][splits][16 M_TILES][64] when splits > 1
+};
+
+// The block's part of one stage: its activation rows, the stage's tiles, and each warp's group tables.
+template <QgFormat F, int M_TILES>
+__device__ __forceinline__ void qg_fetch_stage(const QuantGemmArgs& args, uint8_t* stage, int64_t s, int64_t m0,
+                                               int64_t rows_here, int64_t n_tile, uint64_t policy) {
+  using Shape = QgShape<F, M_TILES>;
+  // A: 16-byte chunks; chunk c of row r lands at chunk (c ^ r % 8) of its shared row
+  constexpr int kChunksPerRow = Shape::kARow / 16;
+  constexpr int kElementsPerChunk = 16 / Shape::kABytes;
+  for (int i = threadIdx.x; i < Shape::kRows * kChunksPerRow; i += Shape::kThreads) {
+    const int r = i / kChunksPerRow, c = i % kChunksPerRow;
+    const int64_t column = s * kQuantStageK + c * kElementsPerChunk;
+    const bool valid = r < rows_here && column < args.k_valid;
+    const uint8_t* src = static_cast<const uint8_t*>(args.x) +
+                         (valid ? ((m0 + r) * args.x_stride + column) * Shape::kABytes : 0);
+    cp_async_16(stage + r * Shape::kARow + ((c ^ (r % 8)) * 16), src, valid);
+  }
+  // B: the stage's tiles are one contiguous run
+  uint8_t* b = stage + Shape::kA;
+  const uint8_t* tiles = args.tiles + uint64_t(n_tile) * args.tile_row_bytes + uint64_t(s) * Shape::kB;
+  for (int i = threadIdx.x; i < Shape::kB / 16; i += Shape::kThreads)
+    cp_async_16_evict_first(b + 16 * i, tiles + 16 * i, policy);
+  // S, Z, X: per warp tile, the rows of its group
+  uint8_t* scales = b + Shape::kB;
+  const int scale_chunks = 64 * args.scale_bytes / 16;
+  for (int i = threadIdx.x; i < Shape::kWarps * scale_chunks; i += Shape::kThreads) {
+    const int w = i / scale_chunks, c = i % scale_chunks;
+    const int64_t group = (s * kQuantStageK + w * Shape::kTileK) / args.group_size;
+    cp_async_16(scales + w * 256 + 16 * c,
+                args.scales + (uint64_t(group * args.n_pad + n_tile * kQuantTileN)) * args.scale_bytes + 16 * c, true);
+  }
+  if constexpr (Shape::kZ > 0) {
+    if (args.zeros != nullptr)
+      for (int i = threadIdx.x; i < Shape::kWarps * 4; i += Shape::kThreads) {
+        const int w = i / 4, c = i % 4;
+        const int64_t group = (s * kQuantStageK + w * Shape::kTileK) / args.group_size;
+        cp_async_16(scales + Shape::kS + w * 64 + 16 * c,
+                    args.zeros + uint64_t(group * args.n_pad + n_tile * kQuantTileN) + 16 * c, true);
+      }
+  }
+  if constexpr (Shape::kX > 0) {
+    constexpr int kChunks = Shape::kRows / 4;  // 4 rows of scales per 16 bytes
+    for (int i = threadIdx.x; i < Shape::kWarps * kChunks; i += Shape::kThreads) {
+      const int w = i / kChunks, c = i % kChunks;
+      const int64_t group = (s * kQuantStageK + w * Shape::kTileK) / args.group_size;
+      cp_async_16(scales + Shape::kS + w * Shape::kRows * 4 + 16 * c,
+                  args.x_scales + group * args.x_scales_stride + m0 + 4 * c, true);
+    }
+  }
+}
+
+// W4A16: warp `warp`'s k16 tile of the stage into acc[m tile][n8 block][4].
+template <class T, int M_TILES>
+__device__ __forceinline__ void qg_step_int4(const QuantGemmArgs& args, const uint8_t* stage, int warp, int lane,
+                                             float (&acc)[M_TILES][8][4]) {
+  using Shape = QgShape<QgFormat::int4_a16, M_TILES>;
+  constexpr bool kBf16 = Pair2<T>::kBf16;
+  const uint32_t magic = int4_magic(kBf16);
+  const int g = lane / 4;
+  // the lane's 8 scales (columns 8j + g) and zero points, from table positions 8g .. 8g + 7
+  const uint8_t* scales = stage + Shape::kA + Shape::kB + warp * 256;
+  uint32_t scale2[8], subtrahend2[8];
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    float scale;
+    if (args.scale_bytes == 4) {
+      scale = reinterpret_cast<const float*>(scales)[8 * g + j];
+    } else {
+      const uint16_t bits = reinterpret_cast<const uint16_t*>(scales)[8 * g + j];
+      scale = args.scale_dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+    }
+    scale2[j] = pair_broadcast<T>(scale);  // exact when the table already has T's dtype
+    const uint32_t zero = args.zeros != nullptr ? stage[Shape::kA + Shape::kB + Shape::kS + warp * 64 + 8 * g + j] : 8u;
+    subtrahend2[j] = int4_subtrahend_bits(zero, magic) * 0x10001u;
+  }
+  // A: rows of each m tile, columns 16 warp .. 16 warp + 15 (chunks 2 warp, 2 warp + 1)
+  uint32_t a[M_TILES][4];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; mt++) {
+    const int row = 16 * mt + lane % 16, chunk = 2 * warp + lane / 16;
+    ldmatrix_x4(a[mt], stage + row * Shape::kARow + ((chunk ^ (row % 8)) * 16));
+  }
+  const uint4 tile = *reinterpret_cast<const uint4*>(stage + Shape::kA + warp * Shape::kTileBytes + 16 * lane);
+  const uint32_t words[4] = {tile.x, tile.y, tile.z, tile.w};
+#pragma unroll
+  for (int w = 0; w < 4; w++)
+#pragma unroll
+    for (int half_word = 0; half_word < 2; half_word++) {
+      const int j = int4_pair_block(w, 2 * half_word);  // pairs 2 hw (b0) and 2 hw + 1 (b1) feed block j
+      const uint32_t b0 = pair_mul<T>(pair_sub<T>(int4_pair_bits(words[w], 2 * half_word, magic), subtrahend2[j]),
+                                      scale2[j]);
+      const uint32_t b1 = pair_mul<T>(
+          pair_sub<T>(int4_pair_bits(words[w], 2 * half_word + 1, magic), subtrahend2[j]), scale2[j]);
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; mt++) mma_16816<T>(acc[mt][j], a[mt], b0, b1);
+    }
+}
+
+// W8A16: warp `warp`'s k32 tile as two m16n8k16 steps (quant_gpu.hpp: w8a16_a_column).
+template <class T, int M_TILES>
+__device__ __forceinline__ void qg_step_fp8_a16(const QuantGemmArgs&, const uint8_t* stage, int warp, int lane,
+                                                float (&acc)[M_TILES][8][4]) {
+  using Shape = QgShape<QgFormat::fp8_a16, M_TILES>;
+  constexpr bool kBf16 = Pair2<T>::kBf16;
+  const int g = lane / 4, q = lane % 4;
+  const float* scales = reinterpret_cast<const float*>(stage + Shape::kA + Shape::kB + warp * 256);
+  uint32_t scale2[8];
+#pragma unroll
+  for (int j = 0; j < 8; j++) scale2[j] = pair_broadcast<T>(fp8_folded_scale(scales[8 * g + j], kBf16));
+  const uint8_t* tile = stage + Shape::kA + warp * Shape::kTileBytes;
+  uint4 chunks[4];
+#pragma unroll
+  for (int c = 0; c < 4; c++) chunks[c] = *reinterpret_cast<const uint4*>(tile + 512 * c + 16 * lane);
+#pragma unroll
+  for (int step = 0; step < 2; step++) {
+    // A: 8 bytes (4 values) at column 32 warp + 16 step + 4q of rows g and g + 8 of each m tile
+    uint32_t a[M_TILES][4];
+    const int byte = 2 * (32 * warp + 16 * step + 4 * q);
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int row = 16 * mt + g + 8 * h;
+        const uint2 v = *reinterpret_cast<const uint2*>(stage + row * Shape::kARow +
+                                                         (((byte / 16) ^ (row % 8)) * 16) + byte % 16);
+        a[mt][h] = v.x;      // a0 / a1: slots 2q, 2q + 1 <- columns 4q, 4q + 1
+        a[mt][2 + h] = v.y;  // a2 / a3: slots 2q + 8, 2q + 9 <- columns 4q + 2, 4q + 3
+      }
+#pragma unroll
+    for (int c = 0; c < 4; c++)
+#pragma unroll
+      for (int pair_word = 0; pair_word < 2; pair_word++) {
+        const int word = 2 * pair_word + step;  // fp8_word_register(word) == step
+        const int j = fp8_word_block(c, word);
+        const uint32_t raw = pair_word == 0 ? (step == 0 ? chunks[c].x : chunks[c].y)
+                                            : (step == 0 ? chunks[c].z : chunks[c].w);
+        const uint32_t ordered = fp8_pair_order(raw);
+        const uint32_t b0 = pair_mul<T>(fp8_pair_bits(ordered, 0, kBf16), scale2[j]);
+        const uint32_t b1 = pair_mul<T>(fp8_pair_bits(ordered, 1, kBf16), scale2[j]);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; mt++) mma_16816<T>(acc[mt][j], a[mt], b0, b1);
+      }
+  }
+}
+
+// W8A8: warp `warp`'s k32 tile on the e4m3 tensor cores; the tile's product scaled into acc.
+template <int M_TILES>
+__device__ __forceinline__ void qg_step_fp8_a8(const QuantGemmArgs&, const uint8_t* stage, int warp, int lane,
+                                               float (&acc)[M_TILES][8][4]) {
+  using Shape = QgShape<QgFormat::fp8_a8, M_TILES>;
+  const int g = lane / 4;
+  const float* scales = reinterpret_cast<const float*>(stage + Shape::kA + Shape::kB + warp * 256);
+  const float* x_scales = reinterpret_cast<const float*>(stage + Shape::kA + Shape::kB + Shape::kS + warp * Shape::kRows * 4);
+  float weight_scale[8][2], row_scale[M_TILES][2];
+#pragma unroll
+  for (int j = 0; j < 8; j++)
+#pragma unroll
+    for (int e = 0; e < 2; e++) weight_scale[j][e] = scales[w8a8_scale_position(lane, j, e)];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) row_scale[mt][h] = x_scales[16 * mt + g + 8 * h];
+  uint32_t a[M_TILES][4];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; mt++) {
+    const int row = 16 * mt + lane % 16, chunk = 2 * warp + lane / 16;
+    ldmatrix_x4(a[mt], stage + row * Shape::kARow + ((chunk ^ (row % 8)) * 16));
+  }
+  const uint8_t* tile = stage + Shape::kA + warp * Shape::kTileBytes;
+#pragma unroll
+  for (int c = 0; c < 4; c++) {
+    const uint4 chunk = *reinterpret_cast<const uint4*>(tile + 512 * c + 16 * lane);
+    const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+    for (int pair_word = 0; pair_word < 2; pair_word++) {
+      const int j = fp8_word_block(c, 2 * pair_word);  // words 2 pw (b0) and 2 pw + 1 (b1)
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; mt++) {
+        float d[4];
+        mma_16832_e4m3(d, a[mt], words[2 * pair_word], words[2 * pair_word + 1]);
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[mt][j][e] += d[e] * (row_scale[mt][e / 2] * weight_scale[j][e % 2]);
+      }
+    }
+  }
+}
+
+// The skeleton: fetch -> (wait, fetch ahead, step) per stage -> sum the warps -> store or split-K fix-up.
+//   F: format; T: activation dtype (bf16/f16: the mma type for A16, the output type for W8A8);
+//   M_TILES: 16-row mma tiles per block (1, 2, 4).
+template <QgFormat F, class T, int M_TILES>
+__global__ void __launch_bounds__(QgShape<F, M_TILES>::kThreads) quant_gemm_kernel(const QuantGemmArgs args) {
+  using Shape = QgShape<F, M_TILES>;
+  extern __shared__ __align__(16) uint8_t qg_smem[];
+  __shared__ int last_arrival;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t m0 = int64_t(blockIdx.x) * Shape::kRows, n_tile = blockIdx.y, split = blockIdx.z;
+  const int64_t rows_here = args.rows - m0 < Shape::kRows ? args.rows - m0 : Shape::kRows;
+  int64_t s_begin, s_end;
+  quant_split_range(args.stages, args.splits, split, &s_begin, &s_end);
+  const uint64_t policy = l2_evict_first();
+
+  // ---- phase 1: the pipeline, kStages - 1 stages ahead (a commit per stage, empty ones too, keeps the
+  // group count in step with the stage count)
+  float acc[M_TILES][8][4];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[mt][j][e] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < Shape::kStages - 1; i++) {
+    if (s_begin + i < s_end)
+      qg_fetch_stage<F, M_TILES>(args, qg_smem + i * Shape::kStage, s_begin + i, m0, rows_here, n_tile, policy);
+    cp_async_commit();
+  }
+  for (int64_t s = s_begin; s < s_end; s++) {
+    cp_async_wait<Shape::kStages - 2>();  // stage s has landed
+    __syncthreads();                      // ... for every thread, and stage s - 1's buffer is free
+    const int64_t ahead = s + Shape::kStages - 1;
+    if (ahead < s_end)
+      qg_fetch_stage<F, M_TILES>(args, qg_smem + int((ahead - s_begin) % Shape::kStages) * Shape::kStage, ahead, m0,
+                                 rows_here, n_tile, policy);
+    cp_async_commit();
+    const uint8_t* stage = qg_smem + int((s - s_begin) % Shape::kStages) * Shape::kStage;
+    if constexpr (F == QgFormat::int4_a16) qg_step_int4<T, M_TILES>(args, stage, warp, lane, acc);
+    else if constexpr (F == QgFormat::fp8_a16) qg_step_fp8_a16<T, M_TILES>(args, stage, warp, lane, acc);
+    else qg_step_fp8_a8<M_TILES>(args, stage, warp, lane, acc);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- phase 2: sum the warps (a tree over halves, in shared memory laid out [slot][value][lane])
+  float* reduce = reinterpret_cast<float*>(qg_smem);
+  for (int half = Shape::kWarps / 2; half >= 1; half /= 2) {
+    if (warp >= half && warp < 2 * half) {
+      float* slot = reduce + (warp - half) * Shape::kAccFloats * 32;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) slot[((mt * 8 + j) * 4 + e) * 32 + lane] = acc[mt][j][e];
+    }
+    __syncthreads();
+    if (warp < half) {
+      const float* slot = reduce + warp * Shape::kAccFloats * 32;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) acc[mt][j][e] += slot[((mt * 8 + j) * 4 + e) * 32 + lane];
+    }
+    __syncthreads();
+  }
+  // warp 0 holds the block's sums: C fragment element e of (mt, j) is row 16 mt + g + 8 (e / 2), column
+  // 8 j + 2 q + e % 2
+  float* tile = reinterpret_cast<float*>(qg_smem);
+  if (warp == 0) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+          tile[(16 * mt + lane / 4 + 8 * (e / 2)) * Shape::kTileStride + 8 * j + 2 * (lane % 4) + e % 2] = acc[mt][j][e];
+  }
+  __syncthreads();
+
+  // ---- phase 3: store (+ bias), or leave a partial and let the last split of the column tile store
+  T* out = static_cast<T*>(args.out);
+  const int64_t n0 = n_tile * kQuantTileN;
+  if (args.splits == 1) {
+    for (int i = threadIdx.x; i < rows_here * kQuantTileN; i += Shape::kThreads) {
+      const int r = i / int(kQuantTileN), c = i % int(kQuantTileN);
+      if (n0 + c < args.n)
+        out[(m0 + r) * args.out_stride + n0 + c] = from_float<T>(tile[r * Shape::kTileStride + c] + args.bias[n0 + c]);
+    }
+    return;
+  }
+  float* mine = args.partials + (uint64_t(n_tile * args.splits + split) * Shape::kRows) * kQuantTileN;
+  for (int i = threadIdx.x; i < rows_here * kQuantTileN; i += Shape::kThreads)
+    mine[i] = tile[(i / kQuantTileN) * Shape::kTileStride + i % kQuantTileN];
+  __threadfence();  // this thread's partial is visible to the whole GPU before the counter moves
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last_arrival = atomicAdd(&args.counters[n_tile], 1u) == unsigned(args.splits - 1);
+    if (last_arrival) args.counters[n_tile] = 0;  // every split has arrived: ready for the next call
+  }
+  __syncthreads();
+  if (!last_arrival) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < rows_here * kQuantTileN; i += Shape::kThreads) {
+    const int c = i % int(kQuantTileN);
+    if (n0 + c >= args.n) continue;
+    float sum = 0.0f;
+    for (int64_t sp = 0; sp < args.splits; sp++)  // split order: the same sum whoever arrives last
+      sum += __ldcg(args.partials + (uint64_t(n_tile * args.splits + sp) * Shape::kRows) * kQuantTileN + i);
+    out[(m0 + i / kQuantTileN) * args.out_stride + n0 + c] = from_float<T>(sum + args.bias[n0 + c]);
+  }
+}
+
+// ---- the kernels around the GEMMs ------------------------------------------------------------------------------
+
+// Activations for the A16 kernels when they cannot be read in place (act-order, or rows not 16-byte
+// aligned): dst [rows, k_pad] = x[:, perm] (or x), zeros past K. Bits are copied: T-agnostic.
+__global__ void stage_activations_kernel(const uint16_t* x, int64_t x_stride, int64_t k,
+                                         const int32_t* perm,  // [k_pad] or null
+                                         uint16_t* dst, int64_t k_pad) {
+  const int64_t row = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < k_pad; c += blockDim.x) {
+    const int64_t source = c < k ? (perm != nullptr ? perm[c] : c) : -1;
+    dst[row * k_pad + c] = source >= 0 ? x[row * x_stride + source] : uint16_t(0);
+  }
+}
+
+// Dynamic fp8 quantization of activations, as quantize_fp8_activations on the CPU (the same float32 steps and
+// base.hpp's conversion): per row and group of group_size columns, scale = max|x| / 448 (FLT_EPSILON when 0),
+// q = e4m3(x / scale + 0). One block per (row, group). xq [rows, k_pad] (zeros past K); scales
+// [groups][scales_stride].
+template <class T>
+__global__ void quantize_activations_fp8_kernel(const T* x, int64_t x_stride, int64_t k, int64_t k_pad,
+                                                int64_t group_size, uint8_t* xq, float* scales,
+                                                int64_t scales_stride) {
+  __shared__ float team_partials[32];
+  const int64_t row = blockIdx.x, group = blockIdx.y;
+  const int64_t k0 = group * group_size, k_end = k0 + group_size < k ? k0 + group_size : k;
+  const T* in = x + row * x_stride;
+  float amax = 0.0f;
+  for (int64_t c = k0 + threadIdx.x; c < k_end; c += blockDim.x) amax = fmaxf(amax, fabsf(to_float(in[c])));
+  // block maximum: warps, then the warps' maxima (fmaxf ignores NaN, as std::max(amax, NaN) keeps amax)
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  if (threadIdx.x % 32 == 0) team_partials[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = 0.0f;
+  for (int w = 0; w < int(blockDim.x / 32); w++) amax = fmaxf(amax, team_partials[w]);
+  float scale = __fdiv_rn(amax, 448.0f);
+  if (scale == 0.0f) scale = FLT_EPSILON;
+  const int64_t pad_end = k0 + group_size < k_pad ? k0 + group_size : k_pad;
+  for (int64_t c = k0 + threadIdx.x; c < pad_end; c += blockDim.x)
+    xq[row * k_pad + c] = c < k ? float_to_fp8_e4m3(__fdiv_rn(to_float(in[c]), scale) + 0.0f) : uint8_t(0);
+  if (threadIdx.x == 0) scales[group * scales_stride + row] = scale;
+}
+
+// Dequantization into the activation dtype for cuBLAS: column tiles [first_tile, first_tile + gridDim.x),
+// stage blockIdx.y, into w [gridDim.x * 64, ldw] (row = output column, column = input column: act-order is
+// undone here, so cuBLAS multiplies the activations as they are). Every value exactly as dequantize_rows
+// computes it (dequantize_value), then rounded once to A.
+struct DequantArgs {
+  WeightFormat format;
+  const uint8_t* tiles;
+  const uint8_t* scales;
+  DType table_dtype;     // the scale table's
+  DType scale_dtype;     // the checkpoint's (rounding)
+  DequantRounding rounding;
+  const uint8_t* zeros;  // int4 asymmetric, or null
+  const int32_t* perm;   // act-order, or null
+  int64_t first_tile, n_pad, k, group_size;
+  uint64_t tile_row_bytes, stage_bytes;
+  void* w;
+  int64_t ldw;
+};
+constexpr int kDequantThreads = 256;
+template <class A>
+__global__ void __launch_bounds__(kDequantThreads) dequantize_tiles_kernel(const DequantArgs args) {
+  __shared__ float values[kQuantTileN][kQuantStageK + 1];  // [tile column][stage column]
+  const int64_t t = args.first_tile + blockIdx.x, s = blockIdx.y;
+  const uint8_t* stage = args.tiles + uint64_t(t) * args.tile_row_bytes + uint64_t(s) * args.stage_bytes;
+  auto scale_of = [&](int64_t group, int column) {
+    return scale_at(args.scales, args.table_dtype, group * args.n_pad + t * kQuantTileN + quant_table_position(column));
+  };
+  if (args.format == WeightFormat::int4) {
+    // thread = (tile within the stage, lane): one 16-byte lane chunk, 32 nibbles
+    const int tile = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint4 chunk = *reinterpret_cast<const uint4*>(stage + tile * kInt4TileBytes + 16 * lane);
+    const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+    for (int w = 0; w < 4; w++)
+      for (int nibble = 0; nibble < 8; nibble++) {
+        int column, k;
+        int4_tile_slot(lane, w, nibble, &column, &k);
+        const int local = tile * int(kInt4TileK) + k;
+        const int64_t group = (s * kQuantStageK + local) / args.group_size;
+        const int u = int((words[w] >> (4 * nibble)) & 0xfu);
+        const int zero = args.zeros != nullptr
+                             ? args.zeros[group * args.n_pad + t * kQuantTileN + quant_table_position(column)]
+                             : 8;
+        values[column][local] = dequantize_value(float(u - zero), scale_of(group, column), args.scale_dtype, args.rounding);
+      }
+  } else {
+    // thread = two (tile, chunk, lane) units of 16 bytes: 4 tiles x 4 chunks x 32 lanes
+    for (int unit = threadIdx.x; unit < 512; unit += kDequantThreads) {
+      const int tile = unit / 128, chunk = (unit / 32) % 4, lane = unit % 32;
+      const uint4 bytes = *reinterpret_cast<const uint4*>(stage + tile * kFp8TileBytes + 512 * chunk + 16 * lane);
+      const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
+      for (int w = 0; w < 4; w++)
+        for (int b = 0; b < 4; b++) {
+          int column, k;
+          fp8_tile_slot(lane, chunk, w, b, &column, &k);
+          const int local = tile * int(kFp8TileK) + k;
+          const int64_t group = (s * kQuantStageK + local) / args.group_size;
+          values[column][local] = dequantize_value(fp8_e4m3_to_float(uint8_t(words[w] >> (8 * b))),
+                                                   scale_of(group, column), args.scale_dtype, args.rounding);
+        }
+    }
+  }
+  __syncthreads();
+  A* w = static_cast<A*>(args.w);
+  for (int i = threadIdx.x; i < int(kQuantTileN * kQuantStageK); i += kDequantThreads) {
+    const int column = i / int(kQuantStageK), local = i % int(kQuantStageK);
+    const int64_t k_device = s * kQuantStageK + local;
+    const int64_t target = args.perm != nullptr ? (k_device < args.k ? args.perm[k_device] : -1) : k_device;
+    if (target >= 0) w[(int64_t(blockIdx.x) * kQuantTileN + column) * args.ldw + target] = from_float<A>(values[column][local]);
+  }
+=======
 // ---- sampling ---------------------------------------------------------------------------------------------
 // sample_kernel: one block per sampled row; sample_row_reference (backend_cuda.inl) is its host twin, phase for
 // phase. No sort: every selection (the top_k-th token, the end of the top_p prefix, the drawn token) is a radix
@@ -975,6 +1585,37 @@ T* typed(const Tensor& t) { return static_cast<T*>(t.data); }
 template <class T>
 const T* typed_const(const Tensor& t) { return static_cast<const T*>(t.data); }
 
+// One instantiation of quant_gemm_kernel with its launch shape.
+using QuantGemmKernel = void (*)(const QuantGemmArgs);
+struct QuantGemmInstance {
+  QuantGemmKernel kernel;
+  int shared_bytes, threads;
+  const char* name;
+};
+template <QgFormat F, class T, int M_TILES>
+QuantGemmInstance quant_gemm_instance() {
+  using Shape = QgShape<F, M_TILES>;
+  return {&quant_gemm_kernel<F, T, M_TILES>, Shape::kSmem, Shape::kThreads,
+          F == QgFormat::int4_a16 ? "quant_gemm_kernel (W4A16)"
+                                  : F == QgFormat::fp8_a16 ? "quant_gemm_kernel (W8A16)" : "quant_gemm_kernel (W8A8)"};
+}
+template <QgFormat F, class T>
+QuantGemmInstance quant_gemm_instance(int m_tiles) {
+  return m_tiles == 1 ? quant_gemm_instance<F, T, 1>()
+                      : m_tiles == 2 ? quant_gemm_instance<F, T, 2>() : quant_gemm_instance<F, T, 4>();
+}
+// The kernel for `format` with activations of `activation` (BF16 or F16) and `m_tiles` (1, 2, 4).
+QuantGemmInstance quant_gemm_instance(QgFormat format, DType activation, int m_tiles) {
+  if (activation == DType::BF16) {
+    if (format == QgFormat::int4_a16) return quant_gemm_instance<QgFormat::int4_a16, __nv_bfloat16>(m_tiles);
+    if (format == QgFormat::fp8_a16) return quant_gemm_instance<QgFormat::fp8_a16, __nv_bfloat16>(m_tiles);
+    return quant_gemm_instance<QgFormat::fp8_a8, __nv_bfloat16>(m_tiles);
+  }
+  if (format == QgFormat::int4_a16) return quant_gemm_instance<QgFormat::int4_a16, __half>(m_tiles);
+  if (format == QgFormat::fp8_a16) return quant_gemm_instance<QgFormat::fp8_a16, __half>(m_tiles);
+  return quant_gemm_instance<QgFormat::fp8_a8, __half>(m_tiles);
+}
+
 class CudaBackend final : public Backend {
  public:
   // Throws Error; see make_cuda_backend.
@@ -1060,11 +1701,17 @@ class CudaBackend final : public Backend {
       case Op::attention: return is_float_dtype(dtype);
       case Op::embedding_bag: case Op::layer_norm: return is_float_dtype(dtype);
       case Op::gelu: case Op::segment_attention: return dtype == act_;
-      // Quantized weights need the W4A16 / FP8 GEMMs (issue: GPU kernels for quantized weights).
-      case Op::quant_linear: return false;
+      // int4 (pack-quantized) and fp8 weights, repacked by cuda::upload_quant_weight (section 3b's GEMMs)
+      case Op::quant_linear: return dtype == DType::I32 || dtype == DType::F8_E4M3;
     }
     return false;
   }
+
+  // See cuda::set_quant_kernel and upload_quant_weight.
+  void set_quant_kernel(QuantKernel kernel) { forced_quant_kernel_ = kernel; }
+  int sm() const { return sm_; }
+  // See cuda::backend_stream.
+  cudaStream_t stream() const { return stream_; }
 
   // See cuda::argmax.
   void argmax(const Tensor& logits, const Tensor& ids) {
@@ -1271,6 +1918,25 @@ class CudaBackend final : public Backend {
                                      shape.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 
+  // Quantized Linears (section 3b): the kernel by choose_quant_kernel (or set_quant_kernel), planned against
+  // this backend's scratch (plan_quant_gemm), run in passes of rows when the staged activations need it.
+  void impl_quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) override {
+    activate();
+    if (out.elements() == 0) return;
+    const QuantGpuLayout layout = quant_gpu_layout(weight);
+    const QuantKernel kernel = choose_quant_kernel(layout, act_, sm_, x.rows, forced_quant_kernel_);
+    const std::string refusal = quant_kernel_refusal(layout, kernel, act_, sm_);
+    if (!refusal.empty())
+      detail::fail(ErrorCode::unsupported, detail::format("quant_linear(%s): %s", weight.name.c_str(), refusal.c_str()));
+    if (layout.n_tiles > 65535)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("quant_linear(%s): %lld output columns are more than the GEMM grid covers (%d)",
+                                  weight.name.c_str(), (long long)layout.n, 65535 * int(kQuantTileN)));
+    check_grid_rows("quant_linear", x.rows);
+    if (kernel == QuantKernel::dequant_cublas) quant_linear_dequantize(x, weight, layout, out);
+    else quant_linear_mma(x, weight, layout, kernel, out);
+  }
+
   void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) override {
     activate();
     if (out.elements() == 0) return;
@@ -1310,12 +1976,6 @@ class CudaBackend final : public Backend {
       });
     });
   }
-
-  // Not yet on the GPU: supports() says so, so the shared validation refuses these before they get here.
-  [[noreturn]] static void not_on_gpu(const char* op) {
-    detail::fail(ErrorCode::unsupported, detail::format("%s is not implemented on the CUDA backend yet", op));
-  }
-  void impl_quant_linear(const Tensor&, const QuantWeight&, const Tensor&) override { not_on_gpu("quant_linear"); }
 
   void impl_embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
                           const Tensor& out) override {
@@ -1537,6 +2197,161 @@ class CudaBackend final : public Backend {
     }
   }
 
+  // ---- quantized GEMMs (section 3b) ---------------------------------------------------------------------------
+  // Blocks of `instance` an SM holds; the first call per kernel raises its dynamic shared memory limit.
+  int quant_gemm_blocks_per_sm(const QuantGemmInstance& instance) {
+    const auto found = quant_gemm_occupancy_.find(reinterpret_cast<const void*>(instance.kernel));
+    if (found != quant_gemm_occupancy_.end()) return found->second;
+    KVLITE_CUDA_CHECK(cudaFuncSetAttribute(instance.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           instance.shared_bytes));
+    int blocks = 0;
+    KVLITE_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, instance.kernel, instance.threads, instance.shared_bytes));
+    if (blocks < 1)
+      detail::fail(ErrorCode::unsupported, detail::format("%s needs %d bytes of shared memory per block, more than %s "
+                                                          "gives one block", instance.name, instance.shared_bytes,
+                                                          device_name_.c_str()));
+    quant_gemm_occupancy_[reinterpret_cast<const void*>(instance.kernel)] = blocks;
+    return blocks;
+  }
+
+  // The tensor-core paths: per pass, the activations staged when they must be (W8A8: quantized; A16:
+  // permuted or aligned), then one quant_gemm_kernel launch (split-K fix-up inside it).
+  void quant_linear_mma(const Tensor& x, const QuantWeight& weight, const QuantGpuLayout& layout, QuantKernel kernel,
+                        const Tensor& out) {
+    const QgFormat format = kernel == QuantKernel::mma_w8a8        ? QgFormat::fp8_a8
+                            : layout.format == WeightFormat::int4 ? QgFormat::int4_a16
+                                                                  : QgFormat::fp8_a16;
+    const bool aligned = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.cols % 8 == 0 &&
+                         (x.rows <= 1 || x.row_stride % 8 == 0);
+    const bool stage_x = kernel == QuantKernel::mma_a16 && (layout.permuted || !aligned);
+    const QuantGemmInstance widest = quant_gemm_instance(format, act_, quant_m_tiles(std::min<int64_t>(x.rows, 64)));
+    const int64_t target_blocks = int64_t(sm_count_) * quant_gemm_blocks_per_sm(widest);
+    QuantGemmPlan plan;
+    std::string why;
+    if (!plan_quant_gemm(layout, kernel, x.rows, stage_x, 2, scratch_bytes_, target_blocks, &plan, &why))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quant_linear(%s): %s; give the CUDA backend a larger workspace", weight.name.c_str(),
+                                  why.c_str()));
+    const uint8_t* base = layout.format == WeightFormat::int4 ? weight.packed : weight.fp8;
+    QuantGemmArgs args{};
+    args.n = layout.n;
+    args.tiles = base + layout.tiles_offset;
+    args.scales = base + layout.scales_offset;
+    args.zeros = layout.zeros ? base + layout.zeros_offset : nullptr;
+    args.bias = reinterpret_cast<const float*>(base + layout.bias_offset);
+    args.counters = reinterpret_cast<unsigned*>(const_cast<uint8_t*>(base + layout.counters_offset));
+    args.scale_bytes = int(dtype_bytes(layout.table_scale_dtype, 1));
+    args.scale_dtype = layout.table_scale_dtype;
+    args.n_pad = layout.n_pad;
+    args.stages = layout.stages;
+    args.group_size = layout.group_size;
+    args.tile_row_bytes = layout.tile_row_bytes();
+    args.out_stride = leading_dimension(out);
+    uint8_t* staged = scratch_;
+    args.partials = reinterpret_cast<float*>(scratch_ + plan.x_bytes);
+    for (int64_t r0 = 0; r0 < x.rows; r0 += plan.row_chunk) {
+      const int64_t rows = std::min(plan.row_chunk, x.rows - r0);
+      const Tensor xs = x.slice_rows(r0, rows);
+      if (kernel == QuantKernel::mma_w8a8) {
+        const int64_t scales_stride = (rows + 63) / 64 * 64;
+        float* x_scales = reinterpret_cast<float*>(staged + align_up(uint64_t(rows * layout.k_pad), 256));
+        const dim3 grid(unsigned(rows), unsigned(layout.groups));
+        if (act_ == DType::BF16)  // the mma kernels run BF16 or F16 activations only (quant_kernel_refusal)
+          quantize_activations_fp8_kernel<__nv_bfloat16><<<grid, 256, 0, stream_>>>(
+              typed_const<__nv_bfloat16>(xs), leading_dimension(xs), layout.k, layout.k_pad, layout.group_size, staged,
+              x_scales, scales_stride);
+        else
+          quantize_activations_fp8_kernel<__half><<<grid, 256, 0, stream_>>>(
+              typed_const<__half>(xs), leading_dimension(xs), layout.k, layout.k_pad, layout.group_size, staged,
+              x_scales, scales_stride);
+        check_launch("quantize_activations_fp8_kernel");
+        args.x = staged;
+        args.x_stride = layout.k_pad;
+        args.k_valid = layout.k_pad;
+        args.x_scales = x_scales;
+        args.x_scales_stride = scales_stride;
+      } else if (stage_x) {
+        stage_activations_kernel<<<unsigned(rows), 256, 0, stream_>>>(
+            typed_const<uint16_t>(xs), leading_dimension(xs), layout.k,
+            layout.permuted ? reinterpret_cast<const int32_t*>(base + layout.perm_offset) : nullptr,
+            reinterpret_cast<uint16_t*>(staged), layout.k_pad);
+        check_launch("stage_activations_kernel");
+        args.x = staged;
+        args.x_stride = layout.k_pad;
+        args.k_valid = layout.k_pad;
+      } else {
+        args.x = xs.data;
+        args.x_stride = leading_dimension(xs);
+        args.k_valid = layout.k;
+      }
+      args.out = out.slice_rows(r0, rows).data;
+      args.rows = rows;
+      args.splits = rows <= 64 ? plan.splits : 1;
+      const int m_tiles = quant_m_tiles(std::min<int64_t>(rows, 64));
+      const QuantGemmInstance instance = quant_gemm_instance(format, act_, m_tiles);
+      quant_gemm_blocks_per_sm(instance);  // its shared memory limit raised
+      const dim3 grid(unsigned((rows + 16 * m_tiles - 1) / (16 * m_tiles)), unsigned(layout.n_tiles),
+                      unsigned(args.splits));
+      instance.kernel<<<grid, unsigned(instance.threads), size_t(instance.shared_bytes), stream_>>>(args);
+      check_launch(instance.name);
+    }
+  }
+
+  // Dequantize + cuBLAS: out = bias, then per chunk of column tiles the weights dequantized into scratch in
+  // the activation dtype (act-order undone) and one GEMM adding x @ chunk^T into its columns.
+  void quant_linear_dequantize(const Tensor& x, const QuantWeight& weight, const QuantGpuLayout& layout,
+                               const Tensor& out) {
+    const int act_bytes = int(dtype_bytes(act_, 1));
+    QuantGemmPlan plan;
+    std::string why;
+    if (!plan_quant_gemm(layout, QuantKernel::dequant_cublas, x.rows, false, act_bytes, scratch_bytes_, 1, &plan, &why))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quant_linear(%s): %s; give the CUDA backend a larger workspace", weight.name.c_str(),
+                                  why.c_str()));
+    if (x.rows > INT_MAX || layout.k_pad > INT_MAX || leading_dimension(x) > INT_MAX || leading_dimension(out) > INT_MAX)
+      detail::fail(ErrorCode::unsupported, detail::format("quant_linear(%s): x [%lld, %lld] has a size or stride past "
+                                                          "cuBLAS's 32-bit int; split the call", weight.name.c_str(),
+                                                          (long long)x.rows, (long long)x.cols));
+    const uint8_t* base = layout.format == WeightFormat::int4 ? weight.packed : weight.fp8;
+    DequantArgs d{};
+    d.format = layout.format;
+    d.tiles = base + layout.tiles_offset;
+    d.scales = base + layout.scales_offset;
+    d.table_dtype = layout.table_scale_dtype;
+    d.scale_dtype = weight.scale_dtype;
+    d.rounding = weight.rounding;
+    d.zeros = layout.zeros ? base + layout.zeros_offset : nullptr;
+    d.perm = layout.permuted ? reinterpret_cast<const int32_t*>(base + layout.perm_offset) : nullptr;
+    d.n_pad = layout.n_pad;
+    d.k = layout.k;
+    d.group_size = layout.group_size;
+    d.tile_row_bytes = layout.tile_row_bytes();
+    d.stage_bytes = uint64_t(layout.tiles_per_stage * layout.tile_bytes);
+    d.w = scratch_;
+    d.ldw = layout.k_pad;
+    const float alpha = 1.0f, beta = 1.0f;
+    const cudaDataType type = cuda_data_type(act_);
+    with_float_type(act_, [&](auto tag) {
+      using A = decltype(tag);
+      fill_rows_kernel<float, A><<<unsigned(out.rows), row_threads(out.cols), 0, stream_>>>(
+          reinterpret_cast<const float*>(base + layout.bias_offset), typed<A>(out), out.row_stride, out.cols);
+      check_launch("fill_rows_kernel");
+      const int64_t chunk_tiles = plan.n_chunk / kQuantTileN;
+      for (int64_t t0 = 0; t0 < layout.n_tiles; t0 += chunk_tiles) {
+        const int64_t tiles = std::min(chunk_tiles, layout.n_tiles - t0);
+        d.first_tile = t0;
+        dequantize_tiles_kernel<A><<<dim3(unsigned(tiles), unsigned(layout.stages)), kDequantThreads, 0, stream_>>>(d);
+        check_launch("dequantize_tiles_kernel");
+        const int64_t n0 = t0 * kQuantTileN, columns = std::min(tiles * kQuantTileN, layout.n - n0);
+        KVLITE_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(columns), int(x.rows), int(layout.k),
+                                         &alpha, scratch_, type, int(layout.k_pad), x.data, type,
+                                         int(leading_dimension(x)), &beta, typed<A>(out) + n0, type,
+                                         int(leading_dimension(out)), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      }
+    });
+  }
+
   template <class A, class E, int DIMS>
   void launch_attention(dim3 grid, const AttentionArgs& args) {
     constexpr int kHeads = attention_heads_per_block(DIMS);
@@ -1606,8 +2421,10 @@ class CudaBackend final : public Backend {
   cublasHandle_t cublas_ = nullptr;
   DeviceFault* fault_ = nullptr;  // in the workspace
   DeviceFault host_fault_{};      // its copy, read at synchronizing calls
-  uint8_t* scratch_ = nullptr;    // in the workspace: split attention's partials
+  uint8_t* scratch_ = nullptr;    // in the workspace: split attention's partials, quantized GEMMs' staging
   uint64_t scratch_bytes_ = 0;
+  QuantKernel forced_quant_kernel_ = QuantKernel::automatic;           // set_quant_kernel
+  std::unordered_map<const void*, int> quant_gemm_occupancy_;          // kernel -> blocks per SM, limit raised
 };
 
 }  // namespace
@@ -1694,7 +2511,109 @@ Status argmax(Backend& backend, const Tensor& logits, const Tensor& ids) {
   });
 }
 
+Result<void*> backend_stream(Backend& backend) {
+  return detail::guard([&]() -> void* {
+    auto* cuda_backend = dynamic_cast<CudaBackend*>(&backend);
+    if (cuda_backend == nullptr)
+      detail::fail(ErrorCode::invalid_argument, detail::format("cuda::backend_stream: the backend is %s, not a CUDA "
+                                                               "backend", backend.name().c_str()));
+    return cuda_backend->stream();
+  });
+}
+
 uint64_t device_allocations() { return g_device_allocations.load(); }
+
+Status set_quant_kernel(Backend& backend, QuantKernel kernel) {
+  return detail::guard([&] {
+    auto* cuda_backend = dynamic_cast<CudaBackend*>(&backend);
+    if (cuda_backend == nullptr)
+      detail::fail(ErrorCode::invalid_argument, detail::format("cuda::set_quant_kernel: the backend is %s, not a CUDA "
+                                                               "backend", backend.name().c_str()));
+    if (kernel == QuantKernel::mma_w8a8 && cuda_backend->sm() < kQuantW8A8MinSm)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("cuda::set_quant_kernel: W8A8 needs compute capability 8.9 or newer; this GPU is sm_%d",
+                                  cuda_backend->sm()));
+    cuda_backend->set_quant_kernel(kernel);
+  });
+}
+
+Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& host, void* device_dst, uint64_t capacity) {
+  return detail::guard([&] {
+    const char* name = host.name.c_str();
+    auto* cuda_backend = dynamic_cast<CudaBackend*>(&backend);
+    if (cuda_backend == nullptr)
+      detail::fail(ErrorCode::invalid_argument, detail::format("cuda::upload_quant_weight(%s): the backend is %s, not a "
+                                                               "CUDA backend", name, backend.name().c_str()));
+    if (host.layout != QuantLayout::checkpoint ||
+        (host.format != WeightFormat::int4 && host.format != WeightFormat::fp8))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("cuda::upload_quant_weight(%s): pass the checkpoint view of an int4 or fp8 Linear "
+                                  "(quant_weight), not %s", name,
+                                  host.layout != QuantLayout::checkpoint ? "an uploaded one"
+                                                                         : weight_format_name(host.format)));
+    const QuantGpuLayout layout = quant_gpu_layout(host);
+    if (capacity < layout.total_bytes || device_dst == nullptr || reinterpret_cast<uintptr_t>(device_dst) % 256 != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("cuda::upload_quant_weight(%s): needs %s of device memory, 256-byte aligned "
+                                  "(quant_device_bytes); got %s at %p", name, format_bytes(layout.total_bytes).c_str(),
+                                  format_bytes(capacity).c_str(), device_dst));
+    // W8A16 multiplies decoded e4m3 values by scale * 2^fix in bf16/f16 (quant_gpu.hpp): that must stay finite.
+    const DType activation = backend.activation_dtype();
+    if (host.format == WeightFormat::fp8 && cuda_backend->sm() < kQuantW8A8MinSm && activation != DType::F32) {
+      const bool bf16 = activation == DType::BF16;
+      const float limit = bf16 ? 3.0e38f : 65504.0f;
+      for (int64_t i = 0; i < host.scale_rows * host.scale_cols; i++) {
+        const float folded = fp8_folded_scale(std::fabs(scale_at(host.scales, host.scale_dtype, i)), bf16);
+        if (!(folded <= limit))
+          detail::fail(ErrorCode::unsupported,
+                       detail::format("cuda::upload_quant_weight(%s): scale %g is too large for W8A16 in %s (the kernels "
+                                      "multiply by it times 2^%d)", name, scale_at(host.scales, host.scale_dtype, i),
+                                      dtype_name(activation), fp8_exponent_fix(bf16)));
+      }
+    }
+    uint8_t* dst = static_cast<uint8_t*>(device_dst);
+    auto copy = [&](const std::vector<uint8_t>& bytes, uint64_t size, uint64_t offset) {
+      const Status copied = backend.copy_from_host(bytes.data(), Tensor::matrix(dst + offset, DType::U8, 1, int64_t(size)));
+      if (!copied.ok()) throw copied.error();
+    };
+    // The tiles, a few MiB of column tiles at a time, repacked by worker threads.
+    const uint64_t row_bytes = layout.tile_row_bytes();
+    const int64_t chunk_tiles = std::max<int64_t>(1, int64_t((16 * MiB) / row_bytes));
+    const int workers = int(std::max(1u, std::min(16u, std::thread::hardware_concurrency())));
+    std::vector<uint8_t> buffer(size_t(std::min<int64_t>(chunk_tiles, layout.n_tiles)) * row_bytes);
+    for (int64_t t0 = 0; t0 < layout.n_tiles; t0 += chunk_tiles) {
+      const int64_t count = std::min(chunk_tiles, layout.n_tiles - t0);
+      const int64_t per_worker = (count + workers - 1) / workers;
+      std::vector<Status> results(static_cast<size_t>(workers));
+      std::vector<std::thread> threads;
+      for (int i = 0; i < workers && i * per_worker < count; i++) {
+        const int64_t first = i * per_worker, tiles = std::min(per_worker, count - first);
+        threads.emplace_back([&, i, first, tiles] {
+          results[size_t(i)] = repack_quant_tiles(host, layout, t0 + first, tiles, buffer.data() + first * row_bytes);
+        });
+      }
+      for (std::thread& thread : threads) thread.join();
+      for (const Status& result : results)
+        if (!result.ok()) throw result.error();
+      copy(buffer, uint64_t(count) * row_bytes, layout.tiles_offset + uint64_t(t0) * row_bytes);
+    }
+    std::vector<uint8_t> tables(size_t(layout.total_bytes - layout.scales_offset));
+    const Status repacked = repack_quant_tables(host, layout, tables.data());
+    if (!repacked.ok()) throw repacked.error();
+    copy(tables, tables.size(), layout.scales_offset);
+
+    QuantWeight device = host;
+    device.layout = QuantLayout::cuda_tiles;
+    device.packed = host.format == WeightFormat::int4 ? dst : nullptr;
+    device.fp8 = host.format == WeightFormat::fp8 ? dst : nullptr;
+    device.scales = dst + layout.scales_offset;
+    device.zero_points = layout.zeros ? dst + layout.zeros_offset : nullptr;
+    device.g_idx = layout.permuted ? dst + layout.perm_offset : nullptr;
+    device.bias = dst + layout.bias_offset;
+    device.bias_dtype = DType::F32;
+    return device;
+  });
+}
 
 namespace {
 CudaBackend& cuda_backend_of(Backend& backend, const char* call) {
@@ -1757,12 +2676,6 @@ Status launch_graph(Backend& backend, const CudaGraph& graph) {
     if (graph.empty()) detail::fail(ErrorCode::invalid_argument, "cuda::launch_graph: the graph is empty (never captured)");
     cuda_backend.launch(graph);
   });
-}
-
-Result<QuantWeight> upload_quant_weight(Backend&, const QuantWeight& host, void*, uint64_t) {
-  return Error(ErrorCode::unsupported,
-               detail::format("cuda::upload_quant_weight(%s): the GPU kernels for %s weights are not written yet; run "
-                              "this checkpoint on the CPU backend", host.name.c_str(), weight_format_name(host.format)));
 }
 
 }  // namespace cuda

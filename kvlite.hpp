@@ -586,6 +586,11 @@ enum class DequantRounding : uint8_t {
   f32,          // to float32 (transformers' fine-grained fp8)
 };
 
+// Where a QuantWeight's tensors are and how they are laid out: as the checkpoint stores them, in host memory
+// (the CPU backend reads these), or repacked into device memory for the CUDA backend's GEMMs by
+// cuda::upload_quant_weight (quant_gpu.hpp describes that layout; the pointers then address its tables).
+enum class QuantLayout : uint8_t { checkpoint, cuda_tiles };
+
 // A view of one quantized Linear's tensors inside a TensorStore (valid while the store lives). Tensors are
 // read through byte pointers because safetensors guarantees no alignment. Make it with quant_weight().
 struct QuantWeight {
@@ -613,6 +618,8 @@ struct QuantWeight {
 
   const uint8_t* bias = nullptr;  // [N] or nullptr
   DType bias_dtype = DType::F32;  // F32, BF16 or F16
+
+  QuantLayout layout = QuantLayout::checkpoint;
 };
 
 // Builds the view of `linear` (a Linear of format int4 or fp8 from describe_linears, or made by hand) over
@@ -706,6 +713,231 @@ inline int64_t fp8_activation_group(const QuantWeight& weight) {
 }
 }  // namespace detail
 
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// quant_gpu: the layout the CUDA backend's quantized GEMMs read, written at load by cuda::upload_quant_weight;
+// where each weight sits so that a warp's tensor-core B fragments load with 16-byte coalesced loads; the
+// bit-level dequantization the kernels run; and the host-side choice of kernel, split-K and scratch use.
+// The geometry and bit functions are __host__ __device__: kernels.cu runs them and
+// tests/unit-quant-gpu-host.cpp checks them on the CPU against dequantize_rows.
+//
+// Terms: N = out_features, K = in_features; lane = 0..31 in a warp, g = lane / 4, q = lane % 4 (PTX's
+// groupID / threadID_in_group). mma.m16n8k16 (bf16/f16) B fragment: b0 = B[k = 2q, 2q+1][n = g], b1 = B[k =
+// 2q+8, 2q+9][n = g]; mma.m16n8k32 (e4m3): b0 = B[k = 4q .. 4q+3][n = g], b1 = B[k = 16+4q .. 19+4q][n = g].
+// The lower 16 bits (byte) of a register hold the lower k.
+//
+// The device layout of one Linear (offsets 256-byte aligned, in this order; n_pad = N rounded up to 64,
+// k_pad = K rounded up to 128; padding dequantizes to exactly 0):
+//
+//   tiles     [N / 64][k_pad / tile_k] tiles; a block of 64 output columns streams one contiguous run.
+//             int4: k16 x n64 = 512 B: lane l's 16 bytes (at 16 l) are 4 words; word w, nibble i holds the
+//                   value for n8 block j = 2w + (i%4)/2, register r = (i%4)%2, half h = i/4:
+//                   column 8j + g, k = 2q + 8r + h. So ((word >> 4p) & 0x000f000f) is the pair p = i%4
+//                   of a B register, low half first: one shift and one lop3 per bf16x2 / f16x2.
+//                   Stored value u = q + 8 as the checkpoint stores it.
+//             fp8:  k32 x n64 = 2 KB: 4 chunks of 32 lanes x 16 bytes (chunk c at 512 c, lane at 16 l);
+//                   word i of lane l's chunk c is register r = i%2 of n8 block j = 2c + i/2: bytes b = 0..3
+//                   hold column 8j + g, k = 16r + 4q + b (the m16n8k32 B fragment, e4m3 as stored).
+//   scales    [groups][n_pad]: int4 in the checkpoint's scale dtype, fp8 widened to F32 (exact). Within a
+//             tile's 64 columns, position 8 g + j holds column 8 j + g: a lane's 8 scales are contiguous.
+//   zeros     int4 asymmetric only: [groups][n_pad] bytes, the zero point + 8, positions as the scales.
+//   perm      int4 act-order only: I32 [k_pad]; device column k' holds input column perm[k'] (-1: padding).
+//             Columns are sorted by group at load, so a group is group_size consecutive device columns; the
+//             activations are permuted the same way before the GEMM.
+//   bias      F32 [n_pad] (zeros when the Linear has none).
+//   counters  U32 [N / 64]: split-K arrival counters, zero at rest (the last block of a column tile resets
+//             its counter), so split-K needs no memset per call.
+//
+// Groups: int4 group strategy: group_size columns; int4 channel and fp8 tensor/channel: one group of all
+// k_pad columns; fp8 block: block_k columns (the scale table repeats a block's scale on its block_n rows).
+// The tensor-core kernels need every tile_k run of columns inside one group (`mma`): int4 group_size % 16,
+// fp8 block_k % 32; other layouts run through dequantize + cuBLAS only.
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+namespace cuda {
+
+constexpr int64_t kQuantTileN = 64;    // output columns of a tile (and of a GEMM thread block)
+constexpr int64_t kQuantStageK = 128;  // input columns of one pipeline stage (k_pad is a multiple)
+constexpr int64_t kInt4TileK = 16, kInt4TileBytes = 512;
+constexpr int64_t kFp8TileK = 32, kFp8TileBytes = 2048;
+
+// The device layout of one quantized Linear (see the top of this part). Host arithmetic only.
+struct QuantGpuLayout {
+  WeightFormat format = WeightFormat::int4;
+  int64_t n = 0, k = 0;          // N, K
+  int64_t n_pad = 0, k_pad = 0;  // multiples of kQuantTileN, kQuantStageK
+  int64_t n_tiles = 0;           // n_pad / 64
+  int64_t stages = 0;            // k_pad / 128
+  int64_t tile_k = 0, tile_bytes = 0, tiles_per_stage = 0;
+  int64_t group_size = 0;        // device columns per scale row
+  int64_t groups = 0;            // scale rows (padded groups past K have scale 0)
+  DType table_scale_dtype = DType::F32;  // int4: the checkpoint's scale dtype; fp8: F32
+  bool mma = false;       // the tensor-core kernels can read it (every tile_k run in one group)
+  bool permuted = false;  // act-order: device column k' holds input column perm[k']
+  bool zeros = false;     // int4 zero points
+  uint64_t tiles_offset = 0, tiles_bytes = 0;
+  uint64_t scales_offset = 0, scales_bytes = 0;
+  uint64_t zeros_offset = 0, zeros_bytes = 0;
+  uint64_t perm_offset = 0, perm_bytes = 0;
+  uint64_t bias_offset = 0, bias_bytes = 0;
+  uint64_t counters_offset = 0, counters_bytes = 0;
+  uint64_t total_bytes = 0;
+
+  uint64_t tile_row_bytes() const { return uint64_t(k_pad / tile_k * tile_bytes); }  // one column tile
+  // Index of (group, column n) in the scale and zero tables.
+  int64_t table_index(int64_t group, int64_t n) const;
+};
+
+// The layout `weight` (a checkpoint view, or a device view from upload_quant_weight) takes on the device.
+// Reads only host memory: for a checkpoint view it looks at g_idx to tell act-order (a non-monotonic g_idx)
+// from plain group order; a device view carries perm exactly when it is act-order.
+QuantGpuLayout quant_gpu_layout(const QuantWeight& weight);
+// The same from a descriptor (describe_linears; shapes from headers or config.json), for planning before the
+// tensors are read: a g_idx is counted as act-order (k_pad x 4 bytes more than a g_idx in column order takes).
+QuantGpuLayout quant_gpu_layout(const LinearDesc& linear);
+
+// Repacking, on the host, into the bytes that go to the device (upload_quant_weight copies them):
+// the tiles of column tiles [first_tile, first_tile + count): count * layout.tile_row_bytes() bytes.
+// bad_format when an fp8 weight holds the e4m3 NaN code (S.1111.111; quantizers saturate at +-448 and never
+// write it), naming the tensor and the element.
+Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
+                          uint8_t* out);
+// Everything after the tiles (scales, zeros, perm, bias, counters): layout.total_bytes - layout.scales_offset
+// bytes, as they sit from scales_offset on.
+Status repack_quant_tables(const QuantWeight& host, const QuantGpuLayout& layout, uint8_t* out);
+
+// ---- fragment geometry --------------------------------------------------------------------------------------
+// Position of tile column c (0..63) in the scale / zero tables, and back: lane g's 8 columns 8j + g sit at 8g + j.
+KVLITE_HD int quant_table_position(int column) { return 8 * (column % 8) + column / 8; }
+KVLITE_HD int quant_table_column(int position) { return 8 * (position % 8) + position / 8; }
+
+// int4: the n8 block and the B register (0: b0, 1: b1) that pair p (0..3) of word w of a lane feeds.
+KVLITE_HD int int4_pair_block(int word, int pair) { return 2 * word + pair / 2; }
+KVLITE_HD int int4_pair_register(int pair) { return pair % 2; }
+// The tile column and k (0..15) of nibble `nibble` (0..7) of word `word` (0..3) of lane `lane`.
+KVLITE_HD void int4_tile_slot(int lane, int word, int nibble, int* column, int* k) {
+  const int pair = nibble % 4, half = nibble / 4;
+  *column = 8 * int4_pair_block(word, pair) + lane / 4;
+  *k = 2 * (lane % 4) + 8 * int4_pair_register(pair) + half;
+}
+
+// fp8: the n8 block and register of word `word` (0..3) of a lane's chunk `chunk` (0..3).
+KVLITE_HD int fp8_word_block(int chunk, int word) { return 2 * chunk + word / 2; }
+KVLITE_HD int fp8_word_register(int word) { return word % 2; }
+// The tile column and k (0..31) of byte `byte` of that word.
+KVLITE_HD void fp8_tile_slot(int lane, int chunk, int word, int byte, int* column, int* k) {
+  *column = 8 * fp8_word_block(chunk, word) + lane / 4;
+  *k = 16 * fp8_word_register(word) + 4 * (lane % 4) + byte;
+}
+// W8A16 runs a k32 fp8 tile as two m16n8k16 steps (half r = register r's 16 columns). In step r a lane's B
+// registers are the e4m3 bytes of register r, reordered (fp8_pair_order) and decoded: b0 <- k 16r + 4q + {0, 1},
+// b1 <- k 16r + 4q + {2, 3}. Its A registers must hold the same columns, so it loads 8 bytes of bf16/f16 from
+// column 16r + 4q of rows g and g + 8: a0/a1 = the first two values, a2/a3 = the next two. (The m16n8k16 slots
+// 2q, 2q+1 / 2q+8, 2q+9 then hold matching columns of A and B, which is all a dot product needs.)
+KVLITE_HD int w8a16_a_column(int lane, int half, int slot_register /*0: a0/a1, 1: a2/a3*/, int element) {
+  return 16 * half + 4 * (lane % 4) + 2 * slot_register + element;
+}
+
+// W8A8 applies scales to the mma accumulators, whose lane holds columns 8j + 2q + e (e = 0, 1) of block j:
+// their weight scales sit at these table positions.
+KVLITE_HD int w8a8_scale_position(int lane, int block, int e) {
+  return quant_table_position(8 * block + 2 * (lane % 4) + e);
+}
+
+// ---- dequantization bits ----------------------------------------------------------------------------------
+// int4 -> bf16/f16 with the magic-number trick: OR-ing a nibble u into the mantissa of 128.0 (bf16 0x4300) or
+// 1024.0 (f16 0x6400) gives exactly magic + u; subtracting magic + zero (exact: integers below 2^8 / 2^11) gives
+// u - zero = q - z exactly; one multiply by the scale then rounds once, as the reference does.
+constexpr uint32_t kInt4MagicBf16 = 0x4300u, kInt4MagicF16 = 0x6400u;
+KVLITE_HD uint32_t int4_magic(bool bf16) { return bf16 ? kInt4MagicBf16 : kInt4MagicF16; }
+// Pair p (0..3) of a device word as two 16-bit values magic + u: low half nibble p, high half nibble p + 4.
+KVLITE_HD uint32_t int4_pair_bits(uint32_t word, int pair, uint32_t magic) {
+  return ((word >> (4 * pair)) & 0x000f000fu) | (magic | (magic << 16));  // a shift and one lop3
+}
+// The 16-bit value magic + zero (zero = the stored zero point, 0..15; 8 when symmetric).
+KVLITE_HD uint32_t int4_subtrahend_bits(uint32_t zero_nibble, uint32_t magic) { return magic | (zero_nibble & 0xfu); }
+
+// e4m3 -> bf16/f16 by moving bits: sign to bit 15, exponent and mantissa (7 bits) to the top of the 16-bit
+// format's exponent/mantissa. The result is q * 2^-fix (fix = 120 for bf16: biases 127 - 7; 8 for f16: 15 - 7),
+// subnormal e4m3 included (they land on subnormals, which bf16/f16 multiplies keep), so a scale pre-multiplied
+// by 2^fix restores q * s with the product's one rounding. The NaN codes would decode to +-480: the repack
+// refuses them.
+KVLITE_HD int fp8_exponent_fix(bool bf16) { return bf16 ? 120 : 8; }
+// Bytes [b0 b1 b2 b3] -> [b0 b2 b1 b3] (prmt): then bytes 0, 2 hold k 0, 1 and bytes 1, 3 hold k 2, 3.
+KVLITE_HD uint32_t fp8_pair_order(uint32_t word) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(word, 0u, 0x3120u);
+#else
+  return (word & 0xff0000ffu) | ((word >> 8) & 0x0000ff00u) | ((word << 8) & 0x00ff0000u);
+#endif
+}
+// Pair p of an ordered word as two 16-bit values (low half the lower k): p = 0 from bytes 0 and 2, p = 1 from
+// bytes 1 and 3.
+KVLITE_HD uint32_t fp8_pair_bits(uint32_t ordered, int pair, bool bf16) {
+  const uint32_t v = pair == 0 ? ordered << 8 : ordered;  // the pair's bytes at bits 8..15 and 24..31
+  const int shift = bf16 ? 4 : 1;                         // exponent+mantissa from bits 8..14 to 4..10 / 7..13
+  return (v & 0x80008000u) | ((v & 0x7f007f00u) >> shift);
+}
+// A scale for fp8_pair_bits' values: s * 2^fix, exact while it stays finite (|s| < 2^8 for bf16, < 2^7.99 for
+// f16; weight scales are ~1e-3).
+KVLITE_HD float fp8_folded_scale(float scale, bool bf16) {
+  return scale * bits_to_float(uint32_t(127 + fp8_exponent_fix(bf16)) << 23);  // * 2^fix, exact
+}
+
+// ---- which kernel, how split, how much scratch (host) -------------------------------------------------------
+// The quantized GEMMs of the CUDA backend:
+//   mma_a16          int4 W4A16 / fp8 W8A16: weights dequantized in registers, bf16/f16 mma.m16n8k16
+//   mma_w8a8         fp8 W8A8 (sm_89+): activations quantized per token (per block_k group for block weights),
+//                    e4m3 mma.m16n8k32, scales applied to each tile's fp32 partial product
+//   dequant_cublas   weights dequantized to the activation dtype into scratch (tiled over N), then cuBLAS
+enum class QuantKernel : uint8_t { automatic, mma_a16, mma_w8a8, dequant_cublas };
+const char* quant_kernel_name(QuantKernel kernel);
+
+// Activation rows up to which mma_a16 runs; more rows go through dequantize + cuBLAS, whose dequantization
+// then costs less than the tensor-core time it saves. A first guess: bench/quant_gemm.cu times both at
+// M = 512 and 2048 on each GPU.
+constexpr int64_t kQuantMmaMaxRows = 256;
+// W8A8 runs on compute capability 8.9 and newer (the e4m3 mma); older GPUs run fp8 weights as W8A16.
+constexpr int kQuantW8A8MinSm = 89;
+
+// The kernel `forced` or, when automatic, the one for `rows` rows on a GPU of compute capability `sm` with
+// activations of dtype `activation`. F32 activations always dequantize (exact weights, float32 cuBLAS).
+QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, int sm, int64_t rows,
+                                QuantKernel forced);
+// Why `kernel` cannot run `layout` here ("" when it can).
+std::string quant_kernel_refusal(const QuantGpuLayout& layout, QuantKernel kernel, DType activation, int sm);
+
+// The 16-row mma tiles a GEMM block takes for `rows` rows: 1, 2 or 4 (up to 64 rows per block).
+KVLITE_HD int quant_m_tiles(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
+
+// How one quant_linear call runs: passes of row_chunk rows (all of them unless the scratch cannot hold the
+// staged activations); a pass launches m_blocks x n_tiles x splits GEMM blocks, or dequantizes n_chunk output
+// columns at a time for cuBLAS.
+struct QuantGemmPlan {
+  QuantKernel kernel = QuantKernel::dequant_cublas;
+  int64_t row_chunk = 0;
+  int64_t splits = 1;         // split-K partitions of the stages (only when one block row, m_blocks == 1)
+  int64_t n_chunk = 0;        // dequant_cublas: output columns per pass (a multiple of 64)
+  bool stage_x = false;       // mma_a16: activations copied into scratch first (act-order, or unaligned)
+  uint64_t x_bytes = 0;       // scratch for the staged / quantized activations of one pass
+  uint64_t partial_bytes = 0; // scratch for split-K partials
+  uint64_t weight_bytes = 0;  // dequant_cublas: scratch for one chunk of dequantized weights
+};
+// Per-row scratch bytes of staged activations: mma_a16 k_pad bf16/f16; mma_w8a8 k_pad e4m3 + its scales.
+uint64_t quant_staged_row_bytes(const QuantGpuLayout& layout, QuantKernel kernel);
+// Plans `rows` rows through `kernel`: target_blocks = blocks resident on the whole GPU at once (SMs x blocks
+// per SM of the kernel); act_bytes = 2 or 4. false with *why set when scratch_bytes cannot hold even one
+// 64-column chunk / one row.
+bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t rows, bool stage_x, int act_bytes,
+                     uint64_t scratch_bytes, int64_t target_blocks, QuantGemmPlan* plan, std::string* why);
+// Stages [*begin, *end) of split `split` of `splits` over `stages` (as even as integers allow).
+KVLITE_HD void quant_split_range(int64_t stages, int64_t splits, int64_t split, int64_t* begin, int64_t* end) {
+  *begin = stages * split / splits;
+  *end = stages * (split + 1) / splits;
+}
+
+}  // namespace cuda
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
 // tokenizer: byte-level BPE read from a Hugging Face tokenizer.json (+ tokenizer_config.json), encoding and
@@ -2177,7 +2409,8 @@ class Engine {
 //   workspace ──► | cuBLAS workspace (cublas_workspace_bytes) | fault record (256 B) | scratch ... |
 //
 // cuBLAS is handed the first part with cublasSetWorkspace, so it never allocates while running; the scratch
-// holds split attention's partial results. Index vectors (ids, slots, query_starts, context_lens,
+// holds split attention's partial results and, within one quant_linear call, the quantized GEMMs' staged
+// activations, split-K partials and dequantized weight chunks (quant_gpu.hpp: plan_quant_gemm). Index vectors (ids, slots, query_starts, context_lens,
 // block_tables) live on the device, so their values are checked by the kernels: the first bad value is kept
 // in the fault record and reported as invalid_argument by the next synchronize(), copy_to_host() or
 // copy_from_host(); the output rows it affects are NaN (kv_write: the token is not stored).
@@ -2214,6 +2447,11 @@ namespace cuda {
 // activation dtype, V > 0; ids I32 vector [T]. invalid_argument when `backend` is not a CUDA backend.
 // (A CUDA-only extra until Backend has an argmax op.)
 Status argmax(Backend& backend, const Tensor& logits, const Tensor& ids);
+
+// The CUDA stream (a cudaStream_t) `backend` queues all its work on, for interop: CUDA events around its ops,
+// graph capture of a run of them (after one warm-up call, which configures the kernels). invalid_argument when
+// `backend` is not a CUDA backend.
+Result<void*> backend_stream(Backend& backend);
 
 // Device allocations (cudaMalloc calls) kvlite has made in this process: the arena's reservation is the one
 // expected; backends make none. Monotonic; 0 in builds without CUDA.
@@ -2282,14 +2520,28 @@ Status launch_graph(Backend& backend, const CudaGraph& graph);
 
 // ---- quantized Linears on the device -----------------------------------------------------------------------
 // Bytes `host` (a QuantWeight over the checkpoint) takes on the device in the layout the GPU's quantized GEMMs
-// read (issue 6: W4A16 tiles repacked at load, fp8 with its scales); the planner counts these for CUDA plans.
-// Host-side arithmetic only: defined in every build.
+// read (quant_gpu.hpp: repacked tiles, scale / zero-point tables, act-order permutation, F32 bias, split-K
+// counters; quant_gpu_layout(host) itemises them). The planner counts these for CUDA plans; the repack itself
+// needs no device scratch (upload_quant_weight repacks on the host, 16 MiB of host memory at a time). Host-side
+// arithmetic only: defined in every build.
 uint64_t quant_device_bytes(const QuantWeight& host);
-// Repacks and copies `host` into device memory at device_dst (capacity >= quant_device_bytes(host), 256-byte
-// aligned) through backend.copy_from_host, and returns the device view that Backend::quant_linear takes on
-// that backend. unsupported until the GPU kernels for the format exist (and in builds without CUDA).
+// The same for a Linear described by describe_linears (int4 or fp8), before loading: what the planner counts
+// per quantized Linear for CUDA plans (a g_idx counts as act-order: at most k_pad x 4 bytes over the upload).
+uint64_t quant_device_bytes(const LinearDesc& linear);
+// Repacks `host` on the host and copies it into device memory at device_dst (capacity >=
+// quant_device_bytes(host), 256-byte aligned, on the backend's device) through backend.copy_from_host, and returns
+// the device view (layout QuantLayout::cuda_tiles, its pointers into device_dst) that Backend::quant_linear takes
+// on that backend; it stays valid while device_dst does. Errors: invalid_argument (not a CUDA backend, not a
+// checkpoint view, capacity or alignment), bad_format (an fp8 weight holding the e4m3 NaN code), unsupported (fp8
+// scales too large for W8A16 on GPUs before sm_89; builds without CUDA).
 Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& host, void* device_dst,
                                         uint64_t capacity);
+// Forces the kernel the backend's quant_linear runs (QuantKernel::automatic, the default, chooses by weight,
+// device and rows: choose_quant_kernel). For tests and benchmarks, which check and time every kernel on one GPU.
+// A forced kernel that cannot run a weight (quant_kernel_refusal) makes that quant_linear fail with unsupported.
+// invalid_argument when `backend` is not a CUDA backend; unsupported for mma_w8a8 before sm_89 and in builds
+// without CUDA.
+Status set_quant_kernel(Backend& backend, QuantKernel kernel);
 
 // ---- index math shared by kernels.cu and the host --------------------------------------------------------
 
@@ -4511,6 +4763,379 @@ Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const Quan
   });
 }
 
+}  // namespace kvlite
+// quant_gpu: implementation (host side: layout arithmetic, repacking, kernel choice and planning).
+#include <algorithm>
+
+namespace kvlite {
+namespace cuda {
+namespace {
+
+int64_t round_up64(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// A checkpoint g_idx that only restates column order (g_idx[k] == k / group_size, what GPTQ without desc_act
+// and compressed-tensors' "static" actorder write) needs no permutation.
+bool g_idx_in_column_order(const QuantWeight& w) {
+  for (int64_t k = 0; k < w.in_features; k++) {
+    int32_t group;
+    memcpy(&group, w.g_idx + 4 * k, 4);
+    if (group != k / w.group_size) return false;
+  }
+  return true;
+}
+
+// Scale groups (columns of the checkpoint's scale tensor) the checkpoint holds; device groups past these are
+// padding. int4 channel and fp8 tensor/channel have one, which the device's single group matches.
+int64_t checkpoint_groups(const QuantWeight& w) { return w.scale_cols; }
+
+// The stored nibble (q + 8) of a device element of an int4 layout: padding rows get 8 (q = 0 with the zero
+// 8), padding columns the zero point of their group (q - z = 0).
+struct Int4Source {
+  const QuantWeight& w;
+  const QuantGpuLayout& layout;
+  const std::vector<int32_t>& perm;  // [K] when layout.permuted
+
+  uint32_t zero_nibble(int64_t n, int64_t group) const {
+    if (!w.zero_points || n >= w.out_features || group >= checkpoint_groups(w)) return 8;
+    return uint32_t(int4_zero_point_at(w.zero_points, w.scale_cols, n, group) + 8);
+  }
+  uint32_t nibble(int64_t n, int64_t k_device) const {
+    if (n >= w.out_features) return 8;
+    if (k_device >= w.in_features) return zero_nibble(n, k_device / layout.group_size);
+    const int64_t k = layout.permuted ? perm[size_t(k_device)] : k_device;
+    return uint32_t(int4_packed_at(w.packed + 4 * n * w.packed_cols, k) + 8);
+  }
+};
+
+// Device column k' -> input column: columns sorted by group (stable), so each group is group_size consecutive
+// device columns (quant_weight checked that every group holds exactly group_size columns).
+std::vector<int32_t> act_order_permutation(const QuantWeight& w) {
+  std::vector<int32_t> groups(size_t(w.in_features));
+  memcpy(groups.data(), w.g_idx, groups.size() * 4);
+  std::vector<int32_t> perm(groups.size());
+  for (size_t k = 0; k < perm.size(); k++) perm[k] = int32_t(k);
+  std::stable_sort(perm.begin(), perm.end(), [&](int32_t a, int32_t b) { return groups[size_t(a)] < groups[size_t(b)]; });
+  return perm;
+}
+
+void store_u32(uint8_t* p, uint32_t v) { memcpy(p, &v, 4); }
+
+void repack_int4_tiles(const QuantWeight& w, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
+                       uint8_t* out) {
+  const std::vector<int32_t> perm = layout.permuted ? act_order_permutation(w) : std::vector<int32_t>();
+  const Int4Source source{w, layout, perm};
+  const int64_t k_tiles = layout.k_pad / kInt4TileK;
+  for (int64_t t = first_tile; t < first_tile + count; t++)
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+      uint8_t* tile = out + ((t - first_tile) * k_tiles + kt) * kInt4TileBytes;
+      const int64_t n0 = t * kQuantTileN, k0 = kt * kInt4TileK;
+      const bool inside = !layout.permuted && n0 + kQuantTileN <= w.out_features && k0 + kInt4TileK <= w.in_features;
+      for (int lane = 0; lane < 32; lane++) {
+        uint32_t words[4] = {0, 0, 0, 0};
+        if (inside) {
+          // Whole checkpoint words: k0 + 2q, 2q+1 (b0) are nibbles 2q, 2q+1 of word k0/8; b1's of word k0/8 + 1.
+          const int g = lane / 4, q = lane % 4;
+          for (int j = 0; j < 8; j++) {
+            const uint8_t* row = w.packed + 4 * ((n0 + 8 * j + g) * w.packed_cols + k0 / 8);
+            const uint32_t b0 = (load_u32_le(row) >> (8 * q)) & 0xffu, b1 = (load_u32_le(row + 4) >> (8 * q)) & 0xffu;
+            const int p0 = 2 * (j % 2);  // pair of b0; b1's is p0 + 1 (int4_pair_block / int4_pair_register)
+            words[j / 2] |= ((b0 & 0xfu) << (4 * p0)) | ((b0 >> 4) << (4 * (p0 + 4))) |
+                            ((b1 & 0xfu) << (4 * (p0 + 1))) | ((b1 >> 4) << (4 * (p0 + 5)));
+          }
+        } else {
+          for (int word = 0; word < 4; word++)
+            for (int nibble = 0; nibble < 8; nibble++) {
+              int column, k;
+              int4_tile_slot(lane, word, nibble, &column, &k);
+              words[word] |= source.nibble(n0 + column, k0 + k) << (4 * nibble);
+            }
+        }
+        for (int word = 0; word < 4; word++) store_u32(tile + 16 * lane + 4 * word, words[word]);
+      }
+    }
+}
+
+void repack_fp8_tiles(const QuantWeight& w, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
+                      uint8_t* out) {
+  const int64_t n_size = w.out_features, k_size = w.in_features, k_tiles = layout.k_pad / kFp8TileK;
+  auto refuse_nan = [&](int64_t n, int64_t k) {
+    detail::fail(ErrorCode::bad_format,
+                 detail::format("%s.weight[%lld, %lld] holds the e4m3 NaN code 0x%02x; fp8 quantizers saturate at "
+                                "+-448 and never write it, so the checkpoint is damaged",
+                                w.name.c_str(), (long long)n, (long long)k, unsigned(w.fp8[n * k_size + k])));
+  };
+  for (int64_t t = first_tile; t < first_tile + count; t++)
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+      uint8_t* tile = out + ((t - first_tile) * k_tiles + kt) * kFp8TileBytes;
+      for (int chunk = 0; chunk < 4; chunk++)
+        for (int lane = 0; lane < 32; lane++)
+          for (int word = 0; word < 4; word++) {
+            int column, k;
+            fp8_tile_slot(lane, chunk, word, 0, &column, &k);
+            const int64_t n = t * kQuantTileN + column, kd = kt * kFp8TileK + k;  // bytes kd .. kd + 3
+            uint32_t value = 0;
+            if (n < n_size && kd + 4 <= k_size) {
+              value = load_u32_le(w.fp8 + n * k_size + kd);
+            } else if (n < n_size) {
+              for (int b = 0; b < 4 && kd + b < k_size; b++) value |= uint32_t(w.fp8[n * k_size + kd + b]) << (8 * b);
+            }
+            // A byte whose low 7 bits are all ones (+1 carries into bit 7) is S.1111.111.
+            if ((((value & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u) != 0)
+              for (int b = 0; b < 4; b++)
+                if (((value >> (8 * b)) & 0x7fu) == 0x7fu) refuse_nan(n, kd + b);
+            store_u32(tile + 512 * chunk + 16 * lane + 4 * word, value);
+          }
+    }
+}
+
+}  // namespace
+
+int64_t QuantGpuLayout::table_index(int64_t group, int64_t column) const {
+  return group * n_pad + column / kQuantTileN * kQuantTileN + quant_table_position(int(column % kQuantTileN));
+}
+
+namespace {
+// The layout from what decides it: format and shape, scale granularity and group/block, the int4 scale dtype,
+// zero points, act-order.
+QuantGpuLayout layout_of(WeightFormat format, int64_t n, int64_t k, ScaleGranularity granularity, int64_t group_size,
+                         int64_t block_k, DType scale_dtype, bool zeros, bool permuted) {
+  QuantGpuLayout l;
+  l.format = format;
+  l.n = n;
+  l.k = k;
+  l.n_pad = round_up64(l.n, kQuantTileN);
+  l.k_pad = round_up64(l.k, kQuantStageK);
+  l.n_tiles = l.n_pad / kQuantTileN;
+  l.stages = l.k_pad / kQuantStageK;
+  uint64_t table_element = 4;
+  if (format == WeightFormat::int4) {
+    l.tile_k = kInt4TileK;
+    l.tile_bytes = kInt4TileBytes;
+    if (granularity == ScaleGranularity::channel) {
+      l.group_size = l.k_pad;
+      l.mma = true;
+    } else {
+      l.group_size = group_size;
+      l.mma = group_size % kInt4TileK == 0;
+    }
+    l.table_scale_dtype = scale_dtype;
+    table_element = dtype_bytes(scale_dtype, 1);
+    l.zeros = zeros;
+    l.permuted = permuted;
+  } else {
+    l.tile_k = kFp8TileK;
+    l.tile_bytes = kFp8TileBytes;
+    if (granularity == ScaleGranularity::block) {
+      l.group_size = block_k;
+      l.mma = block_k % kFp8TileK == 0;
+    } else {
+      l.group_size = l.k_pad;
+      l.mma = true;
+    }
+    l.table_scale_dtype = DType::F32;
+  }
+  l.tiles_per_stage = kQuantStageK / l.tile_k;
+  l.groups = (l.k_pad + l.group_size - 1) / l.group_size;
+
+  uint64_t offset = 0;
+  auto place = [&](uint64_t bytes, uint64_t* at, uint64_t* size) {
+    *at = offset;
+    *size = bytes;
+    offset = align_up(offset + bytes, 256);
+  };
+  place(uint64_t(l.n_tiles) * l.tile_row_bytes(), &l.tiles_offset, &l.tiles_bytes);
+  place(uint64_t(l.groups * l.n_pad) * table_element, &l.scales_offset, &l.scales_bytes);
+  place(l.zeros ? uint64_t(l.groups * l.n_pad) : 0, &l.zeros_offset, &l.zeros_bytes);
+  place(l.permuted ? uint64_t(l.k_pad) * 4 : 0, &l.perm_offset, &l.perm_bytes);
+  place(uint64_t(l.n_pad) * 4, &l.bias_offset, &l.bias_bytes);
+  place(uint64_t(l.n_tiles) * 4, &l.counters_offset, &l.counters_bytes);
+  l.total_bytes = offset;
+  return l;
+}
+}  // namespace
+
+QuantGpuLayout quant_gpu_layout(const QuantWeight& w) {
+  const bool permuted = w.format == WeightFormat::int4 && w.g_idx != nullptr &&
+                        (w.layout == QuantLayout::cuda_tiles || !g_idx_in_column_order(w));
+  return layout_of(w.format, w.out_features, w.in_features, w.granularity, w.group_size, w.block_k, w.scale_dtype,
+                   w.format == WeightFormat::int4 && w.zero_points != nullptr, permuted);
+}
+
+QuantGpuLayout quant_gpu_layout(const LinearDesc& linear) {
+  const bool int4 = linear.format == WeightFormat::int4;
+  return layout_of(linear.format, linear.out_features, linear.in_features, linear.granularity, linear.group_size,
+                   linear.block_k, linear.scale_dtype, int4 && !linear.symmetric, int4 && linear.has_g_idx);
+}
+
+Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
+                          uint8_t* out) {
+  return detail::guard([&] {
+    if (host.layout != QuantLayout::checkpoint)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("repack_quant_tiles(%s): the weight is already repacked", host.name.c_str()));
+    if (first_tile < 0 || count < 0 || first_tile + count > layout.n_tiles)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("repack_quant_tiles(%s): tiles [%lld, %lld) are outside the %lld column tiles",
+                                  host.name.c_str(), (long long)first_tile, (long long)(first_tile + count),
+                                  (long long)layout.n_tiles));
+    if (host.format == WeightFormat::int4) repack_int4_tiles(host, layout, first_tile, count, out);
+    else repack_fp8_tiles(host, layout, first_tile, count, out);
+  });
+}
+
+Status repack_quant_tables(const QuantWeight& w, const QuantGpuLayout& layout, uint8_t* out) {
+  return detail::guard([&] {
+    if (w.layout != QuantLayout::checkpoint)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("repack_quant_tables(%s): the weight is already repacked", w.name.c_str()));
+    const uint64_t base = layout.scales_offset;
+    memset(out, 0, size_t(layout.total_bytes - base));  // padding scales 0, bias 0, counters 0
+    const int64_t real_groups = checkpoint_groups(w);
+    for (int64_t group = 0; group < layout.groups; group++)
+      for (int64_t n = 0; n < w.out_features && group < real_groups; n++) {
+        const int64_t index = layout.table_index(group, n);
+        if (w.format == WeightFormat::int4) {
+          const uint64_t element = dtype_bytes(w.scale_dtype, 1);
+          memcpy(out + layout.scales_offset - base + uint64_t(index) * element,
+                 w.scales + uint64_t(n * w.scale_cols + group) * element, size_t(element));
+        } else {
+          int64_t source = 0;  // tensor
+          if (w.granularity == ScaleGranularity::channel) source = n;
+          if (w.granularity == ScaleGranularity::block) source = (n / w.block_n) * w.scale_cols + group;
+          const float scale = scale_at(w.scales, w.scale_dtype, source);
+          memcpy(out + layout.scales_offset - base + uint64_t(index) * 4, &scale, 4);
+        }
+      }
+    if (layout.zeros) {
+      uint8_t* zeros = out + layout.zeros_offset - base;
+      for (int64_t group = 0; group < layout.groups; group++)
+        for (int64_t n = 0; n < layout.n_pad; n++) {
+          const bool real = n < w.out_features && group < real_groups;
+          zeros[layout.table_index(group, n)] =
+              uint8_t(real ? int4_zero_point_at(w.zero_points, w.scale_cols, n, group) + 8 : 8);
+        }
+    }
+    if (layout.permuted) {
+      const std::vector<int32_t> perm = act_order_permutation(w);
+      uint8_t* table = out + layout.perm_offset - base;
+      for (int64_t k = 0; k < layout.k_pad; k++) {
+        const int32_t source = k < w.in_features ? perm[size_t(k)] : -1;
+        memcpy(table + 4 * k, &source, 4);
+      }
+    }
+    if (w.bias)
+      for (int64_t n = 0; n < w.out_features; n++) {
+        const float bias = scale_at(w.bias, w.bias_dtype, n);
+        memcpy(out + layout.bias_offset - base + uint64_t(n) * 4, &bias, 4);
+      }
+  });
+}
+
+// ---- kernel choice and planning -----------------------------------------------------------------------------
+
+const char* quant_kernel_name(QuantKernel kernel) {
+  switch (kernel) {
+    case QuantKernel::automatic: return "automatic";
+    case QuantKernel::mma_a16: return "mma_a16";
+    case QuantKernel::mma_w8a8: return "mma_w8a8";
+    case QuantKernel::dequant_cublas: return "dequant_cublas";
+  }
+  return "?";
+}
+
+std::string quant_kernel_refusal(const QuantGpuLayout& layout, QuantKernel kernel, DType activation, int sm) {
+  if (kernel == QuantKernel::automatic || kernel == QuantKernel::dequant_cublas) return "";
+  if (kernel == QuantKernel::mma_w8a8 && layout.format != WeightFormat::fp8)
+    return "W8A8 (mma_w8a8) runs fp8 weights only";
+  if (kernel == QuantKernel::mma_w8a8 && sm < kQuantW8A8MinSm)
+    return detail::format("W8A8 (mma_w8a8) needs the e4m3 tensor cores of compute capability 8.9 or newer; this "
+                          "GPU is sm_%d", sm);
+  if (activation != DType::BF16 && activation != DType::F16)
+    return detail::format("%s needs BF16 or F16 activations (%s activations run through dequantize + cuBLAS)",
+                          quant_kernel_name(kernel), dtype_name(activation));
+  if (!layout.mma)
+    return layout.format == WeightFormat::int4
+               ? detail::format("%s needs int4 groups of a multiple of 16 columns; this Linear's are %lld",
+                                quant_kernel_name(kernel), (long long)layout.group_size)
+               : detail::format("%s needs fp8 blocks of a multiple of 32 columns; this Linear's are %lld",
+                                quant_kernel_name(kernel), (long long)layout.group_size);
+  return "";
+}
+
+QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, int sm, int64_t rows,
+                                QuantKernel forced) {
+  if (forced != QuantKernel::automatic) return forced;
+  if ((activation != DType::BF16 && activation != DType::F16) || !layout.mma) return QuantKernel::dequant_cublas;
+  if (layout.format == WeightFormat::fp8 && sm >= kQuantW8A8MinSm) return QuantKernel::mma_w8a8;
+  return rows <= kQuantMmaMaxRows ? QuantKernel::mma_a16 : QuantKernel::dequant_cublas;
+}
+
+uint64_t quant_staged_row_bytes(const QuantGpuLayout& layout, QuantKernel kernel) {
+  if (kernel == QuantKernel::mma_w8a8) return uint64_t(layout.k_pad) + uint64_t(layout.groups) * 4;
+  return uint64_t(layout.k_pad) * 2;
+}
+
+namespace {
+// Scratch for `rows` staged rows: mma_a16 [rows, k_pad] bf16/f16; mma_w8a8 [rows, k_pad] e4m3, then its
+// scales as [groups][rows rounded up to 64] floats (a block reads 16 * m_tiles consecutive rows of a group).
+uint64_t staged_bytes(const QuantGpuLayout& layout, QuantKernel kernel, int64_t rows) {
+  if (kernel == QuantKernel::mma_w8a8)
+    return align_up(uint64_t(rows * layout.k_pad), 256) + align_up(uint64_t(layout.groups * round_up64(rows, 64)) * 4, 256);
+  return align_up(uint64_t(rows * layout.k_pad) * 2, 256);
+}
+}  // namespace
+
+bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t rows, bool stage_x, int act_bytes,
+                     uint64_t scratch_bytes, int64_t target_blocks, QuantGemmPlan* plan, std::string* why) {
+  QuantGemmPlan p;
+  p.kernel = kernel;
+  p.row_chunk = rows;
+  if (kernel == QuantKernel::dequant_cublas) {
+    const uint64_t per_tile = uint64_t(kQuantTileN * layout.k_pad) * uint64_t(act_bytes);
+    const int64_t tiles = int64_t(std::min<uint64_t>(scratch_bytes / per_tile, uint64_t(layout.n_tiles)));
+    if (tiles == 0) {
+      *why = detail::format("dequantizing 64 rows of %lld columns needs %s of scratch; the workspace leaves %s",
+                            (long long)layout.k_pad, format_bytes(per_tile).c_str(), format_bytes(scratch_bytes).c_str());
+      return false;
+    }
+    p.n_chunk = tiles * kQuantTileN;
+    p.weight_bytes = uint64_t(p.n_chunk) * uint64_t(layout.k_pad) * uint64_t(act_bytes);
+    *plan = p;
+    return true;
+  }
+  p.stage_x = kernel == QuantKernel::mma_w8a8 || stage_x;
+  if (p.stage_x) {
+    if (staged_bytes(layout, kernel, 1) > scratch_bytes) {
+      *why = detail::format("staging one row of %lld activations needs %s of scratch; the workspace leaves %s",
+                            (long long)layout.k_pad, format_bytes(staged_bytes(layout, kernel, 1)).c_str(),
+                            format_bytes(scratch_bytes).c_str());
+      return false;
+    }
+    int64_t chunk = rows;
+    if (staged_bytes(layout, kernel, chunk) > scratch_bytes) {
+      chunk = std::max<int64_t>(1, int64_t(scratch_bytes / quant_staged_row_bytes(layout, kernel)));
+      while (chunk > 1 && staged_bytes(layout, kernel, chunk) > scratch_bytes) chunk--;
+      if (chunk > 64) chunk = chunk / 64 * 64;  // passes of whole 64-row blocks
+    }
+    p.row_chunk = std::min(chunk, rows);
+    p.x_bytes = staged_bytes(layout, kernel, p.row_chunk);
+  }
+  // Split-K when one block row leaves the GPU idle: as many splits as fill it once, each >= 2 stages.
+  if (p.row_chunk <= 64 && layout.n_tiles < target_blocks) {
+    int64_t splits = std::min<int64_t>(target_blocks / layout.n_tiles, layout.stages / 2);
+    const uint64_t per_split =
+        uint64_t(layout.n_tiles) * uint64_t(16 * quant_m_tiles(p.row_chunk)) * uint64_t(kQuantTileN) * 4;
+    while (splits > 1 && p.x_bytes + uint64_t(splits) * per_split > scratch_bytes) splits--;
+    if (splits > 1) {
+      p.splits = splits;
+      p.partial_bytes = uint64_t(splits) * per_split;
+    }
+  }
+  *plan = p;
+  return true;
+}
+
+}  // namespace cuda
 }  // namespace kvlite
 // tokenizer: implementation. The reference is Hugging Face `tokenizers` (v0.23): each step below names the
 // part of it it mirrors, and the unit tests compare ids with its output token for token.
@@ -9179,6 +9804,14 @@ Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const T
                                   weight_format_name(weight.format)));
     detail::check_supported(*this, Op::quant_linear, weight.format == WeightFormat::int4 ? DType::I32 : DType::F8_E4M3,
                             "weight dtype");
+    const QuantLayout wanted = kind() == BackendKind::cuda ? QuantLayout::cuda_tiles : QuantLayout::checkpoint;
+    if (weight.layout != wanted)
+      detail::fail(ErrorCode::invalid_argument,
+                   wanted == QuantLayout::cuda_tiles
+                       ? detail::format("quant_linear: %s is the checkpoint's host view; upload it with "
+                                        "cuda::upload_quant_weight for the CUDA backend", weight.name.c_str())
+                       : detail::format("quant_linear: %s was repacked for the CUDA backend (cuda::upload_quant_weight); "
+                                        "this backend reads the checkpoint's view", weight.name.c_str()));
     if (weight.in_features != x.cols)
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("quant_linear: %s is [out %lld, in %lld] but x is %s; in_features must be x's %lld "
@@ -12499,10 +13132,16 @@ namespace cuda {
 Status argmax(Backend&, const Tensor&, const Tensor&) {
   return Error(ErrorCode::unsupported, "cuda::argmax: kvlite was built without CUDA");
 }
+Result<void*> backend_stream(Backend&) {
+  return Error(ErrorCode::unsupported, "cuda::backend_stream: kvlite was built without CUDA");
+}
 uint64_t device_allocations() { return 0; }
 Result<QuantWeight> upload_quant_weight(Backend&, const QuantWeight& host, void*, uint64_t) {
   return Error(ErrorCode::unsupported,
                detail::format("cuda::upload_quant_weight(%s): kvlite was built without CUDA", host.name.c_str()));
+}
+Status set_quant_kernel(Backend&, QuantKernel) {
+  return Error(ErrorCode::unsupported, "cuda::set_quant_kernel: kvlite was built without CUDA");
 }
 Status sample(Backend&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
   return Error(ErrorCode::unsupported, "cuda::sample: kvlite was built without CUDA");
@@ -12530,6 +13169,8 @@ CudaGraph& CudaGraph::operator=(CudaGraph&& other) noexcept {
 
 namespace kvlite {
 namespace cuda {
+uint64_t quant_device_bytes(const QuantWeight& host) { return quant_gpu_layout(host).total_bytes; }
+uint64_t quant_device_bytes(const LinearDesc& linear) { return quant_gpu_layout(linear).total_bytes; }
 
 // The host twin of kernels.cu's sample_kernel: the same phases, each a loop where the kernel has a block-wide
 // reduction or histogram (integer sums: the same totals in any order; the double sum of the softmax is taken in
@@ -12592,16 +13233,6 @@ int32_t sample_row_reference(const float* logits, int64_t vocab, const DeviceSam
   return sampling_key_id(key);
 }
 
-// Until the GPU kernels choose their layouts (issue 6): the checkpoint's own bytes.
-uint64_t quant_device_bytes(const QuantWeight& host) {
-  const uint64_t n = uint64_t(host.out_features), k = uint64_t(host.in_features);
-  uint64_t bytes = host.format == WeightFormat::int4 ? n * uint64_t(host.packed_cols) * 4 : n * k;
-  bytes += dtype_bytes(host.scale_dtype, uint64_t(host.scale_rows * host.scale_cols));
-  if (host.zero_points) bytes += ((n + 7) / 8) * uint64_t(host.scale_cols) * 4;
-  if (host.g_idx) bytes += k * 4;
-  if (host.bias) bytes += dtype_bytes(host.bias_dtype, n);
-  return bytes;
-}
 }  // namespace cuda
 }  // namespace kvlite
 #endif  // KVLITE_IMPLEMENTATION

@@ -248,6 +248,14 @@ Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const T
                                   weight_format_name(weight.format)));
     detail::check_supported(*this, Op::quant_linear, weight.format == WeightFormat::int4 ? DType::I32 : DType::F8_E4M3,
                             "weight dtype");
+    const QuantLayout wanted = kind() == BackendKind::cuda ? QuantLayout::cuda_tiles : QuantLayout::checkpoint;
+    if (weight.layout != wanted)
+      detail::fail(ErrorCode::invalid_argument,
+                   wanted == QuantLayout::cuda_tiles
+                       ? detail::format("quant_linear: %s is the checkpoint's host view; upload it with "
+                                        "cuda::upload_quant_weight for the CUDA backend", weight.name.c_str())
+                       : detail::format("quant_linear: %s was repacked for the CUDA backend (cuda::upload_quant_weight); "
+                                        "this backend reads the checkpoint's view", weight.name.c_str()));
     if (weight.in_features != x.cols)
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("quant_linear: %s is [out %lld, in %lld] but x is %s; in_features must be x's %lld "

@@ -13,7 +13,8 @@
 //   workspace ──► | cuBLAS workspace (cublas_workspace_bytes) | fault record (256 B) | scratch ... |
 //
 // cuBLAS is handed the first part with cublasSetWorkspace, so it never allocates while running; the scratch
-// holds split attention's partial results. Index vectors (ids, slots, query_starts, context_lens,
+// holds split attention's partial results and, within one quant_linear call, the quantized GEMMs' staged
+// activations, split-K partials and dequantized weight chunks (quant_gpu.hpp: plan_quant_gemm). Index vectors (ids, slots, query_starts, context_lens,
 // block_tables) live on the device, so their values are checked by the kernels: the first bad value is kept
 // in the fault record and reported as invalid_argument by the next synchronize(), copy_to_host() or
 // copy_from_host(); the output rows it affects are NaN (kv_write: the token is not stored).
@@ -51,6 +52,11 @@ namespace cuda {
 // activation dtype, V > 0; ids I32 vector [T]. invalid_argument when `backend` is not a CUDA backend.
 // (A CUDA-only extra until Backend has an argmax op.)
 Status argmax(Backend& backend, const Tensor& logits, const Tensor& ids);
+
+// The CUDA stream (a cudaStream_t) `backend` queues all its work on, for interop: CUDA events around its ops,
+// graph capture of a run of them (after one warm-up call, which configures the kernels). invalid_argument when
+// `backend` is not a CUDA backend.
+Result<void*> backend_stream(Backend& backend);
 
 // Device allocations (cudaMalloc calls) kvlite has made in this process: the arena's reservation is the one
 // expected; backends make none. Monotonic; 0 in builds without CUDA.
@@ -119,14 +125,28 @@ Status launch_graph(Backend& backend, const CudaGraph& graph);
 
 // ---- quantized Linears on the device -----------------------------------------------------------------------
 // Bytes `host` (a QuantWeight over the checkpoint) takes on the device in the layout the GPU's quantized GEMMs
-// read (issue 6: W4A16 tiles repacked at load, fp8 with its scales); the planner counts these for CUDA plans.
-// Host-side arithmetic only: defined in every build.
+// read (quant_gpu.hpp: repacked tiles, scale / zero-point tables, act-order permutation, F32 bias, split-K
+// counters; quant_gpu_layout(host) itemises them). The planner counts these for CUDA plans; the repack itself
+// needs no device scratch (upload_quant_weight repacks on the host, 16 MiB of host memory at a time). Host-side
+// arithmetic only: defined in every build.
 uint64_t quant_device_bytes(const QuantWeight& host);
-// Repacks and copies `host` into device memory at device_dst (capacity >= quant_device_bytes(host), 256-byte
-// aligned) through backend.copy_from_host, and returns the device view that Backend::quant_linear takes on
-// that backend. unsupported until the GPU kernels for the format exist (and in builds without CUDA).
+// The same for a Linear described by describe_linears (int4 or fp8), before loading: what the planner counts
+// per quantized Linear for CUDA plans (a g_idx counts as act-order: at most k_pad x 4 bytes over the upload).
+uint64_t quant_device_bytes(const LinearDesc& linear);
+// Repacks `host` on the host and copies it into device memory at device_dst (capacity >=
+// quant_device_bytes(host), 256-byte aligned, on the backend's device) through backend.copy_from_host, and returns
+// the device view (layout QuantLayout::cuda_tiles, its pointers into device_dst) that Backend::quant_linear takes
+// on that backend; it stays valid while device_dst does. Errors: invalid_argument (not a CUDA backend, not a
+// checkpoint view, capacity or alignment), bad_format (an fp8 weight holding the e4m3 NaN code), unsupported (fp8
+// scales too large for W8A16 on GPUs before sm_89; builds without CUDA).
 Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& host, void* device_dst,
                                         uint64_t capacity);
+// Forces the kernel the backend's quant_linear runs (QuantKernel::automatic, the default, chooses by weight,
+// device and rows: choose_quant_kernel). For tests and benchmarks, which check and time every kernel on one GPU.
+// A forced kernel that cannot run a weight (quant_kernel_refusal) makes that quant_linear fail with unsupported.
+// invalid_argument when `backend` is not a CUDA backend; unsupported for mma_w8a8 before sm_89 and in builds
+// without CUDA.
+Status set_quant_kernel(Backend& backend, QuantKernel kernel);
 
 // ---- index math shared by kernels.cu and the host --------------------------------------------------------
 

@@ -12,10 +12,16 @@ namespace cuda {
 Status argmax(Backend&, const Tensor&, const Tensor&) {
   return Error(ErrorCode::unsupported, "cuda::argmax: kvlite was built without CUDA");
 }
+Result<void*> backend_stream(Backend&) {
+  return Error(ErrorCode::unsupported, "cuda::backend_stream: kvlite was built without CUDA");
+}
 uint64_t device_allocations() { return 0; }
 Result<QuantWeight> upload_quant_weight(Backend&, const QuantWeight& host, void*, uint64_t) {
   return Error(ErrorCode::unsupported,
                detail::format("cuda::upload_quant_weight(%s): kvlite was built without CUDA", host.name.c_str()));
+}
+Status set_quant_kernel(Backend&, QuantKernel) {
+  return Error(ErrorCode::unsupported, "cuda::set_quant_kernel: kvlite was built without CUDA");
 }
 Status sample(Backend&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
   return Error(ErrorCode::unsupported, "cuda::sample: kvlite was built without CUDA");
@@ -43,6 +49,8 @@ CudaGraph& CudaGraph::operator=(CudaGraph&& other) noexcept {
 
 namespace kvlite {
 namespace cuda {
+uint64_t quant_device_bytes(const QuantWeight& host) { return quant_gpu_layout(host).total_bytes; }
+uint64_t quant_device_bytes(const LinearDesc& linear) { return quant_gpu_layout(linear).total_bytes; }
 
 // The host twin of kernels.cu's sample_kernel: the same phases, each a loop where the kernel has a block-wide
 // reduction or histogram (integer sums: the same totals in any order; the double sum of the softmax is taken in
@@ -105,15 +113,5 @@ int32_t sample_row_reference(const float* logits, int64_t vocab, const DeviceSam
   return sampling_key_id(key);
 }
 
-// Until the GPU kernels choose their layouts (issue 6): the checkpoint's own bytes.
-uint64_t quant_device_bytes(const QuantWeight& host) {
-  const uint64_t n = uint64_t(host.out_features), k = uint64_t(host.in_features);
-  uint64_t bytes = host.format == WeightFormat::int4 ? n * uint64_t(host.packed_cols) * 4 : n * k;
-  bytes += dtype_bytes(host.scale_dtype, uint64_t(host.scale_rows * host.scale_cols));
-  if (host.zero_points) bytes += ((n + 7) / 8) * uint64_t(host.scale_cols) * 4;
-  if (host.g_idx) bytes += k * 4;
-  if (host.bias) bytes += dtype_bytes(host.bias_dtype, n);
-  return bytes;
-}
 }  // namespace cuda
 }  // namespace kvlite

@@ -25,6 +25,11 @@ enum class DequantRounding : uint8_t {
   f32,          // to float32 (transformers' fine-grained fp8)
 };
 
+// Where a QuantWeight's tensors are and how they are laid out: as the checkpoint stores them, in host memory
+// (the CPU backend reads these), or repacked into device memory for the CUDA backend's GEMMs by
+// cuda::upload_quant_weight (quant_gpu.hpp describes that layout; the pointers then address its tables).
+enum class QuantLayout : uint8_t { checkpoint, cuda_tiles };
+
 // A view of one quantized Linear's tensors inside a TensorStore (valid while the store lives). Tensors are
 // read through byte pointers because safetensors guarantees no alignment. Make it with quant_weight().
 struct QuantWeight {
@@ -52,6 +57,8 @@ struct QuantWeight {
 
   const uint8_t* bias = nullptr;  // [N] or nullptr
   DType bias_dtype = DType::F32;  // F32, BF16 or F16
+
+  QuantLayout layout = QuantLayout::checkpoint;
 };
 
 // Builds the view of `linear` (a Linear of format int4 or fp8 from describe_linears, or made by hand) over

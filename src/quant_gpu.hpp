@@ -1,0 +1,226 @@
+// ---------------------------------------------------------------------------------------------------------
+// quant_gpu: the layout the CUDA backend's quantized GEMMs read, written at load by cuda::upload_quant_weight;
+// where each weight sits so that a warp's tensor-core B fragments load with 16-byte coalesced loads; the
+// bit-level dequantization the kernels run; and the host-side choice of kernel, split-K and scratch use.
+// The geometry and bit functions are __host__ __device__: kernels.cu runs them and
+// tests/unit-quant-gpu-host.cpp checks them on the CPU against dequantize_rows.
+//
+// Terms: N = out_features, K = in_features; lane = 0..31 in a warp, g = lane / 4, q = lane % 4 (PTX's
+// groupID / threadID_in_group). mma.m16n8k16 (bf16/f16) B fragment: b0 = B[k = 2q, 2q+1][n = g], b1 = B[k =
+// 2q+8, 2q+9][n = g]; mma.m16n8k32 (e4m3): b0 = B[k = 4q .. 4q+3][n = g], b1 = B[k = 16+4q .. 19+4q][n = g].
+// The lower 16 bits (byte) of a register hold the lower k.
+//
+// The device layout of one Linear (offsets 256-byte aligned, in this order; n_pad = N rounded up to 64,
+// k_pad = K rounded up to 128; padding dequantizes to exactly 0):
+//
+//   tiles     [N / 64][k_pad / tile_k] tiles; a block of 64 output columns streams one contiguous run.
+//             int4: k16 x n64 = 512 B: lane l's 16 bytes (at 16 l) are 4 words; word w, nibble i holds the
+//                   value for n8 block j = 2w + (i%4)/2, register r = (i%4)%2, half h = i/4:
+//                   column 8j + g, k = 2q + 8r + h. So ((word >> 4p) & 0x000f000f) is the pair p = i%4
+//                   of a B register, low half first: one shift and one lop3 per bf16x2 / f16x2.
+//                   Stored value u = q + 8 as the checkpoint stores it.
+//             fp8:  k32 x n64 = 2 KB: 4 chunks of 32 lanes x 16 bytes (chunk c at 512 c, lane at 16 l);
+//                   word i of lane l's chunk c is register r = i%2 of n8 block j = 2c + i/2: bytes b = 0..3
+//                   hold column 8j + g, k = 16r + 4q + b (the m16n8k32 B fragment, e4m3 as stored).
+//   scales    [groups][n_pad]: int4 in the checkpoint's scale dtype, fp8 widened to F32 (exact). Within a
+//             tile's 64 columns, position 8 g + j holds column 8 j + g: a lane's 8 scales are contiguous.
+//   zeros     int4 asymmetric only: [groups][n_pad] bytes, the zero point + 8, positions as the scales.
+//   perm      int4 act-order only: I32 [k_pad]; device column k' holds input column perm[k'] (-1: padding).
+//             Columns are sorted by group at load, so a group is group_size consecutive device columns; the
+//             activations are permuted the same way before the GEMM.
+//   bias      F32 [n_pad] (zeros when the Linear has none).
+//   counters  U32 [N / 64]: split-K arrival counters, zero at rest (the last block of a column tile resets
+//             its counter), so split-K needs no memset per call.
+//
+// Groups: int4 group strategy: group_size columns; int4 channel and fp8 tensor/channel: one group of all
+// k_pad columns; fp8 block: block_k columns (the scale table repeats a block's scale on its block_n rows).
+// The tensor-core kernels need every tile_k run of columns inside one group (`mma`): int4 group_size % 16,
+// fp8 block_k % 32; other layouts run through dequantize + cuBLAS only.
+// ---------------------------------------------------------------------------------------------------------
+#pragma once
+
+namespace kvlite {
+namespace cuda {
+
+constexpr int64_t kQuantTileN = 64;    // output columns of a tile (and of a GEMM thread block)
+constexpr int64_t kQuantStageK = 128;  // input columns of one pipeline stage (k_pad is a multiple)
+constexpr int64_t kInt4TileK = 16, kInt4TileBytes = 512;
+constexpr int64_t kFp8TileK = 32, kFp8TileBytes = 2048;
+
+// The device layout of one quantized Linear (see the top of this part). Host arithmetic only.
+struct QuantGpuLayout {
+  WeightFormat format = WeightFormat::int4;
+  int64_t n = 0, k = 0;          // N, K
+  int64_t n_pad = 0, k_pad = 0;  // multiples of kQuantTileN, kQuantStageK
+  int64_t n_tiles = 0;           // n_pad / 64
+  int64_t stages = 0;            // k_pad / 128
+  int64_t tile_k = 0, tile_bytes = 0, tiles_per_stage = 0;
+  int64_t group_size = 0;        // device columns per scale row
+  int64_t groups = 0;            // scale rows (padded groups past K have scale 0)
+  DType table_scale_dtype = DType::F32;  // int4: the checkpoint's scale dtype; fp8: F32
+  bool mma = false;       // the tensor-core kernels can read it (every tile_k run in one group)
+  bool permuted = false;  // act-order: device column k' holds input column perm[k']
+  bool zeros = false;     // int4 zero points
+  uint64_t tiles_offset = 0, tiles_bytes = 0;
+  uint64_t scales_offset = 0, scales_bytes = 0;
+  uint64_t zeros_offset = 0, zeros_bytes = 0;
+  uint64_t perm_offset = 0, perm_bytes = 0;
+  uint64_t bias_offset = 0, bias_bytes = 0;
+  uint64_t counters_offset = 0, counters_bytes = 0;
+  uint64_t total_bytes = 0;
+
+  uint64_t tile_row_bytes() const { return uint64_t(k_pad / tile_k * tile_bytes); }  // one column tile
+  // Index of (group, column n) in the scale and zero tables.
+  int64_t table_index(int64_t group, int64_t n) const;
+};
+
+// The layout `weight` (a checkpoint view, or a device view from upload_quant_weight) takes on the device.
+// Reads only host memory: for a checkpoint view it looks at g_idx to tell act-order (a non-monotonic g_idx)
+// from plain group order; a device view carries perm exactly when it is act-order.
+QuantGpuLayout quant_gpu_layout(const QuantWeight& weight);
+// The same from a descriptor (describe_linears; shapes from headers or config.json), for planning before the
+// tensors are read: a g_idx is counted as act-order (k_pad x 4 bytes more than a g_idx in column order takes).
+QuantGpuLayout quant_gpu_layout(const LinearDesc& linear);
+
+// Repacking, on the host, into the bytes that go to the device (upload_quant_weight copies them):
+// the tiles of column tiles [first_tile, first_tile + count): count * layout.tile_row_bytes() bytes.
+// bad_format when an fp8 weight holds the e4m3 NaN code (S.1111.111; quantizers saturate at +-448 and never
+// write it), naming the tensor and the element.
+Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
+                          uint8_t* out);
+// Everything after the tiles (scales, zeros, perm, bias, counters): layout.total_bytes - layout.scales_offset
+// bytes, as they sit from scales_offset on.
+Status repack_quant_tables(const QuantWeight& host, const QuantGpuLayout& layout, uint8_t* out);
+
+// ---- fragment geometry --------------------------------------------------------------------------------------
+// Position of tile column c (0..63) in the scale / zero tables, and back: lane g's 8 columns 8j + g sit at 8g + j.
+KVLITE_HD int quant_table_position(int column) { return 8 * (column % 8) + column / 8; }
+KVLITE_HD int quant_table_column(int position) { return 8 * (position % 8) + position / 8; }
+
+// int4: the n8 block and the B register (0: b0, 1: b1) that pair p (0..3) of word w of a lane feeds.
+KVLITE_HD int int4_pair_block(int word, int pair) { return 2 * word + pair / 2; }
+KVLITE_HD int int4_pair_register(int pair) { return pair % 2; }
+// The tile column and k (0..15) of nibble `nibble` (0..7) of word `word` (0..3) of lane `lane`.
+KVLITE_HD void int4_tile_slot(int lane, int word, int nibble, int* column, int* k) {
+  const int pair = nibble % 4, half = nibble / 4;
+  *column = 8 * int4_pair_block(word, pair) + lane / 4;
+  *k = 2 * (lane % 4) + 8 * int4_pair_register(pair) + half;
+}
+
+// fp8: the n8 block and register of word `word` (0..3) of a lane's chunk `chunk` (0..3).
+KVLITE_HD int fp8_word_block(int chunk, int word) { return 2 * chunk + word / 2; }
+KVLITE_HD int fp8_word_register(int word) { return word % 2; }
+// The tile column and k (0..31) of byte `byte` of that word.
+KVLITE_HD void fp8_tile_slot(int lane, int chunk, int word, int byte, int* column, int* k) {
+  *column = 8 * fp8_word_block(chunk, word) + lane / 4;
+  *k = 16 * fp8_word_register(word) + 4 * (lane % 4) + byte;
+}
+// W8A16 runs a k32 fp8 tile as two m16n8k16 steps (half r = register r's 16 columns). In step r a lane's B
+// registers are the e4m3 bytes of register r, reordered (fp8_pair_order) and decoded: b0 <- k 16r + 4q + {0, 1},
+// b1 <- k 16r + 4q + {2, 3}. Its A registers must hold the same columns, so it loads 8 bytes of bf16/f16 from
+// column 16r + 4q of rows g and g + 8: a0/a1 = the first two values, a2/a3 = the next two. (The m16n8k16 slots
+// 2q, 2q+1 / 2q+8, 2q+9 then hold matching columns of A and B, which is all a dot product needs.)
+KVLITE_HD int w8a16_a_column(int lane, int half, int slot_register /*0: a0/a1, 1: a2/a3*/, int element) {
+  return 16 * half + 4 * (lane % 4) + 2 * slot_register + element;
+}
+
+// W8A8 applies scales to the mma accumulators, whose lane holds columns 8j + 2q + e (e = 0, 1) of block j:
+// their weight scales sit at these table positions.
+KVLITE_HD int w8a8_scale_position(int lane, int block, int e) {
+  return quant_table_position(8 * block + 2 * (lane % 4) + e);
+}
+
+// ---- dequantization bits ----------------------------------------------------------------------------------
+// int4 -> bf16/f16 with the magic-number trick: OR-ing a nibble u into the mantissa of 128.0 (bf16 0x4300) or
+// 1024.0 (f16 0x6400) gives exactly magic + u; subtracting magic + zero (exact: integers below 2^8 / 2^11) gives
+// u - zero = q - z exactly; one multiply by the scale then rounds once, as the reference does.
+constexpr uint32_t kInt4MagicBf16 = 0x4300u, kInt4MagicF16 = 0x6400u;
+KVLITE_HD uint32_t int4_magic(bool bf16) { return bf16 ? kInt4MagicBf16 : kInt4MagicF16; }
+// Pair p (0..3) of a device word as two 16-bit values magic + u: low half nibble p, high half nibble p + 4.
+KVLITE_HD uint32_t int4_pair_bits(uint32_t word, int pair, uint32_t magic) {
+  return ((word >> (4 * pair)) & 0x000f000fu) | (magic | (magic << 16));  // a shift and one lop3
+}
+// The 16-bit value magic + zero (zero = the stored zero point, 0..15; 8 when symmetric).
+KVLITE_HD uint32_t int4_subtrahend_bits(uint32_t zero_nibble, uint32_t magic) { return magic | (zero_nibble & 0xfu); }
+
+// e4m3 -> bf16/f16 by moving bits: sign to bit 15, exponent and mantissa (7 bits) to the top of the 16-bit
+// format's exponent/mantissa. The result is q * 2^-fix (fix = 120 for bf16: biases 127 - 7; 8 for f16: 15 - 7),
+// subnormal e4m3 included (they land on subnormals, which bf16/f16 multiplies keep), so a scale pre-multiplied
+// by 2^fix restores q * s with the product's one rounding. The NaN codes would decode to +-480: the repack
+// refuses them.
+KVLITE_HD int fp8_exponent_fix(bool bf16) { return bf16 ? 120 : 8; }
+// Bytes [b0 b1 b2 b3] -> [b0 b2 b1 b3] (prmt): then bytes 0, 2 hold k 0, 1 and bytes 1, 3 hold k 2, 3.
+KVLITE_HD uint32_t fp8_pair_order(uint32_t word) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(word, 0u, 0x3120u);
+#else
+  return (word & 0xff0000ffu) | ((word >> 8) & 0x0000ff00u) | ((word << 8) & 0x00ff0000u);
+#endif
+}
+// Pair p of an ordered word as two 16-bit values (low half the lower k): p = 0 from bytes 0 and 2, p = 1 from
+// bytes 1 and 3.
+KVLITE_HD uint32_t fp8_pair_bits(uint32_t ordered, int pair, bool bf16) {
+  const uint32_t v = pair == 0 ? ordered << 8 : ordered;  // the pair's bytes at bits 8..15 and 24..31
+  const int shift = bf16 ? 4 : 1;                         // exponent+mantissa from bits 8..14 to 4..10 / 7..13
+  return (v & 0x80008000u) | ((v & 0x7f007f00u) >> shift);
+}
+// A scale for fp8_pair_bits' values: s * 2^fix, exact while it stays finite (|s| < 2^8 for bf16, < 2^7.99 for
+// f16; weight scales are ~1e-3).
+KVLITE_HD float fp8_folded_scale(float scale, bool bf16) {
+  return scale * bits_to_float(uint32_t(127 + fp8_exponent_fix(bf16)) << 23);  // * 2^fix, exact
+}
+
+// ---- which kernel, how split, how much scratch (host) -------------------------------------------------------
+// The quantized GEMMs of the CUDA backend:
+//   mma_a16          int4 W4A16 / fp8 W8A16: weights dequantized in registers, bf16/f16 mma.m16n8k16
+//   mma_w8a8         fp8 W8A8 (sm_89+): activations quantized per token (per block_k group for block weights),
+//                    e4m3 mma.m16n8k32, scales applied to each tile's fp32 partial product
+//   dequant_cublas   weights dequantized to the activation dtype into scratch (tiled over N), then cuBLAS
+enum class QuantKernel : uint8_t { automatic, mma_a16, mma_w8a8, dequant_cublas };
+const char* quant_kernel_name(QuantKernel kernel);
+
+// Activation rows up to which mma_a16 runs; more rows go through dequantize + cuBLAS, whose dequantization
+// then costs less than the tensor-core time it saves. A first guess: bench/quant_gemm.cu times both at
+// M = 512 and 2048 on each GPU.
+constexpr int64_t kQuantMmaMaxRows = 256;
+// W8A8 runs on compute capability 8.9 and newer (the e4m3 mma); older GPUs run fp8 weights as W8A16.
+constexpr int kQuantW8A8MinSm = 89;
+
+// The kernel `forced` or, when automatic, the one for `rows` rows on a GPU of compute capability `sm` with
+// activations of dtype `activation`. F32 activations always dequantize (exact weights, float32 cuBLAS).
+QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, int sm, int64_t rows,
+                                QuantKernel forced);
+// Why `kernel` cannot run `layout` here ("" when it can).
+std::string quant_kernel_refusal(const QuantGpuLayout& layout, QuantKernel kernel, DType activation, int sm);
+
+// The 16-row mma tiles a GEMM block takes for `rows` rows: 1, 2 or 4 (up to 64 rows per block).
+KVLITE_HD int quant_m_tiles(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
+
+// How one quant_linear call runs: passes of row_chunk rows (all of them unless the scratch cannot hold the
+// staged activations); a pass launches m_blocks x n_tiles x splits GEMM blocks, or dequantizes n_chunk output
+// columns at a time for cuBLAS.
+struct QuantGemmPlan {
+  QuantKernel kernel = QuantKernel::dequant_cublas;
+  int64_t row_chunk = 0;
+  int64_t splits = 1;         // split-K partitions of the stages (only when one block row, m_blocks == 1)
+  int64_t n_chunk = 0;        // dequant_cublas: output columns per pass (a multiple of 64)
+  bool stage_x = false;       // mma_a16: activations copied into scratch first (act-order, or unaligned)
+  uint64_t x_bytes = 0;       // scratch for the staged / quantized activations of one pass
+  uint64_t partial_bytes = 0; // scratch for split-K partials
+  uint64_t weight_bytes = 0;  // dequant_cublas: scratch for one chunk of dequantized weights
+};
+// Per-row scratch bytes of staged activations: mma_a16 k_pad bf16/f16; mma_w8a8 k_pad e4m3 + its scales.
+uint64_t quant_staged_row_bytes(const QuantGpuLayout& layout, QuantKernel kernel);
+// Plans `rows` rows through `kernel`: target_blocks = blocks resident on the whole GPU at once (SMs x blocks
+// per SM of the kernel); act_bytes = 2 or 4. false with *why set when scratch_bytes cannot hold even one
+// 64-column chunk / one row.
+bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t rows, bool stage_x, int act_bytes,
+                     uint64_t scratch_bytes, int64_t target_blocks, QuantGemmPlan* plan, std::string* why);
+// Stages [*begin, *end) of split `split` of `splits` over `stages` (as even as integers allow).
+KVLITE_HD void quant_split_range(int64_t stages, int64_t splits, int64_t split, int64_t* begin, int64_t* end) {
+  *begin = stages * split / splits;
+  *end = stages * (split + 1) / splits;
+}
+
+}  // namespace cuda
+}  // namespace kvlite

@@ -1,0 +1,373 @@
+// quant_gpu: implementation (host side: layout arithmetic, repacking, kernel choice and planning).
+#include <algorithm>
+
+namespace kvlite {
+namespace cuda {
+namespace {
+
+int64_t round_up64(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// A checkpoint g_idx that only restates column order (g_idx[k] == k / group_size, what GPTQ without desc_act
+// and compressed-tensors' "static" actorder write) needs no permutation.
+bool g_idx_in_column_order(const QuantWeight& w) {
+  for (int64_t k = 0; k < w.in_features; k++) {
+    int32_t group;
+    memcpy(&group, w.g_idx + 4 * k, 4);
+    if (group != k / w.group_size) return false;
+  }
+  return true;
+}
+
+// Scale groups (columns of the checkpoint's scale tensor) the checkpoint holds; device groups past these are
+// padding. int4 channel and fp8 tensor/channel have one, which the device's single group matches.
+int64_t checkpoint_groups(const QuantWeight& w) { return w.scale_cols; }
+
+// The stored nibble (q + 8) of a device element of an int4 layout: padding rows get 8 (q = 0 with the zero
+// 8), padding columns the zero point of their group (q - z = 0).
+struct Int4Source {
+  const QuantWeight& w;
+  const QuantGpuLayout& layout;
+  const std::vector<int32_t>& perm;  // [K] when layout.permuted
+
+  uint32_t zero_nibble(int64_t n, int64_t group) const {
+    if (!w.zero_points || n >= w.out_features || group >= checkpoint_groups(w)) return 8;
+    return uint32_t(int4_zero_point_at(w.zero_points, w.scale_cols, n, group) + 8);
+  }
+  uint32_t nibble(int64_t n, int64_t k_device) const {
+    if (n >= w.out_features) return 8;
+    if (k_device >= w.in_features) return zero_nibble(n, k_device / layout.group_size);
+    const int64_t k = layout.permuted ? perm[size_t(k_device)] : k_device;
+    return uint32_t(int4_packed_at(w.packed + 4 * n * w.packed_cols, k) + 8);
+  }
+};
+
+// Device column k' -> input column: columns sorted by group (stable), so each group is group_size consecutive
+// device columns (quant_weight checked that every group holds exactly group_size columns).
+std::vector<int32_t> act_order_permutation(const QuantWeight& w) {
+  std::vector<int32_t> groups(size_t(w.in_features));
+  memcpy(groups.data(), w.g_idx, groups.size() * 4);
+  std::vector<int32_t> perm(groups.size());
+  for (size_t k = 0; k < perm.size(); k++) perm[k] = int32_t(k);
+  std::stable_sort(perm.begin(), perm.end(), [&](int32_t a, int32_t b) { return groups[size_t(a)] < groups[size_t(b)]; });
+  return perm;
+}
+
+void store_u32(uint8_t* p, uint32_t v) { memcpy(p, &v, 4); }
+
+void repack_int4_tiles(const QuantWeight& w, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
+                       uint8_t* out) {
+  const std::vector<int32_t> perm = layout.permuted ? act_order_permutation(w) : std::vector<int32_t>();
+  const Int4Source source{w, layout, perm};
+  const int64_t k_tiles = layout.k_pad / kInt4TileK;
+  for (int64_t t = first_tile; t < first_tile + count; t++)
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+      uint8_t* tile = out + ((t - first_tile) * k_tiles + kt) * kInt4TileBytes;
+      const int64_t n0 = t * kQuantTileN, k0 = kt * kInt4TileK;
+      const bool inside = !layout.permuted && n0 + kQuantTileN <= w.out_features && k0 + kInt4TileK <= w.in_features;
+      for (int lane = 0; lane < 32; lane++) {
+        uint32_t words[4] = {0, 0, 0, 0};
+        if (inside) {
+          // Whole checkpoint words: k0 + 2q, 2q+1 (b0) are nibbles 2q, 2q+1 of word k0/8; b1's of word k0/8 + 1.
+          const int g = lane / 4, q = lane % 4;
+          for (int j = 0; j < 8; j++) {
+            const uint8_t* row = w.packed + 4 * ((n0 + 8 * j + g) * w.packed_cols + k0 / 8);
+            const uint32_t b0 = (load_u32_le(row) >> (8 * q)) & 0xffu, b1 = (load_u32_le(row + 4) >> (8 * q)) & 0xffu;
+            const int p0 = 2 * (j % 2);  // pair of b0; b1's is p0 + 1 (int4_pair_block / int4_pair_register)
+            words[j / 2] |= ((b0 & 0xfu) << (4 * p0)) | ((b0 >> 4) << (4 * (p0 + 4))) |
+                            ((b1 & 0xfu) << (4 * (p0 + 1))) | ((b1 >> 4) << (4 * (p0 + 5)));
+          }
+        } else {
+          for (int word = 0; word < 4; word++)
+            for (int nibble = 0; nibble < 8; nibble++) {
+              int column, k;
+              int4_tile_slot(lane, word, nibble, &column, &k);
+              words[word] |= source.nibble(n0 + column, k0 + k) << (4 * nibble);
+            }
+        }
+        for (int word = 0; word < 4; word++) store_u32(tile + 16 * lane + 4 * word, words[word]);
+      }
+    }
+}
+
+void repack_fp8_tiles(const QuantWeight& w, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
+                      uint8_t* out) {
+  const int64_t n_size = w.out_features, k_size = w.in_features, k_tiles = layout.k_pad / kFp8TileK;
+  auto refuse_nan = [&](int64_t n, int64_t k) {
+    detail::fail(ErrorCode::bad_format,
+                 detail::format("%s.weight[%lld, %lld] holds the e4m3 NaN code 0x%02x; fp8 quantizers saturate at "
+                                "+-448 and never write it, so the checkpoint is damaged",
+                                w.name.c_str(), (long long)n, (long long)k, unsigned(w.fp8[n * k_size + k])));
+  };
+  for (int64_t t = first_tile; t < first_tile + count; t++)
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+      uint8_t* tile = out + ((t - first_tile) * k_tiles + kt) * kFp8TileBytes;
+      for (int chunk = 0; chunk < 4; chunk++)
+        for (int lane = 0; lane < 32; lane++)
+          for (int word = 0; word < 4; word++) {
+            int column, k;
+            fp8_tile_slot(lane, chunk, word, 0, &column, &k);
+            const int64_t n = t * kQuantTileN + column, kd = kt * kFp8TileK + k;  // bytes kd .. kd + 3
+            uint32_t value = 0;
+            if (n < n_size && kd + 4 <= k_size) {
+              value = load_u32_le(w.fp8 + n * k_size + kd);
+            } else if (n < n_size) {
+              for (int b = 0; b < 4 && kd + b < k_size; b++) value |= uint32_t(w.fp8[n * k_size + kd + b]) << (8 * b);
+            }
+            // A byte whose low 7 bits are all ones (+1 carries into bit 7) is S.1111.111.
+            if ((((value & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u) != 0)
+              for (int b = 0; b < 4; b++)
+                if (((value >> (8 * b)) & 0x7fu) == 0x7fu) refuse_nan(n, kd + b);
+            store_u32(tile + 512 * chunk + 16 * lane + 4 * word, value);
+          }
+    }
+}
+
+}  // namespace
+
+int64_t QuantGpuLayout::table_index(int64_t group, int64_t column) const {
+  return group * n_pad + column / kQuantTileN * kQuantTileN + quant_table_position(int(column % kQuantTileN));
+}
+
+namespace {
+// The layout from what decides it: format and shape, scale granularity and group/block, the int4 scale dtype,
+// zero points, act-order.
+QuantGpuLayout layout_of(WeightFormat format, int64_t n, int64_t k, ScaleGranularity granularity, int64_t group_size,
+                         int64_t block_k, DType scale_dtype, bool zeros, bool permuted) {
+  QuantGpuLayout l;
+  l.format = format;
+  l.n = n;
+  l.k = k;
+  l.n_pad = round_up64(l.n, kQuantTileN);
+  l.k_pad = round_up64(l.k, kQuantStageK);
+  l.n_tiles = l.n_pad / kQuantTileN;
+  l.stages = l.k_pad / kQuantStageK;
+  uint64_t table_element = 4;
+  if (format == WeightFormat::int4) {
+    l.tile_k = kInt4TileK;
+    l.tile_bytes = kInt4TileBytes;
+    if (granularity == ScaleGranularity::channel) {
+      l.group_size = l.k_pad;
+      l.mma = true;
+    } else {
+      l.group_size = group_size;
+      l.mma = group_size % kInt4TileK == 0;
+    }
+    l.table_scale_dtype = scale_dtype;
+    table_element = dtype_bytes(scale_dtype, 1);
+    l.zeros = zeros;
+    l.permuted = permuted;
+  } else {
+    l.tile_k = kFp8TileK;
+    l.tile_bytes = kFp8TileBytes;
+    if (granularity == ScaleGranularity::block) {
+      l.group_size = block_k;
+      l.mma = block_k % kFp8TileK == 0;
+    } else {
+      l.group_size = l.k_pad;
+      l.mma = true;
+    }
+    l.table_scale_dtype = DType::F32;
+  }
+  l.tiles_per_stage = kQuantStageK / l.tile_k;
+  l.groups = (l.k_pad + l.group_size - 1) / l.group_size;
+
+  uint64_t offset = 0;
+  auto place = [&](uint64_t bytes, uint64_t* at, uint64_t* size) {
+    *at = offset;
+    *size = bytes;
+    offset = align_up(offset + bytes, 256);
+  };
+  place(uint64_t(l.n_tiles) * l.tile_row_bytes(), &l.tiles_offset, &l.tiles_bytes);
+  place(uint64_t(l.groups * l.n_pad) * table_element, &l.scales_offset, &l.scales_bytes);
+  place(l.zeros ? uint64_t(l.groups * l.n_pad) : 0, &l.zeros_offset, &l.zeros_bytes);
+  place(l.permuted ? uint64_t(l.k_pad) * 4 : 0, &l.perm_offset, &l.perm_bytes);
+  place(uint64_t(l.n_pad) * 4, &l.bias_offset, &l.bias_bytes);
+  place(uint64_t(l.n_tiles) * 4, &l.counters_offset, &l.counters_bytes);
+  l.total_bytes = offset;
+  return l;
+}
+}  // namespace
+
+QuantGpuLayout quant_gpu_layout(const QuantWeight& w) {
+  const bool permuted = w.format == WeightFormat::int4 && w.g_idx != nullptr &&
+                        (w.layout == QuantLayout::cuda_tiles || !g_idx_in_column_order(w));
+  return layout_of(w.format, w.out_features, w.in_features, w.granularity, w.group_size, w.block_k, w.scale_dtype,
+                   w.format == WeightFormat::int4 && w.zero_points != nullptr, permuted);
+}
+
+QuantGpuLayout quant_gpu_layout(const LinearDesc& linear) {
+  const bool int4 = linear.format == WeightFormat::int4;
+  return layout_of(linear.format, linear.out_features, linear.in_features, linear.granularity, linear.group_size,
+                   linear.block_k, linear.scale_dtype, int4 && !linear.symmetric, int4 && linear.has_g_idx);
+}
+
+Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
+                          uint8_t* out) {
+  return detail::guard([&] {
+    if (host.layout != QuantLayout::checkpoint)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("repack_quant_tiles(%s): the weight is already repacked", host.name.c_str()));
+    if (first_tile < 0 || count < 0 || first_tile + count > layout.n_tiles)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("repack_quant_tiles(%s): tiles [%lld, %lld) are outside the %lld column tiles",
+                                  host.name.c_str(), (long long)first_tile, (long long)(first_tile + count),
+                                  (long long)layout.n_tiles));
+    if (host.format == WeightFormat::int4) repack_int4_tiles(host, layout, first_tile, count, out);
+    else repack_fp8_tiles(host, layout, first_tile, count, out);
+  });
+}
+
+Status repack_quant_tables(const QuantWeight& w, const QuantGpuLayout& layout, uint8_t* out) {
+  return detail::guard([&] {
+    if (w.layout != QuantLayout::checkpoint)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("repack_quant_tables(%s): the weight is already repacked", w.name.c_str()));
+    const uint64_t base = layout.scales_offset;
+    memset(out, 0, size_t(layout.total_bytes - base));  // padding scales 0, bias 0, counters 0
+    const int64_t real_groups = checkpoint_groups(w);
+    for (int64_t group = 0; group < layout.groups; group++)
+      for (int64_t n = 0; n < w.out_features && group < real_groups; n++) {
+        const int64_t index = layout.table_index(group, n);
+        if (w.format == WeightFormat::int4) {
+          const uint64_t element = dtype_bytes(w.scale_dtype, 1);
+          memcpy(out + layout.scales_offset - base + uint64_t(index) * element,
+                 w.scales + uint64_t(n * w.scale_cols + group) * element, size_t(element));
+        } else {
+          int64_t source = 0;  // tensor
+          if (w.granularity == ScaleGranularity::channel) source = n;
+          if (w.granularity == ScaleGranularity::block) source = (n / w.block_n) * w.scale_cols + group;
+          const float scale = scale_at(w.scales, w.scale_dtype, source);
+          memcpy(out + layout.scales_offset - base + uint64_t(index) * 4, &scale, 4);
+        }
+      }
+    if (layout.zeros) {
+      uint8_t* zeros = out + layout.zeros_offset - base;
+      for (int64_t group = 0; group < layout.groups; group++)
+        for (int64_t n = 0; n < layout.n_pad; n++) {
+          const bool real = n < w.out_features && group < real_groups;
+          zeros[layout.table_index(group, n)] =
+              uint8_t(real ? int4_zero_point_at(w.zero_points, w.scale_cols, n, group) + 8 : 8);
+        }
+    }
+    if (layout.permuted) {
+      const std::vector<int32_t> perm = act_order_permutation(w);
+      uint8_t* table = out + layout.perm_offset - base;
+      for (int64_t k = 0; k < layout.k_pad; k++) {
+        const int32_t source = k < w.in_features ? perm[size_t(k)] : -1;
+        memcpy(table + 4 * k, &source, 4);
+      }
+    }
+    if (w.bias)
+      for (int64_t n = 0; n < w.out_features; n++) {
+        const float bias = scale_at(w.bias, w.bias_dtype, n);
+        memcpy(out + layout.bias_offset - base + uint64_t(n) * 4, &bias, 4);
+      }
+  });
+}
+
+// ---- kernel choice and planning -----------------------------------------------------------------------------
+
+const char* quant_kernel_name(QuantKernel kernel) {
+  switch (kernel) {
+    case QuantKernel::automatic: return "automatic";
+    case QuantKernel::mma_a16: return "mma_a16";
+    case QuantKernel::mma_w8a8: return "mma_w8a8";
+    case QuantKernel::dequant_cublas: return "dequant_cublas";
+  }
+  return "?";
+}
+
+std::string quant_kernel_refusal(const QuantGpuLayout& layout, QuantKernel kernel, DType activation, int sm) {
+  if (kernel == QuantKernel::automatic || kernel == QuantKernel::dequant_cublas) return "";
+  if (kernel == QuantKernel::mma_w8a8 && layout.format != WeightFormat::fp8)
+    return "W8A8 (mma_w8a8) runs fp8 weights only";
+  if (kernel == QuantKernel::mma_w8a8 && sm < kQuantW8A8MinSm)
+    return detail::format("W8A8 (mma_w8a8) needs the e4m3 tensor cores of compute capability 8.9 or newer; this "
+                          "GPU is sm_%d", sm);
+  if (activation != DType::BF16 && activation != DType::F16)
+    return detail::format("%s needs BF16 or F16 activations (%s activations run through dequantize + cuBLAS)",
+                          quant_kernel_name(kernel), dtype_name(activation));
+  if (!layout.mma)
+    return layout.format == WeightFormat::int4
+               ? detail::format("%s needs int4 groups of a multiple of 16 columns; this Linear's are %lld",
+                                quant_kernel_name(kernel), (long long)layout.group_size)
+               : detail::format("%s needs fp8 blocks of a multiple of 32 columns; this Linear's are %lld",
+                                quant_kernel_name(kernel), (long long)layout.group_size);
+  return "";
+}
+
+QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, int sm, int64_t rows,
+                                QuantKernel forced) {
+  if (forced != QuantKernel::automatic) return forced;
+  if ((activation != DType::BF16 && activation != DType::F16) || !layout.mma) return QuantKernel::dequant_cublas;
+  if (layout.format == WeightFormat::fp8 && sm >= kQuantW8A8MinSm) return QuantKernel::mma_w8a8;
+  return rows <= kQuantMmaMaxRows ? QuantKernel::mma_a16 : QuantKernel::dequant_cublas;
+}
+
+uint64_t quant_staged_row_bytes(const QuantGpuLayout& layout, QuantKernel kernel) {
+  if (kernel == QuantKernel::mma_w8a8) return uint64_t(layout.k_pad) + uint64_t(layout.groups) * 4;
+  return uint64_t(layout.k_pad) * 2;
+}
+
+namespace {
+// Scratch for `rows` staged rows: mma_a16 [rows, k_pad] bf16/f16; mma_w8a8 [rows, k_pad] e4m3, then its
+// scales as [groups][rows rounded up to 64] floats (a block reads 16 * m_tiles consecutive rows of a group).
+uint64_t staged_bytes(const QuantGpuLayout& layout, QuantKernel kernel, int64_t rows) {
+  if (kernel == QuantKernel::mma_w8a8)
+    return align_up(uint64_t(rows * layout.k_pad), 256) + align_up(uint64_t(layout.groups * round_up64(rows, 64)) * 4, 256);
+  return align_up(uint64_t(rows * layout.k_pad) * 2, 256);
+}
+}  // namespace
+
+bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t rows, bool stage_x, int act_bytes,
+                     uint64_t scratch_bytes, int64_t target_blocks, QuantGemmPlan* plan, std::string* why) {
+  QuantGemmPlan p;
+  p.kernel = kernel;
+  p.row_chunk = rows;
+  if (kernel == QuantKernel::dequant_cublas) {
+    const uint64_t per_tile = uint64_t(kQuantTileN * layout.k_pad) * uint64_t(act_bytes);
+    const int64_t tiles = int64_t(std::min<uint64_t>(scratch_bytes / per_tile, uint64_t(layout.n_tiles)));
+    if (tiles == 0) {
+      *why = detail::format("dequantizing 64 rows of %lld columns needs %s of scratch; the workspace leaves %s",
+                            (long long)layout.k_pad, format_bytes(per_tile).c_str(), format_bytes(scratch_bytes).c_str());
+      return false;
+    }
+    p.n_chunk = tiles * kQuantTileN;
+    p.weight_bytes = uint64_t(p.n_chunk) * uint64_t(layout.k_pad) * uint64_t(act_bytes);
+    *plan = p;
+    return true;
+  }
+  p.stage_x = kernel == QuantKernel::mma_w8a8 || stage_x;
+  if (p.stage_x) {
+    if (staged_bytes(layout, kernel, 1) > scratch_bytes) {
+      *why = detail::format("staging one row of %lld activations needs %s of scratch; the workspace leaves %s",
+                            (long long)layout.k_pad, format_bytes(staged_bytes(layout, kernel, 1)).c_str(),
+                            format_bytes(scratch_bytes).c_str());
+      return false;
+    }
+    int64_t chunk = rows;
+    if (staged_bytes(layout, kernel, chunk) > scratch_bytes) {
+      chunk = std::max<int64_t>(1, int64_t(scratch_bytes / quant_staged_row_bytes(layout, kernel)));
+      while (chunk > 1 && staged_bytes(layout, kernel, chunk) > scratch_bytes) chunk--;
+      if (chunk > 64) chunk = chunk / 64 * 64;  // passes of whole 64-row blocks
+    }
+    p.row_chunk = std::min(chunk, rows);
+    p.x_bytes = staged_bytes(layout, kernel, p.row_chunk);
+  }
+  // Split-K when one block row leaves the GPU idle: as many splits as fill it once, each >= 2 stages.
+  if (p.row_chunk <= 64 && layout.n_tiles < target_blocks) {
+    int64_t splits = std::min<int64_t>(target_blocks / layout.n_tiles, layout.stages / 2);
+    const uint64_t per_split =
+        uint64_t(layout.n_tiles) * uint64_t(16 * quant_m_tiles(p.row_chunk)) * uint64_t(kQuantTileN) * 4;
+    while (splits > 1 && p.x_bytes + uint64_t(splits) * per_split > scratch_bytes) splits--;
+    if (splits > 1) {
+      p.splits = splits;
+      p.partial_bytes = uint64_t(splits) * per_split;
+    }
+  }
+  *plan = p;
+  return true;
+}
+
+}  // namespace cuda
+}  // namespace kvlite

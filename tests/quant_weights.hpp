@@ -1,0 +1,128 @@
+// Quantized Linears made by hand for the tests (QuantWeight views over tensors they own): int4 with every
+// nibble value, zero points and act-order; fp8 cycling through every finite e4m3 code; scales of any dtype.
+#pragma once
+#include "kvlite.hpp"
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+namespace quant_test {
+
+using namespace kvlite;
+
+struct Random {
+  std::mt19937_64 engine;
+  explicit Random(uint64_t seed) : engine(seed) {}
+  int64_t below(int64_t n) { return int64_t(engine() % uint64_t(n)); }
+  float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(engine); }
+};
+
+// Owns the tensors a hand-made QuantWeight points into.
+struct OwnedWeight {
+  QuantWeight weight;
+  std::vector<uint8_t> packed, zeros, g_idx, fp8, scales, bias;
+};
+
+inline void put_scales(OwnedWeight& o, DType dtype, int64_t rows, int64_t cols, Random& rng, float lo, float hi) {
+  const size_t element = size_t(dtype_bytes(dtype, 1));
+  o.scales.assign(size_t(rows * cols) * element, 0);
+  for (int64_t i = 0; i < rows * cols; i++) {
+    const float value = rng.uniform(lo, hi) * (rng.below(2) ? 1.0f : -1.0f);
+    if (dtype == DType::F32) memcpy(&o.scales[size_t(i) * element], &value, 4);
+    else {
+      const uint16_t half = dtype == DType::BF16 ? float_to_bf16(value) : float_to_f16(value);
+      memcpy(&o.scales[size_t(i) * element], &half, 2);
+    }
+  }
+  o.weight.scales = o.scales.data();
+  o.weight.scale_dtype = dtype;
+  o.weight.scale_rows = rows;
+  o.weight.scale_cols = cols;
+}
+
+// int4 [N, K] with every nibble value, random scales of `scale_dtype`; zero points (every value) when
+// asymmetric; act-order (a shuffled g_idx, each group holding group_size columns) when act_order.
+inline OwnedWeight make_int4(int64_t n, int64_t k, int64_t group, DType scale_dtype, bool asymmetric, bool act_order,
+                      Random& rng) {
+  OwnedWeight o;
+  QuantWeight& w = o.weight;
+  w.name = "hand.int4";
+  w.out_features = n;
+  w.in_features = k;
+  w.format = WeightFormat::int4;
+  w.granularity = group == k ? ScaleGranularity::channel : ScaleGranularity::group;
+  w.group_size = group;
+  w.packed_cols = (k + 7) / 8;
+  o.packed.assign(size_t(n * w.packed_cols * 4), 0);
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t c = 0; c < k; c++)
+      o.packed[size_t(4 * (r * w.packed_cols + c / 8) + (c % 8) / 2)] |=
+          uint8_t(((r * 7 + c * 3 + rng.below(16)) % 16) << (4 * (c % 2)));
+  w.packed = o.packed.data();
+  const int64_t groups = k / group;
+  put_scales(o, scale_dtype, n, groups, rng, 0.002f, 0.05f);
+  if (asymmetric) {
+    o.zeros.assign(size_t((n + 7) / 8 * groups * 4), 0);
+    for (int64_t r = 0; r < n; r++)
+      for (int64_t g = 0; g < groups; g++)
+        o.zeros[size_t(4 * ((r / 8) * groups + g) + (r % 8) / 2)] |= uint8_t(((r + 5 * g) % 16) << (4 * (r % 2)));
+    w.zero_points = o.zeros.data();
+  }
+  if (act_order) {
+    std::vector<int32_t> groups_of(static_cast<size_t>(k));
+    for (int64_t c = 0; c < k; c++) groups_of[size_t(c)] = int32_t(c / group);
+    std::shuffle(groups_of.begin(), groups_of.end(), rng.engine);
+    o.g_idx.resize(size_t(k) * 4);
+    memcpy(o.g_idx.data(), groups_of.data(), o.g_idx.size());
+    w.g_idx = o.g_idx.data();
+  }
+  return o;
+}
+
+// fp8 [N, K] cycling through every e4m3 code but the two NaNs; `granularity` tensor, channel or block.
+inline OwnedWeight make_fp8(int64_t n, int64_t k, ScaleGranularity granularity, int64_t block_n, int64_t block_k,
+                     DType scale_dtype, DequantRounding rounding, Random& rng) {
+  OwnedWeight o;
+  QuantWeight& w = o.weight;
+  w.name = "hand.fp8";
+  w.out_features = n;
+  w.in_features = k;
+  w.format = WeightFormat::fp8;
+  w.granularity = granularity;
+  w.rounding = rounding;
+  o.fp8.resize(size_t(n * k));
+  int code = int(rng.below(256));
+  for (auto& byte : o.fp8) {
+    do code = (code + 1) % 256;
+    while ((code & 0x7f) == 0x7f);
+    byte = uint8_t(code);
+  }
+  w.fp8 = o.fp8.data();
+  if (granularity == ScaleGranularity::block) {
+    w.block_n = block_n;
+    w.block_k = block_k;
+    put_scales(o, scale_dtype, (n + block_n - 1) / block_n, (k + block_k - 1) / block_k, rng, 0.0005f, 0.02f);
+  } else {
+    put_scales(o, scale_dtype, granularity == ScaleGranularity::channel ? n : 1, 1, rng, 0.0005f, 0.02f);
+  }
+  return o;
+}
+
+// A bias of `dtype` (values in [-1, 1]) for `o`.
+inline void add_bias(OwnedWeight& o, DType dtype, Random& rng) {
+  const size_t element = size_t(dtype_bytes(dtype, 1));
+  o.bias.assign(size_t(o.weight.out_features) * element, 0);
+  for (int64_t n = 0; n < o.weight.out_features; n++) {
+    const float value = rng.uniform(-1.0f, 1.0f);
+    if (dtype == DType::F32) memcpy(&o.bias[size_t(n) * element], &value, 4);
+    else {
+      const uint16_t half = dtype == DType::BF16 ? float_to_bf16(value) : float_to_f16(value);
+      memcpy(&o.bias[size_t(n) * element], &half, 2);
+    }
+  }
+  o.weight.bias = o.bias.data();
+  o.weight.bias_dtype = dtype;
+}
+
+}  // namespace quant_test

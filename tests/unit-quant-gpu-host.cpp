@@ -1,0 +1,659 @@
+// quant-gpu-host: the CUDA backend's device layout for quantized Linears, checked on the CPU. Each weight is
+// repacked as cuda::upload_quant_weight repacks it; then every lane of every tile is emulated as kernels.cu's
+// GEMMs run it (the words a lane loads, the bit tricks of quant_gpu.hpp, the bf16/f16 subtract and multiply,
+// each rounded once as the hardware rounds) and each value is placed by the PTX fragment layout of the mma
+// it feeds (written out here, independently of quant_gpu.hpp). The result must equal dequantize_rows - the
+// bit-exact reference - rounded to the compute dtype: bit for bit when the scale's dtype is the compute dtype.
+// Also: the kernel choice, split-K and scratch planning. Needs no GPU.
+#include <doctest/doctest.h>
+#include "kvlite.hpp"
+#include "quant_weights.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <nlohmann/json.hpp>
+
+using namespace kvlite;
+using namespace kvlite::cuda;
+using json = nlohmann::json;
+using namespace quant_test;
+
+namespace {
+
+std::string fixture(const std::string& relative) {
+  return std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant/" + relative;
+}
+
+// ---- the compute dtype's arithmetic, as the GPU rounds it -------------------------------------------------
+// bf16 / f16 values are exact in float, and so are the products and differences the kernels form (8 x 8 and
+// 11 x 11 significant bits), so float arithmetic followed by one rounding is the hardware's result.
+float decode16(uint32_t bits, bool bf16) { return bf16 ? bf16_to_float(uint16_t(bits)) : f16_to_float(uint16_t(bits)); }
+float round16(float value, bool bf16) { return round_to_dtype(value, bf16 ? DType::BF16 : DType::F16); }
+DType dtype16(bool bf16) { return bf16 ? DType::BF16 : DType::F16; }
+// One step of `dtype` at |value| (a subnormal step below the normal range).
+float ulp_of(DType dtype, float value) {
+  const int mantissa = dtype == DType::BF16 ? 7 : dtype == DType::F16 ? 10 : 23;
+  const int min_exponent = dtype == DType::F16 ? -14 : -126;
+  const int exponent = value == 0 ? min_exponent : std::max(min_exponent, std::ilogb(value));
+  return std::ldexp(1.0f, exponent - mantissa);
+}
+
+// ---- the device image and the emulated kernels -------------------------------------------------------------
+struct Device {
+  QuantGpuLayout layout;
+  std::vector<uint8_t> bytes;  // the whole device region, as upload_quant_weight writes it
+  std::vector<float> reference;  // dequantize_rows, [N, K]
+  std::vector<int32_t> perm;     // [k_pad] when permuted
+
+  explicit Device(const QuantWeight& w) : layout(quant_gpu_layout(w)) {
+    bytes.assign(size_t(layout.total_bytes), 0xcd);
+    REQUIRE(repack_quant_tiles(w, layout, 0, layout.n_tiles, bytes.data() + layout.tiles_offset).ok());
+    REQUIRE(repack_quant_tables(w, layout, bytes.data() + layout.scales_offset).ok());
+    reference.resize(size_t(w.out_features * w.in_features));
+    REQUIRE(dequantize_rows(w, 0, w.out_features, reference.data()).ok());
+    if (layout.permuted) {
+      perm.resize(size_t(layout.k_pad));
+      memcpy(perm.data(), bytes.data() + layout.perm_offset, perm.size() * 4);
+    }
+  }
+  uint32_t word_at(uint64_t offset) const { return load_u32_le(bytes.data() + offset); }
+  const uint8_t* tile(int64_t n_tile, int64_t k_tile) const {
+    return bytes.data() + layout.tiles_offset + uint64_t(n_tile) * layout.tile_row_bytes() +
+           uint64_t(k_tile * layout.tile_bytes);
+  }
+  // A scale-table entry as the kernels read it: position `position` of column tile n_tile, group `group`.
+  float scale(int64_t group, int64_t n_tile, int position) const {
+    const int64_t index = group * layout.n_pad + n_tile * kQuantTileN + position;
+    return scale_at(bytes.data() + layout.scales_offset, layout.table_scale_dtype, index);
+  }
+  uint32_t zero(int64_t group, int64_t n_tile, int position) const {
+    return layout.zeros ? bytes[size_t(layout.zeros_offset + uint64_t(group * layout.n_pad + n_tile * 64 + position))] : 8u;
+  }
+  // The reference value for device element (n, device column k'): 0 in the padding.
+  float expected(int64_t n, int64_t k_device) const {
+    if (n >= layout.n || k_device >= layout.k) return 0.0f;
+    const int64_t k = layout.permuted ? perm[size_t(k_device)] : k_device;
+    return reference[size_t(n * layout.k + k)];
+  }
+};
+
+// Compares the emulated value of (n, k') with the reference rounded to the compute dtype. Bit for bit when
+// `exact`. Otherwise the kernel rounds its scale to the compute dtype (a relative error up to 2^-8 for bf16, up
+// to a whole step of a product at the top of its binade), then the product (half a step), where the reference
+// rounds the product once in `reference_dtype` (half its step): two steps of the compute dtype and one of the
+// reference's bound the difference.
+struct ValueCheck {
+  bool bf16, exact;
+  DType reference_dtype;
+  int64_t checked = 0, differing = 0;
+  std::string first;
+  void operator()(const Device& d, int64_t n, int64_t k_device, float got) {
+    const float want = round16(d.expected(n, k_device), bf16);
+    checked++;
+    const bool same = float_to_bits(got) == float_to_bits(want) || (got == 0 && want == 0);
+    const float allowed = 2 * ulp_of(dtype16(bf16), want) + ulp_of(reference_dtype, want);
+    const bool ok = exact || n >= d.layout.n || k_device >= d.layout.k ? same : std::fabs(got - want) <= allowed;
+    if (!ok && differing++ == 0)
+      first = "[" + std::to_string(n) + ", " + std::to_string(k_device) + "]: got " + std::to_string(got) +
+              " (bits " + std::to_string(float_to_bits(got)) + "), reference " + std::to_string(want) + " (bits " +
+              std::to_string(float_to_bits(want)) + ")";
+  }
+};
+#define CHECK_VALUES(check)                         \
+  do {                                              \
+    INFO((check).first);                            \
+    CHECK((check).checked > 0);                     \
+    CHECK((check).differing == 0);                  \
+  } while (0)
+
+// W4A16, as kernels.cu's Int4A16 step: lane reads its 16 bytes (4 words) of the tile, its 8 scales at table
+// positions 8g .. 8g+7 (and zero points), converts the scales to the compute dtype, then per word w and pair p:
+// bits = int4_pair_bits, (bits - (magic | zero)) * scale in the compute dtype -> B register
+// int4_pair_register(p) of n8 block int4_pair_block(w, p).
+void emulate_w4a16(const Device& d, bool bf16, ValueCheck& check) {
+  const QuantGpuLayout& l = d.layout;
+  const uint32_t magic = int4_magic(bf16);
+  for (int64_t t = 0; t < l.n_tiles; t++)
+    for (int64_t kt = 0; kt < l.k_pad / kInt4TileK; kt++) {
+      const int64_t group = kt * kInt4TileK / l.group_size;
+      for (int lane = 0; lane < 32; lane++) {
+        const int g = lane / 4, q = lane % 4;
+        float scale[8];
+        uint32_t subtrahend[8];
+        for (int j = 0; j < 8; j++) {
+          scale[j] = round16(d.scale(group, t, 8 * g + j), bf16);
+          subtrahend[j] = int4_subtrahend_bits(d.zero(group, t, 8 * g + j), magic);
+        }
+        for (int word = 0; word < 4; word++) {
+          const uint32_t bits_word = d.word_at(uint64_t(d.tile(t, kt) - d.bytes.data()) + 16 * lane + 4 * word);
+          for (int pair = 0; pair < 4; pair++) {
+            const uint32_t bits = int4_pair_bits(bits_word, pair, magic);
+            const int j = int4_pair_block(word, pair), reg = int4_pair_register(pair);
+            for (int half = 0; half < 2; half++) {
+              const float value = decode16(bits >> (16 * half), bf16) - decode16(subtrahend[j], bf16);  // exact
+              const float w = round16(value * scale[j], bf16);
+              // PTX m16n8k16 B fragment: register reg, half h holds B[k = 2q + 8 reg + h][n = g] of block j.
+              check(d, t * 64 + 8 * j + g, kt * kInt4TileK + 2 * q + 8 * reg + half, w);
+            }
+          }
+        }
+      }
+    }
+}
+
+// W8A16, as kernels.cu's Fp8A16 step: lane reads its 4 chunks (16 words) of the k32 tile and its 8 scales
+// (positions 8g + j, folded by 2^fix and rounded to the compute dtype); word i of chunk c is register
+// fp8_word_register(i) of block fp8_word_block(c, i); in m16n8k16 step r (= that register) it becomes b0/b1 by
+// fp8_pair_order + fp8_pair_bits(pair s) times the folded scale. Its A operand for slot register s, element e
+// is column w8a16_a_column(lane, r, s, e), so that is where the B value must come from.
+void emulate_w8a16(const Device& d, bool bf16, ValueCheck& check) {
+  const QuantGpuLayout& l = d.layout;
+  for (int64_t t = 0; t < l.n_tiles; t++)
+    for (int64_t kt = 0; kt < l.k_pad / kFp8TileK; kt++) {
+      const int64_t group = kt * kFp8TileK / l.group_size;
+      for (int lane = 0; lane < 32; lane++) {
+        const int g = lane / 4;
+        float scale[8];
+        for (int j = 0; j < 8; j++) scale[j] = round16(fp8_folded_scale(d.scale(group, t, 8 * g + j), bf16), bf16);
+        for (int chunk = 0; chunk < 4; chunk++)
+          for (int i = 0; i < 4; i++) {
+            const uint64_t offset = uint64_t(d.tile(t, kt) - d.bytes.data()) + 512 * chunk + 16 * lane + 4 * i;
+            const uint32_t ordered = fp8_pair_order(d.word_at(offset));
+            const int j = fp8_word_block(chunk, i), step = fp8_word_register(i);
+            for (int pair = 0; pair < 2; pair++) {
+              const uint32_t bits = fp8_pair_bits(ordered, pair, bf16);
+              for (int e = 0; e < 2; e++) {
+                const float w = round16(decode16(bits >> (16 * e), bf16) * scale[j], bf16);
+                check(d, t * 64 + 8 * j + g, kt * kFp8TileK + w8a16_a_column(lane, step, pair, e), w);
+              }
+            }
+          }
+      }
+    }
+}
+
+// W8A8: the kernel feeds the raw words to mma.m16n8k32, so byte b of register r of block j must be the stored
+// e4m3 byte of B[k = 16r + 4q + b][n = g] (PTX's m16n8k32 B fragment), padding 0; and the per-column scale a
+// lane applies to its accumulator column 8j + 2q + e must be that column's.
+void check_w8a8_tiles(const Device& d, const QuantWeight& w) {
+  const QuantGpuLayout& l = d.layout;
+  int64_t checked = 0, wrong = 0;
+  for (int64_t t = 0; t < l.n_tiles; t++)
+    for (int64_t kt = 0; kt < l.k_pad / kFp8TileK; kt++)
+      for (int lane = 0; lane < 32; lane++)
+        for (int chunk = 0; chunk < 4; chunk++)
+          for (int i = 0; i < 4; i++) {
+            const uint32_t word = d.word_at(uint64_t(d.tile(t, kt) - d.bytes.data()) + 512 * chunk + 16 * lane + 4 * i);
+            const int j = fp8_word_block(chunk, i), reg = fp8_word_register(i);
+            for (int b = 0; b < 4; b++) {
+              const int64_t n = t * 64 + 8 * j + lane / 4, k = kt * 32 + 16 * reg + 4 * (lane % 4) + b;
+              const uint8_t want = n < l.n && k < l.k ? w.fp8[n * l.k + k] : 0;
+              checked++;
+              wrong += uint8_t(word >> (8 * b)) != want;
+            }
+          }
+  CHECK(checked == l.n_pad * l.k_pad);
+  CHECK(wrong == 0);
+  for (int64_t group = 0; group < l.groups; group++)
+    for (int64_t t = 0; t < l.n_tiles; t++)
+      for (int lane = 0; lane < 32; lane++)
+        for (int j = 0; j < 8; j++)
+          for (int e = 0; e < 2; e++) {
+            const int64_t n = t * 64 + 8 * j + 2 * (lane % 4) + e;
+            float want = 0;
+            if (n < l.n && group * l.group_size < l.k) {
+              const int64_t source = w.granularity == ScaleGranularity::tensor    ? 0
+                                     : w.granularity == ScaleGranularity::channel ? n
+                                                                                  : (n / w.block_n) * w.scale_cols + group;
+              want = scale_at(w.scales, w.scale_dtype, source);
+            }
+            CHECK(d.scale(group, t, w8a8_scale_position(lane, j, e)) == want);
+          }
+}
+
+// The dequantize kernel (dequantize + cuBLAS, and every layout the mma kernels cannot read): each element of
+// each tile, found by int4_tile_slot / fp8_tile_slot, with its group's scale and zero point from the tables,
+// through dequantize_value - exactly the reference's float, padding 0.
+void emulate_dequantize(const Device& d, const QuantWeight& w) {
+  const QuantGpuLayout& l = d.layout;
+  int64_t checked = 0, wrong = 0;
+  std::string first;
+  auto check = [&](int64_t n, int64_t k_device, float got) {
+    const float want = d.expected(n, k_device);
+    checked++;
+    if (float_to_bits(got) != float_to_bits(want) && !(got == 0 && want == 0) && wrong++ == 0)
+      first = "[" + std::to_string(n) + ", " + std::to_string(k_device) + "]: got " + std::to_string(got) +
+              ", reference " + std::to_string(want);
+  };
+  for (int64_t t = 0; t < l.n_tiles; t++)
+    for (int64_t kt = 0; kt < l.k_pad / l.tile_k; kt++) {
+      const uint64_t tile = uint64_t(d.tile(t, kt) - d.bytes.data());
+      for (int lane = 0; lane < 32; lane++) {
+        if (w.format == WeightFormat::int4) {
+          for (int word = 0; word < 4; word++)
+            for (int nibble = 0; nibble < 8; nibble++) {
+              int column, k;
+              int4_tile_slot(lane, word, nibble, &column, &k);
+              const int64_t k_device = kt * l.tile_k + k, group = k_device / l.group_size;
+              const int position = quant_table_position(column);
+              const int u = int((d.word_at(tile + 16 * lane + 4 * word) >> (4 * nibble)) & 0xfu);
+              const float value = dequantize_value(float(u - int(d.zero(group, t, position))),
+                                                   d.scale(group, t, position), w.scale_dtype, w.rounding);
+              check(t * 64 + column, k_device, value);
+            }
+        } else {
+          for (int chunk = 0; chunk < 4; chunk++)
+            for (int word = 0; word < 4; word++)
+              for (int byte = 0; byte < 4; byte++) {
+                int column, k;
+                fp8_tile_slot(lane, chunk, word, byte, &column, &k);
+                const int64_t k_device = kt * l.tile_k + k, group = k_device / l.group_size;
+                const uint8_t code = uint8_t(d.word_at(tile + 512 * chunk + 16 * lane + 4 * word) >> (8 * byte));
+                const float value = dequantize_value(fp8_e4m3_to_float(code),
+                                                     d.scale(group, t, quant_table_position(column)), w.scale_dtype,
+                                                     w.rounding);
+                check(t * 64 + column, k_device, value);
+              }
+        }
+      }
+    }
+  INFO(first);
+  CHECK(checked == l.n_pad * l.k_pad);
+  CHECK(wrong == 0);
+}
+
+// Every emulation that applies to `w`: the dequantize kernel always; the mma kernels, for both compute
+// dtypes, when the layout is theirs.
+void check_weight(const QuantWeight& w) {
+  CAPTURE(w.name);
+  const Device d(w);
+  CHECK(d.layout.total_bytes == quant_device_bytes(w));
+  emulate_dequantize(d, w);
+  if (!d.layout.mma) return;
+  for (bool bf16 : {true, false}) {
+    CAPTURE(bf16);
+    // One rounding, like the reference, when the scale's dtype is the compute dtype; fp8 weight_scale_inv
+    // rounds the float32 product, equal after rounding to the compute dtype unless the scale is F32.
+    const bool exact = w.scale_dtype == dtype16(bf16);
+    ValueCheck check{bf16, exact, w.rounding == DequantRounding::f32 ? DType::F32 : w.scale_dtype};
+    if (w.format == WeightFormat::int4) emulate_w4a16(d, bf16, check);
+    else emulate_w8a16(d, bf16, check);
+    CHECK(check.checked == d.layout.n_pad * d.layout.k_pad);
+    CHECK_VALUES(check);
+  }
+  if (w.format == WeightFormat::fp8) check_w8a8_tiles(d, w);
+}
+
+// odd-linears' descriptor (as unit-quant.cpp reads linears.json).
+LinearDesc odd_linear_desc(const json& entry) {
+  LinearDesc d;
+  d.name = entry["name"];
+  d.out_features = entry["out_features"];
+  d.in_features = entry["in_features"];
+  const json& weights = entry["weights"];
+  const std::string strategy = weights["strategy"];
+  d.format = entry["format"] == "pack-quantized" ? WeightFormat::int4 : WeightFormat::fp8;
+  d.granularity = strategy == "group"     ? ScaleGranularity::group
+                  : strategy == "channel" ? ScaleGranularity::channel
+                  : strategy == "block"   ? ScaleGranularity::block
+                                          : ScaleGranularity::tensor;
+  if (weights.contains("group_size") && !weights["group_size"].is_null()) d.group_size = weights["group_size"];
+  if (weights.contains("block_structure") && !weights["block_structure"].is_null()) {
+    d.block_n = weights["block_structure"][0];
+    d.block_k = weights["block_structure"][1];
+  }
+  d.symmetric = weights.value("symmetric", true);
+  d.has_g_idx = weights.contains("actorder") && weights["actorder"] == "group";
+  d.scale_name = entry["scale_name"];
+  return d;
+}
+
+}  // namespace
+
+// ---- geometry ---------------------------------------------------------------------------------------------
+
+TEST_CASE("tile slots: every (column, k) of a tile is held by exactly one lane, word and nibble/byte") {
+  std::vector<int> int4_hits(64 * 16, 0), fp8_hits(64 * 32, 0);
+  for (int lane = 0; lane < 32; lane++) {
+    for (int word = 0; word < 4; word++)
+      for (int nibble = 0; nibble < 8; nibble++) {
+        int column, k;
+        int4_tile_slot(lane, word, nibble, &column, &k);
+        REQUIRE(column >= 0);
+        REQUIRE(column < 64);
+        REQUIRE(k >= 0);
+        REQUIRE(k < 16);
+        int4_hits[size_t(column * 16 + k)]++;
+        CHECK(column % 8 == lane / 4);  // a lane's columns are those of its B fragments (n = g)
+      }
+    for (int chunk = 0; chunk < 4; chunk++)
+      for (int word = 0; word < 4; word++)
+        for (int byte = 0; byte < 4; byte++) {
+          int column, k;
+          fp8_tile_slot(lane, chunk, word, byte, &column, &k);
+          REQUIRE(column >= 0);
+          REQUIRE(column < 64);
+          REQUIRE(k >= 0);
+          REQUIRE(k < 32);
+          fp8_hits[size_t(column * 32 + k)]++;
+          CHECK(column % 8 == lane / 4);
+        }
+  }
+  CHECK(std::all_of(int4_hits.begin(), int4_hits.end(), [](int h) { return h == 1; }));
+  CHECK(std::all_of(fp8_hits.begin(), fp8_hits.end(), [](int h) { return h == 1; }));
+  for (int c = 0; c < 64; c++) CHECK(quant_table_column(quant_table_position(c)) == c);
+  for (int lane = 0; lane < 32; lane++)
+    for (int j = 0; j < 8; j++) CHECK(quant_table_column(8 * (lane / 4) + j) == 8 * j + lane / 4);
+}
+
+TEST_CASE("W8A16's A columns match its B values slot for slot, and cover each k16 step once") {
+  for (int lane = 0; lane < 32; lane++)
+    for (int step = 0; step < 2; step++)
+      for (int reg = 0; reg < 2; reg++)
+        for (int e = 0; e < 2; e++) {
+          // B: pair `reg` of the ordered register `step` word holds bytes 2 reg, 2 reg + 1 of the stored word,
+          // i.e. k = 16 step + 4q + 2 reg + e.
+          CHECK(w8a16_a_column(lane, step, reg, e) == 16 * step + 4 * (lane % 4) + 2 * reg + e);
+        }
+  // Each m16n8k16 step sees its 16 columns once: slots (2q, 2q+1) and (2q+8, 2q+9) of lanes q = 0..3.
+  for (int step = 0; step < 2; step++) {
+    std::vector<int> hits(32, 0);
+    for (int q = 0; q < 4; q++)
+      for (int reg = 0; reg < 2; reg++)
+        for (int e = 0; e < 2; e++) hits[size_t(w8a16_a_column(q, step, reg, e))]++;
+    for (int k = 0; k < 32; k++) CHECK(hits[size_t(k)] == (k / 16 == step ? 1 : 0));
+  }
+}
+
+// ---- bits ---------------------------------------------------------------------------------------------------
+
+TEST_CASE("int4 magic-number dequantization: all 16 nibbles x all 16 zero points, bf16 and f16") {
+  for (bool bf16 : {true, false}) {
+    const uint32_t magic = int4_magic(bf16);
+    for (uint32_t u = 0; u < 16; u++)
+      for (uint32_t z = 0; z < 16; z++)
+        for (int pair = 0; pair < 4; pair++) {
+          // the nibble in low half position `pair` and (15 - u) in the high half's
+          const uint32_t word = (u << (4 * pair)) | ((15 - u) << (4 * (pair + 4)));
+          const uint32_t bits = int4_pair_bits(word, pair, magic);
+          const float sub = decode16(int4_subtrahend_bits(z, magic), bf16);
+          CHECK(decode16(bits, bf16) - sub == float(int(u) - int(z)));
+          CHECK(decode16(bits >> 16, bf16) - sub == float(int(15 - u) - int(z)));
+          CHECK(decode16(bits, bf16) == float(decode16(magic, bf16) + u));  // magic + u is exact
+        }
+  }
+}
+
+TEST_CASE("e4m3 bit decoding: all 256 codes, bf16 and f16, both byte pairs") {
+  for (bool bf16 : {true, false}) {
+    const float unfold = std::ldexp(1.0f, fp8_exponent_fix(bf16));
+    for (int code = 0; code < 256; code++)
+      for (int position = 0; position < 4; position++) {
+        // the code at one byte position, another code elsewhere
+        uint32_t word = 0x3a5c1e00u ^ (0x11111111u * uint32_t(position));
+        word = (word & ~(0xffu << (8 * position))) | (uint32_t(code) << (8 * position));
+        const uint32_t ordered = fp8_pair_order(word);
+        // byte position -> (pair, half): k 0, 1 are pair 0, k 2, 3 pair 1
+        const uint32_t bits = fp8_pair_bits(ordered, position / 2, bf16) >> (16 * (position % 2));
+        const float decoded = decode16(bits & 0xffffu, bf16) * unfold;
+        const float want = fp8_e4m3_to_float(uint8_t(code));
+        CAPTURE(code);
+        CAPTURE(position);
+        if ((code & 0x7f) == 0x7f) CHECK(std::fabs(decoded) == 480.0f);  // NaN codes: refused at repack
+        else CHECK(float_to_bits(decoded) == float_to_bits(want));          // -0 stays -0
+      }
+    // A folded scale restores q * s with one rounding: for every finite code and a few scales.
+    for (float scale : {0.00390625f, 0.0123f, 1.5f, 37.0f})
+      for (int code = 0; code < 256; code++) {
+        if ((code & 0x7f) == 0x7f) continue;
+        const uint32_t bits = fp8_pair_bits(fp8_pair_order(uint32_t(code)), 0, bf16);
+        const float folded = round16(fp8_folded_scale(round16(scale, bf16), bf16), bf16);
+        const float got = round16(decode16(bits & 0xffffu, bf16) * folded, bf16);
+        const float want = round16(fp8_e4m3_to_float(uint8_t(code)) * round16(scale, bf16), bf16);
+        CAPTURE(code);
+        CHECK(float_to_bits(got) == float_to_bits(want));
+      }
+  }
+}
+
+// ---- whole weights through the emulated kernels ----------------------------------------------------------------
+
+TEST_CASE("hand-made int4 weights: every nibble and zero point, each scale dtype, channel, groups, act-order") {
+  Random rng(61);
+  struct Shape { int64_t n, k, group; bool asymmetric, act_order; };
+  const Shape shapes[] = {
+      {128, 256, 128, false, false}, {192, 384, 32, true, false}, {64 * 3 + 7, 200, 200, false, false},
+      {70, 272, 16, true, true},     {65, 512, 64, false, true},  {64, 1024, 1024, true, false},
+      {96, 120, 24, true, true},  // groups of 24: the dequantize kernel only
+  };
+  for (DType scale_dtype : {DType::BF16, DType::F16, DType::F32})
+    for (const Shape& s : shapes) {
+      CAPTURE(std::string(dtype_name(scale_dtype)));
+      CAPTURE(s.n);
+      CAPTURE(s.k);
+      CAPTURE(s.group);
+      OwnedWeight o = make_int4(s.n, s.k, s.group, scale_dtype, s.asymmetric, s.act_order, rng);
+      const QuantGpuLayout layout = quant_gpu_layout(o.weight);
+      CHECK(layout.permuted == s.act_order);
+      CHECK(layout.zeros == s.asymmetric);
+      CHECK(layout.mma == (s.group == s.k || s.group % 16 == 0));
+      check_weight(o.weight);
+    }
+}
+
+TEST_CASE("hand-made fp8 weights: all 254 finite e4m3 codes, tensor/channel/block scales of each dtype") {
+  Random rng(62);
+  struct Shape { int64_t n, k; ScaleGranularity granularity; int64_t block_n, block_k; };
+  const Shape shapes[] = {
+      {128, 256, ScaleGranularity::tensor, 0, 0},  {64 * 3 + 9, 200, ScaleGranularity::channel, 0, 0},
+      {256, 384, ScaleGranularity::block, 128, 128}, {136, 160, ScaleGranularity::block, 128, 128},
+      {40, 96, ScaleGranularity::block, 16, 32},    {72, 100, ScaleGranularity::block, 24, 48},
+  };
+  for (DType scale_dtype : {DType::BF16, DType::F16, DType::F32})
+    for (DequantRounding rounding : {DequantRounding::scale_dtype, DequantRounding::f32})
+      for (const Shape& s : shapes) {
+        CAPTURE(std::string(dtype_name(scale_dtype)));
+        CAPTURE(s.n);
+        CAPTURE(s.k);
+        CAPTURE(int(rounding));
+        OwnedWeight o = make_fp8(s.n, s.k, s.granularity, s.block_n, s.block_k, scale_dtype, rounding, rng);
+        CHECK(quant_gpu_layout(o.weight).mma == (s.granularity != ScaleGranularity::block || s.block_k % 32 == 0));
+        check_weight(o.weight);
+      }
+}
+
+TEST_CASE("an fp8 weight holding the e4m3 NaN code is refused at repack, naming the element") {
+  Random rng(63);
+  for (uint8_t nan : {uint8_t(0x7f), uint8_t(0xff)}) {
+    OwnedWeight o = make_fp8(70, 96, ScaleGranularity::channel, 0, 0, DType::BF16, DequantRounding::scale_dtype, rng);
+    o.fp8[size_t(66 * 96 + 41)] = nan;
+    const QuantGpuLayout layout = quant_gpu_layout(o.weight);
+    std::vector<uint8_t> tiles(size_t(layout.tiles_bytes));
+    const Status status = repack_quant_tiles(o.weight, layout, 0, layout.n_tiles, tiles.data());
+    REQUIRE_FALSE(status.ok());
+    CHECK(status.error().code == ErrorCode::bad_format);
+    CHECK(status.error().message.find("hand.fp8.weight[66, 41]") != std::string::npos);
+    // the column tiles without it repack
+    CHECK(repack_quant_tiles(o.weight, layout, 0, 1, tiles.data()).ok());
+  }
+}
+
+TEST_CASE("odd-linears: every fixture Linear through the emulated kernels equals the reference") {
+  const json doc = json::parse(detail::read_text_file(fixture("odd-linears/linears.json")));
+  TensorStore store = TensorStore::open_files({fixture("odd-linears/model.safetensors")}).value();
+  REQUIRE(doc["linears"].size() == 12);
+  for (const json& entry : doc["linears"]) check_weight(quant_weight(odd_linear_desc(entry), store).value());
+}
+
+TEST_CASE("fixture models: every quantized Linear through the emulated kernels equals the reference") {
+  for (const char* name : {"tiny-w4a16", "tiny-fp8", "tiny-fp8-qwen"}) {
+    CAPTURE(name);
+    const std::string dir = fixture(name);
+    const ModelConfig config = load_config(dir).value();
+    TensorStore store = TensorStore::open_dir(dir).value();
+    int quantized = 0;
+    const std::vector<LinearDesc> linears = describe_linears(config, &store).value();
+    for (const LinearDesc& desc : linears)
+      if (desc.format != WeightFormat::dense) {
+        const QuantWeight weight = quant_weight(desc, store).value();
+        check_weight(weight);
+        // the planner's count from the descriptor: the upload's, or (a g_idx in column order) the perm table more
+        const uint64_t planned = quant_device_bytes(desc), uploaded = quant_device_bytes(weight);
+        CHECK(planned >= uploaded);
+        CHECK(planned - uploaded <= align_up(uint64_t(quant_gpu_layout(weight).k_pad) * 4, 256));
+        CHECK((planned == uploaded) == (quant_gpu_layout(weight).permuted || !desc.has_g_idx));
+        quantized++;
+      }
+    CHECK(quantized == 14);
+  }
+}
+
+TEST_CASE("repacking in column-tile chunks gives the bytes of one whole repack") {
+  Random rng(64);
+  OwnedWeight int4 = make_int4(64 * 5 + 3, 384, 128, DType::BF16, true, false, rng);
+  OwnedWeight fp8 = make_fp8(64 * 4 + 1, 320, ScaleGranularity::block, 128, 128, DType::F32, DequantRounding::f32, rng);
+  for (const QuantWeight* w : {&int4.weight, &fp8.weight}) {
+    const QuantGpuLayout layout = quant_gpu_layout(*w);
+    std::vector<uint8_t> whole(size_t(layout.tiles_bytes)), pieces(size_t(layout.tiles_bytes), 0);
+    REQUIRE(repack_quant_tiles(*w, layout, 0, layout.n_tiles, whole.data()).ok());
+    for (int64_t first = 0; first < layout.n_tiles; first += 2) {
+      const int64_t count = std::min<int64_t>(2, layout.n_tiles - first);
+      REQUIRE(repack_quant_tiles(*w, layout, first, count, pieces.data() + first * layout.tile_row_bytes()).ok());
+    }
+    CHECK(whole == pieces);
+    CHECK_FALSE(repack_quant_tiles(*w, layout, layout.n_tiles - 1, 2, pieces.data()).ok());
+  }
+}
+
+TEST_CASE("layout arithmetic: sizes, alignment, padding, tables, and quant_device_bytes") {
+  Random rng(65);
+  OwnedWeight o = make_int4(100, 200, 200, DType::F16, true, false, rng);  // channel: one group over k_pad
+  const QuantGpuLayout l = quant_gpu_layout(o.weight);
+  CHECK(l.n_pad == 128);
+  CHECK(l.k_pad == 256);
+  CHECK(l.groups == 1);
+  CHECK(l.group_size == 256);
+  CHECK(l.tiles_bytes == 128 * 256 / 2);
+  CHECK(l.scales_bytes == 128 * 2);
+  CHECK(l.zeros_bytes == 128);
+  CHECK(l.perm_bytes == 0);
+  CHECK(l.bias_bytes == 128 * 4);
+  CHECK(l.counters_bytes == 2 * 4);
+  for (uint64_t offset : {l.scales_offset, l.zeros_offset, l.perm_offset, l.bias_offset, l.counters_offset})
+    CHECK(offset % 256 == 0);
+  CHECK(l.total_bytes == l.counters_offset + 256);
+  CHECK(quant_device_bytes(o.weight) == l.total_bytes);
+  // a g_idx that restates column order is no act-order
+  OwnedWeight ordered = make_int4(64, 256, 32, DType::BF16, false, false, rng);
+  std::vector<int32_t> groups(256);
+  for (int k = 0; k < 256; k++) groups[size_t(k)] = k / 32;
+  ordered.weight.g_idx = reinterpret_cast<const uint8_t*>(groups.data());
+  CHECK_FALSE(quant_gpu_layout(ordered.weight).permuted);
+  std::swap(groups[3], groups[40]);
+  CHECK(quant_gpu_layout(ordered.weight).permuted);
+  // bias and counters
+  std::vector<uint16_t> bias(100);
+  for (int n = 0; n < 100; n++) bias[size_t(n)] = float_to_bf16(0.25f * float(n) - 3.0f);
+  o.weight.bias = reinterpret_cast<const uint8_t*>(bias.data());
+  o.weight.bias_dtype = DType::BF16;
+  Device d(o.weight);
+  for (int64_t n = 0; n < l.n_pad; n++) {
+    float value;
+    memcpy(&value, d.bytes.data() + l.bias_offset + 4 * n, 4);
+    CHECK(value == (n < 100 ? bf16_to_float(bias[size_t(n)]) : 0.0f));
+  }
+  for (int64_t t = 0; t < l.n_tiles; t++) CHECK(d.word_at(l.counters_offset + 4 * t) == 0);
+}
+
+// ---- kernel choice and planning ---------------------------------------------------------------------------------
+
+TEST_CASE("kernel choice: W8A8 for fp8 on sm_89+, W4A16/W8A16 mma up to kQuantMmaMaxRows, else dequantize") {
+  Random rng(66);
+  OwnedWeight int4 = make_int4(128, 256, 128, DType::BF16, false, false, rng);
+  OwnedWeight odd = make_int4(128, 240, 40, DType::BF16, false, false, rng);  // groups of 40: no mma
+  OwnedWeight fp8 = make_fp8(128, 256, ScaleGranularity::block, 128, 128, DType::BF16, DequantRounding::f32, rng);
+  const QuantGpuLayout li = quant_gpu_layout(int4.weight), lo = quant_gpu_layout(odd.weight),
+                       lf = quant_gpu_layout(fp8.weight);
+  const QuantKernel a = QuantKernel::automatic;
+  CHECK(choose_quant_kernel(li, DType::BF16, 90, 1, a) == QuantKernel::mma_a16);
+  CHECK(choose_quant_kernel(li, DType::F16, 80, kQuantMmaMaxRows, a) == QuantKernel::mma_a16);
+  CHECK(choose_quant_kernel(li, DType::BF16, 90, kQuantMmaMaxRows + 1, a) == QuantKernel::dequant_cublas);
+  CHECK(choose_quant_kernel(li, DType::F32, 90, 1, a) == QuantKernel::dequant_cublas);
+  CHECK(choose_quant_kernel(lo, DType::BF16, 90, 1, a) == QuantKernel::dequant_cublas);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 89, 2048, a) == QuantKernel::mma_w8a8);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 120, 1, a) == QuantKernel::mma_w8a8);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 87, 1, a) == QuantKernel::mma_a16);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 86, 4096, a) == QuantKernel::dequant_cublas);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 90, 1, QuantKernel::mma_a16) == QuantKernel::mma_a16);
+  CHECK(quant_kernel_refusal(li, QuantKernel::mma_a16, DType::BF16, 80).empty());
+  CHECK(quant_kernel_refusal(lf, QuantKernel::mma_w8a8, DType::BF16, 89).empty());
+  CHECK(quant_kernel_refusal(lf, QuantKernel::mma_w8a8, DType::BF16, 86).find("sm_86") != std::string::npos);
+  CHECK(quant_kernel_refusal(li, QuantKernel::mma_w8a8, DType::BF16, 90).find("fp8 weights only") != std::string::npos);
+  CHECK(quant_kernel_refusal(lo, QuantKernel::mma_a16, DType::BF16, 90).find("40") != std::string::npos);
+  CHECK(quant_kernel_refusal(li, QuantKernel::mma_a16, DType::F32, 90).find("F32") != std::string::npos);
+  CHECK(quant_kernel_refusal(lo, QuantKernel::dequant_cublas, DType::F32, 80).empty());
+}
+
+TEST_CASE("planning: split-K fills the GPU for one block row, scratch is never exceeded, rows pass in chunks") {
+  Random rng(67);
+  OwnedWeight big = make_int4(1024, 4096, 128, DType::BF16, false, false, rng);  // 16 column tiles, 32 stages
+  const QuantGpuLayout l = quant_gpu_layout(big.weight);
+  QuantGemmPlan plan;
+  std::string why;
+  // decode: 16 tiles on a GPU holding 396 blocks -> splits so that 16 x splits <= 396, each >= 2 stages
+  REQUIRE(plan_quant_gemm(l, QuantKernel::mma_a16, 1, false, 2, 32 * MiB, 396, &plan, &why));
+  CHECK(plan.splits == 16);  // min(396 / 16 = 24, 32 stages / 2)
+  CHECK(plan.row_chunk == 1);
+  CHECK(plan.partial_bytes == uint64_t(16 * 16 * 16 * 64 * 4));
+  CHECK_FALSE(plan.stage_x);
+  REQUIRE(plan_quant_gemm(l, QuantKernel::mma_a16, 1, false, 2, 32 * MiB, 100, &plan, &why));
+  CHECK(plan.splits == 6);
+  // many column tiles already fill it: no split
+  REQUIRE(plan_quant_gemm(l, QuantKernel::mma_a16, 7, false, 2, 32 * MiB, 12, &plan, &why));
+  CHECK(plan.splits == 1);
+  CHECK(plan.partial_bytes == 0);
+  // more than 64 rows: no split (the block rows give the parallelism)
+  REQUIRE(plan_quant_gemm(l, QuantKernel::mma_a16, 100, false, 2, 32 * MiB, 396, &plan, &why));
+  CHECK(plan.splits == 1);
+  // a small scratch: fewer splits, then none; staged rows in chunks; never over the scratch
+  for (uint64_t scratch : {uint64_t(64 * KiB), uint64_t(300 * KiB), uint64_t(2 * MiB), uint64_t(32 * MiB)})
+    for (QuantKernel kernel : {QuantKernel::mma_a16, QuantKernel::mma_w8a8})
+      for (int64_t rows : {1, 16, 33, 64, 65, 2048}) {
+        CAPTURE(scratch);
+        CAPTURE(rows);
+        CAPTURE(quant_kernel_name(kernel));
+        REQUIRE(plan_quant_gemm(l, kernel, rows, true, 2, scratch, 396, &plan, &why));
+        CHECK(plan.stage_x);
+        CHECK(plan.row_chunk >= 1);
+        CHECK(plan.row_chunk <= rows);
+        CHECK((plan.row_chunk == rows || plan.row_chunk < 64 || plan.row_chunk % 64 == 0));
+        CHECK(plan.x_bytes + plan.partial_bytes <= scratch);
+        CHECK(plan.x_bytes >= uint64_t(plan.row_chunk) * quant_staged_row_bytes(l, kernel));
+        if (plan.splits > 1) CHECK(plan.row_chunk <= 64);
+      }
+  // dequantize + cuBLAS: whole 64-row tiles of weights per pass
+  REQUIRE(plan_quant_gemm(l, QuantKernel::dequant_cublas, 2048, false, 2, 32 * MiB, 396, &plan, &why));
+  CHECK(plan.n_chunk == 1024);  // 1024 x 4096 x 2 = 8 MiB fits
+  REQUIRE(plan_quant_gemm(l, QuantKernel::dequant_cublas, 2048, false, 4, 3 * MiB, 396, &plan, &why));
+  CHECK(plan.n_chunk == 192);  // 3 MiB / (64 x 4096 x 4 = 1 MiB) = 3 tiles
+  CHECK(plan.weight_bytes <= 3 * MiB);
+  CHECK_FALSE(plan_quant_gemm(l, QuantKernel::dequant_cublas, 1, false, 4, 512 * KiB, 396, &plan, &why));
+  CHECK(why.find("scratch") != std::string::npos);
+}
+
+TEST_CASE("split ranges cover the stages once, in order") {
+  for (int64_t stages : {1, 2, 7, 32, 112})
+    for (int64_t splits = 1; splits <= std::min<int64_t>(stages, 40); splits++) {
+      int64_t next = 0;
+      for (int64_t s = 0; s < splits; s++) {
+        int64_t begin, end;
+        quant_split_range(stages, splits, s, &begin, &end);
+        CHECK(begin == next);
+        CHECK(end >= begin);
+        next = end;
+      }
+      CHECK(next == stages);
+    }
+}
