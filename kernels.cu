@@ -739,7 +739,8 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const A* logits,
   if (lane == 0) ids[blockIdx.x] = best_index == INT_MAX ? 0 : best_index;
 }
 
-// ==== 3b. quantized GEMMs ===========================================================================// out [M, N] = x [M, K] @ W^T (+ bias) for quantized W in the device layout of quant_gpu.hpp (repacked at load
+// ==== 3b. quantized GEMMs ==================================================================================
+// out [M, N] = x [M, K] @ W^T (+ bias) for quantized W in the device layout of quant_gpu.hpp (repacked at load
 // by cuda::upload_quant_weight). Three tensor-core kernels share one skeleton (quant_gemm_kernel), and a
 // dequantize kernel feeds cuBLAS for prefill-size M, F32 activations and layouts the mma kernels cannot read:
 //
@@ -1345,7 +1346,8 @@ __global__ void __launch_bounds__(kDequantThreads) dequantize_tiles_kernel(const
     const int64_t target = args.perm != nullptr ? (k_device < args.k ? args.perm[k_device] : -1) : k_device;
     if (target >= 0) w[(int64_t(blockIdx.x) * kQuantTileN + column) * args.ldw + target] = from_float<A>(values[column][local]);
   }
-=======
+}
+
 // ---- sampling ---------------------------------------------------------------------------------------------
 // sample_kernel: one block per sampled row; sample_row_reference (backend_cuda.inl) is its host twin, phase for
 // phase. No sort: every selection (the top_k-th token, the end of the top_p prefix, the drawn token) is a radix
