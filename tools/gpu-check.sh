@@ -52,7 +52,8 @@ fi
 # ---- 1. dependencies and build ----------------------------------------------------------------------------------
 cmake_args=(-DKVLITE_CUDA=ON -DKVLITE_CUDA_ARCHS="${arch}-real" -DCMAKE_BUILD_TYPE=Release)
 have_header() { [ -f "/usr/include/$1" ] || [ -f "/usr/local/include/$1" ]; }
-if have_header doctest/doctest.h && have_header nlohmann/json.hpp && have_header stb/stb_image.h && have_header pcre2.h; then
+if have_header doctest/doctest.h && have_header nlohmann/json.hpp && have_header stb/stb_image.h && have_header pcre2.h &&
+   command -v pkg-config >/dev/null; then
   phase "dependencies" "from the system"
 elif ls .deps/*.deb >/dev/null 2>&1; then
   deps="$root/.deps/root"
@@ -60,6 +61,7 @@ elif ls .deps/*.deb >/dev/null 2>&1; then
   export PKG_CONFIG_SYSROOT_DIR="$deps"
   export PKG_CONFIG_PATH="$deps/usr/lib/x86_64-linux-gnu/pkgconfig:$deps/usr/share/pkgconfig"
   export LD_LIBRARY_PATH="$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export PATH="$PATH:$deps/usr/bin"  # pkg-config (pkgconf) when the machine has none; the system's first
   cmake_args+=(-DCMAKE_PREFIX_PATH="$deps/usr")
   phase "dependencies" "unpacked from .deps/ into .deps/root ($(ls .deps/*.deb | wc -l) packages)"
 else
