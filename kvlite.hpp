@@ -7941,9 +7941,10 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 //                stored in the activation dtype (cuBLAS multiplies like types), so they count at its width, a
 //                tied lm_head whose table is not in that dtype gets a converted copy, and every tensor starts
 //                on a 256-byte boundary (cuda_weight_slack).
-//   repack       CUDA only: extra bytes the GPU layout needs over the on-disk one. FP8 Linears whose scales are
-//                16-bit get fp32 scales (cuBLASLt's scale modes take fp32 only): scale elements x 2 B extra.
-//                W4A16 is repacked in place (0). CPU: 0, it runs the on-disk layout. The row is always shown.
+//   repack       CUDA only: extra bytes the GPU layout of the quantized Linears needs over their on-disk bytes
+//                (cuda::quant_device_bytes per Linear: repacked tiles, F32 scale tables, counters). The region
+//                follows the weights', and the uploader fills the two as one span. CPU: 0, it runs the on-disk
+//                layout. The row is always shown.
 //   context      CUDA context + cuBLAS handles + driver, which the device spends outside kvlite's arena:
 //                384 MiB on native Linux, 1024 MiB under WSL2 (its paravirtualized driver reserves more, and
 //                pinned host memory is limited there: vLLM disables it). CPU: 0.
@@ -8044,21 +8045,6 @@ uint64_t merge_windows(const VisionConfig& vision, int64_t image_pixels) {
 uint64_t window_pixels(const VisionConfig& vision) {
   uint64_t side = uint64_t(vision.patch_size * vision.spatial_merge_size);
   return side * side;
-}
-
-// Scale elements one Linear stores on disk (compressed-tensors / Qwen FP8 layouts).
-uint64_t scale_elements(const LinearDesc& linear) {
-  uint64_t n = uint64_t(linear.out_features), k = uint64_t(linear.in_features);
-  switch (linear.granularity) {
-    case ScaleGranularity::none: return 0;
-    case ScaleGranularity::tensor: return 1;
-    case ScaleGranularity::channel: return n;
-    case ScaleGranularity::group: return n * ceil_div(k, uint64_t(linear.group_size > 0 ? linear.group_size : int64_t(k)));
-    case ScaleGranularity::block:
-      return ceil_div(n, uint64_t(linear.block_n > 0 ? linear.block_n : 128)) *
-             ceil_div(k, uint64_t(linear.block_k > 0 ? linear.block_k : 128));
-  }
-  return 0;
 }
 
 // The smallest image budget worth planning: the processor resizes every image up to min_pixels, and no image
@@ -8285,19 +8271,21 @@ PlanItem repack_item(const Inputs& in) {
     item.why = "CPU backend runs the on-disk layout: nothing to repack";
     return item;
   }
-  uint64_t widened = 0, widened_elements = 0, int4 = 0;
+  // The quantized Linears the GPU runs, in the layout its GEMMs read (cuda::quant_device_bytes: repacked tiles
+  // padded to whole tiles, F32 scale tables, act-order permutation, F32 bias, split-K counters) over their bytes
+  // on disk, which the weights row counts. The uploader fills weights and repack as one span.
+  uint64_t extra = 0, quantized = 0;
   for (const auto& linear : in.weights.linears) {
-    if (linear.format == WeightFormat::fp8 && dtype_bits(linear.scale_dtype) == 16) {
-      widened++;
-      widened_elements += scale_elements(linear);
-    }
-    if (linear.format == WeightFormat::int4) int4++;
+    if (linear.format == WeightFormat::dense || linear.vision) continue;
+    const uint64_t gpu = cuda::quant_device_bytes(linear);
+    extra += gpu > linear.bytes ? gpu - linear.bytes : 0;
+    quantized++;
   }
-  item.bytes = align_up(widened_elements * 2, kPlanAlignment);
-  std::string fp8 = widened ? format("%llu FP8 Linears with 16-bit scales get fp32 scales: %s scale elements x 2 B",
-                                     (unsigned long long)widened, format_count(widened_elements).c_str())
-                            : std::string("no FP8 Linear with 16-bit scales");
-  item.why = int4 ? fp8 + format("; %llu W4A16 Linears repacked in place (0 B)", (unsigned long long)int4) : fp8;
+  item.bytes = align_up(extra, kPlanAlignment);
+  item.why = quantized ? format("%llu quantized Linears in the GPU's layout (repacked tiles, F32 scale tables, "
+                                "counters) take %s more than on disk",
+                                (unsigned long long)quantized, format_bytes(extra).c_str())
+                       : std::string("no quantized Linear: nothing to repack");
   return item;
 }
 
@@ -12363,9 +12351,9 @@ struct Engine::Impl {
   // The longest context a graph's attention was captured for: every step's context is at most max_model_len.
   int64_t graph_max_context() const { return std::max<int64_t>(max_model_len(), plan.options.max_seqs); }
 
-  // At open: one graph per bucket the step buffers hold, each after an eager run of the same padded step (which
-  // loads the kernels and lets cuBLAS pick its algorithms, so capturing allocates nothing), and the device
-  // memory the graphs took, measured.
+  // At open: one graph per bucket the step buffers hold, after an eager run of each padded step (which loads the
+  // kernels and lets cuBLAS pick its algorithms, so capturing allocates nothing), and the device memory the
+  // graphs took, measured.
   void capture_decode_graphs() {
     std::vector<int64_t> buckets;
     for (int64_t bucket : decode_graph_buckets(plan.options.max_seqs))
@@ -12378,14 +12366,19 @@ struct Engine::Impl {
     padded.query_starts.assign(size_t(largest + 2), 0);
     padded.context_lens.assign(size_t(largest + 1), 0);
     padded.block_tables.assign(size_t((largest + 1) * pages), 0);
-    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
-    if (!before) throw before.error();
+    StepInput shape;  // only tokens and image_runs matter to compute()
     for (int64_t bucket : buckets) {
-      StepInput shape;  // only tokens and image_runs matter to compute()
       shape.tokens = bucket;
       stage_padded(nullptr, bucket, graph_max_context());
       model->compute(shape);
-      check(backend->synchronize());
+    }
+    check(backend->synchronize());
+    // Measured once everything the eager runs load (kernels, cuBLAS's state) is loaded: the graphs' own memory.
+    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
+    if (!before) throw before.error();
+    for (int64_t bucket : buckets) {
+      shape.tokens = bucket;
+      stage_padded(nullptr, bucket, graph_max_context());
       Result<CudaGraph> graph = cuda::capture_graph(*backend, [&] { model->compute(shape); });
       if (!graph) throw graph.error();
       graphs.emplace(bucket, std::move(*graph));
@@ -12450,16 +12443,22 @@ std::vector<int64_t> generation_eos_ids(const std::string& model_dir) {
 // (pageable memory: no pinned buffer). Dense Linears (weight and bias) must be in the activation dtype for
 // cuBLAS: when the checkpoint's dtype differs, each chunk is staged raw in the KV region (free until the first
 // step) and the backend's copy converts it into place. Embedding tables and norm weights stay as stored (the
-// ops read any float dtype). The planner counts exactly this (weights_item, cuda_weight_slack).
+// ops read any float dtype); quantized Linears go through cuda::upload_quant_weight into the GPU's layout. The
+// planner counts exactly this (weights_item with cuda_weight_slack, and repack_item).
 class WeightUploader {
  public:
   WeightUploader(Backend& backend, const Arena& arena, uint64_t chunk_bytes)
       : backend_(backend), act_(backend.activation_dtype()), chunk_bytes_(std::max<uint64_t>(chunk_bytes, 256)) {
     const ArenaRegion* weights = arena.region("weights");
+    const ArenaRegion* repack = arena.region("repack");
     const ArenaRegion* kv = arena.region("kv");
-    if (!weights || !kv) fail(ErrorCode::internal, "the arena has no weights or kv region to upload through");
+    if (!weights || !repack || !kv) fail(ErrorCode::internal, "the arena has no weights, repack or kv region");
+    // The quantized Linears' GPU layout takes more than their bytes on disk: the plan's repack region, right
+    // after the weights', holds the difference, so the two are filled as one span.
+    if (repack->offset != align_up(weights->offset + weights->bytes, kPlanAlignment))
+      fail(ErrorCode::internal, "the arena's repack region does not follow its weights region");
     next_ = arena.base() + weights->offset;
-    end_ = next_ + weights->bytes;
+    end_ = arena.base() + repack->offset + repack->bytes;
     staging_ = arena.base() + kv->offset;
     staging_bytes_ = std::min(kv->bytes, chunk_bytes_);
   }
@@ -12581,11 +12580,24 @@ TextModelWeights upload_text_weights(const TextModelWeights& host, Backend& back
   return device;
 }
 
-// Bytes one decode step reads of `weights`: every Linear and norm, and the lm_head (EngineInfo).
-uint64_t decode_weight_bytes(const TextModelWeights& weights) {
+// The bytes of a quantized Linear as the checkpoint stores them (what the CPU reads from the mmap).
+uint64_t checkpoint_bytes(const QuantWeight& w) {
+  const uint64_t n = uint64_t(w.out_features), k = uint64_t(w.in_features);
+  uint64_t bytes = w.format == WeightFormat::int4 ? n * uint64_t(w.packed_cols) * 4 : n * k;
+  bytes += dtype_bytes(w.scale_dtype, uint64_t(w.scale_rows * w.scale_cols));
+  if (w.zero_points) bytes += ((n + 7) / 8) * uint64_t(w.scale_cols) * 4;
+  if (w.g_idx) bytes += k * 4;
+  if (w.bias) bytes += dtype_bytes(w.bias_dtype, n);
+  return bytes;
+}
+
+// Bytes one decode step reads of `weights`: every Linear and norm, and the lm_head (EngineInfo). Quantized
+// Linears in the GPU's layout when on_device, as stored otherwise.
+uint64_t decode_weight_bytes(const TextModelWeights& weights, bool on_device) {
   auto bytes = [](const Tensor& t) { return t.data ? dtype_bytes(t.dtype, uint64_t(t.elements())) : 0; };
   auto linear = [&](const LinearWeights& l) {
-    return l.quant ? cuda::quant_device_bytes(*l.quant) : bytes(l.weight) + bytes(l.bias);
+    if (!l.quant) return bytes(l.weight) + bytes(l.bias);
+    return on_device ? cuda::quant_device_bytes(*l.quant) : checkpoint_bytes(*l.quant);
   };
   uint64_t total = bytes(weights.norm) + linear(weights.lm_head);
   for (const DecoderLayerWeights& w : weights.layers)
@@ -12674,6 +12686,7 @@ DeviceSpec engine_device(BackendKind backend, const EngineOptions& options) {
                     device.name.c_str()));
       device.name = "planned " + format_bytes(*options.plan.device_mem) + " card (on " + device.name + ")";
       device.total_bytes = *options.plan.device_mem;
+      device.free_bytes = 0;  // as detect_device says of a planned card: unknown
     }
   }
   device.wsl2 = options.plan.wsl2 ? *options.plan.wsl2 : running_under_wsl2();
@@ -12769,7 +12782,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.info.backend = backend_kind;
     e.info.backend_name = e.backend->name();
     e.info.activation_dtype = e.backend->activation_dtype();
-    e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights);
+    e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights, gpu);
     e.model = std::make_unique<TextModel>(e.config, std::move(text_weights), *e.backend, *e.arena, e.plan, kv_dtype);
     if (vision_weights) {
       e.vision = std::make_unique<VisionModel>(e.config, std::move(*vision_weights), *e.backend, *e.arena, e.plan);

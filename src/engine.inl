@@ -731,9 +731,9 @@ struct Engine::Impl {
   // The longest context a graph's attention was captured for: every step's context is at most max_model_len.
   int64_t graph_max_context() const { return std::max<int64_t>(max_model_len(), plan.options.max_seqs); }
 
-  // At open: one graph per bucket the step buffers hold, each after an eager run of the same padded step (which
-  // loads the kernels and lets cuBLAS pick its algorithms, so capturing allocates nothing), and the device
-  // memory the graphs took, measured.
+  // At open: one graph per bucket the step buffers hold, after an eager run of each padded step (which loads the
+  // kernels and lets cuBLAS pick its algorithms, so capturing allocates nothing), and the device memory the
+  // graphs took, measured.
   void capture_decode_graphs() {
     std::vector<int64_t> buckets;
     for (int64_t bucket : decode_graph_buckets(plan.options.max_seqs))
@@ -746,14 +746,19 @@ struct Engine::Impl {
     padded.query_starts.assign(size_t(largest + 2), 0);
     padded.context_lens.assign(size_t(largest + 1), 0);
     padded.block_tables.assign(size_t((largest + 1) * pages), 0);
-    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
-    if (!before) throw before.error();
+    StepInput shape;  // only tokens and image_runs matter to compute()
     for (int64_t bucket : buckets) {
-      StepInput shape;  // only tokens and image_runs matter to compute()
       shape.tokens = bucket;
       stage_padded(nullptr, bucket, graph_max_context());
       model->compute(shape);
-      check(backend->synchronize());
+    }
+    check(backend->synchronize());
+    // Measured once everything the eager runs load (kernels, cuBLAS's state) is loaded: the graphs' own memory.
+    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
+    if (!before) throw before.error();
+    for (int64_t bucket : buckets) {
+      shape.tokens = bucket;
+      stage_padded(nullptr, bucket, graph_max_context());
       Result<CudaGraph> graph = cuda::capture_graph(*backend, [&] { model->compute(shape); });
       if (!graph) throw graph.error();
       graphs.emplace(bucket, std::move(*graph));
@@ -818,16 +823,22 @@ std::vector<int64_t> generation_eos_ids(const std::string& model_dir) {
 // (pageable memory: no pinned buffer). Dense Linears (weight and bias) must be in the activation dtype for
 // cuBLAS: when the checkpoint's dtype differs, each chunk is staged raw in the KV region (free until the first
 // step) and the backend's copy converts it into place. Embedding tables and norm weights stay as stored (the
-// ops read any float dtype). The planner counts exactly this (weights_item, cuda_weight_slack).
+// ops read any float dtype); quantized Linears go through cuda::upload_quant_weight into the GPU's layout. The
+// planner counts exactly this (weights_item with cuda_weight_slack, and repack_item).
 class WeightUploader {
  public:
   WeightUploader(Backend& backend, const Arena& arena, uint64_t chunk_bytes)
       : backend_(backend), act_(backend.activation_dtype()), chunk_bytes_(std::max<uint64_t>(chunk_bytes, 256)) {
     const ArenaRegion* weights = arena.region("weights");
+    const ArenaRegion* repack = arena.region("repack");
     const ArenaRegion* kv = arena.region("kv");
-    if (!weights || !kv) fail(ErrorCode::internal, "the arena has no weights or kv region to upload through");
+    if (!weights || !repack || !kv) fail(ErrorCode::internal, "the arena has no weights, repack or kv region");
+    // The quantized Linears' GPU layout takes more than their bytes on disk: the plan's repack region, right
+    // after the weights', holds the difference, so the two are filled as one span.
+    if (repack->offset != align_up(weights->offset + weights->bytes, kPlanAlignment))
+      fail(ErrorCode::internal, "the arena's repack region does not follow its weights region");
     next_ = arena.base() + weights->offset;
-    end_ = next_ + weights->bytes;
+    end_ = arena.base() + repack->offset + repack->bytes;
     staging_ = arena.base() + kv->offset;
     staging_bytes_ = std::min(kv->bytes, chunk_bytes_);
   }
@@ -949,11 +960,24 @@ TextModelWeights upload_text_weights(const TextModelWeights& host, Backend& back
   return device;
 }
 
-// Bytes one decode step reads of `weights`: every Linear and norm, and the lm_head (EngineInfo).
-uint64_t decode_weight_bytes(const TextModelWeights& weights) {
+// The bytes of a quantized Linear as the checkpoint stores them (what the CPU reads from the mmap).
+uint64_t checkpoint_bytes(const QuantWeight& w) {
+  const uint64_t n = uint64_t(w.out_features), k = uint64_t(w.in_features);
+  uint64_t bytes = w.format == WeightFormat::int4 ? n * uint64_t(w.packed_cols) * 4 : n * k;
+  bytes += dtype_bytes(w.scale_dtype, uint64_t(w.scale_rows * w.scale_cols));
+  if (w.zero_points) bytes += ((n + 7) / 8) * uint64_t(w.scale_cols) * 4;
+  if (w.g_idx) bytes += k * 4;
+  if (w.bias) bytes += dtype_bytes(w.bias_dtype, n);
+  return bytes;
+}
+
+// Bytes one decode step reads of `weights`: every Linear and norm, and the lm_head (EngineInfo). Quantized
+// Linears in the GPU's layout when on_device, as stored otherwise.
+uint64_t decode_weight_bytes(const TextModelWeights& weights, bool on_device) {
   auto bytes = [](const Tensor& t) { return t.data ? dtype_bytes(t.dtype, uint64_t(t.elements())) : 0; };
   auto linear = [&](const LinearWeights& l) {
-    return l.quant ? cuda::quant_device_bytes(*l.quant) : bytes(l.weight) + bytes(l.bias);
+    if (!l.quant) return bytes(l.weight) + bytes(l.bias);
+    return on_device ? cuda::quant_device_bytes(*l.quant) : checkpoint_bytes(*l.quant);
   };
   uint64_t total = bytes(weights.norm) + linear(weights.lm_head);
   for (const DecoderLayerWeights& w : weights.layers)
@@ -1042,6 +1066,7 @@ DeviceSpec engine_device(BackendKind backend, const EngineOptions& options) {
                     device.name.c_str()));
       device.name = "planned " + format_bytes(*options.plan.device_mem) + " card (on " + device.name + ")";
       device.total_bytes = *options.plan.device_mem;
+      device.free_bytes = 0;  // as detect_device says of a planned card: unknown
     }
   }
   device.wsl2 = options.plan.wsl2 ? *options.plan.wsl2 : running_under_wsl2();
@@ -1137,7 +1162,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.info.backend = backend_kind;
     e.info.backend_name = e.backend->name();
     e.info.activation_dtype = e.backend->activation_dtype();
-    e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights);
+    e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights, gpu);
     e.model = std::make_unique<TextModel>(e.config, std::move(text_weights), *e.backend, *e.arena, e.plan, kv_dtype);
     if (vision_weights) {
       e.vision = std::make_unique<VisionModel>(e.config, std::move(*vision_weights), *e.backend, *e.arena, e.plan);

@@ -7,9 +7,10 @@
 //                stored in the activation dtype (cuBLAS multiplies like types), so they count at its width, a
 //                tied lm_head whose table is not in that dtype gets a converted copy, and every tensor starts
 //                on a 256-byte boundary (cuda_weight_slack).
-//   repack       CUDA only: extra bytes the GPU layout needs over the on-disk one. FP8 Linears whose scales are
-//                16-bit get fp32 scales (cuBLASLt's scale modes take fp32 only): scale elements x 2 B extra.
-//                W4A16 is repacked in place (0). CPU: 0, it runs the on-disk layout. The row is always shown.
+//   repack       CUDA only: extra bytes the GPU layout of the quantized Linears needs over their on-disk bytes
+//                (cuda::quant_device_bytes per Linear: repacked tiles, F32 scale tables, counters). The region
+//                follows the weights', and the uploader fills the two as one span. CPU: 0, it runs the on-disk
+//                layout. The row is always shown.
 //   context      CUDA context + cuBLAS handles + driver, which the device spends outside kvlite's arena:
 //                384 MiB on native Linux, 1024 MiB under WSL2 (its paravirtualized driver reserves more, and
 //                pinned host memory is limited there: vLLM disables it). CPU: 0.
@@ -110,21 +111,6 @@ uint64_t merge_windows(const VisionConfig& vision, int64_t image_pixels) {
 uint64_t window_pixels(const VisionConfig& vision) {
   uint64_t side = uint64_t(vision.patch_size * vision.spatial_merge_size);
   return side * side;
-}
-
-// Scale elements one Linear stores on disk (compressed-tensors / Qwen FP8 layouts).
-uint64_t scale_elements(const LinearDesc& linear) {
-  uint64_t n = uint64_t(linear.out_features), k = uint64_t(linear.in_features);
-  switch (linear.granularity) {
-    case ScaleGranularity::none: return 0;
-    case ScaleGranularity::tensor: return 1;
-    case ScaleGranularity::channel: return n;
-    case ScaleGranularity::group: return n * ceil_div(k, uint64_t(linear.group_size > 0 ? linear.group_size : int64_t(k)));
-    case ScaleGranularity::block:
-      return ceil_div(n, uint64_t(linear.block_n > 0 ? linear.block_n : 128)) *
-             ceil_div(k, uint64_t(linear.block_k > 0 ? linear.block_k : 128));
-  }
-  return 0;
 }
 
 // The smallest image budget worth planning: the processor resizes every image up to min_pixels, and no image
@@ -351,19 +337,21 @@ PlanItem repack_item(const Inputs& in) {
     item.why = "CPU backend runs the on-disk layout: nothing to repack";
     return item;
   }
-  uint64_t widened = 0, widened_elements = 0, int4 = 0;
+  // The quantized Linears the GPU runs, in the layout its GEMMs read (cuda::quant_device_bytes: repacked tiles
+  // padded to whole tiles, F32 scale tables, act-order permutation, F32 bias, split-K counters) over their bytes
+  // on disk, which the weights row counts. The uploader fills weights and repack as one span.
+  uint64_t extra = 0, quantized = 0;
   for (const auto& linear : in.weights.linears) {
-    if (linear.format == WeightFormat::fp8 && dtype_bits(linear.scale_dtype) == 16) {
-      widened++;
-      widened_elements += scale_elements(linear);
-    }
-    if (linear.format == WeightFormat::int4) int4++;
+    if (linear.format == WeightFormat::dense || linear.vision) continue;
+    const uint64_t gpu = cuda::quant_device_bytes(linear);
+    extra += gpu > linear.bytes ? gpu - linear.bytes : 0;
+    quantized++;
   }
-  item.bytes = align_up(widened_elements * 2, kPlanAlignment);
-  std::string fp8 = widened ? format("%llu FP8 Linears with 16-bit scales get fp32 scales: %s scale elements x 2 B",
-                                     (unsigned long long)widened, format_count(widened_elements).c_str())
-                            : std::string("no FP8 Linear with 16-bit scales");
-  item.why = int4 ? fp8 + format("; %llu W4A16 Linears repacked in place (0 B)", (unsigned long long)int4) : fp8;
+  item.bytes = align_up(extra, kPlanAlignment);
+  item.why = quantized ? format("%llu quantized Linears in the GPU's layout (repacked tiles, F32 scale tables, "
+                                "counters) take %s more than on disk",
+                                (unsigned long long)quantized, format_bytes(extra).c_str())
+                       : std::string("no quantized Linear: nothing to repack");
   return item;
 }
 

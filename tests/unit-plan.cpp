@@ -315,25 +315,26 @@ TEST_CASE("Llama-3.1-8B W4A16 perplexity on an 8 GiB card: 2048 fits, 131072 can
   CHECK(full.fixed_bytes == short_context.fixed_bytes);
 }
 
-TEST_CASE("Qwen3-VL-4B FP8 on an 8 GiB card under WSL2: 0.80 x 4096 and 0.70 x 2048") {
+// (With the GPU's layout of the FP8 Linears in the plan, the repack row: 0.80 under WSL2 leaves no room for KV.)
+TEST_CASE("Qwen3-VL-4B FP8 on an 8 GiB card under WSL2: 0.85 x 4096 and 0.70 x 2048") {
   Model q = qwen();
   DeviceSpec wsl2_card = planned_card(8 * GiB, true);
-  Plan a = plan_for(q, wsl2_card, options_with(0.80, 4096));
-  CHECK(a.budget_bytes == uint64_t(std::floor(0.80 * double(8 * GiB))));
+  Plan a = plan_for(q, wsl2_card, options_with(0.85, 4096));
+  CHECK(a.budget_bytes == uint64_t(std::floor(0.85 * double(8 * GiB))));
   CHECK(a.item("context")->bytes == 1024 * MiB);
   CHECK_FALSE(a.item("context")->in_arena);
   CHECK_FALSE(a.fits);
   CHECK(contains(a.advice.at(0), "KV needs 576.0 MiB for one 4096-token sequence"));
   CHECK(any_contains(a.advice, "WSL2"));
   // What would fit, each re-planned.
-  REQUIRE(a.utilization_needed > 0.80);
+  REQUIRE(a.utilization_needed > 0.85);
   REQUIRE(a.utilization_needed <= 1.0);
   CHECK(plan_for(q, wsl2_card, options_with(a.utilization_needed, 4096)).fits);
   REQUIRE(a.max_model_len_that_fits > 0);
   CHECK(a.max_model_len_that_fits < 4096);
-  CHECK(plan_for(q, wsl2_card, options_with(0.80, a.max_model_len_that_fits)).fits);
+  CHECK(plan_for(q, wsl2_card, options_with(0.85, a.max_model_len_that_fits)).fits);
   // Native Linux: the same plan with 640 MiB less context, all of it KV.
-  Plan native = plan_for(q, planned_card(8 * GiB, false), options_with(0.80, 4096));
+  Plan native = plan_for(q, planned_card(8 * GiB, false), options_with(0.85, 4096));
   CHECK(native.kv_available_bytes - a.kv_available_bytes == int64_t(640 * MiB));
   CHECK_FALSE(any_contains(native.advice, "WSL2"));
 
@@ -352,14 +353,14 @@ TEST_CASE("Qwen3-VL-4B FP8 on an 8 GiB card under WSL2: 0.80 x 4096 and 0.70 x 2
 
 TEST_CASE("a smaller image budget is suggested when it makes the context fit") {
   Model q = qwen();
-  DeviceSpec card = planned_card(8 * GiB, true);
-  Plan p = plan_for(q, card, options_with(0.85, 4096));
+  DeviceSpec card = planned_card(8 * GiB, false);
+  Plan p = plan_for(q, card, options_with(0.80, 4096));
   REQUIRE_FALSE(p.fits);
   REQUIRE(p.image_pixels_that_fit > 0);
   CHECK(p.image_pixels_that_fit < p.options.max_image_pixels);
   CHECK(p.image_pixels_that_fit % (32 * 32) == 0);
   CHECK(any_contains(p.advice, "With --max-image-pixels " + std::to_string(p.image_pixels_that_fit) + ": fits"));
-  PlanOptions o = options_with(0.85, 4096);
+  PlanOptions o = options_with(0.80, 4096);
   o.max_image_pixels = p.image_pixels_that_fit;
   CHECK(plan_for(q, card, o).fits);
   o.max_image_pixels = p.image_pixels_that_fit + 32 * 32;
@@ -675,16 +676,26 @@ TEST_CASE("logits: 32 rows at a time for scoring, more when more sequences decod
   CHECK(named(logits_buffers(c, 100), "logits").bytes == (100ull * 151936 * 4 + 255) / 256 * 256);
 }
 
-TEST_CASE("CUDA-only rows (repack of 16-bit FP8 scales, context, graphs) are zero on the CPU") {
+TEST_CASE("CUDA-only rows (repack of quantized Linears, context, graphs) are zero on the CPU") {
   Model q = qwen();
   DeviceSpec card = planned_card(16 * GiB, false);
   Plan p = plan_for(q, card, options_with(0.9, 4096));
   // 128 x 128 blocks per layer: q 32x20, k 8x20, v 8x20, o 20x32, gate 76x20, up 76x20, down 20x76 = 6160.
-  CHECK(p.item("repack")->bytes == (36ull * 6160 * 2 + 255) / 256 * 256);
+  // The GPU layout of every quantized text Linear (cuda::quant_device_bytes, what upload_quant_weight fills) over
+  // its bytes on disk.
+  auto repack_for = [](const Model& m) {
+    uint64_t extra = 0;
+    for (const LinearDesc& linear : m.weights.linears)
+      if (linear.format != WeightFormat::dense && !linear.vision)
+        extra += std::max<uint64_t>(cuda::quant_device_bytes(linear), linear.bytes) - linear.bytes;
+    return (extra + 255) / 256 * 256;
+  };
+  CHECK(p.item("repack")->bytes == repack_for(q));
+  CHECK(p.item("repack")->bytes > 0);
   Model q32 = q;
   for (auto& linear : q32.weights.linears) linear.scale_dtype = DType::F32;
-  CHECK(plan_for(q32, card, options_with(0.9, 4096)).item("repack")->bytes == 0);
-  CHECK(plan_for(llama(), card, options_with(0.9, 4096)).item("repack")->bytes == 0);  // W4A16: in place
+  CHECK(plan_for(q32, card, options_with(0.9, 4096)).item("repack")->bytes == repack_for(q32));
+  CHECK(plan_for(llama(), card, options_with(0.9, 4096)).item("repack")->bytes == repack_for(llama()));
   CHECK(p.item("context")->bytes == 384 * MiB);
   // Graph pool: 16 MiB + 2 MiB per decode bucket.
   auto graphs = [&](int64_t seqs) {
@@ -890,17 +901,17 @@ TEST_CASE("the hand-built reference models agree with the shipped config.json fi
   CHECK(llama_inputs.weights.total_bytes == llama31_8b_w4a16(llama31_8b()).total_bytes);
 }
 
-TEST_CASE("shipped Qwen3-VL-4B FP8 on an 8 GiB card: WSL2 at 0.80 x 4096 and 0.70 x 2048 do not fit, native 0.80 does") {
+TEST_CASE("shipped Qwen3-VL-4B FP8 on an 8 GiB card: WSL2 at 0.82 x 4096 and 0.70 x 2048 do not fit, native 0.82 does") {
   PlanInputs q = shipped(kShippedQwenVL);
   DeviceSpec wsl2 = planned_card(8 * GiB, true);
-  Plan a = plan_for(q, wsl2, options_with(0.80, 4096));
+  Plan a = plan_for(q, wsl2, options_with(0.82, 4096));
   CHECK(a.weights_source == "config");
   CHECK(a.kv_bytes_per_token == 147456);
   CHECK_FALSE(a.fits);
   CHECK(a.shortfall_bytes == int64_t(576 * MiB) - a.kv_available_bytes);
   REQUIRE(a.utilization_needed <= 1.0);
   CHECK(plan_for(q, wsl2, options_with(a.utilization_needed, 4096)).fits);
-  if (a.max_model_len_that_fits > 0) CHECK(plan_for(q, wsl2, options_with(0.80, a.max_model_len_that_fits)).fits);
+  if (a.max_model_len_that_fits > 0) CHECK(plan_for(q, wsl2, options_with(0.82, a.max_model_len_that_fits)).fits);
 
   Plan b = plan_for(q, wsl2, options_with(0.70, 2048));
   CHECK_FALSE(b.fits);
@@ -909,7 +920,7 @@ TEST_CASE("shipped Qwen3-VL-4B FP8 on an 8 GiB card: WSL2 at 0.80 x 4096 and 0.7
   CHECK(plan_for(q, wsl2, options_with(b.utilization_needed, 2048)).fits);
 
   // The 640 MiB WSL2 costs are the difference: native Linux fits 4096 at the same ratio.
-  Plan native = plan_for(q, planned_card(8 * GiB, false), options_with(0.80, 4096));
+  Plan native = plan_for(q, planned_card(8 * GiB, false), options_with(0.82, 4096));
   CHECK(native.fits);
   CHECK(native.kv_available_bytes - a.kv_available_bytes == int64_t(640 * MiB));
 }

@@ -8,6 +8,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$root/.deps"
 cd "$root/.deps"
 rm -f ./*.deb
-# Headers and the pkg-config / CMake files of the libraries kvlite builds against, and pcre2's runtime library.
-apt-get download doctest-dev nlohmann-json3-dev libstb-dev libpcre2-dev libpcre2-8-0 >/dev/null
+# Headers and the pkg-config / CMake files of the libraries kvlite builds against, pcre2's runtime library, and
+# pkg-config itself (pkgconf), which CMake needs to find pcre2.
+apt-get download doctest-dev nlohmann-json3-dev libstb-dev libpcre2-dev libpcre2-8-0 pkgconf pkgconf-bin \
+  libpkgconf3 >/dev/null 2>&1
 ls -1 ./*.deb
