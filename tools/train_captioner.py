@@ -85,6 +85,7 @@ def parse_args():
     p.add_argument("--val-n", type=int, default=256, help="validation scenes captioned at each evaluation")
     p.add_argument("--target", type=float, default=0.99, help="stop when this share of validation is exact")
     p.add_argument("--check-n", type=int, default=500, help="held-out scenes that check the saved BF16 model")
+    p.add_argument("--resume", action="store_true", help="continue the run whose checkpoint.pt is in the BF16 dir")
     p.add_argument("--export-only", action="store_true", help="skip training: requantize the BF16 directory")
     p.add_argument("--examples-only", action="store_true", help="only write examples/images/")
     return p.parse_args()
@@ -176,21 +177,32 @@ CELLS = scenes.SIDE // CELL
 
 
 def cell_labels(batch):
-    """What the training-only CellHead must read from each image token: the shape whose centre lies in the
-    token's CELL x CELL window (class 0: none), its colour and size, and where in the window its centre is.
-    Windows holding two centres are left out (-100). Tokens are in raster order, as the merger emits them."""
+    """What the training-only CellHead must read from each image token: the shape that covers most of the
+    token's CELL x CELL window (class 0: none), its colour and size, and where its centre is relative to the
+    window's centre (in windows). A window is left out (-100) when a shape covers only a sliver of it or two
+    shapes cover it about equally. Coverage is that of the shape's circle, sampled on an 8 x 8 grid per window.
+    Tokens are in raster order, as the merger emits them."""
+    samples = (np.arange(8) + 0.5) * CELL / 8
+    tops, lefts = np.divmod(np.arange(CELLS * CELLS), CELLS)
+    ys = (tops * CELL)[:, None, None] + samples[None, :, None]  # [token, 8, 1]
+    xs = (lefts * CELL)[:, None, None] + samples[None, None, :]  # [token, 1, 8]
     kinds = torch.zeros(len(batch), CELLS * CELLS, 3, dtype=torch.long)  # shape, colour, size; 0 = no shape
     offsets = torch.zeros(len(batch), CELLS * CELLS, 2)
     for b, scene in enumerate(batch):
-        for shape in scene.shapes:
-            token = int(shape.y // CELL) * CELLS + int(shape.x // CELL)
-            if kinds[b, token, 0] != 0:
+        coverage = np.stack([((xs - s.x) ** 2 + (ys - s.y) ** 2 <= s.radius ** 2).mean(axis=(1, 2))
+                             for s in scene.shapes], axis=1)  # [token, shape]
+        ranked = np.sort(coverage, axis=1)[:, ::-1]
+        owner = coverage.argmax(axis=1)
+        for token in np.flatnonzero(ranked[:, 0] > 0):
+            best = ranked[token, 0]
+            if best < 0.15 or (ranked.shape[1] > 1 and ranked[token, 1] >= 0.5 * best):
                 kinds[b, token] = -100
                 continue
+            shape = scene.shapes[owner[token]]
             kinds[b, token] = torch.tensor([1 + scenes.SHAPES.index(shape.kind),
                                             1 + list(scenes.COLOURS).index(shape.colour),
                                             1 + list(scenes.SIZES).index(shape.size)])
-            offsets[b, token] = torch.tensor([shape.x % CELL, shape.y % CELL]) / CELL - 0.5
+            offsets[b, token] = torch.tensor([shape.x - lefts[token] * CELL, shape.y - tops[token] * CELL]) / CELL - 0.5
     return kinds.reshape(-1, 3), offsets.reshape(-1, 2)
 
 
@@ -213,7 +225,7 @@ class CellHead(torch.nn.Module):
         loss = loss + ce(self.colour(tokens), kinds[:, 1], ignore_index=-100)
         loss = loss + ce(self.size(tokens), kinds[:, 2], ignore_index=-100)
         present = kinds[:, 0] > 0
-        return loss + 4 * torch.nn.functional.mse_loss(self.offset(tokens[present]), offsets[present])
+        return loss + torch.nn.functional.mse_loss(self.offset(tokens[present]), offsets[present])
 
 
 def answer_loss(model, inputs, labels):
@@ -228,6 +240,29 @@ def exact_match(model, processor, scene_list):
     captions = common.caption_images(model, processor, images)
     wrong = [(s.caption, c) for s, c in zip(scene_list, captions) if c != s.caption]
     return 1 - len(wrong) / len(scene_list), wrong
+
+
+def describe_errors(wrong):
+    """A one-line summary of wrong captions: how many got the number of shapes or the relation wrong, and the
+    most frequent attribute confusions ("small circle -> square x 3")."""
+    import collections
+    import re
+    phrase = re.compile(r"a (small|large) (\w+) (\w+)")
+    structure, confusions = 0, collections.Counter()
+    for expected, got in wrong:
+        want, have = phrase.findall(expected), phrase.findall(got)
+        if len(want) != len(have) or (" above " in expected) != (" above " in got):
+            structure += 1
+            continue
+        for (size, colour, kind), (size2, colour2, kind2) in zip(want, have):
+            if kind != kind2:
+                confusions[f"{size} {kind} -> {kind2}"] += 1
+            if colour != colour2:
+                confusions[f"{colour} -> {colour2}"] += 1
+            if size != size2:
+                confusions[f"{size} -> {size2}"] += 1
+    top = ", ".join(f"{what} x {n}" for what, n in confusions.most_common(6))
+    return f"{len(wrong)} wrong: {structure} with the wrong count or relation; {top}"
 
 
 def bf16_copy(model):
@@ -247,9 +282,13 @@ def bf16_copy(model):
 def train(args, directory):
     from transformers import PreTrainedTokenizerFast
     seeds = stream_seeds(args.seed)
-    if directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
+    checkpoint_path = directory / "checkpoint.pt"
+    if args.resume and not checkpoint_path.exists():
+        sys.exit(f"train_captioner: --resume: {checkpoint_path} does not exist")
+    if not args.resume:
+        if directory.exists():
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
     tokenizer_json, tokenizer_config = common.train_tokenizer(seeds["tokenizer"])
     (directory / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     common.write_json(directory / "tokenizer_config.json", tokenizer_config)
@@ -281,10 +320,20 @@ def train(args, directory):
         return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     history = []
-    started, cpu_started = time.time(), time.process_time()
     running = running_cell = None
     step = 0
     accuracy = 0.0
+    seconds_before = cpu_seconds_before = 0.0  # spent by the runs this one resumes
+    if args.resume:
+        saved = torch.load(checkpoint_path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        cell_head.load_state_dict(saved["cell_head"])
+        optimizer.load_state_dict(saved["optimizer"])
+        batches.rng.setstate(saved["scene_rng"])
+        step, history, running, running_cell = saved["step"], saved["history"], saved["running"], saved["running_cell"]
+        seconds_before, cpu_seconds_before = saved["seconds"], saved["cpu_seconds"]
+        print(f"resumed at step {step}", flush=True)
+    started, cpu_started = time.time() - seconds_before, time.process_time() - cpu_seconds_before
     while step < args.max_steps:
         model.train()
         for group in optimizer.param_groups:
@@ -310,14 +359,21 @@ def train(args, directory):
                             "cell_loss": round(running_cell, 5),
                             "validation_exact_match": accuracy})
             print(f"step {step}  validation exact match {accuracy:.4f} (BF16 weights)", flush=True)
-            for expected, got in wrong[:3]:
-                print(f"    expected {expected!r}\n    got      {got!r}", flush=True)
+            print("    " + describe_errors(wrong), flush=True)
             if accuracy >= args.target:
                 break
+            # Everything the following steps depend on, so that --resume continues this run exactly.
+            torch.save({"model": model.state_dict(), "cell_head": cell_head.state_dict(),
+                        "optimizer": optimizer.state_dict(), "scene_rng": batches.rng.getstate(), "step": step,
+                        "history": history, "running": running, "running_cell": running_cell,
+                        "seconds": time.time() - started, "cpu_seconds": time.process_time() - cpu_started},
+                       checkpoint_path.with_suffix(".tmp"))
+            checkpoint_path.with_suffix(".tmp").replace(checkpoint_path)
     seconds, cpu_seconds = time.time() - started, time.process_time() - cpu_started
 
     model = bf16_copy(model).to(torch.bfloat16)
     model.save_pretrained(str(directory))
+    checkpoint_path.unlink(missing_ok=True)
     return {"steps": step, "train_seconds": round(seconds), "train_cpu_seconds": round(cpu_seconds),
             "parameters": parameters,
             "validation_exact_match": accuracy, "history": history}

@@ -39,8 +39,9 @@ COLOURS = {
     "white": (245, 245, 245),
     "black": (20, 20, 20),
 }
-# Radii (pixels) of the circle that each shape is drawn to fill; the two ranges are a factor >= 1.5 apart.
-SIZES = {"small": (9.0, 12.0), "large": (18.0, 23.0)}
+# Radii (pixels) that set each shape's size (the circle's radius; the others are drawn to look about as big);
+# the two ranges are a factor of ~1.5 apart (areas more than 2x).
+SIZES = {"small": (10.5, 13.5), "large": (20.0, 25.0)}
 
 COUNT_WEIGHTS = {1: 0.25, 2: 0.40, 3: 0.35}
 AXIS_RATIO = 1.5   # two shapes: the larger of |dx|, |dy| must be at least this times the smaller
@@ -48,6 +49,9 @@ MIN_ROW_GAP = 14.0  # three shapes: horizontal distance between neighbouring cen
 CLEARANCE = 4.0     # gap between the circles that hold two shapes, pixels
 BORDER = 3.0        # gap between a shape's circle and the image edge, pixels
 COLOUR_JITTER = 12  # each channel of a shape's colour moves by up to this much
+SQUARE_HALF_SIDE = 0.92  # x radius
+# How far each shape reaches from its centre, x radius (the square's corners, the triangle's and star's tips).
+REACH = {"circle": 1.0, "square": SQUARE_HALF_SIDE * math.sqrt(2), "triangle": 1.1, "star": 1.1}
 
 
 @dataclass(frozen=True)
@@ -96,13 +100,16 @@ def _sample_shape(rng):
     radius = rng.uniform(*SIZES[size])
     colour = rng.choice(tuple(COLOURS))
     rgb = tuple(min(255, max(0, c + rng.randint(-COLOUR_JITTER, COLOUR_JITTER))) for c in COLOURS[colour])
-    lo, hi = radius + BORDER, SIDE - radius - BORDER
-    return Shape(kind=rng.choice(SHAPES), colour=colour, size=size, x=rng.uniform(lo, hi), y=rng.uniform(lo, hi),
+    kind = rng.choice(SHAPES)
+    reach = REACH[kind] * radius
+    lo, hi = reach + BORDER, SIDE - reach - BORDER
+    return Shape(kind=kind, colour=colour, size=size, x=rng.uniform(lo, hi), y=rng.uniform(lo, hi),
                  radius=radius, rgb=rgb)
 
 
 def _clear_of(shape, others):
-    return all(math.hypot(shape.x - o.x, shape.y - o.y) >= shape.radius + o.radius + CLEARANCE for o in others)
+    return all(math.hypot(shape.x - o.x, shape.y - o.y) >= REACH[shape.kind] * shape.radius
+               + REACH[o.kind] * o.radius + CLEARANCE for o in others)
 
 
 def _caption(shapes):
@@ -157,7 +164,7 @@ def scenes(seed, n):
 
 def _polygon(kind, x, y, r):
     if kind == "square":
-        h = 0.85 * r
+        h = SQUARE_HALF_SIDE * r
         return [(x - h, y - h), (x + h, y - h), (x + h, y + h), (x - h, y + h)]
     if kind == "triangle":  # pointing up, its circumcentre lowered so that it sits in the circle's box
         c = 1.1 * r
@@ -192,7 +199,7 @@ def render(scene):
     s = SUPERSAMPLE
     pixels = draw_background(scene.background)
     for shape in scene.shapes:
-        reach = 1.2 * shape.radius + 1  # every shape lies within 1.15 radii of its centre
+        reach = REACH[shape.kind] * shape.radius + 1
         x0, y0 = max(0, int(shape.x - reach)), max(0, int(shape.y - reach))
         x1, y1 = min(SIDE, int(math.ceil(shape.x + reach))), min(SIDE, int(math.ceil(shape.y + reach)))
         mask = PIL.Image.new("L", ((x1 - x0) * s, (y1 - y0) * s), 0)
