@@ -1,25 +1,83 @@
 #!/usr/bin/env bash
-# make demo: the main job on the bundled models. For now: the memory plan of each config shipped under models/
-# on a planned 8 GiB card (kvlite's defaults otherwise), as `kvlite plan` prints it. Planning reads config.json
-# and any safetensors headers only, so this runs anywhere, GPU or not.
+# make demo: the main job on the bundled models.
+#   1. the memory plan of the bundled captioner (models/kvlite-captioner-bf16) on a planned 8 GiB card;
+#   2. each image under examples/images/ captioned by the captioner in every format shipped (BF16, FP8, W4A16),
+#      next to the caption it must give (examples/images/captions.txt);
+#   3. the memory plans of the other configs under models/.
+# Exit status 0 when every caption is right; 1 when one is wrong or a format fails to run (a quantized format
+# that this build reports as unsupported is listed as skipped, not failed); 2 when something is missing.
 set -euo pipefail
 build=${1:-build}
 root=$(cd "$(dirname "$0")/.." && pwd)
 kvlite="$root/$build/kvlite"
-[ -x "$kvlite" ] || { echo "demo: $kvlite is missing: run 'make build' first" >&2; exit 2; }
-echo "$("$kvlite" --version)"
-shopt -s nullglob
-configs=("$root"/models/*/config.json)
-if [ ${#configs[@]} -eq 0 ]; then
-  echo "demo: no model configs under models/ (each model is a directory holding config.json)" >&2
-  exit 2
-fi
-for config in "${configs[@]}"; do
-  dir=$(dirname "$config")
-  echo
-  echo "== kvlite plan models/$(basename "$dir") --device-mem 8GiB"
-  # Exit 1 means "does not fit": the table and its advice are the demo, so only exit 2 (an error) stops it.
-  status=0
-  "$kvlite" plan "$dir" --device-mem 8GiB || status=$?
-  [ "$status" -le 1 ] || exit "$status"
+caption_image="$root/$build/caption_image"
+captioner="$root/models/kvlite-captioner"
+examples="$root/examples/images"
+for tool in "$kvlite" "$caption_image"; do
+  [ -x "$tool" ] || { echo "demo: $tool is missing: run 'make build' first" >&2; exit 2; }
 done
+[ -f "$examples/captions.txt" ] || { echo "demo: $examples/captions.txt is missing" >&2; exit 2; }
+echo "$("$kvlite" --version)"
+
+plan() {  # plan DIR: exit 1 means "does not fit": the table and its advice are the demo, so only 2 stops it
+  echo
+  echo "== kvlite plan models/$(basename "$1") --device-mem 8GiB"
+  local status=0
+  "$kvlite" plan "$1" --device-mem 8GiB || status=$?
+  [ "$status" -le 1 ] || exit "$status"
+}
+
+plan "$captioner-bf16"
+
+wrong=0
+for format in bf16 fp8 w4a16; do
+  dir="$captioner-$format"
+  [ -d "$dir" ] || { echo; echo "demo: $dir is missing" >&2; exit 2; }
+  echo
+  echo "== build/caption_image models/$(basename "$dir") IMAGE"
+  skipped=""
+  right=0 total=0
+  while IFS=$'\t' read -r image expected; do
+    [ -n "$image" ] || continue
+    status=0
+    caption=$("$caption_image" "$dir" "$examples/$image" 2>"$root/$build/demo.stderr") || status=$?
+    if [ "$status" -ne 0 ]; then
+      message=$(tail -n 1 "$root/$build/demo.stderr")
+      if [ "$format" != bf16 ] && [[ "$message" == *"(unsupported)"* ]]; then
+        skipped=$message
+        break
+      fi
+      echo "  $image  FAILED (exit $status): $message"
+      wrong=$((wrong + 1))
+      total=$((total + 1))
+      continue
+    fi
+    total=$((total + 1))
+    if [ "$caption" = "$expected" ]; then
+      right=$((right + 1))
+      printf '  %s  ok     %s\n' "$image" "$caption"
+    else
+      wrong=$((wrong + 1))
+      printf '  %s  WRONG  %s\n  %*s  expected %s\n' "$image" "$caption" "${#image}" "" "$expected"
+    fi
+  done < "$examples/captions.txt"
+  if [ -n "$skipped" ]; then
+    echo "  skipped: this build of kvlite cannot run the $format checkpoint yet:"
+    echo "    $skipped"
+  else
+    echo "  $right of $total captions right"
+  fi
+done
+rm -f "$root/$build/demo.stderr"
+
+shopt -s nullglob
+for config in "$root"/models/*/config.json; do
+  dir=$(dirname "$config")
+  [ "$dir" = "$captioner-bf16" ] || plan "$dir"
+done
+
+if [ "$wrong" -ne 0 ]; then
+  echo
+  echo "demo: $wrong caption(s) wrong or failed" >&2
+  exit 1
+fi
