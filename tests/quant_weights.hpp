@@ -1,22 +1,20 @@
-// Quantized Linears made by hand for the tests (QuantWeight views over tensors they own): int4 with every
+// Quantized Linears for the tests. Made by hand (QuantWeight views over tensors they own): int4 with every
 // nibble value, zero points and act-order; fp8 cycling through every finite e4m3 code; scales of any dtype.
+// Read from the fixtures: odd_linear_desc, the descriptor of an entry of tests/fixtures/quant/odd-linears.
 #pragma once
 #include "kvlite.hpp"
+#include "host_floats.hpp"
 
 #include <algorithm>
 #include <random>
+#include <string>
 #include <vector>
+#include <nlohmann/json.hpp>
 
 namespace quant_test {
 
 using namespace kvlite;
-
-struct Random {
-  std::mt19937_64 engine;
-  explicit Random(uint64_t seed) : engine(seed) {}
-  int64_t below(int64_t n) { return int64_t(engine() % uint64_t(n)); }
-  float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(engine); }
-};
+using host_floats::Random;
 
 // Owns the tensors a hand-made QuantWeight points into.
 struct OwnedWeight {
@@ -29,11 +27,7 @@ inline void put_scales(OwnedWeight& o, DType dtype, int64_t rows, int64_t cols, 
   o.scales.assign(size_t(rows * cols) * element, 0);
   for (int64_t i = 0; i < rows * cols; i++) {
     const float value = rng.uniform(lo, hi) * (rng.below(2) ? 1.0f : -1.0f);
-    if (dtype == DType::F32) memcpy(&o.scales[size_t(i) * element], &value, 4);
-    else {
-      const uint16_t half = dtype == DType::BF16 ? float_to_bf16(value) : float_to_f16(value);
-      memcpy(&o.scales[size_t(i) * element], &half, 2);
-    }
+    host_floats::encode(dtype, value, &o.scales[size_t(i) * element]);
   }
   o.weight.scales = o.scales.data();
   o.weight.scale_dtype = dtype;
@@ -115,14 +109,34 @@ inline void add_bias(OwnedWeight& o, DType dtype, Random& rng) {
   o.bias.assign(size_t(o.weight.out_features) * element, 0);
   for (int64_t n = 0; n < o.weight.out_features; n++) {
     const float value = rng.uniform(-1.0f, 1.0f);
-    if (dtype == DType::F32) memcpy(&o.bias[size_t(n) * element], &value, 4);
-    else {
-      const uint16_t half = dtype == DType::BF16 ? float_to_bf16(value) : float_to_f16(value);
-      memcpy(&o.bias[size_t(n) * element], &half, 2);
-    }
+    host_floats::encode(dtype, value, &o.bias[size_t(n) * element]);
   }
   o.weight.bias = o.bias.data();
   o.weight.bias_dtype = dtype;
+}
+
+// The descriptor of one entry of odd-linears/linears.json (compressed-tensors' quantization scheme of the Linear).
+inline LinearDesc odd_linear_desc(const nlohmann::json& entry) {
+  LinearDesc d;
+  d.name = entry["name"];
+  d.out_features = entry["out_features"];
+  d.in_features = entry["in_features"];
+  const nlohmann::json& weights = entry["weights"];
+  const std::string strategy = weights["strategy"];
+  d.format = entry["format"] == "pack-quantized" ? WeightFormat::int4 : WeightFormat::fp8;
+  d.granularity = strategy == "group"     ? ScaleGranularity::group
+                  : strategy == "channel" ? ScaleGranularity::channel
+                  : strategy == "block"   ? ScaleGranularity::block
+                                          : ScaleGranularity::tensor;
+  if (weights.contains("group_size") && !weights["group_size"].is_null()) d.group_size = weights["group_size"];
+  if (weights.contains("block_structure") && !weights["block_structure"].is_null()) {
+    d.block_n = weights["block_structure"][0];
+    d.block_k = weights["block_structure"][1];
+  }
+  d.symmetric = weights.value("symmetric", true);
+  d.has_g_idx = weights.contains("actorder") && weights["actorder"] == "group";
+  d.scale_name = entry["scale_name"];
+  return d;
 }
 
 }  // namespace quant_test

@@ -3,6 +3,7 @@
 // with NaN between rows (so reading or writing outside a view shows up as NaN).
 #include <doctest/doctest.h>
 #include "kvlite.hpp"
+#include "host_floats.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -10,103 +11,9 @@
 #include <random>
 
 using namespace kvlite;
+using namespace host_floats;
 
 namespace {
-
-// ---- host matrices of any float dtype ---------------------------------------------------------------------
-float decode(DType dtype, const uint8_t* p) {
-  uint16_t h;
-  float f;
-  switch (dtype) {
-    case DType::BF16: memcpy(&h, p, 2); return bf16_to_float(h);
-    case DType::F16: memcpy(&h, p, 2); return f16_to_float(h);
-    default: memcpy(&f, p, 4); return f;
-  }
-}
-void encode(DType dtype, float value, uint8_t* p) {
-  uint16_t h;
-  switch (dtype) {
-    case DType::BF16: h = float_to_bf16(value); memcpy(p, &h, 2); return;
-    case DType::F16: h = float_to_f16(value); memcpy(p, &h, 2); return;
-    default: memcpy(p, &value, 4); return;
-  }
-}
-
-struct OpsRng {
-  std::mt19937_64 engine;
-  explicit OpsRng(uint64_t seed) : engine(seed) {}
-  // Uniform in [-scale, scale], never within scale/1000 of zero.
-  float value(float scale = 1.0f) {
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    for (;;) {
-      float v = u(engine);
-      if (std::fabs(v) > 1e-3f) return v * scale;
-    }
-  }
-  int64_t below(int64_t n) { return int64_t(engine() % uint64_t(n)); }
-};
-
-// rows x cols elements with `pad` NaN elements after each row.
-struct Matrix {
-  DType dtype;
-  int64_t rows, cols, stride;
-  std::vector<uint8_t> bytes;
-  Matrix(DType dtype_, int64_t rows_, int64_t cols_, int64_t pad = 0)
-      : dtype(dtype_), rows(rows_), cols(cols_), stride(cols_ + pad),
-        bytes(size_t(std::max<int64_t>(rows_ * (cols_ + pad), 1)) * dtype_bytes(dtype_, 1)) {
-    poison();
-  }
-  int64_t element_bytes() const { return int64_t(dtype_bytes(dtype, 1)); }
-  Tensor view() { return Tensor{bytes.data(), dtype, rows, cols, stride}; }
-  float get(int64_t r, int64_t c) const { return decode(dtype, &bytes[size_t((r * stride + c) * element_bytes())]); }
-  void set(int64_t r, int64_t c, float v) { encode(dtype, v, &bytes[size_t((r * stride + c) * element_bytes())]); }
-  void poison() {
-    for (size_t i = 0; i < bytes.size() / size_t(element_bytes()); i++) encode(dtype, NAN, &bytes[i * size_t(element_bytes())]);
-  }
-  void randomize(OpsRng& rng, float scale = 1.0f) {
-    for (int64_t r = 0; r < rows; r++)
-      for (int64_t c = 0; c < cols; c++) set(r, c, rng.value(scale));
-  }
-  // True when every padding element is still NaN (nothing wrote outside the view).
-  bool padding_untouched() const {
-    for (int64_t r = 0; r < rows; r++)
-      for (int64_t c = cols; c < stride; c++)
-        if (!std::isnan(get(r, c))) return false;
-    return true;
-  }
-};
-
-// Compares got against a double reference within abs_tol + rel_tol * |ref|, reporting the worst element.
-struct Compare {
-  Compare(double abs_tolerance, double rel_tolerance) : abs_tol(abs_tolerance), rel_tol(rel_tolerance) {}
-  double abs_tol, rel_tol;
-  double worst_excess = -1;  // max(|got - ref| - tolerance); <= 0 passes
-  std::string worst;
-  int64_t nonfinite = 0;
-  // `extra`: an element's own allowance on top (e.g. a bound on rounding in a sum)
-  void operator()(double got, double ref, int64_t r, int64_t c, double extra = 0) {
-    if (!std::isfinite(got)) {
-      if (nonfinite++ == 0) worst = format_at(got, ref, r, c);
-      return;
-    }
-    double excess = std::fabs(got - ref) - (abs_tol + rel_tol * std::fabs(ref) + extra);
-    if (excess > worst_excess) {
-      worst_excess = excess;
-      worst = format_at(got, ref, r, c);
-    }
-  }
-  static std::string format_at(double got, double ref, int64_t r, int64_t c) {
-    char text[160];
-    snprintf(text, sizeof text, "at [%lld, %lld]: got %.9g, expected %.9g", (long long)r, (long long)c, got, ref);
-    return text;
-  }
-  bool ok() const { return nonfinite == 0 && worst_excess <= 0; }
-};
-#define CHECK_COMPARE(cmp) \
-  do {                     \
-    INFO((cmp).worst);     \
-    CHECK((cmp).ok());     \
-  } while (0)
 
 std::unique_ptr<Backend> cpu(int threads) {
   CpuBackendOptions options;
@@ -125,7 +32,7 @@ bool same_bits(const Matrix& a, const Matrix& b) { return a.bytes == b.bytes; }
 
 TEST_CASE("gather_rows copies table rows of BF16/F16/F32 into F32 activations") {
   auto backend = cpu(3);
-  OpsRng rng(11);
+  Random rng(11);
   for (DType dtype : kWeightTypes)
     for (int64_t hidden : {7, 64, 129})
       for (int64_t tokens : {1, 3, 17}) {
@@ -146,7 +53,7 @@ TEST_CASE("gather_rows copies table rows of BF16/F16/F32 into F32 activations") 
 
 TEST_CASE("gather_rows refuses an id outside the table, naming it") {
   auto backend = cpu(1);
-  OpsRng rng(12);
+  Random rng(12);
   Matrix table(DType::BF16, 5, 8);
   table.randomize(rng);
   std::vector<int32_t> ids = {2, 5, 1};
@@ -171,7 +78,7 @@ static void reference_rms_norm(const Matrix& x, int64_t t, int64_t first, int64_
 
 TEST_CASE("rms_norm matches LlamaRMSNorm over whole rows and per head (Qwen3 q/k norm)") {
   auto backend = cpu(3);
-  OpsRng rng(21);
+  Random rng(21);
   struct Shape { int64_t cols, group; };
   const Shape shapes[] = {{7, 7}, {64, 64}, {129, 129}, {4 * 16, 16}, {6 * 32, 32}, {8 * 64, 64}};
   for (DType dtype : kWeightTypes)
@@ -198,7 +105,7 @@ TEST_CASE("rms_norm matches LlamaRMSNorm over whole rows and per head (Qwen3 q/k
 
 TEST_CASE("rms_norm works in place on a column slice (q inside a fused qkv buffer)") {
   auto backend = cpu(2);
-  OpsRng rng(22);
+  Random rng(22);
   const int64_t tokens = 5, heads = 6, kv_heads = 3, head_dim = 16, width = (heads + 2 * kv_heads) * head_dim;
   Matrix qkv(DType::F32, tokens, width), before(DType::F32, tokens, width), weight(DType::BF16, 1, head_dim);
   qkv.randomize(rng);
@@ -220,7 +127,7 @@ TEST_CASE("rms_norm works in place on a column slice (q inside a fused qkv buffe
 
 TEST_CASE("add_rms_norm adds x into the residual, then normalises the residual") {
   auto backend = cpu(3);
-  OpsRng rng(23);
+  Random rng(23);
   for (DType dtype : kWeightTypes)
     for (int64_t hidden : {7, 64, 129})
       for (int64_t tokens : {1, 3, 17}) {
@@ -329,7 +236,7 @@ TEST_CASE("rope_inv_freq refuses rope types it does not implement") {
 }
 
 TEST_CASE("rope_tables: one position row, and Qwen3-VL's interleaved M-RoPE rows") {
-  OpsRng rng(31);
+  Random rng(31);
   RopeConfig rope;
   rope.theta = 5000000.0;
   for (int64_t dim : {12, 128}) {
@@ -375,7 +282,7 @@ TEST_CASE("rope_tables: one position row, and Qwen3-VL's interleaved M-RoPE rows
 
 TEST_CASE("rope rotates each head's halves: x*cos + rotate_half(x)*sin") {
   auto backend = cpu(3);
-  OpsRng rng(32);
+  Random rng(32);
   RopeConfig rope;
   rope.theta = 1000000.0;
   for (int64_t head_dim : {16, 32, 64})
@@ -417,7 +324,7 @@ TEST_CASE("rope rotates each head's halves: x*cos + rotate_half(x)*sin") {
 
 TEST_CASE("linear matches a double dot product for BF16/F16/F32 weights, with and without bias") {
   auto backend = cpu(3);
-  OpsRng rng(41);
+  Random rng(41);
   for (DType dtype : kWeightTypes)
     for (int64_t k : {7, 64, 129})
       for (int64_t n : {1, 5, 33, 70})
@@ -449,7 +356,7 @@ TEST_CASE("linear matches a double dot product for BF16/F16/F32 weights, with an
 
 TEST_CASE("threaded ops give the same bits as one thread") {
   auto one = cpu(1), four = cpu(4);
-  OpsRng rng(42);
+  Random rng(42);
   // Shapes that cut tiles and work items unevenly: tokens not a multiple of 4 or 32, rows not of 2 or 16.
   const int64_t tokens = 67, k = 129, n = 83;
   Matrix x(DType::F32, tokens, k, 1), weight(DType::BF16, n, k), bias(DType::F32, 1, n);
@@ -472,7 +379,7 @@ TEST_CASE("threaded ops give the same bits as one thread") {
 
 TEST_CASE("silu_mul, add and copy") {
   auto backend = cpu(3);
-  OpsRng rng(51);
+  Random rng(51);
   for (int64_t cols : {7, 64, 129})
     for (int64_t tokens : {1, 3, 17}) {
       CAPTURE(cols); CAPTURE(tokens);
@@ -521,7 +428,7 @@ TEST_CASE("silu_mul, add and copy") {
 
 TEST_CASE("copy_from_host and copy_to_host move dense host rows in and out of a strided view") {
   auto backend = cpu(1);
-  OpsRng rng(52);
+  Random rng(52);
   Matrix device(DType::BF16, 5, 9, 4);
   std::vector<uint16_t> host(45), back(45, 0);
   for (auto& h : host) h = float_to_bf16(rng.value());
@@ -549,7 +456,7 @@ struct PagedFixture {
   int64_t max_pages_per_seq;
 
   PagedFixture(int64_t heads_, int64_t kv_heads_, int64_t head_dim_, int64_t page_tokens_, DType kv_dtype_,
-               const std::vector<int64_t>& contexts, OpsRng& rng)
+               const std::vector<int64_t>& contexts, Random& rng)
       : heads(heads_), kv_heads(kv_heads_), head_dim(head_dim_), page_tokens(page_tokens_), kv_dtype(kv_dtype_) {
     layout = KVPageLayout{2, page_tokens, kv_heads, head_dim};
     max_pages_per_seq = 0;
@@ -665,7 +572,7 @@ std::vector<double> reference_attention(const PagedFixture& fx, const Matrix& q,
 }
 
 // Random q, k, v for every position of every sequence; q scaled up so the softmax is peaked, not flat.
-void make_qkv(const PagedFixture& fx, const std::vector<int64_t>& contexts, OpsRng& rng, std::vector<Matrix>& q,
+void make_qkv(const PagedFixture& fx, const std::vector<int64_t>& contexts, Random& rng, std::vector<Matrix>& q,
               std::vector<Matrix>& k, std::vector<Matrix>& v) {
   for (int64_t c : contexts) {
     q.emplace_back(DType::F32, c, fx.heads * fx.head_dim);
@@ -681,7 +588,7 @@ void make_qkv(const PagedFixture& fx, const std::vector<int64_t>& contexts, OpsR
 
 TEST_CASE("kv_write stores each token's K and V at its slot in the page layout and skips negative slots") {
   auto backend = cpu(2);
-  OpsRng rng(61);
+  Random rng(61);
   for (DType kv_dtype : kWeightTypes)
     for (int64_t page_tokens : {1, 5, 16}) {
       CAPTURE(std::string(dtype_name(kv_dtype))); CAPTURE(page_tokens);
@@ -713,7 +620,7 @@ TEST_CASE("kv_write stores each token's K and V at its slot in the page layout a
 
 TEST_CASE("attention matches a naive full softmax over contiguous K/V (GQA, paged, several sequences)") {
   auto backend = cpu(3);
-  OpsRng rng(62);
+  Random rng(62);
   struct Heads { int64_t heads, kv_heads; };
   const Heads head_configs[] = {{4, 2}, {6, 3}, {8, 1}, {16, 1}};  // 16/1: more query heads than one pass holds
   const std::vector<int64_t> contexts = {1, 23, 40};
@@ -742,7 +649,7 @@ TEST_CASE("attention matches a naive full softmax over contiguous K/V (GQA, page
 }
 
 TEST_CASE("attention: chunked prefill (10 then 7) and decode steps give the bits of one prefill") {
-  OpsRng rng(63);
+  Random rng(63);
   for (int64_t page_tokens : {1, 5, 16})
     for (DType kv_dtype : {DType::BF16, DType::F32}) {
       CAPTURE(page_tokens); CAPTURE(std::string(dtype_name(kv_dtype)));
@@ -776,7 +683,7 @@ TEST_CASE("attention: chunked prefill (10 then 7) and decode steps give the bits
 }
 
 TEST_CASE("attention: a batch mixing prefill chunks and decodes matches the reference, same bits at any thread count") {
-  OpsRng rng(64);
+  Random rng(64);
   const std::vector<int64_t> contexts = {30, 9, 41};
   PagedFixture fx_one(8, 2, 64, 5, DType::BF16, contexts, rng);
   PagedFixture fx_four = fx_one;
@@ -808,7 +715,7 @@ TEST_CASE("attention: a batch mixing prefill chunks and decodes matches the refe
 
 TEST_CASE("embedding_bag sums weighted table rows in order (bilinear position resampling)") {
   auto backend = cpu(3);
-  OpsRng rng(81);
+  Random rng(81);
   for (DType dtype : kWeightTypes)
     for (int64_t hidden : {7, 32, 129})
       for (int64_t taps : {1, 4, 5})
@@ -841,7 +748,7 @@ TEST_CASE("embedding_bag sums weighted table rows in order (bilinear position re
 
 TEST_CASE("embedding_bag refuses an index outside the table, naming it") {
   auto backend = cpu(1);
-  OpsRng rng(82);
+  Random rng(82);
   Matrix table(DType::BF16, 9, 8), weights(DType::F32, 2, 4), out(DType::F32, 2, 8);
   table.randomize(rng);
   weights.randomize(rng);
@@ -855,7 +762,7 @@ TEST_CASE("embedding_bag refuses an index outside the table, naming it") {
 
 TEST_CASE("layer_norm matches nn.LayerNorm (biased variance, weight and bias), also in place") {
   auto backend = cpu(3);
-  OpsRng rng(83);
+  Random rng(83);
   for (DType dtype : kWeightTypes)
     for (int64_t cols : {7, 32, 129, 4 * 32})
       for (int64_t tokens : {1, 3, 17})
@@ -893,7 +800,7 @@ TEST_CASE("layer_norm matches nn.LayerNorm (biased variance, weight and bias), a
 
 TEST_CASE("gelu: exact (erf) and the tanh approximation") {
   auto backend = cpu(3);
-  OpsRng rng(84);
+  Random rng(84);
   for (GeluApprox approx : {GeluApprox::none, GeluApprox::tanh})
     for (int64_t cols : {7, 64, 129})
       for (int64_t tokens : {1, 3, 17}) {
@@ -953,7 +860,7 @@ std::vector<double> reference_segment_attention(const Matrix& qkv, int64_t heads
 }  // namespace
 
 TEST_CASE("segment_attention: full attention inside each segment, none across (vision cu_seqlens)") {
-  OpsRng rng(85);
+  Random rng(85);
   struct Heads { int64_t heads, kv_heads; };
   for (Heads hc : {Heads{2, 2}, Heads{6, 3}, Heads{4, 1}})
     for (int64_t head_dim : {16, 64})
@@ -989,7 +896,7 @@ TEST_CASE("segment_attention: full attention inside each segment, none across (v
 
 TEST_CASE("segment_attention refuses segments that do not cover the rows or exceed max_segment") {
   auto backend = cpu(2);
-  OpsRng rng(86);
+  Random rng(86);
   Matrix qkv(DType::F32, 10, 3 * 32), out(DType::F32, 10, 32);
   qkv.randomize(rng);
   Tensor q = qkv.view().slice_cols(0, 32), k = qkv.view().slice_cols(32, 32), v = qkv.view().slice_cols(64, 32);
@@ -1012,7 +919,7 @@ TEST_CASE("segment_attention refuses segments that do not cover the rows or exce
 
 TEST_CASE("ops refuse bad shapes, unsupported dtypes and impossible batches with the numbers") {
   auto backend = cpu(2);
-  OpsRng rng(71);
+  Random rng(71);
   Matrix x(DType::F32, 3, 64), weight(DType::BF16, 10, 65), out(DType::F32, 3, 10);
   x.randomize(rng);
   weight.randomize(rng);

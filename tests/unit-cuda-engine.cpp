@@ -20,36 +20,15 @@
 #include <sstream>
 
 #include "kvlite.hpp"
+#include "gpu_test_support.hpp"
 #include "model_fixtures.hpp"
 #include "safetensors_writer.hpp"
 
 using namespace kvlite;
+using namespace gpu_test;
 namespace fx = model_fixtures;
 
 namespace {
-
-// ---- the GPU, or a skip -------------------------------------------------------------------------------------
-bool gpu_required() {
-  const char* value = std::getenv("KVLITE_REQUIRE_GPU");
-  return value != nullptr && std::string(value) == "1";
-}
-bool gpu_present() { return cuda::built_with_cuda() && cuda::device_count() > 0; }
-#define GPU_OR_SKIP()                                                                                      \
-  do {                                                                                                     \
-    if (!gpu_present()) {                                                                                  \
-      if (gpu_required())                                                                                  \
-        FAIL("KVLITE_REQUIRE_GPU=1 but no CUDA GPU is usable (built with CUDA: "                           \
-             << std::string(cuda::built_with_cuda() ? "yes" : "no") << ", devices: " << cuda::device_count() << ")"); \
-      MESSAGE("no CUDA GPU: skipped");                                                                     \
-      return;                                                                                              \
-    }                                                                                                      \
-  } while (0)
-
-#define REQUIRE_OK(expr)                                            \
-  do {                                                              \
-    const auto& kvlite_status_ = (expr);                            \
-    if (!kvlite_status_.ok()) FAIL(kvlite_status_.error().message); \
-  } while (0)
 
 struct Prompt {
   std::vector<int32_t> ids;

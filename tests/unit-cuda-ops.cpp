@@ -7,132 +7,27 @@
 // KVLITE_REQUIRE_GPU=1 (tools/gpu-check.sh sets it), when it fails.
 #include <doctest/doctest.h>
 #include "kvlite.hpp"
+#include "gpu_test_support.hpp"
+#include "host_floats.hpp"
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <iterator>
 #include <numeric>
 #include <random>
 
 using namespace kvlite;
+using namespace gpu_test;
+using namespace host_floats;
 
 namespace {
 
-// ---- the GPU, or a skip -------------------------------------------------------------------------------------
-bool gpu_required() {
-  const char* value = std::getenv("KVLITE_REQUIRE_GPU");
-  return value != nullptr && std::string(value) == "1";
-}
-bool gpu_present() { return cuda::built_with_cuda() && cuda::device_count() > 0; }
-#define GPU_OR_SKIP()                                                                                      \
-  do {                                                                                                     \
-    if (!gpu_present()) {                                                                                  \
-      if (gpu_required())                                                                                  \
-        FAIL("KVLITE_REQUIRE_GPU=1 but no CUDA GPU is usable (built with CUDA: "                           \
-             << std::string(cuda::built_with_cuda() ? "yes" : "no") << ", devices: " << cuda::device_count() << ")"); \
-      MESSAGE("no CUDA GPU: skipped");                                                                     \
-      return;                                                                                              \
-    }                                                                                                      \
-  } while (0)
-
-#define REQUIRE_OK(expr)                            \
-  do {                                              \
-    const auto& kvlite_status_ = (expr);            \
-    if (!kvlite_status_.ok()) FAIL(kvlite_status_.error().message); \
-  } while (0)
-
-// ---- host matrices of any float dtype ---------------------------------------------------------------------
-float decode(DType dtype, const uint8_t* p) {
-  uint16_t h;
-  float f;
-  switch (dtype) {
-    case DType::BF16: memcpy(&h, p, 2); return bf16_to_float(h);
-    case DType::F16: memcpy(&h, p, 2); return f16_to_float(h);
-    default: memcpy(&f, p, 4); return f;
-  }
-}
-void encode(DType dtype, float value, uint8_t* p) {
-  uint16_t h;
-  switch (dtype) {
-    case DType::BF16: h = float_to_bf16(value); memcpy(p, &h, 2); return;
-    case DType::F16: h = float_to_f16(value); memcpy(p, &h, 2); return;
-    default: memcpy(p, &value, 4); return;
-  }
-}
+// `value` rounded to what `dtype` holds.
 float round_to(DType dtype, float value) {
   uint8_t bytes[4];
   encode(dtype, value, bytes);
   return decode(dtype, bytes);
 }
-
-struct Random {
-  std::mt19937_64 engine;
-  explicit Random(uint64_t seed) : engine(seed) {}
-  // Uniform in [-scale, scale], never within scale/1000 of zero.
-  float value(float scale = 1.0f) {
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    for (;;) {
-      const float v = u(engine);
-      if (std::fabs(v) > 1e-3f) return v * scale;
-    }
-  }
-  int64_t below(int64_t n) { return int64_t(engine() % uint64_t(n)); }
-};
-
-// rows x cols elements with `pad` NaN elements after each row.
-struct Matrix {
-  DType dtype;
-  int64_t rows, cols, stride;
-  std::vector<uint8_t> bytes;
-  Matrix(DType dtype_, int64_t rows_, int64_t cols_, int64_t pad)
-      : dtype(dtype_), rows(rows_), cols(cols_), stride(cols_ + pad),
-        bytes(size_t(std::max<int64_t>(rows_ * (cols_ + pad), 1)) * dtype_bytes(dtype_, 1)) {
-    for (size_t i = 0; i < bytes.size(); i += size_t(element_bytes())) encode(dtype, NAN, &bytes[i]);
-  }
-  int64_t element_bytes() const { return int64_t(dtype_bytes(dtype, 1)); }
-  int64_t elements() const { return int64_t(bytes.size()) / element_bytes(); }
-  float get(int64_t r, int64_t c) const { return decode(dtype, &bytes[size_t((r * stride + c) * element_bytes())]); }
-  void set(int64_t r, int64_t c, float v) { encode(dtype, v, &bytes[size_t((r * stride + c) * element_bytes())]); }
-  bool padding_untouched() const {
-    for (int64_t r = 0; r < rows; r++)
-      for (int64_t c = cols; c < stride; c++)
-        if (!std::isnan(get(r, c))) return false;
-    return true;
-  }
-};
-
-// Compares got against ref within abs_tol + rel_tol * |ref| (+ an element's own allowance), keeping the worst.
-struct Compare {
-  Compare(double abs, double rel) : abs_tol(abs), rel_tol(rel) {}
-  double abs_tol, rel_tol;
-  double worst_excess = -1;
-  std::string worst;
-  int64_t nonfinite = 0, count = 0;
-  void operator()(double got, double ref, int64_t r, int64_t c, double extra = 0) {
-    count++;
-    if (std::isfinite(ref) && !std::isfinite(got)) {
-      if (nonfinite++ == 0) worst = at(got, ref, r, c);
-      return;
-    }
-    const double excess = std::fabs(got - ref) - (abs_tol + rel_tol * std::fabs(ref) + extra);
-    if (excess > worst_excess) {
-      worst_excess = excess;
-      worst = at(got, ref, r, c);
-    }
-  }
-  static std::string at(double got, double ref, int64_t r, int64_t c) {
-    char text[160];
-    snprintf(text, sizeof text, "at [%lld, %lld]: got %.9g, expected %.9g", (long long)r, (long long)c, got, ref);
-    return text;
-  }
-  bool ok() const { return count > 0 && nonfinite == 0 && worst_excess <= 0; }
-};
-#define CHECK_COMPARE(cmp) \
-  do {                     \
-    INFO((cmp).worst);     \
-    CHECK((cmp).ok());     \
-  } while (0)
 
 // One rounding step of the activation dtype, relative (an ulp at the bottom of a binade): the GPU rounds
 // each stored result once, the CPU reference keeps F32.
@@ -147,33 +42,7 @@ double ulp(DType activation) {
 const DType kActivations[] = {DType::BF16, DType::F16, DType::F32};
 const DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
 
-// ---- device memory and the two backends -------------------------------------------------------------------
-// One device reservation per test (cuda::allocate_arena, the library's one cudaMalloc), handed out in
-// 256-byte aligned pieces.
-class DeviceMemory {
- public:
-  explicit DeviceMemory(uint64_t bytes) : size_(bytes) {
-    auto reserved = cuda::allocate_arena(bytes);
-    if (!reserved.ok()) FAIL(reserved.error().message);
-    base_ = static_cast<uint8_t*>(*reserved);
-  }
-  ~DeviceMemory() {
-    if (base_ != nullptr) (void)cuda::free_arena(base_);
-  }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  void* take(uint64_t bytes) {
-    const uint64_t offset = align_up(used_, 256);
-    REQUIRE(offset + bytes <= size_);
-    used_ = offset + std::max<uint64_t>(bytes, 1);
-    return base_ + offset;
-  }
-
- private:
-  uint8_t* base_ = nullptr;
-  uint64_t size_ = 0, used_ = 0;
-};
-
+// ---- the two backends -------------------------------------------------------------------------------------
 struct Gpu {
   DType activation;
   DeviceMemory memory;

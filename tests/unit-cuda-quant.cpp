@@ -20,92 +20,29 @@
 // KVLITE_REQUIRE_GPU=1 (tools/gpu-check.sh sets it), when it fails.
 #include <doctest/doctest.h>
 #include "kvlite.hpp"
+#include "gpu_test_support.hpp"
+#include "host_floats.hpp"
 #include "quant_weights.hpp"
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 using namespace kvlite;
+using namespace gpu_test;
+using namespace host_floats;
 using namespace quant_test;
 using json = nlohmann::json;
 
 namespace {
 
-// ---- the GPU, or a skip (as unit-cuda-ops.cpp) -----------------------------------------------------------------
-bool gpu_required() {
-  const char* value = std::getenv("KVLITE_REQUIRE_GPU");
-  return value != nullptr && std::string(value) == "1";
-}
-bool gpu_present() { return cuda::built_with_cuda() && cuda::device_count() > 0; }
-#define GPU_OR_SKIP()                                                                                      \
-  do {                                                                                                     \
-    if (!gpu_present()) {                                                                                  \
-      if (gpu_required())                                                                                  \
-        FAIL("KVLITE_REQUIRE_GPU=1 but no CUDA GPU is usable (built with CUDA: "                           \
-             << std::string(cuda::built_with_cuda() ? "yes" : "no") << ", devices: " << cuda::device_count() << ")"); \
-      MESSAGE("no CUDA GPU: skipped");                                                                     \
-      return;                                                                                              \
-    }                                                                                                      \
-  } while (0)
-
-#define REQUIRE_OK(expr)                                            \
-  do {                                                              \
-    const auto& kvlite_status_ = (expr);                            \
-    if (!kvlite_status_.ok()) FAIL(kvlite_status_.error().message); \
-  } while (0)
-
 int device_sm() { return cuda::query_device(0).value().sm; }
 
-float decode(DType dtype, const uint8_t* p) {
-  uint16_t h;
-  float f;
-  switch (dtype) {
-    case DType::BF16: memcpy(&h, p, 2); return bf16_to_float(h);
-    case DType::F16: memcpy(&h, p, 2); return f16_to_float(h);
-    default: memcpy(&f, p, 4); return f;
-  }
-}
-void encode(DType dtype, float value, uint8_t* p) {
-  uint16_t h;
-  switch (dtype) {
-    case DType::BF16: h = float_to_bf16(value); memcpy(p, &h, 2); return;
-    case DType::F16: h = float_to_f16(value); memcpy(p, &h, 2); return;
-    default: memcpy(p, &value, 4); return;
-  }
-}
 // One step of `dtype` at |value| (relative, at the bottom of a binade).
 double step_of(DType dtype, double value) {
   const double relative = dtype == DType::BF16 ? 1.0 / 128 : dtype == DType::F16 ? 1.0 / 1024 : 1.0 / (1 << 23);
   return relative * std::fabs(value) + (dtype == DType::F16 ? 6e-8 : 1e-38);
 }
-
-// One reservation per test (the library's one cudaMalloc), handed out in 256-byte aligned pieces.
-class DeviceMemory {
- public:
-  explicit DeviceMemory(uint64_t bytes) : size_(bytes) {
-    auto reserved = cuda::allocate_arena(bytes);
-    if (!reserved.ok()) FAIL(reserved.error().message);
-    base_ = static_cast<uint8_t*>(*reserved);
-  }
-  ~DeviceMemory() {
-    if (base_ != nullptr) (void)cuda::free_arena(base_);
-  }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  void* take(uint64_t bytes) {
-    const uint64_t offset = align_up(used_, 256);
-    REQUIRE(offset + bytes <= size_);
-    used_ = offset + std::max<uint64_t>(bytes, 1);
-    return base_ + offset;
-  }
-  void* take_unaligned(uint64_t bytes, uint64_t skew) { return static_cast<uint8_t*>(take(bytes + skew)) + skew; }
-
- private:
-  uint8_t* base_ = nullptr;
-  uint64_t size_ = 0, used_ = 0;
-};
 
 // A CUDA backend of one activation dtype and the CPU references (plain and with fp8 activations).
 struct Gpu {
@@ -459,28 +396,7 @@ TEST_CASE("the quantized fixture Linears run on the GPU as on the CPU") {
   };
   TensorStore odd = TensorStore::open_files({base + "odd-linears/model.safetensors"}).value();
   const json doc = json::parse(detail::read_text_file(base + "odd-linears/linears.json"));
-  for (const json& entry : doc["linears"]) {
-    LinearDesc d;
-    d.name = entry["name"];
-    d.out_features = entry["out_features"];
-    d.in_features = entry["in_features"];
-    const json& weights = entry["weights"];
-    const std::string strategy = weights["strategy"];
-    d.format = entry["format"] == "pack-quantized" ? WeightFormat::int4 : WeightFormat::fp8;
-    d.granularity = strategy == "group"     ? ScaleGranularity::group
-                    : strategy == "channel" ? ScaleGranularity::channel
-                    : strategy == "block"   ? ScaleGranularity::block
-                                            : ScaleGranularity::tensor;
-    if (weights.contains("group_size") && !weights["group_size"].is_null()) d.group_size = weights["group_size"];
-    if (weights.contains("block_structure") && !weights["block_structure"].is_null()) {
-      d.block_n = weights["block_structure"][0];
-      d.block_k = weights["block_structure"][1];
-    }
-    d.symmetric = weights.value("symmetric", true);
-    d.has_g_idx = weights.contains("actorder") && weights["actorder"] == "group";
-    d.scale_name = entry["scale_name"];
-    run(quant_weight(d, odd).value());
-  }
+  for (const json& entry : doc["linears"]) run(quant_weight(odd_linear_desc(entry), odd).value());
   for (const char* name : {"tiny-w4a16", "tiny-fp8", "tiny-fp8-qwen"}) {
     const std::string dir = base + name;
     TensorStore store = TensorStore::open_dir(dir).value();

@@ -286,30 +286,6 @@ void check_weight(const QuantWeight& w) {
   if (w.format == WeightFormat::fp8) check_w8a8_tiles(d, w);
 }
 
-// odd-linears' descriptor (as unit-quant.cpp reads linears.json).
-LinearDesc odd_linear_desc(const json& entry) {
-  LinearDesc d;
-  d.name = entry["name"];
-  d.out_features = entry["out_features"];
-  d.in_features = entry["in_features"];
-  const json& weights = entry["weights"];
-  const std::string strategy = weights["strategy"];
-  d.format = entry["format"] == "pack-quantized" ? WeightFormat::int4 : WeightFormat::fp8;
-  d.granularity = strategy == "group"     ? ScaleGranularity::group
-                  : strategy == "channel" ? ScaleGranularity::channel
-                  : strategy == "block"   ? ScaleGranularity::block
-                                          : ScaleGranularity::tensor;
-  if (weights.contains("group_size") && !weights["group_size"].is_null()) d.group_size = weights["group_size"];
-  if (weights.contains("block_structure") && !weights["block_structure"].is_null()) {
-    d.block_n = weights["block_structure"][0];
-    d.block_k = weights["block_structure"][1];
-  }
-  d.symmetric = weights.value("symmetric", true);
-  d.has_g_idx = weights.contains("actorder") && weights["actorder"] == "group";
-  d.scale_name = entry["scale_name"];
-  return d;
-}
-
 }  // namespace
 
 // ---- geometry ---------------------------------------------------------------------------------------------

@@ -10,9 +10,11 @@
 #include <nlohmann/json.hpp>
 #include "kvlite.hpp"
 #include "model_fixtures.hpp"
+#include "quant_weights.hpp"
 #include "safetensors_writer.hpp"
 using namespace kvlite;
 using json = nlohmann::json;
+using quant_test::odd_linear_desc;
 namespace st = testing_safetensors;
 
 namespace {
@@ -48,30 +50,6 @@ std::vector<float> dequantized(const QuantWeight& weight) {
   std::vector<float> out(size_t(weight.out_features * weight.in_features));
   REQUIRE(dequantize_rows(weight, 0, weight.out_features, out.data()).ok());
   return out;
-}
-
-// The descriptor of one entry of odd-linears/linears.json.
-LinearDesc odd_linear_desc(const json& entry) {
-  LinearDesc d;
-  d.name = entry["name"];
-  d.out_features = entry["out_features"];
-  d.in_features = entry["in_features"];
-  const json& weights = entry["weights"];
-  const std::string strategy = weights["strategy"];
-  d.format = entry["format"] == "pack-quantized" ? WeightFormat::int4 : WeightFormat::fp8;
-  d.granularity = strategy == "group"     ? ScaleGranularity::group
-                  : strategy == "channel" ? ScaleGranularity::channel
-                  : strategy == "block"   ? ScaleGranularity::block
-                                          : ScaleGranularity::tensor;
-  if (weights.contains("group_size") && !weights["group_size"].is_null()) d.group_size = weights["group_size"];
-  if (weights.contains("block_structure") && !weights["block_structure"].is_null()) {
-    d.block_n = weights["block_structure"][0];
-    d.block_k = weights["block_structure"][1];
-  }
-  d.symmetric = weights.value("symmetric", true);
-  d.has_g_idx = weights.contains("actorder") && weights["actorder"] == "group";
-  d.scale_name = entry["scale_name"];
-  return d;
 }
 
 void check_error(const Status& status, ErrorCode code, const std::vector<std::string>& fragments) {
