@@ -18,8 +18,8 @@ The transformers reference of a quantized directory is the model with each quant
 reference libraries' dequantization: transformers' Fp8Dequantize for Qwen's FP8 (float32 products),
 compressed-tensors' decompress for pack-quantized int4 (products in the scale's dtype), widened to float32.
 
-Prints a markdown table (format, exact match kvlite, exact match transformers, perplexity kvlite, perplexity
-transformers, difference). Exit status 0 when every format ran, 1 when kvlite refused one (its message is in
+Prints a markdown table (format, exact match kvlite, exact match transformers, share of scenes where kvlite's
+caption is transformers', perplexity kvlite, perplexity transformers, difference). Exit status 0 when every format ran, 1 when kvlite refused one (its message is in
 the table).
 """
 
@@ -221,16 +221,16 @@ def main():
 
     print(f"\nscenes: seed {args.seed}, n {args.n}; perplexity: the {args.n} captions one per line, "
           f"{rows[0]['hf_tokens']} tokens scored, windows of {args.context_length} every {args.stride}\n")
-    print("| format | exact match (kvlite) | exact match (transformers) | perplexity (kvlite) "
-          "| perplexity (transformers) | difference |")
-    print("|---|---|---|---|---|---|")
+    print("| format | exact match (kvlite) | exact match (transformers) | kvlite's caption = transformers' "
+          "| perplexity (kvlite) | perplexity (transformers) | difference |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['format']} | kvlite refused: {row['error']} | {100 * row['hf_exact']:.1f}% | - "
+            print(f"| {row['format']} | kvlite refused: {row['error']} | {100 * row['hf_exact']:.1f}% | - | - "
                   f"| {row['hf_ppl']:.6f} | - |")
         else:
             print(f"| {row['format']} | {100 * row['kv_exact']:.1f}% | {100 * row['hf_exact']:.1f}% "
-                  f"| {row['kv_ppl']:.6f} | {row['hf_ppl']:.6f} | {row['kv_ppl'] - row['hf_ppl']:+.1e} |")
+                  f"| {100 * row['agree']:.1f}% | {row['kv_ppl']:.6f} | {row['hf_ppl']:.6f} | {row['kv_ppl'] - row['hf_ppl']:+.1e} |")
     return 1 if failed else 0
 
 

@@ -80,7 +80,7 @@ def parse_args():
     p.add_argument("--lr", type=float, default=2.5e-3)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--cell-weight", type=float, default=1.0, help="weight of the training-only CellHead loss")
-    p.add_argument("--max-steps", type=int, default=8000, help="the learning rate decays over this many steps")
+    p.add_argument("--max-steps", type=int, default=5000, help="the learning rate decays over this many steps")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--val-n", type=int, default=256, help="validation scenes captioned at each evaluation")
     p.add_argument("--target", type=float, default=0.99, help="stop when this share of validation is exact")
