@@ -276,6 +276,33 @@ def compressed_tensors_dequantized(directory, schemes):
     return dense
 
 
+def fp8_quantized_state(stored, linear_names, weight_block_size, modules_to_not_convert):
+    """Qwen's fine-grained fp8 of a state dict: each `<name>.weight` with name in linear_names through
+    transformers' own quantizer op (Fp8Quantize: e4m3 weight + weight_scale_inv per block), every other tensor
+    as it is. Returns (state dict, the quantized names in the state dict's order)."""
+    import torch
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    class QuantizerSettings:  # what Fp8Quantize reads from its quantizer
+        quantization_config = FineGrainedFP8Config(weight_block_size=weight_block_size,
+                                                   modules_to_not_convert=modules_to_not_convert)
+
+    quantize = Fp8Quantize(QuantizerSettings())
+    out = {}
+    quantized = []
+    for key, value in stored.items():
+        module_name = key[:-len(".weight")] if key.endswith(".weight") else None
+        if module_name in linear_names:
+            result = quantize.convert({key: value})
+            assert result[key].dtype == torch.float8_e4m3fn, key
+            out.update(result)
+            quantized.append(module_name)
+        else:
+            out[key] = value
+    return out, quantized
+
+
 def save_qwen_fp8_model(name, directory):
     """Qwen's fine-grained fp8, written by transformers' own quantizer op (Fp8Quantize) tensor by tensor.
 
@@ -283,33 +310,15 @@ def save_qwen_fp8_model(name, directory):
     """
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import FineGrainedFP8Config
-    from transformers.integrations.finegrained_fp8 import Fp8Quantize
     spec = MODELS[name]
     qconfig = spec["quantization_config"]
     model = dense_model(name)
     fresh_dir(directory)
     model.save_pretrained(str(directory))
-
-    class QuantizerSettings:  # what Fp8Quantize reads from its quantizer
-        quantization_config = FineGrainedFP8Config(weight_block_size=qconfig["weight_block_size"],
-                                                   modules_to_not_convert=qconfig["modules_to_not_convert"])
-
-    quantize = Fp8Quantize(QuantizerSettings())
-    stored = load_file(str(directory / "model.safetensors"))
-    out = {}
-    quantized = []
-    linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    for key, value in stored.items():
-        module_name = key.rsplit(".", 1)[0]
-        if key.endswith(".weight") and module_name in linear_names and not any(
-                skip in module_name for skip in qconfig["modules_to_not_convert"]):
-            result = quantize.convert({key: value})
-            assert result[key].dtype == torch.float8_e4m3fn, key
-            out.update(result)
-            quantized.append(module_name)
-        else:
-            out[key] = value
+    linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                    and not any(skip in n for skip in qconfig["modules_to_not_convert"])}
+    out, quantized = fp8_quantized_state(load_file(str(directory / "model.safetensors")), linear_names,
+                                         qconfig["weight_block_size"], qconfig["modules_to_not_convert"])
     save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     config["quantization_config"] = qconfig

@@ -401,28 +401,15 @@ def text_linear_names(state_dict):
 def export_fp8(source, target):
     """Qwen's fine-grained FP8: transformers' own Fp8Quantize on each language-model Linear."""
     from safetensors.torch import load_file, save_file
-    from transformers import FineGrainedFP8Config
-    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    import make_quant_fixtures as quant
     copy_side_files(source, target)
     stored = load_file(str(source / "model.safetensors"))
     linears = text_linear_names(stored)
-
-    class QuantizerSettings:  # what Fp8Quantize reads from its quantizer
-        quantization_config = FineGrainedFP8Config(weight_block_size=FP8_CONFIG["weight_block_size"],
-                                                   modules_to_not_convert=FP8_CONFIG["modules_to_not_convert"])
-
-    quantize = Fp8Quantize(QuantizerSettings())
-    out = {}
-    for key, value in stored.items():
-        name = key[:-len(".weight")] if key.endswith(".weight") else None
-        if name in linears:
-            n, k = value.shape
-            assert n % 128 == 0 and k % 128 == 0, (name, value.shape)
-            result = quantize.convert({key: value})
-            assert result[key].dtype == torch.float8_e4m3fn, key
-            out.update(result)
-        else:
-            out[key] = value
+    for name in linears:
+        n, k = stored[name + ".weight"].shape
+        assert n % 128 == 0 and k % 128 == 0, (name, (n, k))  # whole 128 x 128 blocks
+    out, _ = quant.fp8_quantized_state(stored, set(linears), FP8_CONFIG["weight_block_size"],
+                                       FP8_CONFIG["modules_to_not_convert"])
     save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     config["quantization_config"] = FP8_CONFIG
