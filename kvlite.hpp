@@ -6926,9 +6926,10 @@ void TokenizerData::split_added_tokens(std::vector<tok::Piece>& pieces, const to
       from = stop;
       const tok::AddedToken& token = added_tokens[size_t(index)];
       if (token.single_word) {
-        bool word_before = start > 0 && [&] {
+        // `at` copies the structured binding: clang before 16 cannot capture a binding in a lambda.
+        bool word_before = start > 0 && [&, at = start] {
           std::string character;
-          tok::utf8_append(character, tok::utf8_previous(text, start));
+          tok::utf8_append(character, tok::utf8_previous(text, at));
           return word_character.matches_at_start(character);
         }();
         bool word_after = stop < text.size() && word_character.matches_at_start(text.substr(stop));
