@@ -224,6 +224,11 @@ auto guard(F&& f) -> Result<decltype(f())> {
     return Error(ErrorCode::internal, std::string("internal error: ") + e.what());
   }
 }
+// Overflow-checked size arithmetic: every product or sum that sizes memory or bounds a loop over untrusted
+// sizes goes through these. `what` names the quantity in the error ("KV page pool bytes"); the error carries
+// both operands so the user sees which number was absurd.
+uint64_t checked_mul(uint64_t a, uint64_t b, const char* what, ErrorCode code = ErrorCode::bad_format);
+uint64_t checked_add(uint64_t a, uint64_t b, const char* what, ErrorCode code = ErrorCode::bad_format);
 std::string read_text_file(const std::string& path);  // throws io_error naming the path
 bool file_exists(const std::string& path);
 std::string path_join(const std::string& dir, const std::string& name);

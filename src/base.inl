@@ -149,6 +149,18 @@ std::string path_join(const std::string& dir, const std::string& name) {
   if (dir.back() == '/') return dir + name;
   return dir + "/" + name;
 }
+uint64_t checked_mul(uint64_t a, uint64_t b, const char* what, ErrorCode code) {
+  uint64_t product = 0;
+  if (__builtin_mul_overflow(a, b, &product))
+    fail(code, format("%s overflows 64 bits (%llu x %llu)", what, (unsigned long long)a, (unsigned long long)b));
+  return product;
+}
+uint64_t checked_add(uint64_t a, uint64_t b, const char* what, ErrorCode code) {
+  uint64_t sum = 0;
+  if (__builtin_add_overflow(a, b, &sum))
+    fail(code, format("%s overflows 64 bits (%llu + %llu)", what, (unsigned long long)a, (unsigned long long)b));
+  return sum;
+}
 }  // namespace detail
 
 }  // namespace kvlite

@@ -141,3 +141,24 @@ TEST_CASE("fp8 e4m3 encode saturates and rounds to the nearest code, ties to eve
   CHECK(float_to_fp8_e4m3(-INFINITY) == 0xfe);
   CHECK(std::isnan(fp8_e4m3_to_float(float_to_fp8_e4m3(NAN))));
 }
+
+TEST_CASE("checked_mul and checked_add refuse sizes that overflow 64 bits, naming the quantity and operands") {
+  using kvlite::detail::checked_add;
+  using kvlite::detail::checked_mul;
+  CHECK(checked_mul(1ull << 31, 1ull << 32, "x") == (1ull << 63));
+  CHECK(checked_add(~0ull - 1, 1, "x") == ~0ull);
+  try {
+    checked_mul(1ull << 32, 1ull << 32, "block table bytes");
+    FAIL("no error");
+  } catch (const kvlite::Error& e) {
+    CHECK(e.code == kvlite::ErrorCode::bad_format);
+    CHECK(e.message == "block table bytes overflows 64 bits (4294967296 x 4294967296)");
+  }
+  try {
+    checked_add(~0ull, 1, "arena bytes", kvlite::ErrorCode::invalid_argument);
+    FAIL("no error");
+  } catch (const kvlite::Error& e) {
+    CHECK(e.code == kvlite::ErrorCode::invalid_argument);
+    CHECK(e.message == "arena bytes overflows 64 bits (18446744073709551615 + 1)");
+  }
+}
