@@ -5,6 +5,53 @@
 
 namespace kvlite {
 
+// ---- limits on what config.json may declare ------------------------------------------------------------
+// A model directory may come from anywhere, so every size it declares is bounded when config.json is read,
+// before anything is allocated or looped over: a value past its limit is refused with bad_format naming the
+// key, the value and the limit. Each limit is far above every released model (the largest known in brackets)
+// and small enough that every product the planner and the model form from them (e.g. layers x positions x
+// kv heads x head_dim x 4 bytes, at most 2^10 x 2^24 x 2^10 x 2^10 x 2^2 = 2^56) stays below 2^63.
+// To raise one, #define it before the #include of kvlite.hpp in the translation unit that defines
+// KVLITE_IMPLEMENTATION.
+#ifndef KVLITE_MAX_MODEL_LAYERS
+#define KVLITE_MAX_MODEL_LAYERS 1024  // num_hidden_layers, vision depth [Llama-3.1-405B: 126]
+#endif
+#ifndef KVLITE_MAX_MODEL_WIDTH
+#define KVLITE_MAX_MODEL_WIDTH 262144  // hidden_size, intermediate_size, out_hidden_size [405B: 16384 / 53248]
+#endif
+#ifndef KVLITE_MAX_MODEL_HEADS
+#define KVLITE_MAX_MODEL_HEADS 1024  // attention heads, key/value heads [405B: 128]
+#endif
+#ifndef KVLITE_MAX_HEAD_DIM
+#define KVLITE_MAX_HEAD_DIM 1024  // head_dim [Gemma-2: 256]
+#endif
+#ifndef KVLITE_MAX_VOCAB
+#define KVLITE_MAX_VOCAB 4194304  // vocab_size, and every token id [Gemma-3: 262,208]
+#endif
+#ifndef KVLITE_MAX_POSITIONS
+#define KVLITE_MAX_POSITIONS 16777216  // max_position_embeddings [Llama-4-Scout: 10,485,760]
+#endif
+#ifndef KVLITE_MAX_VISION_PATCH
+#define KVLITE_MAX_VISION_PATCH 64  // patch_size, temporal_patch_size, spatial_merge_size, in_channels [16, 2, 2, 3]
+#endif
+#ifndef KVLITE_MAX_PROCESSOR_PIXELS
+#define KVLITE_MAX_PROCESSOR_PIXELS 1073741824  // preprocessor min/max pixels (32768 x 32768) [Qwen3-VL: 16,777,216]
+#endif
+#ifndef KVLITE_MAX_VISION_POSITIONS
+#define KVLITE_MAX_VISION_POSITIONS 1048576  // vision num_position_embeddings [Qwen3-VL: 2304]
+#endif
+namespace limits {
+constexpr int64_t max_model_layers = KVLITE_MAX_MODEL_LAYERS;
+constexpr int64_t max_model_width = KVLITE_MAX_MODEL_WIDTH;
+constexpr int64_t max_model_heads = KVLITE_MAX_MODEL_HEADS;
+constexpr int64_t max_head_dim = KVLITE_MAX_HEAD_DIM;
+constexpr int64_t max_vocab = KVLITE_MAX_VOCAB;
+constexpr int64_t max_positions = KVLITE_MAX_POSITIONS;
+constexpr int64_t max_vision_patch = KVLITE_MAX_VISION_PATCH;
+constexpr int64_t max_vision_positions = KVLITE_MAX_VISION_POSITIONS;
+constexpr int64_t max_processor_pixels = KVLITE_MAX_PROCESSOR_PIXELS;
+}  // namespace limits
+
 enum class Arch { llama, qwen2, qwen3, qwen3_vl };
 const char* arch_name(Arch arch);
 

@@ -139,6 +139,19 @@ struct Node {
     return *v;
   }
   int64_t positive_or(const std::string& key, int64_t fallback) const { return has(key) ? positive(key) : fallback; }
+  // A positive size no larger than `limit` (one of kvlite::limits, named by its macro `limit_macro`).
+  int64_t bounded(const std::string& key, int64_t limit, const char* limit_macro) const {
+    int64_t v = positive(key);
+    if (v > limit)
+      fail_key(ErrorCode::bad_format, key,
+               format("is %lld, above kvlite's limit of %lld (%s): the file is corrupt or hostile; for a real model "
+                      "that large, #define %s higher before including kvlite.hpp",
+                      (long long)v, (long long)limit, limit_macro, limit_macro));
+    return v;
+  }
+  int64_t bounded_or(const std::string& key, int64_t fallback, int64_t limit, const char* limit_macro) const {
+    return has(key) ? bounded(key, limit, limit_macro) : fallback;
+  }
   double number_or(const std::string& key, double fallback) const {
     const json* v = find(key);
     if (!v) return fallback;
@@ -191,10 +204,20 @@ struct Node {
   std::vector<int64_t> ids(const std::string& key) const {
     const json* v = find(key);
     if (!v) return {};
-    if (v->is_array()) return int_list(key);
+    if (v->is_array()) return checked_ids(key, int_list(key));
     int64_t x = 0;
     if (!integral(*v, &x)) fail_key(ErrorCode::bad_format, key, format("must be an id or a list of ids, not %s", v->dump().c_str()));
-    return {x};
+    return checked_ids(key, {x});
+  }
+  // Token ids index the vocabulary: each must lie in 0..limits::max_vocab - 1 (the model's own vocab_size is
+  // checked against them where both are known).
+  std::vector<int64_t> checked_ids(const std::string& key, std::vector<int64_t> ids) const {
+    for (int64_t id : ids)
+      if (id < 0 || id >= limits::max_vocab)
+        fail_key(ErrorCode::bad_format, key,
+                 format("holds the id %lld, outside 0..%lld (KVLITE_MAX_VOCAB)", (long long)id,
+                        (long long)(limits::max_vocab - 1)));
+    return ids;
   }
 };
 
@@ -253,7 +276,7 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim) {
     rope.factor = params->required_number("factor");
     rope.low_freq_factor = params->required_number("low_freq_factor");
     rope.high_freq_factor = params->required_number("high_freq_factor");
-    rope.original_max_position_embeddings = params->positive("original_max_position_embeddings");
+    rope.original_max_position_embeddings = params->bounded("original_max_position_embeddings", limits::max_positions, "KVLITE_MAX_POSITIONS");
     if (!(rope.factor > 0)) params->fail_key(ErrorCode::bad_format, "factor", "must be positive");
     if (!(rope.high_freq_factor > rope.low_freq_factor))
       params->fail_key(ErrorCode::bad_format, "high_freq_factor",
@@ -280,21 +303,25 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim) {
 
 inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
   TextConfig t;
-  t.hidden_size = text.positive("hidden_size");
-  t.intermediate_size = text.positive("intermediate_size");
-  t.num_layers = text.positive("num_hidden_layers");
-  t.num_heads = text.positive("num_attention_heads");
-  t.num_kv_heads = text.positive_or("num_key_value_heads", t.num_heads);
-  t.vocab_size = text.positive("vocab_size");
-  t.max_position_embeddings = text.positive("max_position_embeddings");
+  t.hidden_size = text.bounded("hidden_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
+  t.intermediate_size = text.bounded("intermediate_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
+  t.num_layers = text.bounded("num_hidden_layers", limits::max_model_layers, "KVLITE_MAX_MODEL_LAYERS");
+  t.num_heads = text.bounded("num_attention_heads", limits::max_model_heads, "KVLITE_MAX_MODEL_HEADS");
+  t.num_kv_heads = text.bounded_or("num_key_value_heads", t.num_heads, limits::max_model_heads, "KVLITE_MAX_MODEL_HEADS");
+  t.vocab_size = text.bounded("vocab_size", limits::max_vocab, "KVLITE_MAX_VOCAB");
+  t.max_position_embeddings = text.bounded("max_position_embeddings", limits::max_positions, "KVLITE_MAX_POSITIONS");
   if (text.has("head_dim")) {
-    t.head_dim = text.positive("head_dim");
+    t.head_dim = text.bounded("head_dim", limits::max_head_dim, "KVLITE_MAX_HEAD_DIM");
   } else {
     if (t.hidden_size % t.num_heads != 0)
       text.fail_key(ErrorCode::bad_format, "head_dim",
                     format("is missing and hidden_size %lld is not a multiple of num_attention_heads %lld",
                            (long long)t.hidden_size, (long long)t.num_heads));
     t.head_dim = t.hidden_size / t.num_heads;
+    if (t.head_dim > limits::max_head_dim)
+      text.fail_key(ErrorCode::bad_format, "head_dim",
+                    format("is missing, and hidden_size / num_attention_heads = %lld is above kvlite's limit of %lld "
+                           "(KVLITE_MAX_HEAD_DIM)", (long long)t.head_dim, (long long)limits::max_head_dim));
   }
   if (t.num_heads % t.num_kv_heads != 0)
     text.fail_key(ErrorCode::bad_format, "num_key_value_heads",
@@ -340,17 +367,17 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
 inline VisionConfig parse_vision(const Node& vision) {
   VisionConfig v;
   v.present = true;
-  v.depth = vision.positive("depth");
-  v.hidden_size = vision.positive("hidden_size");
-  v.intermediate_size = vision.positive("intermediate_size");
-  v.num_heads = vision.positive("num_heads");
-  v.out_hidden_size = vision.positive("out_hidden_size");
+  v.depth = vision.bounded("depth", limits::max_model_layers, "KVLITE_MAX_MODEL_LAYERS");
+  v.hidden_size = vision.bounded("hidden_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
+  v.intermediate_size = vision.bounded("intermediate_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
+  v.num_heads = vision.bounded("num_heads", limits::max_model_heads, "KVLITE_MAX_MODEL_HEADS");
+  v.out_hidden_size = vision.bounded("out_hidden_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
   // transformers' Qwen3VLVisionConfig defaults for the rest
-  v.in_channels = vision.positive_or("in_channels", 3);
-  v.patch_size = vision.positive_or("patch_size", 16);
-  v.temporal_patch_size = vision.positive_or("temporal_patch_size", 2);
-  v.spatial_merge_size = vision.positive_or("spatial_merge_size", 2);
-  v.num_position_embeddings = vision.positive_or("num_position_embeddings", 2304);
+  v.in_channels = vision.bounded_or("in_channels", 3, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
+  v.patch_size = vision.bounded_or("patch_size", 16, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
+  v.temporal_patch_size = vision.bounded_or("temporal_patch_size", 2, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
+  v.spatial_merge_size = vision.bounded_or("spatial_merge_size", 2, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
+  v.num_position_embeddings = vision.bounded_or("num_position_embeddings", 2304, limits::max_vision_positions, "KVLITE_MAX_VISION_POSITIONS");
   v.deepstack_visual_indexes = vision.has("deepstack_visual_indexes") ? vision.int_list("deepstack_visual_indexes")
                                                                         : std::vector<int64_t>{8, 16, 24};
   v.hidden_act = vision.string_or("hidden_act", "gelu_pytorch_tanh");
@@ -425,7 +452,7 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
   std::string strategy = weights.string_or("strategy", "tensor");
   if (strategy == "group" && s.format == WeightFormat::int4) {
     s.granularity = ScaleGranularity::group;
-    s.group_size = weights.positive("group_size");
+    s.group_size = weights.bounded("group_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
   } else if (strategy == "channel") {
     s.granularity = ScaleGranularity::channel;
   } else if (strategy == "tensor" && s.format == WeightFormat::fp8) {
@@ -568,10 +595,10 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
       config.text = detail::cfg::parse_text(root.child("text_config"), root, config.arch);
       config.vision = detail::cfg::parse_vision(root.child("vision_config"));
       // transformers' Qwen3VLConfig defaults
-      config.image_token_id = root.optional_int("image_token_id").value_or(151655);
-      config.video_token_id = root.optional_int("video_token_id").value_or(151656);
-      config.vision_start_token_id = root.optional_int("vision_start_token_id").value_or(151652);
-      config.vision_end_token_id = root.optional_int("vision_end_token_id").value_or(151653);
+      config.image_token_id = root.checked_ids("image_token_id", {root.optional_int("image_token_id").value_or(151655)})[0];
+      config.video_token_id = root.checked_ids("video_token_id", {root.optional_int("video_token_id").value_or(151656)})[0];
+      config.vision_start_token_id = root.checked_ids("vision_start_token_id", {root.optional_int("vision_start_token_id").value_or(151652)})[0];
+      config.vision_end_token_id = root.checked_ids("vision_end_token_id", {root.optional_int("vision_end_token_id").value_or(151653)})[0];
     } else {
       config.text = detail::cfg::parse_text(root, root, config.arch);
     }
@@ -599,14 +626,16 @@ Result<ModelConfig> load_config(const std::string& model_dir) {
       using detail::cfg::Node;
       nlohmann::json doc = detail::cfg::parse_json(detail::read_text_file(processor_path), processor_path);
       Node root{&doc, "", processor_path};
+      const int64_t kPixels = limits::max_processor_pixels;
+      const char* kPixelsMacro = "KVLITE_MAX_PROCESSOR_PIXELS";
       // Qwen2VLImageProcessor: `size` = {shortest_edge, longest_edge} are MIN and MAX PIXEL COUNTS; top-level
       // min_pixels / max_pixels (older files) override them, as its __init__ does.
       if (std::optional<Node> size = root.optional_child("size")) {
-        config.min_pixels = size->positive_or("shortest_edge", size->positive_or("min_pixels", 0));
-        config.max_pixels = size->positive_or("longest_edge", size->positive_or("max_pixels", 0));
+        config.min_pixels = size->bounded_or("shortest_edge", size->bounded_or("min_pixels", 0, kPixels, kPixelsMacro), kPixels, kPixelsMacro);
+        config.max_pixels = size->bounded_or("longest_edge", size->bounded_or("max_pixels", 0, kPixels, kPixelsMacro), kPixels, kPixelsMacro);
       }
-      config.min_pixels = root.positive_or("min_pixels", config.min_pixels);
-      config.max_pixels = root.positive_or("max_pixels", config.max_pixels);
+      config.min_pixels = root.bounded_or("min_pixels", config.min_pixels, kPixels, kPixelsMacro);
+      config.max_pixels = root.bounded_or("max_pixels", config.max_pixels, kPixels, kPixelsMacro);
       if (config.min_pixels && config.max_pixels && config.min_pixels > config.max_pixels)
         detail::fail(ErrorCode::bad_format,
                      detail::format("%s: the minimum pixel count %lld is larger than the maximum %lld",

@@ -72,6 +72,7 @@ constexpr int64_t kDefaultMaxSeqs = 8;
 constexpr int64_t kDefaultBatchedTokens = 2048;
 constexpr int64_t kDefaultMaxModelLen = 32768;  // the default rule's cap
 constexpr int64_t kMinDefaultMaxModelLen = 2048;  // the default rule halves down to this, no further
+constexpr int kUtilizationSearchSteps = 64;     // utilization searches: steps at most (a few suffice)
 constexpr int64_t kProcessorDefaultMaxPixels = 16777216;  // Qwen's processor when preprocessor_config is absent
 constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
 constexpr uint64_t kContextNative = 384 * MiB;
@@ -516,17 +517,23 @@ PlanOptions with_max_model_len(PlanOptions o, const PlanOptions& requested, int6
   return o;
 }
 
-// The smallest utilization whose budget (as budget_for computes it) holds `bytes`.
+// The smallest utilization whose budget (as budget_for computes it) holds `bytes`. double(bytes) / double(total)
+// is within two ulps of the exact ratio, and each step up adds about `bytes` x 2^-52 to the budget, so a few
+// steps up always suffice; the loop is bounded anyway (the old one stepped toward 2.0, i.e. downwards once the
+// ratio passed 2, and never ended).
 double utilization_for(uint64_t bytes, uint64_t total) {
+  if (total == 0) return std::numeric_limits<double>::infinity();
   double u = double(bytes) / double(total);
-  while (budget_for(u, total) < bytes) u = std::nextafter(u, 2.0);
+  for (int step = 0; step < kUtilizationSearchSteps && budget_for(u, total) < bytes; ++step)
+    u = std::nextafter(u, std::numeric_limits<double>::infinity());
   return u;
 }
 
-// The utilization to print: two decimals, rounded up, and checked to be enough.
+// The utilization to print: two decimals, rounded up, and checked to be enough. Only called for needs up to 1.0,
+// where 0.01 steps always make progress; bounded anyway.
 double printable_utilization(double needed, uint64_t bytes, uint64_t total) {
   double u = std::ceil(needed * 100.0) / 100.0;
-  while (budget_for(u, total) < bytes) u += 0.01;
+  for (int step = 0; step < kUtilizationSearchSteps && budget_for(u, total) < bytes; ++step) u += 0.01;
   return u;
 }
 

@@ -136,6 +136,18 @@ TEST_CASE("plan on the shipped Llama-3.1-8B W4A16 config: 2048 fits (exit 0), 13
   CHECK(contains(full.out, "does not fit at any utilization"));
 }
 
+// Regression (issue 15, defect 1): utilization_for stepped with nextafter(u, 2.0), which moves down once the
+// needed utilization is above 2, so these two commands never returned (ctest's timeout catches a relapse).
+TEST_CASE("regression: the planner hung when the needed utilization was above 2") {
+  Run plan = run_kvlite({"plan", kLlama, "--device-mem", "3GiB", "--no-wsl2", "--max-model-len", "4096"});
+  CHECK(plan.status == 1);
+  CHECK(contains(plan.out, "max_model_len 4096 does not fit at any utilization: needs 3.56 GiB more than the whole 3.00 GiB card"));
+  Run generate = run_kvlite({"generate", std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/models/tiny-qwen3", "--prompt",
+                             "hi", "--device-mem", "1500KiB"});
+  CHECK(generate.status == 1);
+  CHECK(contains(generate.err, "does not fit"));
+}
+
 TEST_CASE("plan options the model refuses exit 2 with the value") {
   Run too_long = run_kvlite({"plan", kQwenVL, "--device-mem", "8GiB", "--max-model-len", "300000"});
   CHECK(too_long.status == 2);

@@ -817,6 +817,61 @@ TEST_CASE("bad config.json files are refused with the key named") {
   }
 }
 
+// Regression (issue 15, defect 6): config.json sizes had no upper bound: num_heads x head_dim and the vision
+// merged width overflowed int64, 1e9 layers or vision blocks ran away until out of memory, and a
+// max_position_embeddings of 2^62 wrapped the planner's block-table size.
+TEST_CASE("regression: config.json sizes without an upper bound overflowed, ran away or wrapped the planner") {
+  struct Case {
+    const char* what;
+    bool vision;
+    std::vector<std::string> path;
+    json value;
+    const char* key;
+    const char* limit_macro;
+  };
+  const std::vector<Case> cases = {
+      {"a billion layers", false, {"num_hidden_layers"}, 1000000000, "num_hidden_layers", "KVLITE_MAX_MODEL_LAYERS"},
+      {"a billion vision blocks", true, {"vision_config", "depth"}, 1000000000, "vision_config.depth", "KVLITE_MAX_MODEL_LAYERS"},
+      {"heads x head_dim past 2^63", false, {"num_attention_heads"}, int64_t(1) << 40, "num_attention_heads", "KVLITE_MAX_MODEL_HEADS"},
+      {"head_dim past 2^63 / heads", false, {"head_dim"}, int64_t(1) << 60, "head_dim", "KVLITE_MAX_HEAD_DIM"},
+      {"max_position_embeddings 2^62", false, {"max_position_embeddings"}, int64_t(1) << 62, "max_position_embeddings", "KVLITE_MAX_POSITIONS"},
+      {"vocab of 3e9", false, {"vocab_size"}, 3000000000ll, "vocab_size", "KVLITE_MAX_VOCAB"},
+      {"vision width whose merged width overflows", true, {"vision_config", "hidden_size"}, int64_t(1) << 61, "vision_config.hidden_size", "KVLITE_MAX_MODEL_WIDTH"},
+      {"vision merge of 2^31", true, {"vision_config", "spatial_merge_size"}, int64_t(1) << 31, "vision_config.spatial_merge_size", "KVLITE_MAX_VISION_PATCH"},
+      {"hidden size 2^50", false, {"hidden_size"}, int64_t(1) << 50, "hidden_size", "KVLITE_MAX_MODEL_WIDTH"},
+      {"an eos id of 2^40", false, {"eos_token_id"}, int64_t(1) << 40, "eos_token_id", "KVLITE_MAX_VOCAB"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    json doc = c.vision ? tiny_vl() : tiny_llama();
+    json* node = &doc;
+    for (size_t i = 0; i + 1 < c.path.size(); i++) node = &(*node)[c.path[i]];
+    (*node)[c.path.back()] = c.value;
+    Error e = parse_failure(doc);
+    CHECK(e.code == ErrorCode::bad_format);
+    CHECK(mentions(e, c.key));
+    CHECK(mentions(e, c.limit_macro));
+    CHECK(mentions(e, std::to_string(c.value.get<int64_t>())));
+  }
+  // head_dim derived from hidden_size / heads is bounded too
+  json wide = tiny_llama();
+  wide.erase("head_dim");
+  wide["hidden_size"] = 262144;
+  wide["num_attention_heads"] = 2;
+  wide["num_key_value_heads"] = 2;
+  CHECK(mentions(parse_failure(wide), "KVLITE_MAX_HEAD_DIM"));
+  // and the largest sizes under every limit still parse (a real model that large is not refused)
+  json big = tiny_llama();
+  big["num_hidden_layers"] = limits::max_model_layers;
+  big["max_position_embeddings"] = limits::max_positions;
+  big["vocab_size"] = limits::max_vocab;
+  big["hidden_size"] = limits::max_model_width;
+  big["num_attention_heads"] = 256;
+  big["num_key_value_heads"] = 256;
+  big["head_dim"] = limits::max_head_dim;
+  CHECK(parse(big).text.num_layers == limits::max_model_layers);
+}
+
 TEST_CASE("unsupported quantization configs are refused with the key and the supported values") {
   json doc = tiny_llama();
   SUBCASE("8-bit int weights") {

@@ -939,6 +939,20 @@ TEST_CASE("shipped Llama-3.1-8B W4A16 perplexity on 8 GiB: 2048 fits, 131072 nee
   CHECK(plan_for(l, card, options_with(0.90, full.max_model_len_that_fits)).fits);
 }
 
+// Regression (issue 15, defect 1): the utilization search never ended once the need passed 2 x the card.
+TEST_CASE("regression: the planner hung when the needed utilization was above 2") {
+  PlanInputs l = shipped(kShippedLlama);
+  for (uint64_t card_bytes : {3 * GiB, 1 * GiB, 64 * MiB, 1 * MiB}) {
+    Plan p = plan_for(l, planned_card(card_bytes, false), options_with(0.90, 4096));
+    CHECK_FALSE(p.fits);
+    CHECK(p.utilization_needed > 2.0);
+    // the smallest utilization that holds everything: its budget holds the need, one step less does not
+    uint64_t needed = uint64_t(int64_t(p.fixed_bytes) + p.shortfall_bytes + p.kv_available_bytes);  // fixed + KV
+    CHECK(uint64_t(std::floor((long double)p.utilization_needed * card_bytes)) >= needed);
+    CHECK(uint64_t(std::floor((long double)std::nextafter(p.utilization_needed, 0.0) * card_bytes)) < needed);
+  }
+}
+
 TEST_CASE("plan_model_dir is read_plan_inputs + detect_device + make_plan") {
   PlanOptions o = options_with(0.8, 4096);
   o.device_mem = 8 * GiB;
