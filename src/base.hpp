@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -193,6 +194,21 @@ std::string format_bytes(uint64_t bytes);        // "5.21 GiB", "300.0 MiB", "81
 std::string format_bytes_signed(int64_t bytes);  // "-1.05 GiB"
 
 constexpr uint64_t KiB = 1024ull, MiB = 1024ull * KiB, GiB = 1024ull * MiB;
+
+// Files kvlite reads whole (config.json, tokenizer.json, tokenizer_config.json, preprocessor_config.json, the
+// safetensors index) are refused past this size: the largest real tokenizer.json is about 35 MB.
+#ifndef KVLITE_MAX_JSON_BYTES
+#define KVLITE_MAX_JSON_BYTES 268435456
+#endif
+// ... and nested deeper than this (real files nest under 10): deep nesting overflows the stack of a recursive
+// reader or of nlohmann's dump().
+#ifndef KVLITE_MAX_JSON_DEPTH
+#define KVLITE_MAX_JSON_DEPTH 64
+#endif
+namespace limits {
+constexpr int64_t max_json_bytes = KVLITE_MAX_JSON_BYTES;
+constexpr int64_t max_json_depth = KVLITE_MAX_JSON_DEPTH;
+}  // namespace limits
 inline uint64_t align_up(uint64_t value, uint64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
 inline uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
@@ -229,6 +245,8 @@ auto guard(F&& f) -> Result<decltype(f())> {
 // both operands so the user sees which number was absurd.
 uint64_t checked_mul(uint64_t a, uint64_t b, const char* what, ErrorCode code = ErrorCode::bad_format);
 uint64_t checked_add(uint64_t a, uint64_t b, const char* what, ErrorCode code = ErrorCode::bad_format);
+// Refuses (bad_format, naming `origin`) JSON text nested deeper than limits::max_json_depth; run before parsing.
+void check_json_nesting(std::string_view text, const std::string& origin);
 std::string read_text_file(const std::string& path);  // throws io_error naming the path
 bool file_exists(const std::string& path);
 std::string path_join(const std::string& dir, const std::string& name);

@@ -135,10 +135,40 @@ std::string format(const char* fmt, ...) {
 std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(ErrorCode::io_error, format("cannot open %s: %s", path.c_str(), strerror(errno)));
-  std::ostringstream ss;
-  ss << in.rdbuf();
+  // Read in chunks up to the limit, so that neither a huge file nor an endless one (a FIFO, /dev/zero behind a
+  // symlink) is read whole.
+  std::string text;
+  char chunk[64 * 1024];
+  while (in) {
+    in.read(chunk, sizeof chunk);
+    text.append(chunk, size_t(in.gcount()));
+    if (text.size() > uint64_t(limits::max_json_bytes))
+      fail(ErrorCode::bad_format, format("%s is larger than kvlite's limit of %lld bytes for a JSON file "
+                                         "(KVLITE_MAX_JSON_BYTES): it is not a model's configuration",
+                                         path.c_str(), (long long)limits::max_json_bytes));
+  }
   if (in.bad()) fail(ErrorCode::io_error, format("cannot read %s", path.c_str()));
-  return ss.str();
+  return text;
+}
+void check_json_nesting(std::string_view text, const std::string& origin) {
+  int64_t depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); i++) {
+    char c = text[i];
+    if (in_string) {
+      if (c == '\\') i++;  // skip the escaped character
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limits::max_json_depth)
+        fail(ErrorCode::bad_format, format("%s: JSON nested more than %lld deep at byte %zu (KVLITE_MAX_JSON_DEPTH); "
+                                           "real configuration files nest under 10", origin.c_str(),
+                                           (long long)limits::max_json_depth, i));
+    } else if (c == ']' || c == '}') {
+      depth--;
+    }
+  }
 }
 bool file_exists(const std::string& path) {
   struct stat st;

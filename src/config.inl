@@ -222,6 +222,7 @@ struct Node {
 };
 
 inline json parse_json(const std::string& text, const std::string& origin) {
+  check_json_nesting(text, origin);
   try {
     json doc = json::parse(text);
     if (!doc.is_object()) fail(ErrorCode::bad_format, format("%s: the top level must be a JSON object", origin.c_str()));

@@ -798,7 +798,9 @@ namespace engine {
 std::vector<int64_t> generation_eos_ids(const std::string& model_dir) {
   const std::string path = path_join(model_dir, "generation_config.json");
   if (!file_exists(path)) return {};
-  nlohmann::json json = nlohmann::json::parse(read_text_file(path), nullptr, false);
+  const std::string text = read_text_file(path);
+  check_json_nesting(text, path);
+  nlohmann::json json = nlohmann::json::parse(text, nullptr, false);
   if (json.is_discarded() || !json.is_object())
     fail(ErrorCode::bad_format, format("%s is not a JSON object", path.c_str()));
   std::vector<int64_t> ids;

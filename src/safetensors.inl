@@ -73,6 +73,7 @@ inline nlohmann::json parse_json_strict(const char* begin, const char* end, cons
     }
     return true;
   };
+  check_json_nesting(std::string_view(begin, size_t(end - begin)), origin);
   nlohmann::json value;
   try {
     value = nlohmann::json::parse(begin, end, on_event);

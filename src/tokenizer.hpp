@@ -15,6 +15,25 @@ std::string unicode_nfc(std::string_view valid_utf8);
 const char* unicode_nfc_version();  // the Unicode version of those tables, e.g. "14.0.0"
 }  // namespace detail
 
+// ---- limits on tokenizer files and prompts -----------------------------------------------------------------
+// Token ids in tokenizer.json are bounded by KVLITE_MAX_VOCAB (config.hpp) and must be dense: the largest id may
+// exceed the number of entries by at most KVLITE_MAX_TOKEN_ID_GAP, so a small file cannot ask for a large table
+// (real files: Qwen3 151,669 ids for 151,669 entries). Prompts and chat messages are bounded before any work.
+#ifndef KVLITE_MAX_TOKEN_ID_GAP
+#define KVLITE_MAX_TOKEN_ID_GAP 65536
+#endif
+#ifndef KVLITE_MAX_PROMPT_BYTES
+#define KVLITE_MAX_PROMPT_BYTES 67108864  // 64 MiB of text: about 16 M tokens, the most any model here accepts
+#endif
+#ifndef KVLITE_MAX_CHAT_MESSAGES
+#define KVLITE_MAX_CHAT_MESSAGES 65536
+#endif
+namespace limits {
+constexpr int64_t max_token_id_gap = KVLITE_MAX_TOKEN_ID_GAP;
+constexpr int64_t max_prompt_bytes = KVLITE_MAX_PROMPT_BYTES;
+constexpr int64_t max_chat_messages = KVLITE_MAX_CHAT_MESSAGES;
+}  // namespace limits
+
 struct ChatMessage {
   std::string role;  // "system", "user", "assistant" (passed through as written)
   std::string content;

@@ -75,33 +75,36 @@ inline size_t utf8_invalid_offset(std::string_view text) {
   return std::string_view::npos;
 }
 
-// Decodes the (valid) character at text[i] and advances i past it.
+// Decodes the character at text[i] (i < text.size()) and advances i past it. Safe on any bytes: an invalid or
+// truncated sequence reads as U+FFFD and is skipped by its maximal subpart, as utf8_append_lossy replaces it.
 inline uint32_t utf8_next(std::string_view text, size_t& i) {
-  auto* s = reinterpret_cast<const unsigned char*>(text.data());
-  uint32_t c = s[i];
-  if (c < 0x80) {
-    i += 1;
-    return c;
+  auto* s = reinterpret_cast<const unsigned char*>(text.data()) + i;
+  Utf8Scan scan = utf8_scan(s, text.size() - i);
+  i += scan.length;
+  if (scan.status != Utf8Status::complete) return 0xFFFD;
+  switch (scan.length) {
+    case 1:
+      return s[0];
+    case 2:
+      return ((s[0] & 0x1Fu) << 6) | (s[1] & 0x3Fu);
+    case 3:
+      return ((s[0] & 0x0Fu) << 12) | ((s[1] & 0x3Fu) << 6) | (s[2] & 0x3Fu);
+    default:
+      return ((s[0] & 0x07u) << 18) | ((s[1] & 0x3Fu) << 12) | ((s[2] & 0x3Fu) << 6) | (s[3] & 0x3Fu);
   }
-  if (c < 0xE0) {
-    uint32_t cp = ((c & 0x1F) << 6) | (s[i + 1] & 0x3F);
-    i += 2;
-    return cp;
-  }
-  if (c < 0xF0) {
-    uint32_t cp = ((c & 0x0F) << 12) | ((s[i + 1] & 0x3F) << 6) | (s[i + 2] & 0x3F);
-    i += 3;
-    return cp;
-  }
-  uint32_t cp = ((c & 0x07) << 18) | ((s[i + 1] & 0x3F) << 12) | ((s[i + 2] & 0x3F) << 6) | (s[i + 3] & 0x3F);
-  i += 4;
-  return cp;
 }
-// The (valid) character that ends at text[end - 1].
-inline uint32_t utf8_previous(std::string_view text, size_t end) {
-  size_t start = end - 1;
-  while (start > 0 && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) start--;
-  return utf8_next(text, start);
+// The character that ends at text[end - 1] (0 < end <= text.size()); *start receives where it begins. Safe on
+// any bytes: when no complete character ends exactly there, the last byte alone reads as U+FFFD.
+inline uint32_t utf8_previous(std::string_view text, size_t end, size_t* start = nullptr) {
+  size_t lead = end - 1;  // a character is at most 4 bytes: at most 3 continuation bytes before its lead
+  while (lead > 0 && end - lead < 4 && (static_cast<unsigned char>(text[lead]) & 0xC0) == 0x80) lead--;
+  auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  Utf8Scan scan = utf8_scan(s + lead, end - lead);
+  if (scan.status != Utf8Status::complete || lead + scan.length != end) lead = end - 1;  // no character ends here
+  size_t next = lead;
+  uint32_t cp = utf8_next(text.substr(0, end), next);
+  if (start) *start = lead;
+  return cp;
 }
 
 inline void utf8_append(std::string& out, uint32_t cp) {
@@ -161,9 +164,9 @@ inline std::string python_strip(std::string_view text) {
     begin = next;
   }
   while (end > begin) {
-    uint32_t cp = utf8_previous(text, end);
-    if (!is_python_space(cp)) break;
-    end -= cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+    size_t start = end;
+    if (!is_python_space(utf8_previous(text, end, &start))) break;
+    end = std::max(start, begin);
   }
   return std::string(text.substr(begin, end - begin));
 }
@@ -630,6 +633,25 @@ inline void read_pre_tokenizer(const Json& step, const std::string& where, std::
   steps.push_back(std::move(out));
 }
 
+// An id from tokenizer.json: a non-negative integer below KVLITE_MAX_VOCAB and at most KVLITE_MAX_TOKEN_ID_GAP
+// past `entries` (how many ids the file lists so far), since the id tables are dense arrays sized by the
+// largest id: a 6 KB file with an id of 3e8 asked for 9.6 GB.
+inline int32_t checked_id(const Json& value, const std::string& where, uint64_t entries) {
+  if (!value.is_number_integer() || value.get<int64_t>() < 0)
+    fail(ErrorCode::bad_format,
+         format("tokenizer.json %s: id %s is not a non-negative integer", where.c_str(), value.dump().c_str()));
+  const int64_t id = value.get<int64_t>();
+  if (id >= limits::max_vocab)
+    fail(ErrorCode::bad_format, format("tokenizer.json %s: id %lld is not below kvlite's vocabulary limit %lld "
+                                       "(KVLITE_MAX_VOCAB)", where.c_str(), (long long)id, (long long)limits::max_vocab));
+  if (uint64_t(id) >= entries + uint64_t(limits::max_token_id_gap))
+    fail(ErrorCode::bad_format,
+         format("tokenizer.json %s: id %lld is far past the %llu ids the file lists (more than KVLITE_MAX_TOKEN_ID_GAP = "
+                "%lld unused ids before it); real vocabularies are dense", where.c_str(), (long long)id,
+                (unsigned long long)entries, (long long)limits::max_token_id_gap));
+  return int32_t(id);
+}
+
 // Reads a TemplateProcessing `single` template into the ids before and after the sequence.
 inline void read_template(const Json& processor, const std::string& where, TokenizerData& data) {
   const Json& single = member(processor, "single", where);
@@ -646,8 +668,13 @@ inline void read_template(const Json& processor, const std::string& where, Token
         fail(ErrorCode::bad_format, format("tokenizer.json %s.single[%zu] names special token '%s', which is not in "
                                            "its special_tokens",
                                            where.c_str(), i, name.c_str()));
-      for (const Json& id : member(special_tokens.at(name), "ids", where + ".special_tokens"))
-        (seen_sequence ? suffix : prefix).push_back(id.get<int32_t>());
+      for (const Json& id : member(special_tokens.at(name), "ids", where + ".special_tokens")) {
+        int32_t token = checked_id(id, where + ".special_tokens['" + name + "']", data.token_present.size());
+        if (size_t(token) >= data.token_present.size() || !data.token_present[size_t(token)])
+          fail(ErrorCode::bad_format, format("tokenizer.json %s.special_tokens['%s'] holds id %d, which is not a token "
+                                             "of the vocabulary or added_tokens", where.c_str(), name.c_str(), token));
+        (seen_sequence ? suffix : prefix).push_back(token);
+      }
     } else {
       fail(ErrorCode::bad_format,
            format("tokenizer.json %s.single[%zu] is neither a Sequence nor a SpecialToken", where.c_str(), i));
@@ -673,13 +700,6 @@ inline void read_post_processor(const Json& processor, const std::string& where,
   }
 }
 
-inline int32_t checked_id(const Json& value, const std::string& where) {
-  if (!value.is_number_integer() || value.get<int64_t>() < 0 || value.get<int64_t>() > INT32_MAX)
-    fail(ErrorCode::bad_format,
-         format("tokenizer.json %s: id %s is not a non-negative 32-bit integer", where.c_str(), value.dump().c_str()));
-  return value.get<int32_t>();
-}
-
 inline void read_bpe_model(const Json& model, TokenizerData& data) {
   if (model.contains("type") && type_of(model, "model") != "BPE")
     unsupported("model", type_of(model, "model"), "model BPE");
@@ -698,7 +718,7 @@ inline void read_bpe_model(const Json& model, TokenizerData& data) {
   if (!vocab.is_object()) fail(ErrorCode::bad_format, "tokenizer.json model.vocab is not an object of token: id");
   int32_t max_id = -1;
   for (auto it = vocab.begin(); it != vocab.end(); ++it)
-    max_id = std::max(max_id, checked_id(it.value(), "model.vocab['" + it.key() + "']"));
+    max_id = std::max(max_id, checked_id(it.value(), "model.vocab['" + it.key() + "']", vocab.size()));
   data.token_text.assign(size_t(max_id + 1), std::string());
   data.token_bytes.assign(size_t(max_id + 1), std::string());
   data.token_present.assign(size_t(max_id + 1), 0);
@@ -801,7 +821,7 @@ inline void read_added_tokens(const Json& list, TokenizerData& data) {
     token.rstrip = flag(entry, "rstrip", false);
     // HF gives a token already in the vocabulary that id; a new one takes the id the file records.
     auto known = data.id_by_text.find(token.content);
-    token.id = known != data.id_by_text.end() ? known->second : checked_id(member(entry, "id", where), where + ".id");
+    token.id = known != data.id_by_text.end() ? known->second : checked_id(member(entry, "id", where), where + ".id", data.token_present.size() + list.size());
     token.pattern = token.normalized && data.normalize_nfc ? nfc(token.content) : token.content;
     if (size_t(token.id) >= data.token_present.size()) {
       data.token_text.resize(size_t(token.id) + 1);
@@ -899,6 +919,13 @@ inline void read_chat_format(const Json& config, TokenizerData& data) {
 inline std::shared_ptr<TokenizerData> read_tokenizer(const std::string& tokenizer_json,
                                                      const std::string& tokenizer_config_json) {
   Json root, config = Json::object();
+  for (const std::string* text : {&tokenizer_json, &tokenizer_config_json}) {
+    if (text->size() > uint64_t(limits::max_json_bytes))  // (files are checked as read; text may come from memory)
+      fail(ErrorCode::bad_format, format("%s is %zu bytes, more than kvlite's limit of %lld (KVLITE_MAX_JSON_BYTES)",
+                                         text == &tokenizer_json ? "tokenizer.json" : "tokenizer_config.json",
+                                         text->size(), (long long)limits::max_json_bytes));
+    check_json_nesting(*text, text == &tokenizer_json ? "tokenizer.json" : "tokenizer_config.json");
+  }
   try {
     root = Json::parse(tokenizer_json);
     if (!tokenizer_config_json.empty()) config = Json::parse(tokenizer_config_json);
@@ -1066,9 +1093,9 @@ void TokenizerData::split_added_tokens(std::vector<tok::Piece>& pieces, const to
       if (token.lstrip) {
         size_t new_start = start;
         while (new_start > 0) {
-          uint32_t cp = tok::utf8_previous(text, new_start);
-          if (!tok::is_white_space(cp)) break;
-          new_start -= cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+          size_t character_start = new_start;
+          if (!tok::is_white_space(tok::utf8_previous(text, new_start, &character_start))) break;
+          new_start = character_start;
         }
         start = std::max(new_start, emitted);  // a previous match may already own those spaces
       }
@@ -1166,6 +1193,9 @@ std::vector<std::string> TokenizerData::pre_tokenize(const std::string& text) co
 // HF TokenizerImpl::encode_single_sequence: added tokens out of the raw text, normalize the rest, added
 // tokens with normalized = true out of that, pre-tokenize, BPE each pre-token, then the post-processor.
 std::vector<int32_t> TokenizerData::encode(std::string_view text, bool add_special_tokens) const {
+  if (text.size() > uint64_t(limits::max_prompt_bytes))
+    fail(ErrorCode::invalid_argument, format("cannot tokenize %zu bytes of text: kvlite's limit is %lld "
+                                             "(KVLITE_MAX_PROMPT_BYTES)", text.size(), (long long)limits::max_prompt_bytes));
   size_t bad = tok::utf8_invalid_offset(text);
   if (bad != std::string_view::npos)
     fail(ErrorCode::invalid_argument,
@@ -1273,6 +1303,28 @@ ChatFormat Tokenizer::chat_format() const { return data_->chat_format; }
 
 Result<std::string> Tokenizer::format_chat(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const {
   return detail::guard([&] {
+    // Messages are text from the app's users: bounded, and UTF-8 as encode() requires (the Llama-3 format's
+    // trim walks characters, so it must never see a broken one).
+    if (messages.size() > uint64_t(limits::max_chat_messages))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("%zu chat messages: kvlite's limit is %lld (KVLITE_MAX_CHAT_MESSAGES)", messages.size(),
+                                  (long long)limits::max_chat_messages));
+    uint64_t total_bytes = 0;
+    for (size_t i = 0; i < messages.size(); i++) {
+      for (const std::string* field : {&messages[i].role, &messages[i].content}) {
+        total_bytes += field->size();
+        size_t bad = detail::tok::utf8_invalid_offset(*field);
+        if (bad != std::string_view::npos)
+          detail::fail(ErrorCode::invalid_argument,
+                       detail::format("chat message %zu: its %s is not valid UTF-8 at byte %zu (0x%02X) of %zu; pass "
+                                      "UTF-8 text", i, field == &messages[i].role ? "role" : "content", bad,
+                                      unsigned(static_cast<unsigned char>((*field)[bad])), field->size()));
+      }
+      if (total_bytes > uint64_t(limits::max_prompt_bytes))
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("the chat messages hold more than %lld bytes of text (KVLITE_MAX_PROMPT_BYTES)",
+                                    (long long)limits::max_prompt_bytes));
+    }
     std::string prompt;
     switch (data_->chat_format) {
       case ChatFormat::chatml:

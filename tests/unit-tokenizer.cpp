@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 #include "kvlite.hpp"
@@ -395,4 +396,104 @@ TEST_CASE("format_chat refuses a tokenizer with neither chat family's tokens") {
   Result<std::string> prompt = plain->format_chat({{"user", "hi"}}, true);
   REQUIRE_FALSE(prompt.ok());
   CHECK(prompt.error().code == ErrorCode::unsupported);
+}
+
+// Regression (issue 15, defect 2): the Llama-3 format trims every message, and the trim walked characters
+// backwards assuming valid UTF-8: a message ending in a stray lead or continuation byte read past the
+// string's start or end (a heap over-read under ASan). Messages are now checked as encode() checks text.
+TEST_CASE("regression: format_chat over-read a message that is not valid UTF-8") {
+  for (const char* family : {"llama3", "qwen2"}) {
+    CAPTURE(family);
+    Tokenizer tokenizer = load_family(family);
+    const std::vector<std::pair<std::string, size_t>> bad = {
+        {"\x80", 0}, {"hi \xE2\x80", 3}, {"\xF0\x9F\x98", 0}, {"\xBF\xBF\xBF\xBF \t", 0}, {"a\xC3", 1}, {"\xFF\xFE", 0}};
+    for (const auto& [content, offset] : bad) {
+      for (bool as_system : {false, true}) {
+        std::vector<ChatMessage> messages = {{as_system ? "system" : "user", content}};
+        Result<std::string> prompt = tokenizer.format_chat(messages, true);
+        REQUIRE_FALSE(prompt.ok());
+        CHECK(prompt.error().code == ErrorCode::invalid_argument);
+        CHECK_MESSAGE(contains(prompt.error().message, "chat message 0: its content is not valid UTF-8 at byte " +
+                                                           std::to_string(offset) + " "),
+                      prompt.error().message);
+      }
+    }
+    Result<std::string> bad_role = tokenizer.format_chat({{"user", "hi"}, {"us\xE9r", "x"}}, true);
+    REQUIRE_FALSE(bad_role.ok());
+    CHECK(contains(bad_role.error().message, "chat message 1: its role is not valid UTF-8 at byte 2"));
+    // Random bytes never crash: each prompt is either formatted or refused as invalid_argument.
+    std::mt19937 random(15);
+    for (int trial = 0; trial < 2000; trial++) {
+      std::string content(size_t(random() % 12), '\0');
+      for (char& c : content) c = char(random() % 256);
+      Result<std::string> prompt = tokenizer.format_chat({{"system", content}, {"user", content}}, true);
+      if (!prompt.ok()) CHECK(prompt.error().code == ErrorCode::invalid_argument);
+    }
+  }
+  // Valid text is still trimmed as Python's str.strip() does (White_Space and U+001C..U+001F, multi-byte ones too).
+  Tokenizer llama = load_family("llama3");
+  std::string prompt = llama.format_chat({{"user", " \xE3\x80\x80hi \xC3\xA9\xE2\x80\xA8\x1c\n"}}, false).value();
+  CHECK(contains(prompt, "<|end_header_id|>\n\nhi \xC3\xA9<|eot_id|>"));
+}
+
+TEST_CASE("chat messages and prompts are bounded by named limits") {
+  Tokenizer tokenizer = load_family("qwen2");
+  std::vector<ChatMessage> many(size_t(limits::max_chat_messages) + 1, ChatMessage{"user", "x"});
+  Result<std::string> too_many = tokenizer.format_chat(many, true);
+  REQUIRE_FALSE(too_many.ok());
+  CHECK(too_many.error().code == ErrorCode::invalid_argument);
+  CHECK(contains(too_many.error().message, "KVLITE_MAX_CHAT_MESSAGES"));
+  std::string huge(size_t(limits::max_prompt_bytes) + 1, 'a');
+  Result<std::vector<int32_t>> ids = tokenizer.encode(huge, false);
+  REQUIRE_FALSE(ids.ok());
+  CHECK(ids.error().code == ErrorCode::invalid_argument);
+  CHECK(contains(ids.error().message, "KVLITE_MAX_PROMPT_BYTES"));
+  Result<std::string> long_chat = tokenizer.format_chat({{"user", huge}}, true);
+  REQUIRE_FALSE(long_chat.ok());
+  CHECK(contains(long_chat.error().message, "KVLITE_MAX_PROMPT_BYTES"));
+}
+
+// Regression (issue 15, defect 5): ids in tokenizer.json sized dense tables: a 6 KB file asked for 9.6 GB
+// (a vocab id of 3e8) or 6.4 GB (an added-token id of 2e8), and a vocab id of 2^31 - 1 overflowed max_id + 1.
+TEST_CASE("regression: tokenizer.json ids drove dense allocations") {
+  auto expect_refused = [](const Result<Tokenizer>& tokenizer, std::initializer_list<const char*> parts) {
+    REQUIRE_FALSE(tokenizer.ok());
+    CHECK_MESSAGE(tokenizer.error().code == ErrorCode::bad_format, tokenizer.error().message);
+    for (const char* part : parts) CHECK_MESSAGE(contains(tokenizer.error().message, part), tokenizer.error().message);
+  };
+  expect_refused(load_edited("llama3", [](Json& j) { j["model"]["vocab"]["!"] = 300000000; }),
+                 {"model.vocab['!']", "300000000", "KVLITE_MAX_VOCAB"});
+  expect_refused(load_edited("llama3", [](Json& j) { j["model"]["vocab"]["!"] = 2147483647; }),
+                 {"2147483647", "KVLITE_MAX_VOCAB"});
+  expect_refused(load_edited("llama3", [](Json& j) { j["model"]["vocab"]["!"] = int64_t(1) << 40; }), {"KVLITE_MAX_VOCAB"});
+  expect_refused(load_edited("llama3", [](Json& j) { j["model"]["vocab"]["!"] = 4000000; }),
+                 {"4000000", "KVLITE_MAX_TOKEN_ID_GAP"});
+  expect_refused(load_edited("llama3", [](Json& j) { j["model"]["vocab"]["!"] = -1; }), {"-1", "non-negative"});
+  expect_refused(load_edited("qwen2",
+                             [](Json& j) {
+                               j["added_tokens"].push_back({{"id", 200000000}, {"content", "<|hostile|>"}, {"special", true}});
+                             }),
+                 {"added_tokens", "200000000", "KVLITE_MAX_VOCAB"});
+  expect_refused(load_edited("qwen2",
+                             [](Json& j) {
+                               j["added_tokens"].push_back({{"id", 3000000}, {"content", "<|hostile|>"}, {"special", true}});
+                             }),
+                 {"added_tokens", "3000000", "KVLITE_MAX_TOKEN_ID_GAP"});
+  // a post-processor template naming an id that is no token
+  expect_refused(load_edited("llama3",
+                             [](Json& j) {
+                               j["post_processor"] = {{"type", "TemplateProcessing"},
+                                                      {"single", {{{"SpecialToken", {{"id", "<x>"}, {"type_id", 0}}}},
+                                                                  {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+                                                      {"special_tokens", {{"<x>", {{"id", "<x>"}, {"ids", {5000}}, {"tokens", {"<x>"}}}}}}};
+                             }),
+                 {"5000", "not a token"});
+  // JSON nested past the limit is refused before any reader recurses into it
+  std::string deep = "{\"model\": " + std::string(100000, '[') + std::string(100000, ']') + "}";
+  expect_refused(Tokenizer::from_json(deep, ""), {"KVLITE_MAX_JSON_DEPTH"});
+  // ids near the real sizes still load: an added token right after the vocabulary, as every real file has
+  Result<Tokenizer> dense = load_edited("qwen2", [](Json& j) {
+    j["added_tokens"].push_back({{"id", int64_t(j["model"]["vocab"].size()) + 1000}, {"content", "<|late|>"}, {"special", true}});
+  });
+  CHECK_MESSAGE(dense.ok(), dense.error().message);
 }
