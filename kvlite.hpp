@@ -2177,6 +2177,19 @@ struct MropePositions {
 Result<MropePositions> mrope_positions(const std::vector<int32_t>& ids, int32_t image_token_id,
                                        const std::vector<ImageGrid>& grids, int64_t spatial_merge_size);
 
+// A VisionInput may come from the caller rather than preprocess_image: everything that sizes memory is checked
+// against the vision config before anything is allocated from it. One frame (grid_t 1); grid_h and grid_w
+// positive multiples of spatial_merge_size, at most KVLITE_MAX_VISION_GRID_SIDE patches each; image_tokens =
+// grid_h x grid_w / merge^2; row_size = in_channels x temporal_patch_size x patch_size^2; exactly
+// grid_h x grid_w rows of pixel_values, all finite. invalid_argument naming the field and the numbers.
+#ifndef KVLITE_MAX_VISION_GRID_SIDE
+#define KVLITE_MAX_VISION_GRID_SIDE 4096  // patches per side: 65,536 pixels at patch 16 [Qwen3-VL's default: 1024]
+#endif
+namespace limits {
+constexpr int64_t max_vision_grid_side = KVLITE_MAX_VISION_GRID_SIDE;
+}  // namespace limits
+Status check_vision_input(const VisionConfig& vision, const VisionInput& image);
+
 // ---- the vision tower --------------------------------------------------------------------------------------
 // The encoder over a Backend, its buffers carved from the arena region "vision" by the names of the plan's
 // vision_buffers(). Not thread-safe (one encode at a time, like the backend).
@@ -11576,6 +11589,43 @@ Result<MropePositions> mrope_positions(const std::vector<int32_t>& ids, int32_t 
   });
 }
 
+Status check_vision_input(const VisionConfig& v, const VisionInput& image) {
+  return detail::guard([&] {
+    using detail::fail;
+    using detail::format;
+    const ImageGrid& g = image.grid;
+    const int64_t merge_side = v.spatial_merge_size, side = limits::max_vision_grid_side;
+    if (g.grid_t != 1)
+      fail(ErrorCode::invalid_argument, format("image grid_t is %lld: an image is one frame (grid_t 1)", (long long)g.grid_t));
+    for (auto [name, value] : {std::pair<const char*, int64_t>{"grid_h", g.grid_h}, {"grid_w", g.grid_w}})
+      if (value < merge_side || value > side || value % merge_side != 0)
+        fail(ErrorCode::invalid_argument,
+             format("image %s is %lld: it must be a multiple of the merge size %lld between %lld and %lld patches "
+                    "(KVLITE_MAX_VISION_GRID_SIDE)", name, (long long)value, (long long)merge_side,
+                    (long long)merge_side, (long long)side));
+    // Bounded above: grid_h x grid_w <= 2^24 and row_size <= 64 x 64 x 64^2 = 2^24 (KVLITE_MAX_VISION_PATCH).
+    const int64_t rows = g.grid_h * g.grid_w, tokens = rows / (merge_side * merge_side);
+    if (g.image_tokens != tokens)
+      fail(ErrorCode::invalid_argument,
+           format("image_tokens is %lld but a %lld x %lld grid with merge size %lld makes %lld", (long long)g.image_tokens,
+                  (long long)g.grid_h, (long long)g.grid_w, (long long)merge_side, (long long)tokens));
+    const int64_t row_size = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
+    if (image.row_size != row_size)
+      fail(ErrorCode::invalid_argument,
+           format("row_size is %lld but this vision tower's rows hold %lld values (%lld channels x %lld frames x %lld^2)",
+                  (long long)image.row_size, (long long)row_size, (long long)v.in_channels,
+                  (long long)v.temporal_patch_size, (long long)v.patch_size));
+    const uint64_t values = detail::checked_mul(uint64_t(rows), uint64_t(row_size), "pixel_values", ErrorCode::invalid_argument);
+    if (image.pixel_values.size() != values)
+      fail(ErrorCode::invalid_argument,
+           format("pixel_values holds %zu values; a %lld x %lld grid of rows of %lld needs %llu", image.pixel_values.size(),
+                  (long long)g.grid_h, (long long)g.grid_w, (long long)row_size, (unsigned long long)values));
+    for (size_t i = 0; i < image.pixel_values.size(); i++)
+      if (!std::isfinite(image.pixel_values[i]))
+        fail(ErrorCode::invalid_argument, format("pixel_values[%zu] is not finite (%g)", i, double(image.pixel_values[i])));
+  });
+}
+
 // ---- the vision tower --------------------------------------------------------------------------------------
 
 namespace detail {
@@ -11695,14 +11745,8 @@ void VisionModel::encode(const std::vector<const VisionInput*>& images) {
                                      (long long)max_images_));
   int64_t N = 0, longest = 0;
   for (const VisionInput* image : images) {
-    const ImageGrid& g = image->grid;
-    if (image->row_size != patch_values || g.grid_t != 1 || g.grid_h % merge_side != 0 ||
-        g.grid_w % merge_side != 0 || image->rows() != g.grid_h * g.grid_w)
-      fail(ErrorCode::invalid_argument,
-           format("vision encode: an image of grid %lld x %lld x %lld with %lld rows of %lld values does not fit "
-                  "this vision tower (one frame, sides multiples of the merge size %lld, rows of %lld values)",
-                  (long long)g.grid_t, (long long)g.grid_h, (long long)g.grid_w, (long long)image->rows(),
-                  (long long)image->row_size, (long long)merge_side, (long long)patch_values));
+    Status valid = check_vision_input(v, *image);
+    if (!valid) fail(valid.error().code, "vision encode: " + valid.error().message);
     N += image->rows();
     longest = std::max(longest, image->rows());
   }
@@ -12034,6 +12078,12 @@ struct Engine::Impl {
       detail::fail(ErrorCode::unsupported,
                    detail::format("%s (model_type %s) has no vision tower; it takes no images", config.origin.c_str(),
                                   config.model_type.c_str()));
+    // A caller's VisionInput sizes the output below: every field is checked against the vision config first
+    // (the output was sized from image_tokens and overrun by the real rows when they disagreed).
+    for (size_t i = 0; i < images.size(); i++) {
+      Status valid = check_vision_input(config.vision, *images[i]);
+      if (!valid) detail::fail(valid.error().code, detail::format("image %zu: %s", i, valid.error().message.c_str()));
+    }
     ImageFeatures out;
     out.levels = vision->levels();
     out.hidden = config.vision.out_hidden_size;

@@ -192,6 +192,12 @@ struct Engine::Impl {
       detail::fail(ErrorCode::unsupported,
                    detail::format("%s (model_type %s) has no vision tower; it takes no images", config.origin.c_str(),
                                   config.model_type.c_str()));
+    // A caller's VisionInput sizes the output below: every field is checked against the vision config first
+    // (the output was sized from image_tokens and overrun by the real rows when they disagreed).
+    for (size_t i = 0; i < images.size(); i++) {
+      Status valid = check_vision_input(config.vision, *images[i]);
+      if (!valid) detail::fail(valid.error().code, detail::format("image %zu: %s", i, valid.error().message.c_str()));
+    }
     ImageFeatures out;
     out.levels = vision->levels();
     out.hidden = config.vision.out_hidden_size;

@@ -68,6 +68,19 @@ struct MropePositions {
 Result<MropePositions> mrope_positions(const std::vector<int32_t>& ids, int32_t image_token_id,
                                        const std::vector<ImageGrid>& grids, int64_t spatial_merge_size);
 
+// A VisionInput may come from the caller rather than preprocess_image: everything that sizes memory is checked
+// against the vision config before anything is allocated from it. One frame (grid_t 1); grid_h and grid_w
+// positive multiples of spatial_merge_size, at most KVLITE_MAX_VISION_GRID_SIDE patches each; image_tokens =
+// grid_h x grid_w / merge^2; row_size = in_channels x temporal_patch_size x patch_size^2; exactly
+// grid_h x grid_w rows of pixel_values, all finite. invalid_argument naming the field and the numbers.
+#ifndef KVLITE_MAX_VISION_GRID_SIDE
+#define KVLITE_MAX_VISION_GRID_SIDE 4096  // patches per side: 65,536 pixels at patch 16 [Qwen3-VL's default: 1024]
+#endif
+namespace limits {
+constexpr int64_t max_vision_grid_side = KVLITE_MAX_VISION_GRID_SIDE;
+}  // namespace limits
+Status check_vision_input(const VisionConfig& vision, const VisionInput& image);
+
 // ---- the vision tower --------------------------------------------------------------------------------------
 // The encoder over a Backend, its buffers carved from the arena region "vision" by the names of the plan's
 // vision_buffers(). Not thread-safe (one encode at a time, like the backend).

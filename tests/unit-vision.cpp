@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include "kvlite.hpp"
 #include "model_fixtures.hpp"
@@ -365,6 +366,52 @@ TEST_CASE("images are refused by a text model and must match the placeholders in
   auto none = engine->logits(collapsed_ids(prompt, pad), {});
   REQUIRE_FALSE(none);
   CHECK(none.error().message.find("0 images were given") != std::string::npos);
+}
+
+// Regression (issue 15, defect 3): encode_images sized its output from the caller's image_tokens and then
+// copied the real rows' tokens into it (a heap overflow), and a negative grid gave `internal` (a
+// std::length_error); reachable from submit, generate, logits and encode_images. Every field is now checked
+// before anything is sized from it.
+TEST_CASE("regression: a caller's VisionInput overflowed encode_images") {
+  auto engine = open_model();
+  const nlohmann::json ref = reference();
+  const auto& prompt = ref["prompts"][0];
+  const int32_t pad = ref["image_token_id"].get<int32_t>();
+  const VisionInput good = fixture_images(prompt).front();
+  struct Case {
+    const char* what;
+    std::function<void(VisionInput&)> edit;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"image_tokens smaller than the grid makes", [](VisionInput& v) { v.grid.image_tokens = 1; }, "image_tokens is 1"},
+      {"image_tokens larger", [](VisionInput& v) { v.grid.image_tokens *= 50; }, "image_tokens is"},
+      {"a negative grid", [](VisionInput& v) { v.grid.grid_h = -4; }, "grid_h is -4"},
+      {"an odd grid side", [](VisionInput& v) { v.grid.grid_w += 1; }, "multiple of the merge size"},
+      {"a huge grid", [](VisionInput& v) { v.grid.grid_h = int64_t(1) << 40; }, "KVLITE_MAX_VISION_GRID_SIDE"},
+      {"two frames", [](VisionInput& v) { v.grid.grid_t = 2; }, "grid_t is 2"},
+      {"a short pixel buffer", [](VisionInput& v) { v.pixel_values.resize(v.pixel_values.size() - 1); }, "pixel_values holds"},
+      {"a long pixel buffer", [](VisionInput& v) { v.pixel_values.resize(v.pixel_values.size() + 1536); }, "pixel_values holds"},
+      {"a wrong row size", [](VisionInput& v) { v.row_size = 7; }, "row_size is 7"},
+      {"a NaN pixel", [](VisionInput& v) { v.pixel_values[5] = std::nanf(""); }, "pixel_values[5] is not finite"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    VisionInput bad = good;
+    c.edit(bad);
+    auto encoded = engine->encode_images({bad});
+    REQUIRE_FALSE(encoded);
+    CHECK(encoded.error().code == ErrorCode::invalid_argument);
+    CHECK_MESSAGE(contains(encoded.error().message, c.message), encoded.error().message);
+    auto logits = engine->logits(collapsed_ids(prompt, pad), {bad});
+    REQUIRE_FALSE(logits);
+    CHECK(logits.error().code == ErrorCode::invalid_argument);
+    auto submitted = engine->submit(collapsed_ids(prompt, pad), {bad}, SamplingParams{});
+    REQUIRE_FALSE(submitted);
+    CHECK(submitted.error().code == ErrorCode::invalid_argument);
+  }
+  // the engine is still sound: the good image encodes
+  CHECK(engine->encode_images({good}).ok());
 }
 
 TEST_CASE("examples/caption_image and kvlite generate --image stream what generate_chat gives") {
