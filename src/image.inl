@@ -17,8 +17,9 @@
 #define STBI_NO_STDIO  // kvlite reads files itself, to name them in errors and cap their size
 #define STBI_NO_LINEAR
 #define STBI_NO_HDR
-#define STBI_ONLY_JPEG
-#define STBI_ONLY_PNG
+#define STBI_ONLY_PNG  // not JPEG: stb 2.27's JPEG decoder writes out of bounds on a bad Huffman table, and it
+                       // rounds differently from libjpeg-turbo, which decodes JPEG here (below) as PIL and
+                       // torchvision do
 #define STBI_ONLY_BMP
 #define STBI_ONLY_TGA
 #define STBI_ONLY_GIF
@@ -48,6 +49,7 @@
 #pragma GCC diagnostic pop
 #endif
 #undef STB_IMAGE_IMPLEMENTATION
+#include <turbojpeg.h>
 
 namespace kvlite {
 
@@ -357,6 +359,50 @@ inline void check_image(const Image& image, const char* what) {
                 (unsigned long long)(uint64_t(image.width) * uint64_t(image.height) * 3)));
 }
 
+// JPEG through libjpeg-turbo's TurboJPEG API with the settings of PIL's and torchvision's decoders: the accurate
+// integer IDCT (islow) and fancy (triangle-filter) chroma upsampling, libjpeg's defaults, so the pixels are the
+// ones transformers' processor sees. The header's size is checked against the limit before any pixel is
+// decoded; TJFLAG_LIMITSCANS refuses progressive files with more than 500 scans (a CPU-time bomb).
+inline Image decode_jpeg(const uint8_t* data, size_t size, const DecodeOptions& options, const std::string& name) {
+  struct Handle {
+    tjhandle h = tjInitDecompress();
+    ~Handle() {
+      if (h) tjDestroy(h);
+    }
+  } handle;
+  if (!handle.h) fail(ErrorCode::out_of_memory, format("%s: libjpeg-turbo could not start: %s", name.c_str(), tjGetErrorStr2(nullptr)));
+  int width = 0, height = 0, subsampling = 0, colorspace = 0;
+  if (tjDecompressHeader3(handle.h, data, (unsigned long)size, &width, &height, &subsampling, &colorspace) != 0)
+    fail(ErrorCode::bad_format, format("%s: corrupt JPEG header (libjpeg-turbo: %s)", name.c_str(), tjGetErrorStr2(handle.h)));
+  if (width <= 0 || height <= 0)
+    fail(ErrorCode::bad_format, format("%s: the JPEG header claims %d x %d pixels; an image needs at least 1 x 1",
+                                       name.c_str(), width, height));
+  if (int64_t(width) * int64_t(height) > options.max_pixels)
+    fail(ErrorCode::invalid_argument,
+         format("%s: JPEG of %d x %d = %s is over the decode limit of %s (DecodeOptions::max_pixels = %lld); "
+                "refused before decoding. Downscale it, or raise the limit if the image is genuine",
+                name.c_str(), width, height, megapixels(int64_t(width) * height).c_str(),
+                megapixels(options.max_pixels).c_str(), (long long)options.max_pixels));
+  if (colorspace == TJCS_CMYK || colorspace == TJCS_YCCK)
+    fail(ErrorCode::unsupported, format("%s: a CMYK JPEG (%d x %d); kvlite decodes RGB, YCbCr and grayscale JPEGs: "
+                                        "convert it to RGB first", name.c_str(), width, height));
+  JpegFacts facts = jpeg_facts(data, size);
+  if (!facts.has_end)
+    fail(ErrorCode::bad_format, format("%s: truncated or corrupt JPEG: no end-of-image marker after the image data "
+                                       "(%s read)", name.c_str(), format_bytes(size).c_str()));
+  Image image;
+  image.width = width;
+  image.height = height;
+  image.rgb.resize(size_t(width) * size_t(height) * 3);
+  if (tjDecompress2(handle.h, data, (unsigned long)size, image.rgb.data(), width, 0, height, TJPF_RGB,
+                    TJFLAG_LIMITSCANS) != 0 &&
+      tjGetErrorCode(handle.h) == TJERR_FATAL)  // warnings (e.g. extraneous bytes) decode as PIL's do
+    fail(ErrorCode::bad_format, format("%s: corrupt JPEG (%d x %d): libjpeg-turbo: %s", name.c_str(), width, height,
+                                       tjGetErrorStr2(handle.h)));
+  if (options.exif_orientation) image = apply_orientation(std::move(image), facts.orientation);
+  return image;
+}
+
 inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& options, const std::string& name) {
   if (!data || size == 0) fail(ErrorCode::bad_format, format("%s: no image data (0 bytes)", name.c_str()));
   if (options.max_pixels <= 0)
@@ -369,6 +415,8 @@ inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& optio
   if (sniffed.name && !sniffed.supported)
     fail(ErrorCode::unsupported, format("%s: %s images are not supported (kvlite decodes %s); convert it first",
                                         name.c_str(), sniffed.name, kSupportedFormats));
+
+  if (sniffed.name && strcmp(sniffed.name, "JPEG") == 0) return decode_jpeg(data, size, options, name);
 
   // Dimensions from the header alone, then the size limit, before a single pixel is decoded.
   const char* format_name = sniffed.name ? sniffed.name : "TGA";
@@ -399,13 +447,7 @@ inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& optio
              : format("%s: corrupt %s header (stb_image: %s)", name.c_str(), format_name, reason));
 
   int orientation = 1;
-  if (strcmp(format_name, "JPEG") == 0) {
-    JpegFacts facts = jpeg_facts(data, size);
-    if (!facts.has_end)
-      fail(ErrorCode::bad_format, format("%s: truncated or corrupt JPEG: no end-of-image marker after the image data "
-                                         "(%s read)", name.c_str(), format_bytes(size).c_str()));
-    orientation = facts.orientation;
-  } else if (strcmp(format_name, "PNG") == 0) {
+  if (strcmp(format_name, "PNG") == 0) {
     orientation = png_orientation(data, size);
   } else if (strcmp(format_name, "BMP") == 0 && size >= 6) {
     uint32_t declared = uint32_t(data[2]) | uint32_t(data[3]) << 8 | uint32_t(data[4]) << 16 | uint32_t(data[5]) << 24;

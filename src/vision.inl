@@ -268,7 +268,6 @@ void VisionModel::encode(const std::vector<const VisionInput*>& images) {
   using detail::vision::check;
   const VisionConfig& v = config_.vision;
   const int64_t merge_side = v.spatial_merge_size, merge = merge_side * merge_side;
-  const int64_t patch_values = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
   const int64_t half = head_dim_ / 2, quarter = head_dim_ / 4;
 
   // ---- host side: the images' rows, position taps, RoPE tables and segments (get_vision_* helpers) ----

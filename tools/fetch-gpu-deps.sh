@@ -10,6 +10,7 @@ cd "$root/.deps"
 rm -f ./*.deb
 # Headers and the pkg-config / CMake files of the libraries kvlite builds against, pcre2's runtime library, and
 # pkg-config itself (pkgconf), which CMake needs to find pcre2.
-apt-get download doctest-dev nlohmann-json3-dev libstb-dev libpcre2-dev libpcre2-8-0 pkgconf pkgconf-bin \
-  libpkgconf3 >/dev/null 2>&1
+apt-get update -qq || echo "fetch-gpu-deps: apt-get update failed; trying the lists already here" >&2
+apt-get download doctest-dev nlohmann-json3-dev libstb-dev libpcre2-dev libpcre2-8-0 libturbojpeg0-dev libturbojpeg0 \
+  pkgconf pkgconf-bin libpkgconf3
 ls -1 ./*.deb

@@ -52,7 +52,7 @@ fi
 # ---- 1. dependencies and build ----------------------------------------------------------------------------------
 cmake_args=(-DKVLITE_CUDA=ON -DKVLITE_CUDA_ARCHS="${arch}-real" -DCMAKE_BUILD_TYPE=Release)
 have_header() { [ -f "/usr/include/$1" ] || [ -f "/usr/local/include/$1" ]; }
-if have_header doctest/doctest.h && have_header nlohmann/json.hpp && have_header stb/stb_image.h && have_header pcre2.h &&
+if have_header doctest/doctest.h && have_header nlohmann/json.hpp && have_header stb/stb_image.h && have_header pcre2.h && have_header turbojpeg.h &&
    command -v pkg-config >/dev/null; then
   phase "dependencies" "from the system"
 elif ls .deps/*.deb >/dev/null 2>&1; then

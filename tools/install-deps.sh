@@ -6,6 +6,7 @@
 #   nlohmann-json3-dev          config.json, tokenizer.json, safetensors headers
 #   libstb-dev                  image decoding (stb_image)
 #   libpcre2-dev                the tokenizers' pre-tokenizer regexes (Unicode properties)
+#   libturbojpeg0-dev           JPEG decoding (libjpeg-turbo, the decoder PIL and torchvision use)
 set -euo pipefail
 need=()
 have_header() { [ -f "/usr/include/$1" ] || [ -f "/usr/local/include/$1" ]; }
@@ -17,6 +18,7 @@ have_header doctest/doctest.h || need+=(doctest-dev)
 have_header nlohmann/json.hpp || need+=(nlohmann-json3-dev)
 have_header stb/stb_image.h || need+=(libstb-dev)
 have_header pcre2.h || need+=(libpcre2-dev)
+have_header turbojpeg.h || need+=(libturbojpeg0-dev)
 [ ${#need[@]} -eq 0 ] && exit 0
 echo "kvlite: installing missing Debian packages: ${need[*]}"
 sudo=""
