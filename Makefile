@@ -6,7 +6,10 @@ BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all build configure deps amalgamate check-amalgamation test demo gpu-check clean
+SANITIZE_BUILD ?= build-sanitize
+FUZZ_SECONDS ?= 600
+
+.PHONY: all build configure deps amalgamate check-amalgamation test sanitize-test fuzz demo gpu-check clean
 
 all: deps amalgamate build
 
@@ -27,9 +30,20 @@ configure: deps
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
-# The test command: the header must match its parts, everything must build, every suite runs under ctest.
+# The test command: the header must match its parts, everything must build, every suite runs under ctest,
+# twice: the g++ build (CUDA included when nvcc is present), then the clang++ build with ASan + UBSan, whose
+# ctest also replays every fuzz corpus and crash input and fuzzes each parser for 30 s (tests/fuzz).
 test: deps check-amalgamation build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	@$(MAKE) --no-print-directory sanitize-test
+
+sanitize-test: deps
+	@JOBS=$(JOBS) tools/sanitize-build.sh $(SANITIZE_BUILD)
+	@cd $(SANITIZE_BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# Every libFuzzer harness for FUZZ_SECONDS each (default 600), with a table of executions and coverage.
+fuzz: deps
+	@tools/fuzz.sh $(FUZZ_SECONDS)
 
 demo: all
 	@tools/demo.sh $(BUILD)
@@ -39,4 +53,4 @@ gpu-check:
 	@tools/gpu-check.sh
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(SANITIZE_BUILD)

@@ -3113,6 +3113,8 @@ inline nlohmann::json parse_json_strict(const char* begin, const char* end, cons
   } catch (const nlohmann::json::parse_error& e) {
     fail(ErrorCode::bad_format, format("%s: the %s is not valid JSON (near byte %zu of it): %s", origin.c_str(),
                                        what, e.byte, e.what()));
+  } catch (const nlohmann::json::exception& e) {  // out_of_range: a number like 1E51655
+    fail(ErrorCode::bad_format, format("%s: the %s is not valid JSON: %s", origin.c_str(), what, e.what()));
   }
   if (!duplicate.empty()) {
     if (duplicate_where.empty())
@@ -3697,7 +3699,7 @@ inline json parse_json(const std::string& text, const std::string& origin) {
     json doc = json::parse(text);
     if (!doc.is_object()) fail(ErrorCode::bad_format, format("%s: the top level must be a JSON object", origin.c_str()));
     return doc;
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1E51655
     fail(ErrorCode::bad_format, format("%s is not valid JSON: %s", origin.c_str(), e.what()));
   }
 }

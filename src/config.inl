@@ -227,7 +227,7 @@ inline json parse_json(const std::string& text, const std::string& origin) {
     json doc = json::parse(text);
     if (!doc.is_object()) fail(ErrorCode::bad_format, format("%s: the top level must be a JSON object", origin.c_str()));
     return doc;
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1E51655
     fail(ErrorCode::bad_format, format("%s is not valid JSON: %s", origin.c_str(), e.what()));
   }
 }

@@ -80,6 +80,8 @@ inline nlohmann::json parse_json_strict(const char* begin, const char* end, cons
   } catch (const nlohmann::json::parse_error& e) {
     fail(ErrorCode::bad_format, format("%s: the %s is not valid JSON (near byte %zu of it): %s", origin.c_str(),
                                        what, e.byte, e.what()));
+  } catch (const nlohmann::json::exception& e) {  // out_of_range: a number like 1E51655
+    fail(ErrorCode::bad_format, format("%s: the %s is not valid JSON: %s", origin.c_str(), what, e.what()));
   }
   if (!duplicate.empty()) {
     if (duplicate_where.empty())

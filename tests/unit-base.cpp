@@ -77,6 +77,7 @@ TEST_CASE("bf16 decode is the top half of an fp32, encode rounds to nearest even
   }
 }
 
+#if defined(__FLT16_MAX__)  // the compiler has _Float16 (g++ 12; clang 15 and later on x86-64)
 TEST_CASE("f16 conversions agree with the compiler's _Float16 on every half and random floats") {
   for (uint32_t h = 0; h < 65536; h++) {
     _Float16 ref;
@@ -99,6 +100,48 @@ TEST_CASE("f16 conversions agree with the compiler's _Float16 on every half and 
     else CHECK(got == expect);
   }
 }
+#else  // clang 14: no _Float16 on x86-64; check against IEEE binary16 by its definition instead
+static double f16_definition(uint16_t v) {
+  int sign = v >> 15, e = (v >> 10) & 31, m = v & 1023;
+  double mag = e == 31 ? (m ? NAN : INFINITY) : e == 0 ? std::ldexp(m, -24) : std::ldexp(1.0 + m / 1024.0, e - 15);
+  return sign ? -mag : mag;
+}
+TEST_CASE("f16 conversions agree with binary16 by its definition on every half and random floats") {
+  for (uint32_t h = 0; h < 65536; h++) {
+    double expect = f16_definition(uint16_t(h));
+    float got = f16_to_float(uint16_t(h));
+    if (std::isnan(expect)) CHECK(std::isnan(got));
+    else CHECK(double(got) == expect);
+  }
+  std::mt19937 rng(2);
+  std::uniform_int_distribution<uint32_t> bits;
+  for (int i = 0; i < 200000; i++) {
+    float f = bits_to_float(bits(rng));
+    if (i % 2) f = bits_to_float((bits(rng) & 0x807fffffu) | (uint32_t(100 + i % 50) << 23));  // half's range
+    uint16_t got = float_to_f16(f);
+    if (std::isnan(f)) {
+      CHECK((got & 0x7c00u) == 0x7c00u);
+      continue;
+    }
+    // nearest of the halves of f's sign (ties to the even one; past 65520 the nearest is infinity)
+    const double x = std::fabs(double(f));
+    const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+    uint16_t best = 0;
+    double best_distance = INFINITY;
+    uint16_t lo = 0, hi = 0x7c00;  // binary search for the largest finite half <= x, then compare neighbours
+    while (lo < hi) {
+      uint16_t mid = uint16_t((lo + hi + 1) / 2);
+      if (f16_definition(mid) <= x) lo = mid; else hi = uint16_t(mid - 1);
+    }
+    for (uint16_t c : {lo, uint16_t(lo + 1)}) {
+      double value = c == 0x7c00 ? (x >= 65520.0 ? x : INFINITY) : f16_definition(c);
+      double distance = std::fabs(value - x);
+      if (distance < best_distance || (distance == best_distance && (c & 1) == 0)) best = c, best_distance = distance;
+    }
+    CHECK(got == uint16_t(sign | best));
+  }
+}
+#endif
 
 // FP8 e4m3fn by its definition: sign x 2^(e-7) x (1 + m/8), subnormals 2^-6 x m/8, S.1111.111 NaN.
 static double fp8_definition(uint8_t v) {

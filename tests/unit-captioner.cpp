@@ -51,7 +51,9 @@ TEST_CASE("the bundled captioner gives each example image the caption its scene 
   greedy.max_tokens = 64;
   for (const char* format : kFormats) {
     auto engine = open_captioner(format);
-    for (const auto& [file, expected] : examples) {
+    for (const auto& example : examples) {
+      const std::string& file = example.first;  // not a structured binding: clang 14's doctest macros capture it
+      const std::string& expected = example.second;
       auto image = kvlite::load_image(kRoot + "examples/images/" + file);
       REQUIRE_MESSAGE(image, file);
       const std::vector<kvlite::ChatMessage> messages = {

@@ -593,7 +593,8 @@ TEST_CASE("headers: int4 symmetric and asymmetric groups, channel scales, g_idx,
 
   SUBCASE("channel scales, read off the headers when the config does not target the module") {
     put_int4(ck, "lm_head", 1000, 192, 192, true, false);  // one group spanning K = a channel scale
-    const LinearDesc& head = linear(ck.describe(c), "lm_head");
+    const std::vector<LinearDesc> described = ck.describe(c);  // kept: `head` refers into it (ASan found the
+    const LinearDesc& head = linear(described, "lm_head");       // temporary it once pointed into)
     CHECK(head.format == WeightFormat::int4);
     CHECK(head.granularity == ScaleGranularity::channel);
     CHECK(head.group_size == 192);
@@ -953,4 +954,15 @@ TEST_CASE("load_config: a missing directory, and older preprocessor keys") {
   REQUIRE_FALSE(broken.ok());
   CHECK(broken.error().code == ErrorCode::bad_format);
   CHECK(mentions(broken.error(), "preprocessor_config.json"));
+}
+
+// Found by tests/fuzz/fuzz_config_plan.cpp: nlohmann throws out_of_range (not parse_error) for a number past
+// double's range, which reached the caller as `internal`.
+TEST_CASE("regression: a number past double's range in config.json was an internal error") {
+  json doc = tiny_llama();
+  std::string text = doc.dump();
+  text.insert(text.size() - 1, ", \"huge\": 1E51655");
+  Error e = parse_failure(text);
+  CHECK(e.code == ErrorCode::bad_format);
+  CHECK(mentions(e, "not valid JSON"));
 }

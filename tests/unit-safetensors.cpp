@@ -80,7 +80,8 @@ TEST_CASE("a single file round-trips every tensor bit-exactly, with its metadata
     CHECK(info->nbytes == expected.bytes.size());
     CHECK(info->offset == data_start + begin);
     CHECK(info->file_index == 0);
-    CHECK(memcmp(store->data(*info), expected.bytes.data(), expected.bytes.size()) == 0);
+    // (an empty tensor's vector has no data pointer, and memcmp must not be given a null one)
+    CHECK((expected.bytes.empty() || memcmp(store->data(*info), expected.bytes.data(), expected.bytes.size()) == 0));
     begin += expected.bytes.size();
     sum += expected.bytes.size();
   }

@@ -245,7 +245,9 @@ TEST_CASE("added tokens: lstrip, rstrip, single_word and normalized behave as HF
       {"xaby ab", {87, 856, 88, 220, 856}},
       {"cab<mask>ab", {66, 856, 1510, 856}},
   };
-  for (const auto& [text, ids] : llama_cases) {
+  for (const auto& llama_case : llama_cases) {  // (no structured binding: clang 14 cannot capture one)
+    const auto& text = llama_case.first;
+    const auto& ids = llama_case.second;
     INFO(Json(text).dump());
     CHECK(llama->encode(text, false).value() == ids);
   }
@@ -295,7 +297,9 @@ TEST_CASE("invalid UTF-8 input is refused with its byte offset") {
       {"x\xF4\x90\x80\x80", 1},  // above U+10FFFF
       {"\xE2\x82\xACz\x80", 4},  // a stray continuation byte after a good character
   };
-  for (const auto& [text, offset] : bad) {
+  for (const auto& bad_case : bad) {  // (no structured binding: clang 14 cannot capture one)
+    const std::string& text = bad_case.first;
+    const size_t offset = bad_case.second;
     Result<std::vector<int32_t>> ids = tokenizer.encode(text, false);
     REQUIRE_FALSE(ids.ok());
     CHECK(ids.error().code == ErrorCode::invalid_argument);
@@ -407,7 +411,9 @@ TEST_CASE("regression: format_chat over-read a message that is not valid UTF-8")
     Tokenizer tokenizer = load_family(family);
     const std::vector<std::pair<std::string, size_t>> bad = {
         {"\x80", 0}, {"hi \xE2\x80", 3}, {"\xF0\x9F\x98", 0}, {"\xBF\xBF\xBF\xBF \t", 0}, {"a\xC3", 1}, {"\xFF\xFE", 0}};
-    for (const auto& [content, offset] : bad) {
+    for (const auto& bad_case : bad) {  // (no structured binding: clang 14 cannot capture one)
+      const std::string& content = bad_case.first;
+      const size_t offset = bad_case.second;
       for (bool as_system : {false, true}) {
         std::vector<ChatMessage> messages = {{as_system ? "system" : "user", content}};
         Result<std::string> prompt = tokenizer.format_chat(messages, true);

@@ -6,6 +6,7 @@
 #   nlohmann-json3-dev          config.json, tokenizer.json, safetensors headers
 #   libstb-dev                  image decoding (stb_image)
 #   libpcre2-dev                the tokenizers' pre-tokenizer regexes (Unicode properties)
+#   clang libclang-rt-dev       the sanitizer build and the libFuzzer harnesses (make test runs both)
 #   libturbojpeg0-dev           JPEG decoding (libjpeg-turbo, the decoder PIL and torchvision use)
 set -euo pipefail
 need=()
@@ -19,6 +20,8 @@ have_header nlohmann/json.hpp || need+=(nlohmann-json3-dev)
 have_header stb/stb_image.h || need+=(libstb-dev)
 have_header pcre2.h || need+=(libpcre2-dev)
 have_header turbojpeg.h || need+=(libturbojpeg0-dev)
+command -v clang++ >/dev/null || need+=(clang)
+ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || need+=(libclang-rt-dev)
 [ ${#need[@]} -eq 0 ] && exit 0
 echo "kvlite: installing missing Debian packages: ${need[*]}"
 sudo=""

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the libFuzzer harnesses (tests/fuzz/corpus/<harness>/) from the repository's own
+fixtures, in each harness's input layout (see tests/fuzz/fuzz_<harness>.cpp). Deterministic; standard library
+only. Run from anywhere: python3 tools/make_fuzz_corpus.py"""
+import json, os, shutil, struct
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIX = os.path.join(ROOT, "tests", "fixtures")
+OUT = os.path.join(ROOT, "tests", "fuzz", "corpus")
+
+
+def read(*parts):
+    with open(os.path.join(ROOT, *parts), "rb") as f:
+        return f.read()
+
+
+def write(harness, name, data):
+    d = os.path.join(OUT, harness)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+def safetensors(tensors, metadata=None):
+    header, blobs, offset = {}, b"", 0
+    for name, dtype, shape, data in tensors:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        blobs += data
+        offset += len(data)
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + blobs
+
+
+def text_field(s, cap):  # fuzz::Bytes::text: a length byte (mod cap + 1), then the bytes
+    s = s[:cap]
+    return bytes([len(s)]) + s
+
+
+if os.path.isdir(OUT):
+    shutil.rmtree(OUT)
+
+# safetensors: small well-formed files, and the fixture model's first bytes (header intact, data cut)
+write("safetensors", "f32_2x3", safetensors([("a", "F32", [2, 3], struct.pack("<6f", *range(6)))]))
+write("safetensors", "mixed", safetensors([("w", "BF16", [4], b"\x80\x3f" * 4), ("s", "F8_E4M3", [3], b"\x38\x40\x48"),
+                                           ("q", "I32", [1, 2], struct.pack("<2i", 7, -7))], {"format": "pt"}))
+write("safetensors", "empty_tensor", safetensors([("e", "F16", [0, 5], b"")]))
+model = read("tests", "fixtures", "models", "tiny-qwen3", "model.safetensors")
+write("safetensors", "tiny_qwen3_head", model[:8 + struct.unpack("<Q", model[:8])[0] + 64])
+
+# config + plan: knobs, max_model_len (u32), utilization byte, card size (u32) and shift byte, then config.json
+configs = {"tiny_llama": ("tests", "fixtures", "configs", "tiny-llama.json"),
+           "tiny_qwen3_vl": ("tests", "fixtures", "configs", "tiny-qwen3-vl.json"),
+           "qwen3_4b": ("models", "qwen3-4b", "config.json"),
+           "llama_w4a16": ("models", "llama-3.1-8b-instruct-w4a16", "config.json"),
+           "qwen3_vl_fp8": ("models", "qwen3-vl-4b-instruct-fp8", "config.json"),
+           "captioner_w4a16": ("models", "kvlite-captioner-w4a16", "config.json")}
+for i, (name, path) in enumerate(sorted(configs.items())):
+    knobs = bytes([i % 16]) + struct.pack("<I", 2048 << (i % 3)) + bytes([200]) + struct.pack("<I", 8192) + bytes([20])
+    write("config_plan", name, knobs + read(*path))
+
+# tokenizer.json load: tokenizer_config.json's first 64 bytes as a text field, then tokenizer.json
+for family, path in [("qwen2", ("tests", "fixtures", "tokenizers", "qwen2")), ("llama3", ("tests", "fixtures", "tokenizers", "llama3")),
+                     ("captioner", ("models", "kvlite-captioner-bf16"))]:
+    config = read(*path, "tokenizer_config.json")
+    write("tokenizer_load", family, text_field(b"{}", 64) + read(*path, "tokenizer.json"))
+    write("tokenizer_load", family + "_config", text_field(config, 64) + read(*path, "tokenizer.json"))
+
+# tokenize: a selector byte (qwen2 / llama3), then text
+texts = {"ascii": b"The quick brown fox jumps over the lazy dog. 1234567890 !?",
+         "mixed": "Grüße, 世界! Ça va? 😀 👩‍👩‍👧 e\u0301 \u3000tab\tnew\nline".encode(),
+         "special": b"<|im_start|>user\nhi<|im_end|> <|begin_of_text|><|eot_id|>",
+         "spaces": b"   leading and trailing   \n\n\n",
+         "bad_utf8": b"ok \xff\xfe \xc3 \xe2\x82 done"}
+for i, (name, t) in enumerate(sorted(texts.items())):
+    for selector in (0, 1):
+        write("tokenize", f"{name}_{selector}", bytes([selector]) + t)
+
+# image: the small decode fixtures of every format
+for name in ["gray_23x19.png", "pnm_19x13.ppm", "orient_6_40x24.jpg", "rle_27x15.tga", "anim_29x21.gif",
+             "alpha_50x40.png", "photo_67x45.png", "tall_31x97.bmp", "photo_300x200.jpg"]:
+    write("image", name, read("tests", "fixtures", "images", name))
+
+# chat: family byte, message count, (role, content) text fields, add_generation_prompt byte, then placement bytes
+def chat(family, messages, tail=b"\x01\x02\x01\x10\x10\x40\x00\x00\x00"):
+    out = bytes([family, len(messages)])
+    for role, content in messages:
+        out += text_field(role.encode(), 12) + text_field(content.encode(), 200)
+    return out + bytes([1]) + tail
+write("chat", "qwen_user", chat(0, [("user", "Describe this image. <|vision_start|><|image_pad|><|vision_end|>")]))
+write("chat", "qwen_system", chat(0, [("system", "You are terse."), ("user", "hi"), ("assistant", "hello"), ("user", "again")]))
+write("chat", "llama_dated", chat(1, [("system", "  Be brief.  "), ("user", " \u3000spaces\u2028 ")]))
+write("chat", "llama_empty", chat(1, []))
+
+# vision input: image count, then per image grid_t, grid_h, grid_w, tokens, row-size choice, value count (u32)
+def vision(images):
+    out = bytes([len(images) - 1])
+    for t, h, w, tokens, values in images:
+        out += bytes([t, h + 2, w + 2, tokens + 4, 1]) + struct.pack("<I", values) + b"\x00"
+    return out
+write("vision_input", "one_good", vision([(1, 4, 6, 6, 24 * 1536)]))
+write("vision_input", "two_good", vision([(1, 4, 4, 4, 16 * 1536), (1, 2, 6, 3, 12 * 1536)]))
+write("vision_input", "tokens_off", vision([(1, 4, 6, 60, 24 * 1536)]))
+write("vision_input", "short_pixels", vision([(1, 4, 6, 6, 100)]))
+print("wrote", sum(len(f) for _, _, f in os.walk(OUT)), "seed inputs under", os.path.relpath(OUT, ROOT))
