@@ -58,6 +58,7 @@ enum class FinishReason {
                 // eos_token_id, or SamplingParams::stop_tokens); it is the last id, its text is not emitted
   stop_string,  // the text reached one of SamplingParams::stop_strings; the text stops before it
   max_tokens,   // SamplingParams::max_tokens ids were generated
+  length,       // the context is full: prompt + output reached the engine's max_model_len (vLLM's "length")
   callback,     // the token callback returned false
   cancelled,    // Engine::cancel()
 };

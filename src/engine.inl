@@ -23,6 +23,7 @@ const char* finish_reason_name(FinishReason reason) {
     case FinishReason::stop_token: return "stop_token";
     case FinishReason::stop_string: return "stop_string";
     case FinishReason::max_tokens: return "max_tokens";
+    case FinishReason::length: return "length";
     case FinishReason::callback: return "callback";
     case FinishReason::cancelled: return "cancelled";
   }
@@ -322,15 +323,12 @@ struct Engine::Impl {
     detail::VisionPrompt vision_prompt = prepare_prompt(prompt_ids, images, "generate");
     const std::vector<int32_t>& prompt = vision_prompt.ids;
     const int64_t prompt_len = int64_t(prompt.size());
-    const int64_t room = max_model_len() - prompt_len;  // tokens left for the output
-    const int64_t needed = params.max_tokens > std::numeric_limits<int64_t>::max() - prompt_len
-                               ? std::numeric_limits<int64_t>::max()
-                               : prompt_len + params.max_tokens;
-    check_fits(needed,
-               detail::format("a request of %lld prompt tokens + max_tokens %lld", (long long)prompt_len,
-                              (long long)params.max_tokens),
-               (room > 0 ? detail::format("lower max_tokens to at most %lld", (long long)room)
-                         : detail::format("shorten the prompt below %lld tokens", (long long)max_model_len())) +
+    // Only a prompt that leaves no room for one output token is refused; one whose prompt + max_tokens passes
+    // max_model_len generates until the context is full and finishes with FinishReason::length, as vLLM and
+    // transformers do.
+    check_fits(prompt_len + 1,
+               detail::format("a prompt of %lld tokens (+ 1 to generate)", (long long)prompt_len),
+               detail::format("shorten the prompt below %lld tokens", (long long)max_model_len()) +
                    " or raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
     detail::EngineRequest& r = add_request(detail::RequestKind::generate, prompt);
     attach(r, std::move(vision_prompt));
@@ -339,7 +337,7 @@ struct Engine::Impl {
     r.on_token = on_token;
     r.decoder.emplace(*tokenizer, false);
     r.result.prompt_ids = prompt;
-    r.tokens.reserve(size_t(prompt_len + params.max_tokens));
+    r.tokens.reserve(size_t(std::min(prompt_len + params.max_tokens, max_model_len())));
     return r.id;
   }
 
@@ -371,7 +369,7 @@ struct Engine::Impl {
   void finish(detail::EngineRequest& r, FinishReason reason) {
     retire(r);
     r.result.finish_reason = reason;
-    if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens) {
+    if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens || reason == FinishReason::length) {
       // Whatever was held back (a potential stop string's start, an incomplete character) is final now.
       r.text += r.decoder->flush();
       if (r.emitted < r.text.size()) emit(r, r.text.size(), -1);
@@ -406,6 +404,7 @@ struct Engine::Impl {
         }
     if (!emit(r, r.text.size() - hold, id)) return finish(r, FinishReason::callback);
     if (int64_t(r.result.ids.size()) >= r.params.max_tokens) return finish(r, FinishReason::max_tokens);
+    if (int64_t(r.tokens.size()) >= max_model_len()) return finish(r, FinishReason::length);
   }
 
   // Every unfinished request ends (cancel, or an error mid-step): pages and slots go back to the pool.

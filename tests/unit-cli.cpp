@@ -248,10 +248,16 @@ TEST_CASE("generate --chat formats the prompt in the model's chat format") {
   CHECK_MESSAGE(contains(run.err, std::to_string(chat["input_ids"].size()) + " prompt"), run.err);
 }
 
-TEST_CASE("generate refuses what cannot fit (exit 1) and bad sampling options (exit 2)") {
+TEST_CASE("generate stops at a full context (length), refuses a prompt that cannot fit (exit 1) and bad options (exit 2)") {
   const std::string dir = model_fixtures::dir("tiny-qwen3");
-  Run too_long = run_kvlite({"generate", dir, "--prompt", "hi", "--max-tokens", "100", "--max-model-len", "64",
-                             "--device-mem", "64MiB"});
+  Run full = run_kvlite({"generate", dir, "--prompt", "hi", "--max-tokens", "100", "--max-model-len", "64",
+                         "--device-mem", "64MiB"});  // (the random fixture never says eos in 63 tokens)
+  CHECK(full.status == 0);
+  CHECK_MESSAGE(contains(full.err, "1 prompt + 63 generated tokens"), full.err);
+  CHECK_MESSAGE(contains(full.err, "(length)"), full.err);
+  std::string long_prompt;
+  for (int i = 0; i < 80; i++) long_prompt += " hi";
+  Run too_long = run_kvlite({"generate", dir, "--prompt", long_prompt, "--max-model-len", "64", "--device-mem", "64MiB"});
   CHECK(too_long.status == 1);
   CHECK(too_long.out.empty());
   CHECK_MESSAGE(contains(too_long.err, "max_model_len is 64"), too_long.err);

@@ -126,26 +126,43 @@ TEST_CASE("under page pressure the newest request is preempted and recomputed wi
   }
 }
 
-TEST_CASE("a request that cannot fit is refused up front with the numbers") {
+TEST_CASE("a request that runs out of context finishes with `length`; a prompt that cannot fit is refused up front") {
   EngineOptions options;
   options.plan.max_model_len = 64;
   auto engine = fx::open("tiny-qwen2", options);
   std::vector<int32_t> prompt = prompts("tiny-qwen2")[2].ids;  // 38 tokens
   REQUIRE(prompt.size() == 38);
 
-  auto refused = engine->submit(prompt, greedy(27));  // 38 + 27 = 65 > 64
+  // 38 + 27 = 65 > 64: generates until the context is full (26 tokens), as vLLM and transformers do
+  SamplingParams no_stop = greedy(27);
+  no_stop.ignore_eos = true;
+  auto full = engine->generate(prompt, no_stop);
+  REQUIRE_MESSAGE(full, full.error().message);
+  CHECK(full->finish_reason == FinishReason::length);
+  CHECK(std::string(finish_reason_name(full->finish_reason)) == "length");
+  REQUIRE(full->ids.size() == 26);
+  SamplingParams exact = greedy(26);
+  exact.ignore_eos = true;
+  auto fits = engine->generate(prompt, exact);  // 64: fits, and stops at max_tokens first
+  REQUIRE(fits);
+  CHECK(fits->finish_reason == FinishReason::max_tokens);
+  CHECK(fits->ids == full->ids);
+  check_pool_empty(*engine);
+
+  // a prompt that leaves no room for one output token
+  std::vector<int32_t> whole(64, prompt[0]);
+  auto refused = engine->submit(whole, greedy(1));
   REQUIRE_FALSE(refused);
   CHECK(refused.error().code == ErrorCode::does_not_fit);
   const std::string& message = refused.error().message;
-  CHECK(message.find("38 prompt tokens") != std::string::npos);
-  CHECK(message.find("max_tokens 27") != std::string::npos);
+  CHECK(message.find("a prompt of 64 tokens") != std::string::npos);
   CHECK(message.find("max_model_len is 64") != std::string::npos);
-  CHECK(message.find("at most 26") != std::string::npos);
-  CHECK(engine->submit(prompt, greedy(26)));  // 64: fits
-
-  auto generation = engine->generate(prompt, greedy(27));
-  REQUIRE_FALSE(generation);
-  CHECK(generation.error().code == ErrorCode::does_not_fit);
+  CHECK(message.find("below 64 tokens") != std::string::npos);
+  std::vector<int32_t> almost(63, prompt[0]);
+  auto one = engine->generate(almost, no_stop);
+  REQUIRE(one);
+  CHECK(one->ids.size() == 1);
+  CHECK(one->finish_reason == FinishReason::length);
 
   std::vector<int32_t> long_ids(65, prompt[0]);
   auto logits = engine->logits(long_ids);
