@@ -7876,11 +7876,12 @@ inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& optio
   if (claimed && (width <= 0 || height <= 0))
     fail(ErrorCode::bad_format, format("%s: the %s header claims %lld x %lld pixels; an image needs at least 1 x 1",
                                        name.c_str(), format_name, (long long)width, (long long)height));
-  if (claimed && width * height > options.max_pixels)
+  // (compared by division: a PNG header's two 32-bit sides multiply past 2^63)
+  if (claimed && width > options.max_pixels / height)
     fail(ErrorCode::invalid_argument,
-         format("%s: %s of %lld x %lld = %s is over the decode limit of %s (DecodeOptions::max_pixels = %lld); "
-                "refused before decoding. Downscale it, or raise the limit if the image is genuine",
-                name.c_str(), format_name, (long long)width, (long long)height, megapixels(width * height).c_str(),
+         format("%s: %s of %lld x %lld = %.1f megapixels is over the decode limit of %s (DecodeOptions::max_pixels = "
+                "%lld); refused before decoding. Downscale it, or raise the limit if the image is genuine",
+                name.c_str(), format_name, (long long)width, (long long)height, double(width) * double(height) / 1e6,
                 megapixels(options.max_pixels).c_str(), (long long)options.max_pixels));
   if (!header_ok)
     fail(ErrorCode::bad_format,

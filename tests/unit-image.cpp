@@ -588,3 +588,19 @@ TEST_CASE("JPEG: a header over the pixel limit is refused before decoding") {
   small.max_pixels = 300 * 200;
   CHECK(decode_image(photo.data(), photo.size(), small, "photo.jpg").ok());
 }
+
+// Found by tests/fuzz/fuzz_image.cpp: a PNG header claiming 2,934,785,544 x 4,188,368,203 pixels made the
+// pixel-limit check multiply the two sides past 2^63 (UBSan: signed integer overflow) before refusing it.
+TEST_CASE("regression: a PNG header's sides overflowed the pixel-limit product") {
+  const std::vector<uint8_t> png = read_bytes(std::string(KVLITE_SOURCE_DIR) +
+                                              "/tests/fuzz/crashes/image/png-dimensions-product-overflow");
+  auto image = decode_image(png.data(), png.size(), {}, "huge.png");
+  REQUIRE_FALSE(image.ok());
+  CHECK(image.error().code != ErrorCode::internal);
+  // and a well-formed header claiming 2^31 - 1 on both sides is refused by the limit, before decoding
+  std::vector<uint8_t> header = {0x89, 'P', 'N', 'G', 0x0D, 0x0A, 0x1A, 0x0A, 0, 0, 0, 13, 'I', 'H', 'D', 'R',
+                                 0x7F, 0xFF, 0xFF, 0xFF, 0x7F, 0xFF, 0xFF, 0xFF, 8, 2, 0, 0, 0, 0, 0, 0, 0};
+  auto claimed = decode_image(header.data(), header.size(), {}, "claims.png");
+  REQUIRE_FALSE(claimed.ok());
+  CHECK(claimed.error().code != ErrorCode::internal);
+}
