@@ -1296,6 +1296,10 @@ enum class KVDType { auto_, bf16, f16, fp8, f32 };
 const char* kv_dtype_name(KVDType dtype);
 Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8" | "f32"
 int kv_dtype_bytes(KVDType dtype);  // 2, 1 for fp8, 4 for f32 (auto must be resolved first)
+// Whether the engine on `backend` can store its KV cache as `dtype` (the backends' supports(kv_write) and
+// supports(attention), which a test keeps in step): the planner advises only KV dtypes the engine can run.
+// fp8 is planned (its bytes and the context it would allow are in the plan) but no backend stores it yet.
+bool kv_dtype_storable(BackendKind backend, KVDType dtype);
 
 struct PlanOptions {
   // Plan for a card of this size instead of the one present. Read by plan_model_dir (through
@@ -8271,6 +8275,8 @@ Result<KVDType> parse_kv_dtype(const std::string& text) {
 
 int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : dtype == KVDType::f32 ? 4 : 2; }
 
+bool kv_dtype_storable(BackendKind, KVDType dtype) { return dtype != KVDType::fp8; }
+
 namespace detail {
 namespace planning {
 
@@ -8776,7 +8782,8 @@ void write_advice(const Inputs& in, Plan& plan) {
                                  format_bytes(total_needed - in.device.total_bytes).c_str(),
                                  format_bytes(in.device.total_bytes).c_str()));
   }
-  if (o.kv_dtype != KVDType::fp8 && plan.max_model_len_that_fits_fp8_kv > plan.max_model_len_that_fits)
+  if (o.kv_dtype != KVDType::fp8 && plan.max_model_len_that_fits_fp8_kv > plan.max_model_len_that_fits &&
+      kv_dtype_storable(in.device.backend, KVDType::fp8))
     plan.advice.push_back(format("With --kv-dtype fp8: max_model_len up to %lld (KV %s per token instead of %s)%s.",
                                  (long long)plan.max_model_len_that_fits_fp8_kv,
                                  format_bytes(plan.kv_bytes_per_token / 2).c_str(),
@@ -8793,10 +8800,15 @@ void write_advice(const Inputs& in, Plan& plan) {
                                    "too little for KV.", (long long)plan.max_model_len,
                                    format_count(smallest_image_pixels(in.config)).c_str()));
   }
-  if (plan.weights_bytes >= plan.budget_bytes)
-    plan.advice.push_back(format("The weights alone (%s) exceed the %s budget: use a quantized checkpoint (W4A16 or "
-                                 "FP8) or a larger card.", format_bytes(plan.weights_bytes).c_str(),
-                                 format_bytes(plan.budget_bytes).c_str()));
+  if (plan.weights_bytes >= plan.budget_bytes) {
+    // A model that is already quantized is not told to quantize: only a larger card (or budget) helps.
+    const bool quantized = std::any_of(in.weights.linears.begin(), in.weights.linears.end(),
+                                       [](const LinearDesc& l) { return l.format != WeightFormat::dense; });
+    plan.advice.push_back(format("The weights alone (%s) exceed the %s budget: %s.", format_bytes(plan.weights_bytes).c_str(),
+                                 format_bytes(plan.budget_bytes).c_str(),
+                                 quantized ? "this checkpoint is already quantized, so it needs a larger card"
+                                           : "use a quantized checkpoint (W4A16 or FP8) or a larger card"));
+  }
   if (in.device.backend == BackendKind::cuda && in.device.wsl2)
     plan.advice.push_back(format("WSL2: the CUDA context is planned at 1024 MiB instead of 384 MiB (the paravirtualized "
                                  "driver reserves more, and pinned host memory is limited); native Linux leaves %s "
@@ -9127,7 +9139,7 @@ std::string Plan::table() const {
   rows.push_back({"concurrency", format("%.2f", concurrency),
                   format("sequences of %lld tokens the KV arena holds at once", (long long)max_model_len)});
   rows.push_back({"verdict", fits ? "FITS" : "DOES NOT FIT",
-                  fits ? format("arena %s + context %s", format_bytes(arena_bytes()).c_str(),
+                  fits ? format("arena %s + outside the arena %s", format_bytes(arena_bytes()).c_str(),
                                 format_bytes(fixed_bytes + kv_arena_bytes - arena_bytes()).c_str())
                        : format("short by %s", format_bytes(uint64_t(shortfall_bytes)).c_str())});
 

@@ -12,6 +12,10 @@ enum class KVDType { auto_, bf16, f16, fp8, f32 };
 const char* kv_dtype_name(KVDType dtype);
 Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8" | "f32"
 int kv_dtype_bytes(KVDType dtype);  // 2, 1 for fp8, 4 for f32 (auto must be resolved first)
+// Whether the engine on `backend` can store its KV cache as `dtype` (the backends' supports(kv_write) and
+// supports(attention), which a test keeps in step): the planner advises only KV dtypes the engine can run.
+// fp8 is planned (its bytes and the context it would allow are in the plan) but no backend stores it yet.
+bool kv_dtype_storable(BackendKind backend, KVDType dtype);
 
 struct PlanOptions {
   // Plan for a card of this size instead of the one present. Read by plan_model_dir (through

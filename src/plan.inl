@@ -63,6 +63,8 @@ Result<KVDType> parse_kv_dtype(const std::string& text) {
 
 int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : dtype == KVDType::f32 ? 4 : 2; }
 
+bool kv_dtype_storable(BackendKind, KVDType dtype) { return dtype != KVDType::fp8; }
+
 namespace detail {
 namespace planning {
 
@@ -568,7 +570,8 @@ void write_advice(const Inputs& in, Plan& plan) {
                                  format_bytes(total_needed - in.device.total_bytes).c_str(),
                                  format_bytes(in.device.total_bytes).c_str()));
   }
-  if (o.kv_dtype != KVDType::fp8 && plan.max_model_len_that_fits_fp8_kv > plan.max_model_len_that_fits)
+  if (o.kv_dtype != KVDType::fp8 && plan.max_model_len_that_fits_fp8_kv > plan.max_model_len_that_fits &&
+      kv_dtype_storable(in.device.backend, KVDType::fp8))
     plan.advice.push_back(format("With --kv-dtype fp8: max_model_len up to %lld (KV %s per token instead of %s)%s.",
                                  (long long)plan.max_model_len_that_fits_fp8_kv,
                                  format_bytes(plan.kv_bytes_per_token / 2).c_str(),
@@ -585,10 +588,15 @@ void write_advice(const Inputs& in, Plan& plan) {
                                    "too little for KV.", (long long)plan.max_model_len,
                                    format_count(smallest_image_pixels(in.config)).c_str()));
   }
-  if (plan.weights_bytes >= plan.budget_bytes)
-    plan.advice.push_back(format("The weights alone (%s) exceed the %s budget: use a quantized checkpoint (W4A16 or "
-                                 "FP8) or a larger card.", format_bytes(plan.weights_bytes).c_str(),
-                                 format_bytes(plan.budget_bytes).c_str()));
+  if (plan.weights_bytes >= plan.budget_bytes) {
+    // A model that is already quantized is not told to quantize: only a larger card (or budget) helps.
+    const bool quantized = std::any_of(in.weights.linears.begin(), in.weights.linears.end(),
+                                       [](const LinearDesc& l) { return l.format != WeightFormat::dense; });
+    plan.advice.push_back(format("The weights alone (%s) exceed the %s budget: %s.", format_bytes(plan.weights_bytes).c_str(),
+                                 format_bytes(plan.budget_bytes).c_str(),
+                                 quantized ? "this checkpoint is already quantized, so it needs a larger card"
+                                           : "use a quantized checkpoint (W4A16 or FP8) or a larger card"));
+  }
   if (in.device.backend == BackendKind::cuda && in.device.wsl2)
     plan.advice.push_back(format("WSL2: the CUDA context is planned at 1024 MiB instead of 384 MiB (the paravirtualized "
                                  "driver reserves more, and pinned host memory is limited); native Linux leaves %s "
@@ -919,7 +927,7 @@ std::string Plan::table() const {
   rows.push_back({"concurrency", format("%.2f", concurrency),
                   format("sequences of %lld tokens the KV arena holds at once", (long long)max_model_len)});
   rows.push_back({"verdict", fits ? "FITS" : "DOES NOT FIT",
-                  fits ? format("arena %s + context %s", format_bytes(arena_bytes()).c_str(),
+                  fits ? format("arena %s + outside the arena %s", format_bytes(arena_bytes()).c_str(),
                                 format_bytes(fixed_bytes + kv_arena_bytes - arena_bytes()).c_str())
                        : format("short by %s", format_bytes(uint64_t(shortfall_bytes)).c_str())});
 

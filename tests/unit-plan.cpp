@@ -859,6 +859,7 @@ TEST_CASE("planning takes milliseconds") {
 namespace {
 const std::string kShippedQwenVL = std::string(KVLITE_SOURCE_DIR) + "/models/qwen3-vl-4b-instruct-fp8";
 const std::string kShippedLlama = std::string(KVLITE_SOURCE_DIR) + "/models/llama-3.1-8b-instruct-w4a16";
+const std::string kShippedQwen = std::string(KVLITE_SOURCE_DIR) + "/models/qwen3-4b";
 
 PlanInputs shipped(const std::string& dir) {
   auto inputs = read_plan_inputs(dir);
@@ -1036,4 +1037,35 @@ TEST_CASE("a CUDA plan's weights region holds the checkpoint as the GPU stores i
       CHECK(p.upload_chunk_bytes == kCudaUploadChunkBytes);
     }
   }
+}
+
+// Issue 14: advice only what the engine can do, and never what the model already is.
+TEST_CASE("advice: no KV dtype the backends cannot store, no quantizing an already quantized model") {
+  // kv_dtype_storable is what the backends say: the CPU backend's supports() for every KV dtype
+  auto cpu = make_cpu_backend();
+  REQUIRE(cpu.ok());
+  const std::vector<std::pair<KVDType, DType>> dtypes = {
+      {KVDType::f32, DType::F32}, {KVDType::bf16, DType::BF16}, {KVDType::f16, DType::F16}, {KVDType::fp8, DType::F8_E4M3}};
+  for (const auto& kv : dtypes) {
+    CAPTURE(kv_dtype_name(kv.first));
+    const bool stored = (*cpu)->supports(Op::kv_write, kv.second) && (*cpu)->supports(Op::attention, kv.second);
+    CHECK(kv_dtype_storable(BackendKind::cpu, kv.first) == stored);
+  }
+  PlanInputs llama = shipped(kShippedLlama);  // W4A16
+  Plan small = plan_for(llama, planned_card(3 * GiB, false), options_with(0.90, 4096));
+  REQUIRE_FALSE(small.fits);
+  bool already = false;
+  for (const std::string& line : small.advice) {
+    CAPTURE(line);
+    CHECK(line.find("use a quantized checkpoint") == std::string::npos);
+    CHECK((line.find("--kv-dtype fp8") == std::string::npos || kv_dtype_storable(BackendKind::cuda, KVDType::fp8)));
+    already = already || line.find("already quantized") != std::string::npos;
+  }
+  CHECK(already);
+  PlanInputs dense = shipped(kShippedQwen);  // BF16
+  Plan dense_small = plan_for(dense, planned_card(4 * GiB, false), options_with(0.90, 4096));
+  REQUIRE_FALSE(dense_small.fits);
+  bool suggested = false;
+  for (const std::string& line : dense_small.advice) suggested = suggested || line.find("use a quantized checkpoint") != std::string::npos;
+  CHECK(suggested);
 }
