@@ -2,17 +2,9 @@
 // formats, encoded, and the image placeholders in the result placed with fuzzed image grids (M-RoPE).
 #include "fuzz_support.hpp"
 
-namespace {
-const kvlite::Tokenizer& tokenizer(int which) {
-  static const kvlite::Tokenizer qwen = kvlite::Tokenizer::load(fuzz::source_dir() + "/tests/fixtures/tokenizers/qwen2").value();
-  static const kvlite::Tokenizer llama = kvlite::Tokenizer::load(fuzz::source_dir() + "/tests/fixtures/tokenizers/llama3").value();
-  return which ? llama : qwen;
-}
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fuzz::Bytes in{data, size};
-  const kvlite::Tokenizer& t = tokenizer(in.byte() & 1);
+  const kvlite::Tokenizer& t = fuzz::fixture_tokenizer(in.byte() & 1);
   std::vector<kvlite::ChatMessage> messages;
   const int count = in.byte() % 6;
   for (int i = 0; i < count; i++) {

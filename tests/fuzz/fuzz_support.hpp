@@ -44,4 +44,11 @@ inline std::string source_dir() {
   return dir ? dir : KVLITE_SOURCE_DIR;
 }
 
+// The real Qwen2 (0) and Llama-3 (1) tokenizers of tests/fixtures/tokenizers, loaded once.
+inline const kvlite::Tokenizer& fixture_tokenizer(int which) {
+  static const kvlite::Tokenizer qwen = kvlite::Tokenizer::load(source_dir() + "/tests/fixtures/tokenizers/qwen2").value();
+  static const kvlite::Tokenizer llama = kvlite::Tokenizer::load(source_dir() + "/tests/fixtures/tokenizers/llama3").value();
+  return which ? llama : qwen;
+}
+
 }  // namespace fuzz

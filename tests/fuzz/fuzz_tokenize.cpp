@@ -3,18 +3,10 @@
 // normalizes (Qwen2) and == x where it does not (Llama-3), streamed or whole.
 #include "fuzz_support.hpp"
 
-namespace {
-const kvlite::Tokenizer& tokenizer(int which) {
-  static const kvlite::Tokenizer qwen = kvlite::Tokenizer::load(fuzz::source_dir() + "/tests/fixtures/tokenizers/qwen2").value();
-  static const kvlite::Tokenizer llama = kvlite::Tokenizer::load(fuzz::source_dir() + "/tests/fixtures/tokenizers/llama3").value();
-  return which ? llama : qwen;
-}
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fuzz::Bytes in{data, size};
   const int which = in.byte() & 1;
-  const kvlite::Tokenizer& t = tokenizer(which);
+  const kvlite::Tokenizer& t = fuzz::fixture_tokenizer(which);
   const std::string text = in.rest();
   auto ids = t.encode(text, false);
   fuzz::expect_typed(ids, "encode");
