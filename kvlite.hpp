@@ -9,8 +9,8 @@
    it plainly. With CMake, link the target kvlite::kvlite instead (add_subdirectory or find_package), which
    does that for you and also compiles kernels.cu when a CUDA toolkit is present.
 
-   The implementation needs nlohmann/json, PCRE2 and stb_image (Debian: nlohmann-json3-dev, libpcre2-dev,
-   libstb-dev). The declarations need only the C++17 standard library.
+   The implementation needs nlohmann/json, PCRE2, libjpeg-turbo and stb_image (Debian: nlohmann-json3-dev,
+   libpcre2-dev, libturbojpeg0-dev, libstb-dev). The declarations need only the C++17 standard library.
 
    EXAMPLE: plan, then generate and score
 
@@ -20,7 +20,7 @@
       auto plan = kvlite::plan_model_dir("models/qwen3-vl-4b-instruct-fp8", plan_options);
       if (plan) printf("%s", plan->table().c_str());   // where every byte goes, and what would fit
 
-      kvlite::EngineOptions options;             // the CPU reference engine (CUDA: being built)
+      kvlite::EngineOptions options;             // the CPU reference engine (BackendChoice::cuda: see LIMITATIONS)
       options.plan.max_model_len = 2048;
       auto engine = kvlite::Engine::open("path/to/Qwen3-4B", options);   // plan, one arena, mmap'd weights
       if (!engine) { fprintf(stderr, "%s\n", engine.error().message.c_str()); return 1; }
@@ -42,7 +42,11 @@
       - Tokenizes as Hugging Face tokenizers do (byte-level BPE, PCRE2 regexes, NFC, chat formats for ChatML
         and Llama-3), generates with continuous batching over the paged KV cache, samples (greedy,
         temperature, top-k, top-p, min-p, repetition penalty, seed) and scores perplexity with sliding windows.
-      - Decodes images with stb_image and preprocesses them exactly as Qwen's image processor does.
+      - Decodes images (JPEG with libjpeg-turbo as PIL and torchvision do; PNG, BMP, TGA, GIF, PNM with
+        stb_image) and preprocesses them exactly as Qwen's image processor does; runs the Qwen3-VL vision
+        encoder with DeepStack and M-RoPE.
+      - Treats every input as hostile: sizes from files and callers are bounded by named limits (CONFIGURATION)
+        before anything is allocated, size arithmetic is overflow-checked, and every parser is fuzzed.
 
    ARCHITECTURE (each floor uses only those below it)
       api / engine     requests, continuous batching, KV page ownership, sampling, scoring, cancel
@@ -61,14 +65,20 @@
       boundary, never aborts and never exits.
 
    LIMITATIONS (v0.1)
-      - Generation runs on the CPU reference backend; the CUDA backend in kernels.cu compiles but is not wired.
-      - FP8 and W4A16 checkpoints are read and planned, not yet computed; Qwen3-VL images are preprocessed,
-        the vision encoder is being built.
+      - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL images). The
+        CUDA backend (engine, quantized GEMMs, graphs, sampling, vision kernels) compiles for every target but
+        has not yet run on a GPU, and the engine on it refuses images.
+      - The KV cache is stored as f32, bf16 or f16; fp8 KV is planned but no backend stores it yet.
       - Linux (including WSL2) only: uses mmap and sysconf.
 
    CONFIGURATION
       KVLITE_IMPLEMENTATION   compile the implementation in this translation unit
       KVLITE_WITH_CUDA        set by the build when kernels.cu is compiled and linked
+      KVLITE_MAX_*            limits on untrusted input, defined before the include in the implementation
+                              file to raise one: MODEL_LAYERS, MODEL_WIDTH, MODEL_HEADS, HEAD_DIM, VOCAB,
+                              POSITIONS, VISION_PATCH, VISION_POSITIONS, VISION_GRID_SIDE, PROCESSOR_PIXELS,
+                              JSON_BYTES, JSON_DEPTH, TOKEN_ID_GAP, PROMPT_BYTES, CHAT_MESSAGES (defaults and
+                              reasons beside each #define, and in README.md "Security and limits")
 
    LICENSE: MIT (see the end of README.md).
 */
