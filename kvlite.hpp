@@ -80,7 +80,7 @@
                               JSON_BYTES, JSON_DEPTH, TOKEN_ID_GAP, PROMPT_BYTES, CHAT_MESSAGES (defaults and
                               reasons beside each #define, and in README.md "Security and limits")
 
-   LICENSE: MIT (see the end of README.md).
+   LICENSE: MIT (see the LICENSE file).
 */
 #ifndef KVLITE_HPP_INCLUDED
 #define KVLITE_HPP_INCLUDED

@@ -9,8 +9,9 @@
 set -euo pipefail
 build=${1:-build}
 root=$(cd "$(dirname "$0")/.." && pwd)
-kvlite="$root/$build/kvlite"
-caption_image="$root/$build/caption_image"
+case "$build" in /*) ;; *) build="$root/$build" ;; esac  # an absolute build directory is taken as it is
+kvlite="$build/kvlite"
+caption_image="$build/caption_image"
 captioner="$root/models/kvlite-captioner"
 examples="$root/examples/images"
 for tool in "$kvlite" "$caption_image"; do
@@ -40,9 +41,9 @@ for format in bf16 fp8 w4a16; do
   while IFS=$'\t' read -r image expected; do
     [ -n "$image" ] || continue
     status=0
-    caption=$("$caption_image" "$dir" "$examples/$image" 2>"$root/$build/demo.stderr") || status=$?
+    caption=$("$caption_image" "$dir" "$examples/$image" 2>"$build/demo.stderr") || status=$?
     if [ "$status" -ne 0 ]; then
-      message=$(tail -n 1 "$root/$build/demo.stderr")
+      message=$(tail -n 1 "$build/demo.stderr")
       if [ "$format" != bf16 ] && [[ "$message" == *"(unsupported)"* ]]; then
         skipped=$message
         break
@@ -68,7 +69,7 @@ for format in bf16 fp8 w4a16; do
     echo "  $right of $total captions right"
   fi
 done
-rm -f "$root/$build/demo.stderr"
+rm -f "$build/demo.stderr"
 
 shopt -s nullglob
 for config in "$root"/models/*/config.json; do
