@@ -146,6 +146,10 @@ struct ModelConfig {
   int64_t image_token_id = -1, video_token_id = -1, vision_start_token_id = -1, vision_end_token_id = -1;
   // Image budget from preprocessor_config.json (min/max pixel counts), when the directory has one.
   int64_t min_pixels = 0, max_pixels = 0;
+  // Normalization from preprocessor_config.json (Qwen's published values when absent): pixel x rescale_factor,
+  // then (x - mean) / std per channel.
+  double image_mean[3] = {0.5, 0.5, 0.5}, image_std[3] = {0.5, 0.5, 0.5};
+  double rescale_factor = 1.0 / 255.0;
   std::string origin;  // the config.json path, for messages
 
   // Weight-name prefix of the language model: "model." or, for qwen3_vl, "model.language_model.".

@@ -637,6 +637,48 @@ Result<ModelConfig> load_config(const std::string& model_dir) {
       }
       config.min_pixels = root.bounded_or("min_pixels", config.min_pixels, kPixels, kPixelsMacro);
       config.max_pixels = root.bounded_or("max_pixels", config.max_pixels, kPixels, kPixelsMacro);
+      // Every other key the Qwen2-VL / Qwen3-VL image processor reads is used, or refused naming the key and
+      // what kvlite supports: never ignored (a CLIP mean/std ignored moved logits 0.4 relative, silently).
+      for (const char* name : {"image_mean", "image_std"}) {
+        double* out = std::string(name) == "image_mean" ? config.image_mean : config.image_std;
+        const nlohmann::json* v = root.find(name);
+        if (!v || v->is_null()) continue;
+        std::vector<double> values;
+        if (v->is_number()) values.assign(3, v->get<double>());
+        else if (v->is_array() && v->size() == 3 && std::all_of(v->begin(), v->end(), [](const nlohmann::json& x) { return x.is_number(); }))
+          for (const auto& x : *v) values.push_back(x.get<double>());
+        else
+          root.fail_key(ErrorCode::bad_format, name, detail::format("must be a number or 3 numbers (R, G, B), not %s", v->dump().c_str()));
+        for (size_t c = 0; c < 3; c++) {
+          if (!std::isfinite(values[c]) || (out == config.image_std && values[c] == 0.0))
+            root.fail_key(ErrorCode::bad_format, detail::format("%s[%zu]", name, c),
+                          detail::format("is %g: it must be finite%s", values[c], out == config.image_std ? " and non-zero" : ""));
+          out[c] = values[c];
+        }
+      }
+      config.rescale_factor = root.number_or("rescale_factor", config.rescale_factor);
+      if (!(config.rescale_factor > 0.0) || !std::isfinite(config.rescale_factor))
+        root.fail_key(ErrorCode::bad_format, "rescale_factor", detail::format("is %g: it must be positive", config.rescale_factor));
+      for (const char* flag : {"do_resize", "do_rescale", "do_normalize", "do_convert_rgb"})
+        if (!root.bool_or(flag, true))
+          root.fail_key(ErrorCode::unsupported, flag,
+                        "is false; kvlite's image path always resizes, rescales, normalizes and converts to RGB as "
+                        "Qwen-VL checkpoints are published (true or absent is supported)");
+      if (const nlohmann::json* resample = root.find("resample"); resample && !resample->is_null() &&
+                                                                  !(resample->is_number_integer() && resample->get<int64_t>() == 3))
+        root.fail_key(ErrorCode::unsupported, "resample",
+                      detail::format("is %s; kvlite resizes with antialiased bicubic (3), as Qwen-VL's processor does",
+                                     resample->dump().c_str()));
+      if (config.vision.present) {
+        const std::pair<const char*, int64_t> sizes[] = {{"patch_size", config.vision.patch_size},
+                                                         {"temporal_patch_size", config.vision.temporal_patch_size},
+                                                         {"merge_size", config.vision.spatial_merge_size}};
+        for (const auto& size : sizes)
+          if (std::optional<int64_t> given = root.optional_int(size.first); given && *given != size.second)
+            root.fail_key(ErrorCode::bad_format, size.first,
+                          detail::format("is %lld but config.json's vision_config says %lld: the processor and the "
+                                         "vision tower must agree", (long long)*given, (long long)size.second));
+      }
       if (config.min_pixels && config.max_pixels && config.min_pixels > config.max_pixels)
         detail::fail(ErrorCode::bad_format,
                      detail::format("%s: the minimum pixel count %lld is larger than the maximum %lld",

@@ -628,6 +628,11 @@ PreprocessOptions preprocess_options(const ModelConfig& config) {
   PreprocessOptions options;
   if (config.min_pixels > 0) options.min_pixels = config.min_pixels;
   if (config.max_pixels > 0) options.max_pixels = config.max_pixels;
+  options.rescale_factor = config.rescale_factor;
+  for (size_t c = 0; c < 3; c++) {
+    options.image_mean[c] = config.image_mean[c];
+    options.image_std[c] = config.image_std[c];
+  }
   if (config.vision.present) {
     options.patch_size = config.vision.patch_size;
     options.merge_size = config.vision.spatial_merge_size;

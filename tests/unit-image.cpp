@@ -11,6 +11,7 @@
 
 #include "kvlite.hpp"
 #include "model_fixtures.hpp"
+#include "safetensors_writer.hpp"
 
 using namespace kvlite;
 using nlohmann::json;
@@ -603,4 +604,69 @@ TEST_CASE("regression: a PNG header's sides overflowed the pixel-limit product")
   auto claimed = decode_image(header.data(), header.size(), {}, "claims.png");
   REQUIRE_FALSE(claimed.ok());
   CHECK(claimed.error().code != ErrorCode::internal);
+}
+
+// Issue 16: preprocessor_config.json honoured in full. image_mean / image_std were ignored (0.5 hard-coded): a
+// checkpoint with CLIP's values got logits 0.4 relative off, silently. tools/make_processor_fixtures.py ran
+// transformers' processor with CLIP's values on photo_67x45.png.
+TEST_CASE("preprocessor_config.json: CLIP's image_mean / image_std and rescale_factor give transformers' pixel_values") {
+  const std::string dir = kDir + "clip-processor";
+  auto config = load_config(dir);
+  REQUIRE_MESSAGE(config.ok(), config.error().message);
+  CHECK(config->image_mean[0] == 0.48145466);
+  CHECK(config->image_std[2] == 0.27577711);
+  const PreprocessOptions options = preprocess_options(*config);
+  auto image = load_image(kDir + "photo_67x45.png");
+  REQUIRE(image.ok());
+  auto input = preprocess_image(*image, options);
+  REQUIRE_MESSAGE(input.ok(), input.error().message);
+  const model_fixtures::Npy expected = model_fixtures::read_npy(dir + "/photo_67x45.pixel_values.npy");
+  REQUIRE(input->pixel_values.size() == expected.values.size());
+  CHECK(input->pixel_values == expected.values);  // bit for bit
+  // Qwen's 0.5 would not do: the fixture tells the two apart
+  PreprocessOptions qwen = options;
+  qwen.image_mean = {{0.5, 0.5, 0.5}};
+  qwen.image_std = {{0.5, 0.5, 0.5}};
+  CHECK(preprocess_image(*image, qwen)->pixel_values != expected.values);
+}
+
+TEST_CASE("preprocessor_config.json: values kvlite cannot honour are refused, naming the key") {
+  const std::string source = kDir + "clip-processor";
+  const std::string dir = testing_safetensors::temp_dir("processor-refusals");
+  std::ofstream(dir + "/config.json") << model_fixtures::read_file(source + "/config.json");
+  const nlohmann::json good = nlohmann::json::parse(model_fixtures::read_file(source + "/preprocessor_config.json"));
+  struct Case {
+    const char* key;
+    nlohmann::json value;
+    ErrorCode code;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"do_normalize", false, ErrorCode::unsupported, "do_normalize is false"},
+      {"do_rescale", false, ErrorCode::unsupported, "do_rescale is false"},
+      {"do_resize", false, ErrorCode::unsupported, "do_resize is false"},
+      {"do_convert_rgb", false, ErrorCode::unsupported, "do_convert_rgb is false"},
+      {"resample", 2, ErrorCode::unsupported, "resample is 2"},
+      {"image_mean", {0.5, 0.5}, ErrorCode::bad_format, "image_mean must be a number or 3 numbers"},
+      {"image_std", {0.5, 0.0, 0.5}, ErrorCode::bad_format, "image_std[1] is 0"},
+      {"rescale_factor", -1.0, ErrorCode::bad_format, "rescale_factor is -1"},
+      {"patch_size", 14, ErrorCode::bad_format, "patch_size is 14 but config.json's vision_config says 16"},
+      {"merge_size", 4, ErrorCode::bad_format, "merge_size is 4"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.key);
+    nlohmann::json edited = good;
+    edited[c.key] = c.value;
+    std::ofstream(dir + "/preprocessor_config.json", std::ios::trunc) << edited.dump();
+    auto config = load_config(dir);
+    REQUIRE_FALSE(config.ok());
+    CHECK(config.error().code == c.code);
+    CHECK_MESSAGE(config.error().message.find(c.message) != std::string::npos, config.error().message);
+  }
+  nlohmann::json scalar = good;
+  scalar["image_mean"] = 0.25;  // one number for every channel, as the processor accepts
+  std::ofstream(dir + "/preprocessor_config.json", std::ios::trunc) << scalar.dump();
+  auto config = load_config(dir);
+  REQUIRE_MESSAGE(config.ok(), config.error().message);
+  CHECK(config->image_mean[2] == 0.25);
 }
