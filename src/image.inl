@@ -1,5 +1,6 @@
 // image: implementation.
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cmath>
@@ -403,6 +404,26 @@ inline Image decode_jpeg(const uint8_t* data, size_t size, const DecodeOptions& 
   return image;
 }
 
+// stb_image 2.27 reads a PNM header's numbers into an int without a bound (signed overflow, UB, on
+// "P6 888888888888"; found by tests/fuzz/fuzz_image.cpp). The header is read here first, as stb reads it
+// (whitespace, # comments, decimal width, height, maxval), and a number of more than 9 digits is refused.
+inline void check_pnm_header(const uint8_t* d, size_t n, const std::string& name) {
+  size_t i = 2;  // after "P5" / "P6"
+  for (const char* field : {"width", "height", "maxval"}) {
+    while (i < n && (isspace(d[i]) || d[i] == '#')) {
+      if (d[i] == '#')
+        while (i < n && d[i] != '\n' && d[i] != '\r') i++;
+      else
+        i++;
+    }
+    size_t digits = 0;
+    while (i < n && d[i] >= '0' && d[i] <= '9') i++, digits++;
+    if (digits > 9)
+      fail(ErrorCode::bad_format, format("%s: the PNM header's %s has %zu digits; kvlite reads at most 9 (a corrupt "
+                                         "or hostile file)", name.c_str(), field, digits));
+  }
+}
+
 inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& options, const std::string& name) {
   if (!data || size == 0) fail(ErrorCode::bad_format, format("%s: no image data (0 bytes)", name.c_str()));
   if (options.max_pixels <= 0)
@@ -417,6 +438,7 @@ inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& optio
                                         name.c_str(), sniffed.name, kSupportedFormats));
 
   if (sniffed.name && strcmp(sniffed.name, "JPEG") == 0) return decode_jpeg(data, size, options, name);
+  if (sniffed.name && strcmp(sniffed.name, "PNM") == 0) check_pnm_header(data, size, name);
 
   // Dimensions from the header alone, then the size limit, before a single pixel is decoded.
   const char* format_name = sniffed.name ? sniffed.name : "TGA";

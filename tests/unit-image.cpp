@@ -670,3 +670,20 @@ TEST_CASE("preprocessor_config.json: values kvlite cannot honour are refused, na
   REQUIRE_MESSAGE(config.ok(), config.error().message);
   CHECK(config->image_mean[2] == 0.25);
 }
+
+// Found by tests/fuzz/fuzz_image.cpp: stb_image 2.27 multiplied a PNM header's width into an int without a
+// bound (UBSan: signed integer overflow at 888888888 * 10). kvlite reads the header first and refuses it.
+TEST_CASE("regression: a PNM header number overflowed stb_image's int") {
+  const std::vector<uint8_t> pnm = read_bytes(std::string(KVLITE_SOURCE_DIR) + "/tests/fuzz/crashes/image/pnm-width-int-overflow");
+  auto image = decode_image(pnm.data(), pnm.size(), {}, "long.ppm");
+  REQUIRE_FALSE(image.ok());
+  CHECK(image.error().code == ErrorCode::bad_format);
+  CHECK(image.error().message.find("PNM header's width") != std::string::npos);
+  const std::string comment = "P6 # 12345678901234567890 in a comment is fine\n19 13\n255\n";
+  std::vector<uint8_t> ok(comment.begin(), comment.end());
+  ok.resize(ok.size() + 19 * 13 * 3, 7);
+  auto decoded = decode_image(ok.data(), ok.size(), {}, "comment.ppm");
+  REQUIRE_MESSAGE(decoded.ok(), decoded.error().message);
+  CHECK(decoded->width == 19);
+  CHECK(decoded->height == 13);
+}
