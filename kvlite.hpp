@@ -2749,9 +2749,10 @@ KVLITE_HD uint64_t top_p_target(float top_p) { return uint64_t(ceil(double(top_p
 KVLITE_HD uint64_t draw_target(uint32_t draw, uint64_t total) {
 #if defined(__CUDA_ARCH__)
   const uint64_t high = __umul64hi(uint64_t(draw), total), low = uint64_t(draw) * total;
-#else
-  const unsigned __int128 product = (unsigned __int128)draw * total;
-  const uint64_t high = uint64_t(product >> 64), low = uint64_t(product);
+#else  // 32 x 64 -> 96 bits from two 32 x 32 products (no __int128: the public header stays ISO C++)
+  const uint64_t low_part = uint64_t(draw) * (total & 0xFFFFFFFFu), high_part = uint64_t(draw) * (total >> 32);
+  const uint64_t low = low_part + (high_part << 32);
+  const uint64_t high = (high_part >> 32) + (low < low_part ? 1 : 0);
 #endif
   return ((high << 40) | (low >> 24)) + 1;
 }

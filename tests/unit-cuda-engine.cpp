@@ -171,6 +171,16 @@ TEST_CASE("sampling sums: probability masses in 2^-60 units, the draw's target e
   CHECK(cuda::draw_target(3, 5) == 1);  // 15 / 2^24 rounds down to 0
   // Large products stay exact: (2^24 - 1) x (2^61 + 3) / 2^24 = 2^61 - 2^37 + 3 - 3 / 2^24.
   CHECK(cuda::draw_target((1u << 24) - 1, (1ull << 61) + 3) == (1ull << 61) - (1ull << 37) + 2 + 1);
+  // The host path splits the product into 32-bit halves (the public header has no __int128): against the
+  // compiler's 128-bit product on random draws and totals of every magnitude.
+  std::mt19937_64 random(17);
+  for (int i = 0; i < 100000; i++) {
+    const uint32_t draw = uint32_t(random()) >> (random() % 32);
+    const uint64_t total = random() >> (random() % 64);
+    __extension__ const unsigned __int128 product = (unsigned __int128)draw * total;
+    const uint64_t expected = ((uint64_t(product >> 64) << 40) | (uint64_t(product) >> 24)) + 1;
+    CHECK(cuda::draw_target(draw, total) == expected);
+  }
   // One radix step: bins scanned from the top; `before` collects the bins passed.
   unsigned long long bins[cuda::kSamplingBins] = {};
   bins[255] = 5;
