@@ -7909,11 +7909,14 @@ inline Image decode_jpeg(const uint8_t* data, size_t size, const DecodeOptions& 
   return image;
 }
 
-// stb_image 2.27 reads a PNM header's numbers into an int without a bound (signed overflow, UB, on
-// "P6 888888888888"; found by tests/fuzz/fuzz_image.cpp). The header is read here first, as stb reads it
-// (whitespace, # comments, decimal width, height, maxval), and a number of more than 9 digits is refused.
+// stb_image 2.27 trusts two things in a PNM header, both found by tests/fuzz/fuzz_image.cpp: it reads the
+// numbers into an int without a bound (signed overflow on "P6 888888888888"), and for a maxval over 255 (16
+// bits a sample) it reads twice the bytes it allocated (a heap over-read in stbi__convert_16_to_8). The header is
+// read here first, as stb reads it (whitespace, # comments, decimal width, height, maxval): a number of more
+// than 9 digits is refused, and so is a 16-bit PNM.
 inline void check_pnm_header(const uint8_t* d, size_t n, const std::string& name) {
   size_t i = 2;  // after "P5" / "P6"
+  int64_t maxval = 0;
   for (const char* field : {"width", "height", "maxval"}) {
     while (i < n && (isspace(d[i]) || d[i] == '#')) {
       if (d[i] == '#')
@@ -7922,11 +7925,16 @@ inline void check_pnm_header(const uint8_t* d, size_t n, const std::string& name
         i++;
     }
     size_t digits = 0;
-    while (i < n && d[i] >= '0' && d[i] <= '9') i++, digits++;
+    int64_t value = 0;
+    while (i < n && d[i] >= '0' && d[i] <= '9') value = value * 10 + (d[i] - '0'), i++, digits++;
     if (digits > 9)
       fail(ErrorCode::bad_format, format("%s: the PNM header's %s has %zu digits; kvlite reads at most 9 (a corrupt "
                                          "or hostile file)", name.c_str(), field, digits));
+    maxval = value;
   }
+  if (maxval > 255)
+    fail(ErrorCode::unsupported, format("%s: a 16-bit PNM (maxval %lld); kvlite decodes 8-bit PNM (maxval up to "
+                                        "255): convert it first", name.c_str(), (long long)maxval));
 }
 
 inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& options, const std::string& name) {

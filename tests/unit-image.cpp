@@ -687,3 +687,14 @@ TEST_CASE("regression: a PNM header number overflowed stb_image's int") {
   CHECK(decoded->width == 19);
   CHECK(decoded->height == 13);
 }
+
+// Found by tests/fuzz/fuzz_image.cpp: stb_image 2.27 decodes a PNM with maxval over 255 (16 bits a sample) by
+// reading twice the bytes it allocated (ASan: heap-buffer-overflow in stbi__convert_16_to_8). 16-bit PNM is
+// refused before stb sees it.
+TEST_CASE("regression: a 16-bit PNM made stb_image read past its buffer") {
+  const std::vector<uint8_t> pnm = read_bytes(std::string(KVLITE_SOURCE_DIR) + "/tests/fuzz/crashes/image/pnm-16-bit-over-read");
+  auto image = decode_image(pnm.data(), pnm.size(), {}, "deep.ppm");
+  REQUIRE_FALSE(image.ok());
+  CHECK(image.error().code == ErrorCode::unsupported);
+  CHECK(image.error().message.find("16-bit PNM (maxval 256)") != std::string::npos);
+}
