@@ -7926,7 +7926,8 @@ inline void check_pnm_header(const uint8_t* d, size_t n, const std::string& name
     }
     size_t digits = 0;
     int64_t value = 0;
-    while (i < n && d[i] >= '0' && d[i] <= '9') value = value * 10 + (d[i] - '0'), i++, digits++;
+    for (; i < n && d[i] >= '0' && d[i] <= '9'; i++, digits++)
+      if (digits < 9) value = value * 10 + (d[i] - '0');  // 9 digits at most are kept: no overflow here either
     if (digits > 9)
       fail(ErrorCode::bad_format, format("%s: the PNM header's %s has %zu digits; kvlite reads at most 9 (a corrupt "
                                          "or hostile file)", name.c_str(), field, digits));
