@@ -2489,6 +2489,7 @@ Result<DeviceSpec> query_device(int index) {
   spec.free_bytes = free_bytes;
   spec.sm = prop.major * 10 + prop.minor;
   spec.queried = true;
+  spec.integrated = prop.integrated != 0;  // Jetson: the GPU shares the system's memory (plan_gpu_device)
   return spec;
 }
 

@@ -14,15 +14,16 @@
 
    EXAMPLE: plan, then generate and score
 
-      kvlite::PlanOptions plan_options;
-      plan_options.device_mem = 8ull << 30;     // plan for an 8 GiB card, whatever this machine has
-      plan_options.max_model_len = 4096;
-      auto plan = kvlite::plan_model_dir("models/qwen3-vl-4b-instruct-fp8", plan_options);
+      kvlite::EngineOptions planned;
+      planned.backend = kvlite::BackendChoice::cuda;  // a CUDA card...
+      planned.plan.device_mem = 8ull << 30;           // ...of 8 GiB, whatever this machine has (none is fine)
+      planned.plan.max_model_len = 4096;
+      auto plan = kvlite::plan_engine("models/qwen3-vl-4b-instruct-fp8", planned);
       if (plan) printf("%s", plan->table().c_str());   // where every byte goes, and what would fit
 
-      kvlite::EngineOptions options;             // the CPU reference engine (BackendChoice::cuda: see LIMITATIONS)
+      kvlite::EngineOptions options;             // the CPU reference engine (BackendChoice::auto_: the GPU if any)
       options.plan.max_model_len = 2048;
-      auto engine = kvlite::Engine::open("path/to/Qwen3-4B", options);   // plan, one arena, mmap'd weights
+      auto engine = kvlite::Engine::open("path/to/Qwen3-4B", options);   // plan_engine's plan, one arena
       if (!engine) { fprintf(stderr, "%s\n", engine.error().message.c_str()); return 1; }
       kvlite::SamplingParams params;            // greedy; set temperature/top_p/top_k/seed to sample
       (*engine)->generate("The capital of France is", params,
@@ -1263,6 +1264,13 @@ namespace kvlite {
 enum class BackendKind { cpu, cuda };
 const char* backend_name(BackendKind kind);
 
+// Where an engine computes, as asked for. cpu: the float32 reference; cuda: the GPU; auto: the GPU when kvlite
+// was built with CUDA, one is present and the CUDA engine runs everything the model needs, else the CPU. The
+// planner and Engine::open resolve it by one rule (plan_engine), so the plan shown is the plan that runs.
+enum class BackendChoice { auto_, cpu, cuda };
+const char* backend_choice_name(BackendChoice choice);
+Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" | "cpu" | "cuda"
+
 struct DeviceSpec {
   BackendKind backend = BackendKind::cpu;
   std::string name;           // "NVIDIA GeForce RTX 4060", "planned 8.00 GiB card", "CPU"
@@ -1271,6 +1279,10 @@ struct DeviceSpec {
   int sm = 0;                 // compute capability x 10 (86, 89, 90, ...); 0 when unknown
   bool wsl2 = false;          // Windows Subsystem for Linux 2: larger driver overhead, no large pinned memory
   bool queried = false;       // true when read from a real GPU
+  // An integrated GPU (Jetson: cudaDevAttrIntegrated) has no memory of its own: it shares the system's with the
+  // CPU, the OS and every other process. It is planned against what was free when queried, not the total.
+  bool integrated = false;
+  uint64_t shared_total_bytes = 0;  // integrated: the system memory it shares (total_bytes is then what was free)
 };
 
 // True when the kernel release string names Microsoft (how WSL2 identifies itself).
@@ -1278,10 +1290,18 @@ bool running_under_wsl2();
 // Physical memory of this machine (the CPU backend's "device").
 uint64_t system_memory_bytes();
 
-// The device to plan for. device_mem set: a CUDA card of that size (real or not), named "planned". Otherwise
-// the first CUDA GPU when kvlite was built with CUDA and one is present, else the CPU with system memory.
-// `wsl2` overrides detection when set.
-Result<DeviceSpec> detect_device(std::optional<uint64_t> device_mem, std::optional<bool> wsl2);
+// The device a plan divides, by the one rule the planner and Engine::open share:
+//   cpu   the CPU; its memory is this machine's, or device_mem when given.
+//   cuda  GPU `device_index`; device_mem (at most its memory) makes it behave as a card of that size. With no
+//         GPU (or no CUDA in this build) and device_mem given: a planned card of that size, which can be planned
+//         but not opened; without device_mem that is a device_error.
+//   auto  cuda when kvlite was built with CUDA and GPU `device_index` is present, else cpu.
+// `wsl2` overrides detection when set. `*why`, when given, receives the reason for the backend chosen.
+Result<DeviceSpec> detect_device(BackendChoice backend, int device_index, std::optional<uint64_t> device_mem,
+                                 std::optional<bool> wsl2, std::string* why = nullptr);
+// The pure part of detect_device for a GPU: a queried card (or none, for a planned one) with device_mem
+// applied, and an integrated GPU's budget base set to its free shared memory. Unit-tested without a GPU.
+Result<DeviceSpec> plan_gpu_device(const std::optional<DeviceSpec>& queried, std::optional<uint64_t> device_mem);
 
 // ---- CUDA entry points (kernels.cu) ---------------------------------------------------------------------
 namespace cuda {
@@ -1316,8 +1336,9 @@ int kv_dtype_bytes(KVDType dtype);  // 2, 1 for fp8, 4 for f32 (auto must be res
 bool kv_dtype_storable(BackendKind backend, KVDType dtype);
 
 struct PlanOptions {
-  // Plan for a card of this size instead of the one present. Read by plan_model_dir (through
-  // detect_device); make_plan plans for the DeviceSpec it is given.
+  // The memory the plan divides instead of the device's: on CUDA a card of this size (an 8 GiB card planned on
+  // any GPU, or on none); on the CPU the budget's base. Read by plan_engine (through detect_device); make_plan
+  // plans for the DeviceSpec it is given.
   std::optional<uint64_t> device_mem;
   double utilization = 0.90;           // fraction of device memory kvlite may use, (0, 1]
   int64_t max_model_len = 0;           // 0: the default rule (see Plan::max_model_len_rule)
@@ -1328,6 +1349,10 @@ struct PlanOptions {
   int64_t max_images = 1;              // vision models: images one request may carry, encoded together in one
                                        // step; a request with more is refused (does_not_fit)
   int64_t kv_page_tokens = 16;         // tokens per KV page
+  // The KV arena holds at most the pages max_seqs sequences of max_model_len tokens can use, so the rest of the
+  // budget stays free for the application kvlite is embedded in (a display, a browser, the OS on a Jetson).
+  // true: fill the whole budget with KV pages, as vLLM does on a dedicated server (--kv-fill).
+  bool kv_fill = false;
   std::optional<bool> wsl2;            // override WSL2 detection
   // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
   // float32) and accepts nothing else; CUDA: BF16, F16 or F32. Unset: F32 on the CPU; on CUDA the model's dtype
@@ -1372,6 +1397,9 @@ struct Plan {
   PlanOptions options;  // resolved: every 0 / auto replaced by the value used
   std::string model_name;
   Arch arch = Arch::llama;
+  // Why this backend: "--backend cpu", "auto: no CUDA device is visible", ... (plan_engine sets it;
+  // empty from make_plan, which is given its device).
+  std::string backend_rule;
 
   std::vector<PlanItem> items;  // everything but the KV arena, in table order
   uint64_t weights_bytes = 0;
@@ -1384,6 +1412,9 @@ struct Plan {
   uint64_t fixed_bytes = 0;     // sum of items (what must fit before any KV)
   int64_t kv_available_bytes = 0;  // budget - fixed; negative when even that does not fit
   uint64_t kv_arena_bytes = 0;  // whole pages only
+  uint64_t kv_pages_usable = 0; // the pages max_seqs sequences of max_model_len can use (the arena's cap
+                                // unless options.kv_fill)
+  uint64_t free_bytes = 0;      // budget - arena - what the device spends outside it: left to the application
   uint64_t kv_pages = 0;
   uint64_t kv_tokens = 0;       // kv_pages x kv_page_tokens
   int64_t max_model_len = 0;
@@ -1432,8 +1463,8 @@ struct PlanInputs {
 };
 Result<PlanInputs> read_plan_inputs(const std::string& model_dir);  // config.json + safetensors headers
 Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const PlanOptions& options);
-// Convenience: read_plan_inputs + detect_device(options.device_mem, options.wsl2) + make_plan.
-Result<Plan> plan_model_dir(const std::string& model_dir, const PlanOptions& options);
+// A model directory's plan for a backend choice and device: plan_engine (engine.hpp), the function Engine::open
+// itself plans with.
 
 // The buffers of one forward step, each a named region with its bytes (rounded up to kPlanAlignment): the
 // planner sums them and the engine carves them, so the two agree. Shapes name config sizes:
@@ -2297,18 +2328,13 @@ class VisionModel {
 
 namespace kvlite {
 
-// Where the engine computes. cpu: the float32 reference (the default: what every reference-checked result and
-// test assumes); cuda: the GPU (an error when kvlite has no CUDA or no GPU is visible); auto: the GPU when kvlite
-// was built with CUDA and one is present, else the CPU.
-enum class BackendChoice { auto_, cpu, cuda };
-const char* backend_choice_name(BackendChoice choice);
-Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" | "cpu" | "cuda"
-
 struct EngineOptions {
   // The memory plan. device_mem, when set, is the memory the plan divides: on the CPU the budget's base; on CUDA
   // the card to plan for, so an H200 opened with 8 GiB behaves exactly as an 8 GiB card (one reservation of the
   // plan's arena). activation_dtype: CUDA's (BF16 default, F16, F32); the CPU computes in F32.
   PlanOptions plan;
+  // Where to compute (device.hpp): cpu, the float32 reference every reference-checked result assumes, stays the
+  // default of the library; the CLI and the examples default to auto.
   BackendChoice backend = BackendChoice::cpu;
   int device = 0;            // CUDA device index
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
@@ -2317,6 +2343,13 @@ struct EngineOptions {
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
   bool fp8_activations = false;
 };
+
+// The plan Engine::open(model_dir, options) makes, without reading a byte of weights or touching GPU memory:
+// the same backend choice (options.backend, options.device), the same device, the same numbers, byte for byte
+// (`kvlite plan` prints it). With --backend cuda and no GPU here, device_mem plans a card that is not present:
+// such a plan is made, and Engine::open refuses it (unsupported without CUDA, device_error without a GPU).
+Result<Plan> plan_engine(const std::string& model_dir, const EngineOptions& options);
+Result<Plan> plan_engine(const PlanInputs& inputs, const EngineOptions& options);
 
 // Why a generation ended.
 enum class FinishReason {
@@ -8259,29 +8292,106 @@ uint64_t system_memory_bytes() {
   return pages > 0 && page_size > 0 ? uint64_t(pages) * uint64_t(page_size) : 0;
 }
 
-Result<DeviceSpec> detect_device(std::optional<uint64_t> device_mem, std::optional<bool> wsl2) {
+const char* backend_choice_name(BackendChoice choice) {
+  switch (choice) {
+    case BackendChoice::auto_: return "auto";
+    case BackendChoice::cpu: return "cpu";
+    case BackendChoice::cuda: return "cuda";
+  }
+  return "?";
+}
+
+Result<BackendChoice> parse_backend_choice(const std::string& text) {
+  return detail::guard([&]() -> BackendChoice {
+    if (text == "auto") return BackendChoice::auto_;
+    if (text == "cpu") return BackendChoice::cpu;
+    if (text == "cuda" || text == "gpu") return BackendChoice::cuda;
+    detail::fail(ErrorCode::invalid_argument, detail::format("unknown backend '%s': use auto, cpu or cuda", text.c_str()));
+  });
+}
+
+Result<DeviceSpec> plan_gpu_device(const std::optional<DeviceSpec>& queried, std::optional<uint64_t> device_mem) {
   return detail::guard([&]() -> DeviceSpec {
-    bool is_wsl2 = wsl2 ? *wsl2 : running_under_wsl2();
+    using detail::fail;
+    using detail::format;
+    if (device_mem && *device_mem == 0) fail(ErrorCode::invalid_argument, "--device-mem must be greater than 0");
     DeviceSpec spec;
-    if (cuda::built_with_cuda() && cuda::device_count() > 0) {
-      auto queried = cuda::query_device(0);
-      if (!queried) throw queried.error();
+    if (queried) {
       spec = *queried;
+      if (spec.integrated && spec.shared_total_bytes == 0) {
+        // The card reports the system's memory: plan against what the OS and other processes left free.
+        spec.shared_total_bytes = spec.total_bytes;
+        spec.total_bytes = spec.free_bytes;
+        spec.name += format(" (integrated: planned against the %s free of the %s it shares with the CPU)",
+                            format_bytes(spec.total_bytes).c_str(), format_bytes(spec.shared_total_bytes).c_str());
+      }
+    } else if (!device_mem) {
+      fail(ErrorCode::device_error, "backend cuda: no CUDA device is visible (no GPU, no driver, or kvlite built "
+                                    "without CUDA); --device-mem SIZE plans for a card of that size, --backend cpu "
+                                    "runs on the CPU");
     }
+    spec.backend = BackendKind::cuda;
     if (device_mem) {
-      if (*device_mem == 0) detail::fail(ErrorCode::invalid_argument, "--device-mem must be greater than 0");
-      // Plan for a card of this size: the real GPU (if any) then behaves as that card.
-      std::string real = spec.queried ? " (on " + spec.name + ")" : "";
-      spec.backend = BackendKind::cuda;
-      spec.name = "planned " + format_bytes(*device_mem) + " card" + real;
+      if (queried && *device_mem > spec.total_bytes)
+        fail(ErrorCode::invalid_argument,
+             format("--device-mem %s is more than the %s %s: plan for at most the memory present",
+                    format_bytes(*device_mem).c_str(), format_bytes(spec.total_bytes).c_str(),
+                    (spec.integrated ? "free shared memory of " + queried->name : "of " + queried->name).c_str()));
+      // A real GPU then behaves as a card of this size.
+      spec.name = "planned " + format_bytes(*device_mem) + " card" + (queried ? " (on " + queried->name + ")" : "");
       spec.total_bytes = *device_mem;
-      spec.free_bytes = 0;
-    } else if (!spec.queried) {
+      spec.free_bytes = 0;  // unknown for a planned card
+    }
+    return spec;
+  });
+}
+
+Result<DeviceSpec> detect_device(BackendChoice backend, int device_index, std::optional<uint64_t> device_mem,
+                                 std::optional<bool> wsl2, std::string* why) {
+  return detail::guard([&]() -> DeviceSpec {
+    using detail::format;
+    if (device_mem && *device_mem == 0) detail::fail(ErrorCode::invalid_argument, "--device-mem must be greater than 0");
+    if (device_index < 0) detail::fail(ErrorCode::invalid_argument, format("device %d does not exist", device_index));
+    const bool built = cuda::built_with_cuda();
+    const int devices = built ? cuda::device_count() : 0;
+    const bool present = device_index < devices;
+    std::string reason;
+    DeviceSpec spec;
+    if (backend == BackendChoice::cpu || (backend == BackendChoice::auto_ && !present)) {
+      reason = backend == BackendChoice::cpu ? "--backend cpu"
+               : !built                      ? "auto: kvlite was built without CUDA"
+               : devices == 0                ? "auto: no CUDA device is visible"
+                                             : format("auto: CUDA device %d does not exist", device_index);
       spec.backend = BackendKind::cpu;
       spec.name = "CPU";
-      spec.total_bytes = system_memory_bytes();
+      spec.total_bytes = device_mem ? *device_mem : system_memory_bytes();
+    } else {
+      std::optional<DeviceSpec> queried;
+      if (present) {
+        Result<DeviceSpec> gpu = cuda::query_device(device_index);
+        if (!gpu) throw gpu.error();
+        queried = *gpu;
+      } else if (!device_mem) {
+        detail::fail(built ? ErrorCode::device_error : ErrorCode::unsupported,
+                     built ? std::string("backend cuda: no CUDA device is visible (no GPU, or no driver); --backend "
+                                         "cpu runs on the CPU, --device-mem SIZE plans for a card of that size")
+                           : std::string("backend cuda: kvlite was built without CUDA (no nvcc at build time); rebuild "
+                                         "with the CUDA toolkit, or use --backend cpu (--device-mem SIZE plans for a "
+                                         "card of that size)"));
+      } else if (built && devices > 0) {
+        detail::fail(ErrorCode::invalid_argument, format("backend cuda: device %d does not exist; there %s %d CUDA "
+                                                         "device%s", device_index, devices == 1 ? "is" : "are",
+                                                         devices, devices == 1 ? "" : "s"));
+      }
+      Result<DeviceSpec> gpu = plan_gpu_device(queried, device_mem);
+      if (!gpu) throw gpu.error();
+      spec = *gpu;
+      reason = backend == BackendChoice::cuda
+                   ? (present ? "--backend cuda" : "--backend cuda; a planned card, no GPU here")
+                   : format("auto: %s is present", queried->name.c_str());
     }
-    spec.wsl2 = is_wsl2;
+    spec.wsl2 = wsl2 ? *wsl2 : running_under_wsl2();
+    if (why) *why = reason;
     return spec;
   });
 }
@@ -8801,13 +8911,14 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   for (const auto& item : plan.items) plan.fixed_bytes += item.bytes;
   plan.kv_available_bytes = int64_t(plan.budget_bytes) - int64_t(plan.fixed_bytes);
   plan.kv_pages = plan.kv_available_bytes > 0 ? uint64_t(plan.kv_available_bytes) / plan.kv_page_bytes : 0;
-  if (in.device.backend == BackendKind::cpu) {
-    // The CPU shares its memory with everything else on the machine: take only the pages that max_seqs
-    // sequences of max_model_len can use, not the whole budget.
-    uint64_t pages_per_seq = ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
-    plan.kv_pages = std::min(plan.kv_pages, uint64_t(o.max_seqs) * pages_per_seq);
-  }
+  // An embedded library shares its memory (the CPU's with everything on the machine, a desktop GPU's with the
+  // display and other apps, a Jetson's with the OS): take only the pages max_seqs sequences of max_model_len
+  // can use, no preemption needed. kv_fill: the whole budget, as vLLM does.
+  plan.kv_pages_usable = uint64_t(o.max_seqs) * ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
+  if (!o.kv_fill) plan.kv_pages = std::min(plan.kv_pages, plan.kv_pages_usable);
   plan.kv_arena_bytes = plan.kv_pages * plan.kv_page_bytes;
+  const uint64_t used = plan.fixed_bytes + plan.kv_arena_bytes;  // arena + what the device spends outside it
+  plan.free_bytes = plan.budget_bytes > used ? plan.budget_bytes - used : 0;
   plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
   plan.max_model_len = o.max_model_len;
   plan.concurrency = double(plan.kv_tokens) / double(o.max_model_len);
@@ -9164,17 +9275,6 @@ Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const
       [&] { return detail::planning::make(inputs.config, inputs.weights, inputs.tensor_count, device, options); });
 }
 
-Result<Plan> plan_model_dir(const std::string& model_dir, const PlanOptions& options) {
-  return detail::guard([&]() -> Plan {
-    auto inputs = read_plan_inputs(model_dir);
-    if (!inputs) throw inputs.error();
-    auto device = detect_device(options.device_mem, options.wsl2);
-    if (!device) throw device.error();
-    auto plan = make_plan(*inputs, *device, options);
-    if (!plan) throw plan.error();
-    return std::move(*plan);
-  });
-}
 
 // ---- presentation -----------------------------------------------------------------------------------------
 
@@ -9209,7 +9309,19 @@ std::string Plan::table() const {
     kv_why = format("nothing left: budget - fixed = %s; %s per token (%s)",
                     format_bytes_signed(kv_available_bytes).c_str(), format_bytes(kv_bytes_per_token).c_str(),
                     kv_dtype_name(options.kv_dtype));
+  if (kv_available_bytes > 0) {
+    if (options.kv_fill)
+      kv_why += "; fills the budget (--kv-fill)";
+    else if (kv_pages >= kv_pages_usable)
+      kv_why += format("; what max_seqs %lld x max_model_len %lld can use (--kv-fill takes the whole budget)",
+                       (long long)options.max_seqs, (long long)max_model_len);
+    else
+      kv_why += format("; all the budget allows (max_seqs %lld x max_model_len %lld could use %s pages)",
+                       (long long)options.max_seqs, (long long)max_model_len, format_count(kv_pages_usable).c_str());
+  }
   rows.push_back({"KV arena", format_bytes(kv_arena_bytes), kv_why});
+  rows.push_back({"left free", format_bytes(free_bytes),
+                  "budget - arena - outside the arena: left to the application and the rest of the system"});
   rows.push_back({"max_model_len", ll(max_model_len), max_model_len_rule});
   if (!max_image_pixels_rule.empty()) {
     rows.push_back({"max_image_pixels", ll(options.max_image_pixels), max_image_pixels_rule});
@@ -9241,8 +9353,9 @@ std::string Plan::table() const {
     width0 = std::max(width0, r.component.size());
     width1 = std::max(width1, r.bytes.size());
   }
-  std::string out = format("model %s (%s) | device %s | WSL2 %s | backend %s\n", model_name.c_str(), arch_name(arch),
-                           device.name.c_str(), device.wsl2 ? "yes" : "no", backend_name(device.backend));
+  std::string out = format("model %s (%s) | device %s | WSL2 %s | backend %s%s\n", model_name.c_str(),
+                           arch_name(arch), device.name.c_str(), device.wsl2 ? "yes" : "no", backend_name(device.backend),
+                           backend_rule.empty() ? "" : (" (" + backend_rule + ")").c_str());
   auto line = [&](const std::string& a, const std::string& b, const std::string& c) {
     out += a + std::string(width0 - a.size() + 2, ' ') + std::string(width1 - b.size(), ' ') + b + "  " + c + "\n";
   };
@@ -9250,7 +9363,7 @@ std::string Plan::table() const {
   line("component", "bytes", "why");
   out += rule + "\n";
   for (size_t i = 0; i < rows.size(); i++) {
-    if (i == items.size() || i == items.size() + 3) out += rule + "\n";
+    if (i == items.size() || i == items.size() + 4) out += rule + "\n";
     line(rows[i].component, rows[i].bytes, rows[i].why);
   }
   if (!advice.empty()) {
@@ -9267,7 +9380,9 @@ std::string Plan::json() const {
   j["device"] = {{"name", device.name},        {"backend", backend_name(device.backend)},
                  {"total_bytes", device.total_bytes}, {"free_bytes", device.free_bytes},
                  {"sm", device.sm},             {"wsl2", device.wsl2},
-                 {"queried", device.queried}};
+                 {"queried", device.queried}, {"integrated", device.integrated},
+                 {"shared_total_bytes", device.shared_total_bytes}};
+  j["backend_rule"] = backend_rule;
   nlohmann::ordered_json opts;
   if (options.device_mem) opts["device_mem"] = *options.device_mem; else opts["device_mem"] = nullptr;
   opts["utilization"] = options.utilization;
@@ -9278,6 +9393,7 @@ std::string Plan::json() const {
   opts["max_image_pixels"] = options.max_image_pixels;
   opts["max_images"] = options.max_images;
   opts["kv_page_tokens"] = options.kv_page_tokens;
+  opts["kv_fill"] = options.kv_fill;
   opts["activation_dtype"] = dtype_name(options.activation_dtype.value_or(DType::F32));
   opts["wsl2"] = options.wsl2.value_or(device.wsl2);
   j["options"] = opts;
@@ -9298,6 +9414,8 @@ std::string Plan::json() const {
   j["kv_arena_bytes"] = kv_arena_bytes;
   j["kv_pages"] = kv_pages;
   j["kv_tokens"] = kv_tokens;
+  j["kv_pages_usable"] = kv_pages_usable;
+  j["free_bytes"] = free_bytes;
   j["arena_bytes"] = arena_bytes();
   j["max_model_len"] = max_model_len;
   j["max_model_len_rule"] = max_model_len_rule;
@@ -13047,77 +13165,42 @@ DType kv_element_dtype(KVDType kv_dtype) {
 Engine::Engine() : impl_(new Impl()) {}
 Engine::~Engine() = default;
 
-const char* backend_choice_name(BackendChoice choice) {
-  switch (choice) {
-    case BackendChoice::auto_: return "auto";
-    case BackendChoice::cpu: return "cpu";
-    case BackendChoice::cuda: return "cuda";
-  }
-  return "?";
-}
-
-Result<BackendChoice> parse_backend_choice(const std::string& text) {
-  return detail::guard([&]() -> BackendChoice {
-    if (text == "auto") return BackendChoice::auto_;
-    if (text == "cpu") return BackendChoice::cpu;
-    if (text == "cuda" || text == "gpu") return BackendChoice::cuda;
-    detail::fail(ErrorCode::invalid_argument, detail::format("unknown backend '%s': use auto, cpu or cuda", text.c_str()));
-  });
-}
-
 namespace detail {
 namespace engine {
 
-// The backend options.backend asks for, with the reason when it cannot be had.
-BackendKind resolve_backend(const EngineOptions& options) {
-  const bool built = cuda::built_with_cuda();
-  const int devices = built ? cuda::device_count() : 0;
-  switch (options.backend) {
-    case BackendChoice::cpu: return BackendKind::cpu;
-    case BackendChoice::auto_: return devices > 0 ? BackendKind::cuda : BackendKind::cpu;
-    case BackendChoice::cuda: break;
-  }
-  if (!built)
-    fail(ErrorCode::unsupported, "backend cuda: kvlite was built without CUDA (no nvcc at build time); rebuild with the "
-                                 "CUDA toolkit, or use --backend cpu");
-  if (devices == 0)
-    fail(ErrorCode::device_error, "backend cuda: no CUDA device is visible (no GPU, or no driver); use --backend cpu");
-  if (options.device < 0 || options.device >= devices)
-    fail(ErrorCode::invalid_argument, format("backend cuda: device %d does not exist; there %s %d CUDA device%s",
-                                             options.device, devices == 1 ? "is" : "are", devices,
-                                             devices == 1 ? "" : "s"));
-  return BackendKind::cuda;
-}
-
-// What the plan divides: this machine's memory for the CPU, the GPU's for CUDA; device_mem, when given, replaces
-// the size (a large GPU then behaves as that card).
-DeviceSpec engine_device(BackendKind backend, const EngineOptions& options) {
-  DeviceSpec device;
-  if (backend == BackendKind::cpu) {
-    device.backend = BackendKind::cpu;
-    device.name = "CPU";
-    device.total_bytes = options.plan.device_mem ? *options.plan.device_mem : system_memory_bytes();
-  } else {
-    Result<DeviceSpec> queried = cuda::query_device(options.device);
-    if (!queried) throw queried.error();
-    device = *queried;
-    if (options.plan.device_mem) {
-      if (*options.plan.device_mem > device.total_bytes)
-        fail(ErrorCode::invalid_argument,
-             format("--device-mem %s is more than the %s of %s: plan for at most the card present",
-                    format_bytes(*options.plan.device_mem).c_str(), format_bytes(device.total_bytes).c_str(),
-                    device.name.c_str()));
-      device.name = "planned " + format_bytes(*options.plan.device_mem) + " card (on " + device.name + ")";
-      device.total_bytes = *options.plan.device_mem;
-      device.free_bytes = 0;  // as detect_device says of a planned card: unknown
-    }
-  }
-  device.wsl2 = options.plan.wsl2 ? *options.plan.wsl2 : running_under_wsl2();
-  return device;
-}
-
 }  // namespace engine
 }  // namespace detail
+
+Result<Plan> plan_engine(const PlanInputs& inputs, const EngineOptions& options) {
+  return detail::guard([&]() -> Plan {
+    std::string why;
+    Result<DeviceSpec> device = detect_device(options.backend, options.device, options.plan.device_mem,
+                                              options.plan.wsl2, &why);
+    if (!device) throw device.error();
+    if (options.backend == BackendChoice::auto_ && device->backend == BackendKind::cuda &&
+        inputs.config.vision.present) {
+      // The CUDA engine does not run the vision tower yet (images need the CPU engine): auto keeps a
+      // vision-language model on the CPU, where its images work, rather than open an engine that refuses them.
+      device = detect_device(BackendChoice::cpu, options.device, options.plan.device_mem, options.plan.wsl2);
+      if (!device) throw device.error();
+      why = "auto: the CPU, since the CUDA engine does not encode images yet (--backend cuda runs its text on the GPU)";
+    }
+    Result<Plan> plan = make_plan(inputs, *device, options.plan);
+    if (!plan) throw plan.error();
+    plan->backend_rule = why;
+    return std::move(*plan);
+  });
+}
+
+Result<Plan> plan_engine(const std::string& model_dir, const EngineOptions& options) {
+  return detail::guard([&]() -> Plan {
+    Result<PlanInputs> inputs = read_plan_inputs(model_dir);
+    if (!inputs) throw inputs.error();
+    Result<Plan> plan = plan_engine(*inputs, options);
+    if (!plan) throw plan.error();
+    return std::move(*plan);
+  });
+}
 
 Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const EngineOptions& options) {
   return detail::guard([&] {
@@ -13137,15 +13220,23 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     Result<WeightsSummary> weights = summarize_weights(e.config, &e.store);
     if (!weights) throw weights.error();
 
-    const BackendKind backend_kind = detail::engine::resolve_backend(options);
-    const bool gpu = backend_kind == BackendKind::cuda;
+    // The plan `kvlite plan` shows for these options (plan_engine: one rule for the backend and the device).
     PlanInputs inputs;
     inputs.config = e.config;
     inputs.weights = *weights;
     inputs.tensor_count = e.store.tensors().size();
-    Result<Plan> plan = make_plan(inputs, detail::engine::engine_device(backend_kind, options), options.plan);
+    Result<Plan> plan = plan_engine(inputs, options);
     if (!plan) throw plan.error();
     e.plan = std::move(*plan);
+    const BackendKind backend_kind = e.plan.device.backend;
+    const bool gpu = backend_kind == BackendKind::cuda;
+    if (gpu && !e.plan.device.queried)  // a card planned on a machine without one: plannable, not runnable
+      fail(cuda::built_with_cuda() ? ErrorCode::device_error : ErrorCode::unsupported,
+           format("backend cuda: %s; the plan is for a %s that is not here (%s)",
+                  cuda::built_with_cuda() ? "no CUDA device is visible (no GPU, or no driver)"
+                                          : "kvlite was built without CUDA (no nvcc at build time); rebuild with the "
+                                            "CUDA toolkit",
+                  e.plan.device.name.c_str(), "use --backend cpu or auto"));
 
     Result<TextModelWeights> bound = bind_text_weights(e.config, e.store);
     if (!bound) throw bound.error();

@@ -195,6 +195,8 @@ std::string command_help(const Command& c) {
 
 // ---- kvlite plan ------------------------------------------------------------------------------------------
 
+kvlite::EngineOptions engine_options(const Args& args);  // the engine commands' options (below)
+
 // One --sweep key: its CSV column and how it sets the options.
 struct SweepKey {
   std::string key;     // as written after --sweep: "max-model-len"
@@ -236,10 +238,8 @@ std::string fixed3(double value) {
   return text;
 }
 
-kvlite::Plan plan_or_throw(const kvlite::PlanInputs& inputs, const kvlite::PlanOptions& options) {
-  auto device = kvlite::detect_device(options.device_mem, options.wsl2);
-  if (!device) throw InputError{device.error().message};
-  auto plan = kvlite::make_plan(inputs, *device, options);
+kvlite::Plan plan_or_throw(const kvlite::PlanInputs& inputs, const kvlite::EngineOptions& options) {
+  auto plan = kvlite::plan_engine(inputs, options);
   if (!plan) throw InputError{plan.error().message};
   return std::move(*plan);
 }
@@ -269,12 +269,12 @@ Sweep parse_sweep(const std::string& spec) {
 
 // CSV, one row per value: what one sequence of max_model_len needs (total_bytes = fixed items + its KV,
 // kv_bytes = its KV in whole pages), how many such sequences the planned arena holds, and whether one fits.
-int run_sweep(const kvlite::PlanInputs& inputs, const kvlite::PlanOptions& base, const Sweep& sweep) {
+int run_sweep(const kvlite::PlanInputs& inputs, const kvlite::EngineOptions& base, const Sweep& sweep) {
   bool by_length = sweep.key.key == "max-model-len";
   std::string csv = sweep.key.column + (by_length ? "" : ",max_model_len") + ",total_bytes,kv_bytes,concurrency,fits\n";
   for (const auto& value : sweep.values) {
-    kvlite::PlanOptions options = base;
-    sweep.key.apply(options, value);
+    kvlite::EngineOptions options = base;
+    sweep.key.apply(options.plan, value);
     kvlite::Plan plan = plan_or_throw(inputs, options);
     uint64_t kv_bytes = (uint64_t(plan.max_model_len) + plan.kv_page_tokens - 1) / plan.kv_page_tokens * plan.kv_page_bytes;
     csv += value + (by_length ? "" : "," + std::to_string(plan.max_model_len)) + "," +
@@ -291,24 +291,8 @@ int run_plan(const Args& args) {
                                                 : "expected one MODEL_DIR, got " + std::to_string(args.positionals().size()) +
                                                       " arguments ('" + args.positionals()[1] + "' is extra)"};
   const std::string& model_dir = args.positionals()[0];
-  kvlite::PlanOptions options;
-  if (args.has("--device-mem")) options.device_mem = args.size("--device-mem");
-  if (args.has("--utilization")) options.utilization = args.number("--utilization");
-  // 0 means "the default rule" inside the library; on the command line a value must be positive.
-  if (args.has("--max-model-len")) options.max_model_len = args.integer("--max-model-len", 1, INT64_MAX);
-  if (args.has("--max-seqs")) options.max_seqs = args.integer("--max-seqs", 1, INT64_MAX);
-  if (args.has("--max-batched-tokens")) options.max_batched_tokens = args.integer("--max-batched-tokens", 1, INT64_MAX);
-  if (args.has("--kv-dtype")) {
-    auto dtype = kvlite::parse_kv_dtype(args.text("--kv-dtype"));
-    if (!dtype) throw UsageError{"--kv-dtype: " + dtype.error().message};
-    options.kv_dtype = *dtype;
-  }
-  if (args.has("--kv-page-tokens")) options.kv_page_tokens = args.integer("--kv-page-tokens", 1, INT64_MAX);
-  if (args.has("--max-image-pixels")) options.max_image_pixels = args.integer("--max-image-pixels", 1, INT64_MAX);
-  if (args.has("--max-images")) options.max_images = args.integer("--max-images", 1, INT64_MAX);
-  if (args.has("--wsl2") && args.has("--no-wsl2")) throw UsageError{"--wsl2 and --no-wsl2 contradict each other"};
-  if (args.has("--wsl2")) options.wsl2 = true;
-  if (args.has("--no-wsl2")) options.wsl2 = false;
+  // The engine commands' options, parsed by the same code: the plan printed is the plan Engine::open makes.
+  const kvlite::EngineOptions options = engine_options(args);
   std::optional<Sweep> sweep;
   if (args.has("--sweep")) {
     if (args.has("--json") || args.has("--svg")) throw UsageError{"--sweep prints CSV only: drop --json / --svg"};
@@ -336,19 +320,29 @@ int run_plan(const Args& args) {
 // Options of every command that opens an engine.
 std::vector<OptionSpec> engine_option_specs() {
   return {
-      {"--backend", "B", "cpu (default: the float32 reference) | cuda | auto (the GPU when kvlite has CUDA and one "
-                         "is present)"},
-      {"--device-mem", "SIZE", "memory the plan divides (8GiB, 512MiB): on a GPU the card to behave as; default: "
-                               "the device's (CPU: this machine's memory)"},
-      {"--activation-dtype", "T", "CUDA: bf16 | f16 | f32; default the model's 16-bit dtype (the CPU computes in f32)"},
-      {"--no-cuda-graphs", "", "CUDA: run decode steps op by op instead of replaying CUDA graphs"},
+      {"--backend", "B", "auto (default: the GPU when kvlite has CUDA, one is present and the CUDA engine runs the "
+                         "model: not yet a vision model) | cpu (the float32 reference) | cuda"},
+      {"--device", "N", "CUDA device index; default 0"},
+      {"--device-mem", "SIZE", "memory the plan divides (8GiB, 7.5G, 512MiB): on a GPU the card to behave as (with "
+                               "--backend cuda and no GPU here: plan, not run, such a card); default: the device's "
+                               "(CPU: this machine's memory)"},
       {"--utilization", "R", "fraction of that memory kvlite may use, (0, 1]; default 0.90"},
-      {"--max-model-len", "N", "longest sequence (prompt + output)"},
+      {"--max-model-len", "N", "longest sequence (prompt + output); default: min(model max, 32768), halved while "
+                               "over 2048 until it fits"},
       {"--max-seqs", "N", "sequences decoded together; default 8"},
       {"--max-batched-tokens", "N", "tokens in one forward step; default min(2048, max_model_len)"},
-      {"--kv-dtype", "T", "auto | f32 | bf16 | f16; default auto (f32 on the CPU)"},
+      {"--kv-dtype", "T", "auto | f32 | bf16 | f16 | fp8 (e4m3, half of bf16's bytes); default auto (f32 on the CPU, "
+                          "the model's 16-bit dtype on a GPU)"},
+      {"--kv-page-tokens", "N", "tokens per KV page, 1..1024; default 16"},
+      {"--kv-fill", "", "fill the whole budget with KV pages (vLLM's way); default: only the pages max-seqs "
+                        "sequences of max-model-len can use, leaving the rest free"},
       {"--max-image-pixels", "N", "vision models: image budget in pixels (larger images are scaled down to fit); "
                                   "default min(processor max, 1048576)"},
+      {"--max-images", "N", "vision models: images one request may carry (encoded in one step); default 1"},
+      {"--wsl2", "", "plan as under WSL2 (larger driver reservation); default: detected"},
+      {"--no-wsl2", "", "plan as on native Linux"},
+      {"--activation-dtype", "T", "CUDA: bf16 | f16 | f32; default the model's 16-bit dtype (the CPU computes in f32)"},
+      {"--no-cuda-graphs", "", "CUDA: run decode steps op by op instead of replaying CUDA graphs"},
       {"--threads", "N", "CPU threads; default one per hardware thread"},
       {"--fp8-activations", "", "fp8 checkpoints: quantize activations to fp8 per token as the GPU does (W8A8)"},
   };
@@ -361,6 +355,7 @@ std::vector<OptionSpec> with_engine_options(std::vector<OptionSpec> specs) {
 
 kvlite::EngineOptions engine_options(const Args& args) {
   kvlite::EngineOptions options;
+  options.backend = kvlite::BackendChoice::auto_;
   if (args.has("--backend")) {
     auto backend = kvlite::parse_backend_choice(args.text("--backend"));
     if (!backend) throw UsageError{"--backend: " + backend.error().message};
@@ -387,6 +382,13 @@ kvlite::EngineOptions engine_options(const Args& args) {
   }
   if (args.has("--max-image-pixels"))
     options.plan.max_image_pixels = args.integer("--max-image-pixels", 1, INT64_MAX);
+  if (args.has("--kv-page-tokens")) options.plan.kv_page_tokens = args.integer("--kv-page-tokens", 1, INT64_MAX);
+  if (args.has("--max-images")) options.plan.max_images = args.integer("--max-images", 1, INT64_MAX);
+  options.plan.kv_fill = args.has("--kv-fill");
+  if (args.has("--wsl2") && args.has("--no-wsl2")) throw UsageError{"--wsl2 and --no-wsl2 contradict each other"};
+  if (args.has("--wsl2")) options.plan.wsl2 = true;
+  if (args.has("--no-wsl2")) options.plan.wsl2 = false;
+  if (args.has("--device")) options.device = int(args.integer("--device", 0, 1023));
   if (args.has("--threads")) options.threads = int(args.integer("--threads", 1, 4096));
   options.fp8_activations = args.has("--fp8-activations");
   return options;
@@ -689,38 +691,28 @@ const std::vector<Command>& commands() {
       {"plan", "where every byte of device memory goes, and what would fit",
        "Plan device memory for a model directory: weights, context, activations, vision, logits, workspace,\n"
        "graphs and the KV arena against utilization x device memory. Reads config.json and the safetensors\n"
-       "headers only; never touches tensor data or the GPU.",
+       "headers only; never reads tensor data or allocates GPU memory. It takes the options of generate, score\n"
+       "and logits and prints the plan their engine opens with, byte for byte (backend choice included).",
        "kvlite plan MODEL_DIR [options]",
-       "max_model_len default: min(model max, 32768), halved while over 2048 until it fits.\n"
-       "max_image_pixels default (vision models): min(processor max, 1024 x 1024).\n"
+       "To plan for a GPU this machine does not have: --backend cuda --device-mem 8GiB.\n"
        "--sweep KEY=V1,V2,... (keys: max-model-len, utilization, device-mem, max-image-pixels) prints CSV\n"
        "  KEY[,max_model_len],total_bytes,kv_bytes,concurrency,fits\n"
        "  total_bytes = fixed items + kv_bytes, kv_bytes = KV of one max_model_len sequence (whole pages),\n"
        "  concurrency = such sequences the planned KV arena holds, fits = one fits. Exit 0.\n"
        "\nexit status: 0 fits, 1 does not fit (table and advice still printed), 2 usage or input error.\n",
-       {
-           {"--device-mem", "SIZE", "plan for a card of this size (8GiB, 7.5G, 512MiB); default: this machine's device"},
-           {"--utilization", "R", "fraction of device memory kvlite may use, (0, 1]; default 0.90"},
-           {"--max-model-len", "N", "longest sequence (prompt + output); default: see below"},
-           {"--max-seqs", "N", "sequences decoded together; default 8"},
-           {"--max-batched-tokens", "N", "tokens in one forward step; default min(2048, max_model_len)"},
-           {"--kv-dtype", "T", "auto | bf16 | f16 | fp8 (e4m3, halves KV) | f32; default auto (the model's dtype; f32 on the CPU)"},
-           {"--kv-page-tokens", "N", "tokens per KV page, 1..1024; default 16"},
-           {"--max-image-pixels", "N", "vision models: image budget in pixels; default min(processor max, 1048576)"},
-           {"--max-images", "N", "vision models: images encoded in one step; default 1"},
-           {"--wsl2", "", "plan as under WSL2 (larger driver reservation); default: detected"},
-           {"--no-wsl2", "", "plan as on native Linux"},
+       with_engine_options({
            {"--json", "", "print the plan as JSON instead of the table"},
            {"--svg", "FILE", "also write the budget as a stacked-bar SVG"},
            {"--sweep", "KEY=V1,V2,...", "print CSV for each value instead of one plan (see below)"},
-       },
+       }),
        run_plan},
       {"generate", "generate text from a prompt, streamed to stdout",
        "Generate text (Llama-3, Qwen2, Qwen3, Qwen3-VL; BF16/F16/F32 weights) on the GPU or the CPU reference\n"
        "engine (--backend). The text streams to stdout as it is generated; a summary line goes to stderr.",
        "kvlite generate MODEL_DIR --prompt TEXT [--chat] [options]",
        "Generation stops at the model's end-of-turn tokens, at --stop, or after --max-tokens tokens.\n"
-       "prompt + max-tokens must fit in max_model_len (otherwise: exit 1, with the numbers).\n"
+       "Generation also ends when the context is full (prompt + output = max_model_len: finish reason length);\n"
+       "a prompt that cannot fit at all is refused (exit 1, with the numbers).\n"
        "\nexit status: 0 done, 1 does not fit, 2 usage or input error.\n",
        with_engine_options({
            {"--prompt", "TEXT", "the prompt (plain text, encoded with the tokenizer's special tokens)"},

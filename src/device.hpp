@@ -9,6 +9,13 @@ namespace kvlite {
 enum class BackendKind { cpu, cuda };
 const char* backend_name(BackendKind kind);
 
+// Where an engine computes, as asked for. cpu: the float32 reference; cuda: the GPU; auto: the GPU when kvlite
+// was built with CUDA, one is present and the CUDA engine runs everything the model needs, else the CPU. The
+// planner and Engine::open resolve it by one rule (plan_engine), so the plan shown is the plan that runs.
+enum class BackendChoice { auto_, cpu, cuda };
+const char* backend_choice_name(BackendChoice choice);
+Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" | "cpu" | "cuda"
+
 struct DeviceSpec {
   BackendKind backend = BackendKind::cpu;
   std::string name;           // "NVIDIA GeForce RTX 4060", "planned 8.00 GiB card", "CPU"
@@ -17,6 +24,10 @@ struct DeviceSpec {
   int sm = 0;                 // compute capability x 10 (86, 89, 90, ...); 0 when unknown
   bool wsl2 = false;          // Windows Subsystem for Linux 2: larger driver overhead, no large pinned memory
   bool queried = false;       // true when read from a real GPU
+  // An integrated GPU (Jetson: cudaDevAttrIntegrated) has no memory of its own: it shares the system's with the
+  // CPU, the OS and every other process. It is planned against what was free when queried, not the total.
+  bool integrated = false;
+  uint64_t shared_total_bytes = 0;  // integrated: the system memory it shares (total_bytes is then what was free)
 };
 
 // True when the kernel release string names Microsoft (how WSL2 identifies itself).
@@ -24,10 +35,18 @@ bool running_under_wsl2();
 // Physical memory of this machine (the CPU backend's "device").
 uint64_t system_memory_bytes();
 
-// The device to plan for. device_mem set: a CUDA card of that size (real or not), named "planned". Otherwise
-// the first CUDA GPU when kvlite was built with CUDA and one is present, else the CPU with system memory.
-// `wsl2` overrides detection when set.
-Result<DeviceSpec> detect_device(std::optional<uint64_t> device_mem, std::optional<bool> wsl2);
+// The device a plan divides, by the one rule the planner and Engine::open share:
+//   cpu   the CPU; its memory is this machine's, or device_mem when given.
+//   cuda  GPU `device_index`; device_mem (at most its memory) makes it behave as a card of that size. With no
+//         GPU (or no CUDA in this build) and device_mem given: a planned card of that size, which can be planned
+//         but not opened; without device_mem that is a device_error.
+//   auto  cuda when kvlite was built with CUDA and GPU `device_index` is present, else cpu.
+// `wsl2` overrides detection when set. `*why`, when given, receives the reason for the backend chosen.
+Result<DeviceSpec> detect_device(BackendChoice backend, int device_index, std::optional<uint64_t> device_mem,
+                                 std::optional<bool> wsl2, std::string* why = nullptr);
+// The pure part of detect_device for a GPU: a queried card (or none, for a planned one) with device_mem
+// applied, and an integrated GPU's budget base set to its free shared memory. Unit-tested without a GPU.
+Result<DeviceSpec> plan_gpu_device(const std::optional<DeviceSpec>& queried, std::optional<uint64_t> device_mem);
 
 // ---- CUDA entry points (kernels.cu) ---------------------------------------------------------------------
 namespace cuda {

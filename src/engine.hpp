@@ -30,18 +30,13 @@
 
 namespace kvlite {
 
-// Where the engine computes. cpu: the float32 reference (the default: what every reference-checked result and
-// test assumes); cuda: the GPU (an error when kvlite has no CUDA or no GPU is visible); auto: the GPU when kvlite
-// was built with CUDA and one is present, else the CPU.
-enum class BackendChoice { auto_, cpu, cuda };
-const char* backend_choice_name(BackendChoice choice);
-Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" | "cpu" | "cuda"
-
 struct EngineOptions {
   // The memory plan. device_mem, when set, is the memory the plan divides: on the CPU the budget's base; on CUDA
   // the card to plan for, so an H200 opened with 8 GiB behaves exactly as an 8 GiB card (one reservation of the
   // plan's arena). activation_dtype: CUDA's (BF16 default, F16, F32); the CPU computes in F32.
   PlanOptions plan;
+  // Where to compute (device.hpp): cpu, the float32 reference every reference-checked result assumes, stays the
+  // default of the library; the CLI and the examples default to auto.
   BackendChoice backend = BackendChoice::cpu;
   int device = 0;            // CUDA device index
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
@@ -50,6 +45,13 @@ struct EngineOptions {
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
   bool fp8_activations = false;
 };
+
+// The plan Engine::open(model_dir, options) makes, without reading a byte of weights or touching GPU memory:
+// the same backend choice (options.backend, options.device), the same device, the same numbers, byte for byte
+// (`kvlite plan` prints it). With --backend cuda and no GPU here, device_mem plans a card that is not present:
+// such a plan is made, and Engine::open refuses it (unsupported without CUDA, device_error without a GPU).
+Result<Plan> plan_engine(const std::string& model_dir, const EngineOptions& options);
+Result<Plan> plan_engine(const PlanInputs& inputs, const EngineOptions& options);
 
 // Why a generation ended.
 enum class FinishReason {

@@ -1011,77 +1011,42 @@ DType kv_element_dtype(KVDType kv_dtype) {
 Engine::Engine() : impl_(new Impl()) {}
 Engine::~Engine() = default;
 
-const char* backend_choice_name(BackendChoice choice) {
-  switch (choice) {
-    case BackendChoice::auto_: return "auto";
-    case BackendChoice::cpu: return "cpu";
-    case BackendChoice::cuda: return "cuda";
-  }
-  return "?";
-}
-
-Result<BackendChoice> parse_backend_choice(const std::string& text) {
-  return detail::guard([&]() -> BackendChoice {
-    if (text == "auto") return BackendChoice::auto_;
-    if (text == "cpu") return BackendChoice::cpu;
-    if (text == "cuda" || text == "gpu") return BackendChoice::cuda;
-    detail::fail(ErrorCode::invalid_argument, detail::format("unknown backend '%s': use auto, cpu or cuda", text.c_str()));
-  });
-}
-
 namespace detail {
 namespace engine {
 
-// The backend options.backend asks for, with the reason when it cannot be had.
-BackendKind resolve_backend(const EngineOptions& options) {
-  const bool built = cuda::built_with_cuda();
-  const int devices = built ? cuda::device_count() : 0;
-  switch (options.backend) {
-    case BackendChoice::cpu: return BackendKind::cpu;
-    case BackendChoice::auto_: return devices > 0 ? BackendKind::cuda : BackendKind::cpu;
-    case BackendChoice::cuda: break;
-  }
-  if (!built)
-    fail(ErrorCode::unsupported, "backend cuda: kvlite was built without CUDA (no nvcc at build time); rebuild with the "
-                                 "CUDA toolkit, or use --backend cpu");
-  if (devices == 0)
-    fail(ErrorCode::device_error, "backend cuda: no CUDA device is visible (no GPU, or no driver); use --backend cpu");
-  if (options.device < 0 || options.device >= devices)
-    fail(ErrorCode::invalid_argument, format("backend cuda: device %d does not exist; there %s %d CUDA device%s",
-                                             options.device, devices == 1 ? "is" : "are", devices,
-                                             devices == 1 ? "" : "s"));
-  return BackendKind::cuda;
-}
-
-// What the plan divides: this machine's memory for the CPU, the GPU's for CUDA; device_mem, when given, replaces
-// the size (a large GPU then behaves as that card).
-DeviceSpec engine_device(BackendKind backend, const EngineOptions& options) {
-  DeviceSpec device;
-  if (backend == BackendKind::cpu) {
-    device.backend = BackendKind::cpu;
-    device.name = "CPU";
-    device.total_bytes = options.plan.device_mem ? *options.plan.device_mem : system_memory_bytes();
-  } else {
-    Result<DeviceSpec> queried = cuda::query_device(options.device);
-    if (!queried) throw queried.error();
-    device = *queried;
-    if (options.plan.device_mem) {
-      if (*options.plan.device_mem > device.total_bytes)
-        fail(ErrorCode::invalid_argument,
-             format("--device-mem %s is more than the %s of %s: plan for at most the card present",
-                    format_bytes(*options.plan.device_mem).c_str(), format_bytes(device.total_bytes).c_str(),
-                    device.name.c_str()));
-      device.name = "planned " + format_bytes(*options.plan.device_mem) + " card (on " + device.name + ")";
-      device.total_bytes = *options.plan.device_mem;
-      device.free_bytes = 0;  // as detect_device says of a planned card: unknown
-    }
-  }
-  device.wsl2 = options.plan.wsl2 ? *options.plan.wsl2 : running_under_wsl2();
-  return device;
-}
-
 }  // namespace engine
 }  // namespace detail
+
+Result<Plan> plan_engine(const PlanInputs& inputs, const EngineOptions& options) {
+  return detail::guard([&]() -> Plan {
+    std::string why;
+    Result<DeviceSpec> device = detect_device(options.backend, options.device, options.plan.device_mem,
+                                              options.plan.wsl2, &why);
+    if (!device) throw device.error();
+    if (options.backend == BackendChoice::auto_ && device->backend == BackendKind::cuda &&
+        inputs.config.vision.present) {
+      // The CUDA engine does not run the vision tower yet (images need the CPU engine): auto keeps a
+      // vision-language model on the CPU, where its images work, rather than open an engine that refuses them.
+      device = detect_device(BackendChoice::cpu, options.device, options.plan.device_mem, options.plan.wsl2);
+      if (!device) throw device.error();
+      why = "auto: the CPU, since the CUDA engine does not encode images yet (--backend cuda runs its text on the GPU)";
+    }
+    Result<Plan> plan = make_plan(inputs, *device, options.plan);
+    if (!plan) throw plan.error();
+    plan->backend_rule = why;
+    return std::move(*plan);
+  });
+}
+
+Result<Plan> plan_engine(const std::string& model_dir, const EngineOptions& options) {
+  return detail::guard([&]() -> Plan {
+    Result<PlanInputs> inputs = read_plan_inputs(model_dir);
+    if (!inputs) throw inputs.error();
+    Result<Plan> plan = plan_engine(*inputs, options);
+    if (!plan) throw plan.error();
+    return std::move(*plan);
+  });
+}
 
 Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const EngineOptions& options) {
   return detail::guard([&] {
@@ -1101,15 +1066,23 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     Result<WeightsSummary> weights = summarize_weights(e.config, &e.store);
     if (!weights) throw weights.error();
 
-    const BackendKind backend_kind = detail::engine::resolve_backend(options);
-    const bool gpu = backend_kind == BackendKind::cuda;
+    // The plan `kvlite plan` shows for these options (plan_engine: one rule for the backend and the device).
     PlanInputs inputs;
     inputs.config = e.config;
     inputs.weights = *weights;
     inputs.tensor_count = e.store.tensors().size();
-    Result<Plan> plan = make_plan(inputs, detail::engine::engine_device(backend_kind, options), options.plan);
+    Result<Plan> plan = plan_engine(inputs, options);
     if (!plan) throw plan.error();
     e.plan = std::move(*plan);
+    const BackendKind backend_kind = e.plan.device.backend;
+    const bool gpu = backend_kind == BackendKind::cuda;
+    if (gpu && !e.plan.device.queried)  // a card planned on a machine without one: plannable, not runnable
+      fail(cuda::built_with_cuda() ? ErrorCode::device_error : ErrorCode::unsupported,
+           format("backend cuda: %s; the plan is for a %s that is not here (%s)",
+                  cuda::built_with_cuda() ? "no CUDA device is visible (no GPU, or no driver)"
+                                          : "kvlite was built without CUDA (no nvcc at build time); rebuild with the "
+                                            "CUDA toolkit",
+                  e.plan.device.name.c_str(), "use --backend cpu or auto"));
 
     Result<TextModelWeights> bound = bind_text_weights(e.config, e.store);
     if (!bound) throw bound.error();

@@ -18,8 +18,9 @@ int kv_dtype_bytes(KVDType dtype);  // 2, 1 for fp8, 4 for f32 (auto must be res
 bool kv_dtype_storable(BackendKind backend, KVDType dtype);
 
 struct PlanOptions {
-  // Plan for a card of this size instead of the one present. Read by plan_model_dir (through
-  // detect_device); make_plan plans for the DeviceSpec it is given.
+  // The memory the plan divides instead of the device's: on CUDA a card of this size (an 8 GiB card planned on
+  // any GPU, or on none); on the CPU the budget's base. Read by plan_engine (through detect_device); make_plan
+  // plans for the DeviceSpec it is given.
   std::optional<uint64_t> device_mem;
   double utilization = 0.90;           // fraction of device memory kvlite may use, (0, 1]
   int64_t max_model_len = 0;           // 0: the default rule (see Plan::max_model_len_rule)
@@ -30,6 +31,10 @@ struct PlanOptions {
   int64_t max_images = 1;              // vision models: images one request may carry, encoded together in one
                                        // step; a request with more is refused (does_not_fit)
   int64_t kv_page_tokens = 16;         // tokens per KV page
+  // The KV arena holds at most the pages max_seqs sequences of max_model_len tokens can use, so the rest of the
+  // budget stays free for the application kvlite is embedded in (a display, a browser, the OS on a Jetson).
+  // true: fill the whole budget with KV pages, as vLLM does on a dedicated server (--kv-fill).
+  bool kv_fill = false;
   std::optional<bool> wsl2;            // override WSL2 detection
   // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
   // float32) and accepts nothing else; CUDA: BF16, F16 or F32. Unset: F32 on the CPU; on CUDA the model's dtype
@@ -74,6 +79,9 @@ struct Plan {
   PlanOptions options;  // resolved: every 0 / auto replaced by the value used
   std::string model_name;
   Arch arch = Arch::llama;
+  // Why this backend: "--backend cpu", "auto: no CUDA device is visible", ... (plan_engine sets it;
+  // empty from make_plan, which is given its device).
+  std::string backend_rule;
 
   std::vector<PlanItem> items;  // everything but the KV arena, in table order
   uint64_t weights_bytes = 0;
@@ -86,6 +94,9 @@ struct Plan {
   uint64_t fixed_bytes = 0;     // sum of items (what must fit before any KV)
   int64_t kv_available_bytes = 0;  // budget - fixed; negative when even that does not fit
   uint64_t kv_arena_bytes = 0;  // whole pages only
+  uint64_t kv_pages_usable = 0; // the pages max_seqs sequences of max_model_len can use (the arena's cap
+                                // unless options.kv_fill)
+  uint64_t free_bytes = 0;      // budget - arena - what the device spends outside it: left to the application
   uint64_t kv_pages = 0;
   uint64_t kv_tokens = 0;       // kv_pages x kv_page_tokens
   int64_t max_model_len = 0;
@@ -134,8 +145,8 @@ struct PlanInputs {
 };
 Result<PlanInputs> read_plan_inputs(const std::string& model_dir);  // config.json + safetensors headers
 Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const PlanOptions& options);
-// Convenience: read_plan_inputs + detect_device(options.device_mem, options.wsl2) + make_plan.
-Result<Plan> plan_model_dir(const std::string& model_dir, const PlanOptions& options);
+// A model directory's plan for a backend choice and device: plan_engine (engine.hpp), the function Engine::open
+// itself plans with.
 
 // The buffers of one forward step, each a named region with its bytes (rounded up to kPlanAlignment): the
 // planner sums them and the engine carves them, so the two agree. Shapes name config sizes:

@@ -496,13 +496,14 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   for (const auto& item : plan.items) plan.fixed_bytes += item.bytes;
   plan.kv_available_bytes = int64_t(plan.budget_bytes) - int64_t(plan.fixed_bytes);
   plan.kv_pages = plan.kv_available_bytes > 0 ? uint64_t(plan.kv_available_bytes) / plan.kv_page_bytes : 0;
-  if (in.device.backend == BackendKind::cpu) {
-    // The CPU shares its memory with everything else on the machine: take only the pages that max_seqs
-    // sequences of max_model_len can use, not the whole budget.
-    uint64_t pages_per_seq = ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
-    plan.kv_pages = std::min(plan.kv_pages, uint64_t(o.max_seqs) * pages_per_seq);
-  }
+  // An embedded library shares its memory (the CPU's with everything on the machine, a desktop GPU's with the
+  // display and other apps, a Jetson's with the OS): take only the pages max_seqs sequences of max_model_len
+  // can use, no preemption needed. kv_fill: the whole budget, as vLLM does.
+  plan.kv_pages_usable = uint64_t(o.max_seqs) * ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
+  if (!o.kv_fill) plan.kv_pages = std::min(plan.kv_pages, plan.kv_pages_usable);
   plan.kv_arena_bytes = plan.kv_pages * plan.kv_page_bytes;
+  const uint64_t used = plan.fixed_bytes + plan.kv_arena_bytes;  // arena + what the device spends outside it
+  plan.free_bytes = plan.budget_bytes > used ? plan.budget_bytes - used : 0;
   plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
   plan.max_model_len = o.max_model_len;
   plan.concurrency = double(plan.kv_tokens) / double(o.max_model_len);
@@ -859,17 +860,6 @@ Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const
       [&] { return detail::planning::make(inputs.config, inputs.weights, inputs.tensor_count, device, options); });
 }
 
-Result<Plan> plan_model_dir(const std::string& model_dir, const PlanOptions& options) {
-  return detail::guard([&]() -> Plan {
-    auto inputs = read_plan_inputs(model_dir);
-    if (!inputs) throw inputs.error();
-    auto device = detect_device(options.device_mem, options.wsl2);
-    if (!device) throw device.error();
-    auto plan = make_plan(*inputs, *device, options);
-    if (!plan) throw plan.error();
-    return std::move(*plan);
-  });
-}
 
 // ---- presentation -----------------------------------------------------------------------------------------
 
@@ -904,7 +894,19 @@ std::string Plan::table() const {
     kv_why = format("nothing left: budget - fixed = %s; %s per token (%s)",
                     format_bytes_signed(kv_available_bytes).c_str(), format_bytes(kv_bytes_per_token).c_str(),
                     kv_dtype_name(options.kv_dtype));
+  if (kv_available_bytes > 0) {
+    if (options.kv_fill)
+      kv_why += "; fills the budget (--kv-fill)";
+    else if (kv_pages >= kv_pages_usable)
+      kv_why += format("; what max_seqs %lld x max_model_len %lld can use (--kv-fill takes the whole budget)",
+                       (long long)options.max_seqs, (long long)max_model_len);
+    else
+      kv_why += format("; all the budget allows (max_seqs %lld x max_model_len %lld could use %s pages)",
+                       (long long)options.max_seqs, (long long)max_model_len, format_count(kv_pages_usable).c_str());
+  }
   rows.push_back({"KV arena", format_bytes(kv_arena_bytes), kv_why});
+  rows.push_back({"left free", format_bytes(free_bytes),
+                  "budget - arena - outside the arena: left to the application and the rest of the system"});
   rows.push_back({"max_model_len", ll(max_model_len), max_model_len_rule});
   if (!max_image_pixels_rule.empty()) {
     rows.push_back({"max_image_pixels", ll(options.max_image_pixels), max_image_pixels_rule});
@@ -936,8 +938,9 @@ std::string Plan::table() const {
     width0 = std::max(width0, r.component.size());
     width1 = std::max(width1, r.bytes.size());
   }
-  std::string out = format("model %s (%s) | device %s | WSL2 %s | backend %s\n", model_name.c_str(), arch_name(arch),
-                           device.name.c_str(), device.wsl2 ? "yes" : "no", backend_name(device.backend));
+  std::string out = format("model %s (%s) | device %s | WSL2 %s | backend %s%s\n", model_name.c_str(),
+                           arch_name(arch), device.name.c_str(), device.wsl2 ? "yes" : "no", backend_name(device.backend),
+                           backend_rule.empty() ? "" : (" (" + backend_rule + ")").c_str());
   auto line = [&](const std::string& a, const std::string& b, const std::string& c) {
     out += a + std::string(width0 - a.size() + 2, ' ') + std::string(width1 - b.size(), ' ') + b + "  " + c + "\n";
   };
@@ -945,7 +948,7 @@ std::string Plan::table() const {
   line("component", "bytes", "why");
   out += rule + "\n";
   for (size_t i = 0; i < rows.size(); i++) {
-    if (i == items.size() || i == items.size() + 3) out += rule + "\n";
+    if (i == items.size() || i == items.size() + 4) out += rule + "\n";
     line(rows[i].component, rows[i].bytes, rows[i].why);
   }
   if (!advice.empty()) {
@@ -962,7 +965,9 @@ std::string Plan::json() const {
   j["device"] = {{"name", device.name},        {"backend", backend_name(device.backend)},
                  {"total_bytes", device.total_bytes}, {"free_bytes", device.free_bytes},
                  {"sm", device.sm},             {"wsl2", device.wsl2},
-                 {"queried", device.queried}};
+                 {"queried", device.queried}, {"integrated", device.integrated},
+                 {"shared_total_bytes", device.shared_total_bytes}};
+  j["backend_rule"] = backend_rule;
   nlohmann::ordered_json opts;
   if (options.device_mem) opts["device_mem"] = *options.device_mem; else opts["device_mem"] = nullptr;
   opts["utilization"] = options.utilization;
@@ -973,6 +978,7 @@ std::string Plan::json() const {
   opts["max_image_pixels"] = options.max_image_pixels;
   opts["max_images"] = options.max_images;
   opts["kv_page_tokens"] = options.kv_page_tokens;
+  opts["kv_fill"] = options.kv_fill;
   opts["activation_dtype"] = dtype_name(options.activation_dtype.value_or(DType::F32));
   opts["wsl2"] = options.wsl2.value_or(device.wsl2);
   j["options"] = opts;
@@ -993,6 +999,8 @@ std::string Plan::json() const {
   j["kv_arena_bytes"] = kv_arena_bytes;
   j["kv_pages"] = kv_pages;
   j["kv_tokens"] = kv_tokens;
+  j["kv_pages_usable"] = kv_pages_usable;
+  j["free_bytes"] = free_bytes;
   j["arena_bytes"] = arena_bytes();
   j["max_model_len"] = max_model_len;
   j["max_model_len_rule"] = max_model_len_rule;

@@ -70,8 +70,9 @@ TEST_CASE("--version and --help exit 0 on stdout") {
   for (const auto& args : std::vector<std::vector<std::string>>{{"plan", "--help"}, {"help", "plan"}, {"plan", "-h"}}) {
     Run plan_help = run_kvlite(args);
     CHECK(plan_help.status == 0);
-    for (const char* option : {"--device-mem", "--utilization", "--max-model-len", "--max-seqs", "--max-batched-tokens",
-                               "--kv-dtype", "--max-image-pixels", "--wsl2", "--no-wsl2", "--json", "--sweep", "--svg"})
+    for (const char* option : {"--backend", "--device", "--device-mem", "--utilization", "--max-model-len", "--max-seqs",
+                               "--max-batched-tokens", "--kv-dtype", "--kv-fill", "--max-image-pixels", "--wsl2",
+                               "--no-wsl2", "--json", "--sweep", "--svg"})
       CHECK_MESSAGE(contains(plan_help.out, option), option);
   }
 }
@@ -115,7 +116,7 @@ TEST_CASE("usage errors exit 2 with one message on stderr naming the problem") {
 }
 
 TEST_CASE("plan on the shipped Qwen3-VL-4B FP8 config: 8 GiB under WSL2 at 0.80 x 4096 does not fit (exit 1)") {
-  Run run = run_kvlite({"plan", kQwenVL, "--device-mem", "8GiB", "--wsl2", "--utilization", "0.80", "--max-model-len", "4096"});
+  Run run = run_kvlite({"plan", kQwenVL, "--backend", "cuda", "--device-mem", "8GiB", "--wsl2", "--utilization", "0.80", "--max-model-len", "4096"});
   CHECK(run.status == 1);
   CHECK(run.err.empty());
   CHECK(contains(run.out, "budget = 0.80 x 8.00 GiB = 6.40 GiB"));
@@ -126,11 +127,11 @@ TEST_CASE("plan on the shipped Qwen3-VL-4B FP8 config: 8 GiB under WSL2 at 0.80 
 }
 
 TEST_CASE("plan on the shipped Llama-3.1-8B W4A16 config: 2048 fits (exit 0), 131072 does not (exit 1)") {
-  Run fits = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--no-wsl2", "--max-model-len", "2048"});
+  Run fits = run_kvlite({"plan", kLlama, "--backend", "cuda", "--device-mem", "8GiB", "--no-wsl2", "--max-model-len", "2048"});
   CHECK(fits.status == 0);
   CHECK(contains(fits.out, "FITS"));
   CHECK(contains(fits.out, "128.0 KiB per token (bf16)"));
-  Run full = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--no-wsl2", "--max-model-len", "131072"});
+  Run full = run_kvlite({"plan", kLlama, "--backend", "cuda", "--device-mem", "8GiB", "--no-wsl2", "--max-model-len", "131072"});
   CHECK(full.status == 1);
   CHECK(contains(full.out, "KV needs 16.00 GiB for one 131072-token sequence"));
   CHECK(contains(full.out, "does not fit at any utilization"));
@@ -139,7 +140,7 @@ TEST_CASE("plan on the shipped Llama-3.1-8B W4A16 config: 2048 fits (exit 0), 13
 // Regression (issue 15, defect 1): utilization_for stepped with nextafter(u, 2.0), which moves down once the
 // needed utilization is above 2, so these two commands never returned (ctest's timeout catches a relapse).
 TEST_CASE("regression: the planner hung when the needed utilization was above 2") {
-  Run plan = run_kvlite({"plan", kLlama, "--device-mem", "3GiB", "--no-wsl2", "--max-model-len", "4096"});
+  Run plan = run_kvlite({"plan", kLlama, "--backend", "cuda", "--device-mem", "3GiB", "--no-wsl2", "--max-model-len", "4096"});
   CHECK(plan.status == 1);
   CHECK(contains(plan.out, "max_model_len 4096 does not fit at any utilization: needs 3.56 GiB more than the whole 3.00 GiB card"));
   Run generate = run_kvlite({"generate", std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/models/tiny-qwen3", "--prompt",
@@ -148,22 +149,69 @@ TEST_CASE("regression: the planner hung when the needed utilization was above 2"
   CHECK(contains(generate.err, "does not fit"));
 }
 
+TEST_CASE("one plan: kvlite plan prints the plan Engine::open opens with, for the same options as generate") {
+  const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/models/tiny-qwen3";
+  for (const std::vector<std::string>& flags : std::vector<std::vector<std::string>>{
+           {},
+           {"--backend", "cpu", "--device-mem", "64MiB", "--max-model-len", "96", "--max-seqs", "3"},
+           {"--backend", "auto", "--kv-fill", "--device-mem", "32MiB", "--utilization", "0.5", "--kv-page-tokens", "8"}}) {
+    std::vector<std::string> args = {"plan", dir, "--json"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    Run run = run_kvlite(args);
+    CAPTURE(run.err);
+    REQUIRE(run.status == 0);
+    // The same flags, parsed as generate parses them, opened as generate opens them.
+    kvlite::EngineOptions options;
+    options.backend = kvlite::BackendChoice::auto_;  // the CLI's default
+    for (size_t i = 0; i < flags.size(); i++) {
+      if (flags[i] == "--backend") options.backend = *kvlite::parse_backend_choice(flags[++i]);
+      else if (flags[i] == "--device-mem") options.plan.device_mem = *kvlite::parse_size(flags[++i]);
+      else if (flags[i] == "--max-model-len") options.plan.max_model_len = std::stoll(flags[++i]);
+      else if (flags[i] == "--max-seqs") options.plan.max_seqs = std::stoll(flags[++i]);
+      else if (flags[i] == "--utilization") options.plan.utilization = std::stod(flags[++i]);
+      else if (flags[i] == "--kv-page-tokens") options.plan.kv_page_tokens = std::stoll(flags[++i]);
+      else if (flags[i] == "--kv-fill") options.plan.kv_fill = true;
+    }
+    auto engine = kvlite::Engine::open(dir, options);
+    REQUIRE_MESSAGE(engine.ok(), engine.error().message);
+    CHECK(run.out == (*engine)->plan().json());
+  }
+}
+
+TEST_CASE("plan --backend cuda without a GPU plans a card only when told its size") {
+  if (kvlite::cuda::built_with_cuda() && kvlite::cuda::device_count() > 0) {
+    MESSAGE("skipped: a GPU is present, so --backend cuda plans it");
+    return;
+  }
+  Run none = run_kvlite({"plan", kLlama, "--backend", "cuda"});
+  CHECK(none.status == 2);
+  CHECK(contains(none.err, "--device-mem"));
+  Run card = run_kvlite({"plan", kLlama, "--backend", "cuda", "--device-mem", "8GiB", "--no-wsl2"});
+  CHECK(card.status <= 1);
+  CHECK(contains(card.out, "backend cuda (--backend cuda; a planned card, no GPU here)"));
+  Run cpu = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--no-wsl2"});  // auto: the CPU is what runs here
+  CHECK(contains(cpu.out, "device CPU"));
+  Run bad = run_kvlite({"plan", kLlama, "--backend", "tpu"});
+  CHECK(bad.status == 2);
+  CHECK(contains(bad.err, "unknown backend 'tpu'"));
+}
+
 TEST_CASE("plan options the model refuses exit 2 with the value") {
-  Run too_long = run_kvlite({"plan", kQwenVL, "--device-mem", "8GiB", "--max-model-len", "300000"});
+  Run too_long = run_kvlite({"plan", kQwenVL, "--backend", "cuda", "--device-mem", "8GiB", "--max-model-len", "300000"});
   CHECK(too_long.status == 2);
   CHECK(contains(too_long.err, "300000"));
   CHECK(contains(too_long.err, "262144"));
-  Run ratio = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--utilization", "1.5"});
+  Run ratio = run_kvlite({"plan", kLlama, "--backend", "cuda", "--device-mem", "8GiB", "--utilization", "1.5"});
   CHECK(ratio.status == 2);
   CHECK(contains(ratio.err, "utilization 1.5"));
-  Run no_vision = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--max-image-pixels", "1048576"});
+  Run no_vision = run_kvlite({"plan", kLlama, "--backend", "cuda", "--device-mem", "8GiB", "--max-image-pixels", "1048576"});
   CHECK(no_vision.status == 2);
   CHECK(contains(no_vision.err, "no vision tower"));
 }
 
 TEST_CASE("plan --json is one JSON document whose verdict matches the exit status") {
   for (const char* length : {"2048", "131072"}) {
-    Run run = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--no-wsl2", "--max-model-len", length, "--json"});
+    Run run = run_kvlite({"plan", kLlama, "--backend", "cuda", "--device-mem", "8GiB", "--no-wsl2", "--max-model-len", length, "--json"});
     CAPTURE(length);
     REQUIRE(run.status <= 1);
     auto j = nlohmann::json::parse(run.out);
@@ -177,19 +225,19 @@ TEST_CASE("plan --json is one JSON document whose verdict matches the exit statu
 
 TEST_CASE("plan --svg writes a standalone SVG next to the table") {
   std::string path = testing_safetensors::temp_dir("cli-svg") + "/plan.svg";
-  Run run = run_kvlite({"plan", kQwenVL, "--device-mem", "8GiB", "--svg", path});
+  Run run = run_kvlite({"plan", kQwenVL, "--backend", "cuda", "--device-mem", "8GiB", "--svg", path});
   CHECK(run.status <= 1);
   CHECK(contains(run.out, "budget ="));
   std::string svg = read_file(path);
   CHECK(svg.rfind("<svg", 0) == 0);
   CHECK(contains(svg, "</svg>"));
-  Run unwritable = run_kvlite({"plan", kQwenVL, "--device-mem", "8GiB", "--svg", "/nonexistent/dir/plan.svg"});
+  Run unwritable = run_kvlite({"plan", kQwenVL, "--backend", "cuda", "--device-mem", "8GiB", "--svg", "/nonexistent/dir/plan.svg"});
   CHECK(unwritable.status == 2);
   CHECK(contains(unwritable.err, "/nonexistent/dir/plan.svg"));
 }
 
 TEST_CASE("plan --sweep prints CSV for each value and exits 0") {
-  Run run = run_kvlite({"plan", kLlama, "--device-mem", "8GiB", "--no-wsl2", "--sweep", "max-model-len=512,2048,131072"});
+  Run run = run_kvlite({"plan", kLlama, "--backend", "cuda", "--device-mem", "8GiB", "--no-wsl2", "--sweep", "max-model-len=512,2048,131072"});
   CHECK(run.status == 0);
   std::vector<std::string> lines;
   std::istringstream in(run.out);

@@ -430,16 +430,23 @@ TEST_CASE("invariants over models, cards, ratios, KV dtypes and backends") {
             CHECK(p.kv_arena_bytes == p.kv_pages * p.kv_page_bytes);
             CHECK(p.kv_tokens == p.kv_pages * p.kv_page_tokens);
             CHECK(int64_t(p.kv_arena_bytes) <= std::max<int64_t>(p.kv_available_bytes, 0));
-            if (p.device.backend == BackendKind::cuda) {
-              // A GPU takes every whole page the budget leaves.
-              if (p.kv_available_bytes > 0) CHECK(int64_t(p.kv_arena_bytes + p.kv_page_bytes) > p.kv_available_bytes);
-            } else {
-              // The CPU takes only what max_seqs sequences of max_model_len can use.
-              uint64_t cap = uint64_t(p.options.max_seqs) * ((uint64_t(p.max_model_len) + p.kv_page_tokens - 1) / p.kv_page_tokens);
-              CHECK(p.kv_pages <= cap);
-              if (p.kv_available_bytes > 0)
-                CHECK((p.kv_pages == cap || int64_t(p.kv_arena_bytes + p.kv_page_bytes) > p.kv_available_bytes));
-              CHECK_FALSE(p.item("weights")->in_arena);  // read from the mmap in place
+            // Every backend takes only the pages max_seqs sequences of max_model_len can use (or all the budget
+            // allows, if less); --kv-fill takes every whole page (invariants below).
+            uint64_t cap = uint64_t(p.options.max_seqs) * ((uint64_t(p.max_model_len) + p.kv_page_tokens - 1) / p.kv_page_tokens);
+            CHECK(p.kv_pages_usable == cap);
+            CHECK(p.kv_pages <= cap);
+            if (p.kv_available_bytes > 0)
+              CHECK((p.kv_pages == cap || int64_t(p.kv_arena_bytes + p.kv_page_bytes) > p.kv_available_bytes));
+            CHECK(p.free_bytes == p.budget_bytes - std::min(p.budget_bytes, p.fixed_bytes + p.kv_arena_bytes));
+            if (p.device.backend == BackendKind::cpu) CHECK_FALSE(p.item("weights")->in_arena);  // the mmap, in place
+            {
+              PlanOptions fill = o;
+              fill.kv_fill = true;
+              Plan f = plan_for(m, device, fill);
+              if (f.kv_available_bytes > 0) CHECK(int64_t(f.kv_arena_bytes + f.kv_page_bytes) > f.kv_available_bytes);
+              CHECK(f.kv_pages >= p.kv_pages);
+              CHECK(f.fits == p.fits);
+              CHECK(f.fixed_bytes == p.fixed_bytes);
             }
             uint64_t outside_arena = 0;
             for (const auto& item : p.items) outside_arena += item.in_arena ? 0 : item.bytes;
@@ -954,19 +961,26 @@ TEST_CASE("regression: the planner hung when the needed utilization was above 2"
   }
 }
 
-TEST_CASE("plan_model_dir is read_plan_inputs + detect_device + make_plan") {
-  PlanOptions o = options_with(0.8, 4096);
-  o.device_mem = 8 * GiB;
-  o.wsl2 = true;
-  auto direct = plan_model_dir(kShippedQwenVL, o);
+TEST_CASE("plan_engine for a planned CUDA card is read_plan_inputs + detect_device + make_plan") {
+  EngineOptions o;
+  o.backend = BackendChoice::cuda;
+  o.plan = options_with(0.8, 4096);
+  o.plan.device_mem = 8 * GiB;
+  o.plan.wsl2 = true;
+  auto direct = plan_engine(kShippedQwenVL, o);
   REQUIRE_MESSAGE(direct.ok(), direct.error().message);
   CHECK(direct->model_name == "qwen3-vl-4b-instruct-fp8");
   CHECK(direct->device.backend == BackendKind::cuda);
   CHECK(direct->device.total_bytes == 8 * GiB);
-  auto device = detect_device(o.device_mem, o.wsl2);
+  CHECK_FALSE(direct->backend_rule.empty());
+  std::string why;
+  auto device = detect_device(o.backend, o.device, o.plan.device_mem, o.plan.wsl2, &why);
   REQUIRE(device.ok());
-  CHECK(direct->json() == plan_for(shipped(kShippedQwenVL), *device, o).json());
-  auto missing = plan_model_dir("/nonexistent/kvlite-model", o);
+  CHECK(why == direct->backend_rule);
+  Plan by_hand = plan_for(shipped(kShippedQwenVL), *device, o.plan);
+  by_hand.backend_rule = why;
+  CHECK(direct->json() == by_hand.json());
+  auto missing = plan_engine("/nonexistent/kvlite-model", o);
   REQUIRE_FALSE(missing.ok());
   CHECK(contains(missing.error().message, "/nonexistent/kvlite-model"));
 }
