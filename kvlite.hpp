@@ -130,6 +130,15 @@ enum class ErrorCode : int {
 };
 const char* error_code_name(ErrorCode code);
 
+// kvlite never prints: its diagnostics (an engine opened and on what, preemptions, cancels) go to the log
+// callback, process-wide, when one is set. The callback may run on any thread that calls kvlite (one at a time:
+// calls are serialized); it must not call kvlite. An exception it throws is dropped.
+enum class LogLevel : int { debug = 0, info = 1, warning = 2, error = 3 };
+const char* log_level_name(LogLevel level);  // "debug", "info", "warning", "error"
+using LogCallback = std::function<void(LogLevel level, const std::string& message)>;
+// nullptr (the default) drops everything; messages below min_level are not even formatted.
+void set_log_callback(LogCallback callback, LogLevel min_level = LogLevel::info);
+
 struct Error : std::exception {
   ErrorCode code = ErrorCode::internal;
   std::string message;
@@ -301,6 +310,9 @@ inline uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 namespace detail {
 // Internal code reports failure by throwing kvlite::Error; public entry points catch it with guard().
 [[noreturn]] void fail(ErrorCode code, std::string message);
+// To the log callback (set_log_callback), if one is set and `level` passes its minimum.
+bool log_enabled(LogLevel level);
+void log(LogLevel level, const std::string& message);
 std::string format(const char* fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 1, 2)))
@@ -2320,10 +2332,10 @@ class VisionModel {
 // recomputed from its tokens later, giving the same tokens. A request that could never fit (prompt +
 // max_tokens > max_model_len, or more pages than the whole arena) is refused up front with does_not_fit.
 //
-// Threads: one caller at a time, except cancel(), which any thread may call: the running call (generate,
-// run, step, score, logits) stops at its next step and returns ErrorCode::cancelled, dropping every request in
-// flight. A cancel() made while nothing runs cancels the next call's first step. Callbacks run inside the
-// engine's step: they may call cancel() but no other Engine function.
+// Threads: one caller at a time, except cancel() and cancel(id), which any thread may call: cancel() stops the
+// running call (generate, run, step, score, logits) at its next step with ErrorCode::cancelled, dropping every
+// request in flight, and does nothing when no call runs; cancel(id) ends one request. Callbacks run inside the
+// engine's step: they may call cancel() or cancel(id) but no other Engine function.
 // ---------------------------------------------------------------------------------------------------------
 
 namespace kvlite {
@@ -2342,6 +2354,11 @@ struct EngineOptions {
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
   bool fp8_activations = false;
+  // Called during open with the checkpoint's bytes made ready so far and their total: (0, total) once planned,
+  // then as weights reach the device (CUDA: after each layer's upload; the CPU maps them in one step), and
+  // (total, total) when they are all there. Returning false aborts the open cleanly: it fails with
+  // ErrorCode::cancelled and everything taken so far (the arena, the mapping) is released.
+  std::function<bool(uint64_t done_bytes, uint64_t total_bytes)> load_progress;
 };
 
 // The plan Engine::open(model_dir, options) makes, without reading a byte of weights or touching GPU memory:
@@ -2533,8 +2550,14 @@ class Engine {
   Result<Logits> logits(const std::vector<int32_t>& ids);
   Result<Logits> logits(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images);
 
-  // Thread-safe: stop the running call (see the top of this section).
+  // Thread-safe: stop the call running now (generate, run, step, score, logits) at its next step; it returns
+  // ErrorCode::cancelled and every request in flight ends. A cancel() made while no call runs does nothing: it
+  // never reaches a later call.
   void cancel();
+  // Thread-safe: end one request (an id from submit) at the next step, with FinishReason::cancelled, its pages
+  // back in the pool; the others go on. A request that has already finished is left as it is. invalid_argument
+  // for an id this engine never issued. From a token callback, returning false ends its own request at once.
+  Status cancel(RequestId id);
 
   EngineStats stats() const;
   EngineInfo info() const;
@@ -2889,15 +2912,57 @@ inline bool cuda_workspace_layout(uint64_t workspace_bytes, uint64_t cublas_byte
 #if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
 #define KVLITE_IMPLEMENTATION_INCLUDED
 // base: implementation.
+#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <sys/stat.h>
 
 namespace kvlite {
+
+const char* log_level_name(LogLevel level) {
+  switch (level) {
+    case LogLevel::debug: return "debug";
+    case LogLevel::info: return "info";
+    case LogLevel::warning: return "warning";
+    case LogLevel::error: return "error";
+  }
+  return "unknown";
+}
+
+namespace detail {
+struct LogSink {
+  std::mutex mutex;
+  LogCallback callback;
+  std::atomic<int> min_level{int(LogLevel::error) + 1};  // nothing passes until a callback is set
+};
+inline LogSink& log_sink() {
+  static LogSink sink;
+  return sink;
+}
+bool log_enabled(LogLevel level) { return int(level) >= log_sink().min_level.load(); }
+void log(LogLevel level, const std::string& message) {
+  if (!log_enabled(level)) return;
+  LogSink& sink = log_sink();
+  std::lock_guard<std::mutex> lock(sink.mutex);
+  if (!sink.callback) return;
+  try {
+    sink.callback(level, message);
+  } catch (...) {  // a host's callback must not unwind through kvlite
+  }
+}
+}  // namespace detail
+
+void set_log_callback(LogCallback callback, LogLevel min_level) {
+  detail::LogSink& sink = detail::log_sink();
+  std::lock_guard<std::mutex> lock(sink.mutex);
+  sink.callback = std::move(callback);
+  sink.min_level.store(sink.callback ? int(min_level) : int(LogLevel::error) + 1);
+}
 
 const char* error_code_name(ErrorCode code) {
   switch (code) {
@@ -12166,6 +12231,7 @@ void VisionModel::run_merger(const PatchMergerWeights& merger, const Tensor& hid
 #include <cstdio>
 #include <deque>
 #include <limits>
+#include <mutex>
 #include <set>
 #include <nlohmann/json.hpp>
 
@@ -12244,7 +12310,14 @@ struct Engine::Impl {
   PreprocessOptions preprocess;         // qwen3_vl: the processor's, with the plan's image budget
   std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
   std::vector<int32_t> stop_ids;  // sorted
-  std::atomic<bool> cancel_requested{false};
+  // Global cancel() aims at the public call running steps now (CallScope), never at a later one: a cancel made
+  // while no call runs aims at nothing. 0 means "no call".
+  std::atomic<uint64_t> calls_started{0}, running_call{0}, cancelled_call{0};
+  // cancel(RequestId): ids named from any thread, applied by the next step (a request that finished first is
+  // simply not found: ids are never reused).
+  std::mutex request_cancels_mutex;
+  std::set<RequestId> request_cancels;
+  std::atomic<RequestId> last_issued_id{0};
   EngineStats stats;
   EngineInfo info;
 
@@ -12330,6 +12403,7 @@ struct Engine::Impl {
   detail::EngineRequest& add_request(detail::RequestKind kind, std::vector<int32_t> tokens) {
     auto request = std::make_unique<detail::EngineRequest>();
     request->id = next_id++;
+    last_issued_id.store(request->id);
     request->kind = kind;
     request->tokens = std::move(tokens);
     detail::EngineRequest& r = *request;
@@ -12607,6 +12681,7 @@ struct Engine::Impl {
         preempt(victim);
         preempted = true;
         stats.preemptions++;
+        detail::log(LogLevel::debug, "KV pages ran out: the newest running request is preempted (recomputed later)");
         if (&victim == &r) {
           kept = false;
           break;
@@ -12670,12 +12745,36 @@ struct Engine::Impl {
     }
   }
 
+  // The public call that runs steps: cancel() made during it (and only then) stops it.
+  struct CallScope {
+    Impl& engine;
+    explicit CallScope(Impl& e) : engine(e) { engine.running_call.store(++engine.calls_started); }
+    ~CallScope() { engine.running_call.store(0); }
+  };
+
+  // Requests cancel(RequestId) named end now, with FinishReason::cancelled; their pages go back to the pool.
+  void apply_request_cancels() {
+    std::set<RequestId> ids;
+    {
+      std::lock_guard<std::mutex> lock(request_cancels_mutex);
+      ids.swap(request_cancels);
+    }
+    for (RequestId id : ids) {
+      auto it = requests.find(id);
+      if (it == requests.end() || it->second->finished || it->second->kind != detail::RequestKind::generate) continue;
+      finish(*it->second, FinishReason::cancelled);
+      detail::log(LogLevel::debug, detail::format("request %lld cancelled", (long long)id));
+    }
+  }
+
   // One forward step. Returns whether unfinished requests remain.
   bool step() {
-    if (cancel_requested.exchange(false)) {
+    const uint64_t call = running_call.load();
+    if (call != 0 && cancelled_call.load() == call) {
       abort_all();
       detail::fail(ErrorCode::cancelled, "cancelled by Engine::cancel()");
     }
+    apply_request_cancels();
     if (running.empty() && waiting.empty()) return false;
     try {
       run_step();
@@ -12941,6 +13040,7 @@ struct Engine::Impl {
   // Steps until done() holds (the caller's requests finished).
   template <class Done>
   void run_until(Done done) {
+    CallScope scope(*this);
     while (!done())
       if (!step() && !done()) detail::fail(ErrorCode::internal, "the engine ran out of work before the request finished");
   }
@@ -12999,10 +13099,14 @@ class WeightUploader {
     if (repack->offset != align_up(weights->offset + weights->bytes, kPlanAlignment))
       fail(ErrorCode::internal, "the arena's repack region does not follow its weights region");
     next_ = arena.base() + weights->offset;
+    begin_ = next_;
     end_ = arena.base() + repack->offset + repack->bytes;
     staging_ = arena.base() + kv->offset;
     staging_bytes_ = std::min(kv->bytes, chunk_bytes_);
   }
+
+  // The share of the weights + repack span filled so far, in [0, 1]: load progress.
+  double filled() const { return end_ > begin_ ? double(next_ - begin_) / double(end_ - begin_) : 1.0; }
 
   // A dense device copy of `host` (a view into the mmap) in `dtype`.
   Tensor tensor(const Tensor& host, DType dtype, const std::string& what) {
@@ -13079,6 +13183,7 @@ class WeightUploader {
   Backend& backend_;
   DType act_;
   uint64_t chunk_bytes_;
+  uint8_t* begin_ = nullptr;
   uint8_t* next_ = nullptr;
   uint8_t* end_ = nullptr;
   uint8_t* staging_ = nullptr;
@@ -13086,8 +13191,11 @@ class WeightUploader {
 };
 
 TextModelWeights upload_text_weights(const TextModelWeights& host, Backend& backend, const Arena& arena,
-                                     uint64_t chunk_bytes) {
+                                     uint64_t chunk_bytes, const std::function<void(uint64_t)>& progress,
+                                     uint64_t host_bytes) {
   WeightUploader upload(backend, arena, chunk_bytes);
+  // Progress in the checkpoint's bytes: the span's share filled, of the bytes on disk (after each layer).
+  auto report = [&] { progress(uint64_t(std::min(1.0, upload.filled()) * double(host_bytes))); };
   const DType act = backend.activation_dtype();
   TextModelWeights device;
   device.embed_tokens = upload.tensor(host.embed_tokens, host.embed_tokens.dtype, "embed_tokens");
@@ -13108,6 +13216,7 @@ TextModelWeights upload_text_weights(const TextModelWeights& host, Backend& back
     d.gate_proj = upload.linear(h.gate_proj, layer + "mlp.gate_proj");
     d.up_proj = upload.linear(h.up_proj, layer + "mlp.up_proj");
     d.down_proj = upload.linear(h.down_proj, layer + "mlp.down_proj");
+    report();
   }
   device.norm = upload.tensor(host.norm, host.norm.dtype, "norm");
   const bool tied = !host.lm_head.quant && host.lm_head.weight.data == host.embed_tokens.data;
@@ -13228,6 +13337,16 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     Result<Plan> plan = plan_engine(inputs, options);
     if (!plan) throw plan.error();
     e.plan = std::move(*plan);
+    // Load progress: bytes of weights made ready (the CPU maps them: one step; CUDA uploads them layer by layer).
+    // false from the callback aborts: everything taken so far is released as this function unwinds.
+    const uint64_t total_weight_bytes = inputs.weights.total_bytes;
+    auto progress = [&](uint64_t done) {
+      if (options.load_progress && !options.load_progress(done, total_weight_bytes))
+        fail(ErrorCode::cancelled, format("opening %s cancelled by the load-progress callback after %s of %s",
+                                          model_dir.c_str(), format_bytes(done).c_str(),
+                                          format_bytes(total_weight_bytes).c_str()));
+    };
+    progress(0);
     const BackendKind backend_kind = e.plan.device.backend;
     const bool gpu = backend_kind == BackendKind::cuda;
     if (gpu && !e.plan.device.queried)  // a card planned on a machine without one: plannable, not runnable
@@ -13291,8 +13410,10 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
                                           e.backend->name().c_str(), kv_dtype_name(e.plan.options.kv_dtype)));
 
     TextModelWeights text_weights = gpu ? detail::engine::upload_text_weights(*bound, *e.backend, *e.arena,
-                                                                              e.plan.upload_chunk_bytes)
+                                                                              e.plan.upload_chunk_bytes, progress,
+                                                                              total_weight_bytes)
                                         : std::move(*bound);
+    progress(total_weight_bytes);
     e.info.backend = backend_kind;
     e.info.backend_name = e.backend->name();
     e.info.activation_dtype = e.backend->activation_dtype();
@@ -13344,6 +13465,12 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       e.sampled_ids.assign(rows, 0);
       if (options.cuda_graphs) e.capture_decode_graphs();
     }
+    if (detail::log_enabled(LogLevel::info))
+      detail::log(LogLevel::info,
+                  format("opened %s on %s [%s]: arena %s, KV %s tokens, max_model_len %lld, %s left free",
+                         model_dir.c_str(), e.info.backend_name.c_str(), e.plan.backend_rule.c_str(),
+                         format_bytes(e.plan.arena_bytes()).c_str(), detail::planning::format_count(e.plan.kv_tokens).c_str(),
+                         (long long)e.plan.max_model_len, format_bytes(e.plan.free_bytes).c_str()));
     return engine;
   });
 }
@@ -13385,7 +13512,10 @@ Result<ImageFeatures> Engine::encode_images(const std::vector<VisionInput>& imag
 }
 
 Result<bool> Engine::step() {
-  return detail::guard([&] { return impl_->step(); });
+  return detail::guard([&] {
+    Impl::CallScope scope(*impl_);
+    return impl_->step();
+  });
 }
 
 Status Engine::run() {
@@ -13568,7 +13698,19 @@ Result<Logits> Engine::logits(const std::vector<int32_t>& prompt_ids, const std:
   });
 }
 
-void Engine::cancel() { impl_->cancel_requested.store(true); }
+void Engine::cancel() {
+  const uint64_t call = impl_->running_call.load();
+  if (call != 0) impl_->cancelled_call.store(call);
+}
+
+Status Engine::cancel(RequestId id) {
+  if (id <= 0 || id > impl_->last_issued_id.load())
+    return Error(ErrorCode::invalid_argument,
+                 detail::format("cancel: no request %lld was ever submitted to this engine", (long long)id));
+  std::lock_guard<std::mutex> lock(impl_->request_cancels_mutex);
+  impl_->request_cancels.insert(id);  // at most one entry per id ever issued; cleared by every step
+  return Status();
+}
 
 EngineStats Engine::stats() const { return impl_->stats; }
 

@@ -44,6 +44,15 @@ enum class ErrorCode : int {
 };
 const char* error_code_name(ErrorCode code);
 
+// kvlite never prints: its diagnostics (an engine opened and on what, preemptions, cancels) go to the log
+// callback, process-wide, when one is set. The callback may run on any thread that calls kvlite (one at a time:
+// calls are serialized); it must not call kvlite. An exception it throws is dropped.
+enum class LogLevel : int { debug = 0, info = 1, warning = 2, error = 3 };
+const char* log_level_name(LogLevel level);  // "debug", "info", "warning", "error"
+using LogCallback = std::function<void(LogLevel level, const std::string& message)>;
+// nullptr (the default) drops everything; messages below min_level are not even formatted.
+void set_log_callback(LogCallback callback, LogLevel min_level = LogLevel::info);
+
 struct Error : std::exception {
   ErrorCode code = ErrorCode::internal;
   std::string message;
@@ -215,6 +224,9 @@ inline uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 namespace detail {
 // Internal code reports failure by throwing kvlite::Error; public entry points catch it with guard().
 [[noreturn]] void fail(ErrorCode code, std::string message);
+// To the log callback (set_log_callback), if one is set and `level` passes its minimum.
+bool log_enabled(LogLevel level);
+void log(LogLevel level, const std::string& message);
 std::string format(const char* fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 1, 2)))

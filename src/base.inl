@@ -1,13 +1,55 @@
 // base: implementation.
+#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <sys/stat.h>
 
 namespace kvlite {
+
+const char* log_level_name(LogLevel level) {
+  switch (level) {
+    case LogLevel::debug: return "debug";
+    case LogLevel::info: return "info";
+    case LogLevel::warning: return "warning";
+    case LogLevel::error: return "error";
+  }
+  return "unknown";
+}
+
+namespace detail {
+struct LogSink {
+  std::mutex mutex;
+  LogCallback callback;
+  std::atomic<int> min_level{int(LogLevel::error) + 1};  // nothing passes until a callback is set
+};
+inline LogSink& log_sink() {
+  static LogSink sink;
+  return sink;
+}
+bool log_enabled(LogLevel level) { return int(level) >= log_sink().min_level.load(); }
+void log(LogLevel level, const std::string& message) {
+  if (!log_enabled(level)) return;
+  LogSink& sink = log_sink();
+  std::lock_guard<std::mutex> lock(sink.mutex);
+  if (!sink.callback) return;
+  try {
+    sink.callback(level, message);
+  } catch (...) {  // a host's callback must not unwind through kvlite
+  }
+}
+}  // namespace detail
+
+void set_log_callback(LogCallback callback, LogLevel min_level) {
+  detail::LogSink& sink = detail::log_sink();
+  std::lock_guard<std::mutex> lock(sink.mutex);
+  sink.callback = std::move(callback);
+  sink.min_level.store(sink.callback ? int(min_level) : int(LogLevel::error) + 1);
+}
 
 const char* error_code_name(ErrorCode code) {
   switch (code) {

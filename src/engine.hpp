@@ -21,10 +21,10 @@
 // recomputed from its tokens later, giving the same tokens. A request that could never fit (prompt +
 // max_tokens > max_model_len, or more pages than the whole arena) is refused up front with does_not_fit.
 //
-// Threads: one caller at a time, except cancel(), which any thread may call: the running call (generate,
-// run, step, score, logits) stops at its next step and returns ErrorCode::cancelled, dropping every request in
-// flight. A cancel() made while nothing runs cancels the next call's first step. Callbacks run inside the
-// engine's step: they may call cancel() but no other Engine function.
+// Threads: one caller at a time, except cancel() and cancel(id), which any thread may call: cancel() stops the
+// running call (generate, run, step, score, logits) at its next step with ErrorCode::cancelled, dropping every
+// request in flight, and does nothing when no call runs; cancel(id) ends one request. Callbacks run inside the
+// engine's step: they may call cancel() or cancel(id) but no other Engine function.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 
@@ -44,6 +44,11 @@ struct EngineOptions {
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
   bool fp8_activations = false;
+  // Called during open with the checkpoint's bytes made ready so far and their total: (0, total) once planned,
+  // then as weights reach the device (CUDA: after each layer's upload; the CPU maps them in one step), and
+  // (total, total) when they are all there. Returning false aborts the open cleanly: it fails with
+  // ErrorCode::cancelled and everything taken so far (the arena, the mapping) is released.
+  std::function<bool(uint64_t done_bytes, uint64_t total_bytes)> load_progress;
 };
 
 // The plan Engine::open(model_dir, options) makes, without reading a byte of weights or touching GPU memory:
@@ -235,8 +240,14 @@ class Engine {
   Result<Logits> logits(const std::vector<int32_t>& ids);
   Result<Logits> logits(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images);
 
-  // Thread-safe: stop the running call (see the top of this section).
+  // Thread-safe: stop the call running now (generate, run, step, score, logits) at its next step; it returns
+  // ErrorCode::cancelled and every request in flight ends. A cancel() made while no call runs does nothing: it
+  // never reaches a later call.
   void cancel();
+  // Thread-safe: end one request (an id from submit) at the next step, with FinishReason::cancelled, its pages
+  // back in the pool; the others go on. A request that has already finished is left as it is. invalid_argument
+  // for an id this engine never issued. From a token callback, returning false ends its own request at once.
+  Status cancel(RequestId id);
 
   EngineStats stats() const;
   EngineInfo info() const;

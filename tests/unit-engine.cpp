@@ -241,6 +241,154 @@ TEST_CASE("cancel() stops the running call, from the callback or another thread"
   CHECK(generation->ids == list[0].greedy);
 }
 
+TEST_CASE("cancel() made while no call runs reaches no later call") {
+  auto engine = fx::open("tiny-qwen2");
+  std::vector<Prompt> list = prompts("tiny-qwen2");
+  engine->cancel();  // idle: aimed at nothing
+  auto generation = engine->generate(list[0].ids, greedy());
+  REQUIRE_MESSAGE(generation, generation.error().message);
+  CHECK(generation->ids == list[0].greedy);
+  // Between two step() calls nothing runs either: the next step goes on.
+  auto id = engine->submit(list[1].ids, greedy());
+  REQUIRE(id);
+  REQUIRE(engine->step());
+  engine->cancel();
+  REQUIRE(engine->run());
+  auto result = engine->result(*id);
+  REQUIRE(result);
+  CHECK(result->ids == list[1].greedy);
+  check_pool_empty(*engine);
+}
+
+TEST_CASE("cancel(id) ends one request, from the caller, a callback or another thread; the others go on") {
+  auto engine = fx::open("tiny-llama3");
+  std::vector<Prompt> list = prompts("tiny-llama3");
+  REQUIRE(list.size() >= 2);
+
+  SUBCASE("between steps, from the caller") {
+    auto keep = engine->submit(list[0].ids, greedy());
+    auto drop = engine->submit(list[1].ids, greedy());
+    REQUIRE(keep);
+    REQUIRE(drop);
+    REQUIRE(engine->step());
+    REQUIRE(engine->cancel(*drop));
+    REQUIRE(engine->run());
+    auto dropped = engine->result(*drop);
+    REQUIRE(dropped);
+    CHECK(dropped->finish_reason == FinishReason::cancelled);
+    CHECK(dropped->ids.size() < list[1].greedy.size());
+    auto kept = engine->result(*keep);
+    REQUIRE(kept);
+    CHECK(kept->ids == list[0].greedy);  // the other request is untouched
+    // A finished request is left as it is; an id never issued is an error naming it.
+    CHECK(engine->cancel(*keep));
+    Status never = engine->cancel(*keep + 1000);
+    REQUIRE_FALSE(never);
+    CHECK(never.error().code == ErrorCode::invalid_argument);
+    CHECK(never.error().message.find(std::to_string(*keep + 1000)) != std::string::npos);
+  }
+  SUBCASE("from another request's token callback, and from another thread") {
+    RequestId victim = 0;
+    auto keep_callback = [&](const std::string&, int32_t) {
+      if (victim) CHECK(engine->cancel(victim));  // cancel the other request from inside a step
+      return true;
+    };
+    auto keep = engine->submit(list[0].ids, greedy(), keep_callback);
+    auto drop = engine->submit(list[1].ids, greedy());
+    REQUIRE(keep);
+    REQUIRE(drop);
+    victim = *drop;
+    REQUIRE(engine->run());
+    auto dropped = engine->result(*drop);
+    REQUIRE(dropped);
+    CHECK(dropped->finish_reason == FinishReason::cancelled);
+    CHECK(engine->result(*keep)->ids == list[0].greedy);
+
+    auto far = engine->submit(list[1].ids, greedy(16));
+    REQUIRE(far);
+    std::thread other([&] { CHECK(engine->cancel(*far)); });
+    other.join();
+    REQUIRE(engine->run());
+    CHECK(engine->result(*far)->finish_reason == FinishReason::cancelled);
+  }
+  check_pool_empty(*engine);
+}
+
+TEST_CASE("load progress: reported from 0 to the checkpoint's bytes, and false aborts the open cleanly") {
+  EngineOptions options;
+  std::vector<std::pair<uint64_t, uint64_t>> calls;
+  options.load_progress = [&](uint64_t done, uint64_t total) {
+    calls.emplace_back(done, total);
+    return true;
+  };
+  auto engine = fx::open("tiny-qwen3", options);
+  REQUIRE(calls.size() >= 2);
+  const uint64_t total = calls.front().second;
+  CHECK(total == engine->plan().weights_bytes);
+  CHECK(calls.front().first == 0);
+  CHECK(calls.back().first == total);
+  for (size_t i = 1; i < calls.size(); i++) {
+    CHECK(calls[i].first >= calls[i - 1].first);
+    CHECK(calls[i].second == total);
+  }
+  for (int abort_at : {0, 1}) {  // at the first report, and at the last
+    CAPTURE(abort_at);
+    int seen = 0;
+    options.load_progress = [&](uint64_t, uint64_t) { return seen++ < abort_at; };
+    options.plan.device_mem = 64 * MiB;
+    auto aborted = Engine::open(fx::dir("tiny-qwen3"), options);
+    REQUIRE_FALSE(aborted);
+    CHECK(aborted.error().code == ErrorCode::cancelled);
+    CHECK(aborted.error().message.find("load-progress callback") != std::string::npos);
+  }
+  // The engine opened first is untouched, and a new one opens after the aborted ones.
+  options.load_progress = nullptr;
+  auto again = Engine::open(fx::dir("tiny-qwen3"), options);
+  REQUIRE(again);
+  CHECK((*again)->generate("hi", greedy(2)));
+}
+
+TEST_CASE("log callback: what kvlite reports reaches the host's log at its level, and nothing below the minimum") {
+  struct Entry {
+    LogLevel level;
+    std::string message;
+  };
+  std::vector<Entry> entries;
+  set_log_callback([&](LogLevel level, const std::string& message) { entries.push_back({level, message}); },
+                   LogLevel::debug);
+  {
+    auto engine = fx::open("tiny-qwen2");
+    auto id = engine->submit(prompts("tiny-qwen2")[0].ids, greedy());
+    REQUIRE(id);
+    REQUIRE(engine->cancel(*id));
+    REQUIRE(engine->run());
+  }
+  set_log_callback([&](LogLevel, const std::string&) { throw std::runtime_error("a host's bad callback"); });
+  auto quiet = fx::open("tiny-qwen2");  // the throwing callback is contained
+  set_log_callback(nullptr);
+  auto opened = std::find_if(entries.begin(), entries.end(),
+                             [](const Entry& e) { return e.message.rfind("opened ", 0) == 0; });
+  REQUIRE(opened != entries.end());
+  CHECK(opened->level == LogLevel::info);
+  CHECK(opened->message.find("arena") != std::string::npos);
+  CHECK(std::any_of(entries.begin(), entries.end(), [](const Entry& e) {
+    return e.level == LogLevel::debug && e.message.find("cancelled") != std::string::npos;
+  }));
+  // At the default minimum (info) debug messages are not delivered.
+  entries.clear();
+  set_log_callback([&](LogLevel level, const std::string& message) { entries.push_back({level, message}); });
+  {
+    auto engine = fx::open("tiny-qwen2");
+    auto id = engine->submit(prompts("tiny-qwen2")[0].ids, greedy());
+    REQUIRE(engine->cancel(*id));
+    REQUIRE(engine->run());
+  }
+  set_log_callback(nullptr);
+  CHECK_FALSE(entries.empty());
+  for (const Entry& e : entries) CHECK(e.level >= LogLevel::info);
+  CHECK(std::string(log_level_name(LogLevel::warning)) == "warning");
+}
+
 TEST_CASE("a token callback returning false ends its request") {
   auto engine = fx::open("tiny-qwen3");
   Prompt prompt = prompts("tiny-qwen3")[1];
