@@ -46,10 +46,16 @@
       - Decodes images (JPEG with libjpeg-turbo as PIL and torchvision do; PNG, BMP, TGA, GIF, PNM with
         stb_image) and preprocesses them exactly as Qwen's image processor does; runs the Qwen3-VL vision
         encoder with DeepStack and M-RoPE.
+      - Speaks C: included from a C compiler this header declares only the C API (kvlite_* functions, opaque
+        handles, int status codes, kvlite_last_error per thread; ownership written beside each function), for
+        C, Python (ctypes), C#, Go and Rust; libkvlite.so holds it for languages that load libraries.
+      - Lets an app stay in charge: cancel one request (Engine::cancel(RequestId)) or the running call, follow
+        and abort a load (EngineOptions::load_progress), route diagnostics to its own log (set_log_callback).
       - Treats every input as hostile: sizes from files and callers are bounded by named limits (CONFIGURATION)
         before anything is allocated, size arithmetic is overflow-checked, and every parser is fuzzed.
 
    ARCHITECTURE (each floor uses only those below it)
+      c api            kvlite_* over the C++ API: no exception or C++ type crosses it
       api / engine     requests, continuous batching, KV page ownership, sampling, scoring, cancel
       model            the forward pass, written once against Backend, shape comments throughout
       backend          Backend interface; CPU implementation here, CUDA in kernels.cu
@@ -57,8 +63,8 @@
       plan             the byte budget: a pure function of config, headers, device and options
       config, tokenizer, safetensors   model directory readers
       base             errors, dtypes and bit-exact conversions (host and device)
-   The planner runs twice with the same inputs: for `kvlite plan` (no GPU) and when the arena is made,
-   so the plan is what actually happens.
+   The planner runs twice with the same inputs and the same function (plan_engine): for `kvlite plan` and in
+   Engine::open when the arena is made, so the plan shown is what actually happens.
 
    ERRORS
       Every fallible call returns kvlite::Result<T> (or kvlite::Status): a value, or an Error with a stable
@@ -85,6 +91,223 @@
 */
 #ifndef KVLITE_HPP_INCLUDED
 #define KVLITE_HPP_INCLUDED
+/* ---------------------------------------------------------------------------------------------------------
+   The C API: kvlite for every language that can call C (C, C#, Python ctypes, Rust, Go, Swift). Included from
+   a C compiler, kvlite.hpp declares only this; from C++ it declares this and the C++ API. The implementation
+   is part of the one implementation translation unit (KVLITE_IMPLEMENTATION; in CMake the kvlite library, and
+   libkvlite.so with -DKVLITE_BUILD_SHARED=ON).
+
+   Rules that hold for every function:
+   - Status: an int, KVLITE_OK (0) or one of the KVLITE_* codes below (the C++ ErrorCode values). No C++
+     exception or type crosses this boundary.
+   - Errors: kvlite_last_error() is the message of the last call that failed on the calling thread (thread-local;
+     valid until that thread's next failing call). A successful call leaves it as it was.
+   - Ownership: memory kvlite returns through an out-parameter (char*, int32_t*, float*) belongs to the caller,
+     who frees it with kvlite_free(); structs it fills (kvlite_generation) are freed with their *_free
+     function. Handles (kvlite_engine, kvlite_image) are freed with kvlite_close / kvlite_image_free. Pointers
+     the caller passes in are only read during the call (never kept), except callbacks' user data, which
+     is passed back to the callback during the call that received it.
+   - Out-parameters are written only on success (on failure they are left as they were).
+   - Threads: one caller at a time per engine, except kvlite_cancel and kvlite_cancel_request (any thread).
+     Different engines may be used from different threads. Callbacks run on the calling thread, inside the
+     call; they must not call kvlite, except kvlite_cancel / kvlite_cancel_request.
+   - ABI: the structs carry their own size (struct_size, set by the *_init functions): a later version may
+     add fields at their end and still read what an older caller passes. Function signatures and the numbers
+     of existing codes do not change within a major version (KVLITE_VERSION_MAJOR); see README "C API".
+   --------------------------------------------------------------------------------------------------------- */
+#ifndef KVLITE_C_API_H
+#define KVLITE_C_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes (the C++ ErrorCode values). */
+#define KVLITE_OK 0
+#define KVLITE_INVALID_ARGUMENT 1 /* a bad option or parameter, or a NULL where a value is needed */
+#define KVLITE_IO_ERROR 2         /* a file could not be opened, read or mapped */
+#define KVLITE_BAD_FORMAT 3       /* a file is malformed */
+#define KVLITE_UNSUPPORTED 4      /* well-formed but not supported */
+#define KVLITE_MISSING_TENSOR 5   /* a tensor the model needs is absent */
+#define KVLITE_DOES_NOT_FIT 6     /* the plan does not fit the memory budget (the message has the advice) */
+#define KVLITE_OUT_OF_MEMORY 7    /* an allocation failed */
+#define KVLITE_DEVICE_ERROR 8     /* a CUDA call failed, or no GPU */
+#define KVLITE_CANCELLED 9        /* kvlite_cancel, or a progress callback returned 0 */
+#define KVLITE_INTERNAL 10        /* a bug in kvlite */
+
+/* Backends (kvlite_options.backend). */
+#define KVLITE_BACKEND_AUTO 0 /* the GPU when present and the model runs there, else the CPU */
+#define KVLITE_BACKEND_CPU 1  /* the float32 reference */
+#define KVLITE_BACKEND_CUDA 2
+
+/* Why a generation ended (kvlite_generation.finish_reason: the C++ FinishReason values). */
+#define KVLITE_FINISH_RUNNING 0
+#define KVLITE_FINISH_STOP_TOKEN 1
+#define KVLITE_FINISH_STOP_STRING 2
+#define KVLITE_FINISH_MAX_TOKENS 3
+#define KVLITE_FINISH_LENGTH 4
+#define KVLITE_FINISH_CALLBACK 5
+#define KVLITE_FINISH_CANCELLED 6
+
+/* Pixel layouts of kvlite_image_from_pixels. */
+#define KVLITE_PIXELS_RGB8 0
+#define KVLITE_PIXELS_BGR8 1
+#define KVLITE_PIXELS_RGBA8 2
+#define KVLITE_PIXELS_BGRA8 3
+#define KVLITE_PIXELS_GRAY8 4
+
+/* Log levels (kvlite_set_log). */
+#define KVLITE_LOG_DEBUG 0
+#define KVLITE_LOG_INFO 1
+#define KVLITE_LOG_WARNING 2
+#define KVLITE_LOG_ERROR 3
+
+typedef struct kvlite_engine kvlite_engine; /* an open model: kvlite_open ... kvlite_close */
+typedef struct kvlite_image kvlite_image;   /* a decoded RGB image: kvlite_image_* ... kvlite_image_free */
+
+/* The engine's options (EngineOptions). Zero / NULL fields take kvlite's defaults; call kvlite_options_init
+   first. */
+typedef struct kvlite_options {
+  uint32_t struct_size;     /* sizeof(kvlite_options), set by kvlite_options_init */
+  int32_t backend;          /* KVLITE_BACKEND_*; default AUTO */
+  int32_t device;           /* CUDA device index; default 0 */
+  uint64_t device_mem;      /* bytes the plan divides; 0: the device's */
+  double utilization;       /* (0, 1]; 0: 0.90 */
+  int64_t max_model_len;    /* 0: the default rule */
+  int64_t max_seqs;         /* 0: 8 */
+  int64_t max_batched_tokens; /* 0: min(2048, max_model_len) */
+  const char* kv_dtype;     /* "auto", "f32", "bf16", "f16", "fp8"; NULL: auto */
+  int64_t max_image_pixels; /* vision models; 0: kvlite's default */
+  int64_t max_images;       /* vision models; 0: 1 */
+  int32_t kv_fill;          /* nonzero: fill the budget with KV pages (vLLM's way) */
+  int32_t threads;          /* CPU threads; 0: one per hardware thread */
+} kvlite_options;
+void kvlite_options_init(kvlite_options* options);
+
+/* Sampling (SamplingParams). Call kvlite_sampling_init first: greedy, 256 tokens. */
+typedef struct kvlite_sampling {
+  uint32_t struct_size;
+  float temperature;            /* 0: greedy */
+  int64_t top_k;                /* 0: off */
+  float top_p;                  /* 1: off */
+  float min_p;                  /* 0: off */
+  float repetition_penalty;     /* 1: off */
+  uint64_t seed;
+  int64_t max_tokens;
+  const int32_t* stop_tokens;   /* n_stop_tokens ids, read during the call */
+  size_t n_stop_tokens;
+  const char* const* stop_strings; /* n_stop_strings UTF-8 strings, read during the call */
+  size_t n_stop_strings;
+  int32_t ignore_eos;
+} kvlite_sampling;
+void kvlite_sampling_init(kvlite_sampling* sampling);
+
+/* A finished generation. Fill with kvlite_generate* / kvlite_result; free with kvlite_generation_free. */
+typedef struct kvlite_generation {
+  int32_t* ids;         /* n_ids generated ids (the stop token included when one ended it) */
+  size_t n_ids;
+  size_t n_prompt_ids;  /* the prompt's length in tokens (images expanded) */
+  char* text;           /* the streamed text, NUL-terminated UTF-8 */
+  int32_t finish_reason; /* KVLITE_FINISH_* */
+} kvlite_generation;
+void kvlite_generation_free(kvlite_generation* generation); /* frees its arrays and zeroes it; NULL is fine */
+
+/* Called with each piece of text as it becomes final (NUL-terminated; may be "") and the id that completed it
+   (-1 for held-back text flushed at the end). Return nonzero to go on, 0 to end this request
+   (KVLITE_FINISH_CALLBACK). */
+typedef int (*kvlite_token_fn)(const char* piece, int32_t id, void* user_data);
+/* Load progress: bytes of weights ready so far and their total. Return nonzero to go on, 0 to abort the open
+   (it fails with KVLITE_CANCELLED, everything released). */
+typedef int (*kvlite_progress_fn)(uint64_t done_bytes, uint64_t total_bytes, void* user_data);
+/* Log messages at or above the level set (kvlite_set_log); NUL-terminated; valid during the call. */
+typedef void (*kvlite_log_fn)(int32_t level, const char* message, void* user_data);
+
+/* ---- strings, errors, memory ---- */
+const char* kvlite_version(void);                 /* "0.1.0": static, never freed */
+const char* kvlite_status_name(int status);       /* "invalid_argument": static */
+const char* kvlite_finish_reason_name(int32_t reason); /* "stop_token": static */
+const char* kvlite_last_error(void);              /* this thread's last failure ("" if none): owned by kvlite */
+void kvlite_free(void* memory);                   /* frees what kvlite returned through an out-parameter */
+/* Routes kvlite's diagnostics to `log` (process-wide); NULL stops them. */
+void kvlite_set_log(kvlite_log_fn log, void* user_data, int32_t min_level);
+
+/* ---- plan: where every byte goes, without reading weights or allocating device memory ---- */
+/* *text_out: the plan as the table `kvlite plan` prints (json == 0) or its JSON (json != 0); caller frees.
+   *fits_out (may be NULL): 1 when it fits. A plan that does not fit is KVLITE_OK with *fits_out = 0. */
+int kvlite_plan(const char* model_dir, const kvlite_options* options, int json, char** text_out, int* fits_out);
+
+/* ---- engines ---- */
+/* Opens model_dir with options (NULL: defaults) and plans, reserves and loads as kvlite_plan showed. progress
+   may be NULL. *engine_out: the caller's, closed with kvlite_close. */
+int kvlite_open(const char* model_dir, const kvlite_options* options, kvlite_progress_fn progress, void* user_data,
+                kvlite_engine** engine_out);
+void kvlite_close(kvlite_engine* engine); /* NULL is fine */
+/* The plan the engine opened with (table or JSON); caller frees. */
+int kvlite_engine_plan(kvlite_engine* engine, int json, char** text_out);
+
+/* ---- text ---- */
+/* *ids_out: *n_out ids (caller frees; may be NULL when *n_out is 0). */
+int kvlite_tokenize(kvlite_engine* engine, const char* text, int add_special_tokens, int32_t** ids_out,
+                    size_t* n_out);
+int kvlite_detokenize(kvlite_engine* engine, const int32_t* ids, size_t n_ids, int skip_special_tokens,
+                      char** text_out);
+/* n_messages messages (roles[i], contents[i]) in the model's chat format, with an open assistant turn when
+   add_generation_prompt; caller frees *text_out. */
+int kvlite_format_chat(kvlite_engine* engine, const char* const* roles, const char* const* contents,
+                       size_t n_messages, int add_generation_prompt, char** text_out);
+
+/* ---- images (vision models) ---- */
+int kvlite_image_load(const char* path, kvlite_image** image_out);                     /* JPEG, PNG, ... */
+int kvlite_image_decode(const uint8_t* data, size_t size, kvlite_image** image_out);  /* encoded bytes */
+/* Raw pixels, e.g. a camera frame: height rows of stride_bytes (0: width x bytes per pixel). */
+int kvlite_image_from_pixels(const uint8_t* pixels, int64_t width, int64_t height, int32_t pixel_format,
+                             int64_t stride_bytes, kvlite_image** image_out);
+int kvlite_image_size(const kvlite_image* image, int64_t* width_out, int64_t* height_out);
+void kvlite_image_free(kvlite_image* image); /* NULL is fine */
+
+/* ---- generation ---- */
+/* One request to its end. The prompt is encoded with the tokenizer's special tokens; for a vision model it
+   holds one <|vision_start|><|image_pad|><|vision_end|> per image, in order (n_images images; images may be
+   NULL when n_images is 0). on_token may be NULL. *out is filled (caller frees with kvlite_generation_free). */
+int kvlite_generate(kvlite_engine* engine, const char* prompt, const kvlite_image* const* images, size_t n_images,
+                    const kvlite_sampling* sampling, kvlite_token_fn on_token, void* user_data,
+                    kvlite_generation* out);
+/* The same with messages formatted in the model's chat format (an image placeholder in a message's content
+   places an image). */
+int kvlite_generate_chat(kvlite_engine* engine, const char* const* roles, const char* const* contents,
+                         size_t n_messages, const kvlite_image* const* images, size_t n_images,
+                         const kvlite_sampling* sampling, kvlite_token_fn on_token, void* user_data,
+                         kvlite_generation* out);
+
+/* Continuous batching: submit requests, step until none is left, take each result once. */
+int kvlite_submit(kvlite_engine* engine, const int32_t* prompt_ids, size_t n_ids, const kvlite_image* const* images,
+                  size_t n_images, const kvlite_sampling* sampling, kvlite_token_fn on_token, void* user_data,
+                  int64_t* request_out);
+int kvlite_step(kvlite_engine* engine, int* unfinished_out); /* *unfinished_out: 1 while requests remain */
+int kvlite_result(kvlite_engine* engine, int64_t request, kvlite_generation* out);
+/* Any thread: end one request at the next step (KVLITE_FINISH_CANCELLED). */
+int kvlite_cancel_request(kvlite_engine* engine, int64_t request);
+/* Any thread: stop the call running now (it returns KVLITE_CANCELLED); does nothing when none runs. */
+void kvlite_cancel(kvlite_engine* engine);
+
+/* ---- scoring and logits ---- */
+/* Perplexity of text (encoded with special tokens) in windows of context_length tokens every stride tokens. */
+int kvlite_score(kvlite_engine* engine, const char* text, int64_t context_length, int64_t stride,
+                 double* perplexity_out, int64_t* tokens_out);
+/* Logits of every position of one sequence: *values_out is [*rows_out, *vocab_out] float32, row t = the
+   logits after ids[0..t]; caller frees. */
+int kvlite_logits(kvlite_engine* engine, const int32_t* ids, size_t n_ids, float** values_out, int64_t* rows_out,
+                  int64_t* vocab_out);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KVLITE_C_API_H */
+#ifdef __cplusplus
 // ---------------------------------------------------------------------------------------------------------
 // base: errors and results, dtypes and their bit-exact conversions, byte sizes, small utilities.
 // ---------------------------------------------------------------------------------------------------------
@@ -2907,9 +3130,10 @@ inline bool cuda_workspace_layout(uint64_t workspace_bytes, uint64_t cublas_byte
 }  // namespace cuda
 
 }  // namespace kvlite
+#endif  // __cplusplus
 #endif  // KVLITE_HPP_INCLUDED
 
-#if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
+#if defined(__cplusplus) && defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
 #define KVLITE_IMPLEMENTATION_INCLUDED
 // base: implementation.
 #include <atomic>
@@ -13904,4 +14128,513 @@ int32_t sample_row_reference(const float* logits, int64_t vocab, const DeviceSam
 
 }  // namespace cuda
 }  // namespace kvlite
+// c_api: the C functions of c_api.h over the C++ API. Every function catches everything (guard / catch (...)):
+// no exception crosses into C. Memory handed to the caller comes from malloc, so that kvlite_free is free().
+#include <cstdlib>
+#include <cstring>
+
+struct kvlite_engine {
+  std::unique_ptr<kvlite::Engine> engine;
+};
+struct kvlite_image {
+  kvlite::Image image;
+};
+
+namespace kvlite {
+namespace detail {
+namespace c_api {
+
+thread_local std::string last_error;
+
+int fail_with(const Error& error) {
+  last_error = error.message;
+  return int(error.code);
+}
+
+int invalid(const char* message) { return fail_with(Error(ErrorCode::invalid_argument, message)); }
+
+// Runs f (which returns a Status-like int or throws kvlite::Error) with everything caught.
+template <class F>
+int call(F&& f) {
+  Status status = guard([&] { f(); });
+  return status ? KVLITE_OK : fail_with(status.error());
+}
+
+// A copy of `text` in malloc'd memory (the caller frees it with kvlite_free).
+char* malloc_string(const std::string& text) {
+  char* copy = static_cast<char*>(std::malloc(text.size() + 1));
+  if (!copy) fail(ErrorCode::out_of_memory, "kvlite: out of host memory for a returned string");
+  std::memcpy(copy, text.c_str(), text.size() + 1);
+  return copy;
+}
+
+template <class T>
+T* malloc_array(const std::vector<T>& values) {
+  if (values.empty()) return nullptr;
+  T* copy = static_cast<T*>(std::malloc(values.size() * sizeof(T)));
+  if (!copy) fail(ErrorCode::out_of_memory, "kvlite: out of host memory for a returned array");
+  std::memcpy(copy, values.data(), values.size() * sizeof(T));
+  return copy;
+}
+
+void need(const void* pointer, const char* what) {
+  if (!pointer) fail(ErrorCode::invalid_argument, format("%s is NULL", what));
+}
+
+// A (pointer, count) pair from C: a count without its array is an error.
+template <class T>
+void need_array(const T* pointer, size_t count, const char* what) {
+  if (count > 0 && !pointer) fail(ErrorCode::invalid_argument, format("%s is NULL but its count is %zu", what, count));
+}
+
+// Stop tokens and stop strings one C call may pass (each).
+constexpr int64_t kMaxCStopEntries = 1024;
+
+// A struct from C must come from its *_init function (which sets struct_size): a smaller size is a caller built
+// against no version of this header, or one that forgot the init; a larger one is a newer header's, whose added
+// fields this version does not read.
+template <class S>
+void check_struct(const S* s, const char* name, const char* init) {
+  if (s->struct_size < sizeof(S))
+    fail(ErrorCode::invalid_argument, format("%s.struct_size is %u, less than this version's %zu: call %s before "
+                                             "setting fields", name, unsigned(s->struct_size), sizeof(S), init));
+}
+
+EngineOptions engine_options(const kvlite_options* in) {
+  EngineOptions options;
+  options.backend = BackendChoice::auto_;
+  if (!in) return options;
+  check_struct(in, "kvlite_options", "kvlite_options_init");
+  switch (in->backend) {
+    case KVLITE_BACKEND_AUTO: options.backend = BackendChoice::auto_; break;
+    case KVLITE_BACKEND_CPU: options.backend = BackendChoice::cpu; break;
+    case KVLITE_BACKEND_CUDA: options.backend = BackendChoice::cuda; break;
+    default: fail(ErrorCode::invalid_argument, format("kvlite_options.backend %d is none of KVLITE_BACKEND_AUTO, "
+                                                      "_CPU, _CUDA", int(in->backend)));
+  }
+  options.device = in->device;
+  if (in->device_mem) options.plan.device_mem = in->device_mem;
+  if (in->utilization != 0) options.plan.utilization = in->utilization;
+  options.plan.max_model_len = in->max_model_len;
+  options.plan.max_seqs = in->max_seqs;
+  options.plan.max_batched_tokens = in->max_batched_tokens;
+  if (in->kv_dtype) {
+    Result<KVDType> dtype = parse_kv_dtype(in->kv_dtype);
+    if (!dtype) throw dtype.error();
+    options.plan.kv_dtype = *dtype;
+  }
+  options.plan.max_image_pixels = in->max_image_pixels;
+  if (in->max_images) options.plan.max_images = in->max_images;
+  options.plan.kv_fill = in->kv_fill != 0;
+  if (in->threads < 0) fail(ErrorCode::invalid_argument, format("kvlite_options.threads %d is negative", in->threads));
+  options.threads = in->threads;
+  return options;
+}
+
+SamplingParams sampling_params(const kvlite_sampling* in) {
+  SamplingParams params;
+  if (!in) return params;
+  check_struct(in, "kvlite_sampling", "kvlite_sampling_init");
+  params.temperature = in->temperature;
+  params.top_k = in->top_k;
+  params.top_p = in->top_p;
+  params.min_p = in->min_p;
+  params.repetition_penalty = in->repetition_penalty;
+  params.seed = in->seed;
+  params.max_tokens = in->max_tokens;
+  need_array(in->stop_tokens, in->n_stop_tokens, "kvlite_sampling.stop_tokens");
+  need_array(in->stop_strings, in->n_stop_strings, "kvlite_sampling.stop_strings");
+  if (in->n_stop_tokens > size_t(kMaxCStopEntries) || in->n_stop_strings > size_t(kMaxCStopEntries))
+    fail(ErrorCode::invalid_argument, format("kvlite_sampling: %zu stop tokens and %zu stop strings; at most %lld each",
+                                             in->n_stop_tokens, in->n_stop_strings, (long long)kMaxCStopEntries));
+  params.stop_tokens.assign(in->stop_tokens, in->stop_tokens + in->n_stop_tokens);
+  for (size_t i = 0; i < in->n_stop_strings; i++) {
+    need(in->stop_strings[i], "a kvlite_sampling.stop_strings entry");
+    params.stop_strings.emplace_back(in->stop_strings[i]);
+  }
+  params.ignore_eos = in->ignore_eos != 0;
+  return params;
+}
+
+std::vector<ChatMessage> chat_messages(const char* const* roles, const char* const* contents, size_t n) {
+  need_array(roles, n, "roles");
+  need_array(contents, n, "contents");
+  if (n > size_t(limits::max_chat_messages))
+    fail(ErrorCode::invalid_argument, format("%zu chat messages; at most %lld", n, (long long)limits::max_chat_messages));
+  std::vector<ChatMessage> messages;
+  for (size_t i = 0; i < n; i++) {
+    need(roles[i], "a role");
+    need(contents[i], "a message's content");
+    messages.push_back({roles[i], contents[i]});
+  }
+  return messages;
+}
+
+std::vector<Image> images_of(const kvlite_image* const* images, size_t n) {
+  need_array(images, n, "images");
+  std::vector<Image> out;
+  for (size_t i = 0; i < n; i++) {
+    need(images[i], "an image");
+    out.push_back(images[i]->image);
+  }
+  return out;
+}
+
+TokenCallback token_callback(kvlite_token_fn on_token, void* user_data) {
+  if (!on_token) return nullptr;
+  return [on_token, user_data](const std::string& piece, int32_t id) { return on_token(piece.c_str(), id, user_data) != 0; };
+}
+
+void fill(kvlite_generation* out, Generation&& generation) {
+  kvlite_generation result{};
+  result.text = malloc_string(generation.text);
+  try {
+    result.ids = malloc_array(generation.ids);
+  } catch (...) {
+    std::free(result.text);
+    throw;
+  }
+  result.n_ids = generation.ids.size();
+  result.n_prompt_ids = generation.prompt_ids.size();
+  result.finish_reason = int32_t(generation.finish_reason);
+  *out = result;
+}
+
+Engine& engine_of(kvlite_engine* engine) {
+  need(engine, "engine");
+  if (!engine->engine) fail(ErrorCode::invalid_argument, "engine is not open");
+  return *engine->engine;
+}
+
+}  // namespace c_api
+}  // namespace detail
+}  // namespace kvlite
+
+extern "C" {
+
+void kvlite_options_init(kvlite_options* options) {
+  if (!options) return;
+  std::memset(options, 0, sizeof *options);
+  options->struct_size = uint32_t(sizeof *options);
+  options->backend = KVLITE_BACKEND_AUTO;
+  options->utilization = 0.90;
+  options->max_images = 1;
+}
+
+void kvlite_sampling_init(kvlite_sampling* sampling) {
+  if (!sampling) return;
+  std::memset(sampling, 0, sizeof *sampling);
+  const kvlite::SamplingParams defaults;
+  sampling->struct_size = uint32_t(sizeof *sampling);
+  sampling->temperature = defaults.temperature;
+  sampling->top_k = defaults.top_k;
+  sampling->top_p = defaults.top_p;
+  sampling->min_p = defaults.min_p;
+  sampling->repetition_penalty = defaults.repetition_penalty;
+  sampling->seed = defaults.seed;
+  sampling->max_tokens = defaults.max_tokens;
+}
+
+void kvlite_generation_free(kvlite_generation* generation) {
+  if (!generation) return;
+  std::free(generation->ids);
+  std::free(generation->text);
+  std::memset(generation, 0, sizeof *generation);
+}
+
+const char* kvlite_version(void) { return KVLITE_VERSION_STRING; }
+
+const char* kvlite_status_name(int status) {
+  if (status < 0 || status > int(kvlite::ErrorCode::internal)) return "unknown";
+  return kvlite::error_code_name(kvlite::ErrorCode(status));
+}
+
+const char* kvlite_finish_reason_name(int32_t reason) {
+  if (reason < 0 || reason > int32_t(kvlite::FinishReason::cancelled)) return "unknown";
+  return kvlite::finish_reason_name(kvlite::FinishReason(reason));
+}
+
+const char* kvlite_last_error(void) { return kvlite::detail::c_api::last_error.c_str(); }
+
+void kvlite_free(void* memory) { std::free(memory); }
+
+void kvlite_set_log(kvlite_log_fn log, void* user_data, int32_t min_level) {
+  if (!log) {
+    kvlite::set_log_callback(nullptr);
+    return;
+  }
+  const int32_t level = min_level < KVLITE_LOG_DEBUG ? KVLITE_LOG_DEBUG : min_level > KVLITE_LOG_ERROR ? KVLITE_LOG_ERROR
+                                                                                                       : min_level;
+  try {
+    kvlite::set_log_callback([log, user_data](kvlite::LogLevel l, const std::string& message) {
+      log(int32_t(l), message.c_str(), user_data);
+    }, kvlite::LogLevel(level));
+  } catch (...) {  // std::function's allocation: nothing to report through a void function
+  }
+}
+
+int kvlite_plan(const char* model_dir, const kvlite_options* options, int json, char** text_out, int* fits_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    need(model_dir, "model_dir");
+    need(text_out, "text_out");
+    kvlite::Result<kvlite::Plan> plan = kvlite::plan_engine(model_dir, engine_options(options));
+    if (!plan) throw plan.error();
+    char* text = malloc_string(json ? plan->json() : plan->table());
+    *text_out = text;
+    if (fits_out) *fits_out = plan->fits ? 1 : 0;
+  });
+}
+
+int kvlite_open(const char* model_dir, const kvlite_options* options, kvlite_progress_fn progress, void* user_data,
+                kvlite_engine** engine_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    need(model_dir, "model_dir");
+    need(engine_out, "engine_out");
+    kvlite::EngineOptions engine_options_ = engine_options(options);
+    if (progress)
+      engine_options_.load_progress = [progress, user_data](uint64_t done, uint64_t total) {
+        return progress(done, total, user_data) != 0;
+      };
+    auto handle = std::make_unique<kvlite_engine>();
+    kvlite::Result<std::unique_ptr<kvlite::Engine>> engine = kvlite::Engine::open(model_dir, engine_options_);
+    if (!engine) throw engine.error();
+    handle->engine = std::move(*engine);
+    *engine_out = handle.release();
+  });
+}
+
+void kvlite_close(kvlite_engine* engine) {
+  try {
+    delete engine;
+  } catch (...) {  // destructors do not throw; belt and braces at the C boundary
+  }
+}
+
+int kvlite_engine_plan(kvlite_engine* engine, int json, char** text_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    const kvlite::Plan& plan = engine_of(engine).plan();
+    need(text_out, "text_out");
+    *text_out = malloc_string(json ? plan.json() : plan.table());
+  });
+}
+
+int kvlite_tokenize(kvlite_engine* engine, const char* text, int add_special_tokens, int32_t** ids_out, size_t* n_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    need(text, "text");
+    need(ids_out, "ids_out");
+    need(n_out, "n_out");
+    kvlite::Result<std::vector<int32_t>> ids = e.tokenize(text, add_special_tokens != 0);
+    if (!ids) throw ids.error();
+    *ids_out = malloc_array(*ids);
+    *n_out = ids->size();
+  });
+}
+
+int kvlite_detokenize(kvlite_engine* engine, const int32_t* ids, size_t n_ids, int skip_special_tokens,
+                      char** text_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    need_array(ids, n_ids, "ids");
+    need(text_out, "text_out");
+    kvlite::Result<std::string> text =
+        e.detokenize(std::vector<int32_t>(ids, ids + n_ids), skip_special_tokens != 0);
+    if (!text) throw text.error();
+    *text_out = malloc_string(*text);
+  });
+}
+
+int kvlite_format_chat(kvlite_engine* engine, const char* const* roles, const char* const* contents,
+                       size_t n_messages, int add_generation_prompt, char** text_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    need(text_out, "text_out");
+    kvlite::Result<std::string> text =
+        e.tokenizer().format_chat(chat_messages(roles, contents, n_messages), add_generation_prompt != 0);
+    if (!text) throw text.error();
+    *text_out = malloc_string(*text);
+  });
+}
+
+int kvlite_image_load(const char* path, kvlite_image** image_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    need(path, "path");
+    need(image_out, "image_out");
+    kvlite::Result<kvlite::Image> image = kvlite::load_image(path);
+    if (!image) throw image.error();
+    *image_out = new kvlite_image{std::move(*image)};
+  });
+}
+
+int kvlite_image_decode(const uint8_t* data, size_t size, kvlite_image** image_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    need_array(data, size, "data");
+    need(image_out, "image_out");
+    kvlite::Result<kvlite::Image> image = kvlite::decode_image(data, size);
+    if (!image) throw image.error();
+    *image_out = new kvlite_image{std::move(*image)};
+  });
+}
+
+int kvlite_image_from_pixels(const uint8_t* pixels, int64_t width, int64_t height, int32_t pixel_format,
+                             int64_t stride_bytes, kvlite_image** image_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    need(pixels, "pixels");
+    need(image_out, "image_out");
+    kvlite::PixelFormat format;
+    switch (pixel_format) {
+      case KVLITE_PIXELS_RGB8: format = kvlite::PixelFormat::rgb8; break;
+      case KVLITE_PIXELS_BGR8: format = kvlite::PixelFormat::bgr8; break;
+      case KVLITE_PIXELS_RGBA8: format = kvlite::PixelFormat::rgba8; break;
+      case KVLITE_PIXELS_BGRA8: format = kvlite::PixelFormat::bgra8; break;
+      case KVLITE_PIXELS_GRAY8: format = kvlite::PixelFormat::gray8; break;
+      default:
+        kvlite::detail::fail(kvlite::ErrorCode::invalid_argument,
+                             kvlite::detail::format("pixel_format %d is none of KVLITE_PIXELS_*", int(pixel_format)));
+    }
+    kvlite::Result<kvlite::Image> image = kvlite::image_from_pixels(pixels, width, height, format, stride_bytes);
+    if (!image) throw image.error();
+    *image_out = new kvlite_image{std::move(*image)};
+  });
+}
+
+int kvlite_image_size(const kvlite_image* image, int64_t* width_out, int64_t* height_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    need(image, "image");
+    need(width_out, "width_out");
+    need(height_out, "height_out");
+    *width_out = image->image.width;
+    *height_out = image->image.height;
+  });
+}
+
+void kvlite_image_free(kvlite_image* image) { delete image; }
+
+int kvlite_generate(kvlite_engine* engine, const char* prompt, const kvlite_image* const* images, size_t n_images,
+                    const kvlite_sampling* sampling, kvlite_token_fn on_token, void* user_data,
+                    kvlite_generation* out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    need(prompt, "prompt");
+    need(out, "out");
+    kvlite::Result<kvlite::Generation> generation =
+        e.generate(prompt, images_of(images, n_images), sampling_params(sampling), token_callback(on_token, user_data));
+    if (!generation) throw generation.error();
+    fill(out, std::move(*generation));
+  });
+}
+
+int kvlite_generate_chat(kvlite_engine* engine, const char* const* roles, const char* const* contents,
+                         size_t n_messages, const kvlite_image* const* images, size_t n_images,
+                         const kvlite_sampling* sampling, kvlite_token_fn on_token, void* user_data,
+                         kvlite_generation* out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    need(out, "out");
+    kvlite::Result<kvlite::Generation> generation =
+        e.generate_chat(chat_messages(roles, contents, n_messages), images_of(images, n_images),
+                        sampling_params(sampling), token_callback(on_token, user_data));
+    if (!generation) throw generation.error();
+    fill(out, std::move(*generation));
+  });
+}
+
+int kvlite_submit(kvlite_engine* engine, const int32_t* prompt_ids, size_t n_ids, const kvlite_image* const* images,
+                  size_t n_images, const kvlite_sampling* sampling, kvlite_token_fn on_token, void* user_data,
+                  int64_t* request_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    need_array(prompt_ids, n_ids, "prompt_ids");
+    need(request_out, "request_out");
+    std::vector<kvlite::VisionInput> inputs;
+    for (const kvlite::Image& image : images_of(images, n_images)) {
+      kvlite::Result<kvlite::VisionInput> input = e.preprocess(image);
+      if (!input) throw input.error();
+      inputs.push_back(std::move(*input));
+    }
+    kvlite::Result<kvlite::RequestId> id = e.submit(std::vector<int32_t>(prompt_ids, prompt_ids + n_ids), inputs,
+                                                    sampling_params(sampling), token_callback(on_token, user_data));
+    if (!id) throw id.error();
+    *request_out = *id;
+  });
+}
+
+int kvlite_step(kvlite_engine* engine, int* unfinished_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    kvlite::Result<bool> more = e.step();
+    if (!more) throw more.error();
+    if (unfinished_out) *unfinished_out = *more ? 1 : 0;
+  });
+}
+
+int kvlite_result(kvlite_engine* engine, int64_t request, kvlite_generation* out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    need(out, "out");
+    kvlite::Result<kvlite::Generation> generation = e.result(request);
+    if (!generation) throw generation.error();
+    fill(out, std::move(*generation));
+  });
+}
+
+int kvlite_cancel_request(kvlite_engine* engine, int64_t request) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Status status = engine_of(engine).cancel(request);
+    if (!status) throw status.error();
+  });
+}
+
+void kvlite_cancel(kvlite_engine* engine) {
+  if (engine && engine->engine) engine->engine->cancel();
+}
+
+int kvlite_score(kvlite_engine* engine, const char* text, int64_t context_length, int64_t stride,
+                 double* perplexity_out, int64_t* tokens_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    need(text, "text");
+    need(perplexity_out, "perplexity_out");
+    kvlite::Result<kvlite::ScoreResult> result = e.score(std::string(text), context_length, stride);
+    if (!result) throw result.error();
+    *perplexity_out = result->perplexity;
+    if (tokens_out) *tokens_out = result->tokens;
+  });
+}
+
+int kvlite_logits(kvlite_engine* engine, const int32_t* ids, size_t n_ids, float** values_out, int64_t* rows_out,
+                  int64_t* vocab_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    need_array(ids, n_ids, "ids");
+    need(values_out, "values_out");
+    need(rows_out, "rows_out");
+    need(vocab_out, "vocab_out");
+    kvlite::Result<kvlite::Logits> logits = e.logits(std::vector<int32_t>(ids, ids + n_ids));
+    if (!logits) throw logits.error();
+    *values_out = malloc_array(logits->values);
+    *rows_out = logits->tokens;
+    *vocab_out = logits->vocab;
+  });
+}
+
+}  // extern "C"
 #endif  // KVLITE_IMPLEMENTATION

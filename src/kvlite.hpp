@@ -3,6 +3,8 @@
 #include "manual.txt"
 #ifndef KVLITE_HPP_INCLUDED
 #define KVLITE_HPP_INCLUDED
+#include "c_api.h"  // C and C++: from a C compiler, this is all kvlite.hpp declares
+#ifdef __cplusplus
 #include "base.hpp"
 #include "safetensors.hpp"
 #include "config.hpp"
@@ -19,9 +21,10 @@
 #include "vision.hpp"
 #include "engine.hpp"
 #include "backend_cuda.hpp"
+#endif  // __cplusplus
 #endif  // KVLITE_HPP_INCLUDED
 
-#if defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
+#if defined(__cplusplus) && defined(KVLITE_IMPLEMENTATION) && !defined(KVLITE_IMPLEMENTATION_INCLUDED)
 #define KVLITE_IMPLEMENTATION_INCLUDED
 #include "base.inl"
 #include "safetensors.inl"
@@ -40,4 +43,5 @@
 #include "vision.inl"
 #include "engine.inl"
 #include "backend_cuda.inl"
+#include "c_api.inl"
 #endif  // KVLITE_IMPLEMENTATION
