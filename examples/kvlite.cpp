@@ -15,11 +15,16 @@
 // with its options and a run function. More commands (generate, score, tokenize, logits, bench) are one more
 // row in commands() and one more run_* function.
 #include "kvlite.hpp"
+#if defined(KVLITE_HAVE_SERVER)
+#include "server/openai_server.hpp"
+#endif
+#include <csignal>
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -29,6 +34,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -686,6 +692,67 @@ int run_bench(const Args& args) {
   return kExitOk;
 }
 
+// ---- kvlite serve -----------------------------------------------------------------------------------------
+
+#if defined(KVLITE_HAVE_SERVER)
+// SIGINT / SIGTERM only set a flag (all a signal handler may safely do); a watcher thread stops the server.
+volatile std::sig_atomic_t g_stop_requested = 0;
+extern "C" void request_stop(int) { g_stop_requested = 1; }
+#endif
+
+int run_serve(const Args& args) {
+  const std::string& model_dir = model_dir_argument(args);
+  const kvlite::EngineOptions options = engine_options(args);
+#if defined(KVLITE_HAVE_SERVER)
+  kvlite_server::ServeOptions serve;
+  if (args.has("--host")) serve.host = args.text("--host");
+  if (args.has("--port")) serve.port = int(args.integer("--port", 0, 65535));
+  if (args.has("--max-queue")) serve.max_queue = args.integer("--max-queue", 1, 4096);
+  if (args.has("--max-body-bytes")) serve.max_body_bytes = args.size("--max-body-bytes");
+  if (args.has("--max-tokens")) serve.max_tokens = args.integer("--max-tokens", 1, INT64_MAX);
+  if (args.has("--served-model-name")) serve.model_name = args.text("--served-model-name");
+  // The plan first, exactly as `kvlite plan` prints it: a plan that does not fit stops here, with its advice.
+  auto plan = kvlite::plan_engine(model_dir, options);
+  if (!plan) throw InputError{plan.error().message};
+  fputs(plan->table().c_str(), stdout);
+  fflush(stdout);
+  if (!plan->fits) {
+    fprintf(stderr, "kvlite serve: the plan does not fit (see its advice above); not starting\n");
+    return kExitDoesNotFit;
+  }
+  auto server = kvlite_server::OpenAIServer::create(open_engine(model_dir, options), serve);
+  if (!server) throw InputError{server.error().message};
+  auto port = (*server)->bind();
+  if (!port) throw InputError{port.error().message};
+  printf("kvlite serve: %s on http://%s:%d/v1 (POST /v1/chat/completions, /v1/completions; GET /v1/models, "
+         "/health, /metrics); Ctrl-C stops\n",
+         plan->model_name.c_str(), serve.host.c_str(), *port);
+  fflush(stdout);
+  std::signal(SIGINT, request_stop);
+  std::signal(SIGTERM, request_stop);
+  std::atomic<bool> served{false};
+  kvlite_server::OpenAIServer& running = **server;
+  std::thread watcher([&] {
+    while (!served.load()) {
+      if (g_stop_requested) {
+        running.stop();
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  });
+  running.serve();
+  served.store(true);
+  watcher.join();
+  return kExitOk;
+#else
+  (void)model_dir;
+  (void)options;
+  throw InputError{"kvlite serve: this kvlite was built without cpp-httplib (Debian: libcpp-httplib-dev); install it "
+                   "and rebuild"};
+#endif
+}
+
 const std::vector<Command>& commands() {
   static const std::vector<Command> list = {
       {"plan", "where every byte of device memory goes, and what would fit",
@@ -768,6 +835,25 @@ const std::vector<Command>& commands() {
            {"--out", "FILE", "the .npy file to write"},
        }),
        run_logits},
+      {"serve", "an OpenAI-compatible HTTP server (chat completions with images, streaming)",
+       "Serve the model over HTTP as vLLM's OpenAI-compatible server does: POST /v1/chat/completions (text and\n"
+       "image_url parts as base64 data: URIs; stream: true as server-sent events), POST /v1/completions,\n"
+       "GET /v1/models, /health and /metrics (Prometheus text). Requests from every client share the engine\n"
+       "through continuous batching; a streaming client that disconnects ends its request. The plan is printed\n"
+       "first, as kvlite plan prints it; a plan that does not fit does not start.",
+       "kvlite serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [options]",
+       "Errors are OpenAI's: 400 bad input (the message names the field), 404 unknown model, 413 oversized\n"
+       "body or image, 503 queue full.\n"
+       "\nexit status: 0 stopped (SIGINT / SIGTERM), 1 does not fit, 2 usage or input error.\n",
+       with_engine_options({
+           {"--host", "ADDR", "address to listen on; default 127.0.0.1"},
+           {"--port", "N", "port; default 8000 (0: any free port)"},
+           {"--max-queue", "N", "requests in flight (running or waiting) before 503; default 64"},
+           {"--max-body-bytes", "SIZE", "larger request bodies get 413; default 32MiB"},
+           {"--max-tokens", "N", "cap on a request's max_tokens; default max_model_len"},
+           {"--served-model-name", "NAME", "the model name clients send and /v1/models lists; default the plan's"},
+       }),
+       run_serve},
       {"bench", "decode tokens/s and time to first token, beside the memory-bandwidth roofline",
        "Measure the engine: time to first token and decode tokens/s for each --batch (that many requests of\n"
        "--prompt-tokens tokens at once, each generating --decode-tokens tokens greedily, end-of-turn tokens\n"

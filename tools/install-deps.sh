@@ -8,6 +8,7 @@
 #   libpcre2-dev                the tokenizers' pre-tokenizer regexes (Unicode properties)
 #   clang libclang-rt-dev       the sanitizer build and the libFuzzer harnesses (make test runs both)
 #   libturbojpeg0-dev           JPEG decoding (libjpeg-turbo, the decoder PIL and torchvision use)
+#   libcpp-httplib-dev          kvlite serve (the OpenAI-compatible server)
 #   python3                     the ctypes example (examples/caption_image.py) that make test runs: the standard
 #                               library only, no package from PyPI
 set -euo pipefail
@@ -22,6 +23,7 @@ have_header nlohmann/json.hpp || need+=(nlohmann-json3-dev)
 have_header stb/stb_image.h || need+=(libstb-dev)
 have_header pcre2.h || need+=(libpcre2-dev)
 have_header turbojpeg.h || need+=(libturbojpeg0-dev)
+have_header httplib.h || need+=(libcpp-httplib-dev)
 command -v python3 >/dev/null || need+=(python3)
 command -v clang++ >/dev/null || need+=(clang)
 ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || need+=(libclang-rt-dev)

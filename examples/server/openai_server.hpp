@@ -1,0 +1,70 @@
+// openai_server: `kvlite serve`, an OpenAI-compatible HTTP server over one kvlite::Engine, built on cpp-httplib.
+//
+//   POST /v1/chat/completions   messages (text, and image_url parts as data: URIs with base64 JPEG / PNG),
+//                               stream (server-sent events), max_tokens, temperature, top_p, top_k, seed, stop
+//   POST /v1/completions        a prompt string, the same sampling fields
+//   GET  /v1/models, /health, /metrics (Prometheus text)
+//
+// Requests from every client share the engine through continuous batching: HTTP threads parse and validate,
+// one engine thread owns the engine (tokenizing, preprocessing, submitting and stepping), and each request's
+// text flows back through its own channel. A streaming client that goes away ends its request at the next
+// token, which frees its pages. Errors are OpenAI's: {"error": {"message", "type", "param", "code"}} with 400
+// for bad input (the message names the field), 404 for an unknown model, 413 for an oversized body or image,
+// 503 when the queue is full.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kvlite.hpp"
+
+namespace kvlite_server {
+
+struct ServeOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;                             // 0: any free port (tests)
+  uint64_t max_body_bytes = uint64_t(32) << 20;  // larger bodies: 413
+  int64_t max_queue = 64;                      // requests waiting or running; more: 503
+  int64_t max_tokens = 0;                      // a request's max_tokens cap; 0: the engine's max_model_len
+  int64_t default_max_tokens = 256;            // when a request names none
+  std::string model_name;                      // what /v1/models lists; empty: the plan's model name
+};
+
+// Counters /metrics reports (also read by tests).
+struct ServeStats {
+  int64_t requests_total = 0, requests_running = 0, requests_waiting = 0, requests_rejected = 0;
+  int64_t requests_abandoned = 0;  // clients that went away before their request finished
+  int64_t kv_pages_used = 0, kv_pages_free = 0;
+  int64_t tokens_generated_total = 0, prompt_tokens_total = 0, preemptions_total = 0;
+  double tokens_per_second = 0;  // generated tokens over the engine's busy time
+};
+
+class OpenAIServer {
+ public:
+  // Takes the engine; validates the options (invalid_argument naming the value).
+  static kvlite::Result<std::unique_ptr<OpenAIServer>> create(std::unique_ptr<kvlite::Engine> engine,
+                                                              const ServeOptions& options);
+  ~OpenAIServer();  // stops and joins everything
+  OpenAIServer(const OpenAIServer&) = delete;
+  OpenAIServer& operator=(const OpenAIServer&) = delete;
+
+  // Binds host:port (port 0: any); returns the port bound. io_error when the address cannot be bound.
+  kvlite::Result<int> bind();
+  // Serves until stop(); returns when stopped.
+  void serve();
+  void stop();
+  ServeStats stats() const;
+
+ private:
+  OpenAIServer();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Helpers, exposed for tests: base64 (RFC 4648, standard alphabet, padding required, no whitespace), and a
+// data: URI's bytes ("data:image/png;base64,...").
+kvlite::Result<std::string> decode_base64(const std::string& text);
+kvlite::Result<std::string> decode_data_uri(const std::string& uri);
+
+}  // namespace kvlite_server
