@@ -2,7 +2,7 @@
 """Writes the seed corpora of the libFuzzer harnesses (tests/fuzz/corpus/<harness>/) from the repository's own
 fixtures, in each harness's input layout (see tests/fuzz/fuzz_<harness>.cpp). Deterministic; standard library
 only. Run from anywhere: python3 tools/make_fuzz_corpus.py"""
-import json, os, shutil, struct
+import base64, json, os, shutil, struct
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "tests", "fixtures")
@@ -103,4 +103,20 @@ write("vision_input", "one_good", vision([(1, 4, 6, 6, 24 * 1536)]))
 write("vision_input", "two_good", vision([(1, 4, 4, 4, 16 * 1536), (1, 2, 6, 3, 12 * 1536)]))
 write("vision_input", "tokens_off", vision([(1, 4, 6, 60, 24 * 1536)]))
 write("vision_input", "short_pixels", vision([(1, 4, 6, 6, 100)]))
+# kvlite serve's request reader: the route (0 chat, 1 completions), then the body
+def request(route, body):
+    return bytes([route]) + json.dumps(body).encode()
+scene = "data:image/png;base64," + base64.b64encode(read("examples", "images", "scene_1.png")).decode()
+write("serve_request", "chat_text", request(0, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                                                "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 3,
+                                                "stop": ["x", "y"], "stream": True}))
+write("serve_request", "chat_image", request(0, {"model": "kvlite-captioner-bf16", "messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": scene}}, {"type": "text", "text": "Describe this image."}]}],
+    "stream_options": {"include_usage": True}}))
+write("serve_request", "chat_bad_image", request(0, {"messages": [{"role": "system", "content": "be terse"}, {
+    "role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": "data:image/png;base64,AAAA"}]}],
+    "n": 1}))
+write("serve_request", "completion", request(1, {"prompt": "a small", "max_tokens": 5, "stop": "z", "min_p": 0.1,
+                                                 "repetition_penalty": 1.2}))
+write("serve_request", "completion_other_model", request(1, {"prompt": "x", "max_completion_tokens": 3, "model": "other"}))
 print("wrote", sum(len(f) for _, _, f in os.walk(OUT)), "seed inputs under", os.path.relpath(OUT, ROOT))

@@ -213,6 +213,80 @@ std::string fresh_id(const char* prefix) {
 
 int64_t now_seconds() { return int64_t(std::time(nullptr)); }
 
+// What a request is checked against.
+struct RequestLimits {
+  std::string model_name;
+  int64_t max_tokens_cap = 0;
+  int64_t default_max_tokens = 256;
+};
+
+json parse_body(const std::string& text, const RequestLimits& limits) {
+  json body;
+  try {
+    body = json::parse(text);
+  } catch (const std::exception& e) {
+    bad(std::string("the body is not valid JSON: ") + e.what());
+  }
+  if (!body.is_object()) bad("the body must be a JSON object");
+  if (body.contains("model") && !body["model"].is_null()) {
+    if (!body["model"].is_string()) bad("'model' must be a string", "model");
+    const std::string model = body["model"].get<std::string>();
+    if (model != limits.model_name)
+      throw HttpError{404, "the model '" + model + "' does not exist; this server serves '" + limits.model_name + "'",
+                      "model", "invalid_request_error", "model_not_found"};
+  }
+  return body;
+}
+
+Job chat_job(const json& body, const RequestLimits& limits) {
+  Job job;
+  job.chat = true;
+  if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty())
+    bad("'messages' must be a non-empty array", "messages");
+  size_t index = 0;
+  for (const json& m : body["messages"]) {
+    const std::string where = "messages[" + std::to_string(index) + "]";
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      bad(where + " must be an object with a string 'role'", where);
+    kvlite::ChatMessage message{m["role"].get<std::string>(), ""};
+    const json& content = m.contains("content") ? m["content"] : json(nullptr);
+    if (content.is_string()) {
+      message.content = content.get<std::string>();
+    } else if (content.is_array()) {
+      for (const json& part : content) {
+        if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
+          bad(where + ".content parts must be objects with a string 'type'", where + ".content");
+        const std::string type = part["type"].get<std::string>();
+        if (type == "text") {
+          if (!part.contains("text") || !part["text"].is_string())
+            bad("a text part needs a string 'text'", where + ".content");
+          message.content += part["text"].get<std::string>();
+        } else if (type == "image_url") {
+          job.images.push_back(image_of(part, index));
+          message.content += kvlite::kImagePlaceholder;
+        } else {
+          bad("content part type '" + type + "' is not supported (text, image_url)", where + ".content");
+        }
+      }
+    } else {
+      bad(where + ".content must be a string or an array of parts", where + ".content");
+    }
+    job.messages.push_back(std::move(message));
+    index++;
+  }
+  job.params = sampling_of(body, limits.max_tokens_cap, limits.default_max_tokens);
+  return job;
+}
+
+Job completion_job(const json& body, const RequestLimits& limits) {
+  Job job;
+  job.chat = false;
+  if (!body.contains("prompt") || !body["prompt"].is_string()) bad("'prompt' must be a string", "prompt");
+  job.prompt = body["prompt"].get<std::string>();
+  job.params = sampling_of(body, limits.max_tokens_cap, limits.default_max_tokens);
+  return job;
+}
+
 }  // namespace
 
 // ---- base64 and data: URIs --------------------------------------------------------------------------------
@@ -265,12 +339,26 @@ kvlite::Result<std::string> decode_data_uri(const std::string& uri) {
   return decode_base64(uri.substr(comma + 1));
 }
 
+int check_request(bool chat, const std::string& body, const std::string& model_name, int64_t max_tokens_cap,
+                  std::string* message) {
+  const RequestLimits limits{model_name, std::max<int64_t>(max_tokens_cap, 1), 256};
+  try {
+    const json parsed = parse_body(body, limits);
+    Job job = chat ? chat_job(parsed, limits) : completion_job(parsed, limits);
+    (void)stream_of(parsed);
+    return 200;
+  } catch (const HttpError& e) {
+    if (message) *message = e.message;
+    return e.status;
+  }
+}
+
 // ---- the server -------------------------------------------------------------------------------------------
 
 struct OpenAIServer::Impl {
   std::unique_ptr<kvlite::Engine> engine;
   ServeOptions options;
-  int64_t max_tokens_cap = 0;
+  RequestLimits limits;
   httplib::Server http;
   int port = 0;
 
@@ -422,73 +510,6 @@ struct OpenAIServer::Impl {
     queue_changed.notify_all();
   }
 
-  json parse_body(const httplib::Request& request) {
-    json body;
-    try {
-      body = json::parse(request.body);
-    } catch (const std::exception& e) {
-      bad(std::string("the body is not valid JSON: ") + e.what());
-    }
-    if (!body.is_object()) bad("the body must be a JSON object");
-    if (body.contains("model") && !body["model"].is_null()) {
-      if (!body["model"].is_string()) bad("'model' must be a string", "model");
-      const std::string model = body["model"].get<std::string>();
-      if (model != options.model_name)
-        throw HttpError{404, "the model '" + model + "' does not exist; this server serves '" + options.model_name + "'",
-                        "model", "invalid_request_error", "model_not_found"};
-    }
-    return body;
-  }
-
-  Job chat_job(const json& body) {
-    Job job;
-    job.chat = true;
-    if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty())
-      bad("'messages' must be a non-empty array", "messages");
-    size_t index = 0;
-    for (const json& m : body["messages"]) {
-      const std::string where = "messages[" + std::to_string(index) + "]";
-      if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
-        bad(where + " must be an object with a string 'role'", where);
-      kvlite::ChatMessage message{m["role"].get<std::string>(), ""};
-      const json& content = m.contains("content") ? m["content"] : json(nullptr);
-      if (content.is_string()) {
-        message.content = content.get<std::string>();
-      } else if (content.is_array()) {
-        for (const json& part : content) {
-          if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
-            bad(where + ".content parts must be objects with a string 'type'", where + ".content");
-          const std::string type = part["type"].get<std::string>();
-          if (type == "text") {
-            if (!part.contains("text") || !part["text"].is_string())
-              bad("a text part needs a string 'text'", where + ".content");
-            message.content += part["text"].get<std::string>();
-          } else if (type == "image_url") {
-            job.images.push_back(image_of(part, index));
-            message.content += kvlite::kImagePlaceholder;
-          } else {
-            bad("content part type '" + type + "' is not supported (text, image_url)", where + ".content");
-          }
-        }
-      } else {
-        bad(where + ".content must be a string or an array of parts", where + ".content");
-      }
-      job.messages.push_back(std::move(message));
-      index++;
-    }
-    job.params = sampling_of(body, max_tokens_cap, options.default_max_tokens);
-    return job;
-  }
-
-  Job completion_job(const json& body) {
-    Job job;
-    job.chat = false;
-    if (!body.contains("prompt") || !body["prompt"].is_string()) bad("'prompt' must be a string", "prompt");
-    job.prompt = body["prompt"].get<std::string>();
-    job.params = sampling_of(body, max_tokens_cap, options.default_max_tokens);
-    return job;
-  }
-
   static void send_error(httplib::Response& response, const HttpError& e) {
     response.status = e.status;
     response.set_content(error_body(e).dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
@@ -585,8 +606,8 @@ struct OpenAIServer::Impl {
 
   void handle_generation(const httplib::Request& request, httplib::Response& response, bool chat) {
     try {
-      const json body = parse_body(request);
-      Job job = chat ? chat_job(body) : completion_job(body);
+      const json body = parse_body(request.body, limits);
+      Job job = chat ? chat_job(body, limits) : completion_job(body, limits);
       const bool streaming = stream_of(body);
       bool include_usage = false;
       if (body.contains("stream_options") && body["stream_options"].is_object() &&
@@ -700,8 +721,9 @@ kvlite::Result<std::unique_ptr<OpenAIServer>> OpenAIServer::create(std::unique_p
   s.options = options;
   if (s.options.model_name.empty()) s.options.model_name = s.engine->plan().model_name;
   const int64_t model_len = s.engine->plan().max_model_len;
-  s.max_tokens_cap = options.max_tokens > 0 ? std::min(options.max_tokens, model_len) : model_len;
   if (s.options.default_max_tokens < 1) s.options.default_max_tokens = 1;
+  s.limits = {s.options.model_name, options.max_tokens > 0 ? std::min(options.max_tokens, model_len) : model_len,
+              s.options.default_max_tokens};
   s.routes();
   s.engine_thread = std::thread([&s] { s.engine_loop(); });
   return server;

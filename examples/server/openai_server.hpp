@@ -66,5 +66,10 @@ class OpenAIServer {
 // data: URI's bytes ("data:image/png;base64,...").
 kvlite::Result<std::string> decode_base64(const std::string& text);
 kvlite::Result<std::string> decode_data_uri(const std::string& uri);
+// The server's reading of a request body without an engine (chat: /v1/chat/completions, else /v1/completions):
+// 200 when it would be queued, else the HTTP status it answers with and, in *message, why. Images are decoded.
+// For the fuzz harness (tests/fuzz/fuzz_serve_request.cpp) and tests.
+int check_request(bool chat, const std::string& body, const std::string& model_name, int64_t max_tokens_cap,
+                  std::string* message);
 
 }  // namespace kvlite_server
