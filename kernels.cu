@@ -90,10 +90,23 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// An fp8 KV cache element: e4m3 bytes holding value / scale (base.hpp's conversions: saturating, nearest even;
+// the same bits as the CPU backend's).
+struct KvFp8 {
+  uint8_t bits;
+};
+__device__ __forceinline__ float to_float(KvFp8 v) { return fp8_e4m3_to_float(v.bits); }
+template <>
+__device__ __forceinline__ KvFp8 from_float<KvFp8>(float v) { return KvFp8{float_to_fp8_e4m3(v)}; }
+
 // ld.global.nc: the read-only data path. For K/V pages and weights, which no thread writes during the
 // kernel, it lets loads bypass L1 coherence and be reordered freely.
 template <class T>
 __device__ __forceinline__ T load_readonly(const T* p) { return __ldg(p); }
+template <>
+__device__ __forceinline__ KvFp8 load_readonly<KvFp8>(const KvFp8* p) {
+  return KvFp8{__ldg(reinterpret_cast<const unsigned char*>(p))};
+}
 
 // A quiet NaN: what an output becomes when its inputs were invalid (the fault record says why).
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
@@ -310,13 +323,14 @@ __global__ void fill_rows_kernel(const B* bias,  // [cols] or null
 }
 
 // Stores token t's K and V rows at slot slots[t] of layer `layer` (page slot / page_tokens, position
-// slot % page_tokens); a negative slot skips the token.
+// slot % page_tokens); a negative slot skips the token. Each value is divided by its layer's scale first (1 but
+// for fp8 caches: x / 1 is x exactly, so the other element types store what they always did).
 //   A: activation type; E: KV element type.
 template <class A, class E>
 __global__ void kv_write_kernel(const A* k, int64_t k_stride, const A* v, int64_t v_stride,  // [rows, width]
                                 const int32_t* slots,  // [rows]
                                 E* pages, KVPageLayout layout, int64_t layer, int64_t num_pages, int64_t width,
-                                DeviceFault* fault) {
+                                float k_scale, float v_scale, DeviceFault* fault) {
   const int64_t row = blockIdx.x;
   const int64_t slot = slots[row];
   if (slot < 0) return;
@@ -331,8 +345,8 @@ __global__ void kv_write_kernel(const A* k, int64_t k_stride, const A* v, int64_
   const A* k_src = k + row * k_stride;
   const A* v_src = v + row * v_stride;
   for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
-    k_dst[c] = from_float<E>(to_float(k_src[c]));
-    v_dst[c] = from_float<E>(to_float(v_src[c]));
+    k_dst[c] = from_float<E>(to_float(k_src[c]) / k_scale);
+    v_dst[c] = from_float<E>(to_float(v_src[c]) / v_scale);
   }
 }
 
@@ -367,6 +381,7 @@ struct AttentionArgs {
   int64_t seqs, rows, max_context;
   int64_t heads, group, head_passes;  // query heads; query heads per KV head; blocks per KV head
   float scale;
+  float k_scale, v_scale;  // the layer's KV cache scales: stored x scale is what was written (1 but for fp8)
   int64_t splits, chunk;  // see AttentionSplit
   float* partial_acc;  // [rows, heads, splits, head_dim] unnormalised sums of p * v (splits > 1)
   float* partial_max;  // [rows, heads, splits]
@@ -447,8 +462,8 @@ __global__ void __launch_bounds__(kAttentionWarps * 32) paged_attention_kernel(c
 #pragma unroll
     for (int i = 0; i < DIMS; i++) {
       const int64_t d = lane + 32 * i;
-      k[i] = d < head_dim ? to_float(load_readonly(k_row + d)) : 0.0f;
-      v[i] = d < head_dim ? to_float(load_readonly(v_row + d)) : 0.0f;
+      k[i] = d < head_dim ? to_float(load_readonly(k_row + d)) * args.k_scale : 0.0f;
+      v[i] = d < head_dim ? to_float(load_readonly(v_row + d)) * args.v_scale : 0.0f;
     }
 #pragma unroll
     for (int h = 0; h < HEADS; h++) {
@@ -1576,6 +1591,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const A* logits,
 // ==== 4. the backend =======================================================================================
 
 bool is_float_dtype(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16; }
+bool is_kv_dtype(DType dtype) { return is_float_dtype(dtype) || dtype == DType::F8_E4M3; }
 
 // Calls f(T{}) with T the device storage type of `dtype` (F32, BF16 or F16; the ops' validation and
 // supports() guarantee one of them).
@@ -1589,6 +1605,16 @@ void with_float_type(DType dtype, F&& f) {
       detail::fail(ErrorCode::internal, detail::format("CUDA backend: no kernel for dtype %s", dtype_name(dtype)));
   }
 }
+
+// with_float_type's, plus the fp8 KV element.
+template <class F>
+void with_kv_type(DType dtype, F&& f) {
+  if (dtype == DType::F8_E4M3) return f(KvFp8{});
+  with_float_type(dtype, std::forward<F>(f));
+}
+
+// A layer's KV cache scale (host memory, read when the op is enqueued: a captured graph keeps the value).
+float kv_layer_scale(const float* scales, int64_t layer) { return scales != nullptr ? scales[layer] : 1.0f; }
 
 cudaDataType cuda_data_type(DType dtype) {
   switch (dtype) {
@@ -1730,8 +1756,8 @@ class CudaBackend final : public Backend {
   bool supports(Op op, DType dtype) const override {
     switch (op) {
       case Op::rope: case Op::silu_mul: case Op::add: case Op::linear: return dtype == act_;
-      case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::copy: case Op::kv_write:
-      case Op::attention: return is_float_dtype(dtype);
+      case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::copy: return is_float_dtype(dtype);
+      case Op::kv_write: case Op::attention: return is_kv_dtype(dtype);
       case Op::embedding_bag: case Op::layer_norm: return is_float_dtype(dtype);
       case Op::gelu: case Op::segment_attention: return dtype == act_;
       // int4 (pack-quantized) and fp8 weights, repacked by cuda::upload_quant_weight (section 3b's GEMMs)
@@ -2112,13 +2138,14 @@ class CudaBackend final : public Backend {
     activate();
     if (k.rows == 0) return;
     check_grid_rows("kv_write", k.rows);
+    const float k_scale = kv_layer_scale(cache.k_scales, layer), v_scale = kv_layer_scale(cache.v_scales, layer);
     with_float_type(act_, [&](auto act_tag) {
-      with_float_type(cache.dtype, [&](auto kv_tag) {
+      with_kv_type(cache.dtype, [&](auto kv_tag) {
         using A = decltype(act_tag);
         using E = decltype(kv_tag);
         kv_write_kernel<A, E><<<unsigned(k.rows), row_threads(k.cols), 0, stream_>>>(
             typed_const<A>(k), k.row_stride, typed_const<A>(v), v.row_stride, typed_const<int32_t>(slots),
-            static_cast<E*>(cache.pages), cache.layout, layer, cache.num_pages, k.cols, fault_);
+            static_cast<E*>(cache.pages), cache.layout, layer, cache.num_pages, k.cols, k_scale, v_scale, fault_);
         check_launch("kv_write_kernel");
       });
     });
@@ -2160,6 +2187,8 @@ class CudaBackend final : public Backend {
                    detail::format("attention: %lld KV heads x %lld head passes exceed a launch's 65535 blocks in y",
                                   (long long)kv_heads, (long long)args.head_passes));
     args.scale = scale;
+    args.k_scale = kv_layer_scale(cache.k_scales, layer);
+    args.v_scale = kv_layer_scale(cache.v_scales, layer);
     const AttentionSplit split = plan_attention_split(
         q.rows * kv_heads * args.head_passes, batch.max_context, int64_t(kAttentionBlocksPerSm) * sm_count_,
         uint64_t(q.rows) * uint64_t(args.heads) * uint64_t(head_dim + 2) * sizeof(float), scratch_bytes_);
@@ -2174,7 +2203,7 @@ class CudaBackend final : public Backend {
     args.fault = fault_;
     const dim3 grid(unsigned(q.rows), unsigned(kv_heads * args.head_passes), unsigned(split.splits));
     with_float_type(act_, [&](auto act_tag) {
-      with_float_type(cache.dtype, [&](auto kv_tag) {
+      with_kv_type(cache.dtype, [&](auto kv_tag) {
         using A = decltype(act_tag);
         using E = decltype(kv_tag);
         switch (dims) {

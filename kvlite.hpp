@@ -75,7 +75,6 @@
       - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL images). The
         CUDA backend (engine, quantized GEMMs, graphs, sampling, vision kernels) compiles for every target but
         has not yet run on a GPU, and the engine on it refuses images.
-      - The KV cache is stored as f32, bf16 or f16; fp8 KV is planned but no backend stores it yet.
       - Linux (including WSL2) only: uses mmap and sysconf.
 
    CONFIGURATION
@@ -789,6 +788,9 @@ struct QuantConfig {
   std::vector<QuantScheme> schemes;     // compressed-tensors config_groups, in order; fp8: one block scheme
   std::vector<std::string> ignore;      // compressed-tensors `ignore`: exact names or "re:<regex>"
   std::vector<std::string> modules_to_not_convert;  // Qwen fp8: a module stays dense if a listed key is a substring
+  // compressed-tensors kv_cache_scheme (8-bit float, per tensor, static): the checkpoint carries each layer's
+  // self_attn.k_scale and v_scale, which an fp8 KV cache (--kv-dtype fp8) uses as vLLM does.
+  bool kv_cache_fp8 = false;
 };
 
 struct ModelConfig {
@@ -1567,7 +1569,7 @@ Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "
 int kv_dtype_bytes(KVDType dtype);  // 2, 1 for fp8, 4 for f32 (auto must be resolved first)
 // Whether the engine on `backend` can store its KV cache as `dtype` (the backends' supports(kv_write) and
 // supports(attention), which a test keeps in step): the planner advises only KV dtypes the engine can run.
-// fp8 is planned (its bytes and the context it would allow are in the plan) but no backend stores it yet.
+// Both backends store every KV dtype (fp8: e4m3 with per-layer scales); kept as the one place to say otherwise.
 bool kv_dtype_storable(BackendKind backend, KVDType dtype);
 
 struct PlanOptions {
@@ -2023,9 +2025,14 @@ struct Tensor {
 // The paged KV cache as kernels see it: the base of the KV pages and their layout (see KVPageLayout).
 struct KVCacheView {
   void* pages = nullptr;      // page 0; page p starts p * layout.page_elements() elements later
-  DType dtype = DType::BF16;  // element type of K and V (the CPU stores F32, BF16 or F16)
+  DType dtype = DType::BF16;  // element type of K and V (the CPU stores F32, BF16, F16 or F8_E4M3)
   KVPageLayout layout;
   int64_t num_pages = 0;
+  // F8_E4M3 pages hold x / scale, saturated to +-448 and rounded to nearest even; reads give e4m3 x scale (as
+  // vLLM's fp8 KV cache). One scale per layer for K and one for V ([num_layers] floats in host memory, read when
+  // the op is enqueued: a checkpoint's self_attn.k_scale / v_scale); nullptr: 1.0, as vLLM uses without them.
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
 };
 
 // The sequences of one attention call. Sequence s owns the query rows [query_starts[s], query_starts[s+1])
@@ -2272,6 +2279,9 @@ struct TextModelWeights {
   std::vector<DecoderLayerWeights> layers;  // [L]
   Tensor norm;                             // [H]
   LinearWeights lm_head;                   // [V, H], no bias; the embed_tokens view when tie_word_embeddings
+  // An fp8 KV cache's per-layer scales (compressed-tensors kv_cache_scheme: self_attn.k_scale / v_scale, one
+  // number per layer), as floats; empty when the checkpoint declares none (an fp8 cache then uses 1.0).
+  std::vector<float> k_scales, v_scales;
 };
 
 // Binds every weight of the text model by its transformers name as a view into the store's mmap (BF16, F16
@@ -4317,8 +4327,23 @@ inline QuantConfig parse_quant(const Node& q) {
                  format("'%s' is not supported; supported: pack-quantized (int4), float-quantized and naive-quantized "
                         "(fp8), mixed-precision of those",
                         quant.format.c_str()));
+    if (std::optional<Node> kv = q.optional_child("kv_cache_scheme")) {
+      // vLLM reads per-tensor static fp8 KV scales; nothing else is a scheme kvlite can honour.
+      const int64_t bits = kv->positive_or("num_bits", 8);
+      const std::string type = kv->string_or("type", "float"), strategy = kv->string_or("strategy", "tensor");
+      if (bits != 8 || type != "float")
+        q.fail_key(ErrorCode::unsupported, "kv_cache_scheme",
+                   format("is %lld-bit %s; supported: 8-bit float (an e4m3 KV cache)", (long long)bits, type.c_str()));
+      if (strategy != "tensor")
+        q.fail_key(ErrorCode::unsupported, "kv_cache_scheme",
+                   format("has strategy '%s'; supported: tensor (one k_scale and v_scale per layer)", strategy.c_str()));
+      if (kv->bool_or("dynamic", false))
+        q.fail_key(ErrorCode::unsupported, "kv_cache_scheme", "is dynamic; supported: static scales in the checkpoint");
+      quant.kv_cache_fp8 = true;
+    }
     Node groups = q.child("config_groups");
-    if (groups.value->empty()) q.fail_key(ErrorCode::bad_format, "config_groups", "is empty");
+    if (groups.value->empty() && !quant.kv_cache_fp8)
+      q.fail_key(ErrorCode::bad_format, "config_groups", "is empty (and there is no kv_cache_scheme)");
     for (auto it = groups.value->begin(); it != groups.value->end(); ++it) quant.schemes.push_back(parse_ct_group(groups.child(it.key()), quant.format));
     quant.ignore = q.string_list("ignore");
     check_patterns(q, "ignore", quant.ignore);
@@ -8767,7 +8792,7 @@ Result<KVDType> parse_kv_dtype(const std::string& text) {
 
 int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : dtype == KVDType::f32 ? 4 : 2; }
 
-bool kv_dtype_storable(BackendKind, KVDType dtype) { return dtype != KVDType::fp8; }
+bool kv_dtype_storable(BackendKind, KVDType) { return true; }  // both backends store f32, bf16, f16 and fp8
 
 namespace detail {
 namespace planning {
@@ -9276,12 +9301,18 @@ void write_advice(const Inputs& in, Plan& plan) {
                                  format_bytes(in.device.total_bytes).c_str()));
   }
   if (o.kv_dtype != KVDType::fp8 && plan.max_model_len_that_fits_fp8_kv > plan.max_model_len_that_fits &&
-      kv_dtype_storable(in.device.backend, KVDType::fp8))
-    plan.advice.push_back(format("With --kv-dtype fp8: max_model_len up to %lld (KV %s per token instead of %s)%s.",
-                                 (long long)plan.max_model_len_that_fits_fp8_kv,
-                                 format_bytes(plan.kv_bytes_per_token / 2).c_str(),
+      kv_dtype_storable(in.device.backend, KVDType::fp8)) {
+    // One line, one thing to do: the flags it names, together, make the plan fit.
+    const bool fp8_alone = plan.max_model_len_that_fits_fp8_kv >= plan.max_model_len;
+    const std::string flags =
+        fp8_alone ? std::string("--kv-dtype fp8")
+                  : format("--kv-dtype fp8 --max-model-len %lld", (long long)plan.max_model_len_that_fits_fp8_kv);
+    plan.advice.push_back(format("With %s: fits (KV %s per token instead of %s; max_model_len up to %lld).",
+                                 flags.c_str(),
+                                 format_bytes(plan.kv_bytes_per_token / uint64_t(kv_dtype_bytes(o.kv_dtype))).c_str(),
                                  format_bytes(plan.kv_bytes_per_token).c_str(),
-                                 plan.max_model_len_that_fits_fp8_kv >= plan.max_model_len ? ", which fits" : ""));
+                                 (long long)plan.max_model_len_that_fits_fp8_kv));
+  }
   if (in.config.vision.present) {
     if (plan.image_pixels_that_fit > 0)
       plan.advice.push_back(format("With --max-image-pixels %lld: fits (%s image tokens per image instead of %s).",
@@ -10455,6 +10486,8 @@ inline void check_kv_cache(const char* op, const KVCacheView& cache, int64_t lay
   if (layer < 0 || layer >= l.layers)
     fail(ErrorCode::invalid_argument,
          format("%s: layer %lld is outside the KV cache's %lld layers", op, (long long)layer, (long long)l.layers));
+  if ((cache.k_scales == nullptr) != (cache.v_scales == nullptr))
+    fail(ErrorCode::invalid_argument, format("%s: the KV cache has K scales or V scales, not both", op));
 }
 
 }  // namespace detail
@@ -10994,6 +11027,20 @@ template <> inline Half from_float<Half>(float v) { return Half{float_to_f16(v)}
 
 inline bool is_cpu_float(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16; }
 
+// KV cache elements: the float types, and e4m3 bytes holding value / scale (the scale is 1 for the others).
+struct Fp8 { uint8_t bits; };
+template <class E> inline E kv_store(float v, float scale) { (void)scale; return from_float<E>(v); }
+template <> inline Fp8 kv_store<Fp8>(float v, float scale) { return Fp8{float_to_fp8_e4m3(v / scale)}; }
+template <class E> inline float kv_load(E v, float scale) { (void)scale; return to_float(v); }
+template <> inline float kv_load<Fp8>(Fp8 v, float scale) { return fp8_e4m3_to_float(v.bits) * scale; }
+inline bool is_kv_dtype(DType dtype) { return is_cpu_float(dtype) || dtype == DType::F8_E4M3; }
+template <class F>
+void with_kv_type(DType dtype, F&& f) {
+  if (dtype == DType::F8_E4M3) return f(Fp8{});
+  with_float_type(dtype, std::forward<F>(f));
+}
+inline float layer_scale(const float* scales, int64_t layer) { return scales ? scales[layer] : 1.0f; }
+
 // Calls f(T{}) with T the storage type of `dtype` (F32, BF16 or F16; supports() guarantees one of them).
 template <class F>
 void with_float_type(DType dtype, F&& f) {
@@ -11080,8 +11127,10 @@ class CpuBackend final : public Backend {
       case Op::rope: case Op::silu_mul: case Op::add: case Op::gelu: case Op::segment_attention:
         return dtype == DType::F32;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
-      case Op::kv_write: case Op::attention: case Op::embedding_bag: case Op::layer_norm:
+      case Op::embedding_bag: case Op::layer_norm:
         return is_cpu_float(dtype);
+      case Op::kv_write: case Op::attention:
+        return is_kv_dtype(dtype);
       case Op::quant_linear: return dtype == DType::I32 || dtype == DType::F8_E4M3;
     }
     return false;
@@ -11400,7 +11449,8 @@ class CpuBackend final : public Backend {
              format("kv_write: slots[%lld] = %d is page %lld, past the cache's %lld pages of %lld tokens",
                     (long long)t, slot[t], (long long)(slot[t] / layout.page_tokens), (long long)cache.num_pages,
                     (long long)layout.page_tokens));
-    with_float_type(cache.dtype, [&](auto tag) {
+    const float scales[2] = {layer_scale(cache.k_scales, layer), layer_scale(cache.v_scales, layer)};
+    with_kv_type(cache.dtype, [&](auto tag) {
       using E = decltype(tag);
       auto body = [&](int64_t t, int) {
         if (slot[t] < 0) return;
@@ -11409,7 +11459,7 @@ class CpuBackend final : public Backend {
           const float* src = row_of<const float>(kv == 0 ? k : v, t);
           // kv_heads consecutive heads of head_dim: one run of kv_heads * head_dim elements
           E* dst = static_cast<E*>(cache.pages) + layout.offset(page, layer, kv, offset, 0);
-          for (int64_t c = 0; c < k.cols; c++) dst[c] = from_float<E>(src[c]);
+          for (int64_t c = 0; c < k.cols; c++) dst[c] = kv_store<E>(src[c], scales[kv]);
         }
       };
       pool_.run(k.rows, body);
@@ -11430,7 +11480,8 @@ class CpuBackend final : public Backend {
     const int32_t* context = ints(batch.context_lens);
     check_attention_batch(q, cache, batch);
 
-    with_float_type(cache.dtype, [&](auto tag) {
+    const float k_scale = layer_scale(cache.k_scales, layer), v_scale = layer_scale(cache.v_scales, layer);
+    with_kv_type(cache.dtype, [&](auto tag) {
       using E = decltype(tag);
       const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
       // Item = (query token, KV head): the KV head's rows are converted once and used by its whole group.
@@ -11456,8 +11507,8 @@ class CpuBackend final : public Backend {
             const int64_t page = pages[c / layout.page_tokens], offset = c % layout.page_tokens;
             const E* k_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 0, offset, kv_head);
             const E* v_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 1, offset, kv_head);
-            for (int64_t d = 0; d < head_dim; d++) key[d] = to_float(k_src[d]);
-            for (int64_t d = 0; d < head_dim; d++) value[d] = to_float(v_src[d]);
+            for (int64_t d = 0; d < head_dim; d++) key[d] = kv_load(k_src[d], k_scale);
+            for (int64_t d = 0; d < head_dim; d++) value[d] = kv_load(v_src[d], v_scale);
             for (int64_t h = 0; h < pass; h++) {
               const float* query = row_of<const float>(q, t) + (first_head + h) * head_dim;
               float* a = acc + h * max_head_dim_;
@@ -11764,6 +11815,38 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
       lw.down_proj = bind.linear(layer + "mlp.down_proj", H, I, c.mlp_bias);
     }
     w.norm = bind.bind(prefix + "norm.weight", {H});
+    // KV cache scales (compressed-tensors kv_cache_scheme): every layer has both, or none does.
+    for (const char* which : {"k_scale", "v_scale"}) {
+      std::vector<float>& scales = which[0] == 'k' ? w.k_scales : w.v_scales;
+      int64_t present = 0;
+      for (int64_t l = 0; l < c.num_layers; l++)
+        present += store.find(prefix + format("layers.%lld.self_attn.%s", (long long)l, which)) != nullptr;
+      if (present == 0) continue;
+      if (present != c.num_layers)
+        fail(ErrorCode::bad_format, format("%s: %lld of %lld layers have self_attn.%s; a KV cache scale is per "
+                                           "layer, for all of them or none", config.origin.c_str(),
+                                           (long long)present, (long long)c.num_layers, which));
+      for (int64_t l = 0; l < c.num_layers; l++) {
+        const std::string name = prefix + format("layers.%lld.self_attn.%s", (long long)l, which);
+        const TensorInfo& info = *store.find(name);
+        if (info.numel() != 1 || (info.dtype != DType::F32 && info.dtype != DType::BF16 && info.dtype != DType::F16))
+          fail(ErrorCode::bad_format, format("%s: %s must be one F32, BF16 or F16 number (it is %s with %llu "
+                                             "elements)", config.origin.c_str(), name.c_str(), dtype_name(info.dtype),
+                                             (unsigned long long)info.numel()));
+        const uint8_t* data = store.data(info);
+        float value = 0;
+        if (info.dtype == DType::F32) std::memcpy(&value, data, 4);
+        else {
+          uint16_t bits = 0;
+          std::memcpy(&bits, data, 2);
+          value = info.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+        }
+        if (!(value > 0) || !std::isfinite(value))
+          fail(ErrorCode::bad_format, format("%s: %s is %g; a KV cache scale must be a positive finite number",
+                                             config.origin.c_str(), name.c_str(), double(value)));
+        scales.push_back(value);
+      }
+    }
     // Tied: transformers points lm_head at embed_tokens (and save_pretrained drops lm_head.weight).
     if (c.tie_word_embeddings) w.lm_head.weight = w.embed_tokens;
     else w.lm_head = bind.linear("lm_head", V, H, false);
@@ -11842,6 +11925,10 @@ KVCacheView TextModel::kv_cache() const {
   cache.dtype = kv_dtype_;
   cache.layout = arena_.kv_layout();
   cache.num_pages = arena_.kv().num_pages();
+  if (kv_dtype_ == DType::F8_E4M3 && !weights_.k_scales.empty()) {
+    cache.k_scales = weights_.k_scales.data();
+    cache.v_scales = weights_.v_scales.data();
+  }
   return cache;
 }
 

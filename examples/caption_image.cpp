@@ -1,6 +1,7 @@
 // caption_image: describe an image with a Qwen3-VL model, streaming the text to stdout. Public API only.
 //
-//   caption_image MODEL_DIR IMAGE [--prompt TEXT] [--max-tokens N] [--backend B] [--device-mem SIZE] [--plan]
+//   caption_image MODEL_DIR IMAGE [--prompt TEXT] [--max-tokens N] [--backend B] [--device-mem SIZE]
+//                 [--kv-dtype T] [--plan]
 //
 // The image (JPEG, PNG, BMP, TGA, GIF, PNM) is decoded, preprocessed as transformers' Qwen3-VL processor
 // does, and sent as a user message: the image placeholder followed by the prompt ("Describe this image." by
@@ -23,12 +24,13 @@ namespace {
 int usage(const char* message) {
   if (message) fprintf(stderr, "caption_image: %s\n", message);
   fputs("usage: caption_image MODEL_DIR IMAGE [--prompt TEXT] [--max-tokens N] [--backend B] [--device-mem SIZE]\n"
-        "                     [--plan]\n"
+        "                     [--kv-dtype T] [--plan]\n"
         "  --prompt TEXT      what to ask about the image (default: \"Describe this image.\")\n"
         "  --max-tokens N     generate at most N tokens (default 128)\n"
         "  --backend B        auto (default: the GPU when the CUDA engine runs the model; not yet images, so the\n"
         "                     CPU) | cpu | cuda\n"
         "  --device-mem SIZE  memory the plan divides, e.g. 8GiB (default: the device's)\n"
+        "  --kv-dtype T       auto | f32 | bf16 | f16 | fp8 (e4m3, the CPU backend); default auto\n"
         "  --plan             print the engine's memory plan to stderr first\n"
         "The caption goes to stdout; the backend that ran and the timings go to stderr.\n",
         stderr);
@@ -58,7 +60,8 @@ int main(int argc, char** argv) {
     }
     if (arg == "--plan") {
       print_plan = true;
-    } else if (arg == "--prompt" || arg == "--max-tokens" || arg == "--device-mem" || arg == "--backend") {
+    } else if (arg == "--prompt" || arg == "--max-tokens" || arg == "--device-mem" || arg == "--backend" ||
+               arg == "--kv-dtype") {
       if (i + 1 >= argc) return usage((arg + " needs a value").c_str());
       const std::string value = argv[++i];
       if (arg == "--prompt") {
@@ -68,6 +71,10 @@ int main(int argc, char** argv) {
         const long long n = strtoll(value.c_str(), &end, 10);
         if (value.empty() || *end != '\0' || n < 1) return usage("--max-tokens needs a positive integer");
         params.max_tokens = n;
+      } else if (arg == "--kv-dtype") {
+        auto dtype = kvlite::parse_kv_dtype(value);
+        if (!dtype) return usage(("--kv-dtype: " + dtype.error().message).c_str());
+        options.plan.kv_dtype = *dtype;
       } else if (arg == "--backend") {
         auto backend = kvlite::parse_backend_choice(value);
         if (!backend) return usage(("--backend: " + backend.error().message).c_str());

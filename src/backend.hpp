@@ -53,9 +53,14 @@ struct Tensor {
 // The paged KV cache as kernels see it: the base of the KV pages and their layout (see KVPageLayout).
 struct KVCacheView {
   void* pages = nullptr;      // page 0; page p starts p * layout.page_elements() elements later
-  DType dtype = DType::BF16;  // element type of K and V (the CPU stores F32, BF16 or F16)
+  DType dtype = DType::BF16;  // element type of K and V (the CPU stores F32, BF16, F16 or F8_E4M3)
   KVPageLayout layout;
   int64_t num_pages = 0;
+  // F8_E4M3 pages hold x / scale, saturated to +-448 and rounded to nearest even; reads give e4m3 x scale (as
+  // vLLM's fp8 KV cache). One scale per layer for K and one for V ([num_layers] floats in host memory, read when
+  // the op is enqueued: a checkpoint's self_attn.k_scale / v_scale); nullptr: 1.0, as vLLM uses without them.
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
 };
 
 // The sequences of one attention call. Sequence s owns the query rows [query_starts[s], query_starts[s+1])

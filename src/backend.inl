@@ -112,6 +112,8 @@ inline void check_kv_cache(const char* op, const KVCacheView& cache, int64_t lay
   if (layer < 0 || layer >= l.layers)
     fail(ErrorCode::invalid_argument,
          format("%s: layer %lld is outside the KV cache's %lld layers", op, (long long)layer, (long long)l.layers));
+  if ((cache.k_scales == nullptr) != (cache.v_scales == nullptr))
+    fail(ErrorCode::invalid_argument, format("%s: the KV cache has K scales or V scales, not both", op));
 }
 
 }  // namespace detail

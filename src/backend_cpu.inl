@@ -110,6 +110,20 @@ template <> inline Half from_float<Half>(float v) { return Half{float_to_f16(v)}
 
 inline bool is_cpu_float(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16; }
 
+// KV cache elements: the float types, and e4m3 bytes holding value / scale (the scale is 1 for the others).
+struct Fp8 { uint8_t bits; };
+template <class E> inline E kv_store(float v, float scale) { (void)scale; return from_float<E>(v); }
+template <> inline Fp8 kv_store<Fp8>(float v, float scale) { return Fp8{float_to_fp8_e4m3(v / scale)}; }
+template <class E> inline float kv_load(E v, float scale) { (void)scale; return to_float(v); }
+template <> inline float kv_load<Fp8>(Fp8 v, float scale) { return fp8_e4m3_to_float(v.bits) * scale; }
+inline bool is_kv_dtype(DType dtype) { return is_cpu_float(dtype) || dtype == DType::F8_E4M3; }
+template <class F>
+void with_kv_type(DType dtype, F&& f) {
+  if (dtype == DType::F8_E4M3) return f(Fp8{});
+  with_float_type(dtype, std::forward<F>(f));
+}
+inline float layer_scale(const float* scales, int64_t layer) { return scales ? scales[layer] : 1.0f; }
+
 // Calls f(T{}) with T the storage type of `dtype` (F32, BF16 or F16; supports() guarantees one of them).
 template <class F>
 void with_float_type(DType dtype, F&& f) {
@@ -196,8 +210,10 @@ class CpuBackend final : public Backend {
       case Op::rope: case Op::silu_mul: case Op::add: case Op::gelu: case Op::segment_attention:
         return dtype == DType::F32;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
-      case Op::kv_write: case Op::attention: case Op::embedding_bag: case Op::layer_norm:
+      case Op::embedding_bag: case Op::layer_norm:
         return is_cpu_float(dtype);
+      case Op::kv_write: case Op::attention:
+        return is_kv_dtype(dtype);
       case Op::quant_linear: return dtype == DType::I32 || dtype == DType::F8_E4M3;
     }
     return false;
@@ -516,7 +532,8 @@ class CpuBackend final : public Backend {
              format("kv_write: slots[%lld] = %d is page %lld, past the cache's %lld pages of %lld tokens",
                     (long long)t, slot[t], (long long)(slot[t] / layout.page_tokens), (long long)cache.num_pages,
                     (long long)layout.page_tokens));
-    with_float_type(cache.dtype, [&](auto tag) {
+    const float scales[2] = {layer_scale(cache.k_scales, layer), layer_scale(cache.v_scales, layer)};
+    with_kv_type(cache.dtype, [&](auto tag) {
       using E = decltype(tag);
       auto body = [&](int64_t t, int) {
         if (slot[t] < 0) return;
@@ -525,7 +542,7 @@ class CpuBackend final : public Backend {
           const float* src = row_of<const float>(kv == 0 ? k : v, t);
           // kv_heads consecutive heads of head_dim: one run of kv_heads * head_dim elements
           E* dst = static_cast<E*>(cache.pages) + layout.offset(page, layer, kv, offset, 0);
-          for (int64_t c = 0; c < k.cols; c++) dst[c] = from_float<E>(src[c]);
+          for (int64_t c = 0; c < k.cols; c++) dst[c] = kv_store<E>(src[c], scales[kv]);
         }
       };
       pool_.run(k.rows, body);
@@ -546,7 +563,8 @@ class CpuBackend final : public Backend {
     const int32_t* context = ints(batch.context_lens);
     check_attention_batch(q, cache, batch);
 
-    with_float_type(cache.dtype, [&](auto tag) {
+    const float k_scale = layer_scale(cache.k_scales, layer), v_scale = layer_scale(cache.v_scales, layer);
+    with_kv_type(cache.dtype, [&](auto tag) {
       using E = decltype(tag);
       const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
       // Item = (query token, KV head): the KV head's rows are converted once and used by its whole group.
@@ -572,8 +590,8 @@ class CpuBackend final : public Backend {
             const int64_t page = pages[c / layout.page_tokens], offset = c % layout.page_tokens;
             const E* k_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 0, offset, kv_head);
             const E* v_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 1, offset, kv_head);
-            for (int64_t d = 0; d < head_dim; d++) key[d] = to_float(k_src[d]);
-            for (int64_t d = 0; d < head_dim; d++) value[d] = to_float(v_src[d]);
+            for (int64_t d = 0; d < head_dim; d++) key[d] = kv_load(k_src[d], k_scale);
+            for (int64_t d = 0; d < head_dim; d++) value[d] = kv_load(v_src[d], v_scale);
             for (int64_t h = 0; h < pass; h++) {
               const float* query = row_of<const float>(q, t) + (first_head + h) * head_dim;
               float* a = acc + h * max_head_dim_;

@@ -503,8 +503,23 @@ inline QuantConfig parse_quant(const Node& q) {
                  format("'%s' is not supported; supported: pack-quantized (int4), float-quantized and naive-quantized "
                         "(fp8), mixed-precision of those",
                         quant.format.c_str()));
+    if (std::optional<Node> kv = q.optional_child("kv_cache_scheme")) {
+      // vLLM reads per-tensor static fp8 KV scales; nothing else is a scheme kvlite can honour.
+      const int64_t bits = kv->positive_or("num_bits", 8);
+      const std::string type = kv->string_or("type", "float"), strategy = kv->string_or("strategy", "tensor");
+      if (bits != 8 || type != "float")
+        q.fail_key(ErrorCode::unsupported, "kv_cache_scheme",
+                   format("is %lld-bit %s; supported: 8-bit float (an e4m3 KV cache)", (long long)bits, type.c_str()));
+      if (strategy != "tensor")
+        q.fail_key(ErrorCode::unsupported, "kv_cache_scheme",
+                   format("has strategy '%s'; supported: tensor (one k_scale and v_scale per layer)", strategy.c_str()));
+      if (kv->bool_or("dynamic", false))
+        q.fail_key(ErrorCode::unsupported, "kv_cache_scheme", "is dynamic; supported: static scales in the checkpoint");
+      quant.kv_cache_fp8 = true;
+    }
     Node groups = q.child("config_groups");
-    if (groups.value->empty()) q.fail_key(ErrorCode::bad_format, "config_groups", "is empty");
+    if (groups.value->empty() && !quant.kv_cache_fp8)
+      q.fail_key(ErrorCode::bad_format, "config_groups", "is empty (and there is no kv_cache_scheme)");
     for (auto it = groups.value->begin(); it != groups.value->end(); ++it) quant.schemes.push_back(parse_ct_group(groups.child(it.key()), quant.format));
     quant.ignore = q.string_list("ignore");
     check_patterns(q, "ignore", quant.ignore);

@@ -37,6 +37,9 @@ struct TextModelWeights {
   std::vector<DecoderLayerWeights> layers;  // [L]
   Tensor norm;                             // [H]
   LinearWeights lm_head;                   // [V, H], no bias; the embed_tokens view when tie_word_embeddings
+  // An fp8 KV cache's per-layer scales (compressed-tensors kv_cache_scheme: self_attn.k_scale / v_scale, one
+  // number per layer), as floats; empty when the checkpoint declares none (an fp8 cache then uses 1.0).
+  std::vector<float> k_scales, v_scales;
 };
 
 // Binds every weight of the text model by its transformers name as a view into the store's mmap (BF16, F16

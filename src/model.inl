@@ -186,6 +186,38 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
       lw.down_proj = bind.linear(layer + "mlp.down_proj", H, I, c.mlp_bias);
     }
     w.norm = bind.bind(prefix + "norm.weight", {H});
+    // KV cache scales (compressed-tensors kv_cache_scheme): every layer has both, or none does.
+    for (const char* which : {"k_scale", "v_scale"}) {
+      std::vector<float>& scales = which[0] == 'k' ? w.k_scales : w.v_scales;
+      int64_t present = 0;
+      for (int64_t l = 0; l < c.num_layers; l++)
+        present += store.find(prefix + format("layers.%lld.self_attn.%s", (long long)l, which)) != nullptr;
+      if (present == 0) continue;
+      if (present != c.num_layers)
+        fail(ErrorCode::bad_format, format("%s: %lld of %lld layers have self_attn.%s; a KV cache scale is per "
+                                           "layer, for all of them or none", config.origin.c_str(),
+                                           (long long)present, (long long)c.num_layers, which));
+      for (int64_t l = 0; l < c.num_layers; l++) {
+        const std::string name = prefix + format("layers.%lld.self_attn.%s", (long long)l, which);
+        const TensorInfo& info = *store.find(name);
+        if (info.numel() != 1 || (info.dtype != DType::F32 && info.dtype != DType::BF16 && info.dtype != DType::F16))
+          fail(ErrorCode::bad_format, format("%s: %s must be one F32, BF16 or F16 number (it is %s with %llu "
+                                             "elements)", config.origin.c_str(), name.c_str(), dtype_name(info.dtype),
+                                             (unsigned long long)info.numel()));
+        const uint8_t* data = store.data(info);
+        float value = 0;
+        if (info.dtype == DType::F32) std::memcpy(&value, data, 4);
+        else {
+          uint16_t bits = 0;
+          std::memcpy(&bits, data, 2);
+          value = info.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+        }
+        if (!(value > 0) || !std::isfinite(value))
+          fail(ErrorCode::bad_format, format("%s: %s is %g; a KV cache scale must be a positive finite number",
+                                             config.origin.c_str(), name.c_str(), double(value)));
+        scales.push_back(value);
+      }
+    }
     // Tied: transformers points lm_head at embed_tokens (and save_pretrained drops lm_head.weight).
     if (c.tie_word_embeddings) w.lm_head.weight = w.embed_tokens;
     else w.lm_head = bind.linear("lm_head", V, H, false);
@@ -264,6 +296,10 @@ KVCacheView TextModel::kv_cache() const {
   cache.dtype = kv_dtype_;
   cache.layout = arena_.kv_layout();
   cache.num_pages = arena_.kv().num_pages();
+  if (kv_dtype_ == DType::F8_E4M3 && !weights_.k_scales.empty()) {
+    cache.k_scales = weights_.k_scales.data();
+    cache.v_scales = weights_.v_scales.data();
+  }
   return cache;
 }
 

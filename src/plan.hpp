@@ -14,7 +14,7 @@ Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "
 int kv_dtype_bytes(KVDType dtype);  // 2, 1 for fp8, 4 for f32 (auto must be resolved first)
 // Whether the engine on `backend` can store its KV cache as `dtype` (the backends' supports(kv_write) and
 // supports(attention), which a test keeps in step): the planner advises only KV dtypes the engine can run.
-// fp8 is planned (its bytes and the context it would allow are in the plan) but no backend stores it yet.
+// Both backends store every KV dtype (fp8: e4m3 with per-layer scales); kept as the one place to say otherwise.
 bool kv_dtype_storable(BackendKind backend, KVDType dtype);
 
 struct PlanOptions {

@@ -63,7 +63,7 @@ Result<KVDType> parse_kv_dtype(const std::string& text) {
 
 int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : dtype == KVDType::f32 ? 4 : 2; }
 
-bool kv_dtype_storable(BackendKind, KVDType dtype) { return dtype != KVDType::fp8; }
+bool kv_dtype_storable(BackendKind, KVDType) { return true; }  // both backends store f32, bf16, f16 and fp8
 
 namespace detail {
 namespace planning {
@@ -572,12 +572,18 @@ void write_advice(const Inputs& in, Plan& plan) {
                                  format_bytes(in.device.total_bytes).c_str()));
   }
   if (o.kv_dtype != KVDType::fp8 && plan.max_model_len_that_fits_fp8_kv > plan.max_model_len_that_fits &&
-      kv_dtype_storable(in.device.backend, KVDType::fp8))
-    plan.advice.push_back(format("With --kv-dtype fp8: max_model_len up to %lld (KV %s per token instead of %s)%s.",
-                                 (long long)plan.max_model_len_that_fits_fp8_kv,
-                                 format_bytes(plan.kv_bytes_per_token / 2).c_str(),
+      kv_dtype_storable(in.device.backend, KVDType::fp8)) {
+    // One line, one thing to do: the flags it names, together, make the plan fit.
+    const bool fp8_alone = plan.max_model_len_that_fits_fp8_kv >= plan.max_model_len;
+    const std::string flags =
+        fp8_alone ? std::string("--kv-dtype fp8")
+                  : format("--kv-dtype fp8 --max-model-len %lld", (long long)plan.max_model_len_that_fits_fp8_kv);
+    plan.advice.push_back(format("With %s: fits (KV %s per token instead of %s; max_model_len up to %lld).",
+                                 flags.c_str(),
+                                 format_bytes(plan.kv_bytes_per_token / uint64_t(kv_dtype_bytes(o.kv_dtype))).c_str(),
                                  format_bytes(plan.kv_bytes_per_token).c_str(),
-                                 plan.max_model_len_that_fits_fp8_kv >= plan.max_model_len ? ", which fits" : ""));
+                                 (long long)plan.max_model_len_that_fits_fp8_kv));
+  }
   if (in.config.vision.present) {
     if (plan.image_pixels_that_fit > 0)
       plan.advice.push_back(format("With --max-image-pixels %lld: fits (%s image tokens per image instead of %s).",

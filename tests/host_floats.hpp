@@ -17,22 +17,25 @@ namespace host_floats {
 
 using namespace kvlite;
 
-// The value at `p`, stored as `dtype` (F32 for any dtype but BF16 and F16).
+// The value at `p`, stored as `dtype` (F32 for any dtype but BF16, F16 and F8_E4M3).
 inline float decode(DType dtype, const uint8_t* p) {
   uint16_t h;
   float f;
   switch (dtype) {
     case DType::BF16: memcpy(&h, p, 2); return bf16_to_float(h);
     case DType::F16: memcpy(&h, p, 2); return f16_to_float(h);
+    case DType::F8_E4M3: return fp8_e4m3_to_float(*p);
     default: memcpy(&f, p, 4); return f;
   }
 }
-// Stores `value` at `p` as `dtype`, rounded to nearest even (F32 for any dtype but BF16 and F16).
+// Stores `value` at `p` as `dtype`, rounded to nearest even (F32 for any dtype but BF16, F16 and F8_E4M3, which
+// saturates to +-448).
 inline void encode(DType dtype, float value, uint8_t* p) {
   uint16_t h;
   switch (dtype) {
     case DType::BF16: h = float_to_bf16(value); memcpy(p, &h, 2); return;
     case DType::F16: h = float_to_f16(value); memcpy(p, &h, 2); return;
+    case DType::F8_E4M3: *p = float_to_fp8_e4m3(value); return;
     default: memcpy(p, &value, 4); return;
   }
 }

@@ -41,6 +41,8 @@ double ulp(DType activation) {
 
 const DType kActivations[] = {DType::BF16, DType::F16, DType::F32};
 const DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
+// KV cache element types: the floats and e4m3 (with per-layer scales, make_cache).
+const DType kKvTypes[] = {DType::F32, DType::BF16, DType::F16, DType::F8_E4M3};
 
 // ---- the two backends -------------------------------------------------------------------------------------
 struct Gpu {
@@ -409,6 +411,12 @@ Twin make_cache(Gpu& g, DType dtype, const CacheShape& s, Random& rng, KVCacheVi
   cache.randomize(rng);
   *gpu_view = KVCacheView{cache.device, dtype, layout, s.pages};
   *cpu_view = KVCacheView{cache.ref.bytes.data(), dtype, layout, s.pages};
+  if (dtype == DType::F8_E4M3) {  // a different scale per layer and for K and V (host memory on both backends)
+    static const float k_scales[] = {0.02f, 0.0125f, 0.03f}, v_scales[] = {0.005f, 0.011f, 0.0078125f};
+    REQUIRE(s.layers <= 3);
+    gpu_view->k_scales = cpu_view->k_scales = k_scales;
+    gpu_view->v_scales = cpu_view->v_scales = v_scales;
+  }
   return cache;
 }
 }  // namespace
@@ -419,7 +427,7 @@ TEST_CASE("kv_write stores what the CPU stores, skipping negative slots") {
   const CacheShape shapes[] = {{3, 5, 2, 16, 7}, {2, 16, 4, 128, 9}, {1, 1, 1, 80, 40}, {2, 3, 3, 72, 11}};
   for (DType activation : kActivations) {
     Gpu g(activation);
-    for (DType kv_dtype : kFloatTypes)
+    for (DType kv_dtype : kKvTypes)
       for (const CacheShape& s : shapes) {
         CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(kv_dtype)); CAPTURE(s.page_tokens); CAPTURE(s.head_dim);
         KVCacheView gpu_cache, cpu_cache;
@@ -513,7 +521,7 @@ TEST_CASE("attention matches the CPU: decode, chunked prefill, GQA groups, paged
   };
   for (DType activation : kActivations) {
     Gpu g(activation);
-    for (DType kv_dtype : kFloatTypes)
+    for (DType kv_dtype : kKvTypes)
       for (const AttentionCase& c : cases) {
         CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(kv_dtype)); CAPTURE(c.heads); CAPTURE(c.kv_heads);
         CAPTURE(c.head_dim); CAPTURE(c.page_tokens);
@@ -863,7 +871,8 @@ TEST_CASE("the CUDA backend says what it does not run: mixed linear dtypes, head
   CHECK_FALSE(g.cuda->supports(Op::linear, DType::F16));
   CHECK_FALSE(g.cuda->supports(Op::linear, DType::F32));
   CHECK(g.cuda->supports(Op::kv_write, DType::F16));
-  CHECK_FALSE(g.cuda->supports(Op::attention, DType::F8_E4M3));
+  CHECK(g.cuda->supports(Op::attention, DType::F8_E4M3));  // the fp8 KV cache
+  CHECK_FALSE(g.cuda->supports(Op::rms_norm, DType::F8_E4M3));
   Twin x = Twin::activation(g, 2, 8);
   x.randomize(rng);
   Twin w(g, DType::F32, DType::F32, 3, 8), out = Twin::activation(g, 2, 3);

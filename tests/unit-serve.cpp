@@ -208,7 +208,9 @@ TEST_CASE("models, health, metrics; a chat with an image, streamed and not, capt
   CHECK(health->status == 200);
 
   const auto captions = expected_captions();
-  for (const auto& [image, caption] : captions) {
+  for (const auto& entry : captions) {
+    const std::string& image = entry.first;
+    const std::string& caption = entry.second;
     CAPTURE(image);
     Reply reply = post(running, "/v1/chat/completions", image_chat(kImages + image).dump());
     REQUIRE(reply.status == 200);

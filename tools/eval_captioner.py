@@ -55,6 +55,7 @@ def parse_args():
     p.add_argument("--stride", type=int, default=64, help="tokens between perplexity windows")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the transformers side")
     p.add_argument("--show-wrong", type=int, default=3, help="wrong captions to print per format and engine")
+    p.add_argument("--kv-dtype", default="auto", help="kvlite's KV cache dtype: auto (f32 on the CPU) or fp8, ...")
     return p.parse_args()
 
 
@@ -62,21 +63,22 @@ def parse_args():
 # kvlite
 # ---------------------------------------------------------------------------------------------------------
 
-def kvlite_captions(build, model_dir, image_paths):
+def kvlite_captions(build, model_dir, image_paths, kv_dtype="auto"):
     """kvlite's caption of each image, or raises RuntimeError with kvlite's message."""
     captions = []
     for path in image_paths:
-        run = subprocess.run([str(build / "caption_image"), str(model_dir), str(path)], capture_output=True,
-                             text=True)
+        run = subprocess.run([str(build / "caption_image"), str(model_dir), str(path), "--backend", "cpu",
+                              "--kv-dtype", kv_dtype], capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(run.stderr.strip() or f"caption_image exited {run.returncode}")
         captions.append(run.stdout.strip())
     return captions
 
 
-def kvlite_perplexity(build, model_dir, text_file, context, stride):
+def kvlite_perplexity(build, model_dir, text_file, context, stride, kv_dtype="auto"):
     run = subprocess.run([str(build / "kvlite"), "score", str(model_dir), "--text-file", str(text_file),
-                          "--context-length", str(context), "--stride", str(stride)], capture_output=True, text=True)
+                          "--context-length", str(context), "--stride", str(stride), "--backend", "cpu",
+                          "--kv-dtype", kv_dtype], capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(run.stderr.strip() or f"kvlite score exited {run.returncode}")
     match = re.search(r"^perplexity: ([0-9.eE+-]+)$", run.stdout, re.M)
@@ -202,11 +204,11 @@ def main():
             row["hf_ppl"], row["hf_tokens"] = transformers_perplexity(model, ids, args.context_length, args.stride)
             # kvlite
             try:
-                kv_captions = kvlite_captions(args.build, model_dir, paths)
+                kv_captions = kvlite_captions(args.build, model_dir, paths, args.kv_dtype)
                 row["kv_exact"] = sum(c == e for c, e in zip(kv_captions, expected)) / args.n
                 row["agree"] = sum(a == b for a, b in zip(kv_captions, hf_captions)) / args.n
                 row["kv_ppl"], row["kv_tokens"] = kvlite_perplexity(args.build, model_dir, text_file,
-                                                                    args.context_length, args.stride)
+                                                                    args.context_length, args.stride, args.kv_dtype)
                 assert row["kv_tokens"] == row["hf_tokens"], (row["kv_tokens"], row["hf_tokens"])
             except RuntimeError as error:
                 row["error"] = str(error).splitlines()[-1]
