@@ -33,7 +33,7 @@ run_step() {
   local before=$(wc -l < "$log")
   timeout -k 10 "$limit" stdbuf -oL -eL "$@" >> "$log" 2>&1
   status=$?
-  tally=$(tail -n +"$((before + 1))" "$log" | grep -E '^\[doctest\] (test cases|assertions)|ERROR SUMMARY|RACECHECK SUMMARY' |
+  tally=$(tail -n +"$((before + 1))" "$log" | grep -E '^\[doctest\] (test cases|assertions)|ERROR SUMMARY|RACECHECK SUMMARY|tests passed, .* tests failed' |
           tr -s ' ' | tr '\n' ';')
   local verdict=ok
   [ $status = 124 ] || [ $status = 137 ] && verdict="TIMED OUT after ${limit} s"

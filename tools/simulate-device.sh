@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's environment, reproduced here (dev tool; run as root): in a private mount namespace
-# (unshare -m) the Debian -dev files kvlite builds against are hidden -- the headers, link libraries, static
+# (unshare -m; /usr overlaid, the paths removed in the overlay only) the Debian -dev files kvlite builds against are hidden -- the headers, link libraries, static
 # archives, pkg-config and CMake files of nlohmann-json, doctest, pcre2, libjpeg-turbo and stb, and pkg-config
 # itself -- as the device machine (nvcc 13, CMake, ninja, python3, none of those packages) lacks them. Then what a
 # device call does is run there, each step reported PASS or FAIL:
@@ -43,8 +43,10 @@ done
 sim=/tmp/kvlite-simulate
 mkdir -p "$sim"
 mount -t tmpfs kvlite-simulate "$sim"
-mkdir -p "$sim/orig-usr" "$sim/farm"
-mount --rbind /usr "$sim/orig-usr"
+# /usr becomes an overlay whose upper layer is this tmpfs: removing a path there hides it in this namespace alone
+# (a whiteout), every other path keeps its real name (a compiler finds its own prefix, and `..` works, as there).
+mkdir -p "$sim/upper" "$sim/work"
+mount -t overlay kvlite-usr -o lowerdir=/usr,upperdir="$sim/upper",workdir="$sim/work" /usr
 
 # What the device machine lacks. Runtime libraries the system itself uses (libpcre2-8.so.0: grep, mount) stay;
 # step 2 checks instead that the bundle brings its own.
@@ -58,28 +60,9 @@ hidden=(
   $lib/cmake/libjpeg-turbo /usr/lib/cmake/doctest /usr/share/cmake/nlohmann_json /usr/share/pkgconfig/nlohmann_json.pc
   /usr/bin/pkg-config /usr/bin/pkgconf /usr/bin/x86_64-linux-gnu-pkg-config /usr/bin/x86_64-linux-gnu-pkgconf
 )
-# Each directory holding a hidden entry is replaced (bind mount) by a farm of symbolic links to the original
-# entries (through $sim/orig-usr) without the hidden ones: the hidden paths do not exist at all, as there.
-declare -A is_hidden=() is_farm=()
+hidden_count=0
 for path in "${hidden[@]}"; do
-  [ -e "$path" ] || [ -L "$path" ] || continue
-  is_hidden[$path]=1
-  dir=$(dirname "$path")
-  while [ "$dir" != /usr ]; do is_farm[$dir]=1; dir=$(dirname "$dir"); done
-done
-for dir in $(printf '%s\n' "${!is_farm[@]}" | awk '{ print length, $0 }' | sort -n | cut -d' ' -f2); do
-  farm="$sim/farm$dir"
-  mkdir -p "$farm"
-  ln -s "$sim/orig-usr${dir#/usr}"/* "$farm"/
-  for entry in "$farm"/*; do
-    path="$dir/$(basename "$entry")"
-    if [ -n "${is_hidden[$path]:-}" ]; then rm "$entry"
-    elif [ -n "${is_farm[$path]:-}" ]; then rm "$entry"; mkdir "$entry"
-    fi
-  done
-done
-for dir in "${!is_farm[@]}"; do
-  [ "$(dirname "$dir")" = /usr ] && mount --bind "$sim/farm$dir" "$dir"
+  if [ -e "$path" ] || [ -L "$path" ]; then rm -rf "$path" && hidden_count=$((hidden_count + 1)); fi
 done
 # /tmp/kvlite-bundle (the bundle's compiled-in paths) is made afresh in here, as on a bare device machine.
 mkdir -p /tmp/kvlite-bundle
@@ -100,7 +83,7 @@ for path in /usr/include/doctest/doctest.h /usr/include/nlohmann/json.hpp /usr/i
   [ -e "$path" ] && still_there+=" $path"
 done
 command -v pkg-config >/dev/null && still_there+=" pkg-config"
-result "hidden: ${#is_hidden[@]} paths (headers, link libraries, archives, pkg-config and CMake files, pkg-config)" \
+result "hidden: $hidden_count paths (headers, link libraries, archives, pkg-config and CMake files, pkg-config)" \
   "$([ -z "$still_there" ] && echo 0 || echo 1)" "${still_there:+still visible:$still_there}"
 printf '#include <doctest/doctest.h>\n' | c++ -x c++ -fsyntax-only - >/dev/null 2>&1
 result "a program that includes <doctest/doctest.h> does not compile (as on the device)" "$([ $? != 0 ] && echo 0 || echo 1)"
@@ -115,17 +98,28 @@ else
   result "tools/use-gpu-bundle.sh 90 accepts it (sources and arch match, libraries resolve)" $?
   [ -n "$extra" ] && export LD_LIBRARY_PATH="$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   build=/tmp/kvlite-bundle/build
-  for binary in "$build"/lib/libkvlite.so "$build"/kvlite "$build"/caption_image "$build"/bench-* "$build"/tests/test-*; do
+  # A bundle from other sources, or for another arch, is refused (the call then builds on the device).
+  sed 's/^stamp .*/stamp 0000000000000000/' gpu-bundle/MANIFEST > "$sim/MANIFEST.stale"
+  mount --bind "$sim/MANIFEST.stale" "$root/gpu-bundle/MANIFEST"
+  tools/use-gpu-bundle.sh 90 > /dev/null 2> "$sim/refused.txt"
+  status=$?
+  umount "$root/gpu-bundle/MANIFEST"
+  result "a bundle built from other sources is refused" "$([ $status = 1 ] && echo 0 || echo 1)" "$(cat "$sim/refused.txt")"
+  tools/use-gpu-bundle.sh 89 > /dev/null 2> "$sim/refused.txt"
+  result "a bundle for another arch is refused" "$([ $? = 1 ] && echo 0 || echo 1)" "$(cat "$sim/refused.txt")"
+  tools/use-gpu-bundle.sh 90 > /dev/null 2>&1  # the links back on the accepted bundle
+  suites=$(find "$build/tests/" -maxdepth 1 -type f -name 'test-*' ! -name '*.cmake' | sort)
+  for binary in "$build"/lib/libkvlite.so "$build"/kvlite "$build"/caption_image "$build"/bench-* $suites; do
     name=${binary#$build/}
     libraries=$(ldd "$binary" 2>&1)
-    bad=$(echo "$libraries" | grep -E 'not found|libpcre2|libturbojpeg' | grep -v "=> $root/gpu-bundle/lib/\|=> $build/" | grep -v '=> /tmp/kvlite-bundle/build/')
+    bad=$(echo "$libraries" | grep -E 'not found|not a dynamic|libpcre2|libturbojpeg' | grep -v "=> $root/gpu-bundle/lib/\|=> $build/" | grep -v '=> /tmp/kvlite-bundle/build/')
     # Anything a device machine would not have: every library is glibc's, libstdc++/libgcc, CUDA's, or carried.
     foreign=$(echo "$libraries" | awk '$2 == "=>" { print $1 }' |
       grep -vE '^(linux-vdso|libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcudart|libcublas|libcublasLt|libkvlite|libpcre2-8|libturbojpeg)\.so')
     result "$name: libraries resolve, pcre2 and libjpeg-turbo from gpu-bundle/lib" \
       "$([ -z "$bad$foreign" ] && echo 0 || echo 1)" "$bad$foreign"
   done
-  for suite in "$build"/tests/test-*; do
+  for suite in $suites; do
     listing=$(timeout 60 "$suite" --list-test-cases 2>&1)
     status=$?
     cases=$(echo "$listing" | sed -n 's/.*passing the current filters: \([0-9]*\).*/\1/p')
@@ -141,7 +135,7 @@ else
   done
   tests_listed=$(cd "$build" && ctest -N 2>&1 | awk '/Total Tests:/ { print $3 }')
   result "ctest in the bundle sees the suites" "$([ "${tests_listed:-0}" -gt 0 ] && echo 0 || echo 1)" "${tests_listed:-0} tests"
-  for suite in "$build"/tests/test-cuda-*; do
+  for suite in $(echo "$suites" | grep '/test-cuda-'); do
     started=$(date +%s)
     timeout 300 "$suite" > "$sim/suite.txt" 2>&1
     status=$?
@@ -152,7 +146,7 @@ fi
 
 if [ $skip_build = 0 ]; then
   step "3. the fallback: tools/gpu-check.sh's build step from .deps/ (sm_90: ${KVLITE_SIMULATE_TARGETS:-test-cuda-ops kvlite})"
-  rm -rf build-gpu/CMakeCache.txt .deps/root build-simulate/fallback
+  rm -rf build-gpu .deps/root build-simulate/fallback  # a build from nothing, as on a bare machine
   started=$(date +%s)
   KVLITE_GPU_CHECK_ARCH=90 KVLITE_GPU_CHECK_BUILD_ONLY=1 KVLITE_GPU_CHECK_BUNDLE=0 KVLITE_NO_APT=1 \
     KVLITE_GPU_CHECK_TARGETS="${KVLITE_SIMULATE_TARGETS:-test-cuda-ops kvlite}" \

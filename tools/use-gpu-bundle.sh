@@ -28,8 +28,9 @@ mkdir -p /tmp/kvlite-bundle
 ln -sfn "$root" /tmp/kvlite-bundle/src
 ln -sfn "$bundle" /tmp/kvlite-bundle/build
 
-binaries=("$bundle"/kvlite "$bundle"/caption_image "$bundle"/bench-* "$bundle"/tests/test-* "$bundle"/lib/libkvlite.so)
-missing=$(for binary in "${binaries[@]}"; do ldd "$binary"; done 2>&1 | grep 'not found' | sort -u)
+binaries=("$bundle"/kvlite "$bundle"/caption_image "$bundle"/bench-* "$bundle"/lib/libkvlite.so
+          $(find "$bundle/tests" -maxdepth 1 -type f -name 'test-*' ! -name '*.cmake'))
+missing=$(for binary in "${binaries[@]}"; do ldd "$binary"; done 2>&1 | grep -E 'not found|not a dynamic' | sort -u)
 extra=""
 if echo "$missing" | grep -q 'libcu'; then
   # The CUDA toolkit's libraries outside the loader's paths (a pip-installed toolkit beside torch, say).
