@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # The device machine's environment, reproduced here (dev tool; run as root): in a private mount namespace
-# (unshare -m; /usr overlaid, the paths removed in the overlay only) the Debian -dev files kvlite builds against are hidden -- the headers, link libraries, static
-# archives, pkg-config and CMake files of nlohmann-json, doctest, pcre2, libjpeg-turbo and stb, and pkg-config
+# (unshare -m, /usr overlaid with a tmpfs, the paths removed in that overlay only) the Debian -dev files kvlite
+# builds against are hidden -- the headers, link libraries, static archives, pkg-config and CMake files of nlohmann-json, doctest, pcre2, libjpeg-turbo and stb, and pkg-config
 # itself -- as the device machine (nvcc 13, CMake, ninja, python3, none of those packages) lacks them. Then what a
 # device call does is run there, each step reported PASS or FAIL:
 #   1. the hiding holds (headers, pkg-config and the CMake configs are really gone)
-#   2. gpu-bundle/ (tools/build-gpu-bundle.sh), when present: tools/use-gpu-bundle.sh accepts it; every binary's
+#   2. gpu-bundle/ (tools/build-gpu-bundle.sh), when present: tools/use-gpu-bundle.sh accepts it (and refuses it
+#      with another source stamp or for another arch); every binary's
 #      libraries resolve (pcre2 and libjpeg-turbo from gpu-bundle/lib, nothing "not found"); each test suite lists
 #      its cases, kvlite --help and bench-* --help run; ctest sees the suites; the GPU suites run (they skip here)
 #   3. the fallback, building on the device: tools/gpu-check.sh's build step from the carried .deps/
 #      (tools/fetch-gpu-deps.sh is run first, outside the namespace, when .deps/ is missing), for sm_90, of
-#      KVLITE_SIMULATE_TARGETS (default: test-cuda-ops, kvlite; kernels.cu for one arch is a few CPU-minutes)
+#      KVLITE_SIMULATE_TARGETS (default: test-cuda-ops, kvlite; 120 s here from nothing), into a fresh build-gpu/
 #   4. tools/device-call-1.sh --dry-run: the call's steps in order, without the GPU (suites allowed to skip,
 #      sanitizers not started), each bounded as on the device
 #
 #     sudo tools/simulate-device.sh [--skip-build] [--skip-call]      log: build-simulate/simulate.log
 #
-# Nothing outside the namespace changes except build-simulate/ (the fallback's build tree and logs) and .deps/.
+# Nothing outside the namespace changes except build-simulate/ (logs, call-1/), build-gpu/ (the fallback's build
+# tree, made afresh) and .deps/ (.deps/root: the packages unpacked by gpu-check.sh).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ "${KVLITE_SIMULATE_INNER:-0}" != 1 ]; then
