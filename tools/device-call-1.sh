@@ -31,14 +31,19 @@ sanitize() {  # sanitize TOOL SECONDS SUITE [doctest filters...]
   local tool=$1 limit=$2 suite=$3
   shift 3
   run_step "compute-sanitizer --tool $tool $suite $*" "$limit" "$sanitizer_log" \
-    compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 100 "$build/tests/$suite" --no-intro "$@"
+    "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 100 "$build/tests/$suite" --no-intro "$@"
 }
-quant_gemm_cases='-tc=*mma*,*split-K*'
+# On PATH, or where CUDA toolkits put it.
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
+  /usr/local/cuda*/compute-sanitizer/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)
+quant_gemm_cases='-tc=*mma*,*split-K*,*staged*'  # 5 cases: the mma paths, the staged (cp.async) copy, split-K
 if [ $dry_run = 1 ]; then
   note "- compute-sanitizer: not run (dry run)"
-elif ! command -v compute-sanitizer >/dev/null; then
-  note "- compute-sanitizer: NOT FOUND on PATH (looked for it beside nvcc too: $(ls "$(dirname "$(command -v nvcc)")"/compute-sanitizer 2>&1))"
+elif [ -z "$sanitizer" ]; then
+  note "- compute-sanitizer: NOT FOUND (PATH, /usr/local/cuda*/bin, /usr/local/cuda*/compute-sanitizer, /opt/nvidia)"
+  failed_steps=$((failed_steps + 1))
 else
+  note "- compute-sanitizer: $sanitizer"
   sanitize memcheck 120 test-cuda-ops
   sanitize memcheck 150 test-cuda-engine
   sanitize racecheck 120 test-cuda-quant "$quant_gemm_cases"
