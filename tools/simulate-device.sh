@@ -17,8 +17,8 @@
 #
 #     sudo tools/simulate-device.sh [--skip-build] [--skip-call]      log: build-simulate/simulate.log
 #
-# Nothing outside the namespace changes except build-simulate/ (logs, call-1/), build-gpu/ (the fallback's build
-# tree, made afresh) and .deps/ (.deps/root: the packages unpacked by gpu-check.sh).
+# Nothing outside the namespace changes except build-simulate/ (logs, call-1/) and build-gpu/ (the fallback's build
+# tree, made afresh); what the runs write into gpu-bundle/ and .deps/root is removed at the end.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ "${KVLITE_SIMULATE_INNER:-0}" != 1 ]; then
@@ -28,9 +28,15 @@ if [ "${KVLITE_SIMULATE_INNER:-0}" != 1 ]; then
     "$root/tools/fetch-gpu-deps.sh" || { echo "simulate-device: FAIL: tools/fetch-gpu-deps.sh" >&2; exit 1; }
   fi
   mkdir -p "$root/build-simulate"
-  set -o pipefail
+  bundle_before=$(cd "$root" && find gpu-bundle -mindepth 1 2>/dev/null | sort)
   KVLITE_SIMULATE_INNER=1 unshare -m --propagation private "$0" "$@" 2>&1 | tee "$root/build-simulate/simulate.log"
-  exit "${PIPESTATUS[0]}"
+  status=${PIPESTATUS[0]}
+  # What the runs wrote into gpu-bundle/ (the tests' KVLITE_BINARY_DIR: test-tmp/, ctest's Testing/) and the
+  # packages gpu-check.sh unpacked (.deps/root) would otherwise travel with the next device call (43 + 13 MB).
+  (cd "$root" && comm -13 <(echo "$bundle_before") <(find gpu-bundle -mindepth 1 2>/dev/null | sort) | sort -r |
+     while read -r path; do rm -rf "$path"; done)
+  rm -rf "$root/.deps/root"
+  exit "$status"
 fi
 
 # ---- inside the namespace ------------------------------------------------------------------------------------
