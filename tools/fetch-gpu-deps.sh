@@ -7,7 +7,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$root/.deps"
 cd "$root/.deps"
-rm -f ./*.deb
+rm -rf ./*.deb root  # root/: what gpu-check.sh unpacked from older packages
 # Headers and the pkg-config / CMake files of the libraries kvlite builds against, pcre2's runtime library, and
 # pkg-config itself (pkgconf), which CMake needs to find pcre2.
 apt-get update -qq || echo "fetch-gpu-deps: apt-get update failed; trying the lists already here" >&2

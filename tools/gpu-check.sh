@@ -24,6 +24,12 @@
 #   KVLITE_GPU_CHECK_QUANT=0   real-shape checkpoints in BF16 only (the W4A16 / FP8 ones need issue 6's kernels;
 #                              until then they report unsupported, which the report records)
 #   KVLITE_GPU_CHECK_TESTS=0   no test suites (a second call: build up to date, benchmarks only)
+# Prebuilt binaries: when gpu-bundle/ (tools/build-gpu-bundle.sh, carried by the device call) was built from these
+# sources for this GPU's arch, no build at all (tools/use-gpu-bundle.sh); otherwise the build below, with ninja
+# when present. Switches for tools/simulate-device.sh and tools/device-call-*.sh:
+#   KVLITE_GPU_CHECK_ARCH=90        the arch to build for when nvidia-smi is absent (a machine without a GPU)
+#   KVLITE_GPU_CHECK_BUILD_ONLY=1   stop after the build;  KVLITE_GPU_CHECK_TARGETS="a b"  build only these
+#   KVLITE_GPU_CHECK_BUNDLE=0       ignore gpu-bundle/;    KVLITE_NO_APT=1  never apt-get install (fail instead)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -37,6 +43,7 @@ elapsed() { echo $(( $(date +%s) - started )); }
 phase() { echo "- $1: $2 ($(elapsed) s since start)" >> "$report"; }
 
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')
+arch=${arch:-${KVLITE_GPU_CHECK_ARCH:-}}
 if [ -z "$arch" ]; then
   echo "gpu-check: no NVIDIA GPU visible (nvidia-smi gave no compute capability); nothing to check here." | tee "$report"
   exit 2
@@ -45,12 +52,20 @@ fi
   echo "# kvlite GPU check"
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
   echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
-  echo "- gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
+  echo "- gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
   echo "- arch: sm_$arch; nvcc $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo missing)"
 } > "$report"
 
 # ---- 1. dependencies and build ----------------------------------------------------------------------------------
+bundle_libraries=""
+if [ "${KVLITE_GPU_CHECK_BUNDLE:-1}" != 0 ] && bundle_libraries=$(tools/use-gpu-bundle.sh "$arch" 2>> "$out/build.log"); then
+  build=/tmp/kvlite-bundle/build
+  [ -n "$bundle_libraries" ] && export LD_LIBRARY_PATH="$bundle_libraries${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  phase "build" "none: prebuilt gpu-bundle/ ($(tr '\n' ' ' < gpu-bundle/MANIFEST))"
+  build_status=0
+else
 cmake_args=(-DKVLITE_CUDA=ON -DKVLITE_CUDA_ARCHS="${arch}-real" -DCMAKE_BUILD_TYPE=Release)
+command -v ninja >/dev/null && cmake_args+=(-G Ninja)
 have_header() { [ -f "/usr/include/$1" ] || [ -f "/usr/local/include/$1" ]; }
 if have_header doctest/doctest.h && have_header nlohmann/json.hpp && have_header stb/stb_image.h && have_header pcre2.h && have_header turbojpeg.h &&
    command -v pkg-config >/dev/null; then
@@ -64,13 +79,18 @@ elif ls .deps/*.deb >/dev/null 2>&1; then
   export PATH="$PATH:$deps/usr/bin"  # pkg-config (pkgconf) when the machine has none; the system's first
   cmake_args+=(-DCMAKE_PREFIX_PATH="$deps/usr")
   phase "dependencies" "unpacked from .deps/ into .deps/root ($(ls .deps/*.deb | wc -l) packages)"
+elif [ "${KVLITE_NO_APT:-0}" = 1 ]; then
+  phase "dependencies" "MISSING: no system headers and no .deps/ (KVLITE_NO_APT=1: apt not tried)"
+  cat "$report"; exit 1
 else
   tools/install-deps.sh > "$out/build.log" 2>&1 || {
     phase "dependencies" "MISSING: no doctest/nlohmann/stb/pcre2 headers, no .deps/ and apt failed (run tools/fetch-gpu-deps.sh where there is a network and send .deps along)"
     cat "$report"; exit 1; }
   phase "dependencies" "installed with apt"
 fi
-{ cmake -S . -B "$build" "${cmake_args[@]}" && nice cmake --build "$build" -j "$(nproc)"; } >> "$out/build.log" 2>&1
+targets=()
+[ -n "${KVLITE_GPU_CHECK_TARGETS:-}" ] && targets=(--target ${KVLITE_GPU_CHECK_TARGETS})
+{ cmake -S . -B "$build" "${cmake_args[@]}" && nice cmake --build "$build" -j "$(nproc)" "${targets[@]}"; } >> "$out/build.log" 2>&1
 build_status=$?
 phase "build" "$([ $build_status = 0 ] && echo ok || echo 'FAILED, see build.log')"
 if [ $build_status != 0 ]; then
@@ -78,13 +98,17 @@ if [ $build_status != 0 ]; then
   cat "$report"
   exit 1
 fi
+fi
+[ "${KVLITE_GPU_CHECK_BUILD_ONLY:-0}" = 1 ] && { cat "$report"; exit 0; }
 
 # ---- 2. tests ---------------------------------------------------------------------------------------------------
 export KVLITE_REQUIRE_GPU=1
 ctest_status=0
 engine_status=0
 if [ "${KVLITE_GPU_CHECK_TESTS:-1}" != 0 ]; then
-  (cd "$build" && ctest --output-on-failure -j 4 -E '^cuda-engine: ') > "$out/tests.log" 2>&1
+  excluded='^cuda-engine:'  # doctest_discover_tests drops the prefix's space: 'cuda-engine:<case>'
+  [ "$build" = /tmp/kvlite-bundle/build ] && excluded='^(cuda-engine|cmake):'  # the bundle has no build tree to install
+  (cd "$build" && ctest --output-on-failure -j 4 -E "$excluded") > "$out/tests.log" 2>&1
   ctest_status=$?
   phase "tests (all but cuda-engine)" "$([ $ctest_status = 0 ] && echo passed || echo 'FAILED, see tests.log')"
   "$build/tests/test-cuda-engine" > "$out/cuda-engine.log" 2>&1

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Device call 1 of issue 13: every GPU test with the GPU required, then compute-sanitizer over them; ends inside
+# KVLITE_CALL_BUDGET_S (540 s) of the 600 s a call may run, each step bounded, results under $OUT as they come:
+#   1. machine: GPU, driver, nvcc, compute-sanitizer, glibc                                     -> call-1.md
+#   2. binaries: gpu-bundle/ (carried) when built from these sources for this GPU, else built here (~4-7 min)
+#   3. the GPU suites with KVLITE_REQUIRE_GPU=1 (no GPU = failure): test-cuda-ops, test-cuda-quant,
+#      test-cuda-host, test-quant-gpu-host, then test-cuda-engine alone (it measures device memory)  -> tests.log
+#   4. compute-sanitizer: memcheck over test-cuda-ops and test-cuda-engine; racecheck and synccheck over the
+#      quantized GEMM cases of test-cuda-quant (mma paths, split-K counters, cp.async stages)       -> sanitizer.log
+#   5. with the time left: every other suite through ctest (CPU ones; they also run in CI)       -> tests.log
+#
+#     tools/device-call-1.sh              on the device (the run tool: see tools/README.md for command and carry)
+#     tools/device-call-1.sh --dry-run    anywhere: the same steps, GPU not required, no sanitizers
+#                                         (tools/simulate-device.sh runs it without the -dev files)
+set -uo pipefail
+call_name=call-1
+source "$(dirname "$0")/device-call-common.sh"
+machine_summary
+choose_binaries test-cuda-ops test-cuda-quant test-cuda-host test-quant-gpu-host test-cuda-engine kvlite
+
+if [ $dry_run = 1 ]; then export KVLITE_REQUIRE_GPU=0; else export KVLITE_REQUIRE_GPU=1; fi
+tests_log="$out/tests.log"
+for suite in test-cuda-ops test-cuda-quant test-cuda-host test-quant-gpu-host test-cuda-engine; do
+  limit=120
+  [ $suite = test-cuda-engine ] && limit=180
+  run_step "$suite (KVLITE_REQUIRE_GPU=$KVLITE_REQUIRE_GPU)" $limit "$tests_log" "$build/tests/$suite" --no-intro
+done
+
+sanitizer_log="$out/sanitizer.log"
+sanitize() {  # sanitize TOOL SECONDS SUITE [doctest filters...]
+  local tool=$1 limit=$2 suite=$3
+  shift 3
+  run_step "compute-sanitizer --tool $tool $suite $*" "$limit" "$sanitizer_log" \
+    "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 100 "$build/tests/$suite" --no-intro "$@"
+}
+# On PATH, or where CUDA toolkits put it.
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
+  /usr/local/cuda*/compute-sanitizer/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)
+quant_gemm_cases='-tc=*mma*,*split-K*,*staged*'  # 5 cases: the mma paths, the staged (cp.async) copy, split-K
+if [ $dry_run = 1 ]; then
+  note "- compute-sanitizer: not run (dry run)"
+elif [ -z "$sanitizer" ]; then
+  note "- compute-sanitizer: NOT FOUND (PATH, /usr/local/cuda*/bin, /usr/local/cuda*/compute-sanitizer, /opt/nvidia)"
+  failed_steps=$((failed_steps + 1))
+else
+  note "- compute-sanitizer: $sanitizer"
+  sanitize memcheck 120 test-cuda-ops
+  sanitize memcheck 150 test-cuda-engine
+  sanitize racecheck 120 test-cuda-quant "$quant_gemm_cases"
+  sanitize synccheck 90 test-cuda-quant "$quant_gemm_cases"
+fi
+
+# The CPU suites (and the header / README checks) with whatever time is left; a build here has only the GPU
+# suites, so this is for the bundle.
+if [ "$build" = /tmp/kvlite-bundle/build ]; then
+  run_step "ctest: every other suite" 240 "$tests_log" \
+    bash -c "cd '$build' && ctest -j 8 --output-on-failure -E '^(cuda-engine|cuda-ops|cuda-quant|cuda-host|quant-gpu-host|cmake):'"
+fi
+note "- total: $(elapsed) s; steps not ok: $failed_steps"
+[ $failed_steps = 0 ]

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Device call 2 of issue 13: the benchmarks; ends inside KVLITE_CALL_BUDGET_S (540 s), each step bounded, results
+# under $OUT as they come:
+#   1. machine and binaries as in call 1 (gpu-bundle/ when it matches, else bench-quant_gemm and kvlite built here)
+#   2. bench-quant_gemm: W4A16 and FP8 GEMMs on Llama-3.1-8B's and Qwen3-VL-4B's Linears, M = 1 .. 2048, against
+#      cuBLAS BF16 and the copy bandwidth measured in the same run; one step per format and model, so a cut-off
+#      keeps the tables already printed                                                     -> bench-quant_gemm.log
+#   3. tools/gpu-check.sh's benchmarks (KVLITE_GPU_CHECK_TESTS=0): kvlite bench on a fixture, then random-weight
+#      checkpoints of real shapes planned as an 8 GiB card, skipped past the time left    -> gpu-check.md, bench.log
+#
+#     tools/device-call-2.sh              on the device (see tools/README.md for the run tool's command and carry)
+#     tools/device-call-2.sh --dry-run    anywhere: the same steps (the benches say "no CUDA GPU" and stop)
+set -uo pipefail
+call_name=call-2
+source "$(dirname "$0")/device-call-common.sh"
+machine_summary
+choose_binaries bench-quant_gemm kvlite
+
+bench_log="$out/bench-quant_gemm.log"
+for format in int4 fp8; do
+  for model in llama qwen; do
+    run_step "bench-quant_gemm --format $format --model $model" 100 "$bench_log" \
+      "$build/bench-quant_gemm" --format $format --model $model
+  done
+done
+
+left=$(( budget - $(elapsed) - 20 ))
+if [ $dry_run = 1 ]; then
+  note "- gpu-check.sh benchmarks: not run (dry run: gpu-check.sh needs a GPU)"
+elif [ $left -gt 60 ]; then
+  # gpu-check.sh's own budget counts from its start: it stops writing checkpoints in time for the last bench.
+  run_step "tools/gpu-check.sh benchmarks (KVLITE_GPU_CHECK_TESTS=0, budget $((left - 90)) s)" "$left" "$out/gpu-check-run.log" \
+    env KVLITE_GPU_CHECK_TESTS=0 KVLITE_GPU_CHECK_BUDGET_S=$((left - 90)) tools/gpu-check.sh "$out"
+else
+  note "- SKIPPED tools/gpu-check.sh benchmarks: ${left} s left"
+fi
+note "- total: $(elapsed) s; steps not ok: $failed_steps"
+[ $failed_steps = 0 ]
