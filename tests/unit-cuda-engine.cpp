@@ -376,7 +376,7 @@ TEST_CASE("GPU logits match the CPU backend on every fixture, in every activatio
   }
 }
 
-TEST_CASE("GPU greedy: F32 activations continue as transformers; 16-bit ones until the reference nearly ties") {
+TEST_CASE("GPU greedy: F32 activations continue as transformers: 16-bit ones until the reference nearly ties") {
   GPU_OR_SKIP();
   for (const std::string& name : fx::names()) {
     for (DType activations : {DType::F32, DType::BF16}) {

@@ -126,7 +126,7 @@ TEST_CASE("under page pressure the newest request is preempted and recomputed wi
   }
 }
 
-TEST_CASE("a request that runs out of context finishes with `length`; a prompt that cannot fit is refused up front") {
+TEST_CASE("a request that runs out of context finishes with `length`: a prompt that cannot fit is refused up front") {
   EngineOptions options;
   options.plan.max_model_len = 64;
   auto engine = fx::open("tiny-qwen2", options);
@@ -260,7 +260,7 @@ TEST_CASE("cancel() made while no call runs reaches no later call") {
   check_pool_empty(*engine);
 }
 
-TEST_CASE("cancel(id) ends one request, from the caller, a callback or another thread; the others go on") {
+TEST_CASE("cancel(id) ends one request, from the caller, a callback or another thread: the others go on") {
   auto engine = fx::open("tiny-llama3");
   std::vector<Prompt> list = prompts("tiny-llama3");
   REQUIRE(list.size() >= 2);

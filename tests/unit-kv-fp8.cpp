@@ -155,7 +155,7 @@ TEST_CASE("a checkpoint's kv_cache_scheme scales are read per layer and used by 
   CHECK(f32_scaled->values == exact->values);
 }
 
-TEST_CASE("kv_cache_scheme: only static per-tensor 8-bit float scales are taken; anything else is refused by name") {
+TEST_CASE("kv_cache_scheme: only static per-tensor 8-bit float scales are taken: anything else is refused by name") {
   for (const char* scheme : {R"({"num_bits": 4, "type": "int", "strategy": "tensor"})",
                              R"({"num_bits": 8, "type": "float", "strategy": "channel"})",
                              R"({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": true})"}) {
@@ -169,7 +169,7 @@ TEST_CASE("kv_cache_scheme: only static per-tensor 8-bit float scales are taken;
   }
 }
 
-TEST_CASE("fp8 pages in the engine: prefill, chunked prefill, decode, preemption and scoring; logits near f32's") {
+TEST_CASE("fp8 pages in the engine: prefill, chunked prefill, decode, preemption and scoring: logits near f32's") {
   for (const std::string& name : fx::names()) {
     CAPTURE(name);
     const nlohmann::json reference = fx::reference(name);

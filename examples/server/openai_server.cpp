@@ -665,6 +665,11 @@ struct OpenAIServer::Impl {
 
   void routes() {
     http.set_payload_max_length(size_t(options.max_body_bytes));
+    // cpp-httplib's 5 s defaults drop a client that a burst keeps waiting for its turn to send or read; an
+    // inference server's clients wait longer than that by nature.
+    http.set_read_timeout(60, 0);
+    http.set_write_timeout(60, 0);
+    http.set_keep_alive_timeout(60);
     // Every request in flight may hold an HTTP thread while it waits: enough threads for the queue.
     const size_t threads = size_t(std::max<int64_t>(options.max_queue, 1)) + 8;
     http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
