@@ -38,6 +38,21 @@ std::unique_ptr<Engine> open_cpu(const std::string& dir, KVDType kv, int64_t max
   return std::move(*engine);
 }
 
+// CPU options for `dir` whose budget (at utilization 1) holds the plan's fixed items and exactly `pages` KV pages
+// of `page_tokens` tokens in `kv` for sequences of max_model_len tokens.
+EngineOptions cpu_with_kv_pages(const std::string& dir, KVDType kv, int64_t max_model_len, int64_t page_tokens,
+                                uint64_t pages) {
+  EngineOptions options;
+  options.backend = BackendChoice::cpu;
+  options.plan.kv_dtype = kv;
+  options.plan.max_model_len = max_model_len;
+  options.plan.kv_page_tokens = page_tokens;
+  options.plan.utilization = 1.0;
+  const Plan probe = plan_engine(dir, options).value();
+  options.plan.device_mem = probe.fixed_bytes + pages * probe.kv_page_bytes;
+  return options;
+}
+
 // max |a - b| / max |b| over two logit arrays, and the share of rows whose argmax agrees.
 struct Deviation {
   double relative = 0;
@@ -204,14 +219,7 @@ TEST_CASE("fp8 pages in the engine: prefill, chunked prefill, decode, preemption
     for (const auto& prompt : reference["prompts"]) prompts.push_back(fx::ids_of(prompt["input_ids"]));
     prompts.resize(2);
     for (const auto& ids : prompts) alone.push_back(fp8->generate(ids, params)->ids);
-    EngineOptions tight;
-    tight.backend = BackendChoice::cpu;
-    tight.plan.kv_dtype = KVDType::fp8;
-    tight.plan.max_model_len = 32;
-    tight.plan.kv_page_tokens = 16;
-    tight.plan.utilization = 1.0;
-    const Plan probe = plan_engine(fx::dir(name), tight).value();
-    tight.plan.device_mem = probe.fixed_bytes + 3 * probe.kv_page_bytes;
+    const EngineOptions tight = cpu_with_kv_pages(fx::dir(name), KVDType::fp8, 32, 16, 3);
     auto small = Engine::open(fx::dir(name), tight);
     REQUIRE_MESSAGE(small.ok(), small.error().message);
     REQUIRE((*small)->plan().kv_pages == 3);
@@ -274,15 +282,8 @@ TEST_CASE("fp8 KV is advised only where a backend stores it, and the advice, fol
   CHECK(kv_dtype_storable(BackendKind::cpu, KVDType::fp8));
   CHECK(kv_dtype_storable(BackendKind::cuda, KVDType::fp8));
   // A budget whose KV holds 20 tokens at f32 but 80 at fp8: a 64-token request is advised fp8, and runs.
-  EngineOptions options;
-  options.backend = BackendChoice::cpu;
-  options.plan.kv_dtype = KVDType::f32;
-  options.plan.max_model_len = 64;
-  options.plan.kv_page_tokens = 4;
-  options.plan.utilization = 1.0;
   const std::string dir = fx::dir("tiny-qwen3");
-  const Plan probe = plan_engine(dir, options).value();
-  options.plan.device_mem = probe.fixed_bytes + 5 * probe.kv_page_bytes;
+  EngineOptions options = cpu_with_kv_pages(dir, KVDType::f32, 64, 4, 5);
   const Plan plan = plan_engine(dir, options).value();
   REQUIRE_FALSE(plan.fits);
   const auto line = std::find_if(plan.advice.begin(), plan.advice.end(),
