@@ -72,9 +72,11 @@
       boundary, never aborts and never exits.
 
    LIMITATIONS (v0.1)
-      - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL images). The
-        CUDA backend (engine, quantized GEMMs, graphs, sampling, vision kernels) compiles for every target but
-        has not yet run on a GPU, and the engine on it refuses images.
+      - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL images, the fp8
+        KV cache). The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling, vision kernels)
+        compiles for every target but has not yet run on a GPU, and the engine on it refuses images
+        (BackendChoice::auto_ therefore keeps vision-language models on the CPU).
+      - kvlite serve notices a non-streaming client that disconnects only when its answer is written.
       - Linux (including WSL2) only: uses mmap and sysconf.
 
    CONFIGURATION

@@ -774,8 +774,9 @@ const std::vector<Command>& commands() {
        }),
        run_plan},
       {"generate", "generate text from a prompt, streamed to stdout",
-       "Generate text (Llama-3, Qwen2, Qwen3, Qwen3-VL; BF16/F16/F32 weights) on the GPU or the CPU reference\n"
-       "engine (--backend). The text streams to stdout as it is generated; a summary line goes to stderr.",
+       "Generate text (Llama-3, Qwen2, Qwen3, Qwen3-VL; BF16/F16/F32, FP8 and W4A16 checkpoints) on the CPU\n"
+       "reference engine or the GPU (--backend; auto keeps vision models on the CPU, whose engine runs images). The\n"
+       "text streams to stdout as it is generated; a summary line goes to stderr.",
        "kvlite generate MODEL_DIR --prompt TEXT [--chat] [options]",
        "Generation stops at the model's end-of-turn tokens, at --stop, or after --max-tokens tokens.\n"
        "Generation also ends when the context is full (prompt + output = max_model_len: finish reason length);\n"
