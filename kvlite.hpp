@@ -76,7 +76,6 @@
         KV cache). The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling, vision kernels)
         compiles for every target but has not yet run on a GPU, and the engine on it refuses images
         (BackendChoice::auto_ therefore keeps vision-language models on the CPU).
-      - kvlite serve notices a non-streaming client that disconnects only when its answer is written.
       - Linux (including WSL2) only: uses mmap and sysconf.
 
    CONFIGURATION

@@ -840,8 +840,8 @@ const std::vector<Command>& commands() {
        "Serve the model over HTTP as vLLM's OpenAI-compatible server does: POST /v1/chat/completions (text and\n"
        "image_url parts as base64 data: URIs; stream: true as server-sent events), POST /v1/completions,\n"
        "GET /v1/models, /health and /metrics (Prometheus text). Requests from every client share the engine\n"
-       "through continuous batching; a streaming client that disconnects ends its request. The plan is printed\n"
-       "first, as kvlite plan prints it; a plan that does not fit does not start.",
+       "through continuous batching; a client that disconnects (streaming or not) ends its request. The plan is\n"
+       "printed first, as kvlite plan prints it; a plan that does not fit does not start.",
        "kvlite serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [options]",
        "Errors are OpenAI's: 400 bad input (the message names the field), 404 unknown model, 413 oversized\n"
        "body or image, 503 queue full.\n"

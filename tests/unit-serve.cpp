@@ -4,6 +4,9 @@
 // which every completed request's text equals what it gets alone, none is lost, and the KV pool ends empty.
 #include <doctest/doctest.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -304,6 +307,65 @@ TEST_CASE("bad input gets OpenAI's status codes and a message naming the problem
   CHECK(fine.status == 200);
   CHECK(fine.body["choices"][0]["message"]["content"] == expected_captions()["scene_4.png"]);
   CHECK(wait_until([&] { return running.server->stats().kv_pages_used == 0; }));
+}
+
+// A raw HTTP/1.1 client: sends one POST and, unlike httplib::Client, can hang up while the answer is pending.
+int send_raw_post(int port, const std::string& path, const std::string& body) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(uint16_t(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    close(fd);
+    return -1;
+  }
+  const std::string request = "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" +
+                              "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) != ssize_t(request.size())) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+TEST_CASE("a client that disconnects while it waits, streaming or not, ends its request and frees its pages") {
+  // Each engine step is slowed to 20 ms, so a 200-token request would run 4 s: long enough to see, with a wide
+  // margin, that the request ended when its client left (within a few steps) and not when its tokens ran out.
+  ServeOptions options;
+  options.test_step_delay_us = 20000;
+  Running running(options);
+  constexpr int64_t kMaxTokens = 200;
+  for (const bool streaming : {false, true}) {
+    CAPTURE(streaming);
+    const kvlite_server::ServeStats before = running.server->stats();
+    json body = image_chat(kImages + "scene_2.png", streaming);
+    body["max_tokens"] = kMaxTokens;
+    body["ignore_eos"] = true;  // vLLM's extension: the caption's end does not stop it
+    const int fd = send_raw_post(running.port, "/v1/chat/completions", body.dump());
+    REQUIRE(fd >= 0);
+    // Hang up once the engine runs it (a streaming client reads nothing: it leaves before its first chunk).
+    REQUIRE(wait_until([&] { return running.server->stats().requests_running == 1; }));
+    const auto hung_up = std::chrono::steady_clock::now();
+    close(fd);
+    REQUIRE(wait_until([&] {
+      const kvlite_server::ServeStats s = running.server->stats();
+      return s.requests_running == 0 && s.requests_waiting == 0 && s.kv_pages_used == 0;
+    }));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - hung_up).count();
+    const kvlite_server::ServeStats after = running.server->stats();
+    CHECK(after.requests_abandoned == before.requests_abandoned + 1);
+    const int64_t generated = after.tokens_generated_total - before.tokens_generated_total;
+    CHECK(generated < kMaxTokens / 4);
+    MESSAGE(std::string(streaming ? "streaming" : "non-streaming") << " client hung up: its request ended after " << generated
+                                                        << " of " << kMaxTokens << " tokens, " << seconds
+                                                        << " s after; KV pages used: " << after.kv_pages_used);
+  }
+  // The server goes on serving.
+  Reply fine = post(running, "/v1/chat/completions", image_chat(kImages + "scene_4.png").dump());
+  CHECK(fine.status == 200);
+  CHECK(fine.body["choices"][0]["message"]["content"] == expected_captions()["scene_4.png"]);
 }
 
 TEST_CASE("a full queue answers 503, and the requests it took all finish") {

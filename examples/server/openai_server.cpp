@@ -3,10 +3,13 @@
 
 #include <httplib.h>
 #include <dirent.h>
+#include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -160,6 +163,10 @@ kvlite::SamplingParams sampling_of(const json& body, int64_t max_tokens_cap, int
     if (!body["seed"].is_number_integer()) bad("'seed' must be an integer", "seed");
     params.seed = uint64_t(body["seed"].get<int64_t>());
   }
+  if (body.contains("ignore_eos") && !body["ignore_eos"].is_null()) {  // vLLM's extension, for benchmarks
+    if (!body["ignore_eos"].is_boolean()) bad("'ignore_eos' must be a boolean", "ignore_eos");
+    params.ignore_eos = body["ignore_eos"].get<bool>();
+  }
   if (body.contains("n") && !body["n"].is_null() && integer_field(body, "n", 1, 1, 1) != 1) bad("'n' must be 1", "n");
   if (body.contains("stop") && !body["stop"].is_null()) {
     const json& stop = body["stop"];
@@ -212,6 +219,64 @@ std::string fresh_id(const char* prefix) {
 }
 
 int64_t now_seconds() { return int64_t(std::time(nullptr)); }
+
+// The socket a request came in on, so that a handler waiting for the engine sees its client go away.
+// cpp-httplib 0.11 (Debian 12's) keeps the socket to itself; it is found among this process's descriptors by
+// its two ends (the request's local and remote address and port), which name one TCP connection. The handler
+// runs while its connection is open, so the descriptor stays this connection's for as long as it is watched.
+class ClientSocket {
+ public:
+  ClientSocket(const httplib::Request& request) {
+    DIR* fds = opendir("/proc/self/fd");
+    if (!fds) return;
+    while (dirent* entry = readdir(fds)) {
+      const int fd = atoi(entry->d_name);
+      if (fd <= 2) continue;
+      int type = 0;
+      socklen_t length = sizeof type;
+      if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &length) != 0 || type != SOCK_STREAM) continue;
+      const bool local_matches =
+          request.local_port < 0 || end_of(fd, getsockname) == std::make_pair(request.local_addr, request.local_port);
+      if (local_matches && end_of(fd, getpeername) == std::make_pair(request.remote_addr, request.remote_port)) {
+        fd_ = fd;
+        break;
+      }
+    }
+    closedir(fds);
+  }
+  bool found() const { return fd_ >= 0; }
+
+  // True once the client has closed or reset the connection. Its clients send nothing while they wait for an
+  // answer, so a readable socket with no bytes to peek at is the end of the stream. A client that sends its
+  // next request early (pipelining) is still there: its bytes are left for cpp-httplib to read.
+  bool gone() const {
+    if (fd_ < 0) return false;
+    pollfd p{fd_, short(POLLIN | POLLRDHUP), 0};
+    if (poll(&p, 1, 0) <= 0) return false;
+    if (p.revents & (POLLERR | POLLHUP | POLLRDHUP)) return true;
+    if (!(p.revents & POLLIN)) return false;
+    char byte;
+    const ssize_t n = recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  }
+
+ private:
+  template <class GetName>
+  static std::pair<std::string, int> end_of(int fd, GetName get_name) {
+    sockaddr_storage address{};
+    socklen_t length = sizeof address;
+    if (get_name(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return {"", -1};
+    char host[NI_MAXHOST], port[NI_MAXSERV];
+    if (getnameinfo(reinterpret_cast<sockaddr*>(&address), length, host, sizeof host, port, sizeof port,
+                    NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+      return {"", -1};
+    return {host, atoi(port)};
+  }
+  int fd_ = -1;
+};
+
+// How often a handler waiting for the engine looks at its client's socket.
+constexpr auto kClientPollInterval = std::chrono::milliseconds(20);
 
 // What a request is checked against.
 struct RequestLimits {
@@ -393,6 +458,8 @@ struct OpenAIServer::Impl {
       if (active.empty()) continue;
       const auto start = std::chrono::steady_clock::now();
       kvlite::Result<bool> stepped = engine->step();
+      if (options.test_step_delay_us > 0)
+        std::this_thread::sleep_for(std::chrono::microseconds(options.test_step_delay_us));
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (!stepped) {  // every request in flight was dropped by the engine: each client hears why
         for (auto& [id, a] : active) a.channel->fail(from_kvlite(stepped.error()));
@@ -444,6 +511,13 @@ struct OpenAIServer::Impl {
       channel->fail(from_kvlite(error));
       release(1);
     };
+    if (channel->abandoned.load()) {  // its client left while it queued: it never reaches the engine
+      {
+        std::lock_guard<std::mutex> lock(stats_mutex);
+        counters.requests_abandoned++;
+      }
+      return fail(kvlite::Error(kvlite::ErrorCode::cancelled, "the client went away"));
+    }
     std::vector<int32_t> ids;
     if (job.chat) {
       kvlite::Result<std::string> prompt = engine->tokenizer().format_chat(job.messages, true);
@@ -515,11 +589,13 @@ struct OpenAIServer::Impl {
     response.set_content(error_body(e).dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
   }
 
-  // Waits for the whole answer (not streamed).
-  void answer(const Job& job, httplib::Response& response, bool chat) {
+  // Waits for the whole answer (not streamed), watching the client: one that goes away ends its request at its
+  // next token (or before it starts), which frees its pages.
+  void answer(const Job& job, const ClientSocket& client, httplib::Response& response, bool chat) {
     Channel& channel = *job.channel;
     std::unique_lock<std::mutex> lock(channel.mutex);
-    channel.changed.wait(lock, [&] { return channel.done; });
+    while (!channel.changed.wait_for(lock, kClientPollInterval, [&] { return channel.done; }))
+      if (!channel.abandoned.load() && client.gone()) channel.abandoned.store(true);
     if (channel.error) return send_error(response, *channel.error);
     std::string text;
     for (const std::string& piece : channel.pieces) text += piece;
@@ -540,7 +616,10 @@ struct OpenAIServer::Impl {
 
   // Server-sent events: a chunk per piece of text, a last chunk with the finish reason (and usage when asked),
   // then [DONE]. A write that fails means the client went away: the request ends at its next token.
-  void stream(const Job& job, httplib::Response& response, bool chat, bool include_usage) {
+  // While it waits for the next piece it watches the client's socket too, so a client that goes away during a
+  // long prefill is noticed before a write fails.
+  void stream(const Job& job, std::shared_ptr<const ClientSocket> client, httplib::Response& response, bool chat,
+              bool include_usage) {
     std::shared_ptr<Channel> channel = job.channel;
     const std::string id = fresh_id(chat ? "chatcmpl-" : "cmpl-");
     const int64_t created = now_seconds();
@@ -567,7 +646,13 @@ struct OpenAIServer::Impl {
         bool done = false;
         {
           std::unique_lock<std::mutex> lock(channel->mutex);
-          channel->changed.wait(lock, [&] { return channel->done || !channel->pieces.empty(); });
+          while (!channel->changed.wait_for(lock, kClientPollInterval,
+                                            [&] { return channel->done || !channel->pieces.empty(); })) {
+            if (client->gone()) {
+              channel->abandoned.store(true);
+              return false;
+            }
+          }
           pieces.swap(channel->pieces);
           done = channel->done;
         }
@@ -618,8 +703,8 @@ struct OpenAIServer::Impl {
       Job waiting_for{};
       waiting_for.channel = job.channel;
       enqueue(std::move(job));
-      if (streaming) stream(waiting_for, response, chat, include_usage);
-      else answer(waiting_for, response, chat);
+      if (streaming) stream(waiting_for, std::make_shared<const ClientSocket>(request), response, chat, include_usage);
+      else answer(waiting_for, ClientSocket(request), response, chat);
     } catch (const HttpError& e) {
       send_error(response, e);
     } catch (const std::exception& e) {

@@ -7,8 +7,8 @@
 //
 // Requests from every client share the engine through continuous batching: HTTP threads parse and validate,
 // one engine thread owns the engine (tokenizing, preprocessing, submitting and stepping), and each request's
-// text flows back through its own channel. A streaming client that goes away ends its request at the next
-// token, which frees its pages. Errors are OpenAI's: {"error": {"message", "type", "param", "code"}} with 400
+// text flows back through its own channel. A client that goes away, streaming or not, ends its request at its
+// next token (or before it starts), which frees its pages. Errors are OpenAI's: {"error": {"message", "type", "param", "code"}} with 400
 // for bad input (the message names the field), 404 for an unknown model, 413 for an oversized body or image,
 // 503 when the queue is full.
 #pragma once
@@ -29,6 +29,7 @@ struct ServeOptions {
   int64_t max_tokens = 0;                      // a request's max_tokens cap; 0: the engine's max_model_len
   int64_t default_max_tokens = 256;            // when a request names none
   std::string model_name;                      // what /v1/models lists; empty: the plan's model name
+  int64_t test_step_delay_us = 0;              // tests: a pause after each engine step (a slow device)
 };
 
 // Counters /metrics reports (also read by tests).
