@@ -6,6 +6,14 @@ BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
+# make demo, on a fresh build directory, builds only what the demo runs (the CLI and caption_image), with CUDA
+# for this machine's GPUs (KVLITE_CUDA_ARCHITECTURES=native) where nvidia-smi sees one and nvcc is installed,
+# else CPU-only: a few minutes on 2 cores instead of kernels.cu for seven architectures. make test configures
+# the defaults again (-U: CUDA when nvcc is found, every supported architecture) and builds everything.
+HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && command -v nvcc >/dev/null 2>&1 && echo 1)
+DEMO_CMAKE_FLAGS := $(if $(HAVE_GPU),-DKVLITE_CUDA=AUTO -DKVLITE_CUDA_ARCHITECTURES=native,-DKVLITE_CUDA=OFF)
+TEST_CMAKE_FLAGS := -UKVLITE_CUDA -UKVLITE_CUDA_ARCHITECTURES
+
 SANITIZE_BUILD ?= build-sanitize
 FUZZ_SECONDS ?= 600
 
@@ -22,8 +30,9 @@ amalgamate:
 check-amalgamation:
 	@tools/amalgamate.sh --check
 
+# CONFIGURE_FLAGS: what a target adds (make test: the defaults again); CMAKE_FLAGS, the caller's, come last and win.
 configure: deps
-	@cmake -S . -B $(BUILD) $(CMAKE_FLAGS) > $(BUILD).configure.log 2>&1 || (cat $(BUILD).configure.log; exit 1)
+	@cmake -S . -B $(BUILD) $(CONFIGURE_FLAGS) $(CMAKE_FLAGS) > $(BUILD).configure.log 2>&1 || (cat $(BUILD).configure.log; exit 1)
 	@grep -E 'kvlite:' $(BUILD).configure.log || true
 	@rm -f $(BUILD).configure.log
 
@@ -33,6 +42,7 @@ build: configure
 # The test command: the header must match its parts, everything must build, every suite runs under ctest,
 # twice: the g++ build (CUDA included when nvcc is present), then the clang++ build with ASan + UBSan, whose
 # ctest also replays every fuzz corpus and crash input and fuzzes each parser for 30 s (tests/fuzz).
+test: CONFIGURE_FLAGS = $(TEST_CMAKE_FLAGS)
 test: deps check-amalgamation build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 	@$(MAKE) --no-print-directory sanitize-test
@@ -45,7 +55,10 @@ sanitize-test: deps
 fuzz: deps
 	@tools/fuzz.sh $(FUZZ_SECONDS)
 
-demo: all
+# A build directory that exists already (make test's, or an earlier demo's) is used as it is configured.
+demo: deps amalgamate
+	@if [ ! -f $(BUILD)/CMakeCache.txt ]; then $(MAKE) --no-print-directory configure CONFIGURE_FLAGS="$(DEMO_CMAKE_FLAGS)"; fi
+	@cmake --build $(BUILD) -j $(JOBS) --target kvlite caption_image
 	@tools/demo.sh $(BUILD)
 
 # On a machine with an NVIDIA GPU: build for its arch, run every GPU test and the benchmarks.

@@ -7,10 +7,11 @@
       #define KVLITE_IMPLEMENTATION
    before you include this file in *one* C++17 file to create the implementation; every other file includes
    it plainly. With CMake, link the target kvlite::kvlite instead (add_subdirectory or find_package), which
-   does that for you and also compiles kernels.cu when a CUDA toolkit is present.
+   does that for you and compiles kernels.cu when asked (KVLITE_CUDA, below).
 
    The implementation needs nlohmann/json, PCRE2, libjpeg-turbo and stb_image (Debian: nlohmann-json3-dev,
    libpcre2-dev, libturbojpeg0-dev, libstb-dev). The declarations need only the C++17 standard library.
+   Without CMake (CPU): g++ -std=c++17 app.cpp kvlite_impl.cpp -lpcre2-8 -lturbojpeg -pthread.
 
    EXAMPLE: plan, then generate and score
 
@@ -80,7 +81,12 @@
 
    CONFIGURATION
       KVLITE_IMPLEMENTATION   compile the implementation in this translation unit
-      KVLITE_WITH_CUDA        set by the build when kernels.cu is compiled and linked
+      KVLITE_WITH_CUDA        defined (=1) on the implementation file when kernels.cu is compiled and linked;
+                              CMake does it. Without CMake: g++ -DKVLITE_WITH_CUDA=1 on that file, nvcc -arch=sm_XX
+                              on kernels.cu, link -lcudart -ldl (README.md "Using it from your build"). cuBLAS is
+                              never linked: kernels.cu opens libcublas.so.<major> when a CUDA backend is made.
+   CMake: add_subdirectory or find_package, target kvlite::kvlite. KVLITE_CUDA=AUTO|ON|OFF (AUTO at top level, OFF
+   as a guest); KVLITE_CUDA_ARCHITECTURES (every supported target + PTX by default; `native` for this machine).
       KVLITE_MAX_*            limits on untrusted input, defined before the include in the implementation
                               file to raise one: MODEL_LAYERS, MODEL_WIDTH, MODEL_HEADS, HEAD_DIM, VOCAB,
                               POSITIONS, VISION_PATCH, VISION_POSITIONS, VISION_GRID_SIDE, PROCESSOR_PIXELS,
@@ -7896,7 +7902,13 @@ std::string StreamingDecoder::flush() {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wtype-limits"
 #endif
+// By its bare name where the build points at its directory (CMake's find_path: /usr/include/stb on Debian,
+// include/ under vcpkg or Conan), else as Debian lays it out, for a plain `g++` without -I.
+#if __has_include(<stb_image.h>)
+#include <stb_image.h>
+#else
 #include <stb/stb_image.h>
+#endif
 #if defined(__clang__)
 #pragma clang diagnostic pop
 #elif defined(__GNUC__)

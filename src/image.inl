@@ -43,7 +43,13 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wtype-limits"
 #endif
+// By its bare name where the build points at its directory (CMake's find_path: /usr/include/stb on Debian,
+// include/ under vcpkg or Conan), else as Debian lays it out, for a plain `g++` without -I.
+#if __has_include(<stb_image.h>)
+#include <stb_image.h>
+#else
 #include <stb/stb_image.h>
+#endif
 #if defined(__clang__)
 #pragma clang diagnostic pop
 #elif defined(__GNUC__)

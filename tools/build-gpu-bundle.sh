@@ -38,7 +38,7 @@ ln -sfn "$work" "$links/build"
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$links/src" -B "$links/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DKVLITE_CUDA=ON -DKVLITE_CUDA_ARCHS="${arch}-real" -DKVLITE_CUDA_ARCHITECTURES="${arch}-real" \
+  -DKVLITE_CUDA=ON -DKVLITE_CUDA_ARCHITECTURES="${arch}-real" \
   -DKVLITE_LIBRARY_TYPE=SHARED -DKVLITE_BUILD_TESTS=ON -DKVLITE_BUILD_EXAMPLES=ON \
   '-DCMAKE_BUILD_RPATH=$ORIGIN;$ORIGIN/lib;$ORIGIN/../lib' \
   --no-warn-unused-cli

@@ -64,7 +64,7 @@ if [ "${KVLITE_GPU_CHECK_BUNDLE:-1}" != 0 ] && bundle_libraries=$(tools/use-gpu-
   phase "build" "none: prebuilt gpu-bundle/ ($(tr '\n' ' ' < gpu-bundle/MANIFEST))"
   build_status=0
 else
-cmake_args=(-DKVLITE_CUDA=ON -DKVLITE_CUDA_ARCHS="${arch}-real" -DCMAKE_BUILD_TYPE=Release)
+cmake_args=(-DKVLITE_CUDA=ON -DKVLITE_CUDA_ARCHITECTURES="${arch}-real" -DCMAKE_BUILD_TYPE=Release)
 command -v ninja >/dev/null && cmake_args+=(-G Ninja)
 have_header() { [ -f "/usr/include/$1" ] || [ -f "/usr/local/include/$1" ]; }
 if have_header doctest/doctest.h && have_header nlohmann/json.hpp && have_header stb/stb_image.h && have_header pcre2.h && have_header turbojpeg.h &&
