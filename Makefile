@@ -37,7 +37,7 @@ configure: deps
 	@rm -f $(BUILD).configure.log
 
 build: configure
-	@cmake --build $(BUILD) -j $(JOBS)
+	@MAKEFLAGS= MAKELEVEL= cmake --build $(BUILD) -j $(JOBS)
 
 # The test command: the header must match its parts, everything must build, every suite runs under ctest,
 # twice: the g++ build (CUDA included when nvcc is present), then the clang++ build with ASan + UBSan, whose
@@ -58,7 +58,7 @@ fuzz: deps
 # A build directory that exists already (make test's, or an earlier demo's) is used as it is configured.
 demo: deps amalgamate
 	@if [ ! -f $(BUILD)/CMakeCache.txt ]; then $(MAKE) --no-print-directory configure CONFIGURE_FLAGS="$(DEMO_CMAKE_FLAGS)"; fi
-	@cmake --build $(BUILD) -j $(JOBS) --target kvlite caption_image
+	@MAKEFLAGS= MAKELEVEL= cmake --build $(BUILD) -j $(JOBS) --target kvlite caption_image
 	@tools/demo.sh $(BUILD)
 
 # On a machine with an NVIDIA GPU: build for its arch, run every GPU test and the benchmarks.
