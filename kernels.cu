@@ -457,7 +457,7 @@ struct AttentionArgs {
   int64_t heads, group, head_passes;  // query heads; query heads per KV head; blocks per KV head
   float scale;
   float k_scale, v_scale;  // the layer's KV cache scales: stored x scale is what was written (1 but for fp8)
-  int64_t splits, chunk;  // see AttentionSplit
+  int64_t splits;  // the grid's splits (AttentionSplit); each query uses attention_splits_used of them
   float* partial_acc;  // [rows, heads, splits, head_dim] unnormalised sums of p * v (splits > 1)
   float* partial_max;  // [rows, heads, splits]
   float* partial_sum;  // [rows, heads, splits]
@@ -519,8 +519,11 @@ __global__ void __launch_bounds__(kAttentionWarps * 32) paged_attention_kernel(c
 #pragma unroll
     for (int i = 0; i < DIMS; i++) acc[h][i] = 0.0f;
   }
+  // this query's own split of its keys (the grid's splits past the ones it uses have nothing to do)
+  const int64_t used_splits = attention_splits_used(args.splits, last + 1);
+  if (split >= used_splits) return;  // uniform across the block, before any barrier
   int64_t key_begin, key_end;
-  split_key_range(split, args.chunk, last, &key_begin, &key_end);
+  split_key_range(split, attention_chunk(args.splits, last + 1), last, &key_begin, &key_end);
   const int32_t* seq_pages = args.block_tables + (seq < 0 ? 0 : seq) * args.block_table_stride;
   const E* cache = static_cast<const E*>(args.pages);
   for (int64_t key = key_begin + warp; key < key_end; key += kAttentionWarps) {
@@ -600,12 +603,21 @@ template <class A>
 __global__ void attention_combine_kernel(const AttentionArgs args) {
   const int64_t row = blockIdx.x, head = blockIdx.y, head_dim = args.layout.head_dim;
   const int64_t first = (row * args.heads + head) * args.splits;
+  // the splits this row's query used (paged_attention_kernel's rule; a malformed row used split 0 alone)
+  int64_t keys = 0;
+  const int64_t seq = sequence_of_row(args.query_starts, args.seqs, row);
+  if (seq >= 0) {
+    const int64_t first_row = args.query_starts[seq], queries = args.query_starts[seq + 1] - first_row;
+    const int64_t context = args.context_lens[seq];
+    if (context >= queries && context <= args.max_context) keys = context - queries + (row - first_row) + 1;
+  }
+  const int64_t used_splits = attention_splits_used(args.splits, keys);
   float total_max = -INFINITY;
-  for (int64_t s = 0; s < args.splits; s++) total_max = fmaxf(total_max, args.partial_max[first + s]);
+  for (int64_t s = 0; s < used_splits; s++) total_max = fmaxf(total_max, args.partial_max[first + s]);
   A* dst = static_cast<A*>(args.out) + row * args.out_stride + head * head_dim;
   for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float total_sum = 0.0f, total_acc = 0.0f;
-    for (int64_t s = 0; s < args.splits; s++) {
+    for (int64_t s = 0; s < used_splits; s++) {
       const float factor = softmax_partial_factor(args.partial_max[first + s], total_max);
       total_sum += args.partial_sum[first + s] * factor;
       total_acc += args.partial_acc[(first + s) * head_dim + d] * factor;
@@ -1017,6 +1029,7 @@ struct QuantGemmArgs {
   int scale_bytes;           // table element: 2 or 4
   DType scale_dtype;         // table dtype (int4: F32, BF16 or F16; fp8: F32)
   int64_t n_pad, stages, group_size;
+  int group_shift;           // quant_group_shift(group_size): -1 when not a power of two
   uint64_t tile_row_bytes;
   int64_t splits;
   float* partials;           // [n_tiles][splits][16 M_TILES][64] when splits > 1
@@ -1056,30 +1069,35 @@ __device__ __forceinline__ void qg_fetch_stage(const QuantGemmArgs& args, uint8_
   for (int i = threadIdx.x; i < Shape::kB / 16; i += Shape::kThreads)
     cp_async_16_evict_first(b + 16 * i, tiles + 16 * i, policy);
   // S, Z, X: per warp tile, the rows of its group
+  // (32-bit index math: a stage's first column fits, K_pad < 2^31; the group of warp w's tile is a shift)
   uint8_t* scales = b + Shape::kB;
-  const int scale_chunks = 64 * args.scale_bytes / 16;
-  for (int i = threadIdx.x; i < Shape::kWarps * scale_chunks; i += Shape::kThreads) {
-    const int w = i / scale_chunks, c = i % scale_chunks;
-    const int64_t group = (s * kQuantStageK + w * Shape::kTileK) / args.group_size;
+  const uint32_t stage_k = uint32_t(s) * uint32_t(kQuantStageK);
+  const uint32_t group_size = uint32_t(args.group_size);
+  const uint64_t n_offset = uint64_t(n_tile) * kQuantTileN;
+  const int chunk_shift = args.scale_bytes == 4 ? 4 : 3;  // 64 scales of 4 or 2 bytes: 16 or 8 chunks of 16 bytes
+  for (int i = threadIdx.x; i < (Shape::kWarps << chunk_shift); i += Shape::kThreads) {
+    const int w = i >> chunk_shift, c = i & ((1 << chunk_shift) - 1);
+    const uint32_t group = quant_group_of(stage_k + uint32_t(w * Shape::kTileK), group_size, args.group_shift);
     cp_async_16(scales + w * 256 + 16 * c,
-                args.scales + (uint64_t(group * args.n_pad + n_tile * kQuantTileN)) * args.scale_bytes + 16 * c, true);
+                args.scales + (uint64_t(group) * uint64_t(args.n_pad) + n_offset) * uint64_t(args.scale_bytes) + 16 * c,
+                true);
   }
   if constexpr (Shape::kZ > 0) {
     if (args.zeros != nullptr)
       for (int i = threadIdx.x; i < Shape::kWarps * 4; i += Shape::kThreads) {
         const int w = i / 4, c = i % 4;
-        const int64_t group = (s * kQuantStageK + w * Shape::kTileK) / args.group_size;
+        const uint32_t group = quant_group_of(stage_k + uint32_t(w * Shape::kTileK), group_size, args.group_shift);
         cp_async_16(scales + Shape::kS + w * 64 + 16 * c,
-                    args.zeros + uint64_t(group * args.n_pad + n_tile * kQuantTileN) + 16 * c, true);
+                    args.zeros + uint64_t(group) * uint64_t(args.n_pad) + n_offset + 16 * c, true);
       }
   }
   if constexpr (Shape::kX > 0) {
     constexpr int kChunks = Shape::kRows / 4;  // 4 rows of scales per 16 bytes
     for (int i = threadIdx.x; i < Shape::kWarps * kChunks; i += Shape::kThreads) {
       const int w = i / kChunks, c = i % kChunks;
-      const int64_t group = (s * kQuantStageK + w * Shape::kTileK) / args.group_size;
+      const uint32_t group = quant_group_of(stage_k + uint32_t(w * Shape::kTileK), group_size, args.group_shift);
       cp_async_16(scales + Shape::kS + w * Shape::kRows * 4 + 16 * c,
-                  args.x_scales + group * args.x_scales_stride + m0 + 4 * c, true);
+                  args.x_scales + uint64_t(group) * uint64_t(args.x_scales_stride) + m0 + 4 * c, true);
     }
   }
 }
@@ -1269,15 +1287,19 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
       qg_fetch_stage<F, M_TILES>(args, qg_smem + i * Shape::kStage, s_begin + i, m0, rows_here, n_tile, policy);
     cp_async_commit();
   }
+  // ring buffer slots as 32-bit counters (no 64-bit modulo per stage): `slot` holds stage s, the slot before it
+  // (mod kStages) is where stage s + kStages - 1 goes
+  int slot = 0;
   for (int64_t s = s_begin; s < s_end; s++) {
     cp_async_wait<Shape::kStages - 2>();  // stage s has landed
     __syncthreads();                      // ... for every thread, and stage s - 1's buffer is free
     const int64_t ahead = s + Shape::kStages - 1;
+    const int ahead_slot = slot == 0 ? Shape::kStages - 1 : slot - 1;
     if (ahead < s_end)
-      qg_fetch_stage<F, M_TILES>(args, qg_smem + int((ahead - s_begin) % Shape::kStages) * Shape::kStage, ahead, m0,
-                                 rows_here, n_tile, policy);
+      qg_fetch_stage<F, M_TILES>(args, qg_smem + ahead_slot * Shape::kStage, ahead, m0, rows_here, n_tile, policy);
     cp_async_commit();
-    const uint8_t* stage = qg_smem + int((s - s_begin) % Shape::kStages) * Shape::kStage;
+    const uint8_t* stage = qg_smem + slot * Shape::kStage;
+    slot = slot + 1 == Shape::kStages ? 0 : slot + 1;
     if constexpr (F == QgFormat::int4_a16) qg_step_int4<T, M_TILES>(args, stage, warp, lane, acc);
     else if constexpr (F == QgFormat::fp8_a16) qg_step_fp8_a16<T, M_TILES>(args, stage, warp, lane, acc);
     else qg_step_fp8_a8<M_TILES>(args, stage, warp, lane, acc);
@@ -2269,7 +2291,6 @@ class CudaBackend final : public Backend {
         q.rows * kv_heads * args.head_passes, batch.max_context, int64_t(kAttentionBlocksPerSm) * sm_count_,
         uint64_t(q.rows) * uint64_t(args.heads) * uint64_t(head_dim + 2) * sizeof(float), scratch_bytes_);
     args.splits = split.splits;
-    args.chunk = split.chunk;
     if (split.splits > 1) {
       const uint64_t partials = uint64_t(q.rows) * uint64_t(args.heads) * uint64_t(split.splits);
       args.partial_acc = reinterpret_cast<float*>(scratch_);   // [rows, heads, splits, head_dim]
@@ -2384,6 +2405,11 @@ class CudaBackend final : public Backend {
     args.n_pad = layout.n_pad;
     args.stages = layout.stages;
     args.group_size = layout.group_size;
+    args.group_shift = quant_group_shift(layout.group_size);
+    if (layout.k_pad > INT32_MAX || layout.group_size > INT32_MAX)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("quant_linear: K %lld is past the GEMM kernels' 32-bit column index",
+                                  (long long)layout.k_pad));
     args.tile_row_bytes = layout.tile_row_bytes();
     args.out_stride = leading_dimension(out);
     args.out_dtype = act_;
@@ -2593,6 +2619,8 @@ Result<DeviceSpec> query_device(int index) {
   spec.total_bytes = total_bytes;
   spec.free_bytes = free_bytes;
   spec.sm = prop.major * 10 + prop.minor;
+  spec.multiprocessors = prop.multiProcessorCount;
+  spec.threads_per_multiprocessor = prop.maxThreadsPerMultiProcessor;
   spec.queried = true;
   spec.integrated = prop.integrated != 0;  // Jetson: the GPU shares the system's memory (plan_gpu_device)
   return spec;
@@ -2699,7 +2727,7 @@ Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& hos
                                   format_bytes(capacity).c_str(), device_dst));
     // W8A16 multiplies decoded e4m3 values by scale * 2^fix in bf16/f16 (quant_gpu.hpp): that must stay finite.
     const DType activation = backend.activation_dtype();
-    if (host.format == WeightFormat::fp8 && cuda_backend->sm() < kQuantW8A8MinSm && activation != DType::F32) {
+    if (host.format == WeightFormat::fp8 && !quant_w8a8_preferred(cuda_backend->sm()) && activation != DType::F32) {
       const bool bf16 = activation == DType::BF16;
       const float limit = bf16 ? 3.0e38f : 65504.0f;
       for (int64_t i = 0; i < host.scale_rows * host.scale_cols; i++) {

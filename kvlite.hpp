@@ -74,9 +74,11 @@
 
    LIMITATIONS (v0.1)
       - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL images, the fp8
-        KV cache). The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling, vision kernels)
-        compiles for every target but has not yet run on a GPU, and the engine on it refuses images
-        (BackendChoice::auto_ therefore keeps vision-language models on the CPU).
+        KV cache). The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling) passes its GPU tests
+        and compute-sanitizer on an H100 (bench/RESULTS.md), but is not yet fast: decode at 16-50% of the
+        bandwidth roofline, the W4A16 GEMM at 20-30% of copy bandwidth. The engine on it refuses images
+        (BackendChoice::auto_ therefore keeps vision-language models on the CPU); the vision kernels' GPU tests
+        have not run yet.
       - Linux (including WSL2) only: uses mmap and sysconf.
 
    CONFIGURATION
@@ -1137,6 +1139,18 @@ Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout,
 Status repack_quant_tables(const QuantWeight& host, const QuantGpuLayout& layout, uint8_t* out);
 
 // ---- fragment geometry --------------------------------------------------------------------------------------
+// The group of column k of K: 32-bit (K_pad < 2^31, checked at upload), a shift when the group size is a power of
+// two (every published checkpoint: 32, 64, 128). The GEMM's fetch computes it per 16-byte chunk of every stage,
+// where a 64-bit divide by a run-time value was ~550 of a stage's 2,000 SASS instructions at M = 1.
+KVLITE_HD int quant_group_shift(int64_t group_size) {  // log2(group_size), or -1 when not a power of two
+  if (group_size <= 0 || (group_size & (group_size - 1)) != 0) return -1;
+  int shift = 0;
+  while ((int64_t(1) << shift) < group_size) shift++;
+  return shift;
+}
+KVLITE_HD uint32_t quant_group_of(uint32_t k, uint32_t group_size, int group_shift) {
+  return group_shift >= 0 ? k >> group_shift : k / group_size;
+}
 // Position of tile column c (0..63) in the scale / zero tables, and back: lane g's 8 columns 8j + g sit at 8g + j.
 KVLITE_HD int quant_table_position(int column) { return 8 * (column % 8) + column / 8; }
 KVLITE_HD int quant_table_column(int position) { return 8 * (position % 8) + position / 8; }
@@ -1233,6 +1247,13 @@ constexpr int64_t kQuantMmaMaxRows = 256;
 constexpr int64_t kQuantMinSplitStages = 2;
 // W8A8 runs on compute capability 8.9 and newer (the e4m3 mma); older GPUs run fp8 weights as W8A16.
 constexpr int kQuantW8A8MinSm = 89;
+// Whether the automatic choice runs fp8 weights as W8A8 on compute capability `sm`: where mma.m16n8k32.e4m3 is
+// native, sm_89 (RTX 40, the 8 GB cards' Ada) and sm_100 on (sm_120: RTX 50). Hopper (sm_90) has e4m3 only in
+// wgmma: ptxas lowers the warp-level e4m3 mma to 12 F2FP.F16.E4M3.UNPACK_B + 2 HMMA per instruction, so there
+// fp8 weights run as W8A16 (mma_w8a8 can still be forced, for the bench). Measured on an H100 at M = 1 (bench/
+// RESULTS.md) the two are close: a Llama-3.1-8B layer's four GEMMs 127 us W8A16 vs 137 us W8A8, a Qwen3-VL-4B
+// layer's 84 vs 75 us; the W8A16 kernel, not the choice, is what a faster Hopper path needs.
+constexpr bool quant_w8a8_preferred(int sm) { return sm >= kQuantW8A8MinSm && sm / 10 != 9; }
 
 // The kernel `forced` or, when automatic, the one for `rows` rows on a GPU of compute capability `sm` with
 // activations of dtype `activation`. F32 activations always dequantize (exact weights, float32 cuBLAS).
@@ -1521,6 +1542,8 @@ struct DeviceSpec {
   uint64_t total_bytes = 0;   // memory the plan divides (device memory, or --device-mem)
   uint64_t free_bytes = 0;    // free at query time (0 when unknown: a planned card)
   int sm = 0;                 // compute capability x 10 (86, 89, 90, ...); 0 when unknown
+  int multiprocessors = 0;    // SMs; 0 when unknown (a planned card): the CUDA context's size depends on them
+  int threads_per_multiprocessor = 0;  // the most resident threads an SM holds; 0 when unknown
   bool wsl2 = false;          // Windows Subsystem for Linux 2: larger driver overhead, no large pinned memory
   bool queried = false;       // true when read from a real GPU
   // An integrated GPU (Jetson: cudaDevAttrIntegrated) has no memory of its own: it shares the system's with the
@@ -1568,8 +1591,8 @@ Result<std::pair<uint64_t, uint64_t>> memory_info();
 
 namespace kvlite {
 
-// auto: f32 on the CPU (its reference matches transformers' float32), else the model's dtype (bf16 or f16);
-// fp8: e4m3.
+// auto: the activation dtype (f32 on the CPU, whose reference matches transformers' float32; on a GPU the model's
+// 16-bit dtype unless F32 activations were asked for); fp8: e4m3.
 enum class KVDType { auto_, bf16, f16, fp8, f32 };
 const char* kv_dtype_name(KVDType dtype);
 Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8" | "f32"
@@ -1612,6 +1635,25 @@ constexpr int64_t kMaxPlanImages = 1024;
 constexpr int64_t kMaxPlanImagePixels = int64_t(1) << 28;  // 16384 x 16384
 // Every planned region starts on this boundary: each buffer and item is rounded up to it.
 constexpr uint64_t kPlanAlignment = 256;
+
+// What the CUDA runtime spends outside the arena on native Linux (the plan's "context" row), from figures measured
+// on an H100 80GB HBM3 (132 SMs x 2,048 threads; driver 580.159.04, CUDA 13.0; 2026-11-26) by the GPU test
+// "device memory measured within 3% of the plan" (tests/unit-cuda-engine.cpp prints them):
+//   the bare context: 524.0 MiB (nvidia-smi's figure for the process after its first cudaMemGetInfo). Of that,
+//     the stack every resident thread may use on every SM (cudaLimitStackSize, 1 KiB unless raised) is
+//     132 x 2,048 x 1 KiB = 264 MiB, which scales with the card; the other 260 MiB is taken as the same on
+//     every card (one GPU measured so far: an 8 GB card's figure would settle it);
+//   cuBLAS's handle and the kernels loaded while the engine opens (CUDA loads modules lazily): 66.7 MiB (the
+//     process's cudaMemGetInfo drop over Engine::open, less its 67.3 MiB arena; the graphs measured 0 there).
+constexpr uint64_t kCudaContextBaseBytes = 260 * MiB;
+constexpr uint64_t kCudaStackBytesPerThread = 1 * KiB;
+constexpr uint64_t kCudaRuntimeBytes = 68 * MiB;
+// A planned card (--device-mem with no GPU queried) as the largest of the 8 GB cards kvlite is for: the RTX 4060
+// Ti's 34 SMs x 1,536 threads (RTX 3060 8 GB: 28, RTX 4060: 24).
+constexpr int kPlannedCardMultiprocessors = 34;
+constexpr int kPlannedCardThreadsPerMultiprocessor = 1536;
+// The CUDA context a plan sets aside on native Linux for `device` (WSL2: kContextWsl2 in the planner).
+uint64_t cuda_context_bytes(const DeviceSpec& device);
 
 // The CUDA backend's workspace (CudaBackendOptions, backend_cuda.hpp), carved from the plan's "workspace" item:
 // the one source of both numbers. cuBLAS's part is what it asks for on Hopper (4 MiB suffice on older GPUs); the
@@ -3105,6 +3147,25 @@ inline AttentionSplit plan_attention_split(int64_t blocks, int64_t max_context, 
   plan.chunk = (max_context + splits - 1) / splits;
   plan.splits = (max_context + plan.chunk - 1) / plan.chunk;  // no empty trailing split
   return plan;
+}
+
+// How many of a launch's `planned` splits a query that sees `keys` keys uses, and the chunk each takes. The grid
+// is sized for the largest context the launch (or a decode graph captured for max_model_len) may see; each query
+// spreads its own keys evenly over as many splits as give chunks of at least kAttentionMinChunk keys, up to
+// `planned`, and the splits past those are empty for it (their blocks return at once; the combine skips them).
+// A graph captured for 32,768 tokens thus runs a 50-token context in one split, and a 3,000-token one in 23
+// splits of 131 keys rather than 7 of 497.
+KVLITE_HD int64_t attention_chunk(int64_t planned, int64_t keys) {
+  if (keys <= 0) return 1;
+  const int64_t by_length = keys / kAttentionMinChunk;
+  const int64_t splits = planned <= 1 || by_length <= 1 ? 1 : (by_length < planned ? by_length : planned);
+  return (keys + splits - 1) / splits;
+}
+// (keys over the chunk, rounded up: rounding the chunk up can leave the last of `splits` without keys)
+KVLITE_HD int64_t attention_splits_used(int64_t planned, int64_t keys) {
+  if (keys <= 0) return 1;
+  const int64_t chunk = attention_chunk(planned, keys);
+  return (keys + chunk - 1) / chunk;
 }
 
 // out [T, N] = x [T, K] @ w[N, K]^T as cuBLAS sees it: cuBLAS is column-major, and a row-major [r, c] matrix
@@ -5664,7 +5725,7 @@ QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, 
                                 QuantKernel forced) {
   if (forced != QuantKernel::automatic) return forced;
   if ((activation != DType::BF16 && activation != DType::F16) || !layout.mma) return QuantKernel::dequant_cublas;
-  if (layout.format == WeightFormat::fp8 && sm >= kQuantW8A8MinSm) return QuantKernel::mma_w8a8;
+  if (layout.format == WeightFormat::fp8 && quant_w8a8_preferred(sm)) return QuantKernel::mma_w8a8;
   return rows <= kQuantMmaMaxRows ? QuantKernel::mma_a16 : QuantKernel::dequant_cublas;
 }
 
@@ -5719,7 +5780,9 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
     p.x_bytes = staged_bytes(layout, kernel, p.row_chunk);
   }
   // Split-K when one block row leaves the GPU idle: as many splits as fill it once, each of at least
-  // kQuantMinSplitStages stages.
+  // kQuantMinSplitStages stages. (Tried on an H100: splitting to fill whole waves instead -- 5 splits, 480 blocks,
+  // for Llama-3.1-8B's qkv at M = 1 rather than 2 splits, 192 blocks in 0.73 of a wave -- left the W4A16 GEMM at
+  // 27 us: the kernel, not the grid, is what holds it at 20% of copy bandwidth; see bench/RESULTS.md.)
   if (p.row_chunk <= 64 && layout.n_tiles < target_blocks) {
     int64_t splits = std::min<int64_t>(target_blocks / layout.n_tiles, layout.stages / kQuantMinSplitStages);
     const uint64_t per_split =
@@ -8753,9 +8816,11 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 //                (cuda::quant_device_bytes per Linear: repacked tiles, F32 scale tables, counters). The region
 //                follows the weights', and the uploader fills the two as one span. CPU: 0, it runs the on-disk
 //                layout. The row is always shown.
-//   context      CUDA context + cuBLAS handles + driver, which the device spends outside kvlite's arena:
-//                384 MiB on native Linux, 1024 MiB under WSL2 (its paravirtualized driver reserves more, and
-//                pinned host memory is limited there: vLLM disables it). CPU: 0.
+//   context      CUDA context + cuBLAS handles + loaded kernels, which the device spends outside kvlite's arena:
+//                on native Linux cuda_context_bytes (plan.hpp: 260 MiB + 1 KiB of stack per resident thread of
+//                every SM + 68 MiB, from an H100's measured figures; 379 MiB for a planned 8 GB card), 1024 MiB
+//                under WSL2 (its paravirtualized driver reserves more, and pinned host memory is limited there:
+//                vLLM disables it; not measured yet). CPU: 0.
 //   activations  activation_buffers(config, max_batched_tokens, max_seqs, activation dtype, block table pages):
 //                the engine carves exactly these, so plan and arena agree.
 //   vision       vision models: vision_buffers(config, max_image_pixels, max_images, backend). The default
@@ -8769,7 +8834,8 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 //                as large as the largest single quantized Linear.
 //                CPU: 64 KiB of dequantization tiles per hardware thread.
 //   graphs       CUDA: the driver's memory for the instantiated decode graphs, one per batch bucket (1, 2, 4,
-//                ..., max_seqs): 16 MiB + 2 MiB per bucket, an estimate until measured on a GPU. Outside the
+//                ..., max_seqs): 2 MiB + 64 KiB per layer per bucket, in whole 2 MiB, from measurements on an
+//                H100 (4 buckets: 2 MiB for 2 layers, 4-6 MiB for Llama-3.1-8B's 32, 6-8 MiB for 36). Outside the
 //                arena: the graphs' buffers are the arena's, kvlite allocates nothing while capturing. CPU: 0.
 //   KV           budget = floor(utilization x device memory); fixed = sum of the rows above;
 //                KV gets whole pages of what is left: pages = floor(max(0, budget - fixed) / page_bytes).
@@ -8807,6 +8873,13 @@ int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : dtype == 
 
 bool kv_dtype_storable(BackendKind, KVDType) { return true; }  // both backends store f32, bf16, f16 and fp8
 
+uint64_t cuda_context_bytes(const DeviceSpec& device) {
+  const bool known = device.multiprocessors > 0 && device.threads_per_multiprocessor > 0;
+  const uint64_t threads = known ? uint64_t(device.multiprocessors) * uint64_t(device.threads_per_multiprocessor)
+                                 : uint64_t(kPlannedCardMultiprocessors) * uint64_t(kPlannedCardThreadsPerMultiprocessor);
+  return kCudaContextBaseBytes + threads * kCudaStackBytesPerThread + kCudaRuntimeBytes;
+}
+
 namespace detail {
 namespace planning {
 
@@ -8819,11 +8892,14 @@ constexpr int64_t kMinDefaultMaxModelLen = 2048;  // the default rule halves dow
 constexpr int kUtilizationSearchSteps = 64;     // utilization searches: steps at most (a few suffice)
 constexpr int64_t kProcessorDefaultMaxPixels = 16777216;  // Qwen's processor when preprocessor_config is absent
 constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
-constexpr uint64_t kContextNative = 384 * MiB;
 constexpr uint64_t kContextWsl2 = 1024 * MiB;
 constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
-constexpr uint64_t kGraphPoolBase = 16 * MiB;
-constexpr uint64_t kGraphPoolPerBucket = 2 * MiB;
+// Decode graphs (measured on an H100, CUDA 13.0, kvlite bench "cuda graphs: measured"; buckets 1,2,4,8):
+// tiny-qwen3 (2 layers) 2.0 MiB; Llama-3.1-8B (32 layers) 6.0 MiB BF16, 4.0 MiB W4A16; Qwen3-4B (36) 8.0 MiB;
+// Qwen3-VL-4B's text model (36, FP8) 6.0 MiB. The driver takes 2 MiB at a time.
+constexpr uint64_t kGraphPoolBase = 2 * MiB;
+constexpr uint64_t kGraphPoolPerLayerBucket = 64 * KiB;
+constexpr uint64_t kGraphPoolGranularity = 2 * MiB;
 
 std::string ull(uint64_t v) { return format("%llu", (unsigned long long)v); }
 std::string ll(int64_t v) { return format("%lld", (long long)v); }
@@ -9109,8 +9185,16 @@ PlanItem context_item(const Inputs& in) {
     item.why = "CUDA context + cuBLAS handles + driver: 1024 MiB under WSL2 (its paravirtualized driver reserves "
                "more; pinned memory is limited, vLLM disables it)";
   } else {
-    item.bytes = kContextNative;
-    item.why = "CUDA context + cuBLAS handles + driver: 384 MiB on native Linux";
+    const bool known = in.device.multiprocessors > 0 && in.device.threads_per_multiprocessor > 0;
+    item.bytes = cuda_context_bytes(in.device);
+    item.why = format("CUDA context %s + stack for %d SMs x %d threads %s%s + cuBLAS and loaded kernels %s (native "
+                      "Linux; measured on an H100)",
+                      format_bytes(kCudaContextBaseBytes).c_str(),
+                      known ? in.device.multiprocessors : kPlannedCardMultiprocessors,
+                      known ? in.device.threads_per_multiprocessor : kPlannedCardThreadsPerMultiprocessor,
+                      known ? "" : "(a planned card: the RTX 4060 Ti's) ",
+                      format_bytes(item.bytes - kCudaContextBaseBytes - kCudaRuntimeBytes).c_str(),
+                      format_bytes(kCudaRuntimeBytes).c_str());
   }
   return item;
 }
@@ -9191,10 +9275,11 @@ PlanItem graphs_item(const Inputs& in, const PlanOptions& o) {
   if (count > 6) {  // keep the line short: 1,2,4,...,256
     buckets = "1,2,4,...," + ll(o.max_seqs);
   }
-  item.bytes = align_up(kGraphPoolBase + kGraphPoolPerBucket * count, kPlanAlignment);
-  item.why = format("driver memory of the decode CUDA graphs: 16 MiB + 2 MiB x %llu batch buckets (%s); estimate "
-                    "until measured on a GPU (their buffers are the arena's)",
-                    (unsigned long long)count, buckets.c_str());
+  const uint64_t layers = uint64_t(std::max<int64_t>(in.config.text.num_layers, 0));
+  item.bytes = align_up(kGraphPoolBase + kGraphPoolPerLayerBucket * layers * count, kGraphPoolGranularity);
+  item.why = format("driver memory of the decode CUDA graphs: 2 MiB + 64 KiB x %llu layers x %llu batch buckets (%s), "
+                    "in whole 2 MiB, as measured on an H100 (their buffers are the arena's)",
+                    (unsigned long long)layers, (unsigned long long)count, buckets.c_str());
   return item;
 }
 
@@ -9347,9 +9432,10 @@ void write_advice(const Inputs& in, Plan& plan) {
                                            : "use a quantized checkpoint (W4A16 or FP8) or a larger card"));
   }
   if (in.device.backend == BackendKind::cuda && in.device.wsl2)
-    plan.advice.push_back(format("WSL2: the CUDA context is planned at 1024 MiB instead of 384 MiB (the paravirtualized "
+    plan.advice.push_back(format("WSL2: the CUDA context is planned at 1024 MiB instead of %s (the paravirtualized "
                                  "driver reserves more, and pinned host memory is limited); native Linux leaves %s "
-                                 "more for KV.", format_bytes(kContextWsl2 - kContextNative).c_str()));
+                                 "more for KV.", format_bytes(cuda_context_bytes(in.device)).c_str(),
+                                 format_bytes(kContextWsl2 - cuda_context_bytes(in.device)).c_str()));
 }
 
 }  // namespace planning
@@ -9493,15 +9579,19 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
   PlanOptions o = requested;
   o.wsl2 = device.wsl2;
-  if (o.kv_dtype == KVDType::auto_)
-    o.kv_dtype = device.backend == BackendKind::cpu ? KVDType::f32
-                 : config.text.dtype == DType::F16  ? KVDType::f16
-                                                    : KVDType::bf16;
   if (o.max_seqs == 0) o.max_seqs = kDefaultMaxSeqs;
   if (!o.activation_dtype)
     o.activation_dtype = device.backend == BackendKind::cuda && config.text.dtype == DType::F16
                              ? DType::F16
                              : default_activation_dtype(device.backend);
+  // The KV cache stores K and V as the activations hold them: a narrower cache would round what a wider
+  // activation dtype kept (F32 activations on a GPU with a bf16 cache were 1e-2 off the CPU's logits, measured on
+  // an H100), a wider one would spend bytes on bits the activations never had.
+  if (o.kv_dtype == KVDType::auto_)
+    o.kv_dtype = device.backend == BackendKind::cpu  ? KVDType::f32
+                 : *o.activation_dtype == DType::F32 ? KVDType::f32
+                 : *o.activation_dtype == DType::F16 ? KVDType::f16
+                                                     : KVDType::bf16;
 
   std::string image_rule;
   if (!config.vision.present) {
@@ -10463,7 +10553,9 @@ inline void check_supported(const Backend& backend, Op op, DType dtype, const ch
                                         backend.name().c_str(), operand, dtype_name(dtype)));
 }
 
-// Two views overlap when their byte ranges intersect (a conservative test on the spans).
+// Two views overlap when they share a byte. Views with the same row stride whose rows do not wrap (the column
+// halves of one fused buffer: gate and up of gate_up, q / k / v of qkv) interleave without touching: for them
+// the test is exact, on rows and columns; otherwise it is conservative, on the byte spans.
 inline bool views_overlap(const Tensor& a, const Tensor& b) {
   if (a.elements() == 0 || b.elements() == 0) return false;
   auto span = [](const Tensor& t) {
@@ -10471,7 +10563,23 @@ inline bool views_overlap(const Tensor& a, const Tensor& b) {
     return std::make_pair(begin, begin + ((t.rows - 1) * t.row_stride + t.cols) * t.element_bytes());
   };
   auto sa = span(a), sb = span(b);
-  return sa.first < sb.second && sb.first < sa.second;
+  if (!(sa.first < sb.second && sb.first < sa.second)) return false;
+  const int64_t stride_a = a.rows > 1 ? a.row_stride * a.element_bytes() : 0;
+  const int64_t stride_b = b.rows > 1 ? b.row_stride * b.element_bytes() : 0;
+  const int64_t stride = std::max(stride_a, stride_b);
+  if (stride == 0 || (stride_a != 0 && stride_b != 0 && stride_a != stride_b)) return true;
+  // Both as (first row, first byte in the row, bytes per row) in rows of `stride` bytes from the lower start.
+  const uint8_t* base = std::min(sa.first, sb.first);
+  struct Rect { int64_t row, column, width, rows; };
+  auto rect = [&](const Tensor& t, const std::pair<const uint8_t*, const uint8_t*>& s) {
+    const int64_t offset = int64_t(s.first - base);
+    return Rect{offset / stride, offset % stride, t.cols * t.element_bytes(), t.rows};
+  };
+  const Rect ra = rect(a, sa), rb = rect(b, sb);
+  if (ra.column + ra.width > stride || rb.column + rb.width > stride) return true;  // rows wrap: the spans decide
+  const bool rows_meet = ra.row < rb.row + rb.rows && rb.row < ra.row + ra.rows;
+  const bool columns_meet = ra.column < rb.column + rb.width && rb.column < ra.column + ra.width;
+  return rows_meet && columns_meet;
 }
 
 inline bool same_view(const Tensor& a, const Tensor& b) {

@@ -414,7 +414,7 @@ int main(int argc, char** argv) {
         const double bytes = double(weight_read) + double(m * k * 2) + double(m * n * 2);
         const double gbs = bytes / (us * 1e3);
         std::string others = ok ? "ok" : "FAIL " + worst;
-        if (m >= 512) {  // the paths not chosen, and cuBLASLt FP8
+        if (m >= 512 || fp8) {  // the paths not chosen (fp8: at every M, W8A8 against W8A16), and cuBLASLt FP8
           for (cuda::QuantKernel other : {cuda::QuantKernel::mma_a16, cuda::QuantKernel::mma_w8a8,
                                           cuda::QuantKernel::dequant_cublas}) {
             if (other == chosen || !cuda::quant_kernel_refusal(layout, other, DType::BF16, device.sm).empty()) continue;
@@ -426,7 +426,7 @@ int main(int argc, char** argv) {
             others += text;
           }
           ok_or_exit(cuda::set_quant_kernel(*backend, cuda::QuantKernel::automatic), "set_quant_kernel");
-          if (fp8 && fp8_cores) {
+          if (fp8 && fp8_cores && m >= 512) {
             DeviceBuffer lt_workspace(kCudaCublasWorkspaceBytes), w8(uint64_t(n * k)), x8(uint64_t(m * k));
             fill_fp8_kernel<<<1024, 256, 0, stream>>>(w8.as<uint8_t>(), n * k, 5);
             fill_fp8_kernel<<<1024, 256, 0, stream>>>(x8.as<uint8_t>(), m * k, 6);

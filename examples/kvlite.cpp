@@ -337,8 +337,8 @@ std::vector<OptionSpec> engine_option_specs() {
                                "over 2048 until it fits"},
       {"--max-seqs", "N", "sequences decoded together; default 8"},
       {"--max-batched-tokens", "N", "tokens in one forward step; default min(2048, max_model_len)"},
-      {"--kv-dtype", "T", "auto | f32 | bf16 | f16 | fp8 (e4m3, half of bf16's bytes); default auto (f32 on the CPU, "
-                          "the model's 16-bit dtype on a GPU)"},
+      {"--kv-dtype", "T", "auto | f32 | bf16 | f16 | fp8 (e4m3, half of bf16's bytes); default auto (the activation "
+                          "dtype: f32 on the CPU, the model's 16-bit dtype on a GPU)"},
       {"--kv-page-tokens", "N", "tokens per KV page, 1..1024; default 16"},
       {"--kv-fill", "", "fill the whole budget with KV pages (vLLM's way); default: only the pages max-seqs "
                         "sequences of max-model-len can use, leaving the rest free"},

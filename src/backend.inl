@@ -76,7 +76,9 @@ inline void check_supported(const Backend& backend, Op op, DType dtype, const ch
                                         backend.name().c_str(), operand, dtype_name(dtype)));
 }
 
-// Two views overlap when their byte ranges intersect (a conservative test on the spans).
+// Two views overlap when they share a byte. Views with the same row stride whose rows do not wrap (the column
+// halves of one fused buffer: gate and up of gate_up, q / k / v of qkv) interleave without touching: for them
+// the test is exact, on rows and columns; otherwise it is conservative, on the byte spans.
 inline bool views_overlap(const Tensor& a, const Tensor& b) {
   if (a.elements() == 0 || b.elements() == 0) return false;
   auto span = [](const Tensor& t) {
@@ -84,7 +86,23 @@ inline bool views_overlap(const Tensor& a, const Tensor& b) {
     return std::make_pair(begin, begin + ((t.rows - 1) * t.row_stride + t.cols) * t.element_bytes());
   };
   auto sa = span(a), sb = span(b);
-  return sa.first < sb.second && sb.first < sa.second;
+  if (!(sa.first < sb.second && sb.first < sa.second)) return false;
+  const int64_t stride_a = a.rows > 1 ? a.row_stride * a.element_bytes() : 0;
+  const int64_t stride_b = b.rows > 1 ? b.row_stride * b.element_bytes() : 0;
+  const int64_t stride = std::max(stride_a, stride_b);
+  if (stride == 0 || (stride_a != 0 && stride_b != 0 && stride_a != stride_b)) return true;
+  // Both as (first row, first byte in the row, bytes per row) in rows of `stride` bytes from the lower start.
+  const uint8_t* base = std::min(sa.first, sb.first);
+  struct Rect { int64_t row, column, width, rows; };
+  auto rect = [&](const Tensor& t, const std::pair<const uint8_t*, const uint8_t*>& s) {
+    const int64_t offset = int64_t(s.first - base);
+    return Rect{offset / stride, offset % stride, t.cols * t.element_bytes(), t.rows};
+  };
+  const Rect ra = rect(a, sa), rb = rect(b, sb);
+  if (ra.column + ra.width > stride || rb.column + rb.width > stride) return true;  // rows wrap: the spans decide
+  const bool rows_meet = ra.row < rb.row + rb.rows && rb.row < ra.row + ra.rows;
+  const bool columns_meet = ra.column < rb.column + rb.width && rb.column < ra.column + ra.width;
+  return rows_meet && columns_meet;
 }
 
 inline bool same_view(const Tensor& a, const Tensor& b) {

@@ -291,6 +291,25 @@ inline AttentionSplit plan_attention_split(int64_t blocks, int64_t max_context, 
   return plan;
 }
 
+// How many of a launch's `planned` splits a query that sees `keys` keys uses, and the chunk each takes. The grid
+// is sized for the largest context the launch (or a decode graph captured for max_model_len) may see; each query
+// spreads its own keys evenly over as many splits as give chunks of at least kAttentionMinChunk keys, up to
+// `planned`, and the splits past those are empty for it (their blocks return at once; the combine skips them).
+// A graph captured for 32,768 tokens thus runs a 50-token context in one split, and a 3,000-token one in 23
+// splits of 131 keys rather than 7 of 497.
+KVLITE_HD int64_t attention_chunk(int64_t planned, int64_t keys) {
+  if (keys <= 0) return 1;
+  const int64_t by_length = keys / kAttentionMinChunk;
+  const int64_t splits = planned <= 1 || by_length <= 1 ? 1 : (by_length < planned ? by_length : planned);
+  return (keys + splits - 1) / splits;
+}
+// (keys over the chunk, rounded up: rounding the chunk up can leave the last of `splits` without keys)
+KVLITE_HD int64_t attention_splits_used(int64_t planned, int64_t keys) {
+  if (keys <= 0) return 1;
+  const int64_t chunk = attention_chunk(planned, keys);
+  return (keys + chunk - 1) / chunk;
+}
+
 // out [T, N] = x [T, K] @ w[N, K]^T as cuBLAS sees it: cuBLAS is column-major, and a row-major [r, c] matrix
 // with row stride s is a column-major c x r matrix with leading dimension s. So
 //   out^T (N x T, ld out.stride) = op_T(w as K x N, ld w.stride) x (x as K x T, ld x.stride):

@@ -22,6 +22,8 @@ struct DeviceSpec {
   uint64_t total_bytes = 0;   // memory the plan divides (device memory, or --device-mem)
   uint64_t free_bytes = 0;    // free at query time (0 when unknown: a planned card)
   int sm = 0;                 // compute capability x 10 (86, 89, 90, ...); 0 when unknown
+  int multiprocessors = 0;    // SMs; 0 when unknown (a planned card): the CUDA context's size depends on them
+  int threads_per_multiprocessor = 0;  // the most resident threads an SM holds; 0 when unknown
   bool wsl2 = false;          // Windows Subsystem for Linux 2: larger driver overhead, no large pinned memory
   bool queried = false;       // true when read from a real GPU
   // An integrated GPU (Jetson: cudaDevAttrIntegrated) has no memory of its own: it shares the system's with the

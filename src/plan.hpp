@@ -6,8 +6,8 @@
 
 namespace kvlite {
 
-// auto: f32 on the CPU (its reference matches transformers' float32), else the model's dtype (bf16 or f16);
-// fp8: e4m3.
+// auto: the activation dtype (f32 on the CPU, whose reference matches transformers' float32; on a GPU the model's
+// 16-bit dtype unless F32 activations were asked for); fp8: e4m3.
 enum class KVDType { auto_, bf16, f16, fp8, f32 };
 const char* kv_dtype_name(KVDType dtype);
 Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8" | "f32"
@@ -50,6 +50,25 @@ constexpr int64_t kMaxPlanImages = 1024;
 constexpr int64_t kMaxPlanImagePixels = int64_t(1) << 28;  // 16384 x 16384
 // Every planned region starts on this boundary: each buffer and item is rounded up to it.
 constexpr uint64_t kPlanAlignment = 256;
+
+// What the CUDA runtime spends outside the arena on native Linux (the plan's "context" row), from figures measured
+// on an H100 80GB HBM3 (132 SMs x 2,048 threads; driver 580.159.04, CUDA 13.0; 2026-11-26) by the GPU test
+// "device memory measured within 3% of the plan" (tests/unit-cuda-engine.cpp prints them):
+//   the bare context: 524.0 MiB (nvidia-smi's figure for the process after its first cudaMemGetInfo). Of that,
+//     the stack every resident thread may use on every SM (cudaLimitStackSize, 1 KiB unless raised) is
+//     132 x 2,048 x 1 KiB = 264 MiB, which scales with the card; the other 260 MiB is taken as the same on
+//     every card (one GPU measured so far: an 8 GB card's figure would settle it);
+//   cuBLAS's handle and the kernels loaded while the engine opens (CUDA loads modules lazily): 66.7 MiB (the
+//     process's cudaMemGetInfo drop over Engine::open, less its 67.3 MiB arena; the graphs measured 0 there).
+constexpr uint64_t kCudaContextBaseBytes = 260 * MiB;
+constexpr uint64_t kCudaStackBytesPerThread = 1 * KiB;
+constexpr uint64_t kCudaRuntimeBytes = 68 * MiB;
+// A planned card (--device-mem with no GPU queried) as the largest of the 8 GB cards kvlite is for: the RTX 4060
+// Ti's 34 SMs x 1,536 threads (RTX 3060 8 GB: 28, RTX 4060: 24).
+constexpr int kPlannedCardMultiprocessors = 34;
+constexpr int kPlannedCardThreadsPerMultiprocessor = 1536;
+// The CUDA context a plan sets aside on native Linux for `device` (WSL2: kContextWsl2 in the planner).
+uint64_t cuda_context_bytes(const DeviceSpec& device);
 
 // The CUDA backend's workspace (CudaBackendOptions, backend_cuda.hpp), carved from the plan's "workspace" item:
 // the one source of both numbers. cuBLAS's part is what it asks for on Hopper (4 MiB suffice on older GPUs); the

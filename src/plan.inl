@@ -11,9 +11,11 @@
 //                (cuda::quant_device_bytes per Linear: repacked tiles, F32 scale tables, counters). The region
 //                follows the weights', and the uploader fills the two as one span. CPU: 0, it runs the on-disk
 //                layout. The row is always shown.
-//   context      CUDA context + cuBLAS handles + driver, which the device spends outside kvlite's arena:
-//                384 MiB on native Linux, 1024 MiB under WSL2 (its paravirtualized driver reserves more, and
-//                pinned host memory is limited there: vLLM disables it). CPU: 0.
+//   context      CUDA context + cuBLAS handles + loaded kernels, which the device spends outside kvlite's arena:
+//                on native Linux cuda_context_bytes (plan.hpp: 260 MiB + 1 KiB of stack per resident thread of
+//                every SM + 68 MiB, from an H100's measured figures; 379 MiB for a planned 8 GB card), 1024 MiB
+//                under WSL2 (its paravirtualized driver reserves more, and pinned host memory is limited there:
+//                vLLM disables it; not measured yet). CPU: 0.
 //   activations  activation_buffers(config, max_batched_tokens, max_seqs, activation dtype, block table pages):
 //                the engine carves exactly these, so plan and arena agree.
 //   vision       vision models: vision_buffers(config, max_image_pixels, max_images, backend). The default
@@ -27,7 +29,8 @@
 //                as large as the largest single quantized Linear.
 //                CPU: 64 KiB of dequantization tiles per hardware thread.
 //   graphs       CUDA: the driver's memory for the instantiated decode graphs, one per batch bucket (1, 2, 4,
-//                ..., max_seqs): 16 MiB + 2 MiB per bucket, an estimate until measured on a GPU. Outside the
+//                ..., max_seqs): 2 MiB + 64 KiB per layer per bucket, in whole 2 MiB, from measurements on an
+//                H100 (4 buckets: 2 MiB for 2 layers, 4-6 MiB for Llama-3.1-8B's 32, 6-8 MiB for 36). Outside the
 //                arena: the graphs' buffers are the arena's, kvlite allocates nothing while capturing. CPU: 0.
 //   KV           budget = floor(utilization x device memory); fixed = sum of the rows above;
 //                KV gets whole pages of what is left: pages = floor(max(0, budget - fixed) / page_bytes).
@@ -65,6 +68,13 @@ int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : dtype == 
 
 bool kv_dtype_storable(BackendKind, KVDType) { return true; }  // both backends store f32, bf16, f16 and fp8
 
+uint64_t cuda_context_bytes(const DeviceSpec& device) {
+  const bool known = device.multiprocessors > 0 && device.threads_per_multiprocessor > 0;
+  const uint64_t threads = known ? uint64_t(device.multiprocessors) * uint64_t(device.threads_per_multiprocessor)
+                                 : uint64_t(kPlannedCardMultiprocessors) * uint64_t(kPlannedCardThreadsPerMultiprocessor);
+  return kCudaContextBaseBytes + threads * kCudaStackBytesPerThread + kCudaRuntimeBytes;
+}
+
 namespace detail {
 namespace planning {
 
@@ -77,11 +87,14 @@ constexpr int64_t kMinDefaultMaxModelLen = 2048;  // the default rule halves dow
 constexpr int kUtilizationSearchSteps = 64;     // utilization searches: steps at most (a few suffice)
 constexpr int64_t kProcessorDefaultMaxPixels = 16777216;  // Qwen's processor when preprocessor_config is absent
 constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
-constexpr uint64_t kContextNative = 384 * MiB;
 constexpr uint64_t kContextWsl2 = 1024 * MiB;
 constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
-constexpr uint64_t kGraphPoolBase = 16 * MiB;
-constexpr uint64_t kGraphPoolPerBucket = 2 * MiB;
+// Decode graphs (measured on an H100, CUDA 13.0, kvlite bench "cuda graphs: measured"; buckets 1,2,4,8):
+// tiny-qwen3 (2 layers) 2.0 MiB; Llama-3.1-8B (32 layers) 6.0 MiB BF16, 4.0 MiB W4A16; Qwen3-4B (36) 8.0 MiB;
+// Qwen3-VL-4B's text model (36, FP8) 6.0 MiB. The driver takes 2 MiB at a time.
+constexpr uint64_t kGraphPoolBase = 2 * MiB;
+constexpr uint64_t kGraphPoolPerLayerBucket = 64 * KiB;
+constexpr uint64_t kGraphPoolGranularity = 2 * MiB;
 
 std::string ull(uint64_t v) { return format("%llu", (unsigned long long)v); }
 std::string ll(int64_t v) { return format("%lld", (long long)v); }
@@ -367,8 +380,16 @@ PlanItem context_item(const Inputs& in) {
     item.why = "CUDA context + cuBLAS handles + driver: 1024 MiB under WSL2 (its paravirtualized driver reserves "
                "more; pinned memory is limited, vLLM disables it)";
   } else {
-    item.bytes = kContextNative;
-    item.why = "CUDA context + cuBLAS handles + driver: 384 MiB on native Linux";
+    const bool known = in.device.multiprocessors > 0 && in.device.threads_per_multiprocessor > 0;
+    item.bytes = cuda_context_bytes(in.device);
+    item.why = format("CUDA context %s + stack for %d SMs x %d threads %s%s + cuBLAS and loaded kernels %s (native "
+                      "Linux; measured on an H100)",
+                      format_bytes(kCudaContextBaseBytes).c_str(),
+                      known ? in.device.multiprocessors : kPlannedCardMultiprocessors,
+                      known ? in.device.threads_per_multiprocessor : kPlannedCardThreadsPerMultiprocessor,
+                      known ? "" : "(a planned card: the RTX 4060 Ti's) ",
+                      format_bytes(item.bytes - kCudaContextBaseBytes - kCudaRuntimeBytes).c_str(),
+                      format_bytes(kCudaRuntimeBytes).c_str());
   }
   return item;
 }
@@ -449,10 +470,11 @@ PlanItem graphs_item(const Inputs& in, const PlanOptions& o) {
   if (count > 6) {  // keep the line short: 1,2,4,...,256
     buckets = "1,2,4,...," + ll(o.max_seqs);
   }
-  item.bytes = align_up(kGraphPoolBase + kGraphPoolPerBucket * count, kPlanAlignment);
-  item.why = format("driver memory of the decode CUDA graphs: 16 MiB + 2 MiB x %llu batch buckets (%s); estimate "
-                    "until measured on a GPU (their buffers are the arena's)",
-                    (unsigned long long)count, buckets.c_str());
+  const uint64_t layers = uint64_t(std::max<int64_t>(in.config.text.num_layers, 0));
+  item.bytes = align_up(kGraphPoolBase + kGraphPoolPerLayerBucket * layers * count, kGraphPoolGranularity);
+  item.why = format("driver memory of the decode CUDA graphs: 2 MiB + 64 KiB x %llu layers x %llu batch buckets (%s), "
+                    "in whole 2 MiB, as measured on an H100 (their buffers are the arena's)",
+                    (unsigned long long)layers, (unsigned long long)count, buckets.c_str());
   return item;
 }
 
@@ -605,9 +627,10 @@ void write_advice(const Inputs& in, Plan& plan) {
                                            : "use a quantized checkpoint (W4A16 or FP8) or a larger card"));
   }
   if (in.device.backend == BackendKind::cuda && in.device.wsl2)
-    plan.advice.push_back(format("WSL2: the CUDA context is planned at 1024 MiB instead of 384 MiB (the paravirtualized "
+    plan.advice.push_back(format("WSL2: the CUDA context is planned at 1024 MiB instead of %s (the paravirtualized "
                                  "driver reserves more, and pinned host memory is limited); native Linux leaves %s "
-                                 "more for KV.", format_bytes(kContextWsl2 - kContextNative).c_str()));
+                                 "more for KV.", format_bytes(cuda_context_bytes(in.device)).c_str(),
+                                 format_bytes(kContextWsl2 - cuda_context_bytes(in.device)).c_str()));
 }
 
 }  // namespace planning
@@ -751,15 +774,19 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
   PlanOptions o = requested;
   o.wsl2 = device.wsl2;
-  if (o.kv_dtype == KVDType::auto_)
-    o.kv_dtype = device.backend == BackendKind::cpu ? KVDType::f32
-                 : config.text.dtype == DType::F16  ? KVDType::f16
-                                                    : KVDType::bf16;
   if (o.max_seqs == 0) o.max_seqs = kDefaultMaxSeqs;
   if (!o.activation_dtype)
     o.activation_dtype = device.backend == BackendKind::cuda && config.text.dtype == DType::F16
                              ? DType::F16
                              : default_activation_dtype(device.backend);
+  // The KV cache stores K and V as the activations hold them: a narrower cache would round what a wider
+  // activation dtype kept (F32 activations on a GPU with a bf16 cache were 1e-2 off the CPU's logits, measured on
+  // an H100), a wider one would spend bytes on bits the activations never had.
+  if (o.kv_dtype == KVDType::auto_)
+    o.kv_dtype = device.backend == BackendKind::cpu  ? KVDType::f32
+                 : *o.activation_dtype == DType::F32 ? KVDType::f32
+                 : *o.activation_dtype == DType::F16 ? KVDType::f16
+                                                     : KVDType::bf16;
 
   std::string image_rule;
   if (!config.vision.present) {

@@ -93,6 +93,18 @@ Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout,
 Status repack_quant_tables(const QuantWeight& host, const QuantGpuLayout& layout, uint8_t* out);
 
 // ---- fragment geometry --------------------------------------------------------------------------------------
+// The group of column k of K: 32-bit (K_pad < 2^31, checked at upload), a shift when the group size is a power of
+// two (every published checkpoint: 32, 64, 128). The GEMM's fetch computes it per 16-byte chunk of every stage,
+// where a 64-bit divide by a run-time value was ~550 of a stage's 2,000 SASS instructions at M = 1.
+KVLITE_HD int quant_group_shift(int64_t group_size) {  // log2(group_size), or -1 when not a power of two
+  if (group_size <= 0 || (group_size & (group_size - 1)) != 0) return -1;
+  int shift = 0;
+  while ((int64_t(1) << shift) < group_size) shift++;
+  return shift;
+}
+KVLITE_HD uint32_t quant_group_of(uint32_t k, uint32_t group_size, int group_shift) {
+  return group_shift >= 0 ? k >> group_shift : k / group_size;
+}
 // Position of tile column c (0..63) in the scale / zero tables, and back: lane g's 8 columns 8j + g sit at 8g + j.
 KVLITE_HD int quant_table_position(int column) { return 8 * (column % 8) + column / 8; }
 KVLITE_HD int quant_table_column(int position) { return 8 * (position % 8) + position / 8; }
@@ -189,6 +201,13 @@ constexpr int64_t kQuantMmaMaxRows = 256;
 constexpr int64_t kQuantMinSplitStages = 2;
 // W8A8 runs on compute capability 8.9 and newer (the e4m3 mma); older GPUs run fp8 weights as W8A16.
 constexpr int kQuantW8A8MinSm = 89;
+// Whether the automatic choice runs fp8 weights as W8A8 on compute capability `sm`: where mma.m16n8k32.e4m3 is
+// native, sm_89 (RTX 40, the 8 GB cards' Ada) and sm_100 on (sm_120: RTX 50). Hopper (sm_90) has e4m3 only in
+// wgmma: ptxas lowers the warp-level e4m3 mma to 12 F2FP.F16.E4M3.UNPACK_B + 2 HMMA per instruction, so there
+// fp8 weights run as W8A16 (mma_w8a8 can still be forced, for the bench). Measured on an H100 at M = 1 (bench/
+// RESULTS.md) the two are close: a Llama-3.1-8B layer's four GEMMs 127 us W8A16 vs 137 us W8A8, a Qwen3-VL-4B
+// layer's 84 vs 75 us; the W8A16 kernel, not the choice, is what a faster Hopper path needs.
+constexpr bool quant_w8a8_preferred(int sm) { return sm >= kQuantW8A8MinSm && sm / 10 != 9; }
 
 // The kernel `forced` or, when automatic, the one for `rows` rows on a GPU of compute capability `sm` with
 // activations of dtype `activation`. F32 activations always dequantize (exact weights, float32 cuBLAS).

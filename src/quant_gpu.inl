@@ -300,7 +300,7 @@ QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, 
                                 QuantKernel forced) {
   if (forced != QuantKernel::automatic) return forced;
   if ((activation != DType::BF16 && activation != DType::F16) || !layout.mma) return QuantKernel::dequant_cublas;
-  if (layout.format == WeightFormat::fp8 && sm >= kQuantW8A8MinSm) return QuantKernel::mma_w8a8;
+  if (layout.format == WeightFormat::fp8 && quant_w8a8_preferred(sm)) return QuantKernel::mma_w8a8;
   return rows <= kQuantMmaMaxRows ? QuantKernel::mma_a16 : QuantKernel::dequant_cublas;
 }
 
@@ -355,7 +355,9 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
     p.x_bytes = staged_bytes(layout, kernel, p.row_chunk);
   }
   // Split-K when one block row leaves the GPU idle: as many splits as fill it once, each of at least
-  // kQuantMinSplitStages stages.
+  // kQuantMinSplitStages stages. (Tried on an H100: splitting to fill whole waves instead -- 5 splits, 480 blocks,
+  // for Llama-3.1-8B's qkv at M = 1 rather than 2 splits, 192 blocks in 0.73 of a wave -- left the W4A16 GEMM at
+  // 27 us: the kernel, not the grid, is what holds it at 20% of copy bandwidth; see bench/RESULTS.md.)
   if (p.row_chunk <= 64 && layout.n_tiles < target_blocks) {
     int64_t splits = std::min<int64_t>(target_blocks / layout.n_tiles, layout.stages / kQuantMinSplitStages);
     const uint64_t per_split =

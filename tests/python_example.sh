@@ -5,6 +5,8 @@
 set -uo pipefail
 python=$1
 library=$2
+# The interpreter configure found, or (a build carried to another machine, the GPU bundle) the one on PATH.
+[ -x "$python" ] || python=$(command -v python3 || echo "$python")
 failures=0
 count=0
 while IFS=$'\t' read -r image expected; do

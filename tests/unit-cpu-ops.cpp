@@ -950,6 +950,23 @@ TEST_CASE("ops refuse bad shapes, unsupported dtypes and impossible batches with
   REQUIRE_FALSE(status.ok());
   CHECK(status.error().message.find("overlaps") != std::string::npos);
 
+  // Column halves of one fused buffer interleave without sharing a byte: silu_mul may write over gate while up
+  // sits beside it, at any width (width 1: every byte of the two halves alternates; found on a GPU, whose
+  // test runs this case). A view shifted by one column into up does share bytes.
+  for (int64_t width : {1, 3, 32}) {
+    CAPTURE(width);
+    Matrix gate_up(DType::F32, 5, 2 * width);
+    gate_up.randomize(rng);
+    const Tensor gate = gate_up.view().slice_cols(0, width), up = gate_up.view().slice_cols(width, width);
+    CHECK(backend->silu_mul(gate, up, gate).ok());
+    CHECK(backend->silu_mul(gate, up, up).ok());
+    if (width == 1) continue;  // (one column on: that is up itself)
+    const Tensor shifted = gate_up.view().slice_cols(1, width);
+    status = backend->silu_mul(gate, up, shifted);
+    REQUIRE_FALSE(status.ok());
+    CHECK(status.error().message.find("overlaps") != std::string::npos);
+  }
+
   // Attention: a sequence whose context is shorter than its queries, a page that does not exist, a head_dim
   // larger than the backend was made for.
   std::vector<int64_t> contexts = {6};

@@ -237,10 +237,10 @@ TEST_CASE("backend choice: names, and --backend cuda says why it cannot run here
 
   EngineOptions options;
   CHECK(options.backend == BackendChoice::cpu);  // the reference, unless asked otherwise
-  options.plan.device_mem = 64 * MiB;
+  options.plan.device_mem = gpu_present() ? 1 * GiB : 64 * MiB;  // a GPU's plan holds the CUDA context too
   options.backend = BackendChoice::auto_;
   auto automatic = Engine::open(fx::dir("tiny-qwen3"), options);
-  REQUIRE(automatic);
+  if (!automatic) FAIL("auto: " << automatic.error().message);
   CHECK((*automatic)->info().backend == (gpu_present() ? BackendKind::cuda : BackendKind::cpu));
   if (gpu_present()) return;  // the refusals below need a machine without a usable GPU
   options.backend = BackendChoice::cuda;
@@ -338,14 +338,17 @@ TEST_CASE("ignore_eos generates through the end-of-turn tokens, stop_tokens stil
 // On a GPU
 // ============================================================================================================
 
-// The tolerance of GPU logits against the CPU's, as max |gpu - cpu| / max |cpu| over a prompt: one rounding of
-// the activation dtype per stored result, through a few layers (bf16: 8 bits of mantissa).
-double logits_tolerance(DType activations) {
-  switch (activations) {
-    case DType::BF16: return 4e-2;
-    case DType::F16: return 6e-3;
-    default: return 1e-4;
-  }
+// The tolerance of GPU logits against the CPU's, as max |gpu - cpu| / max |cpu| over a prompt. F32: sums in
+// another order. BF16 / F16: twice what transformers itself moves the same prompt's logits when it runs the model
+// in that dtype (tests/fixtures/models/<name>/dtype_drift.json, tools/make_dtype_drift_fixtures.py), at least 1e-3.
+// (Before that yardstick existed a guessed 4e-2 for bf16 failed on an H100 at 5.8e-2, where transformers' own
+// bf16 run of that prompt drifts 8.0e-2.)
+double logits_tolerance(DType activations, const std::string& name = "", size_t prompt = 0) {
+  if (activations == DType::F32) return 1e-4;
+  const nlohmann::json drift =
+      nlohmann::json::parse(fx::read_file(fx::dir(name) + "/dtype_drift.json"))["drift"];
+  const double measured = drift[activations == DType::BF16 ? "bfloat16" : "float16"].at(prompt).get<double>();
+  return std::max(2 * measured, 1e-3);
 }
 
 TEST_CASE("GPU logits match the CPU backend on every fixture, in every activation dtype") {
@@ -354,23 +357,26 @@ TEST_CASE("GPU logits match the CPU backend on every fixture, in every activatio
     auto cpu = cpu_engine(name);
     for (DType activations : {DType::BF16, DType::F16, DType::F32}) {
       CAPTURE(name);
-      CAPTURE(dtype_name(activations));
+      CAPTURE(std::string(dtype_name(activations)));
       auto gpu = gpu_engine(name, activations);
       CHECK(gpu->info().backend == BackendKind::cuda);
       CHECK(gpu->info().activation_dtype == activations);
-      for (const Prompt& p : prompts(name)) {
+      const std::vector<Prompt> list = prompts(name);
+      for (size_t k = 0; k < list.size(); k++) {
+        const Prompt& p = list[k];
+        const double tolerance = logits_tolerance(activations, name, k);
         auto expected = cpu->logits(p.ids);
         auto got = gpu->logits(p.ids);
         REQUIRE(expected);
         REQUIRE(got);
         REQUIRE(got->values.size() == expected->values.size());
         const double diff = fx::relative_max_diff(got->values, expected->values);
-        MESSAGE(name << " " << dtype_name(activations) << " prompt of " << p.ids.size()
-                     << " tokens: max |gpu - cpu| / max |cpu| = " << diff);
-        CHECK(diff <= logits_tolerance(activations));
+        MESSAGE(name << " " << std::string(dtype_name(activations)) << " prompt of " << p.ids.size()
+                     << " tokens: max |gpu - cpu| / max |cpu| = " << diff << " (tolerance " << tolerance << ")");
+        CHECK(diff <= tolerance);
         // and against transformers' float32 logits, the fixture's own truth
         const fx::Npy reference = fx::read_npy(fx::dir(name) + "/" + p.logits_file);
-        CHECK(fx::relative_max_diff(got->values, reference.values) <= logits_tolerance(activations) + 1e-4);
+        CHECK(fx::relative_max_diff(got->values, reference.values) <= tolerance + 1e-4);
       }
     }
   }
@@ -381,7 +387,7 @@ TEST_CASE("GPU greedy: F32 activations continue as transformers: 16-bit ones unt
   for (const std::string& name : fx::names()) {
     for (DType activations : {DType::F32, DType::BF16}) {
       CAPTURE(name);
-      CAPTURE(dtype_name(activations));
+      CAPTURE(std::string(dtype_name(activations)));
       auto gpu = gpu_engine(name, activations);
       // All prompts at once (batched decode, CUDA graphs) and each alone (batch 1) give the same tokens.
       std::vector<Prompt> list = prompts(name);
@@ -405,7 +411,8 @@ TEST_CASE("GPU greedy: F32 activations continue as transformers: 16-bit ones unt
         const fx::Npy reference = fx::read_npy(fx::dir(name) + "/" + list[i].logits_file);
         double scale = 0;
         for (float v : reference.values) scale = std::max(scale, std::fabs(double(v)));
-        if (same < list[i].greedy.size()) CHECK(list[i].margins[same] < 2 * logits_tolerance(activations) * scale);
+        if (same < list[i].greedy.size())
+          CHECK(list[i].margins[same] < 2 * logits_tolerance(activations, name, i) * scale);
       }
       CHECK(gpu->stats().graph_steps > 0);
     }
@@ -451,7 +458,7 @@ TEST_CASE("the GPU sampler kernel picks what its host twin and sample_token pick
   GPU_OR_SKIP();
   for (DType activations : {DType::BF16, DType::F32}) {
     for (int64_t vocab : {1, 1415, 151936}) {
-      CAPTURE(dtype_name(activations));
+      CAPTURE(std::string(dtype_name(activations)));
       CAPTURE(vocab);
       const std::vector<SamplingParams> grid = sampling_grid();
       const int64_t rows = int64_t(grid.size());
@@ -551,6 +558,51 @@ TEST_CASE("CUDA graphs replay what eager steps compute, and the graphs' memory i
   CHECK(graphed->stats().graph_steps > 0);
 }
 
+TEST_CASE("quantized checkpoints on the GPU: F32 logits as transformers', BF16 graphs replay eager steps") {
+  GPU_OR_SKIP();
+  for (const std::string name : {"tiny-w4a16", "tiny-fp8", "tiny-fp8-qwen"}) {
+    CAPTURE(name);
+    const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant/" + name;
+    const nlohmann::json reference = nlohmann::json::parse(fx::read_file(dir + "/reference.json"));
+    const nlohmann::json& prompt = reference["prompts"][0];
+    const std::vector<int32_t> ids = fx::ids_of(prompt["input_ids"]);
+    // F32 activations run the quantized Linears dequantized exactly (dequantize + float32 cuBLAS), as
+    // transformers' reference does with the reference libraries' dequantized weights.
+    {
+      auto gpu = open_engine(dir, BackendChoice::cuda, DType::F32);
+      auto got = gpu->logits(ids);
+      REQUIRE(got);
+      const fx::Npy want = fx::read_npy(dir + "/" + prompt["logits_file"].get<std::string>());
+      const double diff = fx::relative_max_diff(got->values, want.values);
+      MESSAGE(name << " F32 on the GPU: max |gpu - transformers| / max |transformers| = " << diff);
+      CHECK(diff <= 1e-4);
+    }
+    // BF16: the tensor-core GEMMs (W4A16, W8A16 or W8A8 with its activation staging; split-K at decode sizes)
+    // inside the decode graphs, lm_head included, against the same steps run eagerly: greedy and seeded
+    // sampling at temperature 1 (which reads the whole distribution), batches of 1, 3 and 5.
+    auto eager = open_engine(dir, BackendChoice::cuda, DType::BF16, false);
+    auto graphed = open_engine(dir, BackendChoice::cuda, DType::BF16, true);
+    for (size_t batch : {size_t(1), size_t(3), size_t(5)}) {
+      CAPTURE(batch);
+      std::vector<RequestId> a, b;
+      for (size_t i = 0; i < batch; i++) {
+        SamplingParams params = greedy(12);
+        if (i % 2 == 1) {
+          params.temperature = 1.0f;
+          params.seed = 77 + i;
+        }
+        a.push_back(eager->submit(ids, params).value());
+        b.push_back(graphed->submit(ids, params).value());
+      }
+      REQUIRE(eager->run());
+      REQUIRE(graphed->run());
+      for (size_t i = 0; i < batch; i++) CHECK(graphed->result(b[i]).value().ids == eager->result(a[i]).value().ids);
+    }
+    CHECK(eager->stats().graph_steps == 0);
+    CHECK(graphed->stats().graph_steps > 0);
+  }
+}
+
 TEST_CASE("no device allocation after open: the arena is the one cudaMalloc") {
   GPU_OR_SKIP();
   const uint64_t before = cuda::device_allocations();
@@ -597,11 +649,19 @@ TEST_CASE("device memory measured within 3% of the plan, a large GPU behaving as
     card = std::max<uint64_t>(2, free_before->first * 8 / 10 / GiB) * GiB;
     MESSAGE("less than 9 GiB free: planning a " << format_bytes(card) << " card instead of 8 GiB");
   }
+  // What the process holds at each point, by nvidia-smi (the planner's context and graph constants come from
+  // these figures): the bare context, then the engine opened (arena, cuBLAS, kernels loaded, graphs), then run.
+  const uint64_t context_alone = process_device_bytes();
   auto gpu = open_engine(fx::dir("tiny-llama3"), BackendChoice::cuda, std::nullopt, true, card);
+  const uint64_t after_open = process_device_bytes();
+  auto free_opened = cuda::memory_info();
+  REQUIRE_OK(free_opened);
   const Plan& plan = gpu->plan();
   CHECK(plan.device.total_bytes == card);
   CHECK(gpu->arena().size() == plan.arena_bytes());
-  CHECK(plan.arena_bytes() > card / 2);  // the KV region took what the budget left, as on such a card
+  // The KV region holds the pages max_seqs sequences of max_model_len can use, no more (kv_fill is off).
+  CHECK(plan.kv_pages == plan.kv_pages_usable);
+  CHECK(plan.kv_arena_bytes == plan.kv_pages * plan.kv_page_bytes);
   for (const Prompt& p : prompts("tiny-llama3")) REQUIRE(gpu->submit(p.ids, greedy()));
   REQUIRE(gpu->run());
   auto free_after = cuda::memory_info();
@@ -612,8 +672,13 @@ TEST_CASE("device memory measured within 3% of the plan, a large GPU behaving as
   MESSAGE("plan " << planned << " bytes (context " << context << ", arena " << plan.arena_bytes() << ", graphs "
                   << plan.item("graphs")->bytes << "); measured after the context: " << measured
                   << " (graphs " << gpu->info().graph_memory_bytes << ")");
-  CHECK(std::llabs(measured - int64_t(planned - context)) <= int64_t(planned * 3 / 100));
+  // (the context row also holds cuBLAS and the kernels loaded while the engine opens, which this drop includes)
+  CHECK(std::llabs(measured - int64_t(planned - context + kCudaRuntimeBytes)) <= int64_t(planned * 3 / 100));
   const uint64_t whole = process_device_bytes();
+  MESSAGE("nvidia-smi, this process: bare context " << context_alone << ", engine opened " << after_open
+          << ", after the run " << whole << "; cudaMemGetInfo free: before open " << free_before->first
+          << ", after open " << free_opened->first << ", after the run " << free_after->first << "; arena "
+          << plan.arena_bytes() << ", graphs measured " << gpu->info().graph_memory_bytes);
   if (whole == 0) {
     MESSAGE("nvidia-smi gave no per-process figure: the context itself is not measured");
   } else {

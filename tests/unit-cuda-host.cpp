@@ -175,6 +175,38 @@ TEST_CASE("split_key_range deals keys 0..last to the splits exactly once") {
   }
 }
 
+TEST_CASE("each query splits its own keys: every key once, chunks of kAttentionMinChunk or more, none empty") {
+  Random rng(16);
+  for (int trial = 0; trial < 3000; trial++) {
+    const int64_t planned = rng.between(1, cuda::kAttentionMaxSplits);
+    const int64_t keys = trial % 3 == 0 ? rng.between(0, 300) : rng.between(0, 40000);
+    const int64_t used = cuda::attention_splits_used(planned, keys);
+    const int64_t chunk = cuda::attention_chunk(planned, keys);
+    INFO("planned ", planned, " keys ", keys, " -> used ", used, " chunk ", chunk);
+    REQUIRE(used >= 1);
+    REQUIRE(used <= planned);
+    if (used > 1) CHECK(chunk >= cuda::kAttentionMinChunk);
+    // as many splits as chunks of kMinChunk allow when the grid has them (one fewer at most, where rounding the
+    // chunk up emptied the last)
+    const int64_t wanted = std::min<int64_t>(planned, std::max<int64_t>(1, keys / cuda::kAttentionMinChunk));
+    CHECK(used <= wanted);
+    CHECK(used >= wanted - 1);
+    std::vector<int> seen(size_t(keys), 0);
+    for (int64_t split = 0; split < planned; split++) {
+      int64_t begin, end;
+      cuda::split_key_range(split, chunk, keys - 1, &begin, &end);
+      if (split < used && keys > 0) CHECK(end > begin);  // a used split holds keys
+      if (split >= used) CHECK(end == begin);            // the others are empty
+      for (int64_t key = begin; key < end; key++) seen[size_t(key)]++;
+    }
+    for (int64_t key = 0; key < keys; key++) REQUIRE(seen[size_t(key)] == 1);
+  }
+  // A graph captured for a long max_model_len: a short context uses one split, a longer one many short chunks.
+  CHECK(cuda::attention_splits_used(66, 50) == 1);
+  CHECK(cuda::attention_splits_used(66, 3000) == 23);
+  CHECK(cuda::attention_chunk(66, 3000) == 131);
+}
+
 TEST_CASE("plan_attention_split fills the GPU without empty splits, short chunks or scratch overflow") {
   Random rng(14);
   for (int trial = 0; trial < 2000; trial++) {

@@ -144,7 +144,7 @@ TEST_CASE("gather_rows matches the CPU for BF16/F16/F32 tables") {
     Gpu g(activation);
     for (DType table_dtype : kFloatTypes)
       for (const Shape& s : shapes) {
-        CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(table_dtype)); CAPTURE(s.vocab); CAPTURE(s.hidden);
+        CAPTURE(std::string(dtype_name(activation))); CAPTURE(std::string(dtype_name(table_dtype))); CAPTURE(s.vocab); CAPTURE(s.hidden);
         Twin table(g, table_dtype, table_dtype, s.vocab, s.hidden, 3);
         table.randomize(rng);
         std::vector<int32_t> ids(size_t(s.tokens));
@@ -194,7 +194,7 @@ TEST_CASE("rms_norm matches the CPU: whole rows (warp and block teams) and per-h
     for (DType weight_dtype : kFloatTypes)
       for (const Shape& s : shapes)
         for (int64_t tokens : {1, 5, 33}) {
-          CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(weight_dtype)); CAPTURE(s.cols); CAPTURE(s.group);
+          CAPTURE(std::string(dtype_name(activation))); CAPTURE(std::string(dtype_name(weight_dtype))); CAPTURE(s.cols); CAPTURE(s.group);
           CAPTURE(tokens);
           Twin x = Twin::activation(g, tokens, s.cols, 3);
           x.randomize(rng, 3.0f);
@@ -221,7 +221,7 @@ TEST_CASE("add_rms_norm matches the CPU: the residual updated, then normalised, 
       for (int64_t hidden : {64, 129, 256, 257, 2048, 5120})
         for (int64_t tokens : {1, 4, 19})
           for (bool in_place : {false, true}) {
-            CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(weight_dtype)); CAPTURE(hidden); CAPTURE(tokens);
+            CAPTURE(std::string(dtype_name(activation))); CAPTURE(std::string(dtype_name(weight_dtype))); CAPTURE(hidden); CAPTURE(tokens);
             CAPTURE(in_place);
             Twin x = Twin::activation(g, tokens, hidden, 2);
             x.randomize(rng, 2.0f);
@@ -251,7 +251,7 @@ TEST_CASE("rope matches the CPU: full and partial rotary, odd head counts, strid
     Gpu g(activation);
     for (const Shape& s : shapes)
       for (int64_t tokens : {1, 6, 41}) {
-        CAPTURE(dtype_name(activation)); CAPTURE(s.heads); CAPTURE(s.head_dim); CAPTURE(s.half); CAPTURE(tokens);
+        CAPTURE(std::string(dtype_name(activation))); CAPTURE(s.heads); CAPTURE(s.head_dim); CAPTURE(s.half); CAPTURE(tokens);
         Twin x = Twin::activation(g, tokens, s.heads * s.head_dim, 7);  // q inside a fused qkv row
         x.randomize(rng);
         Twin cos(g, DType::F32, DType::F32, tokens, s.half, 1), sin(g, DType::F32, DType::F32, tokens, s.half, 2);
@@ -282,7 +282,7 @@ TEST_CASE("linear (cuBLAS) matches the CPU, with and without bias, on strided vi
     Gpu g(activation);
     for (const Shape& s : shapes)
       for (bool with_bias : {false, true}) {
-        CAPTURE(dtype_name(activation)); CAPTURE(s.tokens); CAPTURE(s.out_features); CAPTURE(s.in_features);
+        CAPTURE(std::string(dtype_name(activation))); CAPTURE(s.tokens); CAPTURE(s.out_features); CAPTURE(s.in_features);
         CAPTURE(with_bias);
         Twin x = Twin::activation(g, s.tokens, s.in_features, 3);
         x.randomize(rng);
@@ -319,7 +319,7 @@ TEST_CASE("silu_mul matches the CPU on the halves of a fused gate_up buffer, out
     for (int64_t width : {1, 160, 1000, 4097})
       for (int64_t tokens : {1, 3, 17})
         for (bool in_place : {false, true}) {
-          CAPTURE(dtype_name(activation)); CAPTURE(width); CAPTURE(tokens); CAPTURE(in_place);
+          CAPTURE(std::string(dtype_name(activation))); CAPTURE(width); CAPTURE(tokens); CAPTURE(in_place);
           Twin gate_up = Twin::activation(g, tokens, 2 * width, 3);
           gate_up.randomize(rng, 6.0f);
           Twin out = Twin::activation(g, tokens, width, 1);
@@ -341,7 +341,7 @@ TEST_CASE("add matches the CPU, out separate or the same view as a or b") {
     for (int64_t width : {1, 64, 333, 4096})
       for (int64_t tokens : {1, 2, 31})
         for (int target : {0, 1, 2}) {  // out, a, b
-          CAPTURE(dtype_name(activation)); CAPTURE(width); CAPTURE(tokens); CAPTURE(target);
+          CAPTURE(std::string(dtype_name(activation))); CAPTURE(width); CAPTURE(tokens); CAPTURE(target);
           Twin a = Twin::activation(g, tokens, width, 2), b = Twin::activation(g, tokens, width, 0);
           a.randomize(rng, 10.0f);
           b.randomize(rng);
@@ -364,7 +364,7 @@ TEST_CASE("copy converts between F32, BF16 and F16 with the CPU's bits, special 
   for (DType from : kFloatTypes)
     for (DType to : kFloatTypes)
       for (int64_t width : {1, 16, 300}) {
-        CAPTURE(dtype_name(from)); CAPTURE(dtype_name(to)); CAPTURE(width);
+        CAPTURE(std::string(dtype_name(from))); CAPTURE(std::string(dtype_name(to))); CAPTURE(width);
         const int64_t rows = 5;
         Twin src(g, from, from, rows, width, 3);
         for (int64_t r = 0; r < rows; r++)
@@ -429,7 +429,7 @@ TEST_CASE("kv_write stores what the CPU stores, skipping negative slots") {
     Gpu g(activation);
     for (DType kv_dtype : kKvTypes)
       for (const CacheShape& s : shapes) {
-        CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(kv_dtype)); CAPTURE(s.page_tokens); CAPTURE(s.head_dim);
+        CAPTURE(std::string(dtype_name(activation))); CAPTURE(std::string(dtype_name(kv_dtype))); CAPTURE(s.page_tokens); CAPTURE(s.head_dim);
         KVCacheView gpu_cache, cpu_cache;
         Twin cache = make_cache(g, kv_dtype, s, rng, &gpu_cache, &cpu_cache);
         const int64_t slots_total = s.pages * s.page_tokens, width = s.kv_heads * s.head_dim;
@@ -523,7 +523,7 @@ TEST_CASE("attention matches the CPU: decode, chunked prefill, GQA groups, paged
     Gpu g(activation);
     for (DType kv_dtype : kKvTypes)
       for (const AttentionCase& c : cases) {
-        CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(kv_dtype)); CAPTURE(c.heads); CAPTURE(c.kv_heads);
+        CAPTURE(std::string(dtype_name(activation))); CAPTURE(std::string(dtype_name(kv_dtype))); CAPTURE(c.heads); CAPTURE(c.kv_heads);
         CAPTURE(c.head_dim); CAPTURE(c.page_tokens);
         AttentionRun run(c, rng);
         KVCacheView gpu_cache, cpu_cache;
@@ -628,7 +628,7 @@ TEST_CASE("cuda::argmax gives the sampler's greedy token: ties to the lowest id,
     Gpu g(activation);
     for (int64_t vocab : {1, 7, 1000, 151936})
       for (int64_t tokens : {1, 3, 8}) {
-        CAPTURE(dtype_name(activation)); CAPTURE(vocab); CAPTURE(tokens);
+        CAPTURE(std::string(dtype_name(activation))); CAPTURE(vocab); CAPTURE(tokens);
         Twin logits = Twin::activation(g, tokens, vocab, 3);
         logits.randomize(rng, 20.0f);
         for (int64_t t = 0; t < tokens && vocab > 2; t++) {
@@ -726,7 +726,7 @@ TEST_CASE("embedding_bag matches the CPU: 4-tap bilinear rows of a position tabl
     for (DType table_dtype : kFloatTypes)
       for (int64_t cols : {16, 72, 1024})
         for (int64_t rows : {1, 9, 130}) {
-          CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(table_dtype)); CAPTURE(cols); CAPTURE(rows);
+          CAPTURE(std::string(dtype_name(activation))); CAPTURE(std::string(dtype_name(table_dtype))); CAPTURE(cols); CAPTURE(rows);
           const int64_t table_rows = 144, taps = 4;
           Twin table(g, table_dtype, table_dtype, table_rows, cols, 2);
           table.randomize(rng);
@@ -773,7 +773,7 @@ TEST_CASE("layer_norm matches the CPU: narrow and wide rows, BF16/F16/F32 weight
     for (DType weight_dtype : kFloatTypes)
       for (int64_t cols : {7, 64, 257, 1152, 4096})
         for (int64_t rows : {1, 6, 41}) {
-          CAPTURE(dtype_name(activation)); CAPTURE(dtype_name(weight_dtype)); CAPTURE(cols); CAPTURE(rows);
+          CAPTURE(std::string(dtype_name(activation))); CAPTURE(std::string(dtype_name(weight_dtype))); CAPTURE(cols); CAPTURE(rows);
           Twin x = Twin::activation(g, rows, cols, 2);
           for (int64_t r = 0; r < rows; r++)  // an offset per row, so subtracting the mean matters
             for (int64_t c = 0; c < cols; c++) x.set(r, c, 2.0f + 0.5f * float(r % 3) + rng.value());
@@ -800,7 +800,7 @@ TEST_CASE("gelu matches the CPU, exact (erf) and tanh, strided and in place") {
     Gpu g(activation);
     for (GeluApprox approx : {GeluApprox::none, GeluApprox::tanh})
       for (int64_t cols : {1, 33, 4304}) {
-        CAPTURE(dtype_name(activation)); CAPTURE(int(approx)); CAPTURE(cols);
+        CAPTURE(std::string(dtype_name(activation))); CAPTURE(int(approx)); CAPTURE(cols);
         Twin x = Twin::activation(g, 5, cols, 3);
         x.randomize(rng, 6.0f);
         Twin out = Twin::activation(g, 5, cols, 1);
@@ -828,7 +828,7 @@ TEST_CASE("segment_attention matches the CPU: images of different sizes, q/k/v s
   for (DType activation : kActivations) {
     Gpu g(activation);
     for (const Shape& s : shapes) {
-      CAPTURE(dtype_name(activation)); CAPTURE(s.heads); CAPTURE(s.kv_heads); CAPTURE(s.head_dim);
+      CAPTURE(std::string(dtype_name(activation))); CAPTURE(s.heads); CAPTURE(s.kv_heads); CAPTURE(s.head_dim);
       const int64_t rows = s.starts.back(), q_width = s.heads * s.head_dim, kv_width = s.kv_heads * s.head_dim;
       int64_t longest = 0;
       for (size_t i = 1; i < s.starts.size(); i++) longest = std::max<int64_t>(longest, s.starts[i] - s.starts[i - 1]);

@@ -312,7 +312,7 @@ TEST_CASE("dequantize + cuBLAS matches the CPU for every layout, F32 activations
 TEST_CASE("the automatic choice runs every format at decode and prefill sizes") {
   GPU_OR_SKIP();
   Random rng(206);
-  const bool w8a8 = device_sm() >= cuda::kQuantW8A8MinSm;
+  const bool w8a8 = cuda::quant_w8a8_preferred(device_sm());  // what automatic picks for fp8
   for (DType activation : kHalfActivations) {
     Gpu g(activation);
     OwnedWeight int4 = make_int4(64 * 9, 2048, 128, activation, true, false, rng);

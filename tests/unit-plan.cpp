@@ -333,9 +333,10 @@ TEST_CASE("Qwen3-VL-4B FP8 on an 8 GiB card under WSL2: 0.85 x 4096 and 0.70 x 2
   REQUIRE(a.max_model_len_that_fits > 0);
   CHECK(a.max_model_len_that_fits < 4096);
   CHECK(plan_for(q, wsl2_card, options_with(0.85, a.max_model_len_that_fits)).fits);
-  // Native Linux: the same plan with 640 MiB less context, all of it KV.
+  // Native Linux: the same plan with 1024 MiB - cuda_context_bytes (645 MiB) less context, all of it KV.
   Plan native = plan_for(q, planned_card(8 * GiB, false), options_with(0.85, 4096));
-  CHECK(native.kv_available_bytes - a.kv_available_bytes == int64_t(640 * MiB));
+  CHECK(native.kv_available_bytes - a.kv_available_bytes ==
+        int64_t(1024 * MiB - cuda_context_bytes(planned_card(8 * GiB, false))));
   CHECK_FALSE(any_contains(native.advice, "WSL2"));
 
   // Less utilization and half the context: the budget shrinks more than the KV need does.
@@ -354,13 +355,13 @@ TEST_CASE("Qwen3-VL-4B FP8 on an 8 GiB card under WSL2: 0.85 x 4096 and 0.70 x 2
 TEST_CASE("a smaller image budget is suggested when it makes the context fit") {
   Model q = qwen();
   DeviceSpec card = planned_card(8 * GiB, false);
-  Plan p = plan_for(q, card, options_with(0.80, 4096));
+  Plan p = plan_for(q, card, options_with(0.79, 4096));
   REQUIRE_FALSE(p.fits);
   REQUIRE(p.image_pixels_that_fit > 0);
   CHECK(p.image_pixels_that_fit < p.options.max_image_pixels);
   CHECK(p.image_pixels_that_fit % (32 * 32) == 0);
   CHECK(any_contains(p.advice, "With --max-image-pixels " + std::to_string(p.image_pixels_that_fit) + ": fits"));
-  PlanOptions o = options_with(0.80, 4096);
+  PlanOptions o = options_with(0.79, 4096);
   o.max_image_pixels = p.image_pixels_that_fit;
   CHECK(plan_for(q, card, o).fits);
   o.max_image_pixels = p.image_pixels_that_fit + 32 * 32;
@@ -703,18 +704,31 @@ TEST_CASE("CUDA-only rows (repack of quantized Linears, context, graphs) are zer
   for (auto& linear : q32.weights.linears) linear.scale_dtype = DType::F32;
   CHECK(plan_for(q32, card, options_with(0.9, 4096)).item("repack")->bytes == repack_for(q32));
   CHECK(plan_for(llama(), card, options_with(0.9, 4096)).item("repack")->bytes == repack_for(llama()));
-  CHECK(p.item("context")->bytes == 384 * MiB);
-  // Graph pool: 16 MiB + 2 MiB per decode bucket.
+  // A planned card's context: 260 MiB + the RTX 4060 Ti's 34 SMs x 1,536 threads x 1 KiB of stack + 68 MiB.
+  CHECK(p.item("context")->bytes == 260 * MiB + 34 * 1536 * KiB + 68 * MiB);
+  // A queried GPU's own SMs: the H100 the constants were measured on (132 x 2,048) comes to the 524 MiB bare
+  // context measured there, plus the 68 MiB.
+  DeviceSpec h100 = card;
+  h100.multiprocessors = 132;
+  h100.threads_per_multiprocessor = 2048;
+  CHECK(plan_for(q, h100, options_with(0.9, 4096)).item("context")->bytes == 524 * MiB + 68 * MiB);
+  CHECK(cuda_context_bytes(h100) == 592 * MiB);
+  // Graph pool: 2 MiB + 64 KiB per layer per decode bucket, in whole 2 MiB.
   auto graphs = [&](int64_t seqs) {
     PlanOptions o = options_with(0.9, 4096);
     o.max_seqs = seqs;
     return plan_for(q, card, o).item("graphs")->bytes;
   };
-  CHECK(graphs(1) == 18 * MiB);   // 1
-  CHECK(graphs(6) == 24 * MiB);   // 1,2,4,6
-  CHECK(graphs(8) == 24 * MiB);   // 1,2,4,8
-  CHECK(graphs(9) == 26 * MiB);   // 1,2,4,8,9
-  CHECK(graphs(256) == 34 * MiB); // 1..256: 9 buckets
+  const uint64_t layers = uint64_t(q.config.text.num_layers);
+  auto expected_graphs = [&](uint64_t buckets) {
+    return (2 * MiB + 64 * KiB * layers * buckets + 2 * MiB - 1) / (2 * MiB) * (2 * MiB);
+  };
+  CHECK(graphs(1) == expected_graphs(1));    // 1
+  CHECK(graphs(6) == expected_graphs(4));    // 1,2,4,6
+  CHECK(graphs(8) == expected_graphs(4));    // 1,2,4,8
+  CHECK(graphs(9) == expected_graphs(5));    // 1,2,4,8,9
+  CHECK(graphs(256) == expected_graphs(9));  // 1..256: 9 buckets
+  CHECK(graphs(8) % (2 * MiB) == 0);
   // Workspace: the CUDA backend's (cuBLAS workspace + attention scratch, the same constants the backend carves)
   // + the largest quantized Linear (the bf16 lm_head is used as stored, never repacked).
   Model l = llama();
@@ -751,7 +765,7 @@ TEST_CASE("--wsl2 overrides the device's detection") {
   CHECK(forced.options.wsl2 == std::optional<bool>(true));
   CHECK(forced.item("context")->bytes == 1024 * MiB);
   o.wsl2 = false;
-  CHECK(plan_for(q, planned_card(8 * GiB, true), o).item("context")->bytes == 384 * MiB);
+  CHECK(plan_for(q, planned_card(8 * GiB, true), o).item("context")->bytes == 260 * MiB + 34 * 1536 * KiB + 68 * MiB);
 }
 
 TEST_CASE("weights estimated from config.json say so") {
@@ -927,10 +941,11 @@ TEST_CASE("shipped Qwen3-VL-4B FP8 on an 8 GiB card: WSL2 at 0.82 x 4096 and 0.7
   CHECK(b.max_model_len_that_fits == 0);
   CHECK(plan_for(q, wsl2, options_with(b.utilization_needed, 2048)).fits);
 
-  // The 640 MiB WSL2 costs are the difference: native Linux fits 4096 at the same ratio.
+  // The 645 MiB WSL2 costs are the difference: native Linux fits 4096 at the same ratio.
   Plan native = plan_for(q, planned_card(8 * GiB, false), options_with(0.82, 4096));
   CHECK(native.fits);
-  CHECK(native.kv_available_bytes - a.kv_available_bytes == int64_t(640 * MiB));
+  CHECK(native.kv_available_bytes - a.kv_available_bytes ==
+        int64_t(1024 * MiB - cuda_context_bytes(planned_card(8 * GiB, false))));
 }
 
 TEST_CASE("shipped Llama-3.1-8B W4A16 perplexity on 8 GiB: 2048 fits, 131072 needs 16 GiB of KV and cannot") {

@@ -561,6 +561,12 @@ TEST_CASE("kernel choice: W8A8 for fp8 on sm_89+, W4A16/W8A16 mma up to kQuantMm
   CHECK(choose_quant_kernel(lf, DType::BF16, 89, 2048, a) == QuantKernel::mma_w8a8);
   CHECK(choose_quant_kernel(lf, DType::BF16, 120, 1, a) == QuantKernel::mma_w8a8);
   CHECK(choose_quant_kernel(lf, DType::BF16, 87, 1, a) == QuantKernel::mma_a16);
+  // Hopper: the warp-level e4m3 mma is emulated there; W8A16 (or dequantize + cuBLAS past kQuantMmaMaxRows)
+  CHECK(choose_quant_kernel(lf, DType::BF16, 90, 1, a) == QuantKernel::mma_a16);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 90, 2048, a) == QuantKernel::dequant_cublas);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 90, 1, QuantKernel::mma_w8a8) == QuantKernel::mma_w8a8);
+  CHECK(quant_kernel_refusal(lf, QuantKernel::mma_w8a8, DType::BF16, 90).empty());
+  CHECK(choose_quant_kernel(lf, DType::BF16, 100, 1, a) == QuantKernel::mma_w8a8);
   CHECK(choose_quant_kernel(lf, DType::BF16, 86, 4096, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(lf, DType::BF16, 90, 1, QuantKernel::mma_a16) == QuantKernel::mma_a16);
   CHECK(quant_kernel_refusal(li, QuantKernel::mma_a16, DType::BF16, 80).empty());
@@ -570,6 +576,24 @@ TEST_CASE("kernel choice: W8A8 for fp8 on sm_89+, W4A16/W8A16 mma up to kQuantMm
   CHECK(quant_kernel_refusal(lo, QuantKernel::mma_a16, DType::BF16, 90).find("40") != std::string::npos);
   CHECK(quant_kernel_refusal(li, QuantKernel::mma_a16, DType::F32, 90).find("F32") != std::string::npos);
   CHECK(quant_kernel_refusal(lo, QuantKernel::dequant_cublas, DType::F32, 80).empty());
+}
+
+TEST_CASE("quant_group_of: the GEMM's 32-bit group index equals k / group_size, shifted for powers of two") {
+  CHECK(quant_group_shift(128) == 7);
+  CHECK(quant_group_shift(32) == 5);
+  CHECK(quant_group_shift(1) == 0);
+  CHECK(quant_group_shift(96) == -1);
+  CHECK(quant_group_shift(0) == -1);
+  Random rng(69);
+  for (int64_t group : {int64_t(16), int64_t(32), int64_t(64), int64_t(96), int64_t(128), int64_t(160), int64_t(256),
+                        int64_t(4096), int64_t(1) << 20}) {
+    const int shift = quant_group_shift(group);
+    for (int trial = 0; trial < 2000; trial++) {
+      const uint32_t k = trial < 4 ? uint32_t(INT32_MAX - trial) : uint32_t(rng.below(int64_t(INT32_MAX)));
+      CAPTURE(group); CAPTURE(k);
+      REQUIRE(quant_group_of(k, uint32_t(group), shift) == uint32_t(int64_t(k) / group));
+    }
+  }
 }
 
 TEST_CASE("planning: split-K fills the GPU for one block row, scratch is never exceeded, rows pass in chunks") {

@@ -10,7 +10,8 @@
 #   tests/test-*                          the doctest suites, plus ctest's files for them (tests/*.cmake)
 #   lib/libkvlite.so                      the library, built SHARED (KVLITE_LIBRARY_TYPE) so that the kernels'
 #                                         machine code is there once, not in each of ~20 binaries
-#   lib/libpcre2-8.so.0 lib/libturbojpeg.so.0   the two non-CUDA libraries the device machine lacks
+#   lib/libpcre2-8.so.0 lib/libturbojpeg.so.0 lib/libcpp-httplib.so.0.11 lib/libbrotli*.so.1
+#                                         the non-CUDA libraries the device machine lacks
 #   MANIFEST                              source stamp (tools/source-stamp.sh), arch, nvcc, glibc needed, commit
 # Every binary's RUNPATH is $ORIGIN, $ORIGIN/lib, $ORIGIN/../lib; the CUDA runtime and cuBLAS come from the
 # device's own CUDA 13 toolkit (nvcc 13.0 there as here). libstdc++ and glibc are the system's: built on
@@ -48,6 +49,7 @@ nice cmake --build "$links/build" -j "${KVLITE_BUNDLE_JOBS:-2}"
 rm -rf "$bundle"
 mkdir -p "$bundle/lib" "$bundle/tests"
 cp "$work"/libkvlite.so "$bundle/lib/"
+ln -s lib/libkvlite.so "$bundle/libkvlite.so"  # where the build tree has it (the ctypes example's test loads it there)
 for program in "$work"/kvlite "$work"/caption_image "$work"/bench-*; do
   [ -x "$program" ] && cp "$program" "$bundle/"
 done
@@ -56,9 +58,13 @@ cp $suites "$bundle/tests/"
 # ctest's files (doctest_discover_tests wrote one test list per suite), for `ctest` in /tmp/kvlite-bundle/build.
 cp "$work"/CTestTestfile.cmake "$bundle/"
 cp "$work"/tests/*.cmake "$bundle/tests/"
-for library in libpcre2-8.so.0 libturbojpeg.so.0; do
-  path=$(ldd "$bundle/lib/libkvlite.so" | awk -v name="$library" '$1 == name { print $3 }')
-  [ -n "$path" ] || { echo "build-gpu-bundle: libkvlite.so does not link $library" >&2; exit 1; }
+# The libraries of Debian's -dev packages that the device machine may lack (cpp-httplib, for kvlite serve and its
+# tests, brings brotli; OpenSSL and zlib are on every Linux the device runs). The first time without httplib
+# here, the device call found kvlite's `libcpp-httplib.so.0.11 => not found` and built everything instead.
+for library in libpcre2-8.so.0 libturbojpeg.so.0 libcpp-httplib.so.0.11 libbrotlidec.so.1 libbrotlienc.so.1 \
+               libbrotlicommon.so.1; do
+  path=$(ldd "$bundle/lib/libkvlite.so" "$bundle/kvlite" | awk -v name="$library" '$1 == name { print $3; exit }')
+  [ -n "$path" ] || { echo "build-gpu-bundle: neither libkvlite.so nor kvlite links $library" >&2; exit 1; }
   cp -L "$path" "$bundle/lib/$library"
 done
 strip --strip-unneeded "$bundle"/kvlite "$bundle"/caption_image "$bundle"/bench-* "$bundle"/lib/*.so* \

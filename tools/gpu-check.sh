@@ -147,8 +147,10 @@ bench() {  # bench TITLE MODEL_DIR [extra kvlite options...]
   return $status
 }
 bench "tiny-qwen3 fixture (CUDA)" tests/fixtures/models/tiny-qwen3 --backend cuda --device-mem 2GiB
-bench "tiny-qwen3 fixture (CPU, for comparison)" tests/fixtures/models/tiny-qwen3 --backend cpu --device-mem 1GiB \
-  --decode-tokens 16
+gpu_bench_args=("${bench_args[@]}")
+bench_args=(--batch 1,8 --prompt-tokens 128 --decode-tokens 16)  # (the CPU is slower: fewer tokens)
+bench "tiny-qwen3 fixture (CPU, for comparison)" tests/fixtures/models/tiny-qwen3 --backend cpu --device-mem 1GiB
+bench_args=("${gpu_bench_args[@]}")
 phase "fixture bench" "done"
 
 if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then

@@ -67,6 +67,7 @@ hidden=(
   $lib/pkgconfig/libpcre2-*.pc $lib/pkgconfig/libturbojpeg.pc $lib/pkgconfig/libjpeg.pc $lib/pkgconfig/stb.pc
   $lib/cmake/libjpeg-turbo /usr/lib/cmake/doctest /usr/share/cmake/nlohmann_json /usr/share/pkgconfig/nlohmann_json.pc
   /usr/bin/pkg-config /usr/bin/pkgconf /usr/bin/x86_64-linux-gnu-pkg-config /usr/bin/x86_64-linux-gnu-pkgconf
+  /usr/include/httplib.h $lib/libcpp-httplib.so* $lib/pkgconfig/cpp-httplib.pc $lib/libbrotli*.so* $lib/libbrotli*.a
 )
 hidden_count=0
 for path in "${hidden[@]}"; do
@@ -120,10 +121,10 @@ else
   for binary in "$build"/lib/libkvlite.so "$build"/kvlite "$build"/caption_image "$build"/bench-* $suites; do
     name=${binary#$build/}
     libraries=$(ldd "$binary" 2>&1)
-    bad=$(echo "$libraries" | grep -E 'not found|not a dynamic|libpcre2|libturbojpeg' | grep -v "=> $root/gpu-bundle/lib/\|=> $build/" | grep -v '=> /tmp/kvlite-bundle/build/')
+    bad=$(echo "$libraries" | grep -E 'not found|not a dynamic|libpcre2|libturbojpeg|libcpp-httplib|libbrotli' | grep -v "=> $root/gpu-bundle/lib/\|=> $build/" | grep -v '=> /tmp/kvlite-bundle/build/')
     # Anything a device machine would not have: every library is glibc's, libstdc++/libgcc, CUDA's, or carried.
     foreign=$(echo "$libraries" | awk '$2 == "=>" { print $1 }' |
-      grep -vE '^(linux-vdso|libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcudart|libcublas|libcublasLt|libkvlite|libpcre2-8|libturbojpeg)\.so')
+      grep -vE '^(linux-vdso|libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcudart|libcublas|libcublasLt|libkvlite|libpcre2-8|libturbojpeg|libcpp-httplib|libbrotli(common|dec|enc)|libssl|libcrypto|libz)\.so')
     result "$name: libraries resolve, pcre2 and libjpeg-turbo from gpu-bundle/lib" \
       "$([ -z "$bad$foreign" ] && echo 0 || echo 1)" "$bad$foreign"
   done
