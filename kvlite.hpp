@@ -43,7 +43,9 @@
         allocated afterwards.
       - Tokenizes as Hugging Face tokenizers do (byte-level BPE, PCRE2 regexes, NFC, chat formats for ChatML
         and Llama-3), generates with continuous batching over the paged KV cache, samples (greedy,
-        temperature, top-k, top-p, min-p, repetition penalty, seed) and scores perplexity with sliding windows.
+        temperature, top-k, top-p, min-p, repetition penalty, seed) and scores perplexity with sliding windows;
+        optional speculative decoding by prompt lookup (PlanOptions::ngram, speculative_tokens) that keeps
+        greedy output identical and the sampling distribution exact.
       - Decodes images (JPEG with libjpeg-turbo as PIL and torchvision do; PNG, BMP, TGA, GIF, PNM with
         stb_image) and preprocesses them exactly as Qwen's image processor does; runs the Qwen3-VL vision
         encoder with DeepStack and M-RoPE.
@@ -77,8 +79,8 @@
         KV cache). The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling) passes its GPU tests
         and compute-sanitizer on an H100 (bench/RESULTS.md), but is not yet fast: decode at 16-50% of the
         bandwidth roofline, the W4A16 GEMM at 20-30% of copy bandwidth. The engine on it refuses images
-        (BackendChoice::auto_ therefore keeps vision-language models on the CPU); the vision kernels' GPU tests
-        have not run yet.
+        (BackendChoice::auto_ therefore keeps vision-language models on the CPU), although the vision kernels
+        pass their GPU tests.
       - Linux (including WSL2) only: uses mmap and sysconf.
 
    CONFIGURATION
@@ -1621,6 +1623,13 @@ struct PlanOptions {
   // true: fill the whole budget with KV pages, as vLLM does on a dedicated server (--kv-fill).
   bool kv_fill = false;
   std::optional<bool> wsl2;            // override WSL2 detection
+  // Speculative decoding by prompt lookup (n-gram drafting): each decoding sequence drafts up to
+  // speculative_tokens tokens (K) per step from the latest earlier occurrence of its last tokens (matching at
+  // most `ngram` of them) and the model verifies them in the same forward pass. 0: off. Both or neither.
+  // It needs no memory of its own: the K + 1 tokens a sequence reads are inside max_batched_tokens, and their
+  // logits go through the planned logits rows.
+  int64_t speculative_tokens = 0;
+  int64_t ngram = 0;
   // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
   // float32) and accepts nothing else; CUDA: BF16, F16 or F32. Unset: F32 on the CPU; on CUDA the model's dtype
   // (F16 for F16 checkpoints, else BF16), as KV auto. Resolved in Plan::options.
@@ -1633,6 +1642,8 @@ constexpr int64_t kMaxPlanBatchedTokens = 1 << 20;
 constexpr int64_t kMaxPlanPageTokens = 1024;
 constexpr int64_t kMaxPlanImages = 1024;
 constexpr int64_t kMaxPlanImagePixels = int64_t(1) << 28;  // 16384 x 16384
+constexpr int64_t kMaxSpeculativeTokens = 32;  // beyond ~8 acceptance falls off: 32 is generous
+constexpr int64_t kMaxNgram = 32;
 // Every planned region starts on this boundary: each buffer and item is rounded up to it.
 constexpr uint64_t kPlanAlignment = 256;
 
@@ -2006,6 +2017,28 @@ class Rng {
 int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
                      int64_t history_len, Rng& rng, float* prob_scratch, int32_t* index_scratch);
 int32_t argmax(const float* values, int64_t count);
+
+// ---- speculative decoding (EngineOptions: PlanOptions::speculative_tokens, ngram) ----
+// Prompt-lookup (n-gram) drafting: the longest suffix of `history`, at most max_ngram tokens, that also occurs
+// earlier in it (its latest occurrence followed by max_tokens tokens, else the one followed by the most); the
+// tokens that followed it there, at most max_tokens, are the draft, written to `draft`. Returns their count (0: no
+// match). O(history_len x max_ngram) compares.
+int64_t propose_ngram_draft(const int32_t* history, int64_t history_len, int64_t max_ngram, int64_t max_tokens,
+                            int32_t* draft);
+// Verifies one drafted token against the target model's row of logits, by the speculative sampling rule
+// (Leviathan et al. 2023, Chen et al. 2023) for a draft that proposes its token with certainty (n-gram drafting):
+// greedy, the token is the target's argmax and the draft is accepted when it is that token; sampling, the draft
+// is accepted with probability p(draft) under the distribution sample_token draws from (penalty, temperature,
+// top-k, top-p, min-p), and on rejection the token is drawn from p without the draft, renormalized. Either way
+// the token is distributed exactly as sample_token's (it draws one or two numbers from `rng`, sample_token one).
+// `logits` is modified in place; the scratch arrays are sample_token's.
+struct DraftVerdict {
+  int32_t token = -1;     // the token to emit: the draft when accepted, else the target's own
+  bool accepted = false;
+};
+DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                                int64_t history_len, int32_t draft, Rng& rng, float* prob_scratch,
+                                int32_t* index_scratch);
 // log_softmax(logits)[token], computed stably in double.
 double token_logprob(const float* logits, int64_t vocab, int32_t token);
 
@@ -2719,6 +2752,10 @@ struct EngineStats {
   int64_t tokens_generated = 0;  // ids sampled
   int64_t preemptions = 0;       // running requests preempted for KV pages (and recomputed later)
   int64_t peak_running = 0;      // most sequences in one step
+  // Speculative decoding: drafted tokens the target verified, and how many it accepted (each accepted draft is
+  // a token gained without a forward pass of its own).
+  int64_t draft_tokens = 0;
+  int64_t draft_tokens_accepted = 0;
 };
 
 // What the engine runs on, fixed at open (kvlite bench prints it).
@@ -9039,6 +9076,19 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
                (long long)o.max_batched_tokens, (long long)kMaxPlanBatchedTokens));
   if (o.kv_page_tokens < 1 || o.kv_page_tokens > kMaxPlanPageTokens)
     bad(format("kv_page_tokens %lld is outside 1..%lld", (long long)o.kv_page_tokens, (long long)kMaxPlanPageTokens));
+  if (o.speculative_tokens < 0 || o.speculative_tokens > kMaxSpeculativeTokens)
+    bad(format("speculative tokens %lld is outside 0..%lld (--spec-tokens)", (long long)o.speculative_tokens,
+               (long long)kMaxSpeculativeTokens));
+  if (o.ngram < 0 || o.ngram > kMaxNgram)
+    bad(format("ngram %lld is outside 0..%lld (--ngram)", (long long)o.ngram, (long long)kMaxNgram));
+  if ((o.speculative_tokens > 0) != (o.ngram > 0))
+    bad(format("speculative decoding needs both --ngram N (the longest n-gram matched) and --spec-tokens K (tokens "
+               "drafted per step); got ngram %lld and speculative tokens %lld",
+               (long long)o.ngram, (long long)o.speculative_tokens));
+  if (o.speculative_tokens > 0 && o.max_batched_tokens > 0 && o.speculative_tokens + 1 > o.max_batched_tokens)
+    bad(format("--spec-tokens %lld needs max_batched_tokens of at least %lld (a sequence reads K + 1 tokens in a "
+               "step); max_batched_tokens is %lld", (long long)o.speculative_tokens,
+               (long long)o.speculative_tokens + 1, (long long)o.max_batched_tokens));
   if (o.activation_dtype) {
     const DType act = *o.activation_dtype;
     if (device.backend == BackendKind::cpu && act != DType::F32)
@@ -9764,6 +9814,13 @@ std::string Plan::table() const {
                            format_count(uint64_t(image_patches_per_image)).c_str(),
                            format_bytes(vision_weights_bytes).c_str())});
   }
+  if (options.speculative_tokens > 0)
+    rows.push_back({"speculative", format_bytes(0),
+                    format("n-gram drafting (prompt lookup, n <= %lld), up to %lld tokens per sequence per step, "
+                           "verified in the same forward pass: the K + 1 tokens are inside max_batched_tokens %lld "
+                           "and their logits use the logits rows, so it needs no memory of its own",
+                           (long long)options.ngram, (long long)options.speculative_tokens,
+                           (long long)options.max_batched_tokens)});
   rows.push_back({"concurrency", format("%.2f", concurrency),
                   format("sequences of %lld tokens the KV arena holds at once", (long long)max_model_len)});
   rows.push_back({"verdict", fits ? "FITS" : "DOES NOT FIT",
@@ -9817,6 +9874,8 @@ std::string Plan::json() const {
   opts["max_images"] = options.max_images;
   opts["kv_page_tokens"] = options.kv_page_tokens;
   opts["kv_fill"] = options.kv_fill;
+  opts["speculative_tokens"] = options.speculative_tokens;
+  opts["ngram"] = options.ngram;
   opts["activation_dtype"] = dtype_name(options.activation_dtype.value_or(DType::F32));
   opts["wsl2"] = options.wsl2.value_or(device.wsl2);
   j["options"] = opts;
@@ -10393,8 +10452,14 @@ double token_logprob(const float* logits, int64_t vocab, int32_t token) {
   return double(logits[token]) - max_logit - std::log(sum);
 }
 
-int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
-                     int64_t history_len, Rng& rng, float* prob_scratch, int32_t* index_scratch) {
+namespace detail {
+// The distribution sample_token draws from, in transformers' order: repetition penalty on the logits (positive
+// logits divided, negative multiplied, once per distinct previous token), temperature, top-k, top-p (smallest set
+// of most likely tokens whose probability reaches top_p, at least one), min-p (drop tokens below min_p x the top
+// probability). Greedy (temperature 0): returns 0 and the argmax is the token (the logits are penalized). Else the
+// candidates are order[0, returned) with their (unnormalized) probabilities at probs[order[i]].
+int64_t sampling_distribution(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                              int64_t history_len, float* prob_scratch, int32_t* index_scratch) {
   // Repetition penalty (CTRL, as transformers' RepetitionPenaltyLogitsProcessor): once per distinct token.
   if (params.repetition_penalty != 1.0f) {
     float* seen = prob_scratch;  // marks tokens already penalized
@@ -10406,7 +10471,7 @@ int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params,
       logits[t] = logits[t] > 0 ? logits[t] / params.repetition_penalty : logits[t] * params.repetition_penalty;
     }
   }
-  if (params.temperature == 0.0f) return argmax(logits, vocab);
+  if (params.temperature == 0.0f) return 0;
 
   // Temperature, then probabilities in scratch[0, vocab), candidate ids sorted by probability.
   float* probs = prob_scratch;
@@ -10442,14 +10507,85 @@ int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params,
     while (keep < candidates && probs[order[keep]] >= threshold) keep++;
     candidates = keep;
   }
+  return candidates;
+}
+
+// One draw from candidates order[0, candidates) weighted by probs[], skipping `excluded` (-1: none).
+int32_t draw_candidate(const float* probs, const int32_t* order, int64_t candidates, int32_t excluded, Rng& rng) {
   double total = 0.0;
-  for (int64_t i = 0; i < candidates; i++) total += probs[order[i]];
+  for (int64_t i = 0; i < candidates; i++)
+    if (order[i] != excluded) total += probs[order[i]];
   double draw = double(rng.next_float()) * total, running = 0.0;
+  int32_t last = -1;
   for (int64_t i = 0; i < candidates; i++) {
+    if (order[i] == excluded) continue;
     running += probs[order[i]];
+    last = order[i];
     if (draw < running) return order[i];
   }
-  return order[candidates - 1];
+  return last;
+}
+}  // namespace detail
+
+int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                     int64_t history_len, Rng& rng, float* prob_scratch, int32_t* index_scratch) {
+  const int64_t candidates =
+      detail::sampling_distribution(logits, vocab, params, history, history_len, prob_scratch, index_scratch);
+  if (params.temperature == 0.0f) return argmax(logits, vocab);
+  return detail::draw_candidate(prob_scratch, index_scratch, candidates, -1, rng);
+}
+
+DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                                int64_t history_len, int32_t draft, Rng& rng, float* prob_scratch,
+                                int32_t* index_scratch) {
+  const int64_t candidates =
+      detail::sampling_distribution(logits, vocab, params, history, history_len, prob_scratch, index_scratch);
+  DraftVerdict verdict;
+  if (params.temperature == 0.0f) {
+    verdict.token = argmax(logits, vocab);
+    verdict.accepted = verdict.token == draft;
+    return verdict;
+  }
+  // p(draft) under the processed distribution (0 when top-k / top-p / min-p dropped it).
+  double total = 0.0, p_draft = 0.0;
+  for (int64_t i = 0; i < candidates; i++) {
+    total += index_scratch[i] == draft ? 0.0 : prob_scratch[index_scratch[i]];
+    if (index_scratch[i] == draft) p_draft = prob_scratch[draft];
+  }
+  total += p_draft;
+  // Accept with probability p(draft) / total (the draft proposed it with certainty: q(draft) = 1) ...
+  if (p_draft > 0.0 && double(rng.next_float()) * total < p_draft) {
+    verdict.token = draft;
+    verdict.accepted = true;
+    return verdict;
+  }
+  // ... else draw from max(0, p - q), normalized: p without the draft.
+  verdict.token = detail::draw_candidate(prob_scratch, index_scratch, candidates, p_draft > 0.0 ? draft : -1, rng);
+  if (verdict.token < 0) verdict.token = draft;  // the draft was the only candidate (accepted above; unreachable)
+  return verdict;
+}
+
+int64_t propose_ngram_draft(const int32_t* history, int64_t history_len, int64_t max_ngram, int64_t max_tokens,
+                            int32_t* draft) {
+  if (history_len < 2 || max_ngram < 1 || max_tokens < 1) return 0;
+  // Longest n first; for each n, the latest earlier occurrence of the last n tokens with a whole continuation
+  // (max_tokens tokens before the history ends), else the one with the longest (a run of one token, whose latest
+  // occurrences overlap the suffix, drafts more of it this way).
+  for (int64_t n = std::min(max_ngram, history_len - 1); n >= 1; n--) {
+    const int32_t* suffix = history + history_len - n;
+    int64_t best_from = -1, best_count = 0;
+    for (int64_t start = history_len - n - 1; start >= 0 && best_count < max_tokens; start--) {
+      if (!std::equal(suffix, suffix + n, history + start)) continue;
+      const int64_t from = start + n;  // the continuation: tokens after the match
+      const int64_t count = std::min(max_tokens, history_len - from);
+      if (count > best_count) best_from = from, best_count = count;
+    }
+    if (best_count > 0) {
+      std::copy(history + best_from, history + best_from + best_count, draft);
+      return best_count;
+    }
+  }
+  return 0;
 }
 
 Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t context, int64_t stride) {
@@ -12716,6 +12852,12 @@ struct EngineRequest {
   std::string text;    // decoded so far (cut at a stop string)
   size_t emitted = 0;  // bytes of `text` handed to on_token
   Generation result;
+  // Speculative decoding: the tokens drafted for the step being run (appended to `tokens` while it runs),
+  // `draft_base` the index in `tokens` of the last token before them; once a draft is rejected the request's
+  // later rows in the step are ignored (their K/V is overwritten later).
+  std::vector<int32_t> drafts;
+  int64_t draft_base = 0;
+  bool draft_rejected = false;
 
   // score and logits: rows [want_begin, want_end) of `tokens` have their logits consumed
   int64_t want_begin = 0, want_end = 0;
@@ -13107,6 +13249,7 @@ struct Engine::Impl {
     for (size_t i = 0; i < running.size() && budget > 0;) {
       detail::EngineRequest& r = *running[i];
       int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
+      if (int64_t(r.tokens.size()) - r.computed == 1 && draft(r, budget - 1)) n += int64_t(r.drafts.size());
       bool kept = true;
       while (!reserve(r, r.computed + n)) {
         detail::EngineRequest& victim = *running.back();
@@ -13144,12 +13287,51 @@ struct Engine::Impl {
     }
   }
 
+  // Speculative decoding (plan.options.speculative_tokens > 0): a decoding request's next step also reads up to
+  // K drafted tokens (n-gram: the continuation of the latest earlier occurrence of its last tokens), whose logits
+  // are verified in order (verify_draft_token), so one forward pass over the weights can yield up to K + 1
+  // tokens. Drafts are appended to r.tokens for the step when the pages for them are there without preempting
+  // anyone; `limit` is the step's token budget left after r's own token. True when r drafted.
+  bool draft(detail::EngineRequest& r, int64_t limit) {
+    const int64_t k = plan.options.speculative_tokens;
+    if (k <= 0 || r.kind != detail::RequestKind::generate) return false;
+    // Every accepted draft and the token after them must be allowed: by max_tokens and by the context.
+    const int64_t allowed = std::min({k, limit, r.params.max_tokens - int64_t(r.result.ids.size()) - 1,
+                                      max_model_len() - int64_t(r.tokens.size())});
+    if (allowed <= 0) return false;
+    r.drafts.resize(size_t(allowed));
+    const int64_t count =
+        propose_ngram_draft(r.tokens.data(), int64_t(r.tokens.size()), plan.options.ngram, allowed, r.drafts.data());
+    r.drafts.resize(size_t(count));
+    if (count == 0 || !reserve(r, r.computed + 1 + count)) {
+      r.drafts.clear();
+      return false;
+    }
+    r.draft_base = int64_t(r.tokens.size()) - 1;
+    r.draft_rejected = false;
+    r.tokens.insert(r.tokens.end(), r.drafts.begin(), r.drafts.end());
+    stats.draft_tokens += count;
+    return true;
+  }
+
+  // After a step's rows are consumed: a drafting request keeps the K/V of its last token and accepted drafts
+  // (the positions past them held rejected drafts; the next steps overwrite them).
+  void settle_drafts() {
+    for (const Scheduled& s : scheduled) {
+      detail::EngineRequest& r = *s.request;
+      if (r.drafts.empty()) continue;
+      if (!r.finished) r.computed = std::min<int64_t>(r.computed, int64_t(r.tokens.size()) - 1);
+      r.drafts.clear();
+      r.draft_rejected = false;
+    }
+  }
+
   // The positions of r whose logits are wanted among [first, first + count).
   std::pair<int64_t, int64_t> wanted_rows(const detail::EngineRequest& r, int64_t first, int64_t count) const {
     int64_t begin = r.want_begin, end = r.want_end;
-    if (r.kind == detail::RequestKind::generate) {  // the last token's row, once the whole sequence is in
+    if (r.kind == detail::RequestKind::generate) {  // the last token's row (and its drafts'), once all is in
       end = int64_t(r.tokens.size());
-      begin = end - 1;
+      begin = end - 1 - int64_t(r.drafts.size());
     }
     return {std::max(begin, first), std::min(end, first + count)};
   }
@@ -13159,10 +13341,22 @@ struct Engine::Impl {
     const int64_t vocab = config.text.vocab_size;
     switch (r.kind) {
       case detail::RequestKind::generate: {
+        if (r.finished || r.draft_rejected) break;  // rows after the request ended or after a rejected draft
         // the sampler's scratch: the arena's rows on the CPU, host vectors beside a GPU's (whose rows are device
         // memory)
         float* probs = on_gpu() ? host_probs.data() : model->sampling_probs(r.slot);
         int32_t* order = on_gpu() ? host_order.data() : model->sampling_order(r.slot);
+        const int64_t drafted = owner.position - r.draft_base;  // the row verifying drafts[drafted], if any
+        if (!r.drafts.empty() && drafted < int64_t(r.drafts.size())) {
+          // r.tokens holds the accepted drafts before this one: the history the target's token depends on
+          const DraftVerdict verdict = verify_draft_token(row, vocab, r.params, r.tokens.data(),
+                                                          int64_t(r.tokens.size()), r.drafts[size_t(drafted)], r.rng,
+                                                          probs, order);
+          if (verdict.accepted) stats.draft_tokens_accepted++;
+          else r.draft_rejected = true;
+          accept_token(r, verdict.token);
+          break;
+        }
         const int32_t id =
             sample_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng, probs, order);
         accept_token(r, id);
@@ -13293,7 +13487,11 @@ struct Engine::Impl {
     } else {
       model->forward(input);
     }
-    for (const Scheduled& s : scheduled) s.request->computed += s.tokens;
+    for (const Scheduled& s : scheduled) {
+      s.request->computed += s.tokens;
+      // the drafts leave r.tokens: rows verify them in order and accepted ones come back through accept_token
+      if (!s.request->drafts.empty()) s.request->tokens.resize(size_t(s.request->draft_base + 1));
+    }
     stats.steps++;
     stats.tokens_computed += t;
     stats.peak_running = std::max(stats.peak_running, int64_t(scheduled.size()));
@@ -13309,6 +13507,7 @@ struct Engine::Impl {
           consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
       }
     }
+    settle_drafts();
     // Prefill-only requests end once every token is in.
     for (const Scheduled& s : scheduled) {
       detail::EngineRequest& r = *s.request;
@@ -13327,7 +13526,8 @@ struct Engine::Impl {
     bool host_rows = false;
     for (int64_t i = 0; i < count; i++) {
       detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
-      if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f) {
+      // (a drafting request's rows are verified in order against its history: on the host)
+      if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f || !r.drafts.empty()) {
         host_rows = true;
         continue;
       }

@@ -351,6 +351,11 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--no-cuda-graphs", "", "CUDA: run decode steps op by op instead of replaying CUDA graphs"},
       {"--threads", "N", "CPU threads; default one per hardware thread"},
       {"--fp8-activations", "", "fp8 checkpoints: quantize activations to fp8 per token as the GPU does (W8A8)"},
+      {"--ngram", "N", "speculative decoding by prompt lookup: draft from the latest earlier occurrence of the last "
+                       "N (or fewer) tokens, 1..32; alone, --spec-tokens 4"},
+      {"--spec-tokens", "K", "speculative decoding: tokens drafted per sequence per step and verified in one "
+                             "forward pass, 1..32; alone, --ngram 3. Greedy output is unchanged; sampling keeps its "
+                             "distribution"},
   };
 }
 
@@ -397,6 +402,11 @@ kvlite::EngineOptions engine_options(const Args& args) {
   if (args.has("--device")) options.device = int(args.integer("--device", 0, 1023));
   if (args.has("--threads")) options.threads = int(args.integer("--threads", 1, 4096));
   options.fp8_activations = args.has("--fp8-activations");
+  if (args.has("--ngram") || args.has("--spec-tokens")) {
+    options.plan.ngram = args.has("--ngram") ? args.integer("--ngram", 1, kvlite::kMaxNgram) : 3;
+    options.plan.speculative_tokens =
+        args.has("--spec-tokens") ? args.integer("--spec-tokens", 1, kvlite::kMaxSpeculativeTokens) : 4;
+  }
   return options;
 }
 
@@ -475,6 +485,15 @@ int run_generate(const Args& args) {
   fprintf(stderr, "kvlite generate: %zu prompt + %zu generated tokens in %.2f s (%s)\n",
           generation->prompt_ids.size(), generation->ids.size(), seconds,
           kvlite::finish_reason_name(generation->finish_reason));
+  const kvlite::EngineStats stats = engine->stats();
+  if (stats.draft_tokens > 0 || engine->plan().options.speculative_tokens > 0)
+    fprintf(stderr,
+            "kvlite generate: speculative: %lld drafted, %lld accepted (%.1f%%); %lld forward passes for %zu tokens "
+            "(%.2f per token)\n",
+            (long long)stats.draft_tokens, (long long)stats.draft_tokens_accepted,
+            stats.draft_tokens > 0 ? 100.0 * double(stats.draft_tokens_accepted) / double(stats.draft_tokens) : 0.0,
+            (long long)stats.steps, generation->ids.size(),
+            generation->ids.empty() ? 0.0 : double(stats.steps) / double(generation->ids.size()));
   return kExitOk;
 }
 

@@ -127,6 +127,10 @@ struct EngineStats {
   int64_t tokens_generated = 0;  // ids sampled
   int64_t preemptions = 0;       // running requests preempted for KV pages (and recomputed later)
   int64_t peak_running = 0;      // most sequences in one step
+  // Speculative decoding: drafted tokens the target verified, and how many it accepted (each accepted draft is
+  // a token gained without a forward pass of its own).
+  int64_t draft_tokens = 0;
+  int64_t draft_tokens_accepted = 0;
 };
 
 // What the engine runs on, fixed at open (kvlite bench prints it).

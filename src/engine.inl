@@ -65,6 +65,12 @@ struct EngineRequest {
   std::string text;    // decoded so far (cut at a stop string)
   size_t emitted = 0;  // bytes of `text` handed to on_token
   Generation result;
+  // Speculative decoding: the tokens drafted for the step being run (appended to `tokens` while it runs),
+  // `draft_base` the index in `tokens` of the last token before them; once a draft is rejected the request's
+  // later rows in the step are ignored (their K/V is overwritten later).
+  std::vector<int32_t> drafts;
+  int64_t draft_base = 0;
+  bool draft_rejected = false;
 
   // score and logits: rows [want_begin, want_end) of `tokens` have their logits consumed
   int64_t want_begin = 0, want_end = 0;
@@ -456,6 +462,7 @@ struct Engine::Impl {
     for (size_t i = 0; i < running.size() && budget > 0;) {
       detail::EngineRequest& r = *running[i];
       int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
+      if (int64_t(r.tokens.size()) - r.computed == 1 && draft(r, budget - 1)) n += int64_t(r.drafts.size());
       bool kept = true;
       while (!reserve(r, r.computed + n)) {
         detail::EngineRequest& victim = *running.back();
@@ -493,12 +500,51 @@ struct Engine::Impl {
     }
   }
 
+  // Speculative decoding (plan.options.speculative_tokens > 0): a decoding request's next step also reads up to
+  // K drafted tokens (n-gram: the continuation of the latest earlier occurrence of its last tokens), whose logits
+  // are verified in order (verify_draft_token), so one forward pass over the weights can yield up to K + 1
+  // tokens. Drafts are appended to r.tokens for the step when the pages for them are there without preempting
+  // anyone; `limit` is the step's token budget left after r's own token. True when r drafted.
+  bool draft(detail::EngineRequest& r, int64_t limit) {
+    const int64_t k = plan.options.speculative_tokens;
+    if (k <= 0 || r.kind != detail::RequestKind::generate) return false;
+    // Every accepted draft and the token after them must be allowed: by max_tokens and by the context.
+    const int64_t allowed = std::min({k, limit, r.params.max_tokens - int64_t(r.result.ids.size()) - 1,
+                                      max_model_len() - int64_t(r.tokens.size())});
+    if (allowed <= 0) return false;
+    r.drafts.resize(size_t(allowed));
+    const int64_t count =
+        propose_ngram_draft(r.tokens.data(), int64_t(r.tokens.size()), plan.options.ngram, allowed, r.drafts.data());
+    r.drafts.resize(size_t(count));
+    if (count == 0 || !reserve(r, r.computed + 1 + count)) {
+      r.drafts.clear();
+      return false;
+    }
+    r.draft_base = int64_t(r.tokens.size()) - 1;
+    r.draft_rejected = false;
+    r.tokens.insert(r.tokens.end(), r.drafts.begin(), r.drafts.end());
+    stats.draft_tokens += count;
+    return true;
+  }
+
+  // After a step's rows are consumed: a drafting request keeps the K/V of its last token and accepted drafts
+  // (the positions past them held rejected drafts; the next steps overwrite them).
+  void settle_drafts() {
+    for (const Scheduled& s : scheduled) {
+      detail::EngineRequest& r = *s.request;
+      if (r.drafts.empty()) continue;
+      if (!r.finished) r.computed = std::min<int64_t>(r.computed, int64_t(r.tokens.size()) - 1);
+      r.drafts.clear();
+      r.draft_rejected = false;
+    }
+  }
+
   // The positions of r whose logits are wanted among [first, first + count).
   std::pair<int64_t, int64_t> wanted_rows(const detail::EngineRequest& r, int64_t first, int64_t count) const {
     int64_t begin = r.want_begin, end = r.want_end;
-    if (r.kind == detail::RequestKind::generate) {  // the last token's row, once the whole sequence is in
+    if (r.kind == detail::RequestKind::generate) {  // the last token's row (and its drafts'), once all is in
       end = int64_t(r.tokens.size());
-      begin = end - 1;
+      begin = end - 1 - int64_t(r.drafts.size());
     }
     return {std::max(begin, first), std::min(end, first + count)};
   }
@@ -508,10 +554,22 @@ struct Engine::Impl {
     const int64_t vocab = config.text.vocab_size;
     switch (r.kind) {
       case detail::RequestKind::generate: {
+        if (r.finished || r.draft_rejected) break;  // rows after the request ended or after a rejected draft
         // the sampler's scratch: the arena's rows on the CPU, host vectors beside a GPU's (whose rows are device
         // memory)
         float* probs = on_gpu() ? host_probs.data() : model->sampling_probs(r.slot);
         int32_t* order = on_gpu() ? host_order.data() : model->sampling_order(r.slot);
+        const int64_t drafted = owner.position - r.draft_base;  // the row verifying drafts[drafted], if any
+        if (!r.drafts.empty() && drafted < int64_t(r.drafts.size())) {
+          // r.tokens holds the accepted drafts before this one: the history the target's token depends on
+          const DraftVerdict verdict = verify_draft_token(row, vocab, r.params, r.tokens.data(),
+                                                          int64_t(r.tokens.size()), r.drafts[size_t(drafted)], r.rng,
+                                                          probs, order);
+          if (verdict.accepted) stats.draft_tokens_accepted++;
+          else r.draft_rejected = true;
+          accept_token(r, verdict.token);
+          break;
+        }
         const int32_t id =
             sample_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng, probs, order);
         accept_token(r, id);
@@ -642,7 +700,11 @@ struct Engine::Impl {
     } else {
       model->forward(input);
     }
-    for (const Scheduled& s : scheduled) s.request->computed += s.tokens;
+    for (const Scheduled& s : scheduled) {
+      s.request->computed += s.tokens;
+      // the drafts leave r.tokens: rows verify them in order and accepted ones come back through accept_token
+      if (!s.request->drafts.empty()) s.request->tokens.resize(size_t(s.request->draft_base + 1));
+    }
     stats.steps++;
     stats.tokens_computed += t;
     stats.peak_running = std::max(stats.peak_running, int64_t(scheduled.size()));
@@ -658,6 +720,7 @@ struct Engine::Impl {
           consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
       }
     }
+    settle_drafts();
     // Prefill-only requests end once every token is in.
     for (const Scheduled& s : scheduled) {
       detail::EngineRequest& r = *s.request;
@@ -676,7 +739,8 @@ struct Engine::Impl {
     bool host_rows = false;
     for (int64_t i = 0; i < count; i++) {
       detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
-      if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f) {
+      // (a drafting request's rows are verified in order against its history: on the host)
+      if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f || !r.drafts.empty()) {
         host_rows = true;
         continue;
       }

@@ -36,6 +36,13 @@ struct PlanOptions {
   // true: fill the whole budget with KV pages, as vLLM does on a dedicated server (--kv-fill).
   bool kv_fill = false;
   std::optional<bool> wsl2;            // override WSL2 detection
+  // Speculative decoding by prompt lookup (n-gram drafting): each decoding sequence drafts up to
+  // speculative_tokens tokens (K) per step from the latest earlier occurrence of its last tokens (matching at
+  // most `ngram` of them) and the model verifies them in the same forward pass. 0: off. Both or neither.
+  // It needs no memory of its own: the K + 1 tokens a sequence reads are inside max_batched_tokens, and their
+  // logits go through the planned logits rows.
+  int64_t speculative_tokens = 0;
+  int64_t ngram = 0;
   // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
   // float32) and accepts nothing else; CUDA: BF16, F16 or F32. Unset: F32 on the CPU; on CUDA the model's dtype
   // (F16 for F16 checkpoints, else BF16), as KV auto. Resolved in Plan::options.
@@ -48,6 +55,8 @@ constexpr int64_t kMaxPlanBatchedTokens = 1 << 20;
 constexpr int64_t kMaxPlanPageTokens = 1024;
 constexpr int64_t kMaxPlanImages = 1024;
 constexpr int64_t kMaxPlanImagePixels = int64_t(1) << 28;  // 16384 x 16384
+constexpr int64_t kMaxSpeculativeTokens = 32;  // beyond ~8 acceptance falls off: 32 is generous
+constexpr int64_t kMaxNgram = 32;
 // Every planned region starts on this boundary: each buffer and item is rounded up to it.
 constexpr uint64_t kPlanAlignment = 256;
 

@@ -234,6 +234,19 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
                (long long)o.max_batched_tokens, (long long)kMaxPlanBatchedTokens));
   if (o.kv_page_tokens < 1 || o.kv_page_tokens > kMaxPlanPageTokens)
     bad(format("kv_page_tokens %lld is outside 1..%lld", (long long)o.kv_page_tokens, (long long)kMaxPlanPageTokens));
+  if (o.speculative_tokens < 0 || o.speculative_tokens > kMaxSpeculativeTokens)
+    bad(format("speculative tokens %lld is outside 0..%lld (--spec-tokens)", (long long)o.speculative_tokens,
+               (long long)kMaxSpeculativeTokens));
+  if (o.ngram < 0 || o.ngram > kMaxNgram)
+    bad(format("ngram %lld is outside 0..%lld (--ngram)", (long long)o.ngram, (long long)kMaxNgram));
+  if ((o.speculative_tokens > 0) != (o.ngram > 0))
+    bad(format("speculative decoding needs both --ngram N (the longest n-gram matched) and --spec-tokens K (tokens "
+               "drafted per step); got ngram %lld and speculative tokens %lld",
+               (long long)o.ngram, (long long)o.speculative_tokens));
+  if (o.speculative_tokens > 0 && o.max_batched_tokens > 0 && o.speculative_tokens + 1 > o.max_batched_tokens)
+    bad(format("--spec-tokens %lld needs max_batched_tokens of at least %lld (a sequence reads K + 1 tokens in a "
+               "step); max_batched_tokens is %lld", (long long)o.speculative_tokens,
+               (long long)o.speculative_tokens + 1, (long long)o.max_batched_tokens));
   if (o.activation_dtype) {
     const DType act = *o.activation_dtype;
     if (device.backend == BackendKind::cpu && act != DType::F32)
@@ -959,6 +972,13 @@ std::string Plan::table() const {
                            format_count(uint64_t(image_patches_per_image)).c_str(),
                            format_bytes(vision_weights_bytes).c_str())});
   }
+  if (options.speculative_tokens > 0)
+    rows.push_back({"speculative", format_bytes(0),
+                    format("n-gram drafting (prompt lookup, n <= %lld), up to %lld tokens per sequence per step, "
+                           "verified in the same forward pass: the K + 1 tokens are inside max_batched_tokens %lld "
+                           "and their logits use the logits rows, so it needs no memory of its own",
+                           (long long)options.ngram, (long long)options.speculative_tokens,
+                           (long long)options.max_batched_tokens)});
   rows.push_back({"concurrency", format("%.2f", concurrency),
                   format("sequences of %lld tokens the KV arena holds at once", (long long)max_model_len)});
   rows.push_back({"verdict", fits ? "FITS" : "DOES NOT FIT",
@@ -1012,6 +1032,8 @@ std::string Plan::json() const {
   opts["max_images"] = options.max_images;
   opts["kv_page_tokens"] = options.kv_page_tokens;
   opts["kv_fill"] = options.kv_fill;
+  opts["speculative_tokens"] = options.speculative_tokens;
+  opts["ngram"] = options.ngram;
   opts["activation_dtype"] = dtype_name(options.activation_dtype.value_or(DType::F32));
   opts["wsl2"] = options.wsl2.value_or(device.wsl2);
   j["options"] = opts;

@@ -39,6 +39,28 @@ class Rng {
 int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
                      int64_t history_len, Rng& rng, float* prob_scratch, int32_t* index_scratch);
 int32_t argmax(const float* values, int64_t count);
+
+// ---- speculative decoding (EngineOptions: PlanOptions::speculative_tokens, ngram) ----
+// Prompt-lookup (n-gram) drafting: the longest suffix of `history`, at most max_ngram tokens, that also occurs
+// earlier in it (its latest occurrence followed by max_tokens tokens, else the one followed by the most); the
+// tokens that followed it there, at most max_tokens, are the draft, written to `draft`. Returns their count (0: no
+// match). O(history_len x max_ngram) compares.
+int64_t propose_ngram_draft(const int32_t* history, int64_t history_len, int64_t max_ngram, int64_t max_tokens,
+                            int32_t* draft);
+// Verifies one drafted token against the target model's row of logits, by the speculative sampling rule
+// (Leviathan et al. 2023, Chen et al. 2023) for a draft that proposes its token with certainty (n-gram drafting):
+// greedy, the token is the target's argmax and the draft is accepted when it is that token; sampling, the draft
+// is accepted with probability p(draft) under the distribution sample_token draws from (penalty, temperature,
+// top-k, top-p, min-p), and on rejection the token is drawn from p without the draft, renormalized. Either way
+// the token is distributed exactly as sample_token's (it draws one or two numbers from `rng`, sample_token one).
+// `logits` is modified in place; the scratch arrays are sample_token's.
+struct DraftVerdict {
+  int32_t token = -1;     // the token to emit: the draft when accepted, else the target's own
+  bool accepted = false;
+};
+DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                                int64_t history_len, int32_t draft, Rng& rng, float* prob_scratch,
+                                int32_t* index_scratch);
 // log_softmax(logits)[token], computed stably in double.
 double token_logprob(const float* logits, int64_t vocab, int32_t token);
 

@@ -59,8 +59,14 @@ double token_logprob(const float* logits, int64_t vocab, int32_t token) {
   return double(logits[token]) - max_logit - std::log(sum);
 }
 
-int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
-                     int64_t history_len, Rng& rng, float* prob_scratch, int32_t* index_scratch) {
+namespace detail {
+// The distribution sample_token draws from, in transformers' order: repetition penalty on the logits (positive
+// logits divided, negative multiplied, once per distinct previous token), temperature, top-k, top-p (smallest set
+// of most likely tokens whose probability reaches top_p, at least one), min-p (drop tokens below min_p x the top
+// probability). Greedy (temperature 0): returns 0 and the argmax is the token (the logits are penalized). Else the
+// candidates are order[0, returned) with their (unnormalized) probabilities at probs[order[i]].
+int64_t sampling_distribution(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                              int64_t history_len, float* prob_scratch, int32_t* index_scratch) {
   // Repetition penalty (CTRL, as transformers' RepetitionPenaltyLogitsProcessor): once per distinct token.
   if (params.repetition_penalty != 1.0f) {
     float* seen = prob_scratch;  // marks tokens already penalized
@@ -72,7 +78,7 @@ int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params,
       logits[t] = logits[t] > 0 ? logits[t] / params.repetition_penalty : logits[t] * params.repetition_penalty;
     }
   }
-  if (params.temperature == 0.0f) return argmax(logits, vocab);
+  if (params.temperature == 0.0f) return 0;
 
   // Temperature, then probabilities in scratch[0, vocab), candidate ids sorted by probability.
   float* probs = prob_scratch;
@@ -108,14 +114,85 @@ int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params,
     while (keep < candidates && probs[order[keep]] >= threshold) keep++;
     candidates = keep;
   }
+  return candidates;
+}
+
+// One draw from candidates order[0, candidates) weighted by probs[], skipping `excluded` (-1: none).
+int32_t draw_candidate(const float* probs, const int32_t* order, int64_t candidates, int32_t excluded, Rng& rng) {
   double total = 0.0;
-  for (int64_t i = 0; i < candidates; i++) total += probs[order[i]];
+  for (int64_t i = 0; i < candidates; i++)
+    if (order[i] != excluded) total += probs[order[i]];
   double draw = double(rng.next_float()) * total, running = 0.0;
+  int32_t last = -1;
   for (int64_t i = 0; i < candidates; i++) {
+    if (order[i] == excluded) continue;
     running += probs[order[i]];
+    last = order[i];
     if (draw < running) return order[i];
   }
-  return order[candidates - 1];
+  return last;
+}
+}  // namespace detail
+
+int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                     int64_t history_len, Rng& rng, float* prob_scratch, int32_t* index_scratch) {
+  const int64_t candidates =
+      detail::sampling_distribution(logits, vocab, params, history, history_len, prob_scratch, index_scratch);
+  if (params.temperature == 0.0f) return argmax(logits, vocab);
+  return detail::draw_candidate(prob_scratch, index_scratch, candidates, -1, rng);
+}
+
+DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                                int64_t history_len, int32_t draft, Rng& rng, float* prob_scratch,
+                                int32_t* index_scratch) {
+  const int64_t candidates =
+      detail::sampling_distribution(logits, vocab, params, history, history_len, prob_scratch, index_scratch);
+  DraftVerdict verdict;
+  if (params.temperature == 0.0f) {
+    verdict.token = argmax(logits, vocab);
+    verdict.accepted = verdict.token == draft;
+    return verdict;
+  }
+  // p(draft) under the processed distribution (0 when top-k / top-p / min-p dropped it).
+  double total = 0.0, p_draft = 0.0;
+  for (int64_t i = 0; i < candidates; i++) {
+    total += index_scratch[i] == draft ? 0.0 : prob_scratch[index_scratch[i]];
+    if (index_scratch[i] == draft) p_draft = prob_scratch[draft];
+  }
+  total += p_draft;
+  // Accept with probability p(draft) / total (the draft proposed it with certainty: q(draft) = 1) ...
+  if (p_draft > 0.0 && double(rng.next_float()) * total < p_draft) {
+    verdict.token = draft;
+    verdict.accepted = true;
+    return verdict;
+  }
+  // ... else draw from max(0, p - q), normalized: p without the draft.
+  verdict.token = detail::draw_candidate(prob_scratch, index_scratch, candidates, p_draft > 0.0 ? draft : -1, rng);
+  if (verdict.token < 0) verdict.token = draft;  // the draft was the only candidate (accepted above; unreachable)
+  return verdict;
+}
+
+int64_t propose_ngram_draft(const int32_t* history, int64_t history_len, int64_t max_ngram, int64_t max_tokens,
+                            int32_t* draft) {
+  if (history_len < 2 || max_ngram < 1 || max_tokens < 1) return 0;
+  // Longest n first; for each n, the latest earlier occurrence of the last n tokens with a whole continuation
+  // (max_tokens tokens before the history ends), else the one with the longest (a run of one token, whose latest
+  // occurrences overlap the suffix, drafts more of it this way).
+  for (int64_t n = std::min(max_ngram, history_len - 1); n >= 1; n--) {
+    const int32_t* suffix = history + history_len - n;
+    int64_t best_from = -1, best_count = 0;
+    for (int64_t start = history_len - n - 1; start >= 0 && best_count < max_tokens; start--) {
+      if (!std::equal(suffix, suffix + n, history + start)) continue;
+      const int64_t from = start + n;  // the continuation: tokens after the match
+      const int64_t count = std::min(max_tokens, history_len - from);
+      if (count > best_count) best_from = from, best_count = count;
+    }
+    if (best_count > 0) {
+      std::copy(history + best_from, history + best_from + best_count, draft);
+      return best_count;
+    }
+  }
+  return 0;
 }
 
 Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t context, int64_t stride) {
