@@ -8349,9 +8349,6 @@ inline Image decode_jpeg(const uint8_t* data, size_t size, const DecodeOptions& 
                 "refused before decoding. Downscale it, or raise the limit if the image is genuine",
                 name.c_str(), width, height, megapixels(int64_t(width) * height).c_str(),
                 megapixels(options.max_pixels).c_str(), (long long)options.max_pixels));
-  if (colorspace == TJCS_CMYK || colorspace == TJCS_YCCK)
-    fail(ErrorCode::unsupported, format("%s: a CMYK JPEG (%d x %d); kvlite decodes RGB, YCbCr and grayscale JPEGs: "
-                                        "convert it to RGB first", name.c_str(), width, height));
   JpegFacts facts = jpeg_facts(data, size);
   if (!facts.has_end)
     fail(ErrorCode::bad_format, format("%s: truncated or corrupt JPEG: no end-of-image marker after the image data "
@@ -8360,11 +8357,28 @@ inline Image decode_jpeg(const uint8_t* data, size_t size, const DecodeOptions& 
   image.width = width;
   image.height = height;
   image.rgb.resize(size_t(width) * size_t(height) * 3);
-  if (tjDecompress2(handle.h, data, (unsigned long)size, image.rgb.data(), width, 0, height, TJPF_RGB,
-                    TJFLAG_LIMITSCANS) != 0 &&
+  // CMYK and YCCK (Adobe) JPEGs: libjpeg-turbo gives the stored CMYK (Adobe's inverted ink values), which become
+  // RGB as Pillow and torchvision convert them: each channel = k x (255 - cmy) / 255 subtracted from k, in
+  // Pillow's rounding (v = k (255 - cmy) + 128; v = ((v >> 8) + v) >> 8).
+  const bool cmyk = colorspace == TJCS_CMYK || colorspace == TJCS_YCCK;
+  std::vector<uint8_t> ink;
+  if (cmyk) ink.resize(size_t(width) * size_t(height) * 4);  // width x height <= max_pixels, checked above
+  if (tjDecompress2(handle.h, data, (unsigned long)size, cmyk ? ink.data() : image.rgb.data(), width, 0, height,
+                    cmyk ? TJPF_CMYK : TJPF_RGB, TJFLAG_LIMITSCANS) != 0 &&
       tjGetErrorCode(handle.h) == TJERR_FATAL)  // warnings (e.g. extraneous bytes) decode as PIL's do
     fail(ErrorCode::bad_format, format("%s: corrupt JPEG (%d x %d): libjpeg-turbo: %s", name.c_str(), width, height,
                                        tjGetErrorStr2(handle.h)));
+  if (cmyk) {
+    auto channel = [](int k, int cmy) {
+      int v = k * (255 - cmy) + 128;
+      v = ((v >> 8) + v) >> 8;
+      return uint8_t(std::clamp(k - v, 0, 255));
+    };
+    for (size_t i = 0, pixels = size_t(width) * size_t(height); i < pixels; i++) {
+      const uint8_t* p = &ink[4 * i];
+      for (int c = 0; c < 3; c++) image.rgb[3 * i + size_t(c)] = channel(p[3], p[c]);
+    }
+  }
   if (options.exif_orientation) image = apply_orientation(std::move(image), facts.orientation);
   return image;
 }

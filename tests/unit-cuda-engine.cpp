@@ -22,6 +22,7 @@
 #include "kvlite.hpp"
 #include "gpu_test_support.hpp"
 #include "model_fixtures.hpp"
+#include "engine_helpers.hpp"
 #include "safetensors_writer.hpp"
 
 using namespace kvlite;
@@ -29,6 +30,7 @@ using namespace gpu_test;
 namespace fx = model_fixtures;
 
 namespace {
+using engine_helpers::greedy;
 
 struct Prompt {
   std::vector<int32_t> ids;
@@ -46,11 +48,6 @@ std::vector<Prompt> prompts(const std::string& name) {
   return list;
 }
 
-SamplingParams greedy(int64_t max_tokens = 16) {
-  SamplingParams params;
-  params.max_tokens = max_tokens;
-  return params;
-}
 
 // An engine on the CPU (the reference) or the GPU, with a small budget.
 std::unique_ptr<Engine> open_engine(const std::string& dir, BackendChoice backend,

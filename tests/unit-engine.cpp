@@ -8,11 +8,14 @@
 #include <thread>
 #include "kvlite.hpp"
 #include "model_fixtures.hpp"
+#include "engine_helpers.hpp"
 #include "safetensors_writer.hpp"
 using namespace kvlite;
 namespace fx = model_fixtures;
 
 namespace {
+using engine_helpers::greedy;
+using engine_helpers::check_pool_empty;
 
 struct Prompt {
   std::vector<int32_t> ids;
@@ -28,18 +31,7 @@ std::vector<Prompt> prompts(const std::string& name) {
   return list;
 }
 
-SamplingParams greedy(int64_t max_tokens = 16) {
-  SamplingParams params;
-  params.max_tokens = max_tokens;
-  return params;
-}
 
-// Every page back in the pool: nothing leaked by finished, preempted or cancelled requests.
-void check_pool_empty(const Engine& engine) {
-  KVPagePool::Stats stats = engine.arena().kv().stats();
-  CHECK(stats.used_pages == 0);
-  CHECK(stats.live_sequences == 0);
-}
 
 // An engine whose KV arena has exactly `pages` pages: the whole budget minus the plan's fixed items.
 std::unique_ptr<Engine> open_with_pages(const std::string& name, EngineOptions options, uint64_t pages) {

@@ -12,11 +12,14 @@
 
 #include "kvlite.hpp"
 #include "model_fixtures.hpp"
+#include "engine_helpers.hpp"
 
 using namespace kvlite;
 namespace fx = model_fixtures;
 
 namespace {
+using engine_helpers::greedy;
+using engine_helpers::check_pool_empty;
 
 std::vector<int32_t> draft_of(const std::vector<int32_t>& history, int64_t max_ngram, int64_t max_tokens) {
   std::vector<int32_t> draft(size_t(std::max<int64_t>(max_tokens, 1)));
@@ -223,17 +226,7 @@ EngineOptions speculative(int64_t ngram = 3, int64_t k = 4) {
   return options;
 }
 
-SamplingParams greedy(int64_t max_tokens = 16) {
-  SamplingParams params;
-  params.max_tokens = max_tokens;
-  return params;
-}
 
-void check_pool_empty(const Engine& engine) {
-  const KVPagePool::Stats stats = engine.arena().kv().stats();
-  CHECK(stats.used_pages == 0);
-  CHECK(stats.live_sequences == 0);
-}
 
 }  // namespace
 

@@ -297,6 +297,19 @@ def write_sources() -> tuple:
     jpeg = encode_jpeg(chw(pattern(24, 40, 12)), quality=92).numpy().tobytes()
     (OUT / "orient_6_40x24.jpg").write_bytes(jpeg_with_exif(jpeg, 6))
     add("orient_6_40x24.jpg", "torchvision", torchvision_decode("orient_6_40x24.jpg"), exact=False, orientation=6)
+
+    # JPEG as cameras and editors write it (Pillow's encoder, libjpeg-turbo): every chroma subsampling, odd
+    # sizes (partial MCUs), progressive, grayscale and Adobe CMYK. The truth is torchvision's decode, as above.
+    photo = pattern(37, 53, 13, noise=2.0)
+    for file, options in (("sub444_53x37.jpg", {"subsampling": 0}), ("sub422_53x37.jpg", {"subsampling": 1}),
+                          ("sub420_53x37.jpg", {"subsampling": 2}),
+                          ("progressive_53x37.jpg", {"subsampling": 2, "progressive": True})):
+        PIL.Image.fromarray(photo).save(OUT / file, quality=88, **options)
+        add(file, "torchvision", torchvision_decode(file), exact=False)
+    PIL.Image.fromarray(photo[..., 1]).save(OUT / "gray_53x37.jpg", quality=88)
+    add("gray_53x37.jpg", "torchvision", torchvision_decode("gray_53x37.jpg"), exact=False)
+    PIL.Image.fromarray(photo).convert("CMYK").save(OUT / "cmyk_53x37.jpg", quality=88)
+    add("cmyk_53x37.jpg", "torchvision", torchvision_decode("cmyk_53x37.jpg"), exact=False)
     return decode, rgba
 
 
