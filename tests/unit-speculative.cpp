@@ -236,7 +236,8 @@ TEST_CASE("with n-gram drafting, greedy tokens are transformers', alone and batc
     CAPTURE(name);
     std::vector<std::vector<int32_t>> prompts;
     const std::vector<std::vector<int32_t>> expected = reference_greedy(name, &prompts);
-    for (const auto& [ngram, k] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 4}, {2, 8}}) {
+    for (const auto& setting : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 4}, {2, 8}}) {
+      const int64_t ngram = setting.first, k = setting.second;  // (not a structured binding: CAPTURE's lambda)
       CAPTURE(ngram);
       CAPTURE(k);
       auto engine = fx::open(name, speculative(ngram, k));
@@ -421,7 +422,8 @@ TEST_CASE("the plan shows n-gram drafting, and refuses half or out-of-range sett
   EngineOptions plain;
   plain.plan.device_mem = 64 * MiB;
   CHECK(plan_engine(dir, plain)->table().find("speculative") == std::string::npos);
-  for (const auto& [ngram, k] : std::vector<std::pair<int64_t, int64_t>>{{3, 0}, {0, 4}, {-1, 4}, {3, 33}, {33, 4}}) {
+  for (const auto& setting : std::vector<std::pair<int64_t, int64_t>>{{3, 0}, {0, 4}, {-1, 4}, {3, 33}, {33, 4}}) {
+    const int64_t ngram = setting.first, k = setting.second;
     EngineOptions bad = speculative(ngram, k);
     bad.plan.device_mem = 64 * MiB;
     auto refused = plan_engine(dir, bad);
