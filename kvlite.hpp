@@ -45,7 +45,8 @@
         and Llama-3), generates with continuous batching over the paged KV cache, samples (greedy,
         temperature, top-k, top-p, min-p, repetition penalty, seed) and scores perplexity with sliding windows;
         optional speculative decoding by prompt lookup (PlanOptions::ngram, speculative_tokens) that keeps
-        greedy output identical and the sampling distribution exact.
+        greedy output identical and the sampling distribution exact; prefix caching (EngineOptions::
+        prefix_caching, on for the CPU): identical prefixes' KV pages are reused, evicted least recently used.
       - Decodes images (JPEG with libjpeg-turbo as PIL and torchvision do; PNG, BMP, TGA, GIF, PNM with
         stb_image) and preprocesses them exactly as Qwen's image processor does; runs the Qwen3-VL vision
         encoder with DeepStack and M-RoPE.
@@ -1865,6 +1866,10 @@ class KVPagePool {
     uint64_t page_allocs = 0, page_frees = 0;
     int64_t tokens_stored = 0;   // sum of live sequences' lengths
     int64_t token_capacity = 0;  // used_pages x page_tokens
+    // Prefix cache: pages holding a cached prefix's K/V (in use or not), and of those the ones only the cache
+    // holds (counted in free_pages: a page allocation takes them, least recently used first, when no page is free).
+    int64_t cached_pages = 0, cache_only_pages = 0;
+    uint64_t cache_evictions = 0;
   };
   KVPagePool() = default;  // empty: no pages, no slots
   // num_pages in [0, 2^31), page_tokens, max_seqs and max_pages_per_seq > 0; invalid_argument otherwise.
@@ -1884,6 +1889,17 @@ class KVPagePool {
   Status release_page(int32_t page);  // frees the page when its count reaches zero
   int32_t page_refcount(int32_t page) const;  // 0 for a free page, -1 for an id out of range
 
+  // Prefix cache. A full page whose K/V is final can be entered under a key (a hash chain of the tokens up to
+  // and including it: the engine's); the cache then holds a reference to it, so it outlives its sequence. A page
+  // only the cache holds is free for allocation, evicted least recently used first; lookups find it until then.
+  // cache_insert: false (nothing changes) when the key is already there or the page is cached under another key;
+  // invalid_argument for a page that is not allocated.
+  Result<bool> cache_insert(int32_t page, uint64_t key);
+  int32_t cache_lookup(uint64_t key) const;  // the page, or -1
+  // Gives an empty live sequence the pages of a cached prefix (each retained): it then holds count x
+  // page_tokens tokens. invalid_argument for a sequence that holds tokens or a page that is not cached.
+  Status seq_attach(int32_t seq, const int32_t* pages, int64_t count);
+
   // Sequences. seq_create returns a slot id or -1 when all max_seqs slots are live.
   int32_t seq_create();
   // Grows the sequence to hold `tokens` tokens, taking pages as needed (a smaller count changes nothing).
@@ -1902,6 +1918,10 @@ class KVPagePool {
 
  private:
   bool live(int32_t seq) const;
+  int32_t take_page();             // a free page, else the least recently used cache-only one; -1 when none
+  void dropped_to(int32_t page);   // after a reference is dropped: free at 0, evictable at 1 when cached
+  void lru_unlink(int32_t page);
+  void lru_push(int32_t page);
   int64_t page_tokens_ = 16, max_seqs_ = 0, max_pages_per_seq_ = 0;
   detail::ArenaVector<int32_t> free_stack_;  // [num_pages]; entries [0, free_pages_) are free page ids
   int64_t free_pages_ = 0;
@@ -1914,6 +1934,16 @@ class KVPagePool {
   int64_t tokens_stored_ = 0;
   int64_t peak_used_ = 0;
   uint64_t allocs_ = 0, frees_ = 0;
+  // Prefix cache: per page its key and whether it has one; keys hashed into buckets (chains through
+  // bucket_next_); cache-only pages in a doubly linked LRU list (head: least recently used). All sized at create.
+  detail::ArenaVector<uint64_t> page_key_;     // [num_pages]
+  detail::ArenaVector<uint8_t> cached_;        // [num_pages]
+  detail::ArenaVector<int32_t> bucket_head_;   // [power of two >= num_pages], -1 when empty
+  detail::ArenaVector<int32_t> bucket_next_;   // [num_pages]
+  detail::ArenaVector<int32_t> lru_prev_, lru_next_;  // [num_pages]
+  int32_t lru_head_ = -1, lru_tail_ = -1;
+  int64_t cached_count_ = 0, cache_only_ = 0;
+  uint64_t evictions_ = 0;
 };
 
 struct ArenaRegion {
@@ -2665,6 +2695,12 @@ struct EngineOptions {
   BackendChoice backend = BackendChoice::cpu;
   int device = 0;            // CUDA device index
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
+  // Prefix caching: full KV pages stay cached under a hash chain of their tokens (and, with images, of their
+  // M-RoPE positions and image features) and later requests that start with the same tokens reuse them instead
+  // of recomputing; cached pages are evicted least recently used when pages run out. Unset: on where it is exact,
+  // the CPU backend (whose K/V for a token does not depend on how a prefill was chunked); off on CUDA, whose
+  // GEMMs may round a row differently with the batch around it.
+  std::optional<bool> prefix_caching;
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
@@ -2756,6 +2792,10 @@ struct EngineStats {
   // a token gained without a forward pass of its own).
   int64_t draft_tokens = 0;
   int64_t draft_tokens_accepted = 0;
+  // Prefix caching: KV pages a new request took from the cache instead of computing them, and their tokens
+  // (pages held by the cache: arena().kv().stats().cached_pages).
+  int64_t prefix_pages_reused = 0;
+  int64_t prefix_tokens_reused = 0;
 };
 
 // What the engine runs on, fixed at open (kvlite bench prints it).
@@ -2767,6 +2807,7 @@ struct EngineInfo {
   // and the lm_head (not the embedding table, of which a step reads a few rows unless it is the tied lm_head).
   uint64_t decode_weight_bytes = 0;
   std::vector<int64_t> graph_buckets;   // CUDA: batch sizes with a captured decode graph (empty: none)
+  bool prefix_caching = false;          // EngineOptions::prefix_caching as resolved for this backend
   // CUDA: device memory the captured graphs took, measured with cudaMemGetInfo around their capture (the plan's
   // "graphs" row is an estimate of this).
   uint64_t graph_memory_bytes = 0;
@@ -10166,6 +10207,14 @@ Result<KVPagePool> KVPagePool::create(int64_t num_pages, int64_t page_tokens, in
     pool.free_slots_ = detail::ArenaVector<int32_t>(size_t(max_seqs));
     for (int64_t i = 0; i < max_seqs; i++) pool.free_slots_[size_t(i)] = int32_t(max_seqs - 1 - i);
     pool.free_slot_count_ = max_seqs;
+    size_t buckets = 1;
+    while (buckets < size_t(num_pages)) buckets *= 2;
+    pool.page_key_ = detail::ArenaVector<uint64_t>(size_t(num_pages), 0);
+    pool.cached_ = detail::ArenaVector<uint8_t>(size_t(num_pages), 0);
+    pool.bucket_head_ = detail::ArenaVector<int32_t>(buckets, -1);
+    pool.bucket_next_ = detail::ArenaVector<int32_t>(size_t(num_pages), -1);
+    pool.lru_prev_ = detail::ArenaVector<int32_t>(size_t(num_pages), -1);
+    pool.lru_next_ = detail::ArenaVector<int32_t>(size_t(num_pages), -1);
     return pool;
   });
 }
@@ -10173,16 +10222,109 @@ Result<KVPagePool> KVPagePool::create(int64_t num_pages, int64_t page_tokens, in
 uint64_t KVPagePool::metadata_bytes() const {
   return free_stack_.capacity() * sizeof(int32_t) + refcount_.capacity() * sizeof(int32_t) +
          tables_.capacity() * sizeof(int32_t) + seq_tokens_.capacity() * sizeof(int64_t) +
-         seq_pages_.capacity() * sizeof(int64_t) + free_slots_.capacity() * sizeof(int32_t);
+         seq_pages_.capacity() * sizeof(int64_t) + free_slots_.capacity() * sizeof(int32_t) +
+         page_key_.capacity() * sizeof(uint64_t) + cached_.capacity() + bucket_head_.capacity() * sizeof(int32_t) +
+         (bucket_next_.capacity() + lru_prev_.capacity() + lru_next_.capacity()) * sizeof(int32_t);
 }
 
-int32_t KVPagePool::alloc_page() {
-  if (free_pages_ == 0) return -1;
-  int32_t page = free_stack_[size_t(--free_pages_)];
+void KVPagePool::lru_unlink(int32_t page) {
+  const int32_t prev = lru_prev_[size_t(page)], next = lru_next_[size_t(page)];
+  (prev >= 0 ? lru_next_[size_t(prev)] : lru_head_) = next;
+  (next >= 0 ? lru_prev_[size_t(next)] : lru_tail_) = prev;
+  lru_prev_[size_t(page)] = lru_next_[size_t(page)] = -1;
+  cache_only_--;
+}
+
+void KVPagePool::lru_push(int32_t page) {  // as the most recently used
+  lru_prev_[size_t(page)] = lru_tail_;
+  lru_next_[size_t(page)] = -1;
+  (lru_tail_ >= 0 ? lru_next_[size_t(lru_tail_)] : lru_head_) = page;
+  lru_tail_ = page;
+  cache_only_++;
+}
+
+int32_t KVPagePool::take_page() {
+  int32_t page = -1;
+  if (free_pages_ > 0) {
+    page = free_stack_[size_t(--free_pages_)];
+  } else if (lru_head_ >= 0) {  // evict the least recently used cache-only page
+    page = lru_head_;
+    lru_unlink(page);
+    int32_t* link = &bucket_head_[size_t(page_key_[size_t(page)] & (bucket_head_.size() - 1))];
+    while (*link != page) link = &bucket_next_[size_t(*link)];
+    *link = bucket_next_[size_t(page)];
+    bucket_next_[size_t(page)] = -1;
+    cached_[size_t(page)] = 0;
+    cached_count_--;
+    evictions_++;
+  } else {
+    return -1;
+  }
   refcount_[size_t(page)] = 1;
   allocs_++;
-  peak_used_ = std::max(peak_used_, num_pages() - free_pages_);
+  peak_used_ = std::max(peak_used_, num_pages() - free_pages_ - cache_only_);
   return page;
+}
+
+void KVPagePool::dropped_to(int32_t page) {
+  const int32_t count = refcount_[size_t(page)];
+  if (count == 0) {
+    free_stack_[size_t(free_pages_++)] = page;
+    frees_++;
+  } else if (count == 1 && cached_[size_t(page)]) {
+    lru_push(page);
+  }
+}
+
+int32_t KVPagePool::alloc_page() { return take_page(); }
+
+Result<bool> KVPagePool::cache_insert(int32_t page, uint64_t key) {
+  return detail::guard([&]() -> bool {
+    if (page_refcount(page) <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("cache_insert: page %d is not allocated (pool of %lld pages)", page, (long long)num_pages()));
+    if (cached_[size_t(page)] || cache_lookup(key) >= 0) return false;
+    page_key_[size_t(page)] = key;
+    cached_[size_t(page)] = 1;
+    int32_t& head = bucket_head_[size_t(key & (bucket_head_.size() - 1))];
+    bucket_next_[size_t(page)] = head;
+    head = page;
+    cached_count_++;
+    refcount_[size_t(page)]++;  // the cache's reference (a page in use: not evictable until its users let go)
+    return true;
+  });
+}
+
+int32_t KVPagePool::cache_lookup(uint64_t key) const {
+  if (bucket_head_.empty()) return -1;
+  for (int32_t page = bucket_head_[size_t(key & (bucket_head_.size() - 1))]; page >= 0; page = bucket_next_[size_t(page)])
+    if (page_key_[size_t(page)] == key) return page;
+  return -1;
+}
+
+Status KVPagePool::seq_attach(int32_t seq, const int32_t* pages, int64_t count) {
+  return detail::guard([&] {
+    if (!live(seq) || seq_tokens_[size_t(seq)] != 0 || seq_pages_[size_t(seq)] != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("seq_attach: sequence slot %d is not a live, empty sequence", seq));
+    if (count < 0 || count > max_pages_per_seq_)
+      detail::fail(ErrorCode::invalid_argument, detail::format("seq_attach: %lld pages for a sequence of at most %lld",
+                                                               (long long)count, (long long)max_pages_per_seq_));
+    for (int64_t i = 0; i < count; i++)
+      if (page_refcount(pages[i]) <= 0 || !cached_[size_t(pages[i])])
+        detail::fail(ErrorCode::invalid_argument, detail::format("seq_attach: page %d is not a cached page", pages[i]));
+    int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
+    for (int64_t i = 0; i < count; i++) {
+      const int32_t page = pages[i];
+      if (refcount_[size_t(page)] == 1) lru_unlink(page);  // only the cache held it: in use again
+      refcount_[size_t(page)]++;
+      row[i] = page;
+    }
+    seq_pages_[size_t(seq)] = count;
+    seq_tokens_[size_t(seq)] = count * page_tokens_;
+    tokens_stored_ += count * page_tokens_;
+    peak_used_ = std::max(peak_used_, num_pages() - free_pages_ - cache_only_);
+  });
 }
 
 Status KVPagePool::retain_page(int32_t page) {
@@ -10194,6 +10336,7 @@ Status KVPagePool::retain_page(int32_t page) {
                                   page, (long long)num_pages()));
     if (refcount_[size_t(page)] == std::numeric_limits<int32_t>::max())
       detail::fail(ErrorCode::invalid_argument, detail::format("retain_page: page %d's reference count is at its maximum", page));
+    if (refcount_[size_t(page)] == 1 && cached_[size_t(page)]) lru_unlink(page);
     refcount_[size_t(page)]++;
   });
 }
@@ -10205,10 +10348,8 @@ Status KVPagePool::release_page(int32_t page) {
                    detail::format("release_page: page %d is not allocated (pool of %lld pages): a release without a "
                                   "matching alloc_page or retain_page",
                                   page, (long long)num_pages()));
-    if (--refcount_[size_t(page)] == 0) {
-      free_stack_[size_t(free_pages_++)] = page;
-      frees_++;
-    }
+    --refcount_[size_t(page)];
+    dropped_to(page);
   });
 }
 
@@ -10247,24 +10388,18 @@ Status KVPagePool::seq_reserve(int32_t seq, int64_t tokens) {
                                   (long long)page_tokens_, (long long)max_pages_per_seq_, (long long)limit_tokens));
     int64_t& pages = seq_pages_[size_t(seq)];
     int64_t needed = pages_for(tokens) - pages;
-    if (needed > free_pages_)
+    if (needed > free_pages_ + cache_only_)
       detail::fail(ErrorCode::out_of_memory,
                    detail::format("KV cache full: sequence %d needs %lld more pages, %lld free of %lld (growing from %lld "
                                   "to %lld tokens, %lld tokens per page); finish or preempt a sequence, or plan more "
                                   "KV memory",
-                                  seq, (long long)needed, (long long)free_pages_, (long long)num_pages(),
+                                  seq, (long long)needed, (long long)(free_pages_ + cache_only_), (long long)num_pages(),
                                   (long long)length, (long long)tokens, (long long)page_tokens_));
     int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
-    for (int64_t i = 0; i < needed; i++) {
-      int32_t page = free_stack_[size_t(--free_pages_)];
-      refcount_[size_t(page)] = 1;
-      row[pages + i] = page;
-    }
+    for (int64_t i = 0; i < needed; i++) row[pages + i] = take_page();  // (counted above: never -1)
     pages += needed;
-    allocs_ += uint64_t(needed);
     tokens_stored_ += tokens - length;
     length = tokens;
-    peak_used_ = std::max(peak_used_, num_pages() - free_pages_);
   });
 }
 
@@ -10283,11 +10418,13 @@ Status KVPagePool::seq_free(int32_t seq) {
                                     "through release_page while the sequence held it)",
                                     row[i], seq));
     for (int64_t i = 0; i < pages; i++) {
-      int32_t page = row[i];
-      if (--refcount_[size_t(page)] == 0) {
-        free_stack_[size_t(free_pages_++)] = page;
-        frees_++;
-      }
+      const int32_t page = row[i];
+      if (--refcount_[size_t(page)] == 0) dropped_to(page);  // freed, in table order
+    }
+    // Pages left to the cache alone, last first: a prefix's later pages become least recently used before its
+    // first ones, so eviction shortens cached prefixes from their end (a chain is found from its start).
+    for (int64_t i = pages - 1; i >= 0; i--) {
+      if (refcount_[size_t(row[i])] == 1) dropped_to(row[i]);
       row[i] = -1;
     }
     tokens_stored_ -= seq_tokens_[size_t(seq)];
@@ -10308,8 +10445,11 @@ const int32_t* KVPagePool::block_table(int32_t seq) const {
 KVPagePool::Stats KVPagePool::stats() const {
   Stats stats;
   stats.total_pages = num_pages();
-  stats.free_pages = free_pages_;
-  stats.used_pages = num_pages() - free_pages_;
+  stats.free_pages = free_pages_ + cache_only_;
+  stats.used_pages = num_pages() - stats.free_pages;
+  stats.cached_pages = cached_count_;
+  stats.cache_only_pages = cache_only_;
+  stats.cache_evictions = evictions_;
   stats.peak_used_pages = peak_used_;
   stats.live_sequences = max_seqs_ - free_slot_count_;
   stats.page_allocs = allocs_;
@@ -12872,6 +13012,10 @@ struct EngineRequest {
   std::vector<int32_t> drafts;
   int64_t draft_base = 0;
   bool draft_rejected = false;
+  // Prefix caching: the keys of this request's full pages so far (page_key), and how many of its pages are in the
+  // cache (taken from it at admission, or entered once computed).
+  std::vector<uint64_t> page_keys;
+  int64_t registered_pages = 0;
 
   // score and logits: rows [want_begin, want_end) of `tokens` have their logits consumed
   int64_t want_begin = 0, want_end = 0;
@@ -12911,6 +13055,8 @@ struct Engine::Impl {
 
   RequestId next_id = 1;
   std::map<RequestId, std::unique_ptr<detail::EngineRequest>> requests;
+  bool prefix_cache = false;
+  std::vector<int32_t> attach_pages;  // [max_pages_per_seq]: a cached prefix's pages, found at admission
   std::deque<detail::EngineRequest*> waiting;  // FIFO; preempted requests go back to the front
   std::vector<detail::EngineRequest*> running;  // in start order: the last one is preempted first
 
@@ -13238,11 +13384,82 @@ struct Engine::Impl {
 
   // ---- the step ----------------------------------------------------------------------------------------
 
+  // ---- prefix cache --------------------------------------------------------------------------------------------
+  // Page i's key chains page i - 1's with every token of page i: its id and, for a vision prompt, its M-RoPE
+  // position (t, h, w) and, for an image token, the bits of its image features (every level), so that equal keys
+  // mean equal K/V. 64-bit splitmix mixing: a false match is a 2^-64 event per lookup.
+  static uint64_t mix(uint64_t h, uint64_t value) {
+    uint64_t z = h ^ (value + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  uint64_t page_key(detail::EngineRequest& r, int64_t page) {
+    const int64_t page_tokens = pool().page_tokens();
+    const int64_t prompt = int64_t(r.mrope.size()) / 3;  // vision prompts: positions recorded for these
+    while (int64_t(r.page_keys.size()) <= page) {
+      const int64_t i = int64_t(r.page_keys.size());
+      uint64_t h = i == 0 ? 0x6b766c6974650001ull : r.page_keys.back();
+      for (int64_t p = i * page_tokens; p < (i + 1) * page_tokens; p++) {
+        h = mix(h, uint32_t(r.tokens[size_t(p)]));
+        if (r.mrope.empty()) continue;
+        for (int64_t axis = 0; axis < 3; axis++)
+          h = mix(h, uint64_t(p < prompt ? r.mrope[size_t(axis * prompt + p)] : p + r.rope_delta));
+        for (const detail::ImageSpan& span : r.image_spans) {
+          if (p < span.first || p >= span.first + span.count) continue;
+          const int64_t row = span.feature_row + (p - span.first), hidden = r.features.hidden;
+          for (int64_t level = 0; level < r.features.levels; level++) {
+            const float* v = r.features.values.data() + (level * r.features.tokens + row) * hidden;
+            for (int64_t c = 0; c < hidden; c++) {
+              uint32_t bits;
+              memcpy(&bits, &v[c], 4);
+              h = mix(h, bits);
+            }
+          }
+        }
+      }
+      r.page_keys.push_back(h);
+    }
+    return r.page_keys[size_t(page)];
+  }
+
+  // A new generate request's longest cached prefix of whole pages, attached to its slot: those tokens count as
+  // computed. The last token is always computed (its logits are what the request needs).
+  void attach_cached_prefix(detail::EngineRequest& r) {
+    if (!prefix_cache || r.kind != detail::RequestKind::generate) return;
+    const int64_t page_tokens = pool().page_tokens();
+    const int64_t most = std::min<int64_t>((int64_t(r.tokens.size()) - 1) / page_tokens, int64_t(attach_pages.size()));
+    int64_t hits = 0;
+    while (hits < most) {
+      const int32_t page = pool().cache_lookup(page_key(r, hits));
+      if (page < 0) break;
+      attach_pages[size_t(hits++)] = page;
+    }
+    if (hits == 0) return;
+    Status attached = pool().seq_attach(r.slot, attach_pages.data(), hits);
+    if (!attached) throw attached.error();
+    r.computed = hits * page_tokens;
+    r.registered_pages = hits;
+  }
+
+  // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache.
+  void register_pages(detail::EngineRequest& r) {
+    if (!prefix_cache || r.slot < 0) return;
+    const int64_t full = std::min<int64_t>(r.computed, int64_t(r.tokens.size())) / pool().page_tokens();
+    const int32_t* table = pool().block_table(r.slot);
+    for (int64_t i = r.registered_pages; i < full; i++) {
+      Result<bool> entered = pool().cache_insert(table[i], page_key(r, i));
+      if (!entered) throw entered.error();
+    }
+    r.registered_pages = std::max(r.registered_pages, full);
+  }
+
   void preempt(detail::EngineRequest& r) {
     Status freed = pool().seq_free(r.slot);
     if (!freed) throw freed.error();
     r.slot = -1;
     r.computed = 0;
+    r.registered_pages = 0;
     running.erase(std::remove(running.begin(), running.end(), &r), running.end());
     waiting.push_front(&r);
   }
@@ -13287,13 +13504,18 @@ struct Engine::Impl {
       int32_t slot = pool().seq_create();
       if (slot < 0) break;
       r.slot = slot;
-      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()), budget);
-      if (!reserve(r, n)) {
+      attach_cached_prefix(r);
+      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
+      if (!reserve(r, r.computed + n)) {
         Status freed = pool().seq_free(slot);
         if (!freed) throw freed.error();
         r.slot = -1;
+        r.computed = 0;
+        r.registered_pages = 0;
         break;
       }
+      stats.prefix_pages_reused += r.registered_pages;
+      stats.prefix_tokens_reused += r.computed;
       waiting.pop_front();
       running.push_back(&r);
       scheduled.push_back({&r, n});
@@ -13505,6 +13727,7 @@ struct Engine::Impl {
       s.request->computed += s.tokens;
       // the drafts leave r.tokens: rows verify them in order and accepted ones come back through accept_token
       if (!s.request->drafts.empty()) s.request->tokens.resize(size_t(s.request->draft_base + 1));
+      register_pages(*s.request);  // (before its rows are consumed: a request that ends there frees its slot)
     }
     stats.steps++;
     stats.tokens_computed += t;
@@ -14099,6 +14322,9 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.query_starts.assign(max_seqs + 1, 0);
     e.context_lens.assign(max_seqs, 0);
     e.row_owners.assign(max_tokens, {nullptr, 0});
+    e.prefix_cache = options.prefix_caching.value_or(!gpu);
+    e.info.prefix_caching = e.prefix_cache;
+    e.attach_pages.assign(size_t(e.arena->kv().max_pages_per_seq()), -1);
     if (gpu) {
       // Host side of the logits: a chunk as the GPU stores it, widened to float, and the host sampler's scratch.
       const size_t vocab = size_t(e.config.text.vocab_size), rows = size_t(e.model->max_logit_rows());

@@ -349,6 +349,8 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--no-wsl2", "", "plan as on native Linux"},
       {"--activation-dtype", "T", "CUDA: bf16 | f16 | f32; default the model's 16-bit dtype (the CPU computes in f32)"},
       {"--no-cuda-graphs", "", "CUDA: run decode steps op by op instead of replaying CUDA graphs"},
+      {"--prefix-cache", "on|off", "reuse the KV pages of earlier requests' identical prefixes; default on for the CPU, "
+                                   "off on CUDA (kvlite bench: off)"},
       {"--threads", "N", "CPU threads; default one per hardware thread"},
       {"--fp8-activations", "", "fp8 checkpoints: quantize activations to fp8 per token as the GPU does (W8A8)"},
       {"--ngram", "N", "speculative decoding by prompt lookup: draft from the latest earlier occurrence of the last "
@@ -380,6 +382,11 @@ kvlite::EngineOptions engine_options(const Args& args) {
     else throw UsageError{"--activation-dtype: unknown dtype '" + text + "': use bf16, f16 or f32"};
   }
   options.cuda_graphs = !args.has("--no-cuda-graphs");
+  if (args.has("--prefix-cache")) {
+    const std::string& text = args.text("--prefix-cache");
+    if (text != "on" && text != "off") throw UsageError{"--prefix-cache: '" + text + "': use on or off"};
+    options.prefix_caching = text == "on";
+  }
   if (args.has("--device-mem")) options.plan.device_mem = args.size("--device-mem");
   if (args.has("--utilization")) options.plan.utilization = args.number("--utilization");
   if (args.has("--max-model-len")) options.plan.max_model_len = args.integer("--max-model-len", 1, INT64_MAX);
@@ -655,6 +662,7 @@ int run_bench(const Args& args) {
   kvlite::EngineOptions options = engine_options(args);
   if (!args.has("--backend")) options.backend = kvlite::BackendChoice::auto_;  // measure the GPU when there is one
   if (!args.has("--max-seqs")) options.plan.max_seqs = largest;
+  if (!args.has("--prefix-cache")) options.prefix_caching = false;  // time the prefill, not the cache
   if (!args.has("--max-model-len")) options.plan.max_model_len = prompt + decode;
   // Every prompt of the largest batch in one prefill step when it fits the usual 2048 tokens.
   if (!args.has("--max-batched-tokens")) options.plan.max_batched_tokens = std::min<int64_t>(2048, largest * prompt);

@@ -65,6 +65,10 @@ class KVPagePool {
     uint64_t page_allocs = 0, page_frees = 0;
     int64_t tokens_stored = 0;   // sum of live sequences' lengths
     int64_t token_capacity = 0;  // used_pages x page_tokens
+    // Prefix cache: pages holding a cached prefix's K/V (in use or not), and of those the ones only the cache
+    // holds (counted in free_pages: a page allocation takes them, least recently used first, when no page is free).
+    int64_t cached_pages = 0, cache_only_pages = 0;
+    uint64_t cache_evictions = 0;
   };
   KVPagePool() = default;  // empty: no pages, no slots
   // num_pages in [0, 2^31), page_tokens, max_seqs and max_pages_per_seq > 0; invalid_argument otherwise.
@@ -84,6 +88,17 @@ class KVPagePool {
   Status release_page(int32_t page);  // frees the page when its count reaches zero
   int32_t page_refcount(int32_t page) const;  // 0 for a free page, -1 for an id out of range
 
+  // Prefix cache. A full page whose K/V is final can be entered under a key (a hash chain of the tokens up to
+  // and including it: the engine's); the cache then holds a reference to it, so it outlives its sequence. A page
+  // only the cache holds is free for allocation, evicted least recently used first; lookups find it until then.
+  // cache_insert: false (nothing changes) when the key is already there or the page is cached under another key;
+  // invalid_argument for a page that is not allocated.
+  Result<bool> cache_insert(int32_t page, uint64_t key);
+  int32_t cache_lookup(uint64_t key) const;  // the page, or -1
+  // Gives an empty live sequence the pages of a cached prefix (each retained): it then holds count x
+  // page_tokens tokens. invalid_argument for a sequence that holds tokens or a page that is not cached.
+  Status seq_attach(int32_t seq, const int32_t* pages, int64_t count);
+
   // Sequences. seq_create returns a slot id or -1 when all max_seqs slots are live.
   int32_t seq_create();
   // Grows the sequence to hold `tokens` tokens, taking pages as needed (a smaller count changes nothing).
@@ -102,6 +117,10 @@ class KVPagePool {
 
  private:
   bool live(int32_t seq) const;
+  int32_t take_page();             // a free page, else the least recently used cache-only one; -1 when none
+  void dropped_to(int32_t page);   // after a reference is dropped: free at 0, evictable at 1 when cached
+  void lru_unlink(int32_t page);
+  void lru_push(int32_t page);
   int64_t page_tokens_ = 16, max_seqs_ = 0, max_pages_per_seq_ = 0;
   detail::ArenaVector<int32_t> free_stack_;  // [num_pages]; entries [0, free_pages_) are free page ids
   int64_t free_pages_ = 0;
@@ -114,6 +133,16 @@ class KVPagePool {
   int64_t tokens_stored_ = 0;
   int64_t peak_used_ = 0;
   uint64_t allocs_ = 0, frees_ = 0;
+  // Prefix cache: per page its key and whether it has one; keys hashed into buckets (chains through
+  // bucket_next_); cache-only pages in a doubly linked LRU list (head: least recently used). All sized at create.
+  detail::ArenaVector<uint64_t> page_key_;     // [num_pages]
+  detail::ArenaVector<uint8_t> cached_;        // [num_pages]
+  detail::ArenaVector<int32_t> bucket_head_;   // [power of two >= num_pages], -1 when empty
+  detail::ArenaVector<int32_t> bucket_next_;   // [num_pages]
+  detail::ArenaVector<int32_t> lru_prev_, lru_next_;  // [num_pages]
+  int32_t lru_head_ = -1, lru_tail_ = -1;
+  int64_t cached_count_ = 0, cache_only_ = 0;
+  uint64_t evictions_ = 0;
 };
 
 struct ArenaRegion {

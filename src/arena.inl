@@ -120,6 +120,14 @@ Result<KVPagePool> KVPagePool::create(int64_t num_pages, int64_t page_tokens, in
     pool.free_slots_ = detail::ArenaVector<int32_t>(size_t(max_seqs));
     for (int64_t i = 0; i < max_seqs; i++) pool.free_slots_[size_t(i)] = int32_t(max_seqs - 1 - i);
     pool.free_slot_count_ = max_seqs;
+    size_t buckets = 1;
+    while (buckets < size_t(num_pages)) buckets *= 2;
+    pool.page_key_ = detail::ArenaVector<uint64_t>(size_t(num_pages), 0);
+    pool.cached_ = detail::ArenaVector<uint8_t>(size_t(num_pages), 0);
+    pool.bucket_head_ = detail::ArenaVector<int32_t>(buckets, -1);
+    pool.bucket_next_ = detail::ArenaVector<int32_t>(size_t(num_pages), -1);
+    pool.lru_prev_ = detail::ArenaVector<int32_t>(size_t(num_pages), -1);
+    pool.lru_next_ = detail::ArenaVector<int32_t>(size_t(num_pages), -1);
     return pool;
   });
 }
@@ -127,16 +135,109 @@ Result<KVPagePool> KVPagePool::create(int64_t num_pages, int64_t page_tokens, in
 uint64_t KVPagePool::metadata_bytes() const {
   return free_stack_.capacity() * sizeof(int32_t) + refcount_.capacity() * sizeof(int32_t) +
          tables_.capacity() * sizeof(int32_t) + seq_tokens_.capacity() * sizeof(int64_t) +
-         seq_pages_.capacity() * sizeof(int64_t) + free_slots_.capacity() * sizeof(int32_t);
+         seq_pages_.capacity() * sizeof(int64_t) + free_slots_.capacity() * sizeof(int32_t) +
+         page_key_.capacity() * sizeof(uint64_t) + cached_.capacity() + bucket_head_.capacity() * sizeof(int32_t) +
+         (bucket_next_.capacity() + lru_prev_.capacity() + lru_next_.capacity()) * sizeof(int32_t);
 }
 
-int32_t KVPagePool::alloc_page() {
-  if (free_pages_ == 0) return -1;
-  int32_t page = free_stack_[size_t(--free_pages_)];
+void KVPagePool::lru_unlink(int32_t page) {
+  const int32_t prev = lru_prev_[size_t(page)], next = lru_next_[size_t(page)];
+  (prev >= 0 ? lru_next_[size_t(prev)] : lru_head_) = next;
+  (next >= 0 ? lru_prev_[size_t(next)] : lru_tail_) = prev;
+  lru_prev_[size_t(page)] = lru_next_[size_t(page)] = -1;
+  cache_only_--;
+}
+
+void KVPagePool::lru_push(int32_t page) {  // as the most recently used
+  lru_prev_[size_t(page)] = lru_tail_;
+  lru_next_[size_t(page)] = -1;
+  (lru_tail_ >= 0 ? lru_next_[size_t(lru_tail_)] : lru_head_) = page;
+  lru_tail_ = page;
+  cache_only_++;
+}
+
+int32_t KVPagePool::take_page() {
+  int32_t page = -1;
+  if (free_pages_ > 0) {
+    page = free_stack_[size_t(--free_pages_)];
+  } else if (lru_head_ >= 0) {  // evict the least recently used cache-only page
+    page = lru_head_;
+    lru_unlink(page);
+    int32_t* link = &bucket_head_[size_t(page_key_[size_t(page)] & (bucket_head_.size() - 1))];
+    while (*link != page) link = &bucket_next_[size_t(*link)];
+    *link = bucket_next_[size_t(page)];
+    bucket_next_[size_t(page)] = -1;
+    cached_[size_t(page)] = 0;
+    cached_count_--;
+    evictions_++;
+  } else {
+    return -1;
+  }
   refcount_[size_t(page)] = 1;
   allocs_++;
-  peak_used_ = std::max(peak_used_, num_pages() - free_pages_);
+  peak_used_ = std::max(peak_used_, num_pages() - free_pages_ - cache_only_);
   return page;
+}
+
+void KVPagePool::dropped_to(int32_t page) {
+  const int32_t count = refcount_[size_t(page)];
+  if (count == 0) {
+    free_stack_[size_t(free_pages_++)] = page;
+    frees_++;
+  } else if (count == 1 && cached_[size_t(page)]) {
+    lru_push(page);
+  }
+}
+
+int32_t KVPagePool::alloc_page() { return take_page(); }
+
+Result<bool> KVPagePool::cache_insert(int32_t page, uint64_t key) {
+  return detail::guard([&]() -> bool {
+    if (page_refcount(page) <= 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("cache_insert: page %d is not allocated (pool of %lld pages)", page, (long long)num_pages()));
+    if (cached_[size_t(page)] || cache_lookup(key) >= 0) return false;
+    page_key_[size_t(page)] = key;
+    cached_[size_t(page)] = 1;
+    int32_t& head = bucket_head_[size_t(key & (bucket_head_.size() - 1))];
+    bucket_next_[size_t(page)] = head;
+    head = page;
+    cached_count_++;
+    refcount_[size_t(page)]++;  // the cache's reference (a page in use: not evictable until its users let go)
+    return true;
+  });
+}
+
+int32_t KVPagePool::cache_lookup(uint64_t key) const {
+  if (bucket_head_.empty()) return -1;
+  for (int32_t page = bucket_head_[size_t(key & (bucket_head_.size() - 1))]; page >= 0; page = bucket_next_[size_t(page)])
+    if (page_key_[size_t(page)] == key) return page;
+  return -1;
+}
+
+Status KVPagePool::seq_attach(int32_t seq, const int32_t* pages, int64_t count) {
+  return detail::guard([&] {
+    if (!live(seq) || seq_tokens_[size_t(seq)] != 0 || seq_pages_[size_t(seq)] != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("seq_attach: sequence slot %d is not a live, empty sequence", seq));
+    if (count < 0 || count > max_pages_per_seq_)
+      detail::fail(ErrorCode::invalid_argument, detail::format("seq_attach: %lld pages for a sequence of at most %lld",
+                                                               (long long)count, (long long)max_pages_per_seq_));
+    for (int64_t i = 0; i < count; i++)
+      if (page_refcount(pages[i]) <= 0 || !cached_[size_t(pages[i])])
+        detail::fail(ErrorCode::invalid_argument, detail::format("seq_attach: page %d is not a cached page", pages[i]));
+    int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
+    for (int64_t i = 0; i < count; i++) {
+      const int32_t page = pages[i];
+      if (refcount_[size_t(page)] == 1) lru_unlink(page);  // only the cache held it: in use again
+      refcount_[size_t(page)]++;
+      row[i] = page;
+    }
+    seq_pages_[size_t(seq)] = count;
+    seq_tokens_[size_t(seq)] = count * page_tokens_;
+    tokens_stored_ += count * page_tokens_;
+    peak_used_ = std::max(peak_used_, num_pages() - free_pages_ - cache_only_);
+  });
 }
 
 Status KVPagePool::retain_page(int32_t page) {
@@ -148,6 +249,7 @@ Status KVPagePool::retain_page(int32_t page) {
                                   page, (long long)num_pages()));
     if (refcount_[size_t(page)] == std::numeric_limits<int32_t>::max())
       detail::fail(ErrorCode::invalid_argument, detail::format("retain_page: page %d's reference count is at its maximum", page));
+    if (refcount_[size_t(page)] == 1 && cached_[size_t(page)]) lru_unlink(page);
     refcount_[size_t(page)]++;
   });
 }
@@ -159,10 +261,8 @@ Status KVPagePool::release_page(int32_t page) {
                    detail::format("release_page: page %d is not allocated (pool of %lld pages): a release without a "
                                   "matching alloc_page or retain_page",
                                   page, (long long)num_pages()));
-    if (--refcount_[size_t(page)] == 0) {
-      free_stack_[size_t(free_pages_++)] = page;
-      frees_++;
-    }
+    --refcount_[size_t(page)];
+    dropped_to(page);
   });
 }
 
@@ -201,24 +301,18 @@ Status KVPagePool::seq_reserve(int32_t seq, int64_t tokens) {
                                   (long long)page_tokens_, (long long)max_pages_per_seq_, (long long)limit_tokens));
     int64_t& pages = seq_pages_[size_t(seq)];
     int64_t needed = pages_for(tokens) - pages;
-    if (needed > free_pages_)
+    if (needed > free_pages_ + cache_only_)
       detail::fail(ErrorCode::out_of_memory,
                    detail::format("KV cache full: sequence %d needs %lld more pages, %lld free of %lld (growing from %lld "
                                   "to %lld tokens, %lld tokens per page); finish or preempt a sequence, or plan more "
                                   "KV memory",
-                                  seq, (long long)needed, (long long)free_pages_, (long long)num_pages(),
+                                  seq, (long long)needed, (long long)(free_pages_ + cache_only_), (long long)num_pages(),
                                   (long long)length, (long long)tokens, (long long)page_tokens_));
     int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
-    for (int64_t i = 0; i < needed; i++) {
-      int32_t page = free_stack_[size_t(--free_pages_)];
-      refcount_[size_t(page)] = 1;
-      row[pages + i] = page;
-    }
+    for (int64_t i = 0; i < needed; i++) row[pages + i] = take_page();  // (counted above: never -1)
     pages += needed;
-    allocs_ += uint64_t(needed);
     tokens_stored_ += tokens - length;
     length = tokens;
-    peak_used_ = std::max(peak_used_, num_pages() - free_pages_);
   });
 }
 
@@ -237,11 +331,13 @@ Status KVPagePool::seq_free(int32_t seq) {
                                     "through release_page while the sequence held it)",
                                     row[i], seq));
     for (int64_t i = 0; i < pages; i++) {
-      int32_t page = row[i];
-      if (--refcount_[size_t(page)] == 0) {
-        free_stack_[size_t(free_pages_++)] = page;
-        frees_++;
-      }
+      const int32_t page = row[i];
+      if (--refcount_[size_t(page)] == 0) dropped_to(page);  // freed, in table order
+    }
+    // Pages left to the cache alone, last first: a prefix's later pages become least recently used before its
+    // first ones, so eviction shortens cached prefixes from their end (a chain is found from its start).
+    for (int64_t i = pages - 1; i >= 0; i--) {
+      if (refcount_[size_t(row[i])] == 1) dropped_to(row[i]);
       row[i] = -1;
     }
     tokens_stored_ -= seq_tokens_[size_t(seq)];
@@ -262,8 +358,11 @@ const int32_t* KVPagePool::block_table(int32_t seq) const {
 KVPagePool::Stats KVPagePool::stats() const {
   Stats stats;
   stats.total_pages = num_pages();
-  stats.free_pages = free_pages_;
-  stats.used_pages = num_pages() - free_pages_;
+  stats.free_pages = free_pages_ + cache_only_;
+  stats.used_pages = num_pages() - stats.free_pages;
+  stats.cached_pages = cached_count_;
+  stats.cache_only_pages = cache_only_;
+  stats.cache_evictions = evictions_;
   stats.peak_used_pages = peak_used_;
   stats.live_sequences = max_seqs_ - free_slot_count_;
   stats.page_allocs = allocs_;

@@ -40,6 +40,12 @@ struct EngineOptions {
   BackendChoice backend = BackendChoice::cpu;
   int device = 0;            // CUDA device index
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
+  // Prefix caching: full KV pages stay cached under a hash chain of their tokens (and, with images, of their
+  // M-RoPE positions and image features) and later requests that start with the same tokens reuse them instead
+  // of recomputing; cached pages are evicted least recently used when pages run out. Unset: on where it is exact,
+  // the CPU backend (whose K/V for a token does not depend on how a prefill was chunked); off on CUDA, whose
+  // GEMMs may round a row differently with the batch around it.
+  std::optional<bool> prefix_caching;
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
@@ -131,6 +137,10 @@ struct EngineStats {
   // a token gained without a forward pass of its own).
   int64_t draft_tokens = 0;
   int64_t draft_tokens_accepted = 0;
+  // Prefix caching: KV pages a new request took from the cache instead of computing them, and their tokens
+  // (pages held by the cache: arena().kv().stats().cached_pages).
+  int64_t prefix_pages_reused = 0;
+  int64_t prefix_tokens_reused = 0;
 };
 
 // What the engine runs on, fixed at open (kvlite bench prints it).
@@ -142,6 +152,7 @@ struct EngineInfo {
   // and the lm_head (not the embedding table, of which a step reads a few rows unless it is the tied lm_head).
   uint64_t decode_weight_bytes = 0;
   std::vector<int64_t> graph_buckets;   // CUDA: batch sizes with a captured decode graph (empty: none)
+  bool prefix_caching = false;          // EngineOptions::prefix_caching as resolved for this backend
   // CUDA: device memory the captured graphs took, measured with cudaMemGetInfo around their capture (the plan's
   // "graphs" row is an estimate of this).
   uint64_t graph_memory_bytes = 0;

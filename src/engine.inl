@@ -71,6 +71,10 @@ struct EngineRequest {
   std::vector<int32_t> drafts;
   int64_t draft_base = 0;
   bool draft_rejected = false;
+  // Prefix caching: the keys of this request's full pages so far (page_key), and how many of its pages are in the
+  // cache (taken from it at admission, or entered once computed).
+  std::vector<uint64_t> page_keys;
+  int64_t registered_pages = 0;
 
   // score and logits: rows [want_begin, want_end) of `tokens` have their logits consumed
   int64_t want_begin = 0, want_end = 0;
@@ -110,6 +114,8 @@ struct Engine::Impl {
 
   RequestId next_id = 1;
   std::map<RequestId, std::unique_ptr<detail::EngineRequest>> requests;
+  bool prefix_cache = false;
+  std::vector<int32_t> attach_pages;  // [max_pages_per_seq]: a cached prefix's pages, found at admission
   std::deque<detail::EngineRequest*> waiting;  // FIFO; preempted requests go back to the front
   std::vector<detail::EngineRequest*> running;  // in start order: the last one is preempted first
 
@@ -437,11 +443,82 @@ struct Engine::Impl {
 
   // ---- the step ----------------------------------------------------------------------------------------
 
+  // ---- prefix cache --------------------------------------------------------------------------------------------
+  // Page i's key chains page i - 1's with every token of page i: its id and, for a vision prompt, its M-RoPE
+  // position (t, h, w) and, for an image token, the bits of its image features (every level), so that equal keys
+  // mean equal K/V. 64-bit splitmix mixing: a false match is a 2^-64 event per lookup.
+  static uint64_t mix(uint64_t h, uint64_t value) {
+    uint64_t z = h ^ (value + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  uint64_t page_key(detail::EngineRequest& r, int64_t page) {
+    const int64_t page_tokens = pool().page_tokens();
+    const int64_t prompt = int64_t(r.mrope.size()) / 3;  // vision prompts: positions recorded for these
+    while (int64_t(r.page_keys.size()) <= page) {
+      const int64_t i = int64_t(r.page_keys.size());
+      uint64_t h = i == 0 ? 0x6b766c6974650001ull : r.page_keys.back();
+      for (int64_t p = i * page_tokens; p < (i + 1) * page_tokens; p++) {
+        h = mix(h, uint32_t(r.tokens[size_t(p)]));
+        if (r.mrope.empty()) continue;
+        for (int64_t axis = 0; axis < 3; axis++)
+          h = mix(h, uint64_t(p < prompt ? r.mrope[size_t(axis * prompt + p)] : p + r.rope_delta));
+        for (const detail::ImageSpan& span : r.image_spans) {
+          if (p < span.first || p >= span.first + span.count) continue;
+          const int64_t row = span.feature_row + (p - span.first), hidden = r.features.hidden;
+          for (int64_t level = 0; level < r.features.levels; level++) {
+            const float* v = r.features.values.data() + (level * r.features.tokens + row) * hidden;
+            for (int64_t c = 0; c < hidden; c++) {
+              uint32_t bits;
+              memcpy(&bits, &v[c], 4);
+              h = mix(h, bits);
+            }
+          }
+        }
+      }
+      r.page_keys.push_back(h);
+    }
+    return r.page_keys[size_t(page)];
+  }
+
+  // A new generate request's longest cached prefix of whole pages, attached to its slot: those tokens count as
+  // computed. The last token is always computed (its logits are what the request needs).
+  void attach_cached_prefix(detail::EngineRequest& r) {
+    if (!prefix_cache || r.kind != detail::RequestKind::generate) return;
+    const int64_t page_tokens = pool().page_tokens();
+    const int64_t most = std::min<int64_t>((int64_t(r.tokens.size()) - 1) / page_tokens, int64_t(attach_pages.size()));
+    int64_t hits = 0;
+    while (hits < most) {
+      const int32_t page = pool().cache_lookup(page_key(r, hits));
+      if (page < 0) break;
+      attach_pages[size_t(hits++)] = page;
+    }
+    if (hits == 0) return;
+    Status attached = pool().seq_attach(r.slot, attach_pages.data(), hits);
+    if (!attached) throw attached.error();
+    r.computed = hits * page_tokens;
+    r.registered_pages = hits;
+  }
+
+  // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache.
+  void register_pages(detail::EngineRequest& r) {
+    if (!prefix_cache || r.slot < 0) return;
+    const int64_t full = std::min<int64_t>(r.computed, int64_t(r.tokens.size())) / pool().page_tokens();
+    const int32_t* table = pool().block_table(r.slot);
+    for (int64_t i = r.registered_pages; i < full; i++) {
+      Result<bool> entered = pool().cache_insert(table[i], page_key(r, i));
+      if (!entered) throw entered.error();
+    }
+    r.registered_pages = std::max(r.registered_pages, full);
+  }
+
   void preempt(detail::EngineRequest& r) {
     Status freed = pool().seq_free(r.slot);
     if (!freed) throw freed.error();
     r.slot = -1;
     r.computed = 0;
+    r.registered_pages = 0;
     running.erase(std::remove(running.begin(), running.end(), &r), running.end());
     waiting.push_front(&r);
   }
@@ -486,13 +563,18 @@ struct Engine::Impl {
       int32_t slot = pool().seq_create();
       if (slot < 0) break;
       r.slot = slot;
-      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()), budget);
-      if (!reserve(r, n)) {
+      attach_cached_prefix(r);
+      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
+      if (!reserve(r, r.computed + n)) {
         Status freed = pool().seq_free(slot);
         if (!freed) throw freed.error();
         r.slot = -1;
+        r.computed = 0;
+        r.registered_pages = 0;
         break;
       }
+      stats.prefix_pages_reused += r.registered_pages;
+      stats.prefix_tokens_reused += r.computed;
       waiting.pop_front();
       running.push_back(&r);
       scheduled.push_back({&r, n});
@@ -704,6 +786,7 @@ struct Engine::Impl {
       s.request->computed += s.tokens;
       // the drafts leave r.tokens: rows verify them in order and accepted ones come back through accept_token
       if (!s.request->drafts.empty()) s.request->tokens.resize(size_t(s.request->draft_base + 1));
+      register_pages(*s.request);  // (before its rows are consumed: a request that ends there frees its slot)
     }
     stats.steps++;
     stats.tokens_computed += t;
@@ -1298,6 +1381,9 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.query_starts.assign(max_seqs + 1, 0);
     e.context_lens.assign(max_seqs, 0);
     e.row_owners.assign(max_tokens, {nullptr, 0});
+    e.prefix_cache = options.prefix_caching.value_or(!gpu);
+    e.info.prefix_caching = e.prefix_cache;
+    e.attach_pages.assign(size_t(e.arena->kv().max_pages_per_seq()), -1);
     if (gpu) {
       // Host side of the logits: a chunk as the GPU stores it, widened to float, and the host sampler's scratch.
       const size_t vocab = size_t(e.config.text.vocab_size), rows = size_t(e.model->max_logit_rows());

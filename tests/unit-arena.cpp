@@ -443,8 +443,9 @@ TEST_CASE("100k random page and sequence operations allocate nothing and keep ev
   const uint64_t allocations_before = Arena::allocations_after_start();
   const uint64_t metadata_before = pool.metadata_bytes();
   // Sized once: free stack + refcounts (37 x int32 each), tables (4 x 5 int32), tokens and pages (4 x int64
-  // each), free slots (4 x int32).
-  CHECK(metadata_before == 37 * 4 * 2 + 4 * 5 * 4 + 4 * 8 * 2 + 4 * 4);
+  // each), free slots (4 x int32); the prefix cache's page keys (37 x uint64), flags (37 bytes), buckets (64, the
+  // power of two at or past 37, x int32), bucket chain and LRU links (3 x 37 x int32).
+  CHECK(metadata_before == 37 * 4 * 2 + 4 * 5 * 4 + 4 * 8 * 2 + 4 * 4 + 37 * 8 + 37 + 64 * 4 + 3 * 37 * 4);
 
   // A shadow of what the pool must hold: the loose page references the test owns (a page appears once per
   // reference) and each live sequence's length.
@@ -568,13 +569,14 @@ TEST_CASE("the allocation counter sees arena memory taken after an arena started
   {
     auto arena = make_arena(tiny_plan(), tiny_config());
     CHECK(Arena::allocations_after_start() == before_any);  // create() itself does not count
-    // A second pool while an arena is live: its six tables are six system allocations after start.
+    // A second pool while an arena is live: its twelve tables (six for pages and slots, six for the prefix
+    // cache) are twelve system allocations after start.
     KVPagePool late = make_pool(8, 4, 2, 2);
-    CHECK(Arena::allocations_after_start() == before_any + 6);
+    CHECK(Arena::allocations_after_start() == before_any + 12);
   }
   // The arena is gone: set-up again.
   KVPagePool after = make_pool(8, 4, 2, 2);
-  CHECK(Arena::allocations_after_start() == before_any + 6);
+  CHECK(Arena::allocations_after_start() == before_any + 12);
 }
 
 // ---- the case for paging -------------------------------------------------------------------------------------
