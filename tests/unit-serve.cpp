@@ -240,6 +240,10 @@ TEST_CASE("models, health, metrics: a chat with an image, streamed and not, capt
   CHECK(metrics->body.find("# TYPE kvlite_kv_pages_used gauge") != std::string::npos);
   CHECK(metrics->body.find("kvlite_requests_total 11") != std::string::npos);
   CHECK(metrics->body.find("kvlite_kv_pages_used 0") != std::string::npos);
+  // The same chat with the same image, asked repeatedly above: the prefix cache served its pages.
+  CHECK(metrics->body.find("# TYPE kvlite_prefix_tokens_reused_total counter") != std::string::npos);
+  CHECK(metrics->body.find("kvlite_prefix_tokens_reused_total 0\n") == std::string::npos);
+  CHECK(metrics->body.find("kvlite_kv_pages_cached 0\n") == std::string::npos);
 }
 
 TEST_CASE("bad input gets OpenAI's status codes and a message naming the problem") {

@@ -555,6 +555,8 @@ struct OpenAIServer::Impl {
     counters.requests_running = int64_t(running);
     counters.kv_pages_used = pages.used_pages;
     counters.kv_pages_free = pages.free_pages;
+    counters.kv_pages_cached = pages.cached_pages;
+    counters.prefix_tokens_reused_total = engine_stats.prefix_tokens_reused;
     counters.preemptions_total = engine_stats.preemptions;
     counters.tokens_per_second = busy_seconds > 0 ? double(counters.tokens_generated_total) / busy_seconds : 0;
   }
@@ -729,6 +731,10 @@ struct OpenAIServer::Impl {
            double(s.requests_abandoned));
     metric("kvlite_kv_pages_used", "gauge", "KV cache pages in use.", double(s.kv_pages_used));
     metric("kvlite_kv_pages_free", "gauge", "KV cache pages free.", double(s.kv_pages_free));
+    metric("kvlite_kv_pages_cached", "gauge", "KV cache pages holding a cached prefix (free when unused).",
+           double(s.kv_pages_cached));
+    metric("kvlite_prefix_tokens_reused_total", "counter", "Prompt tokens taken from the prefix cache.",
+           double(s.prefix_tokens_reused_total));
     metric("kvlite_prompt_tokens_total", "counter", "Prompt tokens submitted.", double(s.prompt_tokens_total));
     metric("kvlite_generation_tokens_total", "counter", "Tokens generated.", double(s.tokens_generated_total));
     metric("kvlite_preemptions_total", "counter", "Requests preempted for KV pages.", double(s.preemptions_total));

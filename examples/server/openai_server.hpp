@@ -37,6 +37,7 @@ struct ServeStats {
   int64_t requests_total = 0, requests_running = 0, requests_waiting = 0, requests_rejected = 0;
   int64_t requests_abandoned = 0;  // clients that went away before their request finished
   int64_t kv_pages_used = 0, kv_pages_free = 0;
+  int64_t kv_pages_cached = 0, prefix_tokens_reused_total = 0;  // prefix caching
   int64_t tokens_generated_total = 0, prompt_tokens_total = 0, preemptions_total = 0;
   double tokens_per_second = 0;  // generated tokens over the engine's busy time
 };
