@@ -68,11 +68,26 @@ int kv_dtype_bytes(KVDType dtype) { return dtype == KVDType::fp8 ? 1 : dtype == 
 
 bool kv_dtype_storable(BackendKind, KVDType) { return true; }  // both backends store f32, bf16, f16 and fp8
 
+namespace detail {
+// The SMs and resident threads per SM whose stacks the CUDA context reserves: the queried GPU's, or a planned
+// card's (kPlannedCard*) when they are unknown.
+struct ContextThreads {
+  int multiprocessors, threads_per_multiprocessor;
+  bool planned;
+};
+inline ContextThreads context_threads(const DeviceSpec& device) {
+  if (device.multiprocessors > 0 && device.threads_per_multiprocessor > 0)
+    return {device.multiprocessors, device.threads_per_multiprocessor, false};
+  return {kPlannedCardMultiprocessors, kPlannedCardThreadsPerMultiprocessor, true};
+}
+inline uint64_t context_stack_bytes(const DeviceSpec& device) {
+  const ContextThreads t = context_threads(device);
+  return uint64_t(t.multiprocessors) * uint64_t(t.threads_per_multiprocessor) * kCudaStackBytesPerThread;
+}
+}  // namespace detail
+
 uint64_t cuda_context_bytes(const DeviceSpec& device) {
-  const bool known = device.multiprocessors > 0 && device.threads_per_multiprocessor > 0;
-  const uint64_t threads = known ? uint64_t(device.multiprocessors) * uint64_t(device.threads_per_multiprocessor)
-                                 : uint64_t(kPlannedCardMultiprocessors) * uint64_t(kPlannedCardThreadsPerMultiprocessor);
-  return kCudaContextBaseBytes + threads * kCudaStackBytesPerThread + kCudaRuntimeBytes;
+  return kCudaContextBaseBytes + detail::context_stack_bytes(device) + kCudaRuntimeBytes;
 }
 
 namespace detail {
@@ -393,16 +408,13 @@ PlanItem context_item(const Inputs& in) {
     item.why = "CUDA context + cuBLAS handles + driver: 1024 MiB under WSL2 (its paravirtualized driver reserves "
                "more; pinned memory is limited, vLLM disables it)";
   } else {
-    const bool known = in.device.multiprocessors > 0 && in.device.threads_per_multiprocessor > 0;
+    const ContextThreads threads = context_threads(in.device);
     item.bytes = cuda_context_bytes(in.device);
     item.why = format("CUDA context %s + stack for %d SMs x %d threads %s%s + cuBLAS and loaded kernels %s (native "
                       "Linux; measured on an H100)",
-                      format_bytes(kCudaContextBaseBytes).c_str(),
-                      known ? in.device.multiprocessors : kPlannedCardMultiprocessors,
-                      known ? in.device.threads_per_multiprocessor : kPlannedCardThreadsPerMultiprocessor,
-                      known ? "" : "(a planned card: the RTX 4060 Ti's) ",
-                      format_bytes(item.bytes - kCudaContextBaseBytes - kCudaRuntimeBytes).c_str(),
-                      format_bytes(kCudaRuntimeBytes).c_str());
+                      format_bytes(kCudaContextBaseBytes).c_str(), threads.multiprocessors,
+                      threads.threads_per_multiprocessor, threads.planned ? "(a planned card: the RTX 4060 Ti's) " : "",
+                      format_bytes(context_stack_bytes(in.device)).c_str(), format_bytes(kCudaRuntimeBytes).c_str());
   }
   return item;
 }

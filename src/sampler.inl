@@ -154,10 +154,10 @@ DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingPara
     return verdict;
   }
   // p(draft) under the processed distribution (0 when top-k / top-p / min-p dropped it).
-  double total = 0.0, p_draft = 0.0;
+  double total = 0.0, p_draft = 0.0;  // (the draft's probability added last)
   for (int64_t i = 0; i < candidates; i++) {
-    total += index_scratch[i] == draft ? 0.0 : prob_scratch[index_scratch[i]];
     if (index_scratch[i] == draft) p_draft = prob_scratch[draft];
+    else total += prob_scratch[index_scratch[i]];
   }
   total += p_draft;
   // Accept with probability p(draft) / total (the draft proposed it with certainty: q(draft) = 1) ...
