@@ -1624,11 +1624,14 @@ struct PlanOptions {
   // true: fill the whole budget with KV pages, as vLLM does on a dedicated server (--kv-fill).
   bool kv_fill = false;
   std::optional<bool> wsl2;            // override WSL2 detection
-  // Speculative decoding by prompt lookup (n-gram drafting): each decoding sequence drafts up to
-  // speculative_tokens tokens (K) per step from the latest earlier occurrence of its last tokens (matching at
-  // most `ngram` of them) and the model verifies them in the same forward pass. 0: off. Both or neither.
-  // It needs no memory of its own: the K + 1 tokens a sequence reads are inside max_batched_tokens, and their
-  // logits go through the planned logits rows.
+  // Speculative decoding: each decoding sequence drafts up to speculative_tokens tokens (K) per step and the
+  // model verifies them in the same forward pass. 0: off. The drafts come from one of:
+  //  - prompt lookup (n-gram drafting, ngram > 0): the latest earlier occurrence of the sequence's last tokens
+  //    (matching at most `ngram` of them). It needs no memory of its own: the K + 1 tokens a sequence reads are
+  //    inside max_batched_tokens, and their logits go through the planned logits rows;
+  //  - a draft model (PlanInputs::draft, EngineOptions::draft_model): a smaller model with the same tokenizer
+  //    runs K steps ahead. The plan adds its weights, its activations and logits for a step like the target's,
+  //    its distributions for K tokens per sequence, and its KV beside every KV page (the same contexts).
   int64_t speculative_tokens = 0;
   int64_t ngram = 0;
   // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
@@ -1683,7 +1686,8 @@ constexpr uint64_t kCudaUploadChunkBytes = 16 * MiB;
 // this order; the others (CUDA context) are memory the device spends that kvlite does not allocate.
 struct PlanItem {
   std::string key;    // stable identifier: "weights", "repack", "context", "activations", "vision",
-                      // "logits", "workspace", "graphs"
+                      // "logits", "workspace", "graphs"; with a draft model "draft_weights",
+                      // "draft_activations", "draft_logits", "draft_probs"
   std::string label;  // for the table: "weights (exact, 398 tensors)"
   uint64_t bytes = 0;
   std::string why;    // one line: how the number was computed
@@ -1706,10 +1710,15 @@ struct Plan {
   uint64_t kv_bytes_per_token = 0;
   uint64_t kv_page_tokens = 0;
   uint64_t kv_page_bytes = 0;   // kv_page_tokens x kv_bytes_per_token (all layers)
+  // With a draft model: the draft's KV for the same tokens, kept beside each page in the arena's "draft_kv"
+  // region (kv_pages x draft_kv_page_bytes); KV arena figures and everything that fits count both. 0 without.
+  uint64_t draft_kv_bytes_per_token = 0;
+  uint64_t draft_kv_page_bytes = 0;
+  std::string draft_model_name;  // empty without a draft model
   uint64_t budget_bytes = 0;    // floor(utilization x device memory)
   uint64_t fixed_bytes = 0;     // sum of items (what must fit before any KV)
   int64_t kv_available_bytes = 0;  // budget - fixed; negative when even that does not fit
-  uint64_t kv_arena_bytes = 0;  // whole pages only
+  uint64_t kv_arena_bytes = 0;  // whole pages only (with a draft model, its KV for them too)
   uint64_t kv_pages_usable = 0; // the pages max_seqs sequences of max_model_len can use (the arena's cap
                                 // unless options.kv_fill)
   uint64_t free_bytes = 0;      // budget - arena - what the device spends outside it: left to the application
@@ -1726,6 +1735,10 @@ struct Plan {
   double utilization_needed = 0;               // for the requested max_model_len; > 1 when no ratio fits
   int64_t max_model_len_that_fits_fp8_kv = 0;  // with --kv-dtype fp8
   int64_t image_pixels_that_fit = 0;           // vision models: the largest image budget that fits
+  // With a draft model, when the plan does not fit: the largest --spec-tokens at which it does (0: none), and
+  // whether it fits without the draft model.
+  int64_t speculative_tokens_that_fit = 0;
+  bool fits_without_draft = false;
   // Vision models: what the image budget means and costs (zeros for text models). An image over
   // max_image_pixels is scaled down to fit (smart_resize with that maximum, as the processor does), which
   // keeps h x w <= max: no image becomes more tokens than this. (Except where smart_resize rounds a side UP,
@@ -1758,6 +1771,10 @@ struct PlanInputs {
   ModelConfig config;
   WeightsSummary weights;
   uint64_t tensor_count = 0;  // tensors in the safetensors headers (0: none, weights estimated from config.json)
+  // Speculative decoding with a draft model (PlanOptions::speculative_tokens): the draft's own inputs (its
+  // `draft` unset). It must be a text model (llama, qwen2, qwen3) with the target's vocabulary size; the CPU
+  // backend runs it (CUDA: unsupported so far).
+  std::shared_ptr<const PlanInputs> draft;
 };
 Result<PlanInputs> read_plan_inputs(const std::string& model_dir);  // config.json + safetensors headers
 Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const PlanOptions& options);
@@ -2069,6 +2086,20 @@ struct DraftVerdict {
 DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
                                 int64_t history_len, int32_t draft, Rng& rng, float* prob_scratch,
                                 int32_t* index_scratch);
+// The same rule for a draft drawn from a distribution q (a draft model: sample_draft_token wrote q): sampling, the
+// draft is accepted with probability min(1, p(draft) / q(draft)) and on rejection the token is drawn from
+// max(0, p - q), normalized, so the emitted token is distributed as p whatever q is; greedy as above. draft_probs
+// [vocab] is q; nullptr means a draft proposed with certainty (the overload above).
+DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                                int64_t history_len, int32_t draft, const float* draft_probs, Rng& rng,
+                                float* prob_scratch, int32_t* index_scratch);
+// A draft model's token from its row of logits, under the same processing as sample_token (the draft proposes
+// from what the target would sample from: penalty, temperature, top-k, top-p, min-p). Greedy: the argmax, and
+// draft_probs is left alone. Sampling: one draw, and draft_probs[vocab] receives the whole distribution q it was
+// drawn from (0 outside the candidates), which verify_draft_token needs.
+int32_t sample_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                           int64_t history_len, Rng& rng, float* draft_probs, float* prob_scratch,
+                           int32_t* index_scratch);
 // log_softmax(logits)[token], computed stably in double.
 double token_logprob(const float* logits, int64_t vocab, int32_t token);
 
@@ -2433,6 +2464,16 @@ struct StepInput {
   const ImageRun* image_run_list = nullptr;  // [image_runs]
 };
 
+// The arena regions a TextModel carves its buffers from and keeps its KV in: the model's own, or a draft
+// model's (speculative decoding), which shares the KV pages' ids and block tables with its target and keeps its
+// own K/V for them in "draft_kv".
+struct TextModelRegions {
+  std::string activations = "activations";
+  std::string logits = "logits";
+  std::string kv = "kv";
+  static TextModelRegions draft() { return {"draft_activations", "draft_logits", "draft_kv"}; }
+};
+
 // The forward pass over a Backend, with its buffers carved from the arena. Not thread-safe (one step at a
 // time, like the backend).
 class TextModel {
@@ -2441,7 +2482,7 @@ class TextModel {
   // "activations" and "logits" (internal error if the arena's regions do not hold exactly those), and
   // prepares the RoPE frequencies. kv_dtype is the element type of the arena's KV pages.
   TextModel(const ModelConfig& config, TextModelWeights weights, Backend& backend, Arena& arena, const Plan& plan,
-            DType kv_dtype);
+            DType kv_dtype, const TextModelRegions& regions = {});
 
   // Runs every layer over the step's tokens, writing their K/V into the cache, and keeps the final hidden
   // states for logits(): stage() then compute(). Throws kvlite::Error (the engine guards it).
@@ -2479,6 +2520,8 @@ class TextModel {
   Backend& backend_;
   Arena& arena_;
   DType kv_dtype_;
+  TextModelRegions regions_;
+  KVPageLayout kv_layout_;  // this model's KV shape over the arena pool's pages
   int64_t max_tokens_ = 0;      // Tmax = max_batched_tokens: rows of every activation buffer
   int64_t max_seqs_ = 0;        // Smax: rows of the per-sequence buffers
   int64_t max_logit_rows_ = 0;  // rows one logits() call computes: min(logits buffer rows, Tmax)
@@ -2705,6 +2748,11 @@ struct EngineOptions {
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
   bool fp8_activations = false;
+  // Speculative decoding with a draft model: the directory of a smaller model with the target's tokenizer (a
+  // text model: llama, qwen2, qwen3) that drafts plan.speculative_tokens tokens per step for the target to verify
+  // in one forward pass. Planned with the target (plan_engine: its weights, buffers and KV beside every page);
+  // the CPU backend only so far. Empty: none (n-gram drafting is plan.ngram).
+  std::string draft_model;
   // Called during open with the checkpoint's bytes made ready so far and their total: (0, total) once planned,
   // then as weights reach the device (CUDA: after each layer's upload; the CPU maps them in one step), and
   // (total, total) when they are all there. Returning false aborts the open cleanly: it fails with
@@ -2792,6 +2840,10 @@ struct EngineStats {
   // a token gained without a forward pass of its own).
   int64_t draft_tokens = 0;
   int64_t draft_tokens_accepted = 0;
+  // A draft model's forward passes (catching up with new tokens, then one per drafted token) and the tokens
+  // they read.
+  int64_t draft_steps = 0;
+  int64_t draft_tokens_computed = 0;
   // Prefix caching: KV pages a new request took from the cache instead of computing them, and their tokens
   // (pages held by the cache: arena().kv().stats().cached_pages).
   int64_t prefix_pages_reused = 0;
@@ -9124,7 +9176,8 @@ void check_config(const ModelConfig& config) {
 }
 
 // Every option error names the option and carries the value.
-void check_options(const ModelConfig& config, const DeviceSpec& device, const PlanOptions& o) {
+void check_options(const ModelConfig& config, const DeviceSpec& device, const PlanOptions& o,
+                   const PlanInputs* draft) {
   auto bad = [](std::string message) { fail(ErrorCode::invalid_argument, std::move(message)); };
   if (device.total_bytes == 0)
     bad(format("device '%s' reports 0 bytes of memory: pass --device-mem (e.g. 8GiB) to plan for a card",
@@ -9151,10 +9204,32 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
                (long long)kMaxSpeculativeTokens));
   if (o.ngram < 0 || o.ngram > kMaxNgram)
     bad(format("ngram %lld is outside 0..%lld (--ngram)", (long long)o.ngram, (long long)kMaxNgram));
-  if ((o.speculative_tokens > 0) != (o.ngram > 0))
+  if (draft && o.ngram > 0)
+    bad(format("speculative decoding drafts from a draft model (--draft) or by n-gram lookup (--ngram %lld), not "
+               "both: drop one", (long long)o.ngram));
+  if (draft && o.speculative_tokens == 0)
+    bad("a draft model (--draft) needs --spec-tokens K: the tokens it drafts per step (e.g. 4)");
+  if (!draft && (o.speculative_tokens > 0) != (o.ngram > 0))
     bad(format("speculative decoding needs both --ngram N (the longest n-gram matched) and --spec-tokens K (tokens "
-               "drafted per step); got ngram %lld and speculative tokens %lld",
-               (long long)o.ngram, (long long)o.speculative_tokens));
+               "drafted per step), or --draft MODEL_DIR and --spec-tokens K; got ngram %lld and speculative tokens "
+               "%lld", (long long)o.ngram, (long long)o.speculative_tokens));
+  if (draft) {
+    const ModelConfig& d = draft->config;
+    check_config(d);
+    if (d.arch != Arch::llama && d.arch != Arch::qwen2 && d.arch != Arch::qwen3)
+      fail(ErrorCode::unsupported,
+           format("draft model %s: model_type '%s' is not a text model kvlite drafts with (llama, qwen2, qwen3)",
+                  model_name_of(d).c_str(), d.model_type.c_str()));
+    if (d.text.vocab_size != config.text.vocab_size)
+      bad(format("draft model %s has a vocabulary of %lld tokens but %s has %lld: a draft must share the target's "
+                 "tokenizer and vocabulary", model_name_of(d).c_str(), (long long)d.text.vocab_size,
+                 model_name_of(config).c_str(), (long long)config.text.vocab_size));
+    if (device.backend != BackendKind::cpu)
+      fail(ErrorCode::unsupported,
+           format("draft model %s: a draft model runs on the CPU backend only so far (%s); on CUDA use n-gram "
+                  "drafting (--ngram N --spec-tokens K), or --backend cpu", model_name_of(d).c_str(),
+                  device.name.c_str()));
+  }
   if (o.speculative_tokens > 0 && o.max_batched_tokens > 0 && o.speculative_tokens + 1 > o.max_batched_tokens)
     bad(format("--spec-tokens %lld needs max_batched_tokens of at least %lld (a sequence reads K + 1 tokens in a "
                "step); max_batched_tokens is %lld", (long long)o.speculative_tokens,
@@ -9196,6 +9271,7 @@ struct Inputs {
   const WeightsSummary& weights;
   uint64_t tensor_count;
   const DeviceSpec& device;  // wsl2 resolved
+  const PlanInputs* draft;   // a draft model's inputs, or nullptr
 };
 
 // CUDA: what the device copy of the weights weighs beyond their bytes on disk (negative when converting
@@ -9400,9 +9476,41 @@ PlanItem graphs_item(const Inputs& in, const PlanOptions& o) {
   return item;
 }
 
+// A draft model's rows (speculative decoding; the CPU backend, whose checks ran in check_options): its weights
+// (memory-mapped), its buffers for a step like the target's, and the distributions it drafted from, which
+// verification reads when sampling. Its KV is the "draft_kv" region beside the pages (assemble).
+std::vector<PlanItem> draft_items(const Inputs& in, const PlanOptions& o) {
+  const PlanInputs& d = *in.draft;
+  const std::string name = model_name_of(d.config);
+  std::vector<PlanItem> items;
+  items.push_back({"draft_weights", format("draft weights (%s)", name.c_str()),
+                   align_up(d.weights.total_bytes, kPlanAlignment),
+                   format("the draft model's tensors (%s, %llu tensors), memory-mapped, not copied (CPU)",
+                          d.weights.exact ? "exact, from headers" : "estimated from config.json",
+                          (unsigned long long)d.tensor_count),
+                   false});
+  auto buffers = activation_buffers(d.config, o.max_batched_tokens, o.max_seqs, *o.activation_dtype, 0);
+  items.push_back({"draft_activations", "draft activations", buffers_bytes(buffers),
+                   format("the draft's step buffers for T=%lld tokens and %lld seqs, as the target's",
+                          (long long)o.max_batched_tokens, (long long)o.max_seqs),
+                   true});
+  items.push_back({"draft_logits", "draft logits", buffers_bytes(logits_buffers(d.config, o.max_seqs)),
+                   format("the draft's logits and sampling rows for %lld seqs", (long long)o.max_seqs), true});
+  const uint64_t probs = uint64_t(o.max_seqs) * uint64_t(o.speculative_tokens) * uint64_t(d.config.text.vocab_size) * 4;
+  items.push_back({"draft_probs", "draft distributions", align_up(probs, kPlanAlignment),
+                   format("(S=%lld x K=%lld, V=%lld) fp32: the distribution each drafted token was drawn from, which "
+                          "verifying a sampled draft needs",
+                          (long long)o.max_seqs, (long long)o.speculative_tokens, (long long)d.config.text.vocab_size),
+                   true});
+  return items;
+}
+
+// The arena's bytes per KV page: the target's page and, with a draft model, the draft's beside it.
+uint64_t kv_page_bytes_all(const Plan& plan) { return plan.kv_page_bytes + plan.draft_kv_page_bytes; }
+
 // KV bytes one sequence of `tokens` tokens takes, in whole pages.
 uint64_t kv_bytes_for(const Plan& plan, int64_t tokens) {
-  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * plan.kv_page_bytes;
+  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * kv_page_bytes_all(plan);
 }
 
 // The plan for fully resolved options: items, budget, KV arena and the verdict (no what-if analysis).
@@ -9420,6 +9528,8 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.items.push_back(logits_item(in, o));
   plan.items.push_back(workspace_item(in));
   plan.items.push_back(graphs_item(in, o));
+  if (in.draft)
+    for (PlanItem& item : draft_items(in, o)) plan.items.push_back(std::move(item));
 
   if (in.config.vision.present) {
     const VisionConfig& v = in.config.vision;
@@ -9436,16 +9546,26 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.kv_bytes_per_token = in.config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
   plan.kv_page_tokens = uint64_t(o.kv_page_tokens);
   plan.kv_page_bytes = plan.kv_page_tokens * plan.kv_bytes_per_token;
+  if (in.draft) {
+    plan.draft_model_name = model_name_of(in.draft->config);
+    plan.draft_kv_bytes_per_token = in.draft->config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
+    plan.draft_kv_page_bytes = plan.kv_page_tokens * plan.draft_kv_bytes_per_token;
+  }
   plan.budget_bytes = budget_for(o.utilization, in.device.total_bytes);
   for (const auto& item : plan.items) plan.fixed_bytes += item.bytes;
   plan.kv_available_bytes = int64_t(plan.budget_bytes) - int64_t(plan.fixed_bytes);
-  plan.kv_pages = plan.kv_available_bytes > 0 ? uint64_t(plan.kv_available_bytes) / plan.kv_page_bytes : 0;
+  // (with a draft model its pages' region starts on a region boundary: up to kPlanAlignment - 1 bytes more)
+  const int64_t page_room = plan.kv_available_bytes - (in.draft ? int64_t(kPlanAlignment) : 0);
+  plan.kv_pages = page_room > 0 ? uint64_t(page_room) / kv_page_bytes_all(plan) : 0;
   // An embedded library shares its memory (the CPU's with everything on the machine, a desktop GPU's with the
   // display and other apps, a Jetson's with the OS): take only the pages max_seqs sequences of max_model_len
   // can use, no preemption needed. kv_fill: the whole budget, as vLLM does.
   plan.kv_pages_usable = uint64_t(o.max_seqs) * ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
   if (!o.kv_fill) plan.kv_pages = std::min(plan.kv_pages, plan.kv_pages_usable);
-  plan.kv_arena_bytes = plan.kv_pages * plan.kv_page_bytes;
+  // (the "draft_kv" region follows "kv" on a region boundary: arena_layout)
+  plan.kv_arena_bytes = in.draft ? align_up(plan.kv_pages * plan.kv_page_bytes, kPlanAlignment) +
+                                       plan.kv_pages * plan.draft_kv_page_bytes
+                                 : plan.kv_pages * plan.kv_page_bytes;
   const uint64_t used = plan.fixed_bytes + plan.kv_arena_bytes;  // arena + what the device spends outside it
   plan.free_bytes = plan.budget_bytes > used ? plan.budget_bytes - used : 0;
   plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
@@ -9538,6 +9658,16 @@ void write_advice(const Inputs& in, Plan& plan) {
       plan.advice.push_back(format("No image budget makes max_model_len %lld fit: even the smallest (%s pixels) leaves "
                                    "too little for KV.", (long long)plan.max_model_len,
                                    format_count(smallest_image_pixels(in.config)).c_str()));
+  }
+  if (in.draft) {
+    if (plan.speculative_tokens_that_fit > 0)
+      plan.advice.push_back(format("With --spec-tokens %lld: fits (the draft's distributions take %s for K=%lld).",
+                                   (long long)plan.speculative_tokens_that_fit,
+                                   format_bytes(plan.item("draft_probs")->bytes).c_str(),
+                                   (long long)o.speculative_tokens));
+    else if (plan.fits_without_draft)
+      plan.advice.push_back(format("No --spec-tokens fits with the draft model %s; without it (no --draft) the plan "
+                                   "fits.", plan.draft_model_name.c_str()));
   }
   if (plan.weights_bytes >= plan.budget_bytes) {
     // A model that is already quantized is not told to quantize: only a larger card (or budget) helps.
@@ -9686,12 +9816,12 @@ namespace detail {
 namespace planning {
 
 Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t tensor_count, const DeviceSpec& device_in,
-          const PlanOptions& requested) {
+          const PlanOptions& requested, const PlanInputs* draft) {
   check_config(config);
-  check_options(config, device_in, requested);
+  check_options(config, device_in, requested, draft);
   DeviceSpec device = device_in;
   if (requested.wsl2) device.wsl2 = *requested.wsl2;
-  Inputs in{config, weights, tensor_count, device};
+  Inputs in{config, weights, tensor_count, device, draft};
   ModelLimits limits = model_limits(config);
 
   PlanOptions o = requested;
@@ -9751,7 +9881,8 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
   // What would fit, whatever the verdict (from the bytes left, not the pages taken: the CPU caps those).
   auto tokens_that_fit = [](const Plan& p) {
-    return p.kv_available_bytes > 0 ? int64_t(uint64_t(p.kv_available_bytes) / p.kv_page_bytes * p.kv_page_tokens) : 0;
+    return p.kv_available_bytes > 0 ? int64_t(uint64_t(p.kv_available_bytes) / kv_page_bytes_all(p) * p.kv_page_tokens)
+                                    : 0;
   };
   plan.max_model_len_that_fits = std::min<int64_t>(tokens_that_fit(plan), limits.max_position);
   uint64_t total_needed = plan.fixed_bytes + kv_bytes_for(plan, plan.max_model_len);
@@ -9782,6 +9913,26 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
       plan.image_pixels_that_fit = int64_t(lo * window);
     }
   }
+  if (draft && !plan.fits) {
+    // The draft's distributions grow with K: the largest K at which max_model_len fits (binary search), and
+    // whether dropping the draft model would make it fit.
+    auto fits_with_k = [&](int64_t k) {
+      PlanOptions trial = o;
+      trial.speculative_tokens = k;
+      return assemble(in, trial).fits;
+    };
+    int64_t lo = 0, hi = o.speculative_tokens - 1;  // invariant: K = lo fits or lo == 0
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (fits_with_k(mid)) lo = mid; else hi = mid - 1;
+    }
+    plan.speculative_tokens_that_fit = lo > 0 && fits_with_k(lo) ? lo : 0;
+    Inputs alone = in;
+    alone.draft = nullptr;
+    PlanOptions without = o;
+    without.speculative_tokens = 0;
+    plan.fits_without_draft = assemble(alone, without).fits;
+  }
   write_advice(in, plan);
   return plan;
 }
@@ -9791,7 +9942,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
 Result<Plan> make_plan(const ModelConfig& config, const WeightsSummary& weights, const DeviceSpec& device,
                        const PlanOptions& options) {
-  return detail::guard([&] { return detail::planning::make(config, weights, 0, device, options); });
+  return detail::guard([&] { return detail::planning::make(config, weights, 0, device, options, nullptr); });
 }
 
 Result<PlanInputs> read_plan_inputs(const std::string& model_dir) {
@@ -9812,7 +9963,8 @@ Result<PlanInputs> read_plan_inputs(const std::string& model_dir) {
 
 Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const PlanOptions& options) {
   return detail::guard(
-      [&] { return detail::planning::make(inputs.config, inputs.weights, inputs.tensor_count, device, options); });
+      [&] { return detail::planning::make(inputs.config, inputs.weights, inputs.tensor_count, device, options,
+                                          inputs.draft.get()); });
 }
 
 
@@ -9849,6 +10001,9 @@ std::string Plan::table() const {
     kv_why = format("nothing left: budget - fixed = %s; %s per token (%s)",
                     format_bytes_signed(kv_available_bytes).c_str(), format_bytes(kv_bytes_per_token).c_str(),
                     kv_dtype_name(options.kv_dtype));
+  if (draft_kv_page_bytes > 0)
+    kv_why += format("; with the draft model's KV beside each page (%s per token)",
+                     format_bytes(draft_kv_bytes_per_token).c_str());
   if (kv_available_bytes > 0) {
     if (options.kv_fill)
       kv_why += "; fills the budget (--kv-fill)";
@@ -9881,7 +10036,16 @@ std::string Plan::table() const {
                            format_count(uint64_t(image_patches_per_image)).c_str(),
                            format_bytes(vision_weights_bytes).c_str())});
   }
-  if (options.speculative_tokens > 0)
+  if (options.speculative_tokens > 0 && !draft_model_name.empty()) {
+    uint64_t draft_bytes = uint64_t(kv_pages) * draft_kv_page_bytes;
+    for (const auto& it : items)
+      if (it.key.rfind("draft_", 0) == 0) draft_bytes += it.bytes;
+    rows.push_back({"speculative", format_bytes(draft_bytes),
+                    format("draft model %s drafts up to %lld tokens per sequence per step, verified in the same "
+                           "forward pass: its rows above and its KV in the KV arena (%s in all)",
+                           draft_model_name.c_str(), (long long)options.speculative_tokens,
+                           format_bytes(draft_bytes).c_str())});
+  } else if (options.speculative_tokens > 0)
     rows.push_back({"speculative", format_bytes(0),
                     format("n-gram drafting (prompt lookup, n <= %lld), up to %lld tokens per sequence per step, "
                            "verified in the same forward pass: the K + 1 tokens are inside max_batched_tokens %lld "
@@ -9957,6 +10121,13 @@ std::string Plan::json() const {
   j["kv_bytes_per_token"] = kv_bytes_per_token;
   j["kv_page_tokens"] = kv_page_tokens;
   j["kv_page_bytes"] = kv_page_bytes;
+  if (!draft_model_name.empty()) {
+    j["draft_model"] = draft_model_name;
+    j["draft_kv_bytes_per_token"] = draft_kv_bytes_per_token;
+    j["draft_kv_page_bytes"] = draft_kv_page_bytes;
+    j["speculative_tokens_that_fit"] = speculative_tokens_that_fit;
+    j["fits_without_draft"] = fits_without_draft;
+  }
   j["budget_bytes"] = budget_bytes;
   j["fixed_bytes"] = fixed_bytes;
   j["kv_available_bytes"] = kv_available_bytes;
@@ -10181,6 +10352,11 @@ ArenaLayout arena_layout(const Plan& plan) {
     fail(ErrorCode::invalid_argument, format("the KV region overflows 64 bits (%llu pages of %llu bytes): the plan is corrupt",
                                              (unsigned long long)plan.kv_pages, (unsigned long long)plan.kv_page_bytes));
   add("kv", plan.kv_pages * plan.kv_page_bytes);
+  if (plan.draft_kv_page_bytes != 0) {  // a draft model's KV: the same pages, its own layout (speculative decoding)
+    if (plan.kv_pages > kMax / plan.draft_kv_page_bytes)
+      fail(ErrorCode::invalid_argument, "the draft model's KV region overflows 64 bits: the plan is corrupt");
+    add("draft_kv", plan.kv_pages * plan.draft_kv_page_bytes);
+  }
   layout.total_bytes = end;
   return layout;
 }
@@ -10704,6 +10880,27 @@ int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params,
 DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
                                 int64_t history_len, int32_t draft, Rng& rng, float* prob_scratch,
                                 int32_t* index_scratch) {
+  return verify_draft_token(logits, vocab, params, history, history_len, draft, nullptr, rng, prob_scratch,
+                            index_scratch);
+}
+
+int32_t sample_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                           int64_t history_len, Rng& rng, float* draft_probs, float* prob_scratch,
+                           int32_t* index_scratch) {
+  const int64_t candidates =
+      detail::sampling_distribution(logits, vocab, params, history, history_len, prob_scratch, index_scratch);
+  if (params.temperature == 0.0f) return argmax(logits, vocab);
+  double total = 0.0;
+  for (int64_t i = 0; i < candidates; i++) total += prob_scratch[index_scratch[i]];
+  std::fill(draft_probs, draft_probs + vocab, 0.0f);
+  for (int64_t i = 0; i < candidates; i++)
+    draft_probs[index_scratch[i]] = float(double(prob_scratch[index_scratch[i]]) / total);
+  return detail::draw_candidate(prob_scratch, index_scratch, candidates, -1, rng);
+}
+
+DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                                int64_t history_len, int32_t draft, const float* draft_probs, Rng& rng,
+                                float* prob_scratch, int32_t* index_scratch) {
   const int64_t candidates =
       detail::sampling_distribution(logits, vocab, params, history, history_len, prob_scratch, index_scratch);
   DraftVerdict verdict;
@@ -10719,6 +10916,31 @@ DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingPara
     else total += prob_scratch[index_scratch[i]];
   }
   total += p_draft;
+  if (draft_probs) {
+    // Accept with probability min(1, p(draft) / q(draft)) (q(draft) > 0: the draft model drew it from q) ...
+    const double q_draft = draft >= 0 && draft < vocab ? double(draft_probs[draft]) : 0.0;
+    if (p_draft > 0.0 && double(rng.next_float()) * q_draft * total < p_draft) {
+      verdict.token = draft;
+      verdict.accepted = true;
+      return verdict;
+    }
+    // ... else draw from max(0, p - q), normalized. The residual's weights go into prob_scratch over p's
+    // candidates (a token outside them has p = 0, so no residual); where the residual is empty (p <= q
+    // everywhere, which rejection makes impossible in exact arithmetic) the token is drawn from p.
+    double residual = 0.0;
+    for (int64_t i = 0; i < candidates; i++) {
+      const int32_t t = index_scratch[i];
+      residual += std::max(0.0, double(prob_scratch[t]) / total - double(draft_probs[t]));
+    }
+    if (residual > 0.0) {
+      for (int64_t i = 0; i < candidates; i++) {
+        const int32_t t = index_scratch[i];
+        prob_scratch[t] = float(std::max(0.0, double(prob_scratch[t]) / total - double(draft_probs[t])));
+      }
+    }
+    verdict.token = detail::draw_candidate(prob_scratch, index_scratch, candidates, -1, rng);
+    return verdict;
+  }
   // Accept with probability p(draft) / total (the draft proposed it with certainty: q(draft) = 1) ...
   if (p_draft > 0.0 && double(rng.next_float()) * total < p_draft) {
     verdict.token = draft;
@@ -12281,8 +12503,9 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
 // ---- TextModel --------------------------------------------------------------------------------------------
 
 TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backend& backend, Arena& arena,
-                     const Plan& plan, DType kv_dtype)
-    : config_(config), weights_(std::move(weights)), backend_(backend), arena_(arena), kv_dtype_(kv_dtype) {
+                     const Plan& plan, DType kv_dtype, const TextModelRegions& regions)
+    : config_(config), weights_(std::move(weights)), backend_(backend), arena_(arena), kv_dtype_(kv_dtype),
+      regions_(regions) {
   using detail::fail;
   using detail::format;
   const TextConfig& c = config_.text;
@@ -12300,9 +12523,17 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   const int64_t table_pages = device_tables ? block_table_pages(config_, plan.options.kv_page_tokens) : 0;
   const int64_t spare = device_tables ? 1 : 0;
 
+  kv_layout_ = KVPageLayout{c.num_layers, arena_.kv().page_tokens(), c.num_kv_heads, D};
+  const ArenaRegion* kv_region = arena_.region(regions_.kv);
+  const uint64_t kv_needed = dtype_bytes(kv_dtype_, uint64_t(kv_layout_.page_elements())) * uint64_t(arena_.kv().num_pages());
+  if (!kv_region || kv_region->bytes != kv_needed)
+    fail(ErrorCode::internal, format("the arena's '%s' region holds %llu bytes but %llu pages of this model's KV take "
+                                     "%llu: the plan and the model disagree", regions_.kv.c_str(),
+                                     (unsigned long long)(kv_region ? kv_region->bytes : 0),
+                                     (unsigned long long)arena_.kv().num_pages(), (unsigned long long)kv_needed));
   detail::model::BufferCarver buffers(arena_);
-  buffers.carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, act, table_pages));
-  buffers.carve("logits", logits_buffers(config_, max_seqs_));
+  buffers.carve(regions_.activations.c_str(), activation_buffers(config_, max_tokens_, max_seqs_, act, table_pages));
+  buffers.carve(regions_.logits.c_str(), logits_buffers(config_, max_seqs_));
   auto view = [&](const char* name, DType dtype, int64_t rows, int64_t cols) {
     return buffers.view(name, dtype, rows, cols);
   };
@@ -12344,9 +12575,9 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
 
 KVCacheView TextModel::kv_cache() const {
   KVCacheView cache;
-  cache.pages = arena_.region_data("kv");
+  cache.pages = arena_.region_data(regions_.kv);
   cache.dtype = kv_dtype_;
-  cache.layout = arena_.kv_layout();
+  cache.layout = kv_layout_;
   cache.num_pages = arena_.kv().num_pages();
   if (kv_dtype_ == DType::F8_E4M3 && !weights_.k_scales.empty()) {
     cache.k_scales = weights_.k_scales.data();
@@ -13024,6 +13255,10 @@ struct EngineRequest {
   std::vector<int32_t> drafts;
   int64_t draft_base = 0;
   bool draft_rejected = false;
+  // A draft model: tokens whose K/V the draft's cache holds (in this request's pages; 0 again after a preemption,
+  // and for a new request, whose cached prefix holds only the target's for sure), and the drafts this step wants.
+  int64_t draft_computed = 0;
+  int64_t draft_wanted = 0;
   // Prefix caching: the keys of this request's full pages so far (page_key), and how many of its pages are in the
   // cache (taken from it at admission, or entered once computed).
   std::vector<uint64_t> page_keys;
@@ -13051,6 +13286,14 @@ struct Engine::Impl {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<TextModel> model;
   std::unique_ptr<VisionModel> vision;  // qwen3_vl
+  // Speculative decoding with a draft model (EngineOptions::draft_model): its config, the mmap its weights are
+  // views into, its forward pass over the same backend (its K/V for the pool's pages in "draft_kv"), the
+  // distributions it drew each draft from ("draft_probs": [Smax, K, V]) and a row of its logits as floats.
+  ModelConfig draft_config;
+  TensorStore draft_store;
+  std::unique_ptr<TextModel> draft_model;
+  float* draft_probs = nullptr;
+  std::vector<float> draft_row;
   PreprocessOptions preprocess;         // qwen3_vl: the processor's, with the plan's image budget
   std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
   std::vector<int32_t> stop_ids;  // sorted
@@ -13089,6 +13332,8 @@ struct Engine::Impl {
   std::vector<int32_t> query_starts;          // [Smax + 1]
   std::vector<int32_t> context_lens;          // [Smax]
   std::vector<RowOwner> row_owners;           // [Tmax]
+  std::vector<detail::EngineRequest*> draft_requests;           // capacity Smax: a draft model's step
+  std::vector<std::pair<int64_t, int64_t>> draft_ranges;        // capacity Smax: [from, count) of each
 
   // A GPU engine's host side of the logits (sized at open): a chunk as the GPU stores it and widened to float,
   // the host sampler's scratch (rows with a repetition penalty), and the device sampler's rows.
@@ -13472,6 +13717,7 @@ struct Engine::Impl {
     r.slot = -1;
     r.computed = 0;
     r.registered_pages = 0;
+    r.draft_computed = 0;
     running.erase(std::remove(running.begin(), running.end(), &r), running.end());
     waiting.push_front(&r);
   }
@@ -13492,7 +13738,7 @@ struct Engine::Impl {
     for (size_t i = 0; i < running.size() && budget > 0;) {
       detail::EngineRequest& r = *running[i];
       int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
-      if (int64_t(r.tokens.size()) - r.computed == 1 && draft(r, budget - 1)) n += int64_t(r.drafts.size());
+      if (int64_t(r.tokens.size()) - r.computed == 1) n += draft(r, budget - 1);
       bool kept = true;
       while (!reserve(r, r.computed + n)) {
         detail::EngineRequest& victim = *running.back();
@@ -13539,27 +13785,169 @@ struct Engine::Impl {
   // K drafted tokens (n-gram: the continuation of the latest earlier occurrence of its last tokens), whose logits
   // are verified in order (verify_draft_token), so one forward pass over the weights can yield up to K + 1
   // tokens. Drafts are appended to r.tokens for the step when the pages for them are there without preempting
-  // anyone; `limit` is the step's token budget left after r's own token. True when r drafted.
-  bool draft(detail::EngineRequest& r, int64_t limit) {
+  // anyone; `limit` is the step's token budget left after r's own token. Returns the tokens drafted. With a draft
+  // model the pages are reserved here and the tokens drafted by run_draft_model, before the step is packed.
+  int64_t draft(detail::EngineRequest& r, int64_t limit) {
     const int64_t k = plan.options.speculative_tokens;
-    if (k <= 0 || r.kind != detail::RequestKind::generate) return false;
+    if (k <= 0 || r.kind != detail::RequestKind::generate) return 0;
     // Every accepted draft and the token after them must be allowed: by max_tokens and by the context.
     const int64_t allowed = std::min({k, limit, r.params.max_tokens - int64_t(r.result.ids.size()) - 1,
                                       max_model_len() - int64_t(r.tokens.size())});
-    if (allowed <= 0) return false;
+    if (allowed <= 0) return 0;
+    if (draft_model) {
+      if (!reserve(r, r.computed + 1 + allowed)) return 0;
+      r.drafts.clear();
+      r.draft_wanted = allowed;
+      r.draft_base = int64_t(r.tokens.size()) - 1;
+      r.draft_rejected = false;
+      return allowed;
+    }
     r.drafts.resize(size_t(allowed));
     const int64_t count =
         propose_ngram_draft(r.tokens.data(), int64_t(r.tokens.size()), plan.options.ngram, allowed, r.drafts.data());
     r.drafts.resize(size_t(count));
     if (count == 0 || !reserve(r, r.computed + 1 + count)) {
       r.drafts.clear();
-      return false;
+      return 0;
     }
     r.draft_base = int64_t(r.tokens.size()) - 1;
     r.draft_rejected = false;
     r.tokens.insert(r.tokens.end(), r.drafts.begin(), r.drafts.end());
     stats.draft_tokens += count;
-    return true;
+    return count;
+  }
+
+  // The distribution the draft model drew request slot `slot`'s draft i from.
+  float* draft_distribution(int32_t slot, int64_t i) {
+    const int64_t vocab = config.text.vocab_size;
+    return draft_probs + (int64_t(slot) * plan.options.speculative_tokens + i) * vocab;
+  }
+
+  // The draft model's turn, before the step is packed: each request that wants drafts (draft_wanted > 0, pages
+  // reserved by draft()) first has the draft read its tokens the draft's cache lacks (a prompt, or the tokens
+  // accepted last step), in steps of at most max_batched_tokens; the last one's logits give draft 1. Then one
+  // step per further draft, each reading the draft before it. The draft's K/V goes into the same pages as the
+  // target's (its own "draft_kv" region), its positions are the tokens' indices (a text model's), and its tokens
+  // are drawn as the target would sample (sample_draft_token keeps each one's distribution for verification).
+  // The drafts are appended to r.tokens, as n-gram drafts are.
+  void run_draft_model() {
+    std::vector<detail::EngineRequest*>& drafting = draft_requests;
+    drafting.clear();
+    for (const Scheduled& s : scheduled)
+      if (s.request->draft_wanted > 0) drafting.push_back(s.request);
+    if (drafting.empty()) return;
+    std::sort(drafting.begin(), drafting.end(),
+              [](const detail::EngineRequest* a, const detail::EngineRequest* b) { return a->slot < b->slot; });
+    const KVPagePool& kv = pool();
+    const int64_t page_tokens = kv.page_tokens(), vocab = config.text.vocab_size;
+    const int64_t max_tokens = int64_t(token_ids.size());
+    // One draft step over tokens [from, from + count) of each request (count 0: not in this step); the rows of
+    // requests whose last token is in it give their next draft.
+    auto draft_step = [&](const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+      const int64_t seqs = drafting.back()->slot + 1;
+      std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
+      int64_t t = 0, rows = 0, max_context = 0;
+      size_t next = 0;
+      for (int64_t s = 0; s < seqs; s++) {
+        query_starts[size_t(s)] = int32_t(t);
+        if (next == drafting.size() || drafting[next]->slot != s) continue;
+        detail::EngineRequest& r = *drafting[next];
+        const int64_t from = ranges[next].first, count = ranges[next].second;
+        next++;
+        if (count == 0) continue;
+        const int32_t* pages = kv.block_table(r.slot);
+        for (int64_t p = from; p < from + count; p++, t++) {
+          token_ids[size_t(t)] = r.tokens[size_t(p)];
+          positions[size_t(t)] = int32_t(p);
+          slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
+        }
+        if (from + count == int64_t(r.tokens.size())) {
+          logit_row_ids[size_t(rows)] = int32_t(t - 1);
+          row_owners[size_t(rows++)] = {&r, from + count - 1};
+        }
+        context_lens[size_t(s)] = int32_t(from + count);
+        max_context = std::max(max_context, from + count);
+        r.draft_computed = from + count;
+      }
+      query_starts[size_t(seqs)] = int32_t(t);
+      StepInput input;
+      input.tokens = t;
+      input.token_ids = token_ids.data();
+      input.positions = positions.data();
+      input.position_rows = 1;
+      input.slots = slots.data();
+      input.seqs = seqs;
+      input.query_starts = query_starts.data();
+      input.context_lens = context_lens.data();
+      input.max_context = max_context;
+      input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
+                                          kv.max_pages_per_seq());
+      input.logit_rows = rows;
+      input.logit_row_ids = logit_row_ids.data();
+      draft_model->forward(input);
+      stats.draft_steps++;
+      stats.draft_tokens_computed += t;
+      for (int64_t first = 0; first < rows; first += draft_model->max_logit_rows()) {
+        const int64_t count = std::min(draft_model->max_logit_rows(), rows - first);
+        const Tensor logits = draft_model->logits(first, count);
+        for (int64_t i = 0; i < count; i++) {
+          detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
+          float* row = host_logits_row(logits, i, draft_row.data());
+          const int64_t index = int64_t(r.drafts.size());
+          const int32_t id = sample_draft_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng,
+                                                draft_distribution(r.slot, index), draft_model->sampling_probs(r.slot),
+                                                draft_model->sampling_order(r.slot));
+          r.drafts.push_back(id);
+          r.tokens.push_back(id);
+        }
+      }
+    };
+    std::vector<std::pair<int64_t, int64_t>>& ranges = draft_ranges;
+    // Catching up: every token the draft's cache lacks, the target's newest included (its row gives draft 1).
+    for (;;) {
+      int64_t budget = max_tokens;
+      bool any = false;
+      ranges.assign(drafting.size(), {0, 0});
+      for (size_t i = 0; i < drafting.size() && budget > 0; i++) {
+        detail::EngineRequest& r = *drafting[i];
+        const int64_t missing = r.draft_base + 1 - r.draft_computed;  // up to the target's newest token
+        if (missing <= 0) continue;
+        ranges[i] = {r.draft_computed, std::min(missing, budget)};
+        budget -= ranges[i].second;
+        any = true;
+      }
+      if (!any) break;
+      draft_step(ranges);
+    }
+    // Then one token per step: the latest draft, while a request wants more.
+    for (int64_t drafted = 1;; drafted++) {
+      bool any = false;
+      for (size_t i = 0; i < drafting.size(); i++) {
+        detail::EngineRequest& r = *drafting[i];
+        const bool more = int64_t(r.drafts.size()) < r.draft_wanted;
+        ranges[i] = more ? std::make_pair(int64_t(r.tokens.size()) - 1, int64_t(1)) : std::make_pair(int64_t(0), int64_t(0));
+        any = any || more;
+      }
+      if (!any) break;
+      draft_step(ranges);
+    }
+    for (detail::EngineRequest* r : drafting) {
+      stats.draft_tokens += int64_t(r->drafts.size());
+      r->draft_wanted = 0;
+    }
+  }
+
+  // Row i of a chunk of logits as floats: in place when the backend's logits are host F32, else widened into
+  // `scratch` [V] (16-bit activations).
+  float* host_logits_row(const Tensor& logits, int64_t i, float* scratch) const {
+    const int64_t vocab = config.text.vocab_size;
+    if (logits.dtype == DType::F32) return static_cast<float*>(logits.data) + i * vocab;
+    const uint8_t* raw = static_cast<const uint8_t*>(logits.data) + size_t(i * vocab) * 2;
+    for (int64_t j = 0; j < vocab; j++) {
+      const uint16_t bits = uint16_t(raw[2 * j] | raw[2 * j + 1] << 8);
+      scratch[j] = logits.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+    }
+    return scratch;
   }
 
   // After a step's rows are consumed: a drafting request keeps the K/V of its last token and accepted drafts
@@ -13569,6 +13957,8 @@ struct Engine::Impl {
       detail::EngineRequest& r = *s.request;
       if (r.drafts.empty()) continue;
       if (!r.finished) r.computed = std::min<int64_t>(r.computed, int64_t(r.tokens.size()) - 1);
+      // the draft's cache: its inputs up to the last accepted draft (it never read the last draft it made)
+      if (!r.finished) r.draft_computed = std::min<int64_t>(r.draft_computed, int64_t(r.tokens.size()) - 1);
       r.drafts.clear();
       r.draft_rejected = false;
     }
@@ -13597,9 +13987,12 @@ struct Engine::Impl {
         const int64_t drafted = owner.position - r.draft_base;  // the row verifying drafts[drafted], if any
         if (!r.drafts.empty() && drafted < int64_t(r.drafts.size())) {
           // r.tokens holds the accepted drafts before this one: the history the target's token depends on
+          // a draft model's sampled draft came from a distribution q; n-gram drafts are certain
+          const float* q =
+              draft_model && r.params.temperature != 0.0f ? draft_distribution(r.slot, drafted) : nullptr;
           const DraftVerdict verdict = verify_draft_token(row, vocab, r.params, r.tokens.data(),
-                                                          int64_t(r.tokens.size()), r.drafts[size_t(drafted)], r.rng,
-                                                          probs, order);
+                                                          int64_t(r.tokens.size()), r.drafts[size_t(drafted)], q,
+                                                          r.rng, probs, order);
           if (verdict.accepted) stats.draft_tokens_accepted++;
           else r.draft_rejected = true;
           accept_token(r, verdict.token);
@@ -13665,6 +14058,7 @@ struct Engine::Impl {
       detail::fail(ErrorCode::internal,
                    detail::format("the scheduler found nothing to run with %zu requests waiting and %zu running",
                                   waiting.size(), running.size()));
+    if (draft_model) run_draft_model();
     // Sequence s of the attention batch is pool slot s: pack tokens in slot order.
     std::sort(scheduled.begin(), scheduled.end(),
               [](const Scheduled& a, const Scheduled& b) { return a.request->slot < b.request->slot; });
@@ -14161,8 +14555,21 @@ namespace engine {
 }  // namespace engine
 }  // namespace detail
 
-Result<Plan> plan_engine(const PlanInputs& inputs, const EngineOptions& options) {
+Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& options) {
   return detail::guard([&]() -> Plan {
+    // A draft model is planned with its target: its inputs come from options.draft_model unless given.
+    PlanInputs with_draft;
+    const PlanInputs* chosen = &inputs_in;
+    if (!options.draft_model.empty() && !inputs_in.draft) {
+      Result<PlanInputs> draft = read_plan_inputs(options.draft_model);
+      if (!draft)
+        detail::fail(draft.error().code,
+                     detail::format("draft model %s: %s", options.draft_model.c_str(), draft.error().message.c_str()));
+      with_draft = inputs_in;
+      with_draft.draft = std::make_shared<const PlanInputs>(std::move(*draft));
+      chosen = &with_draft;
+    }
+    const PlanInputs& inputs = *chosen;
     std::string why;
     Result<DeviceSpec> device = detect_device(options.backend, options.device, options.plan.device_mem,
                                               options.plan.wsl2, &why);
@@ -14215,6 +14622,24 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     inputs.config = e.config;
     inputs.weights = *weights;
     inputs.tensor_count = e.store.tensors().size();
+    if (!options.draft_model.empty()) {  // speculative decoding with a draft model: planned with the target
+      Result<ModelConfig> draft_config = load_config(options.draft_model);
+      if (!draft_config) fail(draft_config.error().code, format("draft model %s: %s", options.draft_model.c_str(),
+                                                                draft_config.error().message.c_str()));
+      e.draft_config = std::move(*draft_config);
+      Result<TensorStore> draft_store = TensorStore::open_dir(options.draft_model);
+      if (!draft_store) throw draft_store.error();
+      e.draft_store = std::move(*draft_store);
+      if (e.draft_store.empty())
+        fail(ErrorCode::missing_tensor, format("draft model %s has no safetensors weights", options.draft_model.c_str()));
+      Result<WeightsSummary> draft_weights = summarize_weights(e.draft_config, &e.draft_store);
+      if (!draft_weights) throw draft_weights.error();
+      auto draft = std::make_shared<PlanInputs>();
+      draft->config = e.draft_config;
+      draft->weights = std::move(*draft_weights);
+      draft->tensor_count = e.draft_store.tensors().size();
+      inputs.draft = std::move(draft);
+    }
     Result<Plan> plan = plan_engine(inputs, options);
     if (!plan) throw plan.error();
     e.plan = std::move(*plan);
@@ -14281,6 +14706,12 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       if (e.config.vision.present)
         backend_options.max_head_dim =
             std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);
+      if (inputs.draft) {  // the draft model runs on this backend too
+        backend_options.max_head_dim = std::max(backend_options.max_head_dim, inputs.draft->config.text.head_dim);
+        for (const LinearDesc& linear : inputs.draft->weights.linears)
+          if (linear.format != WeightFormat::dense)
+            backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
+      }
       Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);
@@ -14300,6 +14731,18 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.info.activation_dtype = e.backend->activation_dtype();
     e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights, gpu);
     e.model = std::make_unique<TextModel>(e.config, std::move(text_weights), *e.backend, *e.arena, e.plan, kv_dtype);
+    if (!options.draft_model.empty()) {
+      // (the plan refused a draft model on CUDA: its weights are the mmap's views, as the CPU target's)
+      Result<TextModelWeights> draft_weights = bind_text_weights(e.draft_config, e.draft_store);
+      if (!draft_weights)
+        fail(draft_weights.error().code,
+             format("draft model %s: %s", options.draft_model.c_str(), draft_weights.error().message.c_str()));
+      e.draft_model = std::make_unique<TextModel>(e.draft_config, std::move(*draft_weights), *e.backend, *e.arena,
+                                                  e.plan, kv_dtype, TextModelRegions::draft());
+      e.draft_probs = reinterpret_cast<float*>(e.arena->region_data("draft_probs"));
+      if (!e.draft_probs) fail(ErrorCode::internal, "the plan for a draft model has no draft_probs region");
+      e.draft_row.assign(size_t(e.config.text.vocab_size), 0.0f);
+    }
     if (vision_weights) {
       e.vision = std::make_unique<VisionModel>(e.config, std::move(*vision_weights), *e.backend, *e.arena, e.plan);
       // The processor's options, with the plan's image budget: the vision buffers hold no larger image.
@@ -14312,6 +14755,25 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     if (!tokenizer) throw tokenizer.error();
     e.tokenizer = std::move(*tokenizer);
     const Tokenizer& tok = *e.tokenizer;
+    if (e.draft_model) {
+      // A draft's ids must mean what the target's mean: the same vocabulary, token for token.
+      Result<Tokenizer> draft_tokenizer = Tokenizer::load(options.draft_model);
+      if (!draft_tokenizer)
+        fail(draft_tokenizer.error().code, format("draft model %s: %s", options.draft_model.c_str(),
+                                                  draft_tokenizer.error().message.c_str()));
+      if (draft_tokenizer->vocab_size() != tok.vocab_size())
+        fail(ErrorCode::invalid_argument,
+             format("draft model %s: its tokenizer has %zu tokens but %s's has %zu; a draft must use the target's "
+                    "tokenizer", options.draft_model.c_str(), draft_tokenizer->vocab_size(), model_dir.c_str(),
+                    tok.vocab_size()));
+      for (size_t id = 0; id < tok.vocab_size(); id++)
+        if (draft_tokenizer->token_text(int32_t(id)) != tok.token_text(int32_t(id)))
+          fail(ErrorCode::invalid_argument,
+               format("draft model %s: token %zu is '%s' in its tokenizer but '%s' in %s's; a draft must use the "
+                      "target's tokenizer", options.draft_model.c_str(), id,
+                      draft_tokenizer->token_text(int32_t(id)).c_str(), tok.token_text(int32_t(id)).c_str(),
+                      model_dir.c_str()));
+    }
 
     // Stop ids: config.json's and generation_config.json's eos, the tokenizer's eos, and the end-of-turn
     // tokens of the chat formats kvlite writes.
@@ -14334,6 +14796,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.query_starts.assign(max_seqs + 1, 0);
     e.context_lens.assign(max_seqs, 0);
     e.row_owners.assign(max_tokens, {nullptr, 0});
+    e.draft_requests.reserve(max_seqs);
+    e.draft_ranges.reserve(max_seqs);
     e.prefix_cache = options.prefix_caching.value_or(!gpu);
     e.info.prefix_caching = e.prefix_cache;
     e.attach_pages.assign(size_t(e.arena->kv().max_pages_per_seq()), -1);

@@ -358,6 +358,8 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--spec-tokens", "K", "speculative decoding: tokens drafted per sequence per step and verified in one "
                              "forward pass, 1..32; alone, --ngram 3. Greedy output is unchanged; sampling keeps its "
                              "distribution"},
+      {"--draft", "DIR", "speculative decoding with a draft model: a smaller model with the same tokenizer drafts "
+                         "--spec-tokens K (default 4) tokens per step (CPU backend); planned with the model"},
   };
 }
 
@@ -409,7 +411,12 @@ kvlite::EngineOptions engine_options(const Args& args) {
   if (args.has("--device")) options.device = int(args.integer("--device", 0, 1023));
   if (args.has("--threads")) options.threads = int(args.integer("--threads", 1, 4096));
   options.fp8_activations = args.has("--fp8-activations");
-  if (args.has("--ngram") || args.has("--spec-tokens")) {
+  if (args.has("--draft")) {
+    options.draft_model = args.text("--draft");
+    if (args.has("--ngram")) throw UsageError{"--draft and --ngram are two ways to draft: choose one"};
+    options.plan.speculative_tokens =
+        args.has("--spec-tokens") ? args.integer("--spec-tokens", 1, kvlite::kMaxSpeculativeTokens) : 4;
+  } else if (args.has("--ngram") || args.has("--spec-tokens")) {
     options.plan.ngram = args.has("--ngram") ? args.integer("--ngram", 1, kvlite::kMaxNgram) : 3;
     options.plan.speculative_tokens =
         args.has("--spec-tokens") ? args.integer("--spec-tokens", 1, kvlite::kMaxSpeculativeTokens) : 4;
@@ -496,11 +503,15 @@ int run_generate(const Args& args) {
   if (stats.draft_tokens > 0 || engine->plan().options.speculative_tokens > 0)
     fprintf(stderr,
             "kvlite generate: speculative: %lld drafted, %lld accepted (%.1f%%); %lld forward passes for %zu tokens "
-            "(%.2f per token)\n",
+            "(%.2f per token)%s\n",
             (long long)stats.draft_tokens, (long long)stats.draft_tokens_accepted,
             stats.draft_tokens > 0 ? 100.0 * double(stats.draft_tokens_accepted) / double(stats.draft_tokens) : 0.0,
             (long long)stats.steps, generation->ids.size(),
-            generation->ids.empty() ? 0.0 : double(stats.steps) / double(generation->ids.size()));
+            generation->ids.empty() ? 0.0 : double(stats.steps) / double(generation->ids.size()),
+            stats.draft_steps > 0 ? kvlite::detail::format("; the draft model: %lld passes over %lld tokens",
+                                                   (long long)stats.draft_steps,
+                                                   (long long)stats.draft_tokens_computed).c_str()
+                                  : "");
   return kExitOk;
 }
 

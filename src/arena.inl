@@ -82,6 +82,11 @@ ArenaLayout arena_layout(const Plan& plan) {
     fail(ErrorCode::invalid_argument, format("the KV region overflows 64 bits (%llu pages of %llu bytes): the plan is corrupt",
                                              (unsigned long long)plan.kv_pages, (unsigned long long)plan.kv_page_bytes));
   add("kv", plan.kv_pages * plan.kv_page_bytes);
+  if (plan.draft_kv_page_bytes != 0) {  // a draft model's KV: the same pages, its own layout (speculative decoding)
+    if (plan.kv_pages > kMax / plan.draft_kv_page_bytes)
+      fail(ErrorCode::invalid_argument, "the draft model's KV region overflows 64 bits: the plan is corrupt");
+    add("draft_kv", plan.kv_pages * plan.draft_kv_page_bytes);
+  }
   layout.total_bytes = end;
   return layout;
 }

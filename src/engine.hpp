@@ -50,6 +50,11 @@ struct EngineOptions {
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
   bool fp8_activations = false;
+  // Speculative decoding with a draft model: the directory of a smaller model with the target's tokenizer (a
+  // text model: llama, qwen2, qwen3) that drafts plan.speculative_tokens tokens per step for the target to verify
+  // in one forward pass. Planned with the target (plan_engine: its weights, buffers and KV beside every page);
+  // the CPU backend only so far. Empty: none (n-gram drafting is plan.ngram).
+  std::string draft_model;
   // Called during open with the checkpoint's bytes made ready so far and their total: (0, total) once planned,
   // then as weights reach the device (CUDA: after each layer's upload; the CPU maps them in one step), and
   // (total, total) when they are all there. Returning false aborts the open cleanly: it fails with
@@ -137,6 +142,10 @@ struct EngineStats {
   // a token gained without a forward pass of its own).
   int64_t draft_tokens = 0;
   int64_t draft_tokens_accepted = 0;
+  // A draft model's forward passes (catching up with new tokens, then one per drafted token) and the tokens
+  // they read.
+  int64_t draft_steps = 0;
+  int64_t draft_tokens_computed = 0;
   // Prefix caching: KV pages a new request took from the cache instead of computing them, and their tokens
   // (pages held by the cache: arena().kv().stats().cached_pages).
   int64_t prefix_pages_reused = 0;

@@ -71,6 +71,10 @@ struct EngineRequest {
   std::vector<int32_t> drafts;
   int64_t draft_base = 0;
   bool draft_rejected = false;
+  // A draft model: tokens whose K/V the draft's cache holds (in this request's pages; 0 again after a preemption,
+  // and for a new request, whose cached prefix holds only the target's for sure), and the drafts this step wants.
+  int64_t draft_computed = 0;
+  int64_t draft_wanted = 0;
   // Prefix caching: the keys of this request's full pages so far (page_key), and how many of its pages are in the
   // cache (taken from it at admission, or entered once computed).
   std::vector<uint64_t> page_keys;
@@ -98,6 +102,14 @@ struct Engine::Impl {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<TextModel> model;
   std::unique_ptr<VisionModel> vision;  // qwen3_vl
+  // Speculative decoding with a draft model (EngineOptions::draft_model): its config, the mmap its weights are
+  // views into, its forward pass over the same backend (its K/V for the pool's pages in "draft_kv"), the
+  // distributions it drew each draft from ("draft_probs": [Smax, K, V]) and a row of its logits as floats.
+  ModelConfig draft_config;
+  TensorStore draft_store;
+  std::unique_ptr<TextModel> draft_model;
+  float* draft_probs = nullptr;
+  std::vector<float> draft_row;
   PreprocessOptions preprocess;         // qwen3_vl: the processor's, with the plan's image budget
   std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
   std::vector<int32_t> stop_ids;  // sorted
@@ -136,6 +148,8 @@ struct Engine::Impl {
   std::vector<int32_t> query_starts;          // [Smax + 1]
   std::vector<int32_t> context_lens;          // [Smax]
   std::vector<RowOwner> row_owners;           // [Tmax]
+  std::vector<detail::EngineRequest*> draft_requests;           // capacity Smax: a draft model's step
+  std::vector<std::pair<int64_t, int64_t>> draft_ranges;        // capacity Smax: [from, count) of each
 
   // A GPU engine's host side of the logits (sized at open): a chunk as the GPU stores it and widened to float,
   // the host sampler's scratch (rows with a repetition penalty), and the device sampler's rows.
@@ -519,6 +533,7 @@ struct Engine::Impl {
     r.slot = -1;
     r.computed = 0;
     r.registered_pages = 0;
+    r.draft_computed = 0;
     running.erase(std::remove(running.begin(), running.end(), &r), running.end());
     waiting.push_front(&r);
   }
@@ -539,7 +554,7 @@ struct Engine::Impl {
     for (size_t i = 0; i < running.size() && budget > 0;) {
       detail::EngineRequest& r = *running[i];
       int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
-      if (int64_t(r.tokens.size()) - r.computed == 1 && draft(r, budget - 1)) n += int64_t(r.drafts.size());
+      if (int64_t(r.tokens.size()) - r.computed == 1) n += draft(r, budget - 1);
       bool kept = true;
       while (!reserve(r, r.computed + n)) {
         detail::EngineRequest& victim = *running.back();
@@ -586,27 +601,169 @@ struct Engine::Impl {
   // K drafted tokens (n-gram: the continuation of the latest earlier occurrence of its last tokens), whose logits
   // are verified in order (verify_draft_token), so one forward pass over the weights can yield up to K + 1
   // tokens. Drafts are appended to r.tokens for the step when the pages for them are there without preempting
-  // anyone; `limit` is the step's token budget left after r's own token. True when r drafted.
-  bool draft(detail::EngineRequest& r, int64_t limit) {
+  // anyone; `limit` is the step's token budget left after r's own token. Returns the tokens drafted. With a draft
+  // model the pages are reserved here and the tokens drafted by run_draft_model, before the step is packed.
+  int64_t draft(detail::EngineRequest& r, int64_t limit) {
     const int64_t k = plan.options.speculative_tokens;
-    if (k <= 0 || r.kind != detail::RequestKind::generate) return false;
+    if (k <= 0 || r.kind != detail::RequestKind::generate) return 0;
     // Every accepted draft and the token after them must be allowed: by max_tokens and by the context.
     const int64_t allowed = std::min({k, limit, r.params.max_tokens - int64_t(r.result.ids.size()) - 1,
                                       max_model_len() - int64_t(r.tokens.size())});
-    if (allowed <= 0) return false;
+    if (allowed <= 0) return 0;
+    if (draft_model) {
+      if (!reserve(r, r.computed + 1 + allowed)) return 0;
+      r.drafts.clear();
+      r.draft_wanted = allowed;
+      r.draft_base = int64_t(r.tokens.size()) - 1;
+      r.draft_rejected = false;
+      return allowed;
+    }
     r.drafts.resize(size_t(allowed));
     const int64_t count =
         propose_ngram_draft(r.tokens.data(), int64_t(r.tokens.size()), plan.options.ngram, allowed, r.drafts.data());
     r.drafts.resize(size_t(count));
     if (count == 0 || !reserve(r, r.computed + 1 + count)) {
       r.drafts.clear();
-      return false;
+      return 0;
     }
     r.draft_base = int64_t(r.tokens.size()) - 1;
     r.draft_rejected = false;
     r.tokens.insert(r.tokens.end(), r.drafts.begin(), r.drafts.end());
     stats.draft_tokens += count;
-    return true;
+    return count;
+  }
+
+  // The distribution the draft model drew request slot `slot`'s draft i from.
+  float* draft_distribution(int32_t slot, int64_t i) {
+    const int64_t vocab = config.text.vocab_size;
+    return draft_probs + (int64_t(slot) * plan.options.speculative_tokens + i) * vocab;
+  }
+
+  // The draft model's turn, before the step is packed: each request that wants drafts (draft_wanted > 0, pages
+  // reserved by draft()) first has the draft read its tokens the draft's cache lacks (a prompt, or the tokens
+  // accepted last step), in steps of at most max_batched_tokens; the last one's logits give draft 1. Then one
+  // step per further draft, each reading the draft before it. The draft's K/V goes into the same pages as the
+  // target's (its own "draft_kv" region), its positions are the tokens' indices (a text model's), and its tokens
+  // are drawn as the target would sample (sample_draft_token keeps each one's distribution for verification).
+  // The drafts are appended to r.tokens, as n-gram drafts are.
+  void run_draft_model() {
+    std::vector<detail::EngineRequest*>& drafting = draft_requests;
+    drafting.clear();
+    for (const Scheduled& s : scheduled)
+      if (s.request->draft_wanted > 0) drafting.push_back(s.request);
+    if (drafting.empty()) return;
+    std::sort(drafting.begin(), drafting.end(),
+              [](const detail::EngineRequest* a, const detail::EngineRequest* b) { return a->slot < b->slot; });
+    const KVPagePool& kv = pool();
+    const int64_t page_tokens = kv.page_tokens(), vocab = config.text.vocab_size;
+    const int64_t max_tokens = int64_t(token_ids.size());
+    // One draft step over tokens [from, from + count) of each request (count 0: not in this step); the rows of
+    // requests whose last token is in it give their next draft.
+    auto draft_step = [&](const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+      const int64_t seqs = drafting.back()->slot + 1;
+      std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
+      int64_t t = 0, rows = 0, max_context = 0;
+      size_t next = 0;
+      for (int64_t s = 0; s < seqs; s++) {
+        query_starts[size_t(s)] = int32_t(t);
+        if (next == drafting.size() || drafting[next]->slot != s) continue;
+        detail::EngineRequest& r = *drafting[next];
+        const int64_t from = ranges[next].first, count = ranges[next].second;
+        next++;
+        if (count == 0) continue;
+        const int32_t* pages = kv.block_table(r.slot);
+        for (int64_t p = from; p < from + count; p++, t++) {
+          token_ids[size_t(t)] = r.tokens[size_t(p)];
+          positions[size_t(t)] = int32_t(p);
+          slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
+        }
+        if (from + count == int64_t(r.tokens.size())) {
+          logit_row_ids[size_t(rows)] = int32_t(t - 1);
+          row_owners[size_t(rows++)] = {&r, from + count - 1};
+        }
+        context_lens[size_t(s)] = int32_t(from + count);
+        max_context = std::max(max_context, from + count);
+        r.draft_computed = from + count;
+      }
+      query_starts[size_t(seqs)] = int32_t(t);
+      StepInput input;
+      input.tokens = t;
+      input.token_ids = token_ids.data();
+      input.positions = positions.data();
+      input.position_rows = 1;
+      input.slots = slots.data();
+      input.seqs = seqs;
+      input.query_starts = query_starts.data();
+      input.context_lens = context_lens.data();
+      input.max_context = max_context;
+      input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
+                                          kv.max_pages_per_seq());
+      input.logit_rows = rows;
+      input.logit_row_ids = logit_row_ids.data();
+      draft_model->forward(input);
+      stats.draft_steps++;
+      stats.draft_tokens_computed += t;
+      for (int64_t first = 0; first < rows; first += draft_model->max_logit_rows()) {
+        const int64_t count = std::min(draft_model->max_logit_rows(), rows - first);
+        const Tensor logits = draft_model->logits(first, count);
+        for (int64_t i = 0; i < count; i++) {
+          detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
+          float* row = host_logits_row(logits, i, draft_row.data());
+          const int64_t index = int64_t(r.drafts.size());
+          const int32_t id = sample_draft_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng,
+                                                draft_distribution(r.slot, index), draft_model->sampling_probs(r.slot),
+                                                draft_model->sampling_order(r.slot));
+          r.drafts.push_back(id);
+          r.tokens.push_back(id);
+        }
+      }
+    };
+    std::vector<std::pair<int64_t, int64_t>>& ranges = draft_ranges;
+    // Catching up: every token the draft's cache lacks, the target's newest included (its row gives draft 1).
+    for (;;) {
+      int64_t budget = max_tokens;
+      bool any = false;
+      ranges.assign(drafting.size(), {0, 0});
+      for (size_t i = 0; i < drafting.size() && budget > 0; i++) {
+        detail::EngineRequest& r = *drafting[i];
+        const int64_t missing = r.draft_base + 1 - r.draft_computed;  // up to the target's newest token
+        if (missing <= 0) continue;
+        ranges[i] = {r.draft_computed, std::min(missing, budget)};
+        budget -= ranges[i].second;
+        any = true;
+      }
+      if (!any) break;
+      draft_step(ranges);
+    }
+    // Then one token per step: the latest draft, while a request wants more.
+    for (int64_t drafted = 1;; drafted++) {
+      bool any = false;
+      for (size_t i = 0; i < drafting.size(); i++) {
+        detail::EngineRequest& r = *drafting[i];
+        const bool more = int64_t(r.drafts.size()) < r.draft_wanted;
+        ranges[i] = more ? std::make_pair(int64_t(r.tokens.size()) - 1, int64_t(1)) : std::make_pair(int64_t(0), int64_t(0));
+        any = any || more;
+      }
+      if (!any) break;
+      draft_step(ranges);
+    }
+    for (detail::EngineRequest* r : drafting) {
+      stats.draft_tokens += int64_t(r->drafts.size());
+      r->draft_wanted = 0;
+    }
+  }
+
+  // Row i of a chunk of logits as floats: in place when the backend's logits are host F32, else widened into
+  // `scratch` [V] (16-bit activations).
+  float* host_logits_row(const Tensor& logits, int64_t i, float* scratch) const {
+    const int64_t vocab = config.text.vocab_size;
+    if (logits.dtype == DType::F32) return static_cast<float*>(logits.data) + i * vocab;
+    const uint8_t* raw = static_cast<const uint8_t*>(logits.data) + size_t(i * vocab) * 2;
+    for (int64_t j = 0; j < vocab; j++) {
+      const uint16_t bits = uint16_t(raw[2 * j] | raw[2 * j + 1] << 8);
+      scratch[j] = logits.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+    }
+    return scratch;
   }
 
   // After a step's rows are consumed: a drafting request keeps the K/V of its last token and accepted drafts
@@ -616,6 +773,8 @@ struct Engine::Impl {
       detail::EngineRequest& r = *s.request;
       if (r.drafts.empty()) continue;
       if (!r.finished) r.computed = std::min<int64_t>(r.computed, int64_t(r.tokens.size()) - 1);
+      // the draft's cache: its inputs up to the last accepted draft (it never read the last draft it made)
+      if (!r.finished) r.draft_computed = std::min<int64_t>(r.draft_computed, int64_t(r.tokens.size()) - 1);
       r.drafts.clear();
       r.draft_rejected = false;
     }
@@ -644,9 +803,12 @@ struct Engine::Impl {
         const int64_t drafted = owner.position - r.draft_base;  // the row verifying drafts[drafted], if any
         if (!r.drafts.empty() && drafted < int64_t(r.drafts.size())) {
           // r.tokens holds the accepted drafts before this one: the history the target's token depends on
+          // a draft model's sampled draft came from a distribution q; n-gram drafts are certain
+          const float* q =
+              draft_model && r.params.temperature != 0.0f ? draft_distribution(r.slot, drafted) : nullptr;
           const DraftVerdict verdict = verify_draft_token(row, vocab, r.params, r.tokens.data(),
-                                                          int64_t(r.tokens.size()), r.drafts[size_t(drafted)], r.rng,
-                                                          probs, order);
+                                                          int64_t(r.tokens.size()), r.drafts[size_t(drafted)], q,
+                                                          r.rng, probs, order);
           if (verdict.accepted) stats.draft_tokens_accepted++;
           else r.draft_rejected = true;
           accept_token(r, verdict.token);
@@ -712,6 +874,7 @@ struct Engine::Impl {
       detail::fail(ErrorCode::internal,
                    detail::format("the scheduler found nothing to run with %zu requests waiting and %zu running",
                                   waiting.size(), running.size()));
+    if (draft_model) run_draft_model();
     // Sequence s of the attention batch is pool slot s: pack tokens in slot order.
     std::sort(scheduled.begin(), scheduled.end(),
               [](const Scheduled& a, const Scheduled& b) { return a.request->slot < b.request->slot; });
@@ -1208,8 +1371,21 @@ namespace engine {
 }  // namespace engine
 }  // namespace detail
 
-Result<Plan> plan_engine(const PlanInputs& inputs, const EngineOptions& options) {
+Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& options) {
   return detail::guard([&]() -> Plan {
+    // A draft model is planned with its target: its inputs come from options.draft_model unless given.
+    PlanInputs with_draft;
+    const PlanInputs* chosen = &inputs_in;
+    if (!options.draft_model.empty() && !inputs_in.draft) {
+      Result<PlanInputs> draft = read_plan_inputs(options.draft_model);
+      if (!draft)
+        detail::fail(draft.error().code,
+                     detail::format("draft model %s: %s", options.draft_model.c_str(), draft.error().message.c_str()));
+      with_draft = inputs_in;
+      with_draft.draft = std::make_shared<const PlanInputs>(std::move(*draft));
+      chosen = &with_draft;
+    }
+    const PlanInputs& inputs = *chosen;
     std::string why;
     Result<DeviceSpec> device = detect_device(options.backend, options.device, options.plan.device_mem,
                                               options.plan.wsl2, &why);
@@ -1262,6 +1438,24 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     inputs.config = e.config;
     inputs.weights = *weights;
     inputs.tensor_count = e.store.tensors().size();
+    if (!options.draft_model.empty()) {  // speculative decoding with a draft model: planned with the target
+      Result<ModelConfig> draft_config = load_config(options.draft_model);
+      if (!draft_config) fail(draft_config.error().code, format("draft model %s: %s", options.draft_model.c_str(),
+                                                                draft_config.error().message.c_str()));
+      e.draft_config = std::move(*draft_config);
+      Result<TensorStore> draft_store = TensorStore::open_dir(options.draft_model);
+      if (!draft_store) throw draft_store.error();
+      e.draft_store = std::move(*draft_store);
+      if (e.draft_store.empty())
+        fail(ErrorCode::missing_tensor, format("draft model %s has no safetensors weights", options.draft_model.c_str()));
+      Result<WeightsSummary> draft_weights = summarize_weights(e.draft_config, &e.draft_store);
+      if (!draft_weights) throw draft_weights.error();
+      auto draft = std::make_shared<PlanInputs>();
+      draft->config = e.draft_config;
+      draft->weights = std::move(*draft_weights);
+      draft->tensor_count = e.draft_store.tensors().size();
+      inputs.draft = std::move(draft);
+    }
     Result<Plan> plan = plan_engine(inputs, options);
     if (!plan) throw plan.error();
     e.plan = std::move(*plan);
@@ -1328,6 +1522,12 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       if (e.config.vision.present)
         backend_options.max_head_dim =
             std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);
+      if (inputs.draft) {  // the draft model runs on this backend too
+        backend_options.max_head_dim = std::max(backend_options.max_head_dim, inputs.draft->config.text.head_dim);
+        for (const LinearDesc& linear : inputs.draft->weights.linears)
+          if (linear.format != WeightFormat::dense)
+            backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
+      }
       Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);
@@ -1347,6 +1547,18 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.info.activation_dtype = e.backend->activation_dtype();
     e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights, gpu);
     e.model = std::make_unique<TextModel>(e.config, std::move(text_weights), *e.backend, *e.arena, e.plan, kv_dtype);
+    if (!options.draft_model.empty()) {
+      // (the plan refused a draft model on CUDA: its weights are the mmap's views, as the CPU target's)
+      Result<TextModelWeights> draft_weights = bind_text_weights(e.draft_config, e.draft_store);
+      if (!draft_weights)
+        fail(draft_weights.error().code,
+             format("draft model %s: %s", options.draft_model.c_str(), draft_weights.error().message.c_str()));
+      e.draft_model = std::make_unique<TextModel>(e.draft_config, std::move(*draft_weights), *e.backend, *e.arena,
+                                                  e.plan, kv_dtype, TextModelRegions::draft());
+      e.draft_probs = reinterpret_cast<float*>(e.arena->region_data("draft_probs"));
+      if (!e.draft_probs) fail(ErrorCode::internal, "the plan for a draft model has no draft_probs region");
+      e.draft_row.assign(size_t(e.config.text.vocab_size), 0.0f);
+    }
     if (vision_weights) {
       e.vision = std::make_unique<VisionModel>(e.config, std::move(*vision_weights), *e.backend, *e.arena, e.plan);
       // The processor's options, with the plan's image budget: the vision buffers hold no larger image.
@@ -1359,6 +1571,25 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     if (!tokenizer) throw tokenizer.error();
     e.tokenizer = std::move(*tokenizer);
     const Tokenizer& tok = *e.tokenizer;
+    if (e.draft_model) {
+      // A draft's ids must mean what the target's mean: the same vocabulary, token for token.
+      Result<Tokenizer> draft_tokenizer = Tokenizer::load(options.draft_model);
+      if (!draft_tokenizer)
+        fail(draft_tokenizer.error().code, format("draft model %s: %s", options.draft_model.c_str(),
+                                                  draft_tokenizer.error().message.c_str()));
+      if (draft_tokenizer->vocab_size() != tok.vocab_size())
+        fail(ErrorCode::invalid_argument,
+             format("draft model %s: its tokenizer has %zu tokens but %s's has %zu; a draft must use the target's "
+                    "tokenizer", options.draft_model.c_str(), draft_tokenizer->vocab_size(), model_dir.c_str(),
+                    tok.vocab_size()));
+      for (size_t id = 0; id < tok.vocab_size(); id++)
+        if (draft_tokenizer->token_text(int32_t(id)) != tok.token_text(int32_t(id)))
+          fail(ErrorCode::invalid_argument,
+               format("draft model %s: token %zu is '%s' in its tokenizer but '%s' in %s's; a draft must use the "
+                      "target's tokenizer", options.draft_model.c_str(), id,
+                      draft_tokenizer->token_text(int32_t(id)).c_str(), tok.token_text(int32_t(id)).c_str(),
+                      model_dir.c_str()));
+    }
 
     // Stop ids: config.json's and generation_config.json's eos, the tokenizer's eos, and the end-of-turn
     // tokens of the chat formats kvlite writes.
@@ -1381,6 +1612,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.query_starts.assign(max_seqs + 1, 0);
     e.context_lens.assign(max_seqs, 0);
     e.row_owners.assign(max_tokens, {nullptr, 0});
+    e.draft_requests.reserve(max_seqs);
+    e.draft_ranges.reserve(max_seqs);
     e.prefix_cache = options.prefix_caching.value_or(!gpu);
     e.info.prefix_caching = e.prefix_cache;
     e.attach_pages.assign(size_t(e.arena->kv().max_pages_per_seq()), -1);

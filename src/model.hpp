@@ -79,6 +79,16 @@ struct StepInput {
   const ImageRun* image_run_list = nullptr;  // [image_runs]
 };
 
+// The arena regions a TextModel carves its buffers from and keeps its KV in: the model's own, or a draft
+// model's (speculative decoding), which shares the KV pages' ids and block tables with its target and keeps its
+// own K/V for them in "draft_kv".
+struct TextModelRegions {
+  std::string activations = "activations";
+  std::string logits = "logits";
+  std::string kv = "kv";
+  static TextModelRegions draft() { return {"draft_activations", "draft_logits", "draft_kv"}; }
+};
+
 // The forward pass over a Backend, with its buffers carved from the arena. Not thread-safe (one step at a
 // time, like the backend).
 class TextModel {
@@ -87,7 +97,7 @@ class TextModel {
   // "activations" and "logits" (internal error if the arena's regions do not hold exactly those), and
   // prepares the RoPE frequencies. kv_dtype is the element type of the arena's KV pages.
   TextModel(const ModelConfig& config, TextModelWeights weights, Backend& backend, Arena& arena, const Plan& plan,
-            DType kv_dtype);
+            DType kv_dtype, const TextModelRegions& regions = {});
 
   // Runs every layer over the step's tokens, writing their K/V into the cache, and keeps the final hidden
   // states for logits(): stage() then compute(). Throws kvlite::Error (the engine guards it).
@@ -125,6 +135,8 @@ class TextModel {
   Backend& backend_;
   Arena& arena_;
   DType kv_dtype_;
+  TextModelRegions regions_;
+  KVPageLayout kv_layout_;  // this model's KV shape over the arena pool's pages
   int64_t max_tokens_ = 0;      // Tmax = max_batched_tokens: rows of every activation buffer
   int64_t max_seqs_ = 0;        // Smax: rows of the per-sequence buffers
   int64_t max_logit_rows_ = 0;  // rows one logits() call computes: min(logits buffer rows, Tmax)

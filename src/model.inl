@@ -229,8 +229,9 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
 // ---- TextModel --------------------------------------------------------------------------------------------
 
 TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backend& backend, Arena& arena,
-                     const Plan& plan, DType kv_dtype)
-    : config_(config), weights_(std::move(weights)), backend_(backend), arena_(arena), kv_dtype_(kv_dtype) {
+                     const Plan& plan, DType kv_dtype, const TextModelRegions& regions)
+    : config_(config), weights_(std::move(weights)), backend_(backend), arena_(arena), kv_dtype_(kv_dtype),
+      regions_(regions) {
   using detail::fail;
   using detail::format;
   const TextConfig& c = config_.text;
@@ -248,9 +249,17 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   const int64_t table_pages = device_tables ? block_table_pages(config_, plan.options.kv_page_tokens) : 0;
   const int64_t spare = device_tables ? 1 : 0;
 
+  kv_layout_ = KVPageLayout{c.num_layers, arena_.kv().page_tokens(), c.num_kv_heads, D};
+  const ArenaRegion* kv_region = arena_.region(regions_.kv);
+  const uint64_t kv_needed = dtype_bytes(kv_dtype_, uint64_t(kv_layout_.page_elements())) * uint64_t(arena_.kv().num_pages());
+  if (!kv_region || kv_region->bytes != kv_needed)
+    fail(ErrorCode::internal, format("the arena's '%s' region holds %llu bytes but %llu pages of this model's KV take "
+                                     "%llu: the plan and the model disagree", regions_.kv.c_str(),
+                                     (unsigned long long)(kv_region ? kv_region->bytes : 0),
+                                     (unsigned long long)arena_.kv().num_pages(), (unsigned long long)kv_needed));
   detail::model::BufferCarver buffers(arena_);
-  buffers.carve("activations", activation_buffers(config_, max_tokens_, max_seqs_, act, table_pages));
-  buffers.carve("logits", logits_buffers(config_, max_seqs_));
+  buffers.carve(regions_.activations.c_str(), activation_buffers(config_, max_tokens_, max_seqs_, act, table_pages));
+  buffers.carve(regions_.logits.c_str(), logits_buffers(config_, max_seqs_));
   auto view = [&](const char* name, DType dtype, int64_t rows, int64_t cols) {
     return buffers.view(name, dtype, rows, cols);
   };
@@ -292,9 +301,9 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
 
 KVCacheView TextModel::kv_cache() const {
   KVCacheView cache;
-  cache.pages = arena_.region_data("kv");
+  cache.pages = arena_.region_data(regions_.kv);
   cache.dtype = kv_dtype_;
-  cache.layout = arena_.kv_layout();
+  cache.layout = kv_layout_;
   cache.num_pages = arena_.kv().num_pages();
   if (kv_dtype_ == DType::F8_E4M3 && !weights_.k_scales.empty()) {
     cache.k_scales = weights_.k_scales.data();

@@ -36,11 +36,14 @@ struct PlanOptions {
   // true: fill the whole budget with KV pages, as vLLM does on a dedicated server (--kv-fill).
   bool kv_fill = false;
   std::optional<bool> wsl2;            // override WSL2 detection
-  // Speculative decoding by prompt lookup (n-gram drafting): each decoding sequence drafts up to
-  // speculative_tokens tokens (K) per step from the latest earlier occurrence of its last tokens (matching at
-  // most `ngram` of them) and the model verifies them in the same forward pass. 0: off. Both or neither.
-  // It needs no memory of its own: the K + 1 tokens a sequence reads are inside max_batched_tokens, and their
-  // logits go through the planned logits rows.
+  // Speculative decoding: each decoding sequence drafts up to speculative_tokens tokens (K) per step and the
+  // model verifies them in the same forward pass. 0: off. The drafts come from one of:
+  //  - prompt lookup (n-gram drafting, ngram > 0): the latest earlier occurrence of the sequence's last tokens
+  //    (matching at most `ngram` of them). It needs no memory of its own: the K + 1 tokens a sequence reads are
+  //    inside max_batched_tokens, and their logits go through the planned logits rows;
+  //  - a draft model (PlanInputs::draft, EngineOptions::draft_model): a smaller model with the same tokenizer
+  //    runs K steps ahead. The plan adds its weights, its activations and logits for a step like the target's,
+  //    its distributions for K tokens per sequence, and its KV beside every KV page (the same contexts).
   int64_t speculative_tokens = 0;
   int64_t ngram = 0;
   // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
@@ -95,7 +98,8 @@ constexpr uint64_t kCudaUploadChunkBytes = 16 * MiB;
 // this order; the others (CUDA context) are memory the device spends that kvlite does not allocate.
 struct PlanItem {
   std::string key;    // stable identifier: "weights", "repack", "context", "activations", "vision",
-                      // "logits", "workspace", "graphs"
+                      // "logits", "workspace", "graphs"; with a draft model "draft_weights",
+                      // "draft_activations", "draft_logits", "draft_probs"
   std::string label;  // for the table: "weights (exact, 398 tensors)"
   uint64_t bytes = 0;
   std::string why;    // one line: how the number was computed
@@ -118,10 +122,15 @@ struct Plan {
   uint64_t kv_bytes_per_token = 0;
   uint64_t kv_page_tokens = 0;
   uint64_t kv_page_bytes = 0;   // kv_page_tokens x kv_bytes_per_token (all layers)
+  // With a draft model: the draft's KV for the same tokens, kept beside each page in the arena's "draft_kv"
+  // region (kv_pages x draft_kv_page_bytes); KV arena figures and everything that fits count both. 0 without.
+  uint64_t draft_kv_bytes_per_token = 0;
+  uint64_t draft_kv_page_bytes = 0;
+  std::string draft_model_name;  // empty without a draft model
   uint64_t budget_bytes = 0;    // floor(utilization x device memory)
   uint64_t fixed_bytes = 0;     // sum of items (what must fit before any KV)
   int64_t kv_available_bytes = 0;  // budget - fixed; negative when even that does not fit
-  uint64_t kv_arena_bytes = 0;  // whole pages only
+  uint64_t kv_arena_bytes = 0;  // whole pages only (with a draft model, its KV for them too)
   uint64_t kv_pages_usable = 0; // the pages max_seqs sequences of max_model_len can use (the arena's cap
                                 // unless options.kv_fill)
   uint64_t free_bytes = 0;      // budget - arena - what the device spends outside it: left to the application
@@ -138,6 +147,10 @@ struct Plan {
   double utilization_needed = 0;               // for the requested max_model_len; > 1 when no ratio fits
   int64_t max_model_len_that_fits_fp8_kv = 0;  // with --kv-dtype fp8
   int64_t image_pixels_that_fit = 0;           // vision models: the largest image budget that fits
+  // With a draft model, when the plan does not fit: the largest --spec-tokens at which it does (0: none), and
+  // whether it fits without the draft model.
+  int64_t speculative_tokens_that_fit = 0;
+  bool fits_without_draft = false;
   // Vision models: what the image budget means and costs (zeros for text models). An image over
   // max_image_pixels is scaled down to fit (smart_resize with that maximum, as the processor does), which
   // keeps h x w <= max: no image becomes more tokens than this. (Except where smart_resize rounds a side UP,
@@ -170,6 +183,10 @@ struct PlanInputs {
   ModelConfig config;
   WeightsSummary weights;
   uint64_t tensor_count = 0;  // tensors in the safetensors headers (0: none, weights estimated from config.json)
+  // Speculative decoding with a draft model (PlanOptions::speculative_tokens): the draft's own inputs (its
+  // `draft` unset). It must be a text model (llama, qwen2, qwen3) with the target's vocabulary size; the CPU
+  // backend runs it (CUDA: unsupported so far).
+  std::shared_ptr<const PlanInputs> draft;
 };
 Result<PlanInputs> read_plan_inputs(const std::string& model_dir);  // config.json + safetensors headers
 Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const PlanOptions& options);

@@ -227,7 +227,8 @@ void check_config(const ModelConfig& config) {
 }
 
 // Every option error names the option and carries the value.
-void check_options(const ModelConfig& config, const DeviceSpec& device, const PlanOptions& o) {
+void check_options(const ModelConfig& config, const DeviceSpec& device, const PlanOptions& o,
+                   const PlanInputs* draft) {
   auto bad = [](std::string message) { fail(ErrorCode::invalid_argument, std::move(message)); };
   if (device.total_bytes == 0)
     bad(format("device '%s' reports 0 bytes of memory: pass --device-mem (e.g. 8GiB) to plan for a card",
@@ -254,10 +255,32 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
                (long long)kMaxSpeculativeTokens));
   if (o.ngram < 0 || o.ngram > kMaxNgram)
     bad(format("ngram %lld is outside 0..%lld (--ngram)", (long long)o.ngram, (long long)kMaxNgram));
-  if ((o.speculative_tokens > 0) != (o.ngram > 0))
+  if (draft && o.ngram > 0)
+    bad(format("speculative decoding drafts from a draft model (--draft) or by n-gram lookup (--ngram %lld), not "
+               "both: drop one", (long long)o.ngram));
+  if (draft && o.speculative_tokens == 0)
+    bad("a draft model (--draft) needs --spec-tokens K: the tokens it drafts per step (e.g. 4)");
+  if (!draft && (o.speculative_tokens > 0) != (o.ngram > 0))
     bad(format("speculative decoding needs both --ngram N (the longest n-gram matched) and --spec-tokens K (tokens "
-               "drafted per step); got ngram %lld and speculative tokens %lld",
-               (long long)o.ngram, (long long)o.speculative_tokens));
+               "drafted per step), or --draft MODEL_DIR and --spec-tokens K; got ngram %lld and speculative tokens "
+               "%lld", (long long)o.ngram, (long long)o.speculative_tokens));
+  if (draft) {
+    const ModelConfig& d = draft->config;
+    check_config(d);
+    if (d.arch != Arch::llama && d.arch != Arch::qwen2 && d.arch != Arch::qwen3)
+      fail(ErrorCode::unsupported,
+           format("draft model %s: model_type '%s' is not a text model kvlite drafts with (llama, qwen2, qwen3)",
+                  model_name_of(d).c_str(), d.model_type.c_str()));
+    if (d.text.vocab_size != config.text.vocab_size)
+      bad(format("draft model %s has a vocabulary of %lld tokens but %s has %lld: a draft must share the target's "
+                 "tokenizer and vocabulary", model_name_of(d).c_str(), (long long)d.text.vocab_size,
+                 model_name_of(config).c_str(), (long long)config.text.vocab_size));
+    if (device.backend != BackendKind::cpu)
+      fail(ErrorCode::unsupported,
+           format("draft model %s: a draft model runs on the CPU backend only so far (%s); on CUDA use n-gram "
+                  "drafting (--ngram N --spec-tokens K), or --backend cpu", model_name_of(d).c_str(),
+                  device.name.c_str()));
+  }
   if (o.speculative_tokens > 0 && o.max_batched_tokens > 0 && o.speculative_tokens + 1 > o.max_batched_tokens)
     bad(format("--spec-tokens %lld needs max_batched_tokens of at least %lld (a sequence reads K + 1 tokens in a "
                "step); max_batched_tokens is %lld", (long long)o.speculative_tokens,
@@ -299,6 +322,7 @@ struct Inputs {
   const WeightsSummary& weights;
   uint64_t tensor_count;
   const DeviceSpec& device;  // wsl2 resolved
+  const PlanInputs* draft;   // a draft model's inputs, or nullptr
 };
 
 // CUDA: what the device copy of the weights weighs beyond their bytes on disk (negative when converting
@@ -503,9 +527,41 @@ PlanItem graphs_item(const Inputs& in, const PlanOptions& o) {
   return item;
 }
 
+// A draft model's rows (speculative decoding; the CPU backend, whose checks ran in check_options): its weights
+// (memory-mapped), its buffers for a step like the target's, and the distributions it drafted from, which
+// verification reads when sampling. Its KV is the "draft_kv" region beside the pages (assemble).
+std::vector<PlanItem> draft_items(const Inputs& in, const PlanOptions& o) {
+  const PlanInputs& d = *in.draft;
+  const std::string name = model_name_of(d.config);
+  std::vector<PlanItem> items;
+  items.push_back({"draft_weights", format("draft weights (%s)", name.c_str()),
+                   align_up(d.weights.total_bytes, kPlanAlignment),
+                   format("the draft model's tensors (%s, %llu tensors), memory-mapped, not copied (CPU)",
+                          d.weights.exact ? "exact, from headers" : "estimated from config.json",
+                          (unsigned long long)d.tensor_count),
+                   false});
+  auto buffers = activation_buffers(d.config, o.max_batched_tokens, o.max_seqs, *o.activation_dtype, 0);
+  items.push_back({"draft_activations", "draft activations", buffers_bytes(buffers),
+                   format("the draft's step buffers for T=%lld tokens and %lld seqs, as the target's",
+                          (long long)o.max_batched_tokens, (long long)o.max_seqs),
+                   true});
+  items.push_back({"draft_logits", "draft logits", buffers_bytes(logits_buffers(d.config, o.max_seqs)),
+                   format("the draft's logits and sampling rows for %lld seqs", (long long)o.max_seqs), true});
+  const uint64_t probs = uint64_t(o.max_seqs) * uint64_t(o.speculative_tokens) * uint64_t(d.config.text.vocab_size) * 4;
+  items.push_back({"draft_probs", "draft distributions", align_up(probs, kPlanAlignment),
+                   format("(S=%lld x K=%lld, V=%lld) fp32: the distribution each drafted token was drawn from, which "
+                          "verifying a sampled draft needs",
+                          (long long)o.max_seqs, (long long)o.speculative_tokens, (long long)d.config.text.vocab_size),
+                   true});
+  return items;
+}
+
+// The arena's bytes per KV page: the target's page and, with a draft model, the draft's beside it.
+uint64_t kv_page_bytes_all(const Plan& plan) { return plan.kv_page_bytes + plan.draft_kv_page_bytes; }
+
 // KV bytes one sequence of `tokens` tokens takes, in whole pages.
 uint64_t kv_bytes_for(const Plan& plan, int64_t tokens) {
-  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * plan.kv_page_bytes;
+  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * kv_page_bytes_all(plan);
 }
 
 // The plan for fully resolved options: items, budget, KV arena and the verdict (no what-if analysis).
@@ -523,6 +579,8 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.items.push_back(logits_item(in, o));
   plan.items.push_back(workspace_item(in));
   plan.items.push_back(graphs_item(in, o));
+  if (in.draft)
+    for (PlanItem& item : draft_items(in, o)) plan.items.push_back(std::move(item));
 
   if (in.config.vision.present) {
     const VisionConfig& v = in.config.vision;
@@ -539,16 +597,26 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.kv_bytes_per_token = in.config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
   plan.kv_page_tokens = uint64_t(o.kv_page_tokens);
   plan.kv_page_bytes = plan.kv_page_tokens * plan.kv_bytes_per_token;
+  if (in.draft) {
+    plan.draft_model_name = model_name_of(in.draft->config);
+    plan.draft_kv_bytes_per_token = in.draft->config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
+    plan.draft_kv_page_bytes = plan.kv_page_tokens * plan.draft_kv_bytes_per_token;
+  }
   plan.budget_bytes = budget_for(o.utilization, in.device.total_bytes);
   for (const auto& item : plan.items) plan.fixed_bytes += item.bytes;
   plan.kv_available_bytes = int64_t(plan.budget_bytes) - int64_t(plan.fixed_bytes);
-  plan.kv_pages = plan.kv_available_bytes > 0 ? uint64_t(plan.kv_available_bytes) / plan.kv_page_bytes : 0;
+  // (with a draft model its pages' region starts on a region boundary: up to kPlanAlignment - 1 bytes more)
+  const int64_t page_room = plan.kv_available_bytes - (in.draft ? int64_t(kPlanAlignment) : 0);
+  plan.kv_pages = page_room > 0 ? uint64_t(page_room) / kv_page_bytes_all(plan) : 0;
   // An embedded library shares its memory (the CPU's with everything on the machine, a desktop GPU's with the
   // display and other apps, a Jetson's with the OS): take only the pages max_seqs sequences of max_model_len
   // can use, no preemption needed. kv_fill: the whole budget, as vLLM does.
   plan.kv_pages_usable = uint64_t(o.max_seqs) * ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
   if (!o.kv_fill) plan.kv_pages = std::min(plan.kv_pages, plan.kv_pages_usable);
-  plan.kv_arena_bytes = plan.kv_pages * plan.kv_page_bytes;
+  // (the "draft_kv" region follows "kv" on a region boundary: arena_layout)
+  plan.kv_arena_bytes = in.draft ? align_up(plan.kv_pages * plan.kv_page_bytes, kPlanAlignment) +
+                                       plan.kv_pages * plan.draft_kv_page_bytes
+                                 : plan.kv_pages * plan.kv_page_bytes;
   const uint64_t used = plan.fixed_bytes + plan.kv_arena_bytes;  // arena + what the device spends outside it
   plan.free_bytes = plan.budget_bytes > used ? plan.budget_bytes - used : 0;
   plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
@@ -641,6 +709,16 @@ void write_advice(const Inputs& in, Plan& plan) {
       plan.advice.push_back(format("No image budget makes max_model_len %lld fit: even the smallest (%s pixels) leaves "
                                    "too little for KV.", (long long)plan.max_model_len,
                                    format_count(smallest_image_pixels(in.config)).c_str()));
+  }
+  if (in.draft) {
+    if (plan.speculative_tokens_that_fit > 0)
+      plan.advice.push_back(format("With --spec-tokens %lld: fits (the draft's distributions take %s for K=%lld).",
+                                   (long long)plan.speculative_tokens_that_fit,
+                                   format_bytes(plan.item("draft_probs")->bytes).c_str(),
+                                   (long long)o.speculative_tokens));
+    else if (plan.fits_without_draft)
+      plan.advice.push_back(format("No --spec-tokens fits with the draft model %s; without it (no --draft) the plan "
+                                   "fits.", plan.draft_model_name.c_str()));
   }
   if (plan.weights_bytes >= plan.budget_bytes) {
     // A model that is already quantized is not told to quantize: only a larger card (or budget) helps.
@@ -789,12 +867,12 @@ namespace detail {
 namespace planning {
 
 Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t tensor_count, const DeviceSpec& device_in,
-          const PlanOptions& requested) {
+          const PlanOptions& requested, const PlanInputs* draft) {
   check_config(config);
-  check_options(config, device_in, requested);
+  check_options(config, device_in, requested, draft);
   DeviceSpec device = device_in;
   if (requested.wsl2) device.wsl2 = *requested.wsl2;
-  Inputs in{config, weights, tensor_count, device};
+  Inputs in{config, weights, tensor_count, device, draft};
   ModelLimits limits = model_limits(config);
 
   PlanOptions o = requested;
@@ -854,7 +932,8 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
   // What would fit, whatever the verdict (from the bytes left, not the pages taken: the CPU caps those).
   auto tokens_that_fit = [](const Plan& p) {
-    return p.kv_available_bytes > 0 ? int64_t(uint64_t(p.kv_available_bytes) / p.kv_page_bytes * p.kv_page_tokens) : 0;
+    return p.kv_available_bytes > 0 ? int64_t(uint64_t(p.kv_available_bytes) / kv_page_bytes_all(p) * p.kv_page_tokens)
+                                    : 0;
   };
   plan.max_model_len_that_fits = std::min<int64_t>(tokens_that_fit(plan), limits.max_position);
   uint64_t total_needed = plan.fixed_bytes + kv_bytes_for(plan, plan.max_model_len);
@@ -885,6 +964,26 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
       plan.image_pixels_that_fit = int64_t(lo * window);
     }
   }
+  if (draft && !plan.fits) {
+    // The draft's distributions grow with K: the largest K at which max_model_len fits (binary search), and
+    // whether dropping the draft model would make it fit.
+    auto fits_with_k = [&](int64_t k) {
+      PlanOptions trial = o;
+      trial.speculative_tokens = k;
+      return assemble(in, trial).fits;
+    };
+    int64_t lo = 0, hi = o.speculative_tokens - 1;  // invariant: K = lo fits or lo == 0
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (fits_with_k(mid)) lo = mid; else hi = mid - 1;
+    }
+    plan.speculative_tokens_that_fit = lo > 0 && fits_with_k(lo) ? lo : 0;
+    Inputs alone = in;
+    alone.draft = nullptr;
+    PlanOptions without = o;
+    without.speculative_tokens = 0;
+    plan.fits_without_draft = assemble(alone, without).fits;
+  }
   write_advice(in, plan);
   return plan;
 }
@@ -894,7 +993,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
 Result<Plan> make_plan(const ModelConfig& config, const WeightsSummary& weights, const DeviceSpec& device,
                        const PlanOptions& options) {
-  return detail::guard([&] { return detail::planning::make(config, weights, 0, device, options); });
+  return detail::guard([&] { return detail::planning::make(config, weights, 0, device, options, nullptr); });
 }
 
 Result<PlanInputs> read_plan_inputs(const std::string& model_dir) {
@@ -915,7 +1014,8 @@ Result<PlanInputs> read_plan_inputs(const std::string& model_dir) {
 
 Result<Plan> make_plan(const PlanInputs& inputs, const DeviceSpec& device, const PlanOptions& options) {
   return detail::guard(
-      [&] { return detail::planning::make(inputs.config, inputs.weights, inputs.tensor_count, device, options); });
+      [&] { return detail::planning::make(inputs.config, inputs.weights, inputs.tensor_count, device, options,
+                                          inputs.draft.get()); });
 }
 
 
@@ -952,6 +1052,9 @@ std::string Plan::table() const {
     kv_why = format("nothing left: budget - fixed = %s; %s per token (%s)",
                     format_bytes_signed(kv_available_bytes).c_str(), format_bytes(kv_bytes_per_token).c_str(),
                     kv_dtype_name(options.kv_dtype));
+  if (draft_kv_page_bytes > 0)
+    kv_why += format("; with the draft model's KV beside each page (%s per token)",
+                     format_bytes(draft_kv_bytes_per_token).c_str());
   if (kv_available_bytes > 0) {
     if (options.kv_fill)
       kv_why += "; fills the budget (--kv-fill)";
@@ -984,7 +1087,16 @@ std::string Plan::table() const {
                            format_count(uint64_t(image_patches_per_image)).c_str(),
                            format_bytes(vision_weights_bytes).c_str())});
   }
-  if (options.speculative_tokens > 0)
+  if (options.speculative_tokens > 0 && !draft_model_name.empty()) {
+    uint64_t draft_bytes = uint64_t(kv_pages) * draft_kv_page_bytes;
+    for (const auto& it : items)
+      if (it.key.rfind("draft_", 0) == 0) draft_bytes += it.bytes;
+    rows.push_back({"speculative", format_bytes(draft_bytes),
+                    format("draft model %s drafts up to %lld tokens per sequence per step, verified in the same "
+                           "forward pass: its rows above and its KV in the KV arena (%s in all)",
+                           draft_model_name.c_str(), (long long)options.speculative_tokens,
+                           format_bytes(draft_bytes).c_str())});
+  } else if (options.speculative_tokens > 0)
     rows.push_back({"speculative", format_bytes(0),
                     format("n-gram drafting (prompt lookup, n <= %lld), up to %lld tokens per sequence per step, "
                            "verified in the same forward pass: the K + 1 tokens are inside max_batched_tokens %lld "
@@ -1060,6 +1172,13 @@ std::string Plan::json() const {
   j["kv_bytes_per_token"] = kv_bytes_per_token;
   j["kv_page_tokens"] = kv_page_tokens;
   j["kv_page_bytes"] = kv_page_bytes;
+  if (!draft_model_name.empty()) {
+    j["draft_model"] = draft_model_name;
+    j["draft_kv_bytes_per_token"] = draft_kv_bytes_per_token;
+    j["draft_kv_page_bytes"] = draft_kv_page_bytes;
+    j["speculative_tokens_that_fit"] = speculative_tokens_that_fit;
+    j["fits_without_draft"] = fits_without_draft;
+  }
   j["budget_bytes"] = budget_bytes;
   j["fixed_bytes"] = fixed_bytes;
   j["kv_available_bytes"] = kv_available_bytes;

@@ -61,6 +61,20 @@ struct DraftVerdict {
 DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
                                 int64_t history_len, int32_t draft, Rng& rng, float* prob_scratch,
                                 int32_t* index_scratch);
+// The same rule for a draft drawn from a distribution q (a draft model: sample_draft_token wrote q): sampling, the
+// draft is accepted with probability min(1, p(draft) / q(draft)) and on rejection the token is drawn from
+// max(0, p - q), normalized, so the emitted token is distributed as p whatever q is; greedy as above. draft_probs
+// [vocab] is q; nullptr means a draft proposed with certainty (the overload above).
+DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                                int64_t history_len, int32_t draft, const float* draft_probs, Rng& rng,
+                                float* prob_scratch, int32_t* index_scratch);
+// A draft model's token from its row of logits, under the same processing as sample_token (the draft proposes
+// from what the target would sample from: penalty, temperature, top-k, top-p, min-p). Greedy: the argmax, and
+// draft_probs is left alone. Sampling: one draw, and draft_probs[vocab] receives the whole distribution q it was
+// drawn from (0 outside the candidates), which verify_draft_token needs.
+int32_t sample_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                           int64_t history_len, Rng& rng, float* draft_probs, float* prob_scratch,
+                           int32_t* index_scratch);
 // log_softmax(logits)[token], computed stably in double.
 double token_logprob(const float* logits, int64_t vocab, int32_t token);
 

@@ -145,6 +145,27 @@ int32_t sample_token(float* logits, int64_t vocab, const SamplingParams& params,
 DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
                                 int64_t history_len, int32_t draft, Rng& rng, float* prob_scratch,
                                 int32_t* index_scratch) {
+  return verify_draft_token(logits, vocab, params, history, history_len, draft, nullptr, rng, prob_scratch,
+                            index_scratch);
+}
+
+int32_t sample_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                           int64_t history_len, Rng& rng, float* draft_probs, float* prob_scratch,
+                           int32_t* index_scratch) {
+  const int64_t candidates =
+      detail::sampling_distribution(logits, vocab, params, history, history_len, prob_scratch, index_scratch);
+  if (params.temperature == 0.0f) return argmax(logits, vocab);
+  double total = 0.0;
+  for (int64_t i = 0; i < candidates; i++) total += prob_scratch[index_scratch[i]];
+  std::fill(draft_probs, draft_probs + vocab, 0.0f);
+  for (int64_t i = 0; i < candidates; i++)
+    draft_probs[index_scratch[i]] = float(double(prob_scratch[index_scratch[i]]) / total);
+  return detail::draw_candidate(prob_scratch, index_scratch, candidates, -1, rng);
+}
+
+DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingParams& params, const int32_t* history,
+                                int64_t history_len, int32_t draft, const float* draft_probs, Rng& rng,
+                                float* prob_scratch, int32_t* index_scratch) {
   const int64_t candidates =
       detail::sampling_distribution(logits, vocab, params, history, history_len, prob_scratch, index_scratch);
   DraftVerdict verdict;
@@ -160,6 +181,31 @@ DraftVerdict verify_draft_token(float* logits, int64_t vocab, const SamplingPara
     else total += prob_scratch[index_scratch[i]];
   }
   total += p_draft;
+  if (draft_probs) {
+    // Accept with probability min(1, p(draft) / q(draft)) (q(draft) > 0: the draft model drew it from q) ...
+    const double q_draft = draft >= 0 && draft < vocab ? double(draft_probs[draft]) : 0.0;
+    if (p_draft > 0.0 && double(rng.next_float()) * q_draft * total < p_draft) {
+      verdict.token = draft;
+      verdict.accepted = true;
+      return verdict;
+    }
+    // ... else draw from max(0, p - q), normalized. The residual's weights go into prob_scratch over p's
+    // candidates (a token outside them has p = 0, so no residual); where the residual is empty (p <= q
+    // everywhere, which rejection makes impossible in exact arithmetic) the token is drawn from p.
+    double residual = 0.0;
+    for (int64_t i = 0; i < candidates; i++) {
+      const int32_t t = index_scratch[i];
+      residual += std::max(0.0, double(prob_scratch[t]) / total - double(draft_probs[t]));
+    }
+    if (residual > 0.0) {
+      for (int64_t i = 0; i < candidates; i++) {
+        const int32_t t = index_scratch[i];
+        prob_scratch[t] = float(std::max(0.0, double(prob_scratch[t]) / total - double(draft_probs[t])));
+      }
+    }
+    verdict.token = detail::draw_candidate(prob_scratch, index_scratch, candidates, -1, rng);
+    return verdict;
+  }
   // Accept with probability p(draft) / total (the draft proposed it with certainty: q(draft) = 1) ...
   if (p_draft > 0.0 && double(rng.next_float()) * total < p_draft) {
     verdict.token = draft;

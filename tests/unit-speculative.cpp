@@ -207,6 +207,105 @@ TEST_CASE("draft verification keeps the target distribution (chi-square, alpha 0
   }
 }
 
+TEST_CASE("a draft model's sampled drafts: verification keeps the target distribution whatever q is (chi-square, "
+          "alpha 0.001), and wrong rules are rejected") {
+  // Target logits p and draft logits q over 6 tokens: a draft close to the target, one far from it, and one that
+  // puts mass where the target's filters leave none.
+  const std::vector<float> target = {1.2f, 0.3f, -0.4f, 2.0f, 0.1f, -1.5f};
+  const std::vector<std::vector<float>> drafts = {
+      {1.0f, 0.5f, -0.4f, 1.8f, 0.0f, -1.0f}, {-1.0f, 2.0f, 1.5f, -0.5f, 0.2f, 0.7f}, {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 3.0f}};
+  const std::vector<int32_t> history = {0, 3};
+  std::vector<SamplingParams> cases(4);
+  cases[0].temperature = 0.8f;
+  cases[1].temperature = 1.0f, cases[1].top_k = 4;
+  cases[2].temperature = 1.3f, cases[2].top_p = 0.8f;
+  cases[3].temperature = 1.1f, cases[3].repetition_penalty = 1.3f, cases[3].min_p = 0.05f;
+  constexpr int64_t kDraws = 40000;
+  const size_t V = target.size();
+  std::vector<float> probs(V), q(V), row(V);
+  std::vector<int32_t> order(V);
+  for (size_t c = 0; c < cases.size(); c++) {
+    const std::vector<double> expected = target_distribution(target, cases[c], history);
+    for (size_t d = 0; d < drafts.size(); d++) {
+      CAPTURE(c);
+      CAPTURE(d);
+      const std::vector<double> q_expected = target_distribution(drafts[d], cases[c], history);
+      Rng rng(5000 + uint64_t(c) * 10 + uint64_t(d));
+      std::vector<int64_t> counts(V, 0), proposed(V, 0);
+      int64_t accepted = 0;
+      double expected_accept = 0;  // sum over x of min(p(x), q(x))
+      for (size_t x = 0; x < V; x++) expected_accept += std::min(expected[x], q_expected[x]);
+      for (int64_t i = 0; i < kDraws; i++) {
+        row = drafts[d];
+        const int32_t draft = sample_draft_token(row.data(), int64_t(V), cases[c], history.data(),
+                                                 int64_t(history.size()), rng, q.data(), probs.data(), order.data());
+        REQUIRE(draft >= 0);
+        REQUIRE(draft < int32_t(V));
+        proposed[size_t(draft)]++;
+        row = target;
+        const DraftVerdict v = verify_draft_token(row.data(), int64_t(V), cases[c], history.data(),
+                                                  int64_t(history.size()), draft, q.data(), rng, probs.data(),
+                                                  order.data());
+        REQUIRE(v.token >= 0);
+        REQUIRE(v.token < int32_t(V));
+        CHECK(v.accepted == (v.token == draft));
+        counts[size_t(v.token)]++;
+        accepted += v.accepted;
+      }
+      int df = 0;
+      double chi2 = chi_square(proposed, q_expected, kDraws, &df);  // the draft samples q as sample_token would
+      CHECK_MESSAGE(chi2 < chi_square_critical_0001(df), "draft: chi2 " << chi2 << ", df " << df);
+      chi2 = chi_square(counts, expected, kDraws, &df);  // and the verified tokens follow p
+      CHECK_MESSAGE(chi2 < chi_square_critical_0001(df), "verified: chi2 " << chi2 << ", df " << df);
+      // Acceptance probability is sum_x min(p(x), q(x)) (Leviathan et al., 2023): within 5 binomial deviations.
+      CHECK(std::fabs(double(accepted) - expected_accept * kDraws) <=
+            5.0 * std::sqrt(kDraws * expected_accept * (1 - expected_accept)) + 1e-9);
+    }
+  }
+  // Controls, with the far draft: keeping every draft yields q, and resampling rejections from p instead of the
+  // residual max(0, p - q) is biased; the test rejects both.
+  {
+    const SamplingParams& params = cases[0];
+    const std::vector<double> expected = target_distribution(target, params, history);
+    Rng rng(11);
+    std::vector<int64_t> always(V, 0), from_p(V, 0);
+    for (int64_t i = 0; i < kDraws; i++) {
+      row = drafts[1];
+      const int32_t draft = sample_draft_token(row.data(), int64_t(V), params, history.data(), int64_t(history.size()),
+                                               rng, q.data(), probs.data(), order.data());
+      always[size_t(draft)]++;
+      row = target;
+      const DraftVerdict v = verify_draft_token(row.data(), int64_t(V), params, history.data(),
+                                                int64_t(history.size()), draft, q.data(), rng, probs.data(),
+                                                order.data());
+      if (v.accepted) {
+        from_p[size_t(v.token)]++;
+      } else {
+        row = target;
+        from_p[size_t(sample_token(row.data(), int64_t(V), params, history.data(), int64_t(history.size()), rng,
+                                   probs.data(), order.data()))]++;
+      }
+    }
+    int df = 0;
+    CHECK(chi_square(always, expected, kDraws, &df) > chi_square_critical_0001(std::max(df, 1)));
+    CHECK(chi_square(from_p, expected, kDraws, &df) > chi_square_critical_0001(std::max(df, 1)));
+  }
+  // Greedy: the draft model's argmax, q untouched, and the target's argmax decides.
+  SamplingParams greedy_params;
+  Rng rng(3), untouched(3);
+  row = drafts[1];
+  std::fill(q.begin(), q.end(), -1.0f);
+  CHECK(sample_draft_token(row.data(), int64_t(V), greedy_params, history.data(), int64_t(history.size()), rng,
+                           q.data(), probs.data(), order.data()) == 1);
+  CHECK(q[0] == -1.0f);
+  row = target;
+  const DraftVerdict v = verify_draft_token(row.data(), int64_t(V), greedy_params, history.data(),
+                                            int64_t(history.size()), 1, q.data(), rng, probs.data(), order.data());
+  CHECK(v.token == 3);
+  CHECK_FALSE(v.accepted);
+  CHECK(rng.next_u64() == untouched.next_u64());
+}
+
 namespace {
 
 std::vector<std::vector<int32_t>> reference_greedy(const std::string& name, std::vector<std::vector<int32_t>>* prompts) {
