@@ -44,8 +44,9 @@
       - Tokenizes as Hugging Face tokenizers do (byte-level BPE, PCRE2 regexes, NFC, chat formats for ChatML
         and Llama-3), generates with continuous batching over the paged KV cache, samples (greedy,
         temperature, top-k, top-p, min-p, repetition penalty, seed) and scores perplexity with sliding windows;
-        optional speculative decoding by prompt lookup (PlanOptions::ngram, speculative_tokens) that keeps
-        greedy output identical and the sampling distribution exact; prefix caching (EngineOptions::
+        optional speculative decoding by prompt lookup (PlanOptions::ngram, speculative_tokens) or with a
+        draft model planned beside the target (EngineOptions::draft_model; CPU backend) that keeps greedy
+        output identical and the sampling distribution exact; prefix caching (EngineOptions::
         prefix_caching, on for the CPU): identical prefixes' KV pages are reused, evicted least recently used.
       - Decodes images (JPEG with libjpeg-turbo as PIL and torchvision do; PNG, BMP, TGA, GIF, PNM with
         stb_image) and preprocesses them exactly as Qwen's image processor does; runs the Qwen3-VL vision
