@@ -1703,6 +1703,10 @@ struct Plan {
   // Why this backend: "--backend cpu", "auto: no CUDA device is visible", ... (plan_engine sets it;
   // empty from make_plan, which is given its device).
   std::string backend_rule;
+  // Prefix caching as the engine will run it (EngineOptions::prefix_caching resolved for the backend: plan_engine
+  // sets it; make_plan leaves it unset). It costs no bytes: cached pages are KV pages, free to evict. Its hits are
+  // runtime figures: EngineStats::prefix_pages_reused / prefix_tokens_reused and the pool's cached_pages.
+  std::optional<bool> prefix_caching;
 
   std::vector<PlanItem> items;  // everything but the KV arena, in table order
   uint64_t weights_bytes = 0;
@@ -10053,6 +10057,16 @@ std::string Plan::table() const {
                            "and their logits use the logits rows, so it needs no memory of its own",
                            (long long)options.ngram, (long long)options.speculative_tokens,
                            (long long)options.max_batched_tokens)});
+  if (prefix_caching)
+    rows.push_back({"prefix cache", *prefix_caching ? "on" : "off",
+                    *prefix_caching
+                        ? std::string("full KV pages stay cached under a hash of their tokens and later requests that "
+                                      "start with them reuse them; pages only the cache holds count as free, evicted "
+                                      "least recently used: no bytes of its own (hits: EngineStats)")
+                        : device.backend == BackendKind::cuda
+                              ? std::string("off (CUDA's default: a GEMM row may round differently with its batch; "
+                                            "--prefix-cache on turns it on)")
+                              : std::string("off (--prefix-cache off)")});
   rows.push_back({"concurrency", format("%.2f", concurrency),
                   format("sequences of %lld tokens the KV arena holds at once", (long long)max_model_len)});
   rows.push_back({"verdict", fits ? "FITS" : "DOES NOT FIT",
@@ -10143,6 +10157,7 @@ std::string Plan::json() const {
   j["max_image_pixels_rule"] = max_image_pixels_rule;
   j["concurrency"] = concurrency;
   j["fits"] = fits;
+  if (prefix_caching) j["prefix_caching"] = *prefix_caching;
   j["shortfall_bytes"] = shortfall_bytes;
   j["max_model_len_that_fits"] = max_model_len_that_fits;
   j["utilization_needed"] = utilization_needed;
@@ -14586,6 +14601,7 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
     Result<Plan> plan = make_plan(inputs, *device, options.plan);
     if (!plan) throw plan.error();
     plan->backend_rule = why;
+    plan->prefix_caching = options.prefix_caching.value_or(plan->device.backend == BackendKind::cpu);
     return std::move(*plan);
   });
 }
@@ -14799,7 +14815,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.row_owners.assign(max_tokens, {nullptr, 0});
     e.draft_requests.reserve(max_seqs);
     e.draft_ranges.reserve(max_seqs);
-    e.prefix_cache = options.prefix_caching.value_or(!gpu);
+    e.prefix_cache = e.plan.prefix_caching.value_or(!gpu);  // plan_engine resolved it
     e.info.prefix_caching = e.prefix_cache;
     e.attach_pages.assign(size_t(e.arena->kv().max_pages_per_seq()), -1);
     if (gpu) {

@@ -1401,6 +1401,7 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
     Result<Plan> plan = make_plan(inputs, *device, options.plan);
     if (!plan) throw plan.error();
     plan->backend_rule = why;
+    plan->prefix_caching = options.prefix_caching.value_or(plan->device.backend == BackendKind::cpu);
     return std::move(*plan);
   });
 }
@@ -1614,7 +1615,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.row_owners.assign(max_tokens, {nullptr, 0});
     e.draft_requests.reserve(max_seqs);
     e.draft_ranges.reserve(max_seqs);
-    e.prefix_cache = options.prefix_caching.value_or(!gpu);
+    e.prefix_cache = e.plan.prefix_caching.value_or(!gpu);  // plan_engine resolved it
     e.info.prefix_caching = e.prefix_cache;
     e.attach_pages.assign(size_t(e.arena->kv().max_pages_per_seq()), -1);
     if (gpu) {

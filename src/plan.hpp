@@ -114,6 +114,10 @@ struct Plan {
   // Why this backend: "--backend cpu", "auto: no CUDA device is visible", ... (plan_engine sets it;
   // empty from make_plan, which is given its device).
   std::string backend_rule;
+  // Prefix caching as the engine will run it (EngineOptions::prefix_caching resolved for the backend: plan_engine
+  // sets it; make_plan leaves it unset). It costs no bytes: cached pages are KV pages, free to evict. Its hits are
+  // runtime figures: EngineStats::prefix_pages_reused / prefix_tokens_reused and the pool's cached_pages.
+  std::optional<bool> prefix_caching;
 
   std::vector<PlanItem> items;  // everything but the KV arena, in table order
   uint64_t weights_bytes = 0;

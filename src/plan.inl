@@ -1103,6 +1103,16 @@ std::string Plan::table() const {
                            "and their logits use the logits rows, so it needs no memory of its own",
                            (long long)options.ngram, (long long)options.speculative_tokens,
                            (long long)options.max_batched_tokens)});
+  if (prefix_caching)
+    rows.push_back({"prefix cache", *prefix_caching ? "on" : "off",
+                    *prefix_caching
+                        ? std::string("full KV pages stay cached under a hash of their tokens and later requests that "
+                                      "start with them reuse them; pages only the cache holds count as free, evicted "
+                                      "least recently used: no bytes of its own (hits: EngineStats)")
+                        : device.backend == BackendKind::cuda
+                              ? std::string("off (CUDA's default: a GEMM row may round differently with its batch; "
+                                            "--prefix-cache on turns it on)")
+                              : std::string("off (--prefix-cache off)")});
   rows.push_back({"concurrency", format("%.2f", concurrency),
                   format("sequences of %lld tokens the KV arena holds at once", (long long)max_model_len)});
   rows.push_back({"verdict", fits ? "FITS" : "DOES NOT FIT",
@@ -1193,6 +1203,7 @@ std::string Plan::json() const {
   j["max_image_pixels_rule"] = max_image_pixels_rule;
   j["concurrency"] = concurrency;
   j["fits"] = fits;
+  if (prefix_caching) j["prefix_caching"] = *prefix_caching;
   j["shortfall_bytes"] = shortfall_bytes;
   j["max_model_len_that_fits"] = max_model_len_that_fits;
   j["utilization_needed"] = utilization_needed;

@@ -994,6 +994,8 @@ TEST_CASE("plan_engine for a planned CUDA card is read_plan_inputs + detect_devi
   CHECK(why == direct->backend_rule);
   Plan by_hand = plan_for(shipped(kShippedQwenVL), *device, o.plan);
   by_hand.backend_rule = why;
+  CHECK(direct->prefix_caching == std::optional<bool>(false));  // the engine's rule for CUDA
+  by_hand.prefix_caching = direct->prefix_caching;
   CHECK(direct->json() == by_hand.json());
   auto missing = plan_engine("/nonexistent/kvlite-model", o);
   REQUIRE_FALSE(missing.ok());

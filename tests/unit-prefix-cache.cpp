@@ -333,3 +333,27 @@ TEST_CASE("prefix caching with images: one prompt, different images: the text be
   CHECK(reused_total > 0);
   check_pool_empty(**cached);
 }
+
+TEST_CASE("the plan says whether the prefix cache is on, as the engine runs it, and that it costs no bytes") {
+  const std::string dir = fx::dir("tiny-qwen3");
+  for (int setting = 0; setting < 3; setting++) {  // unset (the CPU's default: on), on, off
+    CAPTURE(setting);
+    EngineOptions options;
+    options.plan.device_mem = 64 * MiB;
+    if (setting > 0) options.prefix_caching = setting == 1;
+    auto plan = plan_engine(dir, options);
+    REQUIRE_MESSAGE(plan, plan.error().message);
+    const bool on = setting != 2;
+    CHECK(plan->prefix_caching == std::optional<bool>(on));
+    CHECK(plan->table().find(on ? "reuse them; pages only the cache holds" : "off (--prefix-cache off)") !=
+          std::string::npos);
+    CHECK(nlohmann::json::parse(plan->json())["prefix_caching"] == on);
+    auto engine = Engine::open(dir, options);
+    REQUIRE_MESSAGE(engine, engine.error().message);
+    CHECK((*engine)->info().prefix_caching == on);
+    // no bytes of its own: the same arena either way
+    EngineOptions other = options;
+    other.prefix_caching = !on;
+    CHECK(plan_engine(dir, other)->arena_bytes() == plan->arena_bytes());
+  }
+}
