@@ -339,6 +339,16 @@ TEST_CASE("the plan has the draft model's rows and its KV beside every page, and
   for (const std::string& line : eight->advice) named = named || line.find("--spec-tokens 3: fits") != std::string::npos;
   CHECK_MESSAGE(named, eight->advice.size() << " advice lines");
   CHECK(eight->fits_without_draft);
+  // The advice followed: K = 3 on that budget opens and generates with the plan's numbers.
+  fitted.plan.speculative_tokens = eight->speculative_tokens_that_fit;
+  auto advised = Engine::open(dir, fitted);
+  REQUIRE_MESSAGE(advised, advised.error().message);
+  CHECK((*advised)->plan().kv_pages == 16);
+  std::vector<std::vector<int32_t>> prompts;
+  const std::vector<std::vector<int32_t>> expected = reference_greedy("tiny-qwen3", &prompts);
+  auto generation = (*advised)->generate(prompts[0], greedy());
+  REQUIRE(generation);
+  CHECK(generation->ids == expected[0]);
 }
 
 TEST_CASE("a draft model is refused with the reason: n-gram too, no K, another vocabulary or tokenizer, a vision "
