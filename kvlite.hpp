@@ -82,6 +82,9 @@
         bandwidth roofline, the W4A16 GEMM at 20-30% of copy bandwidth. The engine on it refuses images
         (BackendChoice::auto_ therefore keeps vision-language models on the CPU), although the vision kernels
         pass their GPU tests.
+      - The CPU computes in F32 by default (the reference). With activation_dtype BF16 or F16 it runs the GPU's
+        numerics instead (f32 math, rounded on every store where the CUDA kernels round), for tests on machines
+        without a GPU; it is no faster.
       - Linux (including WSL2) only: uses mmap and sysconf.
 
    CONFIGURATION
@@ -1597,8 +1600,8 @@ Result<std::pair<uint64_t, uint64_t>> memory_info();
 
 namespace kvlite {
 
-// auto: the activation dtype (f32 on the CPU, whose reference matches transformers' float32; on a GPU the model's
-// 16-bit dtype unless F32 activations were asked for); fp8: e4m3.
+// auto: the activation dtype (by default f32 on the CPU, whose reference matches transformers' float32, and on a
+// GPU the model's 16-bit dtype; whatever PlanOptions::activation_dtype asks for otherwise); fp8: e4m3.
 enum class KVDType { auto_, bf16, f16, fp8, f32 };
 const char* kv_dtype_name(KVDType dtype);
 Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8" | "f32"
@@ -2465,8 +2468,8 @@ class TextModel {
   // step of the same shape (tokens, seqs; max_context at most the captured one).
   void compute(const StepInput& step);
   // Logits of the rows step.logit_row_ids[first, first + count), count <= max_logit_rows(), into the logits
-  // buffer: [count, V] in the activation dtype (F32 on the CPU, where the view is host memory the caller reads
-  // directly; a GPU's stays on the device).
+  // buffer: [count, V] in the activation dtype (on the CPU host memory the caller reads directly, widening
+  // 16-bit values; a GPU's stays on the device).
   Tensor logits(int64_t first, int64_t count);
   int64_t max_logit_rows() const { return max_logit_rows_; }
 

@@ -100,8 +100,8 @@ class TextModel {
   // step of the same shape (tokens, seqs; max_context at most the captured one).
   void compute(const StepInput& step);
   // Logits of the rows step.logit_row_ids[first, first + count), count <= max_logit_rows(), into the logits
-  // buffer: [count, V] in the activation dtype (F32 on the CPU, where the view is host memory the caller reads
-  // directly; a GPU's stays on the device).
+  // buffer: [count, V] in the activation dtype (on the CPU host memory the caller reads directly, widening
+  // 16-bit values; a GPU's stays on the device).
   Tensor logits(int64_t first, int64_t count);
   int64_t max_logit_rows() const { return max_logit_rows_; }
 

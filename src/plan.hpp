@@ -6,8 +6,8 @@
 
 namespace kvlite {
 
-// auto: the activation dtype (f32 on the CPU, whose reference matches transformers' float32; on a GPU the model's
-// 16-bit dtype unless F32 activations were asked for); fp8: e4m3.
+// auto: the activation dtype (by default f32 on the CPU, whose reference matches transformers' float32, and on a
+// GPU the model's 16-bit dtype; whatever PlanOptions::activation_dtype asks for otherwise); fp8: e4m3.
 enum class KVDType { auto_, bf16, f16, fp8, f32 };
 const char* kv_dtype_name(KVDType dtype);
 Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8" | "f32"
