@@ -11642,53 +11642,47 @@ class CpuBackend final : public Backend {
       if (id[t] < 0 || id[t] >= table.rows)
         fail(ErrorCode::invalid_argument, format("gather_rows: ids[%lld] = %d is outside the table's %lld rows",
                                                  (long long)t, id[t], (long long)table.rows));
-    with_float_type(table.dtype, [&](auto tag) {
-      with_activation_type([&](auto act_tag) {
-        using T = decltype(tag);
-        using A = decltype(act_tag);
-        auto body = [&](int64_t t, int) {
-          const T* src = row_of<const T>(table, id[t]);
-          A* dst = row_of<A>(out, t);
-          for (int64_t c = 0; c < out.cols; c++) dst[c] = from_float<A>(to_float(src[c]));
-        };
-        pool_.run(out.rows, body);
-      });
+    with_float_and_activation_types(table.dtype, [&](auto tag, auto act_tag) {
+      using T = decltype(tag);
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const T* src = row_of<const T>(table, id[t]);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = from_float<A>(to_float(src[c]));
+      };
+      pool_.run(out.rows, body);
     });
   }
 
   void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
-      with_activation_type([&](auto act_tag) {
-        using W = decltype(tag);
-        using A = decltype(act_tag);
-        const W* w = static_cast<const W*>(weight.data);
-        const int64_t group = weight.elements();
-        auto body = [&](int64_t t, int) {
-          const A* in = row_of<const A>(x, t);
-          A* dst = row_of<A>(out, t);
-          for (int64_t g = 0; g < x.cols; g += group) normalize(in + g, w, group, eps, dst + g);
-        };
-        pool_.run(x.rows, body);
-      });
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
+      using W = decltype(tag);
+      using A = decltype(act_tag);
+      const W* w = static_cast<const W*>(weight.data);
+      const int64_t group = weight.elements();
+      auto body = [&](int64_t t, int) {
+        const A* in = row_of<const A>(x, t);
+        A* dst = row_of<A>(out, t);
+        for (int64_t g = 0; g < x.cols; g += group) normalize(in + g, w, group, eps, dst + g);
+      };
+      pool_.run(x.rows, body);
     });
   }
 
   void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
                          const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
-      with_activation_type([&](auto act_tag) {
-        using W = decltype(tag);
-        using A = decltype(act_tag);
-        const W* w = static_cast<const W*>(weight.data);
-        auto body = [&](int64_t t, int) {
-          const A* in = row_of<const A>(x, t);
-          A* res = row_of<A>(residual, t);
-          // hidden = residual + hidden, stored in the activation dtype; the norm reads what was stored
-          for (int64_t c = 0; c < x.cols; c++) res[c] = from_float<A>(to_float(res[c]) + to_float(in[c]));
-          normalize(res, w, x.cols, eps, row_of<A>(out, t));
-        };
-        pool_.run(x.rows, body);
-      });
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
+      using W = decltype(tag);
+      using A = decltype(act_tag);
+      const W* w = static_cast<const W*>(weight.data);
+      auto body = [&](int64_t t, int) {
+        const A* in = row_of<const A>(x, t);
+        A* res = row_of<A>(residual, t);
+        // hidden = residual + hidden, stored in the activation dtype; the norm reads what was stored
+        for (int64_t c = 0; c < x.cols; c++) res[c] = from_float<A>(to_float(res[c]) + to_float(in[c]));
+        normalize(res, w, x.cols, eps, row_of<A>(out, t));
+      };
+      pool_.run(x.rows, body);
     });
   }
 
@@ -11714,8 +11708,7 @@ class CpuBackend final : public Backend {
   }
 
   void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
-     with_activation_type([&](auto act_tag) {
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
       using A = decltype(act_tag);
       // Work items are blocks of kTokenBlock tokens x kRowBlock weight rows; inside one, tiles of kTileTokens
@@ -11733,7 +11726,6 @@ class CpuBackend final : public Backend {
         for (; t < t1; t++) linear_rows<1, A, W>(x, weight, bias, out, t, n0, n1, K);
       };
       pool_.run(token_blocks * row_blocks, body);
-     });
     });
   }
 
@@ -11844,8 +11836,7 @@ class CpuBackend final : public Backend {
                format("embedding_bag: indices[%lld][%lld] = %d is outside the table's %lld rows", (long long)t,
                       (long long)j, index, (long long)table.rows));
       }
-    with_float_type(table.dtype, [&](auto tag) {
-     with_activation_type([&](auto act_tag) {
+    with_float_and_activation_types(table.dtype, [&](auto tag, auto act_tag) {
       using T = decltype(tag);
       using A = decltype(act_tag);
       auto body = [&](int64_t t, int) {
@@ -11863,14 +11854,12 @@ class CpuBackend final : public Backend {
         }
       };
       pool_.run(out.rows, body);
-     });
     });
   }
 
   void impl_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
                        const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
-     with_activation_type([&](auto act_tag) {
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
       using A = decltype(act_tag);
       const W* w = static_cast<const W*>(weight.data);
@@ -11892,7 +11881,6 @@ class CpuBackend final : public Backend {
           dst[i] = from_float<A>((to_float(in[i]) - mean_f) * inv_std * to_float(w[i]) + to_float(b[i]));
       };
       pool_.run(x.rows, body);
-     });
     });
   }
 
@@ -11942,34 +11930,34 @@ class CpuBackend final : public Backend {
                     (long long)max_segment));
     const int64_t heads = q.cols / head_dim, group = heads / (k.cols / head_dim);
     with_activation_type([&](auto act_tag) {
-    using A = decltype(act_tag);
-    // Item = (query row, query head); the KV rows are activations, read in place.
-    auto body = [&](int64_t item, int worker) {
-      const int64_t t = item / heads, head = item % heads, kv_head = head / group;
-      const int64_t s = int64_t(std::upper_bound(starts, starts + segments + 1, int32_t(t)) - starts) - 1;
-      const A* query = row_of<const A>(q, t) + head * head_dim;
-      float* acc = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
-      std::fill(acc, acc + head_dim, 0.0f);
-      float running_max = -INFINITY, running_sum = 0.0f;
-      for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
-        const A* key = row_of<const A>(k, r) + kv_head * head_dim;
-        const A* value = row_of<const A>(v, r) + kv_head * head_dim;
-        const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
-        if (score > running_max) {  // online softmax: rescale only when the maximum grows
-          const float correction = std::exp(running_max - score);
-          running_sum *= correction;
-          for (int64_t d = 0; d < head_dim; d++) acc[d] *= correction;
-          running_max = score;
+      using A = decltype(act_tag);
+      // Item = (query row, query head); the KV rows are activations, read in place.
+      auto body = [&](int64_t item, int worker) {
+        const int64_t t = item / heads, head = item % heads, kv_head = head / group;
+        const int64_t s = int64_t(std::upper_bound(starts, starts + segments + 1, int32_t(t)) - starts) - 1;
+        const A* query = row_of<const A>(q, t) + head * head_dim;
+        float* acc = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
+        std::fill(acc, acc + head_dim, 0.0f);
+        float running_max = -INFINITY, running_sum = 0.0f;
+        for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
+          const A* key = row_of<const A>(k, r) + kv_head * head_dim;
+          const A* value = row_of<const A>(v, r) + kv_head * head_dim;
+          const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+          if (score > running_max) {  // online softmax: rescale only when the maximum grows
+            const float correction = std::exp(running_max - score);
+            running_sum *= correction;
+            for (int64_t d = 0; d < head_dim; d++) acc[d] *= correction;
+            running_max = score;
+          }
+          const float p = std::exp(score - running_max);
+          running_sum += p;
+          for (int64_t d = 0; d < head_dim; d++) acc[d] += p * to_float(value[d]);
         }
-        const float p = std::exp(score - running_max);
-        running_sum += p;
-        for (int64_t d = 0; d < head_dim; d++) acc[d] += p * to_float(value[d]);
-      }
-      A* dst = row_of<A>(out, t) + head * head_dim;
-      // a row's segment holds at least the row itself, so running_sum >= 1
-      for (int64_t d = 0; d < head_dim; d++) dst[d] = from_float<A>(acc[d] / running_sum);
-    };
-    pool_.run(q.rows * heads, body);
+        A* dst = row_of<A>(out, t) + head * head_dim;
+        // a row's segment holds at least the row itself, so running_sum >= 1
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = from_float<A>(acc[d] / running_sum);
+      };
+      pool_.run(q.rows * heads, body);
     });
   }
 
@@ -11984,8 +11972,7 @@ class CpuBackend final : public Backend {
                     (long long)t, slot[t], (long long)(slot[t] / layout.page_tokens), (long long)cache.num_pages,
                     (long long)layout.page_tokens));
     const float scales[2] = {layer_scale(cache.k_scales, layer), layer_scale(cache.v_scales, layer)};
-    with_kv_type(cache.dtype, [&](auto tag) {
-     with_activation_type([&](auto act_tag) {
+    with_kv_and_activation_types(cache.dtype, [&](auto tag, auto act_tag) {
       using E = decltype(tag);
       using A = decltype(act_tag);
       auto body = [&](int64_t t, int) {
@@ -11999,7 +11986,6 @@ class CpuBackend final : public Backend {
         }
       };
       pool_.run(k.rows, body);
-     });
     });
   }
 
@@ -12018,8 +12004,7 @@ class CpuBackend final : public Backend {
     check_attention_batch(q, cache, batch);
 
     const float k_scale = layer_scale(cache.k_scales, layer), v_scale = layer_scale(cache.v_scales, layer);
-    with_kv_type(cache.dtype, [&](auto tag) {
-     with_activation_type([&](auto act_tag) {
+    with_kv_and_activation_types(cache.dtype, [&](auto tag, auto act_tag) {
       using E = decltype(tag);
       using A = decltype(act_tag);
       const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
@@ -12073,7 +12058,6 @@ class CpuBackend final : public Backend {
         }
       };
       pool_.run(q.rows * kv_heads, body);
-     });
     });
   }
 
@@ -12120,9 +12104,18 @@ class CpuBackend final : public Backend {
     }
   }
 
-  // Calls f(A{}) with A the storage type of the activations.
+  // Calls f(A{}) with A the storage type of the activations; the others f(T{}, A{}) with T that of `dtype` too
+  // (a float operand: weight or table; or a KV cache element).
   template <class F>
   void with_activation_type(F&& f) const { with_float_type(act_, std::forward<F>(f)); }
+  template <class F>
+  void with_float_and_activation_types(DType dtype, F&& f) const {
+    with_float_type(dtype, [&](auto tag) { with_activation_type([&](auto act_tag) { f(tag, act_tag); }); });
+  }
+  template <class F>
+  void with_kv_and_activation_types(DType dtype, F&& f) const {
+    with_kv_type(dtype, [&](auto tag) { with_activation_type([&](auto act_tag) { f(tag, act_tag); }); });
+  }
 
   // What only the CPU can check cheaply: the values of the index vectors.
   static void check_attention_batch(const Tensor& q, const KVCacheView& cache, const AttentionBatch& batch) {
