@@ -557,8 +557,10 @@ void check_caption_agreement(const std::string& format) {
     REQUIRE(input);
     images.push_back(std::move(*input));
   }
+  const uint64_t allocations = Arena::allocations_after_start();
   const std::vector<std::string> expected = captions(*reference, images, *prompt_ids);
   const std::vector<std::string> got = captions(*narrow, images, *prompt_ids);
+  CHECK(Arena::allocations_after_start() == allocations);  // BF16 buffers are the plan's, as F32's are
   int64_t agree = 0, f32_correct = 0, bf16_correct = 0;
   std::string first_difference;
   for (size_t i = 0; i < scenes.size(); i++) {
