@@ -83,6 +83,9 @@
         bandwidth roofline, the W4A16 GEMM at 20-30% of copy bandwidth. The engine on it refuses images
         (BackendChoice::auto_ therefore keeps vision-language models on the CPU), although the vision kernels
         pass their GPU tests.
+      - The CPU computes in F32 by default (the reference). With activation_dtype BF16 or F16 it runs the GPU's
+        numerics instead (f32 math, rounded on every store where the CUDA kernels round), for tests on machines
+        without a GPU; it is no faster.
       - Linux (including WSL2) only: uses mmap and sysconf.
 
    CONFIGURATION
@@ -1035,9 +1038,12 @@ KVLITE_HD float dequantize_value(float q, float scale, DType scale_dtype, Dequan
 namespace detail {
 // For a backend's own thread pool: out[t, n0 .. n0 + rows) for every token t, rows <= kQuantRowBlock, using
 // scratch >= rows * K floats. Arguments are not checked (quant_linear checks them).
+// out holds out_dtype (F32, BF16 or F16): each output (plus bias) is rounded to it once. weight_rounding (F32:
+// none) rounds the dequantized weights first, as a GPU multiplies them in the activation dtype.
 constexpr int64_t kQuantRowBlock = 16;
 void quant_linear_block(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight, int64_t n0,
-                        int64_t rows, float* scratch, float* out, int64_t out_stride);
+                        int64_t rows, float* scratch, void* out, int64_t out_stride, DType out_dtype = DType::F32,
+                        DType weight_rounding = DType::F32);
 void dequantize_rows_unchecked(const QuantWeight& weight, int64_t row0, int64_t rows, float* out);
 // One activation row through fp8 and back (quantize_fp8_activations, then each q times its group's scale): what
 // W8A8 computes with. x, out [cols]; may be the same array.
@@ -1595,8 +1601,8 @@ Result<std::pair<uint64_t, uint64_t>> memory_info();
 
 namespace kvlite {
 
-// auto: the activation dtype (f32 on the CPU, whose reference matches transformers' float32; on a GPU the model's
-// 16-bit dtype unless F32 activations were asked for); fp8: e4m3.
+// auto: the activation dtype (by default f32 on the CPU, whose reference matches transformers' float32, and on a
+// GPU the model's 16-bit dtype; whatever PlanOptions::activation_dtype asks for otherwise); fp8: e4m3.
 enum class KVDType { auto_, bf16, f16, fp8, f32 };
 const char* kv_dtype_name(KVDType dtype);
 Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8" | "f32"
@@ -1635,9 +1641,10 @@ struct PlanOptions {
   //    its distributions for K tokens per sequence, and its KV beside every KV page (the same contexts).
   int64_t speculative_tokens = 0;
   int64_t ngram = 0;
-  // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
-  // float32) and accepts nothing else; CUDA: BF16, F16 or F32. Unset: F32 on the CPU; on CUDA the model's dtype
-  // (F16 for F16 checkpoints, else BF16), as KV auto. Resolved in Plan::options.
+  // The dtype every activation is stored in: F32, BF16 or F16 on either backend (ops compute in f32 and round
+  // on each store). Unset: F32 on the CPU (its reference matches transformers' float32; BF16 / F16 there run the
+  // GPU's rounding, for tests); on CUDA the model's dtype (F16 for F16 checkpoints, else BF16), as KV auto.
+  // Resolved in Plan::options.
   std::optional<DType> activation_dtype;
 };
 
@@ -1809,7 +1816,10 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
 // Pages of the block-table buffer a CUDA plan reserves per sequence: enough for the model's longest sequence
 // (max_position_embeddings), so the plan's fixed items do not depend on max_model_len.
 int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens);
-// Vision encoder, `images` images of at most `image_pixels` pixels each (empty for text-only models).
+// Vision encoder, `images` images of at most `image_pixels` pixels each (empty for text-only models), for an
+// activation dtype or a backend's default one.
+std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
+                                       DType activation_dtype);
 std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
                                        BackendKind backend);
 // Logits and sampling for up to `max_seqs` sequences (scoring reuses the same rows, 32 at a time). The logits
@@ -2130,7 +2140,8 @@ Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t conte
 //     (q, k and v are column slices of one fused qkv buffer), so every op honours row_stride.
 //   - A "vector of n" (norm weight, bias, token ids, slots...) is a contiguous tensor of n elements in
 //     either orientation ([1, n] or [n, 1]).
-//   - Activations have the backend's activation_dtype() (F32 on the CPU); index vectors are I32.
+//   - Activations have the backend's activation_dtype() (F32 on the CPU unless CpuBackendOptions says BF16 or
+//     F16); index vectors are I32.
 //   - Ops never allocate: every output is a caller-owned buffer (the arena's activation region). Scratch is
 //     sized when the backend is made.
 //   - Ops validate shapes and dtypes here, once for every backend, and return invalid_argument (or
@@ -2225,7 +2236,7 @@ class Backend {
   // ---- identity and capabilities ---------------------------------------------------------------------
   virtual BackendKind kind() const = 0;
   virtual std::string name() const = 0;  // for logs: "cpu (8 threads)"
-  // The dtype of every activation tensor the ops read and write (F32 on the CPU).
+  // The dtype of every activation tensor the ops read and write (CUDA: BF16 by default; the CPU: F32 by default).
   virtual DType activation_dtype() const = 0;
   // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows,
   // embedding_bag), the weight (rms_norm, add_rms_norm, linear, layer_norm), the K/V element (kv_write,
@@ -2368,6 +2379,9 @@ struct CpuBackendOptions {
   // W8A8 as the GPU runs fp8 weights: quant_linear quantizes each activation row to fp8 and back first
   // (quantize_fp8_activations, per block_k columns for block weights, else per row). For tests.
   bool fp8_activations = false;
+  // How activations are stored: F32 (the float32 reference), or BF16 / F16 to run the GPU's numerics on the CPU:
+  // every op still computes in f32 and rounds (to nearest even) on each store, where the CUDA kernels round.
+  DType activation_dtype = DType::F32;
 };
 // Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
 // element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
@@ -2500,8 +2514,8 @@ class TextModel {
   // step of the same shape (tokens, seqs; max_context at most the captured one).
   void compute(const StepInput& step);
   // Logits of the rows step.logit_row_ids[first, first + count), count <= max_logit_rows(), into the logits
-  // buffer: [count, V] in the activation dtype (F32 on the CPU, where the view is host memory the caller reads
-  // directly; a GPU's stays on the device).
+  // buffer: [count, V] in the activation dtype (on the CPU host memory the caller reads directly, widening
+  // 16-bit values; a GPU's stays on the device).
   Tensor logits(int64_t first, int64_t count);
   int64_t max_logit_rows() const { return max_logit_rows_; }
 
@@ -2519,6 +2533,9 @@ class TextModel {
 
  private:
   KVCacheView kv_cache() const;
+  // count x cols float host rows as the activations store them: the rows themselves (F32), or rounded to
+  // 16 bits in image_rows_16bit_ (valid until the next call).
+  const void* host_activation_rows(const float* rows, int64_t count, int64_t cols);
 
   ModelConfig config_;
   TextModelWeights weights_;
@@ -2534,6 +2551,8 @@ class TextModel {
   float attention_scale_ = 1.0f;  // head_dim ** -0.5
   std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
   std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
+  // [Tmax, H] image rows rounded to 16-bit activations on the host (vision models with BF16 / F16 activations)
+  std::vector<uint16_t> image_rows_16bit_;
   int64_t deepstack_levels_ = 0;            // qwen3_vl: DeepStack features added after layers 0 .. levels - 1
 
   // Views of the arena's buffers (planner names in quotes), full size; forward() slices the first T rows.
@@ -2552,7 +2571,7 @@ class TextModel {
   Tensor context_lens_;   // "context_lens" [Smax] int32 (+ 1 likewise)
   Tensor block_tables_;   // "block_tables" [Smax + 1, max_pages_per_seq] int32 (GPU); empty on the CPU
   Tensor logit_rows_;     // "logit_rows"   [Tmax] int32
-  Tensor deepstack_rows_;  // "deepstack_rows" [Tmax, H] fp32 (vision models): a step's DeepStack rows
+  Tensor deepstack_rows_;  // "deepstack_rows" [Tmax, H] act, fp32-sized (vision models): a step's DeepStack rows
   Tensor logits_;         // "logits"       [max(Smax, 32), V] act (rows sized for fp32)
   Tensor sampling_probs_;  // "sampling_probs" [Smax, V] fp32
   Tensor sampling_order_;  // "sampling_order" [Smax, V] int32
@@ -2687,13 +2706,13 @@ class VisionModel {
 
   // Views of the planned buffers (names in quotes), full size.
   Tensor pixel_patches_;  // "pixel_patches"      [N, C T P P]
-  Tensor hidden_;         // "vision_hidden"      [N, vh] fp32: the residual stream
+  Tensor hidden_;         // "vision_hidden"      [N, vh] the residual stream (activation dtype)
   Tensor normed_;         // "vision_normed"      [N, vh]: LayerNorm outputs, proj / fc2 outputs, pos embeds
   Tensor qkv_;            // "vision_qkv"         [N, 3 vh]
   Tensor attn_out_;       // "vision_attn_out"    [N, vh]; as [N / 4, 4 vh] the mergers' fc1 output
   Tensor mlp_;            // "vision_mlp"         [N, vI]
   Tensor merger_in_;      // "merger_in"          [N / 4, 4 vh]: the mergers' LayerNorm output
-  Tensor merged_;         // "merged"             [levels, N / 4, out] fp32 (as [levels * N / 4, out])
+  Tensor merged_;         // "merged"             [levels, N / 4, out] activation dtype (as [levels * N / 4, out])
   Tensor pos_indices_;    // "vision_pos_indices" [N, 4] int32
   Tensor pos_weights_;    // "vision_pos_weights" [N, 4] fp32
   Tensor rope_cos_;       // "vision_rope_cos"    [N, head_dim / 2] fp32
@@ -2736,7 +2755,8 @@ namespace kvlite {
 struct EngineOptions {
   // The memory plan. device_mem, when set, is the memory the plan divides: on the CPU the budget's base; on CUDA
   // the card to plan for, so an H200 opened with 8 GiB behaves exactly as an 8 GiB card (one reservation of the
-  // plan's arena). activation_dtype: CUDA's (BF16 default, F16, F32); the CPU computes in F32.
+  // plan's arena). activation_dtype: CUDA's BF16 default, F16 or F32; the CPU's F32 default (the reference), or
+  // BF16 / F16 to run the GPU's rounding on the CPU.
   PlanOptions plan;
   // Where to compute (device.hpp): cpu, the float32 reference every reference-checked result assumes, stays the
   // default of the library; the CLI and the examples default to auto.
@@ -5397,13 +5417,21 @@ void dequantize_rows_unchecked(const QuantWeight& w, int64_t row0, int64_t rows,
 }
 
 void quant_linear_block(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& w, int64_t n0,
-                        int64_t rows, float* scratch, float* out, int64_t out_stride) {
+                        int64_t rows, float* scratch, void* out, int64_t out_stride, DType out_dtype,
+                        DType weight_rounding) {
   const int64_t k_size = w.in_features;
   dequantize_rows_unchecked(w, n0, rows, scratch);  // scratch [rows, K]
+  if (weight_rounding != DType::F32)
+    for (int64_t i = 0; i < rows * k_size; i++) scratch[i] = round_to_dtype(scratch[i], weight_rounding);
   constexpr int kTileTokens = 4, kTileRows = 4;
   auto store = [&](int64_t t, int64_t n, float value) {
     if (w.bias) value = value + scale_at(w.bias, w.bias_dtype, n);
-    out[t * out_stride + n] = value;
+    const int64_t index = t * out_stride + n;
+    switch (out_dtype) {
+      case DType::BF16: static_cast<uint16_t*>(out)[index] = float_to_bf16(value); break;
+      case DType::F16: static_cast<uint16_t*>(out)[index] = float_to_f16(value); break;
+      default: static_cast<float*>(out)[index] = value;
+    }
   };
   // Which tile shape computes an output changes nothing: every element sums in the same order.
   int64_t t = 0;
@@ -9081,7 +9109,7 @@ BufferSpec buffer(const char* name, std::vector<uint64_t> dims, uint64_t element
 }
 
 // Activations are bf16 on the GPU and fp32 on the CPU (the CPU path is the fp32 reference) unless the options
-// say otherwise (PlanOptions::activation_dtype).
+// say otherwise (PlanOptions::activation_dtype: the CPU also runs BF16 / F16, rounding where the GPU does).
 DType default_activation_dtype(BackendKind backend) { return backend == BackendKind::cuda ? DType::BF16 : DType::F32; }
 const char* activation_dtype_text(DType dtype) {
   return dtype == DType::BF16 ? "bf16" : dtype == DType::F16 ? "fp16" : "fp32";
@@ -9241,9 +9269,6 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
                (long long)o.speculative_tokens + 1, (long long)o.max_batched_tokens));
   if (o.activation_dtype) {
     const DType act = *o.activation_dtype;
-    if (device.backend == BackendKind::cpu && act != DType::F32)
-      bad(format("activation dtype %s: the CPU backend computes in F32 only (it is the float32 reference); leave it "
-                 "unset or choose F32", dtype_name(act)));
     if (act != DType::F32 && act != DType::BF16 && act != DType::F16)
       bad(format("activation dtype %s: activations are BF16, F16 or F32", dtype_name(act)));
   }
@@ -9413,7 +9438,7 @@ PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
 
 PlanItem vision_item(const Inputs& in, const PlanOptions& o) {
   const VisionConfig& v = in.config.vision;
-  auto buffers = vision_buffers(in.config, o.max_image_pixels, o.max_images, in.device.backend);
+  auto buffers = vision_buffers(in.config, o.max_image_pixels, o.max_images, *o.activation_dtype);
   uint64_t windows = merge_windows(v, o.max_image_pixels);
   uint64_t patches = windows * uint64_t(v.spatial_merge_size * v.spatial_merge_size);
   return {"vision", format("vision (%lld image%s)", (long long)o.max_images, o.max_images == 1 ? "" : "s"),
@@ -9759,13 +9784,19 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
   if (P > 0) buffers.push_back(buffer("block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
-  // Vision models: a step's DeepStack rows, staged from the host and added to the image tokens' hidden states.
+  // Vision models: a step's DeepStack rows, staged from the host and added to the image tokens' hidden states
+  // (in the activation dtype; fp32-sized whatever it is).
   if (config.vision.present) buffers.push_back(buffer("deepstack_rows", {T, H}, 4, "(T, H)", "fp32"));
   return buffers;
 }
 
 std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
                                        BackendKind backend) {
+  return vision_buffers(config, image_pixels, images, detail::planning::default_activation_dtype(backend));
+}
+
+std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
+                                       DType activation_dtype) {
   using detail::planning::buffer;
   const VisionConfig& v = config.vision;
   if (!v.present || image_pixels <= 0 || images <= 0) return {};
@@ -9774,12 +9805,14 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
   uint64_t patch_values = uint64_t(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size);
   uint64_t vh = uint64_t(v.hidden_size), vI = uint64_t(v.intermediate_size), out = uint64_t(v.out_hidden_size);
   uint64_t vD = v.num_heads > 0 ? vh / uint64_t(v.num_heads) : 0;  // vision head_dim
-  const DType act_dtype = detail::planning::default_activation_dtype(backend);
-  uint64_t E = dtype_bytes(act_dtype, 1);
-  const char* act = detail::planning::activation_dtype_text(act_dtype);
+  uint64_t E = dtype_bytes(activation_dtype, 1);
+  const char* act = detail::planning::activation_dtype_text(activation_dtype);
   uint64_t mergers = 1 + v.deepstack_visual_indexes.size();
   return {
       buffer("pixel_patches", {N, patch_values}, E, "(N, C x frames x patch x patch)", act),
+      // The residual stream and the mergers' outputs are in the activation dtype, planned fp32-sized whatever it
+      // is (16-bit activations use half), so the GPU plans, which hold them without running the tower, keep the
+      // numbers they print.
       buffer("vision_hidden", {N, vh}, 4, "(N, vh)", "fp32"),
       buffer("vision_normed", {N, vh}, E, "(N, vh)", act),
       buffer("vision_qkv", {N, 3 * vh}, E, "(N, 3 vh)", act),
@@ -9840,8 +9873,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
   // activation dtype kept (F32 activations on a GPU with a bf16 cache were 1e-2 off the CPU's logits, measured on
   // an H100), a wider one would spend bytes on bits the activations never had.
   if (o.kv_dtype == KVDType::auto_)
-    o.kv_dtype = device.backend == BackendKind::cpu  ? KVDType::f32
-                 : *o.activation_dtype == DType::F32 ? KVDType::f32
+    o.kv_dtype = *o.activation_dtype == DType::F32 ? KVDType::f32
                  : *o.activation_dtype == DType::F16 ? KVDType::f16
                                                      : KVDType::bf16;
 
@@ -11578,6 +11610,12 @@ Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions,
 }  // namespace kvlite
 // backend_cpu: the reference implementation of Backend, on host memory with a fixed pool of threads.
 //
+// Activations are F32 by default (the float32 reference), or BF16 / F16 (CpuBackendOptions::activation_dtype) to
+// run the GPU's numerics: every op computes in f32 exactly as in F32 mode and rounds (to nearest even) where the
+// CUDA kernels round: on every store of an activation (the residual included: add_rms_norm stores the sum and
+// normalises what it stored); a Linear's weight (dense or dequantized) is rounded to the activation dtype as
+// the GPU's upload converts it, and its bias too before it is added (cuBLAS's C = bias, beta = 1).
+//
 // Determinism: every output element is computed by exactly one thread, by the same code in the same order
 // whichever thread it is and however many there are (work is split into items at fixed boundaries and the
 // items' results never depend on each other), so results are identical for any thread count.
@@ -11731,34 +11769,56 @@ inline float reduce_lanes(const float* acc) {
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// a and b are float or stored activations (widened as read: exact, so the sum is the F32 one of those values).
+template <class X, class Y>
+inline float dot(const X* a, const Y* b, int64_t n) {
   float acc[kLanes] = {};
   const int64_t main = n - n % kLanes;
   for (int64_t k = 0; k < main; k += kLanes)
-    for (int l = 0; l < kLanes; l++) acc[l] += a[k + l] * b[k + l];
+    for (int l = 0; l < kLanes; l++) acc[l] += to_float(a[k + l]) * to_float(b[k + l]);
   float sum = reduce_lanes(acc);
-  for (int64_t k = main; k < n; k++) sum += a[k] * b[k];
+  for (int64_t k = main; k < n; k++) sum += to_float(a[k]) * to_float(b[k]);
   return sum;
 }
 
+// A weight element as a Linear multiplies it with activations of type A: as stored when A is float (the
+// reference) or already A; otherwise rounded to A, as the CUDA backend converts Linears to the activation dtype
+// when it uploads them (its GEMMs take one element type).
+template <class A, class W>
+inline float weight_as(W w) {
+  if constexpr (std::is_same<A, float>::value || std::is_same<A, W>::value) return to_float(w);
+  else return to_float(from_float<A>(to_float(w)));
+}
+
+// Element n of a float vector of any storage dtype (a bias; read once per output element).
+inline float float_at(const Tensor& t, int64_t n) {
+  switch (t.dtype) {
+    case DType::BF16: return bf16_to_float(static_cast<const uint16_t*>(t.data)[n]);
+    case DType::F16: return f16_to_float(static_cast<const uint16_t*>(t.data)[n]);
+    default: return static_cast<const float*>(t.data)[n];
+  }
+}
+
 // out[i][j] = x row i . w row j for a TOKENS x ROWS tile, each weight element converted once per tile.
-template <int TOKENS, int ROWS, class W>
-inline void linear_tile(const float* x, int64_t x_stride, const W* w, int64_t w_stride, int64_t k_size,
+//   A: activation type (x's); W: weight type (see weight_as).
+template <int TOKENS, int ROWS, class A, class W>
+inline void linear_tile(const A* x, int64_t x_stride, const W* w, int64_t w_stride, int64_t k_size,
                         float (&out)[TOKENS][ROWS]) {
   float acc[TOKENS][ROWS][kLanes] = {};
   const int64_t main = k_size - k_size % kLanes;
   for (int64_t k = 0; k < main; k += kLanes) {
     float wk[ROWS][kLanes];
     for (int j = 0; j < ROWS; j++)
-      for (int l = 0; l < kLanes; l++) wk[j][l] = to_float(w[j * w_stride + k + l]);
+      for (int l = 0; l < kLanes; l++) wk[j][l] = weight_as<A>(w[j * w_stride + k + l]);
     for (int i = 0; i < TOKENS; i++)
       for (int j = 0; j < ROWS; j++)
-        for (int l = 0; l < kLanes; l++) acc[i][j][l] += x[i * x_stride + k + l] * wk[j][l];
+        for (int l = 0; l < kLanes; l++) acc[i][j][l] += to_float(x[i * x_stride + k + l]) * wk[j][l];
   }
   for (int i = 0; i < TOKENS; i++)
     for (int j = 0; j < ROWS; j++) {
       float sum = reduce_lanes(acc[i][j]);
-      for (int64_t k = main; k < k_size; k++) sum += x[i * x_stride + k] * to_float(w[j * w_stride + k]);
+      for (int64_t k = main; k < k_size; k++)
+        sum += to_float(x[i * x_stride + k]) * weight_as<A>(w[j * w_stride + k]);
       out[i][j] = sum;
     }
 }
@@ -11767,7 +11827,8 @@ inline void linear_tile(const float* x, int64_t x_stride, const W* w, int64_t w_
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(const CpuBackendOptions& options)
-      : max_head_dim_(options.max_head_dim),
+      : act_(options.activation_dtype),
+        max_head_dim_(options.max_head_dim),
         // whole 64-byte lines per thread, so two threads never write the same cache line
         scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
         max_quant_in_features_(options.max_quant_in_features),
@@ -11775,18 +11836,21 @@ class CpuBackend final : public Backend {
         pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
     scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
     dequant_scratch_.assign(size_t(pool_.threads() * kQuantRowBlock * max_quant_in_features_), 0.0f);
+    // quant_linear multiplies f32 rows: 16-bit activations are widened into `widened_` (f32 activations are read
+    // in place), and W8A8's fake-quantized rows go to `requantized_`.
     if (fp8_activations_) requantized_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
+    if (act_ != DType::F32) widened_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
   }
 
   BackendKind kind() const override { return BackendKind::cpu; }
   std::string name() const override {
     return format("cpu (%d thread%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s");
   }
-  DType activation_dtype() const override { return DType::F32; }
+  DType activation_dtype() const override { return act_; }
   bool supports(Op op, DType dtype) const override {
     switch (op) {
       case Op::rope: case Op::silu_mul: case Op::add: case Op::gelu: case Op::segment_attention:
-        return dtype == DType::F32;
+        return dtype == act_;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
       case Op::embedding_bag: case Op::layer_norm:
         return is_cpu_float(dtype);
@@ -11816,25 +11880,27 @@ class CpuBackend final : public Backend {
       if (id[t] < 0 || id[t] >= table.rows)
         fail(ErrorCode::invalid_argument, format("gather_rows: ids[%lld] = %d is outside the table's %lld rows",
                                                  (long long)t, id[t], (long long)table.rows));
-    with_float_type(table.dtype, [&](auto tag) {
+    with_float_and_activation_types(table.dtype, [&](auto tag, auto act_tag) {
       using T = decltype(tag);
+      using A = decltype(act_tag);
       auto body = [&](int64_t t, int) {
         const T* src = row_of<const T>(table, id[t]);
-        float* dst = row_of<float>(out, t);
-        for (int64_t c = 0; c < out.cols; c++) dst[c] = to_float(src[c]);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = from_float<A>(to_float(src[c]));
       };
       pool_.run(out.rows, body);
     });
   }
 
   void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
+      using A = decltype(act_tag);
       const W* w = static_cast<const W*>(weight.data);
       const int64_t group = weight.elements();
       auto body = [&](int64_t t, int) {
-        const float* in = row_of<const float>(x, t);
-        float* dst = row_of<float>(out, t);
+        const A* in = row_of<const A>(x, t);
+        A* dst = row_of<A>(out, t);
         for (int64_t g = 0; g < x.cols; g += group) normalize(in + g, w, group, eps, dst + g);
       };
       pool_.run(x.rows, body);
@@ -11843,14 +11909,16 @@ class CpuBackend final : public Backend {
 
   void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
                          const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
+      using A = decltype(act_tag);
       const W* w = static_cast<const W*>(weight.data);
       auto body = [&](int64_t t, int) {
-        const float* in = row_of<const float>(x, t);
-        float* res = row_of<float>(residual, t);
-        for (int64_t c = 0; c < x.cols; c++) res[c] = res[c] + in[c];  // hidden = residual + hidden
-        normalize(res, w, x.cols, eps, row_of<float>(out, t));
+        const A* in = row_of<const A>(x, t);
+        A* res = row_of<A>(residual, t);
+        // hidden = residual + hidden, stored in the activation dtype; the norm reads what was stored
+        for (int64_t c = 0; c < x.cols; c++) res[c] = from_float<A>(to_float(res[c]) + to_float(in[c]));
+        normalize(res, w, x.cols, eps, row_of<A>(out, t));
       };
       pool_.run(x.rows, body);
     });
@@ -11858,25 +11926,29 @@ class CpuBackend final : public Backend {
 
   void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) override {
     const int64_t half = cos.cols, heads = x.cols / head_dim;
-    auto body = [&](int64_t t, int) {
-      const float* c = row_of<const float>(cos, t);
-      const float* s = row_of<const float>(sin, t);
-      for (int64_t h = 0; h < heads; h++) {
-        float* v = row_of<float>(x, t) + h * head_dim;
-        for (int64_t i = 0; i < half; i++) {
-          const float a = v[i], b = v[i + half];
-          // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1)
-          v[i] = a * c[i] - b * s[i];
-          v[i + half] = b * c[i] + a * s[i];
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const float* c = row_of<const float>(cos, t);
+        const float* s = row_of<const float>(sin, t);
+        for (int64_t h = 0; h < heads; h++) {
+          A* v = row_of<A>(x, t) + h * head_dim;
+          for (int64_t i = 0; i < half; i++) {
+            const float a = to_float(v[i]), b = to_float(v[i + half]);
+            // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1)
+            v[i] = from_float<A>(a * c[i] - b * s[i]);
+            v[i + half] = from_float<A>(b * c[i] + a * s[i]);
+          }
         }
-      }
-    };
-    pool_.run(x.rows, body);
+      };
+      pool_.run(x.rows, body);
+    });
   }
 
   void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
+      using A = decltype(act_tag);
       // Work items are blocks of kTokenBlock tokens x kRowBlock weight rows; inside one, tiles of kTileTokens
       // x kTileRows reuse each converted weight element kTileTokens times. Block edges are multiples of the
       // tile sizes, so which tile shape computes an output depends only on its position.
@@ -11887,20 +11959,11 @@ class CpuBackend final : public Backend {
         const int64_t t0 = (item / row_blocks) * kTokenBlock, n0 = (item % row_blocks) * kRowBlock;
         const int64_t t1 = std::min<int64_t>(t0 + kTokenBlock, T), n1 = std::min<int64_t>(n0 + kRowBlock, N);
         int64_t t = t0;
-        for (; t + kTileTokens <= t1; t += kTileTokens) linear_rows<kTileTokens, W>(x, weight, out, t, n0, n1, K);
-        for (; t < t1; t++) linear_rows<1, W>(x, weight, out, t, n0, n1, K);
+        for (; t + kTileTokens <= t1; t += kTileTokens)
+          linear_rows<kTileTokens, A, W>(x, weight, bias, out, t, n0, n1, K);
+        for (; t < t1; t++) linear_rows<1, A, W>(x, weight, bias, out, t, n0, n1, K);
       };
       pool_.run(token_blocks * row_blocks, body);
-    });
-    if (bias.data == nullptr) return;
-    with_float_type(bias.dtype, [&](auto tag) {
-      using B = decltype(tag);
-      const B* b = static_cast<const B*>(bias.data);
-      auto body = [&](int64_t t, int) {
-        float* dst = row_of<float>(out, t);
-        for (int64_t n = 0; n < out.cols; n++) dst[n] = dst[n] + to_float(b[n]);
-      };
-      pool_.run(out.rows, body);
     });
   }
 
@@ -11919,8 +11982,23 @@ class CpuBackend final : public Backend {
     const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(kQuantRowBlock)));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
       const int64_t tokens = std::min(kQuantTokenChunk, x.rows - t0);
-      const float* chunk = row_of<const float>(x, t0);
+      const float* chunk = nullptr;
       int64_t chunk_stride = x.row_stride;
+      if (act_ == DType::F32) {
+        chunk = row_of<const float>(x, t0);
+      } else {  // [tokens, K] widened (exactly) to f32
+        with_activation_type([&](auto act_tag) {
+          using A = decltype(act_tag);
+          auto body = [&](int64_t t, int) {
+            const A* src = row_of<const A>(x, t0 + t);
+            float* dst = widened_.data() + t * K;
+            for (int64_t k = 0; k < K; k++) dst[k] = to_float(src[k]);
+          };
+          pool_.run(tokens, body);
+        });
+        chunk = widened_.data();
+        chunk_stride = K;
+      }
       if (requantize) {  // [tokens, K]: each row through fp8 and back, as W8A8 sees it
         auto body = [&](int64_t t, int) {
           fake_quantize_fp8_row(chunk + t * chunk_stride, K, group, requantized_.data() + t * K);
@@ -11929,35 +12007,46 @@ class CpuBackend final : public Backend {
         chunk = requantized_.data();
         chunk_stride = K;
       }
-      float* out_chunk = row_of<float>(out, t0);
+      void* out_chunk = row_bytes_of(out, t0);
+      // The GPU's W4A16 / fp8 GEMMs multiply weights in the activation dtype; W8A8 multiplies fp8 by fp8.
+      const DType weight_rounding = requantize ? DType::F32 : act_;
       auto body = [&](int64_t b, int thread) {
         const int64_t n0 = b * kQuantRowBlock;
         quant_linear_block(chunk, chunk_stride, tokens, weight, n0, std::min(kQuantRowBlock, N - n0),
                            dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_, out_chunk,
-                           out.row_stride);
+                           out.row_stride, act_, weight_rounding);
       };
       pool_.run(row_blocks, body);
     }
   }
 
   void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) override {
-    auto body = [&](int64_t t, int) {
-      const float* g = row_of<const float>(gate, t);
-      const float* u = row_of<const float>(up, t);
-      float* dst = row_of<float>(out, t);
-      for (int64_t c = 0; c < out.cols; c++) dst[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];
-    };
-    pool_.run(out.rows, body);
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* g = row_of<const A>(gate, t);
+        const A* u = row_of<const A>(up, t);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) {
+          const float gv = to_float(g[c]);
+          dst[c] = from_float<A>(gv / (1.0f + std::exp(-gv)) * to_float(u[c]));
+        }
+      };
+      pool_.run(out.rows, body);
+    });
   }
 
   void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) override {
-    auto body = [&](int64_t t, int) {
-      const float* pa = row_of<const float>(a, t);
-      const float* pb = row_of<const float>(b, t);
-      float* dst = row_of<float>(out, t);
-      for (int64_t c = 0; c < out.cols; c++) dst[c] = pa[c] + pb[c];
-    };
-    pool_.run(out.rows, body);
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* pa = row_of<const A>(a, t);
+        const A* pb = row_of<const A>(b, t);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = from_float<A>(to_float(pa[c]) + to_float(pb[c]));
+      };
+      pool_.run(out.rows, body);
+    });
   }
 
   void impl_copy(const Tensor& src, const Tensor& dst) override {
@@ -11985,12 +12074,13 @@ class CpuBackend final : public Backend {
                format("embedding_bag: indices[%lld][%lld] = %d is outside the table's %lld rows", (long long)t,
                       (long long)j, index, (long long)table.rows));
       }
-    with_float_type(table.dtype, [&](auto tag) {
+    with_float_and_activation_types(table.dtype, [&](auto tag, auto act_tag) {
       using T = decltype(tag);
+      using A = decltype(act_tag);
       auto body = [&](int64_t t, int) {
         const int32_t* index = row_of<const int32_t>(indices, t);
         const float* weight = row_of<const float>(weights, t);
-        float* dst = row_of<float>(out, t);
+        A* dst = row_of<A>(out, t);
         for (int64_t c = 0; c < out.cols; c++) {
           // (embedding(indices) * weights[..., None]).sum(1): products rounded, then summed in order
           float sum = 0.0f;
@@ -11998,7 +12088,7 @@ class CpuBackend final : public Backend {
             const float product = to_float(row_of<const T>(table, index[j])[c]) * weight[j];
             sum += product;
           }
-          dst[c] = sum;
+          dst[c] = from_float<A>(sum);
         }
       };
       pool_.run(out.rows, body);
@@ -12007,48 +12097,54 @@ class CpuBackend final : public Backend {
 
   void impl_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
                        const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
+      using A = decltype(act_tag);
       const W* w = static_cast<const W*>(weight.data);
       const W* b = static_cast<const W*>(bias.data);
       const int64_t n = x.cols;
       auto body = [&](int64_t t, int) {
-        const float* in = row_of<const float>(x, t);
-        float* dst = row_of<float>(out, t);
+        const A* in = row_of<const A>(x, t);
+        A* dst = row_of<A>(out, t);
         // The moments in double (two passes), so mean and biased variance are the correctly rounded values.
         double sum = 0;
-        for (int64_t i = 0; i < n; i++) sum += double(in[i]);
+        for (int64_t i = 0; i < n; i++) sum += double(to_float(in[i]));
         const double mean = sum / double(n);
         double squares = 0;
-        for (int64_t i = 0; i < n; i++) squares += (double(in[i]) - mean) * (double(in[i]) - mean);
+        for (int64_t i = 0; i < n; i++)
+          squares += (double(to_float(in[i])) - mean) * (double(to_float(in[i])) - mean);
         const float mean_f = float(mean);
         const float inv_std = 1.0f / std::sqrt(float(squares / double(n)) + eps);
-        for (int64_t i = 0; i < n; i++) dst[i] = (in[i] - mean_f) * inv_std * to_float(w[i]) + to_float(b[i]);
+        for (int64_t i = 0; i < n; i++)
+          dst[i] = from_float<A>((to_float(in[i]) - mean_f) * inv_std * to_float(w[i]) + to_float(b[i]));
       };
       pool_.run(x.rows, body);
     });
   }
 
   void impl_gelu(const Tensor& x, GeluApprox approx, const Tensor& out) override {
-    auto body = [&](int64_t t, int) {
-      const float* in = row_of<const float>(x, t);
-      float* dst = row_of<float>(out, t);
-      if (approx == GeluApprox::tanh) {
-        // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-        const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-        for (int64_t c = 0; c < out.cols; c++) {
-          const float v = in[c];
-          dst[c] = 0.5f * v * (1.0f + std::tanh(beta * (v + kappa * v * v * v)));
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* in = row_of<const A>(x, t);
+        A* dst = row_of<A>(out, t);
+        if (approx == GeluApprox::tanh) {
+          // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+          const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+          for (int64_t c = 0; c < out.cols; c++) {
+            const float v = to_float(in[c]);
+            dst[c] = from_float<A>(0.5f * v * (1.0f + std::tanh(beta * (v + kappa * v * v * v))));
+          }
+        } else {
+          // ATen's GeluType::None: x * 0.5 (1 + erf(x / sqrt 2))
+          for (int64_t c = 0; c < out.cols; c++) {
+            const float v = to_float(in[c]);
+            dst[c] = from_float<A>(v * 0.5f * (1.0f + std::erf(v * float(M_SQRT1_2))));
+          }
         }
-      } else {
-        // ATen's GeluType::None: x * 0.5 (1 + erf(x / sqrt 2))
-        for (int64_t c = 0; c < out.cols; c++) {
-          const float v = in[c];
-          dst[c] = v * 0.5f * (1.0f + std::erf(v * float(M_SQRT1_2)));
-        }
-      }
-    };
-    pool_.run(out.rows, body);
+      };
+      pool_.run(out.rows, body);
+    });
   }
 
   void impl_segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
@@ -12071,33 +12167,36 @@ class CpuBackend final : public Backend {
                     "be longer than max_segment %lld", (long long)s, starts[s], starts[s + 1],
                     (long long)max_segment));
     const int64_t heads = q.cols / head_dim, group = heads / (k.cols / head_dim);
-    // Item = (query row, query head); the KV rows are fp32 activations, read in place.
-    auto body = [&](int64_t item, int worker) {
-      const int64_t t = item / heads, head = item % heads, kv_head = head / group;
-      const int64_t s = int64_t(std::upper_bound(starts, starts + segments + 1, int32_t(t)) - starts) - 1;
-      const float* query = row_of<const float>(q, t) + head * head_dim;
-      float* acc = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
-      std::fill(acc, acc + head_dim, 0.0f);
-      float running_max = -INFINITY, running_sum = 0.0f;
-      for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
-        const float* key = row_of<const float>(k, r) + kv_head * head_dim;
-        const float* value = row_of<const float>(v, r) + kv_head * head_dim;
-        const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
-        if (score > running_max) {  // online softmax: rescale only when the maximum grows
-          const float correction = std::exp(running_max - score);
-          running_sum *= correction;
-          for (int64_t d = 0; d < head_dim; d++) acc[d] *= correction;
-          running_max = score;
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      // Item = (query row, query head); the KV rows are activations, read in place.
+      auto body = [&](int64_t item, int worker) {
+        const int64_t t = item / heads, head = item % heads, kv_head = head / group;
+        const int64_t s = int64_t(std::upper_bound(starts, starts + segments + 1, int32_t(t)) - starts) - 1;
+        const A* query = row_of<const A>(q, t) + head * head_dim;
+        float* acc = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
+        std::fill(acc, acc + head_dim, 0.0f);
+        float running_max = -INFINITY, running_sum = 0.0f;
+        for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
+          const A* key = row_of<const A>(k, r) + kv_head * head_dim;
+          const A* value = row_of<const A>(v, r) + kv_head * head_dim;
+          const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+          if (score > running_max) {  // online softmax: rescale only when the maximum grows
+            const float correction = std::exp(running_max - score);
+            running_sum *= correction;
+            for (int64_t d = 0; d < head_dim; d++) acc[d] *= correction;
+            running_max = score;
+          }
+          const float p = std::exp(score - running_max);
+          running_sum += p;
+          for (int64_t d = 0; d < head_dim; d++) acc[d] += p * to_float(value[d]);
         }
-        const float p = std::exp(score - running_max);
-        running_sum += p;
-        for (int64_t d = 0; d < head_dim; d++) acc[d] += p * value[d];
-      }
-      float* dst = row_of<float>(out, t) + head * head_dim;
-      // a row's segment holds at least the row itself, so running_sum >= 1
-      for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[d] / running_sum;
-    };
-    pool_.run(q.rows * heads, body);
+        A* dst = row_of<A>(out, t) + head * head_dim;
+        // a row's segment holds at least the row itself, so running_sum >= 1
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = from_float<A>(acc[d] / running_sum);
+      };
+      pool_.run(q.rows * heads, body);
+    });
   }
 
   void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
@@ -12111,16 +12210,17 @@ class CpuBackend final : public Backend {
                     (long long)t, slot[t], (long long)(slot[t] / layout.page_tokens), (long long)cache.num_pages,
                     (long long)layout.page_tokens));
     const float scales[2] = {layer_scale(cache.k_scales, layer), layer_scale(cache.v_scales, layer)};
-    with_kv_type(cache.dtype, [&](auto tag) {
+    with_kv_and_activation_types(cache.dtype, [&](auto tag, auto act_tag) {
       using E = decltype(tag);
+      using A = decltype(act_tag);
       auto body = [&](int64_t t, int) {
         if (slot[t] < 0) return;
         const int64_t page = slot[t] / layout.page_tokens, offset = slot[t] % layout.page_tokens;
         for (int kv = 0; kv < 2; kv++) {
-          const float* src = row_of<const float>(kv == 0 ? k : v, t);
+          const A* src = row_of<const A>(kv == 0 ? k : v, t);
           // kv_heads consecutive heads of head_dim: one run of kv_heads * head_dim elements
           E* dst = static_cast<E*>(cache.pages) + layout.offset(page, layer, kv, offset, 0);
-          for (int64_t c = 0; c < k.cols; c++) dst[c] = kv_store<E>(src[c], scales[kv]);
+          for (int64_t c = 0; c < k.cols; c++) dst[c] = kv_store<E>(to_float(src[c]), scales[kv]);
         }
       };
       pool_.run(k.rows, body);
@@ -12142,8 +12242,9 @@ class CpuBackend final : public Backend {
     check_attention_batch(q, cache, batch);
 
     const float k_scale = layer_scale(cache.k_scales, layer), v_scale = layer_scale(cache.v_scales, layer);
-    with_kv_type(cache.dtype, [&](auto tag) {
+    with_kv_and_activation_types(cache.dtype, [&](auto tag, auto act_tag) {
       using E = decltype(tag);
+      using A = decltype(act_tag);
       const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
       // Item = (query token, KV head): the KV head's rows are converted once and used by its whole group.
       auto body = [&](int64_t item, int worker) {
@@ -12171,7 +12272,7 @@ class CpuBackend final : public Backend {
             for (int64_t d = 0; d < head_dim; d++) key[d] = kv_load(k_src[d], k_scale);
             for (int64_t d = 0; d < head_dim; d++) value[d] = kv_load(v_src[d], v_scale);
             for (int64_t h = 0; h < pass; h++) {
-              const float* query = row_of<const float>(q, t) + (first_head + h) * head_dim;
+              const A* query = row_of<const A>(q, t) + (first_head + h) * head_dim;
               float* a = acc + h * max_head_dim_;
               const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
               // Online softmax: rescale what is summed only when the maximum grows.
@@ -12187,10 +12288,10 @@ class CpuBackend final : public Backend {
             }
           }
           for (int64_t h = 0; h < pass; h++) {
-            float* dst = row_of<float>(out, t) + (first_head + h) * head_dim;
+            A* dst = row_of<A>(out, t) + (first_head + h) * head_dim;
             const float* a = acc + h * max_head_dim_;
             // a query sees at least its own token, so running_sum >= 1
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = a[d] / running_sum[h];
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = from_float<A>(a[d] / running_sum[h]);
           }
         }
       };
@@ -12207,32 +12308,51 @@ class CpuBackend final : public Backend {
 
   // LlamaRMSNorm in float32: variance = mean(x^2); x * rsqrt(variance + eps); weight * that.
   // The sum of squares is taken in double, so the variance is the correctly rounded mean.
-  template <class W>
-  static void normalize(const float* x, const W* weight, int64_t n, float eps, float* out) {
+  // x and out are activations of type A (out may be x).
+  template <class A, class W>
+  static void normalize(const A* x, const W* weight, int64_t n, float eps, A* out) {
     double sum = 0;
-    for (int64_t i = 0; i < n; i++) sum += double(x[i]) * double(x[i]);
+    for (int64_t i = 0; i < n; i++) sum += double(to_float(x[i])) * double(to_float(x[i]));
     const float variance = float(sum / double(n));
     const float inv_rms = 1.0f / std::sqrt(variance + eps);
-    for (int64_t i = 0; i < n; i++) out[i] = to_float(weight[i]) * (x[i] * inv_rms);
+    for (int64_t i = 0; i < n; i++) out[i] = from_float<A>(to_float(weight[i]) * (to_float(x[i]) * inv_rms));
   }
 
-  // Output rows [n0, n1) for tokens [t, t + TOKENS).
-  template <int TOKENS, class W>
-  static void linear_rows(const Tensor& x, const Tensor& weight, const Tensor& out, int64_t t, int64_t n0,
-                          int64_t n1, int64_t k_size) {
-    const float* xs = row_of<const float>(x, t);
+  // Output rows [n0, n1) for tokens [t, t + TOKENS): the dot product, plus the bias (rounded to A first, as the
+  // GPU's GEMM adds a C filled with the bias in A), rounded once to A when stored.
+  template <int TOKENS, class A, class W>
+  static void linear_rows(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, int64_t t,
+                          int64_t n0, int64_t n1, int64_t k_size) {
+    const A* xs = row_of<const A>(x, t);
+    auto store = [&](int64_t token, int64_t n, float value) {
+      if (bias.data != nullptr) value = value + to_float(from_float<A>(float_at(bias, n)));
+      row_of<A>(out, token)[n] = from_float<A>(value);
+    };
     int64_t n = n0;
     for (; n + kTileRows <= n1; n += kTileRows) {
       float tile[TOKENS][kTileRows];
       linear_tile<TOKENS, kTileRows>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
       for (int i = 0; i < TOKENS; i++)
-        for (int j = 0; j < kTileRows; j++) row_of<float>(out, t + i)[n + j] = tile[i][j];
+        for (int j = 0; j < kTileRows; j++) store(t + i, n + j, tile[i][j]);
     }
     for (; n < n1; n++) {
       float tile[TOKENS][1];
       linear_tile<TOKENS, 1>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
-      for (int i = 0; i < TOKENS; i++) row_of<float>(out, t + i)[n] = tile[i][0];
+      for (int i = 0; i < TOKENS; i++) store(t + i, n, tile[i][0]);
     }
+  }
+
+  // Calls f(A{}) with A the storage type of the activations; the others f(T{}, A{}) with T that of `dtype` too
+  // (a float operand: weight or table; or a KV cache element).
+  template <class F>
+  void with_activation_type(F&& f) const { with_float_type(act_, std::forward<F>(f)); }
+  template <class F>
+  void with_float_and_activation_types(DType dtype, F&& f) const {
+    with_float_type(dtype, [&](auto tag) { with_activation_type([&](auto act_tag) { f(tag, act_tag); }); });
+  }
+  template <class F>
+  void with_kv_and_activation_types(DType dtype, F&& f) const {
+    with_kv_type(dtype, [&](auto tag) { with_activation_type([&](auto act_tag) { f(tag, act_tag); }); });
   }
 
   // What only the CPU can check cheaply: the values of the index vectors.
@@ -12264,6 +12384,7 @@ class CpuBackend final : public Backend {
     }
   }
 
+  DType act_;  // activation dtype: F32, BF16 or F16
   int64_t max_head_dim_;
   int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
   std::vector<float> scratch_;  // [threads, scratch_per_thread_]
@@ -12271,6 +12392,7 @@ class CpuBackend final : public Backend {
   bool fp8_activations_;
   std::vector<float> dequant_scratch_;  // [threads, kQuantRowBlock, max_quant_in_features_] dequantized rows
   std::vector<float> requantized_;      // [kQuantTokenChunk, max_quant_in_features_] (fp8_activations only)
+  std::vector<float> widened_;          // [kQuantTokenChunk, max_quant_in_features_] (16-bit activations only)
   ThreadPool pool_;
 };
 
@@ -12283,6 +12405,10 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& optio
                    detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread), "
                                   "max_head_dim %lld and max_quant_in_features %lld positive", options.threads,
                                   (long long)options.max_head_dim, (long long)options.max_quant_in_features));
+    if (!detail::is_cpu_float(options.activation_dtype))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cpu_backend: activation dtype %s; the CPU stores activations as F32 (the "
+                                  "reference), BF16 or F16", dtype_name(options.activation_dtype)));
     return std::make_unique<detail::CpuBackend>(options);
   });
 }
@@ -12569,7 +12695,8 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   logit_rows_ = view("logit_rows", DType::I32, max_tokens_, 1);
   if (config_.vision.present) {
     deepstack_levels_ = int64_t(config_.vision.deepstack_visual_indexes.size());
-    deepstack_rows_ = view("deepstack_rows", DType::F32, max_tokens_, H);
+    deepstack_rows_ = view("deepstack_rows", act, max_tokens_, H);
+    if (act != DType::F32) image_rows_16bit_.resize(size_t(max_tokens_ * H));
   }
   const int64_t logits_buffer_rows = int64_t(buffers.bytes("logits") / uint64_t(V * 4));
   logits_ = view("logits", act, logits_buffer_rows, V);
@@ -12687,14 +12814,12 @@ void TextModel::compute(const StepInput& step) {
   // inputs_embeds = self.embed_tokens(input_ids)
   check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
   // qwen3_vl: inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
-  // (image features are float32 host rows, copied as they are: F32 activations only)
-  if (step.image_runs > 0 && hidden.dtype != DType::F32)
-    detail::fail(ErrorCode::unsupported,
-                 detail::format("image tokens need F32 activations; the %s backend computes in %s",
-                                backend_.name().c_str(), dtype_name(hidden.dtype)));
+  // (image features are float host rows: the vision tower's activations widened, so rounding them back to
+  // 16-bit activations gives the bits the tower stored)
   for (int64_t r = 0; r < step.image_runs; r++) {
     const ImageRun& run = step.image_run_list[r];
-    check(backend_.copy_from_host(run.rows, hidden.slice_rows(run.token, run.count)));
+    check(backend_.copy_from_host(host_activation_rows(run.rows, run.count, hidden.cols),
+                                  hidden.slice_rows(run.token, run.count)));
   }
   // Whether `hidden` already holds the previous layer's output (normally its MLP output waits in `normed` and
   // the residual add is fused into the next norm).
@@ -12746,7 +12871,8 @@ void TextModel::compute(const StepInput& step) {
         const ImageRun& run = step.image_run_list[r];
         Tensor staged = deepstack_rows_.slice_rows(0, run.count);  // [count, H]
         Tensor rows = hidden.slice_rows(run.token, run.count);
-        check(backend_.copy_from_host(run.rows + (l + 1) * run.level_stride, staged));
+        check(backend_.copy_from_host(
+            host_activation_rows(run.rows + (l + 1) * run.level_stride, run.count, c.hidden_size), staged));
         check(backend_.add(rows, staged, rows));
       }
     }
@@ -12757,6 +12883,15 @@ void TextModel::compute(const StepInput& step) {
   } else {
     check(backend_.add_rms_norm(normed, hidden, weights_.norm, eps, normed));
   }
+}
+
+const void* TextModel::host_activation_rows(const float* rows, int64_t count, int64_t cols) {
+  const DType act = backend_.activation_dtype();
+  if (act == DType::F32) return rows;
+  const int64_t n = count * cols;  // <= Tmax * H: a step's image rows are some of its tokens
+  for (int64_t i = 0; i < n; i++)
+    image_rows_16bit_[size_t(i)] = act == DType::BF16 ? float_to_bf16(rows[i]) : float_to_f16(rows[i]);
+  return image_rows_16bit_.data();
 }
 
 Tensor TextModel::logits(int64_t first, int64_t count) {
@@ -13017,15 +13152,15 @@ VisionModel::VisionModel(const ModelConfig& config, VisionWeights weights, Backe
   const int64_t patch_values = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
   const DType act = backend_.activation_dtype();
   detail::model::BufferCarver buffers(arena);
-  buffers.carve("vision", vision_buffers(config_, plan.options.max_image_pixels, max_images_, backend_.kind()));
+  buffers.carve("vision", vision_buffers(config_, plan.options.max_image_pixels, max_images_, act));
   pixel_patches_ = buffers.view("pixel_patches", act, N, patch_values);
-  hidden_ = buffers.view("vision_hidden", DType::F32, N, vh);
+  hidden_ = buffers.view("vision_hidden", act, N, vh);
   normed_ = buffers.view("vision_normed", act, N, vh);
   qkv_ = buffers.view("vision_qkv", act, N, 3 * vh);
   attn_out_ = buffers.view("vision_attn_out", act, N, vh);
   mlp_ = buffers.view("vision_mlp", act, N, vI);
   merger_in_ = buffers.view("merger_in", act, tokens, merge * vh);
-  merged_ = buffers.view("merged", DType::F32, levels_ * tokens, v.out_hidden_size);
+  merged_ = buffers.view("merged", act, levels_ * tokens, v.out_hidden_size);
   pos_indices_ = buffers.view("vision_pos_indices", DType::I32, N, 4);
   pos_weights_ = buffers.view("vision_pos_weights", DType::F32, N, 4);
   rope_cos_ = buffers.view("vision_rope_cos", DType::F32, N, head_dim_ / 2);
@@ -13127,7 +13262,7 @@ void VisionModel::encode(const std::vector<const VisionInput*>& images) {
 
   // ---- the tower ----
   const int64_t vh = v.hidden_size;
-  Tensor hidden = hidden_.slice_rows(0, N);      // [N, vh] fp32, the residual stream
+  Tensor hidden = hidden_.slice_rows(0, N);      // [N, vh] the residual stream
   Tensor normed = normed_.slice_rows(0, N);      // [N, vh]
   Tensor qkv = qkv_.slice_rows(0, N);            // [N, 3 vh]
   Tensor q = qkv.slice_cols(0, vh);              // [N, vh]: reshape(N, 3, heads, head_dim) -> q | k | v
@@ -13354,7 +13489,7 @@ struct Engine::Impl {
   // A GPU engine's host side of the logits (sized at open): a chunk as the GPU stores it and widened to float,
   // the host sampler's scratch (rows with a repetition penalty), and the device sampler's rows.
   std::vector<uint8_t> logits_raw;                     // [max_logit_rows, V] activation dtype
-  std::vector<float> logits_host;                      // [max_logit_rows, V]
+  std::vector<float> logits_host;                      // [max_logit_rows, V] (also a CPU engine's, for 16-bit logits)
   std::vector<float> host_probs;                       // [V]
   std::vector<int32_t> host_order;                     // [V]
   std::vector<cuda::DeviceSamplingParams> device_params;  // per device-sampled row of a chunk
@@ -13442,12 +13577,22 @@ struct Engine::Impl {
     int64_t token = 0;
     std::vector<const VisionInput*> group;  // the next images, as many as one encode() holds
     int64_t patches = 0;
+    std::vector<uint16_t> narrow;  // one level's rows as 16-bit activations store them (BF16 / F16 only)
     auto encode_group = [&] {
       vision->encode(group);  // an image too large for the buffers alone: encode() says why
       for (int64_t level = 0; level < out.levels; level++) {
-        Status copied = backend->copy_to_host(vision->output(level),
-                                              out.values.data() + (level * out.tokens + token) * out.hidden);
-        if (!copied) throw copied.error();
+        const Tensor rows = vision->output(level);
+        float* dst = out.values.data() + (level * out.tokens + token) * out.hidden;
+        if (rows.dtype == DType::F32) {
+          Status copied = backend->copy_to_host(rows, dst);
+          if (!copied) throw copied.error();
+        } else {  // widened to float (exact), so the text model's rounding back gives the same bits
+          narrow.resize(size_t(rows.elements()));
+          Status copied = backend->copy_to_host(rows, narrow.data());
+          if (!copied) throw copied.error();
+          for (size_t i = 0; i < narrow.size(); i++)
+            dst[i] = rows.dtype == DType::BF16 ? bf16_to_float(narrow[i]) : f16_to_float(narrow[i]);
+        }
       }
       for (const VisionInput* image : group) token += image->grid.image_tokens;
       group.clear();
@@ -14161,9 +14306,15 @@ struct Engine::Impl {
       Tensor logits = model->logits(first, count);
       if (on_gpu()) {
         consume_device_rows(logits, first, count);
-      } else {
+      } else if (logits.dtype == DType::F32) {
         for (int64_t i = 0; i < count; i++)
           consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
+      } else {  // BF16 / F16 activations on the CPU: widened on the host, as the GPU's host rows are
+        const uint16_t* narrow = static_cast<const uint16_t*>(logits.data);
+        const size_t n = size_t(count * vocab);
+        for (size_t j = 0; j < n; j++)
+          logits_host[j] = logits.dtype == DType::BF16 ? bf16_to_float(narrow[j]) : f16_to_float(narrow[j]);
+        for (int64_t i = 0; i < count; i++) consume_row(row_owners[size_t(first + i)], logits_host.data() + i * vocab);
       }
     }
     settle_drafts();
@@ -14716,6 +14867,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       backend_options.threads = options.threads;
       backend_options.max_head_dim = e.config.text.head_dim;
       backend_options.fp8_activations = options.fp8_activations;
+      backend_options.activation_dtype = *e.plan.options.activation_dtype;
       backend_options.max_quant_in_features = 1;
       for (const LinearDesc& linear : weights->linears)
         if (linear.format != WeightFormat::dense)
@@ -14818,6 +14970,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.prefix_cache = e.plan.prefix_caching.value_or(!gpu);  // plan_engine resolved it
     e.info.prefix_caching = e.prefix_cache;
     e.attach_pages.assign(size_t(e.arena->kv().max_pages_per_seq()), -1);
+    if (!gpu && e.backend->activation_dtype() != DType::F32)  // 16-bit logits on the CPU, widened for the sampler
+      e.logits_host.assign(size_t(e.model->max_logit_rows() * e.config.text.vocab_size), 0.0f);
     if (gpu) {
       // Host side of the logits: a chunk as the GPU stores it, widened to float, and the host sampler's scratch.
       const size_t vocab = size_t(e.config.text.vocab_size), rows = size_t(e.model->max_logit_rows());

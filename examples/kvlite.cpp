@@ -338,7 +338,7 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--max-seqs", "N", "sequences decoded together; default 8"},
       {"--max-batched-tokens", "N", "tokens in one forward step; default min(2048, max_model_len)"},
       {"--kv-dtype", "T", "auto | f32 | bf16 | f16 | fp8 (e4m3, half of bf16's bytes); default auto (the activation "
-                          "dtype: f32 on the CPU, the model's 16-bit dtype on a GPU)"},
+                          "dtype)"},
       {"--kv-page-tokens", "N", "tokens per KV page, 1..1024; default 16"},
       {"--kv-fill", "", "fill the whole budget with KV pages (vLLM's way); default: only the pages max-seqs "
                         "sequences of max-model-len can use, leaving the rest free"},
@@ -347,7 +347,8 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--max-images", "N", "vision models: images one request may carry (encoded in one step); default 1"},
       {"--wsl2", "", "plan as under WSL2 (larger driver reservation); default: detected"},
       {"--no-wsl2", "", "plan as on native Linux"},
-      {"--activation-dtype", "T", "CUDA: bf16 | f16 | f32; default the model's 16-bit dtype (the CPU computes in f32)"},
+      {"--activation-dtype", "T", "bf16 | f16 | f32; default: CUDA the model's 16-bit dtype, the CPU f32 (its bf16 / "
+                                  "f16 round where the GPU does)"},
       {"--no-cuda-graphs", "", "CUDA: run decode steps op by op instead of replaying CUDA graphs"},
       {"--prefix-cache", "on|off", "reuse the KV pages of earlier requests' identical prefixes; default on for the CPU, "
                                    "off on CUDA (kvlite bench: off)"},

@@ -9,7 +9,8 @@
 //     (q, k and v are column slices of one fused qkv buffer), so every op honours row_stride.
 //   - A "vector of n" (norm weight, bias, token ids, slots...) is a contiguous tensor of n elements in
 //     either orientation ([1, n] or [n, 1]).
-//   - Activations have the backend's activation_dtype() (F32 on the CPU); index vectors are I32.
+//   - Activations have the backend's activation_dtype() (F32 on the CPU unless CpuBackendOptions says BF16 or
+//     F16); index vectors are I32.
 //   - Ops never allocate: every output is a caller-owned buffer (the arena's activation region). Scratch is
 //     sized when the backend is made.
 //   - Ops validate shapes and dtypes here, once for every backend, and return invalid_argument (or
@@ -105,7 +106,7 @@ class Backend {
   // ---- identity and capabilities ---------------------------------------------------------------------
   virtual BackendKind kind() const = 0;
   virtual std::string name() const = 0;  // for logs: "cpu (8 threads)"
-  // The dtype of every activation tensor the ops read and write (F32 on the CPU).
+  // The dtype of every activation tensor the ops read and write (CUDA: BF16 by default; the CPU: F32 by default).
   virtual DType activation_dtype() const = 0;
   // Can `op` run with `dtype` as its stored operand? That operand is: the table (gather_rows,
   // embedding_bag), the weight (rms_norm, add_rms_norm, linear, layer_norm), the K/V element (kv_write,
@@ -248,6 +249,9 @@ struct CpuBackendOptions {
   // W8A8 as the GPU runs fp8 weights: quant_linear quantizes each activation row to fp8 and back first
   // (quantize_fp8_activations, per block_k columns for block weights, else per row). For tests.
   bool fp8_activations = false;
+  // How activations are stored: F32 (the float32 reference), or BF16 / F16 to run the GPU's numerics on the CPU:
+  // every op still computes in f32 and rounds (to nearest even) on each store, where the CUDA kernels round.
+  DType activation_dtype = DType::F32;
 };
 // Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
 // element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.

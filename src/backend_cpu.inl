@@ -1,5 +1,11 @@
 // backend_cpu: the reference implementation of Backend, on host memory with a fixed pool of threads.
 //
+// Activations are F32 by default (the float32 reference), or BF16 / F16 (CpuBackendOptions::activation_dtype) to
+// run the GPU's numerics: every op computes in f32 exactly as in F32 mode and rounds (to nearest even) where the
+// CUDA kernels round: on every store of an activation (the residual included: add_rms_norm stores the sum and
+// normalises what it stored); a Linear's weight (dense or dequantized) is rounded to the activation dtype as
+// the GPU's upload converts it, and its bias too before it is added (cuBLAS's C = bias, beta = 1).
+//
 // Determinism: every output element is computed by exactly one thread, by the same code in the same order
 // whichever thread it is and however many there are (work is split into items at fixed boundaries and the
 // items' results never depend on each other), so results are identical for any thread count.
@@ -153,34 +159,56 @@ inline float reduce_lanes(const float* acc) {
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// a and b are float or stored activations (widened as read: exact, so the sum is the F32 one of those values).
+template <class X, class Y>
+inline float dot(const X* a, const Y* b, int64_t n) {
   float acc[kLanes] = {};
   const int64_t main = n - n % kLanes;
   for (int64_t k = 0; k < main; k += kLanes)
-    for (int l = 0; l < kLanes; l++) acc[l] += a[k + l] * b[k + l];
+    for (int l = 0; l < kLanes; l++) acc[l] += to_float(a[k + l]) * to_float(b[k + l]);
   float sum = reduce_lanes(acc);
-  for (int64_t k = main; k < n; k++) sum += a[k] * b[k];
+  for (int64_t k = main; k < n; k++) sum += to_float(a[k]) * to_float(b[k]);
   return sum;
 }
 
+// A weight element as a Linear multiplies it with activations of type A: as stored when A is float (the
+// reference) or already A; otherwise rounded to A, as the CUDA backend converts Linears to the activation dtype
+// when it uploads them (its GEMMs take one element type).
+template <class A, class W>
+inline float weight_as(W w) {
+  if constexpr (std::is_same<A, float>::value || std::is_same<A, W>::value) return to_float(w);
+  else return to_float(from_float<A>(to_float(w)));
+}
+
+// Element n of a float vector of any storage dtype (a bias; read once per output element).
+inline float float_at(const Tensor& t, int64_t n) {
+  switch (t.dtype) {
+    case DType::BF16: return bf16_to_float(static_cast<const uint16_t*>(t.data)[n]);
+    case DType::F16: return f16_to_float(static_cast<const uint16_t*>(t.data)[n]);
+    default: return static_cast<const float*>(t.data)[n];
+  }
+}
+
 // out[i][j] = x row i . w row j for a TOKENS x ROWS tile, each weight element converted once per tile.
-template <int TOKENS, int ROWS, class W>
-inline void linear_tile(const float* x, int64_t x_stride, const W* w, int64_t w_stride, int64_t k_size,
+//   A: activation type (x's); W: weight type (see weight_as).
+template <int TOKENS, int ROWS, class A, class W>
+inline void linear_tile(const A* x, int64_t x_stride, const W* w, int64_t w_stride, int64_t k_size,
                         float (&out)[TOKENS][ROWS]) {
   float acc[TOKENS][ROWS][kLanes] = {};
   const int64_t main = k_size - k_size % kLanes;
   for (int64_t k = 0; k < main; k += kLanes) {
     float wk[ROWS][kLanes];
     for (int j = 0; j < ROWS; j++)
-      for (int l = 0; l < kLanes; l++) wk[j][l] = to_float(w[j * w_stride + k + l]);
+      for (int l = 0; l < kLanes; l++) wk[j][l] = weight_as<A>(w[j * w_stride + k + l]);
     for (int i = 0; i < TOKENS; i++)
       for (int j = 0; j < ROWS; j++)
-        for (int l = 0; l < kLanes; l++) acc[i][j][l] += x[i * x_stride + k + l] * wk[j][l];
+        for (int l = 0; l < kLanes; l++) acc[i][j][l] += to_float(x[i * x_stride + k + l]) * wk[j][l];
   }
   for (int i = 0; i < TOKENS; i++)
     for (int j = 0; j < ROWS; j++) {
       float sum = reduce_lanes(acc[i][j]);
-      for (int64_t k = main; k < k_size; k++) sum += x[i * x_stride + k] * to_float(w[j * w_stride + k]);
+      for (int64_t k = main; k < k_size; k++)
+        sum += to_float(x[i * x_stride + k]) * weight_as<A>(w[j * w_stride + k]);
       out[i][j] = sum;
     }
 }
@@ -189,7 +217,8 @@ inline void linear_tile(const float* x, int64_t x_stride, const W* w, int64_t w_
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(const CpuBackendOptions& options)
-      : max_head_dim_(options.max_head_dim),
+      : act_(options.activation_dtype),
+        max_head_dim_(options.max_head_dim),
         // whole 64-byte lines per thread, so two threads never write the same cache line
         scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
         max_quant_in_features_(options.max_quant_in_features),
@@ -197,18 +226,21 @@ class CpuBackend final : public Backend {
         pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
     scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
     dequant_scratch_.assign(size_t(pool_.threads() * kQuantRowBlock * max_quant_in_features_), 0.0f);
+    // quant_linear multiplies f32 rows: 16-bit activations are widened into `widened_` (f32 activations are read
+    // in place), and W8A8's fake-quantized rows go to `requantized_`.
     if (fp8_activations_) requantized_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
+    if (act_ != DType::F32) widened_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
   }
 
   BackendKind kind() const override { return BackendKind::cpu; }
   std::string name() const override {
     return format("cpu (%d thread%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s");
   }
-  DType activation_dtype() const override { return DType::F32; }
+  DType activation_dtype() const override { return act_; }
   bool supports(Op op, DType dtype) const override {
     switch (op) {
       case Op::rope: case Op::silu_mul: case Op::add: case Op::gelu: case Op::segment_attention:
-        return dtype == DType::F32;
+        return dtype == act_;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
       case Op::embedding_bag: case Op::layer_norm:
         return is_cpu_float(dtype);
@@ -238,25 +270,27 @@ class CpuBackend final : public Backend {
       if (id[t] < 0 || id[t] >= table.rows)
         fail(ErrorCode::invalid_argument, format("gather_rows: ids[%lld] = %d is outside the table's %lld rows",
                                                  (long long)t, id[t], (long long)table.rows));
-    with_float_type(table.dtype, [&](auto tag) {
+    with_float_and_activation_types(table.dtype, [&](auto tag, auto act_tag) {
       using T = decltype(tag);
+      using A = decltype(act_tag);
       auto body = [&](int64_t t, int) {
         const T* src = row_of<const T>(table, id[t]);
-        float* dst = row_of<float>(out, t);
-        for (int64_t c = 0; c < out.cols; c++) dst[c] = to_float(src[c]);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = from_float<A>(to_float(src[c]));
       };
       pool_.run(out.rows, body);
     });
   }
 
   void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
+      using A = decltype(act_tag);
       const W* w = static_cast<const W*>(weight.data);
       const int64_t group = weight.elements();
       auto body = [&](int64_t t, int) {
-        const float* in = row_of<const float>(x, t);
-        float* dst = row_of<float>(out, t);
+        const A* in = row_of<const A>(x, t);
+        A* dst = row_of<A>(out, t);
         for (int64_t g = 0; g < x.cols; g += group) normalize(in + g, w, group, eps, dst + g);
       };
       pool_.run(x.rows, body);
@@ -265,14 +299,16 @@ class CpuBackend final : public Backend {
 
   void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
                          const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
+      using A = decltype(act_tag);
       const W* w = static_cast<const W*>(weight.data);
       auto body = [&](int64_t t, int) {
-        const float* in = row_of<const float>(x, t);
-        float* res = row_of<float>(residual, t);
-        for (int64_t c = 0; c < x.cols; c++) res[c] = res[c] + in[c];  // hidden = residual + hidden
-        normalize(res, w, x.cols, eps, row_of<float>(out, t));
+        const A* in = row_of<const A>(x, t);
+        A* res = row_of<A>(residual, t);
+        // hidden = residual + hidden, stored in the activation dtype; the norm reads what was stored
+        for (int64_t c = 0; c < x.cols; c++) res[c] = from_float<A>(to_float(res[c]) + to_float(in[c]));
+        normalize(res, w, x.cols, eps, row_of<A>(out, t));
       };
       pool_.run(x.rows, body);
     });
@@ -280,25 +316,29 @@ class CpuBackend final : public Backend {
 
   void impl_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) override {
     const int64_t half = cos.cols, heads = x.cols / head_dim;
-    auto body = [&](int64_t t, int) {
-      const float* c = row_of<const float>(cos, t);
-      const float* s = row_of<const float>(sin, t);
-      for (int64_t h = 0; h < heads; h++) {
-        float* v = row_of<float>(x, t) + h * head_dim;
-        for (int64_t i = 0; i < half; i++) {
-          const float a = v[i], b = v[i + half];
-          // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1)
-          v[i] = a * c[i] - b * s[i];
-          v[i + half] = b * c[i] + a * s[i];
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const float* c = row_of<const float>(cos, t);
+        const float* s = row_of<const float>(sin, t);
+        for (int64_t h = 0; h < heads; h++) {
+          A* v = row_of<A>(x, t) + h * head_dim;
+          for (int64_t i = 0; i < half; i++) {
+            const float a = to_float(v[i]), b = to_float(v[i + half]);
+            // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1)
+            v[i] = from_float<A>(a * c[i] - b * s[i]);
+            v[i + half] = from_float<A>(b * c[i] + a * s[i]);
+          }
         }
-      }
-    };
-    pool_.run(x.rows, body);
+      };
+      pool_.run(x.rows, body);
+    });
   }
 
   void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
+      using A = decltype(act_tag);
       // Work items are blocks of kTokenBlock tokens x kRowBlock weight rows; inside one, tiles of kTileTokens
       // x kTileRows reuse each converted weight element kTileTokens times. Block edges are multiples of the
       // tile sizes, so which tile shape computes an output depends only on its position.
@@ -309,20 +349,11 @@ class CpuBackend final : public Backend {
         const int64_t t0 = (item / row_blocks) * kTokenBlock, n0 = (item % row_blocks) * kRowBlock;
         const int64_t t1 = std::min<int64_t>(t0 + kTokenBlock, T), n1 = std::min<int64_t>(n0 + kRowBlock, N);
         int64_t t = t0;
-        for (; t + kTileTokens <= t1; t += kTileTokens) linear_rows<kTileTokens, W>(x, weight, out, t, n0, n1, K);
-        for (; t < t1; t++) linear_rows<1, W>(x, weight, out, t, n0, n1, K);
+        for (; t + kTileTokens <= t1; t += kTileTokens)
+          linear_rows<kTileTokens, A, W>(x, weight, bias, out, t, n0, n1, K);
+        for (; t < t1; t++) linear_rows<1, A, W>(x, weight, bias, out, t, n0, n1, K);
       };
       pool_.run(token_blocks * row_blocks, body);
-    });
-    if (bias.data == nullptr) return;
-    with_float_type(bias.dtype, [&](auto tag) {
-      using B = decltype(tag);
-      const B* b = static_cast<const B*>(bias.data);
-      auto body = [&](int64_t t, int) {
-        float* dst = row_of<float>(out, t);
-        for (int64_t n = 0; n < out.cols; n++) dst[n] = dst[n] + to_float(b[n]);
-      };
-      pool_.run(out.rows, body);
     });
   }
 
@@ -341,8 +372,23 @@ class CpuBackend final : public Backend {
     const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(kQuantRowBlock)));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
       const int64_t tokens = std::min(kQuantTokenChunk, x.rows - t0);
-      const float* chunk = row_of<const float>(x, t0);
+      const float* chunk = nullptr;
       int64_t chunk_stride = x.row_stride;
+      if (act_ == DType::F32) {
+        chunk = row_of<const float>(x, t0);
+      } else {  // [tokens, K] widened (exactly) to f32
+        with_activation_type([&](auto act_tag) {
+          using A = decltype(act_tag);
+          auto body = [&](int64_t t, int) {
+            const A* src = row_of<const A>(x, t0 + t);
+            float* dst = widened_.data() + t * K;
+            for (int64_t k = 0; k < K; k++) dst[k] = to_float(src[k]);
+          };
+          pool_.run(tokens, body);
+        });
+        chunk = widened_.data();
+        chunk_stride = K;
+      }
       if (requantize) {  // [tokens, K]: each row through fp8 and back, as W8A8 sees it
         auto body = [&](int64_t t, int) {
           fake_quantize_fp8_row(chunk + t * chunk_stride, K, group, requantized_.data() + t * K);
@@ -351,35 +397,46 @@ class CpuBackend final : public Backend {
         chunk = requantized_.data();
         chunk_stride = K;
       }
-      float* out_chunk = row_of<float>(out, t0);
+      void* out_chunk = row_bytes_of(out, t0);
+      // The GPU's W4A16 / fp8 GEMMs multiply weights in the activation dtype; W8A8 multiplies fp8 by fp8.
+      const DType weight_rounding = requantize ? DType::F32 : act_;
       auto body = [&](int64_t b, int thread) {
         const int64_t n0 = b * kQuantRowBlock;
         quant_linear_block(chunk, chunk_stride, tokens, weight, n0, std::min(kQuantRowBlock, N - n0),
                            dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_, out_chunk,
-                           out.row_stride);
+                           out.row_stride, act_, weight_rounding);
       };
       pool_.run(row_blocks, body);
     }
   }
 
   void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) override {
-    auto body = [&](int64_t t, int) {
-      const float* g = row_of<const float>(gate, t);
-      const float* u = row_of<const float>(up, t);
-      float* dst = row_of<float>(out, t);
-      for (int64_t c = 0; c < out.cols; c++) dst[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];
-    };
-    pool_.run(out.rows, body);
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* g = row_of<const A>(gate, t);
+        const A* u = row_of<const A>(up, t);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) {
+          const float gv = to_float(g[c]);
+          dst[c] = from_float<A>(gv / (1.0f + std::exp(-gv)) * to_float(u[c]));
+        }
+      };
+      pool_.run(out.rows, body);
+    });
   }
 
   void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) override {
-    auto body = [&](int64_t t, int) {
-      const float* pa = row_of<const float>(a, t);
-      const float* pb = row_of<const float>(b, t);
-      float* dst = row_of<float>(out, t);
-      for (int64_t c = 0; c < out.cols; c++) dst[c] = pa[c] + pb[c];
-    };
-    pool_.run(out.rows, body);
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* pa = row_of<const A>(a, t);
+        const A* pb = row_of<const A>(b, t);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = from_float<A>(to_float(pa[c]) + to_float(pb[c]));
+      };
+      pool_.run(out.rows, body);
+    });
   }
 
   void impl_copy(const Tensor& src, const Tensor& dst) override {
@@ -407,12 +464,13 @@ class CpuBackend final : public Backend {
                format("embedding_bag: indices[%lld][%lld] = %d is outside the table's %lld rows", (long long)t,
                       (long long)j, index, (long long)table.rows));
       }
-    with_float_type(table.dtype, [&](auto tag) {
+    with_float_and_activation_types(table.dtype, [&](auto tag, auto act_tag) {
       using T = decltype(tag);
+      using A = decltype(act_tag);
       auto body = [&](int64_t t, int) {
         const int32_t* index = row_of<const int32_t>(indices, t);
         const float* weight = row_of<const float>(weights, t);
-        float* dst = row_of<float>(out, t);
+        A* dst = row_of<A>(out, t);
         for (int64_t c = 0; c < out.cols; c++) {
           // (embedding(indices) * weights[..., None]).sum(1): products rounded, then summed in order
           float sum = 0.0f;
@@ -420,7 +478,7 @@ class CpuBackend final : public Backend {
             const float product = to_float(row_of<const T>(table, index[j])[c]) * weight[j];
             sum += product;
           }
-          dst[c] = sum;
+          dst[c] = from_float<A>(sum);
         }
       };
       pool_.run(out.rows, body);
@@ -429,48 +487,54 @@ class CpuBackend final : public Backend {
 
   void impl_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
                        const Tensor& out) override {
-    with_float_type(weight.dtype, [&](auto tag) {
+    with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
+      using A = decltype(act_tag);
       const W* w = static_cast<const W*>(weight.data);
       const W* b = static_cast<const W*>(bias.data);
       const int64_t n = x.cols;
       auto body = [&](int64_t t, int) {
-        const float* in = row_of<const float>(x, t);
-        float* dst = row_of<float>(out, t);
+        const A* in = row_of<const A>(x, t);
+        A* dst = row_of<A>(out, t);
         // The moments in double (two passes), so mean and biased variance are the correctly rounded values.
         double sum = 0;
-        for (int64_t i = 0; i < n; i++) sum += double(in[i]);
+        for (int64_t i = 0; i < n; i++) sum += double(to_float(in[i]));
         const double mean = sum / double(n);
         double squares = 0;
-        for (int64_t i = 0; i < n; i++) squares += (double(in[i]) - mean) * (double(in[i]) - mean);
+        for (int64_t i = 0; i < n; i++)
+          squares += (double(to_float(in[i])) - mean) * (double(to_float(in[i])) - mean);
         const float mean_f = float(mean);
         const float inv_std = 1.0f / std::sqrt(float(squares / double(n)) + eps);
-        for (int64_t i = 0; i < n; i++) dst[i] = (in[i] - mean_f) * inv_std * to_float(w[i]) + to_float(b[i]);
+        for (int64_t i = 0; i < n; i++)
+          dst[i] = from_float<A>((to_float(in[i]) - mean_f) * inv_std * to_float(w[i]) + to_float(b[i]));
       };
       pool_.run(x.rows, body);
     });
   }
 
   void impl_gelu(const Tensor& x, GeluApprox approx, const Tensor& out) override {
-    auto body = [&](int64_t t, int) {
-      const float* in = row_of<const float>(x, t);
-      float* dst = row_of<float>(out, t);
-      if (approx == GeluApprox::tanh) {
-        // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-        const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-        for (int64_t c = 0; c < out.cols; c++) {
-          const float v = in[c];
-          dst[c] = 0.5f * v * (1.0f + std::tanh(beta * (v + kappa * v * v * v)));
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* in = row_of<const A>(x, t);
+        A* dst = row_of<A>(out, t);
+        if (approx == GeluApprox::tanh) {
+          // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+          const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+          for (int64_t c = 0; c < out.cols; c++) {
+            const float v = to_float(in[c]);
+            dst[c] = from_float<A>(0.5f * v * (1.0f + std::tanh(beta * (v + kappa * v * v * v))));
+          }
+        } else {
+          // ATen's GeluType::None: x * 0.5 (1 + erf(x / sqrt 2))
+          for (int64_t c = 0; c < out.cols; c++) {
+            const float v = to_float(in[c]);
+            dst[c] = from_float<A>(v * 0.5f * (1.0f + std::erf(v * float(M_SQRT1_2))));
+          }
         }
-      } else {
-        // ATen's GeluType::None: x * 0.5 (1 + erf(x / sqrt 2))
-        for (int64_t c = 0; c < out.cols; c++) {
-          const float v = in[c];
-          dst[c] = v * 0.5f * (1.0f + std::erf(v * float(M_SQRT1_2)));
-        }
-      }
-    };
-    pool_.run(out.rows, body);
+      };
+      pool_.run(out.rows, body);
+    });
   }
 
   void impl_segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_starts,
@@ -493,33 +557,36 @@ class CpuBackend final : public Backend {
                     "be longer than max_segment %lld", (long long)s, starts[s], starts[s + 1],
                     (long long)max_segment));
     const int64_t heads = q.cols / head_dim, group = heads / (k.cols / head_dim);
-    // Item = (query row, query head); the KV rows are fp32 activations, read in place.
-    auto body = [&](int64_t item, int worker) {
-      const int64_t t = item / heads, head = item % heads, kv_head = head / group;
-      const int64_t s = int64_t(std::upper_bound(starts, starts + segments + 1, int32_t(t)) - starts) - 1;
-      const float* query = row_of<const float>(q, t) + head * head_dim;
-      float* acc = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
-      std::fill(acc, acc + head_dim, 0.0f);
-      float running_max = -INFINITY, running_sum = 0.0f;
-      for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
-        const float* key = row_of<const float>(k, r) + kv_head * head_dim;
-        const float* value = row_of<const float>(v, r) + kv_head * head_dim;
-        const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
-        if (score > running_max) {  // online softmax: rescale only when the maximum grows
-          const float correction = std::exp(running_max - score);
-          running_sum *= correction;
-          for (int64_t d = 0; d < head_dim; d++) acc[d] *= correction;
-          running_max = score;
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      // Item = (query row, query head); the KV rows are activations, read in place.
+      auto body = [&](int64_t item, int worker) {
+        const int64_t t = item / heads, head = item % heads, kv_head = head / group;
+        const int64_t s = int64_t(std::upper_bound(starts, starts + segments + 1, int32_t(t)) - starts) - 1;
+        const A* query = row_of<const A>(q, t) + head * head_dim;
+        float* acc = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
+        std::fill(acc, acc + head_dim, 0.0f);
+        float running_max = -INFINITY, running_sum = 0.0f;
+        for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
+          const A* key = row_of<const A>(k, r) + kv_head * head_dim;
+          const A* value = row_of<const A>(v, r) + kv_head * head_dim;
+          const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+          if (score > running_max) {  // online softmax: rescale only when the maximum grows
+            const float correction = std::exp(running_max - score);
+            running_sum *= correction;
+            for (int64_t d = 0; d < head_dim; d++) acc[d] *= correction;
+            running_max = score;
+          }
+          const float p = std::exp(score - running_max);
+          running_sum += p;
+          for (int64_t d = 0; d < head_dim; d++) acc[d] += p * to_float(value[d]);
         }
-        const float p = std::exp(score - running_max);
-        running_sum += p;
-        for (int64_t d = 0; d < head_dim; d++) acc[d] += p * value[d];
-      }
-      float* dst = row_of<float>(out, t) + head * head_dim;
-      // a row's segment holds at least the row itself, so running_sum >= 1
-      for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[d] / running_sum;
-    };
-    pool_.run(q.rows * heads, body);
+        A* dst = row_of<A>(out, t) + head * head_dim;
+        // a row's segment holds at least the row itself, so running_sum >= 1
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = from_float<A>(acc[d] / running_sum);
+      };
+      pool_.run(q.rows * heads, body);
+    });
   }
 
   void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
@@ -533,16 +600,17 @@ class CpuBackend final : public Backend {
                     (long long)t, slot[t], (long long)(slot[t] / layout.page_tokens), (long long)cache.num_pages,
                     (long long)layout.page_tokens));
     const float scales[2] = {layer_scale(cache.k_scales, layer), layer_scale(cache.v_scales, layer)};
-    with_kv_type(cache.dtype, [&](auto tag) {
+    with_kv_and_activation_types(cache.dtype, [&](auto tag, auto act_tag) {
       using E = decltype(tag);
+      using A = decltype(act_tag);
       auto body = [&](int64_t t, int) {
         if (slot[t] < 0) return;
         const int64_t page = slot[t] / layout.page_tokens, offset = slot[t] % layout.page_tokens;
         for (int kv = 0; kv < 2; kv++) {
-          const float* src = row_of<const float>(kv == 0 ? k : v, t);
+          const A* src = row_of<const A>(kv == 0 ? k : v, t);
           // kv_heads consecutive heads of head_dim: one run of kv_heads * head_dim elements
           E* dst = static_cast<E*>(cache.pages) + layout.offset(page, layer, kv, offset, 0);
-          for (int64_t c = 0; c < k.cols; c++) dst[c] = kv_store<E>(src[c], scales[kv]);
+          for (int64_t c = 0; c < k.cols; c++) dst[c] = kv_store<E>(to_float(src[c]), scales[kv]);
         }
       };
       pool_.run(k.rows, body);
@@ -564,8 +632,9 @@ class CpuBackend final : public Backend {
     check_attention_batch(q, cache, batch);
 
     const float k_scale = layer_scale(cache.k_scales, layer), v_scale = layer_scale(cache.v_scales, layer);
-    with_kv_type(cache.dtype, [&](auto tag) {
+    with_kv_and_activation_types(cache.dtype, [&](auto tag, auto act_tag) {
       using E = decltype(tag);
+      using A = decltype(act_tag);
       const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
       // Item = (query token, KV head): the KV head's rows are converted once and used by its whole group.
       auto body = [&](int64_t item, int worker) {
@@ -593,7 +662,7 @@ class CpuBackend final : public Backend {
             for (int64_t d = 0; d < head_dim; d++) key[d] = kv_load(k_src[d], k_scale);
             for (int64_t d = 0; d < head_dim; d++) value[d] = kv_load(v_src[d], v_scale);
             for (int64_t h = 0; h < pass; h++) {
-              const float* query = row_of<const float>(q, t) + (first_head + h) * head_dim;
+              const A* query = row_of<const A>(q, t) + (first_head + h) * head_dim;
               float* a = acc + h * max_head_dim_;
               const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
               // Online softmax: rescale what is summed only when the maximum grows.
@@ -609,10 +678,10 @@ class CpuBackend final : public Backend {
             }
           }
           for (int64_t h = 0; h < pass; h++) {
-            float* dst = row_of<float>(out, t) + (first_head + h) * head_dim;
+            A* dst = row_of<A>(out, t) + (first_head + h) * head_dim;
             const float* a = acc + h * max_head_dim_;
             // a query sees at least its own token, so running_sum >= 1
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = a[d] / running_sum[h];
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = from_float<A>(a[d] / running_sum[h]);
           }
         }
       };
@@ -629,32 +698,51 @@ class CpuBackend final : public Backend {
 
   // LlamaRMSNorm in float32: variance = mean(x^2); x * rsqrt(variance + eps); weight * that.
   // The sum of squares is taken in double, so the variance is the correctly rounded mean.
-  template <class W>
-  static void normalize(const float* x, const W* weight, int64_t n, float eps, float* out) {
+  // x and out are activations of type A (out may be x).
+  template <class A, class W>
+  static void normalize(const A* x, const W* weight, int64_t n, float eps, A* out) {
     double sum = 0;
-    for (int64_t i = 0; i < n; i++) sum += double(x[i]) * double(x[i]);
+    for (int64_t i = 0; i < n; i++) sum += double(to_float(x[i])) * double(to_float(x[i]));
     const float variance = float(sum / double(n));
     const float inv_rms = 1.0f / std::sqrt(variance + eps);
-    for (int64_t i = 0; i < n; i++) out[i] = to_float(weight[i]) * (x[i] * inv_rms);
+    for (int64_t i = 0; i < n; i++) out[i] = from_float<A>(to_float(weight[i]) * (to_float(x[i]) * inv_rms));
   }
 
-  // Output rows [n0, n1) for tokens [t, t + TOKENS).
-  template <int TOKENS, class W>
-  static void linear_rows(const Tensor& x, const Tensor& weight, const Tensor& out, int64_t t, int64_t n0,
-                          int64_t n1, int64_t k_size) {
-    const float* xs = row_of<const float>(x, t);
+  // Output rows [n0, n1) for tokens [t, t + TOKENS): the dot product, plus the bias (rounded to A first, as the
+  // GPU's GEMM adds a C filled with the bias in A), rounded once to A when stored.
+  template <int TOKENS, class A, class W>
+  static void linear_rows(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, int64_t t,
+                          int64_t n0, int64_t n1, int64_t k_size) {
+    const A* xs = row_of<const A>(x, t);
+    auto store = [&](int64_t token, int64_t n, float value) {
+      if (bias.data != nullptr) value = value + to_float(from_float<A>(float_at(bias, n)));
+      row_of<A>(out, token)[n] = from_float<A>(value);
+    };
     int64_t n = n0;
     for (; n + kTileRows <= n1; n += kTileRows) {
       float tile[TOKENS][kTileRows];
       linear_tile<TOKENS, kTileRows>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
       for (int i = 0; i < TOKENS; i++)
-        for (int j = 0; j < kTileRows; j++) row_of<float>(out, t + i)[n + j] = tile[i][j];
+        for (int j = 0; j < kTileRows; j++) store(t + i, n + j, tile[i][j]);
     }
     for (; n < n1; n++) {
       float tile[TOKENS][1];
       linear_tile<TOKENS, 1>(xs, x.row_stride, row_of<const W>(weight, n), weight.row_stride, k_size, tile);
-      for (int i = 0; i < TOKENS; i++) row_of<float>(out, t + i)[n] = tile[i][0];
+      for (int i = 0; i < TOKENS; i++) store(t + i, n, tile[i][0]);
     }
+  }
+
+  // Calls f(A{}) with A the storage type of the activations; the others f(T{}, A{}) with T that of `dtype` too
+  // (a float operand: weight or table; or a KV cache element).
+  template <class F>
+  void with_activation_type(F&& f) const { with_float_type(act_, std::forward<F>(f)); }
+  template <class F>
+  void with_float_and_activation_types(DType dtype, F&& f) const {
+    with_float_type(dtype, [&](auto tag) { with_activation_type([&](auto act_tag) { f(tag, act_tag); }); });
+  }
+  template <class F>
+  void with_kv_and_activation_types(DType dtype, F&& f) const {
+    with_kv_type(dtype, [&](auto tag) { with_activation_type([&](auto act_tag) { f(tag, act_tag); }); });
   }
 
   // What only the CPU can check cheaply: the values of the index vectors.
@@ -686,6 +774,7 @@ class CpuBackend final : public Backend {
     }
   }
 
+  DType act_;  // activation dtype: F32, BF16 or F16
   int64_t max_head_dim_;
   int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
   std::vector<float> scratch_;  // [threads, scratch_per_thread_]
@@ -693,6 +782,7 @@ class CpuBackend final : public Backend {
   bool fp8_activations_;
   std::vector<float> dequant_scratch_;  // [threads, kQuantRowBlock, max_quant_in_features_] dequantized rows
   std::vector<float> requantized_;      // [kQuantTokenChunk, max_quant_in_features_] (fp8_activations only)
+  std::vector<float> widened_;          // [kQuantTokenChunk, max_quant_in_features_] (16-bit activations only)
   ThreadPool pool_;
 };
 
@@ -705,6 +795,10 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& optio
                    detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread), "
                                   "max_head_dim %lld and max_quant_in_features %lld positive", options.threads,
                                   (long long)options.max_head_dim, (long long)options.max_quant_in_features));
+    if (!detail::is_cpu_float(options.activation_dtype))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cpu_backend: activation dtype %s; the CPU stores activations as F32 (the "
+                                  "reference), BF16 or F16", dtype_name(options.activation_dtype)));
     return std::make_unique<detail::CpuBackend>(options);
   });
 }

@@ -33,7 +33,8 @@ namespace kvlite {
 struct EngineOptions {
   // The memory plan. device_mem, when set, is the memory the plan divides: on the CPU the budget's base; on CUDA
   // the card to plan for, so an H200 opened with 8 GiB behaves exactly as an 8 GiB card (one reservation of the
-  // plan's arena). activation_dtype: CUDA's (BF16 default, F16, F32); the CPU computes in F32.
+  // plan's arena). activation_dtype: CUDA's BF16 default, F16 or F32; the CPU's F32 default (the reference), or
+  // BF16 / F16 to run the GPU's rounding on the CPU.
   PlanOptions plan;
   // Where to compute (device.hpp): cpu, the float32 reference every reference-checked result assumes, stays the
   // default of the library; the CLI and the examples default to auto.

@@ -154,7 +154,7 @@ struct Engine::Impl {
   // A GPU engine's host side of the logits (sized at open): a chunk as the GPU stores it and widened to float,
   // the host sampler's scratch (rows with a repetition penalty), and the device sampler's rows.
   std::vector<uint8_t> logits_raw;                     // [max_logit_rows, V] activation dtype
-  std::vector<float> logits_host;                      // [max_logit_rows, V]
+  std::vector<float> logits_host;                      // [max_logit_rows, V] (also a CPU engine's, for 16-bit logits)
   std::vector<float> host_probs;                       // [V]
   std::vector<int32_t> host_order;                     // [V]
   std::vector<cuda::DeviceSamplingParams> device_params;  // per device-sampled row of a chunk
@@ -242,12 +242,22 @@ struct Engine::Impl {
     int64_t token = 0;
     std::vector<const VisionInput*> group;  // the next images, as many as one encode() holds
     int64_t patches = 0;
+    std::vector<uint16_t> narrow;  // one level's rows as 16-bit activations store them (BF16 / F16 only)
     auto encode_group = [&] {
       vision->encode(group);  // an image too large for the buffers alone: encode() says why
       for (int64_t level = 0; level < out.levels; level++) {
-        Status copied = backend->copy_to_host(vision->output(level),
-                                              out.values.data() + (level * out.tokens + token) * out.hidden);
-        if (!copied) throw copied.error();
+        const Tensor rows = vision->output(level);
+        float* dst = out.values.data() + (level * out.tokens + token) * out.hidden;
+        if (rows.dtype == DType::F32) {
+          Status copied = backend->copy_to_host(rows, dst);
+          if (!copied) throw copied.error();
+        } else {  // widened to float (exact), so the text model's rounding back gives the same bits
+          narrow.resize(size_t(rows.elements()));
+          Status copied = backend->copy_to_host(rows, narrow.data());
+          if (!copied) throw copied.error();
+          for (size_t i = 0; i < narrow.size(); i++)
+            dst[i] = rows.dtype == DType::BF16 ? bf16_to_float(narrow[i]) : f16_to_float(narrow[i]);
+        }
       }
       for (const VisionInput* image : group) token += image->grid.image_tokens;
       group.clear();
@@ -961,9 +971,15 @@ struct Engine::Impl {
       Tensor logits = model->logits(first, count);
       if (on_gpu()) {
         consume_device_rows(logits, first, count);
-      } else {
+      } else if (logits.dtype == DType::F32) {
         for (int64_t i = 0; i < count; i++)
           consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
+      } else {  // BF16 / F16 activations on the CPU: widened on the host, as the GPU's host rows are
+        const uint16_t* narrow = static_cast<const uint16_t*>(logits.data);
+        const size_t n = size_t(count * vocab);
+        for (size_t j = 0; j < n; j++)
+          logits_host[j] = logits.dtype == DType::BF16 ? bf16_to_float(narrow[j]) : f16_to_float(narrow[j]);
+        for (int64_t i = 0; i < count; i++) consume_row(row_owners[size_t(first + i)], logits_host.data() + i * vocab);
       }
     }
     settle_drafts();
@@ -1516,6 +1532,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       backend_options.threads = options.threads;
       backend_options.max_head_dim = e.config.text.head_dim;
       backend_options.fp8_activations = options.fp8_activations;
+      backend_options.activation_dtype = *e.plan.options.activation_dtype;
       backend_options.max_quant_in_features = 1;
       for (const LinearDesc& linear : weights->linears)
         if (linear.format != WeightFormat::dense)
@@ -1618,6 +1635,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.prefix_cache = e.plan.prefix_caching.value_or(!gpu);  // plan_engine resolved it
     e.info.prefix_caching = e.prefix_cache;
     e.attach_pages.assign(size_t(e.arena->kv().max_pages_per_seq()), -1);
+    if (!gpu && e.backend->activation_dtype() != DType::F32)  // 16-bit logits on the CPU, widened for the sampler
+      e.logits_host.assign(size_t(e.model->max_logit_rows() * e.config.text.vocab_size), 0.0f);
     if (gpu) {
       // Host side of the logits: a chunk as the GPU stores it, widened to float, and the host sampler's scratch.
       const size_t vocab = size_t(e.config.text.vocab_size), rows = size_t(e.model->max_logit_rows());

@@ -110,8 +110,8 @@ class TextModel {
   // step of the same shape (tokens, seqs; max_context at most the captured one).
   void compute(const StepInput& step);
   // Logits of the rows step.logit_row_ids[first, first + count), count <= max_logit_rows(), into the logits
-  // buffer: [count, V] in the activation dtype (F32 on the CPU, where the view is host memory the caller reads
-  // directly; a GPU's stays on the device).
+  // buffer: [count, V] in the activation dtype (on the CPU host memory the caller reads directly, widening
+  // 16-bit values; a GPU's stays on the device).
   Tensor logits(int64_t first, int64_t count);
   int64_t max_logit_rows() const { return max_logit_rows_; }
 
@@ -129,6 +129,9 @@ class TextModel {
 
  private:
   KVCacheView kv_cache() const;
+  // count x cols float host rows as the activations store them: the rows themselves (F32), or rounded to
+  // 16 bits in image_rows_16bit_ (valid until the next call).
+  const void* host_activation_rows(const float* rows, int64_t count, int64_t cols);
 
   ModelConfig config_;
   TextModelWeights weights_;
@@ -144,6 +147,8 @@ class TextModel {
   float attention_scale_ = 1.0f;  // head_dim ** -0.5
   std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
   std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
+  // [Tmax, H] image rows rounded to 16-bit activations on the host (vision models with BF16 / F16 activations)
+  std::vector<uint16_t> image_rows_16bit_;
   int64_t deepstack_levels_ = 0;            // qwen3_vl: DeepStack features added after layers 0 .. levels - 1
 
   // Views of the arena's buffers (planner names in quotes), full size; forward() slices the first T rows.
@@ -162,7 +167,7 @@ class TextModel {
   Tensor context_lens_;   // "context_lens" [Smax] int32 (+ 1 likewise)
   Tensor block_tables_;   // "block_tables" [Smax + 1, max_pages_per_seq] int32 (GPU); empty on the CPU
   Tensor logit_rows_;     // "logit_rows"   [Tmax] int32
-  Tensor deepstack_rows_;  // "deepstack_rows" [Tmax, H] fp32 (vision models): a step's DeepStack rows
+  Tensor deepstack_rows_;  // "deepstack_rows" [Tmax, H] act, fp32-sized (vision models): a step's DeepStack rows
   Tensor logits_;         // "logits"       [max(Smax, 32), V] act (rows sized for fp32)
   Tensor sampling_probs_;  // "sampling_probs" [Smax, V] fp32
   Tensor sampling_order_;  // "sampling_order" [Smax, V] int32

@@ -279,7 +279,8 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   logit_rows_ = view("logit_rows", DType::I32, max_tokens_, 1);
   if (config_.vision.present) {
     deepstack_levels_ = int64_t(config_.vision.deepstack_visual_indexes.size());
-    deepstack_rows_ = view("deepstack_rows", DType::F32, max_tokens_, H);
+    deepstack_rows_ = view("deepstack_rows", act, max_tokens_, H);
+    if (act != DType::F32) image_rows_16bit_.resize(size_t(max_tokens_ * H));
   }
   const int64_t logits_buffer_rows = int64_t(buffers.bytes("logits") / uint64_t(V * 4));
   logits_ = view("logits", act, logits_buffer_rows, V);
@@ -397,14 +398,12 @@ void TextModel::compute(const StepInput& step) {
   // inputs_embeds = self.embed_tokens(input_ids)
   check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
   // qwen3_vl: inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
-  // (image features are float32 host rows, copied as they are: F32 activations only)
-  if (step.image_runs > 0 && hidden.dtype != DType::F32)
-    detail::fail(ErrorCode::unsupported,
-                 detail::format("image tokens need F32 activations; the %s backend computes in %s",
-                                backend_.name().c_str(), dtype_name(hidden.dtype)));
+  // (image features are float host rows: the vision tower's activations widened, so rounding them back to
+  // 16-bit activations gives the bits the tower stored)
   for (int64_t r = 0; r < step.image_runs; r++) {
     const ImageRun& run = step.image_run_list[r];
-    check(backend_.copy_from_host(run.rows, hidden.slice_rows(run.token, run.count)));
+    check(backend_.copy_from_host(host_activation_rows(run.rows, run.count, hidden.cols),
+                                  hidden.slice_rows(run.token, run.count)));
   }
   // Whether `hidden` already holds the previous layer's output (normally its MLP output waits in `normed` and
   // the residual add is fused into the next norm).
@@ -456,7 +455,8 @@ void TextModel::compute(const StepInput& step) {
         const ImageRun& run = step.image_run_list[r];
         Tensor staged = deepstack_rows_.slice_rows(0, run.count);  // [count, H]
         Tensor rows = hidden.slice_rows(run.token, run.count);
-        check(backend_.copy_from_host(run.rows + (l + 1) * run.level_stride, staged));
+        check(backend_.copy_from_host(
+            host_activation_rows(run.rows + (l + 1) * run.level_stride, run.count, c.hidden_size), staged));
         check(backend_.add(rows, staged, rows));
       }
     }
@@ -467,6 +467,15 @@ void TextModel::compute(const StepInput& step) {
   } else {
     check(backend_.add_rms_norm(normed, hidden, weights_.norm, eps, normed));
   }
+}
+
+const void* TextModel::host_activation_rows(const float* rows, int64_t count, int64_t cols) {
+  const DType act = backend_.activation_dtype();
+  if (act == DType::F32) return rows;
+  const int64_t n = count * cols;  // <= Tmax * H: a step's image rows are some of its tokens
+  for (int64_t i = 0; i < n; i++)
+    image_rows_16bit_[size_t(i)] = act == DType::BF16 ? float_to_bf16(rows[i]) : float_to_f16(rows[i]);
+  return image_rows_16bit_.data();
 }
 
 Tensor TextModel::logits(int64_t first, int64_t count) {

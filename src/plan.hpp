@@ -6,8 +6,8 @@
 
 namespace kvlite {
 
-// auto: the activation dtype (f32 on the CPU, whose reference matches transformers' float32; on a GPU the model's
-// 16-bit dtype unless F32 activations were asked for); fp8: e4m3.
+// auto: the activation dtype (by default f32 on the CPU, whose reference matches transformers' float32, and on a
+// GPU the model's 16-bit dtype; whatever PlanOptions::activation_dtype asks for otherwise); fp8: e4m3.
 enum class KVDType { auto_, bf16, f16, fp8, f32 };
 const char* kv_dtype_name(KVDType dtype);
 Result<KVDType> parse_kv_dtype(const std::string& text);  // "auto" | "bf16" | "f16" | "fp8" | "f32"
@@ -46,9 +46,10 @@ struct PlanOptions {
   //    its distributions for K tokens per sequence, and its KV beside every KV page (the same contexts).
   int64_t speculative_tokens = 0;
   int64_t ngram = 0;
-  // The dtype every activation is computed in. The CPU computes in F32 (its reference matches transformers'
-  // float32) and accepts nothing else; CUDA: BF16, F16 or F32. Unset: F32 on the CPU; on CUDA the model's dtype
-  // (F16 for F16 checkpoints, else BF16), as KV auto. Resolved in Plan::options.
+  // The dtype every activation is stored in: F32, BF16 or F16 on either backend (ops compute in f32 and round
+  // on each store). Unset: F32 on the CPU (its reference matches transformers' float32; BF16 / F16 there run the
+  // GPU's rounding, for tests); on CUDA the model's dtype (F16 for F16 checkpoints, else BF16), as KV auto.
+  // Resolved in Plan::options.
   std::optional<DType> activation_dtype;
 };
 
@@ -220,7 +221,10 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
 // Pages of the block-table buffer a CUDA plan reserves per sequence: enough for the model's longest sequence
 // (max_position_embeddings), so the plan's fixed items do not depend on max_model_len.
 int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens);
-// Vision encoder, `images` images of at most `image_pixels` pixels each (empty for text-only models).
+// Vision encoder, `images` images of at most `image_pixels` pixels each (empty for text-only models), for an
+// activation dtype or a backend's default one.
+std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
+                                       DType activation_dtype);
 std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
                                        BackendKind backend);
 // Logits and sampling for up to `max_seqs` sequences (scoring reuses the same rows, 32 at a time). The logits

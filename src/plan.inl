@@ -127,7 +127,7 @@ BufferSpec buffer(const char* name, std::vector<uint64_t> dims, uint64_t element
 }
 
 // Activations are bf16 on the GPU and fp32 on the CPU (the CPU path is the fp32 reference) unless the options
-// say otherwise (PlanOptions::activation_dtype).
+// say otherwise (PlanOptions::activation_dtype: the CPU also runs BF16 / F16, rounding where the GPU does).
 DType default_activation_dtype(BackendKind backend) { return backend == BackendKind::cuda ? DType::BF16 : DType::F32; }
 const char* activation_dtype_text(DType dtype) {
   return dtype == DType::BF16 ? "bf16" : dtype == DType::F16 ? "fp16" : "fp32";
@@ -287,9 +287,6 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
                (long long)o.speculative_tokens + 1, (long long)o.max_batched_tokens));
   if (o.activation_dtype) {
     const DType act = *o.activation_dtype;
-    if (device.backend == BackendKind::cpu && act != DType::F32)
-      bad(format("activation dtype %s: the CPU backend computes in F32 only (it is the float32 reference); leave it "
-                 "unset or choose F32", dtype_name(act)));
     if (act != DType::F32 && act != DType::BF16 && act != DType::F16)
       bad(format("activation dtype %s: activations are BF16, F16 or F32", dtype_name(act)));
   }
@@ -459,7 +456,7 @@ PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
 
 PlanItem vision_item(const Inputs& in, const PlanOptions& o) {
   const VisionConfig& v = in.config.vision;
-  auto buffers = vision_buffers(in.config, o.max_image_pixels, o.max_images, in.device.backend);
+  auto buffers = vision_buffers(in.config, o.max_image_pixels, o.max_images, *o.activation_dtype);
   uint64_t windows = merge_windows(v, o.max_image_pixels);
   uint64_t patches = windows * uint64_t(v.spatial_merge_size * v.spatial_merge_size);
   return {"vision", format("vision (%lld image%s)", (long long)o.max_images, o.max_images == 1 ? "" : "s"),
@@ -805,13 +802,19 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
   if (P > 0) buffers.push_back(buffer("block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
-  // Vision models: a step's DeepStack rows, staged from the host and added to the image tokens' hidden states.
+  // Vision models: a step's DeepStack rows, staged from the host and added to the image tokens' hidden states
+  // (in the activation dtype; fp32-sized whatever it is).
   if (config.vision.present) buffers.push_back(buffer("deepstack_rows", {T, H}, 4, "(T, H)", "fp32"));
   return buffers;
 }
 
 std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
                                        BackendKind backend) {
+  return vision_buffers(config, image_pixels, images, detail::planning::default_activation_dtype(backend));
+}
+
+std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_pixels, int64_t images,
+                                       DType activation_dtype) {
   using detail::planning::buffer;
   const VisionConfig& v = config.vision;
   if (!v.present || image_pixels <= 0 || images <= 0) return {};
@@ -820,12 +823,14 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
   uint64_t patch_values = uint64_t(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size);
   uint64_t vh = uint64_t(v.hidden_size), vI = uint64_t(v.intermediate_size), out = uint64_t(v.out_hidden_size);
   uint64_t vD = v.num_heads > 0 ? vh / uint64_t(v.num_heads) : 0;  // vision head_dim
-  const DType act_dtype = detail::planning::default_activation_dtype(backend);
-  uint64_t E = dtype_bytes(act_dtype, 1);
-  const char* act = detail::planning::activation_dtype_text(act_dtype);
+  uint64_t E = dtype_bytes(activation_dtype, 1);
+  const char* act = detail::planning::activation_dtype_text(activation_dtype);
   uint64_t mergers = 1 + v.deepstack_visual_indexes.size();
   return {
       buffer("pixel_patches", {N, patch_values}, E, "(N, C x frames x patch x patch)", act),
+      // The residual stream and the mergers' outputs are in the activation dtype, planned fp32-sized whatever it
+      // is (16-bit activations use half), so the GPU plans, which hold them without running the tower, keep the
+      // numbers they print.
       buffer("vision_hidden", {N, vh}, 4, "(N, vh)", "fp32"),
       buffer("vision_normed", {N, vh}, E, "(N, vh)", act),
       buffer("vision_qkv", {N, 3 * vh}, E, "(N, 3 vh)", act),
@@ -886,8 +891,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
   // activation dtype kept (F32 activations on a GPU with a bf16 cache were 1e-2 off the CPU's logits, measured on
   // an H100), a wider one would spend bytes on bits the activations never had.
   if (o.kv_dtype == KVDType::auto_)
-    o.kv_dtype = device.backend == BackendKind::cpu  ? KVDType::f32
-                 : *o.activation_dtype == DType::F32 ? KVDType::f32
+    o.kv_dtype = *o.activation_dtype == DType::F32 ? KVDType::f32
                  : *o.activation_dtype == DType::F16 ? KVDType::f16
                                                      : KVDType::bf16;
 

@@ -139,9 +139,12 @@ KVLITE_HD float dequantize_value(float q, float scale, DType scale_dtype, Dequan
 namespace detail {
 // For a backend's own thread pool: out[t, n0 .. n0 + rows) for every token t, rows <= kQuantRowBlock, using
 // scratch >= rows * K floats. Arguments are not checked (quant_linear checks them).
+// out holds out_dtype (F32, BF16 or F16): each output (plus bias) is rounded to it once. weight_rounding (F32:
+// none) rounds the dequantized weights first, as a GPU multiplies them in the activation dtype.
 constexpr int64_t kQuantRowBlock = 16;
 void quant_linear_block(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight, int64_t n0,
-                        int64_t rows, float* scratch, float* out, int64_t out_stride);
+                        int64_t rows, float* scratch, void* out, int64_t out_stride, DType out_dtype = DType::F32,
+                        DType weight_rounding = DType::F32);
 void dequantize_rows_unchecked(const QuantWeight& weight, int64_t row0, int64_t rows, float* out);
 // One activation row through fp8 and back (quantize_fp8_activations, then each q times its group's scale): what
 // W8A8 computes with. x, out [cols]; may be the same array.

@@ -289,13 +289,21 @@ void dequantize_rows_unchecked(const QuantWeight& w, int64_t row0, int64_t rows,
 }
 
 void quant_linear_block(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& w, int64_t n0,
-                        int64_t rows, float* scratch, float* out, int64_t out_stride) {
+                        int64_t rows, float* scratch, void* out, int64_t out_stride, DType out_dtype,
+                        DType weight_rounding) {
   const int64_t k_size = w.in_features;
   dequantize_rows_unchecked(w, n0, rows, scratch);  // scratch [rows, K]
+  if (weight_rounding != DType::F32)
+    for (int64_t i = 0; i < rows * k_size; i++) scratch[i] = round_to_dtype(scratch[i], weight_rounding);
   constexpr int kTileTokens = 4, kTileRows = 4;
   auto store = [&](int64_t t, int64_t n, float value) {
     if (w.bias) value = value + scale_at(w.bias, w.bias_dtype, n);
-    out[t * out_stride + n] = value;
+    const int64_t index = t * out_stride + n;
+    switch (out_dtype) {
+      case DType::BF16: static_cast<uint16_t*>(out)[index] = float_to_bf16(value); break;
+      case DType::F16: static_cast<uint16_t*>(out)[index] = float_to_f16(value); break;
+      default: static_cast<float*>(out)[index] = value;
+    }
   };
   // Which tile shape computes an output changes nothing: every element sums in the same order.
   int64_t t = 0;

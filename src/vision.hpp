@@ -124,13 +124,13 @@ class VisionModel {
 
   // Views of the planned buffers (names in quotes), full size.
   Tensor pixel_patches_;  // "pixel_patches"      [N, C T P P]
-  Tensor hidden_;         // "vision_hidden"      [N, vh] fp32: the residual stream
+  Tensor hidden_;         // "vision_hidden"      [N, vh] the residual stream (activation dtype)
   Tensor normed_;         // "vision_normed"      [N, vh]: LayerNorm outputs, proj / fc2 outputs, pos embeds
   Tensor qkv_;            // "vision_qkv"         [N, 3 vh]
   Tensor attn_out_;       // "vision_attn_out"    [N, vh]; as [N / 4, 4 vh] the mergers' fc1 output
   Tensor mlp_;            // "vision_mlp"         [N, vI]
   Tensor merger_in_;      // "merger_in"          [N / 4, 4 vh]: the mergers' LayerNorm output
-  Tensor merged_;         // "merged"             [levels, N / 4, out] fp32 (as [levels * N / 4, out])
+  Tensor merged_;         // "merged"             [levels, N / 4, out] activation dtype (as [levels * N / 4, out])
   Tensor pos_indices_;    // "vision_pos_indices" [N, 4] int32
   Tensor pos_weights_;    // "vision_pos_weights" [N, 4] fp32
   Tensor rope_cos_;       // "vision_rope_cos"    [N, head_dim / 2] fp32

@@ -234,15 +234,15 @@ VisionModel::VisionModel(const ModelConfig& config, VisionWeights weights, Backe
   const int64_t patch_values = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
   const DType act = backend_.activation_dtype();
   detail::model::BufferCarver buffers(arena);
-  buffers.carve("vision", vision_buffers(config_, plan.options.max_image_pixels, max_images_, backend_.kind()));
+  buffers.carve("vision", vision_buffers(config_, plan.options.max_image_pixels, max_images_, act));
   pixel_patches_ = buffers.view("pixel_patches", act, N, patch_values);
-  hidden_ = buffers.view("vision_hidden", DType::F32, N, vh);
+  hidden_ = buffers.view("vision_hidden", act, N, vh);
   normed_ = buffers.view("vision_normed", act, N, vh);
   qkv_ = buffers.view("vision_qkv", act, N, 3 * vh);
   attn_out_ = buffers.view("vision_attn_out", act, N, vh);
   mlp_ = buffers.view("vision_mlp", act, N, vI);
   merger_in_ = buffers.view("merger_in", act, tokens, merge * vh);
-  merged_ = buffers.view("merged", DType::F32, levels_ * tokens, v.out_hidden_size);
+  merged_ = buffers.view("merged", act, levels_ * tokens, v.out_hidden_size);
   pos_indices_ = buffers.view("vision_pos_indices", DType::I32, N, 4);
   pos_weights_ = buffers.view("vision_pos_weights", DType::F32, N, 4);
   rope_cos_ = buffers.view("vision_rope_cos", DType::F32, N, head_dim_ / 2);
@@ -344,7 +344,7 @@ void VisionModel::encode(const std::vector<const VisionInput*>& images) {
 
   // ---- the tower ----
   const int64_t vh = v.hidden_size;
-  Tensor hidden = hidden_.slice_rows(0, N);      // [N, vh] fp32, the residual stream
+  Tensor hidden = hidden_.slice_rows(0, N);      // [N, vh] the residual stream
   Tensor normed = normed_.slice_rows(0, N);      // [N, vh]
   Tensor qkv = qkv_.slice_rows(0, N);            // [N, 3 vh]
   Tensor q = qkv.slice_cols(0, vh);              // [N, vh]: reshape(N, 3, heads, head_dim) -> q | k | v

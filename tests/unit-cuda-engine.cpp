@@ -252,20 +252,29 @@ TEST_CASE("backend choice: names, and --backend cuda says why it cannot run here
   }
 }
 
-TEST_CASE("the CPU computes in F32 and refuses another activation dtype") {
+TEST_CASE("the CPU computes in F32 by default, BF16 / F16 on request (unit-cpu-dtypes.cpp checks them), no other") {
   EngineOptions options;
   options.backend = BackendChoice::cpu;
   options.plan.device_mem = 64 * MiB;
+  {
+    auto engine = Engine::open(fx::dir("tiny-llama3"), options);
+    REQUIRE(engine);
+    CHECK((*engine)->info().activation_dtype == DType::F32);
+    CHECK((*engine)->plan().options.activation_dtype == std::optional<DType>(DType::F32));
+    CHECK((*engine)->plan().options.kv_dtype == KVDType::f32);
+  }
   options.plan.activation_dtype = DType::BF16;
+  {
+    auto engine = Engine::open(fx::dir("tiny-llama3"), options);
+    REQUIRE(engine);
+    CHECK((*engine)->info().activation_dtype == DType::BF16);
+    CHECK((*engine)->plan().options.kv_dtype == KVDType::bf16);  // auto follows the activations
+  }
+  options.plan.activation_dtype = DType::I32;
   auto refused = Engine::open(fx::dir("tiny-llama3"), options);
   REQUIRE_FALSE(refused);
   CHECK(refused.error().code == ErrorCode::invalid_argument);
-  CHECK(refused.error().message.find("F32") != std::string::npos);
-  options.plan.activation_dtype = DType::F32;
-  auto engine = Engine::open(fx::dir("tiny-llama3"), options);
-  REQUIRE(engine);
-  CHECK((*engine)->info().activation_dtype == DType::F32);
-  CHECK((*engine)->plan().options.activation_dtype == std::optional<DType>(DType::F32));
+  CHECK(refused.error().message.find("BF16, F16 or F32") != std::string::npos);
 }
 
 TEST_CASE("EngineInfo: the weights a decode step reads are every tensor but an untied embedding table") {

@@ -1002,7 +1002,7 @@ TEST_CASE("plan_engine for a planned CUDA card is read_plan_inputs + detect_devi
   CHECK(contains(missing.error().message, "/nonexistent/kvlite-model"));
 }
 
-TEST_CASE("activation dtype: the CPU's F32, CUDA's model dtype by default, or F32 on request") {
+TEST_CASE("activation dtype: the CPU's F32, CUDA's model dtype by default, or another on request") {
   const std::string fixtures = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/models/";
   PlanInputs bf16 = shipped(fixtures + "tiny-llama3"), f16 = shipped(fixtures + "tiny-qwen3");
   DeviceSpec card = planned_card(1 * GiB, false);
@@ -1017,14 +1017,21 @@ TEST_CASE("activation dtype: the CPU's F32, CUDA's model dtype by default, or F3
   Plan wide = plan_for(bf16, card, f32), narrow = plan_for(bf16, card, PlanOptions{});
   CHECK(wide.item("activations")->bytes > narrow.item("activations")->bytes);
   CHECK(nlohmann::json::parse(wide.json())["options"]["activation_dtype"] == "F32");
+  // The CPU runs BF16 / F16 too (the GPU's rounding): its activation buffers shrink, KV auto follows.
+  PlanOptions half = f32;
+  half.activation_dtype = DType::BF16;
+  Plan cpu_half = plan_for(bf16, cpu, half), cpu_wide = plan_for(bf16, cpu, PlanOptions{});
+  CHECK(cpu_half.options.activation_dtype == std::optional<DType>(DType::BF16));
+  CHECK(cpu_half.options.kv_dtype == KVDType::bf16);
+  CHECK(cpu_wide.options.kv_dtype == KVDType::f32);
+  CHECK(cpu_half.item("activations")->bytes < cpu_wide.item("activations")->bytes);
   PlanOptions bad = f32;
-  bad.activation_dtype = DType::BF16;
+  bad.activation_dtype = DType::I32;
+  CHECK_FALSE(make_plan(bf16, card, bad));
   auto refused = make_plan(bf16, cpu, bad);
   REQUIRE_FALSE(refused);
   CHECK(refused.error().code == ErrorCode::invalid_argument);
-  CHECK(contains(refused.error().message, "F32 only"));
-  bad.activation_dtype = DType::I32;
-  CHECK_FALSE(make_plan(bf16, card, bad));
+  CHECK(contains(refused.error().message, "BF16, F16 or F32"));
 }
 
 // What the GPU uploader stores of a checkpoint, counted from its headers: dense Linears (weight and bias) in the
