@@ -814,7 +814,8 @@ const std::vector<Command>& commands() {
        run_plan},
       {"generate", "generate text from a prompt, streamed to stdout",
        "Generate text (Llama-3, Qwen2, Qwen3, Qwen3-VL; BF16/F16/F32, FP8 and W4A16 checkpoints) on the CPU\n"
-       "reference engine or the GPU (--backend; auto keeps vision models on the CPU, whose engine runs images). The\n"
+       "reference engine or the GPU (--backend; auto keeps vision models on the CPU until the GPU's vision path is\n"
+       "verified on a GPU; --backend cuda runs images there). The\n"
        "text streams to stdout as it is generated; a summary line goes to stderr.",
        "kvlite generate MODEL_DIR --prompt TEXT [--chat] [options]",
        "Generation stops at the model's end-of-turn tokens, at --stop, or after --max-tokens tokens.\n"

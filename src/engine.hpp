@@ -189,8 +189,10 @@ class Engine {
   // backend, captures the CUDA decode graphs and loads the tokenizer. No device allocation happens after open.
   // Errors: whatever those steps report, e.g. does_not_fit with the plan's advice when the memory budget is too
   // small, unsupported for --backend cuda in a build without CUDA, device_error when no GPU is usable.
-  // Qwen3-VL on CUDA: text runs on the GPU; images are refused (unsupported) because the vision encoder runs on
-  // the CPU backend only so far: open with BackendChoice::cpu for images.
+  // Qwen3-VL on CUDA: the vision tower's weights are uploaded after the text model's (Linears in the activation
+  // dtype) and it runs on the GPU with buffers from the plan's "vision" region; its outputs come to the host as
+  // floats and go back as the image rows. (Not yet run on a GPU: BackendChoice::auto_ keeps a vision model on the
+  // CPU until it has; BackendChoice::cuda runs it.)
   static Result<std::unique_ptr<Engine>> open(const std::string& model_dir, const EngineOptions& options = {});
   ~Engine();
   Engine(const Engine&) = delete;

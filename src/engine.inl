@@ -174,17 +174,6 @@ struct Engine::Impl {
     if (!status) throw status.error();
   }
 
-  // A vision model on a GPU engine: the text runs there, images cannot (the vision encoder's ops are the CPU
-  // backend's only, so far).
-  void images_need_cpu(const char* what) const {
-    if (!vision && config.vision.present)
-      detail::fail(ErrorCode::unsupported,
-                   detail::format("%s: images need %s's vision encoder, which runs on the CPU backend only so far; "
-                                  "this engine runs on %s. Open it with --backend cpu (EngineOptions::backend = "
-                                  "BackendChoice::cpu) for images; text-only prompts run here",
-                                  what, config.origin.c_str(), backend->name().c_str()));
-  }
-
   // ---- requests ----------------------------------------------------------------------------------------
 
   void check_ids(const std::vector<int32_t>& ids, const char* what) const {
@@ -223,7 +212,6 @@ struct Engine::Impl {
 
   // The vision tower over `images`, in groups that fit its buffers: levels x tokens rows on the host.
   ImageFeatures encode_images(const std::vector<const VisionInput*>& images) {
-    images_need_cpu("encode_images");
     if (!vision)
       detail::fail(ErrorCode::unsupported,
                    detail::format("%s (model_type %s) has no vision tower; it takes no images", config.origin.c_str(),
@@ -297,7 +285,6 @@ struct Engine::Impl {
       prompt.ids = ids;
       return prompt;
     }
-    images_need_cpu(what);
     if (!vision)
       detail::fail(ErrorCode::unsupported,
                    detail::format("%s: %zu image%s given but %s (model_type %s) has no vision tower", what,
@@ -342,7 +329,6 @@ struct Engine::Impl {
     check_image_count(images.size(), "generate");
     std::vector<VisionInput> inputs;
     for (const Image& image : images) {
-      images_need_cpu("preprocess");
       if (!vision)
         detail::fail(ErrorCode::unsupported, detail::format("%s (model_type %s) has no vision tower; it takes no images",
                                                             config.origin.c_str(), config.model_type.c_str()));
@@ -643,6 +629,28 @@ struct Engine::Impl {
     return count;
   }
 
+  // The step packed into the host staging arrays (token_ids, positions [position_rows, tokens], slots,
+  // query_starts, context_lens, logit_row_ids), as the model reads it; the pool's block tables are the batch's.
+  StepInput staged_step(int64_t tokens, int64_t rows_of_positions, int64_t seqs, int64_t max_context,
+                        int64_t logit_rows) {
+    const KVPagePool& kv = pool();
+    StepInput input;
+    input.tokens = tokens;
+    input.token_ids = token_ids.data();
+    input.positions = positions.data();
+    input.position_rows = rows_of_positions;
+    input.slots = slots.data();
+    input.seqs = seqs;
+    input.query_starts = query_starts.data();
+    input.context_lens = context_lens.data();
+    input.max_context = max_context;
+    input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
+                                        kv.max_pages_per_seq());
+    input.logit_rows = logit_rows;
+    input.logit_row_ids = logit_row_ids.data();
+    return input;
+  }
+
   // The distribution the draft model drew request slot `slot`'s draft i from.
   float* draft_distribution(int32_t slot, int64_t i) {
     const int64_t vocab = config.text.vocab_size;
@@ -696,21 +704,7 @@ struct Engine::Impl {
         r.draft_computed = from + count;
       }
       query_starts[size_t(seqs)] = int32_t(t);
-      StepInput input;
-      input.tokens = t;
-      input.token_ids = token_ids.data();
-      input.positions = positions.data();
-      input.position_rows = 1;
-      input.slots = slots.data();
-      input.seqs = seqs;
-      input.query_starts = query_starts.data();
-      input.context_lens = context_lens.data();
-      input.max_context = max_context;
-      input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
-                                          kv.max_pages_per_seq());
-      input.logit_rows = rows;
-      input.logit_row_ids = logit_row_ids.data();
-      draft_model->forward(input);
+      draft_model->forward(staged_step(t, 1, seqs, max_context, rows));
       stats.draft_steps++;
       stats.draft_tokens_computed += t;
       for (int64_t first = 0; first < rows; first += draft_model->max_logit_rows()) {
@@ -934,20 +928,7 @@ struct Engine::Impl {
     for (int64_t row = 1; row < position_rows; row++)
       memmove(positions.data() + row * t, positions.data() + row * max_tokens, size_t(t) * sizeof(int32_t));
 
-    StepInput input;
-    input.tokens = t;
-    input.token_ids = token_ids.data();
-    input.positions = positions.data();
-    input.position_rows = position_rows;
-    input.slots = slots.data();
-    input.seqs = seqs;
-    input.query_starts = query_starts.data();
-    input.context_lens = context_lens.data();
-    input.max_context = max_context;
-    input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
-                                        kv.max_pages_per_seq());
-    input.logit_rows = rows;
-    input.logit_row_ids = logit_row_ids.data();
+    StepInput input = staged_step(t, position_rows, seqs, max_context, rows);
     input.image_runs = int64_t(image_runs.size());
     input.image_run_list = image_runs.data();
     if (run_decode_graph(input)) {
@@ -1297,9 +1278,46 @@ class WeightUploader {
   uint64_t staging_bytes_ = 0;
 };
 
+// The vision tower's weights (Qwen3-VL) into the same span, after the text model's: Linears (the patch embedding's
+// Conv3d kernel among them) in the activation dtype, the position table and LayerNorms as stored.
+VisionWeights upload_vision_weights(const VisionWeights& host, WeightUploader& upload) {
+  auto norm = [&](const LayerNormWeights& h, const std::string& what) {
+    return LayerNormWeights{upload.tensor(h.weight, h.weight.dtype, what + ".weight"),
+                            upload.tensor(h.bias, h.bias.dtype, what + ".bias")};
+  };
+  auto merger = [&](const PatchMergerWeights& h, const std::string& what) {
+    PatchMergerWeights d;
+    d.norm = norm(h.norm, what + ".norm");
+    d.fc1 = upload.linear(h.fc1, what + ".linear_fc1");
+    d.fc2 = upload.linear(h.fc2, what + ".linear_fc2");
+    d.norm_after_shuffle = h.norm_after_shuffle;
+    return d;
+  };
+  VisionWeights device;
+  device.patch_embed = upload.linear(host.patch_embed, "visual.patch_embed");
+  device.pos_embed = upload.tensor(host.pos_embed, host.pos_embed.dtype, "visual.pos_embed");
+  device.blocks.resize(host.blocks.size());
+  for (size_t b = 0; b < host.blocks.size(); b++) {
+    const VisionBlockWeights& h = host.blocks[b];
+    VisionBlockWeights& d = device.blocks[b];
+    const std::string block = format("visual.blocks.%zu.", b);
+    d.norm1 = norm(h.norm1, block + "norm1");
+    d.norm2 = norm(h.norm2, block + "norm2");
+    d.qkv = upload.linear(h.qkv, block + "attn.qkv");
+    d.proj = upload.linear(h.proj, block + "attn.proj");
+    d.fc1 = upload.linear(h.fc1, block + "mlp.linear_fc1");
+    d.fc2 = upload.linear(h.fc2, block + "mlp.linear_fc2");
+  }
+  device.merger = merger(host.merger, "visual.merger");
+  for (size_t i = 0; i < host.deepstack.size(); i++)
+    device.deepstack.push_back(merger(host.deepstack[i], format("visual.deepstack_merger_list.%zu", i)));
+  return device;
+}
+
 TextModelWeights upload_text_weights(const TextModelWeights& host, Backend& backend, const Arena& arena,
                                      uint64_t chunk_bytes, const std::function<void(uint64_t)>& progress,
-                                     uint64_t host_bytes) {
+                                     uint64_t host_bytes, const VisionWeights* vision_host = nullptr,
+                                     VisionWeights* vision_device = nullptr) {
   WeightUploader upload(backend, arena, chunk_bytes);
   // Progress in the checkpoint's bytes: the span's share filled, of the bytes on disk (after each layer).
   auto report = [&] { progress(uint64_t(std::min(1.0, upload.filled()) * double(host_bytes))); };
@@ -1333,6 +1351,10 @@ TextModelWeights upload_text_weights(const TextModelWeights& host, Backend& back
     device.lm_head.weight = upload.tensor(host.embed_tokens, act, "lm_head (tied, converted)");
   } else {
     device.lm_head = upload.linear(host.lm_head, "lm_head");
+  }
+  if (vision_host && vision_device) {
+    *vision_device = upload_vision_weights(*vision_host, upload);
+    report();
   }
   return device;
 }
@@ -1408,11 +1430,12 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
     if (!device) throw device.error();
     if (options.backend == BackendChoice::auto_ && device->backend == BackendKind::cuda &&
         inputs.config.vision.present) {
-      // The CUDA engine does not run the vision tower yet (images need the CPU engine): auto keeps a
-      // vision-language model on the CPU, where its images work, rather than open an engine that refuses them.
+      // The CUDA engine runs the vision tower, but that path has not yet run on a GPU (tools/gpu-check.sh's
+      // vision cases): until it has, auto keeps a vision-language model on the CPU, the checked reference.
       device = detect_device(BackendChoice::cpu, options.device, options.plan.device_mem, options.plan.wsl2);
       if (!device) throw device.error();
-      why = "auto: the CPU, since the CUDA engine does not encode images yet (--backend cuda runs its text on the GPU)";
+      why = "auto: the CPU for a vision-language model until the GPU's vision path is verified on a GPU (--backend "
+            "cuda runs it there)";
     }
     Result<Plan> plan = make_plan(inputs, *device, options.plan);
     if (!plan) throw plan.error();
@@ -1499,7 +1522,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     Result<TextModelWeights> bound = bind_text_weights(e.config, e.store);
     if (!bound) throw bound.error();
     std::optional<VisionWeights> vision_weights;
-    if (e.config.vision.present && !gpu) {  // on CUDA images are refused (Impl::images_need_cpu)
+    if (e.config.vision.present) {
       if (e.config.vision.out_hidden_size != e.config.text.hidden_size)
         fail(ErrorCode::bad_format,
              format("%s: vision_config.out_hidden_size %lld differs from the language model's hidden_size %lld; the "
@@ -1555,10 +1578,14 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
                                           "(f32, bf16 or f16)",
                                           e.backend->name().c_str(), kv_dtype_name(e.plan.options.kv_dtype)));
 
-    TextModelWeights text_weights = gpu ? detail::engine::upload_text_weights(*bound, *e.backend, *e.arena,
-                                                                              e.plan.upload_chunk_bytes, progress,
-                                                                              total_weight_bytes)
-                                        : std::move(*bound);
+    std::optional<VisionWeights> device_vision;
+    if (gpu && vision_weights) device_vision.emplace();
+    TextModelWeights text_weights =
+        gpu ? detail::engine::upload_text_weights(*bound, *e.backend, *e.arena, e.plan.upload_chunk_bytes, progress,
+                                                  total_weight_bytes, vision_weights ? &*vision_weights : nullptr,
+                                                  device_vision ? &*device_vision : nullptr)
+            : std::move(*bound);
+    if (device_vision) vision_weights = std::move(device_vision);  // the vision tower's views, now device memory
     progress(total_weight_bytes);
     e.info.backend = backend_kind;
     e.info.backend_name = e.backend->name();

@@ -333,9 +333,17 @@ WeightConversion cuda_weight_conversion(const ModelConfig& config, const Weights
   WeightConversion c;
   const int64_t act_bytes = int64_t(dtype_bytes(act, 1));
   for (const LinearDesc& linear : weights.linears) {
-    if (linear.format != WeightFormat::dense || linear.vision || linear.weight_dtype == act) continue;
+    if (linear.format != WeightFormat::dense || linear.weight_dtype == act) continue;
     const int64_t elements = linear.out_features * linear.in_features + (linear.has_bias ? linear.out_features : 0);
     c.extra_bytes += elements * act_bytes - int64_t(linear.bytes);
+    c.converted_linears++;
+  }
+  // The vision tower's patch embedding (a Conv3d kernel, not among the Linears) runs as a Linear: converted too,
+  // from the checkpoint's dtype (summarize_weights counts it in that dtype).
+  if (config.vision.present && config.text.dtype != act) {
+    const VisionConfig& v = config.vision;
+    const int64_t vh = v.hidden_size, patch = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
+    c.extra_bytes += (vh * patch + vh) * (act_bytes - int64_t(dtype_bytes(config.text.dtype, 1)));
     c.converted_linears++;
   }
   // A tied lm_head reads the embedding table; gather_rows takes any float table, the GEMM only act. The
@@ -356,7 +364,13 @@ WeightConversion cuda_weight_conversion(const ModelConfig& config, const Weights
 // Room for the uploader's 256-byte alignment of every text tensor: at most 18 per layer (2 norms, q/k norms,
 // 7 Linears with weight and bias) plus the embedding table, the final norm, lm_head and a tied copy.
 uint64_t cuda_weight_slack(const ModelConfig& config) {
-  return kPlanAlignment * (4 + 18 * uint64_t(std::max<int64_t>(config.text.num_layers, 0)));
+  uint64_t tensors = 4 + 18 * uint64_t(std::max<int64_t>(config.text.num_layers, 0));
+  // the vision tower: 12 per block (2 LayerNorms and 4 Linears, weight and bias each), the patch embedding (2),
+  // the position table, and 6 per merger (the final one and DeepStack's)
+  if (config.vision.present)
+    tensors += 12 * uint64_t(std::max<int64_t>(config.vision.depth, 0)) + 3 +
+               6 * (1 + uint64_t(config.vision.deepstack_visual_indexes.size()));
+  return kPlanAlignment * tensors;
 }
 
 PlanItem weights_item(const Inputs& in, DType act) {

@@ -8,7 +8,8 @@
 // tools/gpu-check.sh sets): logits against the CPU backend on the fixture models (bf16-level tolerance, F32
 // activations much tighter), greedy continuations, seeded sampling, the sampler kernel, CUDA graphs against
 // eager steps, no device allocation after open, measured device memory within 3% of the plan with a planned
-// card, Qwen3-VL text on the GPU with images refused.
+// card, Qwen3-VL's vision tower and image prompts against the CPU backend (F32 tight, 16-bit within twice the
+// CPU's own 16-bit drift), the bundled captioners' captions as the CPU's BF16 mode gives them.
 #include <doctest/doctest.h>
 #include <sys/wait.h>
 
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <random>
 #include <sstream>
 
@@ -693,24 +695,99 @@ TEST_CASE("device memory measured within 3% of the plan, a large GPU behaving as
   }
 }
 
-TEST_CASE("Qwen3-VL on the GPU: text as on the CPU, images refused with the way out") {
+// The largest |a - b| over the largest |b|.
+double features_diff(const ImageFeatures& a, const ImageFeatures& b) {
+  REQUIRE(a.values.size() == b.values.size());
+  return fx::relative_max_diff(a.values, b.values);
+}
+
+TEST_CASE("Qwen3-VL on the GPU: the vision tower and image prompts as on the CPU backend, in every activation dtype") {
   GPU_OR_SKIP();
   const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/vl/tiny-qwen3-vl";
+  const uint64_t allocations_before = cuda::device_allocations();
   auto cpu = open_engine(dir, BackendChoice::cpu);
   auto gpu = open_engine(dir, BackendChoice::cuda, DType::F32);
-  auto ids = gpu->tokenize("a picture of nothing at all");
+  const uint64_t opened = cuda::device_allocations();
+  CHECK(opened == allocations_before + 1);
+  std::vector<VisionInput> inputs;
+  for (const char* name : {"photo_67x45.png", "gray_23x19.png"}) {
+    auto image = load_image(std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/images/" + name);
+    REQUIRE(image);
+    auto input = cpu->preprocess(*image);
+    REQUIRE(input);
+    inputs.push_back(std::move(*input));
+  }
+  // F32: the vision tower's outputs (merger and DeepStack) and the logits of a prompt with both images.
+  auto reference = cpu->encode_images(inputs);
+  REQUIRE_OK(reference);
+  auto features = gpu->encode_images(inputs);
+  REQUIRE_OK(features);
+  const double f32_diff = features_diff(*features, *reference);
+  MESSAGE("vision features, F32: GPU vs CPU " << f32_diff);
+  CHECK(f32_diff <= logits_tolerance(DType::F32));
+  auto ids = cpu->tokenize(std::string(kImagePlaceholder) + "and" + kImagePlaceholder + "a picture");
   REQUIRE(ids);
-  auto expected = cpu->logits(*ids);
-  auto got = gpu->logits(*ids);
-  REQUIRE(expected);
-  REQUIRE(got);
+  auto expected = cpu->logits(*ids, inputs);
+  auto got = gpu->logits(*ids, inputs);
+  REQUIRE_OK(expected);
+  REQUIRE_OK(got);
   CHECK(fx::relative_max_diff(got->values, expected->values) <= logits_tolerance(DType::F32));
-  Image image;
-  image.width = 32;
-  image.height = 32;
-  image.rgb.assign(32 * 32 * 3, 128);
-  auto refused = gpu->generate(std::string(kImagePlaceholder) + "Describe it.", {image}, greedy(4));
-  REQUIRE_FALSE(refused);
-  CHECK(refused.error().code == ErrorCode::unsupported);
-  CHECK(refused.error().message.find("--backend cpu") != std::string::npos);
+  // BF16 / F16: the GPU drifts from the F32 reference no more than twice what the CPU backend's mode of the same
+  // dtype drifts (unit-cpu-dtypes.cpp: it rounds where the GPU rounds), plus one rounding step.
+  for (DType act : {DType::BF16, DType::F16}) {
+    CAPTURE(dtype_name(act));
+    EngineOptions cpu_options;
+    cpu_options.plan.device_mem = 64 * MiB;
+    cpu_options.plan.activation_dtype = act;
+    auto cpu16 = Engine::open(dir, cpu_options);
+    REQUIRE_OK(cpu16);
+    auto gpu16 = open_engine(dir, BackendChoice::cuda, act);
+    auto cpu_features = (*cpu16)->encode_images(inputs);
+    auto gpu_features = gpu16->encode_images(inputs);
+    REQUIRE_OK(cpu_features);
+    REQUIRE_OK(gpu_features);
+    const double cpu_drift = features_diff(*cpu_features, *reference), gpu_drift = features_diff(*gpu_features, *reference);
+    const double step = act == DType::BF16 ? 1.0 / 256 : 1.0 / 2048;
+    MESSAGE("vision features, " << dtype_name(act) << ": CPU drift " << cpu_drift << ", GPU drift " << gpu_drift
+                                << ", GPU vs CPU " << features_diff(*gpu_features, *cpu_features));
+    CHECK(gpu_drift <= 2 * cpu_drift + step);
+  }
+  CHECK(cuda::device_allocations() == opened + 2);  // the two 16-bit engines' arenas, nothing else
+  CHECK(Arena::allocations_after_start() == 0);
+}
+
+TEST_CASE("the bundled captioners on the GPU caption the example images as the CPU's BF16 mode does") {
+  GPU_OR_SKIP();
+  const std::string root = std::string(KVLITE_SOURCE_DIR) + "/";
+  std::vector<std::string> files;
+  {
+    std::ifstream in(root + "examples/images/captions.txt");
+    for (std::string line; std::getline(in, line);)
+      if (line.find('\t') != std::string::npos) files.push_back(line.substr(0, line.find('\t')));
+  }
+  REQUIRE(files.size() >= 5);
+  for (const char* format : {"bf16", "fp8", "w4a16"}) {
+    CAPTURE(format);
+    const std::string dir = root + "models/kvlite-captioner-" + format;
+    EngineOptions cpu_options;
+    cpu_options.plan.device_mem = 256 * MiB;
+    cpu_options.plan.activation_dtype = DType::BF16;
+    auto cpu = Engine::open(dir, cpu_options);
+    REQUIRE_OK(cpu);
+    auto gpu = open_engine(dir, BackendChoice::cuda, DType::BF16);
+    const uint64_t opened = cuda::device_allocations();
+    for (const std::string& file : files) {
+      CAPTURE(file);
+      auto image = load_image(root + "examples/images/" + file);
+      REQUIRE(image);
+      const std::vector<ChatMessage> chat = {{"user", std::string(kImagePlaceholder) + "Describe this image."}};
+      auto expected = (*cpu)->generate_chat(chat, {*image}, greedy(64));
+      auto got = gpu->generate_chat(chat, {*image}, greedy(64));
+      REQUIRE_OK(expected);
+      REQUIRE_OK(got);
+      CHECK(got->text == expected->text);
+    }
+    CHECK(cuda::device_allocations() == opened);  // images need no device memory beyond the plan's
+    CHECK(Arena::allocations_after_start() == 0);
+  }
 }
