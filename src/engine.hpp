@@ -92,6 +92,7 @@ using TokenCallback = std::function<bool(const std::string& piece, int32_t id)>;
 struct Generation {
   std::vector<int32_t> prompt_ids;
   std::vector<int32_t> ids;  // generated ids, the stop token included when one ended it (as transformers)
+  std::vector<float> logprobs;  // SamplingParams::logprobs: log p(ids[i] | everything before it); else empty
   std::string text;          // the text streamed to the callback: without the stop token or stop string
   FinishReason finish_reason = FinishReason::running;
 };

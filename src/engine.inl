@@ -110,6 +110,7 @@ struct Engine::Impl {
   std::unique_ptr<TextModel> draft_model;
   float* draft_probs = nullptr;
   std::vector<float> draft_row;
+  std::vector<float> raw_row;  // [V]: a row's logits kept as the model gave them (SamplingParams::logprobs)
   PreprocessOptions preprocess;         // qwen3_vl: the processor's, with the plan's image budget
   std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
   std::vector<int32_t> stop_ids;  // sorted
@@ -408,10 +409,11 @@ struct Engine::Impl {
   }
 
   // A generated id: record it, stream its text, and decide whether the request goes on.
-  void accept_token(detail::EngineRequest& r, int32_t id) {
+  void accept_token(detail::EngineRequest& r, int32_t id, float logprob = std::numeric_limits<float>::quiet_NaN()) {
     stats.tokens_generated++;
     r.tokens.push_back(id);
     r.result.ids.push_back(id);
+    if (r.params.logprobs) r.result.logprobs.push_back(logprob);
     if (is_stop_token(r, id)) return finish(r, FinishReason::stop_token);
     Result<std::string> piece = r.decoder->push(id);
     if (!piece) throw piece.error();
@@ -804,6 +806,12 @@ struct Engine::Impl {
         // memory)
         float* probs = on_gpu() ? host_probs.data() : model->sampling_probs(r.slot);
         int32_t* order = on_gpu() ? host_order.data() : model->sampling_order(r.slot);
+        // logprobs: the row as the model gave it (sampling changes it in place), scored as score() scores
+        if (r.params.logprobs) std::copy(row, row + vocab, raw_row.data());
+        auto logprob_of = [&](int32_t id) {
+          return r.params.logprobs ? float(token_logprob(raw_row.data(), vocab, id))
+                                   : std::numeric_limits<float>::quiet_NaN();
+        };
         const int64_t drafted = owner.position - r.draft_base;  // the row verifying drafts[drafted], if any
         if (!r.drafts.empty() && drafted < int64_t(r.drafts.size())) {
           // r.tokens holds the accepted drafts before this one: the history the target's token depends on
@@ -815,12 +823,12 @@ struct Engine::Impl {
                                                           r.rng, probs, order);
           if (verdict.accepted) stats.draft_tokens_accepted++;
           else r.draft_rejected = true;
-          accept_token(r, verdict.token);
+          accept_token(r, verdict.token, logprob_of(verdict.token));
           break;
         }
         const int32_t id =
             sample_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng, probs, order);
-        accept_token(r, id);
+        accept_token(r, id, logprob_of(id));
         break;
       }
       case detail::RequestKind::score:
@@ -983,7 +991,8 @@ struct Engine::Impl {
     for (int64_t i = 0; i < count; i++) {
       detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
       // (a drafting request's rows are verified in order against its history: on the host)
-      if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f || !r.drafts.empty()) {
+      if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f || !r.drafts.empty() ||
+          r.params.logprobs) {
         host_rows = true;
         continue;
       }
@@ -1658,6 +1667,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.context_lens.assign(max_seqs, 0);
     e.row_owners.assign(max_tokens, {nullptr, 0});
     e.draft_requests.reserve(max_seqs);
+    e.raw_row.assign(size_t(e.config.text.vocab_size), 0.0f);
     e.draft_ranges.reserve(max_seqs);
     e.prefix_cache = e.plan.prefix_caching.value_or(!gpu);  // plan_engine resolved it
     e.info.prefix_caching = e.prefix_cache;

@@ -16,6 +16,10 @@ struct SamplingParams {
   std::vector<int32_t> stop_tokens;       // added to the tokenizer's end-of-turn tokens
   std::vector<std::string> stop_strings;  // generation ends when the text ends with one (it is cut off)
   bool ignore_eos = false;  // benchmarks: the model's end-of-turn tokens do not stop it (stop_tokens still do)
+  // Generation::logprobs gets each generated token's log-probability under the model: the log-softmax of its
+  // logits as the model gave them (before the penalty, temperature and filters), as vLLM's logprobs and
+  // OpenAI's logprobs report. On a GPU such rows are sampled on the host (their logits come back whole).
+  bool logprobs = false;
 };
 Status validate(const SamplingParams& params);
 

@@ -3,6 +3,7 @@
 // no arena allocation after start.
 #include <doctest/doctest.h>
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <future>
 #include <thread>
@@ -511,4 +512,68 @@ TEST_CASE("nothing is allocated from the arena's memory after start") {
   REQUIRE(engine->score(fx::ids_of(perplexity["input_ids"]), 64, 32));
   CHECK(engine->stats().steps > 0);
   CHECK(Arena::allocations_after_start() == 0);
+}
+
+TEST_CASE("logprobs: each generated token's log-probability under the model, as transformers' logits and scoring "
+          "the whole sequence give it, also when sampling with a penalty and when drafting") {
+  for (const std::string& name : fx::names()) {
+    CAPTURE(name);
+    const nlohmann::json reference = fx::reference(name);
+    const nlohmann::json& prompt = reference["prompts"][0];
+    const std::vector<int32_t> ids = fx::ids_of(prompt["input_ids"]);
+    auto engine = fx::open(name);
+    SamplingParams greedy_logprobs = greedy();
+    greedy_logprobs.logprobs = true;
+    SamplingParams sampled = greedy_logprobs;
+    sampled.temperature = 0.9f;
+    sampled.top_k = 20;
+    sampled.repetition_penalty = 1.3f;  // changes what is drawn, not the model's log-probabilities
+    sampled.seed = 7;
+    for (const SamplingParams& params : {greedy_logprobs, sampled}) {
+      CAPTURE(params.temperature);
+      auto generation = engine->generate(ids, params);
+      REQUIRE(generation);
+      REQUIRE(generation->logprobs.size() == generation->ids.size());
+      // The whole sequence's logits, teacher-forced: row p - 1 predicts token p.
+      std::vector<int32_t> sequence = ids;
+      sequence.insert(sequence.end(), generation->ids.begin(), generation->ids.end());
+      auto logits = engine->logits(sequence);
+      REQUIRE(logits);
+      double worst = 0;
+      for (size_t i = 0; i < generation->ids.size(); i++) {
+        const float* row = logits->values.data() + (ids.size() + i - 1) * size_t(logits->vocab);
+        const double expected = token_logprob(row, logits->vocab, generation->ids[i]);
+        CHECK(generation->logprobs[i] <= 0.0f);
+        worst = std::max(worst, std::fabs(double(generation->logprobs[i]) - expected));
+      }
+      CHECK(worst <= 1e-5);
+      // The first token's against transformers' own logits of the prompt (its last row).
+      const fx::Npy theirs = fx::read_npy(fx::dir(name) + "/" + prompt["logits_file"].get<std::string>());
+      const double first = token_logprob(theirs.values.data() + (theirs.rows - 1) * theirs.cols, theirs.cols,
+                                         generation->ids[0]);
+      CHECK(std::fabs(double(generation->logprobs[0]) - first) <= 1e-4);
+    }
+    // Off by default: nothing is kept.
+    auto plain = engine->generate(ids, greedy());
+    REQUIRE(plain);
+    CHECK(plain->logprobs.empty());
+    // Drafting (n-gram, and the model as its own draft) reports the same log-probabilities.
+    auto alone = engine->generate(ids, greedy_logprobs);
+    REQUIRE(alone);
+    EngineOptions ngram;
+    ngram.plan.ngram = 2;
+    ngram.plan.speculative_tokens = 4;
+    EngineOptions self_draft;
+    self_draft.draft_model = fx::dir(name);
+    self_draft.plan.speculative_tokens = 3;
+    for (const EngineOptions& options : {ngram, self_draft}) {
+      auto drafting = fx::open(name, options);
+      auto generation = drafting->generate(ids, greedy_logprobs);
+      REQUIRE(generation);
+      CHECK(generation->ids == alone->ids);
+      REQUIRE(generation->logprobs.size() == alone->logprobs.size());
+      for (size_t i = 0; i < alone->logprobs.size(); i++)
+        CHECK(std::fabs(generation->logprobs[i] - alone->logprobs[i]) <= 1e-5f);
+    }
+  }
 }

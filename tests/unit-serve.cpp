@@ -246,6 +246,68 @@ TEST_CASE("models, health, metrics: a chat with an image, streamed and not, capt
   CHECK(metrics->body.find("kvlite_kv_pages_cached 0\n") == std::string::npos);
 }
 
+TEST_CASE("logprobs: each token and its log-probability in OpenAI's chat and completions forms, as the engine gives "
+          "them; what is not supported is refused") {
+  Running running;
+  const auto captions = expected_captions();
+  const std::string image_name = captions.begin()->first;
+  json body = image_chat(kImages + image_name);
+  body["logprobs"] = true;
+  Reply reply = post(running, "/v1/chat/completions", body.dump());
+  REQUIRE(reply.status == 200);
+  const json& content = reply.body["choices"][0]["logprobs"]["content"];
+  REQUIRE(content.is_array());
+  CHECK(int64_t(content.size()) == reply.body["usage"]["completion_tokens"].get<int64_t>());
+  // The engine's own logprobs for the same chat (a fresh engine on the same model).
+  kvlite::EngineOptions engine_options;
+  engine_options.plan.device_mem = 256 * kvlite::MiB;
+  auto engine = kvlite::Engine::open(kCaptioner, engine_options);
+  REQUIRE(engine);
+  auto image = kvlite::load_image(kImages + image_name);
+  REQUIRE(image);
+  kvlite::SamplingParams params;
+  params.max_tokens = 256;
+  params.logprobs = true;
+  auto generation =
+      (*engine)->generate_chat({{"user", std::string(kvlite::kImagePlaceholder) + "Describe this image."}}, {*image},
+                               params);
+  REQUIRE(generation);
+  REQUIRE(content.size() == generation->logprobs.size());
+  std::string text;
+  for (size_t i = 0; i < content.size(); i++) {
+    CHECK(content[i]["logprob"].get<double>() == doctest::Approx(generation->logprobs[i]).epsilon(1e-6));
+    CHECK(content[i]["token"] == (*engine)->tokenizer().token_bytes(generation->ids[i]));
+    CHECK(content[i]["top_logprobs"].empty());
+    if (i + 1 < content.size()) text += content[i]["token"].get<std::string>();  // the last is <|im_end|>
+  }
+  CHECK(text == captions.begin()->second);
+  // Not asked: null.
+  Reply plain = post(running, "/v1/chat/completions", image_chat(kImages + image_name).dump());
+  REQUIRE(plain.status == 200);
+  CHECK(plain.body["choices"][0]["logprobs"].is_null());
+  // Completions: "logprobs": 0 gives the legacy arrays.
+  Reply completion = post(running, "/v1/completions", R"({"prompt": "a small", "max_tokens": 3, "logprobs": 0})");
+  REQUIRE(completion.status == 200);
+  const json& legacy = completion.body["choices"][0]["logprobs"];
+  const size_t completed = size_t(completion.body["usage"]["completion_tokens"].get<int64_t>());
+  CHECK(completed >= 1);
+  CHECK(legacy["tokens"].size() == completed);
+  CHECK(legacy["token_logprobs"].size() == completed);
+  CHECK(legacy["text_offset"][0] == 0);
+  for (const json& value : legacy["token_logprobs"]) CHECK(value.get<double>() <= 0.0);
+  // Alternatives and streaming with logprobs are refused, naming the field.
+  for (const auto& refused : std::vector<std::pair<std::string, std::string>>{
+           {"/v1/completions", R"({"prompt": "a", "logprobs": 3})"},
+           {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}], "logprobs": true, "top_logprobs": 2})"},
+           {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}], "logprobs": true, "stream": true})"},
+           {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "a"}], "logprobs": "yes"})"}}) {
+    CAPTURE(refused.second);
+    Reply bad = post(running, refused.first, refused.second);
+    CHECK(bad.status == 400);
+    CHECK(bad.body["error"]["message"].get<std::string>().find("logprobs") != std::string::npos);
+  }
+}
+
 TEST_CASE("bad input gets OpenAI's status codes and a message naming the problem") {
   ServeOptions options;
   options.max_body_bytes = 4 << 20;

@@ -83,7 +83,9 @@ struct Channel {
   std::optional<HttpError> error;
   kvlite::FinishReason finish_reason = kvlite::FinishReason::running;
   int64_t prompt_tokens = 0, completion_tokens = 0;
+  json logprobs;  // "logprobs" asked for: each generated token and its log-probability, in the endpoint's form
   std::atomic<bool> abandoned{false};  // the client went away: the token callback ends the request
+  bool chat = true;                    // which endpoint's form the answer takes
 
   void push(std::string piece) {
     {
@@ -92,12 +94,13 @@ struct Channel {
     }
     changed.notify_all();
   }
-  void finish(kvlite::FinishReason reason, int64_t prompt, int64_t completion) {
+  void finish(kvlite::FinishReason reason, int64_t prompt, int64_t completion, json token_logprobs = nullptr) {
     {
       std::lock_guard<std::mutex> lock(mutex);
       finish_reason = reason;
       prompt_tokens = prompt;
       completion_tokens = completion;
+      logprobs = std::move(token_logprobs);
       done = true;
     }
     changed.notify_all();
@@ -340,6 +343,14 @@ Job chat_job(const json& body, const RequestLimits& limits) {
     index++;
   }
   job.params = sampling_of(body, limits.max_tokens_cap, limits.default_max_tokens);
+  // OpenAI's chat form: "logprobs": true, with "top_logprobs" (the alternatives at each token) 0 or absent
+  if (body.contains("logprobs") && !body["logprobs"].is_null()) {
+    if (!body["logprobs"].is_boolean()) bad("'logprobs' must be a boolean", "logprobs");
+    job.params.logprobs = body["logprobs"].get<bool>();
+  }
+  if (integer_field(body, "top_logprobs", 0, 20, 0) > 0)
+    bad("'top_logprobs' above 0 is not supported (each token's own log-probability is: 'logprobs': true)",
+        "top_logprobs");
   return job;
 }
 
@@ -349,6 +360,12 @@ Job completion_job(const json& body, const RequestLimits& limits) {
   if (!body.contains("prompt") || !body["prompt"].is_string()) bad("'prompt' must be a string", "prompt");
   job.prompt = body["prompt"].get<std::string>();
   job.params = sampling_of(body, limits.max_tokens_cap, limits.default_max_tokens);
+  // The completions form: "logprobs": N, the number of alternatives listed at each token; 0 lists none
+  if (body.contains("logprobs") && !body["logprobs"].is_null()) {
+    if (integer_field(body, "logprobs", 0, 5, 0) > 0)
+      bad("'logprobs' above 0 is not supported (0 gives each token's own log-probability)", "logprobs");
+    job.params.logprobs = true;
+  }
   return job;
 }
 
@@ -488,7 +505,8 @@ struct OpenAIServer::Impl {
       release(finished.size());
       for (auto& [channel, result] : finished) {
         if (result)  // usage counts the prompt as the engine ran it: each image's tokens included
-          channel->finish(result->finish_reason, int64_t(result->prompt_ids.size()), int64_t(result->ids.size()));
+          channel->finish(result->finish_reason, int64_t(result->prompt_ids.size()), int64_t(result->ids.size()),
+                          token_logprobs(*result, channel->chat));
         else
           channel->fail(from_kvlite(result.error()));
       }
@@ -503,6 +521,29 @@ struct OpenAIServer::Impl {
   void release(size_t n) {
     std::lock_guard<std::mutex> lock(queue_mutex);
     in_flight -= int64_t(n);
+  }
+
+  // A generation's tokens and their log-probabilities as OpenAI's endpoints write them (null when not asked):
+  // chat {"content": [{"token", "logprob", "bytes", "top_logprobs": []}]}, completions {"tokens",
+  // "token_logprobs", "top_logprobs": null, "text_offset"}. A token's text is its bytes (a piece of a character
+  // is written with U+FFFD); the stop token that ended it is included, as its id is.
+  json token_logprobs(const kvlite::Generation& generation, bool chat) const {
+    if (generation.logprobs.empty()) return nullptr;
+    json content = json::array(), tokens = json::array(), values = json::array(), offsets = json::array();
+    size_t offset = 0;
+    for (size_t i = 0; i < generation.ids.size() && i < generation.logprobs.size(); i++) {
+      const std::string bytes = engine->tokenizer().token_bytes(generation.ids[i]);
+      json byte_list = json::array();
+      for (unsigned char c : bytes) byte_list.push_back(int(c));
+      content.push_back({{"token", bytes}, {"logprob", generation.logprobs[i]}, {"bytes", byte_list},
+                         {"top_logprobs", json::array()}});
+      tokens.push_back(bytes);
+      values.push_back(generation.logprobs[i]);
+      offsets.push_back(offset);
+      offset += bytes.size();
+    }
+    if (chat) return {{"content", content}};
+    return {{"tokens", tokens}, {"token_logprobs", values}, {"top_logprobs", nullptr}, {"text_offset", offsets}};
   }
 
   void submit(Job& job, std::map<kvlite::RequestId, Active>& active) {
@@ -604,6 +645,7 @@ struct OpenAIServer::Impl {
     json choice = {{"index", 0}, {"finish_reason", finish_reason_text(channel.finish_reason)}};
     if (chat) choice["message"] = {{"role", "assistant"}, {"content", text}};
     else choice["text"] = text;
+    choice["logprobs"] = channel.logprobs;  // null unless asked for
     json body = {{"id", fresh_id(chat ? "chatcmpl-" : "cmpl-")},
                  {"object", chat ? "chat.completion" : "text_completion"},
                  {"created", now_seconds()},
@@ -701,7 +743,10 @@ struct OpenAIServer::Impl {
           body["stream_options"].contains("include_usage"))
         include_usage = body["stream_options"]["include_usage"].is_boolean() &&
                         body["stream_options"]["include_usage"].get<bool>();
+      if (streaming && job.params.logprobs)
+        bad("'logprobs' with 'stream' is not supported yet: ask without streaming", "logprobs");
       job.channel = std::make_shared<Channel>();
+      job.channel->chat = chat;
       Job waiting_for{};
       waiting_for.channel = job.channel;
       enqueue(std::move(job));
