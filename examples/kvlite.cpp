@@ -466,6 +466,7 @@ int run_generate(const Args& args) {
   if (args.has("--repetition-penalty")) params.repetition_penalty = float(args.number("--repetition-penalty"));
   if (args.has("--seed")) params.seed = uint64_t(args.integer("--seed", 0, INT64_MAX));
   if (args.has("--stop")) params.stop_strings = {args.text("--stop")};
+  params.logprobs = args.has("--logprobs");
   if (args.has("--system") && !args.has("--chat")) throw UsageError{"--system needs --chat"};
   auto checked = kvlite::validate(params);
   if (!checked) throw UsageError{checked.error().message};
@@ -497,6 +498,16 @@ int run_generate(const Args& args) {
   if (!generation) library_error(generation.error());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   fputs("\n", stdout);
+  if (params.logprobs)  // one line per generated token: its id, log-probability and bytes (C-escaped)
+    for (size_t i = 0; i < generation->ids.size() && i < generation->logprobs.size(); i++) {
+      std::string shown;
+      for (unsigned char c : engine->tokenizer().token_bytes(generation->ids[i])) {
+        if (c == '\\' || c == '"') shown += '\\';
+        shown += c >= 0x20 && c < 0x7f ? std::string(1, char(c)) : kvlite::detail::format("\\x%02x", c);
+      }
+      fprintf(stderr, "kvlite generate: token %zu id %d logprob %.6f \"%s\"\n", i, generation->ids[i],
+              double(generation->logprobs[i]), shown.c_str());
+    }
   fprintf(stderr, "kvlite generate: %zu prompt + %zu generated tokens in %.2f s (%s)\n",
           generation->prompt_ids.size(), generation->ids.size(), seconds,
           kvlite::finish_reason_name(generation->finish_reason));
@@ -835,6 +846,7 @@ const std::vector<Command>& commands() {
            {"--repetition-penalty", "R", "> 1 discourages repeating tokens; default 1 (off)"},
            {"--seed", "S", "sampling seed (same seed, same text); default 0"},
            {"--stop", "TEXT", "stop when the text reaches TEXT (which is not printed)"},
+           {"--logprobs", "", "print each generated token's id, log-probability and bytes to stderr"},
        }),
        run_generate},
       {"score", "perplexity of a text file with a sliding window",

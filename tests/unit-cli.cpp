@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 #include <sys/wait.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <cstdlib>
@@ -290,6 +291,39 @@ TEST_CASE("generate streams transformers' greedy continuation to stdout") {
     CHECK(run.out == prompt["greedy"]["text"].get<std::string>() + "\n");
     CHECK_MESSAGE(contains(run.err, "16 generated tokens"), run.err);
   }
+}
+
+TEST_CASE("generate --logprobs prints each token's id and log-probability, as the library gives them") {
+  const std::string name = "tiny-qwen3";
+  const nlohmann::json reference = model_fixtures::reference(name);
+  const auto& prompt = reference["prompts"][0];
+  Run run = run_kvlite({"generate", model_fixtures::dir(name), "--prompt", prompt["text"].get<std::string>(),
+                        "--max-tokens", "16", "--backend", "cpu", "--device-mem", "64MiB", "--threads", "1",
+                        "--logprobs"});
+  CHECK(run.status == 0);
+  CHECK(run.out == prompt["greedy"]["text"].get<std::string>() + "\n");
+  auto engine = kvlite::Engine::open(model_fixtures::dir(name));
+  REQUIRE(engine);
+  kvlite::SamplingParams params;
+  params.max_tokens = 16;
+  params.logprobs = true;
+  auto generation = (*engine)->generate(prompt["text"].get<std::string>(), params);
+  REQUIRE(generation);
+  REQUIRE(generation->ids.size() == 16);
+  std::istringstream lines(run.err);
+  size_t seen = 0;
+  for (std::string line; std::getline(lines, line);) {
+    size_t index = 0;
+    int id = 0;
+    double logprob = 0;
+    if (sscanf(line.c_str(), "kvlite generate: token %zu id %d logprob %lf", &index, &id, &logprob) != 3) continue;
+    CAPTURE(line);
+    REQUIRE(index < generation->ids.size());
+    CHECK(id == generation->ids[index]);
+    CHECK(std::fabs(logprob - double(generation->logprobs[index])) <= 1e-6);
+    seen++;
+  }
+  CHECK(seen == 16);
 }
 
 TEST_CASE("generate --backend cpu --activation-dtype bf16 | f16 runs the GPU's rounding on the CPU") {
