@@ -13390,6 +13390,28 @@ const char* finish_reason_name(FinishReason reason) {
 
 namespace detail {
 
+// `count` values of host memory in F32, BF16 or F16, widened to float (exact): logits and image features a
+// backend keeps in its 16-bit activation dtype, read on the host.
+inline void widen_to_float(const void* data, DType dtype, size_t count, float* out) {
+  if (dtype == DType::F32) {
+    memcpy(out, data, count * sizeof(float));
+    return;
+  }
+  const uint8_t* bytes = static_cast<const uint8_t*>(data);
+  uint16_t bits = 0;
+  if (dtype == DType::BF16) {
+    for (size_t j = 0; j < count; j++) {
+      memcpy(&bits, bytes + 2 * j, 2);
+      out[j] = bf16_to_float(bits);
+    }
+  } else {
+    for (size_t j = 0; j < count; j++) {
+      memcpy(&bits, bytes + 2 * j, 2);
+      out[j] = f16_to_float(bits);
+    }
+  }
+}
+
 enum class RequestKind { generate, score, logits };
 
 // A run of one image's tokens in a request: tokens [first, first + count) take feature rows [feature_row, +count).
@@ -13601,8 +13623,7 @@ struct Engine::Impl {
           narrow.resize(size_t(rows.elements()));
           Status copied = backend->copy_to_host(rows, narrow.data());
           if (!copied) throw copied.error();
-          for (size_t i = 0; i < narrow.size(); i++)
-            dst[i] = rows.dtype == DType::BF16 ? bf16_to_float(narrow[i]) : f16_to_float(narrow[i]);
+          detail::widen_to_float(narrow.data(), rows.dtype, narrow.size(), dst);
         }
       }
       for (const VisionInput* image : group) token += image->grid.image_tokens;
@@ -14121,11 +14142,8 @@ struct Engine::Impl {
   float* host_logits_row(const Tensor& logits, int64_t i, float* scratch) const {
     const int64_t vocab = config.text.vocab_size;
     if (logits.dtype == DType::F32) return static_cast<float*>(logits.data) + i * vocab;
-    const uint8_t* raw = static_cast<const uint8_t*>(logits.data) + size_t(i * vocab) * 2;
-    for (int64_t j = 0; j < vocab; j++) {
-      const uint16_t bits = uint16_t(raw[2 * j] | raw[2 * j + 1] << 8);
-      scratch[j] = logits.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
-    }
+    detail::widen_to_float(static_cast<const uint8_t*>(logits.data) + size_t(i * vocab) * 2, logits.dtype,
+                           size_t(vocab), scratch);
     return scratch;
   }
 
@@ -14321,10 +14339,7 @@ struct Engine::Impl {
         for (int64_t i = 0; i < count; i++)
           consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
       } else {  // BF16 / F16 activations on the CPU: widened on the host, as the GPU's host rows are
-        const uint16_t* narrow = static_cast<const uint16_t*>(logits.data);
-        const size_t n = size_t(count * vocab);
-        for (size_t j = 0; j < n; j++)
-          logits_host[j] = logits.dtype == DType::BF16 ? bf16_to_float(narrow[j]) : f16_to_float(narrow[j]);
+        detail::widen_to_float(logits.data, logits.dtype, size_t(count * vocab), logits_host.data());
         for (int64_t i = 0; i < count; i++) consume_row(row_owners[size_t(first + i)], logits_host.data() + i * vocab);
       }
     }
@@ -14374,17 +14389,7 @@ struct Engine::Impl {
     }
     if (host_rows) {
       check(backend->copy_to_host(logits, logits_raw.data()));
-      const uint8_t* raw = logits_raw.data();
-      const size_t n = size_t(count * vocab);
-      switch (logits.dtype) {
-        case DType::BF16:
-          for (size_t j = 0; j < n; j++) logits_host[j] = bf16_to_float(uint16_t(raw[2 * j] | raw[2 * j + 1] << 8));
-          break;
-        case DType::F16:
-          for (size_t j = 0; j < n; j++) logits_host[j] = f16_to_float(uint16_t(raw[2 * j] | raw[2 * j + 1] << 8));
-          break;
-        default: memcpy(logits_host.data(), raw, n * sizeof(float));
-      }
+      detail::widen_to_float(logits_raw.data(), logits.dtype, size_t(count * vocab), logits_host.data());
     }
     size_t next_sampled = 0;
     for (int64_t i = 0; i < count; i++) {
@@ -14616,6 +14621,7 @@ class WeightUploader {
   }
 
   uint64_t remaining() const { return uint64_t(end_ - next_); }
+  DType activation_dtype() const { return act_; }
 
  private:
   static void check(const Status& status) {
@@ -14680,14 +14686,11 @@ VisionWeights upload_vision_weights(const VisionWeights& host, WeightUploader& u
   return device;
 }
 
-TextModelWeights upload_text_weights(const TextModelWeights& host, Backend& backend, const Arena& arena,
-                                     uint64_t chunk_bytes, const std::function<void(uint64_t)>& progress,
-                                     uint64_t host_bytes, const VisionWeights* vision_host = nullptr,
-                                     VisionWeights* vision_device = nullptr) {
-  WeightUploader upload(backend, arena, chunk_bytes);
+TextModelWeights upload_text_weights(const TextModelWeights& host, WeightUploader& upload,
+                                     const std::function<void(uint64_t)>& progress, uint64_t host_bytes) {
   // Progress in the checkpoint's bytes: the span's share filled, of the bytes on disk (after each layer).
   auto report = [&] { progress(uint64_t(std::min(1.0, upload.filled()) * double(host_bytes))); };
-  const DType act = backend.activation_dtype();
+  const DType act = upload.activation_dtype();
   TextModelWeights device;
   device.embed_tokens = upload.tensor(host.embed_tokens, host.embed_tokens.dtype, "embed_tokens");
   device.layers.resize(host.layers.size());
@@ -14717,10 +14720,6 @@ TextModelWeights upload_text_weights(const TextModelWeights& host, Backend& back
     device.lm_head.weight = upload.tensor(host.embed_tokens, act, "lm_head (tied, converted)");
   } else {
     device.lm_head = upload.linear(host.lm_head, "lm_head");
-  }
-  if (vision_host && vision_device) {
-    *vision_device = upload_vision_weights(*vision_host, upload);
-    report();
   }
   return device;
 }
@@ -14944,14 +14943,15 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
                                           "(f32, bf16 or f16)",
                                           e.backend->name().c_str(), kv_dtype_name(e.plan.options.kv_dtype)));
 
-    std::optional<VisionWeights> device_vision;
-    if (gpu && vision_weights) device_vision.emplace();
-    TextModelWeights text_weights =
-        gpu ? detail::engine::upload_text_weights(*bound, *e.backend, *e.arena, e.plan.upload_chunk_bytes, progress,
-                                                  total_weight_bytes, vision_weights ? &*vision_weights : nullptr,
-                                                  device_vision ? &*device_vision : nullptr)
-            : std::move(*bound);
-    if (device_vision) vision_weights = std::move(device_vision);  // the vision tower's views, now device memory
+    TextModelWeights text_weights;
+    if (gpu) {
+      detail::engine::WeightUploader upload(*e.backend, *e.arena, e.plan.upload_chunk_bytes);
+      text_weights = detail::engine::upload_text_weights(*bound, upload, progress, total_weight_bytes);
+      // the vision tower (Qwen3-VL) into the same span, after the text model: its views become device memory
+      if (vision_weights) vision_weights = detail::engine::upload_vision_weights(*vision_weights, upload);
+    } else {
+      text_weights = std::move(*bound);
+    }
     progress(total_weight_bytes);
     e.info.backend = backend_kind;
     e.info.backend_name = e.backend->name();

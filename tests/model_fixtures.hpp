@@ -83,6 +83,18 @@ inline std::unique_ptr<kvlite::Engine> open(const std::string& name, kvlite::Eng
 
 inline std::vector<int32_t> ids_of(const nlohmann::json& value) { return value.get<std::vector<int32_t>>(); }
 
+// The fixture's prompts (appended to *prompts) and transformers' greedy continuation of each (returned).
+inline std::vector<std::vector<int32_t>> reference_greedy(const std::string& name,
+                                                          std::vector<std::vector<int32_t>>* prompts) {
+  std::vector<std::vector<int32_t>> greedy;
+  const nlohmann::json fixture = reference(name);  // (not iterated as a temporary: it would dangle)
+  for (const auto& p : fixture["prompts"]) {
+    prompts->push_back(ids_of(p["input_ids"]));
+    greedy.push_back(ids_of(p["greedy"]["new_ids"]));
+  }
+  return greedy;
+}
+
 
 // A plan's JSON with a discrete GPU's free memory zeroed: free_bytes is read when each plan queries the GPU, so
 // two plans of the same options differ in it alone (it decides nothing there; an integrated GPU plans against

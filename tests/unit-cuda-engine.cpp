@@ -794,11 +794,7 @@ TEST_CASE("the bundled captioners on the GPU caption the example images as the C
   GPU_OR_SKIP();
   const std::string root = std::string(KVLITE_SOURCE_DIR) + "/";
   std::vector<std::string> files;
-  {
-    std::ifstream in(root + "examples/images/captions.txt");
-    for (std::string line; std::getline(in, line);)
-      if (line.find('\t') != std::string::npos) files.push_back(line.substr(0, line.find('\t')));
-  }
+  for (const auto& example : engine_helpers::example_captions()) files.push_back(example.first);
   REQUIRE(files.size() >= 5);
   for (const char* format : {"bf16", "fp8", "w4a16"}) {
     CAPTURE(format);

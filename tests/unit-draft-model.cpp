@@ -24,15 +24,7 @@ namespace {
 using engine_helpers::check_pool_empty;
 using engine_helpers::greedy;
 
-std::vector<std::vector<int32_t>> reference_greedy(const std::string& name, std::vector<std::vector<int32_t>>* prompts) {
-  std::vector<std::vector<int32_t>> out;
-  const nlohmann::json reference = fx::reference(name);
-  for (const auto& p : reference["prompts"]) {
-    prompts->push_back(fx::ids_of(p["input_ids"]));
-    out.push_back(fx::ids_of(p["greedy"]["new_ids"]));
-  }
-  return out;
-}
+using fx::reference_greedy;
 
 EngineOptions with_draft(const std::string& draft, int64_t k) {
   EngineOptions options;
@@ -246,13 +238,7 @@ TEST_CASE("with a draft model, seeded sampling is reproducible, alone or batched
 
 TEST_CASE("the bundled captioner with its early-exit draft model: the same captions in fewer target passes") {
   const std::string root = std::string(KVLITE_SOURCE_DIR) + "/";
-  std::vector<std::pair<std::string, std::string>> examples;
-  {
-    std::ifstream in(root + "examples/images/captions.txt");
-    for (std::string line; std::getline(in, line);)
-      if (line.find('\t') != std::string::npos)
-        examples.emplace_back(line.substr(0, line.find('\t')), line.substr(line.find('\t') + 1));
-  }
+  const std::vector<std::pair<std::string, std::string>> examples = engine_helpers::example_captions();
   REQUIRE(examples.size() >= 5);
   std::map<bool, EngineStats> stats;
   for (bool drafting : {false, true}) {

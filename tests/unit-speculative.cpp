@@ -308,15 +308,7 @@ TEST_CASE("a draft model's sampled drafts: verification keeps the target distrib
 
 namespace {
 
-std::vector<std::vector<int32_t>> reference_greedy(const std::string& name, std::vector<std::vector<int32_t>>* prompts) {
-  std::vector<std::vector<int32_t>> greedy;
-  const nlohmann::json reference = fx::reference(name);  // (not iterated as a temporary: it would dangle)
-  for (const auto& p : reference["prompts"]) {
-    prompts->push_back(fx::ids_of(p["input_ids"]));
-    greedy.push_back(fx::ids_of(p["greedy"]["new_ids"]));
-  }
-  return greedy;
-}
+using fx::reference_greedy;
 
 EngineOptions speculative(int64_t ngram = 3, int64_t k = 4) {
   EngineOptions options;
@@ -473,13 +465,7 @@ TEST_CASE("with n-gram drafting, seeded sampling is reproducible, alone or batch
 
 TEST_CASE("the bundled captioner with n-gram drafting: the same captions in fewer forward passes") {
   const std::string root = std::string(KVLITE_SOURCE_DIR) + "/";
-  std::vector<std::pair<std::string, std::string>> examples;
-  {
-    std::ifstream in(root + "examples/images/captions.txt");
-    for (std::string line; std::getline(in, line);)
-      if (line.find('\t') != std::string::npos)
-        examples.emplace_back(line.substr(0, line.find('\t')), line.substr(line.find('\t') + 1));
-  }
+  const std::vector<std::pair<std::string, std::string>> examples = engine_helpers::example_captions();
   REQUIRE(examples.size() >= 5);
   std::map<bool, EngineStats> stats;
   for (bool drafting : {false, true}) {
