@@ -1377,6 +1377,231 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
   }
 }
 
+// ---- the decode GEMV: a few rows, the weights streamed once through registers ---------------------------------
+// At M <= kQuantGemvMaxRows (decode) the mma kernel spends a 16-row tensor-core step on one row and stages every
+// byte through shared memory: measured at 18-30% of copy bandwidth on an H100 (bench/RESULTS.md). This kernel
+// reads the same tiles straight from device memory into registers: each warp streams a contiguous run of its
+// column tile's k tiles (16 bytes per lane, a warp's 512 B / 2 KiB coalesced, kGemvUnroll tiles in flight),
+// dequantizes each pair exactly as the mma kernel does ((u - z) * scale in T, one rounding), and accumulates
+// fp32 FMAs against the activations, which every warp of the GPU reads and L1 keeps. Sums: the four lanes of a
+// column (shuffles), the warps (shared memory, warp order), the splits (the mma kernel's partials and counters,
+// split order), so the result does not depend on timing.
+//
+//   grid = (1, column tiles, splits); block = kGemvWarps warps; warp w <- tiles [t0 + w L, t0 + (w + 1) L) of the
+//   split's run; lane (g, q) <- columns 8j + g (j = 0..7) at the k of its fragment slots.
+constexpr int kGemvWarps = 8;
+constexpr int kGemvUnroll = 4;
+
+// Two 16-bit values (low half first) as floats (exact).
+template <class T>
+__device__ __forceinline__ float2 pair_to_float2(uint32_t bits);
+template <>
+__device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint32_t bits) {
+  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+}
+template <>
+__device__ __forceinline__ float2 pair_to_float2<__half>(uint32_t bits) {
+  return __half22float2(bit_cast_32<__half2>(bits));
+}
+
+// Activation pairs of one row: columns k, k + 1 (k even) as floats, zero at and past k_valid. `whole` (the
+// caller's warp-uniform test that the tile lies below k_valid) skips the bounds checks.
+template <class T>
+__device__ __forceinline__ float2 gemv_x_pair(const T* row, uint32_t k, uint32_t k_valid, bool whole) {
+  if (whole || k + 1 < k_valid) return pair_to_float2<T>(__ldg(reinterpret_cast<const unsigned*>(row + k)));
+  if (k < k_valid) return make_float2(to_float(row[k]), 0.0f);
+  return make_float2(0.0f, 0.0f);
+}
+
+template <QgFormat F>
+struct GemvShape {
+  static constexpr int kTileK = F == QgFormat::int4_a16 ? 16 : 32;
+  static constexpr int kChunks = F == QgFormat::int4_a16 ? 1 : 4;  // 16-byte chunks per lane per tile
+  static constexpr int kTileBytes = 512 * kChunks;
+  static constexpr int kTilesPerStage = int(kQuantStageK) / kTileK;
+};
+
+// The lane's 8 scales (and int4 zero points) of `group`, as T pairs: table positions 8g .. 8g + 7.
+template <QgFormat F, class T>
+__device__ __forceinline__ void gemv_group_tables(const QuantGemmArgs& args, uint32_t group, int g,
+                                                  uint32_t (&scale2)[8], uint32_t (&subtrahend2)[8]) {
+  constexpr bool kBf16 = Pair2<T>::kBf16;
+  const uint64_t base = uint64_t(group) * uint64_t(args.n_pad) + uint64_t(blockIdx.y) * kQuantTileN + 8 * g;
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    float scale;
+    if (args.scale_bytes == 4) {
+      scale = __ldg(reinterpret_cast<const float*>(args.scales) + base + j);
+    } else {
+      const uint16_t bits = __ldg(reinterpret_cast<const uint16_t*>(args.scales) + base + j);
+      scale = args.scale_dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+    }
+    if constexpr (F == QgFormat::int4_a16) {
+      scale2[j] = pair_broadcast<T>(scale);
+      const uint32_t zero = args.zeros != nullptr ? uint32_t(__ldg(args.zeros + base + j)) : 8u;
+      subtrahend2[j] = int4_subtrahend_bits(zero, int4_magic(kBf16)) * 0x10001u;
+    } else {
+      scale2[j] = pair_broadcast<T>(fp8_folded_scale(scale, kBf16));
+      subtrahend2[j] = 0;
+    }
+  }
+}
+
+// One tile of one lane into acc[row][j]: int4 -- word w, pair p feeds block j = 2w + p/2 at k = 2q + 8 (p % 2)
+// + {0, 1}; fp8 -- chunk c, word i, pair p feeds block j = 2c + i/2 at k = 16 (i % 2) + 4q + 2p + {0, 1}.
+// x[row][s]: the activation pairs of the lane's slots s (int4: s = register r; fp8: s = 2 r + p).
+template <QgFormat F, class T, int R>
+__device__ __forceinline__ void gemv_tile(const uint4 (&chunks)[GemvShape<F>::kChunks], const float2 (&x)[R][4],
+                                          const uint32_t (&scale2)[8], const uint32_t (&subtrahend2)[8],
+                                          float (&acc)[R][8]) {
+  constexpr bool kBf16 = Pair2<T>::kBf16;
+#pragma unroll
+  for (int c = 0; c < GemvShape<F>::kChunks; c++) {
+    const uint32_t words[4] = {chunks[c].x, chunks[c].y, chunks[c].z, chunks[c].w};
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+      if constexpr (F == QgFormat::int4_a16) {
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+          const int j = int4_pair_block(w, p), r = int4_pair_register(p);
+          const float2 v = pair_to_float2<T>(
+              pair_mul<T>(pair_sub<T>(int4_pair_bits(words[w], p, int4_magic(kBf16)), subtrahend2[j]), scale2[j]));
+#pragma unroll
+          for (int m = 0; m < R; m++) acc[m][j] = fmaf(v.y, x[m][r].y, fmaf(v.x, x[m][r].x, acc[m][j]));
+        }
+      } else {
+        const int j = fp8_word_block(c, w), r = fp8_word_register(w);
+        const uint32_t ordered = fp8_pair_order(words[w]);
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+          const float2 v = pair_to_float2<T>(pair_mul<T>(fp8_pair_bits(ordered, p, kBf16), scale2[j]));
+#pragma unroll
+          for (int m = 0; m < R; m++) acc[m][j] = fmaf(v.y, x[m][2 * r + p].y, fmaf(v.x, x[m][2 * r + p].x, acc[m][j]));
+        }
+      }
+    }
+  }
+}
+
+//   F: int4_a16 or fp8_a16; T: activation dtype; R: rows computed (args.rows <= R).
+template <QgFormat F, class T, int R>
+__global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const QuantGemmArgs args) {
+  using Shape = GemvShape<F>;
+  __shared__ float warp_sums[kGemvWarps][R][kQuantTileN];
+  __shared__ int last_arrival;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int64_t n_tile = blockIdx.y, split = blockIdx.z;
+  const int rows = int(args.rows);
+  int64_t s_begin, s_end;
+  quant_split_range(args.stages, args.splits, split, &s_begin, &s_end);
+  // this warp's run of tiles (tile t covers device columns [kTileK t, kTileK (t + 1)))
+  const int64_t split_tiles = (s_end - s_begin) * Shape::kTilesPerStage;
+  const int64_t per_warp = (split_tiles + kGemvWarps - 1) / kGemvWarps;
+  const int64_t t_begin = s_begin * Shape::kTilesPerStage + warp * per_warp;
+  const int64_t split_end = s_end * Shape::kTilesPerStage;
+  const int64_t t_end = t_begin + per_warp < split_end ? t_begin + per_warp : split_end;
+  const uint8_t* tiles = args.tiles + uint64_t(n_tile) * args.tile_row_bytes + 16 * lane;
+  const T* x = static_cast<const T*>(args.x);
+  const uint32_t k_valid = uint32_t(args.k_valid), group_size = uint32_t(args.group_size);
+
+  float acc[R][8];
+#pragma unroll
+  for (int m = 0; m < R; m++)
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[m][j] = 0.0f;
+  uint32_t scale2[8], subtrahend2[8];
+  uint32_t group = 0xffffffffu;  // the group whose tables the registers hold
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kGemvUnroll) {
+    // kGemvUnroll tiles in flight before any is used (streamed: read once, kept out of L1)
+    uint4 chunks[kGemvUnroll][Shape::kChunks];
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; u++)
+#pragma unroll
+      for (int c = 0; c < Shape::kChunks; c++)
+        chunks[u][c] = t0 + u < t_end ? __ldcs(reinterpret_cast<const uint4*>(tiles + uint64_t(t0 + u) * Shape::kTileBytes + 512 * c))
+                                      : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; u++) {
+      if (t0 + u >= t_end) break;
+      const uint32_t k0 = uint32_t(t0 + u) * uint32_t(Shape::kTileK);  // K_pad < 2^31 (checked at upload)
+      const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);
+      if (tile_group != group) {  // warp-uniform: a run crosses a group every group_size / kTileK tiles
+        group = tile_group;
+        gemv_group_tables<F, T>(args, group, g, scale2, subtrahend2);
+      }
+      const bool whole = k0 + Shape::kTileK <= k_valid;
+      float2 xs[R][4];
+#pragma unroll
+      for (int m = 0; m < R; m++) {
+        const T* row = x + int64_t(m < rows ? m : 0) * args.x_stride;
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+          // int4: slots 0, 1 <- k 2q, 2q + 8 (2, 3 unused); fp8: slot 2r + p <- k 16r + 4q + 2p
+          const uint32_t k = F == QgFormat::int4_a16 ? k0 + 2 * q + 8 * s : k0 + 16 * (s / 2) + 4 * q + 2 * (s % 2);
+          xs[m][s] = (m < rows && (F != QgFormat::int4_a16 || s < 2)) ? gemv_x_pair<T>(row, k, k_valid, whole)
+                                                                      : make_float2(0.0f, 0.0f);
+        }
+      }
+      gemv_tile<F, T, R>(chunks[u], xs, scale2, subtrahend2, acc);
+    }
+  }
+
+  // the four lanes of a column group (q = 0..3) hold parts of the same 8 columns
+#pragma unroll
+  for (int m = 0; m < R; m++)
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      acc[m][j] += __shfl_xor_sync(0xffffffffu, acc[m][j], 1);
+      acc[m][j] += __shfl_xor_sync(0xffffffffu, acc[m][j], 2);
+    }
+  if (q == 0)
+#pragma unroll
+    for (int m = 0; m < R; m++)
+#pragma unroll
+      for (int j = 0; j < 8; j++) warp_sums[warp][m][8 * j + g] = acc[m][j];
+  __syncthreads();
+
+  const int64_t n0 = n_tile * kQuantTileN;
+  const int outputs = rows * int(kQuantTileN);
+  if (args.splits == 1) {
+    for (int i = threadIdx.x; i < outputs; i += kGemvWarps * 32) {
+      const int m = i / int(kQuantTileN), c = i % int(kQuantTileN);
+      if (n0 + c >= args.n) continue;
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kGemvWarps; w++) sum += warp_sums[w][m][c];
+      qg_store<F, T>(args, m * args.out_stride + n0 + c, sum + args.bias[n0 + c]);
+    }
+    return;
+  }
+  // split-K: the mma kernel's partials ([n_tile][splits][16 rows][64]) and counters
+  float* mine = args.partials + (uint64_t(n_tile * args.splits + split) * 16) * kQuantTileN;
+  for (int i = threadIdx.x; i < outputs; i += kGemvWarps * 32) {
+    const int m = i / int(kQuantTileN), c = i % int(kQuantTileN);
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kGemvWarps; w++) sum += warp_sums[w][m][c];
+    mine[i] = sum;
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last_arrival = atomicAdd(&args.counters[n_tile], 1u) == unsigned(args.splits - 1);
+    if (last_arrival) args.counters[n_tile] = 0;
+  }
+  __syncthreads();
+  if (!last_arrival) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < outputs; i += kGemvWarps * 32) {
+    const int c = i % int(kQuantTileN);
+    if (n0 + c >= args.n) continue;
+    float sum = 0.0f;
+    for (int64_t sp = 0; sp < args.splits; sp++)
+      sum += __ldcg(args.partials + (uint64_t(n_tile * args.splits + sp) * 16) * kQuantTileN + i);
+    qg_store<F, T>(args, (i / kQuantTileN) * args.out_stride + n0 + c, sum + args.bias[n0 + c]);
+  }
+}
+
 // ---- the kernels around the GEMMs ------------------------------------------------------------------------------
 
 // Activations for the A16 kernels when they cannot be read in place (act-order, or rows not 16-byte
@@ -1760,6 +1985,24 @@ QuantGemmInstance quant_gemm_instance(int m_tiles) {
   return m_tiles == 1 ? quant_gemm_instance<F, T, 1>()
                       : m_tiles == 2 ? quant_gemm_instance<F, T, 2>() : quant_gemm_instance<F, T, 4>();
 }
+template <QgFormat F, class T>
+QuantGemmInstance quant_gemv_instance(int rows) {
+  constexpr const char* name = F == QgFormat::int4_a16 ? "quant_gemv_kernel (W4A16)" : "quant_gemv_kernel (W8A16)";
+  constexpr int threads = kGemvWarps * 32;
+  return rows == 1 ? QuantGemmInstance{&quant_gemv_kernel<F, T, 1>, 0, threads, name}
+                   : rows == 2 ? QuantGemmInstance{&quant_gemv_kernel<F, T, 2>, 0, threads, name}
+                               : QuantGemmInstance{&quant_gemv_kernel<F, T, 4>, 0, threads, name};
+}
+// The GEMV for `format` (int4_a16 or fp8_a16) with activations of `activation` (BF16 or F16), compiled for
+// `rows` (1, 2, 4: quant_gemv_rows).
+QuantGemmInstance quant_gemv_instance(QgFormat format, DType activation, int rows) {
+  if (activation == DType::BF16)
+    return format == QgFormat::int4_a16 ? quant_gemv_instance<QgFormat::int4_a16, __nv_bfloat16>(rows)
+                                        : quant_gemv_instance<QgFormat::fp8_a16, __nv_bfloat16>(rows);
+  return format == QgFormat::int4_a16 ? quant_gemv_instance<QgFormat::int4_a16, __half>(rows)
+                                      : quant_gemv_instance<QgFormat::fp8_a16, __half>(rows);
+}
+
 // The kernel for `format` with activations of `activation` (BF16 or F16) and `m_tiles` (1, 2, 4).
 QuantGemmInstance quant_gemm_instance(QgFormat format, DType activation, int m_tiles) {
   if (activation == DType::BF16) {
@@ -2374,8 +2617,9 @@ class CudaBackend final : public Backend {
     return blocks;
   }
 
-  // The tensor-core paths: per pass, the activations staged when they must be (W8A8: quantized; A16:
-  // permuted or aligned), then one quant_gemm_kernel launch (split-K fix-up inside it).
+  // The tensor-core paths and the GEMV: per pass, the activations staged when they must be (W8A8: quantized;
+  // A16 and the GEMV: permuted or unaligned), then one quant_gemm_kernel / quant_gemv_kernel launch (split-K
+  // fix-up inside it).
   void quant_linear_mma(const Tensor& x, const QuantWeight& weight, const QuantGpuLayout& layout, QuantKernel kernel,
                         const Tensor& out) {
     const QgFormat format = kernel == QuantKernel::mma_w8a8        ? QgFormat::fp8_a8
@@ -2383,8 +2627,11 @@ class CudaBackend final : public Backend {
                                                                   : QgFormat::fp8_a16;
     const bool aligned = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.cols % 8 == 0 &&
                          (x.rows <= 1 || x.row_stride % 8 == 0);
-    const bool stage_x = kernel == QuantKernel::mma_a16 && (layout.permuted || !aligned);
-    const QuantGemmInstance widest = quant_gemm_instance(format, act_, quant_m_tiles(std::min<int64_t>(x.rows, 64)));
+    const bool gemv = kernel == QuantKernel::gemv_a16;
+    const bool stage_x = (kernel == QuantKernel::mma_a16 || gemv) && (layout.permuted || !aligned);
+    const QuantGemmInstance widest =
+        gemv ? quant_gemv_instance(format, act_, quant_gemv_rows(std::min(x.rows, kQuantGemvMaxRows)))
+             : quant_gemm_instance(format, act_, quant_m_tiles(std::min<int64_t>(x.rows, 64)));
     const int64_t target_blocks = int64_t(sm_count_) * quant_gemm_blocks_per_sm(widest);
     QuantGemmPlan plan;
     std::string why;
@@ -2454,9 +2701,11 @@ class CudaBackend final : public Backend {
       args.rows = rows;
       args.splits = rows <= 64 ? plan.splits : 1;
       const int m_tiles = quant_m_tiles(std::min<int64_t>(rows, 64));
-      const QuantGemmInstance instance = quant_gemm_instance(format, act_, m_tiles);
+      const QuantGemmInstance instance = gemv ? quant_gemv_instance(format, act_, quant_gemv_rows(rows))
+                                              : quant_gemm_instance(format, act_, m_tiles);
       quant_gemm_blocks_per_sm(instance);  // its shared memory limit raised
-      const dim3 grid(unsigned((rows + 16 * m_tiles - 1) / (16 * m_tiles)), unsigned(layout.n_tiles),
+      // the GEMV: one block row (rows <= kQuantGemvMaxRows, plan_quant_gemm's passes)
+      const dim3 grid(gemv ? 1u : unsigned((rows + 16 * m_tiles - 1) / (16 * m_tiles)), unsigned(layout.n_tiles),
                       unsigned(args.splits));
       instance.kernel<<<grid, unsigned(instance.threads), size_t(instance.shared_bytes), stream_>>>(args);
       check_launch(instance.name);

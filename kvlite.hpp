@@ -1245,13 +1245,29 @@ KVLITE_HD float fp8_folded_scale(float scale, bool bf16) {
 //   mma_w8a8         fp8 W8A8 (sm_89+): activations quantized per token (per block_k group for block weights),
 //                    e4m3 mma.m16n8k32, scales applied to each tile's fp32 partial product
 //   dequant_cublas   weights dequantized to the activation dtype into scratch (tiled over N), then cuBLAS
-enum class QuantKernel : uint8_t { automatic, mma_a16, mma_w8a8, dequant_cublas };
+//   gemv_a16         int4 / fp8 weights with bf16/f16 activations, a few rows (decode): the tiles streamed from
+//                    device memory into registers, dequantized as mma_a16 does, fp32 FMAs (no tensor cores)
+enum class QuantKernel : uint8_t { automatic, mma_a16, mma_w8a8, dequant_cublas, gemv_a16 };
 const char* quant_kernel_name(QuantKernel kernel);
 
 // Activation rows up to which mma_a16 runs; more rows go through dequantize + cuBLAS, whose dequantization
 // then costs less than the tensor-core time it saves. A first guess: bench/quant_gemm.cu times both at
 // M = 512 and 2048 on each GPU.
 constexpr int64_t kQuantMmaMaxRows = 256;
+// Activation rows up to which gemv_a16 runs (one launch computes this many rows; more rows forced onto it run in
+// passes). At M = 1 the mma kernels spend a 16-row tensor-core step on one row and stage every byte through
+// shared memory (18-30% of copy bandwidth for W4A16 on an H100, bench/RESULTS.md); the GEMV's fp32 FMAs cost
+// 16 M per 16 bytes of int4 weights, past the FMA rate near M = 8, so it stops at 4.
+constexpr int64_t kQuantGemvMaxRows = 4;
+// Rows up to which the automatic choice takes gemv_a16, by weight format. Measured on an H100 (bench/RESULTS.md,
+// 2026-11-26, Llama-3.1-8B's and Qwen3-VL-4B's Linears): int4 at M = 1 runs 1.4-2.5x faster than the mma kernel
+// and at M = 2 1.2-1.9x, at M = 4 0.5-1.0x; fp8 at M = 1 ties W8A16 on the layers (sum of a layer's four GEMMs
+// within 2%) and is 1.2x faster on lm_head, and loses from M = 2.
+constexpr int64_t quant_gemv_auto_rows(WeightFormat format) { return format == WeightFormat::int4 ? 2 : 1; }
+// The GEMV splits K as the mma kernel does: enough splits to fill the GPU's block slots once (SMs x blocks an SM
+// holds). Aiming for 4 waves of shorter blocks instead was measured slower on an H100 (Llama qkv at M = 1 12.5 ->
+// 20.9 us, down 28.3 -> 35.1, gate_up 51.9 -> 53.7): more splits cost more partials and fix-ups than the tail
+// they remove.
 // Stages each split-K partition gets at least: more splits fill more SMs at M = 1, but each split pays the
 // block's epilogue (the warps' sum, a partial written and read back). A first guess, for bench/quant_gemm.cu to
 // settle.
@@ -1267,11 +1283,16 @@ constexpr int kQuantW8A8MinSm = 89;
 constexpr bool quant_w8a8_preferred(int sm) { return sm >= kQuantW8A8MinSm && sm / 10 != 9; }
 
 // The kernel `forced` or, when automatic, the one for `rows` rows on a GPU of compute capability `sm` with
-// activations of dtype `activation`. F32 activations always dequantize (exact weights, float32 cuBLAS).
+// activations of dtype `activation`: gemv_a16 up to quant_gemv_auto_rows rows, then W8A8 for fp8 where it is
+// native, else mma_a16 up to kQuantMmaMaxRows rows, then dequantize + cuBLAS. F32 activations always dequantize
+// (exact weights, float32 cuBLAS).
 QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, int sm, int64_t rows,
                                 QuantKernel forced);
 // Why `kernel` cannot run `layout` here ("" when it can).
 std::string quant_kernel_refusal(const QuantGpuLayout& layout, QuantKernel kernel, DType activation, int sm);
+
+// The rows a gemv_a16 launch is compiled for: 1, 2 or 4 (the smallest that holds `rows`, at most 4).
+KVLITE_HD int quant_gemv_rows(int64_t rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : 4; }
 
 // The 16-row mma tiles a GEMM block takes for `rows` rows: 1, 2 or 4 (up to 64 rows per block).
 KVLITE_HD int quant_m_tiles(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
@@ -1281,7 +1302,7 @@ KVLITE_HD int quant_m_tiles(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ?
 // columns at a time for cuBLAS.
 struct QuantGemmPlan {
   QuantKernel kernel = QuantKernel::dequant_cublas;
-  int64_t row_chunk = 0;
+  int64_t row_chunk = 0;      // gemv_a16: at most kQuantGemvMaxRows
   int64_t splits = 1;         // split-K partitions of the stages (only when one block row, m_blocks == 1)
   int64_t n_chunk = 0;        // dequant_cublas: output columns per pass (a multiple of 64)
   bool stage_x = false;       // mma_a16: activations copied into scratch first (act-order, or unaligned)
@@ -5869,6 +5890,7 @@ const char* quant_kernel_name(QuantKernel kernel) {
     case QuantKernel::mma_a16: return "mma_a16";
     case QuantKernel::mma_w8a8: return "mma_w8a8";
     case QuantKernel::dequant_cublas: return "dequant_cublas";
+    case QuantKernel::gemv_a16: return "gemv_a16";
   }
   return "?";
 }
@@ -5896,6 +5918,7 @@ QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, 
                                 QuantKernel forced) {
   if (forced != QuantKernel::automatic) return forced;
   if ((activation != DType::BF16 && activation != DType::F16) || !layout.mma) return QuantKernel::dequant_cublas;
+  if (rows <= quant_gemv_auto_rows(layout.format)) return QuantKernel::gemv_a16;
   if (layout.format == WeightFormat::fp8 && quant_w8a8_preferred(sm)) return QuantKernel::mma_w8a8;
   return rows <= kQuantMmaMaxRows ? QuantKernel::mma_a16 : QuantKernel::dequant_cublas;
 }
@@ -5933,6 +5956,7 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
     *plan = p;
     return true;
   }
+  if (kernel == QuantKernel::gemv_a16) p.row_chunk = std::min(rows, kQuantGemvMaxRows);  // passes of its rows
   p.stage_x = kernel == QuantKernel::mma_w8a8 || stage_x;
   if (p.stage_x) {
     if (staged_bytes(layout, kernel, 1) > scratch_bytes) {
@@ -5947,7 +5971,7 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
       while (chunk > 1 && staged_bytes(layout, kernel, chunk) > scratch_bytes) chunk--;
       if (chunk > 64) chunk = chunk / 64 * 64;  // passes of whole 64-row blocks
     }
-    p.row_chunk = std::min(chunk, rows);
+    p.row_chunk = std::min(chunk, p.row_chunk);
     p.x_bytes = staged_bytes(layout, kernel, p.row_chunk);
   }
   // Split-K when one block row leaves the GPU idle: as many splits as fill it once, each of at least
@@ -14793,15 +14817,6 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
     Result<DeviceSpec> device = detect_device(options.backend, options.device, options.plan.device_mem,
                                               options.plan.wsl2, &why);
     if (!device) throw device.error();
-    if (options.backend == BackendChoice::auto_ && device->backend == BackendKind::cuda &&
-        inputs.config.vision.present) {
-      // The CUDA engine runs the vision tower, but that path has not yet run on a GPU (tools/gpu-check.sh's
-      // vision cases): until it has, auto keeps a vision-language model on the CPU, the checked reference.
-      device = detect_device(BackendChoice::cpu, options.device, options.plan.device_mem, options.plan.wsl2);
-      if (!device) throw device.error();
-      why = "auto: the CPU for a vision-language model until the GPU's vision path is verified on a GPU (--backend "
-            "cuda runs it there)";
-    }
     Result<Plan> plan = make_plan(inputs, *device, options.plan);
     if (!plan) throw plan.error();
     plan->backend_rule = why;

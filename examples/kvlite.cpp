@@ -327,7 +327,7 @@ int run_plan(const Args& args) {
 std::vector<OptionSpec> engine_option_specs() {
   return {
       {"--backend", "B", "auto (default: the GPU when kvlite has CUDA, one is present and the CUDA engine runs the "
-                         "model: not yet a vision model) | cpu (the float32 reference) | cuda"},
+                         "model) | cpu (the float32 reference) | cuda"},
       {"--device", "N", "CUDA device index; default 0"},
       {"--device-mem", "SIZE", "memory the plan divides (8GiB, 7.5G, 512MiB): on a GPU the card to behave as (with "
                                "--backend cuda and no GPU here: plan, not run, such a card); default: the device's "
@@ -623,6 +623,15 @@ struct BatchTiming {
   int64_t steps = 0, graph_steps = 0;
 };
 
+// Whether `id` is one of a vision-language model's image / video tokens (placeholders and their brackets).
+bool is_vision_marker(const kvlite::ModelConfig& config, int32_t id) {
+  if (!config.vision.present) return false;
+  for (int64_t marker : {config.image_token_id, config.video_token_id, config.vision_start_token_id,
+                         config.vision_end_token_id})
+    if (marker >= 0 && id == marker) return true;
+  return false;
+}
+
 BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_t decode, uint64_t seed) {
   const int64_t vocab = engine.config().text.vocab_size;
   kvlite::SamplingParams params;
@@ -637,8 +646,10 @@ BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int
     std::vector<int32_t> ids(static_cast<size_t>(prompt));
     uint64_t state = seed * 7919 + uint64_t(b) * 104729 + 1;
     for (auto& id : ids) {
-      state = state * 6364136223846793005ull + 1442695040888963407ull;
-      id = int32_t((state >> 33) % uint64_t(vocab));
+      do {  // a vision model's image and video markers would ask for images: draw again
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        id = int32_t((state >> 33) % uint64_t(vocab));
+      } while (is_vision_marker(engine.config(), id));
     }
     auto on_token = [&, b](const std::string&, int32_t id) {
       if (id < 0) return true;  // the held-back text at the end, not a token
@@ -825,8 +836,7 @@ const std::vector<Command>& commands() {
        run_plan},
       {"generate", "generate text from a prompt, streamed to stdout",
        "Generate text (Llama-3, Qwen2, Qwen3, Qwen3-VL; BF16/F16/F32, FP8 and W4A16 checkpoints) on the CPU\n"
-       "reference engine or the GPU (--backend; auto keeps vision models on the CPU until the GPU's vision path is\n"
-       "verified on a GPU; --backend cuda runs images there). The\n"
+       "reference engine or the GPU (--backend; images run on either). The\n"
        "text streams to stdout as it is generated; a summary line goes to stderr.",
        "kvlite generate MODEL_DIR --prompt TEXT [--chat] [options]",
        "Generation stops at the model's end-of-turn tokens, at --stop, or after --max-tokens tokens.\n"

@@ -1436,15 +1436,6 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
     Result<DeviceSpec> device = detect_device(options.backend, options.device, options.plan.device_mem,
                                               options.plan.wsl2, &why);
     if (!device) throw device.error();
-    if (options.backend == BackendChoice::auto_ && device->backend == BackendKind::cuda &&
-        inputs.config.vision.present) {
-      // The CUDA engine runs the vision tower, but that path has not yet run on a GPU (tools/gpu-check.sh's
-      // vision cases): until it has, auto keeps a vision-language model on the CPU, the checked reference.
-      device = detect_device(BackendChoice::cpu, options.device, options.plan.device_mem, options.plan.wsl2);
-      if (!device) throw device.error();
-      why = "auto: the CPU for a vision-language model until the GPU's vision path is verified on a GPU (--backend "
-            "cuda runs it there)";
-    }
     Result<Plan> plan = make_plan(inputs, *device, options.plan);
     if (!plan) throw plan.error();
     plan->backend_rule = why;

@@ -273,6 +273,7 @@ const char* quant_kernel_name(QuantKernel kernel) {
     case QuantKernel::mma_a16: return "mma_a16";
     case QuantKernel::mma_w8a8: return "mma_w8a8";
     case QuantKernel::dequant_cublas: return "dequant_cublas";
+    case QuantKernel::gemv_a16: return "gemv_a16";
   }
   return "?";
 }
@@ -300,6 +301,7 @@ QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, 
                                 QuantKernel forced) {
   if (forced != QuantKernel::automatic) return forced;
   if ((activation != DType::BF16 && activation != DType::F16) || !layout.mma) return QuantKernel::dequant_cublas;
+  if (rows <= quant_gemv_auto_rows(layout.format)) return QuantKernel::gemv_a16;
   if (layout.format == WeightFormat::fp8 && quant_w8a8_preferred(sm)) return QuantKernel::mma_w8a8;
   return rows <= kQuantMmaMaxRows ? QuantKernel::mma_a16 : QuantKernel::dequant_cublas;
 }
@@ -337,6 +339,7 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
     *plan = p;
     return true;
   }
+  if (kernel == QuantKernel::gemv_a16) p.row_chunk = std::min(rows, kQuantGemvMaxRows);  // passes of its rows
   p.stage_x = kernel == QuantKernel::mma_w8a8 || stage_x;
   if (p.stage_x) {
     if (staged_bytes(layout, kernel, 1) > scratch_bytes) {
@@ -351,7 +354,7 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
       while (chunk > 1 && staged_bytes(layout, kernel, chunk) > scratch_bytes) chunk--;
       if (chunk > 64) chunk = chunk / 64 * 64;  // passes of whole 64-row blocks
     }
-    p.row_chunk = std::min(chunk, rows);
+    p.row_chunk = std::min(chunk, p.row_chunk);
     p.x_bytes = staged_bytes(layout, kernel, p.row_chunk);
   }
   // Split-K when one block row leaves the GPU idle: as many splits as fill it once, each of at least

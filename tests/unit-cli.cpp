@@ -459,6 +459,18 @@ std::vector<double> numbers_of(const std::string& line) {
 }
 }  // namespace
 
+TEST_CASE("bench: a vision-language model's random prompts hold no image or video marker") {
+  // The captioner's 373-token vocabulary: 64 ids drawn uniformly would hold its image placeholder (id 371) with
+  // probability 1 - (372/373)^64 = 16%, per prompt; batch 8 makes a miss nearly certain to show.
+  Run run = run_kvlite({"bench", std::string(KVLITE_SOURCE_DIR) + "/models/kvlite-captioner-bf16", "--backend", "cpu",
+                        "--batch", "1,8", "--prompt-tokens", "64", "--decode-tokens", "3", "--device-mem", "256MiB",
+                        "--threads", "2"});
+  INFO(run.err);
+  INFO(run.out);
+  CHECK(run.status == 0);
+  CHECK(contains(run.out, "of_roofline"));
+}
+
 TEST_CASE("bench: decode tokens/s and time to first token beside the roofline, on the CPU backend too") {
   Run run = run_kvlite({"bench", model_fixtures::dir("tiny-qwen3"), "--backend", "cpu", "--batch", "1,3",
                         "--prompt-tokens", "12", "--decode-tokens", "5", "--device-mem", "256MiB", "--threads", "2"});

@@ -54,9 +54,10 @@ std::vector<Prompt> prompts(const std::string& name) {
 // An engine on the CPU (the reference) or the GPU, with a small budget.
 std::unique_ptr<Engine> open_engine(const std::string& dir, BackendChoice backend,
                                     std::optional<DType> activations = std::nullopt, bool graphs = true,
-                                    uint64_t device_mem = 1 * GiB) {
+                                    uint64_t device_mem = 1 * GiB, int64_t max_images = 1) {
   EngineOptions options;
   options.backend = backend;
+  options.plan.max_images = max_images;
   options.plan.device_mem = backend == BackendChoice::cpu ? 64 * MiB : device_mem;
   options.plan.activation_dtype = activations;
   options.cuda_graphs = graphs;
@@ -739,8 +740,10 @@ TEST_CASE("Qwen3-VL on the GPU: the vision tower and image prompts as on the CPU
   GPU_OR_SKIP();
   const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/vl/tiny-qwen3-vl";
   const uint64_t allocations_before = cuda::device_allocations();
-  auto cpu = open_engine(dir, BackendChoice::cpu);
-  auto gpu = open_engine(dir, BackendChoice::cuda, DType::F32);
+  // Both images in one request: plans for two (the CPU's engine for the reference, the GPU's under test).
+  constexpr int64_t kImages = 2;
+  auto cpu = open_engine(dir, BackendChoice::cpu, std::nullopt, true, 1 * GiB, kImages);
+  auto gpu = open_engine(dir, BackendChoice::cuda, DType::F32, true, 1 * GiB, kImages);
   const uint64_t opened = cuda::device_allocations();
   CHECK(opened == allocations_before + 1);
   std::vector<VisionInput> inputs;
@@ -782,7 +785,7 @@ TEST_CASE("Qwen3-VL on the GPU: the vision tower and image prompts as on the CPU
     REQUIRE_OK(gpu_features);
     const double cpu_drift = features_diff(*cpu_features, *reference), gpu_drift = features_diff(*gpu_features, *reference);
     const double step = act == DType::BF16 ? 1.0 / 256 : 1.0 / 2048;
-    MESSAGE("vision features, " << dtype_name(act) << ": CPU drift " << cpu_drift << ", GPU drift " << gpu_drift
+    MESSAGE("vision features, " << std::string(dtype_name(act)) << ": CPU drift " << cpu_drift << ", GPU drift " << gpu_drift
                                 << ", GPU vs CPU " << features_diff(*gpu_features, *cpu_features));
     CHECK(gpu_drift <= 2 * cpu_drift + step);
   }

@@ -1,6 +1,7 @@
 // cuda-quant: the CUDA backend's quantized GEMMs (kernels.cu section 3b) against the CPU backend's
 // quant_linear, the bit-exact reference, on a real GPU. Every kernel is forced in turn (cuda::set_quant_kernel):
-// W4A16 and W8A16 mma, W8A8 mma (sm_89+, against the CPU's fp8-activation reference), dequantize + cuBLAS, and
+// W4A16 and W8A16 mma, W8A8 mma (sm_89+, against the CPU's fp8-activation reference), dequantize + cuBLAS, the
+// W4A16 / W8A16 GEMV for decode rows, and
 // the automatic choice; at M = 1 .. 64 and 100+, N odd multiples of 64 and ragged, K not a multiple of 128;
 // fresh seeded random data (never zeros); outputs poisoned with NaN and padded with NaN between rows.
 //
@@ -226,6 +227,49 @@ TEST_CASE("W4A16 act-order (g_idx) and unaligned or strided activations run thro
   check_rows(g, odd_k, cuda::QuantKernel::mma_a16, Bound::exact_weights, {1, 20}, rng);
 }
 
+// ---- the GEMV (decode rows) ---------------------------------------------------------------------------------------
+
+TEST_CASE("W4A16 and W8A16 GEMV match the CPU: rows 1..4 and passes past 4, every int4 and fp8 layout, staged rows") {
+  GPU_OR_SKIP();
+  Random rng(211);
+  const cuda::QuantKernel gemv = cuda::QuantKernel::gemv_a16;
+  struct Int4Shape { int64_t n, k, group; bool asymmetric, act_order; };
+  const Int4Shape int4_shapes[] = {
+      {192, 256, 128, false, false},   // N = 3 x 64
+      {320, 4096, 128, true, false},   // 32 stages: split-K
+      {200, 96, 32, true, false},      // ragged N, K not a multiple of 128 (the last tile past K)
+      {64 * 7, 200, 200, false, false},  // channel, K = 200
+      {136, 1040, 16, true, false},    // groups of 16: a new group every tile
+      {192, 512, 64, true, true},      // act-order: staged, permuted activations
+      {128, 100, 100, true, false},    // K % 8 != 0: staged
+  };
+  struct Fp8Shape { int64_t n, k; ScaleGranularity granularity; int64_t block_n, block_k; DequantRounding rounding; };
+  const Fp8Shape fp8_shapes[] = {
+      {192, 256, ScaleGranularity::tensor, 0, 0, DequantRounding::scale_dtype},
+      {200, 160, ScaleGranularity::channel, 0, 0, DequantRounding::scale_dtype},
+      {320, 2048, ScaleGranularity::block, 128, 128, DequantRounding::f32},
+      {136, 160, ScaleGranularity::block, 128, 128, DequantRounding::f32},
+      {40 * 3, 96, ScaleGranularity::block, 16, 32, DequantRounding::scale_dtype},  // a new block every tile
+  };
+  for (DType activation : kHalfActivations) {
+    Gpu g(activation);
+    for (const Int4Shape& s : int4_shapes) {
+      OwnedWeight o = make_int4(s.n, s.k, s.group, activation, s.asymmetric, s.act_order, rng);
+      add_bias(o, activation, rng);
+      check_rows(g, o, gemv, Bound::exact_weights, {1, 2, 3, 4, 6, 9}, rng);
+    }
+    for (const Fp8Shape& s : fp8_shapes) {
+      OwnedWeight o = make_fp8(s.n, s.k, s.granularity, s.block_n, s.block_k, activation, s.rounding, rng);
+      add_bias(o, DType::F32, rng);
+      check_rows(g, o, gemv, a16_bound(o.weight, activation), {1, 2, 3, 4, 5}, rng);
+    }
+    // rows padded and misaligned (staged), and padded but aligned (read in place)
+    OwnedWeight plain = make_int4(128, 384, 128, activation, false, false, rng);
+    check_rows(g, plain, gemv, Bound::exact_weights, {1, 3}, rng, /*pad=*/5, /*skew=*/2);
+    check_rows(g, plain, gemv, Bound::exact_weights, {2, 4}, rng, /*pad=*/8, /*skew=*/0);
+  }
+}
+
 // ---- FP8 ------------------------------------------------------------------------------------------------------------
 
 TEST_CASE("W8A16 mma matches the CPU: tensor, channel and block scales, odd shapes") {
@@ -319,8 +363,11 @@ TEST_CASE("the automatic choice runs every format at decode and prefill sizes") 
     check_rows(g, int4, cuda::QuantKernel::automatic, Bound::exact_weights, {1, 4, 64, cuda::kQuantMmaMaxRows + 44},
                rng);
     OwnedWeight fp8 = make_fp8(64 * 9, 2048, ScaleGranularity::block, 128, 128, activation, DequantRounding::f32, rng);
+    // up to quant_gemv_auto_rows rows the GEMV (A16 arithmetic), then W8A8 where it is native
+    const int64_t gemv_rows = cuda::quant_gemv_auto_rows(WeightFormat::fp8);
+    check_rows(g, fp8, cuda::QuantKernel::automatic, a16_bound(fp8.weight, activation), {gemv_rows}, rng);
     check_rows(g, fp8, cuda::QuantKernel::automatic, w8a8 ? Bound::w8a8 : a16_bound(fp8.weight, activation),
-               {1, 8, cuda::kQuantMmaMaxRows + 44}, rng);
+               {gemv_rows + 1, 8, cuda::kQuantMmaMaxRows + 44}, rng);
   }
 }
 
@@ -332,8 +379,9 @@ TEST_CASE("scales of another dtype than the activations: within two roundings") 
     OwnedWeight int4 = make_int4(192, 512, 64, scale_dtype, true, false, rng);
     OwnedWeight fp8 = make_fp8(192, 512, ScaleGranularity::channel, 0, 0, scale_dtype, DequantRounding::scale_dtype, rng);
     for (const OwnedWeight* o : {&int4, &fp8})
-      for (cuda::QuantKernel kernel : {cuda::QuantKernel::mma_a16, cuda::QuantKernel::dequant_cublas})
-        check_rows(g, *o, kernel, Bound::rounded_weights, {1, 33}, rng);
+      for (cuda::QuantKernel kernel : {cuda::QuantKernel::mma_a16, cuda::QuantKernel::dequant_cublas,
+                                       cuda::QuantKernel::gemv_a16})
+        check_rows(g, *o, kernel, Bound::rounded_weights, {1, 3}, rng);
   }
 }
 
@@ -362,12 +410,14 @@ TEST_CASE("split-K at M = 1 is deterministic and leaves its counters at rest, an
       counters.data()));
   CHECK(std::all_of(counters.begin(), counters.end(), [](uint32_t c) { return c == 0; }));
   check_quant_linear(g, o.weight, device, x, cuda::QuantKernel::mma_a16, Bound::exact_weights);
+  check_quant_linear(g, o.weight, device, x, cuda::QuantKernel::gemv_a16, Bound::exact_weights);
 
   // 256 KiB of scratch: fewer splits, staged rows in passes of 64, the dequantized weights 128 rows at a time
   Gpu tight(DType::BF16, 256 * KiB);
   OwnedWeight act_order = make_int4(256, 1024, 128, DType::BF16, true, true, rng);
   check_rows(tight, act_order, cuda::QuantKernel::mma_a16, Bound::exact_weights, {1, 64, 200}, rng);
   check_rows(tight, act_order, cuda::QuantKernel::dequant_cublas, Bound::exact_weights, {3}, rng);
+  check_rows(tight, act_order, cuda::QuantKernel::gemv_a16, Bound::exact_weights, {1, 4, 7}, rng);
   if (device_sm() >= cuda::kQuantW8A8MinSm) {
     OwnedWeight fp8 = make_fp8(256, 1024, ScaleGranularity::channel, 0, 0, DType::BF16, DequantRounding::scale_dtype, rng);
     check_rows(tight, fp8, cuda::QuantKernel::mma_w8a8, Bound::w8a8, {1, 300}, rng);
@@ -390,6 +440,7 @@ TEST_CASE("the quantized fixture Linears run on the GPU as on the CPU") {
       const Bound bound = a16_bound(host, DType::BF16);
       check_quant_linear(g, host, device, x, cuda::QuantKernel::dequant_cublas, bound);
       if (layout.mma) check_quant_linear(g, host, device, x, cuda::QuantKernel::mma_a16, bound);
+      if (layout.mma) check_quant_linear(g, host, device, x, cuda::QuantKernel::gemv_a16, bound);
       if (layout.mma && w8a8 && host.format == WeightFormat::fp8)
         check_quant_linear(g, host, device, x, cuda::QuantKernel::mma_w8a8, Bound::w8a8);
     }

@@ -178,14 +178,15 @@ TEST_CASE("one plan: a planned CUDA card is planned anywhere, and opened only wh
   CHECK(contains(none.error().message, "--device-mem"));
 }
 
-TEST_CASE("one plan: auto keeps a vision-language model on the CPU while the CUDA engine cannot encode images") {
+TEST_CASE("one plan: auto runs a vision-language model where it runs a text model (the GPU when one is present)") {
   EngineOptions options;
   options.backend = BackendChoice::auto_;
-  const Plan plan = planned(kModels + "kvlite-captioner-bf16", options);
-  CHECK(plan.device.backend == BackendKind::cpu);
-  CHECK(contains(plan.backend_rule, "auto"));
-  if (cuda::built_with_cuda() && cuda::device_count() > 0)
-    CHECK(contains(plan.backend_rule, "does not encode images"));
+  const Plan vision = planned(kModels + "kvlite-captioner-bf16", options);
+  const Plan text = planned(kModels + "qwen3-4b", options);
+  CHECK(vision.device.backend == text.device.backend);
+  CHECK(vision.backend_rule == text.backend_rule);
+  const bool gpu_here = cuda::built_with_cuda() && cuda::device_count() > 0;
+  CHECK(vision.device.backend == (gpu_here ? BackendKind::cuda : BackendKind::cpu));
 }
 
 TEST_CASE("KV sized to use: the arena holds what max_seqs sequences of max_model_len can use, unless --kv-fill") {

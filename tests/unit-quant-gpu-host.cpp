@@ -545,7 +545,7 @@ TEST_CASE("layout arithmetic: sizes, alignment, padding, tables, and quant_devic
 
 // ---- kernel choice and planning ---------------------------------------------------------------------------------
 
-TEST_CASE("kernel choice: W8A8 for fp8 on sm_89+, W4A16/W8A16 mma up to kQuantMmaMaxRows, else dequantize") {
+TEST_CASE("kernel choice: the GEMV for decode rows, W8A8 for fp8 on sm_89+, mma up to kQuantMmaMaxRows, else dequantize") {
   Random rng(66);
   OwnedWeight int4 = make_int4(128, 256, 128, DType::BF16, false, false, rng);
   OwnedWeight odd = make_int4(128, 240, 40, DType::BF16, false, false, rng);  // groups of 40: no mma
@@ -553,20 +553,41 @@ TEST_CASE("kernel choice: W8A8 for fp8 on sm_89+, W4A16/W8A16 mma up to kQuantMm
   const QuantGpuLayout li = quant_gpu_layout(int4.weight), lo = quant_gpu_layout(odd.weight),
                        lf = quant_gpu_layout(fp8.weight);
   const QuantKernel a = QuantKernel::automatic;
-  CHECK(choose_quant_kernel(li, DType::BF16, 90, 1, a) == QuantKernel::mma_a16);
+  // decode rows: the GEMV for int4 and fp8 on every GPU, while the layout has mma tiles and activations are 16-bit
+  for (int sm : {80, 86, 87, 89, 90, 100, 120})
+    for (int64_t rows = 1; rows <= kQuantGemvMaxRows; rows++) {
+      CAPTURE(sm);
+      CAPTURE(rows);
+      CHECK((choose_quant_kernel(li, DType::BF16, sm, rows, a) == QuantKernel::gemv_a16) ==
+            (rows <= quant_gemv_auto_rows(WeightFormat::int4)));
+      CHECK((choose_quant_kernel(lf, DType::F16, sm, rows, a) == QuantKernel::gemv_a16) ==
+            (rows <= quant_gemv_auto_rows(WeightFormat::fp8)));
+      CHECK(choose_quant_kernel(lo, DType::BF16, sm, rows, a) == QuantKernel::dequant_cublas);
+      CHECK(choose_quant_kernel(li, DType::F32, sm, rows, a) == QuantKernel::dequant_cublas);
+    }
+  CHECK(quant_gemv_auto_rows(WeightFormat::int4) <= kQuantGemvMaxRows);
+  CHECK(quant_gemv_auto_rows(WeightFormat::fp8) <= kQuantGemvMaxRows);
+  CHECK(choose_quant_kernel(li, DType::BF16, 90, quant_gemv_auto_rows(WeightFormat::int4) + 1, a) ==
+        QuantKernel::mma_a16);
   CHECK(choose_quant_kernel(li, DType::F16, 80, kQuantMmaMaxRows, a) == QuantKernel::mma_a16);
   CHECK(choose_quant_kernel(li, DType::BF16, 90, kQuantMmaMaxRows + 1, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(li, DType::F32, 90, 1, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(lo, DType::BF16, 90, 1, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(lf, DType::BF16, 89, 2048, a) == QuantKernel::mma_w8a8);
-  CHECK(choose_quant_kernel(lf, DType::BF16, 120, 1, a) == QuantKernel::mma_w8a8);
-  CHECK(choose_quant_kernel(lf, DType::BF16, 87, 1, a) == QuantKernel::mma_a16);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 120, 2, a) == QuantKernel::mma_w8a8);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 87, 2, a) == QuantKernel::mma_a16);
   // Hopper: the warp-level e4m3 mma is emulated there; W8A16 (or dequantize + cuBLAS past kQuantMmaMaxRows)
-  CHECK(choose_quant_kernel(lf, DType::BF16, 90, 1, a) == QuantKernel::mma_a16);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 90, 2, a) == QuantKernel::mma_a16);
   CHECK(choose_quant_kernel(lf, DType::BF16, 90, 2048, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(lf, DType::BF16, 90, 1, QuantKernel::mma_w8a8) == QuantKernel::mma_w8a8);
   CHECK(quant_kernel_refusal(lf, QuantKernel::mma_w8a8, DType::BF16, 90).empty());
-  CHECK(choose_quant_kernel(lf, DType::BF16, 100, 1, a) == QuantKernel::mma_w8a8);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 100, 16, a) == QuantKernel::mma_w8a8);
+  CHECK(choose_quant_kernel(li, DType::BF16, 90, 1, QuantKernel::mma_a16) == QuantKernel::mma_a16);
+  CHECK(quant_kernel_refusal(li, QuantKernel::gemv_a16, DType::BF16, 86).empty());
+  CHECK(quant_kernel_refusal(lf, QuantKernel::gemv_a16, DType::F16, 90).empty());
+  CHECK(quant_kernel_refusal(li, QuantKernel::gemv_a16, DType::F32, 90).find("F32") != std::string::npos);
+  CHECK(quant_kernel_refusal(lo, QuantKernel::gemv_a16, DType::BF16, 90).find("40") != std::string::npos);
+  CHECK(std::string(quant_kernel_name(QuantKernel::gemv_a16)) == "gemv_a16");
   CHECK(choose_quant_kernel(lf, DType::BF16, 86, 4096, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(lf, DType::BF16, 90, 1, QuantKernel::mma_a16) == QuantKernel::mma_a16);
   CHECK(quant_kernel_refusal(li, QuantKernel::mma_a16, DType::BF16, 80).empty());
@@ -621,12 +642,23 @@ TEST_CASE("planning: split-K fills the GPU for one block row, scratch is never e
   REQUIRE(plan_quant_gemm(l, QuantKernel::mma_a16, 7, false, 2, 32 * MiB, 12, &plan, &why));
   CHECK(plan.splits == 1);
   CHECK(plan.partial_bytes == 0);
+  // the GEMV: passes of at most kQuantGemvMaxRows rows, split like one mma block row (16-row partials)
+  for (int64_t rows : {1, 3, 4, 5, 9}) {
+    CAPTURE(rows);
+    REQUIRE(plan_quant_gemm(l, QuantKernel::gemv_a16, rows, false, 2, 32 * MiB, 396, &plan, &why));
+    CHECK(plan.row_chunk == std::min(rows, kQuantGemvMaxRows));
+    CHECK(plan.splits == splits);
+    CHECK(plan.partial_bytes == uint64_t(splits * 16 * 16 * 64 * 4));
+    REQUIRE(plan_quant_gemm(l, QuantKernel::gemv_a16, rows, true, 2, 32 * MiB, 396, &plan, &why));
+    CHECK(plan.row_chunk == std::min(rows, kQuantGemvMaxRows));
+    CHECK(plan.x_bytes >= uint64_t(plan.row_chunk) * quant_staged_row_bytes(l, QuantKernel::gemv_a16));
+  }
   // more than 64 rows: no split (the block rows give the parallelism)
   REQUIRE(plan_quant_gemm(l, QuantKernel::mma_a16, 100, false, 2, 32 * MiB, 396, &plan, &why));
   CHECK(plan.splits == 1);
   // a small scratch: fewer splits, then none; staged rows in chunks; never over the scratch
   for (uint64_t scratch : {uint64_t(64 * KiB), uint64_t(300 * KiB), uint64_t(2 * MiB), uint64_t(32 * MiB)})
-    for (QuantKernel kernel : {QuantKernel::mma_a16, QuantKernel::mma_w8a8})
+    for (QuantKernel kernel : {QuantKernel::mma_a16, QuantKernel::mma_w8a8, QuantKernel::gemv_a16})
       for (int64_t rows : {1, 16, 33, 64, 65, 2048}) {
         CAPTURE(scratch);
         CAPTURE(rows);

@@ -426,20 +426,20 @@ TEST_CASE("examples/caption_image and kvlite generate --image stream what genera
   REQUIRE(expected->ids.size() == 8);
   int status = -1;
   const std::string caption = run_program(std::string(KVLITE_BINARY_DIR) + "/caption_image " + model_dir() + " " +
-                                               image_path + " --prompt 'What is it?' --max-tokens 8 --device-mem 64MiB",
+                                               image_path + " --prompt 'What is it?' --max-tokens 8 --backend cpu --device-mem 64MiB",
                                            status);
   CHECK(status == 0);
   CHECK(caption == expected->text + "\n");
   const std::string cli = run_program(std::string(KVLITE_BINARY_DIR) + "/kvlite generate " + model_dir() +
                                           " --chat --prompt 'What is it?' --image " + image_path +
-                                          " --max-tokens 8 --device-mem 64MiB",
+                                          " --max-tokens 8 --backend cpu --device-mem 64MiB",
                                       status);
   CHECK(status == 0);
   CHECK(cli == expected->text + "\n");
   run_program(std::string(KVLITE_BINARY_DIR) + "/caption_image " + model_dir(), status);
   CHECK(status == 2);
   run_program(std::string(KVLITE_BINARY_DIR) + "/caption_image " + fx::dir("tiny-qwen3") + " " + image_path +
-                  " --device-mem 64MiB",
+                  " --backend cpu --device-mem 64MiB",
               status);
   CHECK(status == 1);
 }

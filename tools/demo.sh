@@ -5,6 +5,7 @@
 #      of the engine that runs (caption_image --plan: the plan it opened with), then for each format the backend
 #      that ran and its timings (open, time to first token, tokens/s);
 #   2. the memory plans of the other configs under models/ on a planned 8 GiB CUDA card.
+# KVLITE_DEMO_BACKEND=cuda (or cpu) runs the captions on that backend instead of auto (the device calls use it).
 # Exit status 0 when every caption is right; 1 when one is wrong or a format fails to run (a quantized format
 # that this build reports as unsupported is listed as skipped, not failed); 2 when something is missing.
 set -euo pipefail
@@ -44,7 +45,8 @@ for format in bf16 fp8 w4a16; do
     # The first caption of the demo also prints the plan its engine opened with.
     plan_flag=()
     if [ "$format" = bf16 ] && [ "$total" -eq 0 ]; then plan_flag=(--plan); fi
-    caption=$("$caption_image" "$dir" "$examples/$image" "${plan_flag[@]}" 2>"$build/demo.stderr") || status=$?
+    caption=$("$caption_image" "$dir" "$examples/$image" --backend "${KVLITE_DEMO_BACKEND:-auto}" "${plan_flag[@]}" \
+      2>"$build/demo.stderr") || status=$?
     if [ "${#plan_flag[@]}" -gt 0 ] && [ "$status" -eq 0 ]; then
       echo "  the plan of the engine that runs (caption_image --plan):"
       grep -v '^caption_image: ' "$build/demo.stderr" | sed 's/^/    /'

@@ -5,9 +5,12 @@
 #   2. binaries: gpu-bundle/ (carried) when built from these sources for this GPU, else built here (~4-7 min)
 #   3. the GPU suites with KVLITE_REQUIRE_GPU=1 (no GPU = failure): test-cuda-ops, test-cuda-quant,
 #      test-cuda-host, test-quant-gpu-host, then test-cuda-engine alone (it measures device memory)  -> tests.log
-#   4. compute-sanitizer: memcheck over test-cuda-ops and test-cuda-engine; racecheck and synccheck over the
-#      quantized GEMM cases of test-cuda-quant (mma paths, split-K counters, cp.async stages)       -> sanitizer.log
-#   5. with the time left: every other suite through ctest (CPU ones; they also run in CI)       -> tests.log
+#   4. compute-sanitizer: memcheck over test-cuda-ops, test-cuda-engine (less the case that measures device
+#      memory) and the GEMV and split-K cases of test-cuda-quant; racecheck and synccheck over its quantized GEMM
+#      cases (mma paths, split-K counters, cp.async stages, the GEMV)                              -> sanitizer.log
+#   5. the demo with every caption on the GPU (KVLITE_DEMO_BACKEND=cuda tools/demo.sh), then kvlite bench on the
+#      bundled captioner (BF16, CUDA graphs), for the flagship's tokens/s                         -> demo.log
+#   6. with the time left: every other suite through ctest (CPU ones; they also run in CI)       -> tests.log
 #
 #     tools/device-call-1.sh              on the device (the run tool: see tools/README.md for command and carry)
 #     tools/device-call-1.sh --dry-run    anywhere: the same steps, GPU not required, no sanitizers
@@ -36,7 +39,9 @@ sanitize() {  # sanitize TOOL SECONDS SUITE [doctest filters...]
 # On PATH, or where CUDA toolkits put it.
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
   /usr/local/cuda*/compute-sanitizer/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)
-quant_gemm_cases='-tc=*mma*,*split-K*,*staged*'  # 5 cases: the mma paths, the staged (cp.async) copy, split-K
+# 6 cases: the mma paths, the staged (cp.async) copy, split-K, the GEMV
+quant_gemm_cases='-tc=*mma*,*split-K*,*staged*,*GEMV*'
+
 if [ $dry_run = 1 ]; then
   note "- compute-sanitizer: not run (dry run)"
 elif [ -z "$sanitizer" ]; then
@@ -45,10 +50,18 @@ elif [ -z "$sanitizer" ]; then
 else
   note "- compute-sanitizer: $sanitizer"
   sanitize memcheck 120 test-cuda-ops
-  sanitize memcheck 150 test-cuda-engine
+  # (the case that measures the process's device memory against the plan: the sanitizer's own memory counts there)
+  sanitize memcheck 150 test-cuda-engine '-tce=*device memory measured*'
+  sanitize memcheck 90 test-cuda-quant '-tc=*GEMV*,*split-K*'
   sanitize racecheck 120 test-cuda-quant "$quant_gemm_cases"
   sanitize synccheck 90 test-cuda-quant "$quant_gemm_cases"
 fi
+
+demo_log="$out/demo.log"
+run_step "the demo on the GPU (KVLITE_DEMO_BACKEND=cuda tools/demo.sh)" 90 "$demo_log" \
+  env KVLITE_DEMO_BACKEND=cuda tools/demo.sh "$build"
+run_step "kvlite bench models/kvlite-captioner-bf16 --backend cuda" 60 "$demo_log" \
+  "$build/kvlite" bench models/kvlite-captioner-bf16 --backend cuda --batch 1,8 --prompt-tokens 64 --decode-tokens 64
 
 # The CPU suites (and the header / README checks) with whatever time is left; a build here has only the GPU
 # suites, so this is for the bundle.
