@@ -327,6 +327,7 @@ int kvlite_logits(kvlite_engine* engine, const int32_t* ids, size_t n_ids, float
 // ---------------------------------------------------------------------------------------------------------
 // base: errors and results, dtypes and their bit-exact conversions, byte sizes, small utilities.
 // ---------------------------------------------------------------------------------------------------------
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -2238,6 +2239,16 @@ enum class Op {
   // the vision encoder's (Qwen3-VL)
   embedding_bag, layer_norm, gelu, segment_attention,
 };
+constexpr int kOpCount = int(Op::segment_attention) + 1;
+
+// One op's share of a backend's work while op timing is on (Backend::set_op_timing): how many calls, and their
+// host wall time with the backend synchronized after each, so that on a GPU an op's time is its launch and its
+// kernels, nothing else overlapping.
+struct OpTime {
+  int64_t calls = 0;
+  double seconds = 0.0;
+};
+using OpTimes = std::array<OpTime, kOpCount>;  // indexed by int(Op)
 
 // An nn.Linear as the model binds it: dense (weight [out_features, in_features] in BF16/F16/F32, bias
 // [out_features] or none) or quantized (quant: the checkpoint's int4 / fp8 tensors and their own bias, see
@@ -2270,6 +2281,15 @@ class Backend {
   // int4, F8_E4M3: fp8); for the others (rope, silu_mul, add, gelu, segment_attention) the
   // activation dtype.
   virtual bool supports(Op op, DType dtype) const = 0;
+
+  // ---- op timing (kvlite bench --profile) -------------------------------------------------------------------
+  // On: each op waits for its own work (synchronize) and adds its calls and wall time to op_times(), which keep
+  // counting until timing is turned off (turning it on does not clear them: take differences). Costs a wait per
+  // op, so only for finding where a step's time goes; never while a CUDA graph is being captured (the engine
+  // runs eager steps when it times ops).
+  void set_op_timing(bool on) { op_timing_ = on; }
+  bool op_timing() const { return op_timing_; }
+  const OpTimes& op_times() const { return op_times_; }
 
   // ---- memory movement ---------------------------------------------------------------------------------
   // dst <- src, where src holds dst.rows x dst.cols elements of dst.dtype, row after row, on the host.
@@ -2393,6 +2413,13 @@ class Backend {
                              const Tensor& slots) = 0;
   virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
                               const AttentionBatch& batch, float scale, const Tensor& out) = 0;
+
+ private:
+  // Runs an op's impl_ call, timed when op timing is on.
+  template <class Run>
+  void run_op(Op op, Run&& run);
+  bool op_timing_ = false;
+  OpTimes op_times_{};
 };
 
 // ---- the CPU backend ------------------------------------------------------------------------------------
@@ -2900,6 +2927,8 @@ struct EngineStats {
   // (pages held by the cache: arena().kv().stats().cached_pages).
   int64_t prefix_pages_reused = 0;
   int64_t prefix_tokens_reused = 0;
+  // Each backend op's calls and wall time while op timing was on (Engine::set_op_timing), since open.
+  OpTimes op_times{};
 };
 
 // What the engine runs on, fixed at open (kvlite bench prints it).
@@ -3000,6 +3029,11 @@ class Engine {
                            const SamplingParams& params, const TokenCallback& on_token = nullptr);
   Result<bool> step();
   Status run();
+  // Times every backend op from the next one on (Backend::set_op_timing; EngineStats::op_times adds up each op's
+  // calls and wall time, each op waiting for its own work), or stops. Slower, and on CUDA the steps run eagerly
+  // while it is on (a graph replays many ops as one): for finding where a step's time goes (kvlite bench
+  // --profile). May be called from a token callback: it takes effect at the next op.
+  void set_op_timing(bool on);
   bool finished(RequestId id) const;
   Result<Generation> result(RequestId id);
 
@@ -11094,6 +11128,7 @@ Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t conte
 
 }  // namespace kvlite
 // backend: the validation every backend shares, and the rotary-table helpers.
+#include <chrono>
 #include <cmath>
 
 namespace kvlite {
@@ -11231,6 +11266,20 @@ inline void check_kv_cache(const char* op, const KVCacheView& cache, int64_t lay
 
 }  // namespace detail
 
+template <class Run>
+void Backend::run_op(Op op, Run&& run) {
+  if (!op_timing_) {
+    run();
+    return;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  run();
+  impl_synchronize();
+  OpTime& time = op_times_[size_t(op)];
+  time.calls++;
+  time.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 Status Backend::copy_from_host(const void* src, const Tensor& dst) {
   return detail::guard([&] {
     detail::check_view("copy_from_host", "dst", dst);
@@ -11262,7 +11311,7 @@ Status Backend::gather_rows(const Tensor& table, const Tensor& ids, const Tensor
     detail::check_vector(op, "ids", ids, ids.elements(), DType::I32);
     detail::check_shape(op, "out", out, ids.elements(), table.cols);
     detail::check_alias(op, "out", out, "table", table, false);
-    impl_gather_rows(table, ids, out);
+    run_op(Op::gather_rows, [&] { impl_gather_rows(table, ids, out); });
   });
 }
 
@@ -11283,7 +11332,7 @@ Status Backend::rms_norm(const Tensor& x, const Tensor& weight, float eps, const
     detail::check_shape(op, "out", out, x.rows, x.cols);
     detail::check_alias(op, "out", out, "x", x, true);
     if (!(eps >= 0.0f)) detail::fail(ErrorCode::invalid_argument, detail::format("rms_norm: eps %g must be >= 0", eps));
-    impl_rms_norm(x, weight, eps, out);
+    run_op(Op::rms_norm, [&] { impl_rms_norm(x, weight, eps, out); });
   });
 }
 
@@ -11304,7 +11353,7 @@ Status Backend::add_rms_norm(const Tensor& x, const Tensor& residual, const Tens
     detail::check_alias(op, "out", out, "residual", residual, false);
     if (!(eps >= 0.0f))
       detail::fail(ErrorCode::invalid_argument, detail::format("add_rms_norm: eps %g must be >= 0", eps));
-    impl_add_rms_norm(x, residual, weight, eps, out);
+    run_op(Op::add_rms_norm, [&] { impl_add_rms_norm(x, residual, weight, eps, out); });
   });
 }
 
@@ -11325,7 +11374,7 @@ Status Backend::rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int6
                                   detail::describe(cos).c_str(), (long long)(head_dim / 2)));
     detail::check_shape(op, "cos", cos, x.rows, cos.cols);
     detail::check_shape(op, "sin", sin, x.rows, cos.cols);
-    impl_rope(x, cos, sin, head_dim);
+    run_op(Op::rope, [&] { impl_rope(x, cos, sin, head_dim); });
   });
 }
 
@@ -11349,7 +11398,7 @@ Status Backend::linear(const Tensor& x, const Tensor& weight, const Tensor& bias
     detail::check_shape(op, "out", out, x.rows, weight.rows);
     detail::check_alias(op, "out", out, "x", x, false);
     detail::check_alias(op, "out", out, "weight", weight, false);
-    impl_linear(x, weight, bias, out);
+    run_op(Op::linear, [&] { impl_linear(x, weight, bias, out); });
   });
 }
 
@@ -11379,7 +11428,7 @@ Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const T
     detail::check_dtype(op, "out", out, activation_dtype());
     detail::check_shape(op, "out", out, x.rows, weight.out_features);
     detail::check_alias(op, "out", out, "x", x, false);
-    impl_quant_linear(x, weight, out);
+    run_op(Op::quant_linear, [&] { impl_quant_linear(x, weight, out); });
   });
 }
 
@@ -11394,7 +11443,7 @@ Status Backend::silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out
     detail::check_shape(op, "out", out, gate.rows, gate.cols);
     detail::check_alias(op, "out", out, "gate", gate, true);
     detail::check_alias(op, "out", out, "up", up, true);
-    impl_silu_mul(gate, up, out);
+    run_op(Op::silu_mul, [&] { impl_silu_mul(gate, up, out); });
   });
 }
 
@@ -11409,7 +11458,7 @@ Status Backend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
     detail::check_shape(op, "out", out, a.rows, a.cols);
     detail::check_alias(op, "out", out, "a", a, true);
     detail::check_alias(op, "out", out, "b", b, true);
-    impl_add(a, b, out);
+    run_op(Op::add, [&] { impl_add(a, b, out); });
   });
 }
 
@@ -11422,7 +11471,7 @@ Status Backend::copy(const Tensor& src, const Tensor& dst) {
     detail::check_supported(*this, Op::copy, dst.dtype, "destination dtype");
     detail::check_shape(op, "dst", dst, src.rows, src.cols);
     detail::check_alias(op, "dst", dst, "src", src, false);
-    impl_copy(src, dst);
+    run_op(Op::copy, [&] { impl_copy(src, dst); });
   });
 }
 
@@ -11439,7 +11488,7 @@ Status Backend::embedding_bag(const Tensor& table, const Tensor& indices, const 
     detail::check_shape(op, "out", out, indices.rows, table.cols);
     detail::check_alias(op, "out", out, "table", table, false);
     detail::check_alias(op, "out", out, "weights", weights, false);
-    impl_embedding_bag(table, indices, weights, out);
+    run_op(Op::embedding_bag, [&] { impl_embedding_bag(table, indices, weights, out); });
   });
 }
 
@@ -11455,7 +11504,7 @@ Status Backend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& 
     detail::check_shape(op, "out", out, x.rows, x.cols);
     detail::check_alias(op, "out", out, "x", x, true);
     if (!(eps >= 0.0f)) detail::fail(ErrorCode::invalid_argument, detail::format("layer_norm: eps %g must be >= 0", eps));
-    impl_layer_norm(x, weight, bias, eps, out);
+    run_op(Op::layer_norm, [&] { impl_layer_norm(x, weight, bias, eps, out); });
   });
 }
 
@@ -11469,7 +11518,7 @@ Status Backend::gelu(const Tensor& x, GeluApprox approx, const Tensor& out) {
     detail::check_alias(op, "out", out, "x", x, true);
     if (approx != GeluApprox::none && approx != GeluApprox::tanh)
       detail::fail(ErrorCode::invalid_argument, detail::format("gelu: unknown approximation %d", int(approx)));
-    impl_gelu(x, approx, out);
+    run_op(Op::gelu, [&] { impl_gelu(x, approx, out); });
   });
 }
 
@@ -11507,7 +11556,8 @@ Status Backend::segment_attention(const Tensor& q, const Tensor& k, const Tensor
     if (!(scale > 0.0f) || !std::isfinite(scale))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("segment_attention: scale %g must be positive and finite", scale));
-    impl_segment_attention(q, k, v, segment_starts, max_segment, head_dim, scale, out);
+    run_op(Op::segment_attention,
+           [&] { impl_segment_attention(q, k, v, segment_starts, max_segment, head_dim, scale, out); });
   });
 }
 
@@ -11523,7 +11573,7 @@ Status Backend::kv_write(const KVCacheView& cache, int64_t layer, const Tensor& 
     detail::check_shape(op, "k", k, k.rows, width);
     detail::check_shape(op, "v", v, k.rows, width);
     detail::check_vector(op, "slots", slots, k.rows, DType::I32);
-    impl_kv_write(cache, layer, k, v, slots);
+    run_op(Op::kv_write, [&] { impl_kv_write(cache, layer, k, v, slots); });
   });
 }
 
@@ -11559,7 +11609,7 @@ Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t lay
                                   (long long)batch.block_tables.cols, (long long)cache.layout.page_tokens));
     if (!(scale > 0.0f) || !std::isfinite(scale))
       detail::fail(ErrorCode::invalid_argument, detail::format("attention: scale %g must be positive and finite", scale));
-    impl_attention(q, cache, layer, batch, scale, out);
+    run_op(Op::attention, [&] { impl_attention(q, cache, layer, batch, scale, out); });
   });
 }
 
@@ -14513,6 +14563,7 @@ struct Engine::Impl {
   // Runs `step` from a graph when it is a decode step a bucket holds; false otherwise (the caller runs it eagerly).
   bool run_decode_graph(const StepInput& step) {
     if (graphs.empty() || step.image_runs > 0 || step.tokens != int64_t(scheduled.size())) return false;
+    if (backend->op_timing()) return false;  // timed: op by op (a replay would time as no op at all)
     auto bucket = graphs.lower_bound(step.seqs);
     if (bucket == graphs.end()) return false;
     stage_padded(&step, bucket->first, graph_max_context());
@@ -15115,6 +15166,8 @@ Status Engine::run() {
   return detail::guard([&] { impl_->run_until([&] { return impl_->running.empty() && impl_->waiting.empty(); }); });
 }
 
+void Engine::set_op_timing(bool on) { impl_->backend->set_op_timing(on); }
+
 bool Engine::finished(RequestId id) const {
   auto it = impl_->requests.find(id);
   return it != impl_->requests.end() && it->second->finished;
@@ -15305,7 +15358,11 @@ Status Engine::cancel(RequestId id) {
   return Status();
 }
 
-EngineStats Engine::stats() const { return impl_->stats; }
+EngineStats Engine::stats() const {
+  EngineStats stats = impl_->stats;
+  stats.op_times = impl_->backend->op_times();
+  return stats;
+}
 
 EngineInfo Engine::info() const { return impl_->info; }
 

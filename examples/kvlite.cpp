@@ -632,8 +632,21 @@ bool is_vision_marker(const kvlite::ModelConfig& config, int32_t id) {
   return false;
 }
 
+// Request b's prompt of `length` ids spread over the vocabulary: a fixed LCG, so the same prompts every run, and
+// distinct per request.
+std::vector<int32_t> bench_prompt(const kvlite::ModelConfig& config, int64_t length, uint64_t seed, int64_t b) {
+  std::vector<int32_t> ids(static_cast<size_t>(length));
+  uint64_t state = seed * 7919 + uint64_t(b) * 104729 + 1;
+  for (auto& id : ids) {
+    do {  // a vision model's image and video markers would ask for images: draw again
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      id = int32_t((state >> 33) % uint64_t(config.text.vocab_size));
+    } while (is_vision_marker(config, id));
+  }
+  return ids;
+}
+
 BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_t decode, uint64_t seed) {
-  const int64_t vocab = engine.config().text.vocab_size;
   kvlite::SamplingParams params;
   params.max_tokens = decode;
   params.ignore_eos = true;
@@ -642,15 +655,7 @@ BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int
   const kvlite::EngineStats before = engine.stats();
   const Clock::time_point start = Clock::now();
   for (int64_t b = 0; b < batch; b++) {
-    // Prompts of ids spread over the vocabulary (a fixed LCG: the same prompts every run), distinct per request.
-    std::vector<int32_t> ids(static_cast<size_t>(prompt));
-    uint64_t state = seed * 7919 + uint64_t(b) * 104729 + 1;
-    for (auto& id : ids) {
-      do {  // a vision model's image and video markers would ask for images: draw again
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        id = int32_t((state >> 33) % uint64_t(vocab));
-      } while (is_vision_marker(engine.config(), id));
-    }
+    const std::vector<int32_t> ids = bench_prompt(engine.config(), prompt, seed, b);
     auto on_token = [&, b](const std::string&, int32_t id) {
       if (id < 0) return true;  // the held-back text at the end, not a token
       const double now = seconds_since(start);
@@ -679,6 +684,75 @@ BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int
   timing.steps = after.steps - before.steps;
   timing.graph_steps = after.graph_steps - before.graph_steps;
   return timing;
+}
+
+// kvlite bench --profile: where a decode step's time goes, op by op. `batch` requests as the timed runs make
+// them; op timing (Engine::set_op_timing: eager steps, each op waiting for its own work) goes on from the token
+// callback once every request has its first token (their prefill done) and off when the run ends, so the
+// figures are the decode steps' alone. What the ops do not account for is the engine's own work between them
+// (scheduling, sampling, copies to the host).
+void print_profile(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_t decode) {
+  using Clock = std::chrono::steady_clock;
+  kvlite::SamplingParams params;
+  params.max_tokens = decode;
+  params.ignore_eos = true;
+  int64_t first_tokens = 0;
+  Clock::time_point start;
+  kvlite::EngineStats at_start;
+  for (int64_t b = 0; b < batch; b++) {
+    const std::vector<int32_t> ids = bench_prompt(engine.config(), prompt, uint64_t(batch), b);
+    bool seen = false;
+    auto on_token = [&, seen](const std::string&, int32_t id) mutable {
+      if (id < 0 || seen) return true;
+      seen = true;
+      if (++first_tokens == batch) {  // every prefill done: time the decode steps from here
+        at_start = engine.stats();
+        engine.set_op_timing(true);
+        start = Clock::now();
+      }
+      return true;
+    };
+    auto submitted = engine.submit(ids, params, on_token);
+    if (!submitted) library_error(submitted.error());
+  }
+  auto ran = engine.run();
+  engine.set_op_timing(false);
+  if (!ran) library_error(ran.error());
+  const double wall = std::chrono::duration<double>(Clock::now() - start).count();
+  const kvlite::EngineStats at_end = engine.stats();
+  const int64_t steps = at_end.steps - at_start.steps;
+  if (first_tokens < batch || steps <= 0) {
+    printf("\nprofile: no decode step to time (--decode-tokens %lld)\n", (long long)decode);
+    return;
+  }
+  const double step_wall = wall / double(steps);
+  struct Row {
+    std::string op;
+    double calls, seconds;  // per step
+  };
+  std::vector<Row> rows;
+  double ops_seconds = 0;
+  for (int i = 0; i < kvlite::kOpCount; i++) {
+    const kvlite::OpTime& before = at_start.op_times[size_t(i)];
+    const kvlite::OpTime& after = at_end.op_times[size_t(i)];
+    if (after.calls == before.calls) continue;
+    rows.push_back({kvlite::op_name(kvlite::Op(i)), double(after.calls - before.calls) / double(steps),
+                    (after.seconds - before.seconds) / double(steps)});
+    ops_seconds += rows.back().seconds;
+  }
+  std::sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.seconds > b.seconds; });
+  auto share = [&](double seconds) { return 100.0 * seconds / step_wall; };
+  printf("\nprofile: batch %lld, a decode step (the mean of %lld; eager, each op waiting for its own work, so on a GPU "
+         "each op's launch counts: a step takes %.3f ms this way)\n",
+         (long long)batch, (long long)steps, step_wall * 1e3);
+  printf("%-20s %10s %12s %10s %8s\n", "op", "calls", "ms", "us/call", "share");
+  for (const Row& row : rows)
+    printf("%-20s %10.1f %12.4f %10.2f %7.1f%%\n", row.op.c_str(), row.calls, row.seconds * 1e3,
+           row.seconds / row.calls * 1e6, share(row.seconds));
+  printf("%-20s %10s %12.4f %10s %7.1f%%\n", "(all ops)", "", ops_seconds * 1e3, "", share(ops_seconds));
+  printf("%-20s %10s %12.4f %10s %7.1f%%\n", "(between the ops)", "", (step_wall - ops_seconds) * 1e3, "",
+         share(step_wall - ops_seconds));
+  fflush(stdout);
 }
 
 std::vector<int64_t> parse_batches(const std::string& text) {
@@ -750,6 +824,7 @@ int run_bench(const Args& args) {
   }
   printf("\nroofline: the bytes a decode step reads (weights + each sequence's KV at its mean context) over the copy "
          "bandwidth; ttft_floor: the weights read once per prefill step and the prompts' KV written, over it.\n");
+  if (args.has("--profile")) print_profile(*engine, batches.front(), prompt, decode);
   return kExitOk;
 }
 
@@ -931,6 +1006,8 @@ const std::vector<Command>& commands() {
            {"--batch", "B1,B2,...", "batch sizes to measure; default 1,8"},
            {"--prompt-tokens", "N", "prompt length of every request; default 128"},
            {"--decode-tokens", "N", "tokens each request generates, >= 2; default 64"},
+           {"--profile", "", "then, for the first --batch, where a decode step's time goes, op by op (eager steps, "
+                             "each op waiting for its own work)"},
        }),
        run_bench},
   };

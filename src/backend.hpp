@@ -82,6 +82,16 @@ enum class Op {
   // the vision encoder's (Qwen3-VL)
   embedding_bag, layer_norm, gelu, segment_attention,
 };
+constexpr int kOpCount = int(Op::segment_attention) + 1;
+
+// One op's share of a backend's work while op timing is on (Backend::set_op_timing): how many calls, and their
+// host wall time with the backend synchronized after each, so that on a GPU an op's time is its launch and its
+// kernels, nothing else overlapping.
+struct OpTime {
+  int64_t calls = 0;
+  double seconds = 0.0;
+};
+using OpTimes = std::array<OpTime, kOpCount>;  // indexed by int(Op)
 
 // An nn.Linear as the model binds it: dense (weight [out_features, in_features] in BF16/F16/F32, bias
 // [out_features] or none) or quantized (quant: the checkpoint's int4 / fp8 tensors and their own bias, see
@@ -114,6 +124,15 @@ class Backend {
   // int4, F8_E4M3: fp8); for the others (rope, silu_mul, add, gelu, segment_attention) the
   // activation dtype.
   virtual bool supports(Op op, DType dtype) const = 0;
+
+  // ---- op timing (kvlite bench --profile) -------------------------------------------------------------------
+  // On: each op waits for its own work (synchronize) and adds its calls and wall time to op_times(), which keep
+  // counting until timing is turned off (turning it on does not clear them: take differences). Costs a wait per
+  // op, so only for finding where a step's time goes; never while a CUDA graph is being captured (the engine
+  // runs eager steps when it times ops).
+  void set_op_timing(bool on) { op_timing_ = on; }
+  bool op_timing() const { return op_timing_; }
+  const OpTimes& op_times() const { return op_times_; }
 
   // ---- memory movement ---------------------------------------------------------------------------------
   // dst <- src, where src holds dst.rows x dst.cols elements of dst.dtype, row after row, on the host.
@@ -237,6 +256,13 @@ class Backend {
                              const Tensor& slots) = 0;
   virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
                               const AttentionBatch& batch, float scale, const Tensor& out) = 0;
+
+ private:
+  // Runs an op's impl_ call, timed when op timing is on.
+  template <class Run>
+  void run_op(Op op, Run&& run);
+  bool op_timing_ = false;
+  OpTimes op_times_{};
 };
 
 // ---- the CPU backend ------------------------------------------------------------------------------------

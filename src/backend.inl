@@ -1,4 +1,5 @@
 // backend: the validation every backend shares, and the rotary-table helpers.
+#include <chrono>
 #include <cmath>
 
 namespace kvlite {
@@ -136,6 +137,20 @@ inline void check_kv_cache(const char* op, const KVCacheView& cache, int64_t lay
 
 }  // namespace detail
 
+template <class Run>
+void Backend::run_op(Op op, Run&& run) {
+  if (!op_timing_) {
+    run();
+    return;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  run();
+  impl_synchronize();
+  OpTime& time = op_times_[size_t(op)];
+  time.calls++;
+  time.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 Status Backend::copy_from_host(const void* src, const Tensor& dst) {
   return detail::guard([&] {
     detail::check_view("copy_from_host", "dst", dst);
@@ -167,7 +182,7 @@ Status Backend::gather_rows(const Tensor& table, const Tensor& ids, const Tensor
     detail::check_vector(op, "ids", ids, ids.elements(), DType::I32);
     detail::check_shape(op, "out", out, ids.elements(), table.cols);
     detail::check_alias(op, "out", out, "table", table, false);
-    impl_gather_rows(table, ids, out);
+    run_op(Op::gather_rows, [&] { impl_gather_rows(table, ids, out); });
   });
 }
 
@@ -188,7 +203,7 @@ Status Backend::rms_norm(const Tensor& x, const Tensor& weight, float eps, const
     detail::check_shape(op, "out", out, x.rows, x.cols);
     detail::check_alias(op, "out", out, "x", x, true);
     if (!(eps >= 0.0f)) detail::fail(ErrorCode::invalid_argument, detail::format("rms_norm: eps %g must be >= 0", eps));
-    impl_rms_norm(x, weight, eps, out);
+    run_op(Op::rms_norm, [&] { impl_rms_norm(x, weight, eps, out); });
   });
 }
 
@@ -209,7 +224,7 @@ Status Backend::add_rms_norm(const Tensor& x, const Tensor& residual, const Tens
     detail::check_alias(op, "out", out, "residual", residual, false);
     if (!(eps >= 0.0f))
       detail::fail(ErrorCode::invalid_argument, detail::format("add_rms_norm: eps %g must be >= 0", eps));
-    impl_add_rms_norm(x, residual, weight, eps, out);
+    run_op(Op::add_rms_norm, [&] { impl_add_rms_norm(x, residual, weight, eps, out); });
   });
 }
 
@@ -230,7 +245,7 @@ Status Backend::rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int6
                                   detail::describe(cos).c_str(), (long long)(head_dim / 2)));
     detail::check_shape(op, "cos", cos, x.rows, cos.cols);
     detail::check_shape(op, "sin", sin, x.rows, cos.cols);
-    impl_rope(x, cos, sin, head_dim);
+    run_op(Op::rope, [&] { impl_rope(x, cos, sin, head_dim); });
   });
 }
 
@@ -254,7 +269,7 @@ Status Backend::linear(const Tensor& x, const Tensor& weight, const Tensor& bias
     detail::check_shape(op, "out", out, x.rows, weight.rows);
     detail::check_alias(op, "out", out, "x", x, false);
     detail::check_alias(op, "out", out, "weight", weight, false);
-    impl_linear(x, weight, bias, out);
+    run_op(Op::linear, [&] { impl_linear(x, weight, bias, out); });
   });
 }
 
@@ -284,7 +299,7 @@ Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const T
     detail::check_dtype(op, "out", out, activation_dtype());
     detail::check_shape(op, "out", out, x.rows, weight.out_features);
     detail::check_alias(op, "out", out, "x", x, false);
-    impl_quant_linear(x, weight, out);
+    run_op(Op::quant_linear, [&] { impl_quant_linear(x, weight, out); });
   });
 }
 
@@ -299,7 +314,7 @@ Status Backend::silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out
     detail::check_shape(op, "out", out, gate.rows, gate.cols);
     detail::check_alias(op, "out", out, "gate", gate, true);
     detail::check_alias(op, "out", out, "up", up, true);
-    impl_silu_mul(gate, up, out);
+    run_op(Op::silu_mul, [&] { impl_silu_mul(gate, up, out); });
   });
 }
 
@@ -314,7 +329,7 @@ Status Backend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
     detail::check_shape(op, "out", out, a.rows, a.cols);
     detail::check_alias(op, "out", out, "a", a, true);
     detail::check_alias(op, "out", out, "b", b, true);
-    impl_add(a, b, out);
+    run_op(Op::add, [&] { impl_add(a, b, out); });
   });
 }
 
@@ -327,7 +342,7 @@ Status Backend::copy(const Tensor& src, const Tensor& dst) {
     detail::check_supported(*this, Op::copy, dst.dtype, "destination dtype");
     detail::check_shape(op, "dst", dst, src.rows, src.cols);
     detail::check_alias(op, "dst", dst, "src", src, false);
-    impl_copy(src, dst);
+    run_op(Op::copy, [&] { impl_copy(src, dst); });
   });
 }
 
@@ -344,7 +359,7 @@ Status Backend::embedding_bag(const Tensor& table, const Tensor& indices, const 
     detail::check_shape(op, "out", out, indices.rows, table.cols);
     detail::check_alias(op, "out", out, "table", table, false);
     detail::check_alias(op, "out", out, "weights", weights, false);
-    impl_embedding_bag(table, indices, weights, out);
+    run_op(Op::embedding_bag, [&] { impl_embedding_bag(table, indices, weights, out); });
   });
 }
 
@@ -360,7 +375,7 @@ Status Backend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& 
     detail::check_shape(op, "out", out, x.rows, x.cols);
     detail::check_alias(op, "out", out, "x", x, true);
     if (!(eps >= 0.0f)) detail::fail(ErrorCode::invalid_argument, detail::format("layer_norm: eps %g must be >= 0", eps));
-    impl_layer_norm(x, weight, bias, eps, out);
+    run_op(Op::layer_norm, [&] { impl_layer_norm(x, weight, bias, eps, out); });
   });
 }
 
@@ -374,7 +389,7 @@ Status Backend::gelu(const Tensor& x, GeluApprox approx, const Tensor& out) {
     detail::check_alias(op, "out", out, "x", x, true);
     if (approx != GeluApprox::none && approx != GeluApprox::tanh)
       detail::fail(ErrorCode::invalid_argument, detail::format("gelu: unknown approximation %d", int(approx)));
-    impl_gelu(x, approx, out);
+    run_op(Op::gelu, [&] { impl_gelu(x, approx, out); });
   });
 }
 
@@ -412,7 +427,8 @@ Status Backend::segment_attention(const Tensor& q, const Tensor& k, const Tensor
     if (!(scale > 0.0f) || !std::isfinite(scale))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("segment_attention: scale %g must be positive and finite", scale));
-    impl_segment_attention(q, k, v, segment_starts, max_segment, head_dim, scale, out);
+    run_op(Op::segment_attention,
+           [&] { impl_segment_attention(q, k, v, segment_starts, max_segment, head_dim, scale, out); });
   });
 }
 
@@ -428,7 +444,7 @@ Status Backend::kv_write(const KVCacheView& cache, int64_t layer, const Tensor& 
     detail::check_shape(op, "k", k, k.rows, width);
     detail::check_shape(op, "v", v, k.rows, width);
     detail::check_vector(op, "slots", slots, k.rows, DType::I32);
-    impl_kv_write(cache, layer, k, v, slots);
+    run_op(Op::kv_write, [&] { impl_kv_write(cache, layer, k, v, slots); });
   });
 }
 
@@ -464,7 +480,7 @@ Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t lay
                                   (long long)batch.block_tables.cols, (long long)cache.layout.page_tokens));
     if (!(scale > 0.0f) || !std::isfinite(scale))
       detail::fail(ErrorCode::invalid_argument, detail::format("attention: scale %g must be positive and finite", scale));
-    impl_attention(q, cache, layer, batch, scale, out);
+    run_op(Op::attention, [&] { impl_attention(q, cache, layer, batch, scale, out); });
   });
 }
 

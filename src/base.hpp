@@ -2,6 +2,7 @@
 // base: errors and results, dtypes and their bit-exact conversions, byte sizes, small utilities.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

@@ -152,6 +152,8 @@ struct EngineStats {
   // (pages held by the cache: arena().kv().stats().cached_pages).
   int64_t prefix_pages_reused = 0;
   int64_t prefix_tokens_reused = 0;
+  // Each backend op's calls and wall time while op timing was on (Engine::set_op_timing), since open.
+  OpTimes op_times{};
 };
 
 // What the engine runs on, fixed at open (kvlite bench prints it).
@@ -252,6 +254,11 @@ class Engine {
                            const SamplingParams& params, const TokenCallback& on_token = nullptr);
   Result<bool> step();
   Status run();
+  // Times every backend op from the next one on (Backend::set_op_timing; EngineStats::op_times adds up each op's
+  // calls and wall time, each op waiting for its own work), or stops. Slower, and on CUDA the steps run eagerly
+  // while it is on (a graph replays many ops as one): for finding where a step's time goes (kvlite bench
+  // --profile). May be called from a token callback: it takes effect at the next op.
+  void set_op_timing(bool on);
   bool finished(RequestId id) const;
   Result<Generation> result(RequestId id);
 

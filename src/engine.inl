@@ -1132,6 +1132,7 @@ struct Engine::Impl {
   // Runs `step` from a graph when it is a decode step a bucket holds; false otherwise (the caller runs it eagerly).
   bool run_decode_graph(const StepInput& step) {
     if (graphs.empty() || step.image_runs > 0 || step.tokens != int64_t(scheduled.size())) return false;
+    if (backend->op_timing()) return false;  // timed: op by op (a replay would time as no op at all)
     auto bucket = graphs.lower_bound(step.seqs);
     if (bucket == graphs.end()) return false;
     stage_padded(&step, bucket->first, graph_max_context());
@@ -1734,6 +1735,8 @@ Status Engine::run() {
   return detail::guard([&] { impl_->run_until([&] { return impl_->running.empty() && impl_->waiting.empty(); }); });
 }
 
+void Engine::set_op_timing(bool on) { impl_->backend->set_op_timing(on); }
+
 bool Engine::finished(RequestId id) const {
   auto it = impl_->requests.find(id);
   return it != impl_->requests.end() && it->second->finished;
@@ -1924,7 +1927,11 @@ Status Engine::cancel(RequestId id) {
   return Status();
 }
 
-EngineStats Engine::stats() const { return impl_->stats; }
+EngineStats Engine::stats() const {
+  EngineStats stats = impl_->stats;
+  stats.op_times = impl_->backend->op_times();
+  return stats;
+}
 
 EngineInfo Engine::info() const { return impl_->info; }
 

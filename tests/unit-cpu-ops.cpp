@@ -1029,3 +1029,37 @@ TEST_CASE("supports() says what the CPU backend runs") {
     CHECK_FALSE(backend->supports(op, DType::BF16));
   }
 }
+
+// ---- op timing ----------------------------------------------------------------------------------------------------
+
+TEST_CASE("op timing counts each op's calls and wall time only while it is on, and changes no result") {
+  auto backend = cpu(2);
+  Random rng(91);
+  Matrix a(DType::F32, 33, 257), b(DType::F32, 33, 257), scratch(DType::F32, 33, 257);
+  Matrix timed(DType::F32, 33, 257), untimed(DType::F32, 33, 257);
+  a.randomize(rng);
+  b.randomize(rng);
+  auto calls = [&](Op op) { return backend->op_times()[size_t(op)].calls; };
+  CHECK_FALSE(backend->op_timing());
+  REQUIRE(backend->add(a.view(), b.view(), untimed.view()).ok());
+  CHECK(calls(Op::add) == 0);  // off: nothing counted
+  backend->set_op_timing(true);
+  CHECK(backend->op_timing());
+  for (int i = 0; i < 3; i++) REQUIRE(backend->add(a.view(), b.view(), timed.view()).ok());
+  REQUIRE(backend->silu_mul(a.view(), b.view(), scratch.view()).ok());
+  CHECK(calls(Op::add) == 3);
+  CHECK(calls(Op::silu_mul) == 1);
+  CHECK(backend->op_times()[size_t(Op::add)].seconds > 0.0);
+  CHECK(same_bits(timed, untimed));
+  // a call refused by validation runs nothing and is not counted
+  Matrix wrong(DType::F32, 2, 2);
+  CHECK_FALSE(backend->add(a.view(), wrong.view(), timed.view()).ok());
+  CHECK(calls(Op::add) == 3);
+  for (int i = 0; i < kOpCount; i++) {
+    CAPTURE(op_name(Op(i)));
+    if (Op(i) != Op::add && Op(i) != Op::silu_mul) CHECK(backend->op_times()[size_t(i)].calls == 0);
+  }
+  backend->set_op_timing(false);
+  REQUIRE(backend->add(a.view(), b.view(), timed.view()).ok());
+  CHECK(calls(Op::add) == 3);  // off again: the totals stay as they were
+}

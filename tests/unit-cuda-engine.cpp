@@ -824,3 +824,27 @@ TEST_CASE("the bundled captioners on the GPU caption the example images as the C
     CHECK(Arena::allocations_after_start() == 0);
   }
 }
+
+TEST_CASE("op timing on the GPU: eager steps while it is on, the graphs' tokens, every layer's ops counted") {
+  GPU_OR_SKIP();
+  auto gpu = gpu_engine("tiny-llama3", DType::BF16);
+  const std::vector<int32_t> ids = prompts("tiny-llama3")[0].ids;
+  SamplingParams params = greedy();
+  params.max_tokens = 9;
+  auto replayed = gpu->generate(ids, params);
+  REQUIRE_OK(replayed);
+  const EngineStats before = gpu->stats();
+  gpu->set_op_timing(true);
+  auto timed = gpu->generate(ids, params);
+  gpu->set_op_timing(false);
+  REQUIRE_OK(timed);
+  const EngineStats after = gpu->stats();
+  CHECK(timed->ids == replayed->ids);
+  CHECK(after.graph_steps == before.graph_steps);  // a replay would time as no op at all
+  const int64_t layers = gpu->config().text.num_layers;
+  for (Op op : {Op::attention, Op::kv_write}) {
+    CAPTURE(op_name(op));
+    CHECK(after.op_times[size_t(op)].calls - before.op_times[size_t(op)].calls == 9 * layers);
+    CHECK(after.op_times[size_t(op)].seconds > before.op_times[size_t(op)].seconds);
+  }
+}

@@ -187,6 +187,25 @@ void check_rows(Gpu& g, const OwnedWeight& o, cuda::QuantKernel kernel, Bound bo
 
 const DType kHalfActivations[] = {DType::BF16, DType::F16};
 
+// The int4 weights the A16 kernels are checked on.
+struct Int4Shape { int64_t n, k, group; bool asymmetric, act_order; };
+const Int4Shape kInt4Shapes[] = {
+    {192, 256, 128, false, false},     // N = 3 x 64
+    {320, 4096, 128, true, false},     // N = 5 x 64, 32 stages: split-K at M <= 64
+    {200, 96, 32, true, false},        // ragged N, K not a multiple of 128 (the last tile past K)
+    {64 * 7, 200, 200, false, false},  // channel, K = 200
+    {136, 1040, 16, true, false},      // groups of 16 (a new group every int4 tile), K = 1040 (8 stages + 16)
+};
+// The fp8 weights the A16 kernels (W8A16 mma, the GEMV) are checked on.
+struct Fp8A16Shape { int64_t n, k; ScaleGranularity granularity; int64_t block_n, block_k; DequantRounding rounding; };
+const Fp8A16Shape kFp8A16Shapes[] = {
+    {192, 256, ScaleGranularity::tensor, 0, 0, DequantRounding::scale_dtype},
+    {200, 160, ScaleGranularity::channel, 0, 0, DequantRounding::scale_dtype},
+    {320, 2048, ScaleGranularity::block, 128, 128, DequantRounding::f32},
+    {136, 160, ScaleGranularity::block, 128, 128, DequantRounding::f32},           // partial blocks both ways
+    {40 * 3, 96, ScaleGranularity::block, 16, 32, DequantRounding::scale_dtype},  // small blocks: one per fp8 tile
+};
+
 }  // namespace
 
 // ---- W4A16 ------------------------------------------------------------------------------------------------------
@@ -194,17 +213,9 @@ const DType kHalfActivations[] = {DType::BF16, DType::F16};
 TEST_CASE("W4A16 mma matches the CPU: M 1..64 and 100+, N odd multiples of 64 and ragged, odd K, groups, zeros") {
   GPU_OR_SKIP();
   Random rng(201);
-  struct Shape { int64_t n, k, group; bool asymmetric, act_order; };
-  const Shape shapes[] = {
-      {192, 256, 128, false, false},  // N = 3 x 64
-      {320, 4096, 128, true, false},  // N = 5 x 64, 32 stages: split-K at M <= 64
-      {200, 96, 32, true, false},     // ragged N, K not a multiple of 128
-      {64 * 7, 200, 200, false, false},  // channel, K = 200
-      {136, 1040, 16, true, false},   // groups of 16, K = 1040 (8 stages + 16)
-  };
   for (DType activation : kHalfActivations) {
     Gpu g(activation);
-    for (const Shape& s : shapes) {
+    for (const Int4Shape& s : kInt4Shapes) {
       OwnedWeight o = make_int4(s.n, s.k, s.group, activation, s.asymmetric, s.act_order, rng);
       add_bias(o, activation, rng);
       check_rows(g, o, cuda::QuantKernel::mma_a16, Bound::exact_weights, {1, 2, 5, 16, 17, 33, 64, 100, 257}, rng);
@@ -233,24 +244,10 @@ TEST_CASE("W4A16 and W8A16 GEMV match the CPU: rows 1..4 and passes past 4, ever
   GPU_OR_SKIP();
   Random rng(211);
   const cuda::QuantKernel gemv = cuda::QuantKernel::gemv_a16;
-  struct Int4Shape { int64_t n, k, group; bool asymmetric, act_order; };
-  const Int4Shape int4_shapes[] = {
-      {192, 256, 128, false, false},   // N = 3 x 64
-      {320, 4096, 128, true, false},   // 32 stages: split-K
-      {200, 96, 32, true, false},      // ragged N, K not a multiple of 128 (the last tile past K)
-      {64 * 7, 200, 200, false, false},  // channel, K = 200
-      {136, 1040, 16, true, false},    // groups of 16: a new group every tile
-      {192, 512, 64, true, true},      // act-order: staged, permuted activations
-      {128, 100, 100, true, false},    // K % 8 != 0: staged
-  };
-  struct Fp8Shape { int64_t n, k; ScaleGranularity granularity; int64_t block_n, block_k; DequantRounding rounding; };
-  const Fp8Shape fp8_shapes[] = {
-      {192, 256, ScaleGranularity::tensor, 0, 0, DequantRounding::scale_dtype},
-      {200, 160, ScaleGranularity::channel, 0, 0, DequantRounding::scale_dtype},
-      {320, 2048, ScaleGranularity::block, 128, 128, DequantRounding::f32},
-      {136, 160, ScaleGranularity::block, 128, 128, DequantRounding::f32},
-      {40 * 3, 96, ScaleGranularity::block, 16, 32, DequantRounding::scale_dtype},  // a new block every tile
-  };
+  // the mma kernel's shapes, and act-order and K % 8 != 0 (both staged)
+  std::vector<Int4Shape> int4_shapes(std::begin(kInt4Shapes), std::end(kInt4Shapes));
+  int4_shapes.push_back({192, 512, 64, true, true});
+  int4_shapes.push_back({128, 100, 100, true, false});
   for (DType activation : kHalfActivations) {
     Gpu g(activation);
     for (const Int4Shape& s : int4_shapes) {
@@ -258,7 +255,7 @@ TEST_CASE("W4A16 and W8A16 GEMV match the CPU: rows 1..4 and passes past 4, ever
       add_bias(o, activation, rng);
       check_rows(g, o, gemv, Bound::exact_weights, {1, 2, 3, 4, 6, 9}, rng);
     }
-    for (const Fp8Shape& s : fp8_shapes) {
+    for (const Fp8A16Shape& s : kFp8A16Shapes) {
       OwnedWeight o = make_fp8(s.n, s.k, s.granularity, s.block_n, s.block_k, activation, s.rounding, rng);
       add_bias(o, DType::F32, rng);
       check_rows(g, o, gemv, a16_bound(o.weight, activation), {1, 2, 3, 4, 5}, rng);
@@ -275,17 +272,9 @@ TEST_CASE("W4A16 and W8A16 GEMV match the CPU: rows 1..4 and passes past 4, ever
 TEST_CASE("W8A16 mma matches the CPU: tensor, channel and block scales, odd shapes") {
   GPU_OR_SKIP();
   Random rng(203);
-  struct Shape { int64_t n, k; ScaleGranularity granularity; int64_t block_n, block_k; DequantRounding rounding; };
-  const Shape shapes[] = {
-      {192, 256, ScaleGranularity::tensor, 0, 0, DequantRounding::scale_dtype},
-      {200, 160, ScaleGranularity::channel, 0, 0, DequantRounding::scale_dtype},
-      {320, 2048, ScaleGranularity::block, 128, 128, DequantRounding::f32},
-      {136, 160, ScaleGranularity::block, 128, 128, DequantRounding::f32},   // partial blocks both ways
-      {40 * 3, 96, ScaleGranularity::block, 16, 32, DequantRounding::scale_dtype},  // small blocks
-  };
   for (DType activation : kHalfActivations) {
     Gpu g(activation);
-    for (const Shape& s : shapes) {
+    for (const Fp8A16Shape& s : kFp8A16Shapes) {
       OwnedWeight o = make_fp8(s.n, s.k, s.granularity, s.block_n, s.block_k, activation, s.rounding, rng);
       check_rows(g, o, cuda::QuantKernel::mma_a16, a16_bound(o.weight, activation), {1, 3, 16, 31, 64, 65, 200}, rng);
     }

@@ -577,3 +577,30 @@ TEST_CASE("logprobs: each generated token's log-probability under the model, as 
     }
   }
 }
+
+TEST_CASE("op timing: a decode step's ops per layer, counted while it is on, and the same tokens as untimed") {
+  for (const char* name : {"tiny-llama3", "tiny-qwen3"}) {
+    CAPTURE(name);
+    auto engine = fx::open(name);
+    const std::vector<int32_t> ids = prompts(name)[0].ids;
+    SamplingParams params = greedy();
+    params.max_tokens = 9;
+    auto untimed = engine->generate(ids, params);
+    REQUIRE(untimed);
+    CHECK(engine->stats().op_times[size_t(Op::attention)].calls == 0);  // off by default
+    engine->set_op_timing(true);
+    auto timed = engine->generate(ids, params);
+    REQUIRE(timed);
+    engine->set_op_timing(false);
+    CHECK(timed->ids == untimed->ids);
+    // one prefill step and 8 decode steps: every step runs attention and kv_write once per layer
+    const OpTimes& ops = engine->stats().op_times;
+    const int64_t layers = engine->config().text.num_layers, steps = 9;
+    CHECK(ops[size_t(Op::attention)].calls == steps * layers);
+    CHECK(ops[size_t(Op::kv_write)].calls == steps * layers);
+    CHECK(ops[size_t(Op::attention)].seconds > 0.0);
+    // and nothing more once it is off again
+    REQUIRE(engine->generate(ids, params));
+    CHECK(engine->stats().op_times[size_t(Op::attention)].calls == steps * layers);
+  }
+}

@@ -168,10 +168,10 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
     python3 tools/make_random_checkpoint.py "$preset" "$dir" --quant "$quant" >> "$out/bench.log" 2>&1 || {
       phase "$title" "FAILED to write the checkpoint, see bench.log"; rm -rf "$dir"; continue; }
     phase "$title" "checkpoint written"
-    bench "$title, planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB
+    bench "$title, planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB --profile
     status=$?
     if [ $status = 1 ]; then  # does not fit an 8 GiB card: the same on a 24 GiB one
-      bench "$title, planned as a 24 GiB card (does not fit 8 GiB)" "$dir" --backend cuda --device-mem 24GiB
+      bench "$title, planned as a 24 GiB card (does not fit 8 GiB)" "$dir" --backend cuda --device-mem 24GiB --profile
       status=$?
     fi
     phase "$title" "bench exit $status"
