@@ -1378,8 +1378,9 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
 }
 
 // ---- the decode GEMV: a few rows, the weights streamed once through registers ---------------------------------
-// At M <= kQuantGemvMaxRows (decode) the mma kernel spends a 16-row tensor-core step on one row and stages every
-// byte through shared memory: measured at 18-30% of copy bandwidth on an H100 (bench/RESULTS.md). This kernel
+// At decode's few rows the mma kernel spends a 16-row tensor-core step on one row and stages every byte through
+// shared memory: measured at 18-30% of copy bandwidth on an H100 at M = 1; this kernel reads W4A16 at 26-73%
+// (1.4-2.5x faster; bench/RESULTS.md, 2026-11-26, and quant_gemv_auto_rows for where it takes over). It
 // reads the same tiles straight from device memory into registers: each warp streams a contiguous run of its
 // column tile's k tiles (16 bytes per lane, a warp's 512 B / 2 KiB coalesced, kGemvUnroll tiles in flight),
 // dequantizes each pair exactly as the mma kernel does ((u - z) * scale in T, one rounding), and accumulates
