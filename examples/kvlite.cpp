@@ -646,12 +646,17 @@ std::vector<int32_t> bench_prompt(const kvlite::ModelConfig& config, int64_t len
   return ids;
 }
 
-BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_t decode, uint64_t seed) {
+// `batch` requests of `prompt` tokens (bench_prompt with `seed`), each generating `decode` tokens greedily, run
+// together and timed. on_prefilled, when given, is called once, from the token callback, when every request has
+// its first token (every prefill done: the steps after it are decode steps).
+BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_t decode, uint64_t seed,
+                      const std::function<void()>& on_prefilled = nullptr) {
   kvlite::SamplingParams params;
   params.max_tokens = decode;
   params.ignore_eos = true;
   using Clock = std::chrono::steady_clock;
   std::vector<double> first(size_t(batch), -1.0), last(size_t(batch), -1.0);
+  int64_t first_tokens = 0;
   const kvlite::EngineStats before = engine.stats();
   const Clock::time_point start = Clock::now();
   for (int64_t b = 0; b < batch; b++) {
@@ -659,7 +664,10 @@ BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int
     auto on_token = [&, b](const std::string&, int32_t id) {
       if (id < 0) return true;  // the held-back text at the end, not a token
       const double now = seconds_since(start);
-      if (first[size_t(b)] < 0) first[size_t(b)] = now;
+      if (first[size_t(b)] < 0) {
+        first[size_t(b)] = now;
+        if (++first_tokens == batch && on_prefilled) on_prefilled();
+      }
       last[size_t(b)] = now;
       return true;
     };
@@ -687,41 +695,26 @@ BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int
 }
 
 // kvlite bench --profile: where a decode step's time goes, op by op. `batch` requests as the timed runs make
-// them; op timing (Engine::set_op_timing: eager steps, each op waiting for its own work) goes on from the token
-// callback once every request has its first token (their prefill done) and off when the run ends, so the
-// figures are the decode steps' alone. What the ops do not account for is the engine's own work between them
-// (scheduling, sampling, copies to the host).
+// them; op timing (Engine::set_op_timing: eager steps, each op waiting for its own work) goes on once every
+// request has its first token (their prefill done) and off when the run ends, so the figures are the decode
+// steps' alone. What the ops do not account for is the engine's own work between them (scheduling, sampling,
+// copies to the host).
 void print_profile(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_t decode) {
   using Clock = std::chrono::steady_clock;
-  kvlite::SamplingParams params;
-  params.max_tokens = decode;
-  params.ignore_eos = true;
-  int64_t first_tokens = 0;
+  bool prefilled = false;
   Clock::time_point start;
   kvlite::EngineStats at_start;
-  for (int64_t b = 0; b < batch; b++) {
-    const std::vector<int32_t> ids = bench_prompt(engine.config(), prompt, uint64_t(batch), b);
-    bool seen = false;
-    auto on_token = [&, seen](const std::string&, int32_t id) mutable {
-      if (id < 0 || seen) return true;
-      seen = true;
-      if (++first_tokens == batch) {  // every prefill done: time the decode steps from here
-        at_start = engine.stats();
-        engine.set_op_timing(true);
-        start = Clock::now();
-      }
-      return true;
-    };
-    auto submitted = engine.submit(ids, params, on_token);
-    if (!submitted) library_error(submitted.error());
-  }
-  auto ran = engine.run();
+  run_batch(engine, batch, prompt, decode, uint64_t(batch), [&] {
+    at_start = engine.stats();
+    engine.set_op_timing(true);
+    start = Clock::now();
+    prefilled = true;
+  });
   engine.set_op_timing(false);
-  if (!ran) library_error(ran.error());
   const double wall = std::chrono::duration<double>(Clock::now() - start).count();
   const kvlite::EngineStats at_end = engine.stats();
   const int64_t steps = at_end.steps - at_start.steps;
-  if (first_tokens < batch || steps <= 0) {
+  if (!prefilled || steps <= 0) {
     printf("\nprofile: no decode step to time (--decode-tokens %lld)\n", (long long)decode);
     return;
   }
