@@ -8346,6 +8346,33 @@ inline int png_orientation(const uint8_t* d, size_t n) {
   return 1;
 }
 
+// A PNG's bytes without its empty IDAT chunks, or nothing when it has none. stb_image 2.27 copies each IDAT
+// into a buffer it allocates at the first non-empty one, so an empty IDAT before it memcpy's 0 bytes to a null
+// pointer (undefined behaviour; UBSan stops there; found by tests/fuzz/fuzz_image.cpp). An empty IDAT adds
+// nothing to the zlib stream and each chunk carries its own CRC, so the image without them is the same image.
+// Chunks are walked as png_orientation walks them; a truncated chunk ends the walk (stb reports it).
+inline std::vector<uint8_t> png_without_empty_idat(const uint8_t* d, size_t n) {
+  std::vector<size_t> empty;  // offsets of the empty IDAT chunks (12 bytes each: length, type, CRC)
+  size_t pos = 8;
+  while (pos + 12 <= n) {
+    const size_t length = read_be32(d + pos);
+    if (length > n - pos - 12) break;
+    if (length == 0 && memcmp(d + pos + 4, "IDAT", 4) == 0) empty.push_back(pos);
+    if (memcmp(d + pos + 4, "IEND", 4) == 0) break;
+    pos += 12 + length;
+  }
+  std::vector<uint8_t> out;
+  if (empty.empty()) return out;
+  out.reserve(n - 12 * empty.size());
+  size_t from = 0;
+  for (size_t chunk : empty) {
+    out.insert(out.end(), d + from, d + chunk);
+    from = chunk + 12;
+  }
+  out.insert(out.end(), d + from, d + n);
+  return out;
+}
+
 // Applies EXIF orientation o (1..8) as torchvision's decode_image(apply_exif_orientation=True) does:
 // 2 mirror left-right, 3 rotate 180, 4 mirror top-bottom, 5 transpose, 6 rotate 90 clockwise,
 // 7 transverse, 8 rotate 90 counter-clockwise.
@@ -8656,10 +8683,14 @@ inline Image decode(const uint8_t* data, size_t size, const DecodeOptions& optio
                                          declared, size));
   }
 
+  std::vector<uint8_t> repaired;  // a PNG without the empty IDAT chunks stb_image mishandles
+  if (strcmp(format_name, "PNG") == 0) repaired = png_without_empty_idat(data, size);
+  const uint8_t* pixels = repaired.empty() ? data : repaired.data();
+  const size_t pixels_size = repaired.empty() ? size : repaired.size();
   const bool composite = options.alpha == AlphaMode::composite_white;
   const int wanted = composite ? 4 : 3;
   int w = 0, h = 0, in_file = 0;
-  stbi_uc* decoded = stbi_load_from_memory(data, int(size), &w, &h, &in_file, wanted);
+  stbi_uc* decoded = stbi_load_from_memory(pixels, int(pixels_size), &w, &h, &in_file, wanted);
   if (!decoded) {
     const char* why = stbi_failure_reason() && *stbi_failure_reason() ? stbi_failure_reason() : "unreadable data";
     fail(strcmp(why, "outofmem") == 0 ? ErrorCode::out_of_memory : ErrorCode::bad_format,

@@ -703,3 +703,32 @@ TEST_CASE("regression: a 16-bit PNM made stb_image read past its buffer") {
   CHECK(image.error().code == ErrorCode::unsupported);
   CHECK(image.error().message.find("16-bit PNM (maxval 256)") != std::string::npos);
 }
+
+// Found by tests/fuzz/fuzz_image.cpp: an empty IDAT chunk before the image data made stb_image 2.27 memcpy 0 bytes
+// to a null pointer (undefined behaviour; UBSan stops there). Empty IDATs are dropped before decoding: a PNG
+// with them is the same image as without.
+TEST_CASE("regression: an empty IDAT chunk before the data made stb_image copy to a null pointer") {
+  const std::vector<uint8_t> fuzzed =
+      read_bytes(std::string(KVLITE_SOURCE_DIR) + "/tests/fuzz/crashes/image/png-empty-idat-null-memcpy");
+  auto corrupt = decode_image(fuzzed.data(), fuzzed.size(), {}, "fuzzed.png");
+  REQUIRE_FALSE(corrupt.ok());  // (the rest of that file is noise)
+  CHECK(corrupt.error().code == ErrorCode::bad_format);
+  // A real PNG with two empty IDAT chunks (length 0, "IDAT", the CRC of "IDAT") before its first IDAT.
+  const std::vector<uint8_t> png = read_bytes(kDir + "gray_23x19.png");
+  auto expected = decode_image(png.data(), png.size(), {}, "gray_23x19.png");
+  REQUIRE(expected.ok());
+  size_t first_idat = 8;
+  while (memcmp(png.data() + first_idat + 4, "IDAT", 4) != 0)
+    first_idat += 12 + (size_t(png[first_idat]) << 24 | size_t(png[first_idat + 1]) << 16 |
+                        size_t(png[first_idat + 2]) << 8 | size_t(png[first_idat + 3]));
+  const uint8_t empty_idat[12] = {0, 0, 0, 0, 'I', 'D', 'A', 'T', 0x35, 0xAF, 0x06, 0x1E};
+  std::vector<uint8_t> padded(png.begin(), png.begin() + long(first_idat));
+  padded.insert(padded.end(), empty_idat, empty_idat + 12);
+  padded.insert(padded.end(), empty_idat, empty_idat + 12);
+  padded.insert(padded.end(), png.begin() + long(first_idat), png.end());
+  auto decoded = decode_image(padded.data(), padded.size(), {}, "empty-idat.png");
+  REQUIRE_MESSAGE(decoded.ok(), decoded.error().message);
+  CHECK(decoded->width == expected->width);
+  CHECK(decoded->height == expected->height);
+  CHECK(decoded->rgb == expected->rgb);
+}
