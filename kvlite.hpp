@@ -81,7 +81,7 @@
       - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL images, the fp8
         KV cache). The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling) passes its GPU tests
         and compute-sanitizer on an H100 (bench/RESULTS.md), Qwen3-VL images included, but is not yet fast:
-        decode at 20-50% of the bandwidth roofline, the W4A16 decode GEMV at 26-73% of copy bandwidth.
+        decode at 27-67% of the bandwidth roofline, the W4A16 decode GEMVs at 22-63% of copy bandwidth.
       - The CPU computes in F32 by default (the reference). With activation_dtype BF16 or F16 it runs the GPU's
         numerics instead (f32 math, rounded on every store where the CUDA kernels round), for tests on machines
         without a GPU; it is no faster.
@@ -1246,7 +1246,9 @@ KVLITE_HD float fp8_folded_scale(float scale, bool bf16) {
 //   dequant_cublas   weights dequantized to the activation dtype into scratch (tiled over N), then cuBLAS
 //   gemv_a16         int4 / fp8 weights with bf16/f16 activations, a few rows (decode): the tiles streamed from
 //                    device memory into registers, dequantized as mma_a16 does, fp32 FMAs (no tensor cores)
-enum class QuantKernel : uint8_t { automatic, mma_a16, mma_w8a8, dequant_cublas, gemv_a16 };
+//   gemv_mma         gemv_a16's streamed loads with mma_a16's tensor-core math straight from registers (no shared
+//                    memory staging): up to 16 rows for the price of one
+enum class QuantKernel : uint8_t { automatic, mma_a16, mma_w8a8, dequant_cublas, gemv_a16, gemv_mma };
 const char* quant_kernel_name(QuantKernel kernel);
 
 // Activation rows up to which mma_a16 runs; more rows go through dequantize + cuBLAS, whose dequantization
@@ -1258,11 +1260,17 @@ constexpr int64_t kQuantMmaMaxRows = 256;
 // shared memory (18-30% of copy bandwidth for W4A16 on an H100, bench/RESULTS.md); the GEMV's fp32 FMAs cost
 // 16 M per 16 bytes of int4 weights, past the FMA rate near M = 8, so it stops at 4.
 constexpr int64_t kQuantGemvMaxRows = 4;
-// Rows up to which the automatic choice takes gemv_a16, by weight format. Measured on an H100 (bench/RESULTS.md,
-// 2026-11-26, Llama-3.1-8B's and Qwen3-VL-4B's Linears): int4 at M = 1 runs 1.4-2.5x faster than the mma kernel
-// and at M = 2 1.2-1.9x, at M = 4 0.5-1.0x; fp8 at M = 1 ties W8A16 on the layers (sum of a layer's four GEMMs
-// within 2%) and is 1.2x faster on lm_head, and loses from M = 2.
-constexpr int64_t quant_gemv_auto_rows(WeightFormat format) { return format == WeightFormat::int4 ? 2 : 1; }
+// Rows one gemv_mma launch computes: the 16 rows of an mma.m16n8k16 A fragment (rows g and g + 8 of each lane).
+constexpr int64_t kQuantGemvMmaMaxRows = 16;
+// The automatic choice at decode rows, measured on an H100 (bench/RESULTS.md, 2026-11-26, third session):
+//   int4, M = 1 .. 16: gemv_mma, flat from 1 to 8 rows (bench-quant_gemm, Llama-3.1-8B's gate_up: 46-47 us at M =
+//          1, 2, 4, 8; gemv_a16 51, 68, 99 us at M = 1, 2, 4; mma_a16 90 us). At M = 1 the two GEMVs trade places
+//          by shape (gemv_mma holds 98 registers, 2 blocks an SM against gemv_a16's 3), and end to end Llama-3.1-8B
+//          W4A16 decodes at 177.7 tok/s with gemv_mma against 167.0 with gemv_a16.
+//   fp8, M = 1: gemv_a16 (Qwen3-VL-4B FP8 decodes at 174.3 tok/s with it against 162.0 with gemv_mma, which holds
+//          156 registers for fp8, one block an SM); M >= 2: the mma kernels, 5-20% ahead of gemv_mma.
+constexpr int64_t quant_gemv_auto_rows(WeightFormat format) { return format == WeightFormat::fp8 ? 1 : 0; }
+constexpr int64_t quant_gemv_mma_auto_rows(WeightFormat format) { return format == WeightFormat::int4 ? 16 : 0; }
 // The GEMV splits K as the mma kernel does: enough splits to fill the GPU's block slots once (SMs x blocks an SM
 // holds). Aiming for 4 waves of shorter blocks instead was measured slower on an H100 (Llama qkv at M = 1 12.5 ->
 // 20.9 us, down 28.3 -> 35.1, gate_up 51.9 -> 53.7): more splits cost more partials and fix-ups than the tail
@@ -1282,7 +1290,8 @@ constexpr int kQuantW8A8MinSm = 89;
 constexpr bool quant_w8a8_preferred(int sm) { return sm >= kQuantW8A8MinSm && sm / 10 != 9; }
 
 // The kernel `forced` or, when automatic, the one for `rows` rows on a GPU of compute capability `sm` with
-// activations of dtype `activation`: gemv_a16 up to quant_gemv_auto_rows rows, then W8A8 for fp8 where it is
+// activations of dtype `activation`: gemv_a16 up to quant_gemv_auto_rows rows (fp8: 1), gemv_mma up to
+// quant_gemv_mma_auto_rows rows (int4: 16), then W8A8 for fp8 where it is
 // native, else mma_a16 up to kQuantMmaMaxRows rows, then dequantize + cuBLAS. F32 activations always dequantize
 // (exact weights, float32 cuBLAS).
 QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, int sm, int64_t rows,
@@ -1301,7 +1310,7 @@ KVLITE_HD int quant_m_tiles(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ?
 // columns at a time for cuBLAS.
 struct QuantGemmPlan {
   QuantKernel kernel = QuantKernel::dequant_cublas;
-  int64_t row_chunk = 0;      // gemv_a16: at most kQuantGemvMaxRows
+  int64_t row_chunk = 0;      // gemv_a16: at most kQuantGemvMaxRows; gemv_mma: kQuantGemvMmaMaxRows
   int64_t splits = 1;         // split-K partitions of the stages (only when one block row, m_blocks == 1)
   int64_t n_chunk = 0;        // dequant_cublas: output columns per pass (a multiple of 64)
   bool stage_x = false;       // mma_a16: activations copied into scratch first (act-order, or unaligned)
@@ -3345,7 +3354,9 @@ struct AttentionSplit {
   int64_t splits = 1;  // blocks per (row, head group); 1: no partials, the block writes the output
   int64_t chunk = 1;   // keys per split (the whole max_context when splits == 1)
 };
-constexpr int64_t kAttentionMinChunk = 128;
+// (16: at batch 1 a few hundred keys then still spread over tens of splits; with 128 Llama-3.1-8B's 8 KV heads ran a
+// 192-key decode context as 8 blocks whose warps each took 48 keys one after another, 55 us a layer on an H100.)
+constexpr int64_t kAttentionMinChunk = 16;
 constexpr int64_t kAttentionMaxSplits = 256;
 // blocks: rows x KV heads x head passes (the grid without splitting); target_blocks: what fills the GPU;
 // partial_bytes: scratch bytes one split of every (row, head) needs; scratch_bytes: what there is.
@@ -3368,8 +3379,8 @@ inline AttentionSplit plan_attention_split(int64_t blocks, int64_t max_context, 
 // is sized for the largest context the launch (or a decode graph captured for max_model_len) may see; each query
 // spreads its own keys evenly over as many splits as give chunks of at least kAttentionMinChunk keys, up to
 // `planned`, and the splits past those are empty for it (their blocks return at once; the combine skips them).
-// A graph captured for 32,768 tokens thus runs a 50-token context in one split, and a 3,000-token one in 23
-// splits of 131 keys rather than 7 of 497.
+// A graph captured for 32,768 tokens with 66 splits thus runs a 50-token context in 3 splits of 17 keys and a
+// 3,000-token one in 66 of 46, rather than in as many splits as 32,768 tokens would take.
 KVLITE_HD int64_t attention_chunk(int64_t planned, int64_t keys) {
   if (keys <= 0) return 1;
   const int64_t by_length = keys / kAttentionMinChunk;
@@ -5922,6 +5933,7 @@ const char* quant_kernel_name(QuantKernel kernel) {
     case QuantKernel::mma_w8a8: return "mma_w8a8";
     case QuantKernel::dequant_cublas: return "dequant_cublas";
     case QuantKernel::gemv_a16: return "gemv_a16";
+    case QuantKernel::gemv_mma: return "gemv_mma";
   }
   return "?";
 }
@@ -5950,6 +5962,7 @@ QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, 
   if (forced != QuantKernel::automatic) return forced;
   if ((activation != DType::BF16 && activation != DType::F16) || !layout.mma) return QuantKernel::dequant_cublas;
   if (rows <= quant_gemv_auto_rows(layout.format)) return QuantKernel::gemv_a16;
+  if (rows <= quant_gemv_mma_auto_rows(layout.format)) return QuantKernel::gemv_mma;
   if (layout.format == WeightFormat::fp8 && quant_w8a8_preferred(sm)) return QuantKernel::mma_w8a8;
   return rows <= kQuantMmaMaxRows ? QuantKernel::mma_a16 : QuantKernel::dequant_cublas;
 }
@@ -5988,6 +6001,7 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
     return true;
   }
   if (kernel == QuantKernel::gemv_a16) p.row_chunk = std::min(rows, kQuantGemvMaxRows);  // passes of its rows
+  if (kernel == QuantKernel::gemv_mma) p.row_chunk = std::min(rows, kQuantGemvMmaMaxRows);
   p.stage_x = kernel == QuantKernel::mma_w8a8 || stage_x;
   if (p.stage_x) {
     if (staged_bytes(layout, kernel, 1) > scratch_bytes) {

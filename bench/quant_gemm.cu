@@ -416,10 +416,12 @@ int main(int argc, char** argv) {
         std::string others = ok ? "ok" : "FAIL " + worst;
         // the paths not chosen (fp8: at every M, W8A8 against W8A16; decode rows: the GEMV against the mma
         // kernel), and cuBLASLt FP8
-        if (m >= 512 || fp8 || m <= cuda::kQuantGemvMaxRows) {
-          for (cuda::QuantKernel other : {cuda::QuantKernel::gemv_a16, cuda::QuantKernel::mma_a16,
-                                          cuda::QuantKernel::mma_w8a8, cuda::QuantKernel::dequant_cublas}) {
+        if (m >= 512 || fp8 || m <= cuda::kQuantGemvMmaMaxRows) {
+          for (cuda::QuantKernel other : {cuda::QuantKernel::gemv_mma, cuda::QuantKernel::gemv_a16,
+                                          cuda::QuantKernel::mma_a16, cuda::QuantKernel::mma_w8a8,
+                                          cuda::QuantKernel::dequant_cublas}) {
             if (other == cuda::QuantKernel::gemv_a16 && m > cuda::kQuantGemvMaxRows) continue;
+            if (other == cuda::QuantKernel::gemv_mma && m > cuda::kQuantGemvMmaMaxRows) continue;
             if (other == chosen || !cuda::quant_kernel_refusal(layout, other, DType::BF16, device.sm).empty()) continue;
             ok_or_exit(cuda::set_quant_kernel(*backend, other), "set_quant_kernel");
             const double other_us =

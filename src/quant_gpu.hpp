@@ -190,7 +190,9 @@ KVLITE_HD float fp8_folded_scale(float scale, bool bf16) {
 //   dequant_cublas   weights dequantized to the activation dtype into scratch (tiled over N), then cuBLAS
 //   gemv_a16         int4 / fp8 weights with bf16/f16 activations, a few rows (decode): the tiles streamed from
 //                    device memory into registers, dequantized as mma_a16 does, fp32 FMAs (no tensor cores)
-enum class QuantKernel : uint8_t { automatic, mma_a16, mma_w8a8, dequant_cublas, gemv_a16 };
+//   gemv_mma         gemv_a16's streamed loads with mma_a16's tensor-core math straight from registers (no shared
+//                    memory staging): up to 16 rows for the price of one
+enum class QuantKernel : uint8_t { automatic, mma_a16, mma_w8a8, dequant_cublas, gemv_a16, gemv_mma };
 const char* quant_kernel_name(QuantKernel kernel);
 
 // Activation rows up to which mma_a16 runs; more rows go through dequantize + cuBLAS, whose dequantization
@@ -202,11 +204,17 @@ constexpr int64_t kQuantMmaMaxRows = 256;
 // shared memory (18-30% of copy bandwidth for W4A16 on an H100, bench/RESULTS.md); the GEMV's fp32 FMAs cost
 // 16 M per 16 bytes of int4 weights, past the FMA rate near M = 8, so it stops at 4.
 constexpr int64_t kQuantGemvMaxRows = 4;
-// Rows up to which the automatic choice takes gemv_a16, by weight format. Measured on an H100 (bench/RESULTS.md,
-// 2026-11-26, Llama-3.1-8B's and Qwen3-VL-4B's Linears): int4 at M = 1 runs 1.4-2.5x faster than the mma kernel
-// and at M = 2 1.2-1.9x, at M = 4 0.5-1.0x; fp8 at M = 1 ties W8A16 on the layers (sum of a layer's four GEMMs
-// within 2%) and is 1.2x faster on lm_head, and loses from M = 2.
-constexpr int64_t quant_gemv_auto_rows(WeightFormat format) { return format == WeightFormat::int4 ? 2 : 1; }
+// Rows one gemv_mma launch computes: the 16 rows of an mma.m16n8k16 A fragment (rows g and g + 8 of each lane).
+constexpr int64_t kQuantGemvMmaMaxRows = 16;
+// The automatic choice at decode rows, measured on an H100 (bench/RESULTS.md, 2026-11-26, third session):
+//   int4, M = 1 .. 16: gemv_mma, flat from 1 to 8 rows (bench-quant_gemm, Llama-3.1-8B's gate_up: 46-47 us at M =
+//          1, 2, 4, 8; gemv_a16 51, 68, 99 us at M = 1, 2, 4; mma_a16 90 us). At M = 1 the two GEMVs trade places
+//          by shape (gemv_mma holds 98 registers, 2 blocks an SM against gemv_a16's 3), and end to end Llama-3.1-8B
+//          W4A16 decodes at 177.7 tok/s with gemv_mma against 167.0 with gemv_a16.
+//   fp8, M = 1: gemv_a16 (Qwen3-VL-4B FP8 decodes at 174.3 tok/s with it against 162.0 with gemv_mma, which holds
+//          156 registers for fp8, one block an SM); M >= 2: the mma kernels, 5-20% ahead of gemv_mma.
+constexpr int64_t quant_gemv_auto_rows(WeightFormat format) { return format == WeightFormat::fp8 ? 1 : 0; }
+constexpr int64_t quant_gemv_mma_auto_rows(WeightFormat format) { return format == WeightFormat::int4 ? 16 : 0; }
 // The GEMV splits K as the mma kernel does: enough splits to fill the GPU's block slots once (SMs x blocks an SM
 // holds). Aiming for 4 waves of shorter blocks instead was measured slower on an H100 (Llama qkv at M = 1 12.5 ->
 // 20.9 us, down 28.3 -> 35.1, gate_up 51.9 -> 53.7): more splits cost more partials and fix-ups than the tail
@@ -226,7 +234,8 @@ constexpr int kQuantW8A8MinSm = 89;
 constexpr bool quant_w8a8_preferred(int sm) { return sm >= kQuantW8A8MinSm && sm / 10 != 9; }
 
 // The kernel `forced` or, when automatic, the one for `rows` rows on a GPU of compute capability `sm` with
-// activations of dtype `activation`: gemv_a16 up to quant_gemv_auto_rows rows, then W8A8 for fp8 where it is
+// activations of dtype `activation`: gemv_a16 up to quant_gemv_auto_rows rows (fp8: 1), gemv_mma up to
+// quant_gemv_mma_auto_rows rows (int4: 16), then W8A8 for fp8 where it is
 // native, else mma_a16 up to kQuantMmaMaxRows rows, then dequantize + cuBLAS. F32 activations always dequantize
 // (exact weights, float32 cuBLAS).
 QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, int sm, int64_t rows,
@@ -245,7 +254,7 @@ KVLITE_HD int quant_m_tiles(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ?
 // columns at a time for cuBLAS.
 struct QuantGemmPlan {
   QuantKernel kernel = QuantKernel::dequant_cublas;
-  int64_t row_chunk = 0;      // gemv_a16: at most kQuantGemvMaxRows
+  int64_t row_chunk = 0;      // gemv_a16: at most kQuantGemvMaxRows; gemv_mma: kQuantGemvMmaMaxRows
   int64_t splits = 1;         // split-K partitions of the stages (only when one block row, m_blocks == 1)
   int64_t n_chunk = 0;        // dequant_cublas: output columns per pass (a multiple of 64)
   bool stage_x = false;       // mma_a16: activations copied into scratch first (act-order, or unaligned)

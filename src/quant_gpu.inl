@@ -274,6 +274,7 @@ const char* quant_kernel_name(QuantKernel kernel) {
     case QuantKernel::mma_w8a8: return "mma_w8a8";
     case QuantKernel::dequant_cublas: return "dequant_cublas";
     case QuantKernel::gemv_a16: return "gemv_a16";
+    case QuantKernel::gemv_mma: return "gemv_mma";
   }
   return "?";
 }
@@ -302,6 +303,7 @@ QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, 
   if (forced != QuantKernel::automatic) return forced;
   if ((activation != DType::BF16 && activation != DType::F16) || !layout.mma) return QuantKernel::dequant_cublas;
   if (rows <= quant_gemv_auto_rows(layout.format)) return QuantKernel::gemv_a16;
+  if (rows <= quant_gemv_mma_auto_rows(layout.format)) return QuantKernel::gemv_mma;
   if (layout.format == WeightFormat::fp8 && quant_w8a8_preferred(sm)) return QuantKernel::mma_w8a8;
   return rows <= kQuantMmaMaxRows ? QuantKernel::mma_a16 : QuantKernel::dequant_cublas;
 }
@@ -340,6 +342,7 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
     return true;
   }
   if (kernel == QuantKernel::gemv_a16) p.row_chunk = std::min(rows, kQuantGemvMaxRows);  // passes of its rows
+  if (kernel == QuantKernel::gemv_mma) p.row_chunk = std::min(rows, kQuantGemvMmaMaxRows);
   p.stage_x = kernel == QuantKernel::mma_w8a8 || stage_x;
   if (p.stage_x) {
     if (staged_bytes(layout, kernel, 1) > scratch_bytes) {

@@ -176,8 +176,8 @@ void check_quant_linear(Gpu& g, const QuantWeight& host, const QuantWeight& devi
 }
 
 // Uploads `o` and checks it at each row count through `kernel`.
-void check_rows(Gpu& g, const OwnedWeight& o, cuda::QuantKernel kernel, Bound bound, std::initializer_list<int64_t> rows,
-                Random& rng, int64_t pad = 0, uint64_t skew = 0) {
+void check_rows(Gpu& g, const OwnedWeight& o, cuda::QuantKernel kernel, Bound bound,
+                const std::vector<int64_t>& rows, Random& rng, int64_t pad = 0, uint64_t skew = 0) {
   const QuantWeight device = g.upload(o.weight);
   for (int64_t m : rows) {
     Activations x(g, rng, m, o.weight.in_features, pad, skew);
@@ -240,30 +240,39 @@ TEST_CASE("W4A16 act-order (g_idx) and unaligned or strided activations run thro
 
 // ---- the GEMV (decode rows) ---------------------------------------------------------------------------------------
 
-TEST_CASE("W4A16 and W8A16 GEMV match the CPU: rows 1..4 and passes past 4, every int4 and fp8 layout, staged rows") {
+TEST_CASE("W4A16 and W8A16 GEMVs match the CPU: rows 1..16 and passes past them, every int4 and fp8 layout, staged "
+          "rows") {
   GPU_OR_SKIP();
   Random rng(211);
-  const cuda::QuantKernel gemv = cuda::QuantKernel::gemv_a16;
-  // the mma kernel's shapes, and act-order and K % 8 != 0 (both staged)
-  std::vector<Int4Shape> int4_shapes(std::begin(kInt4Shapes), std::end(kInt4Shapes));
-  int4_shapes.push_back({192, 512, 64, true, true});
-  int4_shapes.push_back({128, 100, 100, true, false});
-  for (DType activation : kHalfActivations) {
-    Gpu g(activation);
-    for (const Int4Shape& s : int4_shapes) {
-      OwnedWeight o = make_int4(s.n, s.k, s.group, activation, s.asymmetric, s.act_order, rng);
-      add_bias(o, activation, rng);
-      check_rows(g, o, gemv, Bound::exact_weights, {1, 2, 3, 4, 6, 9}, rng);
+  for (cuda::QuantKernel gemv : {cuda::QuantKernel::gemv_a16, cuda::QuantKernel::gemv_mma}) {
+    INFO("kernel ", cuda::quant_kernel_name(gemv));
+    // gemv_a16 computes 4 rows a launch, gemv_mma 16: rows on both sides of each, and passes past them
+    const std::vector<int64_t> int4_rows = gemv == cuda::QuantKernel::gemv_a16
+                                               ? std::vector<int64_t>{1, 2, 3, 4, 6, 9}
+                                               : std::vector<int64_t>{1, 2, 7, 8, 9, 16, 17, 35};
+    const std::vector<int64_t> fp8_rows = gemv == cuda::QuantKernel::gemv_a16 ? std::vector<int64_t>{1, 2, 3, 4, 5}
+                                                                               : std::vector<int64_t>{1, 5, 9, 16, 21};
+    // the mma kernel's shapes, and act-order and K % 8 != 0 (both staged)
+    std::vector<Int4Shape> int4_shapes(std::begin(kInt4Shapes), std::end(kInt4Shapes));
+    int4_shapes.push_back({192, 512, 64, true, true});
+    int4_shapes.push_back({128, 100, 100, true, false});
+    for (DType activation : kHalfActivations) {
+      Gpu g(activation);
+      for (const Int4Shape& s : int4_shapes) {
+        OwnedWeight o = make_int4(s.n, s.k, s.group, activation, s.asymmetric, s.act_order, rng);
+        add_bias(o, activation, rng);
+        check_rows(g, o, gemv, Bound::exact_weights, int4_rows, rng);
+      }
+      for (const Fp8A16Shape& s : kFp8A16Shapes) {
+        OwnedWeight o = make_fp8(s.n, s.k, s.granularity, s.block_n, s.block_k, activation, s.rounding, rng);
+        add_bias(o, DType::F32, rng);
+        check_rows(g, o, gemv, a16_bound(o.weight, activation), fp8_rows, rng);
+      }
+      // rows padded and misaligned (staged), and padded but aligned (read in place)
+      OwnedWeight plain = make_int4(128, 384, 128, activation, false, false, rng);
+      check_rows(g, plain, gemv, Bound::exact_weights, {1, 3}, rng, /*pad=*/5, /*skew=*/2);
+      check_rows(g, plain, gemv, Bound::exact_weights, {2, 4}, rng, /*pad=*/8, /*skew=*/0);
     }
-    for (const Fp8A16Shape& s : kFp8A16Shapes) {
-      OwnedWeight o = make_fp8(s.n, s.k, s.granularity, s.block_n, s.block_k, activation, s.rounding, rng);
-      add_bias(o, DType::F32, rng);
-      check_rows(g, o, gemv, a16_bound(o.weight, activation), {1, 2, 3, 4, 5}, rng);
-    }
-    // rows padded and misaligned (staged), and padded but aligned (read in place)
-    OwnedWeight plain = make_int4(128, 384, 128, activation, false, false, rng);
-    check_rows(g, plain, gemv, Bound::exact_weights, {1, 3}, rng, /*pad=*/5, /*skew=*/2);
-    check_rows(g, plain, gemv, Bound::exact_weights, {2, 4}, rng, /*pad=*/8, /*skew=*/0);
   }
 }
 
@@ -349,8 +358,8 @@ TEST_CASE("the automatic choice runs every format at decode and prefill sizes") 
   for (DType activation : kHalfActivations) {
     Gpu g(activation);
     OwnedWeight int4 = make_int4(64 * 9, 2048, 128, activation, true, false, rng);
-    check_rows(g, int4, cuda::QuantKernel::automatic, Bound::exact_weights, {1, 4, 64, cuda::kQuantMmaMaxRows + 44},
-               rng);
+    check_rows(g, int4, cuda::QuantKernel::automatic, Bound::exact_weights,
+               {1, 4, cuda::quant_gemv_mma_auto_rows(WeightFormat::int4) + 1, 64, cuda::kQuantMmaMaxRows + 44}, rng);
     OwnedWeight fp8 = make_fp8(64 * 9, 2048, ScaleGranularity::block, 128, 128, activation, DequantRounding::f32, rng);
     // up to quant_gemv_auto_rows rows the GEMV (A16 arithmetic), then W8A8 where it is native
     const int64_t gemv_rows = cuda::quant_gemv_auto_rows(WeightFormat::fp8);
@@ -369,7 +378,7 @@ TEST_CASE("scales of another dtype than the activations: within two roundings") 
     OwnedWeight fp8 = make_fp8(192, 512, ScaleGranularity::channel, 0, 0, scale_dtype, DequantRounding::scale_dtype, rng);
     for (const OwnedWeight* o : {&int4, &fp8})
       for (cuda::QuantKernel kernel : {cuda::QuantKernel::mma_a16, cuda::QuantKernel::dequant_cublas,
-                                       cuda::QuantKernel::gemv_a16})
+                                       cuda::QuantKernel::gemv_a16, cuda::QuantKernel::gemv_mma})
         check_rows(g, *o, kernel, Bound::rounded_weights, {1, 3}, rng);
   }
 }
@@ -400,6 +409,7 @@ TEST_CASE("split-K at M = 1 is deterministic and leaves its counters at rest, an
   CHECK(std::all_of(counters.begin(), counters.end(), [](uint32_t c) { return c == 0; }));
   check_quant_linear(g, o.weight, device, x, cuda::QuantKernel::mma_a16, Bound::exact_weights);
   check_quant_linear(g, o.weight, device, x, cuda::QuantKernel::gemv_a16, Bound::exact_weights);
+  check_quant_linear(g, o.weight, device, x, cuda::QuantKernel::gemv_mma, Bound::exact_weights);
 
   // 256 KiB of scratch: fewer splits, staged rows in passes of 64, the dequantized weights 128 rows at a time
   Gpu tight(DType::BF16, 256 * KiB);
@@ -407,6 +417,7 @@ TEST_CASE("split-K at M = 1 is deterministic and leaves its counters at rest, an
   check_rows(tight, act_order, cuda::QuantKernel::mma_a16, Bound::exact_weights, {1, 64, 200}, rng);
   check_rows(tight, act_order, cuda::QuantKernel::dequant_cublas, Bound::exact_weights, {3}, rng);
   check_rows(tight, act_order, cuda::QuantKernel::gemv_a16, Bound::exact_weights, {1, 4, 7}, rng);
+  check_rows(tight, act_order, cuda::QuantKernel::gemv_mma, Bound::exact_weights, {1, 16, 20}, rng);
   if (device_sm() >= cuda::kQuantW8A8MinSm) {
     OwnedWeight fp8 = make_fp8(256, 1024, ScaleGranularity::channel, 0, 0, DType::BF16, DequantRounding::scale_dtype, rng);
     check_rows(tight, fp8, cuda::QuantKernel::mma_w8a8, Bound::w8a8, {1, 300}, rng);
@@ -430,6 +441,7 @@ TEST_CASE("the quantized fixture Linears run on the GPU as on the CPU") {
       check_quant_linear(g, host, device, x, cuda::QuantKernel::dequant_cublas, bound);
       if (layout.mma) check_quant_linear(g, host, device, x, cuda::QuantKernel::mma_a16, bound);
       if (layout.mma) check_quant_linear(g, host, device, x, cuda::QuantKernel::gemv_a16, bound);
+      if (layout.mma) check_quant_linear(g, host, device, x, cuda::QuantKernel::gemv_mma, bound);
       if (layout.mma && w8a8 && host.format == WeightFormat::fp8)
         check_quant_linear(g, host, device, x, cuda::QuantKernel::mma_w8a8, Bound::w8a8);
     }

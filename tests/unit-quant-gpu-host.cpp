@@ -553,41 +553,53 @@ TEST_CASE("kernel choice: the GEMV for decode rows, W8A8 for fp8 on sm_89+, mma 
   const QuantGpuLayout li = quant_gpu_layout(int4.weight), lo = quant_gpu_layout(odd.weight),
                        lf = quant_gpu_layout(fp8.weight);
   const QuantKernel a = QuantKernel::automatic;
-  // decode rows: the GEMV for int4 and fp8 on every GPU, while the layout has mma tiles and activations are 16-bit
+  // decode rows: a GEMV on every GPU while the layout has mma tiles and activations are 16-bit: int4 through
+  // gemv_mma up to its rows, fp8 through gemv_a16 for one row (then the mma kernels)
+  const int64_t past_gemv = quant_gemv_mma_auto_rows(WeightFormat::int4) + 1;
   for (int sm : {80, 86, 87, 89, 90, 100, 120})
-    for (int64_t rows = 1; rows <= kQuantGemvMaxRows; rows++) {
+    for (int64_t rows = 1; rows <= past_gemv; rows++) {
       CAPTURE(sm);
       CAPTURE(rows);
-      CHECK((choose_quant_kernel(li, DType::BF16, sm, rows, a) == QuantKernel::gemv_a16) ==
-            (rows <= quant_gemv_auto_rows(WeightFormat::int4)));
-      CHECK((choose_quant_kernel(lf, DType::F16, sm, rows, a) == QuantKernel::gemv_a16) ==
-            (rows <= quant_gemv_auto_rows(WeightFormat::fp8)));
+      const QuantKernel on_int4 = choose_quant_kernel(li, DType::BF16, sm, rows, a);
+      const QuantKernel on_fp8 = choose_quant_kernel(lf, DType::F16, sm, rows, a);
+      CHECK((on_int4 == QuantKernel::gemv_mma) == (rows <= quant_gemv_mma_auto_rows(WeightFormat::int4)));
+      CHECK((on_fp8 == QuantKernel::gemv_a16) == (rows <= quant_gemv_auto_rows(WeightFormat::fp8)));
+      CHECK(on_int4 != QuantKernel::gemv_a16);
+      CHECK(on_fp8 != QuantKernel::gemv_mma);
+      if (rows > quant_gemv_auto_rows(WeightFormat::fp8))
+        CHECK(on_fp8 == (quant_w8a8_preferred(sm) ? QuantKernel::mma_w8a8 : QuantKernel::mma_a16));
       CHECK(choose_quant_kernel(lo, DType::BF16, sm, rows, a) == QuantKernel::dequant_cublas);
       CHECK(choose_quant_kernel(li, DType::F32, sm, rows, a) == QuantKernel::dequant_cublas);
     }
-  CHECK(quant_gemv_auto_rows(WeightFormat::int4) <= kQuantGemvMaxRows);
   CHECK(quant_gemv_auto_rows(WeightFormat::fp8) <= kQuantGemvMaxRows);
-  CHECK(choose_quant_kernel(li, DType::BF16, 90, quant_gemv_auto_rows(WeightFormat::int4) + 1, a) ==
-        QuantKernel::mma_a16);
+  CHECK(quant_gemv_auto_rows(WeightFormat::int4) <= kQuantGemvMaxRows);
+  CHECK(quant_gemv_mma_auto_rows(WeightFormat::int4) <= kQuantGemvMmaMaxRows);
+  CHECK(quant_gemv_mma_auto_rows(WeightFormat::fp8) <= kQuantGemvMmaMaxRows);
+  CHECK(choose_quant_kernel(li, DType::BF16, 90, past_gemv, a) == QuantKernel::mma_a16);
   CHECK(choose_quant_kernel(li, DType::F16, 80, kQuantMmaMaxRows, a) == QuantKernel::mma_a16);
   CHECK(choose_quant_kernel(li, DType::BF16, 90, kQuantMmaMaxRows + 1, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(li, DType::F32, 90, 1, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(lo, DType::BF16, 90, 1, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(lf, DType::BF16, 89, 2048, a) == QuantKernel::mma_w8a8);
-  CHECK(choose_quant_kernel(lf, DType::BF16, 120, 2, a) == QuantKernel::mma_w8a8);
-  CHECK(choose_quant_kernel(lf, DType::BF16, 87, 2, a) == QuantKernel::mma_a16);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 120, past_gemv, a) == QuantKernel::mma_w8a8);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 87, past_gemv, a) == QuantKernel::mma_a16);
   // Hopper: the warp-level e4m3 mma is emulated there; W8A16 (or dequantize + cuBLAS past kQuantMmaMaxRows)
-  CHECK(choose_quant_kernel(lf, DType::BF16, 90, 2, a) == QuantKernel::mma_a16);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 90, past_gemv, a) == QuantKernel::mma_a16);
   CHECK(choose_quant_kernel(lf, DType::BF16, 90, 2048, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(lf, DType::BF16, 90, 1, QuantKernel::mma_w8a8) == QuantKernel::mma_w8a8);
   CHECK(quant_kernel_refusal(lf, QuantKernel::mma_w8a8, DType::BF16, 90).empty());
-  CHECK(choose_quant_kernel(lf, DType::BF16, 100, 16, a) == QuantKernel::mma_w8a8);
+  CHECK(choose_quant_kernel(lf, DType::BF16, 100, past_gemv, a) == QuantKernel::mma_w8a8);
   CHECK(choose_quant_kernel(li, DType::BF16, 90, 1, QuantKernel::mma_a16) == QuantKernel::mma_a16);
   CHECK(quant_kernel_refusal(li, QuantKernel::gemv_a16, DType::BF16, 86).empty());
   CHECK(quant_kernel_refusal(lf, QuantKernel::gemv_a16, DType::F16, 90).empty());
   CHECK(quant_kernel_refusal(li, QuantKernel::gemv_a16, DType::F32, 90).find("F32") != std::string::npos);
   CHECK(quant_kernel_refusal(lo, QuantKernel::gemv_a16, DType::BF16, 90).find("40") != std::string::npos);
   CHECK(std::string(quant_kernel_name(QuantKernel::gemv_a16)) == "gemv_a16");
+  CHECK(quant_kernel_refusal(li, QuantKernel::gemv_mma, DType::BF16, 86).empty());
+  CHECK(quant_kernel_refusal(lf, QuantKernel::gemv_mma, DType::F16, 120).empty());
+  CHECK(quant_kernel_refusal(li, QuantKernel::gemv_mma, DType::F32, 90).find("F32") != std::string::npos);
+  CHECK(quant_kernel_refusal(lo, QuantKernel::gemv_mma, DType::BF16, 90).find("40") != std::string::npos);
+  CHECK(std::string(quant_kernel_name(QuantKernel::gemv_mma)) == "gemv_mma");
   CHECK(choose_quant_kernel(lf, DType::BF16, 86, 4096, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(lf, DType::BF16, 90, 1, QuantKernel::mma_a16) == QuantKernel::mma_a16);
   CHECK(quant_kernel_refusal(li, QuantKernel::mma_a16, DType::BF16, 80).empty());
@@ -653,12 +665,21 @@ TEST_CASE("planning: split-K fills the GPU for one block row, scratch is never e
     CHECK(plan.row_chunk == std::min(rows, kQuantGemvMaxRows));
     CHECK(plan.x_bytes >= uint64_t(plan.row_chunk) * quant_staged_row_bytes(l, QuantKernel::gemv_a16));
   }
+  // the tensor-core GEMV: passes of at most kQuantGemvMmaMaxRows rows, the same splits and partials
+  for (int64_t rows : {1, 9, 16, 17, 40}) {
+    CAPTURE(rows);
+    REQUIRE(plan_quant_gemm(l, QuantKernel::gemv_mma, rows, false, 2, 32 * MiB, 396, &plan, &why));
+    CHECK(plan.row_chunk == std::min(rows, kQuantGemvMmaMaxRows));
+    CHECK(plan.splits == splits);
+    CHECK(plan.partial_bytes == uint64_t(splits * 16 * 16 * 64 * 4));
+  }
   // more than 64 rows: no split (the block rows give the parallelism)
   REQUIRE(plan_quant_gemm(l, QuantKernel::mma_a16, 100, false, 2, 32 * MiB, 396, &plan, &why));
   CHECK(plan.splits == 1);
   // a small scratch: fewer splits, then none; staged rows in chunks; never over the scratch
   for (uint64_t scratch : {uint64_t(64 * KiB), uint64_t(300 * KiB), uint64_t(2 * MiB), uint64_t(32 * MiB)})
-    for (QuantKernel kernel : {QuantKernel::mma_a16, QuantKernel::mma_w8a8, QuantKernel::gemv_a16})
+    for (QuantKernel kernel :
+         {QuantKernel::mma_a16, QuantKernel::mma_w8a8, QuantKernel::gemv_a16, QuantKernel::gemv_mma})
       for (int64_t rows : {1, 16, 33, 64, 65, 2048}) {
         CAPTURE(scratch);
         CAPTURE(rows);

@@ -8,6 +8,8 @@
 #   3. tools/gpu-check.sh's benchmarks (KVLITE_GPU_CHECK_TESTS=0): kvlite bench on a fixture, then random-weight
 #      checkpoints of real shapes planned as an 8 GiB card, skipped past the time left    -> gpu-check.md, bench.log
 #
+# KVLITE_CALL2_GEMM=0 skips step 2; KVLITE_GPU_CHECK_MODELS (see gpu-check.sh) picks step 3's checkpoints.
+#
 #     tools/device-call-2.sh              on the device (see tools/README.md for the run tool's command and carry)
 #     tools/device-call-2.sh --dry-run    anywhere: the same steps (the benches say "no CUDA GPU" and stop)
 set -uo pipefail
@@ -17,7 +19,8 @@ machine_summary
 choose_binaries bench-quant_gemm kvlite
 
 bench_log="$out/bench-quant_gemm.log"
-for format in int4 fp8; do
+[ "${KVLITE_CALL2_GEMM:-1}" = 0 ] && note "- bench-quant_gemm: not run (KVLITE_CALL2_GEMM=0)"
+[ "${KVLITE_CALL2_GEMM:-1}" = 0 ] || for format in int4 fp8; do
   for model in llama qwen; do
     run_step "bench-quant_gemm --format $format --model $model" 100 "$bench_log" \
       "$build/bench-quant_gemm" --format $format --model $model

@@ -23,6 +23,7 @@
 #   KVLITE_GPU_CHECK_BIG=0     no real-shape checkpoints (build, tests and the fixture benches)
 #   KVLITE_GPU_CHECK_QUANT=0   real-shape checkpoints in BF16 only (the W4A16 / FP8 ones need issue 6's kernels;
 #                              until then they report unsupported, which the report records)
+#   KVLITE_GPU_CHECK_MODELS="llama-3.1-8b:w4a16 qwen3-4b:none"   these checkpoints only, in this order
 #   KVLITE_GPU_CHECK_TESTS=0   no test suites (a second call: build up to date, benchmarks only)
 # Prebuilt binaries: when gpu-bundle/ (tools/build-gpu-bundle.sh, carried by the device call) was built from these
 # sources for this GPU's arch, no build at all (tools/use-gpu-bundle.sh); otherwise the build below, with ninja
@@ -157,6 +158,10 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
   scratch=$(mktemp -d "${TMPDIR:-/tmp}/kvlite-gpu-check.XXXXXX")
   models=("llama-3.1-8b none" "qwen3-4b none")
   [ "${KVLITE_GPU_CHECK_QUANT:-1}" != 0 ] && models+=("llama-3.1-8b w4a16" "qwen3-vl-4b-text fp8")
+  if [ -n "${KVLITE_GPU_CHECK_MODELS:-}" ]; then  # "preset:quant preset:quant ...", in this order
+    models=()
+    for entry in $KVLITE_GPU_CHECK_MODELS; do models+=("${entry%%:*} ${entry##*:}"); done
+  fi
   for entry in "${models[@]}"; do
     read -r preset quant <<< "$entry"
     title="$preset $([ "$quant" = none ] && echo BF16 || echo "$quant") (random weights)"
