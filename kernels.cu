@@ -1586,6 +1586,35 @@ __device__ __forceinline__ void gemv_finish(const QuantGemmArgs& args, float (&w
 }
 
 
+// The run of k tiles warp `warp` of a GEMV block streams: its share of the block's split (tile t covers device
+// columns [kTileK t, kTileK (t + 1))), [*t_begin, *t_end).
+template <QgFormat F>
+__device__ __forceinline__ void gemv_warp_tiles(const QuantGemmArgs& args, int warp, int64_t* t_begin,
+                                                int64_t* t_end) {
+  using Shape = GemvShape<F>;
+  int64_t s_begin, s_end;
+  quant_split_range(args.stages, args.splits, blockIdx.z, &s_begin, &s_end);
+  const int64_t split_tiles = (s_end - s_begin) * Shape::kTilesPerStage;
+  const int64_t per_warp = (split_tiles + kGemvWarps - 1) / kGemvWarps;
+  *t_begin = s_begin * Shape::kTilesPerStage + warp * per_warp;
+  const int64_t split_end = s_end * Shape::kTilesPerStage;
+  *t_end = *t_begin + per_warp < split_end ? *t_begin + per_warp : split_end;
+}
+
+// kGemvUnroll tiles from t0 on, the lane's 16-byte chunks of each, all in flight before any is used (streamed:
+// read once, kept out of L1); zeros past t_end.
+template <QgFormat F>
+__device__ __forceinline__ void gemv_load_tiles(const uint8_t* tiles, int64_t t0, int64_t t_end,
+                                                uint4 (&chunks)[kGemvUnroll][GemvShape<F>::kChunks]) {
+  using Shape = GemvShape<F>;
+#pragma unroll
+  for (int u = 0; u < kGemvUnroll; u++)
+#pragma unroll
+    for (int c = 0; c < Shape::kChunks; c++)
+      chunks[u][c] = t0 + u < t_end ? __ldcs(reinterpret_cast<const uint4*>(tiles + uint64_t(t0 + u) * Shape::kTileBytes + 512 * c))
+                                    : make_uint4(0, 0, 0, 0);
+}
+
 //   F: int4_a16 or fp8_a16; T: activation dtype; R: rows computed (args.rows <= R).
 template <QgFormat F, class T, int R>
 __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const QuantGemmArgs args) {
@@ -1593,17 +1622,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const Quant
   __shared__ float warp_sums[kGemvWarps][R][kQuantTileN];
   __shared__ int last_arrival;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int64_t n_tile = blockIdx.y, split = blockIdx.z;
   const int rows = int(args.rows);
-  int64_t s_begin, s_end;
-  quant_split_range(args.stages, args.splits, split, &s_begin, &s_end);
-  // this warp's run of tiles (tile t covers device columns [kTileK t, kTileK (t + 1)))
-  const int64_t split_tiles = (s_end - s_begin) * Shape::kTilesPerStage;
-  const int64_t per_warp = (split_tiles + kGemvWarps - 1) / kGemvWarps;
-  const int64_t t_begin = s_begin * Shape::kTilesPerStage + warp * per_warp;
-  const int64_t split_end = s_end * Shape::kTilesPerStage;
-  const int64_t t_end = t_begin + per_warp < split_end ? t_begin + per_warp : split_end;
-  const uint8_t* tiles = args.tiles + uint64_t(n_tile) * args.tile_row_bytes + 16 * lane;
+  int64_t t_begin, t_end;
+  gemv_warp_tiles<F>(args, warp, &t_begin, &t_end);
+  const uint8_t* tiles = args.tiles + uint64_t(blockIdx.y) * args.tile_row_bytes + 16 * lane;
   const T* x = static_cast<const T*>(args.x);
   const uint32_t k_valid = uint32_t(args.k_valid), group_size = uint32_t(args.group_size);
 
@@ -1615,14 +1637,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const Quant
   uint32_t scale2[8], subtrahend2[8];
   uint32_t group = 0xffffffffu;  // the group whose tables the registers hold
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kGemvUnroll) {
-    // kGemvUnroll tiles in flight before any is used (streamed: read once, kept out of L1)
     uint4 chunks[kGemvUnroll][Shape::kChunks];
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; u++)
-#pragma unroll
-      for (int c = 0; c < Shape::kChunks; c++)
-        chunks[u][c] = t0 + u < t_end ? __ldcs(reinterpret_cast<const uint4*>(tiles + uint64_t(t0 + u) * Shape::kTileBytes + 512 * c))
-                                      : make_uint4(0, 0, 0, 0);
+    gemv_load_tiles<F>(tiles, t0, t_end, chunks);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; u++) {
       if (t0 + u >= t_end) break;
@@ -1680,16 +1696,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_mma_kernel(const Q
   __shared__ float warp_sums[kGemvWarps][kRows][kQuantTileN];
   __shared__ int last_arrival;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int64_t n_tile = blockIdx.y, split = blockIdx.z;
   const int rows = int(args.rows);
-  int64_t s_begin, s_end;
-  quant_split_range(args.stages, args.splits, split, &s_begin, &s_end);
-  const int64_t split_tiles = (s_end - s_begin) * Shape::kTilesPerStage;
-  const int64_t per_warp = (split_tiles + kGemvWarps - 1) / kGemvWarps;
-  const int64_t t_begin = s_begin * Shape::kTilesPerStage + warp * per_warp;
-  const int64_t split_end = s_end * Shape::kTilesPerStage;
-  const int64_t t_end = t_begin + per_warp < split_end ? t_begin + per_warp : split_end;
-  const uint8_t* tiles = args.tiles + uint64_t(n_tile) * args.tile_row_bytes + 16 * lane;
+  int64_t t_begin, t_end;
+  gemv_warp_tiles<F>(args, warp, &t_begin, &t_end);
+  const uint8_t* tiles = args.tiles + uint64_t(blockIdx.y) * args.tile_row_bytes + 16 * lane;
   const uint32_t k_valid = uint32_t(args.k_valid), group_size = uint32_t(args.group_size);
   // the lane's two activation rows (A fragment rows g and g + 8)
   const bool has_low = g < rows, has_high = g + 8 < rows;
@@ -1706,12 +1716,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_mma_kernel(const Q
   uint32_t group = 0xffffffffu;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kGemvUnroll) {
     uint4 chunks[kGemvUnroll][Shape::kChunks];
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; u++)
-#pragma unroll
-      for (int c = 0; c < Shape::kChunks; c++)
-        chunks[u][c] = t0 + u < t_end ? __ldcs(reinterpret_cast<const uint4*>(tiles + uint64_t(t0 + u) * Shape::kTileBytes + 512 * c))
-                                      : make_uint4(0, 0, 0, 0);
+    gemv_load_tiles<F>(tiles, t0, t_end, chunks);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; u++) {
       if (t0 + u >= t_end) break;
