@@ -534,6 +534,11 @@ TEST_CASE("bench: decode tokens/s and time to first token beside the roofline, o
   REQUIRE_FALSE(numbers_of(bandwidth).empty());
   CHECK(numbers_of(bandwidth)[0] > 0);
   CHECK(contains(line_starting("weights read per decode step: "), "KV per token: "));
+  const std::string open_line = line_starting("open: ");
+  REQUIRE_FALSE(open_line.empty());
+  REQUIRE_FALSE(numbers_of(open_line).empty());
+  CHECK(numbers_of(open_line)[0] > 0);  // Engine::open's wall time, in milliseconds
+  CHECK(numbers_of(open_line)[0] < 60000);
   // The table: a header, then one row per batch size in the order given.
   size_t header = 0;
   while (header < lines.size() && !contains(lines[header], "ttft_ms")) header++;
