@@ -700,18 +700,17 @@ BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int
 // steps' alone. What the ops do not account for is the engine's own work between them (scheduling, sampling,
 // copies to the host).
 void print_profile(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_t decode) {
-  using Clock = std::chrono::steady_clock;
   bool prefilled = false;
-  Clock::time_point start;
+  std::chrono::steady_clock::time_point start;
   kvlite::EngineStats at_start;
   run_batch(engine, batch, prompt, decode, uint64_t(batch), [&] {
     at_start = engine.stats();
     engine.set_op_timing(true);
-    start = Clock::now();
+    start = std::chrono::steady_clock::now();
     prefilled = true;
   });
   engine.set_op_timing(false);
-  const double wall = std::chrono::duration<double>(Clock::now() - start).count();
+  const double wall = seconds_since(start);
   const kvlite::EngineStats at_end = engine.stats();
   const int64_t steps = at_end.steps - at_start.steps;
   if (!prefilled || steps <= 0) {
@@ -772,7 +771,7 @@ int run_bench(const Args& args) {
                      std::to_string(largest)};
   const auto open_started = std::chrono::steady_clock::now();
   auto engine = open_engine(model_dir, options);
-  const double open_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - open_started).count();
+  const double open_seconds = seconds_since(open_started);
   const kvlite::Plan& plan = engine->plan();
   const kvlite::EngineInfo info = engine->info();
 

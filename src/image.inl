@@ -184,35 +184,44 @@ inline JpegFacts jpeg_facts(const uint8_t* d, size_t n) {
   return facts;
 }
 
-// The EXIF orientation of a PNG: an eXIf chunk before the first IDAT (where libpng reads it).
-inline int png_orientation(const uint8_t* d, size_t n) {
+// Calls visit(offset, type, length) for each whole chunk of a PNG (length, 4-byte type, data, CRC), in order, until
+// it returns false, IEND has been visited, or a chunk runs past the data (stb_image reports that one).
+template <class Visit>
+void for_each_png_chunk(const uint8_t* d, size_t n, Visit&& visit) {
   size_t pos = 8;
   while (pos + 12 <= n) {
-    size_t length = read_be32(d + pos);
+    const size_t length = read_be32(d + pos);
+    if (length > n - pos - 12) return;
     const uint8_t* type = d + pos + 4;
-    if (memcmp(type, "IDAT", 4) == 0 || memcmp(type, "IEND", 4) == 0) break;
-    if (length > n - pos - 12) break;
-    if (memcmp(type, "eXIf", 4) == 0) return tiff_orientation(d + pos + 8, length);
+    if (!visit(pos, type, length) || memcmp(type, "IEND", 4) == 0) return;
     pos += 12 + length;
   }
-  return 1;
+}
+
+// The EXIF orientation of a PNG: an eXIf chunk before the first IDAT (where libpng reads it).
+inline int png_orientation(const uint8_t* d, size_t n) {
+  int orientation = 1;
+  for_each_png_chunk(d, n, [&](size_t pos, const uint8_t* type, size_t length) {
+    if (memcmp(type, "IDAT", 4) == 0) return false;
+    if (memcmp(type, "eXIf", 4) == 0) {
+      orientation = tiff_orientation(d + pos + 8, length);
+      return false;
+    }
+    return true;
+  });
+  return orientation;
 }
 
 // A PNG's bytes without its empty IDAT chunks, or nothing when it has none. stb_image 2.27 copies each IDAT
 // into a buffer it allocates at the first non-empty one, so an empty IDAT before it memcpy's 0 bytes to a null
 // pointer (undefined behaviour; UBSan stops there; found by tests/fuzz/fuzz_image.cpp). An empty IDAT adds
 // nothing to the zlib stream and each chunk carries its own CRC, so the image without them is the same image.
-// Chunks are walked as png_orientation walks them; a truncated chunk ends the walk (stb reports it).
 inline std::vector<uint8_t> png_without_empty_idat(const uint8_t* d, size_t n) {
   std::vector<size_t> empty;  // offsets of the empty IDAT chunks (12 bytes each: length, type, CRC)
-  size_t pos = 8;
-  while (pos + 12 <= n) {
-    const size_t length = read_be32(d + pos);
-    if (length > n - pos - 12) break;
-    if (length == 0 && memcmp(d + pos + 4, "IDAT", 4) == 0) empty.push_back(pos);
-    if (memcmp(d + pos + 4, "IEND", 4) == 0) break;
-    pos += 12 + length;
-  }
+  for_each_png_chunk(d, n, [&](size_t pos, const uint8_t* type, size_t length) {
+    if (length == 0 && memcmp(type, "IDAT", 4) == 0) empty.push_back(pos);
+    return true;
+  });
   std::vector<uint8_t> out;
   if (empty.empty()) return out;
   out.reserve(n - 12 * empty.size());
