@@ -996,6 +996,49 @@ __device__ __forceinline__ uint32_t pair_broadcast(float value) {
   memcpy(&bits, &narrow, 2);
   return uint32_t(bits) * 0x10001u;
 }
+// Two floats -> a T pair (each rounded once, nearest even; low half first).
+template <class T>
+__device__ __forceinline__ uint32_t pair_from_floats(float low, float high) {
+  const T narrow[2] = {from_float<T>(low), from_float<T>(high)};
+  uint32_t bits;
+  memcpy(&bits, narrow, 4);
+  return bits;
+}
+
+// Two 16-bit values (low half first) as floats (exact).
+template <class T>
+__device__ __forceinline__ float2 pair_to_float2(uint32_t bits);
+template <>
+__device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint32_t bits) {
+  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+}
+template <>
+__device__ __forceinline__ float2 pair_to_float2<__half>(uint32_t bits) {
+  return __half22float2(bit_cast_32<__half2>(bits));
+}
+
+// A lane's scale register as the A16 kernels hold it (quant_gpu.hpp's ScaleProduct): a T pair to multiply with
+// (kFp32 false: pair_multiply), or the float's own bits (kFp32: the fp32 modes).
+template <class T, bool kFp32>
+__device__ __forceinline__ uint32_t scale_register(float scale) {
+  if constexpr (kFp32) return __float_as_uint(scale);
+  else return pair_broadcast<T>(scale);  // exact under pair_multiply: the checkpoint's scale dtype is T
+}
+// A dequantized pair (T bits, exact: q - z, or e4m3 x 2^-fix) times its scale register, each weight rounded once
+// to T as the reference's weight rounded to T: one bf16x2 / f16x2 multiply, or (kFp32) the product in fp32
+// (scale_product_fp32, the function the CPU emulation runs), to the checkpoint's other 16-bit dtype first under
+// fp32_then_scale_dtype, then to T.
+template <class T, bool kFp32>
+__device__ __forceinline__ uint32_t scaled_pair(uint32_t values, uint32_t scale, ScaleProduct mode) {
+  if constexpr (!kFp32) {
+    return pair_mul<T>(values, scale);
+  } else {
+    const DType other = Pair2<T>::kBf16 ? DType::F16 : DType::BF16;
+    const float2 v = pair_to_float2<T>(values);
+    const float s = __uint_as_float(scale);
+    return pair_from_floats<T>(scale_product_fp32(v.x, s, mode, other), scale_product_fp32(v.y, s, mode, other));
+  }
+}
 
 // ---- the formats ---------------------------------------------------------------------------------------------------
 enum class QgFormat { int4_a16, fp8_a16, fp8_a8 };
@@ -1050,6 +1093,7 @@ struct QuantGemmArgs {
   unsigned* counters;        // [n_tiles]
   int scale_bytes;           // table element: 2 or 4
   DType scale_dtype;         // table dtype (int4: F32, BF16 or F16; fp8: F32)
+  ScaleProduct scale_product;  // A16: how a pair meets its scale (quant_gpu.hpp), by checkpoint and activation dtype
   int64_t n_pad, stages, group_size;
   int group_shift;           // quant_group_shift(group_size): -1 when not a power of two
   uint64_t tile_row_bytes;
@@ -1125,11 +1169,12 @@ __device__ __forceinline__ void qg_fetch_stage(const QuantGemmArgs& args, uint8_
 }
 
 // One lane's 16 bytes of a W4A16 k16 x n64 tile (quant_gpu.hpp's layout) times the A fragments: acc[m tile][n8
-// block] += a[m tile] x the dequantized block ((u - z) * scale in T, one rounding). The mma kernel and the GEMV.
-template <class T, int M_TILES>
+// block] += a[m tile] x the dequantized block ((u - z) * scale, one rounding to T: scaled_pair). The mma kernel and
+// the GEMV.
+template <class T, int M_TILES, bool kFp32Scales>
 __device__ __forceinline__ void int4_tile_mma(const uint4& tile, const uint32_t (&a)[M_TILES][4],
                                               const uint32_t (&scale2)[8], const uint32_t (&subtrahend2)[8],
-                                              float (&acc)[M_TILES][8][4]) {
+                                              ScaleProduct mode, float (&acc)[M_TILES][8][4]) {
   const uint32_t magic = int4_magic(Pair2<T>::kBf16);
   const uint32_t words[4] = {tile.x, tile.y, tile.z, tile.w};
 #pragma unroll
@@ -1137,20 +1182,22 @@ __device__ __forceinline__ void int4_tile_mma(const uint4& tile, const uint32_t 
 #pragma unroll
     for (int half_word = 0; half_word < 2; half_word++) {
       const int j = int4_pair_block(w, 2 * half_word);  // pairs 2 hw (b0) and 2 hw + 1 (b1) feed block j
-      const uint32_t b0 = pair_mul<T>(pair_sub<T>(int4_pair_bits(words[w], 2 * half_word, magic), subtrahend2[j]),
-                                      scale2[j]);
-      const uint32_t b1 = pair_mul<T>(
-          pair_sub<T>(int4_pair_bits(words[w], 2 * half_word + 1, magic), subtrahend2[j]), scale2[j]);
+      const uint32_t b0 = scaled_pair<T, kFp32Scales>(
+          pair_sub<T>(int4_pair_bits(words[w], 2 * half_word, magic), subtrahend2[j]), scale2[j], mode);
+      const uint32_t b1 = scaled_pair<T, kFp32Scales>(
+          pair_sub<T>(int4_pair_bits(words[w], 2 * half_word + 1, magic), subtrahend2[j]), scale2[j], mode);
 #pragma unroll
       for (int mt = 0; mt < M_TILES; mt++) mma_16816<T>(acc[mt][j], a[mt], b0, b1);
     }
 }
 
 // Step `step` (k 16 step .. 16 step + 15) of one lane's 64 bytes of a W8A16 k32 x n64 tile times the A fragments
-// of that step: acc[m tile][n8 block] += a x (e4m3 value x folded scale in T). The mma kernel and the GEMV.
-template <class T, int M_TILES>
+// of that step: acc[m tile][n8 block] += a x (e4m3 value x folded scale, one rounding to T: scaled_pair). The mma
+// kernel and the GEMV.
+template <class T, int M_TILES, bool kFp32Scales>
 __device__ __forceinline__ void fp8_a16_step_mma(const uint4 (&chunks)[4], int step, const uint32_t (&a)[M_TILES][4],
-                                                 const uint32_t (&scale2)[8], float (&acc)[M_TILES][8][4]) {
+                                                 const uint32_t (&scale2)[8], ScaleProduct mode,
+                                                 float (&acc)[M_TILES][8][4]) {
   constexpr bool kBf16 = Pair2<T>::kBf16;
 #pragma unroll
   for (int c = 0; c < 4; c++)
@@ -1161,15 +1208,15 @@ __device__ __forceinline__ void fp8_a16_step_mma(const uint4 (&chunks)[4], int s
       const uint32_t raw = pair_word == 0 ? (step == 0 ? chunks[c].x : chunks[c].y)
                                           : (step == 0 ? chunks[c].z : chunks[c].w);
       const uint32_t ordered = fp8_pair_order(raw);
-      const uint32_t b0 = pair_mul<T>(fp8_pair_bits(ordered, 0, kBf16), scale2[j]);
-      const uint32_t b1 = pair_mul<T>(fp8_pair_bits(ordered, 1, kBf16), scale2[j]);
+      const uint32_t b0 = scaled_pair<T, kFp32Scales>(fp8_pair_bits(ordered, 0, kBf16), scale2[j], mode);
+      const uint32_t b1 = scaled_pair<T, kFp32Scales>(fp8_pair_bits(ordered, 1, kBf16), scale2[j], mode);
 #pragma unroll
       for (int mt = 0; mt < M_TILES; mt++) mma_16816<T>(acc[mt][j], a[mt], b0, b1);
     }
 }
 
 // W4A16: warp `warp`'s k16 tile of the stage into acc[m tile][n8 block][4].
-template <class T, int M_TILES>
+template <class T, int M_TILES, bool kFp32Scales>
 __device__ __forceinline__ void qg_step_int4(const QuantGemmArgs& args, const uint8_t* stage, int warp, int lane,
                                              float (&acc)[M_TILES][8][4]) {
   using Shape = QgShape<QgFormat::int4_a16, M_TILES>;
@@ -1188,7 +1235,7 @@ __device__ __forceinline__ void qg_step_int4(const QuantGemmArgs& args, const ui
       const uint16_t bits = reinterpret_cast<const uint16_t*>(scales)[8 * g + j];
       scale = args.scale_dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
     }
-    scale2[j] = pair_broadcast<T>(scale);  // exact when the table already has T's dtype
+    scale2[j] = scale_register<T, kFp32Scales>(scale);
     const uint32_t zero = args.zeros != nullptr ? stage[Shape::kA + Shape::kB + Shape::kS + warp * 64 + 8 * g + j] : 8u;
     subtrahend2[j] = int4_subtrahend_bits(zero, magic) * 0x10001u;
   }
@@ -1200,12 +1247,12 @@ __device__ __forceinline__ void qg_step_int4(const QuantGemmArgs& args, const ui
     ldmatrix_x4(a[mt], stage + row * Shape::kARow + ((chunk ^ (row % 8)) * 16));
   }
   const uint4 tile = *reinterpret_cast<const uint4*>(stage + Shape::kA + warp * Shape::kTileBytes + 16 * lane);
-  int4_tile_mma<T, M_TILES>(tile, a, scale2, subtrahend2, acc);
+  int4_tile_mma<T, M_TILES, kFp32Scales>(tile, a, scale2, subtrahend2, args.scale_product, acc);
 }
 
 // W8A16: warp `warp`'s k32 tile as two m16n8k16 steps (quant_gpu.hpp: w8a16_a_column).
-template <class T, int M_TILES>
-__device__ __forceinline__ void qg_step_fp8_a16(const QuantGemmArgs&, const uint8_t* stage, int warp, int lane,
+template <class T, int M_TILES, bool kFp32Scales>
+__device__ __forceinline__ void qg_step_fp8_a16(const QuantGemmArgs& args, const uint8_t* stage, int warp, int lane,
                                                 float (&acc)[M_TILES][8][4]) {
   using Shape = QgShape<QgFormat::fp8_a16, M_TILES>;
   constexpr bool kBf16 = Pair2<T>::kBf16;
@@ -1213,7 +1260,7 @@ __device__ __forceinline__ void qg_step_fp8_a16(const QuantGemmArgs&, const uint
   const float* scales = reinterpret_cast<const float*>(stage + Shape::kA + Shape::kB + warp * 256);
   uint32_t scale2[8];
 #pragma unroll
-  for (int j = 0; j < 8; j++) scale2[j] = pair_broadcast<T>(fp8_folded_scale(scales[8 * g + j], kBf16));
+  for (int j = 0; j < 8; j++) scale2[j] = scale_register<T, kFp32Scales>(fp8_folded_scale(scales[8 * g + j], kBf16));
   const uint8_t* tile = stage + Shape::kA + warp * Shape::kTileBytes;
   uint4 chunks[4];
 #pragma unroll
@@ -1233,7 +1280,7 @@ __device__ __forceinline__ void qg_step_fp8_a16(const QuantGemmArgs&, const uint
         a[mt][h] = v.x;      // a0 / a1: slots 2q, 2q + 1 <- columns 4q, 4q + 1
         a[mt][2 + h] = v.y;  // a2 / a3: slots 2q + 8, 2q + 9 <- columns 4q + 2, 4q + 3
       }
-    fp8_a16_step_mma<T, M_TILES>(chunks, step, a, scale2, acc);
+    fp8_a16_step_mma<T, M_TILES, kFp32Scales>(chunks, step, a, scale2, args.scale_product, acc);
   }
 }
 
@@ -1341,9 +1388,17 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
     cp_async_commit();
     const uint8_t* stage = qg_smem + slot * Shape::kStage;
     slot = slot + 1 == Shape::kStages ? 0 : slot + 1;
-    if constexpr (F == QgFormat::int4_a16) qg_step_int4<T, M_TILES>(args, stage, warp, lane, acc);
-    else if constexpr (F == QgFormat::fp8_a16) qg_step_fp8_a16<T, M_TILES>(args, stage, warp, lane, acc);
-    else qg_step_fp8_a8<M_TILES>(args, stage, warp, lane, acc);
+    // (a warp-uniform branch between the two scale products; pair_multiply is the common one)
+    const bool fp32_scales = args.scale_product != ScaleProduct::pair_multiply;
+    if constexpr (F == QgFormat::int4_a16) {
+      if (fp32_scales) qg_step_int4<T, M_TILES, true>(args, stage, warp, lane, acc);
+      else qg_step_int4<T, M_TILES, false>(args, stage, warp, lane, acc);
+    } else if constexpr (F == QgFormat::fp8_a16) {
+      if (fp32_scales) qg_step_fp8_a16<T, M_TILES, true>(args, stage, warp, lane, acc);
+      else qg_step_fp8_a16<T, M_TILES, false>(args, stage, warp, lane, acc);
+    } else {
+      qg_step_fp8_a8<M_TILES>(args, stage, warp, lane, acc);
+    }
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -1424,7 +1479,7 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
 // (1.4-2.5x faster; bench/RESULTS.md, 2026-11-26; quant_gemv_mma_kernel below is its tensor-core form). It
 // reads the same tiles straight from device memory into registers: each warp streams a contiguous run of its
 // column tile's k tiles (16 bytes per lane, a warp's 512 B / 2 KiB coalesced, kGemvUnroll tiles in flight),
-// dequantizes each pair exactly as the mma kernel does ((u - z) * scale in T, one rounding), and accumulates
+// dequantizes each pair exactly as the mma kernel does (scaled_pair: one rounding to T), and accumulates
 // fp32 FMAs against the activations, which every warp of the GPU reads and L1 keeps. Sums: the four lanes of a
 // column (shuffles), the warps (shared memory, warp order), the splits (the mma kernel's partials and counters,
 // split order), so the result does not depend on timing.
@@ -1433,18 +1488,6 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
 //   split's run; lane (g, q) <- columns 8j + g (j = 0..7) at the k of its fragment slots.
 constexpr int kGemvWarps = 8;
 constexpr int kGemvUnroll = 4;
-
-// Two 16-bit values (low half first) as floats (exact).
-template <class T>
-__device__ __forceinline__ float2 pair_to_float2(uint32_t bits);
-template <>
-__device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint32_t bits) {
-  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
-}
-template <>
-__device__ __forceinline__ float2 pair_to_float2<__half>(uint32_t bits) {
-  return __half22float2(bit_cast_32<__half2>(bits));
-}
 
 // Activation pairs of one row: columns k, k + 1 (k even) as floats, zero at and past k_valid. `whole` (the
 // caller's warp-uniform test that the tile lies below k_valid) skips the bounds checks.
@@ -1471,8 +1514,9 @@ struct GemvShape {
   static constexpr int kTilesPerStage = int(kQuantStageK) / kTileK;
 };
 
-// The lane's 8 scales (and int4 zero points) of `group`, as T pairs: table positions 8g .. 8g + 7.
-template <QgFormat F, class T>
+// The lane's 8 scale registers (scale_register: T pairs, or floats for kFp32Scales) and int4 subtrahends of
+// `group`: table positions 8g .. 8g + 7.
+template <QgFormat F, class T, bool kFp32Scales>
 __device__ __forceinline__ void gemv_group_tables(const QuantGemmArgs& args, uint32_t group, int g,
                                                   uint32_t (&scale2)[8], uint32_t (&subtrahend2)[8]) {
   constexpr bool kBf16 = Pair2<T>::kBf16;
@@ -1487,11 +1531,11 @@ __device__ __forceinline__ void gemv_group_tables(const QuantGemmArgs& args, uin
       scale = args.scale_dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
     }
     if constexpr (F == QgFormat::int4_a16) {
-      scale2[j] = pair_broadcast<T>(scale);
+      scale2[j] = scale_register<T, kFp32Scales>(scale);
       const uint32_t zero = args.zeros != nullptr ? uint32_t(__ldg(args.zeros + base + j)) : 8u;
       subtrahend2[j] = int4_subtrahend_bits(zero, int4_magic(kBf16)) * 0x10001u;
     } else {
-      scale2[j] = pair_broadcast<T>(fp8_folded_scale(scale, kBf16));
+      scale2[j] = scale_register<T, kFp32Scales>(fp8_folded_scale(scale, kBf16));
       subtrahend2[j] = 0;
     }
   }
@@ -1500,10 +1544,10 @@ __device__ __forceinline__ void gemv_group_tables(const QuantGemmArgs& args, uin
 // One tile of one lane into acc[row][j]: int4 -- word w, pair p feeds block j = 2w + p/2 at k = 2q + 8 (p % 2)
 // + {0, 1}; fp8 -- chunk c, word i, pair p feeds block j = 2c + i/2 at k = 16 (i % 2) + 4q + 2p + {0, 1}.
 // x[row][s]: the activation pairs of the lane's slots s (int4: s = register r; fp8: s = 2 r + p).
-template <QgFormat F, class T, int R>
+template <QgFormat F, class T, int R, bool kFp32Scales>
 __device__ __forceinline__ void gemv_tile(const uint4 (&chunks)[GemvShape<F>::kChunks], const float2 (&x)[R][4],
                                           const uint32_t (&scale2)[8], const uint32_t (&subtrahend2)[8],
-                                          float (&acc)[R][8]) {
+                                          ScaleProduct mode, float (&acc)[R][8]) {
   constexpr bool kBf16 = Pair2<T>::kBf16;
 #pragma unroll
   for (int c = 0; c < GemvShape<F>::kChunks; c++) {
@@ -1514,8 +1558,8 @@ __device__ __forceinline__ void gemv_tile(const uint4 (&chunks)[GemvShape<F>::kC
 #pragma unroll
         for (int p = 0; p < 4; p++) {
           const int j = int4_pair_block(w, p), r = int4_pair_register(p);
-          const float2 v = pair_to_float2<T>(
-              pair_mul<T>(pair_sub<T>(int4_pair_bits(words[w], p, int4_magic(kBf16)), subtrahend2[j]), scale2[j]));
+          const float2 v = pair_to_float2<T>(scaled_pair<T, kFp32Scales>(
+              pair_sub<T>(int4_pair_bits(words[w], p, int4_magic(kBf16)), subtrahend2[j]), scale2[j], mode));
 #pragma unroll
           for (int m = 0; m < R; m++) acc[m][j] = fmaf(v.y, x[m][r].y, fmaf(v.x, x[m][r].x, acc[m][j]));
         }
@@ -1524,7 +1568,7 @@ __device__ __forceinline__ void gemv_tile(const uint4 (&chunks)[GemvShape<F>::kC
         const uint32_t ordered = fp8_pair_order(words[w]);
 #pragma unroll
         for (int p = 0; p < 2; p++) {
-          const float2 v = pair_to_float2<T>(pair_mul<T>(fp8_pair_bits(ordered, p, kBf16), scale2[j]));
+          const float2 v = pair_to_float2<T>(scaled_pair<T, kFp32Scales>(fp8_pair_bits(ordered, p, kBf16), scale2[j], mode));
 #pragma unroll
           for (int m = 0; m < R; m++) acc[m][j] = fmaf(v.y, x[m][2 * r + p].y, fmaf(v.x, x[m][2 * r + p].x, acc[m][j]));
         }
@@ -1615,8 +1659,9 @@ __device__ __forceinline__ void gemv_load_tiles(const uint8_t* tiles, int64_t t0
                                     : make_uint4(0, 0, 0, 0);
 }
 
-//   F: int4_a16 or fp8_a16; T: activation dtype; R: rows computed (args.rows <= R).
-template <QgFormat F, class T, int R>
+//   F: int4_a16 or fp8_a16; T: activation dtype; R: rows computed (args.rows <= R); kFp32Scales: args.scale_product
+//   is one of the fp32 ones (scaled_pair; the host picks the instance).
+template <QgFormat F, class T, int R, bool kFp32Scales>
 __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const QuantGemmArgs args) {
   using Shape = GemvShape<F>;
   __shared__ float warp_sums[kGemvWarps][R][kQuantTileN];
@@ -1646,7 +1691,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const Quant
       const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);
       if (tile_group != group) {  // warp-uniform: a run crosses a group every group_size / kTileK tiles
         group = tile_group;
-        gemv_group_tables<F, T>(args, group, g, scale2, subtrahend2);
+        gemv_group_tables<F, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
       }
       const bool whole = k0 + Shape::kTileK <= k_valid;
       float2 xs[R][4];
@@ -1661,7 +1706,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const Quant
                                                                       : make_float2(0.0f, 0.0f);
         }
       }
-      gemv_tile<F, T, R>(chunks[u], xs, scale2, subtrahend2, acc);
+      gemv_tile<F, T, R, kFp32Scales>(chunks[u], xs, scale2, subtrahend2, args.scale_product, acc);
     }
   }
 
@@ -1688,8 +1733,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const Quant
 // spends a conversion and 2 FMAs per pair and row; the fp32 sums are the tensor core's, as in the mma kernel.
 // Measured on an H100 (bench/RESULTS.md, 2026-11-26, third session): W4A16 flat from M = 1 to 8 and 1.5-2x the mma
 // kernel at M = 8-16; for fp8 its 64 registers of loads leave one block an SM, and the mma kernels win.
-//   F: int4_a16 or fp8_a16; T: activation dtype; args.rows <= kQuantGemvMmaMaxRows.
-template <QgFormat F, class T>
+//   F: int4_a16 or fp8_a16; T: activation dtype; kFp32Scales as quant_gemv_kernel's; args.rows <=
+//   kQuantGemvMmaMaxRows.
+template <QgFormat F, class T, bool kFp32Scales>
 __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_mma_kernel(const QuantGemmArgs args) {
   using Shape = GemvShape<F>;
   constexpr int kRows = int(kQuantGemvMmaMaxRows);
@@ -1724,7 +1770,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_mma_kernel(const Q
       const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);
       if (tile_group != group) {  // warp-uniform
         group = tile_group;
-        gemv_group_tables<F, T>(args, group, g, scale2, subtrahend2);
+        gemv_group_tables<F, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
       }
       const bool whole = k0 + Shape::kTileK <= k_valid;
       uint32_t a[1][4];
@@ -1735,7 +1781,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_mma_kernel(const Q
         a[0][1] = has_high ? gemv_x_bits<T>(row_high, k, k_valid, whole) : 0u;
         a[0][2] = has_low ? gemv_x_bits<T>(row_low, k + 8, k_valid, whole) : 0u;
         a[0][3] = has_high ? gemv_x_bits<T>(row_high, k + 8, k_valid, whole) : 0u;
-        int4_tile_mma<T, 1>(chunks[u][0], a, scale2, subtrahend2, acc);
+        int4_tile_mma<T, 1, kFp32Scales>(chunks[u][0], a, scale2, subtrahend2, args.scale_product, acc);
       } else {
 #pragma unroll
         for (int step = 0; step < 2; step++) {
@@ -1745,7 +1791,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_mma_kernel(const Q
           a[0][1] = has_high ? gemv_x_bits<T>(row_high, k, k_valid, whole) : 0u;
           a[0][2] = has_low ? gemv_x_bits<T>(row_low, k + 2, k_valid, whole) : 0u;
           a[0][3] = has_high ? gemv_x_bits<T>(row_high, k + 2, k_valid, whole) : 0u;
-          fp8_a16_step_mma<T, 1>(chunks[u], step, a, scale2, acc);
+          fp8_a16_step_mma<T, 1, kFp32Scales>(chunks[u], step, a, scale2, args.scale_product, acc);
         }
       }
     }
@@ -2152,35 +2198,46 @@ QuantGemmInstance quant_gemm_instance(int m_tiles) {
   return m_tiles == 1 ? quant_gemm_instance<F, T, 1>()
                       : m_tiles == 2 ? quant_gemm_instance<F, T, 2>() : quant_gemm_instance<F, T, 4>();
 }
-template <QgFormat F, class T>
+template <QgFormat F, class T, bool kFp32Scales>
 QuantGemmInstance quant_gemv_instance(int rows) {
   constexpr const char* name = F == QgFormat::int4_a16 ? "quant_gemv_kernel (W4A16)" : "quant_gemv_kernel (W8A16)";
   constexpr int threads = kGemvWarps * 32;
-  return rows == 1 ? QuantGemmInstance{&quant_gemv_kernel<F, T, 1>, 0, threads, name}
-                   : rows == 2 ? QuantGemmInstance{&quant_gemv_kernel<F, T, 2>, 0, threads, name}
-                               : QuantGemmInstance{&quant_gemv_kernel<F, T, 4>, 0, threads, name};
+  return rows == 1 ? QuantGemmInstance{&quant_gemv_kernel<F, T, 1, kFp32Scales>, 0, threads, name}
+                   : rows == 2 ? QuantGemmInstance{&quant_gemv_kernel<F, T, 2, kFp32Scales>, 0, threads, name}
+                               : QuantGemmInstance{&quant_gemv_kernel<F, T, 4, kFp32Scales>, 0, threads, name};
+}
+template <QgFormat F, bool kFp32Scales>
+QuantGemmInstance quant_gemv_instance(DType activation, int rows) {
+  return activation == DType::BF16 ? quant_gemv_instance<F, __nv_bfloat16, kFp32Scales>(rows)
+                                   : quant_gemv_instance<F, __half, kFp32Scales>(rows);
 }
 // The GEMV for `format` (int4_a16 or fp8_a16) with activations of `activation` (BF16 or F16), compiled for
-// `rows` (1, 2, 4: quant_gemv_rows).
-QuantGemmInstance quant_gemv_instance(QgFormat format, DType activation, int rows) {
-  if (activation == DType::BF16)
-    return format == QgFormat::int4_a16 ? quant_gemv_instance<QgFormat::int4_a16, __nv_bfloat16>(rows)
-                                        : quant_gemv_instance<QgFormat::fp8_a16, __nv_bfloat16>(rows);
-  return format == QgFormat::int4_a16 ? quant_gemv_instance<QgFormat::int4_a16, __half>(rows)
-                                      : quant_gemv_instance<QgFormat::fp8_a16, __half>(rows);
+// `rows` (1, 2, 4: quant_gemv_rows), and the scale product `product` (pair_multiply, or one of the fp32 two).
+QuantGemmInstance quant_gemv_instance(QgFormat format, DType activation, int rows, ScaleProduct product) {
+  const bool fp32 = product != ScaleProduct::pair_multiply;
+  if (format == QgFormat::int4_a16)
+    return fp32 ? quant_gemv_instance<QgFormat::int4_a16, true>(activation, rows)
+                : quant_gemv_instance<QgFormat::int4_a16, false>(activation, rows);
+  return fp32 ? quant_gemv_instance<QgFormat::fp8_a16, true>(activation, rows)
+              : quant_gemv_instance<QgFormat::fp8_a16, false>(activation, rows);
 }
 
-// The tensor-core GEMV for `format` (int4_a16, fp8_a16) with activations of `activation` (BF16 or F16).
-QuantGemmInstance quant_gemv_mma_instance(QgFormat format, DType activation) {
+template <QgFormat F, bool kFp32Scales>
+QuantGemmInstance quant_gemv_mma_instance(DType activation) {
   constexpr int threads = kGemvWarps * 32;
-  const char* name = format == QgFormat::int4_a16 ? "quant_gemv_mma_kernel (W4A16)" : "quant_gemv_mma_kernel (W8A16)";
-  if (activation == DType::BF16)
-    return QuantGemmInstance{format == QgFormat::int4_a16 ? &quant_gemv_mma_kernel<QgFormat::int4_a16, __nv_bfloat16>
-                                                          : &quant_gemv_mma_kernel<QgFormat::fp8_a16, __nv_bfloat16>,
-                             0, threads, name};
-  return QuantGemmInstance{format == QgFormat::int4_a16 ? &quant_gemv_mma_kernel<QgFormat::int4_a16, __half>
-                                                        : &quant_gemv_mma_kernel<QgFormat::fp8_a16, __half>,
-                           0, threads, name};
+  constexpr const char* name = F == QgFormat::int4_a16 ? "quant_gemv_mma_kernel (W4A16)" : "quant_gemv_mma_kernel (W8A16)";
+  return activation == DType::BF16 ? QuantGemmInstance{&quant_gemv_mma_kernel<F, __nv_bfloat16, kFp32Scales>, 0, threads, name}
+                                   : QuantGemmInstance{&quant_gemv_mma_kernel<F, __half, kFp32Scales>, 0, threads, name};
+}
+// The tensor-core GEMV for `format` (int4_a16, fp8_a16) with activations of `activation` (BF16 or F16) and the
+// scale product `product`.
+QuantGemmInstance quant_gemv_mma_instance(QgFormat format, DType activation, ScaleProduct product) {
+  const bool fp32 = product != ScaleProduct::pair_multiply;
+  if (format == QgFormat::int4_a16)
+    return fp32 ? quant_gemv_mma_instance<QgFormat::int4_a16, true>(activation)
+                : quant_gemv_mma_instance<QgFormat::int4_a16, false>(activation);
+  return fp32 ? quant_gemv_mma_instance<QgFormat::fp8_a16, true>(activation)
+              : quant_gemv_mma_instance<QgFormat::fp8_a16, false>(activation);
 }
 
 // The kernel for `format` with activations of `activation` (BF16 or F16) and `m_tiles` (1, 2, 4).
@@ -2198,7 +2255,8 @@ QuantGemmInstance quant_gemm_instance(QgFormat format, DType activation, int m_t
 class CudaBackend final : public Backend {
  public:
   // Throws Error; see make_cuda_backend.
-  explicit CudaBackend(const CudaBackendOptions& options) : device_(options.device), act_(options.activation_dtype) {
+  explicit CudaBackend(const CudaBackendOptions& options)
+      : device_(options.device), act_(options.activation_dtype), fp32_scale_products_(options.fp32_scale_products) {
     if (!is_float_dtype(act_))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("make_cuda_backend: activation_dtype %s; use BF16, F16 or F32", dtype_name(act_)));
@@ -2810,9 +2868,11 @@ class CudaBackend final : public Backend {
     const bool gemv_mma = kernel == QuantKernel::gemv_mma;
     const bool gemv = kernel == QuantKernel::gemv_a16 || gemv_mma;
     const bool stage_x = (kernel == QuantKernel::mma_a16 || gemv) && (layout.permuted || !aligned);
+    const ScaleProduct product = fp32_scale_products_ ? scale_product(weight.scale_dtype, weight.rounding, act_)
+                                                      : ScaleProduct::pair_multiply;
     const QuantGemmInstance widest =
-        gemv_mma ? quant_gemv_mma_instance(format, act_)
-        : gemv   ? quant_gemv_instance(format, act_, quant_gemv_rows(std::min(x.rows, kQuantGemvMaxRows)))
+        gemv_mma ? quant_gemv_mma_instance(format, act_, product)
+        : gemv   ? quant_gemv_instance(format, act_, quant_gemv_rows(std::min(x.rows, kQuantGemvMaxRows)), product)
                  : quant_gemm_instance(format, act_, quant_m_tiles(std::min<int64_t>(x.rows, 64)));
     const int64_t target_blocks = int64_t(sm_count_) * quant_gemm_blocks_per_sm(widest);
     QuantGemmPlan plan;
@@ -2831,6 +2891,7 @@ class CudaBackend final : public Backend {
     args.counters = reinterpret_cast<unsigned*>(const_cast<uint8_t*>(base + layout.counters_offset));
     args.scale_bytes = int(dtype_bytes(layout.table_scale_dtype, 1));
     args.scale_dtype = layout.table_scale_dtype;
+    args.scale_product = product;
     args.n_pad = layout.n_pad;
     args.stages = layout.stages;
     args.group_size = layout.group_size;
@@ -2883,8 +2944,8 @@ class CudaBackend final : public Backend {
       args.rows = rows;
       args.splits = rows <= 64 ? plan.splits : 1;
       const int m_tiles = quant_m_tiles(std::min<int64_t>(rows, 64));
-      const QuantGemmInstance instance = gemv_mma ? quant_gemv_mma_instance(format, act_)
-                                         : gemv   ? quant_gemv_instance(format, act_, quant_gemv_rows(rows))
+      const QuantGemmInstance instance = gemv_mma ? quant_gemv_mma_instance(format, act_, product)
+                                         : gemv   ? quant_gemv_instance(format, act_, quant_gemv_rows(rows), product)
                                                   : quant_gemm_instance(format, act_, m_tiles);
       quant_gemm_blocks_per_sm(instance);  // its shared memory limit raised
       // the GEMVs: one block row (rows <= kQuantGemvMaxRows / kQuantGemvMmaMaxRows, plan_quant_gemm's passes)
@@ -3012,6 +3073,7 @@ class CudaBackend final : public Backend {
 
   int device_;
   DType act_;
+  bool fp32_scale_products_;  // CudaBackendOptions::fp32_scale_products
   std::string device_name_;
   int sm_ = 0, sm_count_ = 1;
   cudaStream_t stream_ = nullptr;

@@ -1238,6 +1238,35 @@ KVLITE_HD float fp8_folded_scale(float scale, bool bf16) {
   return scale * bits_to_float(uint32_t(127 + fp8_exponent_fix(bf16)) << 23);  // * 2^fix, exact
 }
 
+// How the A16 kernels (mma and GEMVs) multiply a dequantized pair by its scale, so that each weight they feed the
+// tensor cores is the reference's weight (dequantize_rows) rounded once to the compute dtype T:
+//   pair_multiply   the scale is a T pair and one bf16x2 / f16x2 multiply rounds the exact q x s once: right when
+//                   the checkpoint's scale dtype is T (the scale is then exact in T; both roundings, the
+//                   reference's and T's, are that one). The common case, and one instruction a pair.
+//   fp32            the scale stays a float: q x s in fp32 (the reference's own float product, bit for bit), then
+//                   rounded once to T. F32 scales, and transformers' weight_scale_inv (DequantRounding::f32).
+//   fp32_then_scale_dtype
+//                   as fp32, then rounded to the checkpoint's 16-bit scale dtype (the reference's rounding, the
+//                   other one of bf16 / f16) before T: a BF16-scaled checkpoint run with F16 activations or back.
+// The CUDA backend takes scale_product's choice under CudaBackendOptions::fp32_scale_products, else pair_multiply
+// for every weight, which for other scale dtypes rounds the scale to T first: two roundings (up to 2 steps of T
+// off), but one instruction a pair where the fp32 product costs about six (3x slower decode for FP8 F32 scales).
+enum class ScaleProduct : uint8_t { pair_multiply, fp32, fp32_then_scale_dtype };
+// checkpoint_scale: the checkpoint's scale dtype (QuantWeight::scale_dtype, not the device table's); activation:
+// T (BF16 or F16).
+KVLITE_HD ScaleProduct scale_product(DType checkpoint_scale, DequantRounding rounding, DType activation) {
+  if (checkpoint_scale == activation) return ScaleProduct::pair_multiply;
+  if (checkpoint_scale != DType::F32 && rounding == DequantRounding::scale_dtype)
+    return ScaleProduct::fp32_then_scale_dtype;
+  return ScaleProduct::fp32;
+}
+// The float a kernel rounds to T under fp32 / fp32_then_scale_dtype: value (q, or q 2^-fix for fp8) times scale
+// (s, or the folded s 2^fix), rounded as fp32 multiplies round, then to scale_dtype for fp32_then_scale_dtype.
+KVLITE_HD float scale_product_fp32(float value, float scale, ScaleProduct mode, DType scale_dtype) {
+  const float product = value * scale;
+  return mode == ScaleProduct::fp32_then_scale_dtype ? round_to_dtype(product, scale_dtype) : product;
+}
+
 // ---- which kernel, how split, how much scratch (host) -------------------------------------------------------
 // The quantized GEMMs of the CUDA backend:
 //   mma_a16          int4 W4A16 / fp8 W8A16: weights dequantized in registers, bf16/f16 mma.m16n8k16
@@ -3121,6 +3150,14 @@ struct CudaBackendOptions {
   uint64_t workspace_bytes = 0;           // at least cublas_workspace_bytes + kCudaMinScratchBytes
   uint64_t cublas_workspace_bytes = kCudaCublasWorkspaceBytes;  // the front of the workspace, cuBLAS's
   DType activation_dtype = DType::BF16;   // BF16, F16 or F32
+  // Quantized Linears whose checkpoint scales are not the activation dtype (F32 weight_scale_inv, the FP8
+  // checkpoints' usual form; BF16 scales under F16 activations): false (the default) rounds each scale to the
+  // activation dtype and multiplies there (one bf16x2 / f16x2 multiply a pair: each weight up to 2 steps of that
+  // dtype from the reference's, rounded twice); true multiplies in fp32 and rounds once (cuda::ScaleProduct: each
+  // weight the reference's rounded once, bit for bit). Measured on an H200 (bench/RESULTS.md, 2026-11-26, fourth
+  // session): true decodes Qwen3-VL-4B FP8 (F32 block scales) at 60 tok/s against 188, so it is not the default;
+  // scaling each group's fp32 partial sums instead of each weight is the fast way to the same single rounding.
+  bool fp32_scale_products = false;
 };
 
 // Binds the backend to options.device: a stream of its own, a cuBLAS handle using the workspace's front.

@@ -39,6 +39,14 @@ struct CudaBackendOptions {
   uint64_t workspace_bytes = 0;           // at least cublas_workspace_bytes + kCudaMinScratchBytes
   uint64_t cublas_workspace_bytes = kCudaCublasWorkspaceBytes;  // the front of the workspace, cuBLAS's
   DType activation_dtype = DType::BF16;   // BF16, F16 or F32
+  // Quantized Linears whose checkpoint scales are not the activation dtype (F32 weight_scale_inv, the FP8
+  // checkpoints' usual form; BF16 scales under F16 activations): false (the default) rounds each scale to the
+  // activation dtype and multiplies there (one bf16x2 / f16x2 multiply a pair: each weight up to 2 steps of that
+  // dtype from the reference's, rounded twice); true multiplies in fp32 and rounds once (cuda::ScaleProduct: each
+  // weight the reference's rounded once, bit for bit). Measured on an H200 (bench/RESULTS.md, 2026-11-26, fourth
+  // session): true decodes Qwen3-VL-4B FP8 (F32 block scales) at 60 tok/s against 188, so it is not the default;
+  // scaling each group's fp32 partial sums instead of each weight is the fast way to the same single rounding.
+  bool fp32_scale_products = false;
 };
 
 // Binds the backend to options.device: a stream of its own, a cuBLAS handle using the workspace's front.

@@ -182,6 +182,35 @@ KVLITE_HD float fp8_folded_scale(float scale, bool bf16) {
   return scale * bits_to_float(uint32_t(127 + fp8_exponent_fix(bf16)) << 23);  // * 2^fix, exact
 }
 
+// How the A16 kernels (mma and GEMVs) multiply a dequantized pair by its scale, so that each weight they feed the
+// tensor cores is the reference's weight (dequantize_rows) rounded once to the compute dtype T:
+//   pair_multiply   the scale is a T pair and one bf16x2 / f16x2 multiply rounds the exact q x s once: right when
+//                   the checkpoint's scale dtype is T (the scale is then exact in T; both roundings, the
+//                   reference's and T's, are that one). The common case, and one instruction a pair.
+//   fp32            the scale stays a float: q x s in fp32 (the reference's own float product, bit for bit), then
+//                   rounded once to T. F32 scales, and transformers' weight_scale_inv (DequantRounding::f32).
+//   fp32_then_scale_dtype
+//                   as fp32, then rounded to the checkpoint's 16-bit scale dtype (the reference's rounding, the
+//                   other one of bf16 / f16) before T: a BF16-scaled checkpoint run with F16 activations or back.
+// The CUDA backend takes scale_product's choice under CudaBackendOptions::fp32_scale_products, else pair_multiply
+// for every weight, which for other scale dtypes rounds the scale to T first: two roundings (up to 2 steps of T
+// off), but one instruction a pair where the fp32 product costs about six (3x slower decode for FP8 F32 scales).
+enum class ScaleProduct : uint8_t { pair_multiply, fp32, fp32_then_scale_dtype };
+// checkpoint_scale: the checkpoint's scale dtype (QuantWeight::scale_dtype, not the device table's); activation:
+// T (BF16 or F16).
+KVLITE_HD ScaleProduct scale_product(DType checkpoint_scale, DequantRounding rounding, DType activation) {
+  if (checkpoint_scale == activation) return ScaleProduct::pair_multiply;
+  if (checkpoint_scale != DType::F32 && rounding == DequantRounding::scale_dtype)
+    return ScaleProduct::fp32_then_scale_dtype;
+  return ScaleProduct::fp32;
+}
+// The float a kernel rounds to T under fp32 / fp32_then_scale_dtype: value (q, or q 2^-fix for fp8) times scale
+// (s, or the folded s 2^fix), rounded as fp32 multiplies round, then to scale_dtype for fp32_then_scale_dtype.
+KVLITE_HD float scale_product_fp32(float value, float scale, ScaleProduct mode, DType scale_dtype) {
+  const float product = value * scale;
+  return mode == ScaleProduct::fp32_then_scale_dtype ? round_to_dtype(product, scale_dtype) : product;
+}
+
 // ---- which kernel, how split, how much scratch (host) -------------------------------------------------------
 // The quantized GEMMs of the CUDA backend:
 //   mma_a16          int4 W4A16 / fp8 W8A16: weights dequantized in registers, bf16/f16 mma.m16n8k16

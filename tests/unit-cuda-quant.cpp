@@ -9,8 +9,12 @@
 // the activation dtype (one step), plus
 //   exact weights (scale dtype = compute dtype, or F32 activations): the GPU's weights are the reference's
 //     bits, so only fp32 summation order differs: 2 (K + 16) 2^-24 S, the classic gamma_K bound for both sides;
-//   weights rounded differently (other scale dtypes): each weight within 2 steps of the compute dtype plus one
-//     of the scale dtype of the reference's (unit-quant-gpu-host proves it per weight): 3 x 2^-7 S (bf16);
+//   weights rounded once (other scale dtypes, CudaBackendOptions::fp32_scale_products, which these tests turn on
+//     unless they say otherwise): the GPU's weights are the reference's rounded once to the compute dtype
+//     (quant_gpu.hpp's ScaleProduct; unit-quant-gpu-host proves it per weight), so the reference is the CPU's
+//     matmul over those rounded weights and the bound is exact_weights' again;
+//   weights rounded twice (other scale dtypes, the default pair multiply): each weight within 2 steps of the
+//     compute dtype plus one of the scale dtype of the reference's: 3 x 2^-7 S (bf16);
 //   W8A8: the reference rounds each dequantized weight to the scale dtype (<= 2^-8 relative for bf16), the
 //     GPU multiplies exact e4m3 products by the scales in fp32: 2^-8 S plus 2^-10 S of slack for the fp8 tensor
 //     cores' accumulation inside one k32 step.
@@ -51,10 +55,11 @@ struct Gpu {
   DeviceMemory memory;
   std::unique_ptr<Backend> cuda, cpu, cpu_w8a8;
   // scratch_bytes: the workspace's scratch (the quantized GEMMs' staging, partials, weight chunks)
-  explicit Gpu(DType activation_, uint64_t scratch_bytes = kCudaScratchBytes)
+  explicit Gpu(DType activation_, uint64_t scratch_bytes = kCudaScratchBytes, bool fp32_scale_products = true)
       : activation(activation_), memory(1536 * MiB) {
     CudaBackendOptions options;
     options.activation_dtype = activation;
+    options.fp32_scale_products = fp32_scale_products;
     options.workspace_bytes = kCudaCublasWorkspaceBytes + 256 + scratch_bytes;  // + the fault record
     options.workspace = memory.take(options.workspace_bytes);
     options.cublas_workspace_bytes = kCudaCublasWorkspaceBytes;
@@ -76,14 +81,14 @@ struct Gpu {
 };
 
 // How far the GPU may be from the CPU (see the top of the file).
-enum class Bound { exact_weights, rounded_weights, w8a8 };
+enum class Bound { exact_weights, rounded_once, rounded_twice, w8a8 };
 // For the A16 and dequantize paths: the GPU's weights are the reference's bits when the activations are F32
 // (exact dequantization) or when the reference rounds each weight to the activation dtype itself (its scale's
 // dtype, compressed-tensors' rounding); transformers' weight_scale_inv keeps the float32 product.
 Bound a16_bound(const QuantWeight& w, DType activation) {
   const bool exact = activation == DType::F32 ||
                      (w.scale_dtype == activation && w.rounding == DequantRounding::scale_dtype);
-  return exact ? Bound::exact_weights : Bound::rounded_weights;
+  return exact ? Bound::exact_weights : Bound::rounded_once;
 }
 
 // x [M, K] random in [-1, 1] (never near 0), exactly representable in the activation dtype; the GPU copy in
@@ -125,9 +130,16 @@ void check_quant_linear(Gpu& g, const QuantWeight& host, const QuantWeight& devi
   // the reference
   const bool w8a8 = bound == Bound::w8a8;
   std::vector<float> ref(size_t(m * n));
-  REQUIRE_OK((w8a8 ? g.cpu_w8a8 : g.cpu)
-                 ->quant_linear(Tensor::matrix(const_cast<float*>(x.values.data()), DType::F32, m, k), host,
-                                Tensor::matrix(ref.data(), DType::F32, m, n)));
+  if (bound == Bound::rounded_once) {  // the CPU's matmul over the reference's weights rounded once to T
+    std::vector<float> scratch(size_t(detail::kQuantRowBlock * k));
+    for (int64_t n0 = 0; n0 < n; n0 += detail::kQuantRowBlock)
+      detail::quant_linear_block(x.values.data(), k, m, host, n0, std::min(detail::kQuantRowBlock, n - n0),
+                                 scratch.data(), ref.data(), n, DType::F32, g.activation);
+  } else {
+    REQUIRE_OK((w8a8 ? g.cpu_w8a8 : g.cpu)
+                   ->quant_linear(Tensor::matrix(const_cast<float*>(x.values.data()), DType::F32, m, k), host,
+                                  Tensor::matrix(ref.data(), DType::F32, m, n)));
+  }
   // S = sum |x_k w_k| over the activations the reference multiplied
   std::vector<float> xs = x.values;
   if (w8a8) {
@@ -149,9 +161,9 @@ void check_quant_linear(Gpu& g, const QuantWeight& host, const QuantWeight& devi
   REQUIRE_OK(g.cuda->copy_to_host(out_bytes, out.data()));
   REQUIRE_OK(cuda::set_quant_kernel(*g.cuda, cuda::QuantKernel::automatic));
 
-  const double factor = bound == Bound::exact_weights ? 2.0 * double(k + 16) / 16777216.0
-                        : bound == Bound::rounded_weights ? (g.activation == DType::F16 ? 3.0 / 1024 + 1.0 / 128 : 3.0 / 128)
-                                                          : 1.0 / 256 + 1.0 / 1024;
+  const double factor = bound == Bound::w8a8            ? 1.0 / 256 + 1.0 / 1024
+                        : bound == Bound::rounded_twice ? (g.activation == DType::F16 ? 3.0 / 1024 + 1.0 / 128 : 3.0 / 128)
+                                                        : 2.0 * double(k + 16) / 16777216.0;
   int64_t bad = 0, nonfinite = 0, padding = 0;
   std::string first;
   for (int64_t r = 0; r < m; r++) {
@@ -369,17 +381,31 @@ TEST_CASE("the automatic choice runs every format at decode and prefill sizes") 
   }
 }
 
-TEST_CASE("scales of another dtype than the activations: within two roundings") {
+TEST_CASE("scales of another dtype than the activations: each weight the reference's rounded once with fp32 "
+          "products (and the dequantize path), within two roundings without") {
   GPU_OR_SKIP();
   Random rng(207);
-  Gpu g(DType::BF16);
-  for (DType scale_dtype : {DType::F32, DType::F16}) {
-    OwnedWeight int4 = make_int4(192, 512, 64, scale_dtype, true, false, rng);
-    OwnedWeight fp8 = make_fp8(192, 512, ScaleGranularity::channel, 0, 0, scale_dtype, DequantRounding::scale_dtype, rng);
-    for (const OwnedWeight* o : {&int4, &fp8})
-      for (cuda::QuantKernel kernel : {cuda::QuantKernel::mma_a16, cuda::QuantKernel::dequant_cublas,
-                                       cuda::QuantKernel::gemv_a16, cuda::QuantKernel::gemv_mma})
-        check_rows(g, *o, kernel, Bound::rounded_weights, {1, 3}, rng);
+  for (DType activation : kHalfActivations)
+    for (bool fp32_products : {true, false}) {
+    CAPTURE(fp32_products);
+    Gpu g(activation, kCudaScratchBytes, fp32_products);
+    const Bound bound = fp32_products ? Bound::rounded_once : Bound::rounded_twice;
+    const DType other = activation == DType::BF16 ? DType::F16 : DType::BF16;
+    for (DType scale_dtype : {DType::F32, other}) {
+      for (DequantRounding rounding : {DequantRounding::scale_dtype, DequantRounding::f32}) {
+        CAPTURE(std::string(dtype_name(scale_dtype)));
+        CAPTURE(int(rounding));
+        OwnedWeight int4 = make_int4(192, 512, 64, scale_dtype, true, false, rng);
+        OwnedWeight fp8 = make_fp8(192, 512, ScaleGranularity::block, 64, 128, scale_dtype, rounding, rng);
+        for (const OwnedWeight* o : {&int4, &fp8}) {
+          if (o == &int4 && rounding == DequantRounding::f32) continue;  // int4 rounds in the scale's dtype only
+          for (cuda::QuantKernel kernel : {cuda::QuantKernel::mma_a16, cuda::QuantKernel::dequant_cublas,
+                                           cuda::QuantKernel::gemv_a16, cuda::QuantKernel::gemv_mma})
+            check_rows(g, *o, kernel, kernel == cuda::QuantKernel::dequant_cublas ? Bound::rounded_once : bound,
+                       {1, 3, 17}, rng);
+        }
+      }
+    }
   }
 }
 

@@ -79,22 +79,16 @@ struct Device {
   }
 };
 
-// Compares the emulated value of (n, k') with the reference rounded to the compute dtype. Bit for bit when
-// `exact`. Otherwise the kernel rounds its scale to the compute dtype (a relative error up to 2^-8 for bf16, up
-// to a whole step of a product at the top of its binade), then the product (half a step), where the reference
-// rounds the product once in `reference_dtype` (half its step): two steps of the compute dtype and one of the
-// reference's bound the difference.
+// Compares the emulated value of (n, k') with the reference rounded once to the compute dtype: bit for bit, whatever
+// the scale's dtype and rounding (quant_gpu.hpp's ScaleProduct).
 struct ValueCheck {
-  bool bf16, exact;
-  DType reference_dtype;
+  bool bf16;
   int64_t checked = 0, differing = 0;
   std::string first;
   void operator()(const Device& d, int64_t n, int64_t k_device, float got) {
     const float want = round16(d.expected(n, k_device), bf16);
     checked++;
-    const bool same = float_to_bits(got) == float_to_bits(want) || (got == 0 && want == 0);
-    const float allowed = 2 * ulp_of(dtype16(bf16), want) + ulp_of(reference_dtype, want);
-    const bool ok = exact || n >= d.layout.n || k_device >= d.layout.k ? same : std::fabs(got - want) <= allowed;
+    const bool ok = float_to_bits(got) == float_to_bits(want) || (got == 0 && want == 0);
     if (!ok && differing++ == 0)
       first = "[" + std::to_string(n) + ", " + std::to_string(k_device) + "]: got " + std::to_string(got) +
               " (bits " + std::to_string(float_to_bits(got)) + "), reference " + std::to_string(want) + " (bits " +
@@ -108,13 +102,22 @@ struct ValueCheck {
     CHECK((check).differing == 0);                  \
   } while (0)
 
+// The kernels' scaled_pair: value (exact in the compute dtype) times its scale register, one bf16x2 / f16x2
+// multiply (the scale rounded to the compute dtype: exact under pair_multiply) or fp32 (scale_product_fp32), then
+// one rounding to the compute dtype.
+float emulate_scaled(float value, float scale, ScaleProduct mode, bool bf16) {
+  if (mode == ScaleProduct::pair_multiply) return round16(value * round16(scale, bf16), bf16);
+  return round16(scale_product_fp32(value, scale, mode, bf16 ? DType::F16 : DType::BF16), bf16);
+}
+
 // W4A16, as kernels.cu's Int4A16 step: lane reads its 16 bytes (4 words) of the tile, its 8 scales at table
-// positions 8g .. 8g+7 (and zero points), converts the scales to the compute dtype, then per word w and pair p:
-// bits = int4_pair_bits, (bits - (magic | zero)) * scale in the compute dtype -> B register
-// int4_pair_register(p) of n8 block int4_pair_block(w, p).
-void emulate_w4a16(const Device& d, bool bf16, ValueCheck& check) {
+// positions 8g .. 8g+7 (and zero points), then per word w and pair p: bits = int4_pair_bits, (bits - (magic |
+// zero)) exact in the compute dtype, times the scale as scaled_pair does -> B register int4_pair_register(p) of
+// n8 block int4_pair_block(w, p).
+void emulate_w4a16(const Device& d, const QuantWeight& w, bool bf16, ValueCheck& check) {
   const QuantGpuLayout& l = d.layout;
   const uint32_t magic = int4_magic(bf16);
+  const ScaleProduct mode = scale_product(w.scale_dtype, w.rounding, dtype16(bf16));
   for (int64_t t = 0; t < l.n_tiles; t++)
     for (int64_t kt = 0; kt < l.k_pad / kInt4TileK; kt++) {
       const int64_t group = kt * kInt4TileK / l.group_size;
@@ -123,7 +126,7 @@ void emulate_w4a16(const Device& d, bool bf16, ValueCheck& check) {
         float scale[8];
         uint32_t subtrahend[8];
         for (int j = 0; j < 8; j++) {
-          scale[j] = round16(d.scale(group, t, 8 * g + j), bf16);
+          scale[j] = d.scale(group, t, 8 * g + j);
           subtrahend[j] = int4_subtrahend_bits(d.zero(group, t, 8 * g + j), magic);
         }
         for (int word = 0; word < 4; word++) {
@@ -133,9 +136,9 @@ void emulate_w4a16(const Device& d, bool bf16, ValueCheck& check) {
             const int j = int4_pair_block(word, pair), reg = int4_pair_register(pair);
             for (int half = 0; half < 2; half++) {
               const float value = decode16(bits >> (16 * half), bf16) - decode16(subtrahend[j], bf16);  // exact
-              const float w = round16(value * scale[j], bf16);
+              const float weight = emulate_scaled(value, scale[j], mode, bf16);
               // PTX m16n8k16 B fragment: register reg, half h holds B[k = 2q + 8 reg + h][n = g] of block j.
-              check(d, t * 64 + 8 * j + g, kt * kInt4TileK + 2 * q + 8 * reg + half, w);
+              check(d, t * 64 + 8 * j + g, kt * kInt4TileK + 2 * q + 8 * reg + half, weight);
             }
           }
         }
@@ -144,19 +147,20 @@ void emulate_w4a16(const Device& d, bool bf16, ValueCheck& check) {
 }
 
 // W8A16, as kernels.cu's Fp8A16 step: lane reads its 4 chunks (16 words) of the k32 tile and its 8 scales
-// (positions 8g + j, folded by 2^fix and rounded to the compute dtype); word i of chunk c is register
+// (positions 8g + j, folded by 2^fix); word i of chunk c is register
 // fp8_word_register(i) of block fp8_word_block(c, i); in m16n8k16 step r (= that register) it becomes b0/b1 by
 // fp8_pair_order + fp8_pair_bits(pair s) times the folded scale. Its A operand for slot register s, element e
 // is column w8a16_a_column(lane, r, s, e), so that is where the B value must come from.
-void emulate_w8a16(const Device& d, bool bf16, ValueCheck& check) {
+void emulate_w8a16(const Device& d, const QuantWeight& w, bool bf16, ValueCheck& check) {
   const QuantGpuLayout& l = d.layout;
+  const ScaleProduct mode = scale_product(w.scale_dtype, w.rounding, dtype16(bf16));
   for (int64_t t = 0; t < l.n_tiles; t++)
     for (int64_t kt = 0; kt < l.k_pad / kFp8TileK; kt++) {
       const int64_t group = kt * kFp8TileK / l.group_size;
       for (int lane = 0; lane < 32; lane++) {
         const int g = lane / 4;
         float scale[8];
-        for (int j = 0; j < 8; j++) scale[j] = round16(fp8_folded_scale(d.scale(group, t, 8 * g + j), bf16), bf16);
+        for (int j = 0; j < 8; j++) scale[j] = fp8_folded_scale(d.scale(group, t, 8 * g + j), bf16);
         for (int chunk = 0; chunk < 4; chunk++)
           for (int i = 0; i < 4; i++) {
             const uint64_t offset = uint64_t(d.tile(t, kt) - d.bytes.data()) + 512 * chunk + 16 * lane + 4 * i;
@@ -165,8 +169,8 @@ void emulate_w8a16(const Device& d, bool bf16, ValueCheck& check) {
             for (int pair = 0; pair < 2; pair++) {
               const uint32_t bits = fp8_pair_bits(ordered, pair, bf16);
               for (int e = 0; e < 2; e++) {
-                const float w = round16(decode16(bits >> (16 * e), bf16) * scale[j], bf16);
-                check(d, t * 64 + 8 * j + g, kt * kFp8TileK + w8a16_a_column(lane, step, pair, e), w);
+                const float weight = emulate_scaled(decode16(bits >> (16 * e), bf16), scale[j], mode, bf16);
+                check(d, t * 64 + 8 * j + g, kt * kFp8TileK + w8a16_a_column(lane, step, pair, e), weight);
               }
             }
           }
@@ -274,12 +278,10 @@ void check_weight(const QuantWeight& w) {
   if (!d.layout.mma) return;
   for (bool bf16 : {true, false}) {
     CAPTURE(bf16);
-    // One rounding, like the reference, when the scale's dtype is the compute dtype; fp8 weight_scale_inv
-    // rounds the float32 product, equal after rounding to the compute dtype unless the scale is F32.
-    const bool exact = w.scale_dtype == dtype16(bf16);
-    ValueCheck check{bf16, exact, w.rounding == DequantRounding::f32 ? DType::F32 : w.scale_dtype};
-    if (w.format == WeightFormat::int4) emulate_w4a16(d, bf16, check);
-    else emulate_w8a16(d, bf16, check);
+    // The reference's weight rounded once to the compute dtype, bit for bit, for every scale dtype and rounding.
+    ValueCheck check{bf16};
+    if (w.format == WeightFormat::int4) emulate_w4a16(d, w, bf16, check);
+    else emulate_w8a16(d, w, bf16, check);
     CHECK(check.checked == d.layout.n_pad * d.layout.k_pad);
     CHECK_VALUES(check);
   }
@@ -716,4 +718,23 @@ TEST_CASE("split ranges cover the stages once, in order") {
       }
       CHECK(next == stages);
     }
+}
+
+TEST_CASE("scale_product: a T-pair multiply only where the checkpoint's scales are T, else fp32 and one rounding") {
+  for (DType activation : {DType::BF16, DType::F16}) {
+    const DType other = activation == DType::BF16 ? DType::F16 : DType::BF16;
+    for (DequantRounding rounding : {DequantRounding::scale_dtype, DequantRounding::f32}) {
+      CHECK(scale_product(activation, rounding, activation) == ScaleProduct::pair_multiply);
+      CHECK(scale_product(DType::F32, rounding, activation) == ScaleProduct::fp32);
+    }
+    CHECK(scale_product(other, DequantRounding::scale_dtype, activation) == ScaleProduct::fp32_then_scale_dtype);
+    CHECK(scale_product(other, DequantRounding::f32, activation) == ScaleProduct::fp32);
+  }
+  // The scale rounded to T before the multiply (the kernels' old way) is two roundings: for this F32 scale and q the
+  // product lands a whole bf16 step away from the reference's one rounding, which scale_product_fp32 keeps.
+  const float q = 7.0f, scale = 1.0f + 3.0f / 512;  // exact in F32, between bf16 values (steps of 1/128)
+  const float one_rounding = round_to_dtype(scale_product_fp32(q, scale, ScaleProduct::fp32, DType::F32), DType::BF16);
+  const float two_roundings = round_to_dtype(q * round_to_dtype(scale, DType::BF16), DType::BF16);
+  CHECK(one_rounding == round_to_dtype(q * scale, DType::BF16));
+  CHECK(one_rounding != two_roundings);
 }

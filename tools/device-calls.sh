@@ -14,7 +14,8 @@ mkdir -p "$final"
 status=0
 OUT=$work/call-1 KVLITE_CALL_BUDGET_S=${KVLITE_CALL1_BUDGET_S:-300} "$root/tools/device-call-1.sh" "$@" || status=1
 OUT=$work/call-2 KVLITE_CALL_BUDGET_S=${KVLITE_CALL2_BUDGET_S:-200} "$root/tools/device-call-2.sh" "$@" || status=1
-for file in call-1/call-1.md call-2/call-2.md call-2/gpu-check.md call-2/bench-quant_gemm.log; do
+for file in call-1/call-1.md call-2/call-2.md call-2/gpu-check.md call-2/bench-quant_gemm.log \
+            call-2/bench-quant_gemm-baseline.log; do
   [ -f "$work/$file" ] && cp "$work/$file" "$final/"
 done
 tar czf "$final/logs.tgz" -C "$work" .

@@ -140,7 +140,7 @@ bench() {  # bench TITLE MODEL_DIR [extra kvlite options...]
   shift 2
   echo "## bench: $title" >> "$report"
   echo '```' >> "$report"
-  "$kvlite" bench "$dir" "${bench_args[@]}" "$@" > "$out/bench-one.txt" 2>&1
+  $kvlite bench "$dir" "${bench_args[@]}" "$@" > "$out/bench-one.txt" 2>&1
   local status=$?
   cat "$out/bench-one.txt" >> "$report"
   { echo "### $title (exit $status)"; cat "$out/bench-one.txt"; } >> "$out/bench.log"
@@ -178,6 +178,13 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
     if [ $status = 1 ]; then  # does not fit an 8 GiB card: the same on a 24 GiB one
       bench "$title, planned as a 24 GiB card (does not fit 8 GiB)" "$dir" --backend cuda --device-mem 24GiB --profile
       status=$?
+    fi
+    if [ -n "${KVLITE_BASELINE:-}" ] && [ -x "$KVLITE_BASELINE/kvlite" ] && [ $status = 0 ]; then
+      # the same checkpoint through an earlier commit's kvlite (see device-call-2.sh), planned the same way
+      saved_kvlite=$kvlite
+      kvlite="env LD_LIBRARY_PATH=$KVLITE_BASELINE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} $KVLITE_BASELINE/kvlite"
+      bench "$title, BASELINE kvlite ($KVLITE_BASELINE), planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB
+      kvlite=$saved_kvlite
     fi
     phase "$title" "bench exit $status"
     rm -rf "$dir"
