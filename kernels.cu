@@ -1335,20 +1335,22 @@ constexpr bool kFp8TensorCores = true;
 #endif
 
 // The skeleton: fetch -> (wait, fetch ahead, step) per stage -> sum the warps -> store or split-K fix-up.
-template <QgFormat F, class T, int M_TILES>
+template <QgFormat F, class T, int M_TILES, bool kFp32Scales>
 __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args);
 
 //   F: format; T: activation dtype (bf16/f16: the mma type for A16; W8A8 is instantiated with bf16 only and
-//   stores args.out_dtype); M_TILES: 16-row mma tiles per block (1, 2, 4).
+//   stores args.out_dtype); M_TILES: 16-row mma tiles per block (1, 2, 4); kFp32Scales: A16 with one of the fp32
+//   scale products (scaled_pair; an instance of its own, as the GEMVs', so the common pair_multiply path carries
+//   none of it).
 // W8A8 on targets without e4m3 tensor cores compiles to a trap (the host never launches it there), which keeps
 // those targets' compile time down.
-template <QgFormat F, class T, int M_TILES>
+template <QgFormat F, class T, int M_TILES, bool kFp32Scales>
 __global__ void __launch_bounds__(QgShape<F, M_TILES>::kThreads) quant_gemm_kernel(const QuantGemmArgs args) {
   if constexpr (F == QgFormat::fp8_a8 && !kFp8TensorCores) __trap();
-  else quant_gemm_body<F, T, M_TILES>(args);
+  else quant_gemm_body<F, T, M_TILES, kFp32Scales>(args);
 }
 
-template <QgFormat F, class T, int M_TILES>
+template <QgFormat F, class T, int M_TILES, bool kFp32Scales>
 __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
   using Shape = QgShape<F, M_TILES>;
   extern __shared__ __align__(16) uint8_t qg_smem[];
@@ -1388,17 +1390,9 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
     cp_async_commit();
     const uint8_t* stage = qg_smem + slot * Shape::kStage;
     slot = slot + 1 == Shape::kStages ? 0 : slot + 1;
-    // (a warp-uniform branch between the two scale products; pair_multiply is the common one)
-    const bool fp32_scales = args.scale_product != ScaleProduct::pair_multiply;
-    if constexpr (F == QgFormat::int4_a16) {
-      if (fp32_scales) qg_step_int4<T, M_TILES, true>(args, stage, warp, lane, acc);
-      else qg_step_int4<T, M_TILES, false>(args, stage, warp, lane, acc);
-    } else if constexpr (F == QgFormat::fp8_a16) {
-      if (fp32_scales) qg_step_fp8_a16<T, M_TILES, true>(args, stage, warp, lane, acc);
-      else qg_step_fp8_a16<T, M_TILES, false>(args, stage, warp, lane, acc);
-    } else {
-      qg_step_fp8_a8<M_TILES>(args, stage, warp, lane, acc);
-    }
+    if constexpr (F == QgFormat::int4_a16) qg_step_int4<T, M_TILES, kFp32Scales>(args, stage, warp, lane, acc);
+    else if constexpr (F == QgFormat::fp8_a16) qg_step_fp8_a16<T, M_TILES, kFp32Scales>(args, stage, warp, lane, acc);
+    else qg_step_fp8_a8<M_TILES>(args, stage, warp, lane, acc);
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -2186,17 +2180,23 @@ struct QuantGemmInstance {
   int shared_bytes, threads;
   const char* name;
 };
-template <QgFormat F, class T, int M_TILES>
+template <QgFormat F, class T, int M_TILES, bool kFp32Scales>
 QuantGemmInstance quant_gemm_instance() {
   using Shape = QgShape<F, M_TILES>;
-  return {&quant_gemm_kernel<F, T, M_TILES>, Shape::kSmem, Shape::kThreads,
+  return {&quant_gemm_kernel<F, T, M_TILES, kFp32Scales>, Shape::kSmem, Shape::kThreads,
           F == QgFormat::int4_a16 ? "quant_gemm_kernel (W4A16)"
                                   : F == QgFormat::fp8_a16 ? "quant_gemm_kernel (W8A16)" : "quant_gemm_kernel (W8A8)"};
 }
-template <QgFormat F, class T>
+template <QgFormat F, class T, bool kFp32Scales = false>
 QuantGemmInstance quant_gemm_instance(int m_tiles) {
-  return m_tiles == 1 ? quant_gemm_instance<F, T, 1>()
-                      : m_tiles == 2 ? quant_gemm_instance<F, T, 2>() : quant_gemm_instance<F, T, 4>();
+  return m_tiles == 1   ? quant_gemm_instance<F, T, 1, kFp32Scales>()
+         : m_tiles == 2 ? quant_gemm_instance<F, T, 2, kFp32Scales>()
+                        : quant_gemm_instance<F, T, 4, kFp32Scales>();
+}
+template <QgFormat F, class T>
+QuantGemmInstance quant_gemm_instance(int m_tiles, ScaleProduct product) {
+  return product == ScaleProduct::pair_multiply ? quant_gemm_instance<F, T, false>(m_tiles)
+                                                : quant_gemm_instance<F, T, true>(m_tiles);
 }
 template <QgFormat F, class T, bool kFp32Scales>
 QuantGemmInstance quant_gemv_instance(int rows) {
@@ -2240,14 +2240,15 @@ QuantGemmInstance quant_gemv_mma_instance(QgFormat format, DType activation, Sca
               : quant_gemv_mma_instance<QgFormat::fp8_a16, false>(activation);
 }
 
-// The kernel for `format` with activations of `activation` (BF16 or F16) and `m_tiles` (1, 2, 4).
-QuantGemmInstance quant_gemm_instance(QgFormat format, DType activation, int m_tiles) {
+// The kernel for `format` with activations of `activation` (BF16 or F16), `m_tiles` (1, 2, 4) and, for the A16
+// formats, the scale product `product`.
+QuantGemmInstance quant_gemm_instance(QgFormat format, DType activation, int m_tiles, ScaleProduct product) {
   if (activation == DType::BF16) {
-    if (format == QgFormat::int4_a16) return quant_gemm_instance<QgFormat::int4_a16, __nv_bfloat16>(m_tiles);
-    if (format == QgFormat::fp8_a16) return quant_gemm_instance<QgFormat::fp8_a16, __nv_bfloat16>(m_tiles);
+    if (format == QgFormat::int4_a16) return quant_gemm_instance<QgFormat::int4_a16, __nv_bfloat16>(m_tiles, product);
+    if (format == QgFormat::fp8_a16) return quant_gemm_instance<QgFormat::fp8_a16, __nv_bfloat16>(m_tiles, product);
   } else {
-    if (format == QgFormat::int4_a16) return quant_gemm_instance<QgFormat::int4_a16, __half>(m_tiles);
-    if (format == QgFormat::fp8_a16) return quant_gemm_instance<QgFormat::fp8_a16, __half>(m_tiles);
+    if (format == QgFormat::int4_a16) return quant_gemm_instance<QgFormat::int4_a16, __half>(m_tiles, product);
+    if (format == QgFormat::fp8_a16) return quant_gemm_instance<QgFormat::fp8_a16, __half>(m_tiles, product);
   }
   return quant_gemm_instance<QgFormat::fp8_a8, __nv_bfloat16>(m_tiles);  // stores args.out_dtype
 }
@@ -2873,7 +2874,7 @@ class CudaBackend final : public Backend {
     const QuantGemmInstance widest =
         gemv_mma ? quant_gemv_mma_instance(format, act_, product)
         : gemv   ? quant_gemv_instance(format, act_, quant_gemv_rows(std::min(x.rows, kQuantGemvMaxRows)), product)
-                 : quant_gemm_instance(format, act_, quant_m_tiles(std::min<int64_t>(x.rows, 64)));
+                 : quant_gemm_instance(format, act_, quant_m_tiles(std::min<int64_t>(x.rows, 64)), product);
     const int64_t target_blocks = int64_t(sm_count_) * quant_gemm_blocks_per_sm(widest);
     QuantGemmPlan plan;
     std::string why;
@@ -2946,7 +2947,7 @@ class CudaBackend final : public Backend {
       const int m_tiles = quant_m_tiles(std::min<int64_t>(rows, 64));
       const QuantGemmInstance instance = gemv_mma ? quant_gemv_mma_instance(format, act_, product)
                                          : gemv   ? quant_gemv_instance(format, act_, quant_gemv_rows(rows), product)
-                                                  : quant_gemm_instance(format, act_, m_tiles);
+                                                  : quant_gemm_instance(format, act_, m_tiles, product);
       quant_gemm_blocks_per_sm(instance);  // its shared memory limit raised
       // the GEMVs: one block row (rows <= kQuantGemvMaxRows / kQuantGemvMmaMaxRows, plan_quant_gemm's passes)
       const dim3 grid(gemv ? 1u : unsigned((rows + 16 * m_tiles - 1) / (16 * m_tiles)), unsigned(layout.n_tiles),
