@@ -3201,20 +3201,35 @@ Status set_quant_kernel(Backend& backend, QuantKernel kernel) {
 }
 
 Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& host, void* device_dst, uint64_t capacity) {
+  return upload_quant_weight(backend, std::vector<const QuantWeight*>{&host}, device_dst, capacity);
+}
+
+Result<QuantWeight> upload_quant_weight(Backend& backend, const std::vector<const QuantWeight*>& parts, void* device_dst,
+                                        uint64_t capacity) {
   return detail::guard([&] {
-    const char* name = host.name.c_str();
+    if (parts.empty() || std::find(parts.begin(), parts.end(), nullptr) != parts.end())
+      detail::fail(ErrorCode::invalid_argument, "cuda::upload_quant_weight: no Linear given");
+    std::string joined = parts[0]->name;  // the fused view's name: "...q_proj+...k_proj+...v_proj"
+    for (size_t i = 1; i < parts.size(); i++) joined += "+" + parts[i]->name;
+    const char* name = joined.c_str();
+    const QuantWeight& host = *parts[0];
     auto* cuda_backend = dynamic_cast<CudaBackend*>(&backend);
     if (cuda_backend == nullptr)
       detail::fail(ErrorCode::invalid_argument, detail::format("cuda::upload_quant_weight(%s): the backend is %s, not a "
                                                                "CUDA backend", name, backend.name().c_str()));
-    if (host.layout != QuantLayout::checkpoint ||
-        (host.format != WeightFormat::int4 && host.format != WeightFormat::fp8))
+    for (const QuantWeight* part : parts)
+      if (part->layout != QuantLayout::checkpoint ||
+          (part->format != WeightFormat::int4 && part->format != WeightFormat::fp8))
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("cuda::upload_quant_weight(%s): pass the checkpoint view of an int4 or fp8 Linear "
+                                    "(quant_weight), not %s", part->name.c_str(),
+                                    part->layout != QuantLayout::checkpoint ? "an uploaded one"
+                                                                            : weight_format_name(part->format)));
+    const std::string refusal = parts.size() > 1 ? quant_fusion_refusal(parts) : std::string();
+    if (!refusal.empty())
       detail::fail(ErrorCode::invalid_argument,
-                   detail::format("cuda::upload_quant_weight(%s): pass the checkpoint view of an int4 or fp8 Linear "
-                                  "(quant_weight), not %s", name,
-                                  host.layout != QuantLayout::checkpoint ? "an uploaded one"
-                                                                         : weight_format_name(host.format)));
-    const QuantGpuLayout layout = quant_gpu_layout(host);
+                   detail::format("cuda::upload_quant_weight(%s): these Linears do not fuse: %s", name, refusal.c_str()));
+    const QuantGpuLayout layout = quant_gpu_layout(parts);
     if (capacity < layout.total_bytes || device_dst == nullptr || reinterpret_cast<uintptr_t>(device_dst) % 256 != 0)
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("cuda::upload_quant_weight(%s): needs %s of device memory, 256-byte aligned "
@@ -3225,14 +3240,16 @@ Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& hos
     if (host.format == WeightFormat::fp8 && !quant_w8a8_preferred(cuda_backend->sm()) && activation != DType::F32) {
       const bool bf16 = activation == DType::BF16;
       const float limit = bf16 ? 3.0e38f : 65504.0f;
-      for (int64_t i = 0; i < host.scale_rows * host.scale_cols; i++) {
-        const float folded = fp8_folded_scale(std::fabs(scale_at(host.scales, host.scale_dtype, i)), bf16);
-        if (!(folded <= limit))
-          detail::fail(ErrorCode::unsupported,
-                       detail::format("cuda::upload_quant_weight(%s): scale %g is too large for W8A16 in %s (the kernels "
-                                      "multiply by it times 2^%d)", name, scale_at(host.scales, host.scale_dtype, i),
-                                      dtype_name(activation), fp8_exponent_fix(bf16)));
-      }
+      for (const QuantWeight* part : parts)
+        for (int64_t i = 0; i < part->scale_rows * part->scale_cols; i++) {
+          const float folded = fp8_folded_scale(std::fabs(scale_at(part->scales, part->scale_dtype, i)), bf16);
+          if (!(folded <= limit))
+            detail::fail(ErrorCode::unsupported,
+                         detail::format("cuda::upload_quant_weight(%s): scale %g is too large for W8A16 in %s (the "
+                                        "kernels multiply by it times 2^%d)", part->name.c_str(),
+                                        scale_at(part->scales, part->scale_dtype, i), dtype_name(activation),
+                                        fp8_exponent_fix(bf16)));
+        }
     }
     uint8_t* dst = static_cast<uint8_t*>(device_dst);
     auto copy = [&](const std::vector<uint8_t>& bytes, uint64_t size, uint64_t offset) {
@@ -3252,7 +3269,7 @@ Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& hos
       for (int i = 0; i < workers && i * per_worker < count; i++) {
         const int64_t first = i * per_worker, tiles = std::min(per_worker, count - first);
         threads.emplace_back([&, i, first, tiles] {
-          results[size_t(i)] = repack_quant_tiles(host, layout, t0 + first, tiles, buffer.data() + first * row_bytes);
+          results[size_t(i)] = repack_quant_tiles(parts, layout, t0 + first, tiles, buffer.data() + first * row_bytes);
         });
       }
       for (std::thread& thread : threads) thread.join();
@@ -3261,11 +3278,19 @@ Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& hos
       copy(buffer, uint64_t(count) * row_bytes, layout.tiles_offset + uint64_t(t0) * row_bytes);
     }
     std::vector<uint8_t> tables(size_t(layout.total_bytes - layout.scales_offset));
-    const Status repacked = repack_quant_tables(host, layout, tables.data());
+    const Status repacked = repack_quant_tables(parts, layout, tables.data());
     if (!repacked.ok()) throw repacked.error();
     copy(tables, tables.size(), layout.scales_offset);
 
     QuantWeight device = host;
+    if (parts.size() > 1) {
+      device.name = joined;
+      for (size_t i = 1; i < parts.size(); i++) device.out_features += parts[i]->out_features;
+      // the device table holds a scale per column: parts' tensor scales are column scales there
+      if (host.format == WeightFormat::fp8 && host.granularity == ScaleGranularity::tensor)
+        device.granularity = ScaleGranularity::channel;
+      device.scale_rows = device.scale_cols = 0;  // the checkpoint's scale tensors are the parts', not this view's
+    }
     device.layout = QuantLayout::cuda_tiles;
     device.packed = host.format == WeightFormat::int4 ? dst : nullptr;
     device.fp8 = host.format == WeightFormat::fp8 ? dst : nullptr;

@@ -1148,6 +1148,31 @@ Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout,
 // bytes, as they sit from scales_offset on.
 Status repack_quant_tables(const QuantWeight& host, const QuantGpuLayout& layout, uint8_t* out);
 
+// ---- fused Linears (q|k|v, gate|up) -----------------------------------------------------------------------
+// Quantized Linears that read one input and write adjacent column blocks of one output live on the device as one
+// Linear: part i is rows [n_i, n_i + N_i) of it, n_i the earlier parts' N summed. One GEMM then streams q, k and v
+// (or gate and up) in one launch instead of three (two): at decode the small ones are latency-bound (Llama-3.1-8B
+// W4A16 on an H100, bench/RESULTS.md: the fused qkv shape 15.6 us at M = 1, o_proj's 4096 x 4096 alone 10.1 us).
+// They fuse when one kernel instance runs them all and their tiles and tables can follow each other: the same
+// format, K, checkpoint scale dtype and rounding (the kernel's ScaleProduct); int4: the same granularity and group
+// size, zero points in all or none, no g_idx (act-order permutes each part its own way); fp8: block scales of one
+// block_k in all or none (tensor and channel scales mix: the device table holds a scale per column); and every part
+// but the last a whole number of 64-column tiles. Biases need not match: the device bias is an F32 table, zeros
+// for a part without one.
+// "" when `parts` (two or more; a single Linear trivially) fuse, else why not, naming the parts.
+std::string quant_fusion_refusal(const std::vector<const QuantWeight*>& parts);
+// The same from descriptors (describe_linears), for the planner: the same answer as from the weights they
+// describe (a descriptor's g_idx counts as act-order, as quant_gpu_layout(LinearDesc) counts it).
+std::string quant_fusion_refusal(const std::vector<const LinearDesc*>& parts);
+// The fused layout: one Linear of N = the parts' N summed (quant_fusion_refusal(parts) must be "").
+QuantGpuLayout quant_gpu_layout(const std::vector<const QuantWeight*>& parts);
+QuantGpuLayout quant_gpu_layout(const std::vector<const LinearDesc*>& parts);
+// The fused layout's tiles [first_tile, first_tile + count) and tables, from each part's own repack: part i's
+// column tiles are tiles n_i / 64 on, and its table columns start at column n_i in every group.
+Status repack_quant_tiles(const std::vector<const QuantWeight*>& parts, const QuantGpuLayout& layout,
+                          int64_t first_tile, int64_t count, uint8_t* out);
+Status repack_quant_tables(const std::vector<const QuantWeight*>& parts, const QuantGpuLayout& layout, uint8_t* out);
+
 // ---- fragment geometry --------------------------------------------------------------------------------------
 // The group of column k of K: 32-bit (K_pad < 2^31, checked at upload), a shift when the group size is a power of
 // two (every published checkpoint: 32, 64, 128). The GEMM's fetch computes it per 16-byte chunk of every stage,
@@ -2298,6 +2323,27 @@ struct LinearWeights {
   int64_t in_features() const { return quant ? quant->in_features : weight.cols; }
 };
 
+// Linears that read one input and write adjacent column blocks of one output, in order: q_proj | k_proj | v_proj
+// into the qkv buffer, gate_proj | up_proj into gate_up. The model runs a group as one Linear; a backend runs each
+// part into its columns. The CUDA uploader stores a group that fuses (quant_fusion_refusal for quantized parts;
+// dense parts with biases in all or none) as one part: one GEMM instead of three or two small ones.
+struct LinearGroup {
+  std::vector<LinearWeights> parts;
+
+  int64_t out_features() const {
+    int64_t n = 0;
+    for (const LinearWeights& part : parts) n += part.out_features();
+    return n;
+  }
+};
+
+// Whether the CUDA uploader stores `group` as one Linear: two or more parts, all quantized and fusing
+// (cuda::quant_fusion_refusal), or all dense with a bias in every part or in none (their rows are stacked; a dense
+// part's dtype does not matter, every one is converted to the activation dtype).
+bool linear_group_fuses(const LinearGroup& group);
+// The same from the parts' descriptors (describe_linears), for the planner: the same answer.
+bool linear_group_fuses(const std::vector<const LinearDesc*>& parts);
+
 // GELU's two forms: nn.GELU() / "gelu" (exact, with erf) and "gelu_pytorch_tanh" (the tanh approximation).
 enum class GeluApprox { none, tanh };
 const char* op_name(Op op);
@@ -2373,6 +2419,10 @@ class Backend {
   Status linear(const Tensor& x, const LinearWeights& weights, const Tensor& out) {
     return weights.quant ? quant_linear(x, *weights.quant, out) : linear(x, weights.weight, weights.bias, out);
   }
+
+  // A LinearGroup: part i into columns [n_i, n_i + N_i) of out, n_i the earlier parts' N summed. x [T, K] (every
+  // part's in_features); out [T, the parts' N summed].
+  Status linear(const Tensor& x, const LinearGroup& group, const Tensor& out);
 
   // SwiGLU's gate: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). gate, up, out [T, I] (gate and up
   // may be the two halves of one fused gate_up buffer). out may be gate or up.
@@ -2517,11 +2567,13 @@ namespace kvlite {
 // dtype. Shapes: H hidden, Hq/Hkv heads, D head_dim, I intermediate.
 struct DecoderLayerWeights {
   Tensor input_layernorm;                 // [H]
-  LinearWeights q_proj, k_proj, v_proj;   // [Hq D, H], [Hkv D, H], [Hkv D, H]; biases for qwen2
+  // q_proj | k_proj | v_proj ([Hq D, H], [Hkv D, H], [Hkv D, H]; biases for qwen2) into the qkv buffer: three
+  // parts as bound, one where the CUDA uploader fused them
+  LinearGroup qkv_proj;
   Tensor q_norm, k_norm;                  // [D] each (qwen3); empty otherwise
   LinearWeights o_proj;                   // [H, Hq D]
   Tensor post_attention_layernorm;        // [H]
-  LinearWeights gate_proj, up_proj;       // [I, H]
+  LinearGroup gate_up_proj;               // gate_proj | up_proj, [I, H] each, into the gate_up buffer (as qkv_proj)
   LinearWeights down_proj;                // [H, I]
 };
 
@@ -3252,6 +3304,10 @@ uint64_t quant_device_bytes(const QuantWeight& host);
 // The same for a Linear described by describe_linears (int4 or fp8), before loading: what the planner counts
 // per quantized Linear for CUDA plans (a g_idx counts as act-order: at most k_pad x 4 bytes over the upload).
 uint64_t quant_device_bytes(const LinearDesc& linear);
+// The same for Linears fused into one (quant_gpu.hpp: quant_fusion_refusal(parts) == ""): the planner's count for a
+// q|k|v or gate|up group that fuses.
+uint64_t quant_device_bytes(const std::vector<const QuantWeight*>& parts);
+uint64_t quant_device_bytes(const std::vector<const LinearDesc*>& parts);
 // Repacks `host` on the host and copies it into device memory at device_dst (capacity >=
 // quant_device_bytes(host), 256-byte aligned, on the backend's device) through backend.copy_from_host, and returns
 // the device view (layout QuantLayout::cuda_tiles, its pointers into device_dst) that Backend::quant_linear takes
@@ -3261,6 +3317,11 @@ uint64_t quant_device_bytes(const LinearDesc& linear);
 // scales too large for W8A16 on GPUs before sm_89; builds without CUDA).
 Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& host, void* device_dst,
                                         uint64_t capacity);
+// Several Linears fused into one device Linear (quant_gpu.hpp's fused Linears; capacity >= quant_device_bytes(parts)):
+// the device view's rows are the parts' rows in order, its name theirs joined by '+'. invalid_argument also when
+// the parts do not fuse (quant_fusion_refusal says why).
+Result<QuantWeight> upload_quant_weight(Backend& backend, const std::vector<const QuantWeight*>& parts,
+                                        void* device_dst, uint64_t capacity);
 // Forces the kernel the backend's quant_linear runs (QuantKernel::automatic, the default, chooses by weight,
 // device and rows: choose_quant_kernel). For tests and benchmarks, which check and time every kernel on one GPU.
 // A forced kernel that cannot run a weight (quant_kernel_refusal) makes that quant_linear fail with unsupported.
@@ -5958,6 +6019,167 @@ Status repack_quant_tables(const QuantWeight& w, const QuantGpuLayout& layout, u
         const float bias = scale_at(w.bias, w.bias_dtype, n);
         memcpy(out + layout.bias_offset - base + uint64_t(n) * 4, &bias, 4);
       }
+  });
+}
+
+// ---- fused Linears ------------------------------------------------------------------------------------------
+
+namespace {
+// What decides whether Linears fuse, from a weight or a descriptor alike.
+struct FusionTraits {
+  std::string name;
+  WeightFormat format = WeightFormat::dense;
+  int64_t n = 0, k = 0;
+  ScaleGranularity granularity = ScaleGranularity::none;
+  int64_t group_size = 0, block_k = 0;
+  DType scale_dtype = DType::F32;
+  DequantRounding rounding = DequantRounding::scale_dtype;
+  bool zeros = false, g_idx = false;
+};
+FusionTraits traits_of(const QuantWeight& w) {
+  return {w.name, w.format, w.out_features, w.in_features, w.granularity, w.group_size, w.block_k, w.scale_dtype,
+          w.rounding, w.format == WeightFormat::int4 && w.zero_points != nullptr, w.g_idx != nullptr};
+}
+FusionTraits traits_of(const LinearDesc& d) {
+  // quant_weight's rounding rule: transformers' weight_scale_inv multiplies in float32
+  const DequantRounding rounding =
+      d.scale_name == "weight_scale_inv" ? DequantRounding::f32 : DequantRounding::scale_dtype;
+  return {d.name, d.format, d.out_features, d.in_features, d.granularity, d.group_size, d.block_k, d.scale_dtype,
+          rounding, d.format == WeightFormat::int4 && !d.symmetric, d.has_g_idx};
+}
+
+std::string fusion_refusal(const std::vector<FusionTraits>& parts) {
+  using detail::format;
+  if (parts.empty()) return "no Linears to fuse";
+  const FusionTraits& first = parts[0];
+  if (first.format != WeightFormat::int4 && first.format != WeightFormat::fp8)
+    return format("%s is %s, not an int4 or fp8 Linear", first.name.c_str(), weight_format_name(first.format));
+  const bool first_block = first.granularity == ScaleGranularity::block;
+  for (size_t i = 0; i < parts.size(); i++) {
+    const FusionTraits& p = parts[i];
+    const char* name = p.name.c_str();
+    if (p.format != first.format)
+      return format("%s is %s and %s %s", first.name.c_str(), weight_format_name(first.format), name,
+                    weight_format_name(p.format));
+    if (p.k != first.k)
+      return format("%s reads %lld input features and %s %lld", first.name.c_str(), (long long)first.k, name,
+                    (long long)p.k);
+    if (p.scale_dtype != first.scale_dtype || p.rounding != first.rounding)
+      return format("%s and %s have scales of different dtypes or roundings (%s, %s): the kernel multiplies by one "
+                    "kind", first.name.c_str(), name, dtype_name(first.scale_dtype), dtype_name(p.scale_dtype));
+    if (p.g_idx) return format("%s has a g_idx (act-order permutes each Linear its own way)", name);
+    if (p.format == WeightFormat::int4) {
+      if (p.granularity != first.granularity ||
+          (p.granularity == ScaleGranularity::group && p.group_size != first.group_size))
+        return format("%s and %s have different int4 scale groups (%s %lld, %s %lld)", first.name.c_str(), name,
+                      scale_granularity_name(first.granularity), (long long)first.group_size,
+                      scale_granularity_name(p.granularity), (long long)p.group_size);
+      if (p.zeros != first.zeros)
+        return format("%s and %s differ in zero points (one is asymmetric)", first.name.c_str(), name);
+    } else if ((p.granularity == ScaleGranularity::block) != first_block ||
+               (first_block && p.block_k != first.block_k)) {
+      return format("%s and %s have different fp8 scale blocks along K (%s, %s)", first.name.c_str(), name,
+                    first_block ? format("block_k %lld", (long long)first.block_k).c_str()
+                                : scale_granularity_name(first.granularity),
+                    p.granularity == ScaleGranularity::block ? format("block_k %lld", (long long)p.block_k).c_str()
+                                                             : scale_granularity_name(p.granularity));
+    }
+    if (i + 1 < parts.size() && p.n % kQuantTileN != 0)
+      return format("%s has %lld output features, not a whole number of %lld-column tiles, and is not the last part",
+                    name, (long long)p.n, (long long)kQuantTileN);
+  }
+  return "";
+}
+
+QuantGpuLayout fused_layout(const std::vector<FusionTraits>& parts) {
+  const std::string why = fusion_refusal(parts);
+  if (!why.empty()) detail::fail(ErrorCode::invalid_argument, "these Linears do not fuse: " + why);
+  const FusionTraits& first = parts[0];
+  int64_t n = 0;
+  for (const FusionTraits& p : parts) n += p.n;
+  // fp8 tensor and channel scales lay out alike (one group of k_pad columns, a scale per column)
+  return layout_of(first.format, n, first.k, first.granularity, first.group_size, first.block_k, first.scale_dtype,
+                   first.zeros, false);
+}
+
+template <class Part>
+std::vector<FusionTraits> traits_of_parts(const std::vector<const Part*>& parts) {
+  std::vector<FusionTraits> traits;
+  for (const Part* part : parts) traits.push_back(traits_of(*part));
+  return traits;
+}
+
+// The fused layout's element size in the scale table.
+uint64_t table_element_bytes(const QuantGpuLayout& layout) {
+  return layout.format == WeightFormat::int4 ? dtype_bytes(layout.table_scale_dtype, 1) : 4;
+}
+}  // namespace
+
+std::string quant_fusion_refusal(const std::vector<const QuantWeight*>& parts) {
+  return fusion_refusal(traits_of_parts(parts));
+}
+std::string quant_fusion_refusal(const std::vector<const LinearDesc*>& parts) {
+  return fusion_refusal(traits_of_parts(parts));
+}
+QuantGpuLayout quant_gpu_layout(const std::vector<const QuantWeight*>& parts) {
+  if (parts.size() == 1) return quant_gpu_layout(*parts[0]);
+  return fused_layout(traits_of_parts(parts));
+}
+QuantGpuLayout quant_gpu_layout(const std::vector<const LinearDesc*>& parts) {
+  if (parts.size() == 1) return quant_gpu_layout(*parts[0]);
+  return fused_layout(traits_of_parts(parts));
+}
+
+Status repack_quant_tiles(const std::vector<const QuantWeight*>& parts, const QuantGpuLayout& layout,
+                          int64_t first_tile, int64_t count, uint8_t* out) {
+  if (parts.size() == 1) return repack_quant_tiles(*parts[0], layout, first_tile, count, out);
+  return detail::guard([&] {
+    const std::string why = quant_fusion_refusal(parts);
+    if (!why.empty()) detail::fail(ErrorCode::invalid_argument, "repack_quant_tiles: these Linears do not fuse: " + why);
+    if (first_tile < 0 || count < 0 || first_tile + count > layout.n_tiles)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("repack_quant_tiles: tiles [%lld, %lld) are outside the fused Linear's %lld",
+                                  (long long)first_tile, (long long)(first_tile + count), (long long)layout.n_tiles));
+    int64_t part_first_tile = 0;  // the fused tile where the part's tiles begin
+    for (const QuantWeight* part : parts) {
+      const QuantGpuLayout own = quant_gpu_layout(*part);
+      const int64_t begin = std::max(first_tile, part_first_tile);
+      const int64_t end = std::min(first_tile + count, part_first_tile + own.n_tiles);
+      if (begin < end) {
+        const Status repacked = repack_quant_tiles(*part, own, begin - part_first_tile, end - begin,
+                                                   out + uint64_t(begin - first_tile) * layout.tile_row_bytes());
+        if (!repacked.ok()) throw repacked.error();
+      }
+      part_first_tile += own.n_tiles;
+    }
+  });
+}
+
+Status repack_quant_tables(const std::vector<const QuantWeight*>& parts, const QuantGpuLayout& layout, uint8_t* out) {
+  if (parts.size() == 1) return repack_quant_tables(*parts[0], layout, out);
+  return detail::guard([&] {
+    const std::string why = quant_fusion_refusal(parts);
+    if (!why.empty()) detail::fail(ErrorCode::invalid_argument, "repack_quant_tables: these Linears do not fuse: " + why);
+    const uint64_t base = layout.scales_offset, element = table_element_bytes(layout);
+    memset(out, 0, size_t(layout.total_bytes - base));  // counters 0
+    int64_t column0 = 0;  // the part's first fused column: a multiple of 64, so its table positions carry over
+    for (const QuantWeight* part : parts) {
+      const QuantGpuLayout own = quant_gpu_layout(*part);
+      std::vector<uint8_t> tables(size_t(own.total_bytes - own.scales_offset));
+      const Status repacked = repack_quant_tables(*part, own, tables.data());
+      if (!repacked.ok()) throw repacked.error();
+      const uint8_t* own_base = tables.data() - own.scales_offset;  // so that own_base + own.x_offset is table x
+      for (int64_t group = 0; group < layout.groups; group++) {
+        memcpy(out + layout.scales_offset - base + uint64_t(group * layout.n_pad + column0) * element,
+               own_base + own.scales_offset + uint64_t(group * own.n_pad) * element, size_t(uint64_t(own.n_pad) * element));
+        if (layout.zeros)
+          memcpy(out + layout.zeros_offset - base + uint64_t(group * layout.n_pad + column0),
+                 own_base + own.zeros_offset + uint64_t(group * own.n_pad), size_t(own.n_pad));
+      }
+      memcpy(out + layout.bias_offset - base + uint64_t(column0) * 4, own_base + own.bias_offset,
+             size_t(own.n_pad) * 4);
+      column0 += own.n_pad;
+    }
   });
 }
 
@@ -9144,9 +9366,9 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 //                tied lm_head whose table is not in that dtype gets a converted copy, and every tensor starts
 //                on a 256-byte boundary (cuda_weight_slack).
 //   repack       CUDA only: extra bytes the GPU layout of the quantized Linears needs over their on-disk bytes
-//                (cuda::quant_device_bytes per Linear: repacked tiles, F32 scale tables, counters). The region
-//                follows the weights', and the uploader fills the two as one span. CPU: 0, it runs the on-disk
-//                layout. The row is always shown.
+//                (cuda::quant_device_bytes per Linear, or per q|k|v / gate|up group the uploader fuses into one:
+//                repacked tiles, F32 scale tables, counters). The region follows the weights', and the uploader
+//                fills the two as one span. CPU: 0, it runs the on-disk layout. The row is always shown.
 //   context      CUDA context + cuBLAS handles + loaded kernels, which the device spends outside kvlite's arena:
 //                on native Linux cuda_context_bytes (plan.hpp: 260 MiB + 1 KiB of stack per resident thread of
 //                every SM + 68 MiB, from an H100's measured figures; 379 MiB for a planned 8 GB card), 1024 MiB
@@ -9172,6 +9394,8 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 //                KV gets whole pages of what is left: pages = floor(max(0, budget - fixed) / page_bytes).
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <set>
 #include <thread>
 #include <nlohmann/json.hpp>
 
@@ -9546,6 +9770,32 @@ PlanItem weights_item(const Inputs& in, DType act) {
   return item;
 }
 
+// The text model's Linear groups (LinearGroup: each layer's q|k|v and gate|up, found by name, in the model's order)
+// that the CUDA uploader fuses into one device Linear (linear_group_fuses).
+std::vector<std::vector<const LinearDesc*>> fused_linear_groups(const std::vector<LinearDesc>& linears) {
+  std::map<std::string, const LinearDesc*> by_name;
+  for (const LinearDesc& linear : linears)
+    if (!linear.vision) by_name[linear.name] = &linear;
+  auto ends_with = [](const std::string& s, const std::string& tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  std::vector<std::vector<const LinearDesc*>> groups;
+  const std::vector<std::vector<std::string>> members = {{"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"},
+                                                         {"mlp.gate_proj", "mlp.up_proj"}};
+  for (const auto& entry : by_name)
+    for (const std::vector<std::string>& names : members) {
+      if (!ends_with(entry.first, names[0])) continue;
+      const std::string prefix = entry.first.substr(0, entry.first.size() - names[0].size());
+      std::vector<const LinearDesc*> group;
+      for (const std::string& name : names) {
+        auto found = by_name.find(prefix + name);
+        if (found != by_name.end()) group.push_back(found->second);
+      }
+      if (group.size() == names.size() && linear_group_fuses(group)) groups.push_back(group);
+    }
+  return groups;
+}
+
 PlanItem repack_item(const Inputs& in) {
   PlanItem item{"repack", "repack", 0, "", true};
   if (in.device.backend != BackendKind::cuda) {
@@ -9555,17 +9805,33 @@ PlanItem repack_item(const Inputs& in) {
   // The quantized Linears the GPU runs, in the layout its GEMMs read (cuda::quant_device_bytes: repacked tiles
   // padded to whole tiles, F32 scale tables, act-order permutation, F32 bias, split-K counters) over their bytes
   // on disk, which the weights row counts. The uploader fills weights and repack as one span.
-  uint64_t extra = 0, quantized = 0;
+  // A q|k|v or gate|up group the uploader fuses is one device Linear (cuda::quant_device_bytes of its parts).
+  uint64_t extra = 0, quantized = 0, fused_groups = 0;
+  std::set<const LinearDesc*> in_group;
+  auto count = [&](uint64_t gpu, uint64_t disk) { extra += gpu > disk ? gpu - disk : 0; };
+  for (const std::vector<const LinearDesc*>& group : fused_linear_groups(in.weights.linears)) {
+    if (group[0]->format == WeightFormat::dense) continue;
+    uint64_t disk = 0;
+    for (const LinearDesc* part : group) {
+      disk += part->bytes;
+      in_group.insert(part);
+      quantized++;
+    }
+    count(cuda::quant_device_bytes(group), disk);
+    fused_groups++;
+  }
   for (const auto& linear : in.weights.linears) {
-    if (linear.format == WeightFormat::dense || linear.vision) continue;
-    const uint64_t gpu = cuda::quant_device_bytes(linear);
-    extra += gpu > linear.bytes ? gpu - linear.bytes : 0;
+    if (linear.format == WeightFormat::dense || linear.vision || in_group.count(&linear)) continue;
+    count(cuda::quant_device_bytes(linear), linear.bytes);
     quantized++;
   }
   item.bytes = align_up(extra, kPlanAlignment);
-  item.why = quantized ? format("%llu quantized Linears in the GPU's layout (repacked tiles, F32 scale tables, "
+  const std::string fused =
+      fused_groups ? format(" (%llu q|k|v and gate|up groups fused, one Linear each)", (unsigned long long)fused_groups)
+                   : std::string();
+  item.why = quantized ? format("%llu quantized Linears%s in the GPU's layout (repacked tiles, F32 scale tables, "
                                 "counters) take %s more than on disk",
-                                (unsigned long long)quantized, format_bytes(extra).c_str())
+                                (unsigned long long)quantized, fused.c_str(), format_bytes(extra).c_str())
                        : std::string("no quantized Linear: nothing to repack");
   return item;
 }
@@ -11520,6 +11786,41 @@ Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const T
   });
 }
 
+bool linear_group_fuses(const LinearGroup& group) {
+  if (group.parts.size() < 2) return false;
+  const bool quantized = group.parts[0].quant != nullptr, biased = group.parts[0].bias.data != nullptr;
+  std::vector<const QuantWeight*> quant;
+  for (const LinearWeights& part : group.parts) {
+    if ((part.quant != nullptr) != quantized) return false;
+    if (quantized) quant.push_back(part.quant.get());
+    else if ((part.bias.data != nullptr) != biased) return false;
+  }
+  return !quantized || cuda::quant_fusion_refusal(quant).empty();
+}
+
+bool linear_group_fuses(const std::vector<const LinearDesc*>& parts) {
+  if (parts.size() < 2) return false;
+  const bool quantized = parts[0]->format != WeightFormat::dense, biased = parts[0]->has_bias;
+  for (const LinearDesc* part : parts) {
+    if ((part->format != WeightFormat::dense) != quantized) return false;
+    if (!quantized && part->has_bias != biased) return false;
+  }
+  return !quantized || cuda::quant_fusion_refusal(parts).empty();
+}
+
+Status Backend::linear(const Tensor& x, const LinearGroup& group, const Tensor& out) {
+  return detail::guard([&] {
+    if (group.parts.empty()) detail::fail(ErrorCode::invalid_argument, "linear: a LinearGroup with no parts");
+    detail::check_shape("linear", "out", out, x.rows, group.out_features());
+    int64_t column = 0;
+    for (const LinearWeights& part : group.parts) {
+      const Status done = linear(x, part, out.slice_cols(column, part.out_features()));
+      if (!done.ok()) throw done.error();
+      column += part.out_features();
+    }
+  });
+}
+
 Status Backend::silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
   return detail::guard([&] {
     const char* op = "silu_mul";
@@ -12772,17 +13073,17 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
       const std::string layer = prefix + format("layers.%lld.", (long long)l);
       DecoderLayerWeights& lw = w.layers[size_t(l)];
       lw.input_layernorm = bind.bind(layer + "input_layernorm.weight", {H});
-      lw.q_proj = bind.linear(layer + "self_attn.q_proj", q_width, H, c.attention_bias);
-      lw.k_proj = bind.linear(layer + "self_attn.k_proj", kv_width, H, c.attention_bias);
-      lw.v_proj = bind.linear(layer + "self_attn.v_proj", kv_width, H, c.attention_bias);
+      lw.qkv_proj.parts = {bind.linear(layer + "self_attn.q_proj", q_width, H, c.attention_bias),
+                           bind.linear(layer + "self_attn.k_proj", kv_width, H, c.attention_bias),
+                           bind.linear(layer + "self_attn.v_proj", kv_width, H, c.attention_bias)};
       if (c.qk_norm) {
         lw.q_norm = bind.bind(layer + "self_attn.q_norm.weight", {D});
         lw.k_norm = bind.bind(layer + "self_attn.k_norm.weight", {D});
       }
       lw.o_proj = bind.linear(layer + "self_attn.o_proj", H, q_width, c.o_proj_bias);
       lw.post_attention_layernorm = bind.bind(layer + "post_attention_layernorm.weight", {H});
-      lw.gate_proj = bind.linear(layer + "mlp.gate_proj", I, H, c.mlp_bias);
-      lw.up_proj = bind.linear(layer + "mlp.up_proj", I, H, c.mlp_bias);
+      lw.gate_up_proj.parts = {bind.linear(layer + "mlp.gate_proj", I, H, c.mlp_bias),
+                               bind.linear(layer + "mlp.up_proj", I, H, c.mlp_bias)};
       lw.down_proj = bind.linear(layer + "mlp.down_proj", H, I, c.mlp_bias);
     }
     w.norm = bind.bind(prefix + "norm.weight", {H});
@@ -12991,8 +13292,9 @@ void TextModel::compute(const StepInput& step) {
   Tensor k = qkv.slice_cols(q_width, kv_width);             // [T, Hkv D]
   Tensor v = qkv.slice_cols(q_width + kv_width, kv_width);  // [T, Hkv D]
   Tensor attn = attn_out_.slice_rows(0, T);    // [T, Hq D]
-  Tensor gate = gate_up_.slice_rows(0, T).slice_cols(0, I);  // [T, I]
-  Tensor up = gate_up_.slice_rows(0, T).slice_cols(I, I);    // [T, I]
+  Tensor gate_up = gate_up_.slice_rows(0, T);  // [T, 2 I]
+  Tensor gate = gate_up.slice_cols(0, I);      // [T, I]
+  Tensor up = gate_up.slice_cols(I, I);        // [T, I]
   Tensor act = mlp_act_.slice_rows(0, T);      // [T, I]
 
   // inputs_embeds = self.embed_tokens(input_ids)
@@ -13020,9 +13322,8 @@ void TextModel::compute(const StepInput& step) {
     }
 
     // query_states = self.q_proj(hidden_states); key_states = ...; value_states = ...   (+ bias: qwen2)
-    check(backend_.linear(normed, w.q_proj, q));
-    check(backend_.linear(normed, w.k_proj, k));
-    check(backend_.linear(normed, w.v_proj, v));
+    // (one call: q | k | v are the qkv buffer's column blocks)                 qkv [T, (Hq + 2 Hkv) D]
+    check(backend_.linear(normed, w.qkv_proj, qkv));
     if (c.qk_norm) {
       // qwen3: query_states = self.q_norm(query_states.view(hidden_shape)); the same for keys (per head, over D)
       check(backend_.rms_norm(q, w.q_norm, eps, q));
@@ -13041,8 +13342,8 @@ void TextModel::compute(const StepInput& step) {
     // hidden_states = self.post_attention_layernorm(hidden_states)
     check(backend_.add_rms_norm(normed, hidden, w.post_attention_layernorm, eps, normed));
     // down_proj(act_fn(gate_proj(x)) * up_proj(x))                            normed [T, H]
-    check(backend_.linear(normed, w.gate_proj, gate));
-    check(backend_.linear(normed, w.up_proj, up));
+    // (gate | up: the gate_up buffer's column blocks)                           gate_up [T, 2 I]
+    check(backend_.linear(normed, w.gate_up_proj, gate_up));
     check(backend_.silu_mul(gate, up, act));
     check(backend_.linear(act, w.down_proj, normed));
     layer_output_in_hidden = false;
@@ -14733,11 +15034,32 @@ class WeightUploader {
   // A dense device copy of `host` (a view into the mmap) in `dtype`.
   Tensor tensor(const Tensor& host, DType dtype, const std::string& what) {
     if (host.data == nullptr) return host;  // an absent optional tensor (no bias)
+    uint8_t* dst = take(dtype_bytes(dtype, uint64_t(host.elements())), what);
+    fill(host, dtype, dst, what);
+    return Tensor{dst, dtype, host.rows, host.cols, host.cols};
+  }
+
+  // One dense device tensor of `dtype` holding the rows of `hosts` (each [rows_i, cols], or all absent) one after
+  // another: a fused Linear's weight or bias.
+  Tensor stacked(const std::vector<Tensor>& hosts, DType dtype, const std::string& what) {
+    if (hosts.empty() || hosts[0].data == nullptr) return Tensor{};
+    int64_t rows = 0;
+    for (const Tensor& host : hosts) rows += host.rows;
+    uint8_t* dst = take(dtype_bytes(dtype, uint64_t(rows * hosts[0].cols)), what);
+    uint8_t* next = dst;
+    for (const Tensor& host : hosts) {
+      fill(host, dtype, next, what);
+      next += dtype_bytes(dtype, uint64_t(host.elements()));
+    }
+    return Tensor{dst, dtype, rows, hosts[0].cols, hosts[0].cols};
+  }
+
+  // `host` (a view into the mmap) converted to `dtype` into device memory at dst.
+  void fill(const Tensor& host, DType dtype, uint8_t* dst, const std::string& what) {
     if (!host.contiguous())
       fail(ErrorCode::internal, format("uploading %s: the host view is not contiguous", what.c_str()));
     const uint64_t n = uint64_t(host.elements());
     const uint64_t source_bytes = uint64_t(host.element_bytes()), target_bytes = dtype_bytes(dtype, 1);
-    uint8_t* dst = take(n * target_bytes, what);
     const uint8_t* src = static_cast<const uint8_t*>(host.data);
     if (dtype == host.dtype) {
       for (uint64_t offset = 0; offset < n * source_bytes; offset += chunk_bytes_) {
@@ -14762,7 +15084,6 @@ class WeightUploader {
         offset += count;
       }
     }
-    return Tensor{dst, dtype, host.rows, host.cols, host.cols};
   }
 
   LinearWeights linear(const LinearWeights& host, const std::string& what) {
@@ -14780,6 +15101,39 @@ class WeightUploader {
     }
     device.weight = tensor(host.weight, act_, what + ".weight");
     device.bias = tensor(host.bias, act_, what + ".bias");
+    return device;
+  }
+
+  // A LinearGroup (q|k|v, gate|up) as one device Linear when its parts fuse (linear_group_fuses), else part by part.
+  LinearGroup linear_group(const LinearGroup& host, const std::vector<std::string>& whats) {
+    std::string joined;
+    for (const std::string& what : whats) joined += (joined.empty() ? "" : "+") + what;
+    LinearGroup device;
+    if (!linear_group_fuses(host)) {
+      for (size_t i = 0; i < host.parts.size(); i++)
+        device.parts.push_back(linear(host.parts[i], i < whats.size() ? whats[i] : joined));
+      return device;
+    }
+    LinearWeights fused;
+    if (host.parts[0].quant) {
+      std::vector<const QuantWeight*> parts;
+      for (const LinearWeights& part : host.parts) parts.push_back(part.quant.get());
+      const uint64_t bytes = cuda::quant_device_bytes(parts);
+      uint8_t* dst = take(bytes, joined);
+      Result<QuantWeight> uploaded = cuda::upload_quant_weight(backend_, parts, dst, bytes);
+      if (!uploaded)
+        fail(uploaded.error().code, format("%s on the GPU: %s", joined.c_str(), uploaded.error().message.c_str()));
+      fused.quant = std::make_shared<const QuantWeight>(std::move(*uploaded));
+    } else {
+      std::vector<Tensor> weights, biases;
+      for (const LinearWeights& part : host.parts) {
+        weights.push_back(part.weight);
+        biases.push_back(part.bias);
+      }
+      fused.weight = stacked(weights, act_, joined + ".weight");
+      fused.bias = stacked(biases, act_, joined + ".bias");
+    }
+    device.parts.push_back(std::move(fused));
     return device;
   }
 
@@ -14862,16 +15216,14 @@ TextModelWeights upload_text_weights(const TextModelWeights& host, WeightUploade
     DecoderLayerWeights& d = device.layers[l];
     const std::string layer = format("layers.%zu.", l);
     d.input_layernorm = upload.tensor(h.input_layernorm, h.input_layernorm.dtype, layer + "input_layernorm");
-    d.q_proj = upload.linear(h.q_proj, layer + "self_attn.q_proj");
-    d.k_proj = upload.linear(h.k_proj, layer + "self_attn.k_proj");
-    d.v_proj = upload.linear(h.v_proj, layer + "self_attn.v_proj");
+    d.qkv_proj = upload.linear_group(
+        h.qkv_proj, {layer + "self_attn.q_proj", layer + "self_attn.k_proj", layer + "self_attn.v_proj"});
     d.q_norm = upload.tensor(h.q_norm, h.q_norm.dtype, layer + "self_attn.q_norm");
     d.k_norm = upload.tensor(h.k_norm, h.k_norm.dtype, layer + "self_attn.k_norm");
     d.o_proj = upload.linear(h.o_proj, layer + "self_attn.o_proj");
     d.post_attention_layernorm =
         upload.tensor(h.post_attention_layernorm, h.post_attention_layernorm.dtype, layer + "post_attention_layernorm");
-    d.gate_proj = upload.linear(h.gate_proj, layer + "mlp.gate_proj");
-    d.up_proj = upload.linear(h.up_proj, layer + "mlp.up_proj");
+    d.gate_up_proj = upload.linear_group(h.gate_up_proj, {layer + "mlp.gate_proj", layer + "mlp.up_proj"});
     d.down_proj = upload.linear(h.down_proj, layer + "mlp.down_proj");
     report();
   }
@@ -14906,11 +15258,15 @@ uint64_t decode_weight_bytes(const TextModelWeights& weights, bool on_device) {
     if (!l.quant) return bytes(l.weight) + bytes(l.bias);
     return on_device ? cuda::quant_device_bytes(*l.quant) : checkpoint_bytes(*l.quant);
   };
+  auto group = [&](const LinearGroup& g) {
+    uint64_t sum = 0;
+    for (const LinearWeights& part : g.parts) sum += linear(part);
+    return sum;
+  };
   uint64_t total = bytes(weights.norm) + linear(weights.lm_head);
   for (const DecoderLayerWeights& w : weights.layers)
     total += bytes(w.input_layernorm) + bytes(w.post_attention_layernorm) + bytes(w.q_norm) + bytes(w.k_norm) +
-             linear(w.q_proj) + linear(w.k_proj) + linear(w.v_proj) + linear(w.o_proj) + linear(w.gate_proj) +
-             linear(w.up_proj) + linear(w.down_proj);
+             group(w.qkv_proj) + linear(w.o_proj) + group(w.gate_up_proj) + linear(w.down_proj);
   return total;
 }
 
@@ -15547,6 +15903,11 @@ Result<QuantWeight> upload_quant_weight(Backend&, const QuantWeight& host, void*
   return Error(ErrorCode::unsupported,
                detail::format("cuda::upload_quant_weight(%s): kvlite was built without CUDA", host.name.c_str()));
 }
+Result<QuantWeight> upload_quant_weight(Backend&, const std::vector<const QuantWeight*>& parts, void*, uint64_t) {
+  return Error(ErrorCode::unsupported,
+               detail::format("cuda::upload_quant_weight(%s, ...): kvlite was built without CUDA",
+                              parts.empty() ? "" : parts[0]->name.c_str()));
+}
 Status set_quant_kernel(Backend&, QuantKernel) {
   return Error(ErrorCode::unsupported, "cuda::set_quant_kernel: kvlite was built without CUDA");
 }
@@ -15578,6 +15939,8 @@ namespace kvlite {
 namespace cuda {
 uint64_t quant_device_bytes(const QuantWeight& host) { return quant_gpu_layout(host).total_bytes; }
 uint64_t quant_device_bytes(const LinearDesc& linear) { return quant_gpu_layout(linear).total_bytes; }
+uint64_t quant_device_bytes(const std::vector<const QuantWeight*>& parts) { return quant_gpu_layout(parts).total_bytes; }
+uint64_t quant_device_bytes(const std::vector<const LinearDesc*>& parts) { return quant_gpu_layout(parts).total_bytes; }
 
 // The host twin of kernels.cu's sample_kernel: the same phases, each a loop where the kernel has a block-wide
 // reduction or histogram (integer sums: the same totals in any order; the double sum of the softmax is taken in

@@ -105,6 +105,27 @@ struct LinearWeights {
   int64_t in_features() const { return quant ? quant->in_features : weight.cols; }
 };
 
+// Linears that read one input and write adjacent column blocks of one output, in order: q_proj | k_proj | v_proj
+// into the qkv buffer, gate_proj | up_proj into gate_up. The model runs a group as one Linear; a backend runs each
+// part into its columns. The CUDA uploader stores a group that fuses (quant_fusion_refusal for quantized parts;
+// dense parts with biases in all or none) as one part: one GEMM instead of three or two small ones.
+struct LinearGroup {
+  std::vector<LinearWeights> parts;
+
+  int64_t out_features() const {
+    int64_t n = 0;
+    for (const LinearWeights& part : parts) n += part.out_features();
+    return n;
+  }
+};
+
+// Whether the CUDA uploader stores `group` as one Linear: two or more parts, all quantized and fusing
+// (cuda::quant_fusion_refusal), or all dense with a bias in every part or in none (their rows are stacked; a dense
+// part's dtype does not matter, every one is converted to the activation dtype).
+bool linear_group_fuses(const LinearGroup& group);
+// The same from the parts' descriptors (describe_linears), for the planner: the same answer.
+bool linear_group_fuses(const std::vector<const LinearDesc*>& parts);
+
 // GELU's two forms: nn.GELU() / "gelu" (exact, with erf) and "gelu_pytorch_tanh" (the tanh approximation).
 enum class GeluApprox { none, tanh };
 const char* op_name(Op op);
@@ -180,6 +201,10 @@ class Backend {
   Status linear(const Tensor& x, const LinearWeights& weights, const Tensor& out) {
     return weights.quant ? quant_linear(x, *weights.quant, out) : linear(x, weights.weight, weights.bias, out);
   }
+
+  // A LinearGroup: part i into columns [n_i, n_i + N_i) of out, n_i the earlier parts' N summed. x [T, K] (every
+  // part's in_features); out [T, the parts' N summed].
+  Status linear(const Tensor& x, const LinearGroup& group, const Tensor& out);
 
   // SwiGLU's gate: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). gate, up, out [T, I] (gate and up
   // may be the two halves of one fused gate_up buffer). out may be gate or up.

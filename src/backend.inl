@@ -303,6 +303,41 @@ Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const T
   });
 }
 
+bool linear_group_fuses(const LinearGroup& group) {
+  if (group.parts.size() < 2) return false;
+  const bool quantized = group.parts[0].quant != nullptr, biased = group.parts[0].bias.data != nullptr;
+  std::vector<const QuantWeight*> quant;
+  for (const LinearWeights& part : group.parts) {
+    if ((part.quant != nullptr) != quantized) return false;
+    if (quantized) quant.push_back(part.quant.get());
+    else if ((part.bias.data != nullptr) != biased) return false;
+  }
+  return !quantized || cuda::quant_fusion_refusal(quant).empty();
+}
+
+bool linear_group_fuses(const std::vector<const LinearDesc*>& parts) {
+  if (parts.size() < 2) return false;
+  const bool quantized = parts[0]->format != WeightFormat::dense, biased = parts[0]->has_bias;
+  for (const LinearDesc* part : parts) {
+    if ((part->format != WeightFormat::dense) != quantized) return false;
+    if (!quantized && part->has_bias != biased) return false;
+  }
+  return !quantized || cuda::quant_fusion_refusal(parts).empty();
+}
+
+Status Backend::linear(const Tensor& x, const LinearGroup& group, const Tensor& out) {
+  return detail::guard([&] {
+    if (group.parts.empty()) detail::fail(ErrorCode::invalid_argument, "linear: a LinearGroup with no parts");
+    detail::check_shape("linear", "out", out, x.rows, group.out_features());
+    int64_t column = 0;
+    for (const LinearWeights& part : group.parts) {
+      const Status done = linear(x, part, out.slice_cols(column, part.out_features()));
+      if (!done.ok()) throw done.error();
+      column += part.out_features();
+    }
+  });
+}
+
 Status Backend::silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) {
   return detail::guard([&] {
     const char* op = "silu_mul";

@@ -141,6 +141,10 @@ uint64_t quant_device_bytes(const QuantWeight& host);
 // The same for a Linear described by describe_linears (int4 or fp8), before loading: what the planner counts
 // per quantized Linear for CUDA plans (a g_idx counts as act-order: at most k_pad x 4 bytes over the upload).
 uint64_t quant_device_bytes(const LinearDesc& linear);
+// The same for Linears fused into one (quant_gpu.hpp: quant_fusion_refusal(parts) == ""): the planner's count for a
+// q|k|v or gate|up group that fuses.
+uint64_t quant_device_bytes(const std::vector<const QuantWeight*>& parts);
+uint64_t quant_device_bytes(const std::vector<const LinearDesc*>& parts);
 // Repacks `host` on the host and copies it into device memory at device_dst (capacity >=
 // quant_device_bytes(host), 256-byte aligned, on the backend's device) through backend.copy_from_host, and returns
 // the device view (layout QuantLayout::cuda_tiles, its pointers into device_dst) that Backend::quant_linear takes
@@ -150,6 +154,11 @@ uint64_t quant_device_bytes(const LinearDesc& linear);
 // scales too large for W8A16 on GPUs before sm_89; builds without CUDA).
 Result<QuantWeight> upload_quant_weight(Backend& backend, const QuantWeight& host, void* device_dst,
                                         uint64_t capacity);
+// Several Linears fused into one device Linear (quant_gpu.hpp's fused Linears; capacity >= quant_device_bytes(parts)):
+// the device view's rows are the parts' rows in order, its name theirs joined by '+'. invalid_argument also when
+// the parts do not fuse (quant_fusion_refusal says why).
+Result<QuantWeight> upload_quant_weight(Backend& backend, const std::vector<const QuantWeight*>& parts,
+                                        void* device_dst, uint64_t capacity);
 // Forces the kernel the backend's quant_linear runs (QuantKernel::automatic, the default, chooses by weight,
 // device and rows: choose_quant_kernel). For tests and benchmarks, which check and time every kernel on one GPU.
 // A forced kernel that cannot run a weight (quant_kernel_refusal) makes that quant_linear fail with unsupported.

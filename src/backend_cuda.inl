@@ -20,6 +20,11 @@ Result<QuantWeight> upload_quant_weight(Backend&, const QuantWeight& host, void*
   return Error(ErrorCode::unsupported,
                detail::format("cuda::upload_quant_weight(%s): kvlite was built without CUDA", host.name.c_str()));
 }
+Result<QuantWeight> upload_quant_weight(Backend&, const std::vector<const QuantWeight*>& parts, void*, uint64_t) {
+  return Error(ErrorCode::unsupported,
+               detail::format("cuda::upload_quant_weight(%s, ...): kvlite was built without CUDA",
+                              parts.empty() ? "" : parts[0]->name.c_str()));
+}
 Status set_quant_kernel(Backend&, QuantKernel) {
   return Error(ErrorCode::unsupported, "cuda::set_quant_kernel: kvlite was built without CUDA");
 }
@@ -51,6 +56,8 @@ namespace kvlite {
 namespace cuda {
 uint64_t quant_device_bytes(const QuantWeight& host) { return quant_gpu_layout(host).total_bytes; }
 uint64_t quant_device_bytes(const LinearDesc& linear) { return quant_gpu_layout(linear).total_bytes; }
+uint64_t quant_device_bytes(const std::vector<const QuantWeight*>& parts) { return quant_gpu_layout(parts).total_bytes; }
+uint64_t quant_device_bytes(const std::vector<const LinearDesc*>& parts) { return quant_gpu_layout(parts).total_bytes; }
 
 // The host twin of kernels.cu's sample_kernel: the same phases, each a loop where the kernel has a block-wide
 // reduction or histogram (integer sums: the same totals in any order; the double sum of the softmax is taken in

@@ -1214,11 +1214,32 @@ class WeightUploader {
   // A dense device copy of `host` (a view into the mmap) in `dtype`.
   Tensor tensor(const Tensor& host, DType dtype, const std::string& what) {
     if (host.data == nullptr) return host;  // an absent optional tensor (no bias)
+    uint8_t* dst = take(dtype_bytes(dtype, uint64_t(host.elements())), what);
+    fill(host, dtype, dst, what);
+    return Tensor{dst, dtype, host.rows, host.cols, host.cols};
+  }
+
+  // One dense device tensor of `dtype` holding the rows of `hosts` (each [rows_i, cols], or all absent) one after
+  // another: a fused Linear's weight or bias.
+  Tensor stacked(const std::vector<Tensor>& hosts, DType dtype, const std::string& what) {
+    if (hosts.empty() || hosts[0].data == nullptr) return Tensor{};
+    int64_t rows = 0;
+    for (const Tensor& host : hosts) rows += host.rows;
+    uint8_t* dst = take(dtype_bytes(dtype, uint64_t(rows * hosts[0].cols)), what);
+    uint8_t* next = dst;
+    for (const Tensor& host : hosts) {
+      fill(host, dtype, next, what);
+      next += dtype_bytes(dtype, uint64_t(host.elements()));
+    }
+    return Tensor{dst, dtype, rows, hosts[0].cols, hosts[0].cols};
+  }
+
+  // `host` (a view into the mmap) converted to `dtype` into device memory at dst.
+  void fill(const Tensor& host, DType dtype, uint8_t* dst, const std::string& what) {
     if (!host.contiguous())
       fail(ErrorCode::internal, format("uploading %s: the host view is not contiguous", what.c_str()));
     const uint64_t n = uint64_t(host.elements());
     const uint64_t source_bytes = uint64_t(host.element_bytes()), target_bytes = dtype_bytes(dtype, 1);
-    uint8_t* dst = take(n * target_bytes, what);
     const uint8_t* src = static_cast<const uint8_t*>(host.data);
     if (dtype == host.dtype) {
       for (uint64_t offset = 0; offset < n * source_bytes; offset += chunk_bytes_) {
@@ -1243,7 +1264,6 @@ class WeightUploader {
         offset += count;
       }
     }
-    return Tensor{dst, dtype, host.rows, host.cols, host.cols};
   }
 
   LinearWeights linear(const LinearWeights& host, const std::string& what) {
@@ -1261,6 +1281,39 @@ class WeightUploader {
     }
     device.weight = tensor(host.weight, act_, what + ".weight");
     device.bias = tensor(host.bias, act_, what + ".bias");
+    return device;
+  }
+
+  // A LinearGroup (q|k|v, gate|up) as one device Linear when its parts fuse (linear_group_fuses), else part by part.
+  LinearGroup linear_group(const LinearGroup& host, const std::vector<std::string>& whats) {
+    std::string joined;
+    for (const std::string& what : whats) joined += (joined.empty() ? "" : "+") + what;
+    LinearGroup device;
+    if (!linear_group_fuses(host)) {
+      for (size_t i = 0; i < host.parts.size(); i++)
+        device.parts.push_back(linear(host.parts[i], i < whats.size() ? whats[i] : joined));
+      return device;
+    }
+    LinearWeights fused;
+    if (host.parts[0].quant) {
+      std::vector<const QuantWeight*> parts;
+      for (const LinearWeights& part : host.parts) parts.push_back(part.quant.get());
+      const uint64_t bytes = cuda::quant_device_bytes(parts);
+      uint8_t* dst = take(bytes, joined);
+      Result<QuantWeight> uploaded = cuda::upload_quant_weight(backend_, parts, dst, bytes);
+      if (!uploaded)
+        fail(uploaded.error().code, format("%s on the GPU: %s", joined.c_str(), uploaded.error().message.c_str()));
+      fused.quant = std::make_shared<const QuantWeight>(std::move(*uploaded));
+    } else {
+      std::vector<Tensor> weights, biases;
+      for (const LinearWeights& part : host.parts) {
+        weights.push_back(part.weight);
+        biases.push_back(part.bias);
+      }
+      fused.weight = stacked(weights, act_, joined + ".weight");
+      fused.bias = stacked(biases, act_, joined + ".bias");
+    }
+    device.parts.push_back(std::move(fused));
     return device;
   }
 
@@ -1343,16 +1396,14 @@ TextModelWeights upload_text_weights(const TextModelWeights& host, WeightUploade
     DecoderLayerWeights& d = device.layers[l];
     const std::string layer = format("layers.%zu.", l);
     d.input_layernorm = upload.tensor(h.input_layernorm, h.input_layernorm.dtype, layer + "input_layernorm");
-    d.q_proj = upload.linear(h.q_proj, layer + "self_attn.q_proj");
-    d.k_proj = upload.linear(h.k_proj, layer + "self_attn.k_proj");
-    d.v_proj = upload.linear(h.v_proj, layer + "self_attn.v_proj");
+    d.qkv_proj = upload.linear_group(
+        h.qkv_proj, {layer + "self_attn.q_proj", layer + "self_attn.k_proj", layer + "self_attn.v_proj"});
     d.q_norm = upload.tensor(h.q_norm, h.q_norm.dtype, layer + "self_attn.q_norm");
     d.k_norm = upload.tensor(h.k_norm, h.k_norm.dtype, layer + "self_attn.k_norm");
     d.o_proj = upload.linear(h.o_proj, layer + "self_attn.o_proj");
     d.post_attention_layernorm =
         upload.tensor(h.post_attention_layernorm, h.post_attention_layernorm.dtype, layer + "post_attention_layernorm");
-    d.gate_proj = upload.linear(h.gate_proj, layer + "mlp.gate_proj");
-    d.up_proj = upload.linear(h.up_proj, layer + "mlp.up_proj");
+    d.gate_up_proj = upload.linear_group(h.gate_up_proj, {layer + "mlp.gate_proj", layer + "mlp.up_proj"});
     d.down_proj = upload.linear(h.down_proj, layer + "mlp.down_proj");
     report();
   }
@@ -1387,11 +1438,15 @@ uint64_t decode_weight_bytes(const TextModelWeights& weights, bool on_device) {
     if (!l.quant) return bytes(l.weight) + bytes(l.bias);
     return on_device ? cuda::quant_device_bytes(*l.quant) : checkpoint_bytes(*l.quant);
   };
+  auto group = [&](const LinearGroup& g) {
+    uint64_t sum = 0;
+    for (const LinearWeights& part : g.parts) sum += linear(part);
+    return sum;
+  };
   uint64_t total = bytes(weights.norm) + linear(weights.lm_head);
   for (const DecoderLayerWeights& w : weights.layers)
     total += bytes(w.input_layernorm) + bytes(w.post_attention_layernorm) + bytes(w.q_norm) + bytes(w.k_norm) +
-             linear(w.q_proj) + linear(w.k_proj) + linear(w.v_proj) + linear(w.o_proj) + linear(w.gate_proj) +
-             linear(w.up_proj) + linear(w.down_proj);
+             group(w.qkv_proj) + linear(w.o_proj) + group(w.gate_up_proj) + linear(w.down_proj);
   return total;
 }
 

@@ -24,11 +24,13 @@ namespace kvlite {
 // dtype. Shapes: H hidden, Hq/Hkv heads, D head_dim, I intermediate.
 struct DecoderLayerWeights {
   Tensor input_layernorm;                 // [H]
-  LinearWeights q_proj, k_proj, v_proj;   // [Hq D, H], [Hkv D, H], [Hkv D, H]; biases for qwen2
+  // q_proj | k_proj | v_proj ([Hq D, H], [Hkv D, H], [Hkv D, H]; biases for qwen2) into the qkv buffer: three
+  // parts as bound, one where the CUDA uploader fused them
+  LinearGroup qkv_proj;
   Tensor q_norm, k_norm;                  // [D] each (qwen3); empty otherwise
   LinearWeights o_proj;                   // [H, Hq D]
   Tensor post_attention_layernorm;        // [H]
-  LinearWeights gate_proj, up_proj;       // [I, H]
+  LinearGroup gate_up_proj;               // gate_proj | up_proj, [I, H] each, into the gate_up buffer (as qkv_proj)
   LinearWeights down_proj;                // [H, I]
 };
 

@@ -172,17 +172,17 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
       const std::string layer = prefix + format("layers.%lld.", (long long)l);
       DecoderLayerWeights& lw = w.layers[size_t(l)];
       lw.input_layernorm = bind.bind(layer + "input_layernorm.weight", {H});
-      lw.q_proj = bind.linear(layer + "self_attn.q_proj", q_width, H, c.attention_bias);
-      lw.k_proj = bind.linear(layer + "self_attn.k_proj", kv_width, H, c.attention_bias);
-      lw.v_proj = bind.linear(layer + "self_attn.v_proj", kv_width, H, c.attention_bias);
+      lw.qkv_proj.parts = {bind.linear(layer + "self_attn.q_proj", q_width, H, c.attention_bias),
+                           bind.linear(layer + "self_attn.k_proj", kv_width, H, c.attention_bias),
+                           bind.linear(layer + "self_attn.v_proj", kv_width, H, c.attention_bias)};
       if (c.qk_norm) {
         lw.q_norm = bind.bind(layer + "self_attn.q_norm.weight", {D});
         lw.k_norm = bind.bind(layer + "self_attn.k_norm.weight", {D});
       }
       lw.o_proj = bind.linear(layer + "self_attn.o_proj", H, q_width, c.o_proj_bias);
       lw.post_attention_layernorm = bind.bind(layer + "post_attention_layernorm.weight", {H});
-      lw.gate_proj = bind.linear(layer + "mlp.gate_proj", I, H, c.mlp_bias);
-      lw.up_proj = bind.linear(layer + "mlp.up_proj", I, H, c.mlp_bias);
+      lw.gate_up_proj.parts = {bind.linear(layer + "mlp.gate_proj", I, H, c.mlp_bias),
+                               bind.linear(layer + "mlp.up_proj", I, H, c.mlp_bias)};
       lw.down_proj = bind.linear(layer + "mlp.down_proj", H, I, c.mlp_bias);
     }
     w.norm = bind.bind(prefix + "norm.weight", {H});
@@ -391,8 +391,9 @@ void TextModel::compute(const StepInput& step) {
   Tensor k = qkv.slice_cols(q_width, kv_width);             // [T, Hkv D]
   Tensor v = qkv.slice_cols(q_width + kv_width, kv_width);  // [T, Hkv D]
   Tensor attn = attn_out_.slice_rows(0, T);    // [T, Hq D]
-  Tensor gate = gate_up_.slice_rows(0, T).slice_cols(0, I);  // [T, I]
-  Tensor up = gate_up_.slice_rows(0, T).slice_cols(I, I);    // [T, I]
+  Tensor gate_up = gate_up_.slice_rows(0, T);  // [T, 2 I]
+  Tensor gate = gate_up.slice_cols(0, I);      // [T, I]
+  Tensor up = gate_up.slice_cols(I, I);        // [T, I]
   Tensor act = mlp_act_.slice_rows(0, T);      // [T, I]
 
   // inputs_embeds = self.embed_tokens(input_ids)
@@ -420,9 +421,8 @@ void TextModel::compute(const StepInput& step) {
     }
 
     // query_states = self.q_proj(hidden_states); key_states = ...; value_states = ...   (+ bias: qwen2)
-    check(backend_.linear(normed, w.q_proj, q));
-    check(backend_.linear(normed, w.k_proj, k));
-    check(backend_.linear(normed, w.v_proj, v));
+    // (one call: q | k | v are the qkv buffer's column blocks)                 qkv [T, (Hq + 2 Hkv) D]
+    check(backend_.linear(normed, w.qkv_proj, qkv));
     if (c.qk_norm) {
       // qwen3: query_states = self.q_norm(query_states.view(hidden_shape)); the same for keys (per head, over D)
       check(backend_.rms_norm(q, w.q_norm, eps, q));
@@ -441,8 +441,8 @@ void TextModel::compute(const StepInput& step) {
     // hidden_states = self.post_attention_layernorm(hidden_states)
     check(backend_.add_rms_norm(normed, hidden, w.post_attention_layernorm, eps, normed));
     // down_proj(act_fn(gate_proj(x)) * up_proj(x))                            normed [T, H]
-    check(backend_.linear(normed, w.gate_proj, gate));
-    check(backend_.linear(normed, w.up_proj, up));
+    // (gate | up: the gate_up buffer's column blocks)                           gate_up [T, 2 I]
+    check(backend_.linear(normed, w.gate_up_proj, gate_up));
     check(backend_.silu_mul(gate, up, act));
     check(backend_.linear(act, w.down_proj, normed));
     layer_output_in_hidden = false;

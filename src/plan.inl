@@ -8,9 +8,9 @@
 //                tied lm_head whose table is not in that dtype gets a converted copy, and every tensor starts
 //                on a 256-byte boundary (cuda_weight_slack).
 //   repack       CUDA only: extra bytes the GPU layout of the quantized Linears needs over their on-disk bytes
-//                (cuda::quant_device_bytes per Linear: repacked tiles, F32 scale tables, counters). The region
-//                follows the weights', and the uploader fills the two as one span. CPU: 0, it runs the on-disk
-//                layout. The row is always shown.
+//                (cuda::quant_device_bytes per Linear, or per q|k|v / gate|up group the uploader fuses into one:
+//                repacked tiles, F32 scale tables, counters). The region follows the weights', and the uploader
+//                fills the two as one span. CPU: 0, it runs the on-disk layout. The row is always shown.
 //   context      CUDA context + cuBLAS handles + loaded kernels, which the device spends outside kvlite's arena:
 //                on native Linux cuda_context_bytes (plan.hpp: 260 MiB + 1 KiB of stack per resident thread of
 //                every SM + 68 MiB, from an H100's measured figures; 379 MiB for a planned 8 GB card), 1024 MiB
@@ -36,6 +36,8 @@
 //                KV gets whole pages of what is left: pages = floor(max(0, budget - fixed) / page_bytes).
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <set>
 #include <thread>
 #include <nlohmann/json.hpp>
 
@@ -410,6 +412,32 @@ PlanItem weights_item(const Inputs& in, DType act) {
   return item;
 }
 
+// The text model's Linear groups (LinearGroup: each layer's q|k|v and gate|up, found by name, in the model's order)
+// that the CUDA uploader fuses into one device Linear (linear_group_fuses).
+std::vector<std::vector<const LinearDesc*>> fused_linear_groups(const std::vector<LinearDesc>& linears) {
+  std::map<std::string, const LinearDesc*> by_name;
+  for (const LinearDesc& linear : linears)
+    if (!linear.vision) by_name[linear.name] = &linear;
+  auto ends_with = [](const std::string& s, const std::string& tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  std::vector<std::vector<const LinearDesc*>> groups;
+  const std::vector<std::vector<std::string>> members = {{"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"},
+                                                         {"mlp.gate_proj", "mlp.up_proj"}};
+  for (const auto& entry : by_name)
+    for (const std::vector<std::string>& names : members) {
+      if (!ends_with(entry.first, names[0])) continue;
+      const std::string prefix = entry.first.substr(0, entry.first.size() - names[0].size());
+      std::vector<const LinearDesc*> group;
+      for (const std::string& name : names) {
+        auto found = by_name.find(prefix + name);
+        if (found != by_name.end()) group.push_back(found->second);
+      }
+      if (group.size() == names.size() && linear_group_fuses(group)) groups.push_back(group);
+    }
+  return groups;
+}
+
 PlanItem repack_item(const Inputs& in) {
   PlanItem item{"repack", "repack", 0, "", true};
   if (in.device.backend != BackendKind::cuda) {
@@ -419,17 +447,33 @@ PlanItem repack_item(const Inputs& in) {
   // The quantized Linears the GPU runs, in the layout its GEMMs read (cuda::quant_device_bytes: repacked tiles
   // padded to whole tiles, F32 scale tables, act-order permutation, F32 bias, split-K counters) over their bytes
   // on disk, which the weights row counts. The uploader fills weights and repack as one span.
-  uint64_t extra = 0, quantized = 0;
+  // A q|k|v or gate|up group the uploader fuses is one device Linear (cuda::quant_device_bytes of its parts).
+  uint64_t extra = 0, quantized = 0, fused_groups = 0;
+  std::set<const LinearDesc*> in_group;
+  auto count = [&](uint64_t gpu, uint64_t disk) { extra += gpu > disk ? gpu - disk : 0; };
+  for (const std::vector<const LinearDesc*>& group : fused_linear_groups(in.weights.linears)) {
+    if (group[0]->format == WeightFormat::dense) continue;
+    uint64_t disk = 0;
+    for (const LinearDesc* part : group) {
+      disk += part->bytes;
+      in_group.insert(part);
+      quantized++;
+    }
+    count(cuda::quant_device_bytes(group), disk);
+    fused_groups++;
+  }
   for (const auto& linear : in.weights.linears) {
-    if (linear.format == WeightFormat::dense || linear.vision) continue;
-    const uint64_t gpu = cuda::quant_device_bytes(linear);
-    extra += gpu > linear.bytes ? gpu - linear.bytes : 0;
+    if (linear.format == WeightFormat::dense || linear.vision || in_group.count(&linear)) continue;
+    count(cuda::quant_device_bytes(linear), linear.bytes);
     quantized++;
   }
   item.bytes = align_up(extra, kPlanAlignment);
-  item.why = quantized ? format("%llu quantized Linears in the GPU's layout (repacked tiles, F32 scale tables, "
+  const std::string fused =
+      fused_groups ? format(" (%llu q|k|v and gate|up groups fused, one Linear each)", (unsigned long long)fused_groups)
+                   : std::string();
+  item.why = quantized ? format("%llu quantized Linears%s in the GPU's layout (repacked tiles, F32 scale tables, "
                                 "counters) take %s more than on disk",
-                                (unsigned long long)quantized, format_bytes(extra).c_str())
+                                (unsigned long long)quantized, fused.c_str(), format_bytes(extra).c_str())
                        : std::string("no quantized Linear: nothing to repack");
   return item;
 }

@@ -92,6 +92,31 @@ Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout,
 // bytes, as they sit from scales_offset on.
 Status repack_quant_tables(const QuantWeight& host, const QuantGpuLayout& layout, uint8_t* out);
 
+// ---- fused Linears (q|k|v, gate|up) -----------------------------------------------------------------------
+// Quantized Linears that read one input and write adjacent column blocks of one output live on the device as one
+// Linear: part i is rows [n_i, n_i + N_i) of it, n_i the earlier parts' N summed. One GEMM then streams q, k and v
+// (or gate and up) in one launch instead of three (two): at decode the small ones are latency-bound (Llama-3.1-8B
+// W4A16 on an H100, bench/RESULTS.md: the fused qkv shape 15.6 us at M = 1, o_proj's 4096 x 4096 alone 10.1 us).
+// They fuse when one kernel instance runs them all and their tiles and tables can follow each other: the same
+// format, K, checkpoint scale dtype and rounding (the kernel's ScaleProduct); int4: the same granularity and group
+// size, zero points in all or none, no g_idx (act-order permutes each part its own way); fp8: block scales of one
+// block_k in all or none (tensor and channel scales mix: the device table holds a scale per column); and every part
+// but the last a whole number of 64-column tiles. Biases need not match: the device bias is an F32 table, zeros
+// for a part without one.
+// "" when `parts` (two or more; a single Linear trivially) fuse, else why not, naming the parts.
+std::string quant_fusion_refusal(const std::vector<const QuantWeight*>& parts);
+// The same from descriptors (describe_linears), for the planner: the same answer as from the weights they
+// describe (a descriptor's g_idx counts as act-order, as quant_gpu_layout(LinearDesc) counts it).
+std::string quant_fusion_refusal(const std::vector<const LinearDesc*>& parts);
+// The fused layout: one Linear of N = the parts' N summed (quant_fusion_refusal(parts) must be "").
+QuantGpuLayout quant_gpu_layout(const std::vector<const QuantWeight*>& parts);
+QuantGpuLayout quant_gpu_layout(const std::vector<const LinearDesc*>& parts);
+// The fused layout's tiles [first_tile, first_tile + count) and tables, from each part's own repack: part i's
+// column tiles are tiles n_i / 64 on, and its table columns start at column n_i in every group.
+Status repack_quant_tiles(const std::vector<const QuantWeight*>& parts, const QuantGpuLayout& layout,
+                          int64_t first_tile, int64_t count, uint8_t* out);
+Status repack_quant_tables(const std::vector<const QuantWeight*>& parts, const QuantGpuLayout& layout, uint8_t* out);
+
 // ---- fragment geometry --------------------------------------------------------------------------------------
 // The group of column k of K: 32-bit (K_pad < 2^31, checked at upload), a shift when the group size is a power of
 // two (every published checkpoint: 32, 64, 128). The GEMM's fetch computes it per 16-byte chunk of every stage,

@@ -265,6 +265,167 @@ Status repack_quant_tables(const QuantWeight& w, const QuantGpuLayout& layout, u
   });
 }
 
+// ---- fused Linears ------------------------------------------------------------------------------------------
+
+namespace {
+// What decides whether Linears fuse, from a weight or a descriptor alike.
+struct FusionTraits {
+  std::string name;
+  WeightFormat format = WeightFormat::dense;
+  int64_t n = 0, k = 0;
+  ScaleGranularity granularity = ScaleGranularity::none;
+  int64_t group_size = 0, block_k = 0;
+  DType scale_dtype = DType::F32;
+  DequantRounding rounding = DequantRounding::scale_dtype;
+  bool zeros = false, g_idx = false;
+};
+FusionTraits traits_of(const QuantWeight& w) {
+  return {w.name, w.format, w.out_features, w.in_features, w.granularity, w.group_size, w.block_k, w.scale_dtype,
+          w.rounding, w.format == WeightFormat::int4 && w.zero_points != nullptr, w.g_idx != nullptr};
+}
+FusionTraits traits_of(const LinearDesc& d) {
+  // quant_weight's rounding rule: transformers' weight_scale_inv multiplies in float32
+  const DequantRounding rounding =
+      d.scale_name == "weight_scale_inv" ? DequantRounding::f32 : DequantRounding::scale_dtype;
+  return {d.name, d.format, d.out_features, d.in_features, d.granularity, d.group_size, d.block_k, d.scale_dtype,
+          rounding, d.format == WeightFormat::int4 && !d.symmetric, d.has_g_idx};
+}
+
+std::string fusion_refusal(const std::vector<FusionTraits>& parts) {
+  using detail::format;
+  if (parts.empty()) return "no Linears to fuse";
+  const FusionTraits& first = parts[0];
+  if (first.format != WeightFormat::int4 && first.format != WeightFormat::fp8)
+    return format("%s is %s, not an int4 or fp8 Linear", first.name.c_str(), weight_format_name(first.format));
+  const bool first_block = first.granularity == ScaleGranularity::block;
+  for (size_t i = 0; i < parts.size(); i++) {
+    const FusionTraits& p = parts[i];
+    const char* name = p.name.c_str();
+    if (p.format != first.format)
+      return format("%s is %s and %s %s", first.name.c_str(), weight_format_name(first.format), name,
+                    weight_format_name(p.format));
+    if (p.k != first.k)
+      return format("%s reads %lld input features and %s %lld", first.name.c_str(), (long long)first.k, name,
+                    (long long)p.k);
+    if (p.scale_dtype != first.scale_dtype || p.rounding != first.rounding)
+      return format("%s and %s have scales of different dtypes or roundings (%s, %s): the kernel multiplies by one "
+                    "kind", first.name.c_str(), name, dtype_name(first.scale_dtype), dtype_name(p.scale_dtype));
+    if (p.g_idx) return format("%s has a g_idx (act-order permutes each Linear its own way)", name);
+    if (p.format == WeightFormat::int4) {
+      if (p.granularity != first.granularity ||
+          (p.granularity == ScaleGranularity::group && p.group_size != first.group_size))
+        return format("%s and %s have different int4 scale groups (%s %lld, %s %lld)", first.name.c_str(), name,
+                      scale_granularity_name(first.granularity), (long long)first.group_size,
+                      scale_granularity_name(p.granularity), (long long)p.group_size);
+      if (p.zeros != first.zeros)
+        return format("%s and %s differ in zero points (one is asymmetric)", first.name.c_str(), name);
+    } else if ((p.granularity == ScaleGranularity::block) != first_block ||
+               (first_block && p.block_k != first.block_k)) {
+      return format("%s and %s have different fp8 scale blocks along K (%s, %s)", first.name.c_str(), name,
+                    first_block ? format("block_k %lld", (long long)first.block_k).c_str()
+                                : scale_granularity_name(first.granularity),
+                    p.granularity == ScaleGranularity::block ? format("block_k %lld", (long long)p.block_k).c_str()
+                                                             : scale_granularity_name(p.granularity));
+    }
+    if (i + 1 < parts.size() && p.n % kQuantTileN != 0)
+      return format("%s has %lld output features, not a whole number of %lld-column tiles, and is not the last part",
+                    name, (long long)p.n, (long long)kQuantTileN);
+  }
+  return "";
+}
+
+QuantGpuLayout fused_layout(const std::vector<FusionTraits>& parts) {
+  const std::string why = fusion_refusal(parts);
+  if (!why.empty()) detail::fail(ErrorCode::invalid_argument, "these Linears do not fuse: " + why);
+  const FusionTraits& first = parts[0];
+  int64_t n = 0;
+  for (const FusionTraits& p : parts) n += p.n;
+  // fp8 tensor and channel scales lay out alike (one group of k_pad columns, a scale per column)
+  return layout_of(first.format, n, first.k, first.granularity, first.group_size, first.block_k, first.scale_dtype,
+                   first.zeros, false);
+}
+
+template <class Part>
+std::vector<FusionTraits> traits_of_parts(const std::vector<const Part*>& parts) {
+  std::vector<FusionTraits> traits;
+  for (const Part* part : parts) traits.push_back(traits_of(*part));
+  return traits;
+}
+
+// The fused layout's element size in the scale table.
+uint64_t table_element_bytes(const QuantGpuLayout& layout) {
+  return layout.format == WeightFormat::int4 ? dtype_bytes(layout.table_scale_dtype, 1) : 4;
+}
+}  // namespace
+
+std::string quant_fusion_refusal(const std::vector<const QuantWeight*>& parts) {
+  return fusion_refusal(traits_of_parts(parts));
+}
+std::string quant_fusion_refusal(const std::vector<const LinearDesc*>& parts) {
+  return fusion_refusal(traits_of_parts(parts));
+}
+QuantGpuLayout quant_gpu_layout(const std::vector<const QuantWeight*>& parts) {
+  if (parts.size() == 1) return quant_gpu_layout(*parts[0]);
+  return fused_layout(traits_of_parts(parts));
+}
+QuantGpuLayout quant_gpu_layout(const std::vector<const LinearDesc*>& parts) {
+  if (parts.size() == 1) return quant_gpu_layout(*parts[0]);
+  return fused_layout(traits_of_parts(parts));
+}
+
+Status repack_quant_tiles(const std::vector<const QuantWeight*>& parts, const QuantGpuLayout& layout,
+                          int64_t first_tile, int64_t count, uint8_t* out) {
+  if (parts.size() == 1) return repack_quant_tiles(*parts[0], layout, first_tile, count, out);
+  return detail::guard([&] {
+    const std::string why = quant_fusion_refusal(parts);
+    if (!why.empty()) detail::fail(ErrorCode::invalid_argument, "repack_quant_tiles: these Linears do not fuse: " + why);
+    if (first_tile < 0 || count < 0 || first_tile + count > layout.n_tiles)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("repack_quant_tiles: tiles [%lld, %lld) are outside the fused Linear's %lld",
+                                  (long long)first_tile, (long long)(first_tile + count), (long long)layout.n_tiles));
+    int64_t part_first_tile = 0;  // the fused tile where the part's tiles begin
+    for (const QuantWeight* part : parts) {
+      const QuantGpuLayout own = quant_gpu_layout(*part);
+      const int64_t begin = std::max(first_tile, part_first_tile);
+      const int64_t end = std::min(first_tile + count, part_first_tile + own.n_tiles);
+      if (begin < end) {
+        const Status repacked = repack_quant_tiles(*part, own, begin - part_first_tile, end - begin,
+                                                   out + uint64_t(begin - first_tile) * layout.tile_row_bytes());
+        if (!repacked.ok()) throw repacked.error();
+      }
+      part_first_tile += own.n_tiles;
+    }
+  });
+}
+
+Status repack_quant_tables(const std::vector<const QuantWeight*>& parts, const QuantGpuLayout& layout, uint8_t* out) {
+  if (parts.size() == 1) return repack_quant_tables(*parts[0], layout, out);
+  return detail::guard([&] {
+    const std::string why = quant_fusion_refusal(parts);
+    if (!why.empty()) detail::fail(ErrorCode::invalid_argument, "repack_quant_tables: these Linears do not fuse: " + why);
+    const uint64_t base = layout.scales_offset, element = table_element_bytes(layout);
+    memset(out, 0, size_t(layout.total_bytes - base));  // counters 0
+    int64_t column0 = 0;  // the part's first fused column: a multiple of 64, so its table positions carry over
+    for (const QuantWeight* part : parts) {
+      const QuantGpuLayout own = quant_gpu_layout(*part);
+      std::vector<uint8_t> tables(size_t(own.total_bytes - own.scales_offset));
+      const Status repacked = repack_quant_tables(*part, own, tables.data());
+      if (!repacked.ok()) throw repacked.error();
+      const uint8_t* own_base = tables.data() - own.scales_offset;  // so that own_base + own.x_offset is table x
+      for (int64_t group = 0; group < layout.groups; group++) {
+        memcpy(out + layout.scales_offset - base + uint64_t(group * layout.n_pad + column0) * element,
+               own_base + own.scales_offset + uint64_t(group * own.n_pad) * element, size_t(uint64_t(own.n_pad) * element));
+        if (layout.zeros)
+          memcpy(out + layout.zeros_offset - base + uint64_t(group * layout.n_pad + column0),
+                 own_base + own.zeros_offset + uint64_t(group * own.n_pad), size_t(own.n_pad));
+      }
+      memcpy(out + layout.bias_offset - base + uint64_t(column0) * 4, own_base + own.bias_offset,
+             size_t(own.n_pad) * 4);
+      column0 += own.n_pad;
+    }
+  });
+}
+
 // ---- kernel choice and planning -----------------------------------------------------------------------------
 
 const char* quant_kernel_name(QuantKernel kernel) {

@@ -115,6 +115,66 @@ inline void add_bias(OwnedWeight& o, DType dtype, Random& rng) {
   o.weight.bias_dtype = dtype;
 }
 
+// Parts stacked along N into one checkpoint-layout weight: what a fused device Linear (quant_gpu.hpp) must compute,
+// made without the fusion code. int4: rows, scales and zero points (every part but the last a multiple of 8 rows);
+// fp8: rows and scales, tensor and channel scales as channel scales, block scales as rows of blocks (every part but
+// the last a multiple of block_n, one block size); biases widened to F32, zeros for a part without one.
+inline OwnedWeight concatenate_rows(const std::vector<const QuantWeight*>& parts) {
+  OwnedWeight o;
+  QuantWeight& w = o.weight;
+  w = *parts[0];
+  w.name = "hand.concatenated";
+  w.out_features = 0;
+  for (const QuantWeight* p : parts) w.out_features += p->out_features;
+  const size_t element = size_t(dtype_bytes(w.scale_dtype, 1));
+  auto append = [](std::vector<uint8_t>& to, const uint8_t* from, size_t bytes) { to.insert(to.end(), from, from + bytes); };
+  for (const QuantWeight* p : parts) {
+    const size_t n = size_t(p->out_features), k = size_t(p->in_features);
+    if (w.format == WeightFormat::int4) {
+      append(o.packed, p->packed, n * size_t(p->packed_cols) * 4);
+      append(o.scales, p->scales, n * size_t(p->scale_cols) * element);
+      if (p->zero_points) append(o.zeros, p->zero_points, (n + 7) / 8 * size_t(p->scale_cols) * 4);
+    } else {
+      append(o.fp8, p->fp8, n * k);
+      if (p->granularity == ScaleGranularity::block) {
+        append(o.scales, p->scales, size_t(p->scale_rows * p->scale_cols) * element);
+      } else {
+        for (size_t r = 0; r < n; r++)
+          append(o.scales, p->scales + (p->granularity == ScaleGranularity::tensor ? 0 : r) * element, element);
+      }
+    }
+  }
+  bool any_bias = false;
+  for (const QuantWeight* p : parts) any_bias = any_bias || p->bias != nullptr;
+  if (any_bias) {
+    o.bias.assign(size_t(w.out_features) * 4, 0);
+    int64_t row = 0;
+    for (const QuantWeight* p : parts) {
+      for (int64_t n = 0; p->bias && n < p->out_features; n++) {
+        const float value = scale_at(p->bias, p->bias_dtype, n);
+        memcpy(&o.bias[size_t(row + n) * 4], &value, 4);
+      }
+      row += p->out_features;
+    }
+  }
+  w.packed = o.packed.empty() ? nullptr : o.packed.data();
+  w.fp8 = o.fp8.empty() ? nullptr : o.fp8.data();
+  w.zero_points = o.zeros.empty() ? nullptr : o.zeros.data();
+  w.scales = o.scales.data();
+  w.bias = any_bias ? o.bias.data() : nullptr;
+  w.bias_dtype = DType::F32;
+  if (w.format == WeightFormat::fp8 && w.granularity != ScaleGranularity::block) {
+    w.granularity = ScaleGranularity::channel;
+    w.scale_rows = w.out_features;
+    w.scale_cols = 1;
+  } else if (w.format == WeightFormat::fp8) {
+    w.scale_rows = int64_t(o.scales.size() / element) / w.scale_cols;
+  } else {
+    w.scale_rows = w.out_features;
+  }
+  return o;
+}
+
 // The descriptor of one entry of odd-linears/linears.json (compressed-tensors' quantization scheme of the Linear).
 inline LinearDesc odd_linear_desc(const nlohmann::json& entry) {
   LinearDesc d;

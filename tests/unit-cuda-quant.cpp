@@ -484,6 +484,60 @@ TEST_CASE("the quantized fixture Linears run on the GPU as on the CPU") {
   }
 }
 
+TEST_CASE("fused Linears (q|k|v, gate|up) uploaded as one run every kernel as their rows stacked do on the CPU") {
+  GPU_OR_SKIP();
+  Random rng(211);
+  const bool w8a8 = device_sm() >= cuda::kQuantW8A8MinSm;
+  for (DType activation : kHalfActivations) {
+    Gpu g(activation);
+    // the reference: the parts' rows stacked into one checkpoint weight (concatenate_rows), on the CPU
+    auto run = [&](const std::vector<const QuantWeight*>& parts) {
+      REQUIRE(cuda::quant_fusion_refusal(parts) == "");
+      const OwnedWeight stacked = concatenate_rows(parts);
+      const uint64_t bytes = cuda::quant_device_bytes(parts);
+      Result<QuantWeight> device = cuda::upload_quant_weight(*g.cuda, parts, g.memory.take(bytes), bytes);
+      REQUIRE_OK(device);
+      CHECK(device->out_features == stacked.weight.out_features);
+      CHECK(device->name.find('+') != std::string::npos);
+      const Bound bound = a16_bound(stacked.weight, activation);
+      for (int64_t m : {1, 2, 9, 70}) {
+        Activations x(g, rng, m, stacked.weight.in_features, 0, 0);
+        for (cuda::QuantKernel kernel : {cuda::QuantKernel::automatic, cuda::QuantKernel::gemv_a16,
+                                         cuda::QuantKernel::gemv_mma, cuda::QuantKernel::mma_a16,
+                                         cuda::QuantKernel::dequant_cublas}) {
+          const bool automatic_w8a8 = kernel == cuda::QuantKernel::automatic &&
+                                      stacked.weight.format == WeightFormat::fp8 &&
+                                      m > cuda::quant_gemv_auto_rows(WeightFormat::fp8) &&
+                                      cuda::quant_w8a8_preferred(device_sm());
+          check_quant_linear(g, stacked.weight, *device, x, kernel, automatic_w8a8 ? Bound::w8a8 : bound);
+        }
+        if (w8a8 && stacked.weight.format == WeightFormat::fp8)
+          check_quant_linear(g, stacked.weight, *device, x, cuda::QuantKernel::mma_w8a8, Bound::w8a8);
+      }
+    };
+    // int4 q | k | v of a GQA layer, 4,096 input features (split-K at decode), zero points, the last part ragged,
+    // biases in q and v only
+    OwnedWeight q = make_int4(256, 4096, 128, activation, true, false, rng);
+    OwnedWeight k = make_int4(64, 4096, 128, activation, true, false, rng);
+    OwnedWeight v = make_int4(64 + 8, 4096, 128, activation, true, false, rng);
+    add_bias(q, activation, rng);
+    add_bias(v, DType::F32, rng);
+    run({&q.weight, &k.weight, &v.weight});
+    // int4 gate | up
+    OwnedWeight gate = make_int4(320, 1024, 32, activation, false, false, rng);
+    OwnedWeight up = make_int4(320, 1024, 32, activation, false, false, rng);
+    run({&gate.weight, &up.weight});
+    // fp8 q | k | v with per-tensor scales of their own (one scale a column on the device), and block-scaled gate | up
+    OwnedWeight fq = make_fp8(128, 1024, ScaleGranularity::tensor, 0, 0, activation, DequantRounding::scale_dtype, rng);
+    OwnedWeight fk = make_fp8(64, 1024, ScaleGranularity::tensor, 0, 0, activation, DequantRounding::scale_dtype, rng);
+    OwnedWeight fv = make_fp8(64, 1024, ScaleGranularity::channel, 0, 0, activation, DequantRounding::scale_dtype, rng);
+    run({&fq.weight, &fk.weight, &fv.weight});
+    OwnedWeight fgate = make_fp8(256, 2048, ScaleGranularity::block, 128, 128, DType::F32, DequantRounding::f32, rng);
+    OwnedWeight fup = make_fp8(256, 2048, ScaleGranularity::block, 128, 128, DType::F32, DequantRounding::f32, rng);
+    run({&fgate.weight, &fup.weight});
+  }
+}
+
 TEST_CASE("upload_quant_weight and quant_linear refuse what they cannot run, naming it") {
   GPU_OR_SKIP();
   Random rng(210);

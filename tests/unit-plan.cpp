@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <string>
 #include <vector>
 #include <nlohmann/json.hpp>
@@ -690,8 +691,40 @@ TEST_CASE("CUDA-only rows (repack of quantized Linears, context, graphs) are zer
   Plan p = plan_for(q, card, options_with(0.9, 4096));
   // 128 x 128 blocks per layer: q 32x20, k 8x20, v 8x20, o 20x32, gate 76x20, up 76x20, down 20x76 = 6160.
   // The GPU layout of every quantized text Linear (cuda::quant_device_bytes, what upload_quant_weight fills) over
-  // its bytes on disk.
+  // its bytes on disk; each layer's q|k|v and gate|up fused into one device Linear when they fuse (every model
+  // here: quantized alike, whole 64-column tiles), as the uploader stores them.
   auto repack_for = [](const Model& m) {
+    std::map<std::string, const LinearDesc*> by_name;
+    for (const LinearDesc& linear : m.weights.linears)
+      if (linear.format != WeightFormat::dense && !linear.vision) by_name[linear.name] = &linear;
+    if (by_name.empty()) return uint64_t(0);  // a dense model
+    uint64_t extra = 0;
+    auto count = [&](const std::vector<const LinearDesc*>& parts) {
+      uint64_t disk = 0;
+      for (const LinearDesc* part : parts) disk += part->bytes;
+      extra += std::max<uint64_t>(cuda::quant_device_bytes(parts), disk) - disk;
+    };
+    for (int64_t l = 0; l < m.config.text.num_layers; l++) {
+      const std::string layer = m.config.text_prefix() + "layers." + std::to_string(l) + ".";
+      auto part = [&](const char* name) {
+        auto found = by_name.find(layer + name);
+        REQUIRE(found != by_name.end());
+        return found->second;
+      };
+      const std::vector<const LinearDesc*> qkv = {part("self_attn.q_proj"), part("self_attn.k_proj"),
+                                                  part("self_attn.v_proj")};
+      const std::vector<const LinearDesc*> gate_up = {part("mlp.gate_proj"), part("mlp.up_proj")};
+      REQUIRE(cuda::quant_fusion_refusal(qkv) == "");
+      REQUIRE(cuda::quant_fusion_refusal(gate_up) == "");
+      count(qkv);
+      count(gate_up);
+      count({part("self_attn.o_proj")});
+      count({part("mlp.down_proj")});
+    }
+    return (extra + 255) / 256 * 256;
+  };
+  // What the Linears one at a time would take: fusing never needs more.
+  auto unfused_repack_for = [](const Model& m) {
     uint64_t extra = 0;
     for (const LinearDesc& linear : m.weights.linears)
       if (linear.format != WeightFormat::dense && !linear.vision)
@@ -699,6 +732,8 @@ TEST_CASE("CUDA-only rows (repack of quantized Linears, context, graphs) are zer
     return (extra + 255) / 256 * 256;
   };
   CHECK(p.item("repack")->bytes == repack_for(q));
+  CHECK(p.item("repack")->bytes <= unfused_repack_for(q));
+  CHECK(p.item("repack")->why.find("groups fused") != std::string::npos);
   CHECK(p.item("repack")->bytes > 0);
   Model q32 = q;
   for (auto& linear : q32.weights.linears) linear.scale_dtype = DType::F32;

@@ -47,12 +47,18 @@ struct Device {
   std::vector<float> reference;  // dequantize_rows, [N, K]
   std::vector<int32_t> perm;     // [k_pad] when permuted
 
-  explicit Device(const QuantWeight& w) : layout(quant_gpu_layout(w)) {
+  explicit Device(const QuantWeight& w) : Device(std::vector<const QuantWeight*>{&w}) {}
+  // Several Linears fused into one (quant_gpu.hpp): the reference is the parts' dequantized rows, stacked.
+  explicit Device(const std::vector<const QuantWeight*>& parts) : layout(quant_gpu_layout(parts)) {
     bytes.assign(size_t(layout.total_bytes), 0xcd);
-    REQUIRE(repack_quant_tiles(w, layout, 0, layout.n_tiles, bytes.data() + layout.tiles_offset).ok());
-    REQUIRE(repack_quant_tables(w, layout, bytes.data() + layout.scales_offset).ok());
-    reference.resize(size_t(w.out_features * w.in_features));
-    REQUIRE(dequantize_rows(w, 0, w.out_features, reference.data()).ok());
+    REQUIRE(repack_quant_tiles(parts, layout, 0, layout.n_tiles, bytes.data() + layout.tiles_offset).ok());
+    REQUIRE(repack_quant_tables(parts, layout, bytes.data() + layout.scales_offset).ok());
+    reference.resize(size_t(layout.n * layout.k));
+    float* rows = reference.data();
+    for (const QuantWeight* w : parts) {
+      REQUIRE(dequantize_rows(*w, 0, w->out_features, rows).ok());
+      rows += w->out_features * w->in_features;
+    }
     if (layout.permuted) {
       perm.resize(size_t(layout.k_pad));
       memcpy(perm.data(), bytes.data() + layout.perm_offset, perm.size() * 4);
@@ -288,6 +294,58 @@ void check_weight(const QuantWeight& w) {
   if (w.format == WeightFormat::fp8) check_w8a8_tiles(d, w);
 }
 
+// check_weight for Linears fused into one device Linear: the dequantize kernel and the A16 kernels read the parts'
+// reference rows stacked, bit for bit (the parts share format, scale dtype and rounding: the first stands for all).
+void check_fused(const std::vector<const QuantWeight*>& parts) {
+  const Device d(parts);
+  const QuantWeight& w = *parts[0];
+  CHECK(d.layout.total_bytes == quant_device_bytes(parts));
+  emulate_dequantize(d, w);
+  if (!d.layout.mma) return;
+  for (bool bf16 : {true, false}) {
+    CAPTURE(bf16);
+    ValueCheck check{bf16};
+    if (w.format == WeightFormat::int4) emulate_w4a16(d, w, bf16, check);
+    else emulate_w8a16(d, w, bf16, check);
+    CHECK(check.checked == d.layout.n_pad * d.layout.k_pad);
+    CHECK_VALUES(check);
+  }
+}
+
+// The fused device image is, byte for byte, the one repack of the parts' rows stacked into one checkpoint weight
+// (made without the fusion code: concatenate_rows).
+void check_same_as_concatenation(const std::vector<const QuantWeight*>& parts) {
+  const OwnedWeight stacked = concatenate_rows(parts);
+  const Device fused(parts), whole(stacked.weight);
+  CHECK(fused.layout.total_bytes == whole.layout.total_bytes);
+  CHECK(fused.bytes == whole.bytes);
+  CHECK(fused.reference == whole.reference);
+}
+
+// The descriptor describe_linears would give for a hand-made weight.
+LinearDesc desc_of(const QuantWeight& w) {
+  LinearDesc d;
+  d.name = w.name;
+  d.out_features = w.out_features;
+  d.in_features = w.in_features;
+  d.format = w.format;
+  d.weight_dtype = w.format == WeightFormat::int4 ? DType::I32 : DType::F8_E4M3;
+  d.granularity = w.granularity;
+  d.scale_dtype = w.scale_dtype;
+  d.scale_name = w.rounding == DequantRounding::f32 ? "weight_scale_inv" : "weight_scale";
+  d.group_size = w.group_size;
+  d.block_n = w.block_n;
+  d.block_k = w.block_k;
+  d.symmetric = w.zero_points == nullptr;
+  d.has_g_idx = w.g_idx != nullptr;
+  d.has_bias = w.bias != nullptr;
+  return d;
+}
+
+// quant_fusion_refusal of weights (a braced list of two pointers would also match the descriptors' overload as an
+// iterator pair).
+std::string refusal(const std::vector<const QuantWeight*>& parts) { return quant_fusion_refusal(parts); }
+
 }  // namespace
 
 // ---- geometry ---------------------------------------------------------------------------------------------
@@ -503,6 +561,185 @@ TEST_CASE("repacking in column-tile chunks gives the bytes of one whole repack")
     CHECK(whole == pieces);
     CHECK_FALSE(repack_quant_tiles(*w, layout, layout.n_tiles - 1, 2, pieces.data()).ok());
   }
+}
+
+TEST_CASE("fused Linears: q|k|v and gate|up repacked as one device Linear equal the parts' references stacked") {
+  Random rng(66);
+  for (DType scale_dtype : {DType::BF16, DType::F16, DType::F32}) {
+    CAPTURE(std::string(dtype_name(scale_dtype)));
+    // int4 q | k | v of a GQA layer (the last part ragged: its padding is the fused Linear's), groups of 32 and
+    // channel scales, symmetric and asymmetric; biases in some parts only (the device bias is one F32 table)
+    for (int64_t group : {int64_t(32), int64_t(256)})
+      for (bool asymmetric : {false, true}) {
+        CAPTURE(group);
+        CAPTURE(asymmetric);
+        OwnedWeight q = make_int4(128, 256, group, scale_dtype, asymmetric, false, rng);
+        OwnedWeight k = make_int4(64, 256, group, scale_dtype, asymmetric, false, rng);
+        OwnedWeight v = make_int4(64 + 24, 256, group, scale_dtype, asymmetric, false, rng);
+        add_bias(q, DType::BF16, rng);
+        add_bias(v, DType::F32, rng);
+        const std::vector<const QuantWeight*> parts = {&q.weight, &k.weight, &v.weight};
+        REQUIRE(refusal(parts) == "");
+        check_fused(parts);
+        const Device d(parts);
+        CHECK(d.layout.n == 128 + 64 + 88);
+        CHECK(d.layout.n_pad == 320);
+        // the bias table: each part's bias at its columns, zeros for k (none) and the padding
+        for (int64_t n = 0; n < d.layout.n_pad; n++) {
+          float want = 0;
+          if (n < 128) want = scale_at(q.weight.bias, q.weight.bias_dtype, n);
+          else if (n >= 192 && n < 280) want = scale_at(v.weight.bias, v.weight.bias_dtype, n - 192);
+          float got;
+          memcpy(&got, d.bytes.data() + d.layout.bias_offset + uint64_t(n) * 4, 4);
+          CHECK(got == want);
+        }
+        for (int64_t t = 0; t < d.layout.n_tiles; t++) CHECK(d.word_at(d.layout.counters_offset + uint64_t(t) * 4) == 0);
+        // never more than the parts one by one
+        CHECK(quant_device_bytes(parts) <= quant_device_bytes(q.weight) + quant_device_bytes(k.weight) +
+                                               quant_device_bytes(v.weight));
+        check_same_as_concatenation(parts);
+        // gate | up: two equal parts
+        OwnedWeight gate = make_int4(192, 256, group, scale_dtype, asymmetric, false, rng);
+        OwnedWeight up = make_int4(192, 256, group, scale_dtype, asymmetric, false, rng);
+        check_fused({&gate.weight, &up.weight});
+        check_same_as_concatenation({&gate.weight, &up.weight});
+      }
+    // fp8: tensor, channel and tensor scales mix (the device table holds one per column); blocks of one block_k
+    // but different block_n
+    for (DequantRounding rounding : {DequantRounding::scale_dtype, DequantRounding::f32}) {
+      CAPTURE(int(rounding));
+      OwnedWeight q = make_fp8(128, 160, ScaleGranularity::tensor, 0, 0, scale_dtype, rounding, rng);
+      OwnedWeight k = make_fp8(64, 160, ScaleGranularity::channel, 0, 0, scale_dtype, rounding, rng);
+      OwnedWeight v = make_fp8(40, 160, ScaleGranularity::tensor, 0, 0, scale_dtype, rounding, rng);
+      add_bias(k, DType::F16, rng);
+      REQUIRE(refusal({&q.weight, &k.weight, &v.weight}) == "");
+      check_fused({&q.weight, &k.weight, &v.weight});
+      check_same_as_concatenation({&q.weight, &k.weight, &v.weight});
+      OwnedWeight gate = make_fp8(128, 256, ScaleGranularity::block, 128, 128, scale_dtype, rounding, rng);
+      OwnedWeight up = make_fp8(136, 256, ScaleGranularity::block, 64, 128, scale_dtype, rounding, rng);
+      REQUIRE(refusal({&gate.weight, &up.weight}) == "");
+      check_fused({&gate.weight, &up.weight});
+      OwnedWeight up128 = make_fp8(136, 256, ScaleGranularity::block, 128, 128, scale_dtype, rounding, rng);
+      check_same_as_concatenation({&gate.weight, &up128.weight});
+    }
+  }
+}
+
+TEST_CASE("fused Linears: repacking in column-tile chunks across the parts' boundaries gives one whole repack") {
+  Random rng(67);
+  OwnedWeight a = make_int4(128, 384, 128, DType::BF16, true, false, rng);
+  OwnedWeight b = make_int4(64, 384, 128, DType::BF16, true, false, rng);
+  OwnedWeight c = make_int4(64 * 2 + 5, 384, 128, DType::BF16, true, false, rng);
+  const std::vector<const QuantWeight*> parts = {&a.weight, &b.weight, &c.weight};
+  const QuantGpuLayout layout = quant_gpu_layout(parts);
+  REQUIRE(layout.n_tiles == 6);
+  std::vector<uint8_t> whole(size_t(layout.tiles_bytes)), pieces(size_t(layout.tiles_bytes), 0);
+  REQUIRE(repack_quant_tiles(parts, layout, 0, layout.n_tiles, whole.data()).ok());
+  for (int64_t first = 0; first < layout.n_tiles; first += 3) {  // [0, 3) ends inside b, [3, 6) starts inside c
+    REQUIRE(repack_quant_tiles(parts, layout, first, 3, pieces.data() + first * layout.tile_row_bytes()).ok());
+  }
+  CHECK(whole == pieces);
+  // a part's own repack is its share of the fused tiles
+  std::vector<uint8_t> own(size_t(quant_gpu_layout(b.weight).tiles_bytes));
+  REQUIRE(repack_quant_tiles(b.weight, quant_gpu_layout(b.weight), 0, 1, own.data()).ok());
+  CHECK(std::equal(own.begin(), own.end(), whole.begin() + 2 * layout.tile_row_bytes()));
+  CHECK_FALSE(repack_quant_tiles(parts, layout, 5, 2, pieces.data()).ok());
+}
+
+TEST_CASE("fused Linears: what does not fuse is refused, naming the parts, from weights and descriptors alike") {
+  Random rng(68);
+  OwnedWeight base = make_int4(128, 256, 32, DType::BF16, false, false, rng);
+  base.weight.name = "layer.q_proj";
+  struct Case {
+    const char* what;
+    OwnedWeight other;
+    const char* expect;  // in the message
+  };
+  auto named = [](OwnedWeight o, const char* name) {
+    o.weight.name = name;
+    return o;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"fp8 beside int4", named(make_fp8(64, 256, ScaleGranularity::channel, 0, 0, DType::BF16,
+                                                     DequantRounding::scale_dtype, rng), "layer.k_proj"), "int4"});
+  cases.push_back({"another K", named(make_int4(64, 384, 32, DType::BF16, false, false, rng), "layer.k_proj"), "input"});
+  cases.push_back({"another scale dtype", named(make_int4(64, 256, 32, DType::F16, false, false, rng), "layer.k_proj"),
+                   "dtypes"});
+  cases.push_back({"another group", named(make_int4(64, 256, 64, DType::BF16, false, false, rng), "layer.k_proj"),
+                   "groups"});
+  cases.push_back({"channel beside groups", named(make_int4(64, 256, 256, DType::BF16, false, false, rng), "layer.k_proj"),
+                   "groups"});
+  cases.push_back({"zero points in one", named(make_int4(64, 256, 32, DType::BF16, true, false, rng), "layer.k_proj"),
+                   "zero points"});
+  cases.push_back({"act-order", named(make_int4(64, 256, 32, DType::BF16, false, true, rng), "layer.k_proj"), "g_idx"});
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    const std::vector<const QuantWeight*> parts = {&base.weight, &c.other.weight};
+    const std::string why = refusal(parts);
+    CHECK(why.find(c.expect) != std::string::npos);
+    CHECK(why.find("layer.k_proj") != std::string::npos);
+    const LinearDesc d0 = desc_of(base.weight), d1 = desc_of(c.other.weight);
+    CHECK(quant_fusion_refusal(std::vector<const LinearDesc*>{&d0, &d1}) == why);
+    std::vector<uint8_t> out(1 << 20);
+    CHECK_FALSE(repack_quant_tables(parts, quant_gpu_layout(base.weight), out.data()).ok());
+  }
+  // every part but the last in whole 64-column tiles
+  OwnedWeight ragged = named(make_int4(96, 256, 32, DType::BF16, false, false, rng), "layer.q_proj");
+  OwnedWeight last = named(make_int4(64, 256, 32, DType::BF16, false, false, rng), "layer.k_proj");
+  CHECK(refusal({&ragged.weight, &last.weight}).find("layer.q_proj has 96 output features") !=
+        std::string::npos);
+  CHECK(refusal({&last.weight, &ragged.weight}) == "");
+  // fp8: blocks beside channel scales, blocks of another block_k, another rounding
+  OwnedWeight channel = make_fp8(128, 256, ScaleGranularity::channel, 0, 0, DType::F32, DequantRounding::f32, rng);
+  OwnedWeight block = make_fp8(128, 256, ScaleGranularity::block, 128, 128, DType::F32, DequantRounding::f32, rng);
+  OwnedWeight block64 = make_fp8(128, 256, ScaleGranularity::block, 128, 64, DType::F32, DequantRounding::f32, rng);
+  OwnedWeight rounded = make_fp8(128, 256, ScaleGranularity::channel, 0, 0, DType::F32, DequantRounding::scale_dtype, rng);
+  CHECK(refusal({&channel.weight, &block.weight}).find("blocks") != std::string::npos);
+  CHECK(refusal({&block.weight, &block64.weight}).find("block_k 128, block_k 64") != std::string::npos);
+  CHECK(refusal({&channel.weight, &rounded.weight}).find("roundings") != std::string::npos);
+  for (const auto& pair : {std::make_pair(&channel, &block), std::make_pair(&block, &block64),
+                           std::make_pair(&channel, &rounded), std::make_pair(&ragged, &last)}) {
+    const LinearDesc d0 = desc_of(pair.first->weight), d1 = desc_of(pair.second->weight);
+    CHECK(quant_fusion_refusal(std::vector<const LinearDesc*>{&d0, &d1}) ==
+          refusal({&pair.first->weight, &pair.second->weight}));
+  }
+}
+
+TEST_CASE("linear_group_fuses: quantized parts that fuse, or dense parts with biases in all or none") {
+  Random rng(69);
+  OwnedWeight q = make_int4(128, 256, 32, DType::BF16, false, false, rng);
+  OwnedWeight k = make_int4(64, 256, 32, DType::BF16, false, false, rng);
+  OwnedWeight k16 = make_int4(64, 256, 32, DType::F16, false, false, rng);
+  auto quant = [](const OwnedWeight& o) {
+    LinearWeights l;
+    l.quant = std::make_shared<const QuantWeight>(o.weight);
+    return l;
+  };
+  std::vector<uint16_t> storage(64 * 256 + 64, 0x3f80);
+  auto dense = [&](int64_t n, bool bias) {
+    LinearWeights l;
+    l.weight = Tensor::matrix(storage.data(), DType::BF16, n, 256);
+    if (bias) l.bias = Tensor::vector(storage.data() + 64 * 256, DType::BF16, n);
+    return l;
+  };
+  CHECK(linear_group_fuses(LinearGroup{{quant(q), quant(k)}}));
+  CHECK_FALSE(linear_group_fuses(LinearGroup{{quant(q), quant(k16)}}));  // scale dtypes differ
+  CHECK_FALSE(linear_group_fuses(LinearGroup{{quant(q)}}));               // one part: nothing to fuse
+  CHECK_FALSE(linear_group_fuses(LinearGroup{{quant(q), dense(64, false)}}));
+  CHECK(linear_group_fuses(LinearGroup{{dense(64, false), dense(32, false), dense(32, false)}}));
+  CHECK(linear_group_fuses(LinearGroup{{dense(64, true), dense(32, true)}}));
+  CHECK_FALSE(linear_group_fuses(LinearGroup{{dense(64, true), dense(32, false)}}));
+  // the descriptors' answer is the weights'
+  const LinearDesc dq = desc_of(q.weight), dk = desc_of(k.weight), dk16 = desc_of(k16.weight);
+  CHECK(linear_group_fuses(std::vector<const LinearDesc*>{&dq, &dk}));
+  CHECK_FALSE(linear_group_fuses(std::vector<const LinearDesc*>{&dq, &dk16}));
+  LinearDesc a, b;
+  a.out_features = b.out_features = 64;
+  a.in_features = b.in_features = 256;
+  a.has_bias = true;
+  CHECK_FALSE(linear_group_fuses(std::vector<const LinearDesc*>{&a, &b}));
+  b.has_bias = true;
+  CHECK(linear_group_fuses(std::vector<const LinearDesc*>{&a, &b}));
 }
 
 TEST_CASE("layout arithmetic: sizes, alignment, padding, tables, and quant_device_bytes") {

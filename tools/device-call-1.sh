@@ -6,7 +6,7 @@
 #   3. the GPU suites with KVLITE_REQUIRE_GPU=1 (no GPU = failure): test-cuda-ops, test-cuda-quant,
 #      test-cuda-host, test-quant-gpu-host, then test-cuda-engine alone (it measures device memory)  -> tests.log
 #   4. compute-sanitizer: memcheck over test-cuda-ops, test-cuda-engine (less the case that measures device
-#      memory) and the GEMV and split-K cases of test-cuda-quant; racecheck and synccheck over its quantized GEMM
+#      memory) and the GEMV, split-K and fused-Linear cases of test-cuda-quant; racecheck and synccheck over its quantized GEMM
 #      cases (mma paths, split-K counters, cp.async stages, the GEMV)                              -> sanitizer.log
 #   5. the demo with every caption on the GPU (KVLITE_DEMO_BACKEND=cuda tools/demo.sh), then kvlite bench on the
 #      bundled captioner (BF16, CUDA graphs), for the flagship's tokens/s                         -> demo.log
@@ -56,7 +56,7 @@ else
   sanitize memcheck 120 test-cuda-ops
   # (the case that measures the process's device memory against the plan: the sanitizer's own memory counts there)
   sanitize memcheck 150 test-cuda-engine '-tce=*device memory measured*'
-  sanitize memcheck 90 test-cuda-quant '-tc=*GEMV*,*split-K*'
+  sanitize memcheck 120 test-cuda-quant '-tc=*GEMV*,*split-K*,*fused*'
   sanitize racecheck 120 test-cuda-quant "$quant_gemm_cases"
   sanitize synccheck 90 test-cuda-quant "$quant_gemm_cases"
 fi
