@@ -13330,8 +13330,8 @@ void TextModel::compute(const StepInput& step) {
       check(backend_.rms_norm(k, w.k_norm, eps, k));
     }
     // query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-    check(backend_.rope(q, cos, sin, D));
-    check(backend_.rope(k, cos, sin, D));
+    // (one call: q and k are adjacent column blocks of qkv, Hq + Hkv heads)      qk [T, (Hq + Hkv) D]
+    check(backend_.rope(qkv.slice_cols(0, q_width + kv_width), cos, sin, D));
     // key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
     check(backend_.kv_write(cache, l, k, v, slots));
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
@@ -13770,8 +13770,8 @@ void VisionModel::encode(const std::vector<const VisionInput*>& images) {
     // query_states, key_states, value_states = self.qkv(hidden_states).reshape(N, 3, heads, -1)...
     check(backend_.linear(normed, w.qkv, qkv));
     // apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
-    check(backend_.rope(q, cos, sin, head_dim_));
-    check(backend_.rope(k, cos, sin, head_dim_));
+    // (one call: q and k are adjacent column blocks of qkv)                   qk [N, 2 vh]
+    check(backend_.rope(qkv.slice_cols(0, 2 * vh), cos, sin, head_dim_));
     // non-causal attention within each image (cu_seqlens), scaling head_dim ** -0.5
     check(backend_.segment_attention(q, k, val, segments, longest, head_dim_, attention_scale_, attn));
     // attn_output = self.proj(attn_output); hidden_states = hidden_states + attn_output

@@ -429,8 +429,8 @@ void TextModel::compute(const StepInput& step) {
       check(backend_.rms_norm(k, w.k_norm, eps, k));
     }
     // query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-    check(backend_.rope(q, cos, sin, D));
-    check(backend_.rope(k, cos, sin, D));
+    // (one call: q and k are adjacent column blocks of qkv, Hq + Hkv heads)      qk [T, (Hq + Hkv) D]
+    check(backend_.rope(qkv.slice_cols(0, q_width + kv_width), cos, sin, D));
     // key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
     check(backend_.kv_write(cache, l, k, v, slots));
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)

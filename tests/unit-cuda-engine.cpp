@@ -847,4 +847,10 @@ TEST_CASE("op timing on the GPU: eager steps while it is on, the graphs' tokens,
     CHECK(after.op_times[size_t(op)].calls - before.op_times[size_t(op)].calls == 9 * layers);
     CHECK(after.op_times[size_t(op)].seconds > before.op_times[size_t(op)].seconds);
   }
+  // the uploader fused each layer's q|k|v and gate|up (dense, biases in none): 4 Linears a layer, + lm_head; rope
+  // once for q and k together
+  const int64_t linears = after.op_times[size_t(Op::linear)].calls - before.op_times[size_t(Op::linear)].calls;
+  CHECK(linears >= 9 * 4 * layers);
+  CHECK(linears <= 9 * (4 * layers + 1));
+  CHECK(after.op_times[size_t(Op::rope)].calls - before.op_times[size_t(Op::rope)].calls == 9 * layers);
 }

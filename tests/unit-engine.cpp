@@ -599,6 +599,10 @@ TEST_CASE("op timing: a decode step's ops per layer, counted while it is on, and
     CHECK(ops[size_t(Op::attention)].calls == steps * layers);
     CHECK(ops[size_t(Op::kv_write)].calls == steps * layers);
     CHECK(ops[size_t(Op::attention)].seconds > 0.0);
+    // rope once for q and k together; the CPU runs q|k|v and gate|up part by part: 7 Linears a layer, + lm_head
+    CHECK(ops[size_t(Op::rope)].calls == steps * layers);
+    CHECK(ops[size_t(Op::linear)].calls >= steps * 7 * layers);
+    CHECK(ops[size_t(Op::linear)].calls <= steps * (7 * layers + 1));
     // and nothing more once it is off again
     REQUIRE(engine->generate(ids, params));
     CHECK(engine->stats().op_times[size_t(Op::attention)].calls == steps * layers);
