@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -1071,7 +1072,8 @@ TEST_CASE("activation dtype: the CPU's F32, CUDA's model dtype by default, or an
 
 // What the GPU uploader stores of a checkpoint, counted from its headers: dense Linears (weight and bias) in the
 // activation dtype, everything else as stored, a converted copy of a tied table not in that dtype; each tensor
-// at a 256-byte boundary.
+// at a 256-byte boundary, but a layer's q|k|v and gate|up weights (and biases) stacked into one tensor each (the
+// dense fixtures' groups all fuse: biases in every part or none).
 uint64_t device_weight_bytes(const std::string& dir, DType act) {
   auto store = TensorStore::open_dir(dir);
   REQUIRE(store);
@@ -1079,12 +1081,21 @@ uint64_t device_weight_bytes(const std::string& dir, DType act) {
   REQUIRE(config);
   uint64_t total = 0;
   const uint64_t act_bytes = dtype_bytes(act, 1);
+  std::map<std::string, uint64_t> stacked;  // "layers.N.self_attn.qkv.weight" -> bytes
   for (const TensorInfo& t : store->tensors()) {
     const bool linear = t.name.find("_proj.") != std::string::npos || t.name.rfind("lm_head.", 0) == 0;
     uint64_t elements = 1;
     for (int64_t d : t.shape) elements *= uint64_t(d);
-    total += align_up(linear ? elements * act_bytes : t.nbytes, 256);
+    const uint64_t bytes = linear ? elements * act_bytes : t.nbytes;
+    std::string group = t.name;
+    for (const char* part : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
+      const size_t at = group.find(part);
+      if (at != std::string::npos) group.replace(at, strlen(part), part[0] == 'g' || part[0] == 'u' ? "gate_up" : "qkv");
+    }
+    if (group != t.name) stacked[group] += bytes;
+    else total += align_up(bytes, 256);
   }
+  for (const auto& entry : stacked) total += align_up(entry.second, 256);
   const TensorInfo* table = store->find("model.embed_tokens.weight");
   REQUIRE(table != nullptr);
   if (config->text.tie_word_embeddings && table->dtype != act) total += align_up(table->nbytes / dtype_bytes(table->dtype, 1) * act_bytes, 256);
