@@ -543,6 +543,36 @@ TEST_CASE("fixture models: every quantized Linear through the emulated kernels e
         quantized++;
       }
     CHECK(quantized == 14);
+    // each layer's q|k|v and gate|up: the descriptors' fusion answer (the planner's) is the weights' (the uploader's)
+    int groups = 0, fused = 0;
+    for (int64_t l = 0; l < config.text.num_layers; l++)
+      for (const std::vector<std::string>& names :
+           {std::vector<std::string>{"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"},
+            std::vector<std::string>{"mlp.gate_proj", "mlp.up_proj"}}) {
+        std::vector<const LinearDesc*> descs;
+        std::vector<QuantWeight> weights;
+        for (const std::string& name : names) {
+          const std::string full = config.text_prefix() + "layers." + std::to_string(l) + "." + name;
+          for (const LinearDesc& desc : linears)
+            if (desc.name == full && desc.format != WeightFormat::dense) {
+              descs.push_back(&desc);
+              weights.push_back(quant_weight(desc, store).value());
+            }
+        }
+        if (descs.size() != names.size()) continue;
+        std::vector<const QuantWeight*> parts;
+        for (const QuantWeight& w : weights) parts.push_back(&w);
+        CAPTURE(descs[0]->name);
+        CHECK(quant_fusion_refusal(descs) == quant_fusion_refusal(parts));
+        if (quant_fusion_refusal(parts).empty()) {
+          check_fused(parts);
+          CHECK(quant_device_bytes(descs) >= quant_device_bytes(parts));
+          fused++;
+        }
+        groups++;
+      }
+    CHECK(groups > 0);
+    CHECK(fused > 0);  // whole 64-column tiles in every fixture: q|k|v and gate|up alike quantized fuse
   }
 }
 
