@@ -2337,9 +2337,9 @@ struct LinearGroup {
   }
 };
 
-// Whether the CUDA uploader stores `group` as one Linear: two or more parts, all quantized and fusing
-// (cuda::quant_fusion_refusal), or all dense with a bias in every part or in none (their rows are stacked; a dense
-// part's dtype does not matter, every one is converted to the activation dtype).
+// Whether the CUDA uploader stores `group` as one Linear: two or more parts of one in_features, all quantized and
+// fusing (cuda::quant_fusion_refusal), or all dense with a bias in every part or in none (their rows are stacked; a
+// dense part's dtype does not matter, every one is converted to the activation dtype).
 bool linear_group_fuses(const LinearGroup& group);
 // The same from the parts' descriptors (describe_linears), for the planner: the same answer.
 bool linear_group_fuses(const std::vector<const LinearDesc*>& parts);
@@ -11791,7 +11791,7 @@ bool linear_group_fuses(const LinearGroup& group) {
   const bool quantized = group.parts[0].quant != nullptr, biased = group.parts[0].bias.data != nullptr;
   std::vector<const QuantWeight*> quant;
   for (const LinearWeights& part : group.parts) {
-    if ((part.quant != nullptr) != quantized) return false;
+    if ((part.quant != nullptr) != quantized || part.in_features() != group.parts[0].in_features()) return false;
     if (quantized) quant.push_back(part.quant.get());
     else if ((part.bias.data != nullptr) != biased) return false;
   }
@@ -11802,7 +11802,7 @@ bool linear_group_fuses(const std::vector<const LinearDesc*>& parts) {
   if (parts.size() < 2) return false;
   const bool quantized = parts[0]->format != WeightFormat::dense, biased = parts[0]->has_bias;
   for (const LinearDesc* part : parts) {
-    if ((part->format != WeightFormat::dense) != quantized) return false;
+    if ((part->format != WeightFormat::dense) != quantized || part->in_features != parts[0]->in_features) return false;
     if (!quantized && part->has_bias != biased) return false;
   }
   return !quantized || cuda::quant_fusion_refusal(parts).empty();

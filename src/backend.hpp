@@ -119,9 +119,9 @@ struct LinearGroup {
   }
 };
 
-// Whether the CUDA uploader stores `group` as one Linear: two or more parts, all quantized and fusing
-// (cuda::quant_fusion_refusal), or all dense with a bias in every part or in none (their rows are stacked; a dense
-// part's dtype does not matter, every one is converted to the activation dtype).
+// Whether the CUDA uploader stores `group` as one Linear: two or more parts of one in_features, all quantized and
+// fusing (cuda::quant_fusion_refusal), or all dense with a bias in every part or in none (their rows are stacked; a
+// dense part's dtype does not matter, every one is converted to the activation dtype).
 bool linear_group_fuses(const LinearGroup& group);
 // The same from the parts' descriptors (describe_linears), for the planner: the same answer.
 bool linear_group_fuses(const std::vector<const LinearDesc*>& parts);

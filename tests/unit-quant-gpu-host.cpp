@@ -759,6 +759,9 @@ TEST_CASE("linear_group_fuses: quantized parts that fuse, or dense parts with bi
   CHECK(linear_group_fuses(LinearGroup{{dense(64, false), dense(32, false), dense(32, false)}}));
   CHECK(linear_group_fuses(LinearGroup{{dense(64, true), dense(32, true)}}));
   CHECK_FALSE(linear_group_fuses(LinearGroup{{dense(64, true), dense(32, false)}}));
+  LinearWeights narrower = dense(32, false);
+  narrower.weight.cols = narrower.weight.row_stride = 128;  // another in_features
+  CHECK_FALSE(linear_group_fuses(LinearGroup{{dense(64, false), narrower}}));
   // the descriptors' answer is the weights'
   const LinearDesc dq = desc_of(q.weight), dk = desc_of(k.weight), dk16 = desc_of(k16.weight);
   CHECK(linear_group_fuses(std::vector<const LinearDesc*>{&dq, &dk}));
@@ -770,6 +773,8 @@ TEST_CASE("linear_group_fuses: quantized parts that fuse, or dense parts with bi
   CHECK_FALSE(linear_group_fuses(std::vector<const LinearDesc*>{&a, &b}));
   b.has_bias = true;
   CHECK(linear_group_fuses(std::vector<const LinearDesc*>{&a, &b}));
+  b.in_features = 128;
+  CHECK_FALSE(linear_group_fuses(std::vector<const LinearDesc*>{&a, &b}));
 }
 
 TEST_CASE("layout arithmetic: sizes, alignment, padding, tables, and quant_device_bytes") {
