@@ -274,12 +274,9 @@ void emulate_dequantize(const Device& d, const QuantWeight& w) {
   CHECK(wrong == 0);
 }
 
-// Every emulation that applies to `w`: the dequantize kernel always; the mma kernels, for both compute
-// dtypes, when the layout is theirs.
-void check_weight(const QuantWeight& w) {
-  CAPTURE(w.name);
-  const Device d(w);
-  CHECK(d.layout.total_bytes == quant_device_bytes(w));
+// The dequantize kernel always, and the A16 kernels for both compute dtypes when the layout is theirs, over the
+// device image d; w stands for the weight's format, scale dtype and rounding.
+void check_emulations(const Device& d, const QuantWeight& w) {
   emulate_dequantize(d, w);
   if (!d.layout.mma) return;
   for (bool bf16 : {true, false}) {
@@ -291,25 +288,23 @@ void check_weight(const QuantWeight& w) {
     CHECK(check.checked == d.layout.n_pad * d.layout.k_pad);
     CHECK_VALUES(check);
   }
-  if (w.format == WeightFormat::fp8) check_w8a8_tiles(d, w);
 }
 
-// check_weight for Linears fused into one device Linear: the dequantize kernel and the A16 kernels read the parts'
-// reference rows stacked, bit for bit (the parts share format, scale dtype and rounding: the first stands for all).
+// Every emulation that applies to `w`, and W8A8's tiles and scales for fp8.
+void check_weight(const QuantWeight& w) {
+  CAPTURE(w.name);
+  const Device d(w);
+  CHECK(d.layout.total_bytes == quant_device_bytes(w));
+  check_emulations(d, w);
+  if (d.layout.mma && w.format == WeightFormat::fp8) check_w8a8_tiles(d, w);
+}
+
+// check_weight for Linears fused into one device Linear: the kernels read the parts' reference rows stacked, bit
+// for bit (the parts share format, scale dtype and rounding: the first stands for all).
 void check_fused(const std::vector<const QuantWeight*>& parts) {
   const Device d(parts);
-  const QuantWeight& w = *parts[0];
   CHECK(d.layout.total_bytes == quant_device_bytes(parts));
-  emulate_dequantize(d, w);
-  if (!d.layout.mma) return;
-  for (bool bf16 : {true, false}) {
-    CAPTURE(bf16);
-    ValueCheck check{bf16};
-    if (w.format == WeightFormat::int4) emulate_w4a16(d, w, bf16, check);
-    else emulate_w8a16(d, w, bf16, check);
-    CHECK(check.checked == d.layout.n_pad * d.layout.k_pad);
-    CHECK_VALUES(check);
-  }
+  check_emulations(d, *parts[0]);
 }
 
 // The fused device image is, byte for byte, the one repack of the parts' rows stacked into one checkpoint weight
