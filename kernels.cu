@@ -1727,6 +1727,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const Quant
 // spends a conversion and 2 FMAs per pair and row; the fp32 sums are the tensor core's, as in the mma kernel.
 // Measured on an H100 (bench/RESULTS.md, 2026-11-26, third session): W4A16 flat from M = 1 to 8 and 1.5-2x the mma
 // kernel at M = 8-16; for fp8 its 64 registers of loads leave one block an SM, and the mma kernels win.
+// Occupancy is not one launch bound away: __launch_bounds__(kGemvWarps * 32, 3) (3 blocks an SM, 80 registers)
+// spills on sm_90 (ptxas, 2026-11-26: int4 88 B stored / 96 B loaded, fp8 388 / 416 B), so 3 blocks an SM wants a
+// kernel that holds fewer values live, not a tighter bound.
 //   F: int4_a16 or fp8_a16; T: activation dtype; kFp32Scales as quant_gemv_kernel's; args.rows <=
 //   kQuantGemvMmaMaxRows.
 template <QgFormat F, class T, bool kFp32Scales>
