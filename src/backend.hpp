@@ -123,7 +123,8 @@ struct LinearGroup {
 // fusing (cuda::quant_fusion_refusal), or all dense with a bias in every part or in none (their rows are stacked; a
 // dense part's dtype does not matter, every one is converted to the activation dtype).
 bool linear_group_fuses(const LinearGroup& group);
-// The same from the parts' descriptors (describe_linears), for the planner: the same answer.
+// The same from the parts' descriptors (describe_linears), for the planner: the same answer, but for act-order
+// parts (no: their g_idx tensors decide; see cuda::quant_fusion_refusal).
 bool linear_group_fuses(const std::vector<const LinearDesc*>& parts);
 
 // GELU's two forms: nn.GELU() / "gelu" (exact, with erf) and "gelu_pytorch_tanh" (the tanh approximation).

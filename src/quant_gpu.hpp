@@ -99,14 +99,16 @@ Status repack_quant_tables(const QuantWeight& host, const QuantGpuLayout& layout
 // W4A16 on an H100, bench/RESULTS.md: the fused qkv shape 15.6 us at M = 1, o_proj's 4096 x 4096 alone 10.1 us).
 // They fuse when one kernel instance runs them all and their tiles and tables can follow each other: the same
 // format, K, checkpoint scale dtype and rounding (the kernel's ScaleProduct); int4: the same granularity and group
-// size, zero points in all or none, no g_idx (act-order permutes each part its own way); fp8: block scales of one
-// block_k in all or none (tensor and channel scales mix: the device table holds a scale per column); and every part
-// but the last a whole number of 64-column tiles. Biases need not match: the device bias is an F32 table, zeros
-// for a part without one.
+// size, zero points in all or none, a g_idx in none or an equal one in all (act-order permutes the input columns:
+// one permutation for every part; GPTQ's comes from the layer input's statistics, which q, k and v share, as gate
+// and up do); fp8: block scales of one block_k in all or none (tensor and channel scales mix: the device table holds
+// a scale per column); and every part but the last a whole number of 64-column tiles. Biases need not match: the
+// device bias is an F32 table, zeros for a part without one.
 // "" when `parts` (two or more; a single Linear trivially) fuse, else why not, naming the parts.
 std::string quant_fusion_refusal(const std::vector<const QuantWeight*>& parts);
 // The same from descriptors (describe_linears), for the planner: the same answer as from the weights they
-// describe (a descriptor's g_idx counts as act-order, as quant_gpu_layout(LinearDesc) counts it).
+// describe, except for act-order parts, whose g_idx tensors it has not read: refused, so the planner counts them
+// apart, an upper bound (as it counts any g_idx as act-order).
 std::string quant_fusion_refusal(const std::vector<const LinearDesc*>& parts);
 // The fused layout: one Linear of N = the parts' N summed (quant_fusion_refusal(parts) must be "").
 QuantGpuLayout quant_gpu_layout(const std::vector<const QuantWeight*>& parts);

@@ -278,17 +278,20 @@ struct FusionTraits {
   DType scale_dtype = DType::F32;
   DequantRounding rounding = DequantRounding::scale_dtype;
   bool zeros = false, g_idx = false;
+  const uint8_t* g_idx_values = nullptr;  // I32 [K]: a weight's g_idx; nullptr for a descriptor (not read yet)
+  bool permuted = false;                  // a weight's layout is act-order (quant_gpu_layout)
 };
 FusionTraits traits_of(const QuantWeight& w) {
   return {w.name, w.format, w.out_features, w.in_features, w.granularity, w.group_size, w.block_k, w.scale_dtype,
-          w.rounding, w.format == WeightFormat::int4 && w.zero_points != nullptr, w.g_idx != nullptr};
+          w.rounding, w.format == WeightFormat::int4 && w.zero_points != nullptr, w.g_idx != nullptr, w.g_idx,
+          w.g_idx != nullptr && quant_gpu_layout(w).permuted};
 }
 FusionTraits traits_of(const LinearDesc& d) {
   // quant_weight's rounding rule: transformers' weight_scale_inv multiplies in float32
   const DequantRounding rounding =
       d.scale_name == "weight_scale_inv" ? DequantRounding::f32 : DequantRounding::scale_dtype;
   return {d.name, d.format, d.out_features, d.in_features, d.granularity, d.group_size, d.block_k, d.scale_dtype,
-          rounding, d.format == WeightFormat::int4 && !d.symmetric, d.has_g_idx};
+          rounding, d.format == WeightFormat::int4 && !d.symmetric, d.has_g_idx, nullptr, false};
 }
 
 std::string fusion_refusal(const std::vector<FusionTraits>& parts) {
@@ -310,7 +313,14 @@ std::string fusion_refusal(const std::vector<FusionTraits>& parts) {
     if (p.scale_dtype != first.scale_dtype || p.rounding != first.rounding)
       return format("%s and %s have scales of different dtypes or roundings (%s, %s): the kernel multiplies by one "
                     "kind", first.name.c_str(), name, dtype_name(first.scale_dtype), dtype_name(p.scale_dtype));
-    if (p.g_idx) return format("%s has a g_idx (act-order permutes each Linear its own way)", name);
+    if (p.g_idx != first.g_idx)
+      return format("%s and %s differ in g_idx (one is act-order)", first.name.c_str(), name);
+    if (p.g_idx && (!p.g_idx_values || !first.g_idx_values))
+      return format("%s has a g_idx: act-order Linears fuse only when their g_idx tensors are equal, which their "
+                    "descriptors do not tell (the planner counts them apart)", name);
+    if (p.g_idx && p.k == first.k && memcmp(p.g_idx_values, first.g_idx_values, size_t(p.k) * 4) != 0)
+      return format("%s's g_idx differs from %s's (act-order permutes each Linear its own way)", name,
+                    first.name.c_str());
     if (p.format == WeightFormat::int4) {
       if (p.granularity != first.granularity ||
           (p.granularity == ScaleGranularity::group && p.group_size != first.group_size))
@@ -340,9 +350,10 @@ QuantGpuLayout fused_layout(const std::vector<FusionTraits>& parts) {
   const FusionTraits& first = parts[0];
   int64_t n = 0;
   for (const FusionTraits& p : parts) n += p.n;
-  // fp8 tensor and channel scales lay out alike (one group of k_pad columns, a scale per column)
+  // fp8 tensor and channel scales lay out alike (one group of k_pad columns, a scale per column); act-order parts
+  // share one g_idx, so one permutation
   return layout_of(first.format, n, first.k, first.granularity, first.group_size, first.block_k, first.scale_dtype,
-                   first.zeros, false);
+                   first.zeros, first.permuted);
 }
 
 template <class Part>
@@ -421,6 +432,8 @@ Status repack_quant_tables(const std::vector<const QuantWeight*>& parts, const Q
       }
       memcpy(out + layout.bias_offset - base + uint64_t(column0) * 4, own_base + own.bias_offset,
              size_t(own.n_pad) * 4);
+      if (layout.permuted && column0 == 0)  // the parts' g_idx are equal: the first part's permutation is every one's
+        memcpy(out + layout.perm_offset - base, own_base + own.perm_offset, size_t(layout.perm_bytes));
       column0 += own.n_pad;
     }
   });

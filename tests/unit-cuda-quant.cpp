@@ -486,7 +486,7 @@ TEST_CASE("the quantized fixture Linears run on the GPU as on the CPU") {
 
 TEST_CASE("fused Linears (q|k|v, gate|up) uploaded as one run every kernel as their rows stacked do on the CPU") {
   GPU_OR_SKIP();
-  Random rng(211);
+  Random rng(212);
   const bool w8a8 = device_sm() >= cuda::kQuantW8A8MinSm;
   for (DType activation : kHalfActivations) {
     Gpu g(activation);
@@ -523,6 +523,15 @@ TEST_CASE("fused Linears (q|k|v, gate|up) uploaded as one run every kernel as th
     add_bias(q, activation, rng);
     add_bias(v, DType::F32, rng);
     run({&q.weight, &k.weight, &v.weight});
+    // int4 act-order q | k | v sharing one g_idx (the activations permuted once for all three)
+    OwnedWeight aq = make_int4(128, 1024, 64, activation, false, true, rng);
+    OwnedWeight ak = make_int4(64, 1024, 64, activation, false, true, rng);
+    OwnedWeight av = make_int4(64, 1024, 64, activation, false, true, rng);
+    for (OwnedWeight* o : {&ak, &av}) {
+      o->g_idx = aq.g_idx;
+      o->weight.g_idx = o->g_idx.data();
+    }
+    run({&aq.weight, &ak.weight, &av.weight});
     // int4 gate | up
     OwnedWeight gate = make_int4(320, 1024, 32, activation, false, false, rng);
     OwnedWeight up = make_int4(320, 1024, 32, activation, false, false, rng);

@@ -650,6 +650,25 @@ TEST_CASE("fused Linears: q|k|v and gate|up repacked as one device Linear equal 
   }
 }
 
+TEST_CASE("fused Linears: act-order parts with one g_idx share its permutation") {
+  Random rng(70);
+  for (bool asymmetric : {false, true}) {
+    CAPTURE(asymmetric);
+    OwnedWeight q = make_int4(128, 272, 16, DType::BF16, asymmetric, true, rng);
+    OwnedWeight k = make_int4(64, 272, 16, DType::BF16, asymmetric, true, rng);
+    OwnedWeight v = make_int4(70, 272, 16, DType::BF16, asymmetric, true, rng);
+    for (OwnedWeight* o : {&k, &v}) {  // GPTQ's permutation comes from the shared input: one g_idx
+      o->g_idx = q.g_idx;
+      o->weight.g_idx = o->g_idx.data();
+    }
+    const std::vector<const QuantWeight*> parts = {&q.weight, &k.weight, &v.weight};
+    REQUIRE(refusal(parts) == "");
+    CHECK(quant_gpu_layout(parts).permuted);
+    check_fused(parts);
+    check_same_as_concatenation(parts);
+  }
+}
+
 TEST_CASE("fused Linears: repacking in column-tile chunks across the parts' boundaries gives one whole repack") {
   Random rng(67);
   OwnedWeight a = make_int4(128, 384, 128, DType::BF16, true, false, rng);
@@ -708,6 +727,17 @@ TEST_CASE("fused Linears: what does not fuse is refused, naming the parts, from 
     std::vector<uint8_t> out(1 << 20);
     CHECK_FALSE(repack_quant_tables(parts, quant_gpu_layout(base.weight), out.data()).ok());
   }
+  // act-order: parts with one g_idx fuse (one permutation); another g_idx does not; descriptors cannot tell
+  OwnedWeight act_q = named(make_int4(128, 256, 32, DType::BF16, false, true, rng), "layer.q_proj");
+  OwnedWeight act_k = named(make_int4(64, 256, 32, DType::BF16, false, true, rng), "layer.k_proj");
+  CHECK(refusal({&act_q.weight, &act_k.weight}).find("layer.k_proj's g_idx differs from layer.q_proj's") !=
+        std::string::npos);
+  act_k.g_idx = act_q.g_idx;
+  act_k.weight.g_idx = act_k.g_idx.data();
+  CHECK(refusal({&act_q.weight, &act_k.weight}) == "");
+  const LinearDesc act_dq = desc_of(act_q.weight), act_dk = desc_of(act_k.weight);
+  CHECK(quant_fusion_refusal(std::vector<const LinearDesc*>{&act_dq, &act_dk}).find("descriptors do not tell") !=
+        std::string::npos);
   // every part but the last in whole 64-column tiles
   OwnedWeight ragged = named(make_int4(96, 256, 32, DType::BF16, false, false, rng), "layer.q_proj");
   OwnedWeight last = named(make_int4(64, 256, 32, DType::BF16, false, false, rng), "layer.k_proj");
