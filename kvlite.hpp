@@ -6122,11 +6122,6 @@ std::vector<FusionTraits> traits_of_parts(const std::vector<const Part*>& parts)
   for (const Part* part : parts) traits.push_back(traits_of(*part));
   return traits;
 }
-
-// The fused layout's element size in the scale table.
-uint64_t table_element_bytes(const QuantGpuLayout& layout) {
-  return layout.format == WeightFormat::int4 ? dtype_bytes(layout.table_scale_dtype, 1) : 4;
-}
 }  // namespace
 
 std::string quant_fusion_refusal(const std::vector<const QuantWeight*>& parts) {
@@ -6174,7 +6169,7 @@ Status repack_quant_tables(const std::vector<const QuantWeight*>& parts, const Q
   return detail::guard([&] {
     const std::string why = quant_fusion_refusal(parts);
     if (!why.empty()) detail::fail(ErrorCode::invalid_argument, "repack_quant_tables: these Linears do not fuse: " + why);
-    const uint64_t base = layout.scales_offset, element = table_element_bytes(layout);
+    const uint64_t base = layout.scales_offset, element = dtype_bytes(layout.table_scale_dtype, 1);
     memset(out, 0, size_t(layout.total_bytes - base));  // counters 0
     int64_t column0 = 0;  // the part's first fused column: a multiple of 64, so its table positions carry over
     for (const QuantWeight* part : parts) {

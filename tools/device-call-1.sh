@@ -6,8 +6,8 @@
 #   3. the GPU suites with KVLITE_REQUIRE_GPU=1 (no GPU = failure): test-cuda-ops, test-cuda-quant,
 #      test-cuda-host, test-quant-gpu-host, then test-cuda-engine alone (it measures device memory)  -> tests.log
 #   4. compute-sanitizer: memcheck over test-cuda-ops, test-cuda-engine (less the case that measures device
-#      memory) and the GEMV, split-K and fused-Linear cases of test-cuda-quant; racecheck and synccheck over its quantized GEMM
-#      cases (mma paths, split-K counters, cp.async stages, the GEMV)                              -> sanitizer.log
+#      memory) and the GEMV, split-K and fused-Linear cases of test-cuda-quant; racecheck and synccheck over its
+#      quantized GEMM cases (mma paths, split-K counters, cp.async stages, the GEMV)              -> sanitizer.log
 #   5. the demo with every caption on the GPU (KVLITE_DEMO_BACKEND=cuda tools/demo.sh), then kvlite bench on the
 #      bundled captioner (BF16, CUDA graphs), for the flagship's tokens/s                         -> demo.log
 #   6. with the time left: every other suite through ctest (CPU ones; they also run in CI)       -> tests.log
