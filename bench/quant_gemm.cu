@@ -10,7 +10,8 @@
 // FP8 on sm_89+ cuBLASLt's FP8 GEMM (per-tensor scales: the same tensor-core work) is the prefill reference.
 // Times are per call, from CUDA events around a CUDA graph of repeated calls (no launch overhead).
 //
-//   build/bench-quant_gemm [--format int4|fp8] [--model llama|qwen] [--rows 1,16,512]
+//   build/bench-quant_gemm [--format int4|fp8] [--model llama|qwen] [--layer qkv|o|gate_up|down|lm_head]
+//                          [--rows 1,16,512]     (--layer: one shape, e.g. for ncu)
 // Exit status 1 when a validation fails.
 #include "kvlite.hpp"
 
@@ -311,12 +312,13 @@ std::vector<int64_t> parse_rows(const char* text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string only_format, only_model;
+  std::string only_format, only_model, only_layer;
   std::vector<int64_t> rows_list(std::begin(kDefaultRows), std::end(kDefaultRows));
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--format") only_format = argv[i + 1];
     else if (flag == "--model") only_model = argv[i + 1];
+    else if (flag == "--layer") only_layer = argv[i + 1];
     else if (flag == "--rows") rows_list = parse_rows(argv[i + 1]);
   }
   if (!cuda::built_with_cuda() || cuda::device_count() == 0) {
@@ -368,6 +370,7 @@ int main(int argc, char** argv) {
     const bool fp8 = std::string(format) == "fp8";
     for (const Shape& shape : kShapes) {
       if (!only_model.empty() && only_model != shape.model) continue;
+      if (!only_layer.empty() && only_layer != shape.layer) continue;
       const int64_t n = shape.n, k = shape.k, max_rows = *std::max_element(rows_list.begin(), rows_list.end());
       HostWeight host = make_weight(fp8, n, k, uint64_t(n * 31 + k));
       const uint64_t device_bytes = cuda::quant_device_bytes(host.view);

@@ -12,7 +12,8 @@
 #      bundled captioner (BF16, CUDA graphs), for the flagship's tokens/s                         -> demo.log
 #   6. with the time left: every other suite through ctest (CPU ones; they also run in CI)       -> tests.log
 #
-# Switches for a short call: KVLITE_CALL1_SANITIZE=0 skips step 4, KVLITE_CALL1_EXTRAS=0 steps 5 and 6.
+# Switches for a short call: KVLITE_CALL1_SANITIZE=0 skips step 4 (KVLITE_CALL1_RACECHECK=0 its racecheck and
+# synccheck, KVLITE_CALL1_OPS_MEMCHECK=0 its memcheck of test-cuda-ops), KVLITE_CALL1_EXTRAS=0 steps 5 and 6.
 #
 #     tools/device-call-1.sh              on the device (the run tool: see tools/README.md for command and carry)
 #     tools/device-call-1.sh --dry-run    anywhere: the same steps, GPU not required, no sanitizers
@@ -53,12 +54,20 @@ elif [ -z "$sanitizer" ]; then
   failed_steps=$((failed_steps + 1))
 else
   note "- compute-sanitizer: $sanitizer"
-  sanitize memcheck 120 test-cuda-ops
+  if [ "${KVLITE_CALL1_OPS_MEMCHECK:-1}" = 0 ]; then
+    note "- memcheck test-cuda-ops: not run (KVLITE_CALL1_OPS_MEMCHECK=0: no op kernel changed since it last ran)"
+  else
+    sanitize memcheck 120 test-cuda-ops
+  fi
   # (the case that measures the process's device memory against the plan: the sanitizer's own memory counts there)
   sanitize memcheck 150 test-cuda-engine '-tce=*device memory measured*'
   sanitize memcheck 120 test-cuda-quant '-tc=*GEMV*,*split-K*,*fused*'
-  sanitize racecheck 120 test-cuda-quant "$quant_gemm_cases"
-  sanitize synccheck 90 test-cuda-quant "$quant_gemm_cases"
+  if [ "${KVLITE_CALL1_RACECHECK:-1}" = 0 ]; then
+    note "- racecheck, synccheck: not run (KVLITE_CALL1_RACECHECK=0: no GEMM kernel changed since they last ran)"
+  else
+    sanitize racecheck 120 test-cuda-quant "$quant_gemm_cases"
+    sanitize synccheck 90 test-cuda-quant "$quant_gemm_cases"
+  fi
 fi
 
 if [ "${KVLITE_CALL1_EXTRAS:-1}" = 0 ]; then

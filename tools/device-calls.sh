@@ -12,9 +12,16 @@ final=${OUT:-$root/build-gpu/calls}
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvlite-calls.XXXXXX")
 mkdir -p "$final"
 status=0
-OUT=$work/call-1 KVLITE_CALL_BUDGET_S=${KVLITE_CALL1_BUDGET_S:-300} "$root/tools/device-call-1.sh" "$@" || status=1
+# KVLITE_CALL1=0 skips call 1 (a follow-up call on kernels the same sources' call 1 already ran)
+if [ "${KVLITE_CALL1:-1}" != 0 ]; then
+  OUT=$work/call-1 KVLITE_CALL_BUDGET_S=${KVLITE_CALL1_BUDGET_S:-300} "$root/tools/device-call-1.sh" "$@" || status=1
+fi
+# KVLITE_CALL_PROBE_BUDGET_S > 0: the GEMV probe (device-call-probe.sh) between the two, in that many seconds
+if [ "${KVLITE_CALL_PROBE_BUDGET_S:-0}" -gt 0 ]; then
+  OUT=$work/probe KVLITE_CALL_BUDGET_S=$KVLITE_CALL_PROBE_BUDGET_S "$root/tools/device-call-probe.sh" "$@" || status=1
+fi
 OUT=$work/call-2 KVLITE_CALL_BUDGET_S=${KVLITE_CALL2_BUDGET_S:-200} "$root/tools/device-call-2.sh" "$@" || status=1
-for file in call-1/call-1.md call-2/call-2.md call-2/gpu-check.md call-2/bench-quant_gemm.log \
+for file in call-1/call-1.md probe/probe.md call-2/call-2.md call-2/gpu-check.md call-2/bench-quant_gemm.log \
             call-2/bench-quant_gemm-baseline.log; do
   [ -f "$work/$file" ] && cp "$work/$file" "$final/"
 done
