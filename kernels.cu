@@ -1482,6 +1482,13 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
 //   split's run; lane (g, q) <- columns 8j + g (j = 0..7) at the k of its fragment slots.
 constexpr int kGemvWarps = 8;
 constexpr int kGemvUnroll = 4;
+// Blocks an SM both GEMVs are compiled for (__launch_bounds__'s second argument; 1 lets ptxas take the registers it
+// wants). A build-time knob so that a device call can time a library built with another value against this one:
+// `-DKVLITE_GEMV_MIN_BLOCKS=3` (bench/RESULTS.md, 2026-11-27).
+#ifndef KVLITE_GEMV_MIN_BLOCKS
+#define KVLITE_GEMV_MIN_BLOCKS 1
+#endif
+constexpr int kGemvMinBlocks = KVLITE_GEMV_MIN_BLOCKS;
 
 // Activation pairs of one row: columns k, k + 1 (k even) as floats, zero at and past k_valid. `whole` (the
 // caller's warp-uniform test that the tile lies below k_valid) skips the bounds checks.
@@ -1500,6 +1507,32 @@ __device__ __forceinline__ uint32_t gemv_x_bits(const T* row, uint32_t k, uint32
   return 0u;
 }
 
+// One A fragment of the tensor-core GEMV: a[0], a[2] <- row_low at k and k + step; a[1], a[3] <- row_high at the
+// same k; zero bits for a row the lane does not have (its mask 0). `whole` (warp-uniform: the tile lies below
+// k_valid, nearly always) takes plain loads from the rows, which the caller points at row 0 when a lane has no such
+// row, so that they need neither bounds nor branches: the general path (gemv_x_bits' three cases per load, each
+// behind the lane's row test) cost ~40 instructions a W4A16 tile of the ~170 ncu counted (H100, 2026-11-27).
+template <class T>
+__device__ __forceinline__ void gemv_a_fragment(const T* row_low, const T* row_high, uint32_t low_mask,
+                                                uint32_t high_mask, bool any_high, uint32_t k, uint32_t step,
+                                                uint32_t k_valid, bool whole, uint32_t (&a)[4]) {
+  if (whole) {
+    a[0] = __ldg(reinterpret_cast<const unsigned*>(row_low + k)) & low_mask;
+    a[2] = __ldg(reinterpret_cast<const unsigned*>(row_low + k + step)) & low_mask;
+    if (any_high) {
+      a[1] = __ldg(reinterpret_cast<const unsigned*>(row_high + k)) & high_mask;
+      a[3] = __ldg(reinterpret_cast<const unsigned*>(row_high + k + step)) & high_mask;
+    } else {
+      a[1] = a[3] = 0u;
+    }
+  } else {
+    a[0] = low_mask ? gemv_x_bits<T>(row_low, k, k_valid, false) : 0u;
+    a[1] = high_mask ? gemv_x_bits<T>(row_high, k, k_valid, false) : 0u;
+    a[2] = low_mask ? gemv_x_bits<T>(row_low, k + step, k_valid, false) : 0u;
+    a[3] = high_mask ? gemv_x_bits<T>(row_high, k + step, k_valid, false) : 0u;
+  }
+}
+
 template <QgFormat F>
 struct GemvShape {
   static constexpr int kTileK = F == QgFormat::int4_a16 ? 16 : 32;
@@ -1515,18 +1548,37 @@ __device__ __forceinline__ void gemv_group_tables(const QuantGemmArgs& args, uin
                                                   uint32_t (&scale2)[8], uint32_t (&subtrahend2)[8]) {
   constexpr bool kBf16 = Pair2<T>::kBf16;
   const uint64_t base = uint64_t(group) * uint64_t(args.n_pad) + uint64_t(blockIdx.y) * kQuantTileN + 8 * g;
+  // The lane's 8 scales and zero points are contiguous (positions 8g .. 8g + 7; base is a multiple of 8 since n_pad
+  // is of 64) and aligned (upload_quant_weight takes only 256-byte aligned memory, and the layout's tables start at
+  // 256-byte offsets), so they come as one or two 16-byte loads and one 8-byte load, not 16 loads each behind a
+  // dtype branch (which, with the A fragments' bounds tests, made a W4A16 tile ~170 instructions; see gemv_a_fragment).
+  float scales[8];
+  if (args.scale_bytes == 4) {
+    const float4 low = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(args.scales) + base));
+    const float4 high = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(args.scales) + base + 4));
+    scales[0] = low.x, scales[1] = low.y, scales[2] = low.z, scales[3] = low.w;
+    scales[4] = high.x, scales[5] = high.y, scales[6] = high.z, scales[7] = high.w;
+  } else {
+    const uint4 bits = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(args.scales) + base));
+    const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
+    const bool bf16 = args.scale_dtype == DType::BF16;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      const uint16_t half = uint16_t(words[j / 2] >> (16 * (j % 2)));
+      scales[j] = bf16 ? bf16_to_float(half) : f16_to_float(half);
+    }
+  }
+  uint32_t zero_bytes[2] = {0x08080808u, 0x08080808u};  // symmetric: zero point 8
+  if (F == QgFormat::int4_a16 && args.zeros != nullptr) {
+    const uint2 z = __ldg(reinterpret_cast<const uint2*>(args.zeros + base));
+    zero_bytes[0] = z.x, zero_bytes[1] = z.y;
+  }
 #pragma unroll
   for (int j = 0; j < 8; j++) {
-    float scale;
-    if (args.scale_bytes == 4) {
-      scale = __ldg(reinterpret_cast<const float*>(args.scales) + base + j);
-    } else {
-      const uint16_t bits = __ldg(reinterpret_cast<const uint16_t*>(args.scales) + base + j);
-      scale = args.scale_dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
-    }
+    const float scale = scales[j];
     if constexpr (F == QgFormat::int4_a16) {
       scale2[j] = scale_register<T, kFp32Scales>(scale);
-      const uint32_t zero = args.zeros != nullptr ? uint32_t(__ldg(args.zeros + base + j)) : 8u;
+      const uint32_t zero = (zero_bytes[j / 4] >> (8 * (j % 4))) & 0xffu;
       subtrahend2[j] = int4_subtrahend_bits(zero, int4_magic(kBf16)) * 0x10001u;
     } else {
       scale2[j] = scale_register<T, kFp32Scales>(fp8_folded_scale(scale, kBf16));
@@ -1656,7 +1708,7 @@ __device__ __forceinline__ void gemv_load_tiles(const uint8_t* tiles, int64_t t0
 //   F: int4_a16 or fp8_a16; T: activation dtype; R: rows computed (args.rows <= R); kFp32Scales: args.scale_product
 //   is one of the fp32 ones (scaled_pair; the host picks the instance).
 template <QgFormat F, class T, int R, bool kFp32Scales>
-__global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const QuantGemmArgs args) {
+__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_kernel(const QuantGemmArgs args) {
   using Shape = GemvShape<F>;
   __shared__ float warp_sums[kGemvWarps][R][kQuantTileN];
   __shared__ int last_arrival;
@@ -1696,8 +1748,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const Quant
         for (int s = 0; s < 4; s++) {
           // int4: slots 0, 1 <- k 2q, 2q + 8 (2, 3 unused); fp8: slot 2r + p <- k 16r + 4q + 2p
           const uint32_t k = F == QgFormat::int4_a16 ? k0 + 2 * q + 8 * s : k0 + 16 * (s / 2) + 4 * q + 2 * (s % 2);
-          xs[m][s] = (m < rows && (F != QgFormat::int4_a16 || s < 2)) ? gemv_x_pair<T>(row, k, k_valid, whole)
-                                                                      : make_float2(0.0f, 0.0f);
+          if (F == QgFormat::int4_a16 && s >= 2) {
+            xs[m][s] = make_float2(0.0f, 0.0f);
+          } else if (whole) {  // warp-uniform, nearly always: a plain load from the row (row 0 past args.rows)
+            const float2 v = pair_to_float2<T>(__ldg(reinterpret_cast<const unsigned*>(row + k)));
+            xs[m][s] = m < rows ? v : make_float2(0.0f, 0.0f);
+          } else {
+            xs[m][s] = m < rows ? gemv_x_pair<T>(row, k, k_valid, false) : make_float2(0.0f, 0.0f);
+          }
         }
       }
       gemv_tile<F, T, R, kFp32Scales>(chunks[u], xs, scale2, subtrahend2, args.scale_product, acc);
@@ -1728,12 +1786,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_kernel(const Quant
 // Measured on an H100 (bench/RESULTS.md, 2026-11-26, third session): W4A16 flat from M = 1 to 8 and 1.5-2x the mma
 // kernel at M = 8-16; for fp8 its 64 registers of loads leave one block an SM, and the mma kernels win.
 // Occupancy is not one launch bound away: __launch_bounds__(kGemvWarps * 32, 3) (3 blocks an SM, 80 registers)
-// spills on sm_90 (ptxas, 2026-11-26: int4 88 B stored / 96 B loaded, fp8 388 / 416 B), so 3 blocks an SM wants a
-// kernel that holds fewer values live, not a tighter bound.
+// spills on sm_90 (ptxas, 2026-11-26: int4 88 B stored / 96 B loaded, fp8 388 / 416 B), and timed on an H100
+// (KVLITE_GEMV_MIN_BLOCKS=3, 2026-11-27) it lost on the large shapes (gate_up 46 -> 50 us; Llama-3.1-8B W4A16
+// decode 193 -> 179 tok/s), so 3 blocks an SM wants a kernel that holds fewer values live, not a tighter bound.
+// Where its time goes (ncu, bench/RESULTS.md 2026-11-27): ~123 instructions a 512-byte W4A16 tile (169 before
+// gemv_a_fragment and the vector table loads), now mostly waiting on memory with ~3.4 warps a scheduler; the same
+// grid and loads without the math stream at 87% of the read ceiling (bench/gemv_stream.cu).
 //   F: int4_a16 or fp8_a16; T: activation dtype; kFp32Scales as quant_gemv_kernel's; args.rows <=
 //   kQuantGemvMmaMaxRows.
 template <QgFormat F, class T, bool kFp32Scales>
-__global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_mma_kernel(const QuantGemmArgs args) {
+__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mma_kernel(const QuantGemmArgs args) {
   using Shape = GemvShape<F>;
   constexpr int kRows = int(kQuantGemvMmaMaxRows);
   __shared__ float warp_sums[kGemvWarps][kRows][kQuantTileN];
@@ -1749,6 +1811,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_mma_kernel(const Q
   const T* x = static_cast<const T*>(args.x);
   const T* row_low = x + int64_t(has_low ? g : 0) * args.x_stride;
   const T* row_high = x + int64_t(has_high ? g + 8 : 0) * args.x_stride;
+  const uint32_t low_mask = has_low ? ~0u : 0u, high_mask = has_high ? ~0u : 0u;
+  const bool any_high = rows > 8;  // warp-uniform: no lane has a high row at M <= 8, whose loads are skipped
 
   float acc[1][8][4];
 #pragma unroll
@@ -1774,20 +1838,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32) quant_gemv_mma_kernel(const Q
       if constexpr (F == QgFormat::int4_a16) {
         // a0 / a1: rows g / g + 8 at k 2q, 2q + 1; a2 / a3: the same rows at k 2q + 8, 2q + 9
         const uint32_t k = k0 + 2 * q;
-        a[0][0] = has_low ? gemv_x_bits<T>(row_low, k, k_valid, whole) : 0u;
-        a[0][1] = has_high ? gemv_x_bits<T>(row_high, k, k_valid, whole) : 0u;
-        a[0][2] = has_low ? gemv_x_bits<T>(row_low, k + 8, k_valid, whole) : 0u;
-        a[0][3] = has_high ? gemv_x_bits<T>(row_high, k + 8, k_valid, whole) : 0u;
+        gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, any_high, k, 8, k_valid, whole, a[0]);
         int4_tile_mma<T, 1, kFp32Scales>(chunks[u][0], a, scale2, subtrahend2, args.scale_product, acc);
       } else {
 #pragma unroll
         for (int step = 0; step < 2; step++) {
           // slots 2q, 2q + 1 <- k 4q, 4q + 1 and slots 2q + 8, 2q + 9 <- k 4q + 2, 4q + 3 (as qg_step_fp8_a16)
           const uint32_t k = k0 + 16 * step + 4 * q;
-          a[0][0] = has_low ? gemv_x_bits<T>(row_low, k, k_valid, whole) : 0u;
-          a[0][1] = has_high ? gemv_x_bits<T>(row_high, k, k_valid, whole) : 0u;
-          a[0][2] = has_low ? gemv_x_bits<T>(row_low, k + 2, k_valid, whole) : 0u;
-          a[0][3] = has_high ? gemv_x_bits<T>(row_high, k + 2, k_valid, whole) : 0u;
+          gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, any_high, k, 2, k_valid, whole, a[0]);
           fp8_a16_step_mma<T, 1, kFp32Scales>(chunks[u], step, a, scale2, args.scale_product, acc);
         }
       }
