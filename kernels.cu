@@ -1482,6 +1482,13 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
 //   split's run; lane (g, q) <- columns 8j + g (j = 0..7) at the k of its fragment slots.
 constexpr int kGemvWarps = 8;
 constexpr int kGemvUnroll = 4;
+// W4A16 tiles in flight a lane (GemvShape<int4_a16>::kUnroll): 4, 64 bytes; a build-time knob like
+// KVLITE_GEMV_MIN_BLOCKS, for a device call to time 8 against 4 (tools/build-gpu-variant.sh): with the instructions
+// cut (bench/RESULTS.md, 2026-11-27) the kernel's top stall became waiting on memory, and at 8 gemv_mma holds 125
+// registers, no spill (ptxas, sm_90), still 2 blocks an SM. FP8 tiles are 4x larger and keep 4.
+#ifndef KVLITE_GEMV_INT4_UNROLL
+#define KVLITE_GEMV_INT4_UNROLL 4
+#endif
 // Blocks an SM both GEMVs are compiled for (__launch_bounds__'s second argument; 1 lets ptxas take the registers it
 // wants). A build-time knob so that a device call can time a library built with another value against this one:
 // `-DKVLITE_GEMV_MIN_BLOCKS=3` (bench/RESULTS.md, 2026-11-27).
@@ -1539,6 +1546,7 @@ struct GemvShape {
   static constexpr int kChunks = F == QgFormat::int4_a16 ? 1 : 4;  // 16-byte chunks per lane per tile
   static constexpr int kTileBytes = 512 * kChunks;
   static constexpr int kTilesPerStage = int(kQuantStageK) / kTileK;
+  static constexpr int kUnroll = F == QgFormat::int4_a16 ? KVLITE_GEMV_INT4_UNROLL : kGemvUnroll;  // tiles in flight
 };
 
 // The lane's 8 scale registers (scale_register: T pairs, or floats for kFp32Scales) and int4 subtrahends of
@@ -1691,14 +1699,14 @@ __device__ __forceinline__ void gemv_warp_tiles(const QuantGemmArgs& args, int w
   *t_end = *t_begin + per_warp < split_end ? *t_begin + per_warp : split_end;
 }
 
-// kGemvUnroll tiles from t0 on, the lane's 16-byte chunks of each, all in flight before any is used (streamed:
+// Shape::kUnroll tiles from t0 on, the lane's 16-byte chunks of each, all in flight before any is used (streamed:
 // read once, kept out of L1); zeros past t_end.
 template <QgFormat F>
 __device__ __forceinline__ void gemv_load_tiles(const uint8_t* tiles, int64_t t0, int64_t t_end,
-                                                uint4 (&chunks)[kGemvUnroll][GemvShape<F>::kChunks]) {
+                                                uint4 (&chunks)[GemvShape<F>::kUnroll][GemvShape<F>::kChunks]) {
   using Shape = GemvShape<F>;
 #pragma unroll
-  for (int u = 0; u < kGemvUnroll; u++)
+  for (int u = 0; u < Shape::kUnroll; u++)
 #pragma unroll
     for (int c = 0; c < Shape::kChunks; c++)
       chunks[u][c] = t0 + u < t_end ? __ldcs(reinterpret_cast<const uint4*>(tiles + uint64_t(t0 + u) * Shape::kTileBytes + 512 * c))
@@ -1727,11 +1735,11 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_ke
     for (int j = 0; j < 8; j++) acc[m][j] = 0.0f;
   uint32_t scale2[8], subtrahend2[8];
   uint32_t group = 0xffffffffu;  // the group whose tables the registers hold
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += kGemvUnroll) {
-    uint4 chunks[kGemvUnroll][Shape::kChunks];
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += Shape::kUnroll) {
+    uint4 chunks[Shape::kUnroll][Shape::kChunks];
     gemv_load_tiles<F>(tiles, t0, t_end, chunks);
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; u++) {
+    for (int u = 0; u < Shape::kUnroll; u++) {
       if (t0 + u >= t_end) break;
       const uint32_t k0 = uint32_t(t0 + u) * uint32_t(Shape::kTileK);  // K_pad < 2^31 (checked at upload)
       const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);
@@ -1821,11 +1829,11 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
     for (int i = 0; i < 4; i++) acc[0][j][i] = 0.0f;
   uint32_t scale2[8], subtrahend2[8];
   uint32_t group = 0xffffffffu;
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += kGemvUnroll) {
-    uint4 chunks[kGemvUnroll][Shape::kChunks];
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += Shape::kUnroll) {
+    uint4 chunks[Shape::kUnroll][Shape::kChunks];
     gemv_load_tiles<F>(tiles, t0, t_end, chunks);
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; u++) {
+    for (int u = 0; u < Shape::kUnroll; u++) {
       if (t0 + u >= t_end) break;
       const uint32_t k0 = uint32_t(t0 + u) * uint32_t(Shape::kTileK);
       const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);

@@ -30,14 +30,15 @@ done
 # KVLITE_BASELINE=DIR (a folder the call carries: bench-quant_gemm, kvlite and lib/ built from an earlier commit by
 # the same recipe): the same GEMMs through its bench-quant_gemm at the decode rows, on this machine in this call, so
 # that a kernel change is measured against what it replaces (tools/gpu-check.sh runs its kvlite too).
-baseline=${KVLITE_BASELINE:-}
-if [ -n "$baseline" ] && [ -x "$baseline/bench-quant_gemm" ] && [ "${KVLITE_CALL2_GEMM:-1}" != 0 ]; then
-  for format in int4 fp8; do
+# Several folders, space-separated, are each timed so (tools/build-gpu-variant.sh makes such folders from one -D).
+for baseline in ${KVLITE_BASELINE:-}; do
+  [ -x "$baseline/bench-quant_gemm" ] && [ "${KVLITE_CALL2_GEMM:-1}" != 0 ] || continue
+  for format in ${KVLITE_BASELINE_FORMATS:-int4 fp8}; do
     run_step "baseline bench-quant_gemm --format $format --rows 1,2,4,8,16 ($baseline)" 100 "$out/bench-quant_gemm-baseline.log" \
       env LD_LIBRARY_PATH="$baseline/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$baseline/bench-quant_gemm" \
       --format $format --rows 1,2,4,8,16
   done
-fi
+done
 
 left=$(( budget - $(elapsed) - 20 ))
 if [ $dry_run = 1 ]; then

@@ -40,13 +40,13 @@ else
       --print-details all "$build/bench-quant_gemm" --format "$format" --model "$model" --layer "$layer" --rows 1
   done
   # KVLITE_BASELINE (a library built otherwise, e.g. -DKVLITE_GEMV_MIN_BLOCKS=3): its gate_up GEMV too
-  baseline=${KVLITE_BASELINE:-}
-  if [ -n "$baseline" ] && [ -f "$baseline/lib/libkvlite.so" ]; then
+  for baseline in ${KVLITE_BASELINE:-}; do
+    [ -f "$baseline/lib/libkvlite.so" ] || continue
     run_step "ncu: int4 llama gate_up, M = 1, library $baseline/lib" 40 "$ncu_log" \
       env LD_LIBRARY_PATH="$baseline/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
       "$ncu" --clock-control none -k regex:quant_gemv --launch-skip 1 --launch-count 1 "${sections[@]}" \
       --print-details all "$build/bench-quant_gemm" --format int4 --model llama --layer gate_up --rows 1
-  fi
+  done
   # the lines that answer the question, per profile, into the summary
   { echo '```'
     grep -E '^==== ncu|quant_gemv.*\(|DRAM Throughput|Memory Throughput|Duration|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit Registers|Grid Size|Waves Per SM|Issue Slots Busy|Issued Warp Per Scheduler|No Eligible|Warp Cycles Per Issued|Active Warps Per Scheduler|Eligible Warps Per Scheduler|[Ss]tall|L1/TEX Hit|L2 Hit' "$ncu_log" | cut -c1-150

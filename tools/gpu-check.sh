@@ -179,13 +179,15 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
       bench "$title, planned as a 24 GiB card (does not fit 8 GiB)" "$dir" --backend cuda --device-mem 24GiB --profile
       status=$?
     fi
-    if [ -n "${KVLITE_BASELINE:-}" ] && [ -x "$KVLITE_BASELINE/kvlite" ] && [ $status = 0 ]; then
-      # the same checkpoint through an earlier commit's kvlite (see device-call-2.sh), planned the same way
+    # the same checkpoint through each baseline's kvlite (KVLITE_BASELINE: one folder or several, space-separated:
+    # an earlier commit's build, or a variant library from tools/build-gpu-variant.sh), planned the same way
+    for baseline in ${KVLITE_BASELINE:-}; do
+      [ -x "$baseline/kvlite" ] && [ $status = 0 ] || continue
       saved_kvlite=$kvlite
-      kvlite="env LD_LIBRARY_PATH=$KVLITE_BASELINE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} $KVLITE_BASELINE/kvlite"
-      bench "$title, BASELINE kvlite ($KVLITE_BASELINE), planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB
+      kvlite="env LD_LIBRARY_PATH=$baseline/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} $baseline/kvlite"
+      bench "$title, BASELINE kvlite ($baseline), planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB
       kvlite=$saved_kvlite
-    fi
+    done
     phase "$title" "bench exit $status"
     rm -rf "$dir"
   done
