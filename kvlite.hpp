@@ -1231,17 +1231,31 @@ KVLITE_HD int w8a8_scale_position(int lane, int block, int e) {
 // u - zero = q - z exactly; one multiply by the scale then rounds once, as the reference does.
 constexpr uint32_t kInt4MagicBf16 = 0x4300u, kInt4MagicF16 = 0x6400u;
 KVLITE_HD uint32_t int4_magic(bool bf16) { return bf16 ? kInt4MagicBf16 : kInt4MagicF16; }
+// lop3.b32's truth table: bit (a_i b_i c_i) of `lut` is result bit i, with a = 0xf0, b = 0xcc, c = 0xaa spelling
+// the table (PTX ISA); so (a & b) | c is (0xf0 & 0xcc) | 0xaa = 0xea. The host's lop3, for checking a table.
+constexpr uint32_t kLop3AndOr = (0xf0u & 0xccu) | 0xaau;
+KVLITE_HD uint32_t lop3_reference(uint32_t a, uint32_t b, uint32_t c, uint32_t lut) {
+  uint32_t result = 0;
+  for (int i = 0; i < 32; i++) {
+    const uint32_t index = (((a >> i) & 1u) << 2) | (((b >> i) & 1u) << 1) | ((c >> i) & 1u);
+    result |= ((lut >> index) & 1u) << i;
+  }
+  return result;
+}
+constexpr uint32_t kInt4PairMask = 0x000f000fu;  // nibble p of each 16-bit half, once shifted down by 4 p
 // Pair p (0..3) of a device word as two 16-bit values magic + u: low half nibble p, high half nibble p + 4.
 KVLITE_HD uint32_t int4_pair_bits(uint32_t word, int pair, uint32_t magic) {
 #if defined(__CUDA_ARCH__)
-  // One LOP3 ((a & b) | c: lut 0xea) with the mask as its immediate and the magic word in a register: written as
+  // One LOP3 ((a & b) | c: kLop3AndOr) with the mask as its immediate and the magic word in a register: written as
   // C++, ptxas emits an AND and an OR (a LOP3 takes one immediate), 16 extra instructions a W4A16 tile
-  // (cuobjdump of quant_gemv_mma_kernel, H100, 2026-11-27).
+  // (cuobjdump of quant_gemv_mma_kernel, H100, 2026-11-27). The CPU checks the table (unit-quant-gpu-host).
   uint32_t bits;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(bits) : "r"(word >> (4 * pair)), "n"(0x000f000f), "r"(magic | (magic << 16)));
+  asm("lop3.b32 %0, %1, %2, %3, %4;"
+      : "=r"(bits)
+      : "r"(word >> (4 * pair)), "n"(kInt4PairMask), "r"(magic | (magic << 16)), "n"(kLop3AndOr));
   return bits;
 #else
-  return ((word >> (4 * pair)) & 0x000f000fu) | (magic | (magic << 16));  // a shift and one lop3
+  return ((word >> (4 * pair)) & kInt4PairMask) | (magic | (magic << 16));
 #endif
 }
 // The 16-bit value magic + zero (zero = the stored zero point, 0..15; 8 when symmetric).

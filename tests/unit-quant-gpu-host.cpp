@@ -417,6 +417,29 @@ TEST_CASE("int4 magic-number dequantization: all 16 nibbles x all 16 zero points
   }
 }
 
+TEST_CASE("the device's one-LOP3 nibble extraction: its truth table computes the host's (a & b) | c") {
+  // The device path of int4_pair_bits is lop3.b32(word >> 4p, kInt4PairMask, magic pair, kLop3AndOr); the host's
+  // emulation of that instruction must give the host path's bits for every word tried.
+  CHECK(kLop3AndOr == 0xeau);
+  std::mt19937 rng(4242);
+  for (bool bf16 : {true, false}) {
+    const uint32_t magic = int4_magic(bf16);
+    for (int trial = 0; trial < 2000; trial++) {
+      const uint32_t word = static_cast<uint32_t>(rng());
+      for (int pair = 0; pair < 4; pair++)
+        CHECK(lop3_reference(word >> (4 * pair), kInt4PairMask, magic | (magic << 16), kLop3AndOr) ==
+              int4_pair_bits(word, pair, magic));
+    }
+  }
+  // and the emulation itself spells other tables as the PTX ISA does
+  const uint32_t a = 0x12345678u, b = 0x0f0f0f0fu, c = 0xff00ff00u;
+  CHECK(lop3_reference(a, b, c, 0xf0u) == a);
+  CHECK(lop3_reference(a, b, c, 0xccu) == b);
+  CHECK(lop3_reference(a, b, c, 0xaau) == c);
+  CHECK(lop3_reference(a, b, c, 0xf0u & 0xccu) == (a & b));
+  CHECK(lop3_reference(a, b, c, 0xf0u ^ 0xaau) == (a ^ c));
+}
+
 TEST_CASE("e4m3 bit decoding: all 256 codes, bf16 and f16, both byte pairs") {
   for (bool bf16 : {true, false}) {
     const float unfold = std::ldexp(1.0f, fp8_exponent_fix(bf16));
