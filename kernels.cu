@@ -1497,19 +1497,19 @@ constexpr int kGemvUnroll = 4;
 #endif
 constexpr int kGemvMinBlocks = KVLITE_GEMV_MIN_BLOCKS;
 
-// Activation pairs of one row: columns k, k + 1 (k even) as floats, zero at and past k_valid. `whole` (the
-// caller's warp-uniform test that the tile lies below k_valid) skips the bounds checks.
+// Activation pairs of one row at a tile crossing k_valid: columns k, k + 1 (k even) as floats, zero at and past
+// k_valid. (A tile below k_valid, nearly every one, takes a plain load instead: the callers test that per tile.)
 template <class T>
-__device__ __forceinline__ float2 gemv_x_pair(const T* row, uint32_t k, uint32_t k_valid, bool whole) {
-  if (whole || k + 1 < k_valid) return pair_to_float2<T>(__ldg(reinterpret_cast<const unsigned*>(row + k)));
+__device__ __forceinline__ float2 gemv_x_pair(const T* row, uint32_t k, uint32_t k_valid) {
+  if (k + 1 < k_valid) return pair_to_float2<T>(__ldg(reinterpret_cast<const unsigned*>(row + k)));
   if (k < k_valid) return make_float2(to_float(row[k]), 0.0f);
   return make_float2(0.0f, 0.0f);
 }
 
 // The same pair as raw T bits (k even), for an mma A fragment: zero bits (+0) at and past k_valid.
 template <class T>
-__device__ __forceinline__ uint32_t gemv_x_bits(const T* row, uint32_t k, uint32_t k_valid, bool whole) {
-  if (whole || k + 1 < k_valid) return __ldg(reinterpret_cast<const unsigned*>(row + k));
+__device__ __forceinline__ uint32_t gemv_x_bits(const T* row, uint32_t k, uint32_t k_valid) {
+  if (k + 1 < k_valid) return __ldg(reinterpret_cast<const unsigned*>(row + k));
   if (k < k_valid) return uint32_t(__ldg(reinterpret_cast<const unsigned short*>(row) + k));
   return 0u;
 }
@@ -1533,10 +1533,10 @@ __device__ __forceinline__ void gemv_a_fragment(const T* row_low, const T* row_h
       a[1] = a[3] = 0u;
     }
   } else {
-    a[0] = low_mask ? gemv_x_bits<T>(row_low, k, k_valid, false) : 0u;
-    a[1] = high_mask ? gemv_x_bits<T>(row_high, k, k_valid, false) : 0u;
-    a[2] = low_mask ? gemv_x_bits<T>(row_low, k + step, k_valid, false) : 0u;
-    a[3] = high_mask ? gemv_x_bits<T>(row_high, k + step, k_valid, false) : 0u;
+    a[0] = low_mask ? gemv_x_bits<T>(row_low, k, k_valid) : 0u;
+    a[1] = high_mask ? gemv_x_bits<T>(row_high, k, k_valid) : 0u;
+    a[2] = low_mask ? gemv_x_bits<T>(row_low, k + step, k_valid) : 0u;
+    a[3] = high_mask ? gemv_x_bits<T>(row_high, k + step, k_valid) : 0u;
   }
 }
 
@@ -1762,7 +1762,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_ke
             const float2 v = pair_to_float2<T>(__ldg(reinterpret_cast<const unsigned*>(row + k)));
             xs[m][s] = m < rows ? v : make_float2(0.0f, 0.0f);
           } else {
-            xs[m][s] = m < rows ? gemv_x_pair<T>(row, k, k_valid, false) : make_float2(0.0f, 0.0f);
+            xs[m][s] = m < rows ? gemv_x_pair<T>(row, k, k_valid) : make_float2(0.0f, 0.0f);
           }
         }
       }
