@@ -43,7 +43,8 @@ sanitize() {  # sanitize TOOL SECONDS SUITE [doctest filters...]
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
   /usr/local/cuda*/compute-sanitizer/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)
 # 6 cases: the mma paths, the staged (cp.async) copy, split-K, the GEMV
-quant_gemm_cases='-tc=*mma*,*split-K*,*staged*,*GEMV*'
+# (KVLITE_CALL1_RACECHECK_CASES='-tc=*GEMV*' narrows them to the kernels a change touched)
+quant_gemm_cases=${KVLITE_CALL1_RACECHECK_CASES:-'-tc=*mma*,*split-K*,*staged*,*GEMV*'}
 
 if [ $dry_run = 1 ]; then
   note "- compute-sanitizer: not run (dry run)"
@@ -54,14 +55,17 @@ elif [ -z "$sanitizer" ]; then
   failed_steps=$((failed_steps + 1))
 else
   note "- compute-sanitizer: $sanitizer"
+  # KVLITE_CALL1_MEMCHECK="test-cuda-ops ...": memcheck over those suites only (a short call after a change that
+  # touched only their kernels); KVLITE_CALL1_OPS_MEMCHECK=0 drops test-cuda-ops from the default three
+  memcheck_suites=${KVLITE_CALL1_MEMCHECK:-test-cuda-ops test-cuda-engine test-cuda-quant}
   if [ "${KVLITE_CALL1_OPS_MEMCHECK:-1}" = 0 ]; then
     note "- memcheck test-cuda-ops: not run (KVLITE_CALL1_OPS_MEMCHECK=0: no op kernel changed since it last ran)"
-  else
+  elif [[ " $memcheck_suites " == *" test-cuda-ops "* ]]; then
     sanitize memcheck 120 test-cuda-ops
   fi
   # (the case that measures the process's device memory against the plan: the sanitizer's own memory counts there)
-  sanitize memcheck 150 test-cuda-engine '-tce=*device memory measured*'
-  sanitize memcheck 120 test-cuda-quant '-tc=*GEMV*,*split-K*,*fused*'
+  [[ " $memcheck_suites " == *" test-cuda-engine "* ]] && sanitize memcheck 150 test-cuda-engine '-tce=*device memory measured*'
+  [[ " $memcheck_suites " == *" test-cuda-quant "* ]] && sanitize memcheck 120 test-cuda-quant '-tc=*GEMV*,*split-K*,*fused*'
   if [ "${KVLITE_CALL1_RACECHECK:-1}" = 0 ]; then
     note "- racecheck, synccheck: not run (KVLITE_CALL1_RACECHECK=0: no GEMM kernel changed since they last ran)"
   else

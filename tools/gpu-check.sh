@@ -25,6 +25,8 @@
 #                              until then they report unsupported, which the report records)
 #   KVLITE_GPU_CHECK_MODELS="llama-3.1-8b:w4a16 qwen3-4b:none"   these checkpoints only, in this order
 #   KVLITE_GPU_CHECK_TESTS=0   no test suites (a second call: build up to date, benchmarks only)
+#   KVLITE_GPU_CHECK_NCU_STEP=1 (or "llama-3.1-8b ...")   each checkpoint's (or these presets') decode step split
+#                              into its kernels by Nsight Compute (ncu-step-*.csv, tools/ncu-step-summary.py)
 # Prebuilt binaries: when gpu-bundle/ (tools/build-gpu-bundle.sh, carried by the device call) was built from these
 # sources for this GPU's arch, no build at all (tools/use-gpu-bundle.sh); otherwise the build below, with ninja
 # when present. Switches for tools/simulate-device.sh and tools/device-call-*.sh:
@@ -188,6 +190,23 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
       bench "$title, BASELINE kvlite ($baseline), planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB
       kvlite=$saved_kvlite
     done
+    # KVLITE_GPU_CHECK_NCU_STEP=1: every kernel of a short run timed alone by Nsight Compute (gpu__time_duration,
+    # the card's clocks as found, caches not flushed: a kernel finds in L2 what the one before it wrote, as in the
+    # graph), graph nodes one by one, so a decode step splits into its kernels; the CSV goes to
+    # ncu-step-PRESET-QUANT.csv (tools/ncu-step-summary.py reads it), the table into the report
+    ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    # (KVLITE_GPU_CHECK_NCU_STEP="llama-3.1-8b ...": those presets only)
+    ncu_step=${KVLITE_GPU_CHECK_NCU_STEP:-0}
+    [ "$ncu_step" != 0 ] && [ "$ncu_step" != 1 ] && { [[ " $ncu_step " == *" $preset "* ]] || ncu_step=0; }
+    if [ "$ncu_step" != 0 ] && [ -n "$ncu" ] && [ $status = 0 ]; then
+      csv="$out/ncu-step-$preset-$quant.csv"
+      timeout 150 "$ncu" --clock-control none --cache-control none --csv --print-units base --metrics gpu__time_duration.sum \
+        $kvlite bench "$dir" --backend cuda --device-mem 8GiB --batch 1 --prompt-tokens 128 --decode-tokens 3 \
+        > "$csv" 2> "$out/ncu-step.err"
+      phase "$title" "ncu step breakdown exit $? ($(grep -c gpu__time_duration "$csv") kernels timed)"
+      { echo "### ncu: one decode step's kernels, $title"; echo '```'
+        python3 tools/ncu-step-summary.py "$csv" 2>&1 | head -60; echo '```'; } >> "$report"
+    fi
     phase "$title" "bench exit $status"
     rm -rf "$dir"
   done
