@@ -268,6 +268,10 @@ __global__ void gather_rows_kernel(const T* table,         // [table_rows, cols]
     dst[c] = from_float<A>(to_float(load_readonly(src + c)));
 }
 
+// Elements of a row (or group) a norm thread keeps in registers: rows up to TEAM x kNormCached columns (4096 with a
+// block of 256 threads, 512 with a warp) load everything first; wider ones take the loop.
+constexpr int kNormCached = 16;
+
 // RMSNorm of groups of `group` columns (LlamaRMSNorm in fp32): out = w * (x * rsqrt(mean(x^2) + eps)).
 //   A: activation type; W: weight type;
 //   TEAM: threads normalising one group: 32 (a warp; a block holds blockDim / 32 groups) or blockDim (one
@@ -286,6 +290,30 @@ __global__ void rms_norm_kernel(const A* x, int64_t x_stride,  // [rows, groups_
   const int64_t row = team / groups_per_row, first = (team % groups_per_row) * group;
   const A* in = x + row * x_stride + first;
   A* dst = out + row * out_stride + first;
+
+  if (group <= int64_t(TEAM) * kNormCached) {  // uniform: the group's elements fit the team's registers
+    // every load first (x and weight: nothing the thread stores can change them before it reads them), then the
+    // same arithmetic in the same order as the loop below; see add_rms_norm_kernel for why
+    float xs[kNormCached], ws[kNormCached];
+#pragma unroll
+    for (int i = 0; i < kNormCached; i++) {
+      const int64_t c = member + int64_t(TEAM) * i;
+      xs[i] = c < group ? to_float(in[c]) : 0.0f;
+      ws[i] = c < group ? to_float(load_readonly(weight + c)) : 0.0f;
+    }
+    float squares = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kNormCached; i++)
+      if (member + int64_t(TEAM) * i < group) squares += xs[i] * xs[i];
+    const float variance = team_sum<TEAM>(squares, team_partials) / float(group);
+    const float inv_rms = 1.0f / sqrtf(variance + eps);
+#pragma unroll
+    for (int i = 0; i < kNormCached; i++) {
+      const int64_t c = member + int64_t(TEAM) * i;
+      if (c < group) dst[c] = from_float<A>(ws[i] * (xs[i] * inv_rms));
+    }
+    return;
+  }
 
   // ---- phase 1: mean of squares
   float squares = 0.0f;
@@ -316,6 +344,41 @@ __global__ void add_rms_norm_kernel(const A* x, int64_t x_stride,  // [rows, col
   const A* in = x + row * x_stride;
   A* res = residual + row * residual_stride;
   A* dst = out + row * out_stride;
+
+  if (cols <= int64_t(TEAM) * kNormCached) {  // uniform: the row fits the team's registers (decode rows, always)
+    // The loop below reads, stores, reads: the compiler cannot move a load above a store through pointers that may
+    // alias (x is out, in place), so each of its iterations waited out a memory round trip: 15 us a call for one
+    // 4096-column row under ncu with its caches flushed, 18% of a Llama-3.1-8B W4A16 decode step; 4 us this way with
+    // the caches as found (H200, 2026-11-27, bench/RESULTS.md). Here every load of the
+    // thread's elements is issued first (each element is read and written by one thread only, so the order per
+    // element is unchanged), then the same arithmetic in the same order: the same bits.
+    float xs[kNormCached], rs[kNormCached], ws[kNormCached];
+#pragma unroll
+    for (int i = 0; i < kNormCached; i++) {
+      const int64_t c = member + int64_t(TEAM) * i;
+      rs[i] = c < cols ? to_float(res[c]) : 0.0f;
+      xs[i] = c < cols ? to_float(in[c]) : 0.0f;
+      ws[i] = c < cols ? to_float(load_readonly(weight + c)) : 0.0f;
+    }
+    float squares = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kNormCached; i++) {
+      const int64_t c = member + int64_t(TEAM) * i;
+      if (c >= cols) continue;
+      const A sum = from_float<A>(rs[i] + xs[i]);
+      res[c] = sum;
+      rs[i] = to_float(sum);  // what was stored, as the loop's second read of res[c]
+      squares += rs[i] * rs[i];
+    }
+    const float variance = team_sum<TEAM>(squares, team_partials) / float(cols);
+    const float inv_rms = 1.0f / sqrtf(variance + eps);
+#pragma unroll
+    for (int i = 0; i < kNormCached; i++) {
+      const int64_t c = member + int64_t(TEAM) * i;
+      if (c < cols) dst[c] = from_float<A>(ws[i] * (rs[i] * inv_rms));
+    }
+    return;
+  }
 
   // ---- phase 1: residual += x, and the sum of squares of what was stored
   float squares = 0.0f;
@@ -435,7 +498,7 @@ __global__ void kv_write_kernel(const A* k, int64_t k_stride, const A* v, int64_
 // One block per (query row, KV head, head pass, split):
 //
 //   grid.x = query rows       grid.y = KV heads x head passes       grid.z = splits of the context
-//   block  = 4 warps; warp w takes keys begin + w, begin + w + 4, ... of its split's chunk, two at a time
+//   block  = 8 warps; warp w takes keys begin + w, begin + w + 8, ... of its split's chunk, kKeys at a time
 //   lanes  = head dimensions: lane l holds dims l, l + 32, ... (DIMS of them) of q, K, V and the output
 //
 //   context of one query:  | chunk 0 (split 0) | chunk 1 (split 1) | ... | last |  (causal: keys 0 .. last)
@@ -445,7 +508,14 @@ __global__ void kv_write_kernel(const A* k, int64_t k_stride, const A* v, int64_
 // split it writes the output, with several it writes a partial (max, sum, unnormalised acc) and
 // attention_combine_kernel merges the splits. Decode (one query, long context) gets its parallelism from
 // the splits; prefill chunks from their rows.
+// Warps of the segment (vision) attention block, and of the paged one. The paged one has 8: a decode split is a
+// chunk of 16-24 keys (kAttentionMinChunk), so that each warp takes 2-3 of them in one batch of loads instead of
+// walking 4-6 in dependent rounds (17 us a layer for a 150-key Llama-3.1-8B context with 4 warps, ncu, H200).
 constexpr int kAttentionWarps = 4;
+constexpr int kPagedAttentionWarps = 8;
+// Keys a paged-attention warp loads before using any (their page ids, then their K and V rows, all in flight at
+// once): 4 while the K/V registers (2 x kKeys x DIMS floats) stay at 32, else 2.
+KVLITE_HD constexpr int attention_keys_in_flight(int dims_per_lane) { return dims_per_lane <= 4 ? 4 : 2; }
 
 struct AttentionArgs {
   const void* q;  // [rows, heads * head_dim], activation type
@@ -475,11 +545,12 @@ struct AttentionArgs {
 //   HEADS: query heads per block (attention_heads_per_block(DIMS)); a group larger than that takes
 //   several head passes (grid.y).
 template <class A, class E, int DIMS, int HEADS>
-__global__ void __launch_bounds__(kAttentionWarps * 32) paged_attention_kernel(const AttentionArgs args) {
+__global__ void __launch_bounds__(kPagedAttentionWarps * 32) paged_attention_kernel(const AttentionArgs args) {
   constexpr int kPadded = DIMS * 32;  // head_dim rounded up to whole lanes
-  __shared__ float warp_max[kAttentionWarps][HEADS];
-  __shared__ float warp_total[kAttentionWarps][HEADS];
-  __shared__ float warp_acc[kAttentionWarps][HEADS][kPadded];
+  constexpr int kWarps = kPagedAttentionWarps, kKeys = attention_keys_in_flight(DIMS);
+  __shared__ float warp_max[kWarps][HEADS];
+  __shared__ float warp_total[kWarps][HEADS];
+  __shared__ float warp_acc[kWarps][HEADS][kPadded];
 
   const int64_t row = blockIdx.x, split = blockIdx.z;
   const int64_t kv_head = blockIdx.y / args.head_passes;
@@ -516,7 +587,7 @@ __global__ void __launch_bounds__(kAttentionWarps * 32) paged_attention_kernel(c
       q[h][i] = (h < heads_here && d < head_dim) ? to_float(q_row[(first_head + h) * head_dim + d]) : 0.0f;
     }
 
-  // ---- phase 3: the split's keys, each warp every kAttentionWarps-th, online softmax per head
+  // ---- phase 3: the split's keys, each warp every kWarps-th, online softmax per head
   float running_max[HEADS], running_sum[HEADS], acc[HEADS][DIMS];
 #pragma unroll
   for (int h = 0; h < HEADS; h++) {
@@ -532,26 +603,36 @@ __global__ void __launch_bounds__(kAttentionWarps * 32) paged_attention_kernel(c
   split_key_range(split, attention_chunk(args.splits, last + 1), last, &key_begin, &key_end);
   const int32_t* seq_pages = args.block_tables + (seq < 0 ? 0 : seq) * args.block_table_stride;
   const E* cache = static_cast<const E*>(args.pages);
-  // Keys in pairs (key, key + kAttentionWarps): both K/V rows are loaded before either is used, so a warp has two
-  // rows in flight rather than waiting out each load in turn; the math still takes the keys in order.
-  for (int64_t key0 = key_begin + warp; key0 < key_end; key0 += 2 * kAttentionWarps) {
-    float k[2][DIMS], v[2][DIMS];
-    bool valid[2];
+  // Keys in batches (key, key + kWarps, ... : kKeys of them): the page ids of the batch, then all of its K/V rows,
+  // are loaded before any is used, so a warp waits out two memory round trips a batch rather than two a key; the
+  // math still takes the keys in order. Key positions and page columns in 32 bits: the context is below 2^31
+  // (checked at launch), and a 64-bit division by page_tokens is a long software routine on the GPU.
+  const uint32_t page_tokens32 = uint32_t(page_tokens);
+  for (int64_t key0 = key_begin + warp; key0 < key_end; key0 += kKeys * kWarps) {
+    float k[kKeys][DIMS], v[kKeys][DIMS];
+    bool valid[kKeys];
+    int64_t page[kKeys];
+    uint32_t column[kKeys], position[kKeys];
 #pragma unroll
-    for (int u = 0; u < 2; u++) {
-      const int64_t key = key0 + u * kAttentionWarps;
+    for (int u = 0; u < kKeys; u++) {  // the same for the whole warp
+      const int64_t key = key0 + int64_t(u) * kWarps;
       valid[u] = key < key_end;
-      if (!valid[u]) break;  // the same for the whole warp
-      const int64_t column = key / page_tokens, page = seq_pages[column];
-      if (page < 0 || page >= args.num_pages) {  // the same for the whole warp: a uniform branch
-        if (lane == 0) report_fault(args.fault, fault_attention_page, seq, page, args.num_pages, column);
+      column[u] = valid[u] ? uint32_t(key) / page_tokens32 : 0u;
+      position[u] = uint32_t(key) - column[u] * page_tokens32;
+      page[u] = valid[u] ? int64_t(seq_pages[column[u]]) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kKeys; u++) {
+      if (!valid[u]) continue;  // the same for the whole warp
+      if (page[u] < 0 || page[u] >= args.num_pages) {  // the same for the whole warp: a uniform branch
+        if (lane == 0) report_fault(args.fault, fault_attention_page, seq, page[u], args.num_pages, column[u]);
 #pragma unroll
         for (int h = 0; h < HEADS; h++) running_sum[h] = quiet_nan();  // poisons this query's output
         valid[u] = false;
         continue;
       }
-      const E* k_row = cache + args.layout.offset(page, args.layer, 0, key % page_tokens, kv_head);
-      const E* v_row = cache + args.layout.offset(page, args.layer, 1, key % page_tokens, kv_head);
+      const E* k_row = cache + args.layout.offset(page[u], args.layer, 0, position[u], kv_head);
+      const E* v_row = cache + args.layout.offset(page[u], args.layer, 1, position[u], kv_head);
 #pragma unroll
       for (int i = 0; i < DIMS; i++) {
         const int64_t d = lane + 32 * i;
@@ -560,7 +641,7 @@ __global__ void __launch_bounds__(kAttentionWarps * 32) paged_attention_kernel(c
       }
     }
 #pragma unroll
-    for (int u = 0; u < 2; u++) {
+    for (int u = 0; u < kKeys; u++) {
       if (!valid[u]) continue;  // uniform across the warp
 #pragma unroll
       for (int h = 0; h < HEADS; h++) {
@@ -595,10 +676,10 @@ __global__ void __launch_bounds__(kAttentionWarps * 32) paged_attention_kernel(c
     if (h >= heads_here || d >= head_dim) continue;
     float total_max = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kAttentionWarps; w++) total_max = fmaxf(total_max, warp_max[w][h]);
+    for (int w = 0; w < kWarps; w++) total_max = fmaxf(total_max, warp_max[w][h]);
     float total_sum = 0.0f, total_acc = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kAttentionWarps; w++) {
+    for (int w = 0; w < kWarps; w++) {
       const float factor = softmax_partial_factor(warp_max[w][h], total_max);
       total_sum += warp_total[w][h] * factor;
       total_acc += warp_acc[w][h][d] * factor;
@@ -1496,6 +1577,19 @@ constexpr int kGemvUnroll = 4;
 #define KVLITE_GEMV_MIN_BLOCKS 1
 #endif
 constexpr int kGemvMinBlocks = KVLITE_GEMV_MIN_BLOCKS;
+// Tiles of each lane's shared-memory ring (gemv_stream_tiles), per format; 0 streams through registers instead
+// (gemv_load_tiles: kUnroll tiles loaded, then used, then the next kUnroll loaded). Build-time knobs, timed on an
+// H200 (bench/RESULTS.md, 2026-11-27 H200): FP8 (2 KB tiles) gains from a ring of 4: its FMA GEMV drops from 117
+// to 72 registers (3 blocks an SM) and keeps 3 tiles in flight through the math -- M = 1 Linears 1-23% faster,
+// Qwen3-VL-4B FP8 decode 199 -> 208 tok/s; W4A16 (512-byte tiles, one mma each) loses with any ring (8: 10-25%
+// slower; 16: more), the ring's copy, commit, wait and shared load costing more in its issue-bound loop than the
+// loads in flight give back, so int4 keeps the registers.
+#ifndef KVLITE_GEMV_INT4_RING
+#define KVLITE_GEMV_INT4_RING 0
+#endif
+#ifndef KVLITE_GEMV_FP8_RING
+#define KVLITE_GEMV_FP8_RING 4
+#endif
 
 // Activation pairs of one row at a tile crossing k_valid: columns k, k + 1 (k even) as floats, zero at and past
 // k_valid. (A tile below k_valid, nearly every one, takes a plain load instead: the callers test that per tile.)
@@ -1547,6 +1641,11 @@ struct GemvShape {
   static constexpr int kTileBytes = 512 * kChunks;
   static constexpr int kTilesPerStage = int(kQuantStageK) / kTileK;
   static constexpr int kUnroll = F == QgFormat::int4_a16 ? KVLITE_GEMV_INT4_UNROLL : kGemvUnroll;  // tiles in flight
+  // the shared-memory ring: tiles a lane keeps (0: none, registers), and the block's dynamic shared memory for it
+  static constexpr int kRingTiles = F == QgFormat::int4_a16 ? KVLITE_GEMV_INT4_RING : KVLITE_GEMV_FP8_RING;
+  static constexpr int kRingBytes = kGemvWarps * kRingTiles * kTileBytes;
+  static_assert(kRingTiles == 0 || kRingTiles >= 2, "a ring holds the tile in use and at least one in flight");
+  static_assert(kUnroll >= 1, "registers: at least one tile at a time");
 };
 
 // The lane's 8 scale registers (scale_register: T pairs, or floats for kFp32Scales) and int4 subtrahends of
@@ -1713,6 +1812,68 @@ __device__ __forceinline__ void gemv_load_tiles(const uint8_t* tiles, int64_t t0
                                     : make_uint4(0, 0, 0, 0);
 }
 
+// One 16-byte shared-memory load, as an asm statement so that the compiler keeps it in order with the ring's
+// cp.async statements (the slot it reads is refilled one tile later by the same lane).
+__device__ __forceinline__ uint4 gemv_ring_load(const uint4* shared) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
+  return v;
+}
+
+// The warp's tiles [t_begin, t_end), in order, each as the lane's Shape::kChunks 16-byte chunks, through
+// tile_fn(t, chunks). tiles: the column tile's first tile, plus the lane's 16 bytes.
+// Registers (kRingTiles 0): kUnroll tiles loaded, then used. Ring (kRingTiles D): each lane streams its own chunks
+// into a private ring of D slots in shared memory with cp.async, D - 1 tiles ahead of the one in use, so that loads
+// stay in flight during the math without registers to hold them; a lane reads only what it copied itself, so the
+// ring needs no barrier, only cp.async.wait_group. Slot of tile t: (t - t_begin) % D; the copy into a slot is issued
+// one tile after the slot was read (program order keeps the read first; the copy lands a memory latency later).
+template <QgFormat F, class TileFn>
+__device__ __forceinline__ void gemv_stream_tiles(const uint8_t* tiles, int64_t t_begin, int64_t t_end, TileFn&& tile_fn) {
+  using Shape = GemvShape<F>;
+  constexpr int C = Shape::kChunks;
+  if constexpr (Shape::kRingTiles == 0) {
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += Shape::kUnroll) {
+      uint4 chunks[Shape::kUnroll][C];
+      gemv_load_tiles<F>(tiles, t0, t_end, chunks);
+#pragma unroll
+      for (int u = 0; u < Shape::kUnroll; u++) {
+        if (t0 + u >= t_end) break;
+        tile_fn(t0 + u, chunks[u]);
+      }
+    }
+  } else {
+    constexpr int D = Shape::kRingTiles;
+    extern __shared__ uint4 gemv_ring[];  // [warps][D slots][C chunks][32 lanes]
+    uint4* ring = gemv_ring + (threadIdx.x / 32) * (D * C * 32) + threadIdx.x % 32;
+    const uint64_t policy = l2_evict_first();  // read once
+    // tile t into `slot` (nothing past t_end), then one commit either way: group i is always tile t_begin + i
+    auto fetch = [&](int slot, int64_t t) {
+      if (t < t_end)
+#pragma unroll
+        for (int c = 0; c < C; c++)
+          cp_async_16_evict_first(ring + (slot * C + c) * 32, tiles + uint64_t(t) * Shape::kTileBytes + 512 * c, policy);
+      cp_async_commit();
+    };
+#pragma unroll
+    for (int slot = 0; slot < D - 1; slot++) fetch(slot, t_begin + slot);
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += D) {
+#pragma unroll
+      for (int u = 0; u < D; u++) {
+        const int64_t t = t0 + u;
+        if (t >= t_end) break;
+        fetch((u + D - 1) % D, t + D - 1);  // the slot tile t - 1 was read from
+        cp_async_wait<D - 1>();             // tile t's group has landed
+        uint4 chunks[C];
+#pragma unroll
+        for (int c = 0; c < C; c++) chunks[c] = gemv_ring_load(ring + (u * C + c) * 32);
+        tile_fn(t, chunks);
+      }
+    }
+    cp_async_wait<0>();
+  }
+}
+
 //   F: int4_a16 or fp8_a16; T: activation dtype; R: rows computed (args.rows <= R); kFp32Scales: args.scale_product
 //   is one of the fp32 ones (scaled_pair; the host picks the instance).
 template <QgFormat F, class T, int R, bool kFp32Scales>
@@ -1735,40 +1896,34 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_ke
     for (int j = 0; j < 8; j++) acc[m][j] = 0.0f;
   uint32_t scale2[8], subtrahend2[8];
   uint32_t group = 0xffffffffu;  // the group whose tables the registers hold
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += Shape::kUnroll) {
-    uint4 chunks[Shape::kUnroll][Shape::kChunks];
-    gemv_load_tiles<F>(tiles, t0, t_end, chunks);
+  gemv_stream_tiles<F>(tiles, t_begin, t_end, [&](int64_t t, const uint4 (&chunks)[Shape::kChunks]) {
+    const uint32_t k0 = uint32_t(t) * uint32_t(Shape::kTileK);  // K_pad < 2^31 (checked at upload)
+    const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);
+    if (tile_group != group) {  // warp-uniform: a run crosses a group every group_size / kTileK tiles
+      group = tile_group;
+      gemv_group_tables<F, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
+    }
+    const bool whole = k0 + Shape::kTileK <= k_valid;
+    float2 xs[R][4];
 #pragma unroll
-    for (int u = 0; u < Shape::kUnroll; u++) {
-      if (t0 + u >= t_end) break;
-      const uint32_t k0 = uint32_t(t0 + u) * uint32_t(Shape::kTileK);  // K_pad < 2^31 (checked at upload)
-      const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);
-      if (tile_group != group) {  // warp-uniform: a run crosses a group every group_size / kTileK tiles
-        group = tile_group;
-        gemv_group_tables<F, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
-      }
-      const bool whole = k0 + Shape::kTileK <= k_valid;
-      float2 xs[R][4];
+    for (int m = 0; m < R; m++) {
+      const T* row = x + int64_t(m < rows ? m : 0) * args.x_stride;
 #pragma unroll
-      for (int m = 0; m < R; m++) {
-        const T* row = x + int64_t(m < rows ? m : 0) * args.x_stride;
-#pragma unroll
-        for (int s = 0; s < 4; s++) {
-          // int4: slots 0, 1 <- k 2q, 2q + 8 (2, 3 unused); fp8: slot 2r + p <- k 16r + 4q + 2p
-          const uint32_t k = F == QgFormat::int4_a16 ? k0 + 2 * q + 8 * s : k0 + 16 * (s / 2) + 4 * q + 2 * (s % 2);
-          if (F == QgFormat::int4_a16 && s >= 2) {
-            xs[m][s] = make_float2(0.0f, 0.0f);
-          } else if (whole) {  // warp-uniform, nearly always: a plain load from the row (row 0 past args.rows)
-            const float2 v = pair_to_float2<T>(__ldg(reinterpret_cast<const unsigned*>(row + k)));
-            xs[m][s] = m < rows ? v : make_float2(0.0f, 0.0f);
-          } else {
-            xs[m][s] = m < rows ? gemv_x_pair<T>(row, k, k_valid) : make_float2(0.0f, 0.0f);
-          }
+      for (int s = 0; s < 4; s++) {
+        // int4: slots 0, 1 <- k 2q, 2q + 8 (2, 3 unused); fp8: slot 2r + p <- k 16r + 4q + 2p
+        const uint32_t k = F == QgFormat::int4_a16 ? k0 + 2 * q + 8 * s : k0 + 16 * (s / 2) + 4 * q + 2 * (s % 2);
+        if (F == QgFormat::int4_a16 && s >= 2) {
+          xs[m][s] = make_float2(0.0f, 0.0f);
+        } else if (whole) {  // warp-uniform, nearly always: a plain load from the row (row 0 past args.rows)
+          const float2 v = pair_to_float2<T>(__ldg(reinterpret_cast<const unsigned*>(row + k)));
+          xs[m][s] = m < rows ? v : make_float2(0.0f, 0.0f);
+        } else {
+          xs[m][s] = m < rows ? gemv_x_pair<T>(row, k, k_valid) : make_float2(0.0f, 0.0f);
         }
       }
-      gemv_tile<F, T, R, kFp32Scales>(chunks[u], xs, scale2, subtrahend2, args.scale_product, acc);
     }
-  }
+    gemv_tile<F, T, R, kFp32Scales>(chunks, xs, scale2, subtrahend2, args.scale_product, acc);
+  });
 
   // the four lanes of a column group (q = 0..3) hold parts of the same 8 columns
 #pragma unroll
@@ -1829,36 +1984,30 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
     for (int i = 0; i < 4; i++) acc[0][j][i] = 0.0f;
   uint32_t scale2[8], subtrahend2[8];
   uint32_t group = 0xffffffffu;
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += Shape::kUnroll) {
-    uint4 chunks[Shape::kUnroll][Shape::kChunks];
-    gemv_load_tiles<F>(tiles, t0, t_end, chunks);
+  gemv_stream_tiles<F>(tiles, t_begin, t_end, [&](int64_t t, const uint4 (&chunks)[Shape::kChunks]) {
+    const uint32_t k0 = uint32_t(t) * uint32_t(Shape::kTileK);
+    const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);
+    if (tile_group != group) {  // warp-uniform
+      group = tile_group;
+      gemv_group_tables<F, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
+    }
+    const bool whole = k0 + Shape::kTileK <= k_valid;
+    uint32_t a[1][4];
+    if constexpr (F == QgFormat::int4_a16) {
+      // a0 / a1: rows g / g + 8 at k 2q, 2q + 1; a2 / a3: the same rows at k 2q + 8, 2q + 9
+      const uint32_t k = k0 + 2 * q;
+      gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, any_high, k, 8, k_valid, whole, a[0]);
+      int4_tile_mma<T, 1, kFp32Scales>(chunks[0], a, scale2, subtrahend2, args.scale_product, acc);
+    } else {
 #pragma unroll
-    for (int u = 0; u < Shape::kUnroll; u++) {
-      if (t0 + u >= t_end) break;
-      const uint32_t k0 = uint32_t(t0 + u) * uint32_t(Shape::kTileK);
-      const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);
-      if (tile_group != group) {  // warp-uniform
-        group = tile_group;
-        gemv_group_tables<F, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
-      }
-      const bool whole = k0 + Shape::kTileK <= k_valid;
-      uint32_t a[1][4];
-      if constexpr (F == QgFormat::int4_a16) {
-        // a0 / a1: rows g / g + 8 at k 2q, 2q + 1; a2 / a3: the same rows at k 2q + 8, 2q + 9
-        const uint32_t k = k0 + 2 * q;
-        gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, any_high, k, 8, k_valid, whole, a[0]);
-        int4_tile_mma<T, 1, kFp32Scales>(chunks[u][0], a, scale2, subtrahend2, args.scale_product, acc);
-      } else {
-#pragma unroll
-        for (int step = 0; step < 2; step++) {
-          // slots 2q, 2q + 1 <- k 4q, 4q + 1 and slots 2q + 8, 2q + 9 <- k 4q + 2, 4q + 3 (as qg_step_fp8_a16)
-          const uint32_t k = k0 + 16 * step + 4 * q;
-          gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, any_high, k, 2, k_valid, whole, a[0]);
-          fp8_a16_step_mma<T, 1, kFp32Scales>(chunks[u], step, a, scale2, args.scale_product, acc);
-        }
+      for (int step = 0; step < 2; step++) {
+        // slots 2q, 2q + 1 <- k 4q, 4q + 1 and slots 2q + 8, 2q + 9 <- k 4q + 2, 4q + 3 (as qg_step_fp8_a16)
+        const uint32_t k = k0 + 16 * step + 4 * q;
+        gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, any_high, k, 2, k_valid, whole, a[0]);
+        fp8_a16_step_mma<T, 1, kFp32Scales>(chunks, step, a, scale2, args.scale_product, acc);
       }
     }
-  }
+  });
 
   // C fragments: c0, c1 <- row g, columns 8j + 2q, 8j + 2q + 1; c2, c3 <- row g + 8, the same columns
 #pragma unroll
@@ -2271,9 +2420,10 @@ template <QgFormat F, class T, bool kFp32Scales>
 QuantGemmInstance quant_gemv_instance(int rows) {
   constexpr const char* name = F == QgFormat::int4_a16 ? "quant_gemv_kernel (W4A16)" : "quant_gemv_kernel (W8A16)";
   constexpr int threads = kGemvWarps * 32;
-  return rows == 1 ? QuantGemmInstance{&quant_gemv_kernel<F, T, 1, kFp32Scales>, 0, threads, name}
-                   : rows == 2 ? QuantGemmInstance{&quant_gemv_kernel<F, T, 2, kFp32Scales>, 0, threads, name}
-                               : QuantGemmInstance{&quant_gemv_kernel<F, T, 4, kFp32Scales>, 0, threads, name};
+  constexpr int ring = GemvShape<F>::kRingBytes;  // dynamic shared memory: the lanes' rings (0 without)
+  return rows == 1 ? QuantGemmInstance{&quant_gemv_kernel<F, T, 1, kFp32Scales>, ring, threads, name}
+                   : rows == 2 ? QuantGemmInstance{&quant_gemv_kernel<F, T, 2, kFp32Scales>, ring, threads, name}
+                               : QuantGemmInstance{&quant_gemv_kernel<F, T, 4, kFp32Scales>, ring, threads, name};
 }
 template <QgFormat F, bool kFp32Scales>
 QuantGemmInstance quant_gemv_instance(DType activation, int rows) {
@@ -2295,8 +2445,9 @@ template <QgFormat F, bool kFp32Scales>
 QuantGemmInstance quant_gemv_mma_instance(DType activation) {
   constexpr int threads = kGemvWarps * 32;
   constexpr const char* name = F == QgFormat::int4_a16 ? "quant_gemv_mma_kernel (W4A16)" : "quant_gemv_mma_kernel (W8A16)";
-  return activation == DType::BF16 ? QuantGemmInstance{&quant_gemv_mma_kernel<F, __nv_bfloat16, kFp32Scales>, 0, threads, name}
-                                   : QuantGemmInstance{&quant_gemv_mma_kernel<F, __half, kFp32Scales>, 0, threads, name};
+  constexpr int ring = GemvShape<F>::kRingBytes;
+  return activation == DType::BF16 ? QuantGemmInstance{&quant_gemv_mma_kernel<F, __nv_bfloat16, kFp32Scales>, ring, threads, name}
+                                   : QuantGemmInstance{&quant_gemv_mma_kernel<F, __half, kFp32Scales>, ring, threads, name};
 }
 // The tensor-core GEMV for `format` (int4_a16, fp8_a16) with activations of `activation` (BF16 or F16) and the
 // scale product `product`.
@@ -2827,6 +2978,9 @@ class CudaBackend final : public Backend {
     args.seqs = batch.context_lens.elements();
     args.rows = q.rows;
     args.max_context = batch.max_context;
+    if (batch.max_context > INT32_MAX)  // the kernel's key positions are 32-bit
+      detail::fail(ErrorCode::unsupported, detail::format("attention: max_context %lld is past the CUDA kernel's 2^31 - 1",
+                                                          (long long)batch.max_context));
     args.heads = q.cols / head_dim;
     args.group = args.heads / kv_heads;
     const int heads_per_block = attention_heads_per_block(dims);
@@ -3083,7 +3237,7 @@ class CudaBackend final : public Backend {
   template <class A, class E, int DIMS>
   void launch_attention(dim3 grid, const AttentionArgs& args) {
     constexpr int kHeads = attention_heads_per_block(DIMS);
-    paged_attention_kernel<A, E, DIMS, kHeads><<<grid, kAttentionWarps * 32, 0, stream_>>>(args);
+    paged_attention_kernel<A, E, DIMS, kHeads><<<grid, kPagedAttentionWarps * 32, 0, stream_>>>(args);
     check_launch("paged_attention_kernel");
   }
 

@@ -188,7 +188,8 @@ TEST_CASE("rms_norm matches the CPU: whole rows (warp and block teams) and per-h
   Random rng(103);
   struct Shape { int64_t cols, group; };
   const Shape shapes[] = {{64, 64},   {129, 129},  {300, 300},     {4096, 4096}, {4 * 16, 16},
-                          {32 * 128, 128}, {6 * 80, 80}, {3 * 257, 257}, {7, 7}};
+                          {32 * 128, 128}, {6 * 80, 80}, {3 * 257, 257}, {7, 7},
+                          {4097, 4097}, {2 * 5000, 5000}};  // past what a block keeps in registers: the loop
   for (DType activation : kActivations) {
     Gpu g(activation);
     for (DType weight_dtype : kFloatTypes)
@@ -218,7 +219,7 @@ TEST_CASE("add_rms_norm matches the CPU: the residual updated, then normalised, 
   for (DType activation : kActivations) {
     Gpu g(activation);
     for (DType weight_dtype : kFloatTypes)
-      for (int64_t hidden : {64, 129, 256, 257, 2048, 5120})
+      for (int64_t hidden : {64, 129, 256, 257, 2048, 4096, 4097, 5120})  // 4096: a block's registers; past: the loop
         for (int64_t tokens : {1, 4, 19})
           for (bool in_place : {false, true}) {
             CAPTURE(std::string(dtype_name(activation))); CAPTURE(std::string(dtype_name(weight_dtype))); CAPTURE(hidden); CAPTURE(tokens);
