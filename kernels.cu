@@ -511,8 +511,14 @@ __global__ void kv_write_kernel(const A* k, int64_t k_stride, const A* v, int64_
 // Warps of the segment (vision) attention block, and of the paged one. The paged one has 8: a decode split is a
 // chunk of 16-24 keys (kAttentionMinChunk), so that each warp takes 2-3 of them in one batch of loads instead of
 // walking 4-6 in dependent rounds (17 us a layer for a 150-key Llama-3.1-8B context with 4 warps, ncu, H200).
+// A build-time knob (tools/build-gpu-variant.sh -DKVLITE_PAGED_ATTENTION_WARPS=4): at batch 8 the 8-warp blocks
+// (172 registers, one an SM) decoded 3.5% slower than 4 warps did, so the next step is the count per launch, timed.
 constexpr int kAttentionWarps = 4;
-constexpr int kPagedAttentionWarps = 8;
+#ifndef KVLITE_PAGED_ATTENTION_WARPS
+#define KVLITE_PAGED_ATTENTION_WARPS 8
+#endif
+constexpr int kPagedAttentionWarps = KVLITE_PAGED_ATTENTION_WARPS;
+static_assert(kPagedAttentionWarps >= 1 && kPagedAttentionWarps <= 32, "a block of 1 to 32 warps");
 // Keys a paged-attention warp loads before using any (their page ids, then their K and V rows, all in flight at
 // once): 4 while the K/V registers (2 x kKeys x DIMS floats) stay at 32, else 2.
 KVLITE_HD constexpr int attention_keys_in_flight(int dims_per_lane) { return dims_per_lane <= 4 ? 4 : 2; }
