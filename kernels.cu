@@ -272,6 +272,21 @@ __global__ void gather_rows_kernel(const T* table,         // [table_rows, cols]
 // block of 256 threads, 512 with a warp) load everything first; wider ones take the loop.
 constexpr int kNormCached = 16;
 
+// The end of both norms' register path: the team's sum of squares -> 1 / rms (IEEE sqrt and division, as the CPU's
+// 1 / std::sqrt), then dst[c] = w * (v * (1 / rms)) for the thread's elements c = member + TEAM i below n.
+template <int TEAM, class A>
+__device__ __forceinline__ void norm_cached_finish(float squares, float* team_partials, int64_t n, float eps, int member,
+                                                   const float (&vs)[kNormCached], const float (&ws)[kNormCached],
+                                                   A* dst) {
+  const float variance = team_sum<TEAM>(squares, team_partials) / float(n);
+  const float inv_rms = 1.0f / sqrtf(variance + eps);
+#pragma unroll
+  for (int i = 0; i < kNormCached; i++) {
+    const int64_t c = member + int64_t(TEAM) * i;
+    if (c < n) dst[c] = from_float<A>(ws[i] * (vs[i] * inv_rms));
+  }
+}
+
 // RMSNorm of groups of `group` columns (LlamaRMSNorm in fp32): out = w * (x * rsqrt(mean(x^2) + eps)).
 //   A: activation type; W: weight type;
 //   TEAM: threads normalising one group: 32 (a warp; a block holds blockDim / 32 groups) or blockDim (one
@@ -305,13 +320,7 @@ __global__ void rms_norm_kernel(const A* x, int64_t x_stride,  // [rows, groups_
 #pragma unroll
     for (int i = 0; i < kNormCached; i++)
       if (member + int64_t(TEAM) * i < group) squares += xs[i] * xs[i];
-    const float variance = team_sum<TEAM>(squares, team_partials) / float(group);
-    const float inv_rms = 1.0f / sqrtf(variance + eps);
-#pragma unroll
-    for (int i = 0; i < kNormCached; i++) {
-      const int64_t c = member + int64_t(TEAM) * i;
-      if (c < group) dst[c] = from_float<A>(ws[i] * (xs[i] * inv_rms));
-    }
+    norm_cached_finish<TEAM>(squares, team_partials, group, eps, member, xs, ws, dst);
     return;
   }
 
@@ -370,13 +379,7 @@ __global__ void add_rms_norm_kernel(const A* x, int64_t x_stride,  // [rows, col
       rs[i] = to_float(sum);  // what was stored, as the loop's second read of res[c]
       squares += rs[i] * rs[i];
     }
-    const float variance = team_sum<TEAM>(squares, team_partials) / float(cols);
-    const float inv_rms = 1.0f / sqrtf(variance + eps);
-#pragma unroll
-    for (int i = 0; i < kNormCached; i++) {
-      const int64_t c = member + int64_t(TEAM) * i;
-      if (c < cols) dst[c] = from_float<A>(ws[i] * (rs[i] * inv_rms));
-    }
+    norm_cached_finish<TEAM>(squares, team_partials, cols, eps, member, rs, ws, dst);
     return;
   }
 
