@@ -57,15 +57,20 @@ else
   note "- compute-sanitizer: $sanitizer"
   # KVLITE_CALL1_MEMCHECK="test-cuda-ops ...": memcheck over those suites only (a short call after a change that
   # touched only their kernels); KVLITE_CALL1_OPS_MEMCHECK=0 drops test-cuda-ops from the default three
-  memcheck_suites=${KVLITE_CALL1_MEMCHECK:-test-cuda-ops test-cuda-engine test-cuda-quant}
-  if [ "${KVLITE_CALL1_OPS_MEMCHECK:-1}" = 0 ]; then
-    note "- memcheck test-cuda-ops: not run (KVLITE_CALL1_OPS_MEMCHECK=0: no op kernel changed since it last ran)"
-  elif [[ " $memcheck_suites " == *" test-cuda-ops "* ]]; then
-    sanitize memcheck 120 test-cuda-ops
-  fi
-  # (the case that measures the process's device memory against the plan: the sanitizer's own memory counts there)
-  [[ " $memcheck_suites " == *" test-cuda-engine "* ]] && sanitize memcheck 150 test-cuda-engine '-tce=*device memory measured*'
-  [[ " $memcheck_suites " == *" test-cuda-quant "* ]] && sanitize memcheck 120 test-cuda-quant '-tc=*GEMV*,*split-K*,*fused*'
+  memcheck_suites=" ${KVLITE_CALL1_MEMCHECK:-test-cuda-ops test-cuda-engine test-cuda-quant} "
+  [ "${KVLITE_CALL1_OPS_MEMCHECK:-1}" = 0 ] && memcheck_suites=${memcheck_suites/ test-cuda-ops / }
+  for suite in test-cuda-ops test-cuda-engine test-cuda-quant; do
+    if [[ "$memcheck_suites" != *" $suite "* ]]; then
+      note "- memcheck $suite: not run (KVLITE_CALL1_MEMCHECK / KVLITE_CALL1_OPS_MEMCHECK)"
+      continue
+    fi
+    case $suite in
+      test-cuda-ops) sanitize memcheck 120 test-cuda-ops ;;
+      # (the case that measures the process's device memory against the plan: the sanitizer's own memory counts there)
+      test-cuda-engine) sanitize memcheck 150 test-cuda-engine '-tce=*device memory measured*' ;;
+      test-cuda-quant) sanitize memcheck 120 test-cuda-quant '-tc=*GEMV*,*split-K*,*fused*' ;;
+    esac
+  done
   if [ "${KVLITE_CALL1_RACECHECK:-1}" = 0 ]; then
     note "- racecheck, synccheck: not run (KVLITE_CALL1_RACECHECK=0: no GEMM kernel changed since they last ran)"
   else

@@ -164,6 +164,8 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
     models=()
     for entry in $KVLITE_GPU_CHECK_MODELS; do models+=("${entry%%:*} ${entry##*:}"); done
   fi
+  # Nsight Compute, for KVLITE_GPU_CHECK_NCU_STEP below
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for entry in "${models[@]}"; do
     read -r preset quant <<< "$entry"
     title="$preset $([ "$quant" = none ] && echo BF16 || echo "$quant") (random weights)"
@@ -194,7 +196,6 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
     # the card's clocks as found, caches not flushed: a kernel finds in L2 what the one before it wrote, as in the
     # graph), graph nodes one by one, so a decode step splits into its kernels; the CSV goes to
     # ncu-step-PRESET-QUANT.csv (tools/ncu-step-summary.py reads it), the table into the report
-    ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     # (KVLITE_GPU_CHECK_NCU_STEP="llama-3.1-8b ...": those presets only)
     ncu_step=${KVLITE_GPU_CHECK_NCU_STEP:-0}
     [ "$ncu_step" != 0 ] && [ "$ncu_step" != 1 ] && { [[ " $ncu_step " == *" $preset "* ]] || ncu_step=0; }

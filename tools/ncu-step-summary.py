@@ -6,7 +6,7 @@
 
 Each kernel is timed alone (ncu serializes launches and graph nodes), so the sum is the step's GPU time without
 launch gaps; the bench's own step time minus that sum is what the graph's node overhead and gaps cost. A decode
-step is found as the longest tail of the launch sequence that repeats (same kernel names, in order, twice)."""
+step is found as the shortest tail of the launch sequence that repeats (same kernel names, in order, twice)."""
 import csv
 import re
 import sys
@@ -36,14 +36,11 @@ def read_kernels(path):
 
 
 def find_step(rows):
+    # The shortest tail that the launches before it repeat: a step ends with lm_head and sampling, which no run of
+    # layer kernels repeats, so nothing shorter than a whole step matches (and two steps are the next match).
     names = [r[0] for r in rows]
-    for period in range(len(names) // 2, 9, -1):  # longest repeating tail first: one whole step
+    for period in range(10, len(names) // 2 + 1):
         if names[-period:] == names[-2 * period:-period]:
-            # the shortest period that still tiles the tail is the step (two steps also repeat)
-            for divisor in range(2, 9):
-                p = period // divisor
-                if p >= 10 and period % divisor == 0 and names[-p:] == names[-2 * p:-p]:
-                    period = p
             return rows[-period:]
     return None
 
