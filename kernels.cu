@@ -1653,6 +1653,9 @@ struct GemvShape {
   // the shared-memory ring: tiles a lane keeps (0: none, registers), and the block's dynamic shared memory for it
   static constexpr int kRingTiles = F == QgFormat::int4_a16 ? KVLITE_GEMV_INT4_RING : KVLITE_GEMV_FP8_RING;
   static constexpr int kRingBytes = kGemvWarps * kRingTiles * kTileBytes;
+  // a warp's run of tiles starts at a multiple of this (stage starts are multiples of kTilesPerStage)
+  static constexpr int kRunAlign = F == QgFormat::int4_a16 ? kUnroll : 1;
+  static_assert(kTilesPerStage % kRunAlign == 0, "a split's first tile is a multiple of the run alignment");
   static_assert(kRingTiles == 0 || kRingTiles >= 2, "a ring holds the tile in use and at least one in flight");
   static_assert(kUnroll >= 1, "registers: at least one tile at a time");
 };
@@ -1677,11 +1680,15 @@ __device__ __forceinline__ void gemv_group_tables(const QuantGemmArgs& args, uin
   } else {
     const uint4 bits = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(args.scales) + base));
     const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
-    const bool bf16 = args.scale_dtype == DType::BF16;
+    // one test for the 8 (warp-uniform), not one a scale: ptxas kept the per-element form as 8 branches, and the
+    // f16 conversion in hardware (exact, as f16_to_float) rather than base.hpp's portable bit code
+    if (args.scale_dtype == DType::BF16) {
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
-      const uint16_t half = uint16_t(words[j / 2] >> (16 * (j % 2)));
-      scales[j] = bf16 ? bf16_to_float(half) : f16_to_float(half);
+      for (int j = 0; j < 8; j++) scales[j] = __uint_as_float((words[j / 2] >> (16 * (j % 2))) << 16);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+        scales[j] = __half2float(__ushort_as_half(uint16_t(words[j / 2] >> (16 * (j % 2)))));
     }
   }
   uint32_t zero_bytes[2] = {0x08080808u, 0x08080808u};  // symmetric: zero point 8
@@ -1801,7 +1808,8 @@ __device__ __forceinline__ void gemv_warp_tiles(const QuantGemmArgs& args, int w
   int64_t s_begin, s_end;
   quant_split_range(args.stages, args.splits, blockIdx.z, &s_begin, &s_end);
   const int64_t split_tiles = (s_end - s_begin) * Shape::kTilesPerStage;
-  const int64_t per_warp = (split_tiles + kGemvWarps - 1) / kGemvWarps;
+  // whole batches a warp (gemv_mma_int4_run: a batch then never straddles a group of a multiple of its k)
+  const int64_t per_warp = (split_tiles + kGemvWarps * Shape::kRunAlign - 1) / (kGemvWarps * Shape::kRunAlign) * Shape::kRunAlign;
   *t_begin = s_begin * Shape::kTilesPerStage + warp * per_warp;
   const int64_t split_end = s_end * Shape::kTilesPerStage;
   *t_end = *t_begin + per_warp < split_end ? *t_begin + per_warp : split_end;
@@ -1880,6 +1888,88 @@ __device__ __forceinline__ void gemv_stream_tiles(const uint8_t* tiles, int64_t 
       }
     }
     cp_async_wait<0>();
+  }
+}
+
+// W4A16's tensor-core GEMV loop: the warp's tiles [t_begin, t_end) in batches of U = kUnroll, each batch's U
+// 16-byte weight chunks and U A fragments all loaded before any is used, then its U tiles' math with no branch
+// between them. The SASS of the per-tile form (gemv_stream_tiles' tile_fn) showed why it is needed: each tile's A
+// fragment was loaded behind the tile's group test and `whole` branch, after the previous tile's math, so every tile
+// waited out an L1 round trip of its own (and ~70 branches a batch of 4). Here the group test is one a batch where a
+// group spans whole batches (kAlignedGroups: group_size a multiple of 16 U; gemv_warp_tiles starts every run at a
+// multiple of U), one a tile otherwise; kHigh: rows past 8, whose A rows g + 8 are loaded (else zero registers).
+// kPrefetch (KVLITE_GEMV_INT4_PREFETCH): the next batch's loads issued before this batch's math (two batches of
+// registers). The same operations on the same values as int4_tile_mma per tile: the bits of the per-tile form.
+#ifndef KVLITE_GEMV_INT4_PREFETCH
+#define KVLITE_GEMV_INT4_PREFETCH 0
+#endif
+template <class T, bool kFp32Scales, bool kHigh, bool kAlignedGroups>
+__device__ __forceinline__ void gemv_mma_int4_run(const QuantGemmArgs& args, const uint8_t* tiles, uint32_t t_begin,
+                                                  uint32_t t_end, const T* row_low, const T* row_high,
+                                                  uint32_t low_mask, uint32_t high_mask, int g, int q,
+                                                  float (&acc)[1][8][4]) {
+  constexpr int U = GemvShape<QgFormat::int4_a16>::kUnroll;
+  const uint32_t k_valid = uint32_t(args.k_valid), group_size = uint32_t(args.group_size);
+  uint32_t scale2[8], subtrahend2[8];
+  uint32_t group = 0xffffffffu;  // the group whose tables the registers hold
+  struct Batch {
+    uint4 w[U];           // the lane's 16 bytes of each tile
+    uint32_t a[U][1][4];  // the tile's A fragment: rows g, g + 8 at k 2q, 2q + 1 (a0, a1) and 2q + 8, 2q + 9 (a2, a3)
+  };
+  auto load = [&](uint32_t t0, Batch& b) {
+    const uint8_t* w = tiles + uint64_t(t0) * 512u;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+      b.w[u] = t0 + u < t_end ? __ldcs(reinterpret_cast<const uint4*>(w + 512 * u)) : make_uint4(0, 0, 0, 0);
+    const uint32_t k0 = 16 * t0 + 2 * q;
+    if (16 * (t0 + U) <= k_valid) {  // warp-uniform, all but a row's last batch: plain loads, no bounds
+      const T* low = row_low + k0;
+      const T* high = row_high + k0;
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        b.a[u][0][0] = __ldg(reinterpret_cast<const unsigned*>(low + 16 * u)) & low_mask;
+        b.a[u][0][2] = __ldg(reinterpret_cast<const unsigned*>(low + 16 * u + 8)) & low_mask;
+        b.a[u][0][1] = kHigh ? __ldg(reinterpret_cast<const unsigned*>(high + 16 * u)) & high_mask : 0u;
+        b.a[u][0][3] = kHigh ? __ldg(reinterpret_cast<const unsigned*>(high + 16 * u + 8)) & high_mask : 0u;
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; u++)
+        gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, kHigh, k0 + 16 * u, 8, k_valid, false, b.a[u][0]);
+    }
+  };
+  auto tables_for = [&](uint32_t t) {
+    const uint32_t tile_group = quant_group_of(16 * t, group_size, args.group_shift);
+    if (tile_group != group) {  // warp-uniform
+      group = tile_group;
+      gemv_group_tables<QgFormat::int4_a16, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
+    }
+  };
+  auto math = [&](uint32_t t0, const Batch& b) {
+    if (kAlignedGroups) tables_for(t0);
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (t0 + u >= t_end) break;  // warp-uniform: the run's last batch
+      if (!kAlignedGroups) tables_for(t0 + u);
+      int4_tile_mma<T, 1, kFp32Scales>(b.w[u], b.a[u], scale2, subtrahend2, args.scale_product, acc);
+    }
+  };
+  if (KVLITE_GEMV_INT4_PREFETCH) {
+    Batch even, odd;
+    if (t_begin < t_end) load(t_begin, even);
+    for (uint32_t t0 = t_begin; t0 < t_end; t0 += 2 * U) {
+      if (t0 + U < t_end) load(t0 + U, odd);
+      math(t0, even);
+      if (t0 + U >= t_end) break;
+      if (t0 + 2 * U < t_end) load(t0 + 2 * U, even);
+      math(t0 + U, odd);
+    }
+  } else {
+    for (uint32_t t0 = t_begin; t0 < t_end; t0 += U) {
+      Batch b;
+      load(t0, b);
+      math(t0, b);
+    }
   }
 }
 
@@ -1991,23 +2081,29 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
   for (int j = 0; j < 8; j++)
 #pragma unroll
     for (int i = 0; i < 4; i++) acc[0][j][i] = 0.0f;
-  uint32_t scale2[8], subtrahend2[8];
-  uint32_t group = 0xffffffffu;
-  gemv_stream_tiles<F>(tiles, t_begin, t_end, [&](int64_t t, const uint4 (&chunks)[Shape::kChunks]) {
-    const uint32_t k0 = uint32_t(t) * uint32_t(Shape::kTileK);
-    const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);
-    if (tile_group != group) {  // warp-uniform
-      group = tile_group;
-      gemv_group_tables<F, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
-    }
-    const bool whole = k0 + Shape::kTileK <= k_valid;
-    uint32_t a[1][4];
-    if constexpr (F == QgFormat::int4_a16) {
-      // a0 / a1: rows g / g + 8 at k 2q, 2q + 1; a2 / a3: the same rows at k 2q + 8, 2q + 9
-      const uint32_t k = k0 + 2 * q;
-      gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, any_high, k, 8, k_valid, whole, a[0]);
-      int4_tile_mma<T, 1, kFp32Scales>(chunks[0], a, scale2, subtrahend2, args.scale_product, acc);
+  if constexpr (F == QgFormat::int4_a16) {
+    // t < 2^27: K_pad < 2^31 (checked at upload), 16 columns a tile
+    const uint32_t begin = uint32_t(t_begin), end = uint32_t(t_end);
+    const bool aligned = group_size % (16u * uint32_t(Shape::kUnroll)) == 0;  // uniform over the launch
+    if (any_high) {
+      if (aligned) gemv_mma_int4_run<T, kFp32Scales, true, true>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
+      else gemv_mma_int4_run<T, kFp32Scales, true, false>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
     } else {
+      if (aligned) gemv_mma_int4_run<T, kFp32Scales, false, true>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
+      else gemv_mma_int4_run<T, kFp32Scales, false, false>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
+    }
+  } else {
+    uint32_t scale2[8], subtrahend2[8];
+    uint32_t group = 0xffffffffu;
+    gemv_stream_tiles<F>(tiles, t_begin, t_end, [&](int64_t t, const uint4 (&chunks)[Shape::kChunks]) {
+      const uint32_t k0 = uint32_t(t) * uint32_t(Shape::kTileK);
+      const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);
+      if (tile_group != group) {  // warp-uniform
+        group = tile_group;
+        gemv_group_tables<F, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
+      }
+      const bool whole = k0 + Shape::kTileK <= k_valid;
+      uint32_t a[1][4];
 #pragma unroll
       for (int step = 0; step < 2; step++) {
         // slots 2q, 2q + 1 <- k 4q, 4q + 1 and slots 2q + 8, 2q + 9 <- k 4q + 2, 4q + 3 (as qg_step_fp8_a16)
@@ -2015,8 +2111,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
         gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, any_high, k, 2, k_valid, whole, a[0]);
         fp8_a16_step_mma<T, 1, kFp32Scales>(chunks, step, a, scale2, args.scale_product, acc);
       }
-    }
-  });
+    });
+  }
 
   // C fragments: c0, c1 <- row g, columns 8j + 2q, 8j + 2q + 1; c2, c3 <- row g + 8, the same columns
 #pragma unroll
