@@ -1593,6 +1593,11 @@ constexpr int kGemvMinBlocks = KVLITE_GEMV_MIN_BLOCKS;
 // Qwen3-VL-4B FP8 decode 199 -> 208 tok/s; W4A16 (512-byte tiles, one mma each) loses with any ring (8: 10-25%
 // slower; 16: more), the ring's copy, commit, wait and shared load costing more in its issue-bound loop than the
 // loads in flight give back, so int4 keeps the registers.
+// fp8 tiles a batch of the tensor-core GEMV (gemv_mma_run; registers: 16 a tile for the weights, 4 for the A
+// fragments at M <= 8). W4A16's batch is KVLITE_GEMV_INT4_UNROLL.
+#ifndef KVLITE_GEMV_FP8_MMA_UNROLL
+#define KVLITE_GEMV_FP8_MMA_UNROLL 2
+#endif
 #ifndef KVLITE_GEMV_INT4_RING
 #define KVLITE_GEMV_INT4_RING 0
 #endif
@@ -1654,7 +1659,8 @@ struct GemvShape {
   static constexpr int kRingTiles = F == QgFormat::int4_a16 ? KVLITE_GEMV_INT4_RING : KVLITE_GEMV_FP8_RING;
   static constexpr int kRingBytes = kGemvWarps * kRingTiles * kTileBytes;
   // a warp's run of tiles starts at a multiple of this (stage starts are multiples of kTilesPerStage)
-  static constexpr int kRunAlign = F == QgFormat::int4_a16 ? kUnroll : 1;
+  static constexpr int kMmaUnroll = F == QgFormat::int4_a16 ? kUnroll : KVLITE_GEMV_FP8_MMA_UNROLL;
+  static constexpr int kRunAlign = kMmaUnroll;
   static_assert(kTilesPerStage % kRunAlign == 0, "a split's first tile is a multiple of the run alignment");
   static_assert(kRingTiles == 0 || kRingTiles >= 2, "a ring holds the tile in use and at least one in flight");
   static_assert(kUnroll >= 1, "registers: at least one tile at a time");
@@ -1891,58 +1897,74 @@ __device__ __forceinline__ void gemv_stream_tiles(const uint8_t* tiles, int64_t 
   }
 }
 
-// W4A16's tensor-core GEMV loop: the warp's tiles [t_begin, t_end) in batches of U = kUnroll, each batch's U
-// 16-byte weight chunks and U A fragments all loaded before any is used, then its U tiles' math with no branch
+// The tensor-core GEMV's loop: the warp's tiles [t_begin, t_end) in batches of U (GemvShape::kMmaUnroll), each
+// batch's weight chunks and A fragments all loaded before any is used, then its U tiles' math with no branch
 // between them. The SASS of the per-tile form (gemv_stream_tiles' tile_fn) showed why it is needed: each tile's A
 // fragment was loaded behind the tile's group test and `whole` branch, after the previous tile's math, so every tile
-// waited out an L1 round trip of its own (and ~70 branches a batch of 4). Here the group test is one a batch where a
-// group spans whole batches (kAlignedGroups: group_size a multiple of 16 U; gemv_warp_tiles starts every run at a
-// multiple of U), one a tile otherwise; kHigh: rows past 8, whose A rows g + 8 are loaded (else zero registers).
-// kPrefetch (KVLITE_GEMV_INT4_PREFETCH): the next batch's loads issued before this batch's math (two batches of
-// registers). The same operations on the same values as int4_tile_mma per tile: the bits of the per-tile form.
+// waited out an L1 round trip of its own (and ~70 branches a W4A16 batch of 4). Here the group test is one a batch
+// where a group spans whole batches (kAlignedGroups: group_size a multiple of U tiles' k; gemv_warp_tiles starts
+// every run at a multiple of U), one a tile otherwise; kHigh: rows past 8, whose A rows g + 8 are loaded (else zero
+// registers). int4: one k16 step a tile (A: rows g, g + 8 at k 2q, 2q + 1 and 2q + 8, 2q + 9); fp8: two k16 steps
+// a k32 tile (A: slots 2q, 2q + 1 <- k 4q, 4q + 1 and 2q + 8, 2q + 9 <- k 4q + 2, 4q + 3, as qg_step_fp8_a16).
+// kPrefetch (KVLITE_GEMV_INT4_PREFETCH, W4A16 only): the next batch's loads issued before this batch's math (two
+// batches of registers). The same operations on the same values as int4_tile_mma / fp8_a16_step_mma per tile: the
+// bits of the per-tile form.
 #ifndef KVLITE_GEMV_INT4_PREFETCH
 #define KVLITE_GEMV_INT4_PREFETCH 0
 #endif
-template <class T, bool kFp32Scales, bool kHigh, bool kAlignedGroups>
-__device__ __forceinline__ void gemv_mma_int4_run(const QuantGemmArgs& args, const uint8_t* tiles, uint32_t t_begin,
-                                                  uint32_t t_end, const T* row_low, const T* row_high,
-                                                  uint32_t low_mask, uint32_t high_mask, int g, int q,
-                                                  float (&acc)[1][8][4]) {
-  constexpr int U = GemvShape<QgFormat::int4_a16>::kUnroll;
+template <QgFormat F, class T, bool kFp32Scales, bool kHigh, bool kAlignedGroups>
+__device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const uint8_t* tiles, uint32_t t_begin,
+                                             uint32_t t_end, const T* row_low, const T* row_high, uint32_t low_mask,
+                                             uint32_t high_mask, int g, int q, float (&acc)[1][8][4]) {
+  using Shape = GemvShape<F>;
+  constexpr bool kInt4 = F == QgFormat::int4_a16;
+  constexpr int U = Shape::kMmaUnroll, C = Shape::kChunks, S = kInt4 ? 1 : 2;  // S: k16 steps a tile
+  constexpr uint32_t kTileK = Shape::kTileK;
+  // within a step: the A fragment's second pair of k (a2, a3) sits `kPairStep` columns after the first
+  constexpr uint32_t kPairStep = kInt4 ? 8 : 2;
   const uint32_t k_valid = uint32_t(args.k_valid), group_size = uint32_t(args.group_size);
   uint32_t scale2[8], subtrahend2[8];
   uint32_t group = 0xffffffffu;  // the group whose tables the registers hold
   struct Batch {
-    uint4 w[U];           // the lane's 16 bytes of each tile
-    uint32_t a[U][1][4];  // the tile's A fragment: rows g, g + 8 at k 2q, 2q + 1 (a0, a1) and 2q + 8, 2q + 9 (a2, a3)
+    uint4 w[U][C];           // the lane's 16-byte chunks of each tile
+    uint32_t a[U][S][1][4];  // each step's A fragment: a0 / a1 rows g / g + 8 at its first k pair, a2 / a3 at the second
   };
   auto load = [&](uint32_t t0, Batch& b) {
-    const uint8_t* w = tiles + uint64_t(t0) * 512u;
+    const uint8_t* w = tiles + uint64_t(t0) * uint64_t(Shape::kTileBytes);
 #pragma unroll
     for (int u = 0; u < U; u++)
-      b.w[u] = t0 + u < t_end ? __ldcs(reinterpret_cast<const uint4*>(w + 512 * u)) : make_uint4(0, 0, 0, 0);
-    const uint32_t k0 = 16 * t0 + 2 * q;
-    if (16 * (t0 + U) <= k_valid) {  // warp-uniform, all but a row's last batch: plain loads, no bounds
+#pragma unroll
+      for (int c = 0; c < C; c++)
+        b.w[u][c] = t0 + u < t_end ? __ldcs(reinterpret_cast<const uint4*>(w + Shape::kTileBytes * u + 512 * c))
+                                   : make_uint4(0, 0, 0, 0);
+    const uint32_t k0 = kTileK * t0 + (kInt4 ? 2 * q : 4 * q);  // the first step's first pair in tile t0
+    if (kTileK * (t0 + U) <= k_valid) {  // warp-uniform, all but a row's last batch: plain loads, no bounds
       const T* low = row_low + k0;
       const T* high = row_high + k0;
 #pragma unroll
-      for (int u = 0; u < U; u++) {
-        b.a[u][0][0] = __ldg(reinterpret_cast<const unsigned*>(low + 16 * u)) & low_mask;
-        b.a[u][0][2] = __ldg(reinterpret_cast<const unsigned*>(low + 16 * u + 8)) & low_mask;
-        b.a[u][0][1] = kHigh ? __ldg(reinterpret_cast<const unsigned*>(high + 16 * u)) & high_mask : 0u;
-        b.a[u][0][3] = kHigh ? __ldg(reinterpret_cast<const unsigned*>(high + 16 * u + 8)) & high_mask : 0u;
-      }
+      for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int s = 0; s < S; s++) {
+          const uint32_t at = kTileK * u + 16 * s;
+          b.a[u][s][0][0] = __ldg(reinterpret_cast<const unsigned*>(low + at)) & low_mask;
+          b.a[u][s][0][2] = __ldg(reinterpret_cast<const unsigned*>(low + at + kPairStep)) & low_mask;
+          b.a[u][s][0][1] = kHigh ? __ldg(reinterpret_cast<const unsigned*>(high + at)) & high_mask : 0u;
+          b.a[u][s][0][3] = kHigh ? __ldg(reinterpret_cast<const unsigned*>(high + at + kPairStep)) & high_mask : 0u;
+        }
     } else {
 #pragma unroll
       for (int u = 0; u < U; u++)
-        gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, kHigh, k0 + 16 * u, 8, k_valid, false, b.a[u][0]);
+#pragma unroll
+        for (int s = 0; s < S; s++)
+          gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, kHigh, k0 + kTileK * u + 16 * s, kPairStep,
+                             k_valid, false, b.a[u][s][0]);
     }
   };
   auto tables_for = [&](uint32_t t) {
-    const uint32_t tile_group = quant_group_of(16 * t, group_size, args.group_shift);
+    const uint32_t tile_group = quant_group_of(kTileK * t, group_size, args.group_shift);
     if (tile_group != group) {  // warp-uniform
       group = tile_group;
-      gemv_group_tables<QgFormat::int4_a16, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
+      gemv_group_tables<F, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
     }
   };
   auto math = [&](uint32_t t0, const Batch& b) {
@@ -1951,10 +1973,15 @@ __device__ __forceinline__ void gemv_mma_int4_run(const QuantGemmArgs& args, con
     for (int u = 0; u < U; u++) {
       if (t0 + u >= t_end) break;  // warp-uniform: the run's last batch
       if (!kAlignedGroups) tables_for(t0 + u);
-      int4_tile_mma<T, 1, kFp32Scales>(b.w[u], b.a[u], scale2, subtrahend2, args.scale_product, acc);
+      if constexpr (kInt4) {
+        int4_tile_mma<T, 1, kFp32Scales>(b.w[u][0], b.a[u][0], scale2, subtrahend2, args.scale_product, acc);
+      } else {
+#pragma unroll
+        for (int s = 0; s < S; s++) fp8_a16_step_mma<T, 1, kFp32Scales>(b.w[u], s, b.a[u][s], scale2, args.scale_product, acc);
+      }
     }
   };
-  if (KVLITE_GEMV_INT4_PREFETCH) {
+  if (kInt4 && KVLITE_GEMV_INT4_PREFETCH) {
     Batch even, odd;
     if (t_begin < t_end) load(t_begin, even);
     for (uint32_t t0 = t_begin; t0 < t_end; t0 += 2 * U) {
@@ -2081,37 +2108,15 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
   for (int j = 0; j < 8; j++)
 #pragma unroll
     for (int i = 0; i < 4; i++) acc[0][j][i] = 0.0f;
-  if constexpr (F == QgFormat::int4_a16) {
-    // t < 2^27: K_pad < 2^31 (checked at upload), 16 columns a tile
-    const uint32_t begin = uint32_t(t_begin), end = uint32_t(t_end);
-    const bool aligned = group_size % (16u * uint32_t(Shape::kUnroll)) == 0;  // uniform over the launch
-    if (any_high) {
-      if (aligned) gemv_mma_int4_run<T, kFp32Scales, true, true>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
-      else gemv_mma_int4_run<T, kFp32Scales, true, false>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
-    } else {
-      if (aligned) gemv_mma_int4_run<T, kFp32Scales, false, true>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
-      else gemv_mma_int4_run<T, kFp32Scales, false, false>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
-    }
+  // t < 2^27: K_pad < 2^31 (checked at upload), 16 or 32 columns a tile
+  const uint32_t begin = uint32_t(t_begin), end = uint32_t(t_end);
+  const bool aligned = group_size % (uint32_t(Shape::kTileK) * uint32_t(Shape::kMmaUnroll)) == 0;  // uniform
+  if (any_high) {
+    if (aligned) gemv_mma_run<F, T, kFp32Scales, true, true>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
+    else gemv_mma_run<F, T, kFp32Scales, true, false>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
   } else {
-    uint32_t scale2[8], subtrahend2[8];
-    uint32_t group = 0xffffffffu;
-    gemv_stream_tiles<F>(tiles, t_begin, t_end, [&](int64_t t, const uint4 (&chunks)[Shape::kChunks]) {
-      const uint32_t k0 = uint32_t(t) * uint32_t(Shape::kTileK);
-      const uint32_t tile_group = quant_group_of(k0, group_size, args.group_shift);
-      if (tile_group != group) {  // warp-uniform
-        group = tile_group;
-        gemv_group_tables<F, T, kFp32Scales>(args, group, g, scale2, subtrahend2);
-      }
-      const bool whole = k0 + Shape::kTileK <= k_valid;
-      uint32_t a[1][4];
-#pragma unroll
-      for (int step = 0; step < 2; step++) {
-        // slots 2q, 2q + 1 <- k 4q, 4q + 1 and slots 2q + 8, 2q + 9 <- k 4q + 2, 4q + 3 (as qg_step_fp8_a16)
-        const uint32_t k = k0 + 16 * step + 4 * q;
-        gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, any_high, k, 2, k_valid, whole, a[0]);
-        fp8_a16_step_mma<T, 1, kFp32Scales>(chunks, step, a, scale2, args.scale_product, acc);
-      }
-    });
+    if (aligned) gemv_mma_run<F, T, kFp32Scales, false, true>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
+    else gemv_mma_run<F, T, kFp32Scales, false, false>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
   }
 
   // C fragments: c0, c1 <- row g, columns 8j + 2q, 8j + 2q + 1; c2, c3 <- row g + 8, the same columns
@@ -2550,7 +2555,7 @@ template <QgFormat F, bool kFp32Scales>
 QuantGemmInstance quant_gemv_mma_instance(DType activation) {
   constexpr int threads = kGemvWarps * 32;
   constexpr const char* name = F == QgFormat::int4_a16 ? "quant_gemv_mma_kernel (W4A16)" : "quant_gemv_mma_kernel (W8A16)";
-  constexpr int ring = GemvShape<F>::kRingBytes;
+  constexpr int ring = 0;  // gemv_mma_run streams through registers
   return activation == DType::BF16 ? QuantGemmInstance{&quant_gemv_mma_kernel<F, __nv_bfloat16, kFp32Scales>, ring, threads, name}
                                    : QuantGemmInstance{&quant_gemv_mma_kernel<F, __half, kFp32Scales>, ring, threads, name};
 }
