@@ -2094,7 +2094,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
   int64_t t_begin, t_end;
   gemv_warp_tiles<F>(args, warp, &t_begin, &t_end);
   const uint8_t* tiles = args.tiles + uint64_t(blockIdx.y) * args.tile_row_bytes + 16 * lane;
-  const uint32_t k_valid = uint32_t(args.k_valid), group_size = uint32_t(args.group_size);
+  const uint32_t group_size = uint32_t(args.group_size);
   // the lane's two activation rows (A fragment rows g and g + 8)
   const bool has_low = g < rows, has_high = g + 8 < rows;
   const T* x = static_cast<const T*>(args.x);

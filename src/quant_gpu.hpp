@@ -290,10 +290,13 @@ constexpr int64_t kQuantGemvMmaMaxRows = 16;
 //          1, 2, 4, 8; gemv_a16 51, 68, 99 us at M = 1, 2, 4; mma_a16 90 us). At M = 1 the two GEMVs trade places
 //          by shape (gemv_mma holds 98 registers, 2 blocks an SM against gemv_a16's 3), and end to end Llama-3.1-8B
 //          W4A16 decodes at 177.7 tok/s with gemv_mma against 167.0 with gemv_a16.
-//   fp8, M = 1: gemv_a16 (Qwen3-VL-4B FP8 decodes at 174.3 tok/s with it against 162.0 with gemv_mma, which holds
-//          156 registers for fp8, one block an SM); M >= 2: the mma kernels, 5-20% ahead of gemv_mma.
-constexpr int64_t quant_gemv_auto_rows(WeightFormat format) { return format == WeightFormat::fp8 ? 1 : 0; }
-constexpr int64_t quant_gemv_mma_auto_rows(WeightFormat format) { return format == WeightFormat::int4 ? 16 : 0; }
+//   fp8, M = 1 .. 16: gemv_mma since its tiles stream in batches through registers (gemv_mma_run; bench/RESULTS.md,
+//          2026-11-27 third session, H200): ahead of gemv_a16 at M = 1 by 22-36% (Llama-3.1-8B gate_up 51.0 -> 35.9
+//          us, lm_head 173 -> 137) and of mma_a16 at M = 8 and 16 by 24-44% (gate_up M = 8 64.2 -> 37.6 us) on every
+//          Llama-3.1-8B and Qwen3-VL-4B shape. (Before it, gemv_a16 held M = 1 and the mma kernels M >= 2.)
+//          gemv_a16 stays a forced choice (set_quant_kernel), for the tests and the bench.
+constexpr int64_t quant_gemv_auto_rows(WeightFormat) { return 0; }
+constexpr int64_t quant_gemv_mma_auto_rows(WeightFormat) { return 16; }
 // The GEMV splits K as the mma kernel does: enough splits to fill the GPU's block slots once (SMs x blocks an SM
 // holds). Aiming for 4 waves of shorter blocks instead was measured slower on an H100 (Llama qkv at M = 1 12.5 ->
 // 20.9 us, down 28.3 -> 35.1, gate_up 51.9 -> 53.7): more splits cost more partials and fix-ups than the tail
@@ -313,9 +316,9 @@ constexpr int kQuantW8A8MinSm = 89;
 constexpr bool quant_w8a8_preferred(int sm) { return sm >= kQuantW8A8MinSm && sm / 10 != 9; }
 
 // The kernel `forced` or, when automatic, the one for `rows` rows on a GPU of compute capability `sm` with
-// activations of dtype `activation`: gemv_a16 up to quant_gemv_auto_rows rows (fp8: 1), gemv_mma up to
-// quant_gemv_mma_auto_rows rows (int4: 16), then W8A8 for fp8 where it is
-// native, else mma_a16 up to kQuantMmaMaxRows rows, then dequantize + cuBLAS. F32 activations always dequantize
+// activations of dtype `activation`: gemv_a16 up to quant_gemv_auto_rows rows (none now), gemv_mma up to
+// quant_gemv_mma_auto_rows rows (16), then W8A8 for fp8 where it is native, else mma_a16 up to kQuantMmaMaxRows
+// rows, then dequantize + cuBLAS. F32 activations always dequantize
 // (exact weights, float32 cuBLAS).
 QuantKernel choose_quant_kernel(const QuantGpuLayout& layout, DType activation, int sm, int64_t rows,
                                 QuantKernel forced);

@@ -373,11 +373,11 @@ TEST_CASE("the automatic choice runs every format at decode and prefill sizes") 
     check_rows(g, int4, cuda::QuantKernel::automatic, Bound::exact_weights,
                {1, 4, cuda::quant_gemv_mma_auto_rows(WeightFormat::int4) + 1, 64, cuda::kQuantMmaMaxRows + 44}, rng);
     OwnedWeight fp8 = make_fp8(64 * 9, 2048, ScaleGranularity::block, 128, 128, activation, DequantRounding::f32, rng);
-    // up to quant_gemv_auto_rows rows the GEMV (A16 arithmetic), then W8A8 where it is native
-    const int64_t gemv_rows = cuda::quant_gemv_auto_rows(WeightFormat::fp8);
-    check_rows(g, fp8, cuda::QuantKernel::automatic, a16_bound(fp8.weight, activation), {gemv_rows}, rng);
+    // up to quant_gemv_mma_auto_rows rows the tensor-core GEMV (A16 arithmetic), then W8A8 where it is native
+    const int64_t gemv_rows = cuda::quant_gemv_mma_auto_rows(WeightFormat::fp8);
+    check_rows(g, fp8, cuda::QuantKernel::automatic, a16_bound(fp8.weight, activation), {1, 8, gemv_rows}, rng);
     check_rows(g, fp8, cuda::QuantKernel::automatic, w8a8 ? Bound::w8a8 : a16_bound(fp8.weight, activation),
-               {gemv_rows + 1, 8, cuda::kQuantMmaMaxRows + 44}, rng);
+               {gemv_rows + 1, 64, cuda::kQuantMmaMaxRows + 44}, rng);
   }
 }
 
@@ -507,7 +507,7 @@ TEST_CASE("fused Linears (q|k|v, gate|up) uploaded as one run every kernel as th
                                          cuda::QuantKernel::dequant_cublas}) {
           const bool automatic_w8a8 = kernel == cuda::QuantKernel::automatic &&
                                       stacked.weight.format == WeightFormat::fp8 &&
-                                      m > cuda::quant_gemv_auto_rows(WeightFormat::fp8) &&
+                                      m > cuda::quant_gemv_mma_auto_rows(WeightFormat::fp8) &&
                                       cuda::quant_w8a8_preferred(device_sm());
           check_quant_linear(g, stacked.weight, *device, x, kernel, automatic_w8a8 ? Bound::w8a8 : bound);
         }

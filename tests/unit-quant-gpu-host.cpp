@@ -875,9 +875,9 @@ TEST_CASE("kernel choice: the GEMV for decode rows, W8A8 for fp8 on sm_89+, mma 
   const QuantGpuLayout li = quant_gpu_layout(int4.weight), lo = quant_gpu_layout(odd.weight),
                        lf = quant_gpu_layout(fp8.weight);
   const QuantKernel a = QuantKernel::automatic;
-  // decode rows: a GEMV on every GPU while the layout has mma tiles and activations are 16-bit: int4 through
-  // gemv_mma up to its rows, fp8 through gemv_a16 for one row (then the mma kernels)
-  const int64_t past_gemv = quant_gemv_mma_auto_rows(WeightFormat::int4) + 1;
+  // decode rows: a GEMV on every GPU while the layout has mma tiles and activations are 16-bit: both formats
+  // through gemv_mma up to its rows (then the mma kernels); gemv_a16 only when forced
+  const int64_t past_gemv = std::max(quant_gemv_mma_auto_rows(WeightFormat::int4), quant_gemv_mma_auto_rows(WeightFormat::fp8)) + 1;
   for (int sm : {80, 86, 87, 89, 90, 100, 120})
     for (int64_t rows = 1; rows <= past_gemv; rows++) {
       CAPTURE(sm);
@@ -885,10 +885,10 @@ TEST_CASE("kernel choice: the GEMV for decode rows, W8A8 for fp8 on sm_89+, mma 
       const QuantKernel on_int4 = choose_quant_kernel(li, DType::BF16, sm, rows, a);
       const QuantKernel on_fp8 = choose_quant_kernel(lf, DType::F16, sm, rows, a);
       CHECK((on_int4 == QuantKernel::gemv_mma) == (rows <= quant_gemv_mma_auto_rows(WeightFormat::int4)));
-      CHECK((on_fp8 == QuantKernel::gemv_a16) == (rows <= quant_gemv_auto_rows(WeightFormat::fp8)));
+      CHECK((on_fp8 == QuantKernel::gemv_mma) == (rows <= quant_gemv_mma_auto_rows(WeightFormat::fp8)));
       CHECK(on_int4 != QuantKernel::gemv_a16);
-      CHECK(on_fp8 != QuantKernel::gemv_mma);
-      if (rows > quant_gemv_auto_rows(WeightFormat::fp8))
+      CHECK(on_fp8 != QuantKernel::gemv_a16);
+      if (rows > quant_gemv_mma_auto_rows(WeightFormat::fp8))
         CHECK(on_fp8 == (quant_w8a8_preferred(sm) ? QuantKernel::mma_w8a8 : QuantKernel::mma_a16));
       CHECK(choose_quant_kernel(lo, DType::BF16, sm, rows, a) == QuantKernel::dequant_cublas);
       CHECK(choose_quant_kernel(li, DType::F32, sm, rows, a) == QuantKernel::dequant_cublas);
