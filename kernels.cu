@@ -399,6 +399,22 @@ __global__ void add_rms_norm_kernel(const A* x, int64_t x_stride,  // [rows, col
     dst[c] = from_float<A>(to_float(load_readonly(weight + c)) * (to_float(res[c]) * inv_rms));
 }
 
+// One rotary pair of a head in place, rotate_half convention: h[i], h[i + half] turned by the angle of (c, s),
+// each rounded once to A; the rounded values also come back. rope_kernel and rope_kv_write_kernel share it, so the
+// fused kernel stores the bits the two ops store.
+template <class A>
+__device__ __forceinline__ void rope_pair(A* h, int64_t i, int64_t half, float c, float s, A* low, A* high) {
+  const float a = to_float(h[i]), b = to_float(h[i + half]);
+  *low = from_float<A>(a * c - b * s);
+  *high = from_float<A>(b * c + a * s);
+  h[i] = *low;
+  h[i + half] = *high;
+}
+
+// An activation as the KV cache stores it: value / the layer's scale, rounded to E (kv_write_kernel's store).
+template <class A, class E>
+__device__ __forceinline__ E kv_element(A value, float scale) { return from_float<E>(to_float(value) / scale); }
+
 // Rotary embedding in place, rotate_half convention: x[i], x[i + half] of every head turned by the angle
 // whose cos/sin are in row t of the tables. Dimensions from 2 * half to head_dim are left alone.
 //   A: activation type.
@@ -414,10 +430,8 @@ __global__ void rope_kernel(A* x, int64_t x_stride,  // [rows, heads * head_dim]
   const float* s = sin + row * sin_stride;
   for (int64_t pair = row_column_begin(); pair < heads * half; pair += row_column_step()) {
     const int64_t head = pair / half, i = pair % half;
-    A* h = v + head * head_dim;
-    const float a = to_float(h[i]), b = to_float(h[i + half]);
-    h[i] = from_float<A>(a * c[i] - b * s[i]);
-    h[i + half] = from_float<A>(b * c[i] + a * s[i]);
+    A low, high;
+    rope_pair(v + head * head_dim, i, half, c[i], s[i], &low, &high);
   }
 }
 
@@ -492,8 +506,59 @@ __global__ void kv_write_kernel(const A* k, int64_t k_stride, const A* v, int64_
   const A* k_src = k + row * k_stride;
   const A* v_src = v + row * v_stride;
   for (int64_t c = row_column_begin(); c < width; c += row_column_step()) {
-    k_dst[c] = from_float<E>(to_float(k_src[c]) / k_scale);
-    v_dst[c] = from_float<E>(to_float(v_src[c]) / v_scale);
+    k_dst[c] = kv_element<A, E>(k_src[c], k_scale);
+    v_dst[c] = kv_element<A, E>(v_src[c], v_scale);
+  }
+}
+
+// rope_kernel then kv_write_kernel for one token row (Backend::rope_kv_write), in one pass: every pair of qk's heads
+// rotated in place as rope_kernel does, and a pair of a key head (qk's last `width` columns) stored into the cache
+// as it is made, as kv_write_kernel would store it after the rope; then the values and the keys' dimensions the rope
+// leaves alone (partial rotary: 2 half .. head_dim - 1 of each key head). Saves a launch and a read of the keys a
+// decode layer (2.1 + 2.4 us apart on an H200, bench/RESULTS.md 2026-11-27).
+//   row items: [0, heads x half) the pairs | width values | kv_heads x (head_dim - 2 half) unrotated key dims
+//   A: activation type; E: KV element type.
+template <class A, class E>
+__global__ void rope_kv_write_kernel(A* qk, int64_t qk_stride,  // [rows, heads * head_dim]
+                                     int64_t heads, int64_t head_dim,
+                                     const float* cos, int64_t cos_stride,  // [rows, half]
+                                     const float* sin, int64_t sin_stride,  // [rows, half]
+                                     int64_t half, const A* v, int64_t v_stride,  // [rows, width]
+                                     const int32_t* slots,  // [rows]
+                                     E* pages, KVPageLayout layout, int64_t layer, int64_t num_pages, int64_t width,
+                                     float k_scale, float v_scale, DeviceFault* fault) {
+  const int64_t row = blockIdx.x;
+  const int64_t slot = slots[row];
+  const int64_t page = slot >= 0 ? slot / layout.page_tokens : 0, position = slot >= 0 ? slot % layout.page_tokens : 0;
+  if (slot >= 0 && page >= num_pages && threadIdx.x == 0 && blockIdx.y == 0)
+    report_fault(fault, fault_kv_slot, row, slot, num_pages, page);
+  const bool store = slot >= 0 && page < num_pages;  // a negative slot (padding) or a fault: the rope alone
+  E* k_dst = store ? pages + layout.offset(page, layer, 0, position, 0) : nullptr;
+  E* v_dst = store ? pages + layout.offset(page, layer, 1, position, 0) : nullptr;
+  A* x = qk + row * qk_stride;
+  const float* c = cos + row * cos_stride;
+  const float* s = sin + row * sin_stride;
+  const int64_t first_key = heads * head_dim - width;  // qk's column of the first key
+  const int64_t pairs = heads * half, tail = head_dim - 2 * half;
+  const int64_t items = pairs + (store ? width + (width / head_dim) * tail : 0);
+  for (int64_t item = row_column_begin(); item < items; item += row_column_step()) {
+    if (item < pairs) {
+      const int64_t head = item / half, i = item % half;
+      A low, high;
+      rope_pair(x + head * head_dim, i, half, c[i], s[i], &low, &high);
+      const int64_t key_column = head * head_dim + i - first_key;
+      if (store && key_column >= 0) {
+        k_dst[key_column] = kv_element<A, E>(low, k_scale);
+        k_dst[key_column + half] = kv_element<A, E>(high, k_scale);
+      }
+    } else if (item < pairs + width) {
+      const int64_t column = item - pairs;
+      v_dst[column] = kv_element<A, E>(v[row * v_stride + column], v_scale);
+    } else {
+      const int64_t t = item - pairs - width;
+      const int64_t key_column = (t / tail) * head_dim + 2 * half + t % tail;
+      k_dst[key_column] = kv_element<A, E>(x[first_key + key_column], k_scale);
+    }
   }
 }
 
@@ -2667,7 +2732,7 @@ class CudaBackend final : public Backend {
     switch (op) {
       case Op::rope: case Op::silu_mul: case Op::add: case Op::linear: return dtype == act_;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::copy: return is_float_dtype(dtype);
-      case Op::kv_write: case Op::attention: return is_kv_dtype(dtype);
+      case Op::kv_write: case Op::attention: case Op::rope_kv_write: return is_kv_dtype(dtype);
       case Op::embedding_bag: case Op::layer_norm: return is_float_dtype(dtype);
       case Op::gelu: case Op::segment_attention: return dtype == act_;
       // int4 (pack-quantized) and fp8 weights, repacked by cuda::upload_quant_weight (section 3b's GEMMs)
@@ -3057,6 +3122,29 @@ class CudaBackend final : public Backend {
             typed_const<A>(k), k.row_stride, typed_const<A>(v), v.row_stride, typed_const<int32_t>(slots),
             static_cast<E*>(cache.pages), cache.layout, layer, cache.num_pages, k.cols, k_scale, v_scale, fault_);
         check_launch("kv_write_kernel");
+      });
+    });
+  }
+
+  void impl_rope_kv_write(const Tensor& qk, const Tensor& cos, const Tensor& sin, int64_t head_dim,
+                          const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                          const Tensor& slots) override {
+    activate();
+    if (qk.rows == 0) return;
+    check_grid_rows("rope_kv_write", qk.rows);
+    const int64_t heads = qk.cols / head_dim, half = cos.cols, width = k.cols;
+    const int64_t items = heads * half + width + (width / head_dim) * (head_dim - 2 * half);
+    const float k_scale = kv_layer_scale(cache.k_scales, layer), v_scale = kv_layer_scale(cache.v_scales, layer);
+    with_float_type(act_, [&](auto act_tag) {
+      with_kv_type(cache.dtype, [&](auto kv_tag) {
+        using A = decltype(act_tag);
+        using E = decltype(kv_tag);
+        rope_kv_write_kernel<A, E><<<row_grid(qk.rows, items), row_threads(items), 0, stream_>>>(
+            typed<A>(qk), qk.row_stride, heads, head_dim, typed_const<float>(cos), leading_dimension(cos),
+            typed_const<float>(sin), leading_dimension(sin), half, typed_const<A>(v), v.row_stride,
+            typed_const<int32_t>(slots), static_cast<E*>(cache.pages), cache.layout, layer, cache.num_pages, width,
+            k_scale, v_scale, fault_);
+        check_launch("rope_kv_write_kernel");
       });
     });
   }

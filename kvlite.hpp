@@ -2327,8 +2327,10 @@ enum class Op {
   gather_rows, rms_norm, add_rms_norm, rope, linear, quant_linear, silu_mul, add, copy, kv_write, attention,
   // the vision encoder's (Qwen3-VL)
   embedding_bag, layer_norm, gelu, segment_attention,
+  // rope then kv_write as one call (Backend::rope_kv_write)
+  rope_kv_write,
 };
-constexpr int kOpCount = int(Op::segment_attention) + 1;
+constexpr int kOpCount = int(Op::rope_kv_write) + 1;
 
 // One op's share of a backend's work while op timing is on (Backend::set_op_timing): how many calls, and their
 // host wall time with the backend synchronized after each, so that on a GPU an op's time is its launch and its
@@ -2493,6 +2495,13 @@ class Backend {
   // (padding). k, v [T, kv_heads * head_dim]. Converted to cache.dtype (round to nearest even).
   Status kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots);
 
+  // rope(qk, cos, sin, head_dim), then kv_write(cache, layer, k, v, slots), k being the last kv_heads * head_dim
+  // columns of qk (the keys just rotated): a decoder layer's two steps between its q|k|v projection and its
+  // attention, as one call so that a backend can do both in one pass (CUDA: one kernel, each rotated key stored as
+  // it is made; the CPU: the two ops). The same checks as the two ops, and the same results, bit for bit.
+  Status rope_kv_write(const Tensor& qk, const Tensor& cos, const Tensor& sin, int64_t head_dim,
+                       const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots);
+
   // Causal paged attention for a batch of sequences (see AttentionBatch), grouped-query: query head h reads
   // KV head h / (heads / kv_heads). Per query head: softmax(scale * q.K^T) @ V over its visible tokens,
   // in fp32 with the running maximum subtracted; no [T, context] matrix is formed.
@@ -2528,6 +2537,13 @@ class Backend {
                              const Tensor& slots) = 0;
   virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
                               const AttentionBatch& batch, float scale, const Tensor& out) = 0;
+  // The two ops in order, unless a backend fuses them.
+  virtual void impl_rope_kv_write(const Tensor& qk, const Tensor& cos, const Tensor& sin, int64_t head_dim,
+                                  const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                                  const Tensor& slots) {
+    impl_rope(qk, cos, sin, head_dim);
+    impl_kv_write(cache, layer, k, v, slots);
+  }
 
  private:
   // Runs an op's impl_ call, timed when op timing is on.
@@ -11541,6 +11557,7 @@ const char* op_name(Op op) {
     case Op::layer_norm: return "layer_norm";
     case Op::gelu: return "gelu";
     case Op::segment_attention: return "segment_attention";
+    case Op::rope_kv_write: return "rope_kv_write";
   }
   return "?";
 }
@@ -11748,23 +11765,61 @@ Status Backend::add_rms_norm(const Tensor& x, const Tensor& residual, const Tens
   });
 }
 
+namespace detail {
+inline void check_rope(const Backend& backend, const char* op, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                int64_t head_dim) {
+  check_dtype(op, "x", x, backend.activation_dtype());
+  check_supported(backend, Op::rope, x.dtype, "x dtype");
+  check_dtype(op, "cos", cos, DType::F32);
+  check_dtype(op, "sin", sin, DType::F32);
+  if (head_dim <= 0 || x.cols % head_dim != 0)
+    fail(ErrorCode::invalid_argument, format("%s: x is %s, not a whole number of heads of head_dim %lld", op,
+                                             describe(x).c_str(), (long long)head_dim));
+  if (cos.cols == 0 || 2 * cos.cols > head_dim)
+    fail(ErrorCode::invalid_argument,
+         format("%s: cos is %s; it needs 1 .. head_dim/2 = %lld columns (one per frequency)", op,
+                describe(cos).c_str(), (long long)(head_dim / 2)));
+  check_shape(op, "cos", cos, x.rows, cos.cols);
+  check_shape(op, "sin", sin, x.rows, cos.cols);
+}
+inline void check_kv_write(const Backend& backend, const char* op, const KVCacheView& cache, int64_t layer, const Tensor& k,
+                    const Tensor& v, const Tensor& slots) {
+  check_kv_cache(op, cache, layer);
+  check_supported(backend, Op::kv_write, cache.dtype, "KV dtype");
+  const int64_t width = cache.layout.kv_heads * cache.layout.head_dim;
+  check_dtype(op, "k", k, backend.activation_dtype());
+  check_dtype(op, "v", v, backend.activation_dtype());
+  check_shape(op, "k", k, k.rows, width);
+  check_shape(op, "v", v, k.rows, width);
+  check_vector(op, "slots", slots, k.rows, DType::I32);
+}
+}  // namespace detail
+
+Status Backend::rope_kv_write(const Tensor& qk, const Tensor& cos, const Tensor& sin, int64_t head_dim,
+                              const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                              const Tensor& slots) {
+  return detail::guard([&] {
+    const char* op = "rope_kv_write";
+    detail::check_rope(*this, op, qk, cos, sin, head_dim);
+    detail::check_kv_write(*this, op, cache, layer, k, v, slots);
+    // k: qk's last k.cols columns, row for row (the keys the rope rotates are the ones stored)
+    const int64_t element = dtype_bytes(qk.dtype, 1);
+    const bool last_columns = k.rows == qk.rows && k.cols <= qk.cols && k.row_stride == qk.row_stride &&
+                              static_cast<const char*>(k.data) ==
+                                  static_cast<const char*>(qk.data) + (qk.cols - k.cols) * element;
+    if (!last_columns || cache.layout.head_dim != head_dim)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("%s: k (%s) must be the last %lld columns of qk (%s), of the cache's head_dim %lld "
+                                  "(rope's is %lld)", op, detail::describe(k).c_str(), (long long)k.cols,
+                                  detail::describe(qk).c_str(), (long long)cache.layout.head_dim,
+                                  (long long)head_dim));
+    run_op(Op::rope_kv_write, [&] { impl_rope_kv_write(qk, cos, sin, head_dim, cache, layer, k, v, slots); });
+  });
+}
+
 Status Backend::rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) {
   return detail::guard([&] {
-    const char* op = "rope";
-    detail::check_dtype(op, "x", x, activation_dtype());
-    detail::check_supported(*this, Op::rope, x.dtype, "x dtype");
-    detail::check_dtype(op, "cos", cos, DType::F32);
-    detail::check_dtype(op, "sin", sin, DType::F32);
-    if (head_dim <= 0 || x.cols % head_dim != 0)
-      detail::fail(ErrorCode::invalid_argument,
-                   detail::format("rope: x is %s, not a whole number of heads of head_dim %lld",
-                                  detail::describe(x).c_str(), (long long)head_dim));
-    if (cos.cols == 0 || 2 * cos.cols > head_dim)
-      detail::fail(ErrorCode::invalid_argument,
-                   detail::format("rope: cos is %s; it needs 1 .. head_dim/2 = %lld columns (one per frequency)",
-                                  detail::describe(cos).c_str(), (long long)(head_dim / 2)));
-    detail::check_shape(op, "cos", cos, x.rows, cos.cols);
-    detail::check_shape(op, "sin", sin, x.rows, cos.cols);
+    detail::check_rope(*this, "rope", x, cos, sin, head_dim);
     run_op(Op::rope, [&] { impl_rope(x, cos, sin, head_dim); });
   });
 }
@@ -11990,15 +12045,7 @@ Status Backend::segment_attention(const Tensor& q, const Tensor& k, const Tensor
 Status Backend::kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
                          const Tensor& slots) {
   return detail::guard([&] {
-    const char* op = "kv_write";
-    detail::check_kv_cache(op, cache, layer);
-    detail::check_supported(*this, Op::kv_write, cache.dtype, "KV dtype");
-    int64_t width = cache.layout.kv_heads * cache.layout.head_dim;
-    detail::check_dtype(op, "k", k, activation_dtype());
-    detail::check_dtype(op, "v", v, activation_dtype());
-    detail::check_shape(op, "k", k, k.rows, width);
-    detail::check_shape(op, "v", v, k.rows, width);
-    detail::check_vector(op, "slots", slots, k.rows, DType::I32);
+    detail::check_kv_write(*this, "kv_write", cache, layer, k, v, slots);
     run_op(Op::kv_write, [&] { impl_kv_write(cache, layer, k, v, slots); });
   });
 }
@@ -12376,7 +12423,7 @@ class CpuBackend final : public Backend {
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
       case Op::embedding_bag: case Op::layer_norm:
         return is_cpu_float(dtype);
-      case Op::kv_write: case Op::attention:
+      case Op::kv_write: case Op::attention: case Op::rope_kv_write:
         return is_kv_dtype(dtype);
       case Op::quant_linear: return dtype == DType::I32 || dtype == DType::F8_E4M3;
     }
@@ -13367,10 +13414,10 @@ void TextModel::compute(const StepInput& step) {
       check(backend_.rms_norm(k, w.k_norm, eps, k));
     }
     // query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-    // (one call: q and k are adjacent column blocks of qkv, Hq + Hkv heads)      qk [T, (Hq + Hkv) D]
-    check(backend_.rope(qkv.slice_cols(0, q_width + kv_width), cos, sin, D));
+    // (q and k are adjacent column blocks of qkv, Hq + Hkv heads)                 qk [T, (Hq + Hkv) D]
     // key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-    check(backend_.kv_write(cache, l, k, v, slots));
+    // (one call for both: a backend may store each rotated key as it makes it)
+    check(backend_.rope_kv_write(qkv.slice_cols(0, q_width + kv_width), cos, sin, D, cache, l, k, v, slots));
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
     check(backend_.attention(q, cache, l, batch_, attention_scale_, attn));
     // attn_output = self.o_proj(attn_output)                                  normed [T, H]

@@ -81,8 +81,10 @@ enum class Op {
   gather_rows, rms_norm, add_rms_norm, rope, linear, quant_linear, silu_mul, add, copy, kv_write, attention,
   // the vision encoder's (Qwen3-VL)
   embedding_bag, layer_norm, gelu, segment_attention,
+  // rope then kv_write as one call (Backend::rope_kv_write)
+  rope_kv_write,
 };
-constexpr int kOpCount = int(Op::segment_attention) + 1;
+constexpr int kOpCount = int(Op::rope_kv_write) + 1;
 
 // One op's share of a backend's work while op timing is on (Backend::set_op_timing): how many calls, and their
 // host wall time with the backend synchronized after each, so that on a GPU an op's time is its launch and its
@@ -247,6 +249,13 @@ class Backend {
   // (padding). k, v [T, kv_heads * head_dim]. Converted to cache.dtype (round to nearest even).
   Status kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots);
 
+  // rope(qk, cos, sin, head_dim), then kv_write(cache, layer, k, v, slots), k being the last kv_heads * head_dim
+  // columns of qk (the keys just rotated): a decoder layer's two steps between its q|k|v projection and its
+  // attention, as one call so that a backend can do both in one pass (CUDA: one kernel, each rotated key stored as
+  // it is made; the CPU: the two ops). The same checks as the two ops, and the same results, bit for bit.
+  Status rope_kv_write(const Tensor& qk, const Tensor& cos, const Tensor& sin, int64_t head_dim,
+                       const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots);
+
   // Causal paged attention for a batch of sequences (see AttentionBatch), grouped-query: query head h reads
   // KV head h / (heads / kv_heads). Per query head: softmax(scale * q.K^T) @ V over its visible tokens,
   // in fp32 with the running maximum subtracted; no [T, context] matrix is formed.
@@ -282,6 +291,13 @@ class Backend {
                              const Tensor& slots) = 0;
   virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
                               const AttentionBatch& batch, float scale, const Tensor& out) = 0;
+  // The two ops in order, unless a backend fuses them.
+  virtual void impl_rope_kv_write(const Tensor& qk, const Tensor& cos, const Tensor& sin, int64_t head_dim,
+                                  const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                                  const Tensor& slots) {
+    impl_rope(qk, cos, sin, head_dim);
+    impl_kv_write(cache, layer, k, v, slots);
+  }
 
  private:
   // Runs an op's impl_ call, timed when op timing is on.

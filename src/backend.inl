@@ -21,6 +21,7 @@ const char* op_name(Op op) {
     case Op::layer_norm: return "layer_norm";
     case Op::gelu: return "gelu";
     case Op::segment_attention: return "segment_attention";
+    case Op::rope_kv_write: return "rope_kv_write";
   }
   return "?";
 }
@@ -228,23 +229,61 @@ Status Backend::add_rms_norm(const Tensor& x, const Tensor& residual, const Tens
   });
 }
 
+namespace detail {
+inline void check_rope(const Backend& backend, const char* op, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                int64_t head_dim) {
+  check_dtype(op, "x", x, backend.activation_dtype());
+  check_supported(backend, Op::rope, x.dtype, "x dtype");
+  check_dtype(op, "cos", cos, DType::F32);
+  check_dtype(op, "sin", sin, DType::F32);
+  if (head_dim <= 0 || x.cols % head_dim != 0)
+    fail(ErrorCode::invalid_argument, format("%s: x is %s, not a whole number of heads of head_dim %lld", op,
+                                             describe(x).c_str(), (long long)head_dim));
+  if (cos.cols == 0 || 2 * cos.cols > head_dim)
+    fail(ErrorCode::invalid_argument,
+         format("%s: cos is %s; it needs 1 .. head_dim/2 = %lld columns (one per frequency)", op,
+                describe(cos).c_str(), (long long)(head_dim / 2)));
+  check_shape(op, "cos", cos, x.rows, cos.cols);
+  check_shape(op, "sin", sin, x.rows, cos.cols);
+}
+inline void check_kv_write(const Backend& backend, const char* op, const KVCacheView& cache, int64_t layer, const Tensor& k,
+                    const Tensor& v, const Tensor& slots) {
+  check_kv_cache(op, cache, layer);
+  check_supported(backend, Op::kv_write, cache.dtype, "KV dtype");
+  const int64_t width = cache.layout.kv_heads * cache.layout.head_dim;
+  check_dtype(op, "k", k, backend.activation_dtype());
+  check_dtype(op, "v", v, backend.activation_dtype());
+  check_shape(op, "k", k, k.rows, width);
+  check_shape(op, "v", v, k.rows, width);
+  check_vector(op, "slots", slots, k.rows, DType::I32);
+}
+}  // namespace detail
+
+Status Backend::rope_kv_write(const Tensor& qk, const Tensor& cos, const Tensor& sin, int64_t head_dim,
+                              const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                              const Tensor& slots) {
+  return detail::guard([&] {
+    const char* op = "rope_kv_write";
+    detail::check_rope(*this, op, qk, cos, sin, head_dim);
+    detail::check_kv_write(*this, op, cache, layer, k, v, slots);
+    // k: qk's last k.cols columns, row for row (the keys the rope rotates are the ones stored)
+    const int64_t element = dtype_bytes(qk.dtype, 1);
+    const bool last_columns = k.rows == qk.rows && k.cols <= qk.cols && k.row_stride == qk.row_stride &&
+                              static_cast<const char*>(k.data) ==
+                                  static_cast<const char*>(qk.data) + (qk.cols - k.cols) * element;
+    if (!last_columns || cache.layout.head_dim != head_dim)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("%s: k (%s) must be the last %lld columns of qk (%s), of the cache's head_dim %lld "
+                                  "(rope's is %lld)", op, detail::describe(k).c_str(), (long long)k.cols,
+                                  detail::describe(qk).c_str(), (long long)cache.layout.head_dim,
+                                  (long long)head_dim));
+    run_op(Op::rope_kv_write, [&] { impl_rope_kv_write(qk, cos, sin, head_dim, cache, layer, k, v, slots); });
+  });
+}
+
 Status Backend::rope(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim) {
   return detail::guard([&] {
-    const char* op = "rope";
-    detail::check_dtype(op, "x", x, activation_dtype());
-    detail::check_supported(*this, Op::rope, x.dtype, "x dtype");
-    detail::check_dtype(op, "cos", cos, DType::F32);
-    detail::check_dtype(op, "sin", sin, DType::F32);
-    if (head_dim <= 0 || x.cols % head_dim != 0)
-      detail::fail(ErrorCode::invalid_argument,
-                   detail::format("rope: x is %s, not a whole number of heads of head_dim %lld",
-                                  detail::describe(x).c_str(), (long long)head_dim));
-    if (cos.cols == 0 || 2 * cos.cols > head_dim)
-      detail::fail(ErrorCode::invalid_argument,
-                   detail::format("rope: cos is %s; it needs 1 .. head_dim/2 = %lld columns (one per frequency)",
-                                  detail::describe(cos).c_str(), (long long)(head_dim / 2)));
-    detail::check_shape(op, "cos", cos, x.rows, cos.cols);
-    detail::check_shape(op, "sin", sin, x.rows, cos.cols);
+    detail::check_rope(*this, "rope", x, cos, sin, head_dim);
     run_op(Op::rope, [&] { impl_rope(x, cos, sin, head_dim); });
   });
 }
@@ -470,15 +509,7 @@ Status Backend::segment_attention(const Tensor& q, const Tensor& k, const Tensor
 Status Backend::kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
                          const Tensor& slots) {
   return detail::guard([&] {
-    const char* op = "kv_write";
-    detail::check_kv_cache(op, cache, layer);
-    detail::check_supported(*this, Op::kv_write, cache.dtype, "KV dtype");
-    int64_t width = cache.layout.kv_heads * cache.layout.head_dim;
-    detail::check_dtype(op, "k", k, activation_dtype());
-    detail::check_dtype(op, "v", v, activation_dtype());
-    detail::check_shape(op, "k", k, k.rows, width);
-    detail::check_shape(op, "v", v, k.rows, width);
-    detail::check_vector(op, "slots", slots, k.rows, DType::I32);
+    detail::check_kv_write(*this, "kv_write", cache, layer, k, v, slots);
     run_op(Op::kv_write, [&] { impl_kv_write(cache, layer, k, v, slots); });
   });
 }

@@ -244,7 +244,7 @@ class CpuBackend final : public Backend {
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
       case Op::embedding_bag: case Op::layer_norm:
         return is_cpu_float(dtype);
-      case Op::kv_write: case Op::attention:
+      case Op::kv_write: case Op::attention: case Op::rope_kv_write:
         return is_kv_dtype(dtype);
       case Op::quant_linear: return dtype == DType::I32 || dtype == DType::F8_E4M3;
     }

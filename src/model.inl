@@ -429,10 +429,10 @@ void TextModel::compute(const StepInput& step) {
       check(backend_.rms_norm(k, w.k_norm, eps, k));
     }
     // query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-    // (one call: q and k are adjacent column blocks of qkv, Hq + Hkv heads)      qk [T, (Hq + Hkv) D]
-    check(backend_.rope(qkv.slice_cols(0, q_width + kv_width), cos, sin, D));
+    // (q and k are adjacent column blocks of qkv, Hq + Hkv heads)                 qk [T, (Hq + Hkv) D]
     // key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-    check(backend_.kv_write(cache, l, k, v, slots));
+    // (one call for both: a backend may store each rotated key as it makes it)
+    check(backend_.rope_kv_write(qkv.slice_cols(0, q_width + kv_width), cos, sin, D, cache, l, k, v, slots));
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
     check(backend_.attention(q, cache, l, batch_, attention_scale_, attn));
     // attn_output = self.o_proj(attn_output)                                  normed [T, H]

@@ -1011,6 +1011,40 @@ TEST_CASE("ops refuse bad shapes, unsupported dtypes and impossible batches with
   CHECK(status.error().message.find("layer 2") != std::string::npos);
 }
 
+TEST_CASE("rope_kv_write is rope then kv_write, and refuses a k that is not qk's last columns") {
+  auto backend = cpu(2);
+  Random rng(62), tables_a(63), tables_b(63);
+  PagedFixture fused(4, 2, 16, 5, DType::BF16, {13}, tables_a), split(4, 2, 16, 5, DType::BF16, {13}, tables_b);
+  const int64_t qk_cols = 6 * 16, width = 32, tokens = 13;
+  Matrix x(DType::F32, tokens, qk_cols + width, 2), cos(DType::F32, tokens, 6), sin(DType::F32, tokens, 6);
+  x.randomize(rng);
+  cos.randomize(rng);
+  sin.randomize(rng);
+  Matrix y = x;
+  std::vector<int32_t> slots(static_cast<size_t>(tokens));
+  for (int64_t t = 0; t < tokens; t++) slots[size_t(t)] = t == 4 ? -1 : fused.slot(0, t);  // token 4: padding
+  const Tensor slot_view = Tensor::vector(slots.data(), DType::I32, tokens);
+  const Tensor xs = x.view(), ys = y.view();
+  // head_dim 16 with 6 frequencies: dims 12 .. 15 of each head are left alone (partial rotary)
+  REQUIRE(backend->rope_kv_write(xs.slice_cols(0, qk_cols), cos.view(), sin.view(), 16, fused.cache(), 1,
+                                 xs.slice_cols(64, width), xs.slice_cols(qk_cols, width), slot_view).ok());
+  REQUIRE(backend->rope(ys.slice_cols(0, qk_cols), cos.view(), sin.view(), 16).ok());
+  REQUIRE(backend->kv_write(split.cache(), 1, ys.slice_cols(64, width), ys.slice_cols(qk_cols, width), slot_view).ok());
+  CHECK(x.bytes == y.bytes);
+  CHECK(fused.pages == split.pages);
+  int64_t stored = 0;
+  for (size_t i = 0; i < fused.pages.size(); i += 2) stored += !std::isnan(decode(DType::BF16, &fused.pages[i]));
+  CHECK(stored == 12 * 2 * width);  // every token but the padding, K and V
+  // k must be the keys the rope rotates: qk's last columns, row for row
+  for (const Tensor& k : {xs.slice_cols(32, width), xs.slice_cols(64, width).slice_rows(0, 12)}) {
+    const Status refused = backend->rope_kv_write(xs.slice_cols(0, qk_cols), cos.view(), sin.view(), 16, fused.cache(),
+                                                  1, k, xs.slice_cols(qk_cols, width).slice_rows(0, k.rows),
+                                                  slot_view);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.error().code == ErrorCode::invalid_argument);
+  }
+}
+
 TEST_CASE("supports() says what the CPU backend runs") {
   auto backend = cpu(1);
   CHECK(backend->kind() == BackendKind::cpu);

@@ -467,6 +467,90 @@ TEST_CASE("kv_write reports a slot past the cache's pages at the next synchroniz
   check_fails(g.cuda->synchronize(), ErrorCode::invalid_argument, "slots[1] = 12 is page 3, past the cache's 3 pages");
 }
 
+// ---- rope_kv_write ------------------------------------------------------------------------------------------
+
+TEST_CASE("rope_kv_write (one kernel) stores the bits rope then kv_write store: partial rotary, GQA, padding, every KV "
+          "type") {
+  GPU_OR_SKIP();
+  Random rng(112);
+  struct Shape { int64_t q_heads, kv_heads, head_dim, half, page_tokens, pages; };
+  // Llama's GQA with a full rotary; 1 KV head with 16 of 40 frequencies (partial); MHA with one-token pages; odd
+  // sizes (head_dim 10, 3 frequencies)
+  const Shape shapes[] = {{4, 2, 64, 32, 16, 6}, {3, 1, 80, 16, 5, 7}, {8, 8, 128, 64, 1, 40}, {2, 2, 10, 3, 3, 11}};
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (DType kv_dtype : kKvTypes)
+      for (const Shape& s : shapes) {
+        CAPTURE(std::string(dtype_name(activation))); CAPTURE(std::string(dtype_name(kv_dtype))); CAPTURE(s.head_dim); CAPTURE(s.half);
+        const CacheShape cs{2, s.page_tokens, s.kv_heads, s.head_dim, s.pages};
+        KVCacheView fused_view, split_view, unused_a, unused_b;
+        Twin fused = make_cache(g, kv_dtype, cs, rng, &fused_view, &unused_a);
+        Twin split = make_cache(g, kv_dtype, cs, rng, &split_view, &unused_b);
+        split.host.bytes = fused.host.bytes;  // the same cache contents before
+        split.upload();
+        const int64_t slots_total = s.pages * s.page_tokens, width = s.kv_heads * s.head_dim;
+        const int64_t qk_cols = (s.q_heads + s.kv_heads) * s.head_dim, tokens = std::min<int64_t>(slots_total, 13);
+        std::vector<int32_t> all(static_cast<size_t>(slots_total));
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), rng.engine);
+        std::vector<int32_t> slots(all.begin(), all.begin() + tokens);
+        slots[size_t(rng.below(tokens))] = -1;  // padding: rotated, not stored
+        IntTwin slot_twin(g, slots);
+        Twin x = Twin::activation(g, tokens, qk_cols + width, 5);  // q | k | v of one fused row
+        x.randomize(rng);
+        Twin y = Twin::activation(g, tokens, qk_cols + width, 5);
+        y.host.bytes = x.host.bytes;
+        y.upload();
+        Twin cos(g, DType::F32, DType::F32, tokens, s.half), sin(g, DType::F32, DType::F32, tokens, s.half);
+        for (int64_t t = 0; t < tokens; t++)
+          for (int64_t i = 0; i < s.half; i++) {
+            const float angle = rng.value(100.0f);
+            cos.set(t, i, std::cos(angle));
+            sin.set(t, i, std::sin(angle));
+          }
+        cos.upload();
+        sin.upload();
+        const int64_t layer = rng.below(2), k_first = s.q_heads * s.head_dim;
+        const Tensor xs = x.on_gpu(), ys = y.on_gpu();
+        REQUIRE_OK(g.cuda->rope_kv_write(xs.slice_cols(0, qk_cols), cos.on_gpu(), sin.on_gpu(), s.head_dim, fused_view,
+                                         layer, xs.slice_cols(k_first, width), xs.slice_cols(qk_cols, width),
+                                         slot_twin.on_gpu()));
+        REQUIRE_OK(g.cuda->rope(ys.slice_cols(0, qk_cols), cos.on_gpu(), sin.on_gpu(), s.head_dim));
+        REQUIRE_OK(g.cuda->kv_write(split_view, layer, ys.slice_cols(k_first, width), ys.slice_cols(qk_cols, width),
+                                    slot_twin.on_gpu()));
+        fused.download();
+        split.download();
+        CHECK(fused.host.bytes == split.host.bytes);
+        x.download();
+        y.download();
+        CHECK(x.host.bytes == y.host.bytes);  // q and k rotated alike, v untouched, the padding still NaN
+        CHECK(x.host.padding_untouched());
+      }
+  }
+}
+
+TEST_CASE("rope_kv_write reports a slot past the cache's pages at the next synchronize, and refuses a k outside qk") {
+  GPU_OR_SKIP();
+  Random rng(113);
+  Gpu g(DType::BF16);
+  KVCacheView gpu_cache, cpu_cache;
+  Twin cache = make_cache(g, DType::BF16, {2, 4, 2, 16, 3}, rng, &gpu_cache, &cpu_cache);
+  IntTwin slots(g, {0, 12, 5});
+  Twin qkv = Twin::activation(g, 3, 128);  // q (2 heads) | k (2 heads) | v (2 heads) of head_dim 16... and spare
+  qkv.randomize(rng);
+  Twin cos(g, DType::F32, DType::F32, 3, 8), sin(g, DType::F32, DType::F32, 3, 8);
+  cos.randomize(rng);
+  sin.randomize(rng);
+  const Tensor t = qkv.on_gpu();
+  REQUIRE_OK(g.cuda->rope_kv_write(t.slice_cols(0, 64), cos.on_gpu(), sin.on_gpu(), 16, gpu_cache, 1,
+                                   t.slice_cols(32, 32), t.slice_cols(64, 32), slots.on_gpu()));
+  check_fails(g.cuda->synchronize(), ErrorCode::invalid_argument, "slots[1] = 12 is page 3, past the cache's 3 pages");
+  // k must be qk's last columns: the keys the rope rotates are the ones stored
+  check_fails(g.cuda->rope_kv_write(t.slice_cols(0, 64), cos.on_gpu(), sin.on_gpu(), 16, gpu_cache, 1,
+                                    t.slice_cols(0, 32), t.slice_cols(64, 32), slots.on_gpu()),
+              ErrorCode::invalid_argument, "must be the last 32 columns of qk");
+}
+
 // ---- attention ----------------------------------------------------------------------------------------------
 
 namespace {
