@@ -566,7 +566,7 @@ __global__ void rope_kv_write_kernel(A* qk, int64_t qk_stride,  // [rows, heads 
 // One block per (query row, KV head, head pass, split):
 //
 //   grid.x = query rows       grid.y = KV heads x head passes       grid.z = splits of the context
-//   block  = 8 warps; warp w takes keys begin + w, begin + w + 8, ... of its split's chunk, kKeys at a time
+//   block  = WARPS warps (4 or 8); warp w takes keys begin + w, begin + w + WARPS, ... of its split's chunk, kKeys at a time
 //   lanes  = head dimensions: lane l holds dims l, l + 32, ... (DIMS of them) of q, K, V and the output
 //
 //   context of one query:  | chunk 0 (split 0) | chunk 1 (split 1) | ... | last |  (causal: keys 0 .. last)
@@ -576,17 +576,19 @@ __global__ void rope_kv_write_kernel(A* qk, int64_t qk_stride,  // [rows, heads 
 // split it writes the output, with several it writes a partial (max, sum, unnormalised acc) and
 // attention_combine_kernel merges the splits. Decode (one query, long context) gets its parallelism from
 // the splits; prefill chunks from their rows.
-// Warps of the segment (vision) attention block, and of the paged one. The paged one has 8: a decode split is a
-// chunk of 16-24 keys (kAttentionMinChunk), so that each warp takes 2-3 of them in one batch of loads instead of
-// walking 4-6 in dependent rounds (17 us a layer for a 150-key Llama-3.1-8B context with 4 warps, ncu, H200).
-// A build-time knob (tools/build-gpu-variant.sh -DKVLITE_PAGED_ATTENTION_WARPS=4): at batch 8 the 8-warp blocks
-// (172 registers, one an SM) decoded 3.5% slower than 4 warps did, so the next step is the count per launch, timed.
+// Warps of the segment (vision) attention block, and of the paged one, whose count is chosen per launch
+// (paged_attention_warps): 8 while the grid fits the GPU in one wave of one block an SM, so that a decode split of
+// 16-24 keys (kAttentionMinChunk) gives each warp 2-3 of them in one batch of loads instead of walking 4-6 in
+// dependent rounds (17 -> 10.6 us a layer for a 150-key Llama-3.1-8B context at batch 1, ncu, H200); 4 past that,
+// where the 8-warp blocks (172 registers: one an SM) left the SMs half as many blocks: on an H200 (bench/RESULTS.md,
+// 2026-11-27 third session) 4 warps decoded batch 8 10-12% faster than 8 (Llama-3.1-8B W4A16 1,736 -> 1,909 tok/s,
+// Qwen3-VL-4B FP8 1,667 -> 1,867) and batch 1 2.6-3% slower.
 constexpr int kAttentionWarps = 4;
-#ifndef KVLITE_PAGED_ATTENTION_WARPS
-#define KVLITE_PAGED_ATTENTION_WARPS 8
-#endif
-constexpr int kPagedAttentionWarps = KVLITE_PAGED_ATTENTION_WARPS;
-static_assert(kPagedAttentionWarps >= 1 && kPagedAttentionWarps <= 32, "a block of 1 to 32 warps");
+constexpr int kPagedAttentionWarpsFew = 4, kPagedAttentionWarpsMany = 8;
+// The paged attention's warps for a grid of `blocks` on `sms` SMs.
+constexpr int paged_attention_warps(int64_t blocks, int64_t sms) {
+  return blocks <= sms ? kPagedAttentionWarpsMany : kPagedAttentionWarpsFew;
+}
 // Keys a paged-attention warp loads before using any (their page ids, then their K and V rows, all in flight at
 // once): 4 while the K/V registers (2 x kKeys x DIMS floats) stay at 32, else 2.
 KVLITE_HD constexpr int attention_keys_in_flight(int dims_per_lane) { return dims_per_lane <= 4 ? 4 : 2; }
@@ -618,10 +620,11 @@ struct AttentionArgs {
 //   DIMS: head dimensions per lane (head_dim <= 32 * DIMS; attention_dims_per_lane);
 //   HEADS: query heads per block (attention_heads_per_block(DIMS)); a group larger than that takes
 //   several head passes (grid.y).
-template <class A, class E, int DIMS, int HEADS>
-__global__ void __launch_bounds__(kPagedAttentionWarps * 32) paged_attention_kernel(const AttentionArgs args) {
+//   WARPS: the block's warps (paged_attention_warps).
+template <class A, class E, int DIMS, int HEADS, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const AttentionArgs args) {
   constexpr int kPadded = DIMS * 32;  // head_dim rounded up to whole lanes
-  constexpr int kWarps = kPagedAttentionWarps, kKeys = attention_keys_in_flight(DIMS);
+  constexpr int kWarps = WARPS, kKeys = attention_keys_in_flight(DIMS);
   __shared__ float warp_max[kWarps][HEADS];
   __shared__ float warp_total[kWarps][HEADS];
   __shared__ float warp_acc[kWarps][HEADS][kPadded];
@@ -3435,7 +3438,11 @@ class CudaBackend final : public Backend {
   template <class A, class E, int DIMS>
   void launch_attention(dim3 grid, const AttentionArgs& args) {
     constexpr int kHeads = attention_heads_per_block(DIMS);
-    paged_attention_kernel<A, E, DIMS, kHeads><<<grid, kPagedAttentionWarps * 32, 0, stream_>>>(args);
+    const int64_t blocks = int64_t(grid.x) * grid.y * grid.z;
+    if (paged_attention_warps(blocks, sm_count_) == kPagedAttentionWarpsMany)
+      paged_attention_kernel<A, E, DIMS, kHeads, kPagedAttentionWarpsMany><<<grid, kPagedAttentionWarpsMany * 32, 0, stream_>>>(args);
+    else
+      paged_attention_kernel<A, E, DIMS, kHeads, kPagedAttentionWarpsFew><<<grid, kPagedAttentionWarpsFew * 32, 0, stream_>>>(args);
     check_launch("paged_attention_kernel");
   }
 

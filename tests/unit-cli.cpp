@@ -482,9 +482,9 @@ TEST_CASE("bench --profile: a decode step's ops, one row each, with the time bet
     values.erase(std::remove(values.begin(), values.end(), '%'), values.end());
     rows[line.substr(0, name_end)] = numbers_of(values);
   }
-  // tiny-qwen3 decodes with attention and kv_write once per layer per step (2 layers)
+  // tiny-qwen3 decodes with attention and rope_kv_write once per layer per step (2 layers)
   const int64_t layers = kvlite::load_config(model_fixtures::dir("tiny-qwen3")).value().text.num_layers;
-  for (const char* op : {"attention", "kv_write"}) {
+  for (const char* op : {"attention", "rope_kv_write"}) {
     CAPTURE(op);
     REQUIRE(rows.count(op) == 1);
     REQUIRE(rows[op].size() == 4);  // calls, ms, us/call, share%

@@ -27,6 +27,10 @@
 #   KVLITE_GPU_CHECK_TESTS=0   no test suites (a second call: build up to date, benchmarks only)
 #   KVLITE_GPU_CHECK_NCU_STEP=1 (or "llama-3.1-8b ...")   each checkpoint's (or these presets') decode step split
 #                              into its kernels by Nsight Compute (ncu-step-*.csv, tools/ncu-step-summary.py)
+#   KVLITE_GPU_CHECK_NCU_KERNELS="paged_attention_kernel:40:1 quant_gemv_mma_kernel:40:4"   with NCU_STEP's
+#                              checkpoints: each named kernel's full Nsight Compute report (--set full: throughput,
+#                              occupancy, warp stalls) for COUNT of its launches after skipping SKIP of them (40:
+#                              past a 32-layer prompt's), in ncu-kernels-*.txt
 # Prebuilt binaries: when gpu-bundle/ (tools/build-gpu-bundle.sh, carried by the device call) was built from these
 # sources for this GPU's arch, no build at all (tools/use-gpu-bundle.sh); otherwise the build below, with ninja
 # when present. Switches for tools/simulate-device.sh and tools/device-call-*.sh:
@@ -207,6 +211,17 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
       phase "$title" "ncu step breakdown exit $? ($(grep -c gpu__time_duration "$csv") kernels timed)"
       { echo "### ncu: one decode step's kernels, $title"; echo '```'
         python3 tools/ncu-step-summary.py "$csv" 2>&1 | head -60; echo '```'; } >> "$report"
+      # the named kernels in full, for where their time goes
+      for entry in ${KVLITE_GPU_CHECK_NCU_KERNELS:-}; do
+        IFS=: read -r kernel skip count <<< "$entry"
+        details="$out/ncu-kernels-$preset-$quant.txt"
+        echo "==== $kernel (skip ${skip:-40}, count ${count:-1})" >> "$details"
+        timeout 120 "$ncu" --set full --import-source no --clock-control none --print-summary none \
+          -k "regex:$kernel" --launch-skip "${skip:-40}" --launch-count "${count:-1}" \
+          $kvlite bench "$dir" --backend cuda --device-mem 8GiB --batch 1 --prompt-tokens 128 --decode-tokens 3 \
+          >> "$details" 2>> "$out/ncu-kernels.err"
+        phase "$title" "ncu full report of $kernel exit $?"
+      done
     fi
     phase "$title" "bench exit $status"
     rm -rf "$dir"

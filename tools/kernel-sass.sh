@@ -10,7 +10,7 @@
 #   --grep PATTERN   kernels whose mangled name matches (grep -E), e.g. 'quant_gemv_mma_kernelILNS1_8QgFormatE0E13'
 #                    (int4, bf16 activations); default every kernel
 #   --dump FILE      the matching kernels' SASS into FILE
-#   -D...            build knobs (KVLITE_GEMV_FP8_RING=0, KVLITE_PAGED_ATTENTION_WARPS=4, ...), as build-gpu-variant.sh
+#   -D...            build knobs (KVLITE_GEMV_FP8_RING=0, KVLITE_GEMV_INT4_UNROLL=8, ...), as build-gpu-variant.sh
 #   --from FILE      count a SASS listing already made (cuobjdump -sass; the device probe's gemv.sass) instead
 #
 # cuobjdump: $KVLITE_CUOBJDUMP, else PATH, else /usr/local/cuda/bin, else the one that Triton's wheel carries
