@@ -2154,15 +2154,18 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_ke
 // fragments of mma.m16n8k16 as they come, and the A fragment holds rows g and g + 8 of the activations, read from
 // L1 (zeros for rows past args.rows). One mma per 8 columns x 16 k serves every row up to 16, where the FMA GEMV
 // spends a conversion and 2 FMAs per pair and row; the fp32 sums are the tensor core's, as in the mma kernel.
-// Measured on an H100 (bench/RESULTS.md, 2026-11-26, third session): W4A16 flat from M = 1 to 8 and 1.5-2x the mma
-// kernel at M = 8-16; for fp8 its 64 registers of loads leave one block an SM, and the mma kernels win.
+// The tiles stream in batches (gemv_mma_run): measured on an H200 (bench/RESULTS.md, 2026-11-27, third session)
+// W4A16 16-27% faster than the per-tile loop at M = 1 (Llama-3.1-8B gate_up 37.8 -> 28.7 us, 76% of copy), flat to
+// M = 8; fp8 22-44% ahead of gemv_a16 and mma_a16 at M = 1-16, so both formats' decode rows run here.
 // Occupancy is not one launch bound away: __launch_bounds__(kGemvWarps * 32, 3) (3 blocks an SM, 80 registers)
 // spills on sm_90 (ptxas, 2026-11-26: int4 88 B stored / 96 B loaded, fp8 388 / 416 B), and timed on an H100
 // (KVLITE_GEMV_MIN_BLOCKS=3, 2026-11-27) it lost on the large shapes (gate_up 46 -> 50 us; Llama-3.1-8B W4A16
 // decode 193 -> 179 tok/s), so 3 blocks an SM wants a kernel that holds fewer values live, not a tighter bound.
-// Where its time goes (ncu, bench/RESULTS.md 2026-11-27): ~123 instructions a 512-byte W4A16 tile (169 before
-// gemv_a_fragment and the vector table loads), now mostly waiting on memory with ~3.4 warps a scheduler; the same
-// grid and loads without the math stream at 87% of the read ceiling (bench/gemv_stream.cu).
+// Where its time goes (ncu, bench/RESULTS.md 2026-11-27): 106 instructions a 512-byte W4A16 tile (169, then 123,
+// before gemv_a_fragment, the vector table loads and the batches), 123 registers (2 blocks an SM); the same grid and
+// loads without the math stream at 87% of the read ceiling (bench/gemv_stream.cu). Neither the next batch's loads
+// issued before this batch's math nor 8 W4A16 tiles a batch paid (152 / 168 registers; bounded to 2 blocks an SM,
+// gate_up 33.7 / 29.8 us against 28.7).
 //   F: int4_a16 or fp8_a16; T: activation dtype; kFp32Scales as quant_gemv_kernel's; args.rows <=
 //   kQuantGemvMmaMaxRows.
 template <QgFormat F, class T, bool kFp32Scales>
