@@ -131,6 +131,18 @@ void check_fails(const Status& status, ErrorCode code, const std::string& words)
   CHECK(status.error().message.find(words) != std::string::npos);
 }
 
+// cos / sin tables [tokens, half] of random angles (up to 100 radians), on both backends.
+void random_angles(Twin& cos, Twin& sin, Random& rng) {
+  for (int64_t t = 0; t < cos.host.rows; t++)
+    for (int64_t i = 0; i < cos.host.cols; i++) {
+      const float angle = rng.value(100.0f);
+      cos.set(t, i, std::cos(angle));
+      sin.set(t, i, std::sin(angle));
+    }
+  cos.upload();
+  sin.upload();
+}
+
 }  // namespace
 
 // ---- gather_rows ----------------------------------------------------------------------------------------------
@@ -256,14 +268,7 @@ TEST_CASE("rope matches the CPU: full and partial rotary, odd head counts, strid
         Twin x = Twin::activation(g, tokens, s.heads * s.head_dim, 7);  // q inside a fused qkv row
         x.randomize(rng);
         Twin cos(g, DType::F32, DType::F32, tokens, s.half, 1), sin(g, DType::F32, DType::F32, tokens, s.half, 2);
-        for (int64_t t = 0; t < tokens; t++)
-          for (int64_t i = 0; i < s.half; i++) {
-            const float angle = rng.value(100.0f);
-            cos.set(t, i, std::cos(angle));
-            sin.set(t, i, std::sin(angle));
-          }
-        cos.upload();
-        sin.upload();
+        random_angles(cos, sin, rng);
         REQUIRE_OK(g.cpu->rope(x.on_cpu(), cos.on_cpu(), sin.on_cpu(), s.head_dim));
         REQUIRE_OK(g.cuda->rope(x.on_gpu(), cos.on_gpu(), sin.on_gpu(), s.head_dim));
         x.check(1.0 / (1 << 20), ulp(activation));  // abs: a*c - b*s may cancel; fused or not, 2^-20 covers it
@@ -454,7 +459,8 @@ TEST_CASE("kv_write stores what the CPU stores, skipping negative slots") {
   }
 }
 
-TEST_CASE("kv_write reports a slot past the cache's pages at the next synchronize") {
+TEST_CASE("kv_write and rope_kv_write report a slot past the cache's pages at the next synchronize; rope_kv_write "
+          "refuses a k outside qk") {
   GPU_OR_SKIP();
   Random rng(111);
   Gpu g(DType::BF16);
@@ -465,6 +471,19 @@ TEST_CASE("kv_write reports a slot past the cache's pages at the next synchroniz
   kv.randomize(rng);
   REQUIRE_OK(g.cuda->kv_write(gpu_cache, 1, kv.on_gpu(), kv.on_gpu(), slots.on_gpu()));
   check_fails(g.cuda->synchronize(), ErrorCode::invalid_argument, "slots[1] = 12 is page 3, past the cache's 3 pages");
+  // the fused op: q (2 heads of 16) | k (2 heads) | v (2 heads), 8 frequencies
+  Twin qkv = Twin::activation(g, 3, 96);
+  qkv.randomize(rng);
+  Twin cos(g, DType::F32, DType::F32, 3, 8), sin(g, DType::F32, DType::F32, 3, 8);
+  random_angles(cos, sin, rng);
+  const Tensor t = qkv.on_gpu();
+  REQUIRE_OK(g.cuda->rope_kv_write(t.slice_cols(0, 64), cos.on_gpu(), sin.on_gpu(), 16, gpu_cache, 1,
+                                   t.slice_cols(32, 32), t.slice_cols(64, 32), slots.on_gpu()));
+  check_fails(g.cuda->synchronize(), ErrorCode::invalid_argument, "slots[1] = 12 is page 3, past the cache's 3 pages");
+  // k must be qk's last columns: the keys the rope rotates are the ones stored
+  check_fails(g.cuda->rope_kv_write(t.slice_cols(0, 64), cos.on_gpu(), sin.on_gpu(), 16, gpu_cache, 1,
+                                    t.slice_cols(0, 32), t.slice_cols(64, 32), slots.on_gpu()),
+              ErrorCode::invalid_argument, "must be the last 32 columns of qk");
 }
 
 // ---- rope_kv_write ------------------------------------------------------------------------------------------
@@ -502,14 +521,7 @@ TEST_CASE("rope_kv_write (one kernel) stores the bits rope then kv_write store: 
         y.host.bytes = x.host.bytes;
         y.upload();
         Twin cos(g, DType::F32, DType::F32, tokens, s.half), sin(g, DType::F32, DType::F32, tokens, s.half);
-        for (int64_t t = 0; t < tokens; t++)
-          for (int64_t i = 0; i < s.half; i++) {
-            const float angle = rng.value(100.0f);
-            cos.set(t, i, std::cos(angle));
-            sin.set(t, i, std::sin(angle));
-          }
-        cos.upload();
-        sin.upload();
+        random_angles(cos, sin, rng);
         const int64_t layer = rng.below(2), k_first = s.q_heads * s.head_dim;
         const Tensor xs = x.on_gpu(), ys = y.on_gpu();
         REQUIRE_OK(g.cuda->rope_kv_write(xs.slice_cols(0, qk_cols), cos.on_gpu(), sin.on_gpu(), s.head_dim, fused_view,
@@ -527,28 +539,6 @@ TEST_CASE("rope_kv_write (one kernel) stores the bits rope then kv_write store: 
         CHECK(x.host.padding_untouched());
       }
   }
-}
-
-TEST_CASE("rope_kv_write reports a slot past the cache's pages at the next synchronize, and refuses a k outside qk") {
-  GPU_OR_SKIP();
-  Random rng(113);
-  Gpu g(DType::BF16);
-  KVCacheView gpu_cache, cpu_cache;
-  Twin cache = make_cache(g, DType::BF16, {2, 4, 2, 16, 3}, rng, &gpu_cache, &cpu_cache);
-  IntTwin slots(g, {0, 12, 5});
-  Twin qkv = Twin::activation(g, 3, 128);  // q (2 heads) | k (2 heads) | v (2 heads) of head_dim 16... and spare
-  qkv.randomize(rng);
-  Twin cos(g, DType::F32, DType::F32, 3, 8), sin(g, DType::F32, DType::F32, 3, 8);
-  cos.randomize(rng);
-  sin.randomize(rng);
-  const Tensor t = qkv.on_gpu();
-  REQUIRE_OK(g.cuda->rope_kv_write(t.slice_cols(0, 64), cos.on_gpu(), sin.on_gpu(), 16, gpu_cache, 1,
-                                   t.slice_cols(32, 32), t.slice_cols(64, 32), slots.on_gpu()));
-  check_fails(g.cuda->synchronize(), ErrorCode::invalid_argument, "slots[1] = 12 is page 3, past the cache's 3 pages");
-  // k must be qk's last columns: the keys the rope rotates are the ones stored
-  check_fails(g.cuda->rope_kv_write(t.slice_cols(0, 64), cos.on_gpu(), sin.on_gpu(), 16, gpu_cache, 1,
-                                    t.slice_cols(0, 32), t.slice_cols(64, 32), slots.on_gpu()),
-              ErrorCode::invalid_argument, "must be the last 32 columns of qk");
 }
 
 // ---- attention ----------------------------------------------------------------------------------------------
