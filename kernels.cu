@@ -1896,7 +1896,7 @@ __device__ __forceinline__ void gemv_warp_tiles(const QuantGemmArgs& args, int w
   int64_t s_begin, s_end;
   quant_split_range(args.stages, args.splits, blockIdx.z, &s_begin, &s_end);
   const int64_t split_tiles = (s_end - s_begin) * Shape::kTilesPerStage;
-  // whole batches a warp (gemv_mma_int4_run: a batch then never straddles a group of a multiple of its k)
+  // whole batches a warp (gemv_mma_run: a batch then never straddles a group whose size is a multiple of its k)
   const int64_t per_warp = (split_tiles + kGemvWarps * Shape::kRunAlign - 1) / (kGemvWarps * Shape::kRunAlign) * Shape::kRunAlign;
   *t_begin = s_begin * Shape::kTilesPerStage + warp * per_warp;
   const int64_t split_end = s_end * Shape::kTilesPerStage;
@@ -1988,8 +1988,8 @@ __device__ __forceinline__ void gemv_stream_tiles(const uint8_t* tiles, int64_t 
 // every run at a multiple of U), one a tile otherwise; kHigh: rows past 8, whose A rows g + 8 are loaded (else zero
 // registers). int4: one k16 step a tile (A: rows g, g + 8 at k 2q, 2q + 1 and 2q + 8, 2q + 9); fp8: two k16 steps
 // a k32 tile (A: slots 2q, 2q + 1 <- k 4q, 4q + 1 and 2q + 8, 2q + 9 <- k 4q + 2, 4q + 3, as qg_step_fp8_a16).
-// kPrefetch (KVLITE_GEMV_INT4_PREFETCH, W4A16 only): the next batch's loads issued before this batch's math (two
-// batches of registers). The same operations on the same values as int4_tile_mma / fp8_a16_step_mma per tile: the
+// KVLITE_GEMV_INT4_PREFETCH=1 (W4A16 only, a build knob): the next batch's loads issued before this batch's math
+// (two batches of registers; measured slower, bench/RESULTS.md 2026-11-27 third session). The same operations on the same values as int4_tile_mma / fp8_a16_step_mma per tile: the
 // bits of the per-tile form.
 #ifndef KVLITE_GEMV_INT4_PREFETCH
 #define KVLITE_GEMV_INT4_PREFETCH 0
