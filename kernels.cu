@@ -584,11 +584,6 @@ __global__ void rope_kv_write_kernel(A* qk, int64_t qk_stride,  // [rows, heads 
 // 2026-11-27 third session) 4 warps decoded batch 8 10-12% faster than 8 (Llama-3.1-8B W4A16 1,736 -> 1,909 tok/s,
 // Qwen3-VL-4B FP8 1,667 -> 1,867) and batch 1 2.6-3% slower.
 constexpr int kAttentionWarps = 4;
-constexpr int kPagedAttentionWarpsFew = 4, kPagedAttentionWarpsMany = 8;
-// The paged attention's warps for a grid of `blocks` on `sms` SMs.
-constexpr int paged_attention_warps(int64_t blocks, int64_t sms) {
-  return blocks <= sms ? kPagedAttentionWarpsMany : kPagedAttentionWarpsFew;
-}
 // Keys a paged-attention warp loads before using any (their page ids, then their K and V rows, all in flight at
 // once): 4 while the K/V registers (2 x kKeys x DIMS floats) stay at 32, else 2.
 KVLITE_HD constexpr int attention_keys_in_flight(int dims_per_lane) { return dims_per_lane <= 4 ? 4 : 2; }

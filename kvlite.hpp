@@ -3518,6 +3518,13 @@ inline AttentionSplit plan_attention_split(int64_t blocks, int64_t max_context, 
   return plan;
 }
 
+// The paged attention kernel's warps a block for a grid of `blocks` on `sms` SMs: 8 while the grid fits one wave of
+// one block an SM (its 8-warp form holds 172 registers a thread), else 4 (kernels.cu's attention section says why).
+constexpr int kPagedAttentionWarpsFew = 4, kPagedAttentionWarpsMany = 8;
+KVLITE_HD constexpr int paged_attention_warps(int64_t blocks, int64_t sms) {
+  return blocks <= sms ? kPagedAttentionWarpsMany : kPagedAttentionWarpsFew;
+}
+
 // How many of a launch's `planned` splits a query that sees `keys` keys uses, and the chunk each takes. The grid
 // is sized for the largest context the launch (or a decode graph captured for max_model_len) may see; each query
 // spreads its own keys evenly over as many splits as give chunks of at least kAttentionMinChunk keys, up to

@@ -235,6 +235,18 @@ TEST_CASE("plan_attention_split fills the GPU without empty splits, short chunks
   }
 }
 
+TEST_CASE("paged attention takes 8 warps a block while its grid fits one block an SM, 4 past that") {
+  for (int64_t sms : {1, 28, 132}) {
+    CAPTURE(sms);
+    CHECK(cuda::paged_attention_warps(1, sms) == cuda::kPagedAttentionWarpsMany);
+    CHECK(cuda::paged_attention_warps(sms, sms) == cuda::kPagedAttentionWarpsMany);
+    CHECK(cuda::paged_attention_warps(sms + 1, sms) == cuda::kPagedAttentionWarpsFew);
+  }
+  // a batch-1 decode grid of Llama-3.1-8B on an H200 (1 x 8 x 8, ncu) and one of 8 rows
+  CHECK(cuda::paged_attention_warps(1 * 8 * 8, 132) == 8);
+  CHECK(cuda::paged_attention_warps(8 * 8 * 9, 132) == 4);
+}
+
 TEST_CASE("argmax_better in the kernel's reduction order gives the sampler's argmax: ties to the lowest id") {
   Random rng(15);
   for (int trial = 0; trial < 200; trial++) {
