@@ -459,8 +459,8 @@ TEST_CASE("kv_write stores what the CPU stores, skipping negative slots") {
   }
 }
 
-TEST_CASE("kv_write and rope_kv_write report a slot past the cache's pages at the next synchronize; rope_kv_write "
-          "refuses a k outside qk") {
+TEST_CASE("kv_write and rope_kv_write report a slot past the cache's pages at the next synchronize, and "
+          "rope_kv_write refuses a k outside qk") {
   GPU_OR_SKIP();
   Random rng(111);
   Gpu g(DType::BF16);
