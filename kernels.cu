@@ -2150,8 +2150,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_ke
 // L1 (zeros for rows past args.rows). One mma per 8 columns x 16 k serves every row up to 16, where the FMA GEMV
 // spends a conversion and 2 FMAs per pair and row; the fp32 sums are the tensor core's, as in the mma kernel.
 // The tiles stream in batches (gemv_mma_run): measured on an H200 (bench/RESULTS.md, 2026-11-27, third session)
-// W4A16 16-27% faster than the per-tile loop at M = 1 (Llama-3.1-8B gate_up 37.8 -> 28.7 us, 76% of copy), flat to
-// M = 8; fp8 22-44% ahead of gemv_a16 and mma_a16 at M = 1-16, so both formats' decode rows run here.
+// W4A16 13-26% less time than the per-tile loop at M = 1 (Llama-3.1-8B gate_up 37.8 -> 28.7 us, 76% of copy), flat to
+// M = 8; fp8 21-46% less time than gemv_a16 and mma_a16 at M = 1-16, so both formats' decode rows run here.
 // Occupancy is not one launch bound away: __launch_bounds__(kGemvWarps * 32, 3) (3 blocks an SM, 80 registers)
 // spills on sm_90 (ptxas, 2026-11-26: int4 88 B stored / 96 B loaded, fp8 388 / 416 B), and timed on an H100
 // (KVLITE_GEMV_MIN_BLOCKS=3, 2026-11-27) it lost on the large shapes (gate_up 46 -> 50 us; Llama-3.1-8B W4A16

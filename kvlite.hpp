@@ -1347,8 +1347,8 @@ constexpr int64_t kQuantGemvMmaMaxRows = 16;
 //          by shape (gemv_mma holds 98 registers, 2 blocks an SM against gemv_a16's 3), and end to end Llama-3.1-8B
 //          W4A16 decodes at 177.7 tok/s with gemv_mma against 167.0 with gemv_a16.
 //   fp8, M = 1 .. 16: gemv_mma since its tiles stream in batches through registers (gemv_mma_run; bench/RESULTS.md,
-//          2026-11-27 third session, H200): ahead of gemv_a16 at M = 1 by 22-36% (Llama-3.1-8B gate_up 51.0 -> 35.9
-//          us, lm_head 173 -> 137) and of mma_a16 at M = 8 and 16 by 24-44% (gate_up M = 8 64.2 -> 37.6 us) on every
+//          2026-11-27 third session, H200): 21-36% less time than gemv_a16 at M = 1 (Llama-3.1-8B gate_up 51.0 -> 35.9
+//          us, lm_head 173 -> 137) and 25-46% less than mma_a16 at M = 8 and 16 (gate_up M = 8 64.2 -> 37.6 us), every
 //          Llama-3.1-8B and Qwen3-VL-4B shape. (Before it, gemv_a16 held M = 1 and the mma kernels M >= 2.)
 //          gemv_a16 stays a forced choice (set_quant_kernel), for the tests and the bench.
 constexpr int64_t quant_gemv_auto_rows(WeightFormat) { return 0; }
