@@ -1700,29 +1700,28 @@ __device__ __forceinline__ uint32_t gemv_x_bits(const T* row, uint32_t k, uint32
 }
 
 // One A fragment of the tensor-core GEMV: a[0], a[2] <- row_low at k and k + step; a[1], a[3] <- row_high at the
-// same k; zero bits for a row the lane does not have (its mask 0). `whole` (warp-uniform: the tile lies below
-// k_valid, nearly always) takes plain loads from the rows, which the caller points at row 0 when a lane has no such
-// row, so that they need neither bounds nor branches: the general path (gemv_x_bits' three cases per load, each
-// behind the lane's row test) cost ~40 instructions a W4A16 tile of the ~170 ncu counted (H100, 2026-11-27).
+// same k (kHigh; else zero bits: no lane has a row g + 8); zero bits for a row the lane does not have (its mask 0).
+// Plain loads, for a tile below k_valid (all but a row's last batch): the caller points a lane's missing rows at
+// row 0, so the loads need neither bounds nor branches -- the bounds-checked form (gemv_a_fragment_edge: three
+// cases a load, each behind the lane's row test) cost ~40 instructions a W4A16 tile of the ~170 ncu counted (H100,
+// 2026-11-27). `low` / `high` are the rows at the batch's first k, `at` the fragment's offset from it.
+template <class T, bool kHigh>
+__device__ __forceinline__ void gemv_a_fragment(const T* low, const T* high, uint32_t low_mask, uint32_t high_mask,
+                                                uint32_t at, uint32_t step, uint32_t (&a)[4]) {
+  a[0] = __ldg(reinterpret_cast<const unsigned*>(low + at)) & low_mask;
+  a[2] = __ldg(reinterpret_cast<const unsigned*>(low + at + step)) & low_mask;
+  a[1] = kHigh ? __ldg(reinterpret_cast<const unsigned*>(high + at)) & high_mask : 0u;
+  a[3] = kHigh ? __ldg(reinterpret_cast<const unsigned*>(high + at + step)) & high_mask : 0u;
+}
+// The same at k of a row's last batch: zero bits at and past k_valid.
 template <class T>
-__device__ __forceinline__ void gemv_a_fragment(const T* row_low, const T* row_high, uint32_t low_mask,
-                                                uint32_t high_mask, bool any_high, uint32_t k, uint32_t step,
-                                                uint32_t k_valid, bool whole, uint32_t (&a)[4]) {
-  if (whole) {
-    a[0] = __ldg(reinterpret_cast<const unsigned*>(row_low + k)) & low_mask;
-    a[2] = __ldg(reinterpret_cast<const unsigned*>(row_low + k + step)) & low_mask;
-    if (any_high) {
-      a[1] = __ldg(reinterpret_cast<const unsigned*>(row_high + k)) & high_mask;
-      a[3] = __ldg(reinterpret_cast<const unsigned*>(row_high + k + step)) & high_mask;
-    } else {
-      a[1] = a[3] = 0u;
-    }
-  } else {
-    a[0] = low_mask ? gemv_x_bits<T>(row_low, k, k_valid) : 0u;
-    a[1] = high_mask ? gemv_x_bits<T>(row_high, k, k_valid) : 0u;
-    a[2] = low_mask ? gemv_x_bits<T>(row_low, k + step, k_valid) : 0u;
-    a[3] = high_mask ? gemv_x_bits<T>(row_high, k + step, k_valid) : 0u;
-  }
+__device__ __forceinline__ void gemv_a_fragment_edge(const T* row_low, const T* row_high, uint32_t low_mask,
+                                                     uint32_t high_mask, uint32_t k, uint32_t step, uint32_t k_valid,
+                                                     uint32_t (&a)[4]) {
+  a[0] = low_mask ? gemv_x_bits<T>(row_low, k, k_valid) : 0u;
+  a[1] = high_mask ? gemv_x_bits<T>(row_high, k, k_valid) : 0u;
+  a[2] = low_mask ? gemv_x_bits<T>(row_low, k + step, k_valid) : 0u;
+  a[3] = high_mask ? gemv_x_bits<T>(row_high, k + step, k_valid) : 0u;
 }
 
 template <QgFormat F>
@@ -2021,20 +2020,15 @@ __device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const ui
 #pragma unroll
       for (int u = 0; u < U; u++)
 #pragma unroll
-        for (int s = 0; s < S; s++) {
-          const uint32_t at = kTileK * u + 16 * s;
-          b.a[u][s][0][0] = __ldg(reinterpret_cast<const unsigned*>(low + at)) & low_mask;
-          b.a[u][s][0][2] = __ldg(reinterpret_cast<const unsigned*>(low + at + kPairStep)) & low_mask;
-          b.a[u][s][0][1] = kHigh ? __ldg(reinterpret_cast<const unsigned*>(high + at)) & high_mask : 0u;
-          b.a[u][s][0][3] = kHigh ? __ldg(reinterpret_cast<const unsigned*>(high + at + kPairStep)) & high_mask : 0u;
-        }
+        for (int s = 0; s < S; s++)
+          gemv_a_fragment<T, kHigh>(low, high, low_mask, high_mask, kTileK * u + 16 * s, kPairStep, b.a[u][s][0]);
     } else {
 #pragma unroll
       for (int u = 0; u < U; u++)
 #pragma unroll
         for (int s = 0; s < S; s++)
-          gemv_a_fragment<T>(row_low, row_high, low_mask, high_mask, kHigh, k0 + kTileK * u + 16 * s, kPairStep,
-                             k_valid, false, b.a[u][s][0]);
+          gemv_a_fragment_edge<T>(row_low, row_high, low_mask, high_mask, k0 + kTileK * u + 16 * s, kPairStep,
+                                  k_valid, b.a[u][s][0]);
     }
   };
   auto tables_for = [&](uint32_t t) {

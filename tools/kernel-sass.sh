@@ -13,8 +13,8 @@
 #   -D...            build knobs (KVLITE_GEMV_FP8_RING=0, KVLITE_GEMV_INT4_UNROLL=8, ...), as build-gpu-variant.sh
 #   --from FILE      count a SASS listing already made (cuobjdump -sass; the device probe's gemv.sass) instead
 #
-# cuobjdump: $KVLITE_CUOBJDUMP, else PATH, else /usr/local/cuda/bin, else the one that Triton's wheel carries
-# (`pip download triton --no-deps`, unpacked once into ~/.cache/kvlite-tools; a dev machine with a network). The
+# cuobjdump: $KVLITE_CUOBJDUMP, else PATH, else /usr/local/cuda/bin, else the one that Triton's wheel carries with its
+# nvdisasm (`pip download triton --no-deps`, unpacked once into ~/.cache/kvlite-tools; a dev machine with a network). The
 # CUDA image of this project's build machine has nvcc and ptxas but no cuobjdump.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,20 +31,22 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+# cuobjdump -sass runs nvdisasm, which it looks for on PATH: the two come from the same place.
 find_cuobjdump() {
-  local candidate
-  for candidate in "${KVLITE_CUOBJDUMP:-}" "$(command -v cuobjdump || true)" /usr/local/cuda/bin/cuobjdump \
-                   "$HOME/.cache/kvlite-tools/cuobjdump"; do
+  local candidate cache="$HOME/.cache/kvlite-tools"
+  for candidate in "${KVLITE_CUOBJDUMP:-}" "$(command -v cuobjdump || true)" /usr/local/cuda/bin/cuobjdump; do
     [ -n "$candidate" ] && [ -x "$candidate" ] && { echo "$candidate"; return 0; }
   done
+  [ -x "$cache/cuobjdump" ] && [ -x "$cache/nvdisasm" ] && { echo "$cache/cuobjdump"; return 0; }
   local wheels
   wheels=$(mktemp -d)
   if python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$wheels" triton >&2 2>/dev/null &&
-     mkdir -p "$HOME/.cache/kvlite-tools" &&
-     unzip -o -j -q "$wheels"/triton-*.whl 'triton/backends/nvidia/bin/cuobjdump' -d "$HOME/.cache/kvlite-tools" >&2; then
-    chmod +x "$HOME/.cache/kvlite-tools/cuobjdump"
+     mkdir -p "$cache" &&
+     unzip -o -j -q "$wheels"/triton-*.whl 'triton/backends/nvidia/bin/cuobjdump' \
+       'triton/backends/nvidia/bin/nvdisasm' -d "$cache" >&2; then
+    chmod +x "$cache/cuobjdump" "$cache/nvdisasm"
     rm -rf "$wheels"
-    echo "$HOME/.cache/kvlite-tools/cuobjdump"
+    echo "$cache/cuobjdump"
     return 0
   fi
   rm -rf "$wheels"
@@ -61,7 +63,7 @@ else
   # The flags of the CMake build's kernels.cu (Release), as tools/kernel-resources.sh uses them.
   "$nvcc" -DKVLITE_WITH_CUDA=1 -I"$root" -I/usr/include/stb -O3 -DNDEBUG --expt-relaxed-constexpr -std=c++17 \
     "${flags[@]}" --generate-code=arch=compute_$arch,code=sm_$arch -cubin "$root/kernels.cu" -o "$cubin"
-  "$cuobjdump" -sass "$cubin" | awk -v pattern="$pattern" '/Function : /{keep = ($0 ~ pattern)} keep' > "$sass"
+  PATH="$(dirname "$cuobjdump"):$PATH" "$cuobjdump" -sass "$cubin" | awk -v pattern="$pattern" '/Function : /{keep = ($0 ~ pattern)} keep' > "$sass"
 fi
 [ -n "$dump" ] && cp "$sass" "$dump"
 
