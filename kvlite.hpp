@@ -11774,7 +11774,7 @@ Status Backend::add_rms_norm(const Tensor& x, const Tensor& residual, const Tens
 
 namespace detail {
 inline void check_rope(const Backend& backend, const char* op, const Tensor& x, const Tensor& cos, const Tensor& sin,
-                int64_t head_dim) {
+                       int64_t head_dim) {
   check_dtype(op, "x", x, backend.activation_dtype());
   check_supported(backend, Op::rope, x.dtype, "x dtype");
   check_dtype(op, "cos", cos, DType::F32);
@@ -11789,8 +11789,8 @@ inline void check_rope(const Backend& backend, const char* op, const Tensor& x, 
   check_shape(op, "cos", cos, x.rows, cos.cols);
   check_shape(op, "sin", sin, x.rows, cos.cols);
 }
-inline void check_kv_write(const Backend& backend, const char* op, const KVCacheView& cache, int64_t layer, const Tensor& k,
-                    const Tensor& v, const Tensor& slots) {
+inline void check_kv_write(const Backend& backend, const char* op, const KVCacheView& cache, int64_t layer,
+                           const Tensor& k, const Tensor& v, const Tensor& slots) {
   check_kv_cache(op, cache, layer);
   check_supported(backend, Op::kv_write, cache.dtype, "KV dtype");
   const int64_t width = cache.layout.kv_heads * cache.layout.head_dim;
