@@ -141,6 +141,15 @@ void check_launch(const char* kernel) {
                                                          cudaGetErrorString(status), cudaGetErrorName(status)));
 }
 
+// cudaLaunchKernelEx and the programmatic stream serialization attribute: CUDA 12.0 and newer (older toolkits
+// build kvlite with CudaBackendOptions::programmatic_launch ignored).
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+#define KVLITE_PROGRAMMATIC_LAUNCH_BUILT 1
+#else
+#define KVLITE_PROGRAMMATIC_LAUNCH_BUILT 0
+#endif
+constexpr bool kProgrammaticLaunchBuilt = KVLITE_PROGRAMMATIC_LAUNCH_BUILT != 0;
+
 // Every device allocation kvlite makes goes through here, so tests can count them (the arena is the one).
 std::atomic<uint64_t> g_device_allocations{0};
 cudaError_t counted_cuda_malloc(void** pointer, uint64_t bytes) {
@@ -149,6 +158,32 @@ cudaError_t counted_cuda_malloc(void** pointer, uint64_t bytes) {
 }
 
 // ==== 2. device helpers ====================================================================================
+
+// Programmatic dependent launch (CudaBackendOptions::programmatic_launch, sm_90+). A decode step is ~300
+// kernels of a few microseconds each, and between two of them an ordinary stream leaves the GPU idle while the
+// second one launches and its blocks ramp up. Launched with cudaLaunchAttributeProgrammaticStreamSerialization, a
+// kernel may start as soon as every block of the kernel before it has executed launch_dependents, and its blocks
+// sit resident until griddepcontrol.wait returns, which is when that kernel has completed and its writes are
+// visible. So every kernel here starts with kernel_entry(): wait first (nothing read that a kernel wrote, nothing
+// written that one reads, before it), then let the next kernel launch. Completion is transitive: kernel C waits
+// for B's completion, and B completed only after its own wait returned, after A's -- so C sees every earlier
+// kernel's writes, as with ordinary launches. The one thing done before the wait is loading weights, which no
+// kernel writes (gemv_mma_run's first batch). Launched without the attribute, or before sm_90 (where the
+// instructions do not exist and compile to nothing), both are no-ops.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_kernel_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void kernel_entry() {
+  wait_for_previous_kernel();
+  let_next_kernel_launch();
+}
 
 // Storage <-> fp32. bf16 is the top half of an fp32, so widening is a shift (exact); narrowing is
 // cvt.rn.bf16.f32 on sm_80+: round to nearest even in one instruction, as torch's .to(bfloat16) and
@@ -255,6 +290,7 @@ __global__ void gather_rows_kernel(const T* table,         // [table_rows, cols]
                                    const int32_t* ids,     // [rows]
                                    A* out,                 // [rows, cols], row stride out_stride
                                    int64_t out_stride, int64_t cols, DeviceFault* fault) {
+  kernel_entry();
   const int64_t row = blockIdx.x;
   const int64_t id = ids[row];
   A* dst = out + row * out_stride;
@@ -298,6 +334,7 @@ __global__ void rms_norm_kernel(const A* x, int64_t x_stride,  // [rows, groups_
                                 const W* weight,               // [group]
                                 int64_t group, int64_t groups_per_row, int64_t rows, float eps,
                                 A* out, int64_t out_stride) {  // like x
+  kernel_entry();
   __shared__ float team_partials[32];
   const int64_t team = int64_t(blockIdx.x) * (blockDim.x / TEAM) + threadIdx.x / TEAM;
   const int member = threadIdx.x % TEAM;
@@ -346,6 +383,7 @@ __global__ void add_rms_norm_kernel(const A* x, int64_t x_stride,  // [rows, col
                                     A* residual, int64_t residual_stride,  // [rows, cols], updated
                                     const W* weight,               // [cols]
                                     int64_t rows, int64_t cols, float eps, A* out, int64_t out_stride) {
+  kernel_entry();
   __shared__ float team_partials[32];
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / TEAM) + threadIdx.x / TEAM;
   const int member = threadIdx.x % TEAM;
@@ -424,6 +462,7 @@ __global__ void rope_kernel(A* x, int64_t x_stride,  // [rows, heads * head_dim]
                             const float* cos, int64_t cos_stride,  // [rows, half]
                             const float* sin, int64_t sin_stride,  // [rows, half]
                             int64_t half) {
+  kernel_entry();
   const int64_t row = blockIdx.x;
   A* v = x + row * x_stride;
   const float* c = cos + row * cos_stride;
@@ -440,6 +479,7 @@ __global__ void rope_kernel(A* x, int64_t x_stride,  // [rows, heads * head_dim]
 template <class A>
 __global__ void silu_mul_kernel(const A* gate, int64_t gate_stride, const A* up, int64_t up_stride,  // [rows, cols]
                                 A* out, int64_t out_stride, int64_t cols) {
+  kernel_entry();
   const int64_t row = blockIdx.x;
   const A* g = gate + row * gate_stride;
   const A* u = up + row * up_stride;
@@ -455,6 +495,7 @@ __global__ void silu_mul_kernel(const A* gate, int64_t gate_stride, const A* up,
 template <class A>
 __global__ void add_kernel(const A* a, int64_t a_stride, const A* b, int64_t b_stride,  // [rows, cols]
                            A* out, int64_t out_stride, int64_t cols) {
+  kernel_entry();
   const int64_t row = blockIdx.x;
   const A* pa = a + row * a_stride;
   const A* pb = b + row * b_stride;
@@ -467,6 +508,7 @@ __global__ void add_kernel(const A* a, int64_t a_stride, const A* b, int64_t b_s
 //   S: source type; D: destination type.
 template <class S, class D>
 __global__ void copy_kernel(const S* src, int64_t src_stride, D* dst, int64_t dst_stride, int64_t cols) {
+  kernel_entry();
   const int64_t row = blockIdx.x;
   const S* from = src + row * src_stride;
   D* to = dst + row * dst_stride;
@@ -478,6 +520,7 @@ __global__ void copy_kernel(const S* src, int64_t src_stride, D* dst, int64_t ds
 template <class B, class A>
 __global__ void fill_rows_kernel(const B* bias,  // [cols] or null
                                  A* out, int64_t out_stride, int64_t cols) {
+  kernel_entry();
   A* dst = out + int64_t(blockIdx.x) * out_stride;
   for (int64_t c = row_column_begin(); c < cols; c += row_column_step())
     dst[c] = from_float<A>(bias != nullptr ? to_float(load_readonly(bias + c)) : 0.0f);
@@ -492,6 +535,7 @@ __global__ void kv_write_kernel(const A* k, int64_t k_stride, const A* v, int64_
                                 const int32_t* slots,  // [rows]
                                 E* pages, KVPageLayout layout, int64_t layer, int64_t num_pages, int64_t width,
                                 float k_scale, float v_scale, DeviceFault* fault) {
+  kernel_entry();
   const int64_t row = blockIdx.x;
   const int64_t slot = slots[row];
   if (slot < 0) return;
@@ -527,6 +571,7 @@ __global__ void rope_kv_write_kernel(A* qk, int64_t qk_stride,  // [rows, heads 
                                      const int32_t* slots,  // [rows]
                                      E* pages, KVPageLayout layout, int64_t layer, int64_t num_pages, int64_t width,
                                      float k_scale, float v_scale, DeviceFault* fault) {
+  kernel_entry();
   const int64_t row = blockIdx.x;
   const int64_t slot = slots[row];
   const int64_t page = slot >= 0 ? slot / layout.page_tokens : 0, position = slot >= 0 ? slot % layout.page_tokens : 0;
@@ -618,6 +663,7 @@ struct AttentionArgs {
 //   WARPS: the block's warps (paged_attention_warps).
 template <class A, class E, int DIMS, int HEADS, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const AttentionArgs args) {
+  kernel_entry();
   constexpr int kPadded = DIMS * 32;  // head_dim rounded up to whole lanes
   constexpr int kWarps = WARPS, kKeys = attention_keys_in_flight(DIMS);
   __shared__ float warp_max[kWarps][HEADS];
@@ -788,6 +834,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const Atten
 //   A: activation type.
 template <class A>
 __global__ void attention_combine_kernel(const AttentionArgs args) {
+  kernel_entry();
   const int64_t row = blockIdx.x, head = blockIdx.y, head_dim = args.layout.head_dim;
   const int64_t first = (row * args.heads + head) * args.splits;
   // the splits this row's query used (paged_attention_kernel's rule; a malformed row used split 0 alone)
@@ -824,6 +871,7 @@ __global__ void embedding_bag_kernel(const T* table, int64_t table_stride, int64
                                      const float* weights, int64_t weights_stride,              // [rows, taps]
                                      int64_t taps, A* out, int64_t out_stride, int64_t cols,    // [rows, cols]
                                      DeviceFault* fault) {
+  kernel_entry();
   const int64_t row = blockIdx.x;
   const int32_t* index = indices + row * indices_stride;
   const float* weight = weights + row * weights_stride;
@@ -849,6 +897,7 @@ template <class A, class W, int TEAM>
 __global__ void layer_norm_kernel(const A* x, int64_t x_stride,              // [rows, cols]
                                   const W* weight, const W* bias,            // [cols]
                                   int64_t rows, int64_t cols, float eps, A* out, int64_t out_stride) {
+  kernel_entry();
   __shared__ float team_partials[32];
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / TEAM) + threadIdx.x / TEAM;
   const int member = threadIdx.x % TEAM;
@@ -877,6 +926,7 @@ __global__ void layer_norm_kernel(const A* x, int64_t x_stride,              // 
 //   A: activation type.
 template <class A, bool TANH>
 __global__ void gelu_kernel(const A* x, int64_t x_stride, A* out, int64_t out_stride, int64_t cols) {
+  kernel_entry();
   const A* in = x + int64_t(blockIdx.x) * x_stride;
   A* dst = out + int64_t(blockIdx.x) * out_stride;
   for (int64_t c = row_column_begin(); c < cols; c += row_column_step()) {
@@ -909,6 +959,7 @@ struct SegmentAttentionArgs {
 //   A: activation type; DIMS: head dimensions per lane (head_dim <= 32 * DIMS).
 template <class A, int DIMS>
 __global__ void __launch_bounds__(kAttentionWarps * 32) segment_attention_kernel(const SegmentAttentionArgs args) {
+  kernel_entry();
   constexpr int kPadded = DIMS * 32;
   __shared__ float warp_max[kAttentionWarps];
   __shared__ float warp_total[kAttentionWarps];
@@ -988,6 +1039,7 @@ constexpr int kArgmaxThreads = 512;
 template <class A>
 __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const A* logits, int64_t stride,  // [rows, cols]
                                                                  int64_t cols, int32_t* ids) {      // [rows]
+  kernel_entry();
   __shared__ float warp_value[kArgmaxThreads / 32];
   __shared__ int32_t warp_index[kArgmaxThreads / 32];
   const A* values = logits + int64_t(blockIdx.x) * stride;
@@ -1513,6 +1565,7 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args);
 // those targets' compile time down.
 template <QgFormat F, class T, int M_TILES, bool kFp32Scales>
 __global__ void __launch_bounds__(QgShape<F, M_TILES>::kThreads) quant_gemm_kernel(const QuantGemmArgs args) {
+  kernel_entry();
   if constexpr (F == QgFormat::fp8_a8 && !kFp8TensorCores) __trap();
   else quant_gemm_body<F, T, M_TILES, kFp32Scales>(args);
 }
@@ -2005,7 +2058,7 @@ __device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const ui
     uint4 w[U][C];           // the lane's 16-byte chunks of each tile
     uint32_t a[U][S][1][4];  // each step's A fragment: a0 / a1 rows g / g + 8 at its first k pair, a2 / a3 at the second
   };
-  auto load = [&](uint32_t t0, Batch& b) {
+  auto load_weights = [&](uint32_t t0, Batch& b) {
     const uint8_t* w = tiles + uint64_t(t0) * uint64_t(Shape::kTileBytes);
 #pragma unroll
     for (int u = 0; u < U; u++)
@@ -2013,6 +2066,8 @@ __device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const ui
       for (int c = 0; c < C; c++)
         b.w[u][c] = t0 + u < t_end ? __ldcs(reinterpret_cast<const uint4*>(w + Shape::kTileBytes * u + 512 * c))
                                    : make_uint4(0, 0, 0, 0);
+  };
+  auto load_activations = [&](uint32_t t0, Batch& b) {
     const uint32_t k0 = kTileK * t0 + (kInt4 ? 2 * q : 4 * q);  // the first step's first pair in tile t0
     if (kTileK * (t0 + U) <= k_valid) {  // warp-uniform, all but a row's last batch: plain loads, no bounds
       const T* low = row_low + k0;
@@ -2052,7 +2107,12 @@ __device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const ui
       }
     }
   };
+  auto load = [&](uint32_t t0, Batch& b) {
+    load_weights(t0, b);
+    load_activations(t0, b);
+  };
   if (kInt4 && KVLITE_GEMV_INT4_PREFETCH) {
+    kernel_entry();
     Batch even, odd;
     if (t_begin < t_end) load(t_begin, even);
     for (uint32_t t0 = t_begin; t0 < t_end; t0 += 2 * U) {
@@ -2063,10 +2123,22 @@ __device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const ui
       math(t0 + U, odd);
     }
   } else {
-    for (uint32_t t0 = t_begin; t0 < t_end; t0 += U) {
-      Batch b;
-      load(t0, b);
+    // The first batch's weights are loaded before kernel_entry's wait: under programmatic launch they are in
+    // flight while the kernel before this one finishes (weights are no kernel's output); the activations, that
+    // kernel's output, only after it.
+    if (t_begin >= t_end) {  // a warp with no tiles (its zero sums still go into the block's)
+      kernel_entry();
+      return;
+    }
+    Batch b;
+    load_weights(t_begin, b);
+    kernel_entry();
+    for (uint32_t t0 = t_begin;;) {
+      load_activations(t0, b);
       math(t0, b);
+      t0 += U;
+      if (t0 >= t_end) break;
+      load_weights(t0, b);  // the next batch's: the loads in the order of the per-batch form
     }
   }
 }
@@ -2075,6 +2147,7 @@ __device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const ui
 //   is one of the fp32 ones (scaled_pair; the host picks the instance).
 template <QgFormat F, class T, int R, bool kFp32Scales>
 __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_kernel(const QuantGemmArgs args) {
+  kernel_entry();
   using Shape = GemvShape<F>;
   __shared__ float warp_sums[kGemvWarps][R][kQuantTileN];
   __shared__ int last_arrival;
@@ -2211,6 +2284,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
 __global__ void stage_activations_kernel(const uint16_t* x, int64_t x_stride, int64_t k,
                                          const int32_t* perm,  // [k_pad] or null
                                          uint16_t* dst, int64_t k_pad) {
+  kernel_entry();
   const int64_t row = blockIdx.x;
   for (int64_t c = threadIdx.x; c < k_pad; c += blockDim.x) {
     const int64_t source = c < k ? (perm != nullptr ? perm[c] : c) : -1;
@@ -2226,6 +2300,7 @@ template <class T>
 __global__ void quantize_activations_fp8_kernel(const T* x, int64_t x_stride, int64_t k, int64_t k_pad,
                                                 int64_t group_size, uint8_t* xq, float* scales,
                                                 int64_t scales_stride) {
+  kernel_entry();
   __shared__ float team_partials[32];
   const int64_t row = blockIdx.x, group = blockIdx.y;
   const int64_t k0 = group * group_size, k_end = k0 + group_size < k ? k0 + group_size : k;
@@ -2268,6 +2343,7 @@ struct DequantArgs {
 constexpr int kDequantThreads = 256;
 template <class A>
 __global__ void __launch_bounds__(kDequantThreads) dequantize_tiles_kernel(const DequantArgs args) {
+  kernel_entry();
   __shared__ float values[kQuantTileN][kQuantStageK + 1];  // [tile column][stage column]
   const int64_t t = args.first_tile + blockIdx.x, s = blockIdx.y;
   const uint8_t* stage = args.tiles + uint64_t(t) * args.tile_row_bytes + uint64_t(s) * args.stage_bytes;
@@ -2444,6 +2520,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const A* logits,
                                                                  const DeviceSamplingParams* params,  // [n]
                                                                  float* scratch, int64_t scratch_stride,  // [n, V]
                                                                  int32_t* ids) {                          // [n]
+  kernel_entry();
   __shared__ float shared_value[kSampleWarps];
   __shared__ int32_t shared_index[kSampleWarps];
   __shared__ double shared_sum[kSampleWarps];
@@ -2698,6 +2775,7 @@ class CudaBackend final : public Backend {
     device_name_ = prop.name;
     sm_ = prop.major * 10 + prop.minor;
     sm_count_ = prop.multiProcessorCount;
+    programmatic_launch_ = options.programmatic_launch && sm_ >= 90 && kProgrammaticLaunchBuilt;
     if (sm_ < 80)
       detail::fail(ErrorCode::unsupported,
                    detail::format("make_cuda_backend: %s has compute capability %d.%d; kvlite's kernels need 8.0 or "
@@ -2734,7 +2812,8 @@ class CudaBackend final : public Backend {
 
   BackendKind kind() const override { return BackendKind::cuda; }
   std::string name() const override {
-    return detail::format("cuda (%s, sm_%d, %s activations)", device_name_.c_str(), sm_, dtype_name(act_));
+    return detail::format("cuda (%s, sm_%d, %s activations%s)", device_name_.c_str(), sm_, dtype_name(act_),
+                          programmatic_launch_ ? ", programmatic launch" : "");
   }
   DType activation_dtype() const override { return act_; }
   bool supports(Op op, DType dtype) const override {
@@ -2764,9 +2843,8 @@ class CudaBackend final : public Backend {
     check_grid_rows("argmax", rows);
     with_float_type(act_, [&](auto tag) {
       using A = decltype(tag);
-      argmax_kernel<A><<<unsigned(rows), kArgmaxThreads, 0, stream_>>>(typed_const<A>(logits), logits.row_stride,
+      launch("argmax_kernel", argmax_kernel<A>, unsigned(rows), kArgmaxThreads, 0, typed_const<A>(logits), logits.row_stride,
                                                                         logits.cols, typed<int32_t>(ids));
-      check_launch("argmax_kernel");
     });
   }
 
@@ -2778,11 +2856,10 @@ class CudaBackend final : public Backend {
     check_grid_rows("sample", rows);
     with_float_type(logits.dtype, [&](auto tag) {
       using A = decltype(tag);
-      sample_kernel<A><<<unsigned(rows), kSampleThreads, 0, stream_>>>(
+      launch("sample_kernel", sample_kernel<A>, unsigned(rows), kSampleThreads, 0,
           typed_const<A>(logits), leading_dimension(logits), logits.cols,
           static_cast<const DeviceSamplingParams*>(params.data), typed<float>(scratch), leading_dimension(scratch),
           typed<int32_t>(ids));
-      check_launch("sample_kernel");
     });
   }
 
@@ -2872,10 +2949,9 @@ class CudaBackend final : public Backend {
       with_float_type(act_, [&](auto act_tag) {
         using T = decltype(table_tag);
         using A = decltype(act_tag);
-        gather_rows_kernel<T, A><<<row_grid(out.rows, out.cols), row_threads(out.cols), 0, stream_>>>(
+        launch("gather_rows_kernel", gather_rows_kernel<T, A>, row_grid(out.rows, out.cols), row_threads(out.cols), 0,
             typed_const<T>(table), table.row_stride, table.rows, typed_const<int32_t>(ids), typed<A>(out),
             out.row_stride, out.cols, fault_);
-        check_launch("gather_rows_kernel");
       });
     });
   }
@@ -2889,10 +2965,9 @@ class CudaBackend final : public Backend {
         with_float_type(act_, [&](auto act_tag) {
           using W = decltype(weight_tag);
           using A = decltype(act_tag);
-          rms_norm_kernel<A, W, kTeam><<<blocks, threads, 0, stream_>>>(
+          launch("rms_norm_kernel", rms_norm_kernel<A, W, kTeam>, blocks, threads, 0,
               typed_const<A>(x), x.row_stride, typed_const<W>(weight), group, groups_per_row, x.rows, eps,
               typed<A>(out), out.row_stride);
-          check_launch("rms_norm_kernel");
         });
       });
     });
@@ -2907,10 +2982,9 @@ class CudaBackend final : public Backend {
         with_float_type(act_, [&](auto act_tag) {
           using W = decltype(weight_tag);
           using A = decltype(act_tag);
-          add_rms_norm_kernel<A, W, kTeam><<<blocks, threads, 0, stream_>>>(
+          launch("add_rms_norm_kernel", add_rms_norm_kernel<A, W, kTeam>, blocks, threads, 0,
               typed_const<A>(x), x.row_stride, typed<A>(residual), residual.row_stride, typed_const<W>(weight),
               x.rows, x.cols, eps, typed<A>(out), out.row_stride);
-          check_launch("add_rms_norm_kernel");
         });
       });
     });
@@ -2923,10 +2997,9 @@ class CudaBackend final : public Backend {
     const int64_t heads = x.cols / head_dim, half = cos.cols;
     with_float_type(act_, [&](auto tag) {
       using A = decltype(tag);
-      rope_kernel<A><<<row_grid(x.rows, heads * half), row_threads(heads * half), 0, stream_>>>(
+      launch("rope_kernel", rope_kernel<A>, row_grid(x.rows, heads * half), row_threads(heads * half), 0,
           typed<A>(x), x.row_stride, heads, head_dim, typed_const<float>(cos), leading_dimension(cos),
           typed_const<float>(sin), leading_dimension(sin), half);
-      check_launch("rope_kernel");
     });
   }
 
@@ -2947,9 +3020,8 @@ class CudaBackend final : public Backend {
         with_float_type(act_, [&](auto act_tag) {
           using B = decltype(bias_tag);
           using A = decltype(act_tag);
-          fill_rows_kernel<B, A><<<row_grid(out.rows, out.cols), row_threads(out.cols), 0, stream_>>>(
+          launch("fill_rows_kernel", fill_rows_kernel<B, A>, row_grid(out.rows, out.cols), row_threads(out.cols), 0,
               has_bias ? typed_const<B>(bias) : nullptr, typed<A>(out), out.row_stride, out.cols);
-          check_launch("fill_rows_kernel");
         });
       });
     }
@@ -2986,10 +3058,9 @@ class CudaBackend final : public Backend {
     check_grid_rows("silu_mul", out.rows);
     with_float_type(act_, [&](auto tag) {
       using A = decltype(tag);
-      silu_mul_kernel<A><<<row_grid(out.rows, out.cols), row_threads(out.cols), 0, stream_>>>(
+      launch("silu_mul_kernel", silu_mul_kernel<A>, row_grid(out.rows, out.cols), row_threads(out.cols), 0,
           typed_const<A>(gate), gate.row_stride, typed_const<A>(up), up.row_stride, typed<A>(out), out.row_stride,
           out.cols);
-      check_launch("silu_mul_kernel");
     });
   }
 
@@ -2999,9 +3070,8 @@ class CudaBackend final : public Backend {
     check_grid_rows("add", out.rows);
     with_float_type(act_, [&](auto tag) {
       using A = decltype(tag);
-      add_kernel<A><<<row_grid(out.rows, out.cols), row_threads(out.cols), 0, stream_>>>(
+      launch("add_kernel", add_kernel<A>, row_grid(out.rows, out.cols), row_threads(out.cols), 0,
           typed_const<A>(a), a.row_stride, typed_const<A>(b), b.row_stride, typed<A>(out), out.row_stride, out.cols);
-      check_launch("add_kernel");
     });
   }
 
@@ -3013,9 +3083,8 @@ class CudaBackend final : public Backend {
       with_float_type(dst.dtype, [&](auto dst_tag) {
         using S = decltype(src_tag);
         using D = decltype(dst_tag);
-        copy_kernel<S, D><<<row_grid(dst.rows, dst.cols), row_threads(dst.cols), 0, stream_>>>(
+        launch("copy_kernel", copy_kernel<S, D>, row_grid(dst.rows, dst.cols), row_threads(dst.cols), 0,
             typed_const<S>(src), src.row_stride, typed<D>(dst), dst.row_stride, dst.cols);
-        check_launch("copy_kernel");
       });
     });
   }
@@ -3029,11 +3098,10 @@ class CudaBackend final : public Backend {
       with_float_type(act_, [&](auto act_tag) {
         using T = decltype(table_tag);
         using A = decltype(act_tag);
-        embedding_bag_kernel<T, A><<<unsigned(out.rows), row_threads(out.cols), 0, stream_>>>(
+        launch("embedding_bag_kernel", embedding_bag_kernel<T, A>, unsigned(out.rows), row_threads(out.cols), 0,
             typed_const<T>(table), table.row_stride, table.rows, typed_const<int32_t>(indices),
             leading_dimension(indices), typed_const<float>(weights), leading_dimension(weights), indices.cols,
             typed<A>(out), out.row_stride, out.cols, fault_);
-        check_launch("embedding_bag_kernel");
       });
     });
   }
@@ -3047,10 +3115,9 @@ class CudaBackend final : public Backend {
         with_float_type(act_, [&](auto act_tag) {
           using W = decltype(weight_tag);
           using A = decltype(act_tag);
-          layer_norm_kernel<A, W, kTeam><<<blocks, threads, 0, stream_>>>(
+          launch("layer_norm_kernel", layer_norm_kernel<A, W, kTeam>, blocks, threads, 0,
               typed_const<A>(x), x.row_stride, typed_const<W>(weight), typed_const<W>(bias), x.rows, x.cols, eps,
               typed<A>(out), out.row_stride);
-          check_launch("layer_norm_kernel");
         });
       });
     });
@@ -3063,12 +3130,11 @@ class CudaBackend final : public Backend {
     with_float_type(act_, [&](auto tag) {
       using A = decltype(tag);
       if (approx == GeluApprox::tanh)
-        gelu_kernel<A, true><<<row_grid(out.rows, out.cols), row_threads(out.cols), 0, stream_>>>(
+        launch("gelu_kernel", gelu_kernel<A, true>, row_grid(out.rows, out.cols), row_threads(out.cols), 0,
             typed_const<A>(x), x.row_stride, typed<A>(out), out.row_stride, out.cols);
       else
-        gelu_kernel<A, false><<<row_grid(out.rows, out.cols), row_threads(out.cols), 0, stream_>>>(
+        launch("gelu_kernel", gelu_kernel<A, false>, row_grid(out.rows, out.cols), row_threads(out.cols), 0,
             typed_const<A>(x), x.row_stride, typed<A>(out), out.row_stride, out.cols);
-      check_launch("gelu_kernel");
     });
   }
 
@@ -3108,12 +3174,11 @@ class CudaBackend final : public Backend {
     with_float_type(act_, [&](auto tag) {
       using A = decltype(tag);
       switch (dims) {
-        case 1: segment_attention_kernel<A, 1><<<grid, kAttentionWarps * 32, 0, stream_>>>(args); break;
-        case 2: segment_attention_kernel<A, 2><<<grid, kAttentionWarps * 32, 0, stream_>>>(args); break;
-        case 4: segment_attention_kernel<A, 4><<<grid, kAttentionWarps * 32, 0, stream_>>>(args); break;
-        default: segment_attention_kernel<A, 8><<<grid, kAttentionWarps * 32, 0, stream_>>>(args); break;
+        case 1: launch("segment_attention_kernel", segment_attention_kernel<A, 1>, grid, kAttentionWarps * 32, 0, args); break;
+        case 2: launch("segment_attention_kernel", segment_attention_kernel<A, 2>, grid, kAttentionWarps * 32, 0, args); break;
+        case 4: launch("segment_attention_kernel", segment_attention_kernel<A, 4>, grid, kAttentionWarps * 32, 0, args); break;
+        default: launch("segment_attention_kernel", segment_attention_kernel<A, 8>, grid, kAttentionWarps * 32, 0, args); break;
       }
-      check_launch("segment_attention_kernel");
     });
   }
 
@@ -3127,10 +3192,9 @@ class CudaBackend final : public Backend {
       with_kv_type(cache.dtype, [&](auto kv_tag) {
         using A = decltype(act_tag);
         using E = decltype(kv_tag);
-        kv_write_kernel<A, E><<<row_grid(k.rows, k.cols), row_threads(k.cols), 0, stream_>>>(
+        launch("kv_write_kernel", kv_write_kernel<A, E>, row_grid(k.rows, k.cols), row_threads(k.cols), 0,
             typed_const<A>(k), k.row_stride, typed_const<A>(v), v.row_stride, typed_const<int32_t>(slots),
             static_cast<E*>(cache.pages), cache.layout, layer, cache.num_pages, k.cols, k_scale, v_scale, fault_);
-        check_launch("kv_write_kernel");
       });
     });
   }
@@ -3148,12 +3212,11 @@ class CudaBackend final : public Backend {
       with_kv_type(cache.dtype, [&](auto kv_tag) {
         using A = decltype(act_tag);
         using E = decltype(kv_tag);
-        rope_kv_write_kernel<A, E><<<row_grid(qk.rows, items), row_threads(items), 0, stream_>>>(
+        launch("rope_kv_write_kernel", rope_kv_write_kernel<A, E>, row_grid(qk.rows, items), row_threads(items), 0,
             typed<A>(qk), qk.row_stride, heads, head_dim, typed_const<float>(cos), leading_dimension(cos),
             typed_const<float>(sin), leading_dimension(sin), half, typed_const<A>(v), v.row_stride,
             typed_const<int32_t>(slots), static_cast<E*>(cache.pages), cache.layout, layer, cache.num_pages, width,
             k_scale, v_scale, fault_);
-        check_launch("rope_kv_write_kernel");
       });
     });
   }
@@ -3225,9 +3288,7 @@ class CudaBackend final : public Backend {
           default: detail::fail(ErrorCode::internal, detail::format("attention: no kernel for %d dims per lane", dims));
         }
         if (split.splits > 1) {
-          attention_combine_kernel<A><<<dim3(unsigned(q.rows), unsigned(args.heads)), row_threads(head_dim), 0,
-                                        stream_>>>(args);
-          check_launch("attention_combine_kernel");
+          launch("attention_combine_kernel", attention_combine_kernel<A>, dim3(unsigned(q.rows), unsigned(args.heads)), row_threads(head_dim), 0, args);
         }
       });
     });
@@ -3344,25 +3405,23 @@ class CudaBackend final : public Backend {
         float* x_scales = reinterpret_cast<float*>(staged + align_up(uint64_t(rows * layout.k_pad), 256));
         const dim3 grid(unsigned(rows), unsigned(layout.groups));
         if (act_ == DType::BF16)  // the mma kernels run BF16 or F16 activations only (quant_kernel_refusal)
-          quantize_activations_fp8_kernel<__nv_bfloat16><<<grid, 256, 0, stream_>>>(
+          launch("quantize_activations_fp8_kernel", quantize_activations_fp8_kernel<__nv_bfloat16>, grid, 256, 0,
               typed_const<__nv_bfloat16>(xs), leading_dimension(xs), layout.k, layout.k_pad, layout.group_size, staged,
               x_scales, scales_stride);
         else
-          quantize_activations_fp8_kernel<__half><<<grid, 256, 0, stream_>>>(
+          launch("quantize_activations_fp8_kernel", quantize_activations_fp8_kernel<__half>, grid, 256, 0,
               typed_const<__half>(xs), leading_dimension(xs), layout.k, layout.k_pad, layout.group_size, staged,
               x_scales, scales_stride);
-        check_launch("quantize_activations_fp8_kernel");
         args.x = staged;
         args.x_stride = layout.k_pad;
         args.k_valid = layout.k_pad;
         args.x_scales = x_scales;
         args.x_scales_stride = scales_stride;
       } else if (stage_x) {
-        stage_activations_kernel<<<unsigned(rows), 256, 0, stream_>>>(
+        launch("stage_activations_kernel", stage_activations_kernel, unsigned(rows), 256, 0,
             typed_const<uint16_t>(xs), leading_dimension(xs), layout.k,
             layout.permuted ? reinterpret_cast<const int32_t*>(base + layout.perm_offset) : nullptr,
             reinterpret_cast<uint16_t*>(staged), layout.k_pad);
-        check_launch("stage_activations_kernel");
         args.x = staged;
         args.x_stride = layout.k_pad;
         args.k_valid = layout.k_pad;
@@ -3382,8 +3441,7 @@ class CudaBackend final : public Backend {
       // the GEMVs: one block row (rows <= kQuantGemvMaxRows / kQuantGemvMmaMaxRows, plan_quant_gemm's passes)
       const dim3 grid(gemv ? 1u : unsigned((rows + 16 * m_tiles - 1) / (16 * m_tiles)), unsigned(layout.n_tiles),
                       unsigned(args.splits));
-      instance.kernel<<<grid, unsigned(instance.threads), size_t(instance.shared_bytes), stream_>>>(args);
-      check_launch(instance.name);
+      launch(instance.name, instance.kernel, grid, unsigned(instance.threads), size_t(instance.shared_bytes), args);
     }
   }
 
@@ -3423,15 +3481,13 @@ class CudaBackend final : public Backend {
     const cudaDataType type = cuda_data_type(act_);
     with_float_type(act_, [&](auto tag) {
       using A = decltype(tag);
-      fill_rows_kernel<float, A><<<row_grid(out.rows, out.cols), row_threads(out.cols), 0, stream_>>>(
+      launch("fill_rows_kernel", fill_rows_kernel<float, A>, row_grid(out.rows, out.cols), row_threads(out.cols), 0,
           reinterpret_cast<const float*>(base + layout.bias_offset), typed<A>(out), out.row_stride, out.cols);
-      check_launch("fill_rows_kernel");
       const int64_t chunk_tiles = plan.n_chunk / kQuantTileN;
       for (int64_t t0 = 0; t0 < layout.n_tiles; t0 += chunk_tiles) {
         const int64_t tiles = std::min(chunk_tiles, layout.n_tiles - t0);
         d.first_tile = t0;
-        dequantize_tiles_kernel<A><<<dim3(unsigned(tiles), unsigned(layout.stages)), kDequantThreads, 0, stream_>>>(d);
-        check_launch("dequantize_tiles_kernel");
+        launch("dequantize_tiles_kernel", dequantize_tiles_kernel<A>, dim3(unsigned(tiles), unsigned(layout.stages)), kDequantThreads, 0, d);
         const int64_t n0 = t0 * kQuantTileN, columns = std::min(tiles * kQuantTileN, layout.n - n0);
         KVLITE_CUBLAS_CHECK(cublas().gemm_ex(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(columns), int(x.rows), int(layout.k),
                                          &alpha, scratch_, type, int(layout.k_pad), x.data, type,
@@ -3441,15 +3497,47 @@ class CudaBackend final : public Backend {
     });
   }
 
+  // Every kernel launch: an ordinary one, or under programmatic_launch_ one with programmatic stream
+  // serialization (the kernel may start while the one before it finishes; kernel_entry makes that safe). The
+  // arguments convert to the kernel's parameter types as in a <<<>>> launch (cudaLaunchKernelEx coerces them).
+  // A bad configuration (grid too large, too much shared memory) is reported at once; faults while the kernel
+  // runs surface at the next synchronizing call.
+  template <class... Params, class... Args>
+  void launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+              Args&&... args) {
+#if KVLITE_PROGRAMMATIC_LAUNCH_BUILT
+    if (programmatic_launch_) {
+      cudaLaunchAttribute attribute{};
+      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attribute.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim = grid;
+      config.blockDim = block;
+      config.dynamicSmemBytes = shared_bytes;
+      config.stream = stream_;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+      const cudaError_t status = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+      if (status != cudaSuccess) {
+        cudaGetLastError();  // a launch error is not sticky: clear it, as check_launch does
+        detail::fail(ErrorCode::device_error, detail::format("launching %s (programmatic) failed: %s (%s)", name,
+                                                             cudaGetErrorString(status), cudaGetErrorName(status)));
+      }
+      return;
+    }
+#endif
+    kernel<<<grid, block, shared_bytes, stream_>>>(std::forward<Args>(args)...);
+    check_launch(name);
+  }
+
   template <class A, class E, int DIMS>
   void launch_attention(dim3 grid, const AttentionArgs& args) {
     constexpr int kHeads = attention_heads_per_block(DIMS);
     const int64_t blocks = int64_t(grid.x) * grid.y * grid.z;
     if (paged_attention_warps(blocks, sm_count_) == kPagedAttentionWarpsMany)
-      paged_attention_kernel<A, E, DIMS, kHeads, kPagedAttentionWarpsMany><<<grid, kPagedAttentionWarpsMany * 32, 0, stream_>>>(args);
+      launch("paged_attention_kernel", paged_attention_kernel<A, E, DIMS, kHeads, kPagedAttentionWarpsMany>, grid, kPagedAttentionWarpsMany * 32, 0, args);
     else
-      paged_attention_kernel<A, E, DIMS, kHeads, kPagedAttentionWarpsFew><<<grid, kPagedAttentionWarpsFew * 32, 0, stream_>>>(args);
-    check_launch("paged_attention_kernel");
+      launch("paged_attention_kernel", paged_attention_kernel<A, E, DIMS, kHeads, kPagedAttentionWarpsFew>, grid, kPagedAttentionWarpsFew * 32, 0, args);
   }
 
   // Waits for the stream and reports, in this order: a CUDA error the queued work met, then the first
@@ -3509,6 +3597,7 @@ class CudaBackend final : public Backend {
   int device_;
   DType act_;
   bool fp32_scale_products_;  // CudaBackendOptions::fp32_scale_products
+  bool programmatic_launch_ = false;  // CudaBackendOptions::programmatic_launch, in effect (sm_90+)
   std::string device_name_;
   int sm_ = 0, sm_count_ = 1;
   cudaStream_t stream_ = nullptr;

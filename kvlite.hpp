@@ -2949,6 +2949,9 @@ struct EngineOptions {
   BackendChoice backend = BackendChoice::cpu;
   int device = 0;            // CUDA device index
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
+  // CUDA, sm_90+: launch kernels with programmatic dependent launch (CudaBackendOptions::programmatic_launch;
+  // bit for bit the same results). EngineInfo::backend_name says when it is in effect.
+  bool cuda_programmatic_launch = false;
   // Prefix caching: full KV pages stay cached under a hash chain of their tokens (and, with images, of their
   // M-RoPE positions and image features) and later requests that start with the same tokens reuse them instead
   // of recomputing; cached pages are evicted least recently used when pages run out. Unset: on where it is exact,
@@ -3255,6 +3258,13 @@ struct CudaBackendOptions {
   // session): true decodes Qwen3-VL-4B FP8 (F32 block scales) at 60 tok/s against 188, so it is not the default;
   // scaling each group's fp32 partial sums instead of each weight is the fast way to the same single rounding.
   bool fp32_scale_products = false;
+  // Programmatic dependent launch (sm_90+: H100, H200, RTX 50-series; ignored before, and with a CUDA runtime older
+  // than 12.0): each kernel is launched so that it may start while the kernel before it in the stream finishes,
+  // and waits inside for that kernel's results (kernels.cu, kernel_entry), which hides most of the gap between a
+  // decode step's ~300 small kernels; the GEMVs load their first weights before that wait. The same kernels on the
+  // same inputs: results are bit for bit those of ordinary launches. Off until measured on a GPU; Backend::name()
+  // ends in ", programmatic launch" when it is in effect.
+  bool programmatic_launch = false;
 };
 
 // Binds the backend to options.device: a stream of its own, a cuBLAS handle using the workspace's front.
@@ -15513,6 +15523,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       backend_options.workspace = e.arena->region_data("workspace");
       backend_options.workspace_bytes = workspace->bytes;
       backend_options.activation_dtype = *e.plan.options.activation_dtype;
+      backend_options.programmatic_launch = options.cuda_programmatic_launch;
       Result<std::unique_ptr<Backend>> backend = make_cuda_backend(backend_options);
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);

@@ -47,6 +47,13 @@ struct CudaBackendOptions {
   // session): true decodes Qwen3-VL-4B FP8 (F32 block scales) at 60 tok/s against 188, so it is not the default;
   // scaling each group's fp32 partial sums instead of each weight is the fast way to the same single rounding.
   bool fp32_scale_products = false;
+  // Programmatic dependent launch (sm_90+: H100, H200, RTX 50-series; ignored before, and with a CUDA runtime older
+  // than 12.0): each kernel is launched so that it may start while the kernel before it in the stream finishes,
+  // and waits inside for that kernel's results (kernels.cu, kernel_entry), which hides most of the gap between a
+  // decode step's ~300 small kernels; the GEMVs load their first weights before that wait. The same kernels on the
+  // same inputs: results are bit for bit those of ordinary launches. Off until measured on a GPU; Backend::name()
+  // ends in ", programmatic launch" when it is in effect.
+  bool programmatic_launch = false;
 };
 
 // Binds the backend to options.device: a stream of its own, a cuBLAS handle using the workspace's front.

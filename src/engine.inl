@@ -1602,6 +1602,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       backend_options.workspace = e.arena->region_data("workspace");
       backend_options.workspace_bytes = workspace->bytes;
       backend_options.activation_dtype = *e.plan.options.activation_dtype;
+      backend_options.programmatic_launch = options.cuda_programmatic_launch;
       Result<std::unique_ptr<Backend>> backend = make_cuda_backend(backend_options);
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);

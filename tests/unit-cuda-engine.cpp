@@ -7,8 +7,8 @@
 // On a GPU (each case says "no CUDA GPU: skipped" without one, and fails under KVLITE_REQUIRE_GPU=1, which
 // tools/gpu-check.sh sets): logits against the CPU backend on the fixture models (bf16-level tolerance, F32
 // activations much tighter), greedy continuations, seeded sampling, the sampler kernel, CUDA graphs against
-// eager steps, no device allocation after open, measured device memory within 3% of the plan with a planned
-// card, Qwen3-VL's vision tower and image prompts against the CPU backend (F32 tight, 16-bit within twice the
+// eager steps, programmatic launch against ordinary launches (bit for bit), no device allocation after open,
+// measured device memory within 3% of the plan with a planned card, Qwen3-VL's vision tower and image prompts against the CPU backend (F32 tight, 16-bit within twice the
 // CPU's own 16-bit drift), the bundled captioners' captions as the CPU's BF16 mode gives them.
 #include <doctest/doctest.h>
 #include <sys/wait.h>
@@ -643,6 +643,101 @@ TEST_CASE("quantized checkpoints on the GPU: F32 logits as transformers', BF16 g
     }
     CHECK(eager->stats().graph_steps == 0);
     CHECK(graphed->stats().graph_steps > 0);
+  }
+}
+
+// The compute capability in Backend::name() ("cuda (NVIDIA H200, sm_90, ...)"), 0 when it has none.
+int backend_sm(const std::string& name) {
+  const size_t at = name.find("sm_");
+  return at == std::string::npos ? 0 : std::atoi(name.c_str() + at + 3);
+}
+
+TEST_CASE("programmatic launch computes what ordinary launches compute, bit for bit: eager and graphs, dense, "
+          "quantized and vision") {
+  GPU_OR_SKIP();
+  // Under programmatic launch (sm_90+) each kernel may start while the one before it finishes and waits inside for
+  // its results (kernels.cu, kernel_entry): the same kernels on the same inputs, so every logit and every sampled id
+  // must be the same bits. A kernel that read or wrote before its wait would race and show here as a difference.
+  const std::string root = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/";
+  struct Case {
+    std::string dir;
+    DType activations;
+  };
+  const std::vector<Case> cases = {{fx::dir("tiny-qwen3"), DType::F32},       {fx::dir("tiny-qwen3"), DType::BF16},
+                                   {root + "quant/tiny-w4a16", DType::BF16},   {root + "quant/tiny-fp8", DType::BF16},
+                                   {root + "quant/tiny-fp8-qwen", DType::BF16}, {root + "vl/tiny-qwen3-vl", DType::BF16}};
+  auto open = [](const std::string& dir, DType activations, bool graphs, bool programmatic) {
+    EngineOptions options;
+    options.backend = BackendChoice::cuda;
+    options.plan.device_mem = 1 * GiB;
+    options.plan.activation_dtype = activations;
+    options.cuda_graphs = graphs;
+    options.cuda_programmatic_launch = programmatic;
+    auto engine = Engine::open(dir, options);
+    if (!engine) FAIL("open " << dir << ": " << engine.error().message);
+    return std::move(*engine);
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.dir);
+    CAPTURE(dtype_name(c.activations));
+    const bool vision = c.dir.find("/vl/") != std::string::npos;
+    for (bool graphs : {false, true}) {
+      CAPTURE(graphs);
+      auto ordinary = open(c.dir, c.activations, graphs, false);
+      auto programmatic = open(c.dir, c.activations, graphs, true);
+      const std::string name = programmatic->info().backend_name;
+      const bool in_effect = name.find("programmatic launch") != std::string::npos;
+      CHECK(in_effect == (backend_sm(name) >= 90));  // a CUDA 12+ build, as every supported toolkit
+      CHECK(ordinary->info().backend_name.find("programmatic launch") == std::string::npos);
+      if (!in_effect) MESSAGE(name << ": before sm_90, programmatic launch is off; both engines launch ordinarily");
+      // a prompt's logits (prefill: the quantized GEMMs at M > 16, dense cuBLAS, attention over the prompt), on
+      // the vision fixture with an image (the vision tower's kernels)
+      std::vector<VisionInput> inputs;
+      std::string text;
+      for (int i = 0; i < 4; i++) text += "The quick brown fox jumps over the lazy dog, again and again. ";
+      if (vision) {
+        auto image = load_image(root + "images/photo_67x45.png");
+        REQUIRE(image);
+        auto input = ordinary->preprocess(*image);
+        REQUIRE(input);
+        inputs.push_back(std::move(*input));
+        text = std::string(kImagePlaceholder) + "a picture of";
+      }
+      auto ids = ordinary->tokenize(text);
+      REQUIRE_OK(ids);
+      auto want = ordinary->logits(*ids, inputs);
+      auto got = programmatic->logits(*ids, inputs);
+      REQUIRE_OK(want);
+      REQUIRE_OK(got);
+      CHECK(got->values == want->values);
+      if (vision) {  // decode below is text only
+        ids = ordinary->tokenize("a picture of a fox");
+        REQUIRE_OK(ids);
+      }
+      // decode: greedy and seeded sampling at temperature 1, batches of 1 and 3, each token's log-probability
+      for (size_t batch : {size_t(1), size_t(3)}) {
+        CAPTURE(batch);
+        std::vector<RequestId> a, b;
+        for (size_t i = 0; i < batch; i++) {
+          SamplingParams params = greedy(10);
+          params.logprobs = true;
+          if (i % 2 == 1) {
+            params.temperature = 1.0f;
+            params.seed = 91 + i;
+          }
+          a.push_back(ordinary->submit(*ids, params).value());
+          b.push_back(programmatic->submit(*ids, params).value());
+        }
+        REQUIRE(ordinary->run());
+        REQUIRE(programmatic->run());
+        for (size_t i = 0; i < batch; i++) {
+          const Generation x = ordinary->result(a[i]).value(), y = programmatic->result(b[i]).value();
+          CHECK(y.ids == x.ids);
+          CHECK(y.logprobs == x.logprobs);
+        }
+      }
+      CHECK((programmatic->stats().graph_steps > 0) == graphs);
+    }
   }
 }
 

@@ -27,6 +27,8 @@
 #   KVLITE_GPU_CHECK_TESTS=0   no test suites (a second call: build up to date, benchmarks only)
 #   KVLITE_GPU_CHECK_NCU_STEP=1 (or "llama-3.1-8b ...")   each checkpoint's (or these presets') decode step split
 #                              into its kernels by Nsight Compute (ncu-step-*.csv, tools/ncu-step-summary.py)
+#   KVLITE_GPU_CHECK_PROGRAMMATIC=0   on sm_90+, no second bench of each checkpoint with --programmatic-launch
+#                              (default: benched both ways, the kernels launched ordinarily and programmatically)
 #   KVLITE_GPU_CHECK_NCU_KERNELS="paged_attention_kernel:40:1 quant_gemv_mma_kernel:40:4"   with NCU_STEP's
 #                              checkpoints: each named kernel's full Nsight Compute report (--set full: throughput,
 #                              occupancy, warp stalls) for COUNT of its launches after skipping SKIP of them (40:
@@ -186,6 +188,12 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
     if [ $status = 1 ]; then  # does not fit an 8 GiB card: the same on a 24 GiB one
       bench "$title, planned as a 24 GiB card (does not fit 8 GiB)" "$dir" --backend cuda --device-mem 24GiB --profile
       status=$?
+    fi
+    # the same checkpoint with programmatic dependent launch (sm_90+; CudaBackendOptions::programmatic_launch),
+    # planned the same way, so the two tables side by side show what it saves
+    if [ "${KVLITE_GPU_CHECK_PROGRAMMATIC:-1}" != 0 ] && [ "$arch" -ge 90 ] && [ $status = 0 ]; then
+      bench "$title, programmatic launch, planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB \
+        --programmatic-launch
     fi
     # the same checkpoint through each baseline's kvlite (KVLITE_BASELINE: one folder or several, space-separated:
     # an earlier commit's build, or a variant library from tools/build-gpu-variant.sh), planned the same way
