@@ -1128,6 +1128,13 @@ __device__ __forceinline__ void cp_async_16_evict_first(void* shared, const void
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
                "l"(policy));
 }
+// cp.async.bulk.prefetch.L2 (sm_90+): `bytes` (16-byte aligned, a multiple of 16) from global memory into L2,
+// one instruction, no registers and nothing to wait for. Compiles to nothing before sm_90.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* global, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(global), "r"(bytes) : "memory");
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most N committed groups (stages) are still in flight.
 template <int N>
@@ -1319,6 +1326,7 @@ struct QuantGemmArgs {
   int64_t splits;
   float* partials;           // [n_tiles][splits][16 M_TILES][64] when splits > 1
   DType out_dtype;           // BF16 or F16 (W8A8 is compiled once and stores either)
+  uint64_t l2_prefetch_bytes;  // tensor-core GEMV: bytes of its run each warp prefetches into L2 first (0: none)
 };
 
 // out[index] = value rounded to T, or for W8A8 (one instantiation for both) to args.out_dtype.
@@ -2026,6 +2034,28 @@ __device__ __forceinline__ void gemv_stream_tiles(const uint8_t* tiles, int64_t 
   }
 }
 
+// Under programmatic launch (args.l2_prefetch_bytes > 0, set by the host then only): the first
+// args.l2_prefetch_bytes of the warp's run of tiles [t_begin, t_end) prefetched into L2, each lane one of 32
+// consecutive pieces (gemv_l2_prefetch_piece, backend_cuda.hpp), before gemv_mma_run's wait for the kernel before
+// this one. That kernel (a norm, attention, silu_mul) is bound by latency and reads little, so the memory would
+// otherwise be idle while it runs; the grid prefetches at most half the L2 (gemv_l2_prefetch_bytes). Weights are no
+// kernel's output: reading them before the wait is safe. KVLITE_GEMV_L2_PREFETCH=0 (a build knob) turns it off,
+// to measure programmatic launch without it.
+#ifndef KVLITE_GEMV_L2_PREFETCH
+#define KVLITE_GEMV_L2_PREFETCH 1
+#endif
+template <QgFormat F>
+__device__ __forceinline__ void gemv_l2_prefetch(const QuantGemmArgs& args, int64_t t_begin, int64_t t_end, int lane) {
+  if (!KVLITE_GEMV_L2_PREFETCH || args.l2_prefetch_bytes == 0 || t_begin >= t_end) return;  // warp-uniform
+  using Shape = GemvShape<F>;
+  const uint64_t run_bytes = uint64_t(t_end - t_begin) * uint64_t(Shape::kTileBytes);
+  uint64_t offset, size;
+  gemv_l2_prefetch_piece(run_bytes < args.l2_prefetch_bytes ? run_bytes : args.l2_prefetch_bytes, lane, &offset, &size);
+  if (size > 0)
+    prefetch_l2_bulk(args.tiles + uint64_t(blockIdx.y) * args.tile_row_bytes + uint64_t(t_begin) * Shape::kTileBytes +
+                         offset, uint32_t(size));
+}
+
 // The tensor-core GEMV's loop: the warp's tiles [t_begin, t_end) in batches of U (GemvShape::kMmaUnroll), each
 // batch's weight chunks and A fragments all loaded before any is used, then its U tiles' math with no branch
 // between them. The SASS of the per-tile form (gemv_stream_tiles' tile_fn) showed why it is needed: each tile's A
@@ -2249,6 +2279,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
   const T* row_high = x + int64_t(has_high ? g + 8 : 0) * args.x_stride;
   const uint32_t low_mask = has_low ? ~0u : 0u, high_mask = has_high ? ~0u : 0u;
   const bool any_high = rows > 8;  // warp-uniform: no lane has a high row at M <= 8, whose loads are skipped
+  gemv_l2_prefetch<F>(args, t_begin, t_end, lane);
 
   float acc[1][8][4];
 #pragma unroll
@@ -2775,6 +2806,7 @@ class CudaBackend final : public Backend {
     device_name_ = prop.name;
     sm_ = prop.major * 10 + prop.minor;
     sm_count_ = prop.multiProcessorCount;
+    l2_bytes_ = uint64_t(prop.l2CacheSize);
     programmatic_launch_ = options.programmatic_launch && sm_ >= 90 && kProgrammaticLaunchBuilt;
     if (sm_ < 80)
       detail::fail(ErrorCode::unsupported,
@@ -3441,6 +3473,9 @@ class CudaBackend final : public Backend {
       // the GEMVs: one block row (rows <= kQuantGemvMaxRows / kQuantGemvMmaMaxRows, plan_quant_gemm's passes)
       const dim3 grid(gemv ? 1u : unsigned((rows + 16 * m_tiles - 1) / (16 * m_tiles)), unsigned(layout.n_tiles),
                       unsigned(args.splits));
+      args.l2_prefetch_bytes = gemv_mma && programmatic_launch_
+                                   ? gemv_l2_prefetch_bytes(l2_bytes_, uint64_t(grid.x) * grid.y * grid.z * kGemvWarps)
+                                   : 0;
       launch(instance.name, instance.kernel, grid, unsigned(instance.threads), size_t(instance.shared_bytes), args);
     }
   }
@@ -3600,6 +3635,7 @@ class CudaBackend final : public Backend {
   bool programmatic_launch_ = false;  // CudaBackendOptions::programmatic_launch, in effect (sm_90+)
   std::string device_name_;
   int sm_ = 0, sm_count_ = 1;
+  uint64_t l2_bytes_ = 0;  // the GPU's L2 (gemv_l2_prefetch_bytes)
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   DeviceFault* fault_ = nullptr;  // in the workspace
