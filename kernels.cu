@@ -167,9 +167,11 @@ cudaError_t counted_cuda_malloc(void** pointer, uint64_t bytes) {
 // visible. So every kernel here starts with kernel_entry(): wait first (nothing read that a kernel wrote, nothing
 // written that one reads, before it), then let the next kernel launch. Completion is transitive: kernel C waits
 // for B's completion, and B completed only after its own wait returned, after A's -- so C sees every earlier
-// kernel's writes, as with ordinary launches. The one thing done before the wait is loading weights, which no
-// kernel writes (gemv_mma_run's first batch). Launched without the attribute, or before sm_90 (where the
-// instructions do not exist and compile to nothing), both are no-ops.
+// kernel's writes, as with ordinary launches. Before the wait a kernel reads only what no kernel writes: weights
+// (gemv_mma_run's first batch, gemv_l2_prefetch) and the step's metadata that the host copies in (attention's
+// query_starts and context_lens; every stream copy queued before a kernel has completed when it starts, since the
+// kernel before it waited for all that came earlier); it writes nothing. Launched without the attribute, or before
+// sm_90 (where the instructions do not exist and compile to nothing), both are no-ops.
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -663,7 +665,6 @@ struct AttentionArgs {
 //   WARPS: the block's warps (paged_attention_warps).
 template <class A, class E, int DIMS, int HEADS, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const AttentionArgs args) {
-  kernel_entry();
   constexpr int kPadded = DIMS * 32;  // head_dim rounded up to whole lanes
   constexpr int kWarps = WARPS, kKeys = attention_keys_in_flight(DIMS);
   __shared__ float warp_max[kWarps][HEADS];
@@ -678,21 +679,24 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const Atten
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t head_dim = args.layout.head_dim, page_tokens = args.layout.page_tokens;
 
-  // ---- phase 1: locate the query: its sequence and the last cache index it sees (-1: none, malformed)
+  // ---- phase 1: locate the query: its sequence and the last cache index it sees (-1: none, malformed).
+  // Before kernel_entry's wait: query_starts and context_lens reach the device by stream copies from the host
+  // (copy_from_host), never from a kernel, and every copy queued before this kernel has completed when it starts,
+  // even early under programmatic launch (the kernel before it waited for everything before that), so these
+  // dependent lookups overlap the kernel before (rope_kv_write). A fault found here, a write, is reported after.
   const bool reporter = threadIdx.x == 0 && blockIdx.y == 0 && split == 0;
   const int64_t seq = sequence_of_row(args.query_starts, args.seqs, row);
-  int64_t last = -1;
-  if (seq < 0) {
-    if (reporter) report_fault(args.fault, fault_attention_row, row, 0, args.rows, 0);
-  } else {
-    const int64_t first_row = args.query_starts[seq], queries = args.query_starts[seq + 1] - first_row;
-    const int64_t context = args.context_lens[seq];
-    if (context < queries || context > args.max_context) {
-      if (reporter) report_fault(args.fault, fault_attention_context, seq, context, args.max_context, queries);
-    } else {
-      last = context - queries + (row - first_row);
-    }
+  int64_t last = -1, context = 0, queries = 0;
+  if (seq >= 0) {
+    const int64_t first_row = args.query_starts[seq];
+    queries = args.query_starts[seq + 1] - first_row;
+    context = args.context_lens[seq];
+    if (context >= queries && context <= args.max_context) last = context - queries + (row - first_row);
   }
+  kernel_entry();
+  if (reporter && seq < 0) report_fault(args.fault, fault_attention_row, row, 0, args.rows, 0);
+  if (reporter && seq >= 0 && last < 0)
+    report_fault(args.fault, fault_attention_context, seq, context, args.max_context, queries);
 
   // ---- phase 2: this block's query heads into registers
   const A* q_row = static_cast<const A*>(args.q) + row * args.q_stride;
@@ -834,10 +838,10 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const Atten
 //   A: activation type.
 template <class A>
 __global__ void attention_combine_kernel(const AttentionArgs args) {
-  kernel_entry();
   const int64_t row = blockIdx.x, head = blockIdx.y, head_dim = args.layout.head_dim;
   const int64_t first = (row * args.heads + head) * args.splits;
-  // the splits this row's query used (paged_attention_kernel's rule; a malformed row used split 0 alone)
+  // the splits this row's query used (paged_attention_kernel's rule; a malformed row used split 0 alone), from the
+  // host's query_starts and context_lens before kernel_entry's wait (paged_attention_kernel's phase 1 says why)
   int64_t keys = 0;
   const int64_t seq = sequence_of_row(args.query_starts, args.seqs, row);
   if (seq >= 0) {
@@ -845,6 +849,7 @@ __global__ void attention_combine_kernel(const AttentionArgs args) {
     const int64_t context = args.context_lens[seq];
     if (context >= queries && context <= args.max_context) keys = context - queries + (row - first_row) + 1;
   }
+  kernel_entry();
   const int64_t used_splits = attention_splits_used(args.splits, keys);
   float total_max = -INFINITY;
   for (int64_t s = 0; s < used_splits; s++) total_max = fmaxf(total_max, args.partial_max[first + s]);
