@@ -732,3 +732,28 @@ TEST_CASE("regression: an empty IDAT chunk before the data made stb_image copy t
   CHECK(decoded->height == expected->height);
   CHECK(decoded->rgb == expected->rgb);
 }
+
+// Found by tests/fuzz/fuzz_image.cpp (2026-11-27): a 6,823-byte PNG whose second IDAT chunk declares 2,017,943,870
+// bytes made stb_image grow its IDAT buffer to 3.5 GB before reading the chunk. A chunk that runs past the data is
+// refused before decoding, with the chunk, its offset and the bytes that are there.
+TEST_CASE("regression: a PNG chunk declaring more bytes than the file holds made stb_image allocate gigabytes") {
+  const std::vector<uint8_t> fuzzed =
+      read_bytes(std::string(KVLITE_SOURCE_DIR) + "/tests/fuzz/crashes/image/png-idat-length-huge-realloc");
+  auto image = decode_image(fuzzed.data(), fuzzed.size(), {}, "fuzzed.png");
+  REQUIRE_FALSE(image.ok());
+  CHECK(image.error().code == ErrorCode::bad_format);
+  CHECK(image.error().message ==
+        "fuzzed.png: truncated or corrupt PNG: chunk 'IDAT' at byte 6682 declares 2017943870 bytes of data; 129 "
+        "remain (refused before decoding)");
+  // A real PNG with its IDAT's length raised past the end; and the same file whole still decodes.
+  std::vector<uint8_t> png = read_bytes(kDir + "gray_23x19.png");
+  REQUIRE(decode_image(png.data(), png.size(), {}, "gray_23x19.png").ok());
+  size_t idat = 8;
+  while (memcmp(png.data() + idat + 4, "IDAT", 4) != 0)
+    idat += 12 + (size_t(png[idat]) << 24 | size_t(png[idat + 1]) << 16 | size_t(png[idat + 2]) << 8 | size_t(png[idat + 3]));
+  png[idat] = 0x40;  // 2^30 and more
+  auto overrun = decode_image(png.data(), png.size(), {}, "overrun.png");
+  REQUIRE_FALSE(overrun.ok());
+  CHECK(overrun.error().code == ErrorCode::bad_format);
+  CHECK(overrun.error().message.find("chunk 'IDAT' at byte " + std::to_string(idat) + " declares") != std::string::npos);
+}
