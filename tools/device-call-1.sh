@@ -7,13 +7,15 @@
 #      test-cuda-host, test-quant-gpu-host, then test-cuda-engine alone (it measures device memory)  -> tests.log
 #   4. compute-sanitizer: memcheck over test-cuda-ops, test-cuda-engine (less the case that measures device
 #      memory) and the GEMV, split-K and fused-Linear cases of test-cuda-quant; racecheck and synccheck over its
-#      quantized GEMM cases (mma paths, split-K counters, cp.async stages, the GEMV)              -> sanitizer.log
+#      quantized GEMM cases (mma paths, split-K counters, cp.async stages, the GEMV) and over test-cuda-ops'
+#      attention cases (shared-memory merges)                                                    -> sanitizer.log
 #   5. the demo with every caption on the GPU (KVLITE_DEMO_BACKEND=cuda tools/demo.sh), then kvlite bench on the
 #      bundled captioner (BF16, CUDA graphs), for the flagship's tokens/s                         -> demo.log
 #   6. with the time left: every other suite through ctest (CPU ones; they also run in CI)       -> tests.log
 #
 # Switches for a short call: KVLITE_CALL1_SANITIZE=0 skips step 4 (KVLITE_CALL1_RACECHECK=0 its racecheck and
-# synccheck, KVLITE_CALL1_OPS_MEMCHECK=0 its memcheck of test-cuda-ops), KVLITE_CALL1_EXTRAS=0 steps 5 and 6.
+# synccheck of the GEMMs, KVLITE_CALL1_ATTENTION_RACECHECK=0 those of attention, KVLITE_CALL1_OPS_MEMCHECK=0 its
+# memcheck of test-cuda-ops), KVLITE_CALL1_EXTRAS=0 steps 5 and 6.
 #
 #     tools/device-call-1.sh              on the device (the run tool: see tools/README.md for command and carry)
 #     tools/device-call-1.sh --dry-run    anywhere: the same steps, GPU not required, no sanitizers
@@ -76,6 +78,14 @@ else
   else
     sanitize racecheck 120 test-cuda-quant "$quant_gemm_cases"
     sanitize synccheck 90 test-cuda-quant "$quant_gemm_cases"
+  fi
+  # the attention kernels' shared-memory merges (the warps' softmax partials, once per head) and barriers;
+  # KVLITE_CALL1_ATTENTION_RACECHECK=0 skips them
+  if [ "${KVLITE_CALL1_ATTENTION_RACECHECK:-1}" = 0 ]; then
+    note "- racecheck, synccheck of test-cuda-ops' attention cases: not run (KVLITE_CALL1_ATTENTION_RACECHECK=0)"
+  else
+    sanitize racecheck 120 test-cuda-ops '-tc=*attention*'
+    sanitize synccheck 90 test-cuda-ops '-tc=*attention*'
   fi
 fi
 
