@@ -1053,8 +1053,9 @@ __device__ __forceinline__ void strided_argmax(const A* row, int64_t n, int64_t 
   for (int64_t base = first; base < n; base += kArgmaxBatch * step) {
     float v[kArgmaxBatch];
 #pragma unroll
-    for (int u = 0; u < kArgmaxBatch; u++) {  // unconditional loads (the last element past n), which the compiler
-      const int64_t i = base + u * step;      // issues together; predicated ones it interleaved with the compares
+    for (int u = 0; u < kArgmaxBatch; u++) {  // unconditional loads (indices past n read the last element), which
+      const int64_t i = base + u * step;      // the compiler issues together; predicated ones it interleaved with
+                                              // the compares (SASS, sm_90)
       v[u] = to_float(load_readonly(row + (i < n ? i : n - 1)));
     }
 #pragma unroll
