@@ -28,7 +28,8 @@
 #   KVLITE_GPU_CHECK_NCU_STEP=1 (or "llama-3.1-8b ...")   each checkpoint's (or these presets') decode step split
 #                              into its kernels by Nsight Compute (ncu-step-*.csv, tools/ncu-step-summary.py)
 #   KVLITE_GPU_CHECK_PROGRAMMATIC=0   on sm_90+, no second bench of each checkpoint with --programmatic-launch
-#                              (default: benched both ways, the kernels launched ordinarily and programmatically)
+#                              (default: benched both ways, the kernels launched ordinarily and programmatically;
+#                              so is each KVLITE_BASELINE whose kvlite has the flag)
 #   KVLITE_GPU_CHECK_NCU_KERNELS="paged_attention_kernel:40:1 quant_gemv_mma_kernel:40:4"   with NCU_STEP's
 #                              checkpoints: each named kernel's full Nsight Compute report (--set full: throughput,
 #                              occupancy, warp stalls) for COUNT of its launches after skipping SKIP of them (40:
@@ -202,6 +203,12 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
       saved_kvlite=$kvlite
       kvlite="env LD_LIBRARY_PATH=$baseline/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} $baseline/kvlite"
       bench "$title, BASELINE kvlite ($baseline), planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB
+      # and programmatically launched where that baseline's kvlite has the flag (a variant library of this build)
+      if [ "${KVLITE_GPU_CHECK_PROGRAMMATIC:-1}" != 0 ] && [ "$arch" -ge 90 ] &&
+         $kvlite bench --help 2>&1 | grep -q -- --programmatic-launch; then
+        bench "$title, BASELINE kvlite ($baseline), programmatic launch, planned as an 8 GiB card" "$dir" \
+          --backend cuda --device-mem 8GiB --programmatic-launch
+      fi
       kvlite=$saved_kvlite
     done
     # KVLITE_GPU_CHECK_NCU_STEP=1: every kernel of a short run timed alone by Nsight Compute (gpu__time_duration,
