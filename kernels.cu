@@ -134,8 +134,8 @@ void check_cublas(cublasStatus_t status, const char* call) {
 #define KVLITE_CUBLAS_CHECK(call) check_cublas((call), #call)
 // A launch reports a bad configuration (grid too large, too much shared memory) at once; faults while the
 // kernel runs surface at the next synchronizing call.
-void check_launch(const char* kernel) {
-  cudaError_t status = cudaGetLastError();
+// (status: the launch's own, where the call returns one, as cudaLaunchKernelEx does)
+void check_launch(const char* kernel, cudaError_t status = cudaGetLastError()) {
   if (status != cudaSuccess)
     detail::fail(ErrorCode::device_error, detail::format("launching %s failed: %s (%s)", kernel,
                                                          cudaGetErrorString(status), cudaGetErrorName(status)));
@@ -148,7 +148,6 @@ void check_launch(const char* kernel) {
 #else
 #define KVLITE_PROGRAMMATIC_LAUNCH_BUILT 0
 #endif
-constexpr bool kProgrammaticLaunchBuilt = KVLITE_PROGRAMMATIC_LAUNCH_BUILT != 0;
 
 // Every device allocation kvlite makes goes through here, so tests can count them (the arena is the one).
 std::atomic<uint64_t> g_device_allocations{0};
@@ -2071,15 +2070,15 @@ __device__ __forceinline__ void gemv_stream_tiles(const uint8_t* tiles, int64_t 
 #define KVLITE_GEMV_L2_PREFETCH 1
 #endif
 template <QgFormat F>
-__device__ __forceinline__ void gemv_l2_prefetch(const QuantGemmArgs& args, int64_t t_begin, int64_t t_end, int lane) {
+__device__ __forceinline__ void gemv_l2_prefetch(const QuantGemmArgs& args, const uint8_t* column_tiles,
+                                                 int64_t t_begin, int64_t t_end, int lane) {
   if (!KVLITE_GEMV_L2_PREFETCH || args.l2_prefetch_bytes == 0 || t_begin >= t_end) return;  // warp-uniform
   using Shape = GemvShape<F>;
   const uint64_t run_bytes = uint64_t(t_end - t_begin) * uint64_t(Shape::kTileBytes);
   uint64_t offset, size;
   gemv_l2_prefetch_piece(run_bytes < args.l2_prefetch_bytes ? run_bytes : args.l2_prefetch_bytes, lane, &offset, &size);
   if (size > 0)
-    prefetch_l2_bulk(args.tiles + uint64_t(blockIdx.y) * args.tile_row_bytes + uint64_t(t_begin) * Shape::kTileBytes +
-                         offset, uint32_t(size));
+    prefetch_l2_bulk(column_tiles + uint64_t(t_begin) * Shape::kTileBytes + offset, uint32_t(size));
 }
 
 // The tensor-core GEMV's loop: the warp's tiles [t_begin, t_end) in batches of U (GemvShape::kMmaUnroll), each
@@ -2296,7 +2295,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
   const int rows = int(args.rows);
   int64_t t_begin, t_end;
   gemv_warp_tiles<F>(args, warp, &t_begin, &t_end);
-  const uint8_t* tiles = args.tiles + uint64_t(blockIdx.y) * args.tile_row_bytes + 16 * lane;
+  const uint8_t* column_tiles = args.tiles + uint64_t(blockIdx.y) * args.tile_row_bytes;  // the block's column tile
+  const uint8_t* tiles = column_tiles + 16 * lane;
   const uint32_t group_size = uint32_t(args.group_size);
   // the lane's two activation rows (A fragment rows g and g + 8)
   const bool has_low = g < rows, has_high = g + 8 < rows;
@@ -2305,7 +2305,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
   const T* row_high = x + int64_t(has_high ? g + 8 : 0) * args.x_stride;
   const uint32_t low_mask = has_low ? ~0u : 0u, high_mask = has_high ? ~0u : 0u;
   const bool any_high = rows > 8;  // warp-uniform: no lane has a high row at M <= 8, whose loads are skipped
-  gemv_l2_prefetch<F>(args, t_begin, t_end, lane);
+  gemv_l2_prefetch<F>(args, column_tiles, t_begin, t_end, lane);
 
   float acc[1][8][4];
 #pragma unroll
@@ -2830,7 +2830,7 @@ class CudaBackend final : public Backend {
     sm_ = prop.major * 10 + prop.minor;
     sm_count_ = prop.multiProcessorCount;
     l2_bytes_ = uint64_t(prop.l2CacheSize);
-    programmatic_launch_ = options.programmatic_launch && sm_ >= 90 && kProgrammaticLaunchBuilt;
+    programmatic_launch_ = options.programmatic_launch && sm_ >= 90 && KVLITE_PROGRAMMATIC_LAUNCH_BUILT;
     if (sm_ < 80)
       detail::fail(ErrorCode::unsupported,
                    detail::format("make_cuda_backend: %s has compute capability %d.%d; kvlite's kernels need 8.0 or "
@@ -3576,11 +3576,8 @@ class CudaBackend final : public Backend {
       config.attrs = &attribute;
       config.numAttrs = 1;
       const cudaError_t status = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-      if (status != cudaSuccess) {
-        cudaGetLastError();  // a launch error is not sticky: clear it, as check_launch does
-        detail::fail(ErrorCode::device_error, detail::format("launching %s (programmatic) failed: %s (%s)", name,
-                                                             cudaGetErrorString(status), cudaGetErrorName(status)));
-      }
+      cudaGetLastError();  // a launch error is not sticky: cleared, as check_launch's own read clears it
+      check_launch(name, status);
       return;
     }
 #endif

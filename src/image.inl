@@ -185,17 +185,20 @@ inline JpegFacts jpeg_facts(const uint8_t* d, size_t n) {
 }
 
 // Calls visit(offset, type, length) for each whole chunk of a PNG (length, 4-byte type, data, CRC), in order, until
-// it returns false, IEND has been visited, or a chunk runs past the data (stb_image reports that one).
+// it returns false, IEND has been visited, or a chunk runs past the data. Returns the offset of that last chunk
+// when it ran past the data (png_overrun refuses such a file before decoding), else kWholePngChunks.
+constexpr size_t kWholePngChunks = SIZE_MAX;
 template <class Visit>
-void for_each_png_chunk(const uint8_t* d, size_t n, Visit&& visit) {
+size_t for_each_png_chunk(const uint8_t* d, size_t n, Visit&& visit) {
   size_t pos = 8;
   while (pos + 12 <= n) {
     const size_t length = read_be32(d + pos);
-    if (length > n - pos - 12) return;
+    if (length > n - pos - 12) return pos;
     const uint8_t* type = d + pos + 4;
-    if (!visit(pos, type, length) || memcmp(type, "IEND", 4) == 0) return;
+    if (!visit(pos, type, length) || memcmp(type, "IEND", 4) == 0) return kWholePngChunks;
     pos += 12 + length;
   }
+  return kWholePngChunks;
 }
 
 // The first chunk of a PNG, before IEND, whose declared length runs past the data, described ("chunk 'IDAT' at
@@ -203,20 +206,13 @@ void for_each_png_chunk(const uint8_t* d, size_t n, Visit&& visit) {
 // IDAT buffer to the declared length before it reads the chunk: a 6.8 KB file with such a chunk asked for 3.5 GB
 // (found by tests/fuzz/fuzz_image.cpp). A file holding such a chunk is truncated or corrupt either way.
 inline std::optional<std::string> png_overrun(const uint8_t* d, size_t n) {
-  size_t pos = 8;
-  while (pos + 12 <= n) {
-    const size_t length = read_be32(d + pos), remaining = n - pos - 12;
-    const uint8_t* type = d + pos + 4;
-    if (length > remaining) {
-      char name[5];
-      for (int i = 0; i < 4; i++) name[i] = isalpha(type[i]) ? char(type[i]) : '?';
-      name[4] = '\0';
-      return format("chunk '%s' at byte %zu declares %zu bytes of data; %zu remain", name, pos, length, remaining);
-    }
-    if (memcmp(type, "IEND", 4) == 0) return std::nullopt;
-    pos += 12 + length;
-  }
-  return std::nullopt;
+  const size_t pos = for_each_png_chunk(d, n, [](size_t, const uint8_t*, size_t) { return true; });
+  if (pos == kWholePngChunks) return std::nullopt;
+  char name[5];
+  for (int i = 0; i < 4; i++) name[i] = isalpha(d[pos + 4 + i]) ? char(d[pos + 4 + i]) : '?';
+  name[4] = '\0';
+  return format("chunk '%s' at byte %zu declares %zu bytes of data; %zu remain", name, pos, size_t(read_be32(d + pos)),
+                n - pos - 12);
 }
 
 // The EXIF orientation of a PNG: an eXIf chunk before the first IDAT (where libpng reads it).
