@@ -166,11 +166,13 @@ cudaError_t counted_cuda_malloc(void** pointer, uint64_t bytes) {
 // visible. So every kernel here starts with kernel_entry(): wait first (nothing read that a kernel wrote, nothing
 // written that one reads, before it), then let the next kernel launch. Completion is transitive: kernel C waits
 // for B's completion, and B completed only after its own wait returned, after A's -- so C sees every earlier
-// kernel's writes, as with ordinary launches. Before the wait a kernel reads only what no kernel writes: weights
-// (gemv_mma_run's first batch, gemv_l2_prefetch) and the step's metadata that the host copies in (attention's
-// query_starts and context_lens; every stream copy queued before a kernel has completed when it starts, since the
-// kernel before it waited for all that came earlier); it writes nothing. Launched without the attribute, or before
-// sm_90 (where the instructions do not exist and compile to nothing), both are no-ops.
+// kernel's writes, as with ordinary launches. Before the wait a kernel reads only what no kernel writes: the step's
+// metadata that the host copies in (attention's query_starts and context_lens; every stream copy queued before a
+// kernel has completed when it starts, since the kernel before it waited for all that came earlier); it writes
+// nothing. Loading weights before the wait did not pay (the tensor-core GEMV's first batch, or its first bytes
+// prefetched into L2, timed on an H200: bench/RESULTS.md, 2026-11-27 fifth session), so the GEMV too waits first.
+// Launched without the attribute, or before sm_90 (where the instructions do not exist and compile to nothing),
+// both are no-ops.
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -1153,13 +1155,6 @@ __device__ __forceinline__ void cp_async_16_evict_first(void* shared, const void
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
                "l"(policy));
 }
-// cp.async.bulk.prefetch.L2 (sm_90+): `bytes` (16-byte aligned, a multiple of 16) from global memory into L2,
-// one instruction, no registers and nothing to wait for. Compiles to nothing before sm_90.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* global, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(global), "r"(bytes) : "memory");
-#endif
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most N committed groups (stages) are still in flight.
 template <int N>
@@ -1351,7 +1346,6 @@ struct QuantGemmArgs {
   int64_t splits;
   float* partials;           // [n_tiles][splits][16 M_TILES][64] when splits > 1
   DType out_dtype;           // BF16 or F16 (W8A8 is compiled once and stores either)
-  uint64_t l2_prefetch_bytes;  // tensor-core GEMV: bytes of its run each warp prefetches into L2 first (0: none)
 };
 
 // out[index] = value rounded to T, or for W8A8 (one instantiation for both) to args.out_dtype.
@@ -2059,28 +2053,6 @@ __device__ __forceinline__ void gemv_stream_tiles(const uint8_t* tiles, int64_t 
   }
 }
 
-// Under programmatic launch (args.l2_prefetch_bytes > 0, set by the host then only): the first
-// args.l2_prefetch_bytes of the warp's run of tiles [t_begin, t_end) prefetched into L2, each lane one of 32
-// consecutive pieces (gemv_l2_prefetch_piece, backend_cuda.hpp), before gemv_mma_run's wait for the kernel before
-// this one. That kernel (a norm, attention, silu_mul) is bound by latency and reads little, so the memory would
-// otherwise be idle while it runs; the grid prefetches at most half the L2 (gemv_l2_prefetch_bytes). Weights are no
-// kernel's output: reading them before the wait is safe. KVLITE_GEMV_L2_PREFETCH=0 (a build knob) turns it off,
-// to measure programmatic launch without it.
-#ifndef KVLITE_GEMV_L2_PREFETCH
-#define KVLITE_GEMV_L2_PREFETCH 1
-#endif
-template <QgFormat F>
-__device__ __forceinline__ void gemv_l2_prefetch(const QuantGemmArgs& args, const uint8_t* column_tiles,
-                                                 int64_t t_begin, int64_t t_end, int lane) {
-  if (!KVLITE_GEMV_L2_PREFETCH || args.l2_prefetch_bytes == 0 || t_begin >= t_end) return;  // warp-uniform
-  using Shape = GemvShape<F>;
-  const uint64_t run_bytes = uint64_t(t_end - t_begin) * uint64_t(Shape::kTileBytes);
-  uint64_t offset, size;
-  gemv_l2_prefetch_piece(run_bytes < args.l2_prefetch_bytes ? run_bytes : args.l2_prefetch_bytes, lane, &offset, &size);
-  if (size > 0)
-    prefetch_l2_bulk(column_tiles + uint64_t(t_begin) * Shape::kTileBytes + offset, uint32_t(size));
-}
-
 // The tensor-core GEMV's loop: the warp's tiles [t_begin, t_end) in batches of U (GemvShape::kMmaUnroll), each
 // batch's weight chunks and A fragments all loaded before any is used, then its U tiles' math with no branch
 // between them. The SASS of the per-tile form (gemv_stream_tiles' tile_fn) showed why it is needed: each tile's A
@@ -2113,7 +2085,7 @@ __device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const ui
     uint4 w[U][C];           // the lane's 16-byte chunks of each tile
     uint32_t a[U][S][1][4];  // each step's A fragment: a0 / a1 rows g / g + 8 at its first k pair, a2 / a3 at the second
   };
-  auto load_weights = [&](uint32_t t0, Batch& b) {
+  auto load = [&](uint32_t t0, Batch& b) {
     const uint8_t* w = tiles + uint64_t(t0) * uint64_t(Shape::kTileBytes);
 #pragma unroll
     for (int u = 0; u < U; u++)
@@ -2121,8 +2093,6 @@ __device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const ui
       for (int c = 0; c < C; c++)
         b.w[u][c] = t0 + u < t_end ? __ldcs(reinterpret_cast<const uint4*>(w + Shape::kTileBytes * u + 512 * c))
                                    : make_uint4(0, 0, 0, 0);
-  };
-  auto load_activations = [&](uint32_t t0, Batch& b) {
     const uint32_t k0 = kTileK * t0 + (kInt4 ? 2 * q : 4 * q);  // the first step's first pair in tile t0
     if (kTileK * (t0 + U) <= k_valid) {  // warp-uniform, all but a row's last batch: plain loads, no bounds
       const T* low = row_low + k0;
@@ -2162,12 +2132,7 @@ __device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const ui
       }
     }
   };
-  auto load = [&](uint32_t t0, Batch& b) {
-    load_weights(t0, b);
-    load_activations(t0, b);
-  };
   if (kInt4 && KVLITE_GEMV_INT4_PREFETCH) {
-    kernel_entry();
     Batch even, odd;
     if (t_begin < t_end) load(t_begin, even);
     for (uint32_t t0 = t_begin; t0 < t_end; t0 += 2 * U) {
@@ -2178,22 +2143,10 @@ __device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const ui
       math(t0 + U, odd);
     }
   } else {
-    // The first batch's weights are loaded before kernel_entry's wait: under programmatic launch they are in
-    // flight while the kernel before this one finishes (weights are no kernel's output); the activations, that
-    // kernel's output, only after it.
-    if (t_begin >= t_end) {  // a warp with no tiles (its zero sums still go into the block's)
-      kernel_entry();
-      return;
-    }
-    Batch b;
-    load_weights(t_begin, b);
-    kernel_entry();
-    for (uint32_t t0 = t_begin;;) {
-      load_activations(t0, b);
+    for (uint32_t t0 = t_begin; t0 < t_end; t0 += U) {
+      Batch b;
+      load(t0, b);
       math(t0, b);
-      t0 += U;
-      if (t0 >= t_end) break;
-      load_weights(t0, b);  // the next batch's: the loads in the order of the per-batch form
     }
   }
 }
@@ -2287,6 +2240,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_ke
 //   kQuantGemvMmaMaxRows.
 template <QgFormat F, class T, bool kFp32Scales>
 __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mma_kernel(const QuantGemmArgs args) {
+  kernel_entry();
   using Shape = GemvShape<F>;
   constexpr int kRows = int(kQuantGemvMmaMaxRows);
   __shared__ float warp_sums[kGemvWarps][kRows][kQuantTileN];
@@ -2295,8 +2249,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
   const int rows = int(args.rows);
   int64_t t_begin, t_end;
   gemv_warp_tiles<F>(args, warp, &t_begin, &t_end);
-  const uint8_t* column_tiles = args.tiles + uint64_t(blockIdx.y) * args.tile_row_bytes;  // the block's column tile
-  const uint8_t* tiles = column_tiles + 16 * lane;
+  const uint8_t* tiles = args.tiles + uint64_t(blockIdx.y) * args.tile_row_bytes + 16 * lane;
   const uint32_t group_size = uint32_t(args.group_size);
   // the lane's two activation rows (A fragment rows g and g + 8)
   const bool has_low = g < rows, has_high = g + 8 < rows;
@@ -2305,7 +2258,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
   const T* row_high = x + int64_t(has_high ? g + 8 : 0) * args.x_stride;
   const uint32_t low_mask = has_low ? ~0u : 0u, high_mask = has_high ? ~0u : 0u;
   const bool any_high = rows > 8;  // warp-uniform: no lane has a high row at M <= 8, whose loads are skipped
-  gemv_l2_prefetch<F>(args, column_tiles, t_begin, t_end, lane);
 
   float acc[1][8][4];
 #pragma unroll
@@ -2829,7 +2781,6 @@ class CudaBackend final : public Backend {
     device_name_ = prop.name;
     sm_ = prop.major * 10 + prop.minor;
     sm_count_ = prop.multiProcessorCount;
-    l2_bytes_ = uint64_t(prop.l2CacheSize);
     programmatic_launch_ = options.programmatic_launch && sm_ >= 90 && KVLITE_PROGRAMMATIC_LAUNCH_BUILT;
     if (sm_ < 80)
       detail::fail(ErrorCode::unsupported,
@@ -3496,9 +3447,6 @@ class CudaBackend final : public Backend {
       // the GEMVs: one block row (rows <= kQuantGemvMaxRows / kQuantGemvMmaMaxRows, plan_quant_gemm's passes)
       const dim3 grid(gemv ? 1u : unsigned((rows + 16 * m_tiles - 1) / (16 * m_tiles)), unsigned(layout.n_tiles),
                       unsigned(args.splits));
-      args.l2_prefetch_bytes = gemv_mma && programmatic_launch_
-                                   ? gemv_l2_prefetch_bytes(l2_bytes_, uint64_t(grid.x) * grid.y * grid.z * kGemvWarps)
-                                   : 0;
       launch(instance.name, instance.kernel, grid, unsigned(instance.threads), size_t(instance.shared_bytes), args);
     }
   }
@@ -3655,7 +3603,6 @@ class CudaBackend final : public Backend {
   bool programmatic_launch_ = false;  // CudaBackendOptions::programmatic_launch, in effect (sm_90+)
   std::string device_name_;
   int sm_ = 0, sm_count_ = 1;
-  uint64_t l2_bytes_ = 0;  // the GPU's L2 (gemv_l2_prefetch_bytes)
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   DeviceFault* fault_ = nullptr;  // in the workspace

@@ -350,8 +350,9 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--activation-dtype", "T", "bf16 | f16 | f32; default: CUDA the model's 16-bit dtype, the CPU f32 (its bf16 / "
                                   "f16 round where the GPU does)"},
       {"--no-cuda-graphs", "", "CUDA: run decode steps op by op instead of replaying CUDA graphs"},
-      {"--programmatic-launch", "", "CUDA, sm_90+: each kernel may start while the one before it finishes "
-                                    "(programmatic dependent launch; the same results); default off"},
+      {"--no-programmatic-launch", "", "CUDA: launch each kernel only once the one before it has finished; default "
+                                       "on sm_90+: each may start while the one before it finishes (programmatic "
+                                       "dependent launch; the same results)"},
       {"--prefix-cache", "on|off", "reuse the KV pages of earlier requests' identical prefixes; default on for the CPU, "
                                    "off on CUDA (kvlite bench: off)"},
       {"--threads", "N", "CPU threads; default one per hardware thread"},
@@ -387,7 +388,7 @@ kvlite::EngineOptions engine_options(const Args& args) {
     else throw UsageError{"--activation-dtype: unknown dtype '" + text + "': use bf16, f16 or f32"};
   }
   options.cuda_graphs = !args.has("--no-cuda-graphs");
-  options.cuda_programmatic_launch = args.has("--programmatic-launch");
+  options.cuda_programmatic_launch = !args.has("--no-programmatic-launch");
   if (args.has("--prefix-cache")) {
     const std::string& text = args.text("--prefix-cache");
     if (text != "on" && text != "off") throw UsageError{"--prefix-cache: '" + text + "': use on or off"};

@@ -50,10 +50,11 @@ struct CudaBackendOptions {
   // Programmatic dependent launch (sm_90+: H100, H200, RTX 50-series; ignored before, and with a CUDA runtime older
   // than 12.0): each kernel is launched so that it may start while the kernel before it in the stream finishes,
   // and waits inside for that kernel's results (kernels.cu, kernel_entry), which hides most of the gap between a
-  // decode step's ~300 small kernels; the GEMVs load their first weights before that wait. The same kernels on the
-  // same inputs: results are bit for bit those of ordinary launches. Off until measured on a GPU; Backend::name()
-  // ends in ", programmatic launch" when it is in effect.
-  bool programmatic_launch = false;
+  // decode step's ~300 small kernels: measured on an H200 (bench/RESULTS.md, 2026-11-27 fifth session), decode
+  // 5-9% faster at batch 1 and 4-7% at batch 8 (Llama-3.1-8B W4A16 296 -> 315 tok/s, Qwen3-VL-4B FP8 295 -> 320).
+  // The same kernels on the same inputs: results are bit for bit those of ordinary launches. Backend::name() ends
+  // in ", programmatic launch" when it is in effect.
+  bool programmatic_launch = true;
 };
 
 // Binds the backend to options.device: a stream of its own, a cuBLAS handle using the workspace's front.
@@ -322,28 +323,6 @@ inline AttentionSplit plan_attention_split(int64_t blocks, int64_t max_context, 
 constexpr int kPagedAttentionWarpsFew = 4, kPagedAttentionWarpsMany = 8;
 KVLITE_HD constexpr int paged_attention_warps(int64_t blocks, int64_t sms) {
   return blocks <= sms ? kPagedAttentionWarpsMany : kPagedAttentionWarpsFew;
-}
-
-// Under programmatic launch each warp of a tensor-core GEMV prefetches the first bytes of its run of weight tiles
-// into L2 before it waits for the kernel before it (kernels.cu, gemv_l2_prefetch), so that the weights stream from
-// memory while that kernel (a norm, attention, silu_mul: a few microseconds each, none reading much) still runs.
-// The bytes each warp may prefetch, for a grid of `warps` warps on a GPU with `l2_bytes` of L2: the grid together
-// at most half the L2 (the rest for the activations, the previous kernel's working set, the scales), a multiple of
-// 16 (cp.async.bulk's unit), at most 2^30; 0 when there is nothing to divide.
-constexpr uint64_t kGemvL2PrefetchMaxBytes = uint64_t(1) << 30;
-KVLITE_HD constexpr uint64_t gemv_l2_prefetch_bytes(uint64_t l2_bytes, uint64_t warps) {
-  return warps == 0 ? 0
-                    : (l2_bytes / 2 / warps < kGemvL2PrefetchMaxBytes ? l2_bytes / 2 / warps : kGemvL2PrefetchMaxBytes) /
-                          16 * 16;
-}
-// Lane `lane`'s part of a warp's prefetch of `bytes` (a multiple of 16): the warp's bytes cut into 32 consecutive
-// pieces of whole 16-byte units (the last ones shorter or empty), lane l taking piece l: *offset from the start of
-// the run, *size (0: nothing for this lane).
-KVLITE_HD constexpr void gemv_l2_prefetch_piece(uint64_t bytes, int lane, uint64_t* offset, uint64_t* size) {
-  const uint64_t piece = (bytes / 16 + 31) / 32 * 16;
-  const uint64_t begin = piece * uint64_t(lane);
-  *offset = begin;
-  *size = begin >= bytes ? 0 : (bytes - begin < piece ? bytes - begin : piece);
 }
 
 // How many of a launch's `planned` splits a query that sees `keys` keys uses, and the chunk each takes. The grid

@@ -43,7 +43,7 @@ struct EngineOptions {
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
   // CUDA, sm_90+: launch kernels with programmatic dependent launch (CudaBackendOptions::programmatic_launch;
   // bit for bit the same results). EngineInfo::backend_name says when it is in effect.
-  bool cuda_programmatic_launch = false;
+  bool cuda_programmatic_launch = true;
   // Prefix caching: full KV pages stay cached under a hash chain of their tokens (and, with images, of their
   // M-RoPE positions and image features) and later requests that start with the same tokens reuse them instead
   // of recomputing; cached pages are evicted least recently used when pages run out. Unset: on where it is exact,

@@ -247,46 +247,6 @@ TEST_CASE("paged attention takes 8 warps a block while its grid fits one block a
   CHECK(cuda::paged_attention_warps(8 * 8 * 9, 132) == 4);
 }
 
-TEST_CASE("GEMV L2 prefetch: the grid takes at most half the L2, each warp's bytes cut into 32 lane pieces of whole "
-          "16-byte units that cover them once") {
-  // the budget a warp
-  CHECK(cuda::gemv_l2_prefetch_bytes(50 * MiB, 0) == 0);
-  CHECK(cuda::gemv_l2_prefetch_bytes(0, 100) == 0);
-  CHECK(cuda::gemv_l2_prefetch_bytes(64 * MiB, 1) == 32 * MiB);
-  CHECK(cuda::gemv_l2_prefetch_bytes(uint64_t(8) << 30, 1) == cuda::kGemvL2PrefetchMaxBytes);  // the cap
-  Random rng(23);
-  for (int trial = 0; trial < 2000; trial++) {
-    const uint64_t l2 = uint64_t(rng.between(1, 128)) * MiB + uint64_t(rng.between(0, 4095));
-    const uint64_t warps = uint64_t(rng.between(1, 200000));
-    const uint64_t each = cuda::gemv_l2_prefetch_bytes(l2, warps);
-    INFO("l2 ", l2, " warps ", warps, " each ", each);
-    CHECK(each % 16 == 0);
-    CHECK(each * warps <= l2 / 2);
-    CHECK(each <= cuda::kGemvL2PrefetchMaxBytes);
-    CHECK((each + 16) * warps > l2 / 2);  // less than one unit a warp left unused
-  }
-  // a Llama-3.1-8B W4A16 q|k|v GEMV at batch 1 on an H200 (50 MiB of L2): 96 column tiles, 8 warps a block
-  CHECK(cuda::gemv_l2_prefetch_bytes(50 * MiB, 96 * 8) == 50 * MiB / 2 / 768 / 16 * 16);
-  // the lane pieces
-  for (uint64_t units : {uint64_t(0), uint64_t(1), uint64_t(31), uint64_t(32), uint64_t(33), uint64_t(64), uint64_t(1000),
-                         uint64_t(4097), uint64_t(65536) * 1024}) {
-    const uint64_t bytes = units * 16;
-    CAPTURE(bytes);
-    uint64_t next = 0;
-    for (int lane = 0; lane < 32; lane++) {
-      uint64_t offset = 0, size = 0;
-      cuda::gemv_l2_prefetch_piece(bytes, lane, &offset, &size);
-      CHECK(offset % 16 == 0);
-      CHECK(size % 16 == 0);
-      CHECK(size <= UINT32_MAX);  // the bulk prefetch's size operand is 32 bits
-      if (size == 0) continue;
-      CHECK(offset == next);  // consecutive, disjoint
-      next = offset + size;
-    }
-    CHECK(next == bytes);  // covered
-  }
-}
-
 TEST_CASE("argmax_better in the kernel's reduction order gives the sampler's argmax: ties to the lowest id") {
   Random rng(15);
   for (int trial = 0; trial < 200; trial++) {

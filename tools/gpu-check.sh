@@ -27,9 +27,10 @@
 #   KVLITE_GPU_CHECK_TESTS=0   no test suites (a second call: build up to date, benchmarks only)
 #   KVLITE_GPU_CHECK_NCU_STEP=1 (or "llama-3.1-8b ...")   each checkpoint's (or these presets') decode step split
 #                              into its kernels by Nsight Compute (ncu-step-*.csv, tools/ncu-step-summary.py)
-#   KVLITE_GPU_CHECK_PROGRAMMATIC=0   on sm_90+, no second bench of each checkpoint with --programmatic-launch
-#                              (default: benched both ways, the kernels launched ordinarily and programmatically;
-#                              so is each KVLITE_BASELINE whose kvlite has the flag)
+#   KVLITE_GPU_CHECK_PROGRAMMATIC=0   on sm_90+, no second bench of each checkpoint with --no-programmatic-launch
+#                              (default: benched both ways, the kernels launched programmatically (kvlite's
+#                              default there) and ordinarily; so is each KVLITE_BASELINE whose kvlite has either
+#                              flag: --no-programmatic-launch, or --programmatic-launch of builds where it was off)
 #   KVLITE_GPU_CHECK_NCU_KERNELS="paged_attention_kernel:40:1 quant_gemv_mma_kernel:40:4"   with NCU_STEP's
 #                              checkpoints: each named kernel's full Nsight Compute report (--set full: throughput,
 #                              occupancy, warp stalls) for COUNT of its launches after skipping SKIP of them (40:
@@ -190,11 +191,11 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
       bench "$title, planned as a 24 GiB card (does not fit 8 GiB)" "$dir" --backend cuda --device-mem 24GiB --profile
       status=$?
     fi
-    # the same checkpoint with programmatic dependent launch (sm_90+; CudaBackendOptions::programmatic_launch),
-    # planned the same way, so the two tables side by side show what it saves
+    # the same checkpoint launched ordinarily (sm_90+, where programmatic dependent launch is the default:
+    # CudaBackendOptions::programmatic_launch), planned the same way, so the two tables side by side show what it saves
     if [ "${KVLITE_GPU_CHECK_PROGRAMMATIC:-1}" != 0 ] && [ "$arch" -ge 90 ] && [ $status = 0 ]; then
-      bench "$title, programmatic launch, planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB \
-        --programmatic-launch
+      bench "$title, ordinary launch, planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB \
+        --no-programmatic-launch
     fi
     # the same checkpoint through each baseline's kvlite (KVLITE_BASELINE: one folder or several, space-separated:
     # an earlier commit's build, or a variant library from tools/build-gpu-variant.sh), planned the same way
@@ -203,11 +204,17 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
       saved_kvlite=$kvlite
       kvlite="env LD_LIBRARY_PATH=$baseline/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} $baseline/kvlite"
       bench "$title, BASELINE kvlite ($baseline), planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB
-      # and programmatically launched where that baseline's kvlite has the flag (a variant library of this build)
-      if [ "${KVLITE_GPU_CHECK_PROGRAMMATIC:-1}" != 0 ] && [ "$arch" -ge 90 ] &&
-         $kvlite bench --help 2>&1 | grep -q -- --programmatic-launch; then
-        bench "$title, BASELINE kvlite ($baseline), programmatic launch, planned as an 8 GiB card" "$dir" \
-          --backend cuda --device-mem 8GiB --programmatic-launch
+      # and launched the other way where that baseline's kvlite has a flag for it: ordinarily (builds where
+      # programmatic launch is the default), or programmatically (earlier builds, where it was off by default)
+      if [ "${KVLITE_GPU_CHECK_PROGRAMMATIC:-1}" != 0 ] && [ "$arch" -ge 90 ]; then
+        baseline_help=$($kvlite bench --help 2>&1)
+        if grep -q -- --no-programmatic-launch <<< "$baseline_help"; then
+          bench "$title, BASELINE kvlite ($baseline), ordinary launch, planned as an 8 GiB card" "$dir" \
+            --backend cuda --device-mem 8GiB --no-programmatic-launch
+        elif grep -q -- --programmatic-launch <<< "$baseline_help"; then
+          bench "$title, BASELINE kvlite ($baseline), programmatic launch, planned as an 8 GiB card" "$dir" \
+            --backend cuda --device-mem 8GiB --programmatic-launch
+        fi
       fi
       kvlite=$saved_kvlite
     done
