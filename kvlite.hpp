@@ -79,9 +79,10 @@
 
    LIMITATIONS (v0.1)
       - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL images, the fp8
-        KV cache). The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling) passes its GPU tests
-        and compute-sanitizer on an H100 (bench/RESULTS.md), Qwen3-VL images included, but is not yet fast:
-        decode at 27-67% of the bandwidth roofline, the W4A16 decode GEMVs at 22-63% of copy bandwidth.
+        KV cache). The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling, programmatic dependent
+        launch on sm_90+) passes its GPU tests and compute-sanitizer on an H100 and an H200 (bench/RESULTS.md),
+        Qwen3-VL images included, but is not yet fast: decode at 30-67% of the bandwidth roofline (36% at batch 1
+        on the quantized models), the W4A16 decode GEMVs at 27-75% of copy bandwidth on the layers' shapes.
       - The CPU computes in F32 by default (the reference). With activation_dtype BF16 or F16 it runs the GPU's
         numerics instead (f32 math, rounded on every store where the CUDA kernels round), for tests on machines
         without a GPU; it is no faster.
