@@ -267,6 +267,24 @@ struct DeviceFault {
 };
 static_assert(sizeof(DeviceFault) <= 256, "the workspace holds 256 bytes for the fault record");
 
+// The last-arrival protocol of the kernels whose blocks finish a shared result together (split-K partials, split
+// attention, the GEMV's fused norm): each thread's global writes are fenced (visible to the whole GPU before the
+// counter moves), then thread 0 counts the block's arrival at *counter. True, in every thread of the block, for the
+// block that arrives `arrivals`-th: it resets the counter to zero for the next launch (a graph replays it) and, after
+// a second fence, reads what the others wrote (through L2: __ldcg). `flag`: a block-shared int.
+__device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned arrivals, int* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *flag = atomicAdd(counter, 1u) == arrivals - 1;
+    if (*flag) *counter = 0;  // every block has arrived
+  }
+  __syncthreads();
+  if (!*flag) return false;
+  __threadfence();
+  return true;
+}
+
 __device__ void report_fault(DeviceFault* fault, int kind, long long index, long long value, long long limit,
                              long long extra) {
   if (atomicCAS(&fault->kind, int(fault_none), kind) == int(fault_none)) {
@@ -883,23 +901,13 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const Atten
 
   // ---- phase 6 (fused merge): the block of this (row, head group) whose split arrives last merges the used splits
   // of its heads, as attention_combine_kernel would (the same function, the same split order: the same bits, not
-  // depending on which split came last), and resets the counter for the next launch (a graph replays it). The
-  // partials are published as the split-K GEMVs publish theirs: each thread's writes fenced, then one arrival.
+  // depending on which split came last); last_to_arrive publishes the partials and resets the counter.
   // (The row's used splits are looked up again rather than kept from phase 3: kept, they held registers through the
   // key loop of every launch, fused or not.)
   if (args.splits == 1 || args.combine_counters == nullptr) return;  // uniform across the block
-  __shared__ bool merges;
+  __shared__ int merges;
   const int64_t merged_splits = attention_splits_used(args.splits, attention_row_keys(args, row));
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* counter = args.combine_counters + row * gridDim.y + blockIdx.y;
-    merges = atomicAdd(counter, 1u) == unsigned(merged_splits - 1);
-    if (merges) *counter = 0;  // every used split has arrived
-  }
-  __syncthreads();
-  if (!merges) return;
-  __threadfence();
+  if (!last_to_arrive(args.combine_counters + row * gridDim.y + blockIdx.y, unsigned(merged_splits), &merges)) return;
   if (int(threadIdx.x) < heads_here) {  // each head's maximum over the splits, once
     const int64_t first = (row * args.heads + first_head + threadIdx.x) * args.splits;
     head_max[threadIdx.x] = attention_splits_max(args, first, merged_splits);
@@ -1767,15 +1775,7 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
   float* mine = args.partials + (uint64_t(n_tile * args.splits + split) * Shape::kRows) * kQuantTileN;
   for (int i = threadIdx.x; i < rows_here * kQuantTileN; i += Shape::kThreads)
     mine[i] = tile[(i / kQuantTileN) * Shape::kTileStride + i % kQuantTileN];
-  __threadfence();  // this thread's partial is visible to the whole GPU before the counter moves
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last_arrival = atomicAdd(&args.counters[n_tile], 1u) == unsigned(args.splits - 1);
-    if (last_arrival) args.counters[n_tile] = 0;  // every split has arrived: ready for the next call
-  }
-  __syncthreads();
-  if (!last_arrival) return;
-  __threadfence();
+  if (!last_to_arrive(&args.counters[n_tile], unsigned(args.splits), &last_arrival)) return;
   for (int i = threadIdx.x; i < rows_here * kQuantTileN; i += Shape::kThreads) {
     const int c = i % int(kQuantTileN);
     if (n0 + c >= args.n) continue;
@@ -1981,8 +1981,7 @@ __device__ __forceinline__ void gemv_tile(const uint4 (&chunks)[GemvShape<F>::kC
 }
 
 // The GEMVs' fused residual step (QuantGemmArgs::norm_weight), after a block has stored its column tile's outputs:
-// the block that stores last (one arrival per column tile, as the split-K partials are published: each thread's
-// writes fenced, then one atomic) runs add_rms_norm on every row, with add_rms_norm_kernel's code and team (a warp a
+// the block that stores last (last_to_arrive, one arrival per column tile) runs add_rms_norm on every row, with add_rms_norm_kernel's code and team (a warp a
 // row up to kNormWarpGroupMax columns, else the block's 256 threads), so the same bits; it resets the counter for
 // the next launch. The rows are few (kFusedNormMaxRows): a block team takes them one after another. Compiled only
 // into the tensor-core GEMV's kNorm instances: in every GEMV (a runtime test) it raised their registers whether it
@@ -1992,15 +1991,7 @@ template <class T>
 __device__ __forceinline__ void gemv_fused_norm(const QuantGemmArgs& args, int* last_arrival) {
   constexpr int kTeam = kGemvWarps * 32;
   __shared__ float team_partials[32];
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    *last_arrival = atomicAdd(args.grid_counter, 1u) == gridDim.y - 1;
-    if (*last_arrival) *args.grid_counter = 0;  // every column tile has stored
-  }
-  __syncthreads();
-  if (!*last_arrival) return;
-  __threadfence();
+  if (!last_to_arrive(args.grid_counter, gridDim.y, last_arrival)) return;  // one arrival a column tile
   const T* weight = static_cast<const T*>(args.norm_weight);
   if (args.n <= kNormWarpGroupMax) {  // the kernel's team is a warp: warp m takes row m
     const int64_t m = threadIdx.x / 32;
@@ -2053,15 +2044,7 @@ __device__ __forceinline__ void gemv_finish(const QuantGemmArgs& args, float (&w
     for (int w = 0; w < kGemvWarps; w++) sum += warp_sums[w][m][c];
     mine[i] = sum;
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    *last_arrival = atomicAdd(&args.counters[n_tile], 1u) == unsigned(args.splits - 1);
-    if (*last_arrival) args.counters[n_tile] = 0;
-  }
-  __syncthreads();
-  if (!*last_arrival) return;
-  __threadfence();
+  if (!last_to_arrive(&args.counters[n_tile], unsigned(args.splits), last_arrival)) return;
   for (int i = threadIdx.x; i < outputs; i += kGemvWarps * 32) {
     const int c = i % int(kQuantTileN);
     if (n0 + c >= args.n) continue;
@@ -3182,8 +3165,8 @@ class CudaBackend final : public Backend {
 
   // o_proj / down_proj and the residual step after it as one GEMV (CudaBackendOptions::fused_linear_norm): where the
   // Linear runs on the tensor-core decode GEMV (gemv_mma, the automatic choice up to 16 rows) over 1 or 2 rows, and
-  // the norm kernel would keep the row in registers
-  // (up to 4,096 columns), with the norm weight in the activation dtype.
+  // the norm kernel would keep the row in registers (up to 4,096 columns), with the norm weight in the activation
+  // dtype.
   bool fuses_quant_linear_add_rms_norm(const Tensor& x, const QuantWeight& weight, const Tensor& norm_weight,
                                        const Tensor& out) const override {
     if (!fused_linear_norm_ || x.rows < 1 || x.rows > kFusedNormMaxRows || norm_weight.dtype != act_) return false;
