@@ -267,24 +267,6 @@ struct DeviceFault {
 };
 static_assert(sizeof(DeviceFault) <= 256, "the workspace holds 256 bytes for the fault record");
 
-// The last-arrival protocol of the kernels whose blocks finish a shared result together (split-K partials, split
-// attention, the GEMV's fused norm): each thread's global writes are fenced (visible to the whole GPU before the
-// counter moves), then thread 0 counts the block's arrival at *counter. True, in every thread of the block, for the
-// block that arrives `arrivals`-th: it resets the counter to zero for the next launch (a graph replays it) and, after
-// a second fence, reads what the others wrote (through L2: __ldcg). `flag`: a block-shared int.
-__device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned arrivals, int* flag) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    *flag = atomicAdd(counter, 1u) == arrivals - 1;
-    if (*flag) *counter = 0;  // every block has arrived
-  }
-  __syncthreads();
-  if (!*flag) return false;
-  __threadfence();
-  return true;
-}
-
 __device__ void report_fault(DeviceFault* fault, int kind, long long index, long long value, long long limit,
                              long long extra) {
   if (atomicCAS(&fault->kind, int(fault_none), kind) == int(fault_none)) {
@@ -328,8 +310,6 @@ __global__ void gather_rows_kernel(const T* table,         // [table_rows, cols]
 // Elements of a row (or group) a norm thread keeps in registers: rows up to TEAM x kNormCached columns (4096 with a
 // block of 256 threads, 512 with a warp) load everything first; wider ones take the loop.
 constexpr int kNormCached = 16;
-// Groups this wide or narrower are normalised by a warp each (the norm kernels' TEAM 32); wider ones by a block.
-constexpr int64_t kNormWarpGroupMax = 256;
 
 // The end of both norms' register path: the team's sum of squares -> 1 / rms (IEEE sqrt and division, as the CPU's
 // 1 / std::sqrt), then dst[c] = w * (v * (1 / rms)) for the thread's elements c = member + TEAM i below n.
@@ -398,39 +378,6 @@ __global__ void rms_norm_kernel(const A* x, int64_t x_stride,  // [rows, groups_
     dst[c] = from_float<A>(to_float(load_readonly(weight + c)) * (to_float(in[c]) * inv_rms));
 }
 
-// One row of add_rms_norm_kernel by a team whose TEAM threads hold its cols <= TEAM x kNormCached elements in
-// registers. The loop of the kernel's wide path reads, stores, reads: the compiler cannot move a load above a store
-// through pointers that may alias (x is out, in place), so each of its iterations waited out a memory round trip: 15
-// us a call for one 4096-column row under ncu with its caches flushed, 18% of a Llama-3.1-8B W4A16 decode step; 4 us
-// this way with the caches as found (H200, 2026-11-27, bench/RESULTS.md). Here every load of the thread's elements is
-// issued first (each element is read and written by one thread only, so the order per element is unchanged), then
-// the same arithmetic in the same order: the same bits. kFresh: x was written by other blocks of the running grid
-// (the GEMV's fused norm), so it is read through L2 (__ldcg), L1 not being coherent with their writes.
-template <class A, class W, int TEAM, bool kFresh>
-__device__ __forceinline__ void add_rms_norm_row_cached(const A* in, A* res, const W* weight, int64_t cols, float eps,
-                                                        int member, float* team_partials, A* dst) {
-  float xs[kNormCached], rs[kNormCached], ws[kNormCached];
-#pragma unroll
-  for (int i = 0; i < kNormCached; i++) {
-    const int64_t c = member + int64_t(TEAM) * i;
-    rs[i] = c < cols ? to_float(res[c]) : 0.0f;
-    if constexpr (kFresh) xs[i] = c < cols ? to_float(__ldcg(in + c)) : 0.0f;
-    else xs[i] = c < cols ? to_float(in[c]) : 0.0f;
-    ws[i] = c < cols ? to_float(load_readonly(weight + c)) : 0.0f;
-  }
-  float squares = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kNormCached; i++) {
-    const int64_t c = member + int64_t(TEAM) * i;
-    if (c >= cols) continue;
-    const A sum = from_float<A>(rs[i] + xs[i]);
-    res[c] = sum;
-    rs[i] = to_float(sum);  // what was stored, as the loop's second read of res[c]
-    squares += rs[i] * rs[i];
-  }
-  norm_cached_finish<TEAM>(squares, team_partials, cols, eps, member, rs, ws, dst);
-}
-
 // residual += x; out = rms_norm(residual) over the whole row. The new residual is rounded to A when stored
 // (as transformers' `hidden = residual + hidden` in the model dtype) and the norm reads what was stored.
 //   A: activation type; W: weight type; TEAM: as rms_norm_kernel (one row per team).
@@ -449,7 +396,31 @@ __global__ void add_rms_norm_kernel(const A* x, int64_t x_stride,  // [rows, col
   A* dst = out + row * out_stride;
 
   if (cols <= int64_t(TEAM) * kNormCached) {  // uniform: the row fits the team's registers (decode rows, always)
-    add_rms_norm_row_cached<A, W, TEAM, false>(in, res, weight, cols, eps, member, team_partials, dst);
+    // The loop below reads, stores, reads: the compiler cannot move a load above a store through pointers that may
+    // alias (x is out, in place), so each of its iterations waited out a memory round trip: 15 us a call for one
+    // 4096-column row under ncu with its caches flushed, 18% of a Llama-3.1-8B W4A16 decode step; 4 us this way with
+    // the caches as found (H200, 2026-11-27, bench/RESULTS.md). Here every load of the
+    // thread's elements is issued first (each element is read and written by one thread only, so the order per
+    // element is unchanged), then the same arithmetic in the same order: the same bits.
+    float xs[kNormCached], rs[kNormCached], ws[kNormCached];
+#pragma unroll
+    for (int i = 0; i < kNormCached; i++) {
+      const int64_t c = member + int64_t(TEAM) * i;
+      rs[i] = c < cols ? to_float(res[c]) : 0.0f;
+      xs[i] = c < cols ? to_float(in[c]) : 0.0f;
+      ws[i] = c < cols ? to_float(load_readonly(weight + c)) : 0.0f;
+    }
+    float squares = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kNormCached; i++) {
+      const int64_t c = member + int64_t(TEAM) * i;
+      if (c >= cols) continue;
+      const A sum = from_float<A>(rs[i] + xs[i]);
+      res[c] = sum;
+      rs[i] = to_float(sum);  // what was stored, as the loop's second read of res[c]
+      squares += rs[i] * rs[i];
+    }
+    norm_cached_finish<TEAM>(squares, team_partials, cols, eps, member, rs, ws, dst);
     return;
   }
 
@@ -685,44 +656,8 @@ struct AttentionArgs {
   float* partial_acc;  // [rows, heads, splits, head_dim] unnormalised sums of p * v (splits > 1)
   float* partial_max;  // [rows, heads, splits]
   float* partial_sum;  // [rows, heads, splits]
-  // Split contexts merged by the split that finishes last (CudaBackendOptions::fused_attention_combine), or null:
-  // attention_combine_kernel merges them. [rows, KV heads x head passes] arrival counters, zero at rest (the
-  // workspace's, zeroed at construction; the last arrival resets its own).
-  unsigned* combine_counters;
   DeviceFault* fault;
 };
-
-// The keys query row `row` sees (its last cache index + 1), from the host's query_starts and context_lens; 0 for a
-// malformed row (paged_attention_kernel reports it, and its split 0 alone runs: attention_splits_used(.., 0) = 1).
-__device__ __forceinline__ int64_t attention_row_keys(const AttentionArgs& args, int64_t row) {
-  const int64_t seq = sequence_of_row(args.query_starts, args.seqs, row);
-  if (seq < 0) return 0;
-  const int64_t first_row = args.query_starts[seq], queries = args.query_starts[seq + 1] - first_row;
-  const int64_t context = args.context_lens[seq];
-  return context >= queries && context <= args.max_context ? context - queries + (row - first_row) + 1 : 0;
-}
-
-// The merge of one (row, head)'s used splits, in split order: the output element d, given total_max, the largest of
-// their maxima (attention_splits_max). The partials are read through L2 (__ldcg): under the fused merge other blocks
-// of the same grid wrote them, and L1 is not coherent with their writes. One function for attention_combine_kernel
-// and the fused merge, so that both compute the same bits.
-__device__ __forceinline__ float attention_splits_max(const AttentionArgs& args, int64_t first, int64_t used_splits) {
-  float total_max = -INFINITY;
-  for (int64_t s = 0; s < used_splits; s++) total_max = fmaxf(total_max, __ldcg(args.partial_max + first + s));
-  return total_max;
-}
-template <class A>
-__device__ __forceinline__ A attention_splits_merged(const AttentionArgs& args, int64_t first, int64_t used_splits,
-                                                     float total_max, int64_t d) {
-  const int64_t head_dim = args.layout.head_dim;
-  float total_sum = 0.0f, total_acc = 0.0f;
-  for (int64_t s = 0; s < used_splits; s++) {
-    const float factor = softmax_partial_factor(__ldcg(args.partial_max + first + s), total_max);
-    total_sum += __ldcg(args.partial_sum + first + s) * factor;
-    total_acc += __ldcg(args.partial_acc + (first + s) * head_dim + d) * factor;
-  }
-  return from_float<A>(total_acc / total_sum);
-}
 
 //   A: activation type (q, out); E: KV element type;
 //   DIMS: head dimensions per lane (head_dim <= 32 * DIMS; attention_dims_per_lane);
@@ -898,27 +833,6 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const Atten
       }
     }
   }
-
-  // ---- phase 6 (fused merge): the block of this (row, head group) whose split arrives last merges the used splits
-  // of its heads, as attention_combine_kernel would (the same function, the same split order: the same bits, not
-  // depending on which split came last); last_to_arrive publishes the partials and resets the counter.
-  // (The row's used splits are looked up again rather than kept from phase 3: kept, they held registers through the
-  // key loop of every launch, fused or not.)
-  if (args.splits == 1 || args.combine_counters == nullptr) return;  // uniform across the block
-  __shared__ int merges;
-  const int64_t merged_splits = attention_splits_used(args.splits, attention_row_keys(args, row));
-  if (!last_to_arrive(args.combine_counters + row * gridDim.y + blockIdx.y, unsigned(merged_splits), &merges)) return;
-  if (int(threadIdx.x) < heads_here) {  // each head's maximum over the splits, once
-    const int64_t first = (row * args.heads + first_head + threadIdx.x) * args.splits;
-    head_max[threadIdx.x] = attention_splits_max(args, first, merged_splits);
-  }
-  __syncthreads();
-  for (int index = threadIdx.x; index < heads_here * int(head_dim); index += blockDim.x) {
-    const int h = index / int(head_dim), d = index % int(head_dim);
-    const int64_t head = first_head + h;
-    out_row[head * head_dim + d] =
-        attention_splits_merged<A>(args, (row * args.heads + head) * args.splits, merged_splits, head_max[h], d);
-  }
 }
 
 // Merges the splits of paged_attention_kernel: grid (rows, heads), threads over head dims.
@@ -929,13 +843,27 @@ __global__ void attention_combine_kernel(const AttentionArgs args) {
   const int64_t first = (row * args.heads + head) * args.splits;
   // the splits this row's query used (paged_attention_kernel's rule; a malformed row used split 0 alone), from the
   // host's query_starts and context_lens before kernel_entry's wait (paged_attention_kernel's phase 1 says why)
-  const int64_t keys = attention_row_keys(args, row);
+  int64_t keys = 0;
+  const int64_t seq = sequence_of_row(args.query_starts, args.seqs, row);
+  if (seq >= 0) {
+    const int64_t first_row = args.query_starts[seq], queries = args.query_starts[seq + 1] - first_row;
+    const int64_t context = args.context_lens[seq];
+    if (context >= queries && context <= args.max_context) keys = context - queries + (row - first_row) + 1;
+  }
   kernel_entry();
   const int64_t used_splits = attention_splits_used(args.splits, keys);
-  const float total_max = attention_splits_max(args, first, used_splits);
+  float total_max = -INFINITY;
+  for (int64_t s = 0; s < used_splits; s++) total_max = fmaxf(total_max, args.partial_max[first + s]);
   A* dst = static_cast<A*>(args.out) + row * args.out_stride + head * head_dim;
-  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x)
-    dst[d] = attention_splits_merged<A>(args, first, used_splits, total_max, d);
+  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float total_sum = 0.0f, total_acc = 0.0f;
+    for (int64_t s = 0; s < used_splits; s++) {
+      const float factor = softmax_partial_factor(args.partial_max[first + s], total_max);
+      total_sum += args.partial_sum[first + s] * factor;
+      total_acc += args.partial_acc[(first + s) * head_dim + d] * factor;
+    }
+    dst[d] = from_float<A>(total_acc / total_sum);
+  }
 }
 
 // ---- the vision encoder's ops (Qwen3-VL) ------------------------------------------------------------------
@@ -1418,14 +1346,6 @@ struct QuantGemmArgs {
   int64_t splits;
   float* partials;           // [n_tiles][splits][16 M_TILES][64] when splits > 1
   DType out_dtype;           // BF16 or F16 (W8A8 is compiled once and stores either)
-  // The GEMVs' fused residual step (CudaBackendOptions::fused_linear_norm): with norm_weight set, the block that
-  // finishes last of the grid does add_rms_norm(out, norm_residual, norm_weight, norm_eps, out) on the rows with the
-  // add_rms_norm kernel's team (gemv_fused_norm). norm_weight: [n], T.
-  const void* norm_weight;
-  void* norm_residual;       // [rows, n] T, updated
-  int64_t norm_residual_stride;
-  float norm_eps;
-  unsigned* grid_counter;    // the column tiles that have stored, zero at rest (the workspace's device record)
 };
 
 // out[index] = value rounded to T, or for W8A8 (one instantiation for both) to args.out_dtype.
@@ -1775,7 +1695,15 @@ __device__ __forceinline__ void quant_gemm_body(const QuantGemmArgs& args) {
   float* mine = args.partials + (uint64_t(n_tile * args.splits + split) * Shape::kRows) * kQuantTileN;
   for (int i = threadIdx.x; i < rows_here * kQuantTileN; i += Shape::kThreads)
     mine[i] = tile[(i / kQuantTileN) * Shape::kTileStride + i % kQuantTileN];
-  if (!last_to_arrive(&args.counters[n_tile], unsigned(args.splits), &last_arrival)) return;
+  __threadfence();  // this thread's partial is visible to the whole GPU before the counter moves
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last_arrival = atomicAdd(&args.counters[n_tile], 1u) == unsigned(args.splits - 1);
+    if (last_arrival) args.counters[n_tile] = 0;  // every split has arrived: ready for the next call
+  }
+  __syncthreads();
+  if (!last_arrival) return;
+  __threadfence();
   for (int i = threadIdx.x; i < rows_here * kQuantTileN; i += Shape::kThreads) {
     const int c = i % int(kQuantTileN);
     if (n0 + c >= args.n) continue;
@@ -1980,41 +1908,11 @@ __device__ __forceinline__ void gemv_tile(const uint4 (&chunks)[GemvShape<F>::kC
   }
 }
 
-// The GEMVs' fused residual step (QuantGemmArgs::norm_weight), after a block has stored its column tile's outputs:
-// the block that stores last (last_to_arrive, one arrival per column tile) runs add_rms_norm on every row, with add_rms_norm_kernel's code and team (a warp a
-// row up to kNormWarpGroupMax columns, else the block's 256 threads), so the same bits; it resets the counter for
-// the next launch. The rows are few (kFusedNormMaxRows): a block team takes them one after another. Compiled only
-// into the tensor-core GEMV's kNorm instances: in every GEMV (a runtime test) it raised their registers whether it
-// ran or not (the int4 tensor-core GEMV 125 -> 128, the FMA one at one row 88 -> 122; as a call instead of inlined,
-// 141-152 registers and a 224-byte stack; ptxas for sm_90).
-template <class T>
-__device__ __forceinline__ void gemv_fused_norm(const QuantGemmArgs& args, int* last_arrival) {
-  constexpr int kTeam = kGemvWarps * 32;
-  __shared__ float team_partials[32];
-  if (!last_to_arrive(args.grid_counter, gridDim.y, last_arrival)) return;  // one arrival a column tile
-  const T* weight = static_cast<const T*>(args.norm_weight);
-  if (args.n <= kNormWarpGroupMax) {  // the kernel's team is a warp: warp m takes row m
-    const int64_t m = threadIdx.x / 32;
-    if (m >= args.rows) return;  // whole warps; a warp's team_sum has no barrier
-    T* row = static_cast<T*>(args.out) + m * args.out_stride;
-    T* residual = static_cast<T*>(args.norm_residual) + m * args.norm_residual_stride;
-    add_rms_norm_row_cached<T, T, 32, true>(row, residual, weight, args.n, args.norm_eps, int(threadIdx.x % 32),
-                                           team_partials, row);
-    return;
-  }
-  for (int64_t m = 0; m < args.rows; m++) {  // the kernel's team is a block: the rows one after another
-    T* row = static_cast<T*>(args.out) + m * args.out_stride;
-    T* residual = static_cast<T*>(args.norm_residual) + m * args.norm_residual_stride;
-    add_rms_norm_row_cached<T, T, kTeam, true>(row, residual, weight, args.n, args.norm_eps, int(threadIdx.x),
-                                              team_partials, row);
-  }
-}
-
 // The end of both GEMVs: warp_sums[w][m][c] holds warp w's sums for rows m < args.rows and the block's column tile;
 // they are added in warp order, then stored with the bias (one split) or, split-K, written as this split's partial
 // into the mma kernel's [n_tile][splits][16 rows][64] layout, and the block that arrives last at the column tile's
 // counter adds the splits in split order and stores (so the result does not depend on timing).
-template <QgFormat F, class T, int R, bool kNorm>
+template <QgFormat F, class T, int R>
 __device__ __forceinline__ void gemv_finish(const QuantGemmArgs& args, float (&warp_sums)[kGemvWarps][R][kQuantTileN],
                                             int* last_arrival) {
   const int64_t n_tile = blockIdx.y, split = blockIdx.z;
@@ -2032,7 +1930,6 @@ __device__ __forceinline__ void gemv_finish(const QuantGemmArgs& args, float (&w
       for (int w = 0; w < kGemvWarps; w++) sum += warp_sums[w][m][c];
       qg_store<F, T>(args, m * args.out_stride + n0 + c, sum + args.bias[n0 + c]);
     }
-    if constexpr (kNorm) gemv_fused_norm<T>(args, last_arrival);
     return;
   }
   // split-K: the mma kernel's partials ([n_tile][splits][16 rows][64]) and counters
@@ -2044,7 +1941,15 @@ __device__ __forceinline__ void gemv_finish(const QuantGemmArgs& args, float (&w
     for (int w = 0; w < kGemvWarps; w++) sum += warp_sums[w][m][c];
     mine[i] = sum;
   }
-  if (!last_to_arrive(&args.counters[n_tile], unsigned(args.splits), last_arrival)) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *last_arrival = atomicAdd(&args.counters[n_tile], 1u) == unsigned(args.splits - 1);
+    if (*last_arrival) args.counters[n_tile] = 0;
+  }
+  __syncthreads();
+  if (!*last_arrival) return;
+  __threadfence();
   for (int i = threadIdx.x; i < outputs; i += kGemvWarps * 32) {
     const int c = i % int(kQuantTileN);
     if (n0 + c >= args.n) continue;
@@ -2053,7 +1958,6 @@ __device__ __forceinline__ void gemv_finish(const QuantGemmArgs& args, float (&w
       sum += __ldcg(args.partials + (uint64_t(n_tile * args.splits + sp) * 16) * kQuantTileN + i);
     qg_store<F, T>(args, (i / kQuantTileN) * args.out_stride + n0 + c, sum + args.bias[n0 + c]);
   }
-  if constexpr (kNorm) gemv_fused_norm<T>(args, last_arrival);
 }
 
 
@@ -2312,7 +2216,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_ke
     for (int m = 0; m < R; m++)
 #pragma unroll
       for (int j = 0; j < 8; j++) warp_sums[warp][m][8 * j + g] = acc[m][j];
-  gemv_finish<F, T, R, false>(args, warp_sums, &last_arrival);
+  gemv_finish<F, T, R>(args, warp_sums, &last_arrival);
 }
 
 // Tensor-core GEMV (QuantKernel::gemv_mma): quant_gemv_kernel's streamed loads and group tables, with the mma
@@ -2333,8 +2237,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_ke
 // issued before this batch's math nor 8 W4A16 tiles a batch paid (152 / 168 registers; bounded to 2 blocks an SM,
 // gate_up 33.7 / 29.8 us against 28.7).
 //   F: int4_a16 or fp8_a16; T: activation dtype; kFp32Scales as quant_gemv_kernel's; args.rows <=
-//   kQuantGemvMmaMaxRows; kNorm: ends with the fused residual step (gemv_fused_norm; args.rows <= kFusedNormMaxRows).
-template <QgFormat F, class T, bool kFp32Scales, bool kNorm>
+//   kQuantGemvMmaMaxRows.
+template <QgFormat F, class T, bool kFp32Scales>
 __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mma_kernel(const QuantGemmArgs args) {
   kernel_entry();
   using Shape = GemvShape<F>;
@@ -2379,7 +2283,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mm
     warp_sums[warp][g + 8][8 * j + 2 * q] = acc[0][j][2];
     warp_sums[warp][g + 8][8 * j + 2 * q + 1] = acc[0][j][3];
   }
-  gemv_finish<F, T, kRows, kNorm>(args, warp_sums, &last_arrival);
+  gemv_finish<F, T, kRows>(args, warp_sums, &last_arrival);
 }
 
 // ---- the kernels around the GEMMs ------------------------------------------------------------------------------
@@ -2805,25 +2709,22 @@ QuantGemmInstance quant_gemv_instance(QgFormat format, DType activation, int row
 }
 
 template <QgFormat F, bool kFp32Scales>
-QuantGemmInstance quant_gemv_mma_instance(DType activation, bool norm) {
+QuantGemmInstance quant_gemv_mma_instance(DType activation) {
   constexpr int threads = kGemvWarps * 32;
   constexpr const char* name = F == QgFormat::int4_a16 ? "quant_gemv_mma_kernel (W4A16)" : "quant_gemv_mma_kernel (W8A16)";
   constexpr int ring = 0;  // gemv_mma_run streams through registers
-  if (norm)
-    return activation == DType::BF16 ? QuantGemmInstance{&quant_gemv_mma_kernel<F, __nv_bfloat16, kFp32Scales, true>, ring, threads, name}
-                                     : QuantGemmInstance{&quant_gemv_mma_kernel<F, __half, kFp32Scales, true>, ring, threads, name};
-  return activation == DType::BF16 ? QuantGemmInstance{&quant_gemv_mma_kernel<F, __nv_bfloat16, kFp32Scales, false>, ring, threads, name}
-                                   : QuantGemmInstance{&quant_gemv_mma_kernel<F, __half, kFp32Scales, false>, ring, threads, name};
+  return activation == DType::BF16 ? QuantGemmInstance{&quant_gemv_mma_kernel<F, __nv_bfloat16, kFp32Scales>, ring, threads, name}
+                                   : QuantGemmInstance{&quant_gemv_mma_kernel<F, __half, kFp32Scales>, ring, threads, name};
 }
 // The tensor-core GEMV for `format` (int4_a16, fp8_a16) with activations of `activation` (BF16 or F16) and the
-// scale product `product`; `norm`: the instance that ends with the fused residual step (gemv_fused_norm).
-QuantGemmInstance quant_gemv_mma_instance(QgFormat format, DType activation, ScaleProduct product, bool norm = false) {
+// scale product `product`.
+QuantGemmInstance quant_gemv_mma_instance(QgFormat format, DType activation, ScaleProduct product) {
   const bool fp32 = product != ScaleProduct::pair_multiply;
   if (format == QgFormat::int4_a16)
-    return fp32 ? quant_gemv_mma_instance<QgFormat::int4_a16, true>(activation, norm)
-                : quant_gemv_mma_instance<QgFormat::int4_a16, false>(activation, norm);
-  return fp32 ? quant_gemv_mma_instance<QgFormat::fp8_a16, true>(activation, norm)
-              : quant_gemv_mma_instance<QgFormat::fp8_a16, false>(activation, norm);
+    return fp32 ? quant_gemv_mma_instance<QgFormat::int4_a16, true>(activation)
+                : quant_gemv_mma_instance<QgFormat::int4_a16, false>(activation);
+  return fp32 ? quant_gemv_mma_instance<QgFormat::fp8_a16, true>(activation)
+              : quant_gemv_mma_instance<QgFormat::fp8_a16, false>(activation);
 }
 
 // The kernel for `format` with activations of `activation` (BF16 or F16), `m_tiles` (1, 2, 4) and, for the A16
@@ -2858,8 +2759,8 @@ class CudaBackend final : public Backend {
                                   "plus %s of scratch; give at least %s (kCudaWorkspaceBytes: %s)",
                                   format_bytes(options.workspace_bytes).c_str(),
                                   format_bytes(options.cublas_workspace_bytes).c_str(),
-                                  format_bytes(kCudaMinScratchBytes + kCudaDeviceRecordBytes).c_str(),
-                                  format_bytes(options.cublas_workspace_bytes + kCudaMinScratchBytes + kCudaDeviceRecordBytes).c_str(),
+                                  format_bytes(kCudaMinScratchBytes + 256).c_str(),
+                                  format_bytes(options.cublas_workspace_bytes + kCudaMinScratchBytes + 256).c_str(),
                                   format_bytes(kCudaWorkspaceBytes).c_str()));
     int devices = 0;
     const cudaError_t counted = cudaGetDeviceCount(&devices);
@@ -2893,10 +2794,6 @@ class CudaBackend final : public Backend {
                                   "arena's workspace region", options.workspace, device_));
     uint8_t* base = static_cast<uint8_t*>(options.workspace);
     fault_ = reinterpret_cast<DeviceFault*>(base + layout.fault_offset);
-    attention_counters_ = reinterpret_cast<unsigned*>(base + layout.counters_offset);
-    gemv_grid_counter_ = reinterpret_cast<unsigned*>(base + layout.grid_counter_offset);
-    fused_attention_combine_ = options.fused_attention_combine;
-    fused_linear_norm_ = options.fused_linear_norm;
     scratch_ = base + layout.scratch_offset;
     scratch_bytes_ = layout.scratch_bytes;
 
@@ -2909,7 +2806,7 @@ class CudaBackend final : public Backend {
       KVLITE_CUBLAS_CHECK(cublas().set_workspace(cublas_, base + layout.cublas_offset, layout.cublas_bytes));
       // fp32 accumulation everywhere, split-K reductions included (no 16-bit partial sums), and no TF32.
       KVLITE_CUBLAS_CHECK(cublas().set_math_mode(cublas_, CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
-      KVLITE_CUDA_CHECK(cudaMemsetAsync(fault_, 0, kCudaDeviceRecordBytes, stream_));  // and the counters
+      KVLITE_CUDA_CHECK(cudaMemsetAsync(fault_, 0, sizeof(DeviceFault), stream_));
       KVLITE_CUDA_CHECK(cudaStreamSynchronize(stream_));
     } catch (...) {
       release();  // the destructor does not run for a constructor that throws
@@ -2921,10 +2818,8 @@ class CudaBackend final : public Backend {
 
   BackendKind kind() const override { return BackendKind::cuda; }
   std::string name() const override {
-    return detail::format("cuda (%s, sm_%d, %s activations%s%s%s)", device_name_.c_str(), sm_, dtype_name(act_),
-                          programmatic_launch_ ? ", programmatic launch" : "",
-                          fused_attention_combine_ ? ", fused attention combine" : "",
-                          fused_linear_norm_ ? ", fused linear norm" : "");
+    return detail::format("cuda (%s, sm_%d, %s activations%s)", device_name_.c_str(), sm_, dtype_name(act_),
+                          programmatic_launch_ ? ", programmatic launch" : "");
   }
   DType activation_dtype() const override { return act_; }
   bool supports(Op op, DType dtype) const override {
@@ -3163,34 +3058,6 @@ class CudaBackend final : public Backend {
     else quant_linear_mma(x, weight, layout, kernel, out);
   }
 
-  // o_proj / down_proj and the residual step after it as one GEMV (CudaBackendOptions::fused_linear_norm): where the
-  // Linear runs on the tensor-core decode GEMV (gemv_mma, the automatic choice up to 16 rows) over 1 or 2 rows, and
-  // the norm kernel would keep the row in registers (up to 4,096 columns), with the norm weight in the activation
-  // dtype.
-  bool fuses_quant_linear_add_rms_norm(const Tensor& x, const QuantWeight& weight, const Tensor& norm_weight,
-                                       const Tensor& out) const override {
-    if (!fused_linear_norm_ || x.rows < 1 || x.rows > kFusedNormMaxRows || norm_weight.dtype != act_) return false;
-    if (out.cols > int64_t(kNormBlockThreads) * kNormCached) return false;  // the norm kernel's loop, not its registers
-    try {
-      const QuantGpuLayout layout = quant_gpu_layout(weight);
-      const QuantKernel kernel = choose_quant_kernel(layout, act_, sm_, x.rows, forced_quant_kernel_);
-      return kernel == QuantKernel::gemv_mma && layout.n == out.cols &&
-             layout.n_tiles <= 65535 && quant_kernel_refusal(layout, kernel, act_, sm_).empty();
-    } catch (...) {
-      return false;  // the two ops will say what is wrong
-    }
-  }
-
-  void impl_quant_linear_add_rms_norm(const Tensor& x, const QuantWeight& weight, const Tensor& residual,
-                                      const Tensor& norm_weight, float eps, const Tensor& out) override {
-    activate();
-    check_grid_rows("quant_linear", x.rows);
-    const QuantGpuLayout layout = quant_gpu_layout(weight);
-    const QuantKernel kernel = choose_quant_kernel(layout, act_, sm_, x.rows, forced_quant_kernel_);
-    const GemvNorm norm{norm_weight.data, residual.data, leading_dimension(residual), eps};
-    quant_linear_mma(x, weight, layout, kernel, out, &norm);
-  }
-
   void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) override {
     activate();
     if (out.elements() == 0) return;
@@ -3402,7 +3269,7 @@ class CudaBackend final : public Backend {
     args.k_scale = kv_layer_scale(cache.k_scales, layer);
     args.v_scale = kv_layer_scale(cache.v_scales, layer);
     const AttentionSplit split = plan_attention_split(
-        q.rows * kv_heads * args.head_passes, batch.max_context, kAttentionBlocksPerSm * sm_count_,
+        q.rows * kv_heads * args.head_passes, batch.max_context, int64_t(kAttentionBlocksPerSm) * sm_count_,
         uint64_t(q.rows) * uint64_t(args.heads) * uint64_t(head_dim + 2) * sizeof(float), scratch_bytes_);
     args.splits = split.splits;
     if (split.splits > 1) {
@@ -3410,9 +3277,6 @@ class CudaBackend final : public Backend {
       args.partial_acc = reinterpret_cast<float*>(scratch_);   // [rows, heads, splits, head_dim]
       args.partial_max = args.partial_acc + partials * uint64_t(head_dim);  // [rows, heads, splits]
       args.partial_sum = args.partial_max + partials;                        // [rows, heads, splits]
-      // merged by the last split (one arrival counter per block of a split's grid) or by the merge kernel
-      if (fused_attention_combine_ && q.rows * kv_heads * args.head_passes <= kCudaAttentionCounters)
-        args.combine_counters = attention_counters_;
     }
     args.fault = fault_;
     const dim3 grid(unsigned(q.rows), unsigned(kv_heads * args.head_passes), unsigned(split.splits));
@@ -3429,7 +3293,7 @@ class CudaBackend final : public Backend {
           case 8: launch_attention<A, E, 8>(grid, args); break;
           default: detail::fail(ErrorCode::internal, detail::format("attention: no kernel for %d dims per lane", dims));
         }
-        if (split.splits > 1 && args.combine_counters == nullptr) {
+        if (split.splits > 1) {
           launch("attention_combine_kernel", attention_combine_kernel<A>, dim3(unsigned(q.rows), unsigned(args.heads)), row_threads(head_dim), 0, args);
         }
       });
@@ -3437,12 +3301,11 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // Groups up to kNormWarpGroupMax wide get a warp each; wider ones a block of kNormBlockThreads.
+  // Blocks per SM the attention grid aims for before it splits contexts (4 warps each, so 16 warps an SM).
+  static constexpr int kAttentionBlocksPerSm = 4;
+  // Groups this wide or narrower get a warp each; wider ones a block of kNormBlockThreads.
+  static constexpr int64_t kNormWarpGroupMax = 256;
   static constexpr int kNormBlockThreads = 256;
-  static_assert(kGemvWarps * 32 == kNormBlockThreads, "the GEMV's fused norm is the norm kernel's team of a block");
-  // Rows a fused GEMV norm takes (one block normalises them one after another; more rows are the norm kernel's,
-  // a block each).
-  static constexpr int64_t kFusedNormMaxRows = 2;
 
   // Teardown has no one to report to: a failure here means the context is already broken or going away.
   void release() noexcept {
@@ -3493,16 +3356,8 @@ class CudaBackend final : public Backend {
   // The tensor-core paths and the GEMV: per pass, the activations staged when they must be (W8A8: quantized;
   // A16 and the GEMV: permuted or unaligned), then one quant_gemm_kernel / quant_gemv_kernel launch (split-K
   // fix-up inside it).
-  // The residual step a decode GEMV ends with (fused_linear_norm): add_rms_norm(out, residual, weight, eps, out).
-  struct GemvNorm {
-    const void* weight;
-    void* residual;
-    int64_t residual_stride;
-    float eps;
-  };
-
   void quant_linear_mma(const Tensor& x, const QuantWeight& weight, const QuantGpuLayout& layout, QuantKernel kernel,
-                        const Tensor& out, const GemvNorm* norm = nullptr) {
+                        const Tensor& out) {
     const QgFormat format = kernel == QuantKernel::mma_w8a8        ? QgFormat::fp8_a8
                             : layout.format == WeightFormat::int4 ? QgFormat::int4_a16
                                                                   : QgFormat::fp8_a16;
@@ -3546,16 +3401,6 @@ class CudaBackend final : public Backend {
     args.tile_row_bytes = layout.tile_row_bytes();
     args.out_stride = leading_dimension(out);
     args.out_dtype = act_;
-    if (norm != nullptr) {
-      if (!gemv_mma || plan.row_chunk < x.rows)  // fuses_quant_linear_add_rms_norm said yes only for this
-        detail::fail(ErrorCode::internal, detail::format("quant_linear(%s): the fused norm needs one GEMV pass of its "
-                                                         "%lld rows", weight.name.c_str(), (long long)x.rows));
-      args.norm_weight = norm->weight;
-      args.norm_residual = norm->residual;
-      args.norm_residual_stride = norm->residual_stride;
-      args.norm_eps = norm->eps;
-      args.grid_counter = gemv_grid_counter_;
-    }
     uint8_t* staged = scratch_;
     args.partials = reinterpret_cast<float*>(scratch_ + plan.x_bytes);
     for (int64_t r0 = 0; r0 < x.rows; r0 += plan.row_chunk) {
@@ -3595,7 +3440,7 @@ class CudaBackend final : public Backend {
       args.rows = rows;
       args.splits = rows <= 64 ? plan.splits : 1;
       const int m_tiles = quant_m_tiles(std::min<int64_t>(rows, 64));
-      const QuantGemmInstance instance = gemv_mma ? quant_gemv_mma_instance(format, act_, product, norm != nullptr)
+      const QuantGemmInstance instance = gemv_mma ? quant_gemv_mma_instance(format, act_, product)
                                          : gemv   ? quant_gemv_instance(format, act_, quant_gemv_rows(rows), product)
                                                   : quant_gemm_instance(format, act_, m_tiles, product);
       quant_gemm_blocks_per_sm(instance);  // its shared memory limit raised
@@ -3761,10 +3606,6 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   DeviceFault* fault_ = nullptr;  // in the workspace
-  unsigned* attention_counters_ = nullptr;  // in the workspace: [kCudaAttentionCounters], zero at rest
-  bool fused_attention_combine_ = false;    // CudaBackendOptions::fused_attention_combine
-  unsigned* gemv_grid_counter_ = nullptr;   // in the workspace: the fused-norm GEMV's column tiles stored, zero at rest
-  bool fused_linear_norm_ = false;          // CudaBackendOptions::fused_linear_norm
   DeviceFault host_fault_{};      // its copy, read at synchronizing calls
   uint8_t* scratch_ = nullptr;    // in the workspace: split attention's partials, quantized GEMMs' staging
   uint64_t scratch_bytes_ = 0;

@@ -82,9 +82,7 @@
         KV cache). The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling, programmatic dependent
         launch on sm_90+) passes its GPU tests and compute-sanitizer on an H100 and an H200 (bench/RESULTS.md),
         Qwen3-VL images included, but is not yet fast: decode at 30-67% of the bandwidth roofline (36% at batch 1
-        on the quantized models), the W4A16 decode GEMVs at 27-75% of copy bandwidth on the layers' shapes.
-        Two fusions (CudaBackendOptions::fused_attention_combine, fused_linear_norm) are built, with GPU tests that
-        compare them bit for bit with the kernels they replace, but have not yet run on a GPU, so they are off.
+        on the quantized models), the W4A16 decode GEMVs at 19-50% of copy bandwidth on the layers' shapes.
       - The CPU computes in F32 by default (the reference). With activation_dtype BF16 or F16 it runs the GPU's
         numerics instead (f32 math, rounded on every store where the CUDA kernels round), for tests on machines
         without a GPU; it is no faster.
@@ -1796,8 +1794,7 @@ uint64_t cuda_context_bytes(const DeviceSpec& device);
 // The CUDA backend's workspace (CudaBackendOptions, backend_cuda.hpp), carved from the plan's "workspace" item:
 // the one source of both numbers. cuBLAS's part is what it asks for on Hopper (4 MiB suffice on older GPUs); the
 // scratch holds split attention's partials ([rows, heads, splits, head_dim + 2] floats: decode of 64 sequences x
-// 64 heads x head_dim 128 split 8 ways needs 16 MiB; less scratch only means fewer splits). The backend keeps its
-// device record (fault record and attention counters, kCudaDeviceRecordBytes: 8.25 KiB) at the scratch's front.
+// 64 heads x head_dim 128 split 8 ways needs 16 MiB; less scratch only means fewer splits).
 constexpr uint64_t kCudaCublasWorkspaceBytes = 32 * MiB;
 constexpr uint64_t kCudaScratchBytes = 32 * MiB;
 constexpr uint64_t kCudaWorkspaceBytes = kCudaCublasWorkspaceBytes + kCudaScratchBytes;
@@ -2455,13 +2452,6 @@ class Backend {
     return weights.quant ? quant_linear(x, *weights.quant, out) : linear(x, weights.weight, weights.bias, out);
   }
 
-  // linear(x, weights, out), then add_rms_norm(out, residual, norm_weight, eps, out): a decoder layer's o_proj or
-  // down_proj and the pre-norm residual step after it, as one call so that a backend can fuse them (CUDA with
-  // CudaBackendOptions::fused_linear_norm: the quantized decode GEMV's last block adds and normalises). The same
-  // checks as the two ops, and the same results, bit for bit; residual must not overlap x.
-  Status linear_add_rms_norm(const Tensor& x, const LinearWeights& weights, const Tensor& residual,
-                             const Tensor& norm_weight, float eps, const Tensor& out);
-
   // A LinearGroup: part i into columns [n_i, n_i + N_i) of out, n_i the earlier parts' N summed. x [T, K] (every
   // part's in_features); out [T, the parts' N summed].
   Status linear(const Tensor& x, const LinearGroup& group, const Tensor& out);
@@ -2548,18 +2538,6 @@ class Backend {
                              const Tensor& slots) = 0;
   virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
                               const AttentionBatch& batch, float scale, const Tensor& out) = 0;
-  // Whether impl_quant_linear_add_rms_norm runs this call as one fused step (it is then validated as both ops and
-  // timed as one quant_linear); false: the two ops run as themselves. Never throws.
-  virtual bool fuses_quant_linear_add_rms_norm(const Tensor& x, const QuantWeight& weight, const Tensor& norm_weight,
-                                               const Tensor& out) const {
-    (void)x, (void)weight, (void)norm_weight, (void)out;
-    return false;
-  }
-  virtual void impl_quant_linear_add_rms_norm(const Tensor& x, const QuantWeight& weight, const Tensor& residual,
-                                              const Tensor& norm_weight, float eps, const Tensor& out) {
-    impl_quant_linear(x, weight, out);
-    impl_add_rms_norm(out, residual, norm_weight, eps, out);
-  }
   // The two ops in order, unless a backend fuses them.
   virtual void impl_rope_kv_write(const Tensor& qk, const Tensor& cos, const Tensor& sin, int64_t head_dim,
                                   const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
@@ -2975,12 +2953,6 @@ struct EngineOptions {
   // CUDA, sm_90+: launch kernels with programmatic dependent launch (CudaBackendOptions::programmatic_launch;
   // bit for bit the same results). EngineInfo::backend_name says when it is in effect.
   bool cuda_programmatic_launch = true;
-  // CUDA: split decode attention merged by its last split rather than a second kernel
-  // (CudaBackendOptions::fused_attention_combine; bit for bit the same results). Off until measured.
-  bool cuda_fused_attention_combine = false;
-  // CUDA: a quantized o_proj / down_proj at decode and the residual add + RMSNorm after it as one GEMV
-  // (CudaBackendOptions::fused_linear_norm; bit for bit the same results). Off until measured.
-  bool cuda_fused_linear_norm = false;
   // Prefix caching: full KV pages stay cached under a hash chain of their tokens (and, with images, of their
   // M-RoPE positions and image features) and later requests that start with the same tokens reuse them instead
   // of recomputing; cached pages are evicted least recently used when pages run out. Unset: on where it is exact,
@@ -3251,11 +3223,8 @@ class Engine {
 // Memory: the backend allocates no device memory of its own. Its workspace comes from the caller (the arena's
 // "workspace" region) and is carved once:
 //
-//   workspace ──► | cuBLAS workspace (cublas_workspace_bytes) | fault record (256 B) | GEMV grid counter (256 B) |
-//                 | attention counters | scratch ... |
+//   workspace ──► | cuBLAS workspace (cublas_workspace_bytes) | fault record (256 B) | scratch ... |
 //
-// (the fault record and the counters: kCudaDeviceRecordBytes, zeroed at construction; the counters serve
-// CudaBackendOptions::fused_linear_norm and fused_attention_combine)
 // cuBLAS is handed the first part with cublasSetWorkspace, so it never allocates while running; the scratch
 // holds split attention's partial results and, within one quant_linear call, the quantized GEMMs' staged
 // activations, split-K partials and dequantized weight chunks (quant_gpu.hpp: plan_quant_gemm). Index vectors (ids, slots, query_starts, context_lens,
@@ -3271,23 +3240,15 @@ namespace kvlite {
 
 // kCudaCublasWorkspaceBytes, kCudaScratchBytes and kCudaWorkspaceBytes are in plan.hpp: the planner reserves the
 // workspace the backend carves, from the same numbers.
-// The least scratch the backend starts with (a few partials).
+// The least scratch the backend starts with (the fault record and a few partials).
 constexpr uint64_t kCudaMinScratchBytes = 64 * KiB;
-// Arrival counters for split attention merged by its last split (CudaBackendOptions::fused_attention_combine): one
-// per (query row, KV head, head pass) of a split launch. A launch splits only while that grid is under 4 blocks an SM
-// (kAttentionBlocksPerSm), so 2,048 serve GPUs of up to 512 SMs; a launch needing more takes the separate merge
-// kernel.
-constexpr int64_t kCudaAttentionCounters = 2048;
-// What the workspace holds between cuBLAS's part and the scratch: the fault record (256 bytes), the GEMV's grid
-// counter (256 bytes) and the attention counters.
-constexpr uint64_t kCudaDeviceRecordBytes = 512 + uint64_t(kCudaAttentionCounters) * 4;
 // kernels.cu's attention holds head_dim / 32 (rounded up) dimensions per lane, at most 8.
 constexpr int64_t kCudaMaxHeadDim = 256;
 
 struct CudaBackendOptions {
   int device = 0;                         // CUDA device index
   void* workspace = nullptr;              // device memory on `device`, 256-byte aligned (the arena's region)
-  uint64_t workspace_bytes = 0;           // at least cublas_workspace_bytes + kCudaDeviceRecordBytes + kCudaMinScratchBytes
+  uint64_t workspace_bytes = 0;           // at least cublas_workspace_bytes + kCudaMinScratchBytes
   uint64_t cublas_workspace_bytes = kCudaCublasWorkspaceBytes;  // the front of the workspace, cuBLAS's
   DType activation_dtype = DType::BF16;   // BF16, F16 or F32
   // Quantized Linears whose checkpoint scales are not the activation dtype (F32 weight_scale_inv, the FP8
@@ -3306,17 +3267,6 @@ struct CudaBackendOptions {
   // The same kernels on the same inputs: results are bit for bit those of ordinary launches. Backend::name() ends
   // in ", programmatic launch" when it is in effect.
   bool programmatic_launch = true;
-  // Decode attention over a split context (flash-decoding) merges its splits in the attention kernel itself: the
-  // block whose split finishes last for a (row, head group) merges them (in split order, by the same code: the same
-  // bits as the separate merge kernel), saving a kernel a layer. Off until measured on a GPU; Backend::name()
-  // ends in ", fused attention combine" when on.
-  bool fused_attention_combine = false;
-  // A quantized o_proj / down_proj at decode (1 or 2 rows on the tensor-core GEMV) and the pre-norm residual step
-  // after it (Backend::linear_add_rms_norm) as one kernel: the GEMV block that stores last adds the residual and
-  // normalises (the same code and team as the add_rms_norm kernel: the same bits), saving two kernels a layer. Rows
-  // of up to 4,096 columns with the norm weight in the activation dtype. Off until measured on a GPU;
-  // Backend::name() ends in ", fused linear norm" when on.
-  bool fused_linear_norm = false;
 };
 
 // Binds the backend to options.device: a stream of its own, a cuBLAS handle using the workspace's front.
@@ -3562,11 +3512,6 @@ struct AttentionSplit {
 // (16: at batch 1 a few hundred keys then still spread over tens of splits; with 128 Llama-3.1-8B's 8 KV heads ran a
 // 192-key decode context as 8 blocks whose warps each took 48 keys one after another, 55 us a layer on an H100.)
 constexpr int64_t kAttentionMinChunk = 16;
-// Blocks per SM the attention grid aims for before it splits contexts (4 warps each, so 16 warps an SM): a launch
-// splits only while rows x KV heads x head passes is below this times the SM count.
-constexpr int64_t kAttentionBlocksPerSm = 4;
-static_assert(kCudaAttentionCounters >= 512 * kAttentionBlocksPerSm,
-              "a split attention launch on a GPU of up to 512 SMs has an arrival counter for each of its block rows");
 constexpr int64_t kAttentionMaxSplits = 256;
 // blocks: rows x KV heads x head passes (the grid without splitting); target_blocks: what fills the GPU;
 // partial_bytes: scratch bytes one split of every (row, head) needs; scratch_bytes: what there is.
@@ -3635,18 +3580,14 @@ inline bool linear_gemm_shape(const Tensor& x, const Tensor& weight, const Tenso
 // The workspace carved once at construction (see the top of this part). false when it is too small.
 struct CudaWorkspaceLayout {
   uint64_t cublas_offset = 0, cublas_bytes = 0;
-  uint64_t fault_offset = 0;         // 256 bytes for the fault record
-  uint64_t grid_counter_offset = 0;  // one U32 (in 256 bytes): the fused-norm GEMV's column tiles stored
-  uint64_t counters_offset = 0;      // kCudaAttentionCounters U32 attention arrival counters
+  uint64_t fault_offset = 0;  // 256 bytes for the fault record
   uint64_t scratch_offset = 0, scratch_bytes = 0;
 };
 inline bool cuda_workspace_layout(uint64_t workspace_bytes, uint64_t cublas_bytes, CudaWorkspaceLayout* layout) {
   CudaWorkspaceLayout l;
   l.cublas_bytes = cublas_bytes / 256 * 256;  // cuBLAS wants a multiple of 256 bytes
   l.fault_offset = l.cublas_bytes;
-  l.grid_counter_offset = l.fault_offset + 256;
-  l.counters_offset = l.fault_offset + 512;
-  l.scratch_offset = l.fault_offset + kCudaDeviceRecordBytes;
+  l.scratch_offset = l.fault_offset + 256;
   if (l.scratch_offset > workspace_bytes || workspace_bytes - l.scratch_offset < kCudaMinScratchBytes) return false;
   l.scratch_bytes = workspace_bytes - l.scratch_offset;
   *layout = l;
@@ -11842,29 +11783,23 @@ Status Backend::rms_norm(const Tensor& x, const Tensor& weight, float eps, const
   });
 }
 
-namespace detail {
-inline void check_add_rms_norm(const Backend& backend, const Tensor& x, const Tensor& residual, const Tensor& weight,
-                               float eps, const Tensor& out) {
-  const char* op = "add_rms_norm";
-  check_dtype(op, "x", x, backend.activation_dtype());
-  check_dtype(op, "residual", residual, backend.activation_dtype());
-  check_shape(op, "residual", residual, x.rows, x.cols);
-  check_view(op, "weight", weight);
-  check_supported(backend, Op::add_rms_norm, weight.dtype, "weight dtype");
-  check_vector(op, "weight", weight, x.cols, weight.dtype);
-  check_dtype(op, "out", out, backend.activation_dtype());
-  check_shape(op, "out", out, x.rows, x.cols);
-  check_alias(op, "residual", residual, "x", x, false);
-  check_alias(op, "out", out, "x", x, true);
-  check_alias(op, "out", out, "residual", residual, false);
-  if (!(eps >= 0.0f)) fail(ErrorCode::invalid_argument, format("add_rms_norm: eps %g must be >= 0", eps));
-}
-}  // namespace detail
-
 Status Backend::add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
                              const Tensor& out) {
   return detail::guard([&] {
-    detail::check_add_rms_norm(*this, x, residual, weight, eps, out);
+    const char* op = "add_rms_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_dtype(op, "residual", residual, activation_dtype());
+    detail::check_shape(op, "residual", residual, x.rows, x.cols);
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::add_rms_norm, weight.dtype, "weight dtype");
+    detail::check_vector(op, "weight", weight, x.cols, weight.dtype);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "residual", residual, "x", x, false);
+    detail::check_alias(op, "out", out, "x", x, true);
+    detail::check_alias(op, "out", out, "residual", residual, false);
+    if (!(eps >= 0.0f))
+      detail::fail(ErrorCode::invalid_argument, detail::format("add_rms_norm: eps %g must be >= 0", eps));
     run_op(Op::add_rms_norm, [&] { impl_add_rms_norm(x, residual, weight, eps, out); });
   });
 }
@@ -11952,60 +11887,34 @@ Status Backend::linear(const Tensor& x, const Tensor& weight, const Tensor& bias
   });
 }
 
-namespace detail {
-inline void check_quant_linear(const Backend& backend, const Tensor& x, const QuantWeight& weight, const Tensor& out) {
-  const char* op = "quant_linear";
-  check_dtype(op, "x", x, backend.activation_dtype());
-  if (weight.format != WeightFormat::int4 && weight.format != WeightFormat::fp8)
-    fail(ErrorCode::invalid_argument, format("quant_linear: %s is %s; quant_linear runs int4 and fp8 weights",
-                                             weight.name.c_str(), weight_format_name(weight.format)));
-  check_supported(backend, Op::quant_linear, weight.format == WeightFormat::int4 ? DType::I32 : DType::F8_E4M3,
-                  "weight dtype");
-  const QuantLayout wanted = backend.kind() == BackendKind::cuda ? QuantLayout::cuda_tiles : QuantLayout::checkpoint;
-  if (weight.layout != wanted)
-    fail(ErrorCode::invalid_argument,
-         wanted == QuantLayout::cuda_tiles
-             ? format("quant_linear: %s is the checkpoint's host view; upload it with cuda::upload_quant_weight for the "
-                      "CUDA backend", weight.name.c_str())
-             : format("quant_linear: %s was repacked for the CUDA backend (cuda::upload_quant_weight); this backend "
-                      "reads the checkpoint's view", weight.name.c_str()));
-  if (weight.in_features != x.cols)
-    fail(ErrorCode::invalid_argument,
-         format("quant_linear: %s is [out %lld, in %lld] but x is %s; in_features must be x's %lld columns",
-                weight.name.c_str(), (long long)weight.out_features, (long long)weight.in_features,
-                describe(x).c_str(), (long long)x.cols));
-  check_dtype(op, "out", out, backend.activation_dtype());
-  check_shape(op, "out", out, x.rows, weight.out_features);
-  check_alias(op, "out", out, "x", x, false);
-}
-}  // namespace detail
-
 Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) {
   return detail::guard([&] {
-    detail::check_quant_linear(*this, x, weight, out);
+    const char* op = "quant_linear";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    if (weight.format != WeightFormat::int4 && weight.format != WeightFormat::fp8)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quant_linear: %s is %s; quant_linear runs int4 and fp8 weights", weight.name.c_str(),
+                                  weight_format_name(weight.format)));
+    detail::check_supported(*this, Op::quant_linear, weight.format == WeightFormat::int4 ? DType::I32 : DType::F8_E4M3,
+                            "weight dtype");
+    const QuantLayout wanted = kind() == BackendKind::cuda ? QuantLayout::cuda_tiles : QuantLayout::checkpoint;
+    if (weight.layout != wanted)
+      detail::fail(ErrorCode::invalid_argument,
+                   wanted == QuantLayout::cuda_tiles
+                       ? detail::format("quant_linear: %s is the checkpoint's host view; upload it with "
+                                        "cuda::upload_quant_weight for the CUDA backend", weight.name.c_str())
+                       : detail::format("quant_linear: %s was repacked for the CUDA backend (cuda::upload_quant_weight); "
+                                        "this backend reads the checkpoint's view", weight.name.c_str()));
+    if (weight.in_features != x.cols)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quant_linear: %s is [out %lld, in %lld] but x is %s; in_features must be x's %lld "
+                                  "columns", weight.name.c_str(), (long long)weight.out_features,
+                                  (long long)weight.in_features, detail::describe(x).c_str(), (long long)x.cols));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, weight.out_features);
+    detail::check_alias(op, "out", out, "x", x, false);
     run_op(Op::quant_linear, [&] { impl_quant_linear(x, weight, out); });
   });
-}
-
-Status Backend::linear_add_rms_norm(const Tensor& x, const LinearWeights& weights, const Tensor& residual,
-                                    const Tensor& norm_weight, float eps, const Tensor& out) {
-  bool fused = false;
-  const Status checked = detail::guard([&] {
-    // a fusing backend writes the residual while the GEMV still reads x
-    detail::check_alias("linear_add_rms_norm", "residual", residual, "x", x, false);
-    fused = weights.quant && fuses_quant_linear_add_rms_norm(x, *weights.quant, norm_weight, out);
-  });
-  if (!checked.ok()) return checked;
-  if (fused) {
-    return detail::guard([&] {
-      detail::check_quant_linear(*this, x, *weights.quant, out);
-      detail::check_add_rms_norm(*this, out, residual, norm_weight, eps, out);
-      run_op(Op::quant_linear, [&] { impl_quant_linear_add_rms_norm(x, *weights.quant, residual, norm_weight, eps, out); });
-    });
-  }
-  const Status projected = linear(x, weights, out);
-  if (!projected.ok()) return projected;
-  return add_rms_norm(out, residual, norm_weight, eps, out);
 }
 
 bool linear_group_fuses(const LinearGroup& group) {
@@ -13521,16 +13430,19 @@ void TextModel::compute(const StepInput& step) {
     check(backend_.copy_from_host(host_activation_rows(run.rows, run.count, hidden.cols),
                                   hidden.slice_rows(run.token, run.count)));
   }
-  // Whether `normed` already holds this layer's input_layernorm output: each layer's down_proj call ends with the
-  // residual add and the next norm (linear_add_rms_norm), except where DeepStack adds image features between them;
-  // then `hidden` holds the layer's output and the next layer normalises it alone.
-  bool input_normed = false;
+  // Whether `hidden` already holds the previous layer's output (normally its MLP output waits in `normed` and
+  // the residual add is fused into the next norm).
+  bool layer_output_in_hidden = true;
   for (int64_t l = 0; l < c.num_layers; l++) {
     const DecoderLayerWeights& w = weights_.layers[size_t(l)];
     // residual = hidden_states; hidden_states = self.input_layernorm(hidden_states)
-    // (from layer 1 on, the previous layer's `hidden_states = residual + hidden_states` and this norm ran with its
-    // down_proj, below)
-    if (!input_normed) check(backend_.rms_norm(hidden, w.input_layernorm, eps, normed));
+    // (from layer 1 on, the previous layer's `hidden_states = residual + hidden_states` is fused in: normed
+    // holds that layer's MLP output)
+    if (layer_output_in_hidden) {
+      check(backend_.rms_norm(hidden, w.input_layernorm, eps, normed));
+    } else {
+      check(backend_.add_rms_norm(normed, hidden, w.input_layernorm, eps, normed));
+    }
 
     // query_states = self.q_proj(hidden_states); key_states = ...; value_states = ...   (+ bias: qwen2)
     // (one call: q | k | v are the qkv buffer's column blocks)                 qkv [T, (Hq + 2 Hkv) D]
@@ -13548,20 +13460,21 @@ void TextModel::compute(const StepInput& step) {
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
     check(backend_.attention(q, cache, l, batch_, attention_scale_, attn));
     // attn_output = self.o_proj(attn_output)                                  normed [T, H]
+    check(backend_.linear(attn, w.o_proj, normed));
     // hidden_states = residual + hidden_states; residual = hidden_states
     // hidden_states = self.post_attention_layernorm(hidden_states)
-    // (one call: a backend may add and normalise in the projection's last step)
-    check(backend_.linear_add_rms_norm(attn, w.o_proj, hidden, w.post_attention_layernorm, eps, normed));
+    check(backend_.add_rms_norm(normed, hidden, w.post_attention_layernorm, eps, normed));
     // down_proj(act_fn(gate_proj(x)) * up_proj(x))                            normed [T, H]
     // (gate | up: the gate_up buffer's column blocks)                           gate_up [T, 2 I]
     check(backend_.linear(normed, w.gate_up_proj, gate_up));
     check(backend_.silu_mul(gate, up, act));
+    check(backend_.linear(act, w.down_proj, normed));
+    layer_output_in_hidden = false;
     if (l < deepstack_levels_ && step.image_runs > 0) {
-      check(backend_.linear(act, w.down_proj, normed));
       // hidden_states = residual + hidden_states (the layer's output), then qwen3_vl's _deepstack_process:
       // hidden_states[visual_pos_masks, :] = hidden_states[visual_pos_masks, :] + deepstack_visual_embeds[l]
       check(backend_.add(hidden, normed, hidden));
-      input_normed = false;
+      layer_output_in_hidden = true;
       for (int64_t r = 0; r < step.image_runs; r++) {
         const ImageRun& run = step.image_run_list[r];
         Tensor staged = deepstack_rows_.slice_rows(0, run.count);  // [count, H]
@@ -13570,16 +13483,14 @@ void TextModel::compute(const StepInput& step) {
             host_activation_rows(run.rows + (l + 1) * run.level_stride, run.count, c.hidden_size), staged));
         check(backend_.add(rows, staged, rows));
       }
-    } else {
-      // hidden_states = residual + hidden_states (the layer's output); residual = hidden_states; then the next
-      // layer's input_layernorm, or after the last layer hidden_states = self.norm(hidden_states)
-      const Tensor& next_norm = l + 1 < c.num_layers ? weights_.layers[size_t(l + 1)].input_layernorm : weights_.norm;
-      check(backend_.linear_add_rms_norm(act, w.down_proj, hidden, next_norm, eps, normed));
-      input_normed = true;
     }
   }
-  // hidden_states = self.norm(hidden_states), unless the last down_proj call did it
-  if (!input_normed) check(backend_.rms_norm(hidden, weights_.norm, eps, normed));
+  // hidden_states = residual + hidden_states (last layer); hidden_states = self.norm(hidden_states)
+  if (layer_output_in_hidden) {
+    check(backend_.rms_norm(hidden, weights_.norm, eps, normed));
+  } else {
+    check(backend_.add_rms_norm(normed, hidden, weights_.norm, eps, normed));
+  }
 }
 
 const void* TextModel::host_activation_rows(const float* rows, int64_t count, int64_t cols) {
@@ -15635,8 +15546,6 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       backend_options.workspace_bytes = workspace->bytes;
       backend_options.activation_dtype = *e.plan.options.activation_dtype;
       backend_options.programmatic_launch = options.cuda_programmatic_launch;
-      backend_options.fused_attention_combine = options.cuda_fused_attention_combine;
-      backend_options.fused_linear_norm = options.cuda_fused_linear_norm;
       Result<std::unique_ptr<Backend>> backend = make_cuda_backend(backend_options);
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);

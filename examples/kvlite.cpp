@@ -353,10 +353,6 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--no-programmatic-launch", "", "CUDA: launch each kernel only once the one before it has finished; default "
                                        "on sm_90+: each may start while the one before it finishes (programmatic "
                                        "dependent launch; the same results)"},
-      {"--fused-attention-combine", "", "CUDA: split decode attention merged by the split that finishes last instead "
-                                        "of a second kernel (the same results; not yet measured, so off by default)"},
-      {"--fused-linear-norm", "", "CUDA: a quantized o_proj / down_proj at decode and the residual add + RMSNorm after "
-                                  "it as one GEMV (the same results; not yet measured, so off by default)"},
       {"--prefix-cache", "on|off", "reuse the KV pages of earlier requests' identical prefixes; default on for the CPU, "
                                    "off on CUDA (kvlite bench: off)"},
       {"--threads", "N", "CPU threads; default one per hardware thread"},
@@ -393,8 +389,6 @@ kvlite::EngineOptions engine_options(const Args& args) {
   }
   options.cuda_graphs = !args.has("--no-cuda-graphs");
   options.cuda_programmatic_launch = !args.has("--no-programmatic-launch");
-  options.cuda_fused_attention_combine = args.has("--fused-attention-combine");
-  options.cuda_fused_linear_norm = args.has("--fused-linear-norm");
   if (args.has("--prefix-cache")) {
     const std::string& text = args.text("--prefix-cache");
     if (text != "on" && text != "off") throw UsageError{"--prefix-cache: '" + text + "': use on or off"};

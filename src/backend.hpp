@@ -205,13 +205,6 @@ class Backend {
     return weights.quant ? quant_linear(x, *weights.quant, out) : linear(x, weights.weight, weights.bias, out);
   }
 
-  // linear(x, weights, out), then add_rms_norm(out, residual, norm_weight, eps, out): a decoder layer's o_proj or
-  // down_proj and the pre-norm residual step after it, as one call so that a backend can fuse them (CUDA with
-  // CudaBackendOptions::fused_linear_norm: the quantized decode GEMV's last block adds and normalises). The same
-  // checks as the two ops, and the same results, bit for bit; residual must not overlap x.
-  Status linear_add_rms_norm(const Tensor& x, const LinearWeights& weights, const Tensor& residual,
-                             const Tensor& norm_weight, float eps, const Tensor& out);
-
   // A LinearGroup: part i into columns [n_i, n_i + N_i) of out, n_i the earlier parts' N summed. x [T, K] (every
   // part's in_features); out [T, the parts' N summed].
   Status linear(const Tensor& x, const LinearGroup& group, const Tensor& out);
@@ -298,18 +291,6 @@ class Backend {
                              const Tensor& slots) = 0;
   virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
                               const AttentionBatch& batch, float scale, const Tensor& out) = 0;
-  // Whether impl_quant_linear_add_rms_norm runs this call as one fused step (it is then validated as both ops and
-  // timed as one quant_linear); false: the two ops run as themselves. Never throws.
-  virtual bool fuses_quant_linear_add_rms_norm(const Tensor& x, const QuantWeight& weight, const Tensor& norm_weight,
-                                               const Tensor& out) const {
-    (void)x, (void)weight, (void)norm_weight, (void)out;
-    return false;
-  }
-  virtual void impl_quant_linear_add_rms_norm(const Tensor& x, const QuantWeight& weight, const Tensor& residual,
-                                              const Tensor& norm_weight, float eps, const Tensor& out) {
-    impl_quant_linear(x, weight, out);
-    impl_add_rms_norm(out, residual, norm_weight, eps, out);
-  }
   // The two ops in order, unless a backend fuses them.
   virtual void impl_rope_kv_write(const Tensor& qk, const Tensor& cos, const Tensor& sin, int64_t head_dim,
                                   const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,

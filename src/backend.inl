@@ -208,29 +208,23 @@ Status Backend::rms_norm(const Tensor& x, const Tensor& weight, float eps, const
   });
 }
 
-namespace detail {
-inline void check_add_rms_norm(const Backend& backend, const Tensor& x, const Tensor& residual, const Tensor& weight,
-                               float eps, const Tensor& out) {
-  const char* op = "add_rms_norm";
-  check_dtype(op, "x", x, backend.activation_dtype());
-  check_dtype(op, "residual", residual, backend.activation_dtype());
-  check_shape(op, "residual", residual, x.rows, x.cols);
-  check_view(op, "weight", weight);
-  check_supported(backend, Op::add_rms_norm, weight.dtype, "weight dtype");
-  check_vector(op, "weight", weight, x.cols, weight.dtype);
-  check_dtype(op, "out", out, backend.activation_dtype());
-  check_shape(op, "out", out, x.rows, x.cols);
-  check_alias(op, "residual", residual, "x", x, false);
-  check_alias(op, "out", out, "x", x, true);
-  check_alias(op, "out", out, "residual", residual, false);
-  if (!(eps >= 0.0f)) fail(ErrorCode::invalid_argument, format("add_rms_norm: eps %g must be >= 0", eps));
-}
-}  // namespace detail
-
 Status Backend::add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
                              const Tensor& out) {
   return detail::guard([&] {
-    detail::check_add_rms_norm(*this, x, residual, weight, eps, out);
+    const char* op = "add_rms_norm";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_dtype(op, "residual", residual, activation_dtype());
+    detail::check_shape(op, "residual", residual, x.rows, x.cols);
+    detail::check_view(op, "weight", weight);
+    detail::check_supported(*this, Op::add_rms_norm, weight.dtype, "weight dtype");
+    detail::check_vector(op, "weight", weight, x.cols, weight.dtype);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "residual", residual, "x", x, false);
+    detail::check_alias(op, "out", out, "x", x, true);
+    detail::check_alias(op, "out", out, "residual", residual, false);
+    if (!(eps >= 0.0f))
+      detail::fail(ErrorCode::invalid_argument, detail::format("add_rms_norm: eps %g must be >= 0", eps));
     run_op(Op::add_rms_norm, [&] { impl_add_rms_norm(x, residual, weight, eps, out); });
   });
 }
@@ -318,60 +312,34 @@ Status Backend::linear(const Tensor& x, const Tensor& weight, const Tensor& bias
   });
 }
 
-namespace detail {
-inline void check_quant_linear(const Backend& backend, const Tensor& x, const QuantWeight& weight, const Tensor& out) {
-  const char* op = "quant_linear";
-  check_dtype(op, "x", x, backend.activation_dtype());
-  if (weight.format != WeightFormat::int4 && weight.format != WeightFormat::fp8)
-    fail(ErrorCode::invalid_argument, format("quant_linear: %s is %s; quant_linear runs int4 and fp8 weights",
-                                             weight.name.c_str(), weight_format_name(weight.format)));
-  check_supported(backend, Op::quant_linear, weight.format == WeightFormat::int4 ? DType::I32 : DType::F8_E4M3,
-                  "weight dtype");
-  const QuantLayout wanted = backend.kind() == BackendKind::cuda ? QuantLayout::cuda_tiles : QuantLayout::checkpoint;
-  if (weight.layout != wanted)
-    fail(ErrorCode::invalid_argument,
-         wanted == QuantLayout::cuda_tiles
-             ? format("quant_linear: %s is the checkpoint's host view; upload it with cuda::upload_quant_weight for the "
-                      "CUDA backend", weight.name.c_str())
-             : format("quant_linear: %s was repacked for the CUDA backend (cuda::upload_quant_weight); this backend "
-                      "reads the checkpoint's view", weight.name.c_str()));
-  if (weight.in_features != x.cols)
-    fail(ErrorCode::invalid_argument,
-         format("quant_linear: %s is [out %lld, in %lld] but x is %s; in_features must be x's %lld columns",
-                weight.name.c_str(), (long long)weight.out_features, (long long)weight.in_features,
-                describe(x).c_str(), (long long)x.cols));
-  check_dtype(op, "out", out, backend.activation_dtype());
-  check_shape(op, "out", out, x.rows, weight.out_features);
-  check_alias(op, "out", out, "x", x, false);
-}
-}  // namespace detail
-
 Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) {
   return detail::guard([&] {
-    detail::check_quant_linear(*this, x, weight, out);
+    const char* op = "quant_linear";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    if (weight.format != WeightFormat::int4 && weight.format != WeightFormat::fp8)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quant_linear: %s is %s; quant_linear runs int4 and fp8 weights", weight.name.c_str(),
+                                  weight_format_name(weight.format)));
+    detail::check_supported(*this, Op::quant_linear, weight.format == WeightFormat::int4 ? DType::I32 : DType::F8_E4M3,
+                            "weight dtype");
+    const QuantLayout wanted = kind() == BackendKind::cuda ? QuantLayout::cuda_tiles : QuantLayout::checkpoint;
+    if (weight.layout != wanted)
+      detail::fail(ErrorCode::invalid_argument,
+                   wanted == QuantLayout::cuda_tiles
+                       ? detail::format("quant_linear: %s is the checkpoint's host view; upload it with "
+                                        "cuda::upload_quant_weight for the CUDA backend", weight.name.c_str())
+                       : detail::format("quant_linear: %s was repacked for the CUDA backend (cuda::upload_quant_weight); "
+                                        "this backend reads the checkpoint's view", weight.name.c_str()));
+    if (weight.in_features != x.cols)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quant_linear: %s is [out %lld, in %lld] but x is %s; in_features must be x's %lld "
+                                  "columns", weight.name.c_str(), (long long)weight.out_features,
+                                  (long long)weight.in_features, detail::describe(x).c_str(), (long long)x.cols));
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, weight.out_features);
+    detail::check_alias(op, "out", out, "x", x, false);
     run_op(Op::quant_linear, [&] { impl_quant_linear(x, weight, out); });
   });
-}
-
-Status Backend::linear_add_rms_norm(const Tensor& x, const LinearWeights& weights, const Tensor& residual,
-                                    const Tensor& norm_weight, float eps, const Tensor& out) {
-  bool fused = false;
-  const Status checked = detail::guard([&] {
-    // a fusing backend writes the residual while the GEMV still reads x
-    detail::check_alias("linear_add_rms_norm", "residual", residual, "x", x, false);
-    fused = weights.quant && fuses_quant_linear_add_rms_norm(x, *weights.quant, norm_weight, out);
-  });
-  if (!checked.ok()) return checked;
-  if (fused) {
-    return detail::guard([&] {
-      detail::check_quant_linear(*this, x, *weights.quant, out);
-      detail::check_add_rms_norm(*this, out, residual, norm_weight, eps, out);
-      run_op(Op::quant_linear, [&] { impl_quant_linear_add_rms_norm(x, *weights.quant, residual, norm_weight, eps, out); });
-    });
-  }
-  const Status projected = linear(x, weights, out);
-  if (!projected.ok()) return projected;
-  return add_rms_norm(out, residual, norm_weight, eps, out);
 }
 
 bool linear_group_fuses(const LinearGroup& group) {

@@ -10,11 +10,8 @@
 // Memory: the backend allocates no device memory of its own. Its workspace comes from the caller (the arena's
 // "workspace" region) and is carved once:
 //
-//   workspace ──► | cuBLAS workspace (cublas_workspace_bytes) | fault record (256 B) | GEMV grid counter (256 B) |
-//                 | attention counters | scratch ... |
+//   workspace ──► | cuBLAS workspace (cublas_workspace_bytes) | fault record (256 B) | scratch ... |
 //
-// (the fault record and the counters: kCudaDeviceRecordBytes, zeroed at construction; the counters serve
-// CudaBackendOptions::fused_linear_norm and fused_attention_combine)
 // cuBLAS is handed the first part with cublasSetWorkspace, so it never allocates while running; the scratch
 // holds split attention's partial results and, within one quant_linear call, the quantized GEMMs' staged
 // activations, split-K partials and dequantized weight chunks (quant_gpu.hpp: plan_quant_gemm). Index vectors (ids, slots, query_starts, context_lens,
@@ -31,23 +28,15 @@ namespace kvlite {
 
 // kCudaCublasWorkspaceBytes, kCudaScratchBytes and kCudaWorkspaceBytes are in plan.hpp: the planner reserves the
 // workspace the backend carves, from the same numbers.
-// The least scratch the backend starts with (a few partials).
+// The least scratch the backend starts with (the fault record and a few partials).
 constexpr uint64_t kCudaMinScratchBytes = 64 * KiB;
-// Arrival counters for split attention merged by its last split (CudaBackendOptions::fused_attention_combine): one
-// per (query row, KV head, head pass) of a split launch. A launch splits only while that grid is under 4 blocks an SM
-// (kAttentionBlocksPerSm), so 2,048 serve GPUs of up to 512 SMs; a launch needing more takes the separate merge
-// kernel.
-constexpr int64_t kCudaAttentionCounters = 2048;
-// What the workspace holds between cuBLAS's part and the scratch: the fault record (256 bytes), the GEMV's grid
-// counter (256 bytes) and the attention counters.
-constexpr uint64_t kCudaDeviceRecordBytes = 512 + uint64_t(kCudaAttentionCounters) * 4;
 // kernels.cu's attention holds head_dim / 32 (rounded up) dimensions per lane, at most 8.
 constexpr int64_t kCudaMaxHeadDim = 256;
 
 struct CudaBackendOptions {
   int device = 0;                         // CUDA device index
   void* workspace = nullptr;              // device memory on `device`, 256-byte aligned (the arena's region)
-  uint64_t workspace_bytes = 0;           // at least cublas_workspace_bytes + kCudaDeviceRecordBytes + kCudaMinScratchBytes
+  uint64_t workspace_bytes = 0;           // at least cublas_workspace_bytes + kCudaMinScratchBytes
   uint64_t cublas_workspace_bytes = kCudaCublasWorkspaceBytes;  // the front of the workspace, cuBLAS's
   DType activation_dtype = DType::BF16;   // BF16, F16 or F32
   // Quantized Linears whose checkpoint scales are not the activation dtype (F32 weight_scale_inv, the FP8
@@ -66,17 +55,6 @@ struct CudaBackendOptions {
   // The same kernels on the same inputs: results are bit for bit those of ordinary launches. Backend::name() ends
   // in ", programmatic launch" when it is in effect.
   bool programmatic_launch = true;
-  // Decode attention over a split context (flash-decoding) merges its splits in the attention kernel itself: the
-  // block whose split finishes last for a (row, head group) merges them (in split order, by the same code: the same
-  // bits as the separate merge kernel), saving a kernel a layer. Off until measured on a GPU; Backend::name()
-  // ends in ", fused attention combine" when on.
-  bool fused_attention_combine = false;
-  // A quantized o_proj / down_proj at decode (1 or 2 rows on the tensor-core GEMV) and the pre-norm residual step
-  // after it (Backend::linear_add_rms_norm) as one kernel: the GEMV block that stores last adds the residual and
-  // normalises (the same code and team as the add_rms_norm kernel: the same bits), saving two kernels a layer. Rows
-  // of up to 4,096 columns with the norm weight in the activation dtype. Off until measured on a GPU;
-  // Backend::name() ends in ", fused linear norm" when on.
-  bool fused_linear_norm = false;
 };
 
 // Binds the backend to options.device: a stream of its own, a cuBLAS handle using the workspace's front.
@@ -322,11 +300,6 @@ struct AttentionSplit {
 // (16: at batch 1 a few hundred keys then still spread over tens of splits; with 128 Llama-3.1-8B's 8 KV heads ran a
 // 192-key decode context as 8 blocks whose warps each took 48 keys one after another, 55 us a layer on an H100.)
 constexpr int64_t kAttentionMinChunk = 16;
-// Blocks per SM the attention grid aims for before it splits contexts (4 warps each, so 16 warps an SM): a launch
-// splits only while rows x KV heads x head passes is below this times the SM count.
-constexpr int64_t kAttentionBlocksPerSm = 4;
-static_assert(kCudaAttentionCounters >= 512 * kAttentionBlocksPerSm,
-              "a split attention launch on a GPU of up to 512 SMs has an arrival counter for each of its block rows");
 constexpr int64_t kAttentionMaxSplits = 256;
 // blocks: rows x KV heads x head passes (the grid without splitting); target_blocks: what fills the GPU;
 // partial_bytes: scratch bytes one split of every (row, head) needs; scratch_bytes: what there is.
@@ -395,18 +368,14 @@ inline bool linear_gemm_shape(const Tensor& x, const Tensor& weight, const Tenso
 // The workspace carved once at construction (see the top of this part). false when it is too small.
 struct CudaWorkspaceLayout {
   uint64_t cublas_offset = 0, cublas_bytes = 0;
-  uint64_t fault_offset = 0;         // 256 bytes for the fault record
-  uint64_t grid_counter_offset = 0;  // one U32 (in 256 bytes): the fused-norm GEMV's column tiles stored
-  uint64_t counters_offset = 0;      // kCudaAttentionCounters U32 attention arrival counters
+  uint64_t fault_offset = 0;  // 256 bytes for the fault record
   uint64_t scratch_offset = 0, scratch_bytes = 0;
 };
 inline bool cuda_workspace_layout(uint64_t workspace_bytes, uint64_t cublas_bytes, CudaWorkspaceLayout* layout) {
   CudaWorkspaceLayout l;
   l.cublas_bytes = cublas_bytes / 256 * 256;  // cuBLAS wants a multiple of 256 bytes
   l.fault_offset = l.cublas_bytes;
-  l.grid_counter_offset = l.fault_offset + 256;
-  l.counters_offset = l.fault_offset + 512;
-  l.scratch_offset = l.fault_offset + kCudaDeviceRecordBytes;
+  l.scratch_offset = l.fault_offset + 256;
   if (l.scratch_offset > workspace_bytes || workspace_bytes - l.scratch_offset < kCudaMinScratchBytes) return false;
   l.scratch_bytes = workspace_bytes - l.scratch_offset;
   *layout = l;

@@ -44,12 +44,6 @@ struct EngineOptions {
   // CUDA, sm_90+: launch kernels with programmatic dependent launch (CudaBackendOptions::programmatic_launch;
   // bit for bit the same results). EngineInfo::backend_name says when it is in effect.
   bool cuda_programmatic_launch = true;
-  // CUDA: split decode attention merged by its last split rather than a second kernel
-  // (CudaBackendOptions::fused_attention_combine; bit for bit the same results). Off until measured.
-  bool cuda_fused_attention_combine = false;
-  // CUDA: a quantized o_proj / down_proj at decode and the residual add + RMSNorm after it as one GEMV
-  // (CudaBackendOptions::fused_linear_norm; bit for bit the same results). Off until measured.
-  bool cuda_fused_linear_norm = false;
   // Prefix caching: full KV pages stay cached under a hash chain of their tokens (and, with images, of their
   // M-RoPE positions and image features) and later requests that start with the same tokens reuse them instead
   // of recomputing; cached pages are evicted least recently used when pages run out. Unset: on where it is exact,

@@ -1603,8 +1603,6 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       backend_options.workspace_bytes = workspace->bytes;
       backend_options.activation_dtype = *e.plan.options.activation_dtype;
       backend_options.programmatic_launch = options.cuda_programmatic_launch;
-      backend_options.fused_attention_combine = options.cuda_fused_attention_combine;
-      backend_options.fused_linear_norm = options.cuda_fused_linear_norm;
       Result<std::unique_ptr<Backend>> backend = make_cuda_backend(backend_options);
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);

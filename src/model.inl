@@ -406,16 +406,19 @@ void TextModel::compute(const StepInput& step) {
     check(backend_.copy_from_host(host_activation_rows(run.rows, run.count, hidden.cols),
                                   hidden.slice_rows(run.token, run.count)));
   }
-  // Whether `normed` already holds this layer's input_layernorm output: each layer's down_proj call ends with the
-  // residual add and the next norm (linear_add_rms_norm), except where DeepStack adds image features between them;
-  // then `hidden` holds the layer's output and the next layer normalises it alone.
-  bool input_normed = false;
+  // Whether `hidden` already holds the previous layer's output (normally its MLP output waits in `normed` and
+  // the residual add is fused into the next norm).
+  bool layer_output_in_hidden = true;
   for (int64_t l = 0; l < c.num_layers; l++) {
     const DecoderLayerWeights& w = weights_.layers[size_t(l)];
     // residual = hidden_states; hidden_states = self.input_layernorm(hidden_states)
-    // (from layer 1 on, the previous layer's `hidden_states = residual + hidden_states` and this norm ran with its
-    // down_proj, below)
-    if (!input_normed) check(backend_.rms_norm(hidden, w.input_layernorm, eps, normed));
+    // (from layer 1 on, the previous layer's `hidden_states = residual + hidden_states` is fused in: normed
+    // holds that layer's MLP output)
+    if (layer_output_in_hidden) {
+      check(backend_.rms_norm(hidden, w.input_layernorm, eps, normed));
+    } else {
+      check(backend_.add_rms_norm(normed, hidden, w.input_layernorm, eps, normed));
+    }
 
     // query_states = self.q_proj(hidden_states); key_states = ...; value_states = ...   (+ bias: qwen2)
     // (one call: q | k | v are the qkv buffer's column blocks)                 qkv [T, (Hq + 2 Hkv) D]
@@ -433,20 +436,21 @@ void TextModel::compute(const StepInput& step) {
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
     check(backend_.attention(q, cache, l, batch_, attention_scale_, attn));
     // attn_output = self.o_proj(attn_output)                                  normed [T, H]
+    check(backend_.linear(attn, w.o_proj, normed));
     // hidden_states = residual + hidden_states; residual = hidden_states
     // hidden_states = self.post_attention_layernorm(hidden_states)
-    // (one call: a backend may add and normalise in the projection's last step)
-    check(backend_.linear_add_rms_norm(attn, w.o_proj, hidden, w.post_attention_layernorm, eps, normed));
+    check(backend_.add_rms_norm(normed, hidden, w.post_attention_layernorm, eps, normed));
     // down_proj(act_fn(gate_proj(x)) * up_proj(x))                            normed [T, H]
     // (gate | up: the gate_up buffer's column blocks)                           gate_up [T, 2 I]
     check(backend_.linear(normed, w.gate_up_proj, gate_up));
     check(backend_.silu_mul(gate, up, act));
+    check(backend_.linear(act, w.down_proj, normed));
+    layer_output_in_hidden = false;
     if (l < deepstack_levels_ && step.image_runs > 0) {
-      check(backend_.linear(act, w.down_proj, normed));
       // hidden_states = residual + hidden_states (the layer's output), then qwen3_vl's _deepstack_process:
       // hidden_states[visual_pos_masks, :] = hidden_states[visual_pos_masks, :] + deepstack_visual_embeds[l]
       check(backend_.add(hidden, normed, hidden));
-      input_normed = false;
+      layer_output_in_hidden = true;
       for (int64_t r = 0; r < step.image_runs; r++) {
         const ImageRun& run = step.image_run_list[r];
         Tensor staged = deepstack_rows_.slice_rows(0, run.count);  // [count, H]
@@ -455,16 +459,14 @@ void TextModel::compute(const StepInput& step) {
             host_activation_rows(run.rows + (l + 1) * run.level_stride, run.count, c.hidden_size), staged));
         check(backend_.add(rows, staged, rows));
       }
-    } else {
-      // hidden_states = residual + hidden_states (the layer's output); residual = hidden_states; then the next
-      // layer's input_layernorm, or after the last layer hidden_states = self.norm(hidden_states)
-      const Tensor& next_norm = l + 1 < c.num_layers ? weights_.layers[size_t(l + 1)].input_layernorm : weights_.norm;
-      check(backend_.linear_add_rms_norm(act, w.down_proj, hidden, next_norm, eps, normed));
-      input_normed = true;
     }
   }
-  // hidden_states = self.norm(hidden_states), unless the last down_proj call did it
-  if (!input_normed) check(backend_.rms_norm(hidden, weights_.norm, eps, normed));
+  // hidden_states = residual + hidden_states (last layer); hidden_states = self.norm(hidden_states)
+  if (layer_output_in_hidden) {
+    check(backend_.rms_norm(hidden, weights_.norm, eps, normed));
+  } else {
+    check(backend_.add_rms_norm(normed, hidden, weights_.norm, eps, normed));
+  }
 }
 
 const void* TextModel::host_activation_rows(const float* rows, int64_t count, int64_t cols) {

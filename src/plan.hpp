@@ -86,8 +86,7 @@ uint64_t cuda_context_bytes(const DeviceSpec& device);
 // The CUDA backend's workspace (CudaBackendOptions, backend_cuda.hpp), carved from the plan's "workspace" item:
 // the one source of both numbers. cuBLAS's part is what it asks for on Hopper (4 MiB suffice on older GPUs); the
 // scratch holds split attention's partials ([rows, heads, splits, head_dim + 2] floats: decode of 64 sequences x
-// 64 heads x head_dim 128 split 8 ways needs 16 MiB; less scratch only means fewer splits). The backend keeps its
-// device record (fault record and attention counters, kCudaDeviceRecordBytes: 8.25 KiB) at the scratch's front.
+// 64 heads x head_dim 128 split 8 ways needs 16 MiB; less scratch only means fewer splits).
 constexpr uint64_t kCudaCublasWorkspaceBytes = 32 * MiB;
 constexpr uint64_t kCudaScratchBytes = 32 * MiB;
 constexpr uint64_t kCudaWorkspaceBytes = kCudaCublasWorkspaceBytes + kCudaScratchBytes;

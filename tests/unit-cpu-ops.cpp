@@ -1045,40 +1045,6 @@ TEST_CASE("rope_kv_write is rope then kv_write, and refuses a k that is not qk's
   }
 }
 
-TEST_CASE("linear_add_rms_norm is linear then add_rms_norm, bit for bit, and refuses a residual over x") {
-  auto backend = cpu(2);
-  Random rng(64);
-  for (DType dtype : kWeightTypes) {
-    CAPTURE(std::string(dtype_name(dtype)));
-    const int64_t tokens = 3, k = 40, n = 72;
-    Matrix x(DType::F32, tokens, k, 1), weight(dtype, n, k), bias(dtype, 1, n), norm(dtype, 1, n);
-    Matrix residual(DType::F32, tokens, n, 2), out(DType::F32, tokens, n, 1);
-    x.randomize(rng);
-    weight.randomize(rng);
-    bias.randomize(rng);
-    norm.randomize(rng);
-    residual.randomize(rng, 4.0f);
-    Matrix residual_two = residual, out_two = out;
-    const LinearWeights linear{weight.view(), bias.view(), nullptr};
-    REQUIRE(backend->linear_add_rms_norm(x.view(), linear, residual.view(), norm.view(), 1e-5f, out.view()).ok());
-    REQUIRE(backend->linear(x.view(), linear, out_two.view()).ok());
-    REQUIRE(backend->add_rms_norm(out_two.view(), residual_two.view(), norm.view(), 1e-5f, out_two.view()).ok());
-    CHECK(same_bits(out, out_two));
-    CHECK(same_bits(residual, residual_two));
-    // the two ops' own checks, and the residual may not be x (a fusing backend writes it while reading x)
-    const Status over_x = backend->linear_add_rms_norm(x.view(), linear, x.view(),
-                                                       norm.view(), 1e-5f, out.view());
-    REQUIRE_FALSE(over_x.ok());
-    CHECK(over_x.error().code == ErrorCode::invalid_argument);
-    CHECK(over_x.error().message.find("residual") != std::string::npos);
-    Matrix narrow(dtype, 1, n - 1);
-    const Status bad_norm = backend->linear_add_rms_norm(x.view(), linear, residual.view(), narrow.view(), 1e-5f,
-                                                         out.view());
-    REQUIRE_FALSE(bad_norm.ok());
-    CHECK(bad_norm.error().message.find("add_rms_norm") != std::string::npos);
-  }
-}
-
 TEST_CASE("supports() says what the CPU backend runs") {
   auto backend = cpu(1);
   CHECK(backend->kind() == BackendKind::cpu);

@@ -235,23 +235,6 @@ TEST_CASE("plan_attention_split fills the GPU without empty splits, short chunks
   }
 }
 
-TEST_CASE("a split attention launch on a GPU of up to 512 SMs has an arrival counter for each block row (the fused merge)") {
-  // the backend's target is kAttentionBlocksPerSm blocks an SM; a launch whose grid needs more counters than the
-  // workspace holds would take the separate merge kernel, so this is what keeps the fused merge in use everywhere
-  Random rng(19);
-  for (int trial = 0; trial < 2000; trial++) {
-    const int64_t sms = rng.between(1, 512), blocks = rng.between(1, 4000), max_context = rng.between(0, 40000);
-    const cuda::AttentionSplit plan =
-        cuda::plan_attention_split(blocks, max_context, cuda::kAttentionBlocksPerSm * sms, 4096, 32 * MiB);
-    INFO("sms ", sms, " blocks ", blocks, " max_context ", max_context, " -> splits ", plan.splits);
-    if (plan.splits > 1) CHECK(blocks <= kCudaAttentionCounters);
-  }
-  // the largest grid that still splits, on the largest GPU counted for
-  const cuda::AttentionSplit edge =
-      cuda::plan_attention_split(512 * cuda::kAttentionBlocksPerSm - 1, 4096, 512 * cuda::kAttentionBlocksPerSm, 4096, 32 * MiB);
-  CHECK(edge.splits == 2);
-}
-
 TEST_CASE("paged attention takes 8 warps a block while its grid fits one block an SM, 4 past that") {
   for (int64_t sms : {1, 28, 132}) {
     CAPTURE(sms);
@@ -330,7 +313,7 @@ TEST_CASE("linear_gemm_shape drives a column-major cuBLAS GEMM to out = x @ w^T 
   CHECK_FALSE(cuda::linear_gemm_shape(huge, w1, o1, &s));
 }
 
-TEST_CASE("cuda_workspace_layout: cuBLAS first, then the fault record and the counters, then the scratch, all 256-aligned") {
+TEST_CASE("cuda_workspace_layout: cuBLAS first, then the fault record, then the scratch, all 256-aligned") {
   Random rng(17);
   for (int trial = 0; trial < 500; trial++) {
     const uint64_t cublas = uint64_t(rng.between(0, 40 << 20));
@@ -338,7 +321,7 @@ TEST_CASE("cuda_workspace_layout: cuBLAS first, then the fault record and the co
     cuda::CudaWorkspaceLayout l;
     const bool fits = cuda::cuda_workspace_layout(total, cublas, &l);
     INFO("total ", total, " cublas ", cublas);
-    const uint64_t needed = cublas / 256 * 256 + kCudaDeviceRecordBytes + kCudaMinScratchBytes;
+    const uint64_t needed = cublas / 256 * 256 + 256 + kCudaMinScratchBytes;
     CHECK(fits == (total >= needed));
     if (!fits) continue;
     CHECK(l.cublas_offset == 0);
@@ -347,18 +330,14 @@ TEST_CASE("cuda_workspace_layout: cuBLAS first, then the fault record and the co
     CHECK(l.cublas_bytes % 256 == 0);
     CHECK(l.fault_offset >= l.cublas_offset + l.cublas_bytes);
     CHECK(l.fault_offset % 256 == 0);
-    CHECK(l.grid_counter_offset >= l.fault_offset + 256);
-    CHECK(l.grid_counter_offset % 256 == 0);
-    CHECK(l.counters_offset >= l.grid_counter_offset + 4);
-    CHECK(l.counters_offset % 256 == 0);
-    CHECK(l.scratch_offset >= l.counters_offset + uint64_t(kCudaAttentionCounters) * 4);
+    CHECK(l.scratch_offset >= l.fault_offset + 256);
     CHECK(l.scratch_offset % 256 == 0);
     CHECK(l.scratch_bytes >= kCudaMinScratchBytes);
     CHECK(l.scratch_offset + l.scratch_bytes == total);
   }
   cuda::CudaWorkspaceLayout l;
   CHECK(cuda::cuda_workspace_layout(kCudaWorkspaceBytes, kCudaCublasWorkspaceBytes, &l));
-  CHECK(l.scratch_bytes + kCudaDeviceRecordBytes == kCudaScratchBytes);
+  CHECK(l.scratch_bytes + 256 == kCudaScratchBytes);
 }
 
 TEST_CASE("attention lanes cover every head_dim up to 256 with the compiled kernels and bounded registers") {

@@ -31,8 +31,6 @@
 #                              (default: benched both ways, the kernels launched programmatically (kvlite's
 #                              default there) and ordinarily; so is each KVLITE_BASELINE whose kvlite has either
 #                              flag: --no-programmatic-launch, or --programmatic-launch of builds where it was off)
-#   KVLITE_GPU_CHECK_FUSED=0   no further benches of each checkpoint with the fusions not yet on by default
-#                              (--fused-attention-combine, --fused-linear-norm, then both; default: benched)
 #   KVLITE_GPU_CHECK_NCU_KERNELS="paged_attention_kernel:40:1 quant_gemv_mma_kernel:40:4"   with NCU_STEP's
 #                              checkpoints: each named kernel's full Nsight Compute report (--set full: throughput,
 #                              occupancy, warp stalls) for COUNT of its launches after skipping SKIP of them (40:
@@ -198,13 +196,6 @@ if [ "${KVLITE_GPU_CHECK_BIG:-1}" != 0 ]; then
     if [ "${KVLITE_GPU_CHECK_PROGRAMMATIC:-1}" != 0 ] && [ "$arch" -ge 90 ] && [ $status = 0 ]; then
       bench "$title, ordinary launch, planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB \
         --no-programmatic-launch
-    fi
-    # and with each fusion that is not yet the default (CudaBackendOptions::fused_attention_combine,
-    # fused_linear_norm), then both, so that their tables sit beside the default's
-    if [ "${KVLITE_GPU_CHECK_FUSED:-1}" != 0 ] && [ $status = 0 ]; then
-      for fusion in --fused-attention-combine --fused-linear-norm "--fused-attention-combine --fused-linear-norm"; do
-        bench "$title, $fusion, planned as an 8 GiB card" "$dir" --backend cuda --device-mem 8GiB $fusion
-      done
     fi
     # the same checkpoint through each baseline's kvlite (KVLITE_BASELINE: one folder or several, space-separated:
     # an earlier commit's build, or a variant library from tools/build-gpu-variant.sh), planned the same way
