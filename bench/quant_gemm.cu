@@ -361,20 +361,8 @@ int main(int argc, char** argv) {
       BENCH_CUDA(cudaGetLastError());
     });
     kernel_copy_gbs = 2.0 * double(bytes) / (kernel_us * 1e3);
-    cudaEvent_t start, stop;
-    BENCH_CUDA(cudaEventCreate(&start));
-    BENCH_CUDA(cudaEventCreate(&stop));
-    BENCH_CUDA(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, stream));  // warm-up
-    const int memcpy_reps = 10;
-    BENCH_CUDA(cudaEventRecord(start, stream));
-    for (int r = 0; r < memcpy_reps; r++) BENCH_CUDA(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, stream));
-    BENCH_CUDA(cudaEventRecord(stop, stream));
-    BENCH_CUDA(cudaEventSynchronize(stop));
-    float memcpy_ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&memcpy_ms, start, stop));
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    memcpy_gbs = 2.0 * double(bytes) * memcpy_reps / (double(memcpy_ms) * 1e6);
+    // the library's own measure (Engine::measure_copy_bandwidth's): eager cudaMemcpy on the backend's stream
+    memcpy_gbs = ok_or_exit(cuda::copy_bandwidth(*backend, b.p, a.p, bytes, 10), "copy_bandwidth") / 1e9;
     copy_gbs = std::max(kernel_copy_gbs, memcpy_gbs);
   }
   cublasHandle_t cublas;
