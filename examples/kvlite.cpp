@@ -820,9 +820,14 @@ int run_bench(const Args& args) {
     const double ttft_floor = (prefill_steps * double(info.decode_weight_bytes) +
                                double(batch * prompt) * double(plan.kv_bytes_per_token)) /
                               bandwidth->bytes_per_second;
-    printf("%5lld %7lld %7lld %10.3f %14.3f %13.2f %15.2f %11.1f%%\n", (long long)batch, (long long)prompt,
+    // Below 1% (a tiny model on a slow or sanitized CPU) three significant figures, so it never prints 0.0%.
+    const double percent_of_roofline = 100.0 * t.decode_tok_s / roofline_tok_s;
+    printf("%5lld %7lld %7lld %10.3f %14.3f %13.2f %15.2f %11.*f%%\n", (long long)batch, (long long)prompt,
            (long long)decode, t.ttft * 1e3, ttft_floor * 1e3, t.decode_tok_s, roofline_tok_s,
-           100.0 * t.decode_tok_s / roofline_tok_s);
+           percent_of_roofline >= 1.0 || percent_of_roofline <= 0.0
+               ? 1
+               : std::min(6, 2 - int(std::floor(std::log10(percent_of_roofline)))),
+           percent_of_roofline);
     fflush(stdout);
   }
   printf("\nroofline: the bytes a decode step reads (weights + each sequence's KV at its mean context) over the copy "
