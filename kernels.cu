@@ -1828,18 +1828,8 @@ struct GemvShape {
   static_assert(kUnroll >= 1, "registers: at least one tile at a time");
 };
 
-// The lane's 8 scale registers (scale_register: T pairs, or floats for kFp32Scales) and int4 subtrahends of
-// `group`: table positions 8g .. 8g + 7.
-template <QgFormat F, class T, bool kFp32Scales>
-__device__ __forceinline__ void gemv_group_tables(const QuantGemmArgs& args, uint32_t group, int g,
-                                                  uint32_t (&scale2)[8], uint32_t (&subtrahend2)[8]) {
-  constexpr bool kBf16 = Pair2<T>::kBf16;
-  const uint64_t base = uint64_t(group) * uint64_t(args.n_pad) + uint64_t(blockIdx.y) * kQuantTileN + 8 * g;
-  // The lane's 8 scales and zero points are contiguous (positions 8g .. 8g + 7; base is a multiple of 8 since n_pad
-  // is of 64) and aligned (upload_quant_weight takes only 256-byte aligned memory, and the layout's tables start at
-  // 256-byte offsets), so they come as one or two 16-byte loads and one 8-byte load, not 16 loads each behind a
-  // dtype branch (which, with the A fragments' bounds tests, made a W4A16 tile ~170 instructions; see gemv_a_fragment).
-  float scales[8];
+// The 8 scale-table entries from `base` (a multiple of 8) as floats: one or two 16-byte loads.
+__device__ __forceinline__ void gemv_load_scales(const QuantGemmArgs& args, uint64_t base, float (&scales)[8]) {
   if (args.scale_bytes == 4) {
     const float4 low = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(args.scales) + base));
     const float4 high = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(args.scales) + base + 4));
@@ -1859,6 +1849,21 @@ __device__ __forceinline__ void gemv_group_tables(const QuantGemmArgs& args, uin
         scales[j] = __half2float(__ushort_as_half(uint16_t(words[j / 2] >> (16 * (j % 2)))));
     }
   }
+}
+
+// The lane's 8 scale registers (scale_register: T pairs, or floats for kFp32Scales) and int4 subtrahends of
+// `group`: table positions 8g .. 8g + 7.
+template <QgFormat F, class T, bool kFp32Scales>
+__device__ __forceinline__ void gemv_group_tables(const QuantGemmArgs& args, uint32_t group, int g,
+                                                  uint32_t (&scale2)[8], uint32_t (&subtrahend2)[8]) {
+  constexpr bool kBf16 = Pair2<T>::kBf16;
+  const uint64_t base = uint64_t(group) * uint64_t(args.n_pad) + uint64_t(blockIdx.y) * kQuantTileN + 8 * g;
+  // The lane's 8 scales and zero points are contiguous (positions 8g .. 8g + 7; base is a multiple of 8 since n_pad
+  // is of 64) and aligned (upload_quant_weight takes only 256-byte aligned memory, and the layout's tables start at
+  // 256-byte offsets), so they come as one or two 16-byte loads and one 8-byte load, not 16 loads each behind a
+  // dtype branch (which, with the A fragments' bounds tests, made a W4A16 tile ~170 instructions; see gemv_a_fragment).
+  float scales[8];
+  gemv_load_scales(args, base, scales);
   uint32_t zero_bytes[2] = {0x08080808u, 0x08080808u};  // symmetric: zero point 8
   if (F == QgFormat::int4_a16 && args.zeros != nullptr) {
     const uint2 z = __ldg(reinterpret_cast<const uint2*>(args.zeros + base));
@@ -2215,22 +2220,7 @@ __device__ __forceinline__ void gemv_fold_apply(const QuantGemmArgs& args, uint3
   for (int e = 0; e < 2; e++) {
     const uint64_t base = uint64_t(group) * uint64_t(args.n_pad) + uint64_t(blockIdx.y) * kQuantTileN + 16 * q + 8 * e;
     float scales[8];
-    if (args.scale_bytes == 4) {
-      const float4* table = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(args.scales) + base);
-      const float4 low = __ldg(table), high = __ldg(table + 1);
-      scales[0] = low.x, scales[1] = low.y, scales[2] = low.z, scales[3] = low.w;
-      scales[4] = high.x, scales[5] = high.y, scales[6] = high.z, scales[7] = high.w;
-    } else {
-      const uint4 bits = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(args.scales) + base));
-      const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
-      if (args.scale_dtype == DType::BF16) {
-#pragma unroll
-        for (int j = 0; j < 8; j++) scales[j] = __uint_as_float((words[j / 2] >> (16 * (j % 2))) << 16);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; j++) scales[j] = __half2float(__ushort_as_half(uint16_t(words[j / 2] >> (16 * (j % 2)))));
-      }
-    }
+    gemv_load_scales(args, base, scales);
     uint2 zero_bytes = make_uint2(0x08080808u, 0x08080808u);  // symmetric: zero point 8
     if (args.zeros != nullptr) zero_bytes = __ldg(reinterpret_cast<const uint2*>(args.zeros + base));
 #pragma unroll
