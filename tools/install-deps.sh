@@ -2,6 +2,7 @@
 # Installs kvlite's build dependencies from Debian packages, only those missing. Idempotent and quiet when
 # everything is present. Uses sudo when not root.
 #   cmake g++ make pkg-config   the build
+#   ninja-build                 the generator make test and make demo configure with (tools/cmake-generator.sh)
 #   doctest-dev                 tests
 #   nlohmann-json3-dev          config.json, tokenizer.json, safetensors headers
 #   libstb-dev                  image decoding (stb_image)
@@ -17,6 +18,7 @@ have_header() { [ -f "/usr/include/$1" ] || [ -f "/usr/local/include/$1" ]; }
 command -v cmake >/dev/null || need+=(cmake)
 command -v g++ >/dev/null || need+=(g++)
 command -v make >/dev/null || need+=(make)
+command -v ninja >/dev/null || need+=(ninja-build)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 have_header doctest/doctest.h || need+=(doctest-dev)
 have_header nlohmann/json.hpp || need+=(nlohmann-json3-dev)

@@ -9,7 +9,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-build-sanitize}
 seconds=${2:-30}
 cd "$root"
-cmake -S . -B "$build" -DKVLITE_CUDA=OFF -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+cmake -S . -B "$build" $(tools/cmake-generator.sh "$build") -DKVLITE_CUDA=OFF -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" -DKVLITE_SANITIZE=ON -DKVLITE_BUILD_FUZZERS=ON \
   -DKVLITE_FUZZ_SECONDS="$seconds" > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
 rm -f "$build.configure.log"
