@@ -215,14 +215,14 @@ int64_t emulate_w4a16_folded(const Device& d, bool bf16, Random& rng) {
           x_abs += std::fabs(x[size_t(kt * 16 + k)]);
         }
       }
-      for (int lane = 0; lane < 32; lane++)
+      // the lanes of row g = 0 hold each column once (the other rows' lanes hold the same columns, other rows' sums)
+      for (int lane = 0; lane < 4; lane++)
         for (int j = 0; j < 8; j++)
           for (int e = 0; e < 2; e++) {
             const int c = 8 * j + 2 * (lane % 4) + e, position = w8a8_scale_position(lane, j, e);
             const float scale = d.scale(group, t, position);
             const float offset = float(magic_value) + float(d.zero(group, t, position) & 0xfu);
-            if (lane / 4 == 0)  // the lanes of one row g hold every column once; the others hold the same sums
-              acc[size_t(c)] = gemv_fold_term(acc[size_t(c)], scale, partial[size_t(c)], offset, x_sum);
+            acc[size_t(c)] = gemv_fold_term(acc[size_t(c)], scale, partial[size_t(c)], offset, x_sum);
             bound[size_t(c)] += double(tiles_per_group + 2) * std::ldexp(1.0, -23) * std::fabs(scale) *
                                 (2 * magic_value + 30) * x_abs;
           }
