@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 
 # make demo, on a fresh build directory, builds only what the demo runs (the CLI and caption_image), with CUDA
 # for this machine's GPUs (KVLITE_CUDA_ARCHITECTURES=native) where nvidia-smi sees one and nvcc is installed,
-# else CPU-only: a few minutes on 2 cores instead of kernels.cu for seven architectures. make test configures
+# else CPU-only: a few minutes on 2 cores instead of kernels.cu for every architecture. make test configures
 # the defaults again (-U: CUDA when nvcc is found, every supported architecture) and builds everything.
 HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && command -v nvcc >/dev/null 2>&1 && echo 1)
 DEMO_CMAKE_FLAGS := $(if $(HAVE_GPU),-DKVLITE_CUDA=AUTO -DKVLITE_CUDA_ARCHITECTURES=native,-DKVLITE_CUDA=OFF)

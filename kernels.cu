@@ -3417,7 +3417,10 @@ class CudaBackend final : public Backend {
                                                           (long long)batch.max_context));
     args.heads = q.cols / head_dim;
     args.group = args.heads / kv_heads;
-    const int heads_per_block = attention_heads_per_block(dims);
+    // the pairs outside the tuned ones run the generic shape (attention_kernel_dims says why)
+    const bool pair_tuned = attention_pair_tuned(cache.dtype == act_, cache.dtype == DType::F8_E4M3);
+    const int kernel_dims = attention_kernel_dims(dims, pair_tuned);
+    const int heads_per_block = attention_heads_per_block(kernel_dims);
     args.head_passes = (args.group + heads_per_block - 1) / heads_per_block;
     if (kv_heads * args.head_passes > 65535)
       detail::fail(ErrorCode::unsupported,
@@ -3442,14 +3445,22 @@ class CudaBackend final : public Backend {
       with_kv_type(cache.dtype, [&](auto kv_tag) {
         using A = decltype(act_tag);
         using E = decltype(kv_tag);
-        switch (dims) {
-          case 1: launch_attention<A, E, 1>(grid, args); break;
-          case 2: launch_attention<A, E, 2>(grid, args); break;
-          case 3: launch_attention<A, E, 3>(grid, args); break;
-          case 4: launch_attention<A, E, 4>(grid, args); break;
-          case 6: launch_attention<A, E, 6>(grid, args); break;
-          case 8: launch_attention<A, E, 8>(grid, args); break;
-          default: detail::fail(ErrorCode::internal, detail::format("attention: no kernel for %d dims per lane", dims));
+        if constexpr (std::is_same<E, A>::value || std::is_same<E, KvFp8>::value) {
+          switch (kernel_dims) {
+            case 2: launch_attention<A, E, 2>(grid, args); break;
+            case 3: launch_attention<A, E, 3>(grid, args); break;
+            case 4: launch_attention<A, E, 4>(grid, args); break;
+            case 8: launch_attention<A, E, 8>(grid, args); break;
+            default:
+              detail::fail(ErrorCode::internal, detail::format("attention: no kernel for %d dims per lane", kernel_dims));
+          }
+        } else {
+          if (kernel_dims != kAttentionGenericDims)
+            detail::fail(ErrorCode::internal, detail::format("attention: the generic kernel has %d dims per lane, not %d",
+                                                             kAttentionGenericDims, kernel_dims));
+          constexpr int kHeads = attention_heads_per_block(kAttentionGenericDims);
+          launch("paged_attention_kernel", paged_attention_kernel<A, E, kAttentionGenericDims, kHeads, kPagedAttentionWarpsFew>,
+                 grid, kPagedAttentionWarpsFew * 32, 0, args);
         }
         if (split.splits > 1) {
           launch("attention_combine_kernel", attention_combine_kernel<A>, dim3(unsigned(q.rows), unsigned(args.heads)), row_threads(head_dim), 0, args);

@@ -3543,15 +3543,32 @@ KVLITE_HD int sampling_digit(uint64_t key, int pass) {
 KVLITE_HD uint64_t sampling_decided_mask(int pass) { return pass == 0 ? 0 : ~0ull << (64 - kSamplingDigitBits * pass); }
 
 // Head dimensions each lane of a warp holds in attention (lane l holds l, l + 32, ...): the smallest of the
-// compiled counts {1, 2, 3, 4, 6, 8} covering head_dim; 0 when head_dim > kCudaMaxHeadDim.
+// compiled counts {2, 3, 4, 8} covering head_dim; 0 when head_dim > kCudaMaxHeadDim. The counts are the heads
+// models have: 64 (2), 80 and 96 (3), 128 (4), 256 (8); a head of 32 or less (test models) runs as 2, one of
+// 129-224 as 8. (1 and 6 were compiled too: 24 more instances of the largest kernel, for heads no model we serve has.)
 KVLITE_HD int attention_dims_per_lane(int64_t head_dim) {
   const int64_t needed = (head_dim + 31) / 32;
   if (head_dim <= 0 || needed > 8) return 0;
-  return needed <= 4 ? int(needed) : (needed <= 6 ? 6 : 8);
+  return needed <= 2 ? 2 : needed <= 4 ? int(needed) : 8;
 }
 // Query heads one attention block serves together (they share each K/V row it loads): bounded so the
 // per-lane registers (queries and accumulators, 2 x heads x dims_per_lane floats) stay at 64.
 KVLITE_HD constexpr int attention_heads_per_block(int dims_per_lane) { return dims_per_lane <= 4 ? 8 : 4; }
+
+// The attention kernel shapes compiled for an (activation, KV element) pair. Every dims-per-lane count and both
+// block sizes are compiled where the KV cache holds the activation type or fp8 -- what `--kv-dtype auto` and `fp8`
+// give, the pairs that run in practice. Any other pair (f16 KV under bf16 activations, bf16 KV under f32, ...) runs
+// one generic shape, kAttentionGenericDims dims per lane with the 4-warp block: correct for every head_dim up to
+// kCudaMaxHeadDim, not tuned. (With the four dims counts: 54 instances of the kernel; all 12 pairs with six counts
+// were 144, 40% of kernels.cu's machine code and most of its compile time on every architecture.)
+constexpr int kAttentionGenericDims = 8;
+KVLITE_HD constexpr bool attention_pair_tuned(bool kv_is_activation_type, bool kv_is_fp8) {
+  return kv_is_activation_type || kv_is_fp8;
+}
+// The dims per lane of the kernel that runs head_dim for the pair (0: no kernel, head_dim too large).
+KVLITE_HD constexpr int attention_kernel_dims(int dims_per_lane, bool pair_tuned) {
+  return dims_per_lane == 0 || pair_tuned ? dims_per_lane : kAttentionGenericDims;
+}
 
 // How attention splits each query's keys across blocks (flash-decoding): more blocks when rows x heads alone
 // would leave SMs idle, each split a chunk of at least kMinChunk keys, partials fitting the scratch.

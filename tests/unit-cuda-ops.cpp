@@ -592,7 +592,7 @@ TEST_CASE("attention matches the CPU: decode, chunked prefill, GQA groups, paged
       {8, 2, 256, 8, {{600, 1}, {9, 4}}},                  // head_dim 256: 8 dims per lane
       {32, 8, 128, 16, {{2500, 1}, {7, 1}, {300, 1}}},     // Llama/Qwen3 decode batch
       {6, 3, 72, 3, {{40, 40}}},                           // 3 dims per lane
-      {2, 1, 160, 7, {{300, 2}}},                          // 5 dims rounded to 6
+      {2, 1, 160, 7, {{300, 2}}},                          // 5 dims rounded to 8
   };
   for (DType activation : kActivations) {
     Gpu g(activation);
