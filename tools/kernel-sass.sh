@@ -5,7 +5,10 @@
 # instruction issue (the decode GEMVs: bench/RESULTS.md, 2026-11-27), a change's effect on what a tile costs shows
 # here before any device time is spent; the device's cuobjdump and Nsight Compute say the same there.
 #
-#     tools/kernel-sass.sh [--arch 90] [--grep PATTERN] [--histogram] [--dump FILE] [-DKNOB=VALUE ...]
+#     tools/kernel-sass.sh [--arch 90] [--ptx 90] [--grep PATTERN] [--histogram] [--dump FILE] [-DKNOB=VALUE ...]
+#
+#   --ptx N          compile sm_<arch> from compute_N's PTX (default: its own), as the default build does for
+#                    sm_86 and sm_87 (tools/check-shared-ptx.sh)
 #
 #   --grep PATTERN   kernels whose mangled name matches (grep -E), e.g. 'quant_gemv_mma_kernelILNS1_8QgFormatE0E13'
 #                    (int4, bf16 activations); default every kernel
@@ -18,16 +21,17 @@
 # CUDA image of this project's build machine has nvcc and ptxas but no cuobjdump.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-arch=90 pattern=. histogram=0 dump="" from="" flags=()
+arch=90 ptx="" pattern=. histogram=0 dump="" from="" flags=()
 while [ $# -gt 0 ]; do
   case $1 in
     --arch) arch=$2; shift 2 ;;
+    --ptx) ptx=$2; shift 2 ;;
     --grep) pattern=$2; shift 2 ;;
     --histogram) histogram=1; shift ;;
     --dump) dump=$2; shift 2 ;;
     --from) from=$2; shift 2 ;;
     -D*) flags+=("$1"); shift ;;
-    *) echo "usage: tools/kernel-sass.sh [--arch 90] [--grep PATTERN] [--histogram] [--dump FILE] [-DKNOB=VALUE ...]" >&2; exit 2 ;;
+    *) echo "usage: tools/kernel-sass.sh [--arch 90] [--ptx 90] [--grep PATTERN] [--histogram] [--dump FILE] [-DKNOB=VALUE ...]" >&2; exit 2 ;;
   esac
 done
 
@@ -62,7 +66,7 @@ else
   nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
   # The flags of the CMake build's kernels.cu (Release), as tools/kernel-resources.sh uses them.
   "$nvcc" -DKVLITE_WITH_CUDA=1 -I"$root" -I/usr/include/stb -O3 -DNDEBUG --expt-relaxed-constexpr -std=c++17 \
-    "${flags[@]}" --generate-code=arch=compute_$arch,code=sm_$arch -cubin "$root/kernels.cu" -o "$cubin"
+    "${flags[@]}" --generate-code=arch=compute_${ptx:-$arch},code=sm_$arch -cubin "$root/kernels.cu" -o "$cubin"
   PATH="$(dirname "$cuobjdump"):$PATH" "$cuobjdump" -sass "$cubin" | awk -v pattern="$pattern" '/Function : /{keep = ($0 ~ pattern)} keep' > "$sass"
 fi
 [ -n "$dump" ] && cp "$sass" "$dump"
