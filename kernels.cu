@@ -493,6 +493,48 @@ __global__ void silu_mul_kernel(const A* gate, int64_t gate_stride, const A* up,
   }
 }
 
+// out = gelu(gate) * up (GeGLU), the gelu rounded to A before the product as PyTorch stores act_fn(gate).
+// out may be gate or up. A: activation type; TANH: gelu_pytorch_tanh, else the exact (erf) form.
+template <class A, bool TANH>
+__global__ void gelu_mul_kernel(const A* gate, int64_t gate_stride, const A* up, int64_t up_stride,  // [rows, cols]
+                                A* out, int64_t out_stride, int64_t cols) {
+  kernel_entry();
+  const int64_t row = blockIdx.x;
+  const A* g = gate + row * gate_stride;
+  const A* u = up + row * up_stride;
+  A* dst = out + row * out_stride;
+  for (int64_t c = row_column_begin(); c < cols; c += row_column_step()) {
+    const float v = to_float(g[c]);
+    float activated;
+    if (TANH) {
+      const float beta = 0.7978845608028654f, kappa = 0.044715f;  // sqrt(2 / pi)
+      activated = 0.5f * v * (1.0f + tanhf(beta * (v + kappa * v * v * v)));
+    } else {
+      activated = v * 0.5f * (1.0f + erff(v * 0.7071067811865476f));
+    }
+    dst[c] = from_float<A>(to_float(from_float<A>(activated)) * to_float(u[c]));
+  }
+}
+
+// out = x * factor (Gemma's embedding normalizer), or cap * tanh(x / cap) when CAP (the final logit soft-cap,
+// each step rounded to A as PyTorch stores it). out may be x. A: activation type.
+template <class A, bool CAP>
+__global__ void scale_kernel(const A* x, int64_t x_stride, A* out, int64_t out_stride, int64_t cols, float factor) {
+  kernel_entry();
+  const A* in = x + int64_t(blockIdx.x) * x_stride;
+  A* dst = out + int64_t(blockIdx.x) * out_stride;
+  for (int64_t c = row_column_begin(); c < cols; c += row_column_step()) {
+    const float v = to_float(in[c]);
+    if (CAP) {
+      const float divided = to_float(from_float<A>(v / factor));
+      const float squashed = to_float(from_float<A>(tanhf(divided)));
+      dst[c] = from_float<A>(squashed * factor);
+    } else {
+      dst[c] = from_float<A>(v * factor);
+    }
+  }
+}
+
 // out = a + b. out may be a or b.
 //   A: activation type.
 template <class A>
@@ -611,13 +653,19 @@ __global__ void rope_kv_write_kernel(A* qk, int64_t qk_stride,  // [rows, heads 
 }
 
 // ---- paged attention -------------------------------------------------------------------------------------
+// The first cache index a query whose last is `last` sees: 0, or the start of its sliding window.
+KVLITE_HD inline int64_t attention_first_key(int64_t window, int64_t last) {
+  return window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+}
+
 // One block per (query row, KV head, head pass, split):
 //
 //   grid.x = query rows       grid.y = KV heads x head passes       grid.z = splits of the context
 //   block  = WARPS warps (4 or 8); warp w takes keys begin + w, begin + w + WARPS, ... of its split's chunk, kKeys at a time
 //   lanes  = head dimensions: lane l holds dims l, l + 32, ... (DIMS of them) of q, K, V and the output
 //
-//   context of one query:  | chunk 0 (split 0) | chunk 1 (split 1) | ... | last |  (causal: keys 0 .. last)
+//   context of one query:  | chunk 0 (split 0) | chunk 1 (split 1) | ... | last |  (causal: keys first .. last,
+//                                                                               first > 0 in a sliding window)
 //
 // The block serves HEADS query heads that share one KV head (GQA), so every K/V row it loads is used HEADS
 // times. Each warp keeps an online softmax per head; the block merges its warps in shared memory; with one
@@ -652,6 +700,8 @@ struct AttentionArgs {
   int64_t heads, group, head_passes;  // query heads; query heads per KV head; blocks per KV head
   float scale;
   float k_scale, v_scale;  // the layer's KV cache scales: stored x scale is what was written (1 but for fp8)
+  int64_t window;       // > 0: a query at cache index i sees keys i - window + 1 .. i (AttentionOptions)
+  float logit_softcap;  // > 0: scores = cap * tanh(scores / cap)
   int64_t splits;  // the grid's splits (AttentionSplit); each query uses attention_splits_used of them
   float* partial_acc;  // [rows, heads, splits, head_dim] unnormalised sums of p * v (splits > 1)
   float* partial_max;  // [rows, heads, splits]
@@ -720,10 +770,14 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const Atten
     for (int i = 0; i < DIMS; i++) acc[h][i] = 0.0f;
   }
   // this query's own split of its keys (the grid's splits past the ones it uses have nothing to do)
-  const int64_t used_splits = attention_splits_used(args.splits, last + 1);
+  // (the splits cut the visible keys first .. last: a sliding window's earlier keys take no split)
+  const int64_t first_key = attention_first_key(args.window, last), visible = last - first_key + 1;
+  const int64_t used_splits = attention_splits_used(args.splits, visible);
   if (split >= used_splits) return;  // uniform across the block, before any barrier
   int64_t key_begin, key_end;
-  split_key_range(split, attention_chunk(args.splits, last + 1), last, &key_begin, &key_end);
+  split_key_range(split, attention_chunk(args.splits, visible), visible - 1, &key_begin, &key_end);
+  key_begin += first_key;
+  key_end += first_key;
   const int32_t* seq_pages = args.block_tables + (seq < 0 ? 0 : seq) * args.block_table_stride;
   const E* cache = static_cast<const E*>(args.pages);
   // Keys in batches (key, key + kWarps, ... : kKeys of them): the page ids of the batch, then all of its K/V rows,
@@ -772,7 +826,9 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const Atten
         float partial = 0.0f;
 #pragma unroll
         for (int i = 0; i < DIMS; i++) partial += q[h][i] * k[u][i];
-        const float score = warp_sum(partial) * args.scale;  // (q @ k^T) * scaling, the same in every lane
+        float score = warp_sum(partial) * args.scale;  // (q @ k^T) * scaling, the same in every lane
+        // gemma2: attn_weights / softcap; tanh; * softcap (as the CPU)
+        if (args.logit_softcap > 0.0f) score = tanhf(score / args.logit_softcap) * args.logit_softcap;
         const SoftmaxStep step = online_softmax_step(score, running_max[h], running_sum[h]);
 #pragma unroll
         for (int i = 0; i < DIMS; i++) acc[h][i] = acc[h][i] * step.rescale + step.weight * v[u][i];
@@ -848,7 +904,10 @@ __global__ void attention_combine_kernel(const AttentionArgs args) {
   if (seq >= 0) {
     const int64_t first_row = args.query_starts[seq], queries = args.query_starts[seq + 1] - first_row;
     const int64_t context = args.context_lens[seq];
-    if (context >= queries && context <= args.max_context) keys = context - queries + (row - first_row) + 1;
+    if (context >= queries && context <= args.max_context) {
+      const int64_t last = context - queries + (row - first_row);
+      keys = last - attention_first_key(args.window, last) + 1;
+    }
   }
   kernel_entry();
   const int64_t used_splits = attention_splits_used(args.splits, keys);
@@ -2983,7 +3042,8 @@ class CudaBackend final : public Backend {
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::copy: return is_float_dtype(dtype);
       case Op::kv_write: case Op::attention: case Op::rope_kv_write: return is_kv_dtype(dtype);
       case Op::embedding_bag: case Op::layer_norm: return is_float_dtype(dtype);
-      case Op::gelu: case Op::segment_attention: return dtype == act_;
+      case Op::gelu: case Op::segment_attention: case Op::gelu_mul: case Op::scale: case Op::soft_cap:
+        return dtype == act_;
       // int4 (pack-quantized) and fp8 weights, repacked by cuda::upload_quant_weight (section 3b's GEMMs)
       case Op::quant_linear: return dtype == DType::I32 || dtype == DType::F8_E4M3;
     }
@@ -3228,6 +3288,45 @@ class CudaBackend final : public Backend {
     });
   }
 
+  void impl_gelu_mul(const Tensor& gate, const Tensor& up, GeluApprox approx, const Tensor& out) override {
+    activate();
+    if (out.elements() == 0) return;
+    check_grid_rows("gelu_mul", out.rows);
+    with_float_type(act_, [&](auto tag) {
+      using A = decltype(tag);
+      if (approx == GeluApprox::tanh)
+        launch("gelu_mul_kernel", gelu_mul_kernel<A, true>, row_grid(out.rows, out.cols), row_threads(out.cols), 0,
+            typed_const<A>(gate), gate.row_stride, typed_const<A>(up), up.row_stride, typed<A>(out), out.row_stride,
+            out.cols);
+      else
+        launch("gelu_mul_kernel", gelu_mul_kernel<A, false>, row_grid(out.rows, out.cols), row_threads(out.cols), 0,
+            typed_const<A>(gate), gate.row_stride, typed_const<A>(up), up.row_stride, typed<A>(out), out.row_stride,
+            out.cols);
+    });
+  }
+
+  void impl_scale(const Tensor& x, float factor, const Tensor& out) override {
+    activate();
+    if (out.elements() == 0) return;
+    check_grid_rows("scale", out.rows);
+    with_float_type(act_, [&](auto tag) {
+      using A = decltype(tag);
+      launch("scale_kernel", scale_kernel<A, false>, row_grid(out.rows, out.cols), row_threads(out.cols), 0,
+          typed_const<A>(x), x.row_stride, typed<A>(out), out.row_stride, out.cols, factor);
+    });
+  }
+
+  void impl_soft_cap(const Tensor& x, float cap, const Tensor& out) override {
+    activate();
+    if (out.elements() == 0) return;
+    check_grid_rows("soft_cap", out.rows);
+    with_float_type(act_, [&](auto tag) {
+      using A = decltype(tag);
+      launch("scale_kernel", scale_kernel<A, true>, row_grid(out.rows, out.cols), row_threads(out.cols), 0,
+          typed_const<A>(x), x.row_stride, typed<A>(out), out.row_stride, out.cols, cap);
+    });
+  }
+
   void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) override {
     activate();
     if (out.elements() == 0) return;
@@ -3386,7 +3485,7 @@ class CudaBackend final : public Backend {
   }
 
   void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
-                      float scale, const Tensor& out) override {
+                      float scale, const Tensor& out, const AttentionOptions& options) override {
     activate();
     const int64_t head_dim = cache.layout.head_dim, kv_heads = cache.layout.kv_heads;
     const int dims = attention_dims_per_lane(head_dim);
@@ -3427,6 +3526,8 @@ class CudaBackend final : public Backend {
                    detail::format("attention: %lld KV heads x %lld head passes exceed a launch's 65535 blocks in y",
                                   (long long)kv_heads, (long long)args.head_passes));
     args.scale = scale;
+    args.window = options.window;
+    args.logit_softcap = options.logit_softcap;
     args.k_scale = kv_layer_scale(cache.k_scales, layer);
     args.v_scale = kv_layer_scale(cache.v_scales, layer);
     const AttentionSplit split = plan_attention_split(

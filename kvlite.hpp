@@ -724,7 +724,7 @@ constexpr int64_t max_vision_positions = KVLITE_MAX_VISION_POSITIONS;
 constexpr int64_t max_processor_pixels = KVLITE_MAX_PROCESSOR_PIXELS;
 }  // namespace limits
 
-enum class Arch { llama, qwen2, qwen3, qwen3_vl };
+enum class Arch { llama, qwen2, qwen3, qwen3_vl, mistral, gemma2, gemma3, phi3 };
 const char* arch_name(Arch arch);
 
 // Rotary embedding parameters, from either key layout: classic (`rope_theta` + `rope_scaling`) or the one
@@ -740,6 +740,48 @@ struct RopeConfig {
   // Qwen3-VL multimodal RoPE: sections of the rotary half (t, h, w), e.g. [24, 20, 20]
   std::vector<int> mrope_section;
   bool mrope_interleaved = false;
+};
+
+// ---- block traits: how a family's decoder block differs from Llama's ----------------------------------------
+// One forward pass (model.inl) serves every family; what differs is data read from config.json here, never a
+// model_type test in the ops. The facts come from transformers' modeling_{llama,mistral,qwen2,gemma2,gemma3,
+// phi3}.py (and llama.cpp's llm_build_* of the same families):
+//
+//                 norm       act        embed x   sandwich  attn cap  final cap  scaling            layers
+//   llama/qwen    x w        silu       -         -         -         -          head_dim^-1/2      full
+//   mistral       x w        silu       -         -         -         -          head_dim^-1/2      all sliding if sliding_window
+//   qwen2         x w        silu       -         -         -         -          head_dim^-1/2      sliding from max_window_layers on, if use_sliding_window
+//   phi3          x w        silu       -         -         -         -          head_dim^-1/2      all sliding if sliding_window; qkv_proj, gate_up_proj fused on disk
+//   gemma2        x (1 + w)  gelu tanh  sqrt(H)   yes       50        30         query_pre_attn^-1/2  sliding, full, sliding, ...
+//   gemma3_text   x (1 + w)  gelu tanh  sqrt(H)   yes       -         -          query_pre_attn^-1/2  5 sliding : 1 full; q/k norm; local RoPE base
+enum class NormForm { weight, one_plus_weight };  // RMSNorm output x * w (Llama) or x * (1 + w) (Gemma)
+enum class MlpActivation { silu, gelu_tanh, gelu };  // act_fn in down_proj(act_fn(gate_proj(x)) * up_proj(x))
+enum class LayerKind { full, sliding };           // layer_types "full_attention" / "sliding_attention"
+struct BlockTraits {
+  NormForm norm_form = NormForm::weight;
+  MlpActivation activation = MlpActivation::silu;
+  bool embedding_scaled = false;  // inputs_embeds * sqrt(hidden_size), the factor in the embedding's dtype (Gemma)
+  // Gemma's sandwich: post_attention_layernorm normalises the attention output before the residual add, and
+  // pre_feedforward_layernorm / post_feedforward_layernorm wrap the MLP (Llama's post_attention_layernorm is the
+  // pre-MLP norm).
+  bool sandwich_norms = false;
+  double attn_logit_softcap = 0;     // > 0: scores = cap * tanh(scores / cap) before the mask (Gemma-2)
+  double final_logit_softcap = 0;    // > 0: logits = cap * tanh(logits / cap) (Gemma-2)
+  double query_pre_attn_scalar = 0;  // > 0: attention scaling = query_pre_attn_scalar^-1/2, else head_dim^-1/2
+  bool fused_projections = false;    // self_attn.qkv_proj and mlp.gate_up_proj stored fused (Phi-3)
+  std::vector<LayerKind> layer_kinds;  // [num_layers]
+  int64_t sliding_window = 0;  // W: a sliding layer's query sees the W most recent tokens, itself included
+  double local_rope_theta = 0;  // > 0: the sliding layers' own RoPE base (Gemma-3 rope_local_base_freq)
+
+  bool has_sliding_layers() const {
+    for (LayerKind kind : layer_kinds)
+      if (kind == LayerKind::sliding) return true;
+    return false;
+  }
+  // The attention window of layer l: W for a sliding layer, 0 (everything) for a full one.
+  int64_t window_of(int64_t layer) const {
+    return size_t(layer) < layer_kinds.size() && layer_kinds[size_t(layer)] == LayerKind::sliding ? sliding_window : 0;
+  }
 };
 
 struct TextConfig {
@@ -760,6 +802,7 @@ struct TextConfig {
   std::string hidden_act = "silu";
   DType dtype = DType::BF16;  // torch_dtype / dtype of the unquantized weights
   RopeConfig rope;
+  BlockTraits block;  // the family's differences from Llama's block
   std::vector<int64_t> bos_token_ids;
   std::vector<int64_t> eos_token_ids;
 };
@@ -2380,8 +2423,10 @@ enum class Op {
   embedding_bag, layer_norm, gelu, segment_attention,
   // rope then kv_write as one call (Backend::rope_kv_write)
   rope_kv_write,
+  // Gemma's: GeGLU's gate, the embedding scale, the final logit soft-cap
+  gelu_mul, scale, soft_cap,
 };
-constexpr int kOpCount = int(Op::rope_kv_write) + 1;
+constexpr int kOpCount = int(Op::soft_cap) + 1;
 
 // One op's share of a backend's work while op timing is on (Backend::set_op_timing): how many calls, and their
 // host wall time with the backend synchronized after each, so that on a GPU an op's time is its launch and its
@@ -2428,6 +2473,15 @@ bool linear_group_fuses(const std::vector<const LinearDesc*>& parts);
 
 // GELU's two forms: nn.GELU() / "gelu" (exact, with erf) and "gelu_pytorch_tanh" (the tanh approximation).
 enum class GeluApprox { none, tanh };
+
+// What one layer's attention adds to plain causal attention (BlockTraits, per layer kind).
+struct AttentionOptions {
+  // > 0: a sliding window of W tokens: the query at cache index i sees keys i - W + 1 .. i (transformers'
+  // sliding_window_overlay: kv_idx > q_idx - W); 0: every earlier key.
+  int64_t window = 0;
+  // > 0: Gemma-2's soft-cap of the scaled scores before the mask, scores = cap * tanh(scores / cap).
+  float logit_softcap = 0.0f;
+};
 const char* op_name(Op op);
 
 class Backend {
@@ -2510,6 +2564,17 @@ class Backend {
   // may be the two halves of one fused gate_up buffer). out may be gate or up.
   Status silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out);
 
+  // GeGLU's gate (Gemma): out = gelu(gate) * up, the gelu (gelu() below) stored in the activation dtype before
+  // the product, as PyTorch's act_fn(gate_proj(x)) * up_proj(x). gate, up, out [T, I]; out may be gate or up.
+  Status gelu_mul(const Tensor& gate, const Tensor& up, GeluApprox approx, const Tensor& out);
+
+  // out = x * factor, the product in fp32 (Gemma's inputs_embeds * normalizer). x, out [T, C]; out may be x.
+  Status scale(const Tensor& x, float factor, const Tensor& out);
+
+  // out = cap * tanh(x / cap), each of the three steps stored as PyTorch does in fp32 (Gemma-2's final logit
+  // soft-capping: logits / cap; tanh; * cap). x, out [T, C]; cap > 0; out may be x.
+  Status soft_cap(const Tensor& x, float cap, const Tensor& out);
+
   // out = a + b. a, b, out [T, H]. out may be a or b.
   Status add(const Tensor& a, const Tensor& b, const Tensor& out);
 
@@ -2555,10 +2620,11 @@ class Backend {
 
   // Causal paged attention for a batch of sequences (see AttentionBatch), grouped-query: query head h reads
   // KV head h / (heads / kv_heads). Per query head: softmax(scale * q.K^T) @ V over its visible tokens,
-  // in fp32 with the running maximum subtracted; no [T, context] matrix is formed.
+  // in fp32 with the running maximum subtracted; no [T, context] matrix is formed. options: a sliding window
+  // (only the last window keys are visible) and a soft-cap of the scaled scores.
   // q, out [T, heads * head_dim] with head_dim = cache.layout.head_dim; scale usually 1/sqrt(head_dim).
   Status attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
-                   float scale, const Tensor& out);
+                   float scale, const Tensor& out, const AttentionOptions& options = {});
 
  protected:
   // The backend's work, called after the shared validation above has passed. They may throw kvlite::Error
@@ -2574,6 +2640,9 @@ class Backend {
   virtual void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) = 0;
   virtual void impl_quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) = 0;
   virtual void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
+  virtual void impl_gelu_mul(const Tensor& gate, const Tensor& up, GeluApprox approx, const Tensor& out) = 0;
+  virtual void impl_scale(const Tensor& x, float factor, const Tensor& out) = 0;
+  virtual void impl_soft_cap(const Tensor& x, float cap, const Tensor& out) = 0;
   virtual void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
   virtual void impl_copy(const Tensor& src, const Tensor& dst) = 0;
   virtual void impl_embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
@@ -2587,7 +2656,8 @@ class Backend {
   virtual void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
                              const Tensor& slots) = 0;
   virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
-                              const AttentionBatch& batch, float scale, const Tensor& out) = 0;
+                              const AttentionBatch& batch, float scale, const Tensor& out,
+                              const AttentionOptions& options) = 0;
   // The two ops in order, unless a backend fuses them.
   virtual void impl_rope_kv_write(const Tensor& qk, const Tensor& cos, const Tensor& sin, int64_t head_dim,
                                   const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
@@ -2639,12 +2709,17 @@ Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions,
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
-// model: the decoder-only text transformer of Llama-3, Qwen2, Qwen3 and Qwen3-VL's language model, written
-// once against Backend.
+// model: the decoder-only text transformer of Llama-3, Mistral, Qwen2, Qwen3, Qwen3-VL's language model,
+// Gemma-2, Gemma-3 (text) and Phi-3, written once against Backend; the families differ only by the data of
+// TextConfig::block (BlockTraits, config.hpp).
 //
-//   token ids ─► embed_tokens ─► [ RMSNorm ─► q,k,v (+bias) ─► q/k RMSNorm (qwen3) ─► RoPE ─► paged KV
-//                                   ─► causal attention ─► o_proj ─► + ─► RMSNorm ─► SwiGLU MLP ─► + ] x L
-//                              ─► final RMSNorm ─► rows whose logits are wanted ─► lm_head ─► logits
+//   token ids ─► embed_tokens (x sqrt(H): gemma) ─► [ RMSNorm ─► q,k,v (+bias) ─► q/k RMSNorm (qwen3, gemma3)
+//       ─► RoPE (the layer kind's base) ─► paged KV ─► causal attention (sliding window, soft-cap: per layer kind)
+//       ─► o_proj (─► RMSNorm: gemma) ─► + ─► RMSNorm ─► SwiGLU / GeGLU MLP (─► RMSNorm: gemma) ─► + ] x L
+//   ─► final RMSNorm ─► rows whose logits are wanted ─► lm_head (─► soft-cap: gemma2) ─► logits
+//
+// Gemma's RMSNorm is x * (1 + w): the binder stores 1 + w (in fp32, as Gemma computes it), so every norm
+// runs the one rms_norm op.
 //
 // Qwen3-VL (vision.hpp computes the image features): image tokens' embeddings are replaced by the vision
 // tower's merged embeddings, its DeepStack features are added to their hidden states after decoder layers
@@ -2662,15 +2737,19 @@ namespace kvlite {
 // One decoder layer (LlamaDecoderLayer / Qwen2DecoderLayer / Qwen3DecoderLayer), every view in its on-disk
 // dtype. Shapes: H hidden, Hq/Hkv heads, D head_dim, I intermediate.
 struct DecoderLayerWeights {
-  Tensor input_layernorm;                 // [H]
+  Tensor input_layernorm;                 // [H]  (Gemma: 1 + w, F32, here and in every norm below)
   // q_proj | k_proj | v_proj ([Hq D, H], [Hkv D, H], [Hkv D, H]; biases for qwen2) into the qkv buffer: three
-  // parts as bound, one where the CUDA uploader fused them
+  // parts as bound, one where the CUDA uploader fused them, or Phi-3's stored qkv_proj)
   LinearGroup qkv_proj;
   Tensor q_norm, k_norm;                  // [D] each (qwen3); empty otherwise
   LinearWeights o_proj;                   // [H, Hq D]
-  Tensor post_attention_layernorm;        // [H]
-  LinearGroup gate_up_proj;               // gate_proj | up_proj, [I, H] each, into the gate_up buffer (as qkv_proj)
+  Tensor attention_output_norm;           // [H] Gemma's post_attention_layernorm (of o_proj's output); empty otherwise
+  // [H] the norm before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm
+  Tensor post_attention_layernorm;
+  LinearGroup gate_up_proj;               // gate_proj | up_proj, [I, H] each, into the gate_up buffer (as qkv_proj;
+                                          // Phi-3's stored gate_up_proj [2 I, H])
   LinearWeights down_proj;                // [H, I]
+  Tensor mlp_output_norm;                 // [H] Gemma's post_feedforward_layernorm; empty otherwise
 };
 
 struct TextModelWeights {
@@ -2681,6 +2760,8 @@ struct TextModelWeights {
   // An fp8 KV cache's per-layer scales (compressed-tensors kv_cache_scheme: self_attn.k_scale / v_scale, one
   // number per layer), as floats; empty when the checkpoint declares none (an fp8 cache then uses 1.0).
   std::vector<float> k_scales, v_scales;
+  // Host memory behind norm views the binder computed rather than mapped (Gemma's 1 + w in F32).
+  std::vector<std::shared_ptr<const std::vector<float>>> computed;
 };
 
 // Binds every weight of the text model by its transformers name as a view into the store's mmap (BF16, F16
@@ -2785,8 +2866,10 @@ class TextModel {
   int64_t max_seqs_ = 0;        // Smax: rows of the per-sequence buffers
   int64_t max_logit_rows_ = 0;  // rows one logits() call computes: min(logits buffer rows, Tmax)
   int64_t step_tokens_ = 0;     // T of the last stage()
-  float attention_scale_ = 1.0f;  // head_dim ** -0.5
+  float attention_scale_ = 1.0f;  // head_dim ** -0.5 (query_pre_attn_scalar ** -0.5: gemma)
+  float embedding_scale_ = 0.0f;  // > 0: inputs_embeds * this (gemma's normalizer, in the embedding dtype)
   std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
+  std::vector<float> local_inv_freq_;       // [D / 2] the sliding layers' own (gemma3); empty: inv_freq_ serves all
   std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
   // [Tmax, H] image rows rounded to 16-bit activations on the host (vision models with BF16 / F16 activations)
   std::vector<uint16_t> image_rows_16bit_;
@@ -2802,6 +2885,8 @@ class TextModel {
   Tensor mlp_act_;        // "mlp_act"      [Tmax, I]
   Tensor rope_cos_;       // "rope_cos"     [Tmax, D / 2] fp32
   Tensor rope_sin_;       // "rope_sin"     [Tmax, D / 2] fp32
+  Tensor rope_cos_local_;  // "rope_cos_local" [Tmax, D / 2] fp32: the sliding layers' (gemma3); else empty
+  Tensor rope_sin_local_;  // "rope_sin_local" [Tmax, D / 2] fp32
   Tensor token_ids_;      // "token_ids"    [Tmax] int32
   Tensor slot_mapping_;   // "slot_mapping" [Tmax] int32
   Tensor query_starts_;   // "query_starts" [Smax + 1] int32 (+ 1 for a GPU's spare sequence)
@@ -4364,6 +4449,10 @@ const char* arch_name(Arch arch) {
     case Arch::qwen2: return "qwen2";
     case Arch::qwen3: return "qwen3";
     case Arch::qwen3_vl: return "qwen3_vl";
+    case Arch::mistral: return "mistral";
+    case Arch::gemma2: return "gemma2";
+    case Arch::gemma3: return "gemma3";
+    case Arch::phi3: return "phi3";
   }
   return "?";
 }
@@ -4386,7 +4475,11 @@ const char* scale_granularity_name(ScaleGranularity granularity) {
   return "?";
 }
 
-std::string ModelConfig::text_prefix() const { return arch == Arch::qwen3_vl ? "model.language_model." : "model."; }
+std::string ModelConfig::text_prefix() const {
+  if (arch == Arch::qwen3_vl) return "model.language_model.";
+  if (model_type == "gemma3") return "language_model.model.";  // Gemma3ForConditionalGeneration as published
+  return "model.";
+}
 
 uint64_t ModelConfig::kv_bytes_per_token(int kv_element_bytes) const {
   return 2ull * uint64_t(text.num_layers) * uint64_t(text.num_kv_heads) * uint64_t(text.head_dim) *
@@ -4649,6 +4742,137 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim) {
   return rope;
 }
 
+
+// ---- block traits (config.hpp's table) ------------------------------------------------------------------
+// A float key whose JSON null means "off" (Gemma-2's soft-caps: null disables, absent takes the default).
+inline double number_or_null(const Node& node, const std::string& key, double absent, double null_value) {
+  auto it = node.value->find(key);
+  if (it == node.value->end()) return absent;
+  if (it->is_null()) return null_value;
+  const double v = node.number_or(key, absent);
+  if (!(v > 0) || !std::isfinite(v)) node.fail_key(ErrorCode::bad_format, key, format("must be positive (or null), not %g", v));
+  return v;
+}
+
+inline MlpActivation parse_activation(const Node& text, const char* key, const std::string& name,
+                                      std::initializer_list<MlpActivation> allowed) {
+  MlpActivation act = MlpActivation::silu;
+  if (name == "silu") act = MlpActivation::silu;
+  else if (name == "gelu_pytorch_tanh") act = MlpActivation::gelu_tanh;
+  else if (name == "gelu") act = MlpActivation::gelu;
+  else text.fail_key(ErrorCode::unsupported, key, format("'%s' is not supported; supported: silu, gelu_pytorch_tanh, gelu", name.c_str()));
+  if (std::find(allowed.begin(), allowed.end(), act) == allowed.end())
+    text.fail_key(ErrorCode::unsupported, key, format("'%s' is not supported for this model type", name.c_str()));
+  return act;
+}
+
+// layer_types as written (transformers >= 4.54 saves it), else the family's rule for it.
+inline std::vector<LayerKind> parse_layer_types(const Node& text, int64_t layers, const std::function<LayerKind(int64_t)>& rule) {
+  std::vector<LayerKind> kinds;
+  if (!text.has("layer_types")) {
+    for (int64_t l = 0; l < layers; l++) kinds.push_back(rule(l));
+    return kinds;
+  }
+  std::vector<std::string> names = text.string_list("layer_types");
+  if (int64_t(names.size()) != layers)
+    text.fail_key(ErrorCode::bad_format, "layer_types",
+                  format("lists %zu layers but num_hidden_layers is %lld", names.size(), (long long)layers));
+  for (size_t l = 0; l < names.size(); l++) {
+    if (names[l] == "full_attention") kinds.push_back(LayerKind::full);
+    else if (names[l] == "sliding_attention") kinds.push_back(LayerKind::sliding);
+    else
+      text.fail_key(ErrorCode::unsupported, format("layer_types[%zu]", l),
+                    format("'%s' is not supported; supported: full_attention, sliding_attention", names[l].c_str()));
+  }
+  return kinds;
+}
+
+inline BlockTraits parse_block_traits(const Node& text, Arch arch, const TextConfig& t) {
+  BlockTraits b;
+  const int64_t layers = t.num_layers;
+  auto window_key = [&](const char* key) -> int64_t {
+    return text.has(key) ? text.bounded(key, limits::max_positions, "KVLITE_MAX_POSITIONS") : 0;
+  };
+  const bool gemma = arch == Arch::gemma2 || arch == Arch::gemma3;
+  if (gemma) {
+    // Gemma2Config / Gemma3TextConfig: hidden_activation (older files also carry hidden_act)
+    const char* act_key = text.has("hidden_activation") ? "hidden_activation" : "hidden_act";
+    b.activation = parse_activation(text, act_key, text.string_or(act_key, "gelu_pytorch_tanh"),
+                                    {MlpActivation::gelu_tanh, MlpActivation::gelu});
+    b.norm_form = NormForm::one_plus_weight;
+    b.embedding_scaled = true;
+    b.sandwich_norms = true;
+    b.query_pre_attn_scalar = text.number_or("query_pre_attn_scalar", 256);
+    if (!(b.query_pre_attn_scalar > 0))
+      text.fail_key(ErrorCode::bad_format, "query_pre_attn_scalar", "must be positive");
+    if (text.bool_or("use_bidirectional_attention", false))
+      text.fail_key(ErrorCode::unsupported, "use_bidirectional_attention", "= true (an encoder) is not supported");
+    const bool g2 = arch == Arch::gemma2;
+    b.attn_logit_softcap = number_or_null(text, "attn_logit_softcapping", g2 ? 50.0 : 0.0, 0.0);
+    b.final_logit_softcap = number_or_null(text, "final_logit_softcapping", g2 ? 30.0 : 0.0, 0.0);
+    b.sliding_window = text.has("sliding_window") ? window_key("sliding_window") : 4096;
+    // Gemma-2: sliding, full, sliding, ...; Gemma-3: every sliding_window_pattern-th layer full (default 6)
+    const int64_t pattern = g2 ? 2 : text.bounded_or("sliding_window_pattern", 6, limits::max_model_layers, "KVLITE_MAX_MODEL_LAYERS");
+    b.layer_kinds = parse_layer_types(text, layers, [&](int64_t l) {
+      return (l + 1) % pattern ? LayerKind::sliding : LayerKind::full;
+    });
+  } else {
+    b.activation = parse_activation(text, "hidden_act", t.hidden_act, {MlpActivation::silu});
+    if (arch == Arch::mistral || arch == Arch::phi3) {
+      // MistralModel / Phi3Model: one mask for every layer, sliding when sliding_window is set
+      b.sliding_window = window_key("sliding_window");
+      b.layer_kinds.assign(size_t(layers), b.sliding_window > 0 ? LayerKind::sliding : LayerKind::full);
+      b.fused_projections = arch == Arch::phi3;
+    } else if (arch == Arch::qwen2 || arch == Arch::qwen3) {
+      // Qwen2Config: sliding_window = sliding_window if use_sliding_window else None; layers from
+      // max_window_layers on slide (layer_types when written)
+      if (text.bool_or("use_sliding_window", false)) b.sliding_window = window_key("sliding_window");
+      const int64_t max_window_layers = text.bounded_or("max_window_layers", 28, limits::max_model_layers, "KVLITE_MAX_MODEL_LAYERS");
+      b.layer_kinds = parse_layer_types(text, layers, [&](int64_t l) {
+        return b.sliding_window > 0 && l >= max_window_layers ? LayerKind::sliding : LayerKind::full;
+      });
+      if (b.sliding_window == 0) b.layer_kinds.assign(size_t(layers), LayerKind::full);  // no window: full masks
+    } else {
+      b.layer_kinds.assign(size_t(layers), LayerKind::full);
+    }
+  }
+  if (b.has_sliding_layers() && b.sliding_window <= 0)
+    text.fail_key(ErrorCode::bad_format, "sliding_window", "must be a positive number of tokens for the sliding layers");
+  return b;
+}
+
+// Gemma3TextConfig's class defaults for the keys a published config.json leaves out (Gemma-3-4B's text_config
+// lists only a few), and its RoPE split: rope_parameters {full_attention, sliding_attention} (transformers 5)
+// or rope_theta + rope_local_base_freq (+ rope_scaling for the global layers). Rewrites `text` so that
+// parse_rope reads the global layers' parameters; returns the sliding layers' base.
+inline double prepare_gemma3_text(nlohmann::json& text, const std::string& origin) {
+  const std::pair<const char*, nlohmann::json> defaults[] = {
+      {"vocab_size", 262208}, {"hidden_size", 2304}, {"intermediate_size", 9216}, {"num_hidden_layers", 26},
+      {"num_attention_heads", 8}, {"num_key_value_heads", 4}, {"head_dim", 256}, {"max_position_embeddings", 131072},
+      {"rms_norm_eps", 1e-6}, {"query_pre_attn_scalar", 256}, {"tie_word_embeddings", true}};
+  for (const auto& d : defaults)
+    if (!text.contains(d.first)) text[d.first] = d.second;
+  Node node{&text, "", origin};
+  double local_theta = 10000.0;
+  if (std::optional<Node> params = node.optional_child("rope_parameters"); params && params->has("full_attention")) {
+    Node full = params->child("full_attention");
+    if (std::optional<Node> sliding = params->optional_child("sliding_attention")) {
+      const std::string type = sliding->string_or("rope_type", "default");
+      if (type != "default")
+        sliding->fail_key(ErrorCode::unsupported, "rope_type", format("'%s' on the sliding layers is not supported; supported: default", type.c_str()));
+      local_theta = sliding->number_or("rope_theta", local_theta);
+    }
+    nlohmann::json global = *full.value;
+    if (!global.contains("rope_theta")) global["rope_theta"] = 1000000.0;
+    text["rope_parameters"] = global;
+  } else {
+    local_theta = node.number_or("rope_local_base_freq", local_theta);
+    if (!node.has("rope_theta") && !node.has("rope_parameters")) text["rope_theta"] = 1000000.0;
+  }
+  if (!(local_theta > 0)) node.fail_key(ErrorCode::bad_format, "rope_local_base_freq", "must be positive");
+  return local_theta;
+}
+
 inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
   TextConfig t;
   t.hidden_size = text.bounded("hidden_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
@@ -4688,6 +4912,15 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
       t.attention_bias = t.o_proj_bias = attention_bias;
       t.mlp_bias = text.bool_or("mlp_bias", false);
       break;
+    case Arch::mistral:  // MistralAttention / Phi3Attention: no biases
+    case Arch::phi3:
+    case Arch::gemma2:  // Gemma2Attention: attention_bias on q/k/v/o
+      t.attention_bias = t.o_proj_bias = arch == Arch::gemma2 && attention_bias;
+      break;
+    case Arch::gemma3:
+      t.attention_bias = t.o_proj_bias = attention_bias;
+      t.qk_norm = true;
+      break;
     case Arch::qwen2:  // Qwen2Attention: q/k/v always have biases, o_proj never
       t.attention_bias = true;
       t.o_proj_bias = false;
@@ -4709,6 +4942,7 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
 
   t.bos_token_ids = text.has("bos_token_id") ? text.ids("bos_token_id") : root.ids("bos_token_id");
   t.eos_token_ids = text.has("eos_token_id") ? text.ids("eos_token_id") : root.ids("eos_token_id");
+  t.block = parse_block_traits(text, arch, t);
   return t;
 }
 
@@ -4950,9 +5184,14 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
     else if (*model_type == "qwen2") config.arch = Arch::qwen2;
     else if (*model_type == "qwen3") config.arch = Arch::qwen3;
     else if (*model_type == "qwen3_vl") config.arch = Arch::qwen3_vl;
+    else if (*model_type == "mistral") config.arch = Arch::mistral;
+    else if (*model_type == "gemma2") config.arch = Arch::gemma2;
+    else if (*model_type == "gemma3_text" || *model_type == "gemma3") config.arch = Arch::gemma3;
+    else if (*model_type == "phi3") config.arch = Arch::phi3;
     else
       root.fail_key(ErrorCode::unsupported, "model_type",
-                    detail::format("'%s' is not supported; supported: llama, qwen2, qwen3, qwen3_vl", model_type->c_str()));
+                    detail::format("'%s' is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_vl, gemma2, "
+                                   "gemma3_text, gemma3 (its text model), phi3", model_type->c_str()));
 
     if (config.arch == Arch::qwen3_vl) {
       config.text = detail::cfg::parse_text(root.child("text_config"), root, config.arch);
@@ -4962,6 +5201,14 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
       config.video_token_id = root.checked_ids("video_token_id", {root.optional_int("video_token_id").value_or(151656)})[0];
       config.vision_start_token_id = root.checked_ids("vision_start_token_id", {root.optional_int("vision_start_token_id").value_or(151652)})[0];
       config.vision_end_token_id = root.checked_ids("vision_end_token_id", {root.optional_int("vision_end_token_id").value_or(151653)})[0];
+    } else if (config.arch == Arch::gemma3) {
+      // gemma3_text at the top level; gemma3 (multimodal) nests it in text_config (its vision tower is not run)
+      const bool nested = *model_type == "gemma3";
+      nlohmann::json text = nested ? *root.child("text_config").value : doc;
+      const double local_theta = detail::cfg::prepare_gemma3_text(text, origin);
+      Node text_node{&text, nested ? "text_config" : "", origin};
+      config.text = detail::cfg::parse_text(text_node, root, config.arch);
+      config.text.block.local_rope_theta = local_theta;
     } else {
       config.text = detail::cfg::parse_text(root, root, config.arch);
     }
@@ -5069,12 +5316,20 @@ inline std::vector<LinearSpec> linear_specs(const ModelConfig& c) {
   const std::string prefix = c.text_prefix();
   for (int64_t i = 0; i < t.num_layers; i++) {
     std::string layer = prefix + format("layers.%lld.", (long long)i);
-    specs.push_back({layer + "self_attn.q_proj", q_out, t.hidden_size, t.attention_bias, false});
-    specs.push_back({layer + "self_attn.k_proj", kv_out, t.hidden_size, t.attention_bias, false});
-    specs.push_back({layer + "self_attn.v_proj", kv_out, t.hidden_size, t.attention_bias, false});
+    if (t.block.fused_projections) {  // Phi-3: q | k | v and gate | up as one stored Linear each
+      specs.push_back({layer + "self_attn.qkv_proj", q_out + 2 * kv_out, t.hidden_size, t.attention_bias, false});
+    } else {
+      specs.push_back({layer + "self_attn.q_proj", q_out, t.hidden_size, t.attention_bias, false});
+      specs.push_back({layer + "self_attn.k_proj", kv_out, t.hidden_size, t.attention_bias, false});
+      specs.push_back({layer + "self_attn.v_proj", kv_out, t.hidden_size, t.attention_bias, false});
+    }
     specs.push_back({layer + "self_attn.o_proj", t.hidden_size, q_out, t.o_proj_bias, false});
-    specs.push_back({layer + "mlp.gate_proj", t.intermediate_size, t.hidden_size, t.mlp_bias, false});
-    specs.push_back({layer + "mlp.up_proj", t.intermediate_size, t.hidden_size, t.mlp_bias, false});
+    if (t.block.fused_projections) {
+      specs.push_back({layer + "mlp.gate_up_proj", 2 * t.intermediate_size, t.hidden_size, t.mlp_bias, false});
+    } else {
+      specs.push_back({layer + "mlp.gate_proj", t.intermediate_size, t.hidden_size, t.mlp_bias, false});
+      specs.push_back({layer + "mlp.up_proj", t.intermediate_size, t.hidden_size, t.mlp_bias, false});
+    }
     specs.push_back({layer + "mlp.down_proj", t.hidden_size, t.intermediate_size, t.mlp_bias, false});
   }
   if (!t.tie_word_embeddings) specs.push_back({"lm_head", t.vocab_size, t.hidden_size, false, false});
@@ -5379,7 +5634,8 @@ WeightsSummary estimate_weights(const ModelConfig& config) {
   const DType dtype = t.dtype;
   const uint64_t hidden = uint64_t(t.hidden_size), layers = uint64_t(t.num_layers);
   const uint64_t embedding = dtype_bytes(dtype, uint64_t(t.vocab_size) * hidden);
-  uint64_t norms = layers * 2 * dtype_bytes(dtype, hidden) + dtype_bytes(dtype, hidden);  // input/post-attention + final
+  // input / post-attention (+ Gemma's pre- / post-feedforward) per layer, and the final norm
+  uint64_t norms = layers * (t.block.sandwich_norms ? 4 : 2) * dtype_bytes(dtype, hidden) + dtype_bytes(dtype, hidden);
   if (t.qk_norm) norms += layers * 2 * dtype_bytes(dtype, uint64_t(t.head_dim));
   uint64_t text_linears = 0, vision_linears = 0, lm_head = 0;
   for (const LinearDesc& linear : s.linears) {
@@ -9885,15 +10141,20 @@ WeightConversion cuda_weight_conversion(const ModelConfig& config, const Weights
 }
 
 // Room for the uploader's 256-byte alignment of every text tensor: at most 18 per layer (2 norms, q/k norms,
-// 7 Linears with weight and bias) plus the embedding table, the final norm, lm_head and a tied copy.
+// 7 Linears with weight and bias; 20 with Gemma's 4 norms) plus the embedding table, the final norm, lm_head and a tied copy; and for
+// Gemma's norms, uploaded as the fp32 1 + w the binder formed (at most 6 per layer and the final one).
 uint64_t cuda_weight_slack(const ModelConfig& config) {
-  uint64_t tensors = 4 + 18 * uint64_t(std::max<int64_t>(config.text.num_layers, 0));
+  const uint64_t layers = uint64_t(std::max<int64_t>(config.text.num_layers, 0));
+  uint64_t tensors = 4 + (config.text.block.sandwich_norms ? 20 : 18) * layers;
+  uint64_t computed_norms = 0;
+  if (config.text.block.norm_form == NormForm::one_plus_weight)
+    computed_norms = (6 * layers + 1) * uint64_t(std::max<int64_t>(config.text.hidden_size, config.text.head_dim)) * 4;
   // the vision tower: 12 per block (2 LayerNorms and 4 Linears, weight and bias each), the patch embedding (2),
   // the position table, and 6 per merger (the final one and DeepStack's)
   if (config.vision.present)
     tensors += 12 * uint64_t(std::max<int64_t>(config.vision.depth, 0)) + 3 +
                6 * (1 + uint64_t(config.vision.deepstack_visual_indexes.size()));
-  return kPlanAlignment * tensors;
+  return kPlanAlignment * tensors + computed_norms;
 }
 
 PlanItem weights_item(const Inputs& in, DType act) {
@@ -10381,6 +10642,11 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
   if (P > 0) buffers.push_back(buffer("block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
+  // Gemma-3's sliding layers rotate with their own base (rope_local_base_freq): a second pair of tables.
+  if (t.block.local_rope_theta > 0) {
+    buffers.push_back(buffer("rope_cos_local", {T, D / 2}, 4, "(T, D / 2)", "fp32"));
+    buffers.push_back(buffer("rope_sin_local", {T, D / 2}, 4, "(T, D / 2)", "fp32"));
+  }
   // Vision models: a step's DeepStack rows, staged from the host and added to the image tokens' hidden states
   // (in the activation dtype; fp32-sized whatever it is).
   if (config.vision.present) buffers.push_back(buffer("deepstack_rows", {T, H}, 4, "(T, H)", "fp32"));
@@ -11668,6 +11934,9 @@ const char* op_name(Op op) {
     case Op::gelu: return "gelu";
     case Op::segment_attention: return "segment_attention";
     case Op::rope_kv_write: return "rope_kv_write";
+    case Op::gelu_mul: return "gelu_mul";
+    case Op::scale: return "scale";
+    case Op::soft_cap: return "soft_cap";
   }
   return "?";
 }
@@ -12038,6 +12307,49 @@ Status Backend::silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out
   });
 }
 
+Status Backend::gelu_mul(const Tensor& gate, const Tensor& up, GeluApprox approx, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "gelu_mul";
+    detail::check_dtype(op, "gate", gate, activation_dtype());
+    detail::check_supported(*this, Op::gelu_mul, gate.dtype, "activation dtype");
+    detail::check_dtype(op, "up", up, activation_dtype());
+    detail::check_shape(op, "up", up, gate.rows, gate.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, gate.rows, gate.cols);
+    detail::check_alias(op, "out", out, "gate", gate, true);
+    detail::check_alias(op, "out", out, "up", up, true);
+    run_op(Op::gelu_mul, [&] { impl_gelu_mul(gate, up, approx, out); });
+  });
+}
+
+Status Backend::scale(const Tensor& x, float factor, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "scale";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_supported(*this, Op::scale, x.dtype, "activation dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (!std::isfinite(factor))
+      detail::fail(ErrorCode::invalid_argument, detail::format("scale: factor %g must be finite", factor));
+    run_op(Op::scale, [&] { impl_scale(x, factor, out); });
+  });
+}
+
+Status Backend::soft_cap(const Tensor& x, float cap, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "soft_cap";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_supported(*this, Op::soft_cap, x.dtype, "activation dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (!(cap > 0.0f) || !std::isfinite(cap))
+      detail::fail(ErrorCode::invalid_argument, detail::format("soft_cap: cap %g must be positive and finite", cap));
+    run_op(Op::soft_cap, [&] { impl_soft_cap(x, cap, out); });
+  });
+}
+
 Status Backend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
   return detail::guard([&] {
     const char* op = "add";
@@ -12161,7 +12473,7 @@ Status Backend::kv_write(const KVCacheView& cache, int64_t layer, const Tensor& 
 }
 
 Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
-                          float scale, const Tensor& out) {
+                          float scale, const Tensor& out, const AttentionOptions& options) {
   return detail::guard([&] {
     const char* op = "attention";
     detail::check_kv_cache(op, cache, layer);
@@ -12192,7 +12504,15 @@ Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t lay
                                   (long long)batch.block_tables.cols, (long long)cache.layout.page_tokens));
     if (!(scale > 0.0f) || !std::isfinite(scale))
       detail::fail(ErrorCode::invalid_argument, detail::format("attention: scale %g must be positive and finite", scale));
-    run_op(Op::attention, [&] { impl_attention(q, cache, layer, batch, scale, out); });
+    if (options.window < 0 || options.window > INT32_MAX)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: window %lld must be 0 (none) or a positive count below 2^31",
+                                  (long long)options.window));
+    if (!(options.logit_softcap >= 0.0f) || !std::isfinite(options.logit_softcap))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: logit_softcap %g must be 0 (none) or positive and finite",
+                                  options.logit_softcap));
+    run_op(Op::attention, [&] { impl_attention(q, cache, layer, batch, scale, out, options); });
   });
 }
 
@@ -12529,6 +12849,7 @@ class CpuBackend final : public Backend {
   bool supports(Op op, DType dtype) const override {
     switch (op) {
       case Op::rope: case Op::silu_mul: case Op::add: case Op::gelu: case Op::segment_attention:
+      case Op::gelu_mul: case Op::scale: case Op::soft_cap:
         return dtype == act_;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
       case Op::embedding_bag: case Op::layer_norm:
@@ -12715,6 +13036,52 @@ class CpuBackend final : public Backend {
     });
   }
 
+  void impl_gelu_mul(const Tensor& gate, const Tensor& up, GeluApprox approx, const Tensor& out) override {
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* g = row_of<const A>(gate, t);
+        const A* u = row_of<const A>(up, t);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) {
+          // act_fn(gate) is a tensor of the activation dtype before the product
+          const float activated = to_float(from_float<A>(gelu_of(to_float(g[c]), approx)));
+          dst[c] = from_float<A>(activated * to_float(u[c]));
+        }
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_scale(const Tensor& x, float factor, const Tensor& out) override {
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* in = row_of<const A>(x, t);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = from_float<A>(to_float(in[c]) * factor);
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_soft_cap(const Tensor& x, float cap, const Tensor& out) override {
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* in = row_of<const A>(x, t);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) {
+          // logits = logits / cap; logits = torch.tanh(logits); logits = logits * cap (each one a stored tensor)
+          const float divided = to_float(from_float<A>(to_float(in[c]) / cap));
+          const float squashed = to_float(from_float<A>(std::tanh(divided)));
+          dst[c] = from_float<A>(squashed * cap);
+        }
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
   void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) override {
     with_activation_type([&](auto act_tag) {
       using A = decltype(act_tag);
@@ -12807,20 +13174,7 @@ class CpuBackend final : public Backend {
       auto body = [&](int64_t t, int) {
         const A* in = row_of<const A>(x, t);
         A* dst = row_of<A>(out, t);
-        if (approx == GeluApprox::tanh) {
-          // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-          const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-          for (int64_t c = 0; c < out.cols; c++) {
-            const float v = to_float(in[c]);
-            dst[c] = from_float<A>(0.5f * v * (1.0f + std::tanh(beta * (v + kappa * v * v * v))));
-          }
-        } else {
-          // ATen's GeluType::None: x * 0.5 (1 + erf(x / sqrt 2))
-          for (int64_t c = 0; c < out.cols; c++) {
-            const float v = to_float(in[c]);
-            dst[c] = from_float<A>(v * 0.5f * (1.0f + std::erf(v * float(M_SQRT1_2))));
-          }
-        }
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = from_float<A>(gelu_of(to_float(in[c]), approx));
       };
       pool_.run(out.rows, body);
     });
@@ -12907,7 +13261,7 @@ class CpuBackend final : public Backend {
   }
 
   void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
-                      float scale, const Tensor& out) override {
+                      float scale, const Tensor& out, const AttentionOptions& options) override {
     const KVPageLayout& layout = cache.layout;
     const int64_t head_dim = layout.head_dim, kv_heads = layout.kv_heads;
     if (head_dim > max_head_dim_)
@@ -12931,6 +13285,9 @@ class CpuBackend final : public Backend {
         const int64_t s = int64_t(std::upper_bound(starts, starts + seqs + 1, int32_t(t)) - starts) - 1;
         const int64_t queries = starts[s + 1] - starts[s];
         const int64_t last = context[s] - queries + (t - starts[s]);  // the last cache index t may see
+        // the first: 0, or past the sliding window (kv_idx > q_idx - window)
+        const int64_t first = options.window > 0 ? std::max<int64_t>(0, last - options.window + 1) : 0;
+        const float cap = options.logit_softcap;
         const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
         float* key = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
         float* value = key + max_head_dim_;                           // [head_dim]
@@ -12944,7 +13301,7 @@ class CpuBackend final : public Backend {
             running_sum[h] = 0.0f;
             std::fill(acc + h * max_head_dim_, acc + h * max_head_dim_ + head_dim, 0.0f);
           }
-          for (int64_t c = 0; c <= last; c++) {
+          for (int64_t c = first; c <= last; c++) {
             const int64_t page = pages[c / layout.page_tokens], offset = c % layout.page_tokens;
             const E* k_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 0, offset, kv_head);
             const E* v_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 1, offset, kv_head);
@@ -12953,7 +13310,9 @@ class CpuBackend final : public Backend {
             for (int64_t h = 0; h < pass; h++) {
               const A* query = row_of<const A>(q, t) + (first_head + h) * head_dim;
               float* a = acc + h * max_head_dim_;
-              const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+              float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+              // gemma2: attn_weights = attn_weights / softcap; tanh(attn_weights); attn_weights * softcap
+              if (cap > 0.0f) score = std::tanh(score / cap) * cap;
               // Online softmax: rescale what is summed only when the maximum grows.
               if (score > running_max[h]) {
                 const float correction = std::exp(running_max[h] - score);  // exp(-inf) = 0 at the start
@@ -12979,6 +13338,16 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))); GeluType::None:
+  // x * 0.5 (1 + erf(x / sqrt 2)).
+  static float gelu_of(float v, GeluApprox approx) {
+    if (approx == GeluApprox::tanh) {
+      const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+      return 0.5f * v * (1.0f + std::tanh(beta * (v + kappa * v * v * v)));
+    }
+    return v * 0.5f * (1.0f + std::erf(v * float(M_SQRT1_2)));
+  }
+
   static constexpr uint64_t kTokenBlock = 32, kRowBlock = 16;  // linear work item
   static constexpr int kTileTokens = 4, kTileRows = 2;          // linear register tile
   static constexpr int64_t kHeadsPerPass = 8;                   // attention: query heads summed together
@@ -13094,7 +13463,8 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& optio
 
 }  // namespace kvlite
 // model: implementation. The forward pass mirrors transformers' modeling_llama.py / modeling_qwen2.py /
-// modeling_qwen3.py line by line; the PyTorch line is in the comment above each call.
+// modeling_qwen3.py (and modeling_gemma2.py / modeling_gemma3.py where BlockTraits say so) line by line; the
+// PyTorch line is in the comment above each call.
 #include <cmath>
 
 namespace kvlite {
@@ -13246,41 +13616,70 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
     using detail::fail;
     using detail::format;
     const TextConfig& c = config.text;
-    if (config.arch != Arch::llama && config.arch != Arch::qwen2 && config.arch != Arch::qwen3 &&
-        config.arch != Arch::qwen3_vl)
-      fail(ErrorCode::unsupported,
-           format("%s: model_type '%s' (%s) is not a model the CPU engine runs (llama, qwen2, qwen3, qwen3_vl)",
-                  config.origin.c_str(), config.model_type.c_str(), arch_name(config.arch)));
-    if (c.hidden_act != "silu")
-      fail(ErrorCode::unsupported,
-           format("%s: hidden_act '%s' is not supported (the MLP is SwiGLU with silu)", config.origin.c_str(),
-                  c.hidden_act.c_str()));
+    const BlockTraits& block = c.block;
     const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size, V = c.vocab_size;
     const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
     const std::string prefix = config.text_prefix();
 
     detail::model::WeightBinder bind(config, store);
     TextModelWeights w;
+    // An RMSNorm weight as the forward pass multiplies by it: the stored w, or Gemma's 1 + w formed in fp32
+    // (Gemma2RMSNorm: output * (1.0 + self.weight.float())).
+    auto norm = [&](const std::string& name, int64_t n) -> Tensor {
+      Tensor stored = bind.bind(name, {n});
+      if (block.norm_form == NormForm::weight || stored.data == nullptr) return stored;
+      auto one_plus = std::make_shared<std::vector<float>>(size_t(n));
+      for (int64_t i = 0; i < n; i++) {
+        const uint8_t* at = static_cast<const uint8_t*>(stored.data) + i * stored.element_bytes();
+        float value = 0;
+        if (stored.dtype == DType::F32) {
+          std::memcpy(&value, at, 4);
+        } else {
+          uint16_t bits = 0;
+          std::memcpy(&bits, at, 2);
+          value = stored.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+        }
+        (*one_plus)[size_t(i)] = 1.0f + value;
+      }
+      w.computed.push_back(one_plus);
+      return Tensor::vector(one_plus->data(), DType::F32, n);
+    };
     w.embed_tokens = bind.bind(prefix + "embed_tokens.weight", {V, H});
     w.layers.resize(size_t(c.num_layers));
     for (int64_t l = 0; l < c.num_layers; l++) {
       const std::string layer = prefix + format("layers.%lld.", (long long)l);
       DecoderLayerWeights& lw = w.layers[size_t(l)];
-      lw.input_layernorm = bind.bind(layer + "input_layernorm.weight", {H});
-      lw.qkv_proj.parts = {bind.linear(layer + "self_attn.q_proj", q_width, H, c.attention_bias),
-                           bind.linear(layer + "self_attn.k_proj", kv_width, H, c.attention_bias),
-                           bind.linear(layer + "self_attn.v_proj", kv_width, H, c.attention_bias)};
+      lw.input_layernorm = norm(layer + "input_layernorm.weight", H);
+      if (block.fused_projections) {
+        // Phi-3 stores q | k | v as one Linear, in the qkv buffer's column order: bound as the group's one part
+        lw.qkv_proj.parts = {bind.linear(layer + "self_attn.qkv_proj", q_width + 2 * kv_width, H, c.attention_bias)};
+      } else {
+        lw.qkv_proj.parts = {bind.linear(layer + "self_attn.q_proj", q_width, H, c.attention_bias),
+                             bind.linear(layer + "self_attn.k_proj", kv_width, H, c.attention_bias),
+                             bind.linear(layer + "self_attn.v_proj", kv_width, H, c.attention_bias)};
+      }
       if (c.qk_norm) {
-        lw.q_norm = bind.bind(layer + "self_attn.q_norm.weight", {D});
-        lw.k_norm = bind.bind(layer + "self_attn.k_norm.weight", {D});
+        lw.q_norm = norm(layer + "self_attn.q_norm.weight", D);
+        lw.k_norm = norm(layer + "self_attn.k_norm.weight", D);
       }
       lw.o_proj = bind.linear(layer + "self_attn.o_proj", H, q_width, c.o_proj_bias);
-      lw.post_attention_layernorm = bind.bind(layer + "post_attention_layernorm.weight", {H});
-      lw.gate_up_proj.parts = {bind.linear(layer + "mlp.gate_proj", I, H, c.mlp_bias),
-                               bind.linear(layer + "mlp.up_proj", I, H, c.mlp_bias)};
+      if (block.sandwich_norms) {
+        lw.attention_output_norm = norm(layer + "post_attention_layernorm.weight", H);
+        lw.post_attention_layernorm = norm(layer + "pre_feedforward_layernorm.weight", H);
+        lw.mlp_output_norm = norm(layer + "post_feedforward_layernorm.weight", H);
+      } else {
+        lw.post_attention_layernorm = norm(layer + "post_attention_layernorm.weight", H);
+      }
+      if (block.fused_projections) {
+        // Phi3MLP: gate, up_states = self.gate_up_proj(x).chunk(2, dim=-1): gate first, as the gate_up buffer
+        lw.gate_up_proj.parts = {bind.linear(layer + "mlp.gate_up_proj", 2 * I, H, c.mlp_bias)};
+      } else {
+        lw.gate_up_proj.parts = {bind.linear(layer + "mlp.gate_proj", I, H, c.mlp_bias),
+                                 bind.linear(layer + "mlp.up_proj", I, H, c.mlp_bias)};
+      }
       lw.down_proj = bind.linear(layer + "mlp.down_proj", H, I, c.mlp_bias);
     }
-    w.norm = bind.bind(prefix + "norm.weight", {H});
+    w.norm = norm(prefix + "norm.weight", H);
     // KV cache scales (compressed-tensors kv_cache_scheme): every layer has both, or none does.
     for (const char* which : {"k_scale", "v_scale"}) {
       std::vector<float>& scales = which[0] == 'k' ? w.k_scales : w.v_scales;
@@ -13366,6 +13765,10 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   mlp_act_ = view("mlp_act", act, max_tokens_, I);
   rope_cos_ = view("rope_cos", DType::F32, max_tokens_, half);
   rope_sin_ = view("rope_sin", DType::F32, max_tokens_, half);
+  if (c.block.local_rope_theta > 0) {
+    rope_cos_local_ = view("rope_cos_local", DType::F32, max_tokens_, half);
+    rope_sin_local_ = view("rope_sin_local", DType::F32, max_tokens_, half);
+  }
   token_ids_ = view("token_ids", DType::I32, max_tokens_, 1);
   slot_mapping_ = view("slot_mapping", DType::I32, max_tokens_, 1);
   query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1 + spare, 1);
@@ -13389,10 +13792,27 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   Result<std::vector<float>> inv_freq = rope_inv_freq(c.rope, D);
   if (!inv_freq) throw inv_freq.error();
   inv_freq_ = std::move(*inv_freq);
+  if (c.block.local_rope_theta > 0) {
+    // gemma3: the sliding layers' rotary_emb_local, default RoPE of base rope_local_base_freq
+    RopeConfig local;
+    local.theta = c.block.local_rope_theta;
+    Result<std::vector<float>> local_inv_freq = rope_inv_freq(local, D);
+    if (!local_inv_freq) throw local_inv_freq.error();
+    local_inv_freq_ = std::move(*local_inv_freq);
+  }
   cos_host_.resize(size_t(max_tokens_ * half));
   sin_host_.resize(size_t(max_tokens_ * half));
-  // self.scaling = self.head_dim ** -0.5
-  attention_scale_ = float(std::pow(double(D), -0.5));
+  // self.scaling = self.head_dim ** -0.5   (gemma: config.query_pre_attn_scalar ** -0.5)
+  const double scaled_by = c.block.query_pre_attn_scalar > 0 ? c.block.query_pre_attn_scalar : double(D);
+  attention_scale_ = float(std::pow(scaled_by, -0.5));
+  if (c.block.embedding_scaled) {
+    // gemma: self.embed_scale = torch.tensor(hidden_size ** 0.5), used as .to(self.weight.dtype)
+    const float normalizer = float(std::sqrt(double(H)));
+    const DType table = weights_.embed_tokens.dtype;
+    embedding_scale_ = table == DType::BF16   ? bf16_to_float(float_to_bf16(normalizer))
+                       : table == DType::F16 ? f16_to_float(float_to_f16(normalizer))
+                                             : normalizer;
+  }
 }
 
 KVCacheView TextModel::kv_cache() const {
@@ -13444,6 +13864,13 @@ void TextModel::stage(const StepInput& step) {
   Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
   check(backend_.copy_from_host(cos_host_.data(), cos));
   check(backend_.copy_from_host(sin_host_.data(), sin));
+  if (!local_inv_freq_.empty()) {
+    // gemma3: position_embeddings_local = self.rotary_emb_local(hidden_states, position_ids)
+    check(rope_tables(local_inv_freq_, step.positions, step.position_rows, T, c.rope.mrope_section, cos_host_.data(),
+                      sin_host_.data()));
+    check(backend_.copy_from_host(cos_host_.data(), rope_cos_local_.slice_rows(0, T)));
+    check(backend_.copy_from_host(sin_host_.data(), rope_sin_local_.slice_rows(0, T)));
+  }
   batch_.query_starts = query_starts_.slice_rows(0, step.seqs + 1);
   batch_.context_lens = context_lens_.slice_rows(0, step.seqs);
   batch_.block_tables = step.block_tables.slice_rows(0, step.seqs);
@@ -13476,7 +13903,12 @@ void TextModel::compute(const StepInput& step) {
     detail::fail(ErrorCode::internal, detail::format("compute: a step of %lld tokens after stage() of %lld",
                                                      (long long)T, (long long)step_tokens_));
   Tensor ids = token_ids_.slice_rows(0, T), slots = slot_mapping_.slice_rows(0, T);
+  const BlockTraits& block = c.block;
   Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
+  // the sliding layers' RoPE tables (gemma3), else the same as every layer's
+  Tensor local_cos = local_inv_freq_.empty() ? cos : rope_cos_local_.slice_rows(0, T);
+  Tensor local_sin = local_inv_freq_.empty() ? sin : rope_sin_local_.slice_rows(0, T);
+  const GeluApprox gelu_form = block.activation == MlpActivation::gelu ? GeluApprox::none : GeluApprox::tanh;
   const KVCacheView cache = kv_cache();
 
   Tensor hidden = hidden_.slice_rows(0, T);    // [T, H], the residual stream
@@ -13491,8 +13923,9 @@ void TextModel::compute(const StepInput& step) {
   Tensor up = gate_up.slice_cols(I, I);        // [T, I]
   Tensor act = mlp_act_.slice_rows(0, T);      // [T, I]
 
-  // inputs_embeds = self.embed_tokens(input_ids)
+  // inputs_embeds = self.embed_tokens(input_ids)   (gemma: * self.embed_scale.to(self.weight.dtype))
   check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
+  if (embedding_scale_ > 0) check(backend_.scale(hidden, embedding_scale_, hidden));
   // qwen3_vl: inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
   // (image features are float host rows: the vision tower's activations widened, so rounding them back to
   // 16-bit activations gives the bits the tower stored)
@@ -13506,6 +13939,11 @@ void TextModel::compute(const StepInput& step) {
   bool layer_output_in_hidden = true;
   for (int64_t l = 0; l < c.num_layers; l++) {
     const DecoderLayerWeights& w = weights_.layers[size_t(l)];
+    const bool sliding = block.window_of(l) > 0;
+    // the layer kind's attention: sliding_window (mistral, qwen2, phi3, gemma) and gemma2's score soft-cap
+    AttentionOptions attention_options;
+    attention_options.window = block.window_of(l);
+    attention_options.logit_softcap = float(block.attn_logit_softcap);
     // residual = hidden_states; hidden_states = self.input_layernorm(hidden_states)
     // (from layer 1 on, the previous layer's `hidden_states = residual + hidden_states` is fused in: normed
     // holds that layer's MLP output)
@@ -13527,19 +13965,27 @@ void TextModel::compute(const StepInput& step) {
     // (q and k are adjacent column blocks of qkv, Hq + Hkv heads)                 qk [T, (Hq + Hkv) D]
     // key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
     // (one call for both: a backend may store each rotated key as it makes it)
-    check(backend_.rope_kv_write(qkv.slice_cols(0, q_width + kv_width), cos, sin, D, cache, l, k, v, slots));
+    // (gemma3: a sliding layer takes position_embeddings_local)
+    check(backend_.rope_kv_write(qkv.slice_cols(0, q_width + kv_width), sliding ? local_cos : cos,
+                                 sliding ? local_sin : sin, D, cache, l, k, v, slots));
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
-    check(backend_.attention(q, cache, l, batch_, attention_scale_, attn));
+    // (the mask of the layer's kind: sliding_window_overlay on a sliding layer; gemma2 soft-caps the scores)
+    check(backend_.attention(q, cache, l, batch_, attention_scale_, attn, attention_options));
     // attn_output = self.o_proj(attn_output)                                  normed [T, H]
     check(backend_.linear(attn, w.o_proj, normed));
+    // gemma: hidden_states = self.post_attention_layernorm(hidden_states)  (before the residual add)
+    if (w.attention_output_norm.data) check(backend_.rms_norm(normed, w.attention_output_norm, eps, normed));
     // hidden_states = residual + hidden_states; residual = hidden_states
-    // hidden_states = self.post_attention_layernorm(hidden_states)
+    // hidden_states = self.post_attention_layernorm(hidden_states)   (gemma: self.pre_feedforward_layernorm)
     check(backend_.add_rms_norm(normed, hidden, w.post_attention_layernorm, eps, normed));
     // down_proj(act_fn(gate_proj(x)) * up_proj(x))                            normed [T, H]
     // (gate | up: the gate_up buffer's column blocks)                           gate_up [T, 2 I]
     check(backend_.linear(normed, w.gate_up_proj, gate_up));
-    check(backend_.silu_mul(gate, up, act));
+    if (block.activation == MlpActivation::silu) check(backend_.silu_mul(gate, up, act));  // SwiGLU
+    else check(backend_.gelu_mul(gate, up, gelu_form, act));                                // GeGLU (gemma)
     check(backend_.linear(act, w.down_proj, normed));
+    // gemma: hidden_states = self.post_feedforward_layernorm(hidden_states)  (before the residual add)
+    if (w.mlp_output_norm.data) check(backend_.rms_norm(normed, w.mlp_output_norm, eps, normed));
     layer_output_in_hidden = false;
     if (l < deepstack_levels_ && step.image_runs > 0) {
       // hidden_states = residual + hidden_states (the layer's output), then qwen3_vl's _deepstack_process:
@@ -13585,6 +14031,9 @@ Tensor TextModel::logits(int64_t first, int64_t count) {
   check(backend_.gather_rows(normed_.slice_rows(0, step_tokens_), logit_rows_.slice_rows(first, count), gathered));
   Tensor out = logits_.slice_rows(0, count);  // [count, V] act (fp32 on the CPU, as transformers' .float())
   check(backend_.linear(gathered, weights_.lm_head, out));
+  // gemma2: logits = logits / cap; logits = torch.tanh(logits); logits = logits * cap
+  if (config_.text.block.final_logit_softcap > 0)
+    check(backend_.soft_cap(out, float(config_.text.block.final_logit_softcap), out));
   check(backend_.synchronize());
   return out;
 }
@@ -15415,8 +15864,11 @@ TextModelWeights upload_text_weights(const TextModelWeights& host, WeightUploade
     d.q_norm = upload.tensor(h.q_norm, h.q_norm.dtype, layer + "self_attn.q_norm");
     d.k_norm = upload.tensor(h.k_norm, h.k_norm.dtype, layer + "self_attn.k_norm");
     d.o_proj = upload.linear(h.o_proj, layer + "self_attn.o_proj");
+    d.attention_output_norm =
+        upload.tensor(h.attention_output_norm, h.attention_output_norm.dtype, layer + "attention_output_norm");
     d.post_attention_layernorm =
         upload.tensor(h.post_attention_layernorm, h.post_attention_layernorm.dtype, layer + "post_attention_layernorm");
+    d.mlp_output_norm = upload.tensor(h.mlp_output_norm, h.mlp_output_norm.dtype, layer + "mlp_output_norm");
     d.gate_up_proj = upload.linear_group(h.gate_up_proj, {layer + "mlp.gate_proj", layer + "mlp.up_proj"});
     d.down_proj = upload.linear(h.down_proj, layer + "mlp.down_proj");
     report();

@@ -83,8 +83,10 @@ enum class Op {
   embedding_bag, layer_norm, gelu, segment_attention,
   // rope then kv_write as one call (Backend::rope_kv_write)
   rope_kv_write,
+  // Gemma's: GeGLU's gate, the embedding scale, the final logit soft-cap
+  gelu_mul, scale, soft_cap,
 };
-constexpr int kOpCount = int(Op::rope_kv_write) + 1;
+constexpr int kOpCount = int(Op::soft_cap) + 1;
 
 // One op's share of a backend's work while op timing is on (Backend::set_op_timing): how many calls, and their
 // host wall time with the backend synchronized after each, so that on a GPU an op's time is its launch and its
@@ -131,6 +133,15 @@ bool linear_group_fuses(const std::vector<const LinearDesc*>& parts);
 
 // GELU's two forms: nn.GELU() / "gelu" (exact, with erf) and "gelu_pytorch_tanh" (the tanh approximation).
 enum class GeluApprox { none, tanh };
+
+// What one layer's attention adds to plain causal attention (BlockTraits, per layer kind).
+struct AttentionOptions {
+  // > 0: a sliding window of W tokens: the query at cache index i sees keys i - W + 1 .. i (transformers'
+  // sliding_window_overlay: kv_idx > q_idx - W); 0: every earlier key.
+  int64_t window = 0;
+  // > 0: Gemma-2's soft-cap of the scaled scores before the mask, scores = cap * tanh(scores / cap).
+  float logit_softcap = 0.0f;
+};
 const char* op_name(Op op);
 
 class Backend {
@@ -213,6 +224,17 @@ class Backend {
   // may be the two halves of one fused gate_up buffer). out may be gate or up.
   Status silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out);
 
+  // GeGLU's gate (Gemma): out = gelu(gate) * up, the gelu (gelu() below) stored in the activation dtype before
+  // the product, as PyTorch's act_fn(gate_proj(x)) * up_proj(x). gate, up, out [T, I]; out may be gate or up.
+  Status gelu_mul(const Tensor& gate, const Tensor& up, GeluApprox approx, const Tensor& out);
+
+  // out = x * factor, the product in fp32 (Gemma's inputs_embeds * normalizer). x, out [T, C]; out may be x.
+  Status scale(const Tensor& x, float factor, const Tensor& out);
+
+  // out = cap * tanh(x / cap), each of the three steps stored as PyTorch does in fp32 (Gemma-2's final logit
+  // soft-capping: logits / cap; tanh; * cap). x, out [T, C]; cap > 0; out may be x.
+  Status soft_cap(const Tensor& x, float cap, const Tensor& out);
+
   // out = a + b. a, b, out [T, H]. out may be a or b.
   Status add(const Tensor& a, const Tensor& b, const Tensor& out);
 
@@ -258,10 +280,11 @@ class Backend {
 
   // Causal paged attention for a batch of sequences (see AttentionBatch), grouped-query: query head h reads
   // KV head h / (heads / kv_heads). Per query head: softmax(scale * q.K^T) @ V over its visible tokens,
-  // in fp32 with the running maximum subtracted; no [T, context] matrix is formed.
+  // in fp32 with the running maximum subtracted; no [T, context] matrix is formed. options: a sliding window
+  // (only the last window keys are visible) and a soft-cap of the scaled scores.
   // q, out [T, heads * head_dim] with head_dim = cache.layout.head_dim; scale usually 1/sqrt(head_dim).
   Status attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
-                   float scale, const Tensor& out);
+                   float scale, const Tensor& out, const AttentionOptions& options = {});
 
  protected:
   // The backend's work, called after the shared validation above has passed. They may throw kvlite::Error
@@ -277,6 +300,9 @@ class Backend {
   virtual void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) = 0;
   virtual void impl_quant_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) = 0;
   virtual void impl_silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
+  virtual void impl_gelu_mul(const Tensor& gate, const Tensor& up, GeluApprox approx, const Tensor& out) = 0;
+  virtual void impl_scale(const Tensor& x, float factor, const Tensor& out) = 0;
+  virtual void impl_soft_cap(const Tensor& x, float cap, const Tensor& out) = 0;
   virtual void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
   virtual void impl_copy(const Tensor& src, const Tensor& dst) = 0;
   virtual void impl_embedding_bag(const Tensor& table, const Tensor& indices, const Tensor& weights,
@@ -290,7 +316,8 @@ class Backend {
   virtual void impl_kv_write(const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,
                              const Tensor& slots) = 0;
   virtual void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer,
-                              const AttentionBatch& batch, float scale, const Tensor& out) = 0;
+                              const AttentionBatch& batch, float scale, const Tensor& out,
+                              const AttentionOptions& options) = 0;
   // The two ops in order, unless a backend fuses them.
   virtual void impl_rope_kv_write(const Tensor& qk, const Tensor& cos, const Tensor& sin, int64_t head_dim,
                                   const KVCacheView& cache, int64_t layer, const Tensor& k, const Tensor& v,

@@ -22,6 +22,9 @@ const char* op_name(Op op) {
     case Op::gelu: return "gelu";
     case Op::segment_attention: return "segment_attention";
     case Op::rope_kv_write: return "rope_kv_write";
+    case Op::gelu_mul: return "gelu_mul";
+    case Op::scale: return "scale";
+    case Op::soft_cap: return "soft_cap";
   }
   return "?";
 }
@@ -392,6 +395,49 @@ Status Backend::silu_mul(const Tensor& gate, const Tensor& up, const Tensor& out
   });
 }
 
+Status Backend::gelu_mul(const Tensor& gate, const Tensor& up, GeluApprox approx, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "gelu_mul";
+    detail::check_dtype(op, "gate", gate, activation_dtype());
+    detail::check_supported(*this, Op::gelu_mul, gate.dtype, "activation dtype");
+    detail::check_dtype(op, "up", up, activation_dtype());
+    detail::check_shape(op, "up", up, gate.rows, gate.cols);
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, gate.rows, gate.cols);
+    detail::check_alias(op, "out", out, "gate", gate, true);
+    detail::check_alias(op, "out", out, "up", up, true);
+    run_op(Op::gelu_mul, [&] { impl_gelu_mul(gate, up, approx, out); });
+  });
+}
+
+Status Backend::scale(const Tensor& x, float factor, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "scale";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_supported(*this, Op::scale, x.dtype, "activation dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (!std::isfinite(factor))
+      detail::fail(ErrorCode::invalid_argument, detail::format("scale: factor %g must be finite", factor));
+    run_op(Op::scale, [&] { impl_scale(x, factor, out); });
+  });
+}
+
+Status Backend::soft_cap(const Tensor& x, float cap, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "soft_cap";
+    detail::check_dtype(op, "x", x, activation_dtype());
+    detail::check_supported(*this, Op::soft_cap, x.dtype, "activation dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, x.rows, x.cols);
+    detail::check_alias(op, "out", out, "x", x, true);
+    if (!(cap > 0.0f) || !std::isfinite(cap))
+      detail::fail(ErrorCode::invalid_argument, detail::format("soft_cap: cap %g must be positive and finite", cap));
+    run_op(Op::soft_cap, [&] { impl_soft_cap(x, cap, out); });
+  });
+}
+
 Status Backend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
   return detail::guard([&] {
     const char* op = "add";
@@ -515,7 +561,7 @@ Status Backend::kv_write(const KVCacheView& cache, int64_t layer, const Tensor& 
 }
 
 Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
-                          float scale, const Tensor& out) {
+                          float scale, const Tensor& out, const AttentionOptions& options) {
   return detail::guard([&] {
     const char* op = "attention";
     detail::check_kv_cache(op, cache, layer);
@@ -546,7 +592,15 @@ Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t lay
                                   (long long)batch.block_tables.cols, (long long)cache.layout.page_tokens));
     if (!(scale > 0.0f) || !std::isfinite(scale))
       detail::fail(ErrorCode::invalid_argument, detail::format("attention: scale %g must be positive and finite", scale));
-    run_op(Op::attention, [&] { impl_attention(q, cache, layer, batch, scale, out); });
+    if (options.window < 0 || options.window > INT32_MAX)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: window %lld must be 0 (none) or a positive count below 2^31",
+                                  (long long)options.window));
+    if (!(options.logit_softcap >= 0.0f) || !std::isfinite(options.logit_softcap))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("attention: logit_softcap %g must be 0 (none) or positive and finite",
+                                  options.logit_softcap));
+    run_op(Op::attention, [&] { impl_attention(q, cache, layer, batch, scale, out, options); });
   });
 }
 

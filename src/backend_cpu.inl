@@ -240,6 +240,7 @@ class CpuBackend final : public Backend {
   bool supports(Op op, DType dtype) const override {
     switch (op) {
       case Op::rope: case Op::silu_mul: case Op::add: case Op::gelu: case Op::segment_attention:
+      case Op::gelu_mul: case Op::scale: case Op::soft_cap:
         return dtype == act_;
       case Op::gather_rows: case Op::rms_norm: case Op::add_rms_norm: case Op::linear: case Op::copy:
       case Op::embedding_bag: case Op::layer_norm:
@@ -426,6 +427,52 @@ class CpuBackend final : public Backend {
     });
   }
 
+  void impl_gelu_mul(const Tensor& gate, const Tensor& up, GeluApprox approx, const Tensor& out) override {
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* g = row_of<const A>(gate, t);
+        const A* u = row_of<const A>(up, t);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) {
+          // act_fn(gate) is a tensor of the activation dtype before the product
+          const float activated = to_float(from_float<A>(gelu_of(to_float(g[c]), approx)));
+          dst[c] = from_float<A>(activated * to_float(u[c]));
+        }
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_scale(const Tensor& x, float factor, const Tensor& out) override {
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* in = row_of<const A>(x, t);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = from_float<A>(to_float(in[c]) * factor);
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
+  void impl_soft_cap(const Tensor& x, float cap, const Tensor& out) override {
+    with_activation_type([&](auto act_tag) {
+      using A = decltype(act_tag);
+      auto body = [&](int64_t t, int) {
+        const A* in = row_of<const A>(x, t);
+        A* dst = row_of<A>(out, t);
+        for (int64_t c = 0; c < out.cols; c++) {
+          // logits = logits / cap; logits = torch.tanh(logits); logits = logits * cap (each one a stored tensor)
+          const float divided = to_float(from_float<A>(to_float(in[c]) / cap));
+          const float squashed = to_float(from_float<A>(std::tanh(divided)));
+          dst[c] = from_float<A>(squashed * cap);
+        }
+      };
+      pool_.run(out.rows, body);
+    });
+  }
+
   void impl_add(const Tensor& a, const Tensor& b, const Tensor& out) override {
     with_activation_type([&](auto act_tag) {
       using A = decltype(act_tag);
@@ -518,20 +565,7 @@ class CpuBackend final : public Backend {
       auto body = [&](int64_t t, int) {
         const A* in = row_of<const A>(x, t);
         A* dst = row_of<A>(out, t);
-        if (approx == GeluApprox::tanh) {
-          // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-          const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-          for (int64_t c = 0; c < out.cols; c++) {
-            const float v = to_float(in[c]);
-            dst[c] = from_float<A>(0.5f * v * (1.0f + std::tanh(beta * (v + kappa * v * v * v))));
-          }
-        } else {
-          // ATen's GeluType::None: x * 0.5 (1 + erf(x / sqrt 2))
-          for (int64_t c = 0; c < out.cols; c++) {
-            const float v = to_float(in[c]);
-            dst[c] = from_float<A>(v * 0.5f * (1.0f + std::erf(v * float(M_SQRT1_2))));
-          }
-        }
+        for (int64_t c = 0; c < out.cols; c++) dst[c] = from_float<A>(gelu_of(to_float(in[c]), approx));
       };
       pool_.run(out.rows, body);
     });
@@ -618,7 +652,7 @@ class CpuBackend final : public Backend {
   }
 
   void impl_attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
-                      float scale, const Tensor& out) override {
+                      float scale, const Tensor& out, const AttentionOptions& options) override {
     const KVPageLayout& layout = cache.layout;
     const int64_t head_dim = layout.head_dim, kv_heads = layout.kv_heads;
     if (head_dim > max_head_dim_)
@@ -642,6 +676,9 @@ class CpuBackend final : public Backend {
         const int64_t s = int64_t(std::upper_bound(starts, starts + seqs + 1, int32_t(t)) - starts) - 1;
         const int64_t queries = starts[s + 1] - starts[s];
         const int64_t last = context[s] - queries + (t - starts[s]);  // the last cache index t may see
+        // the first: 0, or past the sliding window (kv_idx > q_idx - window)
+        const int64_t first = options.window > 0 ? std::max<int64_t>(0, last - options.window + 1) : 0;
+        const float cap = options.logit_softcap;
         const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
         float* key = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
         float* value = key + max_head_dim_;                           // [head_dim]
@@ -655,7 +692,7 @@ class CpuBackend final : public Backend {
             running_sum[h] = 0.0f;
             std::fill(acc + h * max_head_dim_, acc + h * max_head_dim_ + head_dim, 0.0f);
           }
-          for (int64_t c = 0; c <= last; c++) {
+          for (int64_t c = first; c <= last; c++) {
             const int64_t page = pages[c / layout.page_tokens], offset = c % layout.page_tokens;
             const E* k_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 0, offset, kv_head);
             const E* v_src = static_cast<const E*>(cache.pages) + layout.offset(page, layer, 1, offset, kv_head);
@@ -664,7 +701,9 @@ class CpuBackend final : public Backend {
             for (int64_t h = 0; h < pass; h++) {
               const A* query = row_of<const A>(q, t) + (first_head + h) * head_dim;
               float* a = acc + h * max_head_dim_;
-              const float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+              float score = dot(query, key, head_dim) * scale;  // (q @ k^T) * scaling
+              // gemma2: attn_weights = attn_weights / softcap; tanh(attn_weights); attn_weights * softcap
+              if (cap > 0.0f) score = std::tanh(score / cap) * cap;
               // Online softmax: rescale what is summed only when the maximum grows.
               if (score > running_max[h]) {
                 const float correction = std::exp(running_max[h] - score);  // exp(-inf) = 0 at the start
@@ -690,6 +729,16 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))); GeluType::None:
+  // x * 0.5 (1 + erf(x / sqrt 2)).
+  static float gelu_of(float v, GeluApprox approx) {
+    if (approx == GeluApprox::tanh) {
+      const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+      return 0.5f * v * (1.0f + std::tanh(beta * (v + kappa * v * v * v)));
+    }
+    return v * 0.5f * (1.0f + std::erf(v * float(M_SQRT1_2)));
+  }
+
   static constexpr uint64_t kTokenBlock = 32, kRowBlock = 16;  // linear work item
   static constexpr int kTileTokens = 4, kTileRows = 2;          // linear register tile
   static constexpr int64_t kHeadsPerPass = 8;                   // attention: query heads summed together

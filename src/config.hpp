@@ -52,7 +52,7 @@ constexpr int64_t max_vision_positions = KVLITE_MAX_VISION_POSITIONS;
 constexpr int64_t max_processor_pixels = KVLITE_MAX_PROCESSOR_PIXELS;
 }  // namespace limits
 
-enum class Arch { llama, qwen2, qwen3, qwen3_vl };
+enum class Arch { llama, qwen2, qwen3, qwen3_vl, mistral, gemma2, gemma3, phi3 };
 const char* arch_name(Arch arch);
 
 // Rotary embedding parameters, from either key layout: classic (`rope_theta` + `rope_scaling`) or the one
@@ -68,6 +68,48 @@ struct RopeConfig {
   // Qwen3-VL multimodal RoPE: sections of the rotary half (t, h, w), e.g. [24, 20, 20]
   std::vector<int> mrope_section;
   bool mrope_interleaved = false;
+};
+
+// ---- block traits: how a family's decoder block differs from Llama's ----------------------------------------
+// One forward pass (model.inl) serves every family; what differs is data read from config.json here, never a
+// model_type test in the ops. The facts come from transformers' modeling_{llama,mistral,qwen2,gemma2,gemma3,
+// phi3}.py (and llama.cpp's llm_build_* of the same families):
+//
+//                 norm       act        embed x   sandwich  attn cap  final cap  scaling            layers
+//   llama/qwen    x w        silu       -         -         -         -          head_dim^-1/2      full
+//   mistral       x w        silu       -         -         -         -          head_dim^-1/2      all sliding if sliding_window
+//   qwen2         x w        silu       -         -         -         -          head_dim^-1/2      sliding from max_window_layers on, if use_sliding_window
+//   phi3          x w        silu       -         -         -         -          head_dim^-1/2      all sliding if sliding_window; qkv_proj, gate_up_proj fused on disk
+//   gemma2        x (1 + w)  gelu tanh  sqrt(H)   yes       50        30         query_pre_attn^-1/2  sliding, full, sliding, ...
+//   gemma3_text   x (1 + w)  gelu tanh  sqrt(H)   yes       -         -          query_pre_attn^-1/2  5 sliding : 1 full; q/k norm; local RoPE base
+enum class NormForm { weight, one_plus_weight };  // RMSNorm output x * w (Llama) or x * (1 + w) (Gemma)
+enum class MlpActivation { silu, gelu_tanh, gelu };  // act_fn in down_proj(act_fn(gate_proj(x)) * up_proj(x))
+enum class LayerKind { full, sliding };           // layer_types "full_attention" / "sliding_attention"
+struct BlockTraits {
+  NormForm norm_form = NormForm::weight;
+  MlpActivation activation = MlpActivation::silu;
+  bool embedding_scaled = false;  // inputs_embeds * sqrt(hidden_size), the factor in the embedding's dtype (Gemma)
+  // Gemma's sandwich: post_attention_layernorm normalises the attention output before the residual add, and
+  // pre_feedforward_layernorm / post_feedforward_layernorm wrap the MLP (Llama's post_attention_layernorm is the
+  // pre-MLP norm).
+  bool sandwich_norms = false;
+  double attn_logit_softcap = 0;     // > 0: scores = cap * tanh(scores / cap) before the mask (Gemma-2)
+  double final_logit_softcap = 0;    // > 0: logits = cap * tanh(logits / cap) (Gemma-2)
+  double query_pre_attn_scalar = 0;  // > 0: attention scaling = query_pre_attn_scalar^-1/2, else head_dim^-1/2
+  bool fused_projections = false;    // self_attn.qkv_proj and mlp.gate_up_proj stored fused (Phi-3)
+  std::vector<LayerKind> layer_kinds;  // [num_layers]
+  int64_t sliding_window = 0;  // W: a sliding layer's query sees the W most recent tokens, itself included
+  double local_rope_theta = 0;  // > 0: the sliding layers' own RoPE base (Gemma-3 rope_local_base_freq)
+
+  bool has_sliding_layers() const {
+    for (LayerKind kind : layer_kinds)
+      if (kind == LayerKind::sliding) return true;
+    return false;
+  }
+  // The attention window of layer l: W for a sliding layer, 0 (everything) for a full one.
+  int64_t window_of(int64_t layer) const {
+    return size_t(layer) < layer_kinds.size() && layer_kinds[size_t(layer)] == LayerKind::sliding ? sliding_window : 0;
+  }
 };
 
 struct TextConfig {
@@ -88,6 +130,7 @@ struct TextConfig {
   std::string hidden_act = "silu";
   DType dtype = DType::BF16;  // torch_dtype / dtype of the unquantized weights
   RopeConfig rope;
+  BlockTraits block;  // the family's differences from Llama's block
   std::vector<int64_t> bos_token_ids;
   std::vector<int64_t> eos_token_ids;
 };

@@ -17,6 +17,10 @@ const char* arch_name(Arch arch) {
     case Arch::qwen2: return "qwen2";
     case Arch::qwen3: return "qwen3";
     case Arch::qwen3_vl: return "qwen3_vl";
+    case Arch::mistral: return "mistral";
+    case Arch::gemma2: return "gemma2";
+    case Arch::gemma3: return "gemma3";
+    case Arch::phi3: return "phi3";
   }
   return "?";
 }
@@ -39,7 +43,11 @@ const char* scale_granularity_name(ScaleGranularity granularity) {
   return "?";
 }
 
-std::string ModelConfig::text_prefix() const { return arch == Arch::qwen3_vl ? "model.language_model." : "model."; }
+std::string ModelConfig::text_prefix() const {
+  if (arch == Arch::qwen3_vl) return "model.language_model.";
+  if (model_type == "gemma3") return "language_model.model.";  // Gemma3ForConditionalGeneration as published
+  return "model.";
+}
 
 uint64_t ModelConfig::kv_bytes_per_token(int kv_element_bytes) const {
   return 2ull * uint64_t(text.num_layers) * uint64_t(text.num_kv_heads) * uint64_t(text.head_dim) *
@@ -302,6 +310,137 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim) {
   return rope;
 }
 
+
+// ---- block traits (config.hpp's table) ------------------------------------------------------------------
+// A float key whose JSON null means "off" (Gemma-2's soft-caps: null disables, absent takes the default).
+inline double number_or_null(const Node& node, const std::string& key, double absent, double null_value) {
+  auto it = node.value->find(key);
+  if (it == node.value->end()) return absent;
+  if (it->is_null()) return null_value;
+  const double v = node.number_or(key, absent);
+  if (!(v > 0) || !std::isfinite(v)) node.fail_key(ErrorCode::bad_format, key, format("must be positive (or null), not %g", v));
+  return v;
+}
+
+inline MlpActivation parse_activation(const Node& text, const char* key, const std::string& name,
+                                      std::initializer_list<MlpActivation> allowed) {
+  MlpActivation act = MlpActivation::silu;
+  if (name == "silu") act = MlpActivation::silu;
+  else if (name == "gelu_pytorch_tanh") act = MlpActivation::gelu_tanh;
+  else if (name == "gelu") act = MlpActivation::gelu;
+  else text.fail_key(ErrorCode::unsupported, key, format("'%s' is not supported; supported: silu, gelu_pytorch_tanh, gelu", name.c_str()));
+  if (std::find(allowed.begin(), allowed.end(), act) == allowed.end())
+    text.fail_key(ErrorCode::unsupported, key, format("'%s' is not supported for this model type", name.c_str()));
+  return act;
+}
+
+// layer_types as written (transformers >= 4.54 saves it), else the family's rule for it.
+inline std::vector<LayerKind> parse_layer_types(const Node& text, int64_t layers, const std::function<LayerKind(int64_t)>& rule) {
+  std::vector<LayerKind> kinds;
+  if (!text.has("layer_types")) {
+    for (int64_t l = 0; l < layers; l++) kinds.push_back(rule(l));
+    return kinds;
+  }
+  std::vector<std::string> names = text.string_list("layer_types");
+  if (int64_t(names.size()) != layers)
+    text.fail_key(ErrorCode::bad_format, "layer_types",
+                  format("lists %zu layers but num_hidden_layers is %lld", names.size(), (long long)layers));
+  for (size_t l = 0; l < names.size(); l++) {
+    if (names[l] == "full_attention") kinds.push_back(LayerKind::full);
+    else if (names[l] == "sliding_attention") kinds.push_back(LayerKind::sliding);
+    else
+      text.fail_key(ErrorCode::unsupported, format("layer_types[%zu]", l),
+                    format("'%s' is not supported; supported: full_attention, sliding_attention", names[l].c_str()));
+  }
+  return kinds;
+}
+
+inline BlockTraits parse_block_traits(const Node& text, Arch arch, const TextConfig& t) {
+  BlockTraits b;
+  const int64_t layers = t.num_layers;
+  auto window_key = [&](const char* key) -> int64_t {
+    return text.has(key) ? text.bounded(key, limits::max_positions, "KVLITE_MAX_POSITIONS") : 0;
+  };
+  const bool gemma = arch == Arch::gemma2 || arch == Arch::gemma3;
+  if (gemma) {
+    // Gemma2Config / Gemma3TextConfig: hidden_activation (older files also carry hidden_act)
+    const char* act_key = text.has("hidden_activation") ? "hidden_activation" : "hidden_act";
+    b.activation = parse_activation(text, act_key, text.string_or(act_key, "gelu_pytorch_tanh"),
+                                    {MlpActivation::gelu_tanh, MlpActivation::gelu});
+    b.norm_form = NormForm::one_plus_weight;
+    b.embedding_scaled = true;
+    b.sandwich_norms = true;
+    b.query_pre_attn_scalar = text.number_or("query_pre_attn_scalar", 256);
+    if (!(b.query_pre_attn_scalar > 0))
+      text.fail_key(ErrorCode::bad_format, "query_pre_attn_scalar", "must be positive");
+    if (text.bool_or("use_bidirectional_attention", false))
+      text.fail_key(ErrorCode::unsupported, "use_bidirectional_attention", "= true (an encoder) is not supported");
+    const bool g2 = arch == Arch::gemma2;
+    b.attn_logit_softcap = number_or_null(text, "attn_logit_softcapping", g2 ? 50.0 : 0.0, 0.0);
+    b.final_logit_softcap = number_or_null(text, "final_logit_softcapping", g2 ? 30.0 : 0.0, 0.0);
+    b.sliding_window = text.has("sliding_window") ? window_key("sliding_window") : 4096;
+    // Gemma-2: sliding, full, sliding, ...; Gemma-3: every sliding_window_pattern-th layer full (default 6)
+    const int64_t pattern = g2 ? 2 : text.bounded_or("sliding_window_pattern", 6, limits::max_model_layers, "KVLITE_MAX_MODEL_LAYERS");
+    b.layer_kinds = parse_layer_types(text, layers, [&](int64_t l) {
+      return (l + 1) % pattern ? LayerKind::sliding : LayerKind::full;
+    });
+  } else {
+    b.activation = parse_activation(text, "hidden_act", t.hidden_act, {MlpActivation::silu});
+    if (arch == Arch::mistral || arch == Arch::phi3) {
+      // MistralModel / Phi3Model: one mask for every layer, sliding when sliding_window is set
+      b.sliding_window = window_key("sliding_window");
+      b.layer_kinds.assign(size_t(layers), b.sliding_window > 0 ? LayerKind::sliding : LayerKind::full);
+      b.fused_projections = arch == Arch::phi3;
+    } else if (arch == Arch::qwen2 || arch == Arch::qwen3) {
+      // Qwen2Config: sliding_window = sliding_window if use_sliding_window else None; layers from
+      // max_window_layers on slide (layer_types when written)
+      if (text.bool_or("use_sliding_window", false)) b.sliding_window = window_key("sliding_window");
+      const int64_t max_window_layers = text.bounded_or("max_window_layers", 28, limits::max_model_layers, "KVLITE_MAX_MODEL_LAYERS");
+      b.layer_kinds = parse_layer_types(text, layers, [&](int64_t l) {
+        return b.sliding_window > 0 && l >= max_window_layers ? LayerKind::sliding : LayerKind::full;
+      });
+      if (b.sliding_window == 0) b.layer_kinds.assign(size_t(layers), LayerKind::full);  // no window: full masks
+    } else {
+      b.layer_kinds.assign(size_t(layers), LayerKind::full);
+    }
+  }
+  if (b.has_sliding_layers() && b.sliding_window <= 0)
+    text.fail_key(ErrorCode::bad_format, "sliding_window", "must be a positive number of tokens for the sliding layers");
+  return b;
+}
+
+// Gemma3TextConfig's class defaults for the keys a published config.json leaves out (Gemma-3-4B's text_config
+// lists only a few), and its RoPE split: rope_parameters {full_attention, sliding_attention} (transformers 5)
+// or rope_theta + rope_local_base_freq (+ rope_scaling for the global layers). Rewrites `text` so that
+// parse_rope reads the global layers' parameters; returns the sliding layers' base.
+inline double prepare_gemma3_text(nlohmann::json& text, const std::string& origin) {
+  const std::pair<const char*, nlohmann::json> defaults[] = {
+      {"vocab_size", 262208}, {"hidden_size", 2304}, {"intermediate_size", 9216}, {"num_hidden_layers", 26},
+      {"num_attention_heads", 8}, {"num_key_value_heads", 4}, {"head_dim", 256}, {"max_position_embeddings", 131072},
+      {"rms_norm_eps", 1e-6}, {"query_pre_attn_scalar", 256}, {"tie_word_embeddings", true}};
+  for (const auto& d : defaults)
+    if (!text.contains(d.first)) text[d.first] = d.second;
+  Node node{&text, "", origin};
+  double local_theta = 10000.0;
+  if (std::optional<Node> params = node.optional_child("rope_parameters"); params && params->has("full_attention")) {
+    Node full = params->child("full_attention");
+    if (std::optional<Node> sliding = params->optional_child("sliding_attention")) {
+      const std::string type = sliding->string_or("rope_type", "default");
+      if (type != "default")
+        sliding->fail_key(ErrorCode::unsupported, "rope_type", format("'%s' on the sliding layers is not supported; supported: default", type.c_str()));
+      local_theta = sliding->number_or("rope_theta", local_theta);
+    }
+    nlohmann::json global = *full.value;
+    if (!global.contains("rope_theta")) global["rope_theta"] = 1000000.0;
+    text["rope_parameters"] = global;
+  } else {
+    local_theta = node.number_or("rope_local_base_freq", local_theta);
+    if (!node.has("rope_theta") && !node.has("rope_parameters")) text["rope_theta"] = 1000000.0;
+  }
+  if (!(local_theta > 0)) node.fail_key(ErrorCode::bad_format, "rope_local_base_freq", "must be positive");
+  return local_theta;
+}
+
 inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
   TextConfig t;
   t.hidden_size = text.bounded("hidden_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
@@ -341,6 +480,15 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
       t.attention_bias = t.o_proj_bias = attention_bias;
       t.mlp_bias = text.bool_or("mlp_bias", false);
       break;
+    case Arch::mistral:  // MistralAttention / Phi3Attention: no biases
+    case Arch::phi3:
+    case Arch::gemma2:  // Gemma2Attention: attention_bias on q/k/v/o
+      t.attention_bias = t.o_proj_bias = arch == Arch::gemma2 && attention_bias;
+      break;
+    case Arch::gemma3:
+      t.attention_bias = t.o_proj_bias = attention_bias;
+      t.qk_norm = true;
+      break;
     case Arch::qwen2:  // Qwen2Attention: q/k/v always have biases, o_proj never
       t.attention_bias = true;
       t.o_proj_bias = false;
@@ -362,6 +510,7 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
 
   t.bos_token_ids = text.has("bos_token_id") ? text.ids("bos_token_id") : root.ids("bos_token_id");
   t.eos_token_ids = text.has("eos_token_id") ? text.ids("eos_token_id") : root.ids("eos_token_id");
+  t.block = parse_block_traits(text, arch, t);
   return t;
 }
 
@@ -603,9 +752,14 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
     else if (*model_type == "qwen2") config.arch = Arch::qwen2;
     else if (*model_type == "qwen3") config.arch = Arch::qwen3;
     else if (*model_type == "qwen3_vl") config.arch = Arch::qwen3_vl;
+    else if (*model_type == "mistral") config.arch = Arch::mistral;
+    else if (*model_type == "gemma2") config.arch = Arch::gemma2;
+    else if (*model_type == "gemma3_text" || *model_type == "gemma3") config.arch = Arch::gemma3;
+    else if (*model_type == "phi3") config.arch = Arch::phi3;
     else
       root.fail_key(ErrorCode::unsupported, "model_type",
-                    detail::format("'%s' is not supported; supported: llama, qwen2, qwen3, qwen3_vl", model_type->c_str()));
+                    detail::format("'%s' is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_vl, gemma2, "
+                                   "gemma3_text, gemma3 (its text model), phi3", model_type->c_str()));
 
     if (config.arch == Arch::qwen3_vl) {
       config.text = detail::cfg::parse_text(root.child("text_config"), root, config.arch);
@@ -615,6 +769,14 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
       config.video_token_id = root.checked_ids("video_token_id", {root.optional_int("video_token_id").value_or(151656)})[0];
       config.vision_start_token_id = root.checked_ids("vision_start_token_id", {root.optional_int("vision_start_token_id").value_or(151652)})[0];
       config.vision_end_token_id = root.checked_ids("vision_end_token_id", {root.optional_int("vision_end_token_id").value_or(151653)})[0];
+    } else if (config.arch == Arch::gemma3) {
+      // gemma3_text at the top level; gemma3 (multimodal) nests it in text_config (its vision tower is not run)
+      const bool nested = *model_type == "gemma3";
+      nlohmann::json text = nested ? *root.child("text_config").value : doc;
+      const double local_theta = detail::cfg::prepare_gemma3_text(text, origin);
+      Node text_node{&text, nested ? "text_config" : "", origin};
+      config.text = detail::cfg::parse_text(text_node, root, config.arch);
+      config.text.block.local_rope_theta = local_theta;
     } else {
       config.text = detail::cfg::parse_text(root, root, config.arch);
     }
@@ -722,12 +884,20 @@ inline std::vector<LinearSpec> linear_specs(const ModelConfig& c) {
   const std::string prefix = c.text_prefix();
   for (int64_t i = 0; i < t.num_layers; i++) {
     std::string layer = prefix + format("layers.%lld.", (long long)i);
-    specs.push_back({layer + "self_attn.q_proj", q_out, t.hidden_size, t.attention_bias, false});
-    specs.push_back({layer + "self_attn.k_proj", kv_out, t.hidden_size, t.attention_bias, false});
-    specs.push_back({layer + "self_attn.v_proj", kv_out, t.hidden_size, t.attention_bias, false});
+    if (t.block.fused_projections) {  // Phi-3: q | k | v and gate | up as one stored Linear each
+      specs.push_back({layer + "self_attn.qkv_proj", q_out + 2 * kv_out, t.hidden_size, t.attention_bias, false});
+    } else {
+      specs.push_back({layer + "self_attn.q_proj", q_out, t.hidden_size, t.attention_bias, false});
+      specs.push_back({layer + "self_attn.k_proj", kv_out, t.hidden_size, t.attention_bias, false});
+      specs.push_back({layer + "self_attn.v_proj", kv_out, t.hidden_size, t.attention_bias, false});
+    }
     specs.push_back({layer + "self_attn.o_proj", t.hidden_size, q_out, t.o_proj_bias, false});
-    specs.push_back({layer + "mlp.gate_proj", t.intermediate_size, t.hidden_size, t.mlp_bias, false});
-    specs.push_back({layer + "mlp.up_proj", t.intermediate_size, t.hidden_size, t.mlp_bias, false});
+    if (t.block.fused_projections) {
+      specs.push_back({layer + "mlp.gate_up_proj", 2 * t.intermediate_size, t.hidden_size, t.mlp_bias, false});
+    } else {
+      specs.push_back({layer + "mlp.gate_proj", t.intermediate_size, t.hidden_size, t.mlp_bias, false});
+      specs.push_back({layer + "mlp.up_proj", t.intermediate_size, t.hidden_size, t.mlp_bias, false});
+    }
     specs.push_back({layer + "mlp.down_proj", t.hidden_size, t.intermediate_size, t.mlp_bias, false});
   }
   if (!t.tie_word_embeddings) specs.push_back({"lm_head", t.vocab_size, t.hidden_size, false, false});
@@ -1032,7 +1202,8 @@ WeightsSummary estimate_weights(const ModelConfig& config) {
   const DType dtype = t.dtype;
   const uint64_t hidden = uint64_t(t.hidden_size), layers = uint64_t(t.num_layers);
   const uint64_t embedding = dtype_bytes(dtype, uint64_t(t.vocab_size) * hidden);
-  uint64_t norms = layers * 2 * dtype_bytes(dtype, hidden) + dtype_bytes(dtype, hidden);  // input/post-attention + final
+  // input / post-attention (+ Gemma's pre- / post-feedforward) per layer, and the final norm
+  uint64_t norms = layers * (t.block.sandwich_norms ? 4 : 2) * dtype_bytes(dtype, hidden) + dtype_bytes(dtype, hidden);
   if (t.qk_norm) norms += layers * 2 * dtype_bytes(dtype, uint64_t(t.head_dim));
   uint64_t text_linears = 0, vision_linears = 0, lm_head = 0;
   for (const LinearDesc& linear : s.linears) {

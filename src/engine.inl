@@ -1401,8 +1401,11 @@ TextModelWeights upload_text_weights(const TextModelWeights& host, WeightUploade
     d.q_norm = upload.tensor(h.q_norm, h.q_norm.dtype, layer + "self_attn.q_norm");
     d.k_norm = upload.tensor(h.k_norm, h.k_norm.dtype, layer + "self_attn.k_norm");
     d.o_proj = upload.linear(h.o_proj, layer + "self_attn.o_proj");
+    d.attention_output_norm =
+        upload.tensor(h.attention_output_norm, h.attention_output_norm.dtype, layer + "attention_output_norm");
     d.post_attention_layernorm =
         upload.tensor(h.post_attention_layernorm, h.post_attention_layernorm.dtype, layer + "post_attention_layernorm");
+    d.mlp_output_norm = upload.tensor(h.mlp_output_norm, h.mlp_output_norm.dtype, layer + "mlp_output_norm");
     d.gate_up_proj = upload.linear_group(h.gate_up_proj, {layer + "mlp.gate_proj", layer + "mlp.up_proj"});
     d.down_proj = upload.linear(h.down_proj, layer + "mlp.down_proj");
     report();

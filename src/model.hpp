@@ -1,10 +1,15 @@
 // ---------------------------------------------------------------------------------------------------------
-// model: the decoder-only text transformer of Llama-3, Qwen2, Qwen3 and Qwen3-VL's language model, written
-// once against Backend.
+// model: the decoder-only text transformer of Llama-3, Mistral, Qwen2, Qwen3, Qwen3-VL's language model,
+// Gemma-2, Gemma-3 (text) and Phi-3, written once against Backend; the families differ only by the data of
+// TextConfig::block (BlockTraits, config.hpp).
 //
-//   token ids ─► embed_tokens ─► [ RMSNorm ─► q,k,v (+bias) ─► q/k RMSNorm (qwen3) ─► RoPE ─► paged KV
-//                                   ─► causal attention ─► o_proj ─► + ─► RMSNorm ─► SwiGLU MLP ─► + ] x L
-//                              ─► final RMSNorm ─► rows whose logits are wanted ─► lm_head ─► logits
+//   token ids ─► embed_tokens (x sqrt(H): gemma) ─► [ RMSNorm ─► q,k,v (+bias) ─► q/k RMSNorm (qwen3, gemma3)
+//       ─► RoPE (the layer kind's base) ─► paged KV ─► causal attention (sliding window, soft-cap: per layer kind)
+//       ─► o_proj (─► RMSNorm: gemma) ─► + ─► RMSNorm ─► SwiGLU / GeGLU MLP (─► RMSNorm: gemma) ─► + ] x L
+//   ─► final RMSNorm ─► rows whose logits are wanted ─► lm_head (─► soft-cap: gemma2) ─► logits
+//
+// Gemma's RMSNorm is x * (1 + w): the binder stores 1 + w (in fp32, as Gemma computes it), so every norm
+// runs the one rms_norm op.
 //
 // Qwen3-VL (vision.hpp computes the image features): image tokens' embeddings are replaced by the vision
 // tower's merged embeddings, its DeepStack features are added to their hidden states after decoder layers
@@ -23,15 +28,19 @@ namespace kvlite {
 // One decoder layer (LlamaDecoderLayer / Qwen2DecoderLayer / Qwen3DecoderLayer), every view in its on-disk
 // dtype. Shapes: H hidden, Hq/Hkv heads, D head_dim, I intermediate.
 struct DecoderLayerWeights {
-  Tensor input_layernorm;                 // [H]
+  Tensor input_layernorm;                 // [H]  (Gemma: 1 + w, F32, here and in every norm below)
   // q_proj | k_proj | v_proj ([Hq D, H], [Hkv D, H], [Hkv D, H]; biases for qwen2) into the qkv buffer: three
-  // parts as bound, one where the CUDA uploader fused them
+  // parts as bound, one where the CUDA uploader fused them, or Phi-3's stored qkv_proj)
   LinearGroup qkv_proj;
   Tensor q_norm, k_norm;                  // [D] each (qwen3); empty otherwise
   LinearWeights o_proj;                   // [H, Hq D]
-  Tensor post_attention_layernorm;        // [H]
-  LinearGroup gate_up_proj;               // gate_proj | up_proj, [I, H] each, into the gate_up buffer (as qkv_proj)
+  Tensor attention_output_norm;           // [H] Gemma's post_attention_layernorm (of o_proj's output); empty otherwise
+  // [H] the norm before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm
+  Tensor post_attention_layernorm;
+  LinearGroup gate_up_proj;               // gate_proj | up_proj, [I, H] each, into the gate_up buffer (as qkv_proj;
+                                          // Phi-3's stored gate_up_proj [2 I, H])
   LinearWeights down_proj;                // [H, I]
+  Tensor mlp_output_norm;                 // [H] Gemma's post_feedforward_layernorm; empty otherwise
 };
 
 struct TextModelWeights {
@@ -42,6 +51,8 @@ struct TextModelWeights {
   // An fp8 KV cache's per-layer scales (compressed-tensors kv_cache_scheme: self_attn.k_scale / v_scale, one
   // number per layer), as floats; empty when the checkpoint declares none (an fp8 cache then uses 1.0).
   std::vector<float> k_scales, v_scales;
+  // Host memory behind norm views the binder computed rather than mapped (Gemma's 1 + w in F32).
+  std::vector<std::shared_ptr<const std::vector<float>>> computed;
 };
 
 // Binds every weight of the text model by its transformers name as a view into the store's mmap (BF16, F16
@@ -146,8 +157,10 @@ class TextModel {
   int64_t max_seqs_ = 0;        // Smax: rows of the per-sequence buffers
   int64_t max_logit_rows_ = 0;  // rows one logits() call computes: min(logits buffer rows, Tmax)
   int64_t step_tokens_ = 0;     // T of the last stage()
-  float attention_scale_ = 1.0f;  // head_dim ** -0.5
+  float attention_scale_ = 1.0f;  // head_dim ** -0.5 (query_pre_attn_scalar ** -0.5: gemma)
+  float embedding_scale_ = 0.0f;  // > 0: inputs_embeds * this (gemma's normalizer, in the embedding dtype)
   std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
+  std::vector<float> local_inv_freq_;       // [D / 2] the sliding layers' own (gemma3); empty: inv_freq_ serves all
   std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
   // [Tmax, H] image rows rounded to 16-bit activations on the host (vision models with BF16 / F16 activations)
   std::vector<uint16_t> image_rows_16bit_;
@@ -163,6 +176,8 @@ class TextModel {
   Tensor mlp_act_;        // "mlp_act"      [Tmax, I]
   Tensor rope_cos_;       // "rope_cos"     [Tmax, D / 2] fp32
   Tensor rope_sin_;       // "rope_sin"     [Tmax, D / 2] fp32
+  Tensor rope_cos_local_;  // "rope_cos_local" [Tmax, D / 2] fp32: the sliding layers' (gemma3); else empty
+  Tensor rope_sin_local_;  // "rope_sin_local" [Tmax, D / 2] fp32
   Tensor token_ids_;      // "token_ids"    [Tmax] int32
   Tensor slot_mapping_;   // "slot_mapping" [Tmax] int32
   Tensor query_starts_;   // "query_starts" [Smax + 1] int32 (+ 1 for a GPU's spare sequence)

@@ -1,5 +1,6 @@
 // model: implementation. The forward pass mirrors transformers' modeling_llama.py / modeling_qwen2.py /
-// modeling_qwen3.py line by line; the PyTorch line is in the comment above each call.
+// modeling_qwen3.py (and modeling_gemma2.py / modeling_gemma3.py where BlockTraits say so) line by line; the
+// PyTorch line is in the comment above each call.
 #include <cmath>
 
 namespace kvlite {
@@ -151,41 +152,70 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
     using detail::fail;
     using detail::format;
     const TextConfig& c = config.text;
-    if (config.arch != Arch::llama && config.arch != Arch::qwen2 && config.arch != Arch::qwen3 &&
-        config.arch != Arch::qwen3_vl)
-      fail(ErrorCode::unsupported,
-           format("%s: model_type '%s' (%s) is not a model the CPU engine runs (llama, qwen2, qwen3, qwen3_vl)",
-                  config.origin.c_str(), config.model_type.c_str(), arch_name(config.arch)));
-    if (c.hidden_act != "silu")
-      fail(ErrorCode::unsupported,
-           format("%s: hidden_act '%s' is not supported (the MLP is SwiGLU with silu)", config.origin.c_str(),
-                  c.hidden_act.c_str()));
+    const BlockTraits& block = c.block;
     const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size, V = c.vocab_size;
     const int64_t q_width = c.num_heads * D, kv_width = c.num_kv_heads * D;
     const std::string prefix = config.text_prefix();
 
     detail::model::WeightBinder bind(config, store);
     TextModelWeights w;
+    // An RMSNorm weight as the forward pass multiplies by it: the stored w, or Gemma's 1 + w formed in fp32
+    // (Gemma2RMSNorm: output * (1.0 + self.weight.float())).
+    auto norm = [&](const std::string& name, int64_t n) -> Tensor {
+      Tensor stored = bind.bind(name, {n});
+      if (block.norm_form == NormForm::weight || stored.data == nullptr) return stored;
+      auto one_plus = std::make_shared<std::vector<float>>(size_t(n));
+      for (int64_t i = 0; i < n; i++) {
+        const uint8_t* at = static_cast<const uint8_t*>(stored.data) + i * stored.element_bytes();
+        float value = 0;
+        if (stored.dtype == DType::F32) {
+          std::memcpy(&value, at, 4);
+        } else {
+          uint16_t bits = 0;
+          std::memcpy(&bits, at, 2);
+          value = stored.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+        }
+        (*one_plus)[size_t(i)] = 1.0f + value;
+      }
+      w.computed.push_back(one_plus);
+      return Tensor::vector(one_plus->data(), DType::F32, n);
+    };
     w.embed_tokens = bind.bind(prefix + "embed_tokens.weight", {V, H});
     w.layers.resize(size_t(c.num_layers));
     for (int64_t l = 0; l < c.num_layers; l++) {
       const std::string layer = prefix + format("layers.%lld.", (long long)l);
       DecoderLayerWeights& lw = w.layers[size_t(l)];
-      lw.input_layernorm = bind.bind(layer + "input_layernorm.weight", {H});
-      lw.qkv_proj.parts = {bind.linear(layer + "self_attn.q_proj", q_width, H, c.attention_bias),
-                           bind.linear(layer + "self_attn.k_proj", kv_width, H, c.attention_bias),
-                           bind.linear(layer + "self_attn.v_proj", kv_width, H, c.attention_bias)};
+      lw.input_layernorm = norm(layer + "input_layernorm.weight", H);
+      if (block.fused_projections) {
+        // Phi-3 stores q | k | v as one Linear, in the qkv buffer's column order: bound as the group's one part
+        lw.qkv_proj.parts = {bind.linear(layer + "self_attn.qkv_proj", q_width + 2 * kv_width, H, c.attention_bias)};
+      } else {
+        lw.qkv_proj.parts = {bind.linear(layer + "self_attn.q_proj", q_width, H, c.attention_bias),
+                             bind.linear(layer + "self_attn.k_proj", kv_width, H, c.attention_bias),
+                             bind.linear(layer + "self_attn.v_proj", kv_width, H, c.attention_bias)};
+      }
       if (c.qk_norm) {
-        lw.q_norm = bind.bind(layer + "self_attn.q_norm.weight", {D});
-        lw.k_norm = bind.bind(layer + "self_attn.k_norm.weight", {D});
+        lw.q_norm = norm(layer + "self_attn.q_norm.weight", D);
+        lw.k_norm = norm(layer + "self_attn.k_norm.weight", D);
       }
       lw.o_proj = bind.linear(layer + "self_attn.o_proj", H, q_width, c.o_proj_bias);
-      lw.post_attention_layernorm = bind.bind(layer + "post_attention_layernorm.weight", {H});
-      lw.gate_up_proj.parts = {bind.linear(layer + "mlp.gate_proj", I, H, c.mlp_bias),
-                               bind.linear(layer + "mlp.up_proj", I, H, c.mlp_bias)};
+      if (block.sandwich_norms) {
+        lw.attention_output_norm = norm(layer + "post_attention_layernorm.weight", H);
+        lw.post_attention_layernorm = norm(layer + "pre_feedforward_layernorm.weight", H);
+        lw.mlp_output_norm = norm(layer + "post_feedforward_layernorm.weight", H);
+      } else {
+        lw.post_attention_layernorm = norm(layer + "post_attention_layernorm.weight", H);
+      }
+      if (block.fused_projections) {
+        // Phi3MLP: gate, up_states = self.gate_up_proj(x).chunk(2, dim=-1): gate first, as the gate_up buffer
+        lw.gate_up_proj.parts = {bind.linear(layer + "mlp.gate_up_proj", 2 * I, H, c.mlp_bias)};
+      } else {
+        lw.gate_up_proj.parts = {bind.linear(layer + "mlp.gate_proj", I, H, c.mlp_bias),
+                                 bind.linear(layer + "mlp.up_proj", I, H, c.mlp_bias)};
+      }
       lw.down_proj = bind.linear(layer + "mlp.down_proj", H, I, c.mlp_bias);
     }
-    w.norm = bind.bind(prefix + "norm.weight", {H});
+    w.norm = norm(prefix + "norm.weight", H);
     // KV cache scales (compressed-tensors kv_cache_scheme): every layer has both, or none does.
     for (const char* which : {"k_scale", "v_scale"}) {
       std::vector<float>& scales = which[0] == 'k' ? w.k_scales : w.v_scales;
@@ -271,6 +301,10 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   mlp_act_ = view("mlp_act", act, max_tokens_, I);
   rope_cos_ = view("rope_cos", DType::F32, max_tokens_, half);
   rope_sin_ = view("rope_sin", DType::F32, max_tokens_, half);
+  if (c.block.local_rope_theta > 0) {
+    rope_cos_local_ = view("rope_cos_local", DType::F32, max_tokens_, half);
+    rope_sin_local_ = view("rope_sin_local", DType::F32, max_tokens_, half);
+  }
   token_ids_ = view("token_ids", DType::I32, max_tokens_, 1);
   slot_mapping_ = view("slot_mapping", DType::I32, max_tokens_, 1);
   query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1 + spare, 1);
@@ -294,10 +328,27 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   Result<std::vector<float>> inv_freq = rope_inv_freq(c.rope, D);
   if (!inv_freq) throw inv_freq.error();
   inv_freq_ = std::move(*inv_freq);
+  if (c.block.local_rope_theta > 0) {
+    // gemma3: the sliding layers' rotary_emb_local, default RoPE of base rope_local_base_freq
+    RopeConfig local;
+    local.theta = c.block.local_rope_theta;
+    Result<std::vector<float>> local_inv_freq = rope_inv_freq(local, D);
+    if (!local_inv_freq) throw local_inv_freq.error();
+    local_inv_freq_ = std::move(*local_inv_freq);
+  }
   cos_host_.resize(size_t(max_tokens_ * half));
   sin_host_.resize(size_t(max_tokens_ * half));
-  // self.scaling = self.head_dim ** -0.5
-  attention_scale_ = float(std::pow(double(D), -0.5));
+  // self.scaling = self.head_dim ** -0.5   (gemma: config.query_pre_attn_scalar ** -0.5)
+  const double scaled_by = c.block.query_pre_attn_scalar > 0 ? c.block.query_pre_attn_scalar : double(D);
+  attention_scale_ = float(std::pow(scaled_by, -0.5));
+  if (c.block.embedding_scaled) {
+    // gemma: self.embed_scale = torch.tensor(hidden_size ** 0.5), used as .to(self.weight.dtype)
+    const float normalizer = float(std::sqrt(double(H)));
+    const DType table = weights_.embed_tokens.dtype;
+    embedding_scale_ = table == DType::BF16   ? bf16_to_float(float_to_bf16(normalizer))
+                       : table == DType::F16 ? f16_to_float(float_to_f16(normalizer))
+                                             : normalizer;
+  }
 }
 
 KVCacheView TextModel::kv_cache() const {
@@ -349,6 +400,13 @@ void TextModel::stage(const StepInput& step) {
   Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
   check(backend_.copy_from_host(cos_host_.data(), cos));
   check(backend_.copy_from_host(sin_host_.data(), sin));
+  if (!local_inv_freq_.empty()) {
+    // gemma3: position_embeddings_local = self.rotary_emb_local(hidden_states, position_ids)
+    check(rope_tables(local_inv_freq_, step.positions, step.position_rows, T, c.rope.mrope_section, cos_host_.data(),
+                      sin_host_.data()));
+    check(backend_.copy_from_host(cos_host_.data(), rope_cos_local_.slice_rows(0, T)));
+    check(backend_.copy_from_host(sin_host_.data(), rope_sin_local_.slice_rows(0, T)));
+  }
   batch_.query_starts = query_starts_.slice_rows(0, step.seqs + 1);
   batch_.context_lens = context_lens_.slice_rows(0, step.seqs);
   batch_.block_tables = step.block_tables.slice_rows(0, step.seqs);
@@ -381,7 +439,12 @@ void TextModel::compute(const StepInput& step) {
     detail::fail(ErrorCode::internal, detail::format("compute: a step of %lld tokens after stage() of %lld",
                                                      (long long)T, (long long)step_tokens_));
   Tensor ids = token_ids_.slice_rows(0, T), slots = slot_mapping_.slice_rows(0, T);
+  const BlockTraits& block = c.block;
   Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
+  // the sliding layers' RoPE tables (gemma3), else the same as every layer's
+  Tensor local_cos = local_inv_freq_.empty() ? cos : rope_cos_local_.slice_rows(0, T);
+  Tensor local_sin = local_inv_freq_.empty() ? sin : rope_sin_local_.slice_rows(0, T);
+  const GeluApprox gelu_form = block.activation == MlpActivation::gelu ? GeluApprox::none : GeluApprox::tanh;
   const KVCacheView cache = kv_cache();
 
   Tensor hidden = hidden_.slice_rows(0, T);    // [T, H], the residual stream
@@ -396,8 +459,9 @@ void TextModel::compute(const StepInput& step) {
   Tensor up = gate_up.slice_cols(I, I);        // [T, I]
   Tensor act = mlp_act_.slice_rows(0, T);      // [T, I]
 
-  // inputs_embeds = self.embed_tokens(input_ids)
+  // inputs_embeds = self.embed_tokens(input_ids)   (gemma: * self.embed_scale.to(self.weight.dtype))
   check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
+  if (embedding_scale_ > 0) check(backend_.scale(hidden, embedding_scale_, hidden));
   // qwen3_vl: inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
   // (image features are float host rows: the vision tower's activations widened, so rounding them back to
   // 16-bit activations gives the bits the tower stored)
@@ -411,6 +475,11 @@ void TextModel::compute(const StepInput& step) {
   bool layer_output_in_hidden = true;
   for (int64_t l = 0; l < c.num_layers; l++) {
     const DecoderLayerWeights& w = weights_.layers[size_t(l)];
+    const bool sliding = block.window_of(l) > 0;
+    // the layer kind's attention: sliding_window (mistral, qwen2, phi3, gemma) and gemma2's score soft-cap
+    AttentionOptions attention_options;
+    attention_options.window = block.window_of(l);
+    attention_options.logit_softcap = float(block.attn_logit_softcap);
     // residual = hidden_states; hidden_states = self.input_layernorm(hidden_states)
     // (from layer 1 on, the previous layer's `hidden_states = residual + hidden_states` is fused in: normed
     // holds that layer's MLP output)
@@ -432,19 +501,27 @@ void TextModel::compute(const StepInput& step) {
     // (q and k are adjacent column blocks of qkv, Hq + Hkv heads)                 qk [T, (Hq + Hkv) D]
     // key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
     // (one call for both: a backend may store each rotated key as it makes it)
-    check(backend_.rope_kv_write(qkv.slice_cols(0, q_width + kv_width), cos, sin, D, cache, l, k, v, slots));
+    // (gemma3: a sliding layer takes position_embeddings_local)
+    check(backend_.rope_kv_write(qkv.slice_cols(0, q_width + kv_width), sliding ? local_cos : cos,
+                                 sliding ? local_sin : sin, D, cache, l, k, v, slots));
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
-    check(backend_.attention(q, cache, l, batch_, attention_scale_, attn));
+    // (the mask of the layer's kind: sliding_window_overlay on a sliding layer; gemma2 soft-caps the scores)
+    check(backend_.attention(q, cache, l, batch_, attention_scale_, attn, attention_options));
     // attn_output = self.o_proj(attn_output)                                  normed [T, H]
     check(backend_.linear(attn, w.o_proj, normed));
+    // gemma: hidden_states = self.post_attention_layernorm(hidden_states)  (before the residual add)
+    if (w.attention_output_norm.data) check(backend_.rms_norm(normed, w.attention_output_norm, eps, normed));
     // hidden_states = residual + hidden_states; residual = hidden_states
-    // hidden_states = self.post_attention_layernorm(hidden_states)
+    // hidden_states = self.post_attention_layernorm(hidden_states)   (gemma: self.pre_feedforward_layernorm)
     check(backend_.add_rms_norm(normed, hidden, w.post_attention_layernorm, eps, normed));
     // down_proj(act_fn(gate_proj(x)) * up_proj(x))                            normed [T, H]
     // (gate | up: the gate_up buffer's column blocks)                           gate_up [T, 2 I]
     check(backend_.linear(normed, w.gate_up_proj, gate_up));
-    check(backend_.silu_mul(gate, up, act));
+    if (block.activation == MlpActivation::silu) check(backend_.silu_mul(gate, up, act));  // SwiGLU
+    else check(backend_.gelu_mul(gate, up, gelu_form, act));                                // GeGLU (gemma)
     check(backend_.linear(act, w.down_proj, normed));
+    // gemma: hidden_states = self.post_feedforward_layernorm(hidden_states)  (before the residual add)
+    if (w.mlp_output_norm.data) check(backend_.rms_norm(normed, w.mlp_output_norm, eps, normed));
     layer_output_in_hidden = false;
     if (l < deepstack_levels_ && step.image_runs > 0) {
       // hidden_states = residual + hidden_states (the layer's output), then qwen3_vl's _deepstack_process:
@@ -490,6 +567,9 @@ Tensor TextModel::logits(int64_t first, int64_t count) {
   check(backend_.gather_rows(normed_.slice_rows(0, step_tokens_), logit_rows_.slice_rows(first, count), gathered));
   Tensor out = logits_.slice_rows(0, count);  // [count, V] act (fp32 on the CPU, as transformers' .float())
   check(backend_.linear(gathered, weights_.lm_head, out));
+  // gemma2: logits = logits / cap; logits = torch.tanh(logits); logits = logits * cap
+  if (config_.text.block.final_logit_softcap > 0)
+    check(backend_.soft_cap(out, float(config_.text.block.final_logit_softcap), out));
   check(backend_.synchronize());
   return out;
 }

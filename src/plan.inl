@@ -364,15 +364,20 @@ WeightConversion cuda_weight_conversion(const ModelConfig& config, const Weights
 }
 
 // Room for the uploader's 256-byte alignment of every text tensor: at most 18 per layer (2 norms, q/k norms,
-// 7 Linears with weight and bias) plus the embedding table, the final norm, lm_head and a tied copy.
+// 7 Linears with weight and bias; 20 with Gemma's 4 norms) plus the embedding table, the final norm, lm_head and a tied copy; and for
+// Gemma's norms, uploaded as the fp32 1 + w the binder formed (at most 6 per layer and the final one).
 uint64_t cuda_weight_slack(const ModelConfig& config) {
-  uint64_t tensors = 4 + 18 * uint64_t(std::max<int64_t>(config.text.num_layers, 0));
+  const uint64_t layers = uint64_t(std::max<int64_t>(config.text.num_layers, 0));
+  uint64_t tensors = 4 + (config.text.block.sandwich_norms ? 20 : 18) * layers;
+  uint64_t computed_norms = 0;
+  if (config.text.block.norm_form == NormForm::one_plus_weight)
+    computed_norms = (6 * layers + 1) * uint64_t(std::max<int64_t>(config.text.hidden_size, config.text.head_dim)) * 4;
   // the vision tower: 12 per block (2 LayerNorms and 4 Linears, weight and bias each), the patch embedding (2),
   // the position table, and 6 per merger (the final one and DeepStack's)
   if (config.vision.present)
     tensors += 12 * uint64_t(std::max<int64_t>(config.vision.depth, 0)) + 3 +
                6 * (1 + uint64_t(config.vision.deepstack_visual_indexes.size()));
-  return kPlanAlignment * tensors;
+  return kPlanAlignment * tensors + computed_norms;
 }
 
 PlanItem weights_item(const Inputs& in, DType act) {
@@ -860,6 +865,11 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
   if (P > 0) buffers.push_back(buffer("block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
+  // Gemma-3's sliding layers rotate with their own base (rope_local_base_freq): a second pair of tables.
+  if (t.block.local_rope_theta > 0) {
+    buffers.push_back(buffer("rope_cos_local", {T, D / 2}, 4, "(T, D / 2)", "fp32"));
+    buffers.push_back(buffer("rope_sin_local", {T, D / 2}, 4, "(T, D / 2)", "fp32"));
+  }
   // Vision models: a step's DeepStack rows, staged from the host and added to the image tokens' hidden states
   // (in the activation dtype; fp32-sized whatever it is).
   if (config.vision.present) buffers.push_back(buffer("deepstack_rows", {T, H}, 4, "(T, H)", "fp32"));
