@@ -1,0 +1,199 @@
+// families: Mistral, Qwen2 with use_sliding_window, Phi-3, Gemma-2 and Gemma-3 (text) against transformers'
+// float32 outputs for the tiny random models of tests/fixtures/families (tools/make_family_fixtures.py): logits
+// in one prefill, in chunks that cross the sliding window's edge and token by token, greedy continuations; and
+// the BlockTraits config.json gives each family.
+#include <doctest/doctest.h>
+#include <algorithm>
+#include <cmath>
+#include "kvlite.hpp"
+#include "model_fixtures.hpp"
+using namespace kvlite;
+namespace fx = model_fixtures;
+
+namespace {
+
+// max |kvlite - transformers| / max |transformers| over a prompt's logits (F32 CPU).
+constexpr double kLogitsTolerance = 1e-4;
+
+const std::vector<std::string>& families() {
+  static const std::vector<std::string> list = {"mistral", "qwen2-swa", "phi3", "gemma2", "gemma3_text"};
+  return list;
+}
+
+std::string family_dir(const std::string& name) {
+  return std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/families/" + name;
+}
+
+nlohmann::json family_reference(const std::string& name) {
+  return nlohmann::json::parse(fx::read_file(family_dir(name) + "/reference.json"));
+}
+
+std::unique_ptr<Engine> open_family(const std::string& name, EngineOptions options = {}) {
+  if (!options.plan.device_mem) options.plan.device_mem = 64 * MiB;
+  auto engine = Engine::open(family_dir(name), options);
+  if (!engine) throw std::runtime_error("open " + name + ": " + engine.error().message);
+  return std::move(*engine);
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0;
+  for (size_t i = 0; i < b.size(); i++) diff = std::max(diff, std::fabs(double(a[i]) - double(b[i])));
+  return diff;
+}
+
+// Every prompt's logits through `engine` against transformers' one forward.
+void check_logits(Engine& engine, const std::string& name) {
+  const nlohmann::json reference = family_reference(name);
+  for (size_t k = 0; k < reference["prompts"].size(); k++) {
+    const auto& prompt = reference["prompts"][k];
+    CAPTURE(k);
+    fx::Npy expected = fx::read_npy(family_dir(name) + "/" + prompt["logits_file"].get<std::string>());
+    auto logits = engine.logits(fx::ids_of(prompt["input_ids"]));
+    REQUIRE_MESSAGE(logits, logits.error().message);
+    REQUIRE(logits->tokens == expected.rows);
+    REQUIRE(logits->vocab == expected.cols);
+    const double relative = fx::relative_max_diff(logits->values, expected.values);
+    MESSAGE(name << " prompt " << k << " (" << expected.rows << " tokens): max |diff| "
+                 << max_abs_diff(logits->values, expected.values) << ", relative " << relative);
+    CHECK(relative <= kLogitsTolerance);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("each family's logits match transformers in float32, in one prefill") {
+  for (const std::string& name : families()) {
+    CAPTURE(name);
+    auto engine = open_family(name);
+    check_logits(*engine, name);
+  }
+}
+
+TEST_CASE("each family's logits match transformers with chunked prefill across the window edge") {
+  // Chunks of 3 tokens: the window of 8 starts inside an earlier chunk, so each chunk's queries read keys
+  // of two earlier steps from the pages and must drop the ones that slid out.
+  for (const std::string& name : families()) {
+    CAPTURE(name);
+    EngineOptions options;
+    options.plan.max_batched_tokens = 3;
+    options.threads = 1;
+    auto engine = open_family(name, options);
+    check_logits(*engine, name);
+  }
+}
+
+TEST_CASE("each family's logits match transformers token by token") {
+  for (const std::string& name : families()) {
+    CAPTURE(name);
+    EngineOptions options;
+    options.plan.max_batched_tokens = 1;
+    auto engine = open_family(name, options);
+    check_logits(*engine, name);
+  }
+}
+
+TEST_CASE("each family's greedy continuations equal transformers' generate()") {
+  for (const std::string& name : families()) {
+    CAPTURE(name);
+    for (int64_t chunk : {int64_t(0), int64_t(5)}) {  // one prefill step, or chunks of 5
+      CAPTURE(chunk);
+      EngineOptions options;
+      if (chunk) options.plan.max_batched_tokens = chunk;
+      auto engine = open_family(name, options);
+      const nlohmann::json reference = family_reference(name);
+      for (const auto& prompt : reference["prompts"]) {
+        const auto& greedy = prompt["greedy"];
+        SamplingParams params;  // temperature 0: greedy
+        params.max_tokens = greedy["max_new_tokens"].get<int64_t>();
+        auto generation = engine->generate(fx::ids_of(prompt["input_ids"]), params);
+        REQUIRE_MESSAGE(generation, generation.error().message);
+        CHECK(generation->ids == fx::ids_of(greedy["new_ids"]));
+      }
+    }
+  }
+}
+
+TEST_CASE("config.json gives each family its block traits") {
+  auto load = [](const std::string& name) {
+    Result<ModelConfig> config = load_config(family_dir(name));
+    REQUIRE_MESSAGE(config, config.error().message);
+    return config->text.block;
+  };
+  using K = LayerKind;
+  BlockTraits mistral = load("mistral");
+  CHECK(mistral.layer_kinds == std::vector<K>{K::sliding, K::sliding, K::sliding});
+  CHECK(mistral.sliding_window == 8);
+  CHECK(mistral.norm_form == NormForm::weight);
+  // use_sliding_window with max_window_layers 1: layer 0 keeps full attention
+  BlockTraits qwen2 = load("qwen2-swa");
+  CHECK(qwen2.layer_kinds == std::vector<K>{K::full, K::sliding, K::sliding});
+  BlockTraits phi3 = load("phi3");
+  CHECK(phi3.fused_projections);
+  CHECK(phi3.window_of(2) == 8);
+  BlockTraits gemma2 = load("gemma2");
+  CHECK(gemma2.layer_kinds == std::vector<K>{K::sliding, K::full, K::sliding, K::full});
+  CHECK(gemma2.norm_form == NormForm::one_plus_weight);
+  CHECK(gemma2.activation == MlpActivation::gelu_tanh);
+  CHECK(gemma2.embedding_scaled);
+  CHECK(gemma2.sandwich_norms);
+  CHECK(gemma2.attn_logit_softcap == 2.0);
+  CHECK(gemma2.final_logit_softcap == 3.0);
+  CHECK(gemma2.query_pre_attn_scalar == 24.0);
+  CHECK(gemma2.window_of(1) == 0);
+  BlockTraits gemma3 = load("gemma3_text");
+  CHECK(gemma3.local_rope_theta == 10000.0);
+  CHECK(gemma3.attn_logit_softcap == 0.0);
+  CHECK(gemma3.final_logit_softcap == 0.0);
+  CHECK(gemma3.window_of(0) == 8);
+}
+
+TEST_CASE("family configs: the rules for absent keys, and what is refused") {
+  auto parse = [](const std::string& text) { return parse_config(text, "config.json"); };
+  const std::string sizes = R"("hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+      "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 64)";
+  // mistral without a window: full attention everywhere
+  auto mistral = parse(R"({"model_type": "mistral", "sliding_window": null, )" + sizes + "}");
+  REQUIRE(mistral);
+  CHECK_FALSE(mistral->text.block.has_sliding_layers());
+  // qwen2: sliding_window alone is not enough, use_sliding_window must say so (transformers' rule)
+  auto qwen2 = parse(R"({"model_type": "qwen2", "sliding_window": 8, "max_window_layers": 2, )" + sizes + "}");
+  REQUIRE(qwen2);
+  CHECK_FALSE(qwen2->text.block.has_sliding_layers());
+  auto qwen2_swa = parse(R"({"model_type": "qwen2", "use_sliding_window": true, "sliding_window": 8,
+      "max_window_layers": 2, )" + sizes + "}");
+  REQUIRE(qwen2_swa);
+  CHECK(qwen2_swa->text.block.layer_kinds ==
+        std::vector<LayerKind>{LayerKind::full, LayerKind::full, LayerKind::sliding, LayerKind::sliding});
+  // gemma2: absent soft-caps take transformers' defaults (50, 30); null turns them off
+  auto gemma2 = parse(R"({"model_type": "gemma2", "head_dim": 16, )" + sizes + "}");
+  REQUIRE(gemma2);
+  CHECK(gemma2->text.block.attn_logit_softcap == 50.0);
+  CHECK(gemma2->text.block.final_logit_softcap == 30.0);
+  CHECK(gemma2->text.block.sliding_window == 4096);
+  auto uncapped = parse(R"({"model_type": "gemma2", "attn_logit_softcapping": null, "final_logit_softcapping": null,
+      "head_dim": 16, )" + sizes + "}");
+  REQUIRE(uncapped);
+  CHECK(uncapped->text.block.attn_logit_softcap == 0.0);
+  // gemma3 (multimodal): the text model from text_config with Gemma3TextConfig's defaults, RoPE bases per kind
+  auto gemma3 = parse(R"({"model_type": "gemma3", "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+      "model_type": "gemma3_text", "num_hidden_layers": 12, "sliding_window": 1024}, "torch_dtype": "bfloat16"})");
+  REQUIRE_MESSAGE(gemma3, gemma3.error().message);
+  CHECK(gemma3->text.num_heads == 8);
+  CHECK(gemma3->text.head_dim == 256);
+  CHECK(gemma3->text.rope.theta == 1000000.0);
+  CHECK(gemma3->text.block.local_rope_theta == 10000.0);
+  CHECK(gemma3->text.block.layer_kinds[5] == LayerKind::full);
+  CHECK(gemma3->text.block.layer_kinds[4] == LayerKind::sliding);
+  CHECK(gemma3->text_prefix() == "language_model.model.");
+  // refused, naming the key
+  auto silu_gemma = parse(R"({"model_type": "gemma2", "hidden_activation": "relu", "head_dim": 16, )" + sizes + "}");
+  REQUIRE_FALSE(silu_gemma);
+  CHECK(silu_gemma.error().message.find("hidden_activation") != std::string::npos);
+  auto bad_kinds = parse(R"({"model_type": "gemma2", "layer_types": ["full_attention"], "head_dim": 16, )" + sizes + "}");
+  REQUIRE_FALSE(bad_kinds);
+  CHECK(bad_kinds.error().message.find("layer_types") != std::string::npos);
+  auto chunked = parse(R"({"model_type": "gemma3_text", "layer_types": ["chunked_attention", "full_attention",
+      "full_attention", "full_attention"], "head_dim": 16, )" + sizes + "}");
+  REQUIRE_FALSE(chunked);
+  CHECK(chunked.error().code == ErrorCode::unsupported);
+}
