@@ -32,8 +32,10 @@
       auto ppl = (*engine)->score(text, 2048, 512);   // context 2048, stride 512: ppl->perplexity
 
    WHAT IT DOES
-      - Reads a Hugging Face model directory as it is: config.json (llama, qwen2, qwen3, qwen3_vl; classic
-        rope_scaling and newer rope_parameters), safetensors (mmap; single or sharded; validated like the
+      - Reads a Hugging Face model directory as it is: config.json (llama, mistral, qwen2, qwen3, qwen3_vl,
+        gemma2, gemma3_text and gemma3's text model, phi3; classic rope_scaling and newer rope_parameters;
+        sliding-window layers as layer_types / sliding_window / use_sliding_window say), safetensors (mmap;
+        single or sharded; validated like the
         reference reader), quantization_config (compressed-tensors pack-quantized W4A16, float-quantized FP8,
         Qwen's block FP8).
       - Plans memory before touching weights or the GPU: weights, context, activations, vision encoder,
@@ -869,6 +871,9 @@ struct ModelConfig {
   double image_mean[3] = {0.5, 0.5, 0.5}, image_std[3] = {0.5, 0.5, 0.5};
   double rescale_factor = 1.0 / 255.0;
   std::string origin;  // the config.json path, for messages
+  // Parameters on disk that kvlite does not run (Gemma-3's SigLIP vision tower and projector): counted in the
+  // weights estimate from config.json, never bound.
+  uint64_t unrun_params = 0;
 
   // Weight-name prefix of the language model: "model." or, for qwen3_vl, "model.language_model.".
   std::string text_prefix() const;
@@ -5209,6 +5214,25 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
       Node text_node{&text, nested ? "text_config" : "", origin};
       config.text = detail::cfg::parse_text(text_node, root, config.arch);
       config.text.block.local_rope_theta = local_theta;
+      if (nested && root.has("vision_config")) {
+        // Gemma3ForConditionalGeneration's SigLIP tower (SiglipVisionConfig defaults for absent keys) and its
+        // projector, for the weights estimate: patch conv + bias, position table, per layer q/k/v/o with
+        // biases, fc1/fc2 with biases and 2 LayerNorms, the post LayerNorm, then mm_input_projection [C, H]
+        // and mm_soft_emb_norm [C].
+        Node vision = root.child("vision_config");
+        auto size = [&](const char* key, int64_t fallback) {
+          return uint64_t(vision.bounded_or(key, fallback, limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH"));
+        };
+        const uint64_t C = size("hidden_size", 768), F = size("intermediate_size", 3072),
+                       depth = size("num_hidden_layers", 12), patch = size("patch_size", 16),
+                       image = size("image_size", 224), channels = size("num_channels", 3);
+        if (patch == 0 || image % patch != 0)
+          vision.fail_key(ErrorCode::bad_format, "patch_size", "must divide image_size");
+        const uint64_t positions = (image / patch) * (image / patch);
+        const uint64_t layer = 4 * (C * C + C) + (C * F + F) + (F * C + C) + 4 * C;
+        config.unrun_params = (C * channels * patch * patch + C) + positions * C + depth * layer + 2 * C +
+                              C * uint64_t(config.text.hidden_size) + C;
+      }
     } else {
       config.text = detail::cfg::parse_text(root, root, config.arch);
     }
@@ -5658,6 +5682,7 @@ WeightsSummary estimate_weights(const ModelConfig& config) {
     vision += uint64_t(v.deepstack_visual_indexes.size()) * layer_norm(merged);  // post-shuffle norms
     s.vision_bytes = vision;
   }
+  s.vision_bytes += dtype_bytes(dtype, config.unrun_params);  // a tower on disk that is not run (gemma3)
   s.total_bytes = s.text_bytes + s.vision_bytes;
   return s;
 }

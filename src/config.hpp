@@ -197,6 +197,9 @@ struct ModelConfig {
   double image_mean[3] = {0.5, 0.5, 0.5}, image_std[3] = {0.5, 0.5, 0.5};
   double rescale_factor = 1.0 / 255.0;
   std::string origin;  // the config.json path, for messages
+  // Parameters on disk that kvlite does not run (Gemma-3's SigLIP vision tower and projector): counted in the
+  // weights estimate from config.json, never bound.
+  uint64_t unrun_params = 0;
 
   // Weight-name prefix of the language model: "model." or, for qwen3_vl, "model.language_model.".
   std::string text_prefix() const;

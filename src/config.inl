@@ -777,6 +777,25 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
       Node text_node{&text, nested ? "text_config" : "", origin};
       config.text = detail::cfg::parse_text(text_node, root, config.arch);
       config.text.block.local_rope_theta = local_theta;
+      if (nested && root.has("vision_config")) {
+        // Gemma3ForConditionalGeneration's SigLIP tower (SiglipVisionConfig defaults for absent keys) and its
+        // projector, for the weights estimate: patch conv + bias, position table, per layer q/k/v/o with
+        // biases, fc1/fc2 with biases and 2 LayerNorms, the post LayerNorm, then mm_input_projection [C, H]
+        // and mm_soft_emb_norm [C].
+        Node vision = root.child("vision_config");
+        auto size = [&](const char* key, int64_t fallback) {
+          return uint64_t(vision.bounded_or(key, fallback, limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH"));
+        };
+        const uint64_t C = size("hidden_size", 768), F = size("intermediate_size", 3072),
+                       depth = size("num_hidden_layers", 12), patch = size("patch_size", 16),
+                       image = size("image_size", 224), channels = size("num_channels", 3);
+        if (patch == 0 || image % patch != 0)
+          vision.fail_key(ErrorCode::bad_format, "patch_size", "must divide image_size");
+        const uint64_t positions = (image / patch) * (image / patch);
+        const uint64_t layer = 4 * (C * C + C) + (C * F + F) + (F * C + C) + 4 * C;
+        config.unrun_params = (C * channels * patch * patch + C) + positions * C + depth * layer + 2 * C +
+                              C * uint64_t(config.text.hidden_size) + C;
+      }
     } else {
       config.text = detail::cfg::parse_text(root, root, config.arch);
     }
@@ -1226,6 +1245,7 @@ WeightsSummary estimate_weights(const ModelConfig& config) {
     vision += uint64_t(v.deepstack_visual_indexes.size()) * layer_norm(merged);  // post-shuffle norms
     s.vision_bytes = vision;
   }
+  s.vision_bytes += dtype_bytes(dtype, config.unrun_params);  // a tower on disk that is not run (gemma3)
   s.total_bytes = s.text_bytes + s.vision_bytes;
   return s;
 }

@@ -197,3 +197,75 @@ TEST_CASE("family configs: the rules for absent keys, and what is refused") {
   REQUIRE_FALSE(chunked);
   CHECK(chunked.error().code == ErrorCode::unsupported);
 }
+
+// ---- config-only plans of the published configs (tests/fixtures/configs/families) ----------------------------
+
+namespace {
+
+struct PublishedModel {
+  const char* dir;
+  uint64_t safetensors_bytes;  // the published parameter count x bytes per parameter (every tensor on disk)
+  Arch arch;
+};
+
+// Parameter counts from the model cards / safetensors indexes: Mistral-7B-v0.3 7,248,023,552 (bf16),
+// Ministral-8B 8,019,808,256 (bf16), Gemma-2-2B 2,614,341,888 (stored float32), Gemma-3-1B 999,885,952 (bf16),
+// Gemma-3-4B 4,300,079,472 (bf16, the SigLIP tower and projector included), Phi-3.5-mini 3,821,079,552 (bf16),
+// Phi-4-mini 3,836,021,760 (bf16, lm_head tied).
+const PublishedModel kPublished[] = {
+    {"mistral-7b-instruct-v0.3", 14496047104ull, Arch::mistral},
+    {"ministral-8b-instruct-2410", 16039616512ull, Arch::mistral},
+    {"gemma-2-2b", 10457367552ull, Arch::gemma2},
+    {"gemma-3-1b-it", 1999771904ull, Arch::gemma3},
+    {"gemma-3-4b-it", 8600158944ull, Arch::gemma3},
+    {"phi-3.5-mini-instruct", 7642159104ull, Arch::phi3},
+    {"phi-4-mini-instruct", 7672043520ull, Arch::phi3},
+};
+
+std::string published_dir(const char* name) {
+  return std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/configs/families/" + name;
+}
+
+}  // namespace
+
+TEST_CASE("published family configs: weights estimated within 2 percent, and a plan on an 8 GiB card") {
+  for (const PublishedModel& model : kPublished) {
+    CAPTURE(model.dir);
+    auto inputs = read_plan_inputs(published_dir(model.dir));
+    if (!inputs && std::string(model.dir) == "gemma-3-4b-it") {
+      // Gemma-3-4B's global layers use rope_scaling linear, which the RoPE issue's part adds; until then it is
+      // refused naming the type, never run as if unscaled. The weights estimate does not depend on RoPE: it is
+      // checked on the same config without that key.
+      CHECK(inputs.error().code == ErrorCode::unsupported);
+      CHECK(inputs.error().message.find("'linear'") != std::string::npos);
+      nlohmann::json json = nlohmann::json::parse(fx::read_file(published_dir(model.dir) + "/config.json"));
+      json["text_config"].erase("rope_scaling");
+      Result<ModelConfig> config = parse_config(json.dump(), "gemma-3-4b-it/config.json");
+      REQUIRE_MESSAGE(config, config.error().message);
+      Result<WeightsSummary> weights = summarize_weights(*config, nullptr);
+      REQUIRE(weights);
+      PlanInputs unscaled;
+      unscaled.config = *config;
+      unscaled.weights = *weights;
+      inputs = unscaled;
+    }
+    REQUIRE_MESSAGE(inputs, inputs.error().message);
+    CHECK(inputs->config.arch == model.arch);
+    CHECK_FALSE(inputs->weights.exact);
+    const double error = (double(inputs->weights.total_bytes) - double(model.safetensors_bytes)) /
+                         double(model.safetensors_bytes);
+    MESSAGE(model.dir << ": estimated " << inputs->weights.total_bytes << " bytes, published "
+                      << model.safetensors_bytes << " (" << error * 100 << " %)");
+    CHECK(std::fabs(error) <= 0.02);
+    DeviceSpec card;
+    card.backend = BackendKind::cuda;
+    card.name = "planned 8 GiB card";
+    card.total_bytes = 8 * GiB;
+    PlanOptions options;
+    options.utilization = 0.9;
+    options.max_model_len = 4096;
+    auto plan = make_plan(*inputs, card, options);
+    REQUIRE_MESSAGE(plan, plan.error().message);
+    CHECK(plan->kv_bytes_per_token == inputs->config.kv_bytes_per_token(2));
+  }
+}

@@ -56,7 +56,15 @@ configs = {"tiny_llama": ("tests", "fixtures", "configs", "tiny-llama.json"),
            "llama_w4a16": ("models", "llama-3.1-8b-instruct-w4a16", "config.json"),
            "qwen3_vl_fp8": ("models", "qwen3-vl-4b-instruct-fp8", "config.json"),
            "captioner_w4a16": ("models", "kvlite-captioner-w4a16", "config.json")}
-for i, (name, path) in enumerate(sorted(configs.items())):
+# issue 39's families (after the first six, whose knobs stay as they were): sliding windows, soft-caps, gemma3's
+# nested text_config with class defaults, phi3's fused projections
+family_configs = {"gemma2_2b": ("tests", "fixtures", "configs", "families", "gemma-2-2b", "config.json"),
+           "gemma3_4b": ("tests", "fixtures", "configs", "families", "gemma-3-4b-it", "config.json"),
+           "gemma3_tiny": ("tests", "fixtures", "families", "gemma3_text", "config.json"),
+           "ministral_8b": ("tests", "fixtures", "configs", "families", "ministral-8b-instruct-2410", "config.json"),
+           "phi4_mini": ("tests", "fixtures", "configs", "families", "phi-4-mini-instruct", "config.json"),
+           "qwen2_swa_tiny": ("tests", "fixtures", "families", "qwen2-swa", "config.json")}
+for i, (name, path) in enumerate(sorted(configs.items()) + sorted(family_configs.items())):
     knobs = bytes([i % 16]) + struct.pack("<I", 2048 << (i % 3)) + bytes([200]) + struct.pack("<I", 8192) + bytes([20])
     write("config_plan", name, knobs + read(*path))
 
