@@ -35,9 +35,8 @@
       - Reads a Hugging Face model directory as it is: config.json (llama, mistral, qwen2, qwen3, qwen3_vl,
         gemma2, gemma3_text and gemma3's text model, phi3; classic rope_scaling and newer rope_parameters;
         sliding-window layers as layer_types / sliding_window / use_sliding_window say), safetensors (mmap;
-        single or sharded; validated like the
-        reference reader), quantization_config (compressed-tensors pack-quantized W4A16, float-quantized FP8,
-        Qwen's block FP8).
+        single or sharded; validated like the reference reader), quantization_config (compressed-tensors
+        pack-quantized W4A16, float-quantized FP8, Qwen's block FP8).
       - Plans memory before touching weights or the GPU: weights, context, activations, vision encoder,
         logits, workspace, graphs and KV against utilization x device memory; when it does not fit it says by
         how much and what would (largest context, ratio needed, fp8 KV, smaller image budget).
@@ -674,7 +673,8 @@ class TensorStore {
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
-// config: config.json (llama, qwen2, qwen3, qwen3_vl), quantization_config, and one descriptor per Linear.
+// config: config.json (llama, mistral, qwen2, qwen3, qwen3_vl, gemma2, gemma3_text / gemma3, phi3), the family's
+// block traits, quantization_config, and one descriptor per Linear.
 // ---------------------------------------------------------------------------------------------------------
 
 namespace kvlite {
@@ -4908,8 +4908,10 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
   t.hidden_act = text.string_or("hidden_act", "silu");
 
   // qwen3_vl: transformers 4.x ties by text_config's flag, 5.x writes it at the top level.
-  if (text.has("tie_word_embeddings")) t.tie_word_embeddings = text.bool_or("tie_word_embeddings", false);
-  else t.tie_word_embeddings = root.bool_or("tie_word_embeddings", false);
+  // (Gemma2Config / Gemma3TextConfig tie by default; the others do not)
+  const bool tie_default = arch == Arch::gemma2 || arch == Arch::gemma3;
+  if (text.has("tie_word_embeddings")) t.tie_word_embeddings = text.bool_or("tie_word_embeddings", tie_default);
+  else t.tie_word_embeddings = root.bool_or("tie_word_embeddings", tie_default);
 
   bool attention_bias = text.bool_or("attention_bias", false);
   switch (arch) {
@@ -15937,7 +15939,8 @@ uint64_t decode_weight_bytes(const TextModelWeights& weights, bool on_device) {
   uint64_t total = bytes(weights.norm) + linear(weights.lm_head);
   for (const DecoderLayerWeights& w : weights.layers)
     total += bytes(w.input_layernorm) + bytes(w.post_attention_layernorm) + bytes(w.q_norm) + bytes(w.k_norm) +
-             group(w.qkv_proj) + linear(w.o_proj) + group(w.gate_up_proj) + linear(w.down_proj);
+             bytes(w.attention_output_norm) + bytes(w.mlp_output_norm) + group(w.qkv_proj) + linear(w.o_proj) +
+             group(w.gate_up_proj) + linear(w.down_proj);
   return total;
 }
 

@@ -1,5 +1,6 @@
 // ---------------------------------------------------------------------------------------------------------
-// config: config.json (llama, qwen2, qwen3, qwen3_vl), quantization_config, and one descriptor per Linear.
+// config: config.json (llama, mistral, qwen2, qwen3, qwen3_vl, gemma2, gemma3_text / gemma3, phi3), the family's
+// block traits, quantization_config, and one descriptor per Linear.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 

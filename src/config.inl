@@ -471,8 +471,10 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
   t.hidden_act = text.string_or("hidden_act", "silu");
 
   // qwen3_vl: transformers 4.x ties by text_config's flag, 5.x writes it at the top level.
-  if (text.has("tie_word_embeddings")) t.tie_word_embeddings = text.bool_or("tie_word_embeddings", false);
-  else t.tie_word_embeddings = root.bool_or("tie_word_embeddings", false);
+  // (Gemma2Config / Gemma3TextConfig tie by default; the others do not)
+  const bool tie_default = arch == Arch::gemma2 || arch == Arch::gemma3;
+  if (text.has("tie_word_embeddings")) t.tie_word_embeddings = text.bool_or("tie_word_embeddings", tie_default);
+  else t.tie_word_embeddings = root.bool_or("tie_word_embeddings", tie_default);
 
   bool attention_bias = text.bool_or("attention_bias", false);
   switch (arch) {

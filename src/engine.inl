@@ -1449,7 +1449,8 @@ uint64_t decode_weight_bytes(const TextModelWeights& weights, bool on_device) {
   uint64_t total = bytes(weights.norm) + linear(weights.lm_head);
   for (const DecoderLayerWeights& w : weights.layers)
     total += bytes(w.input_layernorm) + bytes(w.post_attention_layernorm) + bytes(w.q_norm) + bytes(w.k_norm) +
-             group(w.qkv_proj) + linear(w.o_proj) + group(w.gate_up_proj) + linear(w.down_proj);
+             bytes(w.attention_output_norm) + bytes(w.mlp_output_norm) + group(w.qkv_proj) + linear(w.o_proj) +
+             group(w.gate_up_proj) + linear(w.down_proj);
   return total;
 }
 

@@ -339,6 +339,33 @@ TEST_CASE("silu_mul matches the CPU on the halves of a fused gate_up buffer, out
   }
 }
 
+TEST_CASE("gelu_mul, scale and soft_cap match the CPU (Gemma's GeGLU, embedding normalizer, final soft-cap)") {
+  GPU_OR_SKIP();
+  Random rng(118);
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (int64_t width : {1, 160, 4097}) {
+      CAPTURE(std::string(dtype_name(activation))); CAPTURE(width);
+      Twin gate_up = Twin::activation(g, 3, 2 * width, 3);
+      gate_up.randomize(rng, 6.0f);
+      Twin out = Twin::activation(g, 3, width, 1);
+      for (GeluApprox approx : {GeluApprox::tanh, GeluApprox::none}) {
+        REQUIRE_OK(g.cpu->gelu_mul(gate_up.on_cpu().slice_cols(0, width), gate_up.on_cpu().slice_cols(width, width),
+                                   approx, out.on_cpu()));
+        REQUIRE_OK(g.cuda->gelu_mul(gate_up.on_gpu().slice_cols(0, width), gate_up.on_gpu().slice_cols(width, width),
+                                    approx, out.on_gpu()));
+        out.check(1e-6, 2 * ulp(activation) + 1e-6);  // tanhf / erff within 2 ulps, then one product
+      }
+      REQUIRE_OK(g.cpu->scale(gate_up.on_cpu(), 48.0f, gate_up.on_cpu()));
+      REQUIRE_OK(g.cuda->scale(gate_up.on_gpu(), 48.0f, gate_up.on_gpu()));
+      gate_up.check(1e-6, 1e-6);  // one product, rounded the same
+      REQUIRE_OK(g.cpu->soft_cap(gate_up.on_cpu(), 30.0f, gate_up.on_cpu()));
+      REQUIRE_OK(g.cuda->soft_cap(gate_up.on_gpu(), 30.0f, gate_up.on_gpu()));
+      gate_up.check(1e-6, ulp(activation) + 1e-6);
+    }
+  }
+}
+
 TEST_CASE("add matches the CPU, out separate or the same view as a or b") {
   GPU_OR_SKIP();
   Random rng(108);
@@ -617,6 +644,46 @@ TEST_CASE("attention matches the CPU: decode, chunked prefill, GQA groups, paged
         REQUIRE_OK(g.cpu->attention(q.on_cpu(), cpu_cache, 1, cpu_batch, scale, out.on_cpu()));
         REQUIRE_OK(g.cuda->attention(q.on_gpu(), gpu_cache, 1, gpu_batch, scale, out.on_gpu()));
         out.check(1e-4, ulp(activation));  // V in [-1, 1]; fp32 sums in another order
+      }
+  }
+}
+
+TEST_CASE("attention with a sliding window and a score soft-cap matches the CPU: inside, at and past the window") {
+  GPU_OR_SKIP();
+  Random rng(117);
+  const AttentionCase cases[] = {
+      {4, 2, 16, 5, {{7, 7}, {12, 3}, {1, 1}, {20, 1}}},  // prefill, a chunk, a first token, decode
+      {16, 1, 128, 16, {{3000, 1}, {1500, 1}}},            // long decode: split over the window only
+      {8, 4, 256, 16, {{600, 40}, {9, 4}}},                // Gemma-2's head_dim, a chunk across the window edge
+  };
+  struct Options { int64_t window; float softcap; };
+  const Options options[] = {{1, 0.0f}, {8, 0.0f}, {8, 2.0f}, {100, 50.0f}, {4096, 0.0f}, {0, 50.0f}};
+  for (DType activation : kActivations) {
+    Gpu g(activation);
+    for (const AttentionCase& c : cases)
+      for (const Options& o : options) {
+        CAPTURE(std::string(dtype_name(activation))); CAPTURE(c.heads); CAPTURE(c.head_dim); CAPTURE(o.window);
+        CAPTURE(o.softcap);
+        AttentionRun run(c, rng);
+        KVCacheView gpu_cache, cpu_cache;
+        Twin cache = make_cache(g, activation, run.shape, rng, &gpu_cache, &cpu_cache);
+        IntTwin starts(g, run.starts), context(g, run.context), tables(g, run.tables);
+        const int64_t seqs = int64_t(c.seqs.size());
+        const AttentionBatch gpu_batch{starts.on_gpu(), context.on_gpu(),
+                                       Tensor::matrix(tables.device, DType::I32, seqs, run.table_cols), run.max_context};
+        const AttentionBatch cpu_batch{starts.on_cpu(), context.on_cpu(),
+                                       Tensor::matrix(tables.values.data(), DType::I32, seqs, run.table_cols),
+                                       run.max_context};
+        Twin q = Twin::activation(g, run.rows, c.heads * c.head_dim, 5);
+        q.randomize(rng, 3.0f);
+        Twin out = Twin::activation(g, run.rows, c.heads * c.head_dim, 2);
+        AttentionOptions attention_options;
+        attention_options.window = o.window;
+        attention_options.logit_softcap = o.softcap;
+        const float scale = 1.0f / std::sqrt(float(c.head_dim));
+        REQUIRE_OK(g.cpu->attention(q.on_cpu(), cpu_cache, 1, cpu_batch, scale, out.on_cpu(), attention_options));
+        REQUIRE_OK(g.cuda->attention(q.on_gpu(), gpu_cache, 1, gpu_batch, scale, out.on_gpu(), attention_options));
+        out.check(1e-4, ulp(activation));
       }
   }
 }
