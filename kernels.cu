@@ -654,7 +654,7 @@ __global__ void rope_kv_write_kernel(A* qk, int64_t qk_stride,  // [rows, heads 
 
 // ---- paged attention -------------------------------------------------------------------------------------
 // The first cache index a query whose last is `last` sees: 0, or the start of its sliding window.
-KVLITE_HD inline int64_t attention_first_key(int64_t window, int64_t last) {
+KVLITE_HD int64_t attention_first_key(int64_t window, int64_t last) {
   return window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
 }
 

@@ -113,6 +113,40 @@ TEST_CASE("each family's greedy continuations equal transformers' generate()") {
   }
 }
 
+TEST_CASE("sliding-window families under page pressure: preempted, recomputed, the same greedy tokens") {
+  // The KV arena holds one max_model_len sequence (4 pages of 16 tokens); the three prompts with their 12 new
+  // tokens need 8. The 40-token prompt runs past 3 x the window of 8 on either side of its preemption.
+  for (const std::string& name : {std::string("mistral"), std::string("gemma2"), std::string("gemma3_text")}) {
+    CAPTURE(name);
+    EngineOptions options;
+    options.plan.max_model_len = 64;
+    options.plan.max_batched_tokens = 16;
+    options.plan.utilization = 1.0;
+    const Plan probe = open_family(name, options)->plan();
+    options.plan.device_mem = probe.fixed_bytes + 4 * probe.kv_page_bytes;
+    auto engine = open_family(name, options);
+    REQUIRE(engine->plan().kv_pages == 4);
+    const nlohmann::json reference = family_reference(name);
+    std::vector<RequestId> ids;
+    for (size_t k : {size_t(2), size_t(1), size_t(0)}) {
+      SamplingParams params;
+      params.max_tokens = reference["prompts"][k]["greedy"]["max_new_tokens"].get<int64_t>();
+      auto id = engine->submit(fx::ids_of(reference["prompts"][k]["input_ids"]), params);
+      REQUIRE_MESSAGE(id, id.error().message);
+      ids.push_back(*id);
+    }
+    REQUIRE(engine->run());
+    CHECK(engine->stats().preemptions > 0);
+    for (size_t i = 0; i < ids.size(); i++) {
+      const size_t k = 2 - i;
+      CAPTURE(k);
+      auto generation = engine->result(ids[i]);
+      REQUIRE(generation);
+      CHECK(generation->ids == fx::ids_of(reference["prompts"][k]["greedy"]["new_ids"]));
+    }
+  }
+}
+
 TEST_CASE("config.json gives each family its block traits") {
   auto load = [](const std::string& name) {
     Result<ModelConfig> config = load_config(family_dir(name));
