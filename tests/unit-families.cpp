@@ -305,3 +305,109 @@ TEST_CASE("published family configs: weights estimated within 2 percent, and a p
     CHECK(plan->kv_bytes_per_token == inputs->config.kv_bytes_per_token(2));
   }
 }
+
+// ---- the attention op's window and soft-cap, and the Gemma ops, on the CPU by hand ------------------------------
+
+TEST_CASE("attention's window: a query sees exactly its last W keys; soft-cap bends the scores; bad options refused") {
+  CpuBackendOptions cpu;
+  cpu.threads = 1;
+  auto backend = make_cpu_backend(cpu);
+  REQUIRE(backend);
+  Backend& b = **backend;
+  const int64_t T = 10, D = 2;
+  const KVPageLayout layout{1, 4, 1, D};  // 1 layer, 4-token pages, one KV head of 2
+  std::vector<float> pages(size_t(layout.page_elements() * 3), 0.0f);
+  KVCacheView cache;
+  cache.pages = pages.data();
+  cache.dtype = DType::F32;
+  cache.layout = layout;
+  cache.num_pages = 3;
+  std::vector<float> k(size_t(T * D)), v(size_t(T * D)), q(size_t(T * D), 0.0f), out(size_t(T * D));
+  std::vector<int32_t> slots(static_cast<size_t>(T)), starts = {0, int32_t(T)}, context = {int32_t(T)};
+  std::vector<int32_t> table = {0, 1, 2};
+  for (int64_t t = 0; t < T; t++) {
+    slots[size_t(t)] = int32_t(t);
+    k[size_t(t * D)] = float(t);  // keys grow along dim 0 so that a query (1, 0) prefers later keys
+    k[size_t(t * D + 1)] = 0.0f;
+    v[size_t(t * D)] = float(t);  // the value names its token
+    v[size_t(t * D + 1)] = 1.0f;
+  }
+  REQUIRE(b.kv_write(cache, 0, Tensor::matrix(k.data(), DType::F32, T, D), Tensor::matrix(v.data(), DType::F32, T, D),
+                     Tensor::vector(slots.data(), DType::I32, T)).ok());
+  const AttentionBatch batch{Tensor::vector(starts.data(), DType::I32, 2), Tensor::vector(context.data(), DType::I32, 1),
+                             Tensor::matrix(table.data(), DType::I32, 1, 3), T};
+  auto run = [&](AttentionOptions options) {
+    Status status = b.attention(Tensor::matrix(q.data(), DType::F32, T, D), cache, 0, batch, 1.0f,
+                                Tensor::matrix(out.data(), DType::F32, T, D), options);
+    REQUIRE_MESSAGE(status.ok(), status.error().message);
+  };
+  // q = 0: equal scores, so the output is the mean of the visible values: tokens max(0, t - W + 1) .. t
+  for (int64_t window : {1, 3, 8, 0}) {
+    CAPTURE(window);
+    AttentionOptions options;
+    options.window = window;
+    run(options);
+    for (int64_t t = 0; t < T; t++) {
+      const int64_t first = window > 0 ? std::max<int64_t>(0, t - window + 1) : 0;
+      CHECK(out[size_t(t * D)] == doctest::Approx(double(first + t) / 2.0).epsilon(1e-6));
+      CHECK(out[size_t(t * D + 1)] == doctest::Approx(1.0).epsilon(1e-6));
+    }
+  }
+  // q = (1, 0): score of key j is j; a cap of 2 squashes them to 2 tanh(j / 2), the weights are their softmax
+  for (int64_t t = 0; t < T; t++) q[size_t(t * D)] = 1.0f;
+  AttentionOptions capped;
+  capped.window = 4;
+  capped.logit_softcap = 2.0f;
+  run(capped);
+  for (int64_t t = 0; t < T; t++) {
+    double total = 0, weighted = 0;
+    for (int64_t j = std::max<int64_t>(0, t - 3); j <= t; j++) {
+      const double p = std::exp(2.0 * std::tanh(double(j) / 2.0));
+      total += p;
+      weighted += p * double(j);
+    }
+    CHECK(out[size_t(t * D)] == doctest::Approx(weighted / total).epsilon(1e-5));
+  }
+  AttentionOptions negative;
+  negative.window = -1;
+  Status refused = b.attention(Tensor::matrix(q.data(), DType::F32, T, D), cache, 0, batch, 1.0f,
+                               Tensor::matrix(out.data(), DType::F32, T, D), negative);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().code == ErrorCode::invalid_argument);
+  CHECK(refused.error().message.find("window -1") != std::string::npos);
+  AttentionOptions nan_cap;
+  nan_cap.logit_softcap = std::nanf("");
+  refused = b.attention(Tensor::matrix(q.data(), DType::F32, T, D), cache, 0, batch, 1.0f,
+                        Tensor::matrix(out.data(), DType::F32, T, D), nan_cap);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().message.find("logit_softcap") != std::string::npos);
+}
+
+TEST_CASE("gelu_mul, scale and soft_cap compute PyTorch's formulas; a cap of 0 is refused") {
+  auto backend = make_cpu_backend();
+  REQUIRE(backend);
+  Backend& b = **backend;
+  std::vector<float> gate = {-3.0f, -0.5f, 0.0f, 0.7f, 2.0f, 9.0f}, up = {1.0f, 2.0f, -1.0f, 0.5f, -2.0f, 0.25f};
+  std::vector<float> out(gate.size());
+  const Tensor g = Tensor::matrix(gate.data(), DType::F32, 1, 6), u = Tensor::matrix(up.data(), DType::F32, 1, 6),
+               o = Tensor::matrix(out.data(), DType::F32, 1, 6);
+  REQUIRE(b.gelu_mul(g, u, GeluApprox::tanh, o).ok());
+  for (size_t i = 0; i < gate.size(); i++) {
+    const double x = gate[i];
+    const double gelu = 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
+    CHECK(out[i] == doctest::Approx(gelu * up[i]).epsilon(1e-6));
+  }
+  REQUIRE(b.gelu_mul(g, u, GeluApprox::none, o).ok());
+  for (size_t i = 0; i < gate.size(); i++) {
+    const double x = gate[i];
+    CHECK(out[i] == doctest::Approx(0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))) * up[i]).epsilon(1e-6));
+  }
+  REQUIRE(b.scale(g, 48.0f, o).ok());
+  for (size_t i = 0; i < gate.size(); i++) CHECK(out[i] == gate[i] * 48.0f);
+  REQUIRE(b.soft_cap(o, 30.0f, o).ok());
+  for (size_t i = 0; i < gate.size(); i++)
+    CHECK(out[i] == doctest::Approx(30.0 * std::tanh(gate[i] * 48.0 / 30.0)).epsilon(1e-6));
+  Status refused = b.soft_cap(o, 0.0f, o);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().code == ErrorCode::invalid_argument);
+}
