@@ -748,3 +748,15 @@ TEST_CASE("plan --max-image-pixels: image tokens per image as transformers' proc
   CHECK(contains(table.out, "vision weights " + kvlite::format_bytes(vision_bytes) + " (in the weights row)"));
   CHECK(contains(table.out, "the vision tower " + kvlite::format_bytes(vision_bytes) + " of it"));
 }
+
+TEST_CASE("plan on the published configs of Mistral, Gemma 2 / 3 and Phi-3 families prints a plan (issue 39)") {
+  const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/configs/families/";
+  for (const char* model : {"mistral-7b-instruct-v0.3", "ministral-8b-instruct-2410", "gemma-2-2b", "gemma-3-1b-it",
+                            "phi-3.5-mini-instruct", "phi-4-mini-instruct"}) {
+    CAPTURE(std::string(model));
+    Run run = run_kvlite({"plan", dir + model, "--device-mem", "8GiB", "--no-wsl2", "--max-model-len", "4096"});
+    CHECK(run.status <= 1);  // 0 fits, 1 does not (Mistral-7B / Ministral-8B in bf16 need more than 8 GiB)
+    CHECK(contains(run.out, "weights (estimated from config.json"));
+    CHECK(run.err.empty());
+  }
+}
