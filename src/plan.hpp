@@ -143,6 +143,10 @@ struct Plan {
   uint64_t kv_tokens = 0;       // kv_pages x kv_page_tokens
   int64_t max_model_len = 0;
   std::string max_model_len_rule;    // why this max_model_len ("requested", "default: ...")
+  // Models with sliding-window layers (mistral, gemma2/3, phi3, qwen2 use_sliding_window): how many slide over
+  // how many tokens, and what one max_model_len sequence's KV would take if their windows were kept alone; empty
+  // otherwise. The arena still keeps every layer's KV for the whole context (the KV arena row says so).
+  std::string sliding_kv_note;
   std::string max_image_pixels_rule; // vision models: why this image budget; empty otherwise
   double concurrency = 0;       // kv_tokens / max_model_len
   bool fits = false;            // one sequence of max_model_len fits

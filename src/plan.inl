@@ -1000,6 +1000,22 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
   Plan plan = assemble(in, o);
   plan.max_model_len_rule = rule;
+  const BlockTraits& block = in.config.text.block;
+  if (block.has_sliding_layers() && in.config.text.num_layers > 0 && plan.max_model_len > 0) {
+    // KV per token splits evenly over the layers (every layer has the same KV heads and head_dim)
+    int64_t sliding = 0;
+    for (LayerKind kind : block.layer_kinds) sliding += kind == LayerKind::sliding;
+    const int64_t layers = in.config.text.num_layers, length = plan.max_model_len;
+    const uint64_t per_layer_token = plan.kv_bytes_per_token / uint64_t(layers);
+    const uint64_t kept = per_layer_token * uint64_t(layers) * uint64_t(length);
+    const uint64_t windowed = per_layer_token * (uint64_t(layers - sliding) * uint64_t(length) +
+                                                 uint64_t(sliding) * uint64_t(std::min(block.sliding_window, length)));
+    plan.sliding_kv_note = format(
+        "%lld of %lld layers slide over %lld tokens but keep their KV for the whole context (windows are not yet "
+        "freed): one %lld-token sequence takes %s, its windows alone would take %s (%.0f%%)",
+        (long long)sliding, (long long)layers, (long long)block.sliding_window, (long long)length,
+        format_bytes(kept).c_str(), format_bytes(windowed).c_str(), 100.0 * double(windowed) / double(kept));
+  }
   plan.max_image_pixels_rule = image_rule;
 
   // What would fit, whatever the verdict (from the bytes left, not the pages taken: the CPU caps those).
@@ -1137,6 +1153,7 @@ std::string Plan::table() const {
       kv_why += format("; all the budget allows (max_seqs %lld x max_model_len %lld could use %s pages)",
                        (long long)options.max_seqs, (long long)max_model_len, format_count(kv_pages_usable).c_str());
   }
+  if (!sliding_kv_note.empty()) kv_why += "; " + sliding_kv_note;
   rows.push_back({"KV arena", format_bytes(kv_arena_bytes), kv_why});
   rows.push_back({"left free", format_bytes(free_bytes),
                   "budget - arena - outside the arena: left to the application and the rest of the system"});

@@ -303,6 +303,14 @@ TEST_CASE("published family configs: weights estimated within 2 percent, and a p
     auto plan = make_plan(*inputs, card, options);
     REQUIRE_MESSAGE(plan, plan.error().message);
     CHECK(plan->kv_bytes_per_token == inputs->config.kv_bytes_per_token(2));
+    // the KV arena row says what the sliding layers keep and what their windows alone would take
+    CHECK(plan->sliding_kv_note.empty() == !inputs->config.text.block.has_sliding_layers());
+    if (!plan->sliding_kv_note.empty()) CHECK(plan->table().find(plan->sliding_kv_note) != std::string::npos);
+    if (name == "gemma-3-1b-it") {
+      // layers 5, 11, 17, 23 are global: (4 x 4096 + 22 x 512) / (26 x 4096) = 26%
+      CHECK(plan->sliding_kv_note.find("22 of 26 layers slide over 512 tokens") != std::string::npos);
+      CHECK(plan->sliding_kv_note.find("(26%)") != std::string::npos);
+    }
   }
 }
 
