@@ -390,7 +390,8 @@ struct Engine::Impl {
     r.on_token = on_token;
     r.decoder.emplace(*tokenizer, false);
     r.result.prompt_ids = prompt;
-    r.tokens.reserve(size_t(std::min(prompt_len + params.max_tokens, max_model_len())));
+    // prompt_len < max_model_len (check_fits above) and max_tokens <= KVLITE_MAX_NEW_TOKENS (validate): no overflow
+    r.tokens.reserve(size_t(prompt_len + std::min(params.max_tokens, max_model_len() - prompt_len)));
     return r.id;
   }
 
@@ -1488,6 +1489,8 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
       chosen = &with_draft;
     }
     const PlanInputs& inputs = *chosen;
+    // Engine options the plan does not check itself, refused here: before Engine::open reserves its arena.
+    detail::check_cpu_threads(options.threads, "EngineOptions::threads");  // (device: detect_device checks it)
     std::string why;
     Result<DeviceSpec> device = detect_device(options.backend, options.device, options.plan.device_mem,
                                               options.plan.wsl2, &why);
