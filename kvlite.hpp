@@ -1657,10 +1657,19 @@ enum class AlphaMode {
                     // convert_to_rgb for an RGBA array or tensor - the default for raw pixels
 };
 
+// The most pixels an image may have: decoded (DecodeOptions::max_pixels's default) or handed over as raw pixels
+// (image_from_pixels, kvlite_image_from_pixels). 64 Mi pixels ~ 8192 x 8192; the RGB costs 3 bytes each.
+#ifndef KVLITE_MAX_IMAGE_PIXELS
+#define KVLITE_MAX_IMAGE_PIXELS 67108864
+#endif
+namespace limits {
+constexpr int64_t max_image_pixels = KVLITE_MAX_IMAGE_PIXELS;
+}  // namespace limits
+
 struct DecodeOptions {
   // Refuse images with more pixels than this BEFORE decoding them (a small file can claim 100000 x 100000
   // and make the decoder allocate tens of GiB). 64 Mi pixels ~ 8192 x 8192; the decoded RGB costs 3 bytes each.
-  int64_t max_pixels = int64_t(64) << 20;
+  int64_t max_pixels = limits::max_image_pixels;
   uint64_t max_file_bytes = uint64_t(256) << 20;  // load_image refuses larger files without reading them
   bool exif_orientation = true;  // apply EXIF Orientation (JPEG APP1, PNG eXIf), as transformers' loaders do
   AlphaMode alpha = AlphaMode::drop;
@@ -5144,10 +5153,16 @@ Result<ModelConfig> apply_processor_config(ModelConfig config, const std::string
                         detail::format("is %lld but config.json's vision_config says %lld: the processor and the "
                                        "vision tower must agree", (long long)*given, (long long)size.second));
     }
-    if (config.min_pixels && config.max_pixels && config.min_pixels > config.max_pixels)
+    // The budget images get (preprocess_options: kvlite's default for a count the file leaves out) must leave
+    // room for one: a file with only a maximum below the default minimum refused every image, not itself.
+    const PreprocessOptions defaults;
+    const int64_t min_pixels = config.min_pixels > 0 ? config.min_pixels : defaults.min_pixels;
+    const int64_t max_pixels = config.max_pixels > 0 ? config.max_pixels : defaults.max_pixels;
+    if (min_pixels > max_pixels)
       detail::fail(ErrorCode::bad_format,
-                   detail::format("%s: the minimum pixel count %lld is larger than the maximum %lld",
-                                  origin.c_str(), (long long)config.min_pixels, (long long)config.max_pixels));
+                   detail::format("%s: the minimum pixel count %lld%s is larger than the maximum %lld%s", origin.c_str(),
+                                  (long long)min_pixels, config.min_pixels > 0 ? "" : " (kvlite's default: the file sets none)",
+                                  (long long)max_pixels, config.max_pixels > 0 ? "" : " (kvlite's default: the file sets none)"));
     return config;
   });
 }
@@ -9332,6 +9347,17 @@ Result<Image> image_from_pixels(const uint8_t* pixels, int64_t width, int64_t he
       fail(ErrorCode::invalid_argument,
            detail::format("image_from_pixels: %lld x %lld pixels; both sides must be in 1..16777216", (long long)width,
                           (long long)height));
+    // Both sides are at most 2^24, so neither product below can overflow; the stride is at most the widest row
+    // (4 bytes x 2^24), so no row address can either.
+    if (width * height > limits::max_image_pixels)
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: %lld x %lld is %lld pixels; at most %lld (KVLITE_MAX_IMAGE_PIXELS)",
+                          (long long)width, (long long)height, (long long)(width * height),
+                          (long long)limits::max_image_pixels));
+    if (stride_bytes < 0 || stride_bytes > (int64_t(4) << 24))
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: stride of %lld bytes; it must be in 0..%lld (0: packed rows)",
+                          (long long)stride_bytes, (long long)(int64_t(4) << 24)));
     if (!pixels) fail(ErrorCode::invalid_argument, "image_from_pixels: pixels is null");
     const int64_t row_bytes = width * channels;
     if (stride_bytes == 0) stride_bytes = row_bytes;

@@ -711,10 +711,16 @@ Result<ModelConfig> apply_processor_config(ModelConfig config, const std::string
                         detail::format("is %lld but config.json's vision_config says %lld: the processor and the "
                                        "vision tower must agree", (long long)*given, (long long)size.second));
     }
-    if (config.min_pixels && config.max_pixels && config.min_pixels > config.max_pixels)
+    // The budget images get (preprocess_options: kvlite's default for a count the file leaves out) must leave
+    // room for one: a file with only a maximum below the default minimum refused every image, not itself.
+    const PreprocessOptions defaults;
+    const int64_t min_pixels = config.min_pixels > 0 ? config.min_pixels : defaults.min_pixels;
+    const int64_t max_pixels = config.max_pixels > 0 ? config.max_pixels : defaults.max_pixels;
+    if (min_pixels > max_pixels)
       detail::fail(ErrorCode::bad_format,
-                   detail::format("%s: the minimum pixel count %lld is larger than the maximum %lld",
-                                  origin.c_str(), (long long)config.min_pixels, (long long)config.max_pixels));
+                   detail::format("%s: the minimum pixel count %lld%s is larger than the maximum %lld%s", origin.c_str(),
+                                  (long long)min_pixels, config.min_pixels > 0 ? "" : " (kvlite's default: the file sets none)",
+                                  (long long)max_pixels, config.max_pixels > 0 ? "" : " (kvlite's default: the file sets none)"));
     return config;
   });
 }

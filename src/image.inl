@@ -650,6 +650,17 @@ Result<Image> image_from_pixels(const uint8_t* pixels, int64_t width, int64_t he
       fail(ErrorCode::invalid_argument,
            detail::format("image_from_pixels: %lld x %lld pixels; both sides must be in 1..16777216", (long long)width,
                           (long long)height));
+    // Both sides are at most 2^24, so neither product below can overflow; the stride is at most the widest row
+    // (4 bytes x 2^24), so no row address can either.
+    if (width * height > limits::max_image_pixels)
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: %lld x %lld is %lld pixels; at most %lld (KVLITE_MAX_IMAGE_PIXELS)",
+                          (long long)width, (long long)height, (long long)(width * height),
+                          (long long)limits::max_image_pixels));
+    if (stride_bytes < 0 || stride_bytes > (int64_t(4) << 24))
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: stride of %lld bytes; it must be in 0..%lld (0: packed rows)",
+                          (long long)stride_bytes, (long long)(int64_t(4) << 24)));
     if (!pixels) fail(ErrorCode::invalid_argument, "image_from_pixels: pixels is null");
     const int64_t row_bytes = width * channels;
     if (stride_bytes == 0) stride_bytes = row_bytes;

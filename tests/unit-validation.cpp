@@ -307,3 +307,35 @@ TEST_CASE("regression: image_mean 1e308 in preprocessor_config.json loaded and e
   options.rescale_factor = 1e308;
   CHECK(mentions(image_grid(224, 224, options).error(), "rescale_factor"));
 }
+
+// Found by the audit of issue 47: both sides at most 2^24 still made 2^48 pixels (an allocation of 768 TiB that
+// failed as out_of_memory), and a stride of INT64_MAX made row addresses overflow.
+TEST_CASE("image_from_pixels bounds the pixel count (KVLITE_MAX_IMAGE_PIXELS) and the stride before reading") {
+  const uint8_t pixel[4] = {1, 2, 3, 4};
+  Result<Image> huge = image_from_pixels(pixel, int64_t(1) << 24, int64_t(1) << 24, PixelFormat::rgb8, 0);
+  REQUIRE_FALSE(huge.ok());
+  CHECK(huge.error().code == ErrorCode::invalid_argument);
+  CHECK(mentions(huge.error(), "KVLITE_MAX_IMAGE_PIXELS"));
+  Result<Image> strided = image_from_pixels(pixel, 1, 2, PixelFormat::gray8, INT64_MAX);
+  REQUIRE_FALSE(strided.ok());
+  CHECK(mentions(strided.error(), "stride"));
+  Result<Image> one = image_from_pixels(pixel, 1, 1, PixelFormat::rgba8, 0);
+  REQUIRE(one.ok());
+  CHECK(one->rgb.size() == 3);
+}
+
+// Found by tests/fuzz/fuzz_processor_config.cpp: a file that sets only a maximum below kvlite's default minimum
+// (65536 pixels) loaded, and then every image was refused ("max_pixels is below min_pixels").
+TEST_CASE("regression: a processor maximum below kvlite's default minimum loaded and refused every image") {
+  const std::string dir = fresh_dir("processor-budget");
+  copy_file(std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/configs/tiny-qwen3-vl.json", dir + "/config.json");
+  std::ofstream(dir + "/preprocessor_config.json") << R"({"size": {"longest_edge": 4096}})";
+  Result<ModelConfig> refused = load_config(dir);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().code == ErrorCode::bad_format);
+  CHECK(mentions(refused.error(), "kvlite's default"));
+  std::ofstream(dir + "/preprocessor_config.json") << R"({"size": {"longest_edge": 4096, "shortest_edge": 1024}})";
+  REQUIRE(load_config(dir).ok());
+  CHECK(image_grid(100, 80, preprocess_options(load_config(dir).value())).ok());
+}
+
