@@ -16259,7 +16259,13 @@ Result<CopyBandwidth> Engine::measure_copy_bandwidth(uint64_t bytes, int repeats
 
 Status write_npy(const std::string& path, const float* values, int64_t rows, int64_t cols) {
   return detail::guard([&] {
-    if (rows < 0 || cols < 0 || (rows * cols > 0 && values == nullptr))
+    if (rows < 0 || cols < 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("write_npy: shape [%lld, %lld] is negative", (long long)rows, (long long)cols));
+    // the values' bytes, overflow-checked (rows x cols x 4 sizes the write)
+    detail::checked_mul(detail::checked_mul(uint64_t(rows), uint64_t(cols), "write_npy elements", ErrorCode::invalid_argument),
+                        4, "write_npy bytes", ErrorCode::invalid_argument);
+    if (rows * cols > 0 && values == nullptr)
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("write_npy: shape [%lld, %lld] is negative or the values are null", (long long)rows,
                                   (long long)cols));

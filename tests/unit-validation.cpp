@@ -339,3 +339,15 @@ TEST_CASE("regression: a processor maximum below kvlite's default minimum loaded
   CHECK(image_grid(100, 80, preprocess_options(load_config(dir).value())).ok());
 }
 
+
+// Found by the audit of issue 47: rows x cols was multiplied unchecked (signed overflow for a huge shape).
+TEST_CASE("write_npy checks rows x cols x 4 for overflow before using it") {
+  const std::string path = std::string(KVLITE_BINARY_DIR) + "/test-tmp/validation-huge.npy";
+  const float value = 1.0f;
+  Status huge = write_npy(path, &value, INT64_MAX, 3);
+  REQUIRE_FALSE(huge.ok());
+  CHECK(huge.error().code == ErrorCode::invalid_argument);
+  CHECK(mentions(huge.error(), "write_npy"));
+  CHECK(write_npy(path, &value, -1, 1).error().code == ErrorCode::invalid_argument);
+  CHECK(write_npy(path, &value, 1, 1).ok());
+}
