@@ -548,6 +548,11 @@ constexpr int64_t max_json_depth = KVLITE_MAX_JSON_DEPTH;
 inline uint64_t align_up(uint64_t value, uint64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
 inline uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
+// JSON text checked against the library's limits before it is parsed: at most KVLITE_MAX_JSON_BYTES bytes and
+// KVLITE_MAX_JSON_DEPTH levels of nesting (bad_format naming `origin`). Every file kvlite parses goes through
+// this; applications that parse JSON from outside with the same limits call it too (kvlite serve's bodies).
+Status check_json_limits(std::string_view text, const std::string& origin);
+
 namespace detail {
 // Internal code reports failure by throwing kvlite::Error; public entry points catch it with guard().
 [[noreturn]] void fail(ErrorCode code, std::string message);
@@ -714,7 +719,31 @@ namespace kvlite {
 #ifndef KVLITE_MAX_VISION_POSITIONS
 #define KVLITE_MAX_VISION_POSITIONS 1048576  // vision num_position_embeddings [Qwen3-VL: 2304]
 #endif
+// Image normalization (preprocessor_config.json image_mean / image_std / rescale_factor, PreprocessOptions): a
+// pixel becomes (pixel x rescale_factor - mean) / std. Published processors use means in [0.4, 0.5], stds in
+// [0.2, 0.5] and 1/255; values far outside are a broken file, and refused at load rather than turning every
+// image's pixel values into infinities later. The mean may lie up to the margin outside [0, 1].
+#ifndef KVLITE_IMAGE_MEAN_MARGIN
+#define KVLITE_IMAGE_MEAN_MARGIN 1.0
+#endif
+#ifndef KVLITE_MIN_IMAGE_STD
+#define KVLITE_MIN_IMAGE_STD 1e-3
+#endif
+#ifndef KVLITE_MAX_IMAGE_STD
+#define KVLITE_MAX_IMAGE_STD 1e3
+#endif
+#ifndef KVLITE_MIN_RESCALE_FACTOR
+#define KVLITE_MIN_RESCALE_FACTOR 1e-6  // [1/255 for 8-bit pixels]
+#endif
+#ifndef KVLITE_MAX_RESCALE_FACTOR
+#define KVLITE_MAX_RESCALE_FACTOR 1.0
+#endif
 namespace limits {
+constexpr double image_mean_margin = KVLITE_IMAGE_MEAN_MARGIN;
+constexpr double min_image_std = KVLITE_MIN_IMAGE_STD;
+constexpr double max_image_std = KVLITE_MAX_IMAGE_STD;
+constexpr double min_rescale_factor = KVLITE_MIN_RESCALE_FACTOR;
+constexpr double max_rescale_factor = KVLITE_MAX_RESCALE_FACTOR;
 constexpr int64_t max_model_layers = KVLITE_MAX_MODEL_LAYERS;
 constexpr int64_t max_model_width = KVLITE_MAX_MODEL_WIDTH;
 constexpr int64_t max_model_heads = KVLITE_MAX_MODEL_HEADS;
@@ -884,6 +913,14 @@ struct ModelConfig {
 // Parses a config.json text. `origin` names it in errors. Refuses unknown model types, missing or
 // non-positive sizes, unknown rope or quantization methods, with the key named.
 Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin);
+// Reads a preprocessor_config.json text (`origin` names it in errors) into `config`'s image budget and
+// normalization, every key range-checked (the file and key named): what load_config does with the file.
+Result<ModelConfig> apply_processor_config(ModelConfig config, const std::string& json_text, const std::string& origin);
+namespace detail {
+// Why a normalization value is out of its range ("is 1e+308: it must be in [-1, 2] (KVLITE_IMAGE_MEAN_MARGIN)"),
+// or "" when it is in range. `key`: "image_mean", "image_std" or "rescale_factor".
+std::string normalization_problem(const std::string& key, double value);
+}  // namespace detail
 // Reads MODEL_DIR/config.json, and preprocessor_config.json if present: `size` {shortest_edge, longest_edge}
 // are the min/max PIXEL COUNTS; top-level min_pixels / max_pixels (older files) override them.
 Result<ModelConfig> load_config(const std::string& model_dir);
@@ -1668,10 +1705,19 @@ enum class AlphaMode {
                     // convert_to_rgb for an RGBA array or tensor - the default for raw pixels
 };
 
+// The most pixels an image may have: decoded (DecodeOptions::max_pixels's default) or handed over as raw pixels
+// (image_from_pixels, kvlite_image_from_pixels). 64 Mi pixels ~ 8192 x 8192; the RGB costs 3 bytes each.
+#ifndef KVLITE_MAX_IMAGE_PIXELS
+#define KVLITE_MAX_IMAGE_PIXELS 67108864
+#endif
+namespace limits {
+constexpr int64_t max_image_pixels = KVLITE_MAX_IMAGE_PIXELS;
+}  // namespace limits
+
 struct DecodeOptions {
   // Refuse images with more pixels than this BEFORE decoding them (a small file can claim 100000 x 100000
   // and make the decoder allocate tens of GiB). 64 Mi pixels ~ 8192 x 8192; the decoded RGB costs 3 bytes each.
-  int64_t max_pixels = int64_t(64) << 20;
+  int64_t max_pixels = limits::max_image_pixels;
   uint64_t max_file_bytes = uint64_t(256) << 20;  // load_image refuses larger files without reading them
   bool exif_orientation = true;  // apply EXIF Orientation (JPEG APP1, PNG eXIf), as transformers' loaders do
   AlphaMode alpha = AlphaMode::drop;
@@ -2260,6 +2306,26 @@ class Arena {
 
 namespace kvlite {
 
+// The most tokens one request may ask for (SamplingParams::max_tokens): no context is longer than
+// KVLITE_MAX_POSITIONS, so a larger number can mean nothing more, and bounding it keeps prompt + max_tokens
+// arithmetic far from overflow (a caller's INT64_MAX "no limit" overflowed it).
+#ifndef KVLITE_MAX_NEW_TOKENS
+#define KVLITE_MAX_NEW_TOKENS KVLITE_MAX_POSITIONS
+#endif
+// Stop tokens and stop strings one request may carry (each); every generated token is checked against them all.
+#ifndef KVLITE_MAX_STOP_ENTRIES
+#define KVLITE_MAX_STOP_ENTRIES 1024
+#endif
+// Bytes of one stop string: the held-back tail of the text is compared against each, every token.
+#ifndef KVLITE_MAX_STOP_STRING_BYTES
+#define KVLITE_MAX_STOP_STRING_BYTES 4096
+#endif
+namespace limits {
+constexpr int64_t max_new_tokens = KVLITE_MAX_NEW_TOKENS;
+constexpr int64_t max_stop_entries = KVLITE_MAX_STOP_ENTRIES;
+constexpr int64_t max_stop_string_bytes = KVLITE_MAX_STOP_STRING_BYTES;
+}  // namespace limits
+
 struct SamplingParams {
   float temperature = 0.0f;         // 0: greedy (argmax; ties go to the lowest id, as torch.argmax)
   int64_t top_k = 0;                // 0: off
@@ -2267,7 +2333,7 @@ struct SamplingParams {
   float min_p = 0.0f;               // 0: off
   float repetition_penalty = 1.0f;  // 1: off; > 1 discourages tokens already in the prompt or output
   uint64_t seed = 0;                // same seed, same prompt, same tokens
-  int64_t max_tokens = 256;
+  int64_t max_tokens = 256;         // 1..KVLITE_MAX_NEW_TOKENS; generation also ends when the context is full
   std::vector<int32_t> stop_tokens;       // added to the tokenizer's end-of-turn tokens
   std::vector<std::string> stop_strings;  // generation ends when the text ends with one (it is cut off)
   bool ignore_eos = false;  // benchmarks: the model's end-of-turn tokens do not stop it (stop_tokens still do)
@@ -2276,6 +2342,8 @@ struct SamplingParams {
   // OpenAI's logprobs report. On a GPU such rows are sampled on the host (their logits come back whole).
   bool logprobs = false;
 };
+// Every field in its range (invalid_argument naming the field, its value and the range): the one check behind
+// generate, generate_chat and submit, in C++ and C.
 Status validate(const SamplingParams& params);
 
 // A small, fast, seedable generator (xoshiro256**, seeded through splitmix64): reproducible on every
@@ -2684,8 +2752,23 @@ class Backend {
 };
 
 // ---- the CPU backend ------------------------------------------------------------------------------------
+// CPU threads are capped at the machine's hardware threads times this factor: more than one per hardware thread
+// only adds switching, and the cap keeps a mistyped count (INT32_MAX) from reserving gigabytes of thread handles.
+#ifndef KVLITE_MAX_THREADS_PER_HARDWARE_THREAD
+#define KVLITE_MAX_THREADS_PER_HARDWARE_THREAD 4
+#endif
+namespace limits {
+constexpr int max_threads_per_hardware_thread = KVLITE_MAX_THREADS_PER_HARDWARE_THREAD;
+}  // namespace limits
+// The most threads a CPU backend accepts here: max(1, std::thread::hardware_concurrency()) x
+// KVLITE_MAX_THREADS_PER_HARDWARE_THREAD. EngineOptions::threads, kvlite_options.threads and
+// CpuBackendOptions::threads above it are refused (invalid_argument) before anything is reserved.
+int max_cpu_threads();
+namespace detail {
+void check_cpu_threads(int64_t threads, const char* what);  // throws invalid_argument naming `what` and the cap
+}  // namespace detail
 struct CpuBackendOptions {
-  int threads = 0;             // worker threads, the caller included; 0: one per hardware thread
+  int threads = 0;             // worker threads, the caller included; 0: one per hardware thread; at most max_cpu_threads()
   int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
   // Largest in_features a quant_linear will see: sizes the per-thread dequantization scratch (16 weight rows
   // of K floats each, plus one activation chunk when fp8_activations is on).
@@ -3976,6 +4059,18 @@ void check_json_nesting(std::string_view text, const std::string& origin) {
     }
   }
 }
+}  // namespace detail
+
+Status check_json_limits(std::string_view text, const std::string& origin) {
+  return detail::guard([&] {
+    if (text.size() > uint64_t(limits::max_json_bytes))
+      detail::fail(ErrorCode::bad_format, detail::format("%s: %zu bytes of JSON; at most %lld (KVLITE_MAX_JSON_BYTES)",
+                                                         origin.c_str(), text.size(), (long long)limits::max_json_bytes));
+    detail::check_json_nesting(text, origin);
+  });
+}
+
+namespace detail {
 bool file_exists(const std::string& path) {
   struct stat st;
   return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
@@ -5184,6 +5279,10 @@ const QuantScheme* quant_scheme_for(const QuantConfig& quant, const std::string&
 Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin) {
   return detail::guard([&]() -> ModelConfig {
     using detail::cfg::Node;
+    if (json_text.size() > uint64_t(limits::max_json_bytes))
+      detail::fail(ErrorCode::bad_format, detail::format("%s is %zu bytes; at most %lld (KVLITE_MAX_JSON_BYTES)",
+                                                         origin.c_str(), json_text.size(),
+                                                         (long long)limits::max_json_bytes));
     nlohmann::json doc = detail::cfg::parse_json(json_text, origin);
     Node root{&doc, "", origin};
     ModelConfig config;
@@ -5252,6 +5351,99 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
   });
 }
 
+namespace detail {
+std::string normalization_problem(const std::string& key, double value) {
+  double low = 0, high = 0;
+  const char* macros = "";
+  if (key == "image_mean") {
+    low = 0.0 - limits::image_mean_margin, high = 1.0 + limits::image_mean_margin;
+    macros = "KVLITE_IMAGE_MEAN_MARGIN";
+  } else if (key == "image_std") {
+    low = limits::min_image_std, high = limits::max_image_std;
+    macros = "KVLITE_MIN_IMAGE_STD, KVLITE_MAX_IMAGE_STD";
+  } else {
+    low = limits::min_rescale_factor, high = limits::max_rescale_factor;
+    macros = "KVLITE_MIN_RESCALE_FACTOR, KVLITE_MAX_RESCALE_FACTOR";
+  }
+  if (value >= low && value <= high) return "";  // false for NaN
+  return format("is %g: it must be in [%g, %g] (%s)", value, low, high, macros);
+}
+}  // namespace detail
+
+Result<ModelConfig> apply_processor_config(ModelConfig config, const std::string& json_text, const std::string& origin) {
+  return detail::guard([&]() -> ModelConfig {
+    using detail::cfg::Node;
+    if (json_text.size() > uint64_t(limits::max_json_bytes))
+      detail::fail(ErrorCode::bad_format, detail::format("%s is %zu bytes; at most %lld (KVLITE_MAX_JSON_BYTES)",
+                                                         origin.c_str(), json_text.size(),
+                                                         (long long)limits::max_json_bytes));
+    nlohmann::json doc = detail::cfg::parse_json(json_text, origin);
+    Node root{&doc, "", origin};
+    const int64_t kPixels = limits::max_processor_pixels;
+    const char* kPixelsMacro = "KVLITE_MAX_PROCESSOR_PIXELS";
+    // Qwen2VLImageProcessor: `size` = {shortest_edge, longest_edge} are MIN and MAX PIXEL COUNTS; top-level
+    // min_pixels / max_pixels (older files) override them, as its __init__ does.
+    if (std::optional<Node> size = root.optional_child("size")) {
+      config.min_pixels = size->bounded_or("shortest_edge", size->bounded_or("min_pixels", 0, kPixels, kPixelsMacro), kPixels, kPixelsMacro);
+      config.max_pixels = size->bounded_or("longest_edge", size->bounded_or("max_pixels", 0, kPixels, kPixelsMacro), kPixels, kPixelsMacro);
+    }
+    config.min_pixels = root.bounded_or("min_pixels", config.min_pixels, kPixels, kPixelsMacro);
+    config.max_pixels = root.bounded_or("max_pixels", config.max_pixels, kPixels, kPixelsMacro);
+    // Every other key the Qwen2-VL / Qwen3-VL image processor reads is used, or refused naming the key and
+    // what kvlite supports: never ignored (a CLIP mean/std ignored moved logits 0.4 relative, silently).
+    for (const char* name : {"image_mean", "image_std"}) {
+      double* out = std::string(name) == "image_mean" ? config.image_mean : config.image_std;
+      const nlohmann::json* v = root.find(name);
+      if (!v || v->is_null()) continue;
+      std::vector<double> values;
+      if (v->is_number()) values.assign(3, v->get<double>());
+      else if (v->is_array() && v->size() == 3 && std::all_of(v->begin(), v->end(), [](const nlohmann::json& x) { return x.is_number(); }))
+        for (const auto& x : *v) values.push_back(x.get<double>());
+      else
+        root.fail_key(ErrorCode::bad_format, name, detail::format("must be a number or 3 numbers (R, G, B), not %s", v->dump().c_str()));
+      for (size_t c = 0; c < 3; c++) {
+        const std::string problem = detail::normalization_problem(name, values[c]);
+        if (!problem.empty()) root.fail_key(ErrorCode::bad_format, detail::format("%s[%zu]", name, c), problem);
+        out[c] = values[c];
+      }
+    }
+    config.rescale_factor = root.number_or("rescale_factor", config.rescale_factor);
+    if (const std::string problem = detail::normalization_problem("rescale_factor", config.rescale_factor); !problem.empty())
+      root.fail_key(ErrorCode::bad_format, "rescale_factor", problem);
+    for (const char* flag : {"do_resize", "do_rescale", "do_normalize", "do_convert_rgb"})
+      if (!root.bool_or(flag, true))
+        root.fail_key(ErrorCode::unsupported, flag,
+                      "is false; kvlite's image path always resizes, rescales, normalizes and converts to RGB as "
+                      "Qwen-VL checkpoints are published (true or absent is supported)");
+    if (const nlohmann::json* resample = root.find("resample"); resample && !resample->is_null() &&
+                                                                !(resample->is_number_integer() && resample->get<int64_t>() == 3))
+      root.fail_key(ErrorCode::unsupported, "resample",
+                    detail::format("is %s; kvlite resizes with antialiased bicubic (3), as Qwen-VL's processor does",
+                                   resample->dump().c_str()));
+    if (config.vision.present) {
+      const std::pair<const char*, int64_t> sizes[] = {{"patch_size", config.vision.patch_size},
+                                                       {"temporal_patch_size", config.vision.temporal_patch_size},
+                                                       {"merge_size", config.vision.spatial_merge_size}};
+      for (const auto& size : sizes)
+        if (std::optional<int64_t> given = root.optional_int(size.first); given && *given != size.second)
+          root.fail_key(ErrorCode::bad_format, size.first,
+                        detail::format("is %lld but config.json's vision_config says %lld: the processor and the "
+                                       "vision tower must agree", (long long)*given, (long long)size.second));
+    }
+    // The budget images get (preprocess_options: kvlite's default for a count the file leaves out) must leave
+    // room for one: a file with only a maximum below the default minimum refused every image, not itself.
+    const PreprocessOptions defaults;
+    const int64_t min_pixels = config.min_pixels > 0 ? config.min_pixels : defaults.min_pixels;
+    const int64_t max_pixels = config.max_pixels > 0 ? config.max_pixels : defaults.max_pixels;
+    if (min_pixels > max_pixels)
+      detail::fail(ErrorCode::bad_format,
+                   detail::format("%s: the minimum pixel count %lld%s is larger than the maximum %lld%s", origin.c_str(),
+                                  (long long)min_pixels, config.min_pixels > 0 ? "" : " (kvlite's default: the file sets none)",
+                                  (long long)max_pixels, config.max_pixels > 0 ? "" : " (kvlite's default: the file sets none)"));
+    return config;
+  });
+}
+
 Result<ModelConfig> load_config(const std::string& model_dir) {
   return detail::guard([&]() -> ModelConfig {
     std::string path = detail::path_join(model_dir, "config.json");
@@ -5262,67 +5454,8 @@ Result<ModelConfig> load_config(const std::string& model_dir) {
     ModelConfig config = parse_config(detail::read_text_file(path), path).value();
 
     std::string processor_path = detail::path_join(model_dir, "preprocessor_config.json");
-    if (detail::file_exists(processor_path)) {
-      using detail::cfg::Node;
-      nlohmann::json doc = detail::cfg::parse_json(detail::read_text_file(processor_path), processor_path);
-      Node root{&doc, "", processor_path};
-      const int64_t kPixels = limits::max_processor_pixels;
-      const char* kPixelsMacro = "KVLITE_MAX_PROCESSOR_PIXELS";
-      // Qwen2VLImageProcessor: `size` = {shortest_edge, longest_edge} are MIN and MAX PIXEL COUNTS; top-level
-      // min_pixels / max_pixels (older files) override them, as its __init__ does.
-      if (std::optional<Node> size = root.optional_child("size")) {
-        config.min_pixels = size->bounded_or("shortest_edge", size->bounded_or("min_pixels", 0, kPixels, kPixelsMacro), kPixels, kPixelsMacro);
-        config.max_pixels = size->bounded_or("longest_edge", size->bounded_or("max_pixels", 0, kPixels, kPixelsMacro), kPixels, kPixelsMacro);
-      }
-      config.min_pixels = root.bounded_or("min_pixels", config.min_pixels, kPixels, kPixelsMacro);
-      config.max_pixels = root.bounded_or("max_pixels", config.max_pixels, kPixels, kPixelsMacro);
-      // Every other key the Qwen2-VL / Qwen3-VL image processor reads is used, or refused naming the key and
-      // what kvlite supports: never ignored (a CLIP mean/std ignored moved logits 0.4 relative, silently).
-      for (const char* name : {"image_mean", "image_std"}) {
-        double* out = std::string(name) == "image_mean" ? config.image_mean : config.image_std;
-        const nlohmann::json* v = root.find(name);
-        if (!v || v->is_null()) continue;
-        std::vector<double> values;
-        if (v->is_number()) values.assign(3, v->get<double>());
-        else if (v->is_array() && v->size() == 3 && std::all_of(v->begin(), v->end(), [](const nlohmann::json& x) { return x.is_number(); }))
-          for (const auto& x : *v) values.push_back(x.get<double>());
-        else
-          root.fail_key(ErrorCode::bad_format, name, detail::format("must be a number or 3 numbers (R, G, B), not %s", v->dump().c_str()));
-        for (size_t c = 0; c < 3; c++) {
-          if (!std::isfinite(values[c]) || (out == config.image_std && values[c] == 0.0))
-            root.fail_key(ErrorCode::bad_format, detail::format("%s[%zu]", name, c),
-                          detail::format("is %g: it must be finite%s", values[c], out == config.image_std ? " and non-zero" : ""));
-          out[c] = values[c];
-        }
-      }
-      config.rescale_factor = root.number_or("rescale_factor", config.rescale_factor);
-      if (!(config.rescale_factor > 0.0) || !std::isfinite(config.rescale_factor))
-        root.fail_key(ErrorCode::bad_format, "rescale_factor", detail::format("is %g: it must be positive", config.rescale_factor));
-      for (const char* flag : {"do_resize", "do_rescale", "do_normalize", "do_convert_rgb"})
-        if (!root.bool_or(flag, true))
-          root.fail_key(ErrorCode::unsupported, flag,
-                        "is false; kvlite's image path always resizes, rescales, normalizes and converts to RGB as "
-                        "Qwen-VL checkpoints are published (true or absent is supported)");
-      if (const nlohmann::json* resample = root.find("resample"); resample && !resample->is_null() &&
-                                                                  !(resample->is_number_integer() && resample->get<int64_t>() == 3))
-        root.fail_key(ErrorCode::unsupported, "resample",
-                      detail::format("is %s; kvlite resizes with antialiased bicubic (3), as Qwen-VL's processor does",
-                                     resample->dump().c_str()));
-      if (config.vision.present) {
-        const std::pair<const char*, int64_t> sizes[] = {{"patch_size", config.vision.patch_size},
-                                                         {"temporal_patch_size", config.vision.temporal_patch_size},
-                                                         {"merge_size", config.vision.spatial_merge_size}};
-        for (const auto& size : sizes)
-          if (std::optional<int64_t> given = root.optional_int(size.first); given && *given != size.second)
-            root.fail_key(ErrorCode::bad_format, size.first,
-                          detail::format("is %lld but config.json's vision_config says %lld: the processor and the "
-                                         "vision tower must agree", (long long)*given, (long long)size.second));
-      }
-      if (config.min_pixels && config.max_pixels && config.min_pixels > config.max_pixels)
-        detail::fail(ErrorCode::bad_format,
-                     detail::format("%s: the minimum pixel count %lld is larger than the maximum %lld",
-                                    processor_path.c_str(), (long long)config.min_pixels, (long long)config.max_pixels));
-    }
+    if (detail::file_exists(processor_path))
+      config = apply_processor_config(std::move(config), detail::read_text_file(processor_path), processor_path).value();
     return config;
   });
 }
@@ -9242,19 +9375,31 @@ inline void resample_axis(const uint8_t* in, int64_t in_step, int64_t in_line, u
   }
 }
 
+// Every field bounded before any product is formed: patch, merge and temporal sizes by KVLITE_MAX_VISION_PATCH
+// (so patch_size x merge_size and 3 x T x P x P stay small), pixel budgets by KVLITE_MAX_PROCESSOR_PIXELS, and
+// the normalization by the ranges a preprocessor_config.json is held to (config.hpp).
 inline void check_options(const PreprocessOptions& o) {
-  require_positive(o.patch_size, "PreprocessOptions::patch_size");
-  require_positive(o.merge_size, "PreprocessOptions::merge_size");
-  require_positive(o.temporal_patch_size, "PreprocessOptions::temporal_patch_size");
-  if (!(o.rescale_factor > 0.0) || !std::isfinite(o.rescale_factor))
-    fail(ErrorCode::invalid_argument,
-         format("PreprocessOptions::rescale_factor must be positive, got %g", o.rescale_factor));
+  const std::pair<const char*, int64_t> sizes[] = {{"patch_size", o.patch_size},
+                                                   {"merge_size", o.merge_size},
+                                                   {"temporal_patch_size", o.temporal_patch_size}};
+  for (const auto& size : sizes)
+    if (size.second < 1 || size.second > limits::max_vision_patch)
+      fail(ErrorCode::invalid_argument, format("PreprocessOptions::%s is %lld; it must be in 1..%lld "
+                                               "(KVLITE_MAX_VISION_PATCH)", size.first, (long long)size.second,
+                                               (long long)limits::max_vision_patch));
+  const std::pair<const char*, int64_t> budgets[] = {{"min_pixels", o.min_pixels}, {"max_pixels", o.max_pixels}};
+  for (const auto& budget : budgets)
+    if (budget.second < 1 || budget.second > limits::max_processor_pixels)
+      fail(ErrorCode::invalid_argument, format("PreprocessOptions::%s is %lld; it must be in 1..%lld "
+                                               "(KVLITE_MAX_PROCESSOR_PIXELS)", budget.first, (long long)budget.second,
+                                               (long long)limits::max_processor_pixels));
+  if (std::string problem = normalization_problem("rescale_factor", o.rescale_factor); !problem.empty())
+    fail(ErrorCode::invalid_argument, "PreprocessOptions::rescale_factor " + problem);
   for (size_t c = 0; c < 3; c++) {
-    const double mean = o.image_mean[c], std = o.image_std[c];
-    if (std == 0.0 || !std::isfinite(std) || !std::isfinite(mean))
-      fail(ErrorCode::invalid_argument,
-           format("PreprocessOptions: image_mean[%zu] = %g, image_std[%zu] = %g: std must be finite and non-zero", c,
-                  mean, c, std));
+    if (std::string problem = normalization_problem("image_mean", o.image_mean[c]); !problem.empty())
+      fail(ErrorCode::invalid_argument, format("PreprocessOptions::image_mean[%zu] ", c) + problem);
+    if (std::string problem = normalization_problem("image_std", o.image_std[c]); !problem.empty())
+      fail(ErrorCode::invalid_argument, format("PreprocessOptions::image_std[%zu] ", c) + problem);
   }
 }
 
@@ -9489,6 +9634,17 @@ Result<Image> image_from_pixels(const uint8_t* pixels, int64_t width, int64_t he
       fail(ErrorCode::invalid_argument,
            detail::format("image_from_pixels: %lld x %lld pixels; both sides must be in 1..16777216", (long long)width,
                           (long long)height));
+    // Both sides are at most 2^24, so neither product below can overflow; the stride is at most the widest row
+    // (4 bytes x 2^24), so no row address can either.
+    if (width * height > limits::max_image_pixels)
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: %lld x %lld is %lld pixels; at most %lld (KVLITE_MAX_IMAGE_PIXELS)",
+                          (long long)width, (long long)height, (long long)(width * height),
+                          (long long)limits::max_image_pixels));
+    if (stride_bytes < 0 || stride_bytes > (int64_t(4) << 24))
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: stride of %lld bytes; it must be in 0..%lld (0: packed rows)",
+                          (long long)stride_bytes, (long long)(int64_t(4) << 24)));
     if (!pixels) fail(ErrorCode::invalid_argument, "image_from_pixels: pixels is null");
     const int64_t row_bytes = width * channels;
     if (stride_bytes == 0) stride_bytes = row_bytes;
@@ -9524,6 +9680,14 @@ Result<std::pair<int64_t, int64_t>> smart_resize(int64_t height, int64_t width, 
     detail::img::require_positive(width, "smart_resize: width");
     detail::img::require_positive(factor, "smart_resize: factor");
     detail::img::require_positive(min_pixels, "smart_resize: min_pixels");
+    // Bounded so that every product below stays far inside int64 (factor x 2^31, h_bar x w_bar).
+    if (factor > limits::max_vision_patch * limits::max_vision_patch)
+      fail(ErrorCode::invalid_argument, format("smart_resize: factor %lld is over %lld (KVLITE_MAX_VISION_PATCH "
+                                               "squared)", (long long)factor,
+                                               (long long)(limits::max_vision_patch * limits::max_vision_patch)));
+    if (max_pixels > limits::max_processor_pixels)
+      fail(ErrorCode::invalid_argument, format("smart_resize: max_pixels %lld is over %lld (KVLITE_MAX_PROCESSOR_PIXELS)",
+                                               (long long)max_pixels, (long long)limits::max_processor_pixels));
     if (max_pixels < min_pixels)
       fail(ErrorCode::invalid_argument, format("smart_resize: max_pixels (%lld) is below min_pixels (%lld)",
                                                (long long)max_pixels, (long long)min_pixels));
@@ -9640,7 +9804,9 @@ Result<VisionInput> preprocess_image(const Image& image, const PreprocessOptions
     const int64_t P = options.patch_size, M = options.merge_size, T = options.temporal_patch_size;
     const int64_t grid_h = input.grid.grid_h, grid_w = input.grid.grid_w;
     input.row_size = 3 * T * P * P;
-    input.pixel_values.resize(size_t(grid_h * grid_w * input.row_size));  // (grid_h * grid_w, row_size)
+    input.pixel_values.resize(size_t(detail::checked_mul(detail::checked_mul(uint64_t(grid_h), uint64_t(grid_w), "image patches"),
+                                                         uint64_t(input.row_size), "pixel values",
+                                                         ErrorCode::invalid_argument)));  // (grid_h * grid_w, row_size)
     float* out = input.pixel_values.data();
     for (int64_t window_row = 0; window_row < grid_h / M; window_row++)
       for (int64_t window_col = 0; window_col < grid_w / M; window_col++)
@@ -11710,9 +11876,19 @@ Status validate(const SamplingParams& p) {
     if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) bad(detail::format("min_p must be in [0, 1], got %g", p.min_p));
     if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty))
       bad(detail::format("repetition_penalty must be > 0 (1 = off), got %g", p.repetition_penalty));
-    if (p.max_tokens <= 0) bad(detail::format("max_tokens must be > 0, got %lld", (long long)p.max_tokens));
-    for (const auto& s : p.stop_strings)
+    if (p.max_tokens <= 0 || p.max_tokens > limits::max_new_tokens)
+      bad(detail::format("max_tokens must be in 1..%lld (KVLITE_MAX_NEW_TOKENS; generation also ends when the "
+                         "context is full), got %lld", (long long)limits::max_new_tokens, (long long)p.max_tokens));
+    if (int64_t(p.stop_tokens.size()) > limits::max_stop_entries ||
+        int64_t(p.stop_strings.size()) > limits::max_stop_entries)
+      bad(detail::format("%zu stop tokens and %zu stop strings; at most %lld each (KVLITE_MAX_STOP_ENTRIES)",
+                         p.stop_tokens.size(), p.stop_strings.size(), (long long)limits::max_stop_entries));
+    for (const auto& s : p.stop_strings) {
       if (s.empty()) bad("stop strings must not be empty");
+      if (int64_t(s.size()) > limits::max_stop_string_bytes)
+        bad(detail::format("a stop string of %zu bytes; at most %lld (KVLITE_MAX_STOP_STRING_BYTES)", s.size(),
+                           (long long)limits::max_stop_string_bytes));
+    }
   });
 }
 
@@ -13494,13 +13670,30 @@ class CpuBackend final : public Backend {
 
 }  // namespace detail
 
+int max_cpu_threads() {
+  return int(std::max(1u, std::thread::hardware_concurrency())) * limits::max_threads_per_hardware_thread;
+}
+
+namespace detail {
+void check_cpu_threads(int64_t threads, const char* what) {
+  if (threads < 0 || threads > max_cpu_threads())
+    fail(ErrorCode::invalid_argument,
+         format("%s is %lld; it must be in 0..%d (0: one per hardware thread; at most the %u hardware threads x %d, "
+                "KVLITE_MAX_THREADS_PER_HARDWARE_THREAD)", what, (long long)threads, max_cpu_threads(),
+                std::max(1u, std::thread::hardware_concurrency()), limits::max_threads_per_hardware_thread));
+}
+}  // namespace detail
+
 Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options) {
   return detail::guard([&]() -> std::unique_ptr<Backend> {
-    if (options.threads < 0 || options.max_head_dim <= 0 || options.max_quant_in_features <= 0)
+    detail::check_cpu_threads(options.threads, "make_cpu_backend: threads");
+    // Scratch is threads x max_head_dim and threads x 16 x max_quant_in_features floats: both bounded.
+    if (options.max_head_dim <= 0 || options.max_head_dim > limits::max_model_width ||
+        options.max_quant_in_features <= 0 || options.max_quant_in_features > limits::max_model_width)
       detail::fail(ErrorCode::invalid_argument,
-                   detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread), "
-                                  "max_head_dim %lld and max_quant_in_features %lld positive", options.threads,
-                                  (long long)options.max_head_dim, (long long)options.max_quant_in_features));
+                   detail::format("make_cpu_backend: max_head_dim %lld and max_quant_in_features %lld must be in "
+                                  "1..%lld (KVLITE_MAX_MODEL_WIDTH)", (long long)options.max_head_dim,
+                                  (long long)options.max_quant_in_features, (long long)limits::max_model_width));
     if (!detail::is_cpu_float(options.activation_dtype))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("make_cpu_backend: activation dtype %s; the CPU stores activations as F32 (the "
@@ -13728,36 +13921,49 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
       lw.down_proj = bind.linear(layer + "mlp.down_proj", H, I, c.mlp_bias);
     }
     w.norm = norm(prefix + "norm.weight", H);
-    // KV cache scales (compressed-tensors kv_cache_scheme): every layer has both, or none does.
-    for (const char* which : {"k_scale", "v_scale"}) {
-      std::vector<float>& scales = which[0] == 'k' ? w.k_scales : w.v_scales;
-      int64_t present = 0;
+    // KV cache scales (compressed-tensors kv_cache_scheme): every attention layer has both self_attn.k_scale and
+    // self_attn.v_scale, or none does and the checkpoint declares no scheme. Anything between is refused here,
+    // naming the first missing tensor: K scales alone used to open and then fail every forward, V scales alone
+    // were silently ignored.
+    auto scale_name = [&](int64_t l, const char* which) {
+      return prefix + format("layers.%lld.self_attn.%s", (long long)l, which);
+    };
+    int64_t present[2] = {0, 0};  // layers with k_scale, with v_scale
+    for (int64_t l = 0; l < c.num_layers; l++)
+      for (int kind = 0; kind < 2; kind++) present[kind] += store.find(scale_name(l, kind ? "v_scale" : "k_scale")) != nullptr;
+    if (config.quant.kv_cache_fp8 || present[0] > 0 || present[1] > 0) {
       for (int64_t l = 0; l < c.num_layers; l++)
-        present += store.find(prefix + format("layers.%lld.self_attn.%s", (long long)l, which)) != nullptr;
-      if (present == 0) continue;
-      if (present != c.num_layers)
-        fail(ErrorCode::bad_format, format("%s: %lld of %lld layers have self_attn.%s; a KV cache scale is per "
-                                           "layer, for all of them or none", config.origin.c_str(),
-                                           (long long)present, (long long)c.num_layers, which));
-      for (int64_t l = 0; l < c.num_layers; l++) {
-        const std::string name = prefix + format("layers.%lld.self_attn.%s", (long long)l, which);
-        const TensorInfo& info = *store.find(name);
-        if (info.numel() != 1 || (info.dtype != DType::F32 && info.dtype != DType::BF16 && info.dtype != DType::F16))
-          fail(ErrorCode::bad_format, format("%s: %s must be one F32, BF16 or F16 number (it is %s with %llu "
-                                             "elements)", config.origin.c_str(), name.c_str(), dtype_name(info.dtype),
-                                             (unsigned long long)info.numel()));
-        const uint8_t* data = store.data(info);
-        float value = 0;
-        if (info.dtype == DType::F32) std::memcpy(&value, data, 4);
-        else {
-          uint16_t bits = 0;
-          std::memcpy(&bits, data, 2);
-          value = info.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+        for (const char* which : {"k_scale", "v_scale"})
+          if (!store.find(scale_name(l, which)))
+            fail(ErrorCode::missing_tensor,
+                 format("%s: %s is missing: %s, so every attention layer needs both self_attn.k_scale and "
+                        "self_attn.v_scale (this checkpoint has k_scale on %lld and v_scale on %lld of %lld layers)",
+                        config.origin.c_str(), scale_name(l, which).c_str(),
+                        config.quant.kv_cache_fp8 ? "config.json declares a kv_cache_scheme"
+                                                  : "the checkpoint carries KV cache scales",
+                        (long long)present[0], (long long)present[1], (long long)c.num_layers));
+      for (const char* which : {"k_scale", "v_scale"}) {
+        std::vector<float>& scales = which[0] == 'k' ? w.k_scales : w.v_scales;
+        for (int64_t l = 0; l < c.num_layers; l++) {
+          const std::string name = scale_name(l, which);
+          const TensorInfo& info = *store.find(name);
+          if (info.numel() != 1 || (info.dtype != DType::F32 && info.dtype != DType::BF16 && info.dtype != DType::F16))
+            fail(ErrorCode::bad_format, format("%s: %s must be one F32, BF16 or F16 number (it is %s with %llu "
+                                               "elements)", config.origin.c_str(), name.c_str(), dtype_name(info.dtype),
+                                               (unsigned long long)info.numel()));
+          const uint8_t* data = store.data(info);
+          float value = 0;
+          if (info.dtype == DType::F32) std::memcpy(&value, data, 4);
+          else {
+            uint16_t bits = 0;
+            std::memcpy(&bits, data, 2);
+            value = info.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+          }
+          if (!(value > 0) || !std::isfinite(value))
+            fail(ErrorCode::bad_format, format("%s: %s is %g; a KV cache scale must be a positive finite number",
+                                               config.origin.c_str(), name.c_str(), double(value)));
+          scales.push_back(value);
         }
-        if (!(value > 0) || !std::isfinite(value))
-          fail(ErrorCode::bad_format, format("%s: %s is %g; a KV cache scale must be a positive finite number",
-                                             config.origin.c_str(), name.c_str(), double(value)));
-        scales.push_back(value);
       }
     }
     // Tied: transformers points lm_head at embed_tokens (and save_pretrained drops lm_head.weight).
@@ -14901,7 +15107,8 @@ struct Engine::Impl {
     r.on_token = on_token;
     r.decoder.emplace(*tokenizer, false);
     r.result.prompt_ids = prompt;
-    r.tokens.reserve(size_t(std::min(prompt_len + params.max_tokens, max_model_len())));
+    // prompt_len < max_model_len (check_fits above) and max_tokens <= KVLITE_MAX_NEW_TOKENS (validate): no overflow
+    r.tokens.reserve(size_t(prompt_len + std::min(params.max_tokens, max_model_len() - prompt_len)));
     return r.id;
   }
 
@@ -16003,6 +16210,8 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
       chosen = &with_draft;
     }
     const PlanInputs& inputs = *chosen;
+    // Engine options the plan does not check itself, refused here: before Engine::open reserves its arena.
+    detail::check_cpu_threads(options.threads, "EngineOptions::threads");  // (device: detect_device checks it)
     std::string why;
     Result<DeviceSpec> device = detect_device(options.backend, options.device, options.plan.device_mem,
                                               options.plan.wsl2, &why);
@@ -16551,7 +16760,13 @@ Result<CopyBandwidth> Engine::measure_copy_bandwidth(uint64_t bytes, int repeats
 
 Status write_npy(const std::string& path, const float* values, int64_t rows, int64_t cols) {
   return detail::guard([&] {
-    if (rows < 0 || cols < 0 || (rows * cols > 0 && values == nullptr))
+    if (rows < 0 || cols < 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("write_npy: shape [%lld, %lld] is negative", (long long)rows, (long long)cols));
+    // the values' bytes, overflow-checked (rows x cols x 4 sizes the write)
+    detail::checked_mul(detail::checked_mul(uint64_t(rows), uint64_t(cols), "write_npy elements", ErrorCode::invalid_argument),
+                        4, "write_npy bytes", ErrorCode::invalid_argument);
+    if (rows * cols > 0 && values == nullptr)
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("write_npy: shape [%lld, %lld] is negative or the values are null", (long long)rows,
                                   (long long)cols));
@@ -16760,8 +16975,8 @@ void need_array(const T* pointer, size_t count, const char* what) {
   if (count > 0 && !pointer) fail(ErrorCode::invalid_argument, format("%s is NULL but its count is %zu", what, count));
 }
 
-// Stop tokens and stop strings one C call may pass (each).
-constexpr int64_t kMaxCStopEntries = 1024;
+// Stop tokens and stop strings one C call may pass (each): checked before they are copied.
+constexpr int64_t kMaxCStopEntries = limits::max_stop_entries;
 
 // A struct from C must come from its *_init function (which sets struct_size): a smaller size is a caller built
 // against no version of this header, or one that forgot the init; a larger one is a newer header's, whose added
@@ -16799,7 +17014,7 @@ EngineOptions engine_options(const kvlite_options* in) {
   options.plan.max_image_pixels = in->max_image_pixels;
   if (in->max_images) options.plan.max_images = in->max_images;
   options.plan.kv_fill = in->kv_fill != 0;
-  if (in->threads < 0) fail(ErrorCode::invalid_argument, format("kvlite_options.threads %d is negative", in->threads));
+  check_cpu_threads(in->threads, "kvlite_options.threads");
   options.threads = in->threads;
   return options;
 }

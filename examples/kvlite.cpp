@@ -462,7 +462,7 @@ int run_generate(const Args& args) {
   const std::string& model_dir = model_dir_argument(args);
   const std::string& prompt = required(args, "--prompt");
   kvlite::SamplingParams params;
-  if (args.has("--max-tokens")) params.max_tokens = args.integer("--max-tokens", 1, INT64_MAX);
+  if (args.has("--max-tokens")) params.max_tokens = args.integer("--max-tokens", 1, kvlite::limits::max_new_tokens);
   if (args.has("--temperature")) params.temperature = float(args.number("--temperature"));
   if (args.has("--top-p")) params.top_p = float(args.number("--top-p"));
   if (args.has("--top-k")) params.top_k = args.integer("--top-k", 0, INT64_MAX);
@@ -853,7 +853,7 @@ int run_serve(const Args& args) {
   if (args.has("--port")) serve.port = int(args.integer("--port", 0, 65535));
   if (args.has("--max-queue")) serve.max_queue = args.integer("--max-queue", 1, 4096);
   if (args.has("--max-body-bytes")) serve.max_body_bytes = args.size("--max-body-bytes");
-  if (args.has("--max-tokens")) serve.max_tokens = args.integer("--max-tokens", 1, INT64_MAX);
+  if (args.has("--max-tokens")) serve.max_tokens = args.integer("--max-tokens", 1, kvlite::limits::max_new_tokens);
   if (args.has("--served-model-name")) serve.model_name = args.text("--served-model-name");
   // The plan first, exactly as `kvlite plan` prints it: a plan that does not fit stops here, with its advice.
   auto plan = kvlite::plan_engine(model_dir, options);

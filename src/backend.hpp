@@ -335,8 +335,23 @@ class Backend {
 };
 
 // ---- the CPU backend ------------------------------------------------------------------------------------
+// CPU threads are capped at the machine's hardware threads times this factor: more than one per hardware thread
+// only adds switching, and the cap keeps a mistyped count (INT32_MAX) from reserving gigabytes of thread handles.
+#ifndef KVLITE_MAX_THREADS_PER_HARDWARE_THREAD
+#define KVLITE_MAX_THREADS_PER_HARDWARE_THREAD 4
+#endif
+namespace limits {
+constexpr int max_threads_per_hardware_thread = KVLITE_MAX_THREADS_PER_HARDWARE_THREAD;
+}  // namespace limits
+// The most threads a CPU backend accepts here: max(1, std::thread::hardware_concurrency()) x
+// KVLITE_MAX_THREADS_PER_HARDWARE_THREAD. EngineOptions::threads, kvlite_options.threads and
+// CpuBackendOptions::threads above it are refused (invalid_argument) before anything is reserved.
+int max_cpu_threads();
+namespace detail {
+void check_cpu_threads(int64_t threads, const char* what);  // throws invalid_argument naming `what` and the cap
+}  // namespace detail
 struct CpuBackendOptions {
-  int threads = 0;             // worker threads, the caller included; 0: one per hardware thread
+  int threads = 0;             // worker threads, the caller included; 0: one per hardware thread; at most max_cpu_threads()
   int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
   // Largest in_features a quant_linear will see: sizes the per-thread dequantization scratch (16 weight rows
   // of K floats each, plus one activation chunk when fp8_activations is on).

@@ -837,13 +837,30 @@ class CpuBackend final : public Backend {
 
 }  // namespace detail
 
+int max_cpu_threads() {
+  return int(std::max(1u, std::thread::hardware_concurrency())) * limits::max_threads_per_hardware_thread;
+}
+
+namespace detail {
+void check_cpu_threads(int64_t threads, const char* what) {
+  if (threads < 0 || threads > max_cpu_threads())
+    fail(ErrorCode::invalid_argument,
+         format("%s is %lld; it must be in 0..%d (0: one per hardware thread; at most the %u hardware threads x %d, "
+                "KVLITE_MAX_THREADS_PER_HARDWARE_THREAD)", what, (long long)threads, max_cpu_threads(),
+                std::max(1u, std::thread::hardware_concurrency()), limits::max_threads_per_hardware_thread));
+}
+}  // namespace detail
+
 Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options) {
   return detail::guard([&]() -> std::unique_ptr<Backend> {
-    if (options.threads < 0 || options.max_head_dim <= 0 || options.max_quant_in_features <= 0)
+    detail::check_cpu_threads(options.threads, "make_cpu_backend: threads");
+    // Scratch is threads x max_head_dim and threads x 16 x max_quant_in_features floats: both bounded.
+    if (options.max_head_dim <= 0 || options.max_head_dim > limits::max_model_width ||
+        options.max_quant_in_features <= 0 || options.max_quant_in_features > limits::max_model_width)
       detail::fail(ErrorCode::invalid_argument,
-                   detail::format("make_cpu_backend: threads %d must be >= 0 (0: one per hardware thread), "
-                                  "max_head_dim %lld and max_quant_in_features %lld positive", options.threads,
-                                  (long long)options.max_head_dim, (long long)options.max_quant_in_features));
+                   detail::format("make_cpu_backend: max_head_dim %lld and max_quant_in_features %lld must be in "
+                                  "1..%lld (KVLITE_MAX_MODEL_WIDTH)", (long long)options.max_head_dim,
+                                  (long long)options.max_quant_in_features, (long long)limits::max_model_width));
     if (!detail::is_cpu_float(options.activation_dtype))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("make_cpu_backend: activation dtype %s; the CPU stores activations as F32 (the "

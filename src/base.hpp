@@ -223,6 +223,11 @@ constexpr int64_t max_json_depth = KVLITE_MAX_JSON_DEPTH;
 inline uint64_t align_up(uint64_t value, uint64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
 inline uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
+// JSON text checked against the library's limits before it is parsed: at most KVLITE_MAX_JSON_BYTES bytes and
+// KVLITE_MAX_JSON_DEPTH levels of nesting (bad_format naming `origin`). Every file kvlite parses goes through
+// this; applications that parse JSON from outside with the same limits call it too (kvlite serve's bodies).
+Status check_json_limits(std::string_view text, const std::string& origin);
+
 namespace detail {
 // Internal code reports failure by throwing kvlite::Error; public entry points catch it with guard().
 [[noreturn]] void fail(ErrorCode code, std::string message);

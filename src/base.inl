@@ -212,6 +212,18 @@ void check_json_nesting(std::string_view text, const std::string& origin) {
     }
   }
 }
+}  // namespace detail
+
+Status check_json_limits(std::string_view text, const std::string& origin) {
+  return detail::guard([&] {
+    if (text.size() > uint64_t(limits::max_json_bytes))
+      detail::fail(ErrorCode::bad_format, detail::format("%s: %zu bytes of JSON; at most %lld (KVLITE_MAX_JSON_BYTES)",
+                                                         origin.c_str(), text.size(), (long long)limits::max_json_bytes));
+    detail::check_json_nesting(text, origin);
+  });
+}
+
+namespace detail {
 bool file_exists(const std::string& path) {
   struct stat st;
   return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);

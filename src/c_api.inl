@@ -57,8 +57,8 @@ void need_array(const T* pointer, size_t count, const char* what) {
   if (count > 0 && !pointer) fail(ErrorCode::invalid_argument, format("%s is NULL but its count is %zu", what, count));
 }
 
-// Stop tokens and stop strings one C call may pass (each).
-constexpr int64_t kMaxCStopEntries = 1024;
+// Stop tokens and stop strings one C call may pass (each): checked before they are copied.
+constexpr int64_t kMaxCStopEntries = limits::max_stop_entries;
 
 // A struct from C must come from its *_init function (which sets struct_size): a smaller size is a caller built
 // against no version of this header, or one that forgot the init; a larger one is a newer header's, whose added
@@ -96,7 +96,7 @@ EngineOptions engine_options(const kvlite_options* in) {
   options.plan.max_image_pixels = in->max_image_pixels;
   if (in->max_images) options.plan.max_images = in->max_images;
   options.plan.kv_fill = in->kv_fill != 0;
-  if (in->threads < 0) fail(ErrorCode::invalid_argument, format("kvlite_options.threads %d is negative", in->threads));
+  check_cpu_threads(in->threads, "kvlite_options.threads");
   options.threads = in->threads;
   return options;
 }

@@ -41,7 +41,31 @@ namespace kvlite {
 #ifndef KVLITE_MAX_VISION_POSITIONS
 #define KVLITE_MAX_VISION_POSITIONS 1048576  // vision num_position_embeddings [Qwen3-VL: 2304]
 #endif
+// Image normalization (preprocessor_config.json image_mean / image_std / rescale_factor, PreprocessOptions): a
+// pixel becomes (pixel x rescale_factor - mean) / std. Published processors use means in [0.4, 0.5], stds in
+// [0.2, 0.5] and 1/255; values far outside are a broken file, and refused at load rather than turning every
+// image's pixel values into infinities later. The mean may lie up to the margin outside [0, 1].
+#ifndef KVLITE_IMAGE_MEAN_MARGIN
+#define KVLITE_IMAGE_MEAN_MARGIN 1.0
+#endif
+#ifndef KVLITE_MIN_IMAGE_STD
+#define KVLITE_MIN_IMAGE_STD 1e-3
+#endif
+#ifndef KVLITE_MAX_IMAGE_STD
+#define KVLITE_MAX_IMAGE_STD 1e3
+#endif
+#ifndef KVLITE_MIN_RESCALE_FACTOR
+#define KVLITE_MIN_RESCALE_FACTOR 1e-6  // [1/255 for 8-bit pixels]
+#endif
+#ifndef KVLITE_MAX_RESCALE_FACTOR
+#define KVLITE_MAX_RESCALE_FACTOR 1.0
+#endif
 namespace limits {
+constexpr double image_mean_margin = KVLITE_IMAGE_MEAN_MARGIN;
+constexpr double min_image_std = KVLITE_MIN_IMAGE_STD;
+constexpr double max_image_std = KVLITE_MAX_IMAGE_STD;
+constexpr double min_rescale_factor = KVLITE_MIN_RESCALE_FACTOR;
+constexpr double max_rescale_factor = KVLITE_MAX_RESCALE_FACTOR;
 constexpr int64_t max_model_layers = KVLITE_MAX_MODEL_LAYERS;
 constexpr int64_t max_model_width = KVLITE_MAX_MODEL_WIDTH;
 constexpr int64_t max_model_heads = KVLITE_MAX_MODEL_HEADS;
@@ -211,6 +235,14 @@ struct ModelConfig {
 // Parses a config.json text. `origin` names it in errors. Refuses unknown model types, missing or
 // non-positive sizes, unknown rope or quantization methods, with the key named.
 Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin);
+// Reads a preprocessor_config.json text (`origin` names it in errors) into `config`'s image budget and
+// normalization, every key range-checked (the file and key named): what load_config does with the file.
+Result<ModelConfig> apply_processor_config(ModelConfig config, const std::string& json_text, const std::string& origin);
+namespace detail {
+// Why a normalization value is out of its range ("is 1e+308: it must be in [-1, 2] (KVLITE_IMAGE_MEAN_MARGIN)"),
+// or "" when it is in range. `key`: "image_mean", "image_std" or "rescale_factor".
+std::string normalization_problem(const std::string& key, double value);
+}  // namespace detail
 // Reads MODEL_DIR/config.json, and preprocessor_config.json if present: `size` {shortest_edge, longest_edge}
 // are the min/max PIXEL COUNTS; top-level min_pixels / max_pixels (older files) override them.
 Result<ModelConfig> load_config(const std::string& model_dir);

@@ -743,6 +743,10 @@ const QuantScheme* quant_scheme_for(const QuantConfig& quant, const std::string&
 Result<ModelConfig> parse_config(const std::string& json_text, const std::string& origin) {
   return detail::guard([&]() -> ModelConfig {
     using detail::cfg::Node;
+    if (json_text.size() > uint64_t(limits::max_json_bytes))
+      detail::fail(ErrorCode::bad_format, detail::format("%s is %zu bytes; at most %lld (KVLITE_MAX_JSON_BYTES)",
+                                                         origin.c_str(), json_text.size(),
+                                                         (long long)limits::max_json_bytes));
     nlohmann::json doc = detail::cfg::parse_json(json_text, origin);
     Node root{&doc, "", origin};
     ModelConfig config;
@@ -811,6 +815,99 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
   });
 }
 
+namespace detail {
+std::string normalization_problem(const std::string& key, double value) {
+  double low = 0, high = 0;
+  const char* macros = "";
+  if (key == "image_mean") {
+    low = 0.0 - limits::image_mean_margin, high = 1.0 + limits::image_mean_margin;
+    macros = "KVLITE_IMAGE_MEAN_MARGIN";
+  } else if (key == "image_std") {
+    low = limits::min_image_std, high = limits::max_image_std;
+    macros = "KVLITE_MIN_IMAGE_STD, KVLITE_MAX_IMAGE_STD";
+  } else {
+    low = limits::min_rescale_factor, high = limits::max_rescale_factor;
+    macros = "KVLITE_MIN_RESCALE_FACTOR, KVLITE_MAX_RESCALE_FACTOR";
+  }
+  if (value >= low && value <= high) return "";  // false for NaN
+  return format("is %g: it must be in [%g, %g] (%s)", value, low, high, macros);
+}
+}  // namespace detail
+
+Result<ModelConfig> apply_processor_config(ModelConfig config, const std::string& json_text, const std::string& origin) {
+  return detail::guard([&]() -> ModelConfig {
+    using detail::cfg::Node;
+    if (json_text.size() > uint64_t(limits::max_json_bytes))
+      detail::fail(ErrorCode::bad_format, detail::format("%s is %zu bytes; at most %lld (KVLITE_MAX_JSON_BYTES)",
+                                                         origin.c_str(), json_text.size(),
+                                                         (long long)limits::max_json_bytes));
+    nlohmann::json doc = detail::cfg::parse_json(json_text, origin);
+    Node root{&doc, "", origin};
+    const int64_t kPixels = limits::max_processor_pixels;
+    const char* kPixelsMacro = "KVLITE_MAX_PROCESSOR_PIXELS";
+    // Qwen2VLImageProcessor: `size` = {shortest_edge, longest_edge} are MIN and MAX PIXEL COUNTS; top-level
+    // min_pixels / max_pixels (older files) override them, as its __init__ does.
+    if (std::optional<Node> size = root.optional_child("size")) {
+      config.min_pixels = size->bounded_or("shortest_edge", size->bounded_or("min_pixels", 0, kPixels, kPixelsMacro), kPixels, kPixelsMacro);
+      config.max_pixels = size->bounded_or("longest_edge", size->bounded_or("max_pixels", 0, kPixels, kPixelsMacro), kPixels, kPixelsMacro);
+    }
+    config.min_pixels = root.bounded_or("min_pixels", config.min_pixels, kPixels, kPixelsMacro);
+    config.max_pixels = root.bounded_or("max_pixels", config.max_pixels, kPixels, kPixelsMacro);
+    // Every other key the Qwen2-VL / Qwen3-VL image processor reads is used, or refused naming the key and
+    // what kvlite supports: never ignored (a CLIP mean/std ignored moved logits 0.4 relative, silently).
+    for (const char* name : {"image_mean", "image_std"}) {
+      double* out = std::string(name) == "image_mean" ? config.image_mean : config.image_std;
+      const nlohmann::json* v = root.find(name);
+      if (!v || v->is_null()) continue;
+      std::vector<double> values;
+      if (v->is_number()) values.assign(3, v->get<double>());
+      else if (v->is_array() && v->size() == 3 && std::all_of(v->begin(), v->end(), [](const nlohmann::json& x) { return x.is_number(); }))
+        for (const auto& x : *v) values.push_back(x.get<double>());
+      else
+        root.fail_key(ErrorCode::bad_format, name, detail::format("must be a number or 3 numbers (R, G, B), not %s", v->dump().c_str()));
+      for (size_t c = 0; c < 3; c++) {
+        const std::string problem = detail::normalization_problem(name, values[c]);
+        if (!problem.empty()) root.fail_key(ErrorCode::bad_format, detail::format("%s[%zu]", name, c), problem);
+        out[c] = values[c];
+      }
+    }
+    config.rescale_factor = root.number_or("rescale_factor", config.rescale_factor);
+    if (const std::string problem = detail::normalization_problem("rescale_factor", config.rescale_factor); !problem.empty())
+      root.fail_key(ErrorCode::bad_format, "rescale_factor", problem);
+    for (const char* flag : {"do_resize", "do_rescale", "do_normalize", "do_convert_rgb"})
+      if (!root.bool_or(flag, true))
+        root.fail_key(ErrorCode::unsupported, flag,
+                      "is false; kvlite's image path always resizes, rescales, normalizes and converts to RGB as "
+                      "Qwen-VL checkpoints are published (true or absent is supported)");
+    if (const nlohmann::json* resample = root.find("resample"); resample && !resample->is_null() &&
+                                                                !(resample->is_number_integer() && resample->get<int64_t>() == 3))
+      root.fail_key(ErrorCode::unsupported, "resample",
+                    detail::format("is %s; kvlite resizes with antialiased bicubic (3), as Qwen-VL's processor does",
+                                   resample->dump().c_str()));
+    if (config.vision.present) {
+      const std::pair<const char*, int64_t> sizes[] = {{"patch_size", config.vision.patch_size},
+                                                       {"temporal_patch_size", config.vision.temporal_patch_size},
+                                                       {"merge_size", config.vision.spatial_merge_size}};
+      for (const auto& size : sizes)
+        if (std::optional<int64_t> given = root.optional_int(size.first); given && *given != size.second)
+          root.fail_key(ErrorCode::bad_format, size.first,
+                        detail::format("is %lld but config.json's vision_config says %lld: the processor and the "
+                                       "vision tower must agree", (long long)*given, (long long)size.second));
+    }
+    // The budget images get (preprocess_options: kvlite's default for a count the file leaves out) must leave
+    // room for one: a file with only a maximum below the default minimum refused every image, not itself.
+    const PreprocessOptions defaults;
+    const int64_t min_pixels = config.min_pixels > 0 ? config.min_pixels : defaults.min_pixels;
+    const int64_t max_pixels = config.max_pixels > 0 ? config.max_pixels : defaults.max_pixels;
+    if (min_pixels > max_pixels)
+      detail::fail(ErrorCode::bad_format,
+                   detail::format("%s: the minimum pixel count %lld%s is larger than the maximum %lld%s", origin.c_str(),
+                                  (long long)min_pixels, config.min_pixels > 0 ? "" : " (kvlite's default: the file sets none)",
+                                  (long long)max_pixels, config.max_pixels > 0 ? "" : " (kvlite's default: the file sets none)"));
+    return config;
+  });
+}
+
 Result<ModelConfig> load_config(const std::string& model_dir) {
   return detail::guard([&]() -> ModelConfig {
     std::string path = detail::path_join(model_dir, "config.json");
@@ -821,67 +918,8 @@ Result<ModelConfig> load_config(const std::string& model_dir) {
     ModelConfig config = parse_config(detail::read_text_file(path), path).value();
 
     std::string processor_path = detail::path_join(model_dir, "preprocessor_config.json");
-    if (detail::file_exists(processor_path)) {
-      using detail::cfg::Node;
-      nlohmann::json doc = detail::cfg::parse_json(detail::read_text_file(processor_path), processor_path);
-      Node root{&doc, "", processor_path};
-      const int64_t kPixels = limits::max_processor_pixels;
-      const char* kPixelsMacro = "KVLITE_MAX_PROCESSOR_PIXELS";
-      // Qwen2VLImageProcessor: `size` = {shortest_edge, longest_edge} are MIN and MAX PIXEL COUNTS; top-level
-      // min_pixels / max_pixels (older files) override them, as its __init__ does.
-      if (std::optional<Node> size = root.optional_child("size")) {
-        config.min_pixels = size->bounded_or("shortest_edge", size->bounded_or("min_pixels", 0, kPixels, kPixelsMacro), kPixels, kPixelsMacro);
-        config.max_pixels = size->bounded_or("longest_edge", size->bounded_or("max_pixels", 0, kPixels, kPixelsMacro), kPixels, kPixelsMacro);
-      }
-      config.min_pixels = root.bounded_or("min_pixels", config.min_pixels, kPixels, kPixelsMacro);
-      config.max_pixels = root.bounded_or("max_pixels", config.max_pixels, kPixels, kPixelsMacro);
-      // Every other key the Qwen2-VL / Qwen3-VL image processor reads is used, or refused naming the key and
-      // what kvlite supports: never ignored (a CLIP mean/std ignored moved logits 0.4 relative, silently).
-      for (const char* name : {"image_mean", "image_std"}) {
-        double* out = std::string(name) == "image_mean" ? config.image_mean : config.image_std;
-        const nlohmann::json* v = root.find(name);
-        if (!v || v->is_null()) continue;
-        std::vector<double> values;
-        if (v->is_number()) values.assign(3, v->get<double>());
-        else if (v->is_array() && v->size() == 3 && std::all_of(v->begin(), v->end(), [](const nlohmann::json& x) { return x.is_number(); }))
-          for (const auto& x : *v) values.push_back(x.get<double>());
-        else
-          root.fail_key(ErrorCode::bad_format, name, detail::format("must be a number or 3 numbers (R, G, B), not %s", v->dump().c_str()));
-        for (size_t c = 0; c < 3; c++) {
-          if (!std::isfinite(values[c]) || (out == config.image_std && values[c] == 0.0))
-            root.fail_key(ErrorCode::bad_format, detail::format("%s[%zu]", name, c),
-                          detail::format("is %g: it must be finite%s", values[c], out == config.image_std ? " and non-zero" : ""));
-          out[c] = values[c];
-        }
-      }
-      config.rescale_factor = root.number_or("rescale_factor", config.rescale_factor);
-      if (!(config.rescale_factor > 0.0) || !std::isfinite(config.rescale_factor))
-        root.fail_key(ErrorCode::bad_format, "rescale_factor", detail::format("is %g: it must be positive", config.rescale_factor));
-      for (const char* flag : {"do_resize", "do_rescale", "do_normalize", "do_convert_rgb"})
-        if (!root.bool_or(flag, true))
-          root.fail_key(ErrorCode::unsupported, flag,
-                        "is false; kvlite's image path always resizes, rescales, normalizes and converts to RGB as "
-                        "Qwen-VL checkpoints are published (true or absent is supported)");
-      if (const nlohmann::json* resample = root.find("resample"); resample && !resample->is_null() &&
-                                                                  !(resample->is_number_integer() && resample->get<int64_t>() == 3))
-        root.fail_key(ErrorCode::unsupported, "resample",
-                      detail::format("is %s; kvlite resizes with antialiased bicubic (3), as Qwen-VL's processor does",
-                                     resample->dump().c_str()));
-      if (config.vision.present) {
-        const std::pair<const char*, int64_t> sizes[] = {{"patch_size", config.vision.patch_size},
-                                                         {"temporal_patch_size", config.vision.temporal_patch_size},
-                                                         {"merge_size", config.vision.spatial_merge_size}};
-        for (const auto& size : sizes)
-          if (std::optional<int64_t> given = root.optional_int(size.first); given && *given != size.second)
-            root.fail_key(ErrorCode::bad_format, size.first,
-                          detail::format("is %lld but config.json's vision_config says %lld: the processor and the "
-                                         "vision tower must agree", (long long)*given, (long long)size.second));
-      }
-      if (config.min_pixels && config.max_pixels && config.min_pixels > config.max_pixels)
-        detail::fail(ErrorCode::bad_format,
-                     detail::format("%s: the minimum pixel count %lld is larger than the maximum %lld",
-                                    processor_path.c_str(), (long long)config.min_pixels, (long long)config.max_pixels));
-    }
+    if (detail::file_exists(processor_path))
+      config = apply_processor_config(std::move(config), detail::read_text_file(processor_path), processor_path).value();
     return config;
   });
 }

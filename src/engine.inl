@@ -390,7 +390,8 @@ struct Engine::Impl {
     r.on_token = on_token;
     r.decoder.emplace(*tokenizer, false);
     r.result.prompt_ids = prompt;
-    r.tokens.reserve(size_t(std::min(prompt_len + params.max_tokens, max_model_len())));
+    // prompt_len < max_model_len (check_fits above) and max_tokens <= KVLITE_MAX_NEW_TOKENS (validate): no overflow
+    r.tokens.reserve(size_t(prompt_len + std::min(params.max_tokens, max_model_len() - prompt_len)));
     return r.id;
   }
 
@@ -1492,6 +1493,8 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
       chosen = &with_draft;
     }
     const PlanInputs& inputs = *chosen;
+    // Engine options the plan does not check itself, refused here: before Engine::open reserves its arena.
+    detail::check_cpu_threads(options.threads, "EngineOptions::threads");  // (device: detect_device checks it)
     std::string why;
     Result<DeviceSpec> device = detect_device(options.backend, options.device, options.plan.device_mem,
                                               options.plan.wsl2, &why);
@@ -2040,7 +2043,13 @@ Result<CopyBandwidth> Engine::measure_copy_bandwidth(uint64_t bytes, int repeats
 
 Status write_npy(const std::string& path, const float* values, int64_t rows, int64_t cols) {
   return detail::guard([&] {
-    if (rows < 0 || cols < 0 || (rows * cols > 0 && values == nullptr))
+    if (rows < 0 || cols < 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("write_npy: shape [%lld, %lld] is negative", (long long)rows, (long long)cols));
+    // the values' bytes, overflow-checked (rows x cols x 4 sizes the write)
+    detail::checked_mul(detail::checked_mul(uint64_t(rows), uint64_t(cols), "write_npy elements", ErrorCode::invalid_argument),
+                        4, "write_npy bytes", ErrorCode::invalid_argument);
+    if (rows * cols > 0 && values == nullptr)
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("write_npy: shape [%lld, %lld] is negative or the values are null", (long long)rows,
                                   (long long)cols));

@@ -27,10 +27,19 @@ enum class AlphaMode {
                     // convert_to_rgb for an RGBA array or tensor - the default for raw pixels
 };
 
+// The most pixels an image may have: decoded (DecodeOptions::max_pixels's default) or handed over as raw pixels
+// (image_from_pixels, kvlite_image_from_pixels). 64 Mi pixels ~ 8192 x 8192; the RGB costs 3 bytes each.
+#ifndef KVLITE_MAX_IMAGE_PIXELS
+#define KVLITE_MAX_IMAGE_PIXELS 67108864
+#endif
+namespace limits {
+constexpr int64_t max_image_pixels = KVLITE_MAX_IMAGE_PIXELS;
+}  // namespace limits
+
 struct DecodeOptions {
   // Refuse images with more pixels than this BEFORE decoding them (a small file can claim 100000 x 100000
   // and make the decoder allocate tens of GiB). 64 Mi pixels ~ 8192 x 8192; the decoded RGB costs 3 bytes each.
-  int64_t max_pixels = int64_t(64) << 20;
+  int64_t max_pixels = limits::max_image_pixels;
   uint64_t max_file_bytes = uint64_t(256) << 20;  // load_image refuses larger files without reading them
   bool exif_orientation = true;  // apply EXIF Orientation (JPEG APP1, PNG eXIf), as transformers' loaders do
   AlphaMode alpha = AlphaMode::drop;

@@ -391,19 +391,31 @@ inline void resample_axis(const uint8_t* in, int64_t in_step, int64_t in_line, u
   }
 }
 
+// Every field bounded before any product is formed: patch, merge and temporal sizes by KVLITE_MAX_VISION_PATCH
+// (so patch_size x merge_size and 3 x T x P x P stay small), pixel budgets by KVLITE_MAX_PROCESSOR_PIXELS, and
+// the normalization by the ranges a preprocessor_config.json is held to (config.hpp).
 inline void check_options(const PreprocessOptions& o) {
-  require_positive(o.patch_size, "PreprocessOptions::patch_size");
-  require_positive(o.merge_size, "PreprocessOptions::merge_size");
-  require_positive(o.temporal_patch_size, "PreprocessOptions::temporal_patch_size");
-  if (!(o.rescale_factor > 0.0) || !std::isfinite(o.rescale_factor))
-    fail(ErrorCode::invalid_argument,
-         format("PreprocessOptions::rescale_factor must be positive, got %g", o.rescale_factor));
+  const std::pair<const char*, int64_t> sizes[] = {{"patch_size", o.patch_size},
+                                                   {"merge_size", o.merge_size},
+                                                   {"temporal_patch_size", o.temporal_patch_size}};
+  for (const auto& size : sizes)
+    if (size.second < 1 || size.second > limits::max_vision_patch)
+      fail(ErrorCode::invalid_argument, format("PreprocessOptions::%s is %lld; it must be in 1..%lld "
+                                               "(KVLITE_MAX_VISION_PATCH)", size.first, (long long)size.second,
+                                               (long long)limits::max_vision_patch));
+  const std::pair<const char*, int64_t> budgets[] = {{"min_pixels", o.min_pixels}, {"max_pixels", o.max_pixels}};
+  for (const auto& budget : budgets)
+    if (budget.second < 1 || budget.second > limits::max_processor_pixels)
+      fail(ErrorCode::invalid_argument, format("PreprocessOptions::%s is %lld; it must be in 1..%lld "
+                                               "(KVLITE_MAX_PROCESSOR_PIXELS)", budget.first, (long long)budget.second,
+                                               (long long)limits::max_processor_pixels));
+  if (std::string problem = normalization_problem("rescale_factor", o.rescale_factor); !problem.empty())
+    fail(ErrorCode::invalid_argument, "PreprocessOptions::rescale_factor " + problem);
   for (size_t c = 0; c < 3; c++) {
-    const double mean = o.image_mean[c], std = o.image_std[c];
-    if (std == 0.0 || !std::isfinite(std) || !std::isfinite(mean))
-      fail(ErrorCode::invalid_argument,
-           format("PreprocessOptions: image_mean[%zu] = %g, image_std[%zu] = %g: std must be finite and non-zero", c,
-                  mean, c, std));
+    if (std::string problem = normalization_problem("image_mean", o.image_mean[c]); !problem.empty())
+      fail(ErrorCode::invalid_argument, format("PreprocessOptions::image_mean[%zu] ", c) + problem);
+    if (std::string problem = normalization_problem("image_std", o.image_std[c]); !problem.empty())
+      fail(ErrorCode::invalid_argument, format("PreprocessOptions::image_std[%zu] ", c) + problem);
   }
 }
 
@@ -638,6 +650,17 @@ Result<Image> image_from_pixels(const uint8_t* pixels, int64_t width, int64_t he
       fail(ErrorCode::invalid_argument,
            detail::format("image_from_pixels: %lld x %lld pixels; both sides must be in 1..16777216", (long long)width,
                           (long long)height));
+    // Both sides are at most 2^24, so neither product below can overflow; the stride is at most the widest row
+    // (4 bytes x 2^24), so no row address can either.
+    if (width * height > limits::max_image_pixels)
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: %lld x %lld is %lld pixels; at most %lld (KVLITE_MAX_IMAGE_PIXELS)",
+                          (long long)width, (long long)height, (long long)(width * height),
+                          (long long)limits::max_image_pixels));
+    if (stride_bytes < 0 || stride_bytes > (int64_t(4) << 24))
+      fail(ErrorCode::invalid_argument,
+           detail::format("image_from_pixels: stride of %lld bytes; it must be in 0..%lld (0: packed rows)",
+                          (long long)stride_bytes, (long long)(int64_t(4) << 24)));
     if (!pixels) fail(ErrorCode::invalid_argument, "image_from_pixels: pixels is null");
     const int64_t row_bytes = width * channels;
     if (stride_bytes == 0) stride_bytes = row_bytes;
@@ -673,6 +696,14 @@ Result<std::pair<int64_t, int64_t>> smart_resize(int64_t height, int64_t width, 
     detail::img::require_positive(width, "smart_resize: width");
     detail::img::require_positive(factor, "smart_resize: factor");
     detail::img::require_positive(min_pixels, "smart_resize: min_pixels");
+    // Bounded so that every product below stays far inside int64 (factor x 2^31, h_bar x w_bar).
+    if (factor > limits::max_vision_patch * limits::max_vision_patch)
+      fail(ErrorCode::invalid_argument, format("smart_resize: factor %lld is over %lld (KVLITE_MAX_VISION_PATCH "
+                                               "squared)", (long long)factor,
+                                               (long long)(limits::max_vision_patch * limits::max_vision_patch)));
+    if (max_pixels > limits::max_processor_pixels)
+      fail(ErrorCode::invalid_argument, format("smart_resize: max_pixels %lld is over %lld (KVLITE_MAX_PROCESSOR_PIXELS)",
+                                               (long long)max_pixels, (long long)limits::max_processor_pixels));
     if (max_pixels < min_pixels)
       fail(ErrorCode::invalid_argument, format("smart_resize: max_pixels (%lld) is below min_pixels (%lld)",
                                                (long long)max_pixels, (long long)min_pixels));
@@ -789,7 +820,9 @@ Result<VisionInput> preprocess_image(const Image& image, const PreprocessOptions
     const int64_t P = options.patch_size, M = options.merge_size, T = options.temporal_patch_size;
     const int64_t grid_h = input.grid.grid_h, grid_w = input.grid.grid_w;
     input.row_size = 3 * T * P * P;
-    input.pixel_values.resize(size_t(grid_h * grid_w * input.row_size));  // (grid_h * grid_w, row_size)
+    input.pixel_values.resize(size_t(detail::checked_mul(detail::checked_mul(uint64_t(grid_h), uint64_t(grid_w), "image patches"),
+                                                         uint64_t(input.row_size), "pixel values",
+                                                         ErrorCode::invalid_argument)));  // (grid_h * grid_w, row_size)
     float* out = input.pixel_values.data();
     for (int64_t window_row = 0; window_row < grid_h / M; window_row++)
       for (int64_t window_col = 0; window_col < grid_w / M; window_col++)

@@ -216,36 +216,49 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
       lw.down_proj = bind.linear(layer + "mlp.down_proj", H, I, c.mlp_bias);
     }
     w.norm = norm(prefix + "norm.weight", H);
-    // KV cache scales (compressed-tensors kv_cache_scheme): every layer has both, or none does.
-    for (const char* which : {"k_scale", "v_scale"}) {
-      std::vector<float>& scales = which[0] == 'k' ? w.k_scales : w.v_scales;
-      int64_t present = 0;
+    // KV cache scales (compressed-tensors kv_cache_scheme): every attention layer has both self_attn.k_scale and
+    // self_attn.v_scale, or none does and the checkpoint declares no scheme. Anything between is refused here,
+    // naming the first missing tensor: K scales alone used to open and then fail every forward, V scales alone
+    // were silently ignored.
+    auto scale_name = [&](int64_t l, const char* which) {
+      return prefix + format("layers.%lld.self_attn.%s", (long long)l, which);
+    };
+    int64_t present[2] = {0, 0};  // layers with k_scale, with v_scale
+    for (int64_t l = 0; l < c.num_layers; l++)
+      for (int kind = 0; kind < 2; kind++) present[kind] += store.find(scale_name(l, kind ? "v_scale" : "k_scale")) != nullptr;
+    if (config.quant.kv_cache_fp8 || present[0] > 0 || present[1] > 0) {
       for (int64_t l = 0; l < c.num_layers; l++)
-        present += store.find(prefix + format("layers.%lld.self_attn.%s", (long long)l, which)) != nullptr;
-      if (present == 0) continue;
-      if (present != c.num_layers)
-        fail(ErrorCode::bad_format, format("%s: %lld of %lld layers have self_attn.%s; a KV cache scale is per "
-                                           "layer, for all of them or none", config.origin.c_str(),
-                                           (long long)present, (long long)c.num_layers, which));
-      for (int64_t l = 0; l < c.num_layers; l++) {
-        const std::string name = prefix + format("layers.%lld.self_attn.%s", (long long)l, which);
-        const TensorInfo& info = *store.find(name);
-        if (info.numel() != 1 || (info.dtype != DType::F32 && info.dtype != DType::BF16 && info.dtype != DType::F16))
-          fail(ErrorCode::bad_format, format("%s: %s must be one F32, BF16 or F16 number (it is %s with %llu "
-                                             "elements)", config.origin.c_str(), name.c_str(), dtype_name(info.dtype),
-                                             (unsigned long long)info.numel()));
-        const uint8_t* data = store.data(info);
-        float value = 0;
-        if (info.dtype == DType::F32) std::memcpy(&value, data, 4);
-        else {
-          uint16_t bits = 0;
-          std::memcpy(&bits, data, 2);
-          value = info.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+        for (const char* which : {"k_scale", "v_scale"})
+          if (!store.find(scale_name(l, which)))
+            fail(ErrorCode::missing_tensor,
+                 format("%s: %s is missing: %s, so every attention layer needs both self_attn.k_scale and "
+                        "self_attn.v_scale (this checkpoint has k_scale on %lld and v_scale on %lld of %lld layers)",
+                        config.origin.c_str(), scale_name(l, which).c_str(),
+                        config.quant.kv_cache_fp8 ? "config.json declares a kv_cache_scheme"
+                                                  : "the checkpoint carries KV cache scales",
+                        (long long)present[0], (long long)present[1], (long long)c.num_layers));
+      for (const char* which : {"k_scale", "v_scale"}) {
+        std::vector<float>& scales = which[0] == 'k' ? w.k_scales : w.v_scales;
+        for (int64_t l = 0; l < c.num_layers; l++) {
+          const std::string name = scale_name(l, which);
+          const TensorInfo& info = *store.find(name);
+          if (info.numel() != 1 || (info.dtype != DType::F32 && info.dtype != DType::BF16 && info.dtype != DType::F16))
+            fail(ErrorCode::bad_format, format("%s: %s must be one F32, BF16 or F16 number (it is %s with %llu "
+                                               "elements)", config.origin.c_str(), name.c_str(), dtype_name(info.dtype),
+                                               (unsigned long long)info.numel()));
+          const uint8_t* data = store.data(info);
+          float value = 0;
+          if (info.dtype == DType::F32) std::memcpy(&value, data, 4);
+          else {
+            uint16_t bits = 0;
+            std::memcpy(&bits, data, 2);
+            value = info.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+          }
+          if (!(value > 0) || !std::isfinite(value))
+            fail(ErrorCode::bad_format, format("%s: %s is %g; a KV cache scale must be a positive finite number",
+                                               config.origin.c_str(), name.c_str(), double(value)));
+          scales.push_back(value);
         }
-        if (!(value > 0) || !std::isfinite(value))
-          fail(ErrorCode::bad_format, format("%s: %s is %g; a KV cache scale must be a positive finite number",
-                                             config.origin.c_str(), name.c_str(), double(value)));
-        scales.push_back(value);
       }
     }
     // Tied: transformers points lm_head at embed_tokens (and save_pretrained drops lm_head.weight).

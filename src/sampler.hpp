@@ -5,6 +5,26 @@
 
 namespace kvlite {
 
+// The most tokens one request may ask for (SamplingParams::max_tokens): no context is longer than
+// KVLITE_MAX_POSITIONS, so a larger number can mean nothing more, and bounding it keeps prompt + max_tokens
+// arithmetic far from overflow (a caller's INT64_MAX "no limit" overflowed it).
+#ifndef KVLITE_MAX_NEW_TOKENS
+#define KVLITE_MAX_NEW_TOKENS KVLITE_MAX_POSITIONS
+#endif
+// Stop tokens and stop strings one request may carry (each); every generated token is checked against them all.
+#ifndef KVLITE_MAX_STOP_ENTRIES
+#define KVLITE_MAX_STOP_ENTRIES 1024
+#endif
+// Bytes of one stop string: the held-back tail of the text is compared against each, every token.
+#ifndef KVLITE_MAX_STOP_STRING_BYTES
+#define KVLITE_MAX_STOP_STRING_BYTES 4096
+#endif
+namespace limits {
+constexpr int64_t max_new_tokens = KVLITE_MAX_NEW_TOKENS;
+constexpr int64_t max_stop_entries = KVLITE_MAX_STOP_ENTRIES;
+constexpr int64_t max_stop_string_bytes = KVLITE_MAX_STOP_STRING_BYTES;
+}  // namespace limits
+
 struct SamplingParams {
   float temperature = 0.0f;         // 0: greedy (argmax; ties go to the lowest id, as torch.argmax)
   int64_t top_k = 0;                // 0: off
@@ -12,7 +32,7 @@ struct SamplingParams {
   float min_p = 0.0f;               // 0: off
   float repetition_penalty = 1.0f;  // 1: off; > 1 discourages tokens already in the prompt or output
   uint64_t seed = 0;                // same seed, same prompt, same tokens
-  int64_t max_tokens = 256;
+  int64_t max_tokens = 256;         // 1..KVLITE_MAX_NEW_TOKENS; generation also ends when the context is full
   std::vector<int32_t> stop_tokens;       // added to the tokenizer's end-of-turn tokens
   std::vector<std::string> stop_strings;  // generation ends when the text ends with one (it is cut off)
   bool ignore_eos = false;  // benchmarks: the model's end-of-turn tokens do not stop it (stop_tokens still do)
@@ -21,6 +41,8 @@ struct SamplingParams {
   // OpenAI's logprobs report. On a GPU such rows are sampled on the host (their logits come back whole).
   bool logprobs = false;
 };
+// Every field in its range (invalid_argument naming the field, its value and the range): the one check behind
+// generate, generate_chat and submit, in C++ and C.
 Status validate(const SamplingParams& params);
 
 // A small, fast, seedable generator (xoshiro256**, seeded through splitmix64): reproducible on every

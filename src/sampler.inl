@@ -16,9 +16,19 @@ Status validate(const SamplingParams& p) {
     if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) bad(detail::format("min_p must be in [0, 1], got %g", p.min_p));
     if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty))
       bad(detail::format("repetition_penalty must be > 0 (1 = off), got %g", p.repetition_penalty));
-    if (p.max_tokens <= 0) bad(detail::format("max_tokens must be > 0, got %lld", (long long)p.max_tokens));
-    for (const auto& s : p.stop_strings)
+    if (p.max_tokens <= 0 || p.max_tokens > limits::max_new_tokens)
+      bad(detail::format("max_tokens must be in 1..%lld (KVLITE_MAX_NEW_TOKENS; generation also ends when the "
+                         "context is full), got %lld", (long long)limits::max_new_tokens, (long long)p.max_tokens));
+    if (int64_t(p.stop_tokens.size()) > limits::max_stop_entries ||
+        int64_t(p.stop_strings.size()) > limits::max_stop_entries)
+      bad(detail::format("%zu stop tokens and %zu stop strings; at most %lld each (KVLITE_MAX_STOP_ENTRIES)",
+                         p.stop_tokens.size(), p.stop_strings.size(), (long long)limits::max_stop_entries));
+    for (const auto& s : p.stop_strings) {
       if (s.empty()) bad("stop strings must not be empty");
+      if (int64_t(s.size()) > limits::max_stop_string_bytes)
+        bad(detail::format("a stop string of %zu bytes; at most %lld (KVLITE_MAX_STOP_STRING_BYTES)", s.size(),
+                           (long long)limits::max_stop_string_bytes));
+    }
   });
 }
 

@@ -569,3 +569,30 @@ TEST_CASE("200 concurrent mixed requests (60 under ASan), 10% disconnecting midw
                         << " preemptions; KV pages used after: " << stats.kv_pages_used << "; abandoned: "
                         << stats.requests_abandoned);
 }
+
+// Issue 47: nlohmann's parser has no depth limit; a 32 MiB body of '[' cost 2.5 GB and 5 s. The server now checks
+// every body against the library's limits (KVLITE_MAX_JSON_DEPTH, KVLITE_MAX_JSON_BYTES) before parsing it.
+TEST_CASE("regression: the server parsed request bodies with no JSON nesting limit") {
+  auto body_nested = [](int depth) {
+    return R"({"prompt": "hi", "extra": )" + std::string(size_t(depth - 1), '[') + std::string(size_t(depth - 1), ']') + "}";
+  };
+  std::string message;
+  CHECK(kvlite_server::check_request(false, body_nested(64), "m", 16, &message) == 200);  // 64 levels: the limit
+  CHECK(kvlite_server::check_request(false, body_nested(65), "m", 16, &message) == 400);
+  CHECK(message.find("KVLITE_MAX_JSON_DEPTH") != std::string::npos);
+  const auto start = std::chrono::steady_clock::now();
+  message.clear();
+  CHECK(kvlite_server::check_request(true, std::string(size_t(32) << 20, '['), "m", 16, &message) == 400);
+  CHECK(message.find("nested more than 64 deep at byte 64") != std::string::npos);
+  MESSAGE("32 MiB of '[' refused in " << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()
+                                      << " s");
+  // What the engine thread is handed: the server's fields, within kvlite::validate's ranges.
+  kvlite_server::ParsedRequest parsed;
+  REQUIRE(kvlite_server::parse_request(false, R"({"prompt": "hi", "max_tokens": 7, "stop": ["x"], "top_k": 3})", "m",
+                                       16, 256, &parsed, &message) == 200);
+  CHECK(parsed.params.max_tokens == 7);
+  CHECK(parsed.params.top_k == 3);
+  CHECK(kvlite::validate(parsed.params).ok());
+  CHECK(kvlite_server::check_request(false, R"({"prompt": "hi", "stop": ")" + std::string(5000, 'x') + "\"}", "m", 16,
+                                     &message) == 400);
+}

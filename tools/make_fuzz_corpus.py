@@ -127,4 +127,50 @@ write("serve_request", "chat_bad_image", request(0, {"messages": [{"role": "syst
 write("serve_request", "completion", request(1, {"prompt": "a small", "max_tokens": 5, "stop": "z", "min_p": 0.1,
                                                  "repetition_penalty": 1.2}))
 write("serve_request", "completion_other_model", request(1, {"prompt": "x", "max_completion_tokens": 3, "model": "other"}))
+# the request-to-engine path: a route byte (bit 0 completions; bits 1-3 the max_tokens cap - 1; bits 4-5 when the
+# token callback ends the request), then the body
+def engine_request(route, body):
+    return bytes([route]) + json.dumps(body).encode()
+write("serve_engine", "chat_text", engine_request(0x06, {"messages": [{"role": "system", "content": "be brief"},
+                                                                     {"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                        "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 3,
+                                                        "stop": ["x", "y"]}))
+write("serve_engine", "chat_logprobs", engine_request(0x10, {"messages": [{"role": "user", "content": "a b c"}],
+                                                            "logprobs": True, "min_p": 0.2, "repetition_penalty": 1.3}))
+write("serve_engine", "chat_image", engine_request(0x02, {"messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        read("tests", "fixtures", "images", "gray_23x19.png")).decode()}}, {"type": "text", "text": "what?"}]}]}))
+write("serve_engine", "completion", engine_request(0x0f, {"prompt": "once upon", "max_tokens": 8, "ignore_eos": True,
+                                                          "stop": "z", "stream": True}))
+write("serve_engine", "completion_logprobs", engine_request(0x21, {"prompt": "x", "logprobs": 0, "seed": -1,
+                                                                   "max_completion_tokens": 2, "model": "tiny-llama3"}))
+
+# preprocessor_config.json: a byte for the image size, then the file
+for name, path in [("captioner", ("models", "kvlite-captioner-bf16")), ("qwen3_vl_fp8", ("models", "qwen3-vl-4b-instruct-fp8"))]:
+    write("processor_config", name, bytes([0x35]) + read(*path, "preprocessor_config.json"))
+write("processor_config", "clip_values", bytes([0x0c]) + json.dumps({
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "rescale_factor": 0.00392156862745098, "do_resize": True, "resample": 3}).encode())
+write("processor_config", "older_keys", bytes([0xf0]) + json.dumps({
+    "size": {"shortest_edge": 3136, "longest_edge": 12845056}, "min_pixels": 3136, "max_pixels": 1003520,
+    "image_mean": 0.5, "image_std": 0.5, "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}).encode())
+
+# the C API: a program of calls, each an op byte (its low bits the call, its high bits NULLs) and argument bytes
+def c_program(*calls):
+    return b"".join(bytes([op]) + bytes(args) for op, args in calls)
+write("c_api", "generate", c_program((0x10, [0x3f, 0, 0, 2, 0, 4, 0, 6, 0, 8, 1, 2, 3, 4, 5, 6, 7, 8, 4, 1, 0x05, 3, 0, 9, 2,
+                                            5, 104, 101, 108, 108, 111, 2, 1, 0]),
+                                    (0x00, [0, 1, 2, 3, 4, 5, 6, 7, 8, 3, 1, 0, 5] + list(b"hello"))))
+write("c_api", "chat", c_program((0x11, [0x20, 9, 9, 9, 9, 9, 9, 9, 9, 7, 0, 0, 5, 2] + [4] + list(b"user") + [2] + list(b"hi") +
+                                  [6] + list(b"system") + [1] + list(b"x") + [3, 1, 0])))
+write("c_api", "batching", c_program((0x12, [0x20, 1, 2, 3, 4, 5, 6, 7, 8, 4, 1, 0, 4, 10, 20, 30, 40, 2, 2, 1, 0, 7, 9]),
+                                     (0x32, [0x00, 1, 1, 1, 1, 1, 1, 1, 1, 2, 0, 0, 2, 1, 2, 1, 1, 1, 0, 0])))
+write("c_api", "tokens", c_program((0x03, [5] + list(b"hello") + [3, 20, 1, 40, 9, 60]), (0x13, [0, 0])))
+write("c_api", "plan_open", c_program((0x04, [0, 0xff, 0, 1, 0, 2, 0, 4, 0, 6, 8, 10, 0, 12, 14, 3, 1, 1, 0]),
+                                      (0x15, [1, 0x20, 4, 2, 0, 1, 0, 2, 1]), (0x05, [1, 0, 2, 0, 1, 0])))
+write("c_api", "images", c_program((0x06, [4, 1, 2, 3, 4, 8, 8, 8, 1]), (0x26, [0, 12, 12, 8, 6, 3]),
+                                   (0x06, [0, 20, 22, 4])))
+write("c_api", "score_logits", c_program((0x07, [4] + list(b"a bc") + [12, 8, 3, 1, 2, 3]), (0x08, [4] + list(b"user") +
+                                         [2] + list(b"yo") + [20, 4]), (0x09, [])))
+
 print("wrote", sum(len(f) for _, _, f in os.walk(OUT)), "seed inputs under", os.path.relpath(OUT, ROOT))

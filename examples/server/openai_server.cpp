@@ -117,11 +117,7 @@ struct Channel {
 
 // A validated request, waiting for the engine thread.
 struct Job {
-  bool chat = true;
-  std::vector<kvlite::ChatMessage> messages;  // chat
-  std::string prompt;                         // completions
-  std::vector<kvlite::Image> images;
-  kvlite::SamplingParams params;
+  ParsedRequest request;
   std::shared_ptr<Channel> channel;
 };
 
@@ -183,8 +179,12 @@ kvlite::SamplingParams sampling_of(const json& body, int64_t max_tokens_cap, int
     } else {
       bad("'stop' must be a string or an array of up to 4 strings", "stop");
     }
-    for (const std::string& s : params.stop_strings)
+    for (const std::string& s : params.stop_strings) {
       if (s.empty()) bad("'stop' strings must not be empty", "stop");
+      if (int64_t(s.size()) > kvlite::limits::max_stop_string_bytes)
+        bad("'stop' strings must be at most " + std::to_string(kvlite::limits::max_stop_string_bytes) + " bytes",
+            "stop");
+    }
   }
   return params;
 }
@@ -289,6 +289,9 @@ struct RequestLimits {
 };
 
 json parse_body(const std::string& text, const RequestLimits& limits) {
+  // The library's limits first (KVLITE_MAX_JSON_DEPTH, KVLITE_MAX_JSON_BYTES): nlohmann's parser has none, and a
+  // 32 MiB body of '[' cost it 2.5 GB and 5 s.
+  if (kvlite::Status within = kvlite::check_json_limits(text, "the body"); !within) bad(within.error().message);
   json body;
   try {
     body = json::parse(text);
@@ -306,8 +309,8 @@ json parse_body(const std::string& text, const RequestLimits& limits) {
   return body;
 }
 
-Job chat_job(const json& body, const RequestLimits& limits) {
-  Job job;
+ParsedRequest chat_job(const json& body, const RequestLimits& limits) {
+  ParsedRequest job;
   job.chat = true;
   if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty())
     bad("'messages' must be a non-empty array", "messages");
@@ -354,8 +357,8 @@ Job chat_job(const json& body, const RequestLimits& limits) {
   return job;
 }
 
-Job completion_job(const json& body, const RequestLimits& limits) {
-  Job job;
+ParsedRequest completion_job(const json& body, const RequestLimits& limits) {
+  ParsedRequest job;
   job.chat = false;
   if (!body.contains("prompt") || !body["prompt"].is_string()) bad("'prompt' must be a string", "prompt");
   job.prompt = body["prompt"].get<std::string>();
@@ -367,6 +370,21 @@ Job completion_job(const json& body, const RequestLimits& limits) {
     job.params.logprobs = true;
   }
   return job;
+}
+
+// A body as the server reads it, everything checked (an HttpError otherwise): the one reader behind the
+// endpoints, check_request and parse_request.
+ParsedRequest read_request(bool chat, const std::string& text, const RequestLimits& limits) {
+  const json body = parse_body(text, limits);
+  ParsedRequest request = chat ? chat_job(body, limits) : completion_job(body, limits);
+  request.stream = stream_of(body);
+  if (body.contains("stream_options") && body["stream_options"].is_object() &&
+      body["stream_options"].contains("include_usage"))
+    request.include_usage = body["stream_options"]["include_usage"].is_boolean() &&
+                            body["stream_options"]["include_usage"].get<bool>();
+  if (request.stream && request.params.logprobs)
+    bad("'logprobs' with 'stream' is not supported yet: ask without streaming", "logprobs");
+  return request;
 }
 
 }  // namespace
@@ -421,18 +439,47 @@ kvlite::Result<std::string> decode_data_uri(const std::string& uri) {
   return decode_base64(uri.substr(comma + 1));
 }
 
-int check_request(bool chat, const std::string& body, const std::string& model_name, int64_t max_tokens_cap,
-                  std::string* message) {
-  const RequestLimits limits{model_name, std::max<int64_t>(max_tokens_cap, 1), 256};
+int parse_request(bool chat, const std::string& body, const std::string& model_name, int64_t max_tokens_cap,
+                  int64_t default_max_tokens, ParsedRequest* out, std::string* message) {
+  const RequestLimits limits{model_name, std::max<int64_t>(max_tokens_cap, 1), std::max<int64_t>(default_max_tokens, 1)};
   try {
-    const json parsed = parse_body(body, limits);
-    Job job = chat ? chat_job(parsed, limits) : completion_job(parsed, limits);
-    (void)stream_of(parsed);
+    ParsedRequest request = read_request(chat, body, limits);
+    if (out) *out = std::move(request);
     return 200;
   } catch (const HttpError& e) {
     if (message) *message = e.message;
     return e.status;
   }
+}
+
+int check_request(bool chat, const std::string& body, const std::string& model_name, int64_t max_tokens_cap,
+                  std::string* message) {
+  return parse_request(chat, body, model_name, max_tokens_cap, 256, nullptr, message);
+}
+
+kvlite::Result<kvlite::RequestId> submit_request(kvlite::Engine& engine, const ParsedRequest& request,
+                                                 const kvlite::TokenCallback& on_token, int64_t* prompt_tokens) {
+  std::vector<int32_t> ids;
+  if (request.chat) {
+    kvlite::Result<std::string> prompt = engine.tokenizer().format_chat(request.messages, true);
+    if (!prompt) return prompt.error();
+    kvlite::Result<std::vector<int32_t>> encoded = engine.tokenize(*prompt, false);
+    if (!encoded) return encoded.error();
+    ids = std::move(*encoded);
+  } else {
+    kvlite::Result<std::vector<int32_t>> encoded = engine.tokenize(request.prompt, true);
+    if (!encoded) return encoded.error();
+    ids = std::move(*encoded);
+  }
+  std::vector<kvlite::VisionInput> inputs;
+  for (const kvlite::Image& image : request.images) {
+    kvlite::Result<kvlite::VisionInput> input = engine.preprocess(image);
+    if (!input) return input.error();
+    inputs.push_back(std::move(*input));
+  }
+  kvlite::Result<kvlite::RequestId> id = engine.submit(ids, inputs, request.params, on_token);
+  if (id && prompt_tokens) *prompt_tokens = int64_t(ids.size());
+  return id;
 }
 
 // ---- the server -------------------------------------------------------------------------------------------
@@ -559,33 +606,16 @@ struct OpenAIServer::Impl {
       }
       return fail(kvlite::Error(kvlite::ErrorCode::cancelled, "the client went away"));
     }
-    std::vector<int32_t> ids;
-    if (job.chat) {
-      kvlite::Result<std::string> prompt = engine->tokenizer().format_chat(job.messages, true);
-      if (!prompt) return fail(prompt.error());
-      kvlite::Result<std::vector<int32_t>> encoded = engine->tokenize(*prompt, false);
-      if (!encoded) return fail(encoded.error());
-      ids = std::move(*encoded);
-    } else {
-      kvlite::Result<std::vector<int32_t>> encoded = engine->tokenize(job.prompt, true);
-      if (!encoded) return fail(encoded.error());
-      ids = std::move(*encoded);
-    }
-    std::vector<kvlite::VisionInput> inputs;
-    for (const kvlite::Image& image : job.images) {
-      kvlite::Result<kvlite::VisionInput> input = engine->preprocess(image);
-      if (!input) return fail(input.error());
-      inputs.push_back(std::move(*input));
-    }
     auto on_token = [channel](const std::string& piece, int32_t) {
       if (!piece.empty()) channel->push(piece);
       return !channel->abandoned.load();  // a client that went away ends its request: its pages go back
     };
-    kvlite::Result<kvlite::RequestId> id = engine->submit(ids, inputs, job.params, on_token);
+    int64_t prompt_tokens = 0;
+    kvlite::Result<kvlite::RequestId> id = submit_request(*engine, job.request, on_token, &prompt_tokens);
     if (!id) return fail(id.error());
     active[*id] = Active{channel};
     std::lock_guard<std::mutex> lock(stats_mutex);
-    counters.prompt_tokens_total += int64_t(ids.size());
+    counters.prompt_tokens_total += prompt_tokens;
   }
 
   void update_stats(size_t running, double step_seconds) {
@@ -735,16 +765,9 @@ struct OpenAIServer::Impl {
 
   void handle_generation(const httplib::Request& request, httplib::Response& response, bool chat) {
     try {
-      const json body = parse_body(request.body, limits);
-      Job job = chat ? chat_job(body, limits) : completion_job(body, limits);
-      const bool streaming = stream_of(body);
-      bool include_usage = false;
-      if (body.contains("stream_options") && body["stream_options"].is_object() &&
-          body["stream_options"].contains("include_usage"))
-        include_usage = body["stream_options"]["include_usage"].is_boolean() &&
-                        body["stream_options"]["include_usage"].get<bool>();
-      if (streaming && job.params.logprobs)
-        bad("'logprobs' with 'stream' is not supported yet: ask without streaming", "logprobs");
+      Job job;
+      job.request = read_request(chat, request.body, limits);
+      const bool streaming = job.request.stream, include_usage = job.request.include_usage;
       job.channel = std::make_shared<Channel>();
       job.channel->chat = chat;
       Job waiting_for{};

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kvlite.hpp"
 
@@ -68,6 +69,24 @@ class OpenAIServer {
 // data: URI's bytes ("data:image/png;base64,...").
 kvlite::Result<std::string> decode_base64(const std::string& text);
 kvlite::Result<std::string> decode_data_uri(const std::string& uri);
+// A request body as the server reads it: what its engine thread hands the engine.
+struct ParsedRequest {
+  bool chat = true;                           // /v1/chat/completions, else /v1/completions
+  std::vector<kvlite::ChatMessage> messages;  // chat
+  std::string prompt;                         // completions
+  std::vector<kvlite::Image> images;          // decoded from the messages' data: URIs
+  kvlite::SamplingParams params;              // every field within the server's and kvlite::validate's ranges
+  bool stream = false, include_usage = false;
+};
+// Reads `body` with the server's checks (the library's JSON limits first): 200 and *out (may be NULL) filled
+// when it would be queued, else the HTTP status and, in *message, why. max_tokens_cap bounds max_tokens;
+// default_max_tokens is used when the request names none. For tests and the fuzz harnesses.
+int parse_request(bool chat, const std::string& body, const std::string& model_name, int64_t max_tokens_cap,
+                  int64_t default_max_tokens, ParsedRequest* out, std::string* message);
+// What the engine thread does with a parsed request: formats the chat (or encodes the prompt), preprocesses
+// its images and submits it. *prompt_tokens (may be NULL): the prompt's length, on success.
+kvlite::Result<kvlite::RequestId> submit_request(kvlite::Engine& engine, const ParsedRequest& request,
+                                                 const kvlite::TokenCallback& on_token, int64_t* prompt_tokens = nullptr);
 // The server's reading of a request body without an engine (chat: /v1/chat/completions, else /v1/completions):
 // 200 when it would be queued, else the HTTP status it answers with and, in *message, why. Images are decoded.
 // For the fuzz harness (tests/fuzz/fuzz_serve_request.cpp) and tests.
