@@ -41,8 +41,8 @@
         how much and what would (largest context, ratio needed, fp8 KV, smaller image budget).
       - Reserves one arena of the planned size; KV lives in fixed-size pages carved from it; nothing is
         allocated afterwards.
-      - Tokenizes as Hugging Face tokenizers do (byte-level BPE, PCRE2 regexes, NFC, chat formats for ChatML
-        and Llama-3), generates with continuous batching over the paged KV cache, samples (greedy,
+      - Tokenizes as Hugging Face tokenizers do (byte-level and SentencePiece-style BPE, PCRE2 regexes, NFC,
+        chat formats for ChatML and Llama-3), generates with continuous batching over the paged KV cache, samples (greedy,
         temperature, top-k, top-p, min-p, repetition penalty, seed; each token's log-probability on request)
         and scores perplexity with sliding windows;
         optional speculative decoding by prompt lookup (PlanOptions::ngram, speculative_tokens) or with a
