@@ -1,5 +1,6 @@
 // tokenizer families: tokenizer.json files wired like SmolLM2, Phi-4-mini, Mistral v0.3, Phi-3.5, Gemma 2/3
-// and two mixes of the remaining components, checked id for id and string for string against Hugging Face
+// and two mixes of the remaining components, and Mistral v0.3 / v0.1 on their real 32k SentencePiece
+// vocabularies, checked id for id and string for string against Hugging Face
 // `tokenizers` (tests/fixtures/tokenizers/<family>/cases.json, written by
 // tools/make_tokenizer_family_fixtures.py), plus the streaming decoder on each and the typed refusals.
 #include <doctest/doctest.h>
@@ -11,8 +12,9 @@ using namespace kvlite;
 using Json = nlohmann::json;
 
 namespace {
-const char* const kFamilies[] = {"smollm2", "phi-4-mini", "mistral-v0.3", "phi-3.5",
-                                 "gemma",   "components-a", "components-b"};
+const char* const kFamilies[] = {"smollm2",      "phi-4-mini",   "mistral-v0.3", "phi-3.5",
+                                 "gemma",        "components-a", "components-b",
+                                 "mistral-v0.3-real", "mistral-v0.1-real"};  // real SentencePiece vocabularies
 
 std::string fixture_path(const std::string& relative) {
   return std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/" + relative;

@@ -20,6 +20,12 @@ their lstrip / rstrip / normalized / special flags). Only the vocabulary and mer
                  Replace/ByteFallback/Fuse/Strip decoder, byte_fallback, added tokens with rstrip
   gemma          Gemma 2/3: Replace(" " -> "▁") normalizer, Split(" ", MergedWithPrevious), Replace/
                  ByteFallback/Fuse decoder, byte_fallback, <bos> template
+  mistral-v0.3-real, mistral-v0.1-real
+                 REAL vocabularies (32,768 and 32,000 pieces): Mistral's SentencePiece models from the
+                 mistral-common wheel on PyPI, converted as transformers' LlamaConverter does, wired as the
+                 Hugging Face repositories' files are (v0.3: legacy=false Metaspace; v0.1: the Llama-2 legacy
+                 Prepend + Replace normalizers that Phi-3.5-mini's file also has). Needs
+                 `pip install --no-deps mistral-common==1.13.1`.
   components-a   no family: the rest of the components (NFKC, Lowercase, Strip, regex Replace; Whitespace,
                  Punctuation, Digits contiguous, Split with every behaviour and invert; Metaspace always +
                  split; RobertaProcessing; decoder Strip / Replace / ByteFallback / Fuse sequence)
@@ -151,6 +157,30 @@ FAMILIES = {
                          added(SPM * 4, special=False, normalized=False)],
         "bos": "<bos>", "eos": "<eos>",
     },
+    # REAL vocabularies: Mistral's own SentencePiece models, shipped in the `mistral-common` wheel on PyPI
+    # (pip install --no-deps mistral-common==1.13.1), converted as transformers' LlamaConverter does
+    # (SentencePieceExtractor for vocab + merges; control pieces become special added tokens).
+    "mistral-v0.3-real": {
+        "kind": "sentencepiece", "spm": "mistral_instruct_tokenizer_240323.model.v3",  # Mistral 7B v0.3
+        "model": {"dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False},
+        "normalizer": None,  # legacy=false
+        "pre_tokenizer": {"type": "Metaspace", "replacement": SPM, "prepend_scheme": "first", "split": False},
+        "post_processor": template(["<s>"]),
+        "decoder": SPM_DECODER_LLAMA,
+        "bos": "<s>", "eos": "</s>",
+    },
+    "mistral-v0.1-real": {
+        "kind": "sentencepiece", "spm": "tokenizer.model.v1",  # Mistral 7B v0.1: the Llama-2 legacy pipeline
+        "model": {"dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False},
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": SPM}, {"type": "Replace", "pattern": {"String": " "}, "content": SPM}]},
+        "pre_tokenizer": None,
+        "post_processor": template(["<s>"]),
+        "decoder": SPM_DECODER_LLAMA,
+        "bos": "<s>", "eos": "</s>",
+    },
     "components-a": {
         "kind": "spm", "vocab_size": 600, "specials_first": ["<unk>", "<s>", "</s>"],
         "model": {"dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
@@ -203,11 +233,44 @@ FAMILIES = {
 }
 
 
+def convert_sentencepiece(family):
+    """A real SentencePiece BPE model from the mistral-common wheel, as transformers converts it."""
+    import importlib.resources
+
+    from tokenizers import Tokenizer, models
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    spec = FAMILIES[family]
+    path = str(importlib.resources.files("mistral_common") / "data" / spec["spm"])
+    extracted = SentencePieceExtractor(path).extract(models.BPE)
+    vocab, merges = extracted["vocab"], extracted["merges"]
+    # LlamaConverter names ids 0-2 by the tokenizer's own unk/bos/eos; these models spell them the same.
+    assert [t for t, i in sorted(vocab.items(), key=lambda x: x[1])[:3]] == ["<unk>", "<s>", "</s>"]
+    specials = ["<unk>", "<s>", "</s>"] + [a.content for a in extracted["additional_special_tokens"]
+                                           if a.special and a.content not in ("<unk>", "<s>", "</s>")]
+    post = json.loads(json.dumps(spec["post_processor"]))
+    for name, entry in post["special_tokens"].items():
+        entry["ids"] = [vocab[name]]
+    out = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": vocab[c], **added(c)} for c in specials],
+        "normalizer": spec["normalizer"], "pre_tokenizer": spec["pre_tokenizer"], "post_processor": post,
+        "decoder": spec["decoder"],
+        "model": {"type": "BPE", **spec["model"], "vocab": vocab, "merges": [list(m) for m in merges]},
+    }
+    spec["added_tokens"] = [added(c) for c in specials]
+    text = json.dumps(out, ensure_ascii=False, separators=(",", ":")) + "\n"  # compact: 1.3 MB
+    Tokenizer.from_str(text)
+    return text
+
+
 def train(family):
     """Train the family's vocabulary and return its tokenizer.json object wired like the real family."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     spec = FAMILIES[family]
+    if spec["kind"] == "sentencepiece":
+        return convert_sentencepiece(family)
     corpus = build_corpus()
     if spec["kind"] == "byte_level":
         tokenizer = Tokenizer(models.BPE())
@@ -365,7 +428,9 @@ def make_family(family):
         "family": family,
         "generator": "tools/make_tokenizer_family_fixtures.py",
         "tokenizers_version": tokenizers.__version__,
-        "stand_in": True,
+        "stand_in": FAMILIES[family]["kind"] != "sentencepiece",
+        "source": ("mistral-common 1.13.1 mistral_common/data/" + FAMILIES[family]["spm"]
+                   if FAMILIES[family]["kind"] == "sentencepiece" else "trained here"),
         "vocab_size": raw.get_vocab_size(with_added_tokens=True),
         "notes": ["ids / ids_with_special: tokenizers.Tokenizer.encode(text, add_special_tokens=False / True).ids",
                   "decoded / decoded_skip_special: Tokenizer.decode(ids_with_special, skip_special_tokens=False / "
