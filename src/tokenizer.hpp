@@ -1,6 +1,7 @@
 // ---------------------------------------------------------------------------------------------------------
-// tokenizer: byte-level BPE read from a Hugging Face tokenizer.json (+ tokenizer_config.json), encoding and
-// decoding exactly as the `tokenizers` library does; a streaming detokenizer; ChatML and Llama-3 prompts.
+// tokenizer: BPE (byte-level or SentencePiece-style) read from a Hugging Face tokenizer.json (+
+// tokenizer_config.json), encoding and decoding exactly as the `tokenizers` library does; a streaming
+// detokenizer; ChatML and Llama-3 prompts.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 #include <string_view>
@@ -28,7 +29,13 @@ const char* unicode_nfc_version();  // the Unicode version of those tables, e.g.
 #ifndef KVLITE_MAX_CHAT_MESSAGES
 #define KVLITE_MAX_CHAT_MESSAGES 65536
 #endif
+// Normalizer, pre-tokenizer and decoder steps in one tokenizer.json (each kind counted on its own): every step
+// runs on every piece of every prompt (real files: at most 5).
+#ifndef KVLITE_MAX_TOKENIZER_STEPS
+#define KVLITE_MAX_TOKENIZER_STEPS 64
+#endif
 namespace limits {
+constexpr int64_t max_pipeline_steps = KVLITE_MAX_TOKENIZER_STEPS;
 constexpr int64_t max_token_id_gap = KVLITE_MAX_TOKEN_ID_GAP;
 constexpr int64_t max_prompt_bytes = KVLITE_MAX_PROMPT_BYTES;
 constexpr int64_t max_chat_messages = KVLITE_MAX_CHAT_MESSAGES;
@@ -51,16 +58,20 @@ const char* chat_format_name(ChatFormat format);
 // A loaded tokenizer. Immutable after load (its word cache is internally locked): copies are cheap handles
 // to the same data, and encode/decode may run concurrently from many threads.
 //
-// What it reads from tokenizer.json (anything else is refused as unsupported, naming the type):
-//   model         BPE with vocab + merges ("a b" strings or ["a", "b"] pairs), ignore_merges, unk_token,
-//                 fuse_unk, byte_fallback
-//   normalizer    null, NFC, or a Sequence of those
-//   pre_tokenizer ByteLevel, or a Sequence of Split (Regex or String pattern; any behavior; invert) steps
-//                 ending with ByteLevel; regexes run on PCRE2 with Unicode properties
-//   post_processor null, ByteLevel, TemplateProcessing, or a Sequence of those
-//   decoder       ByteLevel
-//   added_tokens  matched before pre-tokenization, leftmost-longest, honouring lstrip, rstrip,
-//                 single_word, normalized and special
+// What it reads from tokenizer.json (anything else is refused as unsupported, naming the type and its JSON
+// path, e.g. "pre_tokenizer.pretokenizers[1].type 'Foo'"):
+//   model          BPE with vocab + merges ("a b" strings or ["a", "b"] pairs), ignore_merges, unk_token,
+//                  fuse_unk, byte_fallback (<0xXX> tokens), dropout null or 0
+//   normalizer     null, Sequence, NFC, NFKC, Lowercase, Strip, Prepend, Replace (String or Regex pattern)
+//   pre_tokenizer  null, Sequence, ByteLevel (add_prefix_space, use_regex), Metaspace (replacement,
+//                  prepend_scheme always / first / never, split), Split (Regex or String pattern; every
+//                  behavior; invert), Digits (individual_digits), Punctuation, Whitespace, WhitespaceSplit;
+//                  regexes run on PCRE2 with Unicode properties
+//   post_processor null, ByteLevel, TemplateProcessing, RobertaProcessing, BertProcessing, or a Sequence
+//   decoder        null, Sequence, ByteLevel, Metaspace, ByteFallback, Fuse, Strip, Replace
+//   added_tokens   matched before pre-tokenization, leftmost-longest, honouring lstrip, rstrip,
+//                  single_word, normalized and special
+// That covers the files of GPT-2, Llama-2/3.x, Mistral, Qwen2.5/3, Gemma 2/3, Phi-3.5/4 and SmolLM2.
 class Tokenizer {
  public:
   // Reads <model_dir>/tokenizer.json and, when present, <model_dir>/tokenizer_config.json (bos/eos tokens,
@@ -84,7 +95,8 @@ class Tokenizer {
   int32_t token_id(std::string_view token) const;
   // The vocabulary string of an id ("Ġthe"), or "" for an id with no token.
   std::string token_text(int32_t id) const;
-  // The bytes an id decodes to (" the"); "" for an id with no token.
+  // The text an id decodes to on its own, not first in the text (" the"; a <0xXX> token gives its raw byte);
+  // "" for an id with no token.
   std::string token_bytes(int32_t id) const;
   // One past the largest id (model vocabulary and added tokens together).
   size_t vocab_size() const;
@@ -107,7 +119,7 @@ class Tokenizer {
 };
 
 // Turns ids into text one at a time for streaming output. A UTF-8 character whose bytes are split across
-// tokens is held back until its last byte arrives; the concatenation of every push() and the final flush()
+// tokens (byte-level or <0xXX> tokens) is held back until its last byte arrives; the concatenation of every push() and the final flush()
 // equals tokenizer.decode(all ids).
 class StreamingDecoder {
  public:
@@ -119,9 +131,12 @@ class StreamingDecoder {
   std::string flush();
 
  private:
+  static constexpr size_t kMaxHeldIds = 64;
   Tokenizer tokenizer_;
   bool skip_special_tokens_;
-  std::string pending_;  // the bytes of an incomplete trailing UTF-8 character
+  std::vector<int32_t> window_;  // the context ids (already returned), then the ids held back
+  size_t context_ids_ = 0;       // how many ids of window_ are context
+  std::string emitted_;          // the part of decode(window_) already returned (all of the context's)
 };
 
 }  // namespace kvlite

@@ -221,15 +221,35 @@ inline uint32_t compose_canonical(uint32_t first, uint32_t second) {
   return (it != end && it->first == first && it->second == second) ? it->composite : 0;
 }
 
-// NFC of valid UTF-8: full canonical decomposition, canonical ordering of combining marks, then canonical
-// composition of every mark not blocked from the last starter.
-inline std::string nfc(std::string_view text) {
-  // U+0000..U+02FF (bytes below 0xCC) contain no combining marks and nothing NFC changes.
-  if (std::none_of(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) >= 0xCC; }))
+// The entry of `cp` in a generated expansion table (kCompatibilityDecomposition, kLowercase), or nullptr.
+template <size_t N>
+inline const Expansion* find_expansion(const Expansion (&table)[N], uint32_t cp) {
+  auto it = std::lower_bound(std::begin(table), std::end(table), cp,
+                             [](const Expansion& e, uint32_t value) { return e.code_point < value; });
+  return it != std::end(table) && it->code_point == cp ? it : nullptr;
+}
+
+// NFC (or, with `compatibility`, NFKC) of valid UTF-8: full canonical (or compatibility) decomposition,
+// canonical ordering of combining marks, then canonical composition of every mark not blocked from the last
+// starter.
+inline std::string nfc(std::string_view text, bool compatibility = false) {
+  // U+0000..U+009F (bytes below 0xC2) contain nothing NFKC changes; U+0000..U+02FF (below 0xCC) nothing NFC
+  // changes.
+  const unsigned char first_changed = compatibility ? 0xC2 : 0xCC;
+  if (std::none_of(text.begin(), text.end(),
+                   [&](char c) { return static_cast<unsigned char>(c) >= first_changed; }))
     return std::string(text);
   std::vector<uint32_t> chars;  // (code points) the full decomposition
   chars.reserve(text.size());
-  for (size_t i = 0; i < text.size();) decompose_canonical(utf8_next(text, i), chars);
+  for (size_t i = 0; i < text.size();) {
+    uint32_t cp = utf8_next(text, i);
+    const Expansion* expansion = compatibility ? find_expansion(kCompatibilityDecomposition, cp) : nullptr;
+    if (expansion)  // already the full NFKD
+      chars.insert(chars.end(), kExpansionCodePoints + expansion->offset,
+                   kExpansionCodePoints + expansion->offset + expansion->length);
+    else
+      decompose_canonical(cp, chars);
+  }
   // Canonical ordering: a stable sort of every run of non-starters by combining class.
   for (size_t i = 0; i < chars.size();) {
     if (combining_class(chars[i]) == 0) {
@@ -267,6 +287,26 @@ inline std::string nfc(std::string_view text) {
   std::string out;
   out.reserve(text.size());
   for (uint32_t cp : composed) utf8_append(out, cp);
+  return out;
+}
+
+// Unicode full lowercase mapping, character by character (Rust's char::to_lowercase, which HF's Lowercase
+// normalizer applies; Python's str.lower() of one character, from which the table is generated).
+inline std::string lowercase(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    uint32_t cp = utf8_next(text, i);
+    if (cp >= 'A' && cp <= 'Z') {
+      out += char(cp + 32);
+    } else if (cp < 0x80) {
+      out += char(cp);
+    } else if (const Expansion* lower = find_expansion(kLowercase, cp)) {
+      for (uint32_t k = 0; k < lower->length; k++) utf8_append(out, kExpansionCodePoints[lower->offset + k]);
+    } else {
+      utf8_append(out, cp);
+    }
+  }
   return out;
 }
 
@@ -360,6 +400,17 @@ constexpr const char* kByteLevelPattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 // Rust regex's Unicode `\w` (HF's single_word check).
 constexpr const char* kWordCharacterPattern = R"([\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}])";
+// The pre-tokenizers that HF writes with Rust's `regex` crate or a character predicate, as PCRE2 patterns:
+// Whitespace is `\w+|[^\w\s]+` (inverted, matches kept); WhitespaceSplit splits on char::is_whitespace;
+// Digits on char::is_numeric (Nd, Nl, No); Punctuation on is_ascii_punctuation || is_punctuation (P*).
+#define KVLITE_WHITE_SPACE_CLASS R"(\t-\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000})"
+#define KVLITE_WORD_CLASS R"(\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control})"
+constexpr const char* kWhitespacePattern = "[" KVLITE_WORD_CLASS "]+|[^" KVLITE_WORD_CLASS KVLITE_WHITE_SPACE_CLASS "]+";
+constexpr const char* kWhiteSpaceCharacterPattern = "[" KVLITE_WHITE_SPACE_CLASS "]";
+#undef KVLITE_WHITE_SPACE_CLASS
+#undef KVLITE_WORD_CLASS
+constexpr const char* kDigitPattern = R"(\p{N})";
+constexpr const char* kPunctuationPattern = R"([\p{P}\x{21}-\x{2F}\x{3A}-\x{40}\x{5B}-\x{60}\x{7B}-\x{7E}])";
 
 // ---- byte-level alphabet (GPT-2's bytes_to_unicode) -------------------------------------------------------
 // Printable bytes stand for themselves; the others map to U+0100 + n in byte order, so every byte has a
@@ -401,8 +452,21 @@ inline std::string byte_level_decode(std::string_view token) {
 // ---- the pipeline's parts ---------------------------------------------------------------------------------
 enum class SplitBehavior { removed, isolated, merged_with_previous, merged_with_next, contiguous };
 
+// Where a SentencePiece-style Metaspace step adds its replacement character in front of a piece.
+enum class PrependScheme { always, first, never };
+
+// One normalizer step (HF normalizers/*), applied to each piece of text outside the added tokens.
+struct NormalizerStep {
+  enum class Kind { nfc, nfkc, lowercase, strip, prepend, replace } kind = Kind::nfc;
+  bool strip_left = false, strip_right = false;  // strip
+  std::string text;                              // prepend: what is put in front; replace: the replacement
+  Regex pattern;                                 // replace: what is replaced (a String pattern is escaped)
+};
+
+// One pre-tokenizer step. Whitespace, WhitespaceSplit, Digits and Punctuation are Split steps with the
+// pattern HF's predicate or regex stands for.
 struct PreTokenizerStep {
-  enum class Kind { split, byte_level } kind = Kind::split;
+  enum class Kind { split, byte_level, metaspace } kind = Kind::split;
   // split
   Regex regex;
   SplitBehavior behavior = SplitBehavior::isolated;
@@ -410,6 +474,22 @@ struct PreTokenizerStep {
   // byte_level
   bool add_prefix_space = false;
   bool use_regex = false;
+  // metaspace
+  std::string replacement;  // one character, "▁": spaces become it
+  Regex replacement_regex;  // it, to split at
+  PrependScheme prepend_scheme = PrependScheme::always;
+  bool split = true;
+};
+
+// One decoder step (HF decoders/*); each maps the list of token strings to a new list.
+struct DecoderStep {
+  enum class Kind { byte_level, metaspace, byte_fallback, fuse, strip, replace } kind = Kind::byte_level;
+  std::string replacement;  // metaspace: the character that stands for a space
+  PrependScheme prepend_scheme = PrependScheme::always;
+  Regex pattern;            // replace: what is replaced
+  std::string content;      // replace: the replacement
+  uint32_t strip_character = ' ';
+  size_t strip_start = 0, strip_stop = 0;  // strip: at most this many characters at each end
 };
 
 struct AddedToken {
@@ -482,29 +562,32 @@ struct MergeRule {
 struct Piece {
   std::string text;
   int32_t token = -1;
+  bool at_start = false;  // it begins at byte 0 of the input (Metaspace's prepend_scheme "first" asks)
 };
 
 }  // namespace tok
 
 struct TokenizerData {
   // ---- vocabulary (model vocab and added tokens), indexed by id ----
-  std::vector<std::string> token_text;                  // as written in tokenizer.json ("Ġthe"); "" for a hole
-  std::vector<std::string> token_bytes;                 // what the ByteLevel decoder makes of it (" the")
+  std::vector<std::string> token_text;                  // as written in tokenizer.json ("Ġthe", "▁the"); "" for a hole
+  std::vector<std::string> token_bytes;                 // what the decoder makes of the token on its own (" the")
   std::vector<uint8_t> token_present;                   // 1 when the id has a token
   std::vector<uint8_t> token_special;                   // 1 for added tokens marked special
   std::unordered_map<std::string, int32_t> id_by_text;  // model vocab, then added tokens over it
+  std::unordered_map<int32_t, std::string> decoder_text;  // normalized added tokens: what the decoder sees
 
   // ---- BPE model ----
-  std::unordered_map<std::string, int32_t> model_id_by_bytes;  // model vocab keyed by decoded bytes
-  std::array<int32_t, 256> byte_token{};                       // the single-byte token of each byte, or -1
-  std::array<std::vector<int32_t>, 256> byte_fallback_tokens;  // <0xXX> ids of the byte's character, or empty
-  std::unordered_map<uint64_t, tok::MergeRule> merges;         // (left id << 32 | right id) -> rule
+  std::unordered_map<std::string, int32_t> model_vocab;  // the model's own vocabulary (no added tokens)
+  std::array<int32_t, 256> byte_fallback_id{};           // the id of <0xXX> for each byte, or -1
+  std::unordered_map<uint64_t, tok::MergeRule> merges;   // (left id << 32 | right id) -> rule
   int32_t unk_id = -1;
   bool fuse_unk = false, byte_fallback = false, ignore_merges = false;
 
   // ---- pipeline ----
-  bool normalize_nfc = false;
+  std::vector<tok::NormalizerStep> normalizer;
   std::vector<tok::PreTokenizerStep> pre_tokenizer;
+  std::vector<tok::DecoderStep> decoder;
+  bool has_decoder = false;  // without one HF joins the tokens with spaces
   std::vector<tok::AddedToken> added_tokens;
   tok::TokenTrie raw_added_trie, normalized_added_trie;
   tok::Regex word_character;
@@ -527,13 +610,25 @@ struct TokenizerData {
   mutable std::unordered_map<std::string, std::vector<int32_t>> cache;
 
   bool has_token(int32_t id) const { return id >= 0 && size_t(id) < token_present.size() && token_present[size_t(id)]; }
+  // Whether an id is a byte-fallback token <0xXX> (the ByteFallback decoder joins runs of them).
+  bool is_byte_token(int32_t id) const;
   std::vector<int32_t> bpe(const std::string& word) const;
   std::vector<int32_t> bpe_uncached(const std::string& word) const;
+  std::string normalize(std::string text) const;
   void split_added_tokens(std::vector<tok::Piece>& pieces, const tok::TokenTrie& trie) const;
-  std::vector<std::string> pre_tokenize(const std::string& text) const;
+  std::vector<std::string> pre_tokenize(const std::string& text, bool at_start) const;
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const;
-  std::string decode(const int32_t* ids, size_t count, bool skip_special_tokens, bool keep_truncated_tail,
-                     std::string* truncated_tail) const;
+  // The decoder chain on token strings, joined (HF Tokenizer::decode after the id -> token step).
+  // open_end: skip a Strip's stop on the joined text (what the streaming decoder shows while more may come).
+  std::string decode_tokens(std::vector<std::string> tokens, bool open_end = false) const;
+  // What the decoder's per-token steps make of one token that is not first in the text, without joining or
+  // UTF-8 repair (ByteLevel's bytes, a <0xXX> token's byte, "▁" as a space): Tokenizer::token_bytes.
+  std::string token_piece(const std::string& token) const;
+  std::string decode(const int32_t* ids, size_t count, bool skip_special_tokens, bool open_end = false) const;
+  // A Strip step after Fuse or ByteLevel (which join all tokens into one) cuts the end of the whole text: up
+  // to held_tail_count characters equal to held_tail_character that a streaming decoder must hold back.
+  uint32_t held_tail_character = 0;
+  size_t held_tail_count = 0;
 };
 
 namespace tok {
@@ -542,9 +637,8 @@ namespace tok {
 using Json = nlohmann::json;
 
 [[noreturn]] inline void unsupported(const std::string& where, const std::string& type, const char* supported) {
-  fail(ErrorCode::unsupported,
-       format("tokenizer.json %s type '%s' is not supported (kvlite reads byte-level BPE tokenizers: %s)",
-              where.c_str(), type.c_str(), supported));
+  fail(ErrorCode::unsupported, format("tokenizer.json %s.type '%s' is not supported (kvlite reads %s)", where.c_str(),
+                                      type.c_str(), supported));
 }
 
 inline const Json& member(const Json& object, const char* key, const std::string& where) {
@@ -561,19 +655,30 @@ inline bool flag(const Json& object, const char* key, bool fallback) {
   if (!object.contains(key) || object.at(key).is_null()) return fallback;
   return object.at(key).get<bool>();
 }
-
-inline void read_normalizer(const Json& normalizer, const std::string& where, bool& nfc) {
-  if (normalizer.is_null()) return;
-  std::string type = type_of(normalizer, where);
-  if (type == "NFC") {
-    nfc = true;
-  } else if (type == "Sequence") {
-    const Json& steps = member(normalizer, "normalizers", where);
-    for (size_t i = 0; i < steps.size(); i++)
-      read_normalizer(steps[i], format("%s.normalizers[%zu]", where.c_str(), i), nfc);
-  } else {
-    unsupported(where, type, "normalizer null, NFC or a Sequence of NFC");
-  }
+inline std::string string_member(const Json& object, const char* key, const std::string& where) {
+  const Json& value = member(object, key, where);
+  if (!value.is_string())
+    fail(ErrorCode::bad_format, format("tokenizer.json %s.%s is not a string", where.c_str(), key));
+  return value.get<std::string>();
+}
+// A list member of a Sequence, bounded: each step runs on every piece of every prompt.
+inline const Json& step_list(const Json& object, const char* key, const std::string& where) {
+  const Json& list = member(object, key, where);
+  if (!list.is_array()) fail(ErrorCode::bad_format, format("tokenizer.json %s.%s is not a list", where.c_str(), key));
+  if (list.size() > size_t(limits::max_pipeline_steps))
+    fail(ErrorCode::bad_format, format("tokenizer.json %s.%s has %zu steps, more than kvlite's limit of %lld "
+                                       "(KVLITE_MAX_TOKENIZER_STEPS)", where.c_str(), key, list.size(),
+                                       (long long)limits::max_pipeline_steps));
+  return list;
+}
+// A single character ("▁"), as Metaspace's replacement and Strip's content are in HF.
+inline std::string one_character(const Json& object, const char* key, const std::string& where) {
+  std::string text = string_member(object, key, where);
+  size_t next = 0;
+  if (text.empty() || utf8_invalid_offset(text) != std::string_view::npos || (utf8_next(text, next), next) != text.size())
+    fail(ErrorCode::bad_format, format("tokenizer.json %s.%s '%s' is not one character", where.c_str(), key,
+                                       text.c_str()));
+  return text;
 }
 
 // Escapes a literal for PCRE2 (HF compiles a String pattern as regex::escape(pattern)).
@@ -587,50 +692,181 @@ inline std::string regex_escape(const std::string& literal) {
   return out;
 }
 
-inline void read_pre_tokenizer(const Json& step, const std::string& where, std::vector<PreTokenizerStep>& steps) {
-  const char* supported = "ByteLevel, or a Sequence of Split steps ending with ByteLevel";
+// A {"String": ...} or {"Regex": ...} pattern (Split, Replace), compiled.
+inline Regex read_pattern(const Json& step, const std::string& where) {
+  const Json& pattern = member(step, "pattern", where);
+  std::string regex;
+  if (pattern.is_object() && pattern.contains("Regex") && pattern.at("Regex").is_string())
+    regex = pattern.at("Regex").get<std::string>();
+  else if (pattern.is_object() && pattern.contains("String") && pattern.at("String").is_string())
+    regex = regex_escape(pattern.at("String").get<std::string>());
+  else
+    fail(ErrorCode::bad_format,
+         format("tokenizer.json %s.pattern is neither {\"Regex\": ...} nor {\"String\": ...}", where.c_str()));
+  if (regex.empty())  // an empty pattern matches between every two characters; no real file has one
+    fail(ErrorCode::bad_format, format("tokenizer.json %s.pattern is empty", where.c_str()));
+  return Regex(regex, format("tokenizer.json %s.pattern", where.c_str()));
+}
+
+inline PrependScheme read_prepend_scheme(const Json& step, const std::string& where) {
+  // Files written before prepend_scheme existed carry add_prefix_space instead (true: always).
+  if (!step.contains("prepend_scheme") || step.at("prepend_scheme").is_null())
+    return flag(step, "add_prefix_space", true) ? PrependScheme::always : PrependScheme::never;
+  std::string scheme = string_member(step, "prepend_scheme", where);
+  if (scheme == "always") return PrependScheme::always;
+  if (scheme == "first") return PrependScheme::first;
+  if (scheme == "never") return PrependScheme::never;
+  fail(ErrorCode::bad_format, format("tokenizer.json %s.prepend_scheme '%s' is not always, first or never",
+                                     where.c_str(), scheme.c_str()));
+}
+
+constexpr const char* kSupportedNormalizers = "normalizers null, Sequence, NFC, NFKC, Lowercase, Strip, Prepend, Replace";
+
+inline void read_normalizer(const Json& normalizer, const std::string& where, std::vector<NormalizerStep>& steps,
+                            int depth = 0) {
+  if (normalizer.is_null()) return;
+  if (depth > 8) fail(ErrorCode::bad_format, format("tokenizer.json %s: Sequences nest too deeply", where.c_str()));
+  std::string type = type_of(normalizer, where);
+  NormalizerStep step;
+  if (type == "Sequence") {
+    const Json& list = step_list(normalizer, "normalizers", where);
+    for (size_t i = 0; i < list.size(); i++)
+      read_normalizer(list[i], format("%s.normalizers[%zu]", where.c_str(), i), steps, depth + 1);
+    return;
+  } else if (type == "NFC") {
+    step.kind = NormalizerStep::Kind::nfc;
+  } else if (type == "NFKC") {
+    step.kind = NormalizerStep::Kind::nfkc;
+  } else if (type == "Lowercase") {
+    step.kind = NormalizerStep::Kind::lowercase;
+  } else if (type == "Strip") {
+    step.kind = NormalizerStep::Kind::strip;
+    step.strip_left = flag(normalizer, "strip_left", false);
+    step.strip_right = flag(normalizer, "strip_right", false);
+  } else if (type == "Prepend") {
+    step.kind = NormalizerStep::Kind::prepend;
+    step.text = string_member(normalizer, "prepend", where);
+  } else if (type == "Replace") {
+    step.kind = NormalizerStep::Kind::replace;
+    step.pattern = read_pattern(normalizer, where);
+    step.text = string_member(normalizer, "content", where);
+  } else {
+    unsupported(where, type, kSupportedNormalizers);
+  }
+  if (steps.size() >= size_t(limits::max_pipeline_steps))
+    fail(ErrorCode::bad_format, format("tokenizer.json %s: more than %lld normalizer steps (KVLITE_MAX_TOKENIZER_STEPS)",
+                                       where.c_str(), (long long)limits::max_pipeline_steps));
+  steps.push_back(std::move(step));
+}
+
+inline SplitBehavior read_behavior(const Json& step, const std::string& where, const char* fallback) {
+  std::string behavior = step.contains("behavior") && !step.at("behavior").is_null()
+                             ? string_member(step, "behavior", where) : std::string(fallback);
+  if (behavior == "Isolated") return SplitBehavior::isolated;
+  if (behavior == "Removed") return SplitBehavior::removed;
+  if (behavior == "MergedWithPrevious") return SplitBehavior::merged_with_previous;
+  if (behavior == "MergedWithNext") return SplitBehavior::merged_with_next;
+  if (behavior == "Contiguous") return SplitBehavior::contiguous;
+  fail(ErrorCode::bad_format,
+       format("tokenizer.json %s.behavior '%s' is not a Split behavior", where.c_str(), behavior.c_str()));
+}
+
+constexpr const char* kSupportedPreTokenizers =
+    "pre-tokenizers null, Sequence, ByteLevel, Metaspace, Split, Digits, Punctuation, Whitespace, WhitespaceSplit";
+
+inline void read_pre_tokenizer(const Json& step, const std::string& where, std::vector<PreTokenizerStep>& steps,
+                               int depth = 0) {
+  if (depth > 8) fail(ErrorCode::bad_format, format("tokenizer.json %s: Sequences nest too deeply", where.c_str()));
   std::string type = type_of(step, where);
   if (type == "Sequence") {
-    const Json& list = member(step, "pretokenizers", where);
+    const Json& list = step_list(step, "pretokenizers", where);
     for (size_t i = 0; i < list.size(); i++)
-      read_pre_tokenizer(list[i], format("%s.pretokenizers[%zu]", where.c_str(), i), steps);
+      read_pre_tokenizer(list[i], format("%s.pretokenizers[%zu]", where.c_str(), i), steps, depth + 1);
     return;
   }
   PreTokenizerStep out;
   if (type == "Split") {
-    out.kind = PreTokenizerStep::Kind::split;
-    const Json& pattern = member(step, "pattern", where);
-    std::string regex;
-    if (pattern.is_object() && pattern.contains("Regex")) regex = pattern.at("Regex").get<std::string>();
-    else if (pattern.is_object() && pattern.contains("String"))
-      regex = regex_escape(pattern.at("String").get<std::string>());
-    else
-      fail(ErrorCode::bad_format,
-           format("tokenizer.json %s pattern is neither {\"Regex\": ...} nor {\"String\": ...}", where.c_str()));
-    out.regex = Regex(regex, format("tokenizer.json %s regex", where.c_str()));
-    std::string behavior = member(step, "behavior", where).get<std::string>();
-    if (behavior == "Isolated") out.behavior = SplitBehavior::isolated;
-    else if (behavior == "Removed") out.behavior = SplitBehavior::removed;
-    else if (behavior == "MergedWithPrevious") out.behavior = SplitBehavior::merged_with_previous;
-    else if (behavior == "MergedWithNext") out.behavior = SplitBehavior::merged_with_next;
-    else if (behavior == "Contiguous") out.behavior = SplitBehavior::contiguous;
-    else
-      fail(ErrorCode::bad_format,
-           format("tokenizer.json %s behavior '%s' is not a Split behavior", where.c_str(), behavior.c_str()));
+    out.regex = read_pattern(step, where);
+    out.behavior = read_behavior(step, where, "");
     out.invert = flag(step, "invert", false);
   } else if (type == "ByteLevel") {
     out.kind = PreTokenizerStep::Kind::byte_level;
     out.add_prefix_space = flag(step, "add_prefix_space", true);
     out.use_regex = flag(step, "use_regex", true);
     if (out.use_regex) out.regex = Regex(kByteLevelPattern, "the ByteLevel pre-tokenizer's regex");
+  } else if (type == "Metaspace") {
+    out.kind = PreTokenizerStep::Kind::metaspace;
+    out.replacement = one_character(step, "replacement", where);
+    out.prepend_scheme = read_prepend_scheme(step, where);
+    out.split = flag(step, "split", true);
+    out.replacement_regex = Regex(regex_escape(out.replacement), "the Metaspace pre-tokenizer's split");
+  } else if (type == "Digits") {
+    out.regex = Regex(kDigitPattern, "the Digits pre-tokenizer's class");
+    out.behavior = flag(step, "individual_digits", false) ? SplitBehavior::isolated : SplitBehavior::contiguous;
+  } else if (type == "Punctuation") {
+    out.regex = Regex(kPunctuationPattern, "the Punctuation pre-tokenizer's class");
+    out.behavior = read_behavior(step, where, "Isolated");
+  } else if (type == "Whitespace") {
+    out.regex = Regex(kWhitespacePattern, "the Whitespace pre-tokenizer's regex");
+    out.behavior = SplitBehavior::removed;
+    out.invert = true;  // the regex's matches are the pieces; what lies between is dropped
+  } else if (type == "WhitespaceSplit") {
+    out.regex = Regex(kWhiteSpaceCharacterPattern, "the WhitespaceSplit pre-tokenizer's class");
+    out.behavior = SplitBehavior::removed;
   } else {
-    unsupported(where, type, supported);
+    unsupported(where, type, kSupportedPreTokenizers);
   }
-  if (!steps.empty() && steps.back().kind == PreTokenizerStep::Kind::byte_level)
-    fail(ErrorCode::unsupported, format("tokenizer.json %s (%s) follows the ByteLevel step; kvlite needs ByteLevel "
-                                        "to be the last pre-tokenizer step",
-                                        where.c_str(), type.c_str()));
+  if (steps.size() >= size_t(limits::max_pipeline_steps))
+    fail(ErrorCode::bad_format, format("tokenizer.json %s: more than %lld pre-tokenizer steps "
+                                       "(KVLITE_MAX_TOKENIZER_STEPS)", where.c_str(), (long long)limits::max_pipeline_steps));
   steps.push_back(std::move(out));
+}
+
+constexpr const char* kSupportedDecoders =
+    "decoders null, Sequence, ByteLevel, Metaspace, ByteFallback, Fuse, Strip, Replace";
+
+inline void read_decoder(const Json& decoder, const std::string& where, std::vector<DecoderStep>& steps,
+                         int depth = 0) {
+  if (depth > 8) fail(ErrorCode::bad_format, format("tokenizer.json %s: Sequences nest too deeply", where.c_str()));
+  std::string type = type_of(decoder, where);
+  DecoderStep step;
+  if (type == "Sequence") {
+    const Json& list = step_list(decoder, "decoders", where);
+    for (size_t i = 0; i < list.size(); i++)
+      read_decoder(list[i], format("%s.decoders[%zu]", where.c_str(), i), steps, depth + 1);
+    return;
+  } else if (type == "ByteLevel") {
+    step.kind = DecoderStep::Kind::byte_level;
+  } else if (type == "Metaspace") {
+    step.kind = DecoderStep::Kind::metaspace;
+    step.replacement = one_character(decoder, "replacement", where);
+    step.prepend_scheme = read_prepend_scheme(decoder, where);
+  } else if (type == "ByteFallback") {
+    step.kind = DecoderStep::Kind::byte_fallback;
+  } else if (type == "Fuse") {
+    step.kind = DecoderStep::Kind::fuse;
+  } else if (type == "Strip") {
+    step.kind = DecoderStep::Kind::strip;
+    std::string content = one_character(decoder, "content", where);
+    size_t next = 0;
+    step.strip_character = utf8_next(content, next);
+    for (auto [key, value] : {std::make_pair("start", &step.strip_start), std::make_pair("stop", &step.strip_stop)}) {
+      const Json& count = member(decoder, key, where);
+      if (!count.is_number_unsigned() || count.get<uint64_t>() > 1024)
+        fail(ErrorCode::bad_format, format("tokenizer.json %s.%s is not a count from 0 to 1024", where.c_str(), key));
+      *value = count.get<size_t>();
+    }
+  } else if (type == "Replace") {
+    step.kind = DecoderStep::Kind::replace;
+    step.pattern = read_pattern(decoder, where);
+    step.content = string_member(decoder, "content", where);
+  } else {
+    unsupported(where, type, kSupportedDecoders);
+  }
+  if (steps.size() >= size_t(limits::max_pipeline_steps))
+    fail(ErrorCode::bad_format, format("tokenizer.json %s: more than %lld decoder steps (KVLITE_MAX_TOKENIZER_STEPS)",
+                                       where.c_str(), (long long)limits::max_pipeline_steps));
+  steps.push_back(std::move(step));
 }
 
 // An id from tokenizer.json: a non-negative integer below KVLITE_MAX_VOCAB and at most KVLITE_MAX_TOKEN_ID_GAP
@@ -690,25 +926,39 @@ inline void read_post_processor(const Json& processor, const std::string& where,
   if (processor.is_null()) return;
   std::string type = type_of(processor, where);
   if (type == "Sequence") {
-    const Json& list = member(processor, "processors", where);
+    const Json& list = step_list(processor, "processors", where);
     for (size_t i = 0; i < list.size(); i++)
       read_post_processor(list[i], format("%s.processors[%zu]", where.c_str(), i), data);
   } else if (type == "TemplateProcessing") {
     read_template(processor, where, data);
+  } else if (type == "RobertaProcessing" || type == "BertProcessing") {
+    // <s> $A </s> (Roberta) or [CLS] $A [SEP] (Bert): cls and sep are [token, id] pairs.
+    int32_t ids[2];
+    const char* keys[2] = {"cls", "sep"};
+    for (int k = 0; k < 2; k++) {
+      const Json& pair = member(processor, keys[k], where);
+      if (!pair.is_array() || pair.size() != 2)
+        fail(ErrorCode::bad_format, format("tokenizer.json %s.%s is not a [token, id] pair", where.c_str(), keys[k]));
+      ids[k] = checked_id(pair[1], where + "." + keys[k], data.token_present.size());
+    }
+    data.template_prefix.insert(data.template_prefix.begin(), ids[0]);
+    data.template_suffix.push_back(ids[1]);
   } else if (type != "ByteLevel") {  // ByteLevel only trims offsets, which kvlite does not report
-    unsupported(where, type, "post_processor null, ByteLevel, TemplateProcessing or a Sequence of those");
+    unsupported(where, type, "post-processors null, Sequence, ByteLevel, TemplateProcessing, RobertaProcessing, "
+                             "BertProcessing");
   }
 }
 
 inline void read_bpe_model(const Json& model, TokenizerData& data) {
   if (model.contains("type") && type_of(model, "model") != "BPE")
-    unsupported("model", type_of(model, "model"), "model BPE");
+    unsupported("model", type_of(model, "model"), "model BPE; the families kvlite targets use no Unigram or "
+                                                  "WordPiece tokenizer.json");
   if (model.contains("dropout") && !model.at("dropout").is_null() && model.at("dropout").get<double>() != 0.0)
     fail(ErrorCode::unsupported,
          "tokenizer.json model.dropout is set; kvlite tokenizes deterministically (dropout null)");
   for (const char* affix : {"continuing_subword_prefix", "end_of_word_suffix"})
     if (model.contains(affix) && !model.at(affix).is_null() && !model.at(affix).get<std::string>().empty())
-      fail(ErrorCode::unsupported, format("tokenizer.json model.%s is '%s'; byte-level BPE in kvlite has none", affix,
+      fail(ErrorCode::unsupported, format("tokenizer.json model.%s is '%s'; BPE in kvlite has none", affix,
                                           model.at(affix).get<std::string>().c_str()));
   data.fuse_unk = flag(model, "fuse_unk", false);
   data.byte_fallback = flag(model, "byte_fallback", false);
@@ -723,38 +973,20 @@ inline void read_bpe_model(const Json& model, TokenizerData& data) {
   data.token_bytes.assign(size_t(max_id + 1), std::string());
   data.token_present.assign(size_t(max_id + 1), 0);
   data.id_by_text.reserve(vocab.size());
-  data.model_id_by_bytes.reserve(vocab.size());
+  data.model_vocab.reserve(vocab.size());
   for (auto it = vocab.begin(); it != vocab.end(); ++it) {
     int32_t id = it.value().get<int32_t>();
     const std::string& text = it.key();
     if (utf8_invalid_offset(text) != std::string_view::npos)
       fail(ErrorCode::bad_format, format("tokenizer.json model.vocab has a token that is not valid UTF-8 (id %d)", id));
     data.id_by_text[text] = id;
+    data.model_vocab[text] = id;
     data.token_text[size_t(id)] = text;
     data.token_present[size_t(id)] = 1;
-    data.token_bytes[size_t(id)] = byte_level_decode(text);
-    // Only tokens spelled entirely in the byte alphabet can come out of byte-level pre-tokenization.
-    bool in_alphabet = true;
-    for (size_t i = 0; i < text.size() && in_alphabet;) in_alphabet = char_to_byte(utf8_next(text, i)) >= 0;
-    if (in_alphabet) data.model_id_by_bytes[data.token_bytes[size_t(id)]] = id;
   }
-
-  // Each byte starts as the token of its character; without one: byte fallback, unk, or nothing (as HF).
   for (uint32_t b = 0; b < 256; b++) {
-    std::string character;
-    utf8_append(character, byte_to_char()[b]);
-    auto it = data.id_by_text.find(character);
-    data.byte_token[b] = it == data.id_by_text.end() ? -1 : it->second;
-    std::vector<int32_t> fallback;
-    for (unsigned char byte : character) {
-      auto f = data.id_by_text.find(format("<0x%02X>", byte));
-      if (f == data.id_by_text.end()) {
-        fallback.clear();
-        break;
-      }
-      fallback.push_back(f->second);
-    }
-    data.byte_fallback_tokens[b] = std::move(fallback);
+    auto it = data.model_vocab.find(format("<0x%02X>", b));
+    data.byte_fallback_id[b] = it == data.model_vocab.end() ? -1 : it->second;
   }
   if (model.contains("unk_token") && !model.at("unk_token").is_null()) {
     std::string unk = model.at("unk_token").get<std::string>();
@@ -822,15 +1054,17 @@ inline void read_added_tokens(const Json& list, TokenizerData& data) {
     // HF gives a token already in the vocabulary that id; a new one takes the id the file records.
     auto known = data.id_by_text.find(token.content);
     token.id = known != data.id_by_text.end() ? known->second : checked_id(member(entry, "id", where), where + ".id", data.token_present.size() + list.size());
-    token.pattern = token.normalized && data.normalize_nfc ? nfc(token.content) : token.content;
+    token.pattern = token.normalized ? data.normalize(token.content) : token.content;
+    if (token.pattern.empty()) continue;  // (a normalizer that removes the whole token: HF can never match it)
     if (size_t(token.id) >= data.token_present.size()) {
       data.token_text.resize(size_t(token.id) + 1);
       data.token_bytes.resize(size_t(token.id) + 1);
       data.token_present.resize(size_t(token.id) + 1, 0);
     }
     data.token_text[size_t(token.id)] = token.content;
-    // The decoder sees the token as matched (HF's simple_id_to_token returns the normalized form).
-    data.token_bytes[size_t(token.id)] = byte_level_decode(token.pattern);
+    // The decoder sees a normalized added token as it is matched (HF decodes "Hello" under Lowercase as "hello").
+    if (token.pattern != token.content) data.decoder_text[token.id] = token.pattern;
+    else data.decoder_text.erase(token.id);
     data.token_present[size_t(token.id)] = 1;
     data.id_by_text[token.content] = token.id;
     data.added_tokens.push_back(std::move(token));
@@ -939,21 +1173,30 @@ inline std::shared_ptr<TokenizerData> read_tokenizer(const std::string& tokenize
     if (root.contains("version") && root.at("version") != "1.0")
       fail(ErrorCode::unsupported, format("tokenizer.json version %s is not supported (kvlite reads version 1.0)",
                                           root.at("version").dump().c_str()));
-    read_normalizer(root.value("normalizer", Json()), "normalizer", data->normalize_nfc);
+    read_normalizer(root.value("normalizer", Json()), "normalizer", data->normalizer);
     read_bpe_model(member(root, "model", "(top level)"), *data);
     read_added_tokens(root.value("added_tokens", Json()), *data);
 
     const Json& pre_tokenizer = root.value("pre_tokenizer", Json());
     if (!pre_tokenizer.is_null()) read_pre_tokenizer(pre_tokenizer, "pre_tokenizer", data->pre_tokenizer);
-    if (data->pre_tokenizer.empty() || data->pre_tokenizer.back().kind != PreTokenizerStep::Kind::byte_level)
-      fail(ErrorCode::unsupported,
-           "tokenizer.json pre_tokenizer has no ByteLevel step; kvlite reads byte-level BPE "
-           "tokenizers only (GPT-2, Llama-3, Qwen)");
     read_post_processor(root.value("post_processor", Json()), "post_processor", *data);
     const Json& decoder = root.value("decoder", Json());
-    std::string decoder_type = decoder.is_null() ? "null" : type_of(decoder, "decoder");
-    if (decoder_type != "ByteLevel") unsupported("decoder", decoder_type, "decoder ByteLevel");
-
+    data->has_decoder = !decoder.is_null();
+    if (data->has_decoder) read_decoder(decoder, "decoder", data->decoder);
+    bool joined = false;
+    for (const DecoderStep& step : data->decoder) {
+      joined = joined || step.kind == DecoderStep::Kind::fuse || step.kind == DecoderStep::Kind::byte_level;
+      if (joined && step.kind == DecoderStep::Kind::strip && step.strip_stop > 0) {
+        data->held_tail_character = step.strip_character;  // (real files strip one character kind)
+        data->held_tail_count += step.strip_stop;
+      }
+    }
+    for (size_t id = 0; id < data->token_present.size(); id++)
+      if (data->token_present[id]) {
+        auto normalized = data->decoder_text.find(int32_t(id));
+        data->token_bytes[id] =
+            data->token_piece(normalized == data->decoder_text.end() ? data->token_text[id] : normalized->second);
+      }
     if (!config.is_object()) fail(ErrorCode::bad_format, "tokenizer_config.json is not a JSON object");
     data->bos_id = read_config_token(config, "bos_token", *data);
     data->eos_id = read_config_token(config, "eos_token", *data);
@@ -982,22 +1225,34 @@ std::vector<int32_t> TokenizerData::bpe_uncached(const std::string& word) const 
     int32_t prev, next;  // neighbours in the linked list; -1 at the ends
     bool alive;
   };
-  std::vector<Symbol> symbols;  // one per initial byte; a merge keeps the left one and kills the right
-  symbols.reserve(word.size());
+  std::vector<Symbol> symbols;  // one per initial token; a merge keeps the left one and kills the right
+  symbols.reserve(word.size());  // at most one per byte
   auto add = [&](int32_t id) {
     int32_t index = int32_t(symbols.size());
     if (index > 0) symbols.back().next = index;
     symbols.push_back({id, index - 1, -1, true});
   };
-  // Initial symbols, one per byte (HF: one per character of the byte-mapped word, which is the same).
-  int32_t pending_unk = -1;  // an unknown run waiting to be emitted (fuse_unk joins a run into one)
-  for (unsigned char byte : word) {
-    if (byte_token[byte] >= 0) {
+  // Initial symbols, one per character (HF models/bpe/model.rs merge_word): its vocabulary token, else its
+  // UTF-8 bytes as <0xXX> tokens (byte_fallback), else unk (fuse_unk joins a run of them), else nothing.
+  int32_t pending_unk = -1;  // an unknown run waiting to be emitted
+  for (size_t i = 0; i < word.size();) {
+    size_t begin = i;
+    tok::utf8_next(word, i);
+    auto known = model_vocab.find(word.substr(begin, i - begin));
+    if (known != model_vocab.end()) {
       if (pending_unk >= 0) add(pending_unk), pending_unk = -1;
-      add(byte_token[byte]);
-    } else if (byte_fallback && !byte_fallback_tokens[byte].empty()) {
-      for (int32_t id : byte_fallback_tokens[byte]) add(id);  // HF leaves a pending unk pending here
-    } else if (unk_id >= 0) {
+      add(known->second);
+      continue;
+    }
+    if (byte_fallback) {
+      bool all = true;
+      for (size_t k = begin; k < i && all; k++) all = byte_fallback_id[static_cast<unsigned char>(word[k])] >= 0;
+      if (all) {  // HF leaves a pending unk pending here
+        for (size_t k = begin; k < i; k++) add(byte_fallback_id[static_cast<unsigned char>(word[k])]);
+        continue;
+      }
+    }
+    if (unk_id >= 0) {
       if (pending_unk >= 0 && !fuse_unk) add(pending_unk);
       pending_unk = unk_id;
     }  // else: HF drops the character
@@ -1044,8 +1299,8 @@ std::vector<int32_t> TokenizerData::bpe_uncached(const std::string& word) const 
 
 std::vector<int32_t> TokenizerData::bpe(const std::string& word) const {
   if (ignore_merges) {  // Llama-3: a pre-token that is itself in the vocabulary is emitted whole
-    auto it = model_id_by_bytes.find(word);
-    if (it != model_id_by_bytes.end()) return {it->second};
+    auto it = model_vocab.find(word);
+    if (it != model_vocab.end()) return {it->second};
   }
   bool cacheable = word.size() < kCacheMaxWordBytes;
   if (cacheable) {
@@ -1107,87 +1362,200 @@ void TokenizerData::split_added_tokens(std::vector<tok::Piece>& pieces, const to
         }
         from = stop;
       }
-      if (emitted < start) out.push_back({std::string(text.substr(emitted, start - emitted)), -1});
+      if (emitted < start)
+        out.push_back({std::string(text.substr(emitted, start - emitted)), -1, piece.at_start && emitted == 0});
       out.push_back({std::string(), token.id});
       emitted = stop;
     }
-    if (emitted < text.size()) out.push_back({std::string(text.substr(emitted)), -1});
+    if (emitted < text.size()) out.push_back({std::string(text.substr(emitted)), -1, piece.at_start && emitted == 0});
   }
   pieces = std::move(out);
 }
 
-// The pre-tokenizer steps on one text piece (HF PreTokenizedString::split: empty pieces are dropped). The
-// result is raw bytes: the ByteLevel step's character mapping is folded into the byte-keyed vocabulary.
-std::vector<std::string> TokenizerData::pre_tokenize(const std::string& text) const {
-  std::vector<std::string> pieces{text};
+namespace tok {
+// The byte a "<0xXX>" token stands for (two hex digits, either case as HF's ByteFallback reads them), or -1.
+inline int byte_token_value(const std::string& token) {
+  if (token.size() != 6 || token.compare(0, 3, "<0x") != 0 || token[5] != '>') return -1;
+  int value = 0;
+  for (int k = 3; k < 5; k++) {
+    char c = token[size_t(k)];
+    int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (digit < 0) return -1;
+    value = value * 16 + digit;
+  }
+  return value;
+}
+}  // namespace tok
+
+bool TokenizerData::is_byte_token(int32_t id) const {
+  if (!byte_fallback) return false;
+  int value = tok::byte_token_value(token_text[size_t(id)]);  // (id is valid)
+  return value >= 0 && byte_fallback_id[size_t(value)] == id;
+}
+
+namespace tok {
+// Every occurrence of `from` (not empty) in `text` replaced by `to`, left to right.
+inline std::string replace_literal(const std::string& text, const std::string& from, const std::string& to) {
+  std::string out;
+  size_t previous = 0;
+  for (size_t at = text.find(from); at != std::string::npos; at = text.find(from, previous)) {
+    out.append(text, previous, at - previous);
+    out += to;
+    previous = at + from.size();
+  }
+  out.append(text, previous, std::string::npos);
+  return out;
+}
+
+// Every match of `pattern` in `text` replaced by `content` (HF NormalizedString::replace; Replace decoder).
+inline std::string replace_all(const Regex& pattern, const std::string& text, const std::string& content) {
+  std::string out;
+  size_t previous = 0;
+  for (auto [start, end] : pattern.find_all(text)) {
+    out.append(text, previous, start - previous);
+    out += content;
+    previous = end;
+  }
+  out.append(text, previous, std::string::npos);
+  return out;
+}
+
+}  // namespace tok
+
+// The normalizer steps on one piece of text (HF normalizers/*).
+std::string TokenizerData::normalize(std::string text) const {
+  for (const tok::NormalizerStep& step : normalizer) {
+    switch (step.kind) {
+      case tok::NormalizerStep::Kind::nfc:
+        text = tok::nfc(text);
+        break;
+      case tok::NormalizerStep::Kind::nfkc:
+        text = tok::nfc(text, true);
+        break;
+      case tok::NormalizerStep::Kind::lowercase:
+        text = tok::lowercase(text);
+        break;
+      case tok::NormalizerStep::Kind::strip: {  // char::is_whitespace at either end
+        size_t begin = 0, end = text.size();
+        while (step.strip_left && begin < end) {
+          size_t next = begin;
+          if (!tok::is_white_space(tok::utf8_next(text, next))) break;
+          begin = next;
+        }
+        while (step.strip_right && end > begin) {
+          size_t start = end;
+          if (!tok::is_white_space(tok::utf8_previous(text, end, &start))) break;
+          end = start;
+        }
+        text = text.substr(begin, end - begin);
+        break;
+      }
+      case tok::NormalizerStep::Kind::prepend:  // an empty piece stays empty
+        if (!text.empty()) text = step.text + text;
+        break;
+      case tok::NormalizerStep::Kind::replace:
+        text = tok::replace_all(step.pattern, text, step.text);
+        break;
+    }
+  }
+  return text;
+}
+
+// The pre-tokenizer steps on one text piece (HF PreTokenizedString::split: empty pieces are dropped).
+// `at_start`: the piece begins at byte 0 of the input (Metaspace's prepend_scheme "first").
+std::vector<std::string> TokenizerData::pre_tokenize(const std::string& text, bool at_start) const {
+  std::vector<std::pair<std::string, bool>> pieces{{text, at_start}};  // (text, begins at the input's start)
   for (const tok::PreTokenizerStep& step : pre_tokenizer) {
-    std::vector<std::string> next;
-    for (std::string& piece : pieces) {
+    std::vector<std::pair<std::string, bool>> next;
+    for (auto& [piece, piece_at_start] : pieces) {
+      tok::SplitBehavior behavior = step.behavior;
+      bool invert = step.invert;
       if (step.kind == tok::PreTokenizerStep::Kind::byte_level) {
         if (step.add_prefix_space && piece[0] != ' ') piece.insert(piece.begin(), ' ');
-        if (!step.use_regex) {
-          next.push_back(std::move(piece));
-          continue;
+        behavior = tok::SplitBehavior::isolated, invert = false;
+      } else if (step.kind == tok::PreTokenizerStep::Kind::metaspace) {
+        piece = tok::replace_literal(piece, " ", step.replacement);
+        bool prepend = step.prepend_scheme == tok::PrependScheme::always ||
+                       (step.prepend_scheme == tok::PrependScheme::first && piece_at_start);
+        if (prepend && piece.compare(0, step.replacement.size(), step.replacement) != 0)
+          piece.insert(0, step.replacement);
+        behavior = tok::SplitBehavior::merged_with_next, invert = false;
+      }
+      bool split = step.kind == tok::PreTokenizerStep::Kind::split ||
+                   (step.kind == tok::PreTokenizerStep::Kind::byte_level && step.use_regex) ||
+                   (step.kind == tok::PreTokenizerStep::Kind::metaspace && step.split);
+      std::vector<std::pair<size_t, size_t>> kept;  // [start, end) of each resulting piece
+      if (!split) {
+        kept.emplace_back(0, piece.size());
+      } else {
+        // HF NormalizedString::split: the matches and the gaps between them, in order, then the behavior.
+        struct Span {
+          size_t start, end;
+          bool is_match;
+        };
+        std::vector<Span> spans;
+        size_t previous = 0;
+        const tok::Regex& regex =
+            step.kind == tok::PreTokenizerStep::Kind::metaspace ? step.replacement_regex : step.regex;
+        for (auto [start, end] : regex.find_all(piece)) {
+          if (previous != start) spans.push_back({previous, start, false});
+          spans.push_back({start, end, true});
+          previous = end;
+        }
+        if (previous != piece.size()) spans.push_back({previous, piece.size(), false});
+        if (invert)
+          for (Span& span : spans) span.is_match = !span.is_match;
+        bool previous_match = false;
+        switch (behavior) {
+          case tok::SplitBehavior::isolated:
+            for (const Span& s : spans) kept.emplace_back(s.start, s.end);
+            break;
+          case tok::SplitBehavior::removed:
+            for (const Span& s : spans)
+              if (!s.is_match) kept.emplace_back(s.start, s.end);
+            break;
+          case tok::SplitBehavior::contiguous:
+            for (const Span& s : spans) {
+              if (s.is_match == previous_match && !kept.empty()) kept.back().second = s.end;
+              else kept.emplace_back(s.start, s.end);
+              previous_match = s.is_match;
+            }
+            break;
+          case tok::SplitBehavior::merged_with_previous:
+            for (const Span& s : spans) {
+              if (s.is_match && !previous_match && !kept.empty()) kept.back().second = s.end;
+              else kept.emplace_back(s.start, s.end);
+              previous_match = s.is_match;
+            }
+            break;
+          case tok::SplitBehavior::merged_with_next:
+            for (size_t i = spans.size(); i-- > 0;) {
+              const Span& s = spans[i];
+              if (s.is_match && !previous_match && !kept.empty()) kept.back().first = s.start;
+              else kept.emplace_back(s.start, s.end);
+              previous_match = s.is_match;
+            }
+            std::reverse(kept.begin(), kept.end());
+            break;
         }
       }
-      // HF NormalizedString::split: the matches and the gaps between them, in order, then the behavior.
-      struct Span {
-        size_t start, end;
-        bool is_match;
-      };
-      std::vector<Span> spans;
-      size_t previous = 0;
-      for (auto [start, end] : step.regex.find_all(piece)) {
-        if (previous != start) spans.push_back({previous, start, false});
-        spans.push_back({start, end, true});
-        previous = end;
+      for (auto [start, end] : kept) {
+        if (end <= start) continue;
+        std::string part = piece.substr(start, end - start);
+        if (step.kind == tok::PreTokenizerStep::Kind::byte_level) {  // each byte to its visible character
+          std::string mapped;
+          for (unsigned char byte : part) tok::utf8_append(mapped, tok::byte_to_char()[byte]);
+          part = std::move(mapped);
+        }
+        next.emplace_back(std::move(part), piece_at_start && start == 0);
       }
-      if (previous != piece.size()) spans.push_back({previous, piece.size(), false});
-      bool invert = step.kind == tok::PreTokenizerStep::Kind::split && step.invert;
-      if (invert)
-        for (Span& span : spans) span.is_match = !span.is_match;
-      tok::SplitBehavior behavior =
-          step.kind == tok::PreTokenizerStep::Kind::byte_level ? tok::SplitBehavior::isolated : step.behavior;
-      std::vector<std::pair<size_t, size_t>> kept;  // [start, end) of each resulting piece
-      bool previous_match = false;
-      switch (behavior) {
-        case tok::SplitBehavior::isolated:
-          for (const Span& s : spans) kept.emplace_back(s.start, s.end);
-          break;
-        case tok::SplitBehavior::removed:
-          for (const Span& s : spans)
-            if (!s.is_match) kept.emplace_back(s.start, s.end);
-          break;
-        case tok::SplitBehavior::contiguous:
-          for (const Span& s : spans) {
-            if (s.is_match == previous_match && !kept.empty()) kept.back().second = s.end;
-            else kept.emplace_back(s.start, s.end);
-            previous_match = s.is_match;
-          }
-          break;
-        case tok::SplitBehavior::merged_with_previous:
-          for (const Span& s : spans) {
-            if (s.is_match && !previous_match && !kept.empty()) kept.back().second = s.end;
-            else kept.emplace_back(s.start, s.end);
-            previous_match = s.is_match;
-          }
-          break;
-        case tok::SplitBehavior::merged_with_next:
-          for (size_t i = spans.size(); i-- > 0;) {
-            const Span& s = spans[i];
-            if (s.is_match && !previous_match && !kept.empty()) kept.back().first = s.start;
-            else kept.emplace_back(s.start, s.end);
-            previous_match = s.is_match;
-          }
-          std::reverse(kept.begin(), kept.end());
-          break;
-      }
-      for (auto [start, end] : kept)
-        if (end > start) next.push_back(piece.substr(start, end - start));
     }
     pieces = std::move(next);
   }
-  return pieces;
+  std::vector<std::string> words;
+  words.reserve(pieces.size());
+  for (auto& piece : pieces) words.push_back(std::move(piece.first));
+  return words;
 }
 
 // HF TokenizerImpl::encode_single_sequence: added tokens out of the raw text, normalize the rest, added
@@ -1202,11 +1570,11 @@ std::vector<int32_t> TokenizerData::encode(std::string_view text, bool add_speci
          format("cannot tokenize: the text is not valid UTF-8 at byte %zu (0x%02X) of %zu; pass UTF-8 text", bad,
                 unsigned(static_cast<unsigned char>(text[bad])), text.size()));
   std::vector<tok::Piece> pieces;
-  if (!text.empty()) pieces.push_back({std::string(text), -1});
+  if (!text.empty()) pieces.push_back({std::string(text), -1, true});
   split_added_tokens(pieces, raw_added_trie);
-  if (normalize_nfc)
+  if (!normalizer.empty())
     for (tok::Piece& piece : pieces)
-      if (piece.token < 0) piece.text = tok::nfc(piece.text);
+      if (piece.token < 0) piece.text = normalize(std::move(piece.text));
   split_added_tokens(pieces, normalized_added_trie);
 
   std::vector<int32_t> ids;
@@ -1217,7 +1585,8 @@ std::vector<int32_t> TokenizerData::encode(std::string_view text, bool add_speci
         ids.push_back(piece.token);
         continue;
       }
-      for (const std::string& word : pre_tokenize(piece.text)) {
+      if (piece.text.empty()) continue;
+      for (const std::string& word : pre_tokenize(piece.text, piece.at_start)) {
         std::vector<int32_t> word_ids = bpe(word);
         ids.insert(ids.end(), word_ids.begin(), word_ids.end());
       }
@@ -1227,10 +1596,124 @@ std::vector<int32_t> TokenizerData::encode(std::string_view text, bool add_speci
   return ids;
 }
 
-std::string TokenizerData::decode(const int32_t* ids, size_t count, bool skip_special_tokens, bool keep_truncated_tail,
-                                  std::string* truncated_tail) const {
-  std::string bytes;
-  if (truncated_tail) bytes = *truncated_tail;
+// HF decoders' decode_chain, step by step, on the token strings; then joined.
+std::string TokenizerData::decode_tokens(std::vector<std::string> tokens, bool open_end) const {
+  if (!has_decoder) {  // HF: tokens.join(" ")
+    std::string text;
+    for (size_t i = 0; i < tokens.size(); i++) text += (i ? " " : "") + tokens[i];
+    return text;
+  }
+  bool joined = false;  // a Fuse or ByteLevel step made all tokens one: a Strip then cuts the whole text
+  for (const tok::DecoderStep& step : decoder) {
+    joined = joined || step.kind == tok::DecoderStep::Kind::fuse || step.kind == tok::DecoderStep::Kind::byte_level;
+    switch (step.kind) {
+      case tok::DecoderStep::Kind::byte_level: {  // all tokens to bytes, then lossy UTF-8: one token
+        std::string bytes;
+        for (const std::string& token : tokens) bytes += tok::byte_level_decode(token);
+        std::string text;
+        tok::utf8_append_lossy(text, bytes, false);
+        tokens.assign(1, std::move(text));
+        break;
+      }
+      case tok::DecoderStep::Kind::metaspace:
+        for (size_t i = 0; i < tokens.size(); i++) {
+          // The replacement character becomes a space, except in the first token, where HF drops every one
+          // of them (not only the leading one) unless prepend_scheme is never.
+          bool drop = i == 0 && step.prepend_scheme != tok::PrependScheme::never;
+          tokens[i] = tok::replace_literal(tokens[i], step.replacement, drop ? "" : " ");
+        }
+        break;
+      case tok::DecoderStep::Kind::byte_fallback: {
+        // Runs of <0xXX> tokens become their bytes when those are UTF-8, else one U+FFFD per token.
+        std::vector<std::string> out;
+        std::string run;
+        size_t run_tokens = 0;
+        auto flush = [&] {
+          if (!run_tokens) return;
+          if (tok::utf8_invalid_offset(run) == std::string_view::npos) {
+            out.push_back(run);
+          } else {
+            for (size_t k = 0; k < run_tokens; k++) out.push_back(tok::kReplacementCharacter);
+          }
+          run.clear();
+          run_tokens = 0;
+        };
+        for (std::string& token : tokens) {
+          int value = tok::byte_token_value(token);
+          if (value >= 0) {
+            run += char(value);
+            run_tokens++;
+          } else {
+            flush();
+            out.push_back(std::move(token));
+          }
+        }
+        flush();
+        tokens = std::move(out);
+        break;
+      }
+      case tok::DecoderStep::Kind::fuse: {
+        std::string text;
+        for (const std::string& token : tokens) text += token;
+        tokens.assign(1, std::move(text));
+        break;
+      }
+      case tok::DecoderStep::Kind::strip:
+        // Up to strip_start leading and strip_stop trailing characters equal to the content. (HF indexes
+        // past the start of a token shorter than strip_stop and panics; kvlite strips what there is.)
+        for (std::string& token : tokens) {
+          size_t begin = 0, end = token.size();
+          for (size_t k = 0; k < step.strip_start && begin < end; k++) {
+            size_t next = begin;
+            if (tok::utf8_next(token, next) != step.strip_character) break;
+            begin = next;
+          }
+          for (size_t k = 0; k < step.strip_stop && end > begin && !(open_end && joined); k++) {
+            size_t start = end;
+            if (tok::utf8_previous(token, end, &start) != step.strip_character) break;
+            end = start;
+          }
+          token = token.substr(begin, end - begin);
+        }
+        break;
+      case tok::DecoderStep::Kind::replace:
+        for (std::string& token : tokens) token = tok::replace_all(step.pattern, token, step.content);
+        break;
+    }
+  }
+  std::string text;
+  for (const std::string& token : tokens) text += token;
+  return text;
+}
+
+std::string TokenizerData::token_piece(const std::string& token) const {
+  if (!has_decoder) return token;
+  std::string text = token;
+  for (const tok::DecoderStep& step : decoder) {
+    switch (step.kind) {
+      case tok::DecoderStep::Kind::byte_level:
+        text = tok::byte_level_decode(text);
+        break;
+      case tok::DecoderStep::Kind::metaspace:
+        text = tok::replace_literal(text, step.replacement, " ");
+        break;
+      case tok::DecoderStep::Kind::byte_fallback:
+        if (int value = tok::byte_token_value(text); value >= 0) text = std::string(1, char(value));
+        break;
+      case tok::DecoderStep::Kind::replace:
+        text = tok::replace_all(step.pattern, text, step.content);
+        break;
+      case tok::DecoderStep::Kind::fuse:
+      case tok::DecoderStep::Kind::strip:  // both act on the text as a whole, not on one token in it
+        break;
+    }
+  }
+  return text;
+}
+
+std::string TokenizerData::decode(const int32_t* ids, size_t count, bool skip_special_tokens, bool open_end) const {
+  std::vector<std::string> tokens;
+  tokens.reserve(count);
   for (size_t i = 0; i < count; i++) {
     int32_t id = ids[i];
     if (!has_token(id))
@@ -1238,12 +1721,10 @@ std::string TokenizerData::decode(const int32_t* ids, size_t count, bool skip_sp
            format("cannot decode id %d (position %zu of %zu): it has no token; ids run from 0 to %zu", id, i, count,
                   token_present.size() - 1));
     if (skip_special_tokens && token_special[size_t(id)]) continue;
-    bytes += token_bytes[size_t(id)];
+    auto normalized = decoder_text.find(id);
+    tokens.push_back(normalized == decoder_text.end() ? token_text[size_t(id)] : normalized->second);
   }
-  std::string text;
-  std::string tail = tok::utf8_append_lossy(text, bytes, keep_truncated_tail);
-  if (truncated_tail) *truncated_tail = std::move(tail);
-  return text;
+  return decode_tokens(std::move(tokens), open_end);
 }
 
 std::string unicode_nfc(std::string_view valid_utf8) { return tok::nfc(valid_utf8); }
@@ -1282,7 +1763,7 @@ Result<std::vector<int32_t>> Tokenizer::encode(std::string_view text, bool add_s
 }
 
 Result<std::string> Tokenizer::decode(const int32_t* ids, size_t count, bool skip_special_tokens) const {
-  return detail::guard([&] { return data_->decode(ids, count, skip_special_tokens, false, nullptr); });
+  return detail::guard([&] { return data_->decode(ids, count, skip_special_tokens); });
 }
 
 int32_t Tokenizer::token_id(std::string_view token) const {
@@ -1375,20 +1856,64 @@ Result<std::string> Tokenizer::format_chat(const std::vector<ChatMessage>& messa
 StreamingDecoder::StreamingDecoder(const Tokenizer& tokenizer, bool skip_special_tokens)
     : tokenizer_(tokenizer), skip_special_tokens_(skip_special_tokens) {}
 
+// decode(window_) past its context is what the ids since add to the whole decode: the decoders' only
+// dependence on earlier tokens is the first token of the text (Metaspace, Strip's start), UTF-8 sequences split
+// across tokens (ByteLevel) and runs of <0xXX> tokens (ByteFallback); the context covers each. What later ids
+// may still change is held back: trailing U+FFFDs (a character may complete), an open run of <0xXX> tokens,
+// and the characters a Strip's stop would cut from the end of the text (they stay when more text follows).
 Result<std::string> StreamingDecoder::push(int32_t id) {
   return detail::guard([&] {
-    std::string tail = pending_;
-    std::string text = tokenizer_.data_->decode(&id, 1, skip_special_tokens_, true, &tail);
-    pending_ = std::move(tail);  // only once the id proved valid
-    return text;
+    const detail::TokenizerData& data = *tokenizer_.data_;
+    if (!data.has_token(id))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("cannot decode id %d: it has no token; ids run from 0 to %zu", id,
+                                  data.token_present.size() - 1));
+    if (skip_special_tokens_ && data.token_special[size_t(id)]) return std::string();
+    window_.push_back(id);
+    bool force = window_.size() - context_ids_ >= kMaxHeldIds;  // a run of invalid bytes cannot grow it forever
+    if (data.is_byte_token(id) && !force) return std::string();
+    std::string text = data.decode(window_.data(), window_.size(), false, true);
+    if (text.compare(0, emitted_.size(), emitted_) != 0) {  // (no decoder here rewrites earlier text)
+      if (!force) return std::string();
+      emitted_.clear();
+    }
+    size_t stable_end = text.size(), tail_characters = 0;
+    while (stable_end > emitted_.size() && !force) {
+      size_t start = stable_end;
+      uint32_t last = detail::tok::utf8_previous(text, stable_end, &start);
+      bool strippable = last == data.held_tail_character && tail_characters < data.held_tail_count;
+      if (last != 0xFFFD && !strippable) break;
+      tail_characters += strippable;
+      stable_end = start;
+    }
+    std::string out = text.substr(emitted_.size(), stable_end - emitted_.size());
+    const size_t held = text.size() - stable_end;
+    // The next context: the last id, with the open run of <0xXX> tokens before it if any.
+    size_t keep = 1;
+    while (keep < window_.size() && keep < kMaxHeldIds && data.is_byte_token(window_[window_.size() - keep]) &&
+           data.is_byte_token(window_[window_.size() - keep - 1]))
+      keep++;
+    if (held == 0) {  // all of the window's text is out: only the context stays
+      window_.erase(window_.begin(), window_.end() - long(keep));
+      context_ids_ = window_.size();
+      emitted_ = data.decode(window_.data(), window_.size(), false, true);
+    } else {  // keep the whole window: what is held may depend on how its first tokens render
+      emitted_ = text.substr(0, stable_end);
+    }
+    return out;
   });
 }
 
 std::string StreamingDecoder::flush() {
-  std::string text;
-  detail::tok::utf8_append_lossy(text, pending_, false);
-  pending_.clear();
-  return text;
+  std::string out;
+  if (!window_.empty()) {
+    std::string text = tokenizer_.data_->decode(window_.data(), window_.size(), false);
+    out = text.compare(0, emitted_.size(), emitted_) == 0 ? text.substr(emitted_.size()) : text;
+  }
+  window_.clear();
+  context_ids_ = 0;
+  emitted_.clear();
+  return out;
 }
 
 }  // namespace kvlite

@@ -8,7 +8,12 @@ src/unicode_nfc.inl (part of kvlite.hpp, included by src/tokenizer.inl) holds:
   - kCanonicalCombiningClass: ranges of code points with a non-zero canonical combining class;
   - kCanonicalDecomposition: every code point with a canonical (untagged) decomposition, one level deep
     (a pair, or a singleton with second == 0); the normalizer applies it recursively;
-  - kCanonicalComposition: the primary composites, keyed by their pair (first, second), for composing.
+  - kCanonicalComposition: the primary composites, keyed by their pair (first, second), for composing;
+  - kCompatibilityDecomposition: every code point whose NFKD differs from its NFD, with its full NFKD (an
+    offset and length in kExpansionCodePoints), for NFKC;
+  - kLowercase: every code point that str.lower() changes, with its full lowercase mapping (offset and length
+    in kExpansionCodePoints), for the Lowercase normalizer (Rust's char::to_lowercase, one character at a
+    time, as `tokenizers` runs it).
 Hangul syllables are algorithmic and are not in the tables.
 
 tests/fixtures/unicode/nfc.json holds test cases (input, NFC by unicodedata.normalize): every code point that
@@ -73,6 +78,22 @@ def primary_composites(decompositions):
     return sorted(pairs)
 
 
+def expansion_tables():
+    """(compatibility, lowercase, code points): [(cp, offset, length)] twice over one flat expansion array."""
+    flat, compatibility, lowercase = [], [], []
+    for cp in code_points():
+        c = chr(cp)
+        nfkd = unicodedata.normalize("NFKD", c)
+        if nfkd != unicodedata.normalize("NFD", c):
+            compatibility.append((cp, len(flat), len(nfkd)))
+            flat.extend(ord(x) for x in nfkd)
+        lower = c.lower()
+        if lower != c:
+            lowercase.append((cp, len(flat), len(lower)))
+            flat.extend(ord(x) for x in lower)
+    return compatibility, lowercase, flat
+
+
 def render_tables():
     decompositions = canonical_decompositions()
     ccc = combining_class_ranges()
@@ -108,6 +129,23 @@ def render_tables():
     out.append(f"// {len(compositions)} primary composites, ascending by (first, second); Hangul excluded.")
     out.append("static const CanonicalComposition kCanonicalComposition[] = {")
     out.extend(wrap([f"{{0x{a:X},0x{b:X},0x{c:X}}}" for a, b, c in compositions]))
+    out.append("};")
+    out.append("")
+    compatibility, lowercase, flat = expansion_tables()
+    out.append("struct Expansion {")
+    out.append("  uint32_t code_point, offset, length;  // kExpansionCodePoints[offset, offset + length)")
+    out.append("};")
+    out.append(f"// {len(flat)} code points: the expansions of the two tables below.")
+    out.append("static const uint32_t kExpansionCodePoints[] = {")
+    out.extend(wrap([f"0x{cp:X}" for cp in flat]))
+    out.append("};")
+    out.append(f"// {len(compatibility)} code points whose NFKD differs from their NFD, ascending, with their full NFKD.")
+    out.append("static const Expansion kCompatibilityDecomposition[] = {")
+    out.extend(wrap([f"{{0x{cp:X},{o},{n}}}" for cp, o, n in compatibility]))
+    out.append("};")
+    out.append(f"// {len(lowercase)} code points that lowercasing changes, ascending, with their full lowercase mapping.")
+    out.append("static const Expansion kLowercase[] = {")
+    out.extend(wrap([f"{{0x{cp:X},{o},{n}}}" for cp, o, n in lowercase]))
     out.append("};")
     out.append("}  // namespace detail")
     out.append("}  // namespace kvlite")

@@ -74,6 +74,9 @@ for family, path in [("qwen2", ("tests", "fixtures", "tokenizers", "qwen2")), ("
     config = read(*path, "tokenizer_config.json")
     write("tokenizer_load", family, text_field(b"{}", 64) + read(*path, "tokenizer.json"))
     write("tokenizer_load", family + "_config", text_field(config, 64) + read(*path, "tokenizer.json"))
+# the tokenizer-family stand-ins (tools/make_tokenizer_family_fixtures.py): every other pipeline component
+for family in ["smollm2", "phi-4-mini", "mistral-v0.3", "phi-3.5", "gemma", "components-a", "components-b"]:
+    write("tokenizer_load", family, text_field(b"{}", 64) + read("tests", "fixtures", "tokenizers", family, "tokenizer.json"))
 
 # tokenize: a selector byte (qwen2 / llama3), then text
 texts = {"ascii": b"The quick brown fox jumps over the lazy dog. 1234567890 !?",
@@ -84,6 +87,10 @@ texts = {"ascii": b"The quick brown fox jumps over the lazy dog. 1234567890 !?",
 for i, (name, t) in enumerate(sorted(texts.items())):
     for selector in (0, 1):
         write("tokenize", f"{name}_{selector}", bytes([selector]) + t)
+# selectors 2..8: the tokenizer-family stand-ins (fuzz_tokenize.cpp's kFamilies)
+for selector in range(2, 9):
+    for name in ("mixed", "special"):
+        write("tokenize", f"{name}_{selector}", bytes([selector]) + texts[name])
 
 # image: the small decode fixtures of every format
 for name in ["gray_23x19.png", "pnm_19x13.ppm", "orient_6_40x24.jpg", "rle_27x15.tga", "anim_29x21.gif",
