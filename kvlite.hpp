@@ -781,8 +781,18 @@ struct VisionConfig {
   double rope_theta = 10000.0;  // the 2-D RoPE's base (rope_parameters.rope_theta)
 };
 
-// How a group of Linears is quantized (compressed-tensors `config_groups.*.weights`, or Qwen's fp8).
-enum class QuantMethod { none, compressed_tensors, fp8 };
+// How a group of Linears is quantized (compressed-tensors `config_groups.*.weights`, Qwen's fp8, or the one
+// scheme of an AWQ / GPTQ config).
+enum class QuantMethod { none, compressed_tensors, fp8, awq, gptq };
+// How an int4 Linear's tensors are packed on disk (src/quant_formats.hpp describes AWQ's and GPTQ's); each is
+// repacked once at load into the compressed-tensors layout the CPU and CUDA GEMMs run.
+enum class Int4Packing : uint8_t {
+  compressed_tensors,  // weight_packed [N, K/8], weight_scale [N, G], weight_zero_point, weight_g_idx
+  awq,                 // AutoAWQ GEMM: qweight [K, N/8] interleaved, qzeros [G, N/8], scales [G, N]
+  gptq,                // GPTQ v1: qweight [K/8, N], qzeros [G, N/8] holding zero - 1, scales [G, N], g_idx [K]
+  gptq_v2,             // GPTQ v2 (checkpoint_format gptq_v2): as v1 with qzeros holding the zero itself
+};
+const char* int4_packing_name(Int4Packing packing);
 enum class WeightFormat { dense, fp8, int4 };
 enum class ScaleGranularity { none, tensor, channel, group, block };
 const char* weight_format_name(WeightFormat format);
@@ -798,6 +808,7 @@ struct QuantScheme {
   int64_t block_n = 0, block_k = 0;     // block strategy (e.g. 128 x 128)
   bool actorder = false;                // g_idx present (actorder "group"/"dynamic")
   bool dynamic_activations = false;     // activations quantized per token at run time
+  Int4Packing packing = Int4Packing::compressed_tensors;  // int4: the on-disk packing (AWQ, GPTQ)
 };
 
 struct QuantConfig {
@@ -851,6 +862,7 @@ struct LinearDesc {
   std::string scale_name;             // "weight_scale" or "weight_scale_inv"
   int64_t group_size = 0;             // int4 group (K for channel)
   int64_t block_n = 0, block_k = 0;   // fp8 block
+  Int4Packing packing = Int4Packing::compressed_tensors;  // int4: how the tensors are packed on disk
   bool symmetric = true;
   bool has_g_idx = false;
   bool has_bias = false;
@@ -960,6 +972,9 @@ struct QuantWeight {
   DType bias_dtype = DType::F32;  // F32, BF16 or F16
 
   QuantLayout layout = QuantLayout::checkpoint;
+  // Set when the view's tensors are not the checkpoint's but a copy repacked at load (AWQ, GPTQ:
+  // quant_formats.hpp); the pointers above then address this buffer, which lives as long as any copy of the view.
+  std::shared_ptr<const std::vector<uint8_t>> storage;
 };
 
 // Builds the view of `linear` (a Linear of format int4 or fp8 from describe_linears, or made by hand) over
@@ -1074,6 +1089,53 @@ inline int64_t fp8_activation_group(const QuantWeight& weight) {
   return weight.granularity == ScaleGranularity::block ? weight.block_k : weight.in_features;
 }
 }  // namespace detail
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// quant_formats: AWQ and GPTQ int4 checkpoints, read from their own on-disk layouts and repacked ONCE at load
+// into the compressed-tensors pack-quantized view (quant.hpp) that the CPU matmul and the CUDA uploader already
+// run: no per-format kernels, and act-order stays a g_idx that the GPU uploader turns into one permutation (as
+// Marlin does), never a per-step gather.
+//
+// Layouts (N = out_features, K = in_features, G = groups = K / group_size; 1 for GPTQ group_size -1). Facts from
+// AutoAWQ's / GPTQModel's packing code and vLLM's awq.py / gptq.py (read, not copied):
+//   AWQ (AutoAWQ GEMM, quant_method "awq", version "gemm")
+//     qweight I32 [K, N/8]: word (k, c) holds columns 8c .. 8c+7 of input row k; nibble i (bits 4i..4i+3) holds
+//             column 8c + kAwqOrder[i], kAwqOrder = [0, 2, 4, 6, 1, 3, 5, 7] (the interleave AutoAWQ's GEMM
+//             kernel dequantizes with; unpacking reads column offset j from nibble kAwqReverseOrder[j] =
+//             [0, 4, 1, 5, 2, 6, 3, 7]). Stored u in 0..15.
+//     qzeros  I32 [G, N/8]: the zero point z (0..15) per group and column, same interleave. zero_point false
+//             (symmetric): vLLM's AWQ-Marlin reads no qzeros and uses z = 8; a qzeros tensor present is read.
+//     scales  F16 [G, N].                      w[n, k] = (u - z) * scales[k / group_size, n]
+//   GPTQ (AutoGPTQ / GPTQModel / optimum, quant_method "gptq")
+//     qweight I32 [K/8, N]: word (i, n) holds input rows 8i .. 8i+7 of column n, row 8i + j at bits 4j.
+//     qzeros  I32 [G, N/8]: word (g, c) holds columns 8c .. 8c+7, column 8c + j at bits 4j. checkpoint_format
+//             "gptq" (v1, the default): the stored value is z - 1 (AutoGPTQ's pack subtracts 1, its kernels add
+//             it back); "gptq_v2": z itself. sym true: z = 8.
+//     scales  F16 [G, N].
+//     g_idx   I32 [K]: input row k is in group g_idx[k]; k / group_size unless desc_act (act-order).
+//                                              w[n, k] = (u - z[g_idx[k], n]) * scales[g_idx[k], n]
+// The repacked view: weight_packed [N, K/8] with u as stored (compressed-tensors' nibble is q + 8 = u), zero points
+// [ceil(N/8), G] packed along N holding z (its stored zero + 8 = z), scales [N, G], g_idx only for act-order (a
+// g_idx equal to k / group_size is dropped). Then (q - zero) = (u - 8) - (z - 8) = u - z exactly, and one product
+// rounded to the scales' dtype is the reference's dequantization (GPTQModel's torch kernel and vLLM's
+// awq_dequantize both multiply the integer difference by the fp16 scale once).
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+
+constexpr int kAwqOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};         // nibble i holds column offset kAwqOrder[i]
+constexpr int kAwqReverseOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // column offset j sits at nibble kAwqReverseOrder[j]
+
+// The compressed-tensors view of an AWQ / GPTQ Linear (linear.packing != compressed_tensors), repacked from
+// `store` into memory the view owns (QuantWeight::storage). Validates every tensor against the descriptor; errors
+// name the tensor: bad_format (shapes, g_idx out of range or unbalanced groups), missing_tensor, unsupported (a
+// GPTQ v1 zero stored as 15: z = 16 is outside int4's zero points).
+Result<QuantWeight> repack_awq_gptq(const LinearDesc& linear, const TensorStore& store);
+
+// Host bytes the repacked view of `linear` holds (0 for compressed-tensors, which is used in place): what loading
+// an AWQ / GPTQ Linear adds to the on-disk bytes on the CPU backend (the planner's repack row).
+uint64_t int4_repacked_host_bytes(const LinearDesc& linear);
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
@@ -4375,6 +4437,15 @@ const char* weight_format_name(WeightFormat format) {
   }
   return "?";
 }
+const char* int4_packing_name(Int4Packing packing) {
+  switch (packing) {
+    case Int4Packing::compressed_tensors: return "compressed-tensors";
+    case Int4Packing::awq: return "awq";
+    case Int4Packing::gptq: return "gptq";
+    case Int4Packing::gptq_v2: return "gptq_v2";
+  }
+  return "?";
+}
 const char* scale_granularity_name(ScaleGranularity granularity) {
   switch (granularity) {
     case ScaleGranularity::none: return "none";
@@ -4836,6 +4907,95 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
   return s;
 }
 
+// quant_method "awq" (AutoAWQ GEMM) and "gptq" (AutoGPTQ / GPTQModel / optimum): one int4 scheme for every Linear
+// but those in modules_to_not_convert and lm_head, which neither quantizes (transformers' get_modules_to_not_convert
+// adds the output embedding; GPTQ's `lm_head: true` is the exception, refused below).
+inline QuantConfig parse_awq_gptq(const Node& q, const std::string& method) {
+  QuantConfig quant;
+  const bool awq = method == "awq";
+  quant.method = awq ? QuantMethod::awq : QuantMethod::gptq;
+  QuantScheme s;
+  s.targets = {"Linear"};
+  s.format = WeightFormat::int4;
+  const char* bits_key = q.has("bits") || !q.has("w_bit") ? "bits" : "w_bit";
+  std::optional<int64_t> bits = q.optional_int(bits_key);
+  if (!bits) q.fail_key(ErrorCode::bad_format, bits_key, "is missing");
+  if (*bits != 4)
+    q.fail_key(ErrorCode::unsupported, bits_key,
+               format("= %lld: kvlite reads 4-bit %s checkpoints; for 8 bits download the model's FP8 release (or "
+                      "its 4-bit %s / compressed-tensors W4A16 one)",
+                      (long long)*bits, awq ? "AWQ" : "GPTQ", awq ? "AWQ" : "GPTQ-Int4"));
+  s.num_bits = 4;
+  const char* group_key = q.has("group_size") || !q.has("q_group_size") ? "group_size" : "q_group_size";
+  std::optional<int64_t> group = q.optional_int(group_key);
+  if (!group) q.fail_key(ErrorCode::bad_format, group_key, "is missing");
+  if (*group == -1 && !awq) {
+    s.granularity = ScaleGranularity::channel;  // GPTQ group_size -1: one scale per output row
+  } else if (*group > 0 && *group <= limits::max_model_width) {
+    s.granularity = ScaleGranularity::group;
+    s.group_size = *group;
+  } else {
+    q.fail_key(ErrorCode::bad_format, group_key,
+               format("= %lld; expected a positive group size%s", (long long)*group, awq ? "" : " or -1 (per channel)"));
+  }
+  if (awq) {
+    quant.format = "awq";
+    s.packing = Int4Packing::awq;
+    s.symmetric = !q.bool_or("zero_point", true);
+    std::string version = q.string_or("version", "gemm");
+    std::transform(version.begin(), version.end(), version.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+    if (version != "gemm")
+      q.fail_key(ErrorCode::unsupported, "version",
+                 format("'%s' is not supported; kvlite reads AutoAWQ's GEMM layout (version gemm), the one "
+                        "published AWQ checkpoints use", version.c_str()));
+  } else {
+    quant.format = "gptq";
+    s.symmetric = q.bool_or("sym", true);
+    s.actorder = q.bool_or("desc_act", false);
+    // GPTQModel writes checkpoint_format; older configs call it `format`; absent means v1.
+    const char* format_key = q.has("checkpoint_format") ? "checkpoint_format" : "format";
+    const std::string checkpoint_format = q.string_or(format_key, "gptq");
+    if (checkpoint_format == "gptq") s.packing = Int4Packing::gptq;
+    else if (checkpoint_format == "gptq_v2") s.packing = Int4Packing::gptq_v2;
+    else
+      q.fail_key(ErrorCode::unsupported, format_key,
+                 format("'%s' is not supported; supported: gptq (v1, zero points stored minus one), gptq_v2",
+                        checkpoint_format.c_str()));
+    if (q.bool_or("lm_head", false))
+      q.fail_key(ErrorCode::unsupported, "lm_head", "= true (a quantized lm_head) is not supported");
+  }
+  quant.schemes.push_back(s);
+  quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+  quant.modules_to_not_convert.push_back("lm_head");
+  return quant;
+}
+
+// Quantization methods kvlite does not read, refused with what to download or convert instead.
+[[noreturn]] inline void refuse_quant_method(const Node& q, const std::string& method) {
+  if (method == "bitsandbytes") {
+    const bool four_bit = q.bool_or("load_in_4bit", false);
+    const std::string type = four_bit ? q.string_or("bnb_4bit_quant_type", "fp4") : std::string("int8");
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               format("'bitsandbytes' (%s, LLM.int8 / QLoRA's format) is not supported: its kernels are "
+                      "bitsandbytes' own. Download the model's AWQ, GPTQ-Int4 or compressed-tensors W4A16 release, "
+                      "or the unquantized checkpoint",
+                      type.c_str()));
+  }
+  if (method == "modelopt") {
+    const std::string algo = q.string_or("quant_algo", "?");
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               format("'modelopt' (%s) is not supported%s; download the model's compressed-tensors W4A16, AWQ, "
+                      "GPTQ-Int4 or FP8 release",
+                      algo.c_str(), algo == "NVFP4" ? " (NVFP4 needs Blackwell FP4 tensor cores)" : ""));
+  }
+  if (method == "gguf")
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               "'gguf' is not supported: kvlite reads safetensors checkpoints; download the model's Hugging Face "
+               "release (AWQ, GPTQ-Int4 or compressed-tensors W4A16 for 4 bits)");
+  q.fail_key(ErrorCode::unsupported, "quant_method",
+             format("'%s' is not supported; supported: compressed-tensors, fp8, awq, gptq", method.c_str()));
+}
+
 inline QuantConfig parse_quant(const Node& q) {
   QuantConfig quant;
   std::optional<std::string> method = q.optional_string("quant_method");
@@ -4844,6 +5004,14 @@ inline QuantConfig parse_quant(const Node& q) {
     quant.method = QuantMethod::compressed_tensors;
     quant.format = q.string_or("format", "");
     static const char* const kFormats[] = {"pack-quantized", "float-quantized", "naive-quantized", "mixed-precision"};
+    if (quant.format == "nvfp4-pack-quantized")
+      q.fail_key(ErrorCode::unsupported, "format",
+                 "'nvfp4-pack-quantized' (NVFP4: 4-bit e2m1 weights with fp8 block scales) is not supported; "
+                 "download the compressed-tensors W4A16 (pack-quantized), AWQ or GPTQ-Int4 release of the model");
+    if (quant.format == "int-quantized")
+      q.fail_key(ErrorCode::unsupported, "format",
+                 "'int-quantized' (compressed-tensors INT8: W8A8 / W8A16) is not supported yet; download the "
+                 "model's compressed-tensors W4A16 (pack-quantized), AWQ, GPTQ-Int4 or FP8 release");
     if (!quant.format.empty() &&
         std::find(std::begin(kFormats), std::end(kFormats), quant.format) == std::end(kFormats))
       q.fail_key(ErrorCode::unsupported, "format",
@@ -4895,10 +5063,14 @@ inline QuantConfig parse_quant(const Node& q) {
     }
     s.dynamic_activations = true;
     quant.schemes.push_back(s);
-    quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+    // transformers' FineGrainedFP8 quantizer adds the output embedding when the config names no modules
+    // (get_modules_to_not_convert): a config without the key keeps lm_head in the model dtype.
+    if (!q.has("modules_to_not_convert")) quant.modules_to_not_convert = {"lm_head"};
+    else quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+  } else if (*method == "awq" || *method == "gptq") {
+    quant = parse_awq_gptq(q, *method);
   } else {
-    q.fail_key(ErrorCode::unsupported, "quant_method",
-               format("'%s' is not supported; supported: compressed-tensors, fp8", method->c_str()));
+    refuse_quant_method(q, *method);
   }
   return quant;
 }
@@ -4978,6 +5150,14 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
 Result<ModelConfig> load_config(const std::string& model_dir) {
   return detail::guard([&]() -> ModelConfig {
     std::string path = detail::path_join(model_dir, "config.json");
+    auto is_gguf = [](const std::string& name) {
+      return name.size() > 5 && (name.compare(name.size() - 5, 5, ".gguf") == 0 || name.compare(name.size() - 5, 5, ".GGUF") == 0);
+    };
+    if (is_gguf(model_dir))
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("%s is a GGUF file (llama.cpp's format), which kvlite does not read: download the "
+                                  "model's Hugging Face release (safetensors + config.json; for 4 bits its AWQ, "
+                                  "GPTQ-Int4 or compressed-tensors W4A16 repo)", model_dir.c_str()));
     if (!detail::file_exists(path))
       detail::fail(ErrorCode::io_error,
                    detail::format("%s not found: a model directory needs the config.json its checkpoint was published with",
@@ -5126,6 +5306,24 @@ inline LinearDesc estimate_linear(const ModelConfig& c, const LinearSpec& spec) 
     d.weight_dtype = dtype;
     d.scale_dtype = dtype;
     bytes += dtype_bytes(dtype, n * k);
+  } else if (scheme->format == WeightFormat::int4 && scheme->packing != Int4Packing::compressed_tensors) {
+    // AWQ / GPTQ (src/quant_formats.hpp): int32 words of 8 values, scales [G, N] in the model dtype (float16 in
+    // every published checkpoint), zero points [G, N/8] (GPTQ stores them even when symmetric), GPTQ's g_idx [K].
+    d.format = WeightFormat::int4;
+    d.weight_dtype = DType::I32;
+    d.packing = scheme->packing;
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : spec.k;
+    d.scale_dtype = dtype;
+    d.scale_name = "scales";
+    d.symmetric = scheme->symmetric;
+    d.has_g_idx = scheme->actorder;
+    const uint64_t groups = ceil_div(k, uint64_t(d.group_size));
+    const bool gptq = scheme->packing != Int4Packing::awq;
+    bytes += ceil_div(k * n, 8) * 4;                          // qweight: AWQ (K, N/8), GPTQ (K/8, N) I32
+    bytes += dtype_bytes(dtype, n * groups);                 // scales (G, N)
+    if (gptq || !d.symmetric) bytes += groups * ceil_div(n, 8) * 4;  // qzeros (G, N/8) I32
+    if (gptq) bytes += k * 4;                                // g_idx (K,) I32
   } else if (scheme->format == WeightFormat::int4) {
     d.format = WeightFormat::int4;
     d.weight_dtype = DType::I32;
@@ -5160,9 +5358,11 @@ inline LinearDesc estimate_linear(const ModelConfig& c, const LinearSpec& spec) 
 }
 
 // Every tensor name a Linear may own on disk; its bytes are the sum of those present.
-static const char* const kLinearTensorSuffixes[] = {"weight",      "weight_packed",     "weight_shape",
+static const char* const kLinearTensorSuffixes[] = {"weight",       "weight_packed",     "weight_shape",
                                                     "weight_scale", "weight_scale_inv", "weight_zero_point",
-                                                    "weight_g_idx", "input_scale",      "bias"};
+                                                    "weight_g_idx", "input_scale",      "bias",
+                                                    "qweight",      "qzeros",           "scales",
+                                                    "g_idx"};
 
 struct HeaderReader {
   const TensorLookup& lookup;
@@ -5246,6 +5446,85 @@ inline void describe_int4(const ModelConfig& c, const LinearSpec& spec, const He
   d.weight_dtype = DType::I32;
 }
 
+// AWQ / GPTQ tensors (src/quant_formats.hpp has the layouts): shapes checked against config.json's [N, K], the
+// group size from the config (or, for a Linear it does not cover, from the scales' rows).
+inline void describe_awq_gptq(const ModelConfig& c, const LinearSpec& spec, const HeaderReader& h,
+                              const TensorInfo& qweight, LinearDesc& d) {
+  const std::string& p = spec.name;
+  const int64_t n = spec.n, k = spec.k;
+  if (c.quant.method != QuantMethod::awq && c.quant.method != QuantMethod::gptq)
+    fail(ErrorCode::bad_format,
+         format("%s is an AWQ / GPTQ tensor but config.json's quantization_config is not quant_method awq or gptq",
+                qweight.name.c_str()));
+  const bool awq = c.quant.method == QuantMethod::awq;
+  const char* method = awq ? "AWQ" : "GPTQ";
+  h.expect_dtype(qweight, DType::I32);
+  // Both pack 8 int4 values a word: AWQ along N, GPTQ along K.
+  if (n % 8 != 0 || k % 8 != 0)
+    fail(ErrorCode::bad_format, format("%s: [out %lld, in %lld] are not multiples of 8, which %s's int4 words need",
+                                       qweight.name.c_str(), (long long)n, (long long)k, method));
+  const std::vector<int64_t> packed_shape = awq ? std::vector<int64_t>{k, n / 8} : std::vector<int64_t>{k / 8, n};
+  if (qweight.shape != packed_shape) {
+    // GPTQ 8-bit packs 4 a word along K: name it rather than report a bad shape.
+    if (!awq && qweight.shape == std::vector<int64_t>{k / 4, n})
+      fail(ErrorCode::unsupported, format("%s has shape %s: 8-bit GPTQ (4 values a word); kvlite reads 4-bit GPTQ",
+                                          qweight.name.c_str(), shape_text(qweight.shape).c_str()));
+    h.bad_shape(qweight, packed_shape,
+                format("%s int4 of [out %lld, in %lld] packed 8 per I32 along %s", method, (long long)n, (long long)k,
+                       awq ? "out" : "in"));
+  }
+  const TensorInfo* scales = h.find(p + ".scales");
+  if (!scales) fail(ErrorCode::missing_tensor, format("%s.scales is missing: %s needs its scales", p.c_str(), qweight.name.c_str()));
+  h.expect_scale_dtype(*scales);
+  const QuantScheme* scheme = quant_scheme_for(c.quant, p);
+  int64_t groups = 0;
+  if (scheme && scheme->format == WeightFormat::int4) {
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : k;
+    d.symmetric = scheme->symmetric;
+    d.has_g_idx = scheme->actorder;
+    if (k % d.group_size != 0)
+      fail(ErrorCode::bad_format, format("%s: group_size %lld does not divide in_features %lld; int4 kernels need whole groups",
+                                         qweight.name.c_str(), (long long)d.group_size, (long long)k));
+    groups = k / d.group_size;
+  } else {  // not covered by the config (listed in modules_to_not_convert, yet stored packed): read the scales
+    if (scales->shape.size() != 2 || scales->shape[0] <= 0 || k % scales->shape[0] != 0)
+      h.bad_shape(*scales, {1, n}, "[in / group_size, out] scales");
+    groups = scales->shape[0];
+    d.group_size = k / groups;
+    d.granularity = groups == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+    d.symmetric = awq ? !h.find(p + ".qzeros") : false;
+    d.has_g_idx = false;
+  }
+  const std::vector<int64_t> scale_shape{groups, n};
+  if (scales->shape != scale_shape)
+    h.bad_shape(*scales, scale_shape, format("group_size %lld over [out %lld, in %lld]", (long long)d.group_size,
+                                             (long long)n, (long long)k));
+  d.scale_dtype = scales->dtype;
+  d.scale_name = "scales";
+  const TensorInfo* zeros = h.find(p + ".qzeros");
+  if (zeros) {
+    h.expect_dtype(*zeros, DType::I32);
+    if (zeros->shape != std::vector<int64_t>{groups, n / 8})
+      h.bad_shape(*zeros, {groups, n / 8}, "zero points packed 8 per I32 along out");
+  } else if (!awq || !d.symmetric) {
+    fail(ErrorCode::missing_tensor, format("%s.qzeros is missing: %s stores %s zero points there", p.c_str(), method,
+                                           awq ? "AWQ's (zero_point true)" : "GPTQ's"));
+  }
+  if (const TensorInfo* g_idx = h.find(p + ".g_idx")) {
+    h.expect_dtype(*g_idx, DType::I32);
+    if (g_idx->shape != std::vector<int64_t>{k}) h.bad_shape(*g_idx, {k}, "one group index per input row");
+  } else if (d.has_g_idx) {
+    fail(ErrorCode::missing_tensor, format("%s.g_idx is missing: desc_act true (act-order) stores each input row's "
+                                           "group there", p.c_str()));
+  }
+  d.packing = scheme && scheme->format == WeightFormat::int4 ? scheme->packing
+              : awq                                          ? Int4Packing::awq
+                                                             : Int4Packing::gptq;
+  d.format = WeightFormat::int4;
+  d.weight_dtype = DType::I32;
+}
+
 inline void describe_fp8(const ModelConfig& c, const LinearSpec& spec, const HeaderReader& h, const TensorInfo& weight,
                          LinearDesc& d) {
   const std::string& p = spec.name;
@@ -5298,7 +5577,9 @@ inline LinearDesc describe_linear(const ModelConfig& c, const LinearSpec& spec, 
   d.vision = spec.vision;
   d.exact = true;
   const std::string& p = spec.name;
-  if (const TensorInfo* packed = h.find(p + ".weight_packed")) {
+  if (const TensorInfo* qweight = h.find(p + ".qweight")) {
+    describe_awq_gptq(c, spec, h, *qweight, d);
+  } else if (const TensorInfo* packed = h.find(p + ".weight_packed")) {
     describe_int4(c, spec, h, *packed, d);
   } else if (const TensorInfo* weight = h.find(p + ".weight")) {
     if (weight->dtype == DType::F8_E4M3) {
@@ -5770,7 +6051,11 @@ Result<QuantWeight> quant_weight(const LinearDesc& linear, const TensorStore& st
     w.out_features = linear.out_features;
     w.in_features = linear.in_features;
     w.format = linear.format;
-    if (linear.format == WeightFormat::int4) detail::quant::build_int4(linear, store, w);
+    if (linear.format == WeightFormat::int4 && linear.packing != Int4Packing::compressed_tensors) {
+      Result<QuantWeight> repacked = repack_awq_gptq(linear, store);  // quant_formats.hpp
+      if (!repacked) throw repacked.error();
+      w = std::move(*repacked);
+    } else if (linear.format == WeightFormat::int4) detail::quant::build_int4(linear, store, w);
     else if (linear.format == WeightFormat::fp8) detail::quant::build_fp8(linear, store, w);
     else
       detail::fail(ErrorCode::invalid_argument,
@@ -5882,6 +6167,205 @@ Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const Quan
     }
     work(0);
     for (std::thread& helper : helpers) helper.join();
+  });
+}
+
+}  // namespace kvlite
+// quant_formats: implementation.
+#include <memory>
+
+namespace kvlite {
+namespace detail {
+namespace quant_formats {
+
+inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline const TensorInfo& require(const TensorStore& store, const std::string& name, const char* why) {
+  const TensorInfo* tensor = store.find(name);
+  if (!tensor) fail(ErrorCode::missing_tensor, format("%s is missing: %s", name.c_str(), why));
+  return *tensor;
+}
+
+inline void expect(const TensorInfo& tensor, DType dtype, const std::vector<int64_t>& shape, const std::string& what) {
+  if (tensor.dtype != dtype)
+    fail(ErrorCode::bad_format, format("%s has dtype %s; %s stores it as %s", tensor.name.c_str(),
+                                       dtype_name(tensor.dtype), what.c_str(), dtype_name(dtype)));
+  if (tensor.shape != shape)
+    fail(ErrorCode::bad_format, format("%s has shape %s but %s expects %s", tensor.name.c_str(),
+                                       cfg::shape_text(tensor.shape).c_str(), what.c_str(), cfg::shape_text(shape).c_str()));
+}
+
+inline uint32_t word_at(const uint8_t* words, int64_t index) { return load_u32_le(words + 4 * index); }
+
+// Offsets of the view's tensors inside its one buffer (each 4-byte aligned).
+struct ViewLayout {
+  uint64_t packed = 0, scales = 0, zeros = 0, g_idx = 0, total = 0;
+};
+inline ViewLayout view_layout(int64_t n, int64_t k, int64_t groups, DType scale_dtype, bool zeros, bool g_idx) {
+  ViewLayout v;
+  uint64_t at = 0;
+  v.packed = at;
+  at += uint64_t(n) * uint64_t(ceil_div64(k, 8)) * 4;  // weight_packed [N, K/8] I32
+  v.scales = at;
+  at += (dtype_bytes(scale_dtype, uint64_t(n) * uint64_t(groups)) + 3) / 4 * 4;  // [N, G]
+  v.zeros = at;
+  if (zeros) at += uint64_t(ceil_div64(n, 8)) * uint64_t(groups) * 4;  // [ceil(N/8), G] I32
+  v.g_idx = at;
+  if (g_idx) at += uint64_t(k) * 4;  // [K] I32
+  v.total = at;
+  return v;
+}
+
+}  // namespace quant_formats
+}  // namespace detail
+
+uint64_t int4_repacked_host_bytes(const LinearDesc& d) {
+  if (d.format != WeightFormat::int4 || d.packing == Int4Packing::compressed_tensors || d.group_size <= 0) return 0;
+  const int64_t groups = d.in_features / d.group_size;
+  return detail::quant_formats::view_layout(d.out_features, d.in_features, groups, d.scale_dtype, !d.symmetric,
+                                            d.has_g_idx)
+      .total;
+}
+
+Result<QuantWeight> repack_awq_gptq(const LinearDesc& d, const TensorStore& store) {
+  return detail::guard([&]() -> QuantWeight {
+    using namespace detail;
+    using namespace detail::quant_formats;
+    const int64_t n = d.out_features, k = d.in_features;
+    const bool awq = d.packing == Int4Packing::awq;
+    if (d.format != WeightFormat::int4 || d.packing == Int4Packing::compressed_tensors)
+      fail(ErrorCode::invalid_argument, format("repack_awq_gptq(%s): not an AWQ / GPTQ Linear", d.name.c_str()));
+    if (n <= 0 || k <= 0 || n % 8 != 0 || k % 8 != 0 || d.group_size <= 0 || k % d.group_size != 0)
+      fail(ErrorCode::bad_format, format("%s: [out %lld, in %lld] with group_size %lld: AWQ / GPTQ need multiples of "
+                                         "8 and whole groups",
+                                         d.name.c_str(), (long long)n, (long long)k, (long long)d.group_size));
+    const int64_t groups = k / d.group_size;
+    const std::string p = d.name + ".";
+    const char* method = awq ? "AWQ" : "GPTQ";
+
+    const TensorInfo& qweight = require(store, p + "qweight", "an AWQ / GPTQ Linear stores its int4 weights there");
+    expect(qweight, DType::I32, awq ? std::vector<int64_t>{k, n / 8} : std::vector<int64_t>{k / 8, n},
+           format("%s int4 packed 8 per I32", method));
+    const TensorInfo& scales = require(store, p + "scales", "an AWQ / GPTQ Linear needs its scales");
+    if (scales.dtype != DType::F16 && scales.dtype != DType::BF16 && scales.dtype != DType::F32)
+      fail(ErrorCode::unsupported, format("%s has dtype %s; scales are supported as F32, BF16 or F16",
+                                          scales.name.c_str(), dtype_name(scales.dtype)));
+    expect(scales, scales.dtype, {groups, n}, format("%s scales [groups, out]", method));
+    const TensorInfo* qzeros = store.find(p + "qzeros");
+    if (qzeros) expect(*qzeros, DType::I32, {groups, n / 8}, format("%s zero points packed 8 per I32 along out", method));
+    else if (!awq || !d.symmetric)
+      fail(ErrorCode::missing_tensor, format("%sqzeros is missing: %s stores its zero points there", p.c_str(), method));
+    const TensorInfo* g_idx_tensor = awq ? nullptr : store.find(p + "g_idx");
+    if (g_idx_tensor) expect(*g_idx_tensor, DType::I32, {k}, "GPTQ's g_idx (one group per input row)");
+
+    // Unpack the zero points first: they decide whether the view needs a zero table (all 8: symmetric).
+    const uint8_t* qw = store.data(qweight);
+    const uint8_t* qz = qzeros ? store.data(*qzeros) : nullptr;
+    const int zero_offset = d.packing == Int4Packing::gptq ? 1 : 0;  // v1 stores z - 1
+    std::vector<uint8_t> zero(size_t(groups * n), 8);               // [G, N]
+    bool all_eight = true;
+    if (qz) {
+      for (int64_t g = 0; g < groups; g++)
+        for (int64_t col = 0; col < n; col++) {
+          const uint32_t word = word_at(qz, g * (n / 8) + col / 8);
+          const int nibble = awq ? kAwqReverseOrder[col % 8] : int(col % 8);
+          const int z = int((word >> (4 * nibble)) & 0xfu) + zero_offset;
+          if (z > 15)
+            fail(ErrorCode::unsupported,
+                 format("%s stores 15 for group %lld, column %lld: GPTQ v1's zero - 1 makes that a zero point of 16, "
+                        "outside int4 (a quantizer wraps -1 there when z = 0); re-save the checkpoint as gptq_v2",
+                        qzeros->name.c_str(), (long long)g, (long long)col));
+          zero[size_t(g * n + col)] = uint8_t(z);
+          all_eight = all_eight && z == 8;
+        }
+    }
+    const bool zeros = !all_eight;
+
+    // Act-order: keep g_idx only when it is not k / group_size.
+    std::vector<int32_t> g_idx;
+    if (g_idx_tensor) {
+      const uint8_t* bytes = store.data(*g_idx_tensor);
+      g_idx.resize(size_t(k));
+      std::vector<int64_t> members(size_t(groups), 0);
+      bool column_order = true;
+      for (int64_t row = 0; row < k; row++) {
+        int32_t group;
+        memcpy(&group, bytes + 4 * row, 4);
+        if (group < 0 || group >= groups)
+          fail(ErrorCode::bad_format, format("%s[%lld] = %d is not a group of %s (0..%lld)", g_idx_tensor->name.c_str(),
+                                             (long long)row, group, scales.name.c_str(), (long long)(groups - 1)));
+        g_idx[size_t(row)] = group;
+        members[size_t(group)]++;
+        column_order = column_order && group == row / d.group_size;
+      }
+      if (column_order) {
+        g_idx.clear();
+      } else {
+        for (int64_t g = 0; g < groups; g++)
+          if (members[size_t(g)] != d.group_size)
+            fail(ErrorCode::bad_format,
+                 format("%s assigns %lld input rows to group %lld; each of the %lld groups must hold group_size %lld "
+                        "(static_groups or a truncated g_idx?)",
+                        g_idx_tensor->name.c_str(), (long long)members[size_t(g)], (long long)g, (long long)groups,
+                        (long long)d.group_size));
+      }
+    }
+
+    const ViewLayout v = view_layout(n, k, groups, scales.dtype, zeros, !g_idx.empty());
+    auto storage = std::make_shared<std::vector<uint8_t>>(size_t(v.total), uint8_t(0));
+    uint8_t* base = storage->data();
+
+    // weight_packed [N, K/8]: column k of row n at nibble k % 8 of word k / 8, the stored u unchanged.
+    const int64_t words = k / 8;
+    uint32_t* packed = reinterpret_cast<uint32_t*>(base + v.packed);
+    if (awq) {
+      for (int64_t row = 0; row < k; row++)
+        for (int64_t c = 0; c < n / 8; c++) {
+          const uint32_t word = word_at(qw, row * (n / 8) + c);
+          for (int j = 0; j < 8; j++) {
+            const uint32_t u = (word >> (4 * kAwqReverseOrder[j])) & 0xfu;
+            packed[(8 * c + j) * words + row / 8] |= u << (4 * (row % 8));
+          }
+        }
+    } else {
+      // A GPTQ word already holds 8 consecutive input rows lowest first: it is the view's word, transposed.
+      for (int64_t i = 0; i < words; i++)
+        for (int64_t col = 0; col < n; col++) packed[col * words + i] = word_at(qw, i * n + col);
+    }
+
+    // scales [G, N] -> [N, G]
+    const size_t element = size_t(dtype_bytes(scales.dtype, 1));
+    const uint8_t* src_scales = store.data(scales);
+    for (int64_t g = 0; g < groups; g++)
+      for (int64_t col = 0; col < n; col++)
+        memcpy(base + v.scales + (col * groups + g) * element, src_scales + (g * n + col) * element, element);
+
+    if (zeros) {
+      uint32_t* out = reinterpret_cast<uint32_t*>(base + v.zeros);
+      for (int64_t g = 0; g < groups; g++)
+        for (int64_t col = 0; col < n; col++)
+          out[(col / 8) * groups + g] |= uint32_t(zero[size_t(g * n + col)]) << (4 * (col % 8));
+    }
+    if (!g_idx.empty()) memcpy(base + v.g_idx, g_idx.data(), g_idx.size() * 4);
+
+    QuantWeight w;
+    w.name = d.name;
+    w.out_features = n;
+    w.in_features = k;
+    w.format = WeightFormat::int4;
+    w.granularity = groups == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+    w.packed = base + v.packed;
+    w.packed_cols = words;
+    w.zero_points = zeros ? base + v.zeros : nullptr;
+    w.g_idx = g_idx.empty() ? nullptr : base + v.g_idx;
+    w.group_size = d.group_size;
+    w.scales = base + v.scales;
+    w.scale_dtype = scales.dtype;
+    w.scale_rows = n;
+    w.scale_cols = groups;
+    w.rounding = DequantRounding::scale_dtype;
+    w.storage = std::move(storage);
+    return w;
   });
 }
 
@@ -9962,7 +10446,17 @@ std::vector<std::vector<const LinearDesc*>> fused_linear_groups(const std::vecto
 PlanItem repack_item(const Inputs& in) {
   PlanItem item{"repack", "repack", 0, "", true};
   if (in.device.backend != BackendKind::cuda) {
-    item.why = "CPU backend runs the on-disk layout: nothing to repack";
+    // AWQ / GPTQ Linears are repacked once at load into the compressed-tensors view the CPU matmul runs
+    // (int4_repacked_host_bytes: packed weights, transposed scales, zero points, act-order g_idx), held next to
+    // the memory-mapped checkpoint; compressed-tensors and fp8 are used in place.
+    uint64_t host = 0, repacked = 0;
+    for (const auto& linear : in.weights.linears)
+      if (uint64_t bytes = int4_repacked_host_bytes(linear)) host += bytes, repacked++;
+    item.bytes = align_up(host, kPlanAlignment);
+    item.why = repacked ? format("%llu AWQ / GPTQ Linears repacked at load into the CPU's int4 layout (weight_packed "
+                                 "[N, K/8], scales [N, G], zero points, act-order g_idx): %s",
+                                 (unsigned long long)repacked, format_bytes(host).c_str())
+                        : std::string("CPU backend runs the on-disk layout: nothing to repack");
     return item;
   }
   // The quantized Linears the GPU runs, in the layout its GEMMs read (cuda::quant_device_bytes: repacked tiles

@@ -28,6 +28,15 @@ const char* weight_format_name(WeightFormat format) {
   }
   return "?";
 }
+const char* int4_packing_name(Int4Packing packing) {
+  switch (packing) {
+    case Int4Packing::compressed_tensors: return "compressed-tensors";
+    case Int4Packing::awq: return "awq";
+    case Int4Packing::gptq: return "gptq";
+    case Int4Packing::gptq_v2: return "gptq_v2";
+  }
+  return "?";
+}
 const char* scale_granularity_name(ScaleGranularity granularity) {
   switch (granularity) {
     case ScaleGranularity::none: return "none";
@@ -489,6 +498,95 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
   return s;
 }
 
+// quant_method "awq" (AutoAWQ GEMM) and "gptq" (AutoGPTQ / GPTQModel / optimum): one int4 scheme for every Linear
+// but those in modules_to_not_convert and lm_head, which neither quantizes (transformers' get_modules_to_not_convert
+// adds the output embedding; GPTQ's `lm_head: true` is the exception, refused below).
+inline QuantConfig parse_awq_gptq(const Node& q, const std::string& method) {
+  QuantConfig quant;
+  const bool awq = method == "awq";
+  quant.method = awq ? QuantMethod::awq : QuantMethod::gptq;
+  QuantScheme s;
+  s.targets = {"Linear"};
+  s.format = WeightFormat::int4;
+  const char* bits_key = q.has("bits") || !q.has("w_bit") ? "bits" : "w_bit";
+  std::optional<int64_t> bits = q.optional_int(bits_key);
+  if (!bits) q.fail_key(ErrorCode::bad_format, bits_key, "is missing");
+  if (*bits != 4)
+    q.fail_key(ErrorCode::unsupported, bits_key,
+               format("= %lld: kvlite reads 4-bit %s checkpoints; for 8 bits download the model's FP8 release (or "
+                      "its 4-bit %s / compressed-tensors W4A16 one)",
+                      (long long)*bits, awq ? "AWQ" : "GPTQ", awq ? "AWQ" : "GPTQ-Int4"));
+  s.num_bits = 4;
+  const char* group_key = q.has("group_size") || !q.has("q_group_size") ? "group_size" : "q_group_size";
+  std::optional<int64_t> group = q.optional_int(group_key);
+  if (!group) q.fail_key(ErrorCode::bad_format, group_key, "is missing");
+  if (*group == -1 && !awq) {
+    s.granularity = ScaleGranularity::channel;  // GPTQ group_size -1: one scale per output row
+  } else if (*group > 0 && *group <= limits::max_model_width) {
+    s.granularity = ScaleGranularity::group;
+    s.group_size = *group;
+  } else {
+    q.fail_key(ErrorCode::bad_format, group_key,
+               format("= %lld; expected a positive group size%s", (long long)*group, awq ? "" : " or -1 (per channel)"));
+  }
+  if (awq) {
+    quant.format = "awq";
+    s.packing = Int4Packing::awq;
+    s.symmetric = !q.bool_or("zero_point", true);
+    std::string version = q.string_or("version", "gemm");
+    std::transform(version.begin(), version.end(), version.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+    if (version != "gemm")
+      q.fail_key(ErrorCode::unsupported, "version",
+                 format("'%s' is not supported; kvlite reads AutoAWQ's GEMM layout (version gemm), the one "
+                        "published AWQ checkpoints use", version.c_str()));
+  } else {
+    quant.format = "gptq";
+    s.symmetric = q.bool_or("sym", true);
+    s.actorder = q.bool_or("desc_act", false);
+    // GPTQModel writes checkpoint_format; older configs call it `format`; absent means v1.
+    const char* format_key = q.has("checkpoint_format") ? "checkpoint_format" : "format";
+    const std::string checkpoint_format = q.string_or(format_key, "gptq");
+    if (checkpoint_format == "gptq") s.packing = Int4Packing::gptq;
+    else if (checkpoint_format == "gptq_v2") s.packing = Int4Packing::gptq_v2;
+    else
+      q.fail_key(ErrorCode::unsupported, format_key,
+                 format("'%s' is not supported; supported: gptq (v1, zero points stored minus one), gptq_v2",
+                        checkpoint_format.c_str()));
+    if (q.bool_or("lm_head", false))
+      q.fail_key(ErrorCode::unsupported, "lm_head", "= true (a quantized lm_head) is not supported");
+  }
+  quant.schemes.push_back(s);
+  quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+  quant.modules_to_not_convert.push_back("lm_head");
+  return quant;
+}
+
+// Quantization methods kvlite does not read, refused with what to download or convert instead.
+[[noreturn]] inline void refuse_quant_method(const Node& q, const std::string& method) {
+  if (method == "bitsandbytes") {
+    const bool four_bit = q.bool_or("load_in_4bit", false);
+    const std::string type = four_bit ? q.string_or("bnb_4bit_quant_type", "fp4") : std::string("int8");
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               format("'bitsandbytes' (%s, LLM.int8 / QLoRA's format) is not supported: its kernels are "
+                      "bitsandbytes' own. Download the model's AWQ, GPTQ-Int4 or compressed-tensors W4A16 release, "
+                      "or the unquantized checkpoint",
+                      type.c_str()));
+  }
+  if (method == "modelopt") {
+    const std::string algo = q.string_or("quant_algo", "?");
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               format("'modelopt' (%s) is not supported%s; download the model's compressed-tensors W4A16, AWQ, "
+                      "GPTQ-Int4 or FP8 release",
+                      algo.c_str(), algo == "NVFP4" ? " (NVFP4 needs Blackwell FP4 tensor cores)" : ""));
+  }
+  if (method == "gguf")
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               "'gguf' is not supported: kvlite reads safetensors checkpoints; download the model's Hugging Face "
+               "release (AWQ, GPTQ-Int4 or compressed-tensors W4A16 for 4 bits)");
+  q.fail_key(ErrorCode::unsupported, "quant_method",
+             format("'%s' is not supported; supported: compressed-tensors, fp8, awq, gptq", method.c_str()));
+}
+
 inline QuantConfig parse_quant(const Node& q) {
   QuantConfig quant;
   std::optional<std::string> method = q.optional_string("quant_method");
@@ -497,6 +595,14 @@ inline QuantConfig parse_quant(const Node& q) {
     quant.method = QuantMethod::compressed_tensors;
     quant.format = q.string_or("format", "");
     static const char* const kFormats[] = {"pack-quantized", "float-quantized", "naive-quantized", "mixed-precision"};
+    if (quant.format == "nvfp4-pack-quantized")
+      q.fail_key(ErrorCode::unsupported, "format",
+                 "'nvfp4-pack-quantized' (NVFP4: 4-bit e2m1 weights with fp8 block scales) is not supported; "
+                 "download the compressed-tensors W4A16 (pack-quantized), AWQ or GPTQ-Int4 release of the model");
+    if (quant.format == "int-quantized")
+      q.fail_key(ErrorCode::unsupported, "format",
+                 "'int-quantized' (compressed-tensors INT8: W8A8 / W8A16) is not supported yet; download the "
+                 "model's compressed-tensors W4A16 (pack-quantized), AWQ, GPTQ-Int4 or FP8 release");
     if (!quant.format.empty() &&
         std::find(std::begin(kFormats), std::end(kFormats), quant.format) == std::end(kFormats))
       q.fail_key(ErrorCode::unsupported, "format",
@@ -548,10 +654,14 @@ inline QuantConfig parse_quant(const Node& q) {
     }
     s.dynamic_activations = true;
     quant.schemes.push_back(s);
-    quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+    // transformers' FineGrainedFP8 quantizer adds the output embedding when the config names no modules
+    // (get_modules_to_not_convert): a config without the key keeps lm_head in the model dtype.
+    if (!q.has("modules_to_not_convert")) quant.modules_to_not_convert = {"lm_head"};
+    else quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+  } else if (*method == "awq" || *method == "gptq") {
+    quant = parse_awq_gptq(q, *method);
   } else {
-    q.fail_key(ErrorCode::unsupported, "quant_method",
-               format("'%s' is not supported; supported: compressed-tensors, fp8", method->c_str()));
+    refuse_quant_method(q, *method);
   }
   return quant;
 }
@@ -631,6 +741,14 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
 Result<ModelConfig> load_config(const std::string& model_dir) {
   return detail::guard([&]() -> ModelConfig {
     std::string path = detail::path_join(model_dir, "config.json");
+    auto is_gguf = [](const std::string& name) {
+      return name.size() > 5 && (name.compare(name.size() - 5, 5, ".gguf") == 0 || name.compare(name.size() - 5, 5, ".GGUF") == 0);
+    };
+    if (is_gguf(model_dir))
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("%s is a GGUF file (llama.cpp's format), which kvlite does not read: download the "
+                                  "model's Hugging Face release (safetensors + config.json; for 4 bits its AWQ, "
+                                  "GPTQ-Int4 or compressed-tensors W4A16 repo)", model_dir.c_str()));
     if (!detail::file_exists(path))
       detail::fail(ErrorCode::io_error,
                    detail::format("%s not found: a model directory needs the config.json its checkpoint was published with",
@@ -779,6 +897,24 @@ inline LinearDesc estimate_linear(const ModelConfig& c, const LinearSpec& spec) 
     d.weight_dtype = dtype;
     d.scale_dtype = dtype;
     bytes += dtype_bytes(dtype, n * k);
+  } else if (scheme->format == WeightFormat::int4 && scheme->packing != Int4Packing::compressed_tensors) {
+    // AWQ / GPTQ (src/quant_formats.hpp): int32 words of 8 values, scales [G, N] in the model dtype (float16 in
+    // every published checkpoint), zero points [G, N/8] (GPTQ stores them even when symmetric), GPTQ's g_idx [K].
+    d.format = WeightFormat::int4;
+    d.weight_dtype = DType::I32;
+    d.packing = scheme->packing;
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : spec.k;
+    d.scale_dtype = dtype;
+    d.scale_name = "scales";
+    d.symmetric = scheme->symmetric;
+    d.has_g_idx = scheme->actorder;
+    const uint64_t groups = ceil_div(k, uint64_t(d.group_size));
+    const bool gptq = scheme->packing != Int4Packing::awq;
+    bytes += ceil_div(k * n, 8) * 4;                          // qweight: AWQ (K, N/8), GPTQ (K/8, N) I32
+    bytes += dtype_bytes(dtype, n * groups);                 // scales (G, N)
+    if (gptq || !d.symmetric) bytes += groups * ceil_div(n, 8) * 4;  // qzeros (G, N/8) I32
+    if (gptq) bytes += k * 4;                                // g_idx (K,) I32
   } else if (scheme->format == WeightFormat::int4) {
     d.format = WeightFormat::int4;
     d.weight_dtype = DType::I32;
@@ -813,9 +949,11 @@ inline LinearDesc estimate_linear(const ModelConfig& c, const LinearSpec& spec) 
 }
 
 // Every tensor name a Linear may own on disk; its bytes are the sum of those present.
-static const char* const kLinearTensorSuffixes[] = {"weight",      "weight_packed",     "weight_shape",
+static const char* const kLinearTensorSuffixes[] = {"weight",       "weight_packed",     "weight_shape",
                                                     "weight_scale", "weight_scale_inv", "weight_zero_point",
-                                                    "weight_g_idx", "input_scale",      "bias"};
+                                                    "weight_g_idx", "input_scale",      "bias",
+                                                    "qweight",      "qzeros",           "scales",
+                                                    "g_idx"};
 
 struct HeaderReader {
   const TensorLookup& lookup;
@@ -899,6 +1037,85 @@ inline void describe_int4(const ModelConfig& c, const LinearSpec& spec, const He
   d.weight_dtype = DType::I32;
 }
 
+// AWQ / GPTQ tensors (src/quant_formats.hpp has the layouts): shapes checked against config.json's [N, K], the
+// group size from the config (or, for a Linear it does not cover, from the scales' rows).
+inline void describe_awq_gptq(const ModelConfig& c, const LinearSpec& spec, const HeaderReader& h,
+                              const TensorInfo& qweight, LinearDesc& d) {
+  const std::string& p = spec.name;
+  const int64_t n = spec.n, k = spec.k;
+  if (c.quant.method != QuantMethod::awq && c.quant.method != QuantMethod::gptq)
+    fail(ErrorCode::bad_format,
+         format("%s is an AWQ / GPTQ tensor but config.json's quantization_config is not quant_method awq or gptq",
+                qweight.name.c_str()));
+  const bool awq = c.quant.method == QuantMethod::awq;
+  const char* method = awq ? "AWQ" : "GPTQ";
+  h.expect_dtype(qweight, DType::I32);
+  // Both pack 8 int4 values a word: AWQ along N, GPTQ along K.
+  if (n % 8 != 0 || k % 8 != 0)
+    fail(ErrorCode::bad_format, format("%s: [out %lld, in %lld] are not multiples of 8, which %s's int4 words need",
+                                       qweight.name.c_str(), (long long)n, (long long)k, method));
+  const std::vector<int64_t> packed_shape = awq ? std::vector<int64_t>{k, n / 8} : std::vector<int64_t>{k / 8, n};
+  if (qweight.shape != packed_shape) {
+    // GPTQ 8-bit packs 4 a word along K: name it rather than report a bad shape.
+    if (!awq && qweight.shape == std::vector<int64_t>{k / 4, n})
+      fail(ErrorCode::unsupported, format("%s has shape %s: 8-bit GPTQ (4 values a word); kvlite reads 4-bit GPTQ",
+                                          qweight.name.c_str(), shape_text(qweight.shape).c_str()));
+    h.bad_shape(qweight, packed_shape,
+                format("%s int4 of [out %lld, in %lld] packed 8 per I32 along %s", method, (long long)n, (long long)k,
+                       awq ? "out" : "in"));
+  }
+  const TensorInfo* scales = h.find(p + ".scales");
+  if (!scales) fail(ErrorCode::missing_tensor, format("%s.scales is missing: %s needs its scales", p.c_str(), qweight.name.c_str()));
+  h.expect_scale_dtype(*scales);
+  const QuantScheme* scheme = quant_scheme_for(c.quant, p);
+  int64_t groups = 0;
+  if (scheme && scheme->format == WeightFormat::int4) {
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : k;
+    d.symmetric = scheme->symmetric;
+    d.has_g_idx = scheme->actorder;
+    if (k % d.group_size != 0)
+      fail(ErrorCode::bad_format, format("%s: group_size %lld does not divide in_features %lld; int4 kernels need whole groups",
+                                         qweight.name.c_str(), (long long)d.group_size, (long long)k));
+    groups = k / d.group_size;
+  } else {  // not covered by the config (listed in modules_to_not_convert, yet stored packed): read the scales
+    if (scales->shape.size() != 2 || scales->shape[0] <= 0 || k % scales->shape[0] != 0)
+      h.bad_shape(*scales, {1, n}, "[in / group_size, out] scales");
+    groups = scales->shape[0];
+    d.group_size = k / groups;
+    d.granularity = groups == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+    d.symmetric = awq ? !h.find(p + ".qzeros") : false;
+    d.has_g_idx = false;
+  }
+  const std::vector<int64_t> scale_shape{groups, n};
+  if (scales->shape != scale_shape)
+    h.bad_shape(*scales, scale_shape, format("group_size %lld over [out %lld, in %lld]", (long long)d.group_size,
+                                             (long long)n, (long long)k));
+  d.scale_dtype = scales->dtype;
+  d.scale_name = "scales";
+  const TensorInfo* zeros = h.find(p + ".qzeros");
+  if (zeros) {
+    h.expect_dtype(*zeros, DType::I32);
+    if (zeros->shape != std::vector<int64_t>{groups, n / 8})
+      h.bad_shape(*zeros, {groups, n / 8}, "zero points packed 8 per I32 along out");
+  } else if (!awq || !d.symmetric) {
+    fail(ErrorCode::missing_tensor, format("%s.qzeros is missing: %s stores %s zero points there", p.c_str(), method,
+                                           awq ? "AWQ's (zero_point true)" : "GPTQ's"));
+  }
+  if (const TensorInfo* g_idx = h.find(p + ".g_idx")) {
+    h.expect_dtype(*g_idx, DType::I32);
+    if (g_idx->shape != std::vector<int64_t>{k}) h.bad_shape(*g_idx, {k}, "one group index per input row");
+  } else if (d.has_g_idx) {
+    fail(ErrorCode::missing_tensor, format("%s.g_idx is missing: desc_act true (act-order) stores each input row's "
+                                           "group there", p.c_str()));
+  }
+  d.packing = scheme && scheme->format == WeightFormat::int4 ? scheme->packing
+              : awq                                          ? Int4Packing::awq
+                                                             : Int4Packing::gptq;
+  d.format = WeightFormat::int4;
+  d.weight_dtype = DType::I32;
+}
+
 inline void describe_fp8(const ModelConfig& c, const LinearSpec& spec, const HeaderReader& h, const TensorInfo& weight,
                          LinearDesc& d) {
   const std::string& p = spec.name;
@@ -951,7 +1168,9 @@ inline LinearDesc describe_linear(const ModelConfig& c, const LinearSpec& spec, 
   d.vision = spec.vision;
   d.exact = true;
   const std::string& p = spec.name;
-  if (const TensorInfo* packed = h.find(p + ".weight_packed")) {
+  if (const TensorInfo* qweight = h.find(p + ".qweight")) {
+    describe_awq_gptq(c, spec, h, *qweight, d);
+  } else if (const TensorInfo* packed = h.find(p + ".weight_packed")) {
     describe_int4(c, spec, h, *packed, d);
   } else if (const TensorInfo* weight = h.find(p + ".weight")) {
     if (weight->dtype == DType::F8_E4M3) {

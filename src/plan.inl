@@ -441,7 +441,17 @@ std::vector<std::vector<const LinearDesc*>> fused_linear_groups(const std::vecto
 PlanItem repack_item(const Inputs& in) {
   PlanItem item{"repack", "repack", 0, "", true};
   if (in.device.backend != BackendKind::cuda) {
-    item.why = "CPU backend runs the on-disk layout: nothing to repack";
+    // AWQ / GPTQ Linears are repacked once at load into the compressed-tensors view the CPU matmul runs
+    // (int4_repacked_host_bytes: packed weights, transposed scales, zero points, act-order g_idx), held next to
+    // the memory-mapped checkpoint; compressed-tensors and fp8 are used in place.
+    uint64_t host = 0, repacked = 0;
+    for (const auto& linear : in.weights.linears)
+      if (uint64_t bytes = int4_repacked_host_bytes(linear)) host += bytes, repacked++;
+    item.bytes = align_up(host, kPlanAlignment);
+    item.why = repacked ? format("%llu AWQ / GPTQ Linears repacked at load into the CPU's int4 layout (weight_packed "
+                                 "[N, K/8], scales [N, G], zero points, act-order g_idx): %s",
+                                 (unsigned long long)repacked, format_bytes(host).c_str())
+                        : std::string("CPU backend runs the on-disk layout: nothing to repack");
     return item;
   }
   // The quantized Linears the GPU runs, in the layout its GEMMs read (cuda::quant_device_bytes: repacked tiles

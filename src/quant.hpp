@@ -59,6 +59,9 @@ struct QuantWeight {
   DType bias_dtype = DType::F32;  // F32, BF16 or F16
 
   QuantLayout layout = QuantLayout::checkpoint;
+  // Set when the view's tensors are not the checkpoint's but a copy repacked at load (AWQ, GPTQ:
+  // quant_formats.hpp); the pointers above then address this buffer, which lives as long as any copy of the view.
+  std::shared_ptr<const std::vector<uint8_t>> storage;
 };
 
 // Builds the view of `linear` (a Linear of format int4 or fp8 from describe_linears, or made by hand) over

@@ -342,7 +342,11 @@ Result<QuantWeight> quant_weight(const LinearDesc& linear, const TensorStore& st
     w.out_features = linear.out_features;
     w.in_features = linear.in_features;
     w.format = linear.format;
-    if (linear.format == WeightFormat::int4) detail::quant::build_int4(linear, store, w);
+    if (linear.format == WeightFormat::int4 && linear.packing != Int4Packing::compressed_tensors) {
+      Result<QuantWeight> repacked = repack_awq_gptq(linear, store);  // quant_formats.hpp
+      if (!repacked) throw repacked.error();
+      w = std::move(*repacked);
+    } else if (linear.format == WeightFormat::int4) detail::quant::build_int4(linear, store, w);
     else if (linear.format == WeightFormat::fp8) detail::quant::build_fp8(linear, store, w);
     else
       detail::fail(ErrorCode::invalid_argument,

@@ -905,11 +905,11 @@ TEST_CASE("unsupported quantization configs are refused with the key and the sup
     CHECK(mentions(e, "quantization_config.format 'marlin-24'"));
   }
   SUBCASE("unknown quant method") {
-    doc["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
+    doc["quantization_config"] = {{"quant_method", "hqq"}, {"bits", 4}};
     Error e = parse_failure(doc);
     CHECK(e.code == ErrorCode::unsupported);
-    CHECK(mentions(e, "quantization_config.quant_method 'awq'"));
-    CHECK(mentions(e, "compressed-tensors, fp8"));
+    CHECK(mentions(e, "quantization_config.quant_method 'hqq'"));
+    CHECK(mentions(e, "compressed-tensors, fp8, awq, gptq"));
   }
   SUBCASE("an ignore pattern that is not a regex") {
     doc["quantization_config"] = int4_group(64);
