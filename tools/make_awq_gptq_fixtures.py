@@ -205,7 +205,10 @@ def make_case(name):
         n, k = weight.shape
         group = k if spec["group_size"] == -1 else spec["group_size"]
         if spec.get("desc_act"):
-            g_idx = qf.actorder_g_idx(k, group, spec["seed"] * 100 + index)
+            # GPTQ orders a Linear's input rows by its input's Hessian diagonal: q, k and v read one input (as do
+            # gate and up), so they share one order, which lets the GPU uploader fuse them.
+            shared_input = module_name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+            g_idx = qf.actorder_g_idx(k, group, spec["seed"] * 100 + sum(map(ord, shared_input)))
         else:
             g_idx = (torch.arange(k) // group).to(torch.int32)
         symmetric = (not spec["zero_point"]) if awq else spec["sym"]
