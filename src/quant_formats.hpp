@@ -41,8 +41,20 @@ constexpr int kAwqReverseOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // column offset 
 // GPTQ v1 zero stored as 15: z = 16 is outside int4's zero points).
 Result<QuantWeight> repack_awq_gptq(const LinearDesc& linear, const TensorStore& store);
 
-// Host bytes the repacked view of `linear` holds (0 for compressed-tensors, which is used in place): what loading
-// an AWQ / GPTQ Linear adds to the on-disk bytes on the CPU backend (the planner's repack row).
-uint64_t int4_repacked_host_bytes(const LinearDesc& linear);
+// The view of an int8 Linear (linear.format int8), every layout as one: signed q I8 [N, K], scales [N, G] as
+// stored, zero points I8 [N, G] signed (nullptr when symmetric), g_idx only for act-order.
+//   compressed-tensors int-quantized: weight I8 [N, K] (q), weight_scale, weight_zero_point I8 [N, G]: used in place.
+//   compressed-tensors pack-quantized 8-bit: weight_packed I32 [N, K/4], byte j of word i holding column 4i + j as
+//     q + 128; weight_zero_point I32 [ceil(N/4), G] packed along N the same way: repacked (q = byte - 128).
+//   GPTQ 8-bit: qweight I32 [K/4, N] (row 4i + j at bits 8j of word (i, n)), qzeros I32 [G, N/4] (column 4c + j at
+//     bits 8j; v1 stores z - 1), scales [G, N], g_idx [K]: repacked, q = u - 128, zero = z - 128 (sym: z = 128).
+// w = (q - zero) * scale, rounded once to the scale's dtype, as compressed-tensors' dequantize and GPTQModel's
+// torch kernel compute it.
+Result<QuantWeight> int8_weight(const LinearDesc& linear, const TensorStore& store);
+
+// Host bytes the repacked view of `linear` holds (0 for the layouts used in place: compressed-tensors int4 and
+// int-quantized): what loading an AWQ / GPTQ / 8-bit packed Linear adds to its on-disk bytes on the CPU backend
+// (the planner's repack row).
+uint64_t repacked_host_bytes(const LinearDesc& linear);
 
 }  // namespace kvlite

@@ -54,6 +54,29 @@ CASES = {
     "gptq-v2-g64-sym-actorder": dict(COMMON, seed=3807, method="gptq", group_size=64, sym=True, desc_act=True,
                                      checkpoint_format="gptq_v2"),
 }
+# 8-bit. GPTQ by this script's packer (qweight [K/4, N], qzeros [G, N/4], byte j = row / column 4i + j); the
+# compressed-tensors INT8 cases by compressed-tensors itself (ModelCompressor, as llm-compressor saves them).
+CASES.update({
+    "gptq8-g32-asym-actorder": dict(COMMON, seed=3808, method="gptq", bits=8, group_size=32, sym=False,
+                                    desc_act=True, checkpoint_format="gptq"),
+    "gptq8-v2-channel-sym": dict(COMMON, seed=3809, method="gptq", bits=8, group_size=-1, sym=True, desc_act=False,
+                                 checkpoint_format="gptq_v2"),
+})
+INT8 = dict(num_bits=8, type="int")
+INT8_TOKEN = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+CT_CASES = {
+    # llm-compressor's W8A16: channel, symmetric; one group asymmetric with groups of 64
+    "ct-w8a16": dict(COMMON, kind="compressed-tensors", seed=3810, groups={
+        "group_0": ([r"re:.*self_attn\.(q|k|v|o)_proj$"], dict(INT8, symmetric=True, strategy="channel"), None),
+        "group_1": ([r"re:.*mlp\.(gate|up|down)_proj$"], dict(INT8, symmetric=False, strategy="group", group_size=64),
+                    None)}),
+    # llm-compressor's W8A8 (INT8 dynamic per token): channel weights, int8 activations quantized per token
+    "ct-w8a8-dynamic": dict(COMMON, kind="compressed-tensors", seed=3811, groups={
+        "group_0": (["Linear"], dict(INT8, symmetric=True, strategy="channel"), INT8_TOKEN)}),
+    # pack-quantized 8-bit (4 a word), asymmetric groups of 32 with act-order
+    "ct-pack8-g32-asym-actorder": dict(COMMON, kind="compressed-tensors", seed=3812, format="pack-quantized", groups={
+        "group_0": (["Linear"], dict(INT8, symmetric=False, strategy="group", group_size=32, actorder="group"), None)}),
+}
 REFERENCE_LINEARS = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
                      "model.layers.1.mlp.gate_proj", "model.layers.0.mlp.down_proj"]
 
@@ -62,9 +85,9 @@ REFERENCE_LINEARS = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_att
 # Quantization: min-max per (group, output column), integers u in 0..15 and fp16 scales
 # ---------------------------------------------------------------------------------------------------------
 
-def quantize(weight, group_size, symmetric, g_idx, min_zero):
+def quantize(weight, group_size, symmetric, g_idx, min_zero, bits=4):
     """weight [N, K] -> u [K, N] int64, zero [G, N] int64, scale [G, N] float16; row k of the input is in group
-    g_idx[k]. Symmetric: zero 8 and scale = max|w| / 7.5 (GPTQ's sym: 2 max|w| / 15)."""
+    g_idx[k]. Symmetric: zero 2^(bits-1) and scale = 2 max|w| / maxq (GPTQ's sym)."""
     import torch
     n, k = weight.shape
     groups = k // group_size
@@ -74,15 +97,16 @@ def quantize(weight, group_size, symmetric, g_idx, min_zero):
     for g in range(groups):
         rows = w[g_idx == g]
         lo[g], hi[g] = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
+    maxq = 2**bits - 1
     if symmetric:
-        scale = (torch.maximum(lo.abs(), hi) * 2 / 15).clamp(min=1e-5).half()
-        zero = torch.full((groups, n), 8, dtype=torch.int64)
+        scale = (torch.maximum(lo.abs(), hi) * 2 / maxq).clamp(min=1e-5).half()
+        zero = torch.full((groups, n), 2**(bits - 1), dtype=torch.int64)
     else:
-        scale = ((hi - lo) / 15).clamp(min=1e-5).half()
-        zero = torch.round(-lo / scale.float()).clamp(min_zero, 15).to(torch.int64)
+        scale = ((hi - lo) / maxq).clamp(min=1e-5).half()
+        zero = torch.round(-lo / scale.float()).clamp(min_zero, maxq).to(torch.int64)
     per_row = g_idx.long()
     u = torch.round(w / scale.float()[per_row]) + zero[per_row]
-    return u.clamp(0, 15).to(torch.int64), zero, scale
+    return u.clamp(0, maxq).to(torch.int64), zero, scale
 
 
 def pack_awq(u, zero, scale):
@@ -99,18 +123,19 @@ def pack_awq(u, zero, scale):
     return {"qweight": pack(u), "qzeros": pack(zero), "scales": scale.contiguous()}
 
 
-def pack_gptq(u, zero, scale, g_idx, v1):
-    """GPTQ QuantLinear.pack: qweight [K/8, N] along K, qzeros [G, N/8] along N (v1: zero - 1)."""
+def pack_gptq(u, zero, scale, g_idx, v1, bits=4):
+    """GPTQ QuantLinear.pack: qweight [K/(32/bits), N] along K, qzeros [G, N/(32/bits)] along N (v1: zero - 1)."""
     import torch
     k, n = u.shape
-    qweight = torch.zeros(k // 8, n, dtype=torch.int64)
-    for j in range(8):
-        qweight |= u[j::8, :] << (4 * j)
+    per = 32 // bits
+    qweight = torch.zeros(k // per, n, dtype=torch.int64)
+    for j in range(per):
+        qweight |= u[j::per, :] << (bits * j)
     stored = zero - 1 if v1 else zero
     assert int(stored.min()) >= 0, "GPTQ v1 cannot store a zero point of 0"
-    qzeros = torch.zeros(zero.shape[0], n // 8, dtype=torch.int64)
-    for j in range(8):
-        qzeros |= stored[:, j::8] << (4 * j)
+    qzeros = torch.zeros(zero.shape[0], n // per, dtype=torch.int64)
+    for j in range(per):
+        qzeros |= stored[:, j::per] << (bits * j)
     return {"qweight": to_i32(qweight), "qzeros": to_i32(qzeros), "scales": scale.contiguous(),
             "g_idx": g_idx.to(torch.int32).contiguous()}
 
@@ -148,19 +173,20 @@ def dequantize_awq(t, group_size):
     return (iweight - izeros) * scales
 
 
-def dequantize_gptq(t, v1):
+def dequantize_gptq(t, v1, bits=4):
     """GPTQModel's TorchQuantLinear.dequantize_weight (AutoGPTQ's qlinear_cuda_old the same): zeros unpacked along N
     (+1 in v1), weights unpacked along K, each masked to 4 bits, then scales[g_idx] * (weight - zeros[g_idx]) in
     fp16: result [K, N]."""
     import torch
-    wf = torch.arange(0, 32, 4, dtype=torch.int32)
+    per, mask = 32 // bits, 2**bits - 1
+    wf = torch.arange(0, 32, bits, dtype=torch.int32)
     qzeros, qweight, scales, g_idx = t["qzeros"], t["qweight"], t["scales"], t["g_idx"].long()
-    zeros = torch.bitwise_right_shift(qzeros.unsqueeze(2).expand(-1, -1, 8), wf.unsqueeze(0)).to(torch.int16)
-    zeros = torch.bitwise_and(zeros, 0xF).reshape(qzeros.shape[0], -1)
+    zeros = torch.bitwise_right_shift(qzeros.unsqueeze(2).expand(-1, -1, per), wf.unsqueeze(0)).to(torch.int16)
+    zeros = torch.bitwise_and(zeros, mask).reshape(qzeros.shape[0], -1)
     if v1:
         zeros = zeros + 1
-    weight = torch.bitwise_right_shift(qweight.unsqueeze(1).expand(-1, 8, -1), wf.unsqueeze(-1)).to(torch.int16)
-    weight = torch.bitwise_and(weight, 0xF).reshape(-1, qweight.shape[1])
+    weight = torch.bitwise_right_shift(qweight.unsqueeze(1).expand(-1, per, -1), wf.unsqueeze(-1)).to(torch.int16)
+    weight = torch.bitwise_and(weight, mask).reshape(-1, qweight.shape[1])
     return scales[g_idx] * (weight - zeros[g_idx])
 
 
@@ -175,7 +201,7 @@ def quantization_config(spec):
         if "modules_to_not_convert" in spec:
             config["modules_to_not_convert"] = spec["modules_to_not_convert"]
         return config
-    return {"quant_method": "gptq", "bits": 4, "group_size": spec["group_size"], "desc_act": spec["desc_act"],
+    return {"quant_method": "gptq", "bits": spec.get("bits", 4), "group_size": spec["group_size"], "desc_act": spec["desc_act"],
             "sym": spec["sym"], "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
             "checkpoint_format": spec["checkpoint_format"]}
 
@@ -213,15 +239,16 @@ def make_case(name):
             g_idx = (torch.arange(k) // group).to(torch.int32)
         symmetric = (not spec["zero_point"]) if awq else spec["sym"]
         v1 = not awq and spec["checkpoint_format"] == "gptq"
-        u, zero, scale = quantize(weight, group, symmetric, g_idx, min_zero=1 if v1 else 0)
+        bits = spec.get("bits", 4)
+        u, zero, scale = quantize(weight, group, symmetric, g_idx, min_zero=1 if v1 else 0, bits=bits)
         if awq:
             tensors = pack_awq(u, zero, scale)
             if symmetric:
                 del tensors["qzeros"]
             w = dequantize_awq(tensors, group)
         else:
-            tensors = pack_gptq(u, zero, scale, g_idx, v1)
-            w = dequantize_gptq(tensors, v1)
+            tensors = pack_gptq(u, zero, scale, g_idx, v1, bits)
+            w = dequantize_gptq(tensors, v1, bits)
         # The reference dequantization read back exactly what the packer was given.
         expected = (u - zero[g_idx.long()]).to(torch.float16) * scale[g_idx.long()]
         assert w.dtype == torch.float16 and torch.equal(w, expected), module_name
@@ -268,14 +295,125 @@ def make_case(name):
           f"transformers {transformers.__version__})")
 
 
+def make_ct_case(name):
+    """compressed-tensors INT8 quantized and compressed by compressed-tensors itself (tools/make_quant_fixtures.py's
+    path: min-max calibration, ModelCompressor); the reference runs transformers' Qwen3 in float32 with the
+    compressors' own decompression of every Linear and, for W8A8, compressed-tensors' own dynamic per-token
+    activation quantize-dequantize (compute_dynamic_scales_and_zp + fake_quantize) on each quantized Linear's input."""
+    import compressed_tensors
+    import torch
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, Qwen3ForCausalLM
+    spec = CT_CASES[name]
+    qf.MODELS[name] = spec
+    qf.QUANT = OUT
+    directory = OUT / name
+    if "format" in spec:  # pack-quantized rather than the int-quantized default for 8-bit ints
+        import compressed_tensors.compressors.model_compressors.model_compressor as mc
+        original = mc.ModelCompressor.from_pretrained_model.__func__
+
+        def forced(cls, model, **kwargs):
+            kwargs["quantization_format"] = spec["format"]
+            return original(cls, model, **kwargs)
+        mc.ModelCompressor.from_pretrained_model = classmethod(forced)
+        try:
+            schemes = qf.save_compressed_tensors_model(name, directory)
+        finally:
+            mc.ModelCompressor.from_pretrained_model = classmethod(original)
+    else:
+        schemes = qf.save_compressed_tensors_model(name, directory)
+    dense = qf.compressed_tensors_dequantized(directory, schemes)
+    config = AutoConfig.from_pretrained(str(directory))
+    del config.quantization_config
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in dense.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    model.generation_config = qf.dense_model(name).generation_config
+    model.config._attn_implementation = "eager"
+    model.eval()
+    w8a8 = 0
+    jitter = {"on": False, "generator": torch.Generator().manual_seed(spec["seed"])}
+    for module_name, scheme in schemes.items():
+        args = scheme.input_activations
+        if args is None:
+            continue
+
+        def quantize_input(module, inputs, args=args):
+            x = inputs[0]
+            if jitter["on"]:  # float32 rounding noise (2^-23 relative), as another summation order would leave
+                x = x * (1 + 2.0**-23 * torch.randn(x.shape, generator=jitter["generator"]))
+            scale, zero_point = compute_dynamic_scales_and_zp(value=x, args=args, module=module)
+            return (fake_quantize(x, scale, zero_point, args),)
+        model.get_submodule(module_name).register_forward_pre_hook(quantize_input)
+        w8a8 += 1
+    sensitivity = None
+    if w8a8:
+        # W8A8's activation rounding is discontinuous: a float32 activation one rounding error away from a
+        # half-step boundary lands on the other integer. Measure how far that alone moves the logits (the largest
+        # over a few jittered runs), the scale against which a float32 reimplementation can be held.
+        import numpy as np
+        from transformers import AutoTokenizer
+        ids = torch.tensor([AutoTokenizer.from_pretrained(str(directory)).encode(qf.PROMPTS[0][1], add_special_tokens=True)])
+        with torch.no_grad():
+            exact = model(ids).logits[0]
+            jitter["on"] = True
+            sensitivity = max(float((model(ids).logits[0] - exact).abs().max()) for _ in range(8))
+            jitter["on"] = False
+        # compressed-tensors' own quantize-dequantize of activation rows, for a bit-exact check of kvlite's
+        rows = 3.0 * torch.randn(6, 320, generator=torch.Generator().manual_seed(spec["seed"] + 1))
+        rows[1] = 0.0
+        rows[2] *= torch.logspace(-6, 2, 320)
+        rows[3] = -rows[3].abs()
+        rows[4] = torch.round(rows[4] * 4) / 4  # values on exact multiples: ties in x / scale
+        args = next(sch.input_activations for sch in schemes.values() if sch.input_activations is not None)
+        scale, zero_point = compute_dynamic_scales_and_zp(value=rows.unsqueeze(0), args=args, module=None)
+        fq = fake_quantize(rows.unsqueeze(0), scale, zero_point, args)[0]
+        save_file({"x": rows.contiguous(), "fake_quantized": fq.contiguous()}, str(directory / "activations.safetensors"),
+                  metadata={"format": "pt"})
+    reference = {k + ".weight": dense[k + ".weight"].contiguous() for k in REFERENCE_LINEARS}
+    save_file(reference, str(directory / "reference.safetensors"), metadata={"format": "pt"})
+    quantization = {
+        "quantization": "compressed-tensors",
+        "compressed_tensors_version": compressed_tensors.__version__,
+        "path": "quantized and compressed by compressed-tensors' ModelCompressor (the reference library; "
+                "llm-compressor itself was not installed), min-max calibration",
+        "dequantization": "compressed-tensors' compressor decompress per Linear: (q - zero_point) * scale in the "
+                          "scale's dtype, then widened to float32"
+                          + ("; inputs of the quantized Linears through compressed-tensors' dynamic per-token int8 "
+                             "quantize-dequantize (compute_dynamic_scales_and_zp + fake_quantize)" if w8a8 else ""),
+        "w8a8_linears": w8a8,
+        "w8a8_rounding_sensitivity": sensitivity,
+        "w8a8_notes": None if not w8a8 else (
+            "w8a8_rounding_sensitivity: the largest |logit change| over 8 runs whose W8A8 inputs were multiplied by "
+            "1 + 2^-23 N(0, 1) before quantization (float32 rounding noise). activations.safetensors: x [6, 320] "
+            "float32 and compressed-tensors' fake_quantize of it (int8, per token, dynamic, symmetric)."),
+        "quantized_linears": len(schemes),
+        "reference_linears": {k: {"format": schemes[k].format, "weights": schemes[k].weights.model_dump(
+            include={"num_bits", "type", "symmetric", "strategy", "group_size", "actorder"}),
+            "dtype": str(dense[k + ".weight"].dtype).replace("torch.", "")} for k in REFERENCE_LINEARS},
+    }
+    outputs = qf.reference_outputs(name, model, quantization)
+    outputs["generator"] = "tools/make_awq_gptq_fixtures.py"
+    qf.write_reference(name, outputs)
+    print(f"wrote {directory.relative_to(base.REPO_ROOT)} ({len(schemes)} quantized Linears, {w8a8} W8A8)")
+
+
 def main():
     import torch
     import transformers
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     OUT.mkdir(parents=True, exist_ok=True)
-    for name in (sys.argv[1:] or CASES):
-        make_case(name)
+    from loguru import logger
+    logger.remove()
+    for name in (sys.argv[1:] or list(CASES) + list(CT_CASES)):
+        if name in CT_CASES:
+            make_ct_case(name)
+        else:
+            make_case(name)
 
 
 if __name__ == "__main__":
