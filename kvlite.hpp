@@ -5708,8 +5708,8 @@ inline LinearDesc describe_linear(const ModelConfig& c, const LinearSpec& spec, 
       d.weight_dtype = d.scale_dtype = weight->dtype;
     } else {
       fail(ErrorCode::unsupported,
-           format("%s has dtype %s; Linear weights are supported as BF16/F16/F32, F8_E4M3 with scales, or "
-                  "compressed-tensors pack-quantized int4",
+           format("%s has dtype %s; Linear weights are supported as BF16/F16/F32, F8_E4M3 or I8 (int-quantized) with "
+                  "scales, compressed-tensors pack-quantized, AWQ or GPTQ",
                   weight->name.c_str(), dtype_name(weight->dtype)));
     }
   } else {

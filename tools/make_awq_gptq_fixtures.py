@@ -401,6 +401,35 @@ def make_ct_case(name):
     print(f"wrote {directory.relative_to(base.REPO_ROOT)} ({len(schemes)} quantized Linears, {w8a8} W8A8)")
 
 
+def make_fuzz_seeds():
+    """Seeds of tests/fuzz/fuzz_quant_formats.cpp: 8 descriptor bytes (packing index, int8 flag, N - 1, K - 1,
+    group, flags, reserved, reserved), then a small safetensors file of one Linear "m" in that layout."""
+    import torch
+    from safetensors.torch import save
+    directory = base.REPO_ROOT / "tests" / "fuzz" / "corpus" / "quant_formats"
+    directory.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(3899)
+    n, k, group = 16, 64, 32
+    weight = torch.randn(n, k, generator=gen).half()
+    column_order = (torch.arange(k) // group).to(torch.int32)
+    act_order = qf.actorder_g_idx(k, group, 3899)
+    seeds = {}
+    u, zero, scale = quantize(weight, group, False, column_order, 0)
+    seeds["awq_g32_asym"] = ((0, 0, n - 1, k - 1, group, 0), pack_awq(u, zero, scale))
+    u, zero, scale = quantize(weight, group, False, act_order, 1)
+    seeds["gptq_g32_actorder"] = ((1, 0, n - 1, k - 1, group, 2), pack_gptq(u, zero, scale, act_order, True))
+    u, zero, scale = quantize(weight, group, True, column_order, 0, bits=8)
+    seeds["gptq8_v2_g32_sym"] = ((2, 1, n - 1, k - 1, group, 1), pack_gptq(u, zero, scale, column_order, False, 8))
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    seeds["ct_int8_channel"] = ((4, 1, n - 1, k - 1, 0, 5), {
+        "weight": q, "weight_scale": torch.rand(n, 1, generator=gen).half(),
+        "weight_zero_point": torch.randint(-3, 3, (n, 1), generator=gen, dtype=torch.int8)})
+    for name, (header, tensors) in seeds.items():
+        body = save({f"m.{key}": value.contiguous() for key, value in tensors.items()})
+        (directory / name).write_bytes(bytes(list(header) + [0, 0]) + body)
+    print(f"wrote {len(seeds)} seeds to {directory.relative_to(base.REPO_ROOT)}")
+
+
 def main():
     import torch
     import transformers
@@ -409,6 +438,8 @@ def main():
     OUT.mkdir(parents=True, exist_ok=True)
     from loguru import logger
     logger.remove()
+    if not sys.argv[1:]:
+        make_fuzz_seeds()
     for name in (sys.argv[1:] or list(CASES) + list(CT_CASES)):
         if name in CT_CASES:
             make_ct_case(name)
