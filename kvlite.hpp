@@ -16319,7 +16319,8 @@ uint64_t checkpoint_bytes(const QuantWeight& w) {
   const uint64_t n = uint64_t(w.out_features), k = uint64_t(w.in_features);
   uint64_t bytes = w.format == WeightFormat::int4 ? n * uint64_t(w.packed_cols) * 4 : n * k;
   bytes += dtype_bytes(w.scale_dtype, uint64_t(w.scale_rows * w.scale_cols));
-  if (w.zero_points) bytes += ((n + 7) / 8) * uint64_t(w.scale_cols) * 4;
+  if (w.zero_points)  // int4: packed 8 a word along N; int8: one byte each
+    bytes += w.format == WeightFormat::int8 ? n * uint64_t(w.scale_cols) : ((n + 7) / 8) * uint64_t(w.scale_cols) * 4;
   if (w.g_idx) bytes += k * 4;
   if (w.bias) bytes += dtype_bytes(w.bias_dtype, n);
   return bytes;
