@@ -403,7 +403,7 @@ def make_ct_case(name):
 
 def make_fuzz_seeds():
     """Seeds of tests/fuzz/fuzz_quant_formats.cpp: 8 descriptor bytes (packing index, int8 flag, N - 1, K - 1,
-    group, flags, reserved, reserved), then a small safetensors file of one Linear "m" in that layout."""
+    group - 1 (0: channel), flags, 2 reserved), then a small safetensors file of one Linear "m" in that layout."""
     import torch
     from safetensors.torch import save
     directory = base.REPO_ROOT / "tests" / "fuzz" / "corpus" / "quant_formats"
@@ -415,11 +415,11 @@ def make_fuzz_seeds():
     act_order = qf.actorder_g_idx(k, group, 3899)
     seeds = {}
     u, zero, scale = quantize(weight, group, False, column_order, 0)
-    seeds["awq_g32_asym"] = ((0, 0, n - 1, k - 1, group, 0), pack_awq(u, zero, scale))
+    seeds["awq_g32_asym"] = ((0, 0, n - 1, k - 1, group - 1, 0), pack_awq(u, zero, scale))
     u, zero, scale = quantize(weight, group, False, act_order, 1)
-    seeds["gptq_g32_actorder"] = ((1, 0, n - 1, k - 1, group, 2), pack_gptq(u, zero, scale, act_order, True))
+    seeds["gptq_g32_actorder"] = ((1, 0, n - 1, k - 1, group - 1, 2), pack_gptq(u, zero, scale, act_order, True))
     u, zero, scale = quantize(weight, group, True, column_order, 0, bits=8)
-    seeds["gptq8_v2_g32_sym"] = ((2, 1, n - 1, k - 1, group, 1), pack_gptq(u, zero, scale, column_order, False, 8))
+    seeds["gptq8_v2_g32_sym"] = ((2, 1, n - 1, k - 1, group - 1, 1), pack_gptq(u, zero, scale, column_order, False, 8))
     q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     seeds["ct_int8_channel"] = ((4, 1, n - 1, k - 1, 0, 5), {
         "weight": q, "weight_scale": torch.rand(n, 1, generator=gen).half(),

@@ -1,5 +1,6 @@
 // libFuzzer harness: AWQ / GPTQ / INT8 Linears read and repacked from hostile tensors (src/quant_formats). The
-// input is 8 bytes of descriptor (packing, bits, out / in features, group size, flags), then a .safetensors file
+// input is 8 bytes of descriptor (packing, bits, out - 1, in - 1, group size - 1 (0: channel), flags, 2 reserved),
+// then a .safetensors file
 // whose tensors are named "m.<tensor>"; quant_weight must answer with a typed error or a view whose every row
 // dequantizes (a repack that read past a tensor would trip ASan).
 #include <unistd.h>
@@ -24,7 +25,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   d.symmetric = flags & 1;
   d.has_g_idx = flags & 2;
   d.int8_activations = flags & 4;
-  (void)in.byte();  // reserved
+  (void)in.byte();  // reserved (2 bytes)
+  (void)in.byte();
   if (d.format == kvlite::WeightFormat::int4 && d.packing == kvlite::IntPacking::compressed_tensors_unpacked) return 0;
   const std::string file = in.rest();
   static const std::string path = "/tmp/kvlite-fuzz-quant-" + std::to_string(getpid()) + ".safetensors";
