@@ -855,9 +855,20 @@ struct VisionConfig {
   double rope_theta = 10000.0;  // the 2-D RoPE's base (rope_parameters.rope_theta)
 };
 
-// How a group of Linears is quantized (compressed-tensors `config_groups.*.weights`, or Qwen's fp8).
-enum class QuantMethod { none, compressed_tensors, fp8 };
-enum class WeightFormat { dense, fp8, int4 };
+// How a group of Linears is quantized (compressed-tensors `config_groups.*.weights`, Qwen's fp8, or the one
+// scheme of an AWQ / GPTQ config).
+enum class QuantMethod { none, compressed_tensors, fp8, awq, gptq };
+// How an int4 / int8 Linear's tensors are packed on disk (src/quant_formats.hpp describes each); all but
+// compressed-tensors' int4 and int-quantized are repacked once at load into the view quant.hpp describes.
+enum class IntPacking : uint8_t {
+  compressed_tensors,  // weight_packed [N, K/8] (8-bit: [N, K/4]), weight_scale [N, G], weight_zero_point, g_idx
+  compressed_tensors_unpacked,  // compressed-tensors "int-quantized": weight I8 [N, K], weight_scale, zero point I8
+  awq,                 // AutoAWQ GEMM: qweight [K, N/8] interleaved, qzeros [G, N/8], scales [G, N]
+  gptq,                // GPTQ v1: qweight [K/8, N], qzeros [G, N/8] holding zero - 1, scales [G, N], g_idx [K]
+  gptq_v2,             // GPTQ v2 (checkpoint_format gptq_v2): as v1 with qzeros holding the zero itself
+};
+const char* int_packing_name(IntPacking packing);
+enum class WeightFormat { dense, fp8, int4, int8 };
 enum class ScaleGranularity { none, tensor, channel, group, block };
 const char* weight_format_name(WeightFormat format);
 const char* scale_granularity_name(ScaleGranularity granularity);
@@ -872,6 +883,7 @@ struct QuantScheme {
   int64_t block_n = 0, block_k = 0;     // block strategy (e.g. 128 x 128)
   bool actorder = false;                // g_idx present (actorder "group"/"dynamic")
   bool dynamic_activations = false;     // activations quantized per token at run time
+  IntPacking packing = IntPacking::compressed_tensors;  // int4 / int8: the on-disk packing (AWQ, GPTQ, ...)
 };
 
 struct QuantConfig {
@@ -936,6 +948,8 @@ struct LinearDesc {
   std::string scale_name;             // "weight_scale" or "weight_scale_inv"
   int64_t group_size = 0;             // int4 group (K for channel)
   int64_t block_n = 0, block_k = 0;   // fp8 block
+  IntPacking packing = IntPacking::compressed_tensors;  // int4 / int8: how the tensors are packed on disk
+  bool int8_activations = false;      // int8 W8A8: activations quantized to int8 per token at run time
   bool symmetric = true;
   bool has_g_idx = false;
   bool has_bias = false;
@@ -1031,6 +1045,11 @@ struct QuantWeight {
   const uint8_t* g_idx = nullptr;        // I32 [K], or nullptr: column k is in group k / group_size
   int64_t group_size = 0;                // columns per scale (channel: K)
 
+  // int8 (GPTQ 8-bit, compressed-tensors INT8; quant_formats.hpp): signed q [N, K]; zero_points is then I8
+  // [N, scale_cols], signed (nullptr: symmetric, zero 0); g_idx and group_size as int4's.
+  const uint8_t* int8 = nullptr;
+  bool int8_activations = false;  // W8A8: each activation row goes through int8 per token (quantize_int8_activations)
+
   // fp8
   const uint8_t* fp8 = nullptr;      // F8_E4M3 [N, K]
   int64_t block_n = 0, block_k = 0;  // rows x columns per scale (block granularity)
@@ -1045,6 +1064,9 @@ struct QuantWeight {
   DType bias_dtype = DType::F32;  // F32, BF16 or F16
 
   QuantLayout layout = QuantLayout::checkpoint;
+  // Set when the view's tensors are not the checkpoint's but a copy repacked at load (AWQ, GPTQ:
+  // quant_formats.hpp); the pointers above then address this buffer, which lives as long as any copy of the view.
+  std::shared_ptr<const std::vector<uint8_t>> storage;
 };
 
 // Builds the view of `linear` (a Linear of format int4 or fp8 from describe_linears, or made by hand) over
@@ -1154,11 +1176,74 @@ void dequantize_rows_unchecked(const QuantWeight& weight, int64_t row0, int64_t 
 // One activation row through fp8 and back (quantize_fp8_activations, then each q times its group's scale): what
 // W8A8 computes with. x, out [cols]; may be the same array.
 void fake_quantize_fp8_row(const float* x, int64_t cols, int64_t group, float* out);
+// Dynamic int8 activation quantization per token as compressed-tensors computes it (W8A8, symmetric): for each
+// row, scale = max(|min(x, 0)|, max(x, 0)) / 127.5 (float32 epsilon when 0), q = clamp(round_half_even(x / scale),
+// -128, 127), and the row the matmul reads is q * scale. x, out [cols]; may be the same array.
+void fake_quantize_int8_row(const float* x, int64_t cols, float* out);
 // The activation group of W8A8 for an fp8 weight: block_k for block scales, else the whole row.
 inline int64_t fp8_activation_group(const QuantWeight& weight) {
   return weight.granularity == ScaleGranularity::block ? weight.block_k : weight.in_features;
 }
 }  // namespace detail
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// quant_formats: AWQ and GPTQ int4 checkpoints, read from their own on-disk layouts and repacked ONCE at load
+// into the compressed-tensors pack-quantized view (quant.hpp) that the CPU matmul and the CUDA uploader already
+// run: no per-format kernels, and act-order stays a g_idx that the GPU uploader turns into one permutation (as
+// Marlin does), never a per-step gather.
+//
+// Layouts (N = out_features, K = in_features, G = groups = K / group_size; 1 for GPTQ group_size -1). Facts from
+// AutoAWQ's / GPTQModel's packing code and vLLM's awq.py / gptq.py (read, not copied):
+//   AWQ (AutoAWQ GEMM, quant_method "awq", version "gemm")
+//     qweight I32 [K, N/8]: word (k, c) holds columns 8c .. 8c+7 of input row k; nibble i (bits 4i..4i+3) holds
+//             column 8c + kAwqOrder[i], kAwqOrder = [0, 2, 4, 6, 1, 3, 5, 7] (the interleave AutoAWQ's GEMM
+//             kernel dequantizes with; unpacking reads column offset j from nibble kAwqReverseOrder[j] =
+//             [0, 4, 1, 5, 2, 6, 3, 7]). Stored u in 0..15.
+//     qzeros  I32 [G, N/8]: the zero point z (0..15) per group and column, same interleave. zero_point false
+//             (symmetric): vLLM's AWQ-Marlin reads no qzeros and uses z = 8; a qzeros tensor present is read.
+//     scales  F16 [G, N].                      w[n, k] = (u - z) * scales[k / group_size, n]
+//   GPTQ (AutoGPTQ / GPTQModel / optimum, quant_method "gptq")
+//     qweight I32 [K/8, N]: word (i, n) holds input rows 8i .. 8i+7 of column n, row 8i + j at bits 4j.
+//     qzeros  I32 [G, N/8]: word (g, c) holds columns 8c .. 8c+7, column 8c + j at bits 4j. checkpoint_format
+//             "gptq" (v1, the default): the stored value is z - 1 (AutoGPTQ's pack subtracts 1, its kernels add
+//             it back); "gptq_v2": z itself. sym true: z = 8.
+//     scales  F16 [G, N].
+//     g_idx   I32 [K]: input row k is in group g_idx[k]; k / group_size unless desc_act (act-order).
+//                                              w[n, k] = (u - z[g_idx[k], n]) * scales[g_idx[k], n]
+// The repacked view: weight_packed [N, K/8] with u as stored (compressed-tensors' nibble is q + 8 = u), zero points
+// [ceil(N/8), G] packed along N holding z (its stored zero + 8 = z), scales [N, G], g_idx only for act-order (a
+// g_idx equal to k / group_size is dropped). Then (q - zero) = (u - 8) - (z - 8) = u - z exactly, and one product
+// rounded to the scales' dtype is the reference's dequantization (GPTQModel's torch kernel and vLLM's
+// awq_dequantize both multiply the integer difference by the fp16 scale once).
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+
+constexpr int kAwqOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};         // nibble i holds column offset kAwqOrder[i]
+constexpr int kAwqReverseOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // column offset j sits at nibble kAwqReverseOrder[j]
+
+// The compressed-tensors view of an AWQ / GPTQ Linear (linear.packing != compressed_tensors), repacked from
+// `store` into memory the view owns (QuantWeight::storage). Validates every tensor against the descriptor; errors
+// name the tensor: bad_format (shapes, g_idx out of range or unbalanced groups), missing_tensor, unsupported (a
+// GPTQ v1 zero stored as 15: z = 16 is outside int4's zero points).
+Result<QuantWeight> repack_awq_gptq(const LinearDesc& linear, const TensorStore& store);
+
+// The view of an int8 Linear (linear.format int8), every layout as one: signed q I8 [N, K], scales [N, G] as
+// stored, zero points I8 [N, G] signed (nullptr when symmetric), g_idx only for act-order.
+//   compressed-tensors int-quantized: weight I8 [N, K] (q), weight_scale, weight_zero_point I8 [N, G]: used in place.
+//   compressed-tensors pack-quantized 8-bit: weight_packed I32 [N, K/4], byte j of word i holding column 4i + j as
+//     q + 128; weight_zero_point I32 [ceil(N/4), G] packed along N the same way: repacked (q = byte - 128).
+//   GPTQ 8-bit: qweight I32 [K/4, N] (row 4i + j at bits 8j of word (i, n)), qzeros I32 [G, N/4] (column 4c + j at
+//     bits 8j; v1 stores z - 1), scales [G, N], g_idx [K]: repacked, q = u - 128, zero = z - 128 (sym: z = 128).
+// w = (q - zero) * scale, rounded once to the scale's dtype, as compressed-tensors' dequantize and GPTQModel's
+// torch kernel compute it.
+Result<QuantWeight> int8_weight(const LinearDesc& linear, const TensorStore& store);
+
+// Host bytes the repacked view of `linear` holds (0 for the layouts used in place: compressed-tensors int4 and
+// int-quantized): what loading an AWQ / GPTQ / 8-bit packed Linear adds to its on-disk bytes on the CPU backend
+// (the planner's repack row).
+uint64_t repacked_host_bytes(const LinearDesc& linear);
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
@@ -2791,6 +2876,9 @@ struct CpuBackendOptions {
   // W8A8 as the GPU runs fp8 weights: quant_linear quantizes each activation row to fp8 and back first
   // (quantize_fp8_activations, per block_k columns for block weights, else per row). For tests.
   bool fp8_activations = false;
+  // Reserve the activation chunk for int8 W8A8 weights (QuantWeight::int8_activations), whose activations always go
+  // through int8 per token, as their checkpoint declares. The engine sets it when the model has such Linears.
+  bool int8_activations = false;
   // How activations are stored: F32 (the float32 reference), or BF16 / F16 to run the GPU's numerics on the CPU:
   // every op still computes in f32 and rounds (to nearest even) on each store, where the CUDA kernels round.
   DType activation_dtype = DType::F32;
@@ -4580,6 +4668,17 @@ const char* weight_format_name(WeightFormat format) {
     case WeightFormat::dense: return "dense";
     case WeightFormat::fp8: return "fp8";
     case WeightFormat::int4: return "int4";
+    case WeightFormat::int8: return "int8";
+  }
+  return "?";
+}
+const char* int_packing_name(IntPacking packing) {
+  switch (packing) {
+    case IntPacking::compressed_tensors: return "compressed-tensors";
+    case IntPacking::compressed_tensors_unpacked: return "compressed-tensors int-quantized";
+    case IntPacking::awq: return "awq";
+    case IntPacking::gptq: return "gptq";
+    case IntPacking::gptq_v2: return "gptq_v2";
   }
   return "?";
 }
@@ -5124,11 +5223,19 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
 
   std::string type = weights.string_or("type", "int");
   s.num_bits = int(weights.positive_or("num_bits", 8));
-  if (type == "int") {
+  if (type == "int" && s.num_bits == 8) {
+    // INT8 (llm-compressor W8A16 / W8A8): int-quantized stores weight I8 [N, K]; pack-quantized 4 values a word
+    if (fmt != "int-quantized" && fmt != "pack-quantized")
+      fail(ErrorCode::unsupported,
+           format("%s: %s '%s' is not supported for 8-bit int weights; supported: int-quantized, pack-quantized",
+                  group.origin.c_str(), format_key.c_str(), fmt.c_str()));
+    s.format = WeightFormat::int8;
+    s.packing = fmt == "int-quantized" ? IntPacking::compressed_tensors_unpacked : IntPacking::compressed_tensors;
+  } else if (type == "int") {
     if (s.num_bits != 4)
       weights.fail_key(ErrorCode::unsupported, "num_bits",
-                       format("= %d with type int is not supported; supported: 4 (type int, pack-quantized) or 8 "
-                              "(type float)", s.num_bits));
+                       format("= %d with type int is not supported; supported: 4 (type int, pack-quantized), 8 (type "
+                              "int, int-quantized or pack-quantized) or 8 (type float)", s.num_bits));
     if (fmt != "pack-quantized")
       fail(ErrorCode::unsupported, format("%s: %s '%s' is not supported for 4-bit int weights; supported: pack-quantized",
                                           group.origin.c_str(), format_key.c_str(), fmt.c_str()));
@@ -5153,7 +5260,8 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
     weights.fail_key(ErrorCode::unsupported, "dynamic", "= true (weights quantized at run time) is not supported");
 
   std::string strategy = weights.string_or("strategy", "tensor");
-  if (strategy == "group" && s.format == WeightFormat::int4) {
+  const bool int_weights = s.format == WeightFormat::int4 || s.format == WeightFormat::int8;
+  if (strategy == "group" && int_weights) {
     s.granularity = ScaleGranularity::group;
     s.group_size = weights.bounded("group_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
   } else if (strategy == "channel") {
@@ -5170,8 +5278,10 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
   } else {
     weights.fail_key(ErrorCode::unsupported, "strategy",
                      format("'%s' is not supported for %s weights; supported: %s", strategy.c_str(),
-                            s.format == WeightFormat::int4 ? "4-bit int" : "8-bit float",
-                            s.format == WeightFormat::int4 ? "group, channel" : "tensor, channel, block"));
+                            s.format == WeightFormat::int4   ? "4-bit int"
+                            : s.format == WeightFormat::int8 ? "8-bit int"
+                                                             : "8-bit float",
+                            int_weights ? "group, channel" : "tensor, channel, block"));
   }
   // actorder: "group"/"dynamic" (or true) store weight_g_idx; "weight"/"static" reorder offline and store none.
   if (const json* actorder = weights.find("actorder")) {
@@ -5186,9 +5296,110 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
       weights.fail_key(ErrorCode::bad_format, "actorder", "must be a string, true, false or null");
     }
   }
-  if (std::optional<Node> inputs = group.optional_child("input_activations"))
+  if (std::optional<Node> inputs = group.optional_child("input_activations")) {
     s.dynamic_activations = inputs->bool_or("dynamic", false);
+    if (s.format == WeightFormat::int8) {
+      // W8A8: int8 activations, one scale per token computed at run time; static scales (input_scale) are not read
+      const std::string input_type = inputs->string_or("type", "int"), input_strategy = inputs->string_or("strategy", "tensor");
+      if (input_type != "int" || inputs->positive_or("num_bits", 8) != 8 || !s.dynamic_activations ||
+          input_strategy != "token" || !inputs->bool_or("symmetric", true))
+        group.fail_key(ErrorCode::unsupported, "input_activations",
+                       format("(%s %lld-bit, strategy %s, dynamic %s) is not supported with int8 weights; supported: "
+                              "none (W8A16) or symmetric int8 per token, dynamic (W8A8)",
+                              input_type.c_str(), (long long)inputs->positive_or("num_bits", 8), input_strategy.c_str(),
+                              s.dynamic_activations ? "true" : "false"));
+    }
+  }
   return s;
+}
+
+// quant_method "awq" (AutoAWQ GEMM) and "gptq" (AutoGPTQ / GPTQModel / optimum): one int4 (GPTQ: or int8) scheme for every Linear
+// but those in modules_to_not_convert and lm_head, which neither quantizes (transformers' get_modules_to_not_convert
+// adds the output embedding; GPTQ's `lm_head: true` is the exception, refused below).
+inline QuantConfig parse_awq_gptq(const Node& q, const std::string& method) {
+  QuantConfig quant;
+  const bool awq = method == "awq";
+  quant.method = awq ? QuantMethod::awq : QuantMethod::gptq;
+  QuantScheme s;
+  s.targets = {"Linear"};
+  s.format = WeightFormat::int4;
+  const char* bits_key = q.has("bits") || !q.has("w_bit") ? "bits" : "w_bit";
+  std::optional<int64_t> bits = q.optional_int(bits_key);
+  if (!bits) q.fail_key(ErrorCode::bad_format, bits_key, "is missing");
+  if (*bits != 4 && (awq || *bits != 8))
+    q.fail_key(ErrorCode::unsupported, bits_key,
+               format("= %lld: kvlite reads %s; download the model's %s or compressed-tensors W4A16 release",
+                      (long long)*bits, awq ? "4-bit AWQ" : "4- and 8-bit GPTQ", awq ? "4-bit AWQ" : "GPTQ-Int4"));
+  s.num_bits = int(*bits);
+  if (*bits == 8) s.format = WeightFormat::int8;
+  const char* group_key = q.has("group_size") || !q.has("q_group_size") ? "group_size" : "q_group_size";
+  std::optional<int64_t> group = q.optional_int(group_key);
+  if (!group) q.fail_key(ErrorCode::bad_format, group_key, "is missing");
+  if (*group == -1 && !awq) {
+    s.granularity = ScaleGranularity::channel;  // GPTQ group_size -1: one scale per output row
+  } else if (*group > 0 && *group <= limits::max_model_width) {
+    s.granularity = ScaleGranularity::group;
+    s.group_size = *group;
+  } else {
+    q.fail_key(ErrorCode::bad_format, group_key,
+               format("= %lld; expected a positive group size%s", (long long)*group, awq ? "" : " or -1 (per channel)"));
+  }
+  if (awq) {
+    quant.format = "awq";
+    s.packing = IntPacking::awq;
+    s.symmetric = !q.bool_or("zero_point", true);
+    std::string version = q.string_or("version", "gemm");
+    std::transform(version.begin(), version.end(), version.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+    if (version != "gemm")
+      q.fail_key(ErrorCode::unsupported, "version",
+                 format("'%s' is not supported; kvlite reads AutoAWQ's GEMM layout (version gemm), the one "
+                        "published AWQ checkpoints use", version.c_str()));
+  } else {
+    quant.format = "gptq";
+    s.symmetric = q.bool_or("sym", true);
+    s.actorder = q.bool_or("desc_act", false);
+    // GPTQModel writes checkpoint_format; older configs call it `format`; absent means v1.
+    const char* format_key = q.has("checkpoint_format") ? "checkpoint_format" : "format";
+    const std::string checkpoint_format = q.string_or(format_key, "gptq");
+    if (checkpoint_format == "gptq") s.packing = IntPacking::gptq;
+    else if (checkpoint_format == "gptq_v2") s.packing = IntPacking::gptq_v2;
+    else
+      q.fail_key(ErrorCode::unsupported, format_key,
+                 format("'%s' is not supported; supported: gptq (v1, zero points stored minus one), gptq_v2",
+                        checkpoint_format.c_str()));
+    if (q.bool_or("lm_head", false))
+      q.fail_key(ErrorCode::unsupported, "lm_head", "= true (a quantized lm_head) is not supported");
+  }
+  quant.schemes.push_back(s);
+  quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+  quant.modules_to_not_convert.push_back("lm_head");
+  return quant;
+}
+
+// Quantization methods kvlite does not read, refused with what to download or convert instead.
+[[noreturn]] inline void refuse_quant_method(const Node& q, const std::string& method) {
+  if (method == "bitsandbytes") {
+    const bool four_bit = q.bool_or("load_in_4bit", false);
+    const std::string type = four_bit ? q.string_or("bnb_4bit_quant_type", "fp4") : std::string("int8");
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               format("'bitsandbytes' (%s, LLM.int8 / QLoRA's format) is not supported: its kernels are "
+                      "bitsandbytes' own. Download the model's AWQ, GPTQ-Int4 or compressed-tensors W4A16 release, "
+                      "or the unquantized checkpoint",
+                      type.c_str()));
+  }
+  if (method == "modelopt") {
+    const std::string algo = q.string_or("quant_algo", "?");
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               format("'modelopt' (%s) is not supported%s; download the model's compressed-tensors W4A16, AWQ, "
+                      "GPTQ-Int4 or FP8 release",
+                      algo.c_str(), algo == "NVFP4" ? " (NVFP4 needs Blackwell FP4 tensor cores)" : ""));
+  }
+  if (method == "gguf")
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               "'gguf' is not supported: kvlite reads safetensors checkpoints; download the model's Hugging Face "
+               "release (AWQ, GPTQ-Int4 or compressed-tensors W4A16 for 4 bits)");
+  q.fail_key(ErrorCode::unsupported, "quant_method",
+             format("'%s' is not supported; supported: compressed-tensors, fp8, awq, gptq", method.c_str()));
 }
 
 inline QuantConfig parse_quant(const Node& q) {
@@ -5198,12 +5409,17 @@ inline QuantConfig parse_quant(const Node& q) {
   if (*method == "compressed-tensors") {
     quant.method = QuantMethod::compressed_tensors;
     quant.format = q.string_or("format", "");
-    static const char* const kFormats[] = {"pack-quantized", "float-quantized", "naive-quantized", "mixed-precision"};
+    static const char* const kFormats[] = {"pack-quantized", "int-quantized", "float-quantized", "naive-quantized",
+                                           "mixed-precision"};
+    if (quant.format == "nvfp4-pack-quantized")
+      q.fail_key(ErrorCode::unsupported, "format",
+                 "'nvfp4-pack-quantized' (NVFP4: 4-bit e2m1 weights with fp8 block scales) is not supported; "
+                 "download the compressed-tensors W4A16 (pack-quantized), AWQ or GPTQ-Int4 release of the model");
     if (!quant.format.empty() &&
         std::find(std::begin(kFormats), std::end(kFormats), quant.format) == std::end(kFormats))
       q.fail_key(ErrorCode::unsupported, "format",
-                 format("'%s' is not supported; supported: pack-quantized (int4), float-quantized and naive-quantized "
-                        "(fp8), mixed-precision of those",
+                 format("'%s' is not supported; supported: pack-quantized (int4, int8), int-quantized (int8), "
+                        "float-quantized and naive-quantized (fp8), mixed-precision of those",
                         quant.format.c_str()));
     if (std::optional<Node> kv = q.optional_child("kv_cache_scheme")) {
       // vLLM reads per-tensor static fp8 KV scales; nothing else is a scheme kvlite can honour.
@@ -5250,10 +5466,14 @@ inline QuantConfig parse_quant(const Node& q) {
     }
     s.dynamic_activations = true;
     quant.schemes.push_back(s);
-    quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+    // transformers' FineGrainedFP8 quantizer adds the output embedding when the config names no modules
+    // (get_modules_to_not_convert): a config without the key keeps lm_head in the model dtype.
+    if (!q.has("modules_to_not_convert")) quant.modules_to_not_convert = {"lm_head"};
+    else quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+  } else if (*method == "awq" || *method == "gptq") {
+    quant = parse_awq_gptq(q, *method);
   } else {
-    q.fail_key(ErrorCode::unsupported, "quant_method",
-               format("'%s' is not supported; supported: compressed-tensors, fp8", method->c_str()));
+    refuse_quant_method(q, *method);
   }
   return quant;
 }
@@ -5462,6 +5682,14 @@ Result<ModelConfig> apply_processor_config(ModelConfig config, const std::string
 Result<ModelConfig> load_config(const std::string& model_dir) {
   return detail::guard([&]() -> ModelConfig {
     std::string path = detail::path_join(model_dir, "config.json");
+    auto is_gguf = [](const std::string& name) {
+      return name.size() > 5 && (name.compare(name.size() - 5, 5, ".gguf") == 0 || name.compare(name.size() - 5, 5, ".GGUF") == 0);
+    };
+    if (is_gguf(model_dir))
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("%s is a GGUF file (llama.cpp's format), which kvlite does not read: download the "
+                                  "model's Hugging Face release (safetensors + config.json; for 4 bits its AWQ, "
+                                  "GPTQ-Int4 or compressed-tensors W4A16 repo)", model_dir.c_str()));
     if (!detail::file_exists(path))
       detail::fail(ErrorCode::io_error,
                    detail::format("%s not found: a model directory needs the config.json its checkpoint was published with",
@@ -5559,6 +5787,48 @@ inline LinearDesc estimate_linear(const ModelConfig& c, const LinearSpec& spec) 
     d.weight_dtype = dtype;
     d.scale_dtype = dtype;
     bytes += dtype_bytes(dtype, n * k);
+  } else if (scheme->format == WeightFormat::int8) {
+    // INT8: compressed-tensors int-quantized (weight I8 [N, K]) or pack-quantized (I32 [N, K/4]); GPTQ 8-bit
+    // (qweight I32 [K/4, N], qzeros [G, N/4], scales [G, N], g_idx [K]). Scales in the model dtype.
+    d.format = WeightFormat::int8;
+    d.packing = scheme->packing;
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : spec.k;
+    d.scale_dtype = dtype;
+    d.symmetric = scheme->symmetric;
+    d.has_g_idx = scheme->actorder;
+    d.int8_activations = scheme->dynamic_activations;
+    const uint64_t groups = ceil_div(k, uint64_t(d.group_size));
+    const bool gptq = scheme->packing == IntPacking::gptq || scheme->packing == IntPacking::gptq_v2;
+    d.weight_dtype = scheme->packing == IntPacking::compressed_tensors_unpacked ? DType::I8 : DType::I32;
+    d.scale_name = gptq ? "scales" : "weight_scale";
+    bytes += n * ceil_div(k, 4) * 4 + dtype_bytes(dtype, n * groups);
+    if (gptq) {
+      bytes += groups * ceil_div(n, 4) * 4 + k * 4;  // qzeros, g_idx
+    } else {
+      if (!d.symmetric)  // weight_zero_point: I8 [N, G] (int-quantized) or I32 [N/4, G] (pack-quantized)
+        bytes += scheme->packing == IntPacking::compressed_tensors_unpacked ? n * groups : ceil_div(n, 4) * groups * 4;
+      if (scheme->packing == IntPacking::compressed_tensors) bytes += 2 * 8;  // weight_shape (2,) I64
+      if (d.has_g_idx) bytes += k * 4;                                         // weight_g_idx (K,) I32
+    }
+  } else if (scheme->format == WeightFormat::int4 && scheme->packing != IntPacking::compressed_tensors) {
+    // AWQ / GPTQ (src/quant_formats.hpp): int32 words of 8 values, scales [G, N] in the model dtype (float16 in
+    // every published checkpoint), zero points [G, N/8] (GPTQ stores them even when symmetric), GPTQ's g_idx [K].
+    d.format = WeightFormat::int4;
+    d.weight_dtype = DType::I32;
+    d.packing = scheme->packing;
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : spec.k;
+    d.scale_dtype = dtype;
+    d.scale_name = "scales";
+    d.symmetric = scheme->symmetric;
+    d.has_g_idx = scheme->actorder;
+    const uint64_t groups = ceil_div(k, uint64_t(d.group_size));
+    const bool gptq = scheme->packing != IntPacking::awq;
+    bytes += ceil_div(k * n, 8) * 4;                          // qweight: AWQ (K, N/8), GPTQ (K/8, N) I32
+    bytes += dtype_bytes(dtype, n * groups);                 // scales (G, N)
+    if (gptq || !d.symmetric) bytes += groups * ceil_div(n, 8) * 4;  // qzeros (G, N/8) I32
+    if (gptq) bytes += k * 4;                                // g_idx (K,) I32
   } else if (scheme->format == WeightFormat::int4) {
     d.format = WeightFormat::int4;
     d.weight_dtype = DType::I32;
@@ -5593,9 +5863,11 @@ inline LinearDesc estimate_linear(const ModelConfig& c, const LinearSpec& spec) 
 }
 
 // Every tensor name a Linear may own on disk; its bytes are the sum of those present.
-static const char* const kLinearTensorSuffixes[] = {"weight",      "weight_packed",     "weight_shape",
+static const char* const kLinearTensorSuffixes[] = {"weight",       "weight_packed",     "weight_shape",
                                                     "weight_scale", "weight_scale_inv", "weight_zero_point",
-                                                    "weight_g_idx", "input_scale",      "bias"};
+                                                    "weight_g_idx", "input_scale",      "bias",
+                                                    "qweight",      "qzeros",           "scales",
+                                                    "g_idx"};
 
 struct HeaderReader {
   const TensorLookup& lookup;
@@ -5634,21 +5906,25 @@ inline void describe_int4(const ModelConfig& c, const LinearSpec& spec, const He
                     shape_text({stored[0], stored[1]}).c_str(), (long long)n, (long long)k));
     }
   }
-  const std::vector<int64_t> packed_shape{n, int64_t(ceil_div(uint64_t(k), 8))};
+  const QuantScheme* declared = quant_scheme_for(c.quant, p);
+  const bool eight_bit = declared && declared->format == WeightFormat::int8;
+  const int64_t per_word = eight_bit ? 4 : 8;  // compressed-tensors packs 32 / num_bits values a word
+  const std::vector<int64_t> packed_shape{n, int64_t(ceil_div(uint64_t(k), uint64_t(per_word)))};
   if (packed.shape != packed_shape)
-    h.bad_shape(packed, packed_shape, format("[out %lld, in %lld] packed 8 per I32", (long long)n, (long long)k));
+    h.bad_shape(packed, packed_shape,
+                format("[out %lld, in %lld] packed %lld per I32", (long long)n, (long long)k, (long long)per_word));
 
   const TensorInfo* scale = h.find(p + ".weight_scale");
   if (!scale)
     fail(ErrorCode::missing_tensor, format("%s.weight_scale is missing: %s.weight_packed needs its scales", p.c_str(), p.c_str()));
   h.expect_scale_dtype(*scale);
-  const QuantScheme* scheme = quant_scheme_for(c.quant, p);
-  if (scheme && scheme->format == WeightFormat::int4) {
+  const QuantScheme* scheme = declared;
+  if (scheme && (scheme->format == WeightFormat::int4 || scheme->format == WeightFormat::int8)) {
     d.granularity = scheme->granularity;
     d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : k;
     if (d.granularity == ScaleGranularity::group && k % d.group_size != 0)
       fail(ErrorCode::bad_format,
-           format("%s: group_size %lld does not divide in_features %lld; int4 kernels need whole groups",
+           format("%s: group_size %lld does not divide in_features %lld; int kernels need whole groups",
                   packed.name.c_str(), (long long)d.group_size, (long long)k));
     const std::vector<int64_t> expected{n, d.granularity == ScaleGranularity::group ? k / d.group_size : 1};
     if (scale->shape != expected)
@@ -5666,8 +5942,9 @@ inline void describe_int4(const ModelConfig& c, const LinearSpec& spec, const He
   d.scale_name = "weight_scale";
   if (const TensorInfo* zero = h.find(p + ".weight_zero_point")) {
     h.expect_dtype(*zero, DType::I32);
-    const std::vector<int64_t> expected{int64_t(ceil_div(uint64_t(n), 8)), groups};
-    if (zero->shape != expected) h.bad_shape(*zero, expected, "an asymmetric zero point packed 8 per I32 along out");
+    const std::vector<int64_t> expected{int64_t(ceil_div(uint64_t(n), uint64_t(per_word))), groups};
+    if (zero->shape != expected)
+      h.bad_shape(*zero, expected, format("an asymmetric zero point packed %lld per I32 along out", (long long)per_word));
     d.symmetric = false;
   }
   if (const TensorInfo* g_idx = h.find(p + ".weight_g_idx")) {
@@ -5675,7 +5952,125 @@ inline void describe_int4(const ModelConfig& c, const LinearSpec& spec, const He
     if (g_idx->shape != std::vector<int64_t>{k}) h.bad_shape(*g_idx, {k}, "one group index per input column");
     d.has_g_idx = true;
   }
-  d.format = WeightFormat::int4;
+  d.format = eight_bit ? WeightFormat::int8 : WeightFormat::int4;
+  d.packing = IntPacking::compressed_tensors;
+  d.int8_activations = eight_bit && declared->dynamic_activations;
+  d.weight_dtype = DType::I32;
+}
+
+// compressed-tensors "int-quantized" (INT8 W8A16 / W8A8): weight I8 [N, K], weight_scale [N, 1] or [N, G],
+// weight_zero_point I8 of the scale's shape (asymmetric only), weight_g_idx I32 [K] (actorder).
+inline void describe_int8_unpacked(const ModelConfig& c, const LinearSpec& spec, const HeaderReader& h,
+                                   const TensorInfo& weight, LinearDesc& d) {
+  const std::string& p = spec.name;
+  const int64_t n = spec.n, k = spec.k;
+  if (weight.shape != std::vector<int64_t>{n, k}) h.bad_shape(weight, {n, k}, "config.json [out, in]");
+  const TensorInfo* scale = h.find(p + ".weight_scale");
+  if (!scale) fail(ErrorCode::missing_tensor, format("%s.weight_scale is missing: %s is I8 (int-quantized) and needs its scales", p.c_str(), weight.name.c_str()));
+  h.expect_scale_dtype(*scale);
+  if (scale->shape.size() != 2 || scale->shape[0] != n || scale->shape[1] <= 0 || k % scale->shape[1] != 0)
+    h.bad_shape(*scale, {n, 1}, "a channel scale, or [out, in / group_size] for groups,");
+  const QuantScheme* scheme = quant_scheme_for(c.quant, p);
+  const int64_t groups = scale->shape[1];
+  if (scheme && scheme->format == WeightFormat::int8 && scheme->granularity == ScaleGranularity::group &&
+      groups * scheme->group_size != k)
+    h.bad_shape(*scale, {n, k / scheme->group_size}, format("group_size %lld", (long long)scheme->group_size));
+  d.granularity = groups == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+  d.group_size = k / groups;
+  d.scale_dtype = scale->dtype;
+  d.scale_name = "weight_scale";
+  if (const TensorInfo* zero = h.find(p + ".weight_zero_point")) {
+    h.expect_dtype(*zero, DType::I8);
+    if (zero->shape != scale->shape) h.bad_shape(*zero, scale->shape, "one int8 zero point per scale");
+    d.symmetric = false;
+  }
+  if (const TensorInfo* g_idx = h.find(p + ".weight_g_idx")) {
+    h.expect_dtype(*g_idx, DType::I32);
+    if (g_idx->shape != std::vector<int64_t>{k}) h.bad_shape(*g_idx, {k}, "one group index per input column");
+    d.has_g_idx = true;
+  }
+  d.format = WeightFormat::int8;
+  d.packing = IntPacking::compressed_tensors_unpacked;
+  d.int8_activations = scheme && scheme->format == WeightFormat::int8 && scheme->dynamic_activations;
+  d.weight_dtype = DType::I8;
+}
+
+// AWQ / GPTQ tensors (src/quant_formats.hpp has the layouts): shapes checked against config.json's [N, K], the
+// group size from the config (or, for a Linear it does not cover, from the scales' rows).
+inline void describe_awq_gptq(const ModelConfig& c, const LinearSpec& spec, const HeaderReader& h,
+                              const TensorInfo& qweight, LinearDesc& d) {
+  const std::string& p = spec.name;
+  const int64_t n = spec.n, k = spec.k;
+  if (c.quant.method != QuantMethod::awq && c.quant.method != QuantMethod::gptq)
+    fail(ErrorCode::bad_format,
+         format("%s is an AWQ / GPTQ tensor but config.json's quantization_config is not quant_method awq or gptq",
+                qweight.name.c_str()));
+  const bool awq = c.quant.method == QuantMethod::awq;
+  const char* method = awq ? "AWQ" : "GPTQ";
+  h.expect_dtype(qweight, DType::I32);
+  const QuantScheme* declared = quant_scheme_for(c.quant, p);
+  const bool eight_bit = declared ? declared->format == WeightFormat::int8 : (!awq && qweight.shape.size() == 2 && qweight.shape[0] * 4 == k);
+  const int64_t per_word = eight_bit ? 4 : 8;
+  // AWQ packs 8 int4 values a word along N; GPTQ packs 32 / bits values a word along K.
+  if (n % per_word != 0 || k % per_word != 0)
+    fail(ErrorCode::bad_format, format("%s: [out %lld, in %lld] are not multiples of %lld, which %s's %d-bit words need",
+                                       qweight.name.c_str(), (long long)n, (long long)k, (long long)per_word, method,
+                                       eight_bit ? 8 : 4));
+  const std::vector<int64_t> packed_shape =
+      awq ? std::vector<int64_t>{k, n / 8} : std::vector<int64_t>{k / per_word, n};
+  if (qweight.shape != packed_shape)
+    h.bad_shape(qweight, packed_shape,
+                format("%s %d-bit of [out %lld, in %lld] packed %lld per I32 along %s", method, eight_bit ? 8 : 4,
+                       (long long)n, (long long)k, (long long)per_word, awq ? "out" : "in"));
+  const TensorInfo* scales = h.find(p + ".scales");
+  if (!scales) fail(ErrorCode::missing_tensor, format("%s.scales is missing: %s needs its scales", p.c_str(), qweight.name.c_str()));
+  h.expect_scale_dtype(*scales);
+  const QuantScheme* scheme = declared;
+  int64_t groups = 0;
+  if (scheme && scheme->format != WeightFormat::dense) {
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : k;
+    d.symmetric = scheme->symmetric;
+    d.has_g_idx = scheme->actorder;
+    if (k % d.group_size != 0)
+      fail(ErrorCode::bad_format, format("%s: group_size %lld does not divide in_features %lld; int4 kernels need whole groups",
+                                         qweight.name.c_str(), (long long)d.group_size, (long long)k));
+    groups = k / d.group_size;
+  } else {  // not covered by the config (listed in modules_to_not_convert, yet stored packed): read the scales
+    if (scales->shape.size() != 2 || scales->shape[0] <= 0 || k % scales->shape[0] != 0)
+      h.bad_shape(*scales, {1, n}, "[in / group_size, out] scales");
+    groups = scales->shape[0];
+    d.group_size = k / groups;
+    d.granularity = groups == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+    d.symmetric = awq ? !h.find(p + ".qzeros") : false;
+    d.has_g_idx = false;
+  }
+  const std::vector<int64_t> scale_shape{groups, n};
+  if (scales->shape != scale_shape)
+    h.bad_shape(*scales, scale_shape, format("group_size %lld over [out %lld, in %lld]", (long long)d.group_size,
+                                             (long long)n, (long long)k));
+  d.scale_dtype = scales->dtype;
+  d.scale_name = "scales";
+  const TensorInfo* zeros = h.find(p + ".qzeros");
+  if (zeros) {
+    h.expect_dtype(*zeros, DType::I32);
+    if (zeros->shape != std::vector<int64_t>{groups, n / per_word})
+      h.bad_shape(*zeros, {groups, n / per_word}, format("zero points packed %lld per I32 along out", (long long)per_word));
+  } else if (!awq || !d.symmetric) {
+    fail(ErrorCode::missing_tensor, format("%s.qzeros is missing: %s stores %s zero points there", p.c_str(), method,
+                                           awq ? "AWQ's (zero_point true)" : "GPTQ's"));
+  }
+  if (const TensorInfo* g_idx = h.find(p + ".g_idx")) {
+    h.expect_dtype(*g_idx, DType::I32);
+    if (g_idx->shape != std::vector<int64_t>{k}) h.bad_shape(*g_idx, {k}, "one group index per input row");
+  } else if (d.has_g_idx) {
+    fail(ErrorCode::missing_tensor, format("%s.g_idx is missing: desc_act true (act-order) stores each input row's "
+                                           "group there", p.c_str()));
+  }
+  d.packing = scheme && scheme->format != WeightFormat::dense ? scheme->packing
+              : awq                                            ? IntPacking::awq
+                                                               : IntPacking::gptq;
+  d.format = eight_bit ? WeightFormat::int8 : WeightFormat::int4;
   d.weight_dtype = DType::I32;
 }
 
@@ -5731,19 +6126,23 @@ inline LinearDesc describe_linear(const ModelConfig& c, const LinearSpec& spec, 
   d.vision = spec.vision;
   d.exact = true;
   const std::string& p = spec.name;
-  if (const TensorInfo* packed = h.find(p + ".weight_packed")) {
+  if (const TensorInfo* qweight = h.find(p + ".qweight")) {
+    describe_awq_gptq(c, spec, h, *qweight, d);
+  } else if (const TensorInfo* packed = h.find(p + ".weight_packed")) {
     describe_int4(c, spec, h, *packed, d);
   } else if (const TensorInfo* weight = h.find(p + ".weight")) {
     if (weight->dtype == DType::F8_E4M3) {
       describe_fp8(c, spec, h, *weight, d);
+    } else if (weight->dtype == DType::I8) {
+      describe_int8_unpacked(c, spec, h, *weight, d);
     } else if (weight->dtype == DType::BF16 || weight->dtype == DType::F16 || weight->dtype == DType::F32) {
       if (weight->shape != std::vector<int64_t>{spec.n, spec.k}) h.bad_shape(*weight, {spec.n, spec.k}, "config.json [out, in]");
       d.format = WeightFormat::dense;
       d.weight_dtype = d.scale_dtype = weight->dtype;
     } else {
       fail(ErrorCode::unsupported,
-           format("%s has dtype %s; Linear weights are supported as BF16/F16/F32, F8_E4M3 with scales, or "
-                  "compressed-tensors pack-quantized int4",
+           format("%s has dtype %s; Linear weights are supported as BF16/F16/F32, F8_E4M3 or I8 (int-quantized) with "
+                  "scales, compressed-tensors pack-quantized, AWQ or GPTQ",
                   weight->name.c_str(), dtype_name(weight->dtype)));
     }
   } else {
@@ -6105,7 +6504,18 @@ void dequantize_rows_unchecked(const QuantWeight& w, int64_t row0, int64_t rows,
   for (int64_t r = 0; r < rows; r++) {
     const int64_t n = row0 + r;
     float* dst = out + r * k_size;  // [K]
-    if (w.format == WeightFormat::int4) {
+    if (w.format == WeightFormat::int8) {
+      const int8_t* q_row = reinterpret_cast<const int8_t*>(w.int8) + n * k_size;
+      const int8_t* zero_row = w.zero_points ? reinterpret_cast<const int8_t*>(w.zero_points) + n * w.scale_cols : nullptr;
+      const int64_t scale_row = n * w.scale_cols;
+      for (int64_t k = 0; k < k_size; k++) {
+        int32_t g = int32_t(k / w.group_size);
+        if (w.g_idx) memcpy(&g, w.g_idx + 4 * k, 4);
+        const int zero = zero_row ? int(zero_row[g]) : 0;
+        dst[k] = dequantize_value(float(int(q_row[k]) - zero), scale_at(w.scales, w.scale_dtype, scale_row + g),
+                                  w.scale_dtype, w.rounding);
+      }
+    } else if (w.format == WeightFormat::int4) {
       const uint8_t* packed_row = w.packed + 4 * n * w.packed_cols;
       const int64_t scale_row = n * w.scale_cols;
       if (w.g_idx) {  // activation order: each column names its group
@@ -6205,11 +6615,19 @@ Result<QuantWeight> quant_weight(const LinearDesc& linear, const TensorStore& st
     w.out_features = linear.out_features;
     w.in_features = linear.in_features;
     w.format = linear.format;
-    if (linear.format == WeightFormat::int4) detail::quant::build_int4(linear, store, w);
+    if (linear.format == WeightFormat::int8) {
+      Result<QuantWeight> view = int8_weight(linear, store);  // quant_formats.hpp
+      if (!view) throw view.error();
+      w = std::move(*view);
+    } else if (linear.format == WeightFormat::int4 && linear.packing != IntPacking::compressed_tensors) {
+      Result<QuantWeight> repacked = repack_awq_gptq(linear, store);  // quant_formats.hpp
+      if (!repacked) throw repacked.error();
+      w = std::move(*repacked);
+    } else if (linear.format == WeightFormat::int4) detail::quant::build_int4(linear, store, w);
     else if (linear.format == WeightFormat::fp8) detail::quant::build_fp8(linear, store, w);
     else
       detail::fail(ErrorCode::invalid_argument,
-                   detail::format("%s is %s, not a quantized format (int4, fp8)", linear.name.c_str(),
+                   detail::format("%s is %s, not a quantized format (int4, int8, fp8)", linear.name.c_str(),
                                   weight_format_name(linear.format)));
     detail::quant::check_bias(w, store, linear.name + ".");
     return w;
@@ -6227,6 +6645,20 @@ void fake_quantize_fp8_row(const float* x, int64_t cols, int64_t group, float* o
     float scale = amax / 448.0f;
     if (scale == 0.0f) scale = FLT_EPSILON;  // as quantize_fp8_activations
     for (int64_t k = k0; k < k1; k++) out[k] = fp8[float_to_fp8_e4m3(x[k] / scale + 0.0f)] * scale;
+  }
+}
+
+void fake_quantize_int8_row(const float* x, int64_t cols, float* out) {
+  // compressed-tensors' calculate_qparams (the range widened to hold 0, symmetric: max |bound| / (255 / 2)) and
+  // quantize / dequantize (torch.round: half to even), in float32 as the reference runs them.
+  float lo = 0.0f, hi = 0.0f;
+  for (int64_t k = 0; k < cols; k++) lo = std::min(lo, x[k]), hi = std::max(hi, x[k]);
+  float scale = std::max(std::fabs(lo), std::fabs(hi)) / 127.5f;
+  if (scale == 0.0f) scale = FLT_EPSILON;
+  for (int64_t k = 0; k < cols; k++) {
+    // + 0: the reference adds its zero point (0), which turns -0 into +0
+    const float q = std::min(127.0f, std::max(-128.0f, std::nearbyint(x[k] / scale + 0.0f)));
+    out[k] = q * scale;
   }
 }
 
@@ -6280,8 +6712,14 @@ Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const Quan
     if (tokens == 0) return;
     if (!x || !out) detail::fail(ErrorCode::invalid_argument, "quant_linear: x or out is null");
 
-    std::vector<float> requantized;  // [T, K] when activations go through fp8
-    if (options.fp8_activations) {
+    std::vector<float> requantized;  // [T, K] when activations go through fp8 or int8
+    if (weight.format == WeightFormat::int8 && weight.int8_activations) {  // W8A8: the checkpoint's own semantics
+      requantized.resize(size_t(tokens * k_size));
+      for (int64_t t = 0; t < tokens; t++)
+        detail::fake_quantize_int8_row(x + t * x_stride, k_size, requantized.data() + t * k_size);
+      x = requantized.data();
+      x_stride = k_size;
+    } else if (options.fp8_activations) {
       if (weight.format != WeightFormat::fp8)
         detail::fail(ErrorCode::invalid_argument,
                      detail::format("quant_linear(%s): fp8 activations go with fp8 weights, not %s",
@@ -6317,6 +6755,397 @@ Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const Quan
     }
     work(0);
     for (std::thread& helper : helpers) helper.join();
+  });
+}
+
+}  // namespace kvlite
+// quant_formats: implementation.
+#include <memory>
+
+namespace kvlite {
+namespace detail {
+namespace quant_formats {
+
+inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline const TensorInfo& require(const TensorStore& store, const std::string& name, const char* why) {
+  const TensorInfo* tensor = store.find(name);
+  if (!tensor) fail(ErrorCode::missing_tensor, format("%s is missing: %s", name.c_str(), why));
+  return *tensor;
+}
+
+inline void expect(const TensorInfo& tensor, DType dtype, const std::vector<int64_t>& shape, const std::string& what) {
+  if (tensor.dtype != dtype)
+    fail(ErrorCode::bad_format, format("%s has dtype %s; %s stores it as %s", tensor.name.c_str(),
+                                       dtype_name(tensor.dtype), what.c_str(), dtype_name(dtype)));
+  if (tensor.shape != shape)
+    fail(ErrorCode::bad_format, format("%s has shape %s but %s expects %s", tensor.name.c_str(),
+                                       cfg::shape_text(tensor.shape).c_str(), what.c_str(), cfg::shape_text(shape).c_str()));
+}
+
+inline uint32_t word_at(const uint8_t* words, int64_t index) { return load_u32_le(words + 4 * index); }
+
+// Offsets of the view's tensors inside its one buffer (each 4-byte aligned).
+struct ViewLayout {
+  uint64_t packed = 0, scales = 0, zeros = 0, g_idx = 0, total = 0;
+};
+inline ViewLayout view_layout(int64_t n, int64_t k, int64_t groups, DType scale_dtype, bool zeros, bool g_idx) {
+  ViewLayout v;
+  uint64_t at = 0;
+  v.packed = at;
+  at += uint64_t(n) * uint64_t(ceil_div64(k, 8)) * 4;  // weight_packed [N, K/8] I32
+  v.scales = at;
+  at += (dtype_bytes(scale_dtype, uint64_t(n) * uint64_t(groups)) + 3) / 4 * 4;  // [N, G]
+  v.zeros = at;
+  if (zeros) at += uint64_t(ceil_div64(n, 8)) * uint64_t(groups) * 4;  // [ceil(N/8), G] I32
+  v.g_idx = at;
+  if (g_idx) at += uint64_t(k) * 4;  // [K] I32
+  v.total = at;
+  return v;
+}
+
+// The group of every input column from a g_idx tensor: empty when it is k / group_size (column order, dropped),
+// else the values, each group holding exactly group_size columns (what the reference's sort-and-cut requires).
+inline std::vector<int32_t> act_order_groups(const TensorInfo& tensor, const uint8_t* bytes, int64_t k,
+                                             int64_t group_size, const std::string& scales_name) {
+  const int64_t groups = k / group_size;
+  std::vector<int32_t> g_idx(static_cast<size_t>(k));
+  std::vector<int64_t> members(static_cast<size_t>(groups), 0);
+  bool column_order = true;
+  for (int64_t row = 0; row < k; row++) {
+    int32_t group;
+    memcpy(&group, bytes + 4 * row, 4);
+    if (group < 0 || group >= groups)
+      fail(ErrorCode::bad_format, format("%s[%lld] = %d is not a group of %s (0..%lld)", tensor.name.c_str(),
+                                         (long long)row, group, scales_name.c_str(), (long long)(groups - 1)));
+    g_idx[size_t(row)] = group;
+    members[size_t(group)]++;
+    column_order = column_order && group == row / group_size;
+  }
+  if (column_order) return {};
+  for (int64_t g = 0; g < groups; g++)
+    if (members[size_t(g)] != group_size)
+      fail(ErrorCode::bad_format,
+           format("%s assigns %lld input rows to group %lld; each of the %lld groups must hold group_size %lld "
+                  "(static_groups or a truncated g_idx?)",
+                  tensor.name.c_str(), (long long)members[size_t(g)], (long long)g, (long long)groups,
+                  (long long)group_size));
+  return g_idx;
+}
+
+// int8 view: q [N, K], scales [N, G], zeros I8 [N, G], g_idx [K].
+struct Int8Layout {
+  uint64_t q = 0, scales = 0, zeros = 0, g_idx = 0, total = 0;
+};
+inline Int8Layout int8_layout(int64_t n, int64_t k, int64_t groups, DType scale_dtype, bool zeros, bool g_idx) {
+  Int8Layout v;
+  uint64_t at = uint64_t(n) * uint64_t(k);
+  at = (at + 3) / 4 * 4;
+  v.scales = at;
+  at += (dtype_bytes(scale_dtype, uint64_t(n) * uint64_t(groups)) + 3) / 4 * 4;
+  v.zeros = at;
+  if (zeros) at += (uint64_t(n) * uint64_t(groups) + 3) / 4 * 4;
+  v.g_idx = at;
+  if (g_idx) at += uint64_t(k) * 4;
+  v.total = at;
+  return v;
+}
+
+}  // namespace quant_formats
+}  // namespace detail
+
+uint64_t repacked_host_bytes(const LinearDesc& d) {
+  if (d.group_size <= 0 || d.packing == IntPacking::compressed_tensors_unpacked) return 0;
+  const int64_t groups = d.in_features / d.group_size;
+  if (d.format == WeightFormat::int8)  // every 8-bit packing but int-quantized is repacked
+    return detail::quant_formats::int8_layout(d.out_features, d.in_features, groups, d.scale_dtype, !d.symmetric,
+                                              d.has_g_idx)
+        .total;
+  if (d.format != WeightFormat::int4 || d.packing == IntPacking::compressed_tensors) return 0;
+  return detail::quant_formats::view_layout(d.out_features, d.in_features, groups, d.scale_dtype, !d.symmetric,
+                                            d.has_g_idx)
+      .total;
+}
+
+Result<QuantWeight> int8_weight(const LinearDesc& d, const TensorStore& store) {
+  return detail::guard([&]() -> QuantWeight {
+    using namespace detail;
+    using namespace detail::quant_formats;
+    const int64_t n = d.out_features, k = d.in_features;
+    if (d.format != WeightFormat::int8)
+      fail(ErrorCode::invalid_argument, format("int8_weight(%s): not an int8 Linear", d.name.c_str()));
+    if (n <= 0 || k <= 0 || d.group_size <= 0 || k % d.group_size != 0)
+      fail(ErrorCode::bad_format, format("%s: [out %lld, in %lld] with group_size %lld: groups must be whole",
+                                         d.name.c_str(), (long long)n, (long long)k, (long long)d.group_size));
+    const int64_t groups = k / d.group_size;
+    const std::string p = d.name + ".";
+    const bool gptq = d.packing == IntPacking::gptq || d.packing == IntPacking::gptq_v2;
+    const bool unpacked = d.packing == IntPacking::compressed_tensors_unpacked;
+    if (d.packing == IntPacking::awq)
+      fail(ErrorCode::unsupported, format("%s: AWQ is 4-bit only", d.name.c_str()));
+
+    const std::string scale_name = p + (gptq ? "scales" : "weight_scale");
+    const TensorInfo& scales = require(store, scale_name, "an int8 Linear needs its scales");
+    if (scales.dtype != DType::F16 && scales.dtype != DType::BF16 && scales.dtype != DType::F32)
+      fail(ErrorCode::unsupported, format("%s has dtype %s; scales are supported as F32, BF16 or F16",
+                                          scales.name.c_str(), dtype_name(scales.dtype)));
+    expect(scales, scales.dtype, gptq ? std::vector<int64_t>{groups, n} : std::vector<int64_t>{n, groups},
+           gptq ? "GPTQ scales [groups, out]" : "int8 weight_scale [out, groups]");
+    const TensorInfo* g_idx_tensor = store.find(p + (gptq ? "g_idx" : "weight_g_idx"));
+    if (g_idx_tensor) expect(*g_idx_tensor, DType::I32, {k}, "g_idx (one group per input column)");
+    else if (d.has_g_idx && !gptq)
+      fail(ErrorCode::missing_tensor, format("%sweight_g_idx is missing: the Linear uses activation order", p.c_str()));
+    std::vector<int32_t> g_idx;
+    if (g_idx_tensor) g_idx = act_order_groups(*g_idx_tensor, store.data(*g_idx_tensor), k, d.group_size, scales.name);
+
+    QuantWeight w;
+    w.name = d.name;
+    w.out_features = n;
+    w.in_features = k;
+    w.format = WeightFormat::int8;
+    w.granularity = groups == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+    w.group_size = d.group_size;
+    w.scale_dtype = scales.dtype;
+    w.scale_rows = n;
+    w.scale_cols = groups;
+    w.rounding = DequantRounding::scale_dtype;
+    w.int8_activations = d.int8_activations;
+
+    if (unpacked) {  // compressed-tensors int-quantized: used in place
+      const TensorInfo& weight = require(store, p + "weight", "an int-quantized Linear stores its int8 weights there");
+      expect(weight, DType::I8, {n, k}, "int-quantized [out, in]");
+      w.int8 = store.data(weight);
+      w.scales = store.data(scales);
+      if (const TensorInfo* zero = store.find(p + "weight_zero_point")) {
+        expect(*zero, DType::I8, {n, groups}, "an int8 zero point per scale");
+        w.zero_points = store.data(*zero);
+      } else if (!d.symmetric) {
+        fail(ErrorCode::missing_tensor, format("%sweight_zero_point is missing: the Linear is asymmetric", p.c_str()));
+      }
+      if (!g_idx.empty()) w.g_idx = store.data(*g_idx_tensor);
+      return w;
+    }
+
+    // Packed 4 bytes a word: unpack q (signed) and the zero points first.
+    std::vector<int8_t> zero(size_t(n * groups), 0);  // [N, G]
+    bool any_zero = false;
+    const TensorInfo* zeros = store.find(p + (gptq ? "qzeros" : "weight_zero_point"));
+    if (gptq) {
+      const TensorInfo& qzeros = require(store, p + "qzeros", "GPTQ stores its zero points there");
+      if (n % 4 != 0) fail(ErrorCode::bad_format, format("%s: out_features %lld is not a multiple of 4", d.name.c_str(), (long long)n));
+      expect(qzeros, DType::I32, {groups, n / 4}, "GPTQ 8-bit zero points packed 4 per I32 along out");
+      const uint8_t* bytes = store.data(qzeros);
+      const int offset = d.packing == IntPacking::gptq ? 1 : 0;  // v1 stores z - 1
+      for (int64_t g = 0; g < groups; g++)
+        for (int64_t col = 0; col < n; col++) {
+          const int z = int(bytes[4 * (g * (n / 4) + col / 4) + col % 4]) + offset;
+          if (z > 255)
+            fail(ErrorCode::unsupported,
+                 format("%s stores 255 for group %lld, column %lld: GPTQ v1's zero - 1 makes that a zero point of 256, "
+                        "outside int8; re-save the checkpoint as gptq_v2",
+                        qzeros.name.c_str(), (long long)g, (long long)col));
+          zero[size_t(col * groups + g)] = int8_t(z - 128);
+          any_zero = any_zero || z != 128;
+        }
+    } else if (zeros) {
+      const std::vector<int64_t> shape{(n + 3) / 4, groups};
+      expect(*zeros, DType::I32, shape, "an 8-bit zero point packed 4 per I32 along out");
+      const uint8_t* bytes = store.data(*zeros);
+      for (int64_t col = 0; col < n; col++)
+        for (int64_t g = 0; g < groups; g++) {
+          const int z = int(bytes[4 * ((col / 4) * groups + g) + col % 4]) - 128;
+          zero[size_t(col * groups + g)] = int8_t(z);
+          any_zero = any_zero || z != 0;
+        }
+    } else if (!d.symmetric) {
+      fail(ErrorCode::missing_tensor, format("%sweight_zero_point is missing: the Linear is asymmetric", p.c_str()));
+    }
+
+    const Int8Layout v = int8_layout(n, k, groups, scales.dtype, any_zero, !g_idx.empty());
+    auto storage = std::make_shared<std::vector<uint8_t>>(size_t(v.total), uint8_t(0));
+    uint8_t* base = storage->data();
+    if (gptq) {
+      const TensorInfo& qweight = require(store, p + "qweight", "GPTQ stores its int8 weights there");
+      if (k % 4 != 0) fail(ErrorCode::bad_format, format("%s: in_features %lld is not a multiple of 4", d.name.c_str(), (long long)k));
+      expect(qweight, DType::I32, {k / 4, n}, "GPTQ 8-bit packed 4 per I32 along in");
+      const uint8_t* bytes = store.data(qweight);
+      for (int64_t i = 0; i < k / 4; i++)
+        for (int64_t col = 0; col < n; col++)
+          for (int j = 0; j < 4; j++) base[v.q + col * k + 4 * i + j] = uint8_t(bytes[4 * (i * n + col) + j] ^ 0x80u);
+      // scales [G, N] -> [N, G]
+      const size_t element = size_t(dtype_bytes(scales.dtype, 1));
+      const uint8_t* src = store.data(scales);
+      for (int64_t g = 0; g < groups; g++)
+        for (int64_t col = 0; col < n; col++)
+          memcpy(base + v.scales + (col * groups + g) * element, src + (g * n + col) * element, element);
+    } else {
+      const TensorInfo& packed = require(store, p + "weight_packed", "a pack-quantized Linear stores its weights there");
+      const int64_t words = (k + 3) / 4;
+      expect(packed, DType::I32, {n, words}, "8-bit pack-quantized [out, in / 4]");
+      if (const TensorInfo* shape = store.find(p + "weight_shape")) {
+        expect(*shape, DType::I64, {2}, "pack-quantized [out, in]");
+        int64_t stored[2];
+        memcpy(stored, store.data(*shape), sizeof stored);
+        if (stored[0] != n || stored[1] != k)
+          fail(ErrorCode::bad_format, format("%s holds [%lld, %lld] but the Linear is [%lld, %lld] (out, in)",
+                                             shape->name.c_str(), (long long)stored[0], (long long)stored[1],
+                                             (long long)n, (long long)k));
+      }
+      const uint8_t* bytes = store.data(packed);
+      for (int64_t col = 0; col < n; col++)
+        for (int64_t c = 0; c < k; c++) base[v.q + col * k + c] = uint8_t(bytes[4 * col * words + c] ^ 0x80u);
+      memcpy(base + v.scales, store.data(scales), size_t(dtype_bytes(scales.dtype, uint64_t(n * groups))));
+    }
+    if (any_zero) memcpy(base + v.zeros, zero.data(), zero.size());
+    if (!g_idx.empty()) memcpy(base + v.g_idx, g_idx.data(), g_idx.size() * 4);
+    w.int8 = base + v.q;
+    w.scales = base + v.scales;
+    w.zero_points = any_zero ? base + v.zeros : nullptr;
+    w.g_idx = g_idx.empty() ? nullptr : base + v.g_idx;
+    w.storage = std::move(storage);
+    return w;
+  });
+}
+
+Result<QuantWeight> repack_awq_gptq(const LinearDesc& d, const TensorStore& store) {
+  return detail::guard([&]() -> QuantWeight {
+    using namespace detail;
+    using namespace detail::quant_formats;
+    const int64_t n = d.out_features, k = d.in_features;
+    const bool awq = d.packing == IntPacking::awq;
+    if (d.format != WeightFormat::int4 || d.packing == IntPacking::compressed_tensors)
+      fail(ErrorCode::invalid_argument, format("repack_awq_gptq(%s): not an AWQ / GPTQ Linear", d.name.c_str()));
+    if (n <= 0 || k <= 0 || n % 8 != 0 || k % 8 != 0 || d.group_size <= 0 || k % d.group_size != 0)
+      fail(ErrorCode::bad_format, format("%s: [out %lld, in %lld] with group_size %lld: AWQ / GPTQ need multiples of "
+                                         "8 and whole groups",
+                                         d.name.c_str(), (long long)n, (long long)k, (long long)d.group_size));
+    const int64_t groups = k / d.group_size;
+    const std::string p = d.name + ".";
+    const char* method = awq ? "AWQ" : "GPTQ";
+
+    const TensorInfo& qweight = require(store, p + "qweight", "an AWQ / GPTQ Linear stores its int4 weights there");
+    expect(qweight, DType::I32, awq ? std::vector<int64_t>{k, n / 8} : std::vector<int64_t>{k / 8, n},
+           format("%s int4 packed 8 per I32", method));
+    const TensorInfo& scales = require(store, p + "scales", "an AWQ / GPTQ Linear needs its scales");
+    if (scales.dtype != DType::F16 && scales.dtype != DType::BF16 && scales.dtype != DType::F32)
+      fail(ErrorCode::unsupported, format("%s has dtype %s; scales are supported as F32, BF16 or F16",
+                                          scales.name.c_str(), dtype_name(scales.dtype)));
+    expect(scales, scales.dtype, {groups, n}, format("%s scales [groups, out]", method));
+    const TensorInfo* qzeros = store.find(p + "qzeros");
+    if (qzeros) expect(*qzeros, DType::I32, {groups, n / 8}, format("%s zero points packed 8 per I32 along out", method));
+    else if (!awq || !d.symmetric)
+      fail(ErrorCode::missing_tensor, format("%sqzeros is missing: %s stores its zero points there", p.c_str(), method));
+    const TensorInfo* g_idx_tensor = awq ? nullptr : store.find(p + "g_idx");
+    if (g_idx_tensor) expect(*g_idx_tensor, DType::I32, {k}, "GPTQ's g_idx (one group per input row)");
+
+    // Unpack the zero points first: they decide whether the view needs a zero table (all 8: symmetric).
+    const uint8_t* qw = store.data(qweight);
+    const uint8_t* qz = qzeros ? store.data(*qzeros) : nullptr;
+    const int zero_offset = d.packing == IntPacking::gptq ? 1 : 0;  // v1 stores z - 1
+    std::vector<uint8_t> zero(size_t(groups * n), 8);               // [G, N]
+    bool all_eight = true;
+    if (qz) {
+      for (int64_t g = 0; g < groups; g++)
+        for (int64_t col = 0; col < n; col++) {
+          const uint32_t word = word_at(qz, g * (n / 8) + col / 8);
+          const int nibble = awq ? kAwqReverseOrder[col % 8] : int(col % 8);
+          const int z = int((word >> (4 * nibble)) & 0xfu) + zero_offset;
+          if (z > 15)
+            fail(ErrorCode::unsupported,
+                 format("%s stores 15 for group %lld, column %lld: GPTQ v1's zero - 1 makes that a zero point of 16, "
+                        "outside int4 (a quantizer wraps -1 there when z = 0); re-save the checkpoint as gptq_v2",
+                        qzeros->name.c_str(), (long long)g, (long long)col));
+          zero[size_t(g * n + col)] = uint8_t(z);
+          all_eight = all_eight && z == 8;
+        }
+    }
+    const bool zeros = !all_eight;
+
+    // Act-order: keep g_idx only when it is not k / group_size.
+    std::vector<int32_t> g_idx;
+    if (g_idx_tensor) {
+      const uint8_t* bytes = store.data(*g_idx_tensor);
+      g_idx.resize(size_t(k));
+      std::vector<int64_t> members(size_t(groups), 0);
+      bool column_order = true;
+      for (int64_t row = 0; row < k; row++) {
+        int32_t group;
+        memcpy(&group, bytes + 4 * row, 4);
+        if (group < 0 || group >= groups)
+          fail(ErrorCode::bad_format, format("%s[%lld] = %d is not a group of %s (0..%lld)", g_idx_tensor->name.c_str(),
+                                             (long long)row, group, scales.name.c_str(), (long long)(groups - 1)));
+        g_idx[size_t(row)] = group;
+        members[size_t(group)]++;
+        column_order = column_order && group == row / d.group_size;
+      }
+      if (column_order) {
+        g_idx.clear();
+      } else {
+        for (int64_t g = 0; g < groups; g++)
+          if (members[size_t(g)] != d.group_size)
+            fail(ErrorCode::bad_format,
+                 format("%s assigns %lld input rows to group %lld; each of the %lld groups must hold group_size %lld "
+                        "(static_groups or a truncated g_idx?)",
+                        g_idx_tensor->name.c_str(), (long long)members[size_t(g)], (long long)g, (long long)groups,
+                        (long long)d.group_size));
+      }
+    }
+
+    const ViewLayout v = view_layout(n, k, groups, scales.dtype, zeros, !g_idx.empty());
+    auto storage = std::make_shared<std::vector<uint8_t>>(size_t(v.total), uint8_t(0));
+    uint8_t* base = storage->data();
+
+    // weight_packed [N, K/8]: column k of row n at nibble k % 8 of word k / 8, the stored u unchanged.
+    const int64_t words = k / 8;
+    uint32_t* packed = reinterpret_cast<uint32_t*>(base + v.packed);
+    if (awq) {
+      for (int64_t row = 0; row < k; row++)
+        for (int64_t c = 0; c < n / 8; c++) {
+          const uint32_t word = word_at(qw, row * (n / 8) + c);
+          for (int j = 0; j < 8; j++) {
+            const uint32_t u = (word >> (4 * kAwqReverseOrder[j])) & 0xfu;
+            packed[(8 * c + j) * words + row / 8] |= u << (4 * (row % 8));
+          }
+        }
+    } else {
+      // A GPTQ word already holds 8 consecutive input rows lowest first: it is the view's word, transposed.
+      for (int64_t i = 0; i < words; i++)
+        for (int64_t col = 0; col < n; col++) packed[col * words + i] = word_at(qw, i * n + col);
+    }
+
+    // scales [G, N] -> [N, G]
+    const size_t element = size_t(dtype_bytes(scales.dtype, 1));
+    const uint8_t* src_scales = store.data(scales);
+    for (int64_t g = 0; g < groups; g++)
+      for (int64_t col = 0; col < n; col++)
+        memcpy(base + v.scales + (col * groups + g) * element, src_scales + (g * n + col) * element, element);
+
+    if (zeros) {
+      uint32_t* out = reinterpret_cast<uint32_t*>(base + v.zeros);
+      for (int64_t g = 0; g < groups; g++)
+        for (int64_t col = 0; col < n; col++)
+          out[(col / 8) * groups + g] |= uint32_t(zero[size_t(g * n + col)]) << (4 * (col % 8));
+    }
+    if (!g_idx.empty()) memcpy(base + v.g_idx, g_idx.data(), g_idx.size() * 4);
+
+    QuantWeight w;
+    w.name = d.name;
+    w.out_features = n;
+    w.in_features = k;
+    w.format = WeightFormat::int4;
+    w.granularity = groups == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+    w.packed = base + v.packed;
+    w.packed_cols = words;
+    w.zero_points = zeros ? base + v.zeros : nullptr;
+    w.g_idx = g_idx.empty() ? nullptr : base + v.g_idx;
+    w.group_size = d.group_size;
+    w.scales = base + v.scales;
+    w.scale_dtype = scales.dtype;
+    w.scale_rows = n;
+    w.scale_cols = groups;
+    w.rounding = DequantRounding::scale_dtype;
+    w.storage = std::move(storage);
+    return w;
   });
 }
 
@@ -12263,10 +13092,20 @@ std::vector<std::vector<const LinearDesc*>> fused_linear_groups(const std::vecto
   return groups;
 }
 
-PlanItem repack_item(const Inputs& in) {
+PlanItem repack_item(const Inputs& in, DType act) {
   PlanItem item{"repack", "repack", 0, "", true};
   if (in.device.backend != BackendKind::cuda) {
-    item.why = "CPU backend runs the on-disk layout: nothing to repack";
+    // AWQ / GPTQ Linears are repacked once at load into the compressed-tensors view the CPU matmul runs
+    // (repacked_host_bytes: packed weights, transposed scales, zero points, act-order g_idx), held next to
+    // the memory-mapped checkpoint; compressed-tensors and fp8 are used in place.
+    uint64_t host = 0, repacked = 0;
+    for (const auto& linear : in.weights.linears)
+      if (uint64_t bytes = repacked_host_bytes(linear)) host += bytes, repacked++;
+    item.bytes = align_up(host, kPlanAlignment);
+    item.why = repacked ? format("%llu AWQ / GPTQ Linears repacked at load into the CPU's int4 layout (weight_packed "
+                                 "[N, K/8], scales [N, G], zero points, act-order g_idx): %s",
+                                 (unsigned long long)repacked, format_bytes(host).c_str())
+                        : std::string("CPU backend runs the on-disk layout: nothing to repack");
     return item;
   }
   // The quantized Linears the GPU runs, in the layout its GEMMs read (cuda::quant_device_bytes: repacked tiles
@@ -12287,12 +13126,28 @@ PlanItem repack_item(const Inputs& in) {
     count(cuda::quant_device_bytes(group), disk);
     fused_groups++;
   }
+  uint64_t dequantized = 0;
   for (const auto& linear : in.weights.linears) {
     if (linear.format == WeightFormat::dense || linear.vision || in_group.count(&linear)) continue;
+    if (linear.format == WeightFormat::int8) {
+      // no int8 GEMM on the GPU: the uploader dequantizes the Linear to a dense one in the activation dtype
+      const uint64_t n = uint64_t(linear.out_features), k = uint64_t(linear.in_features);
+      count(dtype_bytes(act, n * k) + (linear.has_bias ? dtype_bytes(act, n) : 0), linear.bytes);
+      dequantized++;
+      continue;
+    }
     count(cuda::quant_device_bytes(linear), linear.bytes);
     quantized++;
   }
   item.bytes = align_up(extra, kPlanAlignment);
+  if (dequantized) {
+    item.why = format("%llu int8 Linears dequantized to %s dense weights (no int8 GEMM on the GPU yet)%s: %s more "
+                      "than on disk",
+                      (unsigned long long)dequantized, activation_dtype_text(act),
+                      quantized ? format(", %llu quantized Linears in the GPU's layout", (unsigned long long)quantized).c_str() : "",
+                      format_bytes(extra).c_str());
+    return item;
+  }
   const std::string fused =
       fused_groups ? format(" (%llu q|k|v and gate|up groups fused, one Linear each)", (unsigned long long)fused_groups)
                    : std::string();
@@ -12452,7 +13307,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.model_name = model_name_of(in.config);
   plan.arch = in.config.arch;
   plan.items.push_back(weights_item(in, *o.activation_dtype));
-  plan.items.push_back(repack_item(in));
+  plan.items.push_back(repack_item(in, *o.activation_dtype));
   plan.items.push_back(context_item(in));
   plan.items.push_back(activations_item(in, o));
   if (in.config.vision.present) plan.items.push_back(vision_item(in, o));
@@ -14301,11 +15156,14 @@ Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const T
   return detail::guard([&] {
     const char* op = "quant_linear";
     detail::check_dtype(op, "x", x, activation_dtype());
-    if (weight.format != WeightFormat::int4 && weight.format != WeightFormat::fp8)
+    if (weight.format != WeightFormat::int4 && weight.format != WeightFormat::fp8 && weight.format != WeightFormat::int8)
       detail::fail(ErrorCode::invalid_argument,
-                   detail::format("quant_linear: %s is %s; quant_linear runs int4 and fp8 weights", weight.name.c_str(),
-                                  weight_format_name(weight.format)));
-    detail::check_supported(*this, Op::quant_linear, weight.format == WeightFormat::int4 ? DType::I32 : DType::F8_E4M3,
+                   detail::format("quant_linear: %s is %s; quant_linear runs int4, int8 and fp8 weights",
+                                  weight.name.c_str(), weight_format_name(weight.format)));
+    detail::check_supported(*this, Op::quant_linear,
+                            weight.format == WeightFormat::int4   ? DType::I32
+                            : weight.format == WeightFormat::int8 ? DType::I8
+                                                                  : DType::F8_E4M3,
                             "weight dtype");
     const QuantLayout wanted = kind() == BackendKind::cuda ? QuantLayout::cuda_tiles : QuantLayout::checkpoint;
     if (weight.layout != wanted)
@@ -14902,12 +15760,13 @@ class CpuBackend final : public Backend {
         scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
         max_quant_in_features_(options.max_quant_in_features),
         fp8_activations_(options.fp8_activations),
+        int8_activations_(options.int8_activations),
         pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
     scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
     dequant_scratch_.assign(size_t(pool_.threads() * kQuantRowBlock * max_quant_in_features_), 0.0f);
     // quant_linear multiplies f32 rows: 16-bit activations are widened into `widened_` (f32 activations are read
     // in place), and W8A8's fake-quantized rows go to `requantized_`.
-    if (fp8_activations_) requantized_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
+    if (fp8_activations_ || int8_activations_) requantized_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
     if (act_ != DType::F32) widened_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
   }
 
@@ -14926,7 +15785,7 @@ class CpuBackend final : public Backend {
         return is_cpu_float(dtype);
       case Op::kv_write: case Op::attention: case Op::rope_kv_write:
         return is_kv_dtype(dtype);
-      case Op::quant_linear: return dtype == DType::I32 || dtype == DType::F8_E4M3;
+      case Op::quant_linear: return dtype == DType::I32 || dtype == DType::I8 || dtype == DType::F8_E4M3;
     }
     return false;
   }
@@ -15048,6 +15907,11 @@ class CpuBackend final : public Backend {
                   "%lld (raise CpuBackendOptions::max_quant_in_features)",
                   weight.name.c_str(), (long long)K, (long long)max_quant_in_features_));
     const bool requantize = fp8_activations_ && weight.format == WeightFormat::fp8;
+    const bool int8_activations = weight.format == WeightFormat::int8 && weight.int8_activations;  // W8A8
+    if (int8_activations && !int8_activations_)
+      fail(ErrorCode::invalid_argument,
+           format("quant_linear: %s is W8A8 (int8 activations per token) but this CPU backend was made without "
+                  "CpuBackendOptions::int8_activations, which reserves their buffer", weight.name.c_str()));
     const int64_t group = fp8_activation_group(weight);
     const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(kQuantRowBlock)));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
@@ -15069,9 +15933,10 @@ class CpuBackend final : public Backend {
         chunk = widened_.data();
         chunk_stride = K;
       }
-      if (requantize) {  // [tokens, K]: each row through fp8 and back, as W8A8 sees it
+      if (requantize || int8_activations) {  // [tokens, K]: each row through fp8 / int8 and back, as W8A8 sees it
         auto body = [&](int64_t t, int) {
-          fake_quantize_fp8_row(chunk + t * chunk_stride, K, group, requantized_.data() + t * K);
+          if (int8_activations) fake_quantize_int8_row(chunk + t * chunk_stride, K, requantized_.data() + t * K);
+          else fake_quantize_fp8_row(chunk + t * chunk_stride, K, group, requantized_.data() + t * K);
         };
         pool_.run(tokens, body);
         chunk = requantized_.data();
@@ -15079,7 +15944,7 @@ class CpuBackend final : public Backend {
       }
       void* out_chunk = row_bytes_of(out, t0);
       // The GPU's W4A16 / fp8 GEMMs multiply weights in the activation dtype; W8A8 multiplies fp8 by fp8.
-      const DType weight_rounding = requantize ? DType::F32 : act_;
+      const DType weight_rounding = requantize || int8_activations ? DType::F32 : act_;
       auto body = [&](int64_t b, int thread) {
         const int64_t n0 = b * kQuantRowBlock;
         quant_linear_block(chunk, chunk_stride, tokens, weight, n0, std::min(kQuantRowBlock, N - n0),
@@ -15508,8 +16373,9 @@ class CpuBackend final : public Backend {
   std::vector<float> scratch_;  // [threads, scratch_per_thread_]
   int64_t max_quant_in_features_;
   bool fp8_activations_;
+  bool int8_activations_;
   std::vector<float> dequant_scratch_;  // [threads, kQuantRowBlock, max_quant_in_features_] dequantized rows
-  std::vector<float> requantized_;      // [kQuantTokenChunk, max_quant_in_features_] (fp8_activations only)
+  std::vector<float> requantized_;      // [kQuantTokenChunk, max_quant_in_features_] (fp8 / int8 activations only)
   std::vector<float> widened_;          // [kQuantTokenChunk, max_quant_in_features_] (16-bit activations only)
   ThreadPool pool_;
 };
@@ -17832,6 +18698,21 @@ class WeightUploader {
 
   LinearWeights linear(const LinearWeights& host, const std::string& what) {
     LinearWeights device;
+    if (host.quant && host.quant->format == WeightFormat::int8) {
+      // No int8 GEMM on the GPU yet: int8 Linears are dequantized once here, on the host, to the activation dtype
+      // (exact: each weight is the reference's, rounded to its scale dtype, then to the activations') and run by
+      // the dense GEMMs. W8A8's int8 activations are not emulated there: the GPU runs such Linears as W8A16.
+      const QuantWeight& q = *host.quant;
+      std::vector<float> dense(size_t(q.out_features * q.in_features));
+      check(dequantize_rows(q, 0, q.out_features, dense.data()));
+      device.weight = tensor(Tensor::matrix(dense.data(), DType::F32, q.out_features, q.in_features), act_, what + ".weight");
+      if (q.bias) {
+        std::vector<float> bias(size_t(q.out_features));
+        for (int64_t i = 0; i < q.out_features; i++) bias[size_t(i)] = scale_at(q.bias, q.bias_dtype, i);
+        device.bias = tensor(Tensor::vector(bias.data(), DType::F32, q.out_features), act_, what + ".bias");
+      }
+      return device;
+    }
     if (host.quant) {
       // The GPU layout of int4 / fp8 weights is cuda::upload_quant_weight's (issue 6): its error, if any, is
       // the answer (unsupported until those kernels exist).
@@ -17991,7 +18872,8 @@ uint64_t checkpoint_bytes(const QuantWeight& w) {
   const uint64_t n = uint64_t(w.out_features), k = uint64_t(w.in_features);
   uint64_t bytes = w.format == WeightFormat::int4 ? n * uint64_t(w.packed_cols) * 4 : n * k;
   bytes += dtype_bytes(w.scale_dtype, uint64_t(w.scale_rows * w.scale_cols));
-  if (w.zero_points) bytes += ((n + 7) / 8) * uint64_t(w.scale_cols) * 4;
+  if (w.zero_points)  // int4: packed 8 a word along N; int8: one byte each
+    bytes += w.format == WeightFormat::int8 ? n * uint64_t(w.scale_cols) : ((n + 7) / 8) * uint64_t(w.scale_cols) * 4;
   if (w.g_idx) bytes += k * 4;
   if (w.bias) bytes += dtype_bytes(w.bias_dtype, n);
   return bytes;
@@ -18183,9 +19065,11 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       backend_options.fp8_activations = options.fp8_activations;
       backend_options.activation_dtype = *e.plan.options.activation_dtype;
       backend_options.max_quant_in_features = 1;
-      for (const LinearDesc& linear : weights->linears)
+      for (const LinearDesc& linear : weights->linears) {
         if (linear.format != WeightFormat::dense)
           backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
+        backend_options.int8_activations = backend_options.int8_activations || linear.int8_activations;
+      }
       if (e.config.vision.present)
         backend_options.max_head_dim =
             std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);

@@ -359,6 +359,9 @@ struct CpuBackendOptions {
   // W8A8 as the GPU runs fp8 weights: quant_linear quantizes each activation row to fp8 and back first
   // (quantize_fp8_activations, per block_k columns for block weights, else per row). For tests.
   bool fp8_activations = false;
+  // Reserve the activation chunk for int8 W8A8 weights (QuantWeight::int8_activations), whose activations always go
+  // through int8 per token, as their checkpoint declares. The engine sets it when the model has such Linears.
+  bool int8_activations = false;
   // How activations are stored: F32 (the float32 reference), or BF16 / F16 to run the GPU's numerics on the CPU:
   // every op still computes in f32 and rounds (to nearest even) on each store, where the CUDA kernels round.
   DType activation_dtype = DType::F32;

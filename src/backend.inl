@@ -319,11 +319,14 @@ Status Backend::quant_linear(const Tensor& x, const QuantWeight& weight, const T
   return detail::guard([&] {
     const char* op = "quant_linear";
     detail::check_dtype(op, "x", x, activation_dtype());
-    if (weight.format != WeightFormat::int4 && weight.format != WeightFormat::fp8)
+    if (weight.format != WeightFormat::int4 && weight.format != WeightFormat::fp8 && weight.format != WeightFormat::int8)
       detail::fail(ErrorCode::invalid_argument,
-                   detail::format("quant_linear: %s is %s; quant_linear runs int4 and fp8 weights", weight.name.c_str(),
-                                  weight_format_name(weight.format)));
-    detail::check_supported(*this, Op::quant_linear, weight.format == WeightFormat::int4 ? DType::I32 : DType::F8_E4M3,
+                   detail::format("quant_linear: %s is %s; quant_linear runs int4, int8 and fp8 weights",
+                                  weight.name.c_str(), weight_format_name(weight.format)));
+    detail::check_supported(*this, Op::quant_linear,
+                            weight.format == WeightFormat::int4   ? DType::I32
+                            : weight.format == WeightFormat::int8 ? DType::I8
+                                                                  : DType::F8_E4M3,
                             "weight dtype");
     const QuantLayout wanted = kind() == BackendKind::cuda ? QuantLayout::cuda_tiles : QuantLayout::checkpoint;
     if (weight.layout != wanted)

@@ -223,12 +223,13 @@ class CpuBackend final : public Backend {
         scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
         max_quant_in_features_(options.max_quant_in_features),
         fp8_activations_(options.fp8_activations),
+        int8_activations_(options.int8_activations),
         pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
     scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
     dequant_scratch_.assign(size_t(pool_.threads() * kQuantRowBlock * max_quant_in_features_), 0.0f);
     // quant_linear multiplies f32 rows: 16-bit activations are widened into `widened_` (f32 activations are read
     // in place), and W8A8's fake-quantized rows go to `requantized_`.
-    if (fp8_activations_) requantized_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
+    if (fp8_activations_ || int8_activations_) requantized_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
     if (act_ != DType::F32) widened_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
   }
 
@@ -247,7 +248,7 @@ class CpuBackend final : public Backend {
         return is_cpu_float(dtype);
       case Op::kv_write: case Op::attention: case Op::rope_kv_write:
         return is_kv_dtype(dtype);
-      case Op::quant_linear: return dtype == DType::I32 || dtype == DType::F8_E4M3;
+      case Op::quant_linear: return dtype == DType::I32 || dtype == DType::I8 || dtype == DType::F8_E4M3;
     }
     return false;
   }
@@ -369,6 +370,11 @@ class CpuBackend final : public Backend {
                   "%lld (raise CpuBackendOptions::max_quant_in_features)",
                   weight.name.c_str(), (long long)K, (long long)max_quant_in_features_));
     const bool requantize = fp8_activations_ && weight.format == WeightFormat::fp8;
+    const bool int8_activations = weight.format == WeightFormat::int8 && weight.int8_activations;  // W8A8
+    if (int8_activations && !int8_activations_)
+      fail(ErrorCode::invalid_argument,
+           format("quant_linear: %s is W8A8 (int8 activations per token) but this CPU backend was made without "
+                  "CpuBackendOptions::int8_activations, which reserves their buffer", weight.name.c_str()));
     const int64_t group = fp8_activation_group(weight);
     const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(kQuantRowBlock)));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
@@ -390,9 +396,10 @@ class CpuBackend final : public Backend {
         chunk = widened_.data();
         chunk_stride = K;
       }
-      if (requantize) {  // [tokens, K]: each row through fp8 and back, as W8A8 sees it
+      if (requantize || int8_activations) {  // [tokens, K]: each row through fp8 / int8 and back, as W8A8 sees it
         auto body = [&](int64_t t, int) {
-          fake_quantize_fp8_row(chunk + t * chunk_stride, K, group, requantized_.data() + t * K);
+          if (int8_activations) fake_quantize_int8_row(chunk + t * chunk_stride, K, requantized_.data() + t * K);
+          else fake_quantize_fp8_row(chunk + t * chunk_stride, K, group, requantized_.data() + t * K);
         };
         pool_.run(tokens, body);
         chunk = requantized_.data();
@@ -400,7 +407,7 @@ class CpuBackend final : public Backend {
       }
       void* out_chunk = row_bytes_of(out, t0);
       // The GPU's W4A16 / fp8 GEMMs multiply weights in the activation dtype; W8A8 multiplies fp8 by fp8.
-      const DType weight_rounding = requantize ? DType::F32 : act_;
+      const DType weight_rounding = requantize || int8_activations ? DType::F32 : act_;
       auto body = [&](int64_t b, int thread) {
         const int64_t n0 = b * kQuantRowBlock;
         quant_linear_block(chunk, chunk_stride, tokens, weight, n0, std::min(kQuantRowBlock, N - n0),
@@ -829,8 +836,9 @@ class CpuBackend final : public Backend {
   std::vector<float> scratch_;  // [threads, scratch_per_thread_]
   int64_t max_quant_in_features_;
   bool fp8_activations_;
+  bool int8_activations_;
   std::vector<float> dequant_scratch_;  // [threads, kQuantRowBlock, max_quant_in_features_] dequantized rows
-  std::vector<float> requantized_;      // [kQuantTokenChunk, max_quant_in_features_] (fp8_activations only)
+  std::vector<float> requantized_;      // [kQuantTokenChunk, max_quant_in_features_] (fp8 / int8 activations only)
   std::vector<float> widened_;          // [kQuantTokenChunk, max_quant_in_features_] (16-bit activations only)
   ThreadPool pool_;
 };

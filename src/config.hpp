@@ -177,9 +177,20 @@ struct VisionConfig {
   double rope_theta = 10000.0;  // the 2-D RoPE's base (rope_parameters.rope_theta)
 };
 
-// How a group of Linears is quantized (compressed-tensors `config_groups.*.weights`, or Qwen's fp8).
-enum class QuantMethod { none, compressed_tensors, fp8 };
-enum class WeightFormat { dense, fp8, int4 };
+// How a group of Linears is quantized (compressed-tensors `config_groups.*.weights`, Qwen's fp8, or the one
+// scheme of an AWQ / GPTQ config).
+enum class QuantMethod { none, compressed_tensors, fp8, awq, gptq };
+// How an int4 / int8 Linear's tensors are packed on disk (src/quant_formats.hpp describes each); all but
+// compressed-tensors' int4 and int-quantized are repacked once at load into the view quant.hpp describes.
+enum class IntPacking : uint8_t {
+  compressed_tensors,  // weight_packed [N, K/8] (8-bit: [N, K/4]), weight_scale [N, G], weight_zero_point, g_idx
+  compressed_tensors_unpacked,  // compressed-tensors "int-quantized": weight I8 [N, K], weight_scale, zero point I8
+  awq,                 // AutoAWQ GEMM: qweight [K, N/8] interleaved, qzeros [G, N/8], scales [G, N]
+  gptq,                // GPTQ v1: qweight [K/8, N], qzeros [G, N/8] holding zero - 1, scales [G, N], g_idx [K]
+  gptq_v2,             // GPTQ v2 (checkpoint_format gptq_v2): as v1 with qzeros holding the zero itself
+};
+const char* int_packing_name(IntPacking packing);
+enum class WeightFormat { dense, fp8, int4, int8 };
 enum class ScaleGranularity { none, tensor, channel, group, block };
 const char* weight_format_name(WeightFormat format);
 const char* scale_granularity_name(ScaleGranularity granularity);
@@ -194,6 +205,7 @@ struct QuantScheme {
   int64_t block_n = 0, block_k = 0;     // block strategy (e.g. 128 x 128)
   bool actorder = false;                // g_idx present (actorder "group"/"dynamic")
   bool dynamic_activations = false;     // activations quantized per token at run time
+  IntPacking packing = IntPacking::compressed_tensors;  // int4 / int8: the on-disk packing (AWQ, GPTQ, ...)
 };
 
 struct QuantConfig {
@@ -258,6 +270,8 @@ struct LinearDesc {
   std::string scale_name;             // "weight_scale" or "weight_scale_inv"
   int64_t group_size = 0;             // int4 group (K for channel)
   int64_t block_n = 0, block_k = 0;   // fp8 block
+  IntPacking packing = IntPacking::compressed_tensors;  // int4 / int8: how the tensors are packed on disk
+  bool int8_activations = false;      // int8 W8A8: activations quantized to int8 per token at run time
   bool symmetric = true;
   bool has_g_idx = false;
   bool has_bias = false;

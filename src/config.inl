@@ -29,6 +29,17 @@ const char* weight_format_name(WeightFormat format) {
     case WeightFormat::dense: return "dense";
     case WeightFormat::fp8: return "fp8";
     case WeightFormat::int4: return "int4";
+    case WeightFormat::int8: return "int8";
+  }
+  return "?";
+}
+const char* int_packing_name(IntPacking packing) {
+  switch (packing) {
+    case IntPacking::compressed_tensors: return "compressed-tensors";
+    case IntPacking::compressed_tensors_unpacked: return "compressed-tensors int-quantized";
+    case IntPacking::awq: return "awq";
+    case IntPacking::gptq: return "gptq";
+    case IntPacking::gptq_v2: return "gptq_v2";
   }
   return "?";
 }
@@ -573,11 +584,19 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
 
   std::string type = weights.string_or("type", "int");
   s.num_bits = int(weights.positive_or("num_bits", 8));
-  if (type == "int") {
+  if (type == "int" && s.num_bits == 8) {
+    // INT8 (llm-compressor W8A16 / W8A8): int-quantized stores weight I8 [N, K]; pack-quantized 4 values a word
+    if (fmt != "int-quantized" && fmt != "pack-quantized")
+      fail(ErrorCode::unsupported,
+           format("%s: %s '%s' is not supported for 8-bit int weights; supported: int-quantized, pack-quantized",
+                  group.origin.c_str(), format_key.c_str(), fmt.c_str()));
+    s.format = WeightFormat::int8;
+    s.packing = fmt == "int-quantized" ? IntPacking::compressed_tensors_unpacked : IntPacking::compressed_tensors;
+  } else if (type == "int") {
     if (s.num_bits != 4)
       weights.fail_key(ErrorCode::unsupported, "num_bits",
-                       format("= %d with type int is not supported; supported: 4 (type int, pack-quantized) or 8 "
-                              "(type float)", s.num_bits));
+                       format("= %d with type int is not supported; supported: 4 (type int, pack-quantized), 8 (type "
+                              "int, int-quantized or pack-quantized) or 8 (type float)", s.num_bits));
     if (fmt != "pack-quantized")
       fail(ErrorCode::unsupported, format("%s: %s '%s' is not supported for 4-bit int weights; supported: pack-quantized",
                                           group.origin.c_str(), format_key.c_str(), fmt.c_str()));
@@ -602,7 +621,8 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
     weights.fail_key(ErrorCode::unsupported, "dynamic", "= true (weights quantized at run time) is not supported");
 
   std::string strategy = weights.string_or("strategy", "tensor");
-  if (strategy == "group" && s.format == WeightFormat::int4) {
+  const bool int_weights = s.format == WeightFormat::int4 || s.format == WeightFormat::int8;
+  if (strategy == "group" && int_weights) {
     s.granularity = ScaleGranularity::group;
     s.group_size = weights.bounded("group_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
   } else if (strategy == "channel") {
@@ -619,8 +639,10 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
   } else {
     weights.fail_key(ErrorCode::unsupported, "strategy",
                      format("'%s' is not supported for %s weights; supported: %s", strategy.c_str(),
-                            s.format == WeightFormat::int4 ? "4-bit int" : "8-bit float",
-                            s.format == WeightFormat::int4 ? "group, channel" : "tensor, channel, block"));
+                            s.format == WeightFormat::int4   ? "4-bit int"
+                            : s.format == WeightFormat::int8 ? "8-bit int"
+                                                             : "8-bit float",
+                            int_weights ? "group, channel" : "tensor, channel, block"));
   }
   // actorder: "group"/"dynamic" (or true) store weight_g_idx; "weight"/"static" reorder offline and store none.
   if (const json* actorder = weights.find("actorder")) {
@@ -635,9 +657,110 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
       weights.fail_key(ErrorCode::bad_format, "actorder", "must be a string, true, false or null");
     }
   }
-  if (std::optional<Node> inputs = group.optional_child("input_activations"))
+  if (std::optional<Node> inputs = group.optional_child("input_activations")) {
     s.dynamic_activations = inputs->bool_or("dynamic", false);
+    if (s.format == WeightFormat::int8) {
+      // W8A8: int8 activations, one scale per token computed at run time; static scales (input_scale) are not read
+      const std::string input_type = inputs->string_or("type", "int"), input_strategy = inputs->string_or("strategy", "tensor");
+      if (input_type != "int" || inputs->positive_or("num_bits", 8) != 8 || !s.dynamic_activations ||
+          input_strategy != "token" || !inputs->bool_or("symmetric", true))
+        group.fail_key(ErrorCode::unsupported, "input_activations",
+                       format("(%s %lld-bit, strategy %s, dynamic %s) is not supported with int8 weights; supported: "
+                              "none (W8A16) or symmetric int8 per token, dynamic (W8A8)",
+                              input_type.c_str(), (long long)inputs->positive_or("num_bits", 8), input_strategy.c_str(),
+                              s.dynamic_activations ? "true" : "false"));
+    }
+  }
   return s;
+}
+
+// quant_method "awq" (AutoAWQ GEMM) and "gptq" (AutoGPTQ / GPTQModel / optimum): one int4 (GPTQ: or int8) scheme for every Linear
+// but those in modules_to_not_convert and lm_head, which neither quantizes (transformers' get_modules_to_not_convert
+// adds the output embedding; GPTQ's `lm_head: true` is the exception, refused below).
+inline QuantConfig parse_awq_gptq(const Node& q, const std::string& method) {
+  QuantConfig quant;
+  const bool awq = method == "awq";
+  quant.method = awq ? QuantMethod::awq : QuantMethod::gptq;
+  QuantScheme s;
+  s.targets = {"Linear"};
+  s.format = WeightFormat::int4;
+  const char* bits_key = q.has("bits") || !q.has("w_bit") ? "bits" : "w_bit";
+  std::optional<int64_t> bits = q.optional_int(bits_key);
+  if (!bits) q.fail_key(ErrorCode::bad_format, bits_key, "is missing");
+  if (*bits != 4 && (awq || *bits != 8))
+    q.fail_key(ErrorCode::unsupported, bits_key,
+               format("= %lld: kvlite reads %s; download the model's %s or compressed-tensors W4A16 release",
+                      (long long)*bits, awq ? "4-bit AWQ" : "4- and 8-bit GPTQ", awq ? "4-bit AWQ" : "GPTQ-Int4"));
+  s.num_bits = int(*bits);
+  if (*bits == 8) s.format = WeightFormat::int8;
+  const char* group_key = q.has("group_size") || !q.has("q_group_size") ? "group_size" : "q_group_size";
+  std::optional<int64_t> group = q.optional_int(group_key);
+  if (!group) q.fail_key(ErrorCode::bad_format, group_key, "is missing");
+  if (*group == -1 && !awq) {
+    s.granularity = ScaleGranularity::channel;  // GPTQ group_size -1: one scale per output row
+  } else if (*group > 0 && *group <= limits::max_model_width) {
+    s.granularity = ScaleGranularity::group;
+    s.group_size = *group;
+  } else {
+    q.fail_key(ErrorCode::bad_format, group_key,
+               format("= %lld; expected a positive group size%s", (long long)*group, awq ? "" : " or -1 (per channel)"));
+  }
+  if (awq) {
+    quant.format = "awq";
+    s.packing = IntPacking::awq;
+    s.symmetric = !q.bool_or("zero_point", true);
+    std::string version = q.string_or("version", "gemm");
+    std::transform(version.begin(), version.end(), version.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+    if (version != "gemm")
+      q.fail_key(ErrorCode::unsupported, "version",
+                 format("'%s' is not supported; kvlite reads AutoAWQ's GEMM layout (version gemm), the one "
+                        "published AWQ checkpoints use", version.c_str()));
+  } else {
+    quant.format = "gptq";
+    s.symmetric = q.bool_or("sym", true);
+    s.actorder = q.bool_or("desc_act", false);
+    // GPTQModel writes checkpoint_format; older configs call it `format`; absent means v1.
+    const char* format_key = q.has("checkpoint_format") ? "checkpoint_format" : "format";
+    const std::string checkpoint_format = q.string_or(format_key, "gptq");
+    if (checkpoint_format == "gptq") s.packing = IntPacking::gptq;
+    else if (checkpoint_format == "gptq_v2") s.packing = IntPacking::gptq_v2;
+    else
+      q.fail_key(ErrorCode::unsupported, format_key,
+                 format("'%s' is not supported; supported: gptq (v1, zero points stored minus one), gptq_v2",
+                        checkpoint_format.c_str()));
+    if (q.bool_or("lm_head", false))
+      q.fail_key(ErrorCode::unsupported, "lm_head", "= true (a quantized lm_head) is not supported");
+  }
+  quant.schemes.push_back(s);
+  quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+  quant.modules_to_not_convert.push_back("lm_head");
+  return quant;
+}
+
+// Quantization methods kvlite does not read, refused with what to download or convert instead.
+[[noreturn]] inline void refuse_quant_method(const Node& q, const std::string& method) {
+  if (method == "bitsandbytes") {
+    const bool four_bit = q.bool_or("load_in_4bit", false);
+    const std::string type = four_bit ? q.string_or("bnb_4bit_quant_type", "fp4") : std::string("int8");
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               format("'bitsandbytes' (%s, LLM.int8 / QLoRA's format) is not supported: its kernels are "
+                      "bitsandbytes' own. Download the model's AWQ, GPTQ-Int4 or compressed-tensors W4A16 release, "
+                      "or the unquantized checkpoint",
+                      type.c_str()));
+  }
+  if (method == "modelopt") {
+    const std::string algo = q.string_or("quant_algo", "?");
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               format("'modelopt' (%s) is not supported%s; download the model's compressed-tensors W4A16, AWQ, "
+                      "GPTQ-Int4 or FP8 release",
+                      algo.c_str(), algo == "NVFP4" ? " (NVFP4 needs Blackwell FP4 tensor cores)" : ""));
+  }
+  if (method == "gguf")
+    q.fail_key(ErrorCode::unsupported, "quant_method",
+               "'gguf' is not supported: kvlite reads safetensors checkpoints; download the model's Hugging Face "
+               "release (AWQ, GPTQ-Int4 or compressed-tensors W4A16 for 4 bits)");
+  q.fail_key(ErrorCode::unsupported, "quant_method",
+             format("'%s' is not supported; supported: compressed-tensors, fp8, awq, gptq", method.c_str()));
 }
 
 inline QuantConfig parse_quant(const Node& q) {
@@ -647,12 +770,17 @@ inline QuantConfig parse_quant(const Node& q) {
   if (*method == "compressed-tensors") {
     quant.method = QuantMethod::compressed_tensors;
     quant.format = q.string_or("format", "");
-    static const char* const kFormats[] = {"pack-quantized", "float-quantized", "naive-quantized", "mixed-precision"};
+    static const char* const kFormats[] = {"pack-quantized", "int-quantized", "float-quantized", "naive-quantized",
+                                           "mixed-precision"};
+    if (quant.format == "nvfp4-pack-quantized")
+      q.fail_key(ErrorCode::unsupported, "format",
+                 "'nvfp4-pack-quantized' (NVFP4: 4-bit e2m1 weights with fp8 block scales) is not supported; "
+                 "download the compressed-tensors W4A16 (pack-quantized), AWQ or GPTQ-Int4 release of the model");
     if (!quant.format.empty() &&
         std::find(std::begin(kFormats), std::end(kFormats), quant.format) == std::end(kFormats))
       q.fail_key(ErrorCode::unsupported, "format",
-                 format("'%s' is not supported; supported: pack-quantized (int4), float-quantized and naive-quantized "
-                        "(fp8), mixed-precision of those",
+                 format("'%s' is not supported; supported: pack-quantized (int4, int8), int-quantized (int8), "
+                        "float-quantized and naive-quantized (fp8), mixed-precision of those",
                         quant.format.c_str()));
     if (std::optional<Node> kv = q.optional_child("kv_cache_scheme")) {
       // vLLM reads per-tensor static fp8 KV scales; nothing else is a scheme kvlite can honour.
@@ -699,10 +827,14 @@ inline QuantConfig parse_quant(const Node& q) {
     }
     s.dynamic_activations = true;
     quant.schemes.push_back(s);
-    quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+    // transformers' FineGrainedFP8 quantizer adds the output embedding when the config names no modules
+    // (get_modules_to_not_convert): a config without the key keeps lm_head in the model dtype.
+    if (!q.has("modules_to_not_convert")) quant.modules_to_not_convert = {"lm_head"};
+    else quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
+  } else if (*method == "awq" || *method == "gptq") {
+    quant = parse_awq_gptq(q, *method);
   } else {
-    q.fail_key(ErrorCode::unsupported, "quant_method",
-               format("'%s' is not supported; supported: compressed-tensors, fp8", method->c_str()));
+    refuse_quant_method(q, *method);
   }
   return quant;
 }
@@ -911,6 +1043,14 @@ Result<ModelConfig> apply_processor_config(ModelConfig config, const std::string
 Result<ModelConfig> load_config(const std::string& model_dir) {
   return detail::guard([&]() -> ModelConfig {
     std::string path = detail::path_join(model_dir, "config.json");
+    auto is_gguf = [](const std::string& name) {
+      return name.size() > 5 && (name.compare(name.size() - 5, 5, ".gguf") == 0 || name.compare(name.size() - 5, 5, ".GGUF") == 0);
+    };
+    if (is_gguf(model_dir))
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("%s is a GGUF file (llama.cpp's format), which kvlite does not read: download the "
+                                  "model's Hugging Face release (safetensors + config.json; for 4 bits its AWQ, "
+                                  "GPTQ-Int4 or compressed-tensors W4A16 repo)", model_dir.c_str()));
     if (!detail::file_exists(path))
       detail::fail(ErrorCode::io_error,
                    detail::format("%s not found: a model directory needs the config.json its checkpoint was published with",
@@ -1008,6 +1148,48 @@ inline LinearDesc estimate_linear(const ModelConfig& c, const LinearSpec& spec) 
     d.weight_dtype = dtype;
     d.scale_dtype = dtype;
     bytes += dtype_bytes(dtype, n * k);
+  } else if (scheme->format == WeightFormat::int8) {
+    // INT8: compressed-tensors int-quantized (weight I8 [N, K]) or pack-quantized (I32 [N, K/4]); GPTQ 8-bit
+    // (qweight I32 [K/4, N], qzeros [G, N/4], scales [G, N], g_idx [K]). Scales in the model dtype.
+    d.format = WeightFormat::int8;
+    d.packing = scheme->packing;
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : spec.k;
+    d.scale_dtype = dtype;
+    d.symmetric = scheme->symmetric;
+    d.has_g_idx = scheme->actorder;
+    d.int8_activations = scheme->dynamic_activations;
+    const uint64_t groups = ceil_div(k, uint64_t(d.group_size));
+    const bool gptq = scheme->packing == IntPacking::gptq || scheme->packing == IntPacking::gptq_v2;
+    d.weight_dtype = scheme->packing == IntPacking::compressed_tensors_unpacked ? DType::I8 : DType::I32;
+    d.scale_name = gptq ? "scales" : "weight_scale";
+    bytes += n * ceil_div(k, 4) * 4 + dtype_bytes(dtype, n * groups);
+    if (gptq) {
+      bytes += groups * ceil_div(n, 4) * 4 + k * 4;  // qzeros, g_idx
+    } else {
+      if (!d.symmetric)  // weight_zero_point: I8 [N, G] (int-quantized) or I32 [N/4, G] (pack-quantized)
+        bytes += scheme->packing == IntPacking::compressed_tensors_unpacked ? n * groups : ceil_div(n, 4) * groups * 4;
+      if (scheme->packing == IntPacking::compressed_tensors) bytes += 2 * 8;  // weight_shape (2,) I64
+      if (d.has_g_idx) bytes += k * 4;                                         // weight_g_idx (K,) I32
+    }
+  } else if (scheme->format == WeightFormat::int4 && scheme->packing != IntPacking::compressed_tensors) {
+    // AWQ / GPTQ (src/quant_formats.hpp): int32 words of 8 values, scales [G, N] in the model dtype (float16 in
+    // every published checkpoint), zero points [G, N/8] (GPTQ stores them even when symmetric), GPTQ's g_idx [K].
+    d.format = WeightFormat::int4;
+    d.weight_dtype = DType::I32;
+    d.packing = scheme->packing;
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : spec.k;
+    d.scale_dtype = dtype;
+    d.scale_name = "scales";
+    d.symmetric = scheme->symmetric;
+    d.has_g_idx = scheme->actorder;
+    const uint64_t groups = ceil_div(k, uint64_t(d.group_size));
+    const bool gptq = scheme->packing != IntPacking::awq;
+    bytes += ceil_div(k * n, 8) * 4;                          // qweight: AWQ (K, N/8), GPTQ (K/8, N) I32
+    bytes += dtype_bytes(dtype, n * groups);                 // scales (G, N)
+    if (gptq || !d.symmetric) bytes += groups * ceil_div(n, 8) * 4;  // qzeros (G, N/8) I32
+    if (gptq) bytes += k * 4;                                // g_idx (K,) I32
   } else if (scheme->format == WeightFormat::int4) {
     d.format = WeightFormat::int4;
     d.weight_dtype = DType::I32;
@@ -1042,9 +1224,11 @@ inline LinearDesc estimate_linear(const ModelConfig& c, const LinearSpec& spec) 
 }
 
 // Every tensor name a Linear may own on disk; its bytes are the sum of those present.
-static const char* const kLinearTensorSuffixes[] = {"weight",      "weight_packed",     "weight_shape",
+static const char* const kLinearTensorSuffixes[] = {"weight",       "weight_packed",     "weight_shape",
                                                     "weight_scale", "weight_scale_inv", "weight_zero_point",
-                                                    "weight_g_idx", "input_scale",      "bias"};
+                                                    "weight_g_idx", "input_scale",      "bias",
+                                                    "qweight",      "qzeros",           "scales",
+                                                    "g_idx"};
 
 struct HeaderReader {
   const TensorLookup& lookup;
@@ -1083,21 +1267,25 @@ inline void describe_int4(const ModelConfig& c, const LinearSpec& spec, const He
                     shape_text({stored[0], stored[1]}).c_str(), (long long)n, (long long)k));
     }
   }
-  const std::vector<int64_t> packed_shape{n, int64_t(ceil_div(uint64_t(k), 8))};
+  const QuantScheme* declared = quant_scheme_for(c.quant, p);
+  const bool eight_bit = declared && declared->format == WeightFormat::int8;
+  const int64_t per_word = eight_bit ? 4 : 8;  // compressed-tensors packs 32 / num_bits values a word
+  const std::vector<int64_t> packed_shape{n, int64_t(ceil_div(uint64_t(k), uint64_t(per_word)))};
   if (packed.shape != packed_shape)
-    h.bad_shape(packed, packed_shape, format("[out %lld, in %lld] packed 8 per I32", (long long)n, (long long)k));
+    h.bad_shape(packed, packed_shape,
+                format("[out %lld, in %lld] packed %lld per I32", (long long)n, (long long)k, (long long)per_word));
 
   const TensorInfo* scale = h.find(p + ".weight_scale");
   if (!scale)
     fail(ErrorCode::missing_tensor, format("%s.weight_scale is missing: %s.weight_packed needs its scales", p.c_str(), p.c_str()));
   h.expect_scale_dtype(*scale);
-  const QuantScheme* scheme = quant_scheme_for(c.quant, p);
-  if (scheme && scheme->format == WeightFormat::int4) {
+  const QuantScheme* scheme = declared;
+  if (scheme && (scheme->format == WeightFormat::int4 || scheme->format == WeightFormat::int8)) {
     d.granularity = scheme->granularity;
     d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : k;
     if (d.granularity == ScaleGranularity::group && k % d.group_size != 0)
       fail(ErrorCode::bad_format,
-           format("%s: group_size %lld does not divide in_features %lld; int4 kernels need whole groups",
+           format("%s: group_size %lld does not divide in_features %lld; int kernels need whole groups",
                   packed.name.c_str(), (long long)d.group_size, (long long)k));
     const std::vector<int64_t> expected{n, d.granularity == ScaleGranularity::group ? k / d.group_size : 1};
     if (scale->shape != expected)
@@ -1115,8 +1303,9 @@ inline void describe_int4(const ModelConfig& c, const LinearSpec& spec, const He
   d.scale_name = "weight_scale";
   if (const TensorInfo* zero = h.find(p + ".weight_zero_point")) {
     h.expect_dtype(*zero, DType::I32);
-    const std::vector<int64_t> expected{int64_t(ceil_div(uint64_t(n), 8)), groups};
-    if (zero->shape != expected) h.bad_shape(*zero, expected, "an asymmetric zero point packed 8 per I32 along out");
+    const std::vector<int64_t> expected{int64_t(ceil_div(uint64_t(n), uint64_t(per_word))), groups};
+    if (zero->shape != expected)
+      h.bad_shape(*zero, expected, format("an asymmetric zero point packed %lld per I32 along out", (long long)per_word));
     d.symmetric = false;
   }
   if (const TensorInfo* g_idx = h.find(p + ".weight_g_idx")) {
@@ -1124,7 +1313,125 @@ inline void describe_int4(const ModelConfig& c, const LinearSpec& spec, const He
     if (g_idx->shape != std::vector<int64_t>{k}) h.bad_shape(*g_idx, {k}, "one group index per input column");
     d.has_g_idx = true;
   }
-  d.format = WeightFormat::int4;
+  d.format = eight_bit ? WeightFormat::int8 : WeightFormat::int4;
+  d.packing = IntPacking::compressed_tensors;
+  d.int8_activations = eight_bit && declared->dynamic_activations;
+  d.weight_dtype = DType::I32;
+}
+
+// compressed-tensors "int-quantized" (INT8 W8A16 / W8A8): weight I8 [N, K], weight_scale [N, 1] or [N, G],
+// weight_zero_point I8 of the scale's shape (asymmetric only), weight_g_idx I32 [K] (actorder).
+inline void describe_int8_unpacked(const ModelConfig& c, const LinearSpec& spec, const HeaderReader& h,
+                                   const TensorInfo& weight, LinearDesc& d) {
+  const std::string& p = spec.name;
+  const int64_t n = spec.n, k = spec.k;
+  if (weight.shape != std::vector<int64_t>{n, k}) h.bad_shape(weight, {n, k}, "config.json [out, in]");
+  const TensorInfo* scale = h.find(p + ".weight_scale");
+  if (!scale) fail(ErrorCode::missing_tensor, format("%s.weight_scale is missing: %s is I8 (int-quantized) and needs its scales", p.c_str(), weight.name.c_str()));
+  h.expect_scale_dtype(*scale);
+  if (scale->shape.size() != 2 || scale->shape[0] != n || scale->shape[1] <= 0 || k % scale->shape[1] != 0)
+    h.bad_shape(*scale, {n, 1}, "a channel scale, or [out, in / group_size] for groups,");
+  const QuantScheme* scheme = quant_scheme_for(c.quant, p);
+  const int64_t groups = scale->shape[1];
+  if (scheme && scheme->format == WeightFormat::int8 && scheme->granularity == ScaleGranularity::group &&
+      groups * scheme->group_size != k)
+    h.bad_shape(*scale, {n, k / scheme->group_size}, format("group_size %lld", (long long)scheme->group_size));
+  d.granularity = groups == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+  d.group_size = k / groups;
+  d.scale_dtype = scale->dtype;
+  d.scale_name = "weight_scale";
+  if (const TensorInfo* zero = h.find(p + ".weight_zero_point")) {
+    h.expect_dtype(*zero, DType::I8);
+    if (zero->shape != scale->shape) h.bad_shape(*zero, scale->shape, "one int8 zero point per scale");
+    d.symmetric = false;
+  }
+  if (const TensorInfo* g_idx = h.find(p + ".weight_g_idx")) {
+    h.expect_dtype(*g_idx, DType::I32);
+    if (g_idx->shape != std::vector<int64_t>{k}) h.bad_shape(*g_idx, {k}, "one group index per input column");
+    d.has_g_idx = true;
+  }
+  d.format = WeightFormat::int8;
+  d.packing = IntPacking::compressed_tensors_unpacked;
+  d.int8_activations = scheme && scheme->format == WeightFormat::int8 && scheme->dynamic_activations;
+  d.weight_dtype = DType::I8;
+}
+
+// AWQ / GPTQ tensors (src/quant_formats.hpp has the layouts): shapes checked against config.json's [N, K], the
+// group size from the config (or, for a Linear it does not cover, from the scales' rows).
+inline void describe_awq_gptq(const ModelConfig& c, const LinearSpec& spec, const HeaderReader& h,
+                              const TensorInfo& qweight, LinearDesc& d) {
+  const std::string& p = spec.name;
+  const int64_t n = spec.n, k = spec.k;
+  if (c.quant.method != QuantMethod::awq && c.quant.method != QuantMethod::gptq)
+    fail(ErrorCode::bad_format,
+         format("%s is an AWQ / GPTQ tensor but config.json's quantization_config is not quant_method awq or gptq",
+                qweight.name.c_str()));
+  const bool awq = c.quant.method == QuantMethod::awq;
+  const char* method = awq ? "AWQ" : "GPTQ";
+  h.expect_dtype(qweight, DType::I32);
+  const QuantScheme* declared = quant_scheme_for(c.quant, p);
+  const bool eight_bit = declared ? declared->format == WeightFormat::int8 : (!awq && qweight.shape.size() == 2 && qweight.shape[0] * 4 == k);
+  const int64_t per_word = eight_bit ? 4 : 8;
+  // AWQ packs 8 int4 values a word along N; GPTQ packs 32 / bits values a word along K.
+  if (n % per_word != 0 || k % per_word != 0)
+    fail(ErrorCode::bad_format, format("%s: [out %lld, in %lld] are not multiples of %lld, which %s's %d-bit words need",
+                                       qweight.name.c_str(), (long long)n, (long long)k, (long long)per_word, method,
+                                       eight_bit ? 8 : 4));
+  const std::vector<int64_t> packed_shape =
+      awq ? std::vector<int64_t>{k, n / 8} : std::vector<int64_t>{k / per_word, n};
+  if (qweight.shape != packed_shape)
+    h.bad_shape(qweight, packed_shape,
+                format("%s %d-bit of [out %lld, in %lld] packed %lld per I32 along %s", method, eight_bit ? 8 : 4,
+                       (long long)n, (long long)k, (long long)per_word, awq ? "out" : "in"));
+  const TensorInfo* scales = h.find(p + ".scales");
+  if (!scales) fail(ErrorCode::missing_tensor, format("%s.scales is missing: %s needs its scales", p.c_str(), qweight.name.c_str()));
+  h.expect_scale_dtype(*scales);
+  const QuantScheme* scheme = declared;
+  int64_t groups = 0;
+  if (scheme && scheme->format != WeightFormat::dense) {
+    d.granularity = scheme->granularity;
+    d.group_size = scheme->granularity == ScaleGranularity::group ? scheme->group_size : k;
+    d.symmetric = scheme->symmetric;
+    d.has_g_idx = scheme->actorder;
+    if (k % d.group_size != 0)
+      fail(ErrorCode::bad_format, format("%s: group_size %lld does not divide in_features %lld; int4 kernels need whole groups",
+                                         qweight.name.c_str(), (long long)d.group_size, (long long)k));
+    groups = k / d.group_size;
+  } else {  // not covered by the config (listed in modules_to_not_convert, yet stored packed): read the scales
+    if (scales->shape.size() != 2 || scales->shape[0] <= 0 || k % scales->shape[0] != 0)
+      h.bad_shape(*scales, {1, n}, "[in / group_size, out] scales");
+    groups = scales->shape[0];
+    d.group_size = k / groups;
+    d.granularity = groups == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+    d.symmetric = awq ? !h.find(p + ".qzeros") : false;
+    d.has_g_idx = false;
+  }
+  const std::vector<int64_t> scale_shape{groups, n};
+  if (scales->shape != scale_shape)
+    h.bad_shape(*scales, scale_shape, format("group_size %lld over [out %lld, in %lld]", (long long)d.group_size,
+                                             (long long)n, (long long)k));
+  d.scale_dtype = scales->dtype;
+  d.scale_name = "scales";
+  const TensorInfo* zeros = h.find(p + ".qzeros");
+  if (zeros) {
+    h.expect_dtype(*zeros, DType::I32);
+    if (zeros->shape != std::vector<int64_t>{groups, n / per_word})
+      h.bad_shape(*zeros, {groups, n / per_word}, format("zero points packed %lld per I32 along out", (long long)per_word));
+  } else if (!awq || !d.symmetric) {
+    fail(ErrorCode::missing_tensor, format("%s.qzeros is missing: %s stores %s zero points there", p.c_str(), method,
+                                           awq ? "AWQ's (zero_point true)" : "GPTQ's"));
+  }
+  if (const TensorInfo* g_idx = h.find(p + ".g_idx")) {
+    h.expect_dtype(*g_idx, DType::I32);
+    if (g_idx->shape != std::vector<int64_t>{k}) h.bad_shape(*g_idx, {k}, "one group index per input row");
+  } else if (d.has_g_idx) {
+    fail(ErrorCode::missing_tensor, format("%s.g_idx is missing: desc_act true (act-order) stores each input row's "
+                                           "group there", p.c_str()));
+  }
+  d.packing = scheme && scheme->format != WeightFormat::dense ? scheme->packing
+              : awq                                            ? IntPacking::awq
+                                                               : IntPacking::gptq;
+  d.format = eight_bit ? WeightFormat::int8 : WeightFormat::int4;
   d.weight_dtype = DType::I32;
 }
 
@@ -1180,19 +1487,23 @@ inline LinearDesc describe_linear(const ModelConfig& c, const LinearSpec& spec, 
   d.vision = spec.vision;
   d.exact = true;
   const std::string& p = spec.name;
-  if (const TensorInfo* packed = h.find(p + ".weight_packed")) {
+  if (const TensorInfo* qweight = h.find(p + ".qweight")) {
+    describe_awq_gptq(c, spec, h, *qweight, d);
+  } else if (const TensorInfo* packed = h.find(p + ".weight_packed")) {
     describe_int4(c, spec, h, *packed, d);
   } else if (const TensorInfo* weight = h.find(p + ".weight")) {
     if (weight->dtype == DType::F8_E4M3) {
       describe_fp8(c, spec, h, *weight, d);
+    } else if (weight->dtype == DType::I8) {
+      describe_int8_unpacked(c, spec, h, *weight, d);
     } else if (weight->dtype == DType::BF16 || weight->dtype == DType::F16 || weight->dtype == DType::F32) {
       if (weight->shape != std::vector<int64_t>{spec.n, spec.k}) h.bad_shape(*weight, {spec.n, spec.k}, "config.json [out, in]");
       d.format = WeightFormat::dense;
       d.weight_dtype = d.scale_dtype = weight->dtype;
     } else {
       fail(ErrorCode::unsupported,
-           format("%s has dtype %s; Linear weights are supported as BF16/F16/F32, F8_E4M3 with scales, or "
-                  "compressed-tensors pack-quantized int4",
+           format("%s has dtype %s; Linear weights are supported as BF16/F16/F32, F8_E4M3 or I8 (int-quantized) with "
+                  "scales, compressed-tensors pack-quantized, AWQ or GPTQ",
                   weight->name.c_str(), dtype_name(weight->dtype)));
     }
   } else {

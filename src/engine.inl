@@ -1269,6 +1269,21 @@ class WeightUploader {
 
   LinearWeights linear(const LinearWeights& host, const std::string& what) {
     LinearWeights device;
+    if (host.quant && host.quant->format == WeightFormat::int8) {
+      // No int8 GEMM on the GPU yet: int8 Linears are dequantized once here, on the host, to the activation dtype
+      // (exact: each weight is the reference's, rounded to its scale dtype, then to the activations') and run by
+      // the dense GEMMs. W8A8's int8 activations are not emulated there: the GPU runs such Linears as W8A16.
+      const QuantWeight& q = *host.quant;
+      std::vector<float> dense(size_t(q.out_features * q.in_features));
+      check(dequantize_rows(q, 0, q.out_features, dense.data()));
+      device.weight = tensor(Tensor::matrix(dense.data(), DType::F32, q.out_features, q.in_features), act_, what + ".weight");
+      if (q.bias) {
+        std::vector<float> bias(size_t(q.out_features));
+        for (int64_t i = 0; i < q.out_features; i++) bias[size_t(i)] = scale_at(q.bias, q.bias_dtype, i);
+        device.bias = tensor(Tensor::vector(bias.data(), DType::F32, q.out_features), act_, what + ".bias");
+      }
+      return device;
+    }
     if (host.quant) {
       // The GPU layout of int4 / fp8 weights is cuda::upload_quant_weight's (issue 6): its error, if any, is
       // the answer (unsupported until those kernels exist).
@@ -1428,7 +1443,8 @@ uint64_t checkpoint_bytes(const QuantWeight& w) {
   const uint64_t n = uint64_t(w.out_features), k = uint64_t(w.in_features);
   uint64_t bytes = w.format == WeightFormat::int4 ? n * uint64_t(w.packed_cols) * 4 : n * k;
   bytes += dtype_bytes(w.scale_dtype, uint64_t(w.scale_rows * w.scale_cols));
-  if (w.zero_points) bytes += ((n + 7) / 8) * uint64_t(w.scale_cols) * 4;
+  if (w.zero_points)  // int4: packed 8 a word along N; int8: one byte each
+    bytes += w.format == WeightFormat::int8 ? n * uint64_t(w.scale_cols) : ((n + 7) / 8) * uint64_t(w.scale_cols) * 4;
   if (w.g_idx) bytes += k * 4;
   if (w.bias) bytes += dtype_bytes(w.bias_dtype, n);
   return bytes;
@@ -1620,9 +1636,11 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       backend_options.fp8_activations = options.fp8_activations;
       backend_options.activation_dtype = *e.plan.options.activation_dtype;
       backend_options.max_quant_in_features = 1;
-      for (const LinearDesc& linear : weights->linears)
+      for (const LinearDesc& linear : weights->linears) {
         if (linear.format != WeightFormat::dense)
           backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
+        backend_options.int8_activations = backend_options.int8_activations || linear.int8_activations;
+      }
       if (e.config.vision.present)
         backend_options.max_head_dim =
             std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);

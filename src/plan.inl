@@ -443,10 +443,20 @@ std::vector<std::vector<const LinearDesc*>> fused_linear_groups(const std::vecto
   return groups;
 }
 
-PlanItem repack_item(const Inputs& in) {
+PlanItem repack_item(const Inputs& in, DType act) {
   PlanItem item{"repack", "repack", 0, "", true};
   if (in.device.backend != BackendKind::cuda) {
-    item.why = "CPU backend runs the on-disk layout: nothing to repack";
+    // AWQ / GPTQ Linears are repacked once at load into the compressed-tensors view the CPU matmul runs
+    // (repacked_host_bytes: packed weights, transposed scales, zero points, act-order g_idx), held next to
+    // the memory-mapped checkpoint; compressed-tensors and fp8 are used in place.
+    uint64_t host = 0, repacked = 0;
+    for (const auto& linear : in.weights.linears)
+      if (uint64_t bytes = repacked_host_bytes(linear)) host += bytes, repacked++;
+    item.bytes = align_up(host, kPlanAlignment);
+    item.why = repacked ? format("%llu AWQ / GPTQ Linears repacked at load into the CPU's int4 layout (weight_packed "
+                                 "[N, K/8], scales [N, G], zero points, act-order g_idx): %s",
+                                 (unsigned long long)repacked, format_bytes(host).c_str())
+                        : std::string("CPU backend runs the on-disk layout: nothing to repack");
     return item;
   }
   // The quantized Linears the GPU runs, in the layout its GEMMs read (cuda::quant_device_bytes: repacked tiles
@@ -467,12 +477,28 @@ PlanItem repack_item(const Inputs& in) {
     count(cuda::quant_device_bytes(group), disk);
     fused_groups++;
   }
+  uint64_t dequantized = 0;
   for (const auto& linear : in.weights.linears) {
     if (linear.format == WeightFormat::dense || linear.vision || in_group.count(&linear)) continue;
+    if (linear.format == WeightFormat::int8) {
+      // no int8 GEMM on the GPU: the uploader dequantizes the Linear to a dense one in the activation dtype
+      const uint64_t n = uint64_t(linear.out_features), k = uint64_t(linear.in_features);
+      count(dtype_bytes(act, n * k) + (linear.has_bias ? dtype_bytes(act, n) : 0), linear.bytes);
+      dequantized++;
+      continue;
+    }
     count(cuda::quant_device_bytes(linear), linear.bytes);
     quantized++;
   }
   item.bytes = align_up(extra, kPlanAlignment);
+  if (dequantized) {
+    item.why = format("%llu int8 Linears dequantized to %s dense weights (no int8 GEMM on the GPU yet)%s: %s more "
+                      "than on disk",
+                      (unsigned long long)dequantized, activation_dtype_text(act),
+                      quantized ? format(", %llu quantized Linears in the GPU's layout", (unsigned long long)quantized).c_str() : "",
+                      format_bytes(extra).c_str());
+    return item;
+  }
   const std::string fused =
       fused_groups ? format(" (%llu q|k|v and gate|up groups fused, one Linear each)", (unsigned long long)fused_groups)
                    : std::string();
@@ -632,7 +658,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.model_name = model_name_of(in.config);
   plan.arch = in.config.arch;
   plan.items.push_back(weights_item(in, *o.activation_dtype));
-  plan.items.push_back(repack_item(in));
+  plan.items.push_back(repack_item(in, *o.activation_dtype));
   plan.items.push_back(context_item(in));
   plan.items.push_back(activations_item(in, o));
   if (in.config.vision.present) plan.items.push_back(vision_item(in, o));

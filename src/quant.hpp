@@ -45,6 +45,11 @@ struct QuantWeight {
   const uint8_t* g_idx = nullptr;        // I32 [K], or nullptr: column k is in group k / group_size
   int64_t group_size = 0;                // columns per scale (channel: K)
 
+  // int8 (GPTQ 8-bit, compressed-tensors INT8; quant_formats.hpp): signed q [N, K]; zero_points is then I8
+  // [N, scale_cols], signed (nullptr: symmetric, zero 0); g_idx and group_size as int4's.
+  const uint8_t* int8 = nullptr;
+  bool int8_activations = false;  // W8A8: each activation row goes through int8 per token (quantize_int8_activations)
+
   // fp8
   const uint8_t* fp8 = nullptr;      // F8_E4M3 [N, K]
   int64_t block_n = 0, block_k = 0;  // rows x columns per scale (block granularity)
@@ -59,6 +64,9 @@ struct QuantWeight {
   DType bias_dtype = DType::F32;  // F32, BF16 or F16
 
   QuantLayout layout = QuantLayout::checkpoint;
+  // Set when the view's tensors are not the checkpoint's but a copy repacked at load (AWQ, GPTQ:
+  // quant_formats.hpp); the pointers above then address this buffer, which lives as long as any copy of the view.
+  std::shared_ptr<const std::vector<uint8_t>> storage;
 };
 
 // Builds the view of `linear` (a Linear of format int4 or fp8 from describe_linears, or made by hand) over
@@ -168,6 +176,10 @@ void dequantize_rows_unchecked(const QuantWeight& weight, int64_t row0, int64_t 
 // One activation row through fp8 and back (quantize_fp8_activations, then each q times its group's scale): what
 // W8A8 computes with. x, out [cols]; may be the same array.
 void fake_quantize_fp8_row(const float* x, int64_t cols, int64_t group, float* out);
+// Dynamic int8 activation quantization per token as compressed-tensors computes it (W8A8, symmetric): for each
+// row, scale = max(|min(x, 0)|, max(x, 0)) / 127.5 (float32 epsilon when 0), q = clamp(round_half_even(x / scale),
+// -128, 127), and the row the matmul reads is q * scale. x, out [cols]; may be the same array.
+void fake_quantize_int8_row(const float* x, int64_t cols, float* out);
 // The activation group of W8A8 for an fp8 weight: block_k for block scales, else the whole row.
 inline int64_t fp8_activation_group(const QuantWeight& weight) {
   return weight.granularity == ScaleGranularity::block ? weight.block_k : weight.in_features;

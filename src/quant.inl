@@ -242,7 +242,18 @@ void dequantize_rows_unchecked(const QuantWeight& w, int64_t row0, int64_t rows,
   for (int64_t r = 0; r < rows; r++) {
     const int64_t n = row0 + r;
     float* dst = out + r * k_size;  // [K]
-    if (w.format == WeightFormat::int4) {
+    if (w.format == WeightFormat::int8) {
+      const int8_t* q_row = reinterpret_cast<const int8_t*>(w.int8) + n * k_size;
+      const int8_t* zero_row = w.zero_points ? reinterpret_cast<const int8_t*>(w.zero_points) + n * w.scale_cols : nullptr;
+      const int64_t scale_row = n * w.scale_cols;
+      for (int64_t k = 0; k < k_size; k++) {
+        int32_t g = int32_t(k / w.group_size);
+        if (w.g_idx) memcpy(&g, w.g_idx + 4 * k, 4);
+        const int zero = zero_row ? int(zero_row[g]) : 0;
+        dst[k] = dequantize_value(float(int(q_row[k]) - zero), scale_at(w.scales, w.scale_dtype, scale_row + g),
+                                  w.scale_dtype, w.rounding);
+      }
+    } else if (w.format == WeightFormat::int4) {
       const uint8_t* packed_row = w.packed + 4 * n * w.packed_cols;
       const int64_t scale_row = n * w.scale_cols;
       if (w.g_idx) {  // activation order: each column names its group
@@ -342,11 +353,19 @@ Result<QuantWeight> quant_weight(const LinearDesc& linear, const TensorStore& st
     w.out_features = linear.out_features;
     w.in_features = linear.in_features;
     w.format = linear.format;
-    if (linear.format == WeightFormat::int4) detail::quant::build_int4(linear, store, w);
+    if (linear.format == WeightFormat::int8) {
+      Result<QuantWeight> view = int8_weight(linear, store);  // quant_formats.hpp
+      if (!view) throw view.error();
+      w = std::move(*view);
+    } else if (linear.format == WeightFormat::int4 && linear.packing != IntPacking::compressed_tensors) {
+      Result<QuantWeight> repacked = repack_awq_gptq(linear, store);  // quant_formats.hpp
+      if (!repacked) throw repacked.error();
+      w = std::move(*repacked);
+    } else if (linear.format == WeightFormat::int4) detail::quant::build_int4(linear, store, w);
     else if (linear.format == WeightFormat::fp8) detail::quant::build_fp8(linear, store, w);
     else
       detail::fail(ErrorCode::invalid_argument,
-                   detail::format("%s is %s, not a quantized format (int4, fp8)", linear.name.c_str(),
+                   detail::format("%s is %s, not a quantized format (int4, int8, fp8)", linear.name.c_str(),
                                   weight_format_name(linear.format)));
     detail::quant::check_bias(w, store, linear.name + ".");
     return w;
@@ -364,6 +383,20 @@ void fake_quantize_fp8_row(const float* x, int64_t cols, int64_t group, float* o
     float scale = amax / 448.0f;
     if (scale == 0.0f) scale = FLT_EPSILON;  // as quantize_fp8_activations
     for (int64_t k = k0; k < k1; k++) out[k] = fp8[float_to_fp8_e4m3(x[k] / scale + 0.0f)] * scale;
+  }
+}
+
+void fake_quantize_int8_row(const float* x, int64_t cols, float* out) {
+  // compressed-tensors' calculate_qparams (the range widened to hold 0, symmetric: max |bound| / (255 / 2)) and
+  // quantize / dequantize (torch.round: half to even), in float32 as the reference runs them.
+  float lo = 0.0f, hi = 0.0f;
+  for (int64_t k = 0; k < cols; k++) lo = std::min(lo, x[k]), hi = std::max(hi, x[k]);
+  float scale = std::max(std::fabs(lo), std::fabs(hi)) / 127.5f;
+  if (scale == 0.0f) scale = FLT_EPSILON;
+  for (int64_t k = 0; k < cols; k++) {
+    // + 0: the reference adds its zero point (0), which turns -0 into +0
+    const float q = std::min(127.0f, std::max(-128.0f, std::nearbyint(x[k] / scale + 0.0f)));
+    out[k] = q * scale;
   }
 }
 
@@ -417,8 +450,14 @@ Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const Quan
     if (tokens == 0) return;
     if (!x || !out) detail::fail(ErrorCode::invalid_argument, "quant_linear: x or out is null");
 
-    std::vector<float> requantized;  // [T, K] when activations go through fp8
-    if (options.fp8_activations) {
+    std::vector<float> requantized;  // [T, K] when activations go through fp8 or int8
+    if (weight.format == WeightFormat::int8 && weight.int8_activations) {  // W8A8: the checkpoint's own semantics
+      requantized.resize(size_t(tokens * k_size));
+      for (int64_t t = 0; t < tokens; t++)
+        detail::fake_quantize_int8_row(x + t * x_stride, k_size, requantized.data() + t * k_size);
+      x = requantized.data();
+      x_stride = k_size;
+    } else if (options.fp8_activations) {
       if (weight.format != WeightFormat::fp8)
         detail::fail(ErrorCode::invalid_argument,
                      detail::format("quant_linear(%s): fp8 activations go with fp8 weights, not %s",

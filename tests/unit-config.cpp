@@ -735,11 +735,11 @@ TEST_CASE("headers: every malformed Linear is refused, naming the tensor and bot
   }
   SUBCASE("unsupported weight dtype") {
     FakeCheckpoint ck = good;
-    ck.add("model.layers.1.mlp.up_proj.weight", DType::I8, {320, 192});
+    ck.add("model.layers.1.mlp.up_proj.weight", DType::I16, {320, 192});
     Error e = ck.describe_failure(c);
     CHECK(e.code == ErrorCode::unsupported);
     CHECK(mentions(e, "model.layers.1.mlp.up_proj.weight"));
-    CHECK(mentions(e, "I8"));
+    CHECK(mentions(e, "I16"));
   }
 }
 
@@ -875,9 +875,9 @@ TEST_CASE("regression: config.json sizes without an upper bound overflowed, ran 
 
 TEST_CASE("unsupported quantization configs are refused with the key and the supported values") {
   json doc = tiny_llama();
-  SUBCASE("8-bit int weights") {
+  SUBCASE("3-bit int weights") {
     doc["quantization_config"] = int4_group(64);
-    doc["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 8;
+    doc["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 3;
     Error e = parse_failure(doc);
     CHECK(e.code == ErrorCode::unsupported);
     CHECK(mentions(e, "quantization_config.config_groups.group_0.weights.num_bits"));
@@ -905,11 +905,11 @@ TEST_CASE("unsupported quantization configs are refused with the key and the sup
     CHECK(mentions(e, "quantization_config.format 'marlin-24'"));
   }
   SUBCASE("unknown quant method") {
-    doc["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
+    doc["quantization_config"] = {{"quant_method", "hqq"}, {"bits", 4}};
     Error e = parse_failure(doc);
     CHECK(e.code == ErrorCode::unsupported);
-    CHECK(mentions(e, "quantization_config.quant_method 'awq'"));
-    CHECK(mentions(e, "compressed-tensors, fp8"));
+    CHECK(mentions(e, "quantization_config.quant_method 'hqq'"));
+    CHECK(mentions(e, "compressed-tensors, fp8, awq, gptq"));
   }
   SUBCASE("an ignore pattern that is not a regex") {
     doc["quantization_config"] = int4_group(64);

@@ -542,7 +542,8 @@ TEST_CASE("the quantized fixture Linears run on the GPU as on the CPU") {
   TensorStore odd = TensorStore::open_files({base + "odd-linears/model.safetensors"}).value();
   const json doc = json::parse(detail::read_text_file(base + "odd-linears/linears.json"));
   for (const json& entry : doc["linears"]) run(quant_weight(odd_linear_desc(entry), odd).value());
-  for (const char* name : {"tiny-w4a16", "tiny-fp8", "tiny-fp8-qwen"}) {
+  for (const char* name : {"tiny-w4a16", "tiny-fp8", "tiny-fp8-qwen", "../quant_formats/awq-g32-zp-skip",
+                           "../quant_formats/gptq-g32-asym-actorder", "../quant_formats/gptq-v2-channel-asym"}) {
     const std::string dir = base + name;
     TensorStore store = TensorStore::open_dir(dir).value();
     const std::vector<LinearDesc> linears = describe_linears(load_config(dir).value(), &store).value();

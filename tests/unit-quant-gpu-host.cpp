@@ -1167,3 +1167,53 @@ TEST_CASE("scale_product: a T-pair multiply only where the checkpoint's scales a
   CHECK(one_rounding == round_to_dtype(q * scale, DType::BF16));
   CHECK(one_rounding != two_roundings);
 }
+
+// AWQ / GPTQ (tests/fixtures/quant_formats): repacked at load into the compressed-tensors view, they upload through
+// the same repack as every int4 weight; each is emulated lane by lane against dequantize_rows, the planner's bytes
+// from the descriptor equal the upload's, and q|k|v / gate|up fuse as the descriptors say.
+TEST_CASE("AWQ / GPTQ fixtures: the repacked views run through the emulated kernels and plan exactly") {
+  for (const char* name : {"awq-g32-zp-skip", "awq-g128-zp", "awq-g64-nozp", "gptq-g128-sym", "gptq-g32-asym-actorder",
+                           "gptq-v2-channel-asym", "gptq-v2-g64-sym-actorder"}) {
+    const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant_formats/" + name;
+    CAPTURE(dir);
+    const ModelConfig config = load_config(dir).value();
+    TensorStore store = TensorStore::open_dir(dir).value();
+    const std::vector<LinearDesc> linears = describe_linears(config, &store).value();
+    std::map<std::string, QuantWeight> weights;
+    for (const LinearDesc& desc : linears)
+      if (desc.format != WeightFormat::dense) {
+        const QuantWeight weight = quant_weight(desc, store).value();
+        check_weight(weight);
+        CHECK(quant_device_bytes(desc) == quant_device_bytes(weight));
+        CHECK(quant_gpu_layout(weight).permuted == desc.has_g_idx);
+        weights.emplace(desc.name, weight);
+      }
+    int fused = 0;
+    for (const std::vector<std::string>& names : {std::vector<std::string>{"q_proj", "k_proj", "v_proj"},
+                                                  std::vector<std::string>{"gate_proj", "up_proj"}}) {
+      std::vector<const LinearDesc*> descs;
+      std::vector<const QuantWeight*> parts;
+      for (const std::string& part : names) {
+        const std::string full = "model.layers.0." + std::string(part[0] == 'g' || part[0] == 'u' ? "mlp." : "self_attn.") + part;
+        for (const LinearDesc& desc : linears)
+          if (desc.name == full) descs.push_back(&desc);
+        parts.push_back(&weights.at(full));
+      }
+      // GPTQ's act-order is one order per layer input (q, k, v share it; gate, up too): the weights fuse. Their
+      // descriptors refuse (the planner has not read g_idx) and count the parts apart, an upper bound.
+      REQUIRE(quant_fusion_refusal(parts).empty());
+      check_fused(parts);
+      fused++;
+      if (config.quant.schemes[0].actorder) {
+        CHECK_FALSE(quant_fusion_refusal(descs).empty());
+        uint64_t apart = 0;
+        for (const QuantWeight* part : parts) apart += quant_device_bytes(*part);
+        CHECK(apart >= quant_device_bytes(parts));
+      } else {
+        CHECK(quant_fusion_refusal(descs).empty());
+        CHECK(quant_device_bytes(descs) == quant_device_bytes(parts));
+      }
+    }
+    CHECK(fused == 2);
+  }
+}
