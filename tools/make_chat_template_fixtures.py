@@ -138,7 +138,8 @@ def family_cases():
                 for add_generation_prompt in (False, True):
                     thinking_options = [None, True, False] if family.startswith("qwen3") else [None]
                     for enable_thinking in thinking_options:
-                        kwargs = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": None}
+                        # as apply_chat_template passes them: special_tokens_map, only the tokens that are set
+                        kwargs = {k: v for k, v in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk)) if v is not None}
                         if enable_thinking is not None:
                             kwargs["enable_thinking"] = enable_thinking
                         # transformers' own path, then the variables it gives the template (same steps as
