@@ -41,8 +41,9 @@
         how much and what would (largest context, ratio needed, fp8 KV, smaller image budget).
       - Reserves one arena of the planned size; KV lives in fixed-size pages carved from it; nothing is
         allocated afterwards.
-      - Tokenizes as Hugging Face tokenizers do (byte-level BPE, PCRE2 regexes, NFC, chat formats for ChatML
-        and Llama-3), generates with continuous batching over the paged KV cache, samples (greedy,
+      - Tokenizes as Hugging Face tokenizers do (byte-level BPE, PCRE2 regexes, NFC) and formats chats with
+        the model's own Jinja chat template, as transformers renders it (kvlite::ChatTemplate, a Jinja subset;
+        ChatML and Llama-3 layouts for models that ship none), generates with continuous batching over the paged KV cache, samples (greedy,
         temperature, top-k, top-p, min-p, repetition penalty, seed; each token's log-probability on request)
         and scores perplexity with sliding windows;
         optional speculative decoding by prompt lookup (PlanOptions::ngram, speculative_tokens) or with a
@@ -99,7 +100,8 @@
       KVLITE_MAX_*            limits on untrusted input, defined before the include in the implementation
                               file to raise one: MODEL_LAYERS, MODEL_WIDTH, MODEL_HEADS, HEAD_DIM, VOCAB,
                               POSITIONS, VISION_PATCH, VISION_POSITIONS, VISION_GRID_SIDE, PROCESSOR_PIXELS,
-                              JSON_BYTES, JSON_DEPTH, TOKEN_ID_GAP, PROMPT_BYTES, CHAT_MESSAGES (defaults and
+                              JSON_BYTES, JSON_DEPTH, TOKEN_ID_GAP, PROMPT_BYTES, CHAT_MESSAGES,
+                              TEMPLATE_BYTES, TEMPLATE_DEPTH, TEMPLATE_STEPS, TEMPLATE_OUTPUT_BYTES (defaults and
                               reasons beside each #define, and in README.md "Security and limits")
 
    LICENSE: MIT (see the LICENSE file).
@@ -1494,7 +1496,8 @@ namespace kvlite {
 #define KVLITE_MAX_TEMPLATE_DEPTH 64  // nesting of expressions and statements, and of macro calls while rendering
 #endif
 #ifndef KVLITE_MAX_TEMPLATE_STEPS
-#define KVLITE_MAX_TEMPLATE_STEPS 50000000  // loop iterations plus evaluated nodes per render
+#define KVLITE_MAX_TEMPLATE_STEPS 10000000  // loop iterations plus evaluated nodes per render (Qwen3's template
+                                           // over 65,536 messages takes about 4 M)
 #endif
 #ifndef KVLITE_MAX_TEMPLATE_OUTPUT_BYTES
 #define KVLITE_MAX_TEMPLATE_OUTPUT_BYTES 67108864  // 64 MiB: also the most any one string value may hold
@@ -9450,8 +9453,7 @@ struct Template {
 const char* const kFilters[] = {"trim", "tojson", "length", "count", "join", "upper", "lower", "capitalize", "title",
                                 "replace", "default", "d", "selectattr", "rejectattr", "select", "reject", "map",
                                 "items", "first", "last", "string", "int", "float", "list", "unique", "safe", "abs",
-                                "round", "sort", "reverse", "e", "escape", "min", "max", "sum", "dictsort", "indent",
-                                "wordcount", "center", "batch"};
+                                "round", "sort", "reverse", "e", "escape", "min", "max", "sum", "dictsort", "indent"};
 const char* const kTests[] = {"defined", "undefined", "none", "string", "mapping", "sequence", "iterable", "number",
                               "integer", "float", "boolean", "true", "false", "odd", "even", "divisibleby", "equalto",
                               "eq", "==", "ne", "!=", "lt", "<", "le", "<=", "gt", ">", "ge", ">=", "in", "sameas",
@@ -10078,7 +10080,17 @@ struct LoopSignal {
 
 struct Interp {
   int64_t steps = 0;
-  int depth = 0;
+  int depth = 0;   // macro and caller() calls in progress
+  int frames = 0;  // eval/exec frames on the C++ stack: macro calls multiply the nesting the parser bounded
+  struct Frame {
+    Interp& in;
+    Frame(Interp& interp, int line) : in(interp) {
+      if (++in.frames > 8 * limits::max_template_depth)
+        render_error(line, format("expressions, statements and macro calls nest more than %lld deep while rendering "
+                                  "(8 x KVLITE_MAX_TEMPLATE_DEPTH)", 8 * (long long)limits::max_template_depth));
+    }
+    ~Frame() { in.frames--; }
+  };
   int64_t now = -1;
   std::string* out = nullptr;
 
@@ -10444,6 +10456,7 @@ Value Interp::arithmetic(const std::string& op, const Value& a, const Value& b, 
 
 Value Interp::eval(const Expr& e, const ScopePtr& scope) {
   step(e.line);
+  Frame frame(*this, e.line);
   switch (e.kind) {
     case Expr::Kind::literal: return e.literal;
     case Expr::Kind::name: {
@@ -11185,6 +11198,7 @@ bool Interp::apply_test(const std::string& name, const Value& value, Call& call)
 }
 
 LoopSignal Interp::exec(const Body& body, const ScopePtr& scope) {
+  Frame frame(*this, body.empty() ? 0 : body[0]->line);
   for (const NodePtr& node_ptr : body) {
     const Node& node = *node_ptr;
     step(node.line);

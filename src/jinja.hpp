@@ -27,7 +27,8 @@ namespace kvlite {
 #define KVLITE_MAX_TEMPLATE_DEPTH 64  // nesting of expressions and statements, and of macro calls while rendering
 #endif
 #ifndef KVLITE_MAX_TEMPLATE_STEPS
-#define KVLITE_MAX_TEMPLATE_STEPS 50000000  // loop iterations plus evaluated nodes per render
+#define KVLITE_MAX_TEMPLATE_STEPS 10000000  // loop iterations plus evaluated nodes per render (Qwen3's template
+                                           // over 65,536 messages takes about 4 M)
 #endif
 #ifndef KVLITE_MAX_TEMPLATE_OUTPUT_BYTES
 #define KVLITE_MAX_TEMPLATE_OUTPUT_BYTES 67108864  // 64 MiB: also the most any one string value may hold

@@ -689,8 +689,7 @@ struct Template {
 const char* const kFilters[] = {"trim", "tojson", "length", "count", "join", "upper", "lower", "capitalize", "title",
                                 "replace", "default", "d", "selectattr", "rejectattr", "select", "reject", "map",
                                 "items", "first", "last", "string", "int", "float", "list", "unique", "safe", "abs",
-                                "round", "sort", "reverse", "e", "escape", "min", "max", "sum", "dictsort", "indent",
-                                "wordcount", "center", "batch"};
+                                "round", "sort", "reverse", "e", "escape", "min", "max", "sum", "dictsort", "indent"};
 const char* const kTests[] = {"defined", "undefined", "none", "string", "mapping", "sequence", "iterable", "number",
                               "integer", "float", "boolean", "true", "false", "odd", "even", "divisibleby", "equalto",
                               "eq", "==", "ne", "!=", "lt", "<", "le", "<=", "gt", ">", "ge", ">=", "in", "sameas",
@@ -1317,7 +1316,17 @@ struct LoopSignal {
 
 struct Interp {
   int64_t steps = 0;
-  int depth = 0;
+  int depth = 0;   // macro and caller() calls in progress
+  int frames = 0;  // eval/exec frames on the C++ stack: macro calls multiply the nesting the parser bounded
+  struct Frame {
+    Interp& in;
+    Frame(Interp& interp, int line) : in(interp) {
+      if (++in.frames > 8 * limits::max_template_depth)
+        render_error(line, format("expressions, statements and macro calls nest more than %lld deep while rendering "
+                                  "(8 x KVLITE_MAX_TEMPLATE_DEPTH)", 8 * (long long)limits::max_template_depth));
+    }
+    ~Frame() { in.frames--; }
+  };
   int64_t now = -1;
   std::string* out = nullptr;
 
@@ -1683,6 +1692,7 @@ Value Interp::arithmetic(const std::string& op, const Value& a, const Value& b, 
 
 Value Interp::eval(const Expr& e, const ScopePtr& scope) {
   step(e.line);
+  Frame frame(*this, e.line);
   switch (e.kind) {
     case Expr::Kind::literal: return e.literal;
     case Expr::Kind::name: {
@@ -2424,6 +2434,7 @@ bool Interp::apply_test(const std::string& name, const Value& value, Call& call)
 }
 
 LoopSignal Interp::exec(const Body& body, const ScopePtr& scope) {
+  Frame frame(*this, body.empty() ? 0 : body[0]->line);
   for (const NodePtr& node_ptr : body) {
     const Node& node = *node_ptr;
     step(node.line);

@@ -119,4 +119,21 @@ write("serve_request", "chat_bad_image", request(0, {"messages": [{"role": "syst
 write("serve_request", "completion", request(1, {"prompt": "a small", "max_tokens": 5, "stop": "z", "min_p": 0.1,
                                                  "repetition_penalty": 1.2}))
 write("serve_request", "completion_other_model", request(1, {"prompt": "x", "max_completion_tokens": 3, "model": "other"}))
+
+# chat_template: byte 0 even: the rest is a template (the real ones of tests/fixtures/chat_templates and the
+# interpreter's construct cases); odd: byte 1 picks a real template, the rest is a message-list JSON.
+chat_fixtures = json.loads(read("tests", "fixtures", "chat_templates", "cases.json"))
+for family in sorted(chat_fixtures["templates"]):
+    write("chat_template", "template_" + family, b"\x00" + read("tests", "fixtures", "chat_templates", family + ".jinja"))
+for k, case in enumerate(chat_fixtures["interpreter"]):
+    write("chat_template", "construct_%02d" % k, b"\x00" + case["template"].encode())
+seen = set()
+for k, case in enumerate(chat_fixtures["cases"]):
+    family, messages = case["family"], json.dumps(case["context"]["messages"], ensure_ascii=False)
+    if (family, messages) in seen or len(seen) >= 40:
+        continue
+    seen.add((family, messages))
+    index = sorted(chat_fixtures["templates"]).index(family)
+    write("chat_template", "messages_%02d" % len(seen), b"\x01" + bytes([index]) + messages.encode())
+
 print("wrote", sum(len(f) for _, _, f in os.walk(OUT)), "seed inputs under", os.path.relpath(OUT, ROOT))
