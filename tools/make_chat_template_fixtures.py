@@ -34,6 +34,8 @@ OUT = REPO_ROOT / "tests" / "fixtures" / "chat_templates"
 SOURCES = {
     "qwen2.5": ("Qwen/Qwen2.5-*-Instruct tokenizer_config.json", "<|endoftext|>", "<|im_end|>", None),
     "qwen3": ("Qwen/Qwen3-0.6B (llama.cpp models/templates/Qwen-Qwen3-0.6B.jinja)", None, "<|im_end|>", None),
+    "qwen3-vl": ("Qwen/Qwen3-VL-8B-Instruct (its GGUF's tokenizer.chat_template: 5,292 bytes, SHA-256 3636d0f0bd6bef02"
+                 "654cdffdc447b79cb2cef8ab02cc75267345946291a489e4)", None, "<|im_end|>", None),
     "llama3.1": ("meta-llama/Llama-3.1-8B-Instruct tokenizer_config.json", "<|begin_of_text|>", "<|eot_id|>", None),
     "llama3.2": ("meta-llama/Llama-3.2-3B-Instruct (llama.cpp models/templates/meta-llama-Llama-3.2-3B-Instruct.jinja)",
                  "<|begin_of_text|>", "<|eot_id|>", None),
@@ -137,11 +139,14 @@ def family_cases():
             for tools in ([None, [WEATHER_TOOL, TIME_TOOL]] if name in WITH_TOOLS else [None]):
                 for add_generation_prompt in (False, True):
                     thinking_options = [None, True, False] if family.startswith("qwen3") else [None]
-                    for enable_thinking in thinking_options:
+                    vision_ids = [False, True] if family == "qwen3-vl" and name.startswith("images") else [False]
+                    for enable_thinking, add_vision_id in [(t, v) for t in thinking_options for v in vision_ids]:
                         # as apply_chat_template passes them: special_tokens_map, only the tokens that are set
                         kwargs = {k: v for k, v in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk)) if v is not None}
                         if enable_thinking is not None:
                             kwargs["enable_thinking"] = enable_thinking
+                        if add_vision_id:
+                            kwargs["add_vision_id"] = True
                         # transformers' own path, then the variables it gives the template (same steps as
                         # render_jinja_template: plain data, reasoning aliases, tools, documents, kwargs)
                         chat = ctu._alias_reasoning_fields(ctu._plain_template_data(json.loads(json.dumps(messages))))
@@ -161,6 +166,8 @@ def family_cases():
                         label = f"{family} {name}{' tools' if tools else ''} gen={int(add_generation_prompt)}"
                         if enable_thinking is not None:
                             label += f" thinking={int(enable_thinking)}"
+                        if add_vision_id:
+                            label += " add_vision_id"
                         cases.append({"family": family, "name": label, "context": context, **truth})
     return cases
 

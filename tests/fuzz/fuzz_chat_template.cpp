@@ -10,7 +10,7 @@
 
 namespace {
 const char* const kFamilies[] = {"gemma2", "gemma3", "llama3.1", "llama3.2", "mistral-v0.3",
-                                 "phi3.5", "phi4-mini", "qwen2.5", "qwen3", "smollm2"};
+                                 "phi3.5", "phi4-mini", "qwen2.5", "qwen3", "qwen3-vl", "smollm2"};
 
 const std::vector<kvlite::ChatTemplate>& real_templates() {
   static const std::vector<kvlite::ChatTemplate> templates = [] {
