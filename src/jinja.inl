@@ -661,6 +661,7 @@ struct Expr {
   std::vector<std::pair<std::string, ExprPtr>> kwargs;
   std::vector<std::string> ops;   // compare: one per pair
   bool negated = false;           // test: `is not`
+  int depth = 1;                  // of the tree below: chains (a + b + c, x|f|g, a.b.c) grow it without recursion
 };
 
 struct Node;
@@ -870,7 +871,7 @@ class Parser {
         } else {
           if (node->targets.size() != 1) syntax_error(node->line, "a block set takes one name");
           node->kind = Node::Kind::set_block;
-          if (is_op("|")) node->expr = parse_filters(nullptr);
+          if (is_op("|")) node->expr = parse_filter_chain(nullptr);
           expect_block_end();
           node->body = parse_body({"endset"});
           next(), next();
@@ -943,6 +944,15 @@ class Parser {
     e->line = line;
     return e;
   }
+  // A node that wraps `inner` (the previous link of a chain) is one deeper; chains are bounded as nesting is,
+  // so that rendering and freeing the tree stay within the stack.
+  void deeper(Expr& outer, const Expr* inner) {
+    if (!inner) return;
+    outer.depth = std::max(outer.depth, inner->depth + 1);
+    if (outer.depth > 4 * limits::max_template_depth)
+      fail(ErrorCode::unsupported, format("chat template line %d: an expression chains more than %lld operations "
+                                          "(4 x KVLITE_MAX_TEMPLATE_DEPTH)", outer.line, 4 * (long long)limits::max_template_depth));
+  }
   // `a, b` without brackets (set's right side) is a tuple.
   ExprPtr parse_tuple_expression() {
     int line = peek().line;
@@ -964,6 +974,7 @@ class Parser {
     while (with_condition && is_name("if")) {
       int line = next().line;
       auto e = make(Expr::Kind::ternary, line);
+      deeper(*e, value.get());
       e->children.push_back(std::move(value));
       e->children.push_back(parse_or());
       if (is_name("else")) {
@@ -980,6 +991,7 @@ class Parser {
     ExprPtr left = parse_and();
     while (is_name("or")) {
       auto e = make(Expr::Kind::or_, next().line);
+      deeper(*e, left.get());
       e->children.push_back(std::move(left));
       e->children.push_back(parse_and());
       left = std::move(e);
@@ -990,6 +1002,7 @@ class Parser {
     ExprPtr left = parse_not();
     while (is_name("and")) {
       auto e = make(Expr::Kind::and_, next().line);
+      deeper(*e, left.get());
       e->children.push_back(std::move(left));
       e->children.push_back(parse_not());
       left = std::move(e);
@@ -1025,6 +1038,7 @@ class Parser {
       }
       if (!e) {
         e = make(Expr::Kind::compare, line);
+        deeper(*e, first.get());
         e->children.push_back(std::move(first));
       }
       e->ops.push_back(op);
@@ -1034,6 +1048,8 @@ class Parser {
   }
   ExprPtr binary(const std::string& op, ExprPtr left, ExprPtr right, int line) {
     auto e = make(Expr::Kind::binary, line);
+    deeper(*e, left.get());
+    deeper(*e, right.get());
     e->name = op;
     e->children.push_back(std::move(left));
     e->children.push_back(std::move(right));
@@ -1173,6 +1189,7 @@ class Parser {
       if (is_op(".")) {
         int line = next().line;
         auto e = make(Expr::Kind::attr, line);
+        deeper(*e, node.get());
         if (peek().type == Token::Type::integer) {
           e->kind = Expr::Kind::subscript;
           e->children.push_back(std::move(node));
@@ -1199,6 +1216,7 @@ class Parser {
         }
         expect_op("]");
         auto e = make(slice ? Expr::Kind::slice : Expr::Kind::subscript, line);
+        deeper(*e, node.get());
         e->children.push_back(std::move(node));
         if (!slice && !parts[0]) syntax_error(line, "an empty subscript []");
         e->children.push_back(std::move(parts[0]));
@@ -1206,6 +1224,7 @@ class Parser {
         node = std::move(e);
       } else if (is_op("(")) {
         auto e = make(Expr::Kind::call, peek().line);
+        deeper(*e, node.get());
         e->children.push_back(std::move(node));
         parse_call_args(*e);
         node = std::move(e);
@@ -1237,6 +1256,7 @@ class Parser {
       } else if (is_name("is")) {
         int line = next().line;
         auto e = make(Expr::Kind::test, line);
+        deeper(*e, node.get());
         if (is_name("not")) {
           next();
           e->negated = true;
@@ -1257,6 +1277,7 @@ class Parser {
         node = std::move(e);
       } else if (is_op("(")) {
         auto e = make(Expr::Kind::call, peek().line);
+        deeper(*e, node.get());
         e->children.push_back(std::move(node));
         parse_call_args(*e);
         node = std::move(e);
@@ -1273,6 +1294,7 @@ class Parser {
     while (is_op(".")) next(), name += "." + expect_name();
     if (!known(kFilters, sizeof kFilters / sizeof *kFilters, name)) unsupported_construct(line, "the filter '" + name + "'");
     auto e = make(Expr::Kind::filter, line);
+    deeper(*e, node.get());
     e->name = name;
     e->children.push_back(std::move(node));
     if (is_op("(")) parse_call_args(*e);
@@ -1362,7 +1384,7 @@ struct Interp {
   static double number(const Value& v) {
     return v.kind == Value::Kind::floating ? v.f : v.kind == Value::Kind::integer ? double(v.i) : double(v.b);
   }
-  static bool equal(const Value& a, const Value& b) {
+  bool equal(const Value& a, const Value& b) {
     if (a.is_number() && b.is_number()) {
       if (a.kind != Value::Kind::floating && b.kind != Value::Kind::floating)
         return (a.kind == Value::Kind::integer ? a.i : int64_t(a.b)) == (b.kind == Value::Kind::integer ? b.i : int64_t(b.b));
@@ -1374,11 +1396,13 @@ struct Interp {
       case Value::Kind::string: return a.str() == b.str();
       case Value::Kind::list:
         if (a.list->size() != b.list->size()) return false;
+        step(0, int64_t(a.list->size() / 16));
         for (size_t k = 0; k < a.list->size(); k++)
           if (!equal((*a.list)[k], (*b.list)[k])) return false;
         return true;
       case Value::Kind::dict:
         if (a.dict->size() != b.dict->size()) return false;
+        step(0, int64_t(a.dict->size() * a.dict->size() / 16));  // (linear lookups)
         for (const auto& entry : *a.dict) {
           const Value* other = dict_find(*b.dict, entry.first);
           if (!other || !equal(entry.second, *other)) return false;
@@ -1390,7 +1414,7 @@ struct Interp {
     }
   }
   // -1, 0, 1; a type error for values Python cannot order.
-  static int compare(const Value& a, const Value& b, int line) {
+  int compare(const Value& a, const Value& b, int line) {
     if (a.is_number() && b.is_number()) {
       double x = number(a), y = number(b);
       if (a.kind != Value::Kind::floating && b.kind != Value::Kind::floating) {
@@ -1404,6 +1428,7 @@ struct Interp {
       return c < 0 ? -1 : c > 0;
     }
     if (a.kind == Value::Kind::list && b.kind == Value::Kind::list) {
+      step(line, int64_t(std::min(a.list->size(), b.list->size()) / 16));
       for (size_t k = 0; k < a.list->size() && k < b.list->size(); k++) {
         if (equal((*a.list)[k], (*b.list)[k])) continue;
         return compare((*a.list)[k], (*b.list)[k], line);
@@ -1435,8 +1460,9 @@ struct Interp {
   List iterate(const Value& v, int line) {
     switch (v.kind) {
       case Value::Kind::undefined: return {};
-      case Value::Kind::list: return *v.list;
+      case Value::Kind::list: step(line, int64_t(v.list->size() / 16)); return *v.list;
       case Value::Kind::dict: {
+        step(line, int64_t(v.dict->size() / 16));
         List keys;
         for (const auto& entry : *v.dict) keys.push_back(Value::string(entry.first));
         return keys;
@@ -1458,7 +1484,7 @@ struct Interp {
   int64_t length(const Value& v, int line) {
     switch (v.kind) {
       case Value::Kind::undefined: return 0;
-      case Value::Kind::string: return int64_t(utf8_length(v.str()));
+      case Value::Kind::string: step(line, int64_t(v.str().size() / 64)); return int64_t(utf8_length(v.str()));
       case Value::Kind::list: return int64_t(v.list->size());
       case Value::Kind::dict: return int64_t(v.dict->size());
       default: render_error(line, "object of type '" + type_name(v) + "' has no len()");
@@ -1486,6 +1512,7 @@ struct Interp {
         if (index < 0) index += n;
         if (index >= 0 && index < n) return (*obj.list)[size_t(index)];
       } else {
+        step(line, int64_t(obj.str().size() / 64));
         std::vector<uint32_t> cps = code_points(obj.str());
         int64_t n = int64_t(cps.size());
         if (index < 0) index += n;
@@ -1571,6 +1598,7 @@ struct Interp {
   }
   Value make_macro(const Node& node, const ScopePtr& defined_in);
   std::string replace(const std::string& s, const std::string& from, const std::string& to, int64_t limit, int line);
+  Value apply_filter_chain(const Expr& chain, Value value, const ScopePtr& scope);
   Value attribute_path(const Value& item, const Value& path, int line);
 };
 
@@ -1796,6 +1824,7 @@ Value Interp::eval(const Expr& e, const ScopePtr& scope) {
         text += to_str(eval(*child, scope));
         check_size(text.size(), e.line);
       }
+      step(e.line, int64_t(text.size() / 4096));
       return Value::string(std::move(text));
     }
   }
@@ -1823,6 +1852,7 @@ Value Interp::bound_method(const Value& obj, const std::string& name, int line) 
     return v;
   };
   if (obj.kind == Value::Kind::string) {
+    step(line, int64_t(obj.str().size() / 64));  // every str method walks the string
     const Value self = obj;
     if (name == "strip" || name == "lstrip" || name == "rstrip")
       return method([self, name](Interp&, Call& c) {
@@ -2007,6 +2037,8 @@ Value Interp::bound_method(const Value& obj, const std::string& name, int line) 
 
 Value Interp::apply_filter(const std::string& name, Value value, Call& call, const ScopePtr& scope) {
   const int line = call.line;
+  Frame frame(*this, line);  // map('map', 'map', ...) recurses
+  step(line, value.kind == Value::Kind::string ? int64_t(value.str().size() / 64) : 0);
   const std::string what = "filter '" + name + "'";
   auto text_of = [&](const Value& v) { return to_str(v); };
   if (name == "safe") {
@@ -2415,6 +2447,7 @@ bool Interp::apply_test(const std::string& name, const Value& value, Call& call)
     switch (container.kind) {
       case K::string:
         if (value.kind != K::string) render_error(line, "'in <string>' requires string as left operand, not " + type_name(value));
+        step(line, int64_t(container.str().size() / 64));
         return container.str().find(value.str()) != std::string::npos;
       case K::list:
         for (const Value& item : *container.list) {
@@ -2431,6 +2464,20 @@ bool Interp::apply_test(const std::string& name, const Value& value, Call& call)
     }
   }
   fail(ErrorCode::unsupported, format("chat template line %d: the test '%s' is not in kvlite's Jinja subset", line, name.c_str()));
+}
+
+// The filters of a block set or filter block (`| f | g`, parsed innermost first) over `value`.
+Value Interp::apply_filter_chain(const Expr& chain, Value value, const ScopePtr& scope) {
+  std::vector<const Expr*> filters;
+  for (const Expr* f = &chain; f; f = f->children[0].get()) filters.push_back(f);
+  for (size_t k = filters.size(); k-- > 0;) {
+    Call call;
+    call.line = filters[k]->line;
+    for (size_t a = 1; a < filters[k]->children.size(); a++) call.args.push_back(eval(*filters[k]->children[a], scope));
+    for (const auto& kw : filters[k]->kwargs) call.kwargs.emplace_back(kw.first, eval(*kw.second, scope));
+    value = apply_filter(filters[k]->name, value, call, scope);
+  }
+  return value;
 }
 
 LoopSignal Interp::exec(const Body& body, const ScopePtr& scope) {
@@ -2482,35 +2529,12 @@ LoopSignal Interp::exec(const Body& body, const ScopePtr& scope) {
       }
       case Node::Kind::set_block: {
         Value text = Value::string(capture(node.body, scope));
-        if (node.expr) {
-          Value filtered = text;
-          const Expr* chain[64];
-          size_t count = 0;
-          for (const Expr* f = node.expr.get(); f && count < 64; f = f->children[0].get()) chain[count++] = f;
-          for (size_t k = count; k-- > 0;) {
-            Call call;
-            call.line = chain[k]->line;
-            for (size_t a = 1; a < chain[k]->children.size(); a++) call.args.push_back(eval(*chain[k]->children[a], scope));
-            for (const auto& kw : chain[k]->kwargs) call.kwargs.emplace_back(kw.first, eval(*kw.second, scope));
-            filtered = apply_filter(chain[k]->name, filtered, call, scope);
-          }
-          text = filtered;
-        }
+        if (node.expr) text = apply_filter_chain(*node.expr, text, scope);
         scope->set(node.targets[0], text);
         break;
       }
       case Node::Kind::filter_block: {
-        Value value = Value::string(capture(node.body, scope));
-        const Expr* chain[64];
-        size_t count = 0;
-        for (const Expr* f = node.expr.get(); f && count < 64; f = f->children[0].get()) chain[count++] = f;
-        for (size_t k = count; k-- > 0;) {
-          Call call;
-          call.line = chain[k]->line;
-          for (size_t a = 1; a < chain[k]->children.size(); a++) call.args.push_back(eval(*chain[k]->children[a], scope));
-          for (const auto& kw : chain[k]->kwargs) call.kwargs.emplace_back(kw.first, eval(*kw.second, scope));
-          value = apply_filter(chain[k]->name, value, call, scope);
-        }
+        Value value = apply_filter_chain(*node.expr, Value::string(capture(node.body, scope)), scope);
         emit(to_str(value), node.line);
         break;
       }
