@@ -1357,6 +1357,12 @@ struct Interp {
     if (steps > limits::max_template_steps)
       render_error(line, format("rendering took more than %lld steps (KVLITE_MAX_TEMPLATE_STEPS)", (long long)limits::max_template_steps));
   }
+  // A new list of `items` values: 10 steps each (a value is ~100 bytes), asked before anything is allocated, so
+  // that the step limit also bounds memory (10 M steps: at most 1 M values, ~100 MB).
+  void charge_items(int line, uint64_t items) {
+    if (items > uint64_t(limits::max_template_steps)) items = uint64_t(limits::max_template_steps);
+    step(line, int64_t(items) * 10);
+  }
   void check_size(size_t bytes, int line) {
     if (bytes > uint64_t(limits::max_template_output_bytes))
       render_error(line, format("a string or the output grows past %lld bytes (KVLITE_MAX_TEMPLATE_OUTPUT_BYTES)",
@@ -1646,9 +1652,9 @@ Value Interp::arithmetic(const std::string& op, const Value& a, const Value& b, 
       return Value::string(a.str() + b.str());
     }
     if (a.kind == Value::Kind::list && b.kind == Value::Kind::list && a.is_tuple == b.is_tuple) {
+      charge_items(line, a.list->size() + b.list->size());
       List items = *a.list;
       items.insert(items.end(), b.list->begin(), b.list->end());
-      step(line, int64_t(items.size()));
       return Value::make_list(std::move(items), a.is_tuple);
     }
   }
@@ -1665,7 +1671,8 @@ Value Interp::arithmetic(const std::string& op, const Value& a, const Value& b, 
         step(line, int64_t(text.size() / 4096));
         return Value::string(std::move(text));
       }
-      if (times > 0 && !seq->list->empty()) step(line, times > limits::max_template_steps ? limits::max_template_steps + 1 : times * int64_t(seq->list->size()));
+      if (times > 0 && !seq->list->empty())
+        charge_items(line, times > limits::max_template_steps ? uint64_t(limits::max_template_steps) : uint64_t(times) * seq->list->size());
       List items;
       for (int64_t k = 0; k < times; k++) items.insert(items.end(), seq->list->begin(), seq->list->end());
       return Value::make_list(std::move(items), seq->is_tuple);
@@ -2755,6 +2762,9 @@ void add_globals(Scope& globals) {
     }
     int64_t start = c.args.size() == 1 ? 0 : v[0], stop = c.args.size() == 1 ? v[0] : v[1], by = c.args.size() == 3 ? v[2] : 1;
     if (by == 0) render_error(c.line, "range() arg 3 must not be zero");
+    long double span = by > 0 ? (long double)stop - (long double)start : (long double)start - (long double)stop;
+    long double count = span <= 0 ? 0 : std::ceil(span / std::fabs((long double)by));
+    in.charge_items(c.line, count > 1e18L ? uint64_t(1e18) : uint64_t(count));
     List items;
     for (int64_t x = start; by > 0 ? x < stop : x > stop; x += by) {
       in.step(c.line);
