@@ -106,15 +106,30 @@ class Tokenizer {
   // An added token marked special (skipped by skip_special_tokens).
   bool is_special(int32_t id) const;
 
+  // The family of the fallback prompt layout, for models that ship no chat template.
   ChatFormat chat_format() const;
-  // The prompt for `messages` in this tokenizer's chat format; add_generation_prompt opens an assistant turn.
-  // The text already holds the special tokens (Llama-3's <|begin_of_text|> included): encode it with
-  // add_special_tokens = false. Unsupported when chat_format() is none.
+  // The prompt for `messages`, rendered by the model's own chat template when it ships one (tokenizer_config.json
+  // chat_template, or chat_template.jinja in the model directory; run by kvlite's Jinja interpreter, jinja.hpp),
+  // else in the ChatML or Llama-3 layout chat_format() names. add_generation_prompt opens an assistant turn.
+  // The text already holds the special tokens (<|begin_of_text|>, <bos>...): encode it with
+  // add_special_tokens = false. Unsupported when there is neither a template nor a fallback format, or when the
+  // template uses Jinja outside kvlite's subset (the error names the construct and line); invalid_argument when the
+  // template raises (e.g. Gemma's "Conversation roles must alternate").
   Result<std::string> format_chat(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
+  // The model's template over messages as JSON, the way transformers' apply_chat_template takes them: an array of
+  // {"role", "content" (a string or a list of parts such as {"type": "image"}), "tool_calls", "reasoning_content",
+  // ...}; extra_json is a JSON object of further variables ("tools": [...], "enable_thinking": false, ...).
+  // bos_token, eos_token, unk_token and pad_token come from tokenizer_config.json. Unsupported without a template.
+  Result<std::string> apply_chat_template(std::string_view messages_json, bool add_generation_prompt,
+                                          std::string_view extra_json = "{}") const;
+  bool has_chat_template() const;
+  const std::string& chat_template() const;  // its source text ("" when the model ships none)
 
  private:
   friend class StreamingDecoder;
   Tokenizer() = default;
+  std::string render_chat_template(std::string_view messages_json, bool add_generation_prompt,
+                                   std::string_view extra_json) const;
   std::shared_ptr<const detail::TokenizerData> data_;
 };
 

@@ -596,6 +596,14 @@ struct TokenizerData {
 
   // ---- tokenizer_config.json ----
   int32_t bos_id = -1, eos_id = -1;
+  // The model's own chat template (tokenizer_config.json chat_template, or chat_template.jinja), which
+  // format_chat renders when present; parse_error holds why it could not be parsed (format_chat reports it).
+  std::string chat_template_source;
+  std::optional<ChatTemplate> chat_template;
+  std::optional<Error> chat_template_error;
+  // The special tokens transformers passes to the template (bos_token, eos_token, unk_token, pad_token): the
+  // config's strings, or null.
+  std::string special_tokens_json = "{}";
   // The chat format, and the parts of the chat_template that vary between releases of a family (read from
   // the template's string literals; kvlite does not run Jinja).
   ChatFormat chat_format = ChatFormat::none;
@@ -1114,6 +1122,18 @@ inline std::string template_literal(const std::string& chat_template, const std:
   return std::string();
 }
 
+// Parses the model's chat template; one outside kvlite's Jinja subset leaves the tokenizer usable and makes
+// format_chat report why.
+inline void set_chat_template(TokenizerData& data, const std::string& source) {
+  data.chat_template_source = source;
+  data.chat_template.reset();
+  data.chat_template_error.reset();
+  if (source.empty()) return;
+  Result<ChatTemplate> parsed = ChatTemplate::parse(source);
+  if (parsed.ok()) data.chat_template = std::move(parsed).value();
+  else data.chat_template_error = parsed.error();
+}
+
 inline void read_chat_format(const Json& config, TokenizerData& data) {
   // chat_template: a string, or a list of {name, template} (the one named "default", else the first).
   std::string chat_template;
@@ -1127,6 +1147,15 @@ inline void read_chat_format(const Json& config, TokenizerData& data) {
         if (entry.value("name", std::string()) == "default") chat_template = entry.value("template", std::string());
     }
   }
+  set_chat_template(data, chat_template);
+  nlohmann::ordered_json special = nlohmann::ordered_json::object();
+  // transformers' special_tokens_map: the named tokens that are set, in this order (unset ones stay undefined)
+  for (const char* key : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}) {
+    const Json value = config.value(key, Json());
+    if (value.is_string()) special[key] = value.get<std::string>();
+    else if (value.is_object() && value.contains("content") && value.at("content").is_string()) special[key] = value.at("content").get<std::string>();
+  }
+  data.special_tokens_json = special.dump();
   auto has = [&](const char* token) { return data.id_by_text.count(token) > 0; };
   bool chatml = has("<|im_start|>") && has("<|im_end|>");
   bool llama3 = has("<|start_header_id|>") && has("<|end_header_id|>") && has("<|eot_id|>");
@@ -1142,7 +1171,7 @@ inline void read_chat_format(const Json& config, TokenizerData& data) {
     // Llama-3.2 asks for strftime_now("%d %b %Y"), which transformers provides: today's date.
     if (chat_template.find("strftime_now") == std::string::npos)
       data.llama3_today = template_literal(chat_template, "set date_string = \"", "\"");
-    if (data.llama3_dated_system && data.llama3_today.empty() &&
+    if (data.llama3_dated_system && data.llama3_today.empty() && !data.chat_template &&
         chat_template.find("strftime_now") == std::string::npos)
       fail(ErrorCode::unsupported,
            "tokenizer_config.json chat_template has Llama-3.1's dated system turn but no "
@@ -1754,6 +1783,14 @@ Result<Tokenizer> Tokenizer::load(const std::string& model_dir) {
     Result<Tokenizer> tokenizer = from_json(tokenizer_json, config_json);
     if (!tokenizer.ok())  // name the directory the files came from
       detail::fail(tokenizer.error().code, tokenizer.error().message + " (in " + model_dir + ")");
+    // transformers saves the template as chat_template.jinja (and then reads it before tokenizer_config.json's).
+    std::string jinja_path = detail::path_join(model_dir, "chat_template.jinja");
+    if (detail::file_exists(jinja_path)) {
+      Tokenizer loaded = std::move(tokenizer).value();
+      // The data was made just now and no one else holds it yet: setting its template is still part of loading.
+      detail::tok::set_chat_template(const_cast<detail::TokenizerData&>(*loaded.data_), detail::read_text_file(jinja_path));
+      return loaded;
+    }
     return std::move(tokenizer).value();
   });
 }
@@ -1806,6 +1843,11 @@ Result<std::string> Tokenizer::format_chat(const std::vector<ChatMessage>& messa
                      detail::format("the chat messages hold more than %lld bytes of text (KVLITE_MAX_PROMPT_BYTES)",
                                     (long long)limits::max_prompt_bytes));
     }
+    if (data_->chat_template || data_->chat_template_error) {
+      nlohmann::ordered_json list = nlohmann::ordered_json::array();
+      for (const ChatMessage& m : messages) list.push_back({{"role", m.role}, {"content", m.content}});
+      return render_chat_template(list.dump(), add_generation_prompt, "{}");
+    }
     std::string prompt;
     switch (data_->chat_format) {
       case ChatFormat::chatml:
@@ -1851,6 +1893,75 @@ Result<std::string> Tokenizer::format_chat(const std::vector<ChatMessage>& messa
     }
     return prompt;
   });
+}
+
+bool Tokenizer::has_chat_template() const { return !data_->chat_template_source.empty(); }
+const std::string& Tokenizer::chat_template() const { return data_->chat_template_source; }
+
+Result<std::string> Tokenizer::apply_chat_template(std::string_view messages_json, bool add_generation_prompt,
+                                                   std::string_view extra_json) const {
+  return detail::guard([&] { return render_chat_template(messages_json, add_generation_prompt, extra_json); });
+}
+
+// The variables transformers' render_jinja_template gives a template, in its order: messages (reasoning fields
+// aliased), tools, documents, add_generation_prompt, then the special tokens and the caller's extra variables.
+std::string Tokenizer::render_chat_template(std::string_view messages_json, bool add_generation_prompt,
+                                            std::string_view extra_json) const {
+  using OJson = nlohmann::ordered_json;
+  if (data_->chat_template_error) throw *data_->chat_template_error;
+  if (!data_->chat_template)
+    detail::fail(ErrorCode::unsupported, "this model ships no chat template (tokenizer_config.json chat_template or "
+                                         "chat_template.jinja); use format_chat, which falls back to ChatML or Llama-3");
+  for (std::string_view text : {messages_json, extra_json}) {
+    if (text.size() > uint64_t(limits::max_prompt_bytes))
+      detail::fail(ErrorCode::invalid_argument, detail::format("the chat messages hold more than %lld bytes of JSON "
+                                                               "(KVLITE_MAX_PROMPT_BYTES)", (long long)limits::max_prompt_bytes));
+    detail::check_json_nesting(text, "the chat messages");
+  }
+  OJson messages, extra;
+  try {
+    messages = OJson::parse(messages_json);
+    extra = extra_json.empty() ? OJson::object() : OJson::parse(extra_json);
+  } catch (const OJson::exception& e) {
+    detail::fail(ErrorCode::invalid_argument, std::string("the chat messages or extra variables are not valid JSON: ") + e.what());
+  }
+  if (!messages.is_array()) detail::fail(ErrorCode::invalid_argument, "the chat messages must be a JSON array of objects");
+  if (!extra.is_object()) detail::fail(ErrorCode::invalid_argument, "the extra template variables must be a JSON object");
+  if (messages.size() > uint64_t(limits::max_chat_messages))
+    detail::fail(ErrorCode::invalid_argument, detail::format("%zu chat messages: kvlite's limit is %lld (KVLITE_MAX_CHAT_MESSAGES)",
+                                                             messages.size(), (long long)limits::max_chat_messages));
+  OJson chat = OJson::array();
+  for (OJson& m : messages) {
+    if (!m.is_object()) detail::fail(ErrorCode::invalid_argument, "every chat message must be a JSON object");
+    // transformers (_alias_reasoning_fields): reasoning under any of its names is also `thinking` (first) and
+    // `reasoning_content` (last).
+    const OJson* reasoning = nullptr;
+    for (const char* key : {"reasoning_content", "thinking", "reasoning"})
+      if (!reasoning && m.contains(key) && !m[key].is_null()) reasoning = &m[key];
+    if (reasoning) {
+      OJson aliased = OJson::object();
+      aliased["thinking"] = *reasoning;
+      OJson value = *reasoning;
+      for (auto it = m.begin(); it != m.end(); ++it) aliased[it.key()] = it.value();
+      aliased.erase("reasoning_content");
+      aliased["reasoning_content"] = value;
+      chat.push_back(std::move(aliased));
+    } else {
+      chat.push_back(std::move(m));
+    }
+  }
+  OJson context = OJson::object();
+  context["messages"] = std::move(chat);
+  context["tools"] = extra.contains("tools") ? extra["tools"] : OJson();
+  context["documents"] = extra.contains("documents") ? extra["documents"] : OJson();
+  context["add_generation_prompt"] = add_generation_prompt;
+  const OJson special = OJson::parse(data_->special_tokens_json);
+  for (auto it = special.begin(); it != special.end(); ++it) context[it.key()] = it.value();
+  for (auto it = extra.begin(); it != extra.end(); ++it)
+    if (it.key() != "tools" && it.key() != "documents") context[it.key()] = it.value();
+  Result<std::string> rendered = data_->chat_template->render(context.dump());
+  if (!rendered.ok()) throw rendered.error();
+  return std::move(rendered).value();
 }
 
 StreamingDecoder::StreamingDecoder(const Tokenizer& tokenizer, bool skip_special_tokens)

@@ -38,8 +38,13 @@ def text_field(s, cap):  # fuzz::Bytes::text: a length byte (mod cap + 1), then 
     return bytes([len(s)]) + s
 
 
+# Every harness's folder this script writes is made anew; the folders other scripts write (quant_formats:
+# tools/make_awq_gptq_fixtures.py) are left as they are.
+OTHER_SCRIPTS_FOLDERS = {"quant_formats"}
 if os.path.isdir(OUT):
-    shutil.rmtree(OUT)
+    for name in os.listdir(OUT):
+        if name not in OTHER_SCRIPTS_FOLDERS:
+            shutil.rmtree(os.path.join(OUT, name))
 
 # safetensors: small well-formed files, and the fixture model's first bytes (header intact, data cut)
 write("safetensors", "f32_2x3", safetensors([("a", "F32", [2, 3], struct.pack("<6f", *range(6)))]))
@@ -179,5 +184,21 @@ write("c_api", "images", c_program((0x06, [4, 1, 2, 3, 4, 8, 8, 8, 1]), (0x26, [
                                    (0x06, [0, 20, 22, 4])))
 write("c_api", "score_logits", c_program((0x07, [4] + list(b"a bc") + [12, 8, 3, 1, 2, 3]), (0x08, [4] + list(b"user") +
                                          [2] + list(b"yo") + [20, 4]), (0x09, [])))
+
+# chat_template: byte 0 even: the rest is a template (the real ones of tests/fixtures/chat_templates and the
+# interpreter's construct cases); odd: byte 1 picks a real template, the rest is a message-list JSON.
+chat_fixtures = json.loads(read("tests", "fixtures", "chat_templates", "cases.json"))
+for family in sorted(chat_fixtures["templates"]):
+    write("chat_template", "template_" + family, b"\x00" + read("tests", "fixtures", "chat_templates", family + ".jinja"))
+for k, case in enumerate(chat_fixtures["interpreter"]):
+    write("chat_template", "construct_%02d" % k, b"\x00" + case["template"].encode())
+seen = set()
+for k, case in enumerate(chat_fixtures["cases"]):
+    family, messages = case["family"], json.dumps(case["context"]["messages"], ensure_ascii=False)
+    if (family, messages) in seen or len(seen) >= 40:
+        continue
+    seen.add((family, messages))
+    index = sorted(chat_fixtures["templates"]).index(family)
+    write("chat_template", "messages_%02d" % len(seen), b"\x01" + bytes([index]) + messages.encode())
 
 print("wrote", sum(len(f) for _, _, f in os.walk(OUT)), "seed inputs under", os.path.relpath(OUT, ROOT))
