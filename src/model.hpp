@@ -147,8 +147,9 @@ class TextModel {
   int64_t max_logit_rows_ = 0;  // rows one logits() call computes: min(logits buffer rows, Tmax)
   int64_t step_tokens_ = 0;     // T of the last stage()
   float attention_scale_ = 1.0f;  // head_dim ** -0.5
-  std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
-  std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
+  RotaryEmbedding rotary_;                  // the config's RoPE (src/rope.hpp): R = rotary_dim <= D
+  std::vector<float> cos_host_, sin_host_;  // [Tmax, R / 2] host staging for the rotary tables
+  std::vector<int32_t> rope_lengths_host_;  // [Tmax] each token's sequence length as the rotary forward sees it
   // [Tmax, H] image rows rounded to 16-bit activations on the host (vision models with BF16 / F16 activations)
   std::vector<uint16_t> image_rows_16bit_;
   int64_t deepstack_levels_ = 0;            // qwen3_vl: DeepStack features added after layers 0 .. levels - 1

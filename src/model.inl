@@ -236,7 +236,10 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   using detail::format;
   const TextConfig& c = config_.text;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size, V = c.vocab_size;
-  const int64_t half = D / 2;
+  Result<RotaryEmbedding> rotary = RotaryEmbedding::create(c.rope, D);
+  if (!rotary) throw rotary.error();
+  rotary_ = std::move(*rotary);
+  const int64_t half = rotary_.half();  // D / 2, less with partial rotary (the plan sizes the tables for D / 2)
   max_tokens_ = plan.options.max_batched_tokens;
   max_seqs_ = plan.options.max_seqs;
   const DType act = backend_.activation_dtype();
@@ -291,9 +294,7 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   // The gathered rows go through hidden_ (free after the final norm), so a call takes at most Tmax rows.
   max_logit_rows_ = std::min(logits_buffer_rows, max_tokens_);
 
-  Result<std::vector<float>> inv_freq = rope_inv_freq(c.rope, D);
-  if (!inv_freq) throw inv_freq.error();
-  inv_freq_ = std::move(*inv_freq);
+  rope_lengths_host_.resize(size_t(max_tokens_));
   cos_host_.resize(size_t(max_tokens_ * half));
   sin_host_.resize(size_t(max_tokens_ * half));
   // self.scaling = self.head_dim ** -0.5
@@ -322,7 +323,6 @@ void TextModel::stage(const StepInput& step) {
   using detail::fail;
   using detail::format;
   using detail::model::check;
-  const TextConfig& c = config_.text;
   const int64_t T = step.tokens;
   // The attention batch's buffers hold max_seqs sequences, and a GPU's one spare (CUDA graph padding).
   const int64_t seq_capacity = context_lens_.rows;
@@ -342,10 +342,24 @@ void TextModel::stage(const StepInput& step) {
   check(backend_.copy_from_host(step.query_starts, query_starts_.slice_rows(0, step.seqs + 1)));
   check(backend_.copy_from_host(step.context_lens, context_lens_.slice_rows(0, step.seqs)));
   if (step.logit_rows > 0) check(backend_.copy_from_host(step.logit_row_ids, logit_rows_.slice_rows(0, step.logit_rows)));
-  // cos, sin = self.rotary_emb(hidden_states, position_ids)                  cos, sin [T, D / 2]
-  // (qwen3_vl: three position rows, interleaved by mrope_section)
-  check(rope_tables(inv_freq_, step.positions, step.position_rows, T, c.rope.mrope_section, cos_host_.data(),
-                    sin_host_.data()));
+  // cos, sin = self.rotary_emb(hidden_states, position_ids)                  cos, sin [T, R / 2]
+  // (qwen3_vl: three position rows, interleaved by mrope_section; yarn, longrope: times the attention factor)
+  // dynamic, longrope: the frequencies follow seq_len = max(position_ids) + 1 of each sequence's tokens in this
+  // step, as transformers' dynamic_rope_update sees a forward call of the same tokens (cached keys keep theirs).
+  const int32_t* rope_lengths = nullptr;
+  if (rotary_.depends_on_length()) {
+    for (int64_t s = 0; s < step.seqs; s++) {
+      const int32_t first = step.query_starts[s], last = step.query_starts[s + 1];
+      if (first < 0 || last < first || last > T)
+        fail(ErrorCode::internal, format("forward: sequence %lld's tokens %d..%d lie outside the step's %lld",
+                                         (long long)s, first, last, (long long)T));
+      int32_t length = 0;
+      for (int32_t t = first; t < last; t++) length = std::max(length, step.positions[t] + 1);
+      for (int32_t t = first; t < last; t++) rope_lengths_host_[size_t(t)] = length;
+    }
+    rope_lengths = rope_lengths_host_.data();
+  }
+  check(rotary_.tables(step.positions, step.position_rows, T, rope_lengths, cos_host_.data(), sin_host_.data()));
   Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
   check(backend_.copy_from_host(cos_host_.data(), cos));
   check(backend_.copy_from_host(sin_host_.data(), sin));

@@ -189,13 +189,13 @@ std::string model_name_of(const ModelConfig& config) {
 }
 
 struct ModelLimits {
-  int64_t max_position = 0;       // config's max_position_embeddings
+  int64_t max_position = 0;       // config's max_position_embeddings, or what its RoPE scaling reaches
   int64_t processor_max_pixels = 0;  // vision: preprocessor max, or the processor's default
 };
 
 ModelLimits model_limits(const ModelConfig& config) {
   ModelLimits limits;
-  limits.max_position = config.text.max_position_embeddings;
+  limits.max_position = rope_context_length(config.text.rope, config.text.max_position_embeddings);
   if (config.vision.present)
     limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : kProcessorDefaultMaxPixels;
   return limits;
@@ -238,12 +238,15 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
   if (!(o.utilization > 0.0 && o.utilization <= 1.0))
     bad(format("utilization %g is outside (0, 1]: it is the fraction of device memory kvlite may use, e.g. 0.90",
                o.utilization));
-  int64_t max_position = config.text.max_position_embeddings;
+  // A RoPE scaling (yarn, linear, dynamic) reaches past max_position_embeddings: Qwen2.5's YaRN factor 4 on
+  // 32768 is its 128K context (rope_context_length).
+  int64_t max_position = rope_context_length(config.text.rope, config.text.max_position_embeddings);
   if (o.max_model_len < 0)
     bad(format("max_model_len %lld must be positive (or 0 for the default rule)", (long long)o.max_model_len));
   if (o.max_model_len > max_position)
-    bad(format("max_model_len %lld is more than the model's max_position_embeddings %lld (%s)",
-               (long long)o.max_model_len, (long long)max_position, config.origin.c_str()));
+    bad(format("max_model_len %lld is more than the model's max_position_embeddings %lld (%s%s)",
+               (long long)o.max_model_len, (long long)max_position, config.origin.c_str(),
+               max_position != config.text.max_position_embeddings ? ", as its RoPE scaling extends it" : ""));
   if (o.max_seqs < 0 || o.max_seqs > kMaxPlanSeqs)
     bad(format("max_seqs %lld is outside 1..%lld (or 0 for the default %lld)", (long long)o.max_seqs,
                (long long)kMaxPlanSeqs, (long long)kDefaultMaxSeqs));
@@ -813,7 +816,8 @@ uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers) {
 
 int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens) {
   if (kv_page_tokens <= 0) return 0;
-  return int64_t(ceil_div(uint64_t(std::max<int64_t>(config.text.max_position_embeddings, 1)), uint64_t(kv_page_tokens)));
+  const int64_t positions = rope_context_length(config.text.rope, config.text.max_position_embeddings);
+  return int64_t(ceil_div(uint64_t(std::max<int64_t>(positions, 1)), uint64_t(kv_page_tokens)));
 }
 
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
