@@ -4832,6 +4832,14 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int6
     parse_rope_parameters(Node{&empty, text.path, text.origin}, text, head_dim, rope);
     return rope;
   }
+  // M-RoPE's tables come from three position rows at once; the length-dependent types pick frequencies per
+  // sequence length, which kvlite does for one position row only.
+  const char* type_key = params->has("rope_type") ? "rope_type" : "type";
+  const std::string type = params->string_or(type_key, "default");
+  if ((arch == Arch::qwen3_vl || params->has("mrope_section")) && (type == "dynamic" || type == "longrope"))
+    params->fail_key(ErrorCode::unsupported, type_key,
+                     format("'%s' is not supported with M-RoPE (mrope_section); supported there: default, linear, "
+                            "yarn, llama3", type.c_str()));
   parse_rope_parameters(*params, text, head_dim, rope);
 
   for (int64_t section : params->int_list("mrope_section")) {
@@ -4847,12 +4855,6 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int6
       params->fail_key(ErrorCode::bad_format, "mrope_section",
                        format("must be 3 sizes (t, h, w) adding up to head_dim / 2 = %lld", (long long)(head_dim / 2)));
   }
-  // M-RoPE's tables come from three position rows at once; the length-dependent types pick frequencies per
-  // sequence length, which kvlite does for one position row only.
-  if (!rope.mrope_section.empty() && (rope.type == "dynamic" || rope.type == "longrope"))
-    params->fail_key(ErrorCode::unsupported, params->has("rope_type") ? "rope_type" : "type",
-                     format("'%s' is not supported with M-RoPE (mrope_section); supported there: default, linear, "
-                            "yarn, llama3", rope.type.c_str()));
   return rope;
 }
 

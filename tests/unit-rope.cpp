@@ -148,6 +148,7 @@ TEST_CASE("dynamic and longrope pick their frequencies by length as dynamic_rope
 }
 
 TEST_CASE("tiny llama and qwen2 models with each RoPE scaling: prefill logits equal transformers'") {
+  double worst = 0;
   for (const std::string& name : model_names()) {
     CAPTURE(name);
     auto engine = open_model(name);
@@ -160,10 +161,11 @@ TEST_CASE("tiny llama and qwen2 models with each RoPE scaling: prefill logits eq
       REQUIRE(logits->tokens == expected.rows);
       REQUIRE(logits->vocab == expected.cols);
       const double error = fx::relative_max_diff(logits->values, expected.values);
-      MESSAGE(name << " " << prompt["name"].get<std::string>() << " one step: " << error);
       CHECK(error <= kLogitsTolerance);
+      worst = std::max(worst, error);
     }
   }
+  MESSAGE("worst logits deviation, prompt in one step: " << worst);
 }
 
 TEST_CASE("tiny models with each RoPE scaling: the prompt one token per step equals transformers fed the same way") {
@@ -171,6 +173,7 @@ TEST_CASE("tiny models with each RoPE scaling: the prompt one token per step equ
   // follow its own seq_len, and cached keys keep theirs); the other types give the same.
   EngineOptions options;
   options.plan.max_batched_tokens = 1;
+  double worst = 0;
   for (const std::string& name : model_names()) {
     CAPTURE(name);
     auto engine = open_model(name, options);
@@ -183,10 +186,11 @@ TEST_CASE("tiny models with each RoPE scaling: the prompt one token per step equ
       REQUIRE(logits->tokens == expected.rows);
       CHECK(engine->stats().steps >= expected.rows);
       const double error = fx::relative_max_diff(logits->values, expected.values);
-      MESSAGE(name << " " << prompt["name"].get<std::string>() << " token by token: " << error);
       CHECK(error <= kLogitsTolerance);
+      worst = std::max(worst, error);
     }
   }
+  MESSAGE("worst logits deviation, prompt one token per step: " << worst);
 }
 
 TEST_CASE("tiny models with each RoPE scaling: greedy continuations equal transformers' generate()") {
