@@ -983,6 +983,12 @@ Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions,
                    int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin,
                    float attention_factor = 1.0f);
 
+// The length transformers' dynamic_rope_update sees for each token of a step: seq_len = max(position) + 1 over
+// the tokens of the token's sequence in the step (sequence s holds tokens query_starts[s] .. query_starts[s + 1]
+// - 1; positions [tokens], the first position row). lengths [tokens]. RotaryEmbedding::tables reads them.
+Status rope_step_lengths(const int32_t* positions, int64_t tokens, const int32_t* query_starts, int64_t seqs,
+                         int32_t* lengths);
+
 // A model's rotary embedding: one per RopeConfig (a model with per-layer-kind RoPE, e.g. Gemma 3's local and
 // global layers, keeps one per kind). Makes the cos/sin tables of a step, the frequencies picked per token by
 // the length transformers' rotary forward would see.
@@ -5896,6 +5902,25 @@ Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions,
         cos[t * half + i] = float(std::cos(double(angle))) * attention_factor;
         sin[t * half + i] = float(std::sin(double(angle))) * attention_factor;
       }
+    }
+  });
+}
+
+Status rope_step_lengths(const int32_t* positions, int64_t tokens, const int32_t* query_starts, int64_t seqs,
+                         int32_t* lengths) {
+  return detail::guard([&] {
+    if (tokens < 0 || seqs < 0 || (tokens > 0 && (positions == nullptr || lengths == nullptr)) ||
+        (seqs > 0 && query_starts == nullptr))
+      detail::fail(ErrorCode::invalid_argument, "rope_step_lengths: null arrays or negative sizes");
+    for (int64_t s = 0; s < seqs; s++) {
+      const int64_t first = query_starts[s], last = query_starts[s + 1];
+      if (first < 0 || last < first || last > tokens)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("rope_step_lengths: sequence %lld's tokens %lld..%lld lie outside the step's %lld",
+                                    (long long)s, (long long)first, (long long)last, (long long)tokens));
+      int32_t length = 0;
+      for (int64_t t = first; t < last; t++) length = std::max(length, int32_t(positions[t] + 1));
+      for (int64_t t = first; t < last; t++) lengths[t] = length;
     }
   });
 }
@@ -13887,15 +13912,7 @@ void TextModel::stage(const StepInput& step) {
   // step, as transformers' dynamic_rope_update sees a forward call of the same tokens (cached keys keep theirs).
   const int32_t* rope_lengths = nullptr;
   if (rotary_.depends_on_length()) {
-    for (int64_t s = 0; s < step.seqs; s++) {
-      const int32_t first = step.query_starts[s], last = step.query_starts[s + 1];
-      if (first < 0 || last < first || last > T)
-        fail(ErrorCode::internal, format("forward: sequence %lld's tokens %d..%d lie outside the step's %lld",
-                                         (long long)s, first, last, (long long)T));
-      int32_t length = 0;
-      for (int32_t t = first; t < last; t++) length = std::max(length, step.positions[t] + 1);
-      for (int32_t t = first; t < last; t++) rope_lengths_host_[size_t(t)] = length;
-    }
+    check(rope_step_lengths(step.positions, T, step.query_starts, step.seqs, rope_lengths_host_.data()));
     rope_lengths = rope_lengths_host_.data();
   }
   check(rotary_.tables(step.positions, step.position_rows, T, rope_lengths, cos_host_.data(), sin_host_.data()));

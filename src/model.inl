@@ -348,15 +348,7 @@ void TextModel::stage(const StepInput& step) {
   // step, as transformers' dynamic_rope_update sees a forward call of the same tokens (cached keys keep theirs).
   const int32_t* rope_lengths = nullptr;
   if (rotary_.depends_on_length()) {
-    for (int64_t s = 0; s < step.seqs; s++) {
-      const int32_t first = step.query_starts[s], last = step.query_starts[s + 1];
-      if (first < 0 || last < first || last > T)
-        fail(ErrorCode::internal, format("forward: sequence %lld's tokens %d..%d lie outside the step's %lld",
-                                         (long long)s, first, last, (long long)T));
-      int32_t length = 0;
-      for (int32_t t = first; t < last; t++) length = std::max(length, step.positions[t] + 1);
-      for (int32_t t = first; t < last; t++) rope_lengths_host_[size_t(t)] = length;
-    }
+    check(rope_step_lengths(step.positions, T, step.query_starts, step.seqs, rope_lengths_host_.data()));
     rope_lengths = rope_lengths_host_.data();
   }
   check(rotary_.tables(step.positions, step.position_rows, T, rope_lengths, cos_host_.data(), sin_host_.data()));

@@ -58,6 +58,12 @@ Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions,
                    int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin,
                    float attention_factor = 1.0f);
 
+// The length transformers' dynamic_rope_update sees for each token of a step: seq_len = max(position) + 1 over
+// the tokens of the token's sequence in the step (sequence s holds tokens query_starts[s] .. query_starts[s + 1]
+// - 1; positions [tokens], the first position row). lengths [tokens]. RotaryEmbedding::tables reads them.
+Status rope_step_lengths(const int32_t* positions, int64_t tokens, const int32_t* query_starts, int64_t seqs,
+                         int32_t* lengths);
+
 // A model's rotary embedding: one per RopeConfig (a model with per-layer-kind RoPE, e.g. Gemma 3's local and
 // global layers, keeps one per kind). Makes the cos/sin tables of a step, the frequencies picked per token by
 // the length transformers' rotary forward would see.

@@ -263,6 +263,25 @@ Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions,
   });
 }
 
+Status rope_step_lengths(const int32_t* positions, int64_t tokens, const int32_t* query_starts, int64_t seqs,
+                         int32_t* lengths) {
+  return detail::guard([&] {
+    if (tokens < 0 || seqs < 0 || (tokens > 0 && (positions == nullptr || lengths == nullptr)) ||
+        (seqs > 0 && query_starts == nullptr))
+      detail::fail(ErrorCode::invalid_argument, "rope_step_lengths: null arrays or negative sizes");
+    for (int64_t s = 0; s < seqs; s++) {
+      const int64_t first = query_starts[s], last = query_starts[s + 1];
+      if (first < 0 || last < first || last > tokens)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("rope_step_lengths: sequence %lld's tokens %lld..%lld lie outside the step's %lld",
+                                    (long long)s, (long long)first, (long long)last, (long long)tokens));
+      int32_t length = 0;
+      for (int64_t t = first; t < last; t++) length = std::max(length, int32_t(positions[t] + 1));
+      for (int64_t t = first; t < last; t++) lengths[t] = length;
+    }
+  });
+}
+
 Result<RotaryEmbedding> RotaryEmbedding::create(const RopeConfig& rope, int64_t head_dim) {
   return detail::guard([&]() -> RotaryEmbedding {
     RotaryEmbedding r;

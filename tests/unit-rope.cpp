@@ -147,6 +147,19 @@ TEST_CASE("dynamic and longrope pick their frequencies by length as dynamic_rope
   }
 }
 
+TEST_CASE("rope_step_lengths: each token gets its own sequence's max position + 1 in the step") {
+  // two sequences: a 3-token prefill chunk at positions 5..7 and one decode token at position 40; an empty one
+  const std::vector<int32_t> positions = {5, 6, 7, 40};
+  const std::vector<int32_t> query_starts = {0, 3, 4, 4};
+  std::vector<int32_t> lengths(4, -1);
+  REQUIRE(rope_step_lengths(positions.data(), 4, query_starts.data(), 3, lengths.data()).ok());
+  CHECK(lengths == std::vector<int32_t>{8, 8, 8, 41});
+  const std::vector<int32_t> bad_starts = {0, 5};
+  auto refused = rope_step_lengths(positions.data(), 4, bad_starts.data(), 1, lengths.data());
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().message.find("lie outside the step's 4") != std::string::npos);
+}
+
 TEST_CASE("tiny llama and qwen2 models with each RoPE scaling: prefill logits equal transformers'") {
   double worst = 0;
   for (const std::string& name : model_names()) {
