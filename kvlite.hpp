@@ -33,9 +33,10 @@
 
    WHAT IT DOES
       - Reads a Hugging Face model directory as it is: config.json (llama, qwen2, qwen3, qwen3_vl; classic
-        rope_scaling and newer rope_parameters), safetensors (mmap; single or sharded; validated like the
-        reference reader), quantization_config (compressed-tensors pack-quantized W4A16, float-quantized FP8,
-        Qwen's block FP8).
+        rope_scaling and newer rope_parameters; RoPE default, linear, dynamic, yarn, longrope and llama3 as
+        transformers computes them, partial_rotary_factor), safetensors (mmap; single or sharded; validated
+        like the reference reader), quantization_config (compressed-tensors pack-quantized W4A16,
+        float-quantized FP8, Qwen's block FP8).
       - Plans memory before touching weights or the GPU: weights, context, activations, vision encoder,
         logits, workspace, graphs and KV against utilization x device memory; when it does not fit it says by
         how much and what would (largest context, ratio needed, fp8 KV, smaller image budget).
@@ -5918,9 +5919,13 @@ Status rope_step_lengths(const int32_t* positions, int64_t tokens, const int32_t
         detail::fail(ErrorCode::invalid_argument,
                      detail::format("rope_step_lengths: sequence %lld's tokens %lld..%lld lie outside the step's %lld",
                                     (long long)s, (long long)first, (long long)last, (long long)tokens));
-      int32_t length = 0;
-      for (int64_t t = first; t < last; t++) length = std::max(length, int32_t(positions[t] + 1));
-      for (int64_t t = first; t < last; t++) lengths[t] = length;
+      int64_t length = 0;
+      for (int64_t t = first; t < last; t++) length = std::max(length, int64_t(positions[t]) + 1);
+      if (length > limits::max_positions)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("rope_step_lengths: sequence %lld reaches position %lld, above KVLITE_MAX_POSITIONS",
+                                    (long long)s, (long long)(length - 1)));
+      for (int64_t t = first; t < last; t++) lengths[t] = int32_t(length);
     }
   });
 }

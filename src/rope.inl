@@ -275,9 +275,13 @@ Status rope_step_lengths(const int32_t* positions, int64_t tokens, const int32_t
         detail::fail(ErrorCode::invalid_argument,
                      detail::format("rope_step_lengths: sequence %lld's tokens %lld..%lld lie outside the step's %lld",
                                     (long long)s, (long long)first, (long long)last, (long long)tokens));
-      int32_t length = 0;
-      for (int64_t t = first; t < last; t++) length = std::max(length, int32_t(positions[t] + 1));
-      for (int64_t t = first; t < last; t++) lengths[t] = length;
+      int64_t length = 0;
+      for (int64_t t = first; t < last; t++) length = std::max(length, int64_t(positions[t]) + 1);
+      if (length > limits::max_positions)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("rope_step_lengths: sequence %lld reaches position %lld, above KVLITE_MAX_POSITIONS",
+                                    (long long)s, (long long)(length - 1)));
+      for (int64_t t = first; t < last; t++) lengths[t] = int32_t(length);
     }
   });
 }
