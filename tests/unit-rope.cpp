@@ -206,6 +206,28 @@ TEST_CASE("tiny models with each RoPE scaling: the prompt one token per step equ
   MESSAGE("worst logits deviation, prompt one token per step: " << worst);
 }
 
+TEST_CASE("tiny models with each RoPE scaling: a chunked prefill equals transformers fed the same chunks") {
+  double worst = 0;
+  for (const std::string& name : model_names()) {
+    CAPTURE(name);
+    const json reference = read_json(model_dir(name) + "/reference.json");
+    const auto& prompt = reference["prompts"][0];  // the long one: 40 tokens in chunks of 7 across 24
+    REQUIRE(prompt.contains("chunked_logits_file"));
+    EngineOptions options;
+    options.plan.max_batched_tokens = prompt["chunk"].get<int64_t>();
+    auto engine = open_model(name, options);
+    fx::Npy expected = fx::read_npy(model_dir(name) + "/" + prompt["chunked_logits_file"].get<std::string>());
+    auto logits = engine->logits(fx::ids_of(prompt["input_ids"]));
+    REQUIRE_MESSAGE(logits.ok(), logits.error().message);
+    REQUIRE(logits->tokens == expected.rows);
+    CHECK(engine->stats().steps == (expected.rows + options.plan.max_batched_tokens - 1) / options.plan.max_batched_tokens);
+    const double error = fx::relative_max_diff(logits->values, expected.values);
+    CHECK(error <= kLogitsTolerance);
+    worst = std::max(worst, error);
+  }
+  MESSAGE("worst logits deviation, prompt in chunks of 7: " << worst);
+}
+
 TEST_CASE("tiny models with each RoPE scaling: greedy continuations equal transformers' generate()") {
   // The short prompt (16 tokens) crosses original_max_position_embeddings (24) while generating: longrope
   // switches to its long factors and dynamic recomputes its base at each new length.

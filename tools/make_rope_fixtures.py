@@ -139,6 +139,7 @@ ORIGINAL = 24      # original_max_position_embeddings of the tiny models (dynami
 LONG_PROMPT = 40   # crosses ORIGINAL in the prefill
 SHORT_PROMPT = 16  # crosses it while generating
 NEW_TOKENS = 12
+CHUNK = 7          # the long prompt is also fed 7 tokens per call (a chunked prefill)
 VOCAB = 257        # 256 bytes and <eos> = 256 (every id the model can pick decodes)
 
 
@@ -229,6 +230,22 @@ def token_by_token_logits(model, ids):
 
 
 @torch.no_grad()
+def chunked_logits(model, ids, chunk):
+    """The prompt fed `chunk` tokens per call through the cache, as a chunked prefill feeds it."""
+    from transformers import DynamicCache
+    fresh_rotary(model)
+    cache = DynamicCache(config=model.config)
+    rows = []
+    for start in range(0, len(ids), chunk):
+        piece = ids[start:start + chunk]
+        out = model(torch.tensor([piece]), past_key_values=cache, use_cache=True,
+                    position_ids=torch.arange(start, start + len(piece))[None])
+        cache = out.past_key_values
+        rows.append(out.logits[0].float().numpy())
+    return np.concatenate(rows)
+
+
+@torch.no_grad()
 def greedy(model, ids):
     fresh_rotary(model)
     out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=256,
@@ -278,7 +295,11 @@ def build_model(arch, rope_type, max_pos, rope, seed):
         step = token_by_token_logits(model, ids)
         np.save(directory / f"logits_{kind}.npy", one)
         np.save(directory / f"logits_{kind}_token_by_token.npy", step)
-        prompts.append({"name": kind, "input_ids": ids, "logits_file": f"logits_{kind}.npy",
+        entry = {}
+        if kind == "long":
+            np.save(directory / f"logits_{kind}_chunks_{CHUNK}.npy", chunked_logits(model, ids, CHUNK))
+            entry = {"chunked_logits_file": f"logits_{kind}_chunks_{CHUNK}.npy", "chunk": CHUNK}
+        prompts.append({"name": kind, "input_ids": ids, "logits_file": f"logits_{kind}.npy", **entry,
                         "token_by_token_logits_file": f"logits_{kind}_token_by_token.npy",
                         "token_by_token_vs_one_shot_max_abs": float(np.abs(one - step).max()),
                         "greedy": greedy(model, ids)})
@@ -291,6 +312,8 @@ def build_model(arch, rope_type, max_pos, rope, seed):
             "logits_<kind>_token_by_token.npy: the prompt fed one token per call through a DynamicCache "
             "(position_ids = t); row t = logits after input_ids[0..t]. dynamic/longrope rotate each token with "
             "the frequencies of its own call's seq_len = t + 1, and cached keys keep theirs.",
+            "logits_long_chunks_7.npy: the long prompt fed 7 tokens per call through a DynamicCache (a chunked "
+            "prefill); dynamic/longrope take each call's seq_len = its last position + 1.",
             "greedy: generate(do_sample=False, max_new_tokens=12, eos 256): prefill in one call, then one token "
             "per call; top1_margins: logit(top1) - logit(top2) per step.",
         ],
