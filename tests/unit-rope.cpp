@@ -377,9 +377,10 @@ TEST_CASE("Qwen2.5-7B with its model card's YaRN (factor 4 on 32768) plans, up t
   REQUIRE_FALSE(too_long.ok());
   CHECK(too_long.error().message.find("131072") != std::string::npos);
 
-  // the command line, as a user runs it: exit 0 (fits) or 1 (does not), never 2 (refused)
+  // the command line, as a user runs it, at the full YaRN context: exit 0 (fits) or 1 (does not), never 2
+  // (refused: max_model_len over the model's limit)
   const std::string command = std::string("'") + KVLITE_BINARY_DIR + "/kvlite' plan '" + dir +
-                              "' --backend cuda --device-mem 8GiB --no-wsl2 --max-model-len 8192 2>&1";
+                              "' --backend cuda --device-mem 24GiB --no-wsl2 --max-model-len 131072 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   REQUIRE(pipe != nullptr);
   std::string out;
@@ -391,4 +392,5 @@ TEST_CASE("Qwen2.5-7B with its model card's YaRN (factor 4 on 32768) plans, up t
   REQUIRE(WIFEXITED(status));
   CHECK((WEXITSTATUS(status) == 0 || WEXITSTATUS(status) == 1));
   CHECK(out.find("qwen2.5-7b-instruct-yarn") != std::string::npos);
+  CHECK(out.find("131072") != std::string::npos);
 }
