@@ -800,6 +800,10 @@ struct BlockTraits {
   std::vector<LayerKind> layer_kinds;  // [num_layers]
   int64_t sliding_window = 0;  // W: a sliding layer's query sees the W most recent tokens, itself included
   double local_rope_theta = 0;  // > 0: the sliding layers' own RoPE base (Gemma-3 rope_local_base_freq)
+  // max_position_embeddings already counts what the RoPE scaling reaches (Gemma-3: 131072 = its 16K pretraining
+  // x the global layers' linear 8), so the planner does not multiply it by the factor again (vLLM's rule skips
+  // gemma3 for the same reason)
+  bool max_positions_scaled = false;
 
   bool has_sliding_layers() const {
     for (LayerKind kind : layer_kinds)
@@ -5456,6 +5460,7 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
       Node text_node{&text, nested ? "text_config" : "", origin};
       config.text = detail::cfg::parse_text(text_node, root, config.arch);
       config.text.block.local_rope_theta = local_theta;
+      config.text.block.max_positions_scaled = true;
       if (nested && root.has("vision_config")) {
         // Gemma3ForConditionalGeneration's SigLIP tower (SiglipVisionConfig defaults for absent keys) and its
         // projector, for the weights estimate: patch conv + bias, position table, per layer q/k/v/o with
@@ -10581,9 +10586,16 @@ struct ModelLimits {
   int64_t processor_max_pixels = 0;  // vision: preprocessor max, or the processor's default
 };
 
+// The positions a model is meant to reach: what its RoPE scaling reaches (rope_context_length), or
+// max_position_embeddings itself where that already counts the scaling (Gemma-3).
+inline int64_t context_positions(const TextConfig& t) {
+  if (t.block.max_positions_scaled) return t.max_position_embeddings;
+  return rope_context_length(t.rope, t.max_position_embeddings);
+}
+
 ModelLimits model_limits(const ModelConfig& config) {
   ModelLimits limits;
-  limits.max_position = rope_context_length(config.text.rope, config.text.max_position_embeddings);
+  limits.max_position = context_positions(config.text);
   if (config.vision.present)
     limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : kProcessorDefaultMaxPixels;
   return limits;
@@ -10628,7 +10640,7 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
                o.utilization));
   // A RoPE scaling (yarn, linear, dynamic) reaches past max_position_embeddings: Qwen2.5's YaRN factor 4 on
   // 32768 is its 128K context (rope_context_length).
-  int64_t max_position = rope_context_length(config.text.rope, config.text.max_position_embeddings);
+  int64_t max_position = context_positions(config.text);
   if (o.max_model_len < 0)
     bad(format("max_model_len %lld must be positive (or 0 for the default rule)", (long long)o.max_model_len));
   if (o.max_model_len > max_position)
@@ -11209,7 +11221,7 @@ uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers) {
 
 int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens) {
   if (kv_page_tokens <= 0) return 0;
-  const int64_t positions = rope_context_length(config.text.rope, config.text.max_position_embeddings);
+  const int64_t positions = detail::planning::context_positions(config.text);
   return int64_t(ceil_div(uint64_t(std::max<int64_t>(positions, 1)), uint64_t(kv_page_tokens)));
 }
 

@@ -125,6 +125,10 @@ struct BlockTraits {
   std::vector<LayerKind> layer_kinds;  // [num_layers]
   int64_t sliding_window = 0;  // W: a sliding layer's query sees the W most recent tokens, itself included
   double local_rope_theta = 0;  // > 0: the sliding layers' own RoPE base (Gemma-3 rope_local_base_freq)
+  // max_position_embeddings already counts what the RoPE scaling reaches (Gemma-3: 131072 = its 16K pretraining
+  // x the global layers' linear 8), so the planner does not multiply it by the factor again (vLLM's rule skips
+  // gemma3 for the same reason)
+  bool max_positions_scaled = false;
 
   bool has_sliding_layers() const {
     for (LayerKind kind : layer_kinds)

@@ -900,6 +900,7 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
       Node text_node{&text, nested ? "text_config" : "", origin};
       config.text = detail::cfg::parse_text(text_node, root, config.arch);
       config.text.block.local_rope_theta = local_theta;
+      config.text.block.max_positions_scaled = true;
       if (nested && root.has("vision_config")) {
         // Gemma3ForConditionalGeneration's SigLIP tower (SiglipVisionConfig defaults for absent keys) and its
         // projector, for the weights estimate: patch conv + bias, position table, per layer q/k/v/o with

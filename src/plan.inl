@@ -193,9 +193,16 @@ struct ModelLimits {
   int64_t processor_max_pixels = 0;  // vision: preprocessor max, or the processor's default
 };
 
+// The positions a model is meant to reach: what its RoPE scaling reaches (rope_context_length), or
+// max_position_embeddings itself where that already counts the scaling (Gemma-3).
+inline int64_t context_positions(const TextConfig& t) {
+  if (t.block.max_positions_scaled) return t.max_position_embeddings;
+  return rope_context_length(t.rope, t.max_position_embeddings);
+}
+
 ModelLimits model_limits(const ModelConfig& config) {
   ModelLimits limits;
-  limits.max_position = rope_context_length(config.text.rope, config.text.max_position_embeddings);
+  limits.max_position = context_positions(config.text);
   if (config.vision.present)
     limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : kProcessorDefaultMaxPixels;
   return limits;
@@ -240,7 +247,7 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
                o.utilization));
   // A RoPE scaling (yarn, linear, dynamic) reaches past max_position_embeddings: Qwen2.5's YaRN factor 4 on
   // 32768 is its 128K context (rope_context_length).
-  int64_t max_position = rope_context_length(config.text.rope, config.text.max_position_embeddings);
+  int64_t max_position = context_positions(config.text);
   if (o.max_model_len < 0)
     bad(format("max_model_len %lld must be positive (or 0 for the default rule)", (long long)o.max_model_len));
   if (o.max_model_len > max_position)
@@ -821,7 +828,7 @@ uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers) {
 
 int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens) {
   if (kv_page_tokens <= 0) return 0;
-  const int64_t positions = rope_context_length(config.text.rope, config.text.max_position_embeddings);
+  const int64_t positions = detail::planning::context_positions(config.text);
   return int64_t(ceil_div(uint64_t(std::max<int64_t>(positions, 1)), uint64_t(kv_page_tokens)));
 }
 

@@ -74,6 +74,13 @@ rope_configs = {"qwen2_5_7b_yarn": ("models", "qwen2.5-7b-instruct-yarn", "confi
 for i, (name, path) in enumerate(sorted(rope_configs.items())):
     knobs = bytes([(i + 3) % 16]) + struct.pack("<I", 4096 << i) + bytes([200]) + struct.pack("<I", 8192) + bytes([20])
     write("config_plan", name, knobs + read(*path))
+# RoPE per family: gemma3's rope_parameters per layer type (linear on the global layers), phi3's partial rotary
+# with longrope
+family_rope_configs = {"gemma3_linear_tiny": ("tests", "fixtures", "families", "gemma3_text-linear", "config.json"),
+                       "phi3_longrope_tiny": ("tests", "fixtures", "families", "phi3-longrope", "config.json")}
+for i, (name, path) in enumerate(sorted(family_rope_configs.items())):
+    knobs = bytes([(i + 7) % 16]) + struct.pack("<I", 64 << i) + bytes([200]) + struct.pack("<I", 8192) + bytes([20])
+    write("config_plan", name, knobs + read(*path))
 
 # tokenizer.json load: tokenizer_config.json's first 64 bytes as a text field, then tokenizer.json
 for family, path in [("qwen2", ("tests", "fixtures", "tokenizers", "qwen2")), ("llama3", ("tests", "fixtures", "tokenizers", "llama3")),
