@@ -10913,7 +10913,7 @@ PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
   const char* dtype = activation_dtype_text(*o.activation_dtype);
   return {"activations", "activations", buffers_bytes(buffers),
           format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual, normed, qkv, attn_out, "
-                 "gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,D/2) fp32; int32 index "
+                 "gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,R/2) fp32 per RoPE kind (R: rotary dims); int32 index "
                  "arrays%s",
                  (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits,
                  gpu ? format("; block tables (S+1,%lld) int32", (long long)pages).c_str() : ""),
