@@ -34,9 +34,11 @@
    WHAT IT DOES
       - Reads a Hugging Face model directory as it is: config.json (llama, mistral, qwen2, qwen3, qwen3_vl,
         gemma2, gemma3_text and gemma3's text model, phi3; classic rope_scaling and newer rope_parameters;
-        sliding-window layers as layer_types / sliding_window / use_sliding_window say), safetensors (mmap;
-        single or sharded; validated like the reference reader), quantization_config (compressed-tensors
-        pack-quantized W4A16, float-quantized FP8, Qwen's block FP8).
+        RoPE default, linear, dynamic, yarn, longrope and llama3 as transformers computes them,
+        partial_rotary_factor, per layer kind for gemma3; sliding-window layers as layer_types /
+        sliding_window / use_sliding_window say), safetensors (mmap; single or sharded; validated like the
+        reference reader), quantization_config (compressed-tensors pack-quantized W4A16, float-quantized FP8,
+        Qwen's block FP8).
       - Plans memory before touching weights or the GPU: weights, context, activations, vision encoder,
         logits, workspace, graphs and KV against utilization x device memory; when it does not fit it says by
         how much and what would (largest context, ratio needed, fp8 KV, smaller image budget).
@@ -762,15 +764,39 @@ enum class Arch { llama, qwen2, qwen3, qwen3_vl, mistral, gemma2, gemma3, phi3 }
 const char* arch_name(Arch arch);
 
 // Rotary embedding parameters, from either key layout: classic (`rope_theta` + `rope_scaling`) or the one
-// newer transformers write (`rope_parameters` = {rope_type, rope_theta, ...}).
+// newer transformers write (`rope_parameters` = {rope_type, rope_theta, ...}). Each field is the value
+// transformers' ROPE_INIT_FUNCTIONS read (modeling_rope_utils.py), defaults included; src/rope.hpp turns them
+// into inverse frequencies, attention factors and cos/sin tables.
 struct RopeConfig {
-  std::string type = "default";  // "default" | "llama3" (others are refused as unsupported)
+  // "default" | "linear" | "dynamic" | "yarn" | "longrope" | "llama3" (others are refused, naming the key)
+  std::string type = "default";
   double theta = 10000.0;
-  // llama3 scaling
+  // rotary_dim = int(head_dim * partial_rotary_factor): the first rotary_dim dims of each head are rotated
+  double partial_rotary_factor = 1.0;
+  // the model's max_position_embeddings: dynamic's base length, and yarn's / longrope's factor when absent
+  int64_t max_position_embeddings = 0;
+  // linear, dynamic, yarn, llama3; longrope's (for its attention factor only) when given. 0 = absent (yarn,
+  // longrope: max_position_embeddings / original_max_position_embeddings, as transformers derives it).
   double factor = 1.0;
+  // llama3 scaling
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
+  // llama3, yarn, longrope: the pretraining length (top-level key first, as transformers' standardize does;
+  // else the rope parameters' key; else max_position_embeddings)
   int64_t original_max_position_embeddings = 0;
+  // yarn, longrope: multiplies cos and sin (so q.k by its square). 0 = absent: derived from factor (yarn:
+  // mscale / mscale_all_dim when both are non-zero; longrope: sqrt(1 + ln(factor) / ln(original))).
+  double attention_factor = 0.0;
+  // yarn: 0 = absent (32 and 1), as transformers' `beta_fast or 32`
+  double beta_fast = 0.0;
+  double beta_slow = 0.0;
+  double mscale = 0.0;          // yarn: 0 = absent
+  double mscale_all_dim = 0.0;  // yarn: 0 = absent
+  bool truncate = true;         // yarn: floor/ceil the correction range
+  // longrope: per-frequency divisors [rotary_dim / 2]; long_factor when the sequence is longer than
+  // original_max_position_embeddings, short_factor otherwise
+  std::vector<double> short_factor;
+  std::vector<double> long_factor;
   // Qwen3-VL multimodal RoPE: sections of the rotary half (t, h, w), e.g. [24, 20, 20]
   std::vector<int> mrope_section;
   bool mrope_interleaved = false;
@@ -806,6 +832,10 @@ struct BlockTraits {
   std::vector<LayerKind> layer_kinds;  // [num_layers]
   int64_t sliding_window = 0;  // W: a sliding layer's query sees the W most recent tokens, itself included
   double local_rope_theta = 0;  // > 0: the sliding layers' own RoPE base (Gemma-3 rope_local_base_freq)
+  // max_position_embeddings already counts what the RoPE scaling reaches (Gemma-3: 131072 = its 16K pretraining
+  // x the global layers' linear 8), so the planner does not multiply it by the factor again (vLLM's rule skips
+  // gemma3 for the same reason)
+  bool max_positions_scaled = false;
 
   bool has_sliding_layers() const {
     for (LayerKind kind : layer_kinds)
@@ -1000,6 +1030,104 @@ WeightsSummary estimate_weights(const ModelConfig& config);
 // an exact name target wins over a "re:" target, which wins over the class target "Linear".
 const QuantScheme* quant_scheme_for(const QuantConfig& quant, const std::string& module_name);
 }  // namespace detail
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// rope: rotary position embeddings as transformers computes them (modeling_rope_utils.py, transformers 5.x):
+// the inverse frequencies and attention factor of every scaling type in ROPE_INIT_FUNCTIONS (default, linear,
+// dynamic, yarn, longrope, llama3), the frequency switch of `dynamic_rope_update` for the two whose
+// frequencies depend on the sequence's length (dynamic, longrope), and the cos/sin tables rope() applies.
+// Host helpers, shared by every backend and model.
+// ---------------------------------------------------------------------------------------------------------
+
+namespace kvlite {
+
+// What one rotary call uses: the inverse frequencies and the factor cos and sin are multiplied by
+// (transformers' `attention_scaling`: yarn's mscale and longrope's attention factor scale q and k, so q.k by
+// its square; 1 for the other types).
+struct RopeFrequencies {
+  std::vector<float> inv_freq;  // [rotary_dim / 2]
+  float attention_factor = 1.0f;
+};
+
+// rotary_dim = int(head_dim * partial_rotary_factor) (Phi-4-mini: 0.75): rope() rotates the first rotary_dim
+// dimensions of each head (rotate_half within them) and leaves the rest. Even and in 2..head_dim, or an error.
+Result<int64_t> rope_rotary_dim(const RopeConfig& rope, int64_t head_dim);
+
+// ROPE_INIT_FUNCTIONS[rope.type](config, seq_len=seq_len) in float32, step for step; seq_len 0 is Python's
+// None (what the rotary module's __init__ passes). Only dynamic and longrope read seq_len:
+//   dynamic:  base' = base * (factor * max(seq_len, max_pos) / max_pos - (factor - 1)) ** (d / (d - 2))
+//   longrope: long_factor when seq_len > original_max_position_embeddings, short_factor otherwise.
+// Unknown types are refused (ErrorCode::unsupported, naming the type).
+Result<RopeFrequencies> rope_frequencies(const RopeConfig& rope, int64_t rotary_dim, int64_t seq_len = 0);
+
+// Whether the frequencies depend on the sequence's length (dynamic, longrope).
+bool rope_depends_on_length(const RopeConfig& rope);
+
+// The frequencies a freshly made transformers rotary module uses for a forward call whose largest position is
+// seq_len - 1 (`seq_len = max(position_ids) + 1` in dynamic_rope_update):
+//   dynamic:  seq_len > max_position_embeddings ? rope_frequencies(rope, d, seq_len) : the init ones
+//   longrope: seq_len > original_max_position_embeddings ? the long ones : the short (init) ones
+//   others:   the init ones, whatever seq_len.
+// transformers never re-rotates cached keys: a key keeps the frequencies of the call that computed it.
+Result<RopeFrequencies> rope_frequencies_for_length(const RopeConfig& rope, int64_t rotary_dim, int64_t seq_len);
+
+// The context a RoPE scaling is meant to reach, for planning (vLLM's rule): yarn original * factor; linear and
+// dynamic max_position_embeddings * factor; the others (longrope, llama3 write theirs) max_position_embeddings.
+// Never below max_position_embeddings.
+int64_t rope_context_length(const RopeConfig& rope, int64_t max_position_embeddings);
+
+// inv_freq of rope_frequencies(rope, rotary_dim) alone (its attention factor dropped: use rope_frequencies
+// for types that have one).
+Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim);
+
+// cos/sin tables [tokens, half] for rope(), half = inv_freq.size(): angle = float(inv_freq[i] * position)
+// in float32 as transformers forms it, then its cos and sin, each times attention_factor in float32.
+// positions I32 [position_rows, tokens] (transformers' position_ids layout): 1 row for plain RoPE; 3 rows
+// (t, h, w) for Qwen3-VL's interleaved M-RoPE, where frequency i takes row h when i % 3 == 1 and
+// i < 3 * mrope_section[1], row w when i % 3 == 2 and i < 3 * mrope_section[2], else row t.
+// cos, sin: host arrays of tokens * half floats.
+Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
+                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin,
+                   float attention_factor = 1.0f);
+
+// The length transformers' dynamic_rope_update sees for each token of a step: seq_len = max(position) + 1 over
+// the tokens of the token's sequence in the step (sequence s holds tokens query_starts[s] .. query_starts[s + 1]
+// - 1; positions [tokens], the first position row). lengths [tokens]. RotaryEmbedding::tables reads them.
+Status rope_step_lengths(const int32_t* positions, int64_t tokens, const int32_t* query_starts, int64_t seqs,
+                         int32_t* lengths);
+
+// A model's rotary embedding: one per RopeConfig (a model with per-layer-kind RoPE, e.g. Gemma 3's local and
+// global layers, keeps one per kind). Makes the cos/sin tables of a step, the frequencies picked per token by
+// the length transformers' rotary forward would see.
+class RotaryEmbedding {
+ public:
+  static Result<RotaryEmbedding> create(const RopeConfig& rope, int64_t head_dim);
+  RotaryEmbedding() = default;
+
+  int64_t rotary_dim() const { return rotary_dim_; }
+  int64_t half() const { return rotary_dim_ / 2; }  // the tables' columns
+  const RopeConfig& config() const { return rope_; }
+  bool depends_on_length() const { return rope_depends_on_length(rope_); }
+  // The init frequencies (what rope_frequencies(rope, rotary_dim) gives).
+  const RopeFrequencies& init_frequencies() const { return init_; }
+
+  // cos, sin [tokens, half()] for positions [position_rows, tokens]. lengths[t] is the sequence length
+  // transformers' dynamic_rope_update sees for token t's forward call, max(position_ids) + 1 over the tokens of
+  // its sequence in the call (TextModel passes that per sequence of the step); read only when
+  // depends_on_length(), and may be null otherwise. Length-dependent types take one position row.
+  Status tables(const int32_t* positions, int64_t position_rows, int64_t tokens, const int32_t* lengths,
+                float* cos, float* sin) const;
+
+ private:
+  RopeConfig rope_;
+  int64_t rotary_dim_ = 0;
+  RopeFrequencies init_;
+  RopeFrequencies long_;  // longrope: the long factors' frequencies
+  // dynamic: the last length's frequencies (a step's sequences mostly share few lengths)
+  mutable int64_t cached_length_ = -1;
+  mutable RopeFrequencies cached_;
+};
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
@@ -2977,20 +3105,7 @@ struct CpuBackendOptions {
 // element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
 Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options = {});
 
-// ---- rotary tables (host helpers, shared by every backend) ----------------------------------------------
-// inv_freq[i], i < rotary_dim / 2, exactly as transformers' rope init computes it in float32:
-// "default": 1 / theta^(2i / rotary_dim); "llama3": then rescaled by wavelength band
-// (_compute_llama3_parameters in modeling_rope_utils.py). Other types are unsupported.
-Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim);
-
-// cos/sin tables [tokens, half] for rope(), half = inv_freq.size(): angle = float(inv_freq[i] * position)
-// in float32 as transformers forms it, then its cos and sin.
-// positions I32 [position_rows, tokens] (transformers' position_ids layout): 1 row for plain RoPE; 3 rows
-// (t, h, w) for Qwen3-VL's interleaved M-RoPE, where frequency i takes row h when i % 3 == 1 and
-// i < 3 * mrope_section[1], row w when i % 3 == 2 and i < 3 * mrope_section[2], else row t.
-// cos, sin: host arrays of tokens * half floats.
-Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
-                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin);
+// The rotary tables rope() takes are made by src/rope.hpp (rope_tables, RotaryEmbedding).
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
@@ -3153,9 +3268,13 @@ class TextModel {
   int64_t step_tokens_ = 0;     // T of the last stage()
   float attention_scale_ = 1.0f;  // head_dim ** -0.5 (query_pre_attn_scalar ** -0.5: gemma)
   float embedding_scale_ = 0.0f;  // > 0: inputs_embeds * this (gemma's normalizer, in the embedding dtype)
-  std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
-  std::vector<float> local_inv_freq_;       // [D / 2] the sliding layers' own (gemma3); empty: inv_freq_ serves all
-  std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
+  RotaryEmbedding rotary_;        // the config's RoPE (src/rope.hpp), every layer's: R = rotary_dim <= D
+  // gemma3: the sliding layers' own (default RoPE of base rope_local_base_freq); has_local_rotary_ false: rotary_
+  // serves every layer
+  RotaryEmbedding local_rotary_;
+  bool has_local_rotary_ = false;
+  std::vector<float> cos_host_, sin_host_;  // [Tmax, R / 2] host staging for the rotary tables
+  std::vector<int32_t> rope_lengths_host_;  // [Tmax] each token's sequence length as the rotary forward sees it
   // [Tmax, H] image rows rounded to 16-bit activations on the host (vision models with BF16 / F16 activations)
   std::vector<uint16_t> image_rows_16bit_;
   int64_t deepstack_levels_ = 0;            // qwen3_vl: DeepStack features added after layers 0 .. levels - 1
@@ -3168,8 +3287,8 @@ class TextModel {
   Tensor attn_out_;       // "attn_out"     [Tmax, Hq D]
   Tensor gate_up_;        // "gate_up"      [Tmax, 2 I]: gate | up column blocks
   Tensor mlp_act_;        // "mlp_act"      [Tmax, I]
-  Tensor rope_cos_;       // "rope_cos"     [Tmax, D / 2] fp32
-  Tensor rope_sin_;       // "rope_sin"     [Tmax, D / 2] fp32
+  Tensor rope_cos_;       // "rope_cos"     [Tmax, R / 2] fp32 (R = rotary_dim)
+  Tensor rope_sin_;       // "rope_sin"     [Tmax, R / 2] fp32
   Tensor rope_cos_local_;  // "rope_cos_local" [Tmax, D / 2] fp32: the sliding layers' (gemma3); else empty
   Tensor rope_sin_local_;  // "rope_sin_local" [Tmax, D / 2] fp32
   Tensor token_ids_;      // "token_ids"    [Tmax] int32
@@ -4996,44 +5115,165 @@ inline DType parse_dtype(const Node& node, const std::string& key, DType fallbac
   node.fail_key(ErrorCode::unsupported, key, format("'%s' is not supported; supported: bfloat16, float16, float32", name->c_str()));
 }
 
+// A list of positive finite numbers (longrope's short_factor / long_factor), at most `limit` long.
+inline std::vector<double> positive_numbers(const Node& node, const std::string& key, int64_t limit) {
+  const json* v = node.find(key);
+  if (!v) node.fail_key(ErrorCode::bad_format, key, "is missing");
+  if (!v->is_array()) node.fail_key(ErrorCode::bad_format, key, "must be a list of numbers");
+  if (int64_t(v->size()) > limit)
+    node.fail_key(ErrorCode::bad_format, key, format("has %zu entries; the rotary dimension allows at most %lld",
+                                                     v->size(), (long long)limit));
+  std::vector<double> out;
+  for (const json& item : *v) {
+    if (!item.is_number() || !(item.get<double>() > 0) || !std::isfinite(item.get<double>()))
+      node.fail_key(ErrorCode::bad_format, key, format("must hold positive numbers, not %s", item.dump().c_str()));
+    out.push_back(item.get<double>());
+  }
+  return out;
+}
+
+// One rope parameter dict (`rope_scaling` or `rope_parameters`, or one layer type's entry of a nested
+// `rope_parameters`) read into `rope` as transformers' ROPE_INIT_FUNCTIONS read it. `text` is the config
+// holding it (top-level `partial_rotary_factor` / `original_max_position_embeddings`); rope.theta,
+// rope.max_position_embeddings and rope.partial_rotary_factor hold the caller's defaults on entry.
+// class_original_max_position_embeddings: the config class's attribute when the file has no top-level key
+// (Phi3Config: 4096); > 0 takes priority over the dict's value, as standardize_rope_params' hasattr does.
+inline void parse_rope_parameters(const Node& params, const Node& text, int64_t head_dim, RopeConfig& rope,
+                                  int64_t class_original_max_position_embeddings = 0) {
+  rope.theta = params.number_or("rope_theta", rope.theta);
+  if (!(rope.theta > 0)) params.fail_key(ErrorCode::bad_format, "rope_theta", "must be positive");
+  // transformers' standardize_rope_params: the dict's value first, then the config's attribute
+  rope.partial_rotary_factor = params.number_or("partial_rotary_factor", rope.partial_rotary_factor);
+  if (!(rope.partial_rotary_factor > 0 && rope.partial_rotary_factor <= 1))
+    params.fail_key(ErrorCode::bad_format, "partial_rotary_factor",
+                    format("(%g) must be in (0, 1]", rope.partial_rotary_factor));
+  const int64_t rotary_dim = int64_t(double(head_dim) * rope.partial_rotary_factor);  // Python's int()
+  if (rotary_dim < 2 || rotary_dim % 2 != 0)
+    params.fail_key(ErrorCode::bad_format, "partial_rotary_factor",
+                    format("(%g) gives rotary_dim int(%lld * %g) = %lld; it must be even and at least 2",
+                           rope.partial_rotary_factor, (long long)head_dim, rope.partial_rotary_factor,
+                           (long long)rotary_dim));
+
+  const char* type_key = params.has("rope_type") ? "rope_type" : "type";
+  std::string type = params.string_or(type_key, "default");
+  if (type == "mrope") type = "default";  // the older name of Qwen's multimodal default rope
+  static const char* const kSupported = "default, linear, dynamic, yarn, longrope, llama3";
+  if (type != "default" && type != "linear" && type != "dynamic" && type != "yarn" && type != "longrope" &&
+      type != "llama3")
+    params.fail_key(ErrorCode::unsupported, type_key, format("'%s' is not supported; supported: %s", type.c_str(), kSupported));
+  rope.type = type;
+  if (type == "default") return;
+
+  auto positive_number = [&](const char* key, double fallback) {
+    double v = params.number_or(key, fallback);
+    if (!(v > 0) || !std::isfinite(v)) params.fail_key(ErrorCode::bad_format, key, format("(%g) must be positive", v));
+    return v;
+  };
+  // llama3, yarn, longrope: standardize_rope_params gives a top-level original_max_position_embeddings
+  // priority (Phi-3 keeps it there), else keeps the dict's, else sets max_position_embeddings.
+  auto original_length = [&]() -> int64_t {
+    if (text.has("original_max_position_embeddings"))
+      return text.bounded("original_max_position_embeddings", limits::max_positions, "KVLITE_MAX_POSITIONS");
+    if (class_original_max_position_embeddings > 0) return class_original_max_position_embeddings;
+    if (params.has("original_max_position_embeddings"))
+      return params.bounded("original_max_position_embeddings", limits::max_positions, "KVLITE_MAX_POSITIONS");
+    if (rope.max_position_embeddings <= 0)
+      params.fail_key(ErrorCode::bad_format, "original_max_position_embeddings",
+                      "is missing and so is max_position_embeddings");
+    return rope.max_position_embeddings;
+  };
+
+  if (type == "linear" || type == "dynamic") {
+    if (!params.has("factor")) params.fail_key(ErrorCode::bad_format, "factor", format("is missing (%s rope needs it)", type.c_str()));
+    rope.factor = positive_number("factor", 1.0);
+    if (type == "dynamic" && rope.max_position_embeddings <= 0)
+      params.fail_key(ErrorCode::bad_format, type_key, "'dynamic' needs max_position_embeddings (its base length)");
+  } else if (type == "llama3") {
+    rope.factor = params.required_number("factor");
+    rope.low_freq_factor = params.required_number("low_freq_factor");
+    rope.high_freq_factor = params.required_number("high_freq_factor");
+    rope.original_max_position_embeddings = original_length();
+    if (!(rope.factor > 0)) params.fail_key(ErrorCode::bad_format, "factor", "must be positive");
+    if (!(rope.low_freq_factor > 0)) params.fail_key(ErrorCode::bad_format, "low_freq_factor", "must be positive");
+    if (!(rope.high_freq_factor > rope.low_freq_factor))
+      params.fail_key(ErrorCode::bad_format, "high_freq_factor",
+                      format("(%g) must be greater than low_freq_factor (%g)", rope.high_freq_factor, rope.low_freq_factor));
+  } else if (type == "yarn") {
+    rope.original_max_position_embeddings = original_length();
+    // factor None: max_position_embeddings / original_max_position_embeddings (DeepSeek-V3's convention)
+    rope.factor = params.has("factor") ? positive_number("factor", 1.0)
+                                       : double(rope.max_position_embeddings) / double(rope.original_max_position_embeddings);
+    if (!(rope.factor > 0)) params.fail_key(ErrorCode::bad_format, "factor", "is missing and max_position_embeddings is not positive");
+    rope.attention_factor = params.has("attention_factor") ? positive_number("attention_factor", 1.0) : 0.0;
+    rope.beta_fast = params.number_or("beta_fast", 0.0);
+    rope.beta_slow = params.number_or("beta_slow", 0.0);
+    rope.mscale = params.number_or("mscale", 0.0);
+    rope.mscale_all_dim = params.number_or("mscale_all_dim", 0.0);
+    rope.truncate = params.bool_or("truncate", true);
+    for (double v : {rope.beta_fast, rope.beta_slow, rope.mscale, rope.mscale_all_dim})
+      if (!std::isfinite(v)) params.fail_key(ErrorCode::bad_format, "beta_fast", "and its siblings must be finite");
+  } else {  // longrope
+    rope.original_max_position_embeddings = original_length();
+    rope.factor = params.has("factor") ? positive_number("factor", 1.0) : 0.0;
+    rope.attention_factor = params.has("attention_factor") ? positive_number("attention_factor", 1.0) : 0.0;
+    rope.short_factor = positive_numbers(params, "short_factor", rotary_dim / 2);
+    rope.long_factor = positive_numbers(params, "long_factor", rotary_dim / 2);
+    for (const char* key : {"short_factor", "long_factor"}) {
+      const size_t n = std::string(key) == "short_factor" ? rope.short_factor.size() : rope.long_factor.size();
+      if (int64_t(n) != rotary_dim / 2)
+        params.fail_key(ErrorCode::bad_format, key,
+                        format("has %zu entries; it needs one per rotary frequency, rotary_dim / 2 = %lld", n,
+                               (long long)(rotary_dim / 2)));
+    }
+  }
+}
+
+// The default RoPE is each model's own compute_default_rope_parameters: Phi-3's rotates int(head_dim *
+// partial_rotary_factor) dimensions, Llama's, Mistral's, Qwen's and Gemma's every one whatever the factor says
+// (the scaled types of ROPE_INIT_FUNCTIONS read the factor for every model).
+inline RopeConfig default_rope_of(Arch arch, RopeConfig rope) {
+  if (rope.type == "default" && arch != Arch::phi3) rope.partial_rotary_factor = 1.0;
+  return rope;
+}
+
 // Rotary parameters from the classic keys (`rope_theta` + `rope_scaling`) or the newer `rope_parameters`.
-inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim) {
+inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int64_t max_position_embeddings = 0) {
   RopeConfig rope;
   // transformers' class defaults when the key is absent.
   rope.theta = arch == Arch::qwen3_vl ? 5000000.0 : 10000.0;
+  rope.theta = text.number_or("rope_theta", rope.theta);
+  rope.max_position_embeddings = max_position_embeddings;
+  rope.partial_rotary_factor = text.number_or("partial_rotary_factor", 1.0);
+  // Phi3Config carries original_max_position_embeddings = 4096 whether or not the file says it, and its
+  // standardize_rope_params prefers that attribute to the dict's value.
+  const int64_t class_original = arch == Arch::phi3 ? 4096 : 0;
   std::optional<Node> params;
   if (text.has("rope_parameters")) {
     params = text.child("rope_parameters");
     for (const char* layer_type : {"full_attention", "sliding_attention"})
       if (params->has(layer_type))
         params->fail_key(ErrorCode::unsupported, layer_type, "(rope parameters per layer type) is not supported");
-    rope.theta = params->number_or("rope_theta", text.number_or("rope_theta", rope.theta));
   } else {
-    rope.theta = text.number_or("rope_theta", rope.theta);
     params = text.optional_child("rope_scaling");
   }
   if (!(rope.theta > 0)) text.fail_key(ErrorCode::bad_format, "rope_theta", "must be positive");
-  if (!params) return rope;
-
-  const char* type_key = params->has("rope_type") ? "rope_type" : "type";
-  std::string type = params->string_or(type_key, "default");
-  if (type == "mrope") type = "default";  // the older name of Qwen's multimodal default rope
-  if (type == "default") {
-    rope.type = "default";
-  } else if (type == "llama3") {
-    rope.type = "llama3";
-    rope.factor = params->required_number("factor");
-    rope.low_freq_factor = params->required_number("low_freq_factor");
-    rope.high_freq_factor = params->required_number("high_freq_factor");
-    rope.original_max_position_embeddings = params->bounded("original_max_position_embeddings", limits::max_positions, "KVLITE_MAX_POSITIONS");
-    if (!(rope.factor > 0)) params->fail_key(ErrorCode::bad_format, "factor", "must be positive");
-    if (!(rope.high_freq_factor > rope.low_freq_factor))
-      params->fail_key(ErrorCode::bad_format, "high_freq_factor",
-                       format("(%g) must be greater than low_freq_factor (%g)", rope.high_freq_factor, rope.low_freq_factor));
-  } else {
-    params->fail_key(ErrorCode::unsupported, type_key,
-                     format("'%s' is not supported; supported: default, llama3", type.c_str()));
+  if (!params) {
+    // no dict: the defaults, still checked (partial_rotary_factor)
+    json empty = json::object();
+    parse_rope_parameters(Node{&empty, text.path, text.origin}, text, head_dim, rope, class_original);
+    return default_rope_of(arch, rope);
   }
+  // M-RoPE's tables come from three position rows at once; the length-dependent types pick frequencies per
+  // sequence length, which kvlite does for one position row only.
+  const char* type_key = params->has("rope_type") ? "rope_type" : "type";
+  const std::string type = params->string_or(type_key, "default");
+  if ((arch == Arch::qwen3_vl || params->has("mrope_section")) && (type == "dynamic" || type == "longrope"))
+    params->fail_key(ErrorCode::unsupported, type_key,
+                     format("'%s' is not supported with M-RoPE (mrope_section); supported there: default, linear, "
+                            "yarn, llama3", type.c_str()));
+  parse_rope_parameters(*params, text, head_dim, rope, class_original);
+  rope = default_rope_of(arch, rope);
+
   for (int64_t section : params->int_list("mrope_section")) {
     if (section <= 0) params->fail_key(ErrorCode::bad_format, "mrope_section", "must hold positive sizes");
     rope.mrope_section.push_back(int(section));
@@ -5248,7 +5488,7 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
 
   // Rotary keys live with the text model; very old qwen3_vl files had them only at the top level.
   bool text_has_rope = text.has("rope_parameters") || text.has("rope_scaling") || text.has("rope_theta");
-  t.rope = parse_rope(text_has_rope ? text : root, arch, t.head_dim);
+  t.rope = parse_rope(text_has_rope ? text : root, arch, t.head_dim, t.max_position_embeddings);
 
   t.bos_token_ids = text.has("bos_token_id") ? text.ids("bos_token_id") : root.ids("bos_token_id");
   t.eos_token_ids = text.has("eos_token_id") ? text.ids("eos_token_id") : root.ids("eos_token_id");
@@ -5644,6 +5884,7 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
       Node text_node{&text, nested ? "text_config" : "", origin};
       config.text = detail::cfg::parse_text(text_node, root, config.arch);
       config.text.block.local_rope_theta = local_theta;
+      config.text.block.max_positions_scaled = true;
       if (nested && root.has("vision_config")) {
         // Gemma3ForConditionalGeneration's SigLIP tower (SiglipVisionConfig defaults for absent keys) and its
         // projector, for the weights estimate: patch conv + bias, position table, per layer q/k/v/o with
@@ -6346,6 +6587,350 @@ Result<WeightsSummary> summarize_weights(const ModelConfig& config, const Tensor
     if (!store || store->empty()) return detail::estimate_weights(config);
     return detail::summarize_weights_from(config, store->tensors(),
                                           [store](const TensorInfo& tensor) { return store->data(tensor); });
+  });
+}
+
+}  // namespace kvlite
+// rope: rotary frequencies, attention factors and cos/sin tables as transformers computes them.
+namespace kvlite {
+
+namespace detail {
+namespace rope {
+
+// base ** (arange(0, dim, 2).float() / dim) for frequency i: the exponent one float32 division, the power taken
+// in double and rounded once (torch's float pow is within an ulp of that).
+inline float power(double base, int64_t i, int64_t dim) {
+  const float exponent = float(2 * i) / float(dim);
+  return float(std::pow(double(float(base)), double(exponent)));
+}
+
+// 1.0 / (base ** (arange(0, dim, 2) / dim)): `scalar / tensor` is tensor.reciprocal() * scalar in torch.
+inline std::vector<float> default_inv_freq(double base, int64_t dim) {
+  std::vector<float> inv_freq(size_t(dim / 2));
+  for (int64_t i = 0; i < dim / 2; i++) inv_freq[size_t(i)] = 1.0f / power(base, i, dim);
+  return inv_freq;
+}
+
+// _compute_llama3_parameters. A Python scalar meeting a float32 tensor becomes a float32 operand, and
+// `scalar / tensor` is tensor.reciprocal() * scalar, hence the reciprocals below.
+inline void llama3(const RopeConfig& rope, std::vector<float>& inv_freq) {
+  if (!(rope.factor > 0) || !(rope.high_freq_factor > rope.low_freq_factor) || rope.low_freq_factor <= 0 ||
+      rope.original_max_position_embeddings <= 0)
+    fail(ErrorCode::invalid_argument,
+         format("rope_frequencies: llama3 scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+                "original_max_position_embeddings > 0 (got %g, %g, %g, %lld)",
+                rope.factor, rope.low_freq_factor, rope.high_freq_factor,
+                (long long)rope.original_max_position_embeddings));
+  const float factor = float(rope.factor), low = float(rope.low_freq_factor);
+  const double old_context = double(rope.original_max_position_embeddings);
+  const float low_freq_wavelen = float(old_context / rope.low_freq_factor);
+  const float high_freq_wavelen = float(old_context / rope.high_freq_factor);
+  const float two_pi = float(6.283185307179586);  // 2 * math.pi
+  const float band = float(rope.high_freq_factor - rope.low_freq_factor);
+  for (float& f : inv_freq) {
+    float wavelen = (1.0f / f) * two_pi;
+    // wavelen < high_freq_wavelen: unchanged; wavelen > low_freq_wavelen: divided by factor
+    float scaled = wavelen > low_freq_wavelen ? f / factor : f;
+    bool medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+    if (medium) {
+      // smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+      float smooth = ((1.0f / wavelen) * float(old_context) - low) / band;
+      // (1 - smooth) * inv_freq / factor + smooth * inv_freq
+      scaled = (1.0f - smooth) * scaled / factor + smooth * scaled;
+    }
+    f = scaled;
+  }
+}
+
+// _compute_dynamic_ntk_parameters. seq_len 0 (None, at init) goes through Python floats: the base is then
+// theta itself up to double rounding. A positive seq_len is the forward's `max(position_ids) + 1`, a tensor:
+// every step below is then a float32 tensor operation, the new base a float32 0-d tensor.
+inline std::vector<float> dynamic(const RopeConfig& rope, int64_t dim, int64_t seq_len) {
+  const int64_t max_pos = rope.max_position_embeddings;
+  if (!(rope.factor > 0) || max_pos <= 0)
+    fail(ErrorCode::invalid_argument,
+         format("rope_frequencies: dynamic scaling needs factor > 0 and max_position_embeddings > 0 (got %g, %lld)",
+                rope.factor, (long long)max_pos));
+  const double exponent = double(dim) / double(dim - 2);
+  if (seq_len <= 0) {
+    const double base = rope.theta * std::pow(rope.factor * double(max_pos) / double(max_pos) - (rope.factor - 1), exponent);
+    return default_inv_freq(base, dim);
+  }
+  const int64_t length = std::max(seq_len, max_pos);  // torch.maximum(seq_len, max_position_embeddings)
+  float x = float(rope.factor) * float(length);
+  x = x / float(max_pos);
+  x = x - float(rope.factor - 1);
+  x = float(std::pow(double(x), double(float(exponent))));
+  const float base = float(rope.theta) * x;
+  std::vector<float> inv_freq(size_t(dim / 2));
+  for (int64_t i = 0; i < dim / 2; i++) {
+    const float e = float(2 * i) / float(dim);
+    inv_freq[size_t(i)] = 1.0f / float(std::pow(double(base), double(e)));
+  }
+  return inv_freq;
+}
+
+// _compute_yarn_parameters (the correction range in Python doubles, the frequencies in float32).
+inline RopeFrequencies yarn(const RopeConfig& rope, int64_t dim) {
+  const double base = rope.theta, factor = rope.factor;
+  const int64_t original = rope.original_max_position_embeddings;
+  if (!(factor > 0) || original <= 0)
+    fail(ErrorCode::invalid_argument,
+         format("rope_frequencies: yarn scaling needs factor > 0 and original_max_position_embeddings > 0 "
+                "(got %g, %lld)", factor, (long long)original));
+  auto get_mscale = [](double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; };
+  double attention_factor = rope.attention_factor;
+  if (!(attention_factor > 0)) {
+    if (rope.mscale != 0 && rope.mscale_all_dim != 0)
+      attention_factor = get_mscale(factor, rope.mscale) / get_mscale(factor, rope.mscale_all_dim);
+    else
+      attention_factor = get_mscale(factor, 1.0);
+  }
+  const double beta_fast = rope.beta_fast != 0 ? rope.beta_fast : 32;  // `beta_fast or 32`
+  const double beta_slow = rope.beta_slow != 0 ? rope.beta_slow : 1;
+  const double pi = 3.141592653589793;
+  auto correction_dim = [&](double rotations) {
+    return (double(dim) * std::log(double(original) / (rotations * 2 * pi))) / (2 * std::log(base));
+  };
+  double low = correction_dim(beta_fast), high = correction_dim(beta_slow);
+  if (rope.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, double(dim - 1));
+  if (low == high) high += 0.001;  // linear_ramp_factor: prevent singularity
+
+  RopeFrequencies out;
+  out.attention_factor = float(attention_factor);
+  out.inv_freq.resize(size_t(dim / 2));
+  const float low_f = float(low), span = float(high - low);
+  for (int64_t i = 0; i < dim / 2; i++) {
+    const float pos_freq = power(base, i, dim);
+    const float extrapolation = 1.0f / pos_freq;
+    const float interpolation = 1.0f / (float(factor) * pos_freq);
+    float ramp = (float(i) - low_f) / span;
+    ramp = std::min(std::max(ramp, 0.0f), 1.0f);
+    const float extrapolation_factor = 1.0f - ramp;
+    // interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor, each a float32 op
+    volatile float a = interpolation * (1.0f - extrapolation_factor);
+    volatile float b = extrapolation * extrapolation_factor;
+    out.inv_freq[size_t(i)] = a + b;
+  }
+  return out;
+}
+
+// _compute_longrope_parameters.
+inline RopeFrequencies longrope(const RopeConfig& rope, int64_t dim, int64_t seq_len) {
+  const int64_t original = rope.original_max_position_embeddings;
+  if (original <= 0 || int64_t(rope.short_factor.size()) != dim / 2 || int64_t(rope.long_factor.size()) != dim / 2)
+    fail(ErrorCode::invalid_argument,
+         format("rope_frequencies: longrope needs original_max_position_embeddings > 0 (got %lld) and short_factor "
+                "and long_factor of rotary_dim / 2 = %lld entries (got %zu and %zu)",
+                (long long)original, (long long)(dim / 2), rope.short_factor.size(), rope.long_factor.size()));
+  // factor None: max_position_embeddings / original_max_position_embeddings (Phi-3's convention)
+  const double factor = rope.factor > 0 ? rope.factor : double(rope.max_position_embeddings) / double(original);
+  double attention_factor = rope.attention_factor;
+  if (!(attention_factor > 0))
+    attention_factor = factor <= 1.0 ? 1.0 : std::sqrt(1 + std::log(factor) / std::log(double(original)));
+  const std::vector<double>& ext = seq_len > original ? rope.long_factor : rope.short_factor;
+  RopeFrequencies out;
+  out.attention_factor = float(attention_factor);
+  out.inv_freq.resize(size_t(dim / 2));
+  for (int64_t i = 0; i < dim / 2; i++) out.inv_freq[size_t(i)] = 1.0f / (float(ext[size_t(i)]) * power(rope.theta, i, dim));
+  return out;
+}
+
+}  // namespace rope
+}  // namespace detail
+
+Result<int64_t> rope_rotary_dim(const RopeConfig& rope, int64_t head_dim) {
+  return detail::guard([&]() -> int64_t {
+    const int64_t rotary_dim = int64_t(double(head_dim) * rope.partial_rotary_factor);  // Python's int()
+    if (head_dim <= 0 || !(rope.partial_rotary_factor > 0 && rope.partial_rotary_factor <= 1) || rotary_dim < 2 ||
+        rotary_dim % 2 != 0)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_rotary_dim: head_dim %lld and partial_rotary_factor %g give rotary_dim %lld; "
+                                  "it must be even and in 2..head_dim",
+                                  (long long)head_dim, rope.partial_rotary_factor, (long long)rotary_dim));
+    return rotary_dim;
+  });
+}
+
+bool rope_depends_on_length(const RopeConfig& rope) { return rope.type == "dynamic" || rope.type == "longrope"; }
+
+Result<RopeFrequencies> rope_frequencies(const RopeConfig& rope, int64_t rotary_dim, int64_t seq_len) {
+  using detail::fail;
+  using detail::format;
+  return detail::guard([&]() -> RopeFrequencies {
+    if (rotary_dim <= 0 || rotary_dim % 2 != 0)
+      fail(ErrorCode::invalid_argument, format("rope_frequencies: rotary_dim %lld must be positive and even", (long long)rotary_dim));
+    if (!(rope.theta > 0))
+      fail(ErrorCode::invalid_argument, format("rope_frequencies: rope_theta %g must be positive", rope.theta));
+    if (seq_len < 0) fail(ErrorCode::invalid_argument, format("rope_frequencies: seq_len %lld is negative", (long long)seq_len));
+    RopeFrequencies out;
+    if (rope.type == "default") {
+      out.inv_freq = detail::rope::default_inv_freq(rope.theta, rotary_dim);
+    } else if (rope.type == "linear") {
+      // inv_freq /= factor (scaling the frequencies is scaling the positions)
+      if (!(rope.factor > 0)) fail(ErrorCode::invalid_argument, format("rope_frequencies: linear factor %g must be positive", rope.factor));
+      out.inv_freq = detail::rope::default_inv_freq(rope.theta, rotary_dim);
+      for (float& f : out.inv_freq) f = f / float(rope.factor);
+    } else if (rope.type == "dynamic") {
+      out.inv_freq = detail::rope::dynamic(rope, rotary_dim, seq_len);
+    } else if (rope.type == "yarn") {
+      out = detail::rope::yarn(rope, rotary_dim);
+    } else if (rope.type == "longrope") {
+      out = detail::rope::longrope(rope, rotary_dim, seq_len);
+    } else if (rope.type == "llama3") {
+      out.inv_freq = detail::rope::default_inv_freq(rope.theta, rotary_dim);
+      detail::rope::llama3(rope, out.inv_freq);
+    } else {
+      fail(ErrorCode::unsupported,
+           format("rope_frequencies: rope type '%s' is not supported (kvlite runs default, linear, dynamic, yarn, "
+                  "longrope and llama3)", rope.type.c_str()));
+    }
+    return out;
+  });
+}
+
+Result<RopeFrequencies> rope_frequencies_for_length(const RopeConfig& rope, int64_t rotary_dim, int64_t seq_len) {
+  // dynamic_rope_update on a fresh module: dynamic recomputes when seq_len grows past max_position_embeddings
+  // (and keeps the init frequencies up to it); longrope takes the long factors past the original length.
+  if (rope.type == "dynamic" && seq_len > rope.max_position_embeddings) return rope_frequencies(rope, rotary_dim, seq_len);
+  if (rope.type == "longrope" && seq_len > rope.original_max_position_embeddings)
+    return rope_frequencies(rope, rotary_dim, rope.original_max_position_embeddings + 1);
+  return rope_frequencies(rope, rotary_dim, 0);
+}
+
+int64_t rope_context_length(const RopeConfig& rope, int64_t max_position_embeddings) {
+  double length = double(max_position_embeddings);
+  if (rope.type == "yarn" && rope.original_max_position_embeddings > 0 && rope.factor > 0)
+    length = double(rope.original_max_position_embeddings) * rope.factor;
+  else if ((rope.type == "linear" || rope.type == "dynamic") && rope.factor > 0)
+    length = double(max_position_embeddings) * rope.factor;
+  length = std::min(length, double(limits::max_positions));
+  return std::max(max_position_embeddings, int64_t(length));
+}
+
+Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim) {
+  Result<RopeFrequencies> frequencies = rope_frequencies(rope, rotary_dim, 0);
+  if (!frequencies) return frequencies.error();
+  return std::move(frequencies->inv_freq);
+}
+
+Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
+                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin,
+                   float attention_factor) {
+  return detail::guard([&] {
+    const int64_t half = int64_t(inv_freq.size());
+    if (position_rows != 1 && position_rows != 3)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_tables: %lld position rows; use 1 (RoPE) or 3 (t, h, w: M-RoPE)",
+                                  (long long)position_rows));
+    if (position_rows == 3 && mrope_section.size() != 3)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_tables: 3 position rows need a 3-entry mrope_section (t, h, w), got %zu entries",
+                                  mrope_section.size()));
+    if (tokens < 0 || (tokens > 0 && (positions == nullptr || cos == nullptr || sin == nullptr)))
+      detail::fail(ErrorCode::invalid_argument, "rope_tables: null positions or tables, or negative tokens");
+    if (!(attention_factor > 0) || !std::isfinite(attention_factor))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("rope_tables: attention_factor %g must be positive and finite", attention_factor));
+    for (int64_t t = 0; t < tokens; t++) {
+      for (int64_t i = 0; i < half; i++) {
+        // Qwen3-VL's apply_interleaved_mrope: h overwrites slots 1, 4, 7, ... below 3 * section[1],
+        // w overwrites 2, 5, 8, ... below 3 * section[2]; the rest keep t.
+        int64_t row = 0;
+        if (position_rows == 3) {
+          if (i % 3 == 1 && i < 3 * int64_t(mrope_section[1])) row = 1;
+          else if (i % 3 == 2 && i < 3 * int64_t(mrope_section[2])) row = 2;
+        }
+        // freqs = inv_freq @ position_ids.float(): one float32 product
+        float angle = inv_freq[size_t(i)] * float(positions[row * tokens + t]);
+        // cos = emb.cos() * self.attention_scaling (a float32 product; exact when the factor is 1)
+        cos[t * half + i] = float(std::cos(double(angle))) * attention_factor;
+        sin[t * half + i] = float(std::sin(double(angle))) * attention_factor;
+      }
+    }
+  });
+}
+
+Status rope_step_lengths(const int32_t* positions, int64_t tokens, const int32_t* query_starts, int64_t seqs,
+                         int32_t* lengths) {
+  return detail::guard([&] {
+    if (tokens < 0 || seqs < 0 || (tokens > 0 && (positions == nullptr || lengths == nullptr)) ||
+        (seqs > 0 && query_starts == nullptr))
+      detail::fail(ErrorCode::invalid_argument, "rope_step_lengths: null arrays or negative sizes");
+    for (int64_t s = 0; s < seqs; s++) {
+      const int64_t first = query_starts[s], last = query_starts[s + 1];
+      if (first < 0 || last < first || last > tokens)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("rope_step_lengths: sequence %lld's tokens %lld..%lld lie outside the step's %lld",
+                                    (long long)s, (long long)first, (long long)last, (long long)tokens));
+      int64_t length = 0;
+      for (int64_t t = first; t < last; t++) length = std::max(length, int64_t(positions[t]) + 1);
+      if (length > limits::max_positions)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("rope_step_lengths: sequence %lld reaches position %lld, above KVLITE_MAX_POSITIONS",
+                                    (long long)s, (long long)(length - 1)));
+      for (int64_t t = first; t < last; t++) lengths[t] = int32_t(length);
+    }
+  });
+}
+
+Result<RotaryEmbedding> RotaryEmbedding::create(const RopeConfig& rope, int64_t head_dim) {
+  return detail::guard([&]() -> RotaryEmbedding {
+    RotaryEmbedding r;
+    r.rope_ = rope;
+    Result<int64_t> rotary_dim = rope_rotary_dim(rope, head_dim);
+    if (!rotary_dim) throw rotary_dim.error();
+    r.rotary_dim_ = *rotary_dim;
+    Result<RopeFrequencies> init = rope_frequencies(rope, r.rotary_dim_, 0);
+    if (!init) throw init.error();
+    r.init_ = std::move(*init);
+    if (rope.type == "longrope") {
+      Result<RopeFrequencies> long_frequencies = rope_frequencies(rope, r.rotary_dim_, rope.original_max_position_embeddings + 1);
+      if (!long_frequencies) throw long_frequencies.error();
+      r.long_ = std::move(*long_frequencies);
+    }
+    return r;
+  });
+}
+
+Status RotaryEmbedding::tables(const int32_t* positions, int64_t position_rows, int64_t tokens,
+                               const int32_t* lengths, float* cos, float* sin) const {
+  if (!depends_on_length())
+    return rope_tables(init_.inv_freq, positions, position_rows, tokens, rope_.mrope_section, cos, sin,
+                       init_.attention_factor);
+  return detail::guard([&] {
+    if (position_rows != 1 || (tokens > 0 && lengths == nullptr))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("RotaryEmbedding::tables: '%s' RoPE needs one position row and each token's "
+                                  "sequence length (got %lld rows, lengths %s)", rope_.type.c_str(),
+                                  (long long)position_rows, lengths ? "given" : "null"));
+    const int64_t h = half();
+    for (int64_t start = 0; start < tokens;) {
+      int64_t end = start + 1;
+      while (end < tokens && lengths[end] == lengths[start]) end++;
+      const int64_t length = lengths[start];
+      const RopeFrequencies* frequencies = &init_;
+      if (rope_.type == "longrope" && length > rope_.original_max_position_embeddings) {
+        frequencies = &long_;
+      } else if (rope_.type == "dynamic" && length > rope_.max_position_embeddings) {
+        if (cached_length_ != length) {
+          Result<RopeFrequencies> computed = rope_frequencies(rope_, rotary_dim_, length);
+          if (!computed) throw computed.error();
+          cached_ = std::move(*computed);
+          cached_length_ = length;
+        }
+        frequencies = &cached_;
+      }
+      Status status = rope_tables(frequencies->inv_freq, positions + start, 1, end - start, rope_.mrope_section,
+                                  cos + start * h, sin + start * h, frequencies->attention_factor);
+      if (!status) throw status.error();
+      start = end;
+    }
   });
 }
 
@@ -15918,13 +16503,20 @@ std::string model_name_of(const ModelConfig& config) {
 }
 
 struct ModelLimits {
-  int64_t max_position = 0;       // config's max_position_embeddings
+  int64_t max_position = 0;       // config's max_position_embeddings, or what its RoPE scaling reaches
   int64_t processor_max_pixels = 0;  // vision: preprocessor max, or the processor's default
 };
 
+// The positions a model is meant to reach: what its RoPE scaling reaches (rope_context_length), or
+// max_position_embeddings itself where that already counts the scaling (Gemma-3).
+inline int64_t context_positions(const TextConfig& t) {
+  if (t.block.max_positions_scaled) return t.max_position_embeddings;
+  return rope_context_length(t.rope, t.max_position_embeddings);
+}
+
 ModelLimits model_limits(const ModelConfig& config) {
   ModelLimits limits;
-  limits.max_position = config.text.max_position_embeddings;
+  limits.max_position = context_positions(config.text);
   if (config.vision.present)
     limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : kProcessorDefaultMaxPixels;
   return limits;
@@ -15967,12 +16559,15 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
   if (!(o.utilization > 0.0 && o.utilization <= 1.0))
     bad(format("utilization %g is outside (0, 1]: it is the fraction of device memory kvlite may use, e.g. 0.90",
                o.utilization));
-  int64_t max_position = config.text.max_position_embeddings;
+  // A RoPE scaling (yarn, linear, dynamic) reaches past max_position_embeddings: Qwen2.5's YaRN factor 4 on
+  // 32768 is its 128K context (rope_context_length).
+  int64_t max_position = context_positions(config.text);
   if (o.max_model_len < 0)
     bad(format("max_model_len %lld must be positive (or 0 for the default rule)", (long long)o.max_model_len));
   if (o.max_model_len > max_position)
-    bad(format("max_model_len %lld is more than the model's max_position_embeddings %lld (%s)",
-               (long long)o.max_model_len, (long long)max_position, config.origin.c_str()));
+    bad(format("max_model_len %lld is more than the model's max_position_embeddings %lld (%s%s)",
+               (long long)o.max_model_len, (long long)max_position, config.origin.c_str(),
+               max_position != config.text.max_position_embeddings ? ", as its RoPE scaling extends it" : ""));
   if (o.max_seqs < 0 || o.max_seqs > kMaxPlanSeqs)
     bad(format("max_seqs %lld is outside 1..%lld (or 0 for the default %lld)", (long long)o.max_seqs,
                (long long)kMaxPlanSeqs, (long long)kDefaultMaxSeqs));
@@ -16265,7 +16860,7 @@ PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
   const char* dtype = activation_dtype_text(*o.activation_dtype);
   return {"activations", "activations", buffers_bytes(buffers),
           format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual, normed, qkv, attn_out, "
-                 "gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,D/2) fp32; int32 index "
+                 "gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,R/2) fp32 per RoPE kind (R: rotary dims); int32 index "
                  "arrays%s",
                  (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits,
                  gpu ? format("; block tables (S+1,%lld) int32", (long long)pages).c_str() : ""),
@@ -16573,7 +17168,8 @@ uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers) {
 
 int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens) {
   if (kv_page_tokens <= 0) return 0;
-  return int64_t(ceil_div(uint64_t(std::max<int64_t>(config.text.max_position_embeddings, 1)), uint64_t(kv_page_tokens)));
+  const int64_t positions = detail::planning::context_positions(config.text);
+  return int64_t(ceil_div(uint64_t(std::max<int64_t>(positions, 1)), uint64_t(kv_page_tokens)));
 }
 
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
@@ -16596,6 +17192,10 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
   const uint64_t P = uint64_t(std::max<int64_t>(block_table_pages, 0)), spare = P > 0 ? 1 : 0;
   // M-RoPE models carry three position rows (t, h, w) per token.
   bool mrope = !t.rope.mrope_section.empty() || config.arch == Arch::qwen3_vl;
+  // The rotary tables hold R / 2 columns, R = rotary_dim = int(D * partial_rotary_factor) (Phi-4-mini: 3/4 of D);
+  // a config that gives no valid R was refused by the parser, so D / 2 is only a fallback.
+  const Result<int64_t> rotary_dim = rope_rotary_dim(t.rope, t.head_dim);
+  const uint64_t R2 = rotary_dim ? uint64_t(*rotary_dim / 2) : D / 2;
   std::vector<BufferSpec> buffers = {
       // the residual stream, in the activation dtype (as transformers keeps it: fp32 on the CPU reference,
       // bf16 in a bf16 model)
@@ -16612,8 +17212,8 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       buffer("slot_mapping", {T}, 4, "(T)", "int32"),  // KV slot (page x page_tokens + offset) each token writes
       buffer("seq_index", {T}, 4, "(T)", "int32"),     // which sequence of the batch each token belongs to
       // RoPE cos/sin of each token's position, computed on the host (rope_tables) and copied in.
-      buffer("rope_cos", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
-      buffer("rope_sin", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
+      buffer("rope_cos", {T, R2}, 4, "(T, R / 2)", "fp32"),
+      buffer("rope_sin", {T, R2}, 4, "(T, R / 2)", "fp32"),
       // attention batch: first token of each sequence; cached tokens of each sequence
       spare ? buffer("query_starts", {S + 2}, 4, "(S + 2)", "int32") : buffer("query_starts", {S + 1}, 4, "(S + 1)", "int32"),
       spare ? buffer("context_lens", {S + 1}, 4, "(S + 1)", "int32") : buffer("context_lens", {S}, 4, "(S)", "int32"),
@@ -16621,6 +17221,7 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
   };
   if (P > 0) buffers.push_back(buffer("block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
   // Gemma-3's sliding layers rotate with their own base (rope_local_base_freq): a second pair of tables.
+  // (their RopeConfig is the default of that base: every dimension rotates)
   if (t.block.local_rope_theta > 0) {
     buffers.push_back(buffer("rope_cos_local", {T, D / 2}, 4, "(T, D / 2)", "fp32"));
     buffers.push_back(buffer("rope_sin_local", {T, D / 2}, 4, "(T, D / 2)", "fp32"));
@@ -18524,96 +19125,6 @@ Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t lay
   });
 }
 
-// ---- rotary tables ----------------------------------------------------------------------------------------
-
-Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim) {
-  return detail::guard([&]() -> std::vector<float> {
-    if (rotary_dim <= 0 || rotary_dim % 2 != 0)
-      detail::fail(ErrorCode::invalid_argument,
-                   detail::format("rope_inv_freq: rotary_dim %lld must be positive and even", (long long)rotary_dim));
-    if (!(rope.theta > 0))
-      detail::fail(ErrorCode::invalid_argument, detail::format("rope_inv_freq: rope_theta %g must be positive", rope.theta));
-    if (rope.type != "default" && rope.type != "llama3")
-      detail::fail(ErrorCode::unsupported,
-                   detail::format("rope_inv_freq: rope type '%s' is not supported (kvlite runs 'default' and 'llama3')",
-                                  rope.type.c_str()));
-    // Each step is one float32 operation, in transformers' order, so the values match torch's:
-    //   inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    // The power is taken in double and rounded once (torch's float pow is within an ulp of that).
-    const int64_t half = rotary_dim / 2;
-    const float base = float(rope.theta);
-    std::vector<float> inv_freq(static_cast<size_t>(half));
-    for (int64_t i = 0; i < half; i++) {
-      float exponent = float(2 * i) / float(rotary_dim);
-      float power = float(std::pow(double(base), double(exponent)));
-      inv_freq[size_t(i)] = 1.0f / power;
-    }
-    if (rope.type == "default") return inv_freq;
-
-    if (!(rope.factor > 0) || !(rope.high_freq_factor > rope.low_freq_factor) || rope.low_freq_factor <= 0 ||
-        rope.original_max_position_embeddings <= 0)
-      detail::fail(ErrorCode::invalid_argument,
-                   detail::format("rope_inv_freq: llama3 scaling needs factor > 0, 0 < low_freq_factor < "
-                                  "high_freq_factor and original_max_position_embeddings > 0 (got %g, %g, %g, %lld)",
-                                  rope.factor, rope.low_freq_factor, rope.high_freq_factor,
-                                  (long long)rope.original_max_position_embeddings));
-    // _compute_llama3_parameters. A Python scalar meeting a float32 tensor becomes a float32 operand, and
-    // `scalar / tensor` is tensor.reciprocal() * scalar, hence the reciprocals below.
-    const float factor = float(rope.factor), low = float(rope.low_freq_factor);
-    const double old_context = double(rope.original_max_position_embeddings);
-    const float low_freq_wavelen = float(old_context / rope.low_freq_factor);
-    const float high_freq_wavelen = float(old_context / rope.high_freq_factor);
-    const float two_pi = float(6.283185307179586);  // 2 * math.pi
-    const float band = float(rope.high_freq_factor - rope.low_freq_factor);
-    for (float& f : inv_freq) {
-      float wavelen = (1.0f / f) * two_pi;
-      // wavelen < high_freq_wavelen: unchanged; wavelen > low_freq_wavelen: divided by factor
-      float scaled = wavelen > low_freq_wavelen ? f / factor : f;
-      bool medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
-      if (medium) {
-        // smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        float smooth = ((1.0f / wavelen) * float(old_context) - low) / band;
-        // (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        scaled = (1.0f - smooth) * scaled / factor + smooth * scaled;
-      }
-      f = scaled;
-    }
-    return inv_freq;
-  });
-}
-
-Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
-                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin) {
-  return detail::guard([&] {
-    const int64_t half = int64_t(inv_freq.size());
-    if (position_rows != 1 && position_rows != 3)
-      detail::fail(ErrorCode::invalid_argument,
-                   detail::format("rope_tables: %lld position rows; use 1 (RoPE) or 3 (t, h, w: M-RoPE)",
-                                  (long long)position_rows));
-    if (position_rows == 3 && mrope_section.size() != 3)
-      detail::fail(ErrorCode::invalid_argument,
-                   detail::format("rope_tables: 3 position rows need a 3-entry mrope_section (t, h, w), got %zu entries",
-                                  mrope_section.size()));
-    if (tokens < 0 || (tokens > 0 && (positions == nullptr || cos == nullptr || sin == nullptr)))
-      detail::fail(ErrorCode::invalid_argument, "rope_tables: null positions or tables, or negative tokens");
-    for (int64_t t = 0; t < tokens; t++) {
-      for (int64_t i = 0; i < half; i++) {
-        // Qwen3-VL's apply_interleaved_mrope: h overwrites slots 1, 4, 7, ... below 3 * section[1],
-        // w overwrites 2, 5, 8, ... below 3 * section[2]; the rest keep t.
-        int64_t row = 0;
-        if (position_rows == 3) {
-          if (i % 3 == 1 && i < 3 * int64_t(mrope_section[1])) row = 1;
-          else if (i % 3 == 2 && i < 3 * int64_t(mrope_section[2])) row = 2;
-        }
-        // freqs = inv_freq @ position_ids.float(): one float32 product
-        float angle = inv_freq[size_t(i)] * float(positions[row * tokens + t]);
-        cos[t * half + i] = float(std::cos(double(angle)));
-        sin[t * half + i] = float(std::sin(double(angle)));
-      }
-    }
-  });
-}
-
 }  // namespace kvlite
 // backend_cpu: the reference implementation of Backend, on host memory with a fixed pool of threads.
 //
@@ -19776,7 +20287,21 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   using detail::format;
   const TextConfig& c = config_.text;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size, V = c.vocab_size;
-  const int64_t half = D / 2;
+  Result<RotaryEmbedding> rotary = RotaryEmbedding::create(c.rope, D);
+  if (!rotary) throw rotary.error();
+  rotary_ = std::move(*rotary);
+  const int64_t half = rotary_.half();  // R / 2: D / 2, less with partial rotary (Phi-4-mini)
+  if (c.block.local_rope_theta > 0) {
+    // gemma3: the sliding layers' rotary_emb_local, default RoPE of base rope_local_base_freq (Gemma3's own
+    // compute_default_rope_parameters: every dimension rotates, no scaling, whatever the global layers use)
+    RopeConfig local;
+    local.theta = c.block.local_rope_theta;
+    local.max_position_embeddings = c.max_position_embeddings;
+    Result<RotaryEmbedding> local_rotary = RotaryEmbedding::create(local, D);
+    if (!local_rotary) throw local_rotary.error();
+    local_rotary_ = std::move(*local_rotary);
+    has_local_rotary_ = true;
+  }
   max_tokens_ = plan.options.max_batched_tokens;
   max_seqs_ = plan.options.max_seqs;
   const DType act = backend_.activation_dtype();
@@ -19811,9 +20336,9 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   mlp_act_ = view("mlp_act", act, max_tokens_, I);
   rope_cos_ = view("rope_cos", DType::F32, max_tokens_, half);
   rope_sin_ = view("rope_sin", DType::F32, max_tokens_, half);
-  if (c.block.local_rope_theta > 0) {
-    rope_cos_local_ = view("rope_cos_local", DType::F32, max_tokens_, half);
-    rope_sin_local_ = view("rope_sin_local", DType::F32, max_tokens_, half);
+  if (has_local_rotary_) {
+    rope_cos_local_ = view("rope_cos_local", DType::F32, max_tokens_, local_rotary_.half());
+    rope_sin_local_ = view("rope_sin_local", DType::F32, max_tokens_, local_rotary_.half());
   }
   token_ids_ = view("token_ids", DType::I32, max_tokens_, 1);
   slot_mapping_ = view("slot_mapping", DType::I32, max_tokens_, 1);
@@ -19835,19 +20360,10 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   // The gathered rows go through hidden_ (free after the final norm), so a call takes at most Tmax rows.
   max_logit_rows_ = std::min(logits_buffer_rows, max_tokens_);
 
-  Result<std::vector<float>> inv_freq = rope_inv_freq(c.rope, D);
-  if (!inv_freq) throw inv_freq.error();
-  inv_freq_ = std::move(*inv_freq);
-  if (c.block.local_rope_theta > 0) {
-    // gemma3: the sliding layers' rotary_emb_local, default RoPE of base rope_local_base_freq
-    RopeConfig local;
-    local.theta = c.block.local_rope_theta;
-    Result<std::vector<float>> local_inv_freq = rope_inv_freq(local, D);
-    if (!local_inv_freq) throw local_inv_freq.error();
-    local_inv_freq_ = std::move(*local_inv_freq);
-  }
-  cos_host_.resize(size_t(max_tokens_ * half));
-  sin_host_.resize(size_t(max_tokens_ * half));
+  rope_lengths_host_.resize(size_t(max_tokens_));
+  const int64_t staged_half = std::max(half, has_local_rotary_ ? local_rotary_.half() : 0);
+  cos_host_.resize(size_t(max_tokens_ * staged_half));
+  sin_host_.resize(size_t(max_tokens_ * staged_half));
   // self.scaling = self.head_dim ** -0.5   (gemma: config.query_pre_attn_scalar ** -0.5)
   const double scaled_by = c.block.query_pre_attn_scalar > 0 ? c.block.query_pre_attn_scalar : double(D);
   attention_scale_ = float(std::pow(scaled_by, -0.5));
@@ -19883,7 +20399,6 @@ void TextModel::stage(const StepInput& step) {
   using detail::fail;
   using detail::format;
   using detail::model::check;
-  const TextConfig& c = config_.text;
   const int64_t T = step.tokens;
   // The attention batch's buffers hold max_seqs sequences, and a GPU's one spare (CUDA graph padding).
   const int64_t seq_capacity = context_lens_.rows;
@@ -19903,17 +20418,22 @@ void TextModel::stage(const StepInput& step) {
   check(backend_.copy_from_host(step.query_starts, query_starts_.slice_rows(0, step.seqs + 1)));
   check(backend_.copy_from_host(step.context_lens, context_lens_.slice_rows(0, step.seqs)));
   if (step.logit_rows > 0) check(backend_.copy_from_host(step.logit_row_ids, logit_rows_.slice_rows(0, step.logit_rows)));
-  // cos, sin = self.rotary_emb(hidden_states, position_ids)                  cos, sin [T, D / 2]
-  // (qwen3_vl: three position rows, interleaved by mrope_section)
-  check(rope_tables(inv_freq_, step.positions, step.position_rows, T, c.rope.mrope_section, cos_host_.data(),
-                    sin_host_.data()));
+  // cos, sin = self.rotary_emb(hidden_states, position_ids)                  cos, sin [T, R / 2]
+  // (qwen3_vl: three position rows, interleaved by mrope_section; yarn, longrope: times the attention factor)
+  // dynamic, longrope: the frequencies follow seq_len = max(position_ids) + 1 of each sequence's tokens in this
+  // step, as transformers' dynamic_rope_update sees a forward call of the same tokens (cached keys keep theirs).
+  const int32_t* rope_lengths = nullptr;
+  if (rotary_.depends_on_length()) {
+    check(rope_step_lengths(step.positions, T, step.query_starts, step.seqs, rope_lengths_host_.data()));
+    rope_lengths = rope_lengths_host_.data();
+  }
+  check(rotary_.tables(step.positions, step.position_rows, T, rope_lengths, cos_host_.data(), sin_host_.data()));
   Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
   check(backend_.copy_from_host(cos_host_.data(), cos));
   check(backend_.copy_from_host(sin_host_.data(), sin));
-  if (!local_inv_freq_.empty()) {
-    // gemma3: position_embeddings_local = self.rotary_emb_local(hidden_states, position_ids)
-    check(rope_tables(local_inv_freq_, step.positions, step.position_rows, T, c.rope.mrope_section, cos_host_.data(),
-                      sin_host_.data()));
+  if (has_local_rotary_) {
+    // gemma3: position_embeddings_local = self.rotary_emb_local(hidden_states, position_ids)   [T, D / 2]
+    check(local_rotary_.tables(step.positions, step.position_rows, T, nullptr, cos_host_.data(), sin_host_.data()));
     check(backend_.copy_from_host(cos_host_.data(), rope_cos_local_.slice_rows(0, T)));
     check(backend_.copy_from_host(sin_host_.data(), rope_sin_local_.slice_rows(0, T)));
   }
@@ -19952,8 +20472,8 @@ void TextModel::compute(const StepInput& step) {
   const BlockTraits& block = c.block;
   Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
   // the sliding layers' RoPE tables (gemma3), else the same as every layer's
-  Tensor local_cos = local_inv_freq_.empty() ? cos : rope_cos_local_.slice_rows(0, T);
-  Tensor local_sin = local_inv_freq_.empty() ? sin : rope_sin_local_.slice_rows(0, T);
+  Tensor local_cos = has_local_rotary_ ? rope_cos_local_.slice_rows(0, T) : cos;
+  Tensor local_sin = has_local_rotary_ ? rope_sin_local_.slice_rows(0, T) : sin;
   const GeluApprox gelu_form = block.activation == MlpActivation::gelu ? GeluApprox::none : GeluApprox::tanh;
   const KVCacheView cache = kv_cache();
 

@@ -370,19 +370,6 @@ struct CpuBackendOptions {
 // element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
 Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options = {});
 
-// ---- rotary tables (host helpers, shared by every backend) ----------------------------------------------
-// inv_freq[i], i < rotary_dim / 2, exactly as transformers' rope init computes it in float32:
-// "default": 1 / theta^(2i / rotary_dim); "llama3": then rescaled by wavelength band
-// (_compute_llama3_parameters in modeling_rope_utils.py). Other types are unsupported.
-Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_dim);
-
-// cos/sin tables [tokens, half] for rope(), half = inv_freq.size(): angle = float(inv_freq[i] * position)
-// in float32 as transformers forms it, then its cos and sin.
-// positions I32 [position_rows, tokens] (transformers' position_ids layout): 1 row for plain RoPE; 3 rows
-// (t, h, w) for Qwen3-VL's interleaved M-RoPE, where frequency i takes row h when i % 3 == 1 and
-// i < 3 * mrope_section[1], row w when i % 3 == 2 and i < 3 * mrope_section[2], else row t.
-// cos, sin: host arrays of tokens * half floats.
-Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
-                   int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin);
+// The rotary tables rope() takes are made by src/rope.hpp (rope_tables, RotaryEmbedding).
 
 }  // namespace kvlite

@@ -81,15 +81,39 @@ enum class Arch { llama, qwen2, qwen3, qwen3_vl, mistral, gemma2, gemma3, phi3 }
 const char* arch_name(Arch arch);
 
 // Rotary embedding parameters, from either key layout: classic (`rope_theta` + `rope_scaling`) or the one
-// newer transformers write (`rope_parameters` = {rope_type, rope_theta, ...}).
+// newer transformers write (`rope_parameters` = {rope_type, rope_theta, ...}). Each field is the value
+// transformers' ROPE_INIT_FUNCTIONS read (modeling_rope_utils.py), defaults included; src/rope.hpp turns them
+// into inverse frequencies, attention factors and cos/sin tables.
 struct RopeConfig {
-  std::string type = "default";  // "default" | "llama3" (others are refused as unsupported)
+  // "default" | "linear" | "dynamic" | "yarn" | "longrope" | "llama3" (others are refused, naming the key)
+  std::string type = "default";
   double theta = 10000.0;
-  // llama3 scaling
+  // rotary_dim = int(head_dim * partial_rotary_factor): the first rotary_dim dims of each head are rotated
+  double partial_rotary_factor = 1.0;
+  // the model's max_position_embeddings: dynamic's base length, and yarn's / longrope's factor when absent
+  int64_t max_position_embeddings = 0;
+  // linear, dynamic, yarn, llama3; longrope's (for its attention factor only) when given. 0 = absent (yarn,
+  // longrope: max_position_embeddings / original_max_position_embeddings, as transformers derives it).
   double factor = 1.0;
+  // llama3 scaling
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
+  // llama3, yarn, longrope: the pretraining length (top-level key first, as transformers' standardize does;
+  // else the rope parameters' key; else max_position_embeddings)
   int64_t original_max_position_embeddings = 0;
+  // yarn, longrope: multiplies cos and sin (so q.k by its square). 0 = absent: derived from factor (yarn:
+  // mscale / mscale_all_dim when both are non-zero; longrope: sqrt(1 + ln(factor) / ln(original))).
+  double attention_factor = 0.0;
+  // yarn: 0 = absent (32 and 1), as transformers' `beta_fast or 32`
+  double beta_fast = 0.0;
+  double beta_slow = 0.0;
+  double mscale = 0.0;          // yarn: 0 = absent
+  double mscale_all_dim = 0.0;  // yarn: 0 = absent
+  bool truncate = true;         // yarn: floor/ceil the correction range
+  // longrope: per-frequency divisors [rotary_dim / 2]; long_factor when the sequence is longer than
+  // original_max_position_embeddings, short_factor otherwise
+  std::vector<double> short_factor;
+  std::vector<double> long_factor;
   // Qwen3-VL multimodal RoPE: sections of the rotary half (t, h, w), e.g. [24, 20, 20]
   std::vector<int> mrope_section;
   bool mrope_interleaved = false;
@@ -125,6 +149,10 @@ struct BlockTraits {
   std::vector<LayerKind> layer_kinds;  // [num_layers]
   int64_t sliding_window = 0;  // W: a sliding layer's query sees the W most recent tokens, itself included
   double local_rope_theta = 0;  // > 0: the sliding layers' own RoPE base (Gemma-3 rope_local_base_freq)
+  // max_position_embeddings already counts what the RoPE scaling reaches (Gemma-3: 131072 = its 16K pretraining
+  // x the global layers' linear 8), so the planner does not multiply it by the factor again (vLLM's rule skips
+  // gemma3 for the same reason)
+  bool max_positions_scaled = false;
 
   bool has_sliding_layers() const {
     for (LayerKind kind : layer_kinds)

@@ -267,44 +267,165 @@ inline DType parse_dtype(const Node& node, const std::string& key, DType fallbac
   node.fail_key(ErrorCode::unsupported, key, format("'%s' is not supported; supported: bfloat16, float16, float32", name->c_str()));
 }
 
+// A list of positive finite numbers (longrope's short_factor / long_factor), at most `limit` long.
+inline std::vector<double> positive_numbers(const Node& node, const std::string& key, int64_t limit) {
+  const json* v = node.find(key);
+  if (!v) node.fail_key(ErrorCode::bad_format, key, "is missing");
+  if (!v->is_array()) node.fail_key(ErrorCode::bad_format, key, "must be a list of numbers");
+  if (int64_t(v->size()) > limit)
+    node.fail_key(ErrorCode::bad_format, key, format("has %zu entries; the rotary dimension allows at most %lld",
+                                                     v->size(), (long long)limit));
+  std::vector<double> out;
+  for (const json& item : *v) {
+    if (!item.is_number() || !(item.get<double>() > 0) || !std::isfinite(item.get<double>()))
+      node.fail_key(ErrorCode::bad_format, key, format("must hold positive numbers, not %s", item.dump().c_str()));
+    out.push_back(item.get<double>());
+  }
+  return out;
+}
+
+// One rope parameter dict (`rope_scaling` or `rope_parameters`, or one layer type's entry of a nested
+// `rope_parameters`) read into `rope` as transformers' ROPE_INIT_FUNCTIONS read it. `text` is the config
+// holding it (top-level `partial_rotary_factor` / `original_max_position_embeddings`); rope.theta,
+// rope.max_position_embeddings and rope.partial_rotary_factor hold the caller's defaults on entry.
+// class_original_max_position_embeddings: the config class's attribute when the file has no top-level key
+// (Phi3Config: 4096); > 0 takes priority over the dict's value, as standardize_rope_params' hasattr does.
+inline void parse_rope_parameters(const Node& params, const Node& text, int64_t head_dim, RopeConfig& rope,
+                                  int64_t class_original_max_position_embeddings = 0) {
+  rope.theta = params.number_or("rope_theta", rope.theta);
+  if (!(rope.theta > 0)) params.fail_key(ErrorCode::bad_format, "rope_theta", "must be positive");
+  // transformers' standardize_rope_params: the dict's value first, then the config's attribute
+  rope.partial_rotary_factor = params.number_or("partial_rotary_factor", rope.partial_rotary_factor);
+  if (!(rope.partial_rotary_factor > 0 && rope.partial_rotary_factor <= 1))
+    params.fail_key(ErrorCode::bad_format, "partial_rotary_factor",
+                    format("(%g) must be in (0, 1]", rope.partial_rotary_factor));
+  const int64_t rotary_dim = int64_t(double(head_dim) * rope.partial_rotary_factor);  // Python's int()
+  if (rotary_dim < 2 || rotary_dim % 2 != 0)
+    params.fail_key(ErrorCode::bad_format, "partial_rotary_factor",
+                    format("(%g) gives rotary_dim int(%lld * %g) = %lld; it must be even and at least 2",
+                           rope.partial_rotary_factor, (long long)head_dim, rope.partial_rotary_factor,
+                           (long long)rotary_dim));
+
+  const char* type_key = params.has("rope_type") ? "rope_type" : "type";
+  std::string type = params.string_or(type_key, "default");
+  if (type == "mrope") type = "default";  // the older name of Qwen's multimodal default rope
+  static const char* const kSupported = "default, linear, dynamic, yarn, longrope, llama3";
+  if (type != "default" && type != "linear" && type != "dynamic" && type != "yarn" && type != "longrope" &&
+      type != "llama3")
+    params.fail_key(ErrorCode::unsupported, type_key, format("'%s' is not supported; supported: %s", type.c_str(), kSupported));
+  rope.type = type;
+  if (type == "default") return;
+
+  auto positive_number = [&](const char* key, double fallback) {
+    double v = params.number_or(key, fallback);
+    if (!(v > 0) || !std::isfinite(v)) params.fail_key(ErrorCode::bad_format, key, format("(%g) must be positive", v));
+    return v;
+  };
+  // llama3, yarn, longrope: standardize_rope_params gives a top-level original_max_position_embeddings
+  // priority (Phi-3 keeps it there), else keeps the dict's, else sets max_position_embeddings.
+  auto original_length = [&]() -> int64_t {
+    if (text.has("original_max_position_embeddings"))
+      return text.bounded("original_max_position_embeddings", limits::max_positions, "KVLITE_MAX_POSITIONS");
+    if (class_original_max_position_embeddings > 0) return class_original_max_position_embeddings;
+    if (params.has("original_max_position_embeddings"))
+      return params.bounded("original_max_position_embeddings", limits::max_positions, "KVLITE_MAX_POSITIONS");
+    if (rope.max_position_embeddings <= 0)
+      params.fail_key(ErrorCode::bad_format, "original_max_position_embeddings",
+                      "is missing and so is max_position_embeddings");
+    return rope.max_position_embeddings;
+  };
+
+  if (type == "linear" || type == "dynamic") {
+    if (!params.has("factor")) params.fail_key(ErrorCode::bad_format, "factor", format("is missing (%s rope needs it)", type.c_str()));
+    rope.factor = positive_number("factor", 1.0);
+    if (type == "dynamic" && rope.max_position_embeddings <= 0)
+      params.fail_key(ErrorCode::bad_format, type_key, "'dynamic' needs max_position_embeddings (its base length)");
+  } else if (type == "llama3") {
+    rope.factor = params.required_number("factor");
+    rope.low_freq_factor = params.required_number("low_freq_factor");
+    rope.high_freq_factor = params.required_number("high_freq_factor");
+    rope.original_max_position_embeddings = original_length();
+    if (!(rope.factor > 0)) params.fail_key(ErrorCode::bad_format, "factor", "must be positive");
+    if (!(rope.low_freq_factor > 0)) params.fail_key(ErrorCode::bad_format, "low_freq_factor", "must be positive");
+    if (!(rope.high_freq_factor > rope.low_freq_factor))
+      params.fail_key(ErrorCode::bad_format, "high_freq_factor",
+                      format("(%g) must be greater than low_freq_factor (%g)", rope.high_freq_factor, rope.low_freq_factor));
+  } else if (type == "yarn") {
+    rope.original_max_position_embeddings = original_length();
+    // factor None: max_position_embeddings / original_max_position_embeddings (DeepSeek-V3's convention)
+    rope.factor = params.has("factor") ? positive_number("factor", 1.0)
+                                       : double(rope.max_position_embeddings) / double(rope.original_max_position_embeddings);
+    if (!(rope.factor > 0)) params.fail_key(ErrorCode::bad_format, "factor", "is missing and max_position_embeddings is not positive");
+    rope.attention_factor = params.has("attention_factor") ? positive_number("attention_factor", 1.0) : 0.0;
+    rope.beta_fast = params.number_or("beta_fast", 0.0);
+    rope.beta_slow = params.number_or("beta_slow", 0.0);
+    rope.mscale = params.number_or("mscale", 0.0);
+    rope.mscale_all_dim = params.number_or("mscale_all_dim", 0.0);
+    rope.truncate = params.bool_or("truncate", true);
+    for (double v : {rope.beta_fast, rope.beta_slow, rope.mscale, rope.mscale_all_dim})
+      if (!std::isfinite(v)) params.fail_key(ErrorCode::bad_format, "beta_fast", "and its siblings must be finite");
+  } else {  // longrope
+    rope.original_max_position_embeddings = original_length();
+    rope.factor = params.has("factor") ? positive_number("factor", 1.0) : 0.0;
+    rope.attention_factor = params.has("attention_factor") ? positive_number("attention_factor", 1.0) : 0.0;
+    rope.short_factor = positive_numbers(params, "short_factor", rotary_dim / 2);
+    rope.long_factor = positive_numbers(params, "long_factor", rotary_dim / 2);
+    for (const char* key : {"short_factor", "long_factor"}) {
+      const size_t n = std::string(key) == "short_factor" ? rope.short_factor.size() : rope.long_factor.size();
+      if (int64_t(n) != rotary_dim / 2)
+        params.fail_key(ErrorCode::bad_format, key,
+                        format("has %zu entries; it needs one per rotary frequency, rotary_dim / 2 = %lld", n,
+                               (long long)(rotary_dim / 2)));
+    }
+  }
+}
+
+// The default RoPE is each model's own compute_default_rope_parameters: Phi-3's rotates int(head_dim *
+// partial_rotary_factor) dimensions, Llama's, Mistral's, Qwen's and Gemma's every one whatever the factor says
+// (the scaled types of ROPE_INIT_FUNCTIONS read the factor for every model).
+inline RopeConfig default_rope_of(Arch arch, RopeConfig rope) {
+  if (rope.type == "default" && arch != Arch::phi3) rope.partial_rotary_factor = 1.0;
+  return rope;
+}
+
 // Rotary parameters from the classic keys (`rope_theta` + `rope_scaling`) or the newer `rope_parameters`.
-inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim) {
+inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int64_t max_position_embeddings = 0) {
   RopeConfig rope;
   // transformers' class defaults when the key is absent.
   rope.theta = arch == Arch::qwen3_vl ? 5000000.0 : 10000.0;
+  rope.theta = text.number_or("rope_theta", rope.theta);
+  rope.max_position_embeddings = max_position_embeddings;
+  rope.partial_rotary_factor = text.number_or("partial_rotary_factor", 1.0);
+  // Phi3Config carries original_max_position_embeddings = 4096 whether or not the file says it, and its
+  // standardize_rope_params prefers that attribute to the dict's value.
+  const int64_t class_original = arch == Arch::phi3 ? 4096 : 0;
   std::optional<Node> params;
   if (text.has("rope_parameters")) {
     params = text.child("rope_parameters");
     for (const char* layer_type : {"full_attention", "sliding_attention"})
       if (params->has(layer_type))
         params->fail_key(ErrorCode::unsupported, layer_type, "(rope parameters per layer type) is not supported");
-    rope.theta = params->number_or("rope_theta", text.number_or("rope_theta", rope.theta));
   } else {
-    rope.theta = text.number_or("rope_theta", rope.theta);
     params = text.optional_child("rope_scaling");
   }
   if (!(rope.theta > 0)) text.fail_key(ErrorCode::bad_format, "rope_theta", "must be positive");
-  if (!params) return rope;
-
-  const char* type_key = params->has("rope_type") ? "rope_type" : "type";
-  std::string type = params->string_or(type_key, "default");
-  if (type == "mrope") type = "default";  // the older name of Qwen's multimodal default rope
-  if (type == "default") {
-    rope.type = "default";
-  } else if (type == "llama3") {
-    rope.type = "llama3";
-    rope.factor = params->required_number("factor");
-    rope.low_freq_factor = params->required_number("low_freq_factor");
-    rope.high_freq_factor = params->required_number("high_freq_factor");
-    rope.original_max_position_embeddings = params->bounded("original_max_position_embeddings", limits::max_positions, "KVLITE_MAX_POSITIONS");
-    if (!(rope.factor > 0)) params->fail_key(ErrorCode::bad_format, "factor", "must be positive");
-    if (!(rope.high_freq_factor > rope.low_freq_factor))
-      params->fail_key(ErrorCode::bad_format, "high_freq_factor",
-                       format("(%g) must be greater than low_freq_factor (%g)", rope.high_freq_factor, rope.low_freq_factor));
-  } else {
-    params->fail_key(ErrorCode::unsupported, type_key,
-                     format("'%s' is not supported; supported: default, llama3", type.c_str()));
+  if (!params) {
+    // no dict: the defaults, still checked (partial_rotary_factor)
+    json empty = json::object();
+    parse_rope_parameters(Node{&empty, text.path, text.origin}, text, head_dim, rope, class_original);
+    return default_rope_of(arch, rope);
   }
+  // M-RoPE's tables come from three position rows at once; the length-dependent types pick frequencies per
+  // sequence length, which kvlite does for one position row only.
+  const char* type_key = params->has("rope_type") ? "rope_type" : "type";
+  const std::string type = params->string_or(type_key, "default");
+  if ((arch == Arch::qwen3_vl || params->has("mrope_section")) && (type == "dynamic" || type == "longrope"))
+    params->fail_key(ErrorCode::unsupported, type_key,
+                     format("'%s' is not supported with M-RoPE (mrope_section); supported there: default, linear, "
+                            "yarn, llama3", type.c_str()));
+  parse_rope_parameters(*params, text, head_dim, rope, class_original);
+  rope = default_rope_of(arch, rope);
+
   for (int64_t section : params->int_list("mrope_section")) {
     if (section <= 0) params->fail_key(ErrorCode::bad_format, "mrope_section", "must hold positive sizes");
     rope.mrope_section.push_back(int(section));
@@ -519,7 +640,7 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
 
   // Rotary keys live with the text model; very old qwen3_vl files had them only at the top level.
   bool text_has_rope = text.has("rope_parameters") || text.has("rope_scaling") || text.has("rope_theta");
-  t.rope = parse_rope(text_has_rope ? text : root, arch, t.head_dim);
+  t.rope = parse_rope(text_has_rope ? text : root, arch, t.head_dim, t.max_position_embeddings);
 
   t.bos_token_ids = text.has("bos_token_id") ? text.ids("bos_token_id") : root.ids("bos_token_id");
   t.eos_token_ids = text.has("eos_token_id") ? text.ids("eos_token_id") : root.ids("eos_token_id");
@@ -915,6 +1036,7 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
       Node text_node{&text, nested ? "text_config" : "", origin};
       config.text = detail::cfg::parse_text(text_node, root, config.arch);
       config.text.block.local_rope_theta = local_theta;
+      config.text.block.max_positions_scaled = true;
       if (nested && root.has("vision_config")) {
         // Gemma3ForConditionalGeneration's SigLIP tower (SiglipVisionConfig defaults for absent keys) and its
         // projector, for the weights estimate: patch conv + bias, position table, per layer q/k/v/o with

@@ -159,9 +159,13 @@ class TextModel {
   int64_t step_tokens_ = 0;     // T of the last stage()
   float attention_scale_ = 1.0f;  // head_dim ** -0.5 (query_pre_attn_scalar ** -0.5: gemma)
   float embedding_scale_ = 0.0f;  // > 0: inputs_embeds * this (gemma's normalizer, in the embedding dtype)
-  std::vector<float> inv_freq_;             // [D / 2] RoPE frequencies (llama3-scaled when configured)
-  std::vector<float> local_inv_freq_;       // [D / 2] the sliding layers' own (gemma3); empty: inv_freq_ serves all
-  std::vector<float> cos_host_, sin_host_;  // [Tmax, D / 2] host staging for rope_tables()
+  RotaryEmbedding rotary_;        // the config's RoPE (src/rope.hpp), every layer's: R = rotary_dim <= D
+  // gemma3: the sliding layers' own (default RoPE of base rope_local_base_freq); has_local_rotary_ false: rotary_
+  // serves every layer
+  RotaryEmbedding local_rotary_;
+  bool has_local_rotary_ = false;
+  std::vector<float> cos_host_, sin_host_;  // [Tmax, R / 2] host staging for the rotary tables
+  std::vector<int32_t> rope_lengths_host_;  // [Tmax] each token's sequence length as the rotary forward sees it
   // [Tmax, H] image rows rounded to 16-bit activations on the host (vision models with BF16 / F16 activations)
   std::vector<uint16_t> image_rows_16bit_;
   int64_t deepstack_levels_ = 0;            // qwen3_vl: DeepStack features added after layers 0 .. levels - 1
@@ -174,8 +178,8 @@ class TextModel {
   Tensor attn_out_;       // "attn_out"     [Tmax, Hq D]
   Tensor gate_up_;        // "gate_up"      [Tmax, 2 I]: gate | up column blocks
   Tensor mlp_act_;        // "mlp_act"      [Tmax, I]
-  Tensor rope_cos_;       // "rope_cos"     [Tmax, D / 2] fp32
-  Tensor rope_sin_;       // "rope_sin"     [Tmax, D / 2] fp32
+  Tensor rope_cos_;       // "rope_cos"     [Tmax, R / 2] fp32 (R = rotary_dim)
+  Tensor rope_sin_;       // "rope_sin"     [Tmax, R / 2] fp32
   Tensor rope_cos_local_;  // "rope_cos_local" [Tmax, D / 2] fp32: the sliding layers' (gemma3); else empty
   Tensor rope_sin_local_;  // "rope_sin_local" [Tmax, D / 2] fp32
   Tensor token_ids_;      // "token_ids"    [Tmax] int32

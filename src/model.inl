@@ -279,7 +279,21 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   using detail::format;
   const TextConfig& c = config_.text;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size, V = c.vocab_size;
-  const int64_t half = D / 2;
+  Result<RotaryEmbedding> rotary = RotaryEmbedding::create(c.rope, D);
+  if (!rotary) throw rotary.error();
+  rotary_ = std::move(*rotary);
+  const int64_t half = rotary_.half();  // R / 2: D / 2, less with partial rotary (Phi-4-mini)
+  if (c.block.local_rope_theta > 0) {
+    // gemma3: the sliding layers' rotary_emb_local, default RoPE of base rope_local_base_freq (Gemma3's own
+    // compute_default_rope_parameters: every dimension rotates, no scaling, whatever the global layers use)
+    RopeConfig local;
+    local.theta = c.block.local_rope_theta;
+    local.max_position_embeddings = c.max_position_embeddings;
+    Result<RotaryEmbedding> local_rotary = RotaryEmbedding::create(local, D);
+    if (!local_rotary) throw local_rotary.error();
+    local_rotary_ = std::move(*local_rotary);
+    has_local_rotary_ = true;
+  }
   max_tokens_ = plan.options.max_batched_tokens;
   max_seqs_ = plan.options.max_seqs;
   const DType act = backend_.activation_dtype();
@@ -314,9 +328,9 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   mlp_act_ = view("mlp_act", act, max_tokens_, I);
   rope_cos_ = view("rope_cos", DType::F32, max_tokens_, half);
   rope_sin_ = view("rope_sin", DType::F32, max_tokens_, half);
-  if (c.block.local_rope_theta > 0) {
-    rope_cos_local_ = view("rope_cos_local", DType::F32, max_tokens_, half);
-    rope_sin_local_ = view("rope_sin_local", DType::F32, max_tokens_, half);
+  if (has_local_rotary_) {
+    rope_cos_local_ = view("rope_cos_local", DType::F32, max_tokens_, local_rotary_.half());
+    rope_sin_local_ = view("rope_sin_local", DType::F32, max_tokens_, local_rotary_.half());
   }
   token_ids_ = view("token_ids", DType::I32, max_tokens_, 1);
   slot_mapping_ = view("slot_mapping", DType::I32, max_tokens_, 1);
@@ -338,19 +352,10 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   // The gathered rows go through hidden_ (free after the final norm), so a call takes at most Tmax rows.
   max_logit_rows_ = std::min(logits_buffer_rows, max_tokens_);
 
-  Result<std::vector<float>> inv_freq = rope_inv_freq(c.rope, D);
-  if (!inv_freq) throw inv_freq.error();
-  inv_freq_ = std::move(*inv_freq);
-  if (c.block.local_rope_theta > 0) {
-    // gemma3: the sliding layers' rotary_emb_local, default RoPE of base rope_local_base_freq
-    RopeConfig local;
-    local.theta = c.block.local_rope_theta;
-    Result<std::vector<float>> local_inv_freq = rope_inv_freq(local, D);
-    if (!local_inv_freq) throw local_inv_freq.error();
-    local_inv_freq_ = std::move(*local_inv_freq);
-  }
-  cos_host_.resize(size_t(max_tokens_ * half));
-  sin_host_.resize(size_t(max_tokens_ * half));
+  rope_lengths_host_.resize(size_t(max_tokens_));
+  const int64_t staged_half = std::max(half, has_local_rotary_ ? local_rotary_.half() : 0);
+  cos_host_.resize(size_t(max_tokens_ * staged_half));
+  sin_host_.resize(size_t(max_tokens_ * staged_half));
   // self.scaling = self.head_dim ** -0.5   (gemma: config.query_pre_attn_scalar ** -0.5)
   const double scaled_by = c.block.query_pre_attn_scalar > 0 ? c.block.query_pre_attn_scalar : double(D);
   attention_scale_ = float(std::pow(scaled_by, -0.5));
@@ -386,7 +391,6 @@ void TextModel::stage(const StepInput& step) {
   using detail::fail;
   using detail::format;
   using detail::model::check;
-  const TextConfig& c = config_.text;
   const int64_t T = step.tokens;
   // The attention batch's buffers hold max_seqs sequences, and a GPU's one spare (CUDA graph padding).
   const int64_t seq_capacity = context_lens_.rows;
@@ -406,17 +410,22 @@ void TextModel::stage(const StepInput& step) {
   check(backend_.copy_from_host(step.query_starts, query_starts_.slice_rows(0, step.seqs + 1)));
   check(backend_.copy_from_host(step.context_lens, context_lens_.slice_rows(0, step.seqs)));
   if (step.logit_rows > 0) check(backend_.copy_from_host(step.logit_row_ids, logit_rows_.slice_rows(0, step.logit_rows)));
-  // cos, sin = self.rotary_emb(hidden_states, position_ids)                  cos, sin [T, D / 2]
-  // (qwen3_vl: three position rows, interleaved by mrope_section)
-  check(rope_tables(inv_freq_, step.positions, step.position_rows, T, c.rope.mrope_section, cos_host_.data(),
-                    sin_host_.data()));
+  // cos, sin = self.rotary_emb(hidden_states, position_ids)                  cos, sin [T, R / 2]
+  // (qwen3_vl: three position rows, interleaved by mrope_section; yarn, longrope: times the attention factor)
+  // dynamic, longrope: the frequencies follow seq_len = max(position_ids) + 1 of each sequence's tokens in this
+  // step, as transformers' dynamic_rope_update sees a forward call of the same tokens (cached keys keep theirs).
+  const int32_t* rope_lengths = nullptr;
+  if (rotary_.depends_on_length()) {
+    check(rope_step_lengths(step.positions, T, step.query_starts, step.seqs, rope_lengths_host_.data()));
+    rope_lengths = rope_lengths_host_.data();
+  }
+  check(rotary_.tables(step.positions, step.position_rows, T, rope_lengths, cos_host_.data(), sin_host_.data()));
   Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
   check(backend_.copy_from_host(cos_host_.data(), cos));
   check(backend_.copy_from_host(sin_host_.data(), sin));
-  if (!local_inv_freq_.empty()) {
-    // gemma3: position_embeddings_local = self.rotary_emb_local(hidden_states, position_ids)
-    check(rope_tables(local_inv_freq_, step.positions, step.position_rows, T, c.rope.mrope_section, cos_host_.data(),
-                      sin_host_.data()));
+  if (has_local_rotary_) {
+    // gemma3: position_embeddings_local = self.rotary_emb_local(hidden_states, position_ids)   [T, D / 2]
+    check(local_rotary_.tables(step.positions, step.position_rows, T, nullptr, cos_host_.data(), sin_host_.data()));
     check(backend_.copy_from_host(cos_host_.data(), rope_cos_local_.slice_rows(0, T)));
     check(backend_.copy_from_host(sin_host_.data(), rope_sin_local_.slice_rows(0, T)));
   }
@@ -455,8 +464,8 @@ void TextModel::compute(const StepInput& step) {
   const BlockTraits& block = c.block;
   Tensor cos = rope_cos_.slice_rows(0, T), sin = rope_sin_.slice_rows(0, T);
   // the sliding layers' RoPE tables (gemma3), else the same as every layer's
-  Tensor local_cos = local_inv_freq_.empty() ? cos : rope_cos_local_.slice_rows(0, T);
-  Tensor local_sin = local_inv_freq_.empty() ? sin : rope_sin_local_.slice_rows(0, T);
+  Tensor local_cos = has_local_rotary_ ? rope_cos_local_.slice_rows(0, T) : cos;
+  Tensor local_sin = has_local_rotary_ ? rope_sin_local_.slice_rows(0, T) : sin;
   const GeluApprox gelu_form = block.activation == MlpActivation::gelu ? GeluApprox::none : GeluApprox::tanh;
   const KVCacheView cache = kv_cache();
 

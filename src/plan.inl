@@ -189,13 +189,20 @@ std::string model_name_of(const ModelConfig& config) {
 }
 
 struct ModelLimits {
-  int64_t max_position = 0;       // config's max_position_embeddings
+  int64_t max_position = 0;       // config's max_position_embeddings, or what its RoPE scaling reaches
   int64_t processor_max_pixels = 0;  // vision: preprocessor max, or the processor's default
 };
 
+// The positions a model is meant to reach: what its RoPE scaling reaches (rope_context_length), or
+// max_position_embeddings itself where that already counts the scaling (Gemma-3).
+inline int64_t context_positions(const TextConfig& t) {
+  if (t.block.max_positions_scaled) return t.max_position_embeddings;
+  return rope_context_length(t.rope, t.max_position_embeddings);
+}
+
 ModelLimits model_limits(const ModelConfig& config) {
   ModelLimits limits;
-  limits.max_position = config.text.max_position_embeddings;
+  limits.max_position = context_positions(config.text);
   if (config.vision.present)
     limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : kProcessorDefaultMaxPixels;
   return limits;
@@ -238,12 +245,15 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
   if (!(o.utilization > 0.0 && o.utilization <= 1.0))
     bad(format("utilization %g is outside (0, 1]: it is the fraction of device memory kvlite may use, e.g. 0.90",
                o.utilization));
-  int64_t max_position = config.text.max_position_embeddings;
+  // A RoPE scaling (yarn, linear, dynamic) reaches past max_position_embeddings: Qwen2.5's YaRN factor 4 on
+  // 32768 is its 128K context (rope_context_length).
+  int64_t max_position = context_positions(config.text);
   if (o.max_model_len < 0)
     bad(format("max_model_len %lld must be positive (or 0 for the default rule)", (long long)o.max_model_len));
   if (o.max_model_len > max_position)
-    bad(format("max_model_len %lld is more than the model's max_position_embeddings %lld (%s)",
-               (long long)o.max_model_len, (long long)max_position, config.origin.c_str()));
+    bad(format("max_model_len %lld is more than the model's max_position_embeddings %lld (%s%s)",
+               (long long)o.max_model_len, (long long)max_position, config.origin.c_str(),
+               max_position != config.text.max_position_embeddings ? ", as its RoPE scaling extends it" : ""));
   if (o.max_seqs < 0 || o.max_seqs > kMaxPlanSeqs)
     bad(format("max_seqs %lld is outside 1..%lld (or 0 for the default %lld)", (long long)o.max_seqs,
                (long long)kMaxPlanSeqs, (long long)kDefaultMaxSeqs));
@@ -536,7 +546,7 @@ PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
   const char* dtype = activation_dtype_text(*o.activation_dtype);
   return {"activations", "activations", buffers_bytes(buffers),
           format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual, normed, qkv, attn_out, "
-                 "gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,D/2) fp32; int32 index "
+                 "gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,R/2) fp32 per RoPE kind (R: rotary dims); int32 index "
                  "arrays%s",
                  (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits,
                  gpu ? format("; block tables (S+1,%lld) int32", (long long)pages).c_str() : ""),
@@ -844,7 +854,8 @@ uint64_t buffers_bytes(const std::vector<BufferSpec>& buffers) {
 
 int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens) {
   if (kv_page_tokens <= 0) return 0;
-  return int64_t(ceil_div(uint64_t(std::max<int64_t>(config.text.max_position_embeddings, 1)), uint64_t(kv_page_tokens)));
+  const int64_t positions = detail::planning::context_positions(config.text);
+  return int64_t(ceil_div(uint64_t(std::max<int64_t>(positions, 1)), uint64_t(kv_page_tokens)));
 }
 
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
@@ -867,6 +878,10 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
   const uint64_t P = uint64_t(std::max<int64_t>(block_table_pages, 0)), spare = P > 0 ? 1 : 0;
   // M-RoPE models carry three position rows (t, h, w) per token.
   bool mrope = !t.rope.mrope_section.empty() || config.arch == Arch::qwen3_vl;
+  // The rotary tables hold R / 2 columns, R = rotary_dim = int(D * partial_rotary_factor) (Phi-4-mini: 3/4 of D);
+  // a config that gives no valid R was refused by the parser, so D / 2 is only a fallback.
+  const Result<int64_t> rotary_dim = rope_rotary_dim(t.rope, t.head_dim);
+  const uint64_t R2 = rotary_dim ? uint64_t(*rotary_dim / 2) : D / 2;
   std::vector<BufferSpec> buffers = {
       // the residual stream, in the activation dtype (as transformers keeps it: fp32 on the CPU reference,
       // bf16 in a bf16 model)
@@ -883,8 +898,8 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       buffer("slot_mapping", {T}, 4, "(T)", "int32"),  // KV slot (page x page_tokens + offset) each token writes
       buffer("seq_index", {T}, 4, "(T)", "int32"),     // which sequence of the batch each token belongs to
       // RoPE cos/sin of each token's position, computed on the host (rope_tables) and copied in.
-      buffer("rope_cos", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
-      buffer("rope_sin", {T, D / 2}, 4, "(T, D / 2)", "fp32"),
+      buffer("rope_cos", {T, R2}, 4, "(T, R / 2)", "fp32"),
+      buffer("rope_sin", {T, R2}, 4, "(T, R / 2)", "fp32"),
       // attention batch: first token of each sequence; cached tokens of each sequence
       spare ? buffer("query_starts", {S + 2}, 4, "(S + 2)", "int32") : buffer("query_starts", {S + 1}, 4, "(S + 1)", "int32"),
       spare ? buffer("context_lens", {S + 1}, 4, "(S + 1)", "int32") : buffer("context_lens", {S}, 4, "(S)", "int32"),
@@ -892,6 +907,7 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
   };
   if (P > 0) buffers.push_back(buffer("block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
   // Gemma-3's sliding layers rotate with their own base (rope_local_base_freq): a second pair of tables.
+  // (their RopeConfig is the default of that base: every dimension rotates)
   if (t.block.local_rope_theta > 0) {
     buffers.push_back(buffer("rope_cos_local", {T, D / 2}, 4, "(T, D / 2)", "fp32"));
     buffers.push_back(buffer("rope_sin_local", {T, D / 2}, 4, "(T, D / 2)", "fp32"));

@@ -788,11 +788,11 @@ TEST_CASE("bad config.json files are refused with the key named") {
   }
   SUBCASE("bad rope type") {
     json doc = tiny_llama();
-    doc["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+    doc["rope_scaling"] = {{"rope_type", "proportional"}, {"factor", 4.0}};
     Error e = parse_failure(doc);
     CHECK(e.code == ErrorCode::unsupported);
-    CHECK(mentions(e, "rope_scaling.rope_type 'yarn'"));
-    CHECK(mentions(e, "default, llama3"));
+    CHECK(mentions(e, "rope_scaling.rope_type 'proportional'"));
+    CHECK(mentions(e, "default, linear, dynamic, yarn, longrope, llama3"));
     json v5 = tiny_vl();
     v5["text_config"]["rope_parameters"]["rope_type"] = "dynamic";
     CHECK(mentions(parse_failure(v5), "text_config.rope_parameters.rope_type 'dynamic'"));

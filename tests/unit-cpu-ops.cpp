@@ -228,11 +228,11 @@ TEST_CASE("rope_inv_freq 'llama3' follows transformers' _compute_llama3_paramete
 
 TEST_CASE("rope_inv_freq refuses rope types it does not implement") {
   RopeConfig rope;
-  rope.type = "yarn";
+  rope.type = "proportional";
   auto inv_freq = rope_inv_freq(rope, 64);
   REQUIRE_FALSE(inv_freq.ok());
   CHECK(inv_freq.error().code == ErrorCode::unsupported);
-  CHECK(inv_freq.error().message.find("yarn") != std::string::npos);
+  CHECK(inv_freq.error().message.find("proportional") != std::string::npos);
 }
 
 TEST_CASE("rope_tables: one position row, and Qwen3-VL's interleaved M-RoPE rows") {

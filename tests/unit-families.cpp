@@ -16,7 +16,11 @@ namespace {
 constexpr double kLogitsTolerance = 1e-4;
 
 const std::vector<std::string>& families() {
-  static const std::vector<std::string> list = {"mistral", "qwen2-swa", "phi3", "gemma2", "gemma3_text"};
+  // gemma3_text-linear: linear RoPE scaling on the global layers, the local ones on rope_local_base_freq;
+  // phi3-partial: partial_rotary_factor 0.75 (Phi3's default RoPE rotates 12 of 16 dims)
+  static const std::vector<std::string> list = {"mistral",     "qwen2-swa",          "phi3",
+                                                "gemma2",      "gemma3_text",        "gemma3_text-linear",
+                                                "phi3-partial"};
   return list;
 }
 
@@ -41,13 +45,13 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return diff;
 }
 
-// Every prompt's logits through `engine` against transformers' one forward.
-void check_logits(Engine& engine, const std::string& name) {
+// Every prompt's logits through `engine` against transformers' one forward (or the file `logits_key` names).
+void check_logits(Engine& engine, const std::string& name, const char* logits_key = "logits_file") {
   const nlohmann::json reference = family_reference(name);
   for (size_t k = 0; k < reference["prompts"].size(); k++) {
     const auto& prompt = reference["prompts"][k];
     CAPTURE(k);
-    fx::Npy expected = fx::read_npy(family_dir(name) + "/" + prompt["logits_file"].get<std::string>());
+    fx::Npy expected = fx::read_npy(family_dir(name) + "/" + prompt[logits_key].get<std::string>());
     auto logits = engine.logits(fx::ids_of(prompt["input_ids"]));
     REQUIRE_MESSAGE(logits, logits.error().message);
     REQUIRE(logits->tokens == expected.rows);
@@ -147,6 +151,50 @@ TEST_CASE("sliding-window families under page pressure: preempted, recomputed, t
   }
 }
 
+TEST_CASE("phi3 with partial rotary and longrope: logits inside and beyond original_max_position_embeddings") {
+  // Phi-4-mini's arrangement at a tiny size: rotary_dim int(16 x 0.75) = 12, longrope with 6 short / long
+  // factors, original_max_position_embeddings 24. Prompts of 5 and 19 tokens stay on the short factors; the
+  // 40-token prompt passes 24 in its one forward, so every token takes the long ones (and the attention factor).
+  const std::string name = "phi3-longrope";
+  Result<ModelConfig> config = load_config(family_dir(name));
+  REQUIRE_MESSAGE(config, config.error().message);
+  CHECK(config->text.rope.type == "longrope");
+  CHECK(config->text.rope.partial_rotary_factor == 0.75);
+  CHECK(config->text.rope.original_max_position_embeddings == 24);
+  CHECK(rope_rotary_dim(config->text.rope, config->text.head_dim).value() == 12);
+  auto engine = open_family(name);
+  check_logits(*engine, name);
+  // In chunks of 3 each step takes the frequencies of its own length, as transformers' forward calls fed the
+  // same chunks through the cache do (keys cached before position 24 keep the short factors).
+  EngineOptions options;
+  options.plan.max_batched_tokens = 3;
+  options.threads = 1;
+  auto chunked = open_family(name, options);
+  check_logits(*chunked, name, "chunks_logits_file");
+}
+
+TEST_CASE("phi3 with longrope: greedy continuations equal transformers fed the same pieces") {
+  // kvlite prefills the prompt in one step, then decodes a token a step; transformers fed the same way
+  // (greedy_pieces) gives these tokens. Phi-3's own generate() drops its cache and recomputes the sequence
+  // with the long factors when it first passes original_max_position_embeddings, which kvlite does not do:
+  // the 19-token prompt crosses 24 while generating, and there (only there) generate()'s tokens differ.
+  const std::string name = "phi3-longrope";
+  auto engine = open_family(name);
+  const nlohmann::json reference = family_reference(name);
+  for (size_t k = 0; k < reference["prompts"].size(); k++) {
+    CAPTURE(k);
+    const auto& prompt = reference["prompts"][k];
+    SamplingParams params;  // temperature 0: greedy
+    params.max_tokens = prompt["greedy_pieces"]["max_new_tokens"].get<int64_t>();
+    auto generation = engine->generate(fx::ids_of(prompt["input_ids"]), params);
+    REQUIRE_MESSAGE(generation, generation.error().message);
+    CHECK(generation->ids == fx::ids_of(prompt["greedy_pieces"]["new_ids"]));
+    const size_t length = prompt["input_ids"].size();
+    const bool crosses_while_generating = length <= 24 && length + size_t(params.max_tokens) > 24;
+    if (!crosses_while_generating) CHECK(generation->ids == fx::ids_of(prompt["greedy"]["new_ids"]));
+  }
+}
+
 TEST_CASE("config.json gives each family its block traits") {
   auto load = [](const std::string& name) {
     Result<ModelConfig> config = load_config(family_dir(name));
@@ -179,6 +227,17 @@ TEST_CASE("config.json gives each family its block traits") {
   CHECK(gemma3.attn_logit_softcap == 0.0);
   CHECK(gemma3.final_logit_softcap == 0.0);
   CHECK(gemma3.window_of(0) == 8);
+  // transformers 5's rope_parameters per layer type: the global layers' linear scaling, the local base
+  Result<ModelConfig> linear = load_config(family_dir("gemma3_text-linear"));
+  REQUIRE_MESSAGE(linear, linear.error().message);
+  CHECK(linear->text.rope.type == "linear");
+  CHECK(linear->text.rope.factor == 8.0);
+  CHECK(linear->text.rope.theta == 1000000.0);
+  CHECK(linear->text.block.local_rope_theta == 10000.0);
+  Result<ModelConfig> partial = load_config(family_dir("phi3-partial"));
+  REQUIRE_MESSAGE(partial, partial.error().message);
+  CHECK(partial->text.rope.type == "default");
+  CHECK(partial->text.rope.partial_rotary_factor == 0.75);
 }
 
 TEST_CASE("family configs: the rules for absent keys, and what is refused") {
@@ -268,24 +327,39 @@ TEST_CASE("published family configs: weights estimated within 2 percent, and a p
     const std::string name = model.dir;
     CAPTURE(name);
     auto inputs = read_plan_inputs(published_dir(model.dir));
-    if (!inputs && name == "gemma-3-4b-it") {
-      // Gemma-3-4B's global layers use rope_scaling linear, which the RoPE issue's part adds; until then it is
-      // refused naming the type, never run as if unscaled. The weights estimate does not depend on RoPE: it is
-      // checked on the same config without that key.
-      CHECK(inputs.error().code == ErrorCode::unsupported);
-      CHECK(inputs.error().message.find("'linear'") != std::string::npos);
-      nlohmann::json json = nlohmann::json::parse(fx::read_file(published_dir(model.dir) + "/config.json"));
-      json["text_config"].erase("rope_scaling");
-      Result<ModelConfig> config = parse_config(json.dump(), "gemma-3-4b-it/config.json");
-      REQUIRE_MESSAGE(config, config.error().message);
-      Result<WeightsSummary> weights = summarize_weights(*config, nullptr);
-      REQUIRE(weights);
-      PlanInputs unscaled;
-      unscaled.config = *config;
-      unscaled.weights = *weights;
-      inputs = unscaled;
-    }
     REQUIRE_MESSAGE(inputs, inputs.error().message);
+    const RopeConfig& rope = inputs->config.text.rope;
+    if (name == "gemma-3-4b-it") {
+      // linear 8 on the global layers, the local ones on their own base; 131072 already is the scaled context
+      CHECK(rope.type == "linear");
+      CHECK(rope.factor == 8.0);
+      CHECK(inputs->config.text.block.local_rope_theta == 10000.0);
+    }
+    if (model.arch == Arch::phi3) {
+      // longrope with 48 short and 48 long factors: Phi-3.5-mini rotates all 96 dims, Phi-4-mini 96 of 128
+      CHECK(rope.type == "longrope");
+      CHECK(rope.original_max_position_embeddings == 4096);
+      CHECK(rope.short_factor.size() == 48);
+      CHECK(rope.long_factor.size() == 48);
+      CHECK(rope_rotary_dim(rope, inputs->config.text.head_dim).value() == 96);
+    }
+    if (name == "gemma-3-4b-it" || model.arch == Arch::phi3) {
+      // the planner's context stays 131072 (Gemma-3's max_position_embeddings already counts its linear 8;
+      // longrope's reach is max_position_embeddings): one token more is refused before any memory is counted
+      DeviceSpec big;
+      big.backend = BackendKind::cuda;
+      big.name = "planned 200 GiB card";
+      big.total_bytes = 200 * GiB;
+      PlanOptions longest;
+      longest.max_model_len = 131073;
+      auto over = make_plan(*inputs, big, longest);
+      REQUIRE_FALSE(over);
+      CHECK(over.error().message.find("max_model_len 131073 is more than the model's max_position_embeddings 131072") !=
+            std::string::npos);
+      longest.max_model_len = 131072;
+      auto full = make_plan(*inputs, big, longest);
+      CHECK_MESSAGE(full, (full ? std::string() : full.error().message));
+    }
     CHECK(inputs->config.arch == model.arch);
     CHECK_FALSE(inputs->weights.exact);
     const double error = (double(inputs->weights.total_bytes) - double(model.safetensors_bytes)) /

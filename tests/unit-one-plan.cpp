@@ -21,7 +21,7 @@ std::vector<std::string> every_model_dir() {
   std::vector<std::string> dirs;
   for (const char* name : {"kvlite-captioner-bf16", "kvlite-captioner-fp8", "kvlite-captioner-w4a16",
                            "kvlite-captioner-draft", "llama-3.1-8b-instruct-w4a16", "qwen3-4b",
-                           "qwen3-vl-4b-instruct-fp8"})
+                           "qwen3-vl-4b-instruct-fp8", "qwen2.5-7b-instruct-yarn"})
     dirs.push_back(kModels + name);
   for (const std::string& name : fx::names()) dirs.push_back(fx::dir(name));
   return dirs;

@@ -21,10 +21,26 @@ tiny-qwen2, copied: tokenizers are another part's concern); the longest is 40 to
 Outputs (AutoModelForCausalLM with attn_implementation="eager", float32, CPU):
   logits_<k>.npy  float32 [T, vocab] of prompt k in one forward
   reference.json  the prompts, greedy continuations (generate(do_sample=False)), library versions
-RoPE scaling types are left out on purpose (their own fixtures live with RoPE's tests).
+
+RoPE per family (every scaling type on Llama / Qwen2 lives with RoPE's own fixtures, make_rope_fixtures.py):
+  gemma3_text-linear  gemma3_text with rope_scaling linear (factor 8) on the global layers, the local layers on
+                      their own default RoPE of base rope_local_base_freq (Gemma-3-4B's arrangement)
+  phi3-partial        phi3 with partial_rotary_factor 0.75 and the default RoPE (Phi3's own default reads it)
+  phi3-longrope       Phi-4-mini's arrangement: partial_rotary_factor 0.75 and longrope (short / long factors)
+                      with original_max_position_embeddings 24, so the 40-token prompt crosses it in its prefill
+                      and the 19-token prompt while generating. Its frequencies depend on each forward call's
+                      length, so besides the one-forward logits it records:
+                        logits_<k>_chunks_3.npy  the prompt fed in chunks of 3 through the cache
+                        greedy_pieces            greedy decoding fed as kvlite feeds it: the prompt in one call,
+                                                 then one token per call through the cache
+                      and greedy (generate()) as transformers' Phi-3 does it: it drops its cache and recomputes
+                      the whole sequence with the long factors when it first passes the original length.
+
+    /opt/kvdev/bin/python tools/make_family_fixtures.py phi3-longrope ...   # only the named cases
 """
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +56,8 @@ EOS = 1405
 WINDOW = 8
 NEW_TOKENS = 12
 PROMPT_LENGTHS = [5, 19, 40]  # inside the window, past 2 x W, past 3 x W (+ the continuation)
+LONGROPE_ORIGINAL = 24        # phi3-longrope's original_max_position_embeddings: between the prompts' lengths
+CHUNK = 3
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=EOS - 2, eos_token_id=EOS,
@@ -62,6 +80,21 @@ def families():
                                         sliding_window_pattern=2, query_pre_attn_scalar=24, rope_theta=1e6,
                                         rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh",
                                         tie_word_embeddings=True),
+        "gemma3_text-linear": Gemma3TextConfig(**COMMON, num_hidden_layers=4, head_dim=32, sliding_window=WINDOW,
+                                               sliding_window_pattern=2, query_pre_attn_scalar=24,
+                                               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                                   "rope_theta": 1e6},
+                                                                "sliding_attention": {"rope_type": "default",
+                                                                                      "rope_theta": 10000.0}},
+                                               hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+        "phi3-partial": Phi3Config(**COMMON, num_hidden_layers=3, rope_theta=10000.0, partial_rotary_factor=0.75,
+                                   tie_word_embeddings=True, original_max_position_embeddings=256),
+        # rotary_dim = int(16 * 0.75) = 12: 6 frequencies, each with its own short and long divisor
+        "phi3-longrope": Phi3Config(**COMMON, num_hidden_layers=3, rope_theta=10000.0, partial_rotary_factor=0.75,
+                                    tie_word_embeddings=True, original_max_position_embeddings=LONGROPE_ORIGINAL,
+                                    rope_scaling={"type": "longrope",
+                                                  "short_factor": [1.0, 1.02, 1.05, 1.1, 1.3, 1.6],
+                                                  "long_factor": [1.0, 1.5, 3.0, 7.0, 16.0, 40.0]}),
     }
 
 
@@ -81,7 +114,44 @@ def randomize(model, generator, embedding_std):
                 p.copy_(0.15 * noise)
 
 
-def make(name, config, seed):
+def chunked_logits(model, ids):
+    """The prompt fed CHUNK tokens a call through a DynamicCache: each call's rotary frequencies follow its own
+    max(position_ids) + 1 (dynamic_rope_update), cached keys keep theirs."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    rows = []
+    with torch.no_grad():
+        for start in range(0, len(ids), CHUNK):
+            piece = torch.tensor([ids[start:start + CHUNK]])
+            positions = torch.arange(start, start + piece.shape[1])[None]
+            out = model(input_ids=piece, past_key_values=cache, position_ids=positions, use_cache=True)
+            cache = out.past_key_values
+            rows.append(out.logits[0].float().numpy())
+    return np.concatenate(rows, axis=0)
+
+
+def greedy_in_pieces(model, ids):
+    """Greedy decoding as kvlite's engine feeds it: the prompt in one call, then one token a call through the
+    cache (no recomputation when the sequence passes original_max_position_embeddings)."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    new_ids = []
+    with torch.no_grad():
+        piece, start = list(ids), 0
+        for _ in range(NEW_TOKENS):
+            positions = torch.arange(start, start + len(piece))[None]
+            out = model(input_ids=torch.tensor([piece]), past_key_values=cache, position_ids=positions, use_cache=True)
+            cache = out.past_key_values
+            token = int(out.logits[0, -1].argmax())
+            new_ids.append(token)
+            if token == EOS:
+                break
+            start += len(piece)
+            piece = [token]
+    return new_ids
+
+
+def make(name, config, seed, pieces=False):
     directory = OUT / name
     if directory.exists():
         shutil.rmtree(directory)
@@ -111,9 +181,14 @@ def make(name, config, seed):
                                        max_new_tokens=NEW_TOKENS, eos_token_id=EOS, pad_token_id=0)
         np.save(directory / f"logits_{k}.npy", logits.astype(np.float32))
         new_ids = [int(x) for x in generated[0, length:]]
-        prompts.append({"input_ids": ids, "logits_file": f"logits_{k}.npy",
-                        "greedy": {"max_new_tokens": NEW_TOKENS, "new_ids": new_ids,
-                                   "stopped_at_eos": bool(new_ids and new_ids[-1] == EOS)}})
+        entry = {"input_ids": ids, "logits_file": f"logits_{k}.npy",
+                 "greedy": {"max_new_tokens": NEW_TOKENS, "new_ids": new_ids,
+                            "stopped_at_eos": bool(new_ids and new_ids[-1] == EOS)}}
+        if pieces:
+            np.save(directory / f"logits_{k}_chunks_{CHUNK}.npy", chunked_logits(model, ids).astype(np.float32))
+            entry["chunks_logits_file"] = f"logits_{k}_chunks_{CHUNK}.npy"
+            entry["greedy_pieces"] = {"max_new_tokens": NEW_TOKENS, "new_ids": greedy_in_pieces(model, ids)}
+        prompts.append(entry)
     reference = {
         "model": name,
         "generator": "tools/make_family_fixtures.py",
@@ -125,7 +200,12 @@ def make(name, config, seed):
         "attn_implementation": "eager",
         "sliding_window": WINDOW,
         "notes": ["logits_<k>.npy: float32 [T, vocab], row t = logits after input_ids[0..t], one forward.",
-                  "greedy: model.generate(do_sample=False, max_new_tokens=12), stopping at eos_token_id."],
+                  "greedy: model.generate(do_sample=False, max_new_tokens=12), stopping at eos_token_id."]
+                 + (["logits_<k>_chunks_3.npy: the prompt in chunks of 3 through a DynamicCache, each call's "
+                     "frequencies by its own length.",
+                     "greedy_pieces: the prompt in one call, then one token a call through the cache (generate() "
+                     "of Phi-3 instead recomputes everything when the sequence first passes "
+                     "original_max_position_embeddings)."] if pieces else []),
         "prompts": prompts,
     }
     (directory / "reference.json").write_text(json.dumps(reference, indent=1) + "\n")
@@ -134,8 +214,11 @@ def make(name, config, seed):
 
 
 def main():
+    wanted = set(sys.argv[1:])
     for seed, (name, config) in enumerate(families().items()):
-        make(name, config, 100 + seed)
+        if wanted and name not in wanted:
+            continue
+        make(name, config, 100 + seed, pieces=name == "phi3-longrope")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,20 @@ family_configs = {"gemma2_2b": ("tests", "fixtures", "configs", "families", "gem
 for i, (name, path) in enumerate(sorted(configs.items()) + sorted(family_configs.items())):
     knobs = bytes([i % 16]) + struct.pack("<I", 2048 << (i % 3)) + bytes([200]) + struct.pack("<I", 8192) + bytes([20])
     write("config_plan", name, knobs + read(*path))
+# RoPE scaling types (rope_scaling / rope_parameters layouts: yarn, longrope, dynamic), knobs apart from the above
+rope_configs = {"qwen2_5_7b_yarn": ("models", "qwen2.5-7b-instruct-yarn", "config.json"),
+                "rope_llama_longrope": ("tests", "fixtures", "rope", "models", "llama-longrope", "config.json"),
+                "rope_qwen2_dynamic": ("tests", "fixtures", "rope", "models", "qwen2-dynamic", "config.json")}
+for i, (name, path) in enumerate(sorted(rope_configs.items())):
+    knobs = bytes([(i + 3) % 16]) + struct.pack("<I", 4096 << i) + bytes([200]) + struct.pack("<I", 8192) + bytes([20])
+    write("config_plan", name, knobs + read(*path))
+# RoPE per family: gemma3's rope_parameters per layer type (linear on the global layers), phi3's partial rotary
+# with longrope
+family_rope_configs = {"gemma3_linear_tiny": ("tests", "fixtures", "families", "gemma3_text-linear", "config.json"),
+                       "phi3_longrope_tiny": ("tests", "fixtures", "families", "phi3-longrope", "config.json")}
+for i, (name, path) in enumerate(sorted(family_rope_configs.items())):
+    knobs = bytes([(i + 7) % 16]) + struct.pack("<I", 64 << i) + bytes([200]) + struct.pack("<I", 8192) + bytes([20])
+    write("config_plan", name, knobs + read(*path))
 
 # tokenizer.json load: tokenizer_config.json's first 64 bytes as a text field, then tokenizer.json
 for family, path in [("qwen2", ("tests", "fixtures", "tokenizers", "qwen2")), ("llama3", ("tests", "fixtures", "tokenizers", "llama3")),
