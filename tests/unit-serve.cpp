@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <set>
@@ -869,4 +870,50 @@ TEST_CASE("operations: /metrics with a model_name label, running within --max-se
   CHECK(value("kvlite_prompt_tokens_total" + label + "}") >= value("kvlite_prefix_tokens_reused_total" + label + "}"));
   CHECK(value("kvlite_prompt_tokens_total" + label + "}") > 4 * 16);
   CHECK(running.server->stats().requests_running <= 16);
+}
+
+// Sends raw bytes and reads until the server closes the connection (or 5 s pass): the whole answer.
+std::string raw_exchange(int port, const std::string& bytes) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(uint16_t(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    close(fd);
+    return "connect: " + std::string(strerror(errno));
+  }
+  timeval timeout{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  (void)send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  std::string answer;
+  char buffer[4096];
+  ssize_t n = 0;
+  while ((n = recv(fd, buffer, sizeof buffer, 0)) > 0) answer.append(buffer, size_t(n));
+  if (answer.empty()) answer = "recv " + std::to_string(n) + ": " + std::string(strerror(errno));
+  close(fd);
+  return answer;
+}
+
+TEST_CASE("bounds: compressed bodies get 415 and chunked ones 411 before their body is read, with Connection: "
+          "close") {
+  Running running;
+  const auto start = std::chrono::steady_clock::now();
+  const std::string chunked_request = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                      "Transfer-Encoding: chunked\r\n\r\n10\r\n{\"messages\": [{\r\n0\r\n\r\n";
+  const std::string chunked_answer = raw_exchange(running.port, chunked_request);
+  CHECK_MESSAGE(chunked_answer.rfind("HTTP/1.1 411", 0) == 0, chunked_answer);
+  CHECK(chunked_answer.find("Content-Length") != std::string::npos);
+  CHECK(chunked_answer.find("Connection: close") != std::string::npos);  // a client sends nothing more on it
+  // 200 KB that would inflate far past the limit; the server must not read (or inflate) it
+  const std::string gzip_request = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                   "Content-Encoding: gzip\r\nContent-Length: 200000\r\n\r\n" + std::string(200000, 'x');
+  const std::string gzip_answer = raw_exchange(running.port, gzip_request);
+  CHECK(gzip_answer.rfind("HTTP/1.1 415", 0) == 0);
+  CHECK(gzip_answer.find("Content-Encoding 'gzip'") != std::string::npos);
+  CHECK(gzip_answer.find("Connection: close") != std::string::npos);
+  MESSAGE("answer to a gzip body: " << gzip_answer.substr(0, 400));
+  MESSAGE("415 and 411 answered in " << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()
+                                     << " s (raw client reading until the server closes, or 5 s)");
+  CHECK(post(running, "/v1/chat/completions", image_chat(kImages + "scene_1.png").dump()).status == 200);
 }

@@ -1272,6 +1272,29 @@ struct OpenAIServer::Impl {
         r.set_header("Access-Control-Allow-Origin", origin);
         r.set_header("Vary", "Origin");
       }
+      // Bodies are read only as sent, with a length: cpp-httplib 0.11 would inflate a compressed body, and read a
+      // chunked one, past --max-body-bytes. Refused before a byte of the body is read; the connection closes, so
+      // the unread body is never taken for a next request.
+      // The answer says "Connection: close" (a client sends nothing more on it), and the connection's reading side
+      // is shut: cpp-httplib reads what was already sent of the body and then the end, and closes it.
+      auto close_after = [&] {
+        r.set_header("Connection", "close");
+        const ClientSocket client(q);
+        if (client.found()) shutdown(client.fd(), SHUT_RD);
+      };
+      const std::string encoding = q.get_header_value("Content-Encoding");
+      if (!encoding.empty() && encoding != "identity") {
+        close_after();
+        send_error(r, {415, "Content-Encoding '" + encoding + "' is not accepted: send the body uncompressed", "",
+                       "invalid_request_error", "unsupported_media_type"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      if (q.has_header("Transfer-Encoding")) {
+        r.set_header("Connection", "close");
+        send_error(r, {411, "a chunked body is not accepted: send it with a Content-Length (at most --max-body-bytes)",
+                       "", "invalid_request_error", "length_required"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
       if (q.method != "OPTIONS") return httplib::Server::HandlerResponse::Unhandled;
       if (!allowed) {
         send_error(r, {403, "CORS: the origin '" + origin + "' is not allowed (--allowed-origins)", "", "invalid_request_error", ""});
