@@ -857,6 +857,8 @@ int run_serve(const Args& args) {
   if (args.has("--served-model-name")) serve.model_name = args.text("--served-model-name");
   if (args.has("--max-image-bytes")) serve.max_image_bytes = int64_t(args.size("--max-image-bytes"));
   if (args.has("--shutdown-timeout")) serve.shutdown_timeout_s = args.number("--shutdown-timeout");
+  if (args.has("--max-connections")) serve.max_connections = args.integer("--max-connections", 1, 16384);
+  if (args.has("--read-timeout")) serve.read_timeout_s = args.integer("--read-timeout", 1, 3600);
   // The key from the environment keeps it out of `ps`; --api-key wins when both are given.
   if (const char* key = std::getenv("KVLITE_API_KEY"); key && *key) serve.api_key = key;
   if (args.has("--api-key")) serve.api_key = args.text("--api-key");
@@ -1018,6 +1020,8 @@ const std::vector<Command>& commands() {
            {"--allowed-origins", "LIST", "CORS: comma-separated origins browsers may call from (* any); default none"},
            {"--shutdown-timeout", "S", "SIGTERM: seconds requests in flight may take to finish; default 30"},
            {"--max-image-bytes", "SIZE", "one image's encoded size; larger gets 413 before decoding; default 20MiB"},
+           {"--max-connections", "N", "connections served at once (slow ones hold only their own); more: 503; default 512"},
+           {"--read-timeout", "S", "longest wait for a request's next header or body bytes; default 10"},
        }),
        run_serve},
       {"bench", "decode tokens/s and time to first token, beside the memory-bandwidth roofline",

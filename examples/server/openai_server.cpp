@@ -692,6 +692,69 @@ std::vector<int> connections_on(int port) {
   return found;
 }
 
+// Set on the threads that serve connections over --max-connections: their requests get a 503 and the connection
+// closes, without reading a body.
+thread_local bool g_over_connection_cap = false;
+
+// cpp-httplib's task queue, with a cap: each task is one connection for its whole life (requests, keep-alive
+// waits), so `cap` worker threads serve at most `cap` connections at once and a slow or idle client holds only
+// its own. Connections beyond the cap go to a small lane of their own, where each request is refused (503,
+// Connection: close) instead of waiting behind the others.
+class ConnectionPool : public httplib::TaskQueue {
+ public:
+  ConnectionPool(size_t cap, size_t refusal_threads) : cap_(cap) {
+    for (size_t i = 0; i < cap; i++) threads_.emplace_back([this] { work(jobs_, false); });
+    for (size_t i = 0; i < refusal_threads; i++) threads_.emplace_back([this] { work(refused_, true); });
+  }
+  void enqueue(std::function<void()> fn) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (open_ < cap_) {
+        open_++;
+        jobs_.push_back(std::move(fn));
+      } else {
+        refused_.push_back(std::move(fn));
+      }
+    }
+    changed_.notify_all();
+  }
+  void shutdown() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      shutdown_ = true;
+    }
+    changed_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+ private:
+  void work(std::deque<std::function<void()>>& queue, bool refusing) {
+    g_over_connection_cap = refusing;
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        changed_.wait(lock, [&] { return shutdown_ || !queue.empty(); });
+        if (queue.empty()) return;  // shutting down, nothing left
+        fn = std::move(queue.front());
+        queue.pop_front();
+      }
+      fn();  // the connection, until it closes
+      if (!refusing) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        open_--;
+      }
+    }
+  }
+  const size_t cap_;
+  size_t open_ = 0;  // connections queued or served in the main lane
+  bool shutdown_ = false;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::function<void()>> jobs_, refused_;
+  std::vector<std::thread> threads_;
+};
+
 // Equal strings, in a time that depends only on their lengths (an API key is not guessed byte by byte).
 bool constant_time_equal(const std::string& a, const std::string& b) {
   const size_t n = std::max(a.size(), b.size());
@@ -1161,6 +1224,9 @@ struct OpenAIServer::Impl {
     return s;
   }
 
+  // --max-connections, and never fewer than the requests that may be in flight (each waits on its connection)
+  int64_t connection_cap() const { return std::max<int64_t>(options.max_connections, options.max_queue + 8); }
+
   bool origin_allowed(const std::string& origin) const {
     for (const std::string& allowed : options.allowed_origins)
       if (allowed == "*" || allowed == origin) return true;
@@ -1258,14 +1324,24 @@ struct OpenAIServer::Impl {
     http.set_payload_max_length(size_t(options.max_body_bytes));
     // cpp-httplib's 5 s defaults drop a client that a burst keeps waiting for its turn to send or read; an
     // inference server's clients wait longer than that by nature.
-    http.set_read_timeout(60, 0);
+    // A client must keep its request coming: each read of its headers or body waits at most --read-timeout.
+    http.set_read_timeout(time_t(options.read_timeout_s), 0);
     http.set_write_timeout(60, 0);
     http.set_keep_alive_timeout(60);
-    // Every request in flight may hold an HTTP thread while it waits: enough threads for the queue.
-    const size_t threads = size_t(std::max<int64_t>(options.max_queue, 1)) + 8;
-    http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    // One thread per connection up to --max-connections (so that slow or idle sockets hold only their own, and
+    // every request in flight has one while it waits); beyond it, a refusal lane answers 503.
+    const size_t cap = size_t(connection_cap());
+    http.new_task_queue = [cap] { return new ConnectionPool(cap, 4); };
     // CORS: an allowed Origin is echoed on every answer; a preflight (OPTIONS) is answered here, before any route.
     http.set_pre_routing_handler([this](const httplib::Request& q, httplib::Response& r) {
+      if (g_over_connection_cap) {
+        r.set_header("Connection", "close");
+        r.set_header("Retry-After", "1");
+        send_error(r, {503, "the server has " + std::to_string(connection_cap()) +
+                                " connections open, its limit (--max-connections); retry later",
+                       "", "server_error", "too_many_connections"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
       const std::string origin = q.get_header_value("Origin");
       const bool allowed = !origin.empty() && origin_allowed(origin);
       if (allowed) {
@@ -1374,6 +1450,10 @@ kvlite::Result<std::unique_ptr<OpenAIServer>> OpenAIServer::create(std::unique_p
   if (options.max_queue < 1 || options.max_queue > 4096)
     return kvlite::Error(kvlite::ErrorCode::invalid_argument,
                          "--max-queue " + std::to_string(options.max_queue) + " is outside 1..4096");
+  if (options.max_connections < 1 || options.max_connections > 16384)
+    return kvlite::Error(kvlite::ErrorCode::invalid_argument, "--max-connections must be in 1..16384");
+  if (options.read_timeout_s < 1 || options.read_timeout_s > 3600)
+    return kvlite::Error(kvlite::ErrorCode::invalid_argument, "--read-timeout must be in 1..3600 seconds");
   if (!(options.shutdown_timeout_s >= 0 && options.shutdown_timeout_s <= 3600))
     return kvlite::Error(kvlite::ErrorCode::invalid_argument, "--shutdown-timeout must be in 0..3600 seconds");
   if (options.max_image_bytes < 1024)

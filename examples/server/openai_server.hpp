@@ -35,6 +35,8 @@ struct ServeOptions {
   std::vector<std::string> allowed_origins;    // CORS: origins answered (and preflights allowed); "*" any; empty none
   double shutdown_timeout_s = 30;              // stop(): how long requests in flight may take to finish
   int64_t max_image_bytes = int64_t(20) << 20;  // one image's encoded bytes; more: 413 before it is decoded
+  int64_t max_connections = 512;  // connections served at once (a thread each); more get 503 and are closed
+  int64_t read_timeout_s = 10;    // the longest wait for the next bytes of a request's headers or body
 };
 
 // Counters /metrics reports (also read by tests).
