@@ -783,6 +783,9 @@ struct OpenAIServer::Impl {
   bool draining = false;  // SIGTERM: no new requests; those in flight finish (up to --shutdown-timeout)
   bool stopping = false;  // the engine thread ends, cancelling what is left
   std::multiset<int> busy_connections;  // sockets whose generation request is still being answered
+  // When each connection's handler last let go of it: cpp-httplib writes a non-streamed answer after its handler
+  // returns and drops it if the socket's reading side is shut by then, so a drain leaves it a grace period.
+  std::map<int, std::chrono::steady_clock::time_point> released_at;
   std::deque<std::function<void(kvlite::Engine&)>> tasks;  // work for the engine thread (tokenize, ...)
   std::thread engine_thread;
 
@@ -971,6 +974,7 @@ struct OpenAIServer::Impl {
     std::lock_guard<std::mutex> lock(queue_mutex);
     auto it = busy_connections.find(fd);
     if (it != busy_connections.end()) busy_connections.erase(it);
+    released_at[fd] = std::chrono::steady_clock::now();
   }
 
   // Queues a job, or says why not (503 when the queue is full).
@@ -1534,13 +1538,20 @@ void OpenAIServer::stop() {
   s.http.stop();
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::microseconds(int64_t(std::max(0.0, s.options.shutdown_timeout_s) * 1e6));
+  constexpr auto kAnswerGrace = std::chrono::milliseconds(500);  // for an answer to be written after its handler
   for (;;) {
     bool idle = false;
     {
       std::lock_guard<std::mutex> lock(s.queue_mutex);
-      for (int fd : connections_on(s.port))
-        if (!s.busy_connections.count(fd)) shutdown(fd, SHUT_RD);
-      idle = s.in_flight == 0 && s.busy_connections.empty();
+      const auto now = std::chrono::steady_clock::now();
+      bool answers_pending = false;
+      for (int fd : connections_on(s.port)) {
+        auto released = s.released_at.find(fd);
+        const bool writing = released != s.released_at.end() && now - released->second < kAnswerGrace;
+        answers_pending = answers_pending || writing;
+        if (!s.busy_connections.count(fd) && !writing) shutdown(fd, SHUT_RD);
+      }
+      idle = s.in_flight == 0 && s.busy_connections.empty() && !answers_pending;
     }
     if (idle || std::chrono::steady_clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
