@@ -1012,3 +1012,28 @@ TEST_CASE("slow clients: a request that stops arriving is dropped after --read-t
     return fine && fine->status == 200;
   }, 10));
 }
+
+TEST_CASE("bounds: an image flood is refused before any image is decoded: count first, then each one's bytes") {
+  ServeOptions options;
+  options.max_image_bytes = 2048;
+  Running running(options);
+  // Ten 4096 x 4096 PNG headers (each would cost 48 MiB decoded): the count alone refuses them.
+  std::string big = read_file(kImages + "scene_1.png").substr(0, 33);
+  const unsigned char size[8] = {0x00, 0x00, 0x10, 0x00, 0x00, 0x00, 0x10, 0x00};
+  big.replace(16, 8, reinterpret_cast<const char*>(size), 8);
+  json parts = json::array();
+  for (int i = 0; i < 10; i++) parts.push_back({{"type", "image_url"}, {"image_url", {{"url", data_uri(big)}}}});
+  const json flood = {{"messages", json::array({{{"role", "user"}, {"content", parts}}})}};
+  const auto start = std::chrono::steady_clock::now();
+  Reply refused = post(running, "/v1/chat/completions", flood.dump());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  CHECK(refused.status == 400);
+  CHECK(refused.body["error"]["message"].get<std::string>().find("carries 10 images") != std::string::npos);
+  MESSAGE("10 images refused by count in " << seconds * 1000 << " ms");
+  // One image (2854 bytes) over --max-image-bytes (2048 here): 413 from its base64 length, before it is decoded
+  const std::string scene = read_file(kImages + "scene_1.png");
+  REQUIRE(scene.size() > 2048 + 3);
+  Reply heavy = post(running, "/v1/chat/completions", image_chat(kImages + "scene_1.png").dump());
+  CHECK(heavy.status == 413);
+  CHECK(heavy.body["error"]["message"].get<std::string>().find("--max-image-bytes") != std::string::npos);
+}
