@@ -430,7 +430,11 @@ std::string tool_calls_text(const json& calls, const std::string& where) {
     json arguments = json::object();
     if (function.contains("arguments") && function["arguments"].is_string()) {
       // OpenAI sends the arguments as a JSON string; templates write the object
-      arguments = json::parse(function["arguments"].get<std::string>(), nullptr, false);
+      const std::string text = function["arguments"].get<std::string>();
+      // the string is JSON of its own, under the same limits as the body
+      if (kvlite::Status within = kvlite::check_json_limits(text, where + " arguments"); !within)
+        bad(within.error().message, where);
+      arguments = json::parse(text, nullptr, false);
       if (arguments.is_discarded()) arguments = function["arguments"];
     } else if (function.contains("arguments") && !function["arguments"].is_null()) {
       arguments = function["arguments"];
