@@ -23,6 +23,7 @@ all: deps amalgamate build
 
 deps:
 	@tools/install-deps.sh
+	@tools/install-test-client.sh
 
 amalgamate:
 	@tools/amalgamate.sh

@@ -855,6 +855,21 @@ int run_serve(const Args& args) {
   if (args.has("--max-body-bytes")) serve.max_body_bytes = args.size("--max-body-bytes");
   if (args.has("--max-tokens")) serve.max_tokens = args.integer("--max-tokens", 1, kvlite::limits::max_new_tokens);
   if (args.has("--served-model-name")) serve.model_name = args.text("--served-model-name");
+  if (args.has("--max-image-bytes")) serve.max_image_bytes = int64_t(args.size("--max-image-bytes"));
+  if (args.has("--shutdown-timeout")) serve.shutdown_timeout_s = args.number("--shutdown-timeout");
+  if (args.has("--max-connections")) serve.max_connections = args.integer("--max-connections", 1, 16384);
+  if (args.has("--read-timeout")) serve.read_timeout_s = args.integer("--read-timeout", 1, 3600);
+  // The key from the environment keeps it out of `ps`; --api-key wins when both are given.
+  if (const char* key = std::getenv("KVLITE_API_KEY"); key && *key) serve.api_key = key;
+  if (args.has("--api-key")) serve.api_key = args.text("--api-key");
+  if (args.has("--allowed-origins")) {
+    std::string list = args.text("--allowed-origins");
+    for (size_t start = 0; start <= list.size();) {
+      const size_t comma = std::min(list.find(',', start), list.size());
+      if (comma > start) serve.allowed_origins.push_back(list.substr(start, comma - start));
+      start = comma + 1;
+    }
+  }
   // The plan first, exactly as `kvlite plan` prints it: a plan that does not fit stops here, with its advice.
   auto plan = kvlite::plan_engine(model_dir, options);
   if (!plan) throw InputError{plan.error().message};
@@ -988,8 +1003,11 @@ const std::vector<Command>& commands() {
        "through continuous batching; a client that disconnects (streaming or not) ends its request. The plan is\n"
        "printed first, as kvlite plan prints it; a plan that does not fit does not start.",
        "kvlite serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [options]",
-       "Errors are OpenAI's: 400 bad input (the message names the field), 404 unknown model, 413 oversized\n"
-       "body or image, 503 queue full.\n"
+       "Errors are OpenAI's: 400 bad input (the message names the field; fields kvlite does not implement are\n"
+       "refused by name, never ignored), 401 missing API key, 404 unknown model, 413 oversized body or image,\n"
+       "503 queue full or shutting down. Also POST /tokenize, /detokenize, GET /version, /v1/models/{id}.\n"
+       "SIGTERM drains: new requests get 503, idle connections close, requests in flight finish (up to\n"
+       "--shutdown-timeout).\n"
        "\nexit status: 0 stopped (SIGINT / SIGTERM), 1 does not fit, 2 usage or input error.\n",
        with_engine_options({
            {"--host", "ADDR", "address to listen on; default 127.0.0.1"},
@@ -998,6 +1016,12 @@ const std::vector<Command>& commands() {
            {"--max-body-bytes", "SIZE", "larger request bodies get 413; default 32MiB"},
            {"--max-tokens", "N", "cap on a request's max_tokens; default max_model_len"},
            {"--served-model-name", "NAME", "the model name clients send and /v1/models lists; default the plan's"},
+           {"--api-key", "KEY", "/v1 routes need Authorization: Bearer KEY (else 401); also $KVLITE_API_KEY"},
+           {"--allowed-origins", "LIST", "CORS: comma-separated origins browsers may call from (* any); default none"},
+           {"--shutdown-timeout", "S", "SIGTERM: seconds requests in flight may take to finish; default 30"},
+           {"--max-image-bytes", "SIZE", "one image's encoded size; larger gets 413 before decoding; default 20MiB"},
+           {"--max-connections", "N", "connections served at once (slow ones hold only their own); more: 503; default 512"},
+           {"--read-timeout", "S", "longest wait for a request's next header or body bytes; default 10"},
        }),
        run_serve},
       {"bench", "decode tokens/s and time to first token, beside the memory-bandwidth roofline",

@@ -18,7 +18,7 @@ done
 [ -n "$port" ] || { echo "kvlite serve did not start:"; cat "$log"; exit 1; }
 expected=$(grep '^scene_3.png' examples/images/captions.txt | cut -f2)
 image=$(base64 -w0 examples/images/scene_3.png)
-body="{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{\"url\":\"data:image/png;base64,$image\"}},{\"type\":\"text\",\"text\":\"Describe this image.\"}]}]"
+body="{\"temperature\":0,\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{\"url\":\"data:image/png;base64,$image\"}},{\"type\":\"text\",\"text\":\"Describe this image.\"}]}]"
 failures=0
 reply=$(curl -s "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' -d "$body}")
 case "$reply" in *"\"content\":\"$expected\""*) echo "chat: ok" ;; *) echo "chat: $reply"; failures=$((failures + 1)) ;; esac

@@ -8,10 +8,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -118,8 +121,19 @@ struct Reply {
   json body;
 };
 
+// OpenAI's default temperature is 1 (kvlite serve samples when a request names none): these tests compare texts,
+// so a generation request that names no temperature asks for greedy decoding.
+std::string greedy(const std::string& path, const std::string& body) {
+  if (path != "/v1/chat/completions" && path != "/v1/completions") return body;
+  json parsed = json::parse(body, nullptr, false);
+  if (!parsed.is_object() || parsed.contains("temperature")) return body;
+  parsed["temperature"] = 0;
+  return parsed.dump();
+}
+
 // status -1 when no response came (the error's name in body["transport_error"]); never REQUIRE: client threads.
-Reply post(const Running& running, const std::string& path, const std::string& body) {
+Reply post(const Running& running, const std::string& path, const std::string& raw_body) {
+  const std::string body = greedy(path, raw_body);
   auto result = running.client().Post(path.c_str(), body, "application/json");
   if (!result) return Reply{-1, json{{"transport_error", httplib::to_string(result.error())}}};
   Reply reply{result->status, json()};
@@ -133,6 +147,8 @@ struct Streamed {
   std::string text, finish_reason;
   bool done = false;
   int chunks = 0;
+  int usage_chunks = 0;  // stream_options.include_usage: chunks with no choices, only the usage
+  json usage, error;
 };
 
 Streamed post_stream(const Running& running, const std::string& path, const json& body, int disconnect_after = 0) {
@@ -142,7 +158,7 @@ Streamed post_stream(const Running& running, const std::string& path, const json
   httplib::Request request;
   request.method = "POST";
   request.path = path;
-  request.body = body.dump();
+  request.body = greedy(path, body.dump());
   request.set_header("Content-Type", "application/json");
   request.content_receiver = [&](const char* data, size_t length, uint64_t, uint64_t) {
     buffer.append(data, length);
@@ -156,6 +172,15 @@ Streamed post_stream(const Running& running, const std::string& path, const json
         continue;
       }
       const json chunk = json::parse(payload);
+      if (chunk.contains("usage") && !chunk["usage"].is_null()) out.usage = chunk["usage"];
+      if (chunk.contains("error")) {
+        out.error = chunk["error"];
+        continue;
+      }
+      if (chunk["choices"].empty()) {
+        out.usage_chunks++;
+        continue;
+      }
       const json& choice = chunk["choices"][0];
       if (choice.contains("delta") && choice["delta"].contains("content"))
         out.text += choice["delta"]["content"].get<std::string>();
@@ -238,12 +263,12 @@ TEST_CASE("models, health, metrics: a chat with an image, streamed and not, capt
   auto metrics = running.client().Get("/metrics");
   REQUIRE(metrics);
   CHECK(metrics->body.find("# TYPE kvlite_kv_pages_used gauge") != std::string::npos);
-  CHECK(metrics->body.find("kvlite_requests_total 11") != std::string::npos);
-  CHECK(metrics->body.find("kvlite_kv_pages_used 0") != std::string::npos);
+  CHECK(metrics->body.find("kvlite_requests_total{model_name=\"kvlite-captioner-bf16\"} 11") != std::string::npos);
+  CHECK(metrics->body.find("kvlite_kv_pages_used{model_name=\"kvlite-captioner-bf16\"} 0") != std::string::npos);
   // The same chat with the same image, asked repeatedly above: the prefix cache served its pages.
   CHECK(metrics->body.find("# TYPE kvlite_prefix_tokens_reused_total counter") != std::string::npos);
-  CHECK(metrics->body.find("kvlite_prefix_tokens_reused_total 0\n") == std::string::npos);
-  CHECK(metrics->body.find("kvlite_kv_pages_cached 0\n") == std::string::npos);
+  CHECK(metrics->body.find("kvlite_prefix_tokens_reused_total{model_name=\"kvlite-captioner-bf16\"} 0\n") == std::string::npos);
+  CHECK(metrics->body.find("kvlite_kv_pages_cached{model_name=\"kvlite-captioner-bf16\"} 0\n") == std::string::npos);
 }
 
 TEST_CASE("logprobs: each token and its log-probability in OpenAI's chat and completions forms, as the engine gives "
@@ -376,7 +401,8 @@ TEST_CASE("bad input gets OpenAI's status codes and a message naming the problem
 }
 
 // A raw HTTP/1.1 client: sends one POST and, unlike httplib::Client, can hang up while the answer is pending.
-int send_raw_post(int port, const std::string& path, const std::string& body) {
+int send_raw_post(int port, const std::string& path, const std::string& raw_body) {
+  const std::string body = greedy(path, raw_body);
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return -1;
   sockaddr_in address{};
@@ -443,7 +469,7 @@ TEST_CASE("a full queue answers 503, and the requests it took all finish") {
     std::vector<std::thread> clients;
     for (int i = 0; i < 24; i++)
       clients.emplace_back([&] {
-        Reply reply = post(running, "/v1/completions", R"({"prompt": "a small", "max_tokens": 64, "stop": ["zzzz"]})");
+        Reply reply = post(running, "/v1/completions", R"({"prompt": "a small", "max_tokens": 64, "stop": ["zzzz"], "ignore_eos": true})");
         if (reply.status == 200) ok++;
         else if (reply.status == 503 && reply.body["error"]["code"] == "queue_full") full++;
         else other++;
@@ -577,7 +603,10 @@ TEST_CASE("regression: the server parsed request bodies with no JSON nesting lim
     return R"({"prompt": "hi", "extra": )" + std::string(size_t(depth - 1), '[') + std::string(size_t(depth - 1), ']') + "}";
   };
   std::string message;
-  CHECK(kvlite_server::check_request(false, body_nested(64), "m", 16, &message) == 200);  // 64 levels: the limit
+  // 64 levels, the limit: read as JSON, then refused for its unknown field (issue 42), not for its depth
+  CHECK(kvlite_server::check_request(false, body_nested(64), "m", 16, &message) == 400);
+  CHECK(message.find("'extra'") != std::string::npos);
+  CHECK(message.find("KVLITE_MAX_JSON_DEPTH") == std::string::npos);
   CHECK(kvlite_server::check_request(false, body_nested(65), "m", 16, &message) == 400);
   CHECK(message.find("KVLITE_MAX_JSON_DEPTH") != std::string::npos);
   const auto start = std::chrono::steady_clock::now();
@@ -595,4 +624,416 @@ TEST_CASE("regression: the server parsed request bodies with no JSON nesting lim
   CHECK(kvlite::validate(parsed.params).ok());
   CHECK(kvlite_server::check_request(false, R"({"prompt": "hi", "stop": ")" + std::string(5000, 'x') + "\"}", "m", 16,
                                      &message) == 400);
+}
+
+// ---- issue 42: the OpenAI contract, and operations --------------------------------------------------------
+
+TEST_CASE("contract: no seed samples afresh, a seed repeats, and OpenAI's default temperature is 1") {
+  Running running;
+  auto completion = [&](const json& extra) {
+    json body = {{"prompt", "The"}, {"max_tokens", 24}, {"ignore_eos", true}};
+    for (auto it = extra.begin(); it != extra.end(); ++it) body[it.key()] = it.value();
+    Reply reply = post(running, "/v1/completions", body.dump());
+    REQUIRE(reply.status == 200);
+    return reply.body["choices"][0]["text"].get<std::string>();
+  };
+  // No temperature, no seed: sampled at temperature 1, each call with its own seed. Five calls of 24 tokens
+  // from a model of this vocabulary all alike would mean the seed (or the temperature) is fixed.
+  std::set<std::string> unseeded;
+  for (int i = 0; i < 5; i++) {
+    json body = {{"prompt", "The"}, {"max_tokens", 24}, {"ignore_eos", true}};
+    auto reply = running.client().Post("/v1/completions", body.dump(), "application/json");  // no greedy()
+    REQUIRE(reply);
+    REQUIRE(reply->status == 200);
+    unseeded.insert(json::parse(reply->body)["choices"][0]["text"].get<std::string>());
+  }
+  CHECK(unseeded.size() >= 2);
+  // The same seed at temperature 1: the same text; greedy: the same text every time.
+  CHECK(completion({{"temperature", 1.0}, {"seed", 42}}) == completion({{"temperature", 1.0}, {"seed", 42}}));
+  CHECK(completion({{"temperature", 0}}) == completion({{"temperature", 0}}));
+}
+
+TEST_CASE("contract: every field is implemented or refused with 400 naming it, and neutral values pass") {
+  Running running;
+  const std::string chat = R"("messages": [{"role": "user", "content": "hi"}], "max_tokens": 2)";
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {R"({)" + chat + R"(, "tools": [{"type": "function", "function": {"name": "f"}}]})", "tools"},
+      {R"({)" + chat + R"(, "tool_choice": "required"})", "tool_choice"},
+      {R"({)" + chat + R"(, "response_format": {"type": "json_object"}})", "response_format"},
+      {R"({)" + chat + R"(, "presence_penalty": 0.5})", "presence_penalty"},
+      {R"({)" + chat + R"(, "frequency_penalty": -1})", "frequency_penalty"},
+      {R"({)" + chat + R"(, "logit_bias": {"5": 10}})", "logit_bias"},
+      {R"({)" + chat + R"(, "n": 2})", "'n'"},
+      {R"({)" + chat + R"(, "functions": []})", "functions"},
+      {R"({)" + chat + R"(, "guided_json": {}})", "guided_json"},
+      {R"({)" + chat + R"(, "stream_options": {"include_usage": true}})", "stream_options"},
+      {R"({"prompt": "a", "echo": true})", "echo"},
+      {R"({"prompt": "a", "best_of": 3})", "best_of"},
+      {R"({"prompt": "a", "suffix": "b"})", "suffix"},
+      {R"({"prompt": "a", "messages": []})", "messages"},
+  };
+  for (const auto& [body, field] : refused) {
+    CAPTURE(body);
+    const std::string path = body.find("\"prompt\"") != std::string::npos ? "/v1/completions" : "/v1/chat/completions";
+    Reply reply = post(running, path, body);
+    CHECK(reply.status == 400);
+    REQUIRE(reply.body.contains("error"));
+    CHECK_MESSAGE(reply.body["error"]["message"].get<std::string>().find(field) != std::string::npos,
+                  reply.body["error"]["message"]);
+  }
+  for (const std::string& body : {
+           R"({)" + chat + R"(, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "n": 1, "user": "u"})",
+           R"({)" + chat + R"(, "tool_choice": "none", "tools": [], "response_format": {"type": "text"}})",
+           std::string(R"({"prompt": "a", "max_tokens": 2, "echo": false, "best_of": 1})")}) {
+    CAPTURE(body);
+    const std::string path = body.find("\"prompt\"") != std::string::npos ? "/v1/completions" : "/v1/chat/completions";
+    CHECK(post(running, path, body).status == 200);
+  }
+  // The checks are the server's own reading too (parse_request, which the fuzz harness runs)
+  std::string message;
+  CHECK(kvlite_server::check_request(true, R"({"messages": [{"role": "user", "content": "a"}], "logit_bias": {"1": 1}})",
+                                     "m", 16, &message) == 400);
+  CHECK(message.find("logit_bias") != std::string::npos);
+}
+
+TEST_CASE("contract: a tool transcript (assistant content null with tool_calls, then a tool message) is accepted") {
+  Running running;
+  const json body = {
+      {"max_tokens", 4},
+      {"messages",
+       json::array({{{"role", "user"}, {"content", "What is the weather in Paris?"}},
+                    {{"role", "assistant"},
+                     {"content", nullptr},
+                     {"tool_calls", json::array({{{"id", "call_1"},
+                                                  {"type", "function"},
+                                                  {"function", {{"name", "get_weather"},
+                                                                {"arguments", R"({"city": "Paris"})"}}}}})}},
+                    {{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "22 C, sunny"}}})}};
+  Reply reply = post(running, "/v1/chat/completions", body.dump());
+  CHECK(reply.status == 200);
+  kvlite_server::ParsedRequest parsed;
+  std::string message;
+  REQUIRE(kvlite_server::parse_request(true, body.dump(), "m", 16, 16, &parsed, &message) == 200);
+  REQUIRE(parsed.messages.size() == 3);
+  CHECK(parsed.messages[1].content == "<tool_call>\n{\"arguments\":{\"city\":\"Paris\"},\"name\":\"get_weather\"}\n</tool_call>");
+  CHECK(parsed.messages[2].role == "tool");
+  CHECK(parsed.messages[2].content == "22 C, sunny");
+  // A tool message without the call it answers is refused by name
+  json orphan = body;
+  orphan["messages"][2].erase("tool_call_id");
+  CHECK(kvlite_server::parse_request(true, orphan.dump(), "m", 16, 16, nullptr, &message) == 400);
+  CHECK(message.find("tool_call_id") != std::string::npos);
+}
+
+TEST_CASE("contract: a streamed request that cannot fit is answered 400 before streaming, usage comes as a last "
+          "chunk with no choices") {
+  Running running;
+  auto models = running.client().Get("/v1/models");
+  REQUIRE(models);
+  const int64_t max_model_len = json::parse(models->body)["data"][0]["max_model_len"].get<int64_t>();
+  std::string long_prompt;
+  for (int64_t i = 0; i < max_model_len + 8; i++) long_prompt += " a";
+  Streamed too_long = post_stream(running, "/v1/completions", {{"prompt", long_prompt}, {"stream", true}, {"max_tokens", 1}});
+  CHECK(too_long.status == 400);
+  CHECK(too_long.chunks == 0);
+  Streamed with_usage = post_stream(running, "/v1/chat/completions",
+                                    {{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
+                                     {"max_tokens", 3}, {"ignore_eos", true}, {"stream", true},
+                                     {"stream_options", {{"include_usage", true}}}});
+  CHECK(with_usage.status == 200);
+  CHECK(with_usage.done);
+  CHECK(with_usage.usage_chunks == 1);
+  CHECK(with_usage.usage["completion_tokens"] == 3);
+  CHECK(with_usage.finish_reason == "length");
+}
+
+TEST_CASE("contract: /v1/models/{id}, /tokenize, /detokenize, /version") {
+  Running running;
+  auto card = running.client().Get("/v1/models/kvlite-captioner-bf16");
+  REQUIRE(card);
+  CHECK(card->status == 200);
+  CHECK(json::parse(card->body)["id"] == "kvlite-captioner-bf16");
+  auto missing = running.client().Get("/v1/models/gpt-4");
+  REQUIRE(missing);
+  CHECK(missing->status == 404);
+  CHECK(json::parse(missing->body)["error"]["code"] == "model_not_found");
+  Reply tokens = post(running, "/tokenize", R"({"prompt": "a red square", "add_special_tokens": false})");
+  REQUIRE(tokens.status == 200);
+  CHECK(tokens.body["count"].get<size_t>() == tokens.body["tokens"].size());
+  CHECK(tokens.body["count"].get<int64_t>() >= 2);
+  Reply text = post(running, "/detokenize", json{{"tokens", tokens.body["tokens"]}}.dump());
+  REQUIRE(text.status == 200);
+  CHECK(text.body["prompt"] == "a red square");
+  Reply chat = post(running, "/tokenize", R"({"messages": [{"role": "user", "content": "a red square"}]})");
+  REQUIRE(chat.status == 200);
+  CHECK(chat.body["count"].get<int64_t>() > tokens.body["count"].get<int64_t>());  // the chat format around it
+  CHECK(post(running, "/detokenize", R"({"tokens": [-1]})").status == 400);
+  CHECK(post(running, "/tokenize", R"({"prompt": "a", "bogus": 1})").status == 400);
+  auto version = running.client().Get("/version");
+  REQUIRE(version);
+  CHECK(json::parse(version->body)["version"] == KVLITE_VERSION_STRING);
+}
+
+TEST_CASE("operations: --api-key guards /v1 with 401 in OpenAI's shape, and CORS answers allowed origins") {
+  ServeOptions options;
+  options.api_key = "s3cret";
+  options.allowed_origins = {"http://ui.example"};
+  Running running(options);
+  const std::string body = R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})";
+  Reply refused = post(running, "/v1/chat/completions", body);
+  CHECK(refused.status == 401);
+  CHECK(refused.body["error"]["code"] == "invalid_api_key");
+  httplib::Client wrong = running.client();
+  wrong.set_bearer_token_auth("s3creT");
+  auto wrong_reply = wrong.Get("/v1/models");
+  REQUIRE(wrong_reply);
+  CHECK(wrong_reply->status == 401);
+  httplib::Client right = running.client();
+  right.set_bearer_token_auth("s3cret");
+  auto right_reply = right.Post("/v1/chat/completions", body, "application/json");
+  REQUIRE(right_reply);
+  CHECK(right_reply->status == 200);
+  auto health = running.client().Get("/health");  // not /v1: no key needed, as with vLLM
+  REQUIRE(health);
+  CHECK(health->status == 200);
+  // A preflight from an allowed origin, then a request from it; a preflight from another origin is refused.
+  auto preflight = running.client().Options(
+      "/v1/chat/completions", {{"Origin", "http://ui.example"}, {"Access-Control-Request-Method", "POST"},
+                               {"Access-Control-Request-Headers", "authorization, content-type"}});
+  REQUIRE(preflight);
+  CHECK(preflight->status == 204);
+  CHECK(preflight->get_header_value("Access-Control-Allow-Origin") == "http://ui.example");
+  CHECK(preflight->get_header_value("Access-Control-Allow-Headers") == "authorization, content-type");
+  auto from_ui = right.Get("/v1/models", {{"Origin", "http://ui.example"}});
+  REQUIRE(from_ui);
+  CHECK(from_ui->get_header_value("Access-Control-Allow-Origin") == "http://ui.example");
+  auto other = running.client().Options("/v1/models", {{"Origin", "http://evil.example"}});
+  REQUIRE(other);
+  CHECK(other->status == 403);
+  CHECK_FALSE(other->has_header("Access-Control-Allow-Origin"));
+}
+
+TEST_CASE("operations: stop() drains: the request in flight finishes, an idle keep-alive connection does not hold "
+          "it, new connections are refused") {
+  ServeOptions options;
+  options.test_step_delay_us = 20000;  // 20 ms a step: 30 tokens take ~0.6 s
+  options.shutdown_timeout_s = 20;
+  Running running(options);
+  // An idle keep-alive connection, as a pooled client leaves one
+  httplib::Client pooled = running.client();
+  pooled.set_keep_alive(true);
+  auto first = pooled.Get("/health");
+  REQUIRE(first);
+  Reply in_flight;
+  std::thread request([&] {
+    in_flight = post(running, "/v1/completions", R"({"prompt": "The", "max_tokens": 30, "ignore_eos": true})");
+  });
+  REQUIRE(wait_until([&] { return running.server->stats().requests_running == 1; }));
+  const auto start = std::chrono::steady_clock::now();
+  running.server->stop();
+  running.thread.join();  // serve() returns once every connection is closed: the idle one must not hold it
+  const double drain_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  running.thread = std::thread([] {});
+  request.join();
+  CHECK_MESSAGE(in_flight.status == 200, in_flight.body.dump());
+  CHECK(in_flight.body["usage"]["completion_tokens"] == 30);
+  CHECK(drain_seconds < 10);  // the request's own time, not the idle connection's keep-alive timeout (60 s)
+  MESSAGE("stop() drained one request in flight and one idle keep-alive connection in " << drain_seconds << " s");
+  auto after = running.client().Get("/health");
+  CHECK_FALSE(after);  // nothing listens any more
+}
+
+TEST_CASE("operations: /metrics with a model_name label, running within --max-seqs, latency histograms and "
+          "finish reasons") {
+  Running running;
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 4; i++)
+    clients.emplace_back([&] { post(running, "/v1/chat/completions", image_chat(kImages + "scene_2.png").dump()); });
+  for (std::thread& t : clients) t.join();
+  CHECK(post(running, "/v1/completions", R"({"prompt": "The", "max_tokens": 3, "ignore_eos": true})").status == 200);
+  auto metrics = running.client().Get("/metrics");
+  REQUIRE(metrics);
+  const std::string& text = metrics->body;
+  auto value = [&](const std::string& series) {
+    const size_t at = text.find("\n" + series + " ");
+    REQUIRE_MESSAGE(at != std::string::npos, series);
+    return std::stod(text.substr(at + series.size() + 2));
+  };
+  const std::string label = R"({model_name="kvlite-captioner-bf16")";
+  CHECK(value("kvlite_requests_total" + label + "}") == 5);
+  CHECK(value("kvlite_request_success_total" + label + R"(,finished_reason="length"})") == 1);
+  CHECK(value("kvlite_request_success_total" + label + R"(,finished_reason="stop"})") == 4);
+  CHECK(value("kvlite_time_to_first_token_seconds_count" + label + "}") == 5);
+  CHECK(value("kvlite_e2e_request_latency_seconds_count" + label + "}") == 5);
+  CHECK(value("kvlite_inter_token_latency_seconds_count" + label + "}") >= 2);
+  CHECK(value("kvlite_time_to_first_token_seconds_bucket" + label + R"(,le="+Inf"})") == 5);
+  // image tokens are prompt tokens: what the prefix cache reused never exceeds them
+  CHECK(value("kvlite_prompt_tokens_total" + label + "}") >= value("kvlite_prefix_tokens_reused_total" + label + "}"));
+  CHECK(value("kvlite_prompt_tokens_total" + label + "}") > 4 * 16);
+  CHECK(running.server->stats().requests_running <= 16);
+}
+
+// Sends raw bytes and reads the answer (until it is complete, the server closes, or 5 s pass).
+std::string raw_exchange(int port, const std::string& bytes) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(uint16_t(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    close(fd);
+    return "connect: " + std::string(strerror(errno));
+  }
+  timeval timeout{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  (void)send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  std::string answer;
+  char buffer[4096];
+  // Reads one whole answer (its headers and Content-Length bytes of body), or until the server closes.
+  auto complete = [&] {
+    const size_t end = answer.find("\r\n\r\n");
+    if (end == std::string::npos) return false;
+    const size_t at = answer.find("Content-Length: ");
+    if (at == std::string::npos || at > end) return true;
+    return answer.size() >= end + 4 + size_t(std::stoul(answer.substr(at + 16)));
+  };
+  ssize_t n = 0;
+  while (!complete() && (n = recv(fd, buffer, sizeof buffer, 0)) > 0) answer.append(buffer, size_t(n));
+  if (answer.empty()) answer = "recv " + std::to_string(n) + ": " + std::string(strerror(errno));
+  close(fd);
+  return answer;
+}
+
+TEST_CASE("bounds: compressed bodies get 415 and chunked ones 411 before their body is read, with Connection: "
+          "close") {
+  Running running;
+  const auto start = std::chrono::steady_clock::now();
+  const std::string chunked_request = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                      "Transfer-Encoding: chunked\r\n\r\n10\r\n{\"messages\": [{\r\n0\r\n\r\n";
+  const std::string chunked_answer = raw_exchange(running.port, chunked_request);
+  CHECK_MESSAGE(chunked_answer.rfind("HTTP/1.1 411", 0) == 0, chunked_answer);
+  CHECK(chunked_answer.find("Content-Length") != std::string::npos);
+  CHECK(chunked_answer.find("Connection: close") != std::string::npos);  // a client sends nothing more on it
+  // 200 KB that would inflate far past the limit; the server must not read (or inflate) it
+  const std::string gzip_request = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                   "Content-Encoding: gzip\r\nContent-Length: 200000\r\n\r\n" + std::string(200000, 'x');
+  const std::string gzip_answer = raw_exchange(running.port, gzip_request);
+  CHECK(gzip_answer.rfind("HTTP/1.1 415", 0) == 0);
+  CHECK(gzip_answer.find("Content-Encoding 'gzip'") != std::string::npos);
+  CHECK(gzip_answer.find("Connection: close") != std::string::npos);
+  MESSAGE("answer to a gzip body: " << gzip_answer.substr(0, 400));
+  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 4);  // not our 5 s timeout
+  CHECK(post(running, "/v1/chat/completions", image_chat(kImages + "scene_1.png").dump()).status == 200);
+}
+
+// ---- issue 42: slow and hostile clients (loopback only, bounded in count and time) --------------------------
+
+// A client that connects and trickles the start of a request, then sends nothing more: it holds its connection.
+int slow_socket(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(uint16_t(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    close(fd);
+    return -1;
+  }
+  const std::string partial = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le";
+  (void)send(fd, partial.data(), partial.size(), MSG_NOSIGNAL);
+  return fd;
+}
+
+// /health's latency over `count` requests, each on a new connection (as a load balancer probes): p50 and p99 in ms.
+std::pair<double, double> health_latency(const Running& running, int count) {
+  std::vector<double> ms;
+  for (int i = 0; i < count; i++) {
+    const auto start = std::chrono::steady_clock::now();
+    auto reply = running.client().Get("/health");
+    const double took = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    ms.push_back(reply && reply->status == 200 ? took : 1e9);
+  }
+  std::sort(ms.begin(), ms.end());
+  return {ms[ms.size() / 2], ms[std::min(ms.size() - 1, ms.size() * 99 / 100)]};
+}
+
+TEST_CASE("slow clients: /health keeps its latency with 200 slow sockets open, and a request still completes") {
+  Running running;
+  const auto [p50_before, p99_before] = health_latency(running, 100);
+  std::vector<int> slow;
+  for (int i = 0; i < 200; i++) slow.push_back(slow_socket(running.port));
+  CHECK(std::count(slow.begin(), slow.end(), -1) == 0);
+  const auto [p50_slow, p99_slow] = health_latency(running, 100);
+  MESSAGE("/health latency p50 / p99: " << p50_before << " / " << p99_before << " ms alone, " << p50_slow << " / "
+                                        << p99_slow << " ms with 200 slow sockets open");
+  CHECK(p99_slow < 1000);  // (it was: no answer at all while the slow sockets held every thread)
+  const auto start = std::chrono::steady_clock::now();
+  Reply reply = post(running, "/v1/chat/completions", image_chat(kImages + "scene_5.png").dump());
+  CHECK(reply.status == 200);
+  CHECK(reply.body["choices"][0]["message"]["content"] == expected_captions()["scene_5.png"]);
+  MESSAGE("an image chat with 200 slow sockets open: " << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s");
+  for (int fd : slow) close(fd);
+}
+
+TEST_CASE("slow clients: a request that stops arriving is dropped after --read-timeout, and connections over "
+          "--max-connections get 503") {
+  ServeOptions options;
+  options.max_queue = 1;
+  options.max_connections = 4;  // the cap is at least max_queue + 8 = 9
+  options.read_timeout_s = 1;
+  Running running(options);
+  const int stalled = slow_socket(running.port);
+  REQUIRE(stalled >= 0);
+  timeval timeout{5, 0};
+  setsockopt(stalled, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  const auto start = std::chrono::steady_clock::now();
+  char buffer[1024];
+  std::string answer;
+  const ssize_t n = recv(stalled, buffer, sizeof buffer, 0);  // the answer's first bytes, or the end
+  if (n > 0) answer.assign(buffer, size_t(n));
+  const double dropped_after = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  (void)n;
+  // answered 400 (or closed) after --read-timeout, never served; the connection then waits as any idle one
+  CHECK((answer.empty() || answer.rfind("HTTP/1.1 400", 0) == 0));
+  CHECK(dropped_after < 7);
+  MESSAGE("a stalled request was dropped after " << dropped_after << " s (--read-timeout 1)");
+  close(stalled);
+  // Fill the cap with slow sockets: the next connection is refused with 503, not left waiting
+  std::vector<int> slow;
+  for (int i = 0; i < 9; i++) slow.push_back(slow_socket(running.port));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto refused = running.client().Get("/health");
+  REQUIRE(refused);
+  CHECK(refused->status == 503);
+  CHECK(json::parse(refused->body)["error"]["code"] == "too_many_connections");
+  for (int fd : slow) close(fd);
+  CHECK(wait_until([&] {
+    auto fine = running.client().Get("/health");
+    return fine && fine->status == 200;
+  }, 10));
+}
+
+TEST_CASE("bounds: an image flood is refused before any image is decoded: count first, then each one's bytes") {
+  ServeOptions options;
+  options.max_image_bytes = 2048;
+  Running running(options);
+  // Ten 4096 x 4096 PNG headers (each would cost 48 MiB decoded): the count alone refuses them.
+  std::string big = read_file(kImages + "scene_1.png").substr(0, 33);
+  const unsigned char size[8] = {0x00, 0x00, 0x10, 0x00, 0x00, 0x00, 0x10, 0x00};
+  big.replace(16, 8, reinterpret_cast<const char*>(size), 8);
+  json parts = json::array();
+  for (int i = 0; i < 10; i++) parts.push_back({{"type", "image_url"}, {"image_url", {{"url", data_uri(big)}}}});
+  const json flood = {{"messages", json::array({{{"role", "user"}, {"content", parts}}})}};
+  const auto start = std::chrono::steady_clock::now();
+  Reply refused = post(running, "/v1/chat/completions", flood.dump());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  CHECK(refused.status == 400);
+  CHECK(refused.body["error"]["message"].get<std::string>().find("carries 10 images") != std::string::npos);
+  MESSAGE("10 images refused by count in " << seconds * 1000 << " ms");
+  // One image (2854 bytes) over --max-image-bytes (2048 here): 413 from its base64 length, before it is decoded
+  const std::string scene = read_file(kImages + "scene_1.png");
+  REQUIRE(scene.size() > 2048 + 3);
+  Reply heavy = post(running, "/v1/chat/completions", image_chat(kImages + "scene_1.png").dump());
+  CHECK(heavy.status == 413);
+  CHECK(heavy.body["error"]["message"].get<std::string>().find("--max-image-bytes") != std::string::npos);
 }

@@ -12,6 +12,8 @@
 #   libcpp-httplib-dev          kvlite serve (the OpenAI-compatible server)
 #   python3                     the ctypes example (examples/caption_image.py) that make test runs: the standard
 #                               library only, no package from PyPI
+#   python3-venv                the project-local .venv-test/ that tools/install-test-client.sh installs the
+#                               official openai client into (tests/serve_openai_client.py)
 set -euo pipefail
 need=()
 have_header() { [ -f "/usr/include/$1" ] || [ -f "/usr/local/include/$1" ]; }
@@ -27,6 +29,7 @@ have_header pcre2.h || need+=(libpcre2-dev)
 have_header turbojpeg.h || need+=(libturbojpeg0-dev)
 have_header httplib.h || need+=(libcpp-httplib-dev)
 command -v python3 >/dev/null || need+=(python3)
+python3 -c "import ensurepip" >/dev/null 2>&1 || need+=(python3-venv)
 command -v clang++ >/dev/null || need+=(clang)
 ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || need+=(libclang-rt-dev)
 [ ${#need[@]} -eq 0 ] && exit 0

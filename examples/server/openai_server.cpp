@@ -16,9 +16,12 @@
 #include <cstdio>
 #include <ctime>
 #include <deque>
+#include <functional>
 #include <map>
+#include <set>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -37,6 +40,18 @@ struct HttpError {
   std::string param;  // the field at fault, or ""
   std::string type = "invalid_request_error";
   std::string code;  // "model_not_found", ...
+};
+
+// What a request is checked against.
+struct RequestLimits {
+  std::string model_name;
+  int64_t max_tokens_cap = 0;
+  int64_t default_max_tokens = 256;
+  // Images, checked before any is decoded: how many one request may carry (the plan's --max-images), one
+  // image's encoded bytes (--max-image-bytes), and its pixels as its header states them (the decoder's limit).
+  int64_t max_images = 64;
+  int64_t max_image_bytes = int64_t(20) << 20;
+  int64_t max_image_pixels = kvlite::limits::max_image_pixels;
 };
 
 json error_body(const HttpError& e) {
@@ -80,7 +95,11 @@ struct Channel {
   std::condition_variable changed;
   std::deque<std::string> pieces;  // text not yet sent (streaming) or gathered (not)
   bool done = false;
+  bool accepted = false;  // the engine took the request: from here on, errors can only be sent as events
   std::optional<HttpError> error;
+  // Latency marks (steady clock) for the histograms: when it was queued, its first and latest token.
+  std::chrono::steady_clock::time_point queued_at = std::chrono::steady_clock::now(), last_token_at;
+  bool had_token = false;
   kvlite::FinishReason finish_reason = kvlite::FinishReason::running;
   int64_t prompt_tokens = 0, completion_tokens = 0;
   json logprobs;  // "logprobs" asked for: each generated token and its log-probability, in the endpoint's form
@@ -91,6 +110,13 @@ struct Channel {
     {
       std::lock_guard<std::mutex> lock(mutex);
       pieces.push_back(std::move(piece));
+    }
+    changed.notify_all();
+  }
+  void accept() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      accepted = true;
     }
     changed.notify_all();
   }
@@ -145,13 +171,87 @@ double number_field(const json& body, const char* name, double low, double high,
   return value;
 }
 
+// A seed for a request that names none: a random device's bits mixed with a counter, so that two requests in the
+// same microsecond still differ.
+uint64_t fresh_seed() {
+  static std::atomic<uint64_t> counter{0};
+  static const uint64_t base = [] {
+    std::random_device device;
+    return (uint64_t(device()) << 32) ^ uint64_t(device()) ^
+           uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+  }();
+  uint64_t x = base + 0x9E3779B97F4A7C15ull * ++counter;  // splitmix64
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Every field of a request is either implemented or refused by name: a field kvlite would otherwise ignore
+// (tools, response_format, penalties, logit_bias, echo, ...) changes what the client expects, so a silent 200
+// would be a wrong answer. Fields whose value asks for nothing (a zero penalty, n = 1, tool_choice "none") pass.
+void refuse_unsupported_fields(const json& body, bool chat) {
+  static const char* const common[] = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p",
+                                       "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos", "n", "stop",
+                                       "logprobs", "user", "presence_penalty", "frequency_penalty", "logit_bias"};
+  static const char* const chat_only[] = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                          "parallel_tool_calls", "response_format", "functions", "function_call"};
+  static const char* const completion_only[] = {"prompt", "echo", "best_of", "suffix"};
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    const std::string& key = it.key();
+    bool known = std::find_if(std::begin(common), std::end(common), [&](const char* k) { return key == k; }) !=
+                 std::end(common);
+    if (chat)
+      known = known || std::find_if(std::begin(chat_only), std::end(chat_only),
+                                    [&](const char* k) { return key == k; }) != std::end(chat_only);
+    else
+      known = known || std::find_if(std::begin(completion_only), std::end(completion_only),
+                                    [&](const char* k) { return key == k; }) != std::end(completion_only);
+    if (!known)
+      bad("'" + key + "' is not a field kvlite serve reads on this endpoint; it is refused rather than ignored", key);
+  }
+  auto present = [&](const char* name) { return body.contains(name) && !body[name].is_null(); };
+  for (const char* penalty : {"presence_penalty", "frequency_penalty"}) {
+    if (!present(penalty)) continue;
+    if (!body[penalty].is_number()) bad(std::string("'") + penalty + "' must be a number", penalty);
+    if (body[penalty].get<double>() != 0.0)
+      bad(std::string("'") + penalty + "' other than 0 is not supported yet (repetition_penalty is)", penalty);
+  }
+  if (present("logit_bias") && !(body["logit_bias"].is_object() && body["logit_bias"].empty()))
+    bad("'logit_bias' is not supported yet", "logit_bias");
+  if (present("user") && !body["user"].is_string()) bad("'user' must be a string", "user");
+  if (chat) {
+    if (present("tools") && !(body["tools"].is_array() && body["tools"].empty()))
+      bad("'tools' (function calling) is not supported yet", "tools");
+    if (present("functions")) bad("'functions' (function calling) is not supported yet", "functions");
+    if (present("function_call")) bad("'function_call' (function calling) is not supported yet", "function_call");
+    if (present("tool_choice") && !(body["tool_choice"].is_string() && body["tool_choice"].get<std::string>() == "none") &&
+        !(body["tool_choice"].is_string() && body["tool_choice"].get<std::string>() == "auto" && !present("tools")))
+      bad("'tool_choice' other than \"none\" is not supported yet (function calling)", "tool_choice");
+    if (present("parallel_tool_calls") && !body["parallel_tool_calls"].is_boolean())
+      bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls");
+    if (present("response_format")) {
+      const json& format = body["response_format"];
+      if (!(format.is_object() && format.contains("type") && format["type"] == "text"))
+        bad("'response_format' other than {\"type\": \"text\"} (JSON mode, JSON schema) is not supported yet",
+            "response_format");
+    }
+  } else {
+    if (present("echo") && !(body["echo"].is_boolean() && !body["echo"].get<bool>()))
+      bad("'echo' is not supported yet", "echo");
+    if (present("best_of") && !(body["best_of"].is_number_integer() && body["best_of"].get<int64_t>() == 1))
+      bad("'best_of' other than 1 is not supported", "best_of");
+    if (present("suffix")) bad("'suffix' is not supported", "suffix");
+  }
+}
+
 // Sampling fields shared by both endpoints.
 kvlite::SamplingParams sampling_of(const json& body, int64_t max_tokens_cap, int64_t default_max_tokens) {
   kvlite::SamplingParams params;
   const int64_t fallback = std::min(default_max_tokens, max_tokens_cap);
   params.max_tokens = integer_field(body, "max_tokens", 1, max_tokens_cap, fallback);
   params.max_tokens = integer_field(body, "max_completion_tokens", 1, max_tokens_cap, params.max_tokens);
-  params.temperature = float(number_field(body, "temperature", 0.0, 2.0, 0.0));
+  // OpenAI's default temperature is 1 (sampling); greedy decoding is asked for with "temperature": 0.
+  params.temperature = float(number_field(body, "temperature", 0.0, 2.0, 1.0));
   params.top_p = float(number_field(body, "top_p", 0.0, 1.0, 1.0));
   if (body.contains("top_p") && params.top_p <= 0.0f) bad("'top_p' must be greater than 0", "top_p");
   const int64_t top_k = integer_field(body, "top_k", -1, int64_t(1) << 30, 0);
@@ -161,12 +261,17 @@ kvlite::SamplingParams sampling_of(const json& body, int64_t max_tokens_cap, int
   if (body.contains("seed") && !body["seed"].is_null()) {
     if (!body["seed"].is_number_integer()) bad("'seed' must be an integer", "seed");
     params.seed = uint64_t(body["seed"].get<int64_t>());
+  } else {
+    params.seed = fresh_seed();  // no seed: each call samples differently, as OpenAI's and vLLM's do
   }
   if (body.contains("ignore_eos") && !body["ignore_eos"].is_null()) {  // vLLM's extension, for benchmarks
     if (!body["ignore_eos"].is_boolean()) bad("'ignore_eos' must be a boolean", "ignore_eos");
     params.ignore_eos = body["ignore_eos"].get<bool>();
   }
-  if (body.contains("n") && !body["n"].is_null() && integer_field(body, "n", 1, 1, 1) != 1) bad("'n' must be 1", "n");
+  if (body.contains("n") && !body["n"].is_null()) {
+    if (!body["n"].is_number_integer()) bad("'n' must be an integer", "n");
+    if (body["n"].get<int64_t>() != 1) bad("'n' other than 1 (several choices) is not supported yet", "n");
+  }
   if (body.contains("stop") && !body["stop"].is_null()) {
     const json& stop = body["stop"];
     if (stop.is_string()) {
@@ -195,7 +300,7 @@ bool stream_of(const json& body) {
   return body["stream"].get<bool>();
 }
 
-kvlite::Image image_of(const json& part, size_t message) {
+kvlite::Image image_of(const json& part, size_t message, const RequestLimits& limits) {
   const std::string where = "messages[" + std::to_string(message) + "].content";
   if (!part.contains("image_url")) bad("an image_url part needs 'image_url'", where);
   const json& image_url = part["image_url"];
@@ -204,10 +309,18 @@ kvlite::Image image_of(const json& part, size_t message) {
   else if (image_url.is_object() && image_url.contains("url") && image_url["url"].is_string())
     url = image_url["url"].get<std::string>();
   else bad("'image_url' must be an object with a string 'url'", where);
+  // base64 holds 3 bytes in 4 characters: an image over the limit is refused before it is decoded at all
+  const size_t comma = url.find(',');
+  if (comma != std::string::npos && int64_t((url.size() - comma - 1) / 4 * 3) > limits.max_image_bytes + 2)
+    bad("an image of " + std::to_string((url.size() - comma - 1) / 4 * 3) + " bytes is over the server's limit of " +
+            std::to_string(limits.max_image_bytes) + " (--max-image-bytes)",
+        where, 413);
   kvlite::Result<std::string> bytes = decode_data_uri(url);
   if (!bytes) bad(bytes.error().message, where);
+  kvlite::DecodeOptions decode_options;
+  decode_options.max_pixels = limits.max_image_pixels;  // read from the header, before any pixel is decoded
   kvlite::Result<kvlite::Image> image =
-      kvlite::decode_image(reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size());
+      kvlite::decode_image(reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size(), decode_options);
   if (!image) {
     const bool too_large = image.error().message.find("over the decode limit") != std::string::npos ||
                            image.error().message.find("beyond the decoder's limits") != std::string::npos;
@@ -248,6 +361,7 @@ class ClientSocket {
     closedir(fds);
   }
   bool found() const { return fd_ >= 0; }
+  int fd() const { return fd_; }
 
   // True once the client has closed or reset the connection. Its clients send nothing while they wait for an
   // answer, so a readable socket with no bytes to peek at is the end of the stream. A client that sends its
@@ -281,12 +395,6 @@ class ClientSocket {
 // How often a handler waiting for the engine looks at its client's socket.
 constexpr auto kClientPollInterval = std::chrono::milliseconds(20);
 
-// What a request is checked against.
-struct RequestLimits {
-  std::string model_name;
-  int64_t max_tokens_cap = 0;
-  int64_t default_max_tokens = 256;
-};
 
 json parse_body(const std::string& text, const RequestLimits& limits) {
   // The library's limits first (KVLITE_MAX_JSON_DEPTH, KVLITE_MAX_JSON_BYTES): nlohmann's parser has none, and a
@@ -309,11 +417,52 @@ json parse_body(const std::string& text, const RequestLimits& limits) {
   return body;
 }
 
+// An assistant turn's tool calls as text in the Hermes / Qwen form their chat templates write
+// (<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>), so that a standard tool transcript reaches the
+// chat formatting; the tool's answer follows as a "tool" message.
+std::string tool_calls_text(const json& calls, const std::string& where) {
+  std::string text;
+  for (const json& call : calls) {
+    if (!call.is_object() || !call.contains("function") || !call["function"].is_object() ||
+        !call["function"].contains("name") || !call["function"]["name"].is_string())
+      bad(where + " entries must be objects with a 'function' that has a string 'name'", where);
+    const json& function = call["function"];
+    json arguments = json::object();
+    if (function.contains("arguments") && function["arguments"].is_string()) {
+      // OpenAI sends the arguments as a JSON string; templates write the object
+      const std::string text = function["arguments"].get<std::string>();
+      // the string is JSON of its own, under the same limits as the body
+      if (kvlite::Status within = kvlite::check_json_limits(text, where + " arguments"); !within)
+        bad(within.error().message, where);
+      arguments = json::parse(text, nullptr, false);
+      if (arguments.is_discarded()) arguments = function["arguments"];
+    } else if (function.contains("arguments") && !function["arguments"].is_null()) {
+      arguments = function["arguments"];
+    }
+    if (!text.empty()) text += "\n";
+    text += "<tool_call>\n" +
+            json{{"name", function["name"]}, {"arguments", arguments}}.dump(-1, ' ', false,
+                                                                             json::error_handler_t::replace) +
+            "\n</tool_call>";
+  }
+  return text;
+}
+
 ParsedRequest chat_job(const json& body, const RequestLimits& limits) {
   ParsedRequest job;
   job.chat = true;
   if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty())
     bad("'messages' must be a non-empty array", "messages");
+  // Images are counted before any is decoded: a request with too many costs nothing.
+  int64_t image_parts = 0;
+  for (const json& m : body["messages"])
+    if (m.is_object() && m.contains("content") && m["content"].is_array())
+      for (const json& part : m["content"])
+        if (part.is_object() && part.contains("type") && part["type"] == "image_url") image_parts++;
+  if (image_parts > limits.max_images)
+    bad("the request carries " + std::to_string(image_parts) + " images; this server takes at most " +
+            std::to_string(limits.max_images) + " per request (kvlite serve --max-images, EngineOptions::plan.max_images)",
+        "messages");
   size_t index = 0;
   for (const json& m : body["messages"]) {
     const std::string where = "messages[" + std::to_string(index) + "]";
@@ -321,8 +470,18 @@ ParsedRequest chat_job(const json& body, const RequestLimits& limits) {
       bad(where + " must be an object with a string 'role'", where);
     kvlite::ChatMessage message{m["role"].get<std::string>(), ""};
     const json& content = m.contains("content") ? m["content"] : json(nullptr);
-    if (content.is_string()) {
-      message.content = content.get<std::string>();
+    const bool has_tool_calls = m.contains("tool_calls") && m["tool_calls"].is_array() && !m["tool_calls"].empty();
+    if (m.contains("tool_calls") && !m["tool_calls"].is_null()) {
+      if (message.role != "assistant" || !m["tool_calls"].is_array())
+        bad(where + ".tool_calls must be an array, on an assistant message", where + ".tool_calls");
+      message.content = tool_calls_text(m["tool_calls"], where + ".tool_calls");
+    }
+    if (message.role == "tool" && !(m.contains("tool_call_id") && m["tool_call_id"].is_string()))
+      bad(where + " (a tool result) needs a string 'tool_call_id'", where + ".tool_call_id");
+    if (content.is_null() && has_tool_calls) {
+      // an assistant turn that only called tools: its calls are its content
+    } else if (content.is_string()) {
+      message.content = content.get<std::string>() + (message.content.empty() ? "" : "\n" + message.content);
     } else if (content.is_array()) {
       for (const json& part : content) {
         if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
@@ -333,7 +492,7 @@ ParsedRequest chat_job(const json& body, const RequestLimits& limits) {
             bad("a text part needs a string 'text'", where + ".content");
           message.content += part["text"].get<std::string>();
         } else if (type == "image_url") {
-          job.images.push_back(image_of(part, index));
+          job.images.push_back(image_of(part, index, limits));
           message.content += kvlite::kImagePlaceholder;
         } else {
           bad("content part type '" + type + "' is not supported (text, image_url)", where + ".content");
@@ -376,12 +535,23 @@ ParsedRequest completion_job(const json& body, const RequestLimits& limits) {
 // endpoints, check_request and parse_request.
 ParsedRequest read_request(bool chat, const std::string& text, const RequestLimits& limits) {
   const json body = parse_body(text, limits);
+  refuse_unsupported_fields(body, chat);
   ParsedRequest request = chat ? chat_job(body, limits) : completion_job(body, limits);
   request.stream = stream_of(body);
-  if (body.contains("stream_options") && body["stream_options"].is_object() &&
-      body["stream_options"].contains("include_usage"))
-    request.include_usage = body["stream_options"]["include_usage"].is_boolean() &&
-                            body["stream_options"]["include_usage"].get<bool>();
+  if (body.contains("stream_options") && !body["stream_options"].is_null()) {
+    const json& options = body["stream_options"];
+    if (!options.is_object()) bad("'stream_options' must be an object", "stream_options");
+    for (auto it = options.begin(); it != options.end(); ++it)
+      if (it.key() != "include_usage" && it.key() != "continuous_usage_stats")
+        bad("'stream_options." + it.key() + "' is not supported", "stream_options");
+    if (options.contains("continuous_usage_stats") && options["continuous_usage_stats"] != false)
+      bad("'stream_options.continuous_usage_stats' is not supported", "stream_options");
+    if (options.contains("include_usage")) {
+      if (!options["include_usage"].is_boolean()) bad("'stream_options.include_usage' must be a boolean", "stream_options");
+      request.include_usage = options["include_usage"].get<bool>();
+    }
+    if (!request.stream) bad("'stream_options' is only allowed with 'stream': true", "stream_options");
+  }
   if (request.stream && request.params.logprobs)
     bad("'logprobs' with 'stream' is not supported yet: ask without streaming", "logprobs");
   return request;
@@ -484,6 +654,124 @@ kvlite::Result<kvlite::RequestId> submit_request(kvlite::Engine& engine, const P
 
 // ---- the server -------------------------------------------------------------------------------------------
 
+namespace {
+// A Prometheus histogram (cumulative buckets, seconds), vLLM's bucket bounds for its latency histograms.
+struct Histogram {
+  std::vector<double> bounds;
+  std::vector<int64_t> counts;  // per bucket (not cumulative), plus +Inf last
+  double sum = 0;
+  int64_t count = 0;
+  explicit Histogram(std::vector<double> b) : bounds(std::move(b)), counts(bounds.size() + 1, 0) {}
+  void observe(double seconds) {
+    size_t i = 0;
+    while (i < bounds.size() && seconds > bounds[i]) i++;
+    counts[i]++;
+    sum += seconds;
+    count++;
+  }
+};
+
+// The server-side TCP connections of this process on `port` (accepted sockets, not the listening one).
+std::vector<int> connections_on(int port) {
+  std::vector<int> found;
+  DIR* fds = opendir("/proc/self/fd");
+  if (!fds) return found;
+  while (dirent* entry = readdir(fds)) {
+    const int fd = atoi(entry->d_name);
+    if (fd <= 2) continue;
+    int type = 0, listening = 0;
+    socklen_t length = sizeof type;
+    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &length) != 0 || type != SOCK_STREAM) continue;
+    length = sizeof listening;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &length) != 0 || listening) continue;
+    sockaddr_storage address{};
+    socklen_t address_length = sizeof address;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&address), &address_length) != 0) continue;
+    int bound = -1;
+    if (address.ss_family == AF_INET) bound = ntohs(reinterpret_cast<sockaddr_in*>(&address)->sin_port);
+    if (address.ss_family == AF_INET6) bound = ntohs(reinterpret_cast<sockaddr_in6*>(&address)->sin6_port);
+    if (bound == port) found.push_back(fd);
+  }
+  closedir(fds);
+  return found;
+}
+
+// Set on the threads that serve connections over --max-connections: their requests get a 503 and the connection
+// closes, without reading a body.
+thread_local bool g_over_connection_cap = false;
+
+// cpp-httplib's task queue, with a cap: each task is one connection for its whole life (requests, keep-alive
+// waits), so `cap` worker threads serve at most `cap` connections at once and a slow or idle client holds only
+// its own. Connections beyond the cap go to a small lane of their own, where each request is refused (503,
+// Connection: close) instead of waiting behind the others.
+class ConnectionPool : public httplib::TaskQueue {
+ public:
+  ConnectionPool(size_t cap, size_t refusal_threads) : cap_(cap) {
+    for (size_t i = 0; i < cap; i++) threads_.emplace_back([this] { work(jobs_, false); });
+    for (size_t i = 0; i < refusal_threads; i++) threads_.emplace_back([this] { work(refused_, true); });
+  }
+  void enqueue(std::function<void()> fn) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (open_ < cap_) {
+        open_++;
+        jobs_.push_back(std::move(fn));
+      } else {
+        refused_.push_back(std::move(fn));
+      }
+    }
+    changed_.notify_all();
+  }
+  void shutdown() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      shutdown_ = true;
+    }
+    changed_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+ private:
+  void work(std::deque<std::function<void()>>& queue, bool refusing) {
+    g_over_connection_cap = refusing;
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        changed_.wait(lock, [&] { return shutdown_ || !queue.empty(); });
+        if (queue.empty()) return;  // shutting down, nothing left
+        fn = std::move(queue.front());
+        queue.pop_front();
+      }
+      fn();  // the connection, until it closes
+      if (!refusing) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        open_--;
+      }
+    }
+  }
+  const size_t cap_;
+  size_t open_ = 0;  // connections queued or served in the main lane
+  bool shutdown_ = false;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::function<void()>> jobs_, refused_;
+  std::vector<std::thread> threads_;
+};
+
+// Equal strings, in a time that depends only on their lengths (an API key is not guessed byte by byte).
+bool constant_time_equal(const std::string& a, const std::string& b) {
+  const size_t n = std::max(a.size(), b.size());
+  unsigned char difference = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < n; i++) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    difference |= static_cast<unsigned char>(x ^ y);
+  }
+  return difference == 0;
+}
+}  // namespace
+
 struct OpenAIServer::Impl {
   std::unique_ptr<kvlite::Engine> engine;
   ServeOptions options;
@@ -496,12 +784,26 @@ struct OpenAIServer::Impl {
   std::condition_variable queue_changed;
   std::deque<Job> incoming;
   int64_t in_flight = 0;  // incoming + submitted, under queue_mutex
-  bool stopping = false;
+  bool draining = false;  // SIGTERM: no new requests; those in flight finish (up to --shutdown-timeout)
+  bool stopping = false;  // the engine thread ends, cancelling what is left
+  std::multiset<int> busy_connections;  // sockets whose generation request is still being answered
+  // When each connection's handler last let go of it: cpp-httplib writes a non-streamed answer after its handler
+  // returns and drops it if the socket's reading side is shut by then, so a drain leaves it a grace period.
+  std::map<int, std::chrono::steady_clock::time_point> released_at;
+  std::deque<std::function<void(kvlite::Engine&)>> tasks;  // work for the engine thread (tokenize, ...)
   std::thread engine_thread;
 
   mutable std::mutex stats_mutex;
   ServeStats counters;
   double busy_seconds = 0;
+  int64_t running_now = 0;  // requests in the engine (running or preempted), for running / waiting
+  std::map<std::string, int64_t> finished_by_reason;
+  Histogram time_to_first_token{{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                                 7.5, 10.0, 20.0, 40.0, 80.0}};
+  Histogram inter_token_latency{{0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                                 7.5, 10.0, 20.0, 40.0, 80.0}};
+  Histogram end_to_end_latency{{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                                120.0, 240.0, 480.0, 960.0}};
 
   // ---- the engine thread ----
   struct Active {
@@ -510,14 +812,18 @@ struct OpenAIServer::Impl {
 
   void engine_loop() {
     std::map<kvlite::RequestId, Active> active;
+    std::deque<std::function<void(kvlite::Engine&)>> work;
     for (;;) {
       std::deque<Job> jobs;
       {
         std::unique_lock<std::mutex> lock(queue_mutex);
-        queue_changed.wait(lock, [&] { return stopping || !incoming.empty() || !active.empty(); });
+        queue_changed.wait(lock, [&] { return stopping || !incoming.empty() || !active.empty() || !tasks.empty(); });
         if (stopping) break;
         jobs.swap(incoming);
+        work.swap(tasks);
       }
+      for (auto& task : work) task(*engine);
+      work.clear();
       for (Job& job : jobs) submit(job, active);
       if (active.empty()) continue;
       const auto start = std::chrono::steady_clock::now();
@@ -543,8 +849,17 @@ struct OpenAIServer::Impl {
       }
       {
         std::lock_guard<std::mutex> lock(stats_mutex);
+        const auto now = std::chrono::steady_clock::now();
         for (const auto& [channel, result] : finished) {
-          if (result) counters.tokens_generated_total += int64_t(result->ids.size());
+          if (result) {
+            counters.tokens_generated_total += int64_t(result->ids.size());
+            // the prompt as the engine ran it: each image's tokens included
+            counters.prompt_tokens_total += int64_t(result->prompt_ids.size());
+            finished_by_reason[channel->abandoned.load() ? "abort" : finish_reason_text(result->finish_reason)]++;
+          } else {
+            finished_by_reason["abort"]++;
+          }
+          end_to_end_latency.observe(std::chrono::duration<double>(now - channel->queued_at).count());
           if (channel->abandoned.load()) counters.requests_abandoned++;
         }
       }
@@ -606,16 +921,24 @@ struct OpenAIServer::Impl {
       }
       return fail(kvlite::Error(kvlite::ErrorCode::cancelled, "the client went away"));
     }
-    auto on_token = [channel](const std::string& piece, int32_t) {
+    auto on_token = [this, channel](const std::string& piece, int32_t) {
+      const auto now = std::chrono::steady_clock::now();
+      {
+        std::lock_guard<std::mutex> lock(stats_mutex);
+        if (!channel->had_token)
+          time_to_first_token.observe(std::chrono::duration<double>(now - channel->queued_at).count());
+        else
+          inter_token_latency.observe(std::chrono::duration<double>(now - channel->last_token_at).count());
+      }
+      channel->had_token = true;  // the engine thread alone reads and writes these two
+      channel->last_token_at = now;
       if (!piece.empty()) channel->push(piece);
       return !channel->abandoned.load();  // a client that went away ends its request: its pages go back
     };
-    int64_t prompt_tokens = 0;
-    kvlite::Result<kvlite::RequestId> id = submit_request(*engine, job.request, on_token, &prompt_tokens);
+    kvlite::Result<kvlite::RequestId> id = submit_request(*engine, job.request, on_token);
     if (!id) return fail(id.error());
     active[*id] = Active{channel};
-    std::lock_guard<std::mutex> lock(stats_mutex);
-    counters.prompt_tokens_total += prompt_tokens;
+    channel->accept();
   }
 
   void update_stats(size_t running, double step_seconds) {
@@ -623,7 +946,7 @@ struct OpenAIServer::Impl {
     const kvlite::KVPagePool::Stats pages = engine->arena().kv().stats();
     std::lock_guard<std::mutex> lock(stats_mutex);
     busy_seconds += step_seconds;
-    counters.requests_running = int64_t(running);
+    running_now = int64_t(running);
     counters.kv_pages_used = pages.used_pages;
     counters.kv_pages_free = pages.free_pages;
     counters.kv_pages_cached = pages.cached_pages;
@@ -634,11 +957,35 @@ struct OpenAIServer::Impl {
 
   // ---- HTTP threads ----
 
+  // Marks a connection as answering a generation request, so that a drain leaves it open until it is answered.
+  struct Busy {
+    Impl& impl;
+    int fd;
+    Busy(Impl& i, int f) : impl(i), fd(f) {
+      std::lock_guard<std::mutex> lock(impl.queue_mutex);
+      impl.busy_connections.insert(fd);
+    }
+    ~Busy() {
+      if (fd != -2) impl.unbusy(fd);
+    }
+    int release() {  // a streamed answer is written after the handler returns: its end unmarks it
+      const int f = fd;
+      fd = -2;
+      return f;
+    }
+  };
+  void unbusy(int fd) {
+    std::lock_guard<std::mutex> lock(queue_mutex);
+    auto it = busy_connections.find(fd);
+    if (it != busy_connections.end()) busy_connections.erase(it);
+    released_at[fd] = std::chrono::steady_clock::now();
+  }
+
   // Queues a job, or says why not (503 when the queue is full).
   void enqueue(Job job) {
     {
       std::lock_guard<std::mutex> lock(queue_mutex);
-      if (stopping) throw HttpError{503, "the server is stopping", "", "server_error", "stopping"};
+      if (stopping || draining) throw HttpError{503, "the server is shutting down", "", "server_error", "stopping"};
       if (in_flight >= options.max_queue) {
         std::lock_guard<std::mutex> stats_lock(stats_mutex);
         counters.requests_rejected++;
@@ -693,7 +1040,7 @@ struct OpenAIServer::Impl {
   // While it waits for the next piece it watches the client's socket too, so a client that goes away during a
   // long prefill is noticed before a write fails.
   void stream(const Job& job, std::shared_ptr<const ClientSocket> client, httplib::Response& response, bool chat,
-              bool include_usage) {
+              bool include_usage, int busy_fd) {
     std::shared_ptr<Channel> channel = job.channel;
     const std::string id = fresh_id(chat ? "chatcmpl-" : "cmpl-");
     const int64_t created = now_seconds();
@@ -744,13 +1091,20 @@ struct OpenAIServer::Impl {
           send(error_body(*channel->error));
         } else {
           json last = chunk(chat ? json::object() : json(""), finish_reason_text(channel->finish_reason));
-          if (include_usage)
-            last["usage"] = {{"prompt_tokens", channel->prompt_tokens},
-                             {"completion_tokens", channel->completion_tokens},
-                             {"total_tokens", channel->prompt_tokens + channel->completion_tokens}};
           if (!send(last)) {
             channel->abandoned.store(true);
             return false;
+          }
+          if (include_usage) {  // OpenAI's form: one more chunk, with no choices and the usage
+            json usage = chunk(nullptr, nullptr);
+            usage["choices"] = json::array();
+            usage["usage"] = {{"prompt_tokens", channel->prompt_tokens},
+                              {"completion_tokens", channel->completion_tokens},
+                              {"total_tokens", channel->prompt_tokens + channel->completion_tokens}};
+            if (!send(usage)) {
+              channel->abandoned.store(true);
+              return false;
+            }
           }
         }
         const std::string end = "data: [DONE]\n\n";
@@ -758,8 +1112,9 @@ struct OpenAIServer::Impl {
         sink.done();
         return true;
       }
-    }, [channel](bool success) {
+    }, [this, channel, busy_fd](bool success) {
       if (!success) channel->abandoned.store(true);  // the connection ended before the stream did
+      unbusy(busy_fd);
     });
   }
 
@@ -772,9 +1127,24 @@ struct OpenAIServer::Impl {
       job.channel->chat = chat;
       Job waiting_for{};
       waiting_for.channel = job.channel;
+      auto client = std::make_shared<const ClientSocket>(request);
+      Busy busy(*this, client->fd());  // before it is queued: a drain from here on leaves this connection open
       enqueue(std::move(job));
-      if (streaming) stream(waiting_for, std::make_shared<const ClientSocket>(request), response, chat, include_usage);
-      else answer(waiting_for, ClientSocket(request), response, chat);
+      if (streaming) {
+        // Everything the engine can refuse (a prompt too long, images that cannot fit) is known when it takes
+        // the request: until then no byte is sent, so such errors are HTTP statuses, not events.
+        Channel& channel = *waiting_for.channel;
+        {
+          std::unique_lock<std::mutex> lock(channel.mutex);
+          while (!channel.changed.wait_for(lock, kClientPollInterval,
+                                           [&] { return channel.accepted || channel.done; }))
+            if (!channel.abandoned.load() && client->gone()) channel.abandoned.store(true);
+          if (!channel.accepted && channel.error) return send_error(response, *channel.error);
+        }
+        stream(waiting_for, client, response, chat, include_usage, busy.release());
+      } else {
+        answer(waiting_for, *client, response, chat);
+      }
     } catch (const HttpError& e) {
       send_error(response, e);
     } catch (const std::exception& e) {
@@ -784,14 +1154,32 @@ struct OpenAIServer::Impl {
 
   std::string metrics_text() const {
     const ServeStats s = stats();
+    const std::string label = "model_name=\"" + options.model_name + "\"";
     std::string out;
-    auto metric = [&](const char* name, const char* type, const char* help, double value) {
-      char line[64];
-      snprintf(line, sizeof line, "%.17g", value);
-      out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + " " + line + "\n";
+    auto number = [](double value) {
+      char text[64];
+      snprintf(text, sizeof text, "%.17g", value);
+      return std::string(text);
     };
-    metric("kvlite_requests_running", "gauge", "Requests the engine is running.", double(s.requests_running));
-    metric("kvlite_requests_waiting", "gauge", "Requests queued for the engine.", double(s.requests_waiting));
+    auto metric = [&](const char* name, const char* type, const char* help, double value) {
+      out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + "{" +
+             label + "} " + number(value) + "\n";
+    };
+    auto histogram = [&](const char* name, const char* help, const Histogram& h) {
+      out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " histogram\n";
+      int64_t cumulative = 0;
+      for (size_t i = 0; i <= h.bounds.size(); i++) {
+        cumulative += h.counts[i];
+        out += std::string(name) + "_bucket{" + label + ",le=\"" + (i < h.bounds.size() ? number(h.bounds[i]) : "+Inf") +
+               "\"} " + std::to_string(cumulative) + "\n";
+      }
+      out += std::string(name) + "_sum{" + label + "} " + number(h.sum) + "\n";
+      out += std::string(name) + "_count{" + label + "} " + std::to_string(h.count) + "\n";
+    };
+    metric("kvlite_requests_running", "gauge", "Requests in the engine's batch (at most --max-seqs).",
+           double(s.requests_running));
+    metric("kvlite_requests_waiting", "gauge", "Requests queued for the engine or preempted.",
+           double(s.requests_waiting));
     metric("kvlite_requests_total", "counter", "Requests accepted.", double(s.requests_total));
     metric("kvlite_requests_rejected_total", "counter", "Requests refused with 503 (queue full).",
            double(s.requests_rejected));
@@ -803,11 +1191,26 @@ struct OpenAIServer::Impl {
            double(s.kv_pages_cached));
     metric("kvlite_prefix_tokens_reused_total", "counter", "Prompt tokens taken from the prefix cache.",
            double(s.prefix_tokens_reused_total));
-    metric("kvlite_prompt_tokens_total", "counter", "Prompt tokens submitted.", double(s.prompt_tokens_total));
+    metric("kvlite_prompt_tokens_total", "counter",
+           "Prompt tokens of finished requests as the engine ran them (image tokens included).",
+           double(s.prompt_tokens_total));
     metric("kvlite_generation_tokens_total", "counter", "Tokens generated.", double(s.tokens_generated_total));
     metric("kvlite_preemptions_total", "counter", "Requests preempted for KV pages.", double(s.preemptions_total));
     metric("kvlite_generation_tokens_per_second", "gauge", "Tokens generated per second of engine work.",
            s.tokens_per_second);
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    out += "# HELP kvlite_request_success_total Finished requests by finish reason (stop, length, abort).\n"
+           "# TYPE kvlite_request_success_total counter\n";
+    for (const char* reason : {"stop", "length", "abort"}) {
+      auto it = finished_by_reason.find(reason);
+      out += std::string("kvlite_request_success_total{") + label + ",finished_reason=\"" + reason + "\"} " +
+             std::to_string(it == finished_by_reason.end() ? 0 : it->second) + "\n";
+    }
+    histogram("kvlite_time_to_first_token_seconds", "Time from a request's arrival to its first token.",
+              time_to_first_token);
+    histogram("kvlite_inter_token_latency_seconds", "Time between a request's consecutive tokens.",
+              inter_token_latency);
+    histogram("kvlite_e2e_request_latency_seconds", "Time from a request's arrival to its end.", end_to_end_latency);
     return out;
   }
 
@@ -817,29 +1220,207 @@ struct OpenAIServer::Impl {
       std::lock_guard<std::mutex> lock(stats_mutex);
       s = counters;
     }
+    // vLLM's meaning: running = in the engine's batch (at most --max-seqs), waiting = queued or preempted.
+    const int64_t max_seqs = std::max<int64_t>(engine->plan().options.max_seqs, 1);
+    {
+      std::lock_guard<std::mutex> lock(stats_mutex);
+      s.requests_running = std::min(running_now, max_seqs);
+      s.requests_waiting = std::max<int64_t>(running_now - max_seqs, 0);
+    }
     std::lock_guard<std::mutex> lock(const_cast<Impl*>(this)->queue_mutex);
-    s.requests_waiting = int64_t(incoming.size());
+    s.requests_waiting += int64_t(incoming.size());
     return s;
+  }
+
+  // --max-connections, and never fewer than the requests that may be in flight (each waits on its connection)
+  int64_t connection_cap() const { return std::max<int64_t>(options.max_connections, options.max_queue + 8); }
+
+  bool origin_allowed(const std::string& origin) const {
+    for (const std::string& allowed : options.allowed_origins)
+      if (allowed == "*" || allowed == origin) return true;
+    return false;
+  }
+
+  json model_card() const {
+    return {{"id", options.model_name}, {"object", "model"}, {"created", 0}, {"owned_by", "kvlite"},
+            {"root", options.model_name}, {"max_model_len", engine->plan().max_model_len}};
+  }
+
+  // Runs `work` on the engine thread (which owns the engine) and waits for it; 503 when the server stops first.
+  void on_engine_thread(std::function<void(kvlite::Engine&)> work) {
+    auto done = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
+    auto finished = std::make_shared<bool>(false);
+    {
+      std::lock_guard<std::mutex> lock(queue_mutex);
+      if (stopping) throw HttpError{503, "the server is shutting down", "", "server_error", "stopping"};
+      tasks.push_back([work, done, finished](kvlite::Engine& e) {
+        work(e);
+        std::lock_guard<std::mutex> lock(done->first);
+        *finished = true;
+        done->second.notify_all();
+      });
+    }
+    queue_changed.notify_all();
+    std::unique_lock<std::mutex> lock(done->first);
+    done->second.wait(lock, [&] { return *finished; });
+  }
+
+  // vLLM's /tokenize: {"prompt"} (add_special_tokens, default true) or {"messages"} (add_generation_prompt,
+  // default true, as the chat endpoint formats them) -> {"count", "max_model_len", "tokens"}.
+  void handle_tokenize(const httplib::Request& q, httplib::Response& r) {
+    try {
+      const json body = parse_body(q.body, limits);
+      for (auto it = body.begin(); it != body.end(); ++it)
+        if (it.key() != "model" && it.key() != "prompt" && it.key() != "messages" && it.key() != "add_special_tokens" &&
+            it.key() != "add_generation_prompt")
+          bad("'" + it.key() + "' is not a field /tokenize reads", it.key());
+      std::optional<ParsedRequest> chat;
+      std::string prompt;
+      bool add_special = true, add_generation_prompt = true;
+      if (body.contains("add_special_tokens") && !body["add_special_tokens"].is_boolean())
+        bad("'add_special_tokens' must be a boolean", "add_special_tokens");
+      if (body.contains("add_generation_prompt") && !body["add_generation_prompt"].is_boolean())
+        bad("'add_generation_prompt' must be a boolean", "add_generation_prompt");
+      if (body.contains("add_special_tokens")) add_special = body["add_special_tokens"].get<bool>();
+      if (body.contains("add_generation_prompt")) add_generation_prompt = body["add_generation_prompt"].get<bool>();
+      if (body.contains("messages")) {
+        json chat_body = {{"messages", body["messages"]}};
+        chat = chat_job(chat_body, limits);
+      } else if (body.contains("prompt") && body["prompt"].is_string()) {
+        prompt = body["prompt"].get<std::string>();
+      } else {
+        bad("/tokenize needs a string 'prompt' or 'messages'", "prompt");
+      }
+      kvlite::Result<std::vector<int32_t>> ids = kvlite::Error(kvlite::ErrorCode::internal, "not run");
+      on_engine_thread([&](kvlite::Engine& e) {
+        if (chat) {
+          kvlite::Result<std::string> text = e.tokenizer().format_chat(chat->messages, add_generation_prompt);
+          ids = text ? e.tokenize(*text, false) : kvlite::Result<std::vector<int32_t>>(text.error());
+        } else {
+          ids = e.tokenize(prompt, add_special);
+        }
+      });
+      if (!ids) throw from_kvlite(ids.error());
+      json body_out = {{"count", ids->size()}, {"max_model_len", engine->plan().max_model_len}, {"tokens", *ids}};
+      r.set_content(body_out.dump(), "application/json");
+    } catch (const HttpError& e) {
+      send_error(r, e);
+    }
+  }
+
+  // vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}.
+  void handle_detokenize(const httplib::Request& q, httplib::Response& r) {
+    try {
+      const json body = parse_body(q.body, limits);
+      if (!body.contains("tokens") || !body["tokens"].is_array()) bad("'tokens' must be an array of token ids", "tokens");
+      std::vector<int32_t> ids;
+      const int64_t vocab = int64_t(engine->tokenizer().vocab_size());
+      for (const json& id : body["tokens"]) {
+        if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab)
+          bad("'tokens' entries must be token ids in 0.." + std::to_string(vocab - 1), "tokens");
+        ids.push_back(int32_t(id.get<int64_t>()));
+      }
+      kvlite::Result<std::string> text = engine->tokenizer().decode(ids, false);  // thread-safe (tokenizer.hpp)
+      if (!text) throw from_kvlite(text.error());
+      r.set_content(json{{"prompt", *text}}.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+    } catch (const HttpError& e) {
+      send_error(r, e);
+    }
   }
 
   void routes() {
     http.set_payload_max_length(size_t(options.max_body_bytes));
     // cpp-httplib's 5 s defaults drop a client that a burst keeps waiting for its turn to send or read; an
     // inference server's clients wait longer than that by nature.
-    http.set_read_timeout(60, 0);
+    // A client must keep its request coming: each read of its headers or body waits at most --read-timeout.
+    http.set_read_timeout(time_t(options.read_timeout_s), 0);
     http.set_write_timeout(60, 0);
     http.set_keep_alive_timeout(60);
-    // Every request in flight may hold an HTTP thread while it waits: enough threads for the queue.
-    const size_t threads = size_t(std::max<int64_t>(options.max_queue, 1)) + 8;
-    http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-    http.Post("/v1/chat/completions", [this](const httplib::Request& q, httplib::Response& r) { handle_generation(q, r, true); });
-    http.Post("/v1/completions", [this](const httplib::Request& q, httplib::Response& r) { handle_generation(q, r, false); });
-    http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& r) {
-      json body = {{"object", "list"},
-                   {"data", json::array({{{"id", options.model_name}, {"object", "model"}, {"created", 0},
-                                          {"owned_by", "kvlite"},
-                                          {"max_model_len", engine->plan().max_model_len}}})}};
+    // One thread per connection up to --max-connections (so that slow or idle sockets hold only their own, and
+    // every request in flight has one while it waits); beyond it, a refusal lane answers 503.
+    const size_t cap = size_t(connection_cap());
+    http.new_task_queue = [cap] { return new ConnectionPool(cap, 4); };
+    // CORS: an allowed Origin is echoed on every answer; a preflight (OPTIONS) is answered here, before any route.
+    http.set_pre_routing_handler([this](const httplib::Request& q, httplib::Response& r) {
+      if (g_over_connection_cap) {
+        r.set_header("Connection", "close");
+        r.set_header("Retry-After", "1");
+        send_error(r, {503, "the server has " + std::to_string(connection_cap()) +
+                                " connections open, its limit (--max-connections); retry later",
+                       "", "server_error", "too_many_connections"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      const std::string origin = q.get_header_value("Origin");
+      const bool allowed = !origin.empty() && origin_allowed(origin);
+      if (allowed) {
+        r.set_header("Access-Control-Allow-Origin", origin);
+        r.set_header("Vary", "Origin");
+      }
+      // Bodies are read only as sent, with a length: cpp-httplib 0.11 would inflate a compressed body, and read a
+      // chunked one, past --max-body-bytes. Refused before a byte of the body is read; the connection closes, so
+      // the unread body is never taken for a next request.
+      // The answer says "Connection: close" (a client sends nothing more on it), and the connection's reading side
+      // is shut: cpp-httplib reads what was already sent of the body and then the end, and closes it.
+      auto close_after = [&] {
+        r.set_header("Connection", "close");
+        const ClientSocket client(q);
+        if (client.found()) shutdown(client.fd(), SHUT_RD);
+      };
+      const std::string encoding = q.get_header_value("Content-Encoding");
+      if (!encoding.empty() && encoding != "identity") {
+        close_after();
+        send_error(r, {415, "Content-Encoding '" + encoding + "' is not accepted: send the body uncompressed", "",
+                       "invalid_request_error", "unsupported_media_type"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      if (q.has_header("Transfer-Encoding")) {
+        r.set_header("Connection", "close");
+        send_error(r, {411, "a chunked body is not accepted: send it with a Content-Length (at most --max-body-bytes)",
+                       "", "invalid_request_error", "length_required"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      if (q.method != "OPTIONS") return httplib::Server::HandlerResponse::Unhandled;
+      if (!allowed) {
+        send_error(r, {403, "CORS: the origin '" + origin + "' is not allowed (--allowed-origins)", "", "invalid_request_error", ""});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      r.status = 204;
+      r.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+      const std::string asked = q.get_header_value("Access-Control-Request-Headers");
+      r.set_header("Access-Control-Allow-Headers", asked.empty() ? "Authorization, Content-Type" : asked);
+      r.set_header("Access-Control-Max-Age", "600");
+      return httplib::Server::HandlerResponse::Handled;
+    });
+    // /v1 routes need the API key when one is set (as vLLM's --api-key guards /v1 only); the body is read by then,
+    // so the connection stays usable after a 401.
+    auto guarded = [this](std::function<void(const httplib::Request&, httplib::Response&)> handler) {
+      return [this, handler](const httplib::Request& q, httplib::Response& r) {
+        if (!options.api_key.empty() &&
+            !constant_time_equal(q.get_header_value("Authorization"), "Bearer " + options.api_key)) {
+          r.set_header("WWW-Authenticate", "Bearer");
+          return send_error(r, {401, "a valid API key is needed: Authorization: Bearer <key>", "",
+                                "invalid_request_error", "invalid_api_key"});
+        }
+        handler(q, r);
+      };
+    };
+    http.Post("/v1/chat/completions", guarded([this](const httplib::Request& q, httplib::Response& r) { handle_generation(q, r, true); }));
+    http.Post("/v1/completions", guarded([this](const httplib::Request& q, httplib::Response& r) { handle_generation(q, r, false); }));
+    http.Get("/v1/models", guarded([this](const httplib::Request&, httplib::Response& r) {
+      json body = {{"object", "list"}, {"data", json::array({model_card()})}};
       r.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+    }));
+    http.Get(R"(/v1/models/(.+))", guarded([this](const httplib::Request& q, httplib::Response& r) {
+      const std::string id = q.matches[1];
+      if (id != options.model_name)
+        return send_error(r, {404, "the model '" + id + "' does not exist; this server serves '" + options.model_name + "'",
+                              "model", "invalid_request_error", "model_not_found"});
+      r.set_content(model_card().dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+    }));
+    http.Post("/tokenize", [this](const httplib::Request& q, httplib::Response& r) { handle_tokenize(q, r); });
+    http.Post("/detokenize", [this](const httplib::Request& q, httplib::Response& r) { handle_detokenize(q, r); });
+    http.Get("/version", [](const httplib::Request&, httplib::Response& r) {
+      r.set_content(json{{"version", KVLITE_VERSION_STRING}}.dump(), "application/json");
     });
     http.Get("/health", [](const httplib::Request&, httplib::Response& r) {
       r.set_content(R"({"status":"ok"})", "application/json");
@@ -877,6 +1458,14 @@ kvlite::Result<std::unique_ptr<OpenAIServer>> OpenAIServer::create(std::unique_p
   if (options.max_queue < 1 || options.max_queue > 4096)
     return kvlite::Error(kvlite::ErrorCode::invalid_argument,
                          "--max-queue " + std::to_string(options.max_queue) + " is outside 1..4096");
+  if (options.max_connections < 1 || options.max_connections > 16384)
+    return kvlite::Error(kvlite::ErrorCode::invalid_argument, "--max-connections must be in 1..16384");
+  if (options.read_timeout_s < 1 || options.read_timeout_s > 3600)
+    return kvlite::Error(kvlite::ErrorCode::invalid_argument, "--read-timeout must be in 1..3600 seconds");
+  if (!(options.shutdown_timeout_s >= 0 && options.shutdown_timeout_s <= 3600))
+    return kvlite::Error(kvlite::ErrorCode::invalid_argument, "--shutdown-timeout must be in 0..3600 seconds");
+  if (options.max_image_bytes < 1024)
+    return kvlite::Error(kvlite::ErrorCode::invalid_argument, "--max-image-bytes must be at least 1024");
   if (options.max_body_bytes < 1024)
     return kvlite::Error(kvlite::ErrorCode::invalid_argument, "--max-body-bytes must be at least 1024");
   std::unique_ptr<OpenAIServer> server(new OpenAIServer());
@@ -888,6 +1477,8 @@ kvlite::Result<std::unique_ptr<OpenAIServer>> OpenAIServer::create(std::unique_p
   if (s.options.default_max_tokens < 1) s.options.default_max_tokens = 1;
   s.limits = {s.options.model_name, options.max_tokens > 0 ? std::min(options.max_tokens, model_len) : model_len,
               s.options.default_max_tokens};
+  s.limits.max_images = std::max<int64_t>(s.engine->plan().options.max_images, 1);
+  s.limits.max_image_bytes = options.max_image_bytes;
   s.routes();
   s.engine_thread = std::thread([&s] { s.engine_loop(); });
   return server;
@@ -938,12 +1529,52 @@ kvlite::Result<int> OpenAIServer::bind() {
 void OpenAIServer::serve() { impl_->http.listen_after_bind(); }
 
 void OpenAIServer::stop() {
+  Impl& s = *impl_;
   {
-    std::lock_guard<std::mutex> lock(impl_->queue_mutex);
-    impl_->stopping = true;
+    std::lock_guard<std::mutex> lock(s.queue_mutex);
+    if (s.stopping) return;
+    s.draining = true;
   }
-  impl_->queue_changed.notify_all();
-  impl_->http.stop();
+  // No new connections. cpp-httplib then ends each connection after its current request, but one that is idle
+  // in its keep-alive wait would hold serve() for the whole keep-alive timeout: its reading side is shut down
+  // here (a read sees the end at once; an answer still being written is not cut), except for connections whose
+  // generation request is still being answered.
+  s.http.stop();
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::microseconds(int64_t(std::max(0.0, s.options.shutdown_timeout_s) * 1e6));
+  constexpr auto kAnswerGrace = std::chrono::milliseconds(500);  // for an answer to be written after its handler
+  for (;;) {
+    bool idle = false;
+    {
+      std::lock_guard<std::mutex> lock(s.queue_mutex);
+      const auto now = std::chrono::steady_clock::now();
+      bool answers_pending = false;
+      for (int fd : connections_on(s.port)) {
+        auto released = s.released_at.find(fd);
+        const bool writing = released != s.released_at.end() && now - released->second < kAnswerGrace;
+        answers_pending = answers_pending || writing;
+        if (!s.busy_connections.count(fd) && !writing) shutdown(fd, SHUT_RD);
+      }
+      idle = s.in_flight == 0 && s.busy_connections.empty() && !answers_pending;
+    }
+    if (idle || std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.queue_mutex);
+    s.stopping = true;  // what is still in flight after the timeout is cancelled (its clients hear 503)
+  }
+  s.queue_changed.notify_all();
+  // Connections still open after the timeout: their reading side goes too, so serve() returns.
+  for (int i = 0; i < 100; i++) {
+    {
+      std::lock_guard<std::mutex> lock(s.queue_mutex);
+      if (s.busy_connections.empty()) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::lock_guard<std::mutex> lock(s.queue_mutex);
+  for (int fd : connections_on(s.port)) shutdown(fd, SHUT_RD);
 }
 
 ServeStats OpenAIServer::stats() const { return impl_->stats(); }

@@ -31,6 +31,12 @@ struct ServeOptions {
   int64_t default_max_tokens = 256;            // when a request names none
   std::string model_name;                      // what /v1/models lists; empty: the plan's model name
   int64_t test_step_delay_us = 0;              // tests: a pause after each engine step (a slow device)
+  std::string api_key;                         // non-empty: /v1 routes need "Authorization: Bearer <key>" (else 401)
+  std::vector<std::string> allowed_origins;    // CORS: origins answered (and preflights allowed); "*" any; empty none
+  double shutdown_timeout_s = 30;              // stop(): how long requests in flight may take to finish
+  int64_t max_image_bytes = int64_t(20) << 20;  // one image's encoded bytes; more: 413 before it is decoded
+  int64_t max_connections = 512;  // connections served at once (a thread each); more get 503 and are closed
+  int64_t read_timeout_s = 10;    // the longest wait for the next bytes of a request's headers or body
 };
 
 // Counters /metrics reports (also read by tests).
@@ -56,6 +62,8 @@ class OpenAIServer {
   kvlite::Result<int> bind();
   // Serves until stop(); returns when stopped.
   void serve();
+  // Drains: new requests get 503 and the listening socket closes; idle keep-alive connections are closed at
+  // once; requests in flight finish (up to shutdown_timeout_s, then they are cancelled). Blocks until then.
   void stop();
   ServeStats stats() const;
 
