@@ -15,9 +15,11 @@
      the caller passes in are only read during the call (never kept), except callbacks' user data, which
      is passed back to the callback during the call that received it.
    - Out-parameters are written only on success (on failure they are left as they were).
-   - Threads: one caller at a time per engine, except kvlite_cancel and kvlite_cancel_request (any thread).
-     Different engines may be used from different threads. Callbacks run on the calling thread, inside the
-     call; they must not call kvlite, except kvlite_cancel / kvlite_cancel_request.
+   - Threads: every function may be called from any thread; an engine's calls run one at a time (a second
+     thread's call waits for the first, see the header's THREADS), except kvlite_cancel (lock-free,
+     async-signal-safe: a SIGINT handler may call it) and kvlite_cancel_request (any thread). kvlite_close only
+     with no call of that engine running. Callbacks run on the calling thread, inside the call; they must not
+     call kvlite, except kvlite_cancel / kvlite_cancel_request.
    - ABI: the structs carry their own size (struct_size, set by the *_init functions): a later version may
      add fields at their end and still read what an older caller passes. Function signatures and the numbers
      of existing codes do not change within a major version (KVLITE_VERSION_MAJOR); see README "C API".

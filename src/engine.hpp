@@ -21,10 +21,16 @@
 // recomputed from its tokens later, giving the same tokens. A request that could never fit (prompt +
 // max_tokens > max_model_len, or more pages than the whole arena) is refused up front with does_not_fit.
 //
-// Threads: one caller at a time, except cancel() and cancel(id), which any thread may call: cancel() stops the
-// running call (generate, run, step, score, logits) at its next step with ErrorCode::cancelled, dropping every
-// request in flight, and does nothing when no call runs; cancel(id) ends one request. Callbacks run inside the
-// engine's step: they may call cancel() or cancel(id) but no other Engine function.
+// Threads: every call is safe from any thread. One internal lock serialises the calls (generate*, submit, step,
+// run, result, finished, score, logits, encode_images, preprocess, tokenize, detokenize, set_op_timing,
+// measure_copy_bandwidth), each holding it for its whole run: a second thread's call waits, then runs. Taking no
+// lock: cancel() (atomics only, async-signal-safe: a SIGINT handler may call it) stops the running call
+// (generate, run, step, score, logits) at its next step with ErrorCode::cancelled, dropping every request in
+// flight, and does nothing when no call runs; cancel(id) ends one request (any thread, not a signal handler);
+// stats() returns the counters as of the last step without waiting; info(), plan(), config(), tokenizer() and
+// stop_token_ids() are fixed at open. Callbacks run inside the engine's step on the calling thread: they may call
+// cancel(), cancel(id), stats() and set_op_timing(); another call from a token callback fails with
+// invalid_argument (src/manual.txt THREADS; tests/unit-threads.cpp, also under ThreadSanitizer).
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 
