@@ -22,7 +22,7 @@
       auto plan = kvlite::plan_engine("models/qwen3-vl-4b-instruct-fp8", planned);
       if (plan) printf("%s", plan->table().c_str());   // where every byte goes, and what would fit
 
-      kvlite::EngineOptions options;             // the CPU reference engine (BackendChoice::auto_: the GPU if any)
+      kvlite::EngineOptions options;             // backend auto: the GPU if one is usable, else the CPU
       options.plan.max_model_len = 2048;
       auto engine = kvlite::Engine::open("path/to/Qwen3-4B", options);   // plan_engine's plan, one arena
       if (!engine) { fprintf(stderr, "%s\n", engine.error().message.c_str()); return 1; }
@@ -77,6 +77,15 @@
       Every fallible call returns kvlite::Result<T> (or kvlite::Status): a value, or an Error with a stable
       ErrorCode and a message that carries the numbers and what to change. The library never throws past its
       boundary, never aborts and never exits.
+
+   DEFAULTS (EngineOptions{} in C++ and kvlite_options_init in C alike; tests/unit-defaults.cpp checks both)
+      backend                   auto     the GPU when one is usable, else the CPU, saying why (Plan::backend_rule)
+      device                    0        CUDA device index
+      threads                   0        CPU worker threads: one per hardware thread
+      plan.utilization          0.9      of the device's memory (or plan.device_mem) the arena may take
+      plan.max_images           1        images encoded together (vision models)
+      cuda_graphs               on       CUDA: decode steps replayed from graphs captured at open
+      fp8_activations           off      fp8 checkpoints compute W8A16
 
    THREADS
       Every Engine call is safe from any thread. The engine serialises them with one internal lock held for a
@@ -159,6 +168,12 @@
 
 #ifdef __cplusplus
 extern "C" {
+#endif
+/* libkvlite.so exports these functions and nothing else: the library is compiled with -fvisibility=hidden (CMake,
+   when kvlite_library is static) and the declarations below are the exceptions, so the C++ API's symbols stay
+   inside (tests/check_exports.sh counts them). */
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
 #endif
 
 /* Status codes (the C++ ErrorCode values). */
@@ -338,6 +353,9 @@ int kvlite_score(kvlite_engine* engine, const char* text, int64_t context_length
 int kvlite_logits(kvlite_engine* engine, const int32_t* ids, size_t n_ids, float** values_out, int64_t* rows_out,
                   int64_t* vocab_out);
 
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
@@ -3198,9 +3216,10 @@ struct EngineOptions {
   // plan's arena). activation_dtype: CUDA's BF16 default, F16 or F32; the CPU's F32 default (the reference), or
   // BF16 / F16 to run the GPU's rounding on the CPU.
   PlanOptions plan;
-  // Where to compute (device.hpp): cpu, the float32 reference every reference-checked result assumes, stays the
-  // default of the library; the CLI and the examples default to auto.
-  BackendChoice backend = BackendChoice::cpu;
+  // Where to compute (device.hpp): auto, the GPU when one is usable, else the CPU saying why (Plan::backend_rule),
+  // as the C API (kvlite_options_init), the CLI and the manual's DEFAULTS say; cpu for the float32 reference every
+  // reference-checked result assumes (the tests name it).
+  BackendChoice backend = BackendChoice::auto_;
   int device = 0;            // CUDA device index
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
   // CUDA, sm_90+: launch kernels with programmatic dependent launch (CudaBackendOptions::programmatic_launch;

@@ -33,6 +33,12 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+/* libkvlite.so exports these functions and nothing else: the library is compiled with -fvisibility=hidden (CMake,
+   when kvlite_library is static) and the declarations below are the exceptions, so the C++ API's symbols stay
+   inside (tests/check_exports.sh counts them). */
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
+#endif
 
 /* Status codes (the C++ ErrorCode values). */
 #define KVLITE_OK 0
@@ -211,6 +217,9 @@ int kvlite_score(kvlite_engine* engine, const char* text, int64_t context_length
 int kvlite_logits(kvlite_engine* engine, const int32_t* ids, size_t n_ids, float** values_out, int64_t* rows_out,
                   int64_t* vocab_out);
 
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -42,9 +42,10 @@ struct EngineOptions {
   // plan's arena). activation_dtype: CUDA's BF16 default, F16 or F32; the CPU's F32 default (the reference), or
   // BF16 / F16 to run the GPU's rounding on the CPU.
   PlanOptions plan;
-  // Where to compute (device.hpp): cpu, the float32 reference every reference-checked result assumes, stays the
-  // default of the library; the CLI and the examples default to auto.
-  BackendChoice backend = BackendChoice::cpu;
+  // Where to compute (device.hpp): auto, the GPU when one is usable, else the CPU saying why (Plan::backend_rule),
+  // as the C API (kvlite_options_init), the CLI and the manual's DEFAULTS say; cpu for the float32 reference every
+  // reference-checked result assumes (the tests name it).
+  BackendChoice backend = BackendChoice::auto_;
   int device = 0;            // CUDA device index
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
   // CUDA, sm_90+: launch kernels with programmatic dependent launch (CudaBackendOptions::programmatic_launch;

@@ -90,6 +90,7 @@ TEST_CASE("under page pressure the newest request is preempted and recomputed wi
     CAPTURE(batched_tokens);
     // The KV arena holds exactly one max_model_len sequence: 8 pages of 16 tokens.
     EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     options.plan.max_model_len = 128;
     options.plan.max_batched_tokens = batched_tokens;
     auto engine = open_with_pages(name, options, 8);
@@ -121,6 +122,7 @@ TEST_CASE("under page pressure the newest request is preempted and recomputed wi
 
 TEST_CASE("a request that runs out of context finishes with `length`: a prompt that cannot fit is refused up front") {
   EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   options.plan.max_model_len = 64;
   auto engine = fx::open("tiny-qwen2", options);
   std::vector<int32_t> prompt = prompts("tiny-qwen2")[2].ids;  // 38 tokens
@@ -309,6 +311,7 @@ TEST_CASE("cancel(id) ends one request, from the caller, a callback or another t
 
 TEST_CASE("load progress: reported from 0 to the checkpoint's bytes, and false aborts the open cleanly") {
   EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   std::vector<std::pair<uint64_t, uint64_t>> calls;
   options.load_progress = [&](uint64_t done, uint64_t total) {
     calls.emplace_back(done, total);
@@ -561,9 +564,11 @@ TEST_CASE("logprobs: each generated token's log-probability under the model, as 
     auto alone = engine->generate(ids, greedy_logprobs);
     REQUIRE(alone);
     EngineOptions ngram;
+    ngram.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     ngram.plan.ngram = 2;
     ngram.plan.speculative_tokens = 4;
     EngineOptions self_draft;
+    self_draft.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     self_draft.draft_model = fx::dir(name);
     self_draft.plan.speculative_tokens = 3;
     for (const EngineOptions& options : {ngram, self_draft}) {
