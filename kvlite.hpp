@@ -94,7 +94,8 @@
       in the order the lock grants them; a second thread's call waits for the first to return (it never fails
       with "busy", never overlaps). Without the lock, because they take none:
         cancel()          lock-free (atomics only) and async-signal-safe: from any thread or a signal handler
-                          (SIGINT); it stops the call running at that moment, never a later one.
+                          (SIGINT); it stops the call running at that moment, never a later one: generate
+                          returns its text so far (FinishReason::cancelled), other calls ErrorCode::cancelled.
         cancel(id)        any thread (a small lock of its own); not from a signal handler.
         stats()           any thread, never waits: the counters as of the last step that ended.
         info(), plan(), config(), tokenizer(), stop_token_ids()   fixed at open: any thread.
@@ -341,7 +342,9 @@ int kvlite_step(kvlite_engine* engine, int* unfinished_out); /* *unfinished_out:
 int kvlite_result(kvlite_engine* engine, int64_t request, kvlite_generation* out);
 /* Any thread: end one request at the next step (KVLITE_FINISH_CANCELLED). */
 int kvlite_cancel_request(kvlite_engine* engine, int64_t request);
-/* Any thread: stop the call running now (it returns KVLITE_CANCELLED); does nothing when none runs. */
+/* Any thread, or a signal handler (lock-free, async-signal-safe): stop the call running now; does nothing when
+   none runs. kvlite_generate / kvlite_generate_chat return KVLITE_OK with the text so far and
+   KVLITE_FINISH_CANCELLED; the other calls return KVLITE_CANCELLED. */
 void kvlite_cancel(kvlite_engine* engine);
 
 /* ---- scoring and logits ---- */
@@ -3200,8 +3203,9 @@ class VisionModel {
 // run, result, finished, score, logits, encode_images, preprocess, tokenize, detokenize, set_op_timing,
 // measure_copy_bandwidth), each holding it for its whole run: a second thread's call waits, then runs. Taking no
 // lock: cancel() (atomics only, async-signal-safe: a SIGINT handler may call it) stops the running call
-// (generate, run, step, score, logits) at its next step with ErrorCode::cancelled, dropping every request in
-// flight, and does nothing when no call runs; cancel(id) ends one request (any thread, not a signal handler);
+// (generate, run, step, score, logits) at its next step, dropping every request in flight -- generate returns its
+// text so far with FinishReason::cancelled, the others fail with ErrorCode::cancelled -- and does nothing when
+// no call runs; cancel(id) ends one request (any thread, not a signal handler);
 // stats() returns the counters as of the last step without waiting; info(), plan(), config(), tokenizer() and
 // stop_token_ids() are fixed at open. Callbacks run inside the engine's step on the calling thread: they may call
 // cancel(), cancel(id), stats() and set_op_timing(); another call from a token callback fails with
@@ -3458,8 +3462,9 @@ class Engine {
   Result<Logits> logits(const std::vector<int32_t>& ids);
   Result<Logits> logits(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images);
 
-  // Thread-safe: stop the call running now (generate, run, step, score, logits) at its next step; it returns
-  // ErrorCode::cancelled and every request in flight ends. A cancel() made while no call runs does nothing: it
+  // Thread-safe and async-signal-safe: stop the call running now (generate, run, step, score, logits) at its next
+  // step and end every request in flight. generate returns the text and ids generated so far with
+  // FinishReason::cancelled; run, step, score and logits return ErrorCode::cancelled. A cancel() made while no call runs does nothing: it
   // never reaches a later call.
   void cancel();
   // Thread-safe: end one request (an id from submit) at the next step, with FinishReason::cancelled, its pages
@@ -16679,6 +16684,15 @@ Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, cons
     RequestId id = impl_->submit(prompt_ids, images, params, on_token);
     try {
       impl_->run_until([&] { return impl_->requests.at(id)->finished; });
+    } catch (const Error& error) {
+      // cancel() stopped the call: this request ended with FinishReason::cancelled and keeps what it generated
+      // (abort_all finished it); the other requests in flight were dropped with theirs.
+      auto it = impl_->requests.find(id);
+      const bool kept = error.code == ErrorCode::cancelled && it != impl_->requests.end() && it->second->finished;
+      if (!kept) {
+        impl_->erase(id);
+        throw;
+      }
     } catch (...) {
       impl_->erase(id);
       throw;

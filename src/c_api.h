@@ -205,7 +205,9 @@ int kvlite_step(kvlite_engine* engine, int* unfinished_out); /* *unfinished_out:
 int kvlite_result(kvlite_engine* engine, int64_t request, kvlite_generation* out);
 /* Any thread: end one request at the next step (KVLITE_FINISH_CANCELLED). */
 int kvlite_cancel_request(kvlite_engine* engine, int64_t request);
-/* Any thread: stop the call running now (it returns KVLITE_CANCELLED); does nothing when none runs. */
+/* Any thread, or a signal handler (lock-free, async-signal-safe): stop the call running now; does nothing when
+   none runs. kvlite_generate / kvlite_generate_chat return KVLITE_OK with the text so far and
+   KVLITE_FINISH_CANCELLED; the other calls return KVLITE_CANCELLED. */
 void kvlite_cancel(kvlite_engine* engine);
 
 /* ---- scoring and logits ---- */

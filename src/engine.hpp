@@ -25,8 +25,9 @@
 // run, result, finished, score, logits, encode_images, preprocess, tokenize, detokenize, set_op_timing,
 // measure_copy_bandwidth), each holding it for its whole run: a second thread's call waits, then runs. Taking no
 // lock: cancel() (atomics only, async-signal-safe: a SIGINT handler may call it) stops the running call
-// (generate, run, step, score, logits) at its next step with ErrorCode::cancelled, dropping every request in
-// flight, and does nothing when no call runs; cancel(id) ends one request (any thread, not a signal handler);
+// (generate, run, step, score, logits) at its next step, dropping every request in flight -- generate returns its
+// text so far with FinishReason::cancelled, the others fail with ErrorCode::cancelled -- and does nothing when
+// no call runs; cancel(id) ends one request (any thread, not a signal handler);
 // stats() returns the counters as of the last step without waiting; info(), plan(), config(), tokenizer() and
 // stop_token_ids() are fixed at open. Callbacks run inside the engine's step on the calling thread: they may call
 // cancel(), cancel(id), stats() and set_op_timing(); another call from a token callback fails with
@@ -284,8 +285,9 @@ class Engine {
   Result<Logits> logits(const std::vector<int32_t>& ids);
   Result<Logits> logits(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images);
 
-  // Thread-safe: stop the call running now (generate, run, step, score, logits) at its next step; it returns
-  // ErrorCode::cancelled and every request in flight ends. A cancel() made while no call runs does nothing: it
+  // Thread-safe and async-signal-safe: stop the call running now (generate, run, step, score, logits) at its next
+  // step and end every request in flight. generate returns the text and ids generated so far with
+  // FinishReason::cancelled; run, step, score and logits return ErrorCode::cancelled. A cancel() made while no call runs does nothing: it
   // never reaches a later call.
   void cancel();
   // Thread-safe: end one request (an id from submit) at the next step, with FinishReason::cancelled, its pages

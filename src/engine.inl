@@ -1917,6 +1917,15 @@ Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, cons
     RequestId id = impl_->submit(prompt_ids, images, params, on_token);
     try {
       impl_->run_until([&] { return impl_->requests.at(id)->finished; });
+    } catch (const Error& error) {
+      // cancel() stopped the call: this request ended with FinishReason::cancelled and keeps what it generated
+      // (abort_all finished it); the other requests in flight were dropped with theirs.
+      auto it = impl_->requests.find(id);
+      const bool kept = error.code == ErrorCode::cancelled && it != impl_->requests.end() && it->second->finished;
+      if (!kept) {
+        impl_->erase(id);
+        throw;
+      }
     } catch (...) {
       impl_->erase(id);
       throw;

@@ -189,18 +189,23 @@ TEST_CASE("invalid requests are refused") {
   CHECK(unknown.error().code == ErrorCode::invalid_argument);
 }
 
-TEST_CASE("cancel() stops the running call, from the callback or another thread") {
+TEST_CASE("cancel() stops the running call, from the callback or another thread, and generate keeps its text so far") {
   auto engine = fx::open("tiny-qwen2");
   std::vector<Prompt> list = prompts("tiny-qwen2");
+  const std::vector<int32_t> first_three(list[0].greedy.begin(), list[0].greedy.begin() + 3);
 
   SUBCASE("from the token callback") {
     int tokens = 0;
-    auto generation = engine->generate(list[0].ids, greedy(), [&](const std::string&, int32_t) {
+    std::string streamed;
+    auto generation = engine->generate(list[0].ids, greedy(), [&](const std::string& piece, int32_t) {
+      streamed += piece;
       if (++tokens == 3) engine->cancel();
       return true;
     });
-    REQUIRE_FALSE(generation);
-    CHECK(generation.error().code == ErrorCode::cancelled);
+    REQUIRE(generation);
+    CHECK(generation->finish_reason == FinishReason::cancelled);
+    CHECK(generation->ids == first_three);
+    CHECK(generation->text == streamed);
     CHECK(tokens == 3);
   }
   SUBCASE("from another thread, dropping every request in flight") {
@@ -222,8 +227,9 @@ TEST_CASE("cancel() stops the running call, from the callback or another thread"
       return true;
     });
     canceller.join();
-    REQUIRE_FALSE(generation);
-    CHECK(generation.error().code == ErrorCode::cancelled);
+    REQUIRE(generation);
+    CHECK(generation->finish_reason == FinishReason::cancelled);
+    CHECK(generation->ids == std::vector<int32_t>(list[0].greedy.begin(), list[0].greedy.begin() + 2));
     CHECK(engine->finished(*other));
     auto dropped = engine->result(*other);
     REQUIRE(dropped);
