@@ -57,7 +57,8 @@
         handles, int status codes, kvlite_last_error per thread; ownership written beside each function), for
         C, Python (ctypes), C#, Go and Rust; libkvlite.so holds it for languages that load libraries.
       - Lets an app stay in charge: cancel one request (Engine::cancel(RequestId)) or the running call, follow
-        and abort a load (EngineOptions::load_progress), route diagnostics to its own log (set_log_callback).
+        and abort a load (EngineOptions::load_progress), route diagnostics to its own log (set_log_callback,
+        or EngineOptions::log per engine, each engine naming itself).
       - Treats every input as hostile: sizes from files and callers are bounded by named limits (CONFIGURATION)
         before anything is allocated, size arithmetic is overflow-checked, and every parser is fuzzed.
 
@@ -413,7 +414,8 @@ enum class ErrorCode : int {
 const char* error_code_name(ErrorCode code);
 
 // kvlite never prints: its diagnostics (an engine opened and on what, preemptions, cancels) go to the log
-// callback, process-wide, when one is set. The callback may run on any thread that calls kvlite (one at a time:
+// callback, process-wide, when one is set (an engine's own messages start with its name, and go to
+// EngineOptions::log instead when that engine has one). The callback may run on any thread that calls kvlite (one at a time:
 // calls are serialized); it must not call kvlite. An exception it throws is dropped.
 enum class LogLevel : int { debug = 0, info = 1, warning = 2, error = 3 };
 const char* log_level_name(LogLevel level);  // "debug", "info", "warning", "error"
@@ -597,7 +599,22 @@ Status check_json_limits(std::string_view text, const std::string& origin);
 namespace detail {
 // Internal code reports failure by throwing kvlite::Error; public entry points catch it with guard().
 [[noreturn]] void fail(ErrorCode code, std::string message);
-// To the log callback (set_log_callback), if one is set and `level` passes its minimum.
+// An engine's own log (EngineOptions::name, log, log_level), in effect on the thread running one of its calls
+// (or its open): its messages start with "<name>: " and go to its callback when it has one, else to the
+// process-wide one. ScopedEngineLog sets it for a scope and puts the previous one back.
+struct EngineLog {
+  std::string prefix;  // "<name>: "
+  LogCallback callback;
+  LogLevel min_level = LogLevel::info;
+};
+struct ScopedEngineLog {
+  explicit ScopedEngineLog(const EngineLog* log);
+  ~ScopedEngineLog();
+  ScopedEngineLog(const ScopedEngineLog&) = delete;
+  ScopedEngineLog& operator=(const ScopedEngineLog&) = delete;
+  const EngineLog* previous;
+};
+// To the running engine's log callback, else the process-wide one (set_log_callback), if `level` passes its minimum.
 bool log_enabled(LogLevel level);
 void log(LogLevel level, const std::string& message);
 std::string format(const char* fmt, ...)
@@ -3249,6 +3266,12 @@ struct EngineOptions {
   // (total, total) when they are all there. Returning false aborts the open cleanly: it fails with
   // ErrorCode::cancelled and everything taken so far (the arena, the mapping) is released.
   std::function<bool(uint64_t done_bytes, uint64_t total_bytes)> load_progress;
+  // Logs: every message this engine logs (at open and in its calls) starts with "<name>: " -- empty: the model
+  // directory's last component -- and goes to `log` when set (messages below log_level dropped), on the thread
+  // of the call, else to the process-wide set_log_callback.
+  std::string name;
+  LogCallback log;
+  LogLevel log_level = LogLevel::info;
 };
 
 // The plan Engine::open(model_dir, options) makes, without reading a byte of weights or touching GPU memory:
@@ -3928,14 +3951,32 @@ inline LogSink& log_sink() {
   static LogSink sink;
   return sink;
 }
-bool log_enabled(LogLevel level) { return int(level) >= log_sink().min_level.load(); }
+inline const EngineLog*& current_engine_log() {
+  static thread_local const EngineLog* log = nullptr;
+  return log;
+}
+ScopedEngineLog::ScopedEngineLog(const EngineLog* log) : previous(current_engine_log()) { current_engine_log() = log; }
+ScopedEngineLog::~ScopedEngineLog() { current_engine_log() = previous; }
+bool log_enabled(LogLevel level) {
+  const EngineLog* own = current_engine_log();
+  if (own && own->callback) return int(level) >= int(own->min_level);
+  return int(level) >= log_sink().min_level.load();
+}
 void log(LogLevel level, const std::string& message) {
   if (!log_enabled(level)) return;
+  const EngineLog* own = current_engine_log();
+  if (own && own->callback) {  // the engine's own: called on the thread of its call, one call at a time
+    try {
+      own->callback(level, own->prefix + message);
+    } catch (...) {  // a host's callback must not unwind through kvlite
+    }
+    return;
+  }
   LogSink& sink = log_sink();
   std::lock_guard<std::mutex> lock(sink.mutex);
   if (!sink.callback) return;
   try {
-    sink.callback(level, message);
+    sink.callback(level, own ? own->prefix + message : message);
   } catch (...) {  // a host's callback must not unwind through kvlite
   }
 }
@@ -14919,6 +14960,8 @@ struct Engine::Impl {
   // while a step runs the token callbacks, which must not start engine work of their own.
   std::mutex call_mutex;
   std::atomic<std::thread::id> call_owner{};
+  detail::EngineLog log;  // EngineOptions::name / log / log_level, in effect while a call holds the engine
+  std::optional<detail::ScopedEngineLog> log_scope;  // the holding call's
   bool stepping = false;
   // stats() from any thread while a call runs: the counters as of the last step, published under their own
   // small lock so that a reader never waits for a whole generate.
@@ -15655,10 +15698,12 @@ struct Engine::Impl {
       }
       engine.call_mutex.lock();
       engine.call_owner.store(std::this_thread::get_id());
+      engine.log_scope.emplace(&engine.log);
       locked = true;
     }
     ~CallLock() {
       if (!locked) return;
+      engine.log_scope.reset();
       engine.publish_stats();
       engine.call_owner.store(std::thread::id());
       engine.call_mutex.unlock();
@@ -16342,6 +16387,16 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     using detail::format;
     std::unique_ptr<Engine> engine(new Engine());
     Impl& e = *engine->impl_;
+    std::string name = options.name;
+    if (name.empty()) {
+      std::string dir = model_dir;
+      while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+      name = dir.substr(dir.find_last_of('/') == std::string::npos ? 0 : dir.find_last_of('/') + 1);
+    }
+    e.log.prefix = name + ": ";
+    e.log.callback = options.log;
+    e.log.min_level = options.log_level;
+    detail::ScopedEngineLog open_log(&e.log);
     Result<ModelConfig> config = load_config(model_dir);
     if (!config) throw config.error();
     e.config = std::move(*config);

@@ -72,6 +72,12 @@ struct EngineOptions {
   // (total, total) when they are all there. Returning false aborts the open cleanly: it fails with
   // ErrorCode::cancelled and everything taken so far (the arena, the mapping) is released.
   std::function<bool(uint64_t done_bytes, uint64_t total_bytes)> load_progress;
+  // Logs: every message this engine logs (at open and in its calls) starts with "<name>: " -- empty: the model
+  // directory's last component -- and goes to `log` when set (messages below log_level dropped), on the thread
+  // of the call, else to the process-wide set_log_callback.
+  std::string name;
+  LogCallback log;
+  LogLevel log_level = LogLevel::info;
 };
 
 // The plan Engine::open(model_dir, options) makes, without reading a byte of weights or touching GPU memory:

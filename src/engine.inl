@@ -152,6 +152,8 @@ struct Engine::Impl {
   // while a step runs the token callbacks, which must not start engine work of their own.
   std::mutex call_mutex;
   std::atomic<std::thread::id> call_owner{};
+  detail::EngineLog log;  // EngineOptions::name / log / log_level, in effect while a call holds the engine
+  std::optional<detail::ScopedEngineLog> log_scope;  // the holding call's
   bool stepping = false;
   // stats() from any thread while a call runs: the counters as of the last step, published under their own
   // small lock so that a reader never waits for a whole generate.
@@ -888,10 +890,12 @@ struct Engine::Impl {
       }
       engine.call_mutex.lock();
       engine.call_owner.store(std::this_thread::get_id());
+      engine.log_scope.emplace(&engine.log);
       locked = true;
     }
     ~CallLock() {
       if (!locked) return;
+      engine.log_scope.reset();
       engine.publish_stats();
       engine.call_owner.store(std::thread::id());
       engine.call_mutex.unlock();
@@ -1575,6 +1579,16 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     using detail::format;
     std::unique_ptr<Engine> engine(new Engine());
     Impl& e = *engine->impl_;
+    std::string name = options.name;
+    if (name.empty()) {
+      std::string dir = model_dir;
+      while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+      name = dir.substr(dir.find_last_of('/') == std::string::npos ? 0 : dir.find_last_of('/') + 1);
+    }
+    e.log.prefix = name + ": ";
+    e.log.callback = options.log;
+    e.log.min_level = options.log_level;
+    detail::ScopedEngineLog open_log(&e.log);
     Result<ModelConfig> config = load_config(model_dir);
     if (!config) throw config.error();
     e.config = std::move(*config);

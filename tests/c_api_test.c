@@ -88,7 +88,7 @@ struct Log {
 static void on_log(int32_t level, const char* message, void* user_data) {
   struct Log* log = (struct Log*)user_data;
   log->messages++;
-  if (level == KVLITE_LOG_INFO && strncmp(message, "opened ", 7) == 0) log->saw_open = 1;
+  if (level == KVLITE_LOG_INFO && strstr(message, ": opened ") != NULL) log->saw_open = 1; /* "<engine>: opened" */
 }
 
 static int read_file(const char* path, uint8_t** data, size_t* size) {

@@ -369,7 +369,7 @@ TEST_CASE("log callback: what kvlite reports reaches the host's log at its level
   auto quiet = fx::open("tiny-qwen2");  // the throwing callback is contained
   set_log_callback(nullptr);
   auto opened = std::find_if(entries.begin(), entries.end(),
-                             [](const Entry& e) { return e.message.rfind("opened ", 0) == 0; });
+                             [](const Entry& e) { return e.message.rfind("tiny-qwen2: opened ", 0) == 0; });
   REQUIRE(opened != entries.end());
   CHECK(opened->level == LogLevel::info);
   CHECK(opened->message.find("arena") != std::string::npos);
@@ -620,4 +620,34 @@ TEST_CASE("op timing: a decode step's ops per layer, counted while it is on, and
     REQUIRE(engine->generate(ids, params));
     CHECK(engine->stats().op_times[size_t(Op::attention)].calls == steps * layers);
   }
+}
+
+TEST_CASE("each engine logs to its own callback, naming itself, or to the process-wide one with its name") {
+  std::vector<std::string> left, right, global;
+  set_log_callback([&](LogLevel, const std::string& message) { global.push_back(message); }, LogLevel::debug);
+  EngineOptions named;
+  named.name = "left";
+  named.log = [&](LogLevel, const std::string& message) { left.push_back(message); };
+  auto first = fx::open("tiny-qwen2", named);
+  EngineOptions own;  // no name: the directory's
+  own.log_level = LogLevel::debug;
+  own.log = [&](LogLevel, const std::string& message) { right.push_back(message); };
+  auto second = fx::open("tiny-qwen3", own);
+  auto third = fx::open("tiny-llama3");  // no log of its own: the process-wide one
+  auto starts = [](const std::vector<std::string>& lines, const std::string& prefix) {
+    return std::any_of(lines.begin(), lines.end(), [&](const std::string& line) { return line.rfind(prefix, 0) == 0; });
+  };
+  CHECK(starts(left, "left: opened "));
+  CHECK(starts(right, "tiny-qwen3: opened "));
+  // A request cancelled in the second engine: its debug line reaches that engine's log only.
+  const std::vector<Prompt> list = prompts("tiny-qwen3");
+  auto id = second->submit(list[0].ids, greedy());
+  REQUIRE(id);
+  REQUIRE(second->cancel(*id));
+  REQUIRE(second->run());
+  CHECK(starts(right, "tiny-qwen3: request " + std::to_string(*id) + " cancelled"));
+  CHECK(starts(global, "tiny-llama3: opened "));
+  CHECK_FALSE(starts(global, "left: "));
+  CHECK_FALSE(starts(global, "tiny-qwen3: "));
+  set_log_callback(nullptr);
 }
