@@ -17,7 +17,12 @@ TEST_CMAKE_FLAGS := -UKVLITE_CUDA -UKVLITE_CUDA_ARCHITECTURES
 SANITIZE_BUILD ?= build-sanitize
 FUZZ_SECONDS ?= 600
 
-.PHONY: all build configure deps amalgamate check-amalgamation test sanitize-test fuzz demo gpu-check clean
+.PHONY: all build configure deps amalgamate check-amalgamation test sanitize-test fuzz demo gpu-check clean lib
+
+# make lib: libkvlite.so alone (the C API for C, Python, C#, Go, Rust) in build-lib/, CPU-only unless asked
+# (make lib LIB_CMAKE_FLAGS=-DKVLITE_CUDA=ON): no tests, no examples, no kernels for seven architectures.
+LIB_BUILD ?= build-lib
+LIB_CMAKE_FLAGS ?= -DKVLITE_CUDA=OFF
 
 all: deps amalgamate build
 
@@ -69,5 +74,12 @@ demo: deps amalgamate
 gpu-check:
 	@tools/gpu-check.sh
 
+lib: deps amalgamate
+	@cmake -S . -B $(LIB_BUILD) $$(tools/cmake-generator.sh $(LIB_BUILD)) -DKVLITE_BUILD_TESTS=OFF -DKVLITE_BUILD_EXAMPLES=OFF \
+	  -DKVLITE_BUILD_SHARED=ON $(LIB_CMAKE_FLAGS) $(CMAKE_FLAGS) > $(LIB_BUILD).configure.log 2>&1 || (cat $(LIB_BUILD).configure.log; exit 1)
+	@rm -f $(LIB_BUILD).configure.log
+	@MAKEFLAGS= MAKELEVEL= cmake --build $(LIB_BUILD) -j $(JOBS) --target kvlite_shared
+	@echo "$(LIB_BUILD)/libkvlite.so: cc -std=c11 -I. app.c -L$(LIB_BUILD) -lkvlite -Wl,-rpath,\"\$$PWD/$(LIB_BUILD)\""
+
 clean:
-	rm -rf $(BUILD) $(SANITIZE_BUILD)
+	rm -rf $(BUILD) $(SANITIZE_BUILD) $(LIB_BUILD)

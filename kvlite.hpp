@@ -22,7 +22,7 @@
       auto plan = kvlite::plan_engine("models/qwen3-vl-4b-instruct-fp8", planned);
       if (plan) printf("%s", plan->table().c_str());   // where every byte goes, and what would fit
 
-      kvlite::EngineOptions options;             // the CPU reference engine (BackendChoice::auto_: the GPU if any)
+      kvlite::EngineOptions options;             // backend auto: the GPU if one is usable, else the CPU
       options.plan.max_model_len = 2048;
       auto engine = kvlite::Engine::open("path/to/Qwen3-4B", options);   // plan_engine's plan, one arena
       if (!engine) { fprintf(stderr, "%s\n", engine.error().message.c_str()); return 1; }
@@ -61,7 +61,8 @@
         handles, int status codes, kvlite_last_error per thread; ownership written beside each function), for
         C, Python (ctypes), C#, Go and Rust; libkvlite.so holds it for languages that load libraries.
       - Lets an app stay in charge: cancel one request (Engine::cancel(RequestId)) or the running call, follow
-        and abort a load (EngineOptions::load_progress), route diagnostics to its own log (set_log_callback).
+        and abort a load (EngineOptions::load_progress), route diagnostics to its own log (set_log_callback,
+        or EngineOptions::log per engine, each engine naming itself).
       - Treats every input as hostile: sizes from files and callers are bounded by named limits (CONFIGURATION)
         before anything is allocated, size arithmetic is overflow-checked, and every parser is fuzzed.
 
@@ -81,6 +82,34 @@
       Every fallible call returns kvlite::Result<T> (or kvlite::Status): a value, or an Error with a stable
       ErrorCode and a message that carries the numbers and what to change. The library never throws past its
       boundary, never aborts and never exits.
+
+   DEFAULTS (EngineOptions{} in C++ and kvlite_options_init in C alike; tests/unit-defaults.cpp checks both)
+      backend                   auto     the GPU when one is usable, else the CPU, saying why (Plan::backend_rule)
+      device                    0        CUDA device index
+      threads                   0        CPU worker threads: one per hardware thread
+      plan.utilization          0.9      of the device's memory (or plan.device_mem) the arena may take
+      plan.max_images           1        images encoded together (vision models)
+      cuda_graphs               on       CUDA: decode steps replayed from graphs captured at open
+      fp8_activations           off      fp8 checkpoints compute W8A16
+
+   THREADS
+      Every Engine call is safe from any thread. The engine serialises them with one internal lock held for a
+      call's whole run: generate, generate_chat, submit, step, run, result, finished, score, logits,
+      encode_images, preprocess, tokenize, detokenize, measure_copy_bandwidth and set_op_timing run one at a time,
+      in the order the lock grants them; a second thread's call waits for the first to return (it never fails
+      with "busy", never overlaps). Without the lock, because they take none:
+        cancel()          lock-free (atomics only) and async-signal-safe: from any thread or a signal handler
+                          (SIGINT); it stops the call running at that moment, never a later one: generate
+                          returns its text so far (FinishReason::cancelled), other calls ErrorCode::cancelled.
+        cancel(id)        any thread (a small lock of its own); not from a signal handler.
+        stats()           any thread, never waits: the counters as of the last step that ended.
+        info(), plan(), config(), tokenizer(), stop_token_ids()   fixed at open: any thread.
+        arena()           live KV pool counters: read between calls (or from a callback), not during one.
+      Callbacks (token, score progress) run on the calling thread inside the call: they may call cancel(),
+      cancel(id), stats() and set_op_timing(); any other engine call from a token callback fails with
+      invalid_argument (returning false ends the callback's own request). The log callback (set_log_callback)
+      is process-wide and may run on any thread that calls kvlite. Open and destroy an Engine on one thread
+      with no call of it running. The C API is the same per kvlite_engine (kvlite_cancel: signal-safe).
 
    LIMITATIONS (v0.1)
       - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL images, the fp8
@@ -129,9 +158,11 @@
      the caller passes in are only read during the call (never kept), except callbacks' user data, which
      is passed back to the callback during the call that received it.
    - Out-parameters are written only on success (on failure they are left as they were).
-   - Threads: one caller at a time per engine, except kvlite_cancel and kvlite_cancel_request (any thread).
-     Different engines may be used from different threads. Callbacks run on the calling thread, inside the
-     call; they must not call kvlite, except kvlite_cancel / kvlite_cancel_request.
+   - Threads: every function may be called from any thread; an engine's calls run one at a time (a second
+     thread's call waits for the first, see the header's THREADS), except kvlite_cancel (lock-free,
+     async-signal-safe: a SIGINT handler may call it) and kvlite_cancel_request (any thread). kvlite_close only
+     with no call of that engine running. Callbacks run on the calling thread, inside the call; they must not
+     call kvlite, except kvlite_cancel / kvlite_cancel_request.
    - ABI: the structs carry their own size (struct_size, set by the *_init functions): a later version may
      add fields at their end and still read what an older caller passes. Function signatures and the numbers
      of existing codes do not change within a major version (KVLITE_VERSION_MAJOR); see README "C API".
@@ -144,6 +175,12 @@
 
 #ifdef __cplusplus
 extern "C" {
+#endif
+/* libkvlite.so exports these functions and nothing else: the library is compiled with -fvisibility=hidden (CMake,
+   when kvlite_library is static) and the declarations below are the exceptions, so the C++ API's symbols stay
+   inside (tests/check_exports.sh counts them). */
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
 #endif
 
 /* Status codes (the C++ ErrorCode values). */
@@ -311,7 +348,9 @@ int kvlite_step(kvlite_engine* engine, int* unfinished_out); /* *unfinished_out:
 int kvlite_result(kvlite_engine* engine, int64_t request, kvlite_generation* out);
 /* Any thread: end one request at the next step (KVLITE_FINISH_CANCELLED). */
 int kvlite_cancel_request(kvlite_engine* engine, int64_t request);
-/* Any thread: stop the call running now (it returns KVLITE_CANCELLED); does nothing when none runs. */
+/* Any thread, or a signal handler (lock-free, async-signal-safe): stop the call running now; does nothing when
+   none runs. kvlite_generate / kvlite_generate_chat return KVLITE_OK with the text so far and
+   KVLITE_FINISH_CANCELLED; the other calls return KVLITE_CANCELLED. */
 void kvlite_cancel(kvlite_engine* engine);
 
 /* ---- scoring and logits ---- */
@@ -323,6 +362,9 @@ int kvlite_score(kvlite_engine* engine, const char* text, int64_t context_length
 int kvlite_logits(kvlite_engine* engine, const int32_t* ids, size_t n_ids, float** values_out, int64_t* rows_out,
                   int64_t* vocab_out);
 
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
@@ -377,7 +419,8 @@ enum class ErrorCode : int {
 const char* error_code_name(ErrorCode code);
 
 // kvlite never prints: its diagnostics (an engine opened and on what, preemptions, cancels) go to the log
-// callback, process-wide, when one is set. The callback may run on any thread that calls kvlite (one at a time:
+// callback, process-wide, when one is set (an engine's own messages start with its name, and go to
+// EngineOptions::log instead when that engine has one). The callback may run on any thread that calls kvlite (one at a time:
 // calls are serialized); it must not call kvlite. An exception it throws is dropped.
 enum class LogLevel : int { debug = 0, info = 1, warning = 2, error = 3 };
 const char* log_level_name(LogLevel level);  // "debug", "info", "warning", "error"
@@ -561,7 +604,22 @@ Status check_json_limits(std::string_view text, const std::string& origin);
 namespace detail {
 // Internal code reports failure by throwing kvlite::Error; public entry points catch it with guard().
 [[noreturn]] void fail(ErrorCode code, std::string message);
-// To the log callback (set_log_callback), if one is set and `level` passes its minimum.
+// An engine's own log (EngineOptions::name, log, log_level), in effect on the thread running one of its calls
+// (or its open): its messages start with "<name>: " and go to its callback when it has one, else to the
+// process-wide one. ScopedEngineLog sets it for a scope and puts the previous one back.
+struct EngineLog {
+  std::string prefix;  // "<name>: "
+  LogCallback callback;
+  LogLevel min_level = LogLevel::info;
+};
+struct ScopedEngineLog {
+  explicit ScopedEngineLog(const EngineLog* log);
+  ~ScopedEngineLog();
+  ScopedEngineLog(const ScopedEngineLog&) = delete;
+  ScopedEngineLog& operator=(const ScopedEngineLog&) = delete;
+  const EngineLog* previous;
+};
+// To the running engine's log callback, else the process-wide one (set_log_callback), if `level` passes its minimum.
 bool log_enabled(LogLevel level);
 void log(LogLevel level, const std::string& message);
 std::string format(const char* fmt, ...)
@@ -3470,10 +3528,17 @@ class VisionModel {
 // recomputed from its tokens later, giving the same tokens. A request that could never fit (prompt +
 // max_tokens > max_model_len, or more pages than the whole arena) is refused up front with does_not_fit.
 //
-// Threads: one caller at a time, except cancel() and cancel(id), which any thread may call: cancel() stops the
-// running call (generate, run, step, score, logits) at its next step with ErrorCode::cancelled, dropping every
-// request in flight, and does nothing when no call runs; cancel(id) ends one request. Callbacks run inside the
-// engine's step: they may call cancel() or cancel(id) but no other Engine function.
+// Threads: every call is safe from any thread. One internal lock serialises the calls (generate*, submit, step,
+// run, result, finished, score, logits, encode_images, preprocess, tokenize, detokenize, set_op_timing,
+// measure_copy_bandwidth), each holding it for its whole run: a second thread's call waits, then runs. Taking no
+// lock: cancel() (atomics only, async-signal-safe: a SIGINT handler may call it) stops the running call
+// (generate, run, step, score, logits) at its next step, dropping every request in flight -- generate returns its
+// text so far with FinishReason::cancelled, the others fail with ErrorCode::cancelled -- and does nothing when
+// no call runs; cancel(id) ends one request (any thread, not a signal handler);
+// stats() returns the counters as of the last step without waiting; info(), plan(), config(), tokenizer() and
+// stop_token_ids() are fixed at open. Callbacks run inside the engine's step on the calling thread: they may call
+// cancel(), cancel(id), stats() and set_op_timing(); another call from a token callback fails with
+// invalid_argument (src/manual.txt THREADS; tests/unit-threads.cpp, also under ThreadSanitizer).
 // ---------------------------------------------------------------------------------------------------------
 
 namespace kvlite {
@@ -3484,9 +3549,10 @@ struct EngineOptions {
   // plan's arena). activation_dtype: CUDA's BF16 default, F16 or F32; the CPU's F32 default (the reference), or
   // BF16 / F16 to run the GPU's rounding on the CPU.
   PlanOptions plan;
-  // Where to compute (device.hpp): cpu, the float32 reference every reference-checked result assumes, stays the
-  // default of the library; the CLI and the examples default to auto.
-  BackendChoice backend = BackendChoice::cpu;
+  // Where to compute (device.hpp): auto, the GPU when one is usable, else the CPU saying why (Plan::backend_rule),
+  // as the C API (kvlite_options_init), the CLI and the manual's DEFAULTS say; cpu for the float32 reference every
+  // reference-checked result assumes (the tests name it).
+  BackendChoice backend = BackendChoice::auto_;
   int device = 0;            // CUDA device index
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
   // CUDA, sm_90+: launch kernels with programmatic dependent launch (CudaBackendOptions::programmatic_launch;
@@ -3512,6 +3578,12 @@ struct EngineOptions {
   // (total, total) when they are all there. Returning false aborts the open cleanly: it fails with
   // ErrorCode::cancelled and everything taken so far (the arena, the mapping) is released.
   std::function<bool(uint64_t done_bytes, uint64_t total_bytes)> load_progress;
+  // Logs: every message this engine logs (at open and in its calls) starts with "<name>: " -- empty: the model
+  // directory's last component -- and goes to `log` when set (messages below log_level dropped), on the thread
+  // of the call, else to the process-wide set_log_callback.
+  std::string name;
+  LogCallback log;
+  LogLevel log_level = LogLevel::info;
 };
 
 // The plan Engine::open(model_dir, options) makes, without reading a byte of weights or touching GPU memory:
@@ -3725,8 +3797,9 @@ class Engine {
   Result<Logits> logits(const std::vector<int32_t>& ids);
   Result<Logits> logits(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images);
 
-  // Thread-safe: stop the call running now (generate, run, step, score, logits) at its next step; it returns
-  // ErrorCode::cancelled and every request in flight ends. A cancel() made while no call runs does nothing: it
+  // Thread-safe and async-signal-safe: stop the call running now (generate, run, step, score, logits) at its next
+  // step and end every request in flight. generate returns the text and ids generated so far with
+  // FinishReason::cancelled; run, step, score and logits return ErrorCode::cancelled. A cancel() made while no call runs does nothing: it
   // never reaches a later call.
   void cancel();
   // Thread-safe: end one request (an id from submit) at the next step, with FinishReason::cancelled, its pages
@@ -4190,14 +4263,32 @@ inline LogSink& log_sink() {
   static LogSink sink;
   return sink;
 }
-bool log_enabled(LogLevel level) { return int(level) >= log_sink().min_level.load(); }
+inline const EngineLog*& current_engine_log() {
+  static thread_local const EngineLog* log = nullptr;
+  return log;
+}
+ScopedEngineLog::ScopedEngineLog(const EngineLog* log) : previous(current_engine_log()) { current_engine_log() = log; }
+ScopedEngineLog::~ScopedEngineLog() { current_engine_log() = previous; }
+bool log_enabled(LogLevel level) {
+  const EngineLog* own = current_engine_log();
+  if (own && own->callback) return int(level) >= int(own->min_level);
+  return int(level) >= log_sink().min_level.load();
+}
 void log(LogLevel level, const std::string& message) {
   if (!log_enabled(level)) return;
+  const EngineLog* own = current_engine_log();
+  if (own && own->callback) {  // the engine's own: called on the thread of its call, one call at a time
+    try {
+      own->callback(level, own->prefix + message);
+    } catch (...) {  // a host's callback must not unwind through kvlite
+    }
+    return;
+  }
   LogSink& sink = log_sink();
   std::lock_guard<std::mutex> lock(sink.mutex);
   if (!sink.callback) return;
   try {
-    sink.callback(level, message);
+    sink.callback(level, own ? own->prefix + message : message);
   } catch (...) {  // a host's callback must not unwind through kvlite
   }
 }
@@ -21043,6 +21134,7 @@ void VisionModel::run_merger(const PatchMergerWeights& merger, const Tensor& hid
 #include <limits>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 namespace kvlite {
@@ -21173,6 +21265,20 @@ struct Engine::Impl {
   std::mutex request_cancels_mutex;
   std::set<RequestId> request_cancels;
   std::atomic<RequestId> last_issued_id{0};
+  // Every public call but cancel(), cancel(id), set_op_timing() and the accessors of what open fixed holds
+  // call_mutex for its whole run (CallLock): calls from several threads run one after another, in the order the
+  // mutex grants them. call_owner is the thread holding it, so that a nested call on that thread (generate(text)
+  // calling generate(ids), or a callback calling back) is recognised instead of deadlocking; `stepping` is set
+  // while a step runs the token callbacks, which must not start engine work of their own.
+  std::mutex call_mutex;
+  std::atomic<std::thread::id> call_owner{};
+  detail::EngineLog log;  // EngineOptions::name / log / log_level, in effect while a call holds the engine
+  std::optional<detail::ScopedEngineLog> log_scope;  // the holding call's
+  bool stepping = false;
+  // stats() from any thread while a call runs: the counters as of the last step, published under their own
+  // small lock so that a reader never waits for a whole generate.
+  mutable std::mutex published_stats_mutex;
+  EngineStats published_stats;
   EngineStats stats;
   EngineInfo info;
 
@@ -21888,6 +21994,43 @@ struct Engine::Impl {
     }
   }
 
+  // A public call's hold on the engine (call_mutex). Nested on the thread that holds it already: no second lock,
+  // but a callback running inside a step may not start engine work (invalid_argument naming the call).
+  struct CallLock {
+    Impl& engine;
+    bool locked = false;
+    CallLock(Impl& e, const char* call) : engine(e) {
+      if (engine.call_owner.load() == std::this_thread::get_id()) {
+        if (engine.stepping)
+          detail::fail(ErrorCode::invalid_argument,
+                       detail::format("Engine::%s called from inside a token callback: a callback may call cancel(), "
+                                      "cancel(id), stats() and set_op_timing() only (return false to end its own "
+                                      "request)", call));
+        return;
+      }
+      engine.call_mutex.lock();
+      engine.call_owner.store(std::this_thread::get_id());
+      engine.log_scope.emplace(&engine.log);
+      locked = true;
+    }
+    ~CallLock() {
+      if (!locked) return;
+      engine.log_scope.reset();
+      engine.publish_stats();
+      engine.call_owner.store(std::thread::id());
+      engine.call_mutex.unlock();
+    }
+    CallLock(const CallLock&) = delete;
+    CallLock& operator=(const CallLock&) = delete;
+  };
+
+  void publish_stats() {
+    EngineStats now = stats;
+    now.op_times = backend->op_times();
+    std::lock_guard<std::mutex> lock(published_stats_mutex);
+    published_stats = now;
+  }
+
   // The public call that runs steps: cancel() made during it (and only then) stops it.
   struct CallScope {
     Impl& engine;
@@ -21920,11 +22063,15 @@ struct Engine::Impl {
     apply_request_cancels();
     if (running.empty() && waiting.empty()) return false;
     try {
+      stepping = true;
       run_step();
+      stepping = false;
     } catch (...) {
+      stepping = false;
       abort_all();  // leave the engine usable: no request holds pages it will never release
       throw;
     }
+    publish_stats();
     return !running.empty() || !waiting.empty();
   }
 
@@ -22568,6 +22715,16 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     using detail::format;
     std::unique_ptr<Engine> engine(new Engine());
     Impl& e = *engine->impl_;
+    std::string name = options.name;
+    if (name.empty()) {
+      std::string dir = model_dir;
+      while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+      name = dir.substr(dir.find_last_of('/') == std::string::npos ? 0 : dir.find_last_of('/') + 1);
+    }
+    e.log.prefix = name + ": ";
+    e.log.callback = options.log;
+    e.log.min_level = options.log_level;
+    detail::ScopedEngineLog open_log(&e.log);
     Result<ModelConfig> config = load_config(model_dir);
     if (!config) throw config.error();
     e.config = std::move(*config);
@@ -22794,6 +22951,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
                          model_dir.c_str(), e.info.backend_name.c_str(), e.plan.backend_rule.c_str(),
                          format_bytes(e.plan.arena_bytes()).c_str(), detail::planning::format_count(e.plan.kv_tokens).c_str(),
                          (long long)e.plan.max_model_len, format_bytes(e.plan.free_bytes).c_str()));
+    e.publish_stats();
     return engine;
   });
 }
@@ -22804,30 +22962,47 @@ const Tokenizer& Engine::tokenizer() const { return *impl_->tokenizer; }
 const Arena& Engine::arena() const { return *impl_->arena; }
 const std::vector<int32_t>& Engine::stop_token_ids() const { return impl_->stop_ids; }
 
+// Every call below holds the engine (Impl::CallLock) for its whole run: see "Threads" in engine.hpp.
 Result<std::vector<int32_t>> Engine::tokenize(const std::string& text, bool add_special_tokens) const {
-  return impl_->tokenizer->encode(text, add_special_tokens);
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "tokenize");
+    return impl_->tokenizer->encode(text, add_special_tokens).value();
+  });
 }
 
 Result<std::string> Engine::detokenize(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
-  return impl_->tokenizer->decode(ids, skip_special_tokens);
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "detokenize");
+    return impl_->tokenizer->decode(ids, skip_special_tokens).value();
+  });
 }
 
 Result<RequestId> Engine::submit(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
                                  const TokenCallback& on_token) {
-  return detail::guard([&] { return impl_->submit(prompt_ids, {}, params, on_token); });
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "submit");
+    return impl_->submit(prompt_ids, {}, params, on_token);
+  });
 }
 
 Result<RequestId> Engine::submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
                                  const SamplingParams& params, const TokenCallback& on_token) {
-  return detail::guard([&] { return impl_->submit(prompt_ids, images, params, on_token); });
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "submit");
+    return impl_->submit(prompt_ids, images, params, on_token);
+  });
 }
 
 Result<VisionInput> Engine::preprocess(const Image& image) const {
-  return detail::guard([&] { return std::move(impl_->preprocess_all({image}).front()); });
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "preprocess");
+    return std::move(impl_->preprocess_all({image}).front());
+  });
 }
 
 Result<ImageFeatures> Engine::encode_images(const std::vector<VisionInput>& images) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "encode_images");
     std::vector<const VisionInput*> inputs;
     for (const VisionInput& image : images) inputs.push_back(&image);
     return impl_->encode_images(inputs);
@@ -22836,24 +23011,40 @@ Result<ImageFeatures> Engine::encode_images(const std::vector<VisionInput>& imag
 
 Result<bool> Engine::step() {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "step");
     Impl::CallScope scope(*impl_);
     return impl_->step();
   });
 }
 
 Status Engine::run() {
-  return detail::guard([&] { impl_->run_until([&] { return impl_->running.empty() && impl_->waiting.empty(); }); });
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "run");
+    impl_->run_until([&] { return impl_->running.empty() && impl_->waiting.empty(); });
+  });
 }
 
-void Engine::set_op_timing(bool on) { impl_->backend->set_op_timing(on); }
+void Engine::set_op_timing(bool on) {
+  if (impl_->call_owner.load() == std::this_thread::get_id()) {  // from a callback: the step reads it next op
+    impl_->backend->set_op_timing(on);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(impl_->call_mutex);
+  impl_->backend->set_op_timing(on);
+}
 
 bool Engine::finished(RequestId id) const {
-  auto it = impl_->requests.find(id);
-  return it != impl_->requests.end() && it->second->finished;
+  Result<bool> done = detail::guard([&] {
+    Impl::CallLock lock(*impl_, "finished");
+    auto it = impl_->requests.find(id);
+    return it != impl_->requests.end() && it->second->finished;
+  });
+  return done && *done;  // from inside a token callback: false (the step is still running)
 }
 
 Result<Generation> Engine::result(RequestId id) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "result");
     auto it = impl_->requests.find(id);
     if (it == impl_->requests.end() || it->second->kind != detail::RequestKind::generate)
       detail::fail(ErrorCode::invalid_argument,
@@ -22874,9 +23065,19 @@ Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, cons
 Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
                                     const SamplingParams& params, const TokenCallback& on_token) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "generate");
     RequestId id = impl_->submit(prompt_ids, images, params, on_token);
     try {
       impl_->run_until([&] { return impl_->requests.at(id)->finished; });
+    } catch (const Error& error) {
+      // cancel() stopped the call: this request ended with FinishReason::cancelled and keeps what it generated
+      // (abort_all finished it); the other requests in flight were dropped with theirs.
+      auto it = impl_->requests.find(id);
+      const bool kept = error.code == ErrorCode::cancelled && it != impl_->requests.end() && it->second->finished;
+      if (!kept) {
+        impl_->erase(id);
+        throw;
+      }
     } catch (...) {
       impl_->erase(id);
       throw;
@@ -22889,18 +23090,17 @@ Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, cons
 
 Result<Generation> Engine::generate(const std::string& prompt, const SamplingParams& params,
                                     const TokenCallback& on_token) {
-  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(prompt, true);
-  if (!ids) return ids.error();
-  return generate(*ids, params, on_token);
+  return generate(prompt, std::vector<Image>{}, params, on_token);
 }
 
 Result<Generation> Engine::generate(const std::string& prompt, const std::vector<Image>& images,
                                     const SamplingParams& params, const TokenCallback& on_token) {
-  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(prompt, true);
-  if (!ids) return ids.error();
-  Result<std::vector<VisionInput>> inputs = detail::guard([&] { return impl_->preprocess_all(images); });
-  if (!inputs) return inputs.error();
-  return generate(*ids, *inputs, params, on_token);
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "generate");  // the inner generate is nested on this thread: no second lock
+    std::vector<int32_t> ids = impl_->tokenizer->encode(prompt, true).value();
+    std::vector<VisionInput> inputs = impl_->preprocess_all(images);
+    return generate(ids, inputs, params, on_token).value();
+  });
 }
 
 Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& messages, const SamplingParams& params,
@@ -22910,20 +23110,21 @@ Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& message
 
 Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& messages, const std::vector<Image>& images,
                                          const SamplingParams& params, const TokenCallback& on_token) {
-  Result<std::string> prompt = impl_->tokenizer->format_chat(messages, true);
-  if (!prompt) return prompt.error();
-  // The formatted prompt already holds its special tokens (Llama-3's <|begin_of_text|> included), so it is
-  // encoded without adding more.
-  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(*prompt, false);
-  if (!ids) return ids.error();
-  Result<std::vector<VisionInput>> inputs = detail::guard([&] { return impl_->preprocess_all(images); });
-  if (!inputs) return inputs.error();
-  return generate(*ids, *inputs, params, on_token);
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "generate_chat");
+    std::string prompt = impl_->tokenizer->format_chat(messages, true).value();
+    // The formatted prompt already holds its special tokens (Llama-3's <|begin_of_text|> included), so it is
+    // encoded without adding more.
+    std::vector<int32_t> ids = impl_->tokenizer->encode(prompt, false).value();
+    std::vector<VisionInput> inputs = impl_->preprocess_all(images);
+    return generate(ids, inputs, params, on_token).value();
+  });
 }
 
 Result<ScoreResult> Engine::score(const std::vector<int32_t>& ids, int64_t context_length, int64_t stride,
                                   const ScoreProgress& progress) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "score");
     Impl& e = *impl_;
     Result<std::vector<ScoreWindow>> windows = score_windows(int64_t(ids.size()), context_length, stride);
     if (!windows) throw windows.error();
@@ -22987,15 +23188,18 @@ Result<ScoreResult> Engine::score(const std::vector<int32_t>& ids, int64_t conte
 
 Result<ScoreResult> Engine::score(const std::string& text, int64_t context_length, int64_t stride,
                                   const ScoreProgress& progress) {
-  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(text, true);
-  if (!ids) return ids.error();
-  return score(*ids, context_length, stride, progress);
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "score");
+    std::vector<int32_t> ids = impl_->tokenizer->encode(text, true).value();
+    return score(ids, context_length, stride, progress).value();
+  });
 }
 
 Result<Logits> Engine::logits(const std::vector<int32_t>& ids) { return logits(ids, std::vector<VisionInput>{}); }
 
 Result<Logits> Engine::logits(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "logits");
     Impl& e = *impl_;
     e.check_ids(prompt_ids, "logits");
     detail::VisionPrompt prompt = e.prepare_prompt(prompt_ids, images, "logits");
@@ -23023,6 +23227,8 @@ Result<Logits> Engine::logits(const std::vector<int32_t>& prompt_ids, const std:
   });
 }
 
+// Lock-free atomics only (no lock, no allocation, no log): async-signal-safe, so a SIGINT handler may call it.
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "Engine::cancel() must be async-signal-safe");
 void Engine::cancel() {
   const uint64_t call = impl_->running_call.load();
   if (call != 0) impl_->cancelled_call.store(call);
@@ -23038,15 +23244,20 @@ Status Engine::cancel(RequestId id) {
 }
 
 EngineStats Engine::stats() const {
-  EngineStats stats = impl_->stats;
-  stats.op_times = impl_->backend->op_times();
-  return stats;
+  if (impl_->call_owner.load() == std::this_thread::get_id()) {  // from a callback: the live counters
+    EngineStats stats = impl_->stats;
+    stats.op_times = impl_->backend->op_times();
+    return stats;
+  }
+  std::lock_guard<std::mutex> lock(impl_->published_stats_mutex);  // as of the last step (or call) to end
+  return impl_->published_stats;
 }
 
 EngineInfo Engine::info() const { return impl_->info; }
 
 Result<CopyBandwidth> Engine::measure_copy_bandwidth(uint64_t bytes, int repeats) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "measure_copy_bandwidth");
     Impl& e = *impl_;
     if (!e.running.empty() || !e.waiting.empty())
       detail::fail(ErrorCode::invalid_argument,

@@ -2,10 +2,11 @@
 """caption_image.py: caption an image with a Qwen3-VL model through kvlite's C API, from Python's standard
 library alone (ctypes): no build step, no package to install. The caption streams to stdout.
 
-    python3 examples/caption_image.py [--library build/libkvlite.so] [--prompt TEXT] [--max-tokens N]
+    python3 examples/caption_image.py [--library build-lib/libkvlite.so] [--prompt TEXT] [--max-tokens N]
                                       [--backend auto|cpu|cuda] MODEL_DIR IMAGE
 
-libkvlite.so comes from the CMake build (`make build`: build/libkvlite.so; option KVLITE_BUILD_SHARED). Exit
+libkvlite.so comes from `make lib` (build-lib/libkvlite.so, CPU-only, a minute or two) or `make build`
+(build/libkvlite.so; option KVLITE_BUILD_SHARED). Exit
 status: 0 done, 1 kvlite refused (the message says why), 2 usage error.
 """
 import argparse
@@ -65,12 +66,20 @@ def load(path):
     return lib
 
 
+def default_library():
+    """make lib's build-lib/libkvlite.so, else make build's build/libkvlite.so."""
+    for build in ("build-lib", "build"):
+        path = os.path.join(HERE, "..", build, "libkvlite.so")
+        if os.path.exists(path):
+            return path
+    return os.path.join(HERE, "..", "build-lib", "libkvlite.so")
+
+
 def main():
     parser = argparse.ArgumentParser(description="Caption an image with kvlite through its C API (ctypes).")
     parser.add_argument("model_dir")
     parser.add_argument("image")
-    parser.add_argument("--library", default=os.environ.get("KVLITE_LIBRARY",
-                                                            os.path.join(HERE, "..", "build", "libkvlite.so")))
+    parser.add_argument("--library", default=os.environ.get("KVLITE_LIBRARY", default_library()))
     parser.add_argument("--prompt", default="Describe this image.")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--backend", choices=sorted(BACKENDS), default="auto")
@@ -80,7 +89,7 @@ def main():
     try:
         lib = load(args.library)
     except OSError as error:
-        print(f"caption_image.py: cannot load {args.library}: {error} (build it: make build)", file=sys.stderr)
+        print(f"caption_image.py: cannot load {args.library}: {error} (build it: make lib)", file=sys.stderr)
         return 2
 
     def failed(status):

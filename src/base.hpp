@@ -47,7 +47,8 @@ enum class ErrorCode : int {
 const char* error_code_name(ErrorCode code);
 
 // kvlite never prints: its diagnostics (an engine opened and on what, preemptions, cancels) go to the log
-// callback, process-wide, when one is set. The callback may run on any thread that calls kvlite (one at a time:
+// callback, process-wide, when one is set (an engine's own messages start with its name, and go to
+// EngineOptions::log instead when that engine has one). The callback may run on any thread that calls kvlite (one at a time:
 // calls are serialized); it must not call kvlite. An exception it throws is dropped.
 enum class LogLevel : int { debug = 0, info = 1, warning = 2, error = 3 };
 const char* log_level_name(LogLevel level);  // "debug", "info", "warning", "error"
@@ -231,7 +232,22 @@ Status check_json_limits(std::string_view text, const std::string& origin);
 namespace detail {
 // Internal code reports failure by throwing kvlite::Error; public entry points catch it with guard().
 [[noreturn]] void fail(ErrorCode code, std::string message);
-// To the log callback (set_log_callback), if one is set and `level` passes its minimum.
+// An engine's own log (EngineOptions::name, log, log_level), in effect on the thread running one of its calls
+// (or its open): its messages start with "<name>: " and go to its callback when it has one, else to the
+// process-wide one. ScopedEngineLog sets it for a scope and puts the previous one back.
+struct EngineLog {
+  std::string prefix;  // "<name>: "
+  LogCallback callback;
+  LogLevel min_level = LogLevel::info;
+};
+struct ScopedEngineLog {
+  explicit ScopedEngineLog(const EngineLog* log);
+  ~ScopedEngineLog();
+  ScopedEngineLog(const ScopedEngineLog&) = delete;
+  ScopedEngineLog& operator=(const ScopedEngineLog&) = delete;
+  const EngineLog* previous;
+};
+// To the running engine's log callback, else the process-wide one (set_log_callback), if `level` passes its minimum.
 bool log_enabled(LogLevel level);
 void log(LogLevel level, const std::string& message);
 std::string format(const char* fmt, ...)

@@ -31,14 +31,32 @@ inline LogSink& log_sink() {
   static LogSink sink;
   return sink;
 }
-bool log_enabled(LogLevel level) { return int(level) >= log_sink().min_level.load(); }
+inline const EngineLog*& current_engine_log() {
+  static thread_local const EngineLog* log = nullptr;
+  return log;
+}
+ScopedEngineLog::ScopedEngineLog(const EngineLog* log) : previous(current_engine_log()) { current_engine_log() = log; }
+ScopedEngineLog::~ScopedEngineLog() { current_engine_log() = previous; }
+bool log_enabled(LogLevel level) {
+  const EngineLog* own = current_engine_log();
+  if (own && own->callback) return int(level) >= int(own->min_level);
+  return int(level) >= log_sink().min_level.load();
+}
 void log(LogLevel level, const std::string& message) {
   if (!log_enabled(level)) return;
+  const EngineLog* own = current_engine_log();
+  if (own && own->callback) {  // the engine's own: called on the thread of its call, one call at a time
+    try {
+      own->callback(level, own->prefix + message);
+    } catch (...) {  // a host's callback must not unwind through kvlite
+    }
+    return;
+  }
   LogSink& sink = log_sink();
   std::lock_guard<std::mutex> lock(sink.mutex);
   if (!sink.callback) return;
   try {
-    sink.callback(level, message);
+    sink.callback(level, own ? own->prefix + message : message);
   } catch (...) {  // a host's callback must not unwind through kvlite
   }
 }

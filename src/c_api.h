@@ -15,9 +15,11 @@
      the caller passes in are only read during the call (never kept), except callbacks' user data, which
      is passed back to the callback during the call that received it.
    - Out-parameters are written only on success (on failure they are left as they were).
-   - Threads: one caller at a time per engine, except kvlite_cancel and kvlite_cancel_request (any thread).
-     Different engines may be used from different threads. Callbacks run on the calling thread, inside the
-     call; they must not call kvlite, except kvlite_cancel / kvlite_cancel_request.
+   - Threads: every function may be called from any thread; an engine's calls run one at a time (a second
+     thread's call waits for the first, see the header's THREADS), except kvlite_cancel (lock-free,
+     async-signal-safe: a SIGINT handler may call it) and kvlite_cancel_request (any thread). kvlite_close only
+     with no call of that engine running. Callbacks run on the calling thread, inside the call; they must not
+     call kvlite, except kvlite_cancel / kvlite_cancel_request.
    - ABI: the structs carry their own size (struct_size, set by the *_init functions): a later version may
      add fields at their end and still read what an older caller passes. Function signatures and the numbers
      of existing codes do not change within a major version (KVLITE_VERSION_MAJOR); see README "C API".
@@ -30,6 +32,12 @@
 
 #ifdef __cplusplus
 extern "C" {
+#endif
+/* libkvlite.so exports these functions and nothing else: the library is compiled with -fvisibility=hidden (CMake,
+   when kvlite_library is static) and the declarations below are the exceptions, so the C++ API's symbols stay
+   inside (tests/check_exports.sh counts them). */
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
 #endif
 
 /* Status codes (the C++ ErrorCode values). */
@@ -197,7 +205,9 @@ int kvlite_step(kvlite_engine* engine, int* unfinished_out); /* *unfinished_out:
 int kvlite_result(kvlite_engine* engine, int64_t request, kvlite_generation* out);
 /* Any thread: end one request at the next step (KVLITE_FINISH_CANCELLED). */
 int kvlite_cancel_request(kvlite_engine* engine, int64_t request);
-/* Any thread: stop the call running now (it returns KVLITE_CANCELLED); does nothing when none runs. */
+/* Any thread, or a signal handler (lock-free, async-signal-safe): stop the call running now; does nothing when
+   none runs. kvlite_generate / kvlite_generate_chat return KVLITE_OK with the text so far and
+   KVLITE_FINISH_CANCELLED; the other calls return KVLITE_CANCELLED. */
 void kvlite_cancel(kvlite_engine* engine);
 
 /* ---- scoring and logits ---- */
@@ -209,6 +219,9 @@ int kvlite_score(kvlite_engine* engine, const char* text, int64_t context_length
 int kvlite_logits(kvlite_engine* engine, const int32_t* ids, size_t n_ids, float** values_out, int64_t* rows_out,
                   int64_t* vocab_out);
 
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -21,10 +21,17 @@
 // recomputed from its tokens later, giving the same tokens. A request that could never fit (prompt +
 // max_tokens > max_model_len, or more pages than the whole arena) is refused up front with does_not_fit.
 //
-// Threads: one caller at a time, except cancel() and cancel(id), which any thread may call: cancel() stops the
-// running call (generate, run, step, score, logits) at its next step with ErrorCode::cancelled, dropping every
-// request in flight, and does nothing when no call runs; cancel(id) ends one request. Callbacks run inside the
-// engine's step: they may call cancel() or cancel(id) but no other Engine function.
+// Threads: every call is safe from any thread. One internal lock serialises the calls (generate*, submit, step,
+// run, result, finished, score, logits, encode_images, preprocess, tokenize, detokenize, set_op_timing,
+// measure_copy_bandwidth), each holding it for its whole run: a second thread's call waits, then runs. Taking no
+// lock: cancel() (atomics only, async-signal-safe: a SIGINT handler may call it) stops the running call
+// (generate, run, step, score, logits) at its next step, dropping every request in flight -- generate returns its
+// text so far with FinishReason::cancelled, the others fail with ErrorCode::cancelled -- and does nothing when
+// no call runs; cancel(id) ends one request (any thread, not a signal handler);
+// stats() returns the counters as of the last step without waiting; info(), plan(), config(), tokenizer() and
+// stop_token_ids() are fixed at open. Callbacks run inside the engine's step on the calling thread: they may call
+// cancel(), cancel(id), stats() and set_op_timing(); another call from a token callback fails with
+// invalid_argument (src/manual.txt THREADS; tests/unit-threads.cpp, also under ThreadSanitizer).
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 
@@ -36,9 +43,10 @@ struct EngineOptions {
   // plan's arena). activation_dtype: CUDA's BF16 default, F16 or F32; the CPU's F32 default (the reference), or
   // BF16 / F16 to run the GPU's rounding on the CPU.
   PlanOptions plan;
-  // Where to compute (device.hpp): cpu, the float32 reference every reference-checked result assumes, stays the
-  // default of the library; the CLI and the examples default to auto.
-  BackendChoice backend = BackendChoice::cpu;
+  // Where to compute (device.hpp): auto, the GPU when one is usable, else the CPU saying why (Plan::backend_rule),
+  // as the C API (kvlite_options_init), the CLI and the manual's DEFAULTS say; cpu for the float32 reference every
+  // reference-checked result assumes (the tests name it).
+  BackendChoice backend = BackendChoice::auto_;
   int device = 0;            // CUDA device index
   bool cuda_graphs = true;   // CUDA: replay decode steps from graphs captured at open (one per batch bucket)
   // CUDA, sm_90+: launch kernels with programmatic dependent launch (CudaBackendOptions::programmatic_launch;
@@ -64,6 +72,12 @@ struct EngineOptions {
   // (total, total) when they are all there. Returning false aborts the open cleanly: it fails with
   // ErrorCode::cancelled and everything taken so far (the arena, the mapping) is released.
   std::function<bool(uint64_t done_bytes, uint64_t total_bytes)> load_progress;
+  // Logs: every message this engine logs (at open and in its calls) starts with "<name>: " -- empty: the model
+  // directory's last component -- and goes to `log` when set (messages below log_level dropped), on the thread
+  // of the call, else to the process-wide set_log_callback.
+  std::string name;
+  LogCallback log;
+  LogLevel log_level = LogLevel::info;
 };
 
 // The plan Engine::open(model_dir, options) makes, without reading a byte of weights or touching GPU memory:
@@ -277,8 +291,9 @@ class Engine {
   Result<Logits> logits(const std::vector<int32_t>& ids);
   Result<Logits> logits(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images);
 
-  // Thread-safe: stop the call running now (generate, run, step, score, logits) at its next step; it returns
-  // ErrorCode::cancelled and every request in flight ends. A cancel() made while no call runs does nothing: it
+  // Thread-safe and async-signal-safe: stop the call running now (generate, run, step, score, logits) at its next
+  // step and end every request in flight. generate returns the text and ids generated so far with
+  // FinishReason::cancelled; run, step, score and logits return ErrorCode::cancelled. A cancel() made while no call runs does nothing: it
   // never reaches a later call.
   void cancel();
   // Thread-safe: end one request (an id from submit) at the next step, with FinishReason::cancelled, its pages

@@ -14,6 +14,7 @@
 #include <limits>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 namespace kvlite {
@@ -144,6 +145,20 @@ struct Engine::Impl {
   std::mutex request_cancels_mutex;
   std::set<RequestId> request_cancels;
   std::atomic<RequestId> last_issued_id{0};
+  // Every public call but cancel(), cancel(id), set_op_timing() and the accessors of what open fixed holds
+  // call_mutex for its whole run (CallLock): calls from several threads run one after another, in the order the
+  // mutex grants them. call_owner is the thread holding it, so that a nested call on that thread (generate(text)
+  // calling generate(ids), or a callback calling back) is recognised instead of deadlocking; `stepping` is set
+  // while a step runs the token callbacks, which must not start engine work of their own.
+  std::mutex call_mutex;
+  std::atomic<std::thread::id> call_owner{};
+  detail::EngineLog log;  // EngineOptions::name / log / log_level, in effect while a call holds the engine
+  std::optional<detail::ScopedEngineLog> log_scope;  // the holding call's
+  bool stepping = false;
+  // stats() from any thread while a call runs: the counters as of the last step, published under their own
+  // small lock so that a reader never waits for a whole generate.
+  mutable std::mutex published_stats_mutex;
+  EngineStats published_stats;
   EngineStats stats;
   EngineInfo info;
 
@@ -859,6 +874,43 @@ struct Engine::Impl {
     }
   }
 
+  // A public call's hold on the engine (call_mutex). Nested on the thread that holds it already: no second lock,
+  // but a callback running inside a step may not start engine work (invalid_argument naming the call).
+  struct CallLock {
+    Impl& engine;
+    bool locked = false;
+    CallLock(Impl& e, const char* call) : engine(e) {
+      if (engine.call_owner.load() == std::this_thread::get_id()) {
+        if (engine.stepping)
+          detail::fail(ErrorCode::invalid_argument,
+                       detail::format("Engine::%s called from inside a token callback: a callback may call cancel(), "
+                                      "cancel(id), stats() and set_op_timing() only (return false to end its own "
+                                      "request)", call));
+        return;
+      }
+      engine.call_mutex.lock();
+      engine.call_owner.store(std::this_thread::get_id());
+      engine.log_scope.emplace(&engine.log);
+      locked = true;
+    }
+    ~CallLock() {
+      if (!locked) return;
+      engine.log_scope.reset();
+      engine.publish_stats();
+      engine.call_owner.store(std::thread::id());
+      engine.call_mutex.unlock();
+    }
+    CallLock(const CallLock&) = delete;
+    CallLock& operator=(const CallLock&) = delete;
+  };
+
+  void publish_stats() {
+    EngineStats now = stats;
+    now.op_times = backend->op_times();
+    std::lock_guard<std::mutex> lock(published_stats_mutex);
+    published_stats = now;
+  }
+
   // The public call that runs steps: cancel() made during it (and only then) stops it.
   struct CallScope {
     Impl& engine;
@@ -891,11 +943,15 @@ struct Engine::Impl {
     apply_request_cancels();
     if (running.empty() && waiting.empty()) return false;
     try {
+      stepping = true;
       run_step();
+      stepping = false;
     } catch (...) {
+      stepping = false;
       abort_all();  // leave the engine usable: no request holds pages it will never release
       throw;
     }
+    publish_stats();
     return !running.empty() || !waiting.empty();
   }
 
@@ -1539,6 +1595,16 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     using detail::format;
     std::unique_ptr<Engine> engine(new Engine());
     Impl& e = *engine->impl_;
+    std::string name = options.name;
+    if (name.empty()) {
+      std::string dir = model_dir;
+      while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+      name = dir.substr(dir.find_last_of('/') == std::string::npos ? 0 : dir.find_last_of('/') + 1);
+    }
+    e.log.prefix = name + ": ";
+    e.log.callback = options.log;
+    e.log.min_level = options.log_level;
+    detail::ScopedEngineLog open_log(&e.log);
     Result<ModelConfig> config = load_config(model_dir);
     if (!config) throw config.error();
     e.config = std::move(*config);
@@ -1765,6 +1831,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
                          model_dir.c_str(), e.info.backend_name.c_str(), e.plan.backend_rule.c_str(),
                          format_bytes(e.plan.arena_bytes()).c_str(), detail::planning::format_count(e.plan.kv_tokens).c_str(),
                          (long long)e.plan.max_model_len, format_bytes(e.plan.free_bytes).c_str()));
+    e.publish_stats();
     return engine;
   });
 }
@@ -1775,30 +1842,47 @@ const Tokenizer& Engine::tokenizer() const { return *impl_->tokenizer; }
 const Arena& Engine::arena() const { return *impl_->arena; }
 const std::vector<int32_t>& Engine::stop_token_ids() const { return impl_->stop_ids; }
 
+// Every call below holds the engine (Impl::CallLock) for its whole run: see "Threads" in engine.hpp.
 Result<std::vector<int32_t>> Engine::tokenize(const std::string& text, bool add_special_tokens) const {
-  return impl_->tokenizer->encode(text, add_special_tokens);
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "tokenize");
+    return impl_->tokenizer->encode(text, add_special_tokens).value();
+  });
 }
 
 Result<std::string> Engine::detokenize(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
-  return impl_->tokenizer->decode(ids, skip_special_tokens);
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "detokenize");
+    return impl_->tokenizer->decode(ids, skip_special_tokens).value();
+  });
 }
 
 Result<RequestId> Engine::submit(const std::vector<int32_t>& prompt_ids, const SamplingParams& params,
                                  const TokenCallback& on_token) {
-  return detail::guard([&] { return impl_->submit(prompt_ids, {}, params, on_token); });
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "submit");
+    return impl_->submit(prompt_ids, {}, params, on_token);
+  });
 }
 
 Result<RequestId> Engine::submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
                                  const SamplingParams& params, const TokenCallback& on_token) {
-  return detail::guard([&] { return impl_->submit(prompt_ids, images, params, on_token); });
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "submit");
+    return impl_->submit(prompt_ids, images, params, on_token);
+  });
 }
 
 Result<VisionInput> Engine::preprocess(const Image& image) const {
-  return detail::guard([&] { return std::move(impl_->preprocess_all({image}).front()); });
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "preprocess");
+    return std::move(impl_->preprocess_all({image}).front());
+  });
 }
 
 Result<ImageFeatures> Engine::encode_images(const std::vector<VisionInput>& images) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "encode_images");
     std::vector<const VisionInput*> inputs;
     for (const VisionInput& image : images) inputs.push_back(&image);
     return impl_->encode_images(inputs);
@@ -1807,24 +1891,40 @@ Result<ImageFeatures> Engine::encode_images(const std::vector<VisionInput>& imag
 
 Result<bool> Engine::step() {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "step");
     Impl::CallScope scope(*impl_);
     return impl_->step();
   });
 }
 
 Status Engine::run() {
-  return detail::guard([&] { impl_->run_until([&] { return impl_->running.empty() && impl_->waiting.empty(); }); });
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "run");
+    impl_->run_until([&] { return impl_->running.empty() && impl_->waiting.empty(); });
+  });
 }
 
-void Engine::set_op_timing(bool on) { impl_->backend->set_op_timing(on); }
+void Engine::set_op_timing(bool on) {
+  if (impl_->call_owner.load() == std::this_thread::get_id()) {  // from a callback: the step reads it next op
+    impl_->backend->set_op_timing(on);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(impl_->call_mutex);
+  impl_->backend->set_op_timing(on);
+}
 
 bool Engine::finished(RequestId id) const {
-  auto it = impl_->requests.find(id);
-  return it != impl_->requests.end() && it->second->finished;
+  Result<bool> done = detail::guard([&] {
+    Impl::CallLock lock(*impl_, "finished");
+    auto it = impl_->requests.find(id);
+    return it != impl_->requests.end() && it->second->finished;
+  });
+  return done && *done;  // from inside a token callback: false (the step is still running)
 }
 
 Result<Generation> Engine::result(RequestId id) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "result");
     auto it = impl_->requests.find(id);
     if (it == impl_->requests.end() || it->second->kind != detail::RequestKind::generate)
       detail::fail(ErrorCode::invalid_argument,
@@ -1845,9 +1945,19 @@ Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, cons
 Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
                                     const SamplingParams& params, const TokenCallback& on_token) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "generate");
     RequestId id = impl_->submit(prompt_ids, images, params, on_token);
     try {
       impl_->run_until([&] { return impl_->requests.at(id)->finished; });
+    } catch (const Error& error) {
+      // cancel() stopped the call: this request ended with FinishReason::cancelled and keeps what it generated
+      // (abort_all finished it); the other requests in flight were dropped with theirs.
+      auto it = impl_->requests.find(id);
+      const bool kept = error.code == ErrorCode::cancelled && it != impl_->requests.end() && it->second->finished;
+      if (!kept) {
+        impl_->erase(id);
+        throw;
+      }
     } catch (...) {
       impl_->erase(id);
       throw;
@@ -1860,18 +1970,17 @@ Result<Generation> Engine::generate(const std::vector<int32_t>& prompt_ids, cons
 
 Result<Generation> Engine::generate(const std::string& prompt, const SamplingParams& params,
                                     const TokenCallback& on_token) {
-  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(prompt, true);
-  if (!ids) return ids.error();
-  return generate(*ids, params, on_token);
+  return generate(prompt, std::vector<Image>{}, params, on_token);
 }
 
 Result<Generation> Engine::generate(const std::string& prompt, const std::vector<Image>& images,
                                     const SamplingParams& params, const TokenCallback& on_token) {
-  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(prompt, true);
-  if (!ids) return ids.error();
-  Result<std::vector<VisionInput>> inputs = detail::guard([&] { return impl_->preprocess_all(images); });
-  if (!inputs) return inputs.error();
-  return generate(*ids, *inputs, params, on_token);
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "generate");  // the inner generate is nested on this thread: no second lock
+    std::vector<int32_t> ids = impl_->tokenizer->encode(prompt, true).value();
+    std::vector<VisionInput> inputs = impl_->preprocess_all(images);
+    return generate(ids, inputs, params, on_token).value();
+  });
 }
 
 Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& messages, const SamplingParams& params,
@@ -1881,20 +1990,21 @@ Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& message
 
 Result<Generation> Engine::generate_chat(const std::vector<ChatMessage>& messages, const std::vector<Image>& images,
                                          const SamplingParams& params, const TokenCallback& on_token) {
-  Result<std::string> prompt = impl_->tokenizer->format_chat(messages, true);
-  if (!prompt) return prompt.error();
-  // The formatted prompt already holds its special tokens (Llama-3's <|begin_of_text|> included), so it is
-  // encoded without adding more.
-  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(*prompt, false);
-  if (!ids) return ids.error();
-  Result<std::vector<VisionInput>> inputs = detail::guard([&] { return impl_->preprocess_all(images); });
-  if (!inputs) return inputs.error();
-  return generate(*ids, *inputs, params, on_token);
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "generate_chat");
+    std::string prompt = impl_->tokenizer->format_chat(messages, true).value();
+    // The formatted prompt already holds its special tokens (Llama-3's <|begin_of_text|> included), so it is
+    // encoded without adding more.
+    std::vector<int32_t> ids = impl_->tokenizer->encode(prompt, false).value();
+    std::vector<VisionInput> inputs = impl_->preprocess_all(images);
+    return generate(ids, inputs, params, on_token).value();
+  });
 }
 
 Result<ScoreResult> Engine::score(const std::vector<int32_t>& ids, int64_t context_length, int64_t stride,
                                   const ScoreProgress& progress) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "score");
     Impl& e = *impl_;
     Result<std::vector<ScoreWindow>> windows = score_windows(int64_t(ids.size()), context_length, stride);
     if (!windows) throw windows.error();
@@ -1958,15 +2068,18 @@ Result<ScoreResult> Engine::score(const std::vector<int32_t>& ids, int64_t conte
 
 Result<ScoreResult> Engine::score(const std::string& text, int64_t context_length, int64_t stride,
                                   const ScoreProgress& progress) {
-  Result<std::vector<int32_t>> ids = impl_->tokenizer->encode(text, true);
-  if (!ids) return ids.error();
-  return score(*ids, context_length, stride, progress);
+  return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "score");
+    std::vector<int32_t> ids = impl_->tokenizer->encode(text, true).value();
+    return score(ids, context_length, stride, progress).value();
+  });
 }
 
 Result<Logits> Engine::logits(const std::vector<int32_t>& ids) { return logits(ids, std::vector<VisionInput>{}); }
 
 Result<Logits> Engine::logits(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "logits");
     Impl& e = *impl_;
     e.check_ids(prompt_ids, "logits");
     detail::VisionPrompt prompt = e.prepare_prompt(prompt_ids, images, "logits");
@@ -1994,6 +2107,8 @@ Result<Logits> Engine::logits(const std::vector<int32_t>& prompt_ids, const std:
   });
 }
 
+// Lock-free atomics only (no lock, no allocation, no log): async-signal-safe, so a SIGINT handler may call it.
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "Engine::cancel() must be async-signal-safe");
 void Engine::cancel() {
   const uint64_t call = impl_->running_call.load();
   if (call != 0) impl_->cancelled_call.store(call);
@@ -2009,15 +2124,20 @@ Status Engine::cancel(RequestId id) {
 }
 
 EngineStats Engine::stats() const {
-  EngineStats stats = impl_->stats;
-  stats.op_times = impl_->backend->op_times();
-  return stats;
+  if (impl_->call_owner.load() == std::this_thread::get_id()) {  // from a callback: the live counters
+    EngineStats stats = impl_->stats;
+    stats.op_times = impl_->backend->op_times();
+    return stats;
+  }
+  std::lock_guard<std::mutex> lock(impl_->published_stats_mutex);  // as of the last step (or call) to end
+  return impl_->published_stats;
 }
 
 EngineInfo Engine::info() const { return impl_->info; }
 
 Result<CopyBandwidth> Engine::measure_copy_bandwidth(uint64_t bytes, int repeats) {
   return detail::guard([&] {
+    Impl::CallLock lock(*impl_, "measure_copy_bandwidth");
     Impl& e = *impl_;
     if (!e.running.empty() || !e.waiting.empty())
       detail::fail(ErrorCode::invalid_argument,

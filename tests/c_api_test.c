@@ -53,6 +53,20 @@ static int on_token(const char* piece, int32_t id, void* user_data) {
   return stream->stop_after == 0 || stream->calls < stream->stop_after;
 }
 
+/* kvlite_cancel from inside the callback (as a signal handler or another thread would): the generation stops
+   and keeps its text so far. */
+struct Cancelling {
+  kvlite_engine* engine;
+  int calls;
+};
+
+static int cancel_at_third(const char* piece, int32_t id, void* user_data) {
+  struct Cancelling* c = (struct Cancelling*)user_data;
+  (void)piece, (void)id;
+  if (++c->calls == 3) kvlite_cancel(c->engine);
+  return 1;
+}
+
 struct Progress {
   int calls;
   uint64_t last_done, total;
@@ -74,7 +88,7 @@ struct Log {
 static void on_log(int32_t level, const char* message, void* user_data) {
   struct Log* log = (struct Log*)user_data;
   log->messages++;
-  if (level == KVLITE_LOG_INFO && strncmp(message, "opened ", 7) == 0) log->saw_open = 1;
+  if (level == KVLITE_LOG_INFO && strstr(message, ": opened ") != NULL) log->saw_open = 1; /* "<engine>: opened" */
 }
 
 static int read_file(const char* path, uint8_t** data, size_t* size) {
@@ -270,6 +284,16 @@ static void generation(kvlite_engine* engine) {
   CHECK(kvlite_generate(engine, "The harbour", NULL, 0, &sampling, on_token, &stream, &again) == KVLITE_OK);
   CHECK(again.finish_reason == KVLITE_FINISH_CALLBACK);
   kvlite_generation_free(&again);
+  /* A global cancel mid-generation: KVLITE_OK, the ids so far, KVLITE_FINISH_CANCELLED. */
+  {
+    struct Cancelling cancelling;
+    cancelling.engine = engine;
+    cancelling.calls = 0;
+    CHECK(kvlite_generate(engine, "The harbour", NULL, 0, &sampling, cancel_at_third, &cancelling, &again) == KVLITE_OK);
+    CHECK(again.finish_reason == KVLITE_FINISH_CANCELLED);
+    CHECK(again.n_ids == 3 && memcmp(again.ids, out.ids, 3 * sizeof(int32_t)) == 0);
+    kvlite_generation_free(&again);
+  }
   CHECK(kvlite_generate_chat(engine, roles, contents, 1, NULL, 0, &sampling, NULL, NULL, &chat) == KVLITE_OK);
   CHECK(chat.n_ids >= 1);
   kvlite_generation_free(&chat);

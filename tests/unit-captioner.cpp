@@ -36,6 +36,7 @@ std::vector<std::pair<std::string, std::string>> example_captions() {
 
 std::unique_ptr<kvlite::Engine> open_captioner(const std::string& format) {
   kvlite::EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   options.plan.device_mem = 256 * kvlite::MiB;  // the default would plan for 90% of this machine's memory
   auto engine = kvlite::Engine::open(model_dir(format), options);
   if (!engine) FAIL(format << ": " << engine.error().message);

@@ -303,7 +303,9 @@ TEST_CASE("generate --logprobs prints each token's id and log-probability, as th
                         "--logprobs"});
   CHECK(run.status == 0);
   CHECK(run.out == prompt["greedy"]["text"].get<std::string>() + "\n");
-  auto engine = kvlite::Engine::open(model_fixtures::dir(name));
+  kvlite::EngineOptions cpu;
+  cpu.backend = kvlite::BackendChoice::cpu;  // as --backend cpu (EngineOptions defaults to auto)
+  auto engine = kvlite::Engine::open(model_fixtures::dir(name), cpu);
   REQUIRE(engine);
   kvlite::SamplingParams params;
   params.max_tokens = 16;
@@ -637,6 +639,7 @@ TEST_CASE("logits --image writes transformers' logits of a prompt with an image,
                            dir + "/before.npy", "--backend", "cpu", "--device-mem", "64MiB"});
   CHECK(before.status == 0);
   kvlite::EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   options.plan.device_mem = 64 * kvlite::MiB;
   auto engine = kvlite::Engine::open(kTinyVL, options);
   REQUIRE(engine);

@@ -28,6 +28,7 @@ using fx::reference_greedy;
 
 EngineOptions with_draft(const std::string& draft, int64_t k) {
   EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   options.draft_model = fx::dir(draft);
   options.plan.speculative_tokens = k;
   return options;
@@ -243,6 +244,7 @@ TEST_CASE("the bundled captioner with its early-exit draft model: the same capti
   std::map<bool, EngineStats> stats;
   for (bool drafting : {false, true}) {
     EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     if (drafting) {
       options.draft_model = root + "models/kvlite-captioner-draft";
       options.plan.speculative_tokens = 4;

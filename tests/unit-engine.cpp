@@ -90,6 +90,7 @@ TEST_CASE("under page pressure the newest request is preempted and recomputed wi
     CAPTURE(batched_tokens);
     // The KV arena holds exactly one max_model_len sequence: 8 pages of 16 tokens.
     EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     options.plan.max_model_len = 128;
     options.plan.max_batched_tokens = batched_tokens;
     auto engine = open_with_pages(name, options, 8);
@@ -121,6 +122,7 @@ TEST_CASE("under page pressure the newest request is preempted and recomputed wi
 
 TEST_CASE("a request that runs out of context finishes with `length`: a prompt that cannot fit is refused up front") {
   EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   options.plan.max_model_len = 64;
   auto engine = fx::open("tiny-qwen2", options);
   std::vector<int32_t> prompt = prompts("tiny-qwen2")[2].ids;  // 38 tokens
@@ -187,18 +189,23 @@ TEST_CASE("invalid requests are refused") {
   CHECK(unknown.error().code == ErrorCode::invalid_argument);
 }
 
-TEST_CASE("cancel() stops the running call, from the callback or another thread") {
+TEST_CASE("cancel() stops the running call, from the callback or another thread, and generate keeps its text so far") {
   auto engine = fx::open("tiny-qwen2");
   std::vector<Prompt> list = prompts("tiny-qwen2");
+  const std::vector<int32_t> first_three(list[0].greedy.begin(), list[0].greedy.begin() + 3);
 
   SUBCASE("from the token callback") {
     int tokens = 0;
-    auto generation = engine->generate(list[0].ids, greedy(), [&](const std::string&, int32_t) {
+    std::string streamed;
+    auto generation = engine->generate(list[0].ids, greedy(), [&](const std::string& piece, int32_t) {
+      streamed += piece;
       if (++tokens == 3) engine->cancel();
       return true;
     });
-    REQUIRE_FALSE(generation);
-    CHECK(generation.error().code == ErrorCode::cancelled);
+    REQUIRE(generation);
+    CHECK(generation->finish_reason == FinishReason::cancelled);
+    CHECK(generation->ids == first_three);
+    CHECK(generation->text == streamed);
     CHECK(tokens == 3);
   }
   SUBCASE("from another thread, dropping every request in flight") {
@@ -220,8 +227,9 @@ TEST_CASE("cancel() stops the running call, from the callback or another thread"
       return true;
     });
     canceller.join();
-    REQUIRE_FALSE(generation);
-    CHECK(generation.error().code == ErrorCode::cancelled);
+    REQUIRE(generation);
+    CHECK(generation->finish_reason == FinishReason::cancelled);
+    CHECK(generation->ids == std::vector<int32_t>(list[0].greedy.begin(), list[0].greedy.begin() + 2));
     CHECK(engine->finished(*other));
     auto dropped = engine->result(*other);
     REQUIRE(dropped);
@@ -309,6 +317,7 @@ TEST_CASE("cancel(id) ends one request, from the caller, a callback or another t
 
 TEST_CASE("load progress: reported from 0 to the checkpoint's bytes, and false aborts the open cleanly") {
   EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   std::vector<std::pair<uint64_t, uint64_t>> calls;
   options.load_progress = [&](uint64_t done, uint64_t total) {
     calls.emplace_back(done, total);
@@ -360,7 +369,7 @@ TEST_CASE("log callback: what kvlite reports reaches the host's log at its level
   auto quiet = fx::open("tiny-qwen2");  // the throwing callback is contained
   set_log_callback(nullptr);
   auto opened = std::find_if(entries.begin(), entries.end(),
-                             [](const Entry& e) { return e.message.rfind("opened ", 0) == 0; });
+                             [](const Entry& e) { return e.message.rfind("tiny-qwen2: opened ", 0) == 0; });
   REQUIRE(opened != entries.end());
   CHECK(opened->level == LogLevel::info);
   CHECK(opened->message.find("arena") != std::string::npos);
@@ -561,9 +570,11 @@ TEST_CASE("logprobs: each generated token's log-probability under the model, as 
     auto alone = engine->generate(ids, greedy_logprobs);
     REQUIRE(alone);
     EngineOptions ngram;
+    ngram.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     ngram.plan.ngram = 2;
     ngram.plan.speculative_tokens = 4;
     EngineOptions self_draft;
+    self_draft.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     self_draft.draft_model = fx::dir(name);
     self_draft.plan.speculative_tokens = 3;
     for (const EngineOptions& options : {ngram, self_draft}) {
@@ -609,4 +620,34 @@ TEST_CASE("op timing: a decode step's ops per layer, counted while it is on, and
     REQUIRE(engine->generate(ids, params));
     CHECK(engine->stats().op_times[size_t(Op::attention)].calls == steps * layers);
   }
+}
+
+TEST_CASE("each engine logs to its own callback, naming itself, or to the process-wide one with its name") {
+  std::vector<std::string> left, right, global;
+  set_log_callback([&](LogLevel, const std::string& message) { global.push_back(message); }, LogLevel::debug);
+  EngineOptions named;
+  named.name = "left";
+  named.log = [&](LogLevel, const std::string& message) { left.push_back(message); };
+  auto first = fx::open("tiny-qwen2", named);
+  EngineOptions own;  // no name: the directory's
+  own.log_level = LogLevel::debug;
+  own.log = [&](LogLevel, const std::string& message) { right.push_back(message); };
+  auto second = fx::open("tiny-qwen3", own);
+  auto third = fx::open("tiny-llama3");  // no log of its own: the process-wide one
+  auto starts = [](const std::vector<std::string>& lines, const std::string& prefix) {
+    return std::any_of(lines.begin(), lines.end(), [&](const std::string& line) { return line.rfind(prefix, 0) == 0; });
+  };
+  CHECK(starts(left, "left: opened "));
+  CHECK(starts(right, "tiny-qwen3: opened "));
+  // A request cancelled in the second engine: its debug line reaches that engine's log only.
+  const std::vector<Prompt> list = prompts("tiny-qwen3");
+  auto id = second->submit(list[0].ids, greedy());
+  REQUIRE(id);
+  REQUIRE(second->cancel(*id));
+  REQUIRE(second->run());
+  CHECK(starts(right, "tiny-qwen3: request " + std::to_string(*id) + " cancelled"));
+  CHECK(starts(global, "tiny-llama3: opened "));
+  CHECK_FALSE(starts(global, "left: "));
+  CHECK_FALSE(starts(global, "tiny-qwen3: "));
+  set_log_callback(nullptr);
 }

@@ -79,6 +79,7 @@ TEST_CASE("each family's logits match transformers with chunked prefill across t
   for (const std::string& name : families()) {
     CAPTURE(name);
     EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     options.plan.max_batched_tokens = 3;
     options.threads = 1;
     auto engine = open_family(name, options);
@@ -90,6 +91,7 @@ TEST_CASE("each family's logits match transformers token by token") {
   for (const std::string& name : families()) {
     CAPTURE(name);
     EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     options.plan.max_batched_tokens = 1;
     auto engine = open_family(name, options);
     check_logits(*engine, name);
@@ -102,6 +104,7 @@ TEST_CASE("each family's greedy continuations equal transformers' generate()") {
     for (int64_t chunk : {int64_t(0), int64_t(5)}) {  // one prefill step, or chunks of 5
       CAPTURE(chunk);
       EngineOptions options;
+      options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
       if (chunk) options.plan.max_batched_tokens = chunk;
       auto engine = open_family(name, options);
       const nlohmann::json reference = family_reference(name);
@@ -123,6 +126,7 @@ TEST_CASE("sliding-window families under page pressure: preempted, recomputed, t
   for (const std::string& name : {std::string("mistral"), std::string("gemma2"), std::string("gemma3_text")}) {
     CAPTURE(name);
     EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     options.plan.max_model_len = 64;
     options.plan.max_batched_tokens = 16;
     options.plan.utilization = 1.0;

@@ -46,6 +46,7 @@ TEST_CASE("logits do not depend on prefill chunking or threads") {
     CAPTURE(name);
     auto whole = fx::open(name);
     EngineOptions chunked_options;
+    chunked_options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     chunked_options.plan.max_batched_tokens = 7;
     chunked_options.threads = 1;
     auto chunked = fx::open(name, chunked_options);
@@ -175,6 +176,7 @@ TEST_CASE("a checkpoint missing tensors is refused with every missing name") {
   testing_safetensors::write_file(dir + "/model.safetensors", kept);
 
   EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   options.plan.device_mem = 64 * MiB;
   auto engine = Engine::open(dir, options);
   REQUIRE_FALSE(engine);
@@ -200,6 +202,7 @@ TEST_CASE("a tensor of the wrong shape is refused naming it and both shapes") {
   }
   testing_safetensors::write_file(dir + "/model.safetensors", tensors);
   EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   options.plan.device_mem = 64 * MiB;
   auto engine = Engine::open(dir, options);
   REQUIRE_FALSE(engine);

@@ -29,6 +29,7 @@ KVPagePool make_pool(int64_t pages, int64_t page_tokens, int64_t max_seqs, int64
 
 EngineOptions with_cache(bool on, int64_t page_tokens = 4) {
   EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   options.prefix_caching = on;
   options.plan.kv_page_tokens = page_tokens;
   return options;
@@ -339,6 +340,7 @@ TEST_CASE("the plan says whether the prefix cache is on, as the engine runs it, 
   for (int setting = 0; setting < 3; setting++) {  // unset (the CPU's default: on), on, off
     CAPTURE(setting);
     EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     options.plan.device_mem = 64 * MiB;
     if (setting > 0) options.prefix_caching = setting == 1;
     auto plan = plan_engine(dir, options);

@@ -614,6 +614,7 @@ TEST_CASE("quantized fixture models run as stored and reproduce transformers' lo
   for (const char* name : {"tiny-w4a16", "tiny-fp8", "tiny-fp8-qwen"}) {
     CAPTURE(name);
     EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     options.plan.device_mem = 64 * MiB;
     auto engine = Engine::open(fixture(name), options);
     REQUIRE_MESSAGE(engine, engine.error().message);
@@ -642,6 +643,7 @@ TEST_CASE("the quantized engine equals the engine over the dequantized dense che
   for (const char* name : {"tiny-w4a16", "tiny-fp8", "tiny-fp8-qwen"}) {
     CAPTURE(name);
     EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     options.plan.device_mem = 64 * MiB;
     options.plan.max_batched_tokens = 80;  // > the backend's 64-token chunk, so a prompt spans two
     options.threads = 3;
@@ -663,6 +665,7 @@ TEST_CASE("the quantized engine equals the engine over the dequantized dense che
 TEST_CASE("fp8 activations (W8A8) move fp8 models' logits a little, and leave int4 models alone") {
   auto logits_of = [](const char* name, bool fp8_activations) {
     EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     options.plan.device_mem = 64 * MiB;
     options.fp8_activations = fp8_activations;
     auto engine = Engine::open(fixture(name), options);

@@ -91,6 +91,7 @@ struct Running {
   explicit Running(ServeOptions options = {}) {
     options.port = 0;
     kvlite::EngineOptions engine_options;
+    engine_options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     engine_options.plan.device_mem = 256 * kvlite::MiB;
     engine_options.plan.max_seqs = 16;
     engine_options.threads = 1;
@@ -285,6 +286,7 @@ TEST_CASE("logprobs: each token and its log-probability in OpenAI's chat and com
   CHECK(int64_t(content.size()) == reply.body["usage"]["completion_tokens"].get<int64_t>());
   // The engine's own logprobs for the same chat (a fresh engine on the same model).
   kvlite::EngineOptions engine_options;
+  engine_options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   engine_options.plan.device_mem = 256 * kvlite::MiB;
   auto engine = kvlite::Engine::open(kCaptioner, engine_options);
   REQUIRE(engine);

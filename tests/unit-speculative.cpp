@@ -312,6 +312,7 @@ using fx::reference_greedy;
 
 EngineOptions speculative(int64_t ngram = 3, int64_t k = 4) {
   EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   options.plan.ngram = ngram;
   options.plan.speculative_tokens = k;
   return options;
@@ -505,6 +506,7 @@ TEST_CASE("the plan shows n-gram drafting, and refuses half or out-of-range sett
   CHECK(json["options"]["ngram"] == 3);
   // Without it, no row (the plan is what it was).
   EngineOptions plain;
+  plain.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   plain.plan.device_mem = 64 * MiB;
   CHECK(plan_engine(dir, plain)->table().find("speculative") == std::string::npos);
   for (const auto& setting : std::vector<std::pair<int64_t, int64_t>>{{3, 0}, {0, 4}, {-1, 4}, {3, 33}, {33, 4}}) {

@@ -27,6 +27,7 @@ nlohmann::json reference() { return nlohmann::json::parse(fx::read_file(fixtures
 // The fixture's prompts carry up to two images, and a request's images are encoded together: plan for two.
 EngineOptions fixture_options() {
   EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
   options.plan.device_mem = 64 * MiB;
   options.plan.max_images = 2;
   return options;

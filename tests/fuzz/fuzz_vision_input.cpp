@@ -7,6 +7,7 @@ namespace {
 kvlite::Engine& engine() {
   static std::unique_ptr<kvlite::Engine> e = [] {
     kvlite::EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     options.plan.device_mem = 64 * kvlite::MiB;
     options.plan.max_images = 2;
     auto opened = kvlite::Engine::open(fuzz::source_dir() + "/tests/fixtures/vl/tiny-qwen3-vl", options);

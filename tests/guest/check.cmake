@@ -18,6 +18,8 @@ endfunction()
 # 1. As a guest with nothing asked: CUDA off, the host's cache untouched.
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/guest -B ${work}/build -DKVLITE_SOURCE_DIR=${SOURCE_DIR})
 expect("${last_output}" "kvlite: CUDA backend OFF \\(KVLITE_CUDA=OFF\\)" "CUDA must be off in a guest by default")
+expect("${last_output}" "kvlite: compiled with -O2 in the host's Debug or unset build type"
+       "a guest in a host without a build type must build kvlite optimised, and say so")
 cache_value(CMAKE_BUILD_TYPE build_type)
 if(NOT build_type STREQUAL "" AND NOT build_type MATCHES "^CMAKE_BUILD_TYPE:[A-Z]*=$")
   message(FATAL_ERROR "kvlite set the host's build type: ${build_type}")
