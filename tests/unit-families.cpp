@@ -394,7 +394,7 @@ TEST_CASE("published family configs: weights estimated within 2 percent, and a p
 
 // ---- the attention op's window and soft-cap, and the Gemma ops, on the CPU by hand ------------------------------
 
-TEST_CASE("attention's window: a query sees exactly its last W keys; soft-cap bends the scores; bad options refused") {
+TEST_CASE("attention's window: a query sees exactly its last W keys, soft-cap bends the scores, bad options refused") {
   CpuBackendOptions cpu;
   cpu.threads = 1;
   auto backend = make_cpu_backend(cpu);
@@ -469,7 +469,7 @@ TEST_CASE("attention's window: a query sees exactly its last W keys; soft-cap be
   CHECK(refused.error().message.find("logit_softcap") != std::string::npos);
 }
 
-TEST_CASE("gelu_mul, scale and soft_cap compute PyTorch's formulas; a cap of 0 is refused") {
+TEST_CASE("gelu_mul, scale and soft_cap compute PyTorch's formulas, a cap of 0 is refused") {
   auto backend = make_cpu_backend();
   REQUIRE(backend);
   Backend& b = **backend;
