@@ -236,7 +236,7 @@ TEST_CASE("backend choice: names, and --backend cuda says why it cannot run here
   CHECK(std::string(backend_choice_name(BackendChoice::cuda)) == "cuda");
 
   EngineOptions options;
-  CHECK(options.backend == BackendChoice::cpu);  // the reference, unless asked otherwise
+  CHECK(options.backend == BackendChoice::auto_);  // the GPU when there is one, else the CPU (C and C++ alike)
   options.plan.device_mem = gpu_present() ? 1 * GiB : 64 * MiB;  // a GPU's plan holds the CUDA context too
   options.backend = BackendChoice::auto_;
   auto automatic = Engine::open(fx::dir("tiny-qwen3"), options);
