@@ -674,7 +674,10 @@ TEST_CASE("contract: every field is implemented or refused with 400 naming it, a
       {R"({"prompt": "a", "suffix": "b"})", "suffix"},
       {R"({"prompt": "a", "messages": []})", "messages"},
   };
-  for (const auto& [body, field] : refused) {
+  for (const auto& entry : refused) {
+    // (not a structured binding: clang 14's C++17 cannot capture one in CAPTURE's lambda)
+    const std::string& body = entry.first;
+    const std::string& field = entry.second;
     CAPTURE(body);
     const std::string path = body.find("\"prompt\"") != std::string::npos ? "/v1/completions" : "/v1/chat/completions";
     Reply reply = post(running, path, body);
@@ -968,7 +971,9 @@ TEST_CASE("slow clients: /health keeps its latency with 200 slow sockets open, a
   const auto [p50_slow, p99_slow] = health_latency(running, 100);
   MESSAGE("/health latency p50 / p99: " << p50_before << " / " << p99_before << " ms alone, " << p50_slow << " / "
                                         << p99_slow << " ms with 200 slow sockets open");
-  CHECK(p99_slow < 1000);  // (it was: no answer at all while the slow sockets held every thread)
+  // A liveness bound, not a timing test (the figures are printed above and kept in bench/RESULTS.md): it was no
+  // answer at all while the slow sockets held every thread; 3 s leaves room for ASan on 2 busy cores.
+  CHECK(p99_slow < 3000);
   const auto start = std::chrono::steady_clock::now();
   Reply reply = post(running, "/v1/chat/completions", image_chat(kImages + "scene_5.png").dump());
   CHECK(reply.status == 200);
