@@ -20264,18 +20264,8 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
       Tensor stored = bind.bind(name, {n});
       if (block.norm_form == NormForm::weight || stored.data == nullptr) return stored;
       auto one_plus = std::make_shared<std::vector<float>>(size_t(n));
-      for (int64_t i = 0; i < n; i++) {
-        const uint8_t* at = static_cast<const uint8_t*>(stored.data) + i * stored.element_bytes();
-        float value = 0;
-        if (stored.dtype == DType::F32) {
-          std::memcpy(&value, at, 4);
-        } else {
-          uint16_t bits = 0;
-          std::memcpy(&bits, at, 2);
-          value = stored.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
-        }
-        (*one_plus)[size_t(i)] = 1.0f + value;
-      }
+      for (int64_t i = 0; i < n; i++)
+        (*one_plus)[size_t(i)] = 1.0f + scale_at(static_cast<const uint8_t*>(stored.data), stored.dtype, i);
       w.computed.push_back(one_plus);
       return Tensor::vector(one_plus->data(), DType::F32, n);
     };
@@ -20345,14 +20335,7 @@ Result<TextModelWeights> bind_text_weights(const ModelConfig& config, const Tens
             fail(ErrorCode::bad_format, format("%s: %s must be one F32, BF16 or F16 number (it is %s with %llu "
                                                "elements)", config.origin.c_str(), name.c_str(), dtype_name(info.dtype),
                                                (unsigned long long)info.numel()));
-          const uint8_t* data = store.data(info);
-          float value = 0;
-          if (info.dtype == DType::F32) std::memcpy(&value, data, 4);
-          else {
-            uint16_t bits = 0;
-            std::memcpy(&bits, data, 2);
-            value = info.dtype == DType::BF16 ? bf16_to_float(bits) : f16_to_float(bits);
-          }
+          const float value = scale_at(store.data(info), info.dtype, 0);
           if (!(value > 0) || !std::isfinite(value))
             fail(ErrorCode::bad_format, format("%s: %s is %g; a KV cache scale must be a positive finite number",
                                                config.origin.c_str(), name.c_str(), double(value)));
