@@ -12474,8 +12474,9 @@ StreamingDecoder::StreamingDecoder(const Tokenizer& tokenizer, bool skip_special
     : tokenizer_(tokenizer), skip_special_tokens_(skip_special_tokens) {}
 
 // decode(window_) past its context is what the ids since add to the whole decode: the decoders' only
-// dependence on earlier tokens is the first token of the text (Metaspace, Strip's start), UTF-8 sequences split
-// across tokens (ByteLevel) and runs of <0xXX> tokens (ByteFallback); the context covers each. What later ids
+// dependence on earlier tokens is the start of the text (Metaspace's first token, a Strip's start after Fuse),
+// UTF-8 sequences split across tokens (ByteLevel) and runs of <0xXX> tokens (ByteFallback); the context covers
+// each: the last id, the open <0xXX> run before it, and more ids while the context's own text is empty. What later ids
 // may still change is held back: trailing U+FFFDs (a character may complete), an open run of <0xXX> tokens,
 // and the characters a Strip's stop would cut from the end of the text (they stay when more text follows).
 Result<std::string> StreamingDecoder::push(int32_t id) {
@@ -12511,9 +12512,15 @@ Result<std::string> StreamingDecoder::push(int32_t id) {
            data.is_byte_token(window_[window_.size() - keep - 1]))
       keep++;
     if (held == 0) {  // all of the window's text is out: only the context stays
+      // A context whose text is empty may not have used up a Strip's start yet (Fuse, then Strip 'x' start 2:
+      // "x" and "xx" both decode to ""); one with text has, so more text after it is never cut.
+      emitted_ = data.decode(window_.data() + window_.size() - keep, keep, false, true);
+      while (emitted_.empty() && keep < window_.size() && keep < kMaxHeldIds) {
+        keep++;
+        emitted_ = data.decode(window_.data() + window_.size() - keep, keep, false, true);
+      }
       window_.erase(window_.begin(), window_.end() - long(keep));
       context_ids_ = window_.size();
-      emitted_ = data.decode(window_.data(), window_.size(), false, true);
     } else {  // keep the whole window: what is held may depend on how its first tokens render
       emitted_ = text.substr(0, stable_end);
     }

@@ -398,6 +398,10 @@ def decode_cases(family, raw, cases):
     runs.append(word + [vocab[specials[0]]] + word)
     if "<0xE2>" in vocab:
         runs.append([vocab["<0xE2>"]] + word + [vocab["<0x82>"], vocab["<0xAC>"]])
+    # Long runs of one short token: a streaming decoder's context must outlast a Strip's start after Fuse
+    # (components-b strips two leading 'x'; the libFuzzer harness found "x" * 33 + "\x01" streaming wrong).
+    for text in ["x" * 33 + "\x01", "   three spaces", "x"]:
+        runs.append(raw.encode(text, add_special_tokens=False).ids)
     for ids in runs:
         out.append({"ids": ids, "decoded": hf_decode(raw, ids, False),
                     "decoded_skip_special": hf_decode(raw, ids, True)})
