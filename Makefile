@@ -16,6 +16,7 @@ TEST_CMAKE_FLAGS := -UKVLITE_CUDA -UKVLITE_CUDA_ARCHITECTURES
 
 SANITIZE_BUILD ?= build-sanitize
 FUZZ_SECONDS ?= 600
+FUZZ_JOBS ?= 1
 
 .PHONY: all build configure deps amalgamate check-amalgamation test sanitize-test fuzz demo gpu-check clean lib
 
@@ -62,7 +63,7 @@ sanitize-test: deps
 
 # Every libFuzzer harness for FUZZ_SECONDS each (default 600), with a table of executions and coverage.
 fuzz: deps
-	@tools/fuzz.sh $(FUZZ_SECONDS)
+	@FUZZ_JOBS=$(FUZZ_JOBS) tools/fuzz.sh $(FUZZ_SECONDS)
 
 # A build directory that exists already (make test's, or an earlier demo's) is used as it is configured.
 demo: deps amalgamate

@@ -3892,12 +3892,15 @@ class CudaBackend final : public Backend {
 
 bool built_with_cuda() { return true; }
 
-int device_count() {
+int device_count(std::string* why) {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
     cudaGetLastError();  // no driver or no device: clear the sticky status, report none
+    if (why) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(status);
     return 0;
   }
+  if (why && count == 0) *why = "cudaGetDeviceCount: 0 devices";
   return count;
 }
 

@@ -107,8 +107,9 @@
         arena()           live KV pool counters: read between calls (or from a callback), not during one.
       Callbacks (token, score progress) run on the calling thread inside the call: they may call cancel(),
       cancel(id), stats() and set_op_timing(); any other engine call from a token callback fails with
-      invalid_argument (returning false ends the callback's own request). The log callback (set_log_callback)
-      is process-wide and may run on any thread that calls kvlite. Open and destroy an Engine on one thread
+      invalid_argument (returning false ends the callback's own request). An engine's own log callback
+      (EngineOptions::log; kvlite_options.log in C) runs on the thread of its call; the process-wide one
+      (set_log_callback, kvlite_set_log) gets the rest and may run on any thread that calls kvlite. Open and destroy an Engine on one thread
       with no call of it running. The C API is the same per kvlite_engine (kvlite_cancel: signal-safe).
 
    LIMITATIONS (v0.1)
@@ -226,6 +227,10 @@ extern "C" {
 typedef struct kvlite_engine kvlite_engine; /* an open model: kvlite_open ... kvlite_close */
 typedef struct kvlite_image kvlite_image;   /* a decoded RGB image: kvlite_image_* ... kvlite_image_free */
 
+/* Log messages at or above the level set (kvlite_set_log, or an engine's kvlite_options.log_level);
+   NUL-terminated; valid during the call. */
+typedef void (*kvlite_log_fn)(int32_t level, const char* message, void* user_data);
+
 /* The engine's options (EngineOptions). Zero / NULL fields take kvlite's defaults; call kvlite_options_init
    first. */
 typedef struct kvlite_options {
@@ -242,6 +247,12 @@ typedef struct kvlite_options {
   int64_t max_images;       /* vision models; 0: 1 */
   int32_t kv_fill;          /* nonzero: fill the budget with KV pages (vLLM's way) */
   int32_t threads;          /* CPU threads; 0: one per hardware thread */
+  /* This engine's log: its messages start with "<name>: " and go to `log` (on the thread of the call) when set,
+     else to kvlite_set_log's callback. */
+  const char* name;         /* NULL or "": the model directory's last component */
+  kvlite_log_fn log;        /* NULL: kvlite_set_log's */
+  void* log_user_data;
+  int32_t log_level;        /* KVLITE_LOG_*: messages below it are dropped; default INFO */
 } kvlite_options;
 void kvlite_options_init(kvlite_options* options);
 
@@ -270,6 +281,8 @@ typedef struct kvlite_generation {
   size_t n_prompt_ids;  /* the prompt's length in tokens (images expanded) */
   char* text;           /* the streamed text, NUL-terminated UTF-8 */
   int32_t finish_reason; /* KVLITE_FINISH_* */
+  int64_t request;      /* the request's id: kvlite_submit's, or the one kvlite_generate* ran as (the engine's
+                           debug log names requests by it) */
 } kvlite_generation;
 void kvlite_generation_free(kvlite_generation* generation); /* frees its arrays and zeroes it; NULL is fine */
 
@@ -280,8 +293,6 @@ typedef int (*kvlite_token_fn)(const char* piece, int32_t id, void* user_data);
 /* Load progress: bytes of weights ready so far and their total. Return nonzero to go on, 0 to abort the open
    (it fails with KVLITE_CANCELLED, everything released). */
 typedef int (*kvlite_progress_fn)(uint64_t done_bytes, uint64_t total_bytes, void* user_data);
-/* Log messages at or above the level set (kvlite_set_log); NUL-terminated; valid during the call. */
-typedef void (*kvlite_log_fn)(int32_t level, const char* message, void* user_data);
 
 /* ---- strings, errors, memory ---- */
 const char* kvlite_version(void);                 /* "0.1.0": static, never freed */
@@ -729,6 +740,8 @@ class TensorStore {
   // Into the mmap; valid while the store lives. Aligned only to what the writer chose: copy with memcpy.
   const uint8_t* data(const TensorInfo& tensor) const;
   uint64_t total_bytes() const;  // sum of all tensors' byte spans
+  // Reads the tensor's span once, so that its pages are resident (the CPU engine's load, with progress).
+  void page_in(const TensorInfo& tensor) const;
   // missing_tensor error listing every absent name (not just the first).
   Status require(const std::vector<std::string>& names) const;
 
@@ -2216,8 +2229,10 @@ Result<DeviceSpec> plan_gpu_device(const std::optional<DeviceSpec>& queried, std
 // ---- CUDA entry points (kernels.cu) ---------------------------------------------------------------------
 namespace cuda {
 bool built_with_cuda();
-// Number of CUDA devices, 0 when none or when the driver is missing (never an error: no GPU is normal).
-int device_count();
+// Number of CUDA devices, 0 when none or when the driver is missing (never an error: no GPU is normal). `*why`,
+// when given and the count is 0, receives the runtime's reason (e.g. no driver: "CUDA driver version is
+// insufficient for CUDA runtime version").
+int device_count(std::string* why = nullptr);
 Result<DeviceSpec> query_device(int index);
 // One reservation for the whole arena; the only device allocation kvlite makes.
 Result<void*> allocate_arena(uint64_t bytes);
@@ -3574,7 +3589,8 @@ struct EngineOptions {
   // the CPU backend only so far. Empty: none (n-gram drafting is plan.ngram).
   std::string draft_model;
   // Called during open with the checkpoint's bytes made ready so far and their total: (0, total) once planned,
-  // then as weights reach the device (CUDA: after each layer's upload; the CPU maps them in one step), and
+  // then as weights become ready (CUDA: after each layer's upload; the CPU: after each tensor is paged in from
+  // its mapped file), and
   // (total, total) when they are all there. Returning false aborts the open cleanly: it fails with
   // ErrorCode::cancelled and everything taken so far (the arena, the mapping) is released.
   std::function<bool(uint64_t done_bytes, uint64_t total_bytes)> load_progress;
@@ -3612,7 +3628,10 @@ const char* finish_reason_name(FinishReason reason);
 // ends arrives in a last call with id -1. Return false to end this request (FinishReason::callback).
 using TokenCallback = std::function<bool(const std::string& piece, int32_t id)>;
 
+using RequestId = int64_t;
+
 struct Generation {
+  RequestId request = 0;  // the id it ran as: submit()'s, or the one generate() took (cancel(id), the logs)
   std::vector<int32_t> prompt_ids;
   std::vector<int32_t> ids;  // generated ids, the stop token included when one ended it (as transformers)
   std::vector<float> logprobs;  // SamplingParams::logprobs: log p(ids[i] | everything before it); else empty
@@ -3652,8 +3671,6 @@ struct ImageFeatures {
 
 // How a Qwen3-VL prompt places an image: the engine expands the <|image_pad|> to the image's tokens.
 constexpr const char* kImagePlaceholder = "<|vision_start|><|image_pad|><|vision_end|>";
-
-using RequestId = int64_t;
 
 // Counters since open().
 struct EngineStats {
@@ -4909,6 +4926,17 @@ const TensorInfo* TensorStore::find(const std::string& name) const {
 
 const uint8_t* TensorStore::data(const TensorInfo& tensor) const {
   return files_[size_t(tensor.file_index)]->data() + tensor.offset;
+}
+
+void TensorStore::page_in(const TensorInfo& tensor) const {
+  // One read per 4 KiB (the smallest page size) makes every page of the span resident; the sum keeps the
+  // compiler from dropping the reads.
+  const uint8_t* bytes = data(tensor);
+  uint8_t sum = 0;
+  for (uint64_t at = 0; at < tensor.nbytes; at += 4096) sum = uint8_t(sum + bytes[at]);
+  if (tensor.nbytes > 0) sum = uint8_t(sum + bytes[tensor.nbytes - 1]);
+  volatile uint8_t sink = sum;
+  (void)sink;
 }
 
 uint64_t TensorStore::total_bytes() const {
@@ -16350,14 +16378,15 @@ Result<DeviceSpec> detect_device(BackendChoice backend, int device_index, std::o
     if (device_mem && *device_mem == 0) detail::fail(ErrorCode::invalid_argument, "--device-mem must be greater than 0");
     if (device_index < 0) detail::fail(ErrorCode::invalid_argument, format("device %d does not exist", device_index));
     const bool built = cuda::built_with_cuda();
-    const int devices = built ? cuda::device_count() : 0;
+    std::string no_device_why;
+    const int devices = built ? cuda::device_count(&no_device_why) : 0;
     const bool present = device_index < devices;
     std::string reason;
     DeviceSpec spec;
     if (backend == BackendChoice::cpu || (backend == BackendChoice::auto_ && !present)) {
       reason = backend == BackendChoice::cpu ? "--backend cpu"
                : !built                      ? "auto: kvlite was built without CUDA"
-               : devices == 0                ? "auto: no CUDA device is visible"
+               : devices == 0                ? format("auto: no CUDA device is visible (%s)", no_device_why.c_str())
                                              : format("auto: CUDA device %d does not exist", device_index);
       spec.backend = BackendKind::cpu;
       spec.name = "CPU";
@@ -16401,7 +16430,10 @@ static Error not_built() {
                                        "the CUDA toolkit to use a GPU");
 }
 bool built_with_cuda() { return false; }
-int device_count() { return 0; }
+int device_count(std::string* why) {
+  if (why) *why = "built without CUDA";
+  return 0;
+}
 Result<DeviceSpec> query_device(int) { return not_built(); }
 Result<void*> allocate_arena(uint64_t) { return not_built(); }
 Status free_arena(void*) { return not_built(); }
@@ -21515,6 +21547,11 @@ struct Engine::Impl {
     r.on_token = on_token;
     r.decoder.emplace(*tokenizer, false);
     r.result.prompt_ids = prompt;
+    r.result.request = r.id;
+    if (detail::log_enabled(LogLevel::debug))
+      detail::log(LogLevel::debug, detail::format("request %lld: %lld prompt tokens, %zu images, max_tokens %lld",
+                                                  (long long)r.id, (long long)prompt_len, images.size(),
+                                                  (long long)params.max_tokens));
     // prompt_len < max_model_len (check_fits above) and max_tokens <= KVLITE_MAX_NEW_TOKENS (validate): no overflow
     r.tokens.reserve(size_t(prompt_len + std::min(params.max_tokens, max_model_len() - prompt_len)));
     return r.id;
@@ -22753,7 +22790,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     Result<Plan> plan = plan_engine(inputs, options);
     if (!plan) throw plan.error();
     e.plan = std::move(*plan);
-    // Load progress: bytes of weights made ready (the CPU maps them: one step; CUDA uploads them layer by layer).
+    // Load progress: bytes of weights made ready (the CPU pages them in tensor by tensor; CUDA uploads them layer
+    // by layer).
     // false from the callback aborts: everything taken so far is released as this function unwinds.
     const uint64_t total_weight_bytes = inputs.weights.total_bytes;
     auto progress = [&](uint64_t done) {
@@ -22842,6 +22880,15 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       // the vision tower (Qwen3-VL) into the same span, after the text model: its views become device memory
       if (vision_weights) vision_weights = detail::engine::upload_vision_weights(*vision_weights, upload);
     } else {
+      // The CPU computes from the mapped files: page them in now, tensor by tensor in file order, so that the
+      // progress counts bytes really read (a cancel lands between tensors) and the first request does not
+      // pay for the reads.
+      uint64_t paged = 0;
+      for (const TensorInfo& tensor : e.store.tensors()) {
+        e.store.page_in(tensor);
+        paged += tensor.nbytes;
+        progress(std::min(paged, total_weight_bytes));
+      }
       text_weights = std::move(*bound);
     }
     progress(total_weight_bytes);
@@ -23547,6 +23594,18 @@ EngineOptions engine_options(const kvlite_options* in) {
   options.plan.kv_fill = in->kv_fill != 0;
   check_cpu_threads(in->threads, "kvlite_options.threads");
   options.threads = in->threads;
+  if (in->name) options.name = in->name;
+  if (in->log_level < KVLITE_LOG_DEBUG || in->log_level > KVLITE_LOG_ERROR)
+    fail(ErrorCode::invalid_argument, format("kvlite_options.log_level %d is none of KVLITE_LOG_DEBUG (0) .. "
+                                             "KVLITE_LOG_ERROR (3)", int(in->log_level)));
+  options.log_level = LogLevel(in->log_level);
+  if (in->log) {
+    const kvlite_log_fn log = in->log;
+    void* const user_data = in->log_user_data;
+    options.log = [log, user_data](LogLevel level, const std::string& message) {
+      log(int32_t(level), message.c_str(), user_data);
+    };
+  }
   return options;
 }
 
@@ -23616,6 +23675,7 @@ void fill(kvlite_generation* out, Generation&& generation) {
   result.n_ids = generation.ids.size();
   result.n_prompt_ids = generation.prompt_ids.size();
   result.finish_reason = int32_t(generation.finish_reason);
+  result.request = generation.request;
   *out = result;
 }
 
@@ -23638,6 +23698,7 @@ void kvlite_options_init(kvlite_options* options) {
   options->backend = KVLITE_BACKEND_AUTO;
   options->utilization = 0.90;
   options->max_images = 1;
+  options->log_level = KVLITE_LOG_INFO;
 }
 
 void kvlite_sampling_init(kvlite_sampling* sampling) {

@@ -26,7 +26,9 @@ class Options(ctypes.Structure):
                 ("max_model_len", ctypes.c_int64), ("max_seqs", ctypes.c_int64),
                 ("max_batched_tokens", ctypes.c_int64), ("kv_dtype", ctypes.c_char_p),
                 ("max_image_pixels", ctypes.c_int64), ("max_images", ctypes.c_int64),
-                ("kv_fill", ctypes.c_int32), ("threads", ctypes.c_int32)]
+                ("kv_fill", ctypes.c_int32), ("threads", ctypes.c_int32),
+                ("name", ctypes.c_char_p), ("log", ctypes.c_void_p), ("log_user_data", ctypes.c_void_p),
+                ("log_level", ctypes.c_int32)]
 
 
 class Sampling(ctypes.Structure):
@@ -40,7 +42,8 @@ class Sampling(ctypes.Structure):
 
 class Generation(ctypes.Structure):
     _fields_ = [("ids", ctypes.POINTER(ctypes.c_int32)), ("n_ids", ctypes.c_size_t),
-                ("n_prompt_ids", ctypes.c_size_t), ("text", ctypes.c_char_p), ("finish_reason", ctypes.c_int32)]
+                ("n_prompt_ids", ctypes.c_size_t), ("text", ctypes.c_char_p), ("finish_reason", ctypes.c_int32),
+                ("request", ctypes.c_int64)]
 
 
 TOKEN_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_int32, ctypes.c_void_p)

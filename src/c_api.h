@@ -83,6 +83,10 @@ extern "C" {
 typedef struct kvlite_engine kvlite_engine; /* an open model: kvlite_open ... kvlite_close */
 typedef struct kvlite_image kvlite_image;   /* a decoded RGB image: kvlite_image_* ... kvlite_image_free */
 
+/* Log messages at or above the level set (kvlite_set_log, or an engine's kvlite_options.log_level);
+   NUL-terminated; valid during the call. */
+typedef void (*kvlite_log_fn)(int32_t level, const char* message, void* user_data);
+
 /* The engine's options (EngineOptions). Zero / NULL fields take kvlite's defaults; call kvlite_options_init
    first. */
 typedef struct kvlite_options {
@@ -99,6 +103,12 @@ typedef struct kvlite_options {
   int64_t max_images;       /* vision models; 0: 1 */
   int32_t kv_fill;          /* nonzero: fill the budget with KV pages (vLLM's way) */
   int32_t threads;          /* CPU threads; 0: one per hardware thread */
+  /* This engine's log: its messages start with "<name>: " and go to `log` (on the thread of the call) when set,
+     else to kvlite_set_log's callback. */
+  const char* name;         /* NULL or "": the model directory's last component */
+  kvlite_log_fn log;        /* NULL: kvlite_set_log's */
+  void* log_user_data;
+  int32_t log_level;        /* KVLITE_LOG_*: messages below it are dropped; default INFO */
 } kvlite_options;
 void kvlite_options_init(kvlite_options* options);
 
@@ -127,6 +137,8 @@ typedef struct kvlite_generation {
   size_t n_prompt_ids;  /* the prompt's length in tokens (images expanded) */
   char* text;           /* the streamed text, NUL-terminated UTF-8 */
   int32_t finish_reason; /* KVLITE_FINISH_* */
+  int64_t request;      /* the request's id: kvlite_submit's, or the one kvlite_generate* ran as (the engine's
+                           debug log names requests by it) */
 } kvlite_generation;
 void kvlite_generation_free(kvlite_generation* generation); /* frees its arrays and zeroes it; NULL is fine */
 
@@ -137,8 +149,6 @@ typedef int (*kvlite_token_fn)(const char* piece, int32_t id, void* user_data);
 /* Load progress: bytes of weights ready so far and their total. Return nonzero to go on, 0 to abort the open
    (it fails with KVLITE_CANCELLED, everything released). */
 typedef int (*kvlite_progress_fn)(uint64_t done_bytes, uint64_t total_bytes, void* user_data);
-/* Log messages at or above the level set (kvlite_set_log); NUL-terminated; valid during the call. */
-typedef void (*kvlite_log_fn)(int32_t level, const char* message, void* user_data);
 
 /* ---- strings, errors, memory ---- */
 const char* kvlite_version(void);                 /* "0.1.0": static, never freed */

@@ -98,6 +98,18 @@ EngineOptions engine_options(const kvlite_options* in) {
   options.plan.kv_fill = in->kv_fill != 0;
   check_cpu_threads(in->threads, "kvlite_options.threads");
   options.threads = in->threads;
+  if (in->name) options.name = in->name;
+  if (in->log_level < KVLITE_LOG_DEBUG || in->log_level > KVLITE_LOG_ERROR)
+    fail(ErrorCode::invalid_argument, format("kvlite_options.log_level %d is none of KVLITE_LOG_DEBUG (0) .. "
+                                             "KVLITE_LOG_ERROR (3)", int(in->log_level)));
+  options.log_level = LogLevel(in->log_level);
+  if (in->log) {
+    const kvlite_log_fn log = in->log;
+    void* const user_data = in->log_user_data;
+    options.log = [log, user_data](LogLevel level, const std::string& message) {
+      log(int32_t(level), message.c_str(), user_data);
+    };
+  }
   return options;
 }
 
@@ -167,6 +179,7 @@ void fill(kvlite_generation* out, Generation&& generation) {
   result.n_ids = generation.ids.size();
   result.n_prompt_ids = generation.prompt_ids.size();
   result.finish_reason = int32_t(generation.finish_reason);
+  result.request = generation.request;
   *out = result;
 }
 
@@ -189,6 +202,7 @@ void kvlite_options_init(kvlite_options* options) {
   options->backend = KVLITE_BACKEND_AUTO;
   options->utilization = 0.90;
   options->max_images = 1;
+  options->log_level = KVLITE_LOG_INFO;
 }
 
 void kvlite_sampling_init(kvlite_sampling* sampling) {

@@ -53,8 +53,10 @@ Result<DeviceSpec> plan_gpu_device(const std::optional<DeviceSpec>& queried, std
 // ---- CUDA entry points (kernels.cu) ---------------------------------------------------------------------
 namespace cuda {
 bool built_with_cuda();
-// Number of CUDA devices, 0 when none or when the driver is missing (never an error: no GPU is normal).
-int device_count();
+// Number of CUDA devices, 0 when none or when the driver is missing (never an error: no GPU is normal). `*why`,
+// when given and the count is 0, receives the runtime's reason (e.g. no driver: "CUDA driver version is
+// insufficient for CUDA runtime version").
+int device_count(std::string* why = nullptr);
 Result<DeviceSpec> query_device(int index);
 // One reservation for the whole arena; the only device allocation kvlite makes.
 Result<void*> allocate_arena(uint64_t bytes);

@@ -83,14 +83,15 @@ Result<DeviceSpec> detect_device(BackendChoice backend, int device_index, std::o
     if (device_mem && *device_mem == 0) detail::fail(ErrorCode::invalid_argument, "--device-mem must be greater than 0");
     if (device_index < 0) detail::fail(ErrorCode::invalid_argument, format("device %d does not exist", device_index));
     const bool built = cuda::built_with_cuda();
-    const int devices = built ? cuda::device_count() : 0;
+    std::string no_device_why;
+    const int devices = built ? cuda::device_count(&no_device_why) : 0;
     const bool present = device_index < devices;
     std::string reason;
     DeviceSpec spec;
     if (backend == BackendChoice::cpu || (backend == BackendChoice::auto_ && !present)) {
       reason = backend == BackendChoice::cpu ? "--backend cpu"
                : !built                      ? "auto: kvlite was built without CUDA"
-               : devices == 0                ? "auto: no CUDA device is visible"
+               : devices == 0                ? format("auto: no CUDA device is visible (%s)", no_device_why.c_str())
                                              : format("auto: CUDA device %d does not exist", device_index);
       spec.backend = BackendKind::cpu;
       spec.name = "CPU";
@@ -134,7 +135,10 @@ static Error not_built() {
                                        "the CUDA toolkit to use a GPU");
 }
 bool built_with_cuda() { return false; }
-int device_count() { return 0; }
+int device_count(std::string* why) {
+  if (why) *why = "built without CUDA";
+  return 0;
+}
 Result<DeviceSpec> query_device(int) { return not_built(); }
 Result<void*> allocate_arena(uint64_t) { return not_built(); }
 Status free_arena(void*) { return not_built(); }

@@ -68,7 +68,8 @@ struct EngineOptions {
   // the CPU backend only so far. Empty: none (n-gram drafting is plan.ngram).
   std::string draft_model;
   // Called during open with the checkpoint's bytes made ready so far and their total: (0, total) once planned,
-  // then as weights reach the device (CUDA: after each layer's upload; the CPU maps them in one step), and
+  // then as weights become ready (CUDA: after each layer's upload; the CPU: after each tensor is paged in from
+  // its mapped file), and
   // (total, total) when they are all there. Returning false aborts the open cleanly: it fails with
   // ErrorCode::cancelled and everything taken so far (the arena, the mapping) is released.
   std::function<bool(uint64_t done_bytes, uint64_t total_bytes)> load_progress;
@@ -106,7 +107,10 @@ const char* finish_reason_name(FinishReason reason);
 // ends arrives in a last call with id -1. Return false to end this request (FinishReason::callback).
 using TokenCallback = std::function<bool(const std::string& piece, int32_t id)>;
 
+using RequestId = int64_t;
+
 struct Generation {
+  RequestId request = 0;  // the id it ran as: submit()'s, or the one generate() took (cancel(id), the logs)
   std::vector<int32_t> prompt_ids;
   std::vector<int32_t> ids;  // generated ids, the stop token included when one ended it (as transformers)
   std::vector<float> logprobs;  // SamplingParams::logprobs: log p(ids[i] | everything before it); else empty
@@ -146,8 +150,6 @@ struct ImageFeatures {
 
 // How a Qwen3-VL prompt places an image: the engine expands the <|image_pad|> to the image's tokens.
 constexpr const char* kImagePlaceholder = "<|vision_start|><|image_pad|><|vision_end|>";
-
-using RequestId = int64_t;
 
 // Counters since open().
 struct EngineStats {

@@ -405,6 +405,11 @@ struct Engine::Impl {
     r.on_token = on_token;
     r.decoder.emplace(*tokenizer, false);
     r.result.prompt_ids = prompt;
+    r.result.request = r.id;
+    if (detail::log_enabled(LogLevel::debug))
+      detail::log(LogLevel::debug, detail::format("request %lld: %lld prompt tokens, %zu images, max_tokens %lld",
+                                                  (long long)r.id, (long long)prompt_len, images.size(),
+                                                  (long long)params.max_tokens));
     // prompt_len < max_model_len (check_fits above) and max_tokens <= KVLITE_MAX_NEW_TOKENS (validate): no overflow
     r.tokens.reserve(size_t(prompt_len + std::min(params.max_tokens, max_model_len() - prompt_len)));
     return r.id;
@@ -1643,7 +1648,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     Result<Plan> plan = plan_engine(inputs, options);
     if (!plan) throw plan.error();
     e.plan = std::move(*plan);
-    // Load progress: bytes of weights made ready (the CPU maps them: one step; CUDA uploads them layer by layer).
+    // Load progress: bytes of weights made ready (the CPU pages them in tensor by tensor; CUDA uploads them layer
+    // by layer).
     // false from the callback aborts: everything taken so far is released as this function unwinds.
     const uint64_t total_weight_bytes = inputs.weights.total_bytes;
     auto progress = [&](uint64_t done) {
@@ -1732,6 +1738,15 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       // the vision tower (Qwen3-VL) into the same span, after the text model: its views become device memory
       if (vision_weights) vision_weights = detail::engine::upload_vision_weights(*vision_weights, upload);
     } else {
+      // The CPU computes from the mapped files: page them in now, tensor by tensor in file order, so that the
+      // progress counts bytes really read (a cancel lands between tensors) and the first request does not
+      // pay for the reads.
+      uint64_t paged = 0;
+      for (const TensorInfo& tensor : e.store.tensors()) {
+        e.store.page_in(tensor);
+        paged += tensor.nbytes;
+        progress(std::min(paged, total_weight_bytes));
+      }
       text_weights = std::move(*bound);
     }
     progress(total_weight_bytes);

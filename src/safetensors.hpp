@@ -68,6 +68,8 @@ class TensorStore {
   // Into the mmap; valid while the store lives. Aligned only to what the writer chose: copy with memcpy.
   const uint8_t* data(const TensorInfo& tensor) const;
   uint64_t total_bytes() const;  // sum of all tensors' byte spans
+  // Reads the tensor's span once, so that its pages are resident (the CPU engine's load, with progress).
+  void page_in(const TensorInfo& tensor) const;
   // missing_tensor error listing every absent name (not just the first).
   Status require(const std::vector<std::string>& names) const;
 

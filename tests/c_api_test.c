@@ -83,12 +83,17 @@ static int on_progress(uint64_t done, uint64_t total, void* user_data) {
 struct Log {
   int messages;
   int saw_open;
+  int saw_named_open; /* "camera-left: opened ..." */
+  int below_level;    /* messages under the engine's log_level */
+  int32_t min_level;
 };
 
 static void on_log(int32_t level, const char* message, void* user_data) {
   struct Log* log = (struct Log*)user_data;
   log->messages++;
+  if (level < log->min_level) log->below_level++;
   if (level == KVLITE_LOG_INFO && strstr(message, ": opened ") != NULL) log->saw_open = 1; /* "<engine>: opened" */
+  if (strncmp(message, "camera-left: opened ", 20) == 0) log->saw_named_open = 1;
 }
 
 static int read_file(const char* path, uint8_t** data, size_t* size) {
@@ -184,7 +189,8 @@ static void opening(void) {
   kvlite_options options;
   kvlite_engine* engine = NULL;
   struct Progress progress = {0, 0, 0, -1};
-  struct Log log = {0, 0};
+  struct Log log = {0, 0, 0, 0, KVLITE_LOG_DEBUG};
+  struct Log own = {0, 0, 0, 0, KVLITE_LOG_INFO};
   char* text = NULL;
   kvlite_options_init(&options);
   options.backend = KVLITE_BACKEND_CPU;
@@ -203,6 +209,28 @@ static void opening(void) {
   CHECK(text != NULL && text[0] == '{');
   kvlite_free(text);
   kvlite_close(engine);
+
+  /* A log per engine: its name starts each message, its callback gets them (not the process-wide one), and
+     nothing below its level; a level out of range is refused. */
+  log.messages = 0;
+  kvlite_set_log(on_log, &log, KVLITE_LOG_DEBUG);
+  options.name = "camera-left";
+  options.log = on_log;
+  options.log_user_data = &own;
+  options.log_level = KVLITE_LOG_INFO;
+  CHECK(kvlite_open(kQwen, &options, NULL, NULL, &engine) == KVLITE_OK);
+  CHECK(own.saw_named_open && own.below_level == 0);
+  CHECK(log.messages == 0);
+  kvlite_close(engine);
+  engine = NULL;
+  options.log_level = 7;
+  CHECK_FAILS(kvlite_open(kQwen, &options, NULL, NULL, &engine), KVLITE_INVALID_ARGUMENT, "log_level");
+  CHECK(engine == NULL);
+  kvlite_set_log(NULL, NULL, KVLITE_LOG_INFO);
+  options.name = NULL;
+  options.log = NULL;
+  options.log_user_data = NULL;
+  options.log_level = KVLITE_LOG_INFO;
 
   /* The progress callback aborts: cancelled, nothing returned. */
   engine = NULL;
@@ -276,6 +304,8 @@ static void generation(kvlite_engine* engine) {
   /* Greedy is deterministic; the same prompt again gives the same ids (no callback this time). */
   CHECK(kvlite_generate(engine, "The harbour", NULL, 0, &sampling, NULL, NULL, &again) == KVLITE_OK);
   CHECK(again.n_ids == out.n_ids && memcmp(again.ids, out.ids, out.n_ids * sizeof(int32_t)) == 0);
+  /* Each generation reports the request it ran as: ids are issued in order, one per request. */
+  CHECK(out.request > 0 && again.request == out.request + 1);
   kvlite_generation_free(&again);
   CHECK(again.ids == NULL && again.text == NULL);
   /* The callback ends its request. */
@@ -445,6 +475,7 @@ static void images_and_captions(void) {
     CHECK(kvlite_submit(engine, ids, n, images, 1, &sampling, NULL, NULL, &request) == KVLITE_OK);
     while (unfinished && steps++ < 200) CHECK(kvlite_step(engine, &unfinished) == KVLITE_OK);
     CHECK(kvlite_result(engine, request, &result) == KVLITE_OK);
+    CHECK(result.request == request);
     CHECK(strcmp(result.text, file_caption.text) == 0);
     kvlite_generation_free(&result);
     kvlite_free(ids);

@@ -141,6 +141,9 @@ void fill_options(fuzz::Bytes& in, kvlite_options* o) {
   o->kv_dtype = kDTypes[in.byte() % 7];
   o->kv_fill = in.byte() & 1;
   o->device = (in.byte() % 8 == 0) ? int32_t(extreme_i64(in)) : 0;
+  const uint8_t log = in.byte();
+  if (log & 1) o->log_level = int32_t(extreme_i64(in));
+  if (log & 2) o->name = (log & 4) ? "" : "fuzz-engine";
   o->struct_size = struct_size(in, uint32_t(sizeof(kvlite_options)));
 }
 
