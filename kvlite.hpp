@@ -271,6 +271,9 @@ typedef struct kvlite_sampling {
   const char* const* stop_strings; /* n_stop_strings UTF-8 strings, read during the call */
   size_t n_stop_strings;
   int32_t ignore_eos;
+  /* NULL, or where kvlite_generate / kvlite_generate_chat store the id the request ran as (the ids kvlite_submit
+     issues; the engine's debug log names requests by it) when they return KVLITE_OK. */
+  int64_t* request_out;
 } kvlite_sampling;
 void kvlite_sampling_init(kvlite_sampling* sampling);
 
@@ -281,8 +284,6 @@ typedef struct kvlite_generation {
   size_t n_prompt_ids;  /* the prompt's length in tokens (images expanded) */
   char* text;           /* the streamed text, NUL-terminated UTF-8 */
   int32_t finish_reason; /* KVLITE_FINISH_* */
-  int64_t request;      /* the request's id: kvlite_submit's, or the one kvlite_generate* ran as (the engine's
-                           debug log names requests by it) */
 } kvlite_generation;
 void kvlite_generation_free(kvlite_generation* generation); /* frees its arrays and zeroes it; NULL is fine */
 
@@ -23556,21 +23557,33 @@ void need_array(const T* pointer, size_t count, const char* what) {
 // Stop tokens and stop strings one C call may pass (each): checked before they are copied.
 constexpr int64_t kMaxCStopEntries = limits::max_stop_entries;
 
-// A struct from C must come from its *_init function (which sets struct_size): a smaller size is a caller built
-// against no version of this header, or one that forgot the init; a larger one is a newer header's, whose added
-// fields this version does not read.
+// A struct from C must come from its *_init function (which sets struct_size). A size below the first version's
+// is a caller that forgot the init; one between it and this version's is an older caller's, whose missing fields
+// (appended since) take their init values; a larger one is a newer header's, whose added fields this version does
+// not read. The copy returned is this version's whole struct.
 template <class S>
-void check_struct(const S* s, const char* name, const char* init) {
-  if (s->struct_size < sizeof(S))
-    fail(ErrorCode::invalid_argument, format("%s.struct_size is %u, less than this version's %zu: call %s before "
-                                             "setting fields", name, unsigned(s->struct_size), sizeof(S), init));
+S widen_struct(const S* s, size_t first_version_size, void (*init)(S*), const char* name, const char* init_name) {
+  if (s->struct_size < first_version_size)
+    fail(ErrorCode::invalid_argument, format("%s.struct_size is %u, less than any version's (%zu): call %s before "
+                                             "setting fields", name, unsigned(s->struct_size), first_version_size,
+                                             init_name));
+  S whole;
+  init(&whole);
+  std::memcpy(static_cast<void*>(&whole), s, std::min(size_t(s->struct_size), sizeof(S)));
+  whole.struct_size = uint32_t(sizeof(S));
+  return whole;
 }
+// The sizes of version 0.1.0's structs: the fields before those appended since.
+constexpr size_t kOptionsFirstSize = offsetof(kvlite_options, name);
+constexpr size_t kSamplingFirstSize = offsetof(kvlite_sampling, request_out);
 
-EngineOptions engine_options(const kvlite_options* in) {
+EngineOptions engine_options(const kvlite_options* given) {
   EngineOptions options;
   options.backend = BackendChoice::auto_;
-  if (!in) return options;
-  check_struct(in, "kvlite_options", "kvlite_options_init");
+  if (!given) return options;
+  const kvlite_options whole = widen_struct(given, kOptionsFirstSize, kvlite_options_init, "kvlite_options",
+                                            "kvlite_options_init");
+  const kvlite_options* in = &whole;
   switch (in->backend) {
     case KVLITE_BACKEND_AUTO: options.backend = BackendChoice::auto_; break;
     case KVLITE_BACKEND_CPU: options.backend = BackendChoice::cpu; break;
@@ -23609,10 +23622,12 @@ EngineOptions engine_options(const kvlite_options* in) {
   return options;
 }
 
-SamplingParams sampling_params(const kvlite_sampling* in) {
+SamplingParams sampling_params(const kvlite_sampling* given) {
   SamplingParams params;
-  if (!in) return params;
-  check_struct(in, "kvlite_sampling", "kvlite_sampling_init");
+  if (!given) return params;
+  const kvlite_sampling whole = widen_struct(given, kSamplingFirstSize, kvlite_sampling_init, "kvlite_sampling",
+                                             "kvlite_sampling_init");
+  const kvlite_sampling* in = &whole;
   params.temperature = in->temperature;
   params.top_k = in->top_k;
   params.top_p = in->top_p;
@@ -23632,6 +23647,14 @@ SamplingParams sampling_params(const kvlite_sampling* in) {
   }
   params.ignore_eos = in->ignore_eos != 0;
   return params;
+}
+
+// Where a generate call reports its request's id (kvlite_sampling.request_out, a field since 0.1.0): NULL when
+// not asked for.
+int64_t* request_out_of(const kvlite_sampling* given) {
+  if (!given) return nullptr;
+  return widen_struct(given, kSamplingFirstSize, kvlite_sampling_init, "kvlite_sampling", "kvlite_sampling_init")
+      .request_out;
 }
 
 std::vector<ChatMessage> chat_messages(const char* const* roles, const char* const* contents, size_t n) {
@@ -23675,7 +23698,6 @@ void fill(kvlite_generation* out, Generation&& generation) {
   result.n_ids = generation.ids.size();
   result.n_prompt_ids = generation.prompt_ids.size();
   result.finish_reason = int32_t(generation.finish_reason);
-  result.request = generation.request;
   *out = result;
 }
 
@@ -23911,6 +23933,7 @@ int kvlite_generate(kvlite_engine* engine, const char* prompt, const kvlite_imag
     kvlite::Result<kvlite::Generation> generation =
         e.generate(prompt, images_of(images, n_images), sampling_params(sampling), token_callback(on_token, user_data));
     if (!generation) throw generation.error();
+    if (int64_t* request_out = request_out_of(sampling)) *request_out = generation->request;
     fill(out, std::move(*generation));
   });
 }
@@ -23927,6 +23950,7 @@ int kvlite_generate_chat(kvlite_engine* engine, const char* const* roles, const 
         e.generate_chat(chat_messages(roles, contents, n_messages), images_of(images, n_images),
                         sampling_params(sampling), token_callback(on_token, user_data));
     if (!generation) throw generation.error();
+    if (int64_t* request_out = request_out_of(sampling)) *request_out = generation->request;
     fill(out, std::move(*generation));
   });
 }

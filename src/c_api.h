@@ -127,6 +127,9 @@ typedef struct kvlite_sampling {
   const char* const* stop_strings; /* n_stop_strings UTF-8 strings, read during the call */
   size_t n_stop_strings;
   int32_t ignore_eos;
+  /* NULL, or where kvlite_generate / kvlite_generate_chat store the id the request ran as (the ids kvlite_submit
+     issues; the engine's debug log names requests by it) when they return KVLITE_OK. */
+  int64_t* request_out;
 } kvlite_sampling;
 void kvlite_sampling_init(kvlite_sampling* sampling);
 
@@ -137,8 +140,6 @@ typedef struct kvlite_generation {
   size_t n_prompt_ids;  /* the prompt's length in tokens (images expanded) */
   char* text;           /* the streamed text, NUL-terminated UTF-8 */
   int32_t finish_reason; /* KVLITE_FINISH_* */
-  int64_t request;      /* the request's id: kvlite_submit's, or the one kvlite_generate* ran as (the engine's
-                           debug log names requests by it) */
 } kvlite_generation;
 void kvlite_generation_free(kvlite_generation* generation); /* frees its arrays and zeroes it; NULL is fine */
 
