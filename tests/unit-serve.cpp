@@ -88,11 +88,13 @@ struct Running {
   std::unique_ptr<OpenAIServer> server;
   std::thread thread;
   int port = 0;
-  explicit Running(ServeOptions options = {}) {
+  // device_mem: what the plan divides; 256 MiB holds the KV of 16 sequences of max_model_len, less forces
+  // preemption under load.
+  explicit Running(ServeOptions options = {}, uint64_t device_mem = 256 * kvlite::MiB) {
     options.port = 0;
     kvlite::EngineOptions engine_options;
     engine_options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
-    engine_options.plan.device_mem = 256 * kvlite::MiB;
+    engine_options.plan.device_mem = device_mem;
     engine_options.plan.max_seqs = 16;
     engine_options.threads = 1;
     auto engine = kvlite::Engine::open(kCaptioner, engine_options);
@@ -485,11 +487,13 @@ TEST_CASE("a full queue answers 503, and the requests it took all finish") {
   CHECK(wait_until([&] { return running.server->stats().kv_pages_used == 0; }));
 }
 
-TEST_CASE("200 concurrent mixed requests (60 under ASan), 10% disconnecting midway: every completed text equals its "
-          "solo run, none is lost, the KV pool ends empty") {
+TEST_CASE("200 concurrent mixed requests (60 under ASan), 10% disconnecting midway, on a KV pool that forces "
+          "preemption: every completed text equals its solo run, none is lost, the KV pool ends empty") {
   ServeOptions options;
   options.max_queue = 256;
-  Running running(options);
+  // 8.5 MiB: a KV pool of 352 tokens (22 pages) for 16 running sequences, 1.4 of max_model_len: running
+  // requests outgrow it and are preempted (their pages freed, recomputed later), as on a full 8 GB card.
+  Running running(options, 8 * kvlite::MiB + 512 * kvlite::KiB);
   const auto captions = expected_captions();
   std::vector<std::string> images;
   for (const auto& [image, caption] : captions) images.push_back(image);
@@ -585,6 +589,7 @@ TEST_CASE("200 concurrent mixed requests (60 under ASan), 10% disconnecting midw
   CHECK(disconnected == kDisconnecting);
   CHECK(completed == kRequests - kDisconnecting);  // no request lost
   CHECK(matched == completed.load());
+  CHECK(running.server->stats().preemptions_total > 0);  // the pool was too small for the load, as meant
   // Every page back, nothing running or waiting (the disconnected requests end at their next token).
   CHECK(wait_until([&] {
     const kvlite_server::ServeStats s = running.server->stats();
@@ -1037,6 +1042,38 @@ TEST_CASE("bounds: an image flood is refused before any image is decoded: count 
   CHECK(refused.status == 400);
   CHECK(refused.body["error"]["message"].get<std::string>().find("carries 10 images") != std::string::npos);
   MESSAGE("10 images refused by count in " << seconds * 1000 << " ms");
+  // The flood from 8 clients at once, 40 requests: this process's resident memory (the server runs in it) sampled
+  // every 2 ms stays where it was; decoding would take 10 x 48 MiB per request.
+  auto resident_kib = [] {
+    std::ifstream status("/proc/self/status");
+    std::string line;
+    while (std::getline(status, line))
+      if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+    return 0LL;
+  };
+  const long long rss_before = resident_kib();
+  std::atomic<long long> rss_peak{rss_before};
+  std::atomic<bool> flooding{true};
+  std::thread sampler([&] {
+    while (flooding) {
+      rss_peak = std::max(rss_peak.load(), resident_kib());
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  std::atomic<int> refused_by_count{0};
+  std::vector<std::thread> flooders;
+  for (int c = 0; c < 8; c++)
+    flooders.emplace_back([&] {
+      for (int r = 0; r < 5; r++)
+        refused_by_count += post(running, "/v1/chat/completions", flood.dump()).status == 400;
+    });
+  for (auto& t : flooders) t.join();
+  flooding = false;
+  sampler.join();
+  CHECK(refused_by_count == 40);
+  MESSAGE("resident memory under a flood of 40 requests x 10 images of 4096 x 4096: " << rss_before / 1024 << " MiB "
+          "before, " << rss_peak / 1024 << " MiB at the peak");
+  CHECK(rss_peak - rss_before < 96 * 1024);  // one decoded image alone would be 48 MiB
   // One image (2854 bytes) over --max-image-bytes (2048 here): 413 from its base64 length, before it is decoded
   const std::string scene = read_file(kImages + "scene_1.png");
   REQUIRE(scene.size() > 2048 + 3);
