@@ -728,6 +728,33 @@ TEST_CASE("contract: a tool transcript (assistant content null with tool_calls, 
   CHECK(parsed.messages[1].content == "<tool_call>\n{\"arguments\":{\"city\":\"Paris\"},\"name\":\"get_weather\"}\n</tool_call>");
   CHECK(parsed.messages[2].role == "tool");
   CHECK(parsed.messages[2].content == "22 C, sunny");
+  // The model's template gets the transcript structured, as transformers' apply_chat_template and vLLM give it:
+  // the calls with their arguments as an object (OpenAI sends a JSON string), the result with its call's id.
+  const json structured = json::parse(parsed.template_messages);
+  REQUIRE(structured.size() == 3);
+  CHECK(structured[1]["content"] == "");
+  CHECK(structured[1]["tool_calls"] ==
+        json::array({{{"type", "function"}, {"id", "call_1"},
+                      {"function", {{"name", "get_weather"}, {"arguments", {{"city", "Paris"}}}}}}}));
+  CHECK(structured[2] == json({{"role", "tool"}, {"content", "22 C, sunny"}, {"tool_call_id", "call_1"}}));
+  // The captioner's own template writes no tool calls: the prompt is its rendering of the structure.
+  kvlite::Result<kvlite::Tokenizer> captioner = kvlite::Tokenizer::load(kCaptioner);
+  REQUIRE(captioner.ok());
+  const std::string plain = kvlite_server::render_chat(*captioner, parsed, true).value();
+  CHECK(plain == captioner->apply_chat_template(parsed.template_messages, true).value());
+  CHECK(plain.find("<|im_start|>tool\n22 C, sunny<|im_end|>") != std::string::npos);
+  // With a template that writes them (Qwen2.5's, which tests/unit-chat-template.cpp checks against transformers),
+  // the call and its result come out in Qwen's form.
+  const json config = {{"chat_template", read_file(std::string(KVLITE_SOURCE_DIR) +
+                                                   "/tests/fixtures/chat_templates/qwen2.5.jinja")}};
+  kvlite::Result<kvlite::Tokenizer> qwen =
+      kvlite::Tokenizer::from_json(read_file(kCaptioner + "/tokenizer.json"), config.dump());
+  REQUIRE_MESSAGE(qwen.ok(), qwen.error().message);
+  const std::string rendered = kvlite_server::render_chat(*qwen, parsed, true).value();
+  CHECK(rendered.find("<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+                      "{\"city\": \"Paris\"}}\n</tool_call><|im_end|>") != std::string::npos);
+  CHECK(rendered.find("<|im_start|>user\n<tool_response>\n22 C, sunny\n</tool_response><|im_end|>") !=
+        std::string::npos);
   // A tool message without the call it answers is refused by name
   json orphan = body;
   orphan["messages"][2].erase("tool_call_id");

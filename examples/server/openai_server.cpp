@@ -448,6 +448,27 @@ std::string tool_calls_text(const json& calls, const std::string& where) {
   return text;
 }
 
+// The tool calls as chat templates take them (transformers' and vLLM's form): {"type": "function", "id",
+// "function": {"name", "arguments"}} with the arguments an object when the client sent them as a JSON string.
+// tool_calls_text has checked their shape.
+json template_tool_calls(const json& calls) {
+  json out = json::array();
+  for (const json& call : calls) {
+    json function = {{"name", call["function"]["name"]}};
+    const json& arguments = call["function"].contains("arguments") ? call["function"]["arguments"] : json(nullptr);
+    if (arguments.is_string()) {
+      json parsed = json::parse(arguments.get<std::string>(), nullptr, false);
+      function["arguments"] = parsed.is_discarded() ? arguments : parsed;
+    } else {
+      function["arguments"] = arguments.is_null() ? json::object() : arguments;
+    }
+    json entry = {{"type", "function"}, {"function", std::move(function)}};
+    if (call.contains("id") && call["id"].is_string()) entry["id"] = call["id"];
+    out.push_back(std::move(entry));
+  }
+  return out;
+}
+
 ParsedRequest chat_job(const json& body, const RequestLimits& limits) {
   ParsedRequest job;
   job.chat = true;
@@ -464,24 +485,33 @@ ParsedRequest chat_job(const json& body, const RequestLimits& limits) {
             std::to_string(limits.max_images) + " per request (kvlite serve --max-images, EngineOptions::plan.max_images)",
         "messages");
   size_t index = 0;
+  json template_messages = json::array();
   for (const json& m : body["messages"]) {
     const std::string where = "messages[" + std::to_string(index) + "]";
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
       bad(where + " must be an object with a string 'role'", where);
     kvlite::ChatMessage message{m["role"].get<std::string>(), ""};
+    json structured = {{"role", message.role}};
     const json& content = m.contains("content") ? m["content"] : json(nullptr);
     const bool has_tool_calls = m.contains("tool_calls") && m["tool_calls"].is_array() && !m["tool_calls"].empty();
+    std::string calls_text;
     if (m.contains("tool_calls") && !m["tool_calls"].is_null()) {
       if (message.role != "assistant" || !m["tool_calls"].is_array())
         bad(where + ".tool_calls must be an array, on an assistant message", where + ".tool_calls");
-      message.content = tool_calls_text(m["tool_calls"], where + ".tool_calls");
+      calls_text = tool_calls_text(m["tool_calls"], where + ".tool_calls");
+      structured["tool_calls"] = template_tool_calls(m["tool_calls"]);
     }
     if (message.role == "tool" && !(m.contains("tool_call_id") && m["tool_call_id"].is_string()))
       bad(where + " (a tool result) needs a string 'tool_call_id'", where + ".tool_call_id");
+    for (const char* key : {"tool_call_id", "name", "reasoning_content"})
+      if (m.contains(key) && !m[key].is_null()) {
+        if (!m[key].is_string()) bad(where + "." + key + " must be a string", where + "." + key);
+        structured[key] = m[key];
+      }
     if (content.is_null() && has_tool_calls) {
       // an assistant turn that only called tools: its calls are its content
     } else if (content.is_string()) {
-      message.content = content.get<std::string>() + (message.content.empty() ? "" : "\n" + message.content);
+      message.content = content.get<std::string>();
     } else if (content.is_array()) {
       for (const json& part : content) {
         if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
@@ -501,9 +531,15 @@ ParsedRequest chat_job(const json& body, const RequestLimits& limits) {
     } else {
       bad(where + ".content must be a string or an array of parts", where + ".content");
     }
+    // The template gets the content as text (images as their placeholder; "" for a turn of tool calls only, as
+    // vLLM gives it), the calls beside it; the text form carries the calls after the content.
+    structured["content"] = message.content;
+    template_messages.push_back(std::move(structured));
+    if (!calls_text.empty()) message.content += (message.content.empty() ? "" : "\n") + calls_text;
     job.messages.push_back(std::move(message));
     index++;
   }
+  job.template_messages = template_messages.dump(-1, ' ', false, json::error_handler_t::replace);
   job.params = sampling_of(body, limits.max_tokens_cap, limits.default_max_tokens);
   // OpenAI's chat form: "logprobs": true, with "top_logprobs" (the alternatives at each token) 0 or absent
   if (body.contains("logprobs") && !body["logprobs"].is_null()) {
@@ -627,11 +663,18 @@ int check_request(bool chat, const std::string& body, const std::string& model_n
   return parse_request(chat, body, model_name, max_tokens_cap, 256, nullptr, message);
 }
 
+kvlite::Result<std::string> render_chat(const kvlite::Tokenizer& tokenizer, const ParsedRequest& request,
+                                        bool add_generation_prompt) {
+  if (tokenizer.has_chat_template())
+    return tokenizer.apply_chat_template(request.template_messages, add_generation_prompt);
+  return tokenizer.format_chat(request.messages, add_generation_prompt);
+}
+
 kvlite::Result<kvlite::RequestId> submit_request(kvlite::Engine& engine, const ParsedRequest& request,
                                                  const kvlite::TokenCallback& on_token, int64_t* prompt_tokens) {
   std::vector<int32_t> ids;
   if (request.chat) {
-    kvlite::Result<std::string> prompt = engine.tokenizer().format_chat(request.messages, true);
+    kvlite::Result<std::string> prompt = render_chat(engine.tokenizer(), request, true);
     if (!prompt) return prompt.error();
     kvlite::Result<std::vector<int32_t>> encoded = engine.tokenize(*prompt, false);
     if (!encoded) return encoded.error();
@@ -1299,7 +1342,7 @@ struct OpenAIServer::Impl {
       kvlite::Result<std::vector<int32_t>> ids = kvlite::Error(kvlite::ErrorCode::internal, "not run");
       on_engine_thread([&](kvlite::Engine& e) {
         if (chat) {
-          kvlite::Result<std::string> text = e.tokenizer().format_chat(chat->messages, add_generation_prompt);
+          kvlite::Result<std::string> text = render_chat(e.tokenizer(), *chat, add_generation_prompt);
           ids = text ? e.tokenize(*text, false) : kvlite::Result<std::vector<int32_t>>(text.error());
         } else {
           ids = e.tokenize(prompt, add_special);

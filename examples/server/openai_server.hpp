@@ -80,7 +80,10 @@ kvlite::Result<std::string> decode_data_uri(const std::string& uri);
 // A request body as the server reads it: what its engine thread hands the engine.
 struct ParsedRequest {
   bool chat = true;                           // /v1/chat/completions, else /v1/completions
-  std::vector<kvlite::ChatMessage> messages;  // chat
+  std::vector<kvlite::ChatMessage> messages;  // chat, as text (tool calls written in the Hermes form)
+  // chat, as the model's template takes them (JSON): role, content, and tool_calls (arguments as objects),
+  // tool_call_id, name, reasoning_content as the client sent them
+  std::string template_messages = "[]";
   std::string prompt;                         // completions
   std::vector<kvlite::Image> images;          // decoded from the messages' data: URIs
   kvlite::SamplingParams params;              // every field within the server's and kvlite::validate's ranges
@@ -91,6 +94,10 @@ struct ParsedRequest {
 // default_max_tokens is used when the request names none. For tests and the fuzz harnesses.
 int parse_request(bool chat, const std::string& body, const std::string& model_name, int64_t max_tokens_cap,
                   int64_t default_max_tokens, ParsedRequest* out, std::string* message);
+// A chat request's prompt: the model's own template over the structured messages when it ships one (tool calls
+// and results as the template writes them), else kvlite's fallback layout over the text messages.
+kvlite::Result<std::string> render_chat(const kvlite::Tokenizer& tokenizer, const ParsedRequest& request,
+                                        bool add_generation_prompt);
 // What the engine thread does with a parsed request: formats the chat (or encodes the prompt), preprocesses
 // its images and submits it. *prompt_tokens (may be NULL): the prompt's length, on success.
 kvlite::Result<kvlite::RequestId> submit_request(kvlite::Engine& engine, const ParsedRequest& request,
