@@ -859,6 +859,7 @@ int run_serve(const Args& args) {
   if (args.has("--shutdown-timeout")) serve.shutdown_timeout_s = args.number("--shutdown-timeout");
   if (args.has("--max-connections")) serve.max_connections = args.integer("--max-connections", 1, 16384);
   if (args.has("--read-timeout")) serve.read_timeout_s = args.integer("--read-timeout", 1, 3600);
+  if (args.has("--request-deadline")) serve.request_deadline_s = args.integer("--request-deadline", 1, 86400);
   // The key from the environment keeps it out of `ps`; --api-key wins when both are given.
   if (const char* key = std::getenv("KVLITE_API_KEY"); key && *key) serve.api_key = key;
   if (args.has("--api-key")) serve.api_key = args.text("--api-key");
@@ -1022,6 +1023,7 @@ const std::vector<Command>& commands() {
            {"--max-image-bytes", "SIZE", "one image's encoded size; larger gets 413 before decoding; default 20MiB"},
            {"--max-connections", "N", "connections served at once (slow ones hold only their own); more: 503; default 512"},
            {"--read-timeout", "S", "longest wait for a request's next header or body bytes; default 10"},
+           {"--request-deadline", "S", "longest a whole request (line, headers, body) may take to arrive, from its connection's opening or previous answer; a connection idle that long is closed; default 60"},
        }),
        run_serve},
       {"bench", "decode tokens/s and time to first token, beside the memory-bandwidth roofline",

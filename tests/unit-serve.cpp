@@ -1054,6 +1054,49 @@ TEST_CASE("slow clients: a request that stops arriving is dropped after --read-t
   }, 10));
 }
 
+TEST_CASE("slow clients: a request trickled a byte within every read timeout is cut off at --request-deadline, and "
+          "a streamed answer longer than the deadline is not") {
+  ServeOptions options;
+  options.read_timeout_s = 1;
+  options.request_deadline_s = 2;
+  options.test_step_delay_us = 20000;  // 20 ms a step: a 150-token answer streams for 3 s, past the deadline
+  Running running(options);
+  const int fd = slow_socket(running.port);
+  REQUIRE(fd >= 0);
+  // One more header byte every 0.4 s, each within --read-timeout 1 s: without a deadline it would stay forever.
+  const auto start = std::chrono::steady_clock::now();
+  bool open = true;
+  for (int i = 0; i < 25 && open; i++) {  // 10 s at most
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    char byte = 0;
+    if (send(fd, "x", 1, MSG_NOSIGNAL) < 0 || recv(fd, &byte, 1, MSG_DONTWAIT) == 0) open = false;
+  }
+  const double cut_after = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  close(fd);
+  CHECK_FALSE(open);
+  CHECK(cut_after < 8);  // a liveness bound: the deadline is 2 s; without one the loop runs its 10 s
+  MESSAGE("a request trickled a byte every 0.4 s was cut off after " << cut_after << " s (--request-deadline 2)");
+  // A streamed answer outlasting the deadline completes, and so does a request after it on the same connection.
+  json body = {{"prompt", "a small"}, {"max_tokens", 150}, {"ignore_eos", true}, {"stream", true}};
+  const auto streamed_start = std::chrono::steady_clock::now();
+  Streamed s = post_stream(running, "/v1/completions", body);
+  const double streamed_for =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - streamed_start).count();
+  CHECK(s.status == 200);
+  CHECK(s.done);
+  CHECK(s.finish_reason == "length");
+  MESSAGE("a 150-token answer streamed for " << streamed_for << " s, uncut");
+  httplib::Client client = running.client();
+  client.set_keep_alive(true);
+  body["stream"] = false;
+  body["max_tokens"] = 120;
+  for (int i = 0; i < 2; i++) {  // twice on one keep-alive connection, each answer 2.4 s long
+    auto reply = client.Post("/v1/completions", body.dump(), "application/json");
+    REQUIRE(reply);
+    CHECK(reply->status == 200);
+  }
+}
+
 TEST_CASE("bounds: an image flood is refused before any image is decoded: count first, then each one's bytes") {
   ServeOptions options;
   options.max_image_bytes = 2048;

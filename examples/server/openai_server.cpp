@@ -4,6 +4,7 @@
 #include <httplib.h>
 #include <dirent.h>
 #include <netdb.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -807,6 +808,115 @@ class ConnectionPool : public httplib::TaskQueue {
   std::vector<std::thread> threads_;
 };
 
+// --request-deadline. The read timeout bounds each read of a request, not their sum: a client sending a byte
+// within each one held its connection (and its thread) forever. A watchdog scans the server's connections every
+// 100 ms: one that waits for a request (since it opened, or since its last answer was sent) for longer than the
+// deadline is shut down, so that httplib's blocked read fails and the connection closes. httplib does not say
+// which socket a handler serves; the handlers report by the client's address and port, which the watchdog
+// matches to a socket with getpeername.
+std::string peer_key(int fd) {
+  sockaddr_storage address{};
+  socklen_t length = sizeof address;
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return "";
+  char host[INET6_ADDRSTRLEN] = "";
+  int port = 0;
+  if (address.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&address);
+    inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    port = ntohs(in->sin_port);
+  } else if (address.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&address);
+    inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+    port = ntohs(in6->sin6_port);
+  }
+  return std::string(host) + ":" + std::to_string(port);
+}
+
+std::string peer_key(const httplib::Request& request) {
+  return request.remote_addr + ":" + std::to_string(request.remote_port);
+}
+
+class RequestDeadlines {
+ public:
+  explicit RequestDeadlines(int64_t seconds) : deadline_(std::chrono::seconds(seconds)) {}
+  ~RequestDeadlines() { stop(); }
+  void start(int port) {
+    port_ = port;
+    watchdog_ = std::thread([this] { watch(); });
+  }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    changed_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+  }
+  // From a handler: its request has arrived whole (no deadline while it is answered), or its answer is sent.
+  void arrived(const std::string& peer) { report(peer, false); }
+  void answered(const std::string& peer) { report(peer, true); }
+  int64_t cut() const { return cut_.load(); }
+
+ private:
+  struct State {
+    bool waiting = true;
+    std::chrono::steady_clock::time_point since;
+  };
+  struct Connection {
+    std::string peer;
+    State state;
+    bool cut = false;
+  };
+  void report(const std::string& peer, bool waiting) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reports_[peer] = {waiting, std::chrono::steady_clock::now()};
+  }
+  void watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stopping_) {
+      changed_.wait_for(lock, std::chrono::milliseconds(100));
+      if (stopping_) break;
+      const auto now = std::chrono::steady_clock::now();
+      std::map<int, Connection> current;
+      std::map<std::string, State> reports;
+      for (int fd : connections_on(port_)) {
+        const std::string peer = peer_key(fd);
+        if (peer.empty()) continue;
+        auto known = connections_.find(fd);
+        Connection c = known != connections_.end() && known->second.peer == peer
+                           ? known->second
+                           : Connection{peer, {true, now}, false};  // new: it waits for its first request
+        auto reported = reports_.find(peer);
+        if (reported != reports_.end()) {
+          c.state = reported->second;
+          reports.insert(*reported);  // kept while its connection lives
+        }
+        if (c.state.waiting && !c.cut && now - c.state.since > deadline_ && peer_key(fd) == peer) {
+          ::shutdown(fd, SHUT_RDWR);
+          c.cut = true;
+          cut_++;
+        }
+        current.emplace(fd, std::move(c));
+      }
+      connections_ = std::move(current);
+      reports_ = std::move(reports);
+    }
+  }
+  const std::chrono::steady_clock::duration deadline_;
+  int port_ = 0;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool stopping_ = false;
+  std::map<int, Connection> connections_;    // the watchdog's, by socket
+  std::map<std::string, State> reports_;     // the handlers', by peer
+  std::atomic<int64_t> cut_{0};
+  std::thread watchdog_;
+};
+
+// Set while a connection's thread streams an answer: it counts as sent when the stream ends, not when the
+// handler returns.
+thread_local bool g_streaming_answer = false;
+
 // Equal strings, in a time that depends only on their lengths (an API key is not guessed byte by byte).
 bool constant_time_equal(const std::string& a, const std::string& b) {
   const size_t n = std::max(a.size(), b.size());
@@ -824,6 +934,7 @@ struct OpenAIServer::Impl {
   std::unique_ptr<kvlite::Engine> engine;
   ServeOptions options;
   RequestLimits limits;
+  std::unique_ptr<RequestDeadlines> deadlines;
   httplib::Server http;
   int port = 0;
 
@@ -1088,7 +1199,7 @@ struct OpenAIServer::Impl {
   // While it waits for the next piece it watches the client's socket too, so a client that goes away during a
   // long prefill is noticed before a write fails.
   void stream(const Job& job, std::shared_ptr<const ClientSocket> client, httplib::Response& response, bool chat,
-              bool include_usage, int busy_fd) {
+              bool include_usage, int busy_fd, const std::string& peer) {
     std::shared_ptr<Channel> channel = job.channel;
     const std::string id = fresh_id(chat ? "chatcmpl-" : "cmpl-");
     const int64_t created = now_seconds();
@@ -1160,10 +1271,13 @@ struct OpenAIServer::Impl {
         sink.done();
         return true;
       }
-    }, [this, channel, busy_fd](bool success) {
+    }, [this, channel, busy_fd, peer](bool success) {
       if (!success) channel->abandoned.store(true);  // the connection ended before the stream did
       unbusy(busy_fd);
+      g_streaming_answer = false;
+      deadlines->answered(peer);  // the stream has ended: the connection waits for its next request from here
     });
+    g_streaming_answer = true;
   }
 
   void handle_generation(const httplib::Request& request, httplib::Response& response, bool chat) {
@@ -1189,7 +1303,7 @@ struct OpenAIServer::Impl {
             if (!channel.abandoned.load() && client->gone()) channel.abandoned.store(true);
           if (!channel.accepted && channel.error) return send_error(response, *channel.error);
         }
-        stream(waiting_for, client, response, chat, include_usage, busy.release());
+        stream(waiting_for, client, response, chat, include_usage, busy.release(), peer_key(request));
       } else {
         answer(waiting_for, *client, response, chat);
       }
@@ -1384,6 +1498,11 @@ struct OpenAIServer::Impl {
     http.set_read_timeout(time_t(options.read_timeout_s), 0);
     http.set_write_timeout(60, 0);
     http.set_keep_alive_timeout(60);
+    // And the whole request within --request-deadline of its connection being ready for it.
+    deadlines = std::make_unique<RequestDeadlines>(options.request_deadline_s);
+    http.set_post_routing_handler([this](const httplib::Request& q, httplib::Response&) {
+      if (!g_streaming_answer) deadlines->answered(peer_key(q));  // a stream counts as sent when it ends
+    });
     // One thread per connection up to --max-connections (so that slow or idle sockets hold only their own, and
     // every request in flight has one while it waits); beyond it, a refusal lane answers 503.
     const size_t cap = size_t(connection_cap());
@@ -1441,8 +1560,16 @@ struct OpenAIServer::Impl {
     });
     // /v1 routes need the API key when one is set (as vLLM's --api-key guards /v1 only); the body is read by then,
     // so the connection stays usable after a 401.
-    auto guarded = [this](std::function<void(const httplib::Request&, httplib::Response&)> handler) {
+    // Every route's handler runs once its request has arrived whole: from there the deadline does not apply.
+    auto arrived = [this](std::function<void(const httplib::Request&, httplib::Response&)> handler) {
       return [this, handler](const httplib::Request& q, httplib::Response& r) {
+        deadlines->arrived(peer_key(q));
+        g_streaming_answer = false;
+        handler(q, r);
+      };
+    };
+    auto guarded = [this, arrived](std::function<void(const httplib::Request&, httplib::Response&)> handler) {
+      return arrived([this, handler](const httplib::Request& q, httplib::Response& r) {
         if (!options.api_key.empty() &&
             !constant_time_equal(q.get_header_value("Authorization"), "Bearer " + options.api_key)) {
           r.set_header("WWW-Authenticate", "Bearer");
@@ -1450,7 +1577,7 @@ struct OpenAIServer::Impl {
                                 "invalid_request_error", "invalid_api_key"});
         }
         handler(q, r);
-      };
+      });
     };
     http.Post("/v1/chat/completions", guarded([this](const httplib::Request& q, httplib::Response& r) { handle_generation(q, r, true); }));
     http.Post("/v1/completions", guarded([this](const httplib::Request& q, httplib::Response& r) { handle_generation(q, r, false); }));
@@ -1465,17 +1592,17 @@ struct OpenAIServer::Impl {
                               "model", "invalid_request_error", "model_not_found"});
       r.set_content(model_card().dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
     }));
-    http.Post("/tokenize", [this](const httplib::Request& q, httplib::Response& r) { handle_tokenize(q, r); });
-    http.Post("/detokenize", [this](const httplib::Request& q, httplib::Response& r) { handle_detokenize(q, r); });
-    http.Get("/version", [](const httplib::Request&, httplib::Response& r) {
+    http.Post("/tokenize", arrived([this](const httplib::Request& q, httplib::Response& r) { handle_tokenize(q, r); }));
+    http.Post("/detokenize", arrived([this](const httplib::Request& q, httplib::Response& r) { handle_detokenize(q, r); }));
+    http.Get("/version", arrived([](const httplib::Request&, httplib::Response& r) {
       r.set_content(json{{"version", KVLITE_VERSION_STRING}}.dump(), "application/json");
-    });
-    http.Get("/health", [](const httplib::Request&, httplib::Response& r) {
+    }));
+    http.Get("/health", arrived([](const httplib::Request&, httplib::Response& r) {
       r.set_content(R"({"status":"ok"})", "application/json");
-    });
-    http.Get("/metrics", [this](const httplib::Request&, httplib::Response& r) {
+    }));
+    http.Get("/metrics", arrived([this](const httplib::Request&, httplib::Response& r) {
       r.set_content(metrics_text(), "text/plain; version=0.0.4");
-    });
+    }));
     // httplib's own refusals (an oversized body: 413; an unknown path: 404) get OpenAI's error body too.
     http.set_error_handler([](const httplib::Request& q, httplib::Response& r) {
       if (!r.body.empty()) return;
@@ -1508,6 +1635,10 @@ kvlite::Result<std::unique_ptr<OpenAIServer>> OpenAIServer::create(std::unique_p
                          "--max-queue " + std::to_string(options.max_queue) + " is outside 1..4096");
   if (options.max_connections < 1 || options.max_connections > 16384)
     return kvlite::Error(kvlite::ErrorCode::invalid_argument, "--max-connections must be in 1..16384");
+  if (options.request_deadline_s < 1 || options.request_deadline_s > 86400)
+    return kvlite::Error(kvlite::ErrorCode::invalid_argument,
+                         "request_deadline_s must be 1..86400 (kvlite serve --request-deadline), not " +
+                             std::to_string(options.request_deadline_s));
   if (options.read_timeout_s < 1 || options.read_timeout_s > 3600)
     return kvlite::Error(kvlite::ErrorCode::invalid_argument, "--read-timeout must be in 1..3600 seconds");
   if (!(options.shutdown_timeout_s >= 0 && options.shutdown_timeout_s <= 3600))
@@ -1571,6 +1702,7 @@ kvlite::Result<int> OpenAIServer::bind() {
     s.port = s.options.port;
   }
   raise_listen_backlog(s.port);
+  s.deadlines->start(s.port);
   return s.port;
 }
 
@@ -1621,8 +1753,11 @@ void OpenAIServer::stop() {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  std::lock_guard<std::mutex> lock(s.queue_mutex);
-  for (int fd : connections_on(s.port)) shutdown(fd, SHUT_RD);
+  {
+    std::lock_guard<std::mutex> lock(s.queue_mutex);
+    for (int fd : connections_on(s.port)) shutdown(fd, SHUT_RD);
+  }
+  s.deadlines->stop();
 }
 
 ServeStats OpenAIServer::stats() const { return impl_->stats(); }

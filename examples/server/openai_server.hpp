@@ -37,6 +37,10 @@ struct ServeOptions {
   int64_t max_image_bytes = int64_t(20) << 20;  // one image's encoded bytes; more: 413 before it is decoded
   int64_t max_connections = 512;  // connections served at once (a thread each); more get 503 and are closed
   int64_t read_timeout_s = 10;    // the longest wait for the next bytes of a request's headers or body
+  // The longest a request may take to arrive whole (line, headers, body), counted from when its connection became
+  // ready for it (opened, or the previous answer sent): a client trickling a byte within every read timeout is cut
+  // off then, and so is a connection idle that long between requests.
+  int64_t request_deadline_s = 60;
 };
 
 // Counters /metrics reports (also read by tests).
