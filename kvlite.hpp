@@ -328,6 +328,13 @@ int kvlite_detokenize(kvlite_engine* engine, const int32_t* ids, size_t n_ids, i
    add_generation_prompt; caller frees *text_out. */
 int kvlite_format_chat(kvlite_engine* engine, const char* const* roles, const char* const* contents,
                        size_t n_messages, int add_generation_prompt, char** text_out);
+/* The model's own chat template over messages as JSON, the way transformers' apply_chat_template takes them: an
+   array of {"role", "content", and "tool_calls" / "tool_call_id" / "name" / "reasoning_content" where they apply};
+   extra_json (NULL: none) a JSON object of further template variables, e.g. {"tools": [...], "enable_thinking":
+   false}. KVLITE_UNSUPPORTED when the model ships no template. The text holds the special tokens already: encode
+   it with kvlite_tokenize(..., add_special_tokens = 0) and kvlite_submit it. Caller frees *text_out. */
+int kvlite_apply_chat_template(kvlite_engine* engine, const char* messages_json, int add_generation_prompt,
+                               const char* extra_json, char** text_out);
 
 /* ---- images (vision models) ---- */
 int kvlite_image_load(const char* path, kvlite_image** image_out);                     /* JPEG, PNG, ... */
@@ -23859,6 +23866,20 @@ int kvlite_format_chat(kvlite_engine* engine, const char* const* roles, const ch
     need(text_out, "text_out");
     kvlite::Result<std::string> text =
         e.tokenizer().format_chat(chat_messages(roles, contents, n_messages), add_generation_prompt != 0);
+    if (!text) throw text.error();
+    *text_out = malloc_string(*text);
+  });
+}
+
+int kvlite_apply_chat_template(kvlite_engine* engine, const char* messages_json, int add_generation_prompt,
+                               const char* extra_json, char** text_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    need(messages_json, "messages_json");
+    need(text_out, "text_out");
+    kvlite::Result<std::string> text =
+        e.tokenizer().apply_chat_template(messages_json, add_generation_prompt != 0, extra_json ? extra_json : "{}");
     if (!text) throw text.error();
     *text_out = malloc_string(*text);
   });

@@ -367,6 +367,20 @@ int kvlite_format_chat(kvlite_engine* engine, const char* const* roles, const ch
   });
 }
 
+int kvlite_apply_chat_template(kvlite_engine* engine, const char* messages_json, int add_generation_prompt,
+                               const char* extra_json, char** text_out) {
+  using namespace kvlite::detail::c_api;
+  return call([&] {
+    kvlite::Engine& e = engine_of(engine);
+    need(messages_json, "messages_json");
+    need(text_out, "text_out");
+    kvlite::Result<std::string> text =
+        e.tokenizer().apply_chat_template(messages_json, add_generation_prompt != 0, extra_json ? extra_json : "{}");
+    if (!text) throw text.error();
+    *text_out = malloc_string(*text);
+  });
+}
+
 int kvlite_image_load(const char* path, kvlite_image** image_out) {
   using namespace kvlite::detail::c_api;
   return call([&] {

@@ -278,6 +278,39 @@ static void text(kvlite_engine* engine) {
   CHECK(kvlite_format_chat(engine, roles, contents, 2, 1, &prompt) == KVLITE_OK);
   CHECK(prompt != NULL && strstr(prompt, "<|im_start|>system\nYou are terse.<|im_end|>") != NULL);
   CHECK(strstr(prompt, "<|im_start|>assistant\n") != NULL);
+  {
+    /* The same messages as JSON through the template give the same prompt; a tool transcript and the template's
+       variables reach it too. */
+    char* structured = NULL;
+    CHECK(kvlite_apply_chat_template(engine,
+                                     "[{\"role\": \"system\", \"content\": \"You are terse.\"},"
+                                     " {\"role\": \"user\", \"content\": \"Hello\"}]",
+                                     1, NULL, &structured) == KVLITE_OK);
+    CHECK(structured != NULL && strcmp(structured, prompt) == 0);
+    kvlite_free(structured);
+    structured = NULL;
+    CHECK(kvlite_apply_chat_template(
+              engine,
+              "[{\"role\": \"user\", \"content\": \"Weather in Paris?\"},"
+              " {\"role\": \"assistant\", \"content\": \"\", \"tool_calls\": [{\"type\": \"function\", \"function\":"
+              " {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}}]},"
+              " {\"role\": \"tool\", \"tool_call_id\": \"1\", \"content\": \"22 C\"}]",
+              1, "{\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}]}",
+              &structured) == KVLITE_OK);
+    /* tiny-qwen3 ships Qwen2.5's template: the tools in its system turn, the call and its result in Qwen's form */
+    CHECK(structured != NULL && strstr(structured, "# Tools") != NULL);
+    CHECK(strstr(structured, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
+                             "</tool_call>") != NULL);
+    CHECK(strstr(structured, "<tool_response>\n22 C\n</tool_response>") != NULL);
+    kvlite_free(structured);
+    structured = NULL;
+    CHECK_FAILS(kvlite_apply_chat_template(engine, "{\"role\": \"user\"}", 1, NULL, &structured),
+                KVLITE_INVALID_ARGUMENT, "array");
+    CHECK_FAILS(kvlite_apply_chat_template(engine, "[", 1, NULL, &structured), KVLITE_INVALID_ARGUMENT, "JSON");
+    CHECK_FAILS(kvlite_apply_chat_template(engine, NULL, 1, NULL, &structured), KVLITE_INVALID_ARGUMENT,
+                "messages_json");
+    CHECK(structured == NULL);
+  }
   kvlite_free(prompt);
 
   CHECK_FAILS(kvlite_tokenize(engine, NULL, 1, &ids, &n), KVLITE_INVALID_ARGUMENT, "text");

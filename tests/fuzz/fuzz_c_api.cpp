@@ -346,6 +346,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         const int status = kvlite_format_chat(e, roles, contents, 1, op & 1, (op & 0x20) ? nullptr : &text);
         check(status, "kvlite_format_chat");
         if (status == KVLITE_OK) kvlite_free(text);
+        // the same bytes as the messages' JSON for the template (and as its extra variables)
+        text = nullptr;
+        const int applied = kvlite_apply_chat_template(e, (op & 0x40) ? nullptr : content.c_str(), op & 1,
+                                                       (op & 0x10) ? role.c_str() : nullptr, &text);
+        check(applied, "kvlite_apply_chat_template");
+        if (applied == KVLITE_OK) kvlite_free(text);
         const int64_t n = extreme_i64(in);
         if (!kvlite_status_name(int(n)) || !kvlite_finish_reason_name(int32_t(n))) abort();
         kvlite_cancel(e);
