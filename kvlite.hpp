@@ -2054,7 +2054,9 @@ class Tokenizer {
 
 // Turns ids into text one at a time for streaming output. A UTF-8 character whose bytes are split across
 // tokens (byte-level or <0xXX> tokens) is held back until its last byte arrives; the concatenation of every push() and the final flush()
-// equals tokenizer.decode(all ids).
+// equals tokenizer.decode(all ids) -- except for a run of more than 64 <0xXX> tokens that turns out not to be valid
+// UTF-8 (decode gives one U+FFFD per token of it; the stream has already given its valid characters: a decoder
+// that holds a bounded number of ids cannot wait for the end of an unbounded run).
 class StreamingDecoder {
  public:
   explicit StreamingDecoder(const Tokenizer& tokenizer, bool skip_special_tokens = false);
@@ -12526,6 +12528,34 @@ Result<std::string> StreamingDecoder::push(int32_t id) {
     window_.push_back(id);
     bool force = window_.size() - context_ids_ >= kMaxHeldIds;  // a run of invalid bytes cannot grow it forever
     if (data.is_byte_token(id) && !force) return std::string();
+    if (force) {
+      // A long run of <0xXX> tokens (a CJK sentence in a vocabulary without its characters) is still open: it
+      // decodes to its characters only if the whole run turns out valid UTF-8, else to one U+FFFD per token.
+      // Out goes its longest prefix of whole valid characters, as if it will be valid; the last character stays
+      // as the context of the incomplete rest.
+      size_t run_start = window_.size();
+      while (run_start > 0 && data.is_byte_token(window_[run_start - 1])) run_start--;
+      std::string run;
+      for (size_t i = run_start; i < window_.size(); i++)
+        run.push_back(char(detail::tok::byte_token_value(data.token_text[size_t(window_[i])])));
+      size_t complete = 0, last_character = 0;  // bytes of whole valid characters; where the last one starts
+      while (complete < run.size()) {
+        detail::tok::Utf8Scan scan = detail::tok::utf8_scan(
+            reinterpret_cast<const unsigned char*>(run.data()) + complete, run.size() - complete);
+        if (scan.status != detail::tok::Utf8Status::complete) break;
+        last_character = complete;
+        complete += scan.length;
+      }
+      const size_t split = run_start + complete;
+      if (run_start < window_.size() && complete > 0 && split < window_.size() && split > context_ids_) {
+        std::string text = data.decode(window_.data(), split, false, false);
+        std::string out = text.compare(0, emitted_.size(), emitted_) == 0 ? text.substr(emitted_.size()) : text;
+        window_.erase(window_.begin(), window_.begin() + long(run_start + last_character));
+        context_ids_ = complete - last_character;
+        emitted_ = data.decode(window_.data(), context_ids_, false, true);
+        return out;
+      }
+    }
     std::string text = data.decode(window_.data(), window_.size(), false, true);
     if (text.compare(0, emitted_.size(), emitted_) != 0) {  // (no decoder here rewrites earlier text)
       if (!force) return std::string();

@@ -400,7 +400,9 @@ def decode_cases(family, raw, cases):
         runs.append([vocab["<0xE2>"]] + word + [vocab["<0x82>"], vocab["<0xAC>"]])
     # Long runs of one short token: a streaming decoder's context must outlast a Strip's start after Fuse
     # (components-b strips two leading 'x'; the libFuzzer harness found "x" * 33 + "\x01" streaming wrong).
-    for text in ["x" * 33 + "\x01", "   three spaces", "x"]:
+    # and runs of <0xXX> tokens longer than the streaming decoder holds (64): emoji and control characters that
+    # a byte-fallback vocabulary spells byte by byte (the harness found "\x01" + 62 NULs + "━nd" wrong).
+    for text in ["x" * 33 + "\x01", "   three spaces", "x", "\U0001F99C" * 40 + " ok", "\x01" + "\x00" * 62 + "\u2501nd"]:
         runs.append(raw.encode(text, add_special_tokens=False).ids)
     for ids in runs:
         out.append({"ids": ids, "decoded": hf_decode(raw, ids, False),
