@@ -620,6 +620,9 @@ struct TokenizerData {
   bool has_token(int32_t id) const { return id >= 0 && size_t(id) < token_present.size() && token_present[size_t(id)]; }
   // Whether an id is a byte-fallback token <0xXX> (the ByteFallback decoder joins runs of them).
   bool is_byte_token(int32_t id) const;
+  // Whether the bytes of ids[0, count) (each token's own, token_bytes) end inside a UTF-8 character, with the
+  // bytes so far a valid start of one.
+  bool ends_inside_character(const int32_t* ids, size_t count) const;
   std::vector<int32_t> bpe(const std::string& word) const;
   std::vector<int32_t> bpe_uncached(const std::string& word) const;
   std::string normalize(std::string text) const;
@@ -1416,6 +1419,20 @@ inline int byte_token_value(const std::string& token) {
 }
 }  // namespace tok
 
+bool TokenizerData::ends_inside_character(const int32_t* ids, size_t count) const {
+  std::string tail;  // the last bytes: a character is at most 4
+  for (size_t i = count; i > 0 && tail.size() < 4; i--) tail.insert(0, token_bytes[size_t(ids[i - 1])]);
+  size_t lead = tail.size();
+  while (lead > 0 && tail.size() - lead < 4) {
+    lead--;
+    if ((static_cast<unsigned char>(tail[lead]) & 0xC0) != 0x80) break;  // not a continuation byte
+  }
+  if (lead >= tail.size()) return false;
+  const tok::Utf8Scan scan =
+      tok::utf8_scan(reinterpret_cast<const unsigned char*>(tail.data()) + lead, tail.size() - lead);
+  return scan.status == tok::Utf8Status::truncated;
+}
+
 bool TokenizerData::is_byte_token(int32_t id) const {
   if (!byte_fallback) return false;
   int value = tok::byte_token_value(token_text[size_t(id)]);  // (id is valid)
@@ -1982,13 +1999,20 @@ Result<std::string> StreamingDecoder::push(int32_t id) {
                                   data.token_present.size() - 1));
     if (skip_special_tokens_ && data.token_special[size_t(id)]) return std::string();
     window_.push_back(id);
-    bool force = window_.size() - context_ids_ >= kMaxHeldIds;  // a run of invalid bytes cannot grow it forever
+    // A run of held ids cannot grow forever; it is let out at kMaxHeldIds. Byte-level text is not cut in the
+    // middle of a character whose bytes are still arriving (up to 3 more ids): its first bytes would come out
+    // as U+FFFD and the rest as another. (A <0xXX> run is split at its last whole character below.)
+    const size_t held_ids = window_.size() - context_ids_;
+    bool force = held_ids >= kMaxHeldIds + 3 ||
+                 (held_ids >= kMaxHeldIds &&
+                  (data.byte_fallback || !data.ends_inside_character(window_.data(), window_.size())));
     if (data.is_byte_token(id) && !force) return std::string();
     if (force) {
-      // A long run of <0xXX> tokens (a CJK sentence in a vocabulary without its characters) is still open: it
-      // decodes to its characters only if the whole run turns out valid UTF-8, else to one U+FFFD per token.
-      // Out goes its longest prefix of whole valid characters, as if it will be valid; the last character stays
-      // as the context of the incomplete rest.
+      // The window is long and ends in a run of <0xXX> tokens that is still open (a CJK sentence in a vocabulary
+      // without its characters, or one character's first bytes after text held back): the run decodes to its
+      // characters only if it turns out valid UTF-8, else to one U+FFFD per token. Out goes everything before
+      // the run's incomplete last character, as if the run will be valid (and without a Strip's stop: text
+      // follows it); that character's bytes stay held, after a context of the ids before them.
       size_t run_start = window_.size();
       while (run_start > 0 && data.is_byte_token(window_[run_start - 1])) run_start--;
       std::string run;
@@ -2003,11 +2027,17 @@ Result<std::string> StreamingDecoder::push(int32_t id) {
         complete += scan.length;
       }
       const size_t split = run_start + complete;
-      if (run_start < window_.size() && complete > 0 && split < window_.size() && split > context_ids_) {
-        std::string text = data.decode(window_.data(), split, false, false);
+      if (split < window_.size() && split > context_ids_) {
+        std::string text = data.decode(window_.data(), split, false, true);
         std::string out = text.compare(0, emitted_.size(), emitted_) == 0 ? text.substr(emitted_.size()) : text;
-        window_.erase(window_.begin(), window_.begin() + long(run_start + last_character));
-        context_ids_ = complete - last_character;
+        // The context: the last whole character's byte tokens, or the id before the run, with more ids before
+        // it while its text is empty (as below).
+        size_t context_begin = complete > 0 ? run_start + last_character : split - 1;
+        while (context_begin > 0 && split - context_begin < kMaxHeldIds &&
+               data.decode(window_.data() + context_begin, split - context_begin, false, true).empty())
+          context_begin--;
+        window_.erase(window_.begin(), window_.begin() + long(context_begin));
+        context_ids_ = split - context_begin;
         emitted_ = data.decode(window_.data(), context_ids_, false, true);
         return out;
       }

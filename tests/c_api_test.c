@@ -347,6 +347,7 @@ static void generation(kvlite_engine* engine) {
   /* Greedy is deterministic; the same prompt again gives the same ids (no callback this time). */
   CHECK(kvlite_generate(engine, "The harbour", NULL, 0, &sampling, NULL, NULL, &again) == KVLITE_OK);
   CHECK(again.n_ids == out.n_ids && memcmp(again.ids, out.ids, out.n_ids * sizeof(int32_t)) == 0);
+  kvlite_generation_free(&again);
   /* Each generation reports the request it ran as: ids are issued in order, one per request. */
   {
     int64_t first = 0, second = 0;

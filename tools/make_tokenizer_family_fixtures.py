@@ -402,7 +402,8 @@ def decode_cases(family, raw, cases):
     # (components-b strips two leading 'x'; the libFuzzer harness found "x" * 33 + "\x01" streaming wrong).
     # and runs of <0xXX> tokens longer than the streaming decoder holds (64): emoji and control characters that
     # a byte-fallback vocabulary spells byte by byte (the harness found "\x01" + 62 NULs + "━nd" wrong).
-    for text in ["x" * 33 + "\x01", "   three spaces", "x", "\U0001F99C" * 40 + " ok", "\x01" + "\x00" * 62 + "\u2501nd"]:
+    for text in ["x" * 33 + "\x01", "   three spaces", "x", "\U0001F99C" * 40 + " ok", "\x01" + "\x00" * 62 + "\u2501nd",
+                 "a" + "\ufffd" * 30 + "b"]:
         runs.append(raw.encode(text, add_special_tokens=False).ids)
     for ids in runs:
         out.append({"ids": ids, "decoded": hf_decode(raw, ids, False),

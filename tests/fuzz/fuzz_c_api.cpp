@@ -129,7 +129,8 @@ void fill_options(fuzz::Bytes& in, kvlite_options* o) {
   o->backend = (in.byte() % 4 == 0) ? int32_t(extreme_i64(in)) : KVLITE_BACKEND_CPU;
   const uint8_t which = in.byte();
   // The budget stays within the fuzzer's memory limit (kvlite reserves what the plan says, as asked).
-  o->device_mem = (which & 1) ? uint64_t(in.u32() % (48u << 20)) : (32ull << 20);
+  // (never 0: that is "this machine's memory", which kv_fill would then fill: 21 GiB here)
+  o->device_mem = (which & 1) ? 1 + uint64_t(in.u32() % (48u << 20)) : (32ull << 20);
   if (which & 2) o->utilization = extreme_double(in);
   if (which & 4) o->max_model_len = extreme_i64(in);
   if (which & 8) o->max_seqs = extreme_i64(in);
