@@ -2,7 +2,7 @@
 // tests/fixtures/tokenizers: the real-pipeline Qwen2 and Llama-3 ones and the family stand-ins (SmolLM2,
 // Phi-4-mini, Mistral v0.3, Phi-3.5, Gemma, two component mixes). Properties: for valid UTF-8, decode(encode(x))
 // == NFC(x) for Qwen2 and == x for Llama-3, SmolLM2 and Phi-4-mini (byte-level, no normalizer); for every
-// tokenizer the streamed decode equals the whole one.
+// tokenizer the streamed decode equals the whole one (exactly below 64 ids: see the check).
 #include "fuzz_support.hpp"
 
 namespace {
@@ -35,7 +35,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     streamed += stream.flush();
     const bool round_trips = which <= 3;  // qwen2 (NFC), llama3, smollm2, phi-4-mini
     const std::string expected = which == 0 ? kvlite::detail::unicode_nfc(text) : round_trips ? text : *whole;
-    if (*whole != expected || streamed != expected) {
+    // The stream equals the whole decode exactly below the decoder's bound on ids held back (64, tokenizer.hpp);
+    // past it, a held run is let out as if it will decode validly, which later ids may contradict (documented
+    // there; the family fixtures check long runs against HF). The whole decode is checked at every length.
+    const bool stream_exact = ids->size() < 64;
+    if (*whole != expected || (stream_exact && streamed != expected)) {
       fprintf(stderr, "round trip differs: %zu bytes in, %zu whole, %zu streamed\n", text.size(), whole->size(),
               streamed.size());
       abort();
