@@ -135,9 +135,10 @@ class Tokenizer {
 
 // Turns ids into text one at a time for streaming output. A UTF-8 character whose bytes are split across
 // tokens (byte-level or <0xXX> tokens) is held back until its last byte arrives; the concatenation of every push() and the final flush()
-// equals tokenizer.decode(all ids) -- except for a run of more than 64 <0xXX> tokens that turns out not to be valid
-// UTF-8 (decode gives one U+FFFD per token of it; the stream has already given its valid characters: a decoder
-// that holds a bounded number of ids cannot wait for the end of an unbounded run).
+// equals tokenizer.decode(all ids) while at most 64 ids are held back at once. Past that bound what is held is let
+// out as it reads so far, which later ids can contradict: a run of <0xXX> tokens that turns out not to be valid
+// UTF-8 decodes to one U+FFFD per token, after the stream gave its valid characters (a decoder that holds a
+// bounded number of ids cannot wait for the end of an unbounded run).
 class StreamingDecoder {
  public:
   explicit StreamingDecoder(const Tokenizer& tokenizer, bool skip_special_tokens = false);
