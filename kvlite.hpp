@@ -12526,6 +12526,22 @@ std::string Tokenizer::render_chat_template(std::string_view messages_json, bool
   return std::move(rendered).value();
 }
 
+namespace detail {
+// The start of a streaming decoder's context window[begin, end): begin, or earlier while the context's text is
+// empty, up to max_ids ids. A context without text may not have used up a Strip's start yet (Fuse, then Strip
+// 'x' start 2: "x" and "xx" both decode to ""); one with text has, so more text after it is never cut. *text
+// receives the context's decode.
+inline size_t streaming_context_start(const TokenizerData& data, const std::vector<int32_t>& window, size_t begin,
+                                      size_t end, size_t max_ids, std::string* text) {
+  *text = data.decode(window.data() + begin, end - begin, false, true);
+  while (text->empty() && begin > 0 && end - begin < max_ids) {
+    begin--;
+    *text = data.decode(window.data() + begin, end - begin, false, true);
+  }
+  return begin;
+}
+}  // namespace detail
+
 StreamingDecoder::StreamingDecoder(const Tokenizer& tokenizer, bool skip_special_tokens)
     : tokenizer_(tokenizer), skip_special_tokens_(skip_special_tokens) {}
 
@@ -12561,8 +12577,7 @@ Result<std::string> StreamingDecoder::push(int32_t id) {
       size_t run_start = window_.size();
       while (run_start > 0 && data.is_byte_token(window_[run_start - 1])) run_start--;
       std::string run;
-      for (size_t i = run_start; i < window_.size(); i++)
-        run.push_back(char(detail::tok::byte_token_value(data.token_text[size_t(window_[i])])));
+      for (size_t i = run_start; i < window_.size(); i++) run += data.token_bytes[size_t(window_[i])];
       size_t complete = 0, last_character = 0;  // bytes of whole valid characters; where the last one starts
       while (complete < run.size()) {
         detail::tok::Utf8Scan scan = detail::tok::utf8_scan(
@@ -12575,15 +12590,11 @@ Result<std::string> StreamingDecoder::push(int32_t id) {
       if (split < window_.size() && split > context_ids_) {
         std::string text = data.decode(window_.data(), split, false, true);
         std::string out = text.compare(0, emitted_.size(), emitted_) == 0 ? text.substr(emitted_.size()) : text;
-        // The context: the last whole character's byte tokens, or the id before the run, with more ids before
-        // it while its text is empty (as below).
-        size_t context_begin = complete > 0 ? run_start + last_character : split - 1;
-        while (context_begin > 0 && split - context_begin < kMaxHeldIds &&
-               data.decode(window_.data() + context_begin, split - context_begin, false, true).empty())
-          context_begin--;
+        // The context: the last whole character's byte tokens, or the id before the run.
+        const size_t context_begin = detail::streaming_context_start(
+            data, window_, complete > 0 ? run_start + last_character : split - 1, split, kMaxHeldIds, &emitted_);
         window_.erase(window_.begin(), window_.begin() + long(context_begin));
         context_ids_ = split - context_begin;
-        emitted_ = data.decode(window_.data(), context_ids_, false, true);
         return out;
       }
     }
@@ -12609,14 +12620,9 @@ Result<std::string> StreamingDecoder::push(int32_t id) {
            data.is_byte_token(window_[window_.size() - keep - 1]))
       keep++;
     if (held == 0) {  // all of the window's text is out: only the context stays
-      // A context whose text is empty may not have used up a Strip's start yet (Fuse, then Strip 'x' start 2:
-      // "x" and "xx" both decode to ""); one with text has, so more text after it is never cut.
-      emitted_ = data.decode(window_.data() + window_.size() - keep, keep, false, true);
-      while (emitted_.empty() && keep < window_.size() && keep < kMaxHeldIds) {
-        keep++;
-        emitted_ = data.decode(window_.data() + window_.size() - keep, keep, false, true);
-      }
-      window_.erase(window_.begin(), window_.end() - long(keep));
+      const size_t context_begin = detail::streaming_context_start(data, window_, window_.size() - keep,
+                                                                   window_.size(), kMaxHeldIds, &emitted_);
+      window_.erase(window_.begin(), window_.begin() + long(context_begin));
       context_ids_ = window_.size();
     } else {  // keep the whole window: what is held may depend on how its first tokens render
       emitted_ = text.substr(0, stable_end);
@@ -23690,12 +23696,15 @@ EngineOptions engine_options(const kvlite_options* given) {
   return options;
 }
 
-SamplingParams sampling_params(const kvlite_sampling* given) {
+// request_out (may be NULL) receives kvlite_sampling.request_out, where a generate call reports its request's id.
+SamplingParams sampling_params(const kvlite_sampling* given, int64_t** request_out = nullptr) {
   SamplingParams params;
+  if (request_out) *request_out = nullptr;
   if (!given) return params;
   const kvlite_sampling whole = widen_struct(given, kSamplingFirstSize, kvlite_sampling_init, "kvlite_sampling",
                                              "kvlite_sampling_init");
   const kvlite_sampling* in = &whole;
+  if (request_out) *request_out = in->request_out;
   params.temperature = in->temperature;
   params.top_k = in->top_k;
   params.top_p = in->top_p;
@@ -23715,14 +23724,6 @@ SamplingParams sampling_params(const kvlite_sampling* given) {
   }
   params.ignore_eos = in->ignore_eos != 0;
   return params;
-}
-
-// Where a generate call reports its request's id (kvlite_sampling.request_out, a field since 0.1.0): NULL when
-// not asked for.
-int64_t* request_out_of(const kvlite_sampling* given) {
-  if (!given) return nullptr;
-  return widen_struct(given, kSamplingFirstSize, kvlite_sampling_init, "kvlite_sampling", "kvlite_sampling_init")
-      .request_out;
 }
 
 std::vector<ChatMessage> chat_messages(const char* const* roles, const char* const* contents, size_t n) {
@@ -24012,10 +24013,12 @@ int kvlite_generate(kvlite_engine* engine, const char* prompt, const kvlite_imag
     kvlite::Engine& e = engine_of(engine);
     need(prompt, "prompt");
     need(out, "out");
+    int64_t* request_out = nullptr;
     kvlite::Result<kvlite::Generation> generation =
-        e.generate(prompt, images_of(images, n_images), sampling_params(sampling), token_callback(on_token, user_data));
+        e.generate(prompt, images_of(images, n_images), sampling_params(sampling, &request_out),
+                   token_callback(on_token, user_data));
     if (!generation) throw generation.error();
-    if (int64_t* request_out = request_out_of(sampling)) *request_out = generation->request;
+    if (request_out) *request_out = generation->request;
     fill(out, std::move(*generation));
   });
 }
@@ -24028,11 +24031,12 @@ int kvlite_generate_chat(kvlite_engine* engine, const char* const* roles, const 
   return call([&] {
     kvlite::Engine& e = engine_of(engine);
     need(out, "out");
+    int64_t* request_out = nullptr;
     kvlite::Result<kvlite::Generation> generation =
         e.generate_chat(chat_messages(roles, contents, n_messages), images_of(images, n_images),
-                        sampling_params(sampling), token_callback(on_token, user_data));
+                        sampling_params(sampling, &request_out), token_callback(on_token, user_data));
     if (!generation) throw generation.error();
-    if (int64_t* request_out = request_out_of(sampling)) *request_out = generation->request;
+    if (request_out) *request_out = generation->request;
     fill(out, std::move(*generation));
   });
 }

@@ -125,12 +125,15 @@ EngineOptions engine_options(const kvlite_options* given) {
   return options;
 }
 
-SamplingParams sampling_params(const kvlite_sampling* given) {
+// request_out (may be NULL) receives kvlite_sampling.request_out, where a generate call reports its request's id.
+SamplingParams sampling_params(const kvlite_sampling* given, int64_t** request_out = nullptr) {
   SamplingParams params;
+  if (request_out) *request_out = nullptr;
   if (!given) return params;
   const kvlite_sampling whole = widen_struct(given, kSamplingFirstSize, kvlite_sampling_init, "kvlite_sampling",
                                              "kvlite_sampling_init");
   const kvlite_sampling* in = &whole;
+  if (request_out) *request_out = in->request_out;
   params.temperature = in->temperature;
   params.top_k = in->top_k;
   params.top_p = in->top_p;
@@ -150,14 +153,6 @@ SamplingParams sampling_params(const kvlite_sampling* given) {
   }
   params.ignore_eos = in->ignore_eos != 0;
   return params;
-}
-
-// Where a generate call reports its request's id (kvlite_sampling.request_out, a field since 0.1.0): NULL when
-// not asked for.
-int64_t* request_out_of(const kvlite_sampling* given) {
-  if (!given) return nullptr;
-  return widen_struct(given, kSamplingFirstSize, kvlite_sampling_init, "kvlite_sampling", "kvlite_sampling_init")
-      .request_out;
 }
 
 std::vector<ChatMessage> chat_messages(const char* const* roles, const char* const* contents, size_t n) {
@@ -447,10 +442,12 @@ int kvlite_generate(kvlite_engine* engine, const char* prompt, const kvlite_imag
     kvlite::Engine& e = engine_of(engine);
     need(prompt, "prompt");
     need(out, "out");
+    int64_t* request_out = nullptr;
     kvlite::Result<kvlite::Generation> generation =
-        e.generate(prompt, images_of(images, n_images), sampling_params(sampling), token_callback(on_token, user_data));
+        e.generate(prompt, images_of(images, n_images), sampling_params(sampling, &request_out),
+                   token_callback(on_token, user_data));
     if (!generation) throw generation.error();
-    if (int64_t* request_out = request_out_of(sampling)) *request_out = generation->request;
+    if (request_out) *request_out = generation->request;
     fill(out, std::move(*generation));
   });
 }
@@ -463,11 +460,12 @@ int kvlite_generate_chat(kvlite_engine* engine, const char* const* roles, const 
   return call([&] {
     kvlite::Engine& e = engine_of(engine);
     need(out, "out");
+    int64_t* request_out = nullptr;
     kvlite::Result<kvlite::Generation> generation =
         e.generate_chat(chat_messages(roles, contents, n_messages), images_of(images, n_images),
-                        sampling_params(sampling), token_callback(on_token, user_data));
+                        sampling_params(sampling, &request_out), token_callback(on_token, user_data));
     if (!generation) throw generation.error();
-    if (int64_t* request_out = request_out_of(sampling)) *request_out = generation->request;
+    if (request_out) *request_out = generation->request;
     fill(out, std::move(*generation));
   });
 }

@@ -1981,6 +1981,22 @@ std::string Tokenizer::render_chat_template(std::string_view messages_json, bool
   return std::move(rendered).value();
 }
 
+namespace detail {
+// The start of a streaming decoder's context window[begin, end): begin, or earlier while the context's text is
+// empty, up to max_ids ids. A context without text may not have used up a Strip's start yet (Fuse, then Strip
+// 'x' start 2: "x" and "xx" both decode to ""); one with text has, so more text after it is never cut. *text
+// receives the context's decode.
+inline size_t streaming_context_start(const TokenizerData& data, const std::vector<int32_t>& window, size_t begin,
+                                      size_t end, size_t max_ids, std::string* text) {
+  *text = data.decode(window.data() + begin, end - begin, false, true);
+  while (text->empty() && begin > 0 && end - begin < max_ids) {
+    begin--;
+    *text = data.decode(window.data() + begin, end - begin, false, true);
+  }
+  return begin;
+}
+}  // namespace detail
+
 StreamingDecoder::StreamingDecoder(const Tokenizer& tokenizer, bool skip_special_tokens)
     : tokenizer_(tokenizer), skip_special_tokens_(skip_special_tokens) {}
 
@@ -2016,8 +2032,7 @@ Result<std::string> StreamingDecoder::push(int32_t id) {
       size_t run_start = window_.size();
       while (run_start > 0 && data.is_byte_token(window_[run_start - 1])) run_start--;
       std::string run;
-      for (size_t i = run_start; i < window_.size(); i++)
-        run.push_back(char(detail::tok::byte_token_value(data.token_text[size_t(window_[i])])));
+      for (size_t i = run_start; i < window_.size(); i++) run += data.token_bytes[size_t(window_[i])];
       size_t complete = 0, last_character = 0;  // bytes of whole valid characters; where the last one starts
       while (complete < run.size()) {
         detail::tok::Utf8Scan scan = detail::tok::utf8_scan(
@@ -2030,15 +2045,11 @@ Result<std::string> StreamingDecoder::push(int32_t id) {
       if (split < window_.size() && split > context_ids_) {
         std::string text = data.decode(window_.data(), split, false, true);
         std::string out = text.compare(0, emitted_.size(), emitted_) == 0 ? text.substr(emitted_.size()) : text;
-        // The context: the last whole character's byte tokens, or the id before the run, with more ids before
-        // it while its text is empty (as below).
-        size_t context_begin = complete > 0 ? run_start + last_character : split - 1;
-        while (context_begin > 0 && split - context_begin < kMaxHeldIds &&
-               data.decode(window_.data() + context_begin, split - context_begin, false, true).empty())
-          context_begin--;
+        // The context: the last whole character's byte tokens, or the id before the run.
+        const size_t context_begin = detail::streaming_context_start(
+            data, window_, complete > 0 ? run_start + last_character : split - 1, split, kMaxHeldIds, &emitted_);
         window_.erase(window_.begin(), window_.begin() + long(context_begin));
         context_ids_ = split - context_begin;
-        emitted_ = data.decode(window_.data(), context_ids_, false, true);
         return out;
       }
     }
@@ -2064,14 +2075,9 @@ Result<std::string> StreamingDecoder::push(int32_t id) {
            data.is_byte_token(window_[window_.size() - keep - 1]))
       keep++;
     if (held == 0) {  // all of the window's text is out: only the context stays
-      // A context whose text is empty may not have used up a Strip's start yet (Fuse, then Strip 'x' start 2:
-      // "x" and "xx" both decode to ""); one with text has, so more text after it is never cut.
-      emitted_ = data.decode(window_.data() + window_.size() - keep, keep, false, true);
-      while (emitted_.empty() && keep < window_.size() && keep < kMaxHeldIds) {
-        keep++;
-        emitted_ = data.decode(window_.data() + window_.size() - keep, keep, false, true);
-      }
-      window_.erase(window_.begin(), window_.end() - long(keep));
+      const size_t context_begin = detail::streaming_context_start(data, window_, window_.size() - keep,
+                                                                   window_.size(), kMaxHeldIds, &emitted_);
+      window_.erase(window_.begin(), window_.begin() + long(context_begin));
       context_ids_ = window_.size();
     } else {  // keep the whole window: what is held may depend on how its first tokens render
       emitted_ = text.substr(0, stable_end);

@@ -418,11 +418,11 @@ json parse_body(const std::string& text, const RequestLimits& limits) {
   return body;
 }
 
-// An assistant turn's tool calls as text in the Hermes / Qwen form their chat templates write
-// (<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>), so that a standard tool transcript reaches the
-// chat formatting; the tool's answer follows as a "tool" message.
-std::string tool_calls_text(const json& calls, const std::string& where) {
-  std::string text;
+// An assistant turn's tool calls as chat templates take them (transformers' and vLLM's form): {"type": "function",
+// "id", "function": {"name", "arguments"}}, the arguments an object when the client sent them as a JSON string
+// (OpenAI's way; the string is JSON of its own, under the same limits as the body). Their shape is checked here.
+json template_tool_calls(const json& calls, const std::string& where) {
+  json out = json::array();
   for (const json& call : calls) {
     if (!call.is_object() || !call.contains("function") || !call["function"].is_object() ||
         !call["function"].contains("name") || !call["function"]["name"].is_string())
@@ -430,9 +430,7 @@ std::string tool_calls_text(const json& calls, const std::string& where) {
     const json& function = call["function"];
     json arguments = json::object();
     if (function.contains("arguments") && function["arguments"].is_string()) {
-      // OpenAI sends the arguments as a JSON string; templates write the object
       const std::string text = function["arguments"].get<std::string>();
-      // the string is JSON of its own, under the same limits as the body
       if (kvlite::Status within = kvlite::check_json_limits(text, where + " arguments"); !within)
         bad(within.error().message, where);
       arguments = json::parse(text, nullptr, false);
@@ -440,34 +438,25 @@ std::string tool_calls_text(const json& calls, const std::string& where) {
     } else if (function.contains("arguments") && !function["arguments"].is_null()) {
       arguments = function["arguments"];
     }
-    if (!text.empty()) text += "\n";
-    text += "<tool_call>\n" +
-            json{{"name", function["name"]}, {"arguments", arguments}}.dump(-1, ' ', false,
-                                                                             json::error_handler_t::replace) +
-            "\n</tool_call>";
-  }
-  return text;
-}
-
-// The tool calls as chat templates take them (transformers' and vLLM's form): {"type": "function", "id",
-// "function": {"name", "arguments"}} with the arguments an object when the client sent them as a JSON string.
-// tool_calls_text has checked their shape.
-json template_tool_calls(const json& calls) {
-  json out = json::array();
-  for (const json& call : calls) {
-    json function = {{"name", call["function"]["name"]}};
-    const json& arguments = call["function"].contains("arguments") ? call["function"]["arguments"] : json(nullptr);
-    if (arguments.is_string()) {
-      json parsed = json::parse(arguments.get<std::string>(), nullptr, false);
-      function["arguments"] = parsed.is_discarded() ? arguments : parsed;
-    } else {
-      function["arguments"] = arguments.is_null() ? json::object() : arguments;
-    }
-    json entry = {{"type", "function"}, {"function", std::move(function)}};
+    json entry = {{"type", "function"}, {"function", {{"name", function["name"]}, {"arguments", std::move(arguments)}}}};
     if (call.contains("id") && call["id"].is_string()) entry["id"] = call["id"];
     out.push_back(std::move(entry));
   }
   return out;
+}
+
+// The same calls as text in the Hermes / Qwen form their chat templates write
+// (<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>), for models without a template of their own.
+std::string tool_calls_text(const json& template_calls) {
+  std::string text;
+  for (const json& call : template_calls) {
+    if (!text.empty()) text += "\n";
+    text += "<tool_call>\n" +
+            json{{"name", call["function"]["name"]}, {"arguments", call["function"]["arguments"]}}.dump(
+                -1, ' ', false, json::error_handler_t::replace) +
+            "\n</tool_call>";
+  }
+  return text;
 }
 
 ParsedRequest chat_job(const json& body, const RequestLimits& limits) {
@@ -499,8 +488,8 @@ ParsedRequest chat_job(const json& body, const RequestLimits& limits) {
     if (m.contains("tool_calls") && !m["tool_calls"].is_null()) {
       if (message.role != "assistant" || !m["tool_calls"].is_array())
         bad(where + ".tool_calls must be an array, on an assistant message", where + ".tool_calls");
-      calls_text = tool_calls_text(m["tool_calls"], where + ".tool_calls");
-      structured["tool_calls"] = template_tool_calls(m["tool_calls"]);
+      structured["tool_calls"] = template_tool_calls(m["tool_calls"], where + ".tool_calls");
+      calls_text = tool_calls_text(structured["tool_calls"]);
     }
     if (message.role == "tool" && !(m.contains("tool_call_id") && m["tool_call_id"].is_string()))
       bad(where + " (a tool result) needs a string 'tool_call_id'", where + ".tool_call_id");
@@ -855,7 +844,6 @@ class RequestDeadlines {
   // From a handler: its request has arrived whole (no deadline while it is answered), or its answer is sent.
   void arrived(const std::string& peer) { report(peer, false); }
   void answered(const std::string& peer) { report(peer, true); }
-  int64_t cut() const { return cut_.load(); }
 
  private:
   struct State {
@@ -894,7 +882,6 @@ class RequestDeadlines {
         if (c.state.waiting && !c.cut && now - c.state.since > deadline_ && peer_key(fd) == peer) {
           ::shutdown(fd, SHUT_RDWR);
           c.cut = true;
-          cut_++;
         }
         current.emplace(fd, std::move(c));
       }
@@ -909,7 +896,6 @@ class RequestDeadlines {
   bool stopping_ = false;
   std::map<int, Connection> connections_;    // the watchdog's, by socket
   std::map<std::string, State> reports_;     // the handlers', by peer
-  std::atomic<int64_t> cut_{0};
   std::thread watchdog_;
 };
 
