@@ -210,6 +210,7 @@ extern "C" {
 #define KVLITE_FINISH_LENGTH 4
 #define KVLITE_FINISH_CALLBACK 5
 #define KVLITE_FINISH_CANCELLED 6
+#define KVLITE_FINISH_GRAMMAR_END 7 /* the grammar or JSON schema allows nothing more */
 
 /* Pixel layouts of kvlite_image_from_pixels. */
 #define KVLITE_PIXELS_RGB8 0
@@ -2743,6 +2744,14 @@ struct SamplingParams {
   // logits as the model gave them (before the penalty, temperature and filters), as vLLM's logprobs and
   // OpenAI's logprobs report. On a GPU such rows are sampled on the host (their logits come back whole).
   bool logprobs = false;
+  // Constrained decoding (grammar.hpp): every output is a sentence of this GBNF grammar (start rule `root`), or
+  // a JSON value valid against this JSON schema (its text); at most one of the two. At each step the tokens
+  // that cannot continue a sentence get no probability; end-of-turn tokens are allowed once the output is
+  // complete, and generation ends (FinishReason::grammar_end) when nothing more may follow. The grammar is
+  // compiled once per engine and text, its masks kept per parse state. A bad one is refused by generate and
+  // submit (bad_format or unsupported, with where and why).
+  std::string grammar;
+  std::string json_schema;
 };
 // Every field in its range (invalid_argument naming the field, its value and the range): the one check behind
 // generate, generate_chat and submit, in C++ and C.
@@ -2816,6 +2825,197 @@ struct ScoreWindow {
 // Windows of `context` tokens every `stride` tokens, exactly as the guide's loop: trg_len = end - prev_end,
 // the first window's first token has no prediction (it is never a target).
 Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t context, int64_t stride);
+
+}  // namespace kvlite
+// ---------------------------------------------------------------------------------------------------------
+// grammar: constrained decoding. A context-free grammar in GBNF (llama.cpp's notation) or a JSON schema
+// compiled to one, matched code point by code point by a pushdown recognizer, and turned into a mask over the
+// model's vocabulary at each step, so that every output is a sentence of the grammar.
+//
+//   root   ::= "{" ws "\"name\"" ws ":" ws string ws "}"     rules: name ::= alternatives, one per line
+//   string ::= "\"" ( [^"\\] | "\\" ["\\nt] )* "\""           "literal", [class], [^negated], . any
+//   ws     ::= [ \t\n]{0,20}                                  ( group ), x* x+ x? x{m} x{m,} x{m,n}, # comment
+//
+// The recognizer keeps the set of parse stacks alive after the text so far (as llama.cpp's grammar sampler
+// does); a token is allowed when its bytes, read on from that state, leave a stack alive. Masks are computed
+// over a trie of the vocabulary (a rejected prefix skips every token under it) and remembered per parse state,
+// so a state seen before (inside a string, between list items) costs a lookup: the cost per token is one trie
+// walk per new state, not per token.
+// ---------------------------------------------------------------------------------------------------------
+#include <map>
+#include <unordered_map>
+
+namespace kvlite {
+
+// Bytes of a grammar's source text (SamplingParams::grammar).
+#ifndef KVLITE_MAX_GRAMMAR_BYTES
+#define KVLITE_MAX_GRAMMAR_BYTES (256 * 1024)
+#endif
+// Bytes of a JSON schema (SamplingParams::json_schema); its nesting is bounded by KVLITE_MAX_JSON_DEPTH.
+#ifndef KVLITE_MAX_SCHEMA_BYTES
+#define KVLITE_MAX_SCHEMA_BYTES (256 * 1024)
+#endif
+// Elements of a compiled grammar (characters classes, rule references; x{m,n} is expanded into n copies).
+#ifndef KVLITE_MAX_GRAMMAR_ELEMENTS
+#define KVLITE_MAX_GRAMMAR_ELEMENTS (1 << 20)
+#endif
+// The largest bound of one repetition, x{m,n}.
+#ifndef KVLITE_MAX_GRAMMAR_REPEAT
+#define KVLITE_MAX_GRAMMAR_REPEAT 4096
+#endif
+// Parse stacks alive at once (an ambiguous grammar multiplies them) and the depth of one stack (nesting):
+// a token whose text would pass either bound is not allowed.
+#ifndef KVLITE_MAX_GRAMMAR_STACKS
+#define KVLITE_MAX_GRAMMAR_STACKS 256
+#endif
+#ifndef KVLITE_MAX_GRAMMAR_DEPTH
+#define KVLITE_MAX_GRAMMAR_DEPTH 1024
+#endif
+// Vocabulary masks remembered per compiled grammar (each vocab / 8 bytes); past it the oldest half goes.
+#ifndef KVLITE_MAX_GRAMMAR_MASKS
+#define KVLITE_MAX_GRAMMAR_MASKS 512
+#endif
+namespace limits {
+constexpr int64_t max_grammar_bytes = KVLITE_MAX_GRAMMAR_BYTES;
+constexpr int64_t max_schema_bytes = KVLITE_MAX_SCHEMA_BYTES;
+constexpr int64_t max_grammar_elements = KVLITE_MAX_GRAMMAR_ELEMENTS;
+constexpr int64_t max_grammar_repeat = KVLITE_MAX_GRAMMAR_REPEAT;
+constexpr int64_t max_grammar_stacks = KVLITE_MAX_GRAMMAR_STACKS;
+constexpr int64_t max_grammar_depth = KVLITE_MAX_GRAMMAR_DEPTH;
+constexpr int64_t max_grammar_masks = KVLITE_MAX_GRAMMAR_MASKS;
+}  // namespace limits
+
+// A compiled grammar: immutable, shared by every request that uses it. The start rule is `root`.
+class Grammar {
+ public:
+  // Parses GBNF. Errors (bad_format) give the line and column; an undefined rule, a missing root and left
+  // recursion (a rule that can reach itself without reading a character) are refused by name.
+  static Result<std::shared_ptr<const Grammar>> parse(std::string_view gbnf);
+  // Compiles a JSON schema (its text) to GBNF: type (one or a list), properties (in their order), required,
+  // additionalProperties (false, or a schema for a map when there are no properties), enum, const, items,
+  // prefixItems, minItems/maxItems, minLength/maxLength, pattern (a regular expression: literals, ., classes,
+  // \d \w \s, groups, |, * + ? {m,n}), format (date, time, date-time, uuid, email), integer minimum/maximum
+  // (exclusive too), anyOf/oneOf, allOf of one schema, $ref to #/$defs/... or #/definitions/... (recursive
+  // ones too). A keyword that would restrict the output and is not listed is refused (unsupported) rather than
+  // ignored; annotations (title, description, default, examples, $schema, $id, $comment) are skipped. The JSON
+  // is compact except for optional whitespace: at most one space or a newline with up to 20 blanks between
+  // tokens, and numbers of at most 16 integer and 16 fraction digits (a model cannot pad forever).
+  static Result<std::string> json_schema_to_gbnf(std::string_view schema_json);
+  // GBNF for any JSON value whose top level is an object (OpenAI's response_format json_object).
+  static std::string json_object_gbnf();
+
+  struct Element {
+    enum Kind : uint8_t { end, chars, rule } kind = end;
+    int32_t value = 0;  // chars: index into char_sets; rule: rule index
+  };
+  struct CharSet {
+    bool negated = false;
+    std::vector<std::pair<uint32_t, uint32_t>> ranges;  // inclusive code point ranges
+    bool contains(uint32_t cp) const;
+    bool intersects(uint32_t lo, uint32_t hi) const;  // some code point in [lo, hi] is in the set
+  };
+  std::vector<Element> elements;                    // alternatives, each ended by an `end` element
+  std::vector<std::vector<int32_t>> rules;          // per rule: the element index where each alternative starts
+  std::vector<std::string> rule_names;
+  std::vector<CharSet> char_sets;
+  int32_t root = -1;
+  // Per element position: the fewest characters that finish its alternative from there (kNever: none do),
+  // the ground of GrammarMatcher::min_completion.
+  std::vector<int64_t> suffix_min;
+  static constexpr int64_t kNever = int64_t(1) << 40;
+};
+
+// The parse state after some text: the stacks alive (each a list of element positions, the top last) and the
+// bytes of a character not yet complete. Cheap to copy for small grammars.
+struct GrammarState {
+  std::vector<std::vector<int32_t>> stacks;  // sorted, unique; an empty stack means the text is a sentence
+  uint8_t partial[4] = {0, 0, 0, 0};
+  uint8_t partial_len = 0, partial_need = 0;  // bytes held, bytes the character has in all
+};
+
+// Reads text against a grammar.
+class GrammarMatcher {
+ public:
+  explicit GrammarMatcher(std::shared_ptr<const Grammar> grammar);
+  // Reads bytes on; false (and the state unchanged) when they cannot continue a sentence.
+  bool accept(std::string_view bytes);
+  // The text so far is a whole sentence (the output may end here).
+  bool complete() const;
+  // Some text may still follow.
+  bool can_continue() const;
+  const GrammarState& state() const { return state_; }
+  const Grammar& grammar() const { return *grammar_; }
+  // The state after `bytes` read on from `from`; false when they cannot be read (or pass the stack limits).
+  static bool advance(const Grammar& grammar, const GrammarState& from, std::string_view bytes, GrammarState& to);
+  // The fewest characters after which the text read so far is a whole sentence (0: it is one): an upper bound
+  // on the tokens needed when the vocabulary has a token for each character (byte-level vocabularies do).
+  static int64_t min_completion(const Grammar& grammar, const GrammarState& state);
+  int64_t min_completion() const { return min_completion(*grammar_, state_); }
+
+ private:
+  std::shared_ptr<const Grammar> grammar_;
+  GrammarState state_;
+};
+
+// The vocabulary as the mask sees it: each token's bytes as the decoder writes them (Tokenizer::token_bytes) in
+// a trie, the special tokens left out (a constrained output never contains one; end-of-turn tokens are allowed
+// separately, when the grammar is complete).
+class GrammarVocabulary {
+ public:
+  // token_bytes[id]; `excluded[id]` (optional, same size) marks ids never allowed (special tokens, holes).
+  GrammarVocabulary(const std::vector<std::string>& token_bytes, const std::vector<uint8_t>& excluded);
+  int64_t size() const { return vocab_; }
+  struct Node {
+    uint8_t byte = 0;
+    int32_t depth = 0;         // bytes from the root (1 for a first byte)
+    int32_t subtree_end = 0;   // index one past this node's last descendant (nodes are in preorder)
+    int32_t tokens_begin = 0, tokens_end = 0;  // ids in token_ids whose bytes end here
+  };
+  std::vector<Node> nodes;          // preorder; no root node
+  std::vector<int32_t> token_ids;
+
+ private:
+  int64_t vocab_ = 0;
+};
+
+// The allowed tokens in one state, as a bitset over the vocabulary (bit id % 64 of word id / 64).
+using TokenMask = std::vector<uint64_t>;
+
+// One grammar over one vocabulary: computes masks and remembers them per state. Not thread-safe (the engine
+// uses it under its lock).
+class GrammarMasker {
+ public:
+  GrammarMasker(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary);
+  // The tokens whose bytes can be read on from `state` (end-of-turn tokens are not in it: see
+  // GrammarMatcher::complete). *most_after (when given) receives the largest min_completion any of them leaves.
+  const TokenMask& mask(const GrammarState& state, int64_t* most_after = nullptr);
+  // The tokens of mask(state) that leave at most `budget` characters to complete the sentence: with a token
+  // budget of B left, a token that leaves more than B - 1 could not be finished in time (max_tokens, or the
+  // context's end). Not remembered (it depends on the budget); the engine asks only when mask's most_after says
+  // some token would break the budget.
+  void mask_within(const GrammarState& state, int64_t budget, TokenMask& out);
+  int64_t masks_computed() const { return computed_; }
+  int64_t masks_reused() const { return reused_; }
+  const Grammar& grammar() const { return *grammar_; }
+  const std::shared_ptr<const Grammar>& grammar_ptr() const { return grammar_; }
+
+ private:
+  std::shared_ptr<const Grammar> grammar_;
+  std::shared_ptr<const GrammarVocabulary> vocabulary_;
+  struct Entry {
+    int64_t last_use = 0;
+    int64_t most_after = 0;
+    TokenMask mask;
+  };
+  std::unordered_map<std::string, Entry> cache_;  // state key -> its mask
+  int64_t clock_ = 0, computed_ = 0, reused_ = 0;
+  // The trie walk: the tokens readable from `state` (and leaving at most `budget` to complete, when >= 0).
+  int64_t compute(const GrammarState& state, int64_t budget, TokenMask& mask);
+};
+
+inline bool token_mask_allows(const TokenMask& mask, int32_t id) {
+  return id >= 0 && size_t(id) / 64 < mask.size() && (mask[size_t(id) / 64] >> (id % 64)) & 1u;
+}
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
@@ -3630,6 +3830,7 @@ enum class FinishReason {
   length,       // the context is full: prompt + output reached the engine's max_model_len (vLLM's "length")
   callback,     // the token callback returned false
   cancelled,    // Engine::cancel()
+  grammar_end,  // SamplingParams::grammar / json_schema: the output is a complete sentence and nothing may follow
 };
 const char* finish_reason_name(FinishReason reason);
 
@@ -3703,6 +3904,11 @@ struct EngineStats {
   // (pages held by the cache: arena().kv().stats().cached_pages).
   int64_t prefix_pages_reused = 0;
   int64_t prefix_tokens_reused = 0;
+  // Constrained decoding (SamplingParams::grammar, json_schema): rows masked, and of those how many needed a
+  // new vocabulary walk (the rest found their parse state's mask remembered), and the walks' time.
+  int64_t grammar_rows = 0;
+  int64_t grammar_masks_computed = 0;
+  double grammar_mask_seconds = 0;
   // Each backend op's calls and wall time while op timing was on (Engine::set_op_timing), since open.
   OpTimes op_times{};
 };
@@ -18470,6 +18676,14 @@ Status validate(const SamplingParams& p) {
         int64_t(p.stop_strings.size()) > limits::max_stop_entries)
       bad(detail::format("%zu stop tokens and %zu stop strings; at most %lld each (KVLITE_MAX_STOP_ENTRIES)",
                          p.stop_tokens.size(), p.stop_strings.size(), (long long)limits::max_stop_entries));
+    if (!p.grammar.empty() && !p.json_schema.empty())
+      bad("grammar and json_schema are both set; a request takes one constraint");
+    if (int64_t(p.grammar.size()) > limits::max_grammar_bytes)
+      bad(detail::format("a grammar of %zu bytes; at most %lld (KVLITE_MAX_GRAMMAR_BYTES)", p.grammar.size(),
+                         (long long)limits::max_grammar_bytes));
+    if (int64_t(p.json_schema.size()) > limits::max_schema_bytes)
+      bad(detail::format("a json_schema of %zu bytes; at most %lld (KVLITE_MAX_SCHEMA_BYTES)", p.json_schema.size(),
+                         (long long)limits::max_schema_bytes));
     for (const auto& s : p.stop_strings) {
       if (s.empty()) bad("stop strings must not be empty");
       if (int64_t(s.size()) > limits::max_stop_string_bytes)
@@ -18718,6 +18932,1342 @@ Result<std::vector<ScoreWindow>> score_windows(int64_t num_tokens, int64_t conte
     }
     return windows;
   });
+}
+
+}  // namespace kvlite
+// grammar: GBNF parser, JSON-schema compiler, recognizer and vocabulary masks (see grammar.hpp).
+#include <nlohmann/json.hpp>
+
+namespace kvlite {
+
+// ---- character sets ----------------------------------------------------------------------------------------
+bool Grammar::CharSet::contains(uint32_t cp) const {
+  bool in = false;
+  for (const auto& range : ranges)
+    if (cp >= range.first && cp <= range.second) {
+      in = true;
+      break;
+    }
+  return in != negated;
+}
+
+bool Grammar::CharSet::intersects(uint32_t lo, uint32_t hi) const {
+  if (!negated) {
+    for (const auto& range : ranges)
+      if (range.first <= hi && range.second >= lo) return true;
+    return false;
+  }
+  // negated: some code point of [lo, hi] is outside every range; walk the uncovered gaps
+  uint32_t cursor = lo;
+  bool progressed = true;
+  while (progressed && cursor <= hi) {
+    progressed = false;
+    for (const auto& range : ranges)
+      if (range.first <= cursor && range.second >= cursor) {
+        if (range.second >= hi) return false;
+        cursor = range.second + 1;
+        progressed = true;
+      }
+  }
+  return cursor <= hi;
+}
+
+namespace detail {
+namespace gbnf {
+
+// UTF-8 decode of one code point from text[pos]; advances pos. Invalid bytes read as themselves (U+0080..FF
+// would be wrong; grammars are UTF-8 text, and the parser refuses invalid UTF-8 before it gets here).
+inline uint32_t next_code_point(std::string_view text, size_t& pos) {
+  const uint8_t lead = uint8_t(text[pos]);
+  int length = lead < 0x80 ? 1 : (lead >> 5) == 0x6 ? 2 : (lead >> 4) == 0xE ? 3 : (lead >> 3) == 0x1E ? 4 : 0;
+  if (length == 0 || pos + size_t(length) > text.size())
+    fail(ErrorCode::bad_format, format("grammar: invalid UTF-8 at byte %zu", pos));
+  uint32_t cp = length == 1 ? lead : length == 2 ? (lead & 0x1F) : length == 3 ? (lead & 0x0F) : (lead & 0x07);
+  for (int i = 1; i < length; i++) {
+    const uint8_t byte = uint8_t(text[pos + size_t(i)]);
+    if ((byte & 0xC0) != 0x80) fail(ErrorCode::bad_format, format("grammar: invalid UTF-8 at byte %zu", pos));
+    cp = (cp << 6) | (byte & 0x3F);
+  }
+  pos += size_t(length);
+  return cp;
+}
+
+// A rule while parsing: alternatives of sequences of items; an item is a char set, a rule name or a nested
+// (anonymous) rule, with its repetition already expanded into rules of their own.
+struct Builder {
+  std::string_view src;
+  size_t pos = 0;
+  std::vector<std::vector<std::vector<Grammar::Element>>> rules;  // rule -> alternatives -> elements
+  std::vector<std::string> names;
+  std::vector<bool> defined;
+  std::unordered_map<std::string, int32_t> by_name;
+  std::vector<Grammar::CharSet> char_sets;
+  int64_t element_count = 0;
+
+  [[noreturn]] void error(const std::string& what) const {
+    int64_t line = 1, column = 1;
+    for (size_t i = 0; i < pos && i < src.size(); i++) {
+      if (src[i] == '\n') line++, column = 1;
+      else column++;
+    }
+    fail(ErrorCode::bad_format, format("grammar: line %lld, column %lld: %s", (long long)line, (long long)column,
+                                       what.c_str()));
+  }
+  void count(int64_t n) {
+    element_count += n;
+    if (element_count > limits::max_grammar_elements)
+      error(format("more than %lld elements once repetitions are expanded (KVLITE_MAX_GRAMMAR_ELEMENTS)",
+                   (long long)limits::max_grammar_elements));
+  }
+  int32_t rule_named(const std::string& name) {
+    auto it = by_name.find(name);
+    if (it != by_name.end()) return it->second;
+    const int32_t id = int32_t(rules.size());
+    rules.emplace_back();
+    names.push_back(name);
+    defined.push_back(false);
+    by_name.emplace(name, id);
+    return id;
+  }
+  int32_t new_rule(const std::string& base) {
+    std::string name = base + "-" + std::to_string(rules.size());
+    const int32_t id = rule_named(name);
+    defined[size_t(id)] = true;
+    return id;
+  }
+  bool at_end() const { return pos >= src.size(); }
+  char peek() const { return at_end() ? '\0' : src[pos]; }
+  // Spaces and comments; newlines too when `newlines`.
+  void skip_space(bool newlines) {
+    while (!at_end()) {
+      const char c = src[pos];
+      if (c == ' ' || c == '\t' || c == '\r' || (newlines && c == '\n')) pos++;
+      else if (c == '#') {
+        while (!at_end() && src[pos] != '\n') pos++;
+      } else break;
+    }
+  }
+  static bool is_name_char(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_';
+  }
+  std::string parse_name() {
+    const size_t begin = pos;
+    while (!at_end() && is_name_char(src[pos])) pos++;
+    if (pos == begin) error("a rule name was expected");
+    return std::string(src.substr(begin, pos - begin));
+  }
+  uint32_t parse_hex(int digits) {
+    uint32_t value = 0;
+    for (int i = 0; i < digits; i++) {
+      if (at_end()) error("the escape ends early");
+      const char c = src[pos++];
+      int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+      if (v < 0) error(format("'%c' is not a hexadecimal digit", c));
+      value = value * 16 + uint32_t(v);
+    }
+    if (value > 0x10FFFF) error("the escape is past U+10FFFF");
+    return value;
+  }
+  // One character of a literal or class, escapes read.
+  uint32_t parse_char() {
+    if (at_end()) error("a character was expected");
+    if (src[pos] == '\\') {
+      pos++;
+      if (at_end()) error("the escape ends early");
+      const char c = src[pos++];
+      switch (c) {
+        case 'n': return '\n';
+        case 't': return '\t';
+        case 'r': return '\r';
+        case '0': return 0;
+        case 'x': return parse_hex(2);
+        case 'u': return parse_hex(4);
+        case 'U': return parse_hex(8);
+        case '\\': case '"': case '[': case ']': case '-': case '^': case '\'': case '/': case '.': return uint32_t(c);
+        default: pos--; error(format("unknown escape '\\%c'", c));
+      }
+    }
+    return next_code_point(src, pos);
+  }
+  int32_t add_set(Grammar::CharSet set) {
+    char_sets.push_back(std::move(set));
+    return int32_t(char_sets.size() - 1);
+  }
+  // A sequence of items up to '|', ')' or the end of the rule; returns its elements.
+  std::vector<Grammar::Element> parse_sequence(const std::string& rule_name, bool nested) {
+    std::vector<Grammar::Element> out;
+    size_t last_item_begin = 0;  // index in `out` where the last item starts (for a postfix operator)
+    bool have_item = false;
+    while (true) {
+      skip_space(nested);
+      if (at_end()) break;
+      const char c = peek();
+      if (c == '|' || c == ')' || c == '\n') break;
+      if (c == '"') {
+        pos++;
+        last_item_begin = out.size();
+        have_item = true;
+        while (true) {
+          if (at_end()) error("the string literal is not closed");
+          if (peek() == '"') { pos++; break; }
+          if (peek() == '\n') error("a string literal may not span lines");
+          const uint32_t cp = parse_char();
+          Grammar::CharSet set;
+          set.ranges.push_back({cp, cp});
+          out.push_back({Grammar::Element::chars, add_set(std::move(set))});
+          count(1);
+        }
+        if (out.size() == last_item_begin) have_item = false;  // "" is nothing; a postfix on it is refused below
+      } else if (c == '[') {
+        pos++;
+        Grammar::CharSet set;
+        if (peek() == '^') { set.negated = true; pos++; }
+        while (true) {
+          if (at_end() || peek() == '\n') error("the character class is not closed");
+          if (peek() == ']') { pos++; break; }
+          const uint32_t first = parse_char();
+          uint32_t last = first;
+          if (peek() == '-' && pos + 1 < src.size() && src[pos + 1] != ']') {
+            pos++;
+            last = parse_char();
+            if (last < first) error("a range's end is before its start");
+          }
+          set.ranges.push_back({first, last});
+        }
+        last_item_begin = out.size();
+        have_item = true;
+        out.push_back({Grammar::Element::chars, add_set(std::move(set))});
+        count(1);
+      } else if (c == '.') {
+        pos++;
+        Grammar::CharSet set;
+        set.negated = true;  // nothing excluded: any character
+        last_item_begin = out.size();
+        have_item = true;
+        out.push_back({Grammar::Element::chars, add_set(std::move(set))});
+        count(1);
+      } else if (c == '(') {
+        pos++;
+        const int32_t sub = new_rule(rule_name);
+        rules[size_t(sub)] = parse_alternatives(rule_name, true);
+        skip_space(true);
+        if (peek() != ')') error("')' was expected");
+        pos++;
+        last_item_begin = out.size();
+        have_item = true;
+        out.push_back({Grammar::Element::rule, sub});
+        count(1);
+      } else if (is_name_char(c)) {
+        const std::string name = parse_name();
+        skip_space(false);
+        if (src.substr(pos, 3) == "::=") error(format("'%s ::=' starts a new rule: end the previous one with a newline", name.c_str()));
+        last_item_begin = out.size();
+        have_item = true;
+        out.push_back({Grammar::Element::rule, rule_named(name)});
+        count(1);
+      } else if (c == '*' || c == '+' || c == '?' || c == '{') {
+        if (!have_item) error(format("'%c' follows nothing it could repeat", c));
+        pos++;
+        int64_t min = 0, max = -1;  // -1: no upper bound
+        if (c == '+') min = 1;
+        else if (c == '?') max = 1;
+        else if (c == '{') {
+          auto number = [&]() {
+            skip_space(false);
+            const size_t begin = pos;
+            int64_t value = 0;
+            while (!at_end() && peek() >= '0' && peek() <= '9') {
+              value = value * 10 + (peek() - '0');
+              pos++;
+              if (value > limits::max_grammar_repeat)
+                error(format("a repetition bound over %lld (KVLITE_MAX_GRAMMAR_REPEAT)", (long long)limits::max_grammar_repeat));
+            }
+            if (pos == begin) error("a number was expected in { }");
+            skip_space(false);
+            return value;
+          };
+          min = number();
+          if (peek() == ',') {
+            pos++;
+            skip_space(false);
+            if (peek() != '}') {
+              max = number();
+              if (max < min) error("{m,n} with n < m");
+            }
+          } else {
+            max = min;
+          }
+          if (peek() != '}') error("'}' was expected");
+          pos++;
+        }
+        std::vector<Grammar::Element> item(out.begin() + std::ptrdiff_t(last_item_begin), out.end());
+        out.resize(last_item_begin);
+        repeat(rule_name, item, min, max, out);
+        have_item = false;  // x** is refused
+      } else {
+        error(format("unexpected '%c'", c));
+      }
+    }
+    return out;
+  }
+  // Appends `item` repeated min..max times (max -1: unbounded) to out, through helper rules.
+  void repeat(const std::string& rule_name, const std::vector<Grammar::Element>& item, int64_t min, int64_t max,
+              std::vector<Grammar::Element>& out) {
+    count(int64_t(item.size()) * (min + 2));
+    for (int64_t i = 0; i < min; i++) out.insert(out.end(), item.begin(), item.end());
+    if (max < 0) {
+      // R ::= item R | ""
+      const int32_t r = new_rule(rule_name);
+      std::vector<Grammar::Element> loop = item;
+      loop.push_back({Grammar::Element::rule, r});
+      rules[size_t(r)] = {loop, {}};
+      out.push_back({Grammar::Element::rule, r});
+      count(int64_t(item.size()) + 2);
+      return;
+    }
+    // up to (max - min) more, nested: R_k ::= item R_{k-1} | "", R_1 ::= item | ""
+    int32_t inner = -1;
+    for (int64_t k = 1; k <= max - min; k++) {
+      const int32_t r = new_rule(rule_name);
+      std::vector<Grammar::Element> alt = item;
+      if (inner >= 0) alt.push_back({Grammar::Element::rule, inner});
+      rules[size_t(r)] = {alt, {}};
+      count(int64_t(item.size()) + 2);
+      inner = r;
+    }
+    if (inner >= 0) out.push_back({Grammar::Element::rule, inner});
+  }
+  std::vector<std::vector<Grammar::Element>> parse_alternatives(const std::string& rule_name, bool nested) {
+    std::vector<std::vector<Grammar::Element>> alternatives;
+    alternatives.push_back(parse_sequence(rule_name, nested));
+    while (true) {
+      const size_t save = pos;
+      skip_space(true);
+      if (peek() == '|') {
+        pos++;
+        alternatives.push_back(parse_sequence(rule_name, nested));
+      } else {
+        pos = save;
+        break;
+      }
+    }
+    return alternatives;
+  }
+  void parse_all() {
+    while (true) {
+      skip_space(true);
+      if (at_end()) break;
+      const std::string name = parse_name();
+      skip_space(false);
+      if (src.substr(pos, 3) != "::=") error(format("'::=' was expected after '%s'", name.c_str()));
+      pos += 3;
+      const int32_t id = rule_named(name);
+      if (defined[size_t(id)]) error(format("rule '%s' is defined twice", name.c_str()));
+      defined[size_t(id)] = true;
+      rules[size_t(id)] = parse_alternatives(name, false);
+      skip_space(false);
+      if (!at_end() && peek() != '\n') error(format("unexpected '%c' after rule '%s'", peek(), name.c_str()));
+    }
+  }
+};
+
+}  // namespace gbnf
+}  // namespace detail
+
+Result<std::shared_ptr<const Grammar>> Grammar::parse(std::string_view gbnf) {
+  return detail::guard([&]() -> std::shared_ptr<const Grammar> {
+    using detail::fail;
+    using detail::format;
+    if (int64_t(gbnf.size()) > limits::max_grammar_bytes)
+      fail(ErrorCode::invalid_argument, format("grammar: %zu bytes; at most %lld (KVLITE_MAX_GRAMMAR_BYTES)",
+                                               gbnf.size(), (long long)limits::max_grammar_bytes));
+    detail::gbnf::Builder b;
+    b.src = gbnf;
+    b.parse_all();
+    auto root_it = b.by_name.find("root");
+    if (root_it == b.by_name.end() || !b.defined[size_t(root_it->second)])
+      fail(ErrorCode::bad_format, "grammar: no 'root' rule (generation starts from root ::= ...)");
+    for (size_t r = 0; r < b.rules.size(); r++)
+      if (!b.defined[r]) fail(ErrorCode::bad_format, format("grammar: rule '%s' is used but never defined", b.names[r].c_str()));
+
+    auto g = std::make_shared<Grammar>();
+    g->root = root_it->second;
+    g->rule_names = b.names;
+    g->char_sets = std::move(b.char_sets);
+    g->rules.resize(b.rules.size());
+    for (size_t r = 0; r < b.rules.size(); r++)
+      for (const auto& alt : b.rules[r]) {
+        g->rules[r].push_back(int32_t(g->elements.size()));
+        g->elements.insert(g->elements.end(), alt.begin(), alt.end());
+        g->elements.push_back({Element::end, 0});
+      }
+
+    // Left recursion: the recognizer expands rule references until a character is next, so a rule that can
+    // reach itself without reading one would expand forever. Nullable rules first (fixed point), then a
+    // search over "rule A may start with rule B" edges.
+    const size_t n = g->rules.size();
+    std::vector<bool> nullable(n, false);
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (size_t r = 0; r < n; r++) {
+        if (nullable[r]) continue;
+        for (int32_t start : g->rules[r]) {
+          bool all = true;
+          for (int32_t p = start; g->elements[size_t(p)].kind != Element::end; p++) {
+            const Element& e = g->elements[size_t(p)];
+            if (e.kind == Element::chars || !nullable[size_t(e.value)]) { all = false; break; }
+          }
+          if (all) { nullable[r] = true; changed = true; break; }
+        }
+      }
+    }
+    std::vector<std::vector<int32_t>> starts(n);
+    for (size_t r = 0; r < n; r++)
+      for (int32_t start : g->rules[r])
+        for (int32_t p = start; g->elements[size_t(p)].kind == Element::rule; p++) {
+          const int32_t target = g->elements[size_t(p)].value;
+          starts[r].push_back(target);
+          if (!nullable[size_t(target)]) break;
+        }
+    std::vector<uint8_t> color(n, 0);  // 0 new, 1 on the path, 2 done
+    for (size_t r0 = 0; r0 < n; r0++) {
+      if (color[r0]) continue;
+      std::vector<std::pair<int32_t, size_t>> path{{int32_t(r0), 0}};
+      color[r0] = 1;
+      while (!path.empty()) {
+        auto& [rule, next] = path.back();
+        if (next < starts[size_t(rule)].size()) {
+          const int32_t target = starts[size_t(rule)][next++];
+          if (color[size_t(target)] == 1)
+            fail(ErrorCode::bad_format,
+                 format("grammar: rule '%s' is left-recursive (it can reach itself through '%s' without reading a "
+                        "character); write the repetition with * or + instead",
+                        g->rule_names[size_t(target)].c_str(), g->rule_names[size_t(rule)].c_str()));
+          if (color[size_t(target)] == 0) {
+            color[size_t(target)] = 1;
+            path.push_back({target, 0});
+          }
+        } else {
+          color[size_t(rule)] = 2;
+          path.pop_back();
+        }
+      }
+    }
+    // Shortest completions in bytes: each character set's shortest UTF-8 character, each rule's fewest bytes
+    // (a fixed point from "never"), then each position's.
+    std::vector<int64_t> char_bytes(g->char_sets.size(), 1);
+    for (size_t c = 0; c < g->char_sets.size(); c++) {
+      const CharSet& set = g->char_sets[c];
+      int64_t best = 4;
+      for (const auto& probe : {std::pair<uint32_t, int64_t>{0x7F, 1}, {0x7FF, 2}, {0xFFFF, 3}}) {
+        const uint32_t lo = probe.second == 1 ? 0 : probe.second == 2 ? 0x80 : 0x800;
+        if (set.intersects(lo, probe.first)) { best = probe.second; break; }
+      }
+      char_bytes[c] = best;
+    }
+    std::vector<int64_t> rule_min(n, kNever);
+    auto alternative_from = [&](int32_t p) {
+      int64_t total = 0;
+      for (; g->elements[size_t(p)].kind != Element::end; p++) {
+        const Element& e = g->elements[size_t(p)];
+        total += e.kind == Element::chars ? char_bytes[size_t(e.value)] : rule_min[size_t(e.value)];
+        if (total >= kNever) return kNever;
+      }
+      return total;
+    };
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (size_t r = 0; r < n; r++)
+        for (int32_t start : g->rules[r]) {
+          const int64_t len = alternative_from(start);
+          if (len < rule_min[r]) { rule_min[r] = len; changed = true; }
+        }
+    }
+    if (rule_min[size_t(g->root)] >= kNever)
+      fail(ErrorCode::bad_format, "grammar: root never ends (every alternative recurses without a way out)");
+    g->suffix_min.assign(g->elements.size(), 0);
+    for (size_t p = g->elements.size(); p-- > 0;) {
+      const Element& e = g->elements[p];
+      if (e.kind == Element::end) continue;
+      const int64_t own = e.kind == Element::chars ? char_bytes[size_t(e.value)] : rule_min[size_t(e.value)];
+      g->suffix_min[p] = std::min(kNever, own + g->suffix_min[p + 1]);
+    }
+    return g;
+  });
+}
+
+// ---- JSON schema to GBNF ---------------------------------------------------------------------------------
+namespace detail {
+namespace schema {
+
+using json = nlohmann::ordered_json;
+
+// A GBNF string literal for these bytes.
+inline std::string literal(std::string_view text) {
+  std::string out = "\"";
+  for (char c : text) {
+    const uint8_t u = uint8_t(c);
+    if (c == '"') out += "\\\"";
+    else if (c == '\\') out += "\\\\";
+    else if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else if (c == '\r') out += "\\r";
+    else if (u < 0x20 || u == 0x7F) out += format("\\x%02X", u);
+    else out += c;
+  }
+  return out + "\"";
+}
+
+// Alternatives for the decimal integers in [lo, hi] (0 <= lo <= hi), without leading zeros.
+inline void digits_between(const std::string& a, const std::string& b, std::vector<std::string>& out,
+                           const std::string& prefix) {
+  // a and b have the same length, a <= b
+  if (a.empty()) { out.push_back(prefix.empty() ? "\"\"" : prefix); return; }
+  const std::string sep = prefix.empty() ? "" : " ";
+  if (a[0] == b[0]) return digits_between(a.substr(1), b.substr(1), out, prefix + sep + literal(a.substr(0, 1)));
+  const size_t rest = a.size() - 1;
+  const bool a_low = a.find_first_not_of('0', 1) == std::string::npos;
+  const bool b_high = b.find_first_not_of('9', 1) == std::string::npos;
+  auto any_digits = [&](size_t n) { return n == 0 ? std::string() : n == 1 ? std::string(" [0-9]") : format(" [0-9]{%zu}", n); };
+  if (a_low && b_high) {
+    out.push_back(prefix + sep + format("[%c-%c]", a[0], b[0]) + any_digits(rest));
+    return;
+  }
+  char low_first = a[0], high_first = b[0];
+  if (!a_low) {
+    digits_between(a.substr(1), std::string(rest, '9'), out, prefix + sep + literal(a.substr(0, 1)));
+    low_first++;
+  }
+  if (!b_high) high_first--;
+  if (low_first <= high_first) out.push_back(prefix + sep + format("[%c-%c]", low_first, high_first) + any_digits(rest));
+  if (!b_high) digits_between(std::string(rest, '0'), b.substr(1), out, prefix + sep + literal(b.substr(0, 1)));
+}
+
+inline std::string uint_range(uint64_t lo, uint64_t hi) {
+  std::vector<std::string> alternatives;
+  while (lo <= hi) {
+    const std::string low = std::to_string(lo);
+    // the largest number with as many digits as lo
+    uint64_t top = 9;
+    for (size_t i = 1; i < low.size(); i++) top = top * 10 + 9;
+    const uint64_t end = std::min(hi, top);
+    digits_between(low, std::to_string(end), alternatives, "");
+    if (end == hi) break;
+    lo = end + 1;
+  }
+  std::string out = "(";
+  for (size_t i = 0; i < alternatives.size(); i++) out += (i ? " | " : "") + alternatives[i];
+  return out + ")";
+}
+
+struct Compiler {
+  const json& doc;
+  std::vector<std::pair<std::string, std::string>> rules;  // in definition order
+  std::unordered_map<std::string, std::string> ref_rule;    // "#/$defs/x" -> rule name
+  std::unordered_map<std::string, bool> primitives;
+  int64_t counter = 0;
+
+  [[noreturn]] void refuse(ErrorCode code, const std::string& where, const std::string& what) const {
+    fail(code, format("json_schema at %s: %s", where.empty() ? "the top" : where.c_str(), what.c_str()));
+  }
+  std::string add(const std::string& base, const std::string& body) {
+    std::string name = base + "-" + std::to_string(++counter);
+    rules.push_back({name, body});
+    return name;
+  }
+  const char* primitive(const std::string& name) {
+    static const std::pair<const char*, const char*> table[] = {
+        {"ws", "| \" \" | \"\\n\" [ \\t]{0,20}"},
+        {"char", "[^\"\\\\\\x00-\\x1F] | \"\\\\\" ( [\"\\\\/bfnrt] | \"u\" [0-9a-fA-F]{4} )"},
+        {"string", "\"\\\"\" char* \"\\\"\""},
+        {"integral", "\"0\" | [1-9] [0-9]{0,15}"},
+        {"number", "\"-\"? integral ( \".\" [0-9]{1,16} )? ( [eE] [-+]? [0-9]{1,2} )?"},
+        {"integer", "\"-\"? integral"},
+        {"boolean", "\"true\" | \"false\""},
+        {"null", "\"null\""},
+        {"value", "object | array | string | number | boolean | null"},
+        {"object", "\"{\" ws ( string ws \":\" ws value ws ( \",\" ws string ws \":\" ws value ws )* )? \"}\""},
+        {"array", "\"[\" ws ( value ws ( \",\" ws value ws )* )? \"]\""},
+        {"date", "[0-9]{4} \"-\" ( \"0\" [1-9] | \"1\" [0-2] ) \"-\" ( \"0\" [1-9] | [1-2] [0-9] | \"3\" [0-1] )"},
+        {"time", "( [01] [0-9] | \"2\" [0-3] ) \":\" [0-5] [0-9] \":\" [0-5] [0-9] ( \".\" [0-9]{1,6} )? ( \"Z\" | [+-] ( [01] [0-9] | \"2\" [0-3] ) \":\" [0-5] [0-9] )"},
+        {"uuid", "[0-9a-f]{8} \"-\" [0-9a-f]{4} \"-\" [0-9a-f]{4} \"-\" [0-9a-f]{4} \"-\" [0-9a-f]{12}"},
+        {"email", "[a-zA-Z0-9._%+-]{1,64} \"@\" [a-zA-Z0-9-]{1,63} ( \".\" [a-zA-Z0-9-]{1,63} ){1,4}"},
+    };
+    static const std::pair<const char*, std::vector<const char*>> needs[] = {
+        {"char", {}}, {"string", {"char"}}, {"number", {"integral"}}, {"integer", {"integral"}},
+        {"value", {"object", "array", "string", "number", "boolean", "null"}},
+        {"object", {"ws", "string", "value"}}, {"array", {"ws", "value"}},
+    };
+    for (const auto& entry : needs)
+      if (name == entry.first)
+        for (const char* dep : entry.second) primitive(dep);
+    for (const auto& entry : table)
+      if (name == entry.first) {
+        if (!primitives[name]) {
+          primitives[name] = true;
+          rules.push_back({name, entry.second});
+        }
+        return entry.first;
+      }
+    fail(ErrorCode::internal, "json_schema: unknown primitive " + name);
+  }
+
+  // Keywords that only annotate; any other unknown keyword is refused.
+  static bool annotation(const std::string& key) {
+    static const char* const names[] = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+                                        "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "strict",
+                                        "name", "contentMediaType", "contentEncoding"};
+    for (const char* n : names)
+      if (key == n) return true;
+    return false;
+  }
+
+  std::string resolve_ref(const std::string& ref, const std::string& where) {
+    auto found = ref_rule.find(ref);
+    if (found != ref_rule.end()) return found->second;
+    const json* target = nullptr;
+    if (ref == "#") target = &doc;
+    else {
+      for (const char* prefix : {"#/$defs/", "#/definitions/"}) {
+        const std::string p = prefix;
+        if (ref.compare(0, p.size(), p) == 0) {
+          const std::string section = p.substr(2, p.size() - 3);
+          const std::string key = ref.substr(p.size());
+          if (doc.is_object() && doc.contains(section) && doc[section].is_object() && doc[section].contains(key))
+            target = &doc[section][key];
+        }
+      }
+    }
+    if (!target) refuse(ErrorCode::unsupported, where, "$ref '" + ref + "' does not name #, #/$defs/<name> or #/definitions/<name> of this schema");
+    const std::string name = "ref-" + std::to_string(++counter);
+    ref_rule[ref] = name;
+    const size_t slot = rules.size();
+    rules.push_back({name, ""});
+    const std::string body = visit(*target, ref);
+    rules[slot].second = body;
+    return name;
+  }
+
+  std::string string_body(const json& s, const std::string& where) {
+    if (s.contains("format") && s.contains("pattern"))
+      refuse(ErrorCode::unsupported, where, "both 'format' and 'pattern'");
+    std::string inner;
+    if (s.contains("format")) {
+      if (!s["format"].is_string()) refuse(ErrorCode::bad_format, where, "'format' must be a string");
+      const std::string f = s["format"];
+      if (f == "date") inner = primitive("date");
+      else if (f == "time") inner = primitive("time");
+      else if (f == "date-time") inner = std::string(primitive("date")) + " \"T\" " + primitive("time");
+      else if (f == "uuid") inner = primitive("uuid");
+      else if (f == "email") inner = primitive("email");
+      else refuse(ErrorCode::unsupported, where, "format '" + f + "'; supported: date, time, date-time, uuid, email");
+    } else if (s.contains("pattern")) {
+      if (!s["pattern"].is_string()) refuse(ErrorCode::bad_format, where, "'pattern' must be a string");
+      inner = regex(s["pattern"].get<std::string>(), where);
+    } else {
+      int64_t min = 0, max = -1;
+      if (s.contains("minLength")) min = bound(s["minLength"], "minLength", where);
+      if (s.contains("maxLength")) max = bound(s["maxLength"], "maxLength", where);
+      if (max >= 0 && max < min) refuse(ErrorCode::invalid_argument, where, "maxLength < minLength");
+      primitive("char");
+      if (min == 0 && max < 0) inner = "char*";
+      else if (max < 0) inner = format("char{%lld,}", (long long)min);
+      else inner = format("char{%lld,%lld}", (long long)min, (long long)max);
+    }
+    return "\"\\\"\" " + inner + " \"\\\"\"";
+  }
+
+  int64_t bound(const json& v, const char* key, const std::string& where) const {
+    if (!v.is_number_integer() && !v.is_number_unsigned()) refuse(ErrorCode::bad_format, where, format("'%s' must be an integer", key));
+    if (v.is_number_integer() && v.get<int64_t>() < 0) refuse(ErrorCode::bad_format, where, format("'%s' is negative", key));
+    const uint64_t value = v.get<uint64_t>();
+    if (value > uint64_t(limits::max_grammar_repeat))
+      refuse(ErrorCode::unsupported, where, format("'%s' is %llu; at most %lld (KVLITE_MAX_GRAMMAR_REPEAT)", key,
+                                                   (unsigned long long)value, (long long)limits::max_grammar_repeat));
+    return int64_t(value);
+  }
+
+  std::string integer_body(const json& s, const std::string& where) {
+    const bool has_min = s.contains("minimum") || s.contains("exclusiveMinimum");
+    const bool has_max = s.contains("maximum") || s.contains("exclusiveMaximum");
+    if (!has_min && !has_max) return primitive("integer");
+    // the integers a 16-digit integral part can write
+    const int64_t limit = 9999999999999999LL;
+    auto read = [&](const char* key, bool exclusive, int64_t step) -> std::optional<int64_t> {
+      if (!s.contains(key)) return std::nullopt;
+      const json& v = s[key];
+      if (!v.is_number()) refuse(ErrorCode::bad_format, where, format("'%s' must be a number", key));
+      double d = v.get<double>();
+      d = step > 0 ? std::ceil(d) : std::floor(d);
+      if (exclusive && d == v.get<double>()) d += double(step);
+      d = std::max(double(-limit), std::min(double(limit), d));
+      return int64_t(d);
+    };
+    std::optional<int64_t> lo = read("minimum", false, 1), hi = read("maximum", false, -1);
+    if (auto x = read("exclusiveMinimum", true, 1)) lo = lo ? std::max(*lo, *x) : *x;
+    if (auto x = read("exclusiveMaximum", true, -1)) hi = hi ? std::min(*hi, *x) : *x;
+    const int64_t low = lo.value_or(-limit), high = hi.value_or(limit);
+    if (low > high) refuse(ErrorCode::invalid_argument, where, format("no integer is in [%lld, %lld]", (long long)low, (long long)high));
+    std::vector<std::string> parts;
+    if (low < 0) {
+      const int64_t neg_hi = -low, neg_lo = high < 0 ? -high : 1;  // "-" then [neg_lo, neg_hi]
+      parts.push_back("\"-\" " + uint_range(uint64_t(neg_lo), uint64_t(neg_hi)));
+    }
+    if (high >= 0) parts.push_back(uint_range(uint64_t(std::max<int64_t>(low, 0)), uint64_t(high)));
+    std::string out = "(";
+    for (size_t i = 0; i < parts.size(); i++) out += (i ? " | " : "") + parts[i];
+    return out + ")";
+  }
+
+  std::string object_body(const json& s, const std::string& where) {
+    primitive("ws");
+    const json empty = json::object();
+    const json& props = s.contains("properties") ? s["properties"] : empty;
+    if (!props.is_object()) refuse(ErrorCode::bad_format, where, "'properties' must be an object");
+    std::vector<std::string> required;
+    if (s.contains("required")) {
+      if (!s["required"].is_array()) refuse(ErrorCode::bad_format, where, "'required' must be an array");
+      for (const json& r : s["required"]) {
+        if (!r.is_string()) refuse(ErrorCode::bad_format, where, "'required' must hold strings");
+        if (!props.contains(r.get<std::string>()))
+          refuse(ErrorCode::unsupported, where, "required property '" + r.get<std::string>() + "' is not in 'properties'");
+        required.push_back(r);
+      }
+    }
+    if (props.empty()) {
+      if (s.contains("additionalProperties") && s["additionalProperties"].is_object()) {
+        const std::string value = visit(s["additionalProperties"], where + "/additionalProperties");
+        const std::string kv = std::string(primitive("string")) + " ws \":\" ws " + value + " ws";
+        return "\"{\" ws ( " + kv + " ( \",\" ws " + kv + " )* )? \"}\"";
+      }
+      if (s.contains("additionalProperties") && s["additionalProperties"] == false) return "\"{\" ws \"}\"";
+      return primitive("object");
+    }
+    std::vector<std::string> kvs;
+    std::vector<bool> needed;
+    for (auto it = props.begin(); it != props.end(); ++it) {
+      const std::string value = visit(it.value(), where + "/properties/" + it.key());
+      kvs.push_back(literal(json(it.key()).dump()) + " ws \":\" ws " + value + " ws");
+      needed.push_back(std::find(required.begin(), required.end(), it.key()) != required.end());
+    }
+    // seq(i, first): properties i.. in order, the required ones always, a comma before each but the first
+    std::map<std::pair<size_t, bool>, std::string> made;
+    const std::string base = "obj" + std::to_string(++counter);
+    std::function<std::string(size_t, bool)> seq = [&](size_t i, bool first) -> std::string {
+      if (i == kvs.size()) return "\"\"";
+      auto found = made.find({i, first});
+      if (found != made.end()) return found->second;
+      const std::string kv = first ? kvs[i] : "\",\" ws " + kvs[i];
+      std::string body = kv + " " + seq(i + 1, false);
+      if (!needed[i]) body = "( " + body + " ) | " + seq(i + 1, first);
+      const std::string name = add(base, body);
+      made[{i, first}] = name;
+      return name;
+    };
+    return "\"{\" ws " + seq(0, true) + " \"}\"";
+  }
+
+  std::string array_body(const json& s, const std::string& where) {
+    primitive("ws");
+    int64_t min = 0, max = -1;
+    if (s.contains("minItems")) min = bound(s["minItems"], "minItems", where);
+    if (s.contains("maxItems")) max = bound(s["maxItems"], "maxItems", where);
+    if (max >= 0 && max < min) refuse(ErrorCode::invalid_argument, where, "maxItems < minItems");
+    if (s.contains("prefixItems")) {
+      const json& prefix = s["prefixItems"];
+      if (!prefix.is_array() || prefix.empty()) refuse(ErrorCode::bad_format, where, "'prefixItems' must be a non-empty array");
+      if (s.contains("items") && s["items"] != false) refuse(ErrorCode::unsupported, where, "'items' beside 'prefixItems' (only items: false)");
+      std::string body = "\"[\" ws";
+      for (size_t i = 0; i < prefix.size(); i++)
+        body += std::string(i ? " \",\" ws " : " ") + visit(prefix[i], where + "/prefixItems/" + std::to_string(i)) + " ws";
+      return body + " \"]\"";
+    }
+    const std::string item = s.contains("items") ? visit(s["items"], where + "/items") : primitive("value");
+    if (max == 0) return "\"[\" ws \"]\"";
+    const std::string more = max < 0 ? (min <= 1 ? "*" : format("{%lld,}", (long long)(min - 1)))
+                                     : format("{%lld,%lld}", (long long)std::max<int64_t>(min - 1, 0), (long long)(max - 1));
+    const std::string list = item + " ws ( \",\" ws " + item + " ws )" + more;
+    return "\"[\" ws " + (min == 0 ? "( " + list + " )?" : list) + " \"]\"";
+  }
+
+  // A JSON-schema regular expression as the content of a JSON string (quote, backslash and control
+  // characters are never produced: the output still matches).
+  std::string regex(const std::string& pattern, const std::string& where) {
+    primitive("char");
+    size_t pos = 0;
+    const std::string safe_exclusions = "\"\\\\\\x00-\\x1F";
+    std::function<std::string()> alternation;
+    auto class_escape = [&](char c, std::string& out) -> bool {  // \d \w \s inside or outside a class
+      if (c == 'd') out += "0-9";
+      else if (c == 'w') out += "a-zA-Z0-9_";
+      else if (c == 's') out += " \\t\\n\\r";
+      else return false;
+      return true;
+    };
+    auto class_char = [&](uint32_t cp) {
+      if (cp == ']' || cp == '\\' || cp == '^' || cp == '-' || cp == '"') return format("\\x%02X", cp);
+      if (cp < 0x20) return format("\\x%02X", cp);
+      std::string out;
+      append_utf8(out, cp);
+      return out;
+    };
+    auto atom = [&]() -> std::string {
+      const char c = pattern[pos];
+      if (c == '(') {
+        pos++;
+        if (pattern.compare(pos, 2, "?:") == 0) pos += 2;
+        else if (pos < pattern.size() && pattern[pos] == '?') refuse(ErrorCode::unsupported, where, "pattern: look-around and named groups");
+        std::string inner = alternation();
+        if (pos >= pattern.size() || pattern[pos] != ')') refuse(ErrorCode::bad_format, where, "pattern: ')' missing");
+        pos++;
+        return "( " + inner + " )";
+      }
+      if (c == '[') {
+        pos++;
+        bool negated = false;
+        if (pos < pattern.size() && pattern[pos] == '^') { negated = true; pos++; }
+        std::vector<std::pair<uint32_t, uint32_t>> ranges;
+        auto member = [&]() -> uint32_t {  // one character of the class; \d \w \s add their ranges (returns ~0)
+          if (pattern[pos] == '\\' && pos + 1 < pattern.size()) {
+            const char e = pattern[pos + 1];
+            pos += 2;
+            if (e == 'd') { ranges.push_back({'0', '9'}); return ~0u; }
+            if (e == 'w') { ranges.insert(ranges.end(), {{'a', 'z'}, {'A', 'Z'}, {'0', '9'}, {'_', '_'}}); return ~0u; }
+            if (e == 's') { ranges.insert(ranges.end(), {{' ', ' '}, {'\t', '\n'}, {'\r', '\r'}}); return ~0u; }
+            return e == 'n' ? '\n' : e == 't' ? '\t' : e == 'r' ? '\r' : uint32_t(uint8_t(e));
+          }
+          return gbnf::next_code_point(pattern, pos);
+        };
+        bool first = true;
+        while (pos < pattern.size() && (pattern[pos] != ']' || first)) {
+          first = false;
+          const uint32_t lo = member();
+          if (lo == ~0u) continue;
+          uint32_t hi = lo;
+          if (pos + 1 < pattern.size() && pattern[pos] == '-' && pattern[pos + 1] != ']') {
+            pos++;
+            hi = member();
+            if (hi == ~0u || hi < lo) refuse(ErrorCode::bad_format, where, "pattern: bad range in a class");
+          }
+          ranges.push_back({lo, hi});
+        }
+        if (pos >= pattern.size()) refuse(ErrorCode::bad_format, where, "pattern: ']' missing");
+        pos++;
+        // Characters a JSON string cannot hold as themselves (quote, backslash, controls) are never produced.
+        const std::pair<uint32_t, uint32_t> unsafe[] = {{0, 0x1F}, {'"', '"'}, {'\\', '\\'}};
+        if (negated) ranges.insert(ranges.end(), std::begin(unsafe), std::end(unsafe));
+        else {
+          for (const auto& cut : unsafe) {
+            std::vector<std::pair<uint32_t, uint32_t>> kept;
+            for (const auto& r : ranges) {
+              if (r.second < cut.first || r.first > cut.second) { kept.push_back(r); continue; }
+              if (r.first < cut.first) kept.push_back({r.first, cut.first - 1});
+              if (r.second > cut.second) kept.push_back({cut.second + 1, r.second});
+            }
+            ranges = std::move(kept);
+          }
+          if (ranges.empty()) refuse(ErrorCode::unsupported, where, "pattern: a class of only quote, backslash or control characters");
+        }
+        std::string out = negated ? "[^" : "[";
+        for (const auto& r : ranges) {
+          out += class_char(r.first);
+          if (r.second != r.first) out += "-" + class_char(r.second);
+        }
+        return out + "]";
+      }
+      if (c == '.') { pos++; return "[^" + safe_exclusions + "\\n]"; }
+      if (c == '\\') {
+        if (pos + 1 >= pattern.size()) refuse(ErrorCode::bad_format, where, "pattern ends with '\\'");
+        const char e = pattern[pos + 1];
+        pos += 2;
+        std::string members;
+        if (class_escape(e, members)) return "[" + members + "]";
+        if (e == 'D' || e == 'W' || e == 'S') {
+          class_escape(char(e + 32), members);
+          return "[^" + members + safe_exclusions + "]";
+        }
+        if (e == 'n' || e == 't' || e == 'r' || (e >= '0' && e <= '9') || (e >= 'a' && e <= 'z') || (e >= 'A' && e <= 'Z'))
+          refuse(ErrorCode::unsupported, where, format("pattern: escape '\\%c'", e));
+        return literal(std::string(1, e) == "\"" || e == '\\' ? std::string("\\") + e : std::string(1, e));
+      }
+      const size_t begin = pos;
+      gbnf::next_code_point(pattern, pos);
+      const std::string ch = pattern.substr(begin, pos - begin);
+      return literal(ch == "\"" ? "\\\"" : ch);
+    };
+    auto quantified = [&]() -> std::string {
+      std::string a = atom();
+      if (pos < pattern.size()) {
+        const char q = pattern[pos];
+        std::string op;
+        if (q == '*' || q == '+' || q == '?') { op = std::string(1, q); pos++; }
+        else if (q == '{') {
+          const size_t close = pattern.find('}', pos);
+          if (close == std::string::npos) refuse(ErrorCode::bad_format, where, "pattern: '}' missing");
+          op = pattern.substr(pos, close - pos + 1);
+          for (char d : op.substr(1, op.size() - 2))
+            if (!(d >= '0' && d <= '9') && d != ',') refuse(ErrorCode::bad_format, where, "pattern: bad {m,n}");
+          pos = close + 1;
+        }
+        if (!op.empty() && pos < pattern.size() && (pattern[pos] == '?' || pattern[pos] == '+')) pos++;  // lazy / possessive
+        a = "( " + a + " )" + op;
+      }
+      return a;
+    };
+    alternation = [&]() -> std::string {
+      std::string out;
+      std::string seq;
+      while (true) {
+        if (pos >= pattern.size() || pattern[pos] == ')' || pattern[pos] == '|') {
+          out += (out.empty() ? "" : " | ") + (seq.empty() ? std::string("\"\"") : seq);
+          seq.clear();
+          if (pos < pattern.size() && pattern[pos] == '|') { pos++; continue; }
+          return out;
+        }
+        if (pattern[pos] == '^' || pattern[pos] == '$') { pos++; continue; }  // anchors handled around the whole
+        seq += (seq.empty() ? "" : " ") + quantified();
+      }
+    };
+    const bool anchored_start = !pattern.empty() && pattern[0] == '^';
+    const bool anchored_end = !pattern.empty() && pattern.back() == '$' && (pattern.size() < 2 || pattern[pattern.size() - 2] != '\\');
+    std::string body = alternation();
+    if (pos != pattern.size()) refuse(ErrorCode::bad_format, where, "pattern: unbalanced ')'");
+    return std::string(anchored_start ? "" : "char* ") + "( " + body + " )" + (anchored_end ? "" : " char*");
+  }
+
+  static void append_utf8(std::string& out, uint32_t cp) {
+    if (cp < 0x80) out += char(cp);
+    else if (cp < 0x800) { out += char(0xC0 | (cp >> 6)); out += char(0x80 | (cp & 0x3F)); }
+    else if (cp < 0x10000) { out += char(0xE0 | (cp >> 12)); out += char(0x80 | ((cp >> 6) & 0x3F)); out += char(0x80 | (cp & 0x3F)); }
+    else { out += char(0xF0 | (cp >> 18)); out += char(0x80 | ((cp >> 12) & 0x3F)); out += char(0x80 | ((cp >> 6) & 0x3F)); out += char(0x80 | (cp & 0x3F)); }
+  }
+
+  std::string type_body(const std::string& type, const json& s, const std::string& where) {
+    if (type == "string") return string_body(s, where);
+    if (type == "integer") return integer_body(s, where);
+    if (type == "number") {
+      for (const char* k : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+        if (s.contains(k)) refuse(ErrorCode::unsupported, where, format("'%s' on a number (integer ranges are supported)", k));
+      return primitive("number");
+    }
+    if (type == "boolean") return primitive("boolean");
+    if (type == "null") return primitive("null");
+    if (type == "object") return object_body(s, where);
+    if (type == "array") return array_body(s, where);
+    refuse(ErrorCode::bad_format, where, "unknown type '" + type + "'");
+  }
+
+  // A GBNF expression for the values `s` allows (no surrounding whitespace).
+  std::string visit(const json& s, const std::string& where) {
+    if (s.is_boolean()) {
+      if (s.get<bool>()) return primitive("value");
+      refuse(ErrorCode::unsupported, where, "the schema false allows nothing");
+    }
+    if (!s.is_object()) refuse(ErrorCode::bad_format, where, "a schema must be an object or a boolean");
+    static const char* const known[] = {"type", "properties", "required", "additionalProperties", "enum", "const",
+                                        "items", "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
+                                        "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+                                        "exclusiveMaximum", "anyOf", "oneOf", "allOf", "$ref", "multipleOf"};
+    for (auto it = s.begin(); it != s.end(); ++it) {
+      if (annotation(it.key())) continue;
+      if (std::find_if(std::begin(known), std::end(known), [&](const char* k) { return it.key() == k; }) == std::end(known))
+        refuse(ErrorCode::unsupported, where, "keyword '" + it.key() + "' is not supported (it would be ignored, so the output could break it)");
+    }
+    if (s.contains("$ref")) {
+      if (!s["$ref"].is_string()) refuse(ErrorCode::bad_format, where, "'$ref' must be a string");
+      return resolve_ref(s["$ref"], where);
+    }
+    if (s.contains("const")) return literal(s["const"].dump());
+    if (s.contains("enum")) {
+      const json& values = s["enum"];
+      if (!values.is_array() || values.empty()) refuse(ErrorCode::bad_format, where, "'enum' must be a non-empty array");
+      std::string out = "(";
+      for (size_t i = 0; i < values.size(); i++) out += (i ? " | " : " ") + literal(values[i].dump());
+      return out + " )";
+    }
+    for (const char* key : {"anyOf", "oneOf"})
+      if (s.contains(key)) {
+        const json& options = s[key];
+        if (!options.is_array() || options.empty()) refuse(ErrorCode::bad_format, where, format("'%s' must be a non-empty array", key));
+        std::string out = "(";
+        for (size_t i = 0; i < options.size(); i++) {
+          // sibling keywords apply to every option (a common "type" beside anyOf)
+          json merged = options[i];
+          if (merged.is_object())
+            for (auto it = s.begin(); it != s.end(); ++it)
+              if (it.key() != key && !merged.contains(it.key()) && !annotation(it.key())) merged[it.key()] = it.value();
+          out += (i ? " | " : " ") + visit(merged, where + "/" + key + "/" + std::to_string(i));
+        }
+        return out + " )";
+      }
+    if (s.contains("allOf")) {
+      const json& all = s["allOf"];
+      if (!all.is_array() || all.size() != 1) refuse(ErrorCode::unsupported, where, "'allOf' of more than one schema");
+      return visit(all[0], where + "/allOf/0");
+    }
+    if (s.contains("type")) {
+      const json& t = s["type"];
+      if (t.is_string()) return type_body(t, s, where);
+      if (!t.is_array() || t.empty()) refuse(ErrorCode::bad_format, where, "'type' must be a string or a non-empty array");
+      std::string out = "(";
+      for (size_t i = 0; i < t.size(); i++) {
+        if (!t[i].is_string()) refuse(ErrorCode::bad_format, where, "'type' must hold strings");
+        out += (i ? " | " : " ") + type_body(t[i], s, where);
+      }
+      return out + " )";
+    }
+    // no type: infer one from the keywords, else any value
+    if (s.contains("properties") || s.contains("additionalProperties") || s.contains("required")) return object_body(s, where);
+    if (s.contains("items") || s.contains("prefixItems")) return array_body(s, where);
+    if (s.contains("pattern") || s.contains("format") || s.contains("minLength") || s.contains("maxLength")) return string_body(s, where);
+    return primitive("value");
+  }
+};
+
+}  // namespace schema
+}  // namespace detail
+
+Result<std::string> Grammar::json_schema_to_gbnf(std::string_view schema_json) {
+  return detail::guard([&]() -> std::string {
+    using detail::fail;
+    using detail::format;
+    if (int64_t(schema_json.size()) > limits::max_schema_bytes)
+      fail(ErrorCode::invalid_argument, format("json_schema: %zu bytes; at most %lld (KVLITE_MAX_SCHEMA_BYTES)",
+                                               schema_json.size(), (long long)limits::max_schema_bytes));
+    detail::check_json_nesting(schema_json, "json_schema");
+    nlohmann::ordered_json doc;  // properties keep their order: the output's order
+    try {
+      doc = nlohmann::ordered_json::parse(schema_json);
+    } catch (const nlohmann::json::exception& e) {
+      fail(ErrorCode::bad_format, format("json_schema is not valid JSON: %s", e.what()));
+    }
+    detail::schema::Compiler compiler{doc, {}, {}, {}, 0};
+    const std::string root = compiler.visit(doc, "");
+    std::string out = "root ::= " + root + "\n";
+    for (const auto& rule : compiler.rules) out += rule.first + " ::= " + rule.second + "\n";
+    return out;
+  });
+}
+
+std::string Grammar::json_object_gbnf() {
+  return Grammar::json_schema_to_gbnf(R"({"type": "object"})").value();
+}
+
+// ---- the recognizer ----------------------------------------------------------------------------------------
+namespace detail {
+namespace gbnf {
+
+// Expands `stack` until its top is a character set (or it is empty: the sentence may end), adding each
+// result to `out`. False when a bound is passed.
+inline bool expand(const Grammar& g, std::vector<int32_t>& stack, std::vector<std::vector<int32_t>>& out) {
+  if (int64_t(stack.size()) > limits::max_grammar_depth) return false;
+  if (stack.empty()) {
+    out.push_back(stack);
+    return int64_t(out.size()) <= limits::max_grammar_stacks * 4;
+  }
+  const int32_t top = stack.back();
+  const Grammar::Element& e = g.elements[size_t(top)];
+  if (e.kind == Grammar::Element::chars) {
+    out.push_back(stack);
+    return int64_t(out.size()) <= limits::max_grammar_stacks * 4;
+  }
+  if (e.kind == Grammar::Element::end) {  // not pushed by the code below; kept total
+    stack.pop_back();
+    const bool ok = expand(g, stack, out);
+    stack.push_back(top);
+    return ok;
+  }
+  // a rule reference: continue after it (unless the alternative ends there: a tail call), then each alternative
+  stack.pop_back();
+  const bool tail = g.elements[size_t(top) + 1].kind == Grammar::Element::end;
+  if (!tail) stack.push_back(top + 1);
+  bool ok = true;
+  for (int32_t start : g.rules[size_t(e.value)]) {
+    const bool empty = g.elements[size_t(start)].kind == Grammar::Element::end;
+    if (!empty) stack.push_back(start);
+    ok = expand(g, stack, out) && ok;
+    if (!empty) stack.pop_back();
+    if (!ok) break;
+  }
+  if (!tail) stack.pop_back();
+  stack.push_back(top);
+  return ok;
+}
+
+inline bool normalize(std::vector<std::vector<int32_t>>& stacks) {
+  std::sort(stacks.begin(), stacks.end());
+  stacks.erase(std::unique(stacks.begin(), stacks.end()), stacks.end());
+  return int64_t(stacks.size()) <= limits::max_grammar_stacks;
+}
+
+// Stacks after reading code point cp.
+inline bool step(const Grammar& g, const std::vector<std::vector<int32_t>>& in, uint32_t cp,
+                 std::vector<std::vector<int32_t>>& out) {
+  out.clear();
+  std::vector<int32_t> moved;
+  for (const auto& stack : in) {
+    if (stack.empty()) continue;
+    const Grammar::Element& e = g.elements[size_t(stack.back())];
+    if (e.kind != Grammar::Element::chars || !g.char_sets[size_t(e.value)].contains(cp)) continue;
+    moved.assign(stack.begin(), stack.end() - 1);
+    const int32_t next = stack.back() + 1;
+    if (g.elements[size_t(next)].kind != Grammar::Element::end) moved.push_back(next);
+    if (!expand(g, moved, out)) return false;
+  }
+  return normalize(out);
+}
+
+// Length of a UTF-8 character from its lead byte (0: not a lead byte).
+inline int utf8_length(uint8_t lead) {
+  return lead < 0x80 ? 1 : lead >= 0xC2 && lead <= 0xDF ? 2 : lead >= 0xE0 && lead <= 0xEF ? 3 : lead >= 0xF0 && lead <= 0xF4 ? 4 : 0;
+}
+
+// The code points a character starting with these bytes may be: [lo, hi].
+inline void partial_range(const uint8_t* bytes, int have, int need, uint32_t& lo, uint32_t& hi) {
+  const uint8_t lead = bytes[0];
+  uint32_t prefix = need == 2 ? (lead & 0x1F) : need == 3 ? (lead & 0x0F) : (lead & 0x07);
+  for (int i = 1; i < have; i++) prefix = (prefix << 6) | (bytes[i] & 0x3F);
+  const int missing = need - have;
+  lo = prefix << (6 * missing);
+  hi = lo | ((1u << (6 * missing)) - 1);
+  const uint32_t min_for_length = need == 2 ? 0x80 : need == 3 ? 0x800 : 0x10000;
+  lo = std::max(lo, min_for_length);
+  hi = std::min<uint32_t>(hi, 0x10FFFF);
+}
+
+inline bool partial_possible(const Grammar& g, const GrammarState& s) {
+  uint32_t lo = 0, hi = 0;
+  partial_range(s.partial, s.partial_len, s.partial_need, lo, hi);
+  if (lo > hi) return false;
+  // the code points it may still become, surrogates (U+D800..DFFF, not characters) left out
+  std::pair<uint32_t, uint32_t> parts[2] = {{lo, std::min<uint32_t>(hi, 0xD7FF)}, {std::max<uint32_t>(lo, 0xE000), hi}};
+  for (const auto& stack : s.stacks) {
+    if (stack.empty()) continue;
+    const Grammar::Element& e = g.elements[size_t(stack.back())];
+    if (e.kind != Grammar::Element::chars) continue;
+    for (const auto& part : parts)
+      if (part.first <= part.second && g.char_sets[size_t(e.value)].intersects(part.first, part.second)) return true;
+  }
+  return false;
+}
+
+// Reads one byte on: to = from + byte. Returns false when the byte cannot follow.
+inline bool step_byte(const Grammar& g, const GrammarState& from, uint8_t byte, GrammarState& to) {
+  if (from.partial_len == 0) {
+    const int length = utf8_length(byte);
+    if (length == 0) return false;
+    if (length == 1) {
+      to.partial_len = to.partial_need = 0;
+      return step(g, from.stacks, byte, to.stacks) && !to.stacks.empty();
+    }
+    to.stacks = from.stacks;
+    to.partial[0] = byte;
+    to.partial_len = 1;
+    to.partial_need = uint8_t(length);
+    return partial_possible(g, to);
+  }
+  if ((byte & 0xC0) != 0x80) return false;
+  uint8_t bytes[4];
+  std::memcpy(bytes, from.partial, 4);
+  bytes[from.partial_len] = byte;
+  const int have = from.partial_len + 1;
+  if (have < from.partial_need) {
+    to.stacks = from.stacks;
+    std::memcpy(to.partial, bytes, 4);
+    to.partial_len = uint8_t(have);
+    to.partial_need = from.partial_need;
+    return partial_possible(g, to);
+  }
+  uint32_t lo = 0, hi = 0;
+  partial_range(bytes, have, have, lo, hi);
+  if (lo > hi || (lo >= 0xD800 && lo <= 0xDFFF)) return false;  // overlong, past U+10FFFF, or a surrogate
+  to.partial_len = to.partial_need = 0;
+  return step(g, from.stacks, lo, to.stacks) && !to.stacks.empty();
+}
+
+// A key that identifies a state (for the mask cache).
+inline std::string state_key(const GrammarState& s) {
+  std::string key;
+  key.push_back(char(s.partial_len));
+  key.append(reinterpret_cast<const char*>(s.partial), s.partial_len);
+  for (const auto& stack : s.stacks) {
+    const uint32_t size = uint32_t(stack.size());
+    key.append(reinterpret_cast<const char*>(&size), sizeof size);
+    key.append(reinterpret_cast<const char*>(stack.data()), stack.size() * sizeof(int32_t));
+  }
+  return key;
+}
+
+}  // namespace gbnf
+}  // namespace detail
+
+GrammarMatcher::GrammarMatcher(std::shared_ptr<const Grammar> grammar) : grammar_(std::move(grammar)) {
+  std::vector<int32_t> start{};
+  // the start: root's alternatives, as a reference to root would expand
+  for (int32_t alt : grammar_->rules[size_t(grammar_->root)]) {
+    std::vector<int32_t> stack;
+    if (grammar_->elements[size_t(alt)].kind != Grammar::Element::end) stack.push_back(alt);
+    detail::gbnf::expand(*grammar_, stack, state_.stacks);
+  }
+  detail::gbnf::normalize(state_.stacks);
+}
+
+bool GrammarMatcher::advance(const Grammar& grammar, const GrammarState& from, std::string_view bytes,
+                             GrammarState& to) {
+  GrammarState a = from, b;
+  for (char c : bytes) {
+    if (!detail::gbnf::step_byte(grammar, a, uint8_t(c), b)) return false;
+    std::swap(a, b);
+  }
+  to = std::move(a);
+  return true;
+}
+
+bool GrammarMatcher::accept(std::string_view bytes) {
+  GrammarState next;
+  if (!advance(*grammar_, state_, bytes, next)) return false;
+  state_ = std::move(next);
+  return true;
+}
+
+int64_t GrammarMatcher::min_completion(const Grammar& grammar, const GrammarState& state) {
+  int64_t best = Grammar::kNever;
+  uint32_t lo = 0, hi = 0;
+  if (state.partial_len) detail::gbnf::partial_range(state.partial, state.partial_len, state.partial_need, lo, hi);
+  for (const auto& stack : state.stacks) {
+    if (state.partial_len) {
+      // only a stack whose next character can be the one begun goes on
+      if (stack.empty()) continue;
+      const Grammar::Element& e = grammar.elements[size_t(stack.back())];
+      if (e.kind != Grammar::Element::chars || !grammar.char_sets[size_t(e.value)].intersects(lo, hi)) continue;
+    }
+    int64_t total = 0;
+    for (int32_t p : stack) total = std::min(Grammar::kNever, total + grammar.suffix_min[size_t(p)]);
+    if (state.partial_len) {
+      // the character begun: its remaining bytes instead of the top element's shortest character
+      const int32_t top = stack.back();
+      total += int64_t(state.partial_need - state.partial_len) - (grammar.suffix_min[size_t(top)] - grammar.suffix_min[size_t(top) + 1]);
+    }
+    best = std::min(best, total);
+  }
+  return best;
+}
+
+bool GrammarMatcher::complete() const {
+  if (state_.partial_len) return false;
+  for (const auto& stack : state_.stacks)
+    if (stack.empty()) return true;
+  return false;
+}
+
+bool GrammarMatcher::can_continue() const {
+  for (const auto& stack : state_.stacks)
+    if (!stack.empty()) return true;
+  return false;
+}
+
+// ---- the vocabulary and its masks --------------------------------------------------------------------------
+GrammarVocabulary::GrammarVocabulary(const std::vector<std::string>& token_bytes, const std::vector<uint8_t>& excluded)
+    : vocab_(int64_t(token_bytes.size())) {
+  std::vector<int32_t> ids;
+  for (size_t id = 0; id < token_bytes.size(); id++)
+    if (!token_bytes[id].empty() && !(id < excluded.size() && excluded[id])) ids.push_back(int32_t(id));
+  std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
+    return token_bytes[size_t(a)] < token_bytes[size_t(b)] || (token_bytes[size_t(a)] == token_bytes[size_t(b)] && a < b);
+  });
+  // Sorted strings make the trie in preorder: each string shares its longest common prefix with the path
+  // open so far; deeper nodes of the path are closed (their subtree ends where the next node starts).
+  std::vector<int32_t> path;  // node index per depth - 1
+  std::string previous;
+  for (int32_t id : ids) {
+    const std::string& bytes = token_bytes[size_t(id)];
+    size_t common = 0;
+    while (common < previous.size() && common < bytes.size() && previous[common] == bytes[common]) common++;
+    while (path.size() > common) {
+      nodes[size_t(path.back())].subtree_end = int32_t(nodes.size());
+      path.pop_back();
+    }
+    for (size_t d = common; d < bytes.size(); d++) {
+      Node node;
+      node.byte = uint8_t(bytes[d]);
+      node.depth = int32_t(d + 1);
+      node.tokens_begin = node.tokens_end = int32_t(token_ids.size());
+      path.push_back(int32_t(nodes.size()));
+      nodes.push_back(node);
+    }
+    Node& end = nodes[size_t(path.back())];
+    if (end.tokens_end != int32_t(token_ids.size())) end.tokens_begin = int32_t(token_ids.size());  // first id here
+    token_ids.push_back(id);
+    end.tokens_end = int32_t(token_ids.size());
+    previous = bytes;
+  }
+  while (!path.empty()) {
+    nodes[size_t(path.back())].subtree_end = int32_t(nodes.size());
+    path.pop_back();
+  }
+}
+
+GrammarMasker::GrammarMasker(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary)
+    : grammar_(std::move(grammar)), vocabulary_(std::move(vocabulary)) {}
+
+int64_t GrammarMasker::compute(const GrammarState& state, int64_t budget, TokenMask& mask) {
+  const GrammarVocabulary& v = *vocabulary_;
+  int64_t most_after = 0;
+  mask.assign(size_t((v.size() + 63) / 64), 0);
+  // states[d]: after the first d bytes of the node path being visited (states[0] = `state`)
+  std::vector<GrammarState> states(1, state);
+  const auto& nodes = v.nodes;
+  size_t i = 0;
+  while (i < nodes.size()) {
+    const GrammarVocabulary::Node& node = nodes[i];
+    const size_t depth = size_t(node.depth);
+    if (states.size() <= depth) states.resize(depth + 1);
+    if (!detail::gbnf::step_byte(*grammar_, states[depth - 1], node.byte, states[depth])) {
+      i = size_t(node.subtree_end);  // no token under this prefix can be read
+      continue;
+    }
+    if (node.tokens_begin < node.tokens_end) {
+      const int64_t after = GrammarMatcher::min_completion(*grammar_, states[depth]);
+      most_after = std::max(most_after, after);
+      if (budget < 0 || after <= budget)
+        for (int32_t t = node.tokens_begin; t < node.tokens_end; t++) {
+          const int32_t id = v.token_ids[size_t(t)];
+          mask[size_t(id) / 64] |= uint64_t(1) << (id % 64);
+        }
+    }
+    i++;
+  }
+  return most_after;
+}
+
+void GrammarMasker::mask_within(const GrammarState& state, int64_t budget, TokenMask& out) {
+  compute(state, std::max<int64_t>(budget, 0), out);
+}
+
+const TokenMask& GrammarMasker::mask(const GrammarState& state, int64_t* most_after) {
+  const std::string key = detail::gbnf::state_key(state);
+  clock_++;
+  auto it = cache_.find(key);
+  if (it != cache_.end()) {
+    reused_++;
+    it->second.last_use = clock_;
+    if (most_after) *most_after = it->second.most_after;
+    return it->second.mask;
+  }
+  if (int64_t(cache_.size()) >= limits::max_grammar_masks) {
+    // drop the least recently used half
+    std::vector<int64_t> uses;
+    for (const auto& entry : cache_) uses.push_back(entry.second.last_use);
+    std::nth_element(uses.begin(), uses.begin() + std::ptrdiff_t(uses.size() / 2), uses.end());
+    const int64_t cut = uses[uses.size() / 2];
+    for (auto e = cache_.begin(); e != cache_.end();) e = e->second.last_use < cut ? cache_.erase(e) : std::next(e);
+  }
+  computed_++;
+  Entry& slot = cache_[key];
+  slot.last_use = clock_;
+  slot.most_after = compute(state, -1, slot.mask);
+  if (most_after) *most_after = slot.most_after;
+  return slot.mask;
 }
 
 }  // namespace kvlite
@@ -21245,6 +22795,7 @@ const char* finish_reason_name(FinishReason reason) {
     case FinishReason::length: return "length";
     case FinishReason::callback: return "callback";
     case FinishReason::cancelled: return "cancelled";
+    case FinishReason::grammar_end: return "grammar_end";
   }
   return "?";
 }
@@ -21305,6 +22856,10 @@ struct EngineRequest {
   std::string text;    // decoded so far (cut at a stop string)
   size_t emitted = 0;  // bytes of `text` handed to on_token
   Generation result;
+  // Constrained decoding: the compiled grammar's masks (shared by the requests with the same grammar) and
+  // this request's parse state after its output so far.
+  std::shared_ptr<GrammarMasker> masker;
+  std::optional<GrammarMatcher> matcher;
   // Speculative decoding: the tokens drafted for the step being run (appended to `tokens` while it runs),
   // `draft_base` the index in `tokens` of the last token before them; once a draft is rejected the request's
   // later rows in the step are ignored (their K/V is overwritten later).
@@ -21351,6 +22906,13 @@ struct Engine::Impl {
   float* draft_probs = nullptr;
   std::vector<float> draft_row;
   std::vector<float> raw_row;  // [V]: a row's logits kept as the model gave them (SamplingParams::logprobs)
+  // Constrained decoding: the vocabulary's trie (made at the first constrained request) and one masker per
+  // grammar text (a schema is compiled to its grammar first), at most kMaxGrammars; past that the map starts over.
+  std::shared_ptr<const GrammarVocabulary> grammar_vocabulary;
+  std::unordered_map<std::string, std::shared_ptr<GrammarMasker>> maskers;
+  static constexpr size_t kMaxGrammars = 64;
+  std::vector<std::pair<int32_t, float>> stop_logits;  // constrain_row's scratch
+  TokenMask budget_mask;
   PreprocessOptions preprocess;         // qwen3_vl: the processor's, with the plan's image budget
   std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
   std::vector<int32_t> stop_ids;  // sorted
@@ -21600,11 +23162,41 @@ struct Engine::Impl {
     r.features = std::move(prompt.features);
   }
 
+  // The masker for a request's grammar or schema (nullptr: unconstrained); compiled once per text.
+  std::shared_ptr<GrammarMasker> constraint_for(const SamplingParams& params) {
+    if (params.grammar.empty() && params.json_schema.empty()) return nullptr;
+    std::string gbnf = params.grammar;
+    if (gbnf.empty()) {
+      Result<std::string> compiled = Grammar::json_schema_to_gbnf(params.json_schema);
+      if (!compiled) throw compiled.error();
+      gbnf = std::move(*compiled);
+    }
+    auto found = maskers.find(gbnf);
+    if (found != maskers.end()) return found->second;
+    Result<std::shared_ptr<const Grammar>> grammar = Grammar::parse(gbnf);
+    if (!grammar) throw grammar.error();
+    if (!grammar_vocabulary) {
+      const int64_t vocab = config.text.vocab_size;
+      std::vector<std::string> pieces(static_cast<size_t>(vocab));
+      std::vector<uint8_t> excluded(static_cast<size_t>(vocab), 1);
+      for (int64_t id = 0; id < vocab && id < int64_t(tokenizer->vocab_size()); id++) {
+        pieces[size_t(id)] = tokenizer->token_bytes(int32_t(id));
+        excluded[size_t(id)] = tokenizer->is_special(int32_t(id));
+      }
+      grammar_vocabulary = std::make_shared<const GrammarVocabulary>(pieces, excluded);
+    }
+    if (maskers.size() >= kMaxGrammars) maskers.clear();  // requests keep their own (shared) maskers alive
+    auto masker = std::make_shared<GrammarMasker>(std::move(*grammar), grammar_vocabulary);
+    maskers.emplace(std::move(gbnf), masker);
+    return masker;
+  }
+
   RequestId submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
                    const SamplingParams& params, const TokenCallback& on_token) {
     check_ids(prompt_ids, "generate");
     Status valid = validate(params);
     if (!valid) throw valid.error();
+    std::shared_ptr<GrammarMasker> masker = constraint_for(params);
     detail::VisionPrompt vision_prompt = prepare_prompt(prompt_ids, images, "generate");
     const std::vector<int32_t>& prompt = vision_prompt.ids;
     const int64_t prompt_len = int64_t(prompt.size());
@@ -21621,6 +23213,10 @@ struct Engine::Impl {
     r.rng = Rng(params.seed);
     r.on_token = on_token;
     r.decoder.emplace(*tokenizer, false);
+    if (masker) {
+      r.matcher.emplace(masker->grammar_ptr());
+      r.masker = std::move(masker);
+    }
     r.result.prompt_ids = prompt;
     r.result.request = r.id;
     if (detail::log_enabled(LogLevel::debug))
@@ -21635,6 +23231,49 @@ struct Engine::Impl {
   bool is_stop_token(const detail::EngineRequest& r, int32_t id) const {
     return (!r.params.ignore_eos && std::binary_search(stop_ids.begin(), stop_ids.end(), id)) ||
            std::find(r.params.stop_tokens.begin(), r.params.stop_tokens.end(), id) != r.params.stop_tokens.end();
+  }
+
+  // Constrained decoding: the tokens that cannot continue the sentence get -inf (end-of-turn tokens only once
+  // it is complete). False, and the request finished, when no token is left (a grammar whose next character no
+  // token of this vocabulary writes): it ends as complete if it is, else as cut by length.
+  bool constrain_row(detail::EngineRequest& r, float* row, int64_t vocab) {
+    int64_t most_after = 0;
+    const auto started = std::chrono::steady_clock::now();
+    const int64_t computed_before = r.masker->masks_computed();
+    const TokenMask* allowed = &r.masker->mask(r.matcher->state(), &most_after);
+    stats.grammar_rows++;
+    stats.grammar_masks_computed += r.masker->masks_computed() - computed_before;
+    // The tokens left, this one included (max_tokens, or the context's end): a token that leaves more bytes to
+    // complete the sentence than tokens remain after it is not allowed, so the output is whole whenever a
+    // token per byte can finish it (byte-level vocabularies), even when max_tokens cuts it.
+    const int64_t left = std::min(r.params.max_tokens - int64_t(r.result.ids.size()),
+                                  max_model_len() - int64_t(r.tokens.size()));
+    if (most_after > left - 1) {
+      r.masker->mask_within(r.matcher->state(), left - 1, budget_mask);
+      allowed = &budget_mask;
+      stats.grammar_masks_computed++;
+    }
+    stats.grammar_mask_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    const TokenMask& mask = *allowed;
+    const bool complete = r.matcher->complete();
+    // the end-of-turn tokens' logits, put back after the mask when the sentence may end here
+    stop_logits.clear();
+    if (complete) {
+      for (const std::vector<int32_t>* ids : {&stop_ids, &r.params.stop_tokens})
+        for (int32_t id : *ids)
+          if (id >= 0 && id < vocab && is_stop_token(r, id)) stop_logits.push_back({id, row[id]});
+    }
+    bool any = !stop_logits.empty();
+    for (size_t word = 0; word * 64 < size_t(vocab); word++) {
+      const uint64_t bits = word < mask.size() ? mask[word] : 0;
+      any = any || bits != 0;
+      const int64_t end = std::min<int64_t>(vocab, int64_t(word + 1) * 64);
+      for (int64_t id = int64_t(word) * 64; id < end; id++)
+        if (!((bits >> (id % 64)) & 1u)) row[id] = -std::numeric_limits<float>::infinity();
+    }
+    for (const auto& kept : stop_logits) row[kept.first] = kept.second;
+    if (!any) finish(r, complete ? FinishReason::grammar_end : FinishReason::length);
+    return any;
   }
 
   // Hands text[emitted, end) to the callback with `id`; false when the callback asks to stop.
@@ -21660,7 +23299,8 @@ struct Engine::Impl {
   void finish(detail::EngineRequest& r, FinishReason reason) {
     retire(r);
     r.result.finish_reason = reason;
-    if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens || reason == FinishReason::length) {
+    if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens || reason == FinishReason::length ||
+        reason == FinishReason::grammar_end) {
       // Whatever was held back (a potential stop string's start, an incomplete character) is final now.
       r.text += r.decoder->flush();
       if (r.emitted < r.text.size()) emit(r, r.text.size(), -1);
@@ -21674,6 +23314,8 @@ struct Engine::Impl {
     r.result.ids.push_back(id);
     if (r.params.logprobs) r.result.logprobs.push_back(logprob);
     if (is_stop_token(r, id)) return finish(r, FinishReason::stop_token);
+    // (the row was masked: the token's bytes continue the sentence; a grammar's end is decided after the text)
+    const bool grammar_done = r.matcher && r.matcher->accept(tokenizer->token_bytes(id)) && !r.matcher->can_continue();
     Result<std::string> piece = r.decoder->push(id);
     if (!piece) throw piece.error();
     const size_t searched_from = r.emitted;
@@ -21695,6 +23337,7 @@ struct Engine::Impl {
           break;
         }
     if (!emit(r, r.text.size() - hold, id)) return finish(r, FinishReason::callback);
+    if (grammar_done) return finish(r, FinishReason::grammar_end);
     if (int64_t(r.result.ids.size()) >= r.params.max_tokens) return finish(r, FinishReason::max_tokens);
     if (int64_t(r.tokens.size()) >= max_model_len()) return finish(r, FinishReason::length);
   }
@@ -22064,6 +23707,7 @@ struct Engine::Impl {
         int32_t* order = on_gpu() ? host_order.data() : model->sampling_order(r.slot);
         // logprobs: the row as the model gave it (sampling changes it in place), scored as score() scores
         if (r.params.logprobs) std::copy(row, row + vocab, raw_row.data());
+        if (r.matcher && !constrain_row(r, row, vocab)) break;  // nothing may follow: the request ended
         auto logprob_of = [&](int32_t id) {
           return r.params.logprobs ? float(token_logprob(raw_row.data(), vocab, id))
                                    : std::numeric_limits<float>::quiet_NaN();
@@ -22286,7 +23930,7 @@ struct Engine::Impl {
       detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
       // (a drafting request's rows are verified in order against its history: on the host)
       if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f || !r.drafts.empty() ||
-          r.params.logprobs) {
+          r.params.logprobs || r.matcher) {
         host_rows = true;
         continue;
       }
@@ -23821,7 +25465,7 @@ const char* kvlite_status_name(int status) {
 }
 
 const char* kvlite_finish_reason_name(int32_t reason) {
-  if (reason < 0 || reason > int32_t(kvlite::FinishReason::cancelled)) return "unknown";
+  if (reason < 0 || reason > int32_t(kvlite::FinishReason::grammar_end)) return "unknown";
   return kvlite::finish_reason_name(kvlite::FinishReason(reason));
 }
 

@@ -66,6 +66,7 @@ extern "C" {
 #define KVLITE_FINISH_LENGTH 4
 #define KVLITE_FINISH_CALLBACK 5
 #define KVLITE_FINISH_CANCELLED 6
+#define KVLITE_FINISH_GRAMMAR_END 7 /* the grammar or JSON schema allows nothing more */
 
 /* Pixel layouts of kvlite_image_from_pixels. */
 #define KVLITE_PIXELS_RGB8 0

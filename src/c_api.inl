@@ -250,7 +250,7 @@ const char* kvlite_status_name(int status) {
 }
 
 const char* kvlite_finish_reason_name(int32_t reason) {
-  if (reason < 0 || reason > int32_t(kvlite::FinishReason::cancelled)) return "unknown";
+  if (reason < 0 || reason > int32_t(kvlite::FinishReason::grammar_end)) return "unknown";
   return kvlite::finish_reason_name(kvlite::FinishReason(reason));
 }
 

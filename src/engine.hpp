@@ -98,6 +98,7 @@ enum class FinishReason {
   length,       // the context is full: prompt + output reached the engine's max_model_len (vLLM's "length")
   callback,     // the token callback returned false
   cancelled,    // Engine::cancel()
+  grammar_end,  // SamplingParams::grammar / json_schema: the output is a complete sentence and nothing may follow
 };
 const char* finish_reason_name(FinishReason reason);
 
@@ -171,6 +172,11 @@ struct EngineStats {
   // (pages held by the cache: arena().kv().stats().cached_pages).
   int64_t prefix_pages_reused = 0;
   int64_t prefix_tokens_reused = 0;
+  // Constrained decoding (SamplingParams::grammar, json_schema): rows masked, and of those how many needed a
+  // new vocabulary walk (the rest found their parse state's mask remembered), and the walks' time.
+  int64_t grammar_rows = 0;
+  int64_t grammar_masks_computed = 0;
+  double grammar_mask_seconds = 0;
   // Each backend op's calls and wall time while op timing was on (Engine::set_op_timing), since open.
   OpTimes op_times{};
 };

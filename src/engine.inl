@@ -28,6 +28,7 @@ const char* finish_reason_name(FinishReason reason) {
     case FinishReason::length: return "length";
     case FinishReason::callback: return "callback";
     case FinishReason::cancelled: return "cancelled";
+    case FinishReason::grammar_end: return "grammar_end";
   }
   return "?";
 }
@@ -88,6 +89,10 @@ struct EngineRequest {
   std::string text;    // decoded so far (cut at a stop string)
   size_t emitted = 0;  // bytes of `text` handed to on_token
   Generation result;
+  // Constrained decoding: the compiled grammar's masks (shared by the requests with the same grammar) and
+  // this request's parse state after its output so far.
+  std::shared_ptr<GrammarMasker> masker;
+  std::optional<GrammarMatcher> matcher;
   // Speculative decoding: the tokens drafted for the step being run (appended to `tokens` while it runs),
   // `draft_base` the index in `tokens` of the last token before them; once a draft is rejected the request's
   // later rows in the step are ignored (their K/V is overwritten later).
@@ -134,6 +139,13 @@ struct Engine::Impl {
   float* draft_probs = nullptr;
   std::vector<float> draft_row;
   std::vector<float> raw_row;  // [V]: a row's logits kept as the model gave them (SamplingParams::logprobs)
+  // Constrained decoding: the vocabulary's trie (made at the first constrained request) and one masker per
+  // grammar text (a schema is compiled to its grammar first), at most kMaxGrammars; past that the map starts over.
+  std::shared_ptr<const GrammarVocabulary> grammar_vocabulary;
+  std::unordered_map<std::string, std::shared_ptr<GrammarMasker>> maskers;
+  static constexpr size_t kMaxGrammars = 64;
+  std::vector<std::pair<int32_t, float>> stop_logits;  // constrain_row's scratch
+  TokenMask budget_mask;
   PreprocessOptions preprocess;         // qwen3_vl: the processor's, with the plan's image budget
   std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
   std::vector<int32_t> stop_ids;  // sorted
@@ -383,11 +395,41 @@ struct Engine::Impl {
     r.features = std::move(prompt.features);
   }
 
+  // The masker for a request's grammar or schema (nullptr: unconstrained); compiled once per text.
+  std::shared_ptr<GrammarMasker> constraint_for(const SamplingParams& params) {
+    if (params.grammar.empty() && params.json_schema.empty()) return nullptr;
+    std::string gbnf = params.grammar;
+    if (gbnf.empty()) {
+      Result<std::string> compiled = Grammar::json_schema_to_gbnf(params.json_schema);
+      if (!compiled) throw compiled.error();
+      gbnf = std::move(*compiled);
+    }
+    auto found = maskers.find(gbnf);
+    if (found != maskers.end()) return found->second;
+    Result<std::shared_ptr<const Grammar>> grammar = Grammar::parse(gbnf);
+    if (!grammar) throw grammar.error();
+    if (!grammar_vocabulary) {
+      const int64_t vocab = config.text.vocab_size;
+      std::vector<std::string> pieces(static_cast<size_t>(vocab));
+      std::vector<uint8_t> excluded(static_cast<size_t>(vocab), 1);
+      for (int64_t id = 0; id < vocab && id < int64_t(tokenizer->vocab_size()); id++) {
+        pieces[size_t(id)] = tokenizer->token_bytes(int32_t(id));
+        excluded[size_t(id)] = tokenizer->is_special(int32_t(id));
+      }
+      grammar_vocabulary = std::make_shared<const GrammarVocabulary>(pieces, excluded);
+    }
+    if (maskers.size() >= kMaxGrammars) maskers.clear();  // requests keep their own (shared) maskers alive
+    auto masker = std::make_shared<GrammarMasker>(std::move(*grammar), grammar_vocabulary);
+    maskers.emplace(std::move(gbnf), masker);
+    return masker;
+  }
+
   RequestId submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
                    const SamplingParams& params, const TokenCallback& on_token) {
     check_ids(prompt_ids, "generate");
     Status valid = validate(params);
     if (!valid) throw valid.error();
+    std::shared_ptr<GrammarMasker> masker = constraint_for(params);
     detail::VisionPrompt vision_prompt = prepare_prompt(prompt_ids, images, "generate");
     const std::vector<int32_t>& prompt = vision_prompt.ids;
     const int64_t prompt_len = int64_t(prompt.size());
@@ -404,6 +446,10 @@ struct Engine::Impl {
     r.rng = Rng(params.seed);
     r.on_token = on_token;
     r.decoder.emplace(*tokenizer, false);
+    if (masker) {
+      r.matcher.emplace(masker->grammar_ptr());
+      r.masker = std::move(masker);
+    }
     r.result.prompt_ids = prompt;
     r.result.request = r.id;
     if (detail::log_enabled(LogLevel::debug))
@@ -418,6 +464,49 @@ struct Engine::Impl {
   bool is_stop_token(const detail::EngineRequest& r, int32_t id) const {
     return (!r.params.ignore_eos && std::binary_search(stop_ids.begin(), stop_ids.end(), id)) ||
            std::find(r.params.stop_tokens.begin(), r.params.stop_tokens.end(), id) != r.params.stop_tokens.end();
+  }
+
+  // Constrained decoding: the tokens that cannot continue the sentence get -inf (end-of-turn tokens only once
+  // it is complete). False, and the request finished, when no token is left (a grammar whose next character no
+  // token of this vocabulary writes): it ends as complete if it is, else as cut by length.
+  bool constrain_row(detail::EngineRequest& r, float* row, int64_t vocab) {
+    int64_t most_after = 0;
+    const auto started = std::chrono::steady_clock::now();
+    const int64_t computed_before = r.masker->masks_computed();
+    const TokenMask* allowed = &r.masker->mask(r.matcher->state(), &most_after);
+    stats.grammar_rows++;
+    stats.grammar_masks_computed += r.masker->masks_computed() - computed_before;
+    // The tokens left, this one included (max_tokens, or the context's end): a token that leaves more bytes to
+    // complete the sentence than tokens remain after it is not allowed, so the output is whole whenever a
+    // token per byte can finish it (byte-level vocabularies), even when max_tokens cuts it.
+    const int64_t left = std::min(r.params.max_tokens - int64_t(r.result.ids.size()),
+                                  max_model_len() - int64_t(r.tokens.size()));
+    if (most_after > left - 1) {
+      r.masker->mask_within(r.matcher->state(), left - 1, budget_mask);
+      allowed = &budget_mask;
+      stats.grammar_masks_computed++;
+    }
+    stats.grammar_mask_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    const TokenMask& mask = *allowed;
+    const bool complete = r.matcher->complete();
+    // the end-of-turn tokens' logits, put back after the mask when the sentence may end here
+    stop_logits.clear();
+    if (complete) {
+      for (const std::vector<int32_t>* ids : {&stop_ids, &r.params.stop_tokens})
+        for (int32_t id : *ids)
+          if (id >= 0 && id < vocab && is_stop_token(r, id)) stop_logits.push_back({id, row[id]});
+    }
+    bool any = !stop_logits.empty();
+    for (size_t word = 0; word * 64 < size_t(vocab); word++) {
+      const uint64_t bits = word < mask.size() ? mask[word] : 0;
+      any = any || bits != 0;
+      const int64_t end = std::min<int64_t>(vocab, int64_t(word + 1) * 64);
+      for (int64_t id = int64_t(word) * 64; id < end; id++)
+        if (!((bits >> (id % 64)) & 1u)) row[id] = -std::numeric_limits<float>::infinity();
+    }
+    for (const auto& kept : stop_logits) row[kept.first] = kept.second;
+    if (!any) finish(r, complete ? FinishReason::grammar_end : FinishReason::length);
+    return any;
   }
 
   // Hands text[emitted, end) to the callback with `id`; false when the callback asks to stop.
@@ -443,7 +532,8 @@ struct Engine::Impl {
   void finish(detail::EngineRequest& r, FinishReason reason) {
     retire(r);
     r.result.finish_reason = reason;
-    if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens || reason == FinishReason::length) {
+    if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens || reason == FinishReason::length ||
+        reason == FinishReason::grammar_end) {
       // Whatever was held back (a potential stop string's start, an incomplete character) is final now.
       r.text += r.decoder->flush();
       if (r.emitted < r.text.size()) emit(r, r.text.size(), -1);
@@ -457,6 +547,8 @@ struct Engine::Impl {
     r.result.ids.push_back(id);
     if (r.params.logprobs) r.result.logprobs.push_back(logprob);
     if (is_stop_token(r, id)) return finish(r, FinishReason::stop_token);
+    // (the row was masked: the token's bytes continue the sentence; a grammar's end is decided after the text)
+    const bool grammar_done = r.matcher && r.matcher->accept(tokenizer->token_bytes(id)) && !r.matcher->can_continue();
     Result<std::string> piece = r.decoder->push(id);
     if (!piece) throw piece.error();
     const size_t searched_from = r.emitted;
@@ -478,6 +570,7 @@ struct Engine::Impl {
           break;
         }
     if (!emit(r, r.text.size() - hold, id)) return finish(r, FinishReason::callback);
+    if (grammar_done) return finish(r, FinishReason::grammar_end);
     if (int64_t(r.result.ids.size()) >= r.params.max_tokens) return finish(r, FinishReason::max_tokens);
     if (int64_t(r.tokens.size()) >= max_model_len()) return finish(r, FinishReason::length);
   }
@@ -847,6 +940,7 @@ struct Engine::Impl {
         int32_t* order = on_gpu() ? host_order.data() : model->sampling_order(r.slot);
         // logprobs: the row as the model gave it (sampling changes it in place), scored as score() scores
         if (r.params.logprobs) std::copy(row, row + vocab, raw_row.data());
+        if (r.matcher && !constrain_row(r, row, vocab)) break;  // nothing may follow: the request ended
         auto logprob_of = [&](int32_t id) {
           return r.params.logprobs ? float(token_logprob(raw_row.data(), vocab, id))
                                    : std::numeric_limits<float>::quiet_NaN();
@@ -1069,7 +1163,7 @@ struct Engine::Impl {
       detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
       // (a drafting request's rows are verified in order against its history: on the host)
       if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f || !r.drafts.empty() ||
-          r.params.logprobs) {
+          r.params.logprobs || r.matcher) {
         host_rows = true;
         continue;
       }

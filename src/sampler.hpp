@@ -40,6 +40,14 @@ struct SamplingParams {
   // logits as the model gave them (before the penalty, temperature and filters), as vLLM's logprobs and
   // OpenAI's logprobs report. On a GPU such rows are sampled on the host (their logits come back whole).
   bool logprobs = false;
+  // Constrained decoding (grammar.hpp): every output is a sentence of this GBNF grammar (start rule `root`), or
+  // a JSON value valid against this JSON schema (its text); at most one of the two. At each step the tokens
+  // that cannot continue a sentence get no probability; end-of-turn tokens are allowed once the output is
+  // complete, and generation ends (FinishReason::grammar_end) when nothing more may follow. The grammar is
+  // compiled once per engine and text, its masks kept per parse state. A bad one is refused by generate and
+  // submit (bad_format or unsupported, with where and why).
+  std::string grammar;
+  std::string json_schema;
 };
 // Every field in its range (invalid_argument naming the field, its value and the range): the one check behind
 // generate, generate_chat and submit, in C++ and C.

@@ -23,6 +23,14 @@ Status validate(const SamplingParams& p) {
         int64_t(p.stop_strings.size()) > limits::max_stop_entries)
       bad(detail::format("%zu stop tokens and %zu stop strings; at most %lld each (KVLITE_MAX_STOP_ENTRIES)",
                          p.stop_tokens.size(), p.stop_strings.size(), (long long)limits::max_stop_entries));
+    if (!p.grammar.empty() && !p.json_schema.empty())
+      bad("grammar and json_schema are both set; a request takes one constraint");
+    if (int64_t(p.grammar.size()) > limits::max_grammar_bytes)
+      bad(detail::format("a grammar of %zu bytes; at most %lld (KVLITE_MAX_GRAMMAR_BYTES)", p.grammar.size(),
+                         (long long)limits::max_grammar_bytes));
+    if (int64_t(p.json_schema.size()) > limits::max_schema_bytes)
+      bad(detail::format("a json_schema of %zu bytes; at most %lld (KVLITE_MAX_SCHEMA_BYTES)", p.json_schema.size(),
+                         (long long)limits::max_schema_bytes));
     for (const auto& s : p.stop_strings) {
       if (s.empty()) bad("stop strings must not be empty");
       if (int64_t(s.size()) > limits::max_stop_string_bytes)

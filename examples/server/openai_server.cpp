@@ -83,7 +83,8 @@ HttpError from_kvlite(const kvlite::Error& error) {
 const char* finish_reason_text(kvlite::FinishReason reason) {
   switch (reason) {
     case kvlite::FinishReason::stop_token:
-    case kvlite::FinishReason::stop_string: return "stop";
+    case kvlite::FinishReason::stop_string:
+    case kvlite::FinishReason::grammar_end: return "stop";
     case kvlite::FinishReason::max_tokens:
     case kvlite::FinishReason::length: return "length";
     default: return "abort";
