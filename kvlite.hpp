@@ -275,6 +275,11 @@ typedef struct kvlite_sampling {
   /* NULL, or where kvlite_generate / kvlite_generate_chat store the id the request ran as (the ids kvlite_submit
      issues; the engine's debug log names requests by it) when they return KVLITE_OK. */
   int64_t* request_out;
+  /* Constrained decoding (NULL or "": off; at most one of the two): every output is a sentence of this GBNF
+     grammar (start rule root), or JSON valid against this JSON schema (its text). Read during the call. A bad
+     one is refused with KVLITE_BAD_FORMAT or KVLITE_UNSUPPORTED and the reason in kvlite_last_error. */
+  const char* grammar;
+  const char* json_schema;
 } kvlite_sampling;
 void kvlite_sampling_init(kvlite_sampling* sampling);
 
@@ -2898,8 +2903,9 @@ class Grammar {
   // (exclusive too), anyOf/oneOf, allOf of one schema, $ref to #/$defs/... or #/definitions/... (recursive
   // ones too). A keyword that would restrict the output and is not listed is refused (unsupported) rather than
   // ignored; annotations (title, description, default, examples, $schema, $id, $comment) are skipped. The JSON
-  // is compact except for optional whitespace: at most one space or a newline with up to 20 blanks between
-  // tokens, and numbers of at most 16 integer and 16 fraction digits (a model cannot pad forever).
+  // is on one line with at most one space between tokens (a small model given free whitespace spends its tokens
+  // on it), numbers of at most 16 integer and 16 fraction digits and 2 exponent digits, properties in the
+  // schema's order; an object with properties has no others.
   static Result<std::string> json_schema_to_gbnf(std::string_view schema_json);
   // GBNF for any JSON value whose top level is an object (OpenAI's response_format json_object).
   static std::string json_object_gbnf();
@@ -19477,7 +19483,7 @@ struct Compiler {
   }
   const char* primitive(const std::string& name) {
     static const std::pair<const char*, const char*> table[] = {
-        {"ws", "| \" \" | \"\\n\" [ \\t]{0,20}"},
+        {"ws", "| \" \""},
         {"char", "[^\"\\\\\\x00-\\x1F] | \"\\\\\" ( [\"\\\\/bfnrt] | \"u\" [0-9a-fA-F]{4} )"},
         {"string", "\"\\\"\" char* \"\\\"\""},
         {"integral", "\"0\" | [1-9] [0-9]{0,15}"},
@@ -25367,6 +25373,16 @@ SamplingParams sampling_params(const kvlite_sampling* given, int64_t** request_o
     params.stop_strings.emplace_back(in->stop_strings[i]);
   }
   params.ignore_eos = in->ignore_eos != 0;
+  // bounded reads: a string past its limit is refused without reading it to the end
+  auto bounded = [](const char* text, int64_t limit, const char* field) {
+    if (!text) return std::string();
+    const size_t length = strnlen(text, size_t(limit) + 1);
+    if (int64_t(length) > limit)
+      fail(ErrorCode::invalid_argument, format("kvlite_sampling.%s is longer than %lld bytes", field, (long long)limit));
+    return std::string(text, length);
+  };
+  params.grammar = bounded(in->grammar, limits::max_grammar_bytes, "grammar (KVLITE_MAX_GRAMMAR_BYTES)");
+  params.json_schema = bounded(in->json_schema, limits::max_schema_bytes, "json_schema (KVLITE_MAX_SCHEMA_BYTES)");
   return params;
 }
 

@@ -472,6 +472,30 @@ int run_generate(const Args& args) {
   if (args.has("--stop")) params.stop_strings = {args.text("--stop")};
   params.logprobs = args.has("--logprobs");
   if (args.has("--system") && !args.has("--chat")) throw UsageError{"--system needs --chat"};
+  // --json-schema / --grammar: read (bounded) and compiled before the model loads, so a bad one costs no load
+  auto read_bounded = [](const std::string& flag, const std::string& path, int64_t limit) {
+    std::ifstream file(path, std::ios::binary);
+    if (!file) throw InputError{"cannot read " + path + " (" + flag + ")"};
+    std::string text(size_t(limit) + 1, '\0');
+    file.read(&text[0], std::streamsize(text.size()));
+    text.resize(size_t(file.gcount()));
+    if (int64_t(text.size()) > limit)
+      throw InputError{flag + " " + path + " is larger than " + std::to_string(limit) + " bytes"};
+    return text;
+  };
+  if (args.has("--json-schema") && args.has("--grammar")) throw UsageError{"--json-schema and --grammar: give one"};
+  if (args.has("--json-schema")) {
+    params.json_schema = read_bounded("--json-schema", args.text("--json-schema"), kvlite::limits::max_schema_bytes);
+    auto gbnf = kvlite::Grammar::json_schema_to_gbnf(params.json_schema);
+    if (!gbnf) throw InputError{args.text("--json-schema") + ": " + gbnf.error().message};
+    auto grammar = kvlite::Grammar::parse(*gbnf);
+    if (!grammar) throw InputError{args.text("--json-schema") + ": " + grammar.error().message};
+  }
+  if (args.has("--grammar")) {
+    params.grammar = read_bounded("--grammar", args.text("--grammar"), kvlite::limits::max_grammar_bytes);
+    auto grammar = kvlite::Grammar::parse(params.grammar);
+    if (!grammar) throw InputError{args.text("--grammar") + ": " + grammar.error().message};
+  }
   auto checked = kvlite::validate(params);
   if (!checked) throw UsageError{checked.error().message};
   // --image: the image's placeholder goes before the prompt (vision models).
@@ -938,7 +962,9 @@ const std::vector<Command>& commands() {
        "reference engine or the GPU (--backend; images run on either). The\n"
        "text streams to stdout as it is generated; a summary line goes to stderr.",
        "kvlite generate MODEL_DIR --prompt TEXT [--chat] [options]",
-       "Generation stops at the model's end-of-turn tokens, at --stop, or after --max-tokens tokens.\n"
+       "Generation stops at the model's end-of-turn tokens, at --stop, or after --max-tokens tokens; with\n"
+       "--json-schema or --grammar also when the output is complete and nothing more may follow (finish reason\n"
+       "grammar_end); max_tokens never cuts such an output short of a whole document when the budget can hold one.\n"
        "Generation also ends when the context is full (prompt + output = max_model_len: finish reason length);\n"
        "a prompt that cannot fit at all is refused (exit 1, with the numbers).\n"
        "\nexit status: 0 done, 1 does not fit, 2 usage or input error.\n",
@@ -955,6 +981,8 @@ const std::vector<Command>& commands() {
            {"--repetition-penalty", "R", "> 1 discourages repeating tokens; default 1 (off)"},
            {"--seed", "S", "sampling seed (same seed, same text); default 0"},
            {"--stop", "TEXT", "stop when the text reaches TEXT (which is not printed)"},
+           {"--json-schema", "FILE", "constrain the output to JSON valid against this JSON schema"},
+           {"--grammar", "FILE", "constrain the output to sentences of this GBNF grammar (start rule root)"},
            {"--logprobs", "", "print each generated token's id, log-probability and bytes to stderr"},
        }),
        run_generate},

@@ -131,6 +131,11 @@ typedef struct kvlite_sampling {
   /* NULL, or where kvlite_generate / kvlite_generate_chat store the id the request ran as (the ids kvlite_submit
      issues; the engine's debug log names requests by it) when they return KVLITE_OK. */
   int64_t* request_out;
+  /* Constrained decoding (NULL or "": off; at most one of the two): every output is a sentence of this GBNF
+     grammar (start rule root), or JSON valid against this JSON schema (its text). Read during the call. A bad
+     one is refused with KVLITE_BAD_FORMAT or KVLITE_UNSUPPORTED and the reason in kvlite_last_error. */
+  const char* grammar;
+  const char* json_schema;
 } kvlite_sampling;
 void kvlite_sampling_init(kvlite_sampling* sampling);
 

@@ -152,6 +152,16 @@ SamplingParams sampling_params(const kvlite_sampling* given, int64_t** request_o
     params.stop_strings.emplace_back(in->stop_strings[i]);
   }
   params.ignore_eos = in->ignore_eos != 0;
+  // bounded reads: a string past its limit is refused without reading it to the end
+  auto bounded = [](const char* text, int64_t limit, const char* field) {
+    if (!text) return std::string();
+    const size_t length = strnlen(text, size_t(limit) + 1);
+    if (int64_t(length) > limit)
+      fail(ErrorCode::invalid_argument, format("kvlite_sampling.%s is longer than %lld bytes", field, (long long)limit));
+    return std::string(text, length);
+  };
+  params.grammar = bounded(in->grammar, limits::max_grammar_bytes, "grammar (KVLITE_MAX_GRAMMAR_BYTES)");
+  params.json_schema = bounded(in->json_schema, limits::max_schema_bytes, "json_schema (KVLITE_MAX_SCHEMA_BYTES)");
   return params;
 }
 

@@ -70,8 +70,9 @@ class Grammar {
   // (exclusive too), anyOf/oneOf, allOf of one schema, $ref to #/$defs/... or #/definitions/... (recursive
   // ones too). A keyword that would restrict the output and is not listed is refused (unsupported) rather than
   // ignored; annotations (title, description, default, examples, $schema, $id, $comment) are skipped. The JSON
-  // is compact except for optional whitespace: at most one space or a newline with up to 20 blanks between
-  // tokens, and numbers of at most 16 integer and 16 fraction digits (a model cannot pad forever).
+  // is on one line with at most one space between tokens (a small model given free whitespace spends its tokens
+  // on it), numbers of at most 16 integer and 16 fraction digits and 2 exponent digits, properties in the
+  // schema's order; an object with properties has no others.
   static Result<std::string> json_schema_to_gbnf(std::string_view schema_json);
   // GBNF for any JSON value whose top level is an object (OpenAI's response_format json_object).
   static std::string json_object_gbnf();

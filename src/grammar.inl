@@ -540,7 +540,7 @@ struct Compiler {
   }
   const char* primitive(const std::string& name) {
     static const std::pair<const char*, const char*> table[] = {
-        {"ws", "| \" \" | \"\\n\" [ \\t]{0,20}"},
+        {"ws", "| \" \""},
         {"char", "[^\"\\\\\\x00-\\x1F] | \"\\\\\" ( [\"\\\\/bfnrt] | \"u\" [0-9a-fA-F]{4} )"},
         {"string", "\"\\\"\" char* \"\\\"\""},
         {"integral", "\"0\" | [1-9] [0-9]{0,15}"},

@@ -369,6 +369,34 @@ static void generation(kvlite_engine* engine) {
     CHECK(again.n_ids == out.n_ids);
     kvlite_generation_free(&again);
   }
+  /* Constrained decoding: the grammar's sentence whatever the model prefers, JSON of the schema; a schema
+     kvlite cannot honour is refused by keyword. */
+  {
+    kvlite_sampling constrained = sampling;
+    long number = 0;
+    constrained.stop_strings = NULL;
+    constrained.n_stop_strings = 0;
+    constrained.max_tokens = 16;
+    constrained.grammar = "root ::= (\"yes\" | \"no\") \".\"";
+    CHECK(kvlite_generate(engine, "The harbour", NULL, 0, &constrained, NULL, NULL, &again) == KVLITE_OK);
+    CHECK(again.finish_reason == KVLITE_FINISH_GRAMMAR_END);
+    CHECK(strcmp(again.text, "yes.") == 0 || strcmp(again.text, "no.") == 0);
+    CHECK(strcmp(kvlite_finish_reason_name(again.finish_reason), "grammar_end") == 0);
+    kvlite_generation_free(&again);
+    constrained.grammar = NULL;
+    constrained.json_schema = "{\"type\": \"integer\", \"minimum\": 1, \"maximum\": 6}";
+    CHECK(kvlite_generate(engine, "The harbour", NULL, 0, &constrained, NULL, NULL, &again) == KVLITE_OK);
+    number = strtol(again.text, NULL, 10);
+    CHECK(number >= 1 && number <= 6 && strlen(again.text) == 1);
+    kvlite_generation_free(&again);
+    constrained.json_schema = "{\"type\": \"string\", \"format\": \"ipv6\"}";
+    CHECK_FAILS(kvlite_generate(engine, "The harbour", NULL, 0, &constrained, NULL, NULL, &again), KVLITE_UNSUPPORTED,
+                "ipv6");
+    constrained.json_schema = NULL;
+    constrained.grammar = "root ::= nowhere";
+    CHECK_FAILS(kvlite_generate(engine, "The harbour", NULL, 0, &constrained, NULL, NULL, &again), KVLITE_BAD_FORMAT,
+                "nowhere");
+  }
   kvlite_generation_free(&again);
   CHECK(again.ids == NULL && again.text == NULL);
   /* The callback ends its request. */

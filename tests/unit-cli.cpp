@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <regex>
 #include <cstdio>
 #include <fstream>
 #include <cstdlib>
@@ -762,4 +763,50 @@ TEST_CASE("plan on the published configs of Mistral, Gemma 2 / 3 and Phi-3 famil
     CHECK(contains(run.out, "weights (estimated from config.json"));
     CHECK(run.err.empty());
   }
+}
+
+TEST_CASE("generate --json-schema gives the captioner's structured caption as JSON of the schema, --grammar a sentence of the grammar") {
+  const std::string root = std::string(KVLITE_SOURCE_DIR);
+  const std::string schema_path = root + "/examples/schemas/shapes.json";
+  std::ifstream schema_file(schema_path);
+  const nlohmann::json schema = nlohmann::json::parse(schema_file);
+  const auto& item = schema["properties"]["shapes"]["items"]["properties"];
+  for (const char* scene : {"scene_1.png", "scene_4.png"}) {
+    CAPTURE(scene);
+    Run run = run_kvlite({"generate", root + "/models/kvlite-captioner-bf16", "--image", root + "/examples/images/" + scene,
+                          "--chat", "--prompt", "Describe this image.", "--json-schema", schema_path, "--backend", "cpu",
+                          "--device-mem", "256MiB"});
+    REQUIRE_MESSAGE(run.status == 0, run.err);
+    CHECK_MESSAGE(contains(run.err, "(grammar_end)"), run.err);
+    const nlohmann::json caption = nlohmann::json::parse(run.out);  // throws (fails) if not JSON
+    REQUIRE(caption.size() == 1);
+    const auto& shapes = caption.at("shapes");
+    CHECK(shapes.size() >= 1);
+    CHECK(shapes.size() <= 3);
+    for (const auto& shape : shapes) {
+      CHECK(shape.size() == 3);
+      for (const char* key : {"size", "color", "shape"}) {
+        const auto& allowed = item[key]["enum"];
+        CHECK_MESSAGE(std::find(allowed.begin(), allowed.end(), shape.at(key)) != allowed.end(), shape.dump());
+      }
+    }
+  }
+  const std::string grammar_path = std::string(KVLITE_BINARY_DIR) + "/cli-test.gbnf";
+  std::ofstream(grammar_path) << "root ::= (\"left\" | \"right\" | \"stop\") \" \" [1-9] [0-9]? \" cm\"\n";
+  Run sentence = run_kvlite({"generate", model_fixtures::dir("tiny-qwen3"), "--prompt", "go", "--grammar", grammar_path,
+                             "--backend", "cpu", "--device-mem", "64MiB"});
+  REQUIRE_MESSAGE(sentence.status == 0, sentence.err);
+  CHECK_MESSAGE(std::regex_match(sentence.out, std::regex("(left|right|stop) [1-9][0-9]? cm\n?")), sentence.out);
+  // a schema or grammar kvlite cannot honour exits 2 naming why, before the model loads
+  const std::string bad_path = std::string(KVLITE_BINARY_DIR) + "/cli-test-bad.json";
+  std::ofstream(bad_path) << R"({"type": "array", "uniqueItems": true})";
+  Run bad = run_kvlite({"generate", model_fixtures::dir("tiny-qwen3"), "--prompt", "go", "--json-schema", bad_path});
+  CHECK(bad.status == 2);
+  CHECK_MESSAGE(contains(bad.err, "uniqueItems"), bad.err);
+  Run both = run_kvlite({"generate", model_fixtures::dir("tiny-qwen3"), "--prompt", "go", "--json-schema", bad_path,
+                         "--grammar", grammar_path});
+  CHECK(both.status == 2);
+  Run missing = run_kvlite({"generate", model_fixtures::dir("tiny-qwen3"), "--prompt", "go", "--grammar", "/nonexistent.gbnf"});
+  CHECK(missing.status == 2);
+  CHECK_MESSAGE(contains(missing.err, "cannot read"), missing.err);
 }
