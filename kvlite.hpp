@@ -19484,7 +19484,9 @@ struct Compiler {
   const char* primitive(const std::string& name) {
     static const std::pair<const char*, const char*> table[] = {
         {"ws", "| \" \""},
-        {"char", "[^\"\\\\\\x00-\\x1F] | \"\\\\\" ( [\"\\\\/bfnrt] | \"u\" [0-9a-fA-F]{4} )"},
+        // \uXXXX escapes: no lone surrogate (parsers refuse one), a high one followed by its low one
+        {"char", "[^\"\\\\\\x00-\\x1F] | \"\\\\\" ( [\"\\\\/bfnrt] | \"u\" ( [0-9a-cA-Ce-fE-F] [0-9a-fA-F]{3} | "
+                 "[dD] [0-7] [0-9a-fA-F]{2} | [dD] [89abAB] [0-9a-fA-F]{2} \"\\\\u\" [dD] [c-fC-F] [0-9a-fA-F]{2} ) )"},
         {"string", "\"\\\"\" char* \"\\\"\""},
         {"integral", "\"0\" | [1-9] [0-9]{0,15}"},
         {"number", "\"-\"? integral ( \".\" [0-9]{1,16} )? ( [eE] [-+]? [0-9]{1,2} )?"},
@@ -19504,14 +19506,14 @@ struct Compiler {
         {"value", {"object", "array", "string", "number", "boolean", "null"}},
         {"object", {"ws", "string", "value"}}, {"array", {"ws", "value"}},
     };
-    for (const auto& entry : needs)
-      if (name == entry.first)
-        for (const char* dep : entry.second) primitive(dep);
     for (const auto& entry : table)
       if (name == entry.first) {
-        if (!primitives[name]) {
+        if (!primitives[name]) {  // marked before its dependencies: value and object refer to each other
           primitives[name] = true;
           rules.push_back({name, entry.second});
+          for (const auto& need : needs)
+            if (name == need.first)
+              for (const char* dep : need.second) primitive(dep);
         }
         return entry.first;
       }

@@ -666,7 +666,9 @@ TEST_CASE("contract: every field is implemented or refused with 400 naming it, a
   const std::vector<std::pair<std::string, std::string>> refused = {
       {R"({)" + chat + R"(, "tools": [{"type": "function", "function": {"name": "f"}}]})", "tools"},
       {R"({)" + chat + R"(, "tool_choice": "required"})", "tool_choice"},
-      {R"({)" + chat + R"(, "response_format": {"type": "json_object"}})", "response_format"},
+      {R"({)" + chat + R"(, "response_format": {"type": "xml"}})", "response_format"},
+      {R"({)" + chat + R"(, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "ipv6"}}}})", "ipv6"},
+      {R"({)" + chat + R"(, "response_format": {"type": "json_schema"}})", "response_format"},
       {R"({)" + chat + R"(, "presence_penalty": 0.5})", "presence_penalty"},
       {R"({)" + chat + R"(, "frequency_penalty": -1})", "frequency_penalty"},
       {R"({)" + chat + R"(, "logit_bias": {"5": 10}})", "logit_bias"},
@@ -1152,4 +1154,61 @@ TEST_CASE("bounds: an image flood is refused before any image is decoded: count 
   Reply heavy = post(running, "/v1/chat/completions", image_chat(kImages + "scene_1.png").dump());
   CHECK(heavy.status == 413);
   CHECK(heavy.body["error"]["message"].get<std::string>().find("--max-image-bytes") != std::string::npos);
+}
+
+TEST_CASE("structured output: response_format json_schema and json_object give JSON valid against the schema, streamed or not") {
+  Running running;
+  // (ordered_json: the request carries the schema's properties in their order, which the output must follow)
+  const nlohmann::ordered_json schema = nlohmann::ordered_json::parse(R"({"type": "object", "properties": {"shapes": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "object", "properties": {"size": {"enum": ["small", "large"]}, "color": {"enum": ["red", "green", "blue", "yellow", "purple", "orange", "white", "black"]}, "shape": {"enum": ["circle", "square", "triangle"]}}, "required": ["size", "color", "shape"]}}}, "required": ["shapes"]})");
+  const std::string image = "data:image/png;base64," + base64(read_file(kImages + "scene_1.png"));
+  for (bool stream : {false, true}) {
+    CAPTURE(stream);
+    nlohmann::ordered_json body = nlohmann::ordered_json::parse(R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}},
+                                 {"type": "text", "text": "Describe this image."}]}],
+                                 "max_tokens": 200, "temperature": 0,
+                                 "response_format": {"type": "json_schema", "json_schema": {"name": "scene", "strict": true}}})");
+    body["messages"][0]["content"][0]["image_url"]["url"] = image;
+    body["stream"] = stream;
+    body["response_format"]["json_schema"]["schema"] = schema;
+    std::string content, finish;
+    if (!stream) {
+      Reply reply = post(running, "/v1/chat/completions", body.dump());
+      REQUIRE_MESSAGE(reply.status == 200, reply.body.dump());
+      content = reply.body["choices"][0]["message"]["content"];
+      finish = reply.body["choices"][0]["finish_reason"];
+    } else {
+      auto reply = running.client().Post("/v1/chat/completions", body.dump(), "application/json");
+      REQUIRE(reply);
+      REQUIRE(reply->status == 200);
+      std::istringstream events(reply->body);
+      for (std::string line; std::getline(events, line);) {
+        if (line.rfind("data: {", 0) != 0) continue;
+        const json chunk = json::parse(line.substr(6));
+        if (chunk["choices"].empty()) continue;
+        const json& choice = chunk["choices"][0];
+        if (choice["delta"].contains("content")) content += choice["delta"]["content"].get<std::string>();
+        if (!choice["finish_reason"].is_null()) finish = choice["finish_reason"];
+      }
+    }
+    CAPTURE(content);
+    CHECK(finish == "stop");
+    const json caption = json::parse(content);
+    REQUIRE(caption.contains("shapes"));
+    CHECK(caption.size() == 1);
+    CHECK(caption["shapes"].size() >= 1);
+    CHECK(caption["shapes"].size() <= 3);
+    for (const json& shape : caption["shapes"]) CHECK(shape.size() == 3);
+    CHECK(content.find("\"size\"") < content.find("\"color\""));  // the schema's order (json would sort)
+  }
+  // json_object: a JSON object, whole even when max_tokens cuts it (the budget mask)
+  for (int max_tokens : {120, 12}) {
+    json body = json::parse(R"({"messages": [{"role": "user", "content": "Say something."}], "temperature": 1.0,
+                                 "seed": 3, "response_format": {"type": "json_object"}})");
+    body["max_tokens"] = max_tokens;
+    Reply reply = post(running, "/v1/chat/completions", body.dump());
+    REQUIRE(reply.status == 200);
+    const std::string text = reply.body["choices"][0]["message"]["content"];
+    CAPTURE(text);
+    CHECK(json::parse(text).is_object());
+  }
 }

@@ -231,12 +231,6 @@ void refuse_unsupported_fields(const json& body, bool chat) {
       bad("'tool_choice' other than \"none\" is not supported yet (function calling)", "tool_choice");
     if (present("parallel_tool_calls") && !body["parallel_tool_calls"].is_boolean())
       bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls");
-    if (present("response_format")) {
-      const json& format = body["response_format"];
-      if (!(format.is_object() && format.contains("type") && format["type"] == "text"))
-        bad("'response_format' other than {\"type\": \"text\"} (JSON mode, JSON schema) is not supported yet",
-            "response_format");
-    }
   } else {
     if (present("echo") && !(body["echo"].is_boolean() && !body["echo"].get<bool>()))
       bad("'echo' is not supported yet", "echo");
@@ -540,6 +534,26 @@ ParsedRequest chat_job(const json& body, const RequestLimits& limits) {
   if (integer_field(body, "top_logprobs", 0, 20, 0) > 0)
     bad("'top_logprobs' above 0 is not supported (each token's own log-probability is: 'logprobs': true)",
         "top_logprobs");
+  // response_format: text (nothing), json_object (any JSON object), json_schema (valid against its schema;
+  // "strict" or not, the output is constrained). The schema is compiled here so a bad one is a 400 naming it.
+  if (body.contains("response_format") && !body["response_format"].is_null()) {
+    const json& format = body["response_format"];
+    if (!format.is_object() || !format.contains("type") || !format["type"].is_string())
+      bad("'response_format' must be an object with a string 'type' (text, json_object, json_schema)", "response_format");
+    const std::string type = format["type"];
+    if (type == "json_object") {
+      job.params.json_schema = R"({"type": "object"})";
+    } else if (type == "json_schema") {
+      if (!format.contains("json_schema") || !format["json_schema"].is_object() ||
+          !format["json_schema"].contains("schema") || !(format["json_schema"]["schema"].is_object() || format["json_schema"]["schema"].is_boolean()))
+        bad("'response_format.json_schema' must be an object with a 'schema' (the JSON schema)", "response_format");
+      job.params.json_schema = format["json_schema"]["schema"].dump();
+      auto compiled = kvlite::Grammar::json_schema_to_gbnf(job.params.json_schema);
+      if (!compiled) bad("'response_format.json_schema.schema': " + compiled.error().message, "response_format");
+    } else if (type != "text") {
+      bad("'response_format.type' '" + type + "' is not one of text, json_object, json_schema", "response_format");
+    }
+  }
   return job;
 }
 
@@ -581,6 +595,12 @@ ParsedRequest read_request(bool chat, const std::string& text, const RequestLimi
   }
   if (request.stream && request.params.logprobs)
     bad("'logprobs' with 'stream' is not supported yet: ask without streaming", "logprobs");
+  if (chat && !request.params.json_schema.empty() && body["response_format"]["type"] == "json_schema") {
+    // The schema as the client wrote it: its properties' order is the output's (json sorts keys; the body
+    // parsed once already, within the bounds, so this second parse is safe)
+    const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(text);
+    request.params.json_schema = ordered["response_format"]["json_schema"]["schema"].dump();
+  }
   return request;
 }
 
