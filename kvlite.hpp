@@ -53,7 +53,9 @@
         optional speculative decoding by prompt lookup (PlanOptions::ngram, speculative_tokens) or with a
         draft model planned beside the target (EngineOptions::draft_model; CPU backend) that keeps greedy
         output identical and the sampling distribution exact; prefix caching (EngineOptions::
-        prefix_caching, on for the CPU): identical prefixes' KV pages are reused, evicted least recently used.
+        prefix_caching, on for the CPU): identical prefixes' KV pages are reused, evicted least recently used;
+        constrained decoding (SamplingParams::json_schema or ::grammar, GBNF): every output is JSON valid against
+        the schema or a sentence of the grammar, through a token mask per step, even when max_tokens cuts it.
       - Decodes images (JPEG with libjpeg-turbo as PIL and torchvision do; PNG, BMP, TGA, GIF, PNM with
         stb_image) and preprocesses them exactly as Qwen's image processor does; runs the Qwen3-VL vision
         encoder with DeepStack and M-RoPE.
@@ -2953,8 +2955,8 @@ class GrammarMatcher {
   const Grammar& grammar() const { return *grammar_; }
   // The state after `bytes` read on from `from`; false when they cannot be read (or pass the stack limits).
   static bool advance(const Grammar& grammar, const GrammarState& from, std::string_view bytes, GrammarState& to);
-  // The fewest characters after which the text read so far is a whole sentence (0: it is one): an upper bound
-  // on the tokens needed when the vocabulary has a token for each character (byte-level vocabularies do).
+  // The fewest bytes after which the text read so far is a whole sentence (0: it is one): an upper bound on the
+  // tokens needed when the vocabulary has a token for each byte (byte-level vocabularies do).
   static int64_t min_completion(const Grammar& grammar, const GrammarState& state);
   int64_t min_completion() const { return min_completion(*grammar_, state_); }
 
@@ -3018,6 +3020,35 @@ class GrammarMasker {
   // The trie walk: the tokens readable from `state` (and leaving at most `budget` to complete, when >= 0).
   int64_t compute(const GrammarState& state, int64_t budget, TokenMask& mask);
 };
+
+// ---- tool calls ----------------------------------------------------------------------------------------------
+// How a model writes a tool call, as its chat template shows it:
+//   hermes       <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>   (Qwen2.5, Qwen3, Hermes; several
+//                calls one after another, a newline between)
+//   llama3_json  {"name": "f", "parameters": {...}}                           (Llama-3.1/3.2's JSON form; one call)
+enum class ToolCallSyntax { hermes, llama3_json };
+const char* tool_call_syntax_name(ToolCallSyntax syntax);
+// The syntax a chat template's text writes (llama3_json for Llama-3's "parameters" form; hermes otherwise).
+ToolCallSyntax tool_call_syntax_of(std::string_view chat_template);
+// GBNF for tool calls of the OpenAI `tools` array (its JSON text: [{"type": "function", "function": {"name",
+// "parameters" (a JSON schema; absent: any object)}}]): a call of `only` ("" any of them), one or (parallel, hermes
+// only) more. Tool names must be 1-64 of [A-Za-z0-9_.-]; at most KVLITE_MAX_TOOLS tools.
+#ifndef KVLITE_MAX_TOOLS
+#define KVLITE_MAX_TOOLS 128
+#endif
+Result<std::string> tool_calls_gbnf(std::string_view tools_json, ToolCallSyntax syntax, const std::string& only,
+                                    bool parallel);
+struct ToolCall {
+  std::string name;
+  std::string arguments;  // a JSON object's text, as OpenAI's function.arguments
+};
+struct ParsedToolCalls {
+  std::vector<ToolCall> calls;  // in order
+  std::string content;          // the text outside them, trimmed ("" when only calls)
+};
+// Finds the calls in a generated text (what tool_calls_gbnf allows, or a model's free text in that syntax): a
+// call whose JSON does not parse, or lacks a string "name" and an object of arguments, stays in the content.
+ParsedToolCalls parse_tool_calls(const std::string& text, ToolCallSyntax syntax);
 
 inline bool token_mask_allows(const TokenMask& mask, int32_t id) {
   return id >= 0 && size_t(id) / 64 < mask.size() && (mask[size_t(id) / 64] >> (id % 64)) & 1u;
@@ -19559,6 +19590,8 @@ struct Compiler {
   std::string string_body(const json& s, const std::string& where) {
     if (s.contains("format") && s.contains("pattern"))
       refuse(ErrorCode::unsupported, where, "both 'format' and 'pattern'");
+    if ((s.contains("format") || s.contains("pattern")) && (s.contains("minLength") || s.contains("maxLength")))
+      refuse(ErrorCode::unsupported, where, "'minLength' / 'maxLength' beside 'format' or 'pattern' (write the length in the pattern)");
     std::string inner;
     if (s.contains("format")) {
       if (!s["format"].is_string()) refuse(ErrorCode::bad_format, where, "'format' must be a string");
@@ -19596,6 +19629,7 @@ struct Compiler {
   }
 
   std::string integer_body(const json& s, const std::string& where) {
+    if (s.contains("multipleOf")) refuse(ErrorCode::unsupported, where, "'multipleOf'");
     const bool has_min = s.contains("minimum") || s.contains("exclusiveMinimum");
     const bool has_max = s.contains("maximum") || s.contains("exclusiveMaximum");
     if (!has_min && !has_max) return primitive("integer");
@@ -19685,6 +19719,8 @@ struct Compiler {
       const json& prefix = s["prefixItems"];
       if (!prefix.is_array() || prefix.empty()) refuse(ErrorCode::bad_format, where, "'prefixItems' must be a non-empty array");
       if (s.contains("items") && s["items"] != false) refuse(ErrorCode::unsupported, where, "'items' beside 'prefixItems' (only items: false)");
+      if (s.contains("minItems") || s.contains("maxItems"))
+        refuse(ErrorCode::unsupported, where, "'minItems' / 'maxItems' beside 'prefixItems' (the tuple's length is its own)");
       std::string body = "\"[\" ws";
       for (size_t i = 0; i < prefix.size(); i++)
         body += std::string(i ? " \",\" ws " : " ") + visit(prefix[i], where + "/prefixItems/" + std::to_string(i)) + " ws";
@@ -19955,6 +19991,130 @@ Result<std::string> Grammar::json_schema_to_gbnf(std::string_view schema_json) {
     for (const auto& rule : compiler.rules) out += rule.first + " ::= " + rule.second + "\n";
     return out;
   });
+}
+
+// ---- tool calls ----------------------------------------------------------------------------------------------
+const char* tool_call_syntax_name(ToolCallSyntax syntax) {
+  return syntax == ToolCallSyntax::llama3_json ? "llama3_json" : "hermes";
+}
+
+ToolCallSyntax tool_call_syntax_of(std::string_view chat_template) {
+  // Llama-3.1/3.2's templates ask for {"name": ..., "parameters": ...}; Qwen's and Hermes' write <tool_call>
+  if (chat_template.find("<tool_call>") == std::string_view::npos &&
+      chat_template.find("\"parameters\": dictionary of argument name") != std::string_view::npos)
+    return ToolCallSyntax::llama3_json;
+  return ToolCallSyntax::hermes;
+}
+
+Result<std::string> tool_calls_gbnf(std::string_view tools_json, ToolCallSyntax syntax, const std::string& only,
+                                    bool parallel) {
+  return detail::guard([&]() -> std::string {
+    using detail::fail;
+    using detail::format;
+    using ojson = nlohmann::ordered_json;
+    if (int64_t(tools_json.size()) > limits::max_schema_bytes)
+      fail(ErrorCode::invalid_argument, format("tools: %zu bytes; at most %lld (KVLITE_MAX_SCHEMA_BYTES)",
+                                               tools_json.size(), (long long)limits::max_schema_bytes));
+    detail::check_json_nesting(tools_json, "tools");
+    ojson tools;
+    try {
+      tools = ojson::parse(tools_json);
+    } catch (const nlohmann::json::exception& e) {
+      fail(ErrorCode::bad_format, format("tools is not valid JSON: %s", e.what()));
+    }
+    if (!tools.is_array() || tools.empty()) fail(ErrorCode::invalid_argument, "tools must be a non-empty array");
+    if (tools.size() > KVLITE_MAX_TOOLS)
+      fail(ErrorCode::invalid_argument, format("%zu tools; at most %d (KVLITE_MAX_TOOLS)", tools.size(), KVLITE_MAX_TOOLS));
+    std::vector<std::pair<std::string, std::string>> rules;  // merged: primitives once, each tool's own rules
+    std::vector<std::string> calls;
+    int64_t counter = 0;
+    for (size_t i = 0; i < tools.size(); i++) {
+      const ojson& tool = tools[i];
+      const std::string where = format("tools[%zu]", i);
+      if (!tool.is_object() || tool.value("type", "") != "function" || !tool.contains("function") || !tool["function"].is_object())
+        fail(ErrorCode::invalid_argument, where + " must be {\"type\": \"function\", \"function\": {...}}");
+      const ojson& function = tool["function"];
+      if (!function.contains("name") || !function["name"].is_string())
+        fail(ErrorCode::invalid_argument, where + ".function.name must be a string");
+      const std::string name = function["name"];
+      if (name.empty() || name.size() > 64 ||
+          name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != std::string::npos)
+        fail(ErrorCode::invalid_argument, where + ".function.name '" + name + "' must be 1-64 of [A-Za-z0-9_.-]");
+      if (!only.empty() && name != only) continue;
+      const ojson parameters = function.contains("parameters") && !function["parameters"].is_null()
+                                   ? function["parameters"] : ojson{{"type", "object"}};
+      detail::schema::Compiler compiler{parameters, {}, {}, {}, counter};
+      const std::string arguments = compiler.visit(parameters, where + ".function.parameters");
+      counter = compiler.counter;
+      for (auto& rule : compiler.rules)
+        if (std::find_if(rules.begin(), rules.end(), [&](const auto& r) { return r.first == rule.first; }) == rules.end())
+          rules.push_back(std::move(rule));
+      const std::string name_literal = detail::schema::literal(ojson(name).dump());
+      if (syntax == ToolCallSyntax::llama3_json)
+        calls.push_back("\"{\\\"name\\\": \" " + name_literal + " \", \\\"parameters\\\": \" " + arguments + " \"}\"");
+      else
+        calls.push_back("\"<tool_call>\\n{\\\"name\\\": \" " + name_literal + " \", \\\"arguments\\\": \" " + arguments +
+                        " \"}\\n</tool_call>\"");
+    }
+    if (calls.empty()) fail(ErrorCode::invalid_argument, "tool_choice names '" + only + "', which is not in tools");
+    std::string out = "root ::= call";
+    if (parallel && syntax == ToolCallSyntax::hermes) out += " ( \"\\n\" call )*";
+    out += "\ncall ::= ";
+    for (size_t i = 0; i < calls.size(); i++) out += (i ? " | " : "") + calls[i];
+    out += "\n";
+    for (const auto& rule : rules) out += rule.first + " ::= " + rule.second + "\n";
+    return out;
+  });
+}
+
+ParsedToolCalls parse_tool_calls(const std::string& text, ToolCallSyntax syntax) {
+  ParsedToolCalls out;
+  auto trim = [](std::string s) {
+    const size_t begin = s.find_first_not_of(" \t\r\n");
+    if (begin == std::string::npos) return std::string();
+    const size_t end = s.find_last_not_of(" \t\r\n");
+    return s.substr(begin, end - begin + 1);
+  };
+  // a call's JSON: {"name": "...", "arguments" | "parameters": {...}}; false when it is not one
+  auto read_call = [&](const std::string& json_text, ToolCall& call) {
+    if (int64_t(json_text.size()) > limits::max_json_bytes) return false;
+    if (!detail::guard([&] { detail::check_json_nesting(json_text, "a tool call"); })) return false;
+    nlohmann::ordered_json value = nlohmann::ordered_json::parse(json_text, nullptr, false);
+    if (value.is_discarded() || !value.is_object() || !value.contains("name") || !value["name"].is_string()) return false;
+    const char* key = value.contains("arguments") ? "arguments" : value.contains("parameters") ? "parameters" : nullptr;
+    if (!key || !value[key].is_object()) return false;
+    call.name = value["name"];
+    call.arguments = value[key].dump();
+    return true;
+  };
+  if (syntax == ToolCallSyntax::llama3_json) {
+    ToolCall call;
+    std::string body = trim(text);
+    if (body.rfind("<|python_tag|>", 0) == 0) body = trim(body.substr(14));
+    if (!body.empty() && body[0] == '{' && read_call(body, call)) out.calls.push_back(std::move(call));
+    else out.content = trim(text);
+    return out;
+  }
+  std::string content;
+  size_t at = 0;
+  const std::string open = "<tool_call>", close = "</tool_call>";
+  while (at < text.size()) {
+    const size_t begin = text.find(open, at);
+    if (begin == std::string::npos) break;
+    const size_t end = text.find(close, begin + open.size());
+    if (end == std::string::npos) break;
+    ToolCall call;
+    if (read_call(trim(text.substr(begin + open.size(), end - begin - open.size())), call)) {
+      content += text.substr(at, begin - at);
+      out.calls.push_back(std::move(call));
+    } else {
+      content += text.substr(at, end + close.size() - at);
+    }
+    at = end + close.size();
+  }
+  content += text.substr(std::min(at, text.size()));
+  out.content = trim(content);
+  return out;
 }
 
 std::string Grammar::json_object_gbnf() {
@@ -23256,7 +23416,8 @@ struct Engine::Impl {
     // token per byte can finish it (byte-level vocabularies), even when max_tokens cuts it.
     const int64_t left = std::min(r.params.max_tokens - int64_t(r.result.ids.size()),
                                   max_model_len() - int64_t(r.tokens.size()));
-    if (most_after > left - 1) {
+    // (when even the shortest completion does not fit, the plain mask: the output is cut, as without a grammar)
+    if (most_after > left - 1 && r.matcher->min_completion() <= left) {
       r.masker->mask_within(r.matcher->state(), left - 1, budget_mask);
       allowed = &budget_mask;
       stats.grammar_masks_computed++;

@@ -481,7 +481,8 @@ struct Engine::Impl {
     // token per byte can finish it (byte-level vocabularies), even when max_tokens cuts it.
     const int64_t left = std::min(r.params.max_tokens - int64_t(r.result.ids.size()),
                                   max_model_len() - int64_t(r.tokens.size()));
-    if (most_after > left - 1) {
+    // (when even the shortest completion does not fit, the plain mask: the output is cut, as without a grammar)
+    if (most_after > left - 1 && r.matcher->min_completion() <= left) {
       r.masker->mask_within(r.matcher->state(), left - 1, budget_mask);
       allowed = &budget_mask;
       stats.grammar_masks_computed++;

@@ -120,8 +120,8 @@ class GrammarMatcher {
   const Grammar& grammar() const { return *grammar_; }
   // The state after `bytes` read on from `from`; false when they cannot be read (or pass the stack limits).
   static bool advance(const Grammar& grammar, const GrammarState& from, std::string_view bytes, GrammarState& to);
-  // The fewest characters after which the text read so far is a whole sentence (0: it is one): an upper bound
-  // on the tokens needed when the vocabulary has a token for each character (byte-level vocabularies do).
+  // The fewest bytes after which the text read so far is a whole sentence (0: it is one): an upper bound on the
+  // tokens needed when the vocabulary has a token for each byte (byte-level vocabularies do).
   static int64_t min_completion(const Grammar& grammar, const GrammarState& state);
   int64_t min_completion() const { return min_completion(*grammar_, state_); }
 
@@ -185,6 +185,35 @@ class GrammarMasker {
   // The trie walk: the tokens readable from `state` (and leaving at most `budget` to complete, when >= 0).
   int64_t compute(const GrammarState& state, int64_t budget, TokenMask& mask);
 };
+
+// ---- tool calls ----------------------------------------------------------------------------------------------
+// How a model writes a tool call, as its chat template shows it:
+//   hermes       <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>   (Qwen2.5, Qwen3, Hermes; several
+//                calls one after another, a newline between)
+//   llama3_json  {"name": "f", "parameters": {...}}                           (Llama-3.1/3.2's JSON form; one call)
+enum class ToolCallSyntax { hermes, llama3_json };
+const char* tool_call_syntax_name(ToolCallSyntax syntax);
+// The syntax a chat template's text writes (llama3_json for Llama-3's "parameters" form; hermes otherwise).
+ToolCallSyntax tool_call_syntax_of(std::string_view chat_template);
+// GBNF for tool calls of the OpenAI `tools` array (its JSON text: [{"type": "function", "function": {"name",
+// "parameters" (a JSON schema; absent: any object)}}]): a call of `only` ("" any of them), one or (parallel, hermes
+// only) more. Tool names must be 1-64 of [A-Za-z0-9_.-]; at most KVLITE_MAX_TOOLS tools.
+#ifndef KVLITE_MAX_TOOLS
+#define KVLITE_MAX_TOOLS 128
+#endif
+Result<std::string> tool_calls_gbnf(std::string_view tools_json, ToolCallSyntax syntax, const std::string& only,
+                                    bool parallel);
+struct ToolCall {
+  std::string name;
+  std::string arguments;  // a JSON object's text, as OpenAI's function.arguments
+};
+struct ParsedToolCalls {
+  std::vector<ToolCall> calls;  // in order
+  std::string content;          // the text outside them, trimmed ("" when only calls)
+};
+// Finds the calls in a generated text (what tool_calls_gbnf allows, or a model's free text in that syntax): a
+// call whose JSON does not parse, or lacks a string "name" and an object of arguments, stays in the content.
+ParsedToolCalls parse_tool_calls(const std::string& text, ToolCallSyntax syntax);
 
 inline bool token_mask_allows(const TokenMask& mask, int32_t id) {
   return id >= 0 && size_t(id) / 64 < mask.size() && (mask[size_t(id) / 64] >> (id % 64)) & 1u;

@@ -616,6 +616,8 @@ struct Compiler {
   std::string string_body(const json& s, const std::string& where) {
     if (s.contains("format") && s.contains("pattern"))
       refuse(ErrorCode::unsupported, where, "both 'format' and 'pattern'");
+    if ((s.contains("format") || s.contains("pattern")) && (s.contains("minLength") || s.contains("maxLength")))
+      refuse(ErrorCode::unsupported, where, "'minLength' / 'maxLength' beside 'format' or 'pattern' (write the length in the pattern)");
     std::string inner;
     if (s.contains("format")) {
       if (!s["format"].is_string()) refuse(ErrorCode::bad_format, where, "'format' must be a string");
@@ -653,6 +655,7 @@ struct Compiler {
   }
 
   std::string integer_body(const json& s, const std::string& where) {
+    if (s.contains("multipleOf")) refuse(ErrorCode::unsupported, where, "'multipleOf'");
     const bool has_min = s.contains("minimum") || s.contains("exclusiveMinimum");
     const bool has_max = s.contains("maximum") || s.contains("exclusiveMaximum");
     if (!has_min && !has_max) return primitive("integer");
@@ -742,6 +745,8 @@ struct Compiler {
       const json& prefix = s["prefixItems"];
       if (!prefix.is_array() || prefix.empty()) refuse(ErrorCode::bad_format, where, "'prefixItems' must be a non-empty array");
       if (s.contains("items") && s["items"] != false) refuse(ErrorCode::unsupported, where, "'items' beside 'prefixItems' (only items: false)");
+      if (s.contains("minItems") || s.contains("maxItems"))
+        refuse(ErrorCode::unsupported, where, "'minItems' / 'maxItems' beside 'prefixItems' (the tuple's length is its own)");
       std::string body = "\"[\" ws";
       for (size_t i = 0; i < prefix.size(); i++)
         body += std::string(i ? " \",\" ws " : " ") + visit(prefix[i], where + "/prefixItems/" + std::to_string(i)) + " ws";
@@ -1012,6 +1017,130 @@ Result<std::string> Grammar::json_schema_to_gbnf(std::string_view schema_json) {
     for (const auto& rule : compiler.rules) out += rule.first + " ::= " + rule.second + "\n";
     return out;
   });
+}
+
+// ---- tool calls ----------------------------------------------------------------------------------------------
+const char* tool_call_syntax_name(ToolCallSyntax syntax) {
+  return syntax == ToolCallSyntax::llama3_json ? "llama3_json" : "hermes";
+}
+
+ToolCallSyntax tool_call_syntax_of(std::string_view chat_template) {
+  // Llama-3.1/3.2's templates ask for {"name": ..., "parameters": ...}; Qwen's and Hermes' write <tool_call>
+  if (chat_template.find("<tool_call>") == std::string_view::npos &&
+      chat_template.find("\"parameters\": dictionary of argument name") != std::string_view::npos)
+    return ToolCallSyntax::llama3_json;
+  return ToolCallSyntax::hermes;
+}
+
+Result<std::string> tool_calls_gbnf(std::string_view tools_json, ToolCallSyntax syntax, const std::string& only,
+                                    bool parallel) {
+  return detail::guard([&]() -> std::string {
+    using detail::fail;
+    using detail::format;
+    using ojson = nlohmann::ordered_json;
+    if (int64_t(tools_json.size()) > limits::max_schema_bytes)
+      fail(ErrorCode::invalid_argument, format("tools: %zu bytes; at most %lld (KVLITE_MAX_SCHEMA_BYTES)",
+                                               tools_json.size(), (long long)limits::max_schema_bytes));
+    detail::check_json_nesting(tools_json, "tools");
+    ojson tools;
+    try {
+      tools = ojson::parse(tools_json);
+    } catch (const nlohmann::json::exception& e) {
+      fail(ErrorCode::bad_format, format("tools is not valid JSON: %s", e.what()));
+    }
+    if (!tools.is_array() || tools.empty()) fail(ErrorCode::invalid_argument, "tools must be a non-empty array");
+    if (tools.size() > KVLITE_MAX_TOOLS)
+      fail(ErrorCode::invalid_argument, format("%zu tools; at most %d (KVLITE_MAX_TOOLS)", tools.size(), KVLITE_MAX_TOOLS));
+    std::vector<std::pair<std::string, std::string>> rules;  // merged: primitives once, each tool's own rules
+    std::vector<std::string> calls;
+    int64_t counter = 0;
+    for (size_t i = 0; i < tools.size(); i++) {
+      const ojson& tool = tools[i];
+      const std::string where = format("tools[%zu]", i);
+      if (!tool.is_object() || tool.value("type", "") != "function" || !tool.contains("function") || !tool["function"].is_object())
+        fail(ErrorCode::invalid_argument, where + " must be {\"type\": \"function\", \"function\": {...}}");
+      const ojson& function = tool["function"];
+      if (!function.contains("name") || !function["name"].is_string())
+        fail(ErrorCode::invalid_argument, where + ".function.name must be a string");
+      const std::string name = function["name"];
+      if (name.empty() || name.size() > 64 ||
+          name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != std::string::npos)
+        fail(ErrorCode::invalid_argument, where + ".function.name '" + name + "' must be 1-64 of [A-Za-z0-9_.-]");
+      if (!only.empty() && name != only) continue;
+      const ojson parameters = function.contains("parameters") && !function["parameters"].is_null()
+                                   ? function["parameters"] : ojson{{"type", "object"}};
+      detail::schema::Compiler compiler{parameters, {}, {}, {}, counter};
+      const std::string arguments = compiler.visit(parameters, where + ".function.parameters");
+      counter = compiler.counter;
+      for (auto& rule : compiler.rules)
+        if (std::find_if(rules.begin(), rules.end(), [&](const auto& r) { return r.first == rule.first; }) == rules.end())
+          rules.push_back(std::move(rule));
+      const std::string name_literal = detail::schema::literal(ojson(name).dump());
+      if (syntax == ToolCallSyntax::llama3_json)
+        calls.push_back("\"{\\\"name\\\": \" " + name_literal + " \", \\\"parameters\\\": \" " + arguments + " \"}\"");
+      else
+        calls.push_back("\"<tool_call>\\n{\\\"name\\\": \" " + name_literal + " \", \\\"arguments\\\": \" " + arguments +
+                        " \"}\\n</tool_call>\"");
+    }
+    if (calls.empty()) fail(ErrorCode::invalid_argument, "tool_choice names '" + only + "', which is not in tools");
+    std::string out = "root ::= call";
+    if (parallel && syntax == ToolCallSyntax::hermes) out += " ( \"\\n\" call )*";
+    out += "\ncall ::= ";
+    for (size_t i = 0; i < calls.size(); i++) out += (i ? " | " : "") + calls[i];
+    out += "\n";
+    for (const auto& rule : rules) out += rule.first + " ::= " + rule.second + "\n";
+    return out;
+  });
+}
+
+ParsedToolCalls parse_tool_calls(const std::string& text, ToolCallSyntax syntax) {
+  ParsedToolCalls out;
+  auto trim = [](std::string s) {
+    const size_t begin = s.find_first_not_of(" \t\r\n");
+    if (begin == std::string::npos) return std::string();
+    const size_t end = s.find_last_not_of(" \t\r\n");
+    return s.substr(begin, end - begin + 1);
+  };
+  // a call's JSON: {"name": "...", "arguments" | "parameters": {...}}; false when it is not one
+  auto read_call = [&](const std::string& json_text, ToolCall& call) {
+    if (int64_t(json_text.size()) > limits::max_json_bytes) return false;
+    if (!detail::guard([&] { detail::check_json_nesting(json_text, "a tool call"); })) return false;
+    nlohmann::ordered_json value = nlohmann::ordered_json::parse(json_text, nullptr, false);
+    if (value.is_discarded() || !value.is_object() || !value.contains("name") || !value["name"].is_string()) return false;
+    const char* key = value.contains("arguments") ? "arguments" : value.contains("parameters") ? "parameters" : nullptr;
+    if (!key || !value[key].is_object()) return false;
+    call.name = value["name"];
+    call.arguments = value[key].dump();
+    return true;
+  };
+  if (syntax == ToolCallSyntax::llama3_json) {
+    ToolCall call;
+    std::string body = trim(text);
+    if (body.rfind("<|python_tag|>", 0) == 0) body = trim(body.substr(14));
+    if (!body.empty() && body[0] == '{' && read_call(body, call)) out.calls.push_back(std::move(call));
+    else out.content = trim(text);
+    return out;
+  }
+  std::string content;
+  size_t at = 0;
+  const std::string open = "<tool_call>", close = "</tool_call>";
+  while (at < text.size()) {
+    const size_t begin = text.find(open, at);
+    if (begin == std::string::npos) break;
+    const size_t end = text.find(close, begin + open.size());
+    if (end == std::string::npos) break;
+    ToolCall call;
+    if (read_call(trim(text.substr(begin + open.size(), end - begin - open.size())), call)) {
+      content += text.substr(at, begin - at);
+      out.calls.push_back(std::move(call));
+    } else {
+      content += text.substr(at, end + close.size() - at);
+    }
+    at = end + close.size();
+  }
+  content += text.substr(std::min(at, text.size()));
+  out.content = trim(content);
+  return out;
 }
 
 std::string Grammar::json_object_gbnf() {

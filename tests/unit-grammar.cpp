@@ -3,7 +3,9 @@
 // random-weight fixture: every output valid against its schema.
 #include <doctest/doctest.h>
 
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <random>
 #include <regex>
 #include <set>
@@ -480,6 +482,9 @@ TEST_CASE("grammar: schemas it cannot honour are refused by keyword, not ignored
       {R"({"type": "integer", "minimum": 5, "maximum": 1})", "no integer"},
       {R"({"type": "object", "required": ["a"]})", "not in 'properties'"},
       {R"({"type": "array", "maxItems": 100000})", "KVLITE_MAX_GRAMMAR_REPEAT"},
+      {R"({"type": "integer", "multipleOf": 5})", "multipleOf"},
+      {R"({"type": "string", "pattern": "^a+$", "minLength": 5})", "minLength"},
+      {R"({"type": "array", "prefixItems": [{"type": "number"}], "minItems": 3})", "prefixItems"},
       {"[1, 2", "not valid JSON"},
       {"false", "allows nothing"},
   };
@@ -663,4 +668,65 @@ TEST_CASE("grammar: a bad grammar or schema is refused by submit, and no request
   CHECK(out->finish_reason == FinishReason::grammar_end);
   CHECK(std::regex_match(out->text, std::regex(R"(move\([0-9],[0-9]\))")));
   engine_helpers::check_pool_empty(*engine);
+}
+
+TEST_CASE("grammar: tool calls in the Hermes and Llama-3 forms: the grammar takes exactly well-formed calls, the parser finds them") {
+  const std::string tools = R"([
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object",
+      "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "grasp", "parameters": {"type": "object", "properties": {"force": {"type": "integer", "minimum": 1, "maximum": 10}}, "required": ["force"]}}},
+    {"type": "function", "function": {"name": "stop"}}])";
+  auto hermes = Grammar::parse(tool_calls_gbnf(tools, ToolCallSyntax::hermes, "", true).value());
+  REQUIRE_MESSAGE(hermes, hermes.error().message);
+  const std::string one = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"C\"}}\n</tool_call>";
+  const std::string two = one + "\n<tool_call>\n{\"name\": \"grasp\", \"arguments\": {\"force\": 7}}\n</tool_call>";
+  CHECK(accepts(*hermes, one));
+  CHECK(accepts(*hermes, two));
+  CHECK(accepts(*hermes, "<tool_call>\n{\"name\": \"stop\", \"arguments\": {}}\n</tool_call>"));
+  CHECK_FALSE(accepts(*hermes, "<tool_call>\n{\"name\": \"grasp\", \"arguments\": {\"force\": 11}}\n</tool_call>"));
+  CHECK_FALSE(accepts(*hermes, "<tool_call>\n{\"name\": \"fly\", \"arguments\": {}}\n</tool_call>"));
+  CHECK_FALSE(accepts(*hermes, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"unit\": \"C\"}}\n</tool_call>"));
+  // one call only, of one named function
+  auto single = Grammar::parse(tool_calls_gbnf(tools, ToolCallSyntax::hermes, "grasp", false).value());
+  REQUIRE(single);
+  CHECK(accepts(*single, "<tool_call>\n{\"name\": \"grasp\", \"arguments\": {\"force\": 10}}\n</tool_call>"));
+  CHECK_FALSE(accepts(*single, one));
+  CHECK_FALSE(accepts(*single, two));
+  auto llama = Grammar::parse(tool_calls_gbnf(tools, ToolCallSyntax::llama3_json, "", true).value());
+  REQUIRE(llama);
+  CHECK(accepts(*llama, "{\"name\": \"grasp\", \"parameters\": {\"force\": 3}}"));
+  CHECK_FALSE(accepts(*llama, "{\"name\": \"grasp\", \"arguments\": {\"force\": 3}}"));
+  // refused: a name not in tools, a bad tool, a bad name
+  auto missing = tool_calls_gbnf(tools, ToolCallSyntax::hermes, "fly", false);
+  REQUIRE_FALSE(missing);
+  CHECK(missing.error().message.find("fly") != std::string::npos);
+  CHECK_FALSE(tool_calls_gbnf(R"([{"type": "function"}])", ToolCallSyntax::hermes, "", true));
+  CHECK_FALSE(tool_calls_gbnf(R"([{"type": "function", "function": {"name": "a b"}}])", ToolCallSyntax::hermes, "", true));
+  CHECK_FALSE(tool_calls_gbnf("[]", ToolCallSyntax::hermes, "", true));
+
+  // parsing: calls out, the rest as content; a broken call stays text
+  ParsedToolCalls parsed = parse_tool_calls("Let me check.\n" + two, ToolCallSyntax::hermes);
+  REQUIRE(parsed.calls.size() == 2);
+  CHECK(parsed.calls[0].name == "get_weather");
+  CHECK(json::parse(parsed.calls[0].arguments) == json{{"city", "Paris"}, {"unit", "C"}});
+  CHECK(parsed.calls[0].arguments.find("\"city\"") < parsed.calls[0].arguments.find("\"unit\""));  // order kept
+  CHECK(parsed.calls[1].name == "grasp");
+  CHECK(parsed.content == "Let me check.");
+  ParsedToolCalls broken = parse_tool_calls("<tool_call>\n{\"name\": 3}\n</tool_call>", ToolCallSyntax::hermes);
+  CHECK(broken.calls.empty());
+  CHECK(broken.content == "<tool_call>\n{\"name\": 3}\n</tool_call>");
+  ParsedToolCalls l3 = parse_tool_calls(" {\"name\": \"stop\", \"parameters\": {}}", ToolCallSyntax::llama3_json);
+  REQUIRE(l3.calls.size() == 1);
+  CHECK(l3.calls[0].arguments == "{}");
+  CHECK(l3.content.empty());
+  CHECK(parse_tool_calls("It is sunny.", ToolCallSyntax::llama3_json).content == "It is sunny.");
+  // the syntax from the templates themselves
+  auto read = [](const std::string& family) {
+    std::ifstream in(std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/chat_templates/" + family + ".jinja");
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  CHECK(tool_call_syntax_of(read("qwen2.5")) == ToolCallSyntax::hermes);
+  CHECK(tool_call_syntax_of(read("qwen3")) == ToolCallSyntax::hermes);
+  CHECK(tool_call_syntax_of(read("llama3.1")) == ToolCallSyntax::llama3_json);
+  CHECK(tool_call_syntax_of(read("llama3.2")) == ToolCallSyntax::llama3_json);
 }

@@ -664,7 +664,8 @@ TEST_CASE("contract: every field is implemented or refused with 400 naming it, a
   Running running;
   const std::string chat = R"("messages": [{"role": "user", "content": "hi"}], "max_tokens": 2)";
   const std::vector<std::pair<std::string, std::string>> refused = {
-      {R"({)" + chat + R"(, "tools": [{"type": "function", "function": {"name": "f"}}]})", "tools"},
+      {R"({)" + chat + R"(, "tools": [{"type": "function"}]})", "tools"},
+      {R"({)" + chat + R"(, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}})", "'g'"},
       {R"({)" + chat + R"(, "tool_choice": "required"})", "tool_choice"},
       {R"({)" + chat + R"(, "response_format": {"type": "xml"}})", "response_format"},
       {R"({)" + chat + R"(, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "ipv6"}}}})", "ipv6"},
@@ -1211,4 +1212,90 @@ TEST_CASE("structured output: response_format json_schema and json_object give J
     CAPTURE(text);
     CHECK(json::parse(text).is_object());
   }
+}
+
+TEST_CASE("function calling: tools reach the template; tool_choice required or named gives OpenAI tool_calls, streamed or not") {
+  Running running;
+  const std::string tools = R"([{"type": "function", "function": {"name": "grasp", "description": "Grasp an object",
+      "parameters": {"type": "object", "properties": {"object": {"enum": ["circle", "square", "star"]}, "force": {"type": "integer", "minimum": 1, "maximum": 10}}, "required": ["object", "force"]}}},
+      {"type": "function", "function": {"name": "stop", "parameters": {"type": "object", "properties": {}}}}])";
+  auto request = [&](const std::string& choice, bool stream) {
+    return R"({"messages": [{"role": "user", "content": "Pick up the circle."}], "max_tokens": 200, "temperature": 0,
+               "stream": )" + std::string(stream ? "true" : "false") + R"(, "tools": )" + tools + R"(, "tool_choice": )" + choice + "}";
+  };
+  auto check_call = [](const json& call, const std::string& expected_name) {
+    CHECK(call["type"] == "function");
+    CHECK(call["id"].get<std::string>().rfind("call_", 0) == 0);
+    const std::string name = call["function"]["name"];
+    if (!expected_name.empty()) CHECK(name == expected_name);
+    const json arguments = json::parse(call["function"]["arguments"].get<std::string>());  // a JSON object's text
+    CHECK(arguments.is_object());
+    if (name == "grasp") {
+      CHECK(arguments.size() == 2);
+      CHECK(arguments["force"].get<int>() >= 1);
+      CHECK(arguments["force"].get<int>() <= 10);
+    } else {
+      CHECK(name == "stop");
+    }
+  };
+  for (const std::string& choice : {std::string(R"("required")"), std::string(R"({"type": "function", "function": {"name": "grasp"}})")}) {
+    CAPTURE(choice);
+    const std::string expected = choice == R"("required")" ? "" : "grasp";
+    Reply reply = post(running, "/v1/chat/completions", request(choice, false));
+    REQUIRE_MESSAGE(reply.status == 200, reply.body.dump());
+    const json& message = reply.body["choices"][0]["message"];
+    CHECK_MESSAGE(reply.body["choices"][0]["finish_reason"] == "tool_calls", reply.body.dump());
+    CHECK(message["content"].is_null());
+    REQUIRE(message["tool_calls"].is_array());
+    REQUIRE(message["tool_calls"].size() >= 1);
+    for (const json& call : message["tool_calls"]) check_call(call, expected);
+    // streamed: the calls come as one tool_calls delta with indexes, then the finish reason
+    auto streamed = running.client().Post("/v1/chat/completions", request(choice, true), "application/json");
+    REQUIRE(streamed);
+    REQUIRE(streamed->status == 200);
+    std::istringstream events(streamed->body);
+    json calls = json::array();
+    std::string finish;
+    for (std::string line; std::getline(events, line);) {
+      if (line.rfind("data: {", 0) != 0) continue;
+      const json chunk = json::parse(line.substr(6));
+      if (chunk["choices"].empty()) continue;
+      const json& c = chunk["choices"][0];
+      if (c["delta"].contains("tool_calls"))
+        for (const json& call : c["delta"]["tool_calls"]) calls.push_back(call);
+      if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+    }
+    CHECK(finish == "tool_calls");
+    REQUIRE(calls.size() == message["tool_calls"].size());
+    for (size_t i = 0; i < calls.size(); i++) {
+      CHECK(calls[i]["index"] == i);
+      CHECK(calls[i]["function"] == message["tool_calls"][i]["function"]);  // greedy: the same calls
+    }
+  }
+  // tool_choice none: the text is never parsed for calls
+  Reply with_tools = post(running, "/v1/chat/completions", request(R"("none")", false));
+  REQUIRE(with_tools.status == 200);
+  CHECK_FALSE(with_tools.body["choices"][0]["message"].contains("tool_calls"));
+  // The tools reach a template that lists them (Qwen3's, on the tiny fixture; the captioner's template has no
+  // tools section): the prompt a request renders holds the tool's description and the template's instructions
+  std::string message;
+  kvlite_server::ParsedRequest parsed;
+  REQUIRE(kvlite_server::parse_request(true, request(R"("auto")", false), "m", 256, 256, &parsed, &message) == 200);
+  auto qwen = kvlite::Tokenizer::load(std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/models/tiny-qwen3");
+  REQUIRE(qwen);
+  auto rendered = kvlite_server::render_chat(*qwen, parsed, true);
+  REQUIRE_MESSAGE(rendered, rendered.error().message);
+  CHECK_MESSAGE(rendered->find("Grasp an object") != std::string::npos, *rendered);
+  CHECK(rendered->find("<tool_call>") != std::string::npos);
+  // auto: free text, parsed for calls in the template's syntax (this tiny captioner writes none)
+  Reply automatic = post(running, "/v1/chat/completions", request(R"("auto")", false));
+  REQUIRE(automatic.status == 200);
+  CHECK(automatic.body["choices"][0]["message"]["content"].is_string());
+  // refused: required without tools, a bad tool
+  const std::string no_tools = R"({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"})";
+  CHECK(post(running, "/v1/chat/completions", no_tools).status == 400);
+  const std::string bad_tool = R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "a b"}}]})";
+  Reply bad = post(running, "/v1/chat/completions", bad_tool);
+  CHECK(bad.status == 400);
+  CHECK(bad.body["error"]["message"].get<std::string>().find("a b") != std::string::npos);
 }

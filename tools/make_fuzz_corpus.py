@@ -215,4 +215,30 @@ for k, case in enumerate(chat_fixtures["cases"]):
     index = sorted(chat_fixtures["templates"]).index(family)
     write("chat_template", "messages_%02d" % len(seen), b"\x01" + bytes([index]) + messages.encode())
 
+# grammar: byte 0 even: GBNF after byte 1 (a walk seed); odd: a JSON schema. The example schema, the shapes an app
+# asks for, and GBNF with each construct.
+grammars = [
+    'root ::= greeting " " name ( "!" | "." )?\ngreeting ::= "hi" | "hello"\nname ::= [A-Z] [a-z]{1,3}\n',
+    'root ::= "a"{2,4} "b"* ("c" "d")+ [^x-z]? .\n',
+    'root ::= item ("," item)*\nitem ::= [0-9]+ | "\\"" [^"\\\\]* "\\""   # a comment\n',
+    'root ::= ( "move(" [0-9] "," [0-9] ")" | "stop" )\n',
+    'root ::= "caf" [\\u00E0-\\u00FF] "!" [\\x41-\\x5A]{3}\n',
+]
+for k, g in enumerate(grammars):
+    write("grammar", "gbnf_%02d" % k, b"\x00\x07" + g.encode())
+schemas = [
+    read("examples", "schemas", "shapes.json").decode(),
+    '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name"]}',
+    '{"type": "array", "items": {"type": ["number", "boolean", "null"]}, "maxItems": 4}',
+    '{"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3,4}$"}',
+    '{"type": "string", "format": "date-time"}',
+    '{"anyOf": [{"type": "integer", "minimum": -40, "maximum": 125}, {"enum": ["a", null, true]}, {"const": {"k": [1]}}]}',
+    '{"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}, "required": ["v", "next"]}}, "$ref": "#/$defs/node"}',
+    '{"type": "object", "additionalProperties": {"type": "string", "maxLength": 4}}',
+    '{"type": "array", "prefixItems": [{"type": "number"}, {"enum": ["m", "cm"]}], "items": false}',
+    '{"type": "object"}',
+]
+for k, s in enumerate(schemas):
+    write("grammar", "schema_%02d" % k, b"\x01\x03" + s.encode())
+
 print("wrote", sum(len(f) for _, _, f in os.walk(OUT)), "seed inputs under", os.path.relpath(OUT, ROOT))

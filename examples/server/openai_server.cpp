@@ -98,6 +98,7 @@ struct Channel {
   std::deque<std::string> pieces;  // text not yet sent (streaming) or gathered (not)
   bool done = false;
   bool accepted = false;  // the engine took the request: from here on, errors can only be sent as events
+  bool tools_on = false;  // the request has tools and a tool_choice other than none: the text is parsed for calls
   std::optional<HttpError> error;
   // Latency marks (steady clock) for the histograms: when it was queued, its first and latest token.
   std::chrono::steady_clock::time_point queued_at = std::chrono::steady_clock::now(), last_token_at;
@@ -222,13 +223,9 @@ void refuse_unsupported_fields(const json& body, bool chat) {
     bad("'logit_bias' is not supported yet", "logit_bias");
   if (present("user") && !body["user"].is_string()) bad("'user' must be a string", "user");
   if (chat) {
-    if (present("tools") && !(body["tools"].is_array() && body["tools"].empty()))
-      bad("'tools' (function calling) is not supported yet", "tools");
-    if (present("functions")) bad("'functions' (function calling) is not supported yet", "functions");
-    if (present("function_call")) bad("'function_call' (function calling) is not supported yet", "function_call");
-    if (present("tool_choice") && !(body["tool_choice"].is_string() && body["tool_choice"].get<std::string>() == "none") &&
-        !(body["tool_choice"].is_string() && body["tool_choice"].get<std::string>() == "auto" && !present("tools")))
-      bad("'tool_choice' other than \"none\" is not supported yet (function calling)", "tool_choice");
+    if (present("tools") && !body["tools"].is_array()) bad("'tools' must be an array", "tools");
+    if (present("functions")) bad("'functions' (the deprecated form) is not supported: send 'tools'", "functions");
+    if (present("function_call")) bad("'function_call' (the deprecated form) is not supported: send 'tool_choice'", "function_call");
     if (present("parallel_tool_calls") && !body["parallel_tool_calls"].is_boolean())
       bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls");
   } else {
@@ -534,6 +531,40 @@ ParsedRequest chat_job(const json& body, const RequestLimits& limits) {
   if (integer_field(body, "top_logprobs", 0, 20, 0) > 0)
     bad("'top_logprobs' above 0 is not supported (each token's own log-probability is: 'logprobs': true)",
         "top_logprobs");
+  // tools and tool_choice (OpenAI's function calling)
+  const bool has_tools = body.contains("tools") && body["tools"].is_array() && !body["tools"].empty();
+  if (has_tools) {
+    job.tools_json = body["tools"].dump();
+    job.tool_choice = "auto";
+    auto checked = kvlite::tool_calls_gbnf(job.tools_json, kvlite::ToolCallSyntax::hermes, "", true);
+    if (!checked) bad("'tools': " + checked.error().message, "tools");
+  }
+  if (body.contains("tool_choice") && !body["tool_choice"].is_null()) {
+    const json& choice = body["tool_choice"];
+    if (choice.is_string()) {
+      const std::string value = choice;
+      if (value != "none" && value != "auto" && value != "required")
+        bad("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice");
+      if (value != "none" && !has_tools) bad("'tool_choice' " + value + " needs 'tools'", "tool_choice");
+      job.tool_choice = value;
+    } else if (choice.is_object() && choice.value("type", "") == "function" && choice.contains("function") &&
+               choice["function"].is_object() && choice["function"].contains("name") && choice["function"]["name"].is_string()) {
+      if (!has_tools) bad("'tool_choice' names a function but there are no 'tools'", "tool_choice");
+      job.tool_choice = choice["function"]["name"].get<std::string>();
+      if (job.tool_choice == "none" || job.tool_choice == "auto" || job.tool_choice == "required")
+        bad("'tool_choice' names a function called '" + job.tool_choice + "', which kvlite reads as the keyword", "tool_choice");
+      auto named = kvlite::tool_calls_gbnf(job.tools_json, kvlite::ToolCallSyntax::hermes, job.tool_choice, false);
+      if (!named) bad("'tool_choice': " + named.error().message, "tool_choice");
+    } else {
+      bad("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice");
+    }
+  }
+  if (body.contains("parallel_tool_calls") && body["parallel_tool_calls"].is_boolean())
+    job.parallel_tool_calls = body["parallel_tool_calls"].get<bool>();
+  if ((job.tool_choice == "required" || (job.tool_choice != "none" && job.tool_choice != "auto")) &&
+      body.contains("response_format") && !body["response_format"].is_null() &&
+      body["response_format"].value("type", "text") != "text")
+    bad("'response_format' and a tool_choice that forces a call cannot both shape the output", "response_format");
   // response_format: text (nothing), json_object (any JSON object), json_schema (valid against its schema;
   // "strict" or not, the output is constrained). The schema is compiled here so a bad one is a 400 naming it.
   if (body.contains("response_format") && !body["response_format"].is_null()) {
@@ -601,6 +632,8 @@ ParsedRequest read_request(bool chat, const std::string& text, const RequestLimi
     const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(text);
     request.params.json_schema = ordered["response_format"]["json_schema"]["schema"].dump();
   }
+  if (chat && !request.tools_json.empty())  // the tools as written: their parameters' order is the calls'
+    request.tools_json = nlohmann::ordered_json::parse(text)["tools"].dump();
   return request;
 }
 
@@ -676,14 +709,47 @@ int check_request(bool chat, const std::string& body, const std::string& model_n
 
 kvlite::Result<std::string> render_chat(const kvlite::Tokenizer& tokenizer, const ParsedRequest& request,
                                         bool add_generation_prompt) {
-  if (tokenizer.has_chat_template())
-    return tokenizer.apply_chat_template(request.template_messages, add_generation_prompt);
+  if (tokenizer.has_chat_template()) {
+    // the tools reach the template as transformers passes them (the template writes their descriptions and
+    // its tool-call instructions); tool_choice none still lists them, as vLLM does
+    const std::string extra = request.tools_json.empty() ? "{}" : "{\"tools\": " + request.tools_json + "}";
+    return tokenizer.apply_chat_template(request.template_messages, add_generation_prompt, extra);
+  }
   return tokenizer.format_chat(request.messages, add_generation_prompt);
+}
+
+kvlite::ToolCallSyntax tool_syntax(const kvlite::Tokenizer& tokenizer) {
+  return kvlite::tool_call_syntax_of(tokenizer.has_chat_template() ? tokenizer.chat_template() : std::string());
+}
+
+// The answer's tool calls (OpenAI's message.tool_calls), and its content without them; none when the request
+// had no tools, or tool_choice none.
+bool tool_calls_on(const ParsedRequest& request) { return !request.tools_json.empty() && request.tool_choice != "none"; }
+
+json answer_tool_calls(bool tools_on, kvlite::ToolCallSyntax syntax, std::string& content) {
+  json calls = json::array();
+  if (!tools_on) return calls;
+  kvlite::ParsedToolCalls parsed = kvlite::parse_tool_calls(content, syntax);
+  if (parsed.calls.empty()) return calls;
+  for (const kvlite::ToolCall& call : parsed.calls)
+    calls.push_back({{"id", fresh_id("call_")}, {"type", "function"},
+                     {"function", {{"name", call.name}, {"arguments", call.arguments}}}});
+  content = parsed.content;
+  return calls;
 }
 
 kvlite::Result<kvlite::RequestId> submit_request(kvlite::Engine& engine, const ParsedRequest& request,
                                                  const kvlite::TokenCallback& on_token, int64_t* prompt_tokens) {
   std::vector<int32_t> ids;
+  kvlite::SamplingParams params = request.params;
+  if (request.chat && !request.tools_json.empty() && request.tool_choice != "none" && request.tool_choice != "auto") {
+    // required, or a named function: the output is calls, in the syntax the model's template writes
+    kvlite::Result<std::string> gbnf = kvlite::tool_calls_gbnf(request.tools_json, tool_syntax(engine.tokenizer()),
+                                                               request.tool_choice == "required" ? "" : request.tool_choice,
+                                                               request.parallel_tool_calls);
+    if (!gbnf) return gbnf.error();
+    params.grammar = std::move(*gbnf);
+  }
   if (request.chat) {
     kvlite::Result<std::string> prompt = render_chat(engine.tokenizer(), request, true);
     if (!prompt) return prompt.error();
@@ -701,7 +767,7 @@ kvlite::Result<kvlite::RequestId> submit_request(kvlite::Engine& engine, const P
     if (!input) return input.error();
     inputs.push_back(std::move(*input));
   }
-  kvlite::Result<kvlite::RequestId> id = engine.submit(ids, inputs, request.params, on_token);
+  kvlite::Result<kvlite::RequestId> id = engine.submit(ids, inputs, params, on_token);
   if (id && prompt_tokens) *prompt_tokens = int64_t(ids.size());
   return id;
 }
@@ -1186,8 +1252,15 @@ struct OpenAIServer::Impl {
     std::string text;
     for (const std::string& piece : channel.pieces) text += piece;
     json choice = {{"index", 0}, {"finish_reason", finish_reason_text(channel.finish_reason)}};
+    const json calls = chat ? answer_tool_calls(channel.tools_on, tool_syntax(engine->tokenizer()), text)
+                            : json::array();
     if (chat) choice["message"] = {{"role", "assistant"}, {"content", text}};
     else choice["text"] = text;
+    if (!calls.empty()) {  // OpenAI's form: content null when the answer is only calls
+      if (text.empty()) choice["message"]["content"] = nullptr;
+      choice["message"]["tool_calls"] = calls;
+      choice["finish_reason"] = "tool_calls";
+    }
     choice["logprobs"] = channel.logprobs;  // null unless asked for
     json body = {{"id", fresh_id(chat ? "chatcmpl-" : "cmpl-")},
                  {"object", chat ? "chat.completion" : "text_completion"},
@@ -1211,6 +1284,9 @@ struct OpenAIServer::Impl {
     const std::string id = fresh_id(chat ? "chatcmpl-" : "cmpl-");
     const int64_t created = now_seconds();
     const std::string model = options.model_name;
+    // With tools the text may be calls: it is held to the end, then sent as content or as tool_calls deltas
+    const bool tools_on = chat && channel->tools_on;
+    const kvlite::ToolCallSyntax syntax = tool_syntax(engine->tokenizer());
     auto chunk = [=](const json& delta_or_text, const json& finish_reason) {
       json choice = {{"index", 0}, {"finish_reason", finish_reason}};
       if (chat) choice["delta"] = delta_or_text;
@@ -1228,6 +1304,7 @@ struct OpenAIServer::Impl {
         return sink.write(line.data(), line.size());
       };
       bool first = true;
+      std::string held;  // tools_on: the text so far
       for (;;) {
         std::deque<std::string> pieces;
         bool done = false;
@@ -1244,6 +1321,10 @@ struct OpenAIServer::Impl {
           done = channel->done;
         }
         for (const std::string& piece : pieces) {
+          if (tools_on) {
+            held += piece;
+            continue;
+          }
           json delta = chat ? json{{"content", piece}} : json(piece);
           if (chat && first) delta["role"] = "assistant";
           first = false;
@@ -1256,7 +1337,23 @@ struct OpenAIServer::Impl {
         if (channel->error) {
           send(error_body(*channel->error));
         } else {
-          json last = chunk(chat ? json::object() : json(""), finish_reason_text(channel->finish_reason));
+          json finish = finish_reason_text(channel->finish_reason);
+          if (tools_on) {
+            const json calls = answer_tool_calls(true, syntax, held);
+            json delta = {{"role", "assistant"}};
+            if (!held.empty() || calls.empty()) delta["content"] = held;
+            if (!calls.empty()) {
+              json indexed = calls;
+              for (size_t i = 0; i < indexed.size(); i++) indexed[i]["index"] = i;  // the streamed form's index
+              delta["tool_calls"] = indexed;
+              finish = "tool_calls";
+            }
+            if (!send(chunk(delta, nullptr))) {
+              channel->abandoned.store(true);
+              return false;
+            }
+          }
+          json last = chunk(chat ? json::object() : json(""), finish);
           if (!send(last)) {
             channel->abandoned.store(true);
             return false;
@@ -1294,6 +1391,7 @@ struct OpenAIServer::Impl {
       const bool streaming = job.request.stream, include_usage = job.request.include_usage;
       job.channel = std::make_shared<Channel>();
       job.channel->chat = chat;
+      job.channel->tools_on = chat && tool_calls_on(job.request);
       Job waiting_for{};
       waiting_for.channel = job.channel;
       auto client = std::make_shared<const ClientSocket>(request);

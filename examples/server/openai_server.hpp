@@ -92,6 +92,13 @@ struct ParsedRequest {
   std::vector<kvlite::Image> images;          // decoded from the messages' data: URIs
   kvlite::SamplingParams params;              // every field within the server's and kvlite::validate's ranges
   bool stream = false, include_usage = false;
+  // Function calling: the `tools` array as the client wrote it (JSON, "" for none), tool_choice as "none",
+  // "auto", "required" or a function's name, and parallel_tool_calls. With tools and a tool_choice other than
+  // none the answer's calls are parsed out of the text (finish_reason "tool_calls"); "required" and a named
+  // function constrain the output to calls in the model's syntax (kvlite::tool_calls_gbnf).
+  std::string tools_json;
+  std::string tool_choice = "none";
+  bool parallel_tool_calls = true;
 };
 // Reads `body` with the server's checks (the library's JSON limits first): 200 and *out (may be NULL) filled
 // when it would be queued, else the HTTP status and, in *message, why. max_tokens_cap bounds max_tokens;
