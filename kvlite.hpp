@@ -3002,6 +3002,14 @@ class GrammarMasker {
   // context's end). Not remembered (it depends on the budget); the engine asks only when mask's most_after says
   // some token would break the budget.
   void mask_within(const GrammarState& state, int64_t budget, TokenMask& out);
+  // What the engine asks each step: mask(state) when every allowed token leaves at most `budget` bytes to
+  // complete (or budget < 0: no budget), else the tokens of it that do. Remembered per state with the mask: the
+  // few tokens that leave more than kHeavyMargin bytes beyond the state's own shortest completion (a token that
+  // opens a long required object), so a budget above that margin costs a copy of the mask, not a trie walk;
+  // closer to the end it walks (mask_within). `scratch` holds the result when it is not the remembered mask.
+  const TokenMask& mask_for_budget(const GrammarState& state, int64_t budget, TokenMask& scratch);
+  static constexpr int64_t kHeavyMargin = 32;
+  static constexpr size_t kMaxHeavy = 4096;  // past it a state's heavy tokens are not listed (walk instead)
   int64_t masks_computed() const { return computed_; }
   int64_t masks_reused() const { return reused_; }
   const Grammar& grammar() const { return *grammar_; }
@@ -3013,12 +3021,16 @@ class GrammarMasker {
   struct Entry {
     int64_t last_use = 0;
     int64_t most_after = 0;
+    int64_t shortest = 0;                                // the state's own min_completion
+    std::vector<std::pair<int64_t, int32_t>> heavy;      // (bytes left after, id) past shortest + kHeavyMargin
+    bool heavy_listed = true;                            // false: more than kMaxHeavy of them
     TokenMask mask;
   };
   std::unordered_map<std::string, Entry> cache_;  // state key -> its mask
   int64_t clock_ = 0, computed_ = 0, reused_ = 0;
   // The trie walk: the tokens readable from `state` (and leaving at most `budget` to complete, when >= 0).
-  int64_t compute(const GrammarState& state, int64_t budget, TokenMask& mask);
+  int64_t compute(const GrammarState& state, int64_t budget, TokenMask& mask, Entry* entry = nullptr);
+  Entry& entry(const GrammarState& state);
 };
 
 // ---- tool calls ----------------------------------------------------------------------------------------------
@@ -20125,20 +20137,28 @@ std::string Grammar::json_object_gbnf() {
 namespace detail {
 namespace gbnf {
 
+// Where expand writes stacks: the first `count` entries of `out`, whose vectors (and their capacity) are reused
+// from one step to the next, so that the vocabulary walk allocates little once warm.
+struct StackSink {
+  std::vector<std::vector<int32_t>>& out;
+  size_t count = 0;
+  bool put(const std::vector<int32_t>& stack) {
+    if (count < out.size()) out[count].assign(stack.begin(), stack.end());
+    else out.push_back(stack);
+    count++;
+    return int64_t(count) <= limits::max_grammar_stacks * 4;
+  }
+  void finish() { out.resize(count); }
+};
+
 // Expands `stack` until its top is a character set (or it is empty: the sentence may end), adding each
 // result to `out`. False when a bound is passed.
-inline bool expand(const Grammar& g, std::vector<int32_t>& stack, std::vector<std::vector<int32_t>>& out) {
+inline bool expand(const Grammar& g, std::vector<int32_t>& stack, StackSink& out) {
   if (int64_t(stack.size()) > limits::max_grammar_depth) return false;
-  if (stack.empty()) {
-    out.push_back(stack);
-    return int64_t(out.size()) <= limits::max_grammar_stacks * 4;
-  }
+  if (stack.empty()) return out.put(stack);
   const int32_t top = stack.back();
   const Grammar::Element& e = g.elements[size_t(top)];
-  if (e.kind == Grammar::Element::chars) {
-    out.push_back(stack);
-    return int64_t(out.size()) <= limits::max_grammar_stacks * 4;
-  }
+  if (e.kind == Grammar::Element::chars) return out.put(stack);
   if (e.kind == Grammar::Element::end) {  // not pushed by the code below; kept total
     stack.pop_back();
     const bool ok = expand(g, stack, out);
@@ -20171,8 +20191,9 @@ inline bool normalize(std::vector<std::vector<int32_t>>& stacks) {
 // Stacks after reading code point cp.
 inline bool step(const Grammar& g, const std::vector<std::vector<int32_t>>& in, uint32_t cp,
                  std::vector<std::vector<int32_t>>& out) {
-  out.clear();
-  std::vector<int32_t> moved;
+  StackSink sink{out, 0};
+  thread_local std::vector<int32_t> moved;
+  bool ok = true;
   for (const auto& stack : in) {
     if (stack.empty()) continue;
     const Grammar::Element& e = g.elements[size_t(stack.back())];
@@ -20180,9 +20201,13 @@ inline bool step(const Grammar& g, const std::vector<std::vector<int32_t>>& in, 
     moved.assign(stack.begin(), stack.end() - 1);
     const int32_t next = stack.back() + 1;
     if (g.elements[size_t(next)].kind != Grammar::Element::end) moved.push_back(next);
-    if (!expand(g, moved, out)) return false;
+    if (!expand(g, moved, sink)) {
+      ok = false;
+      break;
+    }
   }
-  return normalize(out);
+  sink.finish();
+  return ok && normalize(out);
 }
 
 // Length of a UTF-8 character from its lead byte (0: not a lead byte).
@@ -20270,13 +20295,13 @@ inline std::string state_key(const GrammarState& s) {
 }  // namespace detail
 
 GrammarMatcher::GrammarMatcher(std::shared_ptr<const Grammar> grammar) : grammar_(std::move(grammar)) {
-  std::vector<int32_t> start{};
-  // the start: root's alternatives, as a reference to root would expand
+  detail::gbnf::StackSink sink{state_.stacks, 0};
   for (int32_t alt : grammar_->rules[size_t(grammar_->root)]) {
     std::vector<int32_t> stack;
     if (grammar_->elements[size_t(alt)].kind != Grammar::Element::end) stack.push_back(alt);
-    detail::gbnf::expand(*grammar_, stack, state_.stacks);
+    if (!detail::gbnf::expand(*grammar_, stack, sink)) break;  // (a start past the bounds: what was expanded)
   }
+  sink.finish();
   detail::gbnf::normalize(state_.stacks);
 }
 
@@ -20378,9 +20403,10 @@ GrammarVocabulary::GrammarVocabulary(const std::vector<std::string>& token_bytes
 GrammarMasker::GrammarMasker(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary)
     : grammar_(std::move(grammar)), vocabulary_(std::move(vocabulary)) {}
 
-int64_t GrammarMasker::compute(const GrammarState& state, int64_t budget, TokenMask& mask) {
+int64_t GrammarMasker::compute(const GrammarState& state, int64_t budget, TokenMask& mask, Entry* entry) {
   const GrammarVocabulary& v = *vocabulary_;
   int64_t most_after = 0;
+  const int64_t heavy_above = entry ? entry->shortest + kHeavyMargin : Grammar::kNever;
   mask.assign(size_t((v.size() + 63) / 64), 0);
   // states[d]: after the first d bytes of the node path being visited (states[0] = `state`)
   std::vector<GrammarState> states(1, state);
@@ -20397,6 +20423,13 @@ int64_t GrammarMasker::compute(const GrammarState& state, int64_t budget, TokenM
     if (node.tokens_begin < node.tokens_end) {
       const int64_t after = GrammarMatcher::min_completion(*grammar_, states[depth]);
       most_after = std::max(most_after, after);
+      if (after > heavy_above && entry->heavy_listed) {
+        for (int32_t t = node.tokens_begin; t < node.tokens_end; t++) entry->heavy.push_back({after, v.token_ids[size_t(t)]});
+        if (entry->heavy.size() > kMaxHeavy) {
+          entry->heavy_listed = false;
+          entry->heavy.clear();
+        }
+      }
       if (budget < 0 || after <= budget)
         for (int32_t t = node.tokens_begin; t < node.tokens_end; t++) {
           const int32_t id = v.token_ids[size_t(t)];
@@ -20409,18 +20442,38 @@ int64_t GrammarMasker::compute(const GrammarState& state, int64_t budget, TokenM
 }
 
 void GrammarMasker::mask_within(const GrammarState& state, int64_t budget, TokenMask& out) {
+  computed_++;
   compute(state, std::max<int64_t>(budget, 0), out);
 }
 
+const TokenMask& GrammarMasker::mask_for_budget(const GrammarState& state, int64_t budget, TokenMask& scratch) {
+  Entry& e = entry(state);
+  if (budget < 0 || e.most_after <= budget) return e.mask;
+  if (e.heavy_listed && budget >= e.shortest + kHeavyMargin) {
+    // every token not listed leaves at most shortest + margin <= budget: drop the listed ones over it
+    scratch = e.mask;
+    for (const auto& h : e.heavy)
+      if (h.first > budget) scratch[size_t(h.second) / 64] &= ~(uint64_t(1) << (h.second % 64));
+    return scratch;
+  }
+  mask_within(state, budget, scratch);
+  return scratch;
+}
+
 const TokenMask& GrammarMasker::mask(const GrammarState& state, int64_t* most_after) {
+  Entry& e = entry(state);
+  if (most_after) *most_after = e.most_after;
+  return e.mask;
+}
+
+GrammarMasker::Entry& GrammarMasker::entry(const GrammarState& state) {
   const std::string key = detail::gbnf::state_key(state);
   clock_++;
   auto it = cache_.find(key);
   if (it != cache_.end()) {
     reused_++;
     it->second.last_use = clock_;
-    if (most_after) *most_after = it->second.most_after;
-    return it->second.mask;
+    return it->second;
   }
   if (int64_t(cache_.size()) >= limits::max_grammar_masks) {
     // drop the least recently used half
@@ -20433,9 +20486,9 @@ const TokenMask& GrammarMasker::mask(const GrammarState& state, int64_t* most_af
   computed_++;
   Entry& slot = cache_[key];
   slot.last_use = clock_;
-  slot.most_after = compute(state, -1, slot.mask);
-  if (most_after) *most_after = slot.most_after;
-  return slot.mask;
+  slot.shortest = GrammarMatcher::min_completion(*grammar_, state);
+  slot.most_after = compute(state, -1, slot.mask, &slot);
+  return slot;
 }
 
 }  // namespace kvlite
@@ -23405,25 +23458,19 @@ struct Engine::Impl {
   // it is complete). False, and the request finished, when no token is left (a grammar whose next character no
   // token of this vocabulary writes): it ends as complete if it is, else as cut by length.
   bool constrain_row(detail::EngineRequest& r, float* row, int64_t vocab) {
-    int64_t most_after = 0;
     const auto started = std::chrono::steady_clock::now();
     const int64_t computed_before = r.masker->masks_computed();
-    const TokenMask* allowed = &r.masker->mask(r.matcher->state(), &most_after);
-    stats.grammar_rows++;
-    stats.grammar_masks_computed += r.masker->masks_computed() - computed_before;
     // The tokens left, this one included (max_tokens, or the context's end): a token that leaves more bytes to
     // complete the sentence than tokens remain after it is not allowed, so the output is whole whenever a
     // token per byte can finish it (byte-level vocabularies), even when max_tokens cuts it.
     const int64_t left = std::min(r.params.max_tokens - int64_t(r.result.ids.size()),
                                   max_model_len() - int64_t(r.tokens.size()));
     // (when even the shortest completion does not fit, the plain mask: the output is cut, as without a grammar)
-    if (most_after > left - 1 && r.matcher->min_completion() <= left) {
-      r.masker->mask_within(r.matcher->state(), left - 1, budget_mask);
-      allowed = &budget_mask;
-      stats.grammar_masks_computed++;
-    }
+    const int64_t budget = r.matcher->min_completion() <= left ? left - 1 : -1;
+    const TokenMask& mask = r.masker->mask_for_budget(r.matcher->state(), budget, budget_mask);
+    stats.grammar_rows++;
+    stats.grammar_masks_computed += r.masker->masks_computed() - computed_before;
     stats.grammar_mask_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    const TokenMask& mask = *allowed;
     const bool complete = r.matcher->complete();
     // the end-of-turn tokens' logits, put back after the mask when the sentence may end here
     stop_logits.clear();

@@ -512,13 +512,13 @@ void walk(const kvlite::Grammar& g, const std::shared_ptr<const kvlite::Grammar>
     const TokenMask* allowed = &masker.mask(matcher.state(), &most_after);
     const double mask_us = us_since(t0);
     double budget_us = 0;
-    const int64_t left = max_tokens - n;  // the engine's rule (constrain_row)
-    if (most_after > left - 1) {
+    const int64_t left = max_tokens - n;  // the engine's rule (constrain_row): mask_for_budget
+    if (most_after > left - 1 && GrammarMatcher::min_completion(g, matcher.state()) <= left) {
       auto tb = Clock::now();
-      masker.mask_within(matcher.state(), left - 1, budget_mask);
+      const TokenMask& within = masker.mask_for_budget(matcher.state(), left - 1, budget_mask);
       budget_us = us_since(tb);
-      if (budget_mask == *allowed) out.budget_same++;  // it cut nothing
-      allowed = &budget_mask;
+      if (within == *allowed) out.budget_same++;  // it cut nothing
+      allowed = &within;
       out.budget.push_back(budget_us);
     }
     std::memcpy(row.data(), logits.data(), sizeof(float) * size_t(kVocab));

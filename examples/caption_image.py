@@ -37,7 +37,8 @@ class Sampling(ctypes.Structure):
                 ("seed", ctypes.c_uint64), ("max_tokens", ctypes.c_int64),
                 ("stop_tokens", ctypes.POINTER(ctypes.c_int32)), ("n_stop_tokens", ctypes.c_size_t),
                 ("stop_strings", ctypes.POINTER(ctypes.c_char_p)), ("n_stop_strings", ctypes.c_size_t),
-                ("ignore_eos", ctypes.c_int32)]
+                ("ignore_eos", ctypes.c_int32), ("request_out", ctypes.POINTER(ctypes.c_int64)),
+                ("grammar", ctypes.c_char_p), ("json_schema", ctypes.c_char_p)]
 
 
 class Generation(ctypes.Structure):
@@ -106,6 +107,11 @@ def main():
         return failed(status)
     options = Options()
     lib.kvlite_options_init(ctypes.byref(options))
+    # *_init writes the C struct's size: a mirror that lags the header is found here, not as a wrong field later
+    if options.struct_size != ctypes.sizeof(Options):
+        print(f"caption_image.py: Options is {ctypes.sizeof(Options)} bytes, kvlite_options is {options.struct_size}: "
+              "update the mirror to kvlite.hpp's", file=sys.stderr)
+        return 1
     options.backend = BACKENDS[args.backend]
     engine = ctypes.c_void_p()
     status = lib.kvlite_open(args.model_dir.encode(), ctypes.byref(options), None, None, ctypes.byref(engine))
@@ -115,6 +121,10 @@ def main():
     try:
         sampling = Sampling()
         lib.kvlite_sampling_init(ctypes.byref(sampling))  # greedy
+        if sampling.struct_size != ctypes.sizeof(Sampling):
+            print(f"caption_image.py: Sampling is {ctypes.sizeof(Sampling)} bytes, kvlite_sampling is "
+                  f"{sampling.struct_size}: update the mirror to kvlite.hpp's", file=sys.stderr)
+            return 1
         sampling.max_tokens = args.max_tokens
 
         @TOKEN_FN

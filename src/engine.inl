@@ -470,25 +470,19 @@ struct Engine::Impl {
   // it is complete). False, and the request finished, when no token is left (a grammar whose next character no
   // token of this vocabulary writes): it ends as complete if it is, else as cut by length.
   bool constrain_row(detail::EngineRequest& r, float* row, int64_t vocab) {
-    int64_t most_after = 0;
     const auto started = std::chrono::steady_clock::now();
     const int64_t computed_before = r.masker->masks_computed();
-    const TokenMask* allowed = &r.masker->mask(r.matcher->state(), &most_after);
-    stats.grammar_rows++;
-    stats.grammar_masks_computed += r.masker->masks_computed() - computed_before;
     // The tokens left, this one included (max_tokens, or the context's end): a token that leaves more bytes to
     // complete the sentence than tokens remain after it is not allowed, so the output is whole whenever a
     // token per byte can finish it (byte-level vocabularies), even when max_tokens cuts it.
     const int64_t left = std::min(r.params.max_tokens - int64_t(r.result.ids.size()),
                                   max_model_len() - int64_t(r.tokens.size()));
     // (when even the shortest completion does not fit, the plain mask: the output is cut, as without a grammar)
-    if (most_after > left - 1 && r.matcher->min_completion() <= left) {
-      r.masker->mask_within(r.matcher->state(), left - 1, budget_mask);
-      allowed = &budget_mask;
-      stats.grammar_masks_computed++;
-    }
+    const int64_t budget = r.matcher->min_completion() <= left ? left - 1 : -1;
+    const TokenMask& mask = r.masker->mask_for_budget(r.matcher->state(), budget, budget_mask);
+    stats.grammar_rows++;
+    stats.grammar_masks_computed += r.masker->masks_computed() - computed_before;
     stats.grammar_mask_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    const TokenMask& mask = *allowed;
     const bool complete = r.matcher->complete();
     // the end-of-turn tokens' logits, put back after the mask when the sentence may end here
     stop_logits.clear();

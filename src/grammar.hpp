@@ -167,6 +167,14 @@ class GrammarMasker {
   // context's end). Not remembered (it depends on the budget); the engine asks only when mask's most_after says
   // some token would break the budget.
   void mask_within(const GrammarState& state, int64_t budget, TokenMask& out);
+  // What the engine asks each step: mask(state) when every allowed token leaves at most `budget` bytes to
+  // complete (or budget < 0: no budget), else the tokens of it that do. Remembered per state with the mask: the
+  // few tokens that leave more than kHeavyMargin bytes beyond the state's own shortest completion (a token that
+  // opens a long required object), so a budget above that margin costs a copy of the mask, not a trie walk;
+  // closer to the end it walks (mask_within). `scratch` holds the result when it is not the remembered mask.
+  const TokenMask& mask_for_budget(const GrammarState& state, int64_t budget, TokenMask& scratch);
+  static constexpr int64_t kHeavyMargin = 32;
+  static constexpr size_t kMaxHeavy = 4096;  // past it a state's heavy tokens are not listed (walk instead)
   int64_t masks_computed() const { return computed_; }
   int64_t masks_reused() const { return reused_; }
   const Grammar& grammar() const { return *grammar_; }
@@ -178,12 +186,16 @@ class GrammarMasker {
   struct Entry {
     int64_t last_use = 0;
     int64_t most_after = 0;
+    int64_t shortest = 0;                                // the state's own min_completion
+    std::vector<std::pair<int64_t, int32_t>> heavy;      // (bytes left after, id) past shortest + kHeavyMargin
+    bool heavy_listed = true;                            // false: more than kMaxHeavy of them
     TokenMask mask;
   };
   std::unordered_map<std::string, Entry> cache_;  // state key -> its mask
   int64_t clock_ = 0, computed_ = 0, reused_ = 0;
   // The trie walk: the tokens readable from `state` (and leaving at most `budget` to complete, when >= 0).
-  int64_t compute(const GrammarState& state, int64_t budget, TokenMask& mask);
+  int64_t compute(const GrammarState& state, int64_t budget, TokenMask& mask, Entry* entry = nullptr);
+  Entry& entry(const GrammarState& state);
 };
 
 // ---- tool calls ----------------------------------------------------------------------------------------------

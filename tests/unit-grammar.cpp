@@ -393,6 +393,22 @@ TEST_CASE("grammar: the trie mask equals each token checked on its own, in every
         bool whole = false;
         for (const auto& stack : walk.stacks) whole = whole || stack.empty();
         CHECK(whole);
+        // the engine's budget mask: the remembered heavy tokens or a walk give the same tokens as a walk
+        for (int64_t budget : {int64_t(0), int64_t(3), int64_t(12), int64_t(40), int64_t(80)}) {
+          TokenMask within, scratch;
+          masker.mask_within(m.state(), budget, within);
+          const TokenMask& fast = masker.mask_for_budget(m.state(), budget, scratch);
+          int64_t most = 0;
+          masker.mask(m.state(), &most);
+          CHECK((most <= budget ? fast == mask : fast == within));
+          for (size_t id = 0; id < vocab.size(); id++) {
+            GrammarState next;
+            const bool expect = token_mask_allows(mask, int32_t(id)) &&
+                                GrammarMatcher::advance(*grammar, m.state(), vocab[id], next) &&
+                                GrammarMatcher::min_completion(*grammar, next) <= budget;
+            CHECK(token_mask_allows(within, int32_t(id)) == expect);
+          }
+        }
         if (allowed.empty()) break;
         REQUIRE(m.accept(vocab[size_t(allowed[rng() % allowed.size()])]));
       }
