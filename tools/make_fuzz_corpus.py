@@ -224,8 +224,6 @@ grammars = [
     'root ::= ( "move(" [0-9] "," [0-9] ")" | "stop" )\n',
     'root ::= "caf" [\\u00E0-\\u00FF] "!" [\\x41-\\x5A]{3}\n',
 ]
-for k, g in enumerate(grammars):
-    write("grammar", "gbnf_%02d" % k, b"\x00\x07" + g.encode())
 schemas = [
     read("examples", "schemas", "shapes.json").decode(),
     '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name"]}',
@@ -238,7 +236,8 @@ schemas = [
     '{"type": "array", "prefixItems": [{"type": "number"}, {"enum": ["m", "cm"]}], "items": false}',
     '{"type": "object"}',
 ]
-for k, s in enumerate(schemas):
-    write("grammar", "schema_%02d" % k, b"\x01\x03" + s.encode())
+for kind, prefix, texts in (("gbnf", b"\x00\x07", grammars), ("schema", b"\x01\x03", schemas)):
+    for k, text in enumerate(texts):
+        write("grammar", "%s_%02d" % (kind, k), prefix + text.encode())
 
 print("wrote", sum(len(f) for _, _, f in os.walk(OUT)), "seed inputs under", os.path.relpath(OUT, ROOT))
