@@ -10,6 +10,7 @@ The client comes from the project-local .venv-test/ (tools/install-test-client.s
 test`): without it, exit 77 (ctest: skipped), saying so -- except where CI=true, where that is a failure.
 """
 import base64
+import json
 import os
 import signal
 import subprocess
@@ -94,8 +95,34 @@ def main():
 
         refused(openai.NotFoundError, "an unknown model", model="gpt-4")
         refused(openai.BadRequestError, "temperature 9", temperature=9)
-        refused(openai.BadRequestError, "tools (not implemented: refused, never ignored)",
-                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+        refused(openai.BadRequestError, "tool_choice required without tools", tool_choice="required")
+        refused(openai.BadRequestError, "a tool name kvlite cannot write (refused, never ignored)",
+                tools=[{"type": "function", "function": {"name": "a b", "parameters": {"type": "object"}}}])
+
+        # Structured output as the client sends it: response_format json_schema, and tools with tool_choice required
+        schema = {"type": "object", "properties": {"shape": {"enum": ["circle", "square", "triangle", "star"]},
+                                                   "count": {"type": "integer", "minimum": 1, "maximum": 3}},
+                  "required": ["shape", "count"]}
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Describe the scene."}], max_tokens=64, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "scene", "schema": schema, "strict": True}})
+        try:
+            value = json.loads(reply.choices[0].message.content)
+            ok = (set(value) == {"shape", "count"} and value["shape"] in schema["properties"]["shape"]["enum"]
+                  and 1 <= value["count"] <= 3)
+        except ValueError:
+            ok = False
+        check(ok, f"response_format json_schema: {reply.choices[0].message.content!r}")
+        tools = [{"type": "function", "function": {"name": "grasp", "description": "Grasp an object", "parameters": {
+            "type": "object", "properties": {"object": {"enum": ["circle", "square"]}}, "required": ["object"]}}}]
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick it up."}],
+                                               max_tokens=200, temperature=0, tools=tools, tool_choice="required")
+        message = reply.choices[0].message
+        calls = message.tool_calls or []
+        ok = (reply.choices[0].finish_reason == "tool_calls" and len(calls) >= 1 and message.content is None
+              and all(c.type == "function" and c.function.name == "grasp"
+                      and json.loads(c.function.arguments)["object"] in ("circle", "square") for c in calls))
+        check(ok, f"tools with tool_choice required: {[(c.function.name, c.function.arguments) for c in calls]}")
         refused(openai.BadRequestError, "presence_penalty 1", presence_penalty=1.0)
         refused(openai.BadRequestError, "a streamed prompt longer than the context (400 before the stream)",
                 messages=[{"role": "user", "content": "a " * 20000}], stream=True)

@@ -1214,7 +1214,7 @@ TEST_CASE("structured output: response_format json_schema and json_object give J
   }
 }
 
-TEST_CASE("function calling: tools reach the template; tool_choice required or named gives OpenAI tool_calls, streamed or not") {
+TEST_CASE("function calling: tools reach the template, tool_choice required or named gives OpenAI tool_calls, streamed or not") {
   Running running;
   const std::string tools = R"([{"type": "function", "function": {"name": "grasp", "description": "Grasp an object",
       "parameters": {"type": "object", "properties": {"object": {"enum": ["circle", "square", "star"]}, "force": {"type": "integer", "minimum": 1, "maximum": 10}}, "required": ["object", "force"]}}},
