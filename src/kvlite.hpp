@@ -49,6 +49,7 @@
 #include "backend_cpu.inl"
 #include "model.inl"
 #include "vision.inl"
+#include "upload.inl"
 #include "engine.inl"
 #include "backend_cuda.inl"
 #include "c_api.inl"
