@@ -1,9 +1,8 @@
-// engine: implementation. The scheduler in one paragraph: requests wait in a FIFO queue and run in start
-// order; every step first gives each running request its next tokens (one when decoding, a chunk when
-// prefilling), preempting the most recently started one when the KV pages run out, then admits waiting
-// requests while slots, pages and the step's token budget last. The step's tokens go through the model in
+// engine: implementation. Each step, the scheduler (scheduler.inl) picks the requests that run and how many of
+// their tokens; speculative decoding may add drafted tokens. The step's tokens go through the model in
 // one forward pass; the rows whose logits someone wants (the last row of a generating sequence, every target
 // of a scoring window, every row of a logits request) are projected a chunk at a time and handed out.
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -56,69 +55,6 @@ inline void widen_to_float(const void* data, DType dtype, size_t count, float* o
     }
   }
 }
-
-enum class RequestKind { generate, score, logits };
-
-// A run of one image's tokens in a request: tokens [first, first + count) take feature rows [feature_row, +count).
-struct ImageSpan {
-  int64_t first = 0, count = 0, feature_row = 0;
-};
-
-// A prompt whose <|image_pad|> placeholders are expanded, with what the model needs for its images.
-struct VisionPrompt {
-  std::vector<int32_t> ids;
-  std::vector<int32_t> mrope;  // [3, ids] (empty without images)
-  int64_t rope_delta = 0;
-  std::vector<ImageSpan> image_spans;
-  ImageFeatures features;
-};
-
-struct EngineRequest {
-  RequestId id = 0;
-  RequestKind kind = RequestKind::generate;
-  std::vector<int32_t> tokens;  // what the model reads: the prompt (or window), then each generated id
-  int64_t computed = 0;         // tokens whose K/V are in the cache (0 again after a preemption)
-  int32_t slot = -1;            // KV pool slot while running
-  bool finished = false;
-
-  // generate
-  SamplingParams params;
-  Rng rng;
-  TokenCallback on_token;
-  std::optional<StreamingDecoder> decoder;
-  std::string text;    // decoded so far (cut at a stop string)
-  size_t emitted = 0;  // bytes of `text` handed to on_token
-  Generation result;
-  // Constrained decoding: the compiled grammar's masks (shared by the requests with the same grammar) and
-  // this request's parse state after its output so far.
-  std::shared_ptr<GrammarMasker> masker;
-  std::optional<GrammarMatcher> matcher;
-  // Speculative decoding: the tokens drafted for the step being run (appended to `tokens` while it runs),
-  // `draft_base` the index in `tokens` of the last token before them; once a draft is rejected the request's
-  // later rows in the step are ignored (their K/V is overwritten later).
-  std::vector<int32_t> drafts;
-  int64_t draft_base = 0;
-  bool draft_rejected = false;
-  // A draft model: tokens whose K/V the draft's cache holds (in this request's pages; 0 again after a preemption,
-  // and for a new request, whose cached prefix holds only the target's for sure), and the drafts this step wants.
-  int64_t draft_computed = 0;
-  int64_t draft_wanted = 0;
-  // Prefix caching: the keys of this request's full pages so far (page_key), and how many of its pages are in the
-  // cache (taken from it at admission, or entered once computed).
-  std::vector<uint64_t> page_keys;
-  int64_t registered_pages = 0;
-
-  // score and logits: rows [want_begin, want_end) of `tokens` have their logits consumed
-  int64_t want_begin = 0, want_end = 0;
-  double* logprobs = nullptr;  // score: logprobs[p + 1] = log p(tokens[p + 1] | tokens[0..p])
-  float* logits = nullptr;     // logits: [tokens, V]
-
-  // A vision model's prompt (qwen3_vl). Tokens past the prompt's positions have index + rope_delta.
-  std::vector<int32_t> mrope;   // [3, prompt tokens]: rows t, h, w (get_rope_index); empty: position = index
-  int64_t rope_delta = 0;
-  std::vector<ImageSpan> image_spans;  // runs of image tokens in `tokens`
-  ImageFeatures features;              // their rows, in token order
-};
 
 }  // namespace detail
 
@@ -176,21 +112,13 @@ struct Engine::Impl {
 
   RequestId next_id = 1;
   std::map<RequestId, std::unique_ptr<detail::EngineRequest>> requests;
-  bool prefix_cache = false;
-  std::vector<int32_t> attach_pages;  // [max_pages_per_seq]: a cached prefix's pages, found at admission
-  std::deque<detail::EngineRequest*> waiting;  // FIFO; preempted requests go back to the front
-  std::vector<detail::EngineRequest*> running;  // in start order: the last one is preempted first
+  detail::Scheduler scheduler;  // the queues, and each step's requests (admission, chunked prefill, preemption)
 
   // Host staging of one step, sized once (Tmax tokens, Smax sequences).
-  struct Scheduled {
-    detail::EngineRequest* request;
-    int64_t tokens;
-  };
   struct RowOwner {
     detail::EngineRequest* request;
     int64_t position;  // index into request->tokens
   };
-  std::vector<Scheduled> scheduled;           // capacity Smax
   std::vector<int32_t> token_ids, slots, logit_row_ids;  // [Tmax]
   std::vector<int32_t> positions;             // [position_rows, Tmax] (packed to [position_rows, T] per step)
   int64_t position_rows = 1;                  // 3 for M-RoPE (qwen3_vl)
@@ -254,7 +182,7 @@ struct Engine::Impl {
     request->tokens = std::move(tokens);
     detail::EngineRequest& r = *request;
     requests[r.id] = std::move(request);
-    waiting.push_back(&r);
+    scheduler.enqueue(r);
     return r;
   }
 
@@ -515,13 +443,7 @@ struct Engine::Impl {
   // Takes r out of the queues and gives its slot and pages back.
   void retire(detail::EngineRequest& r) {
     r.finished = true;
-    if (r.slot >= 0) {
-      Status freed = pool().seq_free(r.slot);
-      if (!freed) throw freed.error();
-      r.slot = -1;
-    }
-    running.erase(std::remove(running.begin(), running.end(), &r), running.end());
-    waiting.erase(std::remove(waiting.begin(), waiting.end(), &r), waiting.end());
+    scheduler.release(r);
   }
 
   void finish(detail::EngineRequest& r, FinishReason reason) {
@@ -572,9 +494,7 @@ struct Engine::Impl {
 
   // Every unfinished request ends (cancel, or an error mid-step): pages and slots go back to the pool.
   void abort_all() {
-    std::vector<detail::EngineRequest*> live(running.begin(), running.end());
-    live.insert(live.end(), waiting.begin(), waiting.end());
-    for (detail::EngineRequest* r : live) {
+    for (detail::EngineRequest* r : scheduler.unfinished()) {
       if (r->kind == detail::RequestKind::generate) {
         finish(*r, FinishReason::cancelled);
       } else {
@@ -584,146 +504,6 @@ struct Engine::Impl {
   }
 
   // ---- the step ----------------------------------------------------------------------------------------
-
-  // ---- prefix cache --------------------------------------------------------------------------------------------
-  // Page i's key chains page i - 1's with every token of page i: its id and, for a vision prompt, its M-RoPE
-  // position (t, h, w) and, for an image token, the bits of its image features (every level), so that equal keys
-  // mean equal K/V. 64-bit splitmix mixing: a false match is a 2^-64 event per lookup.
-  static uint64_t mix(uint64_t h, uint64_t value) {
-    uint64_t z = h ^ (value + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  uint64_t page_key(detail::EngineRequest& r, int64_t page) {
-    const int64_t page_tokens = pool().page_tokens();
-    const int64_t prompt = int64_t(r.mrope.size()) / 3;  // vision prompts: positions recorded for these
-    while (int64_t(r.page_keys.size()) <= page) {
-      const int64_t i = int64_t(r.page_keys.size());
-      uint64_t h = i == 0 ? 0x6b766c6974650001ull : r.page_keys.back();
-      for (int64_t p = i * page_tokens; p < (i + 1) * page_tokens; p++) {
-        h = mix(h, uint32_t(r.tokens[size_t(p)]));
-        if (r.mrope.empty()) continue;
-        for (int64_t axis = 0; axis < 3; axis++)
-          h = mix(h, uint64_t(p < prompt ? r.mrope[size_t(axis * prompt + p)] : p + r.rope_delta));
-        for (const detail::ImageSpan& span : r.image_spans) {
-          if (p < span.first || p >= span.first + span.count) continue;
-          const int64_t row = span.feature_row + (p - span.first), hidden = r.features.hidden;
-          for (int64_t level = 0; level < r.features.levels; level++) {
-            const float* v = r.features.values.data() + (level * r.features.tokens + row) * hidden;
-            for (int64_t c = 0; c < hidden; c++) {
-              uint32_t bits;
-              memcpy(&bits, &v[c], 4);
-              h = mix(h, bits);
-            }
-          }
-        }
-      }
-      r.page_keys.push_back(h);
-    }
-    return r.page_keys[size_t(page)];
-  }
-
-  // A new generate request's longest cached prefix of whole pages, attached to its slot: those tokens count as
-  // computed. The last token is always computed (its logits are what the request needs).
-  void attach_cached_prefix(detail::EngineRequest& r) {
-    if (!prefix_cache || r.kind != detail::RequestKind::generate) return;
-    const int64_t page_tokens = pool().page_tokens();
-    const int64_t most = std::min<int64_t>((int64_t(r.tokens.size()) - 1) / page_tokens, int64_t(attach_pages.size()));
-    int64_t hits = 0;
-    while (hits < most) {
-      const int32_t page = pool().cache_lookup(page_key(r, hits));
-      if (page < 0) break;
-      attach_pages[size_t(hits++)] = page;
-    }
-    if (hits == 0) return;
-    Status attached = pool().seq_attach(r.slot, attach_pages.data(), hits);
-    if (!attached) throw attached.error();
-    r.computed = hits * page_tokens;
-    r.registered_pages = hits;
-  }
-
-  // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache.
-  void register_pages(detail::EngineRequest& r) {
-    if (!prefix_cache || r.slot < 0) return;
-    const int64_t full = std::min<int64_t>(r.computed, int64_t(r.tokens.size())) / pool().page_tokens();
-    const int32_t* table = pool().block_table(r.slot);
-    for (int64_t i = r.registered_pages; i < full; i++) {
-      Result<bool> entered = pool().cache_insert(table[i], page_key(r, i));
-      if (!entered) throw entered.error();
-    }
-    r.registered_pages = std::max(r.registered_pages, full);
-  }
-
-  void preempt(detail::EngineRequest& r) {
-    Status freed = pool().seq_free(r.slot);
-    if (!freed) throw freed.error();
-    r.slot = -1;
-    r.computed = 0;
-    r.registered_pages = 0;
-    r.draft_computed = 0;
-    running.erase(std::remove(running.begin(), running.end(), &r), running.end());
-    waiting.push_front(&r);
-  }
-
-  // Grows r's KV to `tokens`; false when the pool is out of pages.
-  bool reserve(detail::EngineRequest& r, int64_t tokens) {
-    Status grown = pool().seq_reserve(r.slot, tokens);
-    if (grown) return true;
-    if (grown.error().code != ErrorCode::out_of_memory) throw grown.error();
-    return false;
-  }
-
-  void schedule() {
-    scheduled.clear();
-    int64_t budget = plan.options.max_batched_tokens;
-    bool preempted = false;
-    // Running requests, oldest first: the next token, or the next prefill chunk.
-    for (size_t i = 0; i < running.size() && budget > 0;) {
-      detail::EngineRequest& r = *running[i];
-      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
-      if (int64_t(r.tokens.size()) - r.computed == 1) n += draft(r, budget - 1);
-      bool kept = true;
-      while (!reserve(r, r.computed + n)) {
-        detail::EngineRequest& victim = *running.back();
-        preempt(victim);
-        preempted = true;
-        stats.preemptions++;
-        detail::log(LogLevel::debug, "KV pages ran out: the newest running request is preempted (recomputed later)");
-        if (&victim == &r) {
-          kept = false;
-          break;
-        }
-      }
-      if (!kept) break;  // r was the newest: nothing after it is left to schedule
-      scheduled.push_back({&r, n});
-      budget -= n;
-      i++;
-    }
-    // Waiting requests, in order, while slots and pages last (not in a step that had to preempt).
-    while (!preempted && budget > 0 && !waiting.empty()) {
-      detail::EngineRequest& r = *waiting.front();
-      int32_t slot = pool().seq_create();
-      if (slot < 0) break;
-      r.slot = slot;
-      attach_cached_prefix(r);
-      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
-      if (!reserve(r, r.computed + n)) {
-        Status freed = pool().seq_free(slot);
-        if (!freed) throw freed.error();
-        r.slot = -1;
-        r.computed = 0;
-        r.registered_pages = 0;
-        break;
-      }
-      stats.prefix_pages_reused += r.registered_pages;
-      stats.prefix_tokens_reused += r.computed;
-      waiting.pop_front();
-      running.push_back(&r);
-      scheduled.push_back({&r, n});
-      budget -= n;
-    }
-  }
 
   // Speculative decoding (plan.options.speculative_tokens > 0): a decoding request's next step also reads up to
   // K drafted tokens (n-gram: the continuation of the latest earlier occurrence of its last tokens), whose logits
@@ -739,7 +519,7 @@ struct Engine::Impl {
                                       max_model_len() - int64_t(r.tokens.size())});
     if (allowed <= 0) return 0;
     if (draft_model) {
-      if (!reserve(r, r.computed + 1 + allowed)) return 0;
+      if (!scheduler.reserve(r, r.computed + 1 + allowed)) return 0;
       r.drafts.clear();
       r.draft_wanted = allowed;
       r.draft_base = int64_t(r.tokens.size()) - 1;
@@ -750,7 +530,7 @@ struct Engine::Impl {
     const int64_t count =
         propose_ngram_draft(r.tokens.data(), int64_t(r.tokens.size()), plan.options.ngram, allowed, r.drafts.data());
     r.drafts.resize(size_t(count));
-    if (count == 0 || !reserve(r, r.computed + 1 + count)) {
+    if (count == 0 || !scheduler.reserve(r, r.computed + 1 + count)) {
       r.drafts.clear();
       return 0;
     }
@@ -799,7 +579,7 @@ struct Engine::Impl {
   void run_draft_model() {
     std::vector<detail::EngineRequest*>& drafting = draft_requests;
     drafting.clear();
-    for (const Scheduled& s : scheduled)
+    for (const detail::ScheduledRequest& s : scheduler.scheduled())
       if (s.request->draft_wanted > 0) drafting.push_back(s.request);
     if (drafting.empty()) return;
     std::sort(drafting.begin(), drafting.end(),
@@ -902,7 +682,7 @@ struct Engine::Impl {
   // After a step's rows are consumed: a drafting request keeps the K/V of its last token and accepted drafts
   // (the positions past them held rejected drafts; the next steps overwrite them).
   void settle_drafts() {
-    for (const Scheduled& s : scheduled) {
+    for (const detail::ScheduledRequest& s : scheduler.scheduled()) {
       detail::EngineRequest& r = *s.request;
       if (r.drafts.empty()) continue;
       if (!r.finished) r.computed = std::min<int64_t>(r.computed, int64_t(r.tokens.size()) - 1);
@@ -1035,7 +815,7 @@ struct Engine::Impl {
       detail::fail(ErrorCode::cancelled, "cancelled by Engine::cancel()");
     }
     apply_request_cancels();
-    if (running.empty() && waiting.empty()) return false;
+    if (scheduler.idle()) return false;
     try {
       stepping = true;
       run_step();
@@ -1046,19 +826,18 @@ struct Engine::Impl {
       throw;
     }
     publish_stats();
-    return !running.empty() || !waiting.empty();
+    return !scheduler.idle();
   }
 
   void run_step() {
-    schedule();
+    // Sequence s of the attention batch is pool slot s: the scheduler gives the requests in slot order.
+    const std::vector<detail::ScheduledRequest>& scheduled =
+        scheduler.schedule(stats, [this](detail::EngineRequest& r, int64_t limit) { return draft(r, limit); });
     if (scheduled.empty())
       detail::fail(ErrorCode::internal,
                    detail::format("the scheduler found nothing to run with %zu requests waiting and %zu running",
-                                  waiting.size(), running.size()));
+                                  scheduler.waiting_count(), scheduler.running_count()));
     if (draft_model) run_draft_model();
-    // Sequence s of the attention batch is pool slot s: pack tokens in slot order.
-    std::sort(scheduled.begin(), scheduled.end(),
-              [](const Scheduled& a, const Scheduled& b) { return a.request->slot < b.request->slot; });
     const KVPagePool& kv = pool();
     const int64_t page_tokens = kv.page_tokens();
     const int64_t seqs = scheduled.back().request->slot + 1;
@@ -1113,11 +892,11 @@ struct Engine::Impl {
     } else {
       model->forward(input);
     }
-    for (const Scheduled& s : scheduled) {
+    for (const detail::ScheduledRequest& s : scheduled) {
       s.request->computed += s.tokens;
       // the drafts leave r.tokens: rows verify them in order and accepted ones come back through accept_token
       if (!s.request->drafts.empty()) s.request->tokens.resize(size_t(s.request->draft_base + 1));
-      register_pages(*s.request);  // (before its rows are consumed: a request that ends there frees its slot)
+      scheduler.register_pages(*s.request);  // (before its rows are consumed: a request that ends there frees its slot)
     }
     stats.steps++;
     stats.tokens_computed += t;
@@ -1139,7 +918,7 @@ struct Engine::Impl {
     }
     settle_drafts();
     // Prefill-only requests end once every token is in.
-    for (const Scheduled& s : scheduled) {
+    for (const detail::ScheduledRequest& s : scheduled) {
       detail::EngineRequest& r = *s.request;
       if (r.kind != detail::RequestKind::generate && !r.finished && r.computed == int64_t(r.tokens.size()))
         retire(r);
@@ -1282,7 +1061,7 @@ struct Engine::Impl {
 
   // Runs `step` from a graph when it is a decode step a bucket holds; false otherwise (the caller runs it eagerly).
   bool run_decode_graph(const StepInput& step) {
-    if (graphs.empty() || step.image_runs > 0 || step.tokens != int64_t(scheduled.size())) return false;
+    if (graphs.empty() || step.image_runs > 0 || step.tokens != int64_t(scheduler.scheduled().size())) return false;
     if (backend->op_timing()) return false;  // timed: op by op (a replay would time as no op at all)
     auto bucket = graphs.lower_bound(step.seqs);
     if (bucket == graphs.end()) return false;
@@ -1613,7 +1392,6 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.stop_ids.assign(stops.begin(), stops.end());
 
     const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
-    e.scheduled.reserve(max_seqs);
     for (auto* v : {&e.token_ids, &e.slots, &e.logit_row_ids}) v->assign(max_tokens, 0);
     e.position_rows = e.config.arch == Arch::qwen3_vl ? 3 : 1;
     e.positions.assign(size_t(e.position_rows) * max_tokens, 0);
@@ -1623,9 +1401,9 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.draft_requests.reserve(max_seqs);
     e.raw_row.assign(size_t(e.config.text.vocab_size), 0.0f);
     e.draft_ranges.reserve(max_seqs);
-    e.prefix_cache = e.plan.prefix_caching.value_or(!gpu);  // plan_engine resolved it
-    e.info.prefix_caching = e.prefix_cache;
-    e.attach_pages.assign(size_t(e.arena->kv().max_pages_per_seq()), -1);
+    e.scheduler.open(e.arena->kv(), e.plan.options.max_batched_tokens, e.plan.options.max_seqs,
+                     e.plan.prefix_caching.value_or(!gpu));  // plan_engine resolved prefix caching
+    e.info.prefix_caching = e.scheduler.prefix_caching();
     if (!gpu && e.backend->activation_dtype() != DType::F32)  // 16-bit logits on the CPU, widened for the sampler
       e.logits_host.assign(size_t(e.model->max_logit_rows() * e.config.text.vocab_size), 0.0f);
     if (gpu) {
@@ -1715,7 +1493,7 @@ Result<bool> Engine::step() {
 Status Engine::run() {
   return detail::guard([&] {
     Impl::CallLock lock(*impl_, "run");
-    impl_->run_until([&] { return impl_->running.empty() && impl_->waiting.empty(); });
+    impl_->run_until([&] { return impl_->scheduler.idle(); });
   });
 }
 
@@ -1954,10 +1732,10 @@ Result<CopyBandwidth> Engine::measure_copy_bandwidth(uint64_t bytes, int repeats
   return detail::guard([&] {
     Impl::CallLock lock(*impl_, "measure_copy_bandwidth");
     Impl& e = *impl_;
-    if (!e.running.empty() || !e.waiting.empty())
+    if (!e.scheduler.idle())
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("measure_copy_bandwidth: wait until the %zu requests in flight finish (on a GPU "
-                                  "it copies over the KV pages)", e.running.size() + e.waiting.size()));
+                                  "it copies over the KV pages)", e.scheduler.running_count() + e.scheduler.waiting_count()));
     if (repeats < 1)
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("measure_copy_bandwidth: repeats %d must be >= 1", repeats));

@@ -50,6 +50,8 @@
 #include "model.inl"
 #include "vision.inl"
 #include "upload.inl"
+#include "request.inl"
+#include "scheduler.inl"
 #include "engine.inl"
 #include "backend_cuda.inl"
 #include "c_api.inl"
