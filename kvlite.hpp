@@ -23585,6 +23585,426 @@ class Scheduler {
 
 }  // namespace detail
 }  // namespace kvlite
+// batch: the host staging of one step (what llama.cpp calls a batch): the step's tokens packed as the model reads
+// them, sized once at open, and which request each logits row belongs to. The engine's step and a draft model's
+// steps (speculative.inl) fill it in turn. Also the host's view of a chunk of logits rows.
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace kvlite {
+namespace detail {
+
+// `count` values of host memory in F32, BF16 or F16, widened to float (exact): logits and image features a
+// backend keeps in its 16-bit activation dtype, read on the host.
+inline void widen_to_float(const void* data, DType dtype, size_t count, float* out) {
+  if (dtype == DType::F32) {
+    memcpy(out, data, count * sizeof(float));
+    return;
+  }
+  const uint8_t* bytes = static_cast<const uint8_t*>(data);
+  uint16_t bits = 0;
+  if (dtype == DType::BF16) {
+    for (size_t j = 0; j < count; j++) {
+      memcpy(&bits, bytes + 2 * j, 2);
+      out[j] = bf16_to_float(bits);
+    }
+  } else {
+    for (size_t j = 0; j < count; j++) {
+      memcpy(&bits, bytes + 2 * j, 2);
+      out[j] = f16_to_float(bits);
+    }
+  }
+}
+
+// Row i of a chunk of host logits [rows, vocab] as floats: in place when they are F32, else widened into `scratch`
+// [vocab] (16-bit activations).
+inline float* host_logits_row(const Tensor& logits, int64_t i, int64_t vocab, float* scratch) {
+  if (logits.dtype == DType::F32) return static_cast<float*>(logits.data) + i * vocab;
+  widen_to_float(static_cast<const uint8_t*>(logits.data) + size_t(i * vocab) * 2, logits.dtype, size_t(vocab),
+                 scratch);
+  return scratch;
+}
+
+// The request a logits row of the step belongs to, and which of its tokens the row follows.
+struct RowOwner {
+  EngineRequest* request;
+  int64_t position;  // index into request->tokens
+};
+
+// Host staging of one step, sized once (Tmax tokens, Smax sequences).
+struct StepBatch {
+  std::vector<int32_t> token_ids, slots, logit_row_ids;  // [Tmax]
+  std::vector<int32_t> positions;             // [position_rows, Tmax] (packed to [position_rows, T] per step)
+  int64_t position_rows = 1;                  // 3 for M-RoPE (qwen3_vl)
+  std::vector<ImageRun> image_runs;           // of the current step
+  std::vector<int32_t> query_starts;          // [Smax + 1]
+  std::vector<int32_t> context_lens;          // [Smax]
+  std::vector<RowOwner> row_owners;           // [Tmax]
+
+  void open(size_t max_tokens, size_t max_seqs, int64_t rows_of_positions) {
+    for (auto* v : {&token_ids, &slots, &logit_row_ids}) v->assign(max_tokens, 0);
+    position_rows = rows_of_positions;
+    positions.assign(size_t(position_rows) * max_tokens, 0);
+    query_starts.assign(max_seqs + 1, 0);
+    context_lens.assign(max_seqs, 0);
+    row_owners.assign(max_tokens, {nullptr, 0});
+  }
+
+  // The step packed into the staging arrays (token_ids, positions [position_rows, tokens], slots, query_starts,
+  // context_lens, logit_row_ids), as the model reads it; the pool's block tables are the batch's.
+  StepInput input(const KVPagePool& kv, int64_t tokens, int64_t rows_of_positions, int64_t seqs, int64_t max_context,
+                  int64_t logit_rows) {
+    StepInput input;
+    input.tokens = tokens;
+    input.token_ids = token_ids.data();
+    input.positions = positions.data();
+    input.position_rows = rows_of_positions;
+    input.slots = slots.data();
+    input.seqs = seqs;
+    input.query_starts = query_starts.data();
+    input.context_lens = context_lens.data();
+    input.max_context = max_context;
+    input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
+                                        kv.max_pages_per_seq());
+    input.logit_rows = logit_rows;
+    input.logit_row_ids = logit_row_ids.data();
+    return input;
+  }
+};
+
+}  // namespace detail
+}  // namespace kvlite
+// speculative: speculative decoding. A decoding request's step also reads up to K drafted tokens, whose logits the
+// engine verifies in order (verify_draft_token), so that one forward pass over the weights can yield up to K + 1
+// tokens. Drafts come from prompt lookup (n-gram: propose_ngram_draft) or from a small draft model run over the
+// same backend and KV pages before the target's step. The Speculator drafts when the scheduler asks (draft),
+// runs the draft model (run_draft_model), keeps the distributions its drafts were drawn from for verification
+// (draft_distribution), and after the step drops what verification rejected (settle).
+#include <algorithm>
+#include <memory>
+#include <utility>
+#include <vector>
+
+namespace kvlite {
+namespace detail {
+
+class Speculator {
+ public:
+  // At open: K (PlanOptions::speculative_tokens; 0 turns speculation off), the n-gram length to match, the longest
+  // sequence and the vocabulary, and room for max_seqs drafting requests.
+  void open(int64_t speculative_tokens, int64_t ngram, int64_t max_model_len, int64_t vocab, size_t max_seqs) {
+    speculative_tokens_ = speculative_tokens;
+    ngram_ = ngram;
+    max_model_len_ = max_model_len;
+    vocab_ = vocab;
+    drafting_.reserve(max_seqs);
+    ranges_.reserve(max_seqs);
+  }
+  // A draft model (EngineOptions::draft_model) drafts instead of prompt lookup: its forward pass (K/V in the
+  // pool's pages, its own "draft_kv" region) and the arena's "draft_probs" region [Smax, K, V].
+  void set_draft_model(std::unique_ptr<TextModel> model, float* probs) {
+    draft_model_ = std::move(model);
+    draft_probs_ = probs;
+    draft_row_.assign(size_t(vocab_), 0.0f);
+  }
+  const TextModel* draft_model() const { return draft_model_.get(); }
+
+  // Speculative decoding (speculative_tokens > 0): a decoding request's next step also reads up to
+  // K drafted tokens (n-gram: the continuation of the latest earlier occurrence of its last tokens), whose logits
+  // are verified in order (verify_draft_token), so one forward pass over the weights can yield up to K + 1
+  // tokens. Drafts are appended to r.tokens for the step when the pages for them are there without preempting
+  // anyone; `limit` is the step's token budget left after r's own token. Returns the tokens drafted. With a draft
+  // model the pages are reserved here and the tokens drafted by run_draft_model(), before the step is packed.
+  int64_t draft(EngineRequest& r, int64_t limit, Scheduler& scheduler, EngineStats& stats) {
+    const int64_t k = speculative_tokens_;
+    if (k <= 0 || r.kind != RequestKind::generate) return 0;
+    // Every accepted draft and the token after them must be allowed: by max_tokens and by the context.
+    const int64_t allowed = std::min({k, limit, r.params.max_tokens - int64_t(r.result.ids.size()) - 1,
+                                      max_model_len_ - int64_t(r.tokens.size())});
+    if (allowed <= 0) return 0;
+    if (draft_model_) {
+      if (!scheduler.reserve(r, r.computed + 1 + allowed)) return 0;
+      r.drafts.clear();
+      r.draft_wanted = allowed;
+      r.draft_base = int64_t(r.tokens.size()) - 1;
+      r.draft_rejected = false;
+      return allowed;
+    }
+    r.drafts.resize(size_t(allowed));
+    const int64_t count =
+        propose_ngram_draft(r.tokens.data(), int64_t(r.tokens.size()), ngram_, allowed, r.drafts.data());
+    r.drafts.resize(size_t(count));
+    if (count == 0 || !scheduler.reserve(r, r.computed + 1 + count)) {
+      r.drafts.clear();
+      return 0;
+    }
+    r.draft_base = int64_t(r.tokens.size()) - 1;
+    r.draft_rejected = false;
+    r.tokens.insert(r.tokens.end(), r.drafts.begin(), r.drafts.end());
+    stats.draft_tokens += count;
+    return count;
+  }
+
+  // The distribution the draft model drew request slot `slot`'s draft i from.
+  float* draft_distribution(int32_t slot, int64_t i) const {
+    return draft_probs_ + (int64_t(slot) * speculative_tokens_ + i) * vocab_;
+  }
+
+  // The draft model's turn, before the step is packed: each request that wants drafts (draft_wanted > 0, pages
+  // reserved by draft()) first has the draft read its tokens the draft's cache lacks (a prompt, or the tokens
+  // accepted last step), in steps of at most max_batched_tokens; the last one's logits give draft 1. Then one
+  // step per further draft, each reading the draft before it. The draft's K/V goes into the same pages as the
+  // target's (its own "draft_kv" region), its positions are the tokens' indices (a text model's), and its tokens
+  // are drawn as the target would sample (sample_draft_token keeps each one's distribution for verification).
+  // The drafts are appended to r.tokens, as n-gram drafts are.
+  void run_draft_model(const std::vector<ScheduledRequest>& scheduled, StepBatch& batch, const KVPagePool& kv,
+                       EngineStats& stats) {
+    std::vector<EngineRequest*>& drafting = drafting_;
+    drafting.clear();
+    for (const ScheduledRequest& s : scheduled)
+      if (s.request->draft_wanted > 0) drafting.push_back(s.request);
+    if (drafting.empty()) return;
+    std::sort(drafting.begin(), drafting.end(),
+              [](const EngineRequest* a, const EngineRequest* b) { return a->slot < b->slot; });
+    const int64_t page_tokens = kv.page_tokens(), vocab = vocab_;
+    const int64_t max_tokens = int64_t(batch.token_ids.size());
+    // One draft step over tokens [from, from + count) of each request (count 0: not in this step); the rows of
+    // requests whose last token is in it give their next draft.
+    auto draft_step = [&](const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+      const int64_t seqs = drafting.back()->slot + 1;
+      std::fill(batch.context_lens.begin(), batch.context_lens.begin() + seqs, 0);
+      int64_t t = 0, rows = 0, max_context = 0;
+      size_t next = 0;
+      for (int64_t s = 0; s < seqs; s++) {
+        batch.query_starts[size_t(s)] = int32_t(t);
+        if (next == drafting.size() || drafting[next]->slot != s) continue;
+        EngineRequest& r = *drafting[next];
+        const int64_t from = ranges[next].first, count = ranges[next].second;
+        next++;
+        if (count == 0) continue;
+        const int32_t* pages = kv.block_table(r.slot);
+        for (int64_t p = from; p < from + count; p++, t++) {
+          batch.token_ids[size_t(t)] = r.tokens[size_t(p)];
+          batch.positions[size_t(t)] = int32_t(p);
+          batch.slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
+        }
+        if (from + count == int64_t(r.tokens.size())) {
+          batch.logit_row_ids[size_t(rows)] = int32_t(t - 1);
+          batch.row_owners[size_t(rows++)] = {&r, from + count - 1};
+        }
+        batch.context_lens[size_t(s)] = int32_t(from + count);
+        max_context = std::max(max_context, from + count);
+        r.draft_computed = from + count;
+      }
+      batch.query_starts[size_t(seqs)] = int32_t(t);
+      draft_model_->forward(batch.input(kv, t, 1, seqs, max_context, rows));
+      stats.draft_steps++;
+      stats.draft_tokens_computed += t;
+      for (int64_t first = 0; first < rows; first += draft_model_->max_logit_rows()) {
+        const int64_t count = std::min(draft_model_->max_logit_rows(), rows - first);
+        const Tensor logits = draft_model_->logits(first, count);
+        for (int64_t i = 0; i < count; i++) {
+          EngineRequest& r = *batch.row_owners[size_t(first + i)].request;
+          float* row = host_logits_row(logits, i, vocab, draft_row_.data());
+          const int64_t index = int64_t(r.drafts.size());
+          const int32_t id = sample_draft_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng,
+                                                draft_distribution(r.slot, index), draft_model_->sampling_probs(r.slot),
+                                                draft_model_->sampling_order(r.slot));
+          r.drafts.push_back(id);
+          r.tokens.push_back(id);
+        }
+      }
+    };
+    std::vector<std::pair<int64_t, int64_t>>& ranges = ranges_;
+    // Catching up: every token the draft's cache lacks, the target's newest included (its row gives draft 1).
+    for (;;) {
+      int64_t budget = max_tokens;
+      bool any = false;
+      ranges.assign(drafting.size(), {0, 0});
+      for (size_t i = 0; i < drafting.size() && budget > 0; i++) {
+        EngineRequest& r = *drafting[i];
+        const int64_t missing = r.draft_base + 1 - r.draft_computed;  // up to the target's newest token
+        if (missing <= 0) continue;
+        ranges[i] = {r.draft_computed, std::min(missing, budget)};
+        budget -= ranges[i].second;
+        any = true;
+      }
+      if (!any) break;
+      draft_step(ranges);
+    }
+    // Then one token per step: the latest draft, while a request wants more.
+    for (int64_t drafted = 1;; drafted++) {
+      bool any = false;
+      for (size_t i = 0; i < drafting.size(); i++) {
+        EngineRequest& r = *drafting[i];
+        const bool more = int64_t(r.drafts.size()) < r.draft_wanted;
+        ranges[i] = more ? std::make_pair(int64_t(r.tokens.size()) - 1, int64_t(1)) : std::make_pair(int64_t(0), int64_t(0));
+        any = any || more;
+      }
+      if (!any) break;
+      draft_step(ranges);
+    }
+    for (EngineRequest* r : drafting) {
+      stats.draft_tokens += int64_t(r->drafts.size());
+      r->draft_wanted = 0;
+    }
+  }
+
+  // After a step's rows are consumed: a drafting request keeps the K/V of its last token and accepted drafts
+  // (the positions past them held rejected drafts; the next steps overwrite them).
+  void settle(const std::vector<ScheduledRequest>& scheduled) {
+    for (const ScheduledRequest& s : scheduled) {
+      EngineRequest& r = *s.request;
+      if (r.drafts.empty()) continue;
+      if (!r.finished) r.computed = std::min<int64_t>(r.computed, int64_t(r.tokens.size()) - 1);
+      // the draft's cache: its inputs up to the last accepted draft (it never read the last draft it made)
+      if (!r.finished) r.draft_computed = std::min<int64_t>(r.draft_computed, int64_t(r.tokens.size()) - 1);
+      r.drafts.clear();
+      r.draft_rejected = false;
+    }
+  }
+
+ private:
+  int64_t speculative_tokens_ = 0, ngram_ = 0, max_model_len_ = 0, vocab_ = 0;
+  std::unique_ptr<TextModel> draft_model_;
+  float* draft_probs_ = nullptr;                    // [Smax, K, V]: the distribution each draft was drawn from
+  std::vector<float> draft_row_;                    // [V]: a row of the draft's logits as floats
+  std::vector<EngineRequest*> drafting_;            // capacity Smax: a draft model's step
+  std::vector<std::pair<int64_t, int64_t>> ranges_;  // capacity Smax: [from, count) of each
+};
+
+}  // namespace detail
+}  // namespace kvlite
+// graphs: CUDA graphs of the decode step. A decode step of S sequences (one token each, in pool slots 0 .. S-1)
+// replays the graph of the smallest bucket B >= S: the step is padded to B rows; rows past its tokens belong to
+// the attention batch's spare sequence B (whose block table points at page 0 and whose context is its own rows:
+// it reads, never writes, KV: its slots are -1), so the captured launches (B rows, B + 1 sequences) fit every step
+// of the bucket. Captured once at open (capture); the engine offers each step to run() before running it eagerly.
+#include <algorithm>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace kvlite {
+namespace detail {
+
+class DecodeGraphs {
+ public:
+  // At open: one graph per bucket the step buffers hold (max_seqs sequences, max_batched_tokens tokens), after an
+  // eager run of each padded step (which loads the kernels and lets cuBLAS pick its algorithms, so capturing
+  // allocates nothing), and the device memory the graphs took, measured (info.graph_buckets, graph_memory_bytes).
+  // The model, backend and pool outlive the graphs.
+  void capture(TextModel& model, Backend& backend, const KVPagePool& pool, int64_t position_rows, int64_t max_seqs,
+               int64_t max_batched_tokens, int64_t max_model_len, EngineInfo& info) {
+    model_ = &model;
+    backend_ = &backend;
+    pool_ = &pool;
+    position_rows_ = position_rows;
+    // The longest context a graph's attention was captured for: every step's context is at most max_model_len.
+    max_context_ = std::max<int64_t>(max_model_len, max_seqs);
+    std::vector<int64_t> buckets;
+    for (int64_t bucket : decode_graph_buckets(max_seqs))
+      if (bucket <= max_batched_tokens) buckets.push_back(bucket);
+    if (buckets.empty()) return;
+    const int64_t largest = buckets.back(), pages = pool.max_pages_per_seq();
+    padded_.token_ids.assign(size_t(largest), 0);
+    padded_.slots.assign(size_t(largest), -1);
+    padded_.positions.assign(size_t(position_rows * largest), 0);
+    padded_.query_starts.assign(size_t(largest + 2), 0);
+    padded_.context_lens.assign(size_t(largest + 1), 0);
+    padded_.block_tables.assign(size_t((largest + 1) * pages), 0);
+    StepInput shape;  // only tokens and image_runs matter to compute()
+    for (int64_t bucket : buckets) {
+      shape.tokens = bucket;
+      stage_padded(nullptr, bucket);
+      model.compute(shape);
+    }
+    check(backend.synchronize());
+    // Measured once everything the eager runs load (kernels, cuBLAS's state) is loaded: the graphs' own memory.
+    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
+    if (!before) throw before.error();
+    for (int64_t bucket : buckets) {
+      shape.tokens = bucket;
+      stage_padded(nullptr, bucket);
+      Result<CudaGraph> graph = cuda::capture_graph(backend, [&] { model.compute(shape); });
+      if (!graph) throw graph.error();
+      graphs_.emplace(bucket, std::move(*graph));
+      info.graph_buckets.push_back(bucket);
+    }
+    Result<std::pair<uint64_t, uint64_t>> after = cuda::memory_info();
+    if (!after) throw after.error();
+    info.graph_memory_bytes = before->first > after->first ? before->first - after->first : 0;
+  }
+
+  // Runs `step` from a graph when it is a decode step (one token for each of its `requests`) a bucket holds;
+  // false otherwise (the caller runs it eagerly).
+  bool run(const StepInput& step, int64_t requests) {
+    if (graphs_.empty() || step.image_runs > 0 || step.tokens != requests) return false;
+    if (backend_->op_timing()) return false;  // timed: op by op (a replay would time as no op at all)
+    auto bucket = graphs_.lower_bound(step.seqs);
+    if (bucket == graphs_.end()) return false;
+    stage_padded(&step, bucket->first);
+    check(cuda::launch_graph(*backend_, bucket->second));
+    return true;
+  }
+
+ private:
+  static void check(const Status& status) {
+    if (!status) throw status.error();
+  }
+
+  // The padded form of `step` (n_real tokens of `step`, or none) for bucket B, staged.
+  void stage_padded(const StepInput* step, int64_t bucket) {
+    const int64_t real = step ? step->tokens : 0, seqs = step ? step->seqs : 0;
+    const int64_t pages = pool_->max_pages_per_seq();
+    PaddedStep& p = padded_;
+    std::fill(p.token_ids.begin(), p.token_ids.end(), 0);
+    std::fill(p.slots.begin(), p.slots.end(), -1);
+    std::fill(p.positions.begin(), p.positions.end(), 0);
+    std::fill(p.context_lens.begin(), p.context_lens.end(), 0);
+    if (step) {
+      std::copy(step->token_ids, step->token_ids + real, p.token_ids.begin());
+      std::copy(step->slots, step->slots + real, p.slots.begin());
+      for (int64_t row = 0; row < position_rows_; row++)
+        std::copy(step->positions + row * real, step->positions + (row + 1) * real, p.positions.begin() + row * bucket);
+      std::copy(step->query_starts, step->query_starts + seqs + 1, p.query_starts.begin());
+      std::copy(step->context_lens, step->context_lens + seqs, p.context_lens.begin());
+      std::copy(pool_->block_tables(), pool_->block_tables() + seqs * pages, p.block_tables.begin());
+    }
+    for (int64_t s = seqs + (step ? 1 : 0); s <= bucket; s++) p.query_starts[size_t(s)] = int32_t(real);
+    p.query_starts[size_t(bucket + 1)] = int32_t(bucket);
+    p.context_lens[size_t(bucket)] = int32_t(bucket - real);  // the spare sequence: the padding rows
+    std::fill(p.block_tables.begin() + bucket * pages, p.block_tables.begin() + (bucket + 1) * pages, 0);
+    StepInput input;
+    input.tokens = bucket;
+    input.token_ids = p.token_ids.data();
+    input.positions = p.positions.data();
+    input.position_rows = position_rows_;
+    input.slots = p.slots.data();
+    input.seqs = bucket + 1;
+    input.query_starts = p.query_starts.data();
+    input.context_lens = p.context_lens.data();
+    input.max_context = max_context_;
+    input.block_tables = Tensor::matrix(p.block_tables.data(), DType::I32, bucket + 1, pages);
+    input.logit_rows = step ? step->logit_rows : 0;
+    input.logit_row_ids = step ? step->logit_row_ids : nullptr;
+    model_->stage(input);
+  }
+
+  TextModel* model_ = nullptr;
+  Backend* backend_ = nullptr;
+  const KVPagePool* pool_ = nullptr;
+  int64_t position_rows_ = 1, max_context_ = 0;
+  std::map<int64_t, CudaGraph> graphs_;  // by bucket
+  // The host staging of a step padded to a bucket (sized for the largest).
+  struct PaddedStep {
+    std::vector<int32_t> token_ids, slots, positions, query_starts, context_lens, block_tables;
+  } padded_;
+};
+
+}  // namespace detail
+}  // namespace kvlite
 // engine: implementation. Each step, the scheduler (scheduler.inl) picks the requests that run and how many of
 // their tokens; speculative decoding may add drafted tokens. The step's tokens go through the model in
 // one forward pass; the rows whose logits someone wants (the last row of a generating sequence, every target
@@ -23619,32 +24039,6 @@ const char* finish_reason_name(FinishReason reason) {
   return "?";
 }
 
-namespace detail {
-
-// `count` values of host memory in F32, BF16 or F16, widened to float (exact): logits and image features a
-// backend keeps in its 16-bit activation dtype, read on the host.
-inline void widen_to_float(const void* data, DType dtype, size_t count, float* out) {
-  if (dtype == DType::F32) {
-    memcpy(out, data, count * sizeof(float));
-    return;
-  }
-  const uint8_t* bytes = static_cast<const uint8_t*>(data);
-  uint16_t bits = 0;
-  if (dtype == DType::BF16) {
-    for (size_t j = 0; j < count; j++) {
-      memcpy(&bits, bytes + 2 * j, 2);
-      out[j] = bf16_to_float(bits);
-    }
-  } else {
-    for (size_t j = 0; j < count; j++) {
-      memcpy(&bits, bytes + 2 * j, 2);
-      out[j] = f16_to_float(bits);
-    }
-  }
-}
-
-}  // namespace detail
-
 struct Engine::Impl {
   ModelConfig config;
   TensorStore store;  // keeps the mmap the weight views point into
@@ -23653,14 +24047,11 @@ struct Engine::Impl {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<TextModel> model;
   std::unique_ptr<VisionModel> vision;  // qwen3_vl
-  // Speculative decoding with a draft model (EngineOptions::draft_model): its config, the mmap its weights are
-  // views into, its forward pass over the same backend (its K/V for the pool's pages in "draft_kv"), the
-  // distributions it drew each draft from ("draft_probs": [Smax, K, V]) and a row of its logits as floats.
+  // Speculative decoding with a draft model (EngineOptions::draft_model): its config and the mmap its weights are
+  // views into (the speculator, declared after them, holds its forward pass: it is destroyed first).
   ModelConfig draft_config;
   TensorStore draft_store;
-  std::unique_ptr<TextModel> draft_model;
-  float* draft_probs = nullptr;
-  std::vector<float> draft_row;
+  detail::Speculator speculator;  // drafting (n-gram or the draft model) and what verification needs
   std::vector<float> raw_row;  // [V]: a row's logits kept as the model gave them (SamplingParams::logprobs)
   // Constrained decoding: the vocabulary's trie (made at the first constrained request) and one masker per
   // grammar text (a schema is compiled to its grammar first), at most kMaxGrammars; past that the map starts over.
@@ -23701,20 +24092,7 @@ struct Engine::Impl {
   std::map<RequestId, std::unique_ptr<detail::EngineRequest>> requests;
   detail::Scheduler scheduler;  // the queues, and each step's requests (admission, chunked prefill, preemption)
 
-  // Host staging of one step, sized once (Tmax tokens, Smax sequences).
-  struct RowOwner {
-    detail::EngineRequest* request;
-    int64_t position;  // index into request->tokens
-  };
-  std::vector<int32_t> token_ids, slots, logit_row_ids;  // [Tmax]
-  std::vector<int32_t> positions;             // [position_rows, Tmax] (packed to [position_rows, T] per step)
-  int64_t position_rows = 1;                  // 3 for M-RoPE (qwen3_vl)
-  std::vector<ImageRun> image_runs;           // of the current step
-  std::vector<int32_t> query_starts;          // [Smax + 1]
-  std::vector<int32_t> context_lens;          // [Smax]
-  std::vector<RowOwner> row_owners;           // [Tmax]
-  std::vector<detail::EngineRequest*> draft_requests;           // capacity Smax: a draft model's step
-  std::vector<std::pair<int64_t, int64_t>> draft_ranges;        // capacity Smax: [from, count) of each
+  detail::StepBatch batch;  // host staging of one step, sized once (Tmax tokens, Smax sequences)
 
   // A GPU engine's host side of the logits (sized at open): a chunk as the GPU stores it and widened to float,
   // the host sampler's scratch (rows with a repetition penalty), and the device sampler's rows.
@@ -23726,11 +24104,7 @@ struct Engine::Impl {
   std::vector<int64_t> device_rows;                    // their rows in the chunk
   std::vector<int32_t> sampled_ids;                    // [max_logit_rows] what the GPU sampled
 
-  // CUDA decode graphs, one per batch bucket (the keys), and the host staging of a step padded to a bucket.
-  std::map<int64_t, CudaGraph> graphs;
-  struct PaddedStep {
-    std::vector<int32_t> token_ids, slots, positions, query_starts, context_lens, block_tables;
-  } padded;
+  detail::DecodeGraphs graphs;  // CUDA decode graphs, one per batch bucket
 
   KVPagePool& pool() { return arena->kv(); }
   int64_t max_model_len() const { return plan.max_model_len; }
@@ -24092,194 +24466,6 @@ struct Engine::Impl {
 
   // ---- the step ----------------------------------------------------------------------------------------
 
-  // Speculative decoding (plan.options.speculative_tokens > 0): a decoding request's next step also reads up to
-  // K drafted tokens (n-gram: the continuation of the latest earlier occurrence of its last tokens), whose logits
-  // are verified in order (verify_draft_token), so one forward pass over the weights can yield up to K + 1
-  // tokens. Drafts are appended to r.tokens for the step when the pages for them are there without preempting
-  // anyone; `limit` is the step's token budget left after r's own token. Returns the tokens drafted. With a draft
-  // model the pages are reserved here and the tokens drafted by run_draft_model, before the step is packed.
-  int64_t draft(detail::EngineRequest& r, int64_t limit) {
-    const int64_t k = plan.options.speculative_tokens;
-    if (k <= 0 || r.kind != detail::RequestKind::generate) return 0;
-    // Every accepted draft and the token after them must be allowed: by max_tokens and by the context.
-    const int64_t allowed = std::min({k, limit, r.params.max_tokens - int64_t(r.result.ids.size()) - 1,
-                                      max_model_len() - int64_t(r.tokens.size())});
-    if (allowed <= 0) return 0;
-    if (draft_model) {
-      if (!scheduler.reserve(r, r.computed + 1 + allowed)) return 0;
-      r.drafts.clear();
-      r.draft_wanted = allowed;
-      r.draft_base = int64_t(r.tokens.size()) - 1;
-      r.draft_rejected = false;
-      return allowed;
-    }
-    r.drafts.resize(size_t(allowed));
-    const int64_t count =
-        propose_ngram_draft(r.tokens.data(), int64_t(r.tokens.size()), plan.options.ngram, allowed, r.drafts.data());
-    r.drafts.resize(size_t(count));
-    if (count == 0 || !scheduler.reserve(r, r.computed + 1 + count)) {
-      r.drafts.clear();
-      return 0;
-    }
-    r.draft_base = int64_t(r.tokens.size()) - 1;
-    r.draft_rejected = false;
-    r.tokens.insert(r.tokens.end(), r.drafts.begin(), r.drafts.end());
-    stats.draft_tokens += count;
-    return count;
-  }
-
-  // The step packed into the host staging arrays (token_ids, positions [position_rows, tokens], slots,
-  // query_starts, context_lens, logit_row_ids), as the model reads it; the pool's block tables are the batch's.
-  StepInput staged_step(int64_t tokens, int64_t rows_of_positions, int64_t seqs, int64_t max_context,
-                        int64_t logit_rows) {
-    const KVPagePool& kv = pool();
-    StepInput input;
-    input.tokens = tokens;
-    input.token_ids = token_ids.data();
-    input.positions = positions.data();
-    input.position_rows = rows_of_positions;
-    input.slots = slots.data();
-    input.seqs = seqs;
-    input.query_starts = query_starts.data();
-    input.context_lens = context_lens.data();
-    input.max_context = max_context;
-    input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
-                                        kv.max_pages_per_seq());
-    input.logit_rows = logit_rows;
-    input.logit_row_ids = logit_row_ids.data();
-    return input;
-  }
-
-  // The distribution the draft model drew request slot `slot`'s draft i from.
-  float* draft_distribution(int32_t slot, int64_t i) {
-    const int64_t vocab = config.text.vocab_size;
-    return draft_probs + (int64_t(slot) * plan.options.speculative_tokens + i) * vocab;
-  }
-
-  // The draft model's turn, before the step is packed: each request that wants drafts (draft_wanted > 0, pages
-  // reserved by draft()) first has the draft read its tokens the draft's cache lacks (a prompt, or the tokens
-  // accepted last step), in steps of at most max_batched_tokens; the last one's logits give draft 1. Then one
-  // step per further draft, each reading the draft before it. The draft's K/V goes into the same pages as the
-  // target's (its own "draft_kv" region), its positions are the tokens' indices (a text model's), and its tokens
-  // are drawn as the target would sample (sample_draft_token keeps each one's distribution for verification).
-  // The drafts are appended to r.tokens, as n-gram drafts are.
-  void run_draft_model() {
-    std::vector<detail::EngineRequest*>& drafting = draft_requests;
-    drafting.clear();
-    for (const detail::ScheduledRequest& s : scheduler.scheduled())
-      if (s.request->draft_wanted > 0) drafting.push_back(s.request);
-    if (drafting.empty()) return;
-    std::sort(drafting.begin(), drafting.end(),
-              [](const detail::EngineRequest* a, const detail::EngineRequest* b) { return a->slot < b->slot; });
-    const KVPagePool& kv = pool();
-    const int64_t page_tokens = kv.page_tokens(), vocab = config.text.vocab_size;
-    const int64_t max_tokens = int64_t(token_ids.size());
-    // One draft step over tokens [from, from + count) of each request (count 0: not in this step); the rows of
-    // requests whose last token is in it give their next draft.
-    auto draft_step = [&](const std::vector<std::pair<int64_t, int64_t>>& ranges) {
-      const int64_t seqs = drafting.back()->slot + 1;
-      std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
-      int64_t t = 0, rows = 0, max_context = 0;
-      size_t next = 0;
-      for (int64_t s = 0; s < seqs; s++) {
-        query_starts[size_t(s)] = int32_t(t);
-        if (next == drafting.size() || drafting[next]->slot != s) continue;
-        detail::EngineRequest& r = *drafting[next];
-        const int64_t from = ranges[next].first, count = ranges[next].second;
-        next++;
-        if (count == 0) continue;
-        const int32_t* pages = kv.block_table(r.slot);
-        for (int64_t p = from; p < from + count; p++, t++) {
-          token_ids[size_t(t)] = r.tokens[size_t(p)];
-          positions[size_t(t)] = int32_t(p);
-          slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
-        }
-        if (from + count == int64_t(r.tokens.size())) {
-          logit_row_ids[size_t(rows)] = int32_t(t - 1);
-          row_owners[size_t(rows++)] = {&r, from + count - 1};
-        }
-        context_lens[size_t(s)] = int32_t(from + count);
-        max_context = std::max(max_context, from + count);
-        r.draft_computed = from + count;
-      }
-      query_starts[size_t(seqs)] = int32_t(t);
-      draft_model->forward(staged_step(t, 1, seqs, max_context, rows));
-      stats.draft_steps++;
-      stats.draft_tokens_computed += t;
-      for (int64_t first = 0; first < rows; first += draft_model->max_logit_rows()) {
-        const int64_t count = std::min(draft_model->max_logit_rows(), rows - first);
-        const Tensor logits = draft_model->logits(first, count);
-        for (int64_t i = 0; i < count; i++) {
-          detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
-          float* row = host_logits_row(logits, i, draft_row.data());
-          const int64_t index = int64_t(r.drafts.size());
-          const int32_t id = sample_draft_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng,
-                                                draft_distribution(r.slot, index), draft_model->sampling_probs(r.slot),
-                                                draft_model->sampling_order(r.slot));
-          r.drafts.push_back(id);
-          r.tokens.push_back(id);
-        }
-      }
-    };
-    std::vector<std::pair<int64_t, int64_t>>& ranges = draft_ranges;
-    // Catching up: every token the draft's cache lacks, the target's newest included (its row gives draft 1).
-    for (;;) {
-      int64_t budget = max_tokens;
-      bool any = false;
-      ranges.assign(drafting.size(), {0, 0});
-      for (size_t i = 0; i < drafting.size() && budget > 0; i++) {
-        detail::EngineRequest& r = *drafting[i];
-        const int64_t missing = r.draft_base + 1 - r.draft_computed;  // up to the target's newest token
-        if (missing <= 0) continue;
-        ranges[i] = {r.draft_computed, std::min(missing, budget)};
-        budget -= ranges[i].second;
-        any = true;
-      }
-      if (!any) break;
-      draft_step(ranges);
-    }
-    // Then one token per step: the latest draft, while a request wants more.
-    for (int64_t drafted = 1;; drafted++) {
-      bool any = false;
-      for (size_t i = 0; i < drafting.size(); i++) {
-        detail::EngineRequest& r = *drafting[i];
-        const bool more = int64_t(r.drafts.size()) < r.draft_wanted;
-        ranges[i] = more ? std::make_pair(int64_t(r.tokens.size()) - 1, int64_t(1)) : std::make_pair(int64_t(0), int64_t(0));
-        any = any || more;
-      }
-      if (!any) break;
-      draft_step(ranges);
-    }
-    for (detail::EngineRequest* r : drafting) {
-      stats.draft_tokens += int64_t(r->drafts.size());
-      r->draft_wanted = 0;
-    }
-  }
-
-  // Row i of a chunk of logits as floats: in place when the backend's logits are host F32, else widened into
-  // `scratch` [V] (16-bit activations).
-  float* host_logits_row(const Tensor& logits, int64_t i, float* scratch) const {
-    const int64_t vocab = config.text.vocab_size;
-    if (logits.dtype == DType::F32) return static_cast<float*>(logits.data) + i * vocab;
-    detail::widen_to_float(static_cast<const uint8_t*>(logits.data) + size_t(i * vocab) * 2, logits.dtype,
-                           size_t(vocab), scratch);
-    return scratch;
-  }
-
-  // After a step's rows are consumed: a drafting request keeps the K/V of its last token and accepted drafts
-  // (the positions past them held rejected drafts; the next steps overwrite them).
-  void settle_drafts() {
-    for (const detail::ScheduledRequest& s : scheduler.scheduled()) {
-      detail::EngineRequest& r = *s.request;
-      if (r.drafts.empty()) continue;
-      if (!r.finished) r.computed = std::min<int64_t>(r.computed, int64_t(r.tokens.size()) - 1);
-      // the draft's cache: its inputs up to the last accepted draft (it never read the last draft it made)
-      if (!r.finished) r.draft_computed = std::min<int64_t>(r.draft_computed, int64_t(r.tokens.size()) - 1);
-      r.drafts.clear();
-      r.draft_rejected = false;
-    }
-  }
-
   // The positions of r whose logits are wanted among [first, first + count).
   std::pair<int64_t, int64_t> wanted_rows(const detail::EngineRequest& r, int64_t first, int64_t count) const {
     int64_t begin = r.want_begin, end = r.want_end;
@@ -24290,7 +24476,7 @@ struct Engine::Impl {
     return {std::max(begin, first), std::min(end, first + count)};
   }
 
-  void consume_row(const RowOwner& owner, float* row) {
+  void consume_row(const detail::RowOwner& owner, float* row) {
     detail::EngineRequest& r = *owner.request;
     const int64_t vocab = config.text.vocab_size;
     switch (r.kind) {
@@ -24312,7 +24498,8 @@ struct Engine::Impl {
           // r.tokens holds the accepted drafts before this one: the history the target's token depends on
           // a draft model's sampled draft came from a distribution q; n-gram drafts are certain
           const float* q =
-              draft_model && r.params.temperature != 0.0f ? draft_distribution(r.slot, drafted) : nullptr;
+              speculator.draft_model() && r.params.temperature != 0.0f ? speculator.draft_distribution(r.slot, drafted)
+                                                                     : nullptr;
           const DraftVerdict verdict = verify_draft_token(row, vocab, r.params, r.tokens.data(),
                                                           int64_t(r.tokens.size()), r.drafts[size_t(drafted)], q,
                                                           r.rng, probs, order);
@@ -24419,22 +24606,24 @@ struct Engine::Impl {
   void run_step() {
     // Sequence s of the attention batch is pool slot s: the scheduler gives the requests in slot order.
     const std::vector<detail::ScheduledRequest>& scheduled =
-        scheduler.schedule(stats, [this](detail::EngineRequest& r, int64_t limit) { return draft(r, limit); });
+        scheduler.schedule(stats, [this](detail::EngineRequest& r, int64_t limit) {
+          return speculator.draft(r, limit, scheduler, stats);
+        });
     if (scheduled.empty())
       detail::fail(ErrorCode::internal,
                    detail::format("the scheduler found nothing to run with %zu requests waiting and %zu running",
                                   scheduler.waiting_count(), scheduler.running_count()));
-    if (draft_model) run_draft_model();
+    if (speculator.draft_model()) speculator.run_draft_model(scheduled, batch, pool(), stats);
     const KVPagePool& kv = pool();
     const int64_t page_tokens = kv.page_tokens();
     const int64_t seqs = scheduled.back().request->slot + 1;
-    std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
+    std::fill(batch.context_lens.begin(), batch.context_lens.begin() + seqs, 0);
     int64_t t = 0, rows = 0, max_context = 0;
     size_t next = 0;
-    const int64_t max_tokens = int64_t(token_ids.size());
-    image_runs.clear();
+    const int64_t max_tokens = int64_t(batch.token_ids.size());
+    batch.image_runs.clear();
     for (int64_t s = 0; s < seqs; s++) {
-      query_starts[size_t(s)] = int32_t(t);
+      batch.query_starts[size_t(s)] = int32_t(t);
       if (next == scheduled.size() || scheduled[next].request->slot != s) continue;
       detail::EngineRequest& r = *scheduled[next].request;
       const int64_t n = scheduled[next++].tokens;
@@ -24449,32 +24638,32 @@ struct Engine::Impl {
         run.count = end - begin;
         run.rows = r.features.values.data() + (span.feature_row + begin - span.first) * r.features.hidden;
         run.level_stride = r.features.tokens * r.features.hidden;
-        image_runs.push_back(run);
+        batch.image_runs.push_back(run);
       }
       for (int64_t p = r.computed; p < r.computed + n; p++, t++) {
-        token_ids[size_t(t)] = r.tokens[size_t(p)];
+        batch.token_ids[size_t(t)] = r.tokens[size_t(p)];
         // a prompt token's (t, h, w) from get_rope_index; any other token index + rope_delta on every row
-        for (int64_t row = 0; row < position_rows; row++)
-          positions[size_t(row * max_tokens + t)] =
+        for (int64_t row = 0; row < batch.position_rows; row++)
+          batch.positions[size_t(row * max_tokens + t)] =
               p < prompt_positions ? r.mrope[size_t(row * prompt_positions + p)] : int32_t(p + r.rope_delta);
-        slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
+        batch.slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
         if (p >= want.first && p < want.second) {
-          logit_row_ids[size_t(rows)] = int32_t(t);
-          row_owners[size_t(rows++)] = {&r, p};
+          batch.logit_row_ids[size_t(rows)] = int32_t(t);
+          batch.row_owners[size_t(rows++)] = {&r, p};
         }
       }
-      context_lens[size_t(s)] = int32_t(r.computed + n);
+      batch.context_lens[size_t(s)] = int32_t(r.computed + n);
       max_context = std::max(max_context, r.computed + n);
     }
-    query_starts[size_t(seqs)] = int32_t(t);
+    batch.query_starts[size_t(seqs)] = int32_t(t);
     // Rows of positions packed to [position_rows, t], as rope_tables reads them (each moves to a lower index).
-    for (int64_t row = 1; row < position_rows; row++)
-      memmove(positions.data() + row * t, positions.data() + row * max_tokens, size_t(t) * sizeof(int32_t));
+    for (int64_t row = 1; row < batch.position_rows; row++)
+      memmove(batch.positions.data() + row * t, batch.positions.data() + row * max_tokens, size_t(t) * sizeof(int32_t));
 
-    StepInput input = staged_step(t, position_rows, seqs, max_context, rows);
-    input.image_runs = int64_t(image_runs.size());
-    input.image_run_list = image_runs.data();
-    if (run_decode_graph(input)) {
+    StepInput input = batch.input(pool(), t, batch.position_rows, seqs, max_context, rows);
+    input.image_runs = int64_t(batch.image_runs.size());
+    input.image_run_list = batch.image_runs.data();
+    if (graphs.run(input, int64_t(scheduled.size()))) {
       stats.graph_steps++;
     } else {
       model->forward(input);
@@ -24497,13 +24686,13 @@ struct Engine::Impl {
         consume_device_rows(logits, first, count);
       } else if (logits.dtype == DType::F32) {
         for (int64_t i = 0; i < count; i++)
-          consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
+          consume_row(batch.row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
       } else {  // BF16 / F16 activations on the CPU: widened on the host, as the GPU's host rows are
         detail::widen_to_float(logits.data, logits.dtype, size_t(count * vocab), logits_host.data());
-        for (int64_t i = 0; i < count; i++) consume_row(row_owners[size_t(first + i)], logits_host.data() + i * vocab);
+        for (int64_t i = 0; i < count; i++) consume_row(batch.row_owners[size_t(first + i)], logits_host.data() + i * vocab);
       }
     }
-    settle_drafts();
+    speculator.settle(scheduled);
     // Prefill-only requests end once every token is in.
     for (const detail::ScheduledRequest& s : scheduled) {
       detail::EngineRequest& r = *s.request;
@@ -24521,7 +24710,7 @@ struct Engine::Impl {
     device_rows.clear();
     bool host_rows = false;
     for (int64_t i = 0; i < count; i++) {
-      detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
+      detail::EngineRequest& r = *batch.row_owners[size_t(first + i)].request;
       // (a drafting request's rows are verified in order against its history: on the host)
       if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f || !r.drafts.empty() ||
           r.params.logprobs || r.matcher) {
@@ -24554,107 +24743,11 @@ struct Engine::Impl {
     size_t next_sampled = 0;
     for (int64_t i = 0; i < count; i++) {
       if (next_sampled < device_rows.size() && device_rows[next_sampled] == i) {
-        accept_token(*row_owners[size_t(first + i)].request, sampled_ids[next_sampled++]);
+        accept_token(*batch.row_owners[size_t(first + i)].request, sampled_ids[next_sampled++]);
       } else {
-        consume_row(row_owners[size_t(first + i)], logits_host.data() + i * vocab);
+        consume_row(batch.row_owners[size_t(first + i)], logits_host.data() + i * vocab);
       }
     }
-  }
-
-  // ---- CUDA graphs -------------------------------------------------------------------------------------------
-  // A decode step of S sequences (one token each, in pool slots 0 .. S-1) replays the graph of the smallest
-  // bucket B >= S: the step is padded to B rows; rows past its tokens belong to the attention batch's spare
-  // sequence B (whose block table points at page 0 and whose context is its own rows: it reads, never writes,
-  // KV: its slots are -1), so the captured launches (B rows, B + 1 sequences) fit every step of the bucket.
-
-  // The padded form of `step` (n_real tokens of `step`, or none) for bucket B, staged.
-  void stage_padded(const StepInput* step, int64_t bucket, int64_t max_context) {
-    const int64_t real = step ? step->tokens : 0, seqs = step ? step->seqs : 0;
-    const int64_t pages = pool().max_pages_per_seq();
-    PaddedStep& p = padded;
-    std::fill(p.token_ids.begin(), p.token_ids.end(), 0);
-    std::fill(p.slots.begin(), p.slots.end(), -1);
-    std::fill(p.positions.begin(), p.positions.end(), 0);
-    std::fill(p.context_lens.begin(), p.context_lens.end(), 0);
-    if (step) {
-      std::copy(step->token_ids, step->token_ids + real, p.token_ids.begin());
-      std::copy(step->slots, step->slots + real, p.slots.begin());
-      for (int64_t row = 0; row < position_rows; row++)
-        std::copy(step->positions + row * real, step->positions + (row + 1) * real, p.positions.begin() + row * bucket);
-      std::copy(step->query_starts, step->query_starts + seqs + 1, p.query_starts.begin());
-      std::copy(step->context_lens, step->context_lens + seqs, p.context_lens.begin());
-      std::copy(pool().block_tables(), pool().block_tables() + seqs * pages, p.block_tables.begin());
-    }
-    for (int64_t s = seqs + (step ? 1 : 0); s <= bucket; s++) p.query_starts[size_t(s)] = int32_t(real);
-    p.query_starts[size_t(bucket + 1)] = int32_t(bucket);
-    p.context_lens[size_t(bucket)] = int32_t(bucket - real);  // the spare sequence: the padding rows
-    std::fill(p.block_tables.begin() + bucket * pages, p.block_tables.begin() + (bucket + 1) * pages, 0);
-    StepInput input;
-    input.tokens = bucket;
-    input.token_ids = p.token_ids.data();
-    input.positions = p.positions.data();
-    input.position_rows = position_rows;
-    input.slots = p.slots.data();
-    input.seqs = bucket + 1;
-    input.query_starts = p.query_starts.data();
-    input.context_lens = p.context_lens.data();
-    input.max_context = max_context;
-    input.block_tables = Tensor::matrix(p.block_tables.data(), DType::I32, bucket + 1, pages);
-    input.logit_rows = step ? step->logit_rows : 0;
-    input.logit_row_ids = step ? step->logit_row_ids : nullptr;
-    model->stage(input);
-  }
-
-  // The longest context a graph's attention was captured for: every step's context is at most max_model_len.
-  int64_t graph_max_context() const { return std::max<int64_t>(max_model_len(), plan.options.max_seqs); }
-
-  // At open: one graph per bucket the step buffers hold, after an eager run of each padded step (which loads the
-  // kernels and lets cuBLAS pick its algorithms, so capturing allocates nothing), and the device memory the
-  // graphs took, measured.
-  void capture_decode_graphs() {
-    std::vector<int64_t> buckets;
-    for (int64_t bucket : decode_graph_buckets(plan.options.max_seqs))
-      if (bucket <= plan.options.max_batched_tokens) buckets.push_back(bucket);
-    if (buckets.empty()) return;
-    const int64_t largest = buckets.back(), pages = pool().max_pages_per_seq();
-    padded.token_ids.assign(size_t(largest), 0);
-    padded.slots.assign(size_t(largest), -1);
-    padded.positions.assign(size_t(position_rows * largest), 0);
-    padded.query_starts.assign(size_t(largest + 2), 0);
-    padded.context_lens.assign(size_t(largest + 1), 0);
-    padded.block_tables.assign(size_t((largest + 1) * pages), 0);
-    StepInput shape;  // only tokens and image_runs matter to compute()
-    for (int64_t bucket : buckets) {
-      shape.tokens = bucket;
-      stage_padded(nullptr, bucket, graph_max_context());
-      model->compute(shape);
-    }
-    check(backend->synchronize());
-    // Measured once everything the eager runs load (kernels, cuBLAS's state) is loaded: the graphs' own memory.
-    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
-    if (!before) throw before.error();
-    for (int64_t bucket : buckets) {
-      shape.tokens = bucket;
-      stage_padded(nullptr, bucket, graph_max_context());
-      Result<CudaGraph> graph = cuda::capture_graph(*backend, [&] { model->compute(shape); });
-      if (!graph) throw graph.error();
-      graphs.emplace(bucket, std::move(*graph));
-      info.graph_buckets.push_back(bucket);
-    }
-    Result<std::pair<uint64_t, uint64_t>> after = cuda::memory_info();
-    if (!after) throw after.error();
-    info.graph_memory_bytes = before->first > after->first ? before->first - after->first : 0;
-  }
-
-  // Runs `step` from a graph when it is a decode step a bucket holds; false otherwise (the caller runs it eagerly).
-  bool run_decode_graph(const StepInput& step) {
-    if (graphs.empty() || step.image_runs > 0 || step.tokens != int64_t(scheduler.scheduled().size())) return false;
-    if (backend->op_timing()) return false;  // timed: op by op (a replay would time as no op at all)
-    auto bucket = graphs.lower_bound(step.seqs);
-    if (bucket == graphs.end()) return false;
-    stage_padded(&step, bucket->first, graph_max_context());
-    check(cuda::launch_graph(*backend, bucket->second));
-    return true;
   }
 
   // Steps until done() holds (the caller's requests finished).
@@ -24921,17 +25014,19 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.info.activation_dtype = e.backend->activation_dtype();
     e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights, gpu);
     e.model = std::make_unique<TextModel>(e.config, std::move(text_weights), *e.backend, *e.arena, e.plan, kv_dtype);
+    e.speculator.open(e.plan.options.speculative_tokens, e.plan.options.ngram, e.plan.max_model_len,
+                      e.config.text.vocab_size, size_t(e.plan.options.max_seqs));
     if (!options.draft_model.empty()) {
       // (the plan refused a draft model on CUDA: its weights are the mmap's views, as the CPU target's)
       Result<TextModelWeights> draft_weights = bind_text_weights(e.draft_config, e.draft_store);
       if (!draft_weights)
         fail(draft_weights.error().code,
              format("draft model %s: %s", options.draft_model.c_str(), draft_weights.error().message.c_str()));
-      e.draft_model = std::make_unique<TextModel>(e.draft_config, std::move(*draft_weights), *e.backend, *e.arena,
-                                                  e.plan, kv_dtype, TextModelRegions::draft());
-      e.draft_probs = reinterpret_cast<float*>(e.arena->region_data("draft_probs"));
-      if (!e.draft_probs) fail(ErrorCode::internal, "the plan for a draft model has no draft_probs region");
-      e.draft_row.assign(size_t(e.config.text.vocab_size), 0.0f);
+      auto draft_model = std::make_unique<TextModel>(e.draft_config, std::move(*draft_weights), *e.backend,
+                                                     *e.arena, e.plan, kv_dtype, TextModelRegions::draft());
+      float* draft_probs = reinterpret_cast<float*>(e.arena->region_data("draft_probs"));
+      if (!draft_probs) fail(ErrorCode::internal, "the plan for a draft model has no draft_probs region");
+      e.speculator.set_draft_model(std::move(draft_model), draft_probs);
     }
     if (vision_weights) {
       e.vision = std::make_unique<VisionModel>(e.config, std::move(*vision_weights), *e.backend, *e.arena, e.plan);
@@ -24945,7 +25040,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     if (!tokenizer) throw tokenizer.error();
     e.tokenizer = std::move(*tokenizer);
     const Tokenizer& tok = *e.tokenizer;
-    if (e.draft_model) {
+    if (e.speculator.draft_model()) {
       // A draft's ids must mean what the target's mean: the same vocabulary, token for token.
       Result<Tokenizer> draft_tokenizer = Tokenizer::load(options.draft_model);
       if (!draft_tokenizer)
@@ -24979,15 +25074,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.stop_ids.assign(stops.begin(), stops.end());
 
     const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
-    for (auto* v : {&e.token_ids, &e.slots, &e.logit_row_ids}) v->assign(max_tokens, 0);
-    e.position_rows = e.config.arch == Arch::qwen3_vl ? 3 : 1;
-    e.positions.assign(size_t(e.position_rows) * max_tokens, 0);
-    e.query_starts.assign(max_seqs + 1, 0);
-    e.context_lens.assign(max_seqs, 0);
-    e.row_owners.assign(max_tokens, {nullptr, 0});
-    e.draft_requests.reserve(max_seqs);
+    e.batch.open(max_tokens, max_seqs, e.config.arch == Arch::qwen3_vl ? 3 : 1);  // M-RoPE: 3 rows of positions
     e.raw_row.assign(size_t(e.config.text.vocab_size), 0.0f);
-    e.draft_ranges.reserve(max_seqs);
     e.scheduler.open(e.arena->kv(), e.plan.options.max_batched_tokens, e.plan.options.max_seqs,
                      e.plan.prefix_caching.value_or(!gpu));  // plan_engine resolved prefix caching
     e.info.prefix_caching = e.scheduler.prefix_caching();
@@ -25003,7 +25091,9 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       e.device_params.reserve(rows);
       e.device_rows.reserve(rows);
       e.sampled_ids.assign(rows, 0);
-      if (options.cuda_graphs) e.capture_decode_graphs();
+      if (options.cuda_graphs)
+        e.graphs.capture(*e.model, *e.backend, e.pool(), e.batch.position_rows, e.plan.options.max_seqs,
+                         e.plan.options.max_batched_tokens, e.max_model_len(), e.info);
     }
     if (detail::log_enabled(LogLevel::info))
       detail::log(LogLevel::info,
