@@ -22986,1339 +22986,18 @@ void VisionModel::run_merger(const PatchMergerWeights& merger, const Tensor& hid
 }
 
 }  // namespace kvlite
-// engine: implementation. The scheduler in one paragraph: requests wait in a FIFO queue and run in start
-// order; every step first gives each running request its next tokens (one when decoding, a chunk when
-// prefilling), preempting the most recently started one when the KV pages run out, then admits waiting
-// requests while slots, pages and the step's token budget last. The step's tokens go through the model in
-// one forward pass; the rows whose logits someone wants (the last row of a generating sequence, every target
-// of a scoring window, every row of a logits request) are projected a chunk at a time and handed out.
+// upload: a GPU engine's weights, from the checkpoint's mmap into the CUDA arena's weights region (Engine::open
+// calls it once, before the first step), and the bytes a decode step reads of them. A part of its own so that
+// the engine's step code and the one-time upload can be read and changed apart.
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <deque>
-#include <limits>
-#include <mutex>
-#include <set>
-#include <thread>
-#include <nlohmann/json.hpp>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace kvlite {
-
-const char* finish_reason_name(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::running: return "running";
-    case FinishReason::stop_token: return "stop_token";
-    case FinishReason::stop_string: return "stop_string";
-    case FinishReason::max_tokens: return "max_tokens";
-    case FinishReason::length: return "length";
-    case FinishReason::callback: return "callback";
-    case FinishReason::cancelled: return "cancelled";
-    case FinishReason::grammar_end: return "grammar_end";
-  }
-  return "?";
-}
-
-namespace detail {
-
-// `count` values of host memory in F32, BF16 or F16, widened to float (exact): logits and image features a
-// backend keeps in its 16-bit activation dtype, read on the host.
-inline void widen_to_float(const void* data, DType dtype, size_t count, float* out) {
-  if (dtype == DType::F32) {
-    memcpy(out, data, count * sizeof(float));
-    return;
-  }
-  const uint8_t* bytes = static_cast<const uint8_t*>(data);
-  uint16_t bits = 0;
-  if (dtype == DType::BF16) {
-    for (size_t j = 0; j < count; j++) {
-      memcpy(&bits, bytes + 2 * j, 2);
-      out[j] = bf16_to_float(bits);
-    }
-  } else {
-    for (size_t j = 0; j < count; j++) {
-      memcpy(&bits, bytes + 2 * j, 2);
-      out[j] = f16_to_float(bits);
-    }
-  }
-}
-
-enum class RequestKind { generate, score, logits };
-
-// A run of one image's tokens in a request: tokens [first, first + count) take feature rows [feature_row, +count).
-struct ImageSpan {
-  int64_t first = 0, count = 0, feature_row = 0;
-};
-
-// A prompt whose <|image_pad|> placeholders are expanded, with what the model needs for its images.
-struct VisionPrompt {
-  std::vector<int32_t> ids;
-  std::vector<int32_t> mrope;  // [3, ids] (empty without images)
-  int64_t rope_delta = 0;
-  std::vector<ImageSpan> image_spans;
-  ImageFeatures features;
-};
-
-struct EngineRequest {
-  RequestId id = 0;
-  RequestKind kind = RequestKind::generate;
-  std::vector<int32_t> tokens;  // what the model reads: the prompt (or window), then each generated id
-  int64_t computed = 0;         // tokens whose K/V are in the cache (0 again after a preemption)
-  int32_t slot = -1;            // KV pool slot while running
-  bool finished = false;
-
-  // generate
-  SamplingParams params;
-  Rng rng;
-  TokenCallback on_token;
-  std::optional<StreamingDecoder> decoder;
-  std::string text;    // decoded so far (cut at a stop string)
-  size_t emitted = 0;  // bytes of `text` handed to on_token
-  Generation result;
-  // Constrained decoding: the compiled grammar's masks (shared by the requests with the same grammar) and
-  // this request's parse state after its output so far.
-  std::shared_ptr<GrammarMasker> masker;
-  std::optional<GrammarMatcher> matcher;
-  // Speculative decoding: the tokens drafted for the step being run (appended to `tokens` while it runs),
-  // `draft_base` the index in `tokens` of the last token before them; once a draft is rejected the request's
-  // later rows in the step are ignored (their K/V is overwritten later).
-  std::vector<int32_t> drafts;
-  int64_t draft_base = 0;
-  bool draft_rejected = false;
-  // A draft model: tokens whose K/V the draft's cache holds (in this request's pages; 0 again after a preemption,
-  // and for a new request, whose cached prefix holds only the target's for sure), and the drafts this step wants.
-  int64_t draft_computed = 0;
-  int64_t draft_wanted = 0;
-  // Prefix caching: the keys of this request's full pages so far (page_key), and how many of its pages are in the
-  // cache (taken from it at admission, or entered once computed).
-  std::vector<uint64_t> page_keys;
-  int64_t registered_pages = 0;
-
-  // score and logits: rows [want_begin, want_end) of `tokens` have their logits consumed
-  int64_t want_begin = 0, want_end = 0;
-  double* logprobs = nullptr;  // score: logprobs[p + 1] = log p(tokens[p + 1] | tokens[0..p])
-  float* logits = nullptr;     // logits: [tokens, V]
-
-  // A vision model's prompt (qwen3_vl). Tokens past the prompt's positions have index + rope_delta.
-  std::vector<int32_t> mrope;   // [3, prompt tokens]: rows t, h, w (get_rope_index); empty: position = index
-  int64_t rope_delta = 0;
-  std::vector<ImageSpan> image_spans;  // runs of image tokens in `tokens`
-  ImageFeatures features;              // their rows, in token order
-};
-
-}  // namespace detail
-
-struct Engine::Impl {
-  ModelConfig config;
-  TensorStore store;  // keeps the mmap the weight views point into
-  Plan plan;
-  std::unique_ptr<Arena> arena;
-  std::unique_ptr<Backend> backend;
-  std::unique_ptr<TextModel> model;
-  std::unique_ptr<VisionModel> vision;  // qwen3_vl
-  // Speculative decoding with a draft model (EngineOptions::draft_model): its config, the mmap its weights are
-  // views into, its forward pass over the same backend (its K/V for the pool's pages in "draft_kv"), the
-  // distributions it drew each draft from ("draft_probs": [Smax, K, V]) and a row of its logits as floats.
-  ModelConfig draft_config;
-  TensorStore draft_store;
-  std::unique_ptr<TextModel> draft_model;
-  float* draft_probs = nullptr;
-  std::vector<float> draft_row;
-  std::vector<float> raw_row;  // [V]: a row's logits kept as the model gave them (SamplingParams::logprobs)
-  // Constrained decoding: the vocabulary's trie (made at the first constrained request) and one masker per
-  // grammar text (a schema is compiled to its grammar first), at most kMaxGrammars; past that the map starts over.
-  std::shared_ptr<const GrammarVocabulary> grammar_vocabulary;
-  std::unordered_map<std::string, std::shared_ptr<GrammarMasker>> maskers;
-  static constexpr size_t kMaxGrammars = 64;
-  std::vector<std::pair<int32_t, float>> stop_logits;  // constrain_row's scratch
-  TokenMask budget_mask;
-  PreprocessOptions preprocess;         // qwen3_vl: the processor's, with the plan's image budget
-  std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
-  std::vector<int32_t> stop_ids;  // sorted
-  // Global cancel() aims at the public call running steps now (CallScope), never at a later one: a cancel made
-  // while no call runs aims at nothing. 0 means "no call".
-  std::atomic<uint64_t> calls_started{0}, running_call{0}, cancelled_call{0};
-  // cancel(RequestId): ids named from any thread, applied by the next step (a request that finished first is
-  // simply not found: ids are never reused).
-  std::mutex request_cancels_mutex;
-  std::set<RequestId> request_cancels;
-  std::atomic<RequestId> last_issued_id{0};
-  // Every public call but cancel(), cancel(id), set_op_timing() and the accessors of what open fixed holds
-  // call_mutex for its whole run (CallLock): calls from several threads run one after another, in the order the
-  // mutex grants them. call_owner is the thread holding it, so that a nested call on that thread (generate(text)
-  // calling generate(ids), or a callback calling back) is recognised instead of deadlocking; `stepping` is set
-  // while a step runs the token callbacks, which must not start engine work of their own.
-  std::mutex call_mutex;
-  std::atomic<std::thread::id> call_owner{};
-  detail::EngineLog log;  // EngineOptions::name / log / log_level, in effect while a call holds the engine
-  std::optional<detail::ScopedEngineLog> log_scope;  // the holding call's
-  bool stepping = false;
-  // stats() from any thread while a call runs: the counters as of the last step, published under their own
-  // small lock so that a reader never waits for a whole generate.
-  mutable std::mutex published_stats_mutex;
-  EngineStats published_stats;
-  EngineStats stats;
-  EngineInfo info;
-
-  RequestId next_id = 1;
-  std::map<RequestId, std::unique_ptr<detail::EngineRequest>> requests;
-  bool prefix_cache = false;
-  std::vector<int32_t> attach_pages;  // [max_pages_per_seq]: a cached prefix's pages, found at admission
-  std::deque<detail::EngineRequest*> waiting;  // FIFO; preempted requests go back to the front
-  std::vector<detail::EngineRequest*> running;  // in start order: the last one is preempted first
-
-  // Host staging of one step, sized once (Tmax tokens, Smax sequences).
-  struct Scheduled {
-    detail::EngineRequest* request;
-    int64_t tokens;
-  };
-  struct RowOwner {
-    detail::EngineRequest* request;
-    int64_t position;  // index into request->tokens
-  };
-  std::vector<Scheduled> scheduled;           // capacity Smax
-  std::vector<int32_t> token_ids, slots, logit_row_ids;  // [Tmax]
-  std::vector<int32_t> positions;             // [position_rows, Tmax] (packed to [position_rows, T] per step)
-  int64_t position_rows = 1;                  // 3 for M-RoPE (qwen3_vl)
-  std::vector<ImageRun> image_runs;           // of the current step
-  std::vector<int32_t> query_starts;          // [Smax + 1]
-  std::vector<int32_t> context_lens;          // [Smax]
-  std::vector<RowOwner> row_owners;           // [Tmax]
-  std::vector<detail::EngineRequest*> draft_requests;           // capacity Smax: a draft model's step
-  std::vector<std::pair<int64_t, int64_t>> draft_ranges;        // capacity Smax: [from, count) of each
-
-  // A GPU engine's host side of the logits (sized at open): a chunk as the GPU stores it and widened to float,
-  // the host sampler's scratch (rows with a repetition penalty), and the device sampler's rows.
-  std::vector<uint8_t> logits_raw;                     // [max_logit_rows, V] activation dtype
-  std::vector<float> logits_host;                      // [max_logit_rows, V] (also a CPU engine's, for 16-bit logits)
-  std::vector<float> host_probs;                       // [V]
-  std::vector<int32_t> host_order;                     // [V]
-  std::vector<cuda::DeviceSamplingParams> device_params;  // per device-sampled row of a chunk
-  std::vector<int64_t> device_rows;                    // their rows in the chunk
-  std::vector<int32_t> sampled_ids;                    // [max_logit_rows] what the GPU sampled
-
-  // CUDA decode graphs, one per batch bucket (the keys), and the host staging of a step padded to a bucket.
-  std::map<int64_t, CudaGraph> graphs;
-  struct PaddedStep {
-    std::vector<int32_t> token_ids, slots, positions, query_starts, context_lens, block_tables;
-  } padded;
-
-  KVPagePool& pool() { return arena->kv(); }
-  int64_t max_model_len() const { return plan.max_model_len; }
-  bool on_gpu() const { return backend->kind() == BackendKind::cuda; }
-  static void check(const Status& status) {
-    if (!status) throw status.error();
-  }
-
-  // ---- requests ----------------------------------------------------------------------------------------
-
-  void check_ids(const std::vector<int32_t>& ids, const char* what) const {
-    if (ids.empty()) detail::fail(ErrorCode::invalid_argument, detail::format("%s: no tokens", what));
-    for (size_t i = 0; i < ids.size(); i++)
-      if (ids[i] < 0 || ids[i] >= config.text.vocab_size)
-        detail::fail(ErrorCode::invalid_argument,
-                     detail::format("%s: token %zu is %d, outside the model's vocabulary [0, %lld)", what, i, ids[i],
-                                    (long long)config.text.vocab_size));
-  }
-
-  // The sequence could never be held: refuse it now rather than let it wait forever. (max_model_len is at
-  // most the whole KV arena: Arena::create refuses a plan where one such sequence does not fit.)
-  void check_fits(int64_t kv_tokens, const std::string& what, const std::string& advice) const {
-    if (kv_tokens > max_model_len())
-      detail::fail(ErrorCode::does_not_fit,
-                   detail::format("%s needs %lld tokens of KV but the engine's max_model_len is %lld (its KV arena "
-                                  "holds %lld tokens); %s",
-                                  what.c_str(), (long long)kv_tokens, (long long)max_model_len(),
-                                  (long long)plan.kv_tokens, advice.c_str()));
-  }
-
-  detail::EngineRequest& add_request(detail::RequestKind kind, std::vector<int32_t> tokens) {
-    auto request = std::make_unique<detail::EngineRequest>();
-    request->id = next_id++;
-    last_issued_id.store(request->id);
-    request->kind = kind;
-    request->tokens = std::move(tokens);
-    detail::EngineRequest& r = *request;
-    requests[r.id] = std::move(request);
-    waiting.push_back(&r);
-    return r;
-  }
-
-  // ---- images --------------------------------------------------------------------------------------------
-
-  // The vision tower over `images`, in groups that fit its buffers: levels x tokens rows on the host.
-  ImageFeatures encode_images(const std::vector<const VisionInput*>& images) {
-    if (!vision)
-      detail::fail(ErrorCode::unsupported,
-                   detail::format("%s (model_type %s) has no vision tower; it takes no images", config.origin.c_str(),
-                                  config.model_type.c_str()));
-    // A caller's VisionInput sizes the output below: every field is checked against the vision config first
-    // (the output was sized from image_tokens and overrun by the real rows when they disagreed).
-    for (size_t i = 0; i < images.size(); i++) {
-      Status valid = check_vision_input(config.vision, *images[i]);
-      if (!valid) detail::fail(valid.error().code, detail::format("image %zu: %s", i, valid.error().message.c_str()));
-    }
-    ImageFeatures out;
-    out.levels = vision->levels();
-    out.hidden = config.vision.out_hidden_size;
-    for (const VisionInput* image : images) out.tokens += image->grid.image_tokens;
-    out.values.assign(size_t(out.levels * out.tokens * out.hidden), 0.0f);
-    int64_t token = 0;
-    std::vector<const VisionInput*> group;  // the next images, as many as one encode() holds
-    int64_t patches = 0;
-    std::vector<uint16_t> narrow;  // one level's rows as 16-bit activations store them (BF16 / F16 only)
-    auto encode_group = [&] {
-      vision->encode(group);  // an image too large for the buffers alone: encode() says why
-      for (int64_t level = 0; level < out.levels; level++) {
-        const Tensor rows = vision->output(level);
-        float* dst = out.values.data() + (level * out.tokens + token) * out.hidden;
-        if (rows.dtype == DType::F32) {
-          Status copied = backend->copy_to_host(rows, dst);
-          if (!copied) throw copied.error();
-        } else {  // widened to float (exact), so the text model's rounding back gives the same bits
-          narrow.resize(size_t(rows.elements()));
-          Status copied = backend->copy_to_host(rows, narrow.data());
-          if (!copied) throw copied.error();
-          detail::widen_to_float(narrow.data(), rows.dtype, narrow.size(), dst);
-        }
-      }
-      for (const VisionInput* image : group) token += image->grid.image_tokens;
-      group.clear();
-      patches = 0;
-    };
-    for (const VisionInput* image : images) {
-      if (!group.empty() &&
-          (int64_t(group.size()) == vision->max_images() || patches + image->rows() > vision->max_patches()))
-        encode_group();
-      group.push_back(image);
-      patches += image->rows();
-    }
-    if (!group.empty()) encode_group();
-    return out;
-  }
-
-  // A request's images are encoded together when it is submitted, in vision buffers the plan sized for
-  // max_images of them: more are refused before any is preprocessed or encoded.
-  void check_image_count(size_t images, const char* what) const {
-    if (vision && int64_t(images) > plan.options.max_images)
-      detail::fail(ErrorCode::does_not_fit,
-                   detail::format("%s: %zu images in one request, but the plan allows at most %lld (max_images); "
-                                  "raise max_images to %zu (EngineOptions::plan.max_images; kvlite plan --max-images "
-                                  "%zu shows what it costs) or send at most %lld",
-                                  what, images, (long long)plan.options.max_images, images, images,
-                                  (long long)plan.options.max_images));
-  }
-
-  // `ids` with one image_token_id per image (the processor's input form): each placeholder becomes its image's
-  // tokens, their features are computed, and the prompt's M-RoPE positions with them.
-  detail::VisionPrompt prepare_prompt(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images,
-                                      const char* what) {
-    detail::VisionPrompt prompt;
-    const int32_t pad = int32_t(config.image_token_id);
-    const int64_t placeholders = pad < 0 ? 0 : int64_t(std::count(ids.begin(), ids.end(), pad));
-    if (images.empty() && placeholders == 0) {
-      prompt.ids = ids;
-      return prompt;
-    }
-    if (!vision)
-      detail::fail(ErrorCode::unsupported,
-                   detail::format("%s: %zu image%s given but %s (model_type %s) has no vision tower", what,
-                                  images.size(), images.size() == 1 ? "" : "s", config.origin.c_str(),
-                                  config.model_type.c_str()));
-    check_image_count(images.size(), what);
-    if (placeholders != int64_t(images.size()))
-      detail::fail(ErrorCode::invalid_argument,
-                   detail::format("%s: the prompt holds %lld image placeholder%s (<|image_pad|>, id %d) but %zu "
-                                  "image%s given; put one %s in the prompt per image, in order",
-                                  what, (long long)placeholders, placeholders == 1 ? "" : "s", pad, images.size(),
-                                  images.size() == 1 ? " was" : "s were", kImagePlaceholder));
-    std::vector<const VisionInput*> inputs;
-    std::vector<ImageGrid> grids;
-    for (const VisionInput& image : images) {
-      inputs.push_back(&image);
-      grids.push_back(image.grid);
-    }
-    prompt.features = encode_images(inputs);
-    size_t image = 0;
-    int64_t feature_row = 0;
-    for (int32_t id : ids) {
-      if (id != pad) {
-        prompt.ids.push_back(id);
-        continue;
-      }
-      // processor: text.replace(image_token, image_token * num_image_tokens)
-      const int64_t count = images[image++].grid.image_tokens;
-      prompt.image_spans.push_back({int64_t(prompt.ids.size()), count, feature_row});
-      prompt.ids.insert(prompt.ids.end(), size_t(count), pad);
-      feature_row += count;
-    }
-    Result<MropePositions> positions = mrope_positions(prompt.ids, pad, grids, config.vision.spatial_merge_size);
-    if (!positions) throw positions.error();
-    prompt.mrope = std::move(positions->positions);
-    prompt.rope_delta = positions->rope_delta;
-    return prompt;
-  }
-
-  // Engine::preprocess of each image.
-  std::vector<VisionInput> preprocess_all(const std::vector<Image>& images) const {
-    check_image_count(images.size(), "generate");
-    std::vector<VisionInput> inputs;
-    for (const Image& image : images) {
-      if (!vision)
-        detail::fail(ErrorCode::unsupported, detail::format("%s (model_type %s) has no vision tower; it takes no images",
-                                                            config.origin.c_str(), config.model_type.c_str()));
-      Result<VisionInput> input = preprocess_image(image, preprocess);
-      if (!input) throw input.error();
-      inputs.push_back(std::move(*input));
-    }
-    return inputs;
-  }
-
-  static void attach(detail::EngineRequest& r, detail::VisionPrompt&& prompt) {
-    r.mrope = std::move(prompt.mrope);
-    r.rope_delta = prompt.rope_delta;
-    r.image_spans = std::move(prompt.image_spans);
-    r.features = std::move(prompt.features);
-  }
-
-  // The masker for a request's grammar or schema (nullptr: unconstrained); compiled once per text.
-  std::shared_ptr<GrammarMasker> constraint_for(const SamplingParams& params) {
-    if (params.grammar.empty() && params.json_schema.empty()) return nullptr;
-    std::string gbnf = params.grammar;
-    if (gbnf.empty()) {
-      Result<std::string> compiled = Grammar::json_schema_to_gbnf(params.json_schema);
-      if (!compiled) throw compiled.error();
-      gbnf = std::move(*compiled);
-    }
-    auto found = maskers.find(gbnf);
-    if (found != maskers.end()) return found->second;
-    Result<std::shared_ptr<const Grammar>> grammar = Grammar::parse(gbnf);
-    if (!grammar) throw grammar.error();
-    if (!grammar_vocabulary) {
-      const int64_t vocab = config.text.vocab_size;
-      std::vector<std::string> pieces(static_cast<size_t>(vocab));
-      std::vector<uint8_t> excluded(static_cast<size_t>(vocab), 1);
-      for (int64_t id = 0; id < vocab && id < int64_t(tokenizer->vocab_size()); id++) {
-        pieces[size_t(id)] = tokenizer->token_bytes(int32_t(id));
-        excluded[size_t(id)] = tokenizer->is_special(int32_t(id));
-      }
-      grammar_vocabulary = std::make_shared<const GrammarVocabulary>(pieces, excluded);
-    }
-    if (maskers.size() >= kMaxGrammars) maskers.clear();  // requests keep their own (shared) maskers alive
-    auto masker = std::make_shared<GrammarMasker>(std::move(*grammar), grammar_vocabulary);
-    maskers.emplace(std::move(gbnf), masker);
-    return masker;
-  }
-
-  RequestId submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
-                   const SamplingParams& params, const TokenCallback& on_token) {
-    check_ids(prompt_ids, "generate");
-    Status valid = validate(params);
-    if (!valid) throw valid.error();
-    std::shared_ptr<GrammarMasker> masker = constraint_for(params);
-    detail::VisionPrompt vision_prompt = prepare_prompt(prompt_ids, images, "generate");
-    const std::vector<int32_t>& prompt = vision_prompt.ids;
-    const int64_t prompt_len = int64_t(prompt.size());
-    // Only a prompt that leaves no room for one output token is refused; one whose prompt + max_tokens passes
-    // max_model_len generates until the context is full and finishes with FinishReason::length, as vLLM and
-    // transformers do.
-    check_fits(prompt_len + 1,
-               detail::format("a prompt of %lld tokens (+ 1 to generate)", (long long)prompt_len),
-               detail::format("shorten the prompt below %lld tokens", (long long)max_model_len()) +
-                   " or raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
-    detail::EngineRequest& r = add_request(detail::RequestKind::generate, prompt);
-    attach(r, std::move(vision_prompt));
-    r.params = params;
-    r.rng = Rng(params.seed);
-    r.on_token = on_token;
-    r.decoder.emplace(*tokenizer, false);
-    if (masker) {
-      r.matcher.emplace(masker->grammar_ptr());
-      r.masker = std::move(masker);
-    }
-    r.result.prompt_ids = prompt;
-    r.result.request = r.id;
-    if (detail::log_enabled(LogLevel::debug))
-      detail::log(LogLevel::debug, detail::format("request %lld: %lld prompt tokens, %zu images, max_tokens %lld",
-                                                  (long long)r.id, (long long)prompt_len, images.size(),
-                                                  (long long)params.max_tokens));
-    // prompt_len < max_model_len (check_fits above) and max_tokens <= KVLITE_MAX_NEW_TOKENS (validate): no overflow
-    r.tokens.reserve(size_t(prompt_len + std::min(params.max_tokens, max_model_len() - prompt_len)));
-    return r.id;
-  }
-
-  bool is_stop_token(const detail::EngineRequest& r, int32_t id) const {
-    return (!r.params.ignore_eos && std::binary_search(stop_ids.begin(), stop_ids.end(), id)) ||
-           std::find(r.params.stop_tokens.begin(), r.params.stop_tokens.end(), id) != r.params.stop_tokens.end();
-  }
-
-  // Constrained decoding: the tokens that cannot continue the sentence get -inf (end-of-turn tokens only once
-  // it is complete). False, and the request finished, when no token is left (a grammar whose next character no
-  // token of this vocabulary writes): it ends as complete if it is, else as cut by length.
-  bool constrain_row(detail::EngineRequest& r, float* row, int64_t vocab) {
-    const auto started = std::chrono::steady_clock::now();
-    const int64_t computed_before = r.masker->masks_computed();
-    // The tokens left, this one included (max_tokens, or the context's end): a token that leaves more bytes to
-    // complete the sentence than tokens remain after it is not allowed, so the output is whole whenever a
-    // token per byte can finish it (byte-level vocabularies), even when max_tokens cuts it.
-    const int64_t left = std::min(r.params.max_tokens - int64_t(r.result.ids.size()),
-                                  max_model_len() - int64_t(r.tokens.size()));
-    // (when even the shortest completion does not fit, the plain mask: the output is cut, as without a grammar)
-    const int64_t budget = r.matcher->min_completion() <= left ? left - 1 : -1;
-    const TokenMask& mask = r.masker->mask_for_budget(r.matcher->state(), budget, budget_mask);
-    stats.grammar_rows++;
-    stats.grammar_masks_computed += r.masker->masks_computed() - computed_before;
-    stats.grammar_mask_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    const bool complete = r.matcher->complete();
-    // the end-of-turn tokens' logits, put back after the mask when the sentence may end here
-    stop_logits.clear();
-    if (complete) {
-      for (const std::vector<int32_t>* ids : {&stop_ids, &r.params.stop_tokens})
-        for (int32_t id : *ids)
-          if (id >= 0 && id < vocab && is_stop_token(r, id)) stop_logits.push_back({id, row[id]});
-    }
-    bool any = !stop_logits.empty();
-    for (size_t word = 0; word * 64 < size_t(vocab); word++) {
-      const uint64_t bits = word < mask.size() ? mask[word] : 0;
-      any = any || bits != 0;
-      const int64_t end = std::min<int64_t>(vocab, int64_t(word + 1) * 64);
-      for (int64_t id = int64_t(word) * 64; id < end; id++)
-        if (!((bits >> (id % 64)) & 1u)) row[id] = -std::numeric_limits<float>::infinity();
-    }
-    for (const auto& kept : stop_logits) row[kept.first] = kept.second;
-    if (!any) finish(r, complete ? FinishReason::grammar_end : FinishReason::length);
-    return any;
-  }
-
-  // Hands text[emitted, end) to the callback with `id`; false when the callback asks to stop.
-  bool emit(detail::EngineRequest& r, size_t end, int32_t id) {
-    std::string piece = r.text.substr(r.emitted, end - r.emitted);
-    r.emitted = end;
-    r.result.text += piece;
-    return !r.on_token || r.on_token(piece, id);
-  }
-
-  // Takes r out of the queues and gives its slot and pages back.
-  void retire(detail::EngineRequest& r) {
-    r.finished = true;
-    if (r.slot >= 0) {
-      Status freed = pool().seq_free(r.slot);
-      if (!freed) throw freed.error();
-      r.slot = -1;
-    }
-    running.erase(std::remove(running.begin(), running.end(), &r), running.end());
-    waiting.erase(std::remove(waiting.begin(), waiting.end(), &r), waiting.end());
-  }
-
-  void finish(detail::EngineRequest& r, FinishReason reason) {
-    retire(r);
-    r.result.finish_reason = reason;
-    if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens || reason == FinishReason::length ||
-        reason == FinishReason::grammar_end) {
-      // Whatever was held back (a potential stop string's start, an incomplete character) is final now.
-      r.text += r.decoder->flush();
-      if (r.emitted < r.text.size()) emit(r, r.text.size(), -1);
-    }
-  }
-
-  // A generated id: record it, stream its text, and decide whether the request goes on.
-  void accept_token(detail::EngineRequest& r, int32_t id, float logprob = std::numeric_limits<float>::quiet_NaN()) {
-    stats.tokens_generated++;
-    r.tokens.push_back(id);
-    r.result.ids.push_back(id);
-    if (r.params.logprobs) r.result.logprobs.push_back(logprob);
-    if (is_stop_token(r, id)) return finish(r, FinishReason::stop_token);
-    // (the row was masked: the token's bytes continue the sentence; a grammar's end is decided after the text)
-    const bool grammar_done = r.matcher && r.matcher->accept(tokenizer->token_bytes(id)) && !r.matcher->can_continue();
-    Result<std::string> piece = r.decoder->push(id);
-    if (!piece) throw piece.error();
-    const size_t searched_from = r.emitted;
-    r.text += *piece;
-    // The earliest stop string in the text not yet emitted ends the request, cut before it.
-    size_t stop_at = std::string::npos;
-    for (const std::string& stop : r.params.stop_strings) stop_at = std::min(stop_at, r.text.find(stop, searched_from));
-    if (stop_at != std::string::npos) {
-      r.text.resize(stop_at);
-      emit(r, stop_at, id);
-      return finish(r, FinishReason::stop_string);
-    }
-    // Hold back the longest tail that could still grow into a stop string.
-    size_t hold = 0;
-    for (const std::string& stop : r.params.stop_strings)
-      for (size_t len = std::min(stop.size() - 1, r.text.size() - r.emitted); len > hold; len--)
-        if (r.text.compare(r.text.size() - len, len, stop, 0, len) == 0) {
-          hold = len;
-          break;
-        }
-    if (!emit(r, r.text.size() - hold, id)) return finish(r, FinishReason::callback);
-    if (grammar_done) return finish(r, FinishReason::grammar_end);
-    if (int64_t(r.result.ids.size()) >= r.params.max_tokens) return finish(r, FinishReason::max_tokens);
-    if (int64_t(r.tokens.size()) >= max_model_len()) return finish(r, FinishReason::length);
-  }
-
-  // Every unfinished request ends (cancel, or an error mid-step): pages and slots go back to the pool.
-  void abort_all() {
-    std::vector<detail::EngineRequest*> live(running.begin(), running.end());
-    live.insert(live.end(), waiting.begin(), waiting.end());
-    for (detail::EngineRequest* r : live) {
-      if (r->kind == detail::RequestKind::generate) {
-        finish(*r, FinishReason::cancelled);
-      } else {
-        retire(*r);
-      }
-    }
-  }
-
-  // ---- the step ----------------------------------------------------------------------------------------
-
-  // ---- prefix cache --------------------------------------------------------------------------------------------
-  // Page i's key chains page i - 1's with every token of page i: its id and, for a vision prompt, its M-RoPE
-  // position (t, h, w) and, for an image token, the bits of its image features (every level), so that equal keys
-  // mean equal K/V. 64-bit splitmix mixing: a false match is a 2^-64 event per lookup.
-  static uint64_t mix(uint64_t h, uint64_t value) {
-    uint64_t z = h ^ (value + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  uint64_t page_key(detail::EngineRequest& r, int64_t page) {
-    const int64_t page_tokens = pool().page_tokens();
-    const int64_t prompt = int64_t(r.mrope.size()) / 3;  // vision prompts: positions recorded for these
-    while (int64_t(r.page_keys.size()) <= page) {
-      const int64_t i = int64_t(r.page_keys.size());
-      uint64_t h = i == 0 ? 0x6b766c6974650001ull : r.page_keys.back();
-      for (int64_t p = i * page_tokens; p < (i + 1) * page_tokens; p++) {
-        h = mix(h, uint32_t(r.tokens[size_t(p)]));
-        if (r.mrope.empty()) continue;
-        for (int64_t axis = 0; axis < 3; axis++)
-          h = mix(h, uint64_t(p < prompt ? r.mrope[size_t(axis * prompt + p)] : p + r.rope_delta));
-        for (const detail::ImageSpan& span : r.image_spans) {
-          if (p < span.first || p >= span.first + span.count) continue;
-          const int64_t row = span.feature_row + (p - span.first), hidden = r.features.hidden;
-          for (int64_t level = 0; level < r.features.levels; level++) {
-            const float* v = r.features.values.data() + (level * r.features.tokens + row) * hidden;
-            for (int64_t c = 0; c < hidden; c++) {
-              uint32_t bits;
-              memcpy(&bits, &v[c], 4);
-              h = mix(h, bits);
-            }
-          }
-        }
-      }
-      r.page_keys.push_back(h);
-    }
-    return r.page_keys[size_t(page)];
-  }
-
-  // A new generate request's longest cached prefix of whole pages, attached to its slot: those tokens count as
-  // computed. The last token is always computed (its logits are what the request needs).
-  void attach_cached_prefix(detail::EngineRequest& r) {
-    if (!prefix_cache || r.kind != detail::RequestKind::generate) return;
-    const int64_t page_tokens = pool().page_tokens();
-    const int64_t most = std::min<int64_t>((int64_t(r.tokens.size()) - 1) / page_tokens, int64_t(attach_pages.size()));
-    int64_t hits = 0;
-    while (hits < most) {
-      const int32_t page = pool().cache_lookup(page_key(r, hits));
-      if (page < 0) break;
-      attach_pages[size_t(hits++)] = page;
-    }
-    if (hits == 0) return;
-    Status attached = pool().seq_attach(r.slot, attach_pages.data(), hits);
-    if (!attached) throw attached.error();
-    r.computed = hits * page_tokens;
-    r.registered_pages = hits;
-  }
-
-  // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache.
-  void register_pages(detail::EngineRequest& r) {
-    if (!prefix_cache || r.slot < 0) return;
-    const int64_t full = std::min<int64_t>(r.computed, int64_t(r.tokens.size())) / pool().page_tokens();
-    const int32_t* table = pool().block_table(r.slot);
-    for (int64_t i = r.registered_pages; i < full; i++) {
-      Result<bool> entered = pool().cache_insert(table[i], page_key(r, i));
-      if (!entered) throw entered.error();
-    }
-    r.registered_pages = std::max(r.registered_pages, full);
-  }
-
-  void preempt(detail::EngineRequest& r) {
-    Status freed = pool().seq_free(r.slot);
-    if (!freed) throw freed.error();
-    r.slot = -1;
-    r.computed = 0;
-    r.registered_pages = 0;
-    r.draft_computed = 0;
-    running.erase(std::remove(running.begin(), running.end(), &r), running.end());
-    waiting.push_front(&r);
-  }
-
-  // Grows r's KV to `tokens`; false when the pool is out of pages.
-  bool reserve(detail::EngineRequest& r, int64_t tokens) {
-    Status grown = pool().seq_reserve(r.slot, tokens);
-    if (grown) return true;
-    if (grown.error().code != ErrorCode::out_of_memory) throw grown.error();
-    return false;
-  }
-
-  void schedule() {
-    scheduled.clear();
-    int64_t budget = plan.options.max_batched_tokens;
-    bool preempted = false;
-    // Running requests, oldest first: the next token, or the next prefill chunk.
-    for (size_t i = 0; i < running.size() && budget > 0;) {
-      detail::EngineRequest& r = *running[i];
-      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
-      if (int64_t(r.tokens.size()) - r.computed == 1) n += draft(r, budget - 1);
-      bool kept = true;
-      while (!reserve(r, r.computed + n)) {
-        detail::EngineRequest& victim = *running.back();
-        preempt(victim);
-        preempted = true;
-        stats.preemptions++;
-        detail::log(LogLevel::debug, "KV pages ran out: the newest running request is preempted (recomputed later)");
-        if (&victim == &r) {
-          kept = false;
-          break;
-        }
-      }
-      if (!kept) break;  // r was the newest: nothing after it is left to schedule
-      scheduled.push_back({&r, n});
-      budget -= n;
-      i++;
-    }
-    // Waiting requests, in order, while slots and pages last (not in a step that had to preempt).
-    while (!preempted && budget > 0 && !waiting.empty()) {
-      detail::EngineRequest& r = *waiting.front();
-      int32_t slot = pool().seq_create();
-      if (slot < 0) break;
-      r.slot = slot;
-      attach_cached_prefix(r);
-      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
-      if (!reserve(r, r.computed + n)) {
-        Status freed = pool().seq_free(slot);
-        if (!freed) throw freed.error();
-        r.slot = -1;
-        r.computed = 0;
-        r.registered_pages = 0;
-        break;
-      }
-      stats.prefix_pages_reused += r.registered_pages;
-      stats.prefix_tokens_reused += r.computed;
-      waiting.pop_front();
-      running.push_back(&r);
-      scheduled.push_back({&r, n});
-      budget -= n;
-    }
-  }
-
-  // Speculative decoding (plan.options.speculative_tokens > 0): a decoding request's next step also reads up to
-  // K drafted tokens (n-gram: the continuation of the latest earlier occurrence of its last tokens), whose logits
-  // are verified in order (verify_draft_token), so one forward pass over the weights can yield up to K + 1
-  // tokens. Drafts are appended to r.tokens for the step when the pages for them are there without preempting
-  // anyone; `limit` is the step's token budget left after r's own token. Returns the tokens drafted. With a draft
-  // model the pages are reserved here and the tokens drafted by run_draft_model, before the step is packed.
-  int64_t draft(detail::EngineRequest& r, int64_t limit) {
-    const int64_t k = plan.options.speculative_tokens;
-    if (k <= 0 || r.kind != detail::RequestKind::generate) return 0;
-    // Every accepted draft and the token after them must be allowed: by max_tokens and by the context.
-    const int64_t allowed = std::min({k, limit, r.params.max_tokens - int64_t(r.result.ids.size()) - 1,
-                                      max_model_len() - int64_t(r.tokens.size())});
-    if (allowed <= 0) return 0;
-    if (draft_model) {
-      if (!reserve(r, r.computed + 1 + allowed)) return 0;
-      r.drafts.clear();
-      r.draft_wanted = allowed;
-      r.draft_base = int64_t(r.tokens.size()) - 1;
-      r.draft_rejected = false;
-      return allowed;
-    }
-    r.drafts.resize(size_t(allowed));
-    const int64_t count =
-        propose_ngram_draft(r.tokens.data(), int64_t(r.tokens.size()), plan.options.ngram, allowed, r.drafts.data());
-    r.drafts.resize(size_t(count));
-    if (count == 0 || !reserve(r, r.computed + 1 + count)) {
-      r.drafts.clear();
-      return 0;
-    }
-    r.draft_base = int64_t(r.tokens.size()) - 1;
-    r.draft_rejected = false;
-    r.tokens.insert(r.tokens.end(), r.drafts.begin(), r.drafts.end());
-    stats.draft_tokens += count;
-    return count;
-  }
-
-  // The step packed into the host staging arrays (token_ids, positions [position_rows, tokens], slots,
-  // query_starts, context_lens, logit_row_ids), as the model reads it; the pool's block tables are the batch's.
-  StepInput staged_step(int64_t tokens, int64_t rows_of_positions, int64_t seqs, int64_t max_context,
-                        int64_t logit_rows) {
-    const KVPagePool& kv = pool();
-    StepInput input;
-    input.tokens = tokens;
-    input.token_ids = token_ids.data();
-    input.positions = positions.data();
-    input.position_rows = rows_of_positions;
-    input.slots = slots.data();
-    input.seqs = seqs;
-    input.query_starts = query_starts.data();
-    input.context_lens = context_lens.data();
-    input.max_context = max_context;
-    input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
-                                        kv.max_pages_per_seq());
-    input.logit_rows = logit_rows;
-    input.logit_row_ids = logit_row_ids.data();
-    return input;
-  }
-
-  // The distribution the draft model drew request slot `slot`'s draft i from.
-  float* draft_distribution(int32_t slot, int64_t i) {
-    const int64_t vocab = config.text.vocab_size;
-    return draft_probs + (int64_t(slot) * plan.options.speculative_tokens + i) * vocab;
-  }
-
-  // The draft model's turn, before the step is packed: each request that wants drafts (draft_wanted > 0, pages
-  // reserved by draft()) first has the draft read its tokens the draft's cache lacks (a prompt, or the tokens
-  // accepted last step), in steps of at most max_batched_tokens; the last one's logits give draft 1. Then one
-  // step per further draft, each reading the draft before it. The draft's K/V goes into the same pages as the
-  // target's (its own "draft_kv" region), its positions are the tokens' indices (a text model's), and its tokens
-  // are drawn as the target would sample (sample_draft_token keeps each one's distribution for verification).
-  // The drafts are appended to r.tokens, as n-gram drafts are.
-  void run_draft_model() {
-    std::vector<detail::EngineRequest*>& drafting = draft_requests;
-    drafting.clear();
-    for (const Scheduled& s : scheduled)
-      if (s.request->draft_wanted > 0) drafting.push_back(s.request);
-    if (drafting.empty()) return;
-    std::sort(drafting.begin(), drafting.end(),
-              [](const detail::EngineRequest* a, const detail::EngineRequest* b) { return a->slot < b->slot; });
-    const KVPagePool& kv = pool();
-    const int64_t page_tokens = kv.page_tokens(), vocab = config.text.vocab_size;
-    const int64_t max_tokens = int64_t(token_ids.size());
-    // One draft step over tokens [from, from + count) of each request (count 0: not in this step); the rows of
-    // requests whose last token is in it give their next draft.
-    auto draft_step = [&](const std::vector<std::pair<int64_t, int64_t>>& ranges) {
-      const int64_t seqs = drafting.back()->slot + 1;
-      std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
-      int64_t t = 0, rows = 0, max_context = 0;
-      size_t next = 0;
-      for (int64_t s = 0; s < seqs; s++) {
-        query_starts[size_t(s)] = int32_t(t);
-        if (next == drafting.size() || drafting[next]->slot != s) continue;
-        detail::EngineRequest& r = *drafting[next];
-        const int64_t from = ranges[next].first, count = ranges[next].second;
-        next++;
-        if (count == 0) continue;
-        const int32_t* pages = kv.block_table(r.slot);
-        for (int64_t p = from; p < from + count; p++, t++) {
-          token_ids[size_t(t)] = r.tokens[size_t(p)];
-          positions[size_t(t)] = int32_t(p);
-          slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
-        }
-        if (from + count == int64_t(r.tokens.size())) {
-          logit_row_ids[size_t(rows)] = int32_t(t - 1);
-          row_owners[size_t(rows++)] = {&r, from + count - 1};
-        }
-        context_lens[size_t(s)] = int32_t(from + count);
-        max_context = std::max(max_context, from + count);
-        r.draft_computed = from + count;
-      }
-      query_starts[size_t(seqs)] = int32_t(t);
-      draft_model->forward(staged_step(t, 1, seqs, max_context, rows));
-      stats.draft_steps++;
-      stats.draft_tokens_computed += t;
-      for (int64_t first = 0; first < rows; first += draft_model->max_logit_rows()) {
-        const int64_t count = std::min(draft_model->max_logit_rows(), rows - first);
-        const Tensor logits = draft_model->logits(first, count);
-        for (int64_t i = 0; i < count; i++) {
-          detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
-          float* row = host_logits_row(logits, i, draft_row.data());
-          const int64_t index = int64_t(r.drafts.size());
-          const int32_t id = sample_draft_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng,
-                                                draft_distribution(r.slot, index), draft_model->sampling_probs(r.slot),
-                                                draft_model->sampling_order(r.slot));
-          r.drafts.push_back(id);
-          r.tokens.push_back(id);
-        }
-      }
-    };
-    std::vector<std::pair<int64_t, int64_t>>& ranges = draft_ranges;
-    // Catching up: every token the draft's cache lacks, the target's newest included (its row gives draft 1).
-    for (;;) {
-      int64_t budget = max_tokens;
-      bool any = false;
-      ranges.assign(drafting.size(), {0, 0});
-      for (size_t i = 0; i < drafting.size() && budget > 0; i++) {
-        detail::EngineRequest& r = *drafting[i];
-        const int64_t missing = r.draft_base + 1 - r.draft_computed;  // up to the target's newest token
-        if (missing <= 0) continue;
-        ranges[i] = {r.draft_computed, std::min(missing, budget)};
-        budget -= ranges[i].second;
-        any = true;
-      }
-      if (!any) break;
-      draft_step(ranges);
-    }
-    // Then one token per step: the latest draft, while a request wants more.
-    for (int64_t drafted = 1;; drafted++) {
-      bool any = false;
-      for (size_t i = 0; i < drafting.size(); i++) {
-        detail::EngineRequest& r = *drafting[i];
-        const bool more = int64_t(r.drafts.size()) < r.draft_wanted;
-        ranges[i] = more ? std::make_pair(int64_t(r.tokens.size()) - 1, int64_t(1)) : std::make_pair(int64_t(0), int64_t(0));
-        any = any || more;
-      }
-      if (!any) break;
-      draft_step(ranges);
-    }
-    for (detail::EngineRequest* r : drafting) {
-      stats.draft_tokens += int64_t(r->drafts.size());
-      r->draft_wanted = 0;
-    }
-  }
-
-  // Row i of a chunk of logits as floats: in place when the backend's logits are host F32, else widened into
-  // `scratch` [V] (16-bit activations).
-  float* host_logits_row(const Tensor& logits, int64_t i, float* scratch) const {
-    const int64_t vocab = config.text.vocab_size;
-    if (logits.dtype == DType::F32) return static_cast<float*>(logits.data) + i * vocab;
-    detail::widen_to_float(static_cast<const uint8_t*>(logits.data) + size_t(i * vocab) * 2, logits.dtype,
-                           size_t(vocab), scratch);
-    return scratch;
-  }
-
-  // After a step's rows are consumed: a drafting request keeps the K/V of its last token and accepted drafts
-  // (the positions past them held rejected drafts; the next steps overwrite them).
-  void settle_drafts() {
-    for (const Scheduled& s : scheduled) {
-      detail::EngineRequest& r = *s.request;
-      if (r.drafts.empty()) continue;
-      if (!r.finished) r.computed = std::min<int64_t>(r.computed, int64_t(r.tokens.size()) - 1);
-      // the draft's cache: its inputs up to the last accepted draft (it never read the last draft it made)
-      if (!r.finished) r.draft_computed = std::min<int64_t>(r.draft_computed, int64_t(r.tokens.size()) - 1);
-      r.drafts.clear();
-      r.draft_rejected = false;
-    }
-  }
-
-  // The positions of r whose logits are wanted among [first, first + count).
-  std::pair<int64_t, int64_t> wanted_rows(const detail::EngineRequest& r, int64_t first, int64_t count) const {
-    int64_t begin = r.want_begin, end = r.want_end;
-    if (r.kind == detail::RequestKind::generate) {  // the last token's row (and its drafts'), once all is in
-      end = int64_t(r.tokens.size());
-      begin = end - 1 - int64_t(r.drafts.size());
-    }
-    return {std::max(begin, first), std::min(end, first + count)};
-  }
-
-  void consume_row(const RowOwner& owner, float* row) {
-    detail::EngineRequest& r = *owner.request;
-    const int64_t vocab = config.text.vocab_size;
-    switch (r.kind) {
-      case detail::RequestKind::generate: {
-        if (r.finished || r.draft_rejected) break;  // rows after the request ended or after a rejected draft
-        // the sampler's scratch: the arena's rows on the CPU, host vectors beside a GPU's (whose rows are device
-        // memory)
-        float* probs = on_gpu() ? host_probs.data() : model->sampling_probs(r.slot);
-        int32_t* order = on_gpu() ? host_order.data() : model->sampling_order(r.slot);
-        // logprobs: the row as the model gave it (sampling changes it in place), scored as score() scores
-        if (r.params.logprobs) std::copy(row, row + vocab, raw_row.data());
-        if (r.matcher && !constrain_row(r, row, vocab)) break;  // nothing may follow: the request ended
-        auto logprob_of = [&](int32_t id) {
-          return r.params.logprobs ? float(token_logprob(raw_row.data(), vocab, id))
-                                   : std::numeric_limits<float>::quiet_NaN();
-        };
-        const int64_t drafted = owner.position - r.draft_base;  // the row verifying drafts[drafted], if any
-        if (!r.drafts.empty() && drafted < int64_t(r.drafts.size())) {
-          // r.tokens holds the accepted drafts before this one: the history the target's token depends on
-          // a draft model's sampled draft came from a distribution q; n-gram drafts are certain
-          const float* q =
-              draft_model && r.params.temperature != 0.0f ? draft_distribution(r.slot, drafted) : nullptr;
-          const DraftVerdict verdict = verify_draft_token(row, vocab, r.params, r.tokens.data(),
-                                                          int64_t(r.tokens.size()), r.drafts[size_t(drafted)], q,
-                                                          r.rng, probs, order);
-          if (verdict.accepted) stats.draft_tokens_accepted++;
-          else r.draft_rejected = true;
-          accept_token(r, verdict.token, logprob_of(verdict.token));
-          break;
-        }
-        const int32_t id =
-            sample_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng, probs, order);
-        accept_token(r, id, logprob_of(id));
-        break;
-      }
-      case detail::RequestKind::score:
-        r.logprobs[owner.position + 1] = token_logprob(row, vocab, r.tokens[size_t(owner.position + 1)]);
-        break;
-      case detail::RequestKind::logits:
-        std::copy(row, row + vocab, r.logits + owner.position * vocab);
-        break;
-    }
-  }
-
-  // A public call's hold on the engine (call_mutex). Nested on the thread that holds it already: no second lock,
-  // but a callback running inside a step may not start engine work (invalid_argument naming the call).
-  struct CallLock {
-    Impl& engine;
-    bool locked = false;
-    CallLock(Impl& e, const char* call) : engine(e) {
-      if (engine.call_owner.load() == std::this_thread::get_id()) {
-        if (engine.stepping)
-          detail::fail(ErrorCode::invalid_argument,
-                       detail::format("Engine::%s called from inside a token callback: a callback may call cancel(), "
-                                      "cancel(id), stats() and set_op_timing() only (return false to end its own "
-                                      "request)", call));
-        return;
-      }
-      engine.call_mutex.lock();
-      engine.call_owner.store(std::this_thread::get_id());
-      engine.log_scope.emplace(&engine.log);
-      locked = true;
-    }
-    ~CallLock() {
-      if (!locked) return;
-      engine.log_scope.reset();
-      engine.publish_stats();
-      engine.call_owner.store(std::thread::id());
-      engine.call_mutex.unlock();
-    }
-    CallLock(const CallLock&) = delete;
-    CallLock& operator=(const CallLock&) = delete;
-  };
-
-  void publish_stats() {
-    EngineStats now = stats;
-    now.op_times = backend->op_times();
-    std::lock_guard<std::mutex> lock(published_stats_mutex);
-    published_stats = now;
-  }
-
-  // The public call that runs steps: cancel() made during it (and only then) stops it.
-  struct CallScope {
-    Impl& engine;
-    explicit CallScope(Impl& e) : engine(e) { engine.running_call.store(++engine.calls_started); }
-    ~CallScope() { engine.running_call.store(0); }
-  };
-
-  // Requests cancel(RequestId) named end now, with FinishReason::cancelled; their pages go back to the pool.
-  void apply_request_cancels() {
-    std::set<RequestId> ids;
-    {
-      std::lock_guard<std::mutex> lock(request_cancels_mutex);
-      ids.swap(request_cancels);
-    }
-    for (RequestId id : ids) {
-      auto it = requests.find(id);
-      if (it == requests.end() || it->second->finished || it->second->kind != detail::RequestKind::generate) continue;
-      finish(*it->second, FinishReason::cancelled);
-      detail::log(LogLevel::debug, detail::format("request %lld cancelled", (long long)id));
-    }
-  }
-
-  // One forward step. Returns whether unfinished requests remain.
-  bool step() {
-    const uint64_t call = running_call.load();
-    if (call != 0 && cancelled_call.load() == call) {
-      abort_all();
-      detail::fail(ErrorCode::cancelled, "cancelled by Engine::cancel()");
-    }
-    apply_request_cancels();
-    if (running.empty() && waiting.empty()) return false;
-    try {
-      stepping = true;
-      run_step();
-      stepping = false;
-    } catch (...) {
-      stepping = false;
-      abort_all();  // leave the engine usable: no request holds pages it will never release
-      throw;
-    }
-    publish_stats();
-    return !running.empty() || !waiting.empty();
-  }
-
-  void run_step() {
-    schedule();
-    if (scheduled.empty())
-      detail::fail(ErrorCode::internal,
-                   detail::format("the scheduler found nothing to run with %zu requests waiting and %zu running",
-                                  waiting.size(), running.size()));
-    if (draft_model) run_draft_model();
-    // Sequence s of the attention batch is pool slot s: pack tokens in slot order.
-    std::sort(scheduled.begin(), scheduled.end(),
-              [](const Scheduled& a, const Scheduled& b) { return a.request->slot < b.request->slot; });
-    const KVPagePool& kv = pool();
-    const int64_t page_tokens = kv.page_tokens();
-    const int64_t seqs = scheduled.back().request->slot + 1;
-    std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
-    int64_t t = 0, rows = 0, max_context = 0;
-    size_t next = 0;
-    const int64_t max_tokens = int64_t(token_ids.size());
-    image_runs.clear();
-    for (int64_t s = 0; s < seqs; s++) {
-      query_starts[size_t(s)] = int32_t(t);
-      if (next == scheduled.size() || scheduled[next].request->slot != s) continue;
-      detail::EngineRequest& r = *scheduled[next].request;
-      const int64_t n = scheduled[next++].tokens;
-      const int32_t* pages = kv.block_table(r.slot);
-      auto want = wanted_rows(r, r.computed, n);
-      const int64_t prompt_positions = int64_t(r.mrope.size()) / 3;
-      for (const detail::ImageSpan& span : r.image_spans) {  // the image tokens among [computed, computed + n)
-        const int64_t begin = std::max(span.first, r.computed), end = std::min(span.first + span.count, r.computed + n);
-        if (begin >= end) continue;
-        ImageRun run;
-        run.token = t + begin - r.computed;
-        run.count = end - begin;
-        run.rows = r.features.values.data() + (span.feature_row + begin - span.first) * r.features.hidden;
-        run.level_stride = r.features.tokens * r.features.hidden;
-        image_runs.push_back(run);
-      }
-      for (int64_t p = r.computed; p < r.computed + n; p++, t++) {
-        token_ids[size_t(t)] = r.tokens[size_t(p)];
-        // a prompt token's (t, h, w) from get_rope_index; any other token index + rope_delta on every row
-        for (int64_t row = 0; row < position_rows; row++)
-          positions[size_t(row * max_tokens + t)] =
-              p < prompt_positions ? r.mrope[size_t(row * prompt_positions + p)] : int32_t(p + r.rope_delta);
-        slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
-        if (p >= want.first && p < want.second) {
-          logit_row_ids[size_t(rows)] = int32_t(t);
-          row_owners[size_t(rows++)] = {&r, p};
-        }
-      }
-      context_lens[size_t(s)] = int32_t(r.computed + n);
-      max_context = std::max(max_context, r.computed + n);
-    }
-    query_starts[size_t(seqs)] = int32_t(t);
-    // Rows of positions packed to [position_rows, t], as rope_tables reads them (each moves to a lower index).
-    for (int64_t row = 1; row < position_rows; row++)
-      memmove(positions.data() + row * t, positions.data() + row * max_tokens, size_t(t) * sizeof(int32_t));
-
-    StepInput input = staged_step(t, position_rows, seqs, max_context, rows);
-    input.image_runs = int64_t(image_runs.size());
-    input.image_run_list = image_runs.data();
-    if (run_decode_graph(input)) {
-      stats.graph_steps++;
-    } else {
-      model->forward(input);
-    }
-    for (const Scheduled& s : scheduled) {
-      s.request->computed += s.tokens;
-      // the drafts leave r.tokens: rows verify them in order and accepted ones come back through accept_token
-      if (!s.request->drafts.empty()) s.request->tokens.resize(size_t(s.request->draft_base + 1));
-      register_pages(*s.request);  // (before its rows are consumed: a request that ends there frees its slot)
-    }
-    stats.steps++;
-    stats.tokens_computed += t;
-    stats.peak_running = std::max(stats.peak_running, int64_t(scheduled.size()));
-
-    const int64_t vocab = config.text.vocab_size;
-    for (int64_t first = 0; first < rows; first += model->max_logit_rows()) {
-      const int64_t count = std::min(model->max_logit_rows(), rows - first);
-      Tensor logits = model->logits(first, count);
-      if (on_gpu()) {
-        consume_device_rows(logits, first, count);
-      } else if (logits.dtype == DType::F32) {
-        for (int64_t i = 0; i < count; i++)
-          consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
-      } else {  // BF16 / F16 activations on the CPU: widened on the host, as the GPU's host rows are
-        detail::widen_to_float(logits.data, logits.dtype, size_t(count * vocab), logits_host.data());
-        for (int64_t i = 0; i < count; i++) consume_row(row_owners[size_t(first + i)], logits_host.data() + i * vocab);
-      }
-    }
-    settle_drafts();
-    // Prefill-only requests end once every token is in.
-    for (const Scheduled& s : scheduled) {
-      detail::EngineRequest& r = *s.request;
-      if (r.kind != detail::RequestKind::generate && !r.finished && r.computed == int64_t(r.tokens.size()))
-        retire(r);
-    }
-  }
-
-  // A chunk of logits on the GPU (rows first .. first + count of the step's logit rows): generate rows are
-  // sampled there (cuda::sample: only their ids come back); rows whose consumer needs the whole row (scores,
-  // logits requests, a repetition penalty) come to the host, widened to float. Rows are then consumed in order.
-  void consume_device_rows(const Tensor& logits, int64_t first, int64_t count) {
-    const int64_t vocab = config.text.vocab_size;
-    device_params.clear();
-    device_rows.clear();
-    bool host_rows = false;
-    for (int64_t i = 0; i < count; i++) {
-      detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
-      // (a drafting request's rows are verified in order against its history: on the host)
-      if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f || !r.drafts.empty() ||
-          r.params.logprobs || r.matcher) {
-        host_rows = true;
-        continue;
-      }
-      cuda::DeviceSamplingParams p{};
-      p.temperature = r.params.temperature;
-      p.top_k = int32_t(std::min<int64_t>(r.params.top_k, vocab));  // >= vocab is off, as 0
-      p.top_p = r.params.top_p;
-      p.min_p = r.params.min_p;
-      // sample_token draws once per sampled token (not when greedy): the same draw from the same Rng
-      p.draw = r.params.temperature != 0.0f ? uint32_t(r.rng.next_float() * 16777216.0f) : 0;
-      p.row = int32_t(i);
-      device_params.push_back(p);
-      device_rows.push_back(i);
-    }
-    const int64_t sampled = int64_t(device_rows.size());
-    if (sampled > 0) {
-      const TextModel::SamplingBuffers buffers = model->sampling_buffers();
-      const Tensor params = buffers.params.slice_rows(0, sampled), ids = buffers.ids.slice_rows(0, sampled);
-      check(backend->copy_from_host(device_params.data(), params));
-      check(cuda::sample(*backend, logits, params, buffers.probs.slice_rows(0, sampled), ids));
-      check(backend->copy_to_host(ids, sampled_ids.data()));
-    }
-    if (host_rows) {
-      check(backend->copy_to_host(logits, logits_raw.data()));
-      detail::widen_to_float(logits_raw.data(), logits.dtype, size_t(count * vocab), logits_host.data());
-    }
-    size_t next_sampled = 0;
-    for (int64_t i = 0; i < count; i++) {
-      if (next_sampled < device_rows.size() && device_rows[next_sampled] == i) {
-        accept_token(*row_owners[size_t(first + i)].request, sampled_ids[next_sampled++]);
-      } else {
-        consume_row(row_owners[size_t(first + i)], logits_host.data() + i * vocab);
-      }
-    }
-  }
-
-  // ---- CUDA graphs -------------------------------------------------------------------------------------------
-  // A decode step of S sequences (one token each, in pool slots 0 .. S-1) replays the graph of the smallest
-  // bucket B >= S: the step is padded to B rows; rows past its tokens belong to the attention batch's spare
-  // sequence B (whose block table points at page 0 and whose context is its own rows: it reads, never writes,
-  // KV: its slots are -1), so the captured launches (B rows, B + 1 sequences) fit every step of the bucket.
-
-  // The padded form of `step` (n_real tokens of `step`, or none) for bucket B, staged.
-  void stage_padded(const StepInput* step, int64_t bucket, int64_t max_context) {
-    const int64_t real = step ? step->tokens : 0, seqs = step ? step->seqs : 0;
-    const int64_t pages = pool().max_pages_per_seq();
-    PaddedStep& p = padded;
-    std::fill(p.token_ids.begin(), p.token_ids.end(), 0);
-    std::fill(p.slots.begin(), p.slots.end(), -1);
-    std::fill(p.positions.begin(), p.positions.end(), 0);
-    std::fill(p.context_lens.begin(), p.context_lens.end(), 0);
-    if (step) {
-      std::copy(step->token_ids, step->token_ids + real, p.token_ids.begin());
-      std::copy(step->slots, step->slots + real, p.slots.begin());
-      for (int64_t row = 0; row < position_rows; row++)
-        std::copy(step->positions + row * real, step->positions + (row + 1) * real, p.positions.begin() + row * bucket);
-      std::copy(step->query_starts, step->query_starts + seqs + 1, p.query_starts.begin());
-      std::copy(step->context_lens, step->context_lens + seqs, p.context_lens.begin());
-      std::copy(pool().block_tables(), pool().block_tables() + seqs * pages, p.block_tables.begin());
-    }
-    for (int64_t s = seqs + (step ? 1 : 0); s <= bucket; s++) p.query_starts[size_t(s)] = int32_t(real);
-    p.query_starts[size_t(bucket + 1)] = int32_t(bucket);
-    p.context_lens[size_t(bucket)] = int32_t(bucket - real);  // the spare sequence: the padding rows
-    std::fill(p.block_tables.begin() + bucket * pages, p.block_tables.begin() + (bucket + 1) * pages, 0);
-    StepInput input;
-    input.tokens = bucket;
-    input.token_ids = p.token_ids.data();
-    input.positions = p.positions.data();
-    input.position_rows = position_rows;
-    input.slots = p.slots.data();
-    input.seqs = bucket + 1;
-    input.query_starts = p.query_starts.data();
-    input.context_lens = p.context_lens.data();
-    input.max_context = max_context;
-    input.block_tables = Tensor::matrix(p.block_tables.data(), DType::I32, bucket + 1, pages);
-    input.logit_rows = step ? step->logit_rows : 0;
-    input.logit_row_ids = step ? step->logit_row_ids : nullptr;
-    model->stage(input);
-  }
-
-  // The longest context a graph's attention was captured for: every step's context is at most max_model_len.
-  int64_t graph_max_context() const { return std::max<int64_t>(max_model_len(), plan.options.max_seqs); }
-
-  // At open: one graph per bucket the step buffers hold, after an eager run of each padded step (which loads the
-  // kernels and lets cuBLAS pick its algorithms, so capturing allocates nothing), and the device memory the
-  // graphs took, measured.
-  void capture_decode_graphs() {
-    std::vector<int64_t> buckets;
-    for (int64_t bucket : decode_graph_buckets(plan.options.max_seqs))
-      if (bucket <= plan.options.max_batched_tokens) buckets.push_back(bucket);
-    if (buckets.empty()) return;
-    const int64_t largest = buckets.back(), pages = pool().max_pages_per_seq();
-    padded.token_ids.assign(size_t(largest), 0);
-    padded.slots.assign(size_t(largest), -1);
-    padded.positions.assign(size_t(position_rows * largest), 0);
-    padded.query_starts.assign(size_t(largest + 2), 0);
-    padded.context_lens.assign(size_t(largest + 1), 0);
-    padded.block_tables.assign(size_t((largest + 1) * pages), 0);
-    StepInput shape;  // only tokens and image_runs matter to compute()
-    for (int64_t bucket : buckets) {
-      shape.tokens = bucket;
-      stage_padded(nullptr, bucket, graph_max_context());
-      model->compute(shape);
-    }
-    check(backend->synchronize());
-    // Measured once everything the eager runs load (kernels, cuBLAS's state) is loaded: the graphs' own memory.
-    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
-    if (!before) throw before.error();
-    for (int64_t bucket : buckets) {
-      shape.tokens = bucket;
-      stage_padded(nullptr, bucket, graph_max_context());
-      Result<CudaGraph> graph = cuda::capture_graph(*backend, [&] { model->compute(shape); });
-      if (!graph) throw graph.error();
-      graphs.emplace(bucket, std::move(*graph));
-      info.graph_buckets.push_back(bucket);
-    }
-    Result<std::pair<uint64_t, uint64_t>> after = cuda::memory_info();
-    if (!after) throw after.error();
-    info.graph_memory_bytes = before->first > after->first ? before->first - after->first : 0;
-  }
-
-  // Runs `step` from a graph when it is a decode step a bucket holds; false otherwise (the caller runs it eagerly).
-  bool run_decode_graph(const StepInput& step) {
-    if (graphs.empty() || step.image_runs > 0 || step.tokens != int64_t(scheduled.size())) return false;
-    if (backend->op_timing()) return false;  // timed: op by op (a replay would time as no op at all)
-    auto bucket = graphs.lower_bound(step.seqs);
-    if (bucket == graphs.end()) return false;
-    stage_padded(&step, bucket->first, graph_max_context());
-    check(cuda::launch_graph(*backend, bucket->second));
-    return true;
-  }
-
-  // Steps until done() holds (the caller's requests finished).
-  template <class Done>
-  void run_until(Done done) {
-    CallScope scope(*this);
-    while (!done())
-      if (!step() && !done()) detail::fail(ErrorCode::internal, "the engine ran out of work before the request finished");
-  }
-
-  void erase(RequestId id) { requests.erase(id); }
-};
-
-// ---- Engine -------------------------------------------------------------------------------------------------
-
 namespace detail {
 namespace engine {
-
-// generation_config.json's eos_token_id (an id or a list), which is what transformers' generate() stops at.
-std::vector<int64_t> generation_eos_ids(const std::string& model_dir) {
-  const std::string path = path_join(model_dir, "generation_config.json");
-  if (!file_exists(path)) return {};
-  const std::string text = read_text_file(path);
-  check_json_nesting(text, path);
-  nlohmann::json json = nlohmann::json::parse(text, nullptr, false);
-  if (json.is_discarded() || !json.is_object())
-    fail(ErrorCode::bad_format, format("%s is not a JSON object", path.c_str()));
-  std::vector<int64_t> ids;
-  auto eos = json.find("eos_token_id");
-  if (eos == json.end() || eos->is_null()) return ids;
-  auto add = [&](const nlohmann::json& value) {
-    if (!value.is_number_integer())
-      fail(ErrorCode::bad_format, format("%s: eos_token_id must be an integer or a list of integers", path.c_str()));
-    ids.push_back(value.get<int64_t>());
-  };
-  if (eos->is_array()) {
-    for (const auto& value : *eos) add(value);
-  } else {
-    add(*eos);
-  }
-  return ids;
-}
 
 // ---- weights on a GPU -------------------------------------------------------------------------------------
 // Fills a CUDA arena's weights region from the mmap, in the order the model binds them: every tensor at a
@@ -24609,6 +23288,1509 @@ uint64_t decode_weight_bytes(const TextModelWeights& weights, bool on_device) {
   return total;
 }
 
+}  // namespace engine
+}  // namespace detail
+}  // namespace kvlite
+// request: what the engine knows of one submitted request (generate, score or logits) while it waits, runs and
+// ends. Its own part because the scheduler, speculative decoding and the engine's step all read and write it.
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kvlite {
+namespace detail {
+
+enum class RequestKind { generate, score, logits };
+
+// A run of one image's tokens in a request: tokens [first, first + count) take feature rows [feature_row, +count).
+struct ImageSpan {
+  int64_t first = 0, count = 0, feature_row = 0;
+};
+
+// A prompt whose <|image_pad|> placeholders are expanded, with what the model needs for its images.
+struct VisionPrompt {
+  std::vector<int32_t> ids;
+  std::vector<int32_t> mrope;  // [3, ids] (empty without images)
+  int64_t rope_delta = 0;
+  std::vector<ImageSpan> image_spans;
+  ImageFeatures features;
+};
+
+struct EngineRequest {
+  RequestId id = 0;
+  RequestKind kind = RequestKind::generate;
+  std::vector<int32_t> tokens;  // what the model reads: the prompt (or window), then each generated id
+  int64_t computed = 0;         // tokens whose K/V are in the cache (0 again after a preemption)
+  int32_t slot = -1;            // KV pool slot while running
+  bool finished = false;
+
+  // generate
+  SamplingParams params;
+  Rng rng;
+  TokenCallback on_token;
+  std::optional<StreamingDecoder> decoder;
+  std::string text;    // decoded so far (cut at a stop string)
+  size_t emitted = 0;  // bytes of `text` handed to on_token
+  Generation result;
+  // Constrained decoding: the compiled grammar's masks (shared by the requests with the same grammar) and
+  // this request's parse state after its output so far.
+  std::shared_ptr<GrammarMasker> masker;
+  std::optional<GrammarMatcher> matcher;
+  // Speculative decoding: the tokens drafted for the step being run (appended to `tokens` while it runs),
+  // `draft_base` the index in `tokens` of the last token before them; once a draft is rejected the request's
+  // later rows in the step are ignored (their K/V is overwritten later).
+  std::vector<int32_t> drafts;
+  int64_t draft_base = 0;
+  bool draft_rejected = false;
+  // A draft model: tokens whose K/V the draft's cache holds (in this request's pages; 0 again after a preemption,
+  // and for a new request, whose cached prefix holds only the target's for sure), and the drafts this step wants.
+  int64_t draft_computed = 0;
+  int64_t draft_wanted = 0;
+  // Prefix caching: the keys of this request's full pages so far (page_key), and how many of its pages are in the
+  // cache (taken from it at admission, or entered once computed).
+  std::vector<uint64_t> page_keys;
+  int64_t registered_pages = 0;
+
+  // score and logits: rows [want_begin, want_end) of `tokens` have their logits consumed
+  int64_t want_begin = 0, want_end = 0;
+  double* logprobs = nullptr;  // score: logprobs[p + 1] = log p(tokens[p + 1] | tokens[0..p])
+  float* logits = nullptr;     // logits: [tokens, V]
+
+  // A vision model's prompt (qwen3_vl). Tokens past the prompt's positions have index + rope_delta.
+  std::vector<int32_t> mrope;   // [3, prompt tokens]: rows t, h, w (get_rope_index); empty: position = index
+  int64_t rope_delta = 0;
+  std::vector<ImageSpan> image_spans;  // runs of image tokens in `tokens`
+  ImageFeatures features;              // their rows, in token order
+};
+
+}  // namespace detail
+}  // namespace kvlite
+// scheduler: which requests run in the next step, and how many of their tokens. Requests wait in a FIFO queue and
+// run in start order; every step first gives each running request its next tokens (one when decoding, a chunk
+// when prefilling), preempting the most recently started one when the KV pages run out, then admits waiting
+// requests while slots, pages and the step's token budget last. Admission attaches a request's longest cached
+// prefix (prefix caching). The scheduler owns the queues and the KV pool's slots and pages of the requests in
+// them; the engine packs and runs what schedule() returns.
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <vector>
+
+namespace kvlite {
+namespace detail {
+
+// One request of a step: its next `tokens` tokens, from request->computed on.
+struct ScheduledRequest {
+  EngineRequest* request;
+  int64_t tokens;
+};
+
+class Scheduler {
+ public:
+  // At open, once the arena is made: the pool the requests' K/V live in (which outlives the scheduler's use of
+  // it), the step's token budget, its most sequences and whether admission looks for cached prefixes.
+  void open(KVPagePool& pool, int64_t max_batched_tokens, int64_t max_seqs, bool prefix_cache) {
+    pool_ = &pool;
+    max_batched_tokens_ = max_batched_tokens;
+    prefix_cache_ = prefix_cache;
+    scheduled_.reserve(size_t(max_seqs));
+    attach_pages_.assign(size_t(pool.max_pages_per_seq()), -1);
+  }
+  bool prefix_caching() const { return prefix_cache_; }
+
+  // A new request waits for its first step.
+  void enqueue(EngineRequest& r) { waiting_.push_back(&r); }
+  // Takes r out of the queues and gives its slot and pages back.
+  void release(EngineRequest& r) {
+    if (r.slot >= 0) {
+      Status freed = pool_->seq_free(r.slot);
+      if (!freed) throw freed.error();
+      r.slot = -1;
+    }
+    running_.erase(std::remove(running_.begin(), running_.end(), &r), running_.end());
+    waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), &r), waiting_.end());
+  }
+  // The requests in the queues, running ones first (in start order), then waiting ones.
+  std::vector<EngineRequest*> unfinished() const {
+    std::vector<EngineRequest*> live(running_.begin(), running_.end());
+    live.insert(live.end(), waiting_.begin(), waiting_.end());
+    return live;
+  }
+  bool idle() const { return running_.empty() && waiting_.empty(); }
+  size_t waiting_count() const { return waiting_.size(); }
+  size_t running_count() const { return running_.size(); }
+
+  // The next step's requests, in pool slot order (sequence s of the attention batch is slot s). `draft(r, limit)`
+  // is asked for each decoding request: the drafted tokens it appended to r.tokens (their pages reserved without
+  // preempting anyone), at most `limit`, the step's budget left after r's own token. Counts preemptions and
+  // reused prefix pages and tokens in `stats`.
+  template <class Draft>
+  const std::vector<ScheduledRequest>& schedule(EngineStats& stats, Draft&& draft) {
+    scheduled_.clear();
+    int64_t budget = max_batched_tokens_;
+    bool preempted = false;
+    // Running requests, oldest first: the next token, or the next prefill chunk.
+    for (size_t i = 0; i < running_.size() && budget > 0;) {
+      EngineRequest& r = *running_[i];
+      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
+      if (int64_t(r.tokens.size()) - r.computed == 1) n += draft(r, budget - 1);
+      bool kept = true;
+      while (!reserve(r, r.computed + n)) {
+        EngineRequest& victim = *running_.back();
+        preempt(victim);
+        preempted = true;
+        stats.preemptions++;
+        log(LogLevel::debug, "KV pages ran out: the newest running request is preempted (recomputed later)");
+        if (&victim == &r) {
+          kept = false;
+          break;
+        }
+      }
+      if (!kept) break;  // r was the newest: nothing after it is left to schedule
+      scheduled_.push_back({&r, n});
+      budget -= n;
+      i++;
+    }
+    // Waiting requests, in order, while slots and pages last (not in a step that had to preempt).
+    while (!preempted && budget > 0 && !waiting_.empty()) {
+      EngineRequest& r = *waiting_.front();
+      int32_t slot = pool_->seq_create();
+      if (slot < 0) break;
+      r.slot = slot;
+      attach_cached_prefix(r);
+      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
+      if (!reserve(r, r.computed + n)) {
+        Status freed = pool_->seq_free(slot);
+        if (!freed) throw freed.error();
+        r.slot = -1;
+        r.computed = 0;
+        r.registered_pages = 0;
+        break;
+      }
+      stats.prefix_pages_reused += r.registered_pages;
+      stats.prefix_tokens_reused += r.computed;
+      waiting_.pop_front();
+      running_.push_back(&r);
+      scheduled_.push_back({&r, n});
+      budget -= n;
+    }
+    std::sort(scheduled_.begin(), scheduled_.end(), [](const ScheduledRequest& a, const ScheduledRequest& b) {
+      return a.request->slot < b.request->slot;
+    });
+    return scheduled_;
+  }
+  // The last schedule()'s requests, in slot order.
+  const std::vector<ScheduledRequest>& scheduled() const { return scheduled_; }
+
+  // Grows r's KV to `tokens`; false when the pool is out of pages.
+  bool reserve(EngineRequest& r, int64_t tokens) {
+    Status grown = pool_->seq_reserve(r.slot, tokens);
+    if (grown) return true;
+    if (grown.error().code != ErrorCode::out_of_memory) throw grown.error();
+    return false;
+  }
+
+  // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache.
+  void register_pages(EngineRequest& r) {
+    if (!prefix_cache_ || r.slot < 0) return;
+    const int64_t full = std::min<int64_t>(r.computed, int64_t(r.tokens.size())) / pool_->page_tokens();
+    const int32_t* table = pool_->block_table(r.slot);
+    for (int64_t i = r.registered_pages; i < full; i++) {
+      Result<bool> entered = pool_->cache_insert(table[i], page_key(r, i));
+      if (!entered) throw entered.error();
+    }
+    r.registered_pages = std::max(r.registered_pages, full);
+  }
+
+ private:
+  // ---- prefix cache --------------------------------------------------------------------------------------------
+  // Page i's key chains page i - 1's with every token of page i: its id and, for a vision prompt, its M-RoPE
+  // position (t, h, w) and, for an image token, the bits of its image features (every level), so that equal keys
+  // mean equal K/V. 64-bit splitmix mixing: a false match is a 2^-64 event per lookup.
+  static uint64_t mix(uint64_t h, uint64_t value) {
+    uint64_t z = h ^ (value + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  uint64_t page_key(EngineRequest& r, int64_t page) {
+    const int64_t page_tokens = pool_->page_tokens();
+    const int64_t prompt = int64_t(r.mrope.size()) / 3;  // vision prompts: positions recorded for these
+    while (int64_t(r.page_keys.size()) <= page) {
+      const int64_t i = int64_t(r.page_keys.size());
+      uint64_t h = i == 0 ? 0x6b766c6974650001ull : r.page_keys.back();
+      for (int64_t p = i * page_tokens; p < (i + 1) * page_tokens; p++) {
+        h = mix(h, uint32_t(r.tokens[size_t(p)]));
+        if (r.mrope.empty()) continue;
+        for (int64_t axis = 0; axis < 3; axis++)
+          h = mix(h, uint64_t(p < prompt ? r.mrope[size_t(axis * prompt + p)] : p + r.rope_delta));
+        for (const ImageSpan& span : r.image_spans) {
+          if (p < span.first || p >= span.first + span.count) continue;
+          const int64_t row = span.feature_row + (p - span.first), hidden = r.features.hidden;
+          for (int64_t level = 0; level < r.features.levels; level++) {
+            const float* v = r.features.values.data() + (level * r.features.tokens + row) * hidden;
+            for (int64_t c = 0; c < hidden; c++) {
+              uint32_t bits;
+              memcpy(&bits, &v[c], 4);
+              h = mix(h, bits);
+            }
+          }
+        }
+      }
+      r.page_keys.push_back(h);
+    }
+    return r.page_keys[size_t(page)];
+  }
+
+  // A new generate request's longest cached prefix of whole pages, attached to its slot: those tokens count as
+  // computed. The last token is always computed (its logits are what the request needs).
+  void attach_cached_prefix(EngineRequest& r) {
+    if (!prefix_cache_ || r.kind != RequestKind::generate) return;
+    const int64_t page_tokens = pool_->page_tokens();
+    const int64_t most = std::min<int64_t>((int64_t(r.tokens.size()) - 1) / page_tokens, int64_t(attach_pages_.size()));
+    int64_t hits = 0;
+    while (hits < most) {
+      const int32_t page = pool_->cache_lookup(page_key(r, hits));
+      if (page < 0) break;
+      attach_pages_[size_t(hits++)] = page;
+    }
+    if (hits == 0) return;
+    Status attached = pool_->seq_attach(r.slot, attach_pages_.data(), hits);
+    if (!attached) throw attached.error();
+    r.computed = hits * page_tokens;
+    r.registered_pages = hits;
+  }
+
+  // r goes back to the front of the queue, its pages freed: it is recomputed from its first token when admitted.
+  void preempt(EngineRequest& r) {
+    Status freed = pool_->seq_free(r.slot);
+    if (!freed) throw freed.error();
+    r.slot = -1;
+    r.computed = 0;
+    r.registered_pages = 0;
+    r.draft_computed = 0;
+    running_.erase(std::remove(running_.begin(), running_.end(), &r), running_.end());
+    waiting_.push_front(&r);
+  }
+
+  KVPagePool* pool_ = nullptr;
+  int64_t max_batched_tokens_ = 0;
+  bool prefix_cache_ = false;
+  std::vector<int32_t> attach_pages_;            // [max_pages_per_seq]: a cached prefix's pages, found at admission
+  std::deque<EngineRequest*> waiting_;           // FIFO; preempted requests go back to the front
+  std::vector<EngineRequest*> running_;          // in start order: the last one is preempted first
+  std::vector<ScheduledRequest> scheduled_;      // capacity max_seqs
+};
+
+}  // namespace detail
+}  // namespace kvlite
+// batch: the host staging of one step (what llama.cpp calls a batch): the step's tokens packed as the model reads
+// them, sized once at open, and which request each logits row belongs to. The engine's step and a draft model's
+// steps (speculative.inl) fill it in turn. Also the host's view of a chunk of logits rows.
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace kvlite {
+namespace detail {
+
+// `count` values of host memory in F32, BF16 or F16, widened to float (exact): logits and image features a
+// backend keeps in its 16-bit activation dtype, read on the host.
+inline void widen_to_float(const void* data, DType dtype, size_t count, float* out) {
+  if (dtype == DType::F32) {
+    memcpy(out, data, count * sizeof(float));
+    return;
+  }
+  const uint8_t* bytes = static_cast<const uint8_t*>(data);
+  uint16_t bits = 0;
+  if (dtype == DType::BF16) {
+    for (size_t j = 0; j < count; j++) {
+      memcpy(&bits, bytes + 2 * j, 2);
+      out[j] = bf16_to_float(bits);
+    }
+  } else {
+    for (size_t j = 0; j < count; j++) {
+      memcpy(&bits, bytes + 2 * j, 2);
+      out[j] = f16_to_float(bits);
+    }
+  }
+}
+
+// Row i of a chunk of host logits [rows, vocab] as floats: in place when they are F32, else widened into `scratch`
+// [vocab] (16-bit activations).
+inline float* host_logits_row(const Tensor& logits, int64_t i, int64_t vocab, float* scratch) {
+  if (logits.dtype == DType::F32) return static_cast<float*>(logits.data) + i * vocab;
+  widen_to_float(static_cast<const uint8_t*>(logits.data) + size_t(i * vocab) * 2, logits.dtype, size_t(vocab),
+                 scratch);
+  return scratch;
+}
+
+// The request a logits row of the step belongs to, and which of its tokens the row follows.
+struct RowOwner {
+  EngineRequest* request;
+  int64_t position;  // index into request->tokens
+};
+
+// Host staging of one step, sized once (Tmax tokens, Smax sequences).
+struct StepBatch {
+  std::vector<int32_t> token_ids, slots, logit_row_ids;  // [Tmax]
+  std::vector<int32_t> positions;             // [position_rows, Tmax] (packed to [position_rows, T] per step)
+  int64_t position_rows = 1;                  // 3 for M-RoPE (qwen3_vl)
+  std::vector<ImageRun> image_runs;           // of the current step
+  std::vector<int32_t> query_starts;          // [Smax + 1]
+  std::vector<int32_t> context_lens;          // [Smax]
+  std::vector<RowOwner> row_owners;           // [Tmax]
+
+  void open(size_t max_tokens, size_t max_seqs, int64_t rows_of_positions) {
+    for (auto* v : {&token_ids, &slots, &logit_row_ids}) v->assign(max_tokens, 0);
+    position_rows = rows_of_positions;
+    positions.assign(size_t(position_rows) * max_tokens, 0);
+    query_starts.assign(max_seqs + 1, 0);
+    context_lens.assign(max_seqs, 0);
+    row_owners.assign(max_tokens, {nullptr, 0});
+  }
+
+  // The step packed into the staging arrays (token_ids, positions [position_rows, tokens], slots, query_starts,
+  // context_lens, logit_row_ids), as the model reads it; the pool's block tables are the batch's.
+  StepInput input(const KVPagePool& kv, int64_t tokens, int64_t rows_of_positions, int64_t seqs, int64_t max_context,
+                  int64_t logit_rows) {
+    StepInput input;
+    input.tokens = tokens;
+    input.token_ids = token_ids.data();
+    input.positions = positions.data();
+    input.position_rows = rows_of_positions;
+    input.slots = slots.data();
+    input.seqs = seqs;
+    input.query_starts = query_starts.data();
+    input.context_lens = context_lens.data();
+    input.max_context = max_context;
+    input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
+                                        kv.max_pages_per_seq());
+    input.logit_rows = logit_rows;
+    input.logit_row_ids = logit_row_ids.data();
+    return input;
+  }
+};
+
+}  // namespace detail
+}  // namespace kvlite
+// speculative: speculative decoding. A decoding request's step also reads up to K drafted tokens, whose logits the
+// engine verifies in order (verify_draft_token), so that one forward pass over the weights can yield up to K + 1
+// tokens. Drafts come from prompt lookup (n-gram: propose_ngram_draft) or from a small draft model run over the
+// same backend and KV pages before the target's step. The Speculator drafts when the scheduler asks (draft),
+// runs the draft model (run_draft_model), keeps the distributions its drafts were drawn from for verification
+// (draft_distribution), and after the step drops what verification rejected (settle).
+#include <algorithm>
+#include <memory>
+#include <utility>
+#include <vector>
+
+namespace kvlite {
+namespace detail {
+
+class Speculator {
+ public:
+  // At open: K (PlanOptions::speculative_tokens; 0 turns speculation off), the n-gram length to match, the longest
+  // sequence and the vocabulary, and room for max_seqs drafting requests.
+  void open(int64_t speculative_tokens, int64_t ngram, int64_t max_model_len, int64_t vocab, size_t max_seqs) {
+    speculative_tokens_ = speculative_tokens;
+    ngram_ = ngram;
+    max_model_len_ = max_model_len;
+    vocab_ = vocab;
+    drafting_.reserve(max_seqs);
+    ranges_.reserve(max_seqs);
+  }
+  // A draft model (EngineOptions::draft_model) drafts instead of prompt lookup: its forward pass (K/V in the
+  // pool's pages, its own "draft_kv" region) and the arena's "draft_probs" region [Smax, K, V].
+  void set_draft_model(std::unique_ptr<TextModel> model, float* probs) {
+    draft_model_ = std::move(model);
+    draft_probs_ = probs;
+    draft_row_.assign(size_t(vocab_), 0.0f);
+  }
+  const TextModel* draft_model() const { return draft_model_.get(); }
+
+  // Speculative decoding (speculative_tokens > 0): a decoding request's next step also reads up to
+  // K drafted tokens (n-gram: the continuation of the latest earlier occurrence of its last tokens), whose logits
+  // are verified in order (verify_draft_token), so one forward pass over the weights can yield up to K + 1
+  // tokens. Drafts are appended to r.tokens for the step when the pages for them are there without preempting
+  // anyone; `limit` is the step's token budget left after r's own token. Returns the tokens drafted. With a draft
+  // model the pages are reserved here and the tokens drafted by run_draft_model(), before the step is packed.
+  int64_t draft(EngineRequest& r, int64_t limit, Scheduler& scheduler, EngineStats& stats) {
+    const int64_t k = speculative_tokens_;
+    if (k <= 0 || r.kind != RequestKind::generate) return 0;
+    // Every accepted draft and the token after them must be allowed: by max_tokens and by the context.
+    const int64_t allowed = std::min({k, limit, r.params.max_tokens - int64_t(r.result.ids.size()) - 1,
+                                      max_model_len_ - int64_t(r.tokens.size())});
+    if (allowed <= 0) return 0;
+    if (draft_model_) {
+      if (!scheduler.reserve(r, r.computed + 1 + allowed)) return 0;
+      r.drafts.clear();
+      r.draft_wanted = allowed;
+      r.draft_base = int64_t(r.tokens.size()) - 1;
+      r.draft_rejected = false;
+      return allowed;
+    }
+    r.drafts.resize(size_t(allowed));
+    const int64_t count =
+        propose_ngram_draft(r.tokens.data(), int64_t(r.tokens.size()), ngram_, allowed, r.drafts.data());
+    r.drafts.resize(size_t(count));
+    if (count == 0 || !scheduler.reserve(r, r.computed + 1 + count)) {
+      r.drafts.clear();
+      return 0;
+    }
+    r.draft_base = int64_t(r.tokens.size()) - 1;
+    r.draft_rejected = false;
+    r.tokens.insert(r.tokens.end(), r.drafts.begin(), r.drafts.end());
+    stats.draft_tokens += count;
+    return count;
+  }
+
+  // The distribution the draft model drew request slot `slot`'s draft i from.
+  float* draft_distribution(int32_t slot, int64_t i) const {
+    return draft_probs_ + (int64_t(slot) * speculative_tokens_ + i) * vocab_;
+  }
+
+  // The draft model's turn, before the step is packed: each request that wants drafts (draft_wanted > 0, pages
+  // reserved by draft()) first has the draft read its tokens the draft's cache lacks (a prompt, or the tokens
+  // accepted last step), in steps of at most max_batched_tokens; the last one's logits give draft 1. Then one
+  // step per further draft, each reading the draft before it. The draft's K/V goes into the same pages as the
+  // target's (its own "draft_kv" region), its positions are the tokens' indices (a text model's), and its tokens
+  // are drawn as the target would sample (sample_draft_token keeps each one's distribution for verification).
+  // The drafts are appended to r.tokens, as n-gram drafts are.
+  void run_draft_model(const std::vector<ScheduledRequest>& scheduled, StepBatch& batch, const KVPagePool& kv,
+                       EngineStats& stats) {
+    std::vector<EngineRequest*>& drafting = drafting_;
+    drafting.clear();
+    for (const ScheduledRequest& s : scheduled)
+      if (s.request->draft_wanted > 0) drafting.push_back(s.request);
+    if (drafting.empty()) return;
+    std::sort(drafting.begin(), drafting.end(),
+              [](const EngineRequest* a, const EngineRequest* b) { return a->slot < b->slot; });
+    const int64_t page_tokens = kv.page_tokens(), vocab = vocab_;
+    const int64_t max_tokens = int64_t(batch.token_ids.size());
+    // One draft step over tokens [from, from + count) of each request (count 0: not in this step); the rows of
+    // requests whose last token is in it give their next draft.
+    auto draft_step = [&](const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+      const int64_t seqs = drafting.back()->slot + 1;
+      std::fill(batch.context_lens.begin(), batch.context_lens.begin() + seqs, 0);
+      int64_t t = 0, rows = 0, max_context = 0;
+      size_t next = 0;
+      for (int64_t s = 0; s < seqs; s++) {
+        batch.query_starts[size_t(s)] = int32_t(t);
+        if (next == drafting.size() || drafting[next]->slot != s) continue;
+        EngineRequest& r = *drafting[next];
+        const int64_t from = ranges[next].first, count = ranges[next].second;
+        next++;
+        if (count == 0) continue;
+        const int32_t* pages = kv.block_table(r.slot);
+        for (int64_t p = from; p < from + count; p++, t++) {
+          batch.token_ids[size_t(t)] = r.tokens[size_t(p)];
+          batch.positions[size_t(t)] = int32_t(p);
+          batch.slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
+        }
+        if (from + count == int64_t(r.tokens.size())) {
+          batch.logit_row_ids[size_t(rows)] = int32_t(t - 1);
+          batch.row_owners[size_t(rows++)] = {&r, from + count - 1};
+        }
+        batch.context_lens[size_t(s)] = int32_t(from + count);
+        max_context = std::max(max_context, from + count);
+        r.draft_computed = from + count;
+      }
+      batch.query_starts[size_t(seqs)] = int32_t(t);
+      draft_model_->forward(batch.input(kv, t, 1, seqs, max_context, rows));
+      stats.draft_steps++;
+      stats.draft_tokens_computed += t;
+      for (int64_t first = 0; first < rows; first += draft_model_->max_logit_rows()) {
+        const int64_t count = std::min(draft_model_->max_logit_rows(), rows - first);
+        const Tensor logits = draft_model_->logits(first, count);
+        for (int64_t i = 0; i < count; i++) {
+          EngineRequest& r = *batch.row_owners[size_t(first + i)].request;
+          float* row = host_logits_row(logits, i, vocab, draft_row_.data());
+          const int64_t index = int64_t(r.drafts.size());
+          const int32_t id = sample_draft_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng,
+                                                draft_distribution(r.slot, index), draft_model_->sampling_probs(r.slot),
+                                                draft_model_->sampling_order(r.slot));
+          r.drafts.push_back(id);
+          r.tokens.push_back(id);
+        }
+      }
+    };
+    std::vector<std::pair<int64_t, int64_t>>& ranges = ranges_;
+    // Catching up: every token the draft's cache lacks, the target's newest included (its row gives draft 1).
+    for (;;) {
+      int64_t budget = max_tokens;
+      bool any = false;
+      ranges.assign(drafting.size(), {0, 0});
+      for (size_t i = 0; i < drafting.size() && budget > 0; i++) {
+        EngineRequest& r = *drafting[i];
+        const int64_t missing = r.draft_base + 1 - r.draft_computed;  // up to the target's newest token
+        if (missing <= 0) continue;
+        ranges[i] = {r.draft_computed, std::min(missing, budget)};
+        budget -= ranges[i].second;
+        any = true;
+      }
+      if (!any) break;
+      draft_step(ranges);
+    }
+    // Then one token per step: the latest draft, while a request wants more.
+    for (int64_t drafted = 1;; drafted++) {
+      bool any = false;
+      for (size_t i = 0; i < drafting.size(); i++) {
+        EngineRequest& r = *drafting[i];
+        const bool more = int64_t(r.drafts.size()) < r.draft_wanted;
+        ranges[i] = more ? std::make_pair(int64_t(r.tokens.size()) - 1, int64_t(1)) : std::make_pair(int64_t(0), int64_t(0));
+        any = any || more;
+      }
+      if (!any) break;
+      draft_step(ranges);
+    }
+    for (EngineRequest* r : drafting) {
+      stats.draft_tokens += int64_t(r->drafts.size());
+      r->draft_wanted = 0;
+    }
+  }
+
+  // After a step's rows are consumed: a drafting request keeps the K/V of its last token and accepted drafts
+  // (the positions past them held rejected drafts; the next steps overwrite them).
+  void settle(const std::vector<ScheduledRequest>& scheduled) {
+    for (const ScheduledRequest& s : scheduled) {
+      EngineRequest& r = *s.request;
+      if (r.drafts.empty()) continue;
+      if (!r.finished) r.computed = std::min<int64_t>(r.computed, int64_t(r.tokens.size()) - 1);
+      // the draft's cache: its inputs up to the last accepted draft (it never read the last draft it made)
+      if (!r.finished) r.draft_computed = std::min<int64_t>(r.draft_computed, int64_t(r.tokens.size()) - 1);
+      r.drafts.clear();
+      r.draft_rejected = false;
+    }
+  }
+
+ private:
+  int64_t speculative_tokens_ = 0, ngram_ = 0, max_model_len_ = 0, vocab_ = 0;
+  std::unique_ptr<TextModel> draft_model_;
+  float* draft_probs_ = nullptr;                    // [Smax, K, V]: the distribution each draft was drawn from
+  std::vector<float> draft_row_;                    // [V]: a row of the draft's logits as floats
+  std::vector<EngineRequest*> drafting_;            // capacity Smax: a draft model's step
+  std::vector<std::pair<int64_t, int64_t>> ranges_;  // capacity Smax: [from, count) of each
+};
+
+}  // namespace detail
+}  // namespace kvlite
+// graphs: CUDA graphs of the decode step. A decode step of S sequences (one token each, in pool slots 0 .. S-1)
+// replays the graph of the smallest bucket B >= S: the step is padded to B rows; rows past its tokens belong to
+// the attention batch's spare sequence B (whose block table points at page 0 and whose context is its own rows:
+// it reads, never writes, KV: its slots are -1), so the captured launches (B rows, B + 1 sequences) fit every step
+// of the bucket. Captured once at open (capture); the engine offers each step to run() before running it eagerly.
+#include <algorithm>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace kvlite {
+namespace detail {
+
+class DecodeGraphs {
+ public:
+  // At open: one graph per bucket the step buffers hold (max_seqs sequences, max_batched_tokens tokens), after an
+  // eager run of each padded step (which loads the kernels and lets cuBLAS pick its algorithms, so capturing
+  // allocates nothing), and the device memory the graphs took, measured (info.graph_buckets, graph_memory_bytes).
+  // The model, backend and pool outlive the graphs.
+  void capture(TextModel& model, Backend& backend, const KVPagePool& pool, int64_t position_rows, int64_t max_seqs,
+               int64_t max_batched_tokens, int64_t max_model_len, EngineInfo& info) {
+    model_ = &model;
+    backend_ = &backend;
+    pool_ = &pool;
+    position_rows_ = position_rows;
+    // The longest context a graph's attention was captured for: every step's context is at most max_model_len.
+    max_context_ = std::max<int64_t>(max_model_len, max_seqs);
+    std::vector<int64_t> buckets;
+    for (int64_t bucket : decode_graph_buckets(max_seqs))
+      if (bucket <= max_batched_tokens) buckets.push_back(bucket);
+    if (buckets.empty()) return;
+    const int64_t largest = buckets.back(), pages = pool.max_pages_per_seq();
+    padded_.token_ids.assign(size_t(largest), 0);
+    padded_.slots.assign(size_t(largest), -1);
+    padded_.positions.assign(size_t(position_rows * largest), 0);
+    padded_.query_starts.assign(size_t(largest + 2), 0);
+    padded_.context_lens.assign(size_t(largest + 1), 0);
+    padded_.block_tables.assign(size_t((largest + 1) * pages), 0);
+    StepInput shape;  // only tokens and image_runs matter to compute()
+    for (int64_t bucket : buckets) {
+      shape.tokens = bucket;
+      stage_padded(nullptr, bucket);
+      model.compute(shape);
+    }
+    check(backend.synchronize());
+    // Measured once everything the eager runs load (kernels, cuBLAS's state) is loaded: the graphs' own memory.
+    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
+    if (!before) throw before.error();
+    for (int64_t bucket : buckets) {
+      shape.tokens = bucket;
+      stage_padded(nullptr, bucket);
+      Result<CudaGraph> graph = cuda::capture_graph(backend, [&] { model.compute(shape); });
+      if (!graph) throw graph.error();
+      graphs_.emplace(bucket, std::move(*graph));
+      info.graph_buckets.push_back(bucket);
+    }
+    Result<std::pair<uint64_t, uint64_t>> after = cuda::memory_info();
+    if (!after) throw after.error();
+    info.graph_memory_bytes = before->first > after->first ? before->first - after->first : 0;
+  }
+
+  // Runs `step` from a graph when it is a decode step (one token for each of its `requests`) a bucket holds;
+  // false otherwise (the caller runs it eagerly).
+  bool run(const StepInput& step, int64_t requests) {
+    if (graphs_.empty() || step.image_runs > 0 || step.tokens != requests) return false;
+    if (backend_->op_timing()) return false;  // timed: op by op (a replay would time as no op at all)
+    auto bucket = graphs_.lower_bound(step.seqs);
+    if (bucket == graphs_.end()) return false;
+    stage_padded(&step, bucket->first);
+    check(cuda::launch_graph(*backend_, bucket->second));
+    return true;
+  }
+
+ private:
+  static void check(const Status& status) {
+    if (!status) throw status.error();
+  }
+
+  // The padded form of `step` (n_real tokens of `step`, or none) for bucket B, staged.
+  void stage_padded(const StepInput* step, int64_t bucket) {
+    const int64_t real = step ? step->tokens : 0, seqs = step ? step->seqs : 0;
+    const int64_t pages = pool_->max_pages_per_seq();
+    PaddedStep& p = padded_;
+    std::fill(p.token_ids.begin(), p.token_ids.end(), 0);
+    std::fill(p.slots.begin(), p.slots.end(), -1);
+    std::fill(p.positions.begin(), p.positions.end(), 0);
+    std::fill(p.context_lens.begin(), p.context_lens.end(), 0);
+    if (step) {
+      std::copy(step->token_ids, step->token_ids + real, p.token_ids.begin());
+      std::copy(step->slots, step->slots + real, p.slots.begin());
+      for (int64_t row = 0; row < position_rows_; row++)
+        std::copy(step->positions + row * real, step->positions + (row + 1) * real, p.positions.begin() + row * bucket);
+      std::copy(step->query_starts, step->query_starts + seqs + 1, p.query_starts.begin());
+      std::copy(step->context_lens, step->context_lens + seqs, p.context_lens.begin());
+      std::copy(pool_->block_tables(), pool_->block_tables() + seqs * pages, p.block_tables.begin());
+    }
+    for (int64_t s = seqs + (step ? 1 : 0); s <= bucket; s++) p.query_starts[size_t(s)] = int32_t(real);
+    p.query_starts[size_t(bucket + 1)] = int32_t(bucket);
+    p.context_lens[size_t(bucket)] = int32_t(bucket - real);  // the spare sequence: the padding rows
+    std::fill(p.block_tables.begin() + bucket * pages, p.block_tables.begin() + (bucket + 1) * pages, 0);
+    StepInput input;
+    input.tokens = bucket;
+    input.token_ids = p.token_ids.data();
+    input.positions = p.positions.data();
+    input.position_rows = position_rows_;
+    input.slots = p.slots.data();
+    input.seqs = bucket + 1;
+    input.query_starts = p.query_starts.data();
+    input.context_lens = p.context_lens.data();
+    input.max_context = max_context_;
+    input.block_tables = Tensor::matrix(p.block_tables.data(), DType::I32, bucket + 1, pages);
+    input.logit_rows = step ? step->logit_rows : 0;
+    input.logit_row_ids = step ? step->logit_row_ids : nullptr;
+    model_->stage(input);
+  }
+
+  TextModel* model_ = nullptr;
+  Backend* backend_ = nullptr;
+  const KVPagePool* pool_ = nullptr;
+  int64_t position_rows_ = 1, max_context_ = 0;
+  std::map<int64_t, CudaGraph> graphs_;  // by bucket
+  // The host staging of a step padded to a bucket (sized for the largest).
+  struct PaddedStep {
+    std::vector<int32_t> token_ids, slots, positions, query_starts, context_lens, block_tables;
+  } padded_;
+};
+
+}  // namespace detail
+}  // namespace kvlite
+// engine: implementation. Each step, the scheduler (scheduler.inl) picks the requests that run and how many of
+// their tokens; speculative decoding may add drafted tokens. The step's tokens go through the model in
+// one forward pass; the rows whose logits someone wants (the last row of a generating sequence, every target
+// of a scoring window, every row of a logits request) are projected a chunk at a time and handed out.
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <deque>
+#include <limits>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <nlohmann/json.hpp>
+
+namespace kvlite {
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::running: return "running";
+    case FinishReason::stop_token: return "stop_token";
+    case FinishReason::stop_string: return "stop_string";
+    case FinishReason::max_tokens: return "max_tokens";
+    case FinishReason::length: return "length";
+    case FinishReason::callback: return "callback";
+    case FinishReason::cancelled: return "cancelled";
+    case FinishReason::grammar_end: return "grammar_end";
+  }
+  return "?";
+}
+
+struct Engine::Impl {
+  ModelConfig config;
+  TensorStore store;  // keeps the mmap the weight views point into
+  Plan plan;
+  std::unique_ptr<Arena> arena;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<TextModel> model;
+  std::unique_ptr<VisionModel> vision;  // qwen3_vl
+  // Speculative decoding with a draft model (EngineOptions::draft_model): its config and the mmap its weights are
+  // views into (the speculator, declared after them, holds its forward pass: it is destroyed first).
+  ModelConfig draft_config;
+  TensorStore draft_store;
+  detail::Speculator speculator;  // drafting (n-gram or the draft model) and what verification needs
+  std::vector<float> raw_row;  // [V]: a row's logits kept as the model gave them (SamplingParams::logprobs)
+  // Constrained decoding: the vocabulary's trie (made at the first constrained request) and one masker per
+  // grammar text (a schema is compiled to its grammar first), at most kMaxGrammars; past that the map starts over.
+  std::shared_ptr<const GrammarVocabulary> grammar_vocabulary;
+  std::unordered_map<std::string, std::shared_ptr<GrammarMasker>> maskers;
+  static constexpr size_t kMaxGrammars = 64;
+  std::vector<std::pair<int32_t, float>> stop_logits;  // constrain_row's scratch
+  TokenMask budget_mask;
+  PreprocessOptions preprocess;         // qwen3_vl: the processor's, with the plan's image budget
+  std::optional<Tokenizer> tokenizer;  // set by open() (a Tokenizer only comes from load)
+  std::vector<int32_t> stop_ids;  // sorted
+  // Global cancel() aims at the public call running steps now (CallScope), never at a later one: a cancel made
+  // while no call runs aims at nothing. 0 means "no call".
+  std::atomic<uint64_t> calls_started{0}, running_call{0}, cancelled_call{0};
+  // cancel(RequestId): ids named from any thread, applied by the next step (a request that finished first is
+  // simply not found: ids are never reused).
+  std::mutex request_cancels_mutex;
+  std::set<RequestId> request_cancels;
+  std::atomic<RequestId> last_issued_id{0};
+  // Every public call but cancel(), cancel(id), set_op_timing() and the accessors of what open fixed holds
+  // call_mutex for its whole run (CallLock): calls from several threads run one after another, in the order the
+  // mutex grants them. call_owner is the thread holding it, so that a nested call on that thread (generate(text)
+  // calling generate(ids), or a callback calling back) is recognised instead of deadlocking; `stepping` is set
+  // while a step runs the token callbacks, which must not start engine work of their own.
+  std::mutex call_mutex;
+  std::atomic<std::thread::id> call_owner{};
+  detail::EngineLog log;  // EngineOptions::name / log / log_level, in effect while a call holds the engine
+  std::optional<detail::ScopedEngineLog> log_scope;  // the holding call's
+  bool stepping = false;
+  // stats() from any thread while a call runs: the counters as of the last step, published under their own
+  // small lock so that a reader never waits for a whole generate.
+  mutable std::mutex published_stats_mutex;
+  EngineStats published_stats;
+  EngineStats stats;
+  EngineInfo info;
+
+  RequestId next_id = 1;
+  std::map<RequestId, std::unique_ptr<detail::EngineRequest>> requests;
+  detail::Scheduler scheduler;  // the queues, and each step's requests (admission, chunked prefill, preemption)
+
+  detail::StepBatch batch;  // host staging of one step, sized once (Tmax tokens, Smax sequences)
+
+  // A GPU engine's host side of the logits (sized at open): a chunk as the GPU stores it and widened to float,
+  // the host sampler's scratch (rows with a repetition penalty), and the device sampler's rows.
+  std::vector<uint8_t> logits_raw;                     // [max_logit_rows, V] activation dtype
+  std::vector<float> logits_host;                      // [max_logit_rows, V] (also a CPU engine's, for 16-bit logits)
+  std::vector<float> host_probs;                       // [V]
+  std::vector<int32_t> host_order;                     // [V]
+  std::vector<cuda::DeviceSamplingParams> device_params;  // per device-sampled row of a chunk
+  std::vector<int64_t> device_rows;                    // their rows in the chunk
+  std::vector<int32_t> sampled_ids;                    // [max_logit_rows] what the GPU sampled
+
+  detail::DecodeGraphs graphs;  // CUDA decode graphs, one per batch bucket
+
+  KVPagePool& pool() { return arena->kv(); }
+  int64_t max_model_len() const { return plan.max_model_len; }
+  bool on_gpu() const { return backend->kind() == BackendKind::cuda; }
+  static void check(const Status& status) {
+    if (!status) throw status.error();
+  }
+
+  // ---- requests ----------------------------------------------------------------------------------------
+
+  void check_ids(const std::vector<int32_t>& ids, const char* what) const {
+    if (ids.empty()) detail::fail(ErrorCode::invalid_argument, detail::format("%s: no tokens", what));
+    for (size_t i = 0; i < ids.size(); i++)
+      if (ids[i] < 0 || ids[i] >= config.text.vocab_size)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("%s: token %zu is %d, outside the model's vocabulary [0, %lld)", what, i, ids[i],
+                                    (long long)config.text.vocab_size));
+  }
+
+  // The sequence could never be held: refuse it now rather than let it wait forever. (max_model_len is at
+  // most the whole KV arena: Arena::create refuses a plan where one such sequence does not fit.)
+  void check_fits(int64_t kv_tokens, const std::string& what, const std::string& advice) const {
+    if (kv_tokens > max_model_len())
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("%s needs %lld tokens of KV but the engine's max_model_len is %lld (its KV arena "
+                                  "holds %lld tokens); %s",
+                                  what.c_str(), (long long)kv_tokens, (long long)max_model_len(),
+                                  (long long)plan.kv_tokens, advice.c_str()));
+  }
+
+  detail::EngineRequest& add_request(detail::RequestKind kind, std::vector<int32_t> tokens) {
+    auto request = std::make_unique<detail::EngineRequest>();
+    request->id = next_id++;
+    last_issued_id.store(request->id);
+    request->kind = kind;
+    request->tokens = std::move(tokens);
+    detail::EngineRequest& r = *request;
+    requests[r.id] = std::move(request);
+    scheduler.enqueue(r);
+    return r;
+  }
+
+  // ---- images --------------------------------------------------------------------------------------------
+
+  // The vision tower over `images`, in groups that fit its buffers: levels x tokens rows on the host.
+  ImageFeatures encode_images(const std::vector<const VisionInput*>& images) {
+    if (!vision)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("%s (model_type %s) has no vision tower; it takes no images", config.origin.c_str(),
+                                  config.model_type.c_str()));
+    // A caller's VisionInput sizes the output below: every field is checked against the vision config first
+    // (the output was sized from image_tokens and overrun by the real rows when they disagreed).
+    for (size_t i = 0; i < images.size(); i++) {
+      Status valid = check_vision_input(config.vision, *images[i]);
+      if (!valid) detail::fail(valid.error().code, detail::format("image %zu: %s", i, valid.error().message.c_str()));
+    }
+    ImageFeatures out;
+    out.levels = vision->levels();
+    out.hidden = config.vision.out_hidden_size;
+    for (const VisionInput* image : images) out.tokens += image->grid.image_tokens;
+    out.values.assign(size_t(out.levels * out.tokens * out.hidden), 0.0f);
+    int64_t token = 0;
+    std::vector<const VisionInput*> group;  // the next images, as many as one encode() holds
+    int64_t patches = 0;
+    std::vector<uint16_t> narrow;  // one level's rows as 16-bit activations store them (BF16 / F16 only)
+    auto encode_group = [&] {
+      vision->encode(group);  // an image too large for the buffers alone: encode() says why
+      for (int64_t level = 0; level < out.levels; level++) {
+        const Tensor rows = vision->output(level);
+        float* dst = out.values.data() + (level * out.tokens + token) * out.hidden;
+        if (rows.dtype == DType::F32) {
+          Status copied = backend->copy_to_host(rows, dst);
+          if (!copied) throw copied.error();
+        } else {  // widened to float (exact), so the text model's rounding back gives the same bits
+          narrow.resize(size_t(rows.elements()));
+          Status copied = backend->copy_to_host(rows, narrow.data());
+          if (!copied) throw copied.error();
+          detail::widen_to_float(narrow.data(), rows.dtype, narrow.size(), dst);
+        }
+      }
+      for (const VisionInput* image : group) token += image->grid.image_tokens;
+      group.clear();
+      patches = 0;
+    };
+    for (const VisionInput* image : images) {
+      if (!group.empty() &&
+          (int64_t(group.size()) == vision->max_images() || patches + image->rows() > vision->max_patches()))
+        encode_group();
+      group.push_back(image);
+      patches += image->rows();
+    }
+    if (!group.empty()) encode_group();
+    return out;
+  }
+
+  // A request's images are encoded together when it is submitted, in vision buffers the plan sized for
+  // max_images of them: more are refused before any is preprocessed or encoded.
+  void check_image_count(size_t images, const char* what) const {
+    if (vision && int64_t(images) > plan.options.max_images)
+      detail::fail(ErrorCode::does_not_fit,
+                   detail::format("%s: %zu images in one request, but the plan allows at most %lld (max_images); "
+                                  "raise max_images to %zu (EngineOptions::plan.max_images; kvlite plan --max-images "
+                                  "%zu shows what it costs) or send at most %lld",
+                                  what, images, (long long)plan.options.max_images, images, images,
+                                  (long long)plan.options.max_images));
+  }
+
+  // `ids` with one image_token_id per image (the processor's input form): each placeholder becomes its image's
+  // tokens, their features are computed, and the prompt's M-RoPE positions with them.
+  detail::VisionPrompt prepare_prompt(const std::vector<int32_t>& ids, const std::vector<VisionInput>& images,
+                                      const char* what) {
+    detail::VisionPrompt prompt;
+    const int32_t pad = int32_t(config.image_token_id);
+    const int64_t placeholders = pad < 0 ? 0 : int64_t(std::count(ids.begin(), ids.end(), pad));
+    if (images.empty() && placeholders == 0) {
+      prompt.ids = ids;
+      return prompt;
+    }
+    if (!vision)
+      detail::fail(ErrorCode::unsupported,
+                   detail::format("%s: %zu image%s given but %s (model_type %s) has no vision tower", what,
+                                  images.size(), images.size() == 1 ? "" : "s", config.origin.c_str(),
+                                  config.model_type.c_str()));
+    check_image_count(images.size(), what);
+    if (placeholders != int64_t(images.size()))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("%s: the prompt holds %lld image placeholder%s (<|image_pad|>, id %d) but %zu "
+                                  "image%s given; put one %s in the prompt per image, in order",
+                                  what, (long long)placeholders, placeholders == 1 ? "" : "s", pad, images.size(),
+                                  images.size() == 1 ? " was" : "s were", kImagePlaceholder));
+    std::vector<const VisionInput*> inputs;
+    std::vector<ImageGrid> grids;
+    for (const VisionInput& image : images) {
+      inputs.push_back(&image);
+      grids.push_back(image.grid);
+    }
+    prompt.features = encode_images(inputs);
+    size_t image = 0;
+    int64_t feature_row = 0;
+    for (int32_t id : ids) {
+      if (id != pad) {
+        prompt.ids.push_back(id);
+        continue;
+      }
+      // processor: text.replace(image_token, image_token * num_image_tokens)
+      const int64_t count = images[image++].grid.image_tokens;
+      prompt.image_spans.push_back({int64_t(prompt.ids.size()), count, feature_row});
+      prompt.ids.insert(prompt.ids.end(), size_t(count), pad);
+      feature_row += count;
+    }
+    Result<MropePositions> positions = mrope_positions(prompt.ids, pad, grids, config.vision.spatial_merge_size);
+    if (!positions) throw positions.error();
+    prompt.mrope = std::move(positions->positions);
+    prompt.rope_delta = positions->rope_delta;
+    return prompt;
+  }
+
+  // Engine::preprocess of each image.
+  std::vector<VisionInput> preprocess_all(const std::vector<Image>& images) const {
+    check_image_count(images.size(), "generate");
+    std::vector<VisionInput> inputs;
+    for (const Image& image : images) {
+      if (!vision)
+        detail::fail(ErrorCode::unsupported, detail::format("%s (model_type %s) has no vision tower; it takes no images",
+                                                            config.origin.c_str(), config.model_type.c_str()));
+      Result<VisionInput> input = preprocess_image(image, preprocess);
+      if (!input) throw input.error();
+      inputs.push_back(std::move(*input));
+    }
+    return inputs;
+  }
+
+  static void attach(detail::EngineRequest& r, detail::VisionPrompt&& prompt) {
+    r.mrope = std::move(prompt.mrope);
+    r.rope_delta = prompt.rope_delta;
+    r.image_spans = std::move(prompt.image_spans);
+    r.features = std::move(prompt.features);
+  }
+
+  // The masker for a request's grammar or schema (nullptr: unconstrained); compiled once per text.
+  std::shared_ptr<GrammarMasker> constraint_for(const SamplingParams& params) {
+    if (params.grammar.empty() && params.json_schema.empty()) return nullptr;
+    std::string gbnf = params.grammar;
+    if (gbnf.empty()) {
+      Result<std::string> compiled = Grammar::json_schema_to_gbnf(params.json_schema);
+      if (!compiled) throw compiled.error();
+      gbnf = std::move(*compiled);
+    }
+    auto found = maskers.find(gbnf);
+    if (found != maskers.end()) return found->second;
+    Result<std::shared_ptr<const Grammar>> grammar = Grammar::parse(gbnf);
+    if (!grammar) throw grammar.error();
+    if (!grammar_vocabulary) {
+      const int64_t vocab = config.text.vocab_size;
+      std::vector<std::string> pieces(static_cast<size_t>(vocab));
+      std::vector<uint8_t> excluded(static_cast<size_t>(vocab), 1);
+      for (int64_t id = 0; id < vocab && id < int64_t(tokenizer->vocab_size()); id++) {
+        pieces[size_t(id)] = tokenizer->token_bytes(int32_t(id));
+        excluded[size_t(id)] = tokenizer->is_special(int32_t(id));
+      }
+      grammar_vocabulary = std::make_shared<const GrammarVocabulary>(pieces, excluded);
+    }
+    if (maskers.size() >= kMaxGrammars) maskers.clear();  // requests keep their own (shared) maskers alive
+    auto masker = std::make_shared<GrammarMasker>(std::move(*grammar), grammar_vocabulary);
+    maskers.emplace(std::move(gbnf), masker);
+    return masker;
+  }
+
+  RequestId submit(const std::vector<int32_t>& prompt_ids, const std::vector<VisionInput>& images,
+                   const SamplingParams& params, const TokenCallback& on_token) {
+    check_ids(prompt_ids, "generate");
+    Status valid = validate(params);
+    if (!valid) throw valid.error();
+    std::shared_ptr<GrammarMasker> masker = constraint_for(params);
+    detail::VisionPrompt vision_prompt = prepare_prompt(prompt_ids, images, "generate");
+    const std::vector<int32_t>& prompt = vision_prompt.ids;
+    const int64_t prompt_len = int64_t(prompt.size());
+    // Only a prompt that leaves no room for one output token is refused; one whose prompt + max_tokens passes
+    // max_model_len generates until the context is full and finishes with FinishReason::length, as vLLM and
+    // transformers do.
+    check_fits(prompt_len + 1,
+               detail::format("a prompt of %lld tokens (+ 1 to generate)", (long long)prompt_len),
+               detail::format("shorten the prompt below %lld tokens", (long long)max_model_len()) +
+                   " or raise max_model_len (EngineOptions::plan.max_model_len, kvlite --max-model-len)");
+    detail::EngineRequest& r = add_request(detail::RequestKind::generate, prompt);
+    attach(r, std::move(vision_prompt));
+    r.params = params;
+    r.rng = Rng(params.seed);
+    r.on_token = on_token;
+    r.decoder.emplace(*tokenizer, false);
+    if (masker) {
+      r.matcher.emplace(masker->grammar_ptr());
+      r.masker = std::move(masker);
+    }
+    r.result.prompt_ids = prompt;
+    r.result.request = r.id;
+    if (detail::log_enabled(LogLevel::debug))
+      detail::log(LogLevel::debug, detail::format("request %lld: %lld prompt tokens, %zu images, max_tokens %lld",
+                                                  (long long)r.id, (long long)prompt_len, images.size(),
+                                                  (long long)params.max_tokens));
+    // prompt_len < max_model_len (check_fits above) and max_tokens <= KVLITE_MAX_NEW_TOKENS (validate): no overflow
+    r.tokens.reserve(size_t(prompt_len + std::min(params.max_tokens, max_model_len() - prompt_len)));
+    return r.id;
+  }
+
+  bool is_stop_token(const detail::EngineRequest& r, int32_t id) const {
+    return (!r.params.ignore_eos && std::binary_search(stop_ids.begin(), stop_ids.end(), id)) ||
+           std::find(r.params.stop_tokens.begin(), r.params.stop_tokens.end(), id) != r.params.stop_tokens.end();
+  }
+
+  // Constrained decoding: the tokens that cannot continue the sentence get -inf (end-of-turn tokens only once
+  // it is complete). False, and the request finished, when no token is left (a grammar whose next character no
+  // token of this vocabulary writes): it ends as complete if it is, else as cut by length.
+  bool constrain_row(detail::EngineRequest& r, float* row, int64_t vocab) {
+    const auto started = std::chrono::steady_clock::now();
+    const int64_t computed_before = r.masker->masks_computed();
+    // The tokens left, this one included (max_tokens, or the context's end): a token that leaves more bytes to
+    // complete the sentence than tokens remain after it is not allowed, so the output is whole whenever a
+    // token per byte can finish it (byte-level vocabularies), even when max_tokens cuts it.
+    const int64_t left = std::min(r.params.max_tokens - int64_t(r.result.ids.size()),
+                                  max_model_len() - int64_t(r.tokens.size()));
+    // (when even the shortest completion does not fit, the plain mask: the output is cut, as without a grammar)
+    const int64_t budget = r.matcher->min_completion() <= left ? left - 1 : -1;
+    const TokenMask& mask = r.masker->mask_for_budget(r.matcher->state(), budget, budget_mask);
+    stats.grammar_rows++;
+    stats.grammar_masks_computed += r.masker->masks_computed() - computed_before;
+    stats.grammar_mask_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    const bool complete = r.matcher->complete();
+    // the end-of-turn tokens' logits, put back after the mask when the sentence may end here
+    stop_logits.clear();
+    if (complete) {
+      for (const std::vector<int32_t>* ids : {&stop_ids, &r.params.stop_tokens})
+        for (int32_t id : *ids)
+          if (id >= 0 && id < vocab && is_stop_token(r, id)) stop_logits.push_back({id, row[id]});
+    }
+    bool any = !stop_logits.empty();
+    for (size_t word = 0; word * 64 < size_t(vocab); word++) {
+      const uint64_t bits = word < mask.size() ? mask[word] : 0;
+      any = any || bits != 0;
+      const int64_t end = std::min<int64_t>(vocab, int64_t(word + 1) * 64);
+      for (int64_t id = int64_t(word) * 64; id < end; id++)
+        if (!((bits >> (id % 64)) & 1u)) row[id] = -std::numeric_limits<float>::infinity();
+    }
+    for (const auto& kept : stop_logits) row[kept.first] = kept.second;
+    if (!any) finish(r, complete ? FinishReason::grammar_end : FinishReason::length);
+    return any;
+  }
+
+  // Hands text[emitted, end) to the callback with `id`; false when the callback asks to stop.
+  bool emit(detail::EngineRequest& r, size_t end, int32_t id) {
+    std::string piece = r.text.substr(r.emitted, end - r.emitted);
+    r.emitted = end;
+    r.result.text += piece;
+    return !r.on_token || r.on_token(piece, id);
+  }
+
+  // Takes r out of the queues and gives its slot and pages back.
+  void retire(detail::EngineRequest& r) {
+    r.finished = true;
+    scheduler.release(r);
+  }
+
+  void finish(detail::EngineRequest& r, FinishReason reason) {
+    retire(r);
+    r.result.finish_reason = reason;
+    if (reason == FinishReason::stop_token || reason == FinishReason::max_tokens || reason == FinishReason::length ||
+        reason == FinishReason::grammar_end) {
+      // Whatever was held back (a potential stop string's start, an incomplete character) is final now.
+      r.text += r.decoder->flush();
+      if (r.emitted < r.text.size()) emit(r, r.text.size(), -1);
+    }
+  }
+
+  // A generated id: record it, stream its text, and decide whether the request goes on.
+  void accept_token(detail::EngineRequest& r, int32_t id, float logprob = std::numeric_limits<float>::quiet_NaN()) {
+    stats.tokens_generated++;
+    r.tokens.push_back(id);
+    r.result.ids.push_back(id);
+    if (r.params.logprobs) r.result.logprobs.push_back(logprob);
+    if (is_stop_token(r, id)) return finish(r, FinishReason::stop_token);
+    // (the row was masked: the token's bytes continue the sentence; a grammar's end is decided after the text)
+    const bool grammar_done = r.matcher && r.matcher->accept(tokenizer->token_bytes(id)) && !r.matcher->can_continue();
+    Result<std::string> piece = r.decoder->push(id);
+    if (!piece) throw piece.error();
+    const size_t searched_from = r.emitted;
+    r.text += *piece;
+    // The earliest stop string in the text not yet emitted ends the request, cut before it.
+    size_t stop_at = std::string::npos;
+    for (const std::string& stop : r.params.stop_strings) stop_at = std::min(stop_at, r.text.find(stop, searched_from));
+    if (stop_at != std::string::npos) {
+      r.text.resize(stop_at);
+      emit(r, stop_at, id);
+      return finish(r, FinishReason::stop_string);
+    }
+    // Hold back the longest tail that could still grow into a stop string.
+    size_t hold = 0;
+    for (const std::string& stop : r.params.stop_strings)
+      for (size_t len = std::min(stop.size() - 1, r.text.size() - r.emitted); len > hold; len--)
+        if (r.text.compare(r.text.size() - len, len, stop, 0, len) == 0) {
+          hold = len;
+          break;
+        }
+    if (!emit(r, r.text.size() - hold, id)) return finish(r, FinishReason::callback);
+    if (grammar_done) return finish(r, FinishReason::grammar_end);
+    if (int64_t(r.result.ids.size()) >= r.params.max_tokens) return finish(r, FinishReason::max_tokens);
+    if (int64_t(r.tokens.size()) >= max_model_len()) return finish(r, FinishReason::length);
+  }
+
+  // Every unfinished request ends (cancel, or an error mid-step): pages and slots go back to the pool.
+  void abort_all() {
+    for (detail::EngineRequest* r : scheduler.unfinished()) {
+      if (r->kind == detail::RequestKind::generate) {
+        finish(*r, FinishReason::cancelled);
+      } else {
+        retire(*r);
+      }
+    }
+  }
+
+  // ---- the step ----------------------------------------------------------------------------------------
+
+  // The positions of r whose logits are wanted among [first, first + count).
+  std::pair<int64_t, int64_t> wanted_rows(const detail::EngineRequest& r, int64_t first, int64_t count) const {
+    int64_t begin = r.want_begin, end = r.want_end;
+    if (r.kind == detail::RequestKind::generate) {  // the last token's row (and its drafts'), once all is in
+      end = int64_t(r.tokens.size());
+      begin = end - 1 - int64_t(r.drafts.size());
+    }
+    return {std::max(begin, first), std::min(end, first + count)};
+  }
+
+  void consume_row(const detail::RowOwner& owner, float* row) {
+    detail::EngineRequest& r = *owner.request;
+    const int64_t vocab = config.text.vocab_size;
+    switch (r.kind) {
+      case detail::RequestKind::generate: {
+        if (r.finished || r.draft_rejected) break;  // rows after the request ended or after a rejected draft
+        // the sampler's scratch: the arena's rows on the CPU, host vectors beside a GPU's (whose rows are device
+        // memory)
+        float* probs = on_gpu() ? host_probs.data() : model->sampling_probs(r.slot);
+        int32_t* order = on_gpu() ? host_order.data() : model->sampling_order(r.slot);
+        // logprobs: the row as the model gave it (sampling changes it in place), scored as score() scores
+        if (r.params.logprobs) std::copy(row, row + vocab, raw_row.data());
+        if (r.matcher && !constrain_row(r, row, vocab)) break;  // nothing may follow: the request ended
+        auto logprob_of = [&](int32_t id) {
+          return r.params.logprobs ? float(token_logprob(raw_row.data(), vocab, id))
+                                   : std::numeric_limits<float>::quiet_NaN();
+        };
+        const int64_t drafted = owner.position - r.draft_base;  // the row verifying drafts[drafted], if any
+        if (!r.drafts.empty() && drafted < int64_t(r.drafts.size())) {
+          // r.tokens holds the accepted drafts before this one: the history the target's token depends on
+          // a draft model's sampled draft came from a distribution q; n-gram drafts are certain
+          const float* q =
+              speculator.draft_model() && r.params.temperature != 0.0f ? speculator.draft_distribution(r.slot, drafted)
+                                                                     : nullptr;
+          const DraftVerdict verdict = verify_draft_token(row, vocab, r.params, r.tokens.data(),
+                                                          int64_t(r.tokens.size()), r.drafts[size_t(drafted)], q,
+                                                          r.rng, probs, order);
+          if (verdict.accepted) stats.draft_tokens_accepted++;
+          else r.draft_rejected = true;
+          accept_token(r, verdict.token, logprob_of(verdict.token));
+          break;
+        }
+        const int32_t id =
+            sample_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng, probs, order);
+        accept_token(r, id, logprob_of(id));
+        break;
+      }
+      case detail::RequestKind::score:
+        r.logprobs[owner.position + 1] = token_logprob(row, vocab, r.tokens[size_t(owner.position + 1)]);
+        break;
+      case detail::RequestKind::logits:
+        std::copy(row, row + vocab, r.logits + owner.position * vocab);
+        break;
+    }
+  }
+
+  // A public call's hold on the engine (call_mutex). Nested on the thread that holds it already: no second lock,
+  // but a callback running inside a step may not start engine work (invalid_argument naming the call).
+  struct CallLock {
+    Impl& engine;
+    bool locked = false;
+    CallLock(Impl& e, const char* call) : engine(e) {
+      if (engine.call_owner.load() == std::this_thread::get_id()) {
+        if (engine.stepping)
+          detail::fail(ErrorCode::invalid_argument,
+                       detail::format("Engine::%s called from inside a token callback: a callback may call cancel(), "
+                                      "cancel(id), stats() and set_op_timing() only (return false to end its own "
+                                      "request)", call));
+        return;
+      }
+      engine.call_mutex.lock();
+      engine.call_owner.store(std::this_thread::get_id());
+      engine.log_scope.emplace(&engine.log);
+      locked = true;
+    }
+    ~CallLock() {
+      if (!locked) return;
+      engine.log_scope.reset();
+      engine.publish_stats();
+      engine.call_owner.store(std::thread::id());
+      engine.call_mutex.unlock();
+    }
+    CallLock(const CallLock&) = delete;
+    CallLock& operator=(const CallLock&) = delete;
+  };
+
+  void publish_stats() {
+    EngineStats now = stats;
+    now.op_times = backend->op_times();
+    std::lock_guard<std::mutex> lock(published_stats_mutex);
+    published_stats = now;
+  }
+
+  // The public call that runs steps: cancel() made during it (and only then) stops it.
+  struct CallScope {
+    Impl& engine;
+    explicit CallScope(Impl& e) : engine(e) { engine.running_call.store(++engine.calls_started); }
+    ~CallScope() { engine.running_call.store(0); }
+  };
+
+  // Requests cancel(RequestId) named end now, with FinishReason::cancelled; their pages go back to the pool.
+  void apply_request_cancels() {
+    std::set<RequestId> ids;
+    {
+      std::lock_guard<std::mutex> lock(request_cancels_mutex);
+      ids.swap(request_cancels);
+    }
+    for (RequestId id : ids) {
+      auto it = requests.find(id);
+      if (it == requests.end() || it->second->finished || it->second->kind != detail::RequestKind::generate) continue;
+      finish(*it->second, FinishReason::cancelled);
+      detail::log(LogLevel::debug, detail::format("request %lld cancelled", (long long)id));
+    }
+  }
+
+  // One forward step. Returns whether unfinished requests remain.
+  bool step() {
+    const uint64_t call = running_call.load();
+    if (call != 0 && cancelled_call.load() == call) {
+      abort_all();
+      detail::fail(ErrorCode::cancelled, "cancelled by Engine::cancel()");
+    }
+    apply_request_cancels();
+    if (scheduler.idle()) return false;
+    try {
+      stepping = true;
+      run_step();
+      stepping = false;
+    } catch (...) {
+      stepping = false;
+      abort_all();  // leave the engine usable: no request holds pages it will never release
+      throw;
+    }
+    publish_stats();
+    return !scheduler.idle();
+  }
+
+  void run_step() {
+    // Sequence s of the attention batch is pool slot s: the scheduler gives the requests in slot order.
+    const std::vector<detail::ScheduledRequest>& scheduled =
+        scheduler.schedule(stats, [this](detail::EngineRequest& r, int64_t limit) {
+          return speculator.draft(r, limit, scheduler, stats);
+        });
+    if (scheduled.empty())
+      detail::fail(ErrorCode::internal,
+                   detail::format("the scheduler found nothing to run with %zu requests waiting and %zu running",
+                                  scheduler.waiting_count(), scheduler.running_count()));
+    if (speculator.draft_model()) speculator.run_draft_model(scheduled, batch, pool(), stats);
+    const KVPagePool& kv = pool();
+    const int64_t page_tokens = kv.page_tokens();
+    const int64_t seqs = scheduled.back().request->slot + 1;
+    std::fill(batch.context_lens.begin(), batch.context_lens.begin() + seqs, 0);
+    int64_t t = 0, rows = 0, max_context = 0;
+    size_t next = 0;
+    const int64_t max_tokens = int64_t(batch.token_ids.size());
+    batch.image_runs.clear();
+    for (int64_t s = 0; s < seqs; s++) {
+      batch.query_starts[size_t(s)] = int32_t(t);
+      if (next == scheduled.size() || scheduled[next].request->slot != s) continue;
+      detail::EngineRequest& r = *scheduled[next].request;
+      const int64_t n = scheduled[next++].tokens;
+      const int32_t* pages = kv.block_table(r.slot);
+      auto want = wanted_rows(r, r.computed, n);
+      const int64_t prompt_positions = int64_t(r.mrope.size()) / 3;
+      for (const detail::ImageSpan& span : r.image_spans) {  // the image tokens among [computed, computed + n)
+        const int64_t begin = std::max(span.first, r.computed), end = std::min(span.first + span.count, r.computed + n);
+        if (begin >= end) continue;
+        ImageRun run;
+        run.token = t + begin - r.computed;
+        run.count = end - begin;
+        run.rows = r.features.values.data() + (span.feature_row + begin - span.first) * r.features.hidden;
+        run.level_stride = r.features.tokens * r.features.hidden;
+        batch.image_runs.push_back(run);
+      }
+      for (int64_t p = r.computed; p < r.computed + n; p++, t++) {
+        batch.token_ids[size_t(t)] = r.tokens[size_t(p)];
+        // a prompt token's (t, h, w) from get_rope_index; any other token index + rope_delta on every row
+        for (int64_t row = 0; row < batch.position_rows; row++)
+          batch.positions[size_t(row * max_tokens + t)] =
+              p < prompt_positions ? r.mrope[size_t(row * prompt_positions + p)] : int32_t(p + r.rope_delta);
+        batch.slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
+        if (p >= want.first && p < want.second) {
+          batch.logit_row_ids[size_t(rows)] = int32_t(t);
+          batch.row_owners[size_t(rows++)] = {&r, p};
+        }
+      }
+      batch.context_lens[size_t(s)] = int32_t(r.computed + n);
+      max_context = std::max(max_context, r.computed + n);
+    }
+    batch.query_starts[size_t(seqs)] = int32_t(t);
+    // Rows of positions packed to [position_rows, t], as rope_tables reads them (each moves to a lower index).
+    for (int64_t row = 1; row < batch.position_rows; row++)
+      memmove(batch.positions.data() + row * t, batch.positions.data() + row * max_tokens, size_t(t) * sizeof(int32_t));
+
+    StepInput input = batch.input(pool(), t, batch.position_rows, seqs, max_context, rows);
+    input.image_runs = int64_t(batch.image_runs.size());
+    input.image_run_list = batch.image_runs.data();
+    if (graphs.run(input, int64_t(scheduled.size()))) {
+      stats.graph_steps++;
+    } else {
+      model->forward(input);
+    }
+    for (const detail::ScheduledRequest& s : scheduled) {
+      s.request->computed += s.tokens;
+      // the drafts leave r.tokens: rows verify them in order and accepted ones come back through accept_token
+      if (!s.request->drafts.empty()) s.request->tokens.resize(size_t(s.request->draft_base + 1));
+      scheduler.register_pages(*s.request);  // (before its rows are consumed: a request that ends there frees its slot)
+    }
+    stats.steps++;
+    stats.tokens_computed += t;
+    stats.peak_running = std::max(stats.peak_running, int64_t(scheduled.size()));
+
+    const int64_t vocab = config.text.vocab_size;
+    for (int64_t first = 0; first < rows; first += model->max_logit_rows()) {
+      const int64_t count = std::min(model->max_logit_rows(), rows - first);
+      Tensor logits = model->logits(first, count);
+      if (on_gpu()) {
+        consume_device_rows(logits, first, count);
+      } else if (logits.dtype == DType::F32) {
+        for (int64_t i = 0; i < count; i++)
+          consume_row(batch.row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
+      } else {  // BF16 / F16 activations on the CPU: widened on the host, as the GPU's host rows are
+        detail::widen_to_float(logits.data, logits.dtype, size_t(count * vocab), logits_host.data());
+        for (int64_t i = 0; i < count; i++) consume_row(batch.row_owners[size_t(first + i)], logits_host.data() + i * vocab);
+      }
+    }
+    speculator.settle(scheduled);
+    // Prefill-only requests end once every token is in.
+    for (const detail::ScheduledRequest& s : scheduled) {
+      detail::EngineRequest& r = *s.request;
+      if (r.kind != detail::RequestKind::generate && !r.finished && r.computed == int64_t(r.tokens.size()))
+        retire(r);
+    }
+  }
+
+  // A chunk of logits on the GPU (rows first .. first + count of the step's logit rows): generate rows are
+  // sampled there (cuda::sample: only their ids come back); rows whose consumer needs the whole row (scores,
+  // logits requests, a repetition penalty) come to the host, widened to float. Rows are then consumed in order.
+  void consume_device_rows(const Tensor& logits, int64_t first, int64_t count) {
+    const int64_t vocab = config.text.vocab_size;
+    device_params.clear();
+    device_rows.clear();
+    bool host_rows = false;
+    for (int64_t i = 0; i < count; i++) {
+      detail::EngineRequest& r = *batch.row_owners[size_t(first + i)].request;
+      // (a drafting request's rows are verified in order against its history: on the host)
+      if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f || !r.drafts.empty() ||
+          r.params.logprobs || r.matcher) {
+        host_rows = true;
+        continue;
+      }
+      cuda::DeviceSamplingParams p{};
+      p.temperature = r.params.temperature;
+      p.top_k = int32_t(std::min<int64_t>(r.params.top_k, vocab));  // >= vocab is off, as 0
+      p.top_p = r.params.top_p;
+      p.min_p = r.params.min_p;
+      // sample_token draws once per sampled token (not when greedy): the same draw from the same Rng
+      p.draw = r.params.temperature != 0.0f ? uint32_t(r.rng.next_float() * 16777216.0f) : 0;
+      p.row = int32_t(i);
+      device_params.push_back(p);
+      device_rows.push_back(i);
+    }
+    const int64_t sampled = int64_t(device_rows.size());
+    if (sampled > 0) {
+      const TextModel::SamplingBuffers buffers = model->sampling_buffers();
+      const Tensor params = buffers.params.slice_rows(0, sampled), ids = buffers.ids.slice_rows(0, sampled);
+      check(backend->copy_from_host(device_params.data(), params));
+      check(cuda::sample(*backend, logits, params, buffers.probs.slice_rows(0, sampled), ids));
+      check(backend->copy_to_host(ids, sampled_ids.data()));
+    }
+    if (host_rows) {
+      check(backend->copy_to_host(logits, logits_raw.data()));
+      detail::widen_to_float(logits_raw.data(), logits.dtype, size_t(count * vocab), logits_host.data());
+    }
+    size_t next_sampled = 0;
+    for (int64_t i = 0; i < count; i++) {
+      if (next_sampled < device_rows.size() && device_rows[next_sampled] == i) {
+        accept_token(*batch.row_owners[size_t(first + i)].request, sampled_ids[next_sampled++]);
+      } else {
+        consume_row(batch.row_owners[size_t(first + i)], logits_host.data() + i * vocab);
+      }
+    }
+  }
+
+  // Steps until done() holds (the caller's requests finished).
+  template <class Done>
+  void run_until(Done done) {
+    CallScope scope(*this);
+    while (!done())
+      if (!step() && !done()) detail::fail(ErrorCode::internal, "the engine ran out of work before the request finished");
+  }
+
+  void erase(RequestId id) { requests.erase(id); }
+};
+
+// ---- Engine -------------------------------------------------------------------------------------------------
+
+namespace detail {
+namespace engine {
+
+// generation_config.json's eos_token_id (an id or a list), which is what transformers' generate() stops at.
+std::vector<int64_t> generation_eos_ids(const std::string& model_dir) {
+  const std::string path = path_join(model_dir, "generation_config.json");
+  if (!file_exists(path)) return {};
+  const std::string text = read_text_file(path);
+  check_json_nesting(text, path);
+  nlohmann::json json = nlohmann::json::parse(text, nullptr, false);
+  if (json.is_discarded() || !json.is_object())
+    fail(ErrorCode::bad_format, format("%s is not a JSON object", path.c_str()));
+  std::vector<int64_t> ids;
+  auto eos = json.find("eos_token_id");
+  if (eos == json.end() || eos->is_null()) return ids;
+  auto add = [&](const nlohmann::json& value) {
+    if (!value.is_number_integer())
+      fail(ErrorCode::bad_format, format("%s: eos_token_id must be an integer or a list of integers", path.c_str()));
+    ids.push_back(value.get<int64_t>());
+  };
+  if (eos->is_array()) {
+    for (const auto& value : *eos) add(value);
+  } else {
+    add(*eos);
+  }
+  return ids;
+}
+
 DType kv_element_dtype(KVDType kv_dtype) {
   switch (kv_dtype) {
     case KVDType::f32: return DType::F32;
@@ -24832,17 +25014,19 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.info.activation_dtype = e.backend->activation_dtype();
     e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights, gpu);
     e.model = std::make_unique<TextModel>(e.config, std::move(text_weights), *e.backend, *e.arena, e.plan, kv_dtype);
+    e.speculator.open(e.plan.options.speculative_tokens, e.plan.options.ngram, e.plan.max_model_len,
+                      e.config.text.vocab_size, size_t(e.plan.options.max_seqs));
     if (!options.draft_model.empty()) {
       // (the plan refused a draft model on CUDA: its weights are the mmap's views, as the CPU target's)
       Result<TextModelWeights> draft_weights = bind_text_weights(e.draft_config, e.draft_store);
       if (!draft_weights)
         fail(draft_weights.error().code,
              format("draft model %s: %s", options.draft_model.c_str(), draft_weights.error().message.c_str()));
-      e.draft_model = std::make_unique<TextModel>(e.draft_config, std::move(*draft_weights), *e.backend, *e.arena,
-                                                  e.plan, kv_dtype, TextModelRegions::draft());
-      e.draft_probs = reinterpret_cast<float*>(e.arena->region_data("draft_probs"));
-      if (!e.draft_probs) fail(ErrorCode::internal, "the plan for a draft model has no draft_probs region");
-      e.draft_row.assign(size_t(e.config.text.vocab_size), 0.0f);
+      auto draft_model = std::make_unique<TextModel>(e.draft_config, std::move(*draft_weights), *e.backend,
+                                                     *e.arena, e.plan, kv_dtype, TextModelRegions::draft());
+      float* draft_probs = reinterpret_cast<float*>(e.arena->region_data("draft_probs"));
+      if (!draft_probs) fail(ErrorCode::internal, "the plan for a draft model has no draft_probs region");
+      e.speculator.set_draft_model(std::move(draft_model), draft_probs);
     }
     if (vision_weights) {
       e.vision = std::make_unique<VisionModel>(e.config, std::move(*vision_weights), *e.backend, *e.arena, e.plan);
@@ -24856,7 +25040,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     if (!tokenizer) throw tokenizer.error();
     e.tokenizer = std::move(*tokenizer);
     const Tokenizer& tok = *e.tokenizer;
-    if (e.draft_model) {
+    if (e.speculator.draft_model()) {
       // A draft's ids must mean what the target's mean: the same vocabulary, token for token.
       Result<Tokenizer> draft_tokenizer = Tokenizer::load(options.draft_model);
       if (!draft_tokenizer)
@@ -24890,19 +25074,11 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.stop_ids.assign(stops.begin(), stops.end());
 
     const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
-    e.scheduled.reserve(max_seqs);
-    for (auto* v : {&e.token_ids, &e.slots, &e.logit_row_ids}) v->assign(max_tokens, 0);
-    e.position_rows = e.config.arch == Arch::qwen3_vl ? 3 : 1;
-    e.positions.assign(size_t(e.position_rows) * max_tokens, 0);
-    e.query_starts.assign(max_seqs + 1, 0);
-    e.context_lens.assign(max_seqs, 0);
-    e.row_owners.assign(max_tokens, {nullptr, 0});
-    e.draft_requests.reserve(max_seqs);
+    e.batch.open(max_tokens, max_seqs, e.config.arch == Arch::qwen3_vl ? 3 : 1);  // M-RoPE: 3 rows of positions
     e.raw_row.assign(size_t(e.config.text.vocab_size), 0.0f);
-    e.draft_ranges.reserve(max_seqs);
-    e.prefix_cache = e.plan.prefix_caching.value_or(!gpu);  // plan_engine resolved it
-    e.info.prefix_caching = e.prefix_cache;
-    e.attach_pages.assign(size_t(e.arena->kv().max_pages_per_seq()), -1);
+    e.scheduler.open(e.arena->kv(), e.plan.options.max_batched_tokens, e.plan.options.max_seqs,
+                     e.plan.prefix_caching.value_or(!gpu));  // plan_engine resolved prefix caching
+    e.info.prefix_caching = e.scheduler.prefix_caching();
     if (!gpu && e.backend->activation_dtype() != DType::F32)  // 16-bit logits on the CPU, widened for the sampler
       e.logits_host.assign(size_t(e.model->max_logit_rows() * e.config.text.vocab_size), 0.0f);
     if (gpu) {
@@ -24915,7 +25091,9 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       e.device_params.reserve(rows);
       e.device_rows.reserve(rows);
       e.sampled_ids.assign(rows, 0);
-      if (options.cuda_graphs) e.capture_decode_graphs();
+      if (options.cuda_graphs)
+        e.graphs.capture(*e.model, *e.backend, e.pool(), e.batch.position_rows, e.plan.options.max_seqs,
+                         e.plan.options.max_batched_tokens, e.max_model_len(), e.info);
     }
     if (detail::log_enabled(LogLevel::info))
       detail::log(LogLevel::info,
@@ -24992,7 +25170,7 @@ Result<bool> Engine::step() {
 Status Engine::run() {
   return detail::guard([&] {
     Impl::CallLock lock(*impl_, "run");
-    impl_->run_until([&] { return impl_->running.empty() && impl_->waiting.empty(); });
+    impl_->run_until([&] { return impl_->scheduler.idle(); });
   });
 }
 
@@ -25231,10 +25409,10 @@ Result<CopyBandwidth> Engine::measure_copy_bandwidth(uint64_t bytes, int repeats
   return detail::guard([&] {
     Impl::CallLock lock(*impl_, "measure_copy_bandwidth");
     Impl& e = *impl_;
-    if (!e.running.empty() || !e.waiting.empty())
+    if (!e.scheduler.idle())
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("measure_copy_bandwidth: wait until the %zu requests in flight finish (on a GPU "
-                                  "it copies over the KV pages)", e.running.size() + e.waiting.size()));
+                                  "it copies over the KV pages)", e.scheduler.running_count() + e.scheduler.waiting_count()));
     if (repeats < 1)
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("measure_copy_bandwidth: repeats %d must be >= 1", repeats));

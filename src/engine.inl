@@ -1,9 +1,8 @@
-// engine: implementation. The scheduler in one paragraph: requests wait in a FIFO queue and run in start
-// order; every step first gives each running request its next tokens (one when decoding, a chunk when
-// prefilling), preempting the most recently started one when the KV pages run out, then admits waiting
-// requests while slots, pages and the step's token budget last. The step's tokens go through the model in
+// engine: implementation. Each step, the scheduler (scheduler.inl) picks the requests that run and how many of
+// their tokens; speculative decoding may add drafted tokens. The step's tokens go through the model in
 // one forward pass; the rows whose logits someone wants (the last row of a generating sequence, every target
 // of a scoring window, every row of a logits request) are projected a chunk at a time and handed out.
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -33,95 +32,6 @@ const char* finish_reason_name(FinishReason reason) {
   return "?";
 }
 
-namespace detail {
-
-// `count` values of host memory in F32, BF16 or F16, widened to float (exact): logits and image features a
-// backend keeps in its 16-bit activation dtype, read on the host.
-inline void widen_to_float(const void* data, DType dtype, size_t count, float* out) {
-  if (dtype == DType::F32) {
-    memcpy(out, data, count * sizeof(float));
-    return;
-  }
-  const uint8_t* bytes = static_cast<const uint8_t*>(data);
-  uint16_t bits = 0;
-  if (dtype == DType::BF16) {
-    for (size_t j = 0; j < count; j++) {
-      memcpy(&bits, bytes + 2 * j, 2);
-      out[j] = bf16_to_float(bits);
-    }
-  } else {
-    for (size_t j = 0; j < count; j++) {
-      memcpy(&bits, bytes + 2 * j, 2);
-      out[j] = f16_to_float(bits);
-    }
-  }
-}
-
-enum class RequestKind { generate, score, logits };
-
-// A run of one image's tokens in a request: tokens [first, first + count) take feature rows [feature_row, +count).
-struct ImageSpan {
-  int64_t first = 0, count = 0, feature_row = 0;
-};
-
-// A prompt whose <|image_pad|> placeholders are expanded, with what the model needs for its images.
-struct VisionPrompt {
-  std::vector<int32_t> ids;
-  std::vector<int32_t> mrope;  // [3, ids] (empty without images)
-  int64_t rope_delta = 0;
-  std::vector<ImageSpan> image_spans;
-  ImageFeatures features;
-};
-
-struct EngineRequest {
-  RequestId id = 0;
-  RequestKind kind = RequestKind::generate;
-  std::vector<int32_t> tokens;  // what the model reads: the prompt (or window), then each generated id
-  int64_t computed = 0;         // tokens whose K/V are in the cache (0 again after a preemption)
-  int32_t slot = -1;            // KV pool slot while running
-  bool finished = false;
-
-  // generate
-  SamplingParams params;
-  Rng rng;
-  TokenCallback on_token;
-  std::optional<StreamingDecoder> decoder;
-  std::string text;    // decoded so far (cut at a stop string)
-  size_t emitted = 0;  // bytes of `text` handed to on_token
-  Generation result;
-  // Constrained decoding: the compiled grammar's masks (shared by the requests with the same grammar) and
-  // this request's parse state after its output so far.
-  std::shared_ptr<GrammarMasker> masker;
-  std::optional<GrammarMatcher> matcher;
-  // Speculative decoding: the tokens drafted for the step being run (appended to `tokens` while it runs),
-  // `draft_base` the index in `tokens` of the last token before them; once a draft is rejected the request's
-  // later rows in the step are ignored (their K/V is overwritten later).
-  std::vector<int32_t> drafts;
-  int64_t draft_base = 0;
-  bool draft_rejected = false;
-  // A draft model: tokens whose K/V the draft's cache holds (in this request's pages; 0 again after a preemption,
-  // and for a new request, whose cached prefix holds only the target's for sure), and the drafts this step wants.
-  int64_t draft_computed = 0;
-  int64_t draft_wanted = 0;
-  // Prefix caching: the keys of this request's full pages so far (page_key), and how many of its pages are in the
-  // cache (taken from it at admission, or entered once computed).
-  std::vector<uint64_t> page_keys;
-  int64_t registered_pages = 0;
-
-  // score and logits: rows [want_begin, want_end) of `tokens` have their logits consumed
-  int64_t want_begin = 0, want_end = 0;
-  double* logprobs = nullptr;  // score: logprobs[p + 1] = log p(tokens[p + 1] | tokens[0..p])
-  float* logits = nullptr;     // logits: [tokens, V]
-
-  // A vision model's prompt (qwen3_vl). Tokens past the prompt's positions have index + rope_delta.
-  std::vector<int32_t> mrope;   // [3, prompt tokens]: rows t, h, w (get_rope_index); empty: position = index
-  int64_t rope_delta = 0;
-  std::vector<ImageSpan> image_spans;  // runs of image tokens in `tokens`
-  ImageFeatures features;              // their rows, in token order
-};
-
-}  // namespace detail
-
 struct Engine::Impl {
   ModelConfig config;
   TensorStore store;  // keeps the mmap the weight views point into
@@ -130,14 +40,11 @@ struct Engine::Impl {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<TextModel> model;
   std::unique_ptr<VisionModel> vision;  // qwen3_vl
-  // Speculative decoding with a draft model (EngineOptions::draft_model): its config, the mmap its weights are
-  // views into, its forward pass over the same backend (its K/V for the pool's pages in "draft_kv"), the
-  // distributions it drew each draft from ("draft_probs": [Smax, K, V]) and a row of its logits as floats.
+  // Speculative decoding with a draft model (EngineOptions::draft_model): its config and the mmap its weights are
+  // views into (the speculator, declared after them, holds its forward pass: it is destroyed first).
   ModelConfig draft_config;
   TensorStore draft_store;
-  std::unique_ptr<TextModel> draft_model;
-  float* draft_probs = nullptr;
-  std::vector<float> draft_row;
+  detail::Speculator speculator;  // drafting (n-gram or the draft model) and what verification needs
   std::vector<float> raw_row;  // [V]: a row's logits kept as the model gave them (SamplingParams::logprobs)
   // Constrained decoding: the vocabulary's trie (made at the first constrained request) and one masker per
   // grammar text (a schema is compiled to its grammar first), at most kMaxGrammars; past that the map starts over.
@@ -176,30 +83,9 @@ struct Engine::Impl {
 
   RequestId next_id = 1;
   std::map<RequestId, std::unique_ptr<detail::EngineRequest>> requests;
-  bool prefix_cache = false;
-  std::vector<int32_t> attach_pages;  // [max_pages_per_seq]: a cached prefix's pages, found at admission
-  std::deque<detail::EngineRequest*> waiting;  // FIFO; preempted requests go back to the front
-  std::vector<detail::EngineRequest*> running;  // in start order: the last one is preempted first
+  detail::Scheduler scheduler;  // the queues, and each step's requests (admission, chunked prefill, preemption)
 
-  // Host staging of one step, sized once (Tmax tokens, Smax sequences).
-  struct Scheduled {
-    detail::EngineRequest* request;
-    int64_t tokens;
-  };
-  struct RowOwner {
-    detail::EngineRequest* request;
-    int64_t position;  // index into request->tokens
-  };
-  std::vector<Scheduled> scheduled;           // capacity Smax
-  std::vector<int32_t> token_ids, slots, logit_row_ids;  // [Tmax]
-  std::vector<int32_t> positions;             // [position_rows, Tmax] (packed to [position_rows, T] per step)
-  int64_t position_rows = 1;                  // 3 for M-RoPE (qwen3_vl)
-  std::vector<ImageRun> image_runs;           // of the current step
-  std::vector<int32_t> query_starts;          // [Smax + 1]
-  std::vector<int32_t> context_lens;          // [Smax]
-  std::vector<RowOwner> row_owners;           // [Tmax]
-  std::vector<detail::EngineRequest*> draft_requests;           // capacity Smax: a draft model's step
-  std::vector<std::pair<int64_t, int64_t>> draft_ranges;        // capacity Smax: [from, count) of each
+  detail::StepBatch batch;  // host staging of one step, sized once (Tmax tokens, Smax sequences)
 
   // A GPU engine's host side of the logits (sized at open): a chunk as the GPU stores it and widened to float,
   // the host sampler's scratch (rows with a repetition penalty), and the device sampler's rows.
@@ -211,11 +97,7 @@ struct Engine::Impl {
   std::vector<int64_t> device_rows;                    // their rows in the chunk
   std::vector<int32_t> sampled_ids;                    // [max_logit_rows] what the GPU sampled
 
-  // CUDA decode graphs, one per batch bucket (the keys), and the host staging of a step padded to a bucket.
-  std::map<int64_t, CudaGraph> graphs;
-  struct PaddedStep {
-    std::vector<int32_t> token_ids, slots, positions, query_starts, context_lens, block_tables;
-  } padded;
+  detail::DecodeGraphs graphs;  // CUDA decode graphs, one per batch bucket
 
   KVPagePool& pool() { return arena->kv(); }
   int64_t max_model_len() const { return plan.max_model_len; }
@@ -254,7 +136,7 @@ struct Engine::Impl {
     request->tokens = std::move(tokens);
     detail::EngineRequest& r = *request;
     requests[r.id] = std::move(request);
-    waiting.push_back(&r);
+    scheduler.enqueue(r);
     return r;
   }
 
@@ -515,13 +397,7 @@ struct Engine::Impl {
   // Takes r out of the queues and gives its slot and pages back.
   void retire(detail::EngineRequest& r) {
     r.finished = true;
-    if (r.slot >= 0) {
-      Status freed = pool().seq_free(r.slot);
-      if (!freed) throw freed.error();
-      r.slot = -1;
-    }
-    running.erase(std::remove(running.begin(), running.end(), &r), running.end());
-    waiting.erase(std::remove(waiting.begin(), waiting.end(), &r), waiting.end());
+    scheduler.release(r);
   }
 
   void finish(detail::EngineRequest& r, FinishReason reason) {
@@ -572,9 +448,7 @@ struct Engine::Impl {
 
   // Every unfinished request ends (cancel, or an error mid-step): pages and slots go back to the pool.
   void abort_all() {
-    std::vector<detail::EngineRequest*> live(running.begin(), running.end());
-    live.insert(live.end(), waiting.begin(), waiting.end());
-    for (detail::EngineRequest* r : live) {
+    for (detail::EngineRequest* r : scheduler.unfinished()) {
       if (r->kind == detail::RequestKind::generate) {
         finish(*r, FinishReason::cancelled);
       } else {
@@ -584,334 +458,6 @@ struct Engine::Impl {
   }
 
   // ---- the step ----------------------------------------------------------------------------------------
-
-  // ---- prefix cache --------------------------------------------------------------------------------------------
-  // Page i's key chains page i - 1's with every token of page i: its id and, for a vision prompt, its M-RoPE
-  // position (t, h, w) and, for an image token, the bits of its image features (every level), so that equal keys
-  // mean equal K/V. 64-bit splitmix mixing: a false match is a 2^-64 event per lookup.
-  static uint64_t mix(uint64_t h, uint64_t value) {
-    uint64_t z = h ^ (value + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  uint64_t page_key(detail::EngineRequest& r, int64_t page) {
-    const int64_t page_tokens = pool().page_tokens();
-    const int64_t prompt = int64_t(r.mrope.size()) / 3;  // vision prompts: positions recorded for these
-    while (int64_t(r.page_keys.size()) <= page) {
-      const int64_t i = int64_t(r.page_keys.size());
-      uint64_t h = i == 0 ? 0x6b766c6974650001ull : r.page_keys.back();
-      for (int64_t p = i * page_tokens; p < (i + 1) * page_tokens; p++) {
-        h = mix(h, uint32_t(r.tokens[size_t(p)]));
-        if (r.mrope.empty()) continue;
-        for (int64_t axis = 0; axis < 3; axis++)
-          h = mix(h, uint64_t(p < prompt ? r.mrope[size_t(axis * prompt + p)] : p + r.rope_delta));
-        for (const detail::ImageSpan& span : r.image_spans) {
-          if (p < span.first || p >= span.first + span.count) continue;
-          const int64_t row = span.feature_row + (p - span.first), hidden = r.features.hidden;
-          for (int64_t level = 0; level < r.features.levels; level++) {
-            const float* v = r.features.values.data() + (level * r.features.tokens + row) * hidden;
-            for (int64_t c = 0; c < hidden; c++) {
-              uint32_t bits;
-              memcpy(&bits, &v[c], 4);
-              h = mix(h, bits);
-            }
-          }
-        }
-      }
-      r.page_keys.push_back(h);
-    }
-    return r.page_keys[size_t(page)];
-  }
-
-  // A new generate request's longest cached prefix of whole pages, attached to its slot: those tokens count as
-  // computed. The last token is always computed (its logits are what the request needs).
-  void attach_cached_prefix(detail::EngineRequest& r) {
-    if (!prefix_cache || r.kind != detail::RequestKind::generate) return;
-    const int64_t page_tokens = pool().page_tokens();
-    const int64_t most = std::min<int64_t>((int64_t(r.tokens.size()) - 1) / page_tokens, int64_t(attach_pages.size()));
-    int64_t hits = 0;
-    while (hits < most) {
-      const int32_t page = pool().cache_lookup(page_key(r, hits));
-      if (page < 0) break;
-      attach_pages[size_t(hits++)] = page;
-    }
-    if (hits == 0) return;
-    Status attached = pool().seq_attach(r.slot, attach_pages.data(), hits);
-    if (!attached) throw attached.error();
-    r.computed = hits * page_tokens;
-    r.registered_pages = hits;
-  }
-
-  // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache.
-  void register_pages(detail::EngineRequest& r) {
-    if (!prefix_cache || r.slot < 0) return;
-    const int64_t full = std::min<int64_t>(r.computed, int64_t(r.tokens.size())) / pool().page_tokens();
-    const int32_t* table = pool().block_table(r.slot);
-    for (int64_t i = r.registered_pages; i < full; i++) {
-      Result<bool> entered = pool().cache_insert(table[i], page_key(r, i));
-      if (!entered) throw entered.error();
-    }
-    r.registered_pages = std::max(r.registered_pages, full);
-  }
-
-  void preempt(detail::EngineRequest& r) {
-    Status freed = pool().seq_free(r.slot);
-    if (!freed) throw freed.error();
-    r.slot = -1;
-    r.computed = 0;
-    r.registered_pages = 0;
-    r.draft_computed = 0;
-    running.erase(std::remove(running.begin(), running.end(), &r), running.end());
-    waiting.push_front(&r);
-  }
-
-  // Grows r's KV to `tokens`; false when the pool is out of pages.
-  bool reserve(detail::EngineRequest& r, int64_t tokens) {
-    Status grown = pool().seq_reserve(r.slot, tokens);
-    if (grown) return true;
-    if (grown.error().code != ErrorCode::out_of_memory) throw grown.error();
-    return false;
-  }
-
-  void schedule() {
-    scheduled.clear();
-    int64_t budget = plan.options.max_batched_tokens;
-    bool preempted = false;
-    // Running requests, oldest first: the next token, or the next prefill chunk.
-    for (size_t i = 0; i < running.size() && budget > 0;) {
-      detail::EngineRequest& r = *running[i];
-      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
-      if (int64_t(r.tokens.size()) - r.computed == 1) n += draft(r, budget - 1);
-      bool kept = true;
-      while (!reserve(r, r.computed + n)) {
-        detail::EngineRequest& victim = *running.back();
-        preempt(victim);
-        preempted = true;
-        stats.preemptions++;
-        detail::log(LogLevel::debug, "KV pages ran out: the newest running request is preempted (recomputed later)");
-        if (&victim == &r) {
-          kept = false;
-          break;
-        }
-      }
-      if (!kept) break;  // r was the newest: nothing after it is left to schedule
-      scheduled.push_back({&r, n});
-      budget -= n;
-      i++;
-    }
-    // Waiting requests, in order, while slots and pages last (not in a step that had to preempt).
-    while (!preempted && budget > 0 && !waiting.empty()) {
-      detail::EngineRequest& r = *waiting.front();
-      int32_t slot = pool().seq_create();
-      if (slot < 0) break;
-      r.slot = slot;
-      attach_cached_prefix(r);
-      int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
-      if (!reserve(r, r.computed + n)) {
-        Status freed = pool().seq_free(slot);
-        if (!freed) throw freed.error();
-        r.slot = -1;
-        r.computed = 0;
-        r.registered_pages = 0;
-        break;
-      }
-      stats.prefix_pages_reused += r.registered_pages;
-      stats.prefix_tokens_reused += r.computed;
-      waiting.pop_front();
-      running.push_back(&r);
-      scheduled.push_back({&r, n});
-      budget -= n;
-    }
-  }
-
-  // Speculative decoding (plan.options.speculative_tokens > 0): a decoding request's next step also reads up to
-  // K drafted tokens (n-gram: the continuation of the latest earlier occurrence of its last tokens), whose logits
-  // are verified in order (verify_draft_token), so one forward pass over the weights can yield up to K + 1
-  // tokens. Drafts are appended to r.tokens for the step when the pages for them are there without preempting
-  // anyone; `limit` is the step's token budget left after r's own token. Returns the tokens drafted. With a draft
-  // model the pages are reserved here and the tokens drafted by run_draft_model, before the step is packed.
-  int64_t draft(detail::EngineRequest& r, int64_t limit) {
-    const int64_t k = plan.options.speculative_tokens;
-    if (k <= 0 || r.kind != detail::RequestKind::generate) return 0;
-    // Every accepted draft and the token after them must be allowed: by max_tokens and by the context.
-    const int64_t allowed = std::min({k, limit, r.params.max_tokens - int64_t(r.result.ids.size()) - 1,
-                                      max_model_len() - int64_t(r.tokens.size())});
-    if (allowed <= 0) return 0;
-    if (draft_model) {
-      if (!reserve(r, r.computed + 1 + allowed)) return 0;
-      r.drafts.clear();
-      r.draft_wanted = allowed;
-      r.draft_base = int64_t(r.tokens.size()) - 1;
-      r.draft_rejected = false;
-      return allowed;
-    }
-    r.drafts.resize(size_t(allowed));
-    const int64_t count =
-        propose_ngram_draft(r.tokens.data(), int64_t(r.tokens.size()), plan.options.ngram, allowed, r.drafts.data());
-    r.drafts.resize(size_t(count));
-    if (count == 0 || !reserve(r, r.computed + 1 + count)) {
-      r.drafts.clear();
-      return 0;
-    }
-    r.draft_base = int64_t(r.tokens.size()) - 1;
-    r.draft_rejected = false;
-    r.tokens.insert(r.tokens.end(), r.drafts.begin(), r.drafts.end());
-    stats.draft_tokens += count;
-    return count;
-  }
-
-  // The step packed into the host staging arrays (token_ids, positions [position_rows, tokens], slots,
-  // query_starts, context_lens, logit_row_ids), as the model reads it; the pool's block tables are the batch's.
-  StepInput staged_step(int64_t tokens, int64_t rows_of_positions, int64_t seqs, int64_t max_context,
-                        int64_t logit_rows) {
-    const KVPagePool& kv = pool();
-    StepInput input;
-    input.tokens = tokens;
-    input.token_ids = token_ids.data();
-    input.positions = positions.data();
-    input.position_rows = rows_of_positions;
-    input.slots = slots.data();
-    input.seqs = seqs;
-    input.query_starts = query_starts.data();
-    input.context_lens = context_lens.data();
-    input.max_context = max_context;
-    input.block_tables = Tensor::matrix(const_cast<int32_t*>(kv.block_tables()), DType::I32, kv.max_seqs(),
-                                        kv.max_pages_per_seq());
-    input.logit_rows = logit_rows;
-    input.logit_row_ids = logit_row_ids.data();
-    return input;
-  }
-
-  // The distribution the draft model drew request slot `slot`'s draft i from.
-  float* draft_distribution(int32_t slot, int64_t i) {
-    const int64_t vocab = config.text.vocab_size;
-    return draft_probs + (int64_t(slot) * plan.options.speculative_tokens + i) * vocab;
-  }
-
-  // The draft model's turn, before the step is packed: each request that wants drafts (draft_wanted > 0, pages
-  // reserved by draft()) first has the draft read its tokens the draft's cache lacks (a prompt, or the tokens
-  // accepted last step), in steps of at most max_batched_tokens; the last one's logits give draft 1. Then one
-  // step per further draft, each reading the draft before it. The draft's K/V goes into the same pages as the
-  // target's (its own "draft_kv" region), its positions are the tokens' indices (a text model's), and its tokens
-  // are drawn as the target would sample (sample_draft_token keeps each one's distribution for verification).
-  // The drafts are appended to r.tokens, as n-gram drafts are.
-  void run_draft_model() {
-    std::vector<detail::EngineRequest*>& drafting = draft_requests;
-    drafting.clear();
-    for (const Scheduled& s : scheduled)
-      if (s.request->draft_wanted > 0) drafting.push_back(s.request);
-    if (drafting.empty()) return;
-    std::sort(drafting.begin(), drafting.end(),
-              [](const detail::EngineRequest* a, const detail::EngineRequest* b) { return a->slot < b->slot; });
-    const KVPagePool& kv = pool();
-    const int64_t page_tokens = kv.page_tokens(), vocab = config.text.vocab_size;
-    const int64_t max_tokens = int64_t(token_ids.size());
-    // One draft step over tokens [from, from + count) of each request (count 0: not in this step); the rows of
-    // requests whose last token is in it give their next draft.
-    auto draft_step = [&](const std::vector<std::pair<int64_t, int64_t>>& ranges) {
-      const int64_t seqs = drafting.back()->slot + 1;
-      std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
-      int64_t t = 0, rows = 0, max_context = 0;
-      size_t next = 0;
-      for (int64_t s = 0; s < seqs; s++) {
-        query_starts[size_t(s)] = int32_t(t);
-        if (next == drafting.size() || drafting[next]->slot != s) continue;
-        detail::EngineRequest& r = *drafting[next];
-        const int64_t from = ranges[next].first, count = ranges[next].second;
-        next++;
-        if (count == 0) continue;
-        const int32_t* pages = kv.block_table(r.slot);
-        for (int64_t p = from; p < from + count; p++, t++) {
-          token_ids[size_t(t)] = r.tokens[size_t(p)];
-          positions[size_t(t)] = int32_t(p);
-          slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
-        }
-        if (from + count == int64_t(r.tokens.size())) {
-          logit_row_ids[size_t(rows)] = int32_t(t - 1);
-          row_owners[size_t(rows++)] = {&r, from + count - 1};
-        }
-        context_lens[size_t(s)] = int32_t(from + count);
-        max_context = std::max(max_context, from + count);
-        r.draft_computed = from + count;
-      }
-      query_starts[size_t(seqs)] = int32_t(t);
-      draft_model->forward(staged_step(t, 1, seqs, max_context, rows));
-      stats.draft_steps++;
-      stats.draft_tokens_computed += t;
-      for (int64_t first = 0; first < rows; first += draft_model->max_logit_rows()) {
-        const int64_t count = std::min(draft_model->max_logit_rows(), rows - first);
-        const Tensor logits = draft_model->logits(first, count);
-        for (int64_t i = 0; i < count; i++) {
-          detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
-          float* row = host_logits_row(logits, i, draft_row.data());
-          const int64_t index = int64_t(r.drafts.size());
-          const int32_t id = sample_draft_token(row, vocab, r.params, r.tokens.data(), int64_t(r.tokens.size()), r.rng,
-                                                draft_distribution(r.slot, index), draft_model->sampling_probs(r.slot),
-                                                draft_model->sampling_order(r.slot));
-          r.drafts.push_back(id);
-          r.tokens.push_back(id);
-        }
-      }
-    };
-    std::vector<std::pair<int64_t, int64_t>>& ranges = draft_ranges;
-    // Catching up: every token the draft's cache lacks, the target's newest included (its row gives draft 1).
-    for (;;) {
-      int64_t budget = max_tokens;
-      bool any = false;
-      ranges.assign(drafting.size(), {0, 0});
-      for (size_t i = 0; i < drafting.size() && budget > 0; i++) {
-        detail::EngineRequest& r = *drafting[i];
-        const int64_t missing = r.draft_base + 1 - r.draft_computed;  // up to the target's newest token
-        if (missing <= 0) continue;
-        ranges[i] = {r.draft_computed, std::min(missing, budget)};
-        budget -= ranges[i].second;
-        any = true;
-      }
-      if (!any) break;
-      draft_step(ranges);
-    }
-    // Then one token per step: the latest draft, while a request wants more.
-    for (int64_t drafted = 1;; drafted++) {
-      bool any = false;
-      for (size_t i = 0; i < drafting.size(); i++) {
-        detail::EngineRequest& r = *drafting[i];
-        const bool more = int64_t(r.drafts.size()) < r.draft_wanted;
-        ranges[i] = more ? std::make_pair(int64_t(r.tokens.size()) - 1, int64_t(1)) : std::make_pair(int64_t(0), int64_t(0));
-        any = any || more;
-      }
-      if (!any) break;
-      draft_step(ranges);
-    }
-    for (detail::EngineRequest* r : drafting) {
-      stats.draft_tokens += int64_t(r->drafts.size());
-      r->draft_wanted = 0;
-    }
-  }
-
-  // Row i of a chunk of logits as floats: in place when the backend's logits are host F32, else widened into
-  // `scratch` [V] (16-bit activations).
-  float* host_logits_row(const Tensor& logits, int64_t i, float* scratch) const {
-    const int64_t vocab = config.text.vocab_size;
-    if (logits.dtype == DType::F32) return static_cast<float*>(logits.data) + i * vocab;
-    detail::widen_to_float(static_cast<const uint8_t*>(logits.data) + size_t(i * vocab) * 2, logits.dtype,
-                           size_t(vocab), scratch);
-    return scratch;
-  }
-
-  // After a step's rows are consumed: a drafting request keeps the K/V of its last token and accepted drafts
-  // (the positions past them held rejected drafts; the next steps overwrite them).
-  void settle_drafts() {
-    for (const Scheduled& s : scheduled) {
-      detail::EngineRequest& r = *s.request;
-      if (r.drafts.empty()) continue;
-      if (!r.finished) r.computed = std::min<int64_t>(r.computed, int64_t(r.tokens.size()) - 1);
-      // the draft's cache: its inputs up to the last accepted draft (it never read the last draft it made)
-      if (!r.finished) r.draft_computed = std::min<int64_t>(r.draft_computed, int64_t(r.tokens.size()) - 1);
-      r.drafts.clear();
-      r.draft_rejected = false;
-    }
-  }
 
   // The positions of r whose logits are wanted among [first, first + count).
   std::pair<int64_t, int64_t> wanted_rows(const detail::EngineRequest& r, int64_t first, int64_t count) const {
@@ -923,7 +469,7 @@ struct Engine::Impl {
     return {std::max(begin, first), std::min(end, first + count)};
   }
 
-  void consume_row(const RowOwner& owner, float* row) {
+  void consume_row(const detail::RowOwner& owner, float* row) {
     detail::EngineRequest& r = *owner.request;
     const int64_t vocab = config.text.vocab_size;
     switch (r.kind) {
@@ -945,7 +491,8 @@ struct Engine::Impl {
           // r.tokens holds the accepted drafts before this one: the history the target's token depends on
           // a draft model's sampled draft came from a distribution q; n-gram drafts are certain
           const float* q =
-              draft_model && r.params.temperature != 0.0f ? draft_distribution(r.slot, drafted) : nullptr;
+              speculator.draft_model() && r.params.temperature != 0.0f ? speculator.draft_distribution(r.slot, drafted)
+                                                                     : nullptr;
           const DraftVerdict verdict = verify_draft_token(row, vocab, r.params, r.tokens.data(),
                                                           int64_t(r.tokens.size()), r.drafts[size_t(drafted)], q,
                                                           r.rng, probs, order);
@@ -1035,7 +582,7 @@ struct Engine::Impl {
       detail::fail(ErrorCode::cancelled, "cancelled by Engine::cancel()");
     }
     apply_request_cancels();
-    if (running.empty() && waiting.empty()) return false;
+    if (scheduler.idle()) return false;
     try {
       stepping = true;
       run_step();
@@ -1046,29 +593,30 @@ struct Engine::Impl {
       throw;
     }
     publish_stats();
-    return !running.empty() || !waiting.empty();
+    return !scheduler.idle();
   }
 
   void run_step() {
-    schedule();
+    // Sequence s of the attention batch is pool slot s: the scheduler gives the requests in slot order.
+    const std::vector<detail::ScheduledRequest>& scheduled =
+        scheduler.schedule(stats, [this](detail::EngineRequest& r, int64_t limit) {
+          return speculator.draft(r, limit, scheduler, stats);
+        });
     if (scheduled.empty())
       detail::fail(ErrorCode::internal,
                    detail::format("the scheduler found nothing to run with %zu requests waiting and %zu running",
-                                  waiting.size(), running.size()));
-    if (draft_model) run_draft_model();
-    // Sequence s of the attention batch is pool slot s: pack tokens in slot order.
-    std::sort(scheduled.begin(), scheduled.end(),
-              [](const Scheduled& a, const Scheduled& b) { return a.request->slot < b.request->slot; });
+                                  scheduler.waiting_count(), scheduler.running_count()));
+    if (speculator.draft_model()) speculator.run_draft_model(scheduled, batch, pool(), stats);
     const KVPagePool& kv = pool();
     const int64_t page_tokens = kv.page_tokens();
     const int64_t seqs = scheduled.back().request->slot + 1;
-    std::fill(context_lens.begin(), context_lens.begin() + seqs, 0);
+    std::fill(batch.context_lens.begin(), batch.context_lens.begin() + seqs, 0);
     int64_t t = 0, rows = 0, max_context = 0;
     size_t next = 0;
-    const int64_t max_tokens = int64_t(token_ids.size());
-    image_runs.clear();
+    const int64_t max_tokens = int64_t(batch.token_ids.size());
+    batch.image_runs.clear();
     for (int64_t s = 0; s < seqs; s++) {
-      query_starts[size_t(s)] = int32_t(t);
+      batch.query_starts[size_t(s)] = int32_t(t);
       if (next == scheduled.size() || scheduled[next].request->slot != s) continue;
       detail::EngineRequest& r = *scheduled[next].request;
       const int64_t n = scheduled[next++].tokens;
@@ -1083,41 +631,41 @@ struct Engine::Impl {
         run.count = end - begin;
         run.rows = r.features.values.data() + (span.feature_row + begin - span.first) * r.features.hidden;
         run.level_stride = r.features.tokens * r.features.hidden;
-        image_runs.push_back(run);
+        batch.image_runs.push_back(run);
       }
       for (int64_t p = r.computed; p < r.computed + n; p++, t++) {
-        token_ids[size_t(t)] = r.tokens[size_t(p)];
+        batch.token_ids[size_t(t)] = r.tokens[size_t(p)];
         // a prompt token's (t, h, w) from get_rope_index; any other token index + rope_delta on every row
-        for (int64_t row = 0; row < position_rows; row++)
-          positions[size_t(row * max_tokens + t)] =
+        for (int64_t row = 0; row < batch.position_rows; row++)
+          batch.positions[size_t(row * max_tokens + t)] =
               p < prompt_positions ? r.mrope[size_t(row * prompt_positions + p)] : int32_t(p + r.rope_delta);
-        slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
+        batch.slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
         if (p >= want.first && p < want.second) {
-          logit_row_ids[size_t(rows)] = int32_t(t);
-          row_owners[size_t(rows++)] = {&r, p};
+          batch.logit_row_ids[size_t(rows)] = int32_t(t);
+          batch.row_owners[size_t(rows++)] = {&r, p};
         }
       }
-      context_lens[size_t(s)] = int32_t(r.computed + n);
+      batch.context_lens[size_t(s)] = int32_t(r.computed + n);
       max_context = std::max(max_context, r.computed + n);
     }
-    query_starts[size_t(seqs)] = int32_t(t);
+    batch.query_starts[size_t(seqs)] = int32_t(t);
     // Rows of positions packed to [position_rows, t], as rope_tables reads them (each moves to a lower index).
-    for (int64_t row = 1; row < position_rows; row++)
-      memmove(positions.data() + row * t, positions.data() + row * max_tokens, size_t(t) * sizeof(int32_t));
+    for (int64_t row = 1; row < batch.position_rows; row++)
+      memmove(batch.positions.data() + row * t, batch.positions.data() + row * max_tokens, size_t(t) * sizeof(int32_t));
 
-    StepInput input = staged_step(t, position_rows, seqs, max_context, rows);
-    input.image_runs = int64_t(image_runs.size());
-    input.image_run_list = image_runs.data();
-    if (run_decode_graph(input)) {
+    StepInput input = batch.input(pool(), t, batch.position_rows, seqs, max_context, rows);
+    input.image_runs = int64_t(batch.image_runs.size());
+    input.image_run_list = batch.image_runs.data();
+    if (graphs.run(input, int64_t(scheduled.size()))) {
       stats.graph_steps++;
     } else {
       model->forward(input);
     }
-    for (const Scheduled& s : scheduled) {
+    for (const detail::ScheduledRequest& s : scheduled) {
       s.request->computed += s.tokens;
       // the drafts leave r.tokens: rows verify them in order and accepted ones come back through accept_token
       if (!s.request->drafts.empty()) s.request->tokens.resize(size_t(s.request->draft_base + 1));
-      register_pages(*s.request);  // (before its rows are consumed: a request that ends there frees its slot)
+      scheduler.register_pages(*s.request);  // (before its rows are consumed: a request that ends there frees its slot)
     }
     stats.steps++;
     stats.tokens_computed += t;
@@ -1131,15 +679,15 @@ struct Engine::Impl {
         consume_device_rows(logits, first, count);
       } else if (logits.dtype == DType::F32) {
         for (int64_t i = 0; i < count; i++)
-          consume_row(row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
+          consume_row(batch.row_owners[size_t(first + i)], static_cast<float*>(logits.data) + i * vocab);
       } else {  // BF16 / F16 activations on the CPU: widened on the host, as the GPU's host rows are
         detail::widen_to_float(logits.data, logits.dtype, size_t(count * vocab), logits_host.data());
-        for (int64_t i = 0; i < count; i++) consume_row(row_owners[size_t(first + i)], logits_host.data() + i * vocab);
+        for (int64_t i = 0; i < count; i++) consume_row(batch.row_owners[size_t(first + i)], logits_host.data() + i * vocab);
       }
     }
-    settle_drafts();
+    speculator.settle(scheduled);
     // Prefill-only requests end once every token is in.
-    for (const Scheduled& s : scheduled) {
+    for (const detail::ScheduledRequest& s : scheduled) {
       detail::EngineRequest& r = *s.request;
       if (r.kind != detail::RequestKind::generate && !r.finished && r.computed == int64_t(r.tokens.size()))
         retire(r);
@@ -1155,7 +703,7 @@ struct Engine::Impl {
     device_rows.clear();
     bool host_rows = false;
     for (int64_t i = 0; i < count; i++) {
-      detail::EngineRequest& r = *row_owners[size_t(first + i)].request;
+      detail::EngineRequest& r = *batch.row_owners[size_t(first + i)].request;
       // (a drafting request's rows are verified in order against its history: on the host)
       if (r.kind != detail::RequestKind::generate || r.params.repetition_penalty != 1.0f || !r.drafts.empty() ||
           r.params.logprobs || r.matcher) {
@@ -1188,107 +736,11 @@ struct Engine::Impl {
     size_t next_sampled = 0;
     for (int64_t i = 0; i < count; i++) {
       if (next_sampled < device_rows.size() && device_rows[next_sampled] == i) {
-        accept_token(*row_owners[size_t(first + i)].request, sampled_ids[next_sampled++]);
+        accept_token(*batch.row_owners[size_t(first + i)].request, sampled_ids[next_sampled++]);
       } else {
-        consume_row(row_owners[size_t(first + i)], logits_host.data() + i * vocab);
+        consume_row(batch.row_owners[size_t(first + i)], logits_host.data() + i * vocab);
       }
     }
-  }
-
-  // ---- CUDA graphs -------------------------------------------------------------------------------------------
-  // A decode step of S sequences (one token each, in pool slots 0 .. S-1) replays the graph of the smallest
-  // bucket B >= S: the step is padded to B rows; rows past its tokens belong to the attention batch's spare
-  // sequence B (whose block table points at page 0 and whose context is its own rows: it reads, never writes,
-  // KV: its slots are -1), so the captured launches (B rows, B + 1 sequences) fit every step of the bucket.
-
-  // The padded form of `step` (n_real tokens of `step`, or none) for bucket B, staged.
-  void stage_padded(const StepInput* step, int64_t bucket, int64_t max_context) {
-    const int64_t real = step ? step->tokens : 0, seqs = step ? step->seqs : 0;
-    const int64_t pages = pool().max_pages_per_seq();
-    PaddedStep& p = padded;
-    std::fill(p.token_ids.begin(), p.token_ids.end(), 0);
-    std::fill(p.slots.begin(), p.slots.end(), -1);
-    std::fill(p.positions.begin(), p.positions.end(), 0);
-    std::fill(p.context_lens.begin(), p.context_lens.end(), 0);
-    if (step) {
-      std::copy(step->token_ids, step->token_ids + real, p.token_ids.begin());
-      std::copy(step->slots, step->slots + real, p.slots.begin());
-      for (int64_t row = 0; row < position_rows; row++)
-        std::copy(step->positions + row * real, step->positions + (row + 1) * real, p.positions.begin() + row * bucket);
-      std::copy(step->query_starts, step->query_starts + seqs + 1, p.query_starts.begin());
-      std::copy(step->context_lens, step->context_lens + seqs, p.context_lens.begin());
-      std::copy(pool().block_tables(), pool().block_tables() + seqs * pages, p.block_tables.begin());
-    }
-    for (int64_t s = seqs + (step ? 1 : 0); s <= bucket; s++) p.query_starts[size_t(s)] = int32_t(real);
-    p.query_starts[size_t(bucket + 1)] = int32_t(bucket);
-    p.context_lens[size_t(bucket)] = int32_t(bucket - real);  // the spare sequence: the padding rows
-    std::fill(p.block_tables.begin() + bucket * pages, p.block_tables.begin() + (bucket + 1) * pages, 0);
-    StepInput input;
-    input.tokens = bucket;
-    input.token_ids = p.token_ids.data();
-    input.positions = p.positions.data();
-    input.position_rows = position_rows;
-    input.slots = p.slots.data();
-    input.seqs = bucket + 1;
-    input.query_starts = p.query_starts.data();
-    input.context_lens = p.context_lens.data();
-    input.max_context = max_context;
-    input.block_tables = Tensor::matrix(p.block_tables.data(), DType::I32, bucket + 1, pages);
-    input.logit_rows = step ? step->logit_rows : 0;
-    input.logit_row_ids = step ? step->logit_row_ids : nullptr;
-    model->stage(input);
-  }
-
-  // The longest context a graph's attention was captured for: every step's context is at most max_model_len.
-  int64_t graph_max_context() const { return std::max<int64_t>(max_model_len(), plan.options.max_seqs); }
-
-  // At open: one graph per bucket the step buffers hold, after an eager run of each padded step (which loads the
-  // kernels and lets cuBLAS pick its algorithms, so capturing allocates nothing), and the device memory the
-  // graphs took, measured.
-  void capture_decode_graphs() {
-    std::vector<int64_t> buckets;
-    for (int64_t bucket : decode_graph_buckets(plan.options.max_seqs))
-      if (bucket <= plan.options.max_batched_tokens) buckets.push_back(bucket);
-    if (buckets.empty()) return;
-    const int64_t largest = buckets.back(), pages = pool().max_pages_per_seq();
-    padded.token_ids.assign(size_t(largest), 0);
-    padded.slots.assign(size_t(largest), -1);
-    padded.positions.assign(size_t(position_rows * largest), 0);
-    padded.query_starts.assign(size_t(largest + 2), 0);
-    padded.context_lens.assign(size_t(largest + 1), 0);
-    padded.block_tables.assign(size_t((largest + 1) * pages), 0);
-    StepInput shape;  // only tokens and image_runs matter to compute()
-    for (int64_t bucket : buckets) {
-      shape.tokens = bucket;
-      stage_padded(nullptr, bucket, graph_max_context());
-      model->compute(shape);
-    }
-    check(backend->synchronize());
-    // Measured once everything the eager runs load (kernels, cuBLAS's state) is loaded: the graphs' own memory.
-    Result<std::pair<uint64_t, uint64_t>> before = cuda::memory_info();
-    if (!before) throw before.error();
-    for (int64_t bucket : buckets) {
-      shape.tokens = bucket;
-      stage_padded(nullptr, bucket, graph_max_context());
-      Result<CudaGraph> graph = cuda::capture_graph(*backend, [&] { model->compute(shape); });
-      if (!graph) throw graph.error();
-      graphs.emplace(bucket, std::move(*graph));
-      info.graph_buckets.push_back(bucket);
-    }
-    Result<std::pair<uint64_t, uint64_t>> after = cuda::memory_info();
-    if (!after) throw after.error();
-    info.graph_memory_bytes = before->first > after->first ? before->first - after->first : 0;
-  }
-
-  // Runs `step` from a graph when it is a decode step a bucket holds; false otherwise (the caller runs it eagerly).
-  bool run_decode_graph(const StepInput& step) {
-    if (graphs.empty() || step.image_runs > 0 || step.tokens != int64_t(scheduled.size())) return false;
-    if (backend->op_timing()) return false;  // timed: op by op (a replay would time as no op at all)
-    auto bucket = graphs.lower_bound(step.seqs);
-    if (bucket == graphs.end()) return false;
-    stage_padded(&step, bucket->first, graph_max_context());
-    check(cuda::launch_graph(*backend, bucket->second));
-    return true;
   }
 
   // Steps until done() holds (the caller's requests finished).
@@ -1330,295 +782,6 @@ std::vector<int64_t> generation_eos_ids(const std::string& model_dir) {
     add(*eos);
   }
   return ids;
-}
-
-// ---- weights on a GPU -------------------------------------------------------------------------------------
-// Fills a CUDA arena's weights region from the mmap, in the order the model binds them: every tensor at a
-// 256-byte boundary, copied in chunks of at most the plan's upload_chunk_bytes straight from the mapped file
-// (pageable memory: no pinned buffer). Dense Linears (weight and bias) must be in the activation dtype for
-// cuBLAS: when the checkpoint's dtype differs, each chunk is staged raw in the KV region (free until the first
-// step) and the backend's copy converts it into place. Embedding tables and norm weights stay as stored (the
-// ops read any float dtype); quantized Linears go through cuda::upload_quant_weight into the GPU's layout. The
-// planner counts exactly this (weights_item with cuda_weight_slack, and repack_item).
-class WeightUploader {
- public:
-  WeightUploader(Backend& backend, const Arena& arena, uint64_t chunk_bytes)
-      : backend_(backend), act_(backend.activation_dtype()), chunk_bytes_(std::max<uint64_t>(chunk_bytes, 256)) {
-    const ArenaRegion* weights = arena.region("weights");
-    const ArenaRegion* repack = arena.region("repack");
-    const ArenaRegion* kv = arena.region("kv");
-    if (!weights || !repack || !kv) fail(ErrorCode::internal, "the arena has no weights, repack or kv region");
-    // The quantized Linears' GPU layout takes more than their bytes on disk: the plan's repack region, right
-    // after the weights', holds the difference, so the two are filled as one span.
-    if (repack->offset != align_up(weights->offset + weights->bytes, kPlanAlignment))
-      fail(ErrorCode::internal, "the arena's repack region does not follow its weights region");
-    next_ = arena.base() + weights->offset;
-    begin_ = next_;
-    end_ = arena.base() + repack->offset + repack->bytes;
-    staging_ = arena.base() + kv->offset;
-    staging_bytes_ = std::min(kv->bytes, chunk_bytes_);
-  }
-
-  // The share of the weights + repack span filled so far, in [0, 1]: load progress.
-  double filled() const { return end_ > begin_ ? double(next_ - begin_) / double(end_ - begin_) : 1.0; }
-
-  // A dense device copy of `host` (a view into the mmap) in `dtype`.
-  Tensor tensor(const Tensor& host, DType dtype, const std::string& what) {
-    if (host.data == nullptr) return host;  // an absent optional tensor (no bias)
-    uint8_t* dst = take(dtype_bytes(dtype, uint64_t(host.elements())), what);
-    fill(host, dtype, dst, what);
-    return Tensor{dst, dtype, host.rows, host.cols, host.cols};
-  }
-
-  // One dense device tensor of `dtype` holding the rows of `hosts` (each [rows_i, cols], or all absent) one after
-  // another: a fused Linear's weight or bias.
-  Tensor stacked(const std::vector<Tensor>& hosts, DType dtype, const std::string& what) {
-    if (hosts.empty() || hosts[0].data == nullptr) return Tensor{};
-    int64_t rows = 0;
-    for (const Tensor& host : hosts) rows += host.rows;
-    uint8_t* dst = take(dtype_bytes(dtype, uint64_t(rows * hosts[0].cols)), what);
-    uint8_t* next = dst;
-    for (const Tensor& host : hosts) {
-      fill(host, dtype, next, what);
-      next += dtype_bytes(dtype, uint64_t(host.elements()));
-    }
-    return Tensor{dst, dtype, rows, hosts[0].cols, hosts[0].cols};
-  }
-
-  // `host` (a view into the mmap) converted to `dtype` into device memory at dst.
-  void fill(const Tensor& host, DType dtype, uint8_t* dst, const std::string& what) {
-    if (!host.contiguous())
-      fail(ErrorCode::internal, format("uploading %s: the host view is not contiguous", what.c_str()));
-    const uint64_t n = uint64_t(host.elements());
-    const uint64_t source_bytes = uint64_t(host.element_bytes()), target_bytes = dtype_bytes(dtype, 1);
-    const uint8_t* src = static_cast<const uint8_t*>(host.data);
-    if (dtype == host.dtype) {
-      for (uint64_t offset = 0; offset < n * source_bytes; offset += chunk_bytes_) {
-        const uint64_t bytes = std::min(chunk_bytes_, n * source_bytes - offset);
-        check(backend_.copy_from_host(src + offset, Tensor::matrix(dst + offset, DType::U8, 1, int64_t(bytes))));
-      }
-    } else {
-      // Converting rows of kRowWidth elements (the copy kernel runs a block per row) and one shorter tail.
-      constexpr uint64_t kRowWidth = 4096;
-      const uint64_t stage_elements = std::max<uint64_t>(staging_bytes_ / source_bytes, 1);
-      for (uint64_t offset = 0; offset < n;) {
-        uint64_t count = std::min(stage_elements, n - offset);
-        uint64_t rows = 1, cols = count;
-        if (count >= kRowWidth) {
-          rows = count / kRowWidth;
-          cols = kRowWidth;
-          count = rows * cols;
-        }
-        const Tensor staged = Tensor::matrix(staging_, host.dtype, int64_t(rows), int64_t(cols));
-        check(backend_.copy_from_host(src + offset * source_bytes, staged));
-        check(backend_.copy(staged, Tensor::matrix(dst + offset * target_bytes, dtype, int64_t(rows), int64_t(cols))));
-        offset += count;
-      }
-    }
-  }
-
-  LinearWeights linear(const LinearWeights& host, const std::string& what) {
-    LinearWeights device;
-    if (host.quant && host.quant->format == WeightFormat::int8) {
-      // No int8 GEMM on the GPU yet: int8 Linears are dequantized once here, on the host, to the activation dtype
-      // (exact: each weight is the reference's, rounded to its scale dtype, then to the activations') and run by
-      // the dense GEMMs. W8A8's int8 activations are not emulated there: the GPU runs such Linears as W8A16.
-      const QuantWeight& q = *host.quant;
-      std::vector<float> dense(size_t(q.out_features * q.in_features));
-      check(dequantize_rows(q, 0, q.out_features, dense.data()));
-      device.weight = tensor(Tensor::matrix(dense.data(), DType::F32, q.out_features, q.in_features), act_, what + ".weight");
-      if (q.bias) {
-        std::vector<float> bias(size_t(q.out_features));
-        for (int64_t i = 0; i < q.out_features; i++) bias[size_t(i)] = scale_at(q.bias, q.bias_dtype, i);
-        device.bias = tensor(Tensor::vector(bias.data(), DType::F32, q.out_features), act_, what + ".bias");
-      }
-      return device;
-    }
-    if (host.quant) {
-      // The GPU layout of int4 / fp8 weights is cuda::upload_quant_weight's (issue 6): its error, if any, is
-      // the answer (unsupported until those kernels exist).
-      const uint64_t bytes = cuda::quant_device_bytes(*host.quant);
-      uint8_t* dst = take(bytes, what);
-      Result<QuantWeight> uploaded = cuda::upload_quant_weight(backend_, *host.quant, dst, bytes);
-      if (!uploaded)
-        fail(uploaded.error().code, format("%s on the GPU: %s", what.c_str(), uploaded.error().message.c_str()));
-      device.quant = std::make_shared<const QuantWeight>(std::move(*uploaded));
-      return device;
-    }
-    device.weight = tensor(host.weight, act_, what + ".weight");
-    device.bias = tensor(host.bias, act_, what + ".bias");
-    return device;
-  }
-
-  // A LinearGroup (q|k|v, gate|up) as one device Linear when its parts fuse (linear_group_fuses), else part by part.
-  LinearGroup linear_group(const LinearGroup& host, const std::vector<std::string>& whats) {
-    std::string joined;
-    for (const std::string& what : whats) joined += (joined.empty() ? "" : "+") + what;
-    LinearGroup device;
-    if (!linear_group_fuses(host)) {
-      for (size_t i = 0; i < host.parts.size(); i++)
-        device.parts.push_back(linear(host.parts[i], i < whats.size() ? whats[i] : joined));
-      return device;
-    }
-    LinearWeights fused;
-    if (host.parts[0].quant) {
-      std::vector<const QuantWeight*> parts;
-      for (const LinearWeights& part : host.parts) parts.push_back(part.quant.get());
-      const uint64_t bytes = cuda::quant_device_bytes(parts);
-      uint8_t* dst = take(bytes, joined);
-      Result<QuantWeight> uploaded = cuda::upload_quant_weight(backend_, parts, dst, bytes);
-      if (!uploaded)
-        fail(uploaded.error().code, format("%s on the GPU: %s", joined.c_str(), uploaded.error().message.c_str()));
-      fused.quant = std::make_shared<const QuantWeight>(std::move(*uploaded));
-    } else {
-      std::vector<Tensor> weights, biases;
-      for (const LinearWeights& part : host.parts) {
-        weights.push_back(part.weight);
-        biases.push_back(part.bias);
-      }
-      fused.weight = stacked(weights, act_, joined + ".weight");
-      fused.bias = stacked(biases, act_, joined + ".bias");
-    }
-    device.parts.push_back(std::move(fused));
-    return device;
-  }
-
-  uint64_t remaining() const { return uint64_t(end_ - next_); }
-  DType activation_dtype() const { return act_; }
-
- private:
-  static void check(const Status& status) {
-    if (!status) throw status.error();
-  }
-  uint8_t* take(uint64_t bytes, const std::string& what) {
-    uint8_t* start = next_;
-    const uint64_t misalignment = uint64_t(reinterpret_cast<uintptr_t>(start) % kPlanAlignment);
-    if (misalignment != 0) start += kPlanAlignment - misalignment;
-    if (start > end_ || bytes > uint64_t(end_ - start))
-      fail(ErrorCode::internal,
-           format("uploading %s (%s): the plan's weights region has only %s left; the planner and the uploader "
-                  "disagree", what.c_str(), format_bytes(bytes).c_str(),
-                  format_bytes(start > end_ ? 0 : uint64_t(end_ - start)).c_str()));
-    next_ = start + bytes;
-    return start;
-  }
-
-  Backend& backend_;
-  DType act_;
-  uint64_t chunk_bytes_;
-  uint8_t* begin_ = nullptr;
-  uint8_t* next_ = nullptr;
-  uint8_t* end_ = nullptr;
-  uint8_t* staging_ = nullptr;
-  uint64_t staging_bytes_ = 0;
-};
-
-// The vision tower's weights (Qwen3-VL) into the same span, after the text model's: Linears (the patch embedding's
-// Conv3d kernel among them) in the activation dtype, the position table and LayerNorms as stored.
-VisionWeights upload_vision_weights(const VisionWeights& host, WeightUploader& upload) {
-  auto norm = [&](const LayerNormWeights& h, const std::string& what) {
-    return LayerNormWeights{upload.tensor(h.weight, h.weight.dtype, what + ".weight"),
-                            upload.tensor(h.bias, h.bias.dtype, what + ".bias")};
-  };
-  auto merger = [&](const PatchMergerWeights& h, const std::string& what) {
-    PatchMergerWeights d;
-    d.norm = norm(h.norm, what + ".norm");
-    d.fc1 = upload.linear(h.fc1, what + ".linear_fc1");
-    d.fc2 = upload.linear(h.fc2, what + ".linear_fc2");
-    d.norm_after_shuffle = h.norm_after_shuffle;
-    return d;
-  };
-  VisionWeights device;
-  device.patch_embed = upload.linear(host.patch_embed, "visual.patch_embed");
-  device.pos_embed = upload.tensor(host.pos_embed, host.pos_embed.dtype, "visual.pos_embed");
-  device.blocks.resize(host.blocks.size());
-  for (size_t b = 0; b < host.blocks.size(); b++) {
-    const VisionBlockWeights& h = host.blocks[b];
-    VisionBlockWeights& d = device.blocks[b];
-    const std::string block = format("visual.blocks.%zu.", b);
-    d.norm1 = norm(h.norm1, block + "norm1");
-    d.norm2 = norm(h.norm2, block + "norm2");
-    d.qkv = upload.linear(h.qkv, block + "attn.qkv");
-    d.proj = upload.linear(h.proj, block + "attn.proj");
-    d.fc1 = upload.linear(h.fc1, block + "mlp.linear_fc1");
-    d.fc2 = upload.linear(h.fc2, block + "mlp.linear_fc2");
-  }
-  device.merger = merger(host.merger, "visual.merger");
-  for (size_t i = 0; i < host.deepstack.size(); i++)
-    device.deepstack.push_back(merger(host.deepstack[i], format("visual.deepstack_merger_list.%zu", i)));
-  return device;
-}
-
-TextModelWeights upload_text_weights(const TextModelWeights& host, WeightUploader& upload,
-                                     const std::function<void(uint64_t)>& progress, uint64_t host_bytes) {
-  // Progress in the checkpoint's bytes: the span's share filled, of the bytes on disk (after each layer).
-  auto report = [&] { progress(uint64_t(std::min(1.0, upload.filled()) * double(host_bytes))); };
-  const DType act = upload.activation_dtype();
-  TextModelWeights device;
-  device.embed_tokens = upload.tensor(host.embed_tokens, host.embed_tokens.dtype, "embed_tokens");
-  device.layers.resize(host.layers.size());
-  for (size_t l = 0; l < host.layers.size(); l++) {
-    const DecoderLayerWeights& h = host.layers[l];
-    DecoderLayerWeights& d = device.layers[l];
-    const std::string layer = format("layers.%zu.", l);
-    d.input_layernorm = upload.tensor(h.input_layernorm, h.input_layernorm.dtype, layer + "input_layernorm");
-    d.qkv_proj = upload.linear_group(
-        h.qkv_proj, {layer + "self_attn.q_proj", layer + "self_attn.k_proj", layer + "self_attn.v_proj"});
-    d.q_norm = upload.tensor(h.q_norm, h.q_norm.dtype, layer + "self_attn.q_norm");
-    d.k_norm = upload.tensor(h.k_norm, h.k_norm.dtype, layer + "self_attn.k_norm");
-    d.o_proj = upload.linear(h.o_proj, layer + "self_attn.o_proj");
-    d.attention_output_norm =
-        upload.tensor(h.attention_output_norm, h.attention_output_norm.dtype, layer + "attention_output_norm");
-    d.post_attention_layernorm =
-        upload.tensor(h.post_attention_layernorm, h.post_attention_layernorm.dtype, layer + "post_attention_layernorm");
-    d.mlp_output_norm = upload.tensor(h.mlp_output_norm, h.mlp_output_norm.dtype, layer + "mlp_output_norm");
-    d.gate_up_proj = upload.linear_group(h.gate_up_proj, {layer + "mlp.gate_proj", layer + "mlp.up_proj"});
-    d.down_proj = upload.linear(h.down_proj, layer + "mlp.down_proj");
-    report();
-  }
-  device.norm = upload.tensor(host.norm, host.norm.dtype, "norm");
-  const bool tied = !host.lm_head.quant && host.lm_head.weight.data == host.embed_tokens.data;
-  if (tied && device.embed_tokens.dtype == act) {
-    device.lm_head.weight = device.embed_tokens;  // one table serves both, as on the host
-  } else if (tied) {
-    device.lm_head.weight = upload.tensor(host.embed_tokens, act, "lm_head (tied, converted)");
-  } else {
-    device.lm_head = upload.linear(host.lm_head, "lm_head");
-  }
-  return device;
-}
-
-// The bytes of a quantized Linear as the checkpoint stores them (what the CPU reads from the mmap).
-uint64_t checkpoint_bytes(const QuantWeight& w) {
-  const uint64_t n = uint64_t(w.out_features), k = uint64_t(w.in_features);
-  uint64_t bytes = w.format == WeightFormat::int4 ? n * uint64_t(w.packed_cols) * 4 : n * k;
-  bytes += dtype_bytes(w.scale_dtype, uint64_t(w.scale_rows * w.scale_cols));
-  if (w.zero_points)  // int4: packed 8 a word along N; int8: one byte each
-    bytes += w.format == WeightFormat::int8 ? n * uint64_t(w.scale_cols) : ((n + 7) / 8) * uint64_t(w.scale_cols) * 4;
-  if (w.g_idx) bytes += k * 4;
-  if (w.bias) bytes += dtype_bytes(w.bias_dtype, n);
-  return bytes;
-}
-
-// Bytes one decode step reads of `weights`: every Linear and norm, and the lm_head (EngineInfo). Quantized
-// Linears in the GPU's layout when on_device, as stored otherwise.
-uint64_t decode_weight_bytes(const TextModelWeights& weights, bool on_device) {
-  auto bytes = [](const Tensor& t) { return t.data ? dtype_bytes(t.dtype, uint64_t(t.elements())) : 0; };
-  auto linear = [&](const LinearWeights& l) {
-    if (!l.quant) return bytes(l.weight) + bytes(l.bias);
-    return on_device ? cuda::quant_device_bytes(*l.quant) : checkpoint_bytes(*l.quant);
-  };
-  auto group = [&](const LinearGroup& g) {
-    uint64_t sum = 0;
-    for (const LinearWeights& part : g.parts) sum += linear(part);
-    return sum;
-  };
-  uint64_t total = bytes(weights.norm) + linear(weights.lm_head);
-  for (const DecoderLayerWeights& w : weights.layers)
-    total += bytes(w.input_layernorm) + bytes(w.post_attention_layernorm) + bytes(w.q_norm) + bytes(w.k_norm) +
-             bytes(w.attention_output_norm) + bytes(w.mlp_output_norm) + group(w.qkv_proj) + linear(w.o_proj) +
-             group(w.gate_up_proj) + linear(w.down_proj);
-  return total;
 }
 
 DType kv_element_dtype(KVDType kv_dtype) {
@@ -1844,17 +1007,19 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.info.activation_dtype = e.backend->activation_dtype();
     e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights, gpu);
     e.model = std::make_unique<TextModel>(e.config, std::move(text_weights), *e.backend, *e.arena, e.plan, kv_dtype);
+    e.speculator.open(e.plan.options.speculative_tokens, e.plan.options.ngram, e.plan.max_model_len,
+                      e.config.text.vocab_size, size_t(e.plan.options.max_seqs));
     if (!options.draft_model.empty()) {
       // (the plan refused a draft model on CUDA: its weights are the mmap's views, as the CPU target's)
       Result<TextModelWeights> draft_weights = bind_text_weights(e.draft_config, e.draft_store);
       if (!draft_weights)
         fail(draft_weights.error().code,
              format("draft model %s: %s", options.draft_model.c_str(), draft_weights.error().message.c_str()));
-      e.draft_model = std::make_unique<TextModel>(e.draft_config, std::move(*draft_weights), *e.backend, *e.arena,
-                                                  e.plan, kv_dtype, TextModelRegions::draft());
-      e.draft_probs = reinterpret_cast<float*>(e.arena->region_data("draft_probs"));
-      if (!e.draft_probs) fail(ErrorCode::internal, "the plan for a draft model has no draft_probs region");
-      e.draft_row.assign(size_t(e.config.text.vocab_size), 0.0f);
+      auto draft_model = std::make_unique<TextModel>(e.draft_config, std::move(*draft_weights), *e.backend,
+                                                     *e.arena, e.plan, kv_dtype, TextModelRegions::draft());
+      float* draft_probs = reinterpret_cast<float*>(e.arena->region_data("draft_probs"));
+      if (!draft_probs) fail(ErrorCode::internal, "the plan for a draft model has no draft_probs region");
+      e.speculator.set_draft_model(std::move(draft_model), draft_probs);
     }
     if (vision_weights) {
       e.vision = std::make_unique<VisionModel>(e.config, std::move(*vision_weights), *e.backend, *e.arena, e.plan);
@@ -1868,7 +1033,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     if (!tokenizer) throw tokenizer.error();
     e.tokenizer = std::move(*tokenizer);
     const Tokenizer& tok = *e.tokenizer;
-    if (e.draft_model) {
+    if (e.speculator.draft_model()) {
       // A draft's ids must mean what the target's mean: the same vocabulary, token for token.
       Result<Tokenizer> draft_tokenizer = Tokenizer::load(options.draft_model);
       if (!draft_tokenizer)
@@ -1902,19 +1067,11 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.stop_ids.assign(stops.begin(), stops.end());
 
     const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
-    e.scheduled.reserve(max_seqs);
-    for (auto* v : {&e.token_ids, &e.slots, &e.logit_row_ids}) v->assign(max_tokens, 0);
-    e.position_rows = e.config.arch == Arch::qwen3_vl ? 3 : 1;
-    e.positions.assign(size_t(e.position_rows) * max_tokens, 0);
-    e.query_starts.assign(max_seqs + 1, 0);
-    e.context_lens.assign(max_seqs, 0);
-    e.row_owners.assign(max_tokens, {nullptr, 0});
-    e.draft_requests.reserve(max_seqs);
+    e.batch.open(max_tokens, max_seqs, e.config.arch == Arch::qwen3_vl ? 3 : 1);  // M-RoPE: 3 rows of positions
     e.raw_row.assign(size_t(e.config.text.vocab_size), 0.0f);
-    e.draft_ranges.reserve(max_seqs);
-    e.prefix_cache = e.plan.prefix_caching.value_or(!gpu);  // plan_engine resolved it
-    e.info.prefix_caching = e.prefix_cache;
-    e.attach_pages.assign(size_t(e.arena->kv().max_pages_per_seq()), -1);
+    e.scheduler.open(e.arena->kv(), e.plan.options.max_batched_tokens, e.plan.options.max_seqs,
+                     e.plan.prefix_caching.value_or(!gpu));  // plan_engine resolved prefix caching
+    e.info.prefix_caching = e.scheduler.prefix_caching();
     if (!gpu && e.backend->activation_dtype() != DType::F32)  // 16-bit logits on the CPU, widened for the sampler
       e.logits_host.assign(size_t(e.model->max_logit_rows() * e.config.text.vocab_size), 0.0f);
     if (gpu) {
@@ -1927,7 +1084,9 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       e.device_params.reserve(rows);
       e.device_rows.reserve(rows);
       e.sampled_ids.assign(rows, 0);
-      if (options.cuda_graphs) e.capture_decode_graphs();
+      if (options.cuda_graphs)
+        e.graphs.capture(*e.model, *e.backend, e.pool(), e.batch.position_rows, e.plan.options.max_seqs,
+                         e.plan.options.max_batched_tokens, e.max_model_len(), e.info);
     }
     if (detail::log_enabled(LogLevel::info))
       detail::log(LogLevel::info,
@@ -2004,7 +1163,7 @@ Result<bool> Engine::step() {
 Status Engine::run() {
   return detail::guard([&] {
     Impl::CallLock lock(*impl_, "run");
-    impl_->run_until([&] { return impl_->running.empty() && impl_->waiting.empty(); });
+    impl_->run_until([&] { return impl_->scheduler.idle(); });
   });
 }
 
@@ -2243,10 +1402,10 @@ Result<CopyBandwidth> Engine::measure_copy_bandwidth(uint64_t bytes, int repeats
   return detail::guard([&] {
     Impl::CallLock lock(*impl_, "measure_copy_bandwidth");
     Impl& e = *impl_;
-    if (!e.running.empty() || !e.waiting.empty())
+    if (!e.scheduler.idle())
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("measure_copy_bandwidth: wait until the %zu requests in flight finish (on a GPU "
-                                  "it copies over the KV pages)", e.running.size() + e.waiting.size()));
+                                  "it copies over the KV pages)", e.scheduler.running_count() + e.scheduler.waiting_count()));
     if (repeats < 1)
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("measure_copy_bandwidth: repeats %d must be >= 1", repeats));
