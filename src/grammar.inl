@@ -874,9 +874,24 @@ struct Compiler {
         else if (q == '{') {
           const size_t close = pattern.find('}', pos);
           if (close == std::string::npos) refuse(ErrorCode::bad_format, where, "pattern: '}' missing");
-          op = pattern.substr(pos, close - pos + 1);
-          for (char d : op.substr(1, op.size() - 2))
-            if (!(d >= '0' && d <= '9') && d != ',') refuse(ErrorCode::bad_format, where, "pattern: bad {m,n}");
+          // {m}, {m,} or {m,n} with m <= n, each within the repeat bound (GBNF's own rules, checked here so that
+          // the compiled grammar always parses)
+          const std::string inside = pattern.substr(pos + 1, close - pos - 1);
+          const size_t comma = inside.find(',');
+          const std::string low = inside.substr(0, comma), high = comma == std::string::npos ? low : inside.substr(comma + 1);
+          auto number = [&](const std::string& digits) -> int64_t {
+            if (digits.empty() || digits.size() > 6 || digits.find_first_not_of("0123456789") != std::string::npos)
+              refuse(ErrorCode::bad_format, where, "pattern: bad {m,n} '{" + inside + "}'");
+            const int64_t value = std::stoll(digits);
+            if (value > limits::max_grammar_repeat)
+              refuse(ErrorCode::unsupported, where, format("pattern: {%s} past %lld (KVLITE_MAX_GRAMMAR_REPEAT)",
+                                                           inside.c_str(), (long long)limits::max_grammar_repeat));
+            return value;
+          };
+          const int64_t m = number(low);
+          if (!(comma != std::string::npos && high.empty()) && number(high) < m)
+            refuse(ErrorCode::bad_format, where, "pattern: {m,n} with n < m in '{" + inside + "}'");
+          op = "{" + inside + "}";
           pos = close + 1;
         }
         if (!op.empty() && pos < pattern.size() && (pattern[pos] == '?' || pattern[pos] == '+')) pos++;  // lazy / possessive
