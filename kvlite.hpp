@@ -3010,6 +3010,8 @@ class GrammarMasker {
   const TokenMask& mask_for_budget(const GrammarState& state, int64_t budget, TokenMask& scratch);
   static constexpr int64_t kHeavyMargin = 32;
   static constexpr size_t kMaxHeavy = 4096;  // past it a state's heavy tokens are not listed (walk instead)
+  static constexpr size_t kMaxAfterEntries = 32;
+  static constexpr uint16_t kAfterUnknown = 65535;
   int64_t masks_computed() const { return computed_; }
   int64_t masks_reused() const { return reused_; }
   const Grammar& grammar() const { return *grammar_; }
@@ -3024,12 +3026,18 @@ class GrammarMasker {
     int64_t shortest = 0;                                // the state's own min_completion
     std::vector<std::pair<int64_t, int32_t>> heavy;      // (bytes left after, id) past shortest + kHeavyMargin
     bool heavy_listed = true;                            // false: more than kMaxHeavy of them
+    // Once a budget closer than the margin has been asked for here: the bytes each token leaves to complete
+    // (kAfterUnknown: that many or more), so that later budgets in this state (a string's characters near
+    // max_tokens) filter the mask instead of walking the trie. At most kMaxAfterEntries entries hold one (two bytes
+    // a token).
+    std::vector<uint16_t> after;
     TokenMask mask;
   };
   std::unordered_map<std::string, Entry> cache_;  // state key -> its mask
   int64_t clock_ = 0, computed_ = 0, reused_ = 0;
   // The trie walk: the tokens readable from `state` (and leaving at most `budget` to complete, when >= 0).
-  int64_t compute(const GrammarState& state, int64_t budget, TokenMask& mask, Entry* entry = nullptr);
+  int64_t compute(const GrammarState& state, int64_t budget, TokenMask& mask, Entry* entry = nullptr,
+                  std::vector<uint16_t>* after_out = nullptr);
   Entry& entry(const GrammarState& state);
 };
 
@@ -20418,7 +20426,8 @@ GrammarVocabulary::GrammarVocabulary(const std::vector<std::string>& token_bytes
 GrammarMasker::GrammarMasker(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary)
     : grammar_(std::move(grammar)), vocabulary_(std::move(vocabulary)) {}
 
-int64_t GrammarMasker::compute(const GrammarState& state, int64_t budget, TokenMask& mask, Entry* entry) {
+int64_t GrammarMasker::compute(const GrammarState& state, int64_t budget, TokenMask& mask, Entry* entry,
+                               std::vector<uint16_t>* after_out) {
   const GrammarVocabulary& v = *vocabulary_;
   int64_t most_after = 0;
   const int64_t heavy_above = entry ? entry->shortest + kHeavyMargin : Grammar::kNever;
@@ -20438,6 +20447,10 @@ int64_t GrammarMasker::compute(const GrammarState& state, int64_t budget, TokenM
     if (node.tokens_begin < node.tokens_end) {
       const int64_t after = GrammarMatcher::min_completion(*grammar_, states[depth]);
       most_after = std::max(most_after, after);
+      if (after_out) {
+        const uint16_t kept = uint16_t(std::min<int64_t>(after, kAfterUnknown));
+        for (int32_t t = node.tokens_begin; t < node.tokens_end; t++) (*after_out)[size_t(v.token_ids[size_t(t)])] = kept;
+      }
       if (after > heavy_above && entry->heavy_listed) {
         for (int32_t t = node.tokens_begin; t < node.tokens_end; t++) entry->heavy.push_back({after, v.token_ids[size_t(t)]});
         if (entry->heavy.size() > kMaxHeavy) {
@@ -20471,7 +20484,32 @@ const TokenMask& GrammarMasker::mask_for_budget(const GrammarState& state, int64
       if (h.first > budget) scratch[size_t(h.second) / 64] &= ~(uint64_t(1) << (h.second % 64));
     return scratch;
   }
-  mask_within(state, budget, scratch);
+  if (e.after.empty()) {
+    size_t holding = 0;
+    for (const auto& other : cache_) holding += !other.second.after.empty();
+    if (holding >= kMaxAfterEntries || budget >= kAfterUnknown) {  // memory's bound, or past what 16 bits hold
+      mask_within(state, budget, scratch);
+      return scratch;
+    }
+    computed_++;
+    e.after.assign(size_t(vocabulary_->size()), kAfterUnknown);
+    TokenMask unused;
+    const std::vector<std::pair<int64_t, int32_t>> heavy = std::move(e.heavy);
+    compute(state, -1, unused, &e, &e.after);
+    e.heavy = heavy;  // (the walk listed them again)
+  }
+  if (budget >= kAfterUnknown) {
+    mask_within(state, budget, scratch);
+    return scratch;
+  }
+  // the tokens of the mask that leave at most `budget` bytes to complete
+  scratch = e.mask;
+  for (size_t word = 0; word < scratch.size(); word++) {
+    const uint64_t bits = scratch[word];
+    if (!bits) continue;
+    for (int bit = 0; bit < 64; bit++)
+      if ((bits >> bit) & 1u && int64_t(e.after[word * 64 + size_t(bit)]) > budget) scratch[word] &= ~(uint64_t(1) << bit);
+  }
   return scratch;
 }
 

@@ -175,6 +175,8 @@ class GrammarMasker {
   const TokenMask& mask_for_budget(const GrammarState& state, int64_t budget, TokenMask& scratch);
   static constexpr int64_t kHeavyMargin = 32;
   static constexpr size_t kMaxHeavy = 4096;  // past it a state's heavy tokens are not listed (walk instead)
+  static constexpr size_t kMaxAfterEntries = 32;
+  static constexpr uint16_t kAfterUnknown = 65535;
   int64_t masks_computed() const { return computed_; }
   int64_t masks_reused() const { return reused_; }
   const Grammar& grammar() const { return *grammar_; }
@@ -189,12 +191,18 @@ class GrammarMasker {
     int64_t shortest = 0;                                // the state's own min_completion
     std::vector<std::pair<int64_t, int32_t>> heavy;      // (bytes left after, id) past shortest + kHeavyMargin
     bool heavy_listed = true;                            // false: more than kMaxHeavy of them
+    // Once a budget closer than the margin has been asked for here: the bytes each token leaves to complete
+    // (kAfterUnknown: that many or more), so that later budgets in this state (a string's characters near
+    // max_tokens) filter the mask instead of walking the trie. At most kMaxAfterEntries entries hold one (two bytes
+    // a token).
+    std::vector<uint16_t> after;
     TokenMask mask;
   };
   std::unordered_map<std::string, Entry> cache_;  // state key -> its mask
   int64_t clock_ = 0, computed_ = 0, reused_ = 0;
   // The trie walk: the tokens readable from `state` (and leaving at most `budget` to complete, when >= 0).
-  int64_t compute(const GrammarState& state, int64_t budget, TokenMask& mask, Entry* entry = nullptr);
+  int64_t compute(const GrammarState& state, int64_t budget, TokenMask& mask, Entry* entry = nullptr,
+                  std::vector<uint16_t>* after_out = nullptr);
   Entry& entry(const GrammarState& state);
 };
 

@@ -1432,7 +1432,8 @@ GrammarVocabulary::GrammarVocabulary(const std::vector<std::string>& token_bytes
 GrammarMasker::GrammarMasker(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary)
     : grammar_(std::move(grammar)), vocabulary_(std::move(vocabulary)) {}
 
-int64_t GrammarMasker::compute(const GrammarState& state, int64_t budget, TokenMask& mask, Entry* entry) {
+int64_t GrammarMasker::compute(const GrammarState& state, int64_t budget, TokenMask& mask, Entry* entry,
+                               std::vector<uint16_t>* after_out) {
   const GrammarVocabulary& v = *vocabulary_;
   int64_t most_after = 0;
   const int64_t heavy_above = entry ? entry->shortest + kHeavyMargin : Grammar::kNever;
@@ -1452,6 +1453,10 @@ int64_t GrammarMasker::compute(const GrammarState& state, int64_t budget, TokenM
     if (node.tokens_begin < node.tokens_end) {
       const int64_t after = GrammarMatcher::min_completion(*grammar_, states[depth]);
       most_after = std::max(most_after, after);
+      if (after_out) {
+        const uint16_t kept = uint16_t(std::min<int64_t>(after, kAfterUnknown));
+        for (int32_t t = node.tokens_begin; t < node.tokens_end; t++) (*after_out)[size_t(v.token_ids[size_t(t)])] = kept;
+      }
       if (after > heavy_above && entry->heavy_listed) {
         for (int32_t t = node.tokens_begin; t < node.tokens_end; t++) entry->heavy.push_back({after, v.token_ids[size_t(t)]});
         if (entry->heavy.size() > kMaxHeavy) {
@@ -1485,7 +1490,32 @@ const TokenMask& GrammarMasker::mask_for_budget(const GrammarState& state, int64
       if (h.first > budget) scratch[size_t(h.second) / 64] &= ~(uint64_t(1) << (h.second % 64));
     return scratch;
   }
-  mask_within(state, budget, scratch);
+  if (e.after.empty()) {
+    size_t holding = 0;
+    for (const auto& other : cache_) holding += !other.second.after.empty();
+    if (holding >= kMaxAfterEntries || budget >= kAfterUnknown) {  // memory's bound, or past what 16 bits hold
+      mask_within(state, budget, scratch);
+      return scratch;
+    }
+    computed_++;
+    e.after.assign(size_t(vocabulary_->size()), kAfterUnknown);
+    TokenMask unused;
+    const std::vector<std::pair<int64_t, int32_t>> heavy = std::move(e.heavy);
+    compute(state, -1, unused, &e, &e.after);
+    e.heavy = heavy;  // (the walk listed them again)
+  }
+  if (budget >= kAfterUnknown) {
+    mask_within(state, budget, scratch);
+    return scratch;
+  }
+  // the tokens of the mask that leave at most `budget` bytes to complete
+  scratch = e.mask;
+  for (size_t word = 0; word < scratch.size(); word++) {
+    const uint64_t bits = scratch[word];
+    if (!bits) continue;
+    for (int bit = 0; bit < 64; bit++)
+      if ((bits >> bit) & 1u && int64_t(e.after[word * 64 + size_t(bit)]) > budget) scratch[word] &= ~(uint64_t(1) << bit);
+  }
   return scratch;
 }
 
