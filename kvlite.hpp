@@ -24107,7 +24107,7 @@ struct Engine::Impl {
   detail::Speculator speculator;  // drafting (n-gram or the draft model) and what verification needs
   std::vector<float> raw_row;  // [V]: a row's logits kept as the model gave them (SamplingParams::logprobs)
   // Constrained decoding: the vocabulary's trie (made at the first constrained request) and one masker per
-  // grammar text (a schema is compiled to its grammar first), at most kMaxGrammars; past that the map starts over.
+  // grammar or schema text, at most kMaxGrammars; past that the map starts over.
   std::shared_ptr<const GrammarVocabulary> grammar_vocabulary;
   std::unordered_map<std::string, std::shared_ptr<GrammarMasker>> maskers;
   static constexpr size_t kMaxGrammars = 64;
@@ -24337,17 +24337,19 @@ struct Engine::Impl {
     r.features = std::move(prompt.features);
   }
 
-  // The masker for a request's grammar or schema (nullptr: unconstrained); compiled once per text.
+  // The masker for a request's grammar or schema (nullptr: unconstrained); compiled once per text: a request that
+  // repeats a schema finds its masker (and the masks it remembers) by the schema's own text, before any compiling.
   std::shared_ptr<GrammarMasker> constraint_for(const SamplingParams& params) {
     if (params.grammar.empty() && params.json_schema.empty()) return nullptr;
+    std::string key = params.grammar.empty() ? "schema\n" + params.json_schema : "gbnf\n" + params.grammar;
+    auto found = maskers.find(key);
+    if (found != maskers.end()) return found->second;
     std::string gbnf = params.grammar;
     if (gbnf.empty()) {
       Result<std::string> compiled = Grammar::json_schema_to_gbnf(params.json_schema);
       if (!compiled) throw compiled.error();
       gbnf = std::move(*compiled);
     }
-    auto found = maskers.find(gbnf);
-    if (found != maskers.end()) return found->second;
     Result<std::shared_ptr<const Grammar>> grammar = Grammar::parse(gbnf);
     if (!grammar) throw grammar.error();
     if (!grammar_vocabulary) {
@@ -24362,7 +24364,7 @@ struct Engine::Impl {
     }
     if (maskers.size() >= kMaxGrammars) maskers.clear();  // requests keep their own (shared) maskers alive
     auto masker = std::make_shared<GrammarMasker>(std::move(*grammar), grammar_vocabulary);
-    maskers.emplace(std::move(gbnf), masker);
+    maskers.emplace(std::move(key), masker);
     return masker;
   }
 
