@@ -2386,9 +2386,19 @@ struct Plan {
   uint64_t weights_bytes = 0;
   std::string weights_source;   // "headers" or "config"
   uint64_t upload_chunk_bytes = 0;  // CUDA: weights are uploaded in chunks of at most this (kCudaUploadChunkBytes)
-  uint64_t kv_bytes_per_token = 0;
+  uint64_t kv_bytes_per_token = 0;  // of the pages in "kv": every layer's, or the full-attention layers' (kv_window)
   uint64_t kv_page_tokens = 0;
-  uint64_t kv_page_bytes = 0;   // kv_page_tokens x kv_bytes_per_token (all layers)
+  uint64_t kv_page_bytes = 0;   // kv_page_tokens x kv_bytes_per_token
+  // Sliding windows in memory (models with sliding and full-attention layers: gemma2, gemma3, qwen2 with
+  // max_window_layers): the sliding layers' KV lives in pages of its own, region "kv_window", from which a
+  // sequence holds only the pages its window still reads: a page goes back to the pool once every key in it is
+  // out of every later query's window. kv_window_pages is what max_seqs sequences can hold at once in a step of
+  // max_batched_tokens (kv_window_pages_for), so that pool never runs out before the "kv" one. 0 without (no
+  // sliding layers, all layers sliding, or a draft model, which shares the "kv" pages' ids).
+  uint64_t kv_window = 0;  // W, the sliding layers' window
+  uint64_t kv_window_bytes_per_token = 0;
+  uint64_t kv_window_page_bytes = 0;
+  uint64_t kv_window_pages = 0;
   // With a draft model: the draft's KV for the same tokens, kept beside each page in the arena's "draft_kv"
   // region (kv_pages x draft_kv_page_bytes); KV arena figures and everything that fits count both. 0 without.
   uint64_t draft_kv_bytes_per_token = 0;
@@ -2478,12 +2488,30 @@ struct BufferSpec {
 // device memory) the step's block tables get a buffer "block_tables" (S + 1, P), and the attention batch room for
 // one more sequence: the spare sequence that holds a CUDA graph's padding rows. The CPU (0) reads the KV pool's
 // tables in place.
+// With kv_window (the plan's kv_window > 0) the sliding layers' slots and, on a GPU, block tables get buffers of
+// their own: "window_slot_mapping" (T) and "window_block_tables" (S + 1, P).
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
-                                           DType activation_dtype, int64_t block_table_pages);
+                                           DType activation_dtype, int64_t block_table_pages, bool kv_window = false);
 // The plan's buffers for a backend's default activation dtype: the CPU's (F32, no block-table buffer), or
 // CUDA's BF16 with block tables for sequences of up to max_position_embeddings tokens in pages of 16.
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
                                            BackendKind backend);
+// How a model's KV splits into page groups. Both kinds of layer present (and `windows_in_memory`: no draft model):
+// the full-attention layers' KV in the "kv" pages, the sliding layers' (window W) in "kv_window" pages; else every
+// layer in "kv" (window_layers 0). Layer l's K/V sit in its group's pages at index group_layer(l).
+struct KVGroups {
+  int64_t full_layers = 0, window_layers = 0, window = 0;
+  std::vector<int64_t> group_layer;  // [num_layers]: the layer's index among its group's layers
+  bool in_window(const BlockTraits& block, int64_t layer) const { return window_layers > 0 && block.window_of(layer) > 0; }
+};
+KVGroups kv_groups(const TextConfig& text, bool windows_in_memory);
+// The "kv_window" pages max_seqs sequences can hold at once: each keeps the pages its window reads (the last
+// W - 1 keys before its next query, at most ceil((W - 1) / page) + 1 pages) plus the pages of this step's tokens,
+// which are at most max_batched_tokens across the batch: max_seqs x (ceil(W / page) + 2) + ceil(T / page), and never
+// more than max_seqs sequences of max_model_len take.
+uint64_t kv_window_pages_for(int64_t window, int64_t page_tokens, int64_t max_seqs, int64_t max_batched_tokens,
+                             int64_t max_model_len);
+
 // Pages of the block-table buffer a CUDA plan reserves per sequence: enough for the model's longest sequence
 // (max_position_embeddings), so the plan's fixed items do not depend on max_model_len.
 int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens);
@@ -2600,8 +2628,15 @@ class KVPagePool {
   Result<bool> cache_insert(int32_t page, uint64_t key);
   int32_t cache_lookup(uint64_t key) const;  // the page, or -1
   // Gives an empty live sequence the pages of a cached prefix (each retained): it then holds count x
-  // page_tokens tokens. invalid_argument for a sequence that holds tokens or a page that is not cached.
+  // page_tokens tokens. Leading entries may be -1 (a sliding window's pages before it: never read again), the
+  // rest must be cached pages. invalid_argument for a sequence that holds tokens or a page that is not cached.
   Status seq_attach(int32_t seq, const int32_t* pages, int64_t count);
+
+  // Sliding windows: gives back sequence seq's pages whose every token is before `token` (the page's entry becomes
+  // -1; a cached page stays in the cache, evictable). Its length and later pages do not change, nor does an earlier
+  // call's: the first page it holds only moves forward. invalid_argument for a slot that is not live.
+  Status seq_release_before(int32_t seq, int64_t token);
+  int64_t seq_first_page(int32_t seq) const;  // the first page seq still holds (0 unless released); 0 when not live
 
   // Sequences. seq_create returns a slot id or -1 when all max_seqs slots are live.
   int32_t seq_create();
@@ -2632,6 +2667,7 @@ class KVPagePool {
   detail::ArenaVector<int32_t> tables_;      // [max_seqs * max_pages_per_seq], -1 where unused
   detail::ArenaVector<int64_t> seq_tokens_;  // [max_seqs], -1 when the slot is free
   detail::ArenaVector<int64_t> seq_pages_;   // [max_seqs]
+  detail::ArenaVector<int64_t> seq_first_;   // [max_seqs] first page held (seq_release_before)
   detail::ArenaVector<int32_t> free_slots_;  // [max_seqs]; entries [0, free_slot_count_) are free slots
   int64_t free_slot_count_ = 0;
   int64_t tokens_stored_ = 0;
@@ -2692,6 +2728,12 @@ class Arena {
   KVPagePool& kv() { return kv_; }
   const KVPagePool& kv() const { return kv_; }
   const KVPageLayout& kv_layout() const { return kv_layout_; }
+  // The sliding layers' pages (Plan::kv_window): nullptr when every layer's KV is in kv(). Its sequences are kv()'s
+  // (the same slots, created and freed together); a sequence holds only the pages its window still reads.
+  KVPagePool* kv_window() { return window_ > 0 ? &kv_window_ : nullptr; }
+  const KVPagePool* kv_window() const { return window_ > 0 ? &kv_window_ : nullptr; }
+  const KVPageLayout& kv_window_layout() const { return kv_window_layout_; }
+  int64_t window() const { return window_; }  // W, or 0
   int kv_element_bytes() const { return kv_element_bytes_; }  // 1 (fp8), 2 (bf16, f16) or 4 (f32)
   // System (host or device) allocations made for arena and page-pool memory after an Arena finished
   // create(), process-wide and monotonic. kvlite's promise is that this stays 0; tests assert it.
@@ -2707,6 +2749,9 @@ class Arena {
   KVPagePool kv_;
   KVPageLayout kv_layout_;
   int kv_element_bytes_ = 0;
+  KVPagePool kv_window_;
+  KVPageLayout kv_window_layout_;
+  int64_t window_ = 0;
 };
 
 }  // namespace kvlite
@@ -3536,6 +3581,9 @@ struct StepInput {
   const int32_t* context_lens = nullptr;  // [S] tokens cached for each sequence, this step's included
   int64_t max_context = 0;                // max over context_lens
   Tensor block_tables;                    // I32 [>= S, max_pages_per_seq]: the pool's tables (host memory)
+  // Sliding windows in memory (Arena::kv_window): the sliding layers' slots and block tables in their own pages.
+  const int32_t* window_slots = nullptr;  // [T]
+  Tensor window_block_tables;             // I32 [>= S, max_pages_per_seq] (host memory)
   int64_t logit_rows = 0;                 // R, rows of this step whose logits will be asked for
   const int32_t* logit_row_ids = nullptr;  // [R] token indices in [0, T)
   int64_t image_runs = 0;                  // qwen3_vl: runs of image tokens in this step
@@ -3549,7 +3597,10 @@ struct TextModelRegions {
   std::string activations = "activations";
   std::string logits = "logits";
   std::string kv = "kv";
-  static TextModelRegions draft() { return {"draft_activations", "draft_logits", "draft_kv"}; }
+  // The sliding layers' own pages (Plan::kv_window), used when the arena has them; a draft model keeps every
+  // layer in its "draft_kv" pages (the plan never frees windows beside a draft model).
+  std::string kv_window = "kv_window";
+  static TextModelRegions draft() { return {"draft_activations", "draft_logits", "draft_kv", ""}; }
 };
 
 // The forward pass over a Backend, with its buffers carved from the arena. Not thread-safe (one step at a
@@ -3591,7 +3642,9 @@ class TextModel {
   SamplingBuffers sampling_buffers() const { return {sampling_probs_, sampling_params_, sampled_ids_}; }
 
  private:
-  KVCacheView kv_cache() const;
+  // The pages of layer l's K/V (the sliding layers' own when they have them) and its index among their layers.
+  KVCacheView kv_cache(bool window = false) const;
+  Tensor stage_block_tables(const Tensor& host, int64_t seqs, const Tensor& device);
   // count x cols float host rows as the activations store them: the rows themselves (F32), or rounded to
   // 16 bits in image_rows_16bit_ (valid until the next call).
   const void* host_activation_rows(const float* rows, int64_t count, int64_t cols);
@@ -3602,7 +3655,13 @@ class TextModel {
   Arena& arena_;
   DType kv_dtype_;
   TextModelRegions regions_;
-  KVPageLayout kv_layout_;  // this model's KV shape over the arena pool's pages
+  KVPageLayout kv_layout_;  // this model's KV shape over the arena pool's pages (the full-attention layers' with kv_window_)
+  // Sliding windows in memory: which layers' K/V live in the window pages (Arena::kv_window), their shape there, and
+  // each group's fp8 scales in its own layer order.
+  KVGroups kv_groups_;
+  bool kv_window_ = false;
+  KVPageLayout window_layout_;
+  std::vector<float> group_k_scales_[2], group_v_scales_[2];
   int64_t max_tokens_ = 0;      // Tmax = max_batched_tokens: rows of every activation buffer
   int64_t max_seqs_ = 0;        // Smax: rows of the per-sequence buffers
   int64_t max_logit_rows_ = 0;  // rows one logits() call computes: min(logits buffer rows, Tmax)
@@ -3637,6 +3696,8 @@ class TextModel {
   Tensor query_starts_;   // "query_starts" [Smax + 1] int32 (+ 1 for a GPU's spare sequence)
   Tensor context_lens_;   // "context_lens" [Smax] int32 (+ 1 likewise)
   Tensor block_tables_;   // "block_tables" [Smax + 1, max_pages_per_seq] int32 (GPU); empty on the CPU
+  Tensor window_slot_mapping_;  // "window_slot_mapping" [Tmax] int32 (kv_window_)
+  Tensor window_block_tables_;  // "window_block_tables" [Smax + 1, max_pages_per_seq] int32 (GPU, kv_window_)
   Tensor logit_rows_;     // "logit_rows"   [Tmax] int32
   Tensor deepstack_rows_;  // "deepstack_rows" [Tmax, H] act, fp32-sized (vision models): a step's DeepStack rows
   Tensor logits_;         // "logits"       [max(Smax, 32), V] act (rows sized for fp32)
@@ -3645,6 +3706,7 @@ class TextModel {
   Tensor sampling_params_;  // "sampling_params" [Smax, 6] int32
   Tensor sampled_ids_;      // "sampled_ids" [Smax] int32
   AttentionBatch batch_;  // of the last stage()
+  AttentionBatch window_batch_;  // the same with the window pages' block tables (kv_window_)
 };
 
 }  // namespace kvlite
@@ -17116,6 +17178,10 @@ struct Inputs {
   const PlanInputs* draft;   // a draft model's inputs, or nullptr
 };
 
+// Sliding layers' pages are returned as they leave the window unless a draft model shares the "kv" pages' ids
+// (speculative decoding): its layers keep every token's K/V, so those pages stay as they are.
+bool windows_in_memory(const Inputs& in) { return in.draft == nullptr; }
+
 // CUDA: what the device copy of the weights weighs beyond their bytes on disk (negative when converting
 // shrinks them), and why.
 struct WeightConversion {
@@ -17324,14 +17390,16 @@ PlanItem context_item(const Inputs& in) {
 PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
   const bool gpu = in.device.backend == BackendKind::cuda;
   const int64_t pages = gpu ? block_table_pages(in.config, o.kv_page_tokens) : 0;
-  auto buffers = activation_buffers(in.config, o.max_batched_tokens, o.max_seqs, *o.activation_dtype, pages);
+  const bool window = kv_groups(in.config.text, windows_in_memory(in)).window_layers > 0;
+  auto buffers = activation_buffers(in.config, o.max_batched_tokens, o.max_seqs, *o.activation_dtype, pages, window);
   const char* dtype = activation_dtype_text(*o.activation_dtype);
   return {"activations", "activations", buffers_bytes(buffers),
           format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual, normed, qkv, attn_out, "
                  "gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,R/2) fp32 per RoPE kind (R: rotary dims); int32 index "
-                 "arrays%s",
+                 "arrays%s%s",
                  (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits,
-                 gpu ? format("; block tables (S+1,%lld) int32", (long long)pages).c_str() : ""),
+                 gpu ? format("; block tables (S+1,%lld) int32", (long long)pages).c_str() : "",
+                 window ? (gpu ? " (and the sliding layers' own)" : "; the sliding layers' own slots") : ""),
           true};
 }
 
@@ -17437,9 +17505,15 @@ std::vector<PlanItem> draft_items(const Inputs& in, const PlanOptions& o) {
 // The arena's bytes per KV page: the target's page and, with a draft model, the draft's beside it.
 uint64_t kv_page_bytes_all(const Plan& plan) { return plan.kv_page_bytes + plan.draft_kv_page_bytes; }
 
-// KV bytes one sequence of `tokens` tokens takes, in whole pages.
+// The "kv_window" region's bytes (0 without sliding windows in memory): fixed by max_seqs, the window and
+// max_batched_tokens, whatever the context.
+uint64_t kv_window_bytes(const Plan& plan) { return plan.kv_window_pages * plan.kv_window_page_bytes; }
+
+// KV bytes one sequence of `tokens` tokens takes, in whole pages (and, with sliding windows in memory, the window
+// pages' region, which every plan of these options has).
 uint64_t kv_bytes_for(const Plan& plan, int64_t tokens) {
-  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * kv_page_bytes_all(plan);
+  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * kv_page_bytes_all(plan) +
+         (plan.kv_window_pages > 0 ? kv_window_bytes(plan) + kPlanAlignment : 0);
 }
 
 // The plan for fully resolved options: items, budget, KV arena and the verdict (no what-if analysis).
@@ -17472,9 +17546,20 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.weights_bytes = in.weights.total_bytes;
   plan.weights_source = in.weights.exact ? "headers" : "config";
   plan.upload_chunk_bytes = in.device.backend == BackendKind::cuda ? kCudaUploadChunkBytes : 0;
-  plan.kv_bytes_per_token = in.config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
+  // Every layer has the same KV heads and head_dim: a token's KV splits evenly over the layers (and the groups).
+  const KVGroups groups = kv_groups(in.config.text, windows_in_memory(in));
+  const uint64_t layers = uint64_t(std::max<int64_t>(in.config.text.num_layers, 1));
+  const uint64_t layer_token_bytes = in.config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype)) / layers;
+  plan.kv_bytes_per_token = layer_token_bytes * (groups.window_layers > 0 ? uint64_t(groups.full_layers) : layers);
   plan.kv_page_tokens = uint64_t(o.kv_page_tokens);
   plan.kv_page_bytes = plan.kv_page_tokens * plan.kv_bytes_per_token;
+  if (groups.window_layers > 0) {
+    plan.kv_window = uint64_t(groups.window);
+    plan.kv_window_bytes_per_token = layer_token_bytes * uint64_t(groups.window_layers);
+    plan.kv_window_page_bytes = plan.kv_page_tokens * plan.kv_window_bytes_per_token;
+    plan.kv_window_pages = kv_window_pages_for(groups.window, o.kv_page_tokens, o.max_seqs, o.max_batched_tokens,
+                                               o.max_model_len);
+  }
   if (in.draft) {
     plan.draft_model_name = model_name_of(in.draft->config);
     plan.draft_kv_bytes_per_token = in.draft->config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
@@ -17483,8 +17568,10 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.budget_bytes = budget_for(o.utilization, in.device.total_bytes);
   for (const auto& item : plan.items) plan.fixed_bytes += item.bytes;
   plan.kv_available_bytes = int64_t(plan.budget_bytes) - int64_t(plan.fixed_bytes);
-  // (with a draft model its pages' region starts on a region boundary: up to kPlanAlignment - 1 bytes more)
-  const int64_t page_room = plan.kv_available_bytes - (in.draft ? int64_t(kPlanAlignment) : 0);
+  // (with a draft model its pages' region starts on a region boundary: up to kPlanAlignment - 1 bytes more; so do
+  // the sliding windows' pages, which come out of the room first: their count does not depend on the budget)
+  const int64_t page_room = plan.kv_available_bytes - (in.draft ? int64_t(kPlanAlignment) : 0) -
+                            (plan.kv_window_pages > 0 ? int64_t(kv_window_bytes(plan) + kPlanAlignment) : 0);
   plan.kv_pages = page_room > 0 ? uint64_t(page_room) / kv_page_bytes_all(plan) : 0;
   // An embedded library shares its memory (the CPU's with everything on the machine, a desktop GPU's with the
   // display and other apps, a Jetson's with the OS): take only the pages max_seqs sequences of max_model_len
@@ -17492,9 +17579,12 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.kv_pages_usable = uint64_t(o.max_seqs) * ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
   if (!o.kv_fill) plan.kv_pages = std::min(plan.kv_pages, plan.kv_pages_usable);
   // (the "draft_kv" region follows "kv" on a region boundary: arena_layout)
+  // (and "kv_window" follows "kv" the same way)
   plan.kv_arena_bytes = in.draft ? align_up(plan.kv_pages * plan.kv_page_bytes, kPlanAlignment) +
                                        plan.kv_pages * plan.draft_kv_page_bytes
-                                 : plan.kv_pages * plan.kv_page_bytes;
+                        : plan.kv_window_pages > 0
+                            ? align_up(plan.kv_pages * plan.kv_page_bytes, kPlanAlignment) + kv_window_bytes(plan)
+                            : plan.kv_pages * plan.kv_page_bytes;
   const uint64_t used = plan.fixed_bytes + plan.kv_arena_bytes;  // arena + what the device spends outside it
   plan.free_bytes = plan.budget_bytes > used ? plan.budget_bytes - used : 0;
   plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
@@ -17647,8 +17737,33 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
              : activation_buffers(config, tokens, max_seqs, DType::F32, 0);
 }
 
+KVGroups kv_groups(const TextConfig& text, bool windows_in_memory) {
+  KVGroups groups;
+  const BlockTraits& block = text.block;
+  int64_t sliding = 0;
+  for (int64_t l = 0; l < text.num_layers; l++) sliding += block.window_of(l) > 0;
+  // Only a mix gets two groups: with every layer sliding the "kv" pages would hold none of the full layers, and
+  // that case (mistral / phi3 with sliding_window on every layer) keeps its KV for the whole context for now.
+  const bool split = windows_in_memory && sliding > 0 && sliding < text.num_layers;
+  groups.group_layer.assign(size_t(std::max<int64_t>(text.num_layers, 0)), 0);
+  for (int64_t l = 0; l < text.num_layers; l++) {
+    const bool window = split && block.window_of(l) > 0;
+    groups.group_layer[size_t(l)] = window ? groups.window_layers++ : groups.full_layers++;
+  }
+  if (groups.window_layers > 0) groups.window = block.sliding_window;
+  return groups;
+}
+
+uint64_t kv_window_pages_for(int64_t window, int64_t page_tokens, int64_t max_seqs, int64_t max_batched_tokens,
+                             int64_t max_model_len) {
+  if (window <= 0 || page_tokens <= 0 || max_seqs <= 0) return 0;
+  const uint64_t P = uint64_t(page_tokens), S = uint64_t(max_seqs);
+  const uint64_t held = S * (ceil_div(uint64_t(window), P) + 2) + ceil_div(uint64_t(std::max<int64_t>(max_batched_tokens, 0)), P);
+  return std::min(held, S * ceil_div(uint64_t(std::max<int64_t>(max_model_len, 0)), P));
+}
+
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
-                                           DType activation_dtype, int64_t block_table_pages) {
+                                           DType activation_dtype, int64_t block_table_pages, bool kv_window) {
   using detail::planning::buffer;
   const TextConfig& t = config.text;
   uint64_t T = uint64_t(std::max<int64_t>(tokens, 0)), S = uint64_t(std::max<int64_t>(max_seqs, 0));
@@ -17688,6 +17803,11 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
   if (P > 0) buffers.push_back(buffer("block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
+  // Sliding windows in memory: the sliding layers' K/V go to their own pages, at their own slots (Plan::kv_window).
+  if (kv_window) {
+    buffers.push_back(buffer("window_slot_mapping", {T}, 4, "(T)", "int32"));
+    if (P > 0) buffers.push_back(buffer("window_block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
+  }
   // Gemma-3's sliding layers rotate with their own base (rope_local_base_freq): a second pair of tables.
   // (their RopeConfig is the default of that base: every dimension rotates)
   if (t.block.local_rope_theta > 0) {
@@ -17830,22 +17950,43 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     int64_t sliding = 0;
     for (LayerKind kind : block.layer_kinds) sliding += kind == LayerKind::sliding;
     const int64_t layers = in.config.text.num_layers, length = plan.max_model_len;
-    const uint64_t per_layer_token = plan.kv_bytes_per_token / uint64_t(layers);
+    const uint64_t per_layer_token = in.config.kv_bytes_per_token(kv_dtype_bytes(plan.options.kv_dtype)) / uint64_t(layers);
     const uint64_t kept = per_layer_token * uint64_t(layers) * uint64_t(length);
     const uint64_t windowed = per_layer_token * (uint64_t(layers - sliding) * uint64_t(length) +
                                                  uint64_t(sliding) * uint64_t(std::min(block.sliding_window, length)));
-    plan.sliding_kv_note = format(
-        "%lld of %lld layers slide over %lld tokens but keep their KV for the whole context (windows are not yet "
-        "freed): one %lld-token sequence takes %s, its windows alone would take %s (%.0f%%)",
-        (long long)sliding, (long long)layers, (long long)block.sliding_window, (long long)length,
-        format_bytes(kept).c_str(), format_bytes(windowed).c_str(), 100.0 * double(windowed) / double(kept));
+    if (plan.kv_window > 0) {
+      // what the arena holds: the full layers' pages for max_seqs x max_model_len, the window pages for the rest
+      const uint64_t full = plan.kv_pages_usable * plan.kv_page_bytes;
+      plan.sliding_kv_note = format(
+          "%lld of %lld layers slide over %lld tokens and keep only their windows: %s pages x %llu tokens for them "
+          "(%s per token, the windows of %lld sequences and one step of %lld tokens), so %lld sequences of %lld "
+          "tokens take %s instead of %s with every layer's KV kept (%.0f%%)",
+          (long long)sliding, (long long)layers, (long long)block.sliding_window,
+          format_count(plan.kv_window_pages).c_str(), (unsigned long long)plan.kv_page_tokens,
+          format_bytes(plan.kv_window_bytes_per_token).c_str(), (long long)plan.options.max_seqs,
+          (long long)plan.options.max_batched_tokens, (long long)plan.options.max_seqs, (long long)length,
+          format_bytes(full + kv_window_bytes(plan)).c_str(), format_bytes(kept * uint64_t(plan.options.max_seqs)).c_str(),
+          100.0 * double(full + kv_window_bytes(plan)) / double(kept * uint64_t(plan.options.max_seqs)));
+    } else {
+      plan.sliding_kv_note = format(
+          "%lld of %lld layers slide over %lld tokens but keep their KV for the whole context (%s): one %lld-token "
+          "sequence takes %s, its windows alone would take %s (%.0f%%)",
+          (long long)sliding, (long long)layers, (long long)block.sliding_window,
+          sliding == layers ? "every layer slides: windows are freed only beside full-attention layers, for now"
+                            : "a draft model shares the pages",
+          (long long)length, format_bytes(kept).c_str(), format_bytes(windowed).c_str(),
+          100.0 * double(windowed) / double(kept));
+    }
   }
   plan.max_image_pixels_rule = image_rule;
 
   // What would fit, whatever the verdict (from the bytes left, not the pages taken: the CPU caps those).
+  // (the sliding windows' pages come first: their count is fixed by the options)
   auto tokens_that_fit = [](const Plan& p) {
-    return p.kv_available_bytes > 0 ? int64_t(uint64_t(p.kv_available_bytes) / kv_page_bytes_all(p) * p.kv_page_tokens)
-                                    : 0;
+    const int64_t window = p.kv_window_pages > 0 ? int64_t(kv_window_bytes(p) + kPlanAlignment) : 0;
+    return p.kv_available_bytes > window
+               ? int64_t(uint64_t(p.kv_available_bytes - window) / kv_page_bytes_all(p) * p.kv_page_tokens)
+               : 0;
   };
   plan.max_model_len_that_fits = std::min<int64_t>(tokens_that_fit(plan), limits.max_position);
   uint64_t total_needed = plan.fixed_bytes + kv_bytes_for(plan, plan.max_model_len);
@@ -18095,6 +18236,12 @@ std::string Plan::json() const {
   j["kv_bytes_per_token"] = kv_bytes_per_token;
   j["kv_page_tokens"] = kv_page_tokens;
   j["kv_page_bytes"] = kv_page_bytes;
+  if (kv_window > 0) {
+    j["kv_window"] = kv_window;
+    j["kv_window_bytes_per_token"] = kv_window_bytes_per_token;
+    j["kv_window_page_bytes"] = kv_window_page_bytes;
+    j["kv_window_pages"] = kv_window_pages;
+  }
   if (!draft_model_name.empty()) {
     j["draft_model"] = draft_model_name;
     j["draft_kv_bytes_per_token"] = draft_kv_bytes_per_token;
@@ -18327,6 +18474,11 @@ ArenaLayout arena_layout(const Plan& plan) {
     fail(ErrorCode::invalid_argument, format("the KV region overflows 64 bits (%llu pages of %llu bytes): the plan is corrupt",
                                              (unsigned long long)plan.kv_pages, (unsigned long long)plan.kv_page_bytes));
   add("kv", plan.kv_pages * plan.kv_page_bytes);
+  if (plan.kv_window_pages != 0) {  // the sliding layers' pages (Plan::kv_window)
+    if (plan.kv_window_page_bytes == 0 || plan.kv_window_pages > kMax / plan.kv_window_page_bytes)
+      fail(ErrorCode::invalid_argument, "the sliding windows' KV region overflows 64 bits or has empty pages: the plan is corrupt");
+    add("kv_window", plan.kv_window_pages * plan.kv_window_page_bytes);
+  }
   if (plan.draft_kv_page_bytes != 0) {  // a draft model's KV: the same pages, its own layout (speculative decoding)
     if (plan.kv_pages > kMax / plan.draft_kv_page_bytes)
       fail(ErrorCode::invalid_argument, "the draft model's KV region overflows 64 bits: the plan is corrupt");
@@ -18367,6 +18519,7 @@ Result<KVPagePool> KVPagePool::create(int64_t num_pages, int64_t page_tokens, in
     pool.tables_ = detail::ArenaVector<int32_t>(size_t(max_seqs * max_pages_per_seq), -1);
     pool.seq_tokens_ = detail::ArenaVector<int64_t>(size_t(max_seqs), -1);
     pool.seq_pages_ = detail::ArenaVector<int64_t>(size_t(max_seqs), 0);
+    pool.seq_first_ = detail::ArenaVector<int64_t>(size_t(max_seqs), 0);
     pool.free_slots_ = detail::ArenaVector<int32_t>(size_t(max_seqs));
     for (int64_t i = 0; i < max_seqs; i++) pool.free_slots_[size_t(i)] = int32_t(max_seqs - 1 - i);
     pool.free_slot_count_ = max_seqs;
@@ -18385,7 +18538,7 @@ Result<KVPagePool> KVPagePool::create(int64_t num_pages, int64_t page_tokens, in
 uint64_t KVPagePool::metadata_bytes() const {
   return free_stack_.capacity() * sizeof(int32_t) + refcount_.capacity() * sizeof(int32_t) +
          tables_.capacity() * sizeof(int32_t) + seq_tokens_.capacity() * sizeof(int64_t) +
-         seq_pages_.capacity() * sizeof(int64_t) + free_slots_.capacity() * sizeof(int32_t) +
+         (seq_pages_.capacity() + seq_first_.capacity()) * sizeof(int64_t) + free_slots_.capacity() * sizeof(int32_t) +
          page_key_.capacity() * sizeof(uint64_t) + cached_.capacity() + bucket_head_.capacity() * sizeof(int32_t) +
          (bucket_next_.capacity() + lru_prev_.capacity() + lru_next_.capacity()) * sizeof(int32_t);
 }
@@ -18473,11 +18626,14 @@ Status KVPagePool::seq_attach(int32_t seq, const int32_t* pages, int64_t count) 
     if (count < 0 || count > max_pages_per_seq_)
       detail::fail(ErrorCode::invalid_argument, detail::format("seq_attach: %lld pages for a sequence of at most %lld",
                                                                (long long)count, (long long)max_pages_per_seq_));
-    for (int64_t i = 0; i < count; i++)
+    int64_t first = 0;  // leading -1 entries: pages a sliding window no longer reads
+    while (first < count && pages[first] == -1) first++;
+    for (int64_t i = first; i < count; i++)
       if (page_refcount(pages[i]) <= 0 || !cached_[size_t(pages[i])])
         detail::fail(ErrorCode::invalid_argument, detail::format("seq_attach: page %d is not a cached page", pages[i]));
     int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
-    for (int64_t i = 0; i < count; i++) {
+    seq_first_[size_t(seq)] = first;
+    for (int64_t i = first; i < count; i++) {
       const int32_t page = pages[i];
       if (refcount_[size_t(page)] == 1) lru_unlink(page);  // only the cache held it: in use again
       refcount_[size_t(page)]++;
@@ -18528,6 +18684,7 @@ int32_t KVPagePool::seq_create() {
   int32_t seq = free_slots_[size_t(--free_slot_count_)];
   seq_tokens_[size_t(seq)] = 0;
   seq_pages_[size_t(seq)] = 0;
+  seq_first_[size_t(seq)] = 0;
   return seq;
 }
 
@@ -18573,29 +18730,51 @@ Status KVPagePool::seq_free(int32_t seq) {
                    detail::format("seq_free: sequence slot %d is not live (freed twice, or never created)", seq));
     int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
     int64_t pages = seq_pages_[size_t(seq)];
+    const int64_t first = seq_first_[size_t(seq)];  // (earlier pages were released: their entries are -1)
     // Check the whole row before touching anything, so a corrupt table leaves the pool as it was.
-    for (int64_t i = 0; i < pages; i++)
-      if (refcount_[size_t(row[i])] <= 0)
+    for (int64_t i = first; i < pages; i++)
+      if (row[i] < 0 || row[i] >= num_pages() || refcount_[size_t(row[i])] <= 0)
         detail::fail(ErrorCode::invalid_argument,
                      detail::format("seq_free: page %d in sequence %d's block table is already free (released "
                                     "through release_page while the sequence held it)",
                                     row[i], seq));
-    for (int64_t i = 0; i < pages; i++) {
+    for (int64_t i = first; i < pages; i++) {
       const int32_t page = row[i];
       if (--refcount_[size_t(page)] == 0) dropped_to(page);  // freed, in table order
     }
     // Pages left to the cache alone, last first: a prefix's later pages become least recently used before its
     // first ones, so eviction shortens cached prefixes from their end (a chain is found from its start).
-    for (int64_t i = pages - 1; i >= 0; i--) {
+    for (int64_t i = pages - 1; i >= first; i--) {
       if (refcount_[size_t(row[i])] == 1) dropped_to(row[i]);
       row[i] = -1;
     }
+    seq_first_[size_t(seq)] = 0;
     tokens_stored_ -= seq_tokens_[size_t(seq)];
     seq_tokens_[size_t(seq)] = -1;
     seq_pages_[size_t(seq)] = 0;
     free_slots_[size_t(free_slot_count_++)] = seq;
   });
 }
+
+Status KVPagePool::seq_release_before(int32_t seq, int64_t token) {
+  return detail::guard([&] {
+    if (!live(seq))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("seq_release_before: sequence slot %d is not live", seq));
+    int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
+    int64_t& first = seq_first_[size_t(seq)];
+    // pages [first, end) hold only tokens before `token`
+    const int64_t end = std::min<int64_t>(std::max<int64_t>(token, 0) / page_tokens_, seq_pages_[size_t(seq)]);
+    for (; first < end; first++) {
+      const int32_t page = row[first];
+      row[first] = -1;
+      --refcount_[size_t(page)];
+      dropped_to(page);  // free at 0; a cached page the cache alone holds becomes evictable
+    }
+  });
+}
+
+int64_t KVPagePool::seq_first_page(int32_t seq) const { return live(seq) ? seq_first_[size_t(seq)] : 0; }
 
 int64_t KVPagePool::seq_tokens(int32_t seq) const { return live(seq) ? seq_tokens_[size_t(seq)] : -1; }
 int64_t KVPagePool::seq_pages(int32_t seq) const { return live(seq) ? seq_pages_[size_t(seq)] : 0; }
@@ -18650,7 +18829,17 @@ Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig
                                   "page tokens > 0 (got %lld, %lld, %lld, %llu)",
                                   config.origin.c_str(), (long long)text.num_layers, (long long)text.num_kv_heads,
                                   (long long)text.head_dim, (unsigned long long)plan.kv_page_tokens));
-    KVPageLayout kv_layout{text.num_layers, int64_t(plan.kv_page_tokens), text.num_kv_heads, text.head_dim};
+    // The full-attention layers' pages ("kv": every layer unless the sliding ones have pages of their own).
+    const KVGroups groups = kv_groups(text, plan.kv_window > 0);
+    if ((groups.window_layers > 0) != (plan.kv_window_pages > 0) || uint64_t(groups.window) != plan.kv_window)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("the plan keeps sliding windows in %llu pages of their own (window %llu) but %s has "
+                                  "%lld sliding layers beside %lld full ones (window %lld); make the plan from the same "
+                                  "config",
+                                  (unsigned long long)plan.kv_window_pages, (unsigned long long)plan.kv_window,
+                                  config.origin.empty() ? "the model" : config.origin.c_str(),
+                                  (long long)groups.window_layers, (long long)groups.full_layers, (long long)groups.window));
+    KVPageLayout kv_layout{groups.full_layers, int64_t(plan.kv_page_tokens), text.num_kv_heads, text.head_dim};
     // The plan's page bytes come from its KV dtype; the page's element count from the model: they must agree
     // on a whole element size, or the kernels would index a different cache than the one reserved.
     uint64_t page_elements = uint64_t(kv_layout.page_elements());
@@ -18662,9 +18851,18 @@ Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig
                                   "the plan from the same config",
                                   (unsigned long long)plan.kv_page_bytes,
                                   config.origin.empty() ? "the model's KV shape" : config.origin.c_str(),
-                                  (long long)text.num_layers, (unsigned long long)plan.kv_page_tokens,
+                                  (long long)groups.full_layers, (unsigned long long)plan.kv_page_tokens,
                                   (long long)text.num_kv_heads, (long long)text.head_dim,
                                   (unsigned long long)page_elements));
+    KVPageLayout window_layout{groups.window_layers, int64_t(plan.kv_page_tokens), text.num_kv_heads, text.head_dim};
+    if (groups.window_layers > 0 && plan.kv_window_page_bytes != uint64_t(window_layout.page_elements()) * element_bytes)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("the plan's sliding-window KV page of %llu bytes does not match %lld sliding layers "
+                                  "x 2 x %llu tokens x %lld KV heads x %lld head_dim x %llu bytes; make the plan from "
+                                  "the same config",
+                                  (unsigned long long)plan.kv_window_page_bytes, (long long)groups.window_layers,
+                                  (unsigned long long)plan.kv_page_tokens, (long long)text.num_kv_heads,
+                                  (long long)text.head_dim, (unsigned long long)element_bytes));
 
     detail::ArenaLayout layout = detail::arena_layout(plan);
     detail::CreatingArenaScope creating;
@@ -18682,6 +18880,15 @@ Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig
     if (!pool) throw pool.error();
     arena->kv_ = std::move(*pool);
     arena->kv_layout_ = kv_layout;
+    if (groups.window_layers > 0) {
+      Result<KVPagePool> window_pool =
+          KVPagePool::create(int64_t(std::min<uint64_t>(plan.kv_window_pages, uint64_t(std::numeric_limits<int64_t>::max()))),
+                             int64_t(plan.kv_page_tokens), plan.options.max_seqs, max_pages_per_seq);
+      if (!window_pool) throw window_pool.error();
+      arena->kv_window_ = std::move(*window_pool);
+      arena->kv_window_layout_ = window_layout;
+      arena->window_ = groups.window;
+    }
     arena->kv_element_bytes_ = int(element_bytes);
     arena->started_ = true;
     detail::g_live_arenas.fetch_add(1, std::memory_order_relaxed);
@@ -21827,7 +22034,7 @@ class CpuBackend final : public Backend {
     const int64_t seqs = batch.context_lens.elements();
     const int32_t* starts = ints(batch.query_starts);
     const int32_t* context = ints(batch.context_lens);
-    check_attention_batch(q, cache, batch);
+    check_attention_batch(q, cache, batch, options.window);
 
     const float k_scale = layer_scale(cache.k_scales, layer), v_scale = layer_scale(cache.v_scales, layer);
     with_kv_and_activation_types(cache.dtype, [&](auto tag, auto act_tag) {
@@ -21959,7 +22166,10 @@ class CpuBackend final : public Backend {
   }
 
   // What only the CPU can check cheaply: the values of the index vectors.
-  static void check_attention_batch(const Tensor& q, const KVCacheView& cache, const AttentionBatch& batch) {
+  // The pages a sequence's queries read must be the cache's: from the first query's window on (a sliding layer's
+  // earlier pages may have gone back to the pool: -1), through its context.
+  static void check_attention_batch(const Tensor& q, const KVCacheView& cache, const AttentionBatch& batch,
+                                    int64_t window) {
     const int64_t seqs = batch.context_lens.elements(), page_tokens = cache.layout.page_tokens;
     const int32_t* starts = ints(batch.query_starts);
     const int32_t* context = ints(batch.context_lens);
@@ -21978,7 +22188,9 @@ class CpuBackend final : public Backend {
                     "the last tokens of its context) and at most max_context %lld",
                     (long long)s, context[s], (long long)queries, (long long)batch.max_context));
       const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
-      for (int64_t p = 0; p < int64_t(ceil_div(uint64_t(context[s]), uint64_t(page_tokens))); p++)
+      const int64_t first_query = int64_t(context[s]) - queries;
+      const int64_t first_page = (window > 0 && first_query - window + 1 > 0 ? first_query - window + 1 : 0) / page_tokens;
+      for (int64_t p = first_page; p < int64_t(ceil_div(uint64_t(context[s]), uint64_t(page_tokens))); p++)
         if (pages[p] < 0 || pages[p] >= cache.num_pages)
           fail(ErrorCode::invalid_argument,
                format("attention: block_tables[%lld][%lld] = %d is not a page of the cache (%lld pages) but "
@@ -22326,7 +22538,30 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   const int64_t table_pages = device_tables ? block_table_pages(config_, plan.options.kv_page_tokens) : 0;
   const int64_t spare = device_tables ? 1 : 0;
 
-  kv_layout_ = KVPageLayout{c.num_layers, arena_.kv().page_tokens(), c.num_kv_heads, D};
+  kv_window_ = !regions_.kv_window.empty() && arena_.kv_window() != nullptr;
+  kv_groups_ = kv_groups(c, kv_window_);
+  if (kv_window_ && kv_groups_.window_layers == 0)
+    fail(ErrorCode::internal, "the arena keeps sliding windows in pages of their own but this model has no sliding "
+                              "layers beside full ones: the plan and the model disagree");
+  kv_layout_ = KVPageLayout{kv_groups_.full_layers, arena_.kv().page_tokens(), c.num_kv_heads, D};
+  if (kv_window_) {
+    window_layout_ = KVPageLayout{kv_groups_.window_layers, arena_.kv_window()->page_tokens(), c.num_kv_heads, D};
+    const ArenaRegion* window_region = arena_.region(regions_.kv_window);
+    const uint64_t window_needed =
+        dtype_bytes(kv_dtype_, uint64_t(window_layout_.page_elements())) * uint64_t(arena_.kv_window()->num_pages());
+    if (!window_region || window_region->bytes != window_needed)
+      fail(ErrorCode::internal, format("the arena's '%s' region holds %llu bytes but %llu pages of this model's sliding "
+                                       "layers take %llu: the plan and the model disagree",
+                                       regions_.kv_window.c_str(), (unsigned long long)(window_region ? window_region->bytes : 0),
+                                       (unsigned long long)arena_.kv_window()->num_pages(), (unsigned long long)window_needed));
+  }
+  // fp8 KV scales in each group's layer order (a KVCacheView's scales are indexed by the layer's index in its pages)
+  if (!weights_.k_scales.empty())
+    for (int64_t l = 0; l < c.num_layers; l++) {
+      const int g = kv_groups_.in_window(c.block, l) ? 1 : 0;
+      group_k_scales_[g].push_back(weights_.k_scales[size_t(l)]);
+      group_v_scales_[g].push_back(weights_.v_scales[size_t(l)]);
+    }
   const ArenaRegion* kv_region = arena_.region(regions_.kv);
   const uint64_t kv_needed = dtype_bytes(kv_dtype_, uint64_t(kv_layout_.page_elements())) * uint64_t(arena_.kv().num_pages());
   if (!kv_region || kv_region->bytes != kv_needed)
@@ -22335,7 +22570,8 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
                                      (unsigned long long)(kv_region ? kv_region->bytes : 0),
                                      (unsigned long long)arena_.kv().num_pages(), (unsigned long long)kv_needed));
   detail::model::BufferCarver buffers(arena_);
-  buffers.carve(regions_.activations.c_str(), activation_buffers(config_, max_tokens_, max_seqs_, act, table_pages));
+  buffers.carve(regions_.activations.c_str(),
+                activation_buffers(config_, max_tokens_, max_seqs_, act, table_pages, kv_window_));
   buffers.carve(regions_.logits.c_str(), logits_buffers(config_, max_seqs_));
   auto view = [&](const char* name, DType dtype, int64_t rows, int64_t cols) {
     return buffers.view(name, dtype, rows, cols);
@@ -22357,6 +22593,11 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1 + spare, 1);
   context_lens_ = view("context_lens", DType::I32, max_seqs_ + spare, 1);
   if (device_tables) block_tables_ = view("block_tables", DType::I32, max_seqs_ + 1, arena_.kv().max_pages_per_seq());
+  if (kv_window_) {
+    window_slot_mapping_ = view("window_slot_mapping", DType::I32, max_tokens_, 1);
+    if (device_tables)
+      window_block_tables_ = view("window_block_tables", DType::I32, max_seqs_ + 1, arena_.kv_window()->max_pages_per_seq());
+  }
   logit_rows_ = view("logit_rows", DType::I32, max_tokens_, 1);
   if (config_.vision.present) {
     deepstack_levels_ = int64_t(config_.vision.deepstack_visual_indexes.size());
@@ -22389,15 +22630,15 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   }
 }
 
-KVCacheView TextModel::kv_cache() const {
+KVCacheView TextModel::kv_cache(bool window) const {
   KVCacheView cache;
-  cache.pages = arena_.region_data(regions_.kv);
+  cache.pages = arena_.region_data(window ? regions_.kv_window : regions_.kv);
   cache.dtype = kv_dtype_;
-  cache.layout = kv_layout_;
-  cache.num_pages = arena_.kv().num_pages();
+  cache.layout = window ? window_layout_ : kv_layout_;
+  cache.num_pages = window ? arena_.kv_window()->num_pages() : arena_.kv().num_pages();
   if (kv_dtype_ == DType::F8_E4M3 && !weights_.k_scales.empty()) {
-    cache.k_scales = weights_.k_scales.data();
-    cache.v_scales = weights_.v_scales.data();
+    cache.k_scales = group_k_scales_[window ? 1 : 0].data();
+    cache.v_scales = group_v_scales_[window ? 1 : 0].data();
   }
   return cache;
 }
@@ -22451,24 +22692,38 @@ void TextModel::stage(const StepInput& step) {
   }
   batch_.query_starts = query_starts_.slice_rows(0, step.seqs + 1);
   batch_.context_lens = context_lens_.slice_rows(0, step.seqs);
-  batch_.block_tables = step.block_tables.slice_rows(0, step.seqs);
-  if (block_tables_.data != nullptr) {
-    // [seqs, max_pages_per_seq] to the device, in the pool's layout
-    if (step.block_tables.cols != block_tables_.cols || step.seqs > block_tables_.rows)
-      fail(ErrorCode::internal, format("forward: block tables of %lld pages per sequence for %lld sequences do not fit "
-                                       "the plan's [%lld, %lld]", (long long)step.block_tables.cols,
-                                       (long long)step.seqs, (long long)block_tables_.rows,
-                                       (long long)block_tables_.cols));
-    Tensor device_tables = block_tables_.slice_rows(0, step.seqs);
-    if (step.block_tables.row_stride == step.block_tables.cols) {
-      check(backend_.copy_from_host(step.block_tables.data, device_tables));
-    } else {
-      for (int64_t s = 0; s < step.seqs; s++)
-        check(backend_.copy_from_host(step.block_tables.slice_rows(s, 1).data, device_tables.slice_rows(s, 1)));
-    }
-    batch_.block_tables = device_tables;
-  }
+  batch_.block_tables = stage_block_tables(step.block_tables, step.seqs, block_tables_);
   batch_.max_context = step.max_context;
+  if (kv_window_) {
+    // the sliding layers' pages: their own slots and block tables, the same sequences
+    if (!step.window_slots || !step.window_block_tables.data)
+      fail(ErrorCode::internal, "forward: the sliding layers keep their KV in pages of their own but the step has no "
+                                "slots or block tables for them");
+    check(backend_.copy_from_host(step.window_slots, window_slot_mapping_.slice_rows(0, T)));
+    window_batch_ = batch_;
+    window_batch_.block_tables = stage_block_tables(step.window_block_tables, step.seqs, window_block_tables_);
+  }
+}
+
+// A step's block tables [seqs, max_pages_per_seq] as the attention reads them: the host's in place (the CPU), or
+// copied into `device` (a GPU's buffer, in the pool's layout).
+Tensor TextModel::stage_block_tables(const Tensor& host, int64_t seqs, const Tensor& device) {
+  using detail::fail;
+  using detail::format;
+  using detail::model::check;
+  if (device.data == nullptr) return host.slice_rows(0, seqs);
+  if (host.cols != device.cols || seqs > device.rows)
+    fail(ErrorCode::internal, format("forward: block tables of %lld pages per sequence for %lld sequences do not fit "
+                                     "the plan's [%lld, %lld]", (long long)host.cols, (long long)seqs,
+                                     (long long)device.rows, (long long)device.cols));
+  Tensor device_tables = device.slice_rows(0, seqs);
+  if (host.row_stride == host.cols) {
+    check(backend_.copy_from_host(host.data, device_tables));
+  } else {
+    for (int64_t s = 0; s < seqs; s++)
+      check(backend_.copy_from_host(host.slice_rows(s, 1).data, device_tables.slice_rows(s, 1)));
+  }
+  return device_tables;
 }
 
 void TextModel::compute(const StepInput& step) {
@@ -22487,7 +22742,9 @@ void TextModel::compute(const StepInput& step) {
   Tensor local_cos = has_local_rotary_ ? rope_cos_local_.slice_rows(0, T) : cos;
   Tensor local_sin = has_local_rotary_ ? rope_sin_local_.slice_rows(0, T) : sin;
   const GeluApprox gelu_form = block.activation == MlpActivation::gelu ? GeluApprox::none : GeluApprox::tanh;
-  const KVCacheView cache = kv_cache();
+  // the full-attention layers' pages, and the sliding layers' own when they keep only their windows
+  const KVCacheView full_cache = kv_cache(), window_cache = kv_window_ ? kv_cache(true) : full_cache;
+  Tensor window_slots = kv_window_ ? window_slot_mapping_.slice_rows(0, T) : slots;
 
   Tensor hidden = hidden_.slice_rows(0, T);    // [T, H], the residual stream
   Tensor normed = normed_.slice_rows(0, T);    // [T, H]
@@ -22518,6 +22775,10 @@ void TextModel::compute(const StepInput& step) {
   for (int64_t l = 0; l < c.num_layers; l++) {
     const DecoderLayerWeights& w = weights_.layers[size_t(l)];
     const bool sliding = block.window_of(l) > 0;
+    // where the layer's K/V live: its group's pages, at its index among the group's layers
+    const bool in_window = kv_groups_.in_window(block, l);
+    const KVCacheView& cache = in_window ? window_cache : full_cache;
+    const int64_t kv_layer = kv_groups_.group_layer[size_t(l)];
     // the layer kind's attention: sliding_window (mistral, qwen2, phi3, gemma) and gemma2's score soft-cap
     AttentionOptions attention_options;
     attention_options.window = block.window_of(l);
@@ -22545,10 +22806,11 @@ void TextModel::compute(const StepInput& step) {
     // (one call for both: a backend may store each rotated key as it makes it)
     // (gemma3: a sliding layer takes position_embeddings_local)
     check(backend_.rope_kv_write(qkv.slice_cols(0, q_width + kv_width), sliding ? local_cos : cos,
-                                 sliding ? local_sin : sin, D, cache, l, k, v, slots));
+                                 sliding ? local_sin : sin, D, cache, kv_layer, k, v, in_window ? window_slots : slots));
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
     // (the mask of the layer's kind: sliding_window_overlay on a sliding layer; gemma2 soft-caps the scores)
-    check(backend_.attention(q, cache, l, batch_, attention_scale_, attn, attention_options));
+    check(backend_.attention(q, cache, kv_layer, in_window ? window_batch_ : batch_, attention_scale_, attn,
+                             attention_options));
     // attn_output = self.o_proj(attn_output)                                  normed [T, H]
     check(backend_.linear(attn, w.o_proj, normed));
     // gemma: hidden_states = self.post_attention_layernorm(hidden_states)  (before the residual add)
@@ -23443,12 +23705,18 @@ class Scheduler {
  public:
   // At open, once the arena is made: the pool the requests' K/V live in (which outlives the scheduler's use of
   // it), the step's token budget, its most sequences and whether admission looks for cached prefixes.
-  void open(KVPagePool& pool, int64_t max_batched_tokens, int64_t max_seqs, bool prefix_cache) {
+  // window_pool: the sliding layers' pages (Arena::kv_window), or nullptr; its sequences follow the pool's slot for
+  // slot, and each keeps only the pages its window of `window` tokens still reads.
+  void open(KVPagePool& pool, KVPagePool* window_pool, int64_t window, int64_t max_batched_tokens, int64_t max_seqs,
+            bool prefix_cache) {
     pool_ = &pool;
+    window_pool_ = window_pool;
+    window_ = window_pool ? window : 0;
     max_batched_tokens_ = max_batched_tokens;
     prefix_cache_ = prefix_cache;
     scheduled_.reserve(size_t(max_seqs));
     attach_pages_.assign(size_t(pool.max_pages_per_seq()), -1);
+    attach_window_pages_.assign(size_t(pool.max_pages_per_seq()), -1);
   }
   bool prefix_caching() const { return prefix_cache_; }
 
@@ -23457,8 +23725,7 @@ class Scheduler {
   // Takes r out of the queues and gives its slot and pages back.
   void release(EngineRequest& r) {
     if (r.slot >= 0) {
-      Status freed = pool_->seq_free(r.slot);
-      if (!freed) throw freed.error();
+      free_slot(r.slot);
       r.slot = -1;
     }
     running_.erase(std::remove(running_.begin(), running_.end(), &r), running_.end());
@@ -23508,14 +23775,13 @@ class Scheduler {
     // Waiting requests, in order, while slots and pages last (not in a step that had to preempt).
     while (!preempted && budget > 0 && !waiting_.empty()) {
       EngineRequest& r = *waiting_.front();
-      int32_t slot = pool_->seq_create();
+      int32_t slot = create_slot();
       if (slot < 0) break;
       r.slot = slot;
       attach_cached_prefix(r);
       int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
       if (!reserve(r, r.computed + n)) {
-        Status freed = pool_->seq_free(slot);
-        if (!freed) throw freed.error();
+        free_slot(slot);
         r.slot = -1;
         r.computed = 0;
         r.registered_pages = 0;
@@ -23536,22 +23802,43 @@ class Scheduler {
   // The last schedule()'s requests, in slot order.
   const std::vector<ScheduledRequest>& scheduled() const { return scheduled_; }
 
-  // Grows r's KV to `tokens`; false when the pool is out of pages.
+  // Grows r's KV to `tokens`; false when a pool is out of pages. The sliding layers' pages that r's next query
+  // (r.computed) no longer sees are given back first.
   bool reserve(EngineRequest& r, int64_t tokens) {
-    Status grown = pool_->seq_reserve(r.slot, tokens);
-    if (grown) return true;
-    if (grown.error().code != ErrorCode::out_of_memory) throw grown.error();
-    return false;
+    trim_window(r);
+    for (KVPagePool* pool : {pool_, window_pool_}) {
+      if (!pool) continue;
+      Status grown = pool->seq_reserve(r.slot, tokens);
+      if (grown) continue;
+      if (grown.error().code != ErrorCode::out_of_memory) throw grown.error();
+      return false;
+    }
+    return true;
   }
 
-  // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache.
+  // Sliding windows in memory: r's sliding-layer pages whose every key is before the window of its next query
+  // (cache index r.computed sees keys from r.computed - W + 1 on) go back to the window pool. The engine calls it
+  // after each step, once drafts are settled (r.computed is then what is kept), so that a request waiting for its
+  // next step holds at most its window's pages.
+  void trim_window(EngineRequest& r) {
+    if (!window_pool_ || r.slot < 0) return;
+    Status trimmed = window_pool_->seq_release_before(r.slot, r.computed - window_ + 1);
+    if (!trimmed) throw trimmed.error();
+  }
+
+  // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache
+  // (in both pools: a sliding layer's page too, before it leaves the window, so a later prefix finds it).
   void register_pages(EngineRequest& r) {
     if (!prefix_cache_ || r.slot < 0) return;
     const int64_t full = std::min<int64_t>(r.computed, int64_t(r.tokens.size())) / pool_->page_tokens();
-    const int32_t* table = pool_->block_table(r.slot);
-    for (int64_t i = r.registered_pages; i < full; i++) {
-      Result<bool> entered = pool_->cache_insert(table[i], page_key(r, i));
-      if (!entered) throw entered.error();
+    for (KVPagePool* pool : {pool_, window_pool_}) {
+      if (!pool) continue;
+      const int32_t* table = pool->block_table(r.slot);
+      for (int64_t i = r.registered_pages; i < full; i++) {
+        if (table[i] < 0) continue;  // out of the window before it was full and final: never cached
+        Result<bool> entered = pool->cache_insert(table[i], page_key(r, i));
+        if (!entered) throw entered.error();
+      }
     }
     r.registered_pages = std::max(r.registered_pages, full);
   }
@@ -23608,17 +23895,55 @@ class Scheduler {
       if (page < 0) break;
       attach_pages_[size_t(hits++)] = page;
     }
+    if (window_pool_) {
+      // The sliding layers need the pages of the first query's window (keys from hits x page - W + 1 on) cached
+      // too; earlier ones are never read (-1). A shorter prefix may still have them.
+      for (; hits > 0; hits--) {
+        const int64_t first = std::max<int64_t>(0, hits * page_tokens - window_ + 1) / page_tokens;
+        bool found = true;
+        for (int64_t i = 0; i < hits; i++) {
+          const int32_t page = i < first ? -1 : window_pool_->cache_lookup(page_key(r, i));
+          if (i >= first && page < 0) {
+            found = false;
+            break;
+          }
+          attach_window_pages_[size_t(i)] = page;
+        }
+        if (found) break;
+      }
+    }
     if (hits == 0) return;
     Status attached = pool_->seq_attach(r.slot, attach_pages_.data(), hits);
     if (!attached) throw attached.error();
+    if (window_pool_) {
+      attached = window_pool_->seq_attach(r.slot, attach_window_pages_.data(), hits);
+      if (!attached) throw attached.error();
+    }
     r.computed = hits * page_tokens;
     r.registered_pages = hits;
   }
 
+  // A slot in every pool: the same id in each (they are created and freed together, so their free lists agree).
+  int32_t create_slot() {
+    const int32_t slot = pool_->seq_create();
+    if (slot < 0 || !window_pool_) return slot;
+    const int32_t window_slot = window_pool_->seq_create();
+    if (window_slot != slot)
+      fail(ErrorCode::internal, format("the sliding-window KV pool gave slot %d for the KV pool's %d: their sequences "
+                                       "went out of step", window_slot, slot));
+    return slot;
+  }
+  void free_slot(int32_t slot) {
+    for (KVPagePool* pool : {pool_, window_pool_}) {
+      if (!pool) continue;
+      Status freed = pool->seq_free(slot);
+      if (!freed) throw freed.error();
+    }
+  }
+
   // r goes back to the front of the queue, its pages freed: it is recomputed from its first token when admitted.
   void preempt(EngineRequest& r) {
-    Status freed = pool_->seq_free(r.slot);
-    if (!freed) throw freed.error();
+    free_slot(r.slot);
     r.slot = -1;
     r.computed = 0;
     r.registered_pages = 0;
@@ -23628,9 +23953,12 @@ class Scheduler {
   }
 
   KVPagePool* pool_ = nullptr;
+  KVPagePool* window_pool_ = nullptr;  // the sliding layers' pages, or nullptr
+  int64_t window_ = 0;
   int64_t max_batched_tokens_ = 0;
   bool prefix_cache_ = false;
   std::vector<int32_t> attach_pages_;            // [max_pages_per_seq]: a cached prefix's pages, found at admission
+  std::vector<int32_t> attach_window_pages_;     // [max_pages_per_seq]: its sliding layers' (-1 before the window)
   std::deque<EngineRequest*> waiting_;           // FIFO; preempted requests go back to the front
   std::vector<EngineRequest*> running_;          // in start order: the last one is preempted first
   std::vector<ScheduledRequest> scheduled_;      // capacity max_seqs
@@ -23688,6 +24016,7 @@ struct RowOwner {
 // Host staging of one step, sized once (Tmax tokens, Smax sequences).
 struct StepBatch {
   std::vector<int32_t> token_ids, slots, logit_row_ids;  // [Tmax]
+  std::vector<int32_t> window_slots;          // [Tmax] the sliding layers' slots (their own pages), when they have them
   std::vector<int32_t> positions;             // [position_rows, Tmax] (packed to [position_rows, T] per step)
   int64_t position_rows = 1;                  // 3 for M-RoPE (qwen3_vl)
   std::vector<ImageRun> image_runs;           // of the current step
@@ -23696,7 +24025,7 @@ struct StepBatch {
   std::vector<RowOwner> row_owners;           // [Tmax]
 
   void open(size_t max_tokens, size_t max_seqs, int64_t rows_of_positions) {
-    for (auto* v : {&token_ids, &slots, &logit_row_ids}) v->assign(max_tokens, 0);
+    for (auto* v : {&token_ids, &slots, &logit_row_ids, &window_slots}) v->assign(max_tokens, 0);
     position_rows = rows_of_positions;
     positions.assign(size_t(position_rows) * max_tokens, 0);
     query_starts.assign(max_seqs + 1, 0);
@@ -23705,9 +24034,10 @@ struct StepBatch {
   }
 
   // The step packed into the staging arrays (token_ids, positions [position_rows, tokens], slots, query_starts,
-  // context_lens, logit_row_ids), as the model reads it; the pool's block tables are the batch's.
+  // context_lens, logit_row_ids), as the model reads it; the pool's block tables are the batch's (and window_kv's,
+  // the sliding layers' pages, with window_slots, when they have their own).
   StepInput input(const KVPagePool& kv, int64_t tokens, int64_t rows_of_positions, int64_t seqs, int64_t max_context,
-                  int64_t logit_rows) {
+                  int64_t logit_rows, const KVPagePool* window_kv = nullptr) {
     StepInput input;
     input.tokens = tokens;
     input.token_ids = token_ids.data();
@@ -23722,6 +24052,11 @@ struct StepBatch {
                                         kv.max_pages_per_seq());
     input.logit_rows = logit_rows;
     input.logit_row_ids = logit_row_ids.data();
+    if (window_kv) {
+      input.window_slots = window_slots.data();
+      input.window_block_tables = Tensor::matrix(const_cast<int32_t*>(window_kv->block_tables()), DType::I32,
+                                                 window_kv->max_seqs(), window_kv->max_pages_per_seq());
+    }
     return input;
   }
 };
@@ -23948,11 +24283,15 @@ class DecodeGraphs {
   // eager run of each padded step (which loads the kernels and lets cuBLAS pick its algorithms, so capturing
   // allocates nothing), and the device memory the graphs took, measured (info.graph_buckets, graph_memory_bytes).
   // The model, backend and pool outlive the graphs.
-  void capture(TextModel& model, Backend& backend, const KVPagePool& pool, int64_t position_rows, int64_t max_seqs,
-               int64_t max_batched_tokens, int64_t max_model_len, EngineInfo& info) {
+  // window_pool: the sliding layers' pages (Arena::kv_window), or nullptr; its block tables and slots are padded
+  // the same way (the spare sequence reads its page 0).
+  void capture(TextModel& model, Backend& backend, const KVPagePool& pool, const KVPagePool* window_pool,
+               int64_t position_rows, int64_t max_seqs, int64_t max_batched_tokens, int64_t max_model_len,
+               EngineInfo& info) {
     model_ = &model;
     backend_ = &backend;
     pool_ = &pool;
+    window_pool_ = window_pool;
     position_rows_ = position_rows;
     // The longest context a graph's attention was captured for: every step's context is at most max_model_len.
     max_context_ = std::max<int64_t>(max_model_len, max_seqs);
@@ -23967,6 +24306,10 @@ class DecodeGraphs {
     padded_.query_starts.assign(size_t(largest + 2), 0);
     padded_.context_lens.assign(size_t(largest + 1), 0);
     padded_.block_tables.assign(size_t((largest + 1) * pages), 0);
+    if (window_pool_) {
+      padded_.window_slots.assign(size_t(largest), -1);
+      padded_.window_block_tables.assign(size_t((largest + 1) * pages), 0);
+    }
     StepInput shape;  // only tokens and image_runs matter to compute()
     for (int64_t bucket : buckets) {
       shape.tokens = bucket;
@@ -24024,6 +24367,16 @@ class DecodeGraphs {
       std::copy(step->query_starts, step->query_starts + seqs + 1, p.query_starts.begin());
       std::copy(step->context_lens, step->context_lens + seqs, p.context_lens.begin());
       std::copy(pool_->block_tables(), pool_->block_tables() + seqs * pages, p.block_tables.begin());
+      if (window_pool_) {
+        std::copy(step->window_slots, step->window_slots + real, p.window_slots.begin());
+        std::copy(window_pool_->block_tables(), window_pool_->block_tables() + seqs * pages,
+                  p.window_block_tables.begin());
+      }
+    }
+    if (window_pool_) {
+      std::fill(p.window_slots.begin() + real, p.window_slots.end(), -1);
+      // (a sliding layer's released pages are -1: the kernels never read them; the spare sequence reads page 0)
+      std::fill(p.window_block_tables.begin() + bucket * pages, p.window_block_tables.begin() + (bucket + 1) * pages, 0);
     }
     for (int64_t s = seqs + (step ? 1 : 0); s <= bucket; s++) p.query_starts[size_t(s)] = int32_t(real);
     p.query_starts[size_t(bucket + 1)] = int32_t(bucket);
@@ -24042,17 +24395,23 @@ class DecodeGraphs {
     input.block_tables = Tensor::matrix(p.block_tables.data(), DType::I32, bucket + 1, pages);
     input.logit_rows = step ? step->logit_rows : 0;
     input.logit_row_ids = step ? step->logit_row_ids : nullptr;
+    if (window_pool_) {
+      input.window_slots = p.window_slots.data();
+      input.window_block_tables = Tensor::matrix(p.window_block_tables.data(), DType::I32, bucket + 1, pages);
+    }
     model_->stage(input);
   }
 
   TextModel* model_ = nullptr;
   Backend* backend_ = nullptr;
   const KVPagePool* pool_ = nullptr;
+  const KVPagePool* window_pool_ = nullptr;
   int64_t position_rows_ = 1, max_context_ = 0;
   std::map<int64_t, CudaGraph> graphs_;  // by bucket
   // The host staging of a step padded to a bucket (sized for the largest).
   struct PaddedStep {
     std::vector<int32_t> token_ids, slots, positions, query_starts, context_lens, block_tables;
+    std::vector<int32_t> window_slots, window_block_tables;  // the sliding layers' own (window_pool_)
   } padded_;
 };
 
@@ -24670,6 +25029,7 @@ struct Engine::Impl {
                                   scheduler.waiting_count(), scheduler.running_count()));
     if (speculator.draft_model()) speculator.run_draft_model(scheduled, batch, pool(), stats);
     const KVPagePool& kv = pool();
+    const KVPagePool* window_kv = arena->kv_window();  // the sliding layers' pages, when they have their own
     const int64_t page_tokens = kv.page_tokens();
     const int64_t seqs = scheduled.back().request->slot + 1;
     std::fill(batch.context_lens.begin(), batch.context_lens.begin() + seqs, 0);
@@ -24683,6 +25043,7 @@ struct Engine::Impl {
       detail::EngineRequest& r = *scheduled[next].request;
       const int64_t n = scheduled[next++].tokens;
       const int32_t* pages = kv.block_table(r.slot);
+      const int32_t* window_pages = window_kv ? window_kv->block_table(r.slot) : nullptr;
       auto want = wanted_rows(r, r.computed, n);
       const int64_t prompt_positions = int64_t(r.mrope.size()) / 3;
       for (const detail::ImageSpan& span : r.image_spans) {  // the image tokens among [computed, computed + n)
@@ -24702,6 +25063,8 @@ struct Engine::Impl {
           batch.positions[size_t(row * max_tokens + t)] =
               p < prompt_positions ? r.mrope[size_t(row * prompt_positions + p)] : int32_t(p + r.rope_delta);
         batch.slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
+        if (window_pages)
+          batch.window_slots[size_t(t)] = int32_t(int64_t(window_pages[p / page_tokens]) * page_tokens + p % page_tokens);
         if (p >= want.first && p < want.second) {
           batch.logit_row_ids[size_t(rows)] = int32_t(t);
           batch.row_owners[size_t(rows++)] = {&r, p};
@@ -24715,7 +25078,7 @@ struct Engine::Impl {
     for (int64_t row = 1; row < batch.position_rows; row++)
       memmove(batch.positions.data() + row * t, batch.positions.data() + row * max_tokens, size_t(t) * sizeof(int32_t));
 
-    StepInput input = batch.input(pool(), t, batch.position_rows, seqs, max_context, rows);
+    StepInput input = batch.input(pool(), t, batch.position_rows, seqs, max_context, rows, window_kv);
     input.image_runs = int64_t(batch.image_runs.size());
     input.image_run_list = batch.image_runs.data();
     if (graphs.run(input, int64_t(scheduled.size()))) {
@@ -24748,6 +25111,9 @@ struct Engine::Impl {
       }
     }
     speculator.settle(scheduled);
+    // Sliding windows in memory: what each request's next query no longer sees goes back now (drafts settled), so a
+    // request that waits holds only its window.
+    for (const detail::ScheduledRequest& s : scheduled) scheduler.trim_window(*s.request);
     // Prefill-only requests end once every token is in.
     for (const detail::ScheduledRequest& s : scheduled) {
       detail::EngineRequest& r = *s.request;
@@ -25131,8 +25497,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
     e.batch.open(max_tokens, max_seqs, e.config.arch == Arch::qwen3_vl ? 3 : 1);  // M-RoPE: 3 rows of positions
     e.raw_row.assign(size_t(e.config.text.vocab_size), 0.0f);
-    e.scheduler.open(e.arena->kv(), e.plan.options.max_batched_tokens, e.plan.options.max_seqs,
-                     e.plan.prefix_caching.value_or(!gpu));  // plan_engine resolved prefix caching
+    e.scheduler.open(e.arena->kv(), e.arena->kv_window(), e.arena->window(), e.plan.options.max_batched_tokens,
+                     e.plan.options.max_seqs, e.plan.prefix_caching.value_or(!gpu));  // plan_engine resolved prefix caching
     e.info.prefix_caching = e.scheduler.prefix_caching();
     if (!gpu && e.backend->activation_dtype() != DType::F32)  // 16-bit logits on the CPU, widened for the sampler
       e.logits_host.assign(size_t(e.model->max_logit_rows() * e.config.text.vocab_size), 0.0f);
@@ -25147,7 +25513,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       e.device_rows.reserve(rows);
       e.sampled_ids.assign(rows, 0);
       if (options.cuda_graphs)
-        e.graphs.capture(*e.model, *e.backend, e.pool(), e.batch.position_rows, e.plan.options.max_seqs,
+        e.graphs.capture(*e.model, *e.backend, e.pool(), e.arena->kv_window(), e.batch.position_rows,
+                         e.plan.options.max_seqs,
                          e.plan.options.max_batched_tokens, e.max_model_len(), e.info);
     }
     if (detail::log_enabled(LogLevel::info))

@@ -96,8 +96,15 @@ class KVPagePool {
   Result<bool> cache_insert(int32_t page, uint64_t key);
   int32_t cache_lookup(uint64_t key) const;  // the page, or -1
   // Gives an empty live sequence the pages of a cached prefix (each retained): it then holds count x
-  // page_tokens tokens. invalid_argument for a sequence that holds tokens or a page that is not cached.
+  // page_tokens tokens. Leading entries may be -1 (a sliding window's pages before it: never read again), the
+  // rest must be cached pages. invalid_argument for a sequence that holds tokens or a page that is not cached.
   Status seq_attach(int32_t seq, const int32_t* pages, int64_t count);
+
+  // Sliding windows: gives back sequence seq's pages whose every token is before `token` (the page's entry becomes
+  // -1; a cached page stays in the cache, evictable). Its length and later pages do not change, nor does an earlier
+  // call's: the first page it holds only moves forward. invalid_argument for a slot that is not live.
+  Status seq_release_before(int32_t seq, int64_t token);
+  int64_t seq_first_page(int32_t seq) const;  // the first page seq still holds (0 unless released); 0 when not live
 
   // Sequences. seq_create returns a slot id or -1 when all max_seqs slots are live.
   int32_t seq_create();
@@ -128,6 +135,7 @@ class KVPagePool {
   detail::ArenaVector<int32_t> tables_;      // [max_seqs * max_pages_per_seq], -1 where unused
   detail::ArenaVector<int64_t> seq_tokens_;  // [max_seqs], -1 when the slot is free
   detail::ArenaVector<int64_t> seq_pages_;   // [max_seqs]
+  detail::ArenaVector<int64_t> seq_first_;   // [max_seqs] first page held (seq_release_before)
   detail::ArenaVector<int32_t> free_slots_;  // [max_seqs]; entries [0, free_slot_count_) are free slots
   int64_t free_slot_count_ = 0;
   int64_t tokens_stored_ = 0;
@@ -188,6 +196,12 @@ class Arena {
   KVPagePool& kv() { return kv_; }
   const KVPagePool& kv() const { return kv_; }
   const KVPageLayout& kv_layout() const { return kv_layout_; }
+  // The sliding layers' pages (Plan::kv_window): nullptr when every layer's KV is in kv(). Its sequences are kv()'s
+  // (the same slots, created and freed together); a sequence holds only the pages its window still reads.
+  KVPagePool* kv_window() { return window_ > 0 ? &kv_window_ : nullptr; }
+  const KVPagePool* kv_window() const { return window_ > 0 ? &kv_window_ : nullptr; }
+  const KVPageLayout& kv_window_layout() const { return kv_window_layout_; }
+  int64_t window() const { return window_; }  // W, or 0
   int kv_element_bytes() const { return kv_element_bytes_; }  // 1 (fp8), 2 (bf16, f16) or 4 (f32)
   // System (host or device) allocations made for arena and page-pool memory after an Arena finished
   // create(), process-wide and monotonic. kvlite's promise is that this stays 0; tests assert it.
@@ -203,6 +217,9 @@ class Arena {
   KVPagePool kv_;
   KVPageLayout kv_layout_;
   int kv_element_bytes_ = 0;
+  KVPagePool kv_window_;
+  KVPageLayout kv_window_layout_;
+  int64_t window_ = 0;
 };
 
 }  // namespace kvlite

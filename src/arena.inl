@@ -82,6 +82,11 @@ ArenaLayout arena_layout(const Plan& plan) {
     fail(ErrorCode::invalid_argument, format("the KV region overflows 64 bits (%llu pages of %llu bytes): the plan is corrupt",
                                              (unsigned long long)plan.kv_pages, (unsigned long long)plan.kv_page_bytes));
   add("kv", plan.kv_pages * plan.kv_page_bytes);
+  if (plan.kv_window_pages != 0) {  // the sliding layers' pages (Plan::kv_window)
+    if (plan.kv_window_page_bytes == 0 || plan.kv_window_pages > kMax / plan.kv_window_page_bytes)
+      fail(ErrorCode::invalid_argument, "the sliding windows' KV region overflows 64 bits or has empty pages: the plan is corrupt");
+    add("kv_window", plan.kv_window_pages * plan.kv_window_page_bytes);
+  }
   if (plan.draft_kv_page_bytes != 0) {  // a draft model's KV: the same pages, its own layout (speculative decoding)
     if (plan.kv_pages > kMax / plan.draft_kv_page_bytes)
       fail(ErrorCode::invalid_argument, "the draft model's KV region overflows 64 bits: the plan is corrupt");
@@ -122,6 +127,7 @@ Result<KVPagePool> KVPagePool::create(int64_t num_pages, int64_t page_tokens, in
     pool.tables_ = detail::ArenaVector<int32_t>(size_t(max_seqs * max_pages_per_seq), -1);
     pool.seq_tokens_ = detail::ArenaVector<int64_t>(size_t(max_seqs), -1);
     pool.seq_pages_ = detail::ArenaVector<int64_t>(size_t(max_seqs), 0);
+    pool.seq_first_ = detail::ArenaVector<int64_t>(size_t(max_seqs), 0);
     pool.free_slots_ = detail::ArenaVector<int32_t>(size_t(max_seqs));
     for (int64_t i = 0; i < max_seqs; i++) pool.free_slots_[size_t(i)] = int32_t(max_seqs - 1 - i);
     pool.free_slot_count_ = max_seqs;
@@ -140,7 +146,7 @@ Result<KVPagePool> KVPagePool::create(int64_t num_pages, int64_t page_tokens, in
 uint64_t KVPagePool::metadata_bytes() const {
   return free_stack_.capacity() * sizeof(int32_t) + refcount_.capacity() * sizeof(int32_t) +
          tables_.capacity() * sizeof(int32_t) + seq_tokens_.capacity() * sizeof(int64_t) +
-         seq_pages_.capacity() * sizeof(int64_t) + free_slots_.capacity() * sizeof(int32_t) +
+         (seq_pages_.capacity() + seq_first_.capacity()) * sizeof(int64_t) + free_slots_.capacity() * sizeof(int32_t) +
          page_key_.capacity() * sizeof(uint64_t) + cached_.capacity() + bucket_head_.capacity() * sizeof(int32_t) +
          (bucket_next_.capacity() + lru_prev_.capacity() + lru_next_.capacity()) * sizeof(int32_t);
 }
@@ -228,11 +234,14 @@ Status KVPagePool::seq_attach(int32_t seq, const int32_t* pages, int64_t count) 
     if (count < 0 || count > max_pages_per_seq_)
       detail::fail(ErrorCode::invalid_argument, detail::format("seq_attach: %lld pages for a sequence of at most %lld",
                                                                (long long)count, (long long)max_pages_per_seq_));
-    for (int64_t i = 0; i < count; i++)
+    int64_t first = 0;  // leading -1 entries: pages a sliding window no longer reads
+    while (first < count && pages[first] == -1) first++;
+    for (int64_t i = first; i < count; i++)
       if (page_refcount(pages[i]) <= 0 || !cached_[size_t(pages[i])])
         detail::fail(ErrorCode::invalid_argument, detail::format("seq_attach: page %d is not a cached page", pages[i]));
     int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
-    for (int64_t i = 0; i < count; i++) {
+    seq_first_[size_t(seq)] = first;
+    for (int64_t i = first; i < count; i++) {
       const int32_t page = pages[i];
       if (refcount_[size_t(page)] == 1) lru_unlink(page);  // only the cache held it: in use again
       refcount_[size_t(page)]++;
@@ -283,6 +292,7 @@ int32_t KVPagePool::seq_create() {
   int32_t seq = free_slots_[size_t(--free_slot_count_)];
   seq_tokens_[size_t(seq)] = 0;
   seq_pages_[size_t(seq)] = 0;
+  seq_first_[size_t(seq)] = 0;
   return seq;
 }
 
@@ -328,29 +338,51 @@ Status KVPagePool::seq_free(int32_t seq) {
                    detail::format("seq_free: sequence slot %d is not live (freed twice, or never created)", seq));
     int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
     int64_t pages = seq_pages_[size_t(seq)];
+    const int64_t first = seq_first_[size_t(seq)];  // (earlier pages were released: their entries are -1)
     // Check the whole row before touching anything, so a corrupt table leaves the pool as it was.
-    for (int64_t i = 0; i < pages; i++)
-      if (refcount_[size_t(row[i])] <= 0)
+    for (int64_t i = first; i < pages; i++)
+      if (row[i] < 0 || row[i] >= num_pages() || refcount_[size_t(row[i])] <= 0)
         detail::fail(ErrorCode::invalid_argument,
                      detail::format("seq_free: page %d in sequence %d's block table is already free (released "
                                     "through release_page while the sequence held it)",
                                     row[i], seq));
-    for (int64_t i = 0; i < pages; i++) {
+    for (int64_t i = first; i < pages; i++) {
       const int32_t page = row[i];
       if (--refcount_[size_t(page)] == 0) dropped_to(page);  // freed, in table order
     }
     // Pages left to the cache alone, last first: a prefix's later pages become least recently used before its
     // first ones, so eviction shortens cached prefixes from their end (a chain is found from its start).
-    for (int64_t i = pages - 1; i >= 0; i--) {
+    for (int64_t i = pages - 1; i >= first; i--) {
       if (refcount_[size_t(row[i])] == 1) dropped_to(row[i]);
       row[i] = -1;
     }
+    seq_first_[size_t(seq)] = 0;
     tokens_stored_ -= seq_tokens_[size_t(seq)];
     seq_tokens_[size_t(seq)] = -1;
     seq_pages_[size_t(seq)] = 0;
     free_slots_[size_t(free_slot_count_++)] = seq;
   });
 }
+
+Status KVPagePool::seq_release_before(int32_t seq, int64_t token) {
+  return detail::guard([&] {
+    if (!live(seq))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("seq_release_before: sequence slot %d is not live", seq));
+    int32_t* row = &tables_[size_t(seq * max_pages_per_seq_)];
+    int64_t& first = seq_first_[size_t(seq)];
+    // pages [first, end) hold only tokens before `token`
+    const int64_t end = std::min<int64_t>(std::max<int64_t>(token, 0) / page_tokens_, seq_pages_[size_t(seq)]);
+    for (; first < end; first++) {
+      const int32_t page = row[first];
+      row[first] = -1;
+      --refcount_[size_t(page)];
+      dropped_to(page);  // free at 0; a cached page the cache alone holds becomes evictable
+    }
+  });
+}
+
+int64_t KVPagePool::seq_first_page(int32_t seq) const { return live(seq) ? seq_first_[size_t(seq)] : 0; }
 
 int64_t KVPagePool::seq_tokens(int32_t seq) const { return live(seq) ? seq_tokens_[size_t(seq)] : -1; }
 int64_t KVPagePool::seq_pages(int32_t seq) const { return live(seq) ? seq_pages_[size_t(seq)] : 0; }
@@ -405,7 +437,17 @@ Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig
                                   "page tokens > 0 (got %lld, %lld, %lld, %llu)",
                                   config.origin.c_str(), (long long)text.num_layers, (long long)text.num_kv_heads,
                                   (long long)text.head_dim, (unsigned long long)plan.kv_page_tokens));
-    KVPageLayout kv_layout{text.num_layers, int64_t(plan.kv_page_tokens), text.num_kv_heads, text.head_dim};
+    // The full-attention layers' pages ("kv": every layer unless the sliding ones have pages of their own).
+    const KVGroups groups = kv_groups(text, plan.kv_window > 0);
+    if ((groups.window_layers > 0) != (plan.kv_window_pages > 0) || uint64_t(groups.window) != plan.kv_window)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("the plan keeps sliding windows in %llu pages of their own (window %llu) but %s has "
+                                  "%lld sliding layers beside %lld full ones (window %lld); make the plan from the same "
+                                  "config",
+                                  (unsigned long long)plan.kv_window_pages, (unsigned long long)plan.kv_window,
+                                  config.origin.empty() ? "the model" : config.origin.c_str(),
+                                  (long long)groups.window_layers, (long long)groups.full_layers, (long long)groups.window));
+    KVPageLayout kv_layout{groups.full_layers, int64_t(plan.kv_page_tokens), text.num_kv_heads, text.head_dim};
     // The plan's page bytes come from its KV dtype; the page's element count from the model: they must agree
     // on a whole element size, or the kernels would index a different cache than the one reserved.
     uint64_t page_elements = uint64_t(kv_layout.page_elements());
@@ -417,9 +459,18 @@ Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig
                                   "the plan from the same config",
                                   (unsigned long long)plan.kv_page_bytes,
                                   config.origin.empty() ? "the model's KV shape" : config.origin.c_str(),
-                                  (long long)text.num_layers, (unsigned long long)plan.kv_page_tokens,
+                                  (long long)groups.full_layers, (unsigned long long)plan.kv_page_tokens,
                                   (long long)text.num_kv_heads, (long long)text.head_dim,
                                   (unsigned long long)page_elements));
+    KVPageLayout window_layout{groups.window_layers, int64_t(plan.kv_page_tokens), text.num_kv_heads, text.head_dim};
+    if (groups.window_layers > 0 && plan.kv_window_page_bytes != uint64_t(window_layout.page_elements()) * element_bytes)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("the plan's sliding-window KV page of %llu bytes does not match %lld sliding layers "
+                                  "x 2 x %llu tokens x %lld KV heads x %lld head_dim x %llu bytes; make the plan from "
+                                  "the same config",
+                                  (unsigned long long)plan.kv_window_page_bytes, (long long)groups.window_layers,
+                                  (unsigned long long)plan.kv_page_tokens, (long long)text.num_kv_heads,
+                                  (long long)text.head_dim, (unsigned long long)element_bytes));
 
     detail::ArenaLayout layout = detail::arena_layout(plan);
     detail::CreatingArenaScope creating;
@@ -437,6 +488,15 @@ Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig
     if (!pool) throw pool.error();
     arena->kv_ = std::move(*pool);
     arena->kv_layout_ = kv_layout;
+    if (groups.window_layers > 0) {
+      Result<KVPagePool> window_pool =
+          KVPagePool::create(int64_t(std::min<uint64_t>(plan.kv_window_pages, uint64_t(std::numeric_limits<int64_t>::max()))),
+                             int64_t(plan.kv_page_tokens), plan.options.max_seqs, max_pages_per_seq);
+      if (!window_pool) throw window_pool.error();
+      arena->kv_window_ = std::move(*window_pool);
+      arena->kv_window_layout_ = window_layout;
+      arena->window_ = groups.window;
+    }
     arena->kv_element_bytes_ = int(element_bytes);
     arena->started_ = true;
     detail::g_live_arenas.fetch_add(1, std::memory_order_relaxed);

@@ -670,7 +670,7 @@ class CpuBackend final : public Backend {
     const int64_t seqs = batch.context_lens.elements();
     const int32_t* starts = ints(batch.query_starts);
     const int32_t* context = ints(batch.context_lens);
-    check_attention_batch(q, cache, batch);
+    check_attention_batch(q, cache, batch, options.window);
 
     const float k_scale = layer_scale(cache.k_scales, layer), v_scale = layer_scale(cache.v_scales, layer);
     with_kv_and_activation_types(cache.dtype, [&](auto tag, auto act_tag) {
@@ -802,7 +802,10 @@ class CpuBackend final : public Backend {
   }
 
   // What only the CPU can check cheaply: the values of the index vectors.
-  static void check_attention_batch(const Tensor& q, const KVCacheView& cache, const AttentionBatch& batch) {
+  // The pages a sequence's queries read must be the cache's: from the first query's window on (a sliding layer's
+  // earlier pages may have gone back to the pool: -1), through its context.
+  static void check_attention_batch(const Tensor& q, const KVCacheView& cache, const AttentionBatch& batch,
+                                    int64_t window) {
     const int64_t seqs = batch.context_lens.elements(), page_tokens = cache.layout.page_tokens;
     const int32_t* starts = ints(batch.query_starts);
     const int32_t* context = ints(batch.context_lens);
@@ -821,7 +824,9 @@ class CpuBackend final : public Backend {
                     "the last tokens of its context) and at most max_context %lld",
                     (long long)s, context[s], (long long)queries, (long long)batch.max_context));
       const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
-      for (int64_t p = 0; p < int64_t(ceil_div(uint64_t(context[s]), uint64_t(page_tokens))); p++)
+      const int64_t first_query = int64_t(context[s]) - queries;
+      const int64_t first_page = (window > 0 && first_query - window + 1 > 0 ? first_query - window + 1 : 0) / page_tokens;
+      for (int64_t p = first_page; p < int64_t(ceil_div(uint64_t(context[s]), uint64_t(page_tokens))); p++)
         if (pages[p] < 0 || pages[p] >= cache.num_pages)
           fail(ErrorCode::invalid_argument,
                format("attention: block_tables[%lld][%lld] = %d is not a page of the cache (%lld pages) but "

@@ -48,6 +48,7 @@ struct RowOwner {
 // Host staging of one step, sized once (Tmax tokens, Smax sequences).
 struct StepBatch {
   std::vector<int32_t> token_ids, slots, logit_row_ids;  // [Tmax]
+  std::vector<int32_t> window_slots;          // [Tmax] the sliding layers' slots (their own pages), when they have them
   std::vector<int32_t> positions;             // [position_rows, Tmax] (packed to [position_rows, T] per step)
   int64_t position_rows = 1;                  // 3 for M-RoPE (qwen3_vl)
   std::vector<ImageRun> image_runs;           // of the current step
@@ -56,7 +57,7 @@ struct StepBatch {
   std::vector<RowOwner> row_owners;           // [Tmax]
 
   void open(size_t max_tokens, size_t max_seqs, int64_t rows_of_positions) {
-    for (auto* v : {&token_ids, &slots, &logit_row_ids}) v->assign(max_tokens, 0);
+    for (auto* v : {&token_ids, &slots, &logit_row_ids, &window_slots}) v->assign(max_tokens, 0);
     position_rows = rows_of_positions;
     positions.assign(size_t(position_rows) * max_tokens, 0);
     query_starts.assign(max_seqs + 1, 0);
@@ -65,9 +66,10 @@ struct StepBatch {
   }
 
   // The step packed into the staging arrays (token_ids, positions [position_rows, tokens], slots, query_starts,
-  // context_lens, logit_row_ids), as the model reads it; the pool's block tables are the batch's.
+  // context_lens, logit_row_ids), as the model reads it; the pool's block tables are the batch's (and window_kv's,
+  // the sliding layers' pages, with window_slots, when they have their own).
   StepInput input(const KVPagePool& kv, int64_t tokens, int64_t rows_of_positions, int64_t seqs, int64_t max_context,
-                  int64_t logit_rows) {
+                  int64_t logit_rows, const KVPagePool* window_kv = nullptr) {
     StepInput input;
     input.tokens = tokens;
     input.token_ids = token_ids.data();
@@ -82,6 +84,11 @@ struct StepBatch {
                                         kv.max_pages_per_seq());
     input.logit_rows = logit_rows;
     input.logit_row_ids = logit_row_ids.data();
+    if (window_kv) {
+      input.window_slots = window_slots.data();
+      input.window_block_tables = Tensor::matrix(const_cast<int32_t*>(window_kv->block_tables()), DType::I32,
+                                                 window_kv->max_seqs(), window_kv->max_pages_per_seq());
+    }
     return input;
   }
 };

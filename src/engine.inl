@@ -610,6 +610,7 @@ struct Engine::Impl {
                                   scheduler.waiting_count(), scheduler.running_count()));
     if (speculator.draft_model()) speculator.run_draft_model(scheduled, batch, pool(), stats);
     const KVPagePool& kv = pool();
+    const KVPagePool* window_kv = arena->kv_window();  // the sliding layers' pages, when they have their own
     const int64_t page_tokens = kv.page_tokens();
     const int64_t seqs = scheduled.back().request->slot + 1;
     std::fill(batch.context_lens.begin(), batch.context_lens.begin() + seqs, 0);
@@ -623,6 +624,7 @@ struct Engine::Impl {
       detail::EngineRequest& r = *scheduled[next].request;
       const int64_t n = scheduled[next++].tokens;
       const int32_t* pages = kv.block_table(r.slot);
+      const int32_t* window_pages = window_kv ? window_kv->block_table(r.slot) : nullptr;
       auto want = wanted_rows(r, r.computed, n);
       const int64_t prompt_positions = int64_t(r.mrope.size()) / 3;
       for (const detail::ImageSpan& span : r.image_spans) {  // the image tokens among [computed, computed + n)
@@ -642,6 +644,8 @@ struct Engine::Impl {
           batch.positions[size_t(row * max_tokens + t)] =
               p < prompt_positions ? r.mrope[size_t(row * prompt_positions + p)] : int32_t(p + r.rope_delta);
         batch.slots[size_t(t)] = int32_t(int64_t(pages[p / page_tokens]) * page_tokens + p % page_tokens);
+        if (window_pages)
+          batch.window_slots[size_t(t)] = int32_t(int64_t(window_pages[p / page_tokens]) * page_tokens + p % page_tokens);
         if (p >= want.first && p < want.second) {
           batch.logit_row_ids[size_t(rows)] = int32_t(t);
           batch.row_owners[size_t(rows++)] = {&r, p};
@@ -655,7 +659,7 @@ struct Engine::Impl {
     for (int64_t row = 1; row < batch.position_rows; row++)
       memmove(batch.positions.data() + row * t, batch.positions.data() + row * max_tokens, size_t(t) * sizeof(int32_t));
 
-    StepInput input = batch.input(pool(), t, batch.position_rows, seqs, max_context, rows);
+    StepInput input = batch.input(pool(), t, batch.position_rows, seqs, max_context, rows, window_kv);
     input.image_runs = int64_t(batch.image_runs.size());
     input.image_run_list = batch.image_runs.data();
     if (graphs.run(input, int64_t(scheduled.size()))) {
@@ -688,6 +692,9 @@ struct Engine::Impl {
       }
     }
     speculator.settle(scheduled);
+    // Sliding windows in memory: what each request's next query no longer sees goes back now (drafts settled), so a
+    // request that waits holds only its window.
+    for (const detail::ScheduledRequest& s : scheduled) scheduler.trim_window(*s.request);
     // Prefill-only requests end once every token is in.
     for (const detail::ScheduledRequest& s : scheduled) {
       detail::EngineRequest& r = *s.request;
@@ -1071,8 +1078,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
     e.batch.open(max_tokens, max_seqs, e.config.arch == Arch::qwen3_vl ? 3 : 1);  // M-RoPE: 3 rows of positions
     e.raw_row.assign(size_t(e.config.text.vocab_size), 0.0f);
-    e.scheduler.open(e.arena->kv(), e.plan.options.max_batched_tokens, e.plan.options.max_seqs,
-                     e.plan.prefix_caching.value_or(!gpu));  // plan_engine resolved prefix caching
+    e.scheduler.open(e.arena->kv(), e.arena->kv_window(), e.arena->window(), e.plan.options.max_batched_tokens,
+                     e.plan.options.max_seqs, e.plan.prefix_caching.value_or(!gpu));  // plan_engine resolved prefix caching
     e.info.prefix_caching = e.scheduler.prefix_caching();
     if (!gpu && e.backend->activation_dtype() != DType::F32)  // 16-bit logits on the CPU, widened for the sampler
       e.logits_host.assign(size_t(e.model->max_logit_rows() * e.config.text.vocab_size), 0.0f);
@@ -1087,7 +1094,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       e.device_rows.reserve(rows);
       e.sampled_ids.assign(rows, 0);
       if (options.cuda_graphs)
-        e.graphs.capture(*e.model, *e.backend, e.pool(), e.batch.position_rows, e.plan.options.max_seqs,
+        e.graphs.capture(*e.model, *e.backend, e.pool(), e.arena->kv_window(), e.batch.position_rows,
+                         e.plan.options.max_seqs,
                          e.plan.options.max_batched_tokens, e.max_model_len(), e.info);
     }
     if (detail::log_enabled(LogLevel::info))

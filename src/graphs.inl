@@ -17,11 +17,15 @@ class DecodeGraphs {
   // eager run of each padded step (which loads the kernels and lets cuBLAS pick its algorithms, so capturing
   // allocates nothing), and the device memory the graphs took, measured (info.graph_buckets, graph_memory_bytes).
   // The model, backend and pool outlive the graphs.
-  void capture(TextModel& model, Backend& backend, const KVPagePool& pool, int64_t position_rows, int64_t max_seqs,
-               int64_t max_batched_tokens, int64_t max_model_len, EngineInfo& info) {
+  // window_pool: the sliding layers' pages (Arena::kv_window), or nullptr; its block tables and slots are padded
+  // the same way (the spare sequence reads its page 0).
+  void capture(TextModel& model, Backend& backend, const KVPagePool& pool, const KVPagePool* window_pool,
+               int64_t position_rows, int64_t max_seqs, int64_t max_batched_tokens, int64_t max_model_len,
+               EngineInfo& info) {
     model_ = &model;
     backend_ = &backend;
     pool_ = &pool;
+    window_pool_ = window_pool;
     position_rows_ = position_rows;
     // The longest context a graph's attention was captured for: every step's context is at most max_model_len.
     max_context_ = std::max<int64_t>(max_model_len, max_seqs);
@@ -36,6 +40,10 @@ class DecodeGraphs {
     padded_.query_starts.assign(size_t(largest + 2), 0);
     padded_.context_lens.assign(size_t(largest + 1), 0);
     padded_.block_tables.assign(size_t((largest + 1) * pages), 0);
+    if (window_pool_) {
+      padded_.window_slots.assign(size_t(largest), -1);
+      padded_.window_block_tables.assign(size_t((largest + 1) * pages), 0);
+    }
     StepInput shape;  // only tokens and image_runs matter to compute()
     for (int64_t bucket : buckets) {
       shape.tokens = bucket;
@@ -93,6 +101,16 @@ class DecodeGraphs {
       std::copy(step->query_starts, step->query_starts + seqs + 1, p.query_starts.begin());
       std::copy(step->context_lens, step->context_lens + seqs, p.context_lens.begin());
       std::copy(pool_->block_tables(), pool_->block_tables() + seqs * pages, p.block_tables.begin());
+      if (window_pool_) {
+        std::copy(step->window_slots, step->window_slots + real, p.window_slots.begin());
+        std::copy(window_pool_->block_tables(), window_pool_->block_tables() + seqs * pages,
+                  p.window_block_tables.begin());
+      }
+    }
+    if (window_pool_) {
+      std::fill(p.window_slots.begin() + real, p.window_slots.end(), -1);
+      // (a sliding layer's released pages are -1: the kernels never read them; the spare sequence reads page 0)
+      std::fill(p.window_block_tables.begin() + bucket * pages, p.window_block_tables.begin() + (bucket + 1) * pages, 0);
     }
     for (int64_t s = seqs + (step ? 1 : 0); s <= bucket; s++) p.query_starts[size_t(s)] = int32_t(real);
     p.query_starts[size_t(bucket + 1)] = int32_t(bucket);
@@ -111,17 +129,23 @@ class DecodeGraphs {
     input.block_tables = Tensor::matrix(p.block_tables.data(), DType::I32, bucket + 1, pages);
     input.logit_rows = step ? step->logit_rows : 0;
     input.logit_row_ids = step ? step->logit_row_ids : nullptr;
+    if (window_pool_) {
+      input.window_slots = p.window_slots.data();
+      input.window_block_tables = Tensor::matrix(p.window_block_tables.data(), DType::I32, bucket + 1, pages);
+    }
     model_->stage(input);
   }
 
   TextModel* model_ = nullptr;
   Backend* backend_ = nullptr;
   const KVPagePool* pool_ = nullptr;
+  const KVPagePool* window_pool_ = nullptr;
   int64_t position_rows_ = 1, max_context_ = 0;
   std::map<int64_t, CudaGraph> graphs_;  // by bucket
   // The host staging of a step padded to a bucket (sized for the largest).
   struct PaddedStep {
     std::vector<int32_t> token_ids, slots, positions, query_starts, context_lens, block_tables;
+    std::vector<int32_t> window_slots, window_block_tables;  // the sliding layers' own (window_pool_)
   } padded_;
 };
 

@@ -86,6 +86,9 @@ struct StepInput {
   const int32_t* context_lens = nullptr;  // [S] tokens cached for each sequence, this step's included
   int64_t max_context = 0;                // max over context_lens
   Tensor block_tables;                    // I32 [>= S, max_pages_per_seq]: the pool's tables (host memory)
+  // Sliding windows in memory (Arena::kv_window): the sliding layers' slots and block tables in their own pages.
+  const int32_t* window_slots = nullptr;  // [T]
+  Tensor window_block_tables;             // I32 [>= S, max_pages_per_seq] (host memory)
   int64_t logit_rows = 0;                 // R, rows of this step whose logits will be asked for
   const int32_t* logit_row_ids = nullptr;  // [R] token indices in [0, T)
   int64_t image_runs = 0;                  // qwen3_vl: runs of image tokens in this step
@@ -99,7 +102,10 @@ struct TextModelRegions {
   std::string activations = "activations";
   std::string logits = "logits";
   std::string kv = "kv";
-  static TextModelRegions draft() { return {"draft_activations", "draft_logits", "draft_kv"}; }
+  // The sliding layers' own pages (Plan::kv_window), used when the arena has them; a draft model keeps every
+  // layer in its "draft_kv" pages (the plan never frees windows beside a draft model).
+  std::string kv_window = "kv_window";
+  static TextModelRegions draft() { return {"draft_activations", "draft_logits", "draft_kv", ""}; }
 };
 
 // The forward pass over a Backend, with its buffers carved from the arena. Not thread-safe (one step at a
@@ -141,7 +147,9 @@ class TextModel {
   SamplingBuffers sampling_buffers() const { return {sampling_probs_, sampling_params_, sampled_ids_}; }
 
  private:
-  KVCacheView kv_cache() const;
+  // The pages of layer l's K/V (the sliding layers' own when they have them) and its index among their layers.
+  KVCacheView kv_cache(bool window = false) const;
+  Tensor stage_block_tables(const Tensor& host, int64_t seqs, const Tensor& device);
   // count x cols float host rows as the activations store them: the rows themselves (F32), or rounded to
   // 16 bits in image_rows_16bit_ (valid until the next call).
   const void* host_activation_rows(const float* rows, int64_t count, int64_t cols);
@@ -152,7 +160,13 @@ class TextModel {
   Arena& arena_;
   DType kv_dtype_;
   TextModelRegions regions_;
-  KVPageLayout kv_layout_;  // this model's KV shape over the arena pool's pages
+  KVPageLayout kv_layout_;  // this model's KV shape over the arena pool's pages (the full-attention layers' with kv_window_)
+  // Sliding windows in memory: which layers' K/V live in the window pages (Arena::kv_window), their shape there, and
+  // each group's fp8 scales in its own layer order.
+  KVGroups kv_groups_;
+  bool kv_window_ = false;
+  KVPageLayout window_layout_;
+  std::vector<float> group_k_scales_[2], group_v_scales_[2];
   int64_t max_tokens_ = 0;      // Tmax = max_batched_tokens: rows of every activation buffer
   int64_t max_seqs_ = 0;        // Smax: rows of the per-sequence buffers
   int64_t max_logit_rows_ = 0;  // rows one logits() call computes: min(logits buffer rows, Tmax)
@@ -187,6 +201,8 @@ class TextModel {
   Tensor query_starts_;   // "query_starts" [Smax + 1] int32 (+ 1 for a GPU's spare sequence)
   Tensor context_lens_;   // "context_lens" [Smax] int32 (+ 1 likewise)
   Tensor block_tables_;   // "block_tables" [Smax + 1, max_pages_per_seq] int32 (GPU); empty on the CPU
+  Tensor window_slot_mapping_;  // "window_slot_mapping" [Tmax] int32 (kv_window_)
+  Tensor window_block_tables_;  // "window_block_tables" [Smax + 1, max_pages_per_seq] int32 (GPU, kv_window_)
   Tensor logit_rows_;     // "logit_rows"   [Tmax] int32
   Tensor deepstack_rows_;  // "deepstack_rows" [Tmax, H] act, fp32-sized (vision models): a step's DeepStack rows
   Tensor logits_;         // "logits"       [max(Smax, 32), V] act (rows sized for fp32)
@@ -195,6 +211,7 @@ class TextModel {
   Tensor sampling_params_;  // "sampling_params" [Smax, 6] int32
   Tensor sampled_ids_;      // "sampled_ids" [Smax] int32
   AttentionBatch batch_;  // of the last stage()
+  AttentionBatch window_batch_;  // the same with the window pages' block tables (kv_window_)
 };
 
 }  // namespace kvlite

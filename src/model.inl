@@ -289,7 +289,30 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   const int64_t table_pages = device_tables ? block_table_pages(config_, plan.options.kv_page_tokens) : 0;
   const int64_t spare = device_tables ? 1 : 0;
 
-  kv_layout_ = KVPageLayout{c.num_layers, arena_.kv().page_tokens(), c.num_kv_heads, D};
+  kv_window_ = !regions_.kv_window.empty() && arena_.kv_window() != nullptr;
+  kv_groups_ = kv_groups(c, kv_window_);
+  if (kv_window_ && kv_groups_.window_layers == 0)
+    fail(ErrorCode::internal, "the arena keeps sliding windows in pages of their own but this model has no sliding "
+                              "layers beside full ones: the plan and the model disagree");
+  kv_layout_ = KVPageLayout{kv_groups_.full_layers, arena_.kv().page_tokens(), c.num_kv_heads, D};
+  if (kv_window_) {
+    window_layout_ = KVPageLayout{kv_groups_.window_layers, arena_.kv_window()->page_tokens(), c.num_kv_heads, D};
+    const ArenaRegion* window_region = arena_.region(regions_.kv_window);
+    const uint64_t window_needed =
+        dtype_bytes(kv_dtype_, uint64_t(window_layout_.page_elements())) * uint64_t(arena_.kv_window()->num_pages());
+    if (!window_region || window_region->bytes != window_needed)
+      fail(ErrorCode::internal, format("the arena's '%s' region holds %llu bytes but %llu pages of this model's sliding "
+                                       "layers take %llu: the plan and the model disagree",
+                                       regions_.kv_window.c_str(), (unsigned long long)(window_region ? window_region->bytes : 0),
+                                       (unsigned long long)arena_.kv_window()->num_pages(), (unsigned long long)window_needed));
+  }
+  // fp8 KV scales in each group's layer order (a KVCacheView's scales are indexed by the layer's index in its pages)
+  if (!weights_.k_scales.empty())
+    for (int64_t l = 0; l < c.num_layers; l++) {
+      const int g = kv_groups_.in_window(c.block, l) ? 1 : 0;
+      group_k_scales_[g].push_back(weights_.k_scales[size_t(l)]);
+      group_v_scales_[g].push_back(weights_.v_scales[size_t(l)]);
+    }
   const ArenaRegion* kv_region = arena_.region(regions_.kv);
   const uint64_t kv_needed = dtype_bytes(kv_dtype_, uint64_t(kv_layout_.page_elements())) * uint64_t(arena_.kv().num_pages());
   if (!kv_region || kv_region->bytes != kv_needed)
@@ -298,7 +321,8 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
                                      (unsigned long long)(kv_region ? kv_region->bytes : 0),
                                      (unsigned long long)arena_.kv().num_pages(), (unsigned long long)kv_needed));
   detail::model::BufferCarver buffers(arena_);
-  buffers.carve(regions_.activations.c_str(), activation_buffers(config_, max_tokens_, max_seqs_, act, table_pages));
+  buffers.carve(regions_.activations.c_str(),
+                activation_buffers(config_, max_tokens_, max_seqs_, act, table_pages, kv_window_));
   buffers.carve(regions_.logits.c_str(), logits_buffers(config_, max_seqs_));
   auto view = [&](const char* name, DType dtype, int64_t rows, int64_t cols) {
     return buffers.view(name, dtype, rows, cols);
@@ -320,6 +344,11 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   query_starts_ = view("query_starts", DType::I32, max_seqs_ + 1 + spare, 1);
   context_lens_ = view("context_lens", DType::I32, max_seqs_ + spare, 1);
   if (device_tables) block_tables_ = view("block_tables", DType::I32, max_seqs_ + 1, arena_.kv().max_pages_per_seq());
+  if (kv_window_) {
+    window_slot_mapping_ = view("window_slot_mapping", DType::I32, max_tokens_, 1);
+    if (device_tables)
+      window_block_tables_ = view("window_block_tables", DType::I32, max_seqs_ + 1, arena_.kv_window()->max_pages_per_seq());
+  }
   logit_rows_ = view("logit_rows", DType::I32, max_tokens_, 1);
   if (config_.vision.present) {
     deepstack_levels_ = int64_t(config_.vision.deepstack_visual_indexes.size());
@@ -352,15 +381,15 @@ TextModel::TextModel(const ModelConfig& config, TextModelWeights weights, Backen
   }
 }
 
-KVCacheView TextModel::kv_cache() const {
+KVCacheView TextModel::kv_cache(bool window) const {
   KVCacheView cache;
-  cache.pages = arena_.region_data(regions_.kv);
+  cache.pages = arena_.region_data(window ? regions_.kv_window : regions_.kv);
   cache.dtype = kv_dtype_;
-  cache.layout = kv_layout_;
-  cache.num_pages = arena_.kv().num_pages();
+  cache.layout = window ? window_layout_ : kv_layout_;
+  cache.num_pages = window ? arena_.kv_window()->num_pages() : arena_.kv().num_pages();
   if (kv_dtype_ == DType::F8_E4M3 && !weights_.k_scales.empty()) {
-    cache.k_scales = weights_.k_scales.data();
-    cache.v_scales = weights_.v_scales.data();
+    cache.k_scales = group_k_scales_[window ? 1 : 0].data();
+    cache.v_scales = group_v_scales_[window ? 1 : 0].data();
   }
   return cache;
 }
@@ -414,24 +443,38 @@ void TextModel::stage(const StepInput& step) {
   }
   batch_.query_starts = query_starts_.slice_rows(0, step.seqs + 1);
   batch_.context_lens = context_lens_.slice_rows(0, step.seqs);
-  batch_.block_tables = step.block_tables.slice_rows(0, step.seqs);
-  if (block_tables_.data != nullptr) {
-    // [seqs, max_pages_per_seq] to the device, in the pool's layout
-    if (step.block_tables.cols != block_tables_.cols || step.seqs > block_tables_.rows)
-      fail(ErrorCode::internal, format("forward: block tables of %lld pages per sequence for %lld sequences do not fit "
-                                       "the plan's [%lld, %lld]", (long long)step.block_tables.cols,
-                                       (long long)step.seqs, (long long)block_tables_.rows,
-                                       (long long)block_tables_.cols));
-    Tensor device_tables = block_tables_.slice_rows(0, step.seqs);
-    if (step.block_tables.row_stride == step.block_tables.cols) {
-      check(backend_.copy_from_host(step.block_tables.data, device_tables));
-    } else {
-      for (int64_t s = 0; s < step.seqs; s++)
-        check(backend_.copy_from_host(step.block_tables.slice_rows(s, 1).data, device_tables.slice_rows(s, 1)));
-    }
-    batch_.block_tables = device_tables;
-  }
+  batch_.block_tables = stage_block_tables(step.block_tables, step.seqs, block_tables_);
   batch_.max_context = step.max_context;
+  if (kv_window_) {
+    // the sliding layers' pages: their own slots and block tables, the same sequences
+    if (!step.window_slots || !step.window_block_tables.data)
+      fail(ErrorCode::internal, "forward: the sliding layers keep their KV in pages of their own but the step has no "
+                                "slots or block tables for them");
+    check(backend_.copy_from_host(step.window_slots, window_slot_mapping_.slice_rows(0, T)));
+    window_batch_ = batch_;
+    window_batch_.block_tables = stage_block_tables(step.window_block_tables, step.seqs, window_block_tables_);
+  }
+}
+
+// A step's block tables [seqs, max_pages_per_seq] as the attention reads them: the host's in place (the CPU), or
+// copied into `device` (a GPU's buffer, in the pool's layout).
+Tensor TextModel::stage_block_tables(const Tensor& host, int64_t seqs, const Tensor& device) {
+  using detail::fail;
+  using detail::format;
+  using detail::model::check;
+  if (device.data == nullptr) return host.slice_rows(0, seqs);
+  if (host.cols != device.cols || seqs > device.rows)
+    fail(ErrorCode::internal, format("forward: block tables of %lld pages per sequence for %lld sequences do not fit "
+                                     "the plan's [%lld, %lld]", (long long)host.cols, (long long)seqs,
+                                     (long long)device.rows, (long long)device.cols));
+  Tensor device_tables = device.slice_rows(0, seqs);
+  if (host.row_stride == host.cols) {
+    check(backend_.copy_from_host(host.data, device_tables));
+  } else {
+    for (int64_t s = 0; s < seqs; s++)
+      check(backend_.copy_from_host(host.slice_rows(s, 1).data, device_tables.slice_rows(s, 1)));
+  }
+  return device_tables;
 }
 
 void TextModel::compute(const StepInput& step) {
@@ -450,7 +493,9 @@ void TextModel::compute(const StepInput& step) {
   Tensor local_cos = has_local_rotary_ ? rope_cos_local_.slice_rows(0, T) : cos;
   Tensor local_sin = has_local_rotary_ ? rope_sin_local_.slice_rows(0, T) : sin;
   const GeluApprox gelu_form = block.activation == MlpActivation::gelu ? GeluApprox::none : GeluApprox::tanh;
-  const KVCacheView cache = kv_cache();
+  // the full-attention layers' pages, and the sliding layers' own when they keep only their windows
+  const KVCacheView full_cache = kv_cache(), window_cache = kv_window_ ? kv_cache(true) : full_cache;
+  Tensor window_slots = kv_window_ ? window_slot_mapping_.slice_rows(0, T) : slots;
 
   Tensor hidden = hidden_.slice_rows(0, T);    // [T, H], the residual stream
   Tensor normed = normed_.slice_rows(0, T);    // [T, H]
@@ -481,6 +526,10 @@ void TextModel::compute(const StepInput& step) {
   for (int64_t l = 0; l < c.num_layers; l++) {
     const DecoderLayerWeights& w = weights_.layers[size_t(l)];
     const bool sliding = block.window_of(l) > 0;
+    // where the layer's K/V live: its group's pages, at its index among the group's layers
+    const bool in_window = kv_groups_.in_window(block, l);
+    const KVCacheView& cache = in_window ? window_cache : full_cache;
+    const int64_t kv_layer = kv_groups_.group_layer[size_t(l)];
     // the layer kind's attention: sliding_window (mistral, qwen2, phi3, gemma) and gemma2's score soft-cap
     AttentionOptions attention_options;
     attention_options.window = block.window_of(l);
@@ -508,10 +557,11 @@ void TextModel::compute(const StepInput& step) {
     // (one call for both: a backend may store each rotated key as it makes it)
     // (gemma3: a sliding layer takes position_embeddings_local)
     check(backend_.rope_kv_write(qkv.slice_cols(0, q_width + kv_width), sliding ? local_cos : cos,
-                                 sliding ? local_sin : sin, D, cache, l, k, v, slots));
+                                 sliding ? local_sin : sin, D, cache, kv_layer, k, v, in_window ? window_slots : slots));
     // attn_output = softmax(query @ key^T * self.scaling + causal_mask) @ value   (GQA: repeat_kv)
     // (the mask of the layer's kind: sliding_window_overlay on a sliding layer; gemma2 soft-caps the scores)
-    check(backend_.attention(q, cache, l, batch_, attention_scale_, attn, attention_options));
+    check(backend_.attention(q, cache, kv_layer, in_window ? window_batch_ : batch_, attention_scale_, attn,
+                             attention_options));
     // attn_output = self.o_proj(attn_output)                                  normed [T, H]
     check(backend_.linear(attn, w.o_proj, normed));
     // gemma: hidden_states = self.post_attention_layernorm(hidden_states)  (before the residual add)

@@ -124,9 +124,19 @@ struct Plan {
   uint64_t weights_bytes = 0;
   std::string weights_source;   // "headers" or "config"
   uint64_t upload_chunk_bytes = 0;  // CUDA: weights are uploaded in chunks of at most this (kCudaUploadChunkBytes)
-  uint64_t kv_bytes_per_token = 0;
+  uint64_t kv_bytes_per_token = 0;  // of the pages in "kv": every layer's, or the full-attention layers' (kv_window)
   uint64_t kv_page_tokens = 0;
-  uint64_t kv_page_bytes = 0;   // kv_page_tokens x kv_bytes_per_token (all layers)
+  uint64_t kv_page_bytes = 0;   // kv_page_tokens x kv_bytes_per_token
+  // Sliding windows in memory (models with sliding and full-attention layers: gemma2, gemma3, qwen2 with
+  // max_window_layers): the sliding layers' KV lives in pages of its own, region "kv_window", from which a
+  // sequence holds only the pages its window still reads: a page goes back to the pool once every key in it is
+  // out of every later query's window. kv_window_pages is what max_seqs sequences can hold at once in a step of
+  // max_batched_tokens (kv_window_pages_for), so that pool never runs out before the "kv" one. 0 without (no
+  // sliding layers, all layers sliding, or a draft model, which shares the "kv" pages' ids).
+  uint64_t kv_window = 0;  // W, the sliding layers' window
+  uint64_t kv_window_bytes_per_token = 0;
+  uint64_t kv_window_page_bytes = 0;
+  uint64_t kv_window_pages = 0;
   // With a draft model: the draft's KV for the same tokens, kept beside each page in the arena's "draft_kv"
   // region (kv_pages x draft_kv_page_bytes); KV arena figures and everything that fits count both. 0 without.
   uint64_t draft_kv_bytes_per_token = 0;
@@ -216,12 +226,30 @@ struct BufferSpec {
 // device memory) the step's block tables get a buffer "block_tables" (S + 1, P), and the attention batch room for
 // one more sequence: the spare sequence that holds a CUDA graph's padding rows. The CPU (0) reads the KV pool's
 // tables in place.
+// With kv_window (the plan's kv_window > 0) the sliding layers' slots and, on a GPU, block tables get buffers of
+// their own: "window_slot_mapping" (T) and "window_block_tables" (S + 1, P).
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
-                                           DType activation_dtype, int64_t block_table_pages);
+                                           DType activation_dtype, int64_t block_table_pages, bool kv_window = false);
 // The plan's buffers for a backend's default activation dtype: the CPU's (F32, no block-table buffer), or
 // CUDA's BF16 with block tables for sequences of up to max_position_embeddings tokens in pages of 16.
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
                                            BackendKind backend);
+// How a model's KV splits into page groups. Both kinds of layer present (and `windows_in_memory`: no draft model):
+// the full-attention layers' KV in the "kv" pages, the sliding layers' (window W) in "kv_window" pages; else every
+// layer in "kv" (window_layers 0). Layer l's K/V sit in its group's pages at index group_layer(l).
+struct KVGroups {
+  int64_t full_layers = 0, window_layers = 0, window = 0;
+  std::vector<int64_t> group_layer;  // [num_layers]: the layer's index among its group's layers
+  bool in_window(const BlockTraits& block, int64_t layer) const { return window_layers > 0 && block.window_of(layer) > 0; }
+};
+KVGroups kv_groups(const TextConfig& text, bool windows_in_memory);
+// The "kv_window" pages max_seqs sequences can hold at once: each keeps the pages its window reads (the last
+// W - 1 keys before its next query, at most ceil((W - 1) / page) + 1 pages) plus the pages of this step's tokens,
+// which are at most max_batched_tokens across the batch: max_seqs x (ceil(W / page) + 2) + ceil(T / page), and never
+// more than max_seqs sequences of max_model_len take.
+uint64_t kv_window_pages_for(int64_t window, int64_t page_tokens, int64_t max_seqs, int64_t max_batched_tokens,
+                             int64_t max_model_len);
+
 // Pages of the block-table buffer a CUDA plan reserves per sequence: enough for the model's longest sequence
 // (max_position_embeddings), so the plan's fixed items do not depend on max_model_len.
 int64_t block_table_pages(const ModelConfig& config, int64_t kv_page_tokens);

@@ -334,6 +334,10 @@ struct Inputs {
   const PlanInputs* draft;   // a draft model's inputs, or nullptr
 };
 
+// Sliding layers' pages are returned as they leave the window unless a draft model shares the "kv" pages' ids
+// (speculative decoding): its layers keep every token's K/V, so those pages stay as they are.
+bool windows_in_memory(const Inputs& in) { return in.draft == nullptr; }
+
 // CUDA: what the device copy of the weights weighs beyond their bytes on disk (negative when converting
 // shrinks them), and why.
 struct WeightConversion {
@@ -542,14 +546,16 @@ PlanItem context_item(const Inputs& in) {
 PlanItem activations_item(const Inputs& in, const PlanOptions& o) {
   const bool gpu = in.device.backend == BackendKind::cuda;
   const int64_t pages = gpu ? block_table_pages(in.config, o.kv_page_tokens) : 0;
-  auto buffers = activation_buffers(in.config, o.max_batched_tokens, o.max_seqs, *o.activation_dtype, pages);
+  const bool window = kv_groups(in.config.text, windows_in_memory(in)).window_layers > 0;
+  auto buffers = activation_buffers(in.config, o.max_batched_tokens, o.max_seqs, *o.activation_dtype, pages, window);
   const char* dtype = activation_dtype_text(*o.activation_dtype);
   return {"activations", "activations", buffers_bytes(buffers),
           format("one step of T=%lld tokens (max_batched_tokens) for %lld seqs: residual, normed, qkv, attn_out, "
                  "gate_up, mlp_act %s; split-KV partials (S,Hq,%llu,D+2) fp32; RoPE cos/sin (T,R/2) fp32 per RoPE kind (R: rotary dims); int32 index "
-                 "arrays%s",
+                 "arrays%s%s",
                  (long long)o.max_batched_tokens, (long long)o.max_seqs, dtype, (unsigned long long)kDecodeSplits,
-                 gpu ? format("; block tables (S+1,%lld) int32", (long long)pages).c_str() : ""),
+                 gpu ? format("; block tables (S+1,%lld) int32", (long long)pages).c_str() : "",
+                 window ? (gpu ? " (and the sliding layers' own)" : "; the sliding layers' own slots") : ""),
           true};
 }
 
@@ -655,9 +661,15 @@ std::vector<PlanItem> draft_items(const Inputs& in, const PlanOptions& o) {
 // The arena's bytes per KV page: the target's page and, with a draft model, the draft's beside it.
 uint64_t kv_page_bytes_all(const Plan& plan) { return plan.kv_page_bytes + plan.draft_kv_page_bytes; }
 
-// KV bytes one sequence of `tokens` tokens takes, in whole pages.
+// The "kv_window" region's bytes (0 without sliding windows in memory): fixed by max_seqs, the window and
+// max_batched_tokens, whatever the context.
+uint64_t kv_window_bytes(const Plan& plan) { return plan.kv_window_pages * plan.kv_window_page_bytes; }
+
+// KV bytes one sequence of `tokens` tokens takes, in whole pages (and, with sliding windows in memory, the window
+// pages' region, which every plan of these options has).
 uint64_t kv_bytes_for(const Plan& plan, int64_t tokens) {
-  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * kv_page_bytes_all(plan);
+  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * kv_page_bytes_all(plan) +
+         (plan.kv_window_pages > 0 ? kv_window_bytes(plan) + kPlanAlignment : 0);
 }
 
 // The plan for fully resolved options: items, budget, KV arena and the verdict (no what-if analysis).
@@ -690,9 +702,20 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.weights_bytes = in.weights.total_bytes;
   plan.weights_source = in.weights.exact ? "headers" : "config";
   plan.upload_chunk_bytes = in.device.backend == BackendKind::cuda ? kCudaUploadChunkBytes : 0;
-  plan.kv_bytes_per_token = in.config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
+  // Every layer has the same KV heads and head_dim: a token's KV splits evenly over the layers (and the groups).
+  const KVGroups groups = kv_groups(in.config.text, windows_in_memory(in));
+  const uint64_t layers = uint64_t(std::max<int64_t>(in.config.text.num_layers, 1));
+  const uint64_t layer_token_bytes = in.config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype)) / layers;
+  plan.kv_bytes_per_token = layer_token_bytes * (groups.window_layers > 0 ? uint64_t(groups.full_layers) : layers);
   plan.kv_page_tokens = uint64_t(o.kv_page_tokens);
   plan.kv_page_bytes = plan.kv_page_tokens * plan.kv_bytes_per_token;
+  if (groups.window_layers > 0) {
+    plan.kv_window = uint64_t(groups.window);
+    plan.kv_window_bytes_per_token = layer_token_bytes * uint64_t(groups.window_layers);
+    plan.kv_window_page_bytes = plan.kv_page_tokens * plan.kv_window_bytes_per_token;
+    plan.kv_window_pages = kv_window_pages_for(groups.window, o.kv_page_tokens, o.max_seqs, o.max_batched_tokens,
+                                               o.max_model_len);
+  }
   if (in.draft) {
     plan.draft_model_name = model_name_of(in.draft->config);
     plan.draft_kv_bytes_per_token = in.draft->config.kv_bytes_per_token(kv_dtype_bytes(o.kv_dtype));
@@ -701,8 +724,10 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.budget_bytes = budget_for(o.utilization, in.device.total_bytes);
   for (const auto& item : plan.items) plan.fixed_bytes += item.bytes;
   plan.kv_available_bytes = int64_t(plan.budget_bytes) - int64_t(plan.fixed_bytes);
-  // (with a draft model its pages' region starts on a region boundary: up to kPlanAlignment - 1 bytes more)
-  const int64_t page_room = plan.kv_available_bytes - (in.draft ? int64_t(kPlanAlignment) : 0);
+  // (with a draft model its pages' region starts on a region boundary: up to kPlanAlignment - 1 bytes more; so do
+  // the sliding windows' pages, which come out of the room first: their count does not depend on the budget)
+  const int64_t page_room = plan.kv_available_bytes - (in.draft ? int64_t(kPlanAlignment) : 0) -
+                            (plan.kv_window_pages > 0 ? int64_t(kv_window_bytes(plan) + kPlanAlignment) : 0);
   plan.kv_pages = page_room > 0 ? uint64_t(page_room) / kv_page_bytes_all(plan) : 0;
   // An embedded library shares its memory (the CPU's with everything on the machine, a desktop GPU's with the
   // display and other apps, a Jetson's with the OS): take only the pages max_seqs sequences of max_model_len
@@ -710,9 +735,12 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.kv_pages_usable = uint64_t(o.max_seqs) * ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
   if (!o.kv_fill) plan.kv_pages = std::min(plan.kv_pages, plan.kv_pages_usable);
   // (the "draft_kv" region follows "kv" on a region boundary: arena_layout)
+  // (and "kv_window" follows "kv" the same way)
   plan.kv_arena_bytes = in.draft ? align_up(plan.kv_pages * plan.kv_page_bytes, kPlanAlignment) +
                                        plan.kv_pages * plan.draft_kv_page_bytes
-                                 : plan.kv_pages * plan.kv_page_bytes;
+                        : plan.kv_window_pages > 0
+                            ? align_up(plan.kv_pages * plan.kv_page_bytes, kPlanAlignment) + kv_window_bytes(plan)
+                            : plan.kv_pages * plan.kv_page_bytes;
   const uint64_t used = plan.fixed_bytes + plan.kv_arena_bytes;  // arena + what the device spends outside it
   plan.free_bytes = plan.budget_bytes > used ? plan.budget_bytes - used : 0;
   plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
@@ -865,8 +893,33 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
              : activation_buffers(config, tokens, max_seqs, DType::F32, 0);
 }
 
+KVGroups kv_groups(const TextConfig& text, bool windows_in_memory) {
+  KVGroups groups;
+  const BlockTraits& block = text.block;
+  int64_t sliding = 0;
+  for (int64_t l = 0; l < text.num_layers; l++) sliding += block.window_of(l) > 0;
+  // Only a mix gets two groups: with every layer sliding the "kv" pages would hold none of the full layers, and
+  // that case (mistral / phi3 with sliding_window on every layer) keeps its KV for the whole context for now.
+  const bool split = windows_in_memory && sliding > 0 && sliding < text.num_layers;
+  groups.group_layer.assign(size_t(std::max<int64_t>(text.num_layers, 0)), 0);
+  for (int64_t l = 0; l < text.num_layers; l++) {
+    const bool window = split && block.window_of(l) > 0;
+    groups.group_layer[size_t(l)] = window ? groups.window_layers++ : groups.full_layers++;
+  }
+  if (groups.window_layers > 0) groups.window = block.sliding_window;
+  return groups;
+}
+
+uint64_t kv_window_pages_for(int64_t window, int64_t page_tokens, int64_t max_seqs, int64_t max_batched_tokens,
+                             int64_t max_model_len) {
+  if (window <= 0 || page_tokens <= 0 || max_seqs <= 0) return 0;
+  const uint64_t P = uint64_t(page_tokens), S = uint64_t(max_seqs);
+  const uint64_t held = S * (ceil_div(uint64_t(window), P) + 2) + ceil_div(uint64_t(std::max<int64_t>(max_batched_tokens, 0)), P);
+  return std::min(held, S * ceil_div(uint64_t(std::max<int64_t>(max_model_len, 0)), P));
+}
+
 std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t tokens, int64_t max_seqs,
-                                           DType activation_dtype, int64_t block_table_pages) {
+                                           DType activation_dtype, int64_t block_table_pages, bool kv_window) {
   using detail::planning::buffer;
   const TextConfig& t = config.text;
   uint64_t T = uint64_t(std::max<int64_t>(tokens, 0)), S = uint64_t(std::max<int64_t>(max_seqs, 0));
@@ -906,6 +959,11 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
       buffer("logit_rows", {T}, 4, "(T)", "int32"),            // the token rows whose logits are computed
   };
   if (P > 0) buffers.push_back(buffer("block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
+  // Sliding windows in memory: the sliding layers' K/V go to their own pages, at their own slots (Plan::kv_window).
+  if (kv_window) {
+    buffers.push_back(buffer("window_slot_mapping", {T}, 4, "(T)", "int32"));
+    if (P > 0) buffers.push_back(buffer("window_block_tables", {S + 1, P}, 4, "(S + 1, P)", "int32"));
+  }
   // Gemma-3's sliding layers rotate with their own base (rope_local_base_freq): a second pair of tables.
   // (their RopeConfig is the default of that base: every dimension rotates)
   if (t.block.local_rope_theta > 0) {
@@ -1048,22 +1106,43 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     int64_t sliding = 0;
     for (LayerKind kind : block.layer_kinds) sliding += kind == LayerKind::sliding;
     const int64_t layers = in.config.text.num_layers, length = plan.max_model_len;
-    const uint64_t per_layer_token = plan.kv_bytes_per_token / uint64_t(layers);
+    const uint64_t per_layer_token = in.config.kv_bytes_per_token(kv_dtype_bytes(plan.options.kv_dtype)) / uint64_t(layers);
     const uint64_t kept = per_layer_token * uint64_t(layers) * uint64_t(length);
     const uint64_t windowed = per_layer_token * (uint64_t(layers - sliding) * uint64_t(length) +
                                                  uint64_t(sliding) * uint64_t(std::min(block.sliding_window, length)));
-    plan.sliding_kv_note = format(
-        "%lld of %lld layers slide over %lld tokens but keep their KV for the whole context (windows are not yet "
-        "freed): one %lld-token sequence takes %s, its windows alone would take %s (%.0f%%)",
-        (long long)sliding, (long long)layers, (long long)block.sliding_window, (long long)length,
-        format_bytes(kept).c_str(), format_bytes(windowed).c_str(), 100.0 * double(windowed) / double(kept));
+    if (plan.kv_window > 0) {
+      // what the arena holds: the full layers' pages for max_seqs x max_model_len, the window pages for the rest
+      const uint64_t full = plan.kv_pages_usable * plan.kv_page_bytes;
+      plan.sliding_kv_note = format(
+          "%lld of %lld layers slide over %lld tokens and keep only their windows: %s pages x %llu tokens for them "
+          "(%s per token, the windows of %lld sequences and one step of %lld tokens), so %lld sequences of %lld "
+          "tokens take %s instead of %s with every layer's KV kept (%.0f%%)",
+          (long long)sliding, (long long)layers, (long long)block.sliding_window,
+          format_count(plan.kv_window_pages).c_str(), (unsigned long long)plan.kv_page_tokens,
+          format_bytes(plan.kv_window_bytes_per_token).c_str(), (long long)plan.options.max_seqs,
+          (long long)plan.options.max_batched_tokens, (long long)plan.options.max_seqs, (long long)length,
+          format_bytes(full + kv_window_bytes(plan)).c_str(), format_bytes(kept * uint64_t(plan.options.max_seqs)).c_str(),
+          100.0 * double(full + kv_window_bytes(plan)) / double(kept * uint64_t(plan.options.max_seqs)));
+    } else {
+      plan.sliding_kv_note = format(
+          "%lld of %lld layers slide over %lld tokens but keep their KV for the whole context (%s): one %lld-token "
+          "sequence takes %s, its windows alone would take %s (%.0f%%)",
+          (long long)sliding, (long long)layers, (long long)block.sliding_window,
+          sliding == layers ? "every layer slides: windows are freed only beside full-attention layers, for now"
+                            : "a draft model shares the pages",
+          (long long)length, format_bytes(kept).c_str(), format_bytes(windowed).c_str(),
+          100.0 * double(windowed) / double(kept));
+    }
   }
   plan.max_image_pixels_rule = image_rule;
 
   // What would fit, whatever the verdict (from the bytes left, not the pages taken: the CPU caps those).
+  // (the sliding windows' pages come first: their count is fixed by the options)
   auto tokens_that_fit = [](const Plan& p) {
-    return p.kv_available_bytes > 0 ? int64_t(uint64_t(p.kv_available_bytes) / kv_page_bytes_all(p) * p.kv_page_tokens)
-                                    : 0;
+    const int64_t window = p.kv_window_pages > 0 ? int64_t(kv_window_bytes(p) + kPlanAlignment) : 0;
+    return p.kv_available_bytes > window
+               ? int64_t(uint64_t(p.kv_available_bytes - window) / kv_page_bytes_all(p) * p.kv_page_tokens)
+               : 0;
   };
   plan.max_model_len_that_fits = std::min<int64_t>(tokens_that_fit(plan), limits.max_position);
   uint64_t total_needed = plan.fixed_bytes + kv_bytes_for(plan, plan.max_model_len);
@@ -1313,6 +1392,12 @@ std::string Plan::json() const {
   j["kv_bytes_per_token"] = kv_bytes_per_token;
   j["kv_page_tokens"] = kv_page_tokens;
   j["kv_page_bytes"] = kv_page_bytes;
+  if (kv_window > 0) {
+    j["kv_window"] = kv_window;
+    j["kv_window_bytes_per_token"] = kv_window_bytes_per_token;
+    j["kv_window_page_bytes"] = kv_window_page_bytes;
+    j["kv_window_pages"] = kv_window_pages;
+  }
   if (!draft_model_name.empty()) {
     j["draft_model"] = draft_model_name;
     j["draft_kv_bytes_per_token"] = draft_kv_bytes_per_token;

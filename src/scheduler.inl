@@ -22,12 +22,18 @@ class Scheduler {
  public:
   // At open, once the arena is made: the pool the requests' K/V live in (which outlives the scheduler's use of
   // it), the step's token budget, its most sequences and whether admission looks for cached prefixes.
-  void open(KVPagePool& pool, int64_t max_batched_tokens, int64_t max_seqs, bool prefix_cache) {
+  // window_pool: the sliding layers' pages (Arena::kv_window), or nullptr; its sequences follow the pool's slot for
+  // slot, and each keeps only the pages its window of `window` tokens still reads.
+  void open(KVPagePool& pool, KVPagePool* window_pool, int64_t window, int64_t max_batched_tokens, int64_t max_seqs,
+            bool prefix_cache) {
     pool_ = &pool;
+    window_pool_ = window_pool;
+    window_ = window_pool ? window : 0;
     max_batched_tokens_ = max_batched_tokens;
     prefix_cache_ = prefix_cache;
     scheduled_.reserve(size_t(max_seqs));
     attach_pages_.assign(size_t(pool.max_pages_per_seq()), -1);
+    attach_window_pages_.assign(size_t(pool.max_pages_per_seq()), -1);
   }
   bool prefix_caching() const { return prefix_cache_; }
 
@@ -36,8 +42,7 @@ class Scheduler {
   // Takes r out of the queues and gives its slot and pages back.
   void release(EngineRequest& r) {
     if (r.slot >= 0) {
-      Status freed = pool_->seq_free(r.slot);
-      if (!freed) throw freed.error();
+      free_slot(r.slot);
       r.slot = -1;
     }
     running_.erase(std::remove(running_.begin(), running_.end(), &r), running_.end());
@@ -87,14 +92,13 @@ class Scheduler {
     // Waiting requests, in order, while slots and pages last (not in a step that had to preempt).
     while (!preempted && budget > 0 && !waiting_.empty()) {
       EngineRequest& r = *waiting_.front();
-      int32_t slot = pool_->seq_create();
+      int32_t slot = create_slot();
       if (slot < 0) break;
       r.slot = slot;
       attach_cached_prefix(r);
       int64_t n = std::min<int64_t>(int64_t(r.tokens.size()) - r.computed, budget);
       if (!reserve(r, r.computed + n)) {
-        Status freed = pool_->seq_free(slot);
-        if (!freed) throw freed.error();
+        free_slot(slot);
         r.slot = -1;
         r.computed = 0;
         r.registered_pages = 0;
@@ -115,22 +119,43 @@ class Scheduler {
   // The last schedule()'s requests, in slot order.
   const std::vector<ScheduledRequest>& scheduled() const { return scheduled_; }
 
-  // Grows r's KV to `tokens`; false when the pool is out of pages.
+  // Grows r's KV to `tokens`; false when a pool is out of pages. The sliding layers' pages that r's next query
+  // (r.computed) no longer sees are given back first.
   bool reserve(EngineRequest& r, int64_t tokens) {
-    Status grown = pool_->seq_reserve(r.slot, tokens);
-    if (grown) return true;
-    if (grown.error().code != ErrorCode::out_of_memory) throw grown.error();
-    return false;
+    trim_window(r);
+    for (KVPagePool* pool : {pool_, window_pool_}) {
+      if (!pool) continue;
+      Status grown = pool->seq_reserve(r.slot, tokens);
+      if (grown) continue;
+      if (grown.error().code != ErrorCode::out_of_memory) throw grown.error();
+      return false;
+    }
+    return true;
   }
 
-  // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache.
+  // Sliding windows in memory: r's sliding-layer pages whose every key is before the window of its next query
+  // (cache index r.computed sees keys from r.computed - W + 1 on) go back to the window pool. The engine calls it
+  // after each step, once drafts are settled (r.computed is then what is kept), so that a request waiting for its
+  // next step holds at most its window's pages.
+  void trim_window(EngineRequest& r) {
+    if (!window_pool_ || r.slot < 0) return;
+    Status trimmed = window_pool_->seq_release_before(r.slot, r.computed - window_ + 1);
+    if (!trimmed) throw trimmed.error();
+  }
+
+  // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache
+  // (in both pools: a sliding layer's page too, before it leaves the window, so a later prefix finds it).
   void register_pages(EngineRequest& r) {
     if (!prefix_cache_ || r.slot < 0) return;
     const int64_t full = std::min<int64_t>(r.computed, int64_t(r.tokens.size())) / pool_->page_tokens();
-    const int32_t* table = pool_->block_table(r.slot);
-    for (int64_t i = r.registered_pages; i < full; i++) {
-      Result<bool> entered = pool_->cache_insert(table[i], page_key(r, i));
-      if (!entered) throw entered.error();
+    for (KVPagePool* pool : {pool_, window_pool_}) {
+      if (!pool) continue;
+      const int32_t* table = pool->block_table(r.slot);
+      for (int64_t i = r.registered_pages; i < full; i++) {
+        if (table[i] < 0) continue;  // out of the window before it was full and final: never cached
+        Result<bool> entered = pool->cache_insert(table[i], page_key(r, i));
+        if (!entered) throw entered.error();
+      }
     }
     r.registered_pages = std::max(r.registered_pages, full);
   }
@@ -187,17 +212,55 @@ class Scheduler {
       if (page < 0) break;
       attach_pages_[size_t(hits++)] = page;
     }
+    if (window_pool_) {
+      // The sliding layers need the pages of the first query's window (keys from hits x page - W + 1 on) cached
+      // too; earlier ones are never read (-1). A shorter prefix may still have them.
+      for (; hits > 0; hits--) {
+        const int64_t first = std::max<int64_t>(0, hits * page_tokens - window_ + 1) / page_tokens;
+        bool found = true;
+        for (int64_t i = 0; i < hits; i++) {
+          const int32_t page = i < first ? -1 : window_pool_->cache_lookup(page_key(r, i));
+          if (i >= first && page < 0) {
+            found = false;
+            break;
+          }
+          attach_window_pages_[size_t(i)] = page;
+        }
+        if (found) break;
+      }
+    }
     if (hits == 0) return;
     Status attached = pool_->seq_attach(r.slot, attach_pages_.data(), hits);
     if (!attached) throw attached.error();
+    if (window_pool_) {
+      attached = window_pool_->seq_attach(r.slot, attach_window_pages_.data(), hits);
+      if (!attached) throw attached.error();
+    }
     r.computed = hits * page_tokens;
     r.registered_pages = hits;
   }
 
+  // A slot in every pool: the same id in each (they are created and freed together, so their free lists agree).
+  int32_t create_slot() {
+    const int32_t slot = pool_->seq_create();
+    if (slot < 0 || !window_pool_) return slot;
+    const int32_t window_slot = window_pool_->seq_create();
+    if (window_slot != slot)
+      fail(ErrorCode::internal, format("the sliding-window KV pool gave slot %d for the KV pool's %d: their sequences "
+                                       "went out of step", window_slot, slot));
+    return slot;
+  }
+  void free_slot(int32_t slot) {
+    for (KVPagePool* pool : {pool_, window_pool_}) {
+      if (!pool) continue;
+      Status freed = pool->seq_free(slot);
+      if (!freed) throw freed.error();
+    }
+  }
+
   // r goes back to the front of the queue, its pages freed: it is recomputed from its first token when admitted.
   void preempt(EngineRequest& r) {
-    Status freed = pool_->seq_free(r.slot);
-    if (!freed) throw freed.error();
+    free_slot(r.slot);
     r.slot = -1;
     r.computed = 0;
     r.registered_pages = 0;
@@ -207,9 +270,12 @@ class Scheduler {
   }
 
   KVPagePool* pool_ = nullptr;
+  KVPagePool* window_pool_ = nullptr;  // the sliding layers' pages, or nullptr
+  int64_t window_ = 0;
   int64_t max_batched_tokens_ = 0;
   bool prefix_cache_ = false;
   std::vector<int32_t> attach_pages_;            // [max_pages_per_seq]: a cached prefix's pages, found at admission
+  std::vector<int32_t> attach_window_pages_;     // [max_pages_per_seq]: its sliding layers' (-1 before the window)
   std::deque<EngineRequest*> waiting_;           // FIFO; preempted requests go back to the front
   std::vector<EngineRequest*> running_;          // in start order: the last one is preempted first
   std::vector<ScheduledRequest> scheduled_;      // capacity max_seqs

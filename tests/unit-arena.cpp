@@ -385,6 +385,57 @@ TEST_CASE("seq_reserve is all or nothing: out of pages or past max_pages_per_seq
   }
 }
 
+TEST_CASE("seq_release_before gives back the pages wholly before a token, once, and seq_free the rest") {
+  KVPagePool pool = make_pool(10, 4, 2, 8);
+  const int32_t seq = pool.seq_create();
+  REQUIRE(pool.seq_reserve(seq, 20));  // 5 pages: tokens 0-3, 4-7, ..., 16-19
+  const std::vector<int32_t> pages(pool.block_table(seq), pool.block_table(seq) + 5);
+  // keys from 9 on are still read: pages 0 and 1 (tokens 0-7) go, page 2 (8-11) holds token 9 and stays
+  REQUIRE(pool.seq_release_before(seq, 9));
+  CHECK(pool.block_table(seq)[0] == -1);
+  CHECK(pool.block_table(seq)[1] == -1);
+  CHECK(pool.block_table(seq)[2] == pages[2]);
+  CHECK(pool.seq_first_page(seq) == 2);
+  CHECK(pool.seq_pages(seq) == 5);    // the table's logical length and the sequence's tokens do not move
+  CHECK(pool.seq_tokens(seq) == 20);
+  CHECK(pool.stats().used_pages == 3);
+  CHECK(pool.page_refcount(pages[0]) == 0);
+  // an earlier token releases nothing more; the pages freed are the next ones out
+  REQUIRE(pool.seq_release_before(seq, 3));
+  CHECK(pool.stats().used_pages == 3);
+  REQUIRE(pool.seq_reserve(seq, 24));  // one more page, at index 5
+  CHECK(pool.block_table(seq)[5] == pages[1]);
+  // past the sequence's end: every page it has goes, and only those
+  REQUIRE(pool.seq_release_before(seq, 1000));
+  CHECK(pool.stats().used_pages == 0);
+  CHECK(pool.seq_first_page(seq) == 6);
+  REQUIRE(pool.seq_free(seq));
+  CHECK(pool.stats().free_pages == 10);
+  CHECK_FALSE(pool.seq_release_before(seq, 4));  // not live
+  // a cached page given back stays in the cache, evictable, and a later prefix attaches past its -1 lead
+  const int32_t a = pool.seq_create();
+  REQUIRE(pool.seq_reserve(a, 8));
+  const int32_t first = pool.block_table(a)[0], second = pool.block_table(a)[1];
+  REQUIRE(pool.cache_insert(first, 11).value());
+  REQUIRE(pool.cache_insert(second, 12).value());
+  REQUIRE(pool.seq_release_before(a, 4));
+  CHECK(pool.page_refcount(first) == 1);  // the cache's reference
+  CHECK(pool.stats().cache_only_pages == 1);
+  REQUIRE(pool.seq_free(a));
+  const int32_t b = pool.seq_create();
+  const int32_t lead[2] = {-1, second};
+  REQUIRE(pool.seq_attach(b, lead, 2));
+  CHECK(pool.seq_first_page(b) == 1);
+  CHECK(pool.seq_tokens(b) == 8);
+  CHECK(pool.page_refcount(second) == 2);
+  const int32_t late_lead[2] = {second, -1};  // a -1 after a page is no window's lead
+  const int32_t c = pool.seq_create();
+  CHECK_FALSE(pool.seq_attach(c, late_lead, 2));
+  REQUIRE(pool.seq_free(b));
+  REQUIRE(pool.seq_free(c));
+  CHECK(pool.stats().used_pages == 0);
+}
+
 TEST_CASE("a page shared by two owners survives the first seq_free") {
   KVPagePool pool = make_pool(4, 2, 2, 2);
   int32_t a = pool.seq_create();
@@ -442,10 +493,10 @@ TEST_CASE("100k random page and sequence operations allocate nothing and keep ev
   KVPagePool& pool = arena->kv();  // 37 pages of 5 tokens, 4 slots of up to 5 pages (25 tokens)
   const uint64_t allocations_before = Arena::allocations_after_start();
   const uint64_t metadata_before = pool.metadata_bytes();
-  // Sized once: free stack + refcounts (37 x int32 each), tables (4 x 5 int32), tokens and pages (4 x int64
-  // each), free slots (4 x int32); the prefix cache's page keys (37 x uint64), flags (37 bytes), buckets (64, the
+  // Sized once: free stack + refcounts (37 x int32 each), tables (4 x 5 int32), tokens, pages and first pages
+  // held (4 x int64 each), free slots (4 x int32); the prefix cache's page keys (37 x uint64), flags (37 bytes), buckets (64, the
   // power of two at or past 37, x int32), bucket chain and LRU links (3 x 37 x int32).
-  CHECK(metadata_before == 37 * 4 * 2 + 4 * 5 * 4 + 4 * 8 * 2 + 4 * 4 + 37 * 8 + 37 + 64 * 4 + 3 * 37 * 4);
+  CHECK(metadata_before == 37 * 4 * 2 + 4 * 5 * 4 + 4 * 8 * 3 + 4 * 4 + 37 * 8 + 37 + 64 * 4 + 3 * 37 * 4);
 
   // A shadow of what the pool must hold: the loose page references the test owns (a page appears once per
   // reference) and each live sequence's length.
@@ -569,14 +620,14 @@ TEST_CASE("the allocation counter sees arena memory taken after an arena started
   {
     auto arena = make_arena(tiny_plan(), tiny_config());
     CHECK(Arena::allocations_after_start() == before_any);  // create() itself does not count
-    // A second pool while an arena is live: its twelve tables (six for pages and slots, six for the prefix
-    // cache) are twelve system allocations after start.
+    // A second pool while an arena is live: its thirteen tables (seven for pages and slots, six for the prefix
+    // cache) are thirteen system allocations after start.
     KVPagePool late = make_pool(8, 4, 2, 2);
-    CHECK(Arena::allocations_after_start() == before_any + 12);
+    CHECK(Arena::allocations_after_start() == before_any + 13);
   }
   // The arena is gone: set-up again.
   KVPagePool after = make_pool(8, 4, 2, 2);
-  CHECK(Arena::allocations_after_start() == before_any + 12);
+  CHECK(Arena::allocations_after_start() == before_any + 13);
 }
 
 // ---- the case for paging -------------------------------------------------------------------------------------

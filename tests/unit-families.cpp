@@ -120,6 +120,81 @@ TEST_CASE("each family's greedy continuations equal transformers' generate()") {
   }
 }
 
+// The families whose sliding layers sit beside full-attention ones: their windows get pages of their own.
+const std::vector<std::string>& mixed_families() {
+  static const std::vector<std::string> list = {"qwen2-swa", "gemma2", "gemma3_text"};
+  return list;
+}
+
+TEST_CASE("sliding layers keep only their windows in memory: pages go back as keys leave, logits stay transformers'") {
+  // Pages of 4 tokens, window 8: a query sees keys from 7 before it, so at rest a sequence needs the pages of its
+  // last 7 keys and its next one: at most ceil(7 / 4) + 1 = 3 pages, while a step of n tokens adds ceil(n / 4).
+  for (const std::string& name : mixed_families()) {
+    CAPTURE(name);
+    for (int64_t chunk : {int64_t(1), int64_t(5), int64_t(64)}) {  // token by token, chunks across the edge, one step
+      CAPTURE(chunk);
+      EngineOptions options;
+      options.backend = kvlite::BackendChoice::cpu;
+      options.plan.kv_page_tokens = 4;
+      options.plan.max_model_len = 64;
+      options.plan.max_batched_tokens = chunk;
+      options.plan.max_seqs = 2;
+      auto engine = open_family(name, options);
+      const Plan& plan = engine->plan();
+      const int64_t window = 8, page = 4;
+      REQUIRE(plan.kv_window == uint64_t(window));
+      const nlohmann::json config = nlohmann::json::parse(fx::read_file(family_dir(name) + "/config.json"));
+      int64_t sliding = 0;
+      for (const auto& kind : config["layer_types"]) sliding += kind == "sliding_attention";
+      const int64_t layers = config["num_hidden_layers"].get<int64_t>();
+      // f32 KV: 2 x kv_heads x head_dim x 4 bytes a layer and token, split by layer kind
+      const uint64_t per_layer = plan.kv_bytes_per_token / uint64_t(layers - sliding);
+      CHECK(plan.kv_window_bytes_per_token == per_layer * uint64_t(sliding));
+      // the windows of 2 sequences and one step's tokens, never more than 2 x 64 tokens' pages
+      CHECK(plan.kv_window_pages == std::min<uint64_t>(2 * (2 + 2) + uint64_t((chunk + 3) / 4), 2 * 16));
+      const Arena& arena = engine->arena();
+      REQUIRE(arena.kv_window() != nullptr);
+      CHECK(arena.region("kv_window")->bytes == plan.kv_window_pages * plan.kv_window_page_bytes);
+      check_logits(*engine, name);
+      const KVPagePool::Stats windows = arena.kv_window()->stats();
+      const KVPagePool::Stats full = arena.kv().stats();
+      MESSAGE(name << " chunk " << chunk << ": window pages peak " << windows.peak_used_pages << " of "
+                   << windows.total_pages << ", full pages peak " << full.peak_used_pages);
+      const int64_t step_pages = std::min<int64_t>(chunk, 40) / page + 2;  // a step's tokens touch this many pages
+      CHECK(windows.peak_used_pages <= (window - 1 + page - 1) / page + step_pages);
+      CHECK(full.peak_used_pages == 10);   // the 40-token prompt, every page
+      if (chunk < 40) CHECK(windows.page_frees > 0);
+      CHECK(windows.used_pages == 0);  // every sequence gone (pages the cache alone holds count as free)
+    }
+  }
+}
+
+TEST_CASE("sliding windows in memory: a cached prefix brings its window's pages, greedy tokens unchanged") {
+  for (const std::string& name : mixed_families()) {
+    CAPTURE(name);
+    EngineOptions options;
+    options.backend = kvlite::BackendChoice::cpu;
+    options.prefix_caching = true;
+    options.plan.kv_page_tokens = 4;
+    options.plan.max_model_len = 64;
+    options.plan.max_batched_tokens = 5;
+    auto engine = open_family(name, options);
+    REQUIRE(engine->plan().kv_window == 8);
+    const nlohmann::json reference = family_reference(name);
+    const auto& prompt = reference["prompts"][2];  // 40 tokens: 5 windows
+    SamplingParams params;
+    params.max_tokens = prompt["greedy"]["max_new_tokens"].get<int64_t>();
+    for (int run = 0; run < 2; run++) {
+      CAPTURE(run);
+      auto generation = engine->generate(fx::ids_of(prompt["input_ids"]), params);
+      REQUIRE_MESSAGE(generation, generation.error().message);
+      CHECK(generation->ids == fx::ids_of(prompt["greedy"]["new_ids"]));
+    }
+    // the second run attached the first one's pages: (40 - 1) / 4 = 9 of them, its window's among them
+    CHECK(engine->stats().prefix_pages_reused == 9);
+  }
+}
+
 TEST_CASE("sliding-window families under page pressure: preempted, recomputed, the same greedy tokens") {
   // The KV arena holds one max_model_len sequence (4 pages of 16 tokens); the three prompts with their 12 new
   // tokens need 8. The 40-token prompt runs past 3 x the window of 8 on either side of its preemption.
@@ -131,7 +206,9 @@ TEST_CASE("sliding-window families under page pressure: preempted, recomputed, t
     options.plan.max_batched_tokens = 16;
     options.plan.utilization = 1.0;
     const Plan probe = open_family(name, options)->plan();
-    options.plan.device_mem = probe.fixed_bytes + 4 * probe.kv_page_bytes;
+    // (gemma's sliding layers keep their windows in pages of their own, a fixed region beside the 4 pages)
+    const uint64_t windows = probe.kv_window_pages * probe.kv_window_page_bytes;
+    options.plan.device_mem = probe.fixed_bytes + 4 * probe.kv_page_bytes + (windows ? windows + kPlanAlignment : 0);
     auto engine = open_family(name, options);
     REQUIRE(engine->plan().kv_pages == 4);
     const nlohmann::json reference = family_reference(name);
@@ -380,14 +457,43 @@ TEST_CASE("published family configs: weights estimated within 2 percent, and a p
     options.max_model_len = 4096;
     auto plan = make_plan(*inputs, card, options);
     REQUIRE_MESSAGE(plan, plan.error().message);
-    CHECK(plan->kv_bytes_per_token == inputs->config.kv_bytes_per_token(2));
-    // the KV arena row says what the sliding layers keep and what their windows alone would take
+    // the full layers' KV in "kv" pages and the sliding ones' in "kv_window" pages: together every layer's
+    CHECK(plan->kv_bytes_per_token + plan->kv_window_bytes_per_token == inputs->config.kv_bytes_per_token(2));
+    // the KV arena row says what the sliding layers keep and what that saves
     CHECK(plan->sliding_kv_note.empty() == !inputs->config.text.block.has_sliding_layers());
     if (!plan->sliding_kv_note.empty()) CHECK(plan->table().find(plan->sliding_kv_note) != std::string::npos);
     if (name == "gemma-3-1b-it") {
-      // layers 5, 11, 17, 23 are global: (4 x 4096 + 22 x 512) / (26 x 4096) = 26%
-      CHECK(plan->sliding_kv_note.find("22 of 26 layers slide over 512 tokens") != std::string::npos);
-      CHECK(plan->sliding_kv_note.find("(26%)") != std::string::npos);
+      // layers 5, 11, 17, 23 are global; the 22 local ones keep 8 x (ceil(512 / 16) + 2) + 2048 / 16 = 400 pages
+      CHECK(plan->sliding_kv_note.find("22 of 26 layers slide over 512 tokens and keep only their windows") !=
+            std::string::npos);
+      CHECK(plan->kv_window == 512);
+      CHECK(plan->kv_window_bytes_per_token == 22 * 2 * 1 * 256 * 2);
+      CHECK(plan->kv_window_pages == 400);
+      CHECK(plan->kv_pages == 8 * 4096 / 16);  // max_seqs 8 x 4096 tokens of the full layers fit
+      // 8 sequences of 4096: (4 x 8 x 4096 + 22 x 400 x 16) / (26 x 8 x 4096) = 31.9%
+      CHECK(plan->sliding_kv_note.find("(32%)") != std::string::npos);
+    }
+    if (name == "gemma-3-4b-it") {
+      // the issue's case: one sequence of 32K. 5 of 34 layers are global; the local ones keep 1 x (1024 / 16 + 2)
+      // + 512 / 16 = 98 pages at max_batched_tokens 512: (5 x 32768 + 29 x 98 x 16) / (34 x 32768) = 18.8%, near
+      // the 17.3% of the windows alone (the step's tokens are the rest)
+      PlanOptions one;
+      one.utilization = 0.9;
+      one.max_model_len = 32768;
+      one.max_seqs = 1;
+      one.max_batched_tokens = 512;
+      auto long_plan = make_plan(*inputs, card, one);
+      REQUIRE_MESSAGE(long_plan, long_plan.error().message);
+      CHECK(long_plan->kv_window_pages == 98);
+      CHECK(long_plan->sliding_kv_note.find("29 of 34 layers slide over 1024 tokens and keep only their windows") !=
+            std::string::npos);
+      CHECK(long_plan->sliding_kv_note.find("(19%)") != std::string::npos);
+      MESSAGE(long_plan->sliding_kv_note);
+      // what the KV of that sequence takes against every layer's KV for 32K tokens (the weights alone are over an
+      // 8 GiB card's budget in bf16: this plan does not fit, its KV rows are still exact)
+      const uint64_t kv = long_plan->kv_pages_usable * long_plan->kv_page_bytes +
+                          long_plan->kv_window_pages * long_plan->kv_window_page_bytes;
+      CHECK(double(kv) / double(32768 * inputs->config.kv_bytes_per_token(2)) < 0.19);
     }
   }
 }
