@@ -741,6 +741,46 @@ TEST_CASE("programmatic launch computes what ordinary launches compute, bit for 
   }
 }
 
+TEST_CASE("model families on the GPU: sliding windows in memory, logits and greedy tokens as the CPU's, graphs too") {
+  GPU_OR_SKIP();
+  // tests/fixtures/families (tools/make_family_fixtures.py): window 8; the mixed ones keep their sliding layers'
+  // K/V in pages of their own, here of 4 tokens so that pages leave the window within the 40-token prompt.
+  for (const std::string name : {"mistral", "qwen2-swa", "phi3", "gemma2", "gemma3_text", "gemma3_text-linear",
+                                 "phi3-partial"}) {
+    CAPTURE(name);
+    const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/families/" + name;
+    const nlohmann::json reference = nlohmann::json::parse(fx::read_file(dir + "/reference.json"));
+    for (bool graphs : {false, true}) {
+      CAPTURE(graphs);
+      EngineOptions options;
+      options.backend = BackendChoice::cuda;
+      options.plan.device_mem = 1 * GiB;
+      options.plan.activation_dtype = DType::F32;
+      options.plan.kv_page_tokens = 4;
+      options.plan.max_model_len = 64;
+      options.cuda_graphs = graphs;
+      auto gpu = Engine::open(dir, options);
+      REQUIRE_MESSAGE(gpu, gpu.error().message);
+      const bool mixed = name.rfind("gemma", 0) == 0 || name == "qwen2-swa";
+      CHECK(((*gpu)->arena().kv_window() != nullptr) == mixed);
+      for (const auto& prompt : reference["prompts"]) {
+        const std::vector<int32_t> ids = fx::ids_of(prompt["input_ids"]);
+        const fx::Npy expected = fx::read_npy(dir + "/" + prompt["logits_file"].get<std::string>());
+        auto logits = (*gpu)->logits(ids);
+        REQUIRE_MESSAGE(logits, logits.error().message);
+        const double diff = fx::relative_max_diff(logits->values, expected.values);
+        MESSAGE(name << " prompt of " << ids.size() << " tokens on the GPU: max |gpu - transformers| / max = " << diff);
+        CHECK(diff <= 1e-4);
+        auto generation = (*gpu)->generate(ids, greedy(prompt["greedy"]["max_new_tokens"].get<int64_t>()));
+        REQUIRE_MESSAGE(generation, generation.error().message);
+        CHECK(generation->ids == fx::ids_of(prompt["greedy"]["new_ids"]));
+      }
+      if (graphs) CHECK((*gpu)->stats().graph_steps > 0);
+      if (mixed) CHECK((*gpu)->arena().kv_window()->stats().page_frees > 0);
+    }
+  }
+}
+
 TEST_CASE("no device allocation after open: the arena is the one cudaMalloc") {
   GPU_OR_SKIP();
   const uint64_t before = cuda::device_allocations();
