@@ -2396,6 +2396,10 @@ struct Plan {
   // max_batched_tokens (kv_window_pages_for), so that pool never runs out before the "kv" one. 0 without (no
   // sliding layers, all layers sliding, or a draft model, which shares the "kv" pages' ids).
   uint64_t kv_window = 0;  // W, the sliding layers' window
+  // Every layer slides (mistral, phi3 with sliding_window; no draft model): the "kv" pages themselves keep only the
+  // windows (kv_window set, kv_window_pages 0), and a sequence of any length up to max_model_len needs at most
+  // kv_window_pages_for one sequence of them.
+  bool kv_pages_windowed() const { return kv_window > 0 && kv_window_pages == 0; }
   uint64_t kv_window_bytes_per_token = 0;
   uint64_t kv_window_page_bytes = 0;
   uint64_t kv_window_pages = 0;
@@ -2498,9 +2502,12 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
                                            BackendKind backend);
 // How a model's KV splits into page groups. Both kinds of layer present (and `windows_in_memory`: no draft model):
 // the full-attention layers' KV in the "kv" pages, the sliding layers' (window W) in "kv_window" pages; else every
-// layer in "kv" (window_layers 0). Layer l's K/V sit in its group's pages at index group_layer(l).
+// layer in "kv" (window_layers 0), which keep only windows when every layer slides (main_window). Layer l's K/V sit
+// in its group's pages at index group_layer(l).
 struct KVGroups {
   int64_t full_layers = 0, window_layers = 0, window = 0;
+  // Every layer slides (and windows_in_memory): they all stay in "kv", whose pages keep only this window.
+  int64_t main_window = 0;
   std::vector<int64_t> group_layer;  // [num_layers]: the layer's index among its group's layers
   bool in_window(const BlockTraits& block, int64_t layer) const { return window_layers > 0 && block.window_of(layer) > 0; }
 };
@@ -2734,6 +2741,8 @@ class Arena {
   const KVPagePool* kv_window() const { return window_ > 0 ? &kv_window_ : nullptr; }
   const KVPageLayout& kv_window_layout() const { return kv_window_layout_; }
   int64_t window() const { return window_; }  // W, or 0
+  // Every layer slides (Plan::kv_pages_windowed): kv()'s own sequences keep only this window's pages; 0 otherwise.
+  int64_t kv_main_window() const { return main_window_; }
   int kv_element_bytes() const { return kv_element_bytes_; }  // 1 (fp8), 2 (bf16, f16) or 4 (f32)
   // System (host or device) allocations made for arena and page-pool memory after an Arena finished
   // create(), process-wide and monotonic. kvlite's promise is that this stays 0; tests assert it.
@@ -2752,6 +2761,7 @@ class Arena {
   KVPagePool kv_window_;
   KVPageLayout kv_window_layout_;
   int64_t window_ = 0;
+  int64_t main_window_ = 0;
 };
 
 }  // namespace kvlite
@@ -17509,10 +17519,19 @@ uint64_t kv_page_bytes_all(const Plan& plan) { return plan.kv_page_bytes + plan.
 // max_batched_tokens, whatever the context.
 uint64_t kv_window_bytes(const Plan& plan) { return plan.kv_window_pages * plan.kv_window_page_bytes; }
 
+// The "kv" pages one sequence of `tokens` tokens holds at most: all of them, or when those pages keep only windows,
+// its window's and one step's (Plan::kv_pages_windowed).
+uint64_t sequence_kv_pages(const Plan& plan, int64_t tokens) {
+  const uint64_t pages = ceil_div(uint64_t(std::max<int64_t>(tokens, 0)), plan.kv_page_tokens);
+  if (!plan.kv_pages_windowed()) return pages;
+  return std::min(pages, kv_window_pages_for(int64_t(plan.kv_window), int64_t(plan.kv_page_tokens), 1,
+                                             plan.options.max_batched_tokens, tokens));
+}
+
 // KV bytes one sequence of `tokens` tokens takes, in whole pages (and, with sliding windows in memory, the window
 // pages' region, which every plan of these options has).
 uint64_t kv_bytes_for(const Plan& plan, int64_t tokens) {
-  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * kv_page_bytes_all(plan) +
+  return sequence_kv_pages(plan, tokens) * kv_page_bytes_all(plan) +
          (plan.kv_window_pages > 0 ? kv_window_bytes(plan) + kPlanAlignment : 0);
 }
 
@@ -17553,6 +17572,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.kv_bytes_per_token = layer_token_bytes * (groups.window_layers > 0 ? uint64_t(groups.full_layers) : layers);
   plan.kv_page_tokens = uint64_t(o.kv_page_tokens);
   plan.kv_page_bytes = plan.kv_page_tokens * plan.kv_bytes_per_token;
+  if (groups.main_window > 0) plan.kv_window = uint64_t(groups.main_window);
   if (groups.window_layers > 0) {
     plan.kv_window = uint64_t(groups.window);
     plan.kv_window_bytes_per_token = layer_token_bytes * uint64_t(groups.window_layers);
@@ -17577,6 +17597,10 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   // display and other apps, a Jetson's with the OS): take only the pages max_seqs sequences of max_model_len
   // can use, no preemption needed. kv_fill: the whole budget, as vLLM does.
   plan.kv_pages_usable = uint64_t(o.max_seqs) * ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
+  // (every layer sliding: the windows of max_seqs sequences and one step, whatever max_model_len)
+  if (plan.kv_pages_windowed())
+    plan.kv_pages_usable = kv_window_pages_for(groups.main_window, o.kv_page_tokens, o.max_seqs, o.max_batched_tokens,
+                                               o.max_model_len);
   if (!o.kv_fill) plan.kv_pages = std::min(plan.kv_pages, plan.kv_pages_usable);
   // (the "draft_kv" region follows "kv" on a region boundary: arena_layout)
   // (and "kv_window" follows "kv" the same way)
@@ -17589,8 +17613,11 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.free_bytes = plan.budget_bytes > used ? plan.budget_bytes - used : 0;
   plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
   plan.max_model_len = o.max_model_len;
-  plan.concurrency = double(plan.kv_tokens) / double(o.max_model_len);
-  plan.fits = plan.kv_available_bytes > 0 && plan.kv_tokens >= uint64_t(o.max_model_len);
+  // (a sequence of max_model_len needs its pages, or with every layer sliding its window's and one step's)
+  const uint64_t sequence_pages = sequence_kv_pages(plan, o.max_model_len);
+  plan.concurrency = plan.kv_pages_windowed() ? double(plan.kv_pages) / double(sequence_pages)
+                                              : double(plan.kv_tokens) / double(o.max_model_len);
+  plan.fits = plan.kv_available_bytes > 0 && plan.kv_pages >= sequence_pages;
   plan.shortfall_bytes = plan.fits ? 0 : int64_t(kv_bytes_for(plan, o.max_model_len)) - plan.kv_available_bytes;
   return plan;
 }
@@ -17627,8 +17654,13 @@ void write_advice(const Inputs& in, Plan& plan) {
   const PlanOptions& o = plan.options;
   std::string ratio = format_ratio(o.utilization);
   if (plan.fits) {
-    plan.advice.push_back(format("KV holds %s tokens: %.1f sequences of %lld.", format_count(plan.kv_tokens).c_str(),
-                                 plan.concurrency, (long long)plan.max_model_len));
+    if (plan.kv_pages_windowed())
+      plan.advice.push_back(format("KV holds %s tokens of windows (%lld tokens a layer sees): %.1f sequences of %lld.",
+                                   format_count(plan.kv_tokens).c_str(), (long long)plan.kv_window, plan.concurrency,
+                                   (long long)plan.max_model_len));
+    else
+      plan.advice.push_back(format("KV holds %s tokens: %.1f sequences of %lld.", format_count(plan.kv_tokens).c_str(),
+                                   plan.concurrency, (long long)plan.max_model_len));
     return;
   }
   uint64_t needed = kv_bytes_for(plan, plan.max_model_len);
@@ -17742,9 +17774,10 @@ KVGroups kv_groups(const TextConfig& text, bool windows_in_memory) {
   const BlockTraits& block = text.block;
   int64_t sliding = 0;
   for (int64_t l = 0; l < text.num_layers; l++) sliding += block.window_of(l) > 0;
-  // Only a mix gets two groups: with every layer sliding the "kv" pages would hold none of the full layers, and
-  // that case (mistral / phi3 with sliding_window on every layer) keeps its KV for the whole context for now.
+  // Only a mix gets two groups; when every layer slides (mistral / phi3 with sliding_window) the "kv" pages are
+  // the windows.
   const bool split = windows_in_memory && sliding > 0 && sliding < text.num_layers;
+  if (windows_in_memory && sliding > 0 && sliding == text.num_layers) groups.main_window = block.sliding_window;
   groups.group_layer.assign(size_t(std::max<int64_t>(text.num_layers, 0)), 0);
   for (int64_t l = 0; l < text.num_layers; l++) {
     const bool window = split && block.window_of(l) > 0;
@@ -17954,7 +17987,18 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     const uint64_t kept = per_layer_token * uint64_t(layers) * uint64_t(length);
     const uint64_t windowed = per_layer_token * (uint64_t(layers - sliding) * uint64_t(length) +
                                                  uint64_t(sliding) * uint64_t(std::min(block.sliding_window, length)));
-    if (plan.kv_window > 0) {
+    if (plan.kv_pages_windowed()) {
+      const uint64_t held = plan.kv_pages_usable * plan.kv_page_bytes;
+      plan.sliding_kv_note = format(
+          "every layer slides over %lld tokens and keeps only its window: at most %s pages x %llu tokens (the windows "
+          "of %lld sequences and one step of %lld tokens), so %lld sequences of %lld tokens take %s instead of %s "
+          "with every token's KV kept (%.0f%%)",
+          (long long)block.sliding_window, format_count(plan.kv_pages_usable).c_str(),
+          (unsigned long long)plan.kv_page_tokens, (long long)plan.options.max_seqs,
+          (long long)plan.options.max_batched_tokens, (long long)plan.options.max_seqs, (long long)length,
+          format_bytes(held).c_str(), format_bytes(kept * uint64_t(plan.options.max_seqs)).c_str(),
+          100.0 * double(held) / double(kept * uint64_t(plan.options.max_seqs)));
+    } else if (plan.kv_window > 0) {
       // what the arena holds: the full layers' pages for max_seqs x max_model_len, the window pages for the rest
       const uint64_t full = plan.kv_pages_usable * plan.kv_page_bytes;
       plan.sliding_kv_note = format(
@@ -17969,11 +18013,9 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
           100.0 * double(full + kv_window_bytes(plan)) / double(kept * uint64_t(plan.options.max_seqs)));
     } else {
       plan.sliding_kv_note = format(
-          "%lld of %lld layers slide over %lld tokens but keep their KV for the whole context (%s): one %lld-token "
-          "sequence takes %s, its windows alone would take %s (%.0f%%)",
+          "%lld of %lld layers slide over %lld tokens but keep their KV for the whole context (a draft model shares "
+          "the pages): one %lld-token sequence takes %s, its windows alone would take %s (%.0f%%)",
           (long long)sliding, (long long)layers, (long long)block.sliding_window,
-          sliding == layers ? "every layer slides: windows are freed only beside full-attention layers, for now"
-                            : "a draft model shares the pages",
           (long long)length, format_bytes(kept).c_str(), format_bytes(windowed).c_str(),
           100.0 * double(windowed) / double(kept));
     }
@@ -17982,11 +18024,14 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
   // What would fit, whatever the verdict (from the bytes left, not the pages taken: the CPU caps those).
   // (the sliding windows' pages come first: their count is fixed by the options)
-  auto tokens_that_fit = [](const Plan& p) {
+  // (every layer sliding: a sequence of any length holds at most its window's pages, so once those fit, the
+  // model's whole context does)
+  const int64_t max_position = limits.max_position;
+  auto tokens_that_fit = [max_position](const Plan& p) {
     const int64_t window = p.kv_window_pages > 0 ? int64_t(kv_window_bytes(p) + kPlanAlignment) : 0;
-    return p.kv_available_bytes > window
-               ? int64_t(uint64_t(p.kv_available_bytes - window) / kv_page_bytes_all(p) * p.kv_page_tokens)
-               : 0;
+    const uint64_t pages = p.kv_available_bytes > window ? uint64_t(p.kv_available_bytes - window) / kv_page_bytes_all(p) : 0;
+    if (p.kv_pages_windowed() && pages > 0 && pages >= sequence_kv_pages(p, max_position)) return max_position;
+    return int64_t(pages * p.kv_page_tokens);
   };
   plan.max_model_len_that_fits = std::min<int64_t>(tokens_that_fit(plan), limits.max_position);
   uint64_t total_needed = plan.fixed_bytes + kv_bytes_for(plan, plan.max_model_len);
@@ -18111,6 +18156,9 @@ std::string Plan::table() const {
   if (kv_available_bytes > 0) {
     if (options.kv_fill)
       kv_why += "; fills the budget (--kv-fill)";
+    else if (kv_pages >= kv_pages_usable && kv_pages_windowed())
+      kv_why += format("; what the windows of max_seqs %lld sequences can use (--kv-fill takes the whole budget)",
+                       (long long)options.max_seqs);
     else if (kv_pages >= kv_pages_usable)
       kv_why += format("; what max_seqs %lld x max_model_len %lld can use (--kv-fill takes the whole budget)",
                        (long long)options.max_seqs, (long long)max_model_len);
@@ -18831,7 +18879,8 @@ Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig
                                   (long long)text.head_dim, (unsigned long long)plan.kv_page_tokens));
     // The full-attention layers' pages ("kv": every layer unless the sliding ones have pages of their own).
     const KVGroups groups = kv_groups(text, plan.kv_window > 0);
-    if ((groups.window_layers > 0) != (plan.kv_window_pages > 0) || uint64_t(groups.window) != plan.kv_window)
+    if ((groups.window_layers > 0) != (plan.kv_window_pages > 0) ||
+        uint64_t(groups.window_layers > 0 ? groups.window : groups.main_window) != plan.kv_window)
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("the plan keeps sliding windows in %llu pages of their own (window %llu) but %s has "
                                   "%lld sliding layers beside %lld full ones (window %lld); make the plan from the same "
@@ -18880,6 +18929,7 @@ Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig
     if (!pool) throw pool.error();
     arena->kv_ = std::move(*pool);
     arena->kv_layout_ = kv_layout;
+    arena->main_window_ = groups.main_window;
     if (groups.window_layers > 0) {
       Result<KVPagePool> window_pool =
           KVPagePool::create(int64_t(std::min<uint64_t>(plan.kv_window_pages, uint64_t(std::numeric_limits<int64_t>::max()))),
@@ -23690,6 +23740,7 @@ struct EngineRequest {
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <utility>
 #include <vector>
 
 namespace kvlite {
@@ -23706,10 +23757,12 @@ class Scheduler {
   // At open, once the arena is made: the pool the requests' K/V live in (which outlives the scheduler's use of
   // it), the step's token budget, its most sequences and whether admission looks for cached prefixes.
   // window_pool: the sliding layers' pages (Arena::kv_window), or nullptr; its sequences follow the pool's slot for
-  // slot, and each keeps only the pages its window of `window` tokens still reads.
-  void open(KVPagePool& pool, KVPagePool* window_pool, int64_t window, int64_t max_batched_tokens, int64_t max_seqs,
-            bool prefix_cache) {
+  // slot, and each keeps only the pages its window of `window` tokens still reads. main_window > 0: the pool's own
+  // sequences keep only that window (every layer slides: Arena::kv_main_window).
+  void open(KVPagePool& pool, int64_t main_window, KVPagePool* window_pool, int64_t window, int64_t max_batched_tokens,
+            int64_t max_seqs, bool prefix_cache) {
     pool_ = &pool;
+    main_window_ = main_window;
     window_pool_ = window_pool;
     window_ = window_pool ? window : 0;
     max_batched_tokens_ = max_batched_tokens;
@@ -23821,9 +23874,12 @@ class Scheduler {
   // after each step, once drafts are settled (r.computed is then what is kept), so that a request waiting for its
   // next step holds at most its window's pages.
   void trim_window(EngineRequest& r) {
-    if (!window_pool_ || r.slot < 0) return;
-    Status trimmed = window_pool_->seq_release_before(r.slot, r.computed - window_ + 1);
-    if (!trimmed) throw trimmed.error();
+    if (r.slot < 0) return;
+    for (auto [pool, window] : {std::pair<KVPagePool*, int64_t>{pool_, main_window_}, {window_pool_, window_}}) {
+      if (!pool || window <= 0) continue;
+      Status trimmed = pool->seq_release_before(r.slot, r.computed - window + 1);
+      if (!trimmed) throw trimmed.error();
+    }
   }
 
   // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache
@@ -23889,34 +23945,41 @@ class Scheduler {
     if (!prefix_cache_ || r.kind != RequestKind::generate) return;
     const int64_t page_tokens = pool_->page_tokens();
     const int64_t most = std::min<int64_t>((int64_t(r.tokens.size()) - 1) / page_tokens, int64_t(attach_pages_.size()));
-    int64_t hits = 0;
-    while (hits < most) {
-      const int32_t page = pool_->cache_lookup(page_key(r, hits));
-      if (page < 0) break;
-      attach_pages_[size_t(hits++)] = page;
-    }
-    if (window_pool_) {
-      // The sliding layers need the pages of the first query's window (keys from hits x page - W + 1 on) cached
-      // too; earlier ones are never read (-1). A shorter prefix may still have them.
-      for (; hits > 0; hits--) {
-        const int64_t first = std::max<int64_t>(0, hits * page_tokens - window_ + 1) / page_tokens;
-        bool found = true;
-        for (int64_t i = 0; i < hits; i++) {
-          const int32_t page = i < first ? -1 : window_pool_->cache_lookup(page_key(r, i));
-          if (i >= first && page < 0) {
-            found = false;
-            break;
-          }
-          attach_window_pages_[size_t(i)] = page;
-        }
-        if (found) break;
+    // Each pool needs the pages its first query reads cached: every page, or from a window's start on (earlier
+    // ones are never read again: -1). The longest prefix whose pages every pool has wins.
+    struct Candidate {
+      KVPagePool* pool;
+      int64_t window;
+      std::vector<int32_t>* pages;
+    };
+    const Candidate candidates[2] = {{pool_, main_window_, &attach_pages_}, {window_pool_, window_, &attach_window_pages_}};
+    int64_t looked = 0;  // pages whose keys were looked up: up to the first miss of a pool without a window
+    for (; looked < most; looked++) {
+      const uint64_t key = page_key(r, looked);
+      bool stop = false;
+      for (const Candidate& c : candidates) {
+        if (!c.pool) continue;
+        const int32_t page = c.pool->cache_lookup(key);
+        (*c.pages)[size_t(looked)] = page;
+        stop = stop || (page < 0 && c.window <= 0);
       }
+      if (stop) break;
+    }
+    auto first_read = [&](int64_t window, int64_t hits) {  // the first page a query at hits x page_tokens reads
+      return window > 0 ? std::max<int64_t>(0, hits * page_tokens - window + 1) / page_tokens : 0;
+    };
+    int64_t hits = looked;
+    for (; hits > 0; hits--) {
+      bool found = true;
+      for (const Candidate& c : candidates)
+        for (int64_t i = c.pool ? first_read(c.window, hits) : hits; found && i < hits; i++) found = (*c.pages)[size_t(i)] >= 0;
+      if (found) break;
     }
     if (hits == 0) return;
-    Status attached = pool_->seq_attach(r.slot, attach_pages_.data(), hits);
-    if (!attached) throw attached.error();
-    if (window_pool_) {
-      attached = window_pool_->seq_attach(r.slot, attach_window_pages_.data(), hits);
+    for (const Candidate& c : candidates) {
+      if (!c.pool) continue;
+      for (int64_t i = 0; i < first_read(c.window, hits); i++) (*c.pages)[size_t(i)] = -1;
+      Status attached = c.pool->seq_attach(r.slot, c.pages->data(), hits);
       if (!attached) throw attached.error();
     }
     r.computed = hits * page_tokens;
@@ -23953,6 +24016,7 @@ class Scheduler {
   }
 
   KVPagePool* pool_ = nullptr;
+  int64_t main_window_ = 0;            // > 0: pool_'s sequences keep only this window (every layer slides)
   KVPagePool* window_pool_ = nullptr;  // the sliding layers' pages, or nullptr
   int64_t window_ = 0;
   int64_t max_batched_tokens_ = 0;
@@ -25497,7 +25561,8 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
     e.batch.open(max_tokens, max_seqs, e.config.arch == Arch::qwen3_vl ? 3 : 1);  // M-RoPE: 3 rows of positions
     e.raw_row.assign(size_t(e.config.text.vocab_size), 0.0f);
-    e.scheduler.open(e.arena->kv(), e.arena->kv_window(), e.arena->window(), e.plan.options.max_batched_tokens,
+    e.scheduler.open(e.arena->kv(), e.arena->kv_main_window(), e.arena->kv_window(), e.arena->window(),
+                     e.plan.options.max_batched_tokens,
                      e.plan.options.max_seqs, e.plan.prefix_caching.value_or(!gpu));  // plan_engine resolved prefix caching
     e.info.prefix_caching = e.scheduler.prefix_caching();
     if (!gpu && e.backend->activation_dtype() != DType::F32)  // 16-bit logits on the CPU, widened for the sampler

@@ -202,6 +202,8 @@ class Arena {
   const KVPagePool* kv_window() const { return window_ > 0 ? &kv_window_ : nullptr; }
   const KVPageLayout& kv_window_layout() const { return kv_window_layout_; }
   int64_t window() const { return window_; }  // W, or 0
+  // Every layer slides (Plan::kv_pages_windowed): kv()'s own sequences keep only this window's pages; 0 otherwise.
+  int64_t kv_main_window() const { return main_window_; }
   int kv_element_bytes() const { return kv_element_bytes_; }  // 1 (fp8), 2 (bf16, f16) or 4 (f32)
   // System (host or device) allocations made for arena and page-pool memory after an Arena finished
   // create(), process-wide and monotonic. kvlite's promise is that this stays 0; tests assert it.
@@ -220,6 +222,7 @@ class Arena {
   KVPagePool kv_window_;
   KVPageLayout kv_window_layout_;
   int64_t window_ = 0;
+  int64_t main_window_ = 0;
 };
 
 }  // namespace kvlite

@@ -439,7 +439,8 @@ Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig
                                   (long long)text.head_dim, (unsigned long long)plan.kv_page_tokens));
     // The full-attention layers' pages ("kv": every layer unless the sliding ones have pages of their own).
     const KVGroups groups = kv_groups(text, plan.kv_window > 0);
-    if ((groups.window_layers > 0) != (plan.kv_window_pages > 0) || uint64_t(groups.window) != plan.kv_window)
+    if ((groups.window_layers > 0) != (plan.kv_window_pages > 0) ||
+        uint64_t(groups.window_layers > 0 ? groups.window : groups.main_window) != plan.kv_window)
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("the plan keeps sliding windows in %llu pages of their own (window %llu) but %s has "
                                   "%lld sliding layers beside %lld full ones (window %lld); make the plan from the same "
@@ -488,6 +489,7 @@ Result<std::unique_ptr<Arena>> Arena::create(const Plan& plan, const ModelConfig
     if (!pool) throw pool.error();
     arena->kv_ = std::move(*pool);
     arena->kv_layout_ = kv_layout;
+    arena->main_window_ = groups.main_window;
     if (groups.window_layers > 0) {
       Result<KVPagePool> window_pool =
           KVPagePool::create(int64_t(std::min<uint64_t>(plan.kv_window_pages, uint64_t(std::numeric_limits<int64_t>::max()))),

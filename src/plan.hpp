@@ -134,6 +134,10 @@ struct Plan {
   // max_batched_tokens (kv_window_pages_for), so that pool never runs out before the "kv" one. 0 without (no
   // sliding layers, all layers sliding, or a draft model, which shares the "kv" pages' ids).
   uint64_t kv_window = 0;  // W, the sliding layers' window
+  // Every layer slides (mistral, phi3 with sliding_window; no draft model): the "kv" pages themselves keep only the
+  // windows (kv_window set, kv_window_pages 0), and a sequence of any length up to max_model_len needs at most
+  // kv_window_pages_for one sequence of them.
+  bool kv_pages_windowed() const { return kv_window > 0 && kv_window_pages == 0; }
   uint64_t kv_window_bytes_per_token = 0;
   uint64_t kv_window_page_bytes = 0;
   uint64_t kv_window_pages = 0;
@@ -236,9 +240,12 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
                                            BackendKind backend);
 // How a model's KV splits into page groups. Both kinds of layer present (and `windows_in_memory`: no draft model):
 // the full-attention layers' KV in the "kv" pages, the sliding layers' (window W) in "kv_window" pages; else every
-// layer in "kv" (window_layers 0). Layer l's K/V sit in its group's pages at index group_layer(l).
+// layer in "kv" (window_layers 0), which keep only windows when every layer slides (main_window). Layer l's K/V sit
+// in its group's pages at index group_layer(l).
 struct KVGroups {
   int64_t full_layers = 0, window_layers = 0, window = 0;
+  // Every layer slides (and windows_in_memory): they all stay in "kv", whose pages keep only this window.
+  int64_t main_window = 0;
   std::vector<int64_t> group_layer;  // [num_layers]: the layer's index among its group's layers
   bool in_window(const BlockTraits& block, int64_t layer) const { return window_layers > 0 && block.window_of(layer) > 0; }
 };

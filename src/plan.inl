@@ -665,10 +665,19 @@ uint64_t kv_page_bytes_all(const Plan& plan) { return plan.kv_page_bytes + plan.
 // max_batched_tokens, whatever the context.
 uint64_t kv_window_bytes(const Plan& plan) { return plan.kv_window_pages * plan.kv_window_page_bytes; }
 
+// The "kv" pages one sequence of `tokens` tokens holds at most: all of them, or when those pages keep only windows,
+// its window's and one step's (Plan::kv_pages_windowed).
+uint64_t sequence_kv_pages(const Plan& plan, int64_t tokens) {
+  const uint64_t pages = ceil_div(uint64_t(std::max<int64_t>(tokens, 0)), plan.kv_page_tokens);
+  if (!plan.kv_pages_windowed()) return pages;
+  return std::min(pages, kv_window_pages_for(int64_t(plan.kv_window), int64_t(plan.kv_page_tokens), 1,
+                                             plan.options.max_batched_tokens, tokens));
+}
+
 // KV bytes one sequence of `tokens` tokens takes, in whole pages (and, with sliding windows in memory, the window
 // pages' region, which every plan of these options has).
 uint64_t kv_bytes_for(const Plan& plan, int64_t tokens) {
-  return ceil_div(uint64_t(tokens), plan.kv_page_tokens) * kv_page_bytes_all(plan) +
+  return sequence_kv_pages(plan, tokens) * kv_page_bytes_all(plan) +
          (plan.kv_window_pages > 0 ? kv_window_bytes(plan) + kPlanAlignment : 0);
 }
 
@@ -709,6 +718,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.kv_bytes_per_token = layer_token_bytes * (groups.window_layers > 0 ? uint64_t(groups.full_layers) : layers);
   plan.kv_page_tokens = uint64_t(o.kv_page_tokens);
   plan.kv_page_bytes = plan.kv_page_tokens * plan.kv_bytes_per_token;
+  if (groups.main_window > 0) plan.kv_window = uint64_t(groups.main_window);
   if (groups.window_layers > 0) {
     plan.kv_window = uint64_t(groups.window);
     plan.kv_window_bytes_per_token = layer_token_bytes * uint64_t(groups.window_layers);
@@ -733,6 +743,10 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   // display and other apps, a Jetson's with the OS): take only the pages max_seqs sequences of max_model_len
   // can use, no preemption needed. kv_fill: the whole budget, as vLLM does.
   plan.kv_pages_usable = uint64_t(o.max_seqs) * ceil_div(uint64_t(o.max_model_len), plan.kv_page_tokens);
+  // (every layer sliding: the windows of max_seqs sequences and one step, whatever max_model_len)
+  if (plan.kv_pages_windowed())
+    plan.kv_pages_usable = kv_window_pages_for(groups.main_window, o.kv_page_tokens, o.max_seqs, o.max_batched_tokens,
+                                               o.max_model_len);
   if (!o.kv_fill) plan.kv_pages = std::min(plan.kv_pages, plan.kv_pages_usable);
   // (the "draft_kv" region follows "kv" on a region boundary: arena_layout)
   // (and "kv_window" follows "kv" the same way)
@@ -745,8 +759,11 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.free_bytes = plan.budget_bytes > used ? plan.budget_bytes - used : 0;
   plan.kv_tokens = plan.kv_pages * plan.kv_page_tokens;
   plan.max_model_len = o.max_model_len;
-  plan.concurrency = double(plan.kv_tokens) / double(o.max_model_len);
-  plan.fits = plan.kv_available_bytes > 0 && plan.kv_tokens >= uint64_t(o.max_model_len);
+  // (a sequence of max_model_len needs its pages, or with every layer sliding its window's and one step's)
+  const uint64_t sequence_pages = sequence_kv_pages(plan, o.max_model_len);
+  plan.concurrency = plan.kv_pages_windowed() ? double(plan.kv_pages) / double(sequence_pages)
+                                              : double(plan.kv_tokens) / double(o.max_model_len);
+  plan.fits = plan.kv_available_bytes > 0 && plan.kv_pages >= sequence_pages;
   plan.shortfall_bytes = plan.fits ? 0 : int64_t(kv_bytes_for(plan, o.max_model_len)) - plan.kv_available_bytes;
   return plan;
 }
@@ -783,8 +800,13 @@ void write_advice(const Inputs& in, Plan& plan) {
   const PlanOptions& o = plan.options;
   std::string ratio = format_ratio(o.utilization);
   if (plan.fits) {
-    plan.advice.push_back(format("KV holds %s tokens: %.1f sequences of %lld.", format_count(plan.kv_tokens).c_str(),
-                                 plan.concurrency, (long long)plan.max_model_len));
+    if (plan.kv_pages_windowed())
+      plan.advice.push_back(format("KV holds %s tokens of windows (%lld tokens a layer sees): %.1f sequences of %lld.",
+                                   format_count(plan.kv_tokens).c_str(), (long long)plan.kv_window, plan.concurrency,
+                                   (long long)plan.max_model_len));
+    else
+      plan.advice.push_back(format("KV holds %s tokens: %.1f sequences of %lld.", format_count(plan.kv_tokens).c_str(),
+                                   plan.concurrency, (long long)plan.max_model_len));
     return;
   }
   uint64_t needed = kv_bytes_for(plan, plan.max_model_len);
@@ -898,9 +920,10 @@ KVGroups kv_groups(const TextConfig& text, bool windows_in_memory) {
   const BlockTraits& block = text.block;
   int64_t sliding = 0;
   for (int64_t l = 0; l < text.num_layers; l++) sliding += block.window_of(l) > 0;
-  // Only a mix gets two groups: with every layer sliding the "kv" pages would hold none of the full layers, and
-  // that case (mistral / phi3 with sliding_window on every layer) keeps its KV for the whole context for now.
+  // Only a mix gets two groups; when every layer slides (mistral / phi3 with sliding_window) the "kv" pages are
+  // the windows.
   const bool split = windows_in_memory && sliding > 0 && sliding < text.num_layers;
+  if (windows_in_memory && sliding > 0 && sliding == text.num_layers) groups.main_window = block.sliding_window;
   groups.group_layer.assign(size_t(std::max<int64_t>(text.num_layers, 0)), 0);
   for (int64_t l = 0; l < text.num_layers; l++) {
     const bool window = split && block.window_of(l) > 0;
@@ -1110,7 +1133,18 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     const uint64_t kept = per_layer_token * uint64_t(layers) * uint64_t(length);
     const uint64_t windowed = per_layer_token * (uint64_t(layers - sliding) * uint64_t(length) +
                                                  uint64_t(sliding) * uint64_t(std::min(block.sliding_window, length)));
-    if (plan.kv_window > 0) {
+    if (plan.kv_pages_windowed()) {
+      const uint64_t held = plan.kv_pages_usable * plan.kv_page_bytes;
+      plan.sliding_kv_note = format(
+          "every layer slides over %lld tokens and keeps only its window: at most %s pages x %llu tokens (the windows "
+          "of %lld sequences and one step of %lld tokens), so %lld sequences of %lld tokens take %s instead of %s "
+          "with every token's KV kept (%.0f%%)",
+          (long long)block.sliding_window, format_count(plan.kv_pages_usable).c_str(),
+          (unsigned long long)plan.kv_page_tokens, (long long)plan.options.max_seqs,
+          (long long)plan.options.max_batched_tokens, (long long)plan.options.max_seqs, (long long)length,
+          format_bytes(held).c_str(), format_bytes(kept * uint64_t(plan.options.max_seqs)).c_str(),
+          100.0 * double(held) / double(kept * uint64_t(plan.options.max_seqs)));
+    } else if (plan.kv_window > 0) {
       // what the arena holds: the full layers' pages for max_seqs x max_model_len, the window pages for the rest
       const uint64_t full = plan.kv_pages_usable * plan.kv_page_bytes;
       plan.sliding_kv_note = format(
@@ -1125,11 +1159,9 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
           100.0 * double(full + kv_window_bytes(plan)) / double(kept * uint64_t(plan.options.max_seqs)));
     } else {
       plan.sliding_kv_note = format(
-          "%lld of %lld layers slide over %lld tokens but keep their KV for the whole context (%s): one %lld-token "
-          "sequence takes %s, its windows alone would take %s (%.0f%%)",
+          "%lld of %lld layers slide over %lld tokens but keep their KV for the whole context (a draft model shares "
+          "the pages): one %lld-token sequence takes %s, its windows alone would take %s (%.0f%%)",
           (long long)sliding, (long long)layers, (long long)block.sliding_window,
-          sliding == layers ? "every layer slides: windows are freed only beside full-attention layers, for now"
-                            : "a draft model shares the pages",
           (long long)length, format_bytes(kept).c_str(), format_bytes(windowed).c_str(),
           100.0 * double(windowed) / double(kept));
     }
@@ -1138,11 +1170,14 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
 
   // What would fit, whatever the verdict (from the bytes left, not the pages taken: the CPU caps those).
   // (the sliding windows' pages come first: their count is fixed by the options)
-  auto tokens_that_fit = [](const Plan& p) {
+  // (every layer sliding: a sequence of any length holds at most its window's pages, so once those fit, the
+  // model's whole context does)
+  const int64_t max_position = limits.max_position;
+  auto tokens_that_fit = [max_position](const Plan& p) {
     const int64_t window = p.kv_window_pages > 0 ? int64_t(kv_window_bytes(p) + kPlanAlignment) : 0;
-    return p.kv_available_bytes > window
-               ? int64_t(uint64_t(p.kv_available_bytes - window) / kv_page_bytes_all(p) * p.kv_page_tokens)
-               : 0;
+    const uint64_t pages = p.kv_available_bytes > window ? uint64_t(p.kv_available_bytes - window) / kv_page_bytes_all(p) : 0;
+    if (p.kv_pages_windowed() && pages > 0 && pages >= sequence_kv_pages(p, max_position)) return max_position;
+    return int64_t(pages * p.kv_page_tokens);
   };
   plan.max_model_len_that_fits = std::min<int64_t>(tokens_that_fit(plan), limits.max_position);
   uint64_t total_needed = plan.fixed_bytes + kv_bytes_for(plan, plan.max_model_len);
@@ -1267,6 +1302,9 @@ std::string Plan::table() const {
   if (kv_available_bytes > 0) {
     if (options.kv_fill)
       kv_why += "; fills the budget (--kv-fill)";
+    else if (kv_pages >= kv_pages_usable && kv_pages_windowed())
+      kv_why += format("; what the windows of max_seqs %lld sequences can use (--kv-fill takes the whole budget)",
+                       (long long)options.max_seqs);
     else if (kv_pages >= kv_pages_usable)
       kv_why += format("; what max_seqs %lld x max_model_len %lld can use (--kv-fill takes the whole budget)",
                        (long long)options.max_seqs, (long long)max_model_len);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <utility>
 #include <vector>
 
 namespace kvlite {
@@ -23,10 +24,12 @@ class Scheduler {
   // At open, once the arena is made: the pool the requests' K/V live in (which outlives the scheduler's use of
   // it), the step's token budget, its most sequences and whether admission looks for cached prefixes.
   // window_pool: the sliding layers' pages (Arena::kv_window), or nullptr; its sequences follow the pool's slot for
-  // slot, and each keeps only the pages its window of `window` tokens still reads.
-  void open(KVPagePool& pool, KVPagePool* window_pool, int64_t window, int64_t max_batched_tokens, int64_t max_seqs,
-            bool prefix_cache) {
+  // slot, and each keeps only the pages its window of `window` tokens still reads. main_window > 0: the pool's own
+  // sequences keep only that window (every layer slides: Arena::kv_main_window).
+  void open(KVPagePool& pool, int64_t main_window, KVPagePool* window_pool, int64_t window, int64_t max_batched_tokens,
+            int64_t max_seqs, bool prefix_cache) {
     pool_ = &pool;
+    main_window_ = main_window;
     window_pool_ = window_pool;
     window_ = window_pool ? window : 0;
     max_batched_tokens_ = max_batched_tokens;
@@ -138,9 +141,12 @@ class Scheduler {
   // after each step, once drafts are settled (r.computed is then what is kept), so that a request waiting for its
   // next step holds at most its window's pages.
   void trim_window(EngineRequest& r) {
-    if (!window_pool_ || r.slot < 0) return;
-    Status trimmed = window_pool_->seq_release_before(r.slot, r.computed - window_ + 1);
-    if (!trimmed) throw trimmed.error();
+    if (r.slot < 0) return;
+    for (auto [pool, window] : {std::pair<KVPagePool*, int64_t>{pool_, main_window_}, {window_pool_, window_}}) {
+      if (!pool || window <= 0) continue;
+      Status trimmed = pool->seq_release_before(r.slot, r.computed - window + 1);
+      if (!trimmed) throw trimmed.error();
+    }
   }
 
   // Enters r's full pages whose K/V is final (all of their tokens computed and kept: not drafts) into the cache
@@ -206,34 +212,41 @@ class Scheduler {
     if (!prefix_cache_ || r.kind != RequestKind::generate) return;
     const int64_t page_tokens = pool_->page_tokens();
     const int64_t most = std::min<int64_t>((int64_t(r.tokens.size()) - 1) / page_tokens, int64_t(attach_pages_.size()));
-    int64_t hits = 0;
-    while (hits < most) {
-      const int32_t page = pool_->cache_lookup(page_key(r, hits));
-      if (page < 0) break;
-      attach_pages_[size_t(hits++)] = page;
-    }
-    if (window_pool_) {
-      // The sliding layers need the pages of the first query's window (keys from hits x page - W + 1 on) cached
-      // too; earlier ones are never read (-1). A shorter prefix may still have them.
-      for (; hits > 0; hits--) {
-        const int64_t first = std::max<int64_t>(0, hits * page_tokens - window_ + 1) / page_tokens;
-        bool found = true;
-        for (int64_t i = 0; i < hits; i++) {
-          const int32_t page = i < first ? -1 : window_pool_->cache_lookup(page_key(r, i));
-          if (i >= first && page < 0) {
-            found = false;
-            break;
-          }
-          attach_window_pages_[size_t(i)] = page;
-        }
-        if (found) break;
+    // Each pool needs the pages its first query reads cached: every page, or from a window's start on (earlier
+    // ones are never read again: -1). The longest prefix whose pages every pool has wins.
+    struct Candidate {
+      KVPagePool* pool;
+      int64_t window;
+      std::vector<int32_t>* pages;
+    };
+    const Candidate candidates[2] = {{pool_, main_window_, &attach_pages_}, {window_pool_, window_, &attach_window_pages_}};
+    int64_t looked = 0;  // pages whose keys were looked up: up to the first miss of a pool without a window
+    for (; looked < most; looked++) {
+      const uint64_t key = page_key(r, looked);
+      bool stop = false;
+      for (const Candidate& c : candidates) {
+        if (!c.pool) continue;
+        const int32_t page = c.pool->cache_lookup(key);
+        (*c.pages)[size_t(looked)] = page;
+        stop = stop || (page < 0 && c.window <= 0);
       }
+      if (stop) break;
+    }
+    auto first_read = [&](int64_t window, int64_t hits) {  // the first page a query at hits x page_tokens reads
+      return window > 0 ? std::max<int64_t>(0, hits * page_tokens - window + 1) / page_tokens : 0;
+    };
+    int64_t hits = looked;
+    for (; hits > 0; hits--) {
+      bool found = true;
+      for (const Candidate& c : candidates)
+        for (int64_t i = c.pool ? first_read(c.window, hits) : hits; found && i < hits; i++) found = (*c.pages)[size_t(i)] >= 0;
+      if (found) break;
     }
     if (hits == 0) return;
-    Status attached = pool_->seq_attach(r.slot, attach_pages_.data(), hits);
-    if (!attached) throw attached.error();
-    if (window_pool_) {
-      attached = window_pool_->seq_attach(r.slot, attach_window_pages_.data(), hits);
+    for (const Candidate& c : candidates) {
+      if (!c.pool) continue;
+      for (int64_t i = 0; i < first_read(c.window, hits); i++) (*c.pages)[size_t(i)] = -1;
+      Status attached = c.pool->seq_attach(r.slot, c.pages->data(), hits);
       if (!attached) throw attached.error();
     }
     r.computed = hits * page_tokens;
@@ -270,6 +283,7 @@ class Scheduler {
   }
 
   KVPagePool* pool_ = nullptr;
+  int64_t main_window_ = 0;            // > 0: pool_'s sequences keep only this window (every layer slides)
   KVPagePool* window_pool_ = nullptr;  // the sliding layers' pages, or nullptr
   int64_t window_ = 0;
   int64_t max_batched_tokens_ = 0;

@@ -169,8 +169,41 @@ TEST_CASE("sliding layers keep only their windows in memory: pages go back as ke
   }
 }
 
+TEST_CASE("every layer sliding: the KV pages themselves keep only the windows, logits stay transformers'") {
+  // mistral and phi3 slide over 8 tokens on every layer: one pool, each sequence trimmed to its window's pages
+  for (const std::string& name : {std::string("mistral"), std::string("phi3")}) {
+    CAPTURE(name);
+    for (int64_t chunk : {int64_t(1), int64_t(5), int64_t(64)}) {
+      CAPTURE(chunk);
+      EngineOptions options;
+      options.backend = kvlite::BackendChoice::cpu;
+      options.plan.kv_page_tokens = 4;
+      options.plan.max_model_len = 64;
+      options.plan.max_batched_tokens = chunk;
+      options.plan.max_seqs = 2;
+      auto engine = open_family(name, options);
+      const Plan& plan = engine->plan();
+      REQUIRE(plan.kv_pages_windowed());
+      CHECK(plan.kv_window == 8);
+      CHECK(plan.kv_window_pages == 0);
+      CHECK(engine->arena().kv_window() == nullptr);
+      CHECK(engine->arena().kv_main_window() == 8);
+      // the windows of 2 sequences and one step's tokens, never more than 2 x 64 tokens' pages
+      CHECK(plan.kv_pages == std::min<uint64_t>(2 * (2 + 2) + uint64_t((chunk + 3) / 4), 2 * 16));
+      CHECK(plan.sliding_kv_note.find("every layer slides over 8 tokens and keeps only its window") != std::string::npos);
+      check_logits(*engine, name);
+      const KVPagePool::Stats pages = engine->arena().kv().stats();
+      MESSAGE(name << " chunk " << chunk << ": pages peak " << pages.peak_used_pages << " of " << pages.total_pages);
+      CHECK(pages.peak_used_pages <= (8 - 1 + 3) / 4 + std::min<int64_t>(chunk, 40) / 4 + 2);
+      if (chunk < 40) CHECK(pages.page_frees > 0);
+      CHECK(pages.used_pages == 0);
+    }
+  }
+}
+
 TEST_CASE("sliding windows in memory: a cached prefix brings its window's pages, greedy tokens unchanged") {
-  for (const std::string& name : mixed_families()) {
+  for (const std::string& name : {std::string("qwen2-swa"), std::string("gemma2"), std::string("gemma3_text"),
+                                  std::string("mistral")}) {
     CAPTURE(name);
     EngineOptions options;
     options.backend = kvlite::BackendChoice::cpu;
@@ -180,6 +213,7 @@ TEST_CASE("sliding windows in memory: a cached prefix brings its window's pages,
     options.plan.max_batched_tokens = 5;
     auto engine = open_family(name, options);
     REQUIRE(engine->plan().kv_window == 8);
+    CHECK(engine->plan().kv_pages_windowed() == (name == "mistral"));
     const nlohmann::json reference = family_reference(name);
     const auto& prompt = reference["prompts"][2];  // 40 tokens: 5 windows
     SamplingParams params;
@@ -196,21 +230,26 @@ TEST_CASE("sliding windows in memory: a cached prefix brings its window's pages,
 }
 
 TEST_CASE("sliding-window families under page pressure: preempted, recomputed, the same greedy tokens") {
-  // The KV arena holds one max_model_len sequence (4 pages of 16 tokens); the three prompts with their 12 new
-  // tokens need 8. The 40-token prompt runs past 3 x the window of 8 on either side of its preemption.
+  // Pages of 4 tokens. The KV arena holds one max_model_len sequence: 16 pages (gemma's full layers), or for
+  // mistral, whose every layer slides and keeps only its window of 8, the 8 pages one sequence can touch in a step
+  // of 16 tokens (its window's 2 + 2, and the step's 4). The three prompts with their 12 new tokens need more.
+  // The 40-token prompt runs past 3 x the window on either side of its preemption.
   for (const std::string& name : {std::string("mistral"), std::string("gemma2"), std::string("gemma3_text")}) {
     CAPTURE(name);
     EngineOptions options;
     options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     options.plan.max_model_len = 64;
     options.plan.max_batched_tokens = 16;
+    options.plan.kv_page_tokens = 4;
     options.plan.utilization = 1.0;
     const Plan probe = open_family(name, options)->plan();
-    // (gemma's sliding layers keep their windows in pages of their own, a fixed region beside the 4 pages)
+    const uint64_t pages = probe.kv_pages_windowed() ? kv_window_pages_for(8, 4, 1, 16, 64) : 16;
+    CHECK(probe.kv_pages_windowed() == (name == "mistral"));
+    // (gemma's sliding layers keep their windows in pages of their own, a fixed region beside the full layers')
     const uint64_t windows = probe.kv_window_pages * probe.kv_window_page_bytes;
-    options.plan.device_mem = probe.fixed_bytes + 4 * probe.kv_page_bytes + (windows ? windows + kPlanAlignment : 0);
+    options.plan.device_mem = probe.fixed_bytes + pages * probe.kv_page_bytes + (windows ? windows + kPlanAlignment : 0);
     auto engine = open_family(name, options);
-    REQUIRE(engine->plan().kv_pages == 4);
+    REQUIRE(engine->plan().kv_pages == pages);
     const nlohmann::json reference = family_reference(name);
     std::vector<RequestId> ids;
     for (size_t k : {size_t(2), size_t(1), size_t(0)}) {
