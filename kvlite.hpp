@@ -17517,7 +17517,12 @@ uint64_t kv_page_bytes_all(const Plan& plan) { return plan.kv_page_bytes + plan.
 
 // The "kv_window" region's bytes (0 without sliding windows in memory): fixed by max_seqs, the window and
 // max_batched_tokens, whatever the context.
-uint64_t kv_window_bytes(const Plan& plan) { return plan.kv_window_pages * plan.kv_window_page_bytes; }
+// (saturated: a hostile config's window could wrap 64 bits; a saturated figure never fits any budget)
+uint64_t kv_window_bytes(const Plan& plan) {
+  uint64_t bytes = 0;
+  if (__builtin_mul_overflow(plan.kv_window_pages, plan.kv_window_page_bytes, &bytes)) return uint64_t(1) << 62;
+  return std::min(bytes, uint64_t(1) << 62);
+}
 
 // The "kv" pages one sequence of `tokens` tokens holds at most: all of them, or when those pages keep only windows,
 // its window's and one step's (Plan::kv_pages_windowed).
