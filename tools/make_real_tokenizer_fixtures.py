@@ -133,6 +133,9 @@ def case_strings(family):
         a, b, f"{a}hello{b}", f"before {a} middle {b} after", f"{a}{a}{b}", f"  {a}  spaced  {b}  ",
         f"{a}\n\nnewlines after", f"text{b}\n", f"{a[:-1]} not quite", f"<{a}>", f"{a}{a[1:]}",
         " xylophone xylophones",
+        # long runs: the pre-tokenizer regexes' whitespace and digit rules, and words far longer than a token
+        " " * 300, "\n" * 64 + "x", "\t \n" * 40, "x" + " " * 77 + "y", "9" * 201, "a" * 500, "😀" * 50,
+        "ab " * 100, "-" * 80 + "\n" + "=" * 80, "\u3000" * 20 + "全角",
     ]
     for token in specials:
         cases += [token, f"x{token}y", f" {token} ", f"\n{token}\n"]
