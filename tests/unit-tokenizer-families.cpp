@@ -1,8 +1,9 @@
 // tokenizer families: tokenizer.json files wired like SmolLM2, Phi-4-mini, Mistral v0.3, Phi-3.5, Gemma 2/3
-// and two mixes of the remaining components, and Mistral v0.3 / v0.1 on their real 32k SentencePiece
-// vocabularies, checked id for id and string for string against Hugging Face
-// `tokenizers` (tests/fixtures/tokenizers/<family>/cases.json, written by
-// tools/make_tokenizer_family_fixtures.py), plus the streaming decoder on each and the typed refusals.
+// and two mixes of the remaining components, Mistral v0.3 / v0.1 on their real 32k SentencePiece
+// vocabularies, and the REAL Llama-3.2 and Qwen3 files, checked id for id and string for string against Hugging
+// Face `tokenizers` (tests/fixtures/tokenizers/<family>/cases.json, written by
+// tools/make_tokenizer_family_fixtures.py and tools/make_real_tokenizer_fixtures.py), plus the streaming decoder
+// on each and the typed refusals.
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 #include <fstream>
