@@ -182,3 +182,38 @@ TEST_CASE("Metaspace prepend_scheme first adds the space only at the very start 
   CHECK(std::vector<int32_t>(after_special.begin() + 1, after_special.end()) != at_start);
   CHECK(tokenizer.decode(at_start, false).value() == "Hello");
 }
+
+TEST_CASE("real tokenizer files: added tokens, bos / eos and the shipped chat template read as transformers does") {
+  size_t chats_checked = 0;
+  for (const std::string family : {"llama-3.2-real", "qwen3-real"}) {
+    CAPTURE(family);
+    Tokenizer tokenizer = load_family(family);
+    Json truth = read_json(fixture_path("tokenizers/" + family + "/cases.json"));
+    REQUIRE_FALSE(truth["stand_in"].get<bool>());
+    REQUIRE(truth["added_tokens"].size() > 20);
+    for (const Json& added : truth["added_tokens"]) {
+      const int32_t id = added[0].get<int32_t>();
+      const std::string content = added[1].get<std::string>();
+      CAPTURE(content);
+      CHECK(tokenizer.token_id(content) == id);
+      CHECK(tokenizer.token_text(id) == content);
+      CHECK(tokenizer.is_special(id) == added[2].get<bool>());
+    }
+    CHECK(tokenizer.bos_id() == (truth["bos_id"].is_null() ? -1 : truth["bos_id"].get<int32_t>()));
+    CHECK(tokenizer.eos_id() == (truth["eos_id"].is_null() ? -1 : truth["eos_id"].get<int32_t>()));
+    CHECK(tokenizer.has_chat_template() == !truth["chats"].empty());
+    for (const Json& chat : truth["chats"]) {
+      // (JSON text as transformers was given it: the tools' keys reach tojson in their order, not sorted)
+      const std::string messages = chat["messages_json"].get<std::string>();
+      CAPTURE(messages);
+      Result<std::string> text = tokenizer.apply_chat_template(messages, chat["add_generation_prompt"].get<bool>(),
+                                                               chat["extra_json"].get<std::string>());
+      REQUIRE_MESSAGE(text.ok(), text.error().message);
+      CHECK(*text == chat["text"].get<std::string>());
+      // the rendered prompt already holds its special tokens: transformers tokenizes it without adding more
+      CHECK(tokenizer.encode(*text, false).value() == chat["ids"].get<std::vector<int32_t>>());
+      chats_checked++;
+    }
+  }
+  CHECK(chats_checked == 4);  // Qwen3's template; Llama-3.2's file here is a base model's, with none
+}

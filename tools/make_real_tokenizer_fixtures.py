@@ -171,10 +171,42 @@ def decode_cases(family, raw):
             for ids in runs]
 
 
+CHATS = [  # (messages, add_generation_prompt, extra variables): only for a file whose config has a chat template
+    ([{"role": "user", "content": "Hi 😀\n  there"}], True, {}),
+    ([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"},
+      {"role": "assistant", "content": "4"}, {"role": "user", "content": "机器学习？"}], True, {}),
+    ([{"role": "user", "content": "Think first."}], True, {"enable_thinking": False}),
+    ([{"role": "user", "content": "Weather?"},
+      {"role": "assistant", "content": "", "tool_calls": [
+          {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+      {"role": "tool", "content": "{\"temp\": 21}"}],
+     False, {"tools": [{"type": "function", "function": {
+         "name": "get_weather", "description": "Weather of a city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]}),
+]
+
+
+def chats(auto):
+    """What transformers' apply_chat_template renders from the file's own template, and its ids."""
+    if not auto.chat_template:
+        return []
+    out = []
+    for messages, generation_prompt, extra in CHATS:
+        text = auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **extra)
+        ids = auto.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
+                                       return_dict=False, **extra)
+        # as JSON text: a template's tojson writes keys in the order given, which a reader that sorts them loses
+        out.append({"messages_json": json.dumps(messages, ensure_ascii=False), "add_generation_prompt": generation_prompt,
+                    "extra_json": json.dumps(extra, ensure_ascii=False), "text": text, "ids": ids})
+    return out
+
+
 def compact(truth):
     """cases.json with one case a line: small, and a diff shows which case changed."""
-    head = {k: v for k, v in truth.items() if k not in ("cases", "decode_cases")}
+    head = {k: v for k, v in truth.items() if k not in ("cases", "decode_cases", "added_tokens", "chats")}
     lines = ["{" + json.dumps(head, ensure_ascii=False)[1:-1] + ","]
+    for key in ("added_tokens", "chats"):
+        lines.append(f' "{key}": ' + json.dumps(truth[key], ensure_ascii=False, separators=(",", ":")) + ",")
     for key in ("cases", "decode_cases"):
         lines.append(f' "{key}": [')
         items = [json.dumps(c, ensure_ascii=False, separators=(",", ":")) for c in truth[key]]
@@ -226,6 +258,10 @@ def make_family(family, work):
                   "decoded / decoded_skip_special: Tokenizer.decode(ids_with_special, skip_special_tokens=False / "
                   "True)",
                   "decode_cases: Tokenizer.decode of id runs (slices cutting characters, single ids, specials)"],
+        # the file as transformers reads it: every added token (id, content, special), the config's bos / eos
+        "added_tokens": [[i, t.content, t.special] for i, t in sorted(raw.get_added_tokens_decoder().items())],
+        "bos_id": auto.bos_token_id, "eos_id": auto.eos_token_id,
+        "chats": chats(auto),
         "cases": cases,
         "decode_cases": decode_cases(family, raw),
     }
