@@ -186,7 +186,7 @@ TEST_CASE("Metaspace prepend_scheme first adds the space only at the very start 
 }
 
 TEST_CASE("real tokenizer files: added tokens, bos / eos and the shipped chat template read as transformers does") {
-  size_t chats_checked = 0;
+  size_t chats_checked = 0, recorded_checked = 0;
   for (const std::string family : {"llama-3.2-real", "qwen3-real", "smollm2-real", "phi-3.5-real"}) {
     CAPTURE(family);
     Tokenizer tokenizer = load_family(family);
@@ -204,6 +204,14 @@ TEST_CASE("real tokenizer files: added tokens, bos / eos and the shipped chat te
     CHECK(tokenizer.bos_id() == (truth["bos_id"].is_null() ? -1 : truth["bos_id"].get<int32_t>()));
     CHECK(tokenizer.eos_id() == (truth["eos_id"].is_null() ? -1 : truth["eos_id"].get<int32_t>()));
     CHECK(tokenizer.has_chat_template() == !truth["chats"].empty());
+    // A file rebuilt around a real vocabulary (Phi-3.5) also gives the ids that the real file gave, as llama.cpp
+    // recorded them with Hugging Face's tokenizer.
+    for (const Json& recorded : truth["recorded_from_real_file"]) {
+      CAPTURE(recorded["text"].get<std::string>());
+      CHECK(tokenizer.encode(recorded["text"].get<std::string>(), false).value() ==
+            recorded["ids"].get<std::vector<int32_t>>());
+      recorded_checked++;
+    }
     for (const Json& chat : truth["chats"]) {
       // (JSON text as transformers was given it: the tools' keys reach tojson in their order, not sorted)
       const std::string messages = chat["messages_json"].get<std::string>();
@@ -217,5 +225,6 @@ TEST_CASE("real tokenizer files: added tokens, bos / eos and the shipped chat te
       chats_checked++;
     }
   }
+  CHECK(recorded_checked >= 40);  // Phi-3's 46 texts
   CHECK(chats_checked == 12);  // Qwen3's, SmolLM2's and Phi-3's templates; Llama-3.2's file here is a base model's
 }

