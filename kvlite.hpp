@@ -33,7 +33,7 @@
 
    WHAT IT DOES
       - Reads a Hugging Face model directory as it is: config.json (llama, mistral, qwen2, qwen3, qwen3_vl,
-        gemma2, gemma3_text and gemma3's text model, phi3; classic rope_scaling and newer rope_parameters;
+        qwen2_5_vl, gemma2, gemma3_text and gemma3's text model, phi3; classic rope_scaling and newer rope_parameters;
         RoPE default, linear, dynamic, yarn, longrope and llama3 as transformers computes them,
         partial_rotary_factor, per layer kind for gemma3; sliding-window layers as layer_types /
         sliding_window / use_sliding_window say), safetensors (mmap; single or sharded; validated like the
@@ -58,7 +58,8 @@
         the schema or a sentence of the grammar, through a token mask per step, even when max_tokens cuts it.
       - Decodes images (JPEG with libjpeg-turbo as PIL and torchvision do; PNG, BMP, TGA, GIF, PNM with
         stb_image) and preprocesses them exactly as Qwen's image processor does; runs the Qwen3-VL vision
-        encoder with DeepStack and M-RoPE.
+        encoder with DeepStack and interleaved M-RoPE, and Qwen2.5-VL's with window attention and sectioned
+        M-RoPE (one tower, the families' differences as data: VisionTraits).
       - Speaks C: included from a C compiler this header declares only the C API (kvlite_* functions, opaque
         handles, int status codes, kvlite_last_error per thread; ownership written beside each function), for
         C, Python (ctypes), C#, Go and Rust; libkvlite.so holds it for languages that load libraries.
@@ -115,8 +116,8 @@
       with no call of it running. The C API is the same per kvlite_engine (kvlite_cancel: signal-safe).
 
    LIMITATIONS (v0.1)
-      - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL images, the fp8
-        KV cache). The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling, programmatic dependent
+      - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL and Qwen2.5-VL
+        images, the fp8 KV cache); Qwen2.5-VL has not run on a GPU yet. The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling, programmatic dependent
         launch on sm_90+) passes its GPU tests and compute-sanitizer on an H100 and an H200 (bench/RESULTS.md),
         Qwen3-VL images included, but is not yet fast: decode at 30-67% of the bandwidth roofline (36% at batch 1
         on the quantized models), the W4A16 decode GEMVs at 19-50% of copy bandwidth on the layers' shapes.
@@ -17035,7 +17036,6 @@ constexpr int64_t kDefaultBatchedTokens = 2048;
 constexpr int64_t kDefaultMaxModelLen = 32768;  // the default rule's cap
 constexpr int64_t kMinDefaultMaxModelLen = 2048;  // the default rule halves down to this, no further
 constexpr int kUtilizationSearchSteps = 64;     // utilization searches: steps at most (a few suffice)
-constexpr int64_t kProcessorDefaultMaxPixels = 16777216;  // Qwen's processor when preprocessor_config is absent
 constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
 constexpr uint64_t kContextWsl2 = 1024 * MiB;
 constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
@@ -17137,7 +17137,9 @@ ModelLimits model_limits(const ModelConfig& config) {
   ModelLimits limits;
   limits.max_position = context_positions(config.text);
   if (config.vision.present)
-    limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : kProcessorDefaultMaxPixels;
+    // the processor's own default when preprocessor_config.json is absent (the family's, VisionTraits:
+    // Qwen3-VL 16,777,216; Qwen2VLImageProcessor 12,845,056)
+    limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : config.vision.traits.default_max_pixels;
   return limits;
 }
 

@@ -102,7 +102,6 @@ constexpr int64_t kDefaultBatchedTokens = 2048;
 constexpr int64_t kDefaultMaxModelLen = 32768;  // the default rule's cap
 constexpr int64_t kMinDefaultMaxModelLen = 2048;  // the default rule halves down to this, no further
 constexpr int kUtilizationSearchSteps = 64;     // utilization searches: steps at most (a few suffice)
-constexpr int64_t kProcessorDefaultMaxPixels = 16777216;  // Qwen's processor when preprocessor_config is absent
 constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
 constexpr uint64_t kContextWsl2 = 1024 * MiB;
 constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
@@ -204,7 +203,9 @@ ModelLimits model_limits(const ModelConfig& config) {
   ModelLimits limits;
   limits.max_position = context_positions(config.text);
   if (config.vision.present)
-    limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : kProcessorDefaultMaxPixels;
+    // the processor's own default when preprocessor_config.json is absent (the family's, VisionTraits:
+    // Qwen3-VL 16,777,216; Qwen2VLImageProcessor 12,845,056)
+    limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : config.vision.traits.default_max_pixels;
   return limits;
 }
 
