@@ -1,6 +1,8 @@
 // vision: Qwen3-VL end to end against transformers' float32 outputs for the tiny fixture model of
 // tests/fixtures/vl (tools/make_vl_fixtures.py): preprocessing, the vision tower and its DeepStack features,
 // M-RoPE positions, fused prefill logits and greedy decoding, with and without chunked prefill and batching.
+// Then Qwen2.5-VL against tests/fixtures/vl/qwen2_5_vl (tools/make_vl25_fixtures.py): its config traits, the
+// processor on PNG / JPEG files, the windowed tower, sectioned M-RoPE, logits rows, greedy captions, the plan.
 #include <doctest/doctest.h>
 #include <sys/wait.h>
 #include <algorithm>
