@@ -33,7 +33,7 @@
 
    WHAT IT DOES
       - Reads a Hugging Face model directory as it is: config.json (llama, mistral, qwen2, qwen3, qwen3_vl,
-        gemma2, gemma3_text and gemma3's text model, phi3; classic rope_scaling and newer rope_parameters;
+        qwen2_5_vl, gemma2, gemma3_text and gemma3's text model, phi3; classic rope_scaling and newer rope_parameters;
         RoPE default, linear, dynamic, yarn, longrope and llama3 as transformers computes them,
         partial_rotary_factor, per layer kind for gemma3; sliding-window layers as layer_types /
         sliding_window / use_sliding_window say), safetensors (mmap; single or sharded; validated like the
@@ -58,7 +58,8 @@
         the schema or a sentence of the grammar, through a token mask per step, even when max_tokens cuts it.
       - Decodes images (JPEG with libjpeg-turbo as PIL and torchvision do; PNG, BMP, TGA, GIF, PNM with
         stb_image) and preprocesses them exactly as Qwen's image processor does; runs the Qwen3-VL vision
-        encoder with DeepStack and M-RoPE.
+        encoder with DeepStack and interleaved M-RoPE, and Qwen2.5-VL's with window attention and sectioned
+        M-RoPE (one tower, the families' differences as data: VisionTraits).
       - Speaks C: included from a C compiler this header declares only the C API (kvlite_* functions, opaque
         handles, int status codes, kvlite_last_error per thread; ownership written beside each function), for
         C, Python (ctypes), C#, Go and Rust; libkvlite.so holds it for languages that load libraries.
@@ -115,8 +116,8 @@
       with no call of it running. The C API is the same per kvlite_engine (kvlite_cancel: signal-safe).
 
    LIMITATIONS (v0.1)
-      - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL images, the fp8
-        KV cache). The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling, programmatic dependent
+      - The CPU reference backend runs everything (dense, FP8 and W4A16 checkpoints, Qwen3-VL and Qwen2.5-VL
+        images, the fp8 KV cache); Qwen2.5-VL has not run on a GPU yet. The CUDA backend (engine, quantized GEMMs, fp8 KV, graphs, sampling, programmatic dependent
         launch on sm_90+) passes its GPU tests and compute-sanitizer on an H100 and an H200 (bench/RESULTS.md),
         Qwen3-VL images included, but is not yet fast: decode at 30-67% of the bandwidth roofline (36% at batch 1
         on the quantized models), the W4A16 decode GEMVs at 19-50% of copy bandwidth on the layers' shapes.
@@ -770,8 +771,8 @@ class TensorStore {
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
-// config: config.json (llama, mistral, qwen2, qwen3, qwen3_vl, gemma2, gemma3_text / gemma3, phi3), the family's
-// block traits, quantization_config, and one descriptor per Linear.
+// config: config.json (llama, mistral, qwen2, qwen3, qwen3_vl, qwen2_5_vl, gemma2, gemma3_text / gemma3, phi3), the
+// family's block and vision traits, quantization_config, and one descriptor per Linear.
 // ---------------------------------------------------------------------------------------------------------
 
 namespace kvlite {
@@ -811,6 +812,9 @@ namespace kvlite {
 #ifndef KVLITE_MAX_VISION_POSITIONS
 #define KVLITE_MAX_VISION_POSITIONS 1048576  // vision num_position_embeddings [Qwen3-VL: 2304]
 #endif
+#ifndef KVLITE_MAX_VISION_WINDOW
+#define KVLITE_MAX_VISION_WINDOW 65536  // vision window_size in pixels [Qwen2.5-VL: 112]
+#endif
 // Image normalization (preprocessor_config.json image_mean / image_std / rescale_factor, PreprocessOptions): a
 // pixel becomes (pixel x rescale_factor - mean) / std. Published processors use means in [0.4, 0.5], stds in
 // [0.2, 0.5] and 1/255; values far outside are a broken file, and refused at load rather than turning every
@@ -844,10 +848,11 @@ constexpr int64_t max_vocab = KVLITE_MAX_VOCAB;
 constexpr int64_t max_positions = KVLITE_MAX_POSITIONS;
 constexpr int64_t max_vision_patch = KVLITE_MAX_VISION_PATCH;
 constexpr int64_t max_vision_positions = KVLITE_MAX_VISION_POSITIONS;
+constexpr int64_t max_vision_window = KVLITE_MAX_VISION_WINDOW;
 constexpr int64_t max_processor_pixels = KVLITE_MAX_PROCESSOR_PIXELS;
 }  // namespace limits
 
-enum class Arch { llama, qwen2, qwen3, qwen3_vl, mistral, gemma2, gemma3, phi3 };
+enum class Arch { llama, qwen2, qwen3, qwen3_vl, qwen2_5_vl, mistral, gemma2, gemma3, phi3 };
 const char* arch_name(Arch arch);
 
 // Rotary embedding parameters, from either key layout: classic (`rope_theta` + `rope_scaling`) or the one
@@ -884,9 +889,16 @@ struct RopeConfig {
   // original_max_position_embeddings, short_factor otherwise
   std::vector<double> short_factor;
   std::vector<double> long_factor;
-  // Qwen3-VL multimodal RoPE: sections of the rotary half (t, h, w), e.g. [24, 20, 20]
+  // Multimodal RoPE (Qwen2.5-VL, Qwen3-VL): sections of the rotary half (t, h, w), e.g. [24, 20, 20], and how
+  // they are laid over the frequencies - a family fact (the modeling file's code, not a config key):
+  //   sectioned   (Qwen2-VL, Qwen2.5-VL: apply_multimodal_rotary_pos_emb / recomposition_frequencies): the
+  //               first section[0] frequencies take row t, the next section[1] row h, the last section[2] row w
+  //   interleaved (Qwen3-VL: apply_interleaved_mrope): h at 1, 4, 7, ... below 3 section[1], w at 2, 5, 8, ...
+  //               below 3 section[2], t elsewhere
   std::vector<int> mrope_section;
-  bool mrope_interleaved = false;
+  bool mrope_interleaved = false;  // the file's key, as written (Qwen3-VL interleaves whatever it says)
+  enum class MropeLayout { sectioned, interleaved };
+  MropeLayout mrope_layout = MropeLayout::interleaved;
 };
 
 // ---- block traits: how a family's decoder block differs from Llama's ----------------------------------------
@@ -958,8 +970,44 @@ struct TextConfig {
   std::vector<int64_t> eos_token_ids;
 };
 
+// ---- vision traits: how a family's vision tower differs ------------------------------------------------------
+// One tower (vision.inl) serves both Qwen vision families; what differs is data set here from model_type, as
+// BlockTraits does for the text blocks. The facts come from transformers' modeling_qwen3_vl.py and
+// modeling_qwen2_5_vl.py:
+//
+//               weights        norms      block MLP                     patch bias  positions             attention                          merger
+//   qwen3_vl    model.visual.  LayerNorm  fc1 -> GELU (tanh) -> fc2     yes         learned table (bilinear) + 2-D RoPE  per image      norm, linear_fc1, linear_fc2; DeepStack
+//   qwen2_5_vl  visual.        RMSNorm    down(silu(gate) * up), biases no          2-D RoPE               windows of window_size pixels,   ln_q, mlp.0, mlp.2
+//                                                                                                          per image in fullatt_block_indexes
+// Both: patch 14/16 x temporal 2 as a Linear, rope over head_dim / 2 split into row | column frequencies,
+// a 2 x 2 merger with GELU (erf), out_hidden_size = the language model's hidden size.
+enum class VisionNorm { layer_norm, rms_norm };
+enum class VisionMlp { gelu, swiglu };  // fc2(act(fc1 x)) | down(act(gate x) * up x)
+struct VisionTraits {
+  std::string prefix = "model.visual.";  // the tower's weight names
+  VisionNorm norm = VisionNorm::layer_norm;
+  VisionMlp mlp = VisionMlp::gelu;
+  bool patch_embed_bias = true;
+  bool learned_positions = true;  // a learned side x side position table, resampled bilinearly per grid
+  // Window attention (Qwen2.5-VL): blocks not in fullatt_block_indexes attend within windows of window_size x
+  // window_size pixels (window_size / (patch x merge) merge windows a side); 0 = every block attends per image.
+  int64_t window_size = 0;
+  std::vector<int64_t> fullatt_block_indexes;
+  // The processor's class defaults when preprocessor_config.json says nothing (Qwen2VLImageProcessor: 56 x 56
+  // and 28 x 28 x 1280 pixels, OpenAI CLIP's mean / std; Qwen3-VL's own published values otherwise).
+  int64_t default_min_pixels = 65536, default_max_pixels = 16777216;
+
+  bool full_attention(int64_t block) const {
+    if (window_size <= 0) return true;
+    for (int64_t b : fullatt_block_indexes)
+      if (b == block) return true;
+    return false;
+  }
+};
+
 struct VisionConfig {
   bool present = false;
+  VisionTraits traits;  // the family's differences (above)
   int64_t depth = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -1023,7 +1071,7 @@ struct ModelConfig {
   TextConfig text;
   VisionConfig vision;
   QuantConfig quant;
-  // qwen3_vl special tokens (transformers' defaults when absent); -1 for text-only models.
+  // qwen3_vl / qwen2_5_vl special tokens (transformers' defaults when absent); -1 for text-only models.
   int64_t image_token_id = -1, video_token_id = -1, vision_start_token_id = -1, vision_end_token_id = -1;
   // Image budget from preprocessor_config.json (min/max pixel counts), when the directory has one.
   int64_t min_pixels = 0, max_pixels = 0;
@@ -1038,6 +1086,8 @@ struct ModelConfig {
 
   // Weight-name prefix of the language model: "model." or, for qwen3_vl, "model.language_model.".
   std::string text_prefix() const;
+  // Three rows of positions (t, h, w) per token: the Qwen VL families' M-RoPE.
+  bool uses_mrope() const { return arch == Arch::qwen3_vl || arch == Arch::qwen2_5_vl; }
   // KV bytes per token over all layers: 2 x layers x kv_heads x head_dim x element bytes.
   uint64_t kv_bytes_per_token(int kv_element_bytes) const;
 };
@@ -1171,12 +1221,15 @@ Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_
 // cos/sin tables [tokens, half] for rope(), half = inv_freq.size(): angle = float(inv_freq[i] * position)
 // in float32 as transformers forms it, then its cos and sin, each times attention_factor in float32.
 // positions I32 [position_rows, tokens] (transformers' position_ids layout): 1 row for plain RoPE; 3 rows
-// (t, h, w) for Qwen3-VL's interleaved M-RoPE, where frequency i takes row h when i % 3 == 1 and
-// i < 3 * mrope_section[1], row w when i % 3 == 2 and i < 3 * mrope_section[2], else row t.
+// (t, h, w) for M-RoPE, laid over the frequencies as `layout` says (RopeConfig::MropeLayout):
+//   interleaved (Qwen3-VL): frequency i takes row h when i % 3 == 1 and i < 3 * mrope_section[1], row w when
+//                           i % 3 == 2 and i < 3 * mrope_section[2], else row t;
+//   sectioned (Qwen2.5-VL): row t below section[0], row h below section[0] + section[1], row w after.
 // cos, sin: host arrays of tokens * half floats.
 Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
                    int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin,
-                   float attention_factor = 1.0f);
+                   float attention_factor = 1.0f,
+                   RopeConfig::MropeLayout layout = RopeConfig::MropeLayout::interleaved);
 
 // The length transformers' dynamic_rope_update sees for each token of a step: seq_len = max(position) + 1 over
 // the tokens of the token's sequence in the step (sequence s holds tokens query_starts[s] .. query_starts[s + 1]
@@ -3721,9 +3774,12 @@ class TextModel {
 
 }  // namespace kvlite
 // ---------------------------------------------------------------------------------------------------------
-// vision: Qwen3-VL's vision tower written once against Backend, and the multimodal RoPE positions of a
-// prompt with images (transformers' modeling_qwen3_vl.py: Qwen3VLVisionModel, get_rope_index).
+// vision: the Qwen vision towers (Qwen3-VL, Qwen2.5-VL) written once against Backend, the family differences
+// read from VisionTraits (config.hpp), and the multimodal RoPE positions of a prompt with images
+// (transformers' modeling_qwen3_vl.py: Qwen3VLVisionModel; modeling_qwen2_5_vl.py:
+// Qwen2_5_VisionTransformerPretrainedModel; get_rope_index of both, which agree for images).
 //
+// Qwen3-VL:
 //   pixel rows (N, 3 x 2 x 16 x 16) ─► patch embed (the Conv3d as a Linear) + bilinear position table
 //     ─► [ LayerNorm ─► qkv ─► 2-D RoPE ─► attention within each image ─► proj ─► + ─► LayerNorm ─►
 //          fc1 ─► GELU (tanh) ─► fc2 ─► + ] x depth
@@ -3732,29 +3788,39 @@ class TextModel {
 //     ─► LayerNorm ─► 2 x 2 shuffle ─► fc1 ─► GELU ─► fc2 ─► merged embeddings (N / 4, out): one per
 //        <|image_pad|> token, replacing its embedding
 //
+// Qwen2.5-VL (no position table, no DeepStack):
+//   pixel rows ─► patch embed (no bias) ─► reorder by attention window (get_window_index) ─►
+//     [ RMSNorm ─► qkv ─► 2-D RoPE ─► attention within each window (each image in fullatt_block_indexes) ─► proj
+//       ─► + ─► RMSNorm ─► down(silu(gate) * up) ─► + ] x depth
+//     ─► back to raster order (reverse_indices) ─► RMSNorm (ln_q) ─► 2 x 2 shuffle ─► fc ─► GELU ─► fc
+//
 // Patches arrive in 2 x 2 merge-window order (preprocess_image's rows), so "shuffling" a window's four
-// patches into one row of 4 x hidden is a reshape of contiguous rows, free.
+// patches into one row of 4 x hidden is a reshape of contiguous rows, free. Qwen2.5-VL's window reordering
+// moves whole merge windows, so it keeps them contiguous too, and the merger is row-wise: un-permuting its
+// input (one gather_rows) equals transformers' un-permuting of its output.
 // ---------------------------------------------------------------------------------------------------------
 
 namespace kvlite {
 
-// nn.LayerNorm's parameters: weight and bias [C].
+// nn.LayerNorm's parameters: weight and bias [C]; an RMSNorm (Qwen2.5-VL) has no bias (bias.data null).
 struct LayerNormWeights {
   Tensor weight;
   Tensor bias;
 };
 
-// Qwen3VLVisionBlock. vh hidden, vI intermediate.
+// Qwen3VLVisionBlock / Qwen2_5_VLVisionBlock. vh hidden, vI intermediate.
 struct VisionBlockWeights {
   LayerNormWeights norm1, norm2;  // [vh]
   LinearWeights qkv;              // [3 vh, vh] + bias: q | k | v rows
   LinearWeights proj;             // [vh, vh] + bias
-  LinearWeights fc1;              // mlp.linear_fc1 [vI, vh] + bias
-  LinearWeights fc2;              // mlp.linear_fc2 [vh, vI] + bias
+  LinearWeights fc1;              // mlp.linear_fc1 [vI, vh] + bias      | SwiGLU: mlp.gate_proj [vI, vh] + bias
+  LinearWeights up;               // (absent)                            | SwiGLU: mlp.up_proj [vI, vh] + bias
+  LinearWeights fc2;              // mlp.linear_fc2 [vh, vI] + bias      | SwiGLU: mlp.down_proj [vh, vI] + bias
 };
 
 // Qwen3VLVisionPatchMerger: norm over vh per patch (the final merger) or over 4 vh after the shuffle
 // (DeepStack's), then fc1 [4 vh, 4 vh] -> GELU (erf) -> fc2 [out, 4 vh], all with biases.
+// Qwen2_5_VLPatchMerger: ln_q (RMSNorm over vh per patch), mlp.0 [4 vh, 4 vh] -> GELU (erf) -> mlp.2 [out, 4 vh].
 struct PatchMergerWeights {
   LayerNormWeights norm;
   LinearWeights fc1, fc2;
@@ -3763,18 +3829,20 @@ struct PatchMergerWeights {
 
 struct VisionWeights {
   LinearWeights patch_embed;  // the Conv3d kernel [vh, C, T, P, P] viewed as [vh, C T P P] (c, t, y, x order)
-  Tensor pos_embed;           // [side^2, vh], the learned side x side position table
+  Tensor pos_embed;           // [side^2, vh], the learned side x side position table (absent in Qwen2.5-VL)
   std::vector<VisionBlockWeights> blocks;          // [depth]
   PatchMergerWeights merger;                       // model.visual.merger
   std::vector<PatchMergerWeights> deepstack;       // model.visual.deepstack_merger_list, one per tap
 };
 
-// Binds model.visual.* of a qwen3_vl checkpoint as views into the store's mmap (BF16, F16 or F32). Absent
+// Binds model.visual.* of a qwen3_vl checkpoint (visual.* of a qwen2_5_vl one) as views into the store's mmap
+// (BF16, F16 or F32). Absent
 // tensors are listed together (missing_tensor); a wrong shape or dtype is bad_format naming the tensor.
 Result<VisionWeights> bind_vision_weights(const ModelConfig& config, const TensorStore& store);
 
 // ---- multimodal RoPE positions ---------------------------------------------------------------------------
-// Qwen3-VL's get_rope_index for one sequence: positions [3, S] (rows t, h, w) and rope_delta.
+// Qwen3-VL's and Qwen2.5-VL's get_rope_index for one sequence (the same for still images: Qwen2.5-VL's
+// tokens_per_second scales only video frames): positions [3, S] (rows t, h, w) and rope_delta.
 //   - a run of text tokens continues from the current position on all three rows;
 //   - image k's tokens (a contiguous run of image_token_id, grids[k].image_tokens of them) are its
 //     (grid_t, grid_h / merge, grid_w / merge) token grid in t-major, row-major order at (p + t, p + i, p + j)
@@ -3824,6 +3892,7 @@ class VisionModel {
 
  private:
   void run_merger(const PatchMergerWeights& merger, const Tensor& hidden, int64_t level);
+  void norm(const Tensor& x, const LayerNormWeights& weights, const Tensor& out);
 
   ModelConfig config_;
   VisionWeights weights_;
@@ -3832,7 +3901,9 @@ class VisionModel {
   int64_t side_ = 0;  // the position table is side x side
   int64_t head_dim_ = 0;
   float attention_scale_ = 1.0f;
-  GeluApprox block_gelu_ = GeluApprox::tanh;
+  GeluApprox block_gelu_ = GeluApprox::tanh;  // the gelu MLP's, or SwiGLU's gate activation when not silu
+  bool block_silu_ = false;                   // SwiGLU with silu (Qwen2.5-VL's hidden_act)
+  int64_t merger_window_side_ = 0;            // merge windows per attention window side; 0: no windows
   std::vector<float> rope_inv_freq_;  // [head_dim / 4]
   int64_t tokens_ = 0;                // of the last encode
 
@@ -3842,6 +3913,10 @@ class VisionModel {
   std::vector<float> cos_host_, sin_host_;  // [N, head_dim / 2]
   std::vector<int32_t> segments_host_;      // [frames + 1]
   std::vector<uint16_t> pixels_16bit_;      // [N, patch values] when activations are 16-bit
+  std::vector<float> pixels_ordered_;       // [N, patch values] F32 rows in window order (window attention)
+  std::vector<int32_t> order_host_;         // [N / 4] window_index: the merge window each processed row-group is
+  std::vector<int32_t> reverse_host_;       // [N / 4] reverse_indices = argsort(window_index)
+  std::vector<int32_t> window_segments_host_;  // [windows + 1] cu_window_seqlens (empty windows dropped)
 
   // Views of the planned buffers (names in quotes), full size.
   Tensor pixel_patches_;  // "pixel_patches"      [N, C T P P]
@@ -3857,6 +3932,9 @@ class VisionModel {
   Tensor rope_cos_;       // "vision_rope_cos"    [N, head_dim / 2] fp32
   Tensor rope_sin_;       // "vision_rope_sin"    [N, head_dim / 2] fp32
   Tensor segments_;       // "vision_segments"    [frames + 1] int32
+  Tensor gate_up_;        // "vision_gate_up"     [N, 2 vI] (SwiGLU)
+  Tensor window_segments_;  // "vision_window_segments" [N / 4 + 1] int32 (window attention)
+  Tensor window_order_;     // "vision_window_order"    [N / 4] int32: reverse_indices
 };
 
 }  // namespace kvlite
@@ -5330,6 +5408,7 @@ const char* arch_name(Arch arch) {
     case Arch::qwen2: return "qwen2";
     case Arch::qwen3: return "qwen3";
     case Arch::qwen3_vl: return "qwen3_vl";
+    case Arch::qwen2_5_vl: return "qwen2_5_vl";
     case Arch::mistral: return "mistral";
     case Arch::gemma2: return "gemma2";
     case Arch::gemma3: return "gemma3";
@@ -5705,7 +5784,7 @@ inline RopeConfig default_rope_of(Arch arch, RopeConfig rope) {
 inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int64_t max_position_embeddings = 0) {
   RopeConfig rope;
   // transformers' class defaults when the key is absent.
-  rope.theta = arch == Arch::qwen3_vl ? 5000000.0 : 10000.0;
+  rope.theta = arch == Arch::qwen3_vl ? 5000000.0 : arch == Arch::qwen2_5_vl ? 1000000.0 : 10000.0;
   rope.theta = text.number_or("rope_theta", rope.theta);
   rope.max_position_embeddings = max_position_embeddings;
   rope.partial_rotary_factor = text.number_or("partial_rotary_factor", 1.0);
@@ -5722,6 +5801,11 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int6
     params = text.optional_child("rope_scaling");
   }
   if (!(rope.theta > 0)) text.fail_key(ErrorCode::bad_format, "rope_theta", "must be positive");
+  json no_params = json::object();
+  if (!params && arch == Arch::qwen2_5_vl) {
+    // Qwen2_5_VLRotaryEmbedding reads mrope_section with a default: a file without rope keys still has M-RoPE
+    params = Node{&no_params, text.path, text.origin};
+  }
   if (!params) {
     // no dict: the defaults, still checked (partial_rotary_factor)
     json empty = json::object();
@@ -5732,7 +5816,8 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int6
   // sequence length, which kvlite does for one position row only.
   const char* type_key = params->has("rope_type") ? "rope_type" : "type";
   const std::string type = params->string_or(type_key, "default");
-  if ((arch == Arch::qwen3_vl || params->has("mrope_section")) && (type == "dynamic" || type == "longrope"))
+  const bool vl = arch == Arch::qwen3_vl || arch == Arch::qwen2_5_vl;
+  if ((vl || params->has("mrope_section")) && (type == "dynamic" || type == "longrope"))
     params->fail_key(ErrorCode::unsupported, type_key,
                      format("'%s' is not supported with M-RoPE (mrope_section); supported there: default, linear, "
                             "yarn, llama3", type.c_str()));
@@ -5744,8 +5829,11 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int6
     rope.mrope_section.push_back(int(section));
   }
   rope.mrope_interleaved = params->bool_or("mrope_interleaved", false);
-  if (arch == Arch::qwen3_vl) {
-    if (rope.mrope_section.empty()) rope.mrope_section = {24, 20, 20};  // what the rotary code falls back to
+  if (vl) {
+    // what each rotary code falls back to; Qwen2.5-VL lays the sections end to end, Qwen3-VL interleaves them
+    if (rope.mrope_section.empty())
+      rope.mrope_section = arch == Arch::qwen3_vl ? std::vector<int>{24, 20, 20} : std::vector<int>{16, 24, 24};
+    rope.mrope_layout = arch == Arch::qwen3_vl ? RopeConfig::MropeLayout::interleaved : RopeConfig::MropeLayout::sectioned;
     int64_t sum = 0;
     for (int s : rope.mrope_section) sum += s;
     if (rope.mrope_section.size() != 3 || sum * 2 != head_dim)
@@ -5836,7 +5924,7 @@ inline BlockTraits parse_block_traits(const Node& text, Arch arch, const TextCon
       b.sliding_window = window_key("sliding_window");
       b.layer_kinds.assign(size_t(layers), b.sliding_window > 0 ? LayerKind::sliding : LayerKind::full);
       b.fused_projections = arch == Arch::phi3;
-    } else if (arch == Arch::qwen2 || arch == Arch::qwen3) {
+    } else if (arch == Arch::qwen2 || arch == Arch::qwen3 || arch == Arch::qwen2_5_vl) {
       // Qwen2Config: sliding_window = sliding_window if use_sliding_window else None; layers from
       // max_window_layers on slide (layer_types when written)
       if (text.bool_or("use_sliding_window", false)) b.sliding_window = window_key("sliding_window");
@@ -5936,7 +6024,8 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
       t.attention_bias = t.o_proj_bias = attention_bias;
       t.qk_norm = true;
       break;
-    case Arch::qwen2:  // Qwen2Attention: q/k/v always have biases, o_proj never
+    case Arch::qwen2:  // Qwen2Attention: q/k/v always have biases, o_proj never (Qwen2.5-VL's text model too)
+    case Arch::qwen2_5_vl:
       t.attention_bias = true;
       t.o_proj_bias = false;
       break;
@@ -5961,23 +6050,55 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
   return t;
 }
 
-inline VisionConfig parse_vision(const Node& vision) {
+inline VisionConfig parse_vision(const Node& vision, Arch arch) {
   VisionConfig v;
   v.present = true;
+  const bool qwen25 = arch == Arch::qwen2_5_vl;
   v.depth = vision.bounded("depth", limits::max_model_layers, "KVLITE_MAX_MODEL_LAYERS");
   v.hidden_size = vision.bounded("hidden_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
   v.intermediate_size = vision.bounded("intermediate_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
   v.num_heads = vision.bounded("num_heads", limits::max_model_heads, "KVLITE_MAX_MODEL_HEADS");
   v.out_hidden_size = vision.bounded("out_hidden_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
-  // transformers' Qwen3VLVisionConfig defaults for the rest
+  // transformers' Qwen3VLVisionConfig / Qwen2_5_VLVisionConfig defaults for the rest (Qwen2.5-VL's published
+  // files also carry in_chans and spatial_patch_size, which its config class ignores: in_channels and patch_size
+  // are what the model reads)
   v.in_channels = vision.bounded_or("in_channels", 3, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
-  v.patch_size = vision.bounded_or("patch_size", 16, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
+  v.patch_size = vision.bounded_or("patch_size", qwen25 ? 14 : 16, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
   v.temporal_patch_size = vision.bounded_or("temporal_patch_size", 2, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
   v.spatial_merge_size = vision.bounded_or("spatial_merge_size", 2, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
-  v.num_position_embeddings = vision.bounded_or("num_position_embeddings", 2304, limits::max_vision_positions, "KVLITE_MAX_VISION_POSITIONS");
-  v.deepstack_visual_indexes = vision.has("deepstack_visual_indexes") ? vision.int_list("deepstack_visual_indexes")
-                                                                        : std::vector<int64_t>{8, 16, 24};
-  v.hidden_act = vision.string_or("hidden_act", "gelu_pytorch_tanh");
+  if (qwen25) {
+    // Qwen2.5-VL (config.hpp's vision traits): no position table, no DeepStack; RMSNorm, SwiGLU, window attention
+    VisionTraits& t = v.traits;
+    t.prefix = "visual.";
+    t.norm = VisionNorm::rms_norm;
+    t.mlp = VisionMlp::swiglu;
+    t.patch_embed_bias = false;
+    t.learned_positions = false;
+    t.default_min_pixels = 56 * 56;
+    t.default_max_pixels = 28 * 28 * 1280;
+    t.window_size = vision.bounded_or("window_size", 112, limits::max_vision_window, "KVLITE_MAX_VISION_WINDOW");
+    // vit_merger_window_size = window_size // spatial_merge_size // patch_size: at least one merge window a side
+    if (t.window_size < v.patch_size * v.spatial_merge_size)
+      vision.fail_key(ErrorCode::bad_format, "window_size",
+                      format("(%lld pixels) is smaller than one merge window (patch_size %lld x spatial_merge_size %lld)",
+                             (long long)t.window_size, (long long)v.patch_size, (long long)v.spatial_merge_size));
+    t.fullatt_block_indexes = vision.has("fullatt_block_indexes") ? vision.int_list("fullatt_block_indexes")
+                                                                   : std::vector<int64_t>{7, 15, 23, 31};
+    for (int64_t index : t.fullatt_block_indexes)
+      if (index < 0 || index >= v.depth)
+        vision.fail_key(ErrorCode::bad_format, "fullatt_block_indexes",
+                        format("holds block %lld, outside 0..%lld (depth %lld)", (long long)index,
+                               (long long)(v.depth - 1), (long long)v.depth));
+    if (vision.has("num_position_embeddings") || vision.has("deepstack_visual_indexes"))
+      vision.fail_key(ErrorCode::unsupported, vision.has("deepstack_visual_indexes") ? "deepstack_visual_indexes" : "num_position_embeddings",
+                      "is a Qwen3-VL key; a qwen2_5_vl tower has neither a position table nor DeepStack");
+    v.hidden_act = vision.string_or("hidden_act", "silu");
+  } else {
+    v.num_position_embeddings = vision.bounded_or("num_position_embeddings", 2304, limits::max_vision_positions, "KVLITE_MAX_VISION_POSITIONS");
+    v.deepstack_visual_indexes = vision.has("deepstack_visual_indexes") ? vision.int_list("deepstack_visual_indexes")
+                                                                          : std::vector<int64_t>{8, 16, 24};
+    v.hidden_act = vision.string_or("hidden_act", "gelu_pytorch_tanh");
+  }
   // The 2-D RoPE's base: rope_parameters {rope_type: "axial", rope_theta}, 10000 when absent.
   if (std::optional<Node> rope = vision.optional_child("rope_parameters"))
     v.rope_theta = rope->number_or("rope_theta", v.rope_theta);
@@ -6324,19 +6445,28 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
     else if (*model_type == "qwen2") config.arch = Arch::qwen2;
     else if (*model_type == "qwen3") config.arch = Arch::qwen3;
     else if (*model_type == "qwen3_vl") config.arch = Arch::qwen3_vl;
+    else if (*model_type == "qwen2_5_vl") config.arch = Arch::qwen2_5_vl;
     else if (*model_type == "mistral") config.arch = Arch::mistral;
     else if (*model_type == "gemma2") config.arch = Arch::gemma2;
     else if (*model_type == "gemma3_text" || *model_type == "gemma3") config.arch = Arch::gemma3;
     else if (*model_type == "phi3") config.arch = Arch::phi3;
     else
       root.fail_key(ErrorCode::unsupported, "model_type",
-                    detail::format("'%s' is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_vl, gemma2, "
+                    detail::format("'%s' is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_vl, qwen2_5_vl, gemma2, "
                                    "gemma3_text, gemma3 (its text model), phi3", model_type->c_str()));
 
-    if (config.arch == Arch::qwen3_vl) {
-      config.text = detail::cfg::parse_text(root.child("text_config"), root, config.arch);
-      config.vision = detail::cfg::parse_vision(root.child("vision_config"));
-      // transformers' Qwen3VLConfig defaults
+    if (config.arch == Arch::qwen3_vl || config.arch == Arch::qwen2_5_vl) {
+      // Qwen2.5-VL's published files keep the text keys at the top level (Qwen2_5_VLConfig gathers them into
+      // text_config); transformers 5 writes text_config.
+      const bool nested = config.arch == Arch::qwen3_vl || root.has("text_config");
+      config.text = detail::cfg::parse_text(nested ? root.child("text_config") : root, root, config.arch);
+      config.vision = detail::cfg::parse_vision(root.child("vision_config"), config.arch);
+      if (config.arch == Arch::qwen2_5_vl)  // Qwen2VLImageProcessor's class defaults: OpenAI CLIP's mean / std
+        for (int c = 0; c < 3; c++) {
+          config.image_mean[c] = std::array<double, 3>{0.48145466, 0.4578275, 0.40821073}[size_t(c)];
+          config.image_std[c] = std::array<double, 3>{0.26862954, 0.26130258, 0.27577711}[size_t(c)];
+        }
+      // transformers' Qwen3VLConfig / Qwen2_5_VLConfig defaults (the same ids)
       config.image_token_id = root.checked_ids("image_token_id", {root.optional_int("image_token_id").value_or(151655)})[0];
       config.video_token_id = root.checked_ids("video_token_id", {root.optional_int("video_token_id").value_or(151656)})[0];
       config.vision_start_token_id = root.checked_ids("vision_start_token_id", {root.optional_int("vision_start_token_id").value_or(151652)})[0];
@@ -6463,7 +6593,9 @@ Result<ModelConfig> apply_processor_config(ModelConfig config, const std::string
     }
     // The budget images get (preprocess_options: kvlite's default for a count the file leaves out) must leave
     // room for one: a file with only a maximum below the default minimum refused every image, not itself.
-    const PreprocessOptions defaults;
+    ModelConfig without_file = config;
+    without_file.min_pixels = without_file.max_pixels = 0;
+    const PreprocessOptions defaults = preprocess_options(without_file);
     const int64_t min_pixels = config.min_pixels > 0 ? config.min_pixels : defaults.min_pixels;
     const int64_t max_pixels = config.max_pixels > 0 ? config.max_pixels : defaults.max_pixels;
     if (min_pixels > max_pixels)
@@ -6538,19 +6670,28 @@ inline std::vector<LinearSpec> linear_specs(const ModelConfig& c) {
   if (c.vision.present) {
     const VisionConfig& v = c.vision;
     const int64_t merged = v.hidden_size * v.spatial_merge_size * v.spatial_merge_size;  // 2x2 patches per row
+    const std::string& visual = v.traits.prefix;
+    const bool swiglu = v.traits.mlp == VisionMlp::swiglu;
     for (int64_t i = 0; i < v.depth; i++) {
-      std::string block = format("model.visual.blocks.%lld.", (long long)i);
+      std::string block = visual + format("blocks.%lld.", (long long)i);
       specs.push_back({block + "attn.qkv", 3 * v.hidden_size, v.hidden_size, true, true});
       specs.push_back({block + "attn.proj", v.hidden_size, v.hidden_size, true, true});
-      specs.push_back({block + "mlp.linear_fc1", v.intermediate_size, v.hidden_size, true, true});
-      specs.push_back({block + "mlp.linear_fc2", v.hidden_size, v.intermediate_size, true, true});
+      if (swiglu) {  // Qwen2_5_VLMLP(bias=True)
+        specs.push_back({block + "mlp.gate_proj", v.intermediate_size, v.hidden_size, true, true});
+        specs.push_back({block + "mlp.up_proj", v.intermediate_size, v.hidden_size, true, true});
+        specs.push_back({block + "mlp.down_proj", v.hidden_size, v.intermediate_size, true, true});
+      } else {
+        specs.push_back({block + "mlp.linear_fc1", v.intermediate_size, v.hidden_size, true, true});
+        specs.push_back({block + "mlp.linear_fc2", v.hidden_size, v.intermediate_size, true, true});
+      }
     }
+    // Qwen3VLVisionPatchMerger's linear_fc1 / linear_fc2; Qwen2_5_VLPatchMerger's nn.Sequential mlp.0 / mlp.2
     auto merger = [&](const std::string& name) {
-      specs.push_back({name + ".linear_fc1", merged, merged, true, true});
-      specs.push_back({name + ".linear_fc2", v.out_hidden_size, merged, true, true});
+      specs.push_back({name + (swiglu ? ".mlp.0" : ".linear_fc1"), merged, merged, true, true});
+      specs.push_back({name + (swiglu ? ".mlp.2" : ".linear_fc2"), v.out_hidden_size, merged, true, true});
     };
-    merger("model.visual.merger");
-    for (size_t j = 0; j < v.deepstack_visual_indexes.size(); j++) merger(format("model.visual.deepstack_merger_list.%zu", j));
+    merger(visual + "merger");
+    for (size_t j = 0; j < v.deepstack_visual_indexes.size(); j++) merger(visual + format("deepstack_merger_list.%zu", j));
   }
   return specs;
 }
@@ -7020,14 +7161,16 @@ WeightsSummary estimate_weights(const ModelConfig& config) {
   if (config.vision.present) {
     const VisionConfig& v = config.vision;
     const uint64_t vh = uint64_t(v.hidden_size), merged = vh * uint64_t(v.spatial_merge_size * v.spatial_merge_size);
-    auto layer_norm = [&](uint64_t dim) { return 2 * dtype_bytes(dtype, dim); };  // weight + bias
+    // LayerNorm: weight + bias; RMSNorm (Qwen2.5-VL): weight
+    const uint64_t norm_tensors = v.traits.norm == VisionNorm::layer_norm ? 2 : 1;
+    auto layer_norm = [&](uint64_t dim) { return norm_tensors * dtype_bytes(dtype, dim); };
     uint64_t vision = vision_linears;
-    // patch_embed: Conv3d(in_channels -> hidden, kernel (temporal, patch, patch)) with bias
+    // patch_embed: Conv3d(in_channels -> hidden, kernel (temporal, patch, patch)), with bias in Qwen3-VL
     vision += dtype_bytes(dtype, vh * uint64_t(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size)) +
-              dtype_bytes(dtype, vh);
-    vision += dtype_bytes(dtype, uint64_t(v.num_position_embeddings) * vh);  // pos_embed table
+              (v.traits.patch_embed_bias ? dtype_bytes(dtype, vh) : 0);
+    vision += dtype_bytes(dtype, uint64_t(v.num_position_embeddings) * vh);  // pos_embed table (0 without one)
     vision += uint64_t(v.depth) * 2 * layer_norm(vh);                       // norm1, norm2 per block
-    vision += layer_norm(vh);                                               // merger.norm (before the shuffle)
+    vision += layer_norm(vh);                                               // merger.norm / ln_q (before the shuffle)
     vision += uint64_t(v.deepstack_visual_indexes.size()) * layer_norm(merged);  // post-shuffle norms
     s.vision_bytes = vision;
   }
@@ -7286,7 +7429,7 @@ Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_
 
 Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
                    int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin,
-                   float attention_factor) {
+                   float attention_factor, RopeConfig::MropeLayout layout) {
   return detail::guard([&] {
     const int64_t half = int64_t(inv_freq.size());
     if (position_rows != 1 && position_rows != 3)
@@ -7307,9 +7450,14 @@ Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions,
         // Qwen3-VL's apply_interleaved_mrope: h overwrites slots 1, 4, 7, ... below 3 * section[1],
         // w overwrites 2, 5, 8, ... below 3 * section[2]; the rest keep t.
         int64_t row = 0;
-        if (position_rows == 3) {
+        if (position_rows == 3 && layout == RopeConfig::MropeLayout::interleaved) {
           if (i % 3 == 1 && i < 3 * int64_t(mrope_section[1])) row = 1;
           else if (i % 3 == 2 && i < 3 * int64_t(mrope_section[2])) row = 2;
+        } else if (position_rows == 3) {
+          // Qwen2.5-VL's recomposition_frequencies: torch.cat([m[i % 3] for i, m in
+          // enumerate(freq.split(mrope_section, dim=-1))]): section k takes row k % 3
+          const int64_t t_end = mrope_section[0], h_end = t_end + mrope_section[1];
+          row = i < t_end ? 0 : i < h_end ? 1 : 2;
         }
         // freqs = inv_freq @ position_ids.float(): one float32 product
         float angle = inv_freq[size_t(i)] * float(positions[row * tokens + t]);
@@ -7367,7 +7515,7 @@ Status RotaryEmbedding::tables(const int32_t* positions, int64_t position_rows, 
                                const int32_t* lengths, float* cos, float* sin) const {
   if (!depends_on_length())
     return rope_tables(init_.inv_freq, positions, position_rows, tokens, rope_.mrope_section, cos, sin,
-                       init_.attention_factor);
+                       init_.attention_factor, rope_.mrope_layout);
   return detail::guard([&] {
     if (position_rows != 1 || (tokens > 0 && lengths == nullptr))
       detail::fail(ErrorCode::invalid_argument,
@@ -16628,6 +16776,10 @@ Result<Image> resize_bicubic_aa(const Image& image, int64_t height, int64_t widt
 
 PreprocessOptions preprocess_options(const ModelConfig& config) {
   PreprocessOptions options;
+  if (config.vision.present) {  // the family's processor defaults (config.hpp's vision traits)
+    options.min_pixels = config.vision.traits.default_min_pixels;
+    options.max_pixels = config.vision.traits.default_max_pixels;
+  }
   if (config.min_pixels > 0) options.min_pixels = config.min_pixels;
   if (config.max_pixels > 0) options.max_pixels = config.max_pixels;
   options.rescale_factor = config.rescale_factor;
@@ -16956,7 +17108,6 @@ constexpr int64_t kDefaultBatchedTokens = 2048;
 constexpr int64_t kDefaultMaxModelLen = 32768;  // the default rule's cap
 constexpr int64_t kMinDefaultMaxModelLen = 2048;  // the default rule halves down to this, no further
 constexpr int kUtilizationSearchSteps = 64;     // utilization searches: steps at most (a few suffice)
-constexpr int64_t kProcessorDefaultMaxPixels = 16777216;  // Qwen's processor when preprocessor_config is absent
 constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
 constexpr uint64_t kContextWsl2 = 1024 * MiB;
 constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
@@ -17058,7 +17209,9 @@ ModelLimits model_limits(const ModelConfig& config) {
   ModelLimits limits;
   limits.max_position = context_positions(config.text);
   if (config.vision.present)
-    limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : kProcessorDefaultMaxPixels;
+    // the processor's own default when preprocessor_config.json is absent (the family's, VisionTraits:
+    // Qwen3-VL 16,777,216; Qwen2VLImageProcessor 12,845,056)
+    limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : config.vision.traits.default_max_pixels;
   return limits;
 }
 
@@ -17418,13 +17571,18 @@ PlanItem vision_item(const Inputs& in, const PlanOptions& o) {
   auto buffers = vision_buffers(in.config, o.max_image_pixels, o.max_images, *o.activation_dtype);
   uint64_t windows = merge_windows(v, o.max_image_pixels);
   uint64_t patches = windows * uint64_t(v.spatial_merge_size * v.spatial_merge_size);
+  const std::string attention =
+      v.traits.window_size > 0
+          ? format("; window attention (%lld px windows, %zu full blocks) streams its keys: no score matrix",
+                   (long long)v.traits.window_size, v.traits.fullatt_block_indexes.size())
+          : std::string();
   return {"vision", format("vision (%lld image%s)", (long long)o.max_images, o.max_images == 1 ? "" : "s"),
           buffers_bytes(buffers),
           format("encoder for %lld x %s pixels = %s patches (%s tokens) each: patches, hidden, qkv, mlp, merger "
-                 "outputs x %zu (1 + DeepStack)",
+                 "outputs x %zu (1 + DeepStack)%s",
                  (long long)o.max_images, format_count(uint64_t(o.max_image_pixels)).c_str(),
                  format_count(patches).c_str(), format_count(windows).c_str(),
-                 1 + v.deepstack_visual_indexes.size()),
+                 1 + v.deepstack_visual_indexes.size(), attention.c_str()),
           true};
 }
 
@@ -17812,7 +17970,7 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
   // A GPU's attention batch has one spare sequence: a CUDA graph's padding rows (see TextModel).
   const uint64_t P = uint64_t(std::max<int64_t>(block_table_pages, 0)), spare = P > 0 ? 1 : 0;
   // M-RoPE models carry three position rows (t, h, w) per token.
-  bool mrope = !t.rope.mrope_section.empty() || config.arch == Arch::qwen3_vl;
+  bool mrope = !t.rope.mrope_section.empty() || config.uses_mrope();
   // The rotary tables hold R / 2 columns, R = rotary_dim = int(D * partial_rotary_factor) (Phi-4-mini: 3/4 of D);
   // a config that gives no valid R was refused by the parser, so D / 2 is only a fallback.
   const Result<int64_t> rotary_dim = rope_rotary_dim(t.rope, t.head_dim);
@@ -17876,7 +18034,7 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
   uint64_t E = dtype_bytes(activation_dtype, 1);
   const char* act = detail::planning::activation_dtype_text(activation_dtype);
   uint64_t mergers = 1 + v.deepstack_visual_indexes.size();
-  return {
+  std::vector<BufferSpec> buffers = {
       buffer("pixel_patches", {N, patch_values}, E, "(N, C x frames x patch x patch)", act),
       // The residual stream and the mergers' outputs are in the activation dtype, planned fp32-sized whatever it
       // is (16-bit activations use half), so the GPU plans, which hold them without running the tower, keep the
@@ -17889,14 +18047,27 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
       buffer("merger_in", {N / merge, merge * vh}, E, "(N / 4, 4 vh)", act),
       // The final merger's output plus one per DeepStack level, kept until the language model splices them.
       buffer("merged", {mergers, N / merge, out}, 4, "(1 + deepstack, N / 4, out)", "fp32"),
-      // Bilinear resampling of the learned position table: 4 table rows and their weights per patch.
-      buffer("vision_pos_indices", {N, 4}, 4, "(N, 4)", "int32"),
-      buffer("vision_pos_weights", {N, 4}, 4, "(N, 4)", "fp32"),
       // 2-D RoPE of each patch (row and column frequencies), computed on the host and copied in.
       buffer("vision_rope_cos", {N, vD / 2}, 4, "(N, vD / 2)", "fp32"),
       buffer("vision_rope_sin", {N, vD / 2}, 4, "(N, vD / 2)", "fp32"),
       buffer("vision_segments", {uint64_t(images) + 1}, 4, "(images + 1)", "int32"),  // attention within each image
   };
+  // Bilinear resampling of a learned position table (Qwen3-VL): 4 table rows and their weights per patch.
+  if (v.traits.learned_positions) {
+    buffers.push_back(buffer("vision_pos_indices", {N, 4}, 4, "(N, 4)", "int32"));
+    buffers.push_back(buffer("vision_pos_weights", {N, 4}, 4, "(N, 4)", "fp32"));
+  }
+  // SwiGLU blocks (Qwen2.5-VL): gate | up before silu(gate) * up lands in vision_mlp.
+  if (v.traits.mlp == VisionMlp::swiglu) buffers.push_back(buffer("vision_gate_up", {N, 2 * vI}, E, "(N, 2 vI)", act));
+  // Window attention (Qwen2.5-VL): the windows' boundaries (a window holds at least one merge window, so at most
+  // N / 4 of them), and each merge window's row in window order, which puts the merger's input back in raster
+  // order. Attention itself forms no score matrix (segment_attention streams keys), so the window blocks and the
+  // full blocks need the same buffers: the peak is these rows, not N^2 scores.
+  if (v.traits.window_size > 0) {
+    buffers.push_back(buffer("vision_window_segments", {N / merge + 1}, 4, "(N / 4 + 1)", "int32"));
+    buffers.push_back(buffer("vision_window_order", {N / merge}, 4, "(N / 4)", "int32"));
+  }
+  return buffers;
 }
 
 std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_seqs) {
@@ -22939,8 +23110,9 @@ int32_t* TextModel::sampling_order(int64_t seq) {
 }
 
 }  // namespace kvlite
-// vision: implementation. The encoder mirrors transformers' Qwen3VLVisionModel.forward (modeling_qwen3_vl.py)
-// and the index helpers of vision_utils.py; the PyTorch line is in the comment above each call.
+// vision: implementation. The encoder mirrors transformers' Qwen3VLVisionModel.forward (modeling_qwen3_vl.py),
+// Qwen2_5_VisionTransformerPretrainedModel.forward (modeling_qwen2_5_vl.py) and the index helpers of
+// vision_utils.py; the PyTorch line is in the comment above each call.
 #include <algorithm>
 #include <cmath>
 
@@ -22951,47 +23123,60 @@ Result<VisionWeights> bind_vision_weights(const ModelConfig& config, const Tenso
     using detail::fail;
     using detail::format;
     const VisionConfig& v = config.vision;
-    if (config.arch != Arch::qwen3_vl || !v.present)
-      fail(ErrorCode::unsupported,
-           format("%s: model_type '%s' has no Qwen3-VL vision tower", config.origin.c_str(), config.model_type.c_str()));
+    if ((config.arch != Arch::qwen3_vl && config.arch != Arch::qwen2_5_vl) || !v.present)
+      fail(ErrorCode::unsupported, format("%s: model_type '%s' has no Qwen3-VL or Qwen2.5-VL vision tower",
+                                          config.origin.c_str(), config.model_type.c_str()));
+    const VisionTraits& traits = v.traits;
+    const std::string& visual = traits.prefix;  // "model.visual." | "visual."
+    const bool rms = traits.norm == VisionNorm::rms_norm, swiglu = traits.mlp == VisionMlp::swiglu;
     const int64_t vh = v.hidden_size, vI = v.intermediate_size, out = v.out_hidden_size;
     const int64_t merged = vh * v.spatial_merge_size * v.spatial_merge_size;
     const int64_t patch_values = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
 
     detail::model::WeightBinder bind(config, store);
+    // nn.LayerNorm (weight, bias) or Qwen2_5_VLRMSNorm (weight)
     auto layer_norm = [&](const std::string& module, int64_t n) {
+      if (rms) return LayerNormWeights{bind.bind(module + ".weight", {n}), Tensor{}};
       return LayerNormWeights{bind.bind(module + ".weight", {n}), bind.bind(module + ".bias", {n})};
     };
+    // Qwen3VLVisionPatchMerger (norm, linear_fc1, linear_fc2) | Qwen2_5_VLPatchMerger (ln_q, mlp.0, mlp.2)
     auto patch_merger = [&](const std::string& module, bool norm_after_shuffle) {
       PatchMergerWeights m;
-      m.norm = layer_norm(module + ".norm", norm_after_shuffle ? merged : vh);
-      m.fc1 = bind.linear(module + ".linear_fc1", merged, merged, true);
-      m.fc2 = bind.linear(module + ".linear_fc2", out, merged, true);
+      m.norm = layer_norm(module + (swiglu ? ".ln_q" : ".norm"), norm_after_shuffle ? merged : vh);
+      m.fc1 = bind.linear(module + (swiglu ? ".mlp.0" : ".linear_fc1"), merged, merged, true);
+      m.fc2 = bind.linear(module + (swiglu ? ".mlp.2" : ".linear_fc2"), out, merged, true);
       m.norm_after_shuffle = norm_after_shuffle;
       return m;
     };
     VisionWeights w;
     // nn.Conv3d(C, vh, kernel = stride = (T, P, P)): each patch meets the kernel once, so it is a Linear over
     // the patch's C x T x P x P values in the kernel's own (c, t, y, x) order - preprocess_image's row order.
-    w.patch_embed.weight = bind.bind_as("model.visual.patch_embed.proj.weight",
+    w.patch_embed.weight = bind.bind_as(visual + "patch_embed.proj.weight",
                                         {vh, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size}, vh,
                                         patch_values);
-    w.patch_embed.bias = bind.bind("model.visual.patch_embed.proj.bias", {vh});
-    w.pos_embed = bind.bind("model.visual.pos_embed.weight", {v.num_position_embeddings, vh});
+    // Qwen2_5_VisionPatchEmbed: nn.Conv3d(..., bias=False)
+    if (traits.patch_embed_bias) w.patch_embed.bias = bind.bind(visual + "patch_embed.proj.bias", {vh});
+    if (traits.learned_positions) w.pos_embed = bind.bind(visual + "pos_embed.weight", {v.num_position_embeddings, vh});
     w.blocks.resize(size_t(v.depth));
     for (int64_t b = 0; b < v.depth; b++) {
-      const std::string block = format("model.visual.blocks.%lld.", (long long)b);
+      const std::string block = visual + format("blocks.%lld.", (long long)b);
       VisionBlockWeights& bw = w.blocks[size_t(b)];
       bw.norm1 = layer_norm(block + "norm1", vh);
       bw.norm2 = layer_norm(block + "norm2", vh);
       bw.qkv = bind.linear(block + "attn.qkv", 3 * vh, vh, true);
       bw.proj = bind.linear(block + "attn.proj", vh, vh, true);
-      bw.fc1 = bind.linear(block + "mlp.linear_fc1", vI, vh, true);
-      bw.fc2 = bind.linear(block + "mlp.linear_fc2", vh, vI, true);
+      if (swiglu) {  // Qwen2_5_VLMLP(config, bias=True)
+        bw.fc1 = bind.linear(block + "mlp.gate_proj", vI, vh, true);
+        bw.up = bind.linear(block + "mlp.up_proj", vI, vh, true);
+        bw.fc2 = bind.linear(block + "mlp.down_proj", vh, vI, true);
+      } else {
+        bw.fc1 = bind.linear(block + "mlp.linear_fc1", vI, vh, true);
+        bw.fc2 = bind.linear(block + "mlp.linear_fc2", vh, vI, true);
+      }
     }
-    w.merger = patch_merger("model.visual.merger", false);
+    w.merger = patch_merger(visual + "merger", false);
     for (size_t j = 0; j < v.deepstack_visual_indexes.size(); j++)
-      w.deepstack.push_back(patch_merger(format("model.visual.deepstack_merger_list.%zu", j), true));
+      w.deepstack.push_back(patch_merger(visual + format("deepstack_merger_list.%zu", j), true));
     bind.finish();
     return w;
   });
@@ -23145,7 +23330,7 @@ VisionModel::VisionModel(const ModelConfig& config, VisionWeights weights, Backe
   const int64_t window = v.patch_size * v.spatial_merge_size;
   max_patches_ = plan.options.max_image_pixels / (window * window) * merge * max_images_;
   side_ = int64_t(std::llround(std::sqrt(double(v.num_position_embeddings))));
-  if (side_ * side_ != v.num_position_embeddings)
+  if (v.traits.learned_positions && side_ * side_ != v.num_position_embeddings)
     fail(ErrorCode::unsupported,
          format("%s: vision_config.num_position_embeddings %lld is not a square; the position table is side x side",
                 config_.origin.c_str(), (long long)v.num_position_embeddings));
@@ -23153,14 +23338,19 @@ VisionModel::VisionModel(const ModelConfig& config, VisionWeights weights, Backe
     fail(ErrorCode::unsupported,
          format("%s: the vision head_dim %lld is not a multiple of 4 (its 2-D RoPE splits each half into row and "
                 "column frequencies)", config_.origin.c_str(), (long long)head_dim_));
+  const bool swiglu = v.traits.mlp == VisionMlp::swiglu;
   if (v.hidden_act == "gelu_pytorch_tanh") {
     block_gelu_ = GeluApprox::tanh;
   } else if (v.hidden_act == "gelu") {
     block_gelu_ = GeluApprox::none;
+  } else if (v.hidden_act == "silu" && swiglu) {
+    block_silu_ = true;
   } else {
-    fail(ErrorCode::unsupported, format("%s: vision_config.hidden_act '%s' is not supported (gelu_pytorch_tanh, gelu)",
-                                        config_.origin.c_str(), v.hidden_act.c_str()));
+    fail(ErrorCode::unsupported, format("%s: vision_config.hidden_act '%s' is not supported (gelu_pytorch_tanh, gelu%s)",
+                                        config_.origin.c_str(), v.hidden_act.c_str(), swiglu ? ", silu" : ""));
   }
+  // vit_merger_window_size = self.window_size // self.spatial_merge_size // self.patch_size
+  if (v.traits.window_size > 0) merger_window_side_ = v.traits.window_size / (v.spatial_merge_size * v.patch_size);
   // self.scaling = self.head_dim ** -0.5
   attention_scale_ = float(std::pow(double(head_dim_), -0.5));
   // Qwen3VLVisionRotaryEmbedding: inv_freq = 1 / base ** (arange(0, spatial_dim, 2) / spatial_dim),
@@ -23184,14 +23374,25 @@ VisionModel::VisionModel(const ModelConfig& config, VisionWeights weights, Backe
   mlp_ = buffers.view("vision_mlp", act, N, vI);
   merger_in_ = buffers.view("merger_in", act, tokens, merge * vh);
   merged_ = buffers.view("merged", act, levels_ * tokens, v.out_hidden_size);
-  pos_indices_ = buffers.view("vision_pos_indices", DType::I32, N, 4);
-  pos_weights_ = buffers.view("vision_pos_weights", DType::F32, N, 4);
+  if (v.traits.learned_positions) {
+    pos_indices_ = buffers.view("vision_pos_indices", DType::I32, N, 4);
+    pos_weights_ = buffers.view("vision_pos_weights", DType::F32, N, 4);
+    pos_indices_host_.resize(size_t(N * 4));
+    pos_weights_host_.resize(size_t(N * 4));
+  }
+  if (swiglu) gate_up_ = buffers.view("vision_gate_up", act, N, 2 * vI);
+  if (merger_window_side_ > 0) {
+    window_segments_ = buffers.view("vision_window_segments", DType::I32, tokens + 1, 1);
+    window_order_ = buffers.view("vision_window_order", DType::I32, tokens, 1);
+    window_segments_host_.resize(size_t(tokens + 1));
+    pixels_ordered_.resize(size_t(N * patch_values));
+  }
+  order_host_.resize(size_t(tokens));
+  reverse_host_.resize(size_t(tokens));
   rope_cos_ = buffers.view("vision_rope_cos", DType::F32, N, head_dim_ / 2);
   rope_sin_ = buffers.view("vision_rope_sin", DType::F32, N, head_dim_ / 2);
   segments_ = buffers.view("vision_segments", DType::I32, max_images_ + 1, 1);
 
-  pos_indices_host_.resize(size_t(N * 4));
-  pos_weights_host_.resize(size_t(N * 4));
   cos_host_.resize(size_t(N * head_dim_ / 2));
   sin_host_.resize(size_t(N * head_dim_ / 2));
   segments_host_.resize(size_t(max_images_ + 1));
@@ -23228,26 +23429,68 @@ void VisionModel::encode(const std::vector<const VisionInput*>& images) {
                 "max_image_pixels each): raise max_image_pixels or encode fewer images at once",
                 (long long)N, (long long)max_patches_, (long long)max_images_));
   tokens_ = N / merge;
+  const VisionTraits& traits = v.traits;
+  const int64_t patch_values = images[0]->row_size;
+  // get_vision_window_index: per image, the merge windows grouped into attention windows of
+  // vit_merger_window_size^2 (raster order of windows, raster order inside each; the padding of the last row
+  // and column of windows holds nothing), and cu_window_seqlens, their boundaries in patches with the empty
+  // windows dropped (torch.unique_consecutive). Without windows the order is the identity.
+  int64_t unit = 0;  // merge windows of the images before
+  size_t windows = 0;
+  int64_t longest_window = 0;
+  if (merger_window_side_ > 0) window_segments_host_[0] = 0;
+  for (const VisionInput* image : images) {
+    const ImageGrid& g = image->grid;
+    const int64_t units_h = g.grid_h / merge_side, units_w = g.grid_w / merge_side;
+    if (merger_window_side_ <= 0) {
+      for (int64_t u = 0; u < units_h * units_w; u++) order_host_[size_t(unit + u)] = int32_t(unit + u);
+    } else {
+      const int64_t side = merger_window_side_;
+      int64_t at = unit;
+      for (int64_t wy = 0; wy * side < units_h; wy++)
+        for (int64_t wx = 0; wx * side < units_w; wx++) {
+          const int64_t y_end = std::min(units_h, (wy + 1) * side), x_end = std::min(units_w, (wx + 1) * side);
+          for (int64_t y = wy * side; y < y_end; y++)
+            for (int64_t x = wx * side; x < x_end; x++) order_host_[size_t(at++)] = int32_t(unit + y * units_w + x);
+          // cu_seqlens_tmp = seqlens.cumsum(0) * spatial_merge_unit + cu_window_seqlens[-1]
+          window_segments_host_[windows + 1] = int32_t(at * merge);
+          longest_window = std::max(longest_window, (y_end - wy * side) * (x_end - wx * side) * merge);
+          windows++;
+        }
+    }
+    unit += units_h * units_w;
+  }
+  // reverse_indices = torch.argsort(window_index)
+  for (int64_t j = 0; j < tokens_; j++) reverse_host_[size_t(order_host_[size_t(j)])] = int32_t(j);
+
+  // Per processed row (in window order): its image, its patch coordinates, its position taps and RoPE angles.
   int64_t row = 0;
   segments_host_[0] = 0;
+  unit = 0;
   for (size_t k = 0; k < images.size(); k++) {
     const ImageGrid& g = images[k]->grid;
-    // Row r of an image is merge window r / 4 (windows in raster order) at (r / 2 % 2, r % 2) inside it.
-    const int64_t windows_w = g.grid_w / merge_side;
+    // Merge window u of an image is at (u / windows_w, u % windows_w) (raster order); its row r at
+    // (r / 2 % 2, r % 2) inside it.
+    const int64_t windows_w = g.grid_w / merge_side, units = g.grid_h * g.grid_w / merge;
     for (int64_t within = 0; within < g.grid_h * g.grid_w; within++, row++) {
-      const int64_t in_col = within % merge_side, in_row = within / merge_side % merge_side;
-      const int64_t block_col = within / merge % windows_w, block_row = within / (merge * windows_w);
+      const int64_t source_unit = order_host_[size_t(row / merge)] - unit;  // the merge window this row is from
+      const int64_t in_window = row % merge;
+      const int64_t in_col = in_window % merge_side, in_row = in_window / merge_side;
+      const int64_t block_col = source_unit % windows_w, block_row = source_unit / windows_w;
       const int64_t patch_row = block_row * merge_side + in_row, patch_col = block_col * merge_side + in_col;
-      // indices = h_taps * side + w_taps (outer product), weights = h_weights * w_weights
-      const detail::vision::AxisTaps h = detail::vision::axis_taps(patch_row, g.grid_h, side_);
-      const detail::vision::AxisTaps w = detail::vision::axis_taps(patch_col, g.grid_w, side_);
-      for (int a = 0; a < 2; a++)
-        for (int b = 0; b < 2; b++) {
-          pos_indices_host_[size_t(row * 4 + a * 2 + b)] = int32_t(h.tap[a] * side_ + w.tap[b]);
-          pos_weights_host_[size_t(row * 4 + a * 2 + b)] = h.weight[a] * w.weight[b];
-        }
-      // Qwen3VLVisionRotaryEmbedding: freqs = position_ids[..., None].float() * inv_freq (float32), then
-      // cos/sin laid out as [row frequencies | column frequencies], the half that rope() rotates with.
+      if (traits.learned_positions) {
+        // indices = h_taps * side + w_taps (outer product), weights = h_weights * w_weights
+        const detail::vision::AxisTaps h = detail::vision::axis_taps(patch_row, g.grid_h, side_);
+        const detail::vision::AxisTaps w = detail::vision::axis_taps(patch_col, g.grid_w, side_);
+        for (int a = 0; a < 2; a++)
+          for (int b = 0; b < 2; b++) {
+            pos_indices_host_[size_t(row * 4 + a * 2 + b)] = int32_t(h.tap[a] * side_ + w.tap[b]);
+            pos_weights_host_[size_t(row * 4 + a * 2 + b)] = h.weight[a] * w.weight[b];
+          }
+      }
+      // Qwen3VLVisionRotaryEmbedding / Qwen2_5_VLVisionRotaryEmbedding: freqs = position_ids[..., None].float()
+      // * inv_freq (float32), then cos/sin laid out as [row frequencies | column frequencies], the half that
+      // rope() rotates with (Qwen2.5-VL permutes them with the rows: permute_input_for_window_attn).
       for (int64_t i = 0; i < quarter; i++) {
         const float row_angle = float(patch_row) * rope_inv_freq_[size_t(i)];
         const float col_angle = float(patch_col) * rope_inv_freq_[size_t(i)];
@@ -23257,31 +23500,61 @@ void VisionModel::encode(const std::vector<const VisionInput*>& images) {
         sin_host_[size_t(row * half + quarter + i)] = float(std::sin(double(col_angle)));
       }
     }
-    // cu_seqlens: one segment per image (per frame)
+    // cu_seqlens: one segment per image (per frame); window order keeps each image's rows together
     segments_host_[k + 1] = int32_t(row);
+    unit += units;
   }
 
   Tensor pixels = pixel_patches_.slice_rows(0, N);  // [N, C T P P]
+  // The rows in processing order: as given, or gathered merge window by merge window into window order
+  // (hidden_states[window_index] after the patch embedding, which is row-wise: the same as reordering its input).
+  if (merger_window_side_ > 0) {
+    std::vector<const float*> unit_rows(static_cast<size_t>(tokens_), nullptr);
+    int64_t u = 0;
+    for (const VisionInput* image : images)
+      for (int64_t r = 0; r < image->rows(); r += merge) unit_rows[size_t(u++)] = image->pixel_values.data() + r * patch_values;
+    const size_t unit_values = size_t(merge * patch_values);
+    for (int64_t j = 0; j < tokens_; j++)
+      std::copy(unit_rows[size_t(order_host_[size_t(j)])], unit_rows[size_t(order_host_[size_t(j)])] + unit_values,
+                pixels_ordered_.data() + size_t(j) * unit_values);
+  }
   if (pixels.dtype == DType::F32) {
-    int64_t at = 0;
-    for (const VisionInput* image : images) {
-      check(backend_.copy_from_host(image->pixel_values.data(), pixels.slice_rows(at, image->rows())));
-      at += image->rows();
+    if (merger_window_side_ > 0) {
+      check(backend_.copy_from_host(pixels_ordered_.data(), pixels));
+    } else {
+      int64_t at = 0;
+      for (const VisionInput* image : images) {
+        check(backend_.copy_from_host(image->pixel_values.data(), pixels.slice_rows(at, image->rows())));
+        at += image->rows();
+      }
     }
   } else {  // pixel_values.type(self.visual.dtype): rounded to the 16-bit activations on the host
     size_t at = 0;
-    for (const VisionInput* image : images)
-      for (float value : image->pixel_values)
-        pixels_16bit_[at++] = pixels.dtype == DType::BF16 ? float_to_bf16(value) : float_to_f16(value);
+    auto round = [&](float value) { pixels_16bit_[at++] = pixels.dtype == DType::BF16 ? float_to_bf16(value) : float_to_f16(value); };
+    if (merger_window_side_ > 0) {
+      for (size_t i = 0; i < size_t(N * patch_values); i++) round(pixels_ordered_[i]);
+    } else {
+      for (const VisionInput* image : images)
+        for (float value : image->pixel_values) round(value);
+    }
     check(backend_.copy_from_host(pixels_16bit_.data(), pixels));
   }
-  check(backend_.copy_from_host(pos_indices_host_.data(), pos_indices_.slice_rows(0, N)));
-  check(backend_.copy_from_host(pos_weights_host_.data(), pos_weights_.slice_rows(0, N)));
+  if (traits.learned_positions) {
+    check(backend_.copy_from_host(pos_indices_host_.data(), pos_indices_.slice_rows(0, N)));
+    check(backend_.copy_from_host(pos_weights_host_.data(), pos_weights_.slice_rows(0, N)));
+  }
   Tensor cos = rope_cos_.slice_rows(0, N), sin = rope_sin_.slice_rows(0, N);  // [N, head_dim / 2]
   check(backend_.copy_from_host(cos_host_.data(), cos));
   check(backend_.copy_from_host(sin_host_.data(), sin));
   Tensor segments = segments_.slice_rows(0, int64_t(images.size()) + 1);
   check(backend_.copy_from_host(segments_host_.data(), segments));
+  Tensor window_segments, window_order;
+  if (merger_window_side_ > 0) {
+    window_segments = window_segments_.slice_rows(0, int64_t(windows) + 1);
+    check(backend_.copy_from_host(window_segments_host_.data(), window_segments));
+    window_order = window_order_.slice_rows(0, tokens_);
+    check(backend_.copy_from_host(reverse_host_.data(), window_order));
+  }
 
   // ---- the tower ----
   const int64_t vh = v.hidden_size;
@@ -23293,32 +23566,51 @@ void VisionModel::encode(const std::vector<const VisionInput*>& images) {
   Tensor val = qkv.slice_cols(2 * vh, vh);
   Tensor attn = attn_out_.slice_rows(0, N);      // [N, vh]
   Tensor mlp = mlp_.slice_rows(0, N);            // [N, vI]
+  const int64_t vI = v.intermediate_size;
 
-  // hidden_states = self.patch_embed(hidden_states)
+  // hidden_states = self.patch_embed(hidden_states)  (Qwen2.5-VL: no bias; rows already in window order, as
+  // hidden_states = self.permute_input_for_window_attn(hidden_states, window_index, seq_len) leaves them)
   check(backend_.linear(pixels, weights_.patch_embed.weight, weights_.patch_embed.bias, hidden));
-  // pos_embeds = (self.pos_embed(interp_indices) * interp_weights[:, :, None]).sum(1)
-  check(backend_.embedding_bag(weights_.pos_embed, pos_indices_.slice_rows(0, N), pos_weights_.slice_rows(0, N),
-                               normed));
-  // hidden_states = hidden_states + pos_embeds
-  check(backend_.add(hidden, normed, hidden));
+  if (traits.learned_positions) {
+    // pos_embeds = (self.pos_embed(interp_indices) * interp_weights[:, :, None]).sum(1)
+    check(backend_.embedding_bag(weights_.pos_embed, pos_indices_.slice_rows(0, N), pos_weights_.slice_rows(0, N),
+                                 normed));
+    // hidden_states = hidden_states + pos_embeds
+    check(backend_.add(hidden, normed, hidden));
+  }
   for (int64_t b = 0; b < v.depth; b++) {
     const VisionBlockWeights& w = weights_.blocks[size_t(b)];
     // self.attn(self.norm1(hidden_states), ...)
-    check(backend_.layer_norm(hidden, w.norm1.weight, w.norm1.bias, 1e-6f, normed));
+    norm(hidden, w.norm1, normed);
     // query_states, key_states, value_states = self.qkv(hidden_states).reshape(N, 3, heads, -1)...
     check(backend_.linear(normed, w.qkv, qkv));
     // apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
     // (one call: q and k are adjacent column blocks of qkv)                   qk [N, 2 vh]
     check(backend_.rope(qkv.slice_cols(0, 2 * vh), cos, sin, head_dim_));
-    // non-causal attention within each image (cu_seqlens), scaling head_dim ** -0.5
-    check(backend_.segment_attention(q, k, val, segments, longest, head_dim_, attention_scale_, attn));
+    // non-causal attention within each image (cu_seqlens), scaling head_dim ** -0.5; Qwen2.5-VL:
+    // cu_seqlens_now = cu_seqlens if layer_num in self.fullatt_block_indexes else cu_window_seqlens
+    if (traits.full_attention(b))
+      check(backend_.segment_attention(q, k, val, segments, longest, head_dim_, attention_scale_, attn));
+    else
+      check(backend_.segment_attention(q, k, val, window_segments, longest_window, head_dim_, attention_scale_, attn));
     // attn_output = self.proj(attn_output); hidden_states = hidden_states + attn_output
     check(backend_.linear(attn, w.proj, normed));
     check(backend_.add(hidden, normed, hidden));
-    // hidden_states = hidden_states + self.mlp(self.norm2(hidden_states)): fc2(act(fc1(x)))
-    check(backend_.layer_norm(hidden, w.norm2.weight, w.norm2.bias, 1e-6f, normed));
-    check(backend_.linear(normed, w.fc1, mlp));
-    check(backend_.gelu(mlp, block_gelu_, mlp));
+    // hidden_states = hidden_states + self.mlp(self.norm2(hidden_states))
+    norm(hidden, w.norm2, normed);
+    if (traits.mlp == VisionMlp::swiglu) {
+      // Qwen2_5_VLMLP: self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))   gate_up [N, 2 vI]
+      Tensor gate_up = gate_up_.slice_rows(0, N);
+      Tensor gate = gate_up.slice_cols(0, vI), up = gate_up.slice_cols(vI, vI);
+      check(backend_.linear(normed, w.fc1, gate));
+      check(backend_.linear(normed, w.up, up));
+      if (block_silu_) check(backend_.silu_mul(gate, up, mlp));
+      else check(backend_.gelu_mul(gate, up, block_gelu_, mlp));
+    } else {
+      // fc2(act(fc1(x)))
+      check(backend_.linear(normed, w.fc1, mlp));
+      check(backend_.gelu(mlp, block_gelu_, mlp));
+    }
     check(backend_.linear(mlp, w.fc2, normed));
     check(backend_.add(hidden, normed, hidden));
     // if layer_num in self.deepstack_visual_indexes: deepstack_merger_list[index](hidden_states)
@@ -23340,13 +23632,19 @@ void VisionModel::run_merger(const PatchMergerWeights& merger, const Tensor& hid
   Tensor normed = merger_in_.slice_rows(0, tokens);  // [N / 4, 4 vh]
   if (merger.norm_after_shuffle) {
     // self.norm(x.view(-1, self.hidden_size))
-    check(backend_.layer_norm(shuffled(hidden), merger.norm.weight, merger.norm.bias, 1e-6f, normed));
+    norm(shuffled(hidden), merger.norm, normed);
+  } else if (merger_window_side_ > 0) {
+    // Qwen2.5-VL: merged_hidden_states = self.merger(hidden_states)[reverse_indices, :]. The merger is row-wise
+    // over merge windows, so its input is put back in raster order first (one row of 4 vh per merge window),
+    // then ln_q per patch in place: self.ln_q(x).view(-1, self.hidden_size)
+    check(backend_.gather_rows(shuffled(hidden), window_order_.slice_rows(0, tokens), normed));
+    const Tensor patches = Tensor::matrix(normed.data, normed.dtype, N, vh);
+    norm(patches, merger.norm, patches);
   } else {
     // self.norm(x).view(-1, self.hidden_size): per patch, written as [N, vh] into the same rows
-    check(backend_.layer_norm(hidden, merger.norm.weight, merger.norm.bias, 1e-6f,
-                              Tensor::matrix(normed.data, normed.dtype, N, vh)));
+    norm(hidden, merger.norm, Tensor::matrix(normed.data, normed.dtype, N, vh));
   }
-  // self.linear_fc2(self.act_fn(self.linear_fc1(x))), act_fn = nn.GELU() (erf)
+  // self.linear_fc2(self.act_fn(self.linear_fc1(x))), act_fn = nn.GELU() (erf)  (Qwen2.5-VL: mlp.2(GELU(mlp.0 x)))
   Tensor fc1_out = shuffled(attn_out_);  // [N / 4, 4 vh]
   check(backend_.linear(normed, merger.fc1, fc1_out));
   check(backend_.gelu(fc1_out, GeluApprox::none, fc1_out));
@@ -23355,6 +23653,12 @@ void VisionModel::run_merger(const PatchMergerWeights& merger, const Tensor& hid
   check(backend_.linear(fc1_out, merger.fc2, out));
 }
 
+// Qwen2_5_VLRMSNorm(eps=1e-6) or nn.LayerNorm(eps=1e-6), as the family's traits say.
+void VisionModel::norm(const Tensor& x, const LayerNormWeights& weights, const Tensor& out) {
+  using detail::vision::check;
+  if (config_.vision.traits.norm == VisionNorm::rms_norm) check(backend_.rms_norm(x, weights.weight, 1e-6f, out));
+  else check(backend_.layer_norm(x, weights.weight, weights.bias, 1e-6f, out));
+}
 }  // namespace kvlite
 // upload: a GPU engine's weights, from the checkpoint's mmap into the CUDA arena's weights region (Engine::open
 // calls it once, before the first step), and the bytes a decode step reads of them. A part of its own so that
@@ -23550,8 +23854,9 @@ class WeightUploader {
   uint64_t staging_bytes_ = 0;
 };
 
-// The vision tower's weights (Qwen3-VL) into the same span, after the text model's: Linears (the patch embedding's
-// Conv3d kernel among them) in the activation dtype, the position table and LayerNorms as stored.
+// The vision tower's weights (Qwen3-VL, Qwen2.5-VL) into the same span, after the text model's: Linears (the patch
+// embedding's Conv3d kernel among them) in the activation dtype, the position table and norms as stored (absent
+// tensors - Qwen2.5-VL's patch bias, position table, RMSNorm biases - stay absent).
 VisionWeights upload_vision_weights(const VisionWeights& host, WeightUploader& upload) {
   auto norm = [&](const LayerNormWeights& h, const std::string& what) {
     return LayerNormWeights{upload.tensor(h.weight, h.weight.dtype, what + ".weight"),
@@ -23577,8 +23882,9 @@ VisionWeights upload_vision_weights(const VisionWeights& host, WeightUploader& u
     d.norm2 = norm(h.norm2, block + "norm2");
     d.qkv = upload.linear(h.qkv, block + "attn.qkv");
     d.proj = upload.linear(h.proj, block + "attn.proj");
-    d.fc1 = upload.linear(h.fc1, block + "mlp.linear_fc1");
-    d.fc2 = upload.linear(h.fc2, block + "mlp.linear_fc2");
+    d.fc1 = upload.linear(h.fc1, block + "mlp.fc1");  // linear_fc1 | gate_proj
+    if (h.up.weight.data || h.up.quant) d.up = upload.linear(h.up, block + "mlp.up_proj");  // SwiGLU only
+    d.fc2 = upload.linear(h.fc2, block + "mlp.fc2");  // linear_fc2 | down_proj
   }
   device.merger = merger(host.merger, "visual.merger");
   for (size_t i = 0; i < host.deepstack.size(); i++)
@@ -25564,7 +25870,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.stop_ids.assign(stops.begin(), stops.end());
 
     const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
-    e.batch.open(max_tokens, max_seqs, e.config.arch == Arch::qwen3_vl ? 3 : 1);  // M-RoPE: 3 rows of positions
+    e.batch.open(max_tokens, max_seqs, e.config.uses_mrope() ? 3 : 1);  // M-RoPE: 3 rows of positions
     e.raw_row.assign(size_t(e.config.text.vocab_size), 0.0f);
     e.scheduler.open(e.arena->kv(), e.arena->kv_main_window(), e.arena->kv_window(), e.arena->window(),
                      e.plan.options.max_batched_tokens,

@@ -1,6 +1,6 @@
 // ---------------------------------------------------------------------------------------------------------
-// config: config.json (llama, mistral, qwen2, qwen3, qwen3_vl, gemma2, gemma3_text / gemma3, phi3), the family's
-// block traits, quantization_config, and one descriptor per Linear.
+// config: config.json (llama, mistral, qwen2, qwen3, qwen3_vl, qwen2_5_vl, gemma2, gemma3_text / gemma3, phi3), the
+// family's block and vision traits, quantization_config, and one descriptor per Linear.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 
@@ -41,6 +41,9 @@ namespace kvlite {
 #ifndef KVLITE_MAX_VISION_POSITIONS
 #define KVLITE_MAX_VISION_POSITIONS 1048576  // vision num_position_embeddings [Qwen3-VL: 2304]
 #endif
+#ifndef KVLITE_MAX_VISION_WINDOW
+#define KVLITE_MAX_VISION_WINDOW 65536  // vision window_size in pixels [Qwen2.5-VL: 112]
+#endif
 // Image normalization (preprocessor_config.json image_mean / image_std / rescale_factor, PreprocessOptions): a
 // pixel becomes (pixel x rescale_factor - mean) / std. Published processors use means in [0.4, 0.5], stds in
 // [0.2, 0.5] and 1/255; values far outside are a broken file, and refused at load rather than turning every
@@ -74,10 +77,11 @@ constexpr int64_t max_vocab = KVLITE_MAX_VOCAB;
 constexpr int64_t max_positions = KVLITE_MAX_POSITIONS;
 constexpr int64_t max_vision_patch = KVLITE_MAX_VISION_PATCH;
 constexpr int64_t max_vision_positions = KVLITE_MAX_VISION_POSITIONS;
+constexpr int64_t max_vision_window = KVLITE_MAX_VISION_WINDOW;
 constexpr int64_t max_processor_pixels = KVLITE_MAX_PROCESSOR_PIXELS;
 }  // namespace limits
 
-enum class Arch { llama, qwen2, qwen3, qwen3_vl, mistral, gemma2, gemma3, phi3 };
+enum class Arch { llama, qwen2, qwen3, qwen3_vl, qwen2_5_vl, mistral, gemma2, gemma3, phi3 };
 const char* arch_name(Arch arch);
 
 // Rotary embedding parameters, from either key layout: classic (`rope_theta` + `rope_scaling`) or the one
@@ -114,9 +118,16 @@ struct RopeConfig {
   // original_max_position_embeddings, short_factor otherwise
   std::vector<double> short_factor;
   std::vector<double> long_factor;
-  // Qwen3-VL multimodal RoPE: sections of the rotary half (t, h, w), e.g. [24, 20, 20]
+  // Multimodal RoPE (Qwen2.5-VL, Qwen3-VL): sections of the rotary half (t, h, w), e.g. [24, 20, 20], and how
+  // they are laid over the frequencies - a family fact (the modeling file's code, not a config key):
+  //   sectioned   (Qwen2-VL, Qwen2.5-VL: apply_multimodal_rotary_pos_emb / recomposition_frequencies): the
+  //               first section[0] frequencies take row t, the next section[1] row h, the last section[2] row w
+  //   interleaved (Qwen3-VL: apply_interleaved_mrope): h at 1, 4, 7, ... below 3 section[1], w at 2, 5, 8, ...
+  //               below 3 section[2], t elsewhere
   std::vector<int> mrope_section;
-  bool mrope_interleaved = false;
+  bool mrope_interleaved = false;  // the file's key, as written (Qwen3-VL interleaves whatever it says)
+  enum class MropeLayout { sectioned, interleaved };
+  MropeLayout mrope_layout = MropeLayout::interleaved;
 };
 
 // ---- block traits: how a family's decoder block differs from Llama's ----------------------------------------
@@ -188,8 +199,44 @@ struct TextConfig {
   std::vector<int64_t> eos_token_ids;
 };
 
+// ---- vision traits: how a family's vision tower differs ------------------------------------------------------
+// One tower (vision.inl) serves both Qwen vision families; what differs is data set here from model_type, as
+// BlockTraits does for the text blocks. The facts come from transformers' modeling_qwen3_vl.py and
+// modeling_qwen2_5_vl.py:
+//
+//               weights        norms      block MLP                     patch bias  positions             attention                          merger
+//   qwen3_vl    model.visual.  LayerNorm  fc1 -> GELU (tanh) -> fc2     yes         learned table (bilinear) + 2-D RoPE  per image      norm, linear_fc1, linear_fc2; DeepStack
+//   qwen2_5_vl  visual.        RMSNorm    down(silu(gate) * up), biases no          2-D RoPE               windows of window_size pixels,   ln_q, mlp.0, mlp.2
+//                                                                                                          per image in fullatt_block_indexes
+// Both: patch 14/16 x temporal 2 as a Linear, rope over head_dim / 2 split into row | column frequencies,
+// a 2 x 2 merger with GELU (erf), out_hidden_size = the language model's hidden size.
+enum class VisionNorm { layer_norm, rms_norm };
+enum class VisionMlp { gelu, swiglu };  // fc2(act(fc1 x)) | down(act(gate x) * up x)
+struct VisionTraits {
+  std::string prefix = "model.visual.";  // the tower's weight names
+  VisionNorm norm = VisionNorm::layer_norm;
+  VisionMlp mlp = VisionMlp::gelu;
+  bool patch_embed_bias = true;
+  bool learned_positions = true;  // a learned side x side position table, resampled bilinearly per grid
+  // Window attention (Qwen2.5-VL): blocks not in fullatt_block_indexes attend within windows of window_size x
+  // window_size pixels (window_size / (patch x merge) merge windows a side); 0 = every block attends per image.
+  int64_t window_size = 0;
+  std::vector<int64_t> fullatt_block_indexes;
+  // The processor's class defaults when preprocessor_config.json says nothing (Qwen2VLImageProcessor: 56 x 56
+  // and 28 x 28 x 1280 pixels, OpenAI CLIP's mean / std; Qwen3-VL's own published values otherwise).
+  int64_t default_min_pixels = 65536, default_max_pixels = 16777216;
+
+  bool full_attention(int64_t block) const {
+    if (window_size <= 0) return true;
+    for (int64_t b : fullatt_block_indexes)
+      if (b == block) return true;
+    return false;
+  }
+};
+
 struct VisionConfig {
   bool present = false;
+  VisionTraits traits;  // the family's differences (above)
   int64_t depth = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -253,7 +300,7 @@ struct ModelConfig {
   TextConfig text;
   VisionConfig vision;
   QuantConfig quant;
-  // qwen3_vl special tokens (transformers' defaults when absent); -1 for text-only models.
+  // qwen3_vl / qwen2_5_vl special tokens (transformers' defaults when absent); -1 for text-only models.
   int64_t image_token_id = -1, video_token_id = -1, vision_start_token_id = -1, vision_end_token_id = -1;
   // Image budget from preprocessor_config.json (min/max pixel counts), when the directory has one.
   int64_t min_pixels = 0, max_pixels = 0;
@@ -268,6 +315,8 @@ struct ModelConfig {
 
   // Weight-name prefix of the language model: "model." or, for qwen3_vl, "model.language_model.".
   std::string text_prefix() const;
+  // Three rows of positions (t, h, w) per token: the Qwen VL families' M-RoPE.
+  bool uses_mrope() const { return arch == Arch::qwen3_vl || arch == Arch::qwen2_5_vl; }
   // KV bytes per token over all layers: 2 x layers x kv_heads x head_dim x element bytes.
   uint64_t kv_bytes_per_token(int kv_element_bytes) const;
 };

@@ -17,6 +17,7 @@ const char* arch_name(Arch arch) {
     case Arch::qwen2: return "qwen2";
     case Arch::qwen3: return "qwen3";
     case Arch::qwen3_vl: return "qwen3_vl";
+    case Arch::qwen2_5_vl: return "qwen2_5_vl";
     case Arch::mistral: return "mistral";
     case Arch::gemma2: return "gemma2";
     case Arch::gemma3: return "gemma3";
@@ -392,7 +393,7 @@ inline RopeConfig default_rope_of(Arch arch, RopeConfig rope) {
 inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int64_t max_position_embeddings = 0) {
   RopeConfig rope;
   // transformers' class defaults when the key is absent.
-  rope.theta = arch == Arch::qwen3_vl ? 5000000.0 : 10000.0;
+  rope.theta = arch == Arch::qwen3_vl ? 5000000.0 : arch == Arch::qwen2_5_vl ? 1000000.0 : 10000.0;
   rope.theta = text.number_or("rope_theta", rope.theta);
   rope.max_position_embeddings = max_position_embeddings;
   rope.partial_rotary_factor = text.number_or("partial_rotary_factor", 1.0);
@@ -409,6 +410,11 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int6
     params = text.optional_child("rope_scaling");
   }
   if (!(rope.theta > 0)) text.fail_key(ErrorCode::bad_format, "rope_theta", "must be positive");
+  json no_params = json::object();
+  if (!params && arch == Arch::qwen2_5_vl) {
+    // Qwen2_5_VLRotaryEmbedding reads mrope_section with a default: a file without rope keys still has M-RoPE
+    params = Node{&no_params, text.path, text.origin};
+  }
   if (!params) {
     // no dict: the defaults, still checked (partial_rotary_factor)
     json empty = json::object();
@@ -419,7 +425,8 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int6
   // sequence length, which kvlite does for one position row only.
   const char* type_key = params->has("rope_type") ? "rope_type" : "type";
   const std::string type = params->string_or(type_key, "default");
-  if ((arch == Arch::qwen3_vl || params->has("mrope_section")) && (type == "dynamic" || type == "longrope"))
+  const bool vl = arch == Arch::qwen3_vl || arch == Arch::qwen2_5_vl;
+  if ((vl || params->has("mrope_section")) && (type == "dynamic" || type == "longrope"))
     params->fail_key(ErrorCode::unsupported, type_key,
                      format("'%s' is not supported with M-RoPE (mrope_section); supported there: default, linear, "
                             "yarn, llama3", type.c_str()));
@@ -431,8 +438,11 @@ inline RopeConfig parse_rope(const Node& text, Arch arch, int64_t head_dim, int6
     rope.mrope_section.push_back(int(section));
   }
   rope.mrope_interleaved = params->bool_or("mrope_interleaved", false);
-  if (arch == Arch::qwen3_vl) {
-    if (rope.mrope_section.empty()) rope.mrope_section = {24, 20, 20};  // what the rotary code falls back to
+  if (vl) {
+    // what each rotary code falls back to; Qwen2.5-VL lays the sections end to end, Qwen3-VL interleaves them
+    if (rope.mrope_section.empty())
+      rope.mrope_section = arch == Arch::qwen3_vl ? std::vector<int>{24, 20, 20} : std::vector<int>{16, 24, 24};
+    rope.mrope_layout = arch == Arch::qwen3_vl ? RopeConfig::MropeLayout::interleaved : RopeConfig::MropeLayout::sectioned;
     int64_t sum = 0;
     for (int s : rope.mrope_section) sum += s;
     if (rope.mrope_section.size() != 3 || sum * 2 != head_dim)
@@ -523,7 +533,7 @@ inline BlockTraits parse_block_traits(const Node& text, Arch arch, const TextCon
       b.sliding_window = window_key("sliding_window");
       b.layer_kinds.assign(size_t(layers), b.sliding_window > 0 ? LayerKind::sliding : LayerKind::full);
       b.fused_projections = arch == Arch::phi3;
-    } else if (arch == Arch::qwen2 || arch == Arch::qwen3) {
+    } else if (arch == Arch::qwen2 || arch == Arch::qwen3 || arch == Arch::qwen2_5_vl) {
       // Qwen2Config: sliding_window = sliding_window if use_sliding_window else None; layers from
       // max_window_layers on slide (layer_types when written)
       if (text.bool_or("use_sliding_window", false)) b.sliding_window = window_key("sliding_window");
@@ -623,7 +633,8 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
       t.attention_bias = t.o_proj_bias = attention_bias;
       t.qk_norm = true;
       break;
-    case Arch::qwen2:  // Qwen2Attention: q/k/v always have biases, o_proj never
+    case Arch::qwen2:  // Qwen2Attention: q/k/v always have biases, o_proj never (Qwen2.5-VL's text model too)
+    case Arch::qwen2_5_vl:
       t.attention_bias = true;
       t.o_proj_bias = false;
       break;
@@ -648,23 +659,55 @@ inline TextConfig parse_text(const Node& text, const Node& root, Arch arch) {
   return t;
 }
 
-inline VisionConfig parse_vision(const Node& vision) {
+inline VisionConfig parse_vision(const Node& vision, Arch arch) {
   VisionConfig v;
   v.present = true;
+  const bool qwen25 = arch == Arch::qwen2_5_vl;
   v.depth = vision.bounded("depth", limits::max_model_layers, "KVLITE_MAX_MODEL_LAYERS");
   v.hidden_size = vision.bounded("hidden_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
   v.intermediate_size = vision.bounded("intermediate_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
   v.num_heads = vision.bounded("num_heads", limits::max_model_heads, "KVLITE_MAX_MODEL_HEADS");
   v.out_hidden_size = vision.bounded("out_hidden_size", limits::max_model_width, "KVLITE_MAX_MODEL_WIDTH");
-  // transformers' Qwen3VLVisionConfig defaults for the rest
+  // transformers' Qwen3VLVisionConfig / Qwen2_5_VLVisionConfig defaults for the rest (Qwen2.5-VL's published
+  // files also carry in_chans and spatial_patch_size, which its config class ignores: in_channels and patch_size
+  // are what the model reads)
   v.in_channels = vision.bounded_or("in_channels", 3, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
-  v.patch_size = vision.bounded_or("patch_size", 16, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
+  v.patch_size = vision.bounded_or("patch_size", qwen25 ? 14 : 16, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
   v.temporal_patch_size = vision.bounded_or("temporal_patch_size", 2, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
   v.spatial_merge_size = vision.bounded_or("spatial_merge_size", 2, limits::max_vision_patch, "KVLITE_MAX_VISION_PATCH");
-  v.num_position_embeddings = vision.bounded_or("num_position_embeddings", 2304, limits::max_vision_positions, "KVLITE_MAX_VISION_POSITIONS");
-  v.deepstack_visual_indexes = vision.has("deepstack_visual_indexes") ? vision.int_list("deepstack_visual_indexes")
-                                                                        : std::vector<int64_t>{8, 16, 24};
-  v.hidden_act = vision.string_or("hidden_act", "gelu_pytorch_tanh");
+  if (qwen25) {
+    // Qwen2.5-VL (config.hpp's vision traits): no position table, no DeepStack; RMSNorm, SwiGLU, window attention
+    VisionTraits& t = v.traits;
+    t.prefix = "visual.";
+    t.norm = VisionNorm::rms_norm;
+    t.mlp = VisionMlp::swiglu;
+    t.patch_embed_bias = false;
+    t.learned_positions = false;
+    t.default_min_pixels = 56 * 56;
+    t.default_max_pixels = 28 * 28 * 1280;
+    t.window_size = vision.bounded_or("window_size", 112, limits::max_vision_window, "KVLITE_MAX_VISION_WINDOW");
+    // vit_merger_window_size = window_size // spatial_merge_size // patch_size: at least one merge window a side
+    if (t.window_size < v.patch_size * v.spatial_merge_size)
+      vision.fail_key(ErrorCode::bad_format, "window_size",
+                      format("(%lld pixels) is smaller than one merge window (patch_size %lld x spatial_merge_size %lld)",
+                             (long long)t.window_size, (long long)v.patch_size, (long long)v.spatial_merge_size));
+    t.fullatt_block_indexes = vision.has("fullatt_block_indexes") ? vision.int_list("fullatt_block_indexes")
+                                                                   : std::vector<int64_t>{7, 15, 23, 31};
+    for (int64_t index : t.fullatt_block_indexes)
+      if (index < 0 || index >= v.depth)
+        vision.fail_key(ErrorCode::bad_format, "fullatt_block_indexes",
+                        format("holds block %lld, outside 0..%lld (depth %lld)", (long long)index,
+                               (long long)(v.depth - 1), (long long)v.depth));
+    if (vision.has("num_position_embeddings") || vision.has("deepstack_visual_indexes"))
+      vision.fail_key(ErrorCode::unsupported, vision.has("deepstack_visual_indexes") ? "deepstack_visual_indexes" : "num_position_embeddings",
+                      "is a Qwen3-VL key; a qwen2_5_vl tower has neither a position table nor DeepStack");
+    v.hidden_act = vision.string_or("hidden_act", "silu");
+  } else {
+    v.num_position_embeddings = vision.bounded_or("num_position_embeddings", 2304, limits::max_vision_positions, "KVLITE_MAX_VISION_POSITIONS");
+    v.deepstack_visual_indexes = vision.has("deepstack_visual_indexes") ? vision.int_list("deepstack_visual_indexes")
+                                                                          : std::vector<int64_t>{8, 16, 24};
+    v.hidden_act = vision.string_or("hidden_act", "gelu_pytorch_tanh");
+  }
   // The 2-D RoPE's base: rope_parameters {rope_type: "axial", rope_theta}, 10000 when absent.
   if (std::optional<Node> rope = vision.optional_child("rope_parameters"))
     v.rope_theta = rope->number_or("rope_theta", v.rope_theta);
@@ -1011,19 +1054,28 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
     else if (*model_type == "qwen2") config.arch = Arch::qwen2;
     else if (*model_type == "qwen3") config.arch = Arch::qwen3;
     else if (*model_type == "qwen3_vl") config.arch = Arch::qwen3_vl;
+    else if (*model_type == "qwen2_5_vl") config.arch = Arch::qwen2_5_vl;
     else if (*model_type == "mistral") config.arch = Arch::mistral;
     else if (*model_type == "gemma2") config.arch = Arch::gemma2;
     else if (*model_type == "gemma3_text" || *model_type == "gemma3") config.arch = Arch::gemma3;
     else if (*model_type == "phi3") config.arch = Arch::phi3;
     else
       root.fail_key(ErrorCode::unsupported, "model_type",
-                    detail::format("'%s' is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_vl, gemma2, "
+                    detail::format("'%s' is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_vl, qwen2_5_vl, gemma2, "
                                    "gemma3_text, gemma3 (its text model), phi3", model_type->c_str()));
 
-    if (config.arch == Arch::qwen3_vl) {
-      config.text = detail::cfg::parse_text(root.child("text_config"), root, config.arch);
-      config.vision = detail::cfg::parse_vision(root.child("vision_config"));
-      // transformers' Qwen3VLConfig defaults
+    if (config.arch == Arch::qwen3_vl || config.arch == Arch::qwen2_5_vl) {
+      // Qwen2.5-VL's published files keep the text keys at the top level (Qwen2_5_VLConfig gathers them into
+      // text_config); transformers 5 writes text_config.
+      const bool nested = config.arch == Arch::qwen3_vl || root.has("text_config");
+      config.text = detail::cfg::parse_text(nested ? root.child("text_config") : root, root, config.arch);
+      config.vision = detail::cfg::parse_vision(root.child("vision_config"), config.arch);
+      if (config.arch == Arch::qwen2_5_vl)  // Qwen2VLImageProcessor's class defaults: OpenAI CLIP's mean / std
+        for (int c = 0; c < 3; c++) {
+          config.image_mean[c] = std::array<double, 3>{0.48145466, 0.4578275, 0.40821073}[size_t(c)];
+          config.image_std[c] = std::array<double, 3>{0.26862954, 0.26130258, 0.27577711}[size_t(c)];
+        }
+      // transformers' Qwen3VLConfig / Qwen2_5_VLConfig defaults (the same ids)
       config.image_token_id = root.checked_ids("image_token_id", {root.optional_int("image_token_id").value_or(151655)})[0];
       config.video_token_id = root.checked_ids("video_token_id", {root.optional_int("video_token_id").value_or(151656)})[0];
       config.vision_start_token_id = root.checked_ids("vision_start_token_id", {root.optional_int("vision_start_token_id").value_or(151652)})[0];
@@ -1150,7 +1202,9 @@ Result<ModelConfig> apply_processor_config(ModelConfig config, const std::string
     }
     // The budget images get (preprocess_options: kvlite's default for a count the file leaves out) must leave
     // room for one: a file with only a maximum below the default minimum refused every image, not itself.
-    const PreprocessOptions defaults;
+    ModelConfig without_file = config;
+    without_file.min_pixels = without_file.max_pixels = 0;
+    const PreprocessOptions defaults = preprocess_options(without_file);
     const int64_t min_pixels = config.min_pixels > 0 ? config.min_pixels : defaults.min_pixels;
     const int64_t max_pixels = config.max_pixels > 0 ? config.max_pixels : defaults.max_pixels;
     if (min_pixels > max_pixels)
@@ -1225,19 +1279,28 @@ inline std::vector<LinearSpec> linear_specs(const ModelConfig& c) {
   if (c.vision.present) {
     const VisionConfig& v = c.vision;
     const int64_t merged = v.hidden_size * v.spatial_merge_size * v.spatial_merge_size;  // 2x2 patches per row
+    const std::string& visual = v.traits.prefix;
+    const bool swiglu = v.traits.mlp == VisionMlp::swiglu;
     for (int64_t i = 0; i < v.depth; i++) {
-      std::string block = format("model.visual.blocks.%lld.", (long long)i);
+      std::string block = visual + format("blocks.%lld.", (long long)i);
       specs.push_back({block + "attn.qkv", 3 * v.hidden_size, v.hidden_size, true, true});
       specs.push_back({block + "attn.proj", v.hidden_size, v.hidden_size, true, true});
-      specs.push_back({block + "mlp.linear_fc1", v.intermediate_size, v.hidden_size, true, true});
-      specs.push_back({block + "mlp.linear_fc2", v.hidden_size, v.intermediate_size, true, true});
+      if (swiglu) {  // Qwen2_5_VLMLP(bias=True)
+        specs.push_back({block + "mlp.gate_proj", v.intermediate_size, v.hidden_size, true, true});
+        specs.push_back({block + "mlp.up_proj", v.intermediate_size, v.hidden_size, true, true});
+        specs.push_back({block + "mlp.down_proj", v.hidden_size, v.intermediate_size, true, true});
+      } else {
+        specs.push_back({block + "mlp.linear_fc1", v.intermediate_size, v.hidden_size, true, true});
+        specs.push_back({block + "mlp.linear_fc2", v.hidden_size, v.intermediate_size, true, true});
+      }
     }
+    // Qwen3VLVisionPatchMerger's linear_fc1 / linear_fc2; Qwen2_5_VLPatchMerger's nn.Sequential mlp.0 / mlp.2
     auto merger = [&](const std::string& name) {
-      specs.push_back({name + ".linear_fc1", merged, merged, true, true});
-      specs.push_back({name + ".linear_fc2", v.out_hidden_size, merged, true, true});
+      specs.push_back({name + (swiglu ? ".mlp.0" : ".linear_fc1"), merged, merged, true, true});
+      specs.push_back({name + (swiglu ? ".mlp.2" : ".linear_fc2"), v.out_hidden_size, merged, true, true});
     };
-    merger("model.visual.merger");
-    for (size_t j = 0; j < v.deepstack_visual_indexes.size(); j++) merger(format("model.visual.deepstack_merger_list.%zu", j));
+    merger(visual + "merger");
+    for (size_t j = 0; j < v.deepstack_visual_indexes.size(); j++) merger(visual + format("deepstack_merger_list.%zu", j));
   }
   return specs;
 }
@@ -1707,14 +1770,16 @@ WeightsSummary estimate_weights(const ModelConfig& config) {
   if (config.vision.present) {
     const VisionConfig& v = config.vision;
     const uint64_t vh = uint64_t(v.hidden_size), merged = vh * uint64_t(v.spatial_merge_size * v.spatial_merge_size);
-    auto layer_norm = [&](uint64_t dim) { return 2 * dtype_bytes(dtype, dim); };  // weight + bias
+    // LayerNorm: weight + bias; RMSNorm (Qwen2.5-VL): weight
+    const uint64_t norm_tensors = v.traits.norm == VisionNorm::layer_norm ? 2 : 1;
+    auto layer_norm = [&](uint64_t dim) { return norm_tensors * dtype_bytes(dtype, dim); };
     uint64_t vision = vision_linears;
-    // patch_embed: Conv3d(in_channels -> hidden, kernel (temporal, patch, patch)) with bias
+    // patch_embed: Conv3d(in_channels -> hidden, kernel (temporal, patch, patch)), with bias in Qwen3-VL
     vision += dtype_bytes(dtype, vh * uint64_t(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size)) +
-              dtype_bytes(dtype, vh);
-    vision += dtype_bytes(dtype, uint64_t(v.num_position_embeddings) * vh);  // pos_embed table
+              (v.traits.patch_embed_bias ? dtype_bytes(dtype, vh) : 0);
+    vision += dtype_bytes(dtype, uint64_t(v.num_position_embeddings) * vh);  // pos_embed table (0 without one)
     vision += uint64_t(v.depth) * 2 * layer_norm(vh);                       // norm1, norm2 per block
-    vision += layer_norm(vh);                                               // merger.norm (before the shuffle)
+    vision += layer_norm(vh);                                               // merger.norm / ln_q (before the shuffle)
     vision += uint64_t(v.deepstack_visual_indexes.size()) * layer_norm(merged);  // post-shuffle norms
     s.vision_bytes = vision;
   }

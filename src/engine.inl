@@ -1076,7 +1076,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     e.stop_ids.assign(stops.begin(), stops.end());
 
     const size_t max_tokens = size_t(e.plan.options.max_batched_tokens), max_seqs = size_t(e.plan.options.max_seqs);
-    e.batch.open(max_tokens, max_seqs, e.config.arch == Arch::qwen3_vl ? 3 : 1);  // M-RoPE: 3 rows of positions
+    e.batch.open(max_tokens, max_seqs, e.config.uses_mrope() ? 3 : 1);  // M-RoPE: 3 rows of positions
     e.raw_row.assign(size_t(e.config.text.vocab_size), 0.0f);
     e.scheduler.open(e.arena->kv(), e.arena->kv_main_window(), e.arena->kv_window(), e.arena->window(),
                      e.plan.options.max_batched_tokens,

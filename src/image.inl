@@ -768,6 +768,10 @@ Result<Image> resize_bicubic_aa(const Image& image, int64_t height, int64_t widt
 
 PreprocessOptions preprocess_options(const ModelConfig& config) {
   PreprocessOptions options;
+  if (config.vision.present) {  // the family's processor defaults (config.hpp's vision traits)
+    options.min_pixels = config.vision.traits.default_min_pixels;
+    options.max_pixels = config.vision.traits.default_max_pixels;
+  }
   if (config.min_pixels > 0) options.min_pixels = config.min_pixels;
   if (config.max_pixels > 0) options.max_pixels = config.max_pixels;
   options.rescale_factor = config.rescale_factor;

@@ -102,7 +102,6 @@ constexpr int64_t kDefaultBatchedTokens = 2048;
 constexpr int64_t kDefaultMaxModelLen = 32768;  // the default rule's cap
 constexpr int64_t kMinDefaultMaxModelLen = 2048;  // the default rule halves down to this, no further
 constexpr int kUtilizationSearchSteps = 64;     // utilization searches: steps at most (a few suffice)
-constexpr int64_t kProcessorDefaultMaxPixels = 16777216;  // Qwen's processor when preprocessor_config is absent
 constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
 constexpr uint64_t kContextWsl2 = 1024 * MiB;
 constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
@@ -204,7 +203,9 @@ ModelLimits model_limits(const ModelConfig& config) {
   ModelLimits limits;
   limits.max_position = context_positions(config.text);
   if (config.vision.present)
-    limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : kProcessorDefaultMaxPixels;
+    // the processor's own default when preprocessor_config.json is absent (the family's, VisionTraits:
+    // Qwen3-VL 16,777,216; Qwen2VLImageProcessor 12,845,056)
+    limits.processor_max_pixels = config.max_pixels > 0 ? config.max_pixels : config.vision.traits.default_max_pixels;
   return limits;
 }
 
@@ -564,13 +565,18 @@ PlanItem vision_item(const Inputs& in, const PlanOptions& o) {
   auto buffers = vision_buffers(in.config, o.max_image_pixels, o.max_images, *o.activation_dtype);
   uint64_t windows = merge_windows(v, o.max_image_pixels);
   uint64_t patches = windows * uint64_t(v.spatial_merge_size * v.spatial_merge_size);
+  const std::string attention =
+      v.traits.window_size > 0
+          ? format("; window attention (%lld px windows, %zu full blocks) streams its keys: no score matrix",
+                   (long long)v.traits.window_size, v.traits.fullatt_block_indexes.size())
+          : std::string();
   return {"vision", format("vision (%lld image%s)", (long long)o.max_images, o.max_images == 1 ? "" : "s"),
           buffers_bytes(buffers),
           format("encoder for %lld x %s pixels = %s patches (%s tokens) each: patches, hidden, qkv, mlp, merger "
-                 "outputs x %zu (1 + DeepStack)",
+                 "outputs x %zu (1 + DeepStack)%s",
                  (long long)o.max_images, format_count(uint64_t(o.max_image_pixels)).c_str(),
                  format_count(patches).c_str(), format_count(windows).c_str(),
-                 1 + v.deepstack_visual_indexes.size()),
+                 1 + v.deepstack_visual_indexes.size(), attention.c_str()),
           true};
 }
 
@@ -958,7 +964,7 @@ std::vector<BufferSpec> activation_buffers(const ModelConfig& config, int64_t to
   // A GPU's attention batch has one spare sequence: a CUDA graph's padding rows (see TextModel).
   const uint64_t P = uint64_t(std::max<int64_t>(block_table_pages, 0)), spare = P > 0 ? 1 : 0;
   // M-RoPE models carry three position rows (t, h, w) per token.
-  bool mrope = !t.rope.mrope_section.empty() || config.arch == Arch::qwen3_vl;
+  bool mrope = !t.rope.mrope_section.empty() || config.uses_mrope();
   // The rotary tables hold R / 2 columns, R = rotary_dim = int(D * partial_rotary_factor) (Phi-4-mini: 3/4 of D);
   // a config that gives no valid R was refused by the parser, so D / 2 is only a fallback.
   const Result<int64_t> rotary_dim = rope_rotary_dim(t.rope, t.head_dim);
@@ -1022,7 +1028,7 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
   uint64_t E = dtype_bytes(activation_dtype, 1);
   const char* act = detail::planning::activation_dtype_text(activation_dtype);
   uint64_t mergers = 1 + v.deepstack_visual_indexes.size();
-  return {
+  std::vector<BufferSpec> buffers = {
       buffer("pixel_patches", {N, patch_values}, E, "(N, C x frames x patch x patch)", act),
       // The residual stream and the mergers' outputs are in the activation dtype, planned fp32-sized whatever it
       // is (16-bit activations use half), so the GPU plans, which hold them without running the tower, keep the
@@ -1035,14 +1041,27 @@ std::vector<BufferSpec> vision_buffers(const ModelConfig& config, int64_t image_
       buffer("merger_in", {N / merge, merge * vh}, E, "(N / 4, 4 vh)", act),
       // The final merger's output plus one per DeepStack level, kept until the language model splices them.
       buffer("merged", {mergers, N / merge, out}, 4, "(1 + deepstack, N / 4, out)", "fp32"),
-      // Bilinear resampling of the learned position table: 4 table rows and their weights per patch.
-      buffer("vision_pos_indices", {N, 4}, 4, "(N, 4)", "int32"),
-      buffer("vision_pos_weights", {N, 4}, 4, "(N, 4)", "fp32"),
       // 2-D RoPE of each patch (row and column frequencies), computed on the host and copied in.
       buffer("vision_rope_cos", {N, vD / 2}, 4, "(N, vD / 2)", "fp32"),
       buffer("vision_rope_sin", {N, vD / 2}, 4, "(N, vD / 2)", "fp32"),
       buffer("vision_segments", {uint64_t(images) + 1}, 4, "(images + 1)", "int32"),  // attention within each image
   };
+  // Bilinear resampling of a learned position table (Qwen3-VL): 4 table rows and their weights per patch.
+  if (v.traits.learned_positions) {
+    buffers.push_back(buffer("vision_pos_indices", {N, 4}, 4, "(N, 4)", "int32"));
+    buffers.push_back(buffer("vision_pos_weights", {N, 4}, 4, "(N, 4)", "fp32"));
+  }
+  // SwiGLU blocks (Qwen2.5-VL): gate | up before silu(gate) * up lands in vision_mlp.
+  if (v.traits.mlp == VisionMlp::swiglu) buffers.push_back(buffer("vision_gate_up", {N, 2 * vI}, E, "(N, 2 vI)", act));
+  // Window attention (Qwen2.5-VL): the windows' boundaries (a window holds at least one merge window, so at most
+  // N / 4 of them), and each merge window's row in window order, which puts the merger's input back in raster
+  // order. Attention itself forms no score matrix (segment_attention streams keys), so the window blocks and the
+  // full blocks need the same buffers: the peak is these rows, not N^2 scores.
+  if (v.traits.window_size > 0) {
+    buffers.push_back(buffer("vision_window_segments", {N / merge + 1}, 4, "(N / 4 + 1)", "int32"));
+    buffers.push_back(buffer("vision_window_order", {N / merge}, 4, "(N / 4)", "int32"));
+  }
+  return buffers;
 }
 
 std::vector<BufferSpec> logits_buffers(const ModelConfig& config, int64_t max_seqs) {

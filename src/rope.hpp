@@ -51,12 +51,15 @@ Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_
 // cos/sin tables [tokens, half] for rope(), half = inv_freq.size(): angle = float(inv_freq[i] * position)
 // in float32 as transformers forms it, then its cos and sin, each times attention_factor in float32.
 // positions I32 [position_rows, tokens] (transformers' position_ids layout): 1 row for plain RoPE; 3 rows
-// (t, h, w) for Qwen3-VL's interleaved M-RoPE, where frequency i takes row h when i % 3 == 1 and
-// i < 3 * mrope_section[1], row w when i % 3 == 2 and i < 3 * mrope_section[2], else row t.
+// (t, h, w) for M-RoPE, laid over the frequencies as `layout` says (RopeConfig::MropeLayout):
+//   interleaved (Qwen3-VL): frequency i takes row h when i % 3 == 1 and i < 3 * mrope_section[1], row w when
+//                           i % 3 == 2 and i < 3 * mrope_section[2], else row t;
+//   sectioned (Qwen2.5-VL): row t below section[0], row h below section[0] + section[1], row w after.
 // cos, sin: host arrays of tokens * half floats.
 Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
                    int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin,
-                   float attention_factor = 1.0f);
+                   float attention_factor = 1.0f,
+                   RopeConfig::MropeLayout layout = RopeConfig::MropeLayout::interleaved);
 
 // The length transformers' dynamic_rope_update sees for each token of a step: seq_len = max(position) + 1 over
 // the tokens of the token's sequence in the step (sequence s holds tokens query_starts[s] .. query_starts[s + 1]

@@ -228,7 +228,7 @@ Result<std::vector<float>> rope_inv_freq(const RopeConfig& rope, int64_t rotary_
 
 Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions, int64_t position_rows,
                    int64_t tokens, const std::vector<int>& mrope_section, float* cos, float* sin,
-                   float attention_factor) {
+                   float attention_factor, RopeConfig::MropeLayout layout) {
   return detail::guard([&] {
     const int64_t half = int64_t(inv_freq.size());
     if (position_rows != 1 && position_rows != 3)
@@ -249,9 +249,14 @@ Status rope_tables(const std::vector<float>& inv_freq, const int32_t* positions,
         // Qwen3-VL's apply_interleaved_mrope: h overwrites slots 1, 4, 7, ... below 3 * section[1],
         // w overwrites 2, 5, 8, ... below 3 * section[2]; the rest keep t.
         int64_t row = 0;
-        if (position_rows == 3) {
+        if (position_rows == 3 && layout == RopeConfig::MropeLayout::interleaved) {
           if (i % 3 == 1 && i < 3 * int64_t(mrope_section[1])) row = 1;
           else if (i % 3 == 2 && i < 3 * int64_t(mrope_section[2])) row = 2;
+        } else if (position_rows == 3) {
+          // Qwen2.5-VL's recomposition_frequencies: torch.cat([m[i % 3] for i, m in
+          // enumerate(freq.split(mrope_section, dim=-1))]): section k takes row k % 3
+          const int64_t t_end = mrope_section[0], h_end = t_end + mrope_section[1];
+          row = i < t_end ? 0 : i < h_end ? 1 : 2;
         }
         // freqs = inv_freq @ position_ids.float(): one float32 product
         float angle = inv_freq[size_t(i)] * float(positions[row * tokens + t]);
@@ -309,7 +314,7 @@ Status RotaryEmbedding::tables(const int32_t* positions, int64_t position_rows, 
                                const int32_t* lengths, float* cos, float* sin) const {
   if (!depends_on_length())
     return rope_tables(init_.inv_freq, positions, position_rows, tokens, rope_.mrope_section, cos, sin,
-                       init_.attention_factor);
+                       init_.attention_factor, rope_.mrope_layout);
   return detail::guard([&] {
     if (position_rows != 1 || (tokens > 0 && lengths == nullptr))
       detail::fail(ErrorCode::invalid_argument,

@@ -192,8 +192,9 @@ class WeightUploader {
   uint64_t staging_bytes_ = 0;
 };
 
-// The vision tower's weights (Qwen3-VL) into the same span, after the text model's: Linears (the patch embedding's
-// Conv3d kernel among them) in the activation dtype, the position table and LayerNorms as stored.
+// The vision tower's weights (Qwen3-VL, Qwen2.5-VL) into the same span, after the text model's: Linears (the patch
+// embedding's Conv3d kernel among them) in the activation dtype, the position table and norms as stored (absent
+// tensors - Qwen2.5-VL's patch bias, position table, RMSNorm biases - stay absent).
 VisionWeights upload_vision_weights(const VisionWeights& host, WeightUploader& upload) {
   auto norm = [&](const LayerNormWeights& h, const std::string& what) {
     return LayerNormWeights{upload.tensor(h.weight, h.weight.dtype, what + ".weight"),
@@ -219,8 +220,9 @@ VisionWeights upload_vision_weights(const VisionWeights& host, WeightUploader& u
     d.norm2 = norm(h.norm2, block + "norm2");
     d.qkv = upload.linear(h.qkv, block + "attn.qkv");
     d.proj = upload.linear(h.proj, block + "attn.proj");
-    d.fc1 = upload.linear(h.fc1, block + "mlp.linear_fc1");
-    d.fc2 = upload.linear(h.fc2, block + "mlp.linear_fc2");
+    d.fc1 = upload.linear(h.fc1, block + "mlp.fc1");  // linear_fc1 | gate_proj
+    if (h.up.weight.data || h.up.quant) d.up = upload.linear(h.up, block + "mlp.up_proj");  // SwiGLU only
+    d.fc2 = upload.linear(h.fc2, block + "mlp.fc2");  // linear_fc2 | down_proj
   }
   device.merger = merger(host.merger, "visual.merger");
   for (size_t i = 0; i < host.deepstack.size(); i++)

@@ -758,7 +758,7 @@ TEST_CASE("bad config.json files are refused with the key named") {
     Error e = parse_failure(doc);
     CHECK(e.code == ErrorCode::unsupported);
     CHECK(mentions(e, "model_type 'mixtral'"));
-    CHECK(mentions(e, "llama, mistral, qwen2, qwen3, qwen3_vl, gemma2, gemma3_text"));
+    CHECK(mentions(e, "llama, mistral, qwen2, qwen3, qwen3_vl, qwen2_5_vl, gemma2, gemma3_text"));
   }
   SUBCASE("missing hidden_size") {
     json doc = tiny_llama();

@@ -8,7 +8,7 @@
 // tools/gpu-check.sh sets): logits against the CPU backend on the fixture models (bf16-level tolerance, F32
 // activations much tighter), greedy continuations, seeded sampling, the sampler kernel, CUDA graphs against
 // eager steps, programmatic launch against ordinary launches (bit for bit), no device allocation after open,
-// measured device memory within 3% of the plan with a planned card, Qwen3-VL's vision tower and image prompts against the CPU backend (F32 tight, 16-bit within twice the
+// measured device memory within 3% of the plan with a planned card, Qwen3-VL's and Qwen2.5-VL's vision towers and image prompts against the CPU backend (F32 tight, 16-bit within twice the
 // CPU's own 16-bit drift), the bundled captioners' captions as the CPU's BF16 mode gives them.
 #include <doctest/doctest.h>
 #include <sys/wait.h>
@@ -926,6 +926,57 @@ TEST_CASE("Qwen3-VL on the GPU: the vision tower and image prompts as on the CPU
   }
   CHECK(cuda::device_allocations() == opened + 2);  // the two 16-bit engines' arenas, nothing else
   CHECK(Arena::allocations_after_start() == 0);
+}
+
+TEST_CASE("Qwen2.5-VL on the GPU: the windowed vision tower and image prompts as on the CPU backend, in every activation dtype") {
+  GPU_OR_SKIP();
+  // tests/fixtures/vl/qwen2_5_vl: window attention (56-pixel windows, full attention in blocks 1 and 3), RMSNorm,
+  // SwiGLU, the ln_q merger's gather back to raster order, sectioned M-RoPE.
+  const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/vl/qwen2_5_vl/tiny-qwen2.5-vl";
+  constexpr int64_t kImages = 2;
+  auto cpu = open_engine(dir, BackendChoice::cpu, std::nullopt, true, 1 * GiB, kImages);
+  auto gpu = open_engine(dir, BackendChoice::cuda, DType::F32, true, 1 * GiB, kImages);
+  std::vector<VisionInput> inputs;
+  for (const char* name : {"alpha_50x40.png", "photo_300x200.jpg"}) {
+    auto image = load_image(std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/images/" + name);
+    REQUIRE(image);
+    auto input = cpu->preprocess(*image);
+    REQUIRE(input);
+    inputs.push_back(std::move(*input));
+  }
+  auto reference = cpu->encode_images(inputs);
+  REQUIRE_OK(reference);
+  auto features = gpu->encode_images(inputs);
+  REQUIRE_OK(features);
+  const double f32_diff = features_diff(*features, *reference);
+  MESSAGE("Qwen2.5-VL vision features, F32: GPU vs CPU " << f32_diff);
+  CHECK(f32_diff <= logits_tolerance(DType::F32));
+  auto ids = cpu->tokenize(std::string(kImagePlaceholder) + "and" + kImagePlaceholder + "a picture");
+  REQUIRE(ids);
+  auto expected = cpu->logits(*ids, inputs);
+  auto got = gpu->logits(*ids, inputs);
+  REQUIRE_OK(expected);
+  REQUIRE_OK(got);
+  CHECK(fx::relative_max_diff(got->values, expected->values) <= logits_tolerance(DType::F32));
+  for (DType act : {DType::BF16, DType::F16}) {
+    CAPTURE(dtype_name(act));
+    EngineOptions cpu_options;
+    cpu_options.plan.device_mem = 64 * MiB;
+    cpu_options.plan.activation_dtype = act;
+    cpu_options.plan.max_images = kImages;
+    auto cpu16 = Engine::open(dir, cpu_options);
+    REQUIRE_OK(cpu16);
+    auto gpu16 = open_engine(dir, BackendChoice::cuda, act, true, 1 * GiB, kImages);
+    auto cpu_features = (*cpu16)->encode_images(inputs);
+    auto gpu_features = gpu16->encode_images(inputs);
+    REQUIRE_OK(cpu_features);
+    REQUIRE_OK(gpu_features);
+    const double cpu_drift = features_diff(*cpu_features, *reference), gpu_drift = features_diff(*gpu_features, *reference);
+    const double step = act == DType::BF16 ? 1.0 / 256 : 1.0 / 2048;
+    MESSAGE("Qwen2.5-VL vision features, " << std::string(dtype_name(act)) << ": CPU drift " << cpu_drift
+                                           << ", GPU drift " << gpu_drift);
+    CHECK(gpu_drift <= 2 * cpu_drift + step);
+  }
 }
 
 TEST_CASE("the bundled captioners on the GPU caption the example images as the CPU's BF16 mode does") {

@@ -90,14 +90,15 @@ struct Running {
   int port = 0;
   // device_mem: what the plan divides; 256 MiB holds the KV of 16 sequences of max_model_len, less forces
   // preemption under load.
-  explicit Running(ServeOptions options = {}, uint64_t device_mem = 256 * kvlite::MiB) {
+  explicit Running(ServeOptions options = {}, uint64_t device_mem = 256 * kvlite::MiB,
+                   const std::string& model_dir = kCaptioner) {
     options.port = 0;
     kvlite::EngineOptions engine_options;
     engine_options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
     engine_options.plan.device_mem = device_mem;
     engine_options.plan.max_seqs = 16;
     engine_options.threads = 1;
-    auto engine = kvlite::Engine::open(kCaptioner, engine_options);
+    auto engine = kvlite::Engine::open(model_dir, engine_options);
     REQUIRE_MESSAGE(engine.ok(), engine.error().message);
     auto created = OpenAIServer::create(std::move(*engine), options);
     REQUIRE_MESSAGE(created.ok(), created.error().message);
@@ -1298,4 +1299,31 @@ TEST_CASE("function calling: tools reach the template, tool_choice required or n
   Reply bad = post(running, "/v1/chat/completions", bad_tool);
   CHECK(bad.status == 400);
   CHECK(bad.body["error"]["message"].get<std::string>().find("a b") != std::string::npos);
+}
+
+TEST_CASE("a Qwen2.5-VL directory serves as it is: a chat with an image gives what generate_chat gives") {
+  // tests/fixtures/vl/qwen2_5_vl (tools/make_vl25_fixtures.py): window attention, sectioned M-RoPE
+  const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/vl/qwen2_5_vl/tiny-qwen2.5-vl";
+  const std::string image_path = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/images/photo_67x45.png";
+  Running running({}, 64 * kvlite::MiB, dir);
+  json body = image_chat(image_path);
+  body["max_tokens"] = 8;
+  Reply reply = post(running, "/v1/chat/completions", body.dump());
+  REQUIRE(reply.status == 200);
+  kvlite::EngineOptions engine_options;
+  engine_options.backend = kvlite::BackendChoice::cpu;
+  engine_options.plan.device_mem = 64 * kvlite::MiB;
+  auto engine = kvlite::Engine::open(dir, engine_options);
+  REQUIRE_MESSAGE(engine.ok(), engine.error().message);
+  auto image = kvlite::load_image(image_path);
+  REQUIRE(image);
+  kvlite::SamplingParams params;
+  params.max_tokens = 8;
+  auto expected = (*engine)->generate_chat({{"user", std::string(kvlite::kImagePlaceholder) + "Describe this image."}},
+                                           {*image}, params);
+  REQUIRE_MESSAGE(expected.ok(), expected.error().message);
+  REQUIRE(expected->ids.size() == 8);
+  CHECK(reply.body["choices"][0]["message"]["content"] == expected->text);
+  CHECK(reply.body["usage"]["completion_tokens"].get<int64_t>() == 8);
+  CHECK(reply.body["usage"]["prompt_tokens"].get<int64_t>() == int64_t(expected->prompt_ids.size()));
 }
