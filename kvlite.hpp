@@ -17579,10 +17579,13 @@ PlanItem vision_item(const Inputs& in, const PlanOptions& o) {
   return {"vision", format("vision (%lld image%s)", (long long)o.max_images, o.max_images == 1 ? "" : "s"),
           buffers_bytes(buffers),
           format("encoder for %lld x %s pixels = %s patches (%s tokens) each: patches, hidden, qkv, mlp, merger "
-                 "outputs x %zu (1 + DeepStack)%s",
+                 "outputs%s%s",
                  (long long)o.max_images, format_count(uint64_t(o.max_image_pixels)).c_str(),
                  format_count(patches).c_str(), format_count(windows).c_str(),
-                 1 + v.deepstack_visual_indexes.size(), attention.c_str()),
+                 v.deepstack_visual_indexes.empty()
+                     ? ""
+                     : format(" x %zu (1 + DeepStack)", 1 + v.deepstack_visual_indexes.size()).c_str(),
+                 attention.c_str()),
           true};
 }
 

@@ -832,6 +832,47 @@ TEST_CASE("Qwen2.5-VL: the plan's vision row sizes window attention's buffers, n
   CHECK(four <= 4 * one + 4096);
 }
 
+TEST_CASE("Qwen2.5-VL on an 8 GiB card: 7B-AWQ fits one 4096-token caption at 0.95, the 3B in bf16 is told why not") {
+  // tests/fixtures/configs/qwen2.5-vl-7b-instruct-awq: the published 7B config with the AWQ release's
+  // quantization_config (4 bits, group 128, zero points, the vision tower not converted)
+  DeviceSpec card;
+  card.backend = BackendKind::cuda;
+  card.name = "planned 8 GiB card";
+  card.total_bytes = 8 * GiB;
+  auto awq = read_plan_inputs(fixtures_dir() + "configs/qwen2.5-vl-7b-instruct-awq");
+  REQUIRE_MESSAGE(awq, awq.error().message);
+  PlanOptions one;
+  one.utilization = 0.95;
+  one.max_seqs = 1;
+  one.max_model_len = 4096;
+  one.max_batched_tokens = 512;
+  auto plan = make_plan(*awq, card, one);
+  REQUIRE_MESSAGE(plan, plan.error().message);
+  CHECK(plan->fits);
+  CHECK(plan->item("vision") != nullptr);
+  CHECK(plan->vision_weights_bytes > GiB);  // the bf16 tower (676.6 M parameters) is not quantized
+  CHECK(plan->image_tokens_per_image == 1280);
+  CHECK(plan->table().find("window attention (112 px windows, 4 full blocks)") != std::string::npos);
+  // at the defaults (0.9, 8 sequences) it does not, and the advice says what would
+  auto defaults = make_plan(*awq, card, PlanOptions{});
+  REQUIRE(defaults);
+  CHECK_FALSE(defaults->fits);
+  CHECK_FALSE(defaults->advice.empty());
+  // the 3B in bf16: 7 GiB of weights against a 7.2 GiB budget
+  nlohmann::json three = nlohmann::json::parse(fx::read_file(fixtures_dir() + "configs/qwen2.5-vl-3b-instruct.json"));
+  auto config = parse_config(three.dump(), "qwen2.5-vl-3b-instruct/config.json");
+  REQUIRE(config);
+  auto weights = summarize_weights(*config, nullptr);
+  REQUIRE(weights);
+  auto bf16 = make_plan(*config, *weights, card, PlanOptions{});
+  REQUIRE(bf16);
+  CHECK_FALSE(bf16->fits);
+  bool told = false;
+  for (const std::string& line : bf16->advice) told = told || line.find("use a quantized checkpoint") != std::string::npos ||
+                                                            line.find("No max_model_len fits") != std::string::npos;
+  CHECK(told);
+}
+
 TEST_CASE("Qwen2.5-VL: examples/caption_image and kvlite generate --image run a Qwen2.5-VL directory unchanged") {
   const nlohmann::json ref = vl25_reference();
   const auto& image = ref["prompts"][0]["images"][0];
