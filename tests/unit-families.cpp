@@ -120,6 +120,18 @@ TEST_CASE("each family's greedy continuations equal transformers' generate()") {
   }
 }
 
+// The windows-in-memory cases: the CPU reference, pages of 4 tokens (so pages leave a window of 8 within the
+// fixtures' 40-token prompt), sequences of up to 64 tokens, 2 at once, steps of `chunk` tokens.
+EngineOptions window_options(int64_t chunk) {
+  EngineOptions options;
+  options.backend = kvlite::BackendChoice::cpu;
+  options.plan.kv_page_tokens = 4;
+  options.plan.max_model_len = 64;
+  options.plan.max_batched_tokens = chunk;
+  options.plan.max_seqs = 2;
+  return options;
+}
+
 // The families whose sliding layers sit beside full-attention ones: their windows get pages of their own.
 const std::vector<std::string>& mixed_families() {
   static const std::vector<std::string> list = {"qwen2-swa", "gemma2", "gemma3_text"};
@@ -133,13 +145,7 @@ TEST_CASE("sliding layers keep only their windows in memory: pages go back as ke
     CAPTURE(name);
     for (int64_t chunk : {int64_t(1), int64_t(5), int64_t(64)}) {  // token by token, chunks across the edge, one step
       CAPTURE(chunk);
-      EngineOptions options;
-      options.backend = kvlite::BackendChoice::cpu;
-      options.plan.kv_page_tokens = 4;
-      options.plan.max_model_len = 64;
-      options.plan.max_batched_tokens = chunk;
-      options.plan.max_seqs = 2;
-      auto engine = open_family(name, options);
+      auto engine = open_family(name, window_options(chunk));
       const Plan& plan = engine->plan();
       const int64_t window = 8, page = 4;
       REQUIRE(plan.kv_window == uint64_t(window));
@@ -175,13 +181,7 @@ TEST_CASE("every layer sliding: the KV pages themselves keep only the windows, l
     CAPTURE(name);
     for (int64_t chunk : {int64_t(1), int64_t(5), int64_t(64)}) {
       CAPTURE(chunk);
-      EngineOptions options;
-      options.backend = kvlite::BackendChoice::cpu;
-      options.plan.kv_page_tokens = 4;
-      options.plan.max_model_len = 64;
-      options.plan.max_batched_tokens = chunk;
-      options.plan.max_seqs = 2;
-      auto engine = open_family(name, options);
+      auto engine = open_family(name, window_options(chunk));
       const Plan& plan = engine->plan();
       REQUIRE(plan.kv_pages_windowed());
       CHECK(plan.kv_window == 8);
@@ -516,8 +516,7 @@ TEST_CASE("published family configs: weights estimated within 2 percent, and a p
       // the issue's case: one sequence of 32K. 5 of 34 layers are global; the local ones keep 1 x (1024 / 16 + 2)
       // + 512 / 16 = 98 pages at max_batched_tokens 512: (5 x 32768 + 29 x 98 x 16) / (34 x 32768) = 18.8%, near
       // the 17.3% of the windows alone (the step's tokens are the rest)
-      PlanOptions one;
-      one.utilization = 0.9;
+      PlanOptions one = options;
       one.max_model_len = 32768;
       one.max_seqs = 1;
       one.max_batched_tokens = 512;

@@ -37,6 +37,10 @@ from transformers import (AutoImageProcessor, AutoTokenizer, GenerationConfig, Q
                           Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor)
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the cache-free greedy cross-check is the same for both Qwen VL families (mm_token_type_ids, get_rope_index)
+from make_vl_fixtures import greedy_without_cache  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 OUT = FIXTURES / "vl" / "qwen2_5_vl"
@@ -145,26 +149,6 @@ def build_model(seed):
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(TOKENIZER_DIR / file, MODEL_DIR / file)
     write_json(MODEL_DIR / "preprocessor_config.json", PREPROCESSOR)
-
-
-def greedy_without_cache(model, inputs, new_tokens, eos_ids):
-    """Argmax decoding with a full forward per step (positions recomputed from scratch by get_rope_index each
-    time): a cross-check of generate()'s cached decoding with rope_deltas, and the top-1 margins."""
-    ids = inputs["input_ids"].clone()
-    types = inputs["mm_token_type_ids"].clone()
-    margins = []
-    for _ in range(new_tokens):
-        with torch.no_grad():
-            last = model(input_ids=ids, mm_token_type_ids=types, pixel_values=inputs["pixel_values"],
-                         image_grid_thw=inputs["image_grid_thw"]).logits[0, -1]
-        top = torch.topk(last, 2)
-        margins.append(float(top.values[0] - top.values[1]))
-        next_id = int(top.indices[0])
-        ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
-        types = torch.cat([types, torch.zeros((1, 1), dtype=types.dtype)], dim=1)
-        if next_id in eos_ids:
-            break
-    return ids[0, inputs["input_ids"].shape[1]:].tolist(), margins
 
 
 def load_reference():
