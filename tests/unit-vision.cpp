@@ -832,7 +832,7 @@ TEST_CASE("Qwen2.5-VL: the plan's vision row sizes window attention's buffers, n
   CHECK(four <= 4 * one + 4096);
 }
 
-TEST_CASE("Qwen2.5-VL on an 8 GiB card: 7B-AWQ fits one 4096-token caption at 0.95, the 3B in bf16 is told why not") {
+TEST_CASE("Qwen2.5-VL on an 8 GiB card: 7B-AWQ fits one 4096-token caption at 0.95, the 3B in bf16 only squeezed") {
   // tests/fixtures/configs/qwen2.5-vl-7b-instruct-awq: the published 7B config with the AWQ release's
   // quantization_config (4 bits, group 128, zero points, the vision tower not converted)
   DeviceSpec card;
@@ -871,6 +871,16 @@ TEST_CASE("Qwen2.5-VL on an 8 GiB card: 7B-AWQ fits one 4096-token caption at 0.
   for (const std::string& line : bf16->advice) told = told || line.find("use a quantized checkpoint") != std::string::npos ||
                                                             line.find("No max_model_len fits") != std::string::npos;
   CHECK(told);
+  // ... and it fits only squeezed: one 4096-token sequence with a 0.4-megapixel image at utilization 0.97 (about
+  // 240 MiB of the card left to everything else)
+  PlanOptions squeezed = one;
+  squeezed.utilization = 0.97;
+  squeezed.max_image_pixels = 401408;
+  auto tight = make_plan(*config, *weights, card, squeezed);
+  REQUIRE(tight);
+  CHECK(tight->fits);
+  squeezed.utilization = 0.95;
+  CHECK_FALSE(make_plan(*config, *weights, card, squeezed)->fits);
 }
 
 TEST_CASE("Qwen2.5-VL: examples/caption_image and kvlite generate --image run a Qwen2.5-VL directory unchanged") {
