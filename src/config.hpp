@@ -289,6 +289,15 @@ struct QuantConfig {
   std::vector<QuantScheme> schemes;     // compressed-tensors config_groups, in order; fp8: one block scheme
   std::vector<std::string> ignore;      // compressed-tensors `ignore`: exact names or "re:<regex>"
   std::vector<std::string> modules_to_not_convert;  // Qwen fp8: a module stays dense if a listed key is a substring
+  // GPTQModel's `dynamic` (AWQ / GPTQ): per-module rules in the config's order; the first whose regex matches the
+  // module name from its start (Python re.match, as GPTQModel and vLLM match) decides. scheme < 0: "-:" (left
+  // dense); otherwise the index in `schemes` of the base scheme with that rule's fields overridden ("+:" or no
+  // prefix). Those schemes have no targets: only their rule selects them.
+  struct Rule {
+    std::string pattern;
+    int scheme = -1;
+  };
+  std::vector<Rule> rules;
   // compressed-tensors kv_cache_scheme (8-bit float, per tensor, static): the checkpoint carries each layer's
   // self_attn.k_scale and v_scale, which an fp8 KV cache (--kv-dtype fp8) uses as vLLM does.
   bool kv_cache_fp8 = false;

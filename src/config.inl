@@ -252,6 +252,28 @@ inline json parse_json(const std::string& text, const std::string& origin) {
   }
 }
 
+// The keys of `<quant_path>.dynamic` in the order the file lists them. nlohmann::json keeps an object's keys
+// sorted, but GPTQModel's `dynamic` rules are tried in the file's order (the first regex that matches a module
+// decides it), so the text is read once more, order kept, when the config has such rules.
+inline std::vector<std::string> dynamic_rule_order(const std::string& text, const std::string& quant_path) {
+  std::vector<std::string> keys;
+  if (text.find("\"dynamic\"") == std::string::npos) return keys;
+  const nlohmann::ordered_json doc = nlohmann::ordered_json::parse(text, nullptr, false);
+  const nlohmann::ordered_json* node = &doc;
+  for (size_t start = 0; node && node->is_object();) {
+    const size_t dot = quant_path.find('.', start);
+    auto it = node->find(quant_path.substr(start, dot == std::string::npos ? std::string::npos : dot - start));
+    node = it == node->end() ? nullptr : &*it;
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  if (!node || !node->is_object()) return keys;
+  auto dynamic = node->find("dynamic");
+  if (dynamic == node->end() || !dynamic->is_object()) return keys;
+  for (auto it = dynamic->begin(); it != dynamic->end(); ++it) keys.push_back(it.key());
+  return keys;
+}
+
 inline std::string join(const std::vector<std::string>& items, const char* separator = ", ") {
   std::string out;
   for (size_t i = 0; i < items.size(); i++) out += (i ? separator : "") + items[i];
@@ -838,15 +860,10 @@ inline QuantScheme parse_ct_group(const Node& group, const std::string& top_form
   return s;
 }
 
-// quant_method "awq" (AutoAWQ GEMM) and "gptq" (AutoGPTQ / GPTQModel / optimum): one int4 (GPTQ: or int8) scheme for every Linear
-// but those in modules_to_not_convert and lm_head, which neither quantizes (transformers' get_modules_to_not_convert
-// adds the output embedding; GPTQ's `lm_head: true` is the exception, refused below).
-inline QuantConfig parse_awq_gptq(const Node& q, const std::string& method) {
-  QuantConfig quant;
-  const bool awq = method == "awq";
-  quant.method = awq ? QuantMethod::awq : QuantMethod::gptq;
+// One AWQ / GPTQ scheme's numeric fields (bits, group size, zero point, act-order) from `q`: the
+// quantization_config itself, or one `dynamic` rule's overrides laid over it.
+inline QuantScheme awq_gptq_scheme(const Node& q, bool awq) {
   QuantScheme s;
-  s.targets = {"Linear"};
   s.format = WeightFormat::int4;
   const char* bits_key = q.has("bits") || !q.has("w_bit") ? "bits" : "w_bit";
   std::optional<int64_t> bits = q.optional_int(bits_key);
@@ -870,9 +887,82 @@ inline QuantConfig parse_awq_gptq(const Node& q, const std::string& method) {
                format("= %lld; expected a positive group size%s", (long long)*group, awq ? "" : " or -1 (per channel)"));
   }
   if (awq) {
+    s.symmetric = !q.bool_or("zero_point", true);
+  } else {
+    s.symmetric = q.bool_or("sym", true);
+    s.actorder = q.bool_or("desc_act", false);
+  }
+  return s;
+}
+
+// GPTQModel's `dynamic`: {"<regex>": {overrides}, ...}, read in order, first match (re.match) wins. "-:<regex>"
+// leaves the module dense (GPTQModel stores it as a plain .weight); "+:<regex>" or a bare regex quantizes it
+// with the listed fields replacing the base config's. Fields that change the stored layout are read (bits,
+// group_size, sym, desc_act; zero_point for AWQ); those that only steer the quantizer's search are ignored as
+// the base config's are; anything else is refused by name, as an override kvlite would otherwise drop silently.
+// `order`: the rules' keys as the file lists them (nlohmann::json sorts an object's keys, and which rule comes first
+// decides a module that two of them match; see dynamic_rule_order).
+inline void parse_dynamic_rules(const Node& q, bool awq, const std::vector<std::string>& order, QuantConfig& quant) {
+  const json* dynamic = q.find("dynamic");
+  if (!dynamic) return;
+  if (!dynamic->is_object()) q.fail_key(ErrorCode::bad_format, "dynamic", "must be a JSON object of regex -> overrides");
+  if (order.size() != dynamic->size())  // the caller read the same text: only a bug gets here
+    q.fail_key(ErrorCode::internal, "dynamic", format("has %zu rules, but their file order lists %zu",
+                                                      dynamic->size(), order.size()));
+  static const char* const kLayoutKeys[] = {"bits", "group_size", "sym", "desc_act", "zero_point"};
+  static const char* const kSearchKeys[] = {"damp_percent", "damp_auto_increment", "static_groups", "true_sequential",
+                                            "mse", "act_group_aware", "v2", "v2_alpha", "gptaq", "foem", "hessian",
+                                            "fallback", "smooth", "failsafe"};
+  for (const std::string& key : order) {
+    auto it = dynamic->find(key);
+    if (it == dynamic->end()) q.fail_key(ErrorCode::internal, "dynamic", "'" + key + "' is not among its rules");
+    const Node rule_node{&it.value(), q.key_path("dynamic") + "." + key, q.origin};
+    if (!it.value().is_object())
+      fail(ErrorCode::bad_format, format("%s: %s must be a JSON object of overrides, not %s", q.origin.c_str(),
+                                           rule_node.path.c_str(), it.value().dump().c_str()));
+    const bool negative = key.compare(0, 2, "-:") == 0;
+    const std::string pattern = negative || key.compare(0, 2, "+:") == 0 ? key.substr(2) : key;
+    if (!regex_compiles(pattern))
+      fail(ErrorCode::bad_format, format("%s: %s: '%s' is not a valid regular expression", q.origin.c_str(),
+                                           rule_node.path.c_str(), pattern.c_str()));
+    QuantConfig::Rule rule;
+    rule.pattern = pattern;
+    if (!negative) {
+      json merged = *q.value;  // the base config with this rule's fields replaced
+      for (auto field = it.value().begin(); field != it.value().end(); ++field) {
+        const std::string& name = field.key();
+        const bool layout = std::find_if(std::begin(kLayoutKeys), std::end(kLayoutKeys),
+                                         [&](const char* k) { return name == k; }) != std::end(kLayoutKeys);
+        const bool search = std::find_if(std::begin(kSearchKeys), std::end(kSearchKeys),
+                                         [&](const char* k) { return name == k; }) != std::end(kSearchKeys);
+        if (!layout && !search)
+          rule_node.fail_key(ErrorCode::unsupported, name,
+                             "is not supported in a dynamic override; kvlite reads bits, group_size, sym, desc_act "
+                             "(AWQ: zero_point) there, and \"-:<regex>\" for a module left unquantized");
+        if (layout) merged[name] = field.value();
+      }
+      QuantScheme s = awq_gptq_scheme(Node{&merged, rule_node.path, q.origin}, awq);
+      s.packing = quant.schemes[0].packing;  // checkpoint_format / AWQ version are the file's, not a module's
+      rule.scheme = int(quant.schemes.size());
+      quant.schemes.push_back(s);  // no targets: only the rule selects it
+    }
+    quant.rules.push_back(rule);
+  }
+}
+
+// quant_method "awq" (AutoAWQ GEMM) and "gptq" (AutoGPTQ / GPTQModel / optimum): one int4 (GPTQ: or int8) scheme for every Linear
+// but those in modules_to_not_convert and lm_head, which neither quantizes (transformers' get_modules_to_not_convert
+// adds the output embedding; GPTQ's `lm_head: true` is the exception, refused below), and GPTQModel's `dynamic`
+// rules on top.
+inline QuantConfig parse_awq_gptq(const Node& q, const std::string& method, const std::vector<std::string>& dynamic_order) {
+  QuantConfig quant;
+  const bool awq = method == "awq";
+  quant.method = awq ? QuantMethod::awq : QuantMethod::gptq;
+  QuantScheme s = awq_gptq_scheme(q, awq);
+  s.targets = {"Linear"};
+  if (awq) {
     quant.format = "awq";
     s.packing = IntPacking::awq;
-    s.symmetric = !q.bool_or("zero_point", true);
     std::string version = q.string_or("version", "gemm");
     std::transform(version.begin(), version.end(), version.begin(), [](unsigned char c) { return char(std::tolower(c)); });
     if (version != "gemm")
@@ -881,8 +971,6 @@ inline QuantConfig parse_awq_gptq(const Node& q, const std::string& method) {
                         "published AWQ checkpoints use", version.c_str()));
   } else {
     quant.format = "gptq";
-    s.symmetric = q.bool_or("sym", true);
-    s.actorder = q.bool_or("desc_act", false);
     // GPTQModel writes checkpoint_format; older configs call it `format`; absent means v1.
     const char* format_key = q.has("checkpoint_format") ? "checkpoint_format" : "format";
     const std::string checkpoint_format = q.string_or(format_key, "gptq");
@@ -896,6 +984,7 @@ inline QuantConfig parse_awq_gptq(const Node& q, const std::string& method) {
       q.fail_key(ErrorCode::unsupported, "lm_head", "= true (a quantized lm_head) is not supported");
   }
   quant.schemes.push_back(s);
+  parse_dynamic_rules(q, awq, dynamic_order, quant);
   quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
   quant.modules_to_not_convert.push_back("lm_head");
   return quant;
@@ -927,7 +1016,7 @@ inline QuantConfig parse_awq_gptq(const Node& q, const std::string& method) {
              format("'%s' is not supported; supported: compressed-tensors, fp8, awq, gptq", method.c_str()));
 }
 
-inline QuantConfig parse_quant(const Node& q) {
+inline QuantConfig parse_quant(const Node& q, const std::vector<std::string>& dynamic_order = {}) {
   QuantConfig quant;
   std::optional<std::string> method = q.optional_string("quant_method");
   if (!method) q.fail_key(ErrorCode::bad_format, "quant_method", "is missing");
@@ -996,7 +1085,7 @@ inline QuantConfig parse_quant(const Node& q) {
     if (!q.has("modules_to_not_convert")) quant.modules_to_not_convert = {"lm_head"};
     else quant.modules_to_not_convert = q.string_list("modules_to_not_convert");
   } else if (*method == "awq" || *method == "gptq") {
-    quant = parse_awq_gptq(q, *method);
+    quant = parse_awq_gptq(q, *method, dynamic_order);
   } else {
     refuse_quant_method(q, *method);
   }
@@ -1006,7 +1095,17 @@ inline QuantConfig parse_quant(const Node& q) {
 }  // namespace cfg
 }  // namespace detail
 
+namespace detail {
+// The `dynamic` rule that decides this module (GPTQModel: the first that matches), or nullptr.
+inline const QuantConfig::Rule* quant_rule_for(const QuantConfig& quant, const std::string& module_name) {
+  for (const QuantConfig::Rule& rule : quant.rules)
+    if (cfg::regex_matches_start(rule.pattern, module_name)) return &rule;
+  return nullptr;
+}
+}  // namespace detail
+
 bool quant_ignores(const QuantConfig& quant, const std::string& module_name) {
+  if (const QuantConfig::Rule* rule = detail::quant_rule_for(quant, module_name); rule && rule->scheme < 0) return true;
   for (const std::string& entry : quant.ignore)
     if (entry == "Linear" || detail::cfg::ct_name_matches(module_name, entry)) return true;
   for (const std::string& key : quant.modules_to_not_convert) {
@@ -1019,6 +1118,7 @@ bool quant_ignores(const QuantConfig& quant, const std::string& module_name) {
 namespace detail {
 const QuantScheme* quant_scheme_for(const QuantConfig& quant, const std::string& module_name) {
   if (quant.method == QuantMethod::none || quant_ignores(quant, module_name)) return nullptr;
+  if (const QuantConfig::Rule* rule = quant_rule_for(quant, module_name)) return &quant.schemes[size_t(rule->scheme)];
   const QuantScheme* best = nullptr;
   int best_rank = 3;  // 0 exact name, 1 regex, 2 class "Linear"
   for (const QuantScheme& scheme : quant.schemes)
@@ -1116,7 +1216,7 @@ Result<ModelConfig> parse_config(const std::string& json_text, const std::string
     std::optional<Node> quant = root.optional_child("quantization_config");
     if (!quant) quant = root.optional_child("compression_config");
     if (!quant && root.has("text_config")) quant = root.child("text_config").optional_child("quantization_config");
-    if (quant) config.quant = detail::cfg::parse_quant(*quant);
+    if (quant) config.quant = detail::cfg::parse_quant(*quant, detail::cfg::dynamic_rule_order(json_text, quant->path));
     return config;
   });
 }

@@ -438,3 +438,160 @@ TEST_CASE("W8A8's int8 activation rounding per token equals compressed-tensors' 
   REQUIRE(quant_linear(in.data(), k, 2, w8a16, b.data(), n).ok());
   CHECK(a != b);
 }
+
+// ---- checkpoints quantized and saved by GPTQModel itself (tools/make_gptqmodel_fixtures.py) -----------------
+// Each reference.json records the QuantizeConfig the script gave GPTQModel; the logits are transformers' float32
+// over the weights GPTQModel's own kernels dequantize from the saved checkpoint (TorchLinear.dequantize_weight;
+// AWQ: packing_utils.dequantize_gemm), and the greedy continuations are that model's.
+namespace {
+const char* const kGptqModelCases[] = {"gptqmodel-gptq-g32-asym-actorder", "gptqmodel-gptq-g128-sym",
+                                       "gptqmodel-gptq-channel-asym",      "gptqmodel-gptq8-g32-sym-actorder",
+                                       "gptqmodel-gptq8-channel-asym",     "gptqmodel-gptq-g32-dynamic",
+                                       "gptqmodel-awq-g32-zp"};
+}  // namespace
+
+TEST_CASE("GPTQModel's own checkpoints: its config.json reads as the QuantizeConfig it was given, dynamic skips dense") {
+  for (const char* case_name : kGptqModelCases) {
+    const std::string name = case_name;
+    CAPTURE(name);
+    const std::string dir = fixture(name);
+    const json reference = json::parse(model_fixtures::read_file(dir + "/reference.json"));
+    const ModelConfig config = load_config(dir).value();
+    const bool awq = reference["quantize_config"]["method"] == "awq";
+    CHECK(config.quant.method == (awq ? QuantMethod::awq : QuantMethod::gptq));
+    TensorStore store = TensorStore::open_dir(dir).value();
+    Result<std::vector<LinearDesc>> linears = describe_linears(config, &store);
+    REQUIRE_MESSAGE(linears.ok(), linears.error().message);
+    std::vector<std::string> quantized, dense;
+    for (const LinearDesc& desc : *linears) {
+      if (desc.name == "lm_head") continue;  // tied: the embedding, dense in every case
+      (desc.format == WeightFormat::dense ? dense : quantized).push_back(desc.name);
+      if (desc.format == WeightFormat::dense) continue;
+      CAPTURE(desc.name);
+      // what GPTQModel's own loader resolved for this module (its dynamic rules applied)
+      const json& layout = reference["layouts"][desc.name];
+      const QuantScheme& s = quant_scheme_for_test(config, desc.name);
+      CHECK(s.num_bits == layout["bits"].get<int>());
+      CHECK(desc.format == (layout["bits"] == 8 ? WeightFormat::int8 : WeightFormat::int4));
+      CHECK(s.packing == (awq ? IntPacking::awq : IntPacking::gptq));  // GPTQModel saves v1 (zero - 1)
+      CHECK(s.symmetric == layout["sym"].get<bool>());
+      CHECK(s.actorder == (!awq && layout["desc_act"].get<bool>()));
+      CHECK(s.granularity == (layout["group_size"] == -1 ? ScaleGranularity::channel : ScaleGranularity::group));
+      if (layout["group_size"] != -1) CHECK(s.group_size == layout["group_size"].get<int64_t>());
+      CHECK(desc.group_size == (layout["group_size"] == -1 ? desc.in_features : layout["group_size"].get<int64_t>()));
+      CHECK(desc.exact);
+      Result<QuantWeight> weight = quant_weight(desc, store);
+      REQUIRE_MESSAGE(weight.ok(), weight.error().message);
+    }
+    // config.json alone (the planner's estimate before any tensor is read) tells each Linear's format the same
+    const std::vector<LinearDesc> estimated = describe_linears(config, nullptr).value();
+    REQUIRE(estimated.size() == linears->size());
+    for (size_t i = 0; i < estimated.size(); i++) {
+      CAPTURE(estimated[i].name);
+      CHECK(estimated[i].format == (*linears)[i].format);
+      CHECK(estimated[i].bytes == (*linears)[i].bytes);
+    }
+    std::sort(quantized.begin(), quantized.end());
+    std::sort(dense.begin(), dense.end());
+    CHECK(quantized == reference["quantized_linears"].get<std::vector<std::string>>());
+    CHECK(dense == reference["dense_linears"].get<std::vector<std::string>>());
+    CHECK(dense.size() == (name == "gptqmodel-gptq-g32-dynamic" ? 1u : 0u));
+    if (name == "gptqmodel-gptq-g32-dynamic") {  // the rules at work: 8-bit layer-0 down_proj, o_proj groups of 64
+      CHECK(reference["layouts"]["model.layers.0.mlp.down_proj"]["bits"] == 8);
+      CHECK(reference["layouts"]["model.layers.1.self_attn.o_proj"]["group_size"] == 64);
+      CHECK(reference["layouts"]["model.layers.0.self_attn.q_proj"]["bits"] == 4);
+    }
+  }
+}
+
+TEST_CASE("GPTQModel's own checkpoints reproduce the logits of GPTQModel's dequantization within 1e-4, and greedy") {
+  for (const char* case_name : kGptqModelCases) {
+    const std::string name = case_name;
+    CAPTURE(name);
+    EngineOptions options;
+    options.plan.device_mem = 64 * MiB;
+    auto engine = Engine::open(fixture(name), options);
+    REQUIRE_MESSAGE(engine, engine.error().message);
+    const json reference = json::parse(model_fixtures::read_file(fixture(name) + "/reference.json"));
+    const json& prompt = reference["prompt"];
+    const std::vector<int32_t> ids = prompt["input_ids"].get<std::vector<int32_t>>();
+    const std::vector<int64_t> rows = prompt["logits_rows"].get<std::vector<int64_t>>();
+    model_fixtures::Npy expected = model_fixtures::read_npy(fixture(name) + "/" + prompt["logits_file"].get<std::string>());
+    REQUIRE(expected.rows == int64_t(rows.size()));
+    REQUIRE(rows.back() == int64_t(ids.size()) - 1);  // the last prompt position is among them
+    auto logits = (*engine)->logits(ids);
+    REQUIRE_MESSAGE(logits, logits.error().message);
+    REQUIRE(logits->tokens == int64_t(ids.size()));
+    REQUIRE(logits->vocab == expected.cols);
+    std::vector<float> got;
+    for (int64_t row : rows)
+      got.insert(got.end(), logits->values.begin() + row * expected.cols,
+                 logits->values.begin() + (row + 1) * expected.cols);
+    double max_abs = 0, scale = 0;
+    for (size_t i = 0; i < got.size(); i++) {
+      max_abs = std::max(max_abs, std::fabs(double(got[i]) - double(expected.values[i])));
+      scale = std::max(scale, std::fabs(double(expected.values[i])));
+    }
+    MESSAGE(name << ": max |logit - GPTQModel-dequantized reference| = " << max_abs << " (logits up to " << scale << ")");
+    CHECK(scale > 1.0);  // logits far from flat: a 1e-4 bound means something
+    CHECK(max_abs <= 1e-4);
+    SamplingParams params;  // temperature 0: greedy
+    params.max_tokens = prompt["greedy"]["max_new_tokens"].get<int64_t>();
+    auto generation = (*engine)->generate(ids, params);
+    REQUIRE_MESSAGE(generation, generation.error().message);
+    CHECK(generation->ids == prompt["greedy"]["new_ids"].get<std::vector<int32_t>>());
+  }
+}
+
+TEST_CASE("GPTQModel dynamic: first matching rule decides; '+:' overrides the layout per module, '-:' leaves it dense") {
+  const json base = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 32}, {"sym", true}, {"desc_act", false},
+                     {"checkpoint_format", "gptq"}};
+  // Ordered as GPTQModel tries them: layer 1's down_proj is left dense by the first rule although the second
+  // (8-bit) matches it too, and sorted keys would put "+:" before "-:" (nlohmann::json sorts an object's keys).
+  const std::string text = std::string(R"({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": true,
+      "desc_act": false, "checkpoint_format": "gptq", "dynamic": {
+      "-:model\\.layers\\.1\\.mlp\\.down_proj": {},
+      "+:.*\\.mlp\\.": {"bits": 8, "group_size": -1, "sym": false, "damp_percent": 0.1},
+      ".*\\.self_attn\\.o_proj": {"desc_act": true}}})");
+  json doc = json::parse(model_fixtures::read_file(fixture("gptq-g128-sym") + "/config.json"));
+  doc.erase("quantization_config");
+  std::string config_text = doc.dump();
+  config_text.insert(config_text.size() - 1, std::string(",\"quantization_config\":") + text);
+  Result<ModelConfig> parsed = parse_config(config_text, "config.json");
+  REQUIRE_MESSAGE(parsed.ok(), parsed.error().message);
+  const QuantConfig& quant = parsed->quant;
+  CHECK(quant_ignores(quant, "model.layers.1.mlp.down_proj"));
+  CHECK(detail::quant_scheme_for(quant, "model.layers.1.mlp.down_proj") == nullptr);
+  const QuantScheme& mlp = quant_scheme_for_test(*parsed, "model.layers.0.mlp.down_proj");
+  CHECK(mlp.format == WeightFormat::int8);
+  CHECK(mlp.granularity == ScaleGranularity::channel);
+  CHECK_FALSE(mlp.symmetric);
+  CHECK(mlp.packing == IntPacking::gptq);
+  CHECK(&quant_scheme_for_test(*parsed, "model.layers.1.mlp.gate_proj") == &mlp);
+  const QuantScheme& o = quant_scheme_for_test(*parsed, "model.layers.0.self_attn.o_proj");
+  CHECK(o.actorder);
+  CHECK(o.format == WeightFormat::int4);
+  CHECK(o.group_size == 32);
+  const QuantScheme& q_proj = quant_scheme_for_test(*parsed, "model.layers.0.self_attn.q_proj");  // no rule: base
+  CHECK(q_proj.format == WeightFormat::int4);
+  CHECK_FALSE(q_proj.actorder);
+  CHECK(q_proj.symmetric);
+  CHECK(quant_ignores(quant, "lm_head"));
+
+  auto parse_dynamic = [&](const std::string& dynamic) {
+    std::string t = doc.dump();
+    t.insert(t.size() - 1, std::string(",\"quantization_config\":") + base.dump().substr(0, base.dump().size() - 1) +
+                               ",\"dynamic\":" + dynamic + "}");
+    return parse_config(t, "config.json");
+  };
+  // a field that would change the layout and that kvlite does not read is refused by name, not dropped
+  check_error(parse_dynamic(R"({"+:.*down_proj": {"pack_dtype": "int16"}})"), ErrorCode::unsupported,
+              {"quantization_config.dynamic.+:.*down_proj.pack_dtype", "not supported in a dynamic override"});
+  // overrides are held to the same limits as the base config
+  check_error(parse_dynamic(R"({".*down_proj": {"bits": 3}})"), ErrorCode::unsupported,
+              {"quantization_config.dynamic..*down_proj.bits", "= 3"});
+  check_error(parse_dynamic(R"({"-:model.layers.(1": {}})"), ErrorCode::bad_format,
+              {"quantization_config.dynamic.-:model.layers.(1", "not a valid regular expression"});
+  check_error(parse_dynamic(R"({"-:x": 4})"), ErrorCode::bad_format, {"must be a JSON object of overrides"});
+  check_error(parse_dynamic(R"([1])"), ErrorCode::bad_format, {"quantization_config.dynamic", "JSON object"});
+}
