@@ -790,7 +790,10 @@ TEST_CASE("Qwen2.5-VL: greedy captions from the text and the image files equal t
 
 TEST_CASE("Qwen2.5-VL: the plan's weights estimate from config.json alone is within 2% of transformers' parameters") {
   const nlohmann::json ref = vl25_reference();
-  for (const auto& [name, published] : ref["published"].items()) {
+  for (const auto& item : ref["published"].items()) {
+    // (not a structured binding: C++17 lets no lambda, CAPTURE's among them, refer to one; clang refuses it)
+    const std::string name = item.key();
+    const nlohmann::json& published = item.value();
     CAPTURE(name);
     auto config = parse_config(fx::read_file(fixtures_dir() + published["config"].get<std::string>()), name);
     REQUIRE_MESSAGE(config, config.error().message);
