@@ -543,7 +543,7 @@ TEST_CASE("GPTQModel's own checkpoints reproduce the logits of GPTQModel's dequa
   }
 }
 
-TEST_CASE("GPTQModel dynamic: first matching rule decides; '+:' overrides the layout per module, '-:' leaves it dense") {
+TEST_CASE("GPTQModel dynamic: first matching rule decides, '+:' overrides the layout per module, '-:' leaves it dense") {
   const json base = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 32}, {"sym", true}, {"desc_act", false},
                      {"checkpoint_format", "gptq"}};
   // Ordered as GPTQModel tries them: layer 1's down_proj is left dense by the first rule although the second
