@@ -350,7 +350,22 @@ int max_cpu_threads();
 namespace detail {
 void check_cpu_threads(int64_t threads, const char* what);  // throws invalid_argument naming `what` and the cap
 }  // namespace detail
+// Which Linear kernels a CPU backend runs. reference: the plain loops every other path is checked against (the
+// default). fast: SIMD GEMV/GEMM kernels that read BF16 / F16 / F32 and int4 (W4A16 pack-quantized) weights as
+// stored and dequantize them in registers; F32 activations only (other activation dtypes, and weight formats
+// or layouts the fast kernels do not cover, run the reference). Its sums run in another order than the
+// reference's, so results differ from it by float rounding (tests/unit-cpu-fast.cpp bounds that).
+enum class CpuKernels : uint8_t { reference, fast };
+// The instruction set the fast kernels use. automatic: the best this CPU has (checked at run time);
+// portable: plain C++ (every machine); avx2: AVX2 + FMA + F16C; avx512: AVX-512 F/BW/VL. Forcing one the CPU
+// lacks is refused by make_cpu_backend (tests force each in turn).
+enum class CpuIsa : uint8_t { automatic, portable, avx2, avx512 };
+const char* cpu_isa_name(CpuIsa isa);
+bool cpu_isa_supported(CpuIsa isa);  // automatic and portable: always; the others by the CPU's features
+CpuIsa best_cpu_isa();               // what automatic resolves to here
 struct CpuBackendOptions {
+  CpuKernels kernels = CpuKernels::reference;
+  CpuIsa isa = CpuIsa::automatic;  // for kernels == fast
   int threads = 0;             // worker threads, the caller included; 0: one per hardware thread; at most max_cpu_threads()
   int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
   // Largest in_features a quant_linear will see: sizes the per-thread dequantization scratch (16 weight rows
