@@ -7,6 +7,7 @@
 #include "kvlite.hpp"
 #include "host_floats.hpp"
 #include "quant_weights.hpp"
+#include "model_fixtures.hpp"
 
 #include <cmath>
 #include <vector>
@@ -109,7 +110,7 @@ TEST_CASE("fast int4 quant_linear matches the reference: groups 8..128 and chann
     auto fast = cpu(CpuKernels::fast, isa, 2);
     auto fast_one = cpu(CpuKernels::fast, isa, 1);
     for (DType scale_dtype : {DType::BF16, DType::F16, DType::F32})
-      for (int64_t group : {8, 24, 32, 64, 128, 0})  // 0: channel (one group of K)
+      for (int64_t group : {8, 16, 24, 32, 64, 128, 0})  // 0: channel (one group of K)
         for (int64_t groups : {1, 3})
           for (int64_t n : {1, 3, 5, 17, 34})
             for (bool asymmetric : {false, true}) {
@@ -191,5 +192,38 @@ TEST_CASE("16-bit activations run the reference under fast kernels, bit for bit"
     REQUIRE(reference->linear(x.view(), weight.view(), Tensor{}, want.view()).ok());
     REQUIRE(fast->linear(x.view(), weight.view(), Tensor{}, got.view()).ok());
     CHECK(want.bytes == got.bytes);
+  }
+}
+
+TEST_CASE("engines with --cpu-kernels fast reproduce transformers' logits and greedy tokens (fixtures, W4A16)") {
+  // the three tiny dense fixtures (BF16, F32, F16 weights) and the W4A16 one (groups of 32 and 16, channel
+  // scales, zero points, and act-order o_proj, which runs the reference)
+  std::vector<std::string> dirs;
+  for (const std::string& name : model_fixtures::names()) dirs.push_back(model_fixtures::dir(name));
+  dirs.push_back(std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant/tiny-w4a16");
+  for (const std::string& dir : dirs) {
+    CAPTURE(dir);
+    EngineOptions options;
+    options.backend = BackendChoice::cpu;
+    options.plan.device_mem = 64 * MiB;
+    options.cpu_kernels = CpuKernels::fast;
+    auto engine = Engine::open(dir, options);
+    REQUIRE_MESSAGE(engine, engine.error().message);
+    CHECK((*engine)->info().backend_name.find("fast") != std::string::npos);
+    const nlohmann::json reference = nlohmann::json::parse(model_fixtures::read_file(dir + "/reference.json"));
+    for (const auto& prompt : reference["prompts"]) {
+      const std::vector<int32_t> ids = model_fixtures::ids_of(prompt["input_ids"]);
+      model_fixtures::Npy expected = model_fixtures::read_npy(dir + "/" + prompt["logits_file"].get<std::string>());
+      auto logits = (*engine)->logits(ids);
+      REQUIRE_MESSAGE(logits, logits.error().message);
+      REQUIRE(logits->tokens == expected.rows);
+      REQUIRE(logits->vocab == expected.cols);
+      CHECK(model_fixtures::relative_max_diff(logits->values, expected.values) <= 1e-4);
+      SamplingParams params;  // temperature 0: greedy
+      params.max_tokens = prompt["greedy"]["max_new_tokens"].get<int64_t>();
+      auto generation = (*engine)->generate(ids, params);
+      REQUIRE_MESSAGE(generation, generation.error().message);
+      CHECK(generation->ids == model_fixtures::ids_of(prompt["greedy"]["new_ids"]));
+    }
   }
 }
