@@ -364,8 +364,6 @@ const char* cpu_isa_name(CpuIsa isa);
 bool cpu_isa_supported(CpuIsa isa);  // automatic and portable: always; the others by the CPU's features
 CpuIsa best_cpu_isa();               // what automatic resolves to here
 struct CpuBackendOptions {
-  CpuKernels kernels = CpuKernels::reference;
-  CpuIsa isa = CpuIsa::automatic;  // for kernels == fast
   int threads = 0;             // worker threads, the caller included; 0: one per hardware thread; at most max_cpu_threads()
   int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
   // Largest in_features a quant_linear will see: sizes the per-thread dequantization scratch (16 weight rows
@@ -380,6 +378,9 @@ struct CpuBackendOptions {
   // How activations are stored: F32 (the float32 reference), or BF16 / F16 to run the GPU's numerics on the CPU:
   // every op still computes in f32 and rounds (to nearest even) on each store, where the CUDA kernels round.
   DType activation_dtype = DType::F32;
+  // The Linear kernels (last, so that existing aggregate initializers keep their meaning).
+  CpuKernels kernels = CpuKernels::reference;
+  CpuIsa isa = CpuIsa::automatic;  // for kernels == fast
 };
 // Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
 // element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
