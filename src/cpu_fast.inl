@@ -18,6 +18,7 @@
 // (__builtin_cpu_supports) before a backend uses them. Elsewhere only the portable C++ kernels exist.
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define KVLITE_CPU_X86_SIMD 1
+#include <cpuid.h>
 #include <immintrin.h>
 #define KVLITE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KVLITE_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
@@ -37,6 +38,15 @@ const char* cpu_isa_name(CpuIsa isa) {
   return "?";
 }
 
+#if KVLITE_CPU_X86_SIMD
+// F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports has no "f16c". It needs no OS support
+// of its own beyond AVX's, which the "avx2" check covers.
+static bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+}
+#endif
+
 bool cpu_isa_supported(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::automatic: case CpuIsa::portable: return true;
@@ -44,7 +54,7 @@ bool cpu_isa_supported(CpuIsa isa) {
     // __builtin_cpu_supports also checks that the OS saves the wide registers (XGETBV), not only CPUID.
     case CpuIsa::avx2:
       __builtin_cpu_init();
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
     case CpuIsa::avx512:
       __builtin_cpu_init();
       return cpu_isa_supported(CpuIsa::avx2) && __builtin_cpu_supports("avx512f") &&
