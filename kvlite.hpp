@@ -21906,12 +21906,15 @@ constexpr int kTokens = 4;
 constexpr int64_t kRowBlock = 16;
 
 // Whether the fast int4 kernels cover this weight: checkpoint layout, groups in order (no g_idx) of whole
-// packed words. Others (act-order, odd group sizes, repacked CUDA tiles) run the reference.
+// packed words, at least 16 columns (a row's tables, 16 floats a group, then fit in K floats of scratch).
+// Others (act-order, groups of 8, repacked CUDA tiles) run the reference.
 inline bool int4_supported(const QuantWeight& w) {
   return w.format == WeightFormat::int4 && w.layout == QuantLayout::checkpoint && w.g_idx == nullptr &&
-         w.group_size > 0 && w.group_size % 8 == 0 && w.in_features % w.group_size == 0 &&
+         w.group_size >= 16 && w.group_size % 8 == 0 && w.in_features % w.group_size == 0 &&
          w.scale_cols * w.group_size == w.in_features;
 }
+// Floats of table scratch int4_linear_rows needs for `rows` rows: 16 per group.
+inline int64_t int4_table_floats(const QuantWeight& w, int64_t rows) { return rows * w.scale_cols * 16; }
 
 // The 16 dequantized values of (row n, group g): exactly dequantize_rows' table.
 inline void int4_table(const QuantWeight& w, int64_t n, int64_t g, float* table) {
@@ -21943,13 +21946,14 @@ void dense_tile_portable(const float* x, int64_t xs, const W* w, int64_t ws, int
     }
 }
 
+// tables: row n's [scale_cols][16] dequantized values, the next row's after them (int4_table).
 template <int TT, int R>
-void int4_tile_portable(const float* x, int64_t xs, const QuantWeight& w, int64_t n, float* out, int64_t os) {
+void int4_tile_portable(const float* x, int64_t xs, const QuantWeight& w, int64_t n, const float* tables, float* out,
+                        int64_t os) {
   float acc[TT][R][kLanes] = {};
   for (int64_t g = 0; g < w.scale_cols; g++)
     for (int r = 0; r < R; r++) {
-      float table[16];
-      int4_table(w, n + r, g, table);
+      const float* table = tables + (r * w.scale_cols + g) * 16;
       const uint8_t* packed_row = w.packed + 4 * (n + r) * w.packed_cols;
       for (int64_t word = g * w.group_size / 8; word < (g + 1) * w.group_size / 8; word++) {
         const uint32_t bits = load_u32_le(packed_row + 4 * word);
@@ -22029,9 +22033,20 @@ KVLITE_TARGET_AVX2 inline void int4_table_avx2(const QuantWeight& w, int64_t n, 
   high = round_to_dtype_avx2(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(q, _mm256_set1_epi32(8))), scale), w);
 }
 
+// Every group's table of rows [n0, n0 + rows) into tables [rows][scale_cols][16].
+KVLITE_TARGET_AVX2 void int4_tables_avx2(const QuantWeight& w, int64_t n0, int64_t rows, float* tables) {
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < w.scale_cols; g++) {
+      __m256 low, high;
+      int4_table_avx2(w, n0 + r, g, low, high);
+      _mm256_storeu_ps(tables + (r * w.scale_cols + g) * 16, low);
+      _mm256_storeu_ps(tables + (r * w.scale_cols + g) * 16 + 8, high);
+    }
+}
+
 template <int TT, int R>
-KVLITE_TARGET_AVX2 void int4_tile_avx2(const float* x, int64_t xs, const QuantWeight& w, int64_t n, float* out,
-                                       int64_t os) {
+KVLITE_TARGET_AVX2 void int4_tile_avx2(const float* x, int64_t xs, const QuantWeight& w, int64_t n,
+                                       const float* tables, float* out, int64_t os) {
   __m256 acc[TT][R];
   for (int t = 0; t < TT; t++)
     for (int r = 0; r < R; r++) acc[t][r] = _mm256_setzero_ps();
@@ -22040,7 +22055,10 @@ KVLITE_TARGET_AVX2 void int4_tile_avx2(const float* x, int64_t xs, const QuantWe
   const int64_t words_per_group = w.group_size / 8;
   for (int64_t g = 0; g < w.scale_cols; g++) {
     __m256 low[R], high[R];
-    for (int r = 0; r < R; r++) int4_table_avx2(w, n + r, g, low[r], high[r]);
+    for (int r = 0; r < R; r++) {
+      low[r] = _mm256_loadu_ps(tables + (r * w.scale_cols + g) * 16);
+      high[r] = _mm256_loadu_ps(tables + (r * w.scale_cols + g) * 16 + 8);
+    }
     for (int64_t word = g * words_per_group; word < (g + 1) * words_per_group; word++) {
       __m256 wv[R];
       for (int r = 0; r < R; r++) {
@@ -22131,9 +22149,15 @@ KVLITE_TARGET_AVX512 inline __m512 int4_table_avx512(const QuantWeight& w, int64
   return p;
 }
 
+KVLITE_TARGET_AVX512 void int4_tables_avx512(const QuantWeight& w, int64_t n0, int64_t rows, float* tables) {
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < w.scale_cols; g++)
+      _mm512_storeu_ps(tables + (r * w.scale_cols + g) * 16, int4_table_avx512(w, n0 + r, g));
+}
+
 template <int TT, int R>
-KVLITE_TARGET_AVX512 void int4_tile_avx512(const float* x, int64_t xs, const QuantWeight& w, int64_t n, float* out,
-                                           int64_t os) {
+KVLITE_TARGET_AVX512 void int4_tile_avx512(const float* x, int64_t xs, const QuantWeight& w, int64_t n,
+                                           const float* tables, float* out, int64_t os) {
   __m512 acc[TT][R];
   for (int t = 0; t < TT; t++)
     for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
@@ -22144,7 +22168,7 @@ KVLITE_TARGET_AVX512 void int4_tile_avx512(const float* x, int64_t xs, const Qua
   const int64_t group = w.group_size;
   for (int64_t g = 0; g < w.scale_cols; g++) {
     __m512 table[R];
-    for (int r = 0; r < R; r++) table[r] = int4_table_avx512(w, n + r, g);
+    for (int r = 0; r < R; r++) table[r] = _mm512_loadu_ps(tables + (r * w.scale_cols + g) * 16);
     const int64_t k1 = (g + 1) * group;
     int64_t k = g * group;
     for (; k + 16 <= k1; k += 16) {
@@ -22193,13 +22217,23 @@ void dense_tile(CpuIsa isa, const float* x, int64_t xs, const W* w, int64_t ws, 
   dense_tile_portable<TT, R>(x, xs, w, ws, k_size, out, os);
 }
 template <int TT, int R>
-void int4_tile(CpuIsa isa, const float* x, int64_t xs, const QuantWeight& w, int64_t n, float* out, int64_t os) {
+void int4_tile(CpuIsa isa, const float* x, int64_t xs, const QuantWeight& w, int64_t n, const float* tables,
+               float* out, int64_t os) {
 #if KVLITE_CPU_X86_SIMD
-  if (isa == CpuIsa::avx512) return int4_tile_avx512<TT, R>(x, xs, w, n, out, os);
-  if (isa == CpuIsa::avx2) return int4_tile_avx2<TT, R>(x, xs, w, n, out, os);
+  if (isa == CpuIsa::avx512) return int4_tile_avx512<TT, R>(x, xs, w, n, tables, out, os);
+  if (isa == CpuIsa::avx2) return int4_tile_avx2<TT, R>(x, xs, w, n, tables, out, os);
 #endif
   (void)isa;
-  int4_tile_portable<TT, R>(x, xs, w, n, out, os);
+  int4_tile_portable<TT, R>(x, xs, w, n, tables, out, os);
+}
+inline void int4_tables(CpuIsa isa, const QuantWeight& w, int64_t n0, int64_t rows, float* tables) {
+#if KVLITE_CPU_X86_SIMD
+  if (isa == CpuIsa::avx512) return int4_tables_avx512(w, n0, rows, tables);
+  if (isa == CpuIsa::avx2) return int4_tables_avx2(w, n0, rows, tables);
+#endif
+  (void)isa;
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < w.scale_cols; g++) int4_table(w, n0 + r, g, tables + (r * w.scale_cols + g) * 16);
 }
 
 // Calls tile.template run<TT, R>(t, n) over tokens [0, tokens) x rows [n0, n1): R-row tiles, then single rows;
@@ -22255,21 +22289,27 @@ inline void dense_linear_rows(CpuIsa isa, const Tensor& x, const Tensor& weight,
 }
 
 // out[t * out_stride + n] = x[t] . dequantized row n (+ bias) for tokens [0, tokens), rows [n0, n1).
+// The block's group tables are made once (int4_table_floats(weight, n1 - n0) floats of `tables`) and read by
+// every token tile.
 struct Int4Tile {
   CpuIsa isa;
   const float* x;
   int64_t x_stride;
   const QuantWeight& weight;
+  int64_t n0;
+  const float* tables;
   float* out;
   int64_t out_stride;
   template <int TT, int R>
   void run(int64_t t, int64_t n) {
-    int4_tile<TT, R>(isa, x + t * x_stride, x_stride, weight, n, out + t * out_stride + n, out_stride);
+    int4_tile<TT, R>(isa, x + t * x_stride, x_stride, weight, n, tables + (n - n0) * weight.scale_cols * 16,
+                     out + t * out_stride + n, out_stride);
   }
 };
 inline void int4_linear_rows(CpuIsa isa, const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight,
-                             float* out, int64_t out_stride, int64_t n0, int64_t n1) {
-  Int4Tile tile{isa, x, x_stride, weight, out, out_stride};
+                             float* out, int64_t out_stride, int64_t n0, int64_t n1, float* tables) {
+  int4_tables(isa, weight, n0, n1 - n0, tables);
+  Int4Tile tile{isa, x, x_stride, weight, n0, tables, out, out_stride};
   // AVX2 holds each row's table in two registers: 2-row tiles keep tables, weights and sums in its 16
   if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
   else for_each_tile<4>(tokens, n0, n1, tile);
@@ -22464,11 +22504,15 @@ class CpuBackend final : public Backend {
     if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && cpu_fast::int4_supported(weight)) {
       // the fast kernels read the packed words in place: no scratch, no token chunks; work items are row blocks
       const int64_t fast_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
-      auto body = [&](int64_t b, int) {
+      // the group tables of a block go to the thread's dequantization scratch, which holds them
+      // (int4_supported: groups of >= 16 columns, so 16 floats a group need at most K floats a row)
+      static_assert(cpu_fast::kRowBlock <= kQuantRowBlock, "a fast row block's tables must fit the scratch");
+      auto body = [&](int64_t b, int thread) {
         const int64_t n0 = b * cpu_fast::kRowBlock;
         cpu_fast::int4_linear_rows(fast_isa_, row_of<const float>(x, 0), x.row_stride, x.rows, weight,
                                    row_of<float>(out, 0), out.row_stride, n0,
-                                   std::min<int64_t>(n0 + cpu_fast::kRowBlock, N));
+                                   std::min<int64_t>(n0 + cpu_fast::kRowBlock, N),
+                                   dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_);
       };
       pool_.run(fast_blocks, body);
       return;

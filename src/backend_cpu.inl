@@ -399,11 +399,15 @@ class CpuBackend final : public Backend {
     if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && cpu_fast::int4_supported(weight)) {
       // the fast kernels read the packed words in place: no scratch, no token chunks; work items are row blocks
       const int64_t fast_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
-      auto body = [&](int64_t b, int) {
+      // the group tables of a block go to the thread's dequantization scratch, which holds them
+      // (int4_supported: groups of >= 16 columns, so 16 floats a group need at most K floats a row)
+      static_assert(cpu_fast::kRowBlock <= kQuantRowBlock, "a fast row block's tables must fit the scratch");
+      auto body = [&](int64_t b, int thread) {
         const int64_t n0 = b * cpu_fast::kRowBlock;
         cpu_fast::int4_linear_rows(fast_isa_, row_of<const float>(x, 0), x.row_stride, x.rows, weight,
                                    row_of<float>(out, 0), out.row_stride, n0,
-                                   std::min<int64_t>(n0 + cpu_fast::kRowBlock, N));
+                                   std::min<int64_t>(n0 + cpu_fast::kRowBlock, N),
+                                   dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_);
       };
       pool_.run(fast_blocks, body);
       return;

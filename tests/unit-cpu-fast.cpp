@@ -110,7 +110,7 @@ TEST_CASE("fast int4 quant_linear matches the reference: groups 8..128 and chann
     auto fast = cpu(CpuKernels::fast, isa, 2);
     auto fast_one = cpu(CpuKernels::fast, isa, 1);
     for (DType scale_dtype : {DType::BF16, DType::F16, DType::F32})
-      for (int64_t group : {8, 16, 24, 32, 64, 128, 0})  // 0: channel (one group of K)
+      for (int64_t group : {16, 24, 32, 40, 64, 128, 0})  // 0: channel (one group of K)
         for (int64_t groups : {1, 3})
           for (int64_t n : {1, 3, 5, 17, 34})
             for (bool asymmetric : {false, true}) {
@@ -163,18 +163,20 @@ TEST_CASE("fast int4 quant_linear matches the reference: groups 8..128 and chann
   }
 }
 
-TEST_CASE("int4 weights the fast kernels do not cover (act-order g_idx) run the reference, bit for bit") {
+TEST_CASE("int4 weights the fast kernels do not cover (act-order g_idx, groups of 8) run the reference, bit for bit") {
   auto reference = cpu(CpuKernels::reference, CpuIsa::automatic, 2);
   Random rng(4503);
-  for (CpuIsa isa : machine_isas()) {
-    auto fast = cpu(CpuKernels::fast, isa, 2);
-    quant_test::OwnedWeight owned = quant_test::make_int4(19, 96, 32, DType::BF16, true, true, rng);
-    Matrix x(DType::F32, 5, 96), want(DType::F32, 5, 19), got(DType::F32, 5, 19);
-    x.randomize(rng);
-    REQUIRE(reference->quant_linear(x.view(), owned.weight, want.view()).ok());
-    REQUIRE(fast->quant_linear(x.view(), owned.weight, got.view()).ok());
-    CHECK(want.bytes == got.bytes);
-  }
+  for (CpuIsa isa : machine_isas())
+    for (bool act_order : {true, false}) {
+      CAPTURE(cpu_isa_name(isa)); CAPTURE(act_order);
+      auto fast = cpu(CpuKernels::fast, isa, 2);
+      quant_test::OwnedWeight owned = quant_test::make_int4(19, 96, act_order ? 32 : 8, DType::BF16, true, act_order, rng);
+      Matrix x(DType::F32, 5, 96), want(DType::F32, 5, 19), got(DType::F32, 5, 19);
+      x.randomize(rng);
+      REQUIRE(reference->quant_linear(x.view(), owned.weight, want.view()).ok());
+      REQUIRE(fast->quant_linear(x.view(), owned.weight, got.view()).ok());
+      CHECK(want.bytes == got.bytes);
+    }
 }
 
 TEST_CASE("16-bit activations run the reference under fast kernels, bit for bit") {
