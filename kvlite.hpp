@@ -3543,6 +3543,19 @@ int max_cpu_threads();
 namespace detail {
 void check_cpu_threads(int64_t threads, const char* what);  // throws invalid_argument naming `what` and the cap
 }  // namespace detail
+// Which Linear kernels a CPU backend runs. reference: the plain loops every other path is checked against (the
+// default). fast: SIMD GEMV/GEMM kernels that read BF16 / F16 / F32 and int4 (W4A16 pack-quantized) weights as
+// stored and dequantize them in registers; F32 activations only (other activation dtypes, and weight formats
+// or layouts the fast kernels do not cover, run the reference). Its sums run in another order than the
+// reference's, so results differ from it by float rounding (tests/unit-cpu-fast.cpp bounds that).
+enum class CpuKernels : uint8_t { reference, fast };
+// The instruction set the fast kernels use. automatic: the best this CPU has (checked at run time);
+// portable: plain C++ (every machine); avx2: AVX2 + FMA + F16C; avx512: AVX-512 F/BW/VL. Forcing one the CPU
+// lacks is refused by make_cpu_backend (tests force each in turn).
+enum class CpuIsa : uint8_t { automatic, portable, avx2, avx512 };
+const char* cpu_isa_name(CpuIsa isa);
+bool cpu_isa_supported(CpuIsa isa);  // automatic and portable: always; the others by the CPU's features
+CpuIsa best_cpu_isa();               // what automatic resolves to here
 struct CpuBackendOptions {
   int threads = 0;             // worker threads, the caller included; 0: one per hardware thread; at most max_cpu_threads()
   int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
@@ -3558,6 +3571,9 @@ struct CpuBackendOptions {
   // How activations are stored: F32 (the float32 reference), or BF16 / F16 to run the GPU's numerics on the CPU:
   // every op still computes in f32 and rounds (to nearest even) on each store, where the CUDA kernels round.
   DType activation_dtype = DType::F32;
+  // The Linear kernels (last, so that existing aggregate initializers keep their meaning).
+  CpuKernels kernels = CpuKernels::reference;
+  CpuIsa isa = CpuIsa::automatic;  // for kernels == fast
 };
 // Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
 // element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
@@ -4007,6 +4023,7 @@ struct EngineOptions {
   // GEMMs may round a row differently with the batch around it.
   std::optional<bool> prefix_caching;
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
+  CpuKernels cpu_kernels = CpuKernels::reference;  // CPU Linears: the reference loops or the SIMD kernels (CpuKernels)
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
   bool fp8_activations = false;
@@ -21915,11 +21932,519 @@ inline void linear_tile(const A* x, int64_t x_stride, const W* w, int64_t w_stri
     }
 }
 
+}  // namespace detail
+}  // namespace kvlite
+// cpu_fast: the CPU backend's fast Linear kernels (CpuKernels::fast), beside the reference loops of
+// backend_cpu.inl, which stay the truth they are tested against (tests/unit-cpu-fast.cpp).
+//
+// What is different from the reference: weights are read as stored (BF16 / F16 / F32, or int4 pack-quantized
+// words) and widened or dequantized in SIMD registers right before the FMA; the reference converts dense
+// weights element by element and dequantizes int4 weights 16 rows at a time into scratch first. Each output
+// element is still one dot product computed by one thread in a fixed order (vector lanes over k, then a fixed
+// horizontal reduction, then the tail), so results do not depend on the thread count either; they differ from
+// the reference by float rounding only (another summation order).
+//
+// int4 is dequantized through a table: a group has only 16 distinct weights, (u - 8 - zero) * scale rounded
+// to the scale's dtype for u in 0..15, which are exactly the reference's values. The table lives in one
+// AVX-512 register (vpermps picks by the nibble) or two AVX2 ones (vpermps on the low 3 bits, a blend on bit
+// 3), so the weights the FMAs see equal the reference's bit for bit.
+//
+// ISA choice: the x86 kernels are compiled with function target attributes, so kvlite.hpp builds with the
+// project's plain flags and runs on any x86-64; the CPU's features are checked at run time
+// (__builtin_cpu_supports) before a backend uses them. Elsewhere only the portable C++ kernels exist.
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define KVLITE_CPU_X86_SIMD 1
+#include <cpuid.h>
+#include <immintrin.h>
+#define KVLITE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KVLITE_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#else
+#define KVLITE_CPU_X86_SIMD 0
+#endif
+
+namespace kvlite {
+
+const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::automatic: return "automatic";
+    case CpuIsa::portable: return "portable";
+    case CpuIsa::avx2: return "avx2";
+    case CpuIsa::avx512: return "avx512";
+  }
+  return "?";
+}
+
+#if KVLITE_CPU_X86_SIMD
+// F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports has no "f16c". It needs no OS support
+// of its own beyond AVX's, which the "avx2" check covers.
+static bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+}
+#endif
+
+bool cpu_isa_supported(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::automatic: case CpuIsa::portable: return true;
+#if KVLITE_CPU_X86_SIMD
+    // __builtin_cpu_supports also checks that the OS saves the wide registers (XGETBV), not only CPUID.
+    case CpuIsa::avx2:
+      __builtin_cpu_init();
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
+    case CpuIsa::avx512:
+      __builtin_cpu_init();
+      return cpu_isa_supported(CpuIsa::avx2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#else
+    case CpuIsa::avx2: case CpuIsa::avx512: return false;
+#endif
+  }
+  return false;
+}
+
+CpuIsa best_cpu_isa() {
+  if (cpu_isa_supported(CpuIsa::avx512)) return CpuIsa::avx512;
+  if (cpu_isa_supported(CpuIsa::avx2)) return CpuIsa::avx2;
+  return CpuIsa::portable;
+}
+
+namespace detail {
+namespace cpu_fast {
+
+// Tile shape: ROWS output rows x up to kTokens tokens per register tile; a backend work item is kRowBlock rows
+// (a multiple of every ROWS) for all tokens, so each item's weights are read from memory once and from cache
+// for the later token tiles.
+constexpr int kTokens = 4;
+constexpr int64_t kRowBlock = 16;
+
+// Whether the fast int4 kernels cover this weight: checkpoint layout, groups in order (no g_idx) of whole
+// packed words, at least 16 columns (a row's tables, 16 floats a group, then fit in K floats of scratch).
+// Others (act-order, groups of 8, repacked CUDA tiles) run the reference.
+inline bool int4_supported(const QuantWeight& w) {
+  return w.format == WeightFormat::int4 && w.layout == QuantLayout::checkpoint && w.g_idx == nullptr &&
+         w.group_size >= 16 && w.group_size % 8 == 0 && w.in_features % w.group_size == 0 &&
+         w.scale_cols * w.group_size == w.in_features;
+}
+// Floats of table scratch int4_linear_rows needs for `rows` rows: 16 per group.
+inline int64_t int4_table_floats(const QuantWeight& w, int64_t rows) { return rows * w.scale_cols * 16; }
+
+// The 16 dequantized values of (row n, group g): exactly dequantize_rows' table.
+inline void int4_table(const QuantWeight& w, int64_t n, int64_t g, float* table) {
+  const float scale = scale_at(w.scales, w.scale_dtype, n * w.scale_cols + g);
+  const int zero = w.zero_points ? int4_zero_point_at(w.zero_points, w.scale_cols, n, g) : 0;
+  for (int u = 0; u < 16; u++) table[u] = dequantize_value(float(u - 8 - zero), scale, w.scale_dtype, w.rounding);
+}
+
+// ---- portable C++ -------------------------------------------------------------------------------------------
+// The reference's lane structure (8 partial sums), but reading the stored weights directly (dense) or through
+// the group's table (int4): no scratch.
+template <int TT, int R, class W>
+void dense_tile_portable(const float* x, int64_t xs, const W* w, int64_t ws, int64_t k_size, float* out,
+                         int64_t os) {
+  float acc[TT][R][kLanes] = {};
+  const int64_t main = k_size - k_size % kLanes;
+  for (int64_t k = 0; k < main; k += kLanes)
+    for (int r = 0; r < R; r++) {
+      float wk[kLanes];
+      for (int l = 0; l < kLanes; l++) wk[l] = to_float(w[r * ws + k + l]);
+      for (int t = 0; t < TT; t++)
+        for (int l = 0; l < kLanes; l++) acc[t][r][l] += x[t * xs + k + l] * wk[l];
+    }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) {
+      float sum = reduce_lanes(acc[t][r]);
+      for (int64_t k = main; k < k_size; k++) sum += x[t * xs + k] * to_float(w[r * ws + k]);
+      out[t * os + r] = sum;
+    }
+}
+
+// tables: row n's [scale_cols][16] dequantized values, the next row's after them (int4_table).
+template <int TT, int R>
+void int4_tile_portable(const float* x, int64_t xs, const QuantWeight& w, int64_t n, const float* tables, float* out,
+                        int64_t os) {
+  float acc[TT][R][kLanes] = {};
+  for (int64_t g = 0; g < w.scale_cols; g++)
+    for (int r = 0; r < R; r++) {
+      const float* table = tables + (r * w.scale_cols + g) * 16;
+      const uint8_t* packed_row = w.packed + 4 * (n + r) * w.packed_cols;
+      for (int64_t word = g * w.group_size / 8; word < (g + 1) * w.group_size / 8; word++) {
+        const uint32_t bits = load_u32_le(packed_row + 4 * word);
+        float wk[kLanes];
+        for (int l = 0; l < kLanes; l++) wk[l] = table[(bits >> (4 * l)) & 0xfu];
+        for (int t = 0; t < TT; t++)
+          for (int l = 0; l < kLanes; l++) acc[t][r][l] += x[t * xs + 8 * word + l] * wk[l];
+      }
+    }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = reduce_lanes(acc[t][r]);
+}
+
+#if KVLITE_CPU_X86_SIMD
+// ---- AVX2 + FMA + F16C: 8 lanes -----------------------------------------------------------------------------
+KVLITE_TARGET_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+KVLITE_TARGET_AVX2 inline __m256 load8(const Bf16* p) {  // bf16 is the top half of an f32: widen and shift
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+KVLITE_TARGET_AVX2 inline __m256 load8(const Half* p) {  // F16C: exact, subnormals included
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+KVLITE_TARGET_AVX2 inline float hsum8(__m256 v) {  // a fixed tree: ((0+4)+(2+6)) + ((1+5)+(3+7))
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int TT, int R, class W>
+KVLITE_TARGET_AVX2 void dense_tile_avx2(const float* x, int64_t xs, const W* w, int64_t ws, int64_t k_size,
+                                        float* out, int64_t os) {
+  __m256 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = _mm256_setzero_ps();
+  const int64_t main = k_size - k_size % 8;
+  for (int64_t k = 0; k < main; k += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; r++) wv[r] = load8(w + r * ws + k);
+    for (int t = 0; t < TT; t++) {
+      const __m256 xv = _mm256_loadu_ps(x + t * xs + k);
+      for (int r = 0; r < R; r++) acc[t][r] = _mm256_fmadd_ps(wv[r], xv, acc[t][r]);
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) {
+      float sum = hsum8(acc[t][r]);
+      for (int64_t k = main; k < k_size; k++) sum += x[t * xs + k] * to_float(w[r * ws + k]);
+      out[t * os + r] = sum;
+    }
+}
+
+// p rounded to bf16 (nearest even; NaN stays a quiet NaN) and widened back: float_to_bf16 on 8 lanes.
+KVLITE_TARGET_AVX2 inline __m256 round_bf16_avx2(__m256 p) {
+  const __m256i bits = _mm256_castps_si256(p);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+  const __m256i rounded =
+      _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), high);
+  const __m256i quiet = _mm256_or_si256(_mm256_and_si256(bits, high), _mm256_set1_epi32(0x00400000));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), _mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+}
+KVLITE_TARGET_AVX2 inline __m256 round_to_dtype_avx2(__m256 p, const QuantWeight& w) {
+  if (w.rounding != DequantRounding::scale_dtype) return p;
+  if (w.scale_dtype == DType::BF16) return round_bf16_avx2(p);
+  if (w.scale_dtype == DType::F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
+  return p;
+}
+
+// The group's table as two registers: entries 0..7 and 8..15.
+KVLITE_TARGET_AVX2 inline void int4_table_avx2(const QuantWeight& w, int64_t n, int64_t g, __m256& low, __m256& high) {
+  const __m256 scale = _mm256_set1_ps(scale_at(w.scales, w.scale_dtype, n * w.scale_cols + g));
+  const int zero = w.zero_points ? int4_zero_point_at(w.zero_points, w.scale_cols, n, g) : 0;
+  const __m256i q = _mm256_sub_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 + zero));
+  low = round_to_dtype_avx2(_mm256_mul_ps(_mm256_cvtepi32_ps(q), scale), w);
+  high = round_to_dtype_avx2(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(q, _mm256_set1_epi32(8))), scale), w);
+}
+
+// Every group's table of rows [n0, n0 + rows) into tables [rows][scale_cols][16].
+KVLITE_TARGET_AVX2 void int4_tables_avx2(const QuantWeight& w, int64_t n0, int64_t rows, float* tables) {
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < w.scale_cols; g++) {
+      __m256 low, high;
+      int4_table_avx2(w, n0 + r, g, low, high);
+      _mm256_storeu_ps(tables + (r * w.scale_cols + g) * 16, low);
+      _mm256_storeu_ps(tables + (r * w.scale_cols + g) * 16 + 8, high);
+    }
+}
+
+template <int TT, int R>
+KVLITE_TARGET_AVX2 void int4_tile_avx2(const float* x, int64_t xs, const QuantWeight& w, int64_t n,
+                                       const float* tables, float* out, int64_t os) {
+  __m256 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = _mm256_setzero_ps();
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);  // lane l: nibble l of the word
+  const uint8_t* packed = w.packed + 4 * n * w.packed_cols;
+  const int64_t words_per_group = w.group_size / 8;
+  for (int64_t g = 0; g < w.scale_cols; g++) {
+    __m256 low[R], high[R];
+    for (int r = 0; r < R; r++) {
+      low[r] = _mm256_loadu_ps(tables + (r * w.scale_cols + g) * 16);
+      high[r] = _mm256_loadu_ps(tables + (r * w.scale_cols + g) * 16 + 8);
+    }
+    for (int64_t word = g * words_per_group; word < (g + 1) * words_per_group; word++) {
+      __m256 wv[R];
+      for (int r = 0; r < R; r++) {
+        const __m256i nibbles =
+            _mm256_srlv_epi32(_mm256_set1_epi32(int(load_u32_le(packed + 4 * (r * w.packed_cols + word)))), shifts);
+        // vpermps reads the low 3 bits of each index; bit 3 (moved to the sign bit) picks the table half
+        const __m256 from_low = _mm256_permutevar8x32_ps(low[r], nibbles);
+        const __m256 from_high = _mm256_permutevar8x32_ps(high[r], nibbles);
+        wv[r] = _mm256_blendv_ps(from_low, from_high, _mm256_castsi256_ps(_mm256_slli_epi32(nibbles, 28)));
+      }
+      for (int t = 0; t < TT; t++) {
+        const __m256 xv = _mm256_loadu_ps(x + t * xs + 8 * word);
+        for (int r = 0; r < R; r++) acc[t][r] = _mm256_fmadd_ps(wv[r], xv, acc[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = hsum8(acc[t][r]);
+}
+
+// ---- AVX-512 F/BW/VL: 16 lanes, masked tails ---------------------------------------------------------------
+// GCC 12 warns (-Wuninitialized) inside the unmasked forms of several AVX-512 intrinsics (their "undefined"
+// source operand); the zero-masked forms with every lane set are the same instructions without it.
+constexpr __mmask16 kAll16 = 0xffff;
+KVLITE_TARGET_AVX512 inline float hsum16(__m512 v) {  // the two halves added, then hsum8's fixed tree
+  // (GCC 12 implements _mm512_castps512_ps256 with the unmasked extract too)
+  const __m256 low = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(__mmask8(0xf), _mm512_castps_pd(v), 0));
+  const __m256 high = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(__mmask8(0xf), _mm512_castps_pd(v), 1));
+  return hsum8(_mm256_add_ps(low, high));
+}
+KVLITE_TARGET_AVX512 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+KVLITE_TARGET_AVX512 inline __m512 load16(const Bf16* p, __mmask16 m) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll16, _mm512_maskz_cvtepu16_epi32(kAll16, bits), 16));
+}
+KVLITE_TARGET_AVX512 inline __m512 load16(const Half* p, __mmask16 m) {
+  return _mm512_maskz_cvtph_ps(kAll16, _mm256_maskz_loadu_epi16(m, p));
+}
+
+template <int TT, int R, class W>
+KVLITE_TARGET_AVX512 void dense_tile_avx512(const float* x, int64_t xs, const W* w, int64_t ws, int64_t k_size,
+                                            float* out, int64_t os) {
+  __m512 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= k_size; k += 16) {
+    __m512 wv[R];
+    for (int r = 0; r < R; r++) wv[r] = load16(w + r * ws + k, __mmask16(0xffff));
+    for (int t = 0; t < TT; t++) {
+      const __m512 xv = _mm512_loadu_ps(x + t * xs + k);
+      for (int r = 0; r < R; r++) acc[t][r] = _mm512_fmadd_ps(wv[r], xv, acc[t][r]);
+    }
+  }
+  if (k < k_size) {  // the tail: masked loads read (and fault) nothing past the row
+    const __mmask16 m = __mmask16((1u << (k_size - k)) - 1u);
+    __m512 wv[R];
+    for (int r = 0; r < R; r++) wv[r] = load16(w + r * ws + k, m);
+    for (int t = 0; t < TT; t++) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + t * xs + k);
+      for (int r = 0; r < R; r++) acc[t][r] = _mm512_fmadd_ps(wv[r], xv, acc[t][r]);
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = hsum16(acc[t][r]);
+}
+
+// p rounded to bf16 (nearest even; NaN stays a quiet NaN) and widened back: float_to_bf16 on 16 lanes.
+KVLITE_TARGET_AVX512 inline __m512 round_bf16_avx512(__m512 p) {
+  const __m512i bits = _mm512_castps_si512(p);
+  const __m512i lsb = _mm512_and_si512(_mm512_maskz_srli_epi32(kAll16, bits, 16), _mm512_set1_epi32(1));
+  const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
+  const __m512i rounded =
+      _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), high);
+  const __m512i quiet = _mm512_or_si512(_mm512_and_si512(bits, high), _mm512_set1_epi32(0x00400000));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), rounded, quiet));
+}
+KVLITE_TARGET_AVX512 inline __m512 int4_table_avx512(const QuantWeight& w, int64_t n, int64_t g) {
+  const __m512 scale = _mm512_set1_ps(scale_at(w.scales, w.scale_dtype, n * w.scale_cols + g));
+  const int zero = w.zero_points ? int4_zero_point_at(w.zero_points, w.scale_cols, n, g) : 0;
+  const __m512i q = _mm512_sub_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm512_set1_epi32(8 + zero));
+  const __m512 p = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(kAll16, q), scale);
+  if (w.rounding != DequantRounding::scale_dtype) return p;
+  if (w.scale_dtype == DType::BF16) return round_bf16_avx512(p);
+  if (w.scale_dtype == DType::F16)
+    return _mm512_maskz_cvtph_ps(kAll16, _mm512_maskz_cvtps_ph(kAll16, p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return p;
+}
+
+KVLITE_TARGET_AVX512 void int4_tables_avx512(const QuantWeight& w, int64_t n0, int64_t rows, float* tables) {
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < w.scale_cols; g++)
+      _mm512_storeu_ps(tables + (r * w.scale_cols + g) * 16, int4_table_avx512(w, n0 + r, g));
+}
+
+template <int TT, int R>
+KVLITE_TARGET_AVX512 void int4_tile_avx512(const float* x, int64_t xs, const QuantWeight& w, int64_t n,
+                                           const float* tables, float* out, int64_t os) {
+  __m512 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+  // 16 columns are two packed words: lanes 0..7 take word 0, lanes 8..15 word 1, each shifted to its nibble
+  const __m512i word_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const uint8_t* packed = w.packed + 4 * n * w.packed_cols;
+  const int64_t group = w.group_size;
+  for (int64_t g = 0; g < w.scale_cols; g++) {
+    __m512 table[R];
+    for (int r = 0; r < R; r++) table[r] = _mm512_loadu_ps(tables + (r * w.scale_cols + g) * 16);
+    const int64_t k1 = (g + 1) * group;
+    int64_t k = g * group;
+    for (; k + 16 <= k1; k += 16) {
+      __m512 wv[R];
+      for (int r = 0; r < R; r++) {
+        const __m128i two_words =
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + 4 * (r * w.packed_cols + k / 8)));
+        const __m512i nibbles =
+            _mm512_maskz_srlv_epi32(
+                kAll16, _mm512_maskz_permutexvar_epi32(kAll16, word_of_lane, _mm512_zextsi128_si512(two_words)), shifts);
+        wv[r] = _mm512_maskz_permutexvar_ps(kAll16, nibbles, table[r]);  // vpermps reads the low 4 bits: the nibble
+      }
+      for (int t = 0; t < TT; t++) {
+        const __m512 xv = _mm512_loadu_ps(x + t * xs + k);
+        for (int r = 0; r < R; r++) acc[t][r] = _mm512_fmadd_ps(wv[r], xv, acc[t][r]);
+      }
+    }
+    if (k < k1) {  // a group of 8 (mod 16) columns ends with one word: the low 8 lanes
+      const __mmask16 m = __mmask16(0x00ff);
+      __m512 wv[R];
+      for (int r = 0; r < R; r++) {
+        const __m512i word = _mm512_set1_epi32(int(load_u32_le(packed + 4 * (r * w.packed_cols + k / 8))));
+        wv[r] = _mm512_maskz_permutexvar_ps(m, _mm512_maskz_srlv_epi32(kAll16, word, shifts), table[r]);
+      }
+      for (int t = 0; t < TT; t++) {
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + t * xs + k);
+        for (int r = 0; r < R; r++) acc[t][r] = _mm512_fmadd_ps(wv[r], xv, acc[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = hsum16(acc[t][r]);
+}
+#endif  // KVLITE_CPU_X86_SIMD
+
+// ---- dispatch -----------------------------------------------------------------------------------------------
+// One tile of TT tokens x R rows on `isa` (resolved: portable, avx2 or avx512; the backend checked the CPU).
+template <int TT, int R, class W>
+void dense_tile(CpuIsa isa, const float* x, int64_t xs, const W* w, int64_t ws, int64_t k_size, float* out,
+                int64_t os) {
+#if KVLITE_CPU_X86_SIMD
+  if (isa == CpuIsa::avx512) return dense_tile_avx512<TT, R>(x, xs, w, ws, k_size, out, os);
+  if (isa == CpuIsa::avx2) return dense_tile_avx2<TT, R>(x, xs, w, ws, k_size, out, os);
+#endif
+  (void)isa;
+  dense_tile_portable<TT, R>(x, xs, w, ws, k_size, out, os);
+}
+template <int TT, int R>
+void int4_tile(CpuIsa isa, const float* x, int64_t xs, const QuantWeight& w, int64_t n, const float* tables,
+               float* out, int64_t os) {
+#if KVLITE_CPU_X86_SIMD
+  if (isa == CpuIsa::avx512) return int4_tile_avx512<TT, R>(x, xs, w, n, tables, out, os);
+  if (isa == CpuIsa::avx2) return int4_tile_avx2<TT, R>(x, xs, w, n, tables, out, os);
+#endif
+  (void)isa;
+  int4_tile_portable<TT, R>(x, xs, w, n, tables, out, os);
+}
+inline void int4_tables(CpuIsa isa, const QuantWeight& w, int64_t n0, int64_t rows, float* tables) {
+#if KVLITE_CPU_X86_SIMD
+  if (isa == CpuIsa::avx512) return int4_tables_avx512(w, n0, rows, tables);
+  if (isa == CpuIsa::avx2) return int4_tables_avx2(w, n0, rows, tables);
+#endif
+  (void)isa;
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < w.scale_cols; g++) int4_table(w, n0 + r, g, tables + (r * w.scale_cols + g) * 16);
+}
+
+// Calls tile.template run<TT, R>(t, n) over tokens [0, tokens) x rows [n0, n1): R-row tiles, then single rows;
+// token tiles of kTokens, then the remainder as one smaller tile. Every element's sum is the same whatever
+// tile computes it.
+template <int R, class Tile>
+void for_each_tile(int64_t tokens, int64_t n0, int64_t n1, Tile& tile) {
+  for (int64_t t = 0; t < tokens; t += kTokens) {
+    const int64_t tt = std::min<int64_t>(kTokens, tokens - t);
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) {
+      switch (tt) {
+        case 4: tile.template run<4, R>(t, n); break;
+        case 3: tile.template run<3, R>(t, n); break;
+        case 2: tile.template run<2, R>(t, n); break;
+        default: tile.template run<1, R>(t, n); break;
+      }
+    }
+    for (; n < n1; n++) {
+      switch (tt) {
+        case 4: tile.template run<4, 1>(t, n); break;
+        case 3: tile.template run<3, 1>(t, n); break;
+        case 2: tile.template run<2, 1>(t, n); break;
+        default: tile.template run<1, 1>(t, n); break;
+      }
+    }
+  }
+}
+
+// out[t, n] = x[t] . weight[n] (+ bias[n]) for every token, rows [n0, n1): F32 activations and output.
+template <class W>
+struct DenseTile {
+  CpuIsa isa;
+  const Tensor& x;
+  const Tensor& weight;
+  const Tensor& out;
+  template <int TT, int R>
+  void run(int64_t t, int64_t n) {
+    dense_tile<TT, R>(isa, row_of<const float>(x, t), x.row_stride, row_of<const W>(weight, n), weight.row_stride,
+                      x.cols, row_of<float>(out, t) + n, out.row_stride);
+  }
+};
+inline void dense_linear_rows(CpuIsa isa, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                              const Tensor& out, int64_t n0, int64_t n1) {
+  with_float_type(weight.dtype, [&](auto tag) {
+    using W = decltype(tag);
+    DenseTile<W> tile{isa, x, weight, out};
+    for_each_tile<4>(x.rows, n0, n1, tile);
+  });
+  if (bias.data != nullptr)  // after the dot product, as the reference adds it
+    for (int64_t t = 0; t < x.rows; t++)
+      for (int64_t n = n0; n < n1; n++) row_of<float>(out, t)[n] += float_at(bias, n);
+}
+
+// out[t * out_stride + n] = x[t] . dequantized row n (+ bias) for tokens [0, tokens), rows [n0, n1).
+// The block's group tables are made once (int4_table_floats(weight, n1 - n0) floats of `tables`) and read by
+// every token tile.
+struct Int4Tile {
+  CpuIsa isa;
+  const float* x;
+  int64_t x_stride;
+  const QuantWeight& weight;
+  int64_t n0;
+  const float* tables;
+  float* out;
+  int64_t out_stride;
+  template <int TT, int R>
+  void run(int64_t t, int64_t n) {
+    int4_tile<TT, R>(isa, x + t * x_stride, x_stride, weight, n, tables + (n - n0) * weight.scale_cols * 16,
+                     out + t * out_stride + n, out_stride);
+  }
+};
+inline void int4_linear_rows(CpuIsa isa, const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight,
+                             float* out, int64_t out_stride, int64_t n0, int64_t n1, float* tables) {
+  int4_tables(isa, weight, n0, n1 - n0, tables);
+  Int4Tile tile{isa, x, x_stride, weight, n0, tables, out, out_stride};
+  // AVX2 holds each row's table in two registers: 2-row tiles keep tables, weights and sums in its 16
+  if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
+  else for_each_tile<4>(tokens, n0, n1, tile);
+  if (weight.bias != nullptr)
+    for (int64_t t = 0; t < tokens; t++)
+      for (int64_t n = n0; n < n1; n++) out[t * out_stride + n] += scale_at(weight.bias, weight.bias_dtype, n);
+}
+
+}  // namespace cpu_fast
+}  // namespace detail
+}  // namespace kvlite
+namespace kvlite {
+namespace detail {
+
 // ---- the backend ------------------------------------------------------------------------------------------
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(const CpuBackendOptions& options)
       : act_(options.activation_dtype),
+        // kernels == fast resolves the ISA once here (make_cpu_backend refused one the CPU lacks)
+        fast_isa_(options.kernels != CpuKernels::fast      ? CpuIsa::automatic
+                  : options.isa == CpuIsa::automatic ? best_cpu_isa()
+                                                     : options.isa),
         max_head_dim_(options.max_head_dim),
         // whole 64-byte lines per thread, so two threads never write the same cache line
         scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
@@ -21937,7 +22462,8 @@ class CpuBackend final : public Backend {
 
   BackendKind kind() const override { return BackendKind::cpu; }
   std::string name() const override {
-    return format("cpu (%d thread%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s");
+    std::string kernels = fast_isa_ == CpuIsa::automatic ? "" : format(", fast %s kernels", cpu_isa_name(fast_isa_));
+    return format("cpu (%d thread%s%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s", kernels.c_str());
   }
   DType activation_dtype() const override { return act_; }
   bool supports(Op op, DType dtype) const override {
@@ -22040,6 +22566,16 @@ class CpuBackend final : public Backend {
   }
 
   void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
+    if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32) {  // the fast kernels: work items are row blocks
+      const int64_t row_blocks = int64_t(ceil_div(uint64_t(weight.rows), uint64_t(cpu_fast::kRowBlock)));
+      auto body = [&](int64_t b, int) {
+        const int64_t n0 = b * cpu_fast::kRowBlock;
+        cpu_fast::dense_linear_rows(fast_isa_, x, weight, bias, out, n0,
+                                    std::min<int64_t>(n0 + cpu_fast::kRowBlock, weight.rows));
+      };
+      pool_.run(row_blocks, body);
+      return;
+    }
     with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
       using A = decltype(act_tag);
@@ -22077,6 +22613,22 @@ class CpuBackend final : public Backend {
       fail(ErrorCode::invalid_argument,
            format("quant_linear: %s is W8A8 (int8 activations per token) but this CPU backend was made without "
                   "CpuBackendOptions::int8_activations, which reserves their buffer", weight.name.c_str()));
+    if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && cpu_fast::int4_supported(weight)) {
+      // the fast kernels read the packed words in place: no scratch, no token chunks; work items are row blocks
+      const int64_t fast_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
+      // the group tables of a block go to the thread's dequantization scratch, which holds them
+      // (int4_supported: groups of >= 16 columns, so 16 floats a group need at most K floats a row)
+      static_assert(cpu_fast::kRowBlock <= kQuantRowBlock, "a fast row block's tables must fit the scratch");
+      auto body = [&](int64_t b, int thread) {
+        const int64_t n0 = b * cpu_fast::kRowBlock;
+        cpu_fast::int4_linear_rows(fast_isa_, row_of<const float>(x, 0), x.row_stride, x.rows, weight,
+                                   row_of<float>(out, 0), out.row_stride, n0,
+                                   std::min<int64_t>(n0 + cpu_fast::kRowBlock, N),
+                                   dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_);
+      };
+      pool_.run(fast_blocks, body);
+      return;
+    }
     const int64_t group = fp8_activation_group(weight);
     const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(kQuantRowBlock)));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
@@ -22538,6 +23090,7 @@ class CpuBackend final : public Backend {
   }
 
   DType act_;  // activation dtype: F32, BF16 or F16
+  CpuIsa fast_isa_;  // the fast kernels' instruction set; automatic: the reference kernels (CpuKernels::reference)
   int64_t max_head_dim_;
   int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
   std::vector<float> scratch_;  // [threads, scratch_per_thread_]
@@ -22576,6 +23129,10 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& optio
                    detail::format("make_cpu_backend: max_head_dim %lld and max_quant_in_features %lld must be in "
                                   "1..%lld (KVLITE_MAX_MODEL_WIDTH)", (long long)options.max_head_dim,
                                   (long long)options.max_quant_in_features, (long long)limits::max_model_width));
+    if (options.kernels == CpuKernels::fast && !cpu_isa_supported(options.isa))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cpu_backend: fast kernels for %s, which this CPU lacks (best here: %s)",
+                                  cpu_isa_name(options.isa), cpu_isa_name(best_cpu_isa())));
     if (!detail::is_cpu_float(options.activation_dtype))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("make_cpu_backend: activation dtype %s; the CPU stores activations as F32 (the "
@@ -25871,6 +26428,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     } else {
       CpuBackendOptions backend_options;
       backend_options.threads = options.threads;
+      backend_options.kernels = options.cpu_kernels;
       backend_options.max_head_dim = e.config.text.head_dim;
       backend_options.fp8_activations = options.fp8_activations;
       backend_options.activation_dtype = *e.plan.options.activation_dtype;

@@ -356,6 +356,9 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--prefix-cache", "on|off", "reuse the KV pages of earlier requests' identical prefixes; default on for the CPU, "
                                    "off on CUDA (kvlite bench: off)"},
       {"--threads", "N", "CPU threads; default one per hardware thread"},
+      {"--cpu-kernels", "K", "reference | fast: the CPU's Linears as the reference loops (default) or the SIMD kernels "
+                             "(BF16/F16/F32 and int4 W4A16 weights, F32 activations; AVX-512, AVX2 or plain C++ as "
+                             "the CPU allows)"},
       {"--fp8-activations", "", "fp8 checkpoints: quantize activations to fp8 per token as the GPU does (W8A8)"},
       {"--ngram", "N", "speculative decoding by prompt lookup: draft from the latest earlier occurrence of the last "
                        "N (or fewer) tokens, 1..32; alone, --spec-tokens 4"},
@@ -415,6 +418,12 @@ kvlite::EngineOptions engine_options(const Args& args) {
   if (args.has("--no-wsl2")) options.plan.wsl2 = false;
   if (args.has("--device")) options.device = int(args.integer("--device", 0, 1023));
   if (args.has("--threads")) options.threads = int(args.integer("--threads", 1, 4096));
+  if (args.has("--cpu-kernels")) {
+    const std::string& text = args.text("--cpu-kernels");
+    if (text == "reference") options.cpu_kernels = kvlite::CpuKernels::reference;
+    else if (text == "fast") options.cpu_kernels = kvlite::CpuKernels::fast;
+    else throw UsageError{"--cpu-kernels: '" + text + "': use reference or fast"};
+  }
   options.fp8_activations = args.has("--fp8-activations");
   if (args.has("--draft")) {
     options.draft_model = args.text("--draft");

@@ -350,6 +350,19 @@ int max_cpu_threads();
 namespace detail {
 void check_cpu_threads(int64_t threads, const char* what);  // throws invalid_argument naming `what` and the cap
 }  // namespace detail
+// Which Linear kernels a CPU backend runs. reference: the plain loops every other path is checked against (the
+// default). fast: SIMD GEMV/GEMM kernels that read BF16 / F16 / F32 and int4 (W4A16 pack-quantized) weights as
+// stored and dequantize them in registers; F32 activations only (other activation dtypes, and weight formats
+// or layouts the fast kernels do not cover, run the reference). Its sums run in another order than the
+// reference's, so results differ from it by float rounding (tests/unit-cpu-fast.cpp bounds that).
+enum class CpuKernels : uint8_t { reference, fast };
+// The instruction set the fast kernels use. automatic: the best this CPU has (checked at run time);
+// portable: plain C++ (every machine); avx2: AVX2 + FMA + F16C; avx512: AVX-512 F/BW/VL. Forcing one the CPU
+// lacks is refused by make_cpu_backend (tests force each in turn).
+enum class CpuIsa : uint8_t { automatic, portable, avx2, avx512 };
+const char* cpu_isa_name(CpuIsa isa);
+bool cpu_isa_supported(CpuIsa isa);  // automatic and portable: always; the others by the CPU's features
+CpuIsa best_cpu_isa();               // what automatic resolves to here
 struct CpuBackendOptions {
   int threads = 0;             // worker threads, the caller included; 0: one per hardware thread; at most max_cpu_threads()
   int64_t max_head_dim = 256;  // largest head_dim attention will see (sizes the per-thread scratch)
@@ -365,6 +378,9 @@ struct CpuBackendOptions {
   // How activations are stored: F32 (the float32 reference), or BF16 / F16 to run the GPU's numerics on the CPU:
   // every op still computes in f32 and rounds (to nearest even) on each store, where the CUDA kernels round.
   DType activation_dtype = DType::F32;
+  // The Linear kernels (last, so that existing aggregate initializers keep their meaning).
+  CpuKernels kernels = CpuKernels::reference;
+  CpuIsa isa = CpuIsa::automatic;  // for kernels == fast
 };
 // Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
 // element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.

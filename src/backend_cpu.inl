@@ -213,11 +213,21 @@ inline void linear_tile(const A* x, int64_t x_stride, const W* w, int64_t w_stri
     }
 }
 
+}  // namespace detail
+}  // namespace kvlite
+#include "cpu_fast.inl"  // the fast kernels (CpuKernels::fast), built on the element types above
+namespace kvlite {
+namespace detail {
+
 // ---- the backend ------------------------------------------------------------------------------------------
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(const CpuBackendOptions& options)
       : act_(options.activation_dtype),
+        // kernels == fast resolves the ISA once here (make_cpu_backend refused one the CPU lacks)
+        fast_isa_(options.kernels != CpuKernels::fast      ? CpuIsa::automatic
+                  : options.isa == CpuIsa::automatic ? best_cpu_isa()
+                                                     : options.isa),
         max_head_dim_(options.max_head_dim),
         // whole 64-byte lines per thread, so two threads never write the same cache line
         scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
@@ -235,7 +245,8 @@ class CpuBackend final : public Backend {
 
   BackendKind kind() const override { return BackendKind::cpu; }
   std::string name() const override {
-    return format("cpu (%d thread%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s");
+    std::string kernels = fast_isa_ == CpuIsa::automatic ? "" : format(", fast %s kernels", cpu_isa_name(fast_isa_));
+    return format("cpu (%d thread%s%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s", kernels.c_str());
   }
   DType activation_dtype() const override { return act_; }
   bool supports(Op op, DType dtype) const override {
@@ -338,6 +349,16 @@ class CpuBackend final : public Backend {
   }
 
   void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
+    if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32) {  // the fast kernels: work items are row blocks
+      const int64_t row_blocks = int64_t(ceil_div(uint64_t(weight.rows), uint64_t(cpu_fast::kRowBlock)));
+      auto body = [&](int64_t b, int) {
+        const int64_t n0 = b * cpu_fast::kRowBlock;
+        cpu_fast::dense_linear_rows(fast_isa_, x, weight, bias, out, n0,
+                                    std::min<int64_t>(n0 + cpu_fast::kRowBlock, weight.rows));
+      };
+      pool_.run(row_blocks, body);
+      return;
+    }
     with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
       using A = decltype(act_tag);
@@ -375,6 +396,22 @@ class CpuBackend final : public Backend {
       fail(ErrorCode::invalid_argument,
            format("quant_linear: %s is W8A8 (int8 activations per token) but this CPU backend was made without "
                   "CpuBackendOptions::int8_activations, which reserves their buffer", weight.name.c_str()));
+    if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && cpu_fast::int4_supported(weight)) {
+      // the fast kernels read the packed words in place: no scratch, no token chunks; work items are row blocks
+      const int64_t fast_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
+      // the group tables of a block go to the thread's dequantization scratch, which holds them
+      // (int4_supported: groups of >= 16 columns, so 16 floats a group need at most K floats a row)
+      static_assert(cpu_fast::kRowBlock <= kQuantRowBlock, "a fast row block's tables must fit the scratch");
+      auto body = [&](int64_t b, int thread) {
+        const int64_t n0 = b * cpu_fast::kRowBlock;
+        cpu_fast::int4_linear_rows(fast_isa_, row_of<const float>(x, 0), x.row_stride, x.rows, weight,
+                                   row_of<float>(out, 0), out.row_stride, n0,
+                                   std::min<int64_t>(n0 + cpu_fast::kRowBlock, N),
+                                   dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_);
+      };
+      pool_.run(fast_blocks, body);
+      return;
+    }
     const int64_t group = fp8_activation_group(weight);
     const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(kQuantRowBlock)));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
@@ -836,6 +873,7 @@ class CpuBackend final : public Backend {
   }
 
   DType act_;  // activation dtype: F32, BF16 or F16
+  CpuIsa fast_isa_;  // the fast kernels' instruction set; automatic: the reference kernels (CpuKernels::reference)
   int64_t max_head_dim_;
   int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
   std::vector<float> scratch_;  // [threads, scratch_per_thread_]
@@ -874,6 +912,10 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& optio
                    detail::format("make_cpu_backend: max_head_dim %lld and max_quant_in_features %lld must be in "
                                   "1..%lld (KVLITE_MAX_MODEL_WIDTH)", (long long)options.max_head_dim,
                                   (long long)options.max_quant_in_features, (long long)limits::max_model_width));
+    if (options.kernels == CpuKernels::fast && !cpu_isa_supported(options.isa))
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cpu_backend: fast kernels for %s, which this CPU lacks (best here: %s)",
+                                  cpu_isa_name(options.isa), cpu_isa_name(best_cpu_isa())));
     if (!detail::is_cpu_float(options.activation_dtype))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("make_cpu_backend: activation dtype %s; the CPU stores activations as F32 (the "

@@ -965,6 +965,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     } else {
       CpuBackendOptions backend_options;
       backend_options.threads = options.threads;
+      backend_options.kernels = options.cpu_kernels;
       backend_options.max_head_dim = e.config.text.head_dim;
       backend_options.fp8_activations = options.fp8_activations;
       backend_options.activation_dtype = *e.plan.options.activation_dtype;

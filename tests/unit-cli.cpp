@@ -295,6 +295,21 @@ TEST_CASE("generate streams transformers' greedy continuation to stdout") {
   }
 }
 
+TEST_CASE("generate --cpu-kernels fast gives transformers' greedy continuation; an unknown kernel set is refused") {
+  const std::string name = "tiny-qwen3";
+  const nlohmann::json reference = model_fixtures::reference(name);
+  const auto& prompt = reference["prompts"][0];
+  Run run = run_kvlite({"generate", model_fixtures::dir(name), "--prompt", prompt["text"].get<std::string>(),
+                        "--max-tokens", "16", "--backend", "cpu", "--device-mem", "64MiB", "--threads", "2",
+                        "--cpu-kernels", "fast"});
+  CHECK(run.status == 0);
+  CHECK(run.out == prompt["greedy"]["text"].get<std::string>() + "\n");
+  Run bad = run_kvlite({"generate", model_fixtures::dir(name), "--prompt", "hi", "--backend", "cpu",
+                        "--device-mem", "64MiB", "--cpu-kernels", "quick"});
+  CHECK(bad.status != 0);
+  CHECK_MESSAGE(contains(bad.err, "--cpu-kernels: 'quick': use reference or fast"), bad.err);
+}
+
 TEST_CASE("generate --logprobs prints each token's id and log-probability, as the library gives them") {
   const std::string name = "tiny-qwen3";
   const nlohmann::json reference = model_fixtures::reference(name);

@@ -17,7 +17,7 @@ shapes and dtypes and nothing else. This writes a Hugging Face directory kvlite 
     tools/make_random_checkpoint.py qwen3-vl-4b-text /tmp/qwen3vl-fp8 --quant fp8  # 4.4 GB
     tools/make_random_checkpoint.py --list
 
-Presets: llama-3.1-8b (Llama-3.1-8B-Instruct), qwen3-4b (Qwen3-4B), qwen3-vl-4b-text (Qwen3-VL-4B-Instruct's
+Presets: llama-3.1-8b (Llama-3.1-8B-Instruct), qwen3-4b (Qwen3-4B), qwen3-0.6b (Qwen3-0.6B's shapes), qwen3-vl-4b-text (Qwen3-VL-4B-Instruct's
 language model as a text-only Qwen3: the same Linears, plain RoPE instead of M-RoPE, which costs the same).
 Formats (--quant):
   none   the checkpoint's dtype (BF16)
@@ -65,6 +65,15 @@ def qwen3_config():
     return json.loads((MODELS / "qwen3-4b" / "config.json").read_text())
 
 
+def qwen3_06b_config():
+    """Qwen3-0.6B's shapes (its published config.json differs from Qwen3-4B's in these keys only): the CPU
+    benchmarks' model (issue 45), small enough for a 2-core machine."""
+    config = qwen3_config()
+    config.update({"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "max_window_layers": 28})
+    return config
+
+
 def qwen3_vl_text_config():
     vl = json.loads((MODELS / "qwen3-vl-4b-instruct-fp8" / "config.json").read_text())
     text = copy.deepcopy(vl["text_config"])
@@ -84,6 +93,7 @@ def qwen3_vl_text_config():
 PRESETS = {
     # name: (config factory, tokenizer fixture, the compressed-tensors config it ships with or None)
     "llama-3.1-8b": (lambda: llama_config()[0], "tiny-llama3", lambda: llama_config()[1]),
+    "qwen3-0.6b": (qwen3_06b_config, "tiny-qwen3", None),
     "qwen3-4b": (qwen3_config, "tiny-qwen3", None),
     "qwen3-vl-4b-text": (qwen3_vl_text_config, "tiny-qwen3", None),
 }

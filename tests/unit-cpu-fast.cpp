@@ -1,0 +1,231 @@
+// cpu-fast: the CPU backend's fast Linear kernels (CpuKernels::fast) against its reference kernels, on fresh
+// random inputs (never zeros) at odd shapes, outputs poisoned with NaN first, every instruction set this machine
+// has forced in turn (portable always; AVX2, AVX-512 where the CPU has them). The two sum in different orders, so
+// they are compared within float32 rounding of the row's sum of |w| |x|; the int4 weights the fast kernels
+// multiply are the reference's dequantized values exactly (a table per group), so nothing else may differ.
+#include <doctest/doctest.h>
+#include "kvlite.hpp"
+#include "host_floats.hpp"
+#include "quant_weights.hpp"
+#include "model_fixtures.hpp"
+
+#include <cmath>
+#include <vector>
+
+using namespace kvlite;
+using namespace host_floats;
+
+namespace {
+
+std::unique_ptr<Backend> cpu(CpuKernels kernels, CpuIsa isa, int threads) {
+  CpuBackendOptions options;
+  options.threads = threads;
+  options.max_head_dim = 64;
+  options.kernels = kernels;
+  options.isa = isa;
+  return make_cpu_backend(options).value();
+}
+
+// The instruction sets this machine runs: portable, then AVX2 and AVX-512 if present.
+std::vector<CpuIsa> machine_isas() {
+  std::vector<CpuIsa> isas;
+  for (CpuIsa isa : {CpuIsa::portable, CpuIsa::avx2, CpuIsa::avx512})
+    if (cpu_isa_supported(isa)) isas.push_back(isa);
+  return isas;
+}
+
+// Both kernels' float32 sums over k products, each off the exact sum by at most (additions in its longest
+// chain + the lane reduction + the bias) unit roundoffs of the magnitude: the reference k / 8 + 8, the fast ones
+// at most k / 8 + 16 (8 lanes; 16 lanes has fewer); the difference of the two is below their sum. For
+// k <= 400 this is below 1e-5 of the magnitude.
+double allowance(int64_t k, double magnitude) { return double(2 * (k / 8) + 32) * 0x1p-24 * magnitude; }
+
+const DType kWeightTypes[] = {DType::F32, DType::BF16, DType::F16};
+
+}  // namespace
+
+TEST_CASE("the fast kernels' instruction sets: portable always, and what this CPU reports") {
+  CHECK(cpu_isa_supported(CpuIsa::portable));
+  CHECK(cpu_isa_supported(CpuIsa::automatic));
+  for (CpuIsa isa : machine_isas()) MESSAGE("this machine runs the fast kernels on " << std::string(cpu_isa_name(isa)));
+  MESSAGE("automatic picks " << std::string(cpu_isa_name(best_cpu_isa())));
+  CHECK(cpu_isa_supported(best_cpu_isa()));
+  for (CpuIsa isa : {CpuIsa::avx2, CpuIsa::avx512})
+    if (!cpu_isa_supported(isa)) {  // forcing one the CPU lacks is an error, never a crash
+      CpuBackendOptions options;
+      options.kernels = CpuKernels::fast;
+      options.isa = isa;
+      auto backend = make_cpu_backend(options);
+      REQUIRE_FALSE(backend.ok());
+      CHECK(backend.error().code == ErrorCode::invalid_argument);
+    }
+  // the reference stays the default
+  CHECK(CpuBackendOptions{}.kernels == CpuKernels::reference);
+  CHECK(EngineOptions{}.cpu_kernels == CpuKernels::reference);
+  CHECK(cpu(CpuKernels::fast, CpuIsa::portable, 1)->name().find("fast portable") != std::string::npos);
+}
+
+TEST_CASE("fast dense linear matches the reference for BF16/F16/F32 weights at odd shapes, every ISA") {
+  auto reference = cpu(CpuKernels::reference, CpuIsa::automatic, 2);
+  Random rng(4501);
+  for (CpuIsa isa : machine_isas()) {
+    auto fast = cpu(CpuKernels::fast, isa, 2);
+    auto fast_one = cpu(CpuKernels::fast, isa, 1);
+    for (DType dtype : kWeightTypes)
+      for (int64_t k : {1, 7, 8, 15, 16, 17, 33, 64, 129, 389})
+        for (int64_t n : {1, 3, 4, 5, 17, 33})
+          for (int64_t tokens : {1, 2, 3, 7, 8, 17})
+            for (bool with_bias : {false, true}) {
+              CAPTURE(cpu_isa_name(isa)); CAPTURE(std::string(dtype_name(dtype)));
+              CAPTURE(k); CAPTURE(n); CAPTURE(tokens); CAPTURE(with_bias);
+              Matrix x(DType::F32, tokens, k, 3), weight(dtype, n, k, 5), bias(dtype, 1, n);
+              Matrix want(DType::F32, tokens, n, 2), got(DType::F32, tokens, n, 2), got_one(DType::F32, tokens, n, 1);
+              x.randomize(rng);
+              weight.randomize(rng);
+              bias.randomize(rng);
+              const Tensor bias_view = with_bias ? bias.view() : Tensor{};
+              REQUIRE(reference->linear(x.view(), weight.view(), bias_view, want.view()).ok());
+              REQUIRE(fast->linear(x.view(), weight.view(), bias_view, got.view()).ok());
+              REQUIRE(fast_one->linear(x.view(), weight.view(), bias_view, got_one.view()).ok());
+              Compare cmp{0, 0};
+              bool same_for_one_thread = true;
+              for (int64_t t = 0; t < tokens; t++)
+                for (int64_t j = 0; j < n; j++) {
+                  double magnitude = with_bias ? std::fabs(double(bias.get(0, j))) : 0.0;
+                  for (int64_t i = 0; i < k; i++) magnitude += std::fabs(double(x.get(t, i)) * weight.get(j, i));
+                  cmp(got.get(t, j), want.get(t, j), t, j, allowance(k, magnitude));
+                  same_for_one_thread = same_for_one_thread && got.get(t, j) == got_one.get(t, j);
+                }
+              CHECK_COMPARE(cmp);
+              CHECK(same_for_one_thread);  // threads change no bit
+              CHECK(got.padding_untouched());
+            }
+  }
+}
+
+TEST_CASE("fast int4 quant_linear matches the reference: groups 8..128 and channel, zero points, every ISA") {
+  auto reference = cpu(CpuKernels::reference, CpuIsa::automatic, 2);
+  Random rng(4502);
+  for (CpuIsa isa : machine_isas()) {
+    auto fast = cpu(CpuKernels::fast, isa, 2);
+    auto fast_one = cpu(CpuKernels::fast, isa, 1);
+    for (DType scale_dtype : {DType::BF16, DType::F16, DType::F32})
+      for (int64_t group : {16, 24, 32, 40, 64, 128, 0})  // 0: channel (one group of K)
+        for (int64_t groups : {1, 3})
+          for (int64_t n : {1, 3, 5, 17, 34})
+            for (bool asymmetric : {false, true}) {
+              const int64_t k = group == 0 ? 8 * 37 : group * groups;
+              if (group == 0 && groups > 1) continue;
+              quant_test::OwnedWeight owned =
+                  quant_test::make_int4(n, k, group == 0 ? k : group, scale_dtype, asymmetric, false, rng);
+              const bool with_bias = n % 2 == 1;
+              if (with_bias) {  // F32 bias [n]
+                owned.bias.resize(size_t(n) * 4);
+                for (int64_t j = 0; j < n; j++) {
+                  const float value = rng.value(1.0f);
+                  memcpy(&owned.bias[size_t(j) * 4], &value, 4);
+                }
+                owned.weight.bias = owned.bias.data();
+                owned.weight.bias_dtype = DType::F32;
+              }
+              const QuantWeight& weight = owned.weight;
+              std::vector<float> dequantized(size_t(n * k));
+              REQUIRE(dequantize_rows(weight, 0, n, dequantized.data()).ok());
+              for (int64_t tokens : {1, 2, 3, 7, 8, 17}) {
+                CAPTURE(cpu_isa_name(isa)); CAPTURE(std::string(dtype_name(scale_dtype))); CAPTURE(group);
+                CAPTURE(k); CAPTURE(n); CAPTURE(asymmetric); CAPTURE(tokens);
+                Matrix x(DType::F32, tokens, k, 3);
+                Matrix want(DType::F32, tokens, n, 2), got(DType::F32, tokens, n, 2), got_one(DType::F32, tokens, n);
+                x.randomize(rng);
+                REQUIRE(reference->quant_linear(x.view(), weight, want.view()).ok());
+                REQUIRE(fast->quant_linear(x.view(), weight, got.view()).ok());
+                REQUIRE(fast_one->quant_linear(x.view(), weight, got_one.view()).ok());
+                Compare cmp{0, 0};
+                bool same_for_one_thread = true;
+                for (int64_t t = 0; t < tokens; t++)
+                  for (int64_t j = 0; j < n; j++) {
+                    double magnitude = 0;
+                    if (with_bias) {
+                      float b;
+                      memcpy(&b, &owned.bias[size_t(j) * 4], 4);
+                      magnitude = std::fabs(double(b));
+                    }
+                    for (int64_t i = 0; i < k; i++)
+                      magnitude += std::fabs(double(x.get(t, i)) * dequantized[size_t(j * k + i)]);
+                    cmp(got.get(t, j), want.get(t, j), t, j, allowance(k, magnitude));
+                    same_for_one_thread = same_for_one_thread && got.get(t, j) == got_one.get(t, j);
+                  }
+                CHECK_COMPARE(cmp);
+                CHECK(same_for_one_thread);
+                CHECK(got.padding_untouched());
+              }
+            }
+  }
+}
+
+TEST_CASE("int4 weights the fast kernels do not cover (act-order g_idx, groups of 8) run the reference, bit for bit") {
+  auto reference = cpu(CpuKernels::reference, CpuIsa::automatic, 2);
+  Random rng(4503);
+  for (CpuIsa isa : machine_isas())
+    for (bool act_order : {true, false}) {
+      CAPTURE(cpu_isa_name(isa)); CAPTURE(act_order);
+      auto fast = cpu(CpuKernels::fast, isa, 2);
+      quant_test::OwnedWeight owned = quant_test::make_int4(19, 96, act_order ? 32 : 8, DType::BF16, true, act_order, rng);
+      Matrix x(DType::F32, 5, 96), want(DType::F32, 5, 19), got(DType::F32, 5, 19);
+      x.randomize(rng);
+      REQUIRE(reference->quant_linear(x.view(), owned.weight, want.view()).ok());
+      REQUIRE(fast->quant_linear(x.view(), owned.weight, got.view()).ok());
+      CHECK(want.bytes == got.bytes);
+    }
+}
+
+TEST_CASE("16-bit activations run the reference under fast kernels, bit for bit") {
+  Random rng(4504);
+  for (DType act : {DType::BF16, DType::F16}) {
+    CpuBackendOptions options;
+    options.threads = 2;
+    options.activation_dtype = act;
+    auto reference = make_cpu_backend(options).value();
+    options.kernels = CpuKernels::fast;
+    auto fast = make_cpu_backend(options).value();
+    Matrix x(act, 3, 37), weight(DType::BF16, 11, 37), want(act, 3, 11), got(act, 3, 11);
+    x.randomize(rng);
+    weight.randomize(rng);
+    REQUIRE(reference->linear(x.view(), weight.view(), Tensor{}, want.view()).ok());
+    REQUIRE(fast->linear(x.view(), weight.view(), Tensor{}, got.view()).ok());
+    CHECK(want.bytes == got.bytes);
+  }
+}
+
+TEST_CASE("engines with --cpu-kernels fast reproduce transformers' logits and greedy tokens (fixtures, W4A16)") {
+  // the three tiny dense fixtures (BF16, F32, F16 weights) and the W4A16 one (groups of 32 and 16, channel
+  // scales, zero points, and act-order o_proj, which runs the reference)
+  std::vector<std::string> dirs;
+  for (const std::string& name : model_fixtures::names()) dirs.push_back(model_fixtures::dir(name));
+  dirs.push_back(std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant/tiny-w4a16");
+  for (const std::string& dir : dirs) {
+    CAPTURE(dir);
+    EngineOptions options;
+    options.backend = BackendChoice::cpu;
+    options.plan.device_mem = 64 * MiB;
+    options.cpu_kernels = CpuKernels::fast;
+    auto engine = Engine::open(dir, options);
+    REQUIRE_MESSAGE(engine, engine.error().message);
+    CHECK((*engine)->info().backend_name.find("fast") != std::string::npos);
+    const nlohmann::json reference = nlohmann::json::parse(model_fixtures::read_file(dir + "/reference.json"));
+    for (const auto& prompt : reference["prompts"]) {
+      const std::vector<int32_t> ids = model_fixtures::ids_of(prompt["input_ids"]);
+      model_fixtures::Npy expected = model_fixtures::read_npy(dir + "/" + prompt["logits_file"].get<std::string>());
+      auto logits = (*engine)->logits(ids);
+      REQUIRE_MESSAGE(logits, logits.error().message);
+      REQUIRE(logits->tokens == expected.rows);
+      REQUIRE(logits->vocab == expected.cols);
+      CHECK(model_fixtures::relative_max_diff(logits->values, expected.values) <= 1e-4);
+      SamplingParams params;  // temperature 0: greedy
+      params.max_tokens = prompt["greedy"]["max_new_tokens"].get<int64_t>();
+      auto generation = (*engine)->generate(ids, params);
+      REQUIRE_MESSAGE(generation, generation.error().message);
+      CHECK(generation->ids == model_fixtures::ids_of(prompt["greedy"]["new_ids"]));
+    }
+  }
+}
