@@ -295,7 +295,7 @@ TEST_CASE("generate streams transformers' greedy continuation to stdout") {
   }
 }
 
-TEST_CASE("generate --cpu-kernels fast gives transformers' greedy continuation; an unknown kernel set is refused") {
+TEST_CASE("generate --cpu-kernels fast gives transformers' greedy continuation, an unknown kernel set is refused") {
   const std::string name = "tiny-qwen3";
   const nlohmann::json reference = model_fixtures::reference(name);
   const auto& prompt = reference["prompts"][0];
