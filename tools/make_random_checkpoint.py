@@ -17,18 +17,21 @@ shapes and dtypes and nothing else. This writes a Hugging Face directory kvlite 
     tools/make_random_checkpoint.py qwen3-vl-4b-text /tmp/qwen3vl-fp8 --quant fp8  # 4.4 GB
     tools/make_random_checkpoint.py --list
 
-Presets: llama-3.1-8b (Llama-3.1-8B-Instruct), qwen3-4b (Qwen3-4B), qwen3-0.6b (Qwen3-0.6B's shapes), qwen3-vl-4b-text (Qwen3-VL-4B-Instruct's
-language model as a text-only Qwen3: the same Linears, plain RoPE instead of M-RoPE, which costs the same).
+Presets: llama-3.1-8b (Llama-3.1-8B-Instruct), qwen3-4b (Qwen3-4B), qwen3-0.6b (Qwen3-0.6B's shapes),
+llama-3.2-1b (Llama-3.2-1B's shapes: 16 layers, hidden 2048, tied embeddings, llama3 RoPE scaling),
+qwen3-vl-4b-text (Qwen3-VL-4B-Instruct's language model as a text-only Qwen3: the same Linears, plain RoPE instead of M-RoPE, which costs the same).
 Formats (--quant):
   none   the checkpoint's dtype (BF16)
   w4a16  compressed-tensors "pack-quantized" int4, symmetric, group 128, every Linear of the decoder layers
          (lm_head stays BF16): weight_packed I32 [N, K/8], weight_scale BF16 [N, K/128], weight_shape I64 [2] -
          the layout of RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w4a16 (models/README.md)
+  w8a16  compressed-tensors "int-quantized" int8, symmetric, one scale per output channel, every Linear of the
+         decoder layers (lm_head stays BF16): weight I8 [N, K], weight_scale BF16 [N, 1] (llm-compressor's W8A16)
   fp8    Qwen's fine-grained fp8 (quant_method "fp8", e4m3, 128 x 128 blocks, lm_head not converted): weight
          F8_E4M3 [N, K], weight_scale_inv F32 [ceil(N/128), ceil(K/128)]; the quantization_config is the one
          tools/make_quant_fixtures.py writes for its Qwen fp8 fixture
-Values: dense weights normal(0, 0.02) (Hugging Face's initializer_range) rounded to BF16, norms 1, int4 and fp8
-codes uniformly random (never the fp8 NaN codes) with scales that keep weights near 0.02: sane activations for
+Values: dense weights normal(0, 0.02) (Hugging Face's initializer_range) rounded to BF16, norms 1, int4, int8 and
+fp8 codes uniformly random (never the fp8 NaN codes) with scales that keep weights near 0.02: sane activations for
 any number of layers, no meaning. --layers and --vocab shrink a model for a quick check of the tool itself.
 
 Needs numpy only (runs on the GPU machine, whose python3 has it, or anywhere else with numpy).
@@ -74,6 +77,18 @@ def qwen3_06b_config():
     return config
 
 
+def llama32_1b_config():
+    """Llama-3.2-1B's shapes (its published config.json differs from Llama-3.1-8B-Instruct's in these keys): the
+    CPU peer benchmark's second model (bench/peer-cpu.sh, issue 45). Tied embeddings, llama3 RoPE scaling 32."""
+    config = llama_config()[0]
+    config.update({"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                   "tie_word_embeddings": True,
+                   "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                    "original_max_position_embeddings": 8192, "rope_type": "llama3"}})
+    return config
+
+
 def qwen3_vl_text_config():
     vl = json.loads((MODELS / "qwen3-vl-4b-instruct-fp8" / "config.json").read_text())
     text = copy.deepcopy(vl["text_config"])
@@ -93,6 +108,7 @@ def qwen3_vl_text_config():
 PRESETS = {
     # name: (config factory, tokenizer fixture, the compressed-tensors config it ships with or None)
     "llama-3.1-8b": (lambda: llama_config()[0], "tiny-llama3", lambda: llama_config()[1]),
+    "llama-3.2-1b": (llama32_1b_config, "tiny-llama3", None),
     "qwen3-0.6b": (qwen3_06b_config, "tiny-qwen3", None),
     "qwen3-4b": (qwen3_config, "tiny-qwen3", None),
     "qwen3-vl-4b-text": (qwen3_vl_text_config, "tiny-qwen3", None),
@@ -108,6 +124,16 @@ W4A16_CONFIG = {  # compressed-tensors, as llm-compressor saves W4A16 (group 128
     "quant_method": "compressed-tensors", "quantization_status": "compressed"}
 
 
+W8A16_CONFIG = {  # compressed-tensors int-quantized int8, symmetric, one scale per output channel (llm-compressor W8A16)
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": None, "num_bits": 8,
+                    "observer": "minmax", "observer_kwargs": {}, "strategy": "channel", "symmetric": True,
+                    "type": "int"}}},
+    "format": "int-quantized", "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+
+
 def fp8_config():
     return copy.deepcopy(make_quant_fixtures.MODELS["tiny-fp8-qwen"]["quantization_config"])
 
@@ -120,7 +146,7 @@ class Spec:
     def __init__(self, name, dtype, shape, fill):
         self.name, self.dtype, self.shape, self.fill = name, dtype, list(shape), fill
 
-    ELEMENT_BYTES = {"BF16": 2, "F32": 4, "I32": 4, "I64": 8, "F8_E4M3": 1}
+    ELEMENT_BYTES = {"BF16": 2, "F32": 4, "I32": 4, "I64": 8, "I8": 1, "F8_E4M3": 1}
 
     @property
     def nbytes(self):
@@ -137,6 +163,9 @@ def linear_specs(name, out_features, in_features, quant, bias):
         specs.append(Spec(name + ".weight_packed", "I32", [out_features, in_features // 8], "bytes"))
         specs.append(Spec(name + ".weight_scale", "BF16", [out_features, in_features // 128], ("const", 0.02 / 4)))
         specs.append(Spec(name + ".weight_shape", "I64", [2], ("shape", out_features, in_features)))
+    elif quant == "w8a16":
+        specs.append(Spec(name + ".weight", "I8", [out_features, in_features], "bytes"))
+        specs.append(Spec(name + ".weight_scale", "BF16", [out_features, 1], ("const", 0.02 / 64)))
     elif quant == "fp8":
         specs.append(Spec(name + ".weight", "F8_E4M3", [out_features, in_features], "fp8"))
         blocks = [-(-out_features // 128), -(-in_features // 128)]
@@ -212,7 +241,7 @@ def tensor_chunks(spec, tiles):
     if fill == "normal":
         yield from tiles.stream(tiles.normal, spec.nbytes, 2)
     elif fill == "bytes":
-        yield from tiles.stream(tiles.bytes, spec.nbytes, 4)
+        yield from tiles.stream(tiles.bytes, spec.nbytes, 1 if spec.dtype == "I8" else 4)
     elif fill == "fp8":
         yield from tiles.stream(tiles.fp8, spec.nbytes, 1)
     elif fill[0] == "const":
@@ -268,7 +297,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("preset", nargs="?", choices=sorted(PRESETS))
     parser.add_argument("out_dir", nargs="?")
-    parser.add_argument("--quant", choices=["none", "w4a16", "fp8"], default="none")
+    parser.add_argument("--quant", choices=["none", "w4a16", "w8a16", "fp8"], default="none")
     parser.add_argument("--layers", type=int, help="fewer decoder layers (a quick check of the tool)")
     parser.add_argument("--vocab", type=int, help="a smaller vocabulary (a quick check of the tool)")
     parser.add_argument("--seed", type=int, default=0)
@@ -278,7 +307,7 @@ def main():
         for name, (make_config, _, _) in sorted(PRESETS.items()):
             config = make_config()
             sizes = ", ".join(f"{quant} {sum(s.nbytes for s in model_specs(config, quant)) / 1e9:.1f} GB"
-                              for quant in ("none", "w4a16", "fp8"))
+                              for quant in ("none", "w4a16", "w8a16", "fp8"))
             print(f"{name}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocab "
                   f"{config['vocab_size']}: {sizes}")
         return
@@ -295,6 +324,8 @@ def main():
             config.pop(key, None)
     if args.quant == "w4a16":
         config["quantization_config"] = shipped_quantization() if shipped_quantization else copy.deepcopy(W4A16_CONFIG)
+    elif args.quant == "w8a16":
+        config["quantization_config"] = copy.deepcopy(W8A16_CONFIG)
     elif args.quant == "fp8":
         config["quantization_config"] = fp8_config()
     out = Path(args.out_dir)
