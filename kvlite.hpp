@@ -24850,7 +24850,8 @@ class Scheduler {
   }
 
   // Sliding windows in memory: r's sliding-layer pages whose every key is before the window of its next query
-  // (cache index r.computed sees keys from r.computed - W + 1 on) go back to the window pool. The engine calls it
+  // (cache index r.computed sees keys from r.computed - W + 1 on) go back to their pool (the window pool, or the
+  // KV pool itself when every layer slides). The engine calls it
   // after each step, once drafts are settled (r.computed is then what is kept), so that a request waiting for its
   // next step holds at most its window's pages.
   void trim_window(EngineRequest& r) {
