@@ -2548,7 +2548,7 @@ struct DequantArgs {
   DType table_dtype;     // the scale table's
   DType scale_dtype;     // the checkpoint's (rounding)
   DequantRounding rounding;
-  const uint8_t* zeros;  // int4 asymmetric, or null
+  const uint8_t* zeros;  // int4 / int8 asymmetric, or null
   const int32_t* perm;   // act-order, or null
   int64_t first_tile, n_pad, k, group_size;
   uint64_t tile_row_bytes, stage_bytes;
@@ -2583,7 +2583,9 @@ __global__ void __launch_bounds__(kDequantThreads) dequantize_tiles_kernel(const
         values[column][local] = dequantize_value(float(u - zero), scale_of(group, column), args.scale_dtype, args.rounding);
       }
   } else {
-    // thread = two (tile, chunk, lane) units of 16 bytes: 4 tiles x 4 chunks x 32 lanes
+    // fp8 and int8 share the byte tiles. thread = two (tile, chunk, lane) units of 16 bytes: 4 tiles x 4 chunks x
+    // 32 lanes
+    const bool int8 = args.format == WeightFormat::int8;
     for (int unit = threadIdx.x; unit < 512; unit += kDequantThreads) {
       const int tile = unit / 128, chunk = (unit / 32) % 4, lane = unit % 32;
       const uint4 bytes = *reinterpret_cast<const uint4*>(stage + tile * kFp8TileBytes + 512 * chunk + 16 * lane);
@@ -2594,8 +2596,17 @@ __global__ void __launch_bounds__(kDequantThreads) dequantize_tiles_kernel(const
           fp8_tile_slot(lane, chunk, w, b, &column, &k);
           const int local = tile * int(kFp8TileK) + k;
           const int64_t group = (s * kQuantStageK + local) / args.group_size;
-          values[column][local] = dequantize_value(fp8_e4m3_to_float(uint8_t(words[w] >> (8 * b))),
-                                                   scale_of(group, column), args.scale_dtype, args.rounding);
+          const uint8_t code = uint8_t(words[w] >> (8 * b));
+          float value;
+          if (int8) {
+            const int zero = args.zeros != nullptr
+                                 ? int(int8_t(args.zeros[group * args.n_pad + t * kQuantTileN + quant_table_position(column)]))
+                                 : 0;
+            value = float(int(int8_t(code)) - zero);
+          } else {
+            value = fp8_e4m3_to_float(code);
+          }
+          values[column][local] = dequantize_value(value, scale_of(group, column), args.scale_dtype, args.rounding);
         }
     }
   }
@@ -3044,8 +3055,9 @@ class CudaBackend final : public Backend {
       case Op::embedding_bag: case Op::layer_norm: return is_float_dtype(dtype);
       case Op::gelu: case Op::segment_attention: case Op::gelu_mul: case Op::scale: case Op::soft_cap:
         return dtype == act_;
-      // int4 (pack-quantized) and fp8 weights, repacked by cuda::upload_quant_weight (section 3b's GEMMs)
-      case Op::quant_linear: return dtype == DType::I32 || dtype == DType::F8_E4M3;
+      // int4 (pack-quantized), int8 and fp8 weights, repacked by cuda::upload_quant_weight (section 3b's GEMMs;
+      // int8 through dequantize + cuBLAS)
+      case Op::quant_linear: return dtype == DType::I32 || dtype == DType::I8 || dtype == DType::F8_E4M3;
     }
     return false;
   }
@@ -3651,7 +3663,7 @@ class CudaBackend final : public Backend {
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("quant_linear(%s): %s; give the CUDA backend a larger workspace", weight.name.c_str(),
                                   why.c_str()));
-    const uint8_t* base = layout.format == WeightFormat::int4 ? weight.packed : weight.fp8;
+    const uint8_t* base = quant_device_base(weight);
     QuantGemmArgs args{};
     args.n = layout.n;
     args.tiles = base + layout.tiles_offset;
@@ -3739,7 +3751,7 @@ class CudaBackend final : public Backend {
       detail::fail(ErrorCode::unsupported, detail::format("quant_linear(%s): x [%lld, %lld] has a size or stride past "
                                                           "cuBLAS's 32-bit int; split the call", weight.name.c_str(),
                                                           (long long)x.rows, (long long)x.cols));
-    const uint8_t* base = layout.format == WeightFormat::int4 ? weight.packed : weight.fp8;
+    const uint8_t* base = quant_device_base(weight);
     DequantArgs d{};
     d.format = layout.format;
     d.tiles = base + layout.tiles_offset;
@@ -4021,9 +4033,9 @@ Result<QuantWeight> upload_quant_weight(Backend& backend, const std::vector<cons
                                                                "CUDA backend", name, backend.name().c_str()));
     for (const QuantWeight* part : parts)
       if (part->layout != QuantLayout::checkpoint ||
-          (part->format != WeightFormat::int4 && part->format != WeightFormat::fp8))
+          (part->format != WeightFormat::int4 && part->format != WeightFormat::fp8 && part->format != WeightFormat::int8))
         detail::fail(ErrorCode::invalid_argument,
-                     detail::format("cuda::upload_quant_weight(%s): pass the checkpoint view of an int4 or fp8 Linear "
+                     detail::format("cuda::upload_quant_weight(%s): pass the checkpoint view of an int4, int8 or fp8 Linear "
                                     "(quant_weight), not %s", part->name.c_str(),
                                     part->layout != QuantLayout::checkpoint ? "an uploaded one"
                                                                             : weight_format_name(part->format)));
@@ -4096,6 +4108,7 @@ Result<QuantWeight> upload_quant_weight(Backend& backend, const std::vector<cons
     device.layout = QuantLayout::cuda_tiles;
     device.packed = host.format == WeightFormat::int4 ? dst : nullptr;
     device.fp8 = host.format == WeightFormat::fp8 ? dst : nullptr;
+    device.int8 = host.format == WeightFormat::int8 ? dst : nullptr;
     device.scales = dst + layout.scales_offset;
     device.zero_points = layout.zeros ? dst + layout.zeros_offset : nullptr;
     device.g_idx = layout.permuted ? dst + layout.perm_offset : nullptr;

@@ -1550,10 +1550,13 @@ uint64_t repacked_host_bytes(const LinearDesc& linear);
 //             fp8:  k32 x n64 = 2 KB: 4 chunks of 32 lanes x 16 bytes (chunk c at 512 c, lane at 16 l);
 //                   word i of lane l's chunk c is register r = i%2 of n8 block j = 2c + i/2: bytes b = 0..3
 //                   hold column 8j + g, k = 16r + 4q + b (the m16n8k32 B fragment, e4m3 as stored).
-//   scales    [groups][n_pad]: int4 in the checkpoint's scale dtype, fp8 widened to F32 (exact). Within a
-//             tile's 64 columns, position 8 g + j holds column 8 j + g: a lane's 8 scales are contiguous.
-//   zeros     int4 asymmetric only: [groups][n_pad] bytes, the zero point + 8, positions as the scales.
-//   perm      int4 act-order only: I32 [k_pad]; device column k' holds input column perm[k'] (-1: padding).
+//             int8: the fp8 tiles' geometry, byte for byte; a byte is q as the int8 view stores it (signed,
+//                   two's complement; padding holds the zero point, so q - z = 0 there).
+//   scales    [groups][n_pad]: int4 and int8 in the checkpoint's scale dtype, fp8 widened to F32 (exact). Within
+//             a tile's 64 columns, position 8 g + j holds column 8 j + g: a lane's 8 scales are contiguous.
+//   zeros     asymmetric int4 / int8 only: [groups][n_pad] bytes, positions as the scales: int4's zero point + 8,
+//             int8's zero point as a signed byte.
+//   perm      int4 / int8 act-order only: I32 [k_pad]; device column k' holds input column perm[k'] (-1: padding).
 //             Columns are sorted by group at load, so a group is group_size consecutive device columns; the
 //             activations are permuted the same way before the GEMM.
 //   bias      F32 [n_pad] (zeros when the Linear has none).
@@ -1563,7 +1566,9 @@ uint64_t repacked_host_bytes(const LinearDesc& linear);
 // Groups: int4 group strategy: group_size columns; int4 channel and fp8 tensor/channel: one group of all
 // k_pad columns; fp8 block: block_k columns (the scale table repeats a block's scale on its block_n rows).
 // The tensor-core kernels need every tile_k run of columns inside one group (`mma`): int4 group_size % 16,
-// fp8 block_k % 32; other layouts run through dequantize + cuBLAS only.
+// fp8 block_k % 32; other layouts run through dequantize + cuBLAS only. int8 (GPTQ 8-bit, compressed-tensors
+// INT8) has no tensor-core kernel yet: it stays 1 byte a weight on the device and always runs through dequantize
+// + cuBLAS, a chunk of output columns at a time (W8A8's int8 activations are not emulated: it runs as W8A16).
 // ---------------------------------------------------------------------------------------------------------
 
 namespace kvlite {
@@ -1573,6 +1578,11 @@ constexpr int64_t kQuantTileN = 64;    // output columns of a tile (and of a GEM
 constexpr int64_t kQuantStageK = 128;  // input columns of one pipeline stage (k_pad is a multiple)
 constexpr int64_t kInt4TileK = 16, kInt4TileBytes = 512;
 constexpr int64_t kFp8TileK = 32, kFp8TileBytes = 2048;
+
+// The device view's base pointer (upload_quant_weight points the format's own field at the layout's start).
+inline const uint8_t* quant_device_base(const QuantWeight& w) {
+  return w.format == WeightFormat::int4 ? w.packed : w.format == WeightFormat::int8 ? w.int8 : w.fp8;
+}
 
 // The device layout of one quantized Linear (see the top of this part). Host arithmetic only.
 struct QuantGpuLayout {
@@ -8688,6 +8698,38 @@ void repack_fp8_tiles(const QuantWeight& w, const QuantGpuLayout& layout, int64_
     }
 }
 
+// int8: the fp8 tiles' byte positions (fp8_tile_slot); a byte is q (two's complement), padding rows 0, padding
+// columns their group's zero point (q - z = 0 where the group's scale is real: a channel layout's one group spans
+// the padding too).
+void repack_int8_tiles(const QuantWeight& w, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
+                       uint8_t* out) {
+  const std::vector<int32_t> perm = layout.permuted ? act_order_permutation(w) : std::vector<int32_t>();
+  const int64_t n_size = w.out_features, k_size = w.in_features, k_tiles = layout.k_pad / kFp8TileK;
+  auto byte_at = [&](int64_t n, int64_t k_device) -> uint8_t {
+    if (n >= n_size) return 0;
+    if (k_device >= k_size) {
+      const int64_t group = k_device / layout.group_size;
+      return w.zero_points && group < checkpoint_groups(w) ? w.zero_points[n * w.scale_cols + group] : 0;
+    }
+    return w.int8[n * k_size + (layout.permuted ? perm[size_t(k_device)] : k_device)];
+  };
+  for (int64_t t = first_tile; t < first_tile + count; t++)
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+      uint8_t* tile = out + ((t - first_tile) * k_tiles + kt) * kFp8TileBytes;
+      for (int chunk = 0; chunk < 4; chunk++)
+        for (int lane = 0; lane < 32; lane++)
+          for (int word = 0; word < 4; word++) {
+            int column, k;
+            fp8_tile_slot(lane, chunk, word, 0, &column, &k);  // bytes b = 0..3 hold k .. k + 3 of one column
+            const int64_t n = t * kQuantTileN + column, kd = kt * kFp8TileK + k;
+            uint8_t* dst = tile + 512 * chunk + 16 * lane + 4 * word;
+            if (!layout.permuted && n < n_size && kd + 4 <= k_size) memcpy(dst, w.int8 + n * k_size + kd, 4);
+            else
+              for (int b = 0; b < 4; b++) dst[b] = byte_at(n, kd + b);
+          }
+    }
+}
+
 }  // namespace
 
 int64_t QuantGpuLayout::table_index(int64_t group, int64_t column) const {
@@ -8718,6 +8760,15 @@ QuantGpuLayout layout_of(WeightFormat format, int64_t n, int64_t k, ScaleGranula
       l.group_size = group_size;
       l.mma = group_size % kInt4TileK == 0;
     }
+    l.table_scale_dtype = scale_dtype;
+    table_element = dtype_bytes(scale_dtype, 1);
+    l.zeros = zeros;
+    l.permuted = permuted;
+  } else if (format == WeightFormat::int8) {
+    l.tile_k = kFp8TileK;
+    l.tile_bytes = kFp8TileBytes;
+    l.group_size = granularity == ScaleGranularity::channel ? l.k_pad : group_size;
+    l.mma = false;  // no int8 tensor-core kernel yet: dequantize + cuBLAS
     l.table_scale_dtype = scale_dtype;
     table_element = dtype_bytes(scale_dtype, 1);
     l.zeros = zeros;
@@ -8755,16 +8806,16 @@ QuantGpuLayout layout_of(WeightFormat format, int64_t n, int64_t k, ScaleGranula
 }  // namespace
 
 QuantGpuLayout quant_gpu_layout(const QuantWeight& w) {
-  const bool permuted = w.format == WeightFormat::int4 && w.g_idx != nullptr &&
-                        (w.layout == QuantLayout::cuda_tiles || !g_idx_in_column_order(w));
+  const bool integer = w.format == WeightFormat::int4 || w.format == WeightFormat::int8;
+  const bool permuted = integer && w.g_idx != nullptr && (w.layout == QuantLayout::cuda_tiles || !g_idx_in_column_order(w));
   return layout_of(w.format, w.out_features, w.in_features, w.granularity, w.group_size, w.block_k, w.scale_dtype,
-                   w.format == WeightFormat::int4 && w.zero_points != nullptr, permuted);
+                   integer && w.zero_points != nullptr, permuted);
 }
 
 QuantGpuLayout quant_gpu_layout(const LinearDesc& linear) {
-  const bool int4 = linear.format == WeightFormat::int4;
+  const bool integer = linear.format == WeightFormat::int4 || linear.format == WeightFormat::int8;
   return layout_of(linear.format, linear.out_features, linear.in_features, linear.granularity, linear.group_size,
-                   linear.block_k, linear.scale_dtype, int4 && !linear.symmetric, int4 && linear.has_g_idx);
+                   linear.block_k, linear.scale_dtype, integer && !linear.symmetric, integer && linear.has_g_idx);
 }
 
 Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
@@ -8779,6 +8830,7 @@ Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout,
                                   host.name.c_str(), (long long)first_tile, (long long)(first_tile + count),
                                   (long long)layout.n_tiles));
     if (host.format == WeightFormat::int4) repack_int4_tiles(host, layout, first_tile, count, out);
+    else if (host.format == WeightFormat::int8) repack_int8_tiles(host, layout, first_tile, count, out);
     else repack_fp8_tiles(host, layout, first_tile, count, out);
   });
 }
@@ -8794,7 +8846,7 @@ Status repack_quant_tables(const QuantWeight& w, const QuantGpuLayout& layout, u
     for (int64_t group = 0; group < layout.groups; group++)
       for (int64_t n = 0; n < w.out_features && group < real_groups; n++) {
         const int64_t index = layout.table_index(group, n);
-        if (w.format == WeightFormat::int4) {
+        if (w.format == WeightFormat::int4 || w.format == WeightFormat::int8) {
           const uint64_t element = dtype_bytes(w.scale_dtype, 1);
           memcpy(out + layout.scales_offset - base + uint64_t(index) * element,
                  w.scales + uint64_t(n * w.scale_cols + group) * element, size_t(element));
@@ -8811,8 +8863,11 @@ Status repack_quant_tables(const QuantWeight& w, const QuantGpuLayout& layout, u
       for (int64_t group = 0; group < layout.groups; group++)
         for (int64_t n = 0; n < layout.n_pad; n++) {
           const bool real = n < w.out_features && group < real_groups;
-          zeros[layout.table_index(group, n)] =
-              uint8_t(real ? int4_zero_point_at(w.zero_points, w.scale_cols, n, group) + 8 : 8);
+          if (w.format == WeightFormat::int8)
+            zeros[layout.table_index(group, n)] = real ? w.zero_points[n * w.scale_cols + group] : 0;
+          else
+            zeros[layout.table_index(group, n)] =
+                uint8_t(real ? int4_zero_point_at(w.zero_points, w.scale_cols, n, group) + 8 : 8);
         }
     }
     if (layout.permuted) {
@@ -9017,6 +9072,9 @@ const char* quant_kernel_name(QuantKernel kernel) {
 
 std::string quant_kernel_refusal(const QuantGpuLayout& layout, QuantKernel kernel, DType activation, int sm) {
   if (kernel == QuantKernel::automatic || kernel == QuantKernel::dequant_cublas) return "";
+  if (layout.format == WeightFormat::int8)
+    return detail::format("%s does not run int8 weights: they run through dequantize + cuBLAS (no int8 GEMM kernel "
+                          "yet)", quant_kernel_name(kernel));
   if (kernel == QuantKernel::mma_w8a8 && layout.format != WeightFormat::fp8)
     return "W8A8 (mma_w8a8) runs fp8 weights only";
   if (kernel == QuantKernel::mma_w8a8 && sm < kQuantW8A8MinSm)
@@ -17590,7 +17648,7 @@ std::vector<std::vector<const LinearDesc*>> fused_linear_groups(const std::vecto
   return groups;
 }
 
-PlanItem repack_item(const Inputs& in, DType act) {
+PlanItem repack_item(const Inputs& in) {
   PlanItem item{"repack", "repack", 0, "", true};
   if (in.device.backend != BackendKind::cuda) {
     // AWQ / GPTQ Linears are repacked once at load into the compressed-tensors view the CPU matmul runs
@@ -17624,34 +17682,25 @@ PlanItem repack_item(const Inputs& in, DType act) {
     count(cuda::quant_device_bytes(group), disk);
     fused_groups++;
   }
-  uint64_t dequantized = 0;
+  uint64_t int8 = 0;
   for (const auto& linear : in.weights.linears) {
     if (linear.format == WeightFormat::dense || linear.vision || in_group.count(&linear)) continue;
-    if (linear.format == WeightFormat::int8) {
-      // no int8 GEMM on the GPU: the uploader dequantizes the Linear to a dense one in the activation dtype
-      const uint64_t n = uint64_t(linear.out_features), k = uint64_t(linear.in_features);
-      count(dtype_bytes(act, n * k) + (linear.has_bias ? dtype_bytes(act, n) : 0), linear.bytes);
-      dequantized++;
-      continue;
-    }
     count(cuda::quant_device_bytes(linear), linear.bytes);
     quantized++;
+    int8 += linear.format == WeightFormat::int8;
   }
   item.bytes = align_up(extra, kPlanAlignment);
-  if (dequantized) {
-    item.why = format("%llu int8 Linears dequantized to %s dense weights (no int8 GEMM on the GPU yet)%s: %s more "
-                      "than on disk",
-                      (unsigned long long)dequantized, activation_dtype_text(act),
-                      quantized ? format(", %llu quantized Linears in the GPU's layout", (unsigned long long)quantized).c_str() : "",
-                      format_bytes(extra).c_str());
-    return item;
-  }
   const std::string fused =
       fused_groups ? format(" (%llu q|k|v and gate|up groups fused, one Linear each)", (unsigned long long)fused_groups)
                    : std::string();
-  item.why = quantized ? format("%llu quantized Linears%s in the GPU's layout (repacked tiles, F32 scale tables, "
-                                "counters) take %s more than on disk",
-                                (unsigned long long)quantized, fused.c_str(), format_bytes(extra).c_str())
+  const std::string int8_note =
+      int8 ? format("; %llu int8 Linears stay 1 byte a weight and run through dequantize + cuBLAS (no int8 GEMM "
+                    "kernel yet)", (unsigned long long)int8)
+           : std::string();
+  item.why = quantized ? format("%llu quantized Linears%s in the GPU's layout (repacked tiles, scale tables, "
+                                "counters) take %s more than on disk%s",
+                                (unsigned long long)quantized, fused.c_str(), format_bytes(extra).c_str(),
+                                int8_note.c_str())
                        : std::string("no quantized Linear: nothing to repack");
   return item;
 }
@@ -17835,7 +17884,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.model_name = model_name_of(in.config);
   plan.arch = in.config.arch;
   plan.items.push_back(weights_item(in, *o.activation_dtype));
-  plan.items.push_back(repack_item(in, *o.activation_dtype));
+  plan.items.push_back(repack_item(in));
   plan.items.push_back(context_item(in));
   plan.items.push_back(activations_item(in, o));
   if (in.config.vision.present) plan.items.push_back(vision_item(in, o));
@@ -24429,24 +24478,10 @@ class WeightUploader {
 
   LinearWeights linear(const LinearWeights& host, const std::string& what) {
     LinearWeights device;
-    if (host.quant && host.quant->format == WeightFormat::int8) {
-      // No int8 GEMM on the GPU yet: int8 Linears are dequantized once here, on the host, to the activation dtype
-      // (exact: each weight is the reference's, rounded to its scale dtype, then to the activations') and run by
-      // the dense GEMMs. W8A8's int8 activations are not emulated there: the GPU runs such Linears as W8A16.
-      const QuantWeight& q = *host.quant;
-      std::vector<float> dense(size_t(q.out_features * q.in_features));
-      check(dequantize_rows(q, 0, q.out_features, dense.data()));
-      device.weight = tensor(Tensor::matrix(dense.data(), DType::F32, q.out_features, q.in_features), act_, what + ".weight");
-      if (q.bias) {
-        std::vector<float> bias(size_t(q.out_features));
-        for (int64_t i = 0; i < q.out_features; i++) bias[size_t(i)] = scale_at(q.bias, q.bias_dtype, i);
-        device.bias = tensor(Tensor::vector(bias.data(), DType::F32, q.out_features), act_, what + ".bias");
-      }
-      return device;
-    }
     if (host.quant) {
-      // The GPU layout of int4 / fp8 weights is cuda::upload_quant_weight's (issue 6): its error, if any, is
-      // the answer (unsupported until those kernels exist).
+      // The GPU layout of int4 / int8 / fp8 weights is cuda::upload_quant_weight's (quant_gpu.hpp): its error, if
+      // any, is the answer. int8 stays 1 byte a weight there and runs through dequantize + cuBLAS; W8A8's int8
+      // activations are not emulated on the GPU, which runs such Linears as W8A16.
       const uint64_t bytes = cuda::quant_device_bytes(*host.quant);
       uint8_t* dst = take(bytes, what);
       Result<QuantWeight> uploaded = cuda::upload_quant_weight(backend_, *host.quant, dst, bytes);

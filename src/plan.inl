@@ -458,7 +458,7 @@ std::vector<std::vector<const LinearDesc*>> fused_linear_groups(const std::vecto
   return groups;
 }
 
-PlanItem repack_item(const Inputs& in, DType act) {
+PlanItem repack_item(const Inputs& in) {
   PlanItem item{"repack", "repack", 0, "", true};
   if (in.device.backend != BackendKind::cuda) {
     // AWQ / GPTQ Linears are repacked once at load into the compressed-tensors view the CPU matmul runs
@@ -492,34 +492,25 @@ PlanItem repack_item(const Inputs& in, DType act) {
     count(cuda::quant_device_bytes(group), disk);
     fused_groups++;
   }
-  uint64_t dequantized = 0;
+  uint64_t int8 = 0;
   for (const auto& linear : in.weights.linears) {
     if (linear.format == WeightFormat::dense || linear.vision || in_group.count(&linear)) continue;
-    if (linear.format == WeightFormat::int8) {
-      // no int8 GEMM on the GPU: the uploader dequantizes the Linear to a dense one in the activation dtype
-      const uint64_t n = uint64_t(linear.out_features), k = uint64_t(linear.in_features);
-      count(dtype_bytes(act, n * k) + (linear.has_bias ? dtype_bytes(act, n) : 0), linear.bytes);
-      dequantized++;
-      continue;
-    }
     count(cuda::quant_device_bytes(linear), linear.bytes);
     quantized++;
+    int8 += linear.format == WeightFormat::int8;
   }
   item.bytes = align_up(extra, kPlanAlignment);
-  if (dequantized) {
-    item.why = format("%llu int8 Linears dequantized to %s dense weights (no int8 GEMM on the GPU yet)%s: %s more "
-                      "than on disk",
-                      (unsigned long long)dequantized, activation_dtype_text(act),
-                      quantized ? format(", %llu quantized Linears in the GPU's layout", (unsigned long long)quantized).c_str() : "",
-                      format_bytes(extra).c_str());
-    return item;
-  }
   const std::string fused =
       fused_groups ? format(" (%llu q|k|v and gate|up groups fused, one Linear each)", (unsigned long long)fused_groups)
                    : std::string();
-  item.why = quantized ? format("%llu quantized Linears%s in the GPU's layout (repacked tiles, F32 scale tables, "
-                                "counters) take %s more than on disk",
-                                (unsigned long long)quantized, fused.c_str(), format_bytes(extra).c_str())
+  const std::string int8_note =
+      int8 ? format("; %llu int8 Linears stay 1 byte a weight and run through dequantize + cuBLAS (no int8 GEMM "
+                    "kernel yet)", (unsigned long long)int8)
+           : std::string();
+  item.why = quantized ? format("%llu quantized Linears%s in the GPU's layout (repacked tiles, scale tables, "
+                                "counters) take %s more than on disk%s",
+                                (unsigned long long)quantized, fused.c_str(), format_bytes(extra).c_str(),
+                                int8_note.c_str())
                        : std::string("no quantized Linear: nothing to repack");
   return item;
 }
@@ -703,7 +694,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.model_name = model_name_of(in.config);
   plan.arch = in.config.arch;
   plan.items.push_back(weights_item(in, *o.activation_dtype));
-  plan.items.push_back(repack_item(in, *o.activation_dtype));
+  plan.items.push_back(repack_item(in));
   plan.items.push_back(context_item(in));
   plan.items.push_back(activations_item(in, o));
   if (in.config.vision.present) plan.items.push_back(vision_item(in, o));

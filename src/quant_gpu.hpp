@@ -22,10 +22,13 @@
 //             fp8:  k32 x n64 = 2 KB: 4 chunks of 32 lanes x 16 bytes (chunk c at 512 c, lane at 16 l);
 //                   word i of lane l's chunk c is register r = i%2 of n8 block j = 2c + i/2: bytes b = 0..3
 //                   hold column 8j + g, k = 16r + 4q + b (the m16n8k32 B fragment, e4m3 as stored).
-//   scales    [groups][n_pad]: int4 in the checkpoint's scale dtype, fp8 widened to F32 (exact). Within a
-//             tile's 64 columns, position 8 g + j holds column 8 j + g: a lane's 8 scales are contiguous.
-//   zeros     int4 asymmetric only: [groups][n_pad] bytes, the zero point + 8, positions as the scales.
-//   perm      int4 act-order only: I32 [k_pad]; device column k' holds input column perm[k'] (-1: padding).
+//             int8: the fp8 tiles' geometry, byte for byte; a byte is q as the int8 view stores it (signed,
+//                   two's complement; padding holds the zero point, so q - z = 0 there).
+//   scales    [groups][n_pad]: int4 and int8 in the checkpoint's scale dtype, fp8 widened to F32 (exact). Within
+//             a tile's 64 columns, position 8 g + j holds column 8 j + g: a lane's 8 scales are contiguous.
+//   zeros     asymmetric int4 / int8 only: [groups][n_pad] bytes, positions as the scales: int4's zero point + 8,
+//             int8's zero point as a signed byte.
+//   perm      int4 / int8 act-order only: I32 [k_pad]; device column k' holds input column perm[k'] (-1: padding).
 //             Columns are sorted by group at load, so a group is group_size consecutive device columns; the
 //             activations are permuted the same way before the GEMM.
 //   bias      F32 [n_pad] (zeros when the Linear has none).
@@ -35,7 +38,9 @@
 // Groups: int4 group strategy: group_size columns; int4 channel and fp8 tensor/channel: one group of all
 // k_pad columns; fp8 block: block_k columns (the scale table repeats a block's scale on its block_n rows).
 // The tensor-core kernels need every tile_k run of columns inside one group (`mma`): int4 group_size % 16,
-// fp8 block_k % 32; other layouts run through dequantize + cuBLAS only.
+// fp8 block_k % 32; other layouts run through dequantize + cuBLAS only. int8 (GPTQ 8-bit, compressed-tensors
+// INT8) has no tensor-core kernel yet: it stays 1 byte a weight on the device and always runs through dequantize
+// + cuBLAS, a chunk of output columns at a time (W8A8's int8 activations are not emulated: it runs as W8A16).
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 
@@ -46,6 +51,11 @@ constexpr int64_t kQuantTileN = 64;    // output columns of a tile (and of a GEM
 constexpr int64_t kQuantStageK = 128;  // input columns of one pipeline stage (k_pad is a multiple)
 constexpr int64_t kInt4TileK = 16, kInt4TileBytes = 512;
 constexpr int64_t kFp8TileK = 32, kFp8TileBytes = 2048;
+
+// The device view's base pointer (upload_quant_weight points the format's own field at the layout's start).
+inline const uint8_t* quant_device_base(const QuantWeight& w) {
+  return w.format == WeightFormat::int4 ? w.packed : w.format == WeightFormat::int8 ? w.int8 : w.fp8;
+}
 
 // The device layout of one quantized Linear (see the top of this part). Host arithmetic only.
 struct QuantGpuLayout {

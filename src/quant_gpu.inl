@@ -122,6 +122,38 @@ void repack_fp8_tiles(const QuantWeight& w, const QuantGpuLayout& layout, int64_
     }
 }
 
+// int8: the fp8 tiles' byte positions (fp8_tile_slot); a byte is q (two's complement), padding rows 0, padding
+// columns their group's zero point (q - z = 0 where the group's scale is real: a channel layout's one group spans
+// the padding too).
+void repack_int8_tiles(const QuantWeight& w, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
+                       uint8_t* out) {
+  const std::vector<int32_t> perm = layout.permuted ? act_order_permutation(w) : std::vector<int32_t>();
+  const int64_t n_size = w.out_features, k_size = w.in_features, k_tiles = layout.k_pad / kFp8TileK;
+  auto byte_at = [&](int64_t n, int64_t k_device) -> uint8_t {
+    if (n >= n_size) return 0;
+    if (k_device >= k_size) {
+      const int64_t group = k_device / layout.group_size;
+      return w.zero_points && group < checkpoint_groups(w) ? w.zero_points[n * w.scale_cols + group] : 0;
+    }
+    return w.int8[n * k_size + (layout.permuted ? perm[size_t(k_device)] : k_device)];
+  };
+  for (int64_t t = first_tile; t < first_tile + count; t++)
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+      uint8_t* tile = out + ((t - first_tile) * k_tiles + kt) * kFp8TileBytes;
+      for (int chunk = 0; chunk < 4; chunk++)
+        for (int lane = 0; lane < 32; lane++)
+          for (int word = 0; word < 4; word++) {
+            int column, k;
+            fp8_tile_slot(lane, chunk, word, 0, &column, &k);  // bytes b = 0..3 hold k .. k + 3 of one column
+            const int64_t n = t * kQuantTileN + column, kd = kt * kFp8TileK + k;
+            uint8_t* dst = tile + 512 * chunk + 16 * lane + 4 * word;
+            if (!layout.permuted && n < n_size && kd + 4 <= k_size) memcpy(dst, w.int8 + n * k_size + kd, 4);
+            else
+              for (int b = 0; b < 4; b++) dst[b] = byte_at(n, kd + b);
+          }
+    }
+}
+
 }  // namespace
 
 int64_t QuantGpuLayout::table_index(int64_t group, int64_t column) const {
@@ -152,6 +184,15 @@ QuantGpuLayout layout_of(WeightFormat format, int64_t n, int64_t k, ScaleGranula
       l.group_size = group_size;
       l.mma = group_size % kInt4TileK == 0;
     }
+    l.table_scale_dtype = scale_dtype;
+    table_element = dtype_bytes(scale_dtype, 1);
+    l.zeros = zeros;
+    l.permuted = permuted;
+  } else if (format == WeightFormat::int8) {
+    l.tile_k = kFp8TileK;
+    l.tile_bytes = kFp8TileBytes;
+    l.group_size = granularity == ScaleGranularity::channel ? l.k_pad : group_size;
+    l.mma = false;  // no int8 tensor-core kernel yet: dequantize + cuBLAS
     l.table_scale_dtype = scale_dtype;
     table_element = dtype_bytes(scale_dtype, 1);
     l.zeros = zeros;
@@ -189,16 +230,16 @@ QuantGpuLayout layout_of(WeightFormat format, int64_t n, int64_t k, ScaleGranula
 }  // namespace
 
 QuantGpuLayout quant_gpu_layout(const QuantWeight& w) {
-  const bool permuted = w.format == WeightFormat::int4 && w.g_idx != nullptr &&
-                        (w.layout == QuantLayout::cuda_tiles || !g_idx_in_column_order(w));
+  const bool integer = w.format == WeightFormat::int4 || w.format == WeightFormat::int8;
+  const bool permuted = integer && w.g_idx != nullptr && (w.layout == QuantLayout::cuda_tiles || !g_idx_in_column_order(w));
   return layout_of(w.format, w.out_features, w.in_features, w.granularity, w.group_size, w.block_k, w.scale_dtype,
-                   w.format == WeightFormat::int4 && w.zero_points != nullptr, permuted);
+                   integer && w.zero_points != nullptr, permuted);
 }
 
 QuantGpuLayout quant_gpu_layout(const LinearDesc& linear) {
-  const bool int4 = linear.format == WeightFormat::int4;
+  const bool integer = linear.format == WeightFormat::int4 || linear.format == WeightFormat::int8;
   return layout_of(linear.format, linear.out_features, linear.in_features, linear.granularity, linear.group_size,
-                   linear.block_k, linear.scale_dtype, int4 && !linear.symmetric, int4 && linear.has_g_idx);
+                   linear.block_k, linear.scale_dtype, integer && !linear.symmetric, integer && linear.has_g_idx);
 }
 
 Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout, int64_t first_tile, int64_t count,
@@ -213,6 +254,7 @@ Status repack_quant_tiles(const QuantWeight& host, const QuantGpuLayout& layout,
                                   host.name.c_str(), (long long)first_tile, (long long)(first_tile + count),
                                   (long long)layout.n_tiles));
     if (host.format == WeightFormat::int4) repack_int4_tiles(host, layout, first_tile, count, out);
+    else if (host.format == WeightFormat::int8) repack_int8_tiles(host, layout, first_tile, count, out);
     else repack_fp8_tiles(host, layout, first_tile, count, out);
   });
 }
@@ -228,7 +270,7 @@ Status repack_quant_tables(const QuantWeight& w, const QuantGpuLayout& layout, u
     for (int64_t group = 0; group < layout.groups; group++)
       for (int64_t n = 0; n < w.out_features && group < real_groups; n++) {
         const int64_t index = layout.table_index(group, n);
-        if (w.format == WeightFormat::int4) {
+        if (w.format == WeightFormat::int4 || w.format == WeightFormat::int8) {
           const uint64_t element = dtype_bytes(w.scale_dtype, 1);
           memcpy(out + layout.scales_offset - base + uint64_t(index) * element,
                  w.scales + uint64_t(n * w.scale_cols + group) * element, size_t(element));
@@ -245,8 +287,11 @@ Status repack_quant_tables(const QuantWeight& w, const QuantGpuLayout& layout, u
       for (int64_t group = 0; group < layout.groups; group++)
         for (int64_t n = 0; n < layout.n_pad; n++) {
           const bool real = n < w.out_features && group < real_groups;
-          zeros[layout.table_index(group, n)] =
-              uint8_t(real ? int4_zero_point_at(w.zero_points, w.scale_cols, n, group) + 8 : 8);
+          if (w.format == WeightFormat::int8)
+            zeros[layout.table_index(group, n)] = real ? w.zero_points[n * w.scale_cols + group] : 0;
+          else
+            zeros[layout.table_index(group, n)] =
+                uint8_t(real ? int4_zero_point_at(w.zero_points, w.scale_cols, n, group) + 8 : 8);
         }
     }
     if (layout.permuted) {
@@ -451,6 +496,9 @@ const char* quant_kernel_name(QuantKernel kernel) {
 
 std::string quant_kernel_refusal(const QuantGpuLayout& layout, QuantKernel kernel, DType activation, int sm) {
   if (kernel == QuantKernel::automatic || kernel == QuantKernel::dequant_cublas) return "";
+  if (layout.format == WeightFormat::int8)
+    return detail::format("%s does not run int8 weights: they run through dequantize + cuBLAS (no int8 GEMM kernel "
+                          "yet)", quant_kernel_name(kernel));
   if (kernel == QuantKernel::mma_w8a8 && layout.format != WeightFormat::fp8)
     return "W8A8 (mma_w8a8) runs fp8 weights only";
   if (kernel == QuantKernel::mma_w8a8 && sm < kQuantW8A8MinSm)

@@ -98,24 +98,10 @@ class WeightUploader {
 
   LinearWeights linear(const LinearWeights& host, const std::string& what) {
     LinearWeights device;
-    if (host.quant && host.quant->format == WeightFormat::int8) {
-      // No int8 GEMM on the GPU yet: int8 Linears are dequantized once here, on the host, to the activation dtype
-      // (exact: each weight is the reference's, rounded to its scale dtype, then to the activations') and run by
-      // the dense GEMMs. W8A8's int8 activations are not emulated there: the GPU runs such Linears as W8A16.
-      const QuantWeight& q = *host.quant;
-      std::vector<float> dense(size_t(q.out_features * q.in_features));
-      check(dequantize_rows(q, 0, q.out_features, dense.data()));
-      device.weight = tensor(Tensor::matrix(dense.data(), DType::F32, q.out_features, q.in_features), act_, what + ".weight");
-      if (q.bias) {
-        std::vector<float> bias(size_t(q.out_features));
-        for (int64_t i = 0; i < q.out_features; i++) bias[size_t(i)] = scale_at(q.bias, q.bias_dtype, i);
-        device.bias = tensor(Tensor::vector(bias.data(), DType::F32, q.out_features), act_, what + ".bias");
-      }
-      return device;
-    }
     if (host.quant) {
-      // The GPU layout of int4 / fp8 weights is cuda::upload_quant_weight's (issue 6): its error, if any, is
-      // the answer (unsupported until those kernels exist).
+      // The GPU layout of int4 / int8 / fp8 weights is cuda::upload_quant_weight's (quant_gpu.hpp): its error, if
+      // any, is the answer. int8 stays 1 byte a weight there and runs through dequantize + cuBLAS; W8A8's int8
+      // activations are not emulated on the GPU, which runs such Linears as W8A16.
       const uint64_t bytes = cuda::quant_device_bytes(*host.quant);
       uint8_t* dst = take(bytes, what);
       Result<QuantWeight> uploaded = cuda::upload_quant_weight(backend_, *host.quant, dst, bytes);

@@ -1047,8 +1047,9 @@ TEST_CASE("op timing on the GPU: eager steps while it is on, the graphs' tokens,
 // runs the tensor-core GEMMs (act-order permuted once at upload).
 TEST_CASE("AWQ, GPTQ and INT8 checkpoints on the GPU give transformers' logits and the CPU's greedy tokens") {
   GPU_OR_SKIP();
-  // int8 (GPTQ 8-bit, compressed-tensors W8A16) is dequantized to dense at upload; W8A8 is left out: the GPU runs
-  // it as W8A16 (no int8 activations there), so its logits are not the reference's.
+  // int8 (GPTQ 8-bit, compressed-tensors W8A16) stays int8 on the GPU and runs through dequantize
+  // + cuBLAS; W8A8 is left out: the GPU runs it as W8A16 (no int8 activations there), so its logits are not the
+  // reference's.
   for (const std::string name : {"awq-g32-zp-skip", "awq-g128-zp", "awq-g64-nozp", "gptq-g128-sym",
                                  "gptq-g32-asym-actorder", "gptq-v2-channel-asym", "gptq-v2-g64-sym-actorder",
                                  "gptq8-g32-asym-actorder", "gptq8-v2-channel-sym", "ct-w8a16",

@@ -356,7 +356,11 @@ void emulate_dequantize(const Device& d, const QuantWeight& w) {
                 fp8_tile_slot(lane, chunk, word, byte, &column, &k);
                 const int64_t k_device = kt * l.tile_k + k, group = k_device / l.group_size;
                 const uint8_t code = uint8_t(d.word_at(tile + 512 * chunk + 16 * lane + 4 * word) >> (8 * byte));
-                const float value = dequantize_value(fp8_e4m3_to_float(code),
+                // int8: q - z, both signed bytes (the zero table's byte at the scale's position, 0 without one)
+                const int zero = l.zeros ? int(int8_t(d.zero(group, t, quant_table_position(column)))) : 0;
+                const float decoded = w.format == WeightFormat::int8 ? float(int(int8_t(code)) - zero)
+                                                                     : fp8_e4m3_to_float(code);
+                const float value = dequantize_value(decoded,
                                                      d.scale(group, t, quant_table_position(column)), w.scale_dtype,
                                                      w.rounding);
                 check(t * 64 + column, k_device, value);
@@ -593,6 +597,49 @@ TEST_CASE("hand-made int4 weights: every nibble and zero point, each scale dtype
       CHECK(layout.mma == (s.group == s.k || s.group % 16 == 0));
       check_weight(o.weight);
     }
+}
+
+TEST_CASE("hand-made int8 weights: every byte and zero point, each scale dtype, channel, groups, act-order, padding") {
+  Random rng(63);
+  struct Shape { int64_t n, k, group; bool asymmetric, act_order; };
+  const Shape shapes[] = {
+      {128, 256, 256, false, false}, {192, 384, 32, true, false}, {64 * 3 + 7, 200, 200, true, false},
+      {70, 272, 16, true, true},     {65, 512, 64, false, true},  {33, 100, 20, true, true},  // K, N off the tiles
+  };
+  for (DType scale_dtype : {DType::BF16, DType::F16, DType::F32})
+    for (const Shape& s : shapes) {
+      CAPTURE(std::string(dtype_name(scale_dtype)));
+      CAPTURE(s.n);
+      CAPTURE(s.k);
+      CAPTURE(s.group);
+      OwnedWeight o = make_int8(s.n, s.k, s.group, scale_dtype, s.asymmetric, s.act_order, rng);
+      const QuantGpuLayout layout = quant_gpu_layout(o.weight);
+      CHECK(layout.permuted == s.act_order);
+      CHECK(layout.zeros == s.asymmetric);
+      CHECK_FALSE(layout.mma);  // dequantize + cuBLAS only
+      CHECK(layout.tile_bytes == kFp8TileBytes);
+      // 1 byte a weight on the device (padded to whole tiles), plus tables
+      CHECK(layout.tiles_bytes == uint64_t(layout.n_pad * layout.k_pad));
+      CHECK(layout.table_scale_dtype == scale_dtype);
+      check_weight(o.weight);
+      // the descriptor the planner reads gives the same bytes
+      LinearDesc desc = desc_of(o.weight);
+      CHECK(quant_device_bytes(desc) == quant_device_bytes(o.weight));
+      // every kernel but dequantize + cuBLAS refuses it, and the automatic choice is that one at every row count
+      for (QuantKernel kernel : {QuantKernel::mma_a16, QuantKernel::mma_w8a8, QuantKernel::gemv_a16,
+                                 QuantKernel::gemv_mma, QuantKernel::gemv_fold})
+        CHECK_FALSE(quant_kernel_refusal(layout, kernel, DType::BF16, 90).empty());
+      CHECK(quant_kernel_refusal(layout, QuantKernel::dequant_cublas, DType::BF16, 90).empty());
+      for (int64_t rows : {1, 4, 16, 300})
+        CHECK(choose_quant_kernel(layout, DType::BF16, 90, rows, QuantKernel::automatic) == QuantKernel::dequant_cublas);
+    }
+}
+
+TEST_CASE("int8 Linears do not fuse on the GPU: each part uploads alone") {
+  Random rng(64);
+  OwnedWeight a = make_int8(64, 128, 128, DType::BF16, false, false, rng);
+  OwnedWeight b = make_int8(64, 128, 128, DType::BF16, false, false, rng);
+  CHECK(refusal({&a.weight, &b.weight}).find("not an int4 or fp8 Linear") != std::string::npos);
 }
 
 TEST_CASE("hand-made fp8 weights: all 254 finite e4m3 codes, tensor/channel/block scales of each dtype") {
@@ -1215,5 +1262,27 @@ TEST_CASE("AWQ / GPTQ fixtures: the repacked views run through the emulated kern
       }
     }
     CHECK(fused == 2);
+  }
+}
+
+TEST_CASE("int8 fixtures (GPTQ 8-bit, compressed-tensors INT8, GPTQModel's): every Linear through the emulated dequantize kernel equals the reference") {
+  for (const char* name : {"gptq8-g32-asym-actorder", "gptq8-v2-channel-sym", "ct-w8a16", "ct-w8a8-dynamic",
+                           "ct-pack8-g32-asym-actorder", "gptqmodel-gptq8-channel-asym",
+                           "gptqmodel-gptq8-g32-sym-actorder"}) {
+    const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant_formats/" + name;
+    CAPTURE(dir);
+    const ModelConfig config = load_config(dir).value();
+    TensorStore store = TensorStore::open_dir(dir).value();
+    const std::vector<LinearDesc> linears = describe_linears(config, &store).value();
+    int checked = 0;
+    for (const LinearDesc& desc : linears)
+      if (desc.format == WeightFormat::int8) {
+        const QuantWeight weight = quant_weight(desc, store).value();
+        check_weight(weight);
+        CHECK(quant_device_bytes(desc) >= quant_device_bytes(weight));  // a descriptor's g_idx counts as act-order
+        if (!desc.has_g_idx) CHECK(quant_device_bytes(desc) == quant_device_bytes(weight));
+        checked++;
+      }
+    CHECK(checked > 0);
   }
 }
