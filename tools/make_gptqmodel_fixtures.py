@@ -48,7 +48,7 @@ TOKENIZER_VOCAB = 264  # trained BPE entries (256 bytes + 8 merges): small embed
 PROMPT = "The quick brown fox jumps over the lazy dog."
 NEW_TOKENS = 16
 
-# Tiny Qwen3s. hidden 64 keeps the fixtures small (the 9 cases total ~990 KiB); the group-128 case needs
+# Tiny Qwen3s. hidden 64 keeps the fixtures small (the 9 cases total ~995 KiB); the group-128 case needs
 # in_features >= 128 (a group of 128 inputs), so it alone uses hidden 128 (~220 KB).
 SMALL = dict(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 WIDE = dict(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32)
