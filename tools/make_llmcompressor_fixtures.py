@@ -9,7 +9,8 @@ logits transformers computes from the weights compressed-tensors decompresses fr
 
 Nothing here quantizes or packs: the seeded dense model (tools/make_gptqmodel_fixtures.py's, float16) goes through
 `oneshot(model, recipe=QuantizationModifier(targets="Linear", scheme=..., ignore=["lm_head"]))` (data-free) or
-`GPTQModifier(...)` with 16 random calibration sequences, then `model.save_pretrained(dir, save_compressed=True)`
+`GPTQModifier(...)` (w8a8-smoothquant-gptq: after a SmoothQuantModifier, llm-compressor's W8A8 example recipe)
+with 16 random calibration sequences, then `model.save_pretrained(dir, save_compressed=True)`
 (llm-compressor's wrapped save: it picks the compressed-tensors format itself). The reference loads the saved
 checkpoint back with transformers (`AutoModelForCausalLM.from_pretrained(dir, quantization_config=
 CompressedTensorsConfig(dequantize=True))`: compressed-tensors' ModelCompressor decompresses every quantized
@@ -26,13 +27,20 @@ older than /opt/kvdev's; transformers 5.17.0 has Qwen3):
     /opt/kvllmc/bin/pip install --no-deps torch==2.14.0
     /opt/kvllmc/bin/pip install --no-deps nvidia-cufile==1.15.1.6 nvidia-cusparselt-cu13==0.8.1 \\
         nvidia-nvshmem-cu13==3.4.5 nvidia-nccl-cu13==2.30.7   # torch 2.14.0's, missing at `import torch`
-    # llm-compressor and what its resolver picks, minus torch's CUDA wheels (the machine has the CUDA 13 libraries):
-    /opt/kvllmc/bin/pip install --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.19.0 transformers==5.17.0 \\
-        tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6 accelerate==1.15.0 auto-round==0.15.1 datasets==5.2.0 \\
-        huggingface_hub==1.33.0 pydantic==2.14.4 pydantic_core==2.50.5 loguru==0.7.3 nvidia-ml-py==13.615.71 \\
-        pyyaml==6.0.4 tqdm==4.70.1 regex==2026.11.19 packaging==26.4 psutil==7.2.2 pillow==13.0.0 \\
-        pyarrow==26.0.1 pandas==3.1.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0 \\
-        filelock==4.3.1 requests==2.34.2 httpx==0.28.1 ... (the full list: `pip install --dry-run llmcompressor==0.14.0.1`)
+    # llm-compressor 0.14.0.1 and everything `pip install --dry-run llmcompressor==0.14.0.1 transformers==5.17.0`
+    # resolves, without torch's CUDA wheels (nvidia-*, cuda-toolkit, triton: the machine has the CUDA 13 libraries):
+    /opt/kvllmc/bin/pip install --no-deps \\
+        Jinja2==3.1.6 MarkupSafe==3.0.4 PyYAML==6.0.4 Pygments==2.21.0 accelerate==1.15.0 \\
+        annotated-doc==0.0.7 annotated-types==0.8.0 anyio==4.16.0 auto-round==0.15.1 \\
+        certifi==2026.10.19.post1 charset-normalizer==3.5.3 click==8.5.1 compressed-tensors==0.19.0 \\
+        datasets==5.2.0 dill==0.4.1 filelock==4.3.1 fsspec==2026.9.0 h11==0.16.0 hf-xet==1.8.0 \\
+        httpcore==1.0.9 httpx==0.28.1 huggingface_hub==1.33.0 idna==3.20 llmcompressor==0.14.0.1 \\
+        loguru==0.7.3 markdown-it-py==4.3.0 mdurl==0.1.2 mpmath==1.3.0 multiprocess==0.70.19 networkx==3.6.1 \\
+        numpy==2.4.6 nvidia-ml-py==13.615.71 packaging==26.4 pandas==3.1.1 pillow==13.0.0 psutil==7.2.2 \\
+        py-cpuinfo==9.0.0 pyarrow==26.0.1 pydantic==2.14.4 pydantic_core==2.50.5 python-dateutil==4.0.0 \\
+        regex==2026.11.19 requests==2.34.2 rich==15.0.0 safetensors==0.8.0 setuptools==84.2.1 \\
+        shellingham==1.5.4 sympy==1.14.0 tokenizers==0.23.3 tqdm==4.70.1 transformers==5.17.0 typer==0.29.2 \\
+        typing-inspection==0.4.5 typing_extensions==4.16.0 tzdata==2026.6 urllib3==2.8.0 xxhash==4.1.0
     nice /opt/kvllmc/bin/python tools/make_llmcompressor_fixtures.py [CASE...]
 
 About 15 s a case on 2 cores. Seeded and deterministic on the CPU (the script prints each case's
@@ -66,6 +74,14 @@ CASES = {
     "w8a16-channel-gptq": dict(model=gm.SMALL, seed=4203, modifier="GPTQModifier", config_groups={
         "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True,
                                                        "strategy": "channel"}}}),
+    # llm-compressor's W8A8 example recipe: SmoothQuant (activation scales folded into the norms and Linears
+    # before) then GPTQ to the W8A8 preset, on 16 random calibration sequences
+    "w8a8-smoothquant-gptq": dict(model=gm.SMALL, seed=4204, modifier="GPTQModifier", scheme="W8A8",
+                                  smoothquant=0.8),
+    # asymmetric int8 weights (zero points, packed) in groups of 32, weight-only, data-free
+    "w8a16-g32-asym": dict(model=gm.SMALL, seed=4205, modifier="QuantizationModifier", config_groups={
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": False,
+                                                       "strategy": "group", "group_size": 32}}}),
 }
 
 
@@ -77,6 +93,9 @@ def recipe(spec):
     else:
         kwargs.update(config_groups=spec["config_groups"])
     cls = GPTQModifier if spec["modifier"] == "GPTQModifier" else QuantizationModifier
+    if "smoothquant" in spec:
+        from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+        return [SmoothQuantModifier(smoothing_strength=spec["smoothquant"]), cls(**kwargs)]
     return cls(**kwargs)
 
 
@@ -87,7 +106,7 @@ def quantize(spec, dense_dir, out_dir):
     torch.manual_seed(spec["seed"])
     model = AutoModelForCausalLM.from_pretrained(str(dense_dir), dtype=torch.float16)
     kwargs = {}
-    if spec["modifier"] == "GPTQModifier":
+    if spec["modifier"] == "GPTQModifier" or "smoothquant" in spec:
         from datasets import Dataset
         rows = gm.calibration(spec, model.config.vocab_size)
         kwargs.update(dataset=Dataset.from_list(rows), num_calibration_samples=len(rows),
