@@ -613,7 +613,8 @@ TEST_CASE("GPTQModel dynamic: first matching rule decides, '+:' overrides the la
 // compressed-tensors decompresses from the saved checkpoint (W8A8: with compressed-tensors' dynamic per-token
 // int8 quantize-dequantize on each quantized Linear's input).
 namespace {
-const char* const kLlmCompressorCases[] = {"llmc-w8a8", "llmc-w8a16-g128", "llmc-w8a16-channel-gptq"};
+const char* const kLlmCompressorCases[] = {"llmc-w8a8", "llmc-w8a8-smoothquant-gptq", "llmc-w8a16-g128",
+                                           "llmc-w8a16-channel-gptq", "llmc-w8a16-g32-asym"};
 }  // namespace
 
 TEST_CASE("llm-compressor's own INT8 checkpoints: config.json reads as the scheme it saved, lm_head left dense") {
@@ -626,8 +627,8 @@ TEST_CASE("llm-compressor's own INT8 checkpoints: config.json reads as the schem
     const ModelConfig config = load_config(dir).value();
     CHECK(config.quant.method == QuantMethod::compressed_tensors);
     CHECK(quant_ignores(config.quant, "lm_head"));  // llm-compressor's ignore: ["lm_head"]
-    const bool unpacked = saved["format"] == "int-quantized";
-    CHECK(unpacked == (name == "llmc-w8a8"));  // what llm-compressor picked: int-quantized for W8A8 only
+    const bool w8a8 = contains(name, "w8a8"), unpacked = saved["format"] == "int-quantized";
+    CHECK(unpacked == w8a8);  // what llm-compressor picked: int-quantized for W8A8, pack-quantized for W8A16
     TensorStore store = TensorStore::open_dir(dir).value();
     Result<std::vector<LinearDesc>> linears = describe_linears(config, &store);
     REQUIRE_MESSAGE(linears.ok(), linears.error().message);
@@ -672,7 +673,11 @@ TEST_CASE("llm-compressor's own INT8 checkpoints: config.json reads as the schem
     CHECK(quantized == reference["quantized_linears"].get<std::vector<std::string>>());
     CHECK(quantized.size() == 14u);
     CHECK(dense.empty());
-    CHECK(reference["w8a8_linears"].get<size_t>() == (name == "llmc-w8a8" ? 14u : 0u));
+    CHECK(reference["w8a8_linears"].get<size_t>() == (w8a8 ? 14u : 0u));
+    if (name == "llmc-w8a16-g32-asym") {  // zero points: packed 8-bit weight_zero_point along N
+      CHECK_FALSE(quant_scheme_for_test(config, "model.layers.0.mlp.down_proj").symmetric);
+      CHECK(store.find("model.layers.0.mlp.down_proj.weight_zero_point") != nullptr);
+    }
   }
 }
 
