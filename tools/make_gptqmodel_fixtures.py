@@ -9,7 +9,9 @@ GPTQModel's own kernels dequantize from the saved checkpoint.
 
 Unlike tools/make_awq_gptq_fixtures.py (which packs per the formats' definitions), nothing here quantizes or
 packs: the seeded dense model goes through `GPTQModel.load(dense, QuantizeConfig(...)).quantize(calibration)`
-and `.save(dir)`. The reference then loads the saved checkpoint back with `GPTQModel.load(dir,
+and `.save(dir)`. GPTQ cases save GPTQModel's default v1 (`format="gptq"`: qzeros hold zero - 1) except the
+gptq-v2-* / gptq8-v2-* ones, saved with `format="gptq_v2"` (FORMAT.GPTQ_V2: `checkpoint_format: gptq_v2`, qzeros
+hold the zero itself); GPTQModel loads those back without its v1 -> v2 conversion. The reference then loads the saved checkpoint back with `GPTQModel.load(dir,
 backend=BACKEND.TORCH)` and takes every quantized Linear's weight from GPTQModel's own dequantization
 (`TorchLinear.dequantize_weight` for GPTQ; `gptqmodel.quantization.awq.utils.packing_utils.dequantize_gemm`,
 what its AwqTorchLinear runs, for AWQ), widens it to float32 and runs transformers' Qwen3 (eager, float32, CPU).
@@ -46,7 +48,7 @@ TOKENIZER_VOCAB = 264  # trained BPE entries (256 bytes + 8 merges): small embed
 PROMPT = "The quick brown fox jumps over the lazy dog."
 NEW_TOKENS = 16
 
-# Tiny Qwen3s. hidden 64 keeps the fixtures small (the 7 cases total ~790 KiB); the group-128 case needs
+# Tiny Qwen3s. hidden 64 keeps the fixtures small (the 9 cases total ~995 KiB); the group-128 case needs
 # in_features >= 128 (a group of 128 inputs), so it alone uses hidden 128 (~220 KB).
 SMALL = dict(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 WIDE = dict(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32)
@@ -75,6 +77,12 @@ CASES = {
     # AWQ GEMM with zero points, groups of 32. Two KV heads: GPTQModel's AWQ clip search takes out_features in
     # multiples of 64 (awq_processor._compute_best_clip asserts it), so k_proj / v_proj get 64 rows.
     "awq-g32-zp": dict(model=dict(SMALL, num_key_value_heads=2), seed=4107, method="awq", bits=4, group_size=32, sym=False),
+    # GPTQModel's FORMAT.GPTQ_V2 on save (checkpoint_format "gptq_v2": qzeros hold z itself, not v1's z - 1):
+    # asymmetric, where the two differ, at 4 bits with act-order and groups of 32, and at 8 bits per channel
+    "gptq-v2-g32-asym-actorder": dict(model=SMALL, seed=4108, method="gptq", format="gptq_v2", bits=4, group_size=32,
+                                      sym=False, desc_act=True),
+    "gptq8-v2-channel-asym": dict(model=SMALL, seed=4109, method="gptq", format="gptq_v2", bits=8, group_size=-1,
+                                  sym=False, desc_act=False),
 }
 
 
@@ -133,7 +141,7 @@ def quantize(name, spec, dense_dir, out_dir):
     if spec["method"] == "awq":
         kwargs.update(method="awq", format="gemm")
     else:
-        kwargs.update(method="gptq", format="gptq", desc_act=spec["desc_act"])
+        kwargs.update(method="gptq", format=spec.get("format", "gptq"), desc_act=spec["desc_act"])
         if spec["desc_act"] or spec["group_size"] == -1:
             # act_group_aware (GPTQModel's default with desc_act off) reorders within groups: desc_act=True turns it
             # off anyway (GPTQModel warns otherwise) and group_size -1 refuses it ("requires group_size > 0")
