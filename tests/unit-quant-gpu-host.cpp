@@ -1265,10 +1265,12 @@ TEST_CASE("AWQ / GPTQ fixtures: the repacked views run through the emulated kern
   }
 }
 
-TEST_CASE("int8 fixtures (GPTQ 8-bit, compressed-tensors INT8, GPTQModel's): every Linear through the emulated dequantize kernel equals the reference") {
+TEST_CASE("int8 fixtures (GPTQ 8-bit, compressed-tensors INT8, GPTQModel's, llm-compressor's): every Linear through the emulated dequantize kernel equals the reference") {
   for (const char* name : {"gptq8-g32-asym-actorder", "gptq8-v2-channel-sym", "ct-w8a16", "ct-w8a8-dynamic",
                            "ct-pack8-g32-asym-actorder", "gptqmodel-gptq8-channel-asym",
-                           "gptqmodel-gptq8-g32-sym-actorder"}) {
+                           "gptqmodel-gptq8-g32-sym-actorder", "gptqmodel-gptq8-v2-channel-asym", "llmc-w8a8",
+                           "llmc-w8a8-smoothquant-gptq", "llmc-w8a16-g128", "llmc-w8a16-channel-gptq",
+                           "llmc-w8a16-g32-asym"}) {
     const std::string dir = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant_formats/" + name;
     CAPTURE(dir);
     const ModelConfig config = load_config(dir).value();
