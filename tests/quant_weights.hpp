@@ -35,6 +35,16 @@ inline void put_scales(OwnedWeight& o, DType dtype, int64_t rows, int64_t cols, 
   o.weight.scale_cols = cols;
 }
 
+// Act-order: a shuffled g_idx over K columns, each group holding group_size of them.
+inline void put_act_order(OwnedWeight& o, int64_t k, int64_t group, Random& rng) {
+  std::vector<int32_t> groups_of(static_cast<size_t>(k));
+  for (int64_t c = 0; c < k; c++) groups_of[size_t(c)] = int32_t(c / group);
+  std::shuffle(groups_of.begin(), groups_of.end(), rng.engine);
+  o.g_idx.resize(size_t(k) * 4);
+  memcpy(o.g_idx.data(), groups_of.data(), o.g_idx.size());
+  o.weight.g_idx = o.g_idx.data();
+}
+
 // int4 [N, K] with every nibble value, random scales of `scale_dtype`; zero points (every value) when
 // asymmetric; act-order (a shuffled g_idx, each group holding group_size columns) when act_order.
 inline OwnedWeight make_int4(int64_t n, int64_t k, int64_t group, DType scale_dtype, bool asymmetric, bool act_order,
@@ -63,14 +73,7 @@ inline OwnedWeight make_int4(int64_t n, int64_t k, int64_t group, DType scale_dt
         o.zeros[size_t(4 * ((r / 8) * groups + g) + (r % 8) / 2)] |= uint8_t(((r + 5 * g) % 16) << (4 * (r % 2)));
     w.zero_points = o.zeros.data();
   }
-  if (act_order) {
-    std::vector<int32_t> groups_of(static_cast<size_t>(k));
-    for (int64_t c = 0; c < k; c++) groups_of[size_t(c)] = int32_t(c / group);
-    std::shuffle(groups_of.begin(), groups_of.end(), rng.engine);
-    o.g_idx.resize(size_t(k) * 4);
-    memcpy(o.g_idx.data(), groups_of.data(), o.g_idx.size());
-    w.g_idx = o.g_idx.data();
-  }
+  if (act_order) put_act_order(o, k, group, rng);
   return o;
 }
 
@@ -126,14 +129,7 @@ inline OwnedWeight make_int8(int64_t n, int64_t k, int64_t group, DType scale_dt
     for (auto& zero : o.zeros) zero = uint8_t(rng.below(256));
     w.zero_points = o.zeros.data();
   }
-  if (act_order) {
-    std::vector<int32_t> groups_of(static_cast<size_t>(k));
-    for (int64_t c = 0; c < k; c++) groups_of[size_t(c)] = int32_t(c / group);
-    std::shuffle(groups_of.begin(), groups_of.end(), rng.engine);
-    o.g_idx.resize(size_t(k) * 4);
-    memcpy(o.g_idx.data(), groups_of.data(), o.g_idx.size());
-    w.g_idx = o.g_idx.data();
-  }
+  if (act_order) put_act_order(o, k, group, rng);
   return o;
 }
 

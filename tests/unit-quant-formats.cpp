@@ -526,42 +526,53 @@ TEST_CASE("GPTQModel's own checkpoints: its config.json reads as the QuantizeCon
   }
 }
 
+// A reference-tool fixture's prompt (reference.json "prompt": input_ids, logits_rows, logits_file, greedy) through
+// kvlite's F32 CPU engine: the largest logit deviation from the reference and the reference's largest logit; the
+// greedy continuation is checked here.
+struct PromptDeviation {
+  double max_abs = 0, scale = 0;
+  json reference;
+};
+PromptDeviation prompt_deviation(const std::string& name) {
+  EngineOptions options;
+  options.plan.device_mem = 64 * MiB;
+  auto engine = Engine::open(fixture(name), options);
+  REQUIRE_MESSAGE(engine, engine.error().message);
+  PromptDeviation d;
+  d.reference = json::parse(model_fixtures::read_file(fixture(name) + "/reference.json"));
+  const json& prompt = d.reference["prompt"];
+  const std::vector<int32_t> ids = prompt["input_ids"].get<std::vector<int32_t>>();
+  const std::vector<int64_t> rows = prompt["logits_rows"].get<std::vector<int64_t>>();
+  model_fixtures::Npy expected = model_fixtures::read_npy(fixture(name) + "/" + prompt["logits_file"].get<std::string>());
+  REQUIRE(expected.rows == int64_t(rows.size()));
+  REQUIRE(rows.back() == int64_t(ids.size()) - 1);  // the last prompt position is among them
+  auto logits = (*engine)->logits(ids);
+  REQUIRE_MESSAGE(logits, logits.error().message);
+  REQUIRE(logits->tokens == int64_t(ids.size()));
+  REQUIRE(logits->vocab == expected.cols);
+  for (size_t r = 0; r < rows.size(); r++)
+    for (int64_t c = 0; c < expected.cols; c++) {
+      const double got = logits->values[size_t(rows[r] * expected.cols + c)];
+      const double want = expected.values[r * size_t(expected.cols) + size_t(c)];
+      d.max_abs = std::max(d.max_abs, std::fabs(got - want));
+      d.scale = std::max(d.scale, std::fabs(want));
+    }
+  SamplingParams params;  // temperature 0: greedy
+  params.max_tokens = prompt["greedy"]["max_new_tokens"].get<int64_t>();
+  auto generation = (*engine)->generate(ids, params);
+  REQUIRE_MESSAGE(generation, generation.error().message);
+  CHECK(generation->ids == prompt["greedy"]["new_ids"].get<std::vector<int32_t>>());
+  return d;
+}
+
 TEST_CASE("GPTQModel's own checkpoints reproduce the logits of GPTQModel's dequantization within 1e-4, and greedy") {
   for (const char* case_name : kGptqModelCases) {
     const std::string name = case_name;
     CAPTURE(name);
-    EngineOptions options;
-    options.plan.device_mem = 64 * MiB;
-    auto engine = Engine::open(fixture(name), options);
-    REQUIRE_MESSAGE(engine, engine.error().message);
-    const json reference = json::parse(model_fixtures::read_file(fixture(name) + "/reference.json"));
-    const json& prompt = reference["prompt"];
-    const std::vector<int32_t> ids = prompt["input_ids"].get<std::vector<int32_t>>();
-    const std::vector<int64_t> rows = prompt["logits_rows"].get<std::vector<int64_t>>();
-    model_fixtures::Npy expected = model_fixtures::read_npy(fixture(name) + "/" + prompt["logits_file"].get<std::string>());
-    REQUIRE(expected.rows == int64_t(rows.size()));
-    REQUIRE(rows.back() == int64_t(ids.size()) - 1);  // the last prompt position is among them
-    auto logits = (*engine)->logits(ids);
-    REQUIRE_MESSAGE(logits, logits.error().message);
-    REQUIRE(logits->tokens == int64_t(ids.size()));
-    REQUIRE(logits->vocab == expected.cols);
-    std::vector<float> got;
-    for (int64_t row : rows)
-      got.insert(got.end(), logits->values.begin() + row * expected.cols,
-                 logits->values.begin() + (row + 1) * expected.cols);
-    double max_abs = 0, scale = 0;
-    for (size_t i = 0; i < got.size(); i++) {
-      max_abs = std::max(max_abs, std::fabs(double(got[i]) - double(expected.values[i])));
-      scale = std::max(scale, std::fabs(double(expected.values[i])));
-    }
-    MESSAGE(name << ": max |logit - GPTQModel-dequantized reference| = " << max_abs << " (logits up to " << scale << ")");
-    CHECK(scale > 1.0);  // logits far from flat: a 1e-4 bound means something
-    CHECK(max_abs <= 1e-4);
-    SamplingParams params;  // temperature 0: greedy
-    params.max_tokens = prompt["greedy"]["max_new_tokens"].get<int64_t>();
-    auto generation = (*engine)->generate(ids, params);
-    REQUIRE_MESSAGE(generation, generation.error().message);
-    CHECK(generation->ids == prompt["greedy"]["new_ids"].get<std::vector<int32_t>>());
+    const PromptDeviation d = prompt_deviation(name);
+    MESSAGE(name << ": max |logit - GPTQModel-dequantized reference| = " << d.max_abs << " (logits up to " << d.scale << ")");
+    CHECK(d.scale > 1.0);  // logits far from flat: a 1e-4 bound means something
+    CHECK(d.max_abs <= 1e-4);
   }
 }
 
@@ -696,47 +707,19 @@ TEST_CASE("llm-compressor's own INT8 checkpoints reproduce the logits of compres
   for (const char* case_name : kLlmCompressorCases) {
     const std::string name = case_name;
     CAPTURE(name);
-    EngineOptions options;
-    options.plan.device_mem = 64 * MiB;
-    auto engine = Engine::open(fixture(name), options);
-    REQUIRE_MESSAGE(engine, engine.error().message);
-    const json reference = json::parse(model_fixtures::read_file(fixture(name) + "/reference.json"));
-    const json& prompt = reference["prompt"];
-    const std::vector<int32_t> ids = prompt["input_ids"].get<std::vector<int32_t>>();
-    const std::vector<int64_t> rows = prompt["logits_rows"].get<std::vector<int64_t>>();
-    model_fixtures::Npy expected = model_fixtures::read_npy(fixture(name) + "/" + prompt["logits_file"].get<std::string>());
-    REQUIRE(expected.rows == int64_t(rows.size()));
-    REQUIRE(rows.back() == int64_t(ids.size()) - 1);
-    auto logits = (*engine)->logits(ids);
-    REQUIRE_MESSAGE(logits, logits.error().message);
-    REQUIRE(logits->tokens == int64_t(ids.size()));
-    REQUIRE(logits->vocab == expected.cols);
-    std::vector<float> got;
-    for (int64_t row : rows)
-      got.insert(got.end(), logits->values.begin() + row * expected.cols,
-                 logits->values.begin() + (row + 1) * expected.cols);
-    double max_abs = 0, scale = 0;
-    for (size_t i = 0; i < got.size(); i++) {
-      max_abs = std::max(max_abs, std::fabs(double(got[i]) - double(expected.values[i])));
-      scale = std::max(scale, std::fabs(double(expected.values[i])));
-    }
-    MESSAGE(name << ": max |logit - compressed-tensors-decompressed reference| = " << max_abs << " (logits up to "
-                 << scale << ")");
-    CHECK(scale > 1.0);
-    if (!reference["w8a8_rounding_sensitivity"].is_null()) {
+    const PromptDeviation d = prompt_deviation(name);
+    MESSAGE(name << ": max |logit - compressed-tensors-decompressed reference| = " << d.max_abs << " (logits up to "
+                 << d.scale << ")");
+    CHECK(d.scale > 1.0);
+    if (!d.reference["w8a8_rounding_sensitivity"].is_null()) {
       // W8A8: int8 activation rounding is discontinuous; the reference measured what float32 noise alone does to
       // its logits (see the ct-w8a8-dynamic case above), and kvlite is held to that
-      const double sensitivity = reference["w8a8_rounding_sensitivity"].get<double>();
+      const double sensitivity = d.reference["w8a8_rounding_sensitivity"].get<double>();
       MESSAGE(name << ": the reference's own float32-noise sensitivity " << sensitivity);
       CHECK(sensitivity > 0);
-      CHECK(max_abs <= sensitivity);
+      CHECK(d.max_abs <= sensitivity);
     } else {
-      CHECK(max_abs <= 1e-4);
+      CHECK(d.max_abs <= 1e-4);
     }
-    SamplingParams params;  // temperature 0: greedy
-    params.max_tokens = prompt["greedy"]["max_new_tokens"].get<int64_t>();
-    auto generation = (*engine)->generate(ids, params);
-    REQUIRE_MESSAGE(generation, generation.error().message);
-    CHECK(generation->ids == prompt["greedy"]["new_ids"].get<std::vector<int32_t>>());
   }
 }
