@@ -363,11 +363,7 @@ def make_ct_case(name):
             sensitivity = max(float((model(ids).logits[0] - exact).abs().max()) for _ in range(8))
             jitter["on"] = False
         # compressed-tensors' own quantize-dequantize of activation rows, for a bit-exact check of kvlite's
-        rows = 3.0 * torch.randn(6, 320, generator=torch.Generator().manual_seed(spec["seed"] + 1))
-        rows[1] = 0.0
-        rows[2] *= torch.logspace(-6, 2, 320)
-        rows[3] = -rows[3].abs()
-        rows[4] = torch.round(rows[4] * 4) / 4  # values on exact multiples: ties in x / scale
+        rows = base.w8a8_probe_rows(spec["seed"] + 1)
         args = next(sch.input_activations for sch in schemes.values() if sch.input_activations is not None)
         scale, zero_point = compute_dynamic_scales_and_zp(value=rows.unsqueeze(0), args=args, module=None)
         fq = fake_quantize(rows.unsqueeze(0), scale, zero_point, args)[0]

@@ -809,6 +809,33 @@ def build_model(name, directory):
         shutil.copyfile(tokenizer_dir / file, directory / file)
 
 
+def w8a8_probe_rows(seed):
+    """Activation rows for a bit-exact check of a W8A8 reimplementation's int8 rounding per token against
+    compressed-tensors': random rows, a zero row, a wide dynamic range, all negative, and values on exact quarter
+    steps (ties in x / scale). [6, 320] float32, seeded."""
+    import torch
+    rows = 3.0 * torch.randn(6, 320, generator=torch.Generator().manual_seed(seed))
+    rows[1] = 0.0
+    rows[2] *= torch.logspace(-6, 2, 320)
+    rows[3] = -rows[3].abs()
+    rows[4] = torch.round(rows[4] * 4) / 4
+    return rows
+
+
+def run_cases(cases, make_case, out):
+    """main() of the per-case fixture scripts: the cases named on the command line (all by default), each made
+    by make_case(name) under out."""
+    import torch
+    torch.set_num_threads(1)
+    names = sys.argv[1:] or list(cases)
+    for name in names:
+        if name not in cases:
+            sys.exit(f"unknown case {name}; cases: {', '.join(cases)}")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        make_case(name)
+
+
 def greedy_without_cache(model, input_ids, new_tokens, eos_ids):
     """Argmax decoding with a full forward per step: a cross-check of generate() and the top-1 margins."""
     import torch

@@ -297,15 +297,7 @@ def make_case(name):
 
 
 def main():
-    import torch
-    torch.set_num_threads(1)
-    names = sys.argv[1:] or list(CASES)
-    for name in names:
-        if name not in CASES:
-            sys.exit(f"unknown case {name}; cases: {', '.join(CASES)}")
-    OUT.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        make_case(name)
+    base.run_cases(CASES, make_case, OUT)
 
 
 if __name__ == "__main__":

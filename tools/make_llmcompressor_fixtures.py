@@ -195,11 +195,7 @@ def reference(name, spec, out_dir):
         # bit-exact check of kvlite's rounding: random rows, a zero row, a wide dynamic range, all negative, and
         # values on exact quarter steps (ties in x / scale)
         from safetensors.torch import save_file
-        x = 3.0 * torch.randn(6, 320, generator=torch.Generator().manual_seed(spec["seed"] + 1))
-        x[1] = 0.0
-        x[2] *= torch.logspace(-6, 2, 320)
-        x[3] = -x[3].abs()
-        x[4] = torch.round(x[4] * 4) / 4
+        x = base.w8a8_probe_rows(spec["seed"] + 1)
         args = next(sch.input_activations for sch in schemes.values() if sch.input_activations is not None)
         scale, zero_point = compute_dynamic_scales_and_zp(value=x.unsqueeze(0), args=args, module=None)
         fq = fake_quantize(x.unsqueeze(0), scale, zero_point, args)[0]
@@ -285,15 +281,7 @@ def make_case(name):
 
 
 def main():
-    import torch
-    torch.set_num_threads(1)
-    names = sys.argv[1:] or list(CASES)
-    for name in names:
-        if name not in CASES:
-            sys.exit(f"unknown case {name}; cases: {', '.join(CASES)}")
-    OUT.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        make_case(name)
+    base.run_cases(CASES, make_case, OUT)
 
 
 if __name__ == "__main__":
