@@ -13,6 +13,7 @@
 #include "kvlite.hpp"
 #include "model_fixtures.hpp"
 #include "engine_helpers.hpp"
+#include "safetensors_writer.hpp"
 
 using namespace kvlite;
 namespace fx = model_fixtures;
@@ -45,6 +46,35 @@ std::string advice_with(const Plan& plan, const std::string& part) {
 }
 
 constexpr double kLogitsTolerance = 1e-4;  // max |kvlite - transformers| / max |transformers|, float32
+
+// A copy of a tied fixture with its embeddings untied: tie_word_embeddings false (at the top and in text_config)
+// and lm_head.weight a copy of embed_tokens. The same numbers, so transformers' logits of the tied model are the
+// copy's; but --host-embeddings may keep its table in host memory.
+std::string untied_copy(const std::string& source, const std::string& name, const std::string& embed_name) {
+  namespace st = testing_safetensors;
+  const std::string dir = st::temp_dir(name);
+  REQUIRE(std::system(("cp -r '" + source + "/.' '" + dir + "'").c_str()) == 0);
+  nlohmann::ordered_json config = nlohmann::ordered_json::parse(fx::read_file(dir + "/config.json"));
+  config["tie_word_embeddings"] = false;
+  if (config.contains("text_config")) config["text_config"]["tie_word_embeddings"] = false;
+  st::write_text(dir + "/config.json", config.dump(2));
+  auto store = TensorStore::open_dir(source);
+  REQUIRE(store.ok());
+  std::vector<st::Tensor> tensors;
+  for (const TensorInfo& info : store->tensors()) {
+    const uint8_t* data = store->data(info);
+    tensors.push_back({info.name, dtype_name(info.dtype), info.shape, std::vector<uint8_t>(data, data + info.nbytes)});
+    if (info.name == embed_name) {
+      st::Tensor head = tensors.back();
+      head.name = "lm_head.weight";
+      tensors.push_back(head);
+    }
+  }
+  std::string shards = dir + "/model.safetensors";
+  std::remove(shards.c_str());
+  st::write_file(shards, tensors);
+  return dir;
+}
 
 }  // namespace
 
@@ -299,4 +329,74 @@ TEST_CASE("CPU engine with --host-embeddings in BF16 activations: the same bits 
   REQUIRE(x);
   REQUIRE(y);
   CHECK(y->ids == x->ids);
+}
+
+TEST_CASE("Gemma's embedding scale applies after a host lookup: an untied gemma2 gives transformers' logits") {
+  const std::string source = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/families/gemma2";
+  const std::string dir = untied_copy(source, "gemma2-untied", "model.embed_tokens.weight");
+  EngineOptions options;
+  options.backend = BackendChoice::cpu;
+  options.plan.device_mem = 64 * MiB;
+  auto plain = Engine::open(dir, options);
+  REQUIRE_MESSAGE(plain.ok(), plain.error().message);
+  options.plan.host_embeddings = true;
+  auto host = Engine::open(dir, options);
+  REQUIRE_MESSAGE(host.ok(), host.error().message);
+  CHECK((*host)->info().host_embeddings);
+  const nlohmann::json reference = nlohmann::json::parse(fx::read_file(source + "/reference.json"));
+  for (const auto& prompt : reference["prompts"]) {
+    CAPTURE(prompt["name"].get<std::string>());
+    const fx::Npy expected = fx::read_npy(source + "/" + prompt["logits_file"].get<std::string>());
+    auto a = (*plain)->logits(fx::ids_of(prompt["input_ids"]));
+    auto b = (*host)->logits(fx::ids_of(prompt["input_ids"]));
+    REQUIRE(a);
+    REQUIRE_MESSAGE(b, b.error().message);
+    CHECK(b->values == a->values);
+    CHECK(fx::relative_max_diff(b->values, expected.values) <= kLogitsTolerance);
+  }
+}
+
+TEST_CASE("image embeddings replace the rows of a host lookup: an untied Qwen3-VL gives transformers' logits") {
+  const std::string fixtures = std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/";
+  const std::string dir = untied_copy(fixtures + "vl/tiny-qwen3-vl", "qwen3-vl-untied", "model.language_model.embed_tokens.weight");
+  EngineOptions options;
+  options.backend = BackendChoice::cpu;
+  options.plan.device_mem = 64 * MiB;
+  options.plan.max_images = 2;
+  options.plan.host_embeddings = true;
+  auto host = Engine::open(dir, options);
+  REQUIRE_MESSAGE(host.ok(), host.error().message);
+  CHECK((*host)->info().host_embeddings);
+  const nlohmann::json reference = nlohmann::json::parse(fx::read_file(fixtures + "vl/reference.json"));
+  const int32_t pad = reference["image_token_id"].get<int32_t>();
+  int with_images = 0;
+  for (const auto& prompt : reference["prompts"]) {
+    CAPTURE(prompt["name"].get<std::string>());
+    // the prompt's images as transformers' processor gave them, and one <|image_pad|> per image
+    std::vector<VisionInput> images;
+    for (const auto& image : prompt["images"]) {
+      VisionInput input;
+      const fx::Npy pixels = fx::read_npy(fixtures + image["pixel_values_file"].get<std::string>());
+      input.pixel_values = pixels.values;
+      input.row_size = pixels.cols;
+      const auto grid = image["grid_thw"].get<std::vector<int64_t>>();
+      input.grid.grid_t = grid[0];
+      input.grid.grid_h = grid[1];
+      input.grid.grid_w = grid[2];
+      input.grid.resized_height = grid[1] * 16;
+      input.grid.resized_width = grid[2] * 16;
+      input.grid.image_tokens = image["image_tokens"].get<int64_t>();
+      images.push_back(std::move(input));
+    }
+    with_images += images.empty() ? 0 : 1;
+    std::vector<int32_t> ids;
+    for (int32_t id : fx::ids_of(prompt["input_ids"]))
+      if (id != pad || ids.empty() || ids.back() != pad) ids.push_back(id);
+    const fx::Npy expected = fx::read_npy(fixtures + "vl/" + prompt["logits_file"].get<std::string>());
+    auto logits = (*host)->logits(ids, images);
+    REQUIRE_MESSAGE(logits, logits.error().message);
+    REQUIRE(logits->tokens == expected.rows);
+    CHECK(fx::relative_max_diff(logits->values, expected.values) <= kLogitsTolerance);
+  }
+  CHECK(with_images > 0);
 }
