@@ -3033,6 +3033,19 @@ class CudaBackend final : public Backend {
       KVLITE_CUBLAS_CHECK(cublas().set_math_mode(cublas_, CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
       KVLITE_CUDA_CHECK(cudaMemsetAsync(fault_, 0, sizeof(DeviceFault), stream_));
       KVLITE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      if (options.host_staging_bytes > 0) {
+        const cudaError_t pinned = cudaHostAlloc(&host_staging_, size_t(options.host_staging_bytes), cudaHostAllocDefault);
+        if (pinned != cudaSuccess) {
+          host_staging_ = nullptr;
+          cudaGetLastError();
+          detail::fail(ErrorCode::out_of_memory,
+                       detail::format("make_cuda_backend: cudaHostAlloc of %s of pinned host memory for the host "
+                                      "embeddings' staging (--host-embeddings: max_batched_tokens x hidden "
+                                      "activations) failed: %s; lower --max-batched-tokens or drop --host-embeddings",
+                                      format_bytes(options.host_staging_bytes).c_str(), cudaGetErrorString(pinned)));
+        }
+        host_staging_bytes_ = options.host_staging_bytes;
+      }
     } catch (...) {
       release();  // the destructor does not run for a constructor that throws
       throw;
@@ -3187,6 +3200,26 @@ class CudaBackend final : public Backend {
             out.row_stride, out.cols, fault_);
       });
     });
+  }
+
+  // The rows on the host into the pinned staging buffer (converted to the activation dtype there), then one copy
+  // into `out` on the stream; returns once it is done, so the buffer is free for the next step.
+  void impl_gather_host_rows(const Tensor& table, const int32_t* ids, const Tensor& out) override {
+    activate();
+    if (out.rows == 0) return;
+    const uint64_t element = dtype_bytes(act_, 1), bytes = element * uint64_t(out.rows) * uint64_t(out.cols);
+    if (host_staging_ == nullptr || bytes > host_staging_bytes_)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("gather_host_rows: %lld rows x %lld columns of %s take %s, but the pinned staging "
+                                  "buffer holds %s (CudaBackendOptions::host_staging_bytes: the plan's "
+                                  "--host-embeddings buffer, max_batched_tokens x hidden activations)",
+                                  (long long)out.rows, (long long)out.cols, dtype_name(act_),
+                                  format_bytes(bytes).c_str(), format_bytes(host_staging_bytes_).c_str()));
+    detail::gather_host_rows_into(table, ids, out.rows, act_, host_staging_);
+    const size_t row_bytes = size_t(uint64_t(out.cols) * element);
+    KVLITE_CUDA_CHECK(cudaMemcpy2DAsync(out.data, size_t(uint64_t(leading_dimension(out)) * element), host_staging_,
+                                        row_bytes, row_bytes, size_t(out.rows), cudaMemcpyHostToDevice, stream_));
+    synchronize_and_report();
   }
 
   void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override {
@@ -3595,8 +3628,11 @@ class CudaBackend final : public Backend {
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     if (cublas_ != nullptr) cublas().destroy(cublas_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (host_staging_ != nullptr) cudaFreeHost(host_staging_);
     cublas_ = nullptr;
     stream_ = nullptr;
+    host_staging_ = nullptr;
+    host_staging_bytes_ = 0;
   }
 
   // CUDA's current device is per host thread: each op makes it ours (cheap when it already is).
@@ -3893,6 +3929,8 @@ class CudaBackend final : public Backend {
   DeviceFault* fault_ = nullptr;  // in the workspace
   DeviceFault host_fault_{};      // its copy, read at synchronizing calls
   uint8_t* scratch_ = nullptr;    // in the workspace: split attention's partials, quantized GEMMs' staging
+  void* host_staging_ = nullptr;  // pinned host memory: gather_host_rows' rows (CudaBackendOptions::host_staging_bytes)
+  uint64_t host_staging_bytes_ = 0;
   uint64_t scratch_bytes_ = 0;
   QuantKernel forced_quant_kernel_ = QuantKernel::automatic;           // set_quant_kernel
   std::unordered_map<const void*, int> quant_gemm_occupancy_;          // kernel -> blocks per SM, limit raised

@@ -257,6 +257,9 @@ typedef struct kvlite_options {
   kvlite_log_fn log;        /* NULL: kvlite_set_log's */
   void* log_user_data;
   int32_t log_level;        /* KVLITE_LOG_*: messages below it are dropped; default INFO */
+  /* nonzero: keep an untied token-embedding table in host memory instead of the device (--host-embeddings;
+     CUDA saves the table's bytes, the CPU changes nothing; a tied table is refused) */
+  int32_t host_embeddings;
 } kvlite_options;
 void kvlite_options_init(kvlite_options* options);
 
@@ -1155,6 +1158,7 @@ struct WeightsSummary {
   uint64_t text_bytes = 0;      // language model, embeddings and lm_head
   uint64_t vision_bytes = 0;    // vision tower and mergers
   uint64_t embedding_bytes = 0; // input embedding table (+ lm_head when untied)
+  uint64_t embed_table_bytes = 0;  // the input embedding table alone (embed_tokens), as stored
   bool exact = false;           // "headers" when true, "config" when estimated
   std::vector<LinearDesc> linears;
 };
@@ -2385,6 +2389,13 @@ struct PlanOptions {
   // GPU's rounding, for tests); on CUDA the model's dtype (F16 for F16 checkpoints, else BF16), as KV auto.
   // Resolved in Plan::options.
   std::optional<DType> activation_dtype;
+  // The token-embedding table (embed_tokens) stays in host memory, the checkpoint's mmap, instead of the device
+  // (--host-embeddings; llama.cpp keeps token_embd on the CPU for the same reason): a step looks up its T rows on
+  // the host into a pinned staging buffer of max_batched_tokens x hidden activations and copies them into the
+  // "hidden" activations. Saves the table's bytes of device memory (Qwen2.5-7B: 1.02 GiB of bf16) for a host
+  // gather and a T x H copy per step. CUDA only changes anything (the CPU's table is host memory already); an
+  // untied table only: a tied one is lm_head too, which the GPU multiplies by (refused, invalid_argument).
+  bool host_embeddings = false;
 };
 
 // Limits on options (beyond them the planner's products would stop meaning anything).
@@ -2520,6 +2531,11 @@ struct Plan {
   int64_t image_patches_per_image = 0;  // its patches (tokens x merge^2): the encoder's sequence length
   uint64_t vision_weights_bytes = 0;    // vision tower and mergers (part of the weights row)
   uint64_t vision_activation_bytes = 0; // the vision row: encoder buffers for max_images such images
+  // --host-embeddings (PlanOptions::host_embeddings) on CUDA: the table's bytes kept out of the weights row (in
+  // host memory, the mmap) and the pinned host staging buffer the looked-up rows go through (max_batched_tokens x
+  // hidden x activation bytes, host memory too); both 0 otherwise (and on the CPU, where nothing changes).
+  uint64_t host_embedding_bytes = 0;
+  uint64_t host_staging_bytes = 0;
   std::vector<std::string> advice;             // sentences for people, most useful first
 
   uint64_t arena_bytes() const;  // sum of in_arena items + kv_arena_bytes: the one reservation
@@ -3347,6 +3363,13 @@ struct AttentionOptions {
 };
 const char* op_name(Op op);
 
+namespace detail {
+// Host rows for Backend::gather_host_rows: dst[t, :] = table[ids[t], :] for t < count, converted to `dtype`
+// (BF16/F16/F32, rounded to nearest even as the device's conversions are) and packed (cols = table.cols). The ids
+// were checked by the caller. (The CUDA backend's staging; shared so that the CPU tests check it.)
+void gather_host_rows_into(const Tensor& table, const int32_t* ids, int64_t count, DType dtype, void* dst);
+}  // namespace detail
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -3385,6 +3408,15 @@ class Backend {
   // [vocab, hidden], BF16/F16/F32) and row selection (e.g. the last token of each sequence before the
   // lm_head). table [V, H]; ids I32 vector [T], each in [0, V); out [T, H].
   Status gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out);
+  // The same lookup from a table in HOST memory (PlanOptions::host_embeddings: the checkpoint's mmap) by ids in
+  // host memory: out[t, :] = table[ids[t], :] in the activation dtype, t < out.rows. table [V, H] BF16/F16/F32;
+  // ids: out.rows int32 values, each in [0, V) (checked on the host, before anything is copied); out [T, H] in the
+  // backend's memory. The CPU gathers (its memory is the host's: gather_rows). CUDA gathers the rows on the host
+  // into its pinned staging buffer (CudaBackendOptions::host_staging_bytes: at least T x H activations; rows
+  // converted there when the table's dtype is not the activations') and copies them into out on its stream,
+  // returning once the copy is done (as copy_from_host: the staging buffer is free again). Not inside a CUDA graph
+  // capture: a step's lookup runs before its graph is launched. Timed as gather_rows.
+  Status gather_host_rows(const Tensor& table, const int32_t* ids, const Tensor& out);
 
   // RMSNorm in groups: each row of x is split into x.cols / W groups of W = weight's length, and each group
   // is normalised on its own: out = weight * (x * rsqrt(mean(x^2) + eps)), in fp32 (LlamaRMSNorm).
@@ -3496,6 +3528,7 @@ class Backend {
   virtual void impl_copy_to_host(const Tensor& src, void* dst) = 0;
   virtual void impl_synchronize() = 0;
   virtual void impl_gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) = 0;
+  virtual void impl_gather_host_rows(const Tensor& table, const int32_t* ids, const Tensor& out) = 0;
   virtual void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) = 0;
   virtual void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
                                  const Tensor& out) = 0;
@@ -3638,6 +3671,9 @@ struct DecoderLayerWeights {
 
 struct TextModelWeights {
   Tensor embed_tokens;                     // [V, H]
+  // The table is host memory (PlanOptions::host_embeddings: the checkpoint's mmap, also on a GPU): stage() looks
+  // the step's rows up with Backend::gather_host_rows into the "hidden" buffer, and compute() starts from them.
+  bool embed_tokens_on_host = false;
   std::vector<DecoderLayerWeights> layers;  // [L]
   Tensor norm;                             // [H]
   LinearWeights lm_head;                   // [V, H], no bias; the embed_tokens view when tie_word_embeddings
@@ -4169,6 +4205,9 @@ struct EngineInfo {
   // CUDA: device memory the captured graphs took, measured with cudaMemGetInfo around their capture (the plan's
   // "graphs" row is an estimate of this).
   uint64_t graph_memory_bytes = 0;
+  // PlanOptions::host_embeddings in effect: the forward pass looks the embedding rows up in the host table
+  // (Backend::gather_host_rows; on CUDA through pinned staging, the table never on the device).
+  bool host_embeddings = false;
 };
 
 // Engine::measure_copy_bandwidth's result.
@@ -4356,6 +4395,10 @@ struct CudaBackendOptions {
   // The same kernels on the same inputs: results are bit for bit those of ordinary launches. Backend::name() ends
   // in ", programmatic launch" when it is in effect.
   bool programmatic_launch = true;
+  // Pinned host memory (cudaHostAlloc) for gather_host_rows' looked-up rows: a step's T x H activations (the plan's
+  // host_staging_bytes with --host-embeddings). Host memory, not device memory: the arena stays the one device
+  // allocation. 0: none (gather_host_rows is then refused with the numbers).
+  uint64_t host_staging_bytes = 0;
 };
 
 // Binds the backend to options.device: a stream of its own, a cuBLAS handle using the workspace's front.
@@ -7271,6 +7314,7 @@ WeightsSummary summarize_weights_from(const ModelConfig& config, const std::vect
   if (!table)
     fail(ErrorCode::missing_tensor, format("%s (the input embedding table) is not in the checkpoint", embed.c_str()));
   s.embedding_bytes = table->nbytes;
+  s.embed_table_bytes = table->nbytes;
   for (const LinearDesc& linear : s.linears)
     if (linear.name == "lm_head") s.embedding_bytes += linear.bytes;
   return s;
@@ -7293,6 +7337,7 @@ WeightsSummary estimate_weights(const ModelConfig& config) {
     if (linear.name == "lm_head") lm_head = linear.bytes;
   }
   s.embedding_bytes = embedding + lm_head;
+  s.embed_table_bytes = embedding;
   s.text_bytes = embedding + norms + text_linears;
   if (config.vision.present) {
     const VisionConfig& v = config.vision;
@@ -17493,6 +17538,10 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
     if (act != DType::F32 && act != DType::BF16 && act != DType::F16)
       bad(format("activation dtype %s: activations are BF16, F16 or F32", dtype_name(act)));
   }
+  if (o.host_embeddings && config.text.tie_word_embeddings)
+    bad(format("--host-embeddings keeps an untied embedding table in host memory, but %s ties its embeddings "
+               "(tie_word_embeddings: embed_tokens is also lm_head, which the device multiplies by every step): "
+               "drop --host-embeddings", model_name_of(config).c_str()));
   if (o.max_images < 1 || o.max_images > kMaxPlanImages)
     bad(format("max_images %lld is outside 1..%lld", (long long)o.max_images, (long long)kMaxPlanImages));
   if (o.max_image_pixels < 0)
@@ -17585,7 +17634,22 @@ uint64_t cuda_weight_slack(const ModelConfig& config) {
   return kPlanAlignment * tensors + computed_norms;
 }
 
-PlanItem weights_item(const Inputs& in, DType act) {
+// --host-embeddings on CUDA (an untied table: check_options refused a tied one): the table's bytes stay in host
+// memory, and the looked-up rows go through a pinned host buffer of max_batched_tokens x hidden activations.
+uint64_t host_embedding_bytes(const Inputs& in, const PlanOptions& o) {
+  return o.host_embeddings && in.device.backend == BackendKind::cuda && !in.config.text.tie_word_embeddings
+             ? in.weights.embed_table_bytes
+             : 0;
+}
+uint64_t host_staging_bytes(const Inputs& in, const PlanOptions& o) {
+  if (host_embedding_bytes(in, o) == 0) return 0;
+  const uint64_t rows = uint64_t(std::max<int64_t>(o.max_batched_tokens, 0));
+  const uint64_t hidden = uint64_t(std::max<int64_t>(in.config.text.hidden_size, 0));
+  return align_up(dtype_bytes(*o.activation_dtype, rows * hidden), kPlanAlignment);
+}
+
+PlanItem weights_item(const Inputs& in, const PlanOptions& o) {
+  const DType act = *o.activation_dtype;
   // On the CPU the weights are read in place from the memory-mapped safetensors files (the OS page cache
   // holds them): they count against the budget but are not copied into the arena.
   bool in_arena = in.device.backend == BackendKind::cuda;
@@ -17595,15 +17659,23 @@ PlanItem weights_item(const Inputs& in, DType act) {
   std::string device;  // CUDA: what uploading changes
   if (in_arena) {
     const WeightConversion c = cuda_weight_conversion(in.config, in.weights, act);
-    const int64_t bytes = std::max<int64_t>(0, int64_t(in.weights.total_bytes) + c.extra_bytes) +
+    const uint64_t host_table = host_embedding_bytes(in, o);
+    const int64_t bytes = std::max<int64_t>(0, int64_t(in.weights.total_bytes) - int64_t(host_table) + c.extra_bytes) +
                           int64_t(cuda_weight_slack(in.config));
     item.bytes = align_up(uint64_t(bytes), kPlanAlignment);
-    device = format("; on the GPU %s(%s): ", c.converted_linears || c.tied_copy ? "" : "as stored ",
+    device = format("; on the GPU %s(%s): ", c.converted_linears || c.tied_copy || host_table ? "" : "as stored ",
                     format_bytes_signed(int64_t(item.bytes) - int64_t(in.weights.total_bytes)).c_str());
     if (c.converted_linears) device += format("%llu Linears converted to %s, ", (unsigned long long)c.converted_linears,
                                               activation_dtype_text(act));
     if (c.tied_copy) device += format("a %s copy of the tied lm_head, ", activation_dtype_text(act));
     device += format("256-byte alignment; uploaded in %s chunks", format_bytes(kCudaUploadChunkBytes).c_str());
+    if (host_table > 0)
+      device += format("; embed_tokens (%s) stays in host memory (--host-embeddings): each step looks up its rows on "
+                       "the host into a pinned host buffer of %s (T=%lld x H=%lld %s; host memory, not in the device "
+                       "budget) and copies them into the activations' hidden buffer",
+                       format_bytes(host_table).c_str(), format_bytes(host_staging_bytes(in, o)).c_str(),
+                       (long long)o.max_batched_tokens, (long long)in.config.text.hidden_size,
+                       activation_dtype_text(act));
   }
   if (in.weights.exact) {
     item.label = in.tensor_count ? format("weights (exact, %llu tensors)", (unsigned long long)in.tensor_count)
@@ -17611,7 +17683,11 @@ PlanItem weights_item(const Inputs& in, DType act) {
     item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s%s",
                       in.weights.linears.size(), format_bytes(linear_bytes).c_str(),
                       format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str(),
-                      in_arena ? device.c_str() : "; memory-mapped, not copied (CPU)");
+                      in_arena ? device.c_str()
+                      : o.host_embeddings
+                          ? "; memory-mapped, not copied (CPU; --host-embeddings changes nothing here: the CPU's "
+                            "embedding table is host memory already)"
+                          : "; memory-mapped, not copied (CPU)");
   } else {
     item.label = "weights (estimated from config.json)";
     item.why = format("no safetensors in the directory: shapes from config.json, formats from quantization_config "
@@ -17883,7 +17959,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.options = o;
   plan.model_name = model_name_of(in.config);
   plan.arch = in.config.arch;
-  plan.items.push_back(weights_item(in, *o.activation_dtype));
+  plan.items.push_back(weights_item(in, o));
   plan.items.push_back(repack_item(in));
   plan.items.push_back(context_item(in));
   plan.items.push_back(activations_item(in, o));
@@ -17904,6 +17980,8 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   }
 
   plan.weights_bytes = in.weights.total_bytes;
+  plan.host_embedding_bytes = host_embedding_bytes(in, o);
+  plan.host_staging_bytes = host_staging_bytes(in, o);
   plan.weights_source = in.weights.exact ? "headers" : "config";
   plan.upload_chunk_bytes = in.device.backend == BackendKind::cuda ? kCudaUploadChunkBytes : 0;
   // Every layer has the same KV heads and head_dim: a token's KV splits evenly over the layers (and the groups).
@@ -18061,11 +18139,28 @@ void write_advice(const Inputs& in, Plan& plan) {
       plan.advice.push_back(format("No --spec-tokens fits with the draft model %s; without it (no --draft) the plan "
                                    "fits.", plan.draft_model_name.c_str()));
   }
-  if (plan.weights_bytes >= plan.budget_bytes) {
+  const uint64_t table = in.weights.embed_table_bytes;
+  if (in.device.backend == BackendKind::cuda && !o.host_embeddings && !in.config.text.tie_word_embeddings &&
+      table > 0) {
+    // The untied table on the device: one flag takes it off (looked up on the host, a T x H copy a step).
+    PlanOptions trial = o;
+    trial.host_embeddings = true;
+    const Plan with = assemble(in, trial);
+    const std::string verdict =
+        with.fits ? "that alone makes it fit"
+                  : format("not enough alone: still short by %s", format_bytes(uint64_t(with.shortfall_bytes)).c_str());
+    plan.advice.push_back(format("With --host-embeddings: the untied embedding table (embed_tokens, %s) stays in host "
+                                 "memory, %s less on the device (a %s pinned host buffer takes the looked-up rows); %s.",
+                                 format_bytes(table).c_str(), format_bytes(plan.fixed_bytes - with.fixed_bytes).c_str(),
+                                 format_bytes(with.host_staging_bytes).c_str(), verdict.c_str()));
+  }
+  if (plan.weights_bytes - plan.host_embedding_bytes >= plan.budget_bytes) {
     // A model that is already quantized is not told to quantize: only a larger card (or budget) helps.
     const bool quantized = std::any_of(in.weights.linears.begin(), in.weights.linears.end(),
                                        [](const LinearDesc& l) { return l.format != WeightFormat::dense; });
-    plan.advice.push_back(format("The weights alone (%s) exceed the %s budget: %s.", format_bytes(plan.weights_bytes).c_str(),
+    plan.advice.push_back(format("The weights alone (%s%s) exceed the %s budget: %s.",
+                                 format_bytes(plan.weights_bytes - plan.host_embedding_bytes).c_str(),
+                                 plan.host_embedding_bytes ? " on the device" : "",
                                  format_bytes(plan.budget_bytes).c_str(),
                                  quantized ? "this checkpoint is already quantized, so it needs a larger card"
                                            : "use a quantized checkpoint (W4A16 or FP8) or a larger card"));
@@ -18626,6 +18721,7 @@ std::string Plan::json() const {
   opts["ngram"] = options.ngram;
   opts["activation_dtype"] = dtype_name(options.activation_dtype.value_or(DType::F32));
   opts["wsl2"] = options.wsl2.value_or(device.wsl2);
+  opts["host_embeddings"] = options.host_embeddings;
   j["options"] = opts;
   nlohmann::ordered_json list = nlohmann::ordered_json::array();
   for (const auto& it : items)
@@ -18634,6 +18730,8 @@ std::string Plan::json() const {
   j["weights_bytes"] = weights_bytes;
   j["weights_source"] = weights_source;
   j["upload_chunk_bytes"] = upload_chunk_bytes;
+  j["host_embedding_bytes"] = host_embedding_bytes;
+  j["host_staging_bytes"] = host_staging_bytes;
   j["kv_dtype"] = kv_dtype_name(options.kv_dtype);
   j["kv_bytes_per_token"] = kv_bytes_per_token;
   j["kv_page_tokens"] = kv_page_tokens;
@@ -21159,6 +21257,7 @@ GrammarMasker::Entry& GrammarMasker::entry(const GrammarState& state) {
 // backend: the validation every backend shares, and the rotary-table helpers.
 #include <chrono>
 #include <cmath>
+#include <cstring>
 
 namespace kvlite {
 
@@ -21347,6 +21446,60 @@ Status Backend::gather_rows(const Tensor& table, const Tensor& ids, const Tensor
     run_op(Op::gather_rows, [&] { impl_gather_rows(table, ids, out); });
   });
 }
+
+Status Backend::gather_host_rows(const Tensor& table, const int32_t* ids, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "gather_host_rows";
+    detail::check_view(op, "table", table);
+    detail::check_supported(*this, Op::gather_rows, table.dtype, "table dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, out.rows, table.cols);
+    detail::check_alias(op, "out", out, "table", table, false);
+    if (out.rows > 0 && ids == nullptr) detail::fail(ErrorCode::invalid_argument, "gather_host_rows: ids is null");
+    if (out.rows > 0 && table.data == nullptr)
+      detail::fail(ErrorCode::invalid_argument, "gather_host_rows: the host table is null");
+    for (int64_t t = 0; t < out.rows; t++)
+      if (ids[t] < 0 || ids[t] >= table.rows)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("gather_host_rows: ids[%lld] = %d is outside the table's %lld rows", (long long)t,
+                                    ids[t], (long long)table.rows));
+    run_op(Op::gather_rows, [&] { impl_gather_host_rows(table, ids, out); });
+  });
+}
+
+namespace detail {
+void gather_host_rows_into(const Tensor& table, const int32_t* ids, int64_t count, DType dtype, void* dst) {
+  const int64_t cols = table.cols;
+  const size_t in_bytes = size_t(dtype_bytes(table.dtype, 1)), out_bytes = size_t(dtype_bytes(dtype, 1));
+  const uint8_t* base = static_cast<const uint8_t*>(table.data);
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  auto load = [&](const uint8_t* row, int64_t c) -> float {
+    switch (table.dtype) {
+      case DType::F32: { float v; std::memcpy(&v, row + c * 4, 4); return v; }
+      case DType::BF16: { uint16_t v; std::memcpy(&v, row + c * 2, 2); return bf16_to_float(v); }
+      case DType::F16: { uint16_t v; std::memcpy(&v, row + c * 2, 2); return f16_to_float(v); }
+      default: fail(ErrorCode::internal, format("gather_host_rows: table dtype %s", dtype_name(table.dtype)));
+    }
+  };
+  for (int64_t t = 0; t < count; t++) {
+    const uint8_t* row = base + size_t(ids[t]) * size_t(table.row_stride) * in_bytes;
+    uint8_t* to = out + size_t(t) * size_t(cols) * out_bytes;
+    if (dtype == table.dtype) {
+      std::memcpy(to, row, size_t(cols) * in_bytes);
+      continue;
+    }
+    for (int64_t c = 0; c < cols; c++) {
+      const float v = load(row, c);
+      if (dtype == DType::F32) {
+        std::memcpy(to + c * 4, &v, 4);
+      } else {
+        const uint16_t h = dtype == DType::BF16 ? float_to_bf16(v) : float_to_f16(v);
+        std::memcpy(to + c * 2, &h, 2);
+      }
+    }
+  }
+}
+}  // namespace detail
 
 Status Backend::rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) {
   return detail::guard([&] {
@@ -22561,6 +22714,11 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // The CPU's memory is the host's: the lookup is gather_rows over the host ids.
+  void impl_gather_host_rows(const Tensor& table, const int32_t* ids, const Tensor& out) override {
+    impl_gather_rows(table, Tensor::vector(const_cast<int32_t*>(ids), DType::I32, out.rows), out);
+  }
+
   void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override {
     with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);
@@ -23611,6 +23769,10 @@ void TextModel::stage(const StepInput& step) {
   // The step's indices and RoPE tables, from the host.
   Tensor ids = token_ids_.slice_rows(0, T), slots = slot_mapping_.slice_rows(0, T);
   check(backend_.copy_from_host(step.token_ids, ids));
+  // inputs_embeds = self.embed_tokens(input_ids) from a host table (--host-embeddings): the rows are looked up on
+  // the host and copied into hidden here, before the step's compute (a CUDA graph's launch), which starts from them
+  if (weights_.embed_tokens_on_host)
+    check(backend_.gather_host_rows(weights_.embed_tokens, step.token_ids, hidden_.slice_rows(0, T)));
   check(backend_.copy_from_host(step.slots, slots));
   check(backend_.copy_from_host(step.query_starts, query_starts_.slice_rows(0, step.seqs + 1)));
   check(backend_.copy_from_host(step.context_lens, context_lens_.slice_rows(0, step.seqs)));
@@ -23703,7 +23865,8 @@ void TextModel::compute(const StepInput& step) {
   Tensor act = mlp_act_.slice_rows(0, T);      // [T, I]
 
   // inputs_embeds = self.embed_tokens(input_ids)   (gemma: * self.embed_scale.to(self.weight.dtype))
-  check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
+  // (a host table's rows are already in hidden: stage() looked them up)
+  if (!weights_.embed_tokens_on_host) check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
   if (embedding_scale_ > 0) check(backend_.scale(hidden, embedding_scale_, hidden));
   // qwen3_vl: inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
   // (image features are float host rows: the vision tower's activations widened, so rounding them back to
@@ -24596,13 +24759,24 @@ VisionWeights upload_vision_weights(const VisionWeights& host, WeightUploader& u
   return device;
 }
 
+// host_embeddings (PlanOptions::host_embeddings, an untied table): embed_tokens stays the mmap's host view, looked
+// up on the host each step (the plan's weights row leaves it out).
 TextModelWeights upload_text_weights(const TextModelWeights& host, WeightUploader& upload,
-                                     const std::function<void(uint64_t)>& progress, uint64_t host_bytes) {
+                                     const std::function<void(uint64_t)>& progress, uint64_t host_bytes,
+                                     bool host_embeddings = false) {
   // Progress in the checkpoint's bytes: the span's share filled, of the bytes on disk (after each layer).
   auto report = [&] { progress(uint64_t(std::min(1.0, upload.filled()) * double(host_bytes))); };
   const DType act = upload.activation_dtype();
   TextModelWeights device;
-  device.embed_tokens = upload.tensor(host.embed_tokens, host.embed_tokens.dtype, "embed_tokens");
+  const bool tied = !host.lm_head.quant && host.lm_head.weight.data == host.embed_tokens.data;
+  if (host_embeddings && tied)
+    fail(ErrorCode::internal, "--host-embeddings with a tied embedding table: the plan refuses it");
+  if (host_embeddings) {
+    device.embed_tokens = host.embed_tokens;
+    device.embed_tokens_on_host = true;
+  } else {
+    device.embed_tokens = upload.tensor(host.embed_tokens, host.embed_tokens.dtype, "embed_tokens");
+  }
   device.layers.resize(host.layers.size());
   for (size_t l = 0; l < host.layers.size(); l++) {
     const DecoderLayerWeights& h = host.layers[l];
@@ -24624,7 +24798,6 @@ TextModelWeights upload_text_weights(const TextModelWeights& host, WeightUploade
     report();
   }
   device.norm = upload.tensor(host.norm, host.norm.dtype, "norm");
-  const bool tied = !host.lm_head.quant && host.lm_head.weight.data == host.embed_tokens.data;
   if (tied && device.embed_tokens.dtype == act) {
     device.lm_head.weight = device.embed_tokens;  // one table serves both, as on the host
   } else if (tied) {
@@ -26458,6 +26631,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       backend_options.workspace_bytes = workspace->bytes;
       backend_options.activation_dtype = *e.plan.options.activation_dtype;
       backend_options.programmatic_launch = options.cuda_programmatic_launch;
+      backend_options.host_staging_bytes = e.plan.host_staging_bytes;  // --host-embeddings: pinned host memory
       Result<std::unique_ptr<Backend>> backend = make_cuda_backend(backend_options);
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);
@@ -26495,7 +26669,11 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     TextModelWeights text_weights;
     if (gpu) {
       detail::engine::WeightUploader upload(*e.backend, *e.arena, e.plan.upload_chunk_bytes);
-      text_weights = detail::engine::upload_text_weights(*bound, upload, progress, total_weight_bytes);
+      text_weights = detail::engine::upload_text_weights(*bound, upload, progress, total_weight_bytes,
+                                                         e.plan.host_embedding_bytes > 0);
+      if (e.plan.host_embedding_bytes > 0)  // read once now, so that the first steps do not wait for the disk
+        if (const TensorInfo* table = e.store.find(e.config.text_prefix() + "embed_tokens.weight"))
+          e.store.page_in(*table);
       // the vision tower (Qwen3-VL) into the same span, after the text model: its views become device memory
       if (vision_weights) vision_weights = detail::engine::upload_vision_weights(*vision_weights, upload);
     } else {
@@ -26509,12 +26687,16 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
         progress(std::min(paged, total_weight_bytes));
       }
       text_weights = std::move(*bound);
+      // --host-embeddings changes nothing on the CPU (its table is host memory already) but the op that looks the
+      // rows up: the GPU's path (gather_host_rows in stage()), run here as a plain gather
+      text_weights.embed_tokens_on_host = e.plan.options.host_embeddings;
     }
     progress(total_weight_bytes);
     e.info.backend = backend_kind;
     e.info.backend_name = e.backend->name();
     e.info.activation_dtype = e.backend->activation_dtype();
     e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights, gpu);
+    e.info.host_embeddings = text_weights.embed_tokens_on_host;
     e.model = std::make_unique<TextModel>(e.config, std::move(text_weights), *e.backend, *e.arena, e.plan, kv_dtype);
     e.speculator.open(e.plan.options.speculative_tokens, e.plan.options.ngram, e.plan.max_model_len,
                       e.config.text.vocab_size, size_t(e.plan.options.max_seqs));
@@ -27221,6 +27403,7 @@ EngineOptions engine_options(const kvlite_options* given) {
   options.plan.max_image_pixels = in->max_image_pixels;
   if (in->max_images) options.plan.max_images = in->max_images;
   options.plan.kv_fill = in->kv_fill != 0;
+  options.plan.host_embeddings = in->host_embeddings != 0;
   check_cpu_threads(in->threads, "kvlite_options.threads");
   options.threads = in->threads;
   if (in->name) options.name = in->name;

@@ -342,6 +342,9 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--kv-page-tokens", "N", "tokens per KV page, 1..1024; default 16"},
       {"--kv-fill", "", "fill the whole budget with KV pages (vLLM's way); default: only the pages max-seqs "
                         "sequences of max-model-len can use, leaving the rest free"},
+      {"--host-embeddings", "", "keep an untied token-embedding table in host memory (the mmap) instead of the "
+                                "device: each step looks up its rows on the host and copies them in (CUDA; saves "
+                                "the table's bytes, Qwen2.5-7B 1.02 GiB; the CPU changes nothing)"},
       {"--max-image-pixels", "N", "vision models: image budget in pixels (larger images are scaled down to fit); "
                                   "default min(processor max, 1048576)"},
       {"--max-images", "N", "vision models: images one request may carry (encoded in one step); default 1"},
@@ -413,6 +416,7 @@ kvlite::EngineOptions engine_options(const Args& args) {
   if (args.has("--kv-page-tokens")) options.plan.kv_page_tokens = args.integer("--kv-page-tokens", 1, INT64_MAX);
   if (args.has("--max-images")) options.plan.max_images = args.integer("--max-images", 1, INT64_MAX);
   options.plan.kv_fill = args.has("--kv-fill");
+  options.plan.host_embeddings = args.has("--host-embeddings");
   if (args.has("--wsl2") && args.has("--no-wsl2")) throw UsageError{"--wsl2 and --no-wsl2 contradict each other"};
   if (args.has("--wsl2")) options.plan.wsl2 = true;
   if (args.has("--no-wsl2")) options.plan.wsl2 = false;

@@ -144,6 +144,13 @@ struct AttentionOptions {
 };
 const char* op_name(Op op);
 
+namespace detail {
+// Host rows for Backend::gather_host_rows: dst[t, :] = table[ids[t], :] for t < count, converted to `dtype`
+// (BF16/F16/F32, rounded to nearest even as the device's conversions are) and packed (cols = table.cols). The ids
+// were checked by the caller. (The CUDA backend's staging; shared so that the CPU tests check it.)
+void gather_host_rows_into(const Tensor& table, const int32_t* ids, int64_t count, DType dtype, void* dst);
+}  // namespace detail
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -182,6 +189,15 @@ class Backend {
   // [vocab, hidden], BF16/F16/F32) and row selection (e.g. the last token of each sequence before the
   // lm_head). table [V, H]; ids I32 vector [T], each in [0, V); out [T, H].
   Status gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out);
+  // The same lookup from a table in HOST memory (PlanOptions::host_embeddings: the checkpoint's mmap) by ids in
+  // host memory: out[t, :] = table[ids[t], :] in the activation dtype, t < out.rows. table [V, H] BF16/F16/F32;
+  // ids: out.rows int32 values, each in [0, V) (checked on the host, before anything is copied); out [T, H] in the
+  // backend's memory. The CPU gathers (its memory is the host's: gather_rows). CUDA gathers the rows on the host
+  // into its pinned staging buffer (CudaBackendOptions::host_staging_bytes: at least T x H activations; rows
+  // converted there when the table's dtype is not the activations') and copies them into out on its stream,
+  // returning once the copy is done (as copy_from_host: the staging buffer is free again). Not inside a CUDA graph
+  // capture: a step's lookup runs before its graph is launched. Timed as gather_rows.
+  Status gather_host_rows(const Tensor& table, const int32_t* ids, const Tensor& out);
 
   // RMSNorm in groups: each row of x is split into x.cols / W groups of W = weight's length, and each group
   // is normalised on its own: out = weight * (x * rsqrt(mean(x^2) + eps)), in fp32 (LlamaRMSNorm).
@@ -293,6 +309,7 @@ class Backend {
   virtual void impl_copy_to_host(const Tensor& src, void* dst) = 0;
   virtual void impl_synchronize() = 0;
   virtual void impl_gather_rows(const Tensor& table, const Tensor& ids, const Tensor& out) = 0;
+  virtual void impl_gather_host_rows(const Tensor& table, const int32_t* ids, const Tensor& out) = 0;
   virtual void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) = 0;
   virtual void impl_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
                                  const Tensor& out) = 0;

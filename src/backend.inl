@@ -1,6 +1,7 @@
 // backend: the validation every backend shares, and the rotary-table helpers.
 #include <chrono>
 #include <cmath>
+#include <cstring>
 
 namespace kvlite {
 
@@ -189,6 +190,60 @@ Status Backend::gather_rows(const Tensor& table, const Tensor& ids, const Tensor
     run_op(Op::gather_rows, [&] { impl_gather_rows(table, ids, out); });
   });
 }
+
+Status Backend::gather_host_rows(const Tensor& table, const int32_t* ids, const Tensor& out) {
+  return detail::guard([&] {
+    const char* op = "gather_host_rows";
+    detail::check_view(op, "table", table);
+    detail::check_supported(*this, Op::gather_rows, table.dtype, "table dtype");
+    detail::check_dtype(op, "out", out, activation_dtype());
+    detail::check_shape(op, "out", out, out.rows, table.cols);
+    detail::check_alias(op, "out", out, "table", table, false);
+    if (out.rows > 0 && ids == nullptr) detail::fail(ErrorCode::invalid_argument, "gather_host_rows: ids is null");
+    if (out.rows > 0 && table.data == nullptr)
+      detail::fail(ErrorCode::invalid_argument, "gather_host_rows: the host table is null");
+    for (int64_t t = 0; t < out.rows; t++)
+      if (ids[t] < 0 || ids[t] >= table.rows)
+        detail::fail(ErrorCode::invalid_argument,
+                     detail::format("gather_host_rows: ids[%lld] = %d is outside the table's %lld rows", (long long)t,
+                                    ids[t], (long long)table.rows));
+    run_op(Op::gather_rows, [&] { impl_gather_host_rows(table, ids, out); });
+  });
+}
+
+namespace detail {
+void gather_host_rows_into(const Tensor& table, const int32_t* ids, int64_t count, DType dtype, void* dst) {
+  const int64_t cols = table.cols;
+  const size_t in_bytes = size_t(dtype_bytes(table.dtype, 1)), out_bytes = size_t(dtype_bytes(dtype, 1));
+  const uint8_t* base = static_cast<const uint8_t*>(table.data);
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  auto load = [&](const uint8_t* row, int64_t c) -> float {
+    switch (table.dtype) {
+      case DType::F32: { float v; std::memcpy(&v, row + c * 4, 4); return v; }
+      case DType::BF16: { uint16_t v; std::memcpy(&v, row + c * 2, 2); return bf16_to_float(v); }
+      case DType::F16: { uint16_t v; std::memcpy(&v, row + c * 2, 2); return f16_to_float(v); }
+      default: fail(ErrorCode::internal, format("gather_host_rows: table dtype %s", dtype_name(table.dtype)));
+    }
+  };
+  for (int64_t t = 0; t < count; t++) {
+    const uint8_t* row = base + size_t(ids[t]) * size_t(table.row_stride) * in_bytes;
+    uint8_t* to = out + size_t(t) * size_t(cols) * out_bytes;
+    if (dtype == table.dtype) {
+      std::memcpy(to, row, size_t(cols) * in_bytes);
+      continue;
+    }
+    for (int64_t c = 0; c < cols; c++) {
+      const float v = load(row, c);
+      if (dtype == DType::F32) {
+        std::memcpy(to + c * 4, &v, 4);
+      } else {
+        const uint16_t h = dtype == DType::BF16 ? float_to_bf16(v) : float_to_f16(v);
+        std::memcpy(to + c * 2, &h, 2);
+      }
+    }
+  }
+}
+}  // namespace detail
 
 Status Backend::rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) {
   return detail::guard([&] {

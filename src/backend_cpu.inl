@@ -295,6 +295,11 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // The CPU's memory is the host's: the lookup is gather_rows over the host ids.
+  void impl_gather_host_rows(const Tensor& table, const int32_t* ids, const Tensor& out) override {
+    impl_gather_rows(table, Tensor::vector(const_cast<int32_t*>(ids), DType::I32, out.rows), out);
+  }
+
   void impl_rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override {
     with_float_and_activation_types(weight.dtype, [&](auto tag, auto act_tag) {
       using W = decltype(tag);

@@ -55,6 +55,10 @@ struct CudaBackendOptions {
   // The same kernels on the same inputs: results are bit for bit those of ordinary launches. Backend::name() ends
   // in ", programmatic launch" when it is in effect.
   bool programmatic_launch = true;
+  // Pinned host memory (cudaHostAlloc) for gather_host_rows' looked-up rows: a step's T x H activations (the plan's
+  // host_staging_bytes with --host-embeddings). Host memory, not device memory: the arena stays the one device
+  // allocation. 0: none (gather_host_rows is then refused with the numbers).
+  uint64_t host_staging_bytes = 0;
 };
 
 // Binds the backend to options.device: a stream of its own, a cuBLAS handle using the workspace's front.

@@ -110,6 +110,9 @@ typedef struct kvlite_options {
   kvlite_log_fn log;        /* NULL: kvlite_set_log's */
   void* log_user_data;
   int32_t log_level;        /* KVLITE_LOG_*: messages below it are dropped; default INFO */
+  /* nonzero: keep an untied token-embedding table in host memory instead of the device (--host-embeddings;
+     CUDA saves the table's bytes, the CPU changes nothing; a tied table is refused) */
+  int32_t host_embeddings;
 } kvlite_options;
 void kvlite_options_init(kvlite_options* options);
 

@@ -108,6 +108,7 @@ EngineOptions engine_options(const kvlite_options* given) {
   options.plan.max_image_pixels = in->max_image_pixels;
   if (in->max_images) options.plan.max_images = in->max_images;
   options.plan.kv_fill = in->kv_fill != 0;
+  options.plan.host_embeddings = in->host_embeddings != 0;
   check_cpu_threads(in->threads, "kvlite_options.threads");
   options.threads = in->threads;
   if (in->name) options.name = in->name;

@@ -384,6 +384,7 @@ struct WeightsSummary {
   uint64_t text_bytes = 0;      // language model, embeddings and lm_head
   uint64_t vision_bytes = 0;    // vision tower and mergers
   uint64_t embedding_bytes = 0; // input embedding table (+ lm_head when untied)
+  uint64_t embed_table_bytes = 0;  // the input embedding table alone (embed_tokens), as stored
   bool exact = false;           // "headers" when true, "config" when estimated
   std::vector<LinearDesc> linears;
 };

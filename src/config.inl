@@ -1844,6 +1844,7 @@ WeightsSummary summarize_weights_from(const ModelConfig& config, const std::vect
   if (!table)
     fail(ErrorCode::missing_tensor, format("%s (the input embedding table) is not in the checkpoint", embed.c_str()));
   s.embedding_bytes = table->nbytes;
+  s.embed_table_bytes = table->nbytes;
   for (const LinearDesc& linear : s.linears)
     if (linear.name == "lm_head") s.embedding_bytes += linear.bytes;
   return s;
@@ -1866,6 +1867,7 @@ WeightsSummary estimate_weights(const ModelConfig& config) {
     if (linear.name == "lm_head") lm_head = linear.bytes;
   }
   s.embedding_bytes = embedding + lm_head;
+  s.embed_table_bytes = embedding;
   s.text_bytes = embedding + norms + text_linears;
   if (config.vision.present) {
     const VisionConfig& v = config.vision;

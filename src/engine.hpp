@@ -195,6 +195,9 @@ struct EngineInfo {
   // CUDA: device memory the captured graphs took, measured with cudaMemGetInfo around their capture (the plan's
   // "graphs" row is an estimate of this).
   uint64_t graph_memory_bytes = 0;
+  // PlanOptions::host_embeddings in effect: the forward pass looks the embedding rows up in the host table
+  // (Backend::gather_host_rows; on CUDA through pinned staging, the table never on the device).
+  bool host_embeddings = false;
 };
 
 // Engine::measure_copy_bandwidth's result.

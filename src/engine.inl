@@ -959,6 +959,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       backend_options.workspace_bytes = workspace->bytes;
       backend_options.activation_dtype = *e.plan.options.activation_dtype;
       backend_options.programmatic_launch = options.cuda_programmatic_launch;
+      backend_options.host_staging_bytes = e.plan.host_staging_bytes;  // --host-embeddings: pinned host memory
       Result<std::unique_ptr<Backend>> backend = make_cuda_backend(backend_options);
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);
@@ -996,7 +997,11 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
     TextModelWeights text_weights;
     if (gpu) {
       detail::engine::WeightUploader upload(*e.backend, *e.arena, e.plan.upload_chunk_bytes);
-      text_weights = detail::engine::upload_text_weights(*bound, upload, progress, total_weight_bytes);
+      text_weights = detail::engine::upload_text_weights(*bound, upload, progress, total_weight_bytes,
+                                                         e.plan.host_embedding_bytes > 0);
+      if (e.plan.host_embedding_bytes > 0)  // read once now, so that the first steps do not wait for the disk
+        if (const TensorInfo* table = e.store.find(e.config.text_prefix() + "embed_tokens.weight"))
+          e.store.page_in(*table);
       // the vision tower (Qwen3-VL) into the same span, after the text model: its views become device memory
       if (vision_weights) vision_weights = detail::engine::upload_vision_weights(*vision_weights, upload);
     } else {
@@ -1010,12 +1015,16 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
         progress(std::min(paged, total_weight_bytes));
       }
       text_weights = std::move(*bound);
+      // --host-embeddings changes nothing on the CPU (its table is host memory already) but the op that looks the
+      // rows up: the GPU's path (gather_host_rows in stage()), run here as a plain gather
+      text_weights.embed_tokens_on_host = e.plan.options.host_embeddings;
     }
     progress(total_weight_bytes);
     e.info.backend = backend_kind;
     e.info.backend_name = e.backend->name();
     e.info.activation_dtype = e.backend->activation_dtype();
     e.info.decode_weight_bytes = detail::engine::decode_weight_bytes(text_weights, gpu);
+    e.info.host_embeddings = text_weights.embed_tokens_on_host;
     e.model = std::make_unique<TextModel>(e.config, std::move(text_weights), *e.backend, *e.arena, e.plan, kv_dtype);
     e.speculator.open(e.plan.options.speculative_tokens, e.plan.options.ngram, e.plan.max_model_len,
                       e.config.text.vocab_size, size_t(e.plan.options.max_seqs));

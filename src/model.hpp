@@ -45,6 +45,9 @@ struct DecoderLayerWeights {
 
 struct TextModelWeights {
   Tensor embed_tokens;                     // [V, H]
+  // The table is host memory (PlanOptions::host_embeddings: the checkpoint's mmap, also on a GPU): stage() looks
+  // the step's rows up with Backend::gather_host_rows into the "hidden" buffer, and compute() starts from them.
+  bool embed_tokens_on_host = false;
   std::vector<DecoderLayerWeights> layers;  // [L]
   Tensor norm;                             // [H]
   LinearWeights lm_head;                   // [V, H], no bias; the embed_tokens view when tie_word_embeddings

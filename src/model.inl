@@ -418,6 +418,10 @@ void TextModel::stage(const StepInput& step) {
   // The step's indices and RoPE tables, from the host.
   Tensor ids = token_ids_.slice_rows(0, T), slots = slot_mapping_.slice_rows(0, T);
   check(backend_.copy_from_host(step.token_ids, ids));
+  // inputs_embeds = self.embed_tokens(input_ids) from a host table (--host-embeddings): the rows are looked up on
+  // the host and copied into hidden here, before the step's compute (a CUDA graph's launch), which starts from them
+  if (weights_.embed_tokens_on_host)
+    check(backend_.gather_host_rows(weights_.embed_tokens, step.token_ids, hidden_.slice_rows(0, T)));
   check(backend_.copy_from_host(step.slots, slots));
   check(backend_.copy_from_host(step.query_starts, query_starts_.slice_rows(0, step.seqs + 1)));
   check(backend_.copy_from_host(step.context_lens, context_lens_.slice_rows(0, step.seqs)));
@@ -510,7 +514,8 @@ void TextModel::compute(const StepInput& step) {
   Tensor act = mlp_act_.slice_rows(0, T);      // [T, I]
 
   // inputs_embeds = self.embed_tokens(input_ids)   (gemma: * self.embed_scale.to(self.weight.dtype))
-  check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
+  // (a host table's rows are already in hidden: stage() looked them up)
+  if (!weights_.embed_tokens_on_host) check(backend_.gather_rows(weights_.embed_tokens, ids, hidden));
   if (embedding_scale_ > 0) check(backend_.scale(hidden, embedding_scale_, hidden));
   // qwen3_vl: inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_embeds)
   // (image features are float host rows: the vision tower's activations widened, so rounding them back to

@@ -51,6 +51,13 @@ struct PlanOptions {
   // GPU's rounding, for tests); on CUDA the model's dtype (F16 for F16 checkpoints, else BF16), as KV auto.
   // Resolved in Plan::options.
   std::optional<DType> activation_dtype;
+  // The token-embedding table (embed_tokens) stays in host memory, the checkpoint's mmap, instead of the device
+  // (--host-embeddings; llama.cpp keeps token_embd on the CPU for the same reason): a step looks up its T rows on
+  // the host into a pinned staging buffer of max_batched_tokens x hidden activations and copies them into the
+  // "hidden" activations. Saves the table's bytes of device memory (Qwen2.5-7B: 1.02 GiB of bf16) for a host
+  // gather and a T x H copy per step. CUDA only changes anything (the CPU's table is host memory already); an
+  // untied table only: a tied one is lm_head too, which the GPU multiplies by (refused, invalid_argument).
+  bool host_embeddings = false;
 };
 
 // Limits on options (beyond them the planner's products would stop meaning anything).
@@ -186,6 +193,11 @@ struct Plan {
   int64_t image_patches_per_image = 0;  // its patches (tokens x merge^2): the encoder's sequence length
   uint64_t vision_weights_bytes = 0;    // vision tower and mergers (part of the weights row)
   uint64_t vision_activation_bytes = 0; // the vision row: encoder buffers for max_images such images
+  // --host-embeddings (PlanOptions::host_embeddings) on CUDA: the table's bytes kept out of the weights row (in
+  // host memory, the mmap) and the pinned host staging buffer the looked-up rows go through (max_batched_tokens x
+  // hidden x activation bytes, host memory too); both 0 otherwise (and on the CPU, where nothing changes).
+  uint64_t host_embedding_bytes = 0;
+  uint64_t host_staging_bytes = 0;
   std::vector<std::string> advice;             // sentences for people, most useful first
 
   uint64_t arena_bytes() const;  // sum of in_arena items + kv_arena_bytes: the one reservation

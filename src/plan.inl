@@ -303,6 +303,10 @@ void check_options(const ModelConfig& config, const DeviceSpec& device, const Pl
     if (act != DType::F32 && act != DType::BF16 && act != DType::F16)
       bad(format("activation dtype %s: activations are BF16, F16 or F32", dtype_name(act)));
   }
+  if (o.host_embeddings && config.text.tie_word_embeddings)
+    bad(format("--host-embeddings keeps an untied embedding table in host memory, but %s ties its embeddings "
+               "(tie_word_embeddings: embed_tokens is also lm_head, which the device multiplies by every step): "
+               "drop --host-embeddings", model_name_of(config).c_str()));
   if (o.max_images < 1 || o.max_images > kMaxPlanImages)
     bad(format("max_images %lld is outside 1..%lld", (long long)o.max_images, (long long)kMaxPlanImages));
   if (o.max_image_pixels < 0)
@@ -395,7 +399,22 @@ uint64_t cuda_weight_slack(const ModelConfig& config) {
   return kPlanAlignment * tensors + computed_norms;
 }
 
-PlanItem weights_item(const Inputs& in, DType act) {
+// --host-embeddings on CUDA (an untied table: check_options refused a tied one): the table's bytes stay in host
+// memory, and the looked-up rows go through a pinned host buffer of max_batched_tokens x hidden activations.
+uint64_t host_embedding_bytes(const Inputs& in, const PlanOptions& o) {
+  return o.host_embeddings && in.device.backend == BackendKind::cuda && !in.config.text.tie_word_embeddings
+             ? in.weights.embed_table_bytes
+             : 0;
+}
+uint64_t host_staging_bytes(const Inputs& in, const PlanOptions& o) {
+  if (host_embedding_bytes(in, o) == 0) return 0;
+  const uint64_t rows = uint64_t(std::max<int64_t>(o.max_batched_tokens, 0));
+  const uint64_t hidden = uint64_t(std::max<int64_t>(in.config.text.hidden_size, 0));
+  return align_up(dtype_bytes(*o.activation_dtype, rows * hidden), kPlanAlignment);
+}
+
+PlanItem weights_item(const Inputs& in, const PlanOptions& o) {
+  const DType act = *o.activation_dtype;
   // On the CPU the weights are read in place from the memory-mapped safetensors files (the OS page cache
   // holds them): they count against the budget but are not copied into the arena.
   bool in_arena = in.device.backend == BackendKind::cuda;
@@ -405,15 +424,23 @@ PlanItem weights_item(const Inputs& in, DType act) {
   std::string device;  // CUDA: what uploading changes
   if (in_arena) {
     const WeightConversion c = cuda_weight_conversion(in.config, in.weights, act);
-    const int64_t bytes = std::max<int64_t>(0, int64_t(in.weights.total_bytes) + c.extra_bytes) +
+    const uint64_t host_table = host_embedding_bytes(in, o);
+    const int64_t bytes = std::max<int64_t>(0, int64_t(in.weights.total_bytes) - int64_t(host_table) + c.extra_bytes) +
                           int64_t(cuda_weight_slack(in.config));
     item.bytes = align_up(uint64_t(bytes), kPlanAlignment);
-    device = format("; on the GPU %s(%s): ", c.converted_linears || c.tied_copy ? "" : "as stored ",
+    device = format("; on the GPU %s(%s): ", c.converted_linears || c.tied_copy || host_table ? "" : "as stored ",
                     format_bytes_signed(int64_t(item.bytes) - int64_t(in.weights.total_bytes)).c_str());
     if (c.converted_linears) device += format("%llu Linears converted to %s, ", (unsigned long long)c.converted_linears,
                                               activation_dtype_text(act));
     if (c.tied_copy) device += format("a %s copy of the tied lm_head, ", activation_dtype_text(act));
     device += format("256-byte alignment; uploaded in %s chunks", format_bytes(kCudaUploadChunkBytes).c_str());
+    if (host_table > 0)
+      device += format("; embed_tokens (%s) stays in host memory (--host-embeddings): each step looks up its rows on "
+                       "the host into a pinned host buffer of %s (T=%lld x H=%lld %s; host memory, not in the device "
+                       "budget) and copies them into the activations' hidden buffer",
+                       format_bytes(host_table).c_str(), format_bytes(host_staging_bytes(in, o)).c_str(),
+                       (long long)o.max_batched_tokens, (long long)in.config.text.hidden_size,
+                       activation_dtype_text(act));
   }
   if (in.weights.exact) {
     item.label = in.tensor_count ? format("weights (exact, %llu tensors)", (unsigned long long)in.tensor_count)
@@ -421,7 +448,11 @@ PlanItem weights_item(const Inputs& in, DType act) {
     item.why = format("sum of the tensors' byte spans in the safetensors headers: %zu Linears %s, the rest %s%s",
                       in.weights.linears.size(), format_bytes(linear_bytes).c_str(),
                       format_bytes(in.weights.total_bytes - std::min(linear_bytes, in.weights.total_bytes)).c_str(),
-                      in_arena ? device.c_str() : "; memory-mapped, not copied (CPU)");
+                      in_arena ? device.c_str()
+                      : o.host_embeddings
+                          ? "; memory-mapped, not copied (CPU; --host-embeddings changes nothing here: the CPU's "
+                            "embedding table is host memory already)"
+                          : "; memory-mapped, not copied (CPU)");
   } else {
     item.label = "weights (estimated from config.json)";
     item.why = format("no safetensors in the directory: shapes from config.json, formats from quantization_config "
@@ -693,7 +724,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.options = o;
   plan.model_name = model_name_of(in.config);
   plan.arch = in.config.arch;
-  plan.items.push_back(weights_item(in, *o.activation_dtype));
+  plan.items.push_back(weights_item(in, o));
   plan.items.push_back(repack_item(in));
   plan.items.push_back(context_item(in));
   plan.items.push_back(activations_item(in, o));
@@ -714,6 +745,8 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   }
 
   plan.weights_bytes = in.weights.total_bytes;
+  plan.host_embedding_bytes = host_embedding_bytes(in, o);
+  plan.host_staging_bytes = host_staging_bytes(in, o);
   plan.weights_source = in.weights.exact ? "headers" : "config";
   plan.upload_chunk_bytes = in.device.backend == BackendKind::cuda ? kCudaUploadChunkBytes : 0;
   // Every layer has the same KV heads and head_dim: a token's KV splits evenly over the layers (and the groups).
@@ -871,11 +904,28 @@ void write_advice(const Inputs& in, Plan& plan) {
       plan.advice.push_back(format("No --spec-tokens fits with the draft model %s; without it (no --draft) the plan "
                                    "fits.", plan.draft_model_name.c_str()));
   }
-  if (plan.weights_bytes >= plan.budget_bytes) {
+  const uint64_t table = in.weights.embed_table_bytes;
+  if (in.device.backend == BackendKind::cuda && !o.host_embeddings && !in.config.text.tie_word_embeddings &&
+      table > 0) {
+    // The untied table on the device: one flag takes it off (looked up on the host, a T x H copy a step).
+    PlanOptions trial = o;
+    trial.host_embeddings = true;
+    const Plan with = assemble(in, trial);
+    const std::string verdict =
+        with.fits ? "that alone makes it fit"
+                  : format("not enough alone: still short by %s", format_bytes(uint64_t(with.shortfall_bytes)).c_str());
+    plan.advice.push_back(format("With --host-embeddings: the untied embedding table (embed_tokens, %s) stays in host "
+                                 "memory, %s less on the device (a %s pinned host buffer takes the looked-up rows); %s.",
+                                 format_bytes(table).c_str(), format_bytes(plan.fixed_bytes - with.fixed_bytes).c_str(),
+                                 format_bytes(with.host_staging_bytes).c_str(), verdict.c_str()));
+  }
+  if (plan.weights_bytes - plan.host_embedding_bytes >= plan.budget_bytes) {
     // A model that is already quantized is not told to quantize: only a larger card (or budget) helps.
     const bool quantized = std::any_of(in.weights.linears.begin(), in.weights.linears.end(),
                                        [](const LinearDesc& l) { return l.format != WeightFormat::dense; });
-    plan.advice.push_back(format("The weights alone (%s) exceed the %s budget: %s.", format_bytes(plan.weights_bytes).c_str(),
+    plan.advice.push_back(format("The weights alone (%s%s) exceed the %s budget: %s.",
+                                 format_bytes(plan.weights_bytes - plan.host_embedding_bytes).c_str(),
+                                 plan.host_embedding_bytes ? " on the device" : "",
                                  format_bytes(plan.budget_bytes).c_str(),
                                  quantized ? "this checkpoint is already quantized, so it needs a larger card"
                                            : "use a quantized checkpoint (W4A16 or FP8) or a larger card"));
@@ -1436,6 +1486,7 @@ std::string Plan::json() const {
   opts["ngram"] = options.ngram;
   opts["activation_dtype"] = dtype_name(options.activation_dtype.value_or(DType::F32));
   opts["wsl2"] = options.wsl2.value_or(device.wsl2);
+  opts["host_embeddings"] = options.host_embeddings;
   j["options"] = opts;
   nlohmann::ordered_json list = nlohmann::ordered_json::array();
   for (const auto& it : items)
@@ -1444,6 +1495,8 @@ std::string Plan::json() const {
   j["weights_bytes"] = weights_bytes;
   j["weights_source"] = weights_source;
   j["upload_chunk_bytes"] = upload_chunk_bytes;
+  j["host_embedding_bytes"] = host_embedding_bytes;
+  j["host_staging_bytes"] = host_staging_bytes;
   j["kv_dtype"] = kv_dtype_name(options.kv_dtype);
   j["kv_bytes_per_token"] = kv_bytes_per_token;
   j["kv_page_tokens"] = kv_page_tokens;

@@ -216,13 +216,24 @@ VisionWeights upload_vision_weights(const VisionWeights& host, WeightUploader& u
   return device;
 }
 
+// host_embeddings (PlanOptions::host_embeddings, an untied table): embed_tokens stays the mmap's host view, looked
+// up on the host each step (the plan's weights row leaves it out).
 TextModelWeights upload_text_weights(const TextModelWeights& host, WeightUploader& upload,
-                                     const std::function<void(uint64_t)>& progress, uint64_t host_bytes) {
+                                     const std::function<void(uint64_t)>& progress, uint64_t host_bytes,
+                                     bool host_embeddings = false) {
   // Progress in the checkpoint's bytes: the span's share filled, of the bytes on disk (after each layer).
   auto report = [&] { progress(uint64_t(std::min(1.0, upload.filled()) * double(host_bytes))); };
   const DType act = upload.activation_dtype();
   TextModelWeights device;
-  device.embed_tokens = upload.tensor(host.embed_tokens, host.embed_tokens.dtype, "embed_tokens");
+  const bool tied = !host.lm_head.quant && host.lm_head.weight.data == host.embed_tokens.data;
+  if (host_embeddings && tied)
+    fail(ErrorCode::internal, "--host-embeddings with a tied embedding table: the plan refuses it");
+  if (host_embeddings) {
+    device.embed_tokens = host.embed_tokens;
+    device.embed_tokens_on_host = true;
+  } else {
+    device.embed_tokens = upload.tensor(host.embed_tokens, host.embed_tokens.dtype, "embed_tokens");
+  }
   device.layers.resize(host.layers.size());
   for (size_t l = 0; l < host.layers.size(); l++) {
     const DecoderLayerWeights& h = host.layers[l];
@@ -244,7 +255,6 @@ TextModelWeights upload_text_weights(const TextModelWeights& host, WeightUploade
     report();
   }
   device.norm = upload.tensor(host.norm, host.norm.dtype, "norm");
-  const bool tied = !host.lm_head.quant && host.lm_head.weight.data == host.embed_tokens.data;
   if (tied && device.embed_tokens.dtype == act) {
     device.lm_head.weight = device.embed_tokens;  // one table serves both, as on the host
   } else if (tied) {

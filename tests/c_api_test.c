@@ -150,7 +150,20 @@ static void plans(void) {
   CHECK(kvlite_plan(KVLITE_SOURCE_DIR "/models/llama-3.1-8b-instruct-w4a16", &options, 0, &text, &fits) == KVLITE_OK);
   CHECK(fits == 0);
   CHECK(text != NULL && strstr(text, "DOES NOT FIT") != NULL && strstr(text, "--max-model-len") != NULL);
+  CHECK(strstr(text, "With --host-embeddings") != NULL); /* its untied table: the advice names the flag */
   kvlite_free(text);
+  /* host_embeddings (0 after init): the untied table stays in host memory, and the weights row says so */
+  CHECK(options.host_embeddings == 0);
+  options.host_embeddings = 1;
+  CHECK(kvlite_plan(KVLITE_SOURCE_DIR "/models/llama-3.1-8b-instruct-w4a16", &options, 0, &text, &fits) == KVLITE_OK);
+  CHECK(text != NULL && strstr(text, "stays in host memory (--host-embeddings)") != NULL);
+  CHECK(strstr(text, "With --host-embeddings") == NULL);
+  kvlite_free(text);
+  /* refused for a tied table (tiny-qwen3 ties lm_head to embed_tokens) */
+  text = NULL;
+  options.max_model_len = 0;
+  CHECK_FAILS(kvlite_plan(kQwen, &options, 0, &text, NULL), KVLITE_INVALID_ARGUMENT, "tie_word_embeddings");
+  options.host_embeddings = 0;
 
   /* Errors: each names what is wrong. */
   text = NULL;

@@ -74,7 +74,7 @@ TEST_CASE("--version and --help exit 0 on stdout") {
     Run plan_help = run_kvlite(args);
     CHECK(plan_help.status == 0);
     for (const char* option : {"--backend", "--device", "--device-mem", "--utilization", "--max-model-len", "--max-seqs",
-                               "--max-batched-tokens", "--kv-dtype", "--kv-fill", "--max-image-pixels", "--wsl2",
+                               "--max-batched-tokens", "--kv-dtype", "--kv-fill", "--host-embeddings", "--max-image-pixels", "--wsl2",
                                "--no-wsl2", "--json", "--sweep", "--svg"})
       CHECK_MESSAGE(contains(plan_help.out, option), option);
   }

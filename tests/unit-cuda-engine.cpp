@@ -802,6 +802,63 @@ TEST_CASE("no device allocation after open: the arena is the one cudaMalloc") {
   CHECK(Arena::allocations_after_start() == 0);
 }
 
+// --host-embeddings on the GPU: the table stays in the mmap, each step's rows are gathered on the host into the
+// pinned staging buffer and copied into the hidden activations before the step (before a decode graph's launch).
+TEST_CASE("--host-embeddings on the GPU: the same logits and greedy tokens as the table on the device, eager and graphs") {
+  GPU_OR_SKIP();
+  const std::string name = "tiny-llama3";  // untied lm_head
+  const std::vector<Prompt> list = prompts(name);
+  for (DType act : {DType::F32, DType::BF16}) {
+    for (bool graphs : {false, true}) {
+      CAPTURE(dtype_name(act));
+      CAPTURE(graphs);
+      auto device_table = gpu_engine(name, act, graphs);
+      EngineOptions options;
+      options.backend = BackendChoice::cuda;
+      options.plan.device_mem = 1 * GiB;
+      options.plan.activation_dtype = act;
+      options.plan.host_embeddings = true;
+      options.cuda_graphs = graphs;
+      const uint64_t before = cuda::device_allocations();
+      auto opened = Engine::open(fx::dir(name), options);
+      REQUIRE_MESSAGE(opened, opened.error().message);
+      auto host_table = std::move(*opened);
+      CHECK(cuda::device_allocations() == before + 1);  // the arena; the staging buffer is pinned host memory
+      const Plan& plan = host_table->plan();
+      CHECK(plan.host_embedding_bytes > 0);
+      CHECK(host_table->info().host_embeddings);
+      CHECK_FALSE(device_table->info().host_embeddings);
+      CHECK(device_table->plan().item("weights")->bytes - plan.item("weights")->bytes == plan.host_embedding_bytes);
+      CHECK(host_table->info().graph_buckets.empty() == !graphs);
+      for (const Prompt& p : list) {
+        auto a = device_table->logits(p.ids);
+        auto b = host_table->logits(p.ids);
+        REQUIRE(a);
+        REQUIRE_MESSAGE(b, b.error().message);
+        // the same rows (bf16 as stored, or widened exactly to F32) into the same kernels: the same bits
+        CHECK(b->values == a->values);
+        const fx::Npy reference = fx::read_npy(fx::dir(name) + "/" + p.logits_file);
+        CHECK(fx::relative_max_diff(b->values, reference.values) <= logits_tolerance(act, name) + 1e-4);
+      }
+      // batched decode: graph replays when on, the gather before each launch
+      std::vector<RequestId> a, b;
+      for (const Prompt& p : list) {
+        a.push_back(device_table->submit(p.ids, greedy()).value());
+        b.push_back(host_table->submit(p.ids, greedy()).value());
+      }
+      REQUIRE(device_table->run());
+      REQUIRE(host_table->run());
+      for (size_t i = 0; i < list.size(); i++) {
+        const std::vector<int32_t> got = host_table->result(b[i]).value().ids;
+        CHECK(got == device_table->result(a[i]).value().ids);
+        if (act == DType::F32) CHECK(got == list[i].greedy);
+      }
+      CHECK((host_table->stats().graph_steps > 0) == graphs);
+      CHECK(cuda::device_allocations() == before + 1);
+    }
+  }
+}
+
 // The whole process's device memory as nvidia-smi reports it (context included), or 0 when it cannot say.
 uint64_t process_device_bytes() {
   FILE* pipe = popen("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null", "r");
