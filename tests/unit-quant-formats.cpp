@@ -374,7 +374,7 @@ TEST_CASE("real AWQ / GPTQ configs plan on an 8 GiB card, and the repack row cou
   }
 }
 
-TEST_CASE("Qwen2.5-7B W8A8-INT8 plans: on the CPU, and on the GPU with its int8 weights kept at a byte each") {
+TEST_CASE("Qwen2.5-7B W8A8-INT8 plans: on the CPU, and on an 8 GiB GPU with its int8 weights at a byte each and its embeddings in host memory") {
   auto inputs = read_plan_inputs(source_path("tests/fixtures/configs/qwen2.5-7b-instruct-w8a8-int8"));
   REQUIRE_MESSAGE(inputs.ok(), inputs.error().message);
   int64_t int8 = 0;
@@ -409,6 +409,28 @@ TEST_CASE("Qwen2.5-7B W8A8-INT8 plans: on the CPU, and on the GPU with its int8 
   CHECK(repack->bytes == align_up(extra, 256));
   CHECK(repack->bytes < 64 * MiB);
   CHECK(contains(repack->why, "196 int8 Linears stay 1 byte a weight"));
+  // Short by about the embedding table (1.02 GiB of bf16, untied): kept in host memory (--host-embeddings), and
+  // squeezed (one sequence, 256-token steps, utilization 0.97), it fits an 8 GiB card at 1,920 tokens of bf16 KV
+  // or 3,840 of fp8. Not at the defaults: the advice names the flag.
+  CHECK(std::any_of(gpu.advice.begin(), gpu.advice.end(),
+                    [](const std::string& line) { return contains(line, "--host-embeddings"); }));
+  PlanOptions squeezed;
+  squeezed.host_embeddings = true;
+  squeezed.utilization = 0.97;
+  squeezed.max_seqs = 1;
+  squeezed.max_batched_tokens = 256;
+  squeezed.max_model_len = 1920;
+  squeezed.wsl2 = false;  // native Linux (WSL2's context takes 1 GiB)
+  const Plan bf16_kv = make_plan(*inputs, card, squeezed).value();
+  MESSAGE("Qwen2.5-7B W8A8, host embeddings, 1920 tokens bf16 KV: fits " << bf16_kv.fits << ", fixed "
+          << format_bytes(bf16_kv.fixed_bytes) << " of " << format_bytes(bf16_kv.budget_bytes));
+  CHECK(bf16_kv.fits);
+  squeezed.max_model_len = 3840;
+  squeezed.kv_dtype = KVDType::fp8;
+  CHECK(make_plan(*inputs, card, squeezed).value().fits);
+  squeezed.host_embeddings = false;  // the table on the device: no context fits
+  squeezed.max_model_len = 256;
+  CHECK_FALSE(make_plan(*inputs, card, squeezed).value().fits);
   DeviceSpec cpu;
   cpu.backend = BackendKind::cpu;
   cpu.total_bytes = 16 * GiB;
