@@ -53,6 +53,10 @@ std::unique_ptr<Backend> quant_cpu(CpuKernels kernels, CpuIsa isa, int threads, 
   options.isa = isa;
   options.int8_activations = true;
   options.fp8_activations = fp8_activations;
+  // the largest K below (int8 groups of 128: 3 and a half): the fast kernels keep their tables (act-order int8: 2
+  // floats a group a row) in the backend's per-thread dequantization scratch of 16 rows of K floats, no buffer
+  // of their own; sized to the largest weight, tables that outgrew it would overrun the last thread's slice
+  options.max_quant_in_features = 448;
   return make_cpu_backend(options).value();
 }
 
