@@ -3586,11 +3586,12 @@ int max_cpu_threads();
 namespace detail {
 void check_cpu_threads(int64_t threads, const char* what);  // throws invalid_argument naming `what` and the cap
 }  // namespace detail
-// Which Linear kernels a CPU backend runs. reference: the plain loops every other path is checked against (the
-// default). fast: SIMD GEMV/GEMM kernels that read BF16 / F16 / F32 and int4 (W4A16 pack-quantized) weights as
-// stored and dequantize them in registers; F32 activations only (other activation dtypes, and weight formats
-// or layouts the fast kernels do not cover, run the reference). Its sums run in another order than the
-// reference's, so results differ from it by float rounding (tests/unit-cpu-fast.cpp bounds that).
+// Which Linear kernels a CPU backend runs. reference: the plain loops every other path is checked against.
+// fast (the default): SIMD GEMV/GEMM kernels that read BF16 / F16 / F32, int4 (W4A16 pack-quantized), int8
+// (W8A16, W8A8) and fp8 e4m3 weights as stored and dequantize them in registers to the reference's values;
+// F32 activations only (other activation dtypes, and weight formats or layouts the fast kernels do not cover,
+// run the reference). Its sums run in another order than the reference's, so results differ from it by float
+// rounding (tests/unit-cpu-fast.cpp bounds that); suites that compare CPU paths bit for bit pin reference.
 enum class CpuKernels : uint8_t { reference, fast };
 // The instruction set the fast kernels use. automatic: the best this CPU has (checked at run time);
 // portable: plain C++ (every machine); avx2: AVX2 + FMA + F16C; avx512: AVX-512 F/BW/VL. Forcing one the CPU
@@ -3615,7 +3616,7 @@ struct CpuBackendOptions {
   // every op still computes in f32 and rounds (to nearest even) on each store, where the CUDA kernels round.
   DType activation_dtype = DType::F32;
   // The Linear kernels (last, so that existing aggregate initializers keep their meaning).
-  CpuKernels kernels = CpuKernels::reference;
+  CpuKernels kernels = CpuKernels::fast;
   CpuIsa isa = CpuIsa::automatic;  // for kernels == fast
 };
 // Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
@@ -4069,7 +4070,7 @@ struct EngineOptions {
   // GEMMs may round a row differently with the batch around it.
   std::optional<bool> prefix_caching;
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
-  CpuKernels cpu_kernels = CpuKernels::reference;  // CPU Linears: the reference loops or the SIMD kernels (CpuKernels)
+  CpuKernels cpu_kernels = CpuKernels::fast;  // CPU Linears: the SIMD kernels (default) or the reference loops (CpuKernels)
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
   bool fp8_activations = false;
@@ -22139,9 +22140,11 @@ inline void linear_tile(const A* x, int64_t x_stride, const W* w, int64_t w_stri
 // cpu_fast: the CPU backend's fast Linear kernels (CpuKernels::fast), beside the reference loops of
 // backend_cpu.inl, which stay the truth they are tested against (tests/unit-cpu-fast.cpp).
 //
-// What is different from the reference: weights are read as stored (BF16 / F16 / F32, or int4 pack-quantized
-// words) and widened or dequantized in SIMD registers right before the FMA; the reference converts dense
-// weights element by element and dequantizes int4 weights 16 rows at a time into scratch first. Each output
+// What is different from the reference: weights are read as stored (BF16 / F16 / F32, int4 pack-quantized
+// words, int8 or fp8 e4m3 bytes) and widened or dequantized in SIMD registers right before the FMA; the
+// reference converts dense weights element by element and dequantizes quantized weights 16 rows at a time into
+// scratch first. Scratch: the fast kernels use the backend's existing per-thread dequantization buffer for
+// their tables (int4 groups, act-order int8 scales) and its W8A8 activation buffer; nothing of their own. Each output
 // element is still one dot product computed by one thread in a fixed order (vector lanes over k, then a fixed
 // horizontal reduction, then the tail), so results do not depend on the thread count either; they differ from
 // the reference by float rounding only (another summation order).
@@ -22281,6 +22284,123 @@ void int4_tile_portable(const float* x, int64_t xs, const QuantWeight& w, int64_
     for (int r = 0; r < R; r++) out[t * os + r] = reduce_lanes(acc[t][r]);
 }
 
+// ---- int8 and fp8: byte weights ------------------------------------------------------------------------------
+// int8 (GPTQ 8-bit, compressed-tensors INT8) and fp8 e4m3 weights are one byte a weight, [N, K], read in place:
+// each vector of bytes is widened (int8: sign-extended; e4m3: decoded with integer ops, exactly
+// fp8_e4m3_to_float), its zero point subtracted (int8), multiplied by its scale and rounded as dequantize_value
+// rounds (the scale's dtype, or f32), so the FMAs see the reference's dequantized weights bit for bit.
+// Columns go in runs that share one scale (int8 groups in order; fp8 blocks of block_k, else the whole row),
+// each run in vectors from its first column with a masked tail; act-order int8 (g_idx) goes over K in vectors
+// instead and gathers each column's scale and zero point from the row's tables (int8_order_tables).
+
+// Whether the fast byte kernels cover this weight: checkpoint layout; int8 groups that tile K in order, or an
+// act-order g_idx whose per-row tables (scale and zero point per group, 2 floats each) fit K floats of scratch.
+inline bool bytes_supported(const QuantWeight& w) {
+  if (w.layout != QuantLayout::checkpoint || w.scales == nullptr) return false;
+  if (w.format == WeightFormat::fp8)
+    return w.fp8 != nullptr && (w.granularity != ScaleGranularity::block || (w.block_k >= 1 && w.block_n >= 1));
+  if (w.format != WeightFormat::int8 || w.int8 == nullptr || w.group_size < 1) return false;
+  if (w.g_idx) return 2 * w.scale_cols <= w.in_features;
+  return w.scale_cols == (w.in_features + w.group_size - 1) / w.group_size;
+}
+// Columns per scale, and where row n's scales start (the reference's dequantize_rows indices).
+inline int64_t byte_run(const QuantWeight& w) {
+  if (w.format == WeightFormat::int8) return w.group_size;
+  return w.granularity == ScaleGranularity::block ? w.block_k : w.in_features;
+}
+inline int64_t byte_scale_row(const QuantWeight& w, int64_t n) {
+  if (w.format == WeightFormat::int8) return n * w.scale_cols;
+  return w.granularity == ScaleGranularity::tensor ? 0
+         : w.granularity == ScaleGranularity::block ? (n / w.block_n) * w.scale_cols
+                                                    : n;
+}
+inline float byte_scale(const QuantWeight& w, int64_t n, int64_t run) {
+  return scale_at(w.scales, w.scale_dtype, byte_scale_row(w, n) + run);
+}
+inline float byte_zero(const QuantWeight& w, int64_t n, int64_t run) {  // int8 zero points; exact as a float
+  return w.format == WeightFormat::int8 && w.zero_points
+             ? float(reinterpret_cast<const int8_t*>(w.zero_points)[n * w.scale_cols + run])
+             : 0.0f;
+}
+inline const uint8_t* byte_row(const QuantWeight& w, int64_t n) {
+  return (w.format == WeightFormat::int8 ? w.int8 : w.fp8) + n * w.in_features;
+}
+// Floats of scratch bytes_linear_rows needs for `rows` rows: act-order int8's tables, 2 per group a row.
+inline int64_t bytes_table_floats(const QuantWeight& w, int64_t rows) {
+  return w.format == WeightFormat::int8 && w.g_idx ? rows * 2 * w.scale_cols : 0;
+}
+// Act-order int8: row r's scales as floats [scale_cols], then its zero points [scale_cols], for rows n0...
+inline void int8_order_tables(const QuantWeight& w, int64_t n0, int64_t rows, float* tables) {
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < w.scale_cols; g++) {
+      tables[(2 * r) * w.scale_cols + g] = byte_scale(w, n0 + r, g);
+      tables[(2 * r + 1) * w.scale_cols + g] = byte_zero(w, n0 + r, g);
+    }
+}
+inline int32_t g_idx_at(const QuantWeight& w, int64_t k) {
+  int32_t g;
+  memcpy(&g, w.g_idx + 4 * k, 4);
+  return g;
+}
+
+// portable: 8 lanes, as the SIMD kernels (lane l of a vector of 8 from a run's start), dequantize_value itself
+template <bool FP8>
+inline float byte_value(uint8_t b) { return FP8 ? fp8_e4m3_to_float(b) : float(int8_t(b)); }
+
+template <int TT, int R, bool FP8>
+void bytes_tile_portable(const float* x, int64_t xs, const QuantWeight& w, int64_t n, float* out, int64_t os) {
+  float acc[TT][R][kLanes] = {};
+  const int64_t K = w.in_features, run = byte_run(w);
+  for (int64_t k0 = 0, j = 0; k0 < K; k0 += run, j++) {
+    const int64_t k1 = std::min(K, k0 + run);
+    float scale[R], zero[R];
+    for (int r = 0; r < R; r++) {
+      scale[r] = byte_scale(w, n + r, j);
+      zero[r] = byte_zero(w, n + r, j);
+    }
+    for (int64_t k = k0; k < k1; k += kLanes) {
+      const int lanes = int(std::min<int64_t>(kLanes, k1 - k));
+      for (int r = 0; r < R; r++) {
+        const uint8_t* q = byte_row(w, n + r) + k;
+        float wk[kLanes];
+        for (int l = 0; l < lanes; l++) {
+          const float v = FP8 ? byte_value<FP8>(q[l]) : byte_value<FP8>(q[l]) - zero[r];
+          wk[l] = dequantize_value(v, scale[r], w.scale_dtype, w.rounding);
+        }
+        for (int t = 0; t < TT; t++)
+          for (int l = 0; l < lanes; l++) acc[t][r][l] += x[t * xs + k + l] * wk[l];
+      }
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = reduce_lanes(acc[t][r]);
+}
+
+// tables: int8_order_tables of rows n.. (2 * scale_cols floats a row)
+template <int TT, int R>
+void int8_order_tile_portable(const float* x, int64_t xs, const QuantWeight& w, int64_t n, const float* tables,
+                              float* out, int64_t os) {
+  float acc[TT][R][kLanes] = {};
+  const int64_t K = w.in_features;
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const int lanes = int(std::min<int64_t>(kLanes, K - k));
+    int32_t g[kLanes];
+    for (int l = 0; l < lanes; l++) g[l] = g_idx_at(w, k + l);
+    for (int r = 0; r < R; r++) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(byte_row(w, n + r)) + k;
+      const float* scales = tables + 2 * r * w.scale_cols;
+      const float* zeros = scales + w.scale_cols;
+      float wk[kLanes];
+      for (int l = 0; l < lanes; l++)
+        wk[l] = dequantize_value(float(q[l]) - zeros[g[l]], scales[g[l]], w.scale_dtype, w.rounding);
+      for (int t = 0; t < TT; t++)
+        for (int l = 0; l < lanes; l++) acc[t][r][l] += x[t * xs + k + l] * wk[l];
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = reduce_lanes(acc[t][r]);
+}
+
 #if KVLITE_CPU_X86_SIMD
 // ---- AVX2 + FMA + F16C: 8 lanes -----------------------------------------------------------------------------
 KVLITE_TARGET_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -22387,6 +22507,101 @@ KVLITE_TARGET_AVX2 void int4_tile_avx2(const float* x, int64_t xs, const QuantWe
         const __m256 xv = _mm256_loadu_ps(x + t * xs + 8 * word);
         for (int r = 0; r < R; r++) acc[t][r] = _mm256_fmadd_ps(wv[r], xv, acc[t][r]);
       }
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = hsum8(acc[t][r]);
+}
+
+// ---- AVX2: byte weights --------------------------------------------------------------------------------------
+// Lanes [0, lanes) set: the mask of a vector's first `lanes` columns.
+KVLITE_TARGET_AVX2 inline __m256i lane_mask_avx2(int lanes) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// 8 bytes as floats: int8 sign-extended, or e4m3 decoded exactly as fp8_e4m3_to_float (normal: the exponent
+// rebiased by 120 with the mantissa shifted into place; subnormal: mantissa x 2^-9; S.1111.111: NaN).
+template <bool FP8>
+KVLITE_TARGET_AVX2 inline __m256 bytes8_avx2(const uint8_t* p, int lanes) {
+  __m128i b;
+  if (lanes == 8) {
+    b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  } else {  // the tail: nothing read past the row
+    alignas(16) uint8_t tail[16] = {};
+    memcpy(tail, p, size_t(lanes));
+    b = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+  }
+  if (!FP8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256i v = _mm256_cvtepu8_epi32(b);
+  const __m256i em = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.0f / 512.0f));
+  __m256i bits = _mm256_blendv_epi8(normal, _mm256_castps_si256(subnormal), _mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
+  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7fc00000), _mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f)));
+  return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
+}
+// x's next 8 columns (the tail's missing ones 0)
+KVLITE_TARGET_AVX2 inline __m256 x8_avx2(const float* p, int lanes) {
+  return lanes == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask_avx2(lanes));
+}
+// (q - zero) x scale rounded as dequantize_value; lanes past `lanes` 0
+KVLITE_TARGET_AVX2 inline __m256 dequant8_avx2(__m256 q, __m256 zero, __m256 scale, int lanes, const QuantWeight& w) {
+  __m256 p = round_to_dtype_avx2(_mm256_mul_ps(_mm256_sub_ps(q, zero), scale), w);
+  return lanes == 8 ? p : _mm256_and_ps(p, _mm256_castsi256_ps(lane_mask_avx2(lanes)));
+}
+
+template <int TT, int R, bool FP8>
+KVLITE_TARGET_AVX2 void bytes_tile_avx2(const float* x, int64_t xs, const QuantWeight& w, int64_t n, float* out,
+                                        int64_t os) {
+  __m256 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = _mm256_setzero_ps();
+  const int64_t K = w.in_features, run = byte_run(w);
+  const uint8_t* q = byte_row(w, n);
+  for (int64_t k0 = 0, j = 0; k0 < K; k0 += run, j++) {
+    const int64_t k1 = std::min(K, k0 + run);
+    __m256 scale[R], zero[R];
+    for (int r = 0; r < R; r++) {
+      scale[r] = _mm256_set1_ps(byte_scale(w, n + r, j));
+      zero[r] = _mm256_set1_ps(byte_zero(w, n + r, j));  // fp8: 0, and e4m3 - 0 keeps -0 (-0 - +0 = -0)
+    }
+    for (int64_t k = k0; k < k1; k += 8) {
+      const int lanes = int(std::min<int64_t>(8, k1 - k));
+      __m256 wv[R];
+      for (int r = 0; r < R; r++) wv[r] = dequant8_avx2(bytes8_avx2<FP8>(q + r * K + k, lanes), zero[r], scale[r], lanes, w);
+      for (int t = 0; t < TT; t++) {
+        const __m256 xv = x8_avx2(x + t * xs + k, lanes);
+        for (int r = 0; r < R; r++) acc[t][r] = _mm256_fmadd_ps(wv[r], xv, acc[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = hsum8(acc[t][r]);
+}
+
+template <int TT, int R>
+KVLITE_TARGET_AVX2 void int8_order_tile_avx2(const float* x, int64_t xs, const QuantWeight& w, int64_t n,
+                                             const float* tables, float* out, int64_t os) {
+  __m256 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = _mm256_setzero_ps();
+  const int64_t K = w.in_features;
+  const uint8_t* q = byte_row(w, n);
+  for (int64_t k = 0; k < K; k += 8) {
+    const int lanes = int(std::min<int64_t>(8, K - k));
+    const __m256i mask = lane_mask_avx2(lanes);
+    const __m256i g = _mm256_maskload_epi32(reinterpret_cast<const int*>(w.g_idx + 4 * k), mask);
+    __m256 wv[R];
+    for (int r = 0; r < R; r++) {
+      const float* scales = tables + 2 * r * w.scale_cols;
+      const __m256 scale = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), scales, g, _mm256_castsi256_ps(mask), 4);
+      const __m256 zero =
+          _mm256_mask_i32gather_ps(_mm256_setzero_ps(), scales + w.scale_cols, g, _mm256_castsi256_ps(mask), 4);
+      wv[r] = dequant8_avx2(bytes8_avx2<false>(q + r * K + k, lanes), zero, scale, lanes, w);
+    }
+    for (int t = 0; t < TT; t++) {
+      const __m256 xv = x8_avx2(x + t * xs + k, lanes);
+      for (int r = 0; r < R; r++) acc[t][r] = _mm256_fmadd_ps(wv[r], xv, acc[t][r]);
     }
   }
   for (int t = 0; t < TT; t++)
@@ -22516,6 +22731,95 @@ KVLITE_TARGET_AVX512 void int4_tile_avx512(const float* x, int64_t xs, const Qua
   for (int t = 0; t < TT; t++)
     for (int r = 0; r < R; r++) out[t * os + r] = hsum16(acc[t][r]);
 }
+// ---- AVX-512: byte weights -----------------------------------------------------------------------------------
+KVLITE_TARGET_AVX512 inline __m512 round_to_dtype_avx512(__m512 p, const QuantWeight& w) {
+  if (w.rounding != DequantRounding::scale_dtype) return p;
+  if (w.scale_dtype == DType::BF16) return round_bf16_avx512(p);
+  if (w.scale_dtype == DType::F16)
+    return _mm512_maskz_cvtph_ps(kAll16, _mm512_maskz_cvtps_ph(kAll16, p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return p;
+}
+// 16 bytes (lanes of m) as floats: bytes8_avx2's decoding on 16 lanes; masked lanes read nothing and are 0.
+template <bool FP8>
+KVLITE_TARGET_AVX512 inline __m512 bytes16_avx512(const uint8_t* p, __mmask16 m) {
+  const __m128i b = _mm_maskz_loadu_epi8(m, p);
+  if (!FP8) return _mm512_maskz_cvtepi32_ps(kAll16, _mm512_maskz_cvtepi8_epi32(kAll16, b));
+  const __m512i v = _mm512_maskz_cvtepu8_epi32(kAll16, b);
+  const __m512i em = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
+  const __m512i sign = _mm512_maskz_slli_epi32(kAll16, _mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+  const __m512i normal = _mm512_add_epi32(_mm512_maskz_slli_epi32(kAll16, em, 20), _mm512_set1_epi32(120 << 23));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(kAll16, em), _mm512_set1_ps(1.0f / 512.0f));
+  __m512i bits = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), normal,
+                                         _mm512_castps_si512(subnormal));
+  bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)), bits,
+                                 _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_ps(_mm512_or_si512(bits, sign));
+}
+KVLITE_TARGET_AVX512 inline __mmask16 lane_mask16(int64_t lanes) {
+  return lanes >= 16 ? kAll16 : __mmask16((1u << lanes) - 1u);
+}
+
+template <int TT, int R, bool FP8>
+KVLITE_TARGET_AVX512 void bytes_tile_avx512(const float* x, int64_t xs, const QuantWeight& w, int64_t n, float* out,
+                                            int64_t os) {
+  __m512 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+  const int64_t K = w.in_features, run = byte_run(w);
+  const uint8_t* q = byte_row(w, n);
+  for (int64_t k0 = 0, j = 0; k0 < K; k0 += run, j++) {
+    const int64_t k1 = std::min(K, k0 + run);
+    __m512 scale[R], zero[R];
+    for (int r = 0; r < R; r++) {
+      scale[r] = _mm512_set1_ps(byte_scale(w, n + r, j));
+      zero[r] = _mm512_set1_ps(byte_zero(w, n + r, j));
+    }
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __mmask16 m = lane_mask16(k1 - k);
+      __m512 wv[R];
+      for (int r = 0; r < R; r++) {
+        __m512 v = bytes16_avx512<FP8>(q + r * K + k, m);
+        if (!FP8) v = _mm512_sub_ps(v, zero[r]);
+        wv[r] = round_to_dtype_avx512(_mm512_maskz_mul_ps(m, v, scale[r]), w);
+      }
+      for (int t = 0; t < TT; t++) {
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + t * xs + k);
+        for (int r = 0; r < R; r++) acc[t][r] = _mm512_fmadd_ps(wv[r], xv, acc[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = hsum16(acc[t][r]);
+}
+
+template <int TT, int R>
+KVLITE_TARGET_AVX512 void int8_order_tile_avx512(const float* x, int64_t xs, const QuantWeight& w, int64_t n,
+                                                 const float* tables, float* out, int64_t os) {
+  __m512 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+  const int64_t K = w.in_features;
+  const uint8_t* q = byte_row(w, n);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = lane_mask16(K - k);
+    const __m512i g = _mm512_maskz_loadu_epi32(m, w.g_idx + 4 * k);
+    __m512 wv[R];
+    for (int r = 0; r < R; r++) {
+      const float* scales = tables + 2 * r * w.scale_cols;
+      const __m512 scale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, g, scales, 4);
+      const __m512 zero = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, g, scales + w.scale_cols, 4);
+      wv[r] = round_to_dtype_avx512(
+          _mm512_maskz_mul_ps(m, _mm512_sub_ps(bytes16_avx512<false>(q + r * K + k, m), zero), scale), w);
+    }
+    for (int t = 0; t < TT; t++) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + t * xs + k);
+      for (int r = 0; r < R; r++) acc[t][r] = _mm512_fmadd_ps(wv[r], xv, acc[t][r]);
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = hsum16(acc[t][r]);
+}
+
 #endif  // KVLITE_CPU_X86_SIMD
 
 // ---- dispatch -----------------------------------------------------------------------------------------------
@@ -22539,6 +22843,25 @@ void int4_tile(CpuIsa isa, const float* x, int64_t xs, const QuantWeight& w, int
 #endif
   (void)isa;
   int4_tile_portable<TT, R>(x, xs, w, n, tables, out, os);
+}
+template <int TT, int R, bool FP8>
+void bytes_tile(CpuIsa isa, const float* x, int64_t xs, const QuantWeight& w, int64_t n, float* out, int64_t os) {
+#if KVLITE_CPU_X86_SIMD
+  if (isa == CpuIsa::avx512) return bytes_tile_avx512<TT, R, FP8>(x, xs, w, n, out, os);
+  if (isa == CpuIsa::avx2) return bytes_tile_avx2<TT, R, FP8>(x, xs, w, n, out, os);
+#endif
+  (void)isa;
+  bytes_tile_portable<TT, R, FP8>(x, xs, w, n, out, os);
+}
+template <int TT, int R>
+void int8_order_tile(CpuIsa isa, const float* x, int64_t xs, const QuantWeight& w, int64_t n, const float* tables,
+                     float* out, int64_t os) {
+#if KVLITE_CPU_X86_SIMD
+  if (isa == CpuIsa::avx512) return int8_order_tile_avx512<TT, R>(x, xs, w, n, tables, out, os);
+  if (isa == CpuIsa::avx2) return int8_order_tile_avx2<TT, R>(x, xs, w, n, tables, out, os);
+#endif
+  (void)isa;
+  int8_order_tile_portable<TT, R>(x, xs, w, n, tables, out, os);
 }
 inline void int4_tables(CpuIsa isa, const QuantWeight& w, int64_t n0, int64_t rows, float* tables) {
 #if KVLITE_CPU_X86_SIMD
@@ -22628,6 +22951,59 @@ inline void int4_linear_rows(CpuIsa isa, const float* x, int64_t x_stride, int64
   if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
   else for_each_tile<4>(tokens, n0, n1, tile);
   if (weight.bias != nullptr)
+    for (int64_t t = 0; t < tokens; t++)
+      for (int64_t n = n0; n < n1; n++) out[t * out_stride + n] += scale_at(weight.bias, weight.bias_dtype, n);
+}
+
+// out[t * out_stride + n] = x[t] . dequantized row n (+ bias) for tokens [0, tokens), rows [n0, n1) of an int8
+// or fp8 weight (bytes_supported). Act-order int8 first makes the block's tables (bytes_table_floats(weight,
+// n1 - n0) floats of `tables`); the others use no scratch.
+template <bool FP8>
+struct BytesTile {
+  CpuIsa isa;
+  const float* x;
+  int64_t x_stride;
+  const QuantWeight& weight;
+  float* out;
+  int64_t out_stride;
+  template <int TT, int R>
+  void run(int64_t t, int64_t n) {
+    bytes_tile<TT, R, FP8>(isa, x + t * x_stride, x_stride, weight, n, out + t * out_stride + n, out_stride);
+  }
+};
+struct Int8OrderTile {
+  CpuIsa isa;
+  const float* x;
+  int64_t x_stride;
+  const QuantWeight& weight;
+  int64_t n0;
+  const float* tables;
+  float* out;
+  int64_t out_stride;
+  template <int TT, int R>
+  void run(int64_t t, int64_t n) {
+    int8_order_tile<TT, R>(isa, x + t * x_stride, x_stride, weight, n, tables + (n - n0) * 2 * weight.scale_cols,
+                           out + t * out_stride + n, out_stride);
+  }
+};
+inline void bytes_linear_rows(CpuIsa isa, const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight,
+                              float* out, int64_t out_stride, int64_t n0, int64_t n1, float* tables) {
+  // AVX2 has 16 registers: 2-row tiles keep weights, scales, zero points and sums in them
+  if (weight.format == WeightFormat::int8 && weight.g_idx) {
+    int8_order_tables(weight, n0, n1 - n0, tables);
+    Int8OrderTile tile{isa, x, x_stride, weight, n0, tables, out, out_stride};
+    if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
+    else for_each_tile<4>(tokens, n0, n1, tile);
+  } else if (weight.format == WeightFormat::int8) {
+    BytesTile<false> tile{isa, x, x_stride, weight, out, out_stride};
+    if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
+    else for_each_tile<4>(tokens, n0, n1, tile);
+  } else {
+    BytesTile<true> tile{isa, x, x_stride, weight, out, out_stride};
+    if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
+    else for_each_tile<4>(tokens, n0, n1, tile);
+  }
+  if (weight.bias != nullptr)  // after the dot product, as the reference adds it
     for (int64_t t = 0; t < tokens; t++)
       for (int64_t n = n0; n < n1; n++) out[t * out_stride + n] += scale_at(weight.bias, weight.bias_dtype, n);
 }
@@ -22820,23 +23196,40 @@ class CpuBackend final : public Backend {
       fail(ErrorCode::invalid_argument,
            format("quant_linear: %s is W8A8 (int8 activations per token) but this CPU backend was made without "
                   "CpuBackendOptions::int8_activations, which reserves their buffer", weight.name.c_str()));
-    if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && cpu_fast::int4_supported(weight)) {
-      // the fast kernels read the packed words in place: no scratch, no token chunks; work items are row blocks
-      const int64_t fast_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
-      // the group tables of a block go to the thread's dequantization scratch, which holds them
-      // (int4_supported: groups of >= 16 columns, so 16 floats a group need at most K floats a row)
+    const int64_t group = fp8_activation_group(weight);
+    const bool fast_int4 = cpu_fast::int4_supported(weight);
+    if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && (fast_int4 || cpu_fast::bytes_supported(weight))) {
+      // The fast kernels read the weights in place: no dequantized rows; work items are row blocks for all
+      // tokens. Their tables (int4 groups, act-order int8 scales) go to the thread's dequantization scratch,
+      // which holds them (int4_supported, bytes_supported: at most K floats a row).
       static_assert(cpu_fast::kRowBlock <= kQuantRowBlock, "a fast row block's tables must fit the scratch");
-      auto body = [&](int64_t b, int thread) {
-        const int64_t n0 = b * cpu_fast::kRowBlock;
-        cpu_fast::int4_linear_rows(fast_isa_, row_of<const float>(x, 0), x.row_stride, x.rows, weight,
-                                   row_of<float>(out, 0), out.row_stride, n0,
-                                   std::min<int64_t>(n0 + cpu_fast::kRowBlock, N),
-                                   dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_);
+      const int64_t fast_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
+      auto rows = [&](const float* xs, int64_t x_stride, int64_t tokens, float* o) {
+        auto body = [&](int64_t b, int thread) {
+          const int64_t n0 = b * cpu_fast::kRowBlock, n1 = std::min<int64_t>(n0 + cpu_fast::kRowBlock, N);
+          float* tables = dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_;
+          if (fast_int4) cpu_fast::int4_linear_rows(fast_isa_, xs, x_stride, tokens, weight, o, out.row_stride, n0, n1, tables);
+          else cpu_fast::bytes_linear_rows(fast_isa_, xs, x_stride, tokens, weight, o, out.row_stride, n0, n1, tables);
+        };
+        pool_.run(fast_blocks, body);
       };
-      pool_.run(fast_blocks, body);
+      if (!requantize && !int8_activations) {
+        rows(row_of<const float>(x, 0), x.row_stride, x.rows, row_of<float>(out, 0));
+        return;
+      }
+      // W8A8: each activation row through fp8 / int8 and back first, exactly as the reference below
+      for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
+        const int64_t tokens = std::min(kQuantTokenChunk, x.rows - t0);
+        auto body = [&](int64_t t, int) {
+          const float* src = row_of<const float>(x, t0 + t);
+          if (int8_activations) fake_quantize_int8_row(src, K, requantized_.data() + t * K);
+          else fake_quantize_fp8_row(src, K, group, requantized_.data() + t * K);
+        };
+        pool_.run(tokens, body);
+        rows(requantized_.data(), K, tokens, row_of<float>(out, t0));
+      }
       return;
     }
-    const int64_t group = fp8_activation_group(weight);
     const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(kQuantRowBlock)));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
       const int64_t tokens = std::min(kQuantTokenChunk, x.rows - t0);

@@ -359,9 +359,9 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--prefix-cache", "on|off", "reuse the KV pages of earlier requests' identical prefixes; default on for the CPU, "
                                    "off on CUDA (kvlite bench: off)"},
       {"--threads", "N", "CPU threads; default one per hardware thread"},
-      {"--cpu-kernels", "K", "reference | fast: the CPU's Linears as the reference loops (default) or the SIMD kernels "
-                             "(BF16/F16/F32 and int4 W4A16 weights, F32 activations; AVX-512, AVX2 or plain C++ as "
-                             "the CPU allows)"},
+      {"--cpu-kernels", "K", "fast | reference: the CPU's Linears as the SIMD kernels (default; BF16/F16/F32, int4, "
+                             "int8 and fp8 weights, F32 activations; AVX-512, AVX2 or plain C++ as the CPU allows) "
+                             "or the reference loops"},
       {"--fp8-activations", "", "fp8 checkpoints: quantize activations to fp8 per token as the GPU does (W8A8)"},
       {"--ngram", "N", "speculative decoding by prompt lookup: draft from the latest earlier occurrence of the last "
                        "N (or fewer) tokens, 1..32; alone, --spec-tokens 4"},

@@ -367,11 +367,12 @@ int max_cpu_threads();
 namespace detail {
 void check_cpu_threads(int64_t threads, const char* what);  // throws invalid_argument naming `what` and the cap
 }  // namespace detail
-// Which Linear kernels a CPU backend runs. reference: the plain loops every other path is checked against (the
-// default). fast: SIMD GEMV/GEMM kernels that read BF16 / F16 / F32 and int4 (W4A16 pack-quantized) weights as
-// stored and dequantize them in registers; F32 activations only (other activation dtypes, and weight formats
-// or layouts the fast kernels do not cover, run the reference). Its sums run in another order than the
-// reference's, so results differ from it by float rounding (tests/unit-cpu-fast.cpp bounds that).
+// Which Linear kernels a CPU backend runs. reference: the plain loops every other path is checked against.
+// fast (the default): SIMD GEMV/GEMM kernels that read BF16 / F16 / F32, int4 (W4A16 pack-quantized), int8
+// (W8A16, W8A8) and fp8 e4m3 weights as stored and dequantize them in registers to the reference's values;
+// F32 activations only (other activation dtypes, and weight formats or layouts the fast kernels do not cover,
+// run the reference). Its sums run in another order than the reference's, so results differ from it by float
+// rounding (tests/unit-cpu-fast.cpp bounds that); suites that compare CPU paths bit for bit pin reference.
 enum class CpuKernels : uint8_t { reference, fast };
 // The instruction set the fast kernels use. automatic: the best this CPU has (checked at run time);
 // portable: plain C++ (every machine); avx2: AVX2 + FMA + F16C; avx512: AVX-512 F/BW/VL. Forcing one the CPU
@@ -396,7 +397,7 @@ struct CpuBackendOptions {
   // every op still computes in f32 and rounds (to nearest even) on each store, where the CUDA kernels round.
   DType activation_dtype = DType::F32;
   // The Linear kernels (last, so that existing aggregate initializers keep their meaning).
-  CpuKernels kernels = CpuKernels::reference;
+  CpuKernels kernels = CpuKernels::fast;
   CpuIsa isa = CpuIsa::automatic;  // for kernels == fast
 };
 // Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output

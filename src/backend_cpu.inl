@@ -401,23 +401,40 @@ class CpuBackend final : public Backend {
       fail(ErrorCode::invalid_argument,
            format("quant_linear: %s is W8A8 (int8 activations per token) but this CPU backend was made without "
                   "CpuBackendOptions::int8_activations, which reserves their buffer", weight.name.c_str()));
-    if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && cpu_fast::int4_supported(weight)) {
-      // the fast kernels read the packed words in place: no scratch, no token chunks; work items are row blocks
-      const int64_t fast_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
-      // the group tables of a block go to the thread's dequantization scratch, which holds them
-      // (int4_supported: groups of >= 16 columns, so 16 floats a group need at most K floats a row)
+    const int64_t group = fp8_activation_group(weight);
+    const bool fast_int4 = cpu_fast::int4_supported(weight);
+    if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && (fast_int4 || cpu_fast::bytes_supported(weight))) {
+      // The fast kernels read the weights in place: no dequantized rows; work items are row blocks for all
+      // tokens. Their tables (int4 groups, act-order int8 scales) go to the thread's dequantization scratch,
+      // which holds them (int4_supported, bytes_supported: at most K floats a row).
       static_assert(cpu_fast::kRowBlock <= kQuantRowBlock, "a fast row block's tables must fit the scratch");
-      auto body = [&](int64_t b, int thread) {
-        const int64_t n0 = b * cpu_fast::kRowBlock;
-        cpu_fast::int4_linear_rows(fast_isa_, row_of<const float>(x, 0), x.row_stride, x.rows, weight,
-                                   row_of<float>(out, 0), out.row_stride, n0,
-                                   std::min<int64_t>(n0 + cpu_fast::kRowBlock, N),
-                                   dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_);
+      const int64_t fast_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
+      auto rows = [&](const float* xs, int64_t x_stride, int64_t tokens, float* o) {
+        auto body = [&](int64_t b, int thread) {
+          const int64_t n0 = b * cpu_fast::kRowBlock, n1 = std::min<int64_t>(n0 + cpu_fast::kRowBlock, N);
+          float* tables = dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_;
+          if (fast_int4) cpu_fast::int4_linear_rows(fast_isa_, xs, x_stride, tokens, weight, o, out.row_stride, n0, n1, tables);
+          else cpu_fast::bytes_linear_rows(fast_isa_, xs, x_stride, tokens, weight, o, out.row_stride, n0, n1, tables);
+        };
+        pool_.run(fast_blocks, body);
       };
-      pool_.run(fast_blocks, body);
+      if (!requantize && !int8_activations) {
+        rows(row_of<const float>(x, 0), x.row_stride, x.rows, row_of<float>(out, 0));
+        return;
+      }
+      // W8A8: each activation row through fp8 / int8 and back first, exactly as the reference below
+      for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
+        const int64_t tokens = std::min(kQuantTokenChunk, x.rows - t0);
+        auto body = [&](int64_t t, int) {
+          const float* src = row_of<const float>(x, t0 + t);
+          if (int8_activations) fake_quantize_int8_row(src, K, requantized_.data() + t * K);
+          else fake_quantize_fp8_row(src, K, group, requantized_.data() + t * K);
+        };
+        pool_.run(tokens, body);
+        rows(requantized_.data(), K, tokens, row_of<float>(out, t0));
+      }
       return;
     }
-    const int64_t group = fp8_activation_group(weight);
     const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(kQuantRowBlock)));
     for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
       const int64_t tokens = std::min(kQuantTokenChunk, x.rows - t0);

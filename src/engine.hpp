@@ -59,7 +59,7 @@ struct EngineOptions {
   // GEMMs may round a row differently with the batch around it.
   std::optional<bool> prefix_caching;
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
-  CpuKernels cpu_kernels = CpuKernels::reference;  // CPU Linears: the reference loops or the SIMD kernels (CpuKernels)
+  CpuKernels cpu_kernels = CpuKernels::fast;  // CPU Linears: the SIMD kernels (default) or the reference loops (CpuKernels)
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
   bool fp8_activations = false;

@@ -77,6 +77,41 @@ inline OwnedWeight make_int4(int64_t n, int64_t k, int64_t group, DType scale_dt
   return o;
 }
 
+// int8 [N, K] (GPTQ 8-bit / compressed-tensors INT8) with every value -128..127, random scales of `scale_dtype`
+// [N, ceil(K / group)]; I8 zero points (every value) when asymmetric; act-order (a shuffled g_idx, each group
+// holding `group` columns; K a multiple of group) when act_order; W8A8 (int8 activations) when w8a8.
+inline OwnedWeight make_int8(int64_t n, int64_t k, int64_t group, DType scale_dtype, bool asymmetric, bool act_order,
+                             bool w8a8, Random& rng) {
+  OwnedWeight o;
+  QuantWeight& w = o.weight;
+  w.name = "hand.int8";
+  w.out_features = n;
+  w.in_features = k;
+  w.format = WeightFormat::int8;
+  w.granularity = group == k ? ScaleGranularity::channel : ScaleGranularity::group;
+  w.group_size = group;
+  w.int8_activations = w8a8;
+  o.packed.resize(size_t(n * k));  // the int8 values
+  for (int64_t i = 0; i < n * k; i++) o.packed[size_t(i)] = uint8_t((i * 37 + rng.below(256)) % 256);
+  w.int8 = o.packed.data();
+  const int64_t groups = (k + group - 1) / group;
+  put_scales(o, scale_dtype, n, groups, rng, 0.00002f, 0.005f);  // F16 subnormal products too
+  if (asymmetric) {
+    o.zeros.resize(size_t(n * groups));
+    for (auto& zero : o.zeros) zero = uint8_t(rng.below(256));
+    w.zero_points = o.zeros.data();
+  }
+  if (act_order) {
+    std::vector<int32_t> groups_of(static_cast<size_t>(k));
+    for (int64_t c = 0; c < k; c++) groups_of[size_t(c)] = int32_t(c / group);
+    std::shuffle(groups_of.begin(), groups_of.end(), rng.engine);
+    o.g_idx.resize(size_t(k) * 4);
+    memcpy(o.g_idx.data(), groups_of.data(), o.g_idx.size());
+    w.g_idx = o.g_idx.data();
+  }
+  return o;
+}
+
 // fp8 [N, K] cycling through every e4m3 code but the two NaNs; `granularity` tensor, channel or block.
 inline OwnedWeight make_fp8(int64_t n, int64_t k, ScaleGranularity granularity, int64_t block_n, int64_t block_k,
                      DType scale_dtype, DequantRounding rounding, Random& rng) {

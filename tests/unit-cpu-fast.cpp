@@ -1,14 +1,16 @@
-// cpu-fast: the CPU backend's fast Linear kernels (CpuKernels::fast) against its reference kernels, on fresh
-// random inputs (never zeros) at odd shapes, outputs poisoned with NaN first, every instruction set this machine
-// has forced in turn (portable always; AVX2, AVX-512 where the CPU has them). The two sum in different orders, so
-// they are compared within float32 rounding of the row's sum of |w| |x|; the int4 weights the fast kernels
-// multiply are the reference's dequantized values exactly (a table per group), so nothing else may differ.
+// cpu-fast: the CPU backend's fast Linear kernels (CpuKernels::fast, the default) against its reference kernels,
+// on fresh random inputs (never zeros) at odd shapes, outputs poisoned with NaN first, every instruction set this
+// machine has forced in turn (portable always; AVX2, AVX-512 where the CPU has them). The two sum in different
+// orders, so they are compared within float32 rounding of the row's sum of |w| |x|; the int4, int8 and fp8
+// weights the fast kernels multiply are the reference's dequantized values exactly (checked bit for bit with
+// one-hot activations), so nothing else may differ.
 #include <doctest/doctest.h>
 #include "kvlite.hpp"
 #include "host_floats.hpp"
 #include "quant_weights.hpp"
 #include "model_fixtures.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -42,6 +44,90 @@ double allowance(int64_t k, double magnitude) { return double(2 * (k / 8) + 32) 
 
 const DType kWeightTypes[] = {DType::F32, DType::BF16, DType::F16};
 
+// A backend for quant_linear tests: int8 W8A8 needs its activation buffer; fp8_activations: W8A8 for fp8.
+std::unique_ptr<Backend> quant_cpu(CpuKernels kernels, CpuIsa isa, int threads, bool fp8_activations = false) {
+  CpuBackendOptions options;
+  options.threads = threads;
+  options.max_head_dim = 64;
+  options.kernels = kernels;
+  options.isa = isa;
+  options.int8_activations = true;
+  options.fp8_activations = fp8_activations;
+  // the largest K below (int8 groups of 128: 3 and a half): the fast kernels keep their tables (act-order int8: 2
+  // floats a group a row) in the backend's per-thread dequantization scratch of 16 rows of K floats, no buffer
+  // of their own; sized to the largest weight, tables that outgrew it would overrun the last thread's slice
+  options.max_quant_in_features = 448;
+  return make_cpu_backend(options).value();
+}
+
+// The activation rows the matmul multiplies: W8A8 int8 / fp8 quantize-dequantize them first (as both kernels do).
+std::vector<float> matmul_rows(const Matrix& x, const QuantWeight& w, bool fp8_activations) {
+  std::vector<float> rows(size_t(x.rows * x.cols));
+  for (int64_t t = 0; t < x.rows; t++)
+    for (int64_t k = 0; k < x.cols; k++) rows[size_t(t * x.cols + k)] = x.get(t, k);
+  for (int64_t t = 0; t < x.rows; t++) {
+    float* row = rows.data() + t * x.cols;
+    if (w.format == WeightFormat::int8 && w.int8_activations) detail::fake_quantize_int8_row(row, x.cols, row);
+    if (w.format == WeightFormat::fp8 && fp8_activations)
+      detail::fake_quantize_fp8_row(row, x.cols, detail::fp8_activation_group(w), row);
+  }
+  return rows;
+}
+
+// quant_linear of `weight` on random x ([tokens, K], never zeros) through the fast backends (each thread
+// count; outputs poisoned) against the reference: within float32 rounding of each output's sum of |w x| (+ |bias|),
+// and every fast backend's bits the same (threads change no bit).
+void check_quant_linear(Backend& reference, const std::vector<Backend*>& fasts, const QuantWeight& weight,
+                        int64_t tokens, Random& rng, bool fp8_activations = false) {
+  const int64_t k = weight.in_features, n = weight.out_features;
+  std::vector<float> dequantized(size_t(n * k));
+  REQUIRE(dequantize_rows(weight, 0, n, dequantized.data()).ok());
+  Matrix x(DType::F32, tokens, k, 3), want(DType::F32, tokens, n, 2);
+  x.randomize(rng);
+  REQUIRE(reference.quant_linear(x.view(), weight, want.view()).ok());
+  const std::vector<float> rows = matmul_rows(x, weight, fp8_activations);
+  std::vector<Matrix> gots;
+  for (Backend* fast : fasts) {
+    gots.emplace_back(DType::F32, tokens, n, 2);
+    REQUIRE(fast->quant_linear(x.view(), weight, gots.back().view()).ok());
+  }
+  Compare cmp{0, 0};
+  bool same_for_all_threads = true;
+  for (int64_t t = 0; t < tokens; t++)
+    for (int64_t j = 0; j < n; j++) {
+      double magnitude = weight.bias ? std::fabs(double(scale_at(weight.bias, weight.bias_dtype, j))) : 0.0;
+      for (int64_t i = 0; i < k; i++)
+        magnitude += std::fabs(double(rows[size_t(t * k + i)]) * dequantized[size_t(j * k + i)]);
+      cmp(gots[0].get(t, j), want.get(t, j), t, j, allowance(k, magnitude));
+      for (const Matrix& got : gots)
+        same_for_all_threads = same_for_all_threads && got.get(t, j) == gots[0].get(t, j);
+    }
+  CHECK_COMPARE(cmp);
+  CHECK(same_for_all_threads);
+  for (const Matrix& got : gots) CHECK(got.padding_untouched());
+}
+
+// The dequantized weights the fast kernels multiply are dequantize_rows' bit for bit: with one-hot activation
+// rows (token t is column t), out[t, j] = 1 x w[j, t] plus signed zeros, exactly w[j, t] (+ 0: -0 compares
+// equal). Without a bias; K tokens.
+void check_dequantized_exactly(Backend& fast, const QuantWeight& weight) {
+  const int64_t k = weight.in_features, n = weight.out_features;
+  std::vector<float> dequantized(size_t(n * k));
+  REQUIRE(dequantize_rows(weight, 0, n, dequantized.data()).ok());
+  Matrix x(DType::F32, k, k), got(DType::F32, k, n, 1);
+  for (int64_t t = 0; t < k; t++)
+    for (int64_t i = 0; i < k; i++) x.set(t, i, t == i ? 1.0f : 0.0f);
+  REQUIRE(fast.quant_linear(x.view(), weight, got.view()).ok());
+  int64_t differing = 0;
+  for (int64_t t = 0; t < k; t++)
+    for (int64_t j = 0; j < n; j++)
+      if (!(got.get(t, j) == dequantized[size_t(j * k + t)])) {
+        if (differing++ == 0)
+          MESSAGE("w[" << j << ", " << t << "]: fast " << got.get(t, j) << ", dequantize_rows " << dequantized[size_t(j * k + t)]);
+      }
+  CHECK(differing == 0);
+}
+
 }  // namespace
 
 TEST_CASE("the fast kernels' instruction sets: portable always, and what this CPU reports") {
@@ -59,9 +145,11 @@ TEST_CASE("the fast kernels' instruction sets: portable always, and what this CP
       REQUIRE_FALSE(backend.ok());
       CHECK(backend.error().code == ErrorCode::invalid_argument);
     }
-  // the reference stays the default
-  CHECK(CpuBackendOptions{}.kernels == CpuKernels::reference);
-  CHECK(EngineOptions{}.cpu_kernels == CpuKernels::reference);
+  // the fast kernels are the default (issue 45); the reference is one option away
+  CHECK(CpuBackendOptions{}.kernels == CpuKernels::fast);
+  CHECK(EngineOptions{}.cpu_kernels == CpuKernels::fast);
+  CHECK(make_cpu_backend().value()->name().find(std::string("fast ") + cpu_isa_name(best_cpu_isa())) != std::string::npos);
+  CHECK(cpu(CpuKernels::reference, CpuIsa::automatic, 1)->name().find("fast") == std::string::npos);
   CHECK(cpu(CpuKernels::fast, CpuIsa::portable, 1)->name().find("fast portable") != std::string::npos);
 }
 
@@ -76,7 +164,7 @@ TEST_CASE("fast dense linear matches the reference for BF16/F16/F32 weights at o
         for (int64_t n : {1, 3, 4, 5, 17, 33})
           for (int64_t tokens : {1, 2, 3, 7, 8, 17})
             for (bool with_bias : {false, true}) {
-              CAPTURE(cpu_isa_name(isa)); CAPTURE(std::string(dtype_name(dtype)));
+              CAPTURE(std::string(cpu_isa_name(isa))); CAPTURE(std::string(dtype_name(dtype)));
               CAPTURE(k); CAPTURE(n); CAPTURE(tokens); CAPTURE(with_bias);
               Matrix x(DType::F32, tokens, k, 3), weight(dtype, n, k, 5), bias(dtype, 1, n);
               Matrix want(DType::F32, tokens, n, 2), got(DType::F32, tokens, n, 2), got_one(DType::F32, tokens, n, 1);
@@ -132,7 +220,7 @@ TEST_CASE("fast int4 quant_linear matches the reference: groups 8..128 and chann
               std::vector<float> dequantized(size_t(n * k));
               REQUIRE(dequantize_rows(weight, 0, n, dequantized.data()).ok());
               for (int64_t tokens : {1, 2, 3, 7, 8, 17}) {
-                CAPTURE(cpu_isa_name(isa)); CAPTURE(std::string(dtype_name(scale_dtype))); CAPTURE(group);
+                CAPTURE(std::string(cpu_isa_name(isa))); CAPTURE(std::string(dtype_name(scale_dtype))); CAPTURE(group);
                 CAPTURE(k); CAPTURE(n); CAPTURE(asymmetric); CAPTURE(tokens);
                 Matrix x(DType::F32, tokens, k, 3);
                 Matrix want(DType::F32, tokens, n, 2), got(DType::F32, tokens, n, 2), got_one(DType::F32, tokens, n);
@@ -168,7 +256,7 @@ TEST_CASE("int4 weights the fast kernels do not cover (act-order g_idx, groups o
   Random rng(4503);
   for (CpuIsa isa : machine_isas())
     for (bool act_order : {true, false}) {
-      CAPTURE(cpu_isa_name(isa)); CAPTURE(act_order);
+      CAPTURE(std::string(cpu_isa_name(isa))); CAPTURE(act_order);
       auto fast = cpu(CpuKernels::fast, isa, 2);
       quant_test::OwnedWeight owned = quant_test::make_int4(19, 96, act_order ? 32 : 8, DType::BF16, true, act_order, rng);
       Matrix x(DType::F32, 5, 96), want(DType::F32, 5, 19), got(DType::F32, 5, 19);
@@ -177,6 +265,86 @@ TEST_CASE("int4 weights the fast kernels do not cover (act-order g_idx, groups o
       REQUIRE(fast->quant_linear(x.view(), owned.weight, got.view()).ok());
       CHECK(want.bytes == got.bytes);
     }
+}
+
+TEST_CASE("fast int8 quant_linear matches the reference: groups, act-order, zero points, W8A8, scale dtypes, every ISA") {
+  auto reference = quant_cpu(CpuKernels::reference, CpuIsa::automatic, 2);
+  Random rng(4505);
+  for (CpuIsa isa : machine_isas()) {
+    auto fast = quant_cpu(CpuKernels::fast, isa, 2), fast_one = quant_cpu(CpuKernels::fast, isa, 1),
+         fast_three = quant_cpu(CpuKernels::fast, isa, 3);
+    const std::vector<Backend*> fasts{fast.get(), fast_one.get(), fast_three.get()};
+    for (DType scale_dtype : {DType::BF16, DType::F16, DType::F32})
+      for (int64_t group : {2, 7, 16, 24, 32, 128, 0})  // 0: channel (one group of K)
+        for (int64_t groups : {1, 3})
+          for (bool act_order : {false, true})
+            for (bool asymmetric : {false, true}) {
+              if (group == 0 && (groups > 1 || act_order)) continue;
+              const int64_t k = group == 0 ? 389 : group * groups + (act_order ? 0 : group / 2);  // a short last group
+              const int64_t n = 1 + int64_t(rng.below(37));
+              quant_test::OwnedWeight owned = quant_test::make_int8(n, k, group == 0 ? k : group, scale_dtype,
+                                                                    asymmetric, act_order, false, rng);
+              CAPTURE(std::string(cpu_isa_name(isa))); CAPTURE(std::string(dtype_name(scale_dtype))); CAPTURE(group);
+              CAPTURE(k); CAPTURE(n); CAPTURE(act_order); CAPTURE(asymmetric);
+              check_dequantized_exactly(*fast, owned.weight);
+              if (n % 2 == 1) quant_test::add_bias(owned, scale_dtype, rng);
+              for (bool w8a8 : {false, true}) {
+                owned.weight.int8_activations = w8a8;
+                for (int64_t tokens : {1, 2, 3, 7, 17}) {
+                  CAPTURE(w8a8); CAPTURE(tokens);
+                  check_quant_linear(*reference, fasts, owned.weight, tokens, rng);
+                }
+              }
+            }
+  }
+}
+
+TEST_CASE("fast fp8 quant_linear matches the reference: tensor, channel and block scales, both roundings, W8A8, every ISA") {
+  Random rng(4506);
+  for (bool fp8_activations : {false, true}) {
+    auto reference = quant_cpu(CpuKernels::reference, CpuIsa::automatic, 2, fp8_activations);
+    for (CpuIsa isa : machine_isas()) {
+      auto fast = quant_cpu(CpuKernels::fast, isa, 2, fp8_activations);
+      auto fast_one = quant_cpu(CpuKernels::fast, isa, 1, fp8_activations);
+      auto fast_three = quant_cpu(CpuKernels::fast, isa, 3, fp8_activations);
+      const std::vector<Backend*> fasts{fast.get(), fast_one.get(), fast_three.get()};
+      for (DType scale_dtype : {DType::BF16, DType::F16, DType::F32})
+        for (DequantRounding rounding : {DequantRounding::scale_dtype, DequantRounding::f32})
+          for (ScaleGranularity granularity : {ScaleGranularity::tensor, ScaleGranularity::channel, ScaleGranularity::block})
+            for (int64_t k : {1, 15, 17, 64, 131, 389}) {
+              const int64_t n = 1 + int64_t(rng.below(37));
+              const int64_t block_n = granularity == ScaleGranularity::block ? 1 + int64_t(rng.below(8)) : 0;
+              const int64_t block_k = granularity == ScaleGranularity::block ? int64_t(std::vector<int64_t>{3, 16, 24, 128}[size_t(rng.below(4))]) : 0;
+              quant_test::OwnedWeight owned =
+                  quant_test::make_fp8(n, k, granularity, block_n, block_k, scale_dtype, rounding, rng);
+              CAPTURE(fp8_activations); CAPTURE(std::string(cpu_isa_name(isa))); CAPTURE(std::string(dtype_name(scale_dtype)));
+              CAPTURE(int(rounding)); CAPTURE(int(granularity)); CAPTURE(k); CAPTURE(n); CAPTURE(block_n); CAPTURE(block_k);
+              if (!fp8_activations) check_dequantized_exactly(*fast, owned.weight);
+              if (n % 2 == 0) quant_test::add_bias(owned, DType::BF16, rng);
+              for (int64_t tokens : {1, 2, 3, 7, 17}) {
+                CAPTURE(tokens);
+                check_quant_linear(*reference, fasts, owned.weight, tokens, rng, fp8_activations);
+              }
+            }
+    }
+  }
+}
+
+TEST_CASE("fast e4m3 decoding is fp8_e4m3_to_float for all 254 finite codes, every ISA") {
+  // one row holding every finite code, scale 1 (F32): the one-hot products are the decoded values themselves
+  Random rng(4507);
+  for (CpuIsa isa : machine_isas()) {
+    CAPTURE(std::string(cpu_isa_name(isa)));
+    auto fast = quant_cpu(CpuKernels::fast, isa, 1);
+    quant_test::OwnedWeight owned =
+        quant_test::make_fp8(1, 254, ScaleGranularity::tensor, 0, 0, DType::F32, DequantRounding::f32, rng);
+    const float one = 1.0f;
+    memcpy(owned.scales.data(), &one, 4);
+    std::vector<bool> seen(256, false);
+    for (uint8_t code : owned.fp8) seen[code] = true;
+    CHECK(std::count(seen.begin(), seen.end(), true) == 254);
+    check_dequantized_exactly(*fast, owned.weight);
+  }
 }
 
 TEST_CASE("16-bit activations run the reference under fast kernels, bit for bit") {

@@ -209,8 +209,12 @@ TEST_CASE("quant_linear equals a float32 matmul over the dequantized weight, for
 }
 
 TEST_CASE("quant_linear equals the CPU backend's linear over the dequantized weight, bit for bit") {
-  // The engine may run a quantized Linear either way; both must give the same logits.
-  std::unique_ptr<Backend> backend = make_cpu_backend({2, 64}).value();
+  // The engine may run a quantized Linear either way; both must give the same logits. The reference kernels:
+  // quant_linear is the reference's order, which the fast kernels (the default) do not keep (cpu-fast: checks
+  // them against the reference within float rounding).
+  CpuBackendOptions reference_options{2, 64};
+  reference_options.kernels = CpuKernels::reference;
+  std::unique_ptr<Backend> backend = make_cpu_backend(reference_options).value();
   const json doc = json::parse(detail::read_text_file(fixture("odd-linears/linears.json")));
   TensorStore store = open_file(fixture("odd-linears/model.safetensors"));
   std::mt19937 rng(2024);
@@ -246,6 +250,9 @@ TEST_CASE("the CPU backend's quant_linear op equals quant_linear, in token chunk
     options.threads = 3;
     options.max_quant_in_features = 512;
     options.fp8_activations = fp8_activations;
+    // the reference kernels, whose chunked, threaded op must equal quant_linear bit for bit (the fast ones,
+    // the default, sum in another order; cpu-fast: checks them against these)
+    options.kernels = CpuKernels::reference;
     std::unique_ptr<Backend> backend = make_cpu_backend(options).value();
     for (const json& entry : doc["linears"]) {
       const LinearDesc desc = odd_linear_desc(entry);
@@ -644,6 +651,9 @@ TEST_CASE("the quantized engine equals the engine over the dequantized dense che
     CAPTURE(name);
     EngineOptions options;
     options.backend = kvlite::BackendChoice::cpu;  // the CPU reference (EngineOptions defaults to auto)
+    // the reference kernels: their quantized and dense Linears sum in one order, which is what makes the two
+    // engines' bits equal; the fast kernels (the default) sum int4 / fp8 and dense weights in different orders
+    options.cpu_kernels = CpuKernels::reference;
     options.plan.device_mem = 64 * MiB;
     options.plan.max_batched_tokens = 80;  // > the backend's 64-token chunk, so a prompt spans two
     options.threads = 3;
