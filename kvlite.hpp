@@ -2297,6 +2297,8 @@ struct DeviceSpec {
   int threads_per_multiprocessor = 0;  // the most resident threads an SM holds; 0 when unknown
   bool wsl2 = false;          // Windows Subsystem for Linux 2: larger driver overhead, no large pinned memory
   bool queried = false;       // true when read from a real GPU
+  int cpu_threads = 0;        // CPU backend: the worker threads it starts (EngineOptions::threads); 0: one per
+                              // hardware thread. Sizes its scratch (the plan's workspace row).
   // An integrated GPU (Jetson: cudaDevAttrIntegrated) has no memory of its own: it shares the system's with the
   // CPU, the OS and every other process. It is planned against what was free when queried, not the total.
   bool integrated = false;
@@ -2552,6 +2554,15 @@ Result<Plan> make_plan(const ModelConfig& config, const WeightsSummary& weights,
 
 // What plan_model_dir reads from a model directory, kept so a caller can re-plan without reading it again
 // (`kvlite plan --sweep`).
+struct PlanInputs;
+struct CpuBackendOptions;  // backend.hpp
+namespace detail {
+// The CpuBackendOptions Engine::open makes for a model and its draft (nullptr: none): the head dims attention sees
+// (text, vision, draft), the widest quantized Linear's in_features, W8A8's int8 activations; the CPU plan's
+// workspace row is cpu_backend_scratch_bytes of it. Kernels and the fp8_activations test switch are the engine's.
+CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
+                                          const PlanInputs* draft, DType activation, int threads);
+}  // namespace detail
 struct PlanInputs {
   ModelConfig config;
   WeightsSummary weights;
@@ -3619,6 +3630,11 @@ struct CpuBackendOptions {
   CpuKernels kernels = CpuKernels::fast;
   CpuIsa isa = CpuIsa::automatic;  // for kernels == fast
 };
+// The host memory make_cpu_backend(options) allocates as scratch, all of it at start: per worker thread one
+// attention row set ((2 + 8) x max_head_dim floats, whole 64-byte lines) and 16 dequantized weight rows of
+// max_quant_in_features floats; one 64-token chunk of max_quant_in_features floats when activations are 16-bit
+// (widened to f32 for quant_linear) and one more when fp8 / int8 activations are on. The CPU plan's workspace row.
+uint64_t cpu_backend_scratch_bytes(const CpuBackendOptions& options);
 // Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
 // element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
 Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options = {});
@@ -17263,7 +17279,8 @@ Result<std::pair<uint64_t, uint64_t>> memory_info() { return not_built(); }
 //   logits       logits_buffers(config, max_seqs): scoring computes log-probs 32 rows at a time.
 //   workspace    CUDA: kCudaWorkspaceBytes (the backend's cuBLAS workspace + attention scratch) + repack scratch
 //                as large as the largest single quantized Linear.
-//                CPU: 64 KiB of dequantization tiles per hardware thread.
+//                CPU: the backend's scratch (cpu_backend_scratch_bytes: per thread attention rows and 16 dequantized
+//                weight rows of the widest quantized K; token chunks for 16-bit or int8 activations).
 //   graphs       CUDA: the driver's memory for the instantiated decode graphs, one per batch bucket (1, 2, 4,
 //                ..., max_seqs): 2 MiB + 64 KiB per layer per bucket, in whole 2 MiB, from measurements on an
 //                H100 (4 buckets: 2 MiB for 2 layers, 4-6 MiB for Llama-3.1-8B's 32, 6-8 MiB for 36). Outside the
@@ -17329,6 +17346,30 @@ uint64_t cuda_context_bytes(const DeviceSpec& device) {
 }
 
 namespace detail {
+CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
+                                          const PlanInputs* draft, DType activation, int threads) {
+  CpuBackendOptions o;
+  o.threads = threads;
+  o.activation_dtype = activation;
+  o.max_head_dim = config.text.head_dim;
+  if (config.vision.present) o.max_head_dim = std::max(o.max_head_dim, config.vision.hidden_size / config.vision.num_heads);
+  o.max_quant_in_features = 1;
+  auto widen = [&](const WeightsSummary& w) {
+    for (const LinearDesc& linear : w.linears) {
+      if (linear.format != WeightFormat::dense) o.max_quant_in_features = std::max(o.max_quant_in_features, linear.in_features);
+      o.int8_activations = o.int8_activations || linear.int8_activations;
+    }
+  };
+  widen(weights);
+  if (draft) {  // the draft model runs on this backend too
+    o.max_head_dim = std::max(o.max_head_dim, draft->config.text.head_dim);
+    widen(draft->weights);
+  }
+  return o;
+}
+}  // namespace detail
+
+namespace detail {
 namespace planning {
 
 constexpr uint64_t kDecodeSplits = 16;          // split-KV decode: partial results per (sequence, head)
@@ -17340,7 +17381,6 @@ constexpr int64_t kMinDefaultMaxModelLen = 2048;  // the default rule halves dow
 constexpr int kUtilizationSearchSteps = 64;     // utilization searches: steps at most (a few suffice)
 constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
 constexpr uint64_t kContextWsl2 = 1024 * MiB;
-constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
 // Decode graphs (measured on an H100, CUDA 13.0, kvlite bench "cuda graphs: measured"; buckets 1,2,4,8):
 // tiny-qwen3 (2 layers) 2.0 MiB; Llama-3.1-8B (32 layers) 6.0 MiB BF16, 4.0 MiB W4A16; Qwen3-4B (36) 8.0 MiB;
 // Qwen3-VL-4B's text model (36, FP8) 6.0 MiB. The driver takes 2 MiB at a time.
@@ -17851,7 +17891,7 @@ PlanItem logits_item(const Inputs& in, const PlanOptions& o) {
           true};
 }
 
-PlanItem workspace_item(const Inputs& in) {
+PlanItem workspace_item(const Inputs& in, const PlanOptions& o) {
   PlanItem item{"workspace", "workspace", 0, "", true};
   if (in.device.backend == BackendKind::cuda) {
     // Repacking goes through a scratch copy of one Linear at a time; dense Linears are used as stored, so only
@@ -17868,9 +17908,18 @@ PlanItem workspace_item(const Inputs& in) {
                                 largest->name.c_str(), format_bytes(scratch).c_str())
                        : backend + " (no quantized Linear: no repack scratch)";
   } else {
-    uint64_t threads = std::max(1u, std::thread::hardware_concurrency());
-    item.bytes = align_up(kCpuTileBytesPerThread * threads, kPlanAlignment);
-    item.why = format("64 KiB of dequantization tiles x %llu hardware threads", (unsigned long long)threads);
+    // The CPU backend's scratch, as make_cpu_backend allocates it for the options Engine::open makes (host memory
+    // beside the arena, counted here so that the budget holds it too).
+    const CpuBackendOptions backend =
+        cpu_backend_options_for(in.config, in.weights, in.draft, *o.activation_dtype, in.device.cpu_threads);
+    const int threads = backend.threads > 0 ? backend.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+    item.bytes = align_up(cpu_backend_scratch_bytes(backend), kPlanAlignment);
+    item.why = format("CPU backend scratch for %d thread%s%s: attention rows (head_dim %lld) and 16 dequantized weight "
+                      "rows of K=%lld fp32 each%s%s",
+                      threads, threads == 1 ? "" : "s", in.device.cpu_threads > 0 ? " (--threads)" : " (one per hardware thread)",
+                      (long long)backend.max_head_dim, (long long)backend.max_quant_in_features,
+                      *o.activation_dtype != DType::F32 ? "; one 64-token chunk widened to fp32" : "",
+                      backend.int8_activations ? "; one 64-token chunk of W8A8's int8-rounded activations" : "");
   }
   return item;
 }
@@ -17966,7 +18015,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.items.push_back(activations_item(in, o));
   if (in.config.vision.present) plan.items.push_back(vision_item(in, o));
   plan.items.push_back(logits_item(in, o));
-  plan.items.push_back(workspace_item(in));
+  plan.items.push_back(workspace_item(in, o));
   plan.items.push_back(graphs_item(in, o));
   if (in.draft)
     for (PlanItem& item : draft_items(in, o)) plan.items.push_back(std::move(item));
@@ -23015,6 +23064,28 @@ namespace kvlite {
 namespace detail {
 
 // ---- the backend ------------------------------------------------------------------------------------------
+constexpr int64_t kCpuHeadsPerPass = 8;       // attention: query heads summed together
+constexpr int64_t kCpuQuantTokenChunk = 64;  // quant_linear: tokens per pass over the weight
+
+// The backend's scratch, in floats (cpu_backend_scratch_bytes and the constructor both take it from here).
+struct CpuScratchSizes {
+  int threads = 1;
+  int64_t attention_per_thread = 0;  // key and value rows, then kCpuHeadsPerPass accumulators
+  int64_t dequant_per_thread = 0;    // kQuantRowBlock weight rows of max_quant_in_features
+  int64_t widened = 0;               // 16-bit activations: one token chunk widened to f32
+  int64_t requantized = 0;           // fp8 / int8 activations: one token chunk through fp8 / int8 and back
+};
+CpuScratchSizes cpu_scratch_sizes(const CpuBackendOptions& o) {
+  CpuScratchSizes s;
+  s.threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+  // whole 64-byte lines per thread, so two threads never write the same cache line
+  s.attention_per_thread = int64_t(align_up(uint64_t((2 + kCpuHeadsPerPass) * o.max_head_dim), 16));
+  s.dequant_per_thread = kQuantRowBlock * o.max_quant_in_features;
+  if (o.activation_dtype != DType::F32) s.widened = kCpuQuantTokenChunk * o.max_quant_in_features;
+  if (o.fp8_activations || o.int8_activations) s.requantized = kCpuQuantTokenChunk * o.max_quant_in_features;
+  return s;
+}
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(const CpuBackendOptions& options)
@@ -23024,18 +23095,19 @@ class CpuBackend final : public Backend {
                   : options.isa == CpuIsa::automatic ? best_cpu_isa()
                                                      : options.isa),
         max_head_dim_(options.max_head_dim),
-        // whole 64-byte lines per thread, so two threads never write the same cache line
-        scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
+        scratch_per_thread_(cpu_scratch_sizes(options).attention_per_thread),
         max_quant_in_features_(options.max_quant_in_features),
         fp8_activations_(options.fp8_activations),
         int8_activations_(options.int8_activations),
-        pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
-    scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
-    dequant_scratch_.assign(size_t(pool_.threads() * kQuantRowBlock * max_quant_in_features_), 0.0f);
+        pool_(cpu_scratch_sizes(options).threads) {
     // quant_linear multiplies f32 rows: 16-bit activations are widened into `widened_` (f32 activations are read
-    // in place), and W8A8's fake-quantized rows go to `requantized_`.
-    if (fp8_activations_ || int8_activations_) requantized_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
-    if (act_ != DType::F32) widened_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
+    // in place), and W8A8's fake-quantized rows go to `requantized_`. Sizes: cpu_scratch_sizes, which the plan
+    // counts (cpu_backend_scratch_bytes).
+    const CpuScratchSizes sizes = cpu_scratch_sizes(options);
+    scratch_.assign(size_t(pool_.threads() * sizes.attention_per_thread), 0.0f);
+    dequant_scratch_.assign(size_t(pool_.threads() * sizes.dequant_per_thread), 0.0f);
+    requantized_.assign(size_t(sizes.requantized), 0.0f);
+    widened_.assign(size_t(sizes.widened), 0.0f);
   }
 
   BackendKind kind() const override { return BackendKind::cpu; }
@@ -23602,8 +23674,8 @@ class CpuBackend final : public Backend {
 
   static constexpr uint64_t kTokenBlock = 32, kRowBlock = 16;  // linear work item
   static constexpr int kTileTokens = 4, kTileRows = 2;          // linear register tile
-  static constexpr int64_t kHeadsPerPass = 8;                   // attention: query heads summed together
-  static constexpr int64_t kQuantTokenChunk = 64;               // quant_linear: tokens per pass over the weight
+  static constexpr int64_t kHeadsPerPass = kCpuHeadsPerPass;
+  static constexpr int64_t kQuantTokenChunk = kCpuQuantTokenChunk;
   static_assert(kTokenBlock % kTileTokens == 0 && kRowBlock % kTileRows == 0, "blocks must hold whole tiles");
 
   // LlamaRMSNorm in float32: variance = mean(x^2); x * rsqrt(variance + eps); weight * that.
@@ -23718,6 +23790,13 @@ void check_cpu_threads(int64_t threads, const char* what) {
                 std::max(1u, std::thread::hardware_concurrency()), limits::max_threads_per_hardware_thread));
 }
 }  // namespace detail
+
+uint64_t cpu_backend_scratch_bytes(const CpuBackendOptions& options) {
+  const detail::CpuScratchSizes s = detail::cpu_scratch_sizes(options);
+  const uint64_t floats = uint64_t(s.threads) * uint64_t(s.attention_per_thread + s.dequant_per_thread) +
+                          uint64_t(s.widened + s.requantized);
+  return floats * sizeof(float);
+}
 
 Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options) {
   return detail::guard([&]() -> std::unique_ptr<Backend> {
@@ -26902,6 +26981,7 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
     Result<DeviceSpec> device = detect_device(options.backend, options.device, options.plan.device_mem,
                                               options.plan.wsl2, &why);
     if (!device) throw device.error();
+    device->cpu_threads = options.threads;  // the CPU backend's scratch is per thread
     Result<Plan> plan = make_plan(inputs, *device, options.plan);
     if (!plan) throw plan.error();
     plan->backend_rule = why;
@@ -27029,27 +27109,11 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);
     } else {
-      CpuBackendOptions backend_options;
-      backend_options.threads = options.threads;
+      // what the plan's workspace row counted (cpu_backend_options_for), plus the kernels and the test switch
+      CpuBackendOptions backend_options = detail::cpu_backend_options_for(
+          e.config, *weights, inputs.draft.get(), *e.plan.options.activation_dtype, options.threads);
       backend_options.kernels = options.cpu_kernels;
-      backend_options.max_head_dim = e.config.text.head_dim;
       backend_options.fp8_activations = options.fp8_activations;
-      backend_options.activation_dtype = *e.plan.options.activation_dtype;
-      backend_options.max_quant_in_features = 1;
-      for (const LinearDesc& linear : weights->linears) {
-        if (linear.format != WeightFormat::dense)
-          backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
-        backend_options.int8_activations = backend_options.int8_activations || linear.int8_activations;
-      }
-      if (e.config.vision.present)
-        backend_options.max_head_dim =
-            std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);
-      if (inputs.draft) {  // the draft model runs on this backend too
-        backend_options.max_head_dim = std::max(backend_options.max_head_dim, inputs.draft->config.text.head_dim);
-        for (const LinearDesc& linear : inputs.draft->weights.linears)
-          if (linear.format != WeightFormat::dense)
-            backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
-      }
       Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);

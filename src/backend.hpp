@@ -400,6 +400,11 @@ struct CpuBackendOptions {
   CpuKernels kernels = CpuKernels::fast;
   CpuIsa isa = CpuIsa::automatic;  // for kernels == fast
 };
+// The host memory make_cpu_backend(options) allocates as scratch, all of it at start: per worker thread one
+// attention row set ((2 + 8) x max_head_dim floats, whole 64-byte lines) and 16 dequantized weight rows of
+// max_quant_in_features floats; one 64-token chunk of max_quant_in_features floats when activations are 16-bit
+// (widened to f32 for quant_linear) and one more when fp8 / int8 activations are on. The CPU plan's workspace row.
+uint64_t cpu_backend_scratch_bytes(const CpuBackendOptions& options);
 // Starts the thread pool and allocates all scratch. Results do not depend on `threads`: every output
 // element is computed by one thread in a fixed order, so 1 thread and 16 give the same bits.
 Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options = {});

@@ -220,6 +220,28 @@ namespace kvlite {
 namespace detail {
 
 // ---- the backend ------------------------------------------------------------------------------------------
+constexpr int64_t kCpuHeadsPerPass = 8;       // attention: query heads summed together
+constexpr int64_t kCpuQuantTokenChunk = 64;  // quant_linear: tokens per pass over the weight
+
+// The backend's scratch, in floats (cpu_backend_scratch_bytes and the constructor both take it from here).
+struct CpuScratchSizes {
+  int threads = 1;
+  int64_t attention_per_thread = 0;  // key and value rows, then kCpuHeadsPerPass accumulators
+  int64_t dequant_per_thread = 0;    // kQuantRowBlock weight rows of max_quant_in_features
+  int64_t widened = 0;               // 16-bit activations: one token chunk widened to f32
+  int64_t requantized = 0;           // fp8 / int8 activations: one token chunk through fp8 / int8 and back
+};
+CpuScratchSizes cpu_scratch_sizes(const CpuBackendOptions& o) {
+  CpuScratchSizes s;
+  s.threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+  // whole 64-byte lines per thread, so two threads never write the same cache line
+  s.attention_per_thread = int64_t(align_up(uint64_t((2 + kCpuHeadsPerPass) * o.max_head_dim), 16));
+  s.dequant_per_thread = kQuantRowBlock * o.max_quant_in_features;
+  if (o.activation_dtype != DType::F32) s.widened = kCpuQuantTokenChunk * o.max_quant_in_features;
+  if (o.fp8_activations || o.int8_activations) s.requantized = kCpuQuantTokenChunk * o.max_quant_in_features;
+  return s;
+}
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(const CpuBackendOptions& options)
@@ -229,18 +251,19 @@ class CpuBackend final : public Backend {
                   : options.isa == CpuIsa::automatic ? best_cpu_isa()
                                                      : options.isa),
         max_head_dim_(options.max_head_dim),
-        // whole 64-byte lines per thread, so two threads never write the same cache line
-        scratch_per_thread_(int64_t(align_up(uint64_t((2 + kHeadsPerPass) * options.max_head_dim), 16))),
+        scratch_per_thread_(cpu_scratch_sizes(options).attention_per_thread),
         max_quant_in_features_(options.max_quant_in_features),
         fp8_activations_(options.fp8_activations),
         int8_activations_(options.int8_activations),
-        pool_(options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()))) {
-    scratch_.assign(size_t(pool_.threads() * scratch_per_thread_), 0.0f);
-    dequant_scratch_.assign(size_t(pool_.threads() * kQuantRowBlock * max_quant_in_features_), 0.0f);
+        pool_(cpu_scratch_sizes(options).threads) {
     // quant_linear multiplies f32 rows: 16-bit activations are widened into `widened_` (f32 activations are read
-    // in place), and W8A8's fake-quantized rows go to `requantized_`.
-    if (fp8_activations_ || int8_activations_) requantized_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
-    if (act_ != DType::F32) widened_.assign(size_t(kQuantTokenChunk * max_quant_in_features_), 0.0f);
+    // in place), and W8A8's fake-quantized rows go to `requantized_`. Sizes: cpu_scratch_sizes, which the plan
+    // counts (cpu_backend_scratch_bytes).
+    const CpuScratchSizes sizes = cpu_scratch_sizes(options);
+    scratch_.assign(size_t(pool_.threads() * sizes.attention_per_thread), 0.0f);
+    dequant_scratch_.assign(size_t(pool_.threads() * sizes.dequant_per_thread), 0.0f);
+    requantized_.assign(size_t(sizes.requantized), 0.0f);
+    widened_.assign(size_t(sizes.widened), 0.0f);
   }
 
   BackendKind kind() const override { return BackendKind::cpu; }
@@ -807,8 +830,8 @@ class CpuBackend final : public Backend {
 
   static constexpr uint64_t kTokenBlock = 32, kRowBlock = 16;  // linear work item
   static constexpr int kTileTokens = 4, kTileRows = 2;          // linear register tile
-  static constexpr int64_t kHeadsPerPass = 8;                   // attention: query heads summed together
-  static constexpr int64_t kQuantTokenChunk = 64;               // quant_linear: tokens per pass over the weight
+  static constexpr int64_t kHeadsPerPass = kCpuHeadsPerPass;
+  static constexpr int64_t kQuantTokenChunk = kCpuQuantTokenChunk;
   static_assert(kTokenBlock % kTileTokens == 0 && kRowBlock % kTileRows == 0, "blocks must hold whole tiles");
 
   // LlamaRMSNorm in float32: variance = mean(x^2); x * rsqrt(variance + eps); weight * that.
@@ -923,6 +946,13 @@ void check_cpu_threads(int64_t threads, const char* what) {
                 std::max(1u, std::thread::hardware_concurrency()), limits::max_threads_per_hardware_thread));
 }
 }  // namespace detail
+
+uint64_t cpu_backend_scratch_bytes(const CpuBackendOptions& options) {
+  const detail::CpuScratchSizes s = detail::cpu_scratch_sizes(options);
+  const uint64_t floats = uint64_t(s.threads) * uint64_t(s.attention_per_thread + s.dequant_per_thread) +
+                          uint64_t(s.widened + s.requantized);
+  return floats * sizeof(float);
+}
 
 Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& options) {
   return detail::guard([&]() -> std::unique_ptr<Backend> {

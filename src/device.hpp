@@ -26,6 +26,8 @@ struct DeviceSpec {
   int threads_per_multiprocessor = 0;  // the most resident threads an SM holds; 0 when unknown
   bool wsl2 = false;          // Windows Subsystem for Linux 2: larger driver overhead, no large pinned memory
   bool queried = false;       // true when read from a real GPU
+  int cpu_threads = 0;        // CPU backend: the worker threads it starts (EngineOptions::threads); 0: one per
+                              // hardware thread. Sizes its scratch (the plan's workspace row).
   // An integrated GPU (Jetson: cudaDevAttrIntegrated) has no memory of its own: it shares the system's with the
   // CPU, the OS and every other process. It is planned against what was free when queried, not the total.
   bool integrated = false;

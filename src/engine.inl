@@ -837,6 +837,7 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
     Result<DeviceSpec> device = detect_device(options.backend, options.device, options.plan.device_mem,
                                               options.plan.wsl2, &why);
     if (!device) throw device.error();
+    device->cpu_threads = options.threads;  // the CPU backend's scratch is per thread
     Result<Plan> plan = make_plan(inputs, *device, options.plan);
     if (!plan) throw plan.error();
     plan->backend_rule = why;
@@ -964,27 +965,11 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);
     } else {
-      CpuBackendOptions backend_options;
-      backend_options.threads = options.threads;
+      // what the plan's workspace row counted (cpu_backend_options_for), plus the kernels and the test switch
+      CpuBackendOptions backend_options = detail::cpu_backend_options_for(
+          e.config, *weights, inputs.draft.get(), *e.plan.options.activation_dtype, options.threads);
       backend_options.kernels = options.cpu_kernels;
-      backend_options.max_head_dim = e.config.text.head_dim;
       backend_options.fp8_activations = options.fp8_activations;
-      backend_options.activation_dtype = *e.plan.options.activation_dtype;
-      backend_options.max_quant_in_features = 1;
-      for (const LinearDesc& linear : weights->linears) {
-        if (linear.format != WeightFormat::dense)
-          backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
-        backend_options.int8_activations = backend_options.int8_activations || linear.int8_activations;
-      }
-      if (e.config.vision.present)
-        backend_options.max_head_dim =
-            std::max(backend_options.max_head_dim, e.config.vision.hidden_size / e.config.vision.num_heads);
-      if (inputs.draft) {  // the draft model runs on this backend too
-        backend_options.max_head_dim = std::max(backend_options.max_head_dim, inputs.draft->config.text.head_dim);
-        for (const LinearDesc& linear : inputs.draft->weights.linears)
-          if (linear.format != WeightFormat::dense)
-            backend_options.max_quant_in_features = std::max(backend_options.max_quant_in_features, linear.in_features);
-      }
       Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);

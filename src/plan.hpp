@@ -214,6 +214,15 @@ Result<Plan> make_plan(const ModelConfig& config, const WeightsSummary& weights,
 
 // What plan_model_dir reads from a model directory, kept so a caller can re-plan without reading it again
 // (`kvlite plan --sweep`).
+struct PlanInputs;
+struct CpuBackendOptions;  // backend.hpp
+namespace detail {
+// The CpuBackendOptions Engine::open makes for a model and its draft (nullptr: none): the head dims attention sees
+// (text, vision, draft), the widest quantized Linear's in_features, W8A8's int8 activations; the CPU plan's
+// workspace row is cpu_backend_scratch_bytes of it. Kernels and the fp8_activations test switch are the engine's.
+CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
+                                          const PlanInputs* draft, DType activation, int threads);
+}  // namespace detail
 struct PlanInputs {
   ModelConfig config;
   WeightsSummary weights;

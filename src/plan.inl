@@ -27,7 +27,8 @@
 //   logits       logits_buffers(config, max_seqs): scoring computes log-probs 32 rows at a time.
 //   workspace    CUDA: kCudaWorkspaceBytes (the backend's cuBLAS workspace + attention scratch) + repack scratch
 //                as large as the largest single quantized Linear.
-//                CPU: 64 KiB of dequantization tiles per hardware thread.
+//                CPU: the backend's scratch (cpu_backend_scratch_bytes: per thread attention rows and 16 dequantized
+//                weight rows of the widest quantized K; token chunks for 16-bit or int8 activations).
 //   graphs       CUDA: the driver's memory for the instantiated decode graphs, one per batch bucket (1, 2, 4,
 //                ..., max_seqs): 2 MiB + 64 KiB per layer per bucket, in whole 2 MiB, from measurements on an
 //                H100 (4 buckets: 2 MiB for 2 layers, 4-6 MiB for Llama-3.1-8B's 32, 6-8 MiB for 36). Outside the
@@ -93,6 +94,30 @@ uint64_t cuda_context_bytes(const DeviceSpec& device) {
 }
 
 namespace detail {
+CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
+                                          const PlanInputs* draft, DType activation, int threads) {
+  CpuBackendOptions o;
+  o.threads = threads;
+  o.activation_dtype = activation;
+  o.max_head_dim = config.text.head_dim;
+  if (config.vision.present) o.max_head_dim = std::max(o.max_head_dim, config.vision.hidden_size / config.vision.num_heads);
+  o.max_quant_in_features = 1;
+  auto widen = [&](const WeightsSummary& w) {
+    for (const LinearDesc& linear : w.linears) {
+      if (linear.format != WeightFormat::dense) o.max_quant_in_features = std::max(o.max_quant_in_features, linear.in_features);
+      o.int8_activations = o.int8_activations || linear.int8_activations;
+    }
+  };
+  widen(weights);
+  if (draft) {  // the draft model runs on this backend too
+    o.max_head_dim = std::max(o.max_head_dim, draft->config.text.head_dim);
+    widen(draft->weights);
+  }
+  return o;
+}
+}  // namespace detail
+
+namespace detail {
 namespace planning {
 
 constexpr uint64_t kDecodeSplits = 16;          // split-KV decode: partial results per (sequence, head)
@@ -104,7 +129,6 @@ constexpr int64_t kMinDefaultMaxModelLen = 2048;  // the default rule halves dow
 constexpr int kUtilizationSearchSteps = 64;     // utilization searches: steps at most (a few suffice)
 constexpr int64_t kDefaultImagePixels = 1024 * 1024;      // kvlite's planning default
 constexpr uint64_t kContextWsl2 = 1024 * MiB;
-constexpr uint64_t kCpuTileBytesPerThread = 64 * KiB;
 // Decode graphs (measured on an H100, CUDA 13.0, kvlite bench "cuda graphs: measured"; buckets 1,2,4,8):
 // tiny-qwen3 (2 layers) 2.0 MiB; Llama-3.1-8B (32 layers) 6.0 MiB BF16, 4.0 MiB W4A16; Qwen3-4B (36) 8.0 MiB;
 // Qwen3-VL-4B's text model (36, FP8) 6.0 MiB. The driver takes 2 MiB at a time.
@@ -615,7 +639,7 @@ PlanItem logits_item(const Inputs& in, const PlanOptions& o) {
           true};
 }
 
-PlanItem workspace_item(const Inputs& in) {
+PlanItem workspace_item(const Inputs& in, const PlanOptions& o) {
   PlanItem item{"workspace", "workspace", 0, "", true};
   if (in.device.backend == BackendKind::cuda) {
     // Repacking goes through a scratch copy of one Linear at a time; dense Linears are used as stored, so only
@@ -632,9 +656,18 @@ PlanItem workspace_item(const Inputs& in) {
                                 largest->name.c_str(), format_bytes(scratch).c_str())
                        : backend + " (no quantized Linear: no repack scratch)";
   } else {
-    uint64_t threads = std::max(1u, std::thread::hardware_concurrency());
-    item.bytes = align_up(kCpuTileBytesPerThread * threads, kPlanAlignment);
-    item.why = format("64 KiB of dequantization tiles x %llu hardware threads", (unsigned long long)threads);
+    // The CPU backend's scratch, as make_cpu_backend allocates it for the options Engine::open makes (host memory
+    // beside the arena, counted here so that the budget holds it too).
+    const CpuBackendOptions backend =
+        cpu_backend_options_for(in.config, in.weights, in.draft, *o.activation_dtype, in.device.cpu_threads);
+    const int threads = backend.threads > 0 ? backend.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+    item.bytes = align_up(cpu_backend_scratch_bytes(backend), kPlanAlignment);
+    item.why = format("CPU backend scratch for %d thread%s%s: attention rows (head_dim %lld) and 16 dequantized weight "
+                      "rows of K=%lld fp32 each%s%s",
+                      threads, threads == 1 ? "" : "s", in.device.cpu_threads > 0 ? " (--threads)" : " (one per hardware thread)",
+                      (long long)backend.max_head_dim, (long long)backend.max_quant_in_features,
+                      *o.activation_dtype != DType::F32 ? "; one 64-token chunk widened to fp32" : "",
+                      backend.int8_activations ? "; one 64-token chunk of W8A8's int8-rounded activations" : "");
   }
   return item;
 }
@@ -730,7 +763,7 @@ Plan assemble(const Inputs& in, const PlanOptions& o) {
   plan.items.push_back(activations_item(in, o));
   if (in.config.vision.present) plan.items.push_back(vision_item(in, o));
   plan.items.push_back(logits_item(in, o));
-  plan.items.push_back(workspace_item(in));
+  plan.items.push_back(workspace_item(in, o));
   plan.items.push_back(graphs_item(in, o));
   if (in.draft)
     for (PlanItem& item : draft_items(in, o)) plan.items.push_back(std::move(item));

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 #include <nlohmann/json.hpp>
 #include "kvlite.hpp"
@@ -785,7 +786,27 @@ TEST_CASE("CUDA-only rows (repack of quantized Linears, context, graphs) are zer
   CHECK(c.item("repack")->bytes == 0);
   CHECK(c.item("context")->bytes == 0);
   CHECK(c.item("graphs")->bytes == 0);
-  CHECK(c.item("workspace")->bytes % (64 * KiB) == 0);
+  // The CPU backend's scratch, from the model's shapes (as make_cpu_backend sizes it): per thread (2 + 8) x
+  // head_dim attention floats in whole 64-byte lines and 16 dequantized rows of the widest quantized Linear's K;
+  // one 64-token chunk of K floats more when activations are 16-bit (widened for quant_linear).
+  int64_t widest = 1;
+  for (const LinearDesc& d : q.weights.linears)
+    if (d.format != WeightFormat::dense) widest = std::max(widest, d.in_features);
+  const int64_t head_dim = std::max(q.config.text.head_dim, q.config.vision.hidden_size / q.config.vision.num_heads);
+  auto scratch = [&](uint64_t threads, bool widened) {
+    const uint64_t per_thread = (uint64_t(10 * head_dim + 15) / 16 * 16 + 16 * uint64_t(widest)) * 4;
+    return (threads * per_thread + (widened ? 64 * uint64_t(widest) * 4 : 0) + 255) / 256 * 256;
+  };
+  CHECK(widest > 1);
+  CHECK(c.item("workspace")->bytes == scratch(std::max(1u, std::thread::hardware_concurrency()), false));
+  DeviceSpec three_threads = cpu;
+  three_threads.cpu_threads = 3;  // EngineOptions::threads
+  CHECK(plan_for(q, three_threads, options_with(0.9, 4096)).item("workspace")->bytes == scratch(3, false));
+  PlanOptions bf16 = options_with(0.9, 4096);
+  bf16.activation_dtype = DType::BF16;
+  const Plan b = plan_for(q, three_threads, bf16);
+  CHECK(b.item("workspace")->bytes == scratch(3, true));
+  CHECK(b.item("workspace")->why.find("3 threads (--threads)") != std::string::npos);
   CHECK(c.item("activations")->bytes > p.item("activations")->bytes);  // fp32 on the CPU
   // KV auto is f32 on the CPU (the reference matches transformers' float32): twice the bf16 bytes.
   CHECK(c.options.kv_dtype == KVDType::f32);
