@@ -101,14 +101,7 @@ inline OwnedWeight make_int8(int64_t n, int64_t k, int64_t group, DType scale_dt
     for (auto& zero : o.zeros) zero = uint8_t(rng.below(256));
     w.zero_points = o.zeros.data();
   }
-  if (act_order) {
-    std::vector<int32_t> groups_of(static_cast<size_t>(k));
-    for (int64_t c = 0; c < k; c++) groups_of[size_t(c)] = int32_t(c / group);
-    std::shuffle(groups_of.begin(), groups_of.end(), rng.engine);
-    o.g_idx.resize(size_t(k) * 4);
-    memcpy(o.g_idx.data(), groups_of.data(), o.g_idx.size());
-    w.g_idx = o.g_idx.data();
-  }
+  if (act_order) put_act_order(o, k, group, rng);
   return o;
 }
 
@@ -138,33 +131,6 @@ inline OwnedWeight make_fp8(int64_t n, int64_t k, ScaleGranularity granularity, 
   } else {
     put_scales(o, scale_dtype, granularity == ScaleGranularity::channel ? n : 1, 1, rng, 0.0005f, 0.02f);
   }
-  return o;
-}
-
-// int8 [N, K] as the int8 view holds it (quant.hpp: signed q [N, K], I8 zero points [N, groups]) with every byte
-// value, random scales of `scale_dtype`; zero points over the whole int8 range when asymmetric; act-order (a
-// shuffled g_idx, each group holding group_size columns) when act_order. group == k: one scale a row (channel).
-inline OwnedWeight make_int8(int64_t n, int64_t k, int64_t group, DType scale_dtype, bool asymmetric, bool act_order,
-                             Random& rng) {
-  OwnedWeight o;
-  QuantWeight& w = o.weight;
-  w.name = "hand.int8";
-  w.out_features = n;
-  w.in_features = k;
-  w.format = WeightFormat::int8;
-  w.granularity = group == k ? ScaleGranularity::channel : ScaleGranularity::group;
-  w.group_size = group;
-  o.packed.resize(size_t(n * k));  // the q bytes
-  for (int64_t i = 0; i < n * k; i++) o.packed[size_t(i)] = uint8_t((i * 37 + rng.below(256)) % 256);
-  w.int8 = o.packed.data();
-  const int64_t groups = k / group;
-  put_scales(o, scale_dtype, n, groups, rng, 0.0005f, 0.01f);
-  if (asymmetric) {
-    o.zeros.resize(size_t(n * groups));
-    for (auto& zero : o.zeros) zero = uint8_t(rng.below(256));
-    w.zero_points = o.zeros.data();
-  }
-  if (act_order) put_act_order(o, k, group, rng);
   return o;
 }
 

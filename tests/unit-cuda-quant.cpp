@@ -411,8 +411,8 @@ TEST_CASE("dequantize + cuBLAS matches the CPU for every layout, F32 activations
     OwnedWeight fp8 = make_fp8(200, 300, ScaleGranularity::block, 24, 48, scale_dtype, DequantRounding::scale_dtype, rng);
     add_bias(int4, DType::BF16, rng);
     // int8 (GPTQ 8-bit, compressed-tensors INT8) runs only here: asymmetric act-order groups, channel with a bias
-    OwnedWeight int8_groups = make_int8(136, 240, 48, scale_dtype, true, true, rng);
-    OwnedWeight int8_channel = make_int8(200, 300, 300, scale_dtype, false, false, rng);
+    OwnedWeight int8_groups = make_int8(136, 240, 48, scale_dtype, true, true, /*w8a8=*/false, rng);
+    OwnedWeight int8_channel = make_int8(200, 300, 300, scale_dtype, false, false, /*w8a8=*/false, rng);
     add_bias(int8_channel, DType::BF16, rng);
     for (const OwnedWeight* o : {&groups24, &int4, &fp8, &int8_groups, &int8_channel})
       check_rows(g, *o, cuda::QuantKernel::dequant_cublas, Bound::exact_weights, {1, 5, 64, 300}, rng);
@@ -450,7 +450,7 @@ TEST_CASE("the automatic choice runs every format at decode and prefill sizes") 
     check_rows(g, fp8, cuda::QuantKernel::automatic, w8a8 ? Bound::w8a8 : a16_bound(fp8.weight, activation),
                {gemv_rows + 1, 64, cuda::kQuantMmaMaxRows + 44}, rng);
     // int8: dequantize + cuBLAS at every row count, weights as exact as the reference's
-    OwnedWeight int8 = make_int8(64 * 9 + 5, 2048, 128, activation, true, false, rng);
+    OwnedWeight int8 = make_int8(64 * 9 + 5, 2048, 128, activation, true, false, /*w8a8=*/false, rng);
     check_rows(g, int8, cuda::QuantKernel::automatic, Bound::exact_weights, {1, 4, 17, 64, cuda::kQuantMmaMaxRows + 44}, rng);
   }
 }

@@ -612,7 +612,7 @@ TEST_CASE("hand-made int8 weights: every byte and zero point, each scale dtype, 
       CAPTURE(s.n);
       CAPTURE(s.k);
       CAPTURE(s.group);
-      OwnedWeight o = make_int8(s.n, s.k, s.group, scale_dtype, s.asymmetric, s.act_order, rng);
+      OwnedWeight o = make_int8(s.n, s.k, s.group, scale_dtype, s.asymmetric, s.act_order, /*w8a8=*/false, rng);
       const QuantGpuLayout layout = quant_gpu_layout(o.weight);
       CHECK(layout.permuted == s.act_order);
       CHECK(layout.zeros == s.asymmetric);
@@ -637,8 +637,8 @@ TEST_CASE("hand-made int8 weights: every byte and zero point, each scale dtype, 
 
 TEST_CASE("int8 Linears do not fuse on the GPU: each part uploads alone") {
   Random rng(64);
-  OwnedWeight a = make_int8(64, 128, 128, DType::BF16, false, false, rng);
-  OwnedWeight b = make_int8(64, 128, 128, DType::BF16, false, false, rng);
+  OwnedWeight a = make_int8(64, 128, 128, DType::BF16, false, false, /*w8a8=*/false, rng);
+  OwnedWeight b = make_int8(64, 128, 128, DType::BF16, false, false, /*w8a8=*/false, rng);
   CHECK(refusal({&a.weight, &b.weight}).find("not an int4 or fp8 Linear") != std::string::npos);
 }
 
