@@ -21523,14 +21523,8 @@ void gather_host_rows_into(const Tensor& table, const int32_t* ids, int64_t coun
   const size_t in_bytes = size_t(dtype_bytes(table.dtype, 1)), out_bytes = size_t(dtype_bytes(dtype, 1));
   const uint8_t* base = static_cast<const uint8_t*>(table.data);
   uint8_t* out = static_cast<uint8_t*>(dst);
-  auto load = [&](const uint8_t* row, int64_t c) -> float {
-    switch (table.dtype) {
-      case DType::F32: { float v; std::memcpy(&v, row + c * 4, 4); return v; }
-      case DType::BF16: { uint16_t v; std::memcpy(&v, row + c * 2, 2); return bf16_to_float(v); }
-      case DType::F16: { uint16_t v; std::memcpy(&v, row + c * 2, 2); return f16_to_float(v); }
-      default: fail(ErrorCode::internal, format("gather_host_rows: table dtype %s", dtype_name(table.dtype)));
-    }
-  };
+  if (table.dtype != DType::F32 && table.dtype != DType::BF16 && table.dtype != DType::F16)
+    fail(ErrorCode::internal, format("gather_host_rows: table dtype %s", dtype_name(table.dtype)));
   for (int64_t t = 0; t < count; t++) {
     const uint8_t* row = base + size_t(ids[t]) * size_t(table.row_stride) * in_bytes;
     uint8_t* to = out + size_t(t) * size_t(cols) * out_bytes;
@@ -21539,7 +21533,7 @@ void gather_host_rows_into(const Tensor& table, const int32_t* ids, int64_t coun
       continue;
     }
     for (int64_t c = 0; c < cols; c++) {
-      const float v = load(row, c);
+      const float v = scale_at(row, table.dtype, c);  // F32 / BF16 / F16 widened exactly
       if (dtype == DType::F32) {
         std::memcpy(to + c * 4, &v, 4);
       } else {
@@ -23252,6 +23246,16 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // W8A8 as its checkpoint (int8, per token) or the GPU's fp8 tensor cores (fp8_activations, per `group` columns)
+  // see it: each of `tokens` f32 rows [K] of `chunk` through int8 / fp8 and back, into requantized_ [tokens, K].
+  void requantize_chunk(const float* chunk, int64_t stride, int64_t tokens, int64_t K, bool int8, int64_t group) {
+    auto body = [&](int64_t t, int) {
+      if (int8) fake_quantize_int8_row(chunk + t * stride, K, requantized_.data() + t * K);
+      else fake_quantize_fp8_row(chunk + t * stride, K, group, requantized_.data() + t * K);
+    };
+    pool_.run(tokens, body);
+  }
+
   // Tokens go in chunks of kQuantTokenChunk; for each chunk, work item b dequantizes weight rows
   // [16 b, 16 b + 16) into its thread's scratch and multiplies the chunk by them. Every output element is one
   // dot product in quant_linear's fixed order, so chunking and threads change no bit.
@@ -23289,15 +23293,10 @@ class CpuBackend final : public Backend {
         rows(row_of<const float>(x, 0), x.row_stride, x.rows, row_of<float>(out, 0));
         return;
       }
-      // W8A8: each activation row through fp8 / int8 and back first, exactly as the reference below
+      // W8A8: each activation row through fp8 / int8 and back first, as the reference below
       for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
         const int64_t tokens = std::min(kQuantTokenChunk, x.rows - t0);
-        auto body = [&](int64_t t, int) {
-          const float* src = row_of<const float>(x, t0 + t);
-          if (int8_activations) fake_quantize_int8_row(src, K, requantized_.data() + t * K);
-          else fake_quantize_fp8_row(src, K, group, requantized_.data() + t * K);
-        };
-        pool_.run(tokens, body);
+        requantize_chunk(row_of<const float>(x, t0), x.row_stride, tokens, K, int8_activations, group);
         rows(requantized_.data(), K, tokens, row_of<float>(out, t0));
       }
       return;
@@ -23322,12 +23321,8 @@ class CpuBackend final : public Backend {
         chunk = widened_.data();
         chunk_stride = K;
       }
-      if (requantize || int8_activations) {  // [tokens, K]: each row through fp8 / int8 and back, as W8A8 sees it
-        auto body = [&](int64_t t, int) {
-          if (int8_activations) fake_quantize_int8_row(chunk + t * chunk_stride, K, requantized_.data() + t * K);
-          else fake_quantize_fp8_row(chunk + t * chunk_stride, K, group, requantized_.data() + t * K);
-        };
-        pool_.run(tokens, body);
+      if (requantize || int8_activations) {
+        requantize_chunk(chunk, chunk_stride, tokens, K, int8_activations, group);
         chunk = requantized_.data();
         chunk_stride = K;
       }

@@ -217,14 +217,8 @@ void gather_host_rows_into(const Tensor& table, const int32_t* ids, int64_t coun
   const size_t in_bytes = size_t(dtype_bytes(table.dtype, 1)), out_bytes = size_t(dtype_bytes(dtype, 1));
   const uint8_t* base = static_cast<const uint8_t*>(table.data);
   uint8_t* out = static_cast<uint8_t*>(dst);
-  auto load = [&](const uint8_t* row, int64_t c) -> float {
-    switch (table.dtype) {
-      case DType::F32: { float v; std::memcpy(&v, row + c * 4, 4); return v; }
-      case DType::BF16: { uint16_t v; std::memcpy(&v, row + c * 2, 2); return bf16_to_float(v); }
-      case DType::F16: { uint16_t v; std::memcpy(&v, row + c * 2, 2); return f16_to_float(v); }
-      default: fail(ErrorCode::internal, format("gather_host_rows: table dtype %s", dtype_name(table.dtype)));
-    }
-  };
+  if (table.dtype != DType::F32 && table.dtype != DType::BF16 && table.dtype != DType::F16)
+    fail(ErrorCode::internal, format("gather_host_rows: table dtype %s", dtype_name(table.dtype)));
   for (int64_t t = 0; t < count; t++) {
     const uint8_t* row = base + size_t(ids[t]) * size_t(table.row_stride) * in_bytes;
     uint8_t* to = out + size_t(t) * size_t(cols) * out_bytes;
@@ -233,7 +227,7 @@ void gather_host_rows_into(const Tensor& table, const int32_t* ids, int64_t coun
       continue;
     }
     for (int64_t c = 0; c < cols; c++) {
-      const float v = load(row, c);
+      const float v = scale_at(row, table.dtype, c);  // F32 / BF16 / F16 widened exactly
       if (dtype == DType::F32) {
         std::memcpy(to + c * 4, &v, 4);
       } else {

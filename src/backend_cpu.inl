@@ -408,6 +408,16 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // W8A8 as its checkpoint (int8, per token) or the GPU's fp8 tensor cores (fp8_activations, per `group` columns)
+  // see it: each of `tokens` f32 rows [K] of `chunk` through int8 / fp8 and back, into requantized_ [tokens, K].
+  void requantize_chunk(const float* chunk, int64_t stride, int64_t tokens, int64_t K, bool int8, int64_t group) {
+    auto body = [&](int64_t t, int) {
+      if (int8) fake_quantize_int8_row(chunk + t * stride, K, requantized_.data() + t * K);
+      else fake_quantize_fp8_row(chunk + t * stride, K, group, requantized_.data() + t * K);
+    };
+    pool_.run(tokens, body);
+  }
+
   // Tokens go in chunks of kQuantTokenChunk; for each chunk, work item b dequantizes weight rows
   // [16 b, 16 b + 16) into its thread's scratch and multiplies the chunk by them. Every output element is one
   // dot product in quant_linear's fixed order, so chunking and threads change no bit.
@@ -445,15 +455,10 @@ class CpuBackend final : public Backend {
         rows(row_of<const float>(x, 0), x.row_stride, x.rows, row_of<float>(out, 0));
         return;
       }
-      // W8A8: each activation row through fp8 / int8 and back first, exactly as the reference below
+      // W8A8: each activation row through fp8 / int8 and back first, as the reference below
       for (int64_t t0 = 0; t0 < x.rows; t0 += kQuantTokenChunk) {
         const int64_t tokens = std::min(kQuantTokenChunk, x.rows - t0);
-        auto body = [&](int64_t t, int) {
-          const float* src = row_of<const float>(x, t0 + t);
-          if (int8_activations) fake_quantize_int8_row(src, K, requantized_.data() + t * K);
-          else fake_quantize_fp8_row(src, K, group, requantized_.data() + t * K);
-        };
-        pool_.run(tokens, body);
+        requantize_chunk(row_of<const float>(x, t0), x.row_stride, tokens, K, int8_activations, group);
         rows(requantized_.data(), K, tokens, row_of<float>(out, t0));
       }
       return;
@@ -478,12 +483,8 @@ class CpuBackend final : public Backend {
         chunk = widened_.data();
         chunk_stride = K;
       }
-      if (requantize || int8_activations) {  // [tokens, K]: each row through fp8 / int8 and back, as W8A8 sees it
-        auto body = [&](int64_t t, int) {
-          if (int8_activations) fake_quantize_int8_row(chunk + t * chunk_stride, K, requantized_.data() + t * K);
-          else fake_quantize_fp8_row(chunk + t * chunk_stride, K, group, requantized_.data() + t * K);
-        };
-        pool_.run(tokens, body);
+      if (requantize || int8_activations) {
+        requantize_chunk(chunk, chunk_stride, tokens, K, int8_activations, group);
         chunk = requantized_.data();
         chunk_stride = K;
       }
