@@ -2287,6 +2287,18 @@ enum class BackendChoice { auto_, cpu, cuda };
 const char* backend_choice_name(BackendChoice choice);
 Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" | "cpu" | "cuda"
 
+// Which Linear kernels a CPU backend runs. reference: the plain loops every other path is checked against.
+// fast (the default): SIMD GEMV/GEMM kernels that read BF16 / F16 / F32, int4 (W4A16 pack-quantized), int8
+// (W8A16, W8A8) and fp8 e4m3 weights as stored and dequantize them in registers to the reference's values;
+// F32 activations only (other activation dtypes, and weight formats or layouts the fast kernels do not cover,
+// run the reference). Its sums run in another order than the reference's, so results differ from it by float
+// rounding (tests/unit-cpu-fast.cpp bounds that); suites that compare CPU paths bit for bit pin reference.
+// fast_lowp: fast, but with llama.cpp's numerics where they buy integer or bf16 dot products (cpu_lowp.inl):
+// a BF16 Linear's input rounded to bf16, an int4 / int8 (not W8A8) Linear's input quantized to int8 per 32
+// columns; so results differ from the reference by that activation rounding too (tests/unit-cpu-lowp.cpp).
+enum class CpuKernels : uint8_t { reference, fast, fast_lowp };
+const char* cpu_kernels_name(CpuKernels kernels);  // "reference", "fast", "fast-lowp" (the CLI's spelling)
+
 struct DeviceSpec {
   BackendKind backend = BackendKind::cpu;
   std::string name;           // "NVIDIA GeForce RTX 4060", "planned 8.00 GiB card", "CPU"
@@ -2299,6 +2311,8 @@ struct DeviceSpec {
   bool queried = false;       // true when read from a real GPU
   int cpu_threads = 0;        // CPU backend: the worker threads it starts (EngineOptions::threads); 0: one per
                               // hardware thread. Sizes its scratch (the plan's workspace row).
+  CpuKernels cpu_kernels = CpuKernels::fast;  // CPU backend: its Linear kernels (EngineOptions::cpu_kernels); fast_lowp
+                                               // adds a buffer for the quantized activations (the workspace row)
   // An integrated GPU (Jetson: cudaDevAttrIntegrated) has no memory of its own: it shares the system's with the
   // CPU, the OS and every other process. It is planned against what was free when queried, not the total.
   bool integrated = false;
@@ -2558,10 +2572,11 @@ struct PlanInputs;
 struct CpuBackendOptions;  // backend.hpp
 namespace detail {
 // The CpuBackendOptions Engine::open makes for a model and its draft (nullptr: none): the head dims attention sees
-// (text, vision, draft), the widest quantized Linear's in_features, W8A8's int8 activations; the CPU plan's
-// workspace row is cpu_backend_scratch_bytes of it. Kernels and the fp8_activations test switch are the engine's.
+// (text, vision, draft), the widest quantized Linear's in_features (fast_lowp: the widest Linear's, dense too),
+// W8A8's int8 activations, the kernels; the CPU plan's workspace row is cpu_backend_scratch_bytes of it. The
+// fp8_activations test switch is the engine's.
 CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
-                                          const PlanInputs* draft, DType activation, int threads);
+                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels);
 }  // namespace detail
 struct PlanInputs {
   ModelConfig config;
@@ -3597,13 +3612,17 @@ int max_cpu_threads();
 namespace detail {
 void check_cpu_threads(int64_t threads, const char* what);  // throws invalid_argument naming `what` and the cap
 }  // namespace detail
-// Which Linear kernels a CPU backend runs. reference: the plain loops every other path is checked against.
-// fast (the default): SIMD GEMV/GEMM kernels that read BF16 / F16 / F32, int4 (W4A16 pack-quantized), int8
-// (W8A16, W8A8) and fp8 e4m3 weights as stored and dequantize them in registers to the reference's values;
-// F32 activations only (other activation dtypes, and weight formats or layouts the fast kernels do not cover,
-// run the reference). Its sums run in another order than the reference's, so results differ from it by float
-// rounding (tests/unit-cpu-fast.cpp bounds that); suites that compare CPU paths bit for bit pin reference.
-enum class CpuKernels : uint8_t { reference, fast };
+// CpuKernels (which Linear kernels a CPU backend runs) is declared in device.hpp: the plan sizes their scratch.
+namespace detail {
+// CpuKernels::fast_lowp's activation quantization of one row (src/cpu_lowp.inl; exposed for the tests): x [K]
+// (K a multiple of 128) per 32 columns, d = max|x| / 127, q = nearest-even(x 127 / max|x|) clamped to +-127;
+// q [K] in natural order, or for int4 weights each 128 columns as their 64 even ones then their 64 odd ones;
+// lane_scales [K / 4]: for each 64 bytes of q, the d of the block each 4-byte lane's columns are in (int4:
+// lane l of 128 columns is block l / 4; natural: lane l of 64 columns, block l / 8); group_sums [K / group]:
+// sum over the group of d sum q.
+void quantize_q8_activations(const float* x, int64_t K, bool int4_layout, int64_t group, int8_t* q,
+                             float* lane_scales, float* group_sums);
+}  // namespace detail
 // The instruction set the fast kernels use. automatic: the best this CPU has (checked at run time);
 // portable: plain C++ (every machine); avx2: AVX2 + FMA + F16C; avx512: AVX-512 F/BW/VL. Forcing one the CPU
 // lacks is refused by make_cpu_backend (tests force each in turn).
@@ -3628,7 +3647,7 @@ struct CpuBackendOptions {
   DType activation_dtype = DType::F32;
   // The Linear kernels (last, so that existing aggregate initializers keep their meaning).
   CpuKernels kernels = CpuKernels::fast;
-  CpuIsa isa = CpuIsa::automatic;  // for kernels == fast
+  CpuIsa isa = CpuIsa::automatic;  // for kernels fast and fast_lowp
 };
 // The host memory make_cpu_backend(options) allocates as scratch, all of it at start: per worker thread one
 // attention row set ((2 + 8) x max_head_dim floats, whole 64-byte lines) and 16 dequantized weight rows of
@@ -17347,16 +17366,19 @@ uint64_t cuda_context_bytes(const DeviceSpec& device) {
 
 namespace detail {
 CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
-                                          const PlanInputs* draft, DType activation, int threads) {
+                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels) {
   CpuBackendOptions o;
   o.threads = threads;
+  o.kernels = kernels;
   o.activation_dtype = activation;
   o.max_head_dim = config.text.head_dim;
   if (config.vision.present) o.max_head_dim = std::max(o.max_head_dim, config.vision.hidden_size / config.vision.num_heads);
   o.max_quant_in_features = 1;
   auto widen = [&](const WeightsSummary& w) {
     for (const LinearDesc& linear : w.linears) {
-      if (linear.format != WeightFormat::dense) o.max_quant_in_features = std::max(o.max_quant_in_features, linear.in_features);
+      // fast_lowp rounds dense Linears' inputs to bf16 in the same per-token buffer
+      if (linear.format != WeightFormat::dense || kernels == CpuKernels::fast_lowp)
+        o.max_quant_in_features = std::max(o.max_quant_in_features, linear.in_features);
       o.int8_activations = o.int8_activations || linear.int8_activations;
     }
   };
@@ -17911,15 +17933,17 @@ PlanItem workspace_item(const Inputs& in, const PlanOptions& o) {
     // The CPU backend's scratch, as make_cpu_backend allocates it for the options Engine::open makes (host memory
     // beside the arena, counted here so that the budget holds it too).
     const CpuBackendOptions backend =
-        cpu_backend_options_for(in.config, in.weights, in.draft, *o.activation_dtype, in.device.cpu_threads);
+        cpu_backend_options_for(in.config, in.weights, in.draft, *o.activation_dtype, in.device.cpu_threads,
+                                in.device.cpu_kernels);
     const int threads = backend.threads > 0 ? backend.threads : int(std::max(1u, std::thread::hardware_concurrency()));
     item.bytes = align_up(cpu_backend_scratch_bytes(backend), kPlanAlignment);
     item.why = format("CPU backend scratch for %d thread%s%s: attention rows (head_dim %lld) and 16 dequantized weight "
-                      "rows of K=%lld fp32 each%s%s",
+                      "rows of K=%lld fp32 each%s%s%s",
                       threads, threads == 1 ? "" : "s", in.device.cpu_threads > 0 ? " (--threads)" : " (one per hardware thread)",
                       (long long)backend.max_head_dim, (long long)backend.max_quant_in_features,
                       *o.activation_dtype != DType::F32 ? "; one 64-token chunk widened to fp32" : "",
-                      backend.int8_activations ? "; one 64-token chunk of W8A8's int8-rounded activations" : "");
+                      backend.int8_activations ? "; one 64-token chunk of W8A8's int8-rounded activations" : "",
+                      backend.kernels == CpuKernels::fast_lowp ? "; one 64-token chunk of fast-lowp's quantized activations" : "");
   }
   return item;
 }
@@ -22943,6 +22967,15 @@ void for_each_tile(int64_t tokens, int64_t n0, int64_t n1, Tile& tile) {
   }
 }
 
+// for_each_tile<R>, or single rows when there are fewer tokens than a token tile: a decode step's GEMV is a stream
+// from memory, and one row at a time streams it fastest (bench/cpu_gemv.cpp --rows: on Zen 4 one BF16 row at a
+// time read 23 GB/s, four rows' interleaved streams 11); with a full token tile the multiply-adds count more.
+template <int R, class Tile>
+void for_each_tile_by_tokens(int64_t tokens, int64_t n0, int64_t n1, Tile& tile) {
+  if (tokens < kTokens) for_each_tile<1>(tokens, n0, n1, tile);
+  else for_each_tile<R>(tokens, n0, n1, tile);
+}
+
 // out[t, n] = x[t] . weight[n] (+ bias[n]) for every token, rows [n0, n1): F32 activations and output.
 template <class W>
 struct DenseTile {
@@ -22961,7 +22994,7 @@ inline void dense_linear_rows(CpuIsa isa, const Tensor& x, const Tensor& weight,
   with_float_type(weight.dtype, [&](auto tag) {
     using W = decltype(tag);
     DenseTile<W> tile{isa, x, weight, out};
-    for_each_tile<4>(x.rows, n0, n1, tile);
+    for_each_tile_by_tokens<4>(x.rows, n0, n1, tile);
   });
   if (bias.data != nullptr)  // after the dot product, as the reference adds it
     for (int64_t t = 0; t < x.rows; t++)
@@ -22991,8 +23024,8 @@ inline void int4_linear_rows(CpuIsa isa, const float* x, int64_t x_stride, int64
   int4_tables(isa, weight, n0, n1 - n0, tables);
   Int4Tile tile{isa, x, x_stride, weight, n0, tables, out, out_stride};
   // AVX2 holds each row's table in two registers: 2-row tiles keep tables, weights and sums in its 16
-  if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
-  else for_each_tile<4>(tokens, n0, n1, tile);
+  if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+  else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   if (weight.bias != nullptr)
     for (int64_t t = 0; t < tokens; t++)
       for (int64_t n = n0; n < n1; n++) out[t * out_stride + n] += scale_at(weight.bias, weight.bias_dtype, n);
@@ -23035,16 +23068,16 @@ inline void bytes_linear_rows(CpuIsa isa, const float* x, int64_t x_stride, int6
   if (weight.format == WeightFormat::int8 && weight.g_idx) {
     int8_order_tables(weight, n0, n1 - n0, tables);
     Int8OrderTile tile{isa, x, x_stride, weight, n0, tables, out, out_stride};
-    if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
-    else for_each_tile<4>(tokens, n0, n1, tile);
+    if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+    else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   } else if (weight.format == WeightFormat::int8) {
     BytesTile<false> tile{isa, x, x_stride, weight, out, out_stride};
-    if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
-    else for_each_tile<4>(tokens, n0, n1, tile);
+    if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+    else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   } else {
     BytesTile<true> tile{isa, x, x_stride, weight, out, out_stride};
-    if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
-    else for_each_tile<4>(tokens, n0, n1, tile);
+    if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+    else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   }
   if (weight.bias != nullptr)  // after the dot product, as the reference adds it
     for (int64_t t = 0; t < tokens; t++)
@@ -23052,6 +23085,574 @@ inline void bytes_linear_rows(CpuIsa isa, const float* x, int64_t x_stride, int6
 }
 
 }  // namespace cpu_fast
+}  // namespace detail
+}  // namespace kvlite
+// cpu_lowp: the CPU's low-precision-activation Linear kernels (CpuKernels::fast_lowp), llama.cpp's numerics.
+//
+// CpuKernels::fast keeps the reference's numbers (f32 activations, the reference's dequantized weights; only
+// the summation order differs). That leaves the integer and bf16 dot-product instructions unused, and they are
+// what makes llama.cpp's Q4_0 / Q8_0 / BF16 CPU paths fast: it quantizes each Linear's input first (Q8_0: int8
+// in blocks of 32 with one scale each; BF16 weights: the input rounded to bf16) and multiplies integers (VNNI
+// vpdpbusd: 64 byte products a cycle) or bf16 pairs (vdpbf16ps). fast_lowp does the same:
+//
+//   int4 (groups in order, a multiple of 128) and int8 (groups in order, a multiple of 128; not W8A8) weights:
+//     each token's row is quantized per 32 columns, d = max|x| / 127, q = round_even(x / d) in [-127, 127]
+//     (quantize_q8_row), and
+//       out[n] = sum_b s(n, b) d_b sum_{k in b} w_q(n, k) q_k  -  sum_g s(n, g) z(n, g) sum_{b in g} d_b sum q
+//     where w_q is the stored code (int4: u in 0..15 and z = 8 + zero point; int8: the signed byte and its
+//     zero point). The integer sums are exact; the float scaling is unrounded (the reference rounds
+//     (u - 8 - z) s to the scale's dtype first).
+//   BF16 weights: the row rounded to bf16 (float_to_bf16), then each product exact and summed in f32 (AVX-512
+//     BF16's vdpbf16ps where the CPU has it, else the fast f32 kernels over the rounded values).
+//   Everything else (F16 / F32 weights, fp8, act-order, W8A8, odd K) runs CpuKernels::fast's kernels.
+//
+// The error this adds is the activation rounding: at most half a step of 1/127 of the block's max|x| a column
+// (int8), or 2^-9 relative (bf16); tests/unit-cpu-lowp.cpp checks each kernel against the formula above in
+// double (every ISA) and against the reference within that rounding's bound.
+//
+// Layout of a quantized row (Q8Rows): for int4 weights each 128 columns are stored as their 64 even columns,
+// then their 64 odd ones, because a packed int4 byte holds columns 2j (low nibble) and 2j + 1 (high): the low
+// and high nibbles of 64 bytes then meet their activations without a shuffle. int8 weights: natural order.
+// lane_scales holds, for every 64-byte vector of q, the 16 floats d of the block each int32 lane's bytes come
+// from (int4: lane i of a 128-column chunk covers columns 8i..8i+7 of it, block i / 4; int8: lane i of 64
+// columns covers 4i..4i+3, block i / 8), so a lane's integer sum is scaled by one multiply.
+#if KVLITE_CPU_X86_SIMD
+#define KVLITE_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define KVLITE_TARGET_BF16DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+#endif
+
+namespace kvlite {
+namespace detail {
+namespace cpu_lowp {
+
+constexpr int64_t kBlock = 32;   // columns per activation scale
+constexpr int64_t kChunk = 128;  // columns of an int4 chunk (64 packed bytes); group sizes are multiples of it
+
+// The instruction-set extras the lowp kernels use beyond CpuIsa::avx512 (checked at run time).
+inline bool cpu_has_vnni() {
+#if KVLITE_CPU_X86_SIMD
+  __builtin_cpu_init();
+  return cpu_isa_supported(CpuIsa::avx512) && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+inline bool cpu_has_bf16_dot() {
+#if KVLITE_CPU_X86_SIMD
+  __builtin_cpu_init();
+  return cpu_isa_supported(CpuIsa::avx512) && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// Which weights the integer kernels take: the checkpoint's layout, groups in order that are whole chunks.
+inline bool int4_covered(const QuantWeight& w) {
+  return w.format == WeightFormat::int4 && w.layout == QuantLayout::checkpoint && w.packed && w.scales &&
+         !w.g_idx && w.in_features % kChunk == 0 && w.group_size >= kChunk && w.group_size % kChunk == 0 &&
+         w.scale_cols == w.in_features / w.group_size;
+}
+inline bool int8_covered(const QuantWeight& w) {
+  return w.format == WeightFormat::int8 && w.layout == QuantLayout::checkpoint && w.int8 && w.scales &&
+         !w.g_idx && !w.int8_activations && w.in_features % kChunk == 0 && w.group_size >= kChunk &&
+         w.group_size % kChunk == 0 && w.scale_cols == w.in_features / w.group_size;
+}
+
+// Floats of scratch one token's quantized row takes (q bytes, lane scales, group sums), for K columns.
+inline int64_t q8_row_floats(int64_t K) { return K / 4 + K / 4 + K / kChunk + 16; }
+
+// Rows of quantized activations: token t's q at q + t * stride_floats floats, its lane scales and group sums after.
+struct Q8Rows {
+  float* base = nullptr;
+  int64_t K = 0, stride = 0;  // floats between tokens
+  const int8_t* q(int64_t t) const { return reinterpret_cast<const int8_t*>(base + t * stride); }
+  int8_t* q(int64_t t) { return reinterpret_cast<int8_t*>(base + t * stride); }
+  const float* lane_scales(int64_t t) const { return base + t * stride + K / 4; }
+  float* lane_scales(int64_t t) { return base + t * stride + K / 4; }
+  // sum_{b in group g} d_b * sum_{k in b} q_k (the zero points' term), per group of the weight
+  const float* group_sums(int64_t t) const { return base + t * stride + K / 2; }
+  float* group_sums(int64_t t) { return base + t * stride + K / 2; }
+};
+
+// Position of column k in the int4 layout (even columns of each 128 first).
+inline int64_t int4_position(int64_t k) { return (k / kChunk) * kChunk + (k % 2) * 64 + (k % kChunk) / 2; }
+
+}  // namespace cpu_lowp
+
+// Declared in backend.hpp (the tests' view of it): x[0, K) per 32 columns into q [K], lane_scales and
+// group_sums, as Q8Rows lays out one token.
+void quantize_q8_activations(const float* x, int64_t K, bool int4_layout, int64_t group, int8_t* q, float* lanes,
+                             float* sums) {
+  using cpu_lowp::kBlock;
+  for (int64_t g = 0; g < K / group; g++) sums[g] = 0.0f;
+  for (int64_t b = 0; b < K / kBlock; b++) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kBlock; i++) {
+      const float a = std::fabs(xb[i]);
+      amax = a > amax ? a : amax;  // NaN never wins
+    }
+    const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t qsum = 0;
+    for (int64_t i = 0; i < kBlock; i++) {
+      float v = xb[i] * inverse;
+      v = v > -127.0f ? v : -127.0f;  // NaN -> -127: finite either way
+      v = v < 127.0f ? v : 127.0f;
+      const int32_t code = int32_t(std::nearbyint(v));
+      qsum += code;
+      const int64_t k = b * kBlock + i;
+      q[int4_layout ? cpu_lowp::int4_position(k) : k] = int8_t(code);
+    }
+    sums[b * kBlock / group] += d * float(qsum);
+    if (int4_layout) {
+      const int64_t chunk = b / 4, first = (b % 4) * 4;  // lanes 4 (b % 4) .. + 3 of its chunk's 16
+      for (int64_t i = 0; i < 4; i++) lanes[chunk * 16 + first + i] = d;
+    } else {
+      const int64_t vec = b / 2, first = (b % 2) * 8;  // lanes 8 (b % 2) .. + 7 of its 64 columns' 16
+      for (int64_t i = 0; i < 8; i++) lanes[vec * 16 + first + i] = d;
+    }
+  }
+}
+
+namespace cpu_lowp {
+// Quantizes x[0, K) into token t of `rows` (K % 128 == 0; group: the weight's group size, a multiple of 128).
+// Plain C++: it reads K floats where the kernel reads N K weights.
+inline void quantize_q8_row(const float* x, bool int4_layout, int64_t group, Q8Rows& rows, int64_t t) {
+  quantize_q8_activations(x, rows.K, int4_layout, group, rows.q(t), rows.lane_scales(t), rows.group_sums(t));
+}
+
+inline float int4_offset(const QuantWeight& w, int64_t n, int64_t g) {  // 8 + zero: the code of weight 0
+  return float(8 + (w.zero_points ? int4_zero_point_at(w.zero_points, w.scale_cols, n, g) : 0));
+}
+inline float int8_offset(const QuantWeight& w, int64_t n, int64_t g) {
+  return w.zero_points ? float(reinterpret_cast<const int8_t*>(w.zero_points)[n * w.scale_cols + g]) : 0.0f;
+}
+inline float weight_scale(const QuantWeight& w, int64_t n, int64_t g) {
+  return scale_at(w.scales, w.scale_dtype, n * w.scale_cols + g);
+}
+// A row block's scales as floats, and its codes' offsets where they vary (zero points), made once per block
+// before its tiles (block_tables): the kernels' inner loops then read one float a group, and add the offsets'
+// term s(n, g) offset(n, g) group_sums_t[g] once a group, instead of converting a scale and unpacking a zero
+// point there.
+struct BlockTables {
+  const float* scales = nullptr;   // [rows][groups]: s(n0 + r, g)
+  const float* offsets = nullptr;  // [rows][groups], or nullptr: every code's offset is `offset`
+  float offset = 0.0f;             // int4 without zero points: 8; int8 without: 0 (no term at all)
+  int64_t n0 = 0, groups = 0;
+  const float* scale_row(int64_t n) const { return scales + (n - n0) * groups; }
+  const float* offset_row(int64_t n) const { return offsets ? offsets + (n - n0) * groups : nullptr; }
+  bool any_offset() const { return offsets != nullptr || offset != 0.0f; }
+};
+// Floats of scratch block_tables needs for `rows` rows.
+inline int64_t block_table_floats(const QuantWeight& w, int64_t rows) { return 2 * rows * w.scale_cols; }
+template <bool INT4>
+BlockTables block_tables(const QuantWeight& w, int64_t n0, int64_t n1, float* scratch) {
+  BlockTables bt;
+  bt.n0 = n0, bt.groups = w.scale_cols;
+  const int64_t count = (n1 - n0) * bt.groups, first = n0 * bt.groups;  // rows n0.. are one run of scales
+  float* scales = scratch;
+  switch (w.scale_dtype) {  // a loop per dtype, so that each is a tight conversion
+    case DType::BF16:
+      for (int64_t i = 0; i < count; i++) scales[i] = bf16_to_float(uint16_t(w.scales[2 * (first + i)] | (w.scales[2 * (first + i) + 1] << 8)));
+      break;
+    case DType::F16:
+      for (int64_t i = 0; i < count; i++) scales[i] = f16_to_float(uint16_t(w.scales[2 * (first + i)] | (w.scales[2 * (first + i) + 1] << 8)));
+      break;
+    default:
+      for (int64_t i = 0; i < count; i++) scales[i] = scale_at(w.scales, w.scale_dtype, first + i);
+      break;
+  }
+  bt.scales = scales;
+  if (w.zero_points) {
+    float* offsets = scratch + count;
+    for (int64_t r = 0; r < n1 - n0; r++)
+      for (int64_t g = 0; g < bt.groups; g++)
+        offsets[r * bt.groups + g] = INT4 ? int4_offset(w, n0 + r, g) : int8_offset(w, n0 + r, g);
+    bt.offsets = offsets;
+  } else {
+    bt.offset = INT4 ? 8.0f : 0.0f;
+  }
+  return bt;
+}
+// The offsets' term of row n's group g for the tile's tokens, added to corr (scale: s(n, g)).
+template <int TT>
+inline void add_offsets(const BlockTables& bt, const float* offset_row, int64_t g, float scale,
+                        const float* const (&group_sums)[TT], float (&corr)[TT]) {
+  if (!bt.any_offset()) return;
+  const float so = scale * (offset_row ? offset_row[g] : bt.offset);
+  for (int tt = 0; tt < TT; tt++) corr[tt] += so * group_sums[tt][g];
+}
+
+// ---- portable C++: the 16 lanes of the SIMD kernels, in plain loops ------------------------------------------
+template <int TT, int R>
+void int4_tile_portable(const Q8Rows& a, int64_t t, const QuantWeight& w, int64_t n0, int64_t n1, float* out,
+                        int64_t os, const BlockTables& bt) {
+  const int64_t per_group = w.group_size / kChunk;
+  const float* group_sums[TT];
+  for (int tt = 0; tt < TT; tt++) group_sums[tt] = a.group_sums(t + tt);
+  for (int64_t n = n0; n < n1; n += R) {
+    float acc[TT][R][16] = {};
+    float corr[R][TT] = {};
+    for (int64_t g = 0; g < w.scale_cols; g++)
+      for (int r = 0; r < R; r++) {
+        const float s = bt.scale_row(n + r)[g];
+        add_offsets<TT>(bt, bt.offset_row(n + r), g, s, group_sums, corr[r]);
+        for (int64_t c = g * per_group; c < (g + 1) * per_group; c++) {
+          const uint8_t* packed = w.packed + 4 * ((n + r) * w.packed_cols + c * 16);
+          for (int tt = 0; tt < TT; tt++) {
+            const int8_t* q = a.q(t + tt) + c * kChunk;
+            const float* lanes = a.lane_scales(t + tt) + c * 16;
+            for (int lane = 0; lane < 16; lane++) {
+              int32_t sum = 0;
+              for (int j = 4 * lane; j < 4 * lane + 4; j++) {  // byte j: columns 2j (low nibble) and 2j + 1
+                const uint32_t word = load_u32_le(packed + 4 * (j / 4));
+                const int32_t byte = int32_t((word >> (8 * (j % 4))) & 0xffu);
+                sum += (byte & 0xf) * q[j] + (byte >> 4) * q[64 + j];
+              }
+              acc[tt][r][lane] += float(sum) * (lanes[lane] * s);
+            }
+          }
+        }
+      }
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) {
+        float sum = 0.0f;
+        for (int lane = 0; lane < 16; lane++) sum += acc[tt][r][lane];
+        out[tt * os + n + r] = sum - corr[r][tt];
+      }
+  }
+}
+
+template <int TT, int R>
+void int8_tile_portable(const Q8Rows& a, int64_t t, const QuantWeight& w, int64_t n0, int64_t n1, float* out,
+                        int64_t os, const BlockTables& bt) {
+  const int64_t per_group = w.group_size / 64;
+  const float* group_sums[TT];
+  for (int tt = 0; tt < TT; tt++) group_sums[tt] = a.group_sums(t + tt);
+  for (int64_t n = n0; n < n1; n += R) {
+    float acc[TT][R][16] = {};
+    float corr[R][TT] = {};
+    for (int64_t g = 0; g < w.scale_cols; g++)
+      for (int r = 0; r < R; r++) {
+        const float s = bt.scale_row(n + r)[g];
+        add_offsets<TT>(bt, bt.offset_row(n + r), g, s, group_sums, corr[r]);
+        for (int64_t v = g * per_group; v < (g + 1) * per_group; v++) {
+          const int8_t* wq = reinterpret_cast<const int8_t*>(w.int8) + (n + r) * w.in_features + v * 64;
+          for (int tt = 0; tt < TT; tt++) {
+            const int8_t* q = a.q(t + tt) + v * 64;
+            const float* lanes = a.lane_scales(t + tt) + v * 16;
+            for (int lane = 0; lane < 16; lane++) {
+              int32_t sum = 0;
+              for (int j = 4 * lane; j < 4 * lane + 4; j++) sum += int32_t(wq[j]) * q[j];
+              acc[tt][r][lane] += float(sum) * (lanes[lane] * s);
+            }
+          }
+        }
+      }
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) {
+        float sum = 0.0f;
+        for (int lane = 0; lane < 16; lane++) sum += acc[tt][r][lane];
+        out[tt * os + n + r] = sum - corr[r][tt];
+      }
+  }
+}
+
+#if KVLITE_CPU_X86_SIMD
+// The integer kernels prefetch the weights kPrefetchBytes ahead of what they read (a decode step reads them one row
+// at a time, in address order; measured on Zen 4: int4 rows 16 -> 17-18 GB/s; the bf16 stream gained nothing).
+// A prefetch never faults, so past the matrix's end is fine.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// ---- AVX2: vpmaddubsw (u8 x s8 -> pairs of s16) then vpmaddwd with ones (-> s32 over 4 bytes) -------------------
+// int4: u <= 15 and |q| <= 127, so a pair sum (<= 3,810) and the two nibbles' sum never saturate s16.
+// int8: |w| q through vpsignb (|w| <= 128 unsigned, |q| <= 127): a pair is at most 32,512.
+// The SIMD kernels take every pointer out of the loops first (q, lane scales, rows, scales): with them
+// recomputed from the structs inside, the int4 kernel ran at half its speed.
+template <int TT, int R>
+KVLITE_TARGET_AVX2 void int4_tile_avx2(const Q8Rows& a, int64_t t, const QuantWeight& w, int64_t n0, int64_t n1,
+                                       float* out, int64_t os, const BlockTables& bt) {
+  const int64_t groups = w.scale_cols, per_group = w.group_size / kChunk, row_bytes = 4 * w.packed_cols;
+  const int8_t* q[TT];
+  const float* lanes[TT];
+  const float* group_sums[TT];
+  for (int tt = 0; tt < TT; tt++) q[tt] = a.q(t + tt), lanes[tt] = a.lane_scales(t + tt), group_sums[tt] = a.group_sums(t + tt);
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; n += R) {
+    const uint8_t* rows = w.packed + n * row_bytes;
+    const float* scales = bt.scale_row(n);
+    float corr[R][TT] = {};
+    __m256 acc[TT][R];
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) acc[tt][r] = _mm256_setzero_ps();
+    for (int64_t g = 0, c = 0; g < groups; g++) {
+      __m256 s[R];
+      for (int r = 0; r < R; r++) {
+        const float scale = scales[r * groups + g];
+        s[r] = _mm256_set1_ps(scale);
+        add_offsets<TT>(bt, bt.offset_row(n + r), g, scale, group_sums, corr[r]);
+      }
+      for (const int64_t end = c + per_group; c < end; c++)
+        for (int r = 0; r < R; r++)
+          for (int h = 0; h < 2; h++) {  // bytes 32 h .. + 31: lanes 8 h .. + 7 of the chunk's 16
+            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * row_bytes + 64 * c + 32 * h));
+            const __m256i lo = _mm256_and_si256(wv, low4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low4);
+            for (int tt = 0; tt < TT; tt++) {
+              const int8_t* qc = q[tt] + kChunk * c + 32 * h;
+              const __m256i pairs = _mm256_add_epi16(
+                  _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc))),
+                  _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc + 64))));
+              const __m256 lane_scale = _mm256_mul_ps(_mm256_loadu_ps(lanes[tt] + 16 * c + 8 * h), s[r]);
+              acc[tt][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), lane_scale, acc[tt][r]);
+            }
+          }
+    }
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) out[tt * os + n + r] = cpu_fast::hsum8(acc[tt][r]) - corr[r][tt];
+  }
+}
+
+template <int TT, int R>
+KVLITE_TARGET_AVX2 void int8_tile_avx2(const Q8Rows& a, int64_t t, const QuantWeight& w, int64_t n0, int64_t n1,
+                                       float* out, int64_t os, const BlockTables& bt) {
+  const int64_t groups = w.scale_cols, per_group = w.group_size / 32, K = w.in_features;
+  const int8_t* q[TT];
+  const float* lanes[TT];
+  const float* group_sums[TT];
+  for (int tt = 0; tt < TT; tt++) q[tt] = a.q(t + tt), lanes[tt] = a.lane_scales(t + tt), group_sums[tt] = a.group_sums(t + tt);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; n += R) {
+    const uint8_t* rows = w.int8 + n * K;
+    const float* scales = bt.scale_row(n);
+    float corr[R][TT] = {};
+    __m256 acc[TT][R];
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) acc[tt][r] = _mm256_setzero_ps();
+    for (int64_t g = 0, h = 0; g < groups; g++) {
+      __m256 s[R];
+      for (int r = 0; r < R; r++) {
+        const float scale = scales[r * groups + g];
+        s[r] = _mm256_set1_ps(scale);
+        add_offsets<TT>(bt, bt.offset_row(n + r), g, scale, group_sums, corr[r]);
+      }
+      for (const int64_t end = h + per_group; h < end; h++)  // 32 columns: lanes 8 (h % 2) .. + 7 of their 64's 16
+        for (int r = 0; r < R; r++) {
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * K + 32 * h));
+          const __m256i magnitude = _mm256_abs_epi8(wv);
+          for (int tt = 0; tt < TT; tt++) {
+            const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[tt] + 32 * h));
+            const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(qv, wv));
+            const __m256 lane_scale = _mm256_mul_ps(_mm256_loadu_ps(lanes[tt] + 8 * h), s[r]);
+            acc[tt][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), lane_scale, acc[tt][r]);
+          }
+        }
+    }
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) out[tt * os + n + r] = cpu_fast::hsum8(acc[tt][r]) - corr[r][tt];
+  }
+}
+
+// ---- AVX-512 VNNI: vpdpbusd, 64 byte products into 16 s32 lanes ----------------------------------------------
+template <int TT, int R>
+KVLITE_TARGET_VNNI void int4_tile_vnni(const Q8Rows& a, int64_t t, const QuantWeight& w, int64_t n0, int64_t n1,
+                                       float* out, int64_t os, const BlockTables& bt) {
+  const int64_t groups = w.scale_cols, per_group = w.group_size / kChunk, row_bytes = 4 * w.packed_cols;
+  const int8_t* q[TT];
+  const float* lanes[TT];
+  const float* group_sums[TT];
+  for (int tt = 0; tt < TT; tt++) q[tt] = a.q(t + tt), lanes[tt] = a.lane_scales(t + tt), group_sums[tt] = a.group_sums(t + tt);
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int64_t n = n0; n < n1; n += R) {
+    const uint8_t* rows = w.packed + n * row_bytes;
+    const float* scales = bt.scale_row(n);
+    float corr[R][TT] = {};
+    __m512 acc[TT][R];
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) acc[tt][r] = _mm512_setzero_ps();
+    for (int64_t g = 0, c = 0; g < groups; g++) {
+      __m512 s[R];
+      for (int r = 0; r < R; r++) {
+        const float scale = scales[r * groups + g];
+        s[r] = _mm512_set1_ps(scale);
+        add_offsets<TT>(bt, bt.offset_row(n + r), g, scale, group_sums, corr[r]);
+      }
+      for (const int64_t end = c + per_group; c < end; c++)
+        for (int r = 0; r < R; r++) {
+          const uint8_t* packed = rows + r * row_bytes + 64 * c;
+          _mm_prefetch(reinterpret_cast<const char*>(packed + kPrefetchBytes), _MM_HINT_T0);
+          const __m512i wv = _mm512_loadu_si512(packed);
+          const __m512i lo = _mm512_and_si512(wv, low4);
+          const __m512i hi = _mm512_and_si512(_mm512_maskz_srli_epi16(__mmask32(~0u), wv, 4), low4);
+          for (int tt = 0; tt < TT; tt++) {
+            const int8_t* qc = q[tt] + kChunk * c;
+            __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(qc));
+            sum = _mm512_dpbusd_epi32(sum, hi, _mm512_loadu_si512(qc + 64));
+            const __m512 lane_scale = _mm512_mul_ps(_mm512_loadu_ps(lanes[tt] + 16 * c), s[r]);
+            acc[tt][r] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(cpu_fast::kAll16, sum), lane_scale, acc[tt][r]);
+          }
+        }
+    }
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) out[tt * os + n + r] = cpu_fast::hsum16(acc[tt][r]) - corr[r][tt];
+  }
+}
+
+// int8 x int8: vpdpbusd multiplies unsigned by signed bytes, so q goes in as q + 128 (q xor 0x80) and the
+// 128 sum w that adds (one more vpdpbusd of 128s, shared by the tile's tokens) comes off.
+template <int TT, int R>
+KVLITE_TARGET_VNNI void int8_tile_vnni(const Q8Rows& a, int64_t t, const QuantWeight& w, int64_t n0, int64_t n1,
+                                       float* out, int64_t os, const BlockTables& bt) {
+  const int64_t groups = w.scale_cols, per_group = w.group_size / 64, K = w.in_features;
+  const int8_t* q[TT];
+  const float* lanes[TT];
+  const float* group_sums[TT];
+  for (int tt = 0; tt < TT; tt++) q[tt] = a.q(t + tt), lanes[tt] = a.lane_scales(t + tt), group_sums[tt] = a.group_sums(t + tt);
+  const __m512i bias = _mm512_set1_epi8(char(0x80));
+  for (int64_t n = n0; n < n1; n += R) {
+    const uint8_t* rows = w.int8 + n * K;
+    const float* scales = bt.scale_row(n);
+    float corr[R][TT] = {};
+    __m512 acc[TT][R];
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) acc[tt][r] = _mm512_setzero_ps();
+    for (int64_t g = 0, v = 0; g < groups; g++) {
+      __m512 s[R];
+      for (int r = 0; r < R; r++) {
+        const float scale = scales[r * groups + g];
+        s[r] = _mm512_set1_ps(scale);
+        add_offsets<TT>(bt, bt.offset_row(n + r), g, scale, group_sums, corr[r]);
+      }
+      for (const int64_t end = v + per_group; v < end; v++)
+        for (int r = 0; r < R; r++) {
+          const uint8_t* bytes = rows + r * K + 64 * v;
+          _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes), _MM_HINT_T0);
+          const __m512i wv = _mm512_loadu_si512(bytes);
+          const __m512i offset = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wv);  // 128 sum w, per lane
+          for (int tt = 0; tt < TT; tt++) {
+            const __m512i qu = _mm512_xor_si512(_mm512_loadu_si512(q[tt] + 64 * v), bias);
+            const __m512i sum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qu, wv), offset);
+            const __m512 lane_scale = _mm512_mul_ps(_mm512_loadu_ps(lanes[tt] + 16 * v), s[r]);
+            acc[tt][r] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(cpu_fast::kAll16, sum), lane_scale, acc[tt][r]);
+          }
+        }
+    }
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) out[tt * os + n + r] = cpu_fast::hsum16(acc[tt][r]) - corr[r][tt];
+  }
+}
+
+// ---- AVX-512 BF16: vdpbf16ps, 32 bf16 products a vector (pairs summed into 16 f32 lanes) ---------------------
+// x: tokens' rows already rounded to bf16 [TT][K] (row stride xs); w: BF16 rows (stride ws).
+template <int TT, int R>
+KVLITE_TARGET_BF16DOT void bf16_tile_dot(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, int64_t K,
+                                          float* out, int64_t os) {
+  __m512 acc[TT][R];
+  for (int tt = 0; tt < TT; tt++)
+    for (int r = 0; r < R; r++) acc[tt][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 m = K - k >= 32 ? __mmask32(~0u) : __mmask32((1u << (K - k)) - 1u);  // masked loads read nothing past K
+    __m512i wv[R];
+    for (int r = 0; r < R; r++) wv[r] = _mm512_maskz_loadu_epi16(m, w + r * ws + k);
+    for (int tt = 0; tt < TT; tt++) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(m, x + tt * xs + k);
+      for (int r = 0; r < R; r++) acc[tt][r] = _mm512_dpbf16_ps(acc[tt][r], (__m512bh)xv, (__m512bh)wv[r]);
+    }
+  }
+  for (int tt = 0; tt < TT; tt++)
+    for (int r = 0; r < R; r++) out[tt * os + r] = cpu_fast::hsum16(acc[tt][r]);
+}
+#endif
+
+// ---- dispatch ---------------------------------------------------------------------------------------------
+// Which integer kernels `isa` runs: avx512 with VNNI, else avx2's (AVX-512 without VNNI too), else portable.
+// Resolved once, when the backend starts: CPUID is slow (a VM exit under a hypervisor).
+enum class IntKernels : uint8_t { portable, avx2, vnni };
+inline IntKernels int_kernels_for(CpuIsa isa) {
+  if (isa == CpuIsa::avx512 && cpu_has_vnni()) return IntKernels::vnni;
+  if (isa == CpuIsa::avx512 || isa == CpuIsa::avx2) return IntKernels::avx2;
+  return IntKernels::portable;
+}
+
+// Rows [n0, n1) (a multiple of R of them) for tokens [t, t + TT): each kernel loops over the rows itself, so a
+// row of a few cache lines (a W4A16 row of 1,024 columns is 8) pays no call.
+template <bool INT4, int TT, int R>
+void int_rows(IntKernels kernels, const Q8Rows& a, int64_t t, const QuantWeight& w, int64_t n0, int64_t n1,
+              float* out, int64_t os, const BlockTables& bt) {
+#if KVLITE_CPU_X86_SIMD
+  if (kernels == IntKernels::vnni)
+    return INT4 ? int4_tile_vnni<TT, R>(a, t, w, n0, n1, out, os, bt) : int8_tile_vnni<TT, R>(a, t, w, n0, n1, out, os, bt);
+  if (kernels == IntKernels::avx2)
+    return INT4 ? int4_tile_avx2<TT, R>(a, t, w, n0, n1, out, os, bt) : int8_tile_avx2<TT, R>(a, t, w, n0, n1, out, os, bt);
+#endif
+  INT4 ? int4_tile_portable<TT, R>(a, t, w, n0, n1, out, os, bt) : int8_tile_portable<TT, R>(a, t, w, n0, n1, out, os, bt);
+}
+// Token tiles of cpu_fast::kTokens; rows one at a time below a full token tile (a stream, as cpu_fast's
+// for_each_tile_by_tokens), else in 4-row tiles and the last rows singly.
+template <bool INT4, int TT>
+void int_token_tile(IntKernels kernels, const Q8Rows& a, int64_t tokens, int64_t t, const QuantWeight& w, int64_t n0,
+                    int64_t n1, float* out, int64_t os, const BlockTables& bt) {
+  float* o = out + t * os;
+  const int64_t n4 = tokens < cpu_fast::kTokens ? n0 : n0 + (n1 - n0) / 4 * 4;
+  if (n4 > n0) int_rows<INT4, TT, 4>(kernels, a, t, w, n0, n4, o, os, bt);
+  if (n1 > n4) int_rows<INT4, TT, 1>(kernels, a, t, w, n4, n1, o, os, bt);
+}
+template <bool INT4>
+void int_tiles(IntKernels kernels, const Q8Rows& a, int64_t tokens, const QuantWeight& w, int64_t n0, int64_t n1,
+               float* out, int64_t os, float* scratch) {
+  const BlockTables bt = block_tables<INT4>(w, n0, n1, scratch);
+  for (int64_t t = 0; t < tokens; t += cpu_fast::kTokens) {
+    switch (std::min<int64_t>(cpu_fast::kTokens, tokens - t)) {
+      case 4: int_token_tile<INT4, 4>(kernels, a, tokens, t, w, n0, n1, out, os, bt); break;
+      case 3: int_token_tile<INT4, 3>(kernels, a, tokens, t, w, n0, n1, out, os, bt); break;
+      case 2: int_token_tile<INT4, 2>(kernels, a, tokens, t, w, n0, n1, out, os, bt); break;
+      default: int_token_tile<INT4, 1>(kernels, a, tokens, t, w, n0, n1, out, os, bt); break;
+    }
+  }
+}
+
+// out[t * out_stride + n] for tokens [0, tokens) of `a`, rows [n0, n1) (+ bias), of an int4_covered or
+// int8_covered weight. scratch: block_table_floats(w, n1 - n0) floats of the calling thread's.
+inline void int_linear_rows(IntKernels kernels, const Q8Rows& a, int64_t tokens, const QuantWeight& w, float* out,
+                            int64_t out_stride, int64_t n0, int64_t n1, float* scratch) {
+  if (w.format == WeightFormat::int4) int_tiles<true>(kernels, a, tokens, w, n0, n1, out, out_stride, scratch);
+  else int_tiles<false>(kernels, a, tokens, w, n0, n1, out, out_stride, scratch);
+  if (w.bias != nullptr)
+    for (int64_t t = 0; t < tokens; t++)
+      for (int64_t n = n0; n < n1; n++) out[t * out_stride + n] += scale_at(w.bias, w.bias_dtype, n);
+}
+
+#if KVLITE_CPU_X86_SIMD
+struct Bf16DotTile {
+  const uint16_t* x;
+  int64_t x_stride;
+  const Tensor& weight;
+  float* out;
+  int64_t out_stride;
+  template <int TT, int R>
+  void run(int64_t t, int64_t n) {
+    bf16_tile_dot<TT, R>(x + t * x_stride, x_stride, row_of<const uint16_t>(weight, n), weight.row_stride,
+                         weight.cols, out + t * out_stride + n, out_stride);
+  }
+};
+#endif
+
+// BF16 weights on bf16 activations (x: [tokens] rows rounded to bf16, stride x_stride): rows [n0, n1) (+ bias).
+// Only where cpu_has_bf16_dot(); elsewhere the backend multiplies the rounded values with the fast kernels.
+inline void bf16_dot_linear_rows(const uint16_t* x, int64_t x_stride, int64_t tokens, const Tensor& weight,
+                                 const Tensor& bias, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+#if KVLITE_CPU_X86_SIMD
+  Bf16DotTile tile{x, x_stride, weight, out, out_stride};
+  cpu_fast::for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
+#else
+  (void)x, (void)x_stride, (void)tokens, (void)weight, (void)out, (void)out_stride;
+  fail(ErrorCode::internal, "bf16_dot_linear_rows: no AVX-512 BF16 on this build");
+#endif
+  if (bias.data != nullptr)
+    for (int64_t t = 0; t < tokens; t++)
+      for (int64_t n = n0; n < n1; n++) out[t * out_stride + n] += float_at(bias, n);
+}
+
+}  // namespace cpu_lowp
 }  // namespace detail
 }  // namespace kvlite
 namespace kvlite {
@@ -23068,7 +23669,11 @@ struct CpuScratchSizes {
   int64_t dequant_per_thread = 0;    // kQuantRowBlock weight rows of max_quant_in_features
   int64_t widened = 0;               // 16-bit activations: one token chunk widened to f32
   int64_t requantized = 0;           // fp8 / int8 activations: one token chunk through fp8 / int8 and back
+  int64_t lowp = 0;                  // fast_lowp: one token chunk's quantized (or bf16-rounded) activations
 };
+// fast_lowp's buffer, floats a token: K for the rounded f32 row (the widest use; bf16 rows take K / 2 and int8
+// rows cpu_lowp::q8_row_floats(K)), plus a 64-byte line so that rows start on whole lines.
+inline int64_t lowp_row_floats(int64_t K) { return int64_t(align_up(uint64_t(std::max(K, cpu_lowp::q8_row_floats(K))), 16)) + 16; }
 CpuScratchSizes cpu_scratch_sizes(const CpuBackendOptions& o) {
   CpuScratchSizes s;
   s.threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
@@ -23077,6 +23682,7 @@ CpuScratchSizes cpu_scratch_sizes(const CpuBackendOptions& o) {
   s.dequant_per_thread = kQuantRowBlock * o.max_quant_in_features;
   if (o.activation_dtype != DType::F32) s.widened = kCpuQuantTokenChunk * o.max_quant_in_features;
   if (o.fp8_activations || o.int8_activations) s.requantized = kCpuQuantTokenChunk * o.max_quant_in_features;
+  if (o.kernels == CpuKernels::fast_lowp) s.lowp = kCpuQuantTokenChunk * lowp_row_floats(o.max_quant_in_features);
   return s;
 }
 
@@ -23085,9 +23691,12 @@ class CpuBackend final : public Backend {
   explicit CpuBackend(const CpuBackendOptions& options)
       : act_(options.activation_dtype),
         // kernels == fast resolves the ISA once here (make_cpu_backend refused one the CPU lacks)
-        fast_isa_(options.kernels != CpuKernels::fast      ? CpuIsa::automatic
-                  : options.isa == CpuIsa::automatic ? best_cpu_isa()
-                                                     : options.isa),
+        fast_isa_(options.kernels == CpuKernels::reference ? CpuIsa::automatic
+                  : options.isa == CpuIsa::automatic        ? best_cpu_isa()
+                                                            : options.isa),
+        lowp_(options.kernels == CpuKernels::fast_lowp),
+        bf16_dot_(lowp_ && fast_isa_ == CpuIsa::avx512 && cpu_lowp::cpu_has_bf16_dot()),
+        int_kernels_(lowp_ ? cpu_lowp::int_kernels_for(fast_isa_) : cpu_lowp::IntKernels::portable),
         max_head_dim_(options.max_head_dim),
         scratch_per_thread_(cpu_scratch_sizes(options).attention_per_thread),
         max_quant_in_features_(options.max_quant_in_features),
@@ -23102,11 +23711,16 @@ class CpuBackend final : public Backend {
     dequant_scratch_.assign(size_t(pool_.threads() * sizes.dequant_per_thread), 0.0f);
     requantized_.assign(size_t(sizes.requantized), 0.0f);
     widened_.assign(size_t(sizes.widened), 0.0f);
+    lowp_rows_.assign(size_t(sizes.lowp), 0.0f);
   }
 
   BackendKind kind() const override { return BackendKind::cpu; }
   std::string name() const override {
-    std::string kernels = fast_isa_ == CpuIsa::automatic ? "" : format(", fast %s kernels", cpu_isa_name(fast_isa_));
+    std::string kernels = fast_isa_ == CpuIsa::automatic ? ""
+                          : lowp_ ? format(", fast-lowp %s%s%s kernels", cpu_isa_name(fast_isa_),
+                                           int_kernels_ == cpu_lowp::IntKernels::vnni ? " vnni" : "",
+                                           bf16_dot_ ? " bf16" : "")
+                                  : format(", fast %s kernels", cpu_isa_name(fast_isa_));
     return format("cpu (%d thread%s%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s", kernels.c_str());
   }
   DType activation_dtype() const override { return act_; }
@@ -23215,6 +23829,10 @@ class CpuBackend final : public Backend {
   }
 
   void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
+    if (lowp_ && act_ == DType::F32 && weight.dtype == DType::BF16 && x.cols <= max_quant_in_features_) {
+      lowp_bf16_linear(x, weight, bias, out);
+      return;
+    }
     if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32) {  // the fast kernels: work items are row blocks
       const int64_t row_blocks = int64_t(ceil_div(uint64_t(weight.rows), uint64_t(cpu_fast::kRowBlock)));
       auto body = [&](int64_t b, int) {
@@ -23246,6 +23864,65 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // fast_lowp, BF16 weights: each chunk of tokens rounded to bf16 into lowp_rows_ (bf16 bits for vdpbf16ps, else
+  // the rounded values as f32 for the fast kernels), then row blocks over the pool as impl_linear's fast path.
+  void lowp_bf16_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) {
+    const int64_t K = x.cols, N = weight.rows, stride = lowp_row_floats(max_quant_in_features_);
+    const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
+    for (int64_t t0 = 0; t0 < x.rows; t0 += kCpuQuantTokenChunk) {
+      const int64_t tokens = std::min(kCpuQuantTokenChunk, x.rows - t0);
+      auto round = [&](int64_t t, int) {
+        const float* row = row_of<const float>(x, t0 + t);
+        float* dst = lowp_rows_.data() + t * stride;
+        if (bf16_dot_) {
+          uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+          for (int64_t k = 0; k < K; k++) bits[k] = float_to_bf16(row[k]);
+        } else {
+          for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_float(float_to_bf16(row[k]));
+        }
+      };
+      pool_.run(tokens, round);
+      float* o = row_of<float>(out, t0);
+      auto body = [&](int64_t b, int) {
+        const int64_t n0 = b * cpu_fast::kRowBlock, n1 = std::min<int64_t>(n0 + cpu_fast::kRowBlock, N);
+        if (bf16_dot_) {
+          cpu_lowp::bf16_dot_linear_rows(reinterpret_cast<const uint16_t*>(lowp_rows_.data()), 2 * stride, tokens,
+                                         weight, bias, o, out.row_stride, n0, n1);
+        } else {
+          const Tensor rounded{lowp_rows_.data(), DType::F32, tokens, K, stride};
+          const Tensor chunk_out{o, DType::F32, tokens, out.cols, out.row_stride};
+          cpu_fast::dense_linear_rows(fast_isa_, rounded, weight, bias, chunk_out, n0, n1);
+        }
+      };
+      pool_.run(row_blocks, body);
+    }
+  }
+
+  // fast_lowp, int4 / int8 weights (cpu_lowp's int4_covered / int8_covered): each chunk of tokens quantized to
+  // int8 per 32 columns into lowp_rows_, then row blocks over the pool.
+  void lowp_int_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) {
+    const int64_t K = weight.in_features, N = weight.out_features;
+    const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
+    cpu_lowp::Q8Rows rows{lowp_rows_.data(), K, lowp_row_floats(max_quant_in_features_)};
+    const bool int4 = weight.format == WeightFormat::int4;
+    for (int64_t t0 = 0; t0 < x.rows; t0 += kCpuQuantTokenChunk) {
+      const int64_t tokens = std::min(kCpuQuantTokenChunk, x.rows - t0);
+      auto quantize = [&](int64_t t, int) {
+        cpu_lowp::quantize_q8_row(row_of<const float>(x, t0 + t), int4, weight.group_size, rows, t);
+      };
+      pool_.run(tokens, quantize);
+      float* o = row_of<float>(out, t0);
+      auto body = [&](int64_t b, int thread) {
+        const int64_t n0 = b * cpu_fast::kRowBlock, n1 = std::min<int64_t>(n0 + cpu_fast::kRowBlock, N);
+        // the block's scales and offsets: 2 x 16 x K / 128 floats of the thread's 16 x K (block_table_floats)
+        static_assert(cpu_fast::kRowBlock <= kQuantRowBlock, "the lowp block tables must fit the scratch");
+        float* tables = dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_;
+        cpu_lowp::int_linear_rows(int_kernels_, rows, tokens, weight, o, out.row_stride, n0, n1, tables);
+      };
+      pool_.run(row_blocks, body);
+    }
+  }
+
   // W8A8 as its checkpoint (int8, per token) or the GPU's fp8 tensor cores (fp8_activations, per `group` columns)
   // see it: each of `tokens` f32 rows [K] of `chunk` through int8 / fp8 and back, into requantized_ [tokens, K].
   void requantize_chunk(const float* chunk, int64_t stride, int64_t tokens, int64_t K, bool int8, int64_t group) {
@@ -23273,6 +23950,11 @@ class CpuBackend final : public Backend {
            format("quant_linear: %s is W8A8 (int8 activations per token) but this CPU backend was made without "
                   "CpuBackendOptions::int8_activations, which reserves their buffer", weight.name.c_str()));
     const int64_t group = fp8_activation_group(weight);
+    if (lowp_ && act_ == DType::F32 && K <= max_quant_in_features_ &&
+        (cpu_lowp::int4_covered(weight) || cpu_lowp::int8_covered(weight))) {
+      lowp_int_linear(x, weight, out);
+      return;
+    }
     const bool fast_int4 = cpu_fast::int4_supported(weight);
     if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && (fast_int4 || cpu_fast::bytes_supported(weight))) {
       // The fast kernels read the weights in place: no dequantized rows; work items are row blocks for all
@@ -23758,6 +24440,9 @@ class CpuBackend final : public Backend {
 
   DType act_;  // activation dtype: F32, BF16 or F16
   CpuIsa fast_isa_;  // the fast kernels' instruction set; automatic: the reference kernels (CpuKernels::reference)
+  bool lowp_;        // CpuKernels::fast_lowp
+  bool bf16_dot_;    // fast_lowp on a CPU with AVX-512 BF16: BF16 Linears through vdpbf16ps
+  cpu_lowp::IntKernels int_kernels_;  // fast_lowp: the int4 / int8 kernels fast_isa_ runs (VNNI checked once)
   int64_t max_head_dim_;
   int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
   std::vector<float> scratch_;  // [threads, scratch_per_thread_]
@@ -23767,10 +24452,20 @@ class CpuBackend final : public Backend {
   std::vector<float> dequant_scratch_;  // [threads, kQuantRowBlock, max_quant_in_features_] dequantized rows
   std::vector<float> requantized_;      // [kQuantTokenChunk, max_quant_in_features_] (fp8 / int8 activations only)
   std::vector<float> widened_;          // [kQuantTokenChunk, max_quant_in_features_] (16-bit activations only)
+  std::vector<float> lowp_rows_;        // [kQuantTokenChunk, lowp_row_floats(max_quant_in_features_)] (fast_lowp only)
   ThreadPool pool_;
 };
 
 }  // namespace detail
+
+const char* cpu_kernels_name(CpuKernels kernels) {
+  switch (kernels) {
+    case CpuKernels::reference: return "reference";
+    case CpuKernels::fast: return "fast";
+    case CpuKernels::fast_lowp: return "fast-lowp";
+  }
+  return "?";
+}
 
 int max_cpu_threads() {
   return int(std::max(1u, std::thread::hardware_concurrency())) * limits::max_threads_per_hardware_thread;
@@ -23789,7 +24484,7 @@ void check_cpu_threads(int64_t threads, const char* what) {
 uint64_t cpu_backend_scratch_bytes(const CpuBackendOptions& options) {
   const detail::CpuScratchSizes s = detail::cpu_scratch_sizes(options);
   const uint64_t floats = uint64_t(s.threads) * uint64_t(s.attention_per_thread + s.dequant_per_thread) +
-                          uint64_t(s.widened + s.requantized);
+                          uint64_t(s.widened + s.requantized + s.lowp);
   return floats * sizeof(float);
 }
 
@@ -23803,10 +24498,11 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& optio
                    detail::format("make_cpu_backend: max_head_dim %lld and max_quant_in_features %lld must be in "
                                   "1..%lld (KVLITE_MAX_MODEL_WIDTH)", (long long)options.max_head_dim,
                                   (long long)options.max_quant_in_features, (long long)limits::max_model_width));
-    if (options.kernels == CpuKernels::fast && !cpu_isa_supported(options.isa))
+    if (options.kernels != CpuKernels::reference && !cpu_isa_supported(options.isa))
       detail::fail(ErrorCode::invalid_argument,
-                   detail::format("make_cpu_backend: fast kernels for %s, which this CPU lacks (best here: %s)",
-                                  cpu_isa_name(options.isa), cpu_isa_name(best_cpu_isa())));
+                   detail::format("make_cpu_backend: %s kernels for %s, which this CPU lacks (best here: %s)",
+                                  cpu_kernels_name(options.kernels), cpu_isa_name(options.isa),
+                                  cpu_isa_name(best_cpu_isa())));
     if (!detail::is_cpu_float(options.activation_dtype))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("make_cpu_backend: activation dtype %s; the CPU stores activations as F32 (the "
@@ -26977,6 +27673,7 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
                                               options.plan.wsl2, &why);
     if (!device) throw device.error();
     device->cpu_threads = options.threads;  // the CPU backend's scratch is per thread
+    device->cpu_kernels = options.cpu_kernels;  // and fast_lowp's activation buffer
     Result<Plan> plan = make_plan(inputs, *device, options.plan);
     if (!plan) throw plan.error();
     plan->backend_rule = why;
@@ -27104,10 +27801,10 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);
     } else {
-      // what the plan's workspace row counted (cpu_backend_options_for), plus the kernels and the test switch
+      // what the plan's workspace row counted (cpu_backend_options_for), plus the test switch
       CpuBackendOptions backend_options = detail::cpu_backend_options_for(
-          e.config, *weights, inputs.draft.get(), *e.plan.options.activation_dtype, options.threads);
-      backend_options.kernels = options.cpu_kernels;
+          e.config, *weights, inputs.draft.get(), *e.plan.options.activation_dtype, options.threads,
+          options.cpu_kernels);
       backend_options.fp8_activations = options.fp8_activations;
       Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
       if (!backend) throw backend.error();

@@ -1,13 +1,16 @@
 // bench-cpu_gemv: the CPU backend's decode-shaped Linears, reference kernels against the fast ones
-// (CpuKernels::fast), in llm.c's manner: validate (fast against reference on the same inputs; it stops on a
-// difference beyond float rounding), then time, then print the achieved weight bandwidth against this machine's
+// (CpuKernels::fast, or fast_lowp with --kernels fast-lowp), in llm.c's manner: validate (against reference on the
+// same inputs; it stops on a difference beyond float rounding, or for fast-lowp beyond 5% of the outputs' rms,
+// the activation rounding's order), then time, then print the achieved weight bandwidth against this machine's
 // measured copy bandwidth (the memory roofline of a GEMV, which reads every weight byte once).
 //
-//   build/bench-cpu_gemv [--repeats N] [--tokens T] [--threads-max N]
+//   build/bench-cpu_gemv [--repeats N] [--tokens T] [--threads-max N] [--kernels fast|fast-lowp]
+//                        [--formats bf16,w4,w8] [--shape NAME]
 //
 // Shapes are Qwen3-0.6B's (out x in): gate/up 3072 x 1024, down 1024 x 3072, o_proj 1024 x 2048, lm_head
-// 151936 x 1024; formats BF16 and W4A16 (int4 pack-quantized, BF16 scales per group of 128, symmetric); 1 and 2
-// threads; T tokens (default 1: the decode step). Every weight is held in enough copies, used in turn, that they
+// 151936 x 1024 (--shape: only those whose name contains NAME); formats BF16, W4A16 (int4 pack-quantized, BF16
+// scales per group of 128, symmetric) and W8A16 (int8, a BF16 scale per row); 1 and 2 threads; T tokens
+// (default 1: the decode step). Every weight is held in enough copies, used in turn, that they
 // span at least 256 MiB (8x this machine's 32 MiB L3), so each call reads its weight from DRAM as a decode step
 // does. Each figure is the median of --repeats timings (default 7) of one pass over all copies: the machine may be
 // shared, and medians are what bench/RESULTS.md records.
@@ -66,24 +69,29 @@ uint16_t random_bf16(std::mt19937& rng, float scale) {
   return float_to_bf16(v);
 }
 
-// One weight in `copies` copies: dense BF16 [N, K], or int4 words [N, K/8] + BF16 scales [N, K/128].
+enum class Format { bf16, w4, w8 };
+const char* format_name(Format f) { return f == Format::bf16 ? "BF16" : f == Format::w4 ? "W4A16 g128" : "W8A16 channel"; }
+
+// One weight in `copies` copies: dense BF16 [N, K], int4 words [N, K/8] + BF16 scales [N, K/128], or int8 bytes
+// [N, K] + BF16 scales [N].
 struct Weights {
   int64_t n, k;
-  bool int4;
+  bool int4;  // quantized (int4 or int8): through quant_linear
   size_t bytes_per_copy;
   std::vector<std::vector<uint8_t>> packed, scales;
   std::vector<QuantWeight> views;
   std::vector<Tensor> dense;
 };
 
-Weights make_weights(int64_t n, int64_t k, bool int4, std::mt19937& rng) {
+Weights make_weights(int64_t n, int64_t k, Format format, std::mt19937& rng) {
+  const bool int4 = format != Format::bf16, int8 = format == Format::w8;
   Weights w{n, k, int4, 0, {}, {}, {}, {}};
-  const int64_t group = 128;
-  w.bytes_per_copy = int4 ? size_t(n * k / 2 + n * (k / group) * 2) : size_t(n * k * 2);
+  const int64_t group = int8 ? k : 128;
+  w.bytes_per_copy = int8 ? size_t(n * k + n * 2) : int4 ? size_t(n * k / 2 + n * (k / group) * 2) : size_t(n * k * 2);
   const size_t copies = std::max<size_t>(1, ((size_t(256) << 20) + w.bytes_per_copy - 1) / w.bytes_per_copy);
   for (size_t c = 0; c < copies; c++) {
     if (int4) {
-      std::vector<uint8_t> packed(size_t(n * k / 2)), scales(size_t(n * (k / group) * 2));
+      std::vector<uint8_t> packed(size_t(int8 ? n * k : n * k / 2)), scales(size_t(n * (k / group) * 2));
       for (auto& byte : packed) byte = uint8_t(rng());
       for (size_t i = 0; i < scales.size() / 2; i++) {
         const uint16_t s = random_bf16(rng, 0.02f);
@@ -103,13 +111,14 @@ Weights make_weights(int64_t n, int64_t k, bool int4, std::mt19937& rng) {
   for (size_t c = 0; c < copies; c++) {
     if (int4) {
       QuantWeight q;
-      q.name = "bench.int4";
+      q.name = int8 ? "bench.int8" : "bench.int4";
       q.out_features = n;
       q.in_features = k;
-      q.format = WeightFormat::int4;
-      q.granularity = ScaleGranularity::group;
-      q.packed = w.packed[c].data();
-      q.packed_cols = k / 8;
+      q.format = int8 ? WeightFormat::int8 : WeightFormat::int4;
+      q.granularity = int8 ? ScaleGranularity::channel : ScaleGranularity::group;
+      if (int8) q.int8 = w.packed[c].data();
+      else q.packed = w.packed[c].data();
+      q.packed_cols = int8 ? 0 : k / 8;
       q.group_size = group;
       q.scales = w.scales[c].data();
       q.scale_dtype = DType::BF16;
@@ -137,18 +146,35 @@ void run_linear(Backend& backend, const Weights& w, size_t copy, const Tensor& x
 int main(int argc, char** argv) {
   int repeats = 7, threads_max = 2;
   int64_t tokens = 1;
+  CpuKernels kernels = CpuKernels::fast;
+  std::vector<Format> formats = {Format::bf16, Format::w4};
+  std::string only_shape;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--repeats") repeats = std::max(1, atoi(argv[i + 1]));
     else if (flag == "--tokens") tokens = std::max(1, atoi(argv[i + 1]));
     else if (flag == "--threads-max") threads_max = std::max(1, atoi(argv[i + 1]));
-    else {
-      fprintf(stderr, "usage: %s [--repeats N] [--tokens T] [--threads-max N]\n", argv[0]);
+    else if (flag == "--kernels" && std::string(argv[i + 1]) == "fast") kernels = CpuKernels::fast;
+    else if (flag == "--kernels" && std::string(argv[i + 1]) == "fast-lowp") kernels = CpuKernels::fast_lowp;
+    else if (flag == "--shape") only_shape = argv[i + 1];
+    else if (flag == "--formats") {
+      formats.clear();
+      const std::string list = std::string(argv[i + 1]) + ",";
+      for (size_t at = 0, comma; (comma = list.find(',', at)) != std::string::npos; at = comma + 1) {
+        const std::string name = list.substr(at, comma - at);
+        if (name == "bf16") formats.push_back(Format::bf16);
+        else if (name == "w4") formats.push_back(Format::w4);
+        else if (name == "w8") formats.push_back(Format::w8);
+        else { fprintf(stderr, "--formats: unknown '%s' (bf16, w4, w8)\n", name.c_str()); return 2; }
+      }
+    } else {
+      fprintf(stderr, "usage: %s [--repeats N] [--tokens T] [--threads-max N] [--kernels fast|fast-lowp] "
+                      "[--formats bf16,w4,w8] [--shape NAME]\n", argv[0]);
       return 2;
     }
   }
-  printf("fast kernels here: %s; tokens %lld; medians of %d\n", cpu_isa_name(best_cpu_isa()), (long long)tokens,
-         repeats);
+  printf("%s kernels here: %s; tokens %lld; medians of %d\n", cpu_kernels_name(kernels), cpu_isa_name(best_cpu_isa()),
+         (long long)tokens, repeats);
   std::vector<double> copy_rate(size_t(threads_max + 1));
   for (int threads = 1; threads <= threads_max; threads++) {
     copy_rate[size_t(threads)] = copy_bandwidth(threads, repeats);
@@ -162,8 +188,10 @@ int main(int argc, char** argv) {
   printf("\n| shape (out x in) | format | threads | reference us | fast us | reference GB/s (%% copy) | fast GB/s "
          "(%% copy) | speedup |\n|---|---|---|---|---|---|---|---|\n");
   for (const Shape& shape : shapes)
-    for (bool int4 : {false, true}) {
-      const Weights w = make_weights(shape.n, shape.k, int4, rng);
+    for (Format format : formats) {
+      if (std::string(shape.name).find(only_shape) == std::string::npos) continue;
+      const bool int4 = format != Format::bf16;
+      const Weights w = make_weights(shape.n, shape.k, format, rng);
       std::vector<float> x(size_t(tokens * shape.k));
       std::uniform_real_distribution<float> u(-1.0f, 1.0f);
       for (float& v : x) v = u(rng);
@@ -176,19 +204,25 @@ int main(int argc, char** argv) {
         options.threads = threads;
         options.max_quant_in_features = shape.k;
         std::unique_ptr<Backend> reference = make_cpu_backend(options).value();
-        options.kernels = CpuKernels::fast;
+        options.kernels = kernels;
         std::unique_ptr<Backend> fast = make_cpu_backend(options).value();
-        // validate: every copy's output, fast against reference, within float rounding of sum |w x|
+        // validate: every 7th copy's output against reference, within float rounding of sum |w x| (fast), or 5%
+        // of the outputs' rms (fast-lowp: the activations' int8 / bf16 rounding)
         for (size_t c = 0; c < (int4 ? w.views.size() : w.dense.size()); c += 7) {
           std::fill(got.begin(), got.end(), NAN);
           run_linear(*reference, w, c, xt, want_t);
           run_linear(*fast, w, c, xt, got_t);
-          for (size_t i = 0; i < got.size(); i++)
-            if (!(std::fabs(got[i] - want[i]) <= 1e-4f * (1.0f + std::fabs(want[i])))) {
-              fprintf(stderr, "VALIDATION FAILED: %s %s copy %zu element %zu: fast %.9g, reference %.9g\n",
-                      shape.name, int4 ? "W4A16" : "BF16", c, i, double(got[i]), double(want[i]));
+          double rms = 0;
+          for (float v : want) rms += double(v) * v;
+          rms = std::sqrt(rms / double(want.size()));
+          for (size_t i = 0; i < got.size(); i++) {
+            const double allowed = kernels == CpuKernels::fast ? 1e-4 * (1.0 + std::fabs(want[i])) : 0.05 * rms;
+            if (!(std::fabs(double(got[i]) - want[i]) <= allowed)) {
+              fprintf(stderr, "VALIDATION FAILED: %s %s copy %zu element %zu: %s %.9g, reference %.9g\n", shape.name,
+                      format_name(format), c, i, cpu_kernels_name(kernels), double(got[i]), double(want[i]));
               return 1;
             }
+          }
         }
         double us[2];
         for (int which = 0; which < 2; which++) {
@@ -205,7 +239,7 @@ int main(int argc, char** argv) {
         const double bytes = double(w.bytes_per_copy), copy = copy_rate[size_t(threads)];
         const double ref_rate = bytes / us[0] / 1e3, fast_rate = bytes / us[1] / 1e3;
         printf("| %s | %s | %d | %.1f | %.1f | %.2f (%.0f%%) | %.2f (%.0f%%) | %.2fx |\n", shape.name,
-               int4 ? "W4A16 g128" : "BF16", threads, us[0], us[1], ref_rate, 100 * ref_rate / copy, fast_rate,
+               format_name(format), threads, us[0], us[1], ref_rate, 100 * ref_rate / copy, fast_rate,
                100 * fast_rate / copy, us[0] / us[1]);
         fflush(stdout);
       }

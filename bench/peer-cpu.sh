@@ -18,7 +18,7 @@
 #      bench/peer_convert.py: the Llama checkpoint's fixture tokenizer has no known pre-tokenizer hash), then
 #      llama-quantize to Q8_0 and Q4_0: the same weights, llama.cpp's formats
 #   6. interleaved timed runs, $PEER_REPEATS rounds per (model, format, threads): kvlite bench --backend cpu
-#      with --cpu-kernels reference and fast, and llama-bench (pp128 at depth 0, tg64 at depth 128: kvlite's
+#      with each --cpu-kernels set (fast: the reference's numbers; fast-lowp: llama.cpp's, int8 / bf16 activations), and llama-bench (pp128 at depth 0, tg64 at depth 128: kvlite's
 #      decode runs after its 128-token prompt), the order reversed every other round
 #   7. bench/peer_table.py: medians, ratios kvlite / llama.cpp (prefill 128, decode 64) and kvlite's % of its
 #      memory roofline; raw outputs kept in $PEER_WORK/results/<UTC time>/
@@ -28,7 +28,8 @@
 # Environment (defaults in brackets):
 #   PEER_WORK     downloads, builds, checkpoints, results [.peer/ in the repository, ignored by git]
 #   PEER_MODELS   [qwen3-0.6b llama-3.2-1b]      PEER_FORMATS  [bf16 w8 w4]      PEER_THREADS  [1 2]
-#   PEER_REPEATS  rounds [3]                       PEER_KERNELS  kvlite's CPU kernel sets [reference fast]
+#   PEER_REPEATS  rounds [3]                       PEER_KERNELS  kvlite's CPU kernel sets [fast fast-lowp]
+#                 (reference too when named: it takes minutes a run)
 #   PEER_JOBS     build jobs [nproc]               KVLITE        a kvlite binary [build-cpu/kvlite, built]
 #   PEER_PYTHON   a Python with numpy, torch and transformers to convert with (sentencepiece is added under
 #                 $PEER_WORK/pylib when missing) [none: a venv in $PEER_WORK/venv with llama.cpp's own pinned
@@ -48,7 +49,7 @@ models=${PEER_MODELS:-qwen3-0.6b llama-3.2-1b}
 formats=${PEER_FORMATS:-bf16 w8 w4}
 threads=${PEER_THREADS:-1 2}
 repeats=${PEER_REPEATS:-3}
-kernels=${PEER_KERNELS:-reference fast}
+kernels=${PEER_KERNELS:-fast fast-lowp}
 jobs=${PEER_JOBS:-$(nproc)}
 kvlite=${KVLITE:-$repo/build-cpu/kvlite}
 src=$work/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp

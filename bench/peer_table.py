@@ -70,32 +70,29 @@ def table(directory):
     meta = (directory / "meta.txt").read_text() if (directory / "meta.txt").exists() else ""
     out = [line for line in meta.splitlines()]
     out.append("")
-    out.append("| model | pairing | threads | rounds | prefill 128 tok/s: kvlite ref / fast / llama.cpp | prefill ratio "
-               "ref / fast | decode 64 tok/s: kvlite ref / fast / llama.cpp | decode ratio ref / fast | kvlite % of "
-               "roofline ref / fast | llama.cpp % (same bandwidth) | weights GiB kvlite / llama.cpp |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    out.append("| model | pairing | threads | kvlite kernels | rounds | prefill 128 tok/s kvlite / llama.cpp | prefill "
+               "ratio | decode 64 tok/s kvlite / llama.cpp | decode ratio | kvlite % of roofline | llama.cpp % (same "
+               "bandwidth) | weights GiB kvlite / llama.cpp |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key in order:
         model, fmt, threads = key
         g = groups[key]
-        ref_p, fast_p, ll_p = (median(g, e, "prefill_tok_s") for e in ("kvlite-reference", "kvlite-fast", "llama.cpp"))
-        ref_d, fast_d, ll_d = (median(g, e, "decode_tok_s") for e in ("kvlite-reference", "kvlite-fast", "llama.cpp"))
-        ref_r, fast_r = median(g, "kvlite-reference", "roofline_pct"), median(g, "kvlite-fast", "roofline_pct")
+        ll_p, ll_d = median(g, "llama.cpp", "prefill_tok_s"), median(g, "llama.cpp", "decode_tok_s")
         copies = [float(r["copy_gb_s"]) for e in g for r in g[e] if r["copy_gb_s"] != ""]
         copy = statistics.median(copies) if copies else None
-        kv_bytes = median(g, "kvlite-fast", "weight_bytes") or median(g, "kvlite-reference", "weight_bytes")
         ll_bytes = median(g, "llama.cpp", "weight_bytes")
         ll_roof = None if None in (ll_d, ll_bytes, copy) else 100.0 * ll_d * ll_bytes / (copy * 1e9)
-        rounds = max(len(v) for v in g.values())
-        out.append(
-            f"| {model} | {pairing.get(fmt, fmt)} | {threads} | {rounds} "
-            f"| {cell(ref_p)} / {cell(fast_p)} / {cell(ll_p)} | {cell(ratio(ref_p, ll_p))}x / {cell(ratio(fast_p, ll_p))}x "
-            f"| {cell(ref_d)} / {cell(fast_d)} / {cell(ll_d)} | {cell(ratio(ref_d, ll_d))}x / {cell(ratio(fast_d, ll_d))}x "
-            f"| {cell(ref_r, 1)}% / {cell(fast_r, 1)}% | {cell(ll_roof, 1)}% "
-            f"| {cell(None if kv_bytes is None else kv_bytes / 2**30)} / {cell(None if ll_bytes is None else ll_bytes / 2**30)} |")
+        for engine in (e for e in g if e.startswith("kvlite-")):
+            p, d = median(g, engine, "prefill_tok_s"), median(g, engine, "decode_tok_s")
+            roof, kv_bytes = median(g, engine, "roofline_pct"), median(g, engine, "weight_bytes")
+            out.append(
+                f"| {model} | {pairing.get(fmt, fmt)} | {threads} | {engine[len('kvlite-'):]} | {len(g[engine])} "
+                f"| {cell(p)} / {cell(ll_p)} | {cell(ratio(p, ll_p))}x | {cell(d)} / {cell(ll_d)} | {cell(ratio(d, ll_d))}x "
+                f"| {cell(roof, 1)}% | {cell(ll_roof, 1)}% "
+                f"| {cell(None if kv_bytes is None else kv_bytes / 2**30)} / {cell(None if ll_bytes is None else ll_bytes / 2**30)} |")
     out.append("")
     out.append("Spread (min-max over rounds), decode tok/s: " + "; ".join(
-        f"{m} {f} t{t}: " + ", ".join(f"{e} {spread(groups[(m, f, t)], e, 'decode_tok_s')}"
-                                      for e in ("kvlite-reference", "kvlite-fast", "llama.cpp") if e in groups[(m, f, t)])
+        f"{m} {f} t{t}: " + ", ".join(f"{e} {spread(groups[(m, f, t)], e, 'decode_tok_s')}" for e in groups[(m, f, t)])
         for (m, f, t) in order))
     copies = [float(r["copy_gb_s"]) for r in runs if r["copy_gb_s"] != ""]
     if copies:

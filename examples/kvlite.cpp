@@ -359,9 +359,11 @@ std::vector<OptionSpec> engine_option_specs() {
       {"--prefix-cache", "on|off", "reuse the KV pages of earlier requests' identical prefixes; default on for the CPU, "
                                    "off on CUDA (kvlite bench: off)"},
       {"--threads", "N", "CPU threads; default one per hardware thread"},
-      {"--cpu-kernels", "K", "fast | reference: the CPU's Linears as the SIMD kernels (default; BF16/F16/F32, int4, "
-                             "int8 and fp8 weights, F32 activations; AVX-512, AVX2 or plain C++ as the CPU allows) "
-                             "or the reference loops"},
+      {"--cpu-kernels", "K", "fast | fast-lowp | reference: the CPU's Linears as the SIMD kernels (default; BF16/F16/"
+                             "F32, int4, int8 and fp8 weights, F32 activations; AVX-512, AVX2 or plain C++ as the "
+                             "CPU allows), the same with llama.cpp's numerics (BF16 Linears on bf16-rounded "
+                             "inputs, int4/int8 ones on inputs quantized to int8 per 32 columns: VNNI / bf16 dot "
+                             "products, within ~1% of the reference) or the reference loops"},
       {"--fp8-activations", "", "fp8 checkpoints: quantize activations to fp8 per token as the GPU does (W8A8)"},
       {"--ngram", "N", "speculative decoding by prompt lookup: draft from the latest earlier occurrence of the last "
                        "N (or fewer) tokens, 1..32; alone, --spec-tokens 4"},
@@ -426,7 +428,8 @@ kvlite::EngineOptions engine_options(const Args& args) {
     const std::string& text = args.text("--cpu-kernels");
     if (text == "reference") options.cpu_kernels = kvlite::CpuKernels::reference;
     else if (text == "fast") options.cpu_kernels = kvlite::CpuKernels::fast;
-    else throw UsageError{"--cpu-kernels: '" + text + "': use reference or fast"};
+    else if (text == "fast-lowp") options.cpu_kernels = kvlite::CpuKernels::fast_lowp;
+    else throw UsageError{"--cpu-kernels: '" + text + "': use reference, fast or fast-lowp"};
   }
   options.fp8_activations = args.has("--fp8-activations");
   if (args.has("--draft")) {

@@ -367,13 +367,17 @@ int max_cpu_threads();
 namespace detail {
 void check_cpu_threads(int64_t threads, const char* what);  // throws invalid_argument naming `what` and the cap
 }  // namespace detail
-// Which Linear kernels a CPU backend runs. reference: the plain loops every other path is checked against.
-// fast (the default): SIMD GEMV/GEMM kernels that read BF16 / F16 / F32, int4 (W4A16 pack-quantized), int8
-// (W8A16, W8A8) and fp8 e4m3 weights as stored and dequantize them in registers to the reference's values;
-// F32 activations only (other activation dtypes, and weight formats or layouts the fast kernels do not cover,
-// run the reference). Its sums run in another order than the reference's, so results differ from it by float
-// rounding (tests/unit-cpu-fast.cpp bounds that); suites that compare CPU paths bit for bit pin reference.
-enum class CpuKernels : uint8_t { reference, fast };
+// CpuKernels (which Linear kernels a CPU backend runs) is declared in device.hpp: the plan sizes their scratch.
+namespace detail {
+// CpuKernels::fast_lowp's activation quantization of one row (src/cpu_lowp.inl; exposed for the tests): x [K]
+// (K a multiple of 128) per 32 columns, d = max|x| / 127, q = nearest-even(x 127 / max|x|) clamped to +-127;
+// q [K] in natural order, or for int4 weights each 128 columns as their 64 even ones then their 64 odd ones;
+// lane_scales [K / 4]: for each 64 bytes of q, the d of the block each 4-byte lane's columns are in (int4:
+// lane l of 128 columns is block l / 4; natural: lane l of 64 columns, block l / 8); group_sums [K / group]:
+// sum over the group of d sum q.
+void quantize_q8_activations(const float* x, int64_t K, bool int4_layout, int64_t group, int8_t* q,
+                             float* lane_scales, float* group_sums);
+}  // namespace detail
 // The instruction set the fast kernels use. automatic: the best this CPU has (checked at run time);
 // portable: plain C++ (every machine); avx2: AVX2 + FMA + F16C; avx512: AVX-512 F/BW/VL. Forcing one the CPU
 // lacks is refused by make_cpu_backend (tests force each in turn).
@@ -398,7 +402,7 @@ struct CpuBackendOptions {
   DType activation_dtype = DType::F32;
   // The Linear kernels (last, so that existing aggregate initializers keep their meaning).
   CpuKernels kernels = CpuKernels::fast;
-  CpuIsa isa = CpuIsa::automatic;  // for kernels == fast
+  CpuIsa isa = CpuIsa::automatic;  // for kernels fast and fast_lowp
 };
 // The host memory make_cpu_backend(options) allocates as scratch, all of it at start: per worker thread one
 // attention row set ((2 + 8) x max_head_dim floats, whole 64-byte lines) and 16 dequantized weight rows of

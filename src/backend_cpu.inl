@@ -216,6 +216,7 @@ inline void linear_tile(const A* x, int64_t x_stride, const W* w, int64_t w_stri
 }  // namespace detail
 }  // namespace kvlite
 #include "cpu_fast.inl"  // the fast kernels (CpuKernels::fast), built on the element types above
+#include "cpu_lowp.inl"  // and their low-precision-activation kernels (CpuKernels::fast_lowp)
 namespace kvlite {
 namespace detail {
 
@@ -230,7 +231,11 @@ struct CpuScratchSizes {
   int64_t dequant_per_thread = 0;    // kQuantRowBlock weight rows of max_quant_in_features
   int64_t widened = 0;               // 16-bit activations: one token chunk widened to f32
   int64_t requantized = 0;           // fp8 / int8 activations: one token chunk through fp8 / int8 and back
+  int64_t lowp = 0;                  // fast_lowp: one token chunk's quantized (or bf16-rounded) activations
 };
+// fast_lowp's buffer, floats a token: K for the rounded f32 row (the widest use; bf16 rows take K / 2 and int8
+// rows cpu_lowp::q8_row_floats(K)), plus a 64-byte line so that rows start on whole lines.
+inline int64_t lowp_row_floats(int64_t K) { return int64_t(align_up(uint64_t(std::max(K, cpu_lowp::q8_row_floats(K))), 16)) + 16; }
 CpuScratchSizes cpu_scratch_sizes(const CpuBackendOptions& o) {
   CpuScratchSizes s;
   s.threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
@@ -239,6 +244,7 @@ CpuScratchSizes cpu_scratch_sizes(const CpuBackendOptions& o) {
   s.dequant_per_thread = kQuantRowBlock * o.max_quant_in_features;
   if (o.activation_dtype != DType::F32) s.widened = kCpuQuantTokenChunk * o.max_quant_in_features;
   if (o.fp8_activations || o.int8_activations) s.requantized = kCpuQuantTokenChunk * o.max_quant_in_features;
+  if (o.kernels == CpuKernels::fast_lowp) s.lowp = kCpuQuantTokenChunk * lowp_row_floats(o.max_quant_in_features);
   return s;
 }
 
@@ -247,9 +253,12 @@ class CpuBackend final : public Backend {
   explicit CpuBackend(const CpuBackendOptions& options)
       : act_(options.activation_dtype),
         // kernels == fast resolves the ISA once here (make_cpu_backend refused one the CPU lacks)
-        fast_isa_(options.kernels != CpuKernels::fast      ? CpuIsa::automatic
-                  : options.isa == CpuIsa::automatic ? best_cpu_isa()
-                                                     : options.isa),
+        fast_isa_(options.kernels == CpuKernels::reference ? CpuIsa::automatic
+                  : options.isa == CpuIsa::automatic        ? best_cpu_isa()
+                                                            : options.isa),
+        lowp_(options.kernels == CpuKernels::fast_lowp),
+        bf16_dot_(lowp_ && fast_isa_ == CpuIsa::avx512 && cpu_lowp::cpu_has_bf16_dot()),
+        int_kernels_(lowp_ ? cpu_lowp::int_kernels_for(fast_isa_) : cpu_lowp::IntKernels::portable),
         max_head_dim_(options.max_head_dim),
         scratch_per_thread_(cpu_scratch_sizes(options).attention_per_thread),
         max_quant_in_features_(options.max_quant_in_features),
@@ -264,11 +273,16 @@ class CpuBackend final : public Backend {
     dequant_scratch_.assign(size_t(pool_.threads() * sizes.dequant_per_thread), 0.0f);
     requantized_.assign(size_t(sizes.requantized), 0.0f);
     widened_.assign(size_t(sizes.widened), 0.0f);
+    lowp_rows_.assign(size_t(sizes.lowp), 0.0f);
   }
 
   BackendKind kind() const override { return BackendKind::cpu; }
   std::string name() const override {
-    std::string kernels = fast_isa_ == CpuIsa::automatic ? "" : format(", fast %s kernels", cpu_isa_name(fast_isa_));
+    std::string kernels = fast_isa_ == CpuIsa::automatic ? ""
+                          : lowp_ ? format(", fast-lowp %s%s%s kernels", cpu_isa_name(fast_isa_),
+                                           int_kernels_ == cpu_lowp::IntKernels::vnni ? " vnni" : "",
+                                           bf16_dot_ ? " bf16" : "")
+                                  : format(", fast %s kernels", cpu_isa_name(fast_isa_));
     return format("cpu (%d thread%s%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s", kernels.c_str());
   }
   DType activation_dtype() const override { return act_; }
@@ -377,6 +391,10 @@ class CpuBackend final : public Backend {
   }
 
   void impl_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) override {
+    if (lowp_ && act_ == DType::F32 && weight.dtype == DType::BF16 && x.cols <= max_quant_in_features_) {
+      lowp_bf16_linear(x, weight, bias, out);
+      return;
+    }
     if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32) {  // the fast kernels: work items are row blocks
       const int64_t row_blocks = int64_t(ceil_div(uint64_t(weight.rows), uint64_t(cpu_fast::kRowBlock)));
       auto body = [&](int64_t b, int) {
@@ -408,6 +426,65 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // fast_lowp, BF16 weights: each chunk of tokens rounded to bf16 into lowp_rows_ (bf16 bits for vdpbf16ps, else
+  // the rounded values as f32 for the fast kernels), then row blocks over the pool as impl_linear's fast path.
+  void lowp_bf16_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out) {
+    const int64_t K = x.cols, N = weight.rows, stride = lowp_row_floats(max_quant_in_features_);
+    const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
+    for (int64_t t0 = 0; t0 < x.rows; t0 += kCpuQuantTokenChunk) {
+      const int64_t tokens = std::min(kCpuQuantTokenChunk, x.rows - t0);
+      auto round = [&](int64_t t, int) {
+        const float* row = row_of<const float>(x, t0 + t);
+        float* dst = lowp_rows_.data() + t * stride;
+        if (bf16_dot_) {
+          uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+          for (int64_t k = 0; k < K; k++) bits[k] = float_to_bf16(row[k]);
+        } else {
+          for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_float(float_to_bf16(row[k]));
+        }
+      };
+      pool_.run(tokens, round);
+      float* o = row_of<float>(out, t0);
+      auto body = [&](int64_t b, int) {
+        const int64_t n0 = b * cpu_fast::kRowBlock, n1 = std::min<int64_t>(n0 + cpu_fast::kRowBlock, N);
+        if (bf16_dot_) {
+          cpu_lowp::bf16_dot_linear_rows(reinterpret_cast<const uint16_t*>(lowp_rows_.data()), 2 * stride, tokens,
+                                         weight, bias, o, out.row_stride, n0, n1);
+        } else {
+          const Tensor rounded{lowp_rows_.data(), DType::F32, tokens, K, stride};
+          const Tensor chunk_out{o, DType::F32, tokens, out.cols, out.row_stride};
+          cpu_fast::dense_linear_rows(fast_isa_, rounded, weight, bias, chunk_out, n0, n1);
+        }
+      };
+      pool_.run(row_blocks, body);
+    }
+  }
+
+  // fast_lowp, int4 / int8 weights (cpu_lowp's int4_covered / int8_covered): each chunk of tokens quantized to
+  // int8 per 32 columns into lowp_rows_, then row blocks over the pool.
+  void lowp_int_linear(const Tensor& x, const QuantWeight& weight, const Tensor& out) {
+    const int64_t K = weight.in_features, N = weight.out_features;
+    const int64_t row_blocks = int64_t(ceil_div(uint64_t(N), uint64_t(cpu_fast::kRowBlock)));
+    cpu_lowp::Q8Rows rows{lowp_rows_.data(), K, lowp_row_floats(max_quant_in_features_)};
+    const bool int4 = weight.format == WeightFormat::int4;
+    for (int64_t t0 = 0; t0 < x.rows; t0 += kCpuQuantTokenChunk) {
+      const int64_t tokens = std::min(kCpuQuantTokenChunk, x.rows - t0);
+      auto quantize = [&](int64_t t, int) {
+        cpu_lowp::quantize_q8_row(row_of<const float>(x, t0 + t), int4, weight.group_size, rows, t);
+      };
+      pool_.run(tokens, quantize);
+      float* o = row_of<float>(out, t0);
+      auto body = [&](int64_t b, int thread) {
+        const int64_t n0 = b * cpu_fast::kRowBlock, n1 = std::min<int64_t>(n0 + cpu_fast::kRowBlock, N);
+        // the block's scales and offsets: 2 x 16 x K / 128 floats of the thread's 16 x K (block_table_floats)
+        static_assert(cpu_fast::kRowBlock <= kQuantRowBlock, "the lowp block tables must fit the scratch");
+        float* tables = dequant_scratch_.data() + thread * kQuantRowBlock * max_quant_in_features_;
+        cpu_lowp::int_linear_rows(int_kernels_, rows, tokens, weight, o, out.row_stride, n0, n1, tables);
+      };
+      pool_.run(row_blocks, body);
+    }
+  }
+
   // W8A8 as its checkpoint (int8, per token) or the GPU's fp8 tensor cores (fp8_activations, per `group` columns)
   // see it: each of `tokens` f32 rows [K] of `chunk` through int8 / fp8 and back, into requantized_ [tokens, K].
   void requantize_chunk(const float* chunk, int64_t stride, int64_t tokens, int64_t K, bool int8, int64_t group) {
@@ -435,6 +512,11 @@ class CpuBackend final : public Backend {
            format("quant_linear: %s is W8A8 (int8 activations per token) but this CPU backend was made without "
                   "CpuBackendOptions::int8_activations, which reserves their buffer", weight.name.c_str()));
     const int64_t group = fp8_activation_group(weight);
+    if (lowp_ && act_ == DType::F32 && K <= max_quant_in_features_ &&
+        (cpu_lowp::int4_covered(weight) || cpu_lowp::int8_covered(weight))) {
+      lowp_int_linear(x, weight, out);
+      return;
+    }
     const bool fast_int4 = cpu_fast::int4_supported(weight);
     if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && (fast_int4 || cpu_fast::bytes_supported(weight))) {
       // The fast kernels read the weights in place: no dequantized rows; work items are row blocks for all
@@ -920,6 +1002,9 @@ class CpuBackend final : public Backend {
 
   DType act_;  // activation dtype: F32, BF16 or F16
   CpuIsa fast_isa_;  // the fast kernels' instruction set; automatic: the reference kernels (CpuKernels::reference)
+  bool lowp_;        // CpuKernels::fast_lowp
+  bool bf16_dot_;    // fast_lowp on a CPU with AVX-512 BF16: BF16 Linears through vdpbf16ps
+  cpu_lowp::IntKernels int_kernels_;  // fast_lowp: the int4 / int8 kernels fast_isa_ runs (VNNI checked once)
   int64_t max_head_dim_;
   int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
   std::vector<float> scratch_;  // [threads, scratch_per_thread_]
@@ -929,10 +1014,20 @@ class CpuBackend final : public Backend {
   std::vector<float> dequant_scratch_;  // [threads, kQuantRowBlock, max_quant_in_features_] dequantized rows
   std::vector<float> requantized_;      // [kQuantTokenChunk, max_quant_in_features_] (fp8 / int8 activations only)
   std::vector<float> widened_;          // [kQuantTokenChunk, max_quant_in_features_] (16-bit activations only)
+  std::vector<float> lowp_rows_;        // [kQuantTokenChunk, lowp_row_floats(max_quant_in_features_)] (fast_lowp only)
   ThreadPool pool_;
 };
 
 }  // namespace detail
+
+const char* cpu_kernels_name(CpuKernels kernels) {
+  switch (kernels) {
+    case CpuKernels::reference: return "reference";
+    case CpuKernels::fast: return "fast";
+    case CpuKernels::fast_lowp: return "fast-lowp";
+  }
+  return "?";
+}
 
 int max_cpu_threads() {
   return int(std::max(1u, std::thread::hardware_concurrency())) * limits::max_threads_per_hardware_thread;
@@ -951,7 +1046,7 @@ void check_cpu_threads(int64_t threads, const char* what) {
 uint64_t cpu_backend_scratch_bytes(const CpuBackendOptions& options) {
   const detail::CpuScratchSizes s = detail::cpu_scratch_sizes(options);
   const uint64_t floats = uint64_t(s.threads) * uint64_t(s.attention_per_thread + s.dequant_per_thread) +
-                          uint64_t(s.widened + s.requantized);
+                          uint64_t(s.widened + s.requantized + s.lowp);
   return floats * sizeof(float);
 }
 
@@ -965,10 +1060,11 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& optio
                    detail::format("make_cpu_backend: max_head_dim %lld and max_quant_in_features %lld must be in "
                                   "1..%lld (KVLITE_MAX_MODEL_WIDTH)", (long long)options.max_head_dim,
                                   (long long)options.max_quant_in_features, (long long)limits::max_model_width));
-    if (options.kernels == CpuKernels::fast && !cpu_isa_supported(options.isa))
+    if (options.kernels != CpuKernels::reference && !cpu_isa_supported(options.isa))
       detail::fail(ErrorCode::invalid_argument,
-                   detail::format("make_cpu_backend: fast kernels for %s, which this CPU lacks (best here: %s)",
-                                  cpu_isa_name(options.isa), cpu_isa_name(best_cpu_isa())));
+                   detail::format("make_cpu_backend: %s kernels for %s, which this CPU lacks (best here: %s)",
+                                  cpu_kernels_name(options.kernels), cpu_isa_name(options.isa),
+                                  cpu_isa_name(best_cpu_isa())));
     if (!detail::is_cpu_float(options.activation_dtype))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("make_cpu_backend: activation dtype %s; the CPU stores activations as F32 (the "

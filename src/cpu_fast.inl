@@ -761,6 +761,15 @@ void for_each_tile(int64_t tokens, int64_t n0, int64_t n1, Tile& tile) {
   }
 }
 
+// for_each_tile<R>, or single rows when there are fewer tokens than a token tile: a decode step's GEMV is a stream
+// from memory, and one row at a time streams it fastest (bench/cpu_gemv.cpp --rows: on Zen 4 one BF16 row at a
+// time read 23 GB/s, four rows' interleaved streams 11); with a full token tile the multiply-adds count more.
+template <int R, class Tile>
+void for_each_tile_by_tokens(int64_t tokens, int64_t n0, int64_t n1, Tile& tile) {
+  if (tokens < kTokens) for_each_tile<1>(tokens, n0, n1, tile);
+  else for_each_tile<R>(tokens, n0, n1, tile);
+}
+
 // out[t, n] = x[t] . weight[n] (+ bias[n]) for every token, rows [n0, n1): F32 activations and output.
 template <class W>
 struct DenseTile {
@@ -779,7 +788,7 @@ inline void dense_linear_rows(CpuIsa isa, const Tensor& x, const Tensor& weight,
   with_float_type(weight.dtype, [&](auto tag) {
     using W = decltype(tag);
     DenseTile<W> tile{isa, x, weight, out};
-    for_each_tile<4>(x.rows, n0, n1, tile);
+    for_each_tile_by_tokens<4>(x.rows, n0, n1, tile);
   });
   if (bias.data != nullptr)  // after the dot product, as the reference adds it
     for (int64_t t = 0; t < x.rows; t++)
@@ -809,8 +818,8 @@ inline void int4_linear_rows(CpuIsa isa, const float* x, int64_t x_stride, int64
   int4_tables(isa, weight, n0, n1 - n0, tables);
   Int4Tile tile{isa, x, x_stride, weight, n0, tables, out, out_stride};
   // AVX2 holds each row's table in two registers: 2-row tiles keep tables, weights and sums in its 16
-  if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
-  else for_each_tile<4>(tokens, n0, n1, tile);
+  if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+  else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   if (weight.bias != nullptr)
     for (int64_t t = 0; t < tokens; t++)
       for (int64_t n = n0; n < n1; n++) out[t * out_stride + n] += scale_at(weight.bias, weight.bias_dtype, n);
@@ -853,16 +862,16 @@ inline void bytes_linear_rows(CpuIsa isa, const float* x, int64_t x_stride, int6
   if (weight.format == WeightFormat::int8 && weight.g_idx) {
     int8_order_tables(weight, n0, n1 - n0, tables);
     Int8OrderTile tile{isa, x, x_stride, weight, n0, tables, out, out_stride};
-    if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
-    else for_each_tile<4>(tokens, n0, n1, tile);
+    if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+    else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   } else if (weight.format == WeightFormat::int8) {
     BytesTile<false> tile{isa, x, x_stride, weight, out, out_stride};
-    if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
-    else for_each_tile<4>(tokens, n0, n1, tile);
+    if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+    else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   } else {
     BytesTile<true> tile{isa, x, x_stride, weight, out, out_stride};
-    if (isa == CpuIsa::avx2) for_each_tile<2>(tokens, n0, n1, tile);
-    else for_each_tile<4>(tokens, n0, n1, tile);
+    if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+    else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   }
   if (weight.bias != nullptr)  // after the dot product, as the reference adds it
     for (int64_t t = 0; t < tokens; t++)

@@ -16,6 +16,18 @@ enum class BackendChoice { auto_, cpu, cuda };
 const char* backend_choice_name(BackendChoice choice);
 Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" | "cpu" | "cuda"
 
+// Which Linear kernels a CPU backend runs. reference: the plain loops every other path is checked against.
+// fast (the default): SIMD GEMV/GEMM kernels that read BF16 / F16 / F32, int4 (W4A16 pack-quantized), int8
+// (W8A16, W8A8) and fp8 e4m3 weights as stored and dequantize them in registers to the reference's values;
+// F32 activations only (other activation dtypes, and weight formats or layouts the fast kernels do not cover,
+// run the reference). Its sums run in another order than the reference's, so results differ from it by float
+// rounding (tests/unit-cpu-fast.cpp bounds that); suites that compare CPU paths bit for bit pin reference.
+// fast_lowp: fast, but with llama.cpp's numerics where they buy integer or bf16 dot products (cpu_lowp.inl):
+// a BF16 Linear's input rounded to bf16, an int4 / int8 (not W8A8) Linear's input quantized to int8 per 32
+// columns; so results differ from the reference by that activation rounding too (tests/unit-cpu-lowp.cpp).
+enum class CpuKernels : uint8_t { reference, fast, fast_lowp };
+const char* cpu_kernels_name(CpuKernels kernels);  // "reference", "fast", "fast-lowp" (the CLI's spelling)
+
 struct DeviceSpec {
   BackendKind backend = BackendKind::cpu;
   std::string name;           // "NVIDIA GeForce RTX 4060", "planned 8.00 GiB card", "CPU"
@@ -28,6 +40,8 @@ struct DeviceSpec {
   bool queried = false;       // true when read from a real GPU
   int cpu_threads = 0;        // CPU backend: the worker threads it starts (EngineOptions::threads); 0: one per
                               // hardware thread. Sizes its scratch (the plan's workspace row).
+  CpuKernels cpu_kernels = CpuKernels::fast;  // CPU backend: its Linear kernels (EngineOptions::cpu_kernels); fast_lowp
+                                               // adds a buffer for the quantized activations (the workspace row)
   // An integrated GPU (Jetson: cudaDevAttrIntegrated) has no memory of its own: it shares the system's with the
   // CPU, the OS and every other process. It is planned against what was free when queried, not the total.
   bool integrated = false;

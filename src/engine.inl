@@ -838,6 +838,7 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
                                               options.plan.wsl2, &why);
     if (!device) throw device.error();
     device->cpu_threads = options.threads;  // the CPU backend's scratch is per thread
+    device->cpu_kernels = options.cpu_kernels;  // and fast_lowp's activation buffer
     Result<Plan> plan = make_plan(inputs, *device, options.plan);
     if (!plan) throw plan.error();
     plan->backend_rule = why;
@@ -965,10 +966,10 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       if (!backend) throw backend.error();
       e.backend = std::move(*backend);
     } else {
-      // what the plan's workspace row counted (cpu_backend_options_for), plus the kernels and the test switch
+      // what the plan's workspace row counted (cpu_backend_options_for), plus the test switch
       CpuBackendOptions backend_options = detail::cpu_backend_options_for(
-          e.config, *weights, inputs.draft.get(), *e.plan.options.activation_dtype, options.threads);
-      backend_options.kernels = options.cpu_kernels;
+          e.config, *weights, inputs.draft.get(), *e.plan.options.activation_dtype, options.threads,
+          options.cpu_kernels);
       backend_options.fp8_activations = options.fp8_activations;
       Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
       if (!backend) throw backend.error();

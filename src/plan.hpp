@@ -218,10 +218,11 @@ struct PlanInputs;
 struct CpuBackendOptions;  // backend.hpp
 namespace detail {
 // The CpuBackendOptions Engine::open makes for a model and its draft (nullptr: none): the head dims attention sees
-// (text, vision, draft), the widest quantized Linear's in_features, W8A8's int8 activations; the CPU plan's
-// workspace row is cpu_backend_scratch_bytes of it. Kernels and the fp8_activations test switch are the engine's.
+// (text, vision, draft), the widest quantized Linear's in_features (fast_lowp: the widest Linear's, dense too),
+// W8A8's int8 activations, the kernels; the CPU plan's workspace row is cpu_backend_scratch_bytes of it. The
+// fp8_activations test switch is the engine's.
 CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
-                                          const PlanInputs* draft, DType activation, int threads);
+                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels);
 }  // namespace detail
 struct PlanInputs {
   ModelConfig config;

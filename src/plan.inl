@@ -95,16 +95,19 @@ uint64_t cuda_context_bytes(const DeviceSpec& device) {
 
 namespace detail {
 CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
-                                          const PlanInputs* draft, DType activation, int threads) {
+                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels) {
   CpuBackendOptions o;
   o.threads = threads;
+  o.kernels = kernels;
   o.activation_dtype = activation;
   o.max_head_dim = config.text.head_dim;
   if (config.vision.present) o.max_head_dim = std::max(o.max_head_dim, config.vision.hidden_size / config.vision.num_heads);
   o.max_quant_in_features = 1;
   auto widen = [&](const WeightsSummary& w) {
     for (const LinearDesc& linear : w.linears) {
-      if (linear.format != WeightFormat::dense) o.max_quant_in_features = std::max(o.max_quant_in_features, linear.in_features);
+      // fast_lowp rounds dense Linears' inputs to bf16 in the same per-token buffer
+      if (linear.format != WeightFormat::dense || kernels == CpuKernels::fast_lowp)
+        o.max_quant_in_features = std::max(o.max_quant_in_features, linear.in_features);
       o.int8_activations = o.int8_activations || linear.int8_activations;
     }
   };
@@ -659,15 +662,17 @@ PlanItem workspace_item(const Inputs& in, const PlanOptions& o) {
     // The CPU backend's scratch, as make_cpu_backend allocates it for the options Engine::open makes (host memory
     // beside the arena, counted here so that the budget holds it too).
     const CpuBackendOptions backend =
-        cpu_backend_options_for(in.config, in.weights, in.draft, *o.activation_dtype, in.device.cpu_threads);
+        cpu_backend_options_for(in.config, in.weights, in.draft, *o.activation_dtype, in.device.cpu_threads,
+                                in.device.cpu_kernels);
     const int threads = backend.threads > 0 ? backend.threads : int(std::max(1u, std::thread::hardware_concurrency()));
     item.bytes = align_up(cpu_backend_scratch_bytes(backend), kPlanAlignment);
     item.why = format("CPU backend scratch for %d thread%s%s: attention rows (head_dim %lld) and 16 dequantized weight "
-                      "rows of K=%lld fp32 each%s%s",
+                      "rows of K=%lld fp32 each%s%s%s",
                       threads, threads == 1 ? "" : "s", in.device.cpu_threads > 0 ? " (--threads)" : " (one per hardware thread)",
                       (long long)backend.max_head_dim, (long long)backend.max_quant_in_features,
                       *o.activation_dtype != DType::F32 ? "; one 64-token chunk widened to fp32" : "",
-                      backend.int8_activations ? "; one 64-token chunk of W8A8's int8-rounded activations" : "");
+                      backend.int8_activations ? "; one 64-token chunk of W8A8's int8-rounded activations" : "",
+                      backend.kernels == CpuKernels::fast_lowp ? "; one 64-token chunk of fast-lowp's quantized activations" : "");
   }
   return item;
 }

@@ -307,7 +307,7 @@ TEST_CASE("generate --cpu-kernels fast gives transformers' greedy continuation, 
   Run bad = run_kvlite({"generate", model_fixtures::dir(name), "--prompt", "hi", "--backend", "cpu",
                         "--device-mem", "64MiB", "--cpu-kernels", "quick"});
   CHECK(bad.status != 0);
-  CHECK_MESSAGE(contains(bad.err, "--cpu-kernels: 'quick': use reference or fast"), bad.err);
+  CHECK_MESSAGE(contains(bad.err, "--cpu-kernels: 'quick': use reference, fast or fast-lowp"), bad.err);
 }
 
 TEST_CASE("generate --logprobs prints each token's id and log-probability, as the library gives them") {
