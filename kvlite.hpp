@@ -22968,8 +22968,8 @@ void for_each_tile(int64_t tokens, int64_t n0, int64_t n1, Tile& tile) {
 }
 
 // for_each_tile<R>, or single rows when there are fewer tokens than a token tile: a decode step's GEMV is a stream
-// from memory, and one row at a time streams it fastest (bench/cpu_gemv.cpp --rows: on Zen 4 one BF16 row at a
-// time read 23 GB/s, four rows' interleaved streams 11); with a full token tile the multiply-adds count more.
+// from memory, and one row at a time streams it fastest (on Zen 4 one BF16 row at a time read 23 GB/s, four
+// rows' interleaved streams 11; bench/RESULTS.md, fifteenth session); with a full token tile the multiply-adds count more.
 template <int R, class Tile>
 void for_each_tile_by_tokens(int64_t tokens, int64_t n0, int64_t n1, Tile& tile) {
   if (tokens < kTokens) for_each_tile<1>(tokens, n0, n1, tile);
@@ -23251,17 +23251,7 @@ BlockTables block_tables(const QuantWeight& w, int64_t n0, int64_t n1, float* sc
   bt.n0 = n0, bt.groups = w.scale_cols;
   const int64_t count = (n1 - n0) * bt.groups, first = n0 * bt.groups;  // rows n0.. are one run of scales
   float* scales = scratch;
-  switch (w.scale_dtype) {  // a loop per dtype, so that each is a tight conversion
-    case DType::BF16:
-      for (int64_t i = 0; i < count; i++) scales[i] = bf16_to_float(uint16_t(w.scales[2 * (first + i)] | (w.scales[2 * (first + i) + 1] << 8)));
-      break;
-    case DType::F16:
-      for (int64_t i = 0; i < count; i++) scales[i] = f16_to_float(uint16_t(w.scales[2 * (first + i)] | (w.scales[2 * (first + i) + 1] << 8)));
-      break;
-    default:
-      for (int64_t i = 0; i < count; i++) scales[i] = scale_at(w.scales, w.scale_dtype, first + i);
-      break;
-  }
+  for (int64_t i = 0; i < count; i++) scales[i] = scale_at(w.scales, w.scale_dtype, first + i);
   bt.scales = scales;
   if (w.zero_points) {
     float* offsets = scratch + count;

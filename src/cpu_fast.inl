@@ -762,8 +762,8 @@ void for_each_tile(int64_t tokens, int64_t n0, int64_t n1, Tile& tile) {
 }
 
 // for_each_tile<R>, or single rows when there are fewer tokens than a token tile: a decode step's GEMV is a stream
-// from memory, and one row at a time streams it fastest (bench/cpu_gemv.cpp --rows: on Zen 4 one BF16 row at a
-// time read 23 GB/s, four rows' interleaved streams 11); with a full token tile the multiply-adds count more.
+// from memory, and one row at a time streams it fastest (on Zen 4 one BF16 row at a time read 23 GB/s, four
+// rows' interleaved streams 11; bench/RESULTS.md, fifteenth session); with a full token tile the multiply-adds count more.
 template <int R, class Tile>
 void for_each_tile_by_tokens(int64_t tokens, int64_t n0, int64_t n1, Tile& tile) {
   if (tokens < kTokens) for_each_tile<1>(tokens, n0, n1, tile);

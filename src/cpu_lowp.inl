@@ -162,17 +162,7 @@ BlockTables block_tables(const QuantWeight& w, int64_t n0, int64_t n1, float* sc
   bt.n0 = n0, bt.groups = w.scale_cols;
   const int64_t count = (n1 - n0) * bt.groups, first = n0 * bt.groups;  // rows n0.. are one run of scales
   float* scales = scratch;
-  switch (w.scale_dtype) {  // a loop per dtype, so that each is a tight conversion
-    case DType::BF16:
-      for (int64_t i = 0; i < count; i++) scales[i] = bf16_to_float(uint16_t(w.scales[2 * (first + i)] | (w.scales[2 * (first + i) + 1] << 8)));
-      break;
-    case DType::F16:
-      for (int64_t i = 0; i < count; i++) scales[i] = f16_to_float(uint16_t(w.scales[2 * (first + i)] | (w.scales[2 * (first + i) + 1] << 8)));
-      break;
-    default:
-      for (int64_t i = 0; i < count; i++) scales[i] = scale_at(w.scales, w.scale_dtype, first + i);
-      break;
-  }
+  for (int64_t i = 0; i < count; i++) scales[i] = scale_at(w.scales, w.scale_dtype, first + i);
   bt.scales = scales;
   if (w.zero_points) {
     float* offsets = scratch + count;
