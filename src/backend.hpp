@@ -379,9 +379,10 @@ void quantize_q8_activations(const float* x, int64_t K, bool int4_layout, int64_
                              float* lane_scales, float* group_sums);
 }  // namespace detail
 // The instruction set the fast kernels use. automatic: the best this CPU has (checked at run time);
-// portable: plain C++ (every machine); avx2: AVX2 + FMA + F16C; avx512: AVX-512 F/BW/VL. Forcing one the CPU
-// lacks is refused by make_cpu_backend (tests force each in turn).
-enum class CpuIsa : uint8_t { automatic, portable, avx2, avx512 };
+// portable: plain C++ (every machine); avx2: AVX2 + FMA + F16C; avx512: AVX-512 F/BW/VL; neon: AArch64's
+// Advanced SIMD (fast_lowp adds the dot-product instructions where the CPU has them). Forcing one the CPU (or
+// the build's target) lacks is refused by make_cpu_backend (tests force each in turn).
+enum class CpuIsa : uint8_t { automatic, portable, avx2, avx512, neon };
 const char* cpu_isa_name(CpuIsa isa);
 bool cpu_isa_supported(CpuIsa isa);  // automatic and portable: always; the others by the CPU's features
 CpuIsa best_cpu_isa();               // what automatic resolves to here

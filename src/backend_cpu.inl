@@ -280,7 +280,9 @@ class CpuBackend final : public Backend {
   std::string name() const override {
     std::string kernels = fast_isa_ == CpuIsa::automatic ? ""
                           : lowp_ ? format(", fast-lowp %s%s%s kernels", cpu_isa_name(fast_isa_),
-                                           int_kernels_ == cpu_lowp::IntKernels::vnni ? " vnni" : "",
+                                           int_kernels_ == cpu_lowp::IntKernels::vnni       ? " vnni"
+                                           : int_kernels_ == cpu_lowp::IntKernels::neon_dot ? " dotprod"
+                                                                                            : "",
                                            bf16_dot_ ? " bf16" : "")
                                   : format(", fast %s kernels", cpu_isa_name(fast_isa_));
     return format("cpu (%d thread%s%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s", kernels.c_str());

@@ -17,7 +17,9 @@
 //
 // ISA choice: the x86 kernels are compiled with function target attributes, so kvlite.hpp builds with the
 // project's plain flags and runs on any x86-64; the CPU's features are checked at run time
-// (__builtin_cpu_supports) before a backend uses them. Elsewhere only the portable C++ kernels exist.
+// (__builtin_cpu_supports) before a backend uses them. On AArch64 (Jetson's Cortex-A78AE, Graviton, a Raspberry
+// Pi 5) the NEON kernels need nothing checked: Advanced SIMD, FMA and the f16 conversions are part of the base
+// architecture. Elsewhere only the portable C++ kernels exist.
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define KVLITE_CPU_X86_SIMD 1
 #include <cpuid.h>
@@ -26,6 +28,12 @@
 #define KVLITE_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #else
 #define KVLITE_CPU_X86_SIMD 0
+#endif
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVLITE_CPU_NEON 1
+#include <arm_neon.h>
+#else
+#define KVLITE_CPU_NEON 0
 #endif
 
 namespace kvlite {
@@ -36,6 +44,7 @@ const char* cpu_isa_name(CpuIsa isa) {
     case CpuIsa::portable: return "portable";
     case CpuIsa::avx2: return "avx2";
     case CpuIsa::avx512: return "avx512";
+    case CpuIsa::neon: return "neon";
   }
   return "?";
 }
@@ -64,6 +73,7 @@ bool cpu_isa_supported(CpuIsa isa) {
 #else
     case CpuIsa::avx2: case CpuIsa::avx512: return false;
 #endif
+    case CpuIsa::neon: return KVLITE_CPU_NEON != 0;  // AArch64's Advanced SIMD is never optional
   }
   return false;
 }
@@ -71,6 +81,7 @@ bool cpu_isa_supported(CpuIsa isa) {
 CpuIsa best_cpu_isa() {
   if (cpu_isa_supported(CpuIsa::avx512)) return CpuIsa::avx512;
   if (cpu_isa_supported(CpuIsa::avx2)) return CpuIsa::avx2;
+  if (cpu_isa_supported(CpuIsa::neon)) return CpuIsa::neon;
   return CpuIsa::portable;
 }
 
@@ -683,6 +694,224 @@ KVLITE_TARGET_AVX512 void int8_order_tile_avx512(const float* x, int64_t xs, con
 
 #endif  // KVLITE_CPU_X86_SIMD
 
+#if KVLITE_CPU_NEON
+// ---- NEON (AArch64): 8 lanes as two float32x4 -------------------------------------------------------------
+// The portable kernels' lane structure: lane l of each 8 columns, two q registers a sum; the horizontal sum is
+// reduce_lanes' tree exactly (a + b pairs lanes l and l + 4, then pairwise adds). 32 registers: tiles of 2 rows x
+// 4 tokens hold 16 sums, 4 weight vectors and the activations.
+struct F32x8 { float32x4_t lo, hi; };
+inline F32x8 zero8_neon() { return {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)}; }
+inline F32x8 load8_neon(const float* p) { return {vld1q_f32(p), vld1q_f32(p + 4)}; }
+inline F32x8 load8_neon(const Bf16* p) {  // bf16 is the top half of an f32: widen and shift
+  const uint16x8_t bits = vld1q_u16(reinterpret_cast<const uint16_t*>(p));
+  return {vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(bits), 16)), vreinterpretq_f32_u32(vshll_high_n_u16(bits, 16))};
+}
+inline F32x8 load8_neon(const Half* p) {  // fcvtl: exact, subnormals included
+  const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(reinterpret_cast<const uint16_t*>(p)));
+  return {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)};
+}
+inline F32x8 fma8_neon(F32x8 acc, F32x8 a, F32x8 b) { return {vfmaq_f32(acc.lo, a.lo, b.lo), vfmaq_f32(acc.hi, a.hi, b.hi)}; }
+inline float hsum8_neon(F32x8 v) {  // ((0+4)+(1+5)) + ((2+6)+(3+7)), as reduce_lanes
+  const float32x4_t s = vaddq_f32(v.lo, v.hi);
+  return vpadds_f32(vget_low_f32(vpaddq_f32(s, s)));
+}
+
+template <int TT, int R, class W>
+void dense_tile_neon(const float* x, int64_t xs, const W* w, int64_t ws, int64_t k_size, float* out, int64_t os) {
+  F32x8 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = zero8_neon();
+  const int64_t main = k_size - k_size % 8;
+  for (int64_t k = 0; k < main; k += 8) {
+    F32x8 wv[R];
+    for (int r = 0; r < R; r++) wv[r] = load8_neon(w + r * ws + k);
+    for (int t = 0; t < TT; t++) {
+      const F32x8 xv = load8_neon(x + t * xs + k);
+      for (int r = 0; r < R; r++) acc[t][r] = fma8_neon(acc[t][r], wv[r], xv);
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) {
+      float sum = hsum8_neon(acc[t][r]);
+      for (int64_t k = main; k < k_size; k++) sum += x[t * xs + k] * to_float(w[r * ws + k]);
+      out[t * os + r] = sum;
+    }
+}
+
+// p rounded to bf16 (nearest even; NaN stays a quiet NaN) and widened back: float_to_bf16 on 4 lanes.
+inline float32x4_t round_bf16_neon(float32x4_t p) {
+  const uint32x4_t bits = vreinterpretq_u32_f32(p), high = vdupq_n_u32(0xffff0000u);
+  const uint32x4_t lsb = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
+  const uint32x4_t rounded = vandq_u32(vaddq_u32(bits, vaddq_u32(vdupq_n_u32(0x7fff), lsb)), high);
+  const uint32x4_t quiet = vorrq_u32(vandq_u32(bits, high), vdupq_n_u32(0x00400000u));
+  const uint32x4_t is_nan = vmvnq_u32(vceqq_f32(p, p));
+  return vreinterpretq_f32_u32(vbslq_u32(is_nan, quiet, rounded));
+}
+inline float32x4_t round_to_dtype_neon(float32x4_t p, const QuantWeight& w) {
+  if (w.rounding != DequantRounding::scale_dtype) return p;
+  if (w.scale_dtype == DType::BF16) return round_bf16_neon(p);
+  if (w.scale_dtype == DType::F16) return vcvt_f32_f16(vcvt_f16_f32(p));  // fcvtn: nearest even (FPCR's default)
+  return p;
+}
+
+// int4 through the group's table: its 16 floats are 64 bytes, four q registers, and tbl picks bytes by index,
+// so the 4 columns of a vector take bytes 4u .. 4u + 3 of their nibble u's entry: the reference's values, bit
+// for bit, as the x86 kernels' vpermps.
+inline uint8x16x4_t int4_table_neon(const float* table) {
+  uint8x16x4_t t;
+  t.val[0] = vld1q_u8(reinterpret_cast<const uint8_t*>(table));
+  t.val[1] = vld1q_u8(reinterpret_cast<const uint8_t*>(table + 4));
+  t.val[2] = vld1q_u8(reinterpret_cast<const uint8_t*>(table + 8));
+  t.val[3] = vld1q_u8(reinterpret_cast<const uint8_t*>(table + 12));
+  return t;
+}
+// The 8 weights of one packed word (nibble l: column l) from the table.
+inline F32x8 int4_word_neon(uint32_t word, const uint8x16x4_t& table) {
+  static const uint8_t kSpread[2][16] = {{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
+                                         {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7}};
+  static const uint8_t kByteOfFloat[16] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+  const uint8x8_t bytes = vcreate_u8(uint64_t(word));
+  // [low 0, high 0, low 1, high 1, ...]: nibble l in byte l, times 4 (its entry's first byte)
+  const uint8x8_t nibbles = vzip1_u8(vand_u8(bytes, vdup_n_u8(0x0f)), vshr_n_u8(bytes, 4));
+  const uint8x16_t first_byte = vcombine_u8(vshl_n_u8(nibbles, 2), vdup_n_u8(0));
+  const uint8x16_t byte_of_float = vld1q_u8(kByteOfFloat);
+  const uint8x16_t lo = vorrq_u8(vqtbl1q_u8(first_byte, vld1q_u8(kSpread[0])), byte_of_float);
+  const uint8x16_t hi = vorrq_u8(vqtbl1q_u8(first_byte, vld1q_u8(kSpread[1])), byte_of_float);
+  return {vreinterpretq_f32_u8(vqtbl4q_u8(table, lo)), vreinterpretq_f32_u8(vqtbl4q_u8(table, hi))};
+}
+
+template <int TT, int R>
+void int4_tile_neon(const float* x, int64_t xs, const QuantWeight& w, int64_t n, const float* tables, float* out,
+                    int64_t os) {
+  F32x8 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = zero8_neon();
+  const uint8_t* packed = w.packed + 4 * n * w.packed_cols;
+  const int64_t words_per_group = w.group_size / 8;
+  for (int64_t g = 0; g < w.scale_cols; g++) {
+    uint8x16x4_t table[R];
+    for (int r = 0; r < R; r++) table[r] = int4_table_neon(tables + (r * w.scale_cols + g) * 16);
+    for (int64_t word = g * words_per_group; word < (g + 1) * words_per_group; word++) {
+      F32x8 wv[R];
+      for (int r = 0; r < R; r++) wv[r] = int4_word_neon(load_u32_le(packed + 4 * (r * w.packed_cols + word)), table[r]);
+      for (int t = 0; t < TT; t++) {
+        const F32x8 xv = load8_neon(x + t * xs + 8 * word);
+        for (int r = 0; r < R; r++) acc[t][r] = fma8_neon(acc[t][r], wv[r], xv);
+      }
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = hsum8_neon(acc[t][r]);
+}
+
+// ---- NEON: byte weights ----------------------------------------------------------------------------------------
+// Lanes [0, lanes) of 8 set.
+inline uint32x4_t lane_mask4_neon(int lanes, int first) {
+  static const uint32_t kIndex[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  return vcltq_u32(vld1q_u32(kIndex + first), vdupq_n_u32(uint32_t(lanes)));
+}
+// 4 bytes' values (int8 sign-extended, or e4m3 decoded as bytes8_avx2 does) from their u32 widening.
+template <bool FP8>
+inline float32x4_t byte_values4_neon(uint32x4_t v) {
+  if (!FP8) return vcvtq_f32_s32(vshrq_n_s32(vshlq_n_s32(vreinterpretq_s32_u32(v), 24), 24));
+  const uint32x4_t em = vandq_u32(v, vdupq_n_u32(0x7f));
+  const uint32x4_t sign = vshlq_n_u32(vandq_u32(v, vdupq_n_u32(0x80)), 24);
+  const uint32x4_t normal = vaddq_u32(vshlq_n_u32(em, 20), vdupq_n_u32(120u << 23));
+  const uint32x4_t subnormal = vreinterpretq_u32_f32(vmulq_f32(vcvtq_f32_u32(em), vdupq_n_f32(1.0f / 512.0f)));
+  uint32x4_t bits = vbslq_u32(vcltq_u32(em, vdupq_n_u32(8)), subnormal, normal);
+  bits = vbslq_u32(vceqq_u32(em, vdupq_n_u32(0x7f)), vdupq_n_u32(0x7fc00000u), bits);
+  return vreinterpretq_f32_u32(vorrq_u32(bits, sign));
+}
+// 8 bytes as floats; the tail reads nothing past the row (its missing lanes decode byte 0)
+template <bool FP8>
+inline F32x8 bytes8_neon(const uint8_t* p, int lanes) {
+  uint8x8_t b;
+  if (lanes == 8) {
+    b = vld1_u8(p);
+  } else {
+    uint8_t tail[8] = {};
+    memcpy(tail, p, size_t(lanes));
+    b = vld1_u8(tail);
+  }
+  const uint16x8_t h = vmovl_u8(b);
+  return {byte_values4_neon<FP8>(vmovl_u16(vget_low_u16(h))), byte_values4_neon<FP8>(vmovl_high_u16(h))};
+}
+// x's next 8 columns (the tail's missing ones 0)
+inline F32x8 x8_neon(const float* p, int lanes) {
+  if (lanes == 8) return load8_neon(p);
+  float tail[8] = {};
+  memcpy(tail, p, size_t(lanes) * sizeof(float));
+  return load8_neon(tail);
+}
+// (q - zero) x scale rounded as dequantize_value; lanes past `lanes` 0
+inline F32x8 dequant8_neon(F32x8 q, F32x8 zero, F32x8 scale, int lanes, const QuantWeight& w) {
+  F32x8 p = {round_to_dtype_neon(vmulq_f32(vsubq_f32(q.lo, zero.lo), scale.lo), w),
+             round_to_dtype_neon(vmulq_f32(vsubq_f32(q.hi, zero.hi), scale.hi), w)};
+  if (lanes < 8) {
+    p.lo = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(p.lo), lane_mask4_neon(lanes, 0)));
+    p.hi = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(p.hi), lane_mask4_neon(lanes, 4)));
+  }
+  return p;
+}
+inline F32x8 splat8_neon(float v) { return {vdupq_n_f32(v), vdupq_n_f32(v)}; }
+
+template <int TT, int R, bool FP8>
+void bytes_tile_neon(const float* x, int64_t xs, const QuantWeight& w, int64_t n, float* out, int64_t os) {
+  F32x8 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = zero8_neon();
+  const int64_t K = w.in_features, run = byte_run(w);
+  const uint8_t* q = byte_row(w, n);
+  for (int64_t k0 = 0, j = 0; k0 < K; k0 += run, j++) {
+    const int64_t k1 = std::min(K, k0 + run);
+    F32x8 scale[R], zero[R];
+    for (int r = 0; r < R; r++) {
+      scale[r] = splat8_neon(byte_scale(w, n + r, j));
+      zero[r] = splat8_neon(byte_zero(w, n + r, j));  // fp8: 0, and e4m3 - 0 keeps -0 (-0 - +0 = -0)
+    }
+    for (int64_t k = k0; k < k1; k += 8) {
+      const int lanes = int(std::min<int64_t>(8, k1 - k));
+      F32x8 wv[R];
+      for (int r = 0; r < R; r++) wv[r] = dequant8_neon(bytes8_neon<FP8>(q + r * K + k, lanes), zero[r], scale[r], lanes, w);
+      for (int t = 0; t < TT; t++) {
+        const F32x8 xv = x8_neon(x + t * xs + k, lanes);
+        for (int r = 0; r < R; r++) acc[t][r] = fma8_neon(acc[t][r], wv[r], xv);
+      }
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = hsum8_neon(acc[t][r]);
+}
+
+template <int TT, int R>
+void int8_order_tile_neon(const float* x, int64_t xs, const QuantWeight& w, int64_t n, const float* tables,
+                          float* out, int64_t os) {
+  F32x8 acc[TT][R];
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = zero8_neon();
+  const int64_t K = w.in_features;
+  const uint8_t* q = byte_row(w, n);
+  for (int64_t k = 0; k < K; k += 8) {
+    const int lanes = int(std::min<int64_t>(8, K - k));
+    int32_t g[8] = {};
+    for (int l = 0; l < lanes; l++) g[l] = g_idx_at(w, k + l);
+    F32x8 wv[R];
+    for (int r = 0; r < R; r++) {  // no gather: the 8 columns' scales and zero points through the stack
+      const float* scales = tables + 2 * r * w.scale_cols;
+      float s[8] = {}, z[8] = {};
+      for (int l = 0; l < lanes; l++) s[l] = scales[g[l]], z[l] = scales[w.scale_cols + g[l]];
+      wv[r] = dequant8_neon(bytes8_neon<false>(q + r * K + k, lanes), load8_neon(z), load8_neon(s), lanes, w);
+    }
+    for (int t = 0; t < TT; t++) {
+      const F32x8 xv = x8_neon(x + t * xs + k, lanes);
+      for (int r = 0; r < R; r++) acc[t][r] = fma8_neon(acc[t][r], wv[r], xv);
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int r = 0; r < R; r++) out[t * os + r] = hsum8_neon(acc[t][r]);
+}
+#endif  // KVLITE_CPU_NEON
+
 // ---- dispatch -----------------------------------------------------------------------------------------------
 // One tile of TT tokens x R rows on `isa` (resolved: portable, avx2 or avx512; the backend checked the CPU).
 template <int TT, int R, class W>
@@ -691,6 +920,9 @@ void dense_tile(CpuIsa isa, const float* x, int64_t xs, const W* w, int64_t ws, 
 #if KVLITE_CPU_X86_SIMD
   if (isa == CpuIsa::avx512) return dense_tile_avx512<TT, R>(x, xs, w, ws, k_size, out, os);
   if (isa == CpuIsa::avx2) return dense_tile_avx2<TT, R>(x, xs, w, ws, k_size, out, os);
+#endif
+#if KVLITE_CPU_NEON
+  if (isa == CpuIsa::neon) return dense_tile_neon<TT, R>(x, xs, w, ws, k_size, out, os);
 #endif
   (void)isa;
   dense_tile_portable<TT, R>(x, xs, w, ws, k_size, out, os);
@@ -702,6 +934,9 @@ void int4_tile(CpuIsa isa, const float* x, int64_t xs, const QuantWeight& w, int
   if (isa == CpuIsa::avx512) return int4_tile_avx512<TT, R>(x, xs, w, n, tables, out, os);
   if (isa == CpuIsa::avx2) return int4_tile_avx2<TT, R>(x, xs, w, n, tables, out, os);
 #endif
+#if KVLITE_CPU_NEON
+  if (isa == CpuIsa::neon) return int4_tile_neon<TT, R>(x, xs, w, n, tables, out, os);
+#endif
   (void)isa;
   int4_tile_portable<TT, R>(x, xs, w, n, tables, out, os);
 }
@@ -710,6 +945,9 @@ void bytes_tile(CpuIsa isa, const float* x, int64_t xs, const QuantWeight& w, in
 #if KVLITE_CPU_X86_SIMD
   if (isa == CpuIsa::avx512) return bytes_tile_avx512<TT, R, FP8>(x, xs, w, n, out, os);
   if (isa == CpuIsa::avx2) return bytes_tile_avx2<TT, R, FP8>(x, xs, w, n, out, os);
+#endif
+#if KVLITE_CPU_NEON
+  if (isa == CpuIsa::neon) return bytes_tile_neon<TT, R, FP8>(x, xs, w, n, out, os);
 #endif
   (void)isa;
   bytes_tile_portable<TT, R, FP8>(x, xs, w, n, out, os);
@@ -720,6 +958,9 @@ void int8_order_tile(CpuIsa isa, const float* x, int64_t xs, const QuantWeight& 
 #if KVLITE_CPU_X86_SIMD
   if (isa == CpuIsa::avx512) return int8_order_tile_avx512<TT, R>(x, xs, w, n, tables, out, os);
   if (isa == CpuIsa::avx2) return int8_order_tile_avx2<TT, R>(x, xs, w, n, tables, out, os);
+#endif
+#if KVLITE_CPU_NEON
+  if (isa == CpuIsa::neon) return int8_order_tile_neon<TT, R>(x, xs, w, n, tables, out, os);
 #endif
   (void)isa;
   int8_order_tile_portable<TT, R>(x, xs, w, n, tables, out, os);
@@ -788,7 +1029,9 @@ inline void dense_linear_rows(CpuIsa isa, const Tensor& x, const Tensor& weight,
   with_float_type(weight.dtype, [&](auto tag) {
     using W = decltype(tag);
     DenseTile<W> tile{isa, x, weight, out};
-    for_each_tile_by_tokens<4>(x.rows, n0, n1, tile);
+    // NEON's sums are two registers each: 2-row tiles keep 16 of them and the operands in its 32
+    if (isa == CpuIsa::neon) for_each_tile_by_tokens<2>(x.rows, n0, n1, tile);
+    else for_each_tile_by_tokens<4>(x.rows, n0, n1, tile);
   });
   if (bias.data != nullptr)  // after the dot product, as the reference adds it
     for (int64_t t = 0; t < x.rows; t++)
@@ -817,8 +1060,10 @@ inline void int4_linear_rows(CpuIsa isa, const float* x, int64_t x_stride, int64
                              float* out, int64_t out_stride, int64_t n0, int64_t n1, float* tables) {
   int4_tables(isa, weight, n0, n1 - n0, tables);
   Int4Tile tile{isa, x, x_stride, weight, n0, tables, out, out_stride};
-  // AVX2 holds each row's table in two registers: 2-row tiles keep tables, weights and sums in its 16
+  // AVX2 holds each row's table in two registers: 2-row tiles keep tables, weights and sums in its 16; NEON's
+  // table is four registers and its sums two each: 1-row tiles (8 sums, the table, a word's weights)
   if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+  else if (isa == CpuIsa::neon) for_each_tile_by_tokens<1>(tokens, n0, n1, tile);
   else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   if (weight.bias != nullptr)
     for (int64_t t = 0; t < tokens; t++)
@@ -858,19 +1103,20 @@ struct Int8OrderTile {
 };
 inline void bytes_linear_rows(CpuIsa isa, const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight,
                               float* out, int64_t out_stride, int64_t n0, int64_t n1, float* tables) {
-  // AVX2 has 16 registers: 2-row tiles keep weights, scales, zero points and sums in them
+  // AVX2 has 16 registers: 2-row tiles keep weights, scales, zero points and sums in them; NEON's sums are two
+  // registers each, so it takes 2-row tiles too
   if (weight.format == WeightFormat::int8 && weight.g_idx) {
     int8_order_tables(weight, n0, n1 - n0, tables);
     Int8OrderTile tile{isa, x, x_stride, weight, n0, tables, out, out_stride};
-    if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+    if (isa == CpuIsa::avx2 || isa == CpuIsa::neon) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
     else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   } else if (weight.format == WeightFormat::int8) {
     BytesTile<false> tile{isa, x, x_stride, weight, out, out_stride};
-    if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+    if (isa == CpuIsa::avx2 || isa == CpuIsa::neon) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
     else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   } else {
     BytesTile<true> tile{isa, x, x_stride, weight, out, out_stride};
-    if (isa == CpuIsa::avx2) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
+    if (isa == CpuIsa::avx2 || isa == CpuIsa::neon) for_each_tile_by_tokens<2>(tokens, n0, n1, tile);
     else for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
   }
   if (weight.bias != nullptr)  // after the dot product, as the reference adds it

@@ -27,6 +27,22 @@
 // lane_scales holds, for every 64-byte vector of q, the 16 floats d of the block each int32 lane's bytes come
 // from (int4: lane i of a 128-column chunk covers columns 8i..8i+7 of it, block i / 4; int8: lane i of 64
 // columns covers 4i..4i+3, block i / 8), so a lane's integer sum is scaled by one multiply.
+// AArch64: the integer kernels use sdot (ARMv8.2's dot-product extension: Cortex-A55/A76/A78 and later, Jetson
+// Orin, Graviton 2+; not Cortex-A57/A72), found at run time (HWCAP_ASIMDDP); GCC compiles them with a target
+// attribute, so the build needs no -march. Clang takes them only where the build targets dotprod already.
+#if KVLITE_CPU_NEON && ((defined(__GNUC__) && !defined(__clang__)) || defined(__ARM_FEATURE_DOTPROD))
+#define KVLITE_CPU_NEON_DOT 1
+#if defined(__ARM_FEATURE_DOTPROD)
+#define KVLITE_TARGET_NEON_DOT
+#else
+#define KVLITE_TARGET_NEON_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+#if defined(__linux__)
+#include <sys/auxv.h>
+#endif
+#else
+#define KVLITE_CPU_NEON_DOT 0
+#endif
 #if KVLITE_CPU_X86_SIMD
 #define KVLITE_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define KVLITE_TARGET_BF16DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
@@ -44,6 +60,15 @@ inline bool cpu_has_vnni() {
 #if KVLITE_CPU_X86_SIMD
   __builtin_cpu_init();
   return cpu_isa_supported(CpuIsa::avx512) && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+inline bool cpu_has_neon_dot() {
+#if KVLITE_CPU_NEON_DOT && defined(__ARM_FEATURE_DOTPROD)
+  return true;
+#elif KVLITE_CPU_NEON_DOT && defined(__linux__)
+  return (getauxval(AT_HWCAP) & (1ul << 20)) != 0;  // HWCAP_ASIMDDP
 #else
   return false;
 #endif
@@ -259,12 +284,12 @@ void int8_tile_portable(const Q8Rows& a, int64_t t, const QuantWeight& w, int64_
   }
 }
 
-#if KVLITE_CPU_X86_SIMD
 // The integer kernels prefetch the weights kPrefetchBytes ahead of what they read (a decode step reads them one row
 // at a time, in address order; measured on Zen 4: int4 rows 16 -> 17-18 GB/s; the bf16 stream gained nothing).
 // A prefetch never faults, so past the matrix's end is fine.
 constexpr int64_t kPrefetchBytes = 4096;
 
+#if KVLITE_CPU_X86_SIMD
 // ---- AVX2: vpmaddubsw (u8 x s8 -> pairs of s16) then vpmaddwd with ones (-> s32 over 4 bytes) -------------------
 // int4: u <= 15 and |q| <= 127, so a pair sum (<= 3,810) and the two nibbles' sum never saturate s16.
 // int8: |w| q through vpsignb (|w| <= 128 unsigned, |q| <= 127): a pair is at most 32,512.
@@ -464,11 +489,113 @@ KVLITE_TARGET_BF16DOT void bf16_tile_dot(const uint16_t* x, int64_t xs, const ui
 }
 #endif
 
+#if KVLITE_CPU_NEON_DOT
+// ---- NEON dot product (ARMv8.2 sdot): 16 signed byte products into 4 s32 lanes ----------------------------------
+// Signed by signed, so neither int4's codes (0..15) nor int8's bytes need the x86 kernels' offsets. Lane i of a
+// 16-byte vector h of a chunk is lane 4h + i of the x86 kernels' 16, the same lane scale. Tiles of few sums keep
+// one sum a vector h (4 chains: sdot and fmla latency hide behind each other), larger ones one a tile.
+template <int TT, int R>
+KVLITE_TARGET_NEON_DOT void int4_tile_neon_dot(const Q8Rows& a, int64_t t, const QuantWeight& w, int64_t n0,
+                                               int64_t n1, float* out, int64_t os, const BlockTables& bt) {
+  constexpr int H = TT * R >= 4 ? 1 : 4;
+  const int64_t groups = w.scale_cols, per_group = w.group_size / kChunk, row_bytes = 4 * w.packed_cols;
+  const int8_t* q[TT];
+  const float* lanes[TT];
+  const float* group_sums[TT];
+  for (int tt = 0; tt < TT; tt++) q[tt] = a.q(t + tt), lanes[tt] = a.lane_scales(t + tt), group_sums[tt] = a.group_sums(t + tt);
+  const uint8x16_t low4 = vdupq_n_u8(0x0f);
+  for (int64_t n = n0; n < n1; n += R) {
+    const uint8_t* rows = w.packed + n * row_bytes;
+    const float* scales = bt.scale_row(n);
+    float corr[R][TT] = {};
+    float32x4_t acc[TT][R][H];
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++)
+        for (int h = 0; h < H; h++) acc[tt][r][h] = vdupq_n_f32(0.0f);
+    for (int64_t g = 0, c = 0; g < groups; g++) {
+      float s[R];
+      for (int r = 0; r < R; r++) {
+        s[r] = scales[r * groups + g];
+        add_offsets<TT>(bt, bt.offset_row(n + r), g, s[r], group_sums, corr[r]);
+      }
+      for (const int64_t end = c + per_group; c < end; c++)
+        for (int r = 0; r < R; r++) {
+          const uint8_t* packed = rows + r * row_bytes + 64 * c;
+          __builtin_prefetch(packed + kPrefetchBytes);
+          for (int h = 0; h < 4; h++) {  // bytes 16 h .. + 15: columns 32 h .. + 31 of the chunk (even and odd)
+            const uint8x16_t wv = vld1q_u8(packed + 16 * h);
+            const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(wv, low4)), hi = vreinterpretq_s8_u8(vshrq_n_u8(wv, 4));
+            for (int tt = 0; tt < TT; tt++) {
+              const int8_t* qc = q[tt] + kChunk * c + 16 * h;
+              const int32x4_t sum = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(qc)), hi, vld1q_s8(qc + 64));
+              const float32x4_t lane_scale = vmulq_n_f32(vld1q_f32(lanes[tt] + 16 * c + 4 * h), s[r]);
+              acc[tt][r][h % H] = vfmaq_f32(acc[tt][r][h % H], vcvtq_f32_s32(sum), lane_scale);
+            }
+          }
+        }
+    }
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) {
+        float32x4_t v = acc[tt][r][0];
+        for (int h = 1; h < H; h++) v = vaddq_f32(v, acc[tt][r][h]);
+        out[tt * os + n + r] = vaddvq_f32(v) - corr[r][tt];
+      }
+  }
+}
+
+template <int TT, int R>
+KVLITE_TARGET_NEON_DOT void int8_tile_neon_dot(const Q8Rows& a, int64_t t, const QuantWeight& w, int64_t n0,
+                                               int64_t n1, float* out, int64_t os, const BlockTables& bt) {
+  constexpr int H = TT * R >= 4 ? 1 : 4;
+  const int64_t groups = w.scale_cols, per_group = w.group_size / 64, K = w.in_features;
+  const int8_t* q[TT];
+  const float* lanes[TT];
+  const float* group_sums[TT];
+  for (int tt = 0; tt < TT; tt++) q[tt] = a.q(t + tt), lanes[tt] = a.lane_scales(t + tt), group_sums[tt] = a.group_sums(t + tt);
+  for (int64_t n = n0; n < n1; n += R) {
+    const int8_t* rows = reinterpret_cast<const int8_t*>(w.int8) + n * K;
+    const float* scales = bt.scale_row(n);
+    float corr[R][TT] = {};
+    float32x4_t acc[TT][R][H];
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++)
+        for (int h = 0; h < H; h++) acc[tt][r][h] = vdupq_n_f32(0.0f);
+    for (int64_t g = 0, v = 0; g < groups; g++) {
+      float s[R];
+      for (int r = 0; r < R; r++) {
+        s[r] = scales[r * groups + g];
+        add_offsets<TT>(bt, bt.offset_row(n + r), g, s[r], group_sums, corr[r]);
+      }
+      for (const int64_t end = v + per_group; v < end; v++)
+        for (int r = 0; r < R; r++) {
+          const int8_t* bytes = rows + r * K + 64 * v;
+          __builtin_prefetch(bytes + kPrefetchBytes);
+          for (int h = 0; h < 4; h++) {  // columns 16 h .. + 15 of the 64: lanes 4 h .. + 3 of their 16
+            const int8x16_t wv = vld1q_s8(bytes + 16 * h);
+            for (int tt = 0; tt < TT; tt++) {
+              const int32x4_t sum = vdotq_s32(vdupq_n_s32(0), wv, vld1q_s8(q[tt] + 64 * v + 16 * h));
+              const float32x4_t lane_scale = vmulq_n_f32(vld1q_f32(lanes[tt] + 16 * v + 4 * h), s[r]);
+              acc[tt][r][h % H] = vfmaq_f32(acc[tt][r][h % H], vcvtq_f32_s32(sum), lane_scale);
+            }
+          }
+        }
+    }
+    for (int tt = 0; tt < TT; tt++)
+      for (int r = 0; r < R; r++) {
+        float32x4_t v = acc[tt][r][0];
+        for (int h = 1; h < H; h++) v = vaddq_f32(v, acc[tt][r][h]);
+        out[tt * os + n + r] = vaddvq_f32(v) - corr[r][tt];
+      }
+  }
+}
+#endif  // KVLITE_CPU_NEON_DOT
+
 // ---- dispatch ---------------------------------------------------------------------------------------------
-// Which integer kernels `isa` runs: avx512 with VNNI, else avx2's (AVX-512 without VNNI too), else portable.
-// Resolved once, when the backend starts: CPUID is slow (a VM exit under a hypervisor).
-enum class IntKernels : uint8_t { portable, avx2, vnni };
+// Which integer kernels `isa` runs: avx512 with VNNI, else avx2's (AVX-512 without VNNI too); neon with sdot;
+// else portable. Resolved once, when the backend starts: CPUID is slow (a VM exit under a hypervisor).
+enum class IntKernels : uint8_t { portable, avx2, vnni, neon_dot };
 inline IntKernels int_kernels_for(CpuIsa isa) {
+  if (isa == CpuIsa::neon && cpu_has_neon_dot()) return IntKernels::neon_dot;
   if (isa == CpuIsa::avx512 && cpu_has_vnni()) return IntKernels::vnni;
   if (isa == CpuIsa::avx512 || isa == CpuIsa::avx2) return IntKernels::avx2;
   return IntKernels::portable;
@@ -484,6 +611,11 @@ void int_rows(IntKernels kernels, const Q8Rows& a, int64_t t, const QuantWeight&
     return INT4 ? int4_tile_vnni<TT, R>(a, t, w, n0, n1, out, os, bt) : int8_tile_vnni<TT, R>(a, t, w, n0, n1, out, os, bt);
   if (kernels == IntKernels::avx2)
     return INT4 ? int4_tile_avx2<TT, R>(a, t, w, n0, n1, out, os, bt) : int8_tile_avx2<TT, R>(a, t, w, n0, n1, out, os, bt);
+#endif
+#if KVLITE_CPU_NEON_DOT
+  if (kernels == IntKernels::neon_dot)
+    return INT4 ? int4_tile_neon_dot<TT, R>(a, t, w, n0, n1, out, os, bt)
+                : int8_tile_neon_dot<TT, R>(a, t, w, n0, n1, out, os, bt);
 #endif
   INT4 ? int4_tile_portable<TT, R>(a, t, w, n0, n1, out, os, bt) : int8_tile_portable<TT, R>(a, t, w, n0, n1, out, os, bt);
 }

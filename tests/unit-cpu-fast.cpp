@@ -1,6 +1,7 @@
 // cpu-fast: the CPU backend's fast Linear kernels (CpuKernels::fast, the default) against its reference kernels,
 // on fresh random inputs (never zeros) at odd shapes, outputs poisoned with NaN first, every instruction set this
-// machine has forced in turn (portable always; AVX2, AVX-512 where the CPU has them). The two sum in different
+// machine has forced in turn (portable always; AVX2, AVX-512 where the CPU has them; NEON on AArch64, where
+// tests/neon_qemu.sh runs this file under qemu-user). The two sum in different
 // orders, so they are compared within float32 rounding of the row's sum of |w| |x|; the int4, int8 and fp8
 // weights the fast kernels multiply are the reference's dequantized values exactly (checked bit for bit with
 // one-hot activations), so nothing else may differ.
@@ -31,7 +32,7 @@ std::unique_ptr<Backend> cpu(CpuKernels kernels, CpuIsa isa, int threads) {
 // The instruction sets this machine runs: portable, then AVX2 and AVX-512 if present.
 std::vector<CpuIsa> machine_isas() {
   std::vector<CpuIsa> isas;
-  for (CpuIsa isa : {CpuIsa::portable, CpuIsa::avx2, CpuIsa::avx512})
+  for (CpuIsa isa : {CpuIsa::portable, CpuIsa::avx2, CpuIsa::avx512, CpuIsa::neon})
     if (cpu_isa_supported(isa)) isas.push_back(isa);
   return isas;
 }
@@ -136,7 +137,7 @@ TEST_CASE("the fast kernels' instruction sets: portable always, and what this CP
   for (CpuIsa isa : machine_isas()) MESSAGE("this machine runs the fast kernels on " << std::string(cpu_isa_name(isa)));
   MESSAGE("automatic picks " << std::string(cpu_isa_name(best_cpu_isa())));
   CHECK(cpu_isa_supported(best_cpu_isa()));
-  for (CpuIsa isa : {CpuIsa::avx2, CpuIsa::avx512})
+  for (CpuIsa isa : {CpuIsa::avx2, CpuIsa::avx512, CpuIsa::neon})
     if (!cpu_isa_supported(isa)) {  // forcing one the CPU lacks is an error, never a crash
       CpuBackendOptions options;
       options.kernels = CpuKernels::fast;

@@ -1,6 +1,7 @@
 // cpu-lowp: CpuKernels::fast_lowp, the CPU Linear kernels with llama.cpp's numerics (src/cpu_lowp.inl), on fresh
 // random inputs (never zeros) at odd shapes, outputs poisoned with NaN first, every instruction set this machine
-// has forced in turn (portable always; AVX2; AVX-512, whose integer kernels use VNNI where the CPU has it).
+// has forced in turn (portable always; AVX2; AVX-512, whose integer kernels use VNNI where the CPU has it; NEON,
+// whose integer kernels use sdot where the CPU has it: tests/neon_qemu.sh runs this file on emulated AArch64).
 //
 // What is checked, and against what:
 //   - the activation quantizer against its definition, recomputed here (d = max|x| / 127 per 32 columns,
@@ -22,6 +23,7 @@
 #include "model_fixtures.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <vector>
 
@@ -32,7 +34,7 @@ namespace {
 
 std::vector<CpuIsa> machine_isas() {
   std::vector<CpuIsa> isas;
-  for (CpuIsa isa : {CpuIsa::portable, CpuIsa::avx2, CpuIsa::avx512})
+  for (CpuIsa isa : {CpuIsa::portable, CpuIsa::avx2, CpuIsa::avx512, CpuIsa::neon})
     if (cpu_isa_supported(isa)) isas.push_back(isa);
   return isas;
 }
@@ -171,7 +173,12 @@ TEST_CASE("fast-lowp: the backend names its kernels, and a CPU without the ISA a
   auto lowp = cpu(CpuKernels::fast_lowp, CpuIsa::automatic, 1);
   CHECK(lowp->name().find("fast-lowp") != std::string::npos);
   CHECK(std::string(cpu_kernels_name(CpuKernels::fast_lowp)) == "fast-lowp");
-  for (CpuIsa isa : {CpuIsa::avx2, CpuIsa::avx512})
+  MESSAGE("fast-lowp here: " << lowp->name());
+  // tests/neon_qemu.sh runs this suite on emulated AArch64 CPUs with and without the dot-product extension and
+  // names the integer kernels each must pick (the sdot ones, or the portable fallback)
+  if (const char* expected = std::getenv("KVLITE_EXPECT_LOWP_KERNELS"))
+    CHECK(lowp->name().find(expected) != std::string::npos);
+  for (CpuIsa isa : {CpuIsa::avx2, CpuIsa::avx512, CpuIsa::neon})
     if (!cpu_isa_supported(isa)) {
       CpuBackendOptions options;
       options.kernels = CpuKernels::fast_lowp;
