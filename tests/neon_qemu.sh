@@ -17,11 +17,14 @@ qemu=${KVLITE_QEMU_AARCH64:-qemu-aarch64}
 mkdir -p "$out"
 flags=(-std=c++17 -Wall -Wextra -Werror)
 
-# Rebuild an object when its source or the header is newer (ctest reruns it after every edit of src/).
+# Rebuild an object when its source, the header or a test helper header is newer (ctest reruns it after edits).
 build() {  # object source opt extra...
-  local object=$1 source=$2 opt=$3
+  local object=$1 source=$2 opt=$3 header stale=0
   shift 3
-  if [ ! -f "$object" ] || [ "$source" -nt "$object" ] || [ "$root/kvlite.hpp" -nt "$object" ]; then
+  for header in "$source" "$root/kvlite.hpp" "$root"/tests/*.hpp; do
+    [ "$header" -nt "$object" ] && stale=1
+  done
+  if [ ! -f "$object" ] || [ $stale = 1 ]; then
     "$cxx" "${flags[@]}" "$opt" "$@" -c "$source" -o "$object.part" && mv "$object.part" "$object"
   fi
 }
