@@ -123,7 +123,9 @@
         on the quantized models), the W4A16 decode GEMVs at 19-50% of copy bandwidth on the layers' shapes.
       - The CPU computes in F32 by default (the reference). With activation_dtype BF16 or F16 it runs the GPU's
         numerics instead (f32 math, rounded on every store where the CUDA kernels round), for tests on machines
-        without a GPU; it is no faster.
+        without a GPU; it is no faster. Its Linears run SIMD kernels by default (EngineOptions::cpu_kernels fast;
+        reference keeps the plain loops); fast_lowp (llama.cpp's int8 / bf16 activations) and cpu_lm_head int8
+        (an int8 copy of the lm_head, as llama-quantize makes) are opt-in and trade the last digits for speed.
       - Linux (including WSL2) only: uses mmap and sysconf.
 
    CONFIGURATION
@@ -1365,6 +1367,21 @@ Result<QuantWeight> quant_weight(const LinearDesc& linear, const TensorStore& st
 // exactly the values the reference produces (see the table above). invalid_argument for rows outside [0, N).
 Status dequantize_rows(const QuantWeight& weight, int64_t row0, int64_t rows, float* out);
 
+// ---- an int8 copy of a dense Linear (the CPU's --cpu-lm-head int8) ---------------------------------------
+// What llama-quantize does to the output matrix, for the CPU path: the lm_head is the largest matrix a decode
+// step reads (Qwen3-0.6B's tied 151,936 x 1024 BF16 table is 57% of a W4A16 step's bytes), and an int8 copy
+// halves it. Symmetric int8 per row and group of int8_copy_group_size(K) columns:
+//   scale = max|w| / 127 (F32; 0 for an all-zero group),  q = nearbyint(w / scale) in [-127, 127],
+// so every dequantized weight q * scale is within scale / 2 of w (plus float32 rounding). The view is in
+// QuantLayout::checkpoint with format int8, so every CPU kernel set runs it (fast-lowp: int8 activations and
+// vpdpbusd, as for a W8A16 checkpoint); it owns its bytes (QuantWeight::storage), int8_copy_bytes(N, K).
+// weight: a dense host [N, K] matrix of BF16, F16 or F32 with N, K within the model limits; invalid_argument
+// otherwise. `threads` (>= 1) split the rows; the result does not depend on it.
+struct Tensor;  // backend.hpp
+int64_t int8_copy_group_size(int64_t K);  // 128, 64 or 32 when one divides K, else K (one group a row)
+uint64_t int8_copy_bytes(int64_t N, int64_t K);  // 0 for N or K <= 0; UINT64_MAX when it overflows
+Result<QuantWeight> quantize_int8_copy(const Tensor& weight, const std::string& name, int threads = 1);
+
 // ---- the CPU matmul --------------------------------------------------------------------------------------
 struct QuantLinearOptions {
   int threads = 1;  // >= 1; the result does not depend on it
@@ -2299,6 +2316,15 @@ Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" 
 enum class CpuKernels : uint8_t { reference, fast, fast_lowp };
 const char* cpu_kernels_name(CpuKernels kernels);  // "reference", "fast", "fast-lowp" (the CLI's spelling)
 
+// What the CPU backend multiplies the last hidden states by to get the logits. stored: the checkpoint's lm_head
+// (or the tied embedding table) as it is. int8: an int8 copy made at load (quantize_int8_copy: symmetric, F32
+// scales per row and 128 columns), what llama-quantize does to the output matrix: the lm_head is the largest
+// matrix a decode step reads (Qwen3-0.6B's tied BF16 table is 57% of a W4A16 step's bytes) and the copy halves
+// it, at a relative rms weight error of ~0.6% (tests/unit-cpu-lowp.cpp bounds the logits against transformers').
+// The copy is host memory the plan's repack row counts; the embedding lookup keeps reading the stored table.
+enum class CpuLmHead : uint8_t { stored, int8 };
+const char* cpu_lm_head_name(CpuLmHead lm_head);  // "stored", "int8" (the CLI's spelling)
+
 struct DeviceSpec {
   BackendKind backend = BackendKind::cpu;
   std::string name;           // "NVIDIA GeForce RTX 4060", "planned 8.00 GiB card", "CPU"
@@ -2313,6 +2339,7 @@ struct DeviceSpec {
                               // hardware thread. Sizes its scratch (the plan's workspace row).
   CpuKernels cpu_kernels = CpuKernels::fast;  // CPU backend: its Linear kernels (EngineOptions::cpu_kernels); fast_lowp
                                                // adds a buffer for the quantized activations (the workspace row)
+  CpuLmHead cpu_lm_head = CpuLmHead::stored;  // CPU backend: EngineOptions::cpu_lm_head (int8: the repack row's copy)
   // An integrated GPU (Jetson: cudaDevAttrIntegrated) has no memory of its own: it shares the system's with the
   // CPU, the OS and every other process. It is planned against what was free when queried, not the total.
   bool integrated = false;
@@ -2574,9 +2601,10 @@ namespace detail {
 // The CpuBackendOptions Engine::open makes for a model and its draft (nullptr: none): the head dims attention sees
 // (text, vision, draft), the widest quantized Linear's in_features (fast_lowp: the widest Linear's, dense too),
 // W8A8's int8 activations, the kernels; the CPU plan's workspace row is cpu_backend_scratch_bytes of it. The
-// fp8_activations test switch is the engine's.
+// fp8_activations test switch is the engine's. lm_head int8: the int8 copy's input (hidden_size) widens that.
 CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
-                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels);
+                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels,
+                                          CpuLmHead lm_head = CpuLmHead::stored);
 }  // namespace detail
 struct PlanInputs {
   ModelConfig config;
@@ -4107,6 +4135,9 @@ struct EngineOptions {
   std::optional<bool> prefix_caching;
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
   CpuKernels cpu_kernels = CpuKernels::fast;  // CPU Linears: the SIMD kernels (default) or the reference loops (CpuKernels)
+  // CPU: the lm_head as stored (default) or an int8 copy made at load (CpuLmHead; the draft model's stays as
+  // stored). invalid_argument on CUDA.
+  CpuLmHead cpu_lm_head = CpuLmHead::stored;
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
   bool fp8_activations = false;
@@ -8261,6 +8292,90 @@ Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const Quan
     }
     work(0);
     for (std::thread& helper : helpers) helper.join();
+  });
+}
+
+int64_t int8_copy_group_size(int64_t K) {
+  for (int64_t group : {128, 64, 32})
+    if (K % group == 0) return group;
+  return K;
+}
+
+uint64_t int8_copy_bytes(int64_t N, int64_t K) {
+  if (N <= 0 || K <= 0) return 0;
+  const uint64_t row = uint64_t(K) + 4 * uint64_t(K / int8_copy_group_size(K));  // codes, then F32 scales
+  uint64_t bytes = 0;
+  return __builtin_mul_overflow(uint64_t(N), row, &bytes) ? UINT64_MAX : bytes;  // (quantize_int8_copy refuses that)
+}
+
+Result<QuantWeight> quantize_int8_copy(const Tensor& weight, const std::string& name, int threads) {
+  return detail::guard([&]() -> QuantWeight {
+    const int64_t N = weight.rows, K = weight.cols;
+    if (!weight.data || N <= 0 || K <= 0 || N > limits::max_vocab || K > limits::max_model_width ||
+        weight.row_stride < K)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quantize_int8_copy(%s): a [%lld, %lld] matrix (row stride %lld); need data, "
+                                  "1..%lld rows (KVLITE_MAX_VOCAB), 1..%lld columns (KVLITE_MAX_MODEL_WIDTH) and "
+                                  "row stride >= columns", name.c_str(), (long long)N, (long long)K,
+                                  (long long)weight.row_stride, (long long)limits::max_vocab,
+                                  (long long)limits::max_model_width));
+    if (weight.dtype != DType::BF16 && weight.dtype != DType::F16 && weight.dtype != DType::F32)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quantize_int8_copy(%s): weights of dtype %s; it reads BF16, F16 or F32",
+                                  name.c_str(), dtype_name(weight.dtype)));
+    if (threads < 1) detail::fail(ErrorCode::invalid_argument, "quantize_int8_copy: threads must be >= 1");
+    const int64_t group = int8_copy_group_size(K), groups = K / group;
+    const uint64_t q_bytes = detail::checked_mul(uint64_t(N), uint64_t(K), "int8 copy", ErrorCode::invalid_argument);
+    auto storage = std::make_shared<std::vector<uint8_t>>(size_t(int8_copy_bytes(N, K)), uint8_t(0));
+    uint8_t* q = storage->data();
+    uint8_t* scales = q + q_bytes;  // F32 [N, groups], read through load_u32_le (no alignment needed)
+    auto element = [&](const uint8_t* row, int64_t k) -> float {
+      if (weight.dtype == DType::F32) return bits_to_float(load_u32_le(row + 4 * k));
+      uint16_t half;
+      memcpy(&half, row + 2 * k, 2);
+      return weight.dtype == DType::BF16 ? bf16_to_float(half) : f16_to_float(half);
+    };
+    auto rows = [&](int64_t n0, int64_t n1) {
+      const int64_t row_bytes = weight.row_stride * weight.element_bytes();
+      for (int64_t n = n0; n < n1; n++) {
+        const uint8_t* row = static_cast<const uint8_t*>(weight.data) + n * row_bytes;
+        for (int64_t g = 0; g < groups; g++) {
+          float amax = 0.0f;
+          for (int64_t k = g * group; k < (g + 1) * group; k++) amax = std::max(amax, std::fabs(element(row, k)));
+          const float scale = amax / 127.0f;
+          const uint32_t scale_bits = float_to_bits(scale);
+          memcpy(scales + 4 * (n * groups + g), &scale_bits, 4);
+          for (int64_t k = g * group; k < (g + 1) * group; k++) {
+            // a NaN or inf weight makes amax non-finite: its group's codes are 0 and its scale says why
+            const float v = scale > 0.0f && std::isfinite(scale) ? std::nearbyint(element(row, k) / scale) : 0.0f;
+            q[n * K + k] = uint8_t(int8_t(std::max(-127.0f, std::min(127.0f, v))));
+          }
+        }
+      }
+    };
+    const int helpers = int(std::min<int64_t>(threads, N)) - 1;
+    std::vector<std::thread> started;
+    const int64_t per = (N + helpers) / (helpers + 1);
+    for (int h = 1; h <= helpers; h++)
+      started.emplace_back(rows, std::min(N, h * per), std::min(N, (h + 1) * per));
+    rows(0, std::min(N, per));
+    for (std::thread& t : started) t.join();
+
+    QuantWeight w;
+    w.name = name;
+    w.out_features = N;
+    w.in_features = K;
+    w.format = WeightFormat::int8;
+    w.granularity = groups == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+    w.int8 = q;
+    w.group_size = group;
+    w.scales = scales;
+    w.scale_dtype = DType::F32;
+    w.scale_rows = N;
+    w.scale_cols = groups;
+    w.layout = QuantLayout::checkpoint;
+    w.storage = std::move(storage);
+    return w;
   });
 }
 
@@ -17367,7 +17482,8 @@ uint64_t cuda_context_bytes(const DeviceSpec& device) {
 
 namespace detail {
 CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
-                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels) {
+                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels,
+                                          CpuLmHead lm_head) {
   CpuBackendOptions o;
   o.threads = threads;
   o.kernels = kernels;
@@ -17384,6 +17500,8 @@ CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const Weigh
     }
   };
   widen(weights);
+  if (lm_head == CpuLmHead::int8)  // the int8 copy is a quantized Linear over the hidden states
+    o.max_quant_in_features = std::max(o.max_quant_in_features, config.text.hidden_size);
   if (draft) {  // the draft model runs on this backend too
     o.max_head_dim = std::max(o.max_head_dim, draft->config.text.head_dim);
     widen(draft->weights);
@@ -17797,11 +17915,23 @@ PlanItem repack_item(const Inputs& in) {
     uint64_t host = 0, repacked = 0;
     for (const auto& linear : in.weights.linears)
       if (uint64_t bytes = repacked_host_bytes(linear)) host += bytes, repacked++;
-    item.bytes = align_up(host, kPlanAlignment);
     item.why = repacked ? format("%llu AWQ / GPTQ Linears repacked at load into the CPU's int4 layout (weight_packed "
                                  "[N, K/8], scales [N, G], zero points, act-order g_idx): %s",
                                  (unsigned long long)repacked, format_bytes(host).c_str())
                         : std::string("CPU backend runs the on-disk layout: nothing to repack");
+    bool lm_head_quantized = false;  // (a checkpoint's quantized lm_head runs as stored)
+    for (const auto& linear : in.weights.linears)
+      lm_head_quantized = lm_head_quantized || (linear.name == "lm_head" && linear.format != WeightFormat::dense);
+    if (in.device.cpu_lm_head == CpuLmHead::int8 && !lm_head_quantized) {  // Engine::open's quantize_int8_copy
+      const int64_t vocab = in.config.text.vocab_size, hidden = in.config.text.hidden_size;
+      const uint64_t copy = int8_copy_bytes(vocab, hidden);
+      host = checked_add(host, copy, "repack bytes");
+      item.why += format("; --cpu-lm-head int8: the lm_head's int8 copy [%lld, %lld] with F32 scales per %lld "
+                         "columns, %s",
+                         (long long)vocab, (long long)hidden, (long long)int8_copy_group_size(hidden),
+                         format_bytes(copy).c_str());
+    }
+    item.bytes = align_up(host, kPlanAlignment);
     return item;
   }
   // The quantized Linears the GPU runs, in the layout its GEMMs read (cuda::quant_device_bytes: repacked tiles
@@ -17935,7 +18065,7 @@ PlanItem workspace_item(const Inputs& in, const PlanOptions& o) {
     // beside the arena, counted here so that the budget holds it too).
     const CpuBackendOptions backend =
         cpu_backend_options_for(in.config, in.weights, in.draft, *o.activation_dtype, in.device.cpu_threads,
-                                in.device.cpu_kernels);
+                                in.device.cpu_kernels, in.device.cpu_lm_head);
     const int threads = backend.threads > 0 ? backend.threads : int(std::max(1u, std::thread::hardware_concurrency()));
     item.bytes = align_up(cpu_backend_scratch_bytes(backend), kPlanAlignment);
     item.why = format("CPU backend scratch for %d thread%s%s: attention rows (head_dim %lld) and 16 dequantized weight "
@@ -24838,6 +24968,14 @@ const char* cpu_kernels_name(CpuKernels kernels) {
   return "?";
 }
 
+const char* cpu_lm_head_name(CpuLmHead lm_head) {
+  switch (lm_head) {
+    case CpuLmHead::stored: return "stored";
+    case CpuLmHead::int8: return "int8";
+  }
+  return "?";
+}
+
 int max_cpu_threads() {
   return int(std::max(1u, std::thread::hardware_concurrency())) * limits::max_threads_per_hardware_thread;
 }
@@ -28045,6 +28183,12 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
     if (!device) throw device.error();
     device->cpu_threads = options.threads;  // the CPU backend's scratch is per thread
     device->cpu_kernels = options.cpu_kernels;  // and fast_lowp's activation buffer
+    device->cpu_lm_head = options.cpu_lm_head;  // and the int8 copy (the repack row)
+    if (options.cpu_lm_head != CpuLmHead::stored && device->backend != BackendKind::cpu)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("EngineOptions::cpu_lm_head %s is a CPU backend option; the %s backend runs the "
+                                  "lm_head as stored (drop --cpu-lm-head, or choose --backend cpu)",
+                                  cpu_lm_head_name(options.cpu_lm_head), backend_name(device->backend)));
     Result<Plan> plan = make_plan(inputs, *device, options.plan);
     if (!plan) throw plan.error();
     plan->backend_rule = why;
@@ -28175,7 +28319,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       // what the plan's workspace row counted (cpu_backend_options_for), plus the test switch
       CpuBackendOptions backend_options = detail::cpu_backend_options_for(
           e.config, *weights, inputs.draft.get(), *e.plan.options.activation_dtype, options.threads,
-          options.cpu_kernels);
+          options.cpu_kernels, options.cpu_lm_head);
       backend_options.fp8_activations = options.fp8_activations;
       Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
       if (!backend) throw backend.error();
@@ -28207,6 +28351,16 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
         progress(std::min(paged, total_weight_bytes));
       }
       text_weights = std::move(*bound);
+      if (options.cpu_lm_head == CpuLmHead::int8 && !text_weights.lm_head.quant) {  // (a quantized one stays)
+        // The copy the plan's repack row counted; the stored lm_head (or, tied, embed_tokens: its lookups still
+        // read the stored rows) stays mapped. The draft model, if any, keeps its own as stored.
+        Result<QuantWeight> copy = quantize_int8_copy(text_weights.lm_head.weight, "lm_head (int8 copy)",
+                                                      options.threads > 0 ? options.threads
+                                                                          : int(std::max(1u, std::thread::hardware_concurrency())));
+        if (!copy) throw copy.error();
+        text_weights.lm_head.quant = std::make_shared<const QuantWeight>(std::move(*copy));
+        text_weights.lm_head.weight = Tensor{};
+      }
       // --host-embeddings changes nothing on the CPU (its table is host memory already) but the op that looks the
       // rows up: the GPU's path (gather_host_rows in stage()), run here as a plain gather
       text_weights.embed_tokens_on_host = e.plan.options.host_embeddings;

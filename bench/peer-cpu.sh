@@ -28,9 +28,11 @@
 # Environment (defaults in brackets):
 #   PEER_WORK     downloads, builds, checkpoints, results [.peer/ in the repository, ignored by git]
 #   PEER_MODELS   [qwen3-0.6b llama-3.2-1b]      PEER_FORMATS  [bf16 w8 w4]      PEER_THREADS  [1 2]
-#   PEER_REPEATS  rounds [3]                       PEER_KERNELS  kvlite's CPU kernel sets [fast fast-lowp]
-#                 (reference too when named: it takes minutes a run)
+#   PEER_REPEATS  rounds [3]                       PEER_KERNELS  kvlite's CPU kernel sets [fast fast-lowp
+#                 fast-lowp+int8head] (+int8head: with --cpu-lm-head int8, the output matrix in int8 as
+#                 llama.cpp stores it; reference too when named: it takes minutes a run)
 #   PEER_JOBS     build jobs [nproc]               KVLITE        a kvlite binary [build-cpu/kvlite, built]
+#   PEER_NO_AMX   1: llama.cpp without its AMX kernels (-mno-amx-*), for a CPU or VM whose AMX state faults [0]
 #   PEER_PYTHON   a Python with numpy, torch and transformers to convert with (sentencepiece is added under
 #                 $PEER_WORK/pylib when missing) [none: a venv in $PEER_WORK/venv with llama.cpp's own pinned
 #                 requirements-convert_hf_to_gguf.txt, torch from PyTorch's CPU index as that file says]
@@ -49,11 +51,14 @@ models=${PEER_MODELS:-qwen3-0.6b llama-3.2-1b}
 formats=${PEER_FORMATS:-bf16 w8 w4}
 threads=${PEER_THREADS:-1 2}
 repeats=${PEER_REPEATS:-3}
-kernels=${PEER_KERNELS:-fast fast-lowp}
+kernels=${PEER_KERNELS:-fast fast-lowp fast-lowp+int8head}
 jobs=${PEER_JOBS:-$(nproc)}
 kvlite=${KVLITE:-$repo/build-cpu/kvlite}
 src=$work/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp
-llama_build=$work/llama-build
+# PEER_NO_AMX=1: llama.cpp built without its AMX kernels, in its own build directory. On a Sapphire Rapids VM
+# (2026-12-03) GGML_NATIVE's AMX Q8_0 kernel died on `tilezero` with SIGILL; bench's smoke run says so.
+no_amx=${PEER_NO_AMX:-0}
+llama_build=$work/llama-build$([ "$no_amx" = 1 ] && echo -noamx)
 step=${1:-all}
 
 log() { printf '[peer-cpu %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
@@ -106,7 +111,11 @@ fetch_llama_cpp() {
 build_llama_cpp() {
   if [ ! -x "$llama_build/bin/llama-bench" ] || [ ! -x "$llama_build/bin/llama-quantize" ]; then
     log "building llama.cpp $LLAMA_CPP_COMMIT: llama-bench, llama-quantize (-j$jobs)"
+    local amx_flags=()
+    [ "$no_amx" = 1 ] && amx_flags=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                                     -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
     cmake -S "$src" -B "$llama_build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_OPENMP=ON \
+      "${amx_flags[@]}" \
       -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
       -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_COMMON=ON \
       -DLLAMA_BUILD_COMMIT=$LLAMA_CPP_COMMIT -DLLAMA_BUILD_NUMBER=0 >"$work/llama-cmake.log"
@@ -179,11 +188,13 @@ prepare() {
   ggufs
 }
 
-run_kvlite() {  # model fmt threads kernels round -> one runs.tsv row
-  local model=$1 fmt=$2 t=$3 k=$4 r=$5 raw
+run_kvlite() {  # model fmt threads kernels[+int8head] round -> one runs.tsv row
+  local model=$1 fmt=$2 t=$3 k=$4 r=$5 raw head=stored
+  case $k in *+int8head) head=int8 ;; esac
   raw=$out/kvlite-$model-$fmt-t$t-$k-r$r.txt
   "$kvlite" bench "$work/models/$model-$(kv_quant "$fmt")" --backend cpu --threads "$t" --batch 1 \
-    --prompt-tokens $PROMPT --decode-tokens $DECODE --cpu-kernels "$k" >"$raw" 2>&1 || { cat "$raw" >&2; exit 1; }
+    --prompt-tokens $PROMPT --decode-tokens $DECODE --cpu-kernels "${k%+int8head}" --cpu-lm-head $head \
+    >"$raw" 2>&1 || { cat "$raw" >&2; exit 1; }
   python3 "$repo/bench/peer_table.py" --kvlite "$raw" | sed "s/^/$model\t$fmt\t$t\tkvlite-$k\t$r\t/" >>"$out/runs.tsv"
 }
 
@@ -207,12 +218,24 @@ bench() {
     echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'), family $(lscpu | sed -n 's/^CPU family: *//p') model $(lscpu | sed -n 's/^Model: *//p') ($(nproc) CPUs; $(lscpu | sed -n 's/^Flags: *//p' | tr ' ' '\n' | grep -E '^avx512(f|bw|vl|_bf16|_vnni)$|^avx2$' | tr '\n' ' '))"
     echo "kvlite: $(git -C "$repo" rev-parse --short HEAD)$(git -C "$repo" diff --quiet HEAD -- kvlite.hpp src || echo ' (modified)')"
-    echo "llama.cpp: $LLAMA_CPP_COMMIT (llama-cpp-python $LLAMA_CPP_PYTHON sdist; Release, GGML_NATIVE, OpenMP)"
+    echo "llama.cpp: $LLAMA_CPP_COMMIT (llama-cpp-python $LLAMA_CPP_PYTHON sdist; Release, GGML_NATIVE, OpenMP$([ "$no_amx" = 1 ] && echo ', AMX off: PEER_NO_AMX'))"
     echo "compiler: $(c++ --version | head -1); memory: $(free -g | awk '/^Mem:/{print $2}') GiB"
     echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "models: $models; formats: $formats; threads: $threads; rounds: $repeats; kernels: $kernels"
   } >"$out/meta.txt"
   cat "$out/meta.txt" >&2
+  local gguf_file rc
+  for model in $models; do  # a smoke run of each GGUF first: a crash says what to change, not a half table
+    for fmt in $formats; do
+      gguf_file=$work/gguf/$model-$(gguf_type "$fmt").gguf
+      rc=0
+      "$llama_build/bin/llama-bench" -m "$gguf_file" -t 1 -p 8 -n 0 -r 1 >/dev/null 2>"$out/smoke.err" || rc=$?
+      if [ "$rc" != 0 ]; then
+        log "llama-bench on $gguf_file exited $rc$([ "$rc" = 132 ] && echo ' (SIGILL: an instruction this CPU or VM refuses; AMX here once: prepare and bench again with PEER_NO_AMX=1)')"
+        exit 1
+      fi
+    done
+  done
   printf 'model\tformat\tthreads\tengine\tround\tprefill_tok_s\tdecode_tok_s\troofline_pct\tcopy_gb_s\tweight_bytes\n' >"$out/runs.tsv"
   local model fmt t r k engines order e
   for model in $models; do

@@ -1031,6 +1031,14 @@ const char* cpu_kernels_name(CpuKernels kernels) {
   return "?";
 }
 
+const char* cpu_lm_head_name(CpuLmHead lm_head) {
+  switch (lm_head) {
+    case CpuLmHead::stored: return "stored";
+    case CpuLmHead::int8: return "int8";
+  }
+  return "?";
+}
+
 int max_cpu_threads() {
   return int(std::max(1u, std::thread::hardware_concurrency())) * limits::max_threads_per_hardware_thread;
 }

@@ -28,6 +28,15 @@ Result<BackendChoice> parse_backend_choice(const std::string& text);  // "auto" 
 enum class CpuKernels : uint8_t { reference, fast, fast_lowp };
 const char* cpu_kernels_name(CpuKernels kernels);  // "reference", "fast", "fast-lowp" (the CLI's spelling)
 
+// What the CPU backend multiplies the last hidden states by to get the logits. stored: the checkpoint's lm_head
+// (or the tied embedding table) as it is. int8: an int8 copy made at load (quantize_int8_copy: symmetric, F32
+// scales per row and 128 columns), what llama-quantize does to the output matrix: the lm_head is the largest
+// matrix a decode step reads (Qwen3-0.6B's tied BF16 table is 57% of a W4A16 step's bytes) and the copy halves
+// it, at a relative rms weight error of ~0.6% (tests/unit-cpu-lowp.cpp bounds the logits against transformers').
+// The copy is host memory the plan's repack row counts; the embedding lookup keeps reading the stored table.
+enum class CpuLmHead : uint8_t { stored, int8 };
+const char* cpu_lm_head_name(CpuLmHead lm_head);  // "stored", "int8" (the CLI's spelling)
+
 struct DeviceSpec {
   BackendKind backend = BackendKind::cpu;
   std::string name;           // "NVIDIA GeForce RTX 4060", "planned 8.00 GiB card", "CPU"
@@ -42,6 +51,7 @@ struct DeviceSpec {
                               // hardware thread. Sizes its scratch (the plan's workspace row).
   CpuKernels cpu_kernels = CpuKernels::fast;  // CPU backend: its Linear kernels (EngineOptions::cpu_kernels); fast_lowp
                                                // adds a buffer for the quantized activations (the workspace row)
+  CpuLmHead cpu_lm_head = CpuLmHead::stored;  // CPU backend: EngineOptions::cpu_lm_head (int8: the repack row's copy)
   // An integrated GPU (Jetson: cudaDevAttrIntegrated) has no memory of its own: it shares the system's with the
   // CPU, the OS and every other process. It is planned against what was free when queried, not the total.
   bool integrated = false;

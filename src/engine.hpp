@@ -60,6 +60,9 @@ struct EngineOptions {
   std::optional<bool> prefix_caching;
   int threads = 0;   // CPU worker threads; 0: one per hardware thread
   CpuKernels cpu_kernels = CpuKernels::fast;  // CPU Linears: the SIMD kernels (default) or the reference loops (CpuKernels)
+  // CPU: the lm_head as stored (default) or an int8 copy made at load (CpuLmHead; the draft model's stays as
+  // stored). invalid_argument on CUDA.
+  CpuLmHead cpu_lm_head = CpuLmHead::stored;
   // fp8 checkpoints: quantize each activation row to fp8 and back before the matmul (W8A8, what the GPU's fp8
   // tensor cores compute) instead of multiplying float activations by the dequantized weight (W8A16).
   bool fp8_activations = false;

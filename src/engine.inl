@@ -839,6 +839,12 @@ Result<Plan> plan_engine(const PlanInputs& inputs_in, const EngineOptions& optio
     if (!device) throw device.error();
     device->cpu_threads = options.threads;  // the CPU backend's scratch is per thread
     device->cpu_kernels = options.cpu_kernels;  // and fast_lowp's activation buffer
+    device->cpu_lm_head = options.cpu_lm_head;  // and the int8 copy (the repack row)
+    if (options.cpu_lm_head != CpuLmHead::stored && device->backend != BackendKind::cpu)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("EngineOptions::cpu_lm_head %s is a CPU backend option; the %s backend runs the "
+                                  "lm_head as stored (drop --cpu-lm-head, or choose --backend cpu)",
+                                  cpu_lm_head_name(options.cpu_lm_head), backend_name(device->backend)));
     Result<Plan> plan = make_plan(inputs, *device, options.plan);
     if (!plan) throw plan.error();
     plan->backend_rule = why;
@@ -969,7 +975,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
       // what the plan's workspace row counted (cpu_backend_options_for), plus the test switch
       CpuBackendOptions backend_options = detail::cpu_backend_options_for(
           e.config, *weights, inputs.draft.get(), *e.plan.options.activation_dtype, options.threads,
-          options.cpu_kernels);
+          options.cpu_kernels, options.cpu_lm_head);
       backend_options.fp8_activations = options.fp8_activations;
       Result<std::unique_ptr<Backend>> backend = make_cpu_backend(backend_options);
       if (!backend) throw backend.error();
@@ -1001,6 +1007,16 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
         progress(std::min(paged, total_weight_bytes));
       }
       text_weights = std::move(*bound);
+      if (options.cpu_lm_head == CpuLmHead::int8 && !text_weights.lm_head.quant) {  // (a quantized one stays)
+        // The copy the plan's repack row counted; the stored lm_head (or, tied, embed_tokens: its lookups still
+        // read the stored rows) stays mapped. The draft model, if any, keeps its own as stored.
+        Result<QuantWeight> copy = quantize_int8_copy(text_weights.lm_head.weight, "lm_head (int8 copy)",
+                                                      options.threads > 0 ? options.threads
+                                                                          : int(std::max(1u, std::thread::hardware_concurrency())));
+        if (!copy) throw copy.error();
+        text_weights.lm_head.quant = std::make_shared<const QuantWeight>(std::move(*copy));
+        text_weights.lm_head.weight = Tensor{};
+      }
       // --host-embeddings changes nothing on the CPU (its table is host memory already) but the op that looks the
       // rows up: the GPU's path (gather_host_rows in stage()), run here as a plain gather
       text_weights.embed_tokens_on_host = e.plan.options.host_embeddings;

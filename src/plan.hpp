@@ -220,9 +220,10 @@ namespace detail {
 // The CpuBackendOptions Engine::open makes for a model and its draft (nullptr: none): the head dims attention sees
 // (text, vision, draft), the widest quantized Linear's in_features (fast_lowp: the widest Linear's, dense too),
 // W8A8's int8 activations, the kernels; the CPU plan's workspace row is cpu_backend_scratch_bytes of it. The
-// fp8_activations test switch is the engine's.
+// fp8_activations test switch is the engine's. lm_head int8: the int8 copy's input (hidden_size) widens that.
 CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
-                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels);
+                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels,
+                                          CpuLmHead lm_head = CpuLmHead::stored);
 }  // namespace detail
 struct PlanInputs {
   ModelConfig config;

@@ -95,7 +95,8 @@ uint64_t cuda_context_bytes(const DeviceSpec& device) {
 
 namespace detail {
 CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const WeightsSummary& weights,
-                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels) {
+                                          const PlanInputs* draft, DType activation, int threads, CpuKernels kernels,
+                                          CpuLmHead lm_head) {
   CpuBackendOptions o;
   o.threads = threads;
   o.kernels = kernels;
@@ -112,6 +113,8 @@ CpuBackendOptions cpu_backend_options_for(const ModelConfig& config, const Weigh
     }
   };
   widen(weights);
+  if (lm_head == CpuLmHead::int8)  // the int8 copy is a quantized Linear over the hidden states
+    o.max_quant_in_features = std::max(o.max_quant_in_features, config.text.hidden_size);
   if (draft) {  // the draft model runs on this backend too
     o.max_head_dim = std::max(o.max_head_dim, draft->config.text.head_dim);
     widen(draft->weights);
@@ -525,11 +528,23 @@ PlanItem repack_item(const Inputs& in) {
     uint64_t host = 0, repacked = 0;
     for (const auto& linear : in.weights.linears)
       if (uint64_t bytes = repacked_host_bytes(linear)) host += bytes, repacked++;
-    item.bytes = align_up(host, kPlanAlignment);
     item.why = repacked ? format("%llu AWQ / GPTQ Linears repacked at load into the CPU's int4 layout (weight_packed "
                                  "[N, K/8], scales [N, G], zero points, act-order g_idx): %s",
                                  (unsigned long long)repacked, format_bytes(host).c_str())
                         : std::string("CPU backend runs the on-disk layout: nothing to repack");
+    bool lm_head_quantized = false;  // (a checkpoint's quantized lm_head runs as stored)
+    for (const auto& linear : in.weights.linears)
+      lm_head_quantized = lm_head_quantized || (linear.name == "lm_head" && linear.format != WeightFormat::dense);
+    if (in.device.cpu_lm_head == CpuLmHead::int8 && !lm_head_quantized) {  // Engine::open's quantize_int8_copy
+      const int64_t vocab = in.config.text.vocab_size, hidden = in.config.text.hidden_size;
+      const uint64_t copy = int8_copy_bytes(vocab, hidden);
+      host = checked_add(host, copy, "repack bytes");
+      item.why += format("; --cpu-lm-head int8: the lm_head's int8 copy [%lld, %lld] with F32 scales per %lld "
+                         "columns, %s",
+                         (long long)vocab, (long long)hidden, (long long)int8_copy_group_size(hidden),
+                         format_bytes(copy).c_str());
+    }
+    item.bytes = align_up(host, kPlanAlignment);
     return item;
   }
   // The quantized Linears the GPU runs, in the layout its GEMMs read (cuda::quant_device_bytes: repacked tiles
@@ -663,7 +678,7 @@ PlanItem workspace_item(const Inputs& in, const PlanOptions& o) {
     // beside the arena, counted here so that the budget holds it too).
     const CpuBackendOptions backend =
         cpu_backend_options_for(in.config, in.weights, in.draft, *o.activation_dtype, in.device.cpu_threads,
-                                in.device.cpu_kernels);
+                                in.device.cpu_kernels, in.device.cpu_lm_head);
     const int threads = backend.threads > 0 ? backend.threads : int(std::max(1u, std::thread::hardware_concurrency()));
     item.bytes = align_up(cpu_backend_scratch_bytes(backend), kPlanAlignment);
     item.why = format("CPU backend scratch for %d thread%s%s: attention rows (head_dim %lld) and 16 dequantized weight "

@@ -81,6 +81,21 @@ Result<QuantWeight> quant_weight(const LinearDesc& linear, const TensorStore& st
 // exactly the values the reference produces (see the table above). invalid_argument for rows outside [0, N).
 Status dequantize_rows(const QuantWeight& weight, int64_t row0, int64_t rows, float* out);
 
+// ---- an int8 copy of a dense Linear (the CPU's --cpu-lm-head int8) ---------------------------------------
+// What llama-quantize does to the output matrix, for the CPU path: the lm_head is the largest matrix a decode
+// step reads (Qwen3-0.6B's tied 151,936 x 1024 BF16 table is 57% of a W4A16 step's bytes), and an int8 copy
+// halves it. Symmetric int8 per row and group of int8_copy_group_size(K) columns:
+//   scale = max|w| / 127 (F32; 0 for an all-zero group),  q = nearbyint(w / scale) in [-127, 127],
+// so every dequantized weight q * scale is within scale / 2 of w (plus float32 rounding). The view is in
+// QuantLayout::checkpoint with format int8, so every CPU kernel set runs it (fast-lowp: int8 activations and
+// vpdpbusd, as for a W8A16 checkpoint); it owns its bytes (QuantWeight::storage), int8_copy_bytes(N, K).
+// weight: a dense host [N, K] matrix of BF16, F16 or F32 with N, K within the model limits; invalid_argument
+// otherwise. `threads` (>= 1) split the rows; the result does not depend on it.
+struct Tensor;  // backend.hpp
+int64_t int8_copy_group_size(int64_t K);  // 128, 64 or 32 when one divides K, else K (one group a row)
+uint64_t int8_copy_bytes(int64_t N, int64_t K);  // 0 for N or K <= 0; UINT64_MAX when it overflows
+Result<QuantWeight> quantize_int8_copy(const Tensor& weight, const std::string& name, int threads = 1);
+
 // ---- the CPU matmul --------------------------------------------------------------------------------------
 struct QuantLinearOptions {
   int threads = 1;  // >= 1; the result does not depend on it

@@ -496,4 +496,88 @@ Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const Quan
   });
 }
 
+int64_t int8_copy_group_size(int64_t K) {
+  for (int64_t group : {128, 64, 32})
+    if (K % group == 0) return group;
+  return K;
+}
+
+uint64_t int8_copy_bytes(int64_t N, int64_t K) {
+  if (N <= 0 || K <= 0) return 0;
+  const uint64_t row = uint64_t(K) + 4 * uint64_t(K / int8_copy_group_size(K));  // codes, then F32 scales
+  uint64_t bytes = 0;
+  return __builtin_mul_overflow(uint64_t(N), row, &bytes) ? UINT64_MAX : bytes;  // (quantize_int8_copy refuses that)
+}
+
+Result<QuantWeight> quantize_int8_copy(const Tensor& weight, const std::string& name, int threads) {
+  return detail::guard([&]() -> QuantWeight {
+    const int64_t N = weight.rows, K = weight.cols;
+    if (!weight.data || N <= 0 || K <= 0 || N > limits::max_vocab || K > limits::max_model_width ||
+        weight.row_stride < K)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quantize_int8_copy(%s): a [%lld, %lld] matrix (row stride %lld); need data, "
+                                  "1..%lld rows (KVLITE_MAX_VOCAB), 1..%lld columns (KVLITE_MAX_MODEL_WIDTH) and "
+                                  "row stride >= columns", name.c_str(), (long long)N, (long long)K,
+                                  (long long)weight.row_stride, (long long)limits::max_vocab,
+                                  (long long)limits::max_model_width));
+    if (weight.dtype != DType::BF16 && weight.dtype != DType::F16 && weight.dtype != DType::F32)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("quantize_int8_copy(%s): weights of dtype %s; it reads BF16, F16 or F32",
+                                  name.c_str(), dtype_name(weight.dtype)));
+    if (threads < 1) detail::fail(ErrorCode::invalid_argument, "quantize_int8_copy: threads must be >= 1");
+    const int64_t group = int8_copy_group_size(K), groups = K / group;
+    const uint64_t q_bytes = detail::checked_mul(uint64_t(N), uint64_t(K), "int8 copy", ErrorCode::invalid_argument);
+    auto storage = std::make_shared<std::vector<uint8_t>>(size_t(int8_copy_bytes(N, K)), uint8_t(0));
+    uint8_t* q = storage->data();
+    uint8_t* scales = q + q_bytes;  // F32 [N, groups], read through load_u32_le (no alignment needed)
+    auto element = [&](const uint8_t* row, int64_t k) -> float {
+      if (weight.dtype == DType::F32) return bits_to_float(load_u32_le(row + 4 * k));
+      uint16_t half;
+      memcpy(&half, row + 2 * k, 2);
+      return weight.dtype == DType::BF16 ? bf16_to_float(half) : f16_to_float(half);
+    };
+    auto rows = [&](int64_t n0, int64_t n1) {
+      const int64_t row_bytes = weight.row_stride * weight.element_bytes();
+      for (int64_t n = n0; n < n1; n++) {
+        const uint8_t* row = static_cast<const uint8_t*>(weight.data) + n * row_bytes;
+        for (int64_t g = 0; g < groups; g++) {
+          float amax = 0.0f;
+          for (int64_t k = g * group; k < (g + 1) * group; k++) amax = std::max(amax, std::fabs(element(row, k)));
+          const float scale = amax / 127.0f;
+          const uint32_t scale_bits = float_to_bits(scale);
+          memcpy(scales + 4 * (n * groups + g), &scale_bits, 4);
+          for (int64_t k = g * group; k < (g + 1) * group; k++) {
+            // a NaN or inf weight makes amax non-finite: its group's codes are 0 and its scale says why
+            const float v = scale > 0.0f && std::isfinite(scale) ? std::nearbyint(element(row, k) / scale) : 0.0f;
+            q[n * K + k] = uint8_t(int8_t(std::max(-127.0f, std::min(127.0f, v))));
+          }
+        }
+      }
+    };
+    const int helpers = int(std::min<int64_t>(threads, N)) - 1;
+    std::vector<std::thread> started;
+    const int64_t per = (N + helpers) / (helpers + 1);
+    for (int h = 1; h <= helpers; h++)
+      started.emplace_back(rows, std::min(N, h * per), std::min(N, (h + 1) * per));
+    rows(0, std::min(N, per));
+    for (std::thread& t : started) t.join();
+
+    QuantWeight w;
+    w.name = name;
+    w.out_features = N;
+    w.in_features = K;
+    w.format = WeightFormat::int8;
+    w.granularity = groups == 1 ? ScaleGranularity::channel : ScaleGranularity::group;
+    w.int8 = q;
+    w.group_size = group;
+    w.scales = scales;
+    w.scale_dtype = DType::F32;
+    w.scale_rows = N;
+    w.scale_cols = groups;
+    w.layout = QuantLayout::checkpoint;
+    w.storage = std::move(storage);
+    return w;
+  });
+}
+
 }  // namespace kvlite

@@ -310,6 +310,25 @@ TEST_CASE("generate --cpu-kernels fast gives transformers' greedy continuation, 
   CHECK_MESSAGE(contains(bad.err, "--cpu-kernels: 'quick': use reference, fast or fast-lowp"), bad.err);
 }
 
+TEST_CASE("--cpu-lm-head int8: the plan's repack row holds the copy; unknown values and CUDA are refused") {
+  const std::string dir = model_fixtures::dir("tiny-qwen3");  // tied: the [1415, 64] F16 embedding table
+  Run run = run_kvlite({"plan", dir, "--backend", "cpu", "--device-mem", "64MiB", "--cpu-lm-head", "int8"});
+  CHECK(run.status == 0);
+  const uint64_t copy = kvlite::int8_copy_bytes(1415, 64);
+  CHECK_MESSAGE(contains(run.out, "--cpu-lm-head int8: the lm_head's int8 copy [1415, 64] with F32 scales per 64 "
+                                  "columns, " + kvlite::format_bytes(copy)), run.out);
+  Run stored = run_kvlite({"plan", dir, "--backend", "cpu", "--device-mem", "64MiB"});
+  CHECK(stored.status == 0);
+  CHECK_FALSE(contains(stored.out, "--cpu-lm-head"));
+  Run bad = run_kvlite({"generate", dir, "--prompt", "hi", "--backend", "cpu", "--device-mem", "64MiB",
+                        "--cpu-lm-head", "int4"});
+  CHECK(bad.status == 2);
+  CHECK_MESSAGE(contains(bad.err, "--cpu-lm-head: 'int4': use stored or int8"), bad.err);
+  Run gpu = run_kvlite({"plan", dir, "--backend", "cuda", "--device-mem", "8GiB", "--cpu-lm-head", "int8"});
+  CHECK(gpu.status != 0);
+  CHECK_MESSAGE(contains(gpu.err, "cpu_lm_head int8 is a CPU backend option"), gpu.err);
+}
+
 TEST_CASE("generate --logprobs prints each token's id and log-probability, as the library gives them") {
   const std::string name = "tiny-qwen3";
   const nlohmann::json reference = model_fixtures::reference(name);

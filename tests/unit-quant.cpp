@@ -696,3 +696,89 @@ TEST_CASE("fp8 activations (W8A8) move fp8 models' logits a little, and leave in
   }
   CHECK(logits_of("tiny-w4a16", true) == logits_of("tiny-w4a16", false));
 }
+
+// ---- the int8 copy (--cpu-lm-head int8) -------------------------------------------------------------------
+
+TEST_CASE("quantize_int8_copy: each weight within half a step of its group's max/127, every dtype and group") {
+  std::mt19937 rng(4501);
+  struct Shape { int64_t n, k, group; };
+  // K = 1024 (groups of 128), 96 (of 32), 320 (of 64), 100 (no group divides it: one scale a row)
+  for (Shape shape : {Shape{37, 1024, 128}, Shape{5, 96, 32}, Shape{3, 320, 64}, Shape{7, 100, 100}})
+    for (DType dtype : {DType::BF16, DType::F16, DType::F32})
+      for (int threads : {1, 3}) {
+        CAPTURE(shape.n); CAPTURE(shape.k); CAPTURE(dtype_name(dtype)); CAPTURE(threads);
+        CHECK(int8_copy_group_size(shape.k) == shape.group);
+        const int64_t stride = shape.k + 3;  // a view with padding between rows
+        std::vector<float> values = random_floats(rng, size_t(shape.n * stride), 0.05f);
+        for (int64_t k = 0; k < shape.k; k++) values[size_t(k)] = 0.0f;  // row 0 all zeros: scale 0, codes 0
+        values[size_t(stride + 5)] = 0.9f;  // one outlier: its group's scale is its /127
+        std::vector<uint8_t> bytes(size_t(shape.n * stride) * dtype_bytes(dtype, 1));
+        std::vector<float> exact(values.size());  // what the stored dtype holds
+        for (size_t i = 0; i < values.size(); i++) {
+          if (dtype == DType::F32) memcpy(&bytes[4 * i], &values[i], 4), exact[i] = values[i];
+          else {
+            const uint16_t h = dtype == DType::BF16 ? float_to_bf16(values[i]) : float_to_f16(values[i]);
+            memcpy(&bytes[2 * i], &h, 2);
+            exact[i] = dtype == DType::BF16 ? bf16_to_float(h) : f16_to_float(h);
+          }
+        }
+        const Tensor view{bytes.data(), dtype, shape.n, shape.k, stride};
+        Result<QuantWeight> copy = quantize_int8_copy(view, "lm_head", threads);
+        REQUIRE_MESSAGE(copy, copy.error().message);
+        CHECK(copy->format == WeightFormat::int8);
+        CHECK(copy->layout == QuantLayout::checkpoint);
+        CHECK(copy->group_size == shape.group);
+        CHECK(copy->scale_cols == shape.k / shape.group);
+        CHECK(copy->storage->size() == int8_copy_bytes(shape.n, shape.k));
+        CHECK(int8_copy_bytes(shape.n, shape.k) == uint64_t(shape.n) * uint64_t(shape.k + 4 * (shape.k / shape.group)));
+        const std::vector<float> back = dequantized(*copy);
+        const int8_t* codes = reinterpret_cast<const int8_t*>(copy->int8);
+        for (int64_t n = 0; n < shape.n; n++)
+          for (int64_t g = 0; g < shape.k / shape.group; g++) {
+            double amax = 0;
+            for (int64_t k = g * shape.group; k < (g + 1) * shape.group; k++)
+              amax = std::max(amax, std::fabs(double(exact[size_t(n * stride + k)])));
+            const double step = amax / 127.0;
+            const float scale = scale_at(copy->scales, copy->scale_dtype, n * copy->scale_cols + g);
+            CHECK(std::fabs(double(scale) - step) <= 1e-6 * step);
+            bool reaches_127 = amax == 0;  // the largest weight of a group is coded +-127
+            for (int64_t k = g * shape.group; k < (g + 1) * shape.group; k++) {
+              const double w = exact[size_t(n * stride + k)], got = back[size_t(n * shape.k + k)];
+              if (std::fabs(w - got) > step / 2 * (1 + 1e-5) + 1e-12)
+                FAIL_CHECK("row " << n << " column " << k << ": " << w << " came back " << got << ", step " << step);
+              CHECK(std::abs(int(codes[n * shape.k + k])) <= 127);
+              reaches_127 = reaches_127 || std::abs(int(codes[n * shape.k + k])) == 127;
+            }
+            CHECK(reaches_127);
+          }
+        for (int64_t k = 0; k < shape.k; k++) CHECK(back[size_t(k)] == 0.0f);
+      }
+}
+
+TEST_CASE("quantize_int8_copy: the copy's quant_linear is the float matmul over its dequantized rows") {
+  std::mt19937 rng(4502);
+  const int64_t n = 41, k = 256, tokens = 3;
+  std::vector<float> w = random_floats(rng, size_t(n * k));
+  Result<QuantWeight> copy = quantize_int8_copy(Tensor::matrix(w.data(), DType::F32, n, k), "w");
+  REQUIRE_MESSAGE(copy, copy.error().message);
+  const std::vector<float> deq = dequantized(*copy), x = random_floats(rng, size_t(tokens * k));
+  std::vector<float> out(size_t(tokens * n), std::nanf(""));
+  REQUIRE(quant_linear(x.data(), k, tokens, *copy, out.data(), n).ok());
+  std::vector<double> want, magnitude;
+  double_matmul(x, tokens, deq, n, k, want, magnitude);
+  for (size_t i = 0; i < out.size(); i++) CHECK(std::fabs(out[i] - want[i]) <= 1e-5 * magnitude[i] + 1e-30);
+}
+
+TEST_CASE("quantize_int8_copy refuses what it cannot read, naming it") {
+  std::vector<float> w(64, 0.5f);
+  auto status = [](const Result<QuantWeight>& r) { return r ? Status{} : Status{r.error()}; };
+  check_error(status(quantize_int8_copy(Tensor{}, "lm_head")), ErrorCode::invalid_argument, {"lm_head", "need data"});
+  check_error(status(quantize_int8_copy(Tensor{w.data(), DType::F32, 2, 32, 16}, "lm_head")),
+              ErrorCode::invalid_argument, {"row stride 16"});
+  check_error(status(quantize_int8_copy(Tensor::matrix(w.data(), DType::I8, 2, 32), "lm_head")),
+              ErrorCode::invalid_argument, {"dtype", "BF16, F16 or F32"});
+  check_error(status(quantize_int8_copy(Tensor::matrix(w.data(), DType::F32, 2, 32), "lm_head", 0)),
+              ErrorCode::invalid_argument, {"threads"});
+  CHECK(int8_copy_bytes(0, 64) == 0);
+  CHECK(int8_copy_bytes(INT64_MAX, INT64_MAX / 2) == UINT64_MAX);
+}
