@@ -8236,6 +8236,24 @@ Status quantize_fp8_activations(const float* x, int64_t rows, int64_t cols, int6
   });
 }
 
+namespace detail {
+// work(i) for each i in [0, threads): 0 on the caller, the others on threads started here and joined before it
+// returns. When the system refuses a thread, the ones already started finish before the error is rethrown.
+template <class Work>
+void run_on_threads(int threads, const Work& work) {
+  std::vector<std::thread> helpers;
+  helpers.reserve(size_t(std::max(0, threads - 1)));
+  try {
+    for (int i = 1; i < threads; i++) helpers.emplace_back(work, i);
+  } catch (...) {
+    for (std::thread& helper : helpers) helper.join();
+    throw;
+  }
+  work(0);
+  for (std::thread& helper : helpers) helper.join();
+}
+}  // namespace detail
+
 Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const QuantWeight& weight, float* out,
                     int64_t out_stride, const QuantLinearOptions& options) {
   return detail::guard([&] {
@@ -8282,16 +8300,7 @@ Status quant_linear(const float* x, int64_t x_stride, int64_t tokens, const Quan
                                    scratch.data() + thread * scratch_floats, out, out_stride);
       }
     };
-    std::vector<std::thread> helpers;
-    helpers.reserve(size_t(threads - 1));
-    try {
-      for (int i = 1; i < threads; i++) helpers.emplace_back(work, i);
-    } catch (...) {  // the system refused a thread: finish the ones started before reporting it
-      for (std::thread& helper : helpers) helper.join();
-      throw;
-    }
-    work(0);
-    for (std::thread& helper : helpers) helper.join();
+    detail::run_on_threads(threads, work);
   });
 }
 
@@ -8329,15 +8338,11 @@ Result<QuantWeight> quantize_int8_copy(const Tensor& weight, const std::string& 
     auto storage = std::make_shared<std::vector<uint8_t>>(size_t(int8_copy_bytes(N, K)), uint8_t(0));
     uint8_t* q = storage->data();
     uint8_t* scales = q + q_bytes;  // F32 [N, groups], read through load_u32_le (no alignment needed)
-    auto element = [&](const uint8_t* row, int64_t k) -> float {
-      if (weight.dtype == DType::F32) return bits_to_float(load_u32_le(row + 4 * k));
-      uint16_t half;
-      memcpy(&half, row + 2 * k, 2);
-      return weight.dtype == DType::BF16 ? bf16_to_float(half) : f16_to_float(half);
-    };
-    auto rows = [&](int64_t n0, int64_t n1) {
+    auto element = [&](const uint8_t* row, int64_t k) { return scale_at(row, weight.dtype, k); };  // F32/BF16/F16
+    const int workers = int(std::min<int64_t>(threads, N));
+    auto rows = [&](int worker) {  // rows worker, worker + workers, ...
       const int64_t row_bytes = weight.row_stride * weight.element_bytes();
-      for (int64_t n = n0; n < n1; n++) {
+      for (int64_t n = worker; n < N; n += workers) {
         const uint8_t* row = static_cast<const uint8_t*>(weight.data) + n * row_bytes;
         for (int64_t g = 0; g < groups; g++) {
           float amax = 0.0f;
@@ -8353,13 +8358,7 @@ Result<QuantWeight> quantize_int8_copy(const Tensor& weight, const std::string& 
         }
       }
     };
-    const int helpers = int(std::min<int64_t>(threads, N)) - 1;
-    std::vector<std::thread> started;
-    const int64_t per = (N + helpers) / (helpers + 1);
-    for (int h = 1; h <= helpers; h++)
-      started.emplace_back(rows, std::min(N, h * per), std::min(N, (h + 1) * per));
-    rows(0, std::min(N, per));
-    for (std::thread& t : started) t.join();
+    detail::run_on_threads(workers, rows);
 
     QuantWeight w;
     w.name = name;
