@@ -310,7 +310,7 @@ TEST_CASE("generate --cpu-kernels fast gives transformers' greedy continuation, 
   CHECK_MESSAGE(contains(bad.err, "--cpu-kernels: 'quick': use reference, fast or fast-lowp"), bad.err);
 }
 
-TEST_CASE("--cpu-lm-head int8: the plan's repack row holds the copy; unknown values and CUDA are refused") {
+TEST_CASE("--cpu-lm-head int8: the plan's repack row holds the copy, and unknown values and CUDA are refused") {
   const std::string dir = model_fixtures::dir("tiny-qwen3");  // tied: the [1415, 64] F16 embedding table
   Run run = run_kvlite({"plan", dir, "--backend", "cpu", "--device-mem", "64MiB", "--cpu-lm-head", "int8"});
   CHECK(run.status == 0);
