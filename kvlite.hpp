@@ -3638,6 +3638,8 @@ constexpr int max_threads_per_hardware_thread = KVLITE_MAX_THREADS_PER_HARDWARE_
 // CpuBackendOptions::threads above it are refused (invalid_argument) before anything is reserved.
 int max_cpu_threads();
 namespace detail {
+// The threads a CPU option's value asks for: `threads` when > 0, else one per hardware thread (at least 1).
+int cpu_threads_or_all(int threads);
 void check_cpu_threads(int64_t threads, const char* what);  // throws invalid_argument naming `what` and the cap
 }  // namespace detail
 // CpuKernels (which Linear kernels a CPU backend runs) is declared in device.hpp: the plan sizes their scratch.
@@ -18065,7 +18067,7 @@ PlanItem workspace_item(const Inputs& in, const PlanOptions& o) {
     const CpuBackendOptions backend =
         cpu_backend_options_for(in.config, in.weights, in.draft, *o.activation_dtype, in.device.cpu_threads,
                                 in.device.cpu_kernels, in.device.cpu_lm_head);
-    const int threads = backend.threads > 0 ? backend.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+    const int threads = cpu_threads_or_all(backend.threads);
     item.bytes = align_up(cpu_backend_scratch_bytes(backend), kPlanAlignment);
     item.why = format("CPU backend scratch for %d thread%s%s: attention rows (head_dim %lld) and 16 dequantized weight "
                       "rows of K=%lld fp32 each%s%s%s",
@@ -24174,7 +24176,7 @@ struct CpuScratchSizes {
 inline int64_t lowp_row_floats(int64_t K) { return int64_t(align_up(uint64_t(std::max(K, cpu_lowp::q8_row_floats(K))), 16)) + 16; }
 CpuScratchSizes cpu_scratch_sizes(const CpuBackendOptions& o) {
   CpuScratchSizes s;
-  s.threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+  s.threads = cpu_threads_or_all(o.threads);
   // whole 64-byte lines per thread, so two threads never write the same cache line
   s.attention_per_thread = int64_t(align_up(uint64_t((2 + kCpuHeadsPerPass) * o.max_head_dim), 16));
   s.dequant_per_thread = kQuantRowBlock * o.max_quant_in_features;
@@ -24974,6 +24976,12 @@ const char* cpu_lm_head_name(CpuLmHead lm_head) {
   }
   return "?";
 }
+
+namespace detail {
+int cpu_threads_or_all(int threads) {
+  return threads > 0 ? threads : int(std::max(1u, std::thread::hardware_concurrency()));
+}
+}  // namespace detail
 
 int max_cpu_threads() {
   return int(std::max(1u, std::thread::hardware_concurrency())) * limits::max_threads_per_hardware_thread;
@@ -28354,8 +28362,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
         // The copy the plan's repack row counted; the stored lm_head (or, tied, embed_tokens: its lookups still
         // read the stored rows) stays mapped. The draft model, if any, keeps its own as stored.
         Result<QuantWeight> copy = quantize_int8_copy(text_weights.lm_head.weight, "lm_head (int8 copy)",
-                                                      options.threads > 0 ? options.threads
-                                                                          : int(std::max(1u, std::thread::hardware_concurrency())));
+                                                      detail::cpu_threads_or_all(options.threads));
         if (!copy) throw copy.error();
         text_weights.lm_head.quant = std::make_shared<const QuantWeight>(std::move(*copy));
         text_weights.lm_head.weight = Tensor{};

@@ -365,6 +365,8 @@ constexpr int max_threads_per_hardware_thread = KVLITE_MAX_THREADS_PER_HARDWARE_
 // CpuBackendOptions::threads above it are refused (invalid_argument) before anything is reserved.
 int max_cpu_threads();
 namespace detail {
+// The threads a CPU option's value asks for: `threads` when > 0, else one per hardware thread (at least 1).
+int cpu_threads_or_all(int threads);
 void check_cpu_threads(int64_t threads, const char* what);  // throws invalid_argument naming `what` and the cap
 }  // namespace detail
 // CpuKernels (which Linear kernels a CPU backend runs) is declared in device.hpp: the plan sizes their scratch.

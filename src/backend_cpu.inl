@@ -238,7 +238,7 @@ struct CpuScratchSizes {
 inline int64_t lowp_row_floats(int64_t K) { return int64_t(align_up(uint64_t(std::max(K, cpu_lowp::q8_row_floats(K))), 16)) + 16; }
 CpuScratchSizes cpu_scratch_sizes(const CpuBackendOptions& o) {
   CpuScratchSizes s;
-  s.threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+  s.threads = cpu_threads_or_all(o.threads);
   // whole 64-byte lines per thread, so two threads never write the same cache line
   s.attention_per_thread = int64_t(align_up(uint64_t((2 + kCpuHeadsPerPass) * o.max_head_dim), 16));
   s.dequant_per_thread = kQuantRowBlock * o.max_quant_in_features;
@@ -1038,6 +1038,12 @@ const char* cpu_lm_head_name(CpuLmHead lm_head) {
   }
   return "?";
 }
+
+namespace detail {
+int cpu_threads_or_all(int threads) {
+  return threads > 0 ? threads : int(std::max(1u, std::thread::hardware_concurrency()));
+}
+}  // namespace detail
 
 int max_cpu_threads() {
   return int(std::max(1u, std::thread::hardware_concurrency())) * limits::max_threads_per_hardware_thread;

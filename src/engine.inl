@@ -1011,8 +1011,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const std::string& model_dir, const
         // The copy the plan's repack row counted; the stored lm_head (or, tied, embed_tokens: its lookups still
         // read the stored rows) stays mapped. The draft model, if any, keeps its own as stored.
         Result<QuantWeight> copy = quantize_int8_copy(text_weights.lm_head.weight, "lm_head (int8 copy)",
-                                                      options.threads > 0 ? options.threads
-                                                                          : int(std::max(1u, std::thread::hardware_concurrency())));
+                                                      detail::cpu_threads_or_all(options.threads));
         if (!copy) throw copy.error();
         text_weights.lm_head.quant = std::make_shared<const QuantWeight>(std::move(*copy));
         text_weights.lm_head.weight = Tensor{};

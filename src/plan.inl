@@ -679,7 +679,7 @@ PlanItem workspace_item(const Inputs& in, const PlanOptions& o) {
     const CpuBackendOptions backend =
         cpu_backend_options_for(in.config, in.weights, in.draft, *o.activation_dtype, in.device.cpu_threads,
                                 in.device.cpu_kernels, in.device.cpu_lm_head);
-    const int threads = backend.threads > 0 ? backend.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+    const int threads = cpu_threads_or_all(backend.threads);
     item.bytes = align_up(cpu_backend_scratch_bytes(backend), kPlanAlignment);
     item.why = format("CPU backend scratch for %d thread%s%s: attention rows (head_dim %lld) and 16 dequantized weight "
                       "rows of K=%lld fp32 each%s%s%s",

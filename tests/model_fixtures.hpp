@@ -24,6 +24,15 @@ inline std::string dir(const std::string& name) {
   return std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/models/" + name;
 }
 
+// The dense fixtures' directories and the W4A16 one's (tests/fixtures/quant/tiny-w4a16): the engine tests that
+// run every kind of Linear against transformers.
+inline std::vector<std::string> dense_and_w4a16_dirs() {
+  std::vector<std::string> dirs;
+  for (const std::string& name : names()) dirs.push_back(dir(name));
+  dirs.push_back(std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant/tiny-w4a16");
+  return dirs;
+}
+
 inline std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot read " + path);

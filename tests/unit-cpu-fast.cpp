@@ -369,10 +369,7 @@ TEST_CASE("16-bit activations run the reference under fast kernels, bit for bit"
 TEST_CASE("engines with --cpu-kernels fast reproduce transformers' logits and greedy tokens (fixtures, W4A16)") {
   // the three tiny dense fixtures (BF16, F32, F16 weights) and the W4A16 one (groups of 32 and 16, channel
   // scales, zero points, and act-order o_proj, which runs the reference)
-  std::vector<std::string> dirs;
-  for (const std::string& name : model_fixtures::names()) dirs.push_back(model_fixtures::dir(name));
-  dirs.push_back(std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant/tiny-w4a16");
-  for (const std::string& dir : dirs) {
+  for (const std::string& dir : model_fixtures::dense_and_w4a16_dirs()) {
     CAPTURE(dir);
     EngineOptions options;
     options.backend = BackendChoice::cpu;

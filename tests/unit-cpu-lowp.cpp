@@ -376,10 +376,7 @@ TEST_CASE("fast-lowp: weights its kernels do not take run fast's kernels, bit fo
 TEST_CASE("engines with --cpu-kernels fast-lowp stay within the activation rounding of transformers' logits") {
   // the tiny dense fixtures (BF16 weights take bf16 activations; F32 / F16 ones run fast's kernels) and the
   // W4A16 one (its K of 64 is no whole 128s: fast's kernels)
-  std::vector<std::string> dirs;
-  for (const std::string& name : model_fixtures::names()) dirs.push_back(model_fixtures::dir(name));
-  dirs.push_back(std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant/tiny-w4a16");
-  for (const std::string& dir : dirs) {
+  for (const std::string& dir : model_fixtures::dense_and_w4a16_dirs()) {
     CAPTURE(dir);
     EngineOptions options;
     options.backend = BackendChoice::cpu;
@@ -433,10 +430,7 @@ TEST_CASE("engines with --cpu-lm-head int8 stay within the copy's rounding of tr
   // copy's K is whole 128-column chunks fast-lowp's int8 activations add their own rounding, which the layer
   // test above bounds by 1% rms (so + 3%); the fixtures' K of 64 runs fast's kernels, and that test covers the copy
   // at K = 1024.
-  std::vector<std::string> dirs;
-  for (const std::string& name : model_fixtures::names()) dirs.push_back(model_fixtures::dir(name));
-  dirs.push_back(std::string(KVLITE_SOURCE_DIR) + "/tests/fixtures/quant/tiny-w4a16");
-  for (const std::string& dir : dirs) {
+  for (const std::string& dir : model_fixtures::dense_and_w4a16_dirs()) {
     CAPTURE(dir);
     Result<TensorStore> store = TensorStore::open_dir(dir);
     REQUIRE_MESSAGE(store, store.error().message);
@@ -478,9 +472,8 @@ TEST_CASE("engines with --cpu-lm-head int8 stay within the copy's rounding of tr
       REQUIRE_MESSAGE(stored_engine, stored_engine.error().message);
       // the plan's repack row holds the copy; a decode step reads it instead of the stored table
       auto repack = [](const Plan& p) {
-        for (const PlanItem& item : p.items)
-          if (item.key == "repack") return item.bytes;
-        return uint64_t(0);
+        const PlanItem* item = p.item("repack");
+        return item ? item->bytes : uint64_t(0);
       };
       CHECK(repack((*engine)->plan()) >= repack((*stored_engine)->plan()) + int8_copy_bytes(vocab, hidden));
       CHECK((*engine)->info().decode_weight_bytes + table->nbytes ==
