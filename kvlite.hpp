@@ -2562,6 +2562,9 @@ struct Plan {
   // whether it fits without the draft model.
   int64_t speculative_tokens_that_fit = 0;
   bool fits_without_draft = false;
+  // The candidate layouts planning assembled to give these answers, this plan's own included: the searches
+  // are halvings and binary searches, so a few dozen at most (tests/unit-plan.cpp bounds it).
+  int64_t layouts_assembled = 0;
   // Vision models: what the image budget means and costs (zeros for text models). An image over
   // max_image_pixels is scaled down to fit (smart_resize with that maximum, as the processor does), which
   // keeps h x w <= max: no image becomes more tokens than this. (Except where smart_resize rounds a side UP,
@@ -3679,6 +3682,9 @@ struct CpuBackendOptions {
   // The Linear kernels (last, so that existing aggregate initializers keep their meaning).
   CpuKernels kernels = CpuKernels::fast;
   CpuIsa isa = CpuIsa::automatic;  // for kernels fast and fast_lowp
+  // fast_lowp's BF16 kernel (AVX-512 BF16): how many weight rows a one-token GEMV reads side by side, 1 or 8
+  // (each row's sum is the same either way, bit for bit); 0: the CPU's faster one (8 on Intel, 1 elsewhere).
+  int bf16_stream_rows = 0;
 };
 // The host memory make_cpu_backend(options) allocates as scratch, all of it at start: per worker thread one
 // attention row set ((2 + 8) x max_head_dim floats, whole 64-byte lines) and 16 dequantized weight rows of
@@ -18352,6 +18358,7 @@ void write_advice(const Inputs& in, Plan& plan) {
     PlanOptions trial = o;
     trial.host_embeddings = true;
     const Plan with = assemble(in, trial);
+    plan.layouts_assembled++;
     const std::string verdict =
         with.fits ? "that alone makes it fit"
                   : format("not enough alone: still short by %s", format_bytes(uint64_t(with.shortfall_bytes)).c_str());
@@ -18573,6 +18580,12 @@ namespace planning {
 
 Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t tensor_count, const DeviceSpec& device_in,
           const PlanOptions& requested, const PlanInputs* draft) {
+  // Every candidate layout the what-fits answers assemble (Plan::layouts_assembled): the searches' cost.
+  int64_t assembled = 0;
+  auto assemble_counted = [&assembled](const Inputs& inputs, const PlanOptions& options) {
+    assembled++;
+    return assemble(inputs, options);
+  };
   check_config(config);
   check_options(config, device_in, requested, draft);
   DeviceSpec device = device_in;
@@ -18619,7 +18632,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     int64_t start = std::min(limits.max_position, kDefaultMaxModelLen);
     int64_t length = start;
     o = with_max_model_len(o, requested, length);
-    while (!assemble(in, o).fits && length > kMinDefaultMaxModelLen) {
+    while (!assemble_counted(in, o).fits && length > kMinDefaultMaxModelLen) {
       length = std::max(length / 2, kMinDefaultMaxModelLen);
       o = with_max_model_len(o, requested, length);
     }
@@ -18627,10 +18640,10 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
                ? format("default: model max %lld capped at %lld", (long long)limits.max_position, (long long)start)
                : format("default: model max %lld", (long long)start);
     if (length != start) rule += format(", halved to %lld to fit", (long long)length);
-    if (!assemble(in, o).fits) rule += length != start ? " (and still does not)" : " (does not fit)";
+    if (!assemble_counted(in, o).fits) rule += length != start ? " (and still does not)" : " (does not fit)";
   }
 
-  Plan plan = assemble(in, o);
+  Plan plan = assemble_counted(in, o);
   plan.max_model_len_rule = rule;
   const BlockTraits& block = in.config.text.block;
   if (block.has_sliding_layers() && in.config.text.num_layers > 0 && plan.max_model_len > 0) {
@@ -18696,7 +18709,8 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
   } else {
     PlanOptions fp8 = o;
     fp8.kv_dtype = KVDType::fp8;
-    plan.max_model_len_that_fits_fp8_kv = std::min<int64_t>(tokens_that_fit(assemble(in, fp8)), limits.max_position);
+    plan.max_model_len_that_fits_fp8_kv =
+        std::min<int64_t>(tokens_that_fit(assemble_counted(in, fp8)), limits.max_position);
   }
   if (config.vision.present) {
     // The largest image budget (whole merge windows) at which max_model_len fits: binary search, since the
@@ -18707,7 +18721,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     auto fits_with = [&](uint64_t windows) {
       PlanOptions trial = o;
       trial.max_image_pixels = int64_t(windows * window);
-      return assemble(in, trial).fits;
+      return assemble_counted(in, trial).fits;
     };
     if (lo <= hi && fits_with(lo)) {
       while (lo < hi) {  // invariant: fits_with(lo)
@@ -18723,7 +18737,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     auto fits_with_k = [&](int64_t k) {
       PlanOptions trial = o;
       trial.speculative_tokens = k;
-      return assemble(in, trial).fits;
+      return assemble_counted(in, trial).fits;
     };
     int64_t lo = 0, hi = o.speculative_tokens - 1;  // invariant: K = lo fits or lo == 0
     while (lo < hi) {
@@ -18735,8 +18749,9 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     alone.draft = nullptr;
     PlanOptions without = o;
     without.speculative_tokens = 0;
-    plan.fits_without_draft = assemble(alone, without).fits;
+    plan.fits_without_draft = assemble_counted(alone, without).fits;
   }
+  plan.layouts_assembled = assembled;
   write_advice(in, plan);
   return plan;
 }
@@ -22132,6 +22147,7 @@ Status Backend::attention(const Tensor& q, const KVCacheView& cache, int64_t lay
 // items' results never depend on each other), so results are identical for any thread count.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <mutex>
@@ -22145,8 +22161,18 @@ namespace detail {
 // caller is worker 0 and works too. Items are handed out one at a time (an atomic counter), which balances
 // load without affecting results. No allocation per run: the body is passed as a pointer to the caller's
 // callable. Bodies must not throw (ops validate everything before they run).
+//
+// Waiting spins first, then sleeps. A decode step is a few hundred runs a few microseconds apart; sleeping on a
+// condition variable between them costs a futex wake and a reschedule each (tens of microseconds in a VM, where a
+// wake-up IPI is a VM exit), which measured ~10% of a 2-thread decode step. So a worker that finishes a run spins
+// on the generation counter for up to kSpin before it sleeps, and the caller spins on the busy count likewise:
+// back-to-back runs never touch the kernel, and an idle pool still sleeps (a library must not burn a core
+// between calls). The spin is bounded in time, not iterations, so an oversubscribed machine loses at most kSpin
+// a run to it.
 class ThreadPool {
  public:
+  static constexpr std::chrono::microseconds kSpin{200};
+
   explicit ThreadPool(int threads) {
     workers_.reserve(size_t(std::max(threads - 1, 0)));
     try {
@@ -22170,25 +22196,47 @@ class ThreadPool {
       return;
     }
     {
+      // Under the mutex, so a worker that checks the generation under it before sleeping cannot miss the bump;
+      // the release store publishes the run's fields to the workers still spinning (their acquire load).
       std::lock_guard<std::mutex> lock(mutex_);
       call_ = [](void* callable, int64_t item, int worker) { (*static_cast<Body*>(callable))(item, worker); };
       body_ = &body;
       items_ = items;
-      next_.store(0);
-      busy_ = int(workers_.size());
-      generation_++;
+      next_.store(0, std::memory_order_relaxed);
+      busy_.store(int(workers_.size()), std::memory_order_relaxed);
+      generation_.store(generation_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
     }
-    start_.notify_all();
+    start_.notify_all();  // no system call when every worker is spinning (nobody waits on the variable)
     work(0);
+    if (spin_until([&] { return busy_.load(std::memory_order_acquire) == 0; })) return;
     std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return busy_ == 0; });
+    done_.wait(lock, [&] { return busy_.load(std::memory_order_acquire) == 0; });
   }
 
  private:
+  // Spins until done() or kSpin has passed; whether done() became true.
+  template <class Done>
+  static bool spin_until(Done done) {
+    const auto deadline = std::chrono::steady_clock::now() + kSpin;
+    for (;;) {
+      for (int i = 0; i < 64; i++) {
+        if (done()) return true;
+        cpu_relax();
+      }
+      if (std::chrono::steady_clock::now() >= deadline) return done();
+    }
+  }
+  static void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
   void stop_and_join() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
+      stop_.store(true, std::memory_order_release);
     }
     start_.notify_all();
     for (auto& thread : workers_) thread.join();
@@ -22199,24 +22247,30 @@ class ThreadPool {
   void worker_loop(int worker) {
     uint64_t seen = 0;
     for (;;) {
-      {
+      auto started = [&] {
+        return stop_.load(std::memory_order_acquire) || generation_.load(std::memory_order_acquire) != seen;
+      };
+      if (!spin_until(started)) {
         std::unique_lock<std::mutex> lock(mutex_);
-        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+        start_.wait(lock, started);
       }
+      if (stop_.load(std::memory_order_acquire)) return;
+      seen = generation_.load(std::memory_order_acquire);
       work(worker);
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (--busy_ == 0) done_.notify_one();
+      if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        // The last one out: the caller may be asleep already (it checks busy_ under the mutex before it sleeps).
+        std::lock_guard<std::mutex> lock(mutex_);
+        done_.notify_one();
+      }
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable start_, done_;
-  uint64_t generation_ = 0;  // bumped once per run; workers wake on a change
-  bool stop_ = false;
-  int busy_ = 0;             // workers that have not finished the current run
+  std::atomic<uint64_t> generation_{0};  // bumped once per run; workers start on a change
+  std::atomic<bool> stop_{false};
+  std::atomic<int> busy_{0};             // workers that have not finished the current run
   void (*call_)(void*, int64_t, int) = nullptr;
   void* body_ = nullptr;
   int64_t items_ = 0;
@@ -23549,6 +23603,22 @@ inline bool cpu_has_bf16_dot() {
 #endif
 }
 
+// How many BF16 rows a one-token GEMV streams side by side (bf16_dot_linear_rows). A decode step's GEMV is a read
+// of the weight from memory; how fast one core reads it depends on how many misses the prefetchers keep in
+// flight. Intel's (measured on a Sapphire Rapids guest) read ~10% more with 8 rows' streams interleaved than with
+// one; Zen 4's read twice as fast with one row as with four interleaved (bench/RESULTS.md, fifteenth and
+// twenty-first sessions). Resolved once, when the backend starts.
+constexpr int kBf16StreamRowsInterleaved = 8;
+inline bool cpu_is_intel() {
+#if KVLITE_CPU_X86_SIMD
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel");
+#else
+  return false;
+#endif
+}
+inline int bf16_stream_rows_for_cpu() { return cpu_is_intel() ? kBf16StreamRowsInterleaved : 1; }
+
 // Which weights the integer kernels take: the checkpoint's layout, groups in order that are whole chunks.
 inline bool int4_covered(const QuantWeight& w) {
   return w.format == WeightFormat::int4 && w.layout == QuantLayout::checkpoint && w.packed && w.scales &&
@@ -24138,13 +24208,23 @@ struct Bf16DotTile {
 
 // BF16 weights on bf16 activations (x: [tokens] rows rounded to bf16, stride x_stride): rows [n0, n1) (+ bias).
 // Only where cpu_has_bf16_dot(); elsewhere the backend multiplies the rounded values with the fast kernels.
+// stream_rows (1 or kBf16StreamRowsInterleaved): rows a single token's GEMV reads side by side; each row's sum
+// is the same sequence of vdpbf16ps whatever it is, so it changes no bit.
 inline void bf16_dot_linear_rows(const uint16_t* x, int64_t x_stride, int64_t tokens, const Tensor& weight,
-                                 const Tensor& bias, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+                                 const Tensor& bias, float* out, int64_t out_stride, int64_t n0, int64_t n1,
+                                 int stream_rows) {
 #if KVLITE_CPU_X86_SIMD
   Bf16DotTile tile{x, x_stride, weight, out, out_stride};
-  cpu_fast::for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
+  if (tokens == 1 && stream_rows == kBf16StreamRowsInterleaved) {
+    int64_t n = n0;
+    for (; n + kBf16StreamRowsInterleaved <= n1; n += kBf16StreamRowsInterleaved)
+      tile.template run<1, kBf16StreamRowsInterleaved>(0, n);
+    for (; n < n1; n++) tile.template run<1, 1>(0, n);
+  } else {
+    cpu_fast::for_each_tile_by_tokens<4>(tokens, n0, n1, tile);
+  }
 #else
-  (void)x, (void)x_stride, (void)tokens, (void)weight, (void)out, (void)out_stride;
+  (void)x, (void)x_stride, (void)tokens, (void)weight, (void)out, (void)out_stride, (void)stream_rows;
   fail(ErrorCode::internal, "bf16_dot_linear_rows: no AVX-512 BF16 on this build");
 #endif
   if (bias.data != nullptr)
@@ -24153,6 +24233,199 @@ inline void bf16_dot_linear_rows(const uint16_t* x, int64_t x_stride, int64_t to
 }
 
 }  // namespace cpu_lowp
+}  // namespace detail
+}  // namespace kvlite
+// cpu_attention: the fast kernels' paged attention (CpuKernels fast and fast_lowp), beside the reference loop in
+// backend_cpu.inl (impl_attention), which stays the truth it is tested against (tests/unit-cpu-fast.cpp).
+//
+// What is different from the reference. The reference takes one cached token at a time: it widens its key and
+// value, and for each query head of the group takes a dot product, rescales the running sum when the maximum
+// grows and adds p v, in scalar loops. Here the keys come in blocks of up to kAttentionKeyBlock tokens of one
+// page (a page's tokens for one KV head are rows kv_heads x head_dim apart, read in place, any of the float
+// KV dtypes): the block's scores for every head of the pass are one small dense GEMM (cpu_fast::dense_tile, the
+// Linear kernels: keys as the weight's rows), the online softmax rescales once a block, and p V is a SIMD
+// accumulation over the block's value rows. Every output still comes from one thread in a fixed order (the
+// blocks start at the same cache positions whatever the batch), so results do not depend on the thread count,
+// and a token's output is the same in a prefill chunk as in a decode step; they differ from the reference by
+// float rounding only. fp8 KV and 16-bit activations keep the reference.
+namespace kvlite {
+namespace detail {
+namespace cpu_fast {
+
+constexpr int64_t kAttentionKeyBlock = 32;  // keys scored at once (the scores: heads per pass x this, on the stack)
+constexpr int64_t kAttentionMaxHeads = 8;   // query heads an item takes at most (the backend's heads per pass)
+
+// ---- p V: acc[0, d) += sum over j in [0, n) of p[j] v[j vs + (0, d)], each lane summed over j in order -----
+template <class W>
+void accumulate_rows_portable(const float* p, const W* v, int64_t vs, int64_t n, int64_t d, float* acc) {
+  for (int64_t j = 0; j < n; j++)
+    for (int64_t i = 0; i < d; i++) acc[i] += p[j] * to_float(v[j * vs + i]);
+}
+#if KVLITE_CPU_X86_SIMD
+template <class W>
+KVLITE_TARGET_AVX2 void accumulate_rows_avx2(const float* p, const W* v, int64_t vs, int64_t n, int64_t d, float* acc) {
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) {  // four independent chains hide the FMA's latency
+    __m256 a0 = _mm256_loadu_ps(acc + i), a1 = _mm256_loadu_ps(acc + i + 8), a2 = _mm256_loadu_ps(acc + i + 16),
+           a3 = _mm256_loadu_ps(acc + i + 24);
+    for (int64_t j = 0; j < n; j++) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const W* row = v + j * vs + i;
+      a0 = _mm256_fmadd_ps(pj, load8(row), a0);
+      a1 = _mm256_fmadd_ps(pj, load8(row + 8), a1);
+      a2 = _mm256_fmadd_ps(pj, load8(row + 16), a2);
+      a3 = _mm256_fmadd_ps(pj, load8(row + 24), a3);
+    }
+    _mm256_storeu_ps(acc + i, a0);
+    _mm256_storeu_ps(acc + i + 8, a1);
+    _mm256_storeu_ps(acc + i + 16, a2);
+    _mm256_storeu_ps(acc + i + 24, a3);
+  }
+  for (; i + 8 <= d; i += 8) {
+    __m256 a = _mm256_loadu_ps(acc + i);
+    for (int64_t j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v + j * vs + i), a);
+    _mm256_storeu_ps(acc + i, a);
+  }
+  for (; i < d; i++)  // the tail, in the same order over j
+    for (int64_t j = 0; j < n; j++) acc[i] = std::fma(p[j], to_float(v[j * vs + i]), acc[i]);
+}
+template <class W>
+KVLITE_TARGET_AVX512 void accumulate_rows_avx512(const float* p, const W* v, int64_t vs, int64_t n, int64_t d,
+                                                 float* acc) {
+  int64_t i = 0;
+  for (; i + 64 <= d; i += 64) {
+    __m512 a0 = _mm512_loadu_ps(acc + i), a1 = _mm512_loadu_ps(acc + i + 16), a2 = _mm512_loadu_ps(acc + i + 32),
+           a3 = _mm512_loadu_ps(acc + i + 48);
+    for (int64_t j = 0; j < n; j++) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      const W* row = v + j * vs + i;
+      a0 = _mm512_fmadd_ps(pj, load16(row, kAll16), a0);
+      a1 = _mm512_fmadd_ps(pj, load16(row + 16, kAll16), a1);
+      a2 = _mm512_fmadd_ps(pj, load16(row + 32, kAll16), a2);
+      a3 = _mm512_fmadd_ps(pj, load16(row + 48, kAll16), a3);
+    }
+    _mm512_storeu_ps(acc + i, a0);
+    _mm512_storeu_ps(acc + i + 16, a1);
+    _mm512_storeu_ps(acc + i + 32, a2);
+    _mm512_storeu_ps(acc + i + 48, a3);
+  }
+  for (; i < d; i += 16) {  // masked: reads and writes nothing past d
+    const __mmask16 m = lane_mask16(d - i);
+    __m512 a = _mm512_maskz_loadu_ps(m, acc + i);
+    for (int64_t j = 0; j < n; j++) a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load16(v + j * vs + i, m), a);
+    _mm512_mask_storeu_ps(acc + i, m, a);
+  }
+}
+#endif
+#if KVLITE_CPU_NEON
+template <class W>
+void accumulate_rows_neon(const float* p, const W* v, int64_t vs, int64_t n, int64_t d, float* acc) {
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    F32x8 a0 = load8_neon(acc + i), a1 = load8_neon(acc + i + 8);
+    for (int64_t j = 0; j < n; j++) {
+      const F32x8 pj = {vdupq_n_f32(p[j]), vdupq_n_f32(p[j])};
+      a0 = fma8_neon(a0, pj, load8_neon(v + j * vs + i));
+      a1 = fma8_neon(a1, pj, load8_neon(v + j * vs + i + 8));
+    }
+    vst1q_f32(acc + i, a0.lo), vst1q_f32(acc + i + 4, a0.hi), vst1q_f32(acc + i + 8, a1.lo), vst1q_f32(acc + i + 12, a1.hi);
+  }
+  for (; i + 8 <= d; i += 8) {
+    F32x8 a = load8_neon(acc + i);
+    for (int64_t j = 0; j < n; j++) a = fma8_neon(a, {vdupq_n_f32(p[j]), vdupq_n_f32(p[j])}, load8_neon(v + j * vs + i));
+    vst1q_f32(acc + i, a.lo), vst1q_f32(acc + i + 4, a.hi);
+  }
+  for (; i < d; i++)
+    for (int64_t j = 0; j < n; j++) acc[i] = std::fma(p[j], to_float(v[j * vs + i]), acc[i]);
+}
+#endif
+template <class W>
+void accumulate_rows(CpuIsa isa, const float* p, const W* v, int64_t vs, int64_t n, int64_t d, float* acc) {
+#if KVLITE_CPU_X86_SIMD
+  if (isa == CpuIsa::avx512) return accumulate_rows_avx512(p, v, vs, n, d, acc);
+  if (isa == CpuIsa::avx2) return accumulate_rows_avx2(p, v, vs, n, d, acc);
+#endif
+#if KVLITE_CPU_NEON
+  if (isa == CpuIsa::neon) return accumulate_rows_neon(p, v, vs, n, d, acc);
+#endif
+  (void)isa;
+  accumulate_rows_portable(p, v, vs, n, d, acc);
+}
+
+// scores[h * kAttentionKeyBlock + j] = q head h . key row j, for `heads` heads (rows head_dim apart) x n keys
+// (rows ks apart): the Linear tiles, heads as tokens and keys as the weight's rows.
+template <class W>
+struct ScoreTile {
+  CpuIsa isa;
+  const float* q;
+  const W* keys;
+  int64_t key_stride, head_dim;
+  float* scores;
+  template <int TT, int R>
+  void run(int64_t h, int64_t j) {
+    dense_tile<TT, R>(isa, q + h * head_dim, head_dim, keys + j * key_stride, key_stride, head_dim,
+                      scores + h * kAttentionKeyBlock + j, kAttentionKeyBlock);
+  }
+};
+
+// What one (query token, KV head) item attends over: cache positions [first, last] of one sequence's pages.
+struct AttentionSpan {
+  const int32_t* pages;  // the sequence's block table row
+  int64_t first, last;
+};
+
+// One item: `heads` query heads (at most kAttentionMaxHeads) from q on, head_dim floats each, consecutive, which
+// all read KV head kv_head, over span; out: the same heads' outputs; acc: heads x acc_stride floats of scratch.
+// Per block of keys: s = (q k^T) scale (softcapped: tanh(s / cap) cap); the running maximum m and sum l
+// rescaled by exp(m_old - m_new) when the block raises m; l += sum exp(s - m); acc += exp(s - m) v.
+template <class E>
+void attention_item(CpuIsa isa, const float* q, int64_t heads, const E* cache, const KVPageLayout& layout,
+                    int64_t layer, int64_t kv_head, const AttentionSpan& span, float scale, float cap, float* acc,
+                    int64_t acc_stride, float* out) {
+  const int64_t head_dim = layout.head_dim, key_stride = layout.kv_heads * head_dim;
+  float running_max[kAttentionMaxHeads], running_sum[kAttentionMaxHeads];
+  float scores[kAttentionMaxHeads * kAttentionKeyBlock], p[kAttentionKeyBlock];
+  for (int64_t h = 0; h < heads; h++) {
+    running_max[h] = -INFINITY;
+    running_sum[h] = 0.0f;
+    std::fill(acc + h * acc_stride, acc + h * acc_stride + head_dim, 0.0f);
+  }
+  for (int64_t c = span.first; c <= span.last;) {
+    const int64_t page = span.pages[c / layout.page_tokens], offset = c % layout.page_tokens;
+    const int64_t n = std::min({kAttentionKeyBlock, layout.page_tokens - offset, span.last - c + 1});
+    const E* keys = cache + layout.offset(page, layer, 0, offset, kv_head);
+    const E* values = cache + layout.offset(page, layer, 1, offset, kv_head);
+    ScoreTile<E> tile{isa, q, keys, key_stride, head_dim, scores};
+    if (isa == CpuIsa::neon) for_each_tile_by_tokens<2>(heads, 0, n, tile);
+    else for_each_tile_by_tokens<4>(heads, 0, n, tile);
+    for (int64_t h = 0; h < heads; h++) {
+      float* s = scores + h * kAttentionKeyBlock;
+      float block_max = -INFINITY;
+      for (int64_t j = 0; j < n; j++) {
+        s[j] *= scale;
+        if (cap > 0.0f) s[j] = std::tanh(s[j] / cap) * cap;
+        block_max = std::max(block_max, s[j]);
+      }
+      float* a = acc + h * acc_stride;
+      if (block_max > running_max[h]) {
+        const float correction = std::exp(running_max[h] - block_max);  // exp(-inf) = 0 at the start
+        running_sum[h] *= correction;
+        for (int64_t d = 0; d < head_dim; d++) a[d] *= correction;
+        running_max[h] = block_max;
+      }
+      for (int64_t j = 0; j < n; j++) {
+        p[j] = std::exp(s[j] - running_max[h]);
+        running_sum[h] += p[j];
+      }
+      accumulate_rows(isa, p, values, key_stride, n, head_dim, a);
+    }
+    c += n;
+  }
+  for (int64_t h = 0; h < heads; h++)  // a query sees at least its own token, so running_sum >= 1
+    for (int64_t d = 0; d < head_dim; d++) out[h * head_dim + d] = acc[h * acc_stride + d] / running_sum[h];
+}
+
+}  // namespace cpu_fast
 }  // namespace detail
 }  // namespace kvlite
 namespace kvlite {
@@ -24196,6 +24469,7 @@ class CpuBackend final : public Backend {
                                                             : options.isa),
         lowp_(options.kernels == CpuKernels::fast_lowp),
         bf16_dot_(lowp_ && fast_isa_ == CpuIsa::avx512 && cpu_lowp::cpu_has_bf16_dot()),
+        bf16_stream_rows_(options.bf16_stream_rows != 0 ? options.bf16_stream_rows : cpu_lowp::bf16_stream_rows_for_cpu()),
         int_kernels_(lowp_ ? cpu_lowp::int_kernels_for(fast_isa_) : cpu_lowp::IntKernels::portable),
         max_head_dim_(options.max_head_dim),
         scratch_per_thread_(cpu_scratch_sizes(options).attention_per_thread),
@@ -24221,9 +24495,14 @@ class CpuBackend final : public Backend {
                                            int_kernels_ == cpu_lowp::IntKernels::vnni       ? " vnni"
                                            : int_kernels_ == cpu_lowp::IntKernels::neon_dot ? " dotprod"
                                                                                             : "",
-                                           bf16_dot_ ? " bf16" : "")
+                                           bf16_kernels_name().c_str())
                                   : format(", fast %s kernels", cpu_isa_name(fast_isa_));
     return format("cpu (%d thread%s%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s", kernels.c_str());
+  }
+  // " bf16", and " bf16 (8-row streams)" where one-token GEMVs interleave rows
+  std::string bf16_kernels_name() const {
+    if (!bf16_dot_) return "";
+    return bf16_stream_rows_ > 1 ? " bf16 (8-row streams)" : " bf16";
   }
   DType activation_dtype() const override { return act_; }
   bool supports(Op op, DType dtype) const override {
@@ -24389,7 +24668,7 @@ class CpuBackend final : public Backend {
         const int64_t n0 = b * cpu_fast::kRowBlock, n1 = std::min<int64_t>(n0 + cpu_fast::kRowBlock, N);
         if (bf16_dot_) {
           cpu_lowp::bf16_dot_linear_rows(reinterpret_cast<const uint16_t*>(lowp_rows_.data()), 2 * stride, tokens,
-                                         weight, bias, o, out.row_stride, n0, n1);
+                                         weight, bias, o, out.row_stride, n0, n1, bf16_stream_rows_);
         } else {
           const Tensor rounded{lowp_rows_.data(), DType::F32, tokens, K, stride};
           const Tensor chunk_out{o, DType::F32, tokens, out.cols, out.row_stride};
@@ -24777,6 +25056,8 @@ class CpuBackend final : public Backend {
     const int32_t* context = ints(batch.context_lens);
     check_attention_batch(q, cache, batch, options.window);
 
+    if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && is_cpu_float(cache.dtype))
+      return fast_attention(q, cache, layer, batch, scale, out, options);
     const float k_scale = layer_scale(cache.k_scales, layer), v_scale = layer_scale(cache.v_scales, layer);
     with_kv_and_activation_types(cache.dtype, [&](auto tag, auto act_tag) {
       using E = decltype(tag);
@@ -24841,6 +25122,39 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // The fast kernels' attention (cpu_attention.inl) for F32 activations and F32 / BF16 / F16 KV: the same items
+  // (query token, KV head) and spans as the reference above, checked by it already.
+  void fast_attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                      float scale, const Tensor& out, const AttentionOptions& options) {
+    const KVPageLayout& layout = cache.layout;
+    const int64_t head_dim = layout.head_dim, kv_heads = layout.kv_heads;
+    const int64_t seqs = batch.context_lens.elements();
+    const int32_t* starts = ints(batch.query_starts);
+    const int32_t* context = ints(batch.context_lens);
+    const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
+    static_assert(kHeadsPerPass <= cpu_fast::kAttentionMaxHeads, "an item's heads fit the scores on its stack");
+    with_float_type(cache.dtype, [&](auto tag) {
+      using E = decltype(tag);
+      auto body = [&](int64_t item, int worker) {
+        const int64_t t = item / kv_heads, kv_head = item % kv_heads;
+        const int64_t s = int64_t(std::upper_bound(starts, starts + seqs + 1, int32_t(t)) - starts) - 1;
+        const int64_t queries = starts[s + 1] - starts[s];
+        const int64_t last = context[s] - queries + (t - starts[s]);
+        const int64_t first = options.window > 0 ? std::max<int64_t>(0, last - options.window + 1) : 0;
+        const cpu_fast::AttentionSpan span{row_of<const int32_t>(batch.block_tables, s), first, last};
+        float* acc = scratch_.data() + worker * scratch_per_thread_ + 2 * max_head_dim_;  // [kHeadsPerPass, max_head_dim]
+        for (int64_t h0 = 0; h0 < group; h0 += kHeadsPerPass) {
+          const int64_t first_head = kv_head * group + h0;
+          cpu_fast::attention_item(fast_isa_, row_of<const float>(q, t) + first_head * head_dim,
+                                   std::min<int64_t>(kHeadsPerPass, group - h0), static_cast<const E*>(cache.pages),
+                                   layout, layer, kv_head, span, scale, options.logit_softcap, acc, max_head_dim_,
+                                   row_of<float>(out, t) + first_head * head_dim);
+        }
+      };
+      pool_.run(q.rows * kv_heads, body);
+    });
+  }
+
   // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))); GeluType::None:
   // x * 0.5 (1 + erf(x / sqrt 2)).
   static float gelu_of(float v, GeluApprox approx) {
@@ -24944,6 +25258,7 @@ class CpuBackend final : public Backend {
   CpuIsa fast_isa_;  // the fast kernels' instruction set; automatic: the reference kernels (CpuKernels::reference)
   bool lowp_;        // CpuKernels::fast_lowp
   bool bf16_dot_;    // fast_lowp on a CPU with AVX-512 BF16: BF16 Linears through vdpbf16ps
+  int bf16_stream_rows_;  // rows a one-token BF16 GEMV reads side by side (cpu_lowp::bf16_stream_rows_for_cpu)
   cpu_lowp::IntKernels int_kernels_;  // fast_lowp: the int4 / int8 kernels fast_isa_ runs (VNNI checked once)
   int64_t max_head_dim_;
   int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
@@ -25019,6 +25334,11 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& optio
                    detail::format("make_cpu_backend: %s kernels for %s, which this CPU lacks (best here: %s)",
                                   cpu_kernels_name(options.kernels), cpu_isa_name(options.isa),
                                   cpu_isa_name(best_cpu_isa())));
+    if (options.bf16_stream_rows != 0 && options.bf16_stream_rows != 1 &&
+        options.bf16_stream_rows != detail::cpu_lowp::kBf16StreamRowsInterleaved)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cpu_backend: bf16_stream_rows %d; it is 0 (the CPU's choice), 1 or %d",
+                                  options.bf16_stream_rows, detail::cpu_lowp::kBf16StreamRowsInterleaved));
     if (!detail::is_cpu_float(options.activation_dtype))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("make_cpu_backend: activation dtype %s; the CPU stores activations as F32 (the "

@@ -5,7 +5,7 @@
 // measured copy bandwidth (the memory roofline of a GEMV, which reads every weight byte once).
 //
 //   build/bench-cpu_gemv [--repeats N] [--tokens T] [--threads-max N] [--kernels fast|fast-lowp]
-//                        [--formats bf16,w4,w8] [--shape NAME]
+//                        [--formats bf16,w4,w8] [--shape NAME] [--bf16-stream-rows 0|1|8]
 //
 // Shapes are Qwen3-0.6B's (out x in): gate/up 3072 x 1024, down 1024 x 3072, o_proj 1024 x 2048, lm_head
 // 151936 x 1024 (--shape: only those whose name contains NAME); formats BF16, W4A16 (int4 pack-quantized, BF16
@@ -17,6 +17,9 @@
 //
 // Copy bandwidth: memcpy of a 512 MiB buffer into another, bytes read + written per second, 1 and 2 threads
 // (each copies half), median of 7.
+//
+// --bf16-stream-rows: fast-lowp's BF16 kernel on AVX-512 BF16, rows a one-token GEMV reads side by side
+// (CpuBackendOptions::bf16_stream_rows; 0, the default, is the CPU's choice): to compare 1 and 8 on a new CPU.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -149,6 +152,7 @@ int main(int argc, char** argv) {
   CpuKernels kernels = CpuKernels::fast;
   std::vector<Format> formats = {Format::bf16, Format::w4};
   std::string only_shape;
+  int bf16_stream_rows = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--repeats") repeats = std::max(1, atoi(argv[i + 1]));
@@ -157,6 +161,7 @@ int main(int argc, char** argv) {
     else if (flag == "--kernels" && std::string(argv[i + 1]) == "fast") kernels = CpuKernels::fast;
     else if (flag == "--kernels" && std::string(argv[i + 1]) == "fast-lowp") kernels = CpuKernels::fast_lowp;
     else if (flag == "--shape") only_shape = argv[i + 1];
+    else if (flag == "--bf16-stream-rows") bf16_stream_rows = atoi(argv[i + 1]);
     else if (flag == "--formats") {
       formats.clear();
       const std::string list = std::string(argv[i + 1]) + ",";
@@ -169,7 +174,7 @@ int main(int argc, char** argv) {
       }
     } else {
       fprintf(stderr, "usage: %s [--repeats N] [--tokens T] [--threads-max N] [--kernels fast|fast-lowp] "
-                      "[--formats bf16,w4,w8] [--shape NAME]\n", argv[0]);
+                      "[--formats bf16,w4,w8] [--shape NAME] [--bf16-stream-rows 0|1|8]\n", argv[0]);
       return 2;
     }
   }
@@ -205,7 +210,13 @@ int main(int argc, char** argv) {
         options.max_quant_in_features = shape.k;
         std::unique_ptr<Backend> reference = make_cpu_backend(options).value();
         options.kernels = kernels;
-        std::unique_ptr<Backend> fast = make_cpu_backend(options).value();
+        options.bf16_stream_rows = bf16_stream_rows;
+        Result<std::unique_ptr<Backend>> made = make_cpu_backend(options);
+        if (!made.ok()) {
+          fprintf(stderr, "%s\n", made.error().message.c_str());
+          return 2;
+        }
+        std::unique_ptr<Backend> fast = std::move(made).value();
         // validate: every 7th copy's output against reference, within float rounding of sum |w x| (fast), or 5%
         // of the outputs' rms (fast-lowp: the activations' int8 / bf16 rounding)
         for (size_t c = 0; c < (int4 ? w.views.size() : w.dense.size()); c += 7) {

@@ -747,29 +747,15 @@ BatchTiming run_batch(kvlite::Engine& engine, int64_t batch, int64_t prompt, int
   return timing;
 }
 
-// kvlite bench --profile: where a decode step's time goes, op by op. `batch` requests as the timed runs make
-// them; op timing (Engine::set_op_timing: eager steps, each op waiting for its own work) goes on once every
-// request has its first token (their prefill done) and off when the run ends, so the figures are the decode
-// steps' alone. What the ops do not account for is the engine's own work between them (scheduling, sampling,
-// copies to the host).
-void print_profile(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_t decode) {
-  bool prefilled = false;
-  std::chrono::steady_clock::time_point start;
-  kvlite::EngineStats at_start;
-  run_batch(engine, batch, prompt, decode, uint64_t(batch), [&] {
-    at_start = engine.stats();
-    engine.set_op_timing(true);
-    start = std::chrono::steady_clock::now();
-    prefilled = true;
-  });
-  engine.set_op_timing(false);
-  const double wall = seconds_since(start);
-  const kvlite::EngineStats at_end = engine.stats();
-  const int64_t steps = at_end.steps - at_start.steps;
-  if (!prefilled || steps <= 0) {
-    printf("\nprofile: no decode step to time (--decode-tokens %lld)\n", (long long)decode);
-    return;
-  }
+// kvlite bench --profile: where a prefill's and a decode step's time go, op by op. `batch` requests as the timed
+// runs make them; op timing (Engine::set_op_timing: eager steps, each op waiting for its own work) is on for the
+// whole run. The prefill table covers the steps until every request has its first token (their prompts, in
+// max_batched_tokens chunks), the decode table the steps after. What the ops do not account for is the engine's
+// own work between them (scheduling, sampling, copies to the host).
+void print_op_table(const char* title, const kvlite::EngineStats& before_stats, const kvlite::EngineStats& after_stats,
+                    double wall, int64_t batch) {
+  const int64_t steps = after_stats.steps - before_stats.steps;
+  if (steps <= 0) return;
   const double step_wall = wall / double(steps);
   struct Row {
     std::string op;
@@ -778,8 +764,8 @@ void print_profile(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_
   std::vector<Row> rows;
   double ops_seconds = 0;
   for (int i = 0; i < kvlite::kOpCount; i++) {
-    const kvlite::OpTime& before = at_start.op_times[size_t(i)];
-    const kvlite::OpTime& after = at_end.op_times[size_t(i)];
+    const kvlite::OpTime& before = before_stats.op_times[size_t(i)];
+    const kvlite::OpTime& after = after_stats.op_times[size_t(i)];
     if (after.calls == before.calls) continue;
     rows.push_back({kvlite::op_name(kvlite::Op(i)), double(after.calls - before.calls) / double(steps),
                     (after.seconds - before.seconds) / double(steps)});
@@ -787,9 +773,9 @@ void print_profile(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_
   }
   std::sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.seconds > b.seconds; });
   auto share = [&](double seconds) { return 100.0 * seconds / step_wall; };
-  printf("\nprofile: batch %lld, a decode step (the mean of %lld; eager, each op waiting for its own work, so on a GPU "
+  printf("\nprofile: batch %lld, %s (the mean of %lld; eager, each op waiting for its own work, so on a GPU "
          "each op's launch counts: a step takes %.3f ms this way)\n",
-         (long long)batch, (long long)steps, step_wall * 1e3);
+         (long long)batch, title, (long long)steps, step_wall * 1e3);
   printf("%-20s %10s %12s %10s %8s\n", "op", "calls", "ms", "us/call", "share");
   for (const Row& row : rows)
     printf("%-20s %10.1f %12.4f %10.2f %7.1f%%\n", row.op.c_str(), row.calls, row.seconds * 1e3,
@@ -797,6 +783,33 @@ void print_profile(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_
   printf("%-20s %10s %12.4f %10s %7.1f%%\n", "(all ops)", "", ops_seconds * 1e3, "", share(ops_seconds));
   printf("%-20s %10s %12.4f %10s %7.1f%%\n", "(between the ops)", "", (step_wall - ops_seconds) * 1e3, "",
          share(step_wall - ops_seconds));
+}
+
+void print_profile(kvlite::Engine& engine, int64_t batch, int64_t prompt, int64_t decode) {
+  bool prefilled = false;
+  const kvlite::EngineStats at_start = engine.stats();
+  engine.set_op_timing(true);
+  const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point decode_start;
+  kvlite::EngineStats at_first_tokens;
+  run_batch(engine, batch, prompt, decode, uint64_t(batch), [&] {
+    at_first_tokens = engine.stats();
+    decode_start = std::chrono::steady_clock::now();
+    prefilled = true;
+  });
+  engine.set_op_timing(false);
+  const kvlite::EngineStats at_end = engine.stats();
+  if (!prefilled) {
+    printf("\nprofile: the requests got no first token\n");
+    return;
+  }
+  const double prefill_wall = std::chrono::duration<double>(decode_start - start).count();
+  print_op_table(("a prefill step of its " + std::to_string(prompt) + "-token prompts").c_str(), at_start,
+                 at_first_tokens, prefill_wall, batch);
+  if (at_end.steps <= at_first_tokens.steps)
+    printf("\nprofile: no decode step to time (--decode-tokens %lld)\n", (long long)decode);
+  else
+    print_op_table("a decode step", at_first_tokens, at_end, seconds_since(decode_start), batch);
   fflush(stdout);
 }
 
@@ -1093,7 +1106,7 @@ const std::vector<Command>& commands() {
            {"--batch", "B1,B2,...", "batch sizes to measure; default 1,8"},
            {"--prompt-tokens", "N", "prompt length of every request; default 128"},
            {"--decode-tokens", "N", "tokens each request generates, >= 2; default 64"},
-           {"--profile", "", "then, for the first --batch, where a decode step's time goes, op by op (eager steps, "
+           {"--profile", "", "then, for the first --batch, where a prefill's and a decode step's time go, op by op (eager steps, "
                              "each op waiting for its own work)"},
        }),
        run_bench},

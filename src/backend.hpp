@@ -406,6 +406,9 @@ struct CpuBackendOptions {
   // The Linear kernels (last, so that existing aggregate initializers keep their meaning).
   CpuKernels kernels = CpuKernels::fast;
   CpuIsa isa = CpuIsa::automatic;  // for kernels fast and fast_lowp
+  // fast_lowp's BF16 kernel (AVX-512 BF16): how many weight rows a one-token GEMV reads side by side, 1 or 8
+  // (each row's sum is the same either way, bit for bit); 0: the CPU's faster one (8 on Intel, 1 elsewhere).
+  int bf16_stream_rows = 0;
 };
 // The host memory make_cpu_backend(options) allocates as scratch, all of it at start: per worker thread one
 // attention row set ((2 + 8) x max_head_dim floats, whole 64-byte lines) and 16 dequantized weight rows of

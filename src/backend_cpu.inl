@@ -11,6 +11,7 @@
 // items' results never depend on each other), so results are identical for any thread count.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <mutex>
@@ -24,8 +25,18 @@ namespace detail {
 // caller is worker 0 and works too. Items are handed out one at a time (an atomic counter), which balances
 // load without affecting results. No allocation per run: the body is passed as a pointer to the caller's
 // callable. Bodies must not throw (ops validate everything before they run).
+//
+// Waiting spins first, then sleeps. A decode step is a few hundred runs a few microseconds apart; sleeping on a
+// condition variable between them costs a futex wake and a reschedule each (tens of microseconds in a VM, where a
+// wake-up IPI is a VM exit), which measured ~10% of a 2-thread decode step. So a worker that finishes a run spins
+// on the generation counter for up to kSpin before it sleeps, and the caller spins on the busy count likewise:
+// back-to-back runs never touch the kernel, and an idle pool still sleeps (a library must not burn a core
+// between calls). The spin is bounded in time, not iterations, so an oversubscribed machine loses at most kSpin
+// a run to it.
 class ThreadPool {
  public:
+  static constexpr std::chrono::microseconds kSpin{200};
+
   explicit ThreadPool(int threads) {
     workers_.reserve(size_t(std::max(threads - 1, 0)));
     try {
@@ -49,25 +60,47 @@ class ThreadPool {
       return;
     }
     {
+      // Under the mutex, so a worker that checks the generation under it before sleeping cannot miss the bump;
+      // the release store publishes the run's fields to the workers still spinning (their acquire load).
       std::lock_guard<std::mutex> lock(mutex_);
       call_ = [](void* callable, int64_t item, int worker) { (*static_cast<Body*>(callable))(item, worker); };
       body_ = &body;
       items_ = items;
-      next_.store(0);
-      busy_ = int(workers_.size());
-      generation_++;
+      next_.store(0, std::memory_order_relaxed);
+      busy_.store(int(workers_.size()), std::memory_order_relaxed);
+      generation_.store(generation_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
     }
-    start_.notify_all();
+    start_.notify_all();  // no system call when every worker is spinning (nobody waits on the variable)
     work(0);
+    if (spin_until([&] { return busy_.load(std::memory_order_acquire) == 0; })) return;
     std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return busy_ == 0; });
+    done_.wait(lock, [&] { return busy_.load(std::memory_order_acquire) == 0; });
   }
 
  private:
+  // Spins until done() or kSpin has passed; whether done() became true.
+  template <class Done>
+  static bool spin_until(Done done) {
+    const auto deadline = std::chrono::steady_clock::now() + kSpin;
+    for (;;) {
+      for (int i = 0; i < 64; i++) {
+        if (done()) return true;
+        cpu_relax();
+      }
+      if (std::chrono::steady_clock::now() >= deadline) return done();
+    }
+  }
+  static void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
   void stop_and_join() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
+      stop_.store(true, std::memory_order_release);
     }
     start_.notify_all();
     for (auto& thread : workers_) thread.join();
@@ -78,24 +111,30 @@ class ThreadPool {
   void worker_loop(int worker) {
     uint64_t seen = 0;
     for (;;) {
-      {
+      auto started = [&] {
+        return stop_.load(std::memory_order_acquire) || generation_.load(std::memory_order_acquire) != seen;
+      };
+      if (!spin_until(started)) {
         std::unique_lock<std::mutex> lock(mutex_);
-        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+        start_.wait(lock, started);
       }
+      if (stop_.load(std::memory_order_acquire)) return;
+      seen = generation_.load(std::memory_order_acquire);
       work(worker);
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (--busy_ == 0) done_.notify_one();
+      if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        // The last one out: the caller may be asleep already (it checks busy_ under the mutex before it sleeps).
+        std::lock_guard<std::mutex> lock(mutex_);
+        done_.notify_one();
+      }
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable start_, done_;
-  uint64_t generation_ = 0;  // bumped once per run; workers wake on a change
-  bool stop_ = false;
-  int busy_ = 0;             // workers that have not finished the current run
+  std::atomic<uint64_t> generation_{0};  // bumped once per run; workers start on a change
+  std::atomic<bool> stop_{false};
+  std::atomic<int> busy_{0};             // workers that have not finished the current run
   void (*call_)(void*, int64_t, int) = nullptr;
   void* body_ = nullptr;
   int64_t items_ = 0;
@@ -217,6 +256,7 @@ inline void linear_tile(const A* x, int64_t x_stride, const W* w, int64_t w_stri
 }  // namespace kvlite
 #include "cpu_fast.inl"  // the fast kernels (CpuKernels::fast), built on the element types above
 #include "cpu_lowp.inl"  // and their low-precision-activation kernels (CpuKernels::fast_lowp)
+#include "cpu_attention.inl"  // and their paged attention
 namespace kvlite {
 namespace detail {
 
@@ -258,6 +298,7 @@ class CpuBackend final : public Backend {
                                                             : options.isa),
         lowp_(options.kernels == CpuKernels::fast_lowp),
         bf16_dot_(lowp_ && fast_isa_ == CpuIsa::avx512 && cpu_lowp::cpu_has_bf16_dot()),
+        bf16_stream_rows_(options.bf16_stream_rows != 0 ? options.bf16_stream_rows : cpu_lowp::bf16_stream_rows_for_cpu()),
         int_kernels_(lowp_ ? cpu_lowp::int_kernels_for(fast_isa_) : cpu_lowp::IntKernels::portable),
         max_head_dim_(options.max_head_dim),
         scratch_per_thread_(cpu_scratch_sizes(options).attention_per_thread),
@@ -283,9 +324,14 @@ class CpuBackend final : public Backend {
                                            int_kernels_ == cpu_lowp::IntKernels::vnni       ? " vnni"
                                            : int_kernels_ == cpu_lowp::IntKernels::neon_dot ? " dotprod"
                                                                                             : "",
-                                           bf16_dot_ ? " bf16" : "")
+                                           bf16_kernels_name().c_str())
                                   : format(", fast %s kernels", cpu_isa_name(fast_isa_));
     return format("cpu (%d thread%s%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s", kernels.c_str());
+  }
+  // " bf16", and " bf16 (8-row streams)" where one-token GEMVs interleave rows
+  std::string bf16_kernels_name() const {
+    if (!bf16_dot_) return "";
+    return bf16_stream_rows_ > 1 ? " bf16 (8-row streams)" : " bf16";
   }
   DType activation_dtype() const override { return act_; }
   bool supports(Op op, DType dtype) const override {
@@ -451,7 +497,7 @@ class CpuBackend final : public Backend {
         const int64_t n0 = b * cpu_fast::kRowBlock, n1 = std::min<int64_t>(n0 + cpu_fast::kRowBlock, N);
         if (bf16_dot_) {
           cpu_lowp::bf16_dot_linear_rows(reinterpret_cast<const uint16_t*>(lowp_rows_.data()), 2 * stride, tokens,
-                                         weight, bias, o, out.row_stride, n0, n1);
+                                         weight, bias, o, out.row_stride, n0, n1, bf16_stream_rows_);
         } else {
           const Tensor rounded{lowp_rows_.data(), DType::F32, tokens, K, stride};
           const Tensor chunk_out{o, DType::F32, tokens, out.cols, out.row_stride};
@@ -839,6 +885,8 @@ class CpuBackend final : public Backend {
     const int32_t* context = ints(batch.context_lens);
     check_attention_batch(q, cache, batch, options.window);
 
+    if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && is_cpu_float(cache.dtype))
+      return fast_attention(q, cache, layer, batch, scale, out, options);
     const float k_scale = layer_scale(cache.k_scales, layer), v_scale = layer_scale(cache.v_scales, layer);
     with_kv_and_activation_types(cache.dtype, [&](auto tag, auto act_tag) {
       using E = decltype(tag);
@@ -903,6 +951,39 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // The fast kernels' attention (cpu_attention.inl) for F32 activations and F32 / BF16 / F16 KV: the same items
+  // (query token, KV head) and spans as the reference above, checked by it already.
+  void fast_attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
+                      float scale, const Tensor& out, const AttentionOptions& options) {
+    const KVPageLayout& layout = cache.layout;
+    const int64_t head_dim = layout.head_dim, kv_heads = layout.kv_heads;
+    const int64_t seqs = batch.context_lens.elements();
+    const int32_t* starts = ints(batch.query_starts);
+    const int32_t* context = ints(batch.context_lens);
+    const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
+    static_assert(kHeadsPerPass <= cpu_fast::kAttentionMaxHeads, "an item's heads fit the scores on its stack");
+    with_float_type(cache.dtype, [&](auto tag) {
+      using E = decltype(tag);
+      auto body = [&](int64_t item, int worker) {
+        const int64_t t = item / kv_heads, kv_head = item % kv_heads;
+        const int64_t s = int64_t(std::upper_bound(starts, starts + seqs + 1, int32_t(t)) - starts) - 1;
+        const int64_t queries = starts[s + 1] - starts[s];
+        const int64_t last = context[s] - queries + (t - starts[s]);
+        const int64_t first = options.window > 0 ? std::max<int64_t>(0, last - options.window + 1) : 0;
+        const cpu_fast::AttentionSpan span{row_of<const int32_t>(batch.block_tables, s), first, last};
+        float* acc = scratch_.data() + worker * scratch_per_thread_ + 2 * max_head_dim_;  // [kHeadsPerPass, max_head_dim]
+        for (int64_t h0 = 0; h0 < group; h0 += kHeadsPerPass) {
+          const int64_t first_head = kv_head * group + h0;
+          cpu_fast::attention_item(fast_isa_, row_of<const float>(q, t) + first_head * head_dim,
+                                   std::min<int64_t>(kHeadsPerPass, group - h0), static_cast<const E*>(cache.pages),
+                                   layout, layer, kv_head, span, scale, options.logit_softcap, acc, max_head_dim_,
+                                   row_of<float>(out, t) + first_head * head_dim);
+        }
+      };
+      pool_.run(q.rows * kv_heads, body);
+    });
+  }
+
   // ATen's GeluType::Tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))); GeluType::None:
   // x * 0.5 (1 + erf(x / sqrt 2)).
   static float gelu_of(float v, GeluApprox approx) {
@@ -1006,6 +1087,7 @@ class CpuBackend final : public Backend {
   CpuIsa fast_isa_;  // the fast kernels' instruction set; automatic: the reference kernels (CpuKernels::reference)
   bool lowp_;        // CpuKernels::fast_lowp
   bool bf16_dot_;    // fast_lowp on a CPU with AVX-512 BF16: BF16 Linears through vdpbf16ps
+  int bf16_stream_rows_;  // rows a one-token BF16 GEMV reads side by side (cpu_lowp::bf16_stream_rows_for_cpu)
   cpu_lowp::IntKernels int_kernels_;  // fast_lowp: the int4 / int8 kernels fast_isa_ runs (VNNI checked once)
   int64_t max_head_dim_;
   int64_t scratch_per_thread_;  // floats: key and value rows, then kHeadsPerPass accumulators
@@ -1081,6 +1163,11 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const CpuBackendOptions& optio
                    detail::format("make_cpu_backend: %s kernels for %s, which this CPU lacks (best here: %s)",
                                   cpu_kernels_name(options.kernels), cpu_isa_name(options.isa),
                                   cpu_isa_name(best_cpu_isa())));
+    if (options.bf16_stream_rows != 0 && options.bf16_stream_rows != 1 &&
+        options.bf16_stream_rows != detail::cpu_lowp::kBf16StreamRowsInterleaved)
+      detail::fail(ErrorCode::invalid_argument,
+                   detail::format("make_cpu_backend: bf16_stream_rows %d; it is 0 (the CPU's choice), 1 or %d",
+                                  options.bf16_stream_rows, detail::cpu_lowp::kBf16StreamRowsInterleaved));
     if (!detail::is_cpu_float(options.activation_dtype))
       detail::fail(ErrorCode::invalid_argument,
                    detail::format("make_cpu_backend: activation dtype %s; the CPU stores activations as F32 (the "

@@ -181,6 +181,9 @@ struct Plan {
   // whether it fits without the draft model.
   int64_t speculative_tokens_that_fit = 0;
   bool fits_without_draft = false;
+  // The candidate layouts planning assembled to give these answers, this plan's own included: the searches
+  // are halvings and binary searches, so a few dozen at most (tests/unit-plan.cpp bounds it).
+  int64_t layouts_assembled = 0;
   // Vision models: what the image budget means and costs (zeros for text models). An image over
   // max_image_pixels is scaled down to fit (smart_resize with that maximum, as the processor does), which
   // keeps h x w <= max: no image becomes more tokens than this. (Except where smart_resize rounds a side UP,

@@ -964,6 +964,7 @@ void write_advice(const Inputs& in, Plan& plan) {
     PlanOptions trial = o;
     trial.host_embeddings = true;
     const Plan with = assemble(in, trial);
+    plan.layouts_assembled++;
     const std::string verdict =
         with.fits ? "that alone makes it fit"
                   : format("not enough alone: still short by %s", format_bytes(uint64_t(with.shortfall_bytes)).c_str());
@@ -1185,6 +1186,12 @@ namespace planning {
 
 Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t tensor_count, const DeviceSpec& device_in,
           const PlanOptions& requested, const PlanInputs* draft) {
+  // Every candidate layout the what-fits answers assemble (Plan::layouts_assembled): the searches' cost.
+  int64_t assembled = 0;
+  auto assemble_counted = [&assembled](const Inputs& inputs, const PlanOptions& options) {
+    assembled++;
+    return assemble(inputs, options);
+  };
   check_config(config);
   check_options(config, device_in, requested, draft);
   DeviceSpec device = device_in;
@@ -1231,7 +1238,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     int64_t start = std::min(limits.max_position, kDefaultMaxModelLen);
     int64_t length = start;
     o = with_max_model_len(o, requested, length);
-    while (!assemble(in, o).fits && length > kMinDefaultMaxModelLen) {
+    while (!assemble_counted(in, o).fits && length > kMinDefaultMaxModelLen) {
       length = std::max(length / 2, kMinDefaultMaxModelLen);
       o = with_max_model_len(o, requested, length);
     }
@@ -1239,10 +1246,10 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
                ? format("default: model max %lld capped at %lld", (long long)limits.max_position, (long long)start)
                : format("default: model max %lld", (long long)start);
     if (length != start) rule += format(", halved to %lld to fit", (long long)length);
-    if (!assemble(in, o).fits) rule += length != start ? " (and still does not)" : " (does not fit)";
+    if (!assemble_counted(in, o).fits) rule += length != start ? " (and still does not)" : " (does not fit)";
   }
 
-  Plan plan = assemble(in, o);
+  Plan plan = assemble_counted(in, o);
   plan.max_model_len_rule = rule;
   const BlockTraits& block = in.config.text.block;
   if (block.has_sliding_layers() && in.config.text.num_layers > 0 && plan.max_model_len > 0) {
@@ -1308,7 +1315,8 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
   } else {
     PlanOptions fp8 = o;
     fp8.kv_dtype = KVDType::fp8;
-    plan.max_model_len_that_fits_fp8_kv = std::min<int64_t>(tokens_that_fit(assemble(in, fp8)), limits.max_position);
+    plan.max_model_len_that_fits_fp8_kv =
+        std::min<int64_t>(tokens_that_fit(assemble_counted(in, fp8)), limits.max_position);
   }
   if (config.vision.present) {
     // The largest image budget (whole merge windows) at which max_model_len fits: binary search, since the
@@ -1319,7 +1327,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     auto fits_with = [&](uint64_t windows) {
       PlanOptions trial = o;
       trial.max_image_pixels = int64_t(windows * window);
-      return assemble(in, trial).fits;
+      return assemble_counted(in, trial).fits;
     };
     if (lo <= hi && fits_with(lo)) {
       while (lo < hi) {  // invariant: fits_with(lo)
@@ -1335,7 +1343,7 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     auto fits_with_k = [&](int64_t k) {
       PlanOptions trial = o;
       trial.speculative_tokens = k;
-      return assemble(in, trial).fits;
+      return assemble_counted(in, trial).fits;
     };
     int64_t lo = 0, hi = o.speculative_tokens - 1;  // invariant: K = lo fits or lo == 0
     while (lo < hi) {
@@ -1347,8 +1355,9 @@ Plan make(const ModelConfig& config, const WeightsSummary& weights, uint64_t ten
     alone.draft = nullptr;
     PlanOptions without = o;
     without.speculative_tokens = 0;
-    plan.fits_without_draft = assemble(alone, without).fits;
+    plan.fits_without_draft = assemble_counted(alone, without).fits;
   }
+  plan.layouts_assembled = assembled;
   write_advice(in, plan);
   return plan;
 }

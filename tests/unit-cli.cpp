@@ -497,43 +497,48 @@ std::vector<double> numbers_of(const std::string& line) {
 }
 }  // namespace
 
-TEST_CASE("bench --profile: a decode step's ops, one row each, with the time between them, adding up to the step") {
+TEST_CASE("bench --profile: a prefill's and a decode step's ops, one row each, with the time between them, adding up to the step") {
   Run run = run_kvlite({"bench", model_fixtures::dir("tiny-qwen3"), "--backend", "cpu", "--batch", "2,1",
                         "--prompt-tokens", "12", "--decode-tokens", "6", "--device-mem", "256MiB", "--threads", "2",
                         "--profile"});
   INFO(run.err);
   INFO(run.out);
   REQUIRE(run.status == 0);
-  const size_t start = run.out.find("profile: batch 2, a decode step (the mean of 5;");
-  REQUIRE(start != std::string::npos);
-  std::istringstream table(run.out.substr(start));
-  std::string line;
-  std::getline(table, line);  // the title
-  std::getline(table, line);  // the header
-  CHECK(contains(line, "us/call"));
-  std::map<std::string, std::vector<double>> rows;
-  while (std::getline(table, line) && !line.empty()) {
-    const size_t name_end = line.find("  ");
-    REQUIRE(name_end != std::string::npos);
-    std::string values = line.substr(name_end);
-    values.erase(std::remove(values.begin(), values.end(), '%'), values.end());
-    rows[line.substr(0, name_end)] = numbers_of(values);
-  }
-  // tiny-qwen3 decodes with attention and rope_kv_write once per layer per step (2 layers)
+  // tiny-qwen3 runs attention and rope_kv_write once per layer per step (2 layers), prefill or decode
   const int64_t layers = kvlite::load_config(model_fixtures::dir("tiny-qwen3")).value().text.num_layers;
-  for (const char* op : {"attention", "rope_kv_write"}) {
-    CAPTURE(op);
-    REQUIRE(rows.count(op) == 1);
-    REQUIRE(rows[op].size() == 4);  // calls, ms, us/call, share%
-    CHECK(rows[op][0] == double(layers));
+  // the prefill: both 12-token prompts; the decode: the 5 steps after the first tokens
+  for (const char* title : {"profile: batch 2, a prefill step of its 12-token prompts (the mean of ",
+                            "profile: batch 2, a decode step (the mean of 5;"}) {
+    CAPTURE(title);
+    const size_t start = run.out.find(title);
+    REQUIRE(start != std::string::npos);
+    std::istringstream table(run.out.substr(start));
+    std::string line;
+    std::getline(table, line);  // the title
+    std::getline(table, line);  // the header
+    CHECK(contains(line, "us/call"));
+    std::map<std::string, std::vector<double>> rows;
+    while (std::getline(table, line) && !line.empty()) {
+      const size_t name_end = line.find("  ");
+      REQUIRE(name_end != std::string::npos);
+      std::string values = line.substr(name_end);
+      values.erase(std::remove(values.begin(), values.end(), '%'), values.end());
+      rows[line.substr(0, name_end)] = numbers_of(values);
+    }
+    for (const char* op : {"attention", "rope_kv_write"}) {
+      CAPTURE(op);
+      REQUIRE(rows.count(op) == 1);
+      REQUIRE(rows[op].size() == 4);  // calls, ms, us/call, share%
+      CHECK(rows[op][0] == double(layers));
+    }
+    REQUIRE(rows.count("(all ops)") == 1);
+    REQUIRE(rows.count("(between the ops)") == 1);
+    double ops_share = 0;
+    for (const auto& row : rows)
+      if (row.first[0] != '(') ops_share += row.second.back();
+    CHECK(std::fabs(ops_share - rows["(all ops)"].back()) <= 0.1 * double(rows.size()));  // each share rounded to 0.1
+    CHECK(std::fabs(rows["(all ops)"].back() + rows["(between the ops)"].back() - 100.0) <= 0.2);
   }
-  REQUIRE(rows.count("(all ops)") == 1);
-  REQUIRE(rows.count("(between the ops)") == 1);
-  double ops_share = 0;
-  for (const auto& row : rows)
-    if (row.first[0] != '(') ops_share += row.second.back();
-  CHECK(std::fabs(ops_share - rows["(all ops)"].back()) <= 0.1 * double(rows.size()));  // each share rounded to 0.1
-  CHECK(std::fabs(rows["(all ops)"].back() + rows["(between the ops)"].back() - 100.0) <= 0.2);
 }
 
 TEST_CASE("bench: a vision-language model's random prompts hold no image or video marker") {

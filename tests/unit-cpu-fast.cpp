@@ -10,6 +10,7 @@
 #include "host_floats.hpp"
 #include "quant_weights.hpp"
 #include "model_fixtures.hpp"
+#include "paged_attention.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -354,6 +355,7 @@ TEST_CASE("16-bit activations run the reference under fast kernels, bit for bit"
     CpuBackendOptions options;
     options.threads = 2;
     options.activation_dtype = act;
+    options.kernels = CpuKernels::reference;
     auto reference = make_cpu_backend(options).value();
     options.kernels = CpuKernels::fast;
     auto fast = make_cpu_backend(options).value();
@@ -364,6 +366,102 @@ TEST_CASE("16-bit activations run the reference under fast kernels, bit for bit"
     REQUIRE(fast->linear(x.view(), weight.view(), Tensor{}, got.view()).ok());
     CHECK(want.bytes == got.bytes);
   }
+}
+
+// ---- attention ----------------------------------------------------------------------------------------------
+// The fast kernels' attention (src/cpu_attention.inl): blocks of keys scored by the Linear tiles, one softmax
+// rescale a block, p V in SIMD. Against the naive softmax in double (tests/paged_attention.hpp) within the
+// tolerance the reference loop meets in cpu-ops:, and against that loop itself.
+namespace {
+std::unique_ptr<Backend> attention_cpu(CpuKernels kernels, CpuIsa isa, int threads) {
+  CpuBackendOptions options;
+  options.threads = threads;
+  options.max_head_dim = 128;
+  options.kernels = kernels;
+  options.isa = isa;
+  return make_cpu_backend(options).value();
+}
+}  // namespace
+
+TEST_CASE("fast attention matches the naive softmax: GQA, head dims 8..128, pages, windows, soft caps, KV dtypes, every ISA") {
+  using namespace paged_attention;
+  Random rng(4610);
+  struct Case { int64_t heads, kv_heads, head_dim, page_tokens; DType kv; int64_t window; float cap; };
+  const Case cases[] = {
+      {4, 2, 16, 5, DType::F32, 0, 0},      {6, 3, 40, 16, DType::BF16, 0, 0}, {8, 1, 72, 1, DType::F16, 0, 0},
+      {16, 1, 64, 16, DType::BF16, 0, 0},   // two passes of 8 heads
+      {16, 8, 128, 64, DType::F32, 0, 0},   // Qwen3-0.6B's heads; 64-token pages: two key blocks a page
+      {12, 4, 8, 7, DType::F16, 0, 0},      {2, 2, 128, 16, DType::BF16, 9, 0},  // a sliding window of 9
+      {4, 1, 64, 5, DType::F32, 30, 50.0f}, // window and Gemma 2's soft cap
+      {8, 4, 40, 64, DType::F16, 0, 30.0f}};
+  const std::vector<int64_t> contexts = {1, 23, 100};
+  for (CpuIsa isa : machine_isas()) {
+    auto fast = attention_cpu(CpuKernels::fast, isa, 3);
+    for (const Case& c : cases) {
+      CAPTURE(std::string(cpu_isa_name(isa))); CAPTURE(c.heads); CAPTURE(c.kv_heads); CAPTURE(c.head_dim);
+      CAPTURE(c.page_tokens); CAPTURE(std::string(dtype_name(c.kv))); CAPTURE(c.window); CAPTURE(c.cap);
+      PagedFixture fx(c.heads, c.kv_heads, c.head_dim, c.page_tokens, c.kv, contexts, rng);
+      std::vector<Matrix> q, k, v;
+      make_qkv(fx, contexts, rng, q, k, v);
+      AttentionOptions options;
+      options.window = c.window;
+      options.logit_softcap = c.cap;
+      const Matrix out = run_step(*fast, fx, Step{{0, 1, 2}, {0, 0, 0}, {1, 23, 100}}, q, k, v, options);
+      Compare cmp{2e-6, 2e-6};
+      int64_t row = 0;
+      for (size_t s = 0; s < contexts.size(); s++) {
+        const Matrix stored_k = as_stored(fx, k[s]), stored_v = as_stored(fx, v[s]);
+        for (int64_t position = 0; position < contexts[s]; position++, row++) {
+          const std::vector<double> want = reference_attention(fx, q[s], stored_k, stored_v, position, c.window, c.cap);
+          for (int64_t col = 0; col < out.cols; col++) cmp(out.get(row, col), want[size_t(col)], row, col);
+        }
+      }
+      CHECK_COMPARE(cmp);
+    }
+  }
+}
+
+TEST_CASE("fast attention: a prefill in chunks, decode steps and any thread count give the bits of one prefill") {
+  using namespace paged_attention;
+  Random rng(4611);
+  for (CpuIsa isa : machine_isas())
+    for (int64_t page_tokens : {5, 64}) {
+      CAPTURE(std::string(cpu_isa_name(isa))); CAPTURE(page_tokens);
+      auto one = attention_cpu(CpuKernels::fast, isa, 1), three = attention_cpu(CpuKernels::fast, isa, 3);
+      const std::vector<int64_t> contexts = {70};
+      PagedFixture whole(6, 3, 40, page_tokens, DType::BF16, contexts, rng);
+      PagedFixture chunked = whole;
+      std::vector<Matrix> q, k, v;
+      make_qkv(whole, contexts, rng, q, k, v);
+      const Matrix all = run_step(*one, whole, Step{{0}, {0}, {70}}, q, k, v);
+      std::vector<Matrix> parts;
+      parts.push_back(run_step(*three, chunked, Step{{0}, {0}, {33}}, q, k, v));
+      parts.push_back(run_step(*three, chunked, Step{{0}, {33}, {34}}, q, k, v));
+      for (int64_t position = 67; position < 70; position++)
+        parts.push_back(run_step(*three, chunked, Step{{0}, {position}, {1}}, q, k, v));
+      int64_t row = 0, differing = 0;
+      for (const Matrix& part : parts)
+        for (int64_t r = 0; r < part.rows; r++, row++)
+          for (int64_t col = 0; col < part.cols; col++) differing += part.get(r, col) != all.get(row, col);
+      CHECK(row == 70);
+      CHECK(differing == 0);
+    }
+}
+
+TEST_CASE("fast attention: fp8 KV runs the reference loop, bit for bit") {
+  using namespace paged_attention;
+  Random rng(4612);
+  auto reference = attention_cpu(CpuKernels::reference, CpuIsa::automatic, 2);
+  auto fast = attention_cpu(CpuKernels::fast, CpuIsa::automatic, 2);
+  const std::vector<int64_t> contexts = {9, 40};
+  PagedFixture for_reference(8, 2, 64, 16, DType::F8_E4M3, contexts, rng);
+  PagedFixture for_fast = for_reference;
+  std::vector<Matrix> q, k, v;
+  make_qkv(for_reference, contexts, rng, q, k, v);
+  const Step step{{0, 1}, {0, 0}, {9, 40}};
+  const Matrix want = run_step(*reference, for_reference, step, q, k, v);
+  const Matrix got = run_step(*fast, for_fast, step, q, k, v);
+  CHECK(want.bytes == got.bytes);
 }
 
 TEST_CASE("engines with --cpu-kernels fast reproduce transformers' logits and greedy tokens (fixtures, W4A16)") {

@@ -341,6 +341,55 @@ TEST_CASE("fast-lowp BF16: each product of bf16-rounded activations exact, summe
         }
 }
 
+TEST_CASE("fast-lowp BF16: one row or 8 streamed side by side give the same bits, and other widths are refused") {
+  // On AVX-512 BF16 a one-token GEMV reads 8 rows side by side on Intel, one at a time elsewhere
+  // (CpuBackendOptions::bf16_stream_rows); both orders must give each row the same sum. Elsewhere the option
+  // changes nothing, and the check still holds.
+  Random rng(4609);
+  auto with_rows = [](int rows) {
+    CpuBackendOptions options;
+    options.threads = 2;
+    options.max_head_dim = 64;
+    options.kernels = CpuKernels::fast_lowp;
+    options.bf16_stream_rows = rows;
+    return make_cpu_backend(options).value();
+  };
+  auto one = with_rows(1), eight = with_rows(8), chosen = with_rows(0);
+  MESSAGE("this CPU's choice: " << chosen->name());
+  for (int64_t k : {32, 100, 1024})
+    for (int64_t n : {1, 7, 8, 9, 17, 33, 100})
+      for (int64_t tokens : {1, 2, 5}) {
+        CAPTURE(k); CAPTURE(n); CAPTURE(tokens);
+        Matrix x(DType::F32, tokens, k, 3), weight(DType::BF16, n, k, 1), bias(DType::F32, 1, n);
+        Matrix by_one(DType::F32, tokens, n, 2), by_eight(DType::F32, tokens, n, 2), by_choice(DType::F32, tokens, n, 2);
+        x.randomize(rng);
+        weight.randomize(rng);
+        bias.randomize(rng);
+        const Tensor bias_vector = Tensor::vector(bias.view().data, DType::F32, n);
+        REQUIRE(one->linear(x.view(), weight.view(), bias_vector, by_one.view()).ok());
+        REQUIRE(eight->linear(x.view(), weight.view(), bias_vector, by_eight.view()).ok());
+        REQUIRE(chosen->linear(x.view(), weight.view(), bias_vector, by_choice.view()).ok());
+        Compare same{0, 0}, same_as_chosen{0, 0};
+        for (int64_t t = 0; t < tokens; t++)
+          for (int64_t j = 0; j < n; j++) {
+            same(by_eight.get(t, j), by_one.get(t, j), t, j, 0.0);
+            same_as_chosen(by_choice.get(t, j), by_one.get(t, j), t, j, 0.0);
+          }
+        CHECK_COMPARE(same);
+        CHECK_COMPARE(same_as_chosen);
+        CHECK(by_eight.padding_untouched());
+      }
+  for (int rows : {-1, 2, 4, 16}) {
+    CpuBackendOptions options;
+    options.kernels = CpuKernels::fast_lowp;
+    options.bf16_stream_rows = rows;
+    const auto made = make_cpu_backend(options);
+    REQUIRE_FALSE(made.ok());
+    CHECK(made.error().code == ErrorCode::invalid_argument);
+    CHECK(made.error().message.find("bf16_stream_rows") != std::string::npos);
+  }
+}
+
 TEST_CASE("fast-lowp: weights its kernels do not take run fast's kernels, bit for bit") {
   Random rng(4606);
   for (CpuIsa isa : machine_isas()) {

@@ -7,6 +7,7 @@
 // under -fsanitize=thread, tests/CMakeLists.txt), where a data race fails the run.
 #include <doctest/doctest.h>
 #include <pthread.h>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -269,3 +270,37 @@ TEST_CASE("encode_images from several threads at once equals encoding alone") {
   });
   for (int t = 0; t < kThreads; t++) CHECK_MESSAGE(errors[size_t(t)] == "", "thread ", t, ": ", errors[size_t(t)]);
 }
+
+#ifdef KVLITE_IMPLEMENTATION  // test-threads-tsan: the CPU backend's pool itself, under ThreadSanitizer
+TEST_CASE("the CPU backend's thread pool runs every item once, back to back and after its workers slept") {
+  // Its workers spin on the generation counter for ThreadPool::kSpin after a run and then sleep; the caller
+  // spins on the busy count likewise. Runs back to back take the spinning path, runs after a pause longer
+  // than kSpin the sleeping one; each item's plain write must be seen by the caller after run() (TSan checks
+  // the ordering), and no item may run twice or be skipped.
+  for (int threads = 1; threads <= 4; threads++) {
+    CAPTURE(threads);
+    detail::ThreadPool pool(threads);
+    CHECK(pool.threads() == threads);
+    std::vector<int> calls(64), workers_seen(static_cast<size_t>(threads));
+    int64_t wrong = 0;
+    for (int run = 0; run < 600; run++) {
+      if (run % 100 == 99) std::this_thread::sleep_for(detail::ThreadPool::kSpin * 5);  // let the workers sleep
+      const int64_t items = 1 + run % 61;
+      std::fill(calls.begin(), calls.end(), 0);
+      std::vector<int> by_worker(size_t(items), -1);
+      auto body = [&](int64_t item, int worker) {
+        calls[size_t(item)]++;  // one thread per item: a plain increment
+        by_worker[size_t(item)] = worker;
+      };
+      pool.run(items, body);
+      for (int64_t item = 0; item < 64; item++) wrong += calls[size_t(item)] != (item < items ? 1 : 0);
+      for (int worker : by_worker) {
+        wrong += worker < 0 || worker >= threads;
+        if (worker >= 0 && worker < threads) workers_seen[size_t(worker)] = 1;
+      }
+    }
+    CHECK(wrong == 0);
+    MESSAGE("workers that took items: " << std::count(workers_seen.begin(), workers_seen.end(), 1) << " of " << threads);
+  }
+}
+#endif
