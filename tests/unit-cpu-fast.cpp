@@ -21,10 +21,10 @@ using namespace host_floats;
 
 namespace {
 
-std::unique_ptr<Backend> cpu(CpuKernels kernels, CpuIsa isa, int threads) {
+std::unique_ptr<Backend> cpu(CpuKernels kernels, CpuIsa isa, int threads, int64_t max_head_dim = 64) {
   CpuBackendOptions options;
   options.threads = threads;
-  options.max_head_dim = 64;
+  options.max_head_dim = max_head_dim;
   options.kernels = kernels;
   options.isa = isa;
   return make_cpu_backend(options).value();
@@ -374,12 +374,7 @@ TEST_CASE("16-bit activations run the reference under fast kernels, bit for bit"
 // tolerance the reference loop meets in cpu-ops:, and against that loop itself.
 namespace {
 std::unique_ptr<Backend> attention_cpu(CpuKernels kernels, CpuIsa isa, int threads) {
-  CpuBackendOptions options;
-  options.threads = threads;
-  options.max_head_dim = 128;
-  options.kernels = kernels;
-  options.isa = isa;
-  return make_cpu_backend(options).value();
+  return cpu(kernels, isa, threads, 128);  // head dims up to 128
 }
 }  // namespace
 
