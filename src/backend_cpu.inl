@@ -324,14 +324,9 @@ class CpuBackend final : public Backend {
                                            int_kernels_ == cpu_lowp::IntKernels::vnni       ? " vnni"
                                            : int_kernels_ == cpu_lowp::IntKernels::neon_dot ? " dotprod"
                                                                                             : "",
-                                           bf16_kernels_name().c_str())
+                                           !bf16_dot_ ? "" : bf16_stream_rows_ > 1 ? " bf16 (8-row streams)" : " bf16")
                                   : format(", fast %s kernels", cpu_isa_name(fast_isa_));
     return format("cpu (%d thread%s%s)", pool_.threads(), pool_.threads() == 1 ? "" : "s", kernels.c_str());
-  }
-  // " bf16", and " bf16 (8-row streams)" where one-token GEMVs interleave rows
-  std::string bf16_kernels_name() const {
-    if (!bf16_dot_) return "";
-    return bf16_stream_rows_ > 1 ? " bf16 (8-row streams)" : " bf16";
   }
   DType activation_dtype() const override { return act_; }
   bool supports(Op op, DType dtype) const override {
@@ -880,9 +875,6 @@ class CpuBackend final : public Backend {
            format("attention: head_dim %lld is larger than the CPU backend's max_head_dim %lld; make the backend "
                   "with CpuBackendOptions::max_head_dim >= %lld", (long long)head_dim, (long long)max_head_dim_,
                   (long long)head_dim));
-    const int64_t seqs = batch.context_lens.elements();
-    const int32_t* starts = ints(batch.query_starts);
-    const int32_t* context = ints(batch.context_lens);
     check_attention_batch(q, cache, batch, options.window);
 
     if (fast_isa_ != CpuIsa::automatic && act_ == DType::F32 && is_cpu_float(cache.dtype))
@@ -894,14 +886,10 @@ class CpuBackend final : public Backend {
       const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
       // Item = (query token, KV head): the KV head's rows are converted once and used by its whole group.
       auto body = [&](int64_t item, int worker) {
-        const int64_t t = item / kv_heads, kv_head = item % kv_heads;
-        const int64_t s = int64_t(std::upper_bound(starts, starts + seqs + 1, int32_t(t)) - starts) - 1;
-        const int64_t queries = starts[s + 1] - starts[s];
-        const int64_t last = context[s] - queries + (t - starts[s]);  // the last cache index t may see
-        // the first: 0, or past the sliding window (kv_idx > q_idx - window)
-        const int64_t first = options.window > 0 ? std::max<int64_t>(0, last - options.window + 1) : 0;
+        const ItemSpan span = item_span(batch, kv_heads, item, options.window);
+        const int64_t t = span.t, kv_head = span.kv_head, first = span.first, last = span.last;
         const float cap = options.logit_softcap;
-        const int32_t* pages = row_of<const int32_t>(batch.block_tables, s);
+        const int32_t* pages = row_of<const int32_t>(batch.block_tables, span.seq);
         float* key = scratch_.data() + worker * scratch_per_thread_;  // [head_dim]
         float* value = key + max_head_dim_;                           // [head_dim]
         float* acc = value + max_head_dim_;                           // [kHeadsPerPass, max_head_dim]
@@ -951,26 +939,36 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // Attention's work item (query token t, KV head) and what it sees: cache positions [first, last] of sequence
+  // seq, last its own position and first 0 or past the sliding window (kv_idx > q_idx - window).
+  struct ItemSpan {
+    int64_t t, kv_head, seq, first, last;
+  };
+  static ItemSpan item_span(const AttentionBatch& batch, int64_t kv_heads, int64_t item, int64_t window) {
+    const int32_t* starts = ints(batch.query_starts);
+    const int32_t* context = ints(batch.context_lens);
+    const int64_t seqs = batch.context_lens.elements();
+    const int64_t t = item / kv_heads;
+    const int64_t s = int64_t(std::upper_bound(starts, starts + seqs + 1, int32_t(t)) - starts) - 1;
+    const int64_t last = context[s] - (starts[s + 1] - starts[s]) + (t - starts[s]);
+    return {t, item % kv_heads, s, window > 0 ? std::max<int64_t>(0, last - window + 1) : 0, last};
+  }
+
   // The fast kernels' attention (cpu_attention.inl) for F32 activations and F32 / BF16 / F16 KV: the same items
   // (query token, KV head) and spans as the reference above, checked by it already.
   void fast_attention(const Tensor& q, const KVCacheView& cache, int64_t layer, const AttentionBatch& batch,
                       float scale, const Tensor& out, const AttentionOptions& options) {
     const KVPageLayout& layout = cache.layout;
     const int64_t head_dim = layout.head_dim, kv_heads = layout.kv_heads;
-    const int64_t seqs = batch.context_lens.elements();
-    const int32_t* starts = ints(batch.query_starts);
-    const int32_t* context = ints(batch.context_lens);
     const int64_t group = q.cols / head_dim / kv_heads;  // query heads per KV head
     static_assert(kHeadsPerPass <= cpu_fast::kAttentionMaxHeads, "an item's heads fit the scores on its stack");
     with_float_type(cache.dtype, [&](auto tag) {
       using E = decltype(tag);
       auto body = [&](int64_t item, int worker) {
-        const int64_t t = item / kv_heads, kv_head = item % kv_heads;
-        const int64_t s = int64_t(std::upper_bound(starts, starts + seqs + 1, int32_t(t)) - starts) - 1;
-        const int64_t queries = starts[s + 1] - starts[s];
-        const int64_t last = context[s] - queries + (t - starts[s]);
-        const int64_t first = options.window > 0 ? std::max<int64_t>(0, last - options.window + 1) : 0;
-        const cpu_fast::AttentionSpan span{row_of<const int32_t>(batch.block_tables, s), first, last};
+        const ItemSpan item_at = item_span(batch, kv_heads, item, options.window);
+        const int64_t t = item_at.t, kv_head = item_at.kv_head;
+        const cpu_fast::AttentionSpan span{row_of<const int32_t>(batch.block_tables, item_at.seq), item_at.first,
+                                           item_at.last};
         float* acc = scratch_.data() + worker * scratch_per_thread_ + 2 * max_head_dim_;  // [kHeadsPerPass, max_head_dim]
         for (int64_t h0 = 0; h0 < group; h0 += kHeadsPerPass) {
           const int64_t first_head = kv_head * group + h0;

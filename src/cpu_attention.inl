@@ -87,7 +87,7 @@ void accumulate_rows_neon(const float* p, const W* v, int64_t vs, int64_t n, int
   for (; i + 16 <= d; i += 16) {
     F32x8 a0 = load8_neon(acc + i), a1 = load8_neon(acc + i + 8);
     for (int64_t j = 0; j < n; j++) {
-      const F32x8 pj = {vdupq_n_f32(p[j]), vdupq_n_f32(p[j])};
+      const F32x8 pj = splat8_neon(p[j]);
       a0 = fma8_neon(a0, pj, load8_neon(v + j * vs + i));
       a1 = fma8_neon(a1, pj, load8_neon(v + j * vs + i + 8));
     }
@@ -95,7 +95,7 @@ void accumulate_rows_neon(const float* p, const W* v, int64_t vs, int64_t n, int
   }
   for (; i + 8 <= d; i += 8) {
     F32x8 a = load8_neon(acc + i);
-    for (int64_t j = 0; j < n; j++) a = fma8_neon(a, {vdupq_n_f32(p[j]), vdupq_n_f32(p[j])}, load8_neon(v + j * vs + i));
+    for (int64_t j = 0; j < n; j++) a = fma8_neon(a, splat8_neon(p[j]), load8_neon(v + j * vs + i));
     vst1q_f32(acc + i, a.lo), vst1q_f32(acc + i + 4, a.hi);
   }
   for (; i < d; i++)

@@ -84,8 +84,8 @@ inline bool cpu_has_bf16_dot() {
 
 // How many BF16 rows a one-token GEMV streams side by side (bf16_dot_linear_rows). A decode step's GEMV is a read
 // of the weight from memory; how fast one core reads it depends on how many misses the prefetchers keep in
-// flight. Intel's (measured on a Sapphire Rapids guest) read ~10% more with 8 rows' streams interleaved than with
-// one; Zen 4's read twice as fast with one row as with four interleaved (bench/RESULTS.md, fifteenth and
+// flight. Intel's (measured on a Sapphire Rapids guest) read 20-60% more with 8 rows' streams interleaved than
+// with one; Zen 4's read twice as fast with one row as with four interleaved (bench/RESULTS.md, fifteenth and
 // twenty-first sessions). Resolved once, when the backend starts.
 constexpr int kBf16StreamRowsInterleaved = 8;
 inline bool cpu_is_intel() {
