@@ -31,7 +31,6 @@
 #include <thread>
 #include <vector>
 
-#define KVLITE_IMPLEMENTATION
 #include "kvlite.hpp"
 
 using namespace kvlite;
