@@ -1817,12 +1817,6 @@ constexpr int kGemvMinBlocks = KVLITE_GEMV_MIN_BLOCKS;
 #ifndef KVLITE_GEMV_INT4_RING
 #define KVLITE_GEMV_INT4_RING 0
 #endif
-// 1: the automatic choice runs int4 decode rows through the folded GEMV (QuantKernel::gemv_fold) instead of gemv_mma,
-// for a device call to time a variant library end to end (tools/build-gpu-variant.sh fold -DKVLITE_GEMV_INT4_FOLD=1)
-// before the default changes.
-#ifndef KVLITE_GEMV_INT4_FOLD
-#define KVLITE_GEMV_INT4_FOLD 0
-#endif
 #ifndef KVLITE_GEMV_FP8_RING
 #define KVLITE_GEMV_FP8_RING 4
 #endif
@@ -2123,9 +2117,8 @@ __device__ __forceinline__ void gemv_stream_tiles(const uint8_t* tiles, int64_t 
   }
 }
 
-// One batch of the tensor-core GEMVs (gemv_mma_run, gemv_fold_run): the lane's 16-byte chunks of U tiles and each
-// k16 step's A fragment (a0 / a1 rows g / g + 8 at its first k pair, a2 / a3 at the second), all loaded before
-// any is used.
+// One batch of the tensor-core GEMV (gemv_mma_run): the lane's 16-byte chunks of U tiles and each k16 step's A
+// fragment (a0 / a1 rows g / g + 8 at its first k pair, a2 / a3 at the second), all loaded before any is used.
 template <QgFormat F>
 struct GemvBatch {
   static constexpr bool kInt4 = F == QgFormat::int4_a16;
@@ -2241,102 +2234,6 @@ __device__ __forceinline__ void gemv_mma_run(const QuantGemmArgs& args, const ui
   }
 }
 
-// ---- the folded W4A16 GEMV (QuantKernel::gemv_fold; quant_gpu.hpp explains the algebra) ---------------------------
-// One int4 tile of one lane, folded: partial[j] += A x (magic + u) for the tile's 8 n8 blocks, the stored values as
-// int4_pair_bits makes them, no subtract and no scale; x_sum += A x ones (c0 / c1: row g's sum over the tile's k,
-// c2 / c3: row g + 8's). 8 lop3 + 9 mma where int4_tile_mma spends 8 lop3, 16 subtracts, 16 multiplies and 8 mma.
-template <class T>
-__device__ __forceinline__ void int4_tile_mma_folded(const uint4& tile, const uint32_t (&a)[4],
-                                                     float (&partial)[8][4], float (&x_sum)[4]) {
-  constexpr bool kBf16 = Pair2<T>::kBf16;
-  constexpr uint32_t kOnes = kBf16 ? 0x3f803f80u : 0x3c003c00u;  // 1.0 in both halves
-  const uint32_t magic = int4_magic(kBf16);
-  const uint32_t words[4] = {tile.x, tile.y, tile.z, tile.w};
-#pragma unroll
-  for (int w = 0; w < 4; w++)
-#pragma unroll
-    for (int half_word = 0; half_word < 2; half_word++) {
-      const int j = int4_pair_block(w, 2 * half_word);
-      mma_16816<T>(partial[j], a, int4_pair_bits(words[w], 2 * half_word, magic),
-                   int4_pair_bits(words[w], 2 * half_word + 1, magic));
-    }
-  mma_16816<T>(x_sum, a, kOnes, kOnes);
-}
-
-// The end of a group in the folded GEMV: acc[j][c] += s (partial[j][c] - (magic + z) x_sum[row]) for the lane's 16
-// accumulator columns 8j + 2q + e (gemv_fold_term), their scales and zeros read from table positions 16q .. 16q + 15
-// (w8a8_scale_position: one contiguous run), then partial and x_sum back to zero. kHigh: rows g + 8 too.
-// The accumulators live in shared memory, the lane's own column of its warp's slice (acc[j][c] at
-// lane_acc[32 (4j + c)], no bank conflict): with them in registers next to the partial sums the kernel took 168
-// registers (ptxas, sm_90), one block an SM; a group's 16 (32) loads and stores cost less than half the warps.
-template <class T, bool kHigh>
-__device__ __forceinline__ void gemv_fold_apply(const QuantGemmArgs& args, uint32_t group, int q,
-                                                float (&partial)[8][4], float (&x_sum)[4], float* lane_acc) {
-  constexpr bool kBf16 = Pair2<T>::kBf16;
-  const float magic = int4_magic_value(kBf16);
-  // e = 0, then 1: positions 16q + 8e + j, 8 scales and zeros at a time (all 16 at once held 20 more registers)
-#pragma unroll
-  for (int e = 0; e < 2; e++) {
-    const uint64_t base = uint64_t(group) * uint64_t(args.n_pad) + uint64_t(blockIdx.y) * kQuantTileN + 16 * q + 8 * e;
-    float scales[8];
-    gemv_load_scales(args, base, scales);
-    uint2 zero_bytes = make_uint2(0x08080808u, 0x08080808u);  // symmetric: zero point 8
-    if (args.zeros != nullptr) zero_bytes = __ldg(reinterpret_cast<const uint2*>(args.zeros + base));
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      const float offset = magic + float(((j < 4 ? zero_bytes.x : zero_bytes.y) >> (8 * (j % 4))) & 0xfu);
-      float* low = lane_acc + 32 * (4 * j + e);
-      *low = gemv_fold_term(*low, scales[j], partial[j][e], offset, x_sum[0]);
-      if (kHigh) low[64] = gemv_fold_term(low[64], scales[j], partial[j][2 + e], offset, x_sum[2]);  // c = 2 + e
-      partial[j][e] = partial[j][2 + e] = 0.0f;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < 4; i++) x_sum[i] = 0.0f;
-}
-
-// The folded GEMV's loop: gemv_mma_run's batches (the same loads: gemv_load_batch), each tile through
-// int4_tile_mma_folded into the group's partial sums, and gemv_fold_apply when the group changes and at the run's
-// end, into the lane's accumulators at lane_acc (gemv_fold_apply; zero on entry). Groups hold whole tiles
-// (layout.mma: group_size % 16 == 0); kAlignedGroups as gemv_mma_run's.
-template <class T, bool kHigh, bool kAlignedGroups>
-__device__ __forceinline__ void gemv_fold_run(const QuantGemmArgs& args, const uint8_t* tiles, uint32_t t_begin,
-                                              uint32_t t_end, const T* row_low, const T* row_high, uint32_t low_mask,
-                                              uint32_t high_mask, int q, float* lane_acc) {
-  constexpr QgFormat F = QgFormat::int4_a16;
-  using Batch = GemvBatch<F>;
-  constexpr int U = Batch::U;
-  constexpr uint32_t kTileK = GemvShape<F>::kTileK;
-  const uint32_t k_valid = uint32_t(args.k_valid), group_size = uint32_t(args.group_size);
-  float partial[8][4], x_sum[4];
-#pragma unroll
-  for (int j = 0; j < 8; j++)
-#pragma unroll
-    for (int i = 0; i < 4; i++) partial[j][i] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; i++) x_sum[i] = 0.0f;
-  uint32_t group = quant_group_of(kTileK * t_begin, group_size, args.group_shift);  // the group the sums are of
-  auto enter = [&](uint32_t t) {  // tile t is next: close the group before it
-    const uint32_t tile_group = quant_group_of(kTileK * t, group_size, args.group_shift);
-    if (tile_group != group) {  // warp-uniform
-      gemv_fold_apply<T, kHigh>(args, group, q, partial, x_sum, lane_acc);
-      group = tile_group;
-    }
-  };
-  for (uint32_t t0 = t_begin; t0 < t_end; t0 += U) {
-    Batch b;
-    gemv_load_batch<F, T, kHigh>(tiles, t0, t_end, k_valid, row_low, row_high, low_mask, high_mask, q, b);
-    if (kAlignedGroups) enter(t0);
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      if (t0 + u >= t_end) break;  // warp-uniform: the run's last batch
-      if (!kAlignedGroups) enter(t0 + u);
-      int4_tile_mma_folded<T>(b.w[u][0], b.a[u][0][0], partial, x_sum);
-    }
-  }
-  if (t_begin < t_end) gemv_fold_apply<T, kHigh>(args, group, q, partial, x_sum, lane_acc);
-}
-
 //   F: int4_a16 or fp8_a16; T: activation dtype; R: rows computed (args.rows <= R); kFp32Scales: args.scale_product
 //   is one of the fp32 ones (scaled_pair; the host picks the instance).
 template <QgFormat F, class T, int R, bool kFp32Scales>
@@ -2421,12 +2318,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_ke
 // before gemv_a_fragment, the vector table loads and the batches), 123 registers (2 blocks an SM); the same grid and
 // loads without the math stream at 87% of the read ceiling (bench/gemv_stream.cu). Neither the next batch's loads
 // issued before this batch's math nor 8 W4A16 tiles a batch paid (152 / 168 registers; bounded to 2 blocks an SM,
-// gate_up 33.7 / 29.8 us against 28.7).
+// gate_up 33.7 / 29.8 us against 28.7). Nor did taking W4A16's subtract and scale out of the loop (the mma on the
+// stored magic + u, s (P - (magic + z) X) applied once a group): timed on an H200 on 2026-12-04 it ran in the same
+// time (Llama-3.1-8B gate_up 28.7 us against 28.8, lm_head 106.8 against 107.6) and its output was wrong: removed.
 //   F: int4_a16 or fp8_a16; T: activation dtype; kFp32Scales as quant_gemv_kernel's; args.rows <=
 //   kQuantGemvMmaMaxRows.
-//   kFold (int4 only): the folded GEMV (gemv_fold_run; QuantKernel::gemv_fold), kFp32Scales then unused.
-template <QgFormat F, class T, bool kFp32Scales, bool kFold = false>
-__global__ void __launch_bounds__(kGemvWarps * 32, kFold ? 2 : kGemvMinBlocks) quant_gemv_mma_kernel(const QuantGemmArgs args) {
+template <QgFormat F, class T, bool kFp32Scales>
+__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) quant_gemv_mma_kernel(const QuantGemmArgs args) {
   kernel_entry();
   using Shape = GemvShape<F>;
   constexpr int kRows = int(kQuantGemvMmaMaxRows);
@@ -2454,26 +2352,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kFold ? 2 : kGemvMinBlocks) q
   // t < 2^27: K_pad < 2^31 (checked at upload), 16 or 32 columns a tile
   const uint32_t begin = uint32_t(t_begin), end = uint32_t(t_end);
   const bool aligned = group_size % (uint32_t(Shape::kTileK) * uint32_t(Shape::kMmaUnroll)) == 0;  // uniform
-  if constexpr (kFold) {
-    static_assert(F == QgFormat::int4_a16, "the folded GEMV runs int4 weights");
-    // the accumulators in the warp's slice of warp_sums, lane-major (gemv_fold_apply), then back in registers for
-    // the common epilogue, which writes the same slice in its own order (hence the __syncwarp between)
-    float* lane_acc = &warp_sums[warp][0][0] + lane;
-#pragma unroll
-    for (int i = 0; i < 32; i++) lane_acc[32 * i] = 0.0f;
-    if (any_high) {
-      if (aligned) gemv_fold_run<T, true, true>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, q, lane_acc);
-      else gemv_fold_run<T, true, false>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, q, lane_acc);
-    } else {
-      if (aligned) gemv_fold_run<T, false, true>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, q, lane_acc);
-      else gemv_fold_run<T, false, false>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, q, lane_acc);
-    }
-#pragma unroll
-    for (int j = 0; j < 8; j++)
-#pragma unroll
-      for (int c = 0; c < 4; c++) acc[0][j][c] = lane_acc[32 * (4 * j + c)];
-    __syncwarp();
-  } else if (any_high) {
+  if (any_high) {
     if (aligned) gemv_mma_run<F, T, kFp32Scales, true, true>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
     else gemv_mma_run<F, T, kFp32Scales, true, false>(args, tiles, begin, end, row_low, row_high, low_mask, high_mask, g, q, acc);
   } else {
@@ -2933,14 +2812,6 @@ QuantGemmInstance quant_gemv_mma_instance(DType activation) {
   return activation == DType::BF16 ? QuantGemmInstance{&quant_gemv_mma_kernel<F, __nv_bfloat16, kFp32Scales>, ring, threads, name}
                                    : QuantGemmInstance{&quant_gemv_mma_kernel<F, __half, kFp32Scales>, ring, threads, name};
 }
-// The folded W4A16 GEMV (QuantKernel::gemv_fold) with activations of `activation` (BF16 or F16).
-QuantGemmInstance quant_gemv_fold_instance(DType activation) {
-  constexpr int threads = kGemvWarps * 32;
-  constexpr const char* name = "quant_gemv_mma_kernel (W4A16, folded)";
-  return activation == DType::BF16
-             ? QuantGemmInstance{&quant_gemv_mma_kernel<QgFormat::int4_a16, __nv_bfloat16, false, true>, 0, threads, name}
-             : QuantGemmInstance{&quant_gemv_mma_kernel<QgFormat::int4_a16, __half, false, true>, 0, threads, name};
-}
 // The tensor-core GEMV for `format` (int4_a16, fp8_a16) with activations of `activation` (BF16 or F16) and the
 // scale product `product`.
 QuantGemmInstance quant_gemv_mma_instance(QgFormat format, DType activation, ScaleProduct product) {
@@ -3305,10 +3176,7 @@ class CudaBackend final : public Backend {
     activate();
     if (out.elements() == 0) return;
     const QuantGpuLayout layout = quant_gpu_layout(weight);
-    QuantKernel kernel = choose_quant_kernel(layout, act_, sm_, x.rows, forced_quant_kernel_);
-    if (KVLITE_GEMV_INT4_FOLD && kernel == QuantKernel::gemv_mma && layout.format == WeightFormat::int4 &&
-        forced_quant_kernel_ == QuantKernel::automatic)
-      kernel = QuantKernel::gemv_fold;
+    const QuantKernel kernel = choose_quant_kernel(layout, act_, sm_, x.rows, forced_quant_kernel_);
     const std::string refusal = quant_kernel_refusal(layout, kernel, act_, sm_);
     if (!refusal.empty())
       detail::fail(ErrorCode::unsupported, detail::format("quant_linear(%s): %s", weight.name.c_str(), refusal.c_str()));
@@ -3681,15 +3549,13 @@ class CudaBackend final : public Backend {
                                                                   : QgFormat::fp8_a16;
     const bool aligned = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.cols % 8 == 0 &&
                          (x.rows <= 1 || x.row_stride % 8 == 0);
-    const bool gemv_fold = kernel == QuantKernel::gemv_fold;  // gemv_mma's grid and plan, folded numerics
-    const bool gemv_mma = kernel == QuantKernel::gemv_mma || gemv_fold;
+    const bool gemv_mma = kernel == QuantKernel::gemv_mma;
     const bool gemv = kernel == QuantKernel::gemv_a16 || gemv_mma;
     const bool stage_x = (kernel == QuantKernel::mma_a16 || gemv) && (layout.permuted || !aligned);
     const ScaleProduct product = fp32_scale_products_ ? scale_product(weight.scale_dtype, weight.rounding, act_)
                                                       : ScaleProduct::pair_multiply;
     const QuantGemmInstance widest =
-        gemv_fold ? quant_gemv_fold_instance(act_)
-        : gemv_mma ? quant_gemv_mma_instance(format, act_, product)
+        gemv_mma ? quant_gemv_mma_instance(format, act_, product)
         : gemv   ? quant_gemv_instance(format, act_, quant_gemv_rows(std::min(x.rows, kQuantGemvMaxRows)), product)
                  : quant_gemm_instance(format, act_, quant_m_tiles(std::min<int64_t>(x.rows, 64)), product);
     const int64_t target_blocks = int64_t(sm_count_) * quant_gemm_blocks_per_sm(widest);
@@ -3760,8 +3626,7 @@ class CudaBackend final : public Backend {
       args.rows = rows;
       args.splits = rows <= 64 ? plan.splits : 1;
       const int m_tiles = quant_m_tiles(std::min<int64_t>(rows, 64));
-      const QuantGemmInstance instance = gemv_fold  ? quant_gemv_fold_instance(act_)
-                                         : gemv_mma ? quant_gemv_mma_instance(format, act_, product)
+      const QuantGemmInstance instance = gemv_mma ? quant_gemv_mma_instance(format, act_, product)
                                          : gemv   ? quant_gemv_instance(format, act_, quant_gemv_rows(rows), product)
                                                   : quant_gemm_instance(format, act_, m_tiles, product);
       quant_gemm_blocks_per_sm(instance);  // its shared memory limit raised

@@ -1819,30 +1819,6 @@ KVLITE_HD float scale_product_fp32(float value, float scale, ScaleProduct mode, 
   return mode == ScaleProduct::fp32_then_scale_dtype ? round_to_dtype(product, scale_dtype) : product;
 }
 
-// ---- the folded W4A16 GEMV (gemv_fold) ----------------------------------------------------------------------
-// The GEMV's inner loop spent a third of its instructions on each weight's subtract and scale (two bf16x2 / f16x2
-// operations a pair, bench/RESULTS.md 2026-11-27: the W4A16 GEMV is instruction-bound). A group shares one scale
-// s and zero z per column, so sum_k x_k s (u_k - z) = s (P - (magic + z) X) with P = sum_k x_k (magic + u_k), the
-// stored values as int4_pair_bits makes them (exact: 128 + u in bf16, 1024 + u in f16), and X = sum_k x_k (an mma
-// against a B of ones). P and X accumulate in fp32 on the tensor cores; per group and column the lane then adds
-// s (P - (magic + z) X) to its accumulator. The magic's share cancels in P - (magic + z) X, which one fma
-// computes exactly before its single rounding, so what the cancellation leaves is the fp32 summation error of P
-// and X, of order 2^-24 (magic + 15) sum |x| per step (tools/gemv_fold_numerics.py: 7.7e-8 S against 9.8e-5 S of
-// the weights rounded to bf16, S = sum |x w|).
-// The value int4_pair_bits' magic stands for: 128 (bf16 0x4300) or 1024 (f16 0x6400).
-KVLITE_HD float int4_magic_value(bool bf16) { return bf16 ? 128.0f : 1024.0f; }
-// A group's term for one accumulator: acc + s (P - offset X), offset = magic + z.
-KVLITE_HD float gemv_fold_term(float acc, float scale, float partial, float offset, float x_sum) {
-#if defined(__CUDA_ARCH__)
-  return __fmaf_rn(scale, __fmaf_rn(-offset, x_sum, partial), acc);
-#else
-  return std::fma(scale, std::fma(-offset, x_sum, partial), acc);
-#endif
-}
-// The scale and zero of a lane's accumulator column 8 block + 2q + e (the mma C fragment's column, not the B
-// fragment's 8 j + g) sit where W8A8 finds its scales, w8a8_scale_position: 16 q + 8 e + block, so a lane's 16
-// are one contiguous run from 16 q (unit-quant-gpu-host).
-
 // ---- which kernel, how split, how much scratch (host) -------------------------------------------------------
 // The quantized GEMMs of the CUDA backend:
 //   mma_a16          int4 W4A16 / fp8 W8A16: weights dequantized in registers, bf16/f16 mma.m16n8k16
@@ -1853,13 +1829,7 @@ KVLITE_HD float gemv_fold_term(float acc, float scale, float partial, float offs
 //                    device memory into registers, dequantized as mma_a16 does, fp32 FMAs (no tensor cores)
 //   gemv_mma         gemv_a16's streamed loads with mma_a16's tensor-core math straight from registers (no shared
 //                    memory staging): up to 16 rows for the price of one
-//   gemv_fold        int4 only: gemv_mma with the scale and zero point out of its inner loop (gemv_fold_term): the
-//                    tensor cores multiply the stored values magic + u as they are (exact in bf16 / f16), and
-//                    once a group each lane applies s (P - (magic + z) X) to its accumulators. Not the reference's
-//                    numerics -- no weight rounded to the compute dtype, the exact products instead -- and forced
-//                    only (tests, bench) until a GPU has timed it against gemv_mma (kernels.cu's
-//                    KVLITE_GEMV_INT4_FOLD makes it the automatic choice in a variant build)
-enum class QuantKernel : uint8_t { automatic, mma_a16, mma_w8a8, dequant_cublas, gemv_a16, gemv_mma, gemv_fold };
+enum class QuantKernel : uint8_t { automatic, mma_a16, mma_w8a8, dequant_cublas, gemv_a16, gemv_mma };
 const char* quant_kernel_name(QuantKernel kernel);
 
 // Activation rows up to which mma_a16 runs; more rows go through dequantize + cuBLAS, whose dequantization
@@ -1924,7 +1894,7 @@ KVLITE_HD int quant_m_tiles(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ?
 // columns at a time for cuBLAS.
 struct QuantGemmPlan {
   QuantKernel kernel = QuantKernel::dequant_cublas;
-  int64_t row_chunk = 0;      // gemv_a16: at most kQuantGemvMaxRows; gemv_mma, gemv_fold: kQuantGemvMmaMaxRows
+  int64_t row_chunk = 0;      // gemv_a16: at most kQuantGemvMaxRows; gemv_mma: kQuantGemvMmaMaxRows
   int64_t splits = 1;         // split-K partitions of the stages (only when one block row, m_blocks == 1)
   int64_t n_chunk = 0;        // dequant_cublas: output columns per pass (a multiple of 64)
   bool stage_x = false;       // mma_a16: activations copied into scratch first (act-order, or unaligned)
@@ -9269,7 +9239,6 @@ const char* quant_kernel_name(QuantKernel kernel) {
     case QuantKernel::dequant_cublas: return "dequant_cublas";
     case QuantKernel::gemv_a16: return "gemv_a16";
     case QuantKernel::gemv_mma: return "gemv_mma";
-    case QuantKernel::gemv_fold: return "gemv_fold";
   }
   return "?";
 }
@@ -9284,8 +9253,6 @@ std::string quant_kernel_refusal(const QuantGpuLayout& layout, QuantKernel kerne
   if (kernel == QuantKernel::mma_w8a8 && sm < kQuantW8A8MinSm)
     return detail::format("W8A8 (mma_w8a8) needs the e4m3 tensor cores of compute capability 8.9 or newer; this "
                           "GPU is sm_%d", sm);
-  if (kernel == QuantKernel::gemv_fold && layout.format != WeightFormat::int4)
-    return "gemv_fold runs int4 weights only (it folds their zero points and group scales out of the inner loop)";
   if (activation != DType::BF16 && activation != DType::F16)
     return detail::format("%s needs BF16 or F16 activations (%s activations run through dequantize + cuBLAS)",
                           quant_kernel_name(kernel), dtype_name(activation));
@@ -9342,8 +9309,7 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
     return true;
   }
   if (kernel == QuantKernel::gemv_a16) p.row_chunk = std::min(rows, kQuantGemvMaxRows);  // passes of its rows
-  if (kernel == QuantKernel::gemv_mma || kernel == QuantKernel::gemv_fold)
-    p.row_chunk = std::min(rows, kQuantGemvMmaMaxRows);
+  if (kernel == QuantKernel::gemv_mma) p.row_chunk = std::min(rows, kQuantGemvMmaMaxRows);
   p.stage_x = kernel == QuantKernel::mma_w8a8 || stage_x;
   if (p.stage_x) {
     if (staged_bytes(layout, kernel, 1) > scratch_bytes) {

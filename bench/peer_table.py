@@ -19,14 +19,27 @@ from pathlib import Path
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
-def parse_kvlite(path):
+def read_kvlite_bench(path):
+    """A `kvlite bench` output: its copy bandwidth (GB/s), weight bytes a decode step reads, and the table's rows
+    (each line after the `batch prompt decode ...` header, split; tools/peer_gpu_table.py reads it too)."""
     text = Path(path).read_text()
     copy = float(re.search(r"^copy bandwidth: ([0-9.]+) GB/s", text, re.M).group(1))
     size = re.search(r"^weights read per decode step: ([0-9.]+) (B|KiB|MiB|GiB)", text, re.M)
     weights = float(size.group(1)) * UNITS[size.group(2)]
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["batch", "prompt", "decode"])
-    row = lines[header + 1].split()
+    rows = []
+    for line in lines[header + 1:]:
+        fields = line.split()
+        if len(fields) < 8 or not fields[0].isdigit():
+            break
+        rows.append(fields)
+    return copy, weights, rows
+
+
+def parse_kvlite(path):
+    copy, weights, rows = read_kvlite_bench(path)
+    row = rows[0]
     prompt, ttft_ms, decode_tok_s, roofline = int(row[1]), float(row[3]), float(row[5]), float(row[7].rstrip("%"))
     return [prompt / (ttft_ms / 1e3), decode_tok_s, roofline, copy, weights]
 

@@ -6,9 +6,9 @@
 // Shapes: the Linears of Llama-3.1-8B and Qwen3-VL-4B (qkv, o, gate_up fused, down, and an lm_head-sized one),
 // each as W4A16 (int4, group 128, BF16 scales) and as FP8 (e4m3, 128 x 128 blocks, BF16 weight_scale_inv), at
 // M = 1, 2, 4, 8, 16, 32, 64, 512, 2048 rows of BF16 activations. kvlite runs its automatic choice
-// (cuda::choose_quant_kernel); at decode rows (M <= 16) and M >= 512 the other paths (the folded W4A16 GEMV,
-// gemv_fold, among them) are validated and timed too (mma vs dequantize + cuBLAS), and for
-// FP8 on sm_89+ cuBLASLt's FP8 GEMM (per-tensor scales: the same tensor-core work) is the prefill reference.
+// (cuda::choose_quant_kernel); at decode rows (M <= 16) and M >= 512 the other paths are validated and timed too
+// (mma vs dequantize + cuBLAS), and for FP8 on sm_89+ cuBLASLt's FP8 GEMM (per-tensor scales: the same tensor-core
+// work) is the prefill reference.
 // Times are per call, from CUDA events around a CUDA graph of repeated calls (no launch overhead).
 //
 //   build/bench-quant_gemm [--format int4|fp8] [--model llama|qwen] [--layer qkv|o|gate_up|down|lm_head]
@@ -440,13 +440,11 @@ int main(int argc, char** argv) {
         // the paths not chosen (fp8: at every M, W8A8 against W8A16; decode rows: the GEMV against the mma
         // kernel), and cuBLASLt FP8
         if (m >= 512 || fp8 || m <= cuda::kQuantGemvMmaMaxRows) {
-          for (cuda::QuantKernel other : {cuda::QuantKernel::gemv_fold, cuda::QuantKernel::gemv_mma,
-                                          cuda::QuantKernel::gemv_a16, cuda::QuantKernel::mma_a16,
-                                          cuda::QuantKernel::mma_w8a8, cuda::QuantKernel::dequant_cublas}) {
+          for (cuda::QuantKernel other : {cuda::QuantKernel::gemv_mma, cuda::QuantKernel::gemv_a16,
+                                          cuda::QuantKernel::mma_a16, cuda::QuantKernel::mma_w8a8,
+                                          cuda::QuantKernel::dequant_cublas}) {
             if (other == cuda::QuantKernel::gemv_a16 && m > cuda::kQuantGemvMaxRows) continue;
-            if ((other == cuda::QuantKernel::gemv_mma || other == cuda::QuantKernel::gemv_fold) &&
-                m > cuda::kQuantGemvMmaMaxRows)
-              continue;
+            if (other == cuda::QuantKernel::gemv_mma && m > cuda::kQuantGemvMmaMaxRows) continue;
             if (other == chosen || !cuda::quant_kernel_refusal(layout, other, DType::BF16, device.sm).empty()) continue;
             ok_or_exit(cuda::set_quant_kernel(*backend, other), "set_quant_kernel");
             // validated as the chosen kernel is, then timed

@@ -489,7 +489,6 @@ const char* quant_kernel_name(QuantKernel kernel) {
     case QuantKernel::dequant_cublas: return "dequant_cublas";
     case QuantKernel::gemv_a16: return "gemv_a16";
     case QuantKernel::gemv_mma: return "gemv_mma";
-    case QuantKernel::gemv_fold: return "gemv_fold";
   }
   return "?";
 }
@@ -504,8 +503,6 @@ std::string quant_kernel_refusal(const QuantGpuLayout& layout, QuantKernel kerne
   if (kernel == QuantKernel::mma_w8a8 && sm < kQuantW8A8MinSm)
     return detail::format("W8A8 (mma_w8a8) needs the e4m3 tensor cores of compute capability 8.9 or newer; this "
                           "GPU is sm_%d", sm);
-  if (kernel == QuantKernel::gemv_fold && layout.format != WeightFormat::int4)
-    return "gemv_fold runs int4 weights only (it folds their zero points and group scales out of the inner loop)";
   if (activation != DType::BF16 && activation != DType::F16)
     return detail::format("%s needs BF16 or F16 activations (%s activations run through dequantize + cuBLAS)",
                           quant_kernel_name(kernel), dtype_name(activation));
@@ -562,8 +559,7 @@ bool plan_quant_gemm(const QuantGpuLayout& layout, QuantKernel kernel, int64_t r
     return true;
   }
   if (kernel == QuantKernel::gemv_a16) p.row_chunk = std::min(rows, kQuantGemvMaxRows);  // passes of its rows
-  if (kernel == QuantKernel::gemv_mma || kernel == QuantKernel::gemv_fold)
-    p.row_chunk = std::min(rows, kQuantGemvMmaMaxRows);
+  if (kernel == QuantKernel::gemv_mma) p.row_chunk = std::min(rows, kQuantGemvMmaMaxRows);
   p.stage_x = kernel == QuantKernel::mma_w8a8 || stage_x;
   if (p.stage_x) {
     if (staged_bytes(layout, kernel, 1) > scratch_bytes) {

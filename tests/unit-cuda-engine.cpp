@@ -62,7 +62,12 @@ std::unique_ptr<Engine> open_engine(const std::string& dir, BackendChoice backen
   options.plan.activation_dtype = activations;
   options.cuda_graphs = graphs;
   auto engine = Engine::open(dir, options);
-  if (!engine) FAIL("open " << dir << ": " << engine.error().message);
+  if (!engine) {
+    // the plan's table too: where the bytes went on this GPU (an H200 refused three vision plans on 2026-12-04 that
+    // the same plan on a planned card of its SMs fits with 250 MiB to spare; the table says which row differs)
+    Result<Plan> plan = plan_engine(dir, options);
+    FAIL("open " << dir << ": " << engine.error().message << "\n" << (plan ? plan->table() : plan.error().message));
+  }
   return std::move(*engine);
 }
 std::unique_ptr<Engine> cpu_engine(const std::string& name) { return open_engine(fx::dir(name), BackendChoice::cpu); }

@@ -4,8 +4,7 @@
 // each rounded once as the hardware rounds) and each value is placed by the PTX fragment layout of the mma
 // it feeds (written out here, independently of quant_gpu.hpp). The result must equal dequantize_rows - the
 // bit-exact reference - rounded to the compute dtype: bit for bit when the scale's dtype is the compute dtype.
-// The folded GEMV (gemv_fold) is emulated the same way against the exact product. Also: the kernel choice, split-K
-// and scratch planning. Needs no GPU.
+// Also: the kernel choice, split-K and scratch planning. Needs no GPU.
 #include <doctest/doctest.h>
 #include "kvlite.hpp"
 #include "quant_weights.hpp"
@@ -46,7 +45,6 @@ struct Device {
   QuantGpuLayout layout;
   std::vector<uint8_t> bytes;  // the whole device region, as upload_quant_weight writes it
   std::vector<float> reference;  // dequantize_rows, [N, K]
-  std::vector<float> product;    // the same without the reference's rounding to the scale dtype: (q - z) s in float
   std::vector<int32_t> perm;     // [k_pad] when permuted
 
   explicit Device(const QuantWeight& w) : Device(std::vector<const QuantWeight*>{&w}) {}
@@ -56,16 +54,10 @@ struct Device {
     REQUIRE(repack_quant_tiles(parts, layout, 0, layout.n_tiles, bytes.data() + layout.tiles_offset).ok());
     REQUIRE(repack_quant_tables(parts, layout, bytes.data() + layout.scales_offset).ok());
     reference.resize(size_t(layout.n * layout.k));
-    product.resize(reference.size());
     float* rows = reference.data();
-    float* products = product.data();
     for (const QuantWeight* w : parts) {
       REQUIRE(dequantize_rows(*w, 0, w->out_features, rows).ok());
-      QuantWeight unrounded = *w;  // f32 rounding: the float product, exact for 16-bit scales
-      unrounded.rounding = DequantRounding::f32;
-      REQUIRE(dequantize_rows(unrounded, 0, w->out_features, products).ok());
       rows += w->out_features * w->in_features;
-      products += w->out_features * w->in_features;
     }
     if (layout.permuted) {
       perm.resize(size_t(layout.k_pad));
@@ -90,12 +82,6 @@ struct Device {
     if (n >= layout.n || k_device >= layout.k) return 0.0f;
     const int64_t k = layout.permuted ? perm[size_t(k_device)] : k_device;
     return reference[size_t(n * layout.k + k)];
-  }
-  // The unrounded product (q - z) s of that element.
-  float expected_product(int64_t n, int64_t k_device) const {
-    if (n >= layout.n || k_device >= layout.k) return 0.0f;
-    const int64_t k = layout.permuted ? perm[size_t(k_device)] : k_device;
-    return product[size_t(n * layout.k + k)];
   }
 };
 
@@ -164,87 +150,6 @@ void emulate_w4a16(const Device& d, const QuantWeight& w, bool bf16, ValueCheck&
         }
       }
     }
-}
-
-// The folded W4A16 GEMV (kernels.cu's gemv_fold_run, QuantKernel::gemv_fold) for one activation row x (device
-// column order, exact in the compute dtype): every tile's B values are the lanes' int4_pair_bits as they stand
-// (magic + u, placed by the PTX B fragment layout as in emulate_w4a16), multiplied by x into per-group sums P[n]
-// and X, and at each group's end every lane applies gemv_fold_term to its accumulator columns 8j + 2q + e (the
-// PTX C fragment's), with the scale and zero point at w8a8_scale_position. The result must be the product x . w
-// (double) of the weights (q - z) s unrounded (the reference rounds them to the scale dtype; the fold never forms
-// them) within the bound of quant_gpu.hpp's algebra: per group (steps + 2) 2^-23 |s| (2 magic +
-// 30) sum |x_k| for the fp32 sums the cancellation exposes, plus the fp32 sum over groups. A wrong position, zero
-// point or magic costs of order |s x| sum, far above it. Returns the number of outputs checked.
-int64_t emulate_w4a16_folded(const Device& d, bool bf16, Random& rng) {
-  const QuantGpuLayout& l = d.layout;
-  const uint32_t magic = int4_magic(bf16);
-  const double magic_value = int4_magic_value(bf16);
-  CHECK(magic_value == decode16(magic, bf16));  // the value the bits stand for
-  std::vector<float> x(size_t(l.k_pad), 0.0f);
-  for (int64_t k = 0; k < l.k; k++) x[size_t(k)] = round16(rng.value(), bf16);
-  const int64_t tiles_per_group = l.group_size / kInt4TileK;
-  int64_t checked = 0, wrong = 0;
-  std::string first;
-  for (int64_t t = 0; t < l.n_tiles; t++) {
-    std::vector<float> acc(64, 0.0f);
-    std::vector<double> bound(64, 0.0);
-    for (int64_t group = 0; group < l.groups; group++) {
-      std::vector<float> partial(64, 0.0f);  // P by tile column
-      float x_sum = 0.0f;
-      double x_abs = 0.0;
-      for (int64_t kt = group * tiles_per_group; kt < (group + 1) * tiles_per_group; kt++) {
-        float b[16][64] = {};  // the tile's B operand: [k][column], from the lanes' registers
-        for (int lane = 0; lane < 32; lane++) {
-          const int g = lane / 4, q = lane % 4;
-          for (int word = 0; word < 4; word++) {
-            const uint32_t bits_word = d.word_at(uint64_t(d.tile(t, kt) - d.bytes.data()) + 16 * lane + 4 * word);
-            for (int pair = 0; pair < 4; pair++) {
-              const uint32_t bits = int4_pair_bits(bits_word, pair, magic);
-              const int j = int4_pair_block(word, pair), reg = int4_pair_register(pair);
-              for (int half = 0; half < 2; half++) b[2 * q + 8 * reg + half][8 * j + g] = decode16(bits >> (16 * half), bf16);
-            }
-          }
-        }
-        for (int c = 0; c < 64; c++) {  // one k16 mma: products exact, summed in fp32
-          float step = 0.0f;
-          for (int k = 0; k < 16; k++) step += x[size_t(kt * 16 + k)] * b[k][c];
-          partial[size_t(c)] += step;
-        }
-        for (int k = 0; k < 16; k++) {
-          x_sum += x[size_t(kt * 16 + k)];
-          x_abs += std::fabs(x[size_t(kt * 16 + k)]);
-        }
-      }
-      // the lanes of row g = 0 hold each column once (the other rows' lanes hold the same columns, other rows' sums)
-      for (int lane = 0; lane < 4; lane++)
-        for (int j = 0; j < 8; j++)
-          for (int e = 0; e < 2; e++) {
-            const int c = 8 * j + 2 * (lane % 4) + e, position = w8a8_scale_position(lane, j, e);
-            const float scale = d.scale(group, t, position);
-            const float offset = float(magic_value) + float(d.zero(group, t, position) & 0xfu);
-            acc[size_t(c)] = gemv_fold_term(acc[size_t(c)], scale, partial[size_t(c)], offset, x_sum);
-            bound[size_t(c)] += double(tiles_per_group + 2) * std::ldexp(1.0, -23) * std::fabs(scale) *
-                                (2 * magic_value + 30) * x_abs;
-          }
-    }
-    for (int c = 0; c < 64; c++) {
-      const int64_t n = t * 64 + c;
-      if (n >= l.n) continue;
-      double want = 0, s_abs = 0;
-      for (int64_t k = 0; k < l.k_pad; k++) {
-        want += double(x[size_t(k)]) * double(d.expected_product(n, k));
-        s_abs += std::fabs(double(x[size_t(k)]) * double(d.expected_product(n, k)));
-      }
-      const double allowed = bound[size_t(c)] + double(l.groups + 2) * std::ldexp(1.0, -23) * s_abs;
-      checked++;
-      if (!(std::fabs(double(acc[size_t(c)]) - want) <= allowed) && wrong++ == 0)
-        first = "column " + std::to_string(n) + ": folded " + std::to_string(acc[size_t(c)]) + ", exact " +
-                std::to_string(want) + ", allowed " + std::to_string(allowed);
-    }
-  }
-  INFO(first);
-  CHECK(wrong == 0);
-  return checked;
 }
 
 // W8A16, as kernels.cu's Fp8A16 step: lane reads its 4 chunks (16 words) of the k32 tile and its 8 scales
@@ -386,9 +291,6 @@ void check_emulations(const Device& d, const QuantWeight& w) {
     else emulate_w8a16(d, w, bf16, check);
     CHECK(check.checked == d.layout.n_pad * d.layout.k_pad);
     CHECK_VALUES(check);
-    // gemv_fold: every output column of one random row
-    Random rng(uint64_t(d.layout.n * 131 + d.layout.k));
-    if (w.format == WeightFormat::int4) CHECK(emulate_w4a16_folded(d, bf16, rng) == d.layout.n);
   }
 }
 
@@ -627,7 +529,7 @@ TEST_CASE("hand-made int8 weights: every byte and zero point, each scale dtype, 
       CHECK(quant_device_bytes(desc) == quant_device_bytes(o.weight));
       // every kernel but dequantize + cuBLAS refuses it, and the automatic choice is that one at every row count
       for (QuantKernel kernel : {QuantKernel::mma_a16, QuantKernel::mma_w8a8, QuantKernel::gemv_a16,
-                                 QuantKernel::gemv_mma, QuantKernel::gemv_fold})
+                                 QuantKernel::gemv_mma})
         CHECK_FALSE(quant_kernel_refusal(layout, kernel, DType::BF16, 90).empty());
       CHECK(quant_kernel_refusal(layout, QuantKernel::dequant_cublas, DType::BF16, 90).empty());
       for (int64_t rows : {1, 4, 16, 300})
@@ -1033,7 +935,6 @@ TEST_CASE("kernel choice: the GEMV for decode rows, W8A8 for fp8 on sm_89+, mma 
       CHECK((on_fp8 == QuantKernel::gemv_mma) == (rows <= quant_gemv_mma_auto_rows(WeightFormat::fp8)));
       CHECK(on_int4 != QuantKernel::gemv_a16);
       CHECK(on_fp8 != QuantKernel::gemv_a16);
-      CHECK(on_int4 != QuantKernel::gemv_fold);  // forced only, until a GPU has timed it
       if (rows > quant_gemv_mma_auto_rows(WeightFormat::fp8))
         CHECK(on_fp8 == (quant_w8a8_preferred(sm) ? QuantKernel::mma_w8a8 : QuantKernel::mma_a16));
       CHECK(choose_quant_kernel(lo, DType::BF16, sm, rows, a) == QuantKernel::dequant_cublas);
@@ -1068,13 +969,6 @@ TEST_CASE("kernel choice: the GEMV for decode rows, W8A8 for fp8 on sm_89+, mma 
   CHECK(quant_kernel_refusal(li, QuantKernel::gemv_mma, DType::F32, 90).find("F32") != std::string::npos);
   CHECK(quant_kernel_refusal(lo, QuantKernel::gemv_mma, DType::BF16, 90).find("40") != std::string::npos);
   CHECK(std::string(quant_kernel_name(QuantKernel::gemv_mma)) == "gemv_mma");
-  CHECK(quant_kernel_refusal(li, QuantKernel::gemv_fold, DType::BF16, 86).empty());
-  CHECK(quant_kernel_refusal(li, QuantKernel::gemv_fold, DType::F16, 120).empty());
-  CHECK(quant_kernel_refusal(lf, QuantKernel::gemv_fold, DType::BF16, 90).find("int4 weights only") != std::string::npos);
-  CHECK(quant_kernel_refusal(li, QuantKernel::gemv_fold, DType::F32, 90).find("F32") != std::string::npos);
-  CHECK(quant_kernel_refusal(lo, QuantKernel::gemv_fold, DType::BF16, 90).find("40") != std::string::npos);
-  CHECK(std::string(quant_kernel_name(QuantKernel::gemv_fold)) == "gemv_fold");
-  CHECK(choose_quant_kernel(li, DType::BF16, 90, 1, QuantKernel::gemv_fold) == QuantKernel::gemv_fold);
   CHECK(choose_quant_kernel(lf, DType::BF16, 86, 4096, a) == QuantKernel::dequant_cublas);
   CHECK(choose_quant_kernel(lf, DType::BF16, 90, 1, QuantKernel::mma_a16) == QuantKernel::mma_a16);
   CHECK(quant_kernel_refusal(li, QuantKernel::mma_a16, DType::BF16, 80).empty());
@@ -1140,24 +1034,21 @@ TEST_CASE("planning: split-K fills the GPU for one block row, scratch is never e
     CHECK(plan.row_chunk == std::min(rows, kQuantGemvMaxRows));
     CHECK(plan.x_bytes >= uint64_t(plan.row_chunk) * quant_staged_row_bytes(l, QuantKernel::gemv_a16));
   }
-  // the tensor-core GEMVs (the folded one is planned as gemv_mma): passes of at most kQuantGemvMmaMaxRows rows, the
-  // same splits and partials
-  for (QuantKernel kernel : {QuantKernel::gemv_mma, QuantKernel::gemv_fold})
-    for (int64_t rows : {1, 9, 16, 17, 40}) {
-      CAPTURE(rows);
-      CAPTURE(quant_kernel_name(kernel));
-      REQUIRE(plan_quant_gemm(l, kernel, rows, false, 2, 32 * MiB, 396, &plan, &why));
-      CHECK(plan.row_chunk == std::min(rows, kQuantGemvMmaMaxRows));
-      CHECK(plan.splits == splits);
-      CHECK(plan.partial_bytes == uint64_t(splits * 16 * 16 * 64 * 4));
-    }
+  // the tensor-core GEMV: passes of at most kQuantGemvMmaMaxRows rows, the same splits and partials
+  for (int64_t rows : {1, 9, 16, 17, 40}) {
+    CAPTURE(rows);
+    REQUIRE(plan_quant_gemm(l, QuantKernel::gemv_mma, rows, false, 2, 32 * MiB, 396, &plan, &why));
+    CHECK(plan.row_chunk == std::min(rows, kQuantGemvMmaMaxRows));
+    CHECK(plan.splits == splits);
+    CHECK(plan.partial_bytes == uint64_t(splits * 16 * 16 * 64 * 4));
+  }
   // more than 64 rows: no split (the block rows give the parallelism)
   REQUIRE(plan_quant_gemm(l, QuantKernel::mma_a16, 100, false, 2, 32 * MiB, 396, &plan, &why));
   CHECK(plan.splits == 1);
   // a small scratch: fewer splits, then none; staged rows in chunks; never over the scratch
   for (uint64_t scratch : {uint64_t(64 * KiB), uint64_t(300 * KiB), uint64_t(2 * MiB), uint64_t(32 * MiB)})
     for (QuantKernel kernel :
-         {QuantKernel::mma_a16, QuantKernel::mma_w8a8, QuantKernel::gemv_a16, QuantKernel::gemv_mma, QuantKernel::gemv_fold})
+         {QuantKernel::mma_a16, QuantKernel::mma_w8a8, QuantKernel::gemv_a16, QuantKernel::gemv_mma})
       for (int64_t rows : {1, 16, 33, 64, 65, 2048}) {
         CAPTURE(scratch);
         CAPTURE(rows);

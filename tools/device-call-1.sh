@@ -15,7 +15,7 @@
 #
 # Switches for a short call: KVLITE_CALL1_SANITIZE=0 skips step 4 (KVLITE_CALL1_RACECHECK=0 its racecheck and
 # synccheck of the GEMMs, KVLITE_CALL1_ATTENTION_RACECHECK=0 those of attention, KVLITE_CALL1_OPS_MEMCHECK=0 its
-# memcheck of test-cuda-ops), KVLITE_CALL1_EXTRAS=0 steps 5 and 6.
+# memcheck of test-cuda-ops), KVLITE_CALL1_EXTRAS=0 steps 5 and 6, KVLITE_CALL1_CPU_SUITES=0 step 6.
 #
 #     tools/device-call-1.sh              on the device (the run tool: see tools/README.md for command and carry)
 #     tools/device-call-1.sh --dry-run    anywhere: the same steps, GPU not required, no sanitizers
@@ -104,7 +104,10 @@ run_step "kvlite bench models/kvlite-captioner-bf16 --backend cuda" 60 "$demo_lo
 # The CPU suites (and the header / README checks) with whatever time is left; a build here has only the GPU
 # suites, so this is for the bundle. (Not the openai client's test: the bundle records this machine's Python
 # with the openai package, which the device lacks, so ctest reports it "Not Run" there.)
-if [ "$build" = /tmp/kvlite-bundle/build ]; then
+# KVLITE_CALL1_CPU_SUITES=0: not (a tree trimmed by tools/device-trim.sh lacks their fixtures)
+if [ "${KVLITE_CALL1_CPU_SUITES:-1}" = 0 ]; then
+  note "- ctest of the CPU suites: not run (KVLITE_CALL1_CPU_SUITES=0)"
+elif [ "$build" = /tmp/kvlite-bundle/build ]; then
   run_step "ctest: every other suite" 240 "$tests_log" \
     bash -c "cd '$build' && ctest -j 8 --output-on-failure -E '^(cuda-engine|cuda-ops|cuda-quant|cuda-host|quant-gpu-host|cmake|readme|header):|openai Python client'"
 fi

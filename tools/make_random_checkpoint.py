@@ -19,6 +19,7 @@ shapes and dtypes and nothing else. This writes a Hugging Face directory kvlite 
 
 Presets: llama-3.1-8b (Llama-3.1-8B-Instruct), qwen3-4b (Qwen3-4B), qwen3-0.6b (Qwen3-0.6B's shapes),
 llama-3.2-1b (Llama-3.2-1B's shapes: 16 layers, hidden 2048, tied embeddings, llama3 RoPE scaling),
+llama-3.2-3b (Llama-3.2-3B's shapes: 28 layers, hidden 3072, 24 heads of 128, tied embeddings),
 qwen3-vl-4b-text (Qwen3-VL-4B-Instruct's language model as a text-only Qwen3: the same Linears, plain RoPE instead of M-RoPE, which costs the same).
 Formats (--quant):
   none   the checkpoint's dtype (BF16)
@@ -89,6 +90,14 @@ def llama32_1b_config():
     return config
 
 
+def llama32_3b_config():
+    """Llama-3.2-3B's shapes (its published config.json differs from Llama-3.1-8B-Instruct's in these keys): the GPU
+    peer benchmark's small model (tools/peer-gpu.sh, issue 46). Tied embeddings, llama3 RoPE scaling 32."""
+    config = llama32_1b_config()
+    config.update({"hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24, "head_dim": 128})
+    return config
+
+
 def qwen3_vl_text_config():
     vl = json.loads((MODELS / "qwen3-vl-4b-instruct-fp8" / "config.json").read_text())
     text = copy.deepcopy(vl["text_config"])
@@ -109,6 +118,7 @@ PRESETS = {
     # name: (config factory, tokenizer fixture, the compressed-tensors config it ships with or None)
     "llama-3.1-8b": (lambda: llama_config()[0], "tiny-llama3", lambda: llama_config()[1]),
     "llama-3.2-1b": (llama32_1b_config, "tiny-llama3", None),
+    "llama-3.2-3b": (llama32_3b_config, "tiny-llama3", None),
     "qwen3-0.6b": (qwen3_06b_config, "tiny-qwen3", None),
     "qwen3-4b": (qwen3_config, "tiny-qwen3", None),
     "qwen3-vl-4b-text": (qwen3_vl_text_config, "tiny-qwen3", None),
