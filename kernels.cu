@@ -1817,6 +1817,13 @@ constexpr int kGemvMinBlocks = KVLITE_GEMV_MIN_BLOCKS;
 #ifndef KVLITE_GEMV_INT4_RING
 #define KVLITE_GEMV_INT4_RING 0
 #endif
+// 1: the int4 dequantization for cuBLAS (prefill's W4A16 path, dequantize_tiles_kernel) reads each thread's scales
+// and zero points once a tile instead of once a weight, for a device call to time as a variant
+// (tools/build-gpu-variant.sh dequant -DKVLITE_DEQUANT_TILE_GROUPS=1) before the default changes: the H200 measured
+// the dequantization at ~0.6 TB/s, longer than cuBLAS's BF16 GEMM after it (bench/RESULTS.md, 2026-12-04).
+#ifndef KVLITE_DEQUANT_TILE_GROUPS
+#define KVLITE_DEQUANT_TILE_GROUPS 0
+#endif
 #ifndef KVLITE_GEMV_FP8_RING
 #define KVLITE_GEMV_FP8_RING 4
 #endif
@@ -2449,6 +2456,36 @@ __global__ void __launch_bounds__(kDequantThreads) dequantize_tiles_kernel(const
     const int tile = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint4 chunk = *reinterpret_cast<const uint4*>(stage + tile * kInt4TileBytes + 16 * lane);
     const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#if KVLITE_DEQUANT_TILE_GROUPS
+    // A group of whole tiles (group_size % 16: every checkpoint's 32 / 64 / 128): the thread's 32 nibbles are 8
+    // columns (8 block + g, int4_tile_slot) x 4 k of one tile, so of one group: its 8 scales and zero points read
+    // once instead of 32 times, and one 64-bit division instead of 32. The same dequantize_value on the same
+    // inputs: the same bits.
+    if (args.group_size % int64_t(kInt4TileK) == 0) {
+      const int64_t group = (s * kQuantStageK + int64_t(tile) * kInt4TileK) / args.group_size;
+      float scale[8];
+      int zero[8];
+#pragma unroll
+      for (int block = 0; block < 8; block++) {
+        const int column = 8 * block + lane / 4;
+        scale[block] = scale_of(group, column);
+        zero[block] = args.zeros != nullptr
+                          ? args.zeros[group * args.n_pad + t * kQuantTileN + quant_table_position(column)]
+                          : 8;
+      }
+#pragma unroll
+      for (int w = 0; w < 4; w++)
+#pragma unroll
+        for (int nibble = 0; nibble < 8; nibble++) {
+          int column, k;
+          int4_tile_slot(lane, w, nibble, &column, &k);
+          const int block = column / 8;
+          const int u = int((words[w] >> (4 * nibble)) & 0xfu);
+          values[column][tile * int(kInt4TileK) + k] =
+              dequantize_value(float(u - zero[block]), scale[block], args.scale_dtype, args.rounding);
+        }
+    } else
+#endif
     for (int w = 0; w < 4; w++)
       for (int nibble = 0; nibble < 8; nibble++) {
         int column, k;

@@ -36,10 +36,11 @@ done
 # Several folders, space-separated, are each timed so (tools/build-gpu-variant.sh makes such folders from one -D).
 for baseline in ${KVLITE_BASELINE:-}; do
   [ -x "$baseline/bench-quant_gemm" ] && [ "${KVLITE_CALL2_GEMM:-1}" != 0 ] || continue
+  # KVLITE_BASELINE_GEMM_ROWS: the rows timed (default the decode ones; 512,2048 for a prefill variant)
   for format in ${KVLITE_BASELINE_FORMATS:-int4 fp8}; do
-    run_step "baseline bench-quant_gemm --format $format --rows 1,2,4,8,16 ($baseline)" 100 "$out/bench-quant_gemm-baseline.log" \
+    run_step "baseline bench-quant_gemm --format $format --rows ${KVLITE_BASELINE_GEMM_ROWS:-1,2,4,8,16} ($baseline)" 100 "$out/bench-quant_gemm-baseline.log" \
       env LD_LIBRARY_PATH="$baseline/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$baseline/bench-quant_gemm" \
-      --format $format --rows 1,2,4,8,16
+      --format $format --rows "${KVLITE_BASELINE_GEMM_ROWS:-1,2,4,8,16}"
   done
 done
 
