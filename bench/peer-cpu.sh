@@ -8,7 +8,7 @@
 #
 # What it does, on a fresh Debian machine (root or sudo for apt-get; PyPI reachable):
 #   1. Debian packages: kvlite's (tools/install-deps.sh) and python3-venv, xz-utils
-#   2. llama-cpp-python's source distribution from PyPI, pinned (LLAMA_CPP_PYTHON below, sha256 checked): it
+#   2. llama-cpp-python's source distribution from PyPI, pinned (LLAMA_CPP_PYTHON in bench/llama-cpp-pin.sh, sha256 checked): it
 #      vendors llama.cpp under vendor/llama.cpp; llama-bench and llama-quantize built from it with CMake + Ninja
 #      (GGML_NATIVE, OpenMP, no curl / OpenSSL)
 #   3. kvlite's CLI (build-cpu/, Release, no CUDA) unless $KVLITE names one
@@ -38,9 +38,7 @@
 #                 requirements-convert_hf_to_gguf.txt, torch from PyTorch's CPU index as that file says]
 set -euo pipefail
 
-LLAMA_CPP_PYTHON=0.3.36  # vendors ggml-org/llama.cpp@0c1e57098 (its CHANGELOG)
-LLAMA_CPP_COMMIT=0c1e57098
-SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+source "$(dirname "${BASH_SOURCE[0]}")/llama-cpp-pin.sh"  # LLAMA_CPP_PYTHON, LLAMA_CPP_COMMIT, llama_cpp_sdist
 SENTENCEPIECE=0.2.1
 PROMPT=128
 DECODE=64
@@ -94,12 +92,8 @@ python_env() {  # sets $py (and PYTHONPATH for the PEER_PYTHON case)
 }
 
 fetch_llama_cpp() {
-  local sdist=$work/dl/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz
-  if [ ! -f "$sdist" ]; then
-    log "pip download llama-cpp-python==$LLAMA_CPP_PYTHON (source distribution)"
-    "$py" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$work/dl"
-  fi
-  echo "$SDIST_SHA256  $sdist" | sha256sum -c --quiet -
+  local sdist
+  sdist=$(llama_cpp_sdist "$work/dl" "$py") || exit 1
   [ -f "$src/CMakeLists.txt" ] || tar xzf "$sdist" -C "$work"
   if [ -z "${PEER_PYTHON:-}" ] && [ ! -f "$work/venv/.requirements-done" ]; then
     log "installing llama.cpp's converter requirements into $work/venv"

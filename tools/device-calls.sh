@@ -47,7 +47,7 @@ if [ $peer = 1 ]; then
     echo "peer benchmark: SKIPPED, $left s left" > "$work/peer/peer.md"
   fi
   kill $peer_prepare 2>/dev/null
-  cp /tmp/peer-gpu/*.log "$work/peer/" 2>/dev/null
+  cp "${PEER_GPU_WORK:-/tmp/peer-gpu}"/*.log "$work/peer/" 2>/dev/null  # prepare's logs (peer-gpu.sh's work folder)
   # cut off by the deadline: the table of the rows already timed
   [ -s "$work/peer/peer.md" ] || [ ! -f "$work/peer/runs.tsv" ] ||
     "$root/tools/peer-gpu.sh" table "$work/peer" > "$work/peer/peer.md" 2>&1

@@ -28,9 +28,7 @@
 #   PEER_GPU_LLAMA_BUILD=<a CPU build of the pack> PEER_GPU_LAYERS=1 PEER_GPU_KVLITE_BACKEND=cpu PEER_GPU_NGL=0
 set -uo pipefail
 
-LLAMA_CPP_PYTHON=0.3.36  # vendors ggml-org/llama.cpp@0c1e57098 (its CHANGELOG), as bench/peer-cpu.sh
-LLAMA_CPP_COMMIT=0c1e57098
-SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+source "$(dirname "${BASH_SOURCE[0]}")/../bench/llama-cpp-pin.sh"  # the llama.cpp bench/peer-cpu.sh builds too
 PROMPT=512
 DECODE=128
 
@@ -54,12 +52,10 @@ log() { printf '[peer-gpu %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 
 pack() {
   local dl=$repo/.peer/dl sdist staging keep
-  sdist=$dl/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz
   mkdir -p "$dl" "$repo/.peer-gpu"
   grep -qx '/.peer-gpu/' "$(git -C "$repo" rev-parse --git-path info/exclude)" 2>/dev/null ||
     echo '/.peer-gpu/' >> "$(git -C "$repo" rev-parse --git-path info/exclude)"
-  [ -f "$sdist" ] || "$py" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$dl"
-  echo "$SDIST_SHA256  $sdist" | sha256sum -c --quiet - || exit 1
+  sdist=$(llama_cpp_sdist "$dl" "$py") || exit 1
   staging=$(mktemp -d)
   tar xzf "$sdist" -C "$staging"
   cd "$staging/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp" || exit 1
@@ -81,10 +77,10 @@ pack() {
 gpu_arch() { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .'; }
 
 build_llama() {
+  if [ -n "${PEER_GPU_LLAMA_BUILD:-}" ]; then log "llama.cpp: $llama_build (PEER_GPU_LLAMA_BUILD)"; return 0; fi
   local arch
   arch=$(gpu_arch)
   arch=${arch:-${PEER_GPU_ARCH:-90}}
-  if [ -n "${PEER_GPU_LLAMA_BUILD:-}" ]; then log "llama.cpp: $llama_build (PEER_GPU_LLAMA_BUILD)"; return 0; fi
   mkdir -p "$src"
   # (the converter's files are already there, and may be running)
   tar xJf "$pack_file" -C "$src" --exclude=convert_hf_to_gguf.py --exclude=conversion --exclude=gguf-py || return 1

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from peer_table import cell, ratio, read_kvlite_bench  # noqa: E402  (bench/peer-cpu.sh's parser)
+import peer_table  # noqa: E402  (bench/peer-cpu.sh's parser)
+from peer_table import cell, ratio, read_kvlite_bench  # noqa: E402
 
 
 def parse_kvlite(path):
@@ -29,11 +30,10 @@ def parse_kvlite(path):
 
 
 def parse_llama(pp_path, tg_path, batched_path):
-    pp = [r for r in json.loads(Path(pp_path).read_text()) if r["n_prompt"] > 0 and r["n_gen"] == 0]
-    tg = [r for r in json.loads(Path(tg_path).read_text()) if r["n_gen"] > 0 and r["n_prompt"] == 0]
+    prefill, decode, _, _, model_size = peer_table.parse_llama(pp_path, tg_path)
     batched = [json.loads(line) for line in Path(batched_path).read_text().splitlines() if line.startswith("{")]
     eight = [r for r in batched if r["pl"] == 8]
-    return [pp[0]["avg_ts"], tg[0]["avg_ts"], eight[0]["speed_tg"], "", "", tg[0]["model_size"]]
+    return [prefill, decode, eight[0]["speed_tg"], "", "", model_size]
 
 
 def table(directory):
